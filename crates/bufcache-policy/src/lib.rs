@@ -14,10 +14,33 @@
 //!
 //! Policies that keep a history of evicted keys (ARC, 2Q, S3-FIFO ghosts) key it by the
 //! `key_hash` given at insert, so history survives slot reuse.
+//!
+//! Every policy keeps [`Placement::NoReuse`] entries in a first-in-first-out queue of their
+//! own that `evict` drains before anything else, so "no reuse" combines with any base policy.
+//! Such entries leave no ghost history and no frequency; a hit on one moves it to the policy's
+//! normal insertion point (the stream turned out to be re-read).
+//!
+//! [`simulate`] runs a policy as a whole single-threaded cache, for miss-ratio experiments.
 
+mod arc;
+mod clock;
+mod fifo;
+mod ghost;
+mod list;
 mod lru;
+mod s3fifo;
+mod sieve;
+pub mod simulate;
+mod two_q;
 
+pub use arc::Arc;
+pub use clock::Clock;
+pub use fifo::Fifo;
+pub use ghost::{BuildMixHasher, MixHasher};
 pub use lru::Lru;
+pub use s3fifo::{S3Fifo, MOVE_TO_MAIN_HITS};
+pub use sieve::Sieve;
+pub use two_q::TwoQ;
 
 use std::fmt;
 use std::str::FromStr;
@@ -71,11 +94,31 @@ pub trait Policy: Send {
 pub enum PolicyKind {
     /// Least recently used.
     Lru,
+    /// First in, first out; hits change nothing.
+    Fifo,
+    /// CLOCK (second chance): FIFO ring with a reference bit.
+    Clock,
+    /// 2Q (Johnson & Shasha): FIFO A1in, ghost A1out, LRU Am.
+    TwoQ,
+    /// ARC (Megiddo & Modha): adaptive split between recency and frequency.
+    Arc,
+    /// S3-FIFO (Yang et al.): small FIFO, main 2-bit CLOCK, ghost FIFO.
+    S3Fifo,
+    /// SIEVE (Zhang et al.): FIFO with visited bits and a moving hand.
+    Sieve,
 }
 
 impl PolicyKind {
     /// Every policy, in the order documentation lists them.
-    pub const ALL: &'static [PolicyKind] = &[PolicyKind::Lru];
+    pub const ALL: &'static [PolicyKind] = &[
+        PolicyKind::Lru,
+        PolicyKind::Fifo,
+        PolicyKind::Clock,
+        PolicyKind::TwoQ,
+        PolicyKind::Arc,
+        PolicyKind::S3Fifo,
+        PolicyKind::Sieve,
+    ];
 
     /// Builds a policy for a shard expected to hold about `capacity_hint` entries when full.
     /// Policies that size internal queues use the hint; all of them stay correct when the
@@ -83,6 +126,12 @@ impl PolicyKind {
     pub fn build(self, capacity_hint: usize) -> Box<dyn Policy> {
         match self {
             PolicyKind::Lru => Box::new(Lru::with_capacity(capacity_hint)),
+            PolicyKind::Fifo => Box::new(Fifo::with_capacity(capacity_hint)),
+            PolicyKind::Clock => Box::new(Clock::with_capacity(capacity_hint)),
+            PolicyKind::TwoQ => Box::new(TwoQ::with_capacity(capacity_hint)),
+            PolicyKind::Arc => Box::new(Arc::with_capacity(capacity_hint)),
+            PolicyKind::S3Fifo => Box::new(S3Fifo::with_capacity(capacity_hint)),
+            PolicyKind::Sieve => Box::new(Sieve::with_capacity(capacity_hint)),
         }
     }
 
@@ -90,7 +139,22 @@ impl PolicyKind {
     pub fn name(self) -> &'static str {
         match self {
             PolicyKind::Lru => "lru",
+            PolicyKind::Fifo => "fifo",
+            PolicyKind::Clock => "clock",
+            PolicyKind::TwoQ => "2q",
+            PolicyKind::Arc => "arc",
+            PolicyKind::S3Fifo => "s3fifo",
+            PolicyKind::Sieve => "sieve",
         }
+    }
+}
+
+/// Grows a per-slot vector so that `slot` indexes it. Slots are dense, so this reallocates
+/// only when the cache reaches a new high-water mark of entries.
+pub(crate) fn grow_to_slot<T: Copy + Default>(values: &mut Vec<T>, slot: Slot) {
+    let index = slot as usize;
+    if index >= values.len() {
+        values.resize(index + 1, T::default());
     }
 }
 

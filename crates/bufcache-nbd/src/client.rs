@@ -1,0 +1,1006 @@
+//! [`NbdClient`]: a pipelined NBD client over one socket, used as an upstream device.
+//!
+//! Any number of threads may issue requests at once. Each request gets a fresh handle and a
+//! completion slot in the pending table, its bytes are written whole under the writer lock,
+//! and the caller blocks on its own slot. One reader thread demultiplexes replies (simple or
+//! structured) by handle and completes slots, reading READ data straight into the slot's
+//! buffer.
+//!
+//! Invariants: a slot is completed exactly once; when the connection dies (socket error,
+//! protocol violation, close) every pending slot fails with the reason and every later
+//! request fails at once, so no caller can hang on a dead server. Requests larger than the
+//! server's maximum block size are split into pieces that are all sent before any is waited
+//! for. Errors name the server URI and the request.
+
+use std::collections::HashMap;
+use std::io::{self, IoSlice, IoSliceMut, Read};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use bufcache::device::{check_range, Device, Extent};
+use parking_lot::{Condvar, Mutex};
+
+use crate::client_handshake::{self, ExportInfo, HandshakeFailure};
+use crate::export::BlockStatusExtent;
+use crate::protocol::*;
+use crate::stream::{write_all_vectored, Stream};
+use crate::uri::{NbdAddress, NbdUri, UriError};
+
+/// How long the handshake may take before the connect fails.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Largest range one BLOCK_STATUS asks about (it carries no data, so it need not follow the
+/// maximum block size, but some servers limit the work per request).
+const BLOCK_STATUS_BYTES_MAX: u64 = 1 << 30;
+
+/// Everything that can go wrong talking to a server. Every variant names the server.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error(transparent)]
+    Uri(#[from] UriError),
+    #[error("{uri}: cannot connect: {source}")]
+    Connect { uri: String, source: io::Error },
+    #[error("{uri}: handshake failed: {source}")]
+    Handshake {
+        uri: String,
+        source: HandshakeFailure,
+    },
+    #[error("{uri}: {command} {length_bytes} bytes at {offset} failed: {errno}{}", server_message(.message))]
+    Request {
+        uri: String,
+        command: String,
+        length_bytes: u64,
+        offset: u64,
+        errno: Errno,
+        message: String,
+    },
+    #[error("{uri}: {command} {length_bytes} bytes at {offset} failed: connection lost: {reason}")]
+    Disconnected {
+        uri: String,
+        command: String,
+        length_bytes: u64,
+        offset: u64,
+        reason: String,
+    },
+    #[error("{uri}: {command} {length_bytes} bytes at {offset} refused: {reason}")]
+    Unsupported {
+        uri: String,
+        command: String,
+        length_bytes: u64,
+        offset: u64,
+        reason: String,
+    },
+}
+
+fn server_message(message: &str) -> String {
+    if message.is_empty() {
+        String::new()
+    } else {
+        format!(" (server said: {message})")
+    }
+}
+
+impl ClientError {
+    /// The error kind a `Device` caller sees.
+    pub fn io_kind(&self) -> io::ErrorKind {
+        match self {
+            ClientError::Uri(_) => io::ErrorKind::InvalidInput,
+            ClientError::Connect { source, .. } => source.kind(),
+            ClientError::Handshake { .. } => io::ErrorKind::InvalidData,
+            ClientError::Request { errno, .. } => errno.io_kind(),
+            ClientError::Disconnected { .. } => io::ErrorKind::BrokenPipe,
+            ClientError::Unsupported { .. } => io::ErrorKind::Unsupported,
+        }
+    }
+}
+
+impl From<ClientError> for io::Error {
+    fn from(error: ClientError) -> io::Error {
+        io::Error::new(error.io_kind(), error)
+    }
+}
+
+/// What a finished request produced.
+#[derive(Default)]
+struct Completion {
+    data: Vec<u8>,
+    extents: Vec<(u32, u32)>,
+    error: Option<(Errno, String)>,
+    connection_lost: Option<String>,
+}
+
+/// What the reader must do with the replies to one request.
+#[derive(Clone, Copy)]
+enum Expect {
+    Read { offset: u64, length_bytes: u32 },
+    BlockStatus,
+    Nothing,
+}
+
+/// A request waiting for its reply.
+struct Slot {
+    expect: Expect,
+    state: Mutex<SlotState>,
+    finished: Condvar,
+}
+
+struct SlotState {
+    completion: Completion,
+    /// Bytes of READ data delivered so far by structured chunks.
+    covered_bytes: u64,
+    done: bool,
+}
+
+impl Slot {
+    fn new(expect: Expect) -> Arc<Slot> {
+        let data = match expect {
+            Expect::Read { length_bytes, .. } => vec![0u8; length_bytes as usize],
+            _ => Vec::new(),
+        };
+        Arc::new(Slot {
+            expect,
+            state: Mutex::new(SlotState {
+                completion: Completion {
+                    data,
+                    ..Completion::default()
+                },
+                covered_bytes: 0,
+                done: false,
+            }),
+            finished: Condvar::new(),
+        })
+    }
+
+    fn finish(&self, state: &mut SlotState) {
+        state.done = true;
+        self.finished.notify_all();
+    }
+
+    fn fail(&self, reason: &str) {
+        let mut state = self.state.lock();
+        if !state.done {
+            state.completion.connection_lost = Some(reason.to_string());
+            self.finish(&mut state);
+        }
+    }
+
+    fn wait(&self) -> Completion {
+        let mut state = self.state.lock();
+        while !state.done {
+            self.finished.wait(&mut state);
+        }
+        std::mem::take(&mut state.completion)
+    }
+}
+
+#[derive(Default)]
+struct PendingTable {
+    slots: HashMap<u64, Arc<Slot>>,
+    /// Why the connection is dead, once it is.
+    dead: Option<String>,
+}
+
+/// State shared between callers and the reader thread.
+struct Shared {
+    uri: String,
+    writer: Mutex<Stream>,
+    /// A handle on the socket used only to shut it down, so that never waits for a writer.
+    control: Stream,
+    pending: Mutex<PendingTable>,
+    next_handle: AtomicU64,
+    info: ExportInfo,
+}
+
+impl Shared {
+    /// Marks the connection dead and fails every pending request.
+    fn die(&self, reason: String) {
+        let (slots, reason) = {
+            let mut table = self.pending.lock();
+            if table.dead.is_none() {
+                tracing::warn!(uri = %self.uri, "NBD connection lost: {reason}");
+                table.dead = Some(reason);
+            }
+            let slots: Vec<Arc<Slot>> = table.slots.drain().map(|(_, slot)| slot).collect();
+            (slots, table.dead.clone().unwrap_or_default())
+        };
+        for slot in slots {
+            slot.fail(&reason);
+        }
+        self.control.shutdown_both();
+    }
+}
+
+/// A connection to one export of an NBD server.
+pub struct NbdClient {
+    shared: Arc<Shared>,
+    reader: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// One request as described in messages.
+struct RequestLabel {
+    command: u16,
+    offset: u64,
+    length_bytes: u64,
+}
+
+impl NbdClient {
+    /// Connects to `uri` (`nbd://HOST[:PORT]/EXPORT` or `nbd+unix:///EXPORT?socket=PATH`)
+    /// and completes the handshake.
+    pub fn connect(uri: &str) -> Result<NbdClient, ClientError> {
+        let parsed: NbdUri = uri.parse()?;
+        let connect_error = |source| ClientError::Connect {
+            uri: uri.to_string(),
+            source,
+        };
+        let mut stream = match &parsed.address {
+            NbdAddress::Tcp { host, port } => {
+                Stream::Tcp(TcpStream::connect(format!("{host}:{port}")).map_err(connect_error)?)
+            }
+            NbdAddress::Unix(path) => {
+                Stream::Unix(UnixStream::connect(path).map_err(connect_error)?)
+            }
+        };
+        stream.set_no_delay();
+        let handshake_error = |source| ClientError::Handshake {
+            uri: uri.to_string(),
+            source,
+        };
+        stream
+            .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+            .map_err(|error| handshake_error(error.into()))?;
+        let info = client_handshake::negotiate(&mut stream, &parsed.export_name)
+            .map_err(handshake_error)?;
+        stream
+            .set_read_timeout(None)
+            .map_err(|error| handshake_error(error.into()))?;
+        tracing::info!(uri, size_bytes = info.size_bytes, "connected to NBD server");
+        Self::start(uri.to_string(), stream, info).map_err(connect_error)
+    }
+
+    fn start(uri: String, stream: Stream, info: ExportInfo) -> io::Result<NbdClient> {
+        let reader_stream = stream.try_clone()?;
+        let control = stream.try_clone()?;
+        let shared = Arc::new(Shared {
+            uri,
+            writer: Mutex::new(stream),
+            control,
+            pending: Mutex::new(PendingTable::default()),
+            next_handle: AtomicU64::new(1),
+            info,
+        });
+        let reader_shared = Arc::clone(&shared);
+        let reader = std::thread::Builder::new()
+            .name("nbd-client-reader".into())
+            .spawn(move || reader_loop(reader_stream, &reader_shared))?;
+        Ok(NbdClient {
+            shared,
+            reader: Mutex::new(Some(reader)),
+        })
+    }
+
+    /// The URI this client was connected with.
+    pub fn uri(&self) -> &str {
+        &self.shared.uri
+    }
+
+    /// Size, flags and block sizes learned in the handshake.
+    pub fn export_info(&self) -> &ExportInfo {
+        &self.shared.info
+    }
+
+    /// Size of the export in bytes.
+    pub fn size(&self) -> u64 {
+        self.shared.info.size_bytes
+    }
+
+    /// Reads `buffer.len()` bytes at `offset`.
+    pub fn read(&self, offset: u64, buffer: &mut [u8]) -> Result<(), ClientError> {
+        self.read_vectored(offset, &mut [IoSliceMut::new(buffer)])
+    }
+
+    /// Writes `data` at `offset`.
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), ClientError> {
+        self.write_vectored(offset, &[IoSlice::new(data)], false)
+    }
+
+    /// Writes `data` at `offset` and returns once it is durable: with FUA when the server
+    /// supports it, else with a write followed by a flush.
+    pub fn write_fua(&self, offset: u64, data: &[u8]) -> Result<(), ClientError> {
+        if self.shared.info.has_flag(TRANSMIT_SEND_FUA) {
+            self.write_vectored(offset, &[IoSlice::new(data)], true)
+        } else {
+            self.write(offset, data)?;
+            self.flush()
+        }
+    }
+
+    /// Makes every completed write durable (a no-op when the server has no write cache to
+    /// flush, i.e. does not advertise FLUSH).
+    pub fn flush(&self) -> Result<(), ClientError> {
+        if !self.shared.info.has_flag(TRANSMIT_SEND_FLUSH) {
+            return Ok(());
+        }
+        let header = self.header(CMD_FLUSH, 0, 0, 0);
+        let slot = self.submit(header, &[], Expect::Nothing)?;
+        self.complete(&header, &slot).map(drop)
+    }
+
+    /// Tells the server `length_bytes` at `offset` are unused; a no-op when TRIM is not
+    /// supported (it is only a hint).
+    pub fn trim(&self, offset: u64, length_bytes: u64) -> Result<(), ClientError> {
+        if !self.shared.info.has_flag(TRANSMIT_SEND_TRIM) {
+            return Ok(());
+        }
+        self.ranged_command(CMD_TRIM, 0, offset, length_bytes)
+    }
+
+    /// Zeroes `length_bytes` at `offset` with WRITE_ZEROES (`may_trim`: the server may
+    /// punch a hole), or by writing zero buffers when the server lacks the command.
+    pub fn write_zeroes(
+        &self,
+        offset: u64,
+        length_bytes: u64,
+        may_trim: bool,
+    ) -> Result<(), ClientError> {
+        if !self.shared.info.has_flag(TRANSMIT_SEND_WRITE_ZEROES) {
+            return self.write_zero_buffers(offset, length_bytes);
+        }
+        let flags = if may_trim { 0 } else { CMD_FLAG_NO_HOLE };
+        self.ranged_command(CMD_WRITE_ZEROES, flags, offset, length_bytes)
+    }
+
+    /// Asks the server to prefetch a range; a no-op when CACHE is not supported.
+    pub fn cache(&self, offset: u64, length_bytes: u64) -> Result<(), ClientError> {
+        if !self.shared.info.has_flag(TRANSMIT_SEND_CACHE) {
+            return Ok(());
+        }
+        self.ranged_command(CMD_CACHE, 0, offset, length_bytes)
+    }
+
+    /// The `base:allocation` map of a range, as consecutive extents covering all of it. When
+    /// the server offers no block status, the whole range is reported as data.
+    pub fn block_status(
+        &self,
+        offset: u64,
+        length_bytes: u64,
+    ) -> Result<Vec<BlockStatusExtent>, ClientError> {
+        if self.shared.info.base_allocation_id.is_none() {
+            let whole = BlockStatusExtent {
+                length: length_bytes,
+                hole: false,
+                zero: false,
+            };
+            return Ok(vec![whole]);
+        }
+        let mut extents: Vec<BlockStatusExtent> = Vec::new();
+        let mut done = 0u64;
+        while done < length_bytes {
+            let step = (length_bytes - done).min(BLOCK_STATUS_BYTES_MAX);
+            let piece = self.block_status_once(offset + done, step)?;
+            for extent in piece {
+                done += extent.length;
+                match extents.last_mut() {
+                    Some(last) if last.hole == extent.hole && last.zero == extent.zero => {
+                        last.length += extent.length
+                    }
+                    _ => extents.push(extent),
+                }
+            }
+        }
+        Ok(extents)
+    }
+
+    /// One BLOCK_STATUS request; the answer may cover less than asked, never more.
+    fn block_status_once(
+        &self,
+        offset: u64,
+        length_bytes: u64,
+    ) -> Result<Vec<BlockStatusExtent>, ClientError> {
+        let header = self.header(CMD_BLOCK_STATUS, 0, offset, length_bytes as u32);
+        let slot = self.submit(header, &[], Expect::BlockStatus)?;
+        let completion = self.complete(&header, &slot)?;
+        let mut extents = Vec::new();
+        let mut covered = 0u64;
+        for (length, flags) in completion.extents {
+            let length = u64::from(length).min(length_bytes - covered);
+            if length == 0 {
+                break;
+            }
+            covered += length;
+            extents.push(BlockStatusExtent {
+                length,
+                hole: flags & STATE_HOLE != 0,
+                zero: flags & STATE_ZERO != 0,
+            });
+        }
+        if extents.is_empty() {
+            return Err(self.protocol_error(&header, "BLOCK_STATUS reply had no extents"));
+        }
+        Ok(extents)
+    }
+
+    /// Sends DISC and closes the connection; later requests fail.
+    pub fn disconnect(&self) {
+        let header = self.header(CMD_DISC, 0, 0, 0);
+        {
+            let mut writer = self.shared.writer.lock();
+            let _ = write_all_vectored(&mut *writer, &[&header.encode()]);
+        }
+        self.shared.die("the client disconnected".into());
+        if let Some(reader) = self.reader.lock().take() {
+            let _ = reader.join();
+        }
+    }
+
+    /// Reads into `buffers` from `offset`, splitting at the server's maximum block size and
+    /// keeping every piece in flight at once.
+    pub fn read_vectored(
+        &self,
+        offset: u64,
+        buffers: &mut [IoSliceMut<'_>],
+    ) -> Result<(), ClientError> {
+        let total_bytes: u64 = buffers.iter().map(|buffer| buffer.len() as u64).sum();
+        let mut pieces = Vec::new();
+        for (piece_offset, piece_length) in self.pieces(offset, total_bytes) {
+            let header = self.header(CMD_READ, 0, piece_offset, piece_length);
+            let expect = Expect::Read {
+                offset: piece_offset,
+                length_bytes: piece_length,
+            };
+            pieces.push((header, self.submit(header, &[], expect)));
+        }
+        let mut cursor = SliceCursor::default();
+        let mut first_error = None;
+        for (header, slot) in pieces {
+            match slot.and_then(|slot| self.complete(&header, &slot)) {
+                Ok(completion) if first_error.is_none() => {
+                    cursor.fill(buffers, &completion.data);
+                }
+                Ok(_) => {}
+                Err(error) => {
+                    first_error.get_or_insert(error);
+                }
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// Writes `buffers` at `offset`, splitting at the server's maximum block size; payloads
+    /// go straight from the caller's slices to the socket.
+    pub fn write_vectored(
+        &self,
+        offset: u64,
+        buffers: &[IoSlice<'_>],
+        fua: bool,
+    ) -> Result<(), ClientError> {
+        let flags = if fua { CMD_FLAG_FUA } else { 0 };
+        let total_bytes: u64 = buffers.iter().map(|buffer| buffer.len() as u64).sum();
+        let mut pieces = Vec::new();
+        let mut position = 0usize;
+        for (piece_offset, piece_length) in self.pieces(offset, total_bytes) {
+            let header = self.header(CMD_WRITE, flags, piece_offset, piece_length);
+            let parts = gather(buffers, position, piece_length as usize);
+            position += piece_length as usize;
+            pieces.push((header, self.submit(header, &parts, Expect::Nothing)));
+        }
+        let mut first_error = None;
+        for (header, slot) in pieces {
+            if let Err(error) = slot.and_then(|slot| self.complete(&header, &slot)) {
+                first_error.get_or_insert(error);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// A payload-less command over a range, split and pipelined like reads.
+    fn ranged_command(
+        &self,
+        command: u16,
+        flags: u16,
+        offset: u64,
+        length_bytes: u64,
+    ) -> Result<(), ClientError> {
+        let mut pieces = Vec::new();
+        for (piece_offset, piece_length) in self.pieces(offset, length_bytes) {
+            let header = self.header(command, flags, piece_offset, piece_length);
+            pieces.push((header, self.submit(header, &[], Expect::Nothing)));
+        }
+        let mut first_error = None;
+        for (header, slot) in pieces {
+            if let Err(error) = slot.and_then(|slot| self.complete(&header, &slot)) {
+                first_error.get_or_insert(error);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    fn write_zero_buffers(&self, offset: u64, length_bytes: u64) -> Result<(), ClientError> {
+        let chunk_bytes = length_bytes.min(u64::from(self.piece_bytes_max())) as usize;
+        let zeroes = vec![0u8; chunk_bytes];
+        let mut done = 0u64;
+        while done < length_bytes {
+            let step = (length_bytes - done).min(chunk_bytes as u64) as usize;
+            self.write(offset + done, &zeroes[..step])?;
+            done += step as u64;
+        }
+        Ok(())
+    }
+
+    /// The largest piece: the server's maximum block size, rounded down to its minimum.
+    fn piece_bytes_max(&self) -> u32 {
+        let info = &self.shared.info;
+        let maximum = info.block_size_max.max(info.block_size_min);
+        maximum - maximum % info.block_size_min
+    }
+
+    /// Splits a range into `(offset, length)` pieces no larger than the server accepts.
+    fn pieces(&self, offset: u64, length_bytes: u64) -> Vec<(u64, u32)> {
+        let piece_max = u64::from(self.piece_bytes_max());
+        let mut pieces = Vec::new();
+        let mut done = 0u64;
+        while done < length_bytes {
+            let step = (length_bytes - done).min(piece_max);
+            pieces.push((offset + done, step as u32));
+            done += step;
+        }
+        pieces
+    }
+
+    fn header(&self, command: u16, flags: u16, offset: u64, length: u32) -> RequestHeader {
+        RequestHeader {
+            flags,
+            command,
+            handle: self.shared.next_handle.fetch_add(1, Ordering::Relaxed),
+            offset,
+            length,
+        }
+    }
+
+    /// Registers a slot and sends the request. The slot is in the table before the bytes
+    /// leave, so the reply always finds it.
+    fn submit(
+        &self,
+        header: RequestHeader,
+        payload: &[&[u8]],
+        expect: Expect,
+    ) -> Result<Arc<Slot>, ClientError> {
+        let slot = Slot::new(expect);
+        {
+            let mut table = self.shared.pending.lock();
+            if let Some(reason) = &table.dead {
+                return Err(self.disconnected(&header, reason));
+            }
+            table.slots.insert(header.handle, Arc::clone(&slot));
+        }
+        let header_bytes = header.encode();
+        let mut parts: Vec<&[u8]> = Vec::with_capacity(payload.len() + 1);
+        parts.push(&header_bytes);
+        parts.extend_from_slice(payload);
+        let mut writer = self.shared.writer.lock();
+        if let Err(error) = write_all_vectored(&mut *writer, &parts) {
+            drop(writer);
+            self.shared
+                .die(format!("sending a request failed: {error}"));
+        }
+        Ok(slot)
+    }
+
+    /// Waits for a slot and turns its outcome into a result.
+    fn complete(&self, header: &RequestHeader, slot: &Slot) -> Result<Completion, ClientError> {
+        let completion = slot.wait();
+        if let Some(reason) = &completion.connection_lost {
+            return Err(self.disconnected(header, reason));
+        }
+        if let Some((errno, message)) = &completion.error {
+            let label = label(header);
+            return Err(ClientError::Request {
+                uri: self.shared.uri.clone(),
+                command: command_name(label.command),
+                length_bytes: label.length_bytes,
+                offset: label.offset,
+                errno: *errno,
+                message: message.clone(),
+            });
+        }
+        Ok(completion)
+    }
+
+    fn disconnected(&self, header: &RequestHeader, reason: &str) -> ClientError {
+        let label = label(header);
+        ClientError::Disconnected {
+            uri: self.shared.uri.clone(),
+            command: command_name(label.command),
+            length_bytes: label.length_bytes,
+            offset: label.offset,
+            reason: reason.to_string(),
+        }
+    }
+
+    fn protocol_error(&self, header: &RequestHeader, reason: &str) -> ClientError {
+        let label = label(header);
+        ClientError::Request {
+            uri: self.shared.uri.clone(),
+            command: command_name(label.command),
+            length_bytes: label.length_bytes,
+            offset: label.offset,
+            errno: Errno::Io,
+            message: reason.to_string(),
+        }
+    }
+
+    fn unsupported(
+        &self,
+        command: u16,
+        offset: u64,
+        length_bytes: u64,
+        reason: &str,
+    ) -> ClientError {
+        ClientError::Unsupported {
+            uri: self.shared.uri.clone(),
+            command: command_name(command),
+            length_bytes,
+            offset,
+            reason: reason.to_string(),
+        }
+    }
+}
+
+fn label(header: &RequestHeader) -> RequestLabel {
+    RequestLabel {
+        command: header.command,
+        offset: header.offset,
+        length_bytes: u64::from(header.length),
+    }
+}
+
+impl Drop for NbdClient {
+    fn drop(&mut self) {
+        let alive = self.shared.pending.lock().dead.is_none();
+        if alive {
+            self.disconnect();
+        } else if let Some(reader) = self.reader.lock().take() {
+            let _ = reader.join();
+        }
+    }
+}
+
+/// The slices of `buffers` covering `length` bytes from byte `start` of their concatenation.
+fn gather<'a>(buffers: &'a [IoSlice<'_>], start: usize, length: usize) -> Vec<&'a [u8]> {
+    let mut parts = Vec::new();
+    let mut skip = start;
+    let mut left = length;
+    for buffer in buffers {
+        if left == 0 {
+            break;
+        }
+        let bytes: &[u8] = buffer;
+        if skip >= bytes.len() {
+            skip -= bytes.len();
+            continue;
+        }
+        let take = (bytes.len() - skip).min(left);
+        parts.push(&bytes[skip..skip + take]);
+        left -= take;
+        skip = 0;
+    }
+    parts
+}
+
+/// Position in a list of destination slices, for filling them piece by piece.
+#[derive(Default)]
+struct SliceCursor {
+    buffer_index: usize,
+    offset_in_buffer: usize,
+}
+
+impl SliceCursor {
+    fn fill(&mut self, buffers: &mut [IoSliceMut<'_>], mut data: &[u8]) {
+        while !data.is_empty() && self.buffer_index < buffers.len() {
+            let buffer = &mut buffers[self.buffer_index][self.offset_in_buffer..];
+            let step = buffer.len().min(data.len());
+            buffer[..step].copy_from_slice(&data[..step]);
+            data = &data[step..];
+            self.offset_in_buffer += step;
+            if self.offset_in_buffer == buffers[self.buffer_index].len() {
+                self.buffer_index += 1;
+                self.offset_in_buffer = 0;
+            }
+        }
+    }
+}
+
+/// Reads replies until the connection ends, then fails whatever is still pending.
+fn reader_loop(mut stream: Stream, shared: &Shared) {
+    let reason = loop {
+        if let Err(reason) = read_one_reply(&mut stream, shared) {
+            break reason;
+        }
+    };
+    shared.die(reason);
+}
+
+/// Reads one simple reply or structured chunk and applies it to its slot.
+fn read_one_reply(stream: &mut Stream, shared: &Shared) -> Result<(), String> {
+    let mut magic = [0u8; 4];
+    stream.read_exact(&mut magic).map_err(|error| {
+        if error.kind() == io::ErrorKind::UnexpectedEof {
+            "the server closed the connection".to_string()
+        } else {
+            format!("reading a reply failed: {error}")
+        }
+    })?;
+    match be_u32(&magic) {
+        SIMPLE_REPLY_MAGIC => read_simple_reply(stream, shared),
+        STRUCTURED_REPLY_MAGIC => read_structured_chunk(stream, shared),
+        other => Err(format!(
+            "protocol violation: unknown reply magic {other:#x}"
+        )),
+    }
+}
+
+fn io_reason(error: io::Error) -> String {
+    format!("reading a reply failed: {error}")
+}
+
+fn take_slot(shared: &Shared, handle: u64, remove: bool) -> Result<Arc<Slot>, String> {
+    let mut table = shared.pending.lock();
+    let slot = if remove {
+        table.slots.remove(&handle)
+    } else {
+        table.slots.get(&handle).cloned()
+    };
+    slot.ok_or_else(|| format!("protocol violation: reply for unknown handle {handle}"))
+}
+
+fn read_simple_reply(stream: &mut Stream, shared: &Shared) -> Result<(), String> {
+    let mut rest = [0u8; SIMPLE_REPLY_HEADER_BYTES - 4];
+    stream.read_exact(&mut rest).map_err(io_reason)?;
+    let error = be_u32(&rest[0..4]);
+    let handle = be_u64(&rest[4..12]);
+    let slot = take_slot(shared, handle, true)?;
+    let mut state = slot.state.lock();
+    if error != 0 {
+        state.completion.error = Some((Errno::from_code(error), String::new()));
+    } else if let Expect::Read { .. } = slot.expect {
+        if shared.info.structured_replies {
+            return Err("protocol violation: simple reply to a READ".into());
+        }
+        stream
+            .read_exact(&mut state.completion.data)
+            .map_err(io_reason)?;
+    }
+    slot.finish(&mut state);
+    Ok(())
+}
+
+fn read_structured_chunk(stream: &mut Stream, shared: &Shared) -> Result<(), String> {
+    let mut rest = [0u8; STRUCTURED_REPLY_HEADER_BYTES - 4];
+    stream.read_exact(&mut rest).map_err(io_reason)?;
+    let flags = be_u16(&rest[0..2]);
+    let chunk_type = be_u16(&rest[2..4]);
+    let handle = be_u64(&rest[4..12]);
+    let length = be_u32(&rest[12..16]);
+    let done = flags & REPLY_FLAG_DONE != 0;
+    let slot = take_slot(shared, handle, done)?;
+    let mut state = slot.state.lock();
+    apply_chunk(stream, &slot, &mut state, chunk_type, length)?;
+    if done {
+        if state.completion.error.is_none() {
+            check_read_coverage(&slot, &state)?;
+        }
+        slot.finish(&mut state);
+    }
+    Ok(())
+}
+
+/// A successful structured READ must have delivered every byte it asked for.
+fn check_read_coverage(slot: &Slot, state: &SlotState) -> Result<(), String> {
+    match slot.expect {
+        Expect::Read { length_bytes, .. } if state.covered_bytes != u64::from(length_bytes) => {
+            Err(format!(
+                "protocol violation: READ reply covered {} of {length_bytes} bytes",
+                state.covered_bytes
+            ))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Largest structured chunk the client accepts apart from READ data.
+const CHUNK_BYTES_MAX: u32 = 1 << 20;
+
+fn apply_chunk(
+    stream: &mut Stream,
+    slot: &Slot,
+    state: &mut SlotState,
+    chunk_type: u16,
+    length: u32,
+) -> Result<(), String> {
+    match (chunk_type, slot.expect) {
+        (REPLY_TYPE_NONE, _) if length == 0 => Ok(()),
+        (
+            REPLY_TYPE_OFFSET_DATA,
+            Expect::Read {
+                offset,
+                length_bytes,
+            },
+        ) if length > 8 => {
+            let mut chunk_offset = [0u8; 8];
+            stream.read_exact(&mut chunk_offset).map_err(io_reason)?;
+            let range = chunk_range(offset, length_bytes, be_u64(&chunk_offset), length - 8)?;
+            state.covered_bytes += range.len() as u64;
+            stream
+                .read_exact(&mut state.completion.data[range])
+                .map_err(io_reason)
+        }
+        (
+            REPLY_TYPE_OFFSET_HOLE,
+            Expect::Read {
+                offset,
+                length_bytes,
+            },
+        ) if length == 12 => {
+            let payload = read_payload(stream, length)?;
+            let range = chunk_range(
+                offset,
+                length_bytes,
+                be_u64(&payload),
+                be_u32(&payload[8..]),
+            )?;
+            state.covered_bytes += range.len() as u64;
+            state.completion.data[range].fill(0);
+            Ok(())
+        }
+        (REPLY_TYPE_BLOCK_STATUS, Expect::BlockStatus) if length >= 12 && length % 8 == 4 => {
+            let payload = read_payload(stream, length)?;
+            state.completion.extents = payload[4..]
+                .chunks_exact(8)
+                .map(|pair| (be_u32(&pair[0..4]), be_u32(&pair[4..8])))
+                .collect();
+            Ok(())
+        }
+        (chunk_type, _) if is_reply_error(chunk_type) && length >= 6 => {
+            let payload = read_payload(stream, length)?;
+            let mut reader = PayloadReader::new(&payload);
+            let errno = Errno::from_code(reader.u32().unwrap_or(5));
+            let message_length = reader.u16().unwrap_or(0) as usize;
+            let message = reader
+                .take(message_length)
+                .map(|bytes| String::from_utf8_lossy(bytes).into_owned())
+                .ok_or("protocol violation: error message longer than its chunk")?;
+            state.completion.error.get_or_insert((errno, message));
+            Ok(())
+        }
+        (chunk_type, _) => Err(format!(
+            "protocol violation: unexpected structured chunk type {chunk_type} of {length} bytes"
+        )),
+    }
+}
+
+fn read_payload(stream: &mut Stream, length: u32) -> Result<Vec<u8>, String> {
+    if length > CHUNK_BYTES_MAX {
+        return Err(format!("protocol violation: chunk of {length} bytes"));
+    }
+    let mut payload = vec![0u8; length as usize];
+    stream.read_exact(&mut payload).map_err(io_reason)?;
+    Ok(payload)
+}
+
+/// Where a content chunk lands in the request's buffer; refuses chunks outside the request.
+fn chunk_range(
+    request_offset: u64,
+    request_length: u32,
+    chunk_offset: u64,
+    chunk_length: u32,
+) -> Result<std::ops::Range<usize>, String> {
+    let start = chunk_offset.checked_sub(request_offset);
+    let end = start.and_then(|start| start.checked_add(u64::from(chunk_length)));
+    match (start, end) {
+        (Some(start), Some(end)) if end <= u64::from(request_length) => {
+            Ok(start as usize..end as usize)
+        }
+        _ => Err(format!(
+            "protocol violation: chunk of {chunk_length} bytes at {chunk_offset} lies outside \
+             the request ({request_length} bytes at {request_offset})"
+        )),
+    }
+}
+
+impl Device for NbdClient {
+    fn read_vectored_at(&self, buffers: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<()> {
+        let length: u64 = buffers.iter().map(|buffer| buffer.len() as u64).sum();
+        check_range(self.size(), offset, length)?;
+        Ok(self.read_vectored(offset, buffers)?)
+    }
+
+    fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
+        let length: u64 = buffers.iter().map(|buffer| buffer.len() as u64).sum();
+        check_range(self.size(), offset, length)?;
+        if self.shared.info.read_only() {
+            let error = self.unsupported(CMD_WRITE, offset, length, "the export is read-only");
+            return Err(io::Error::new(io::ErrorKind::PermissionDenied, error));
+        }
+        Ok(self.write_vectored(offset, buffers, false)?)
+    }
+
+    fn flush(&self) -> io::Result<()> {
+        Ok(NbdClient::flush(self)?)
+    }
+
+    fn discard(&self, offset: u64, length: u64) -> io::Result<()> {
+        check_range(self.size(), offset, length)?;
+        Ok(self.trim(offset, length)?)
+    }
+
+    fn len(&self) -> u64 {
+        self.size()
+    }
+
+    fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
+        check_range(self.size(), offset, length)?;
+        Ok(NbdClient::write_zeroes(self, offset, length, true)?)
+    }
+
+    /// Fast only when the server says so (it advertises FAST_ZERO); WRITE_ZEROES alone may
+    /// still be implemented by writing zeroes on the server's side.
+    fn write_zeroes_is_fast(&self) -> bool {
+        let info = &self.shared.info;
+        info.has_flag(TRANSMIT_SEND_WRITE_ZEROES) && info.has_flag(TRANSMIT_SEND_FAST_ZERO)
+    }
+
+    fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {
+        check_range(self.size(), offset, length)?;
+        let extents = self.block_status(offset, length)?;
+        Ok(extents
+            .into_iter()
+            .map(|extent| Extent {
+                length: extent.length,
+                hole: extent.hole,
+            })
+            .collect())
+    }
+
+    fn alignment(&self) -> usize {
+        self.shared.info.block_size_min as usize
+    }
+
+    fn describe(&self) -> String {
+        self.shared.uri.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gather_splits_slices_at_piece_boundaries() {
+        let first = [1u8, 2, 3];
+        let second = [4u8, 5];
+        let buffers = [IoSlice::new(&first), IoSlice::new(&second)];
+        let parts = gather(&buffers, 2, 2);
+        assert_eq!(parts, vec![&[3u8][..], &[4u8][..]]);
+    }
+
+    #[test]
+    fn slice_cursor_fills_across_buffers() {
+        let mut first = [0u8; 3];
+        let mut second = [0u8; 2];
+        let mut buffers = [IoSliceMut::new(&mut first), IoSliceMut::new(&mut second)];
+        let mut cursor = SliceCursor::default();
+        cursor.fill(&mut buffers, &[1, 2]);
+        cursor.fill(&mut buffers, &[3, 4, 5]);
+        assert_eq!((first, second), ([1, 2, 3], [4, 5]));
+    }
+
+    #[test]
+    fn chunk_range_refuses_chunks_outside_the_request() {
+        assert_eq!(chunk_range(100, 50, 110, 10), Ok(10..20));
+        assert!(chunk_range(100, 50, 90, 10).is_err());
+        assert!(chunk_range(100, 50, 140, 20).is_err());
+    }
+}

@@ -1,0 +1,222 @@
+//! Server configuration: where to listen and the limits that bound one connection's memory
+//! and threads.
+//!
+//! A [`ServerConfig`] is plain data with documented defaults; [`ServerConfig::validate`]
+//! checks every field against its allowed range and names the field in its error, so the
+//! command line can pass the message straight to the user. The server refuses to start with
+//! an invalid configuration.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use crate::protocol::DEFAULT_PORT;
+
+/// One place the server listens on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ListenAddress {
+    /// `host:port` for TCP; port 0 picks a free port (see `BoundServer::local_addrs`).
+    Tcp(String),
+    /// Path of a unix-domain socket.
+    Unix(PathBuf),
+}
+
+/// Why a listen address string was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ListenAddressError {
+    #[error("listen address {0:?} must start with `tcp:` (tcp:HOST:PORT) or `unix:` (unix:PATH)")]
+    UnknownScheme(String),
+    #[error("listen address {0:?} has no port: expected tcp:HOST:PORT, e.g. tcp:127.0.0.1:{DEFAULT_PORT}")]
+    MissingPort(String),
+    #[error("listen address {0:?} has no host: expected tcp:HOST:PORT, e.g. tcp:127.0.0.1:{DEFAULT_PORT}")]
+    MissingHost(String),
+    #[error("listen address {address:?} has an invalid port {port:?}: expected 0 to 65535")]
+    InvalidPort { address: String, port: String },
+    #[error("listen address {0:?} has an empty path: expected unix:PATH")]
+    EmptyPath(String),
+}
+
+impl FromStr for ListenAddress {
+    type Err = ListenAddressError;
+
+    /// Parses `tcp:HOST:PORT` (IPv6 hosts in brackets: `tcp:[::1]:10809`) or `unix:PATH`.
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        if let Some(path) = text.strip_prefix("unix:") {
+            if path.is_empty() {
+                return Err(ListenAddressError::EmptyPath(text.to_string()));
+            }
+            return Ok(ListenAddress::Unix(PathBuf::from(path)));
+        }
+        let Some(host_port) = text.strip_prefix("tcp:") else {
+            return Err(ListenAddressError::UnknownScheme(text.to_string()));
+        };
+        let Some((host, port)) = host_port.rsplit_once(':') else {
+            return Err(ListenAddressError::MissingPort(text.to_string()));
+        };
+        if host.is_empty() || host == "[]" {
+            return Err(ListenAddressError::MissingHost(text.to_string()));
+        }
+        if port.parse::<u16>().is_err() {
+            return Err(ListenAddressError::InvalidPort {
+                address: text.to_string(),
+                port: port.to_string(),
+            });
+        }
+        Ok(ListenAddress::Tcp(host_port.to_string()))
+    }
+}
+
+impl fmt::Display for ListenAddress {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ListenAddress::Tcp(host_port) => write!(formatter, "tcp:{host_port}"),
+            ListenAddress::Unix(path) => write!(formatter, "unix:{}", path.display()),
+        }
+    }
+}
+
+/// Limits and addresses of one server.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerConfig {
+    /// Where to listen. Default: `tcp:127.0.0.1:10809`.
+    pub listen: Vec<ListenAddress>,
+    /// Largest READ or WRITE a client may send, in bytes; advertised as the maximum block
+    /// size. Default 32 MiB; allowed 4 KiB to 1 GiB.
+    pub request_size_max: u32,
+    /// Bytes of requests and replies one connection may have in flight before it stops
+    /// reading new requests. Default 64 MiB; at least `request_size_max`.
+    pub inflight_bytes_max: u64,
+    /// Worker threads one connection may run (started on demand). Default 16; 1 to 1024.
+    pub workers_per_connection_max: usize,
+    /// Open connections the server accepts; further ones are closed at once. Default 64;
+    /// 1 to 65536.
+    pub connections_max: usize,
+    /// How long a client may take to finish the handshake. Default 30 s; 1 ms to 1 hour.
+    pub handshake_timeout: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: vec![ListenAddress::Tcp(format!("127.0.0.1:{DEFAULT_PORT}"))],
+            request_size_max: 32 << 20,
+            inflight_bytes_max: 64 << 20,
+            workers_per_connection_max: 16,
+            connections_max: 64,
+            handshake_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A configuration field outside its allowed range.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    #[error("listen: at least one listen address is required")]
+    NoListenAddress,
+    #[error("request_size_max: {value} bytes is outside the allowed range 4096 to 1073741824")]
+    RequestSizeMax { value: u32 },
+    #[error(
+        "inflight_bytes_max: {value} bytes is below request_size_max ({request_size_max} bytes)"
+    )]
+    InflightBytesMax { value: u64, request_size_max: u32 },
+    #[error("workers_per_connection_max: {value} is outside the allowed range 1 to 1024")]
+    WorkersPerConnectionMax { value: usize },
+    #[error("connections_max: {value} is outside the allowed range 1 to 65536")]
+    ConnectionsMax { value: usize },
+    #[error("handshake_timeout: {value:?} is outside the allowed range 1 ms to 1 hour")]
+    HandshakeTimeout { value: Duration },
+}
+
+impl ServerConfig {
+    /// Checks every field; the error names the first field out of range.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.listen.is_empty() {
+            return Err(ConfigError::NoListenAddress);
+        }
+        if !(4096..=1 << 30).contains(&self.request_size_max) {
+            return Err(ConfigError::RequestSizeMax {
+                value: self.request_size_max,
+            });
+        }
+        if self.inflight_bytes_max < u64::from(self.request_size_max) {
+            return Err(ConfigError::InflightBytesMax {
+                value: self.inflight_bytes_max,
+                request_size_max: self.request_size_max,
+            });
+        }
+        if !(1..=1024).contains(&self.workers_per_connection_max) {
+            return Err(ConfigError::WorkersPerConnectionMax {
+                value: self.workers_per_connection_max,
+            });
+        }
+        if !(1..=65536).contains(&self.connections_max) {
+            return Err(ConfigError::ConnectionsMax {
+                value: self.connections_max,
+            });
+        }
+        let timeout_range = Duration::from_millis(1)..=Duration::from_secs(3600);
+        if !timeout_range.contains(&self.handshake_timeout) {
+            return Err(ConfigError::HandshakeTimeout {
+                value: self.handshake_timeout,
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listen_addresses_parse() {
+        assert_eq!(
+            "tcp:127.0.0.1:10809".parse(),
+            Ok(ListenAddress::Tcp("127.0.0.1:10809".into()))
+        );
+        assert_eq!(
+            "tcp:[::1]:0".parse(),
+            Ok(ListenAddress::Tcp("[::1]:0".into()))
+        );
+        assert_eq!(
+            "unix:/tmp/nbd.sock".parse(),
+            Ok(ListenAddress::Unix("/tmp/nbd.sock".into()))
+        );
+    }
+
+    #[test]
+    fn bad_listen_addresses_say_why() {
+        let cases = [
+            "127.0.0.1:10809",
+            "tcp:127.0.0.1",
+            "tcp::10809",
+            "tcp:localhost:99999",
+            "unix:",
+        ];
+        for text in cases {
+            let error = text.parse::<ListenAddress>().unwrap_err();
+            assert!(error.to_string().contains(text), "{error}");
+        }
+    }
+
+    #[test]
+    fn defaults_are_valid_and_bad_fields_are_named() {
+        assert_eq!(ServerConfig::default().validate(), Ok(()));
+        let config = ServerConfig {
+            workers_per_connection_max: 0,
+            ..ServerConfig::default()
+        };
+        let message = config.validate().unwrap_err().to_string();
+        assert!(
+            message.starts_with("workers_per_connection_max"),
+            "{message}"
+        );
+        let config = ServerConfig {
+            inflight_bytes_max: 1,
+            ..ServerConfig::default()
+        };
+        let message = config.validate().unwrap_err().to_string();
+        assert!(message.starts_with("inflight_bytes_max"), "{message}");
+    }
+}

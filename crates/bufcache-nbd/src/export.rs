@@ -1,0 +1,271 @@
+//! The [`Export`] trait: what the NBD server needs from whatever it serves, plus
+//! [`MemoryExport`], a sparse in-memory export for tests and demos.
+//!
+//! The server validates every request (range, flags, read-only) before it calls an export,
+//! so an implementation may assume `offset + length <= size()` and that writes only reach a
+//! writable export. Implementations are called from many worker threads at once and must be
+//! internally synchronised. `flush` is the durability barrier: the server does not answer an
+//! `NBD_CMD_FLUSH` until it returns, and answers a FUA write only after `write` returned.
+
+use std::io;
+
+use parking_lot::RwLock;
+
+/// One run of the export's address space with a single allocation state, as reported by
+/// [`Export::block_status`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockStatusExtent {
+    /// Length of the run in bytes (never zero).
+    pub length: u64,
+    /// Not allocated in the backing store (`NBD_STATE_HOLE`).
+    pub hole: bool,
+    /// Reads as zeroes (`NBD_STATE_ZERO`).
+    pub zero: bool,
+}
+
+/// Something the server can export: a fixed-size array of bytes.
+pub trait Export: Send + Sync {
+    /// Size in bytes; constant while connections are open.
+    fn size(&self) -> u64;
+    /// True when every write, trim and zero must be refused with EPERM.
+    fn read_only(&self) -> bool;
+    /// Human-readable description sent in `NBD_INFO_DESCRIPTION` (empty: none sent).
+    fn description(&self) -> String {
+        String::new()
+    }
+    /// Preferred block size in bytes, sent in `NBD_INFO_BLOCK_SIZE`.
+    fn preferred_block_size(&self) -> u32 {
+        4096
+    }
+    /// Fills `buffer` from `offset`.
+    fn read(&self, offset: u64, buffer: &mut [u8]) -> io::Result<()>;
+    /// Writes `data` at `offset`; with `fua`, the data is durable when this returns.
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()>;
+    /// Makes every write that completed before this call durable.
+    fn flush(&self) -> io::Result<()>;
+    /// Hint that `length` bytes at `offset` are no longer needed.
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> io::Result<()>;
+    /// may_trim = !NO_HOLE; fast_only = FAST_ZERO: return Err(ErrorKind::Unsupported) at once if zeroing would be slow.
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        length: u64,
+        may_trim: bool,
+        fast_only: bool,
+        fua: bool,
+    ) -> io::Result<()>;
+    /// True when [`Export::write_zeroes`] with `fast_only` can ever succeed, so the server
+    /// advertises `NBD_FLAG_SEND_FAST_ZERO`.
+    fn can_fast_zero(&self) -> bool {
+        false
+    }
+    /// Hint to bring `length` bytes at `offset` into the cache.
+    fn cache(&self, offset: u64, length: u64) -> io::Result<()>;
+    /// Consecutive extents covering [offset, offset+length) (may stop early, at least one); hole => NBD_STATE_HOLE|NBD_STATE_ZERO, zero-only => NBD_STATE_ZERO.
+    fn block_status(&self, offset: u64, length: u64) -> io::Result<Vec<BlockStatusExtent>>;
+}
+
+/// Size of one page of a [`MemoryExport`]; holes are tracked at this granularity.
+pub const MEMORY_PAGE_BYTES: u64 = 64 * 1024;
+
+/// A sparse export held in memory: pages are allocated on first write and freed by trim, so
+/// block status reports real holes. Each page has its own lock, so requests to different
+/// pages run in parallel.
+pub struct MemoryExport {
+    size_bytes: u64,
+    read_only: bool,
+    description: String,
+    pages: Vec<RwLock<Option<Box<[u8]>>>>,
+}
+
+impl MemoryExport {
+    /// A writable export of `size_bytes` zero bytes.
+    pub fn new(size_bytes: u64) -> Self {
+        let page_count = size_bytes.div_ceil(MEMORY_PAGE_BYTES) as usize;
+        MemoryExport {
+            size_bytes,
+            read_only: false,
+            description: String::new(),
+            pages: (0..page_count).map(|_| RwLock::new(None)).collect(),
+        }
+    }
+
+    /// The same export, refusing writes.
+    pub fn with_read_only(mut self, read_only: bool) -> Self {
+        self.read_only = read_only;
+        self
+    }
+
+    /// The same export, with a description for `NBD_INFO_DESCRIPTION`.
+    pub fn with_description(mut self, description: impl Into<String>) -> Self {
+        self.description = description.into();
+        self
+    }
+
+    /// Calls `visit(page_index, offset_in_page, range_in_request)` for each page piece of
+    /// `length` bytes at `offset`.
+    fn for_each_piece(
+        &self,
+        offset: u64,
+        length: u64,
+        mut visit: impl FnMut(usize, usize, std::ops::Range<usize>),
+    ) {
+        let mut done = 0u64;
+        while done < length {
+            let position = offset + done;
+            let page_index = (position / MEMORY_PAGE_BYTES) as usize;
+            let offset_in_page = (position % MEMORY_PAGE_BYTES) as usize;
+            let step = (length - done).min(MEMORY_PAGE_BYTES - offset_in_page as u64) as usize;
+            visit(
+                page_index,
+                offset_in_page,
+                done as usize..done as usize + step,
+            );
+            done += step as u64;
+        }
+    }
+
+    /// Zeroes a range; whole pages are freed when `may_free` (so they read as holes).
+    fn zero_range(&self, offset: u64, length: u64, may_free: bool) {
+        let mut position = offset;
+        let end = offset + length;
+        while position < end {
+            let page_index = (position / MEMORY_PAGE_BYTES) as usize;
+            let offset_in_page = (position % MEMORY_PAGE_BYTES) as usize;
+            let step = (end - position).min(MEMORY_PAGE_BYTES - offset_in_page as u64) as usize;
+            let mut page = self.pages[page_index].write();
+            if may_free && step as u64 == MEMORY_PAGE_BYTES {
+                *page = None;
+            } else if let Some(bytes) = page.as_mut() {
+                bytes[offset_in_page..offset_in_page + step].fill(0);
+            }
+            position += step as u64;
+        }
+    }
+
+    fn check_range(&self, offset: u64, length: u64) -> io::Result<()> {
+        bufcache::device::check_range(self.size_bytes, offset, length)
+    }
+}
+
+impl Export for MemoryExport {
+    fn size(&self) -> u64 {
+        self.size_bytes
+    }
+
+    fn read_only(&self) -> bool {
+        self.read_only
+    }
+
+    fn description(&self) -> String {
+        self.description.clone()
+    }
+
+    fn read(&self, offset: u64, buffer: &mut [u8]) -> io::Result<()> {
+        self.check_range(offset, buffer.len() as u64)?;
+        self.for_each_piece(offset, buffer.len() as u64, |page_index, at, range| {
+            let page = self.pages[page_index].read();
+            match page.as_ref() {
+                Some(bytes) => buffer[range.clone()].copy_from_slice(&bytes[at..at + range.len()]),
+                None => buffer[range].fill(0),
+            }
+        });
+        Ok(())
+    }
+
+    fn write(&self, offset: u64, data: &[u8], _fua: bool) -> io::Result<()> {
+        self.check_range(offset, data.len() as u64)?;
+        self.for_each_piece(offset, data.len() as u64, |page_index, at, range| {
+            let mut page = self.pages[page_index].write();
+            let bytes = page
+                .get_or_insert_with(|| vec![0u8; MEMORY_PAGE_BYTES as usize].into_boxed_slice());
+            bytes[at..at + range.len()].copy_from_slice(&data[range]);
+        });
+        Ok(())
+    }
+
+    fn flush(&self) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn trim(&self, offset: u64, length: u64, _fua: bool) -> io::Result<()> {
+        self.check_range(offset, length)?;
+        self.zero_range(offset, length, true);
+        Ok(())
+    }
+
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        length: u64,
+        may_trim: bool,
+        _fast_only: bool,
+        _fua: bool,
+    ) -> io::Result<()> {
+        self.check_range(offset, length)?;
+        self.zero_range(offset, length, may_trim);
+        Ok(())
+    }
+
+    fn can_fast_zero(&self) -> bool {
+        true
+    }
+
+    fn cache(&self, offset: u64, length: u64) -> io::Result<()> {
+        self.check_range(offset, length)
+    }
+
+    fn block_status(&self, offset: u64, length: u64) -> io::Result<Vec<BlockStatusExtent>> {
+        self.check_range(offset, length)?;
+        let mut extents: Vec<BlockStatusExtent> = Vec::new();
+        self.for_each_piece(offset, length, |page_index, _, range| {
+            let hole = self.pages[page_index].read().is_none();
+            match extents.last_mut() {
+                Some(last) if last.hole == hole => last.length += range.len() as u64,
+                _ => extents.push(BlockStatusExtent {
+                    length: range.len() as u64,
+                    hole,
+                    zero: hole,
+                }),
+            }
+        });
+        Ok(extents)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_export_reads_back_writes_across_pages() {
+        let export = MemoryExport::new(4 * MEMORY_PAGE_BYTES);
+        let data: Vec<u8> = (0..100_000u32).map(|value| value as u8).collect();
+        export.write(1000, &data, false).unwrap();
+        let mut back = vec![0u8; data.len()];
+        export.read(1000, &mut back).unwrap();
+        assert_eq!(back, data);
+    }
+
+    #[test]
+    fn memory_export_reports_holes_and_frees_trimmed_pages() {
+        let export = MemoryExport::new(4 * MEMORY_PAGE_BYTES);
+        export.write(MEMORY_PAGE_BYTES, &[1], false).unwrap();
+        let extents = export.block_status(0, 4 * MEMORY_PAGE_BYTES).unwrap();
+        let holes: Vec<bool> = extents.iter().map(|extent| extent.hole).collect();
+        assert_eq!(holes, vec![true, false, true]);
+        export
+            .trim(MEMORY_PAGE_BYTES, MEMORY_PAGE_BYTES, false)
+            .unwrap();
+        assert_eq!(
+            export.block_status(0, 4 * MEMORY_PAGE_BYTES).unwrap().len(),
+            1
+        );
+    }
+
+    #[test]
+    fn memory_export_refuses_ranges_past_the_end() {
+        let export = MemoryExport::new(MEMORY_PAGE_BYTES);
+        assert!(export.read(MEMORY_PAGE_BYTES - 1, &mut [0u8; 2]).is_err());
+    }
+}

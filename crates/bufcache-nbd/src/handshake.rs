@@ -1,0 +1,431 @@
+//! The server's side of the fixed newstyle handshake: greeting, client flags, and option
+//! haggling until the client picks an export (`NBD_OPT_GO` / `NBD_OPT_EXPORT_NAME`) or leaves.
+//!
+//! Invariants: only clients that set `NBD_FLAG_C_FIXED_NEWSTYLE` are served (older clients
+//! cannot be told about errors); every option gets exactly one final reply, an unknown
+//! option gets `NBD_REP_ERR_UNSUP` and haggling goes on; any malformed framing (bad magic,
+//! oversized option, unknown client flags) ends only this connection, by returning an error.
+//! Metadata contexts selected here apply only if the client then enters the same export.
+
+use std::io::{self, Read, Write};
+use std::sync::Arc;
+
+use crate::export::Export;
+use crate::protocol::*;
+use crate::stream::Stream;
+
+/// Options longer than this are not haggling but abuse; the connection is closed.
+const OPTION_BYTES_MAX: u32 = 64 * 1024;
+
+/// Context id the server gives `base:allocation` when a client selects it.
+pub(crate) const BASE_ALLOCATION_ID: u32 = 1;
+
+/// The exports a server offers, by name. The empty name (the "default export") means the
+/// export named "" if there is one, otherwise the first export.
+pub(crate) struct ExportTable {
+    pub(crate) entries: Vec<(String, Arc<dyn Export>)>,
+}
+
+impl ExportTable {
+    /// Index of the export a client asked for by `name`.
+    pub(crate) fn find(&self, name: &str) -> Option<usize> {
+        let exact = self.entries.iter().position(|(entry, _)| entry == name);
+        match exact {
+            Some(index) => Some(index),
+            None if name.is_empty() && !self.entries.is_empty() => Some(0),
+            None => None,
+        }
+    }
+}
+
+/// What the client agreed to, when it entered transmission.
+pub(crate) struct Negotiated {
+    pub(crate) export_name: String,
+    pub(crate) export: Arc<dyn Export>,
+    pub(crate) structured_replies: bool,
+    pub(crate) base_allocation: bool,
+    pub(crate) transmission_flags: u16,
+}
+
+/// Why a handshake ended without transmission.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum HandshakeError {
+    #[error("socket error during handshake: {0}")]
+    Io(#[from] io::Error),
+    #[error(
+        "client flags {0:#x} refused (fixed newstyle is required; unknown bits are not allowed)"
+    )]
+    ClientFlags(u32),
+    #[error("option magic {0:#x} is not IHAVEOPT")]
+    OptionMagic(u64),
+    #[error(
+        "option {option} carries {length_bytes} bytes, more than the {OPTION_BYTES_MAX} allowed"
+    )]
+    OptionTooLong { option: u32, length_bytes: u32 },
+    #[error("NBD_OPT_EXPORT_NAME asked for unknown export {0:?}")]
+    UnknownExport(String),
+}
+
+/// How the handshake ended.
+pub(crate) enum Outcome {
+    Transmission(Negotiated),
+    /// The client aborted or hung up politely.
+    Closed,
+}
+
+/// Per-connection haggling state.
+struct Haggle<'a> {
+    stream: &'a mut Stream,
+    exports: &'a ExportTable,
+    request_size_max: u32,
+    no_zeroes: bool,
+    structured_replies: bool,
+    /// Export index for which `base:allocation` was selected with SET_META_CONTEXT.
+    base_allocation_for: Option<usize>,
+}
+
+/// Runs the handshake on a fresh connection.
+pub(crate) fn negotiate(
+    stream: &mut Stream,
+    exports: &ExportTable,
+    request_size_max: u32,
+) -> Result<Outcome, HandshakeError> {
+    let mut greeting = Vec::with_capacity(18);
+    greeting.extend_from_slice(&INIT_MAGIC.to_be_bytes());
+    greeting.extend_from_slice(&OPTION_MAGIC.to_be_bytes());
+    greeting.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+    stream.write_all(&greeting)?;
+    let mut flag_bytes = [0u8; 4];
+    stream.read_exact(&mut flag_bytes)?;
+    let client_flags = u32::from_be_bytes(flag_bytes);
+    let known = CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES;
+    if client_flags & CLIENT_FLAG_FIXED_NEWSTYLE == 0 || client_flags & !known != 0 {
+        return Err(HandshakeError::ClientFlags(client_flags));
+    }
+    let mut haggle = Haggle {
+        stream,
+        exports,
+        request_size_max,
+        no_zeroes: client_flags & CLIENT_FLAG_NO_ZEROES != 0,
+        structured_replies: false,
+        base_allocation_for: None,
+    };
+    loop {
+        let (option, data) = match haggle.read_option() {
+            Ok(option) => option,
+            Err(HandshakeError::Io(error)) if error.kind() == io::ErrorKind::UnexpectedEof => {
+                return Ok(Outcome::Closed)
+            }
+            Err(error) => return Err(error),
+        };
+        if let Some(outcome) = haggle.handle_option(option, &data)? {
+            return Ok(outcome);
+        }
+    }
+}
+
+impl Haggle<'_> {
+    fn read_option(&mut self) -> Result<(u32, Vec<u8>), HandshakeError> {
+        let mut header = [0u8; OPTION_HEADER_BYTES];
+        self.stream.read_exact(&mut header)?;
+        let magic = be_u64(&header[0..8]);
+        if magic != OPTION_MAGIC {
+            return Err(HandshakeError::OptionMagic(magic));
+        }
+        let option = be_u32(&header[8..12]);
+        let length_bytes = be_u32(&header[12..16]);
+        if length_bytes > OPTION_BYTES_MAX {
+            return Err(HandshakeError::OptionTooLong {
+                option,
+                length_bytes,
+            });
+        }
+        let mut data = vec![0u8; length_bytes as usize];
+        self.stream.read_exact(&mut data)?;
+        Ok((option, data))
+    }
+
+    /// Answers one option; `Some` when haggling is over.
+    fn handle_option(
+        &mut self,
+        option: u32,
+        data: &[u8],
+    ) -> Result<Option<Outcome>, HandshakeError> {
+        match option {
+            OPT_EXPORT_NAME => self.export_name(data).map(Some),
+            OPT_ABORT => {
+                // The client may already have hung up; the acknowledgement is a courtesy.
+                let _ = self.reply(option, REP_ACK, &[]);
+                Ok(Some(Outcome::Closed))
+            }
+            OPT_LIST => self.list(data).map(|()| None),
+            OPT_INFO | OPT_GO => self.info_or_go(option, data),
+            OPT_STRUCTURED_REPLY => self.structured_reply(data).map(|()| None),
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+                self.meta_context(option, data).map(|()| None)
+            }
+            _ => {
+                tracing::debug!(option, "unsupported option");
+                self.error(
+                    option,
+                    REP_ERR_UNSUP,
+                    &format!("option {option} is not supported"),
+                )?;
+                Ok(None)
+            }
+        }
+    }
+
+    fn reply(&mut self, option: u32, reply_type: u32, payload: &[u8]) -> io::Result<()> {
+        let mut message = Vec::with_capacity(OPTION_REPLY_HEADER_BYTES + payload.len());
+        put_option_reply(&mut message, option, reply_type, payload);
+        self.stream.write_all(&message)
+    }
+
+    fn error(&mut self, option: u32, reply_type: u32, message: &str) -> io::Result<()> {
+        self.reply(option, reply_type, message.as_bytes())
+    }
+
+    fn export_name(&mut self, data: &[u8]) -> Result<Outcome, HandshakeError> {
+        let name = String::from_utf8_lossy(data).into_owned();
+        let Some(index) = self.exports.find(&name) else {
+            // This option cannot carry an error reply: the spec says to close.
+            return Err(HandshakeError::UnknownExport(name));
+        };
+        let negotiated = self.enter(index, name);
+        let mut message = Vec::with_capacity(10 + 124);
+        message.extend_from_slice(&negotiated.export.size().to_be_bytes());
+        message.extend_from_slice(&negotiated.transmission_flags.to_be_bytes());
+        if !self.no_zeroes {
+            message.extend_from_slice(&[0u8; 124]);
+        }
+        self.stream.write_all(&message)?;
+        Ok(Outcome::Transmission(negotiated))
+    }
+
+    fn list(&mut self, data: &[u8]) -> Result<(), HandshakeError> {
+        if !data.is_empty() {
+            self.error(OPT_LIST, REP_ERR_INVALID, "NBD_OPT_LIST takes no data")?;
+            return Ok(());
+        }
+        for index in 0..self.exports.entries.len() {
+            let (name, export) = &self.exports.entries[index];
+            // After the name, the spec allows free text for humans: the description.
+            let description = export.description();
+            let mut payload = Vec::with_capacity(4 + name.len() + description.len());
+            payload.extend_from_slice(&(name.len() as u32).to_be_bytes());
+            payload.extend_from_slice(name.as_bytes());
+            payload.extend_from_slice(description.as_bytes());
+            self.reply(OPT_LIST, REP_SERVER, &payload)?;
+        }
+        self.reply(OPT_LIST, REP_ACK, &[])?;
+        Ok(())
+    }
+
+    fn info_or_go(&mut self, option: u32, data: &[u8]) -> Result<Option<Outcome>, HandshakeError> {
+        let Some((name, requested)) = parse_info_request(data) else {
+            self.error(
+                option,
+                REP_ERR_INVALID,
+                "malformed NBD_OPT_INFO/NBD_OPT_GO data",
+            )?;
+            return Ok(None);
+        };
+        let Some(index) = self.exports.find(&name) else {
+            let message = format!("no export named {name:?}");
+            self.error(option, REP_ERR_UNKNOWN, &message)?;
+            return Ok(None);
+        };
+        let export = Arc::clone(&self.exports.entries[index].1);
+        let flags = self.transmission_flags(export.as_ref());
+        let mut export_info = INFO_EXPORT.to_be_bytes().to_vec();
+        export_info.extend_from_slice(&export.size().to_be_bytes());
+        export_info.extend_from_slice(&flags.to_be_bytes());
+        self.reply(option, REP_INFO, &export_info)?;
+        if requested.contains(&INFO_NAME) {
+            let mut info = INFO_NAME.to_be_bytes().to_vec();
+            info.extend_from_slice(self.exports.entries[index].0.as_bytes());
+            self.reply(option, REP_INFO, &info)?;
+        }
+        let description = export.description();
+        if requested.contains(&INFO_DESCRIPTION) && !description.is_empty() {
+            let mut info = INFO_DESCRIPTION.to_be_bytes().to_vec();
+            info.extend_from_slice(description.as_bytes());
+            self.reply(option, REP_INFO, &info)?;
+        }
+        // Sent even when not asked for: the spec allows it, and a client that knows our
+        // maximum can avoid EOVERFLOW.
+        let mut info = INFO_BLOCK_SIZE.to_be_bytes().to_vec();
+        info.extend_from_slice(&1u32.to_be_bytes());
+        let preferred = preferred_block_size(export.as_ref(), self.request_size_max);
+        info.extend_from_slice(&preferred.to_be_bytes());
+        info.extend_from_slice(&self.request_size_max.to_be_bytes());
+        self.reply(option, REP_INFO, &info)?;
+        self.reply(option, REP_ACK, &[])?;
+        if option == OPT_INFO {
+            return Ok(None);
+        }
+        Ok(Some(Outcome::Transmission(self.enter(index, name))))
+    }
+
+    fn structured_reply(&mut self, data: &[u8]) -> Result<(), HandshakeError> {
+        if !data.is_empty() {
+            self.error(
+                OPT_STRUCTURED_REPLY,
+                REP_ERR_INVALID,
+                "NBD_OPT_STRUCTURED_REPLY takes no data",
+            )?;
+            return Ok(());
+        }
+        self.structured_replies = true;
+        self.reply(OPT_STRUCTURED_REPLY, REP_ACK, &[])?;
+        Ok(())
+    }
+
+    fn meta_context(&mut self, option: u32, data: &[u8]) -> Result<(), HandshakeError> {
+        if !self.structured_replies {
+            let message = "metadata contexts need structured replies first";
+            self.error(option, REP_ERR_INVALID, message)?;
+            return Ok(());
+        }
+        let Some((name, queries)) = parse_meta_context_request(data) else {
+            self.error(
+                option,
+                REP_ERR_INVALID,
+                "malformed metadata context request",
+            )?;
+            return Ok(());
+        };
+        let Some(index) = self.exports.find(&name) else {
+            self.error(
+                option,
+                REP_ERR_UNKNOWN,
+                &format!("no export named {name:?}"),
+            )?;
+            return Ok(());
+        };
+        let selected = if option == OPT_LIST_META_CONTEXT {
+            queries.is_empty()
+                || queries
+                    .iter()
+                    .any(|query| query == "base:" || query == BASE_ALLOCATION)
+        } else {
+            queries.iter().any(|query| query == BASE_ALLOCATION)
+        };
+        if selected {
+            let id = if option == OPT_SET_META_CONTEXT {
+                BASE_ALLOCATION_ID
+            } else {
+                0
+            };
+            let mut payload = id.to_be_bytes().to_vec();
+            payload.extend_from_slice(BASE_ALLOCATION.as_bytes());
+            self.reply(option, REP_META_CONTEXT, &payload)?;
+        }
+        if option == OPT_SET_META_CONTEXT {
+            self.base_allocation_for = selected.then_some(index);
+        }
+        self.reply(option, REP_ACK, &[])?;
+        Ok(())
+    }
+
+    fn transmission_flags(&self, export: &dyn Export) -> u16 {
+        let mut flags = TRANSMIT_HAS_FLAGS
+            | TRANSMIT_SEND_FLUSH
+            | TRANSMIT_SEND_FUA
+            | TRANSMIT_SEND_CACHE
+            // One export object is shared by every connection, so a flush on one connection
+            // covers writes made on all of them.
+            | TRANSMIT_CAN_MULTI_CONN;
+        if export.read_only() {
+            flags |= TRANSMIT_READ_ONLY;
+        } else {
+            flags |= TRANSMIT_SEND_TRIM | TRANSMIT_SEND_WRITE_ZEROES;
+            if export.can_fast_zero() {
+                flags |= TRANSMIT_SEND_FAST_ZERO;
+            }
+        }
+        if self.structured_replies {
+            // Reads are always answered with a single data chunk, so DF costs nothing.
+            flags |= TRANSMIT_SEND_DF;
+        }
+        flags
+    }
+
+    fn enter(&self, index: usize, name: String) -> Negotiated {
+        let export = Arc::clone(&self.exports.entries[index].1);
+        Negotiated {
+            export_name: name,
+            transmission_flags: self.transmission_flags(export.as_ref()),
+            export,
+            structured_replies: self.structured_replies,
+            base_allocation: self.base_allocation_for == Some(index),
+        }
+    }
+}
+
+/// The preferred block size advertised: the export's wish, made a power of two between 512
+/// and the maximum, as the spec requires.
+fn preferred_block_size(export: &dyn Export, request_size_max: u32) -> u32 {
+    let wish = export.preferred_block_size().clamp(512, request_size_max);
+    if wish.is_power_of_two() {
+        wish
+    } else {
+        wish.next_power_of_two() / 2
+    }
+}
+
+/// Parses INFO/GO data: export name, then the list of requested info types.
+fn parse_info_request(data: &[u8]) -> Option<(String, Vec<u16>)> {
+    let mut reader = PayloadReader::new(data);
+    let name = reader.string_u32()?;
+    let count = reader.u16()?;
+    let requested = (0..count)
+        .map(|_| reader.u16())
+        .collect::<Option<Vec<u16>>>()?;
+    (reader.remaining() == 0).then_some((name, requested))
+}
+
+/// Parses LIST/SET_META_CONTEXT data: export name, then the queries.
+fn parse_meta_context_request(data: &[u8]) -> Option<(String, Vec<String>)> {
+    let mut reader = PayloadReader::new(data);
+    let name = reader.string_u32()?;
+    let count = reader.u32()?;
+    let mut queries = Vec::new();
+    for _ in 0..count {
+        queries.push(reader.string_u32()?);
+    }
+    (reader.remaining() == 0).then_some((name, queries))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn info_request_parses_and_refuses_trailing_bytes() {
+        let mut data = 3u32.to_be_bytes().to_vec();
+        data.extend_from_slice(b"abc");
+        data.extend_from_slice(&1u16.to_be_bytes());
+        data.extend_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
+        assert_eq!(
+            parse_info_request(&data),
+            Some(("abc".to_string(), vec![INFO_BLOCK_SIZE]))
+        );
+        data.push(0);
+        assert_eq!(parse_info_request(&data), None);
+    }
+
+    #[test]
+    fn default_export_is_the_first_when_none_is_named_empty() {
+        let table = ExportTable {
+            entries: vec![(
+                "disk".to_string(),
+                Arc::new(crate::MemoryExport::new(4096)) as Arc<dyn Export>,
+            )],
+        };
+        assert_eq!(table.find(""), Some(0));
+        assert_eq!(table.find("disk"), Some(0));
+        assert_eq!(table.find("other"), None);
+    }
+}

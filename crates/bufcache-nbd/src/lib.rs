@@ -1,0 +1,31 @@
+//! The NBD (Network Block Device) protocol for bufcache, synchronous: std threads and
+//! blocking sockets, no async runtime.
+//!
+//! Two halves share one wire module ([`protocol`]):
+//! - the **server** ([`Server`]) serves any number of [`Export`]s over TCP and unix sockets
+//!   with the fixed newstyle handshake, structured replies, `base:allocation` block status,
+//!   and many requests in flight per connection, answered out of order by worker threads;
+//! - the **client** ([`NbdClient`]) connects to an upstream NBD server and implements
+//!   [`bufcache::Device`], so the cache engine can sit in front of another NBD server.
+//!
+//! The crate owns protocol correctness and robustness (validation, errno mapping, bounded
+//! memory per connection); it owns no data: durability is the export's `flush`, and the
+//! server never answers a FLUSH before that returns.
+
+pub mod client;
+pub mod client_handshake;
+pub mod config;
+pub mod export;
+mod handshake;
+pub mod protocol;
+pub mod server;
+mod stream;
+mod transmission;
+pub mod uri;
+
+pub use client::{ClientError, NbdClient};
+pub use client_handshake::{ExportInfo, HandshakeFailure};
+pub use config::{ConfigError, ListenAddress, ListenAddressError, ServerConfig};
+pub use export::{BlockStatusExtent, Export, MemoryExport};
+pub use server::{BoundAddress, BoundServer, Server, ServerError, ShutdownHandle};
+pub use uri::{NbdAddress, NbdUri, UriError};

@@ -1,0 +1,439 @@
+//! The NBD server: listening sockets, the accept loop, one thread per connection, and
+//! orderly shutdown.
+//!
+//! Lifecycle: [`Server::new`] validates the configuration and exports, [`Server::bind`]
+//! opens every listen address (so the caller can learn the ports it got, port 0 included),
+//! and [`BoundServer::run`] serves until its [`ShutdownHandle`] is triggered. Shutdown stops
+//! accepting at once, shuts the read side of every open connection (a blocked reader sees
+//! end-of-file), lets each connection answer the requests it already accepted, and returns
+//! once every connection thread has ended; the caller then flushes its exports. Unix socket
+//! files the server created are removed when it returns. A misbehaving client only ever ends
+//! its own connection.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::io;
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::io::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use parking_lot::Mutex;
+
+use crate::config::{ConfigError, ListenAddress, ServerConfig};
+use crate::export::Export;
+use crate::handshake::{self, ExportTable, Outcome};
+use crate::stream::Stream;
+use crate::transmission::{self, ConnectionLimits};
+
+/// How often the accept loop looks at the shutdown flag, in milliseconds.
+const SHUTDOWN_POLL_MILLISECONDS: i32 = 100;
+
+/// Why the server could not start or keep running.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("invalid server configuration: {0}")]
+    Config(#[from] ConfigError),
+    #[error("no exports: the server needs at least one")]
+    NoExports,
+    #[error("export name {0:?} is used twice")]
+    DuplicateExport(String),
+    #[error("export name {0:?} is longer than the 4096 bytes NBD allows")]
+    ExportNameTooLong(String),
+    #[error("cannot resolve listen address {address}: {source}")]
+    Resolve { address: String, source: io::Error },
+    #[error("cannot listen on {address}: {source}")]
+    Bind { address: String, source: io::Error },
+    #[error("accept loop failed: {0}")]
+    Poll(io::Error),
+}
+
+/// Tells a running server to stop. Cheap to clone; every clone controls the same server.
+#[derive(Clone, Debug, Default)]
+pub struct ShutdownHandle {
+    triggered: Arc<AtomicBool>,
+}
+
+impl ShutdownHandle {
+    pub fn new() -> Self {
+        ShutdownHandle::default()
+    }
+
+    /// Asks the server to stop accepting, finish in-flight requests and return from `run`.
+    pub fn trigger(&self) {
+        self.triggered.store(true, Ordering::Release);
+    }
+
+    pub fn is_triggered(&self) -> bool {
+        self.triggered.load(Ordering::Acquire)
+    }
+}
+
+/// An address the server is actually listening on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BoundAddress {
+    Tcp(SocketAddr),
+    Unix(PathBuf),
+}
+
+impl BoundAddress {
+    /// The NBD URI a client uses to reach `export` here.
+    pub fn uri(&self, export: &str) -> String {
+        match self {
+            BoundAddress::Tcp(address) => format!("nbd://{address}/{export}"),
+            BoundAddress::Unix(path) => format!("nbd+unix:///{export}?socket={}", path.display()),
+        }
+    }
+}
+
+impl fmt::Display for BoundAddress {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BoundAddress::Tcp(address) => write!(formatter, "tcp:{address}"),
+            BoundAddress::Unix(path) => write!(formatter, "unix:{}", path.display()),
+        }
+    }
+}
+
+/// A configured server that has not opened its sockets yet.
+pub struct Server {
+    config: ServerConfig,
+    exports: Arc<ExportTable>,
+}
+
+impl Server {
+    /// Checks the configuration and the export list (non-empty, unique names).
+    pub fn new(
+        config: ServerConfig,
+        exports: Vec<(String, Arc<dyn Export>)>,
+    ) -> Result<Server, ServerError> {
+        config.validate()?;
+        if exports.is_empty() {
+            return Err(ServerError::NoExports);
+        }
+        for (index, (name, _)) in exports.iter().enumerate() {
+            if name.len() > crate::protocol::STRING_BYTES_MAX {
+                return Err(ServerError::ExportNameTooLong(name.clone()));
+            }
+            if exports[..index].iter().any(|(earlier, _)| earlier == name) {
+                return Err(ServerError::DuplicateExport(name.clone()));
+            }
+        }
+        Ok(Server {
+            config,
+            exports: Arc::new(ExportTable { entries: exports }),
+        })
+    }
+
+    /// Opens every listen address.
+    pub fn bind(self) -> Result<BoundServer, ServerError> {
+        let mut listeners = Vec::new();
+        for address in &self.config.listen {
+            listeners.extend(bind_address(address)?);
+        }
+        Ok(BoundServer {
+            config: self.config,
+            exports: self.exports,
+            listeners,
+        })
+    }
+
+    /// Binds and serves until `shutdown` is triggered.
+    pub fn run(self, shutdown: ShutdownHandle) -> Result<(), ServerError> {
+        self.bind()?.run(shutdown)
+    }
+}
+
+enum Listener {
+    Tcp(TcpListener),
+    /// The path is removed when the listener is dropped.
+    Unix(UnixListener, PathBuf),
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Listener::Unix(_, path) = self {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+impl Listener {
+    fn raw_fd(&self) -> i32 {
+        match self {
+            Listener::Tcp(listener) => listener.as_raw_fd(),
+            Listener::Unix(listener, _) => listener.as_raw_fd(),
+        }
+    }
+
+    fn accept(&self) -> io::Result<Stream> {
+        let stream = match self {
+            Listener::Tcp(listener) => Stream::Tcp(listener.accept()?.0),
+            Listener::Unix(listener, _) => Stream::Unix(listener.accept()?.0),
+        };
+        // The listener is non-blocking for the accept loop; connections are not.
+        match &stream {
+            Stream::Tcp(tcp) => tcp.set_nonblocking(false)?,
+            Stream::Unix(unix) => unix.set_nonblocking(false)?,
+        }
+        stream.set_no_delay();
+        Ok(stream)
+    }
+
+    fn bound_address(&self) -> io::Result<BoundAddress> {
+        Ok(match self {
+            Listener::Tcp(listener) => BoundAddress::Tcp(listener.local_addr()?),
+            Listener::Unix(_, path) => BoundAddress::Unix(path.clone()),
+        })
+    }
+}
+
+/// Opens one listen address (a host name may resolve to several sockets).
+fn bind_address(address: &ListenAddress) -> Result<Vec<Listener>, ServerError> {
+    let bind_error = |source| ServerError::Bind {
+        address: address.to_string(),
+        source,
+    };
+    match address {
+        ListenAddress::Tcp(host_port) => {
+            let resolved: Vec<SocketAddr> = host_port
+                .to_socket_addrs()
+                .map_err(|source| ServerError::Resolve {
+                    address: address.to_string(),
+                    source,
+                })?
+                .collect();
+            let mut listeners = Vec::new();
+            for socket_address in resolved {
+                let listener = TcpListener::bind(socket_address).map_err(bind_error)?;
+                listener.set_nonblocking(true).map_err(bind_error)?;
+                listeners.push(Listener::Tcp(listener));
+            }
+            Ok(listeners)
+        }
+        ListenAddress::Unix(path) => {
+            remove_stale_socket(path);
+            let listener = UnixListener::bind(path).map_err(bind_error)?;
+            listener.set_nonblocking(true).map_err(bind_error)?;
+            Ok(vec![Listener::Unix(listener, path.clone())])
+        }
+    }
+}
+
+/// Removes a socket file left behind by a server that died, but never a live server's socket
+/// or a file that is not a socket.
+fn remove_stale_socket(path: &Path) {
+    let is_socket = std::fs::symlink_metadata(path)
+        .map(|metadata| metadata.file_type().is_socket())
+        .unwrap_or(false);
+    if is_socket && UnixStream::connect(path).is_err() {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+/// A server with open sockets, ready to run.
+pub struct BoundServer {
+    config: ServerConfig,
+    exports: Arc<ExportTable>,
+    listeners: Vec<Listener>,
+}
+
+impl BoundServer {
+    /// The addresses the server listens on, with the real port when port 0 was asked for.
+    pub fn local_addrs(&self) -> Vec<BoundAddress> {
+        self.listeners
+            .iter()
+            .filter_map(|listener| listener.bound_address().ok())
+            .collect()
+    }
+
+    /// Serves until `shutdown` is triggered, then drains every connection and returns.
+    pub fn run(self, shutdown: ShutdownHandle) -> Result<(), ServerError> {
+        for address in self.local_addrs() {
+            tracing::info!(%address, "NBD server listening");
+        }
+        let connections = Connections::default();
+        let result = self.accept_loop(&shutdown, &connections);
+        drop(self.listeners);
+        connections.drain();
+        tracing::info!("NBD server stopped");
+        result
+    }
+
+    fn accept_loop(
+        &self,
+        shutdown: &ShutdownHandle,
+        connections: &Connections,
+    ) -> Result<(), ServerError> {
+        let mut poll_fds: Vec<libc::pollfd> = self
+            .listeners
+            .iter()
+            .map(|listener| libc::pollfd {
+                fd: listener.raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        while !shutdown.is_triggered() {
+            connections.reap_finished();
+            // SAFETY: `poll_fds` is a valid, exclusively borrowed array of `pollfd` whose
+            // length is passed alongside; the descriptors stay open for the whole call.
+            let ready = unsafe {
+                libc::poll(
+                    poll_fds.as_mut_ptr(),
+                    poll_fds.len() as libc::nfds_t,
+                    SHUTDOWN_POLL_MILLISECONDS,
+                )
+            };
+            if ready < 0 {
+                let error = io::Error::last_os_error();
+                if error.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(ServerError::Poll(error));
+            }
+            for (index, poll_fd) in poll_fds.iter().enumerate() {
+                if poll_fd.revents != 0 {
+                    self.accept_one(&self.listeners[index], connections);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn accept_one(&self, listener: &Listener, connections: &Connections) {
+        let stream = match listener.accept() {
+            Ok(stream) => stream,
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => return,
+            Err(error) => {
+                // Typically out of descriptors; the next poll round tries again.
+                tracing::warn!("accept failed: {error}");
+                return;
+            }
+        };
+        let peer = stream.peer_description();
+        if connections.active() >= self.config.connections_max {
+            tracing::warn!(
+                %peer,
+                connections_max = self.config.connections_max,
+                "connection refused: too many connections"
+            );
+            return;
+        }
+        let exports = Arc::clone(&self.exports);
+        let config = self.config.clone();
+        if let Err(error) = connections.spawn(stream, move |stream| {
+            serve_connection(stream, &exports, &config, &peer)
+        }) {
+            tracing::warn!("could not start a connection thread: {error}");
+        }
+    }
+}
+
+/// Handshake then transmission for one client. Errors end only this connection.
+fn serve_connection(mut stream: Stream, exports: &ExportTable, config: &ServerConfig, peer: &str) {
+    // A client that never finishes the handshake must not hold a thread forever.
+    if let Err(error) = stream.set_read_timeout(Some(config.handshake_timeout)) {
+        tracing::warn!(%peer, "cannot set the handshake timeout: {error}");
+        return;
+    }
+    let negotiated = match handshake::negotiate(&mut stream, exports, config.request_size_max) {
+        Ok(Outcome::Transmission(negotiated)) => negotiated,
+        Ok(Outcome::Closed) => {
+            tracing::debug!(%peer, "client left during the handshake");
+            return;
+        }
+        Err(error) => {
+            tracing::warn!(%peer, "handshake failed: {error}");
+            return;
+        }
+    };
+    let export_name = negotiated.export_name.clone();
+    tracing::info!(
+        %peer,
+        export = %export_name,
+        structured_replies = negotiated.structured_replies,
+        "client connected"
+    );
+    if let Err(error) = stream.set_read_timeout(None) {
+        tracing::warn!(%peer, "cannot clear the handshake timeout: {error}");
+        return;
+    }
+    let limits = ConnectionLimits {
+        request_size_max: config.request_size_max,
+        inflight_bytes_max: config.inflight_bytes_max,
+        workers_max: config.workers_per_connection_max,
+    };
+    match transmission::serve(stream, negotiated, limits) {
+        Ok(()) => tracing::info!(%peer, export = %export_name, "client disconnected"),
+        Err(error) => {
+            tracing::warn!(%peer, export = %export_name, "connection closed: {error}")
+        }
+    }
+}
+
+/// Open connections: their threads, and a handle on each socket so shutdown can wake them.
+#[derive(Default)]
+struct Connections {
+    next_id: AtomicU64,
+    active: Arc<AtomicUsize>,
+    sockets: Arc<Mutex<HashMap<u64, Stream>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Connections {
+    fn active(&self) -> usize {
+        self.active.load(Ordering::Acquire)
+    }
+
+    fn spawn(&self, stream: Stream, serve: impl FnOnce(Stream) + Send + 'static) -> io::Result<()> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.sockets.lock().insert(id, stream.try_clone()?);
+        self.active.fetch_add(1, Ordering::AcqRel);
+        let sockets = Arc::clone(&self.sockets);
+        let active = Arc::clone(&self.active);
+        let spawned = std::thread::Builder::new()
+            .name(format!("nbd-connection-{id}"))
+            .spawn(move || {
+                serve(stream);
+                sockets.lock().remove(&id);
+                active.fetch_sub(1, Ordering::AcqRel);
+            });
+        match spawned {
+            Ok(handle) => {
+                self.threads.lock().push(handle);
+                Ok(())
+            }
+            Err(error) => {
+                self.sockets.lock().remove(&id);
+                self.active.fetch_sub(1, Ordering::AcqRel);
+                Err(error)
+            }
+        }
+    }
+
+    fn reap_finished(&self) {
+        let mut threads = self.threads.lock();
+        let (finished, running): (Vec<_>, Vec<_>) =
+            threads.drain(..).partition(|handle| handle.is_finished());
+        *threads = running;
+        drop(threads);
+        for handle in finished {
+            let _ = handle.join();
+        }
+    }
+
+    /// Wakes every connection's reader and waits for all connection threads.
+    fn drain(&self) {
+        for socket in self.sockets.lock().values() {
+            socket.shutdown_read();
+        }
+        for handle in self.threads.lock().drain(..) {
+            let _ = handle.join();
+        }
+    }
+}

@@ -1,0 +1,168 @@
+//! One byte stream type for both transports (TCP and unix-domain sockets), so the protocol
+//! code is written once.
+//!
+//! A [`Stream`] can be cloned into independent handles on the same socket (one reader, one
+//! writer), and [`Stream::shutdown_read`] wakes a thread blocked in `read` without closing
+//! the socket, which is how the server drains a connection on shutdown while still writing
+//! the replies of requests already in flight.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+/// A connected socket of either kind.
+#[derive(Debug)]
+pub enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Stream {
+    /// A second handle on the same socket.
+    pub fn try_clone(&self) -> io::Result<Stream> {
+        Ok(match self {
+            Stream::Tcp(stream) => Stream::Tcp(stream.try_clone()?),
+            Stream::Unix(stream) => Stream::Unix(stream.try_clone()?),
+        })
+    }
+
+    /// Ends reading: a blocked `read` returns end-of-file; writing still works.
+    pub fn shutdown_read(&self) {
+        // The socket may already be closed by the peer; nothing is left to do then.
+        let _ = self.shutdown(Shutdown::Read);
+    }
+
+    /// Ends both directions: every blocked call on any handle returns.
+    pub fn shutdown_both(&self) {
+        let _ = self.shutdown(Shutdown::Both);
+    }
+
+    fn shutdown(&self, how: Shutdown) -> io::Result<()> {
+        match self {
+            Stream::Tcp(stream) => stream.shutdown(how),
+            Stream::Unix(stream) => stream.shutdown(how),
+        }
+    }
+
+    /// Bounds how long a `read` may block (`None`: forever).
+    pub fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        match self {
+            Stream::Tcp(stream) => stream.set_read_timeout(timeout),
+            Stream::Unix(stream) => stream.set_read_timeout(timeout),
+        }
+    }
+
+    /// Sends small messages (reply headers) at once instead of waiting to coalesce them:
+    /// NBD is request/response, and Nagle's delay would add latency to every request.
+    pub fn set_no_delay(&self) {
+        if let Stream::Tcp(stream) = self {
+            let _ = stream.set_nodelay(true);
+        }
+    }
+
+    /// The peer's address, for log messages.
+    pub fn peer_description(&self) -> String {
+        match self {
+            Stream::Tcp(stream) => stream
+                .peer_addr()
+                .map(|address| address.to_string())
+                .unwrap_or_else(|_| "tcp peer".into()),
+            Stream::Unix(_) => "unix peer".into(),
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buffer: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(stream) => stream.read(buffer),
+            Stream::Unix(stream) => stream.read(buffer),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buffer: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(stream) => stream.write(buffer),
+            Stream::Unix(stream) => stream.write(buffer),
+        }
+    }
+
+    fn write_vectored(&mut self, buffers: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(stream) => stream.write_vectored(buffers),
+            Stream::Unix(stream) => stream.write_vectored(buffers),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Writes every byte of every slice, in order, with as few system calls as the socket allows:
+/// a header and its payload leave together without copying the payload.
+pub fn write_all_vectored(stream: &mut impl Write, parts: &[&[u8]]) -> io::Result<()> {
+    let mut part_index = 0;
+    let mut offset_in_part = 0;
+    while part_index < parts.len() {
+        let mut slices = Vec::with_capacity(parts.len() - part_index);
+        slices.push(io::IoSlice::new(&parts[part_index][offset_in_part..]));
+        slices.extend(
+            parts[part_index + 1..]
+                .iter()
+                .map(|part| io::IoSlice::new(part)),
+        );
+        let mut written = match stream.write_vectored(&slices) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(count) => count,
+            Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
+            Err(error) => return Err(error),
+        };
+        while part_index < parts.len() && written > 0 {
+            let left_in_part = parts[part_index].len() - offset_in_part;
+            if written >= left_in_part {
+                written -= left_in_part;
+                part_index += 1;
+                offset_in_part = 0;
+            } else {
+                offset_in_part += written;
+                written = 0;
+            }
+        }
+        // Skip empty parts so a trailing empty slice never asks for a zero-byte write.
+        while part_index < parts.len() && parts[part_index].len() == offset_in_part {
+            part_index += 1;
+            offset_in_part = 0;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A writer that accepts at most three bytes per call, to exercise partial writes.
+    struct Trickle(Vec<u8>);
+
+    impl Write for Trickle {
+        fn write(&mut self, buffer: &[u8]) -> io::Result<usize> {
+            let count = buffer.len().min(3);
+            self.0.extend_from_slice(&buffer[..count]);
+            Ok(count)
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn vectored_write_survives_partial_writes() {
+        let mut sink = Trickle(Vec::new());
+        write_all_vectored(&mut sink, &[b"head", b"", b"payload!"]).unwrap();
+        assert_eq!(sink.0, b"headpayload!");
+    }
+}

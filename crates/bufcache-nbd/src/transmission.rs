@@ -1,0 +1,658 @@
+//! The server's transmission phase for one connection: read requests, validate them, run them
+//! on a small pool of worker threads, and write replies in whatever order they finish.
+//!
+//! Invariants:
+//! - one reader (the connection's thread) owns the read side; it alone decides when the
+//!   connection ends, and it waits for every dispatched request before returning, so a
+//!   client's in-flight requests are answered even on `NBD_CMD_DISC` or server shutdown;
+//! - every reply is written whole under the connection's writer lock, so replies of
+//!   concurrent requests never interleave on the wire;
+//! - requests are validated before an export sees them, and the export is only called with
+//!   ranges inside it; a protocol error costs the client an errno, not the connection, except
+//!   where the byte stream cannot be trusted any more (bad magic, a write payload too large
+//!   to skip);
+//! - the bytes of requests and replies in flight are bounded: over `inflight_bytes_max` the
+//!   reader stops taking new requests until replies drain.
+
+use std::collections::VecDeque;
+use std::io::{self, Read};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::export::{BlockStatusExtent, Export};
+use crate::handshake::{Negotiated, BASE_ALLOCATION_ID};
+use crate::protocol::*;
+use crate::stream::{write_all_vectored, Stream};
+
+/// Cost charged to every request on top of its data, so a flood of tiny requests is bounded
+/// too.
+const REQUEST_OVERHEAD_BYTES: u64 = 64;
+
+/// A write larger than `request_size_max` times this is not a confused client but a broken
+/// one: its payload is not worth skipping, and the connection is closed.
+const OVERSIZED_WRITE_SKIP_FACTOR: u64 = 4;
+
+/// Limits of one connection, from the server configuration.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ConnectionLimits {
+    pub(crate) request_size_max: u32,
+    pub(crate) inflight_bytes_max: u64,
+    pub(crate) workers_max: usize,
+}
+
+/// Why a connection ended abnormally.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum TransmissionError {
+    #[error("socket error: {0}")]
+    Io(#[from] io::Error),
+    #[error("request magic is wrong; the stream cannot be resynchronised")]
+    RequestMagic,
+    #[error("WRITE of {length_bytes} bytes is far above the {request_size_max} byte maximum")]
+    WriteTooLarge {
+        length_bytes: u32,
+        request_size_max: u32,
+    },
+}
+
+/// A validated request, ready for a worker.
+struct Request {
+    header: RequestHeader,
+    payload: Vec<u8>,
+    cost_bytes: u64,
+}
+
+/// A refusal: the errno and a message for structured error chunks.
+struct Refusal {
+    errno: Errno,
+    message: String,
+}
+
+fn refuse(errno: Errno, message: impl Into<String>) -> Refusal {
+    Refusal {
+        errno,
+        message: message.into(),
+    }
+}
+
+/// State shared by the reader and the workers of one connection.
+struct Connection {
+    export: Arc<dyn Export>,
+    writer: Mutex<Stream>,
+    structured_replies: bool,
+    base_allocation: bool,
+    transmission_flags: u16,
+    limits: ConnectionLimits,
+    inflight: InflightBudget,
+    /// Set when a reply could not be written; the reader stops at its next request.
+    broken: AtomicBool,
+}
+
+/// Serves one connection from the end of the handshake until the client leaves, the socket
+/// fails, or the server shuts the read side down. Returns after every reply was written.
+pub(crate) fn serve(
+    stream: Stream,
+    negotiated: Negotiated,
+    limits: ConnectionLimits,
+) -> Result<(), TransmissionError> {
+    let connection = Arc::new(Connection {
+        export: negotiated.export,
+        writer: Mutex::new(stream.try_clone()?),
+        structured_replies: negotiated.structured_replies,
+        base_allocation: negotiated.base_allocation,
+        transmission_flags: negotiated.transmission_flags,
+        limits,
+        inflight: InflightBudget::default(),
+        broken: AtomicBool::new(false),
+    });
+    let pool = WorkerPool::new(limits.workers_max);
+    let result = read_requests(stream, &connection, &pool);
+    // Answer everything already accepted before the socket closes.
+    pool.close_and_join();
+    result
+}
+
+fn read_requests(
+    mut stream: Stream,
+    connection: &Arc<Connection>,
+    pool: &WorkerPool,
+) -> Result<(), TransmissionError> {
+    loop {
+        connection
+            .inflight
+            .wait_below(connection.limits.inflight_bytes_max);
+        if connection.broken.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut header_bytes = [0u8; REQUEST_HEADER_BYTES];
+        match stream.read_exact(&mut header_bytes) {
+            Ok(()) => {}
+            Err(error) if error.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(error) => return Err(error.into()),
+        }
+        let header = RequestHeader::decode(&header_bytes).ok_or(TransmissionError::RequestMagic)?;
+        if header.command == CMD_DISC {
+            return Ok(());
+        }
+        let payload = match read_payload(&mut stream, connection, &header)? {
+            Ok(payload) => payload,
+            Err(refusal) => {
+                connection.send_error(&header, &refusal);
+                continue;
+            }
+        };
+        if let Err(refusal) = connection.validate(&header) {
+            tracing::debug!(
+                command = %command_name(header.command),
+                offset = header.offset,
+                length = header.length,
+                errno = %refusal.errno,
+                "request refused: {}",
+                refusal.message
+            );
+            connection.send_error(&header, &refusal);
+            continue;
+        }
+        let cost_bytes = request_cost(&header);
+        connection.inflight.charge(cost_bytes);
+        let request = Request {
+            header,
+            payload,
+            cost_bytes,
+        };
+        let worker_connection = Arc::clone(connection);
+        pool.submit(Box::new(move || worker_connection.execute(request)));
+    }
+}
+
+/// Reads a WRITE payload whole. An oversized payload is skipped (and refused) when that is
+/// cheap enough; beyond that the connection ends.
+fn read_payload(
+    stream: &mut Stream,
+    connection: &Connection,
+    header: &RequestHeader,
+) -> Result<Result<Vec<u8>, Refusal>, TransmissionError> {
+    if header.command != CMD_WRITE {
+        return Ok(Ok(Vec::new()));
+    }
+    let request_size_max = connection.limits.request_size_max;
+    if header.length <= request_size_max {
+        let mut payload = vec![0u8; header.length as usize];
+        stream.read_exact(&mut payload)?;
+        return Ok(Ok(payload));
+    }
+    if u64::from(header.length) > u64::from(request_size_max) * OVERSIZED_WRITE_SKIP_FACTOR {
+        return Err(TransmissionError::WriteTooLarge {
+            length_bytes: header.length,
+            request_size_max,
+        });
+    }
+    let skipped = io::copy(
+        &mut stream.by_ref().take(u64::from(header.length)),
+        &mut io::sink(),
+    )?;
+    if skipped < u64::from(header.length) {
+        return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
+    }
+    let message = format!(
+        "WRITE of {} bytes exceeds the maximum request size of {request_size_max} bytes",
+        header.length
+    );
+    Ok(Err(refuse(Errno::Overflow, message)))
+}
+
+/// Bytes a request holds while in flight: its data (payload or reply) plus a fixed overhead.
+fn request_cost(header: &RequestHeader) -> u64 {
+    let data_bytes = match header.command {
+        CMD_READ | CMD_WRITE => u64::from(header.length),
+        _ => 0,
+    };
+    data_bytes + REQUEST_OVERHEAD_BYTES
+}
+
+impl Connection {
+    /// Checks a request against the negotiated features and the export's bounds.
+    fn validate(&self, header: &RequestHeader) -> Result<(), Refusal> {
+        let command = header.command;
+        let allowed_flags = self
+            .allowed_flags(command)
+            .ok_or_else(|| refuse(Errno::Invalid, format!("unknown command {command}")))?;
+        if header.flags & !allowed_flags != 0 {
+            let message = format!(
+                "flags {:#x} are not valid for {}",
+                header.flags & !allowed_flags,
+                command_name(command)
+            );
+            return Err(refuse(Errno::Invalid, message));
+        }
+        let writes = matches!(command, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
+        if writes && self.transmission_flags & TRANSMIT_READ_ONLY != 0 {
+            return Err(refuse(Errno::Perm, "the export is read-only"));
+        }
+        if command == CMD_READ && header.length > self.limits.request_size_max {
+            let message = format!(
+                "READ of {} bytes exceeds the maximum request size of {} bytes",
+                header.length, self.limits.request_size_max
+            );
+            return Err(refuse(Errno::Overflow, message));
+        }
+        if command == CMD_BLOCK_STATUS {
+            if !self.base_allocation {
+                return Err(refuse(Errno::Invalid, "no metadata context was negotiated"));
+            }
+            if header.length == 0 {
+                return Err(refuse(Errno::Invalid, "BLOCK_STATUS of zero bytes"));
+            }
+        }
+        self.check_range(header, writes)
+    }
+
+    /// Flags valid for `command`, or `None` for an unknown command. FUA is accepted on every
+    /// command because it is advertised and the spec says so.
+    fn allowed_flags(&self, command: u16) -> Option<u16> {
+        let specific = match command {
+            CMD_READ if self.structured_replies => CMD_FLAG_DF,
+            CMD_READ | CMD_WRITE | CMD_FLUSH | CMD_TRIM | CMD_CACHE => 0,
+            CMD_WRITE_ZEROES if self.transmission_flags & TRANSMIT_SEND_FAST_ZERO != 0 => {
+                CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO
+            }
+            CMD_WRITE_ZEROES => CMD_FLAG_NO_HOLE,
+            CMD_BLOCK_STATUS => CMD_FLAG_REQ_ONE,
+            _ => return None,
+        };
+        Some(specific | CMD_FLAG_FUA)
+    }
+
+    /// Refuses ranges outside the export: ENOSPC for writes (as the spec asks), EINVAL else.
+    fn check_range(&self, header: &RequestHeader, writes: bool) -> Result<(), Refusal> {
+        if header.command == CMD_FLUSH {
+            return Ok(());
+        }
+        let size = self.export.size();
+        let end = header.offset.checked_add(u64::from(header.length));
+        if end.is_some_and(|end| end <= size) {
+            return Ok(());
+        }
+        let errno = if writes {
+            Errno::NoSpace
+        } else {
+            Errno::Invalid
+        };
+        let message = format!(
+            "{} of {} bytes at offset {} reaches past the end of the export ({size} bytes)",
+            command_name(header.command),
+            header.length,
+            header.offset
+        );
+        Err(refuse(errno, message))
+    }
+
+    /// Runs a validated request on a worker thread and sends its reply.
+    fn execute(&self, request: Request) {
+        let header = request.header;
+        if header.command == CMD_READ {
+            self.execute_read(&header);
+        } else {
+            match self.run_command(&header, &request.payload) {
+                Ok(None) => self.send_simple(header.handle, 0),
+                Ok(Some(chunk)) => self.send_parts(&[&chunk]),
+                Err(error) => self.send_io_error(&header, &error),
+            }
+        }
+        self.inflight.release(request.cost_bytes);
+    }
+
+    /// Runs a non-READ command; `Some` carries a ready structured reply (block status).
+    fn run_command(&self, header: &RequestHeader, payload: &[u8]) -> io::Result<Option<Vec<u8>>> {
+        let export = self.export.as_ref();
+        let fua = header.flags & CMD_FLAG_FUA != 0;
+        let length = u64::from(header.length);
+        match header.command {
+            CMD_WRITE => export.write(header.offset, payload, fua)?,
+            CMD_FLUSH => export.flush()?,
+            CMD_TRIM => export.trim(header.offset, length, fua)?,
+            CMD_CACHE => export.cache(header.offset, length)?,
+            CMD_WRITE_ZEROES => {
+                let may_trim = header.flags & CMD_FLAG_NO_HOLE == 0;
+                let fast_only = header.flags & CMD_FLAG_FAST_ZERO != 0;
+                export.write_zeroes(header.offset, length, may_trim, fast_only, fua)?;
+            }
+            CMD_BLOCK_STATUS => {
+                let extents = export.block_status(header.offset, length)?;
+                let req_one = header.flags & CMD_FLAG_REQ_ONE != 0;
+                return block_status_chunk(header, &extents, req_one).map(Some);
+            }
+            other => unreachable!("command {other} passed validation"),
+        }
+        Ok(None)
+    }
+
+    /// Reads into a buffer that already has room for the reply header in front, so the reply
+    /// leaves in one write without copying the data.
+    fn execute_read(&self, header: &RequestHeader) {
+        let header_bytes = if self.structured_replies {
+            STRUCTURED_REPLY_HEADER_BYTES + 8
+        } else {
+            SIMPLE_REPLY_HEADER_BYTES
+        };
+        let length = header.length as usize;
+        let mut message = vec![0u8; header_bytes + length];
+        if let Err(error) = self
+            .export
+            .read(header.offset, &mut message[header_bytes..])
+        {
+            self.send_io_error(header, &error);
+            return;
+        }
+        let mut prefix = Vec::with_capacity(header_bytes);
+        if !self.structured_replies {
+            put_simple_reply(&mut prefix, 0, header.handle);
+        } else if length == 0 {
+            // A data chunk must carry at least one byte; an empty read is just "done".
+            put_structured_header(
+                &mut prefix,
+                REPLY_FLAG_DONE,
+                REPLY_TYPE_NONE,
+                header.handle,
+                0,
+            );
+            self.send_parts(&[&prefix]);
+            return;
+        } else {
+            let chunk_length = (8 + length) as u32;
+            put_structured_header(
+                &mut prefix,
+                REPLY_FLAG_DONE,
+                REPLY_TYPE_OFFSET_DATA,
+                header.handle,
+                chunk_length,
+            );
+            prefix.extend_from_slice(&header.offset.to_be_bytes());
+        }
+        message[..header_bytes].copy_from_slice(&prefix);
+        self.send_parts(&[&message]);
+    }
+
+    fn send_io_error(&self, header: &RequestHeader, error: &io::Error) {
+        let refusal = refuse(Errno::from_io_error(error), error.to_string());
+        tracing::debug!(
+            command = %command_name(header.command),
+            offset = header.offset,
+            length = header.length,
+            errno = %refusal.errno,
+            "request failed: {error}"
+        );
+        self.send_error(header, &refusal);
+    }
+
+    /// Sends an error reply: a structured error chunk (with the message) when structured
+    /// replies were negotiated, else a simple reply with the errno.
+    fn send_error(&self, header: &RequestHeader, refusal: &Refusal) {
+        if !self.structured_replies {
+            self.send_simple(header.handle, refusal.errno.code());
+            return;
+        }
+        let message = truncate_utf8(&refusal.message, STRING_BYTES_MAX);
+        let payload_length = 6 + message.len() as u32;
+        let mut chunk = Vec::with_capacity(STRUCTURED_REPLY_HEADER_BYTES + payload_length as usize);
+        put_structured_header(
+            &mut chunk,
+            REPLY_FLAG_DONE,
+            REPLY_TYPE_ERROR,
+            header.handle,
+            payload_length,
+        );
+        chunk.extend_from_slice(&refusal.errno.code().to_be_bytes());
+        chunk.extend_from_slice(&(message.len() as u16).to_be_bytes());
+        chunk.extend_from_slice(message.as_bytes());
+        self.send_parts(&[&chunk]);
+    }
+
+    fn send_simple(&self, handle: u64, error: u32) {
+        let mut reply = Vec::with_capacity(SIMPLE_REPLY_HEADER_BYTES);
+        put_simple_reply(&mut reply, error, handle);
+        self.send_parts(&[&reply]);
+    }
+
+    /// Writes one whole reply under the writer lock. A failed write means the client is gone:
+    /// the socket is shut so the reader stops too.
+    fn send_parts(&self, parts: &[&[u8]]) {
+        let mut writer = self.writer.lock();
+        if self.broken.load(Ordering::Acquire) {
+            return;
+        }
+        if let Err(error) = write_all_vectored(&mut *writer, parts) {
+            tracing::debug!("reply could not be written, closing the connection: {error}");
+            self.broken.store(true, Ordering::Release);
+            writer.shutdown_both();
+        }
+    }
+}
+
+/// Encodes the `base:allocation` extents as one structured BLOCK_STATUS chunk, never
+/// describing more than the request asked for.
+fn block_status_chunk(
+    header: &RequestHeader,
+    extents: &[BlockStatusExtent],
+    req_one: bool,
+) -> io::Result<Vec<u8>> {
+    let mut descriptors = Vec::new();
+    let mut left = u64::from(header.length);
+    for extent in extents {
+        let length = extent.length.min(left);
+        if length == 0 {
+            break;
+        }
+        let mut flags = 0;
+        if extent.hole {
+            flags |= STATE_HOLE;
+        }
+        if extent.zero {
+            flags |= STATE_ZERO;
+        }
+        descriptors.extend_from_slice(&(length as u32).to_be_bytes());
+        descriptors.extend_from_slice(&flags.to_be_bytes());
+        left -= length;
+        if req_one {
+            break;
+        }
+    }
+    if descriptors.is_empty() {
+        return Err(io::Error::other("the export reported no extents"));
+    }
+    let payload_length = 4 + descriptors.len() as u32;
+    let mut chunk = Vec::with_capacity(STRUCTURED_REPLY_HEADER_BYTES + payload_length as usize);
+    put_structured_header(
+        &mut chunk,
+        REPLY_FLAG_DONE,
+        REPLY_TYPE_BLOCK_STATUS,
+        header.handle,
+        payload_length,
+    );
+    chunk.extend_from_slice(&BASE_ALLOCATION_ID.to_be_bytes());
+    chunk.extend_from_slice(&descriptors);
+    Ok(chunk)
+}
+
+/// The longest prefix of `text` that fits in `bytes_max` bytes without splitting a character.
+fn truncate_utf8(text: &str, bytes_max: usize) -> &str {
+    if text.len() <= bytes_max {
+        return text;
+    }
+    let mut end = bytes_max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
+/// Bytes in flight on one connection, with a wait for "below the limit".
+#[derive(Default)]
+struct InflightBudget {
+    bytes: Mutex<u64>,
+    drained: Condvar,
+}
+
+impl InflightBudget {
+    fn charge(&self, cost_bytes: u64) {
+        *self.bytes.lock() += cost_bytes;
+    }
+
+    fn release(&self, cost_bytes: u64) {
+        let mut bytes = self.bytes.lock();
+        *bytes -= cost_bytes;
+        self.drained.notify_all();
+    }
+
+    /// Blocks while more than `limit_bytes` are in flight. A single request larger than the
+    /// limit still goes through once the connection is idle, so nothing can deadlock.
+    fn wait_below(&self, limit_bytes: u64) {
+        let mut bytes = self.bytes.lock();
+        while *bytes >= limit_bytes {
+            self.drained.wait(&mut bytes);
+        }
+    }
+}
+
+type Job = Box<dyn FnOnce() + Send + 'static>;
+
+/// Worker threads of one connection, started on demand up to a maximum, so an idle
+/// connection costs no threads beyond its reader.
+struct WorkerPool {
+    shared: Arc<PoolShared>,
+    workers_max: usize,
+    handles: Mutex<Vec<JoinHandle<()>>>,
+}
+
+struct PoolShared {
+    state: Mutex<PoolState>,
+    job_ready: Condvar,
+}
+
+struct PoolState {
+    jobs: VecDeque<Job>,
+    idle_workers: usize,
+    closed: bool,
+}
+
+impl WorkerPool {
+    fn new(workers_max: usize) -> Self {
+        WorkerPool {
+            shared: Arc::new(PoolShared {
+                state: Mutex::new(PoolState {
+                    jobs: VecDeque::new(),
+                    idle_workers: 0,
+                    closed: false,
+                }),
+                job_ready: Condvar::new(),
+            }),
+            workers_max,
+            handles: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn submit(&self, job: Job) {
+        let mut state = self.shared.state.lock();
+        state.jobs.push_back(job);
+        let mut handles = self.handles.lock();
+        if state.jobs.len() > state.idle_workers && handles.len() < self.workers_max {
+            let shared = Arc::clone(&self.shared);
+            let spawned = std::thread::Builder::new()
+                .name("nbd-worker".into())
+                .spawn(move || worker_loop(&shared));
+            match spawned {
+                Ok(handle) => handles.push(handle),
+                // Existing workers (there is at least one unless this is the first) still
+                // drain the queue; with none, the job runs when a later spawn succeeds.
+                Err(error) => tracing::warn!("could not start an NBD worker thread: {error}"),
+            }
+        }
+        drop(handles);
+        drop(state);
+        self.shared.job_ready.notify_one();
+    }
+
+    /// Lets the workers finish every queued job, then waits for them.
+    fn close_and_join(&self) {
+        self.shared.state.lock().closed = true;
+        self.shared.job_ready.notify_all();
+        for handle in self.handles.lock().drain(..) {
+            let _ = handle.join();
+        }
+    }
+}
+
+fn worker_loop(shared: &PoolShared) {
+    let mut state = shared.state.lock();
+    loop {
+        if let Some(job) = state.jobs.pop_front() {
+            drop(state);
+            job();
+            state = shared.state.lock();
+        } else if state.closed {
+            return;
+        } else {
+            state.idle_workers += 1;
+            shared.job_ready.wait(&mut state);
+            state.idle_workers -= 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_status_chunk_clamps_to_the_request_and_honours_req_one() {
+        let header = RequestHeader {
+            flags: 0,
+            command: CMD_BLOCK_STATUS,
+            handle: 7,
+            offset: 0,
+            length: 1000,
+        };
+        let extents = [
+            BlockStatusExtent {
+                length: 600,
+                hole: true,
+                zero: true,
+            },
+            BlockStatusExtent {
+                length: 600,
+                hole: false,
+                zero: false,
+            },
+        ];
+        let chunk = block_status_chunk(&header, &extents, false).unwrap();
+        let payload = &chunk[STRUCTURED_REPLY_HEADER_BYTES + 4..];
+        assert_eq!(be_u32(&payload[0..4]), 600);
+        assert_eq!(be_u32(&payload[4..8]), STATE_HOLE | STATE_ZERO);
+        assert_eq!(be_u32(&payload[8..12]), 400);
+        assert_eq!(payload.len(), 16);
+        let one = block_status_chunk(&header, &extents, true).unwrap();
+        assert_eq!(one.len(), STRUCTURED_REPLY_HEADER_BYTES + 4 + 8);
+    }
+
+    #[test]
+    fn utf8_truncation_keeps_whole_characters() {
+        assert_eq!(truncate_utf8("héllo", 2), "h");
+        assert_eq!(truncate_utf8("abc", 10), "abc");
+    }
+
+    #[test]
+    fn worker_pool_runs_every_job_before_join_returns() {
+        let pool = WorkerPool::new(3);
+        let counter = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        for _ in 0..100 {
+            let counter = Arc::clone(&counter);
+            pool.submit(Box::new(move || {
+                counter.fetch_add(1, Ordering::SeqCst);
+            }));
+        }
+        pool.close_and_join();
+        assert_eq!(counter.load(Ordering::SeqCst), 100);
+    }
+}

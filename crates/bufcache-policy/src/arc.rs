@@ -1,0 +1,195 @@
+//! ARC (Megiddo & Modha, FAST'03): two LRU lists of cached entries, `T1` (seen once
+//! recently) and `T2` (seen at least twice), two ghost lists of key hashes, `B1` and `B2`,
+//! evicted from them, and an adaptive target `p` for the size of `T1`.
+//!
+//! A miss whose key is in `B1` means `T1` was too small: `p` grows (by `|B2|/|B1|`, at least
+//! 1). A miss in `B2` means `T2` was too small: `p` shrinks. Both kinds of ghost hit insert
+//! into `T2`; a plain miss inserts into `T1`; any hit moves the entry to `T2`'s head.
+//! Eviction takes `T1`'s LRU end while `|T1| > p` (or `T2` is empty), else `T2`'s, and
+//! remembers the victim's hash in `B1` or `B2`. Ghosts are trimmed so that
+//! `|T1| + |B1| <= c` and `|T1| + |T2| + |B1| + |B2| <= 2c`.
+//!
+//! Differences from the paper forced by the slot interface: the cache evicts *before* it
+//! inserts, so `p` adapts at insert, one eviction later than in the paper, and the
+//! `x ∈ B2 && |T1| == p` tie-break of REPLACE is not available. `c` is re-estimated at every
+//! eviction as the number of tracked entries, so the bounds follow the real cache size.
+//! `NoReuse` entries sit in a separate queue drained first and never enter `B1`/`B2`.
+
+use crate::ghost::Ghost;
+use crate::list::{ListId, SlotLists};
+use crate::{grow_to_slot, Placement, Policy, Slot};
+
+const NO_REUSE: ListId = 0;
+const RECENT: ListId = 1;
+const FREQUENT: ListId = 2;
+
+/// Adaptive replacement cache.
+pub struct Arc {
+    lists: SlotLists<3>,
+    /// `B1`: hashes evicted from `T1`.
+    recent_ghost: Ghost,
+    /// `B2`: hashes evicted from `T2`.
+    frequent_ghost: Ghost,
+    key_hashes: Vec<u64>,
+    /// Target size of `T1`, in entries; `0 <= p <= capacity`.
+    recent_target: usize,
+    /// `c`: entries the cache holds when full (re-estimated at each eviction).
+    capacity: usize,
+}
+
+impl Arc {
+    /// Empty lists sized for a cache of about `capacity` entries.
+    pub fn with_capacity(capacity: usize) -> Self {
+        Arc {
+            lists: SlotLists::with_capacity(capacity),
+            recent_ghost: Ghost::with_capacity(capacity),
+            frequent_ghost: Ghost::with_capacity(capacity),
+            key_hashes: Vec::with_capacity(capacity),
+            recent_target: 0,
+            capacity: capacity.max(1),
+        }
+    }
+
+    /// The current target size of `T1` (ARC's `p`), for tests and statistics.
+    pub fn recent_target(&self) -> usize {
+        self.recent_target
+    }
+
+    /// Adapts `p` for a miss on `key_hash` and says which list the new entry joins.
+    fn adapt_for_miss(&mut self, key_hash: u64) -> ListId {
+        let recent_ghosts = self.recent_ghost.len();
+        let frequent_ghosts = self.frequent_ghost.len();
+        if self.recent_ghost.remove(key_hash) {
+            let step = (frequent_ghosts / recent_ghosts).max(1);
+            self.recent_target = (self.recent_target + step).min(self.capacity);
+            FREQUENT
+        } else if self.frequent_ghost.remove(key_hash) {
+            let step = (recent_ghosts / frequent_ghosts).max(1);
+            self.recent_target = self.recent_target.saturating_sub(step);
+            FREQUENT
+        } else {
+            RECENT
+        }
+    }
+
+    fn evict_from(
+        &mut self,
+        list: ListId,
+        evictable: &mut dyn FnMut(Slot) -> bool,
+    ) -> Option<Slot> {
+        let slot = self.lists.take_oldest_accepted(list, evictable)?;
+        let key_hash = self.key_hashes[slot as usize];
+        match list {
+            RECENT => self.recent_ghost.push(key_hash),
+            _ => self.frequent_ghost.push(key_hash),
+        }
+        self.trim_ghosts();
+        Some(slot)
+    }
+
+    /// Keeps `|T1| + |B1| <= c` and `|T1| + |T2| + |B1| + |B2| <= 2c`. Called after an
+    /// eviction (when the entry about to be inserted is not counted yet, which leaves one
+    /// ghost of slack so the insert can still find its own key, as in the paper where the
+    /// ghost lookup precedes REPLACE) and again after the insert.
+    fn trim_ghosts(&mut self) {
+        let recent_room = self.capacity.saturating_sub(self.lists.len(RECENT));
+        self.recent_ghost.trim_to(recent_room);
+        let cached = self.lists.len(RECENT) + self.lists.len(FREQUENT);
+        let ghost_room = (2 * self.capacity).saturating_sub(cached);
+        let frequent_room = ghost_room.saturating_sub(self.recent_ghost.len());
+        self.frequent_ghost.trim_to(frequent_room);
+        self.recent_ghost.trim_to(ghost_room);
+    }
+}
+
+impl Policy for Arc {
+    fn name(&self) -> &'static str {
+        "arc"
+    }
+
+    fn insert(&mut self, slot: Slot, key_hash: u64, placement: Placement) {
+        grow_to_slot(&mut self.key_hashes, slot);
+        self.key_hashes[slot as usize] = key_hash;
+        let list = match placement {
+            Placement::NoReuse => NO_REUSE,
+            Placement::Normal => self.adapt_for_miss(key_hash),
+        };
+        self.lists.push_head(list, slot);
+        self.trim_ghosts();
+    }
+
+    fn access(&mut self, slot: Slot) {
+        match self.lists.list_of(slot) {
+            Some(NO_REUSE) => {
+                self.lists.unlink(slot);
+                self.lists.push_head(RECENT, slot);
+            }
+            Some(_) => self.lists.move_to_head(FREQUENT, slot),
+            None => debug_assert!(false, "slot {slot} is not tracked"),
+        }
+    }
+
+    fn remove(&mut self, slot: Slot) {
+        if self.lists.list_of(slot).is_some() {
+            self.lists.unlink(slot);
+        }
+    }
+
+    fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {
+        if let Some(slot) = self.lists.take_oldest_accepted(NO_REUSE, evictable) {
+            return Some(slot);
+        }
+        self.capacity = self.lists.tracked().max(1);
+        self.recent_target = self.recent_target.min(self.capacity);
+        let recent = self.lists.len(RECENT);
+        let (first, second) =
+            if recent > 0 && (recent > self.recent_target || self.lists.len(FREQUENT) == 0) {
+                (RECENT, FREQUENT)
+            } else {
+                (FREQUENT, RECENT)
+            };
+        self.evict_from(first, evictable)
+            .or_else(|| self.evict_from(second, evictable))
+    }
+
+    fn len(&self) -> usize {
+        self.lists.tracked()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ghost_hit_in_b1_grows_p_and_lands_in_t2() {
+        let mut arc = Arc::with_capacity(4);
+        for slot in 0..4 {
+            arc.insert(slot, 10 + u64::from(slot), Placement::Normal);
+        }
+        arc.access(2);
+        arc.access(3);
+        assert_eq!(arc.evict(&mut |_| true), Some(0));
+        assert_eq!(arc.recent_ghost.len(), 1);
+        arc.insert(0, 10, Placement::Normal);
+        assert_eq!(arc.recent_target(), 1);
+        assert_eq!(arc.lists.list_of(0), Some(FREQUENT));
+        arc.lists.debug_check();
+    }
+
+    #[test]
+    fn ghost_lists_stay_within_twice_the_capacity() {
+        let mut arc = Arc::with_capacity(8);
+        for key in 0..1000u64 {
+            let slot = (key % 8) as Slot;
+            if key >= 8 {
+                let victim = arc.evict(&mut |_| true).expect("victim");
+                assert_eq!(victim, slot);
+            }
+            arc.insert(slot, key, Placement::Normal);
+            let ghosts = arc.recent_ghost.len() + arc.frequent_ghost.len();
+            assert!(arc.len() + ghosts <= 16);
+            assert!(arc.lists.len(RECENT) + arc.recent_ghost.len() <= 8);
+        }
+    }
+}

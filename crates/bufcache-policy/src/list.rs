@@ -1,0 +1,230 @@
+//! Intrusive doubly linked lists over slots, shared by every list-based policy.
+//!
+//! `SlotLists` owns one link record per slot and the two ends of a small fixed number of
+//! lists (LRU has one, ARC has T1 and T2, ...), plus the *no-reuse* list that every policy
+//! keeps for [`Placement::NoReuse`](crate::Placement::NoReuse) entries. A slot is on at most
+//! one list at a time; `list_of` says which. All operations are O(1) and allocate only when a
+//! slot number beyond the current high-water mark is first seen.
+//!
+//! Orientation: the *head* is where new entries go, the *tail* is the oldest entry and the
+//! first eviction candidate. `toward_head` walks from tail to head.
+//!
+//! Invariants (checked by `debug_check` in tests): each list's `len` equals the number of
+//! slots whose `list` field names it, the links of a list form a chain from head to tail, and
+//! `tracked()` is the sum of the list lengths.
+
+use crate::Slot;
+
+/// No slot: the end of a chain.
+pub(crate) const NONE: Slot = Slot::MAX;
+
+/// Identifies one list inside a [`SlotLists`].
+pub(crate) type ListId = u8;
+
+/// `list` value of a slot on no list.
+const DETACHED: ListId = ListId::MAX;
+
+#[derive(Clone, Copy, Debug)]
+struct Links {
+    /// Neighbour toward the head (newer), or `NONE`.
+    newer: Slot,
+    /// Neighbour toward the tail (older), or `NONE`.
+    older: Slot,
+    list: ListId,
+}
+
+const UNLINKED: Links = Links {
+    newer: NONE,
+    older: NONE,
+    list: DETACHED,
+};
+
+#[derive(Clone, Copy, Debug)]
+struct Ends {
+    head: Slot,
+    tail: Slot,
+    len: usize,
+}
+
+const EMPTY: Ends = Ends {
+    head: NONE,
+    tail: NONE,
+    len: 0,
+};
+
+/// `LIST_COUNT` intrusive lists over one slot space.
+pub(crate) struct SlotLists<const LIST_COUNT: usize> {
+    links: Vec<Links>,
+    ends: [Ends; LIST_COUNT],
+    tracked: usize,
+}
+
+impl<const LIST_COUNT: usize> SlotLists<LIST_COUNT> {
+    /// Empty lists with link records preallocated for `capacity` slots.
+    pub(crate) fn with_capacity(capacity: usize) -> Self {
+        debug_assert!(LIST_COUNT < DETACHED as usize);
+        SlotLists {
+            links: Vec::with_capacity(capacity),
+            ends: [EMPTY; LIST_COUNT],
+            tracked: 0,
+        }
+    }
+
+    /// Makes sure `slot` has a link record (slots are dense, so this grows rarely).
+    pub(crate) fn reserve_slot(&mut self, slot: Slot) {
+        let index = slot as usize;
+        if index >= self.links.len() {
+            self.links.resize(index + 1, UNLINKED);
+        }
+    }
+
+    /// The list `slot` is on, or `None` when it is not tracked (or was never seen).
+    pub(crate) fn list_of(&self, slot: Slot) -> Option<ListId> {
+        match self.links.get(slot as usize) {
+            Some(links) if links.list != DETACHED => Some(links.list),
+            _ => None,
+        }
+    }
+
+    /// Number of slots on `list`.
+    pub(crate) fn len(&self, list: ListId) -> usize {
+        self.ends[list as usize].len
+    }
+
+    /// Number of slots on any list.
+    pub(crate) fn tracked(&self) -> usize {
+        self.tracked
+    }
+
+    /// The oldest slot of `list`.
+    pub(crate) fn tail(&self, list: ListId) -> Option<Slot> {
+        some_slot(self.ends[list as usize].tail)
+    }
+
+    /// The neighbour of `slot` one step toward the head of its list.
+    pub(crate) fn toward_head(&self, slot: Slot) -> Option<Slot> {
+        some_slot(self.links[slot as usize].newer)
+    }
+
+    /// Puts an untracked `slot` at the head (newest end) of `list`.
+    pub(crate) fn push_head(&mut self, list: ListId, slot: Slot) {
+        self.reserve_slot(slot);
+        debug_assert_eq!(self.list_of(slot), None, "slot {slot} is already on a list");
+        let ends = &mut self.ends[list as usize];
+        let old_head = ends.head;
+        self.links[slot as usize] = Links {
+            newer: NONE,
+            older: old_head,
+            list,
+        };
+        match old_head {
+            NONE => ends.tail = slot,
+            _ => self.links[old_head as usize].newer = slot,
+        }
+        ends.head = slot;
+        ends.len += 1;
+        self.tracked += 1;
+    }
+
+    /// Takes a tracked `slot` off its list and returns the list it was on.
+    pub(crate) fn unlink(&mut self, slot: Slot) -> ListId {
+        let Links { newer, older, list } = self.links[slot as usize];
+        debug_assert_ne!(list, DETACHED, "slot {slot} is not tracked");
+        let ends = &mut self.ends[list as usize];
+        match newer {
+            NONE => ends.head = older,
+            _ => self.links[newer as usize].older = older,
+        }
+        match older {
+            NONE => ends.tail = newer,
+            _ => self.links[older as usize].newer = newer,
+        }
+        ends.len -= 1;
+        self.tracked -= 1;
+        self.links[slot as usize] = UNLINKED;
+        list
+    }
+
+    /// Moves a tracked `slot` to the head of `list` (which may be its own list).
+    pub(crate) fn move_to_head(&mut self, list: ListId, slot: Slot) {
+        if self.ends[list as usize].head != slot {
+            self.unlink(slot);
+            self.push_head(list, slot);
+        }
+    }
+
+    /// Walks `list` from its tail toward its head and removes and returns the first slot that
+    /// `evictable` accepts. Refused slots stay where they are. Examines each slot once.
+    pub(crate) fn take_oldest_accepted(
+        &mut self,
+        list: ListId,
+        evictable: &mut dyn FnMut(Slot) -> bool,
+    ) -> Option<Slot> {
+        let mut candidate = self.tail(list);
+        while let Some(slot) = candidate {
+            if evictable(slot) {
+                self.unlink(slot);
+                return Some(slot);
+            }
+            candidate = self.toward_head(slot);
+        }
+        None
+    }
+
+    /// Panics unless the lists are consistent with their recorded lengths. O(slots).
+    #[cfg(test)]
+    pub(crate) fn debug_check(&self) {
+        let mut total = 0;
+        for list in 0..LIST_COUNT {
+            let mut count = 0;
+            let mut previous = NONE;
+            let mut cursor = self.ends[list].tail;
+            while cursor != NONE {
+                let links = self.links[cursor as usize];
+                assert_eq!(links.list as usize, list);
+                assert_eq!(links.older, previous);
+                count += 1;
+                previous = cursor;
+                cursor = links.newer;
+            }
+            assert_eq!(previous, self.ends[list].head);
+            assert_eq!(count, self.ends[list].len);
+            total += count;
+        }
+        assert_eq!(total, self.tracked);
+    }
+}
+
+fn some_slot(slot: Slot) -> Option<Slot> {
+    (slot != NONE).then_some(slot)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn push_unlink_and_walk_keep_the_chain_consistent() {
+        let mut lists = SlotLists::<2>::with_capacity(4);
+        lists.push_head(0, 0);
+        lists.push_head(0, 1);
+        lists.push_head(0, 2);
+        lists.push_head(1, 4);
+        lists.push_head(1, 5);
+        lists.debug_check();
+        assert_eq!(lists.tail(0), Some(0));
+        assert_eq!(lists.toward_head(0), Some(1));
+        assert_eq!(lists.tail(1), Some(4));
+        assert_eq!(
+            lists.take_oldest_accepted(0, &mut |slot| slot != 0),
+            Some(1)
+        );
+        assert_eq!(lists.unlink(5), 1);
+        lists.move_to_head(0, 0);
+        lists.debug_check();
+        assert_eq!(lists.toward_head(2), Some(0));
+        assert_eq!(lists.tracked(), 3);
+        assert_eq!(lists.list_of(5), None);
+        assert_eq!(lists.list_of(99), None);
+    }
+}

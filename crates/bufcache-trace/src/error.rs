@@ -1,0 +1,99 @@
+//! The one error type every reader returns.
+//!
+//! Every variant names where the problem is (the source path, and either a
+//! 1-based line number for text formats or a 0-based record index plus byte
+//! offset for binary formats) and what was wrong (which field, what value).
+//! Offending values are truncated to [`VALUE_LENGTH_MAX`] characters so that a
+//! garbage line of megabytes cannot produce a megabyte error message.
+
+use std::path::PathBuf;
+
+/// Longest excerpt of an offending value kept in an error, in characters.
+pub const VALUE_LENGTH_MAX: usize = 64;
+
+/// What went wrong while opening or reading a trace.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    /// The file could not be opened or read.
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A format name that `TraceFormat::from_str` does not know.
+    #[error("unknown trace format {name:?} (expected one of: {expected})")]
+    UnknownFormat {
+        name: String,
+        expected: &'static str,
+    },
+
+    /// `TraceFormat::guess` could not tell the format from the name or content.
+    #[error("{path}: cannot guess the trace format: {reason}")]
+    FormatNotGuessed { path: PathBuf, reason: String },
+
+    /// An option key that `TraceOptions::parse` does not know.
+    #[error("unknown trace option {key:?} (known: {known})")]
+    UnknownOption { key: String, known: &'static str },
+
+    /// A known option key with a value it cannot take.
+    #[error("trace option {key}={value:?}: {reason}")]
+    InvalidOption {
+        key: &'static str,
+        value: String,
+        reason: String,
+    },
+
+    /// The options do not fit the chosen format (for example CSV without `obj-id-col`).
+    #[error("{format} trace: {reason}")]
+    MissingOption {
+        format: &'static str,
+        reason: &'static str,
+    },
+
+    /// The file's header (first line, or first records) is not what the format requires.
+    #[error("{path}: bad header: {reason}")]
+    Header { path: PathBuf, reason: String },
+
+    /// A text line that does not parse.
+    #[error("{path}:{line_number}: field {field} = {value:?}: {reason}")]
+    Line {
+        path: PathBuf,
+        line_number: u64,
+        field: &'static str,
+        value: String,
+        reason: String,
+    },
+
+    /// A binary record with a field that cannot be turned into a request.
+    #[error(
+        "{path}: record {record_index} at byte {offset_bytes}: field {field} = {value}: {reason}"
+    )]
+    Record {
+        path: PathBuf,
+        record_index: u64,
+        offset_bytes: u64,
+        field: &'static str,
+        value: String,
+        reason: String,
+    },
+
+    /// The file ends inside a binary record.
+    #[error("{path}: record {record_index} at byte {offset_bytes} is truncated: {present_bytes} of {record_bytes} bytes present")]
+    TruncatedRecord {
+        path: PathBuf,
+        record_index: u64,
+        offset_bytes: u64,
+        present_bytes: usize,
+        record_bytes: usize,
+    },
+}
+
+/// Shortens `value` for display in an error, keeping at most [`VALUE_LENGTH_MAX`] characters.
+pub(crate) fn excerpt(value: &str) -> String {
+    match value.char_indices().nth(VALUE_LENGTH_MAX) {
+        Some((cut, _)) => format!("{}...", &value[..cut]),
+        None => value.to_owned(),
+    }
+}

@@ -1,0 +1,184 @@
+//! Buffers: one cached block of one object, its lock, its state flags and its pin count.
+//!
+//! States of a buffer (see docs/design.md):
+//! - *invalid*: just inserted, its bytes not yet read. An invalid buffer is always held
+//!   exclusively by the thread that inserted it; it becomes valid or is removed before that
+//!   lock is released, so nobody ever sees an invalid buffer's bytes.
+//! - *clean*: valid and equal to the device.
+//! - *dirty*: valid and newer than the device; listed in its object's dirty set.
+//! - *pinned*: someone holds a handle (`pins > 0`); it cannot be evicted.
+//! - *under I/O*: its lock is held (exclusively for a read into it, shared for a write-back
+//!   from it) for the duration of the device request.
+//!
+//! Invariants:
+//! - `pins` is incremented only under the owning shard's lock, so the evictor, which checks
+//!   `pins == 0` under that lock, can never evict a buffer someone is about to use;
+//! - DIRTY is set only under the exclusive lock and cleared only under a lock (shared or
+//!   exclusive) after the device accepted the bytes, so data is never marked clean unless
+//!   it reached the device;
+//! - memory is charged when a buffer is created and released when it is dropped, so the
+//!   memory limit covers every live buffer, including ones removed but still referenced.
+
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::lock_api::RawRwLock as _;
+use parking_lot::RawRwLock;
+
+use crate::aligned::AlignedBytes;
+
+/// The data bytes are valid (read from the device or wholly written).
+pub(crate) const VALID: u32 = 1;
+/// The bytes are newer than the device.
+pub(crate) const DIRTY: u32 = 2;
+/// Read ahead and not yet used by a reader; evicting it counts as wasted read-ahead.
+pub(crate) const READAHEAD: u32 = 4;
+
+/// Identity of a cached block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockKey {
+    /// The object the block belongs to.
+    pub object: u32,
+    /// Logical block number within the object.
+    pub block: u64,
+}
+
+impl BlockKey {
+    /// A well-mixed 64-bit hash (also used to pick the shard and by policies' ghost lists).
+    pub fn hash64(&self) -> u64 {
+        let mixed = self.block ^ ((self.object as u64) << 48) ^ ((self.object as u64) >> 16);
+        let mut value = mixed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        value ^= value >> 29;
+        value = value.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        value ^ (value >> 32)
+    }
+}
+
+/// Releases charged memory when a buffer is dropped.
+pub(crate) trait MemoryRelease: Send + Sync {
+    fn release(&self, charge_bytes: u64, waste_bytes: u64);
+}
+
+/// One cached block.
+pub(crate) struct Buffer {
+    pub key: BlockKey,
+    /// Bytes of the block that exist on the device (the last block of an object may be short).
+    pub length_bytes: u32,
+    pub charge_bytes: u32,
+    pub slot: AtomicU32,
+    pub pins: AtomicU32,
+    pub flags: AtomicU32,
+    /// When the buffer last became dirty, on the injected clock.
+    pub dirty_since_ns: AtomicU64,
+    lock: RawRwLock,
+    data: UnsafeCell<AlignedBytes>,
+    memory: Arc<dyn MemoryRelease>,
+}
+
+// SAFETY: `data` is only touched through the guards below, which hold `lock` shared (read) or
+// exclusively (write); every other field is atomic or immutable.
+unsafe impl Sync for Buffer {}
+// SAFETY: as above; AlignedBytes is Send.
+unsafe impl Send for Buffer {}
+
+impl Buffer {
+    /// A new invalid buffer, already locked exclusively and pinned once by its creator.
+    pub fn new_locked(
+        key: BlockKey,
+        size_bytes: usize,
+        length_bytes: u32,
+        page_size: usize,
+        charge_bytes: u32,
+        memory: Arc<dyn MemoryRelease>,
+    ) -> Arc<Buffer> {
+        let buffer = Buffer {
+            key,
+            length_bytes,
+            charge_bytes,
+            slot: AtomicU32::new(u32::MAX),
+            pins: AtomicU32::new(1),
+            flags: AtomicU32::new(0),
+            dirty_since_ns: AtomicU64::new(0),
+            lock: RawRwLock::INIT,
+            data: UnsafeCell::new(AlignedBytes::zeroed(size_bytes, page_size)),
+            memory,
+        };
+        buffer.lock.lock_exclusive();
+        Arc::new(buffer)
+    }
+
+    pub fn has(&self, flag: u32) -> bool {
+        self.flags.load(Ordering::Acquire) & flag != 0
+    }
+
+    pub fn set(&self, flag: u32) -> bool {
+        self.flags.fetch_or(flag, Ordering::AcqRel) & flag == 0
+    }
+
+    /// Clears `flag`; true when it was set.
+    pub fn clear(&self, flag: u32) -> bool {
+        self.flags.fetch_and(!flag, Ordering::AcqRel) & flag != 0
+    }
+
+    pub fn lock_shared(&self) {
+        self.lock.lock_shared();
+    }
+
+    pub fn try_lock_shared(&self) -> bool {
+        self.lock.try_lock_shared()
+    }
+
+    pub fn lock_exclusive(&self) {
+        self.lock.lock_exclusive();
+    }
+
+    /// # Safety
+    /// The caller holds the lock shared.
+    pub unsafe fn unlock_shared(&self) {
+        self.lock.unlock_shared();
+    }
+
+    /// # Safety
+    /// The caller holds the lock exclusively.
+    pub unsafe fn unlock_exclusive(&self) {
+        self.lock.unlock_exclusive();
+    }
+
+    /// # Safety
+    /// The caller holds the lock (shared or exclusive) for the lifetime of the slice.
+    pub unsafe fn bytes(&self) -> &[u8] {
+        &*self.data.get()
+    }
+
+    /// # Safety
+    /// The caller holds the lock exclusively for the lifetime of the slice, and takes no other
+    /// reference to the bytes meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn bytes_mut(&self) -> &mut [u8] {
+        &mut *self.data.get()
+    }
+
+    /// The bytes that exist on the device: all but the tail of a short last block.
+    ///
+    /// # Safety
+    /// As for [`Buffer::bytes`].
+    pub unsafe fn device_bytes(&self) -> &[u8] {
+        &self.bytes()[..self.length_bytes as usize]
+    }
+
+    /// # Safety
+    /// As for [`Buffer::bytes_mut`].
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn device_bytes_mut(&self) -> &mut [u8] {
+        &mut self.bytes_mut()[..self.length_bytes as usize]
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        let size = self.data.get_mut().len() as u64;
+        self.memory
+            .release(self.charge_bytes as u64, self.charge_bytes as u64 - size);
+    }
+}

@@ -1,0 +1,211 @@
+//! `MemoryDevice`: a sparse in-memory device, for tests, simulation and `memory:SIZE` exports.
+//!
+//! Storage is a map from 64 KiB chunk index to chunk bytes; chunks that were never written
+//! (or were wholly discarded) are absent and read as zeroes, so a `memory:1T` device costs only
+//! what is written. Writes are immediately "durable": `flush` has nothing to do.
+
+use std::collections::HashMap;
+use std::io::{self, IoSlice, IoSliceMut};
+
+use parking_lot::RwLock;
+
+use crate::device::{check_range, total_length, Device, Extent};
+
+const CHUNK_SIZE: u64 = 64 * 1024;
+
+/// A sparse device held in memory.
+pub struct MemoryDevice {
+    length_bytes: u64,
+    chunks: RwLock<HashMap<u64, Box<[u8]>>>,
+}
+
+impl MemoryDevice {
+    /// A device of `length_bytes` zero bytes.
+    pub fn new(length_bytes: u64) -> Self {
+        MemoryDevice {
+            length_bytes,
+            chunks: RwLock::new(HashMap::new()),
+        }
+    }
+
+    /// Bytes of memory held by written chunks.
+    pub fn allocated_bytes(&self) -> u64 {
+        self.chunks.read().len() as u64 * CHUNK_SIZE
+    }
+
+    /// Copies the device's contents at `offset` into `target`, for tests and checks.
+    pub fn read_into(&self, offset: u64, target: &mut [u8]) -> io::Result<()> {
+        self.read_vectored_at(&mut [IoSliceMut::new(target)], offset)
+    }
+}
+
+/// Calls `visit(chunk_index, offset_in_chunk, range_in_slice)` for each chunk piece of a
+/// transfer of `length` bytes starting at device `offset`.
+fn for_each_piece(offset: u64, length: usize, mut visit: impl FnMut(u64, usize, usize, usize)) {
+    let mut done = 0usize;
+    while done < length {
+        let position = offset + done as u64;
+        let chunk_index = position / CHUNK_SIZE;
+        let within = (position % CHUNK_SIZE) as usize;
+        let step = (CHUNK_SIZE as usize - within).min(length - done);
+        visit(chunk_index, within, done, step);
+        done += step;
+    }
+}
+
+impl Device for MemoryDevice {
+    fn read_vectored_at(&self, buffers: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<()> {
+        check_range(
+            self.length_bytes,
+            offset,
+            total_length(buffers.iter().map(|b| b.len())),
+        )?;
+        let chunks = self.chunks.read();
+        let mut position = offset;
+        for buffer in buffers.iter_mut() {
+            let length = buffer.len();
+            for_each_piece(position, length, |chunk_index, within, start, step| {
+                let target = &mut buffer[start..start + step];
+                match chunks.get(&chunk_index) {
+                    Some(chunk) => target.copy_from_slice(&chunk[within..within + step]),
+                    None => target.fill(0),
+                }
+            });
+            position += length as u64;
+        }
+        Ok(())
+    }
+
+    fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
+        check_range(
+            self.length_bytes,
+            offset,
+            total_length(buffers.iter().map(|b| b.len())),
+        )?;
+        let mut chunks = self.chunks.write();
+        let mut position = offset;
+        for buffer in buffers {
+            for_each_piece(
+                position,
+                buffer.len(),
+                |chunk_index, within, start, step| {
+                    let chunk = chunks
+                        .entry(chunk_index)
+                        .or_insert_with(|| vec![0u8; CHUNK_SIZE as usize].into_boxed_slice());
+                    chunk[within..within + step].copy_from_slice(&buffer[start..start + step]);
+                },
+            );
+            position += buffer.len() as u64;
+        }
+        Ok(())
+    }
+
+    fn flush(&self) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn discard(&self, offset: u64, length: u64) -> io::Result<()> {
+        self.write_zeroes(offset, length)
+    }
+
+    fn len(&self) -> u64 {
+        self.length_bytes
+    }
+
+    fn discard_zeroes(&self) -> bool {
+        true
+    }
+
+    fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
+        check_range(self.length_bytes, offset, length)?;
+        let mut chunks = self.chunks.write();
+        for_each_piece(offset, length as usize, |chunk_index, within, _, step| {
+            if within == 0 && step == CHUNK_SIZE as usize {
+                chunks.remove(&chunk_index);
+            } else if let Some(chunk) = chunks.get_mut(&chunk_index) {
+                chunk[within..within + step].fill(0);
+            }
+        });
+        Ok(())
+    }
+
+    fn write_zeroes_is_fast(&self) -> bool {
+        true
+    }
+
+    fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {
+        check_range(self.length_bytes, offset, length)?;
+        let chunks = self.chunks.read();
+        let mut extents: Vec<Extent> = Vec::new();
+        for_each_piece(offset, length as usize, |chunk_index, _, _, step| {
+            let hole = !chunks.contains_key(&chunk_index);
+            match extents.last_mut() {
+                Some(last) if last.hole == hole => last.length += step as u64,
+                _ => extents.push(Extent {
+                    length: step as u64,
+                    hole,
+                }),
+            }
+        });
+        Ok(extents)
+    }
+
+    fn describe(&self) -> String {
+        format!("memory:{}", self.length_bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_back_what_was_written_across_chunks() {
+        let device = MemoryDevice::new(1 << 20);
+        let data: Vec<u8> = (0..100_000u32).map(|i| i as u8).collect();
+        device
+            .write_vectored_at(
+                &[IoSlice::new(&data[..10]), IoSlice::new(&data[10..])],
+                60_000,
+            )
+            .unwrap();
+        let mut back = vec![0u8; 100_000];
+        device.read_into(60_000, &mut back).unwrap();
+        assert_eq!(back, data);
+        let extents = device.extents(0, 1 << 20).unwrap();
+        assert_eq!(
+            extents,
+            vec![
+                Extent {
+                    length: 3 * CHUNK_SIZE,
+                    hole: false
+                },
+                Extent {
+                    length: (1 << 20) - 3 * CHUNK_SIZE,
+                    hole: true
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn refuses_requests_past_the_end() {
+        let device = MemoryDevice::new(4096);
+        let mut buffer = [0u8; 8];
+        let error = device.read_into(4090, &mut buffer).unwrap_err();
+        assert_eq!(error.kind(), io::ErrorKind::InvalidInput);
+    }
+
+    #[test]
+    fn write_zeroes_frees_whole_chunks() {
+        let device = MemoryDevice::new(1 << 20);
+        device
+            .write_vectored_at(&[IoSlice::new(&vec![7u8; 200_000])], 0)
+            .unwrap();
+        device.write_zeroes(0, 131_072).unwrap();
+        assert_eq!(device.allocated_bytes(), 2 * CHUNK_SIZE);
+        let mut back = vec![1u8; 4];
+        device.read_into(131_070, &mut back).unwrap();
+        assert_eq!(back, [0, 0, 7, 7]);
+    }
+}

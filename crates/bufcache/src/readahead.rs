@@ -1,0 +1,201 @@
+//! Sequential detection and read-ahead windows, one state per stream, not per object.
+//!
+//! Each object keeps a small table of recent streams (`streams_per_object_max`). A read that
+//! starts exactly where a stream's last read ended continues that stream; any other read
+//! replaces the least recently used stream and causes no read-ahead, so random readers pay
+//! nothing. Several interleaved sequential readers of one object (nbdcopy's four
+//! connections) each keep their own entry.
+//!
+//! A stream's second sequential read opens a window of `readahead_size_initial_bytes` read in
+//! the same device request as the miss (synchronous read-ahead). The first block of each
+//! window is its trigger: when a reader reaches it, the next window — four times larger, up to
+//! `readahead_size_max_bytes` — is issued asynchronously, so it is in flight before the reader
+//! gets there (Linux's PG_readahead marker, FreeBSD's B_RAM).
+
+/// What the reader of one request should read beyond the blocks it asked for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct ReadaheadPlan {
+    /// Blocks `[request end, extend_to)` are read together with the request's misses.
+    pub extend_to_block: u64,
+    /// A window to read in the background: `[start, end)`.
+    pub background: Option<(u64, u64)>,
+    /// The stream is long: its blocks go to the eviction end of the policy.
+    pub no_reuse: bool,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Stream {
+    next_block: u64,
+    window_blocks: u64,
+    trigger_block: u64,
+    ahead_end_block: u64,
+    last_use: u64,
+}
+
+/// The recent streams of one object.
+pub(crate) struct StreamTable {
+    streams: Vec<Stream>,
+    tick: u64,
+}
+
+/// Window sizes in blocks for one object.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct WindowLimits {
+    pub initial_blocks: u64,
+    pub max_blocks: u64,
+    pub streams_max: usize,
+    pub object_blocks: u64,
+}
+
+impl StreamTable {
+    pub fn new() -> Self {
+        StreamTable {
+            streams: Vec::new(),
+            tick: 0,
+        }
+    }
+
+    /// Records a read of blocks `[first, end)` and says what to read ahead.
+    pub fn on_read(&mut self, first: u64, end: u64, limits: WindowLimits) -> ReadaheadPlan {
+        self.tick += 1;
+        let none = ReadaheadPlan {
+            extend_to_block: end,
+            ..Default::default()
+        };
+        if limits.max_blocks == 0 {
+            return none;
+        }
+        let tick = self.tick;
+        let Some(stream) = self.streams.iter_mut().find(|s| s.next_block == first) else {
+            self.start_stream(end, limits.streams_max);
+            return none;
+        };
+        stream.next_block = end;
+        stream.last_use = tick;
+        let clamp = |block: u64| block.min(limits.object_blocks);
+        if stream.window_blocks == 0 || first >= stream.ahead_end_block {
+            // A new sequential stream, or a reader that outran its read-ahead: read a window
+            // together with this request.
+            stream.window_blocks = if stream.window_blocks == 0 {
+                limits.initial_blocks.min(limits.max_blocks)
+            } else {
+                grow(stream.window_blocks, limits.max_blocks)
+            };
+            stream.ahead_end_block = clamp(end + stream.window_blocks);
+            stream.trigger_block = end;
+            return ReadaheadPlan {
+                extend_to_block: stream.ahead_end_block,
+                background: None,
+                no_reuse: stream.window_blocks >= limits.max_blocks,
+            };
+        }
+        let mut plan = ReadaheadPlan {
+            extend_to_block: end,
+            background: None,
+            no_reuse: stream.window_blocks >= limits.max_blocks,
+        };
+        if end > stream.trigger_block && stream.ahead_end_block < limits.object_blocks {
+            stream.window_blocks = grow(stream.window_blocks, limits.max_blocks);
+            let start = stream.ahead_end_block;
+            let window_end = clamp(start + stream.window_blocks);
+            stream.trigger_block = start;
+            stream.ahead_end_block = window_end;
+            plan.background = Some((start, window_end));
+            plan.no_reuse = stream.window_blocks >= limits.max_blocks;
+        }
+        plan
+    }
+
+    fn start_stream(&mut self, end: u64, streams_max: usize) {
+        let fresh = Stream {
+            next_block: end,
+            window_blocks: 0,
+            trigger_block: 0,
+            ahead_end_block: 0,
+            last_use: self.tick,
+        };
+        if self.streams.len() < streams_max {
+            self.streams.push(fresh);
+        } else if let Some(oldest) = self.streams.iter_mut().min_by_key(|s| s.last_use) {
+            *oldest = fresh;
+        }
+    }
+
+    /// Number of streams being tracked (for tests).
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.streams.len()
+    }
+}
+
+fn grow(window_blocks: u64, max_blocks: u64) -> u64 {
+    (window_blocks * 4).min(max_blocks).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMITS: WindowLimits = WindowLimits {
+        initial_blocks: 4,
+        max_blocks: 256,
+        streams_max: 8,
+        object_blocks: 1 << 30,
+    };
+
+    #[test]
+    fn random_reads_cause_no_read_ahead() {
+        let mut table = StreamTable::new();
+        for block in [10, 500, 3, 90_000, 7] {
+            let plan = table.on_read(block, block + 1, LIMITS);
+            assert_eq!(
+                plan,
+                ReadaheadPlan {
+                    extend_to_block: block + 1,
+                    ..Default::default()
+                }
+            );
+        }
+    }
+
+    #[test]
+    fn sequential_windows_grow_and_trigger_ahead_of_the_reader() {
+        let mut table = StreamTable::new();
+        assert_eq!(table.on_read(0, 1, LIMITS).extend_to_block, 1);
+        let plan = table.on_read(1, 2, LIMITS);
+        assert_eq!(
+            plan.extend_to_block, 6,
+            "second read opens the initial window"
+        );
+        let plan = table.on_read(2, 3, LIMITS);
+        assert_eq!(
+            plan.background,
+            Some((6, 22)),
+            "reaching the trigger issues the next window"
+        );
+        let mut windows = vec![];
+        for block in 3..2000 {
+            if let Some((start, end)) = table.on_read(block, block + 1, LIMITS).background {
+                assert!(start > block, "read-ahead is ahead of the reader");
+                windows.push(end - start);
+            }
+        }
+        assert_eq!(windows[..3], [64, 256, 256]);
+    }
+
+    #[test]
+    fn interleaved_streams_are_each_detected() {
+        let mut table = StreamTable::new();
+        let starts = [0u64, 1 << 20, 2 << 20, 3 << 20];
+        let mut extended = [false; 4];
+        for step in 0..10 {
+            for (index, start) in starts.iter().enumerate() {
+                let block = start + step;
+                let plan = table.on_read(block, block + 1, LIMITS);
+                extended[index] |= plan.extend_to_block > block + 1 || plan.background.is_some();
+            }
+        }
+        assert_eq!(extended, [true; 4]);
+        assert_eq!(table.len(), 4);
+    }
+}

@@ -1,0 +1,294 @@
+//! Write-back: clustered writes of dirty buffers, fsync, background and throttled writeback.
+//!
+//! Every write-back goes through [`Inner::write_cluster_from`]: a run of consecutive dirty
+//! blocks, contiguous on the device and at most one cluster long, is held shared (readers
+//! continue, writers wait) and written with one vectored request. Only after the device
+//! accepted every byte are the buffers marked clean; on failure they stay dirty, in memory,
+//! and the error is latched on the object for its flushers (the fsyncgate lesson).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use std::io::IoSlice;
+
+use crate::buffer::{Buffer, DIRTY};
+use crate::cache::Inner;
+use crate::error::CacheError;
+use crate::object::ObjectState;
+use crate::stats::WritebackCause;
+
+/// How write-back takes buffer locks.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum LockMode {
+    /// Skip buffers someone holds: background work must never wait behind a user.
+    Try,
+    /// Wait for each buffer: flush and fsync must write everything in their scope.
+    Wait,
+}
+
+impl Inner {
+    /// Writes the run of dirty blocks starting at `first` (one cluster at most). Returns how
+    /// many blocks were cleaned (0 when `first` is not dirty or is held, in `Try` mode).
+    pub fn write_cluster_from(
+        &self,
+        object: &ObjectState,
+        first: u64,
+        mode: LockMode,
+        cause: WritebackCause,
+    ) -> Result<u64, CacheError> {
+        let mapped = object.map.map(first);
+        let limit = object.cluster_blocks.min(mapped.contiguous_blocks);
+        let candidates: Vec<u64> = {
+            let dirty = object.dirty.lock();
+            dirty
+                .range(first..first + limit)
+                .map(|(&block, _)| block)
+                .enumerate()
+                .take_while(|&(index, block)| block == first + index as u64)
+                .map(|(_, block)| block)
+                .collect()
+        };
+        let mut held: Vec<Arc<Buffer>> = Vec::with_capacity(candidates.len());
+        for block in candidates {
+            let Some(buffer) = self.lookup_quiet(object.key(block)) else {
+                break;
+            };
+            let locked = match mode {
+                LockMode::Try => buffer.try_lock_shared(),
+                LockMode::Wait => {
+                    buffer.lock_shared();
+                    true
+                }
+            };
+            if !locked {
+                self.unpin(&buffer);
+                break;
+            }
+            if !buffer.has(DIRTY) {
+                // SAFETY: locked shared just above.
+                unsafe { buffer.unlock_shared() };
+                self.unpin(&buffer);
+                break;
+            }
+            held.push(buffer);
+        }
+        if held.is_empty() {
+            return Ok(0);
+        }
+        let result = self.write_held(object, &held, cause);
+        for buffer in &held {
+            // SAFETY: each was locked shared in the loop above.
+            unsafe { buffer.unlock_shared() };
+            self.unpin(buffer);
+        }
+        result
+    }
+
+    /// Writes `buffers` — consecutive blocks, contiguous on the device, held locked by the
+    /// caller — with one request, then marks them clean. Returns the blocks cleaned.
+    pub fn write_held(
+        &self,
+        object: &ObjectState,
+        buffers: &[Arc<Buffer>],
+        cause: WritebackCause,
+    ) -> Result<u64, CacheError> {
+        let device_offset = object.map.map(buffers[0].key.block).device_offset;
+        // SAFETY: the caller holds every buffer's lock (shared or exclusive).
+        let slices: Vec<IoSlice<'_>> = buffers
+            .iter()
+            .map(|b| IoSlice::new(unsafe { b.device_bytes() }))
+            .collect();
+        let length_bytes: u64 = slices.iter().map(|slice| slice.len() as u64).sum();
+        let result = object.device.write_vectored_at(&slices, device_offset);
+        self.counters
+            .device_writes
+            .record(length_bytes, result.is_ok());
+        if let Err(source) = result {
+            let error = CacheError::Device {
+                device: object.device.describe(),
+                operation: "write",
+                offset: device_offset,
+                length_bytes,
+                source,
+            };
+            object.latch_error(&error);
+            return Err(error);
+        }
+        let mut cleaned = 0u64;
+        for buffer in buffers {
+            if buffer.clear(DIRTY) {
+                object.dirty.lock().remove(&buffer.key.block);
+                self.dirty_bytes
+                    .fetch_sub(buffer.length_bytes as u64, Ordering::AcqRel);
+                cleaned += 1;
+            }
+        }
+        self.counters.writeback(cause, cleaned);
+        if buffers.len() > 1 {
+            self.counters.write_clusters.fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .write_cluster_buffers
+                .fetch_add(buffers.len() as u64, Ordering::Relaxed);
+        }
+        Ok(cleaned)
+    }
+
+    /// Writes every dirty block of `[start, end)` in clusters. Keeps going after a failed
+    /// cluster so that as much as possible reaches the device; returns the first error.
+    pub fn write_range(
+        &self,
+        object: &ObjectState,
+        start: u64,
+        end: u64,
+        mode: LockMode,
+        cause: WritebackCause,
+    ) -> Result<u64, CacheError> {
+        let blocks: Vec<u64> = object
+            .dirty
+            .lock()
+            .range(start..end)
+            .map(|(&block, _)| block)
+            .collect();
+        let mut written = 0u64;
+        let mut first_error = None;
+        let mut next_unwritten = 0u64;
+        for block in blocks {
+            if block < next_unwritten {
+                continue;
+            }
+            match self.write_cluster_from(object, block, mode, cause) {
+                Ok(cleaned) => {
+                    written += cleaned;
+                    next_unwritten = block + cleaned.max(1);
+                }
+                Err(error) => {
+                    first_error.get_or_insert(error);
+                    next_unwritten = block + object.cluster_blocks;
+                }
+            }
+        }
+        first_error.map_or(Ok(written), Err)
+    }
+
+    /// Flushes the object's device; a failure is latched, since data already marked clean
+    /// may not be durable.
+    pub fn flush_device(&self, object: &ObjectState) -> Result<(), CacheError> {
+        match object.device.flush() {
+            Ok(()) => {
+                self.counters.device_flushes.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(source) => {
+                self.counters
+                    .device_flush_errors
+                    .fetch_add(1, Ordering::Relaxed);
+                let error = CacheError::Device {
+                    device: object.device.describe(),
+                    operation: "flush",
+                    offset: 0,
+                    length_bytes: 0,
+                    source,
+                };
+                object.latch_error(&error);
+                Err(error)
+            }
+        }
+    }
+
+    /// Writes back everything dirty in the object, then flushes its device.
+    pub fn fsync_object(&self, object: &ObjectState) -> Result<(), CacheError> {
+        let written = self.write_range(object, 0, u64::MAX, LockMode::Wait, WritebackCause::Flush);
+        let flushed = self.flush_device(object);
+        written?;
+        flushed
+    }
+
+    /// Above the dirty limit, a writer first writes back some of its own object's dirty
+    /// data. If that write-back fails, the writer gets the error: accepting more dirty data
+    /// that cannot be written would only grow what is at risk.
+    pub fn throttle_writer(&self, object: &ObjectState) -> Result<(), CacheError> {
+        let (_, limit) = self.dirty_thresholds();
+        let mut throttled = false;
+        while self.dirty_bytes.load(Ordering::Acquire) > limit {
+            if !throttled {
+                self.counters
+                    .throttled_writes
+                    .fetch_add(1, Ordering::Relaxed);
+                throttled = true;
+            }
+            let Some(first) = object.first_dirty_block() else {
+                break;
+            };
+            if self.write_cluster_from(object, first, LockMode::Try, WritebackCause::Threshold)?
+                == 0
+            {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// One round of background write-back: aged data first, then data above the
+    /// background threshold. Errors are latched on their objects.
+    pub fn writeback_tick(&self) -> u64 {
+        let objects: Vec<Arc<ObjectState>> = self.objects.read().clone();
+        let now = self.clock.now_ns();
+        let deadline = now.saturating_sub(self.config.dirty_age_max.as_nanos() as u64);
+        let mut written = 0u64;
+        for object in &objects {
+            let aged: Vec<u64> = object
+                .dirty
+                .lock()
+                .iter()
+                .filter(|&(_, &since)| since <= deadline)
+                .map(|(&block, _)| block)
+                .collect();
+            let mut next_unwritten = 0;
+            for block in aged {
+                if block < next_unwritten {
+                    continue;
+                }
+                let cleaned = self
+                    .write_cluster_from(object, block, LockMode::Try, WritebackCause::Age)
+                    .unwrap_or(0);
+                written += cleaned;
+                next_unwritten = block + cleaned.max(1);
+            }
+        }
+        let (background, _) = self.dirty_thresholds();
+        while self.dirty_bytes.load(Ordering::Acquire) > background {
+            match self.clean_one_cluster(&objects, WritebackCause::Threshold) {
+                Ok(0) | Err(_) => break,
+                Ok(cleaned) => written += cleaned,
+            }
+        }
+        written
+    }
+
+    /// Writes back one cluster of some object's dirty data, visiting objects round-robin.
+    /// Returns the blocks cleaned; an error only when nothing could be cleaned and some
+    /// write failed.
+    pub fn clean_one_cluster(
+        &self,
+        objects: &[Arc<ObjectState>],
+        cause: WritebackCause,
+    ) -> Result<u64, CacheError> {
+        if objects.is_empty() {
+            return Ok(0);
+        }
+        let start = self.next_writeback_cursor();
+        let mut last_error = None;
+        for step in 0..objects.len() {
+            let object = &objects[(start + step) % objects.len()];
+            let Some(first) = object.first_dirty_block() else {
+                continue;
+            };
+            match self.write_cluster_from(object, first, LockMode::Try, cause) {
+                Ok(0) => continue,
+                Ok(cleaned) => return Ok(cleaned),
+                Err(error) => last_error = Some(error),
+            }
+        }
+        last_error.map_or(Ok(0), Err)
+    }
+}
