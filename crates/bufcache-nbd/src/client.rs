@@ -220,6 +220,16 @@ pub struct NbdClient {
     reader: Mutex<Option<JoinHandle<()>>>,
 }
 
+impl std::fmt::Debug for NbdClient {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("NbdClient")
+            .field("uri", &self.shared.uri)
+            .field("info", &self.shared.info)
+            .finish()
+    }
+}
+
 /// One request as described in messages.
 struct RequestLabel {
     command: u16,
@@ -339,8 +349,9 @@ impl NbdClient {
     }
 
     /// Zeroes `length_bytes` at `offset` with WRITE_ZEROES (`may_trim`: the server may
-    /// punch a hole), or by writing zero buffers when the server lacks the command.
-    pub fn write_zeroes(
+    /// punch a hole), or by writing zero buffers when the server lacks the command. (Named
+    /// apart from `Device::write_zeroes`, which calls it with `may_trim` set.)
+    pub fn zero(
         &self,
         offset: u64,
         length_bytes: u64,
@@ -942,7 +953,7 @@ impl Device for NbdClient {
 
     fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
         check_range(self.size(), offset, length)?;
-        Ok(NbdClient::write_zeroes(self, offset, length, true)?)
+        Ok(self.zero(offset, length, true)?)
     }
 
     /// Fast only when the server says so (it advertises FAST_ZERO); WRITE_ZEROES alone may

@@ -148,8 +148,14 @@ impl Policy for Arc {
             } else {
                 (FREQUENT, RECENT)
             };
-        self.evict_from(first, evictable)
-            .or_else(|| self.evict_from(second, evictable))
+        let victim = self
+            .evict_from(first, evictable)
+            .or_else(|| self.evict_from(second, evictable));
+        // The shard may have shrunk since the last eviction: re-apply the ghost bounds.
+        self.trim_ghosts();
+        debug_assert!(self.recent_target <= self.capacity);
+        debug_assert!(self.lists.len(RECENT) + self.recent_ghost.len() <= self.capacity);
+        victim
     }
 
     fn len(&self) -> usize {

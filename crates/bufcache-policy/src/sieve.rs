@@ -92,6 +92,7 @@ impl Policy for Sieve {
         if let Some(slot) = self.lists.take_oldest_accepted(NO_REUSE, evictable) {
             return Some(slot);
         }
+        debug_assert!(self.hand == NONE || self.lists.list_of(self.hand) == Some(QUEUE));
         let examinations_max = 2 * self.lists.len(QUEUE) + 1;
         let mut cursor = self.hand_slot();
         for _ in 0..examinations_max {

@@ -34,6 +34,9 @@ pub(crate) const VALID: u32 = 1;
 pub(crate) const DIRTY: u32 = 2;
 /// Read ahead and not yet used by a reader; evicting it counts as wasted read-ahead.
 pub(crate) const READAHEAD: u32 = 4;
+/// A write-back of this buffer is in flight; other write-backs skip it or wait for it, so
+/// the same bytes are not written twice.
+pub(crate) const WRITEBACK: u32 = 8;
 
 /// Identity of a cached block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -52,7 +52,7 @@ pub fn format_size(bytes: u64) -> String {
         ("KiB", 10),
     ];
     for (name, shift) in UNITS {
-        if bytes >= 1 << shift && bytes % (1 << shift) == 0 {
+        if bytes >= 1 << shift && bytes.is_multiple_of(1 << shift) {
             return format!("{}{name}", bytes >> shift);
         }
     }
@@ -187,7 +187,7 @@ fn check_size(
     maximum: u64,
     multiple: u64,
 ) -> Result<(), ConfigError> {
-    if value < minimum || value > maximum || value % multiple != 0 {
+    if value < minimum || value > maximum || !value.is_multiple_of(multiple) {
         return Err(out_of_range(
             field,
             format_size(value),

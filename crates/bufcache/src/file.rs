@@ -167,7 +167,7 @@ impl FileDevice {
         lengths_and_addresses: impl Iterator<Item = (usize, usize)>,
         offset: u64,
     ) -> bool {
-        offset % DIRECT_ALIGNMENT as u64 == 0
+        offset.is_multiple_of(DIRECT_ALIGNMENT as u64)
             && lengths_and_addresses.into_iter().all(|(length, address)| {
                 length % DIRECT_ALIGNMENT == 0 && address % DIRECT_ALIGNMENT == 0
             })
@@ -286,7 +286,7 @@ impl FileDevice {
 
     fn write_bounced(&self, buffers: &[IoSlice<'_>], offset: u64, length: u64) -> io::Result<()> {
         let alignment = DIRECT_ALIGNMENT as u64;
-        if offset % alignment != 0 || length % alignment != 0 {
+        if !offset.is_multiple_of(alignment) || !length.is_multiple_of(alignment) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!(

@@ -141,7 +141,10 @@ impl ObjectState {
             reason,
         };
         let block_size = config.block_size_bytes as u64;
-        if block_size == 0 || block_size % 512 != 0 || block_size > cache.buffer_size_max_bytes {
+        if block_size == 0
+            || !block_size.is_multiple_of(512)
+            || block_size > cache.buffer_size_max_bytes
+        {
             return Err(invalid(format!(
                 "block size {block_size} must be a multiple of 512 up to buffer_size_max ({})",
                 cache.buffer_size_max_bytes
@@ -425,6 +428,10 @@ impl ObjectHandle {
         let mut block = first;
         while block < end {
             block = self.read_step(block, end, plan.extend_to_block, placement, offset, target)?;
+        }
+        if plan.extend_to_block > end {
+            // The part of the synchronous window the request's own miss runs did not cover.
+            self.start_readahead(end, plan.extend_to_block, placement);
         }
         if let Some((start, window_end)) = plan.background {
             self.start_readahead(start, window_end, placement);

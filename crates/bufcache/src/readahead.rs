@@ -77,7 +77,12 @@ impl StreamTable {
             // A new sequential stream, or a reader that outran its read-ahead: read a window
             // together with this request.
             stream.window_blocks = if stream.window_blocks == 0 {
-                limits.initial_blocks.min(limits.max_blocks)
+                // Large requests start with a window at least twice their size, so the window
+                // is never smaller than what the reader asks for at once.
+                limits
+                    .initial_blocks
+                    .max(2 * (end - first))
+                    .min(limits.max_blocks)
             } else {
                 grow(stream.window_blocks, limits.max_blocks)
             };

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use std::io::IoSlice;
 
-use crate::buffer::{Buffer, DIRTY};
+use crate::buffer::{Buffer, DIRTY, WRITEBACK};
 use crate::cache::Inner;
 use crate::error::CacheError;
 use crate::object::ObjectState;
@@ -53,20 +53,7 @@ impl Inner {
             let Some(buffer) = self.lookup_quiet(object.key(block)) else {
                 break;
             };
-            let locked = match mode {
-                LockMode::Try => buffer.try_lock_shared(),
-                LockMode::Wait => {
-                    buffer.lock_shared();
-                    true
-                }
-            };
-            if !locked {
-                self.unpin(&buffer);
-                break;
-            }
-            if !buffer.has(DIRTY) {
-                // SAFETY: locked shared just above.
-                unsafe { buffer.unlock_shared() };
+            if !self.claim_for_writeback(&buffer, mode) {
                 self.unpin(&buffer);
                 break;
             }
@@ -77,11 +64,42 @@ impl Inner {
         }
         let result = self.write_held(object, &held, cause);
         for buffer in &held {
-            // SAFETY: each was locked shared in the loop above.
+            buffer.clear(WRITEBACK);
+            // SAFETY: each was locked shared by claim_for_writeback.
             unsafe { buffer.unlock_shared() };
             self.unpin(buffer);
         }
         result
+    }
+
+    /// Locks a dirty buffer shared and marks its write-back in flight. False when it is not
+    /// dirty, or (in `Try` mode) when it is held or already being written. In `Wait` mode a
+    /// write-back already in flight is waited for and the buffer checked again, since that
+    /// write may fail or the buffer may have been dirtied again since.
+    fn claim_for_writeback(&self, buffer: &Buffer, mode: LockMode) -> bool {
+        loop {
+            match mode {
+                LockMode::Try if !buffer.try_lock_shared() => return false,
+                LockMode::Try => {}
+                LockMode::Wait => buffer.lock_shared(),
+            }
+            if !buffer.has(DIRTY) {
+                // SAFETY: locked shared just above.
+                unsafe { buffer.unlock_shared() };
+                return false;
+            }
+            if buffer.set(WRITEBACK) {
+                return true;
+            }
+            // SAFETY: locked shared just above.
+            unsafe { buffer.unlock_shared() };
+            if mode == LockMode::Try {
+                return false;
+            }
+            while buffer.has(WRITEBACK) {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+        }
     }
 
     /// Writes `buffers` — consecutive blocks, contiguous on the device, held locked by the

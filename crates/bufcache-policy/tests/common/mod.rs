@@ -13,7 +13,7 @@ pub struct Rng {
 impl Rng {
     pub fn new(seed: u64) -> Self {
         Rng {
-            state: seed ^ 0x5EED_0F_B0F_CAC4E,
+            state: seed ^ 0x005E_ED0F_B0FC_AC4E,
         }
     }
 

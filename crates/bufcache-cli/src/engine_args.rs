@@ -1,0 +1,125 @@
+//! The engine's knobs as command-line flags, shared by every subcommand that builds a cache.
+//!
+//! Each flag maps to one `CacheConfig` field; sizes take binary units (`4k`, `64KiB`, `1M`).
+//! Validation is the engine's own (`CacheConfig::validate`), so the error names the field.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use bufcache::{parse_size, CacheConfig, PolicyKind};
+use clap::Args;
+
+fn size(text: &str) -> Result<u64, String> {
+    parse_size(text).map_err(|error| error.to_string())
+}
+
+/// Engine configuration flags.
+#[derive(Args, Clone, Debug, Default)]
+pub struct EngineArgs {
+    /// Memory for cached data (BUFPAGES). Default 256MiB.
+    #[arg(long = "cache-size", value_name = "SIZE", value_parser = size)]
+    pub cache_size: Option<u64>,
+    /// Buffer headers (NBUF). Default 65536.
+    #[arg(long, value_name = "COUNT")]
+    pub buffers_max: Option<u64>,
+    /// Block size of objects (buffer size). Default 4k.
+    #[arg(long, value_name = "SIZE", value_parser = size)]
+    pub block_size: Option<u64>,
+    /// Largest buffer (MAXBSIZE). Default 64k.
+    #[arg(long, value_name = "SIZE", value_parser = size)]
+    pub buffer_size_max: Option<u64>,
+    /// Largest device request (MAXPHYS). Default 1M.
+    #[arg(long, value_name = "SIZE", value_parser = size)]
+    pub transfer_size_max: Option<u64>,
+    /// Largest clustered read or write. Default = transfer size max; 16k is the 1995 kernel.
+    #[arg(long, value_name = "SIZE", value_parser = size)]
+    pub cluster_size_max: Option<u64>,
+    /// Largest read-ahead window per stream; 0 turns read-ahead off. Default 1M.
+    #[arg(long, value_name = "SIZE", value_parser = size)]
+    pub readahead_size_max: Option<u64>,
+    /// Replacement policy.
+    #[arg(long, value_name = "POLICY")]
+    pub policy: Option<PolicyKind>,
+    /// Do not place long sequential streams at the eviction end.
+    #[arg(long)]
+    pub no_noreuse: bool,
+    /// Seconds before dirty data is written back. Default 30.
+    #[arg(long, value_name = "SECONDS")]
+    pub dirty_age_max: Option<f64>,
+    /// Dirty share of memory where background write-back starts. Default 25.
+    #[arg(long, value_name = "PERCENT")]
+    pub dirty_background_percent: Option<u8>,
+    /// Dirty share of memory above which writers are throttled. Default 50.
+    #[arg(long, value_name = "PERCENT")]
+    pub dirty_limit_percent: Option<u8>,
+    /// Do not write completed clusters back at once (write-behind).
+    #[arg(long)]
+    pub no_write_behind: bool,
+}
+
+impl EngineArgs {
+    /// The configuration these flags describe, validated.
+    pub fn config(&self) -> anyhow::Result<CacheConfig> {
+        let mut config = CacheConfig::default();
+        if let Some(value) = self.cache_size {
+            config.memory_bytes_max = value;
+            if self.buffers_max.is_none() {
+                config.buffers_max = (value / config.page_size_bytes).max(1);
+            }
+        }
+        if let Some(value) = self.buffers_max {
+            config.buffers_max = value;
+        }
+        if let Some(value) = self.buffer_size_max {
+            config.buffer_size_max_bytes = value;
+        }
+        if let Some(value) = self.transfer_size_max {
+            config.transfer_size_max_bytes = value;
+            if self.cluster_size_max.is_none() {
+                config.cluster_size_max_bytes = value;
+            }
+        }
+        if let Some(value) = self.cluster_size_max {
+            config.cluster_size_max_bytes = value;
+        }
+        if let Some(value) = self.readahead_size_max {
+            config.readahead_size_max_bytes = value;
+        }
+        if let Some(value) = self.policy {
+            config.policy = value;
+        }
+        config.noreuse_sequential = !self.no_noreuse;
+        if let Some(seconds) = self.dirty_age_max {
+            if !(0.0..=86_400.0).contains(&seconds) {
+                anyhow::bail!(
+                    "--dirty-age-max {seconds} is invalid: must be from 0 to 86400 seconds"
+                );
+            }
+            config.dirty_age_max = Duration::from_secs_f64(seconds);
+        }
+        if let Some(value) = self.dirty_background_percent {
+            config.dirty_background_percent = value;
+        }
+        if let Some(value) = self.dirty_limit_percent {
+            config.dirty_limit_percent = value;
+        }
+        config.write_behind = !self.no_write_behind;
+        config.validate().context("invalid engine configuration")?;
+        Ok(config)
+    }
+
+    /// The object block size (default 4 KiB), checked against the configuration.
+    pub fn block_size_bytes(&self, config: &CacheConfig) -> anyhow::Result<u32> {
+        let block_size = self.block_size.unwrap_or(4096);
+        if block_size == 0
+            || !block_size.is_multiple_of(512)
+            || block_size > config.buffer_size_max_bytes
+        {
+            anyhow::bail!(
+                "--block-size {block_size} is invalid: must be a multiple of 512 up to --buffer-size-max ({})",
+                config.buffer_size_max_bytes
+            );
+        }
+        Ok(block_size as u32)
+    }
+}

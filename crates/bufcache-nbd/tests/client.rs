@@ -1,0 +1,198 @@
+// Goal: NbdClient is a correct, pipelined, fail-fast upstream device. Method: drive it from
+// several threads against nbdkit (memory plugin, with the stats filter counting what reached
+// the backend) and against our own server, through both its own API and bufcache's Device
+// trait; kill servers under it and check that callers get errors naming the URI, not hangs.
+
+mod common;
+
+use std::io::{IoSlice, IoSliceMut};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bufcache::Device;
+use bufcache_nbd::{ClientError, Export, MemoryExport, NbdClient, ServerConfig};
+use common::*;
+
+/// Eight threads each write then read back 1 MiB in 64 KiB pieces at their own offsets.
+fn hammer(client: &Arc<NbdClient>) {
+    let threads: Vec<_> = (0..8u64)
+        .map(|index| {
+            let client = Arc::clone(client);
+            std::thread::spawn(move || {
+                let base = index << 20;
+                let data = pattern_bytes(1 << 20, index + 1);
+                for (piece, chunk) in data.chunks(65536).enumerate() {
+                    client.write(base + piece as u64 * 65536, chunk).unwrap();
+                }
+                let mut back = vec![0u8; 1 << 20];
+                client.read(base, &mut back).unwrap();
+                assert!(back == data, "thread {index} read back different data");
+            })
+        })
+        .collect();
+    for thread in threads {
+        thread.join().unwrap();
+    }
+    client.flush().unwrap();
+}
+
+#[test]
+fn pipelined_io_against_nbdkit_memory() {
+    let Some(nbdkit) = Nbdkit::start(&["memory", "64M"]) else {
+        return;
+    };
+    let client = Arc::new(NbdClient::connect(&nbdkit.uri()).unwrap());
+    assert_eq!(client.size(), 64 << 20);
+    assert!(client.export_info().structured_replies);
+    assert!(client.export_info().base_allocation_id.is_some());
+    hammer(&client);
+    // Block status: the first 8 MiB hold data, the rest was never written.
+    let extents = client.block_status(0, 64 << 20).unwrap();
+    assert_eq!(extents.iter().map(|extent| extent.length).sum::<u64>(), 64 << 20);
+    assert!(!extents[0].hole);
+    assert!(extents.last().unwrap().hole && extents.last().unwrap().zero);
+    client.write_fua(12345, b"durable").unwrap();
+    client.zero(8 << 20, 1 << 20, true).unwrap();
+    client.trim(9 << 20, 1 << 20).unwrap();
+    client.cache(0, 1 << 20).unwrap();
+}
+
+#[test]
+fn nbdkit_stats_show_what_reached_the_backend() {
+    let Some(stats_directory) = tempfile::tempdir().ok() else {
+        return;
+    };
+    let stats_path = stats_directory.path().join("stats.txt");
+    let stats_argument = format!("statsfile={}", stats_path.display());
+    let Some(mut nbdkit) =
+        Nbdkit::start(&["--filter=stats", "memory", "64M", stats_argument.as_str()])
+    else {
+        return;
+    };
+    let client = Arc::new(NbdClient::connect(&nbdkit.uri()).unwrap());
+    hammer(&client);
+    client.zero(8 << 20, 1 << 20, true).unwrap();
+    drop(client);
+    nbdkit.stop();
+    let stats = std::fs::read_to_string(&stats_path).expect("stats file");
+    // 8 threads × 16 writes of 64 KiB, one read of 1 MiB each, one zero, one flush.
+    assert!(stats.contains("write: 128 ops"), "{stats}");
+    assert!(stats.contains("read: 8 ops"), "{stats}");
+    assert!(stats.contains("zero: 1 ops"), "{stats}");
+    assert!(stats.contains("flush: 1 ops"), "{stats}");
+}
+
+#[test]
+fn pipelined_io_against_our_server_over_tcp_and_unix() {
+    let (server, export) = memory_server(16 << 20);
+    for uri in [server.tcp_uri("mem"), server.unix_uri("mem")] {
+        let client = Arc::new(NbdClient::connect(&uri).unwrap());
+        assert_eq!(client.export_info().block_size_max, 32 << 20);
+        assert!(client.export_info().can_multi_conn());
+        hammer(&client);
+    }
+    let mut direct = vec![0u8; 1 << 20];
+    export.read(3 << 20, &mut direct).unwrap();
+    assert!(direct == pattern_bytes(1 << 20, 4));
+}
+
+#[test]
+fn device_trait_round_trips_vectored_io_split_across_requests() {
+    let config = ServerConfig {
+        request_size_max: 4096,
+        inflight_bytes_max: 1 << 20,
+        ..ServerConfig::default()
+    };
+    let export = Arc::new(MemoryExport::new(1 << 20));
+    let server = start_server_with(vec![("mem", export as Arc<dyn Export>)], config);
+    let client = NbdClient::connect(&server.tcp_uri("mem")).unwrap();
+    let device: &dyn Device = &client;
+    assert_eq!(device.len(), 1 << 20);
+    assert_eq!(device.describe(), server.tcp_uri("mem"));
+    // Three slices of odd sizes, 10 000 bytes in all: three pieces on the wire.
+    let first = pattern_bytes(3000, 1);
+    let second = pattern_bytes(5001, 2);
+    let third = pattern_bytes(1999, 3);
+    let slices = [IoSlice::new(&first), IoSlice::new(&second), IoSlice::new(&third)];
+    device.write_vectored_at(&slices, 777).unwrap();
+    let mut back_first = vec![0u8; 6000];
+    let mut back_second = vec![0u8; 4000];
+    let mut buffers = [
+        IoSliceMut::new(&mut back_first),
+        IoSliceMut::new(&mut back_second),
+    ];
+    device.read_vectored_at(&mut buffers, 777).unwrap();
+    let expected: Vec<u8> = [first, second, third].concat();
+    assert!([back_first, back_second].concat() == expected);
+    device.flush().unwrap();
+    device.discard(0, 65536).unwrap();
+    device.write_zeroes(65536, 65536).unwrap();
+    assert!(device.write_zeroes_is_fast());
+    let extents = device.extents(0, 1 << 20).unwrap();
+    assert_eq!(extents.iter().map(|extent| extent.length).sum::<u64>(), 1 << 20);
+    assert!(extents[0].hole, "{extents:?}");
+    let past_end = device.read_vectored_at(&mut [IoSliceMut::new(&mut [0u8; 2])], (1 << 20) - 1);
+    assert_eq!(past_end.unwrap_err().kind(), std::io::ErrorKind::InvalidInput);
+}
+
+#[test]
+fn server_errors_name_the_uri_and_the_request() {
+    let export = Arc::new(MemoryExport::new(1 << 20).with_read_only(true));
+    let server = start_server(vec![("ro", export as Arc<dyn Export>)]);
+    let uri = server.tcp_uri("ro");
+    let client = NbdClient::connect(&uri).unwrap();
+    let error = client.write(1 << 16, &[0u8; 4096]).unwrap_err();
+    let message = error.to_string();
+    assert!(
+        message.starts_with(&format!("{uri}: WRITE 4096 bytes at 65536 failed: EPERM")),
+        "{message}"
+    );
+    let io_error = std::io::Error::from(error);
+    assert_eq!(io_error.kind(), std::io::ErrorKind::PermissionDenied);
+}
+
+#[test]
+fn connect_errors_are_clear() {
+    let error = NbdClient::connect("http://example/").unwrap_err();
+    assert!(matches!(error, ClientError::Uri(_)), "{error}");
+    let (server, _export) = memory_server(1 << 20);
+    let error = NbdClient::connect(&server.tcp_uri("missing")).unwrap_err();
+    let message = error.to_string();
+    assert!(message.contains("unknown export"), "{message}");
+    assert!(message.contains("missing"), "{message}");
+    let directory = tempfile::tempdir().unwrap();
+    let uri = format!("nbd+unix:///x?socket={}", directory.path().join("none").display());
+    let message = NbdClient::connect(&uri).unwrap_err().to_string();
+    assert!(message.starts_with(&format!("{uri}: cannot connect")), "{message}");
+}
+
+#[test]
+fn a_dying_server_fails_pending_and_later_requests_without_hanging() {
+    let Some(mut nbdkit) = Nbdkit::start(&["--filter=delay", "memory", "64M", "rdelay=2"]) else {
+        return;
+    };
+    let client = Arc::new(NbdClient::connect(&nbdkit.uri()).unwrap());
+    let reader = {
+        let client = Arc::clone(&client);
+        std::thread::spawn(move || client.read(0, &mut [0u8; 4096]))
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    nbdkit.stop();
+    let pending = reader.join().unwrap().unwrap_err().to_string();
+    assert!(pending.contains("READ 4096 bytes at 0 failed: connection lost"), "{pending}");
+    assert!(pending.starts_with(&nbdkit.uri()), "{pending}");
+    let later = client.write(0, b"x").unwrap_err().to_string();
+    assert!(later.contains("connection lost"), "{later}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn server_shutdown_answers_in_flight_requests_then_closes() {
+    let (server, _export) = memory_server(1 << 20);
+    let client = NbdClient::connect(&server.tcp_uri("mem")).unwrap();
+    client.write(0, b"before shutdown").unwrap();
+    drop(server);
+    let error = client.read(0, &mut [0u8; 4]).unwrap_err().to_string();
+    assert!(error.contains("connection lost"), "{error}");
+}

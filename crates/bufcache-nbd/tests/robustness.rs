@@ -1,0 +1,428 @@
+// Goal: malformed or hostile input ends at most the offending connection, every invalid
+// request gets the errno the spec asks for, and good clients keep being served. Method: a
+// raw-socket client in this file speaks the protocol byte by byte (including wrong bytes)
+// against our server, then a well-behaved client checks the server still works.
+
+mod common;
+
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bufcache_nbd::protocol::*;
+use bufcache_nbd::{BlockStatusExtent, Export, MemoryExport, NbdClient, ServerConfig};
+use common::*;
+
+/// A client that sends exactly the bytes a test asks for.
+struct RawClient {
+    stream: TcpStream,
+}
+
+impl RawClient {
+    fn connect(server: &TestServer) -> RawClient {
+        let stream = TcpStream::connect(("127.0.0.1", server.port())).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        RawClient { stream }
+    }
+
+    fn read_bytes(&mut self, count: usize) -> Vec<u8> {
+        let mut bytes = vec![0u8; count];
+        self.stream.read_exact(&mut bytes).unwrap();
+        bytes
+    }
+
+    /// Reads the greeting and answers with `client_flags`.
+    fn greet(&mut self, client_flags: u32) {
+        let greeting = self.read_bytes(18);
+        assert_eq!(be_u64(&greeting[0..8]), INIT_MAGIC);
+        assert_eq!(be_u64(&greeting[8..16]), OPTION_MAGIC);
+        assert_eq!(be_u16(&greeting[16..18]), FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
+        self.stream.write_all(&client_flags.to_be_bytes()).unwrap();
+    }
+
+    fn send_option(&mut self, option: u32, data: &[u8]) {
+        let mut message = OPTION_MAGIC.to_be_bytes().to_vec();
+        message.extend_from_slice(&option.to_be_bytes());
+        message.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        message.extend_from_slice(data);
+        self.stream.write_all(&message).unwrap();
+    }
+
+    /// Returns (option, reply type, payload).
+    fn read_option_reply(&mut self) -> (u32, u32, Vec<u8>) {
+        let header = self.read_bytes(20);
+        assert_eq!(be_u64(&header[0..8]), OPTION_REPLY_MAGIC);
+        let payload = self.read_bytes(be_u32(&header[16..20]) as usize);
+        (be_u32(&header[8..12]), be_u32(&header[12..16]), payload)
+    }
+
+    /// GO for `name`; returns the transmission flags. Panics on refusal.
+    fn go(&mut self, name: &str) -> u16 {
+        self.send_option(OPT_GO, &info_request(name));
+        let mut flags = None;
+        loop {
+            let (option, reply_type, payload) = self.read_option_reply();
+            assert_eq!(option, OPT_GO);
+            match reply_type {
+                REP_INFO if be_u16(&payload) == INFO_EXPORT => flags = Some(be_u16(&payload[10..])),
+                REP_INFO => {}
+                REP_ACK => return flags.expect("NBD_INFO_EXPORT before ACK"),
+                other => panic!("GO refused with {other:#x}"),
+            }
+        }
+    }
+
+    /// Greets, optionally negotiates structured replies and base:allocation, then GO.
+    fn open(server: &TestServer, export: &str, structured: bool) -> (RawClient, u16) {
+        let mut client = RawClient::connect(server);
+        client.greet(CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES);
+        if structured {
+            client.send_option(OPT_STRUCTURED_REPLY, &[]);
+            assert_eq!(client.read_option_reply().1, REP_ACK);
+            let mut data = (export.len() as u32).to_be_bytes().to_vec();
+            data.extend_from_slice(export.as_bytes());
+            data.extend_from_slice(&1u32.to_be_bytes());
+            data.extend_from_slice(&(BASE_ALLOCATION.len() as u32).to_be_bytes());
+            data.extend_from_slice(BASE_ALLOCATION.as_bytes());
+            client.send_option(OPT_SET_META_CONTEXT, &data);
+            assert_eq!(client.read_option_reply().1, REP_META_CONTEXT);
+            assert_eq!(client.read_option_reply().1, REP_ACK);
+        }
+        let flags = client.go(export);
+        (client, flags)
+    }
+
+    fn request(&mut self, command: u16, flags: u16, offset: u64, length: u32, payload: &[u8]) {
+        let header = RequestHeader {
+            flags,
+            command,
+            handle: 0x1234_5678 + u64::from(command),
+            offset,
+            length,
+        };
+        let mut message = header.encode().to_vec();
+        message.extend_from_slice(payload);
+        self.stream.write_all(&message).unwrap();
+    }
+
+    /// Reads a simple reply; returns (error, handle).
+    fn simple_reply(&mut self) -> (u32, u64) {
+        let reply = self.read_bytes(16);
+        assert_eq!(be_u32(&reply), SIMPLE_REPLY_MAGIC);
+        (be_u32(&reply[4..8]), be_u64(&reply[8..16]))
+    }
+
+    /// Reads a structured chunk; returns (flags, type, handle, payload).
+    fn chunk(&mut self) -> (u16, u16, u64, Vec<u8>) {
+        let header = self.read_bytes(20);
+        assert_eq!(be_u32(&header), STRUCTURED_REPLY_MAGIC);
+        let payload = self.read_bytes(be_u32(&header[16..20]) as usize);
+        (be_u16(&header[4..6]), be_u16(&header[6..8]), be_u64(&header[8..16]), payload)
+    }
+
+    /// True when the server closed the connection (EOF or reset) within a few seconds.
+    fn is_closed_by_server(&mut self) -> bool {
+        let mut byte = [0u8; 1];
+        loop {
+            match self.stream.read(&mut byte) {
+                Ok(0) => return true,
+                Ok(_) => continue,
+                Err(error) if error.kind() == io::ErrorKind::ConnectionReset => return true,
+                Err(_) => return false,
+            }
+        }
+    }
+}
+
+fn info_request(name: &str) -> Vec<u8> {
+    let mut data = (name.len() as u32).to_be_bytes().to_vec();
+    data.extend_from_slice(name.as_bytes());
+    data.extend_from_slice(&0u16.to_be_bytes());
+    data
+}
+
+/// The server still serves a well-behaved client: write, read back, flush.
+fn assert_still_serving(server: &TestServer) {
+    let client = NbdClient::connect(&server.tcp_uri("mem")).expect("good client connects");
+    client.write(4096, b"still alive").unwrap();
+    let mut back = [0u8; 11];
+    client.read(4096, &mut back).unwrap();
+    assert_eq!(&back, b"still alive");
+    client.flush().unwrap();
+}
+
+#[test]
+fn garbage_bytes_close_only_that_connection() {
+    let (server, _export) = memory_server(1 << 20);
+    let mut garbage = RawClient::connect(&server);
+    garbage.read_bytes(18);
+    garbage.stream.write_all(&pattern_bytes(4096, 1)).unwrap();
+    assert!(garbage.is_closed_by_server());
+    // Garbage where a request header belongs, after a good handshake.
+    let (mut client, _) = RawClient::open(&server, "mem", false);
+    client.stream.write_all(&pattern_bytes(64, 2)).unwrap();
+    assert!(client.is_closed_by_server());
+    assert_still_serving(&server);
+}
+
+#[test]
+fn half_open_handshakes_do_not_block_others_and_time_out() {
+    let config = ServerConfig {
+        handshake_timeout: Duration::from_millis(300),
+        ..ServerConfig::default()
+    };
+    let export = Arc::new(MemoryExport::new(1 << 20));
+    let server = start_server_with(vec![("mem", export as Arc<dyn Export>)], config);
+    let mut silent = RawClient::connect(&server);
+    let mut half = RawClient::connect(&server);
+    half.greet(CLIENT_FLAG_FIXED_NEWSTYLE);
+    half.stream.write_all(&OPTION_MAGIC.to_be_bytes()).unwrap();
+    assert_still_serving(&server);
+    let started = Instant::now();
+    assert!(silent.is_closed_by_server());
+    assert!(half.is_closed_by_server());
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn clients_without_fixed_newstyle_are_refused() {
+    let (server, _export) = memory_server(1 << 20);
+    let mut old = RawClient::connect(&server);
+    old.greet(0);
+    assert!(old.is_closed_by_server());
+    let mut unknown_flags = RawClient::connect(&server);
+    unknown_flags.greet(CLIENT_FLAG_FIXED_NEWSTYLE | 0x80);
+    assert!(unknown_flags.is_closed_by_server());
+    assert_still_serving(&server);
+}
+
+#[test]
+fn unknown_options_and_exports_get_errors_and_haggling_continues() {
+    let (server, _export) = memory_server(1 << 20);
+    let mut client = RawClient::connect(&server);
+    client.greet(CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES);
+    client.send_option(99, b"whatever");
+    assert_eq!(client.read_option_reply(), (99, REP_ERR_UNSUP, b"option 99 is not supported".to_vec()));
+    client.send_option(OPT_GO, &info_request("nope"));
+    let (_, reply_type, _) = client.read_option_reply();
+    assert_eq!(reply_type, REP_ERR_UNKNOWN);
+    client.send_option(OPT_LIST, b"x");
+    assert_eq!(client.read_option_reply().1, REP_ERR_INVALID);
+    // Metadata contexts need structured replies first.
+    client.send_option(OPT_SET_META_CONTEXT, &[0, 0, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(client.read_option_reply().1, REP_ERR_INVALID);
+    let flags = client.go("mem");
+    assert!(flags & TRANSMIT_CAN_MULTI_CONN != 0);
+    client.request(CMD_READ, 0, 0, 16, &[]);
+    assert_eq!(client.simple_reply().0, 0);
+    assert_eq!(client.read_bytes(16), vec![0u8; 16]);
+    // EXPORT_NAME cannot carry an error: an unknown name closes the connection.
+    let mut by_name = RawClient::connect(&server);
+    by_name.greet(CLIENT_FLAG_FIXED_NEWSTYLE);
+    by_name.send_option(OPT_EXPORT_NAME, b"nope");
+    assert!(by_name.is_closed_by_server());
+    assert_still_serving(&server);
+}
+
+#[test]
+fn invalid_requests_get_the_errno_the_spec_asks_for() {
+    let (server, _export) = memory_server(1 << 20);
+    let (mut client, flags) = RawClient::open(&server, "mem", false);
+    assert!(flags & TRANSMIT_SEND_FAST_ZERO != 0);
+    let size = 1u64 << 20;
+    let cases: Vec<(u16, u16, u64, u32, usize, u32)> = vec![
+        // command, flags, offset, length, payload bytes, expected errno
+        (CMD_READ, 0, size - 10, 20, 0, 22),
+        (CMD_WRITE, 0, size - 10, 20, 20, 28),
+        (CMD_TRIM, 0, size, 1, 0, 28),
+        (CMD_WRITE_ZEROES, 0, u64::MAX - 5, 10, 0, 28),
+        (CMD_CACHE, 0, size + 1, 1, 0, 22),
+        (CMD_READ, CMD_FLAG_REQ_ONE, 0, 1, 0, 22),
+        (CMD_READ, CMD_FLAG_DF, 0, 1, 0, 22),
+        (CMD_WRITE, CMD_FLAG_NO_HOLE, 0, 4, 4, 22),
+        (42, 0, 0, 0, 0, 22),
+        (CMD_BLOCK_STATUS, 0, 0, 4096, 0, 22),
+        (CMD_READ, 0, 0, 64 << 20, 0, 75),
+        (CMD_WRITE, 0, 0, (32 << 20) + 1, (32 << 20) + 1, 75),
+    ];
+    for (command, command_flags, offset, length, payload_bytes, errno) in cases {
+        client.request(command, command_flags, offset, length, &vec![7u8; payload_bytes]);
+        let (error, handle) = client.simple_reply();
+        assert_eq!(
+            (error, handle),
+            (errno, 0x1234_5678 + u64::from(command)),
+            "command {command} flags {command_flags:#x} offset {offset} length {length}"
+        );
+    }
+    // The connection survived all of that.
+    client.request(CMD_WRITE, CMD_FLAG_FUA, 10, 3, b"abc");
+    assert_eq!(client.simple_reply().0, 0);
+    client.request(CMD_READ, 0, 10, 3, &[]);
+    assert_eq!(client.simple_reply().0, 0);
+    assert_eq!(client.read_bytes(3), b"abc");
+    // A write far too large to skip ends the connection.
+    client.request(CMD_WRITE, 0, 0, u32::MAX, &[]);
+    assert!(client.is_closed_by_server());
+    assert_still_serving(&server);
+}
+
+#[test]
+fn read_only_exports_refuse_writes_with_eperm() {
+    let export = Arc::new(MemoryExport::new(1 << 20).with_read_only(true));
+    let server = start_server(vec![("ro", export as Arc<dyn Export>)]);
+    let (mut client, flags) = RawClient::open(&server, "ro", false);
+    assert!(flags & TRANSMIT_READ_ONLY != 0);
+    assert!(flags & TRANSMIT_SEND_TRIM == 0);
+    client.request(CMD_WRITE, 0, 0, 4, b"nope");
+    assert_eq!(client.simple_reply().0, 1);
+    client.request(CMD_TRIM, 0, 0, 4096, &[]);
+    assert_eq!(client.simple_reply().0, 1);
+    client.request(CMD_READ, 0, 0, 4, &[]);
+    assert_eq!(client.simple_reply().0, 0);
+    assert_eq!(client.read_bytes(4), vec![0u8; 4]);
+}
+
+/// An export whose reads at offset 0 fail and whose reads at 8192 are slow, and which
+/// cannot zero fast.
+struct FaultyExport {
+    inner: MemoryExport,
+    slow_read_started: AtomicBool,
+}
+
+impl Export for FaultyExport {
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn read_only(&self) -> bool {
+        false
+    }
+    fn read(&self, offset: u64, buffer: &mut [u8]) -> io::Result<()> {
+        if offset == 0 {
+            return Err(io::Error::other("injected read fault"));
+        }
+        if offset == 8192 {
+            self.slow_read_started.store(true, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        self.inner.read(offset, buffer)
+    }
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
+        if offset == 0 {
+            return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+        }
+        self.inner.write(offset, data, fua)
+    }
+    fn flush(&self) -> io::Result<()> {
+        Ok(())
+    }
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> io::Result<()> {
+        self.inner.trim(offset, length, fua)
+    }
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        length: u64,
+        may_trim: bool,
+        fast_only: bool,
+        fua: bool,
+    ) -> io::Result<()> {
+        if fast_only {
+            return Err(io::ErrorKind::Unsupported.into());
+        }
+        self.inner.write_zeroes(offset, length, may_trim, false, fua)
+    }
+    fn can_fast_zero(&self) -> bool {
+        true
+    }
+    fn cache(&self, offset: u64, length: u64) -> io::Result<()> {
+        self.inner.cache(offset, length)
+    }
+    fn block_status(&self, offset: u64, length: u64) -> io::Result<Vec<BlockStatusExtent>> {
+        self.inner.block_status(offset, length)
+    }
+}
+
+fn faulty_server() -> TestServer {
+    let export = Arc::new(FaultyExport {
+        inner: MemoryExport::new(1 << 20),
+        slow_read_started: AtomicBool::new(false),
+    });
+    start_server(vec![("mem", export as Arc<dyn Export>)])
+}
+
+#[test]
+fn export_errors_map_to_errnos_in_simple_and_structured_replies() {
+    let server = faulty_server();
+    let (mut simple, _) = RawClient::open(&server, "mem", false);
+    simple.request(CMD_READ, 0, 0, 512, &[]);
+    assert_eq!(simple.simple_reply().0, 5);
+    simple.request(CMD_WRITE, 0, 0, 4, b"full");
+    assert_eq!(simple.simple_reply().0, 28);
+    simple.request(CMD_WRITE_ZEROES, CMD_FLAG_FAST_ZERO, 4096, 4096, &[]);
+    assert_eq!(simple.simple_reply().0, 95);
+    let (mut structured, _) = RawClient::open(&server, "mem", true);
+    structured.request(CMD_READ, 0, 0, 512, &[]);
+    let (flags, chunk_type, _, payload) = structured.chunk();
+    assert_eq!((flags, chunk_type), (REPLY_FLAG_DONE, REPLY_TYPE_ERROR));
+    assert_eq!(be_u32(&payload), 5);
+    let message_length = be_u16(&payload[4..6]) as usize;
+    assert_eq!(&payload[6..6 + message_length], b"injected read fault");
+    structured.request(CMD_READ, CMD_FLAG_DF, 4096, 100, &[]);
+    let (flags, chunk_type, _, payload) = structured.chunk();
+    assert_eq!((flags, chunk_type), (REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA));
+    assert_eq!(be_u64(&payload), 4096);
+    assert_eq!(payload.len(), 108);
+    structured.request(CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE, 0, 1 << 20, &[]);
+    let (_, chunk_type, _, payload) = structured.chunk();
+    assert_eq!(chunk_type, REPLY_TYPE_BLOCK_STATUS);
+    assert_eq!(payload.len(), 12, "REQ_ONE gives one descriptor");
+    assert_eq!(be_u32(&payload[8..12]), STATE_HOLE | STATE_ZERO);
+}
+
+#[test]
+fn replies_come_back_out_of_order_when_requests_finish_out_of_order() {
+    let server = faulty_server();
+    let (mut client, _) = RawClient::open(&server, "mem", false);
+    // The slow read is sent first, the fast flush second; the flush must not wait for it.
+    client.request(CMD_READ, 0, 8192, 16, &[]);
+    client.request(CMD_FLUSH, 0, 0, 0, &[]);
+    let (error, handle) = client.simple_reply();
+    assert_eq!((error, handle), (0, 0x1234_5678 + u64::from(CMD_FLUSH)));
+    let (error, handle) = client.simple_reply();
+    assert_eq!((error, handle), (0, 0x1234_5678 + u64::from(CMD_READ)));
+    assert_eq!(client.read_bytes(16), vec![0u8; 16]);
+}
+
+#[test]
+fn tiny_inflight_budget_still_serves_deep_pipelines() {
+    let config = ServerConfig {
+        request_size_max: 4096,
+        inflight_bytes_max: 4096,
+        workers_per_connection_max: 2,
+        ..ServerConfig::default()
+    };
+    let export = Arc::new(MemoryExport::new(1 << 20));
+    let server = start_server_with(vec![("mem", export as Arc<dyn Export>)], config);
+    let client = Arc::new(NbdClient::connect(&server.tcp_uri("mem")).unwrap());
+    assert_eq!(client.export_info().block_size_max, 4096);
+    let threads: Vec<_> = (0..8u8)
+        .map(|index| {
+            let client = Arc::clone(&client);
+            std::thread::spawn(move || {
+                // 64 KiB per thread: split by the client into 16 pipelined 4 KiB requests.
+                let data = vec![index; 65536];
+                client.write(u64::from(index) * 65536, &data).unwrap();
+                let mut back = vec![0u8; 65536];
+                client.read(u64::from(index) * 65536, &mut back).unwrap();
+                assert_eq!(back, data);
+            })
+        })
+        .collect();
+    for thread in threads {
+        thread.join().unwrap();
+    }
+}

@@ -1,0 +1,409 @@
+//! The simulation core: timelines and accounts, the CPU pool, the disk, and the two engine
+//! adapters that bring them together: [`SimDevice`] (the engine's `Device`) and
+//! [`SimSpawner`] (the engine's `Spawner`).
+//!
+//! Exactly one entity runs at a time. While it runs, `cursor_ns` is its timeline: CPU work
+//! books a CPU from the cursor on and moves the cursor past it; a device request is handed to
+//! the disk model at the cursor and the cursor moves to its completion (the entity blocks on
+//! its own I/O). Everything is charged to the running entity's [`Account`].
+
+use std::collections::VecDeque;
+use std::io::{self, IoSlice, IoSliceMut};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use bufcache::environment::Job;
+use bufcache::{Device, Spawner};
+use serde::Serialize;
+
+use crate::clock::VirtualClock;
+use crate::disk::{DiskModel, Op};
+use crate::host::HostCosts;
+
+/// Granularity of the "data ready at" map, bytes.
+const READY_UNIT: u64 = 4096;
+
+/// Time and work charged to one simulated entity.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Account {
+    /// Entity name.
+    pub name: String,
+    /// User CPU time, ns.
+    pub user_ns: u64,
+    /// System CPU time, ns.
+    pub sys_ns: u64,
+    /// Time blocked on the device, ns.
+    pub io_wait_ns: u64,
+    /// Time waiting for a free CPU, ns.
+    pub cpu_wait_ns: u64,
+    /// Device reads issued.
+    pub reads: u64,
+    /// Bytes read from the device.
+    pub read_bytes: u64,
+    /// Device writes issued.
+    pub writes: u64,
+    /// Bytes written to the device.
+    pub write_bytes: u64,
+}
+
+/// Totals of the device.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct DeviceTotals {
+    /// Reads served.
+    pub reads: u64,
+    /// Bytes read.
+    pub read_bytes: u64,
+    /// Writes served.
+    pub writes: u64,
+    /// Bytes written.
+    pub write_bytes: u64,
+    /// Flushes.
+    pub flushes: u64,
+    /// Time the device was busy, ns.
+    pub busy_ns: u64,
+    /// Completion time of the last request, ns.
+    pub last_done_ns: u64,
+}
+
+/// CPUs as lists of booked intervals, so that work booked out of order (an entity that ran
+/// ahead) leaves earlier gaps usable by others.
+struct CpuPool {
+    busy: Vec<Vec<(u64, u64)>>,
+}
+
+impl CpuPool {
+    fn new(cpus: u32) -> Self {
+        CpuPool {
+            busy: vec![Vec::new(); cpus.max(1) as usize],
+        }
+    }
+
+    /// Books `duration` ns at or after `at`; returns the start.
+    fn book(&mut self, at: u64, duration: u64) -> u64 {
+        if duration == 0 {
+            return at;
+        }
+        let mut best: Option<(u64, usize, usize)> = None;
+        for (cpu, intervals) in self.busy.iter().enumerate() {
+            let mut candidate = at;
+            let mut position = intervals.len();
+            for (index, &(start, end)) in intervals.iter().enumerate() {
+                if end <= candidate {
+                    continue;
+                }
+                if start >= candidate + duration {
+                    position = index;
+                    break;
+                }
+                candidate = candidate.max(end);
+            }
+            if best.is_none_or(|(start, _, _)| candidate < start) {
+                best = Some((candidate, cpu, position));
+            }
+        }
+        let (start, cpu, _) = best.expect("one CPU");
+        let intervals = &mut self.busy[cpu];
+        let index = intervals.partition_point(|&(s, _)| s < start);
+        intervals.insert(index, (start, start + duration));
+        start
+    }
+
+    /// Forgets intervals that end before `floor` (no entity can book before it any more).
+    fn prune(&mut self, floor: u64) {
+        for intervals in &mut self.busy {
+            let keep_from = intervals.partition_point(|&(_, end)| end < floor);
+            if keep_from > 64 {
+                intervals.drain(..keep_from);
+            }
+        }
+    }
+}
+
+pub(crate) struct CoreState {
+    pub cursor_ns: u64,
+    pub current: usize,
+    pub accounts: Vec<Account>,
+    pub host: HostCosts,
+    pub device: DeviceTotals,
+    disk: Box<dyn DiskModel>,
+    cpu: CpuPool,
+    ready: Vec<u64>,
+}
+
+/// Shared simulation state: used by the scheduler, the device and the spawner.
+pub struct SimCore {
+    state: Mutex<CoreState>,
+    clock: Arc<VirtualClock>,
+}
+
+impl SimCore {
+    /// A core with `disk` and `host`, at time 0.
+    pub fn new(disk: Box<dyn DiskModel>, host: HostCosts, clock: Arc<VirtualClock>) -> Self {
+        SimCore {
+            state: Mutex::new(CoreState {
+                cursor_ns: 0,
+                current: 0,
+                accounts: Vec::new(),
+                cpu: CpuPool::new(host.cpus),
+                host,
+                device: DeviceTotals::default(),
+                disk,
+                ready: Vec::new(),
+            }),
+            clock,
+        }
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, CoreState> {
+        self.state.lock().unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    /// The engine's clock.
+    pub fn clock(&self) -> &Arc<VirtualClock> {
+        &self.clock
+    }
+
+    /// Adds an account and returns its index.
+    pub fn add_account(&self, name: &str) -> usize {
+        let mut state = self.lock();
+        state.accounts.push(Account {
+            name: name.to_string(),
+            ..Default::default()
+        });
+        state.accounts.len() - 1
+    }
+
+    /// Makes entity `account` current at time `time_ns`.
+    pub(crate) fn enter(&self, account: usize, time_ns: u64) {
+        let mut state = self.lock();
+        state.current = account;
+        state.cursor_ns = time_ns;
+        drop(state);
+        self.clock.advance_to(time_ns);
+    }
+
+    /// The running entity's time.
+    pub fn cursor(&self) -> u64 {
+        self.lock().cursor_ns
+    }
+
+    /// Runs `user_ns + sys_ns` of CPU work for the running entity.
+    pub fn cpu(&self, user_ns: u64, sys_ns: u64) {
+        let mut state = self.lock();
+        state.cpu_work(user_ns, sys_ns);
+        let now = state.cursor_ns;
+        drop(state);
+        self.clock.advance_to(now);
+    }
+
+    /// Waits (without CPU) until `time_ns`.
+    pub fn wait_until(&self, time_ns: u64, for_io: bool) {
+        let mut state = self.lock();
+        if time_ns > state.cursor_ns {
+            if for_io {
+                let current = state.current;
+                state.accounts[current].io_wait_ns += time_ns - state.cursor_ns;
+            }
+            state.cursor_ns = time_ns;
+        }
+        drop(state);
+        self.clock.advance_to(time_ns);
+    }
+
+    /// When the data of device bytes `[offset, offset + length)` last arrived from the disk.
+    pub fn ready_at(&self, offset: u64, length: u64) -> u64 {
+        let state = self.lock();
+        let first = (offset / READY_UNIT) as usize;
+        let end = ((offset + length).div_ceil(READY_UNIT) as usize).min(state.ready.len());
+        state
+            .ready
+            .get(first..end.max(first))
+            .map_or(0, |units| units.iter().copied().max().unwrap_or(0))
+    }
+
+    /// Forgets CPU bookings before `floor`.
+    pub(crate) fn prune(&self, floor: u64) {
+        self.lock().cpu.prune(floor);
+    }
+
+    /// A copy of every account.
+    pub fn accounts(&self) -> Vec<Account> {
+        self.lock().accounts.clone()
+    }
+
+    /// One account.
+    pub fn account(&self, index: usize) -> Account {
+        self.lock().accounts[index].clone()
+    }
+
+    /// Device totals.
+    pub fn device_totals(&self) -> DeviceTotals {
+        self.lock().device.clone()
+    }
+
+    /// The host cost model.
+    pub fn host(&self) -> HostCosts {
+        self.lock().host.clone()
+    }
+
+    fn io(&self, op: Op, offset: u64, length: u64) {
+        let mut state = self.lock();
+        let io_ns = state.host.io_ns;
+        state.cpu_work(0, io_ns);
+        let arrival = state.cursor_ns;
+        let done = state.disk.serve(op, offset, length, arrival);
+        let current = state.current;
+        let busy_from = arrival.max(state.device.last_done_ns);
+        state.device.busy_ns += done.saturating_sub(busy_from);
+        state.device.last_done_ns = state.device.last_done_ns.max(done);
+        let account = &mut state.accounts[current];
+        account.io_wait_ns += done - arrival;
+        match op {
+            Op::Read => {
+                account.reads += 1;
+                account.read_bytes += length;
+                state.device.reads += 1;
+                state.device.read_bytes += length;
+                let first = (offset / READY_UNIT) as usize;
+                let end = (offset + length).div_ceil(READY_UNIT) as usize;
+                if state.ready.len() < end {
+                    state.ready.resize(end, 0);
+                }
+                for unit in &mut state.ready[first..end] {
+                    *unit = done;
+                }
+            }
+            Op::Write => {
+                account.writes += 1;
+                account.write_bytes += length;
+                state.device.writes += 1;
+                state.device.write_bytes += length;
+            }
+        }
+        state.cursor_ns = done;
+        drop(state);
+        self.clock.advance_to(done);
+    }
+}
+
+impl CoreState {
+    fn cpu_work(&mut self, user_ns: u64, sys_ns: u64) {
+        let total = user_ns + sys_ns;
+        if total == 0 {
+            return;
+        }
+        let start = self.cpu.book(self.cursor_ns, total);
+        let current = self.current;
+        let account = &mut self.accounts[current];
+        account.cpu_wait_ns += start - self.cursor_ns;
+        account.user_ns += user_ns;
+        account.sys_ns += sys_ns;
+        self.cursor_ns = start + total;
+    }
+}
+
+/// The engine's device: every request is timed by the disk model and charged to the entity
+/// running. It stores no data: reads return zeroes, writes are timed and dropped (the
+/// simulator measures time, and the engine's own tests check data).
+pub struct SimDevice {
+    core: Arc<SimCore>,
+    length: u64,
+    name: String,
+}
+
+impl SimDevice {
+    /// A device of `length` bytes on `core`'s disk.
+    pub fn new(core: Arc<SimCore>, length: u64, name: &str) -> Self {
+        SimDevice {
+            core,
+            length,
+            name: name.to_string(),
+        }
+    }
+}
+
+impl Device for SimDevice {
+    fn read_vectored_at(&self, buffers: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<()> {
+        let length = bufcache::device::total_length(buffers.iter().map(|b| b.len()));
+        bufcache::device::check_range(self.length, offset, length)?;
+        for buffer in buffers.iter_mut() {
+            buffer.fill(0);
+        }
+        self.core.io(Op::Read, offset, length);
+        Ok(())
+    }
+
+    fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
+        let length = bufcache::device::total_length(buffers.iter().map(|b| b.len()));
+        bufcache::device::check_range(self.length, offset, length)?;
+        self.core.io(Op::Write, offset, length);
+        Ok(())
+    }
+
+    fn flush(&self) -> io::Result<()> {
+        // No write cache is modelled: a flush costs one command.
+        let mut state = self.core.lock();
+        let io_ns = state.host.io_ns;
+        state.cpu_work(0, io_ns);
+        state.device.flushes += 1;
+        Ok(())
+    }
+
+    fn discard(&self, offset: u64, length: u64) -> io::Result<()> {
+        bufcache::device::check_range(self.length, offset, length)
+    }
+
+    fn len(&self) -> u64 {
+        self.length
+    }
+
+    fn describe(&self) -> String {
+        self.name.clone()
+    }
+}
+
+/// The engine's spawner: background jobs (read-ahead, write-behind) are queued with the time
+/// they were spawned and run later by the simulated I/O daemon, one at a time, on its own
+/// timeline. The queue is bounded like the engine's thread pool; a refused job is run inline
+/// or skipped by the engine, as in production.
+pub struct SimSpawner {
+    core: Arc<SimCore>,
+    queue: Mutex<VecDeque<(u64, Job)>>,
+    queued_max: usize,
+}
+
+impl SimSpawner {
+    /// A spawner holding at most `queued_max` waiting jobs.
+    pub fn new(core: Arc<SimCore>, queued_max: usize) -> Self {
+        SimSpawner {
+            core,
+            queue: Mutex::new(VecDeque::new()),
+            queued_max: queued_max.max(1),
+        }
+    }
+
+    fn queue(&self) -> MutexGuard<'_, VecDeque<(u64, Job)>> {
+        self.queue.lock().unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    /// Spawn time of the oldest waiting job.
+    pub(crate) fn next_time(&self) -> Option<u64> {
+        self.queue().front().map(|(time, _)| *time)
+    }
+
+    /// Takes the oldest waiting job.
+    pub(crate) fn pop(&self) -> Option<(u64, Job)> {
+        self.queue().pop_front()
+    }
+}
+
+impl Spawner for SimSpawner {
+    fn spawn(&self, job: Job) -> Result<(), Job> {
+        let now = self.core.cursor();
+        let mut queue = self.queue();
+        if queue.len() >= self.queued_max {
+            return Err(job);
+        }
+        queue.push_back((now, job));
+        Ok(())
+    }
+}

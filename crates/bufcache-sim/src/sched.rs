@@ -1,0 +1,710 @@
+//! The discrete-event scheduler: workload processes, the I/O daemon and the syncer,
+//! interleaved deterministically on virtual time.
+//!
+//! The engine is synchronous, so the simulator runs exactly one entity at a time and each
+//! step runs to completion: a process step makes one system call through the engine (its
+//! device requests block that process in virtual time), the I/O daemon runs one background
+//! job the engine spawned (read-ahead, write-behind), the syncer calls
+//! `Cache::writeback_tick` once a period. The entity with the earliest timeline runs next
+//! (ties: processes by index, then the daemon, then the syncer), so the same seed gives the
+//! same run, byte for byte. Data a step read from the disk becomes visible to the others at
+//! once, but a reader that finds a block whose read is still in flight in virtual time (read
+//! by the daemon ahead of it) waits for that read's completion.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bufcache::{Cache, CacheConfig, CacheError, ConfigError, Environment, ObjectConfig};
+use bufcache::{ObjectHandle, PolicyKind};
+use serde::Serialize;
+
+use crate::clock::{SimRng, VirtualClock};
+use crate::core::{Account, DeviceTotals, SimCore, SimDevice, SimSpawner};
+use crate::disk::{DiskSpec, SpecError};
+use crate::host::HostCosts;
+use crate::layout::{FileMap, FsLayout, LayoutParams};
+
+/// An error of the simulator.
+#[derive(Debug)]
+pub enum SimError {
+    /// The engine refused the configuration.
+    Config(ConfigError),
+    /// The engine failed a call.
+    Cache(CacheError),
+    /// A disk, host or workload description was refused.
+    Spec(SpecError),
+    /// Anything else (an unknown experiment, a full disk).
+    Invalid(String),
+}
+
+impl fmt::Display for SimError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SimError::Config(e) => write!(f, "cache configuration: {e}"),
+            SimError::Cache(e) => write!(f, "engine: {e}"),
+            SimError::Spec(e) => write!(f, "{e}"),
+            SimError::Invalid(message) => write!(f, "{message}"),
+        }
+    }
+}
+
+impl std::error::Error for SimError {}
+
+impl From<ConfigError> for SimError {
+    fn from(e: ConfigError) -> Self {
+        SimError::Config(e)
+    }
+}
+impl From<CacheError> for SimError {
+    fn from(e: CacheError) -> Self {
+        SimError::Cache(e)
+    }
+}
+impl From<SpecError> for SimError {
+    fn from(e: SpecError) -> Self {
+        SimError::Spec(e)
+    }
+}
+
+/// Everything a simulation is built from.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// The disk.
+    pub disk: DiskSpec,
+    /// The host's CPU costs.
+    pub host: HostCosts,
+    /// The engine's configuration (sizes, policy, limits).
+    pub cache: CacheConfig,
+    /// The file-system layout.
+    pub layout: LayoutParams,
+    /// Seed of every random choice.
+    pub seed: u64,
+    /// Period of the syncer (`writeback_tick`), virtual time.
+    pub syncer_period: Duration,
+}
+
+impl SimConfig {
+    /// A configuration for `disk` and `host` with the engine's defaults adjusted for
+    /// simulation: one shard (an exact global policy; there is one thread) and no waiting for
+    /// space in real time.
+    pub fn new(disk: DiskSpec, host: HostCosts) -> Self {
+        SimConfig {
+            disk,
+            host,
+            cache: sim_cache_config(CacheConfig::default()),
+            layout: LayoutParams::default(),
+            seed: 1,
+            syncer_period: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Adjusts an engine configuration for simulation: one shard, no real-time waits.
+pub fn sim_cache_config(mut config: CacheConfig) -> CacheConfig {
+    config.shards = 1;
+    config.space_wait_max = Duration::ZERO;
+    config
+}
+
+/// What a process step asks of the scheduler.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Run me again when my turn comes.
+    Continue,
+    /// Run me again after this many ns of virtual time without CPU (think time).
+    Sleep(u64),
+    /// I am finished.
+    Done,
+}
+
+/// A workload process: a state machine making one system call per step.
+pub trait Process: Send {
+    /// Makes the next call.
+    fn step(&mut self, os: &mut Os<'_>) -> Result<Step, SimError>;
+}
+
+/// A file in the simulated file system.
+pub type FileId = usize;
+
+struct SimFile {
+    handle: ObjectHandle,
+    map: Arc<FileMap>,
+    length: u64,
+}
+
+/// The state processes act on.
+pub struct World {
+    core: Arc<SimCore>,
+    cache: Cache,
+    device: Arc<SimDevice>,
+    layout: FsLayout,
+    files: Vec<SimFile>,
+    host: HostCosts,
+    scratch: Vec<u8>,
+    new_buffers_seen: u64,
+    evictions_seen: u64,
+    block_pages: u64,
+}
+
+impl World {
+    /// Charges page wiring for buffers the engine filled and unwiring for buffers it evicted
+    /// since the last call, to the running entity.
+    fn charge_engine(&mut self) {
+        let stats = self.cache.stats();
+        let new_buffers = stats.misses + stats.readahead_issued_blocks;
+        let fresh = new_buffers.saturating_sub(self.new_buffers_seen);
+        let evicted = stats.evictions.saturating_sub(self.evictions_seen);
+        self.new_buffers_seen = new_buffers;
+        self.evictions_seen = stats.evictions;
+        let sys = self.block_pages
+            * (fresh * self.host.wire_page_ns + evicted * self.host.unwire_page_ns);
+        self.core.cpu(0, sys);
+    }
+
+    fn create(&mut self, name: &str, length: u64) -> Result<FileId, SimError> {
+        let map = self.layout.allocate(length).ok_or_else(|| {
+            SimError::Invalid(format!(
+                "the simulated disk is full: cannot place {name} ({length} bytes)"
+            ))
+        })?;
+        let mut config = ObjectConfig::new(name, self.device.clone() as Arc<dyn bufcache::Device>)
+            .block_size(self.layout.params().block_size);
+        config.length_bytes = Some(length);
+        config.block_map = Some(map.clone() as Arc<dyn bufcache::BlockMap>);
+        let handle = self.cache.open_object(config)?;
+        self.files.push(SimFile {
+            handle,
+            map,
+            length,
+        });
+        Ok(self.files.len() - 1)
+    }
+}
+
+/// The system-call interface a process step uses.
+pub struct Os<'a> {
+    world: &'a mut World,
+    rng: &'a mut SimRng,
+    metrics: &'a mut Vec<(String, f64)>,
+    account: usize,
+}
+
+impl Os<'_> {
+    /// The process's virtual time, ns.
+    pub fn now(&self) -> u64 {
+        self.world.core.cursor()
+    }
+
+    /// The process's random number generator.
+    pub fn rng(&mut self) -> &mut SimRng {
+        self.rng
+    }
+
+    /// Records a named result of the process (kept in its report, in order).
+    pub fn record(&mut self, key: impl Into<String>, value: f64) {
+        self.metrics.push((key.into(), value));
+    }
+
+    /// The process's account so far.
+    pub fn account(&self) -> Account {
+        self.world.core.account(self.account)
+    }
+
+    /// User-mode computation of `ns`.
+    pub fn compute(&mut self, ns: u64) {
+        self.world.core.cpu(ns, 0);
+    }
+
+    /// Length of a file.
+    pub fn file_len(&self, file: FileId) -> u64 {
+        self.world.files[file].length
+    }
+
+    /// Block size of the file system.
+    pub fn block_size(&self) -> u64 {
+        self.world.layout.params().block_size as u64
+    }
+
+    /// Creates a file of `length` bytes (allocated on disk, not written).
+    pub fn create(&mut self, name: &str, length: u64) -> Result<FileId, SimError> {
+        let host = &self.world.host;
+        self.world.core.cpu(host.user_per_call_ns, host.syscall_ns);
+        self.world.create(name, length)
+    }
+
+    /// A system call that zero-fills `length` bytes (reading /dev/zero).
+    pub fn read_zero(&mut self, length: u64) {
+        let host = &self.world.host;
+        self.world
+            .core
+            .cpu(host.user_per_call_ns, host.syscall_ns + host.copy_ns(length));
+    }
+
+    fn enter_call(&mut self, file: FileId, offset: u64, length: u64) {
+        let block = self.block_size();
+        let blocks = (offset + length).div_ceil(block) - offset / block;
+        let _ = file;
+        let host = &self.world.host;
+        self.world.core.cpu(
+            host.user_per_call_ns,
+            host.syscall_ns + blocks * host.lookup_ns,
+        );
+        if self.world.scratch.len() < length as usize {
+            self.world.scratch.resize(length as usize, 0);
+        }
+    }
+
+    /// read(2): `length` bytes of `file` at `offset` through the cache.
+    pub fn read(&mut self, file: FileId, offset: u64, length: u64) -> Result<(), SimError> {
+        self.enter_call(file, offset, length);
+        let world = &mut *self.world;
+        let entry = &world.files[file];
+        entry
+            .handle
+            .read_at(offset, &mut world.scratch[..length as usize])?;
+        // Blocks read ahead by the daemon may still be in flight: wait for them.
+        let block = world.layout.params().block_size as u64;
+        let first = offset / block;
+        let end = (offset + length).div_ceil(block);
+        let ready = entry
+            .map
+            .device_ranges(first, end)
+            .into_iter()
+            .map(|(at, bytes)| world.core.ready_at(at, bytes))
+            .max()
+            .unwrap_or(0);
+        world.core.wait_until(ready, true);
+        world.core.cpu(0, world.host.copy_ns(length));
+        world.charge_engine();
+        Ok(())
+    }
+
+    /// write(2): `length` bytes to `file` at `offset` through the cache (delayed write).
+    pub fn write(&mut self, file: FileId, offset: u64, length: u64) -> Result<(), SimError> {
+        self.enter_call(file, offset, length);
+        let world = &mut *self.world;
+        world.core.cpu(0, world.host.copy_ns(length));
+        world.files[file]
+            .handle
+            .write_at(offset, &world.scratch[..length as usize], false)?;
+        world.charge_engine();
+        Ok(())
+    }
+
+    /// fsync(2).
+    pub fn fsync(&mut self, file: FileId) -> Result<(), SimError> {
+        let host = &self.world.host;
+        self.world.core.cpu(host.user_per_call_ns, host.syscall_ns);
+        self.world.files[file].handle.flush()?;
+        self.world.charge_engine();
+        Ok(())
+    }
+
+    /// sync(2): everything dirty in the cache.
+    pub fn sync(&mut self) -> Result<(), SimError> {
+        let host = &self.world.host;
+        self.world.core.cpu(host.user_per_call_ns, host.syscall_ns);
+        self.world.cache.sync()?;
+        self.world.charge_engine();
+        Ok(())
+    }
+
+    /// The engine's statistics now.
+    pub fn cache_stats(&self) -> bufcache::CacheStats {
+        self.world.cache.stats()
+    }
+}
+
+struct Entity {
+    name: String,
+    process: Box<dyn Process>,
+    account: usize,
+    time_ns: u64,
+    start_ns: u64,
+    end_ns: Option<u64>,
+    primary: bool,
+    rng: SimRng,
+    metrics: Vec<(String, f64)>,
+}
+
+/// A simulation: a disk, a host, a cache running the real engine, files and processes.
+pub struct Simulation {
+    world: World,
+    spawner: Arc<SimSpawner>,
+    entities: Vec<Entity>,
+    daemon_account: usize,
+    daemon_time_ns: u64,
+    syncer_account: usize,
+    syncer_next_ns: u64,
+    syncer_period_ns: u64,
+    seed: u64,
+    disk: DiskSpec,
+}
+
+impl Simulation {
+    /// Builds the disk, the core and the engine.
+    pub fn new(config: &SimConfig) -> Result<Simulation, SimError> {
+        let clock = Arc::new(VirtualClock::new());
+        let core = Arc::new(SimCore::new(
+            config.disk.build(),
+            config.host.clone(),
+            clock.clone(),
+        ));
+        let capacity = config.disk.capacity_bytes();
+        let device = Arc::new(SimDevice::new(core.clone(), capacity, &config.disk.name));
+        let spawner = Arc::new(SimSpawner::new(
+            core.clone(),
+            config.cache.background_jobs_queued_max,
+        ));
+        let cache = Cache::with_environment(
+            config.cache.clone(),
+            Environment {
+                clock: clock.clone(),
+                spawner: spawner.clone(),
+            },
+        )?;
+        let layout = FsLayout::new(
+            config.layout.clone(),
+            config.disk.bytes_per_ms(),
+            capacity,
+            64 << 10,
+        );
+        let block_pages = (config.layout.block_size as u64)
+            .div_ceil(config.cache.page_size_bytes)
+            .max(1);
+        let daemon_account = core.add_account("iod");
+        let syncer_account = core.add_account("syncer");
+        Ok(Simulation {
+            world: World {
+                core,
+                cache,
+                device,
+                layout,
+                files: Vec::new(),
+                host: config.host.clone(),
+                scratch: Vec::new(),
+                new_buffers_seen: 0,
+                evictions_seen: 0,
+                block_pages,
+            },
+            spawner,
+            entities: Vec::new(),
+            daemon_account,
+            daemon_time_ns: 0,
+            syncer_account,
+            syncer_next_ns: config.syncer_period.as_nanos() as u64,
+            syncer_period_ns: (config.syncer_period.as_nanos() as u64).max(1_000_000),
+            seed: config.seed,
+            disk: config.disk.clone(),
+        })
+    }
+
+    /// Creates a file of `length` bytes on the disk (its contents are whatever the disk
+    /// holds; nothing is written or timed).
+    pub fn create_file(&mut self, name: &str, length: u64) -> Result<FileId, SimError> {
+        self.world.create(name, length)
+    }
+
+    /// The file's layout.
+    pub fn file_map(&self, file: FileId) -> Arc<FileMap> {
+        self.world.files[file].map.clone()
+    }
+
+    /// The engine.
+    pub fn cache(&self) -> &Cache {
+        &self.world.cache
+    }
+
+    /// The disk.
+    pub fn disk(&self) -> &DiskSpec {
+        &self.disk
+    }
+
+    /// The current virtual time (high-water mark).
+    pub fn now(&self) -> u64 {
+        self.world.core.clock().now()
+    }
+
+    /// Adds a process starting at `start_ns`. The run ends when every *primary* process is
+    /// done; background processes (a scan competing with a working set) are then stopped.
+    pub fn spawn(
+        &mut self,
+        name: &str,
+        process: Box<dyn Process>,
+        start_ns: u64,
+        primary: bool,
+    ) -> usize {
+        let account = self.world.core.add_account(name);
+        let index = self.entities.len() as u64;
+        self.entities.push(Entity {
+            name: name.to_string(),
+            process,
+            account,
+            time_ns: start_ns,
+            start_ns,
+            end_ns: None,
+            primary,
+            rng: SimRng::new(self.seed ^ (index + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+            metrics: Vec::new(),
+        });
+        self.entities.len() - 1
+    }
+
+    /// Runs until every primary process is done.
+    pub fn run(&mut self) -> Result<(), SimError> {
+        enum Pick {
+            Process(usize),
+            Daemon,
+            Syncer,
+        }
+        loop {
+            if !self
+                .entities
+                .iter()
+                .any(|e| e.primary && e.end_ns.is_none())
+            {
+                return Ok(());
+            }
+            let mut best: Option<(u64, u8, usize)> = None;
+            let mut consider = |time: u64, rank: u8, index: usize| {
+                if best.is_none() || (time, rank, index) < best.unwrap() {
+                    best = Some((time, rank, index));
+                }
+            };
+            for (index, entity) in self.entities.iter().enumerate() {
+                if entity.end_ns.is_none() {
+                    consider(entity.time_ns, 0, index);
+                }
+            }
+            if let Some(spawned) = self.spawner.next_time() {
+                consider(self.daemon_time_ns.max(spawned), 1, 0);
+            }
+            consider(self.syncer_next_ns, 2, 0);
+            let (time, rank, index) = best.expect("the syncer is always a candidate");
+            self.world.core.prune(time);
+            let pick = match rank {
+                0 => Pick::Process(index),
+                1 => Pick::Daemon,
+                _ => Pick::Syncer,
+            };
+            match pick {
+                Pick::Process(index) => {
+                    let entity = &mut self.entities[index];
+                    self.world.core.enter(entity.account, time);
+                    let mut os = Os {
+                        world: &mut self.world,
+                        rng: &mut entity.rng,
+                        metrics: &mut entity.metrics,
+                        account: entity.account,
+                    };
+                    let step = entity.process.step(&mut os)?;
+                    entity.time_ns = self.world.core.cursor();
+                    match step {
+                        Step::Continue => {}
+                        Step::Sleep(ns) => entity.time_ns += ns,
+                        Step::Done => entity.end_ns = Some(entity.time_ns),
+                    }
+                }
+                Pick::Daemon => {
+                    self.world.core.enter(self.daemon_account, time);
+                    if let Some((_, job)) = self.spawner.pop() {
+                        job();
+                    }
+                    self.world.charge_engine();
+                    self.daemon_time_ns = self.world.core.cursor();
+                }
+                Pick::Syncer => {
+                    self.world.core.enter(self.syncer_account, time);
+                    self.world.cache.writeback_tick();
+                    self.world.charge_engine();
+                    let finished = self.world.core.cursor();
+                    self.syncer_next_ns = (time + self.syncer_period_ns).max(finished);
+                }
+            }
+        }
+    }
+
+    /// Runs every queued background job now (after the processes finished), so the device
+    /// totals include them.
+    pub fn drain(&mut self) {
+        while let Some((spawned, job)) = self.spawner.pop() {
+            let time = self.daemon_time_ns.max(spawned);
+            self.world.core.enter(self.daemon_account, time);
+            job();
+            self.world.charge_engine();
+            self.daemon_time_ns = self.world.core.cursor();
+        }
+    }
+
+    /// The report of the run so far.
+    pub fn report(&self) -> RunReport {
+        let accounts = self.world.core.accounts();
+        let processes: Vec<ProcessReport> = self
+            .entities
+            .iter()
+            .map(|entity| {
+                let account = &accounts[entity.account];
+                let end = entity.end_ns.unwrap_or(entity.time_ns);
+                ProcessReport {
+                    name: entity.name.clone(),
+                    start_s: seconds(entity.start_ns),
+                    end_s: seconds(end),
+                    real_s: seconds(end - entity.start_ns),
+                    user_s: seconds(account.user_ns),
+                    sys_s: seconds(account.sys_ns),
+                    io_wait_s: seconds(account.io_wait_ns),
+                    cpu_wait_s: seconds(account.cpu_wait_ns),
+                    device_reads: account.reads,
+                    device_read_bytes: account.read_bytes,
+                    device_writes: account.writes,
+                    device_write_bytes: account.write_bytes,
+                    finished: entity.end_ns.is_some(),
+                    metrics: entity.metrics.clone(),
+                }
+            })
+            .collect();
+        let elapsed = self
+            .entities
+            .iter()
+            .filter(|e| e.primary)
+            .filter_map(|e| e.end_ns)
+            .max()
+            .unwrap_or(0);
+        RunReport {
+            disk: self.disk.to_string(),
+            host: self.world.host.to_string(),
+            elapsed_s: seconds(elapsed),
+            processes,
+            daemons: vec![
+                accounts[self.daemon_account].clone(),
+                accounts[self.syncer_account].clone(),
+            ],
+            device: self.world.core.device_totals(),
+            cache: CacheSummary::from_stats(&self.world.cache.stats()),
+        }
+    }
+}
+
+/// Nanoseconds to seconds.
+pub fn seconds(ns: u64) -> f64 {
+    ns as f64 / 1e9
+}
+
+/// One process's times and I/O, as `time` and `iostat` would report them.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ProcessReport {
+    /// Process name.
+    pub name: String,
+    /// Start, s of virtual time.
+    pub start_s: f64,
+    /// End (or where it was stopped), s.
+    pub end_s: f64,
+    /// Elapsed (real) time, s.
+    pub real_s: f64,
+    /// User CPU, s.
+    pub user_s: f64,
+    /// System CPU, s.
+    pub sys_s: f64,
+    /// Blocked on the device, s.
+    pub io_wait_s: f64,
+    /// Waiting for a CPU, s.
+    pub cpu_wait_s: f64,
+    /// Device reads it issued itself.
+    pub device_reads: u64,
+    /// Bytes of those.
+    pub device_read_bytes: u64,
+    /// Device writes it issued itself.
+    pub device_writes: u64,
+    /// Bytes of those.
+    pub device_write_bytes: u64,
+    /// False when it was stopped (a background process).
+    pub finished: bool,
+    /// What the process recorded.
+    pub metrics: Vec<(String, f64)>,
+}
+
+/// The engine's counters at the end of a run.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CacheSummary {
+    /// Lookups that hit.
+    pub hits: u64,
+    /// Lookups that missed.
+    pub misses: u64,
+    /// Hit ratio.
+    pub hit_ratio: f64,
+    /// Clean buffers evicted.
+    pub evictions: u64,
+    /// Device reads issued by the engine.
+    pub device_reads: u64,
+    /// Mean read size, bytes.
+    pub read_average_bytes: f64,
+    /// Device writes issued by the engine.
+    pub device_writes: u64,
+    /// Mean write size, bytes.
+    pub write_average_bytes: f64,
+    /// Clustered reads.
+    pub read_clusters: u64,
+    /// Clustered writes.
+    pub write_clusters: u64,
+    /// Blocks read ahead.
+    pub readahead_issued_blocks: u64,
+    /// Read-ahead blocks used.
+    pub readahead_used_blocks: u64,
+    /// Read-ahead blocks evicted unused.
+    pub readahead_wasted_blocks: u64,
+    /// Buffers in use at the end.
+    pub buffers_in_use: u64,
+    /// Memory charged at the end, bytes.
+    pub memory_used_bytes: u64,
+    /// Memory charged but not holding data (page rounding), bytes.
+    pub memory_wasted_bytes: u64,
+}
+
+impl CacheSummary {
+    /// Extracts the summary from an engine snapshot.
+    pub fn from_stats(stats: &bufcache::CacheStats) -> Self {
+        CacheSummary {
+            hits: stats.hits,
+            misses: stats.misses,
+            hit_ratio: stats.hit_ratio(),
+            evictions: stats.evictions,
+            device_reads: stats.device_reads.requests,
+            read_average_bytes: stats.device_reads.average_transfer_bytes(),
+            device_writes: stats.device_writes.requests,
+            write_average_bytes: stats.device_writes.average_transfer_bytes(),
+            read_clusters: stats.read_clusters,
+            write_clusters: stats.write_clusters,
+            readahead_issued_blocks: stats.readahead_issued_blocks,
+            readahead_used_blocks: stats.readahead_used_blocks,
+            readahead_wasted_blocks: stats.readahead_wasted_blocks,
+            buffers_in_use: stats.buffers_in_use,
+            memory_used_bytes: stats.memory_used_bytes,
+            memory_wasted_bytes: stats.memory_wasted_bytes,
+        }
+    }
+}
+
+/// Everything a run measured.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RunReport {
+    /// The disk.
+    pub disk: String,
+    /// The host.
+    pub host: String,
+    /// When the last primary process finished, s.
+    pub elapsed_s: f64,
+    /// Every process.
+    pub processes: Vec<ProcessReport>,
+    /// The I/O daemon's and the syncer's accounts.
+    pub daemons: Vec<Account>,
+    /// Device totals.
+    pub device: DeviceTotals,
+    /// Engine counters.
+    pub cache: CacheSummary,
+}
+
+/// Names of the engine's replacement policies, for tables.
+pub fn policy_name(policy: PolicyKind) -> &'static str {
+    policy.name()
+}
