@@ -2,6 +2,7 @@
 
 mod dd;
 mod engine_args;
+mod replay;
 
 use clap::{Parser, Subcommand};
 
@@ -17,12 +18,15 @@ struct Cli {
 enum Command {
     /// Copy through the buffer cache with dd's syntax (seed 000's tool).
     Dd(dd::DdArgs),
+    /// Miss-ratio curves of replacement policies over a block I/O trace.
+    Replay(replay::ReplayArgs),
 }
 
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Dd(args) => dd::run(args),
+        Command::Replay(args) => replay::run(args),
     };
     if let Err(error) = result {
         eprintln!("bufcache: {error:#}");

@@ -78,8 +78,13 @@ impl FsLayout {
 
     /// Allocates a file of `length` bytes; `None` when the disk is full.
     pub fn allocate(&mut self, length: u64) -> Option<Arc<FileMap>> {
-        let block = self.params.block_size as u64;
         let fragment = self.params.fragment_size as u64;
+        let block = if length < self.params.block_size as u64 {
+            // A file smaller than a block lives in fragments and gets a buffer of that size.
+            length.next_multiple_of(fragment).max(512)
+        } else {
+            self.params.block_size as u64
+        };
         let blocks = length.div_ceil(block).max(1);
         let maxcontig = self.params.maxcontig.max(1) as u64;
         let mut runs: Vec<Run> = Vec::new();
@@ -103,7 +108,7 @@ impl FsLayout {
         }
         // The last block takes only the fragments it needs.
         let tail = length % block;
-        if tail != 0 {
+        if tail != 0 && block == self.params.block_size as u64 {
             offset -= block - tail.next_multiple_of(fragment);
         }
         if offset > self.capacity {
@@ -137,6 +142,11 @@ pub struct FileMap {
 }
 
 impl FileMap {
+    /// Block size of this file's buffers, bytes.
+    pub fn block_size(&self) -> u64 {
+        self.block_size
+    }
+
     /// Number of contiguous runs.
     pub fn runs(&self) -> usize {
         self.runs.len()

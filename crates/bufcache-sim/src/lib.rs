@@ -1,5 +1,35 @@
-//! Simulator (being written).
+//! bufcache-sim: the bufcache engine, unmodified, on simulated disks and a virtual clock.
+//!
+//! - [`clock`]: the virtual clock (the engine's injected `Clock`) and a portable RNG;
+//! - [`disk`]: mechanical, SSD and network disk models and their presets ([`DiskSpec`]);
+//! - [`host`]: CPU costs of system calls, lookups, copies, I/O and page wiring ([`HostCosts`]);
+//! - [`core`]: timelines and accounts, [`SimDevice`] (the engine's `Device`) and
+//!   [`SimSpawner`] (the engine's `Spawner`, feeding the simulated I/O daemon);
+//! - [`layout`]: newfs-style file layout (block, fragment, maxcontig, rotdelay) as the
+//!   engine's `BlockMap`;
+//! - [`sched`]: the deterministic scheduler of processes, the I/O daemon and the syncer;
+//! - [`workload`]: dd, read-sweep, mixed scan + working set, tree copy, build;
+//! - [`experiments`]: the seeds' experiments as tables, CSV, JSON and SVG plots.
+//!
+//! Entry points for the command line: [`run_experiment`], [`run_custom`], [`EXPERIMENTS`],
+//! `DiskSpec::from_str`, `WorkloadSpec::from_str`, `HostCosts::from_str`.
+
 pub mod clock;
 pub mod core;
 pub mod disk;
+pub mod experiments;
 pub mod host;
+pub mod layout;
+pub mod report;
+pub mod sched;
+pub mod workload;
+
+pub use clock::{SimRng, VirtualClock};
+pub use core::{Account, DeviceTotals, SimCore, SimDevice, SimSpawner};
+pub use disk::{DiskKind, DiskModel, DiskSpec, HddModel, HddParams, Op, QueueModel, QueueParams, SpecError, DISK_PRESETS};
+pub use experiments::{run_custom, run_experiment, CustomRun, ExperimentOptions, EXPERIMENTS};
+pub use host::{HostCosts, HOST_PRESETS};
+pub use layout::{FileMap, FsLayout, LayoutParams};
+pub use report::{Cell, ExperimentResult, Plot, Series, Table};
+pub use sched::{sim_cache_config, FileId, Os, Process, RunReport, SimConfig, SimError, Simulation, Step};
+pub use workload::WorkloadSpec;

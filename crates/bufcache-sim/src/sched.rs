@@ -131,6 +131,7 @@ struct SimFile {
     handle: ObjectHandle,
     map: Arc<FileMap>,
     length: u64,
+    block_size: u64,
 }
 
 /// The state processes act on.
@@ -168,8 +169,9 @@ impl World {
                 "the simulated disk is full: cannot place {name} ({length} bytes)"
             ))
         })?;
+        let block_size = map.block_size() as u32;
         let mut config = ObjectConfig::new(name, self.device.clone() as Arc<dyn bufcache::Device>)
-            .block_size(self.layout.params().block_size);
+            .block_size(block_size);
         config.length_bytes = Some(length);
         config.block_map = Some(map.clone() as Arc<dyn bufcache::BlockMap>);
         let handle = self.cache.open_object(config)?;
@@ -177,6 +179,7 @@ impl World {
             handle,
             map,
             length,
+            block_size: block_size as u64,
         });
         Ok(self.files.len() - 1)
     }
@@ -221,9 +224,10 @@ impl Os<'_> {
         self.world.files[file].length
     }
 
-    /// Block size of the file system.
-    pub fn block_size(&self) -> u64 {
-        self.world.layout.params().block_size as u64
+    /// Block (buffer) size of a file: the file system's block, or for a file smaller than
+    /// one block its length in whole fragments (4.4BSD sizes such buffers that way).
+    pub fn block_size(&self, file: FileId) -> u64 {
+        self.world.files[file].block_size
     }
 
     /// Creates a file of `length` bytes (allocated on disk, not written).
@@ -242,9 +246,8 @@ impl Os<'_> {
     }
 
     fn enter_call(&mut self, file: FileId, offset: u64, length: u64) {
-        let block = self.block_size();
+        let block = self.block_size(file);
         let blocks = (offset + length).div_ceil(block) - offset / block;
-        let _ = file;
         let host = &self.world.host;
         self.world.core.cpu(
             host.user_per_call_ns,
@@ -264,7 +267,7 @@ impl Os<'_> {
             .handle
             .read_at(offset, &mut world.scratch[..length as usize])?;
         // Blocks read ahead by the daemon may still be in flight: wait for them.
-        let block = world.layout.params().block_size as u64;
+        let block = entry.block_size;
         let first = offset / block;
         let end = (offset + length).div_ceil(block);
         let ready = entry

@@ -127,7 +127,7 @@ pub struct CacheConfig {
     /// Place blocks of long sequential streams at the eviction end (seed 003's "don't need").
     /// Default true.
     pub noreuse_sequential: bool,
-    /// Replacement policy. Default LRU.
+    /// Replacement policy. Default S3-FIFO (chosen by measurement: docs/policies.md).
     pub policy: PolicyKind,
     /// Dirty data older than this is written back by the background writer. Default 30 s.
     pub dirty_age_max: Duration,
@@ -160,7 +160,7 @@ impl Default for CacheConfig {
             readahead_size_initial_bytes: 16 << 10,
             streams_per_object_max: 8,
             noreuse_sequential: true,
-            policy: PolicyKind::Lru,
+            policy: PolicyKind::S3Fifo,
             dirty_age_max: Duration::from_secs(30),
             dirty_background_percent: 25,
             dirty_limit_percent: 50,

@@ -1,0 +1,277 @@
+//! `bufcache replay`: miss-ratio curves of replacement policies over a block I/O trace.
+//!
+//! The trace is read once (streamed, then held as compact accesses) and replayed through each
+//! policy × cache size with the policy crate's single-threaded simulator, in parallel across
+//! combinations. By default a request is split into the blocks it covers and the cache size is
+//! in bytes (or blocks, for a bare number); with `--no-split` each request is one unit-size
+//! object keyed by its starting block and the cache size counts objects — libCacheSim's way,
+//! so results compare with it exactly. Reads and writes are both accesses; a miss inserts.
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use anyhow::{bail, Context};
+use bufcache::parse_size;
+use bufcache_policy::simulate::Simulator;
+use bufcache_policy::PolicyKind;
+use bufcache_trace::{open_trace, Operation, TraceFormat, TraceOptions};
+use clap::Args;
+
+/// Arguments of `bufcache replay`.
+#[derive(Args, Debug)]
+#[command(after_help = "Examples:\n  \
+    bufcache replay cloudPhysicsIO.vscsi --format vscsi --policy lru,s3fifo,arc --cache-size 16MiB,64MiB,256MiB\n  \
+    bufcache replay trace.csv --format csv --trace-options \"time-col=2,obj-id-col=5,obj-size-col=4,op-col=3,has-header=true,delimiter=,\" \\\n      \
+    --policy lru,sieve --cache-size 1000,5000 --no-split --json\n\n\
+    Formats: csv, blkparse, msr, fio, oracle-general, vscsi. Policies: lru, fifo, clock, 2q, arc, s3fifo, sieve.")]
+pub struct ReplayArgs {
+    /// The trace file.
+    trace: PathBuf,
+    /// Trace format (csv, blkparse, msr, fio, oracle-general, vscsi); guessed when omitted.
+    #[arg(long)]
+    format: Option<TraceFormat>,
+    /// Reader options in libCacheSim's syntax, for example "time-col=2,obj-id-col=5,...".
+    #[arg(long, default_value = "")]
+    trace_options: String,
+    /// Policies, comma separated.
+    #[arg(long, default_value = "s3fifo", value_delimiter = ',')]
+    policy: Vec<PolicyKind>,
+    /// Cache sizes, comma separated: bytes with a unit (4k, 64MiB), or a bare number of blocks
+    /// (of objects with --no-split).
+    #[arg(long, required = true, value_delimiter = ',')]
+    cache_size: Vec<String>,
+    /// Block size for splitting requests. Default 4k.
+    #[arg(long, default_value = "4k")]
+    block_size: String,
+    /// One unit-size object per request, keyed by its starting block (libCacheSim's counting).
+    #[arg(long)]
+    no_split: bool,
+    /// Print a JSON array instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One access of the replay: a key and the bytes of the request it stands for.
+#[derive(Clone, Copy)]
+struct Access {
+    key: u64,
+    bytes: u32,
+}
+
+/// One row of the miss-ratio curve.
+#[derive(Clone, Debug)]
+struct Row {
+    policy: PolicyKind,
+    cache_size: String,
+    capacity_units: u64,
+    requests: u64,
+    accesses: u64,
+    misses: u64,
+    bytes: u64,
+    missed_bytes: u64,
+}
+
+pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
+    let format = match args.format {
+        Some(format) => format,
+        None => TraceFormat::guess(&args.trace).context("pass --format")?,
+    };
+    let options: TraceOptions = args.trace_options.parse().context("--trace-options")?;
+    let block_size = parse_size(&args.block_size).context("--block-size")?;
+    if block_size == 0 || block_size > 1 << 30 {
+        bail!(
+            "--block-size {}: must be from 1 byte to 1GiB",
+            args.block_size
+        );
+    }
+    let capacities = args
+        .cache_size
+        .iter()
+        .map(|text| {
+            capacity_units(text, block_size, args.no_split).map(|units| (text.clone(), units))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let (accesses, requests) = load(&args, format, &options, block_size)?;
+    let mut combinations = Vec::new();
+    for &policy in &args.policy {
+        for (text, units) in &capacities {
+            combinations.push((policy, text.clone(), *units));
+        }
+    }
+    let rows = replay_all(&accesses, requests, &combinations);
+    if args.json {
+        print_json(&rows);
+    } else {
+        print_table(&rows, args.no_split);
+    }
+    Ok(())
+}
+
+fn capacity_units(text: &str, block_size: u64, no_split: bool) -> anyhow::Result<u64> {
+    let bare = text.trim().chars().all(|c| c.is_ascii_digit());
+    let units = if bare {
+        text.trim()
+            .parse::<u64>()
+            .with_context(|| format!("--cache-size `{text}`"))?
+    } else if no_split {
+        bail!("--cache-size `{text}`: with --no-split the cache size counts objects; give a bare number");
+    } else {
+        parse_size(text).with_context(|| format!("--cache-size `{text}`"))? / block_size
+    };
+    if units == 0 {
+        bail!("--cache-size `{text}`: holds no block of {block_size} bytes; give a larger size");
+    }
+    Ok(units)
+}
+
+/// Reads the whole trace into accesses; returns them and the number of requests.
+fn load(
+    args: &ReplayArgs,
+    format: TraceFormat,
+    options: &TraceOptions,
+    block_size: u64,
+) -> anyhow::Result<(Vec<Access>, u64)> {
+    let stream = open_trace(&args.trace, format, options)?;
+    let mut accesses = Vec::new();
+    let mut requests = 0u64;
+    for request in stream {
+        let request = request?;
+        if request.operation == Operation::Other {
+            continue;
+        }
+        requests += 1;
+        if args.no_split {
+            accesses.push(Access {
+                key: request.object_id,
+                bytes: request.length_bytes.min(u32::MAX as u64) as u32,
+            });
+            continue;
+        }
+        let start = request.offset_bytes;
+        let end = start + request.length_bytes.max(1);
+        let mut block = start / block_size;
+        while block * block_size < end {
+            let block_start = block * block_size;
+            let covered = end.min(block_start + block_size) - start.max(block_start);
+            accesses.push(Access {
+                key: block,
+                bytes: covered as u32,
+            });
+            block += 1;
+        }
+    }
+    Ok((accesses, requests))
+}
+
+fn replay_all(
+    accesses: &[Access],
+    requests: u64,
+    combinations: &[(PolicyKind, String, u64)],
+) -> Vec<Row> {
+    let next = Mutex::new(0usize);
+    let rows = Mutex::new(Vec::new());
+    let workers = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .min(combinations.len().max(1));
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            scope.spawn(|| loop {
+                let index = {
+                    let mut next = next.lock().unwrap();
+                    let index = *next;
+                    *next += 1;
+                    index
+                };
+                let Some((policy, text, units)) = combinations.get(index) else {
+                    return;
+                };
+                let row = replay_one(accesses, requests, *policy, text, *units);
+                rows.lock().unwrap().push((index, row));
+            });
+        }
+    });
+    let mut rows = rows.into_inner().unwrap();
+    rows.sort_by_key(|(index, _)| *index);
+    rows.into_iter().map(|(_, row)| row).collect()
+}
+
+fn replay_one(
+    accesses: &[Access],
+    requests: u64,
+    policy: PolicyKind,
+    text: &str,
+    units: u64,
+) -> Row {
+    let mut simulator = Simulator::new(policy, units as usize);
+    let mut bytes = 0u64;
+    let mut missed_bytes = 0u64;
+    for access in accesses {
+        bytes += access.bytes as u64;
+        if !simulator.access(access.key) {
+            missed_bytes += access.bytes as u64;
+        }
+    }
+    Row {
+        policy,
+        cache_size: text.to_string(),
+        capacity_units: units,
+        requests,
+        accesses: accesses.len() as u64,
+        misses: simulator.misses(),
+        bytes,
+        missed_bytes,
+    }
+}
+
+impl Row {
+    /// Misses per access (per block when splitting, per request with --no-split).
+    fn miss_ratio(&self) -> f64 {
+        self.misses as f64 / self.accesses.max(1) as f64
+    }
+
+    /// Missed bytes per requested byte.
+    fn byte_miss_ratio(&self) -> f64 {
+        self.missed_bytes as f64 / self.bytes.max(1) as f64
+    }
+}
+
+fn print_table(rows: &[Row], no_split: bool) {
+    let unit = if no_split { "objects" } else { "blocks" };
+    println!(
+        "{:<8} {:>12} {:>12} {:>10} {:>12} {:>10} {:>15}",
+        "policy", "cache size", unit, "requests", "misses", "miss ratio", "byte miss ratio"
+    );
+    for row in rows {
+        println!(
+            "{:<8} {:>12} {:>12} {:>10} {:>12} {:>10.4} {:>15.4}",
+            row.policy.name(),
+            row.cache_size,
+            row.capacity_units,
+            row.requests,
+            row.misses,
+            row.miss_ratio(),
+            row.byte_miss_ratio()
+        );
+    }
+}
+
+fn print_json(rows: &[Row]) {
+    let values: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|row| {
+            serde_json::json!({
+                "policy": row.policy.name(),
+                "cache_size": row.cache_size,
+                "requests": row.requests,
+                "misses": row.misses,
+                "miss_ratio": row.miss_ratio(),
+                "byte_miss_ratio": row.byte_miss_ratio(),
+            })
+        })
+        .collect();
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&values).expect("JSON of plain values")
+    );
+}

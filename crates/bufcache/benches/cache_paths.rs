@@ -1,0 +1,106 @@
+//! Hit and miss paths of the engine: lookup, pin and release of a cached 4 KiB block (no
+//! copy) on one and two threads, a 4 KiB read_at hit (with copy), and a miss on a
+//! MemoryDevice. The target: at least 5 million hits per second on one thread.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bufcache::{
+    Cache, CacheConfig, Device, Environment, InlineSpawner, MemoryDevice, ObjectConfig,
+    ObjectHandle, SystemClock,
+};
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+
+const BLOCKS: u64 = 1024;
+
+fn cache_with(memory_bytes_max: u64) -> (Cache, ObjectHandle) {
+    let config = CacheConfig {
+        memory_bytes_max,
+        buffers_max: memory_bytes_max / 4096,
+        readahead_size_max_bytes: 0,
+        ..CacheConfig::default()
+    };
+    let environment = Environment {
+        clock: Arc::new(SystemClock::new()),
+        spawner: Arc::new(InlineSpawner),
+    };
+    let cache = Cache::with_environment(config, environment).unwrap();
+    let device: Arc<dyn Device> = Arc::new(MemoryDevice::new(1 << 30));
+    let object = cache
+        .open_object(ObjectConfig::new("bench", device))
+        .unwrap();
+    (cache, object)
+}
+
+fn warm(object: &ObjectHandle) {
+    for block in 0..BLOCKS {
+        drop(object.bread(block).unwrap());
+    }
+}
+
+fn hit_path(criterion: &mut Criterion) {
+    let (_cache, object) = cache_with(64 << 20);
+    warm(&object);
+    let mut group = criterion.benchmark_group("hit");
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("getblk_release_1_thread", |bench| {
+        let mut block = 0;
+        bench.iter(|| {
+            block = (block + 1) % BLOCKS;
+            drop(object.getblk(block).unwrap());
+        })
+    });
+    let mut buffer = vec![0u8; 4096];
+    group.bench_function("read_at_4k_copy_1_thread", |bench| {
+        let mut block = 0;
+        bench.iter(|| {
+            block = (block + 1) % BLOCKS;
+            object.read_at(block * 4096, &mut buffer).unwrap();
+        })
+    });
+    let object = Arc::new(object);
+    group.bench_function("getblk_release_2_threads", |bench| {
+        bench.iter_custom(|iterations| {
+            let started = Instant::now();
+            let workers: Vec<_> = (0..2u64)
+                .map(|thread| {
+                    let object = Arc::clone(&object);
+                    std::thread::spawn(move || {
+                        let mut block = thread * 512;
+                        for _ in 0..iterations / 2 {
+                            block = (block + 1) % BLOCKS;
+                            drop(object.getblk(block).unwrap());
+                        }
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .for_each(|worker| worker.join().unwrap());
+            started.elapsed()
+        })
+    });
+    group.finish();
+}
+
+fn miss_path(criterion: &mut Criterion) {
+    // A cache of 256 blocks cycling over 1024: every access misses and evicts.
+    let (_cache, object) = cache_with(1 << 20);
+    let mut group = criterion.benchmark_group("miss");
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("bread_evict_memory_device", |bench| {
+        let mut block = 0;
+        bench.iter(|| {
+            block = (block + 1) % BLOCKS;
+            drop(object.bread(block).unwrap());
+        })
+    });
+    group.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
+    targets = hit_path, miss_path
+}
+criterion_main!(benches);
