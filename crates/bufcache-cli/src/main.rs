@@ -3,6 +3,7 @@
 mod dd;
 mod engine_args;
 mod replay;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -10,12 +11,17 @@ use clap::{Parser, Subcommand};
 #[derive(Parser)]
 #[command(name = "bufcache", version, about, long_about = None)]
 struct Cli {
+    /// More log output (-v info, -vv debug, -vvv trace); RUST_LOG overrides.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
     #[command(subcommand)]
     command: Command,
 }
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve backing stores over NBD through the cache (the main job).
+    Serve(serve::ServeArgs),
     /// Copy through the buffer cache with dd's syntax (seed 000's tool).
     Dd(dd::DdArgs),
     /// Miss-ratio curves of replacement policies over a block I/O trace.
@@ -24,7 +30,9 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
+    init_logging(cli.verbose);
     let result = match cli.command {
+        Command::Serve(args) => serve::run(args),
         Command::Dd(args) => dd::run(args),
         Command::Replay(args) => replay::run(args),
     };
@@ -32,4 +40,20 @@ fn main() {
         eprintln!("bufcache: {error:#}");
         std::process::exit(1);
     }
+}
+
+/// Logs to standard error: warnings by default, more with -v, or as RUST_LOG says.
+fn init_logging(verbose: u8) {
+    let default = match verbose {
+        0 => "warn",
+        1 => "info",
+        2 => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
 }

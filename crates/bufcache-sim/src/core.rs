@@ -65,7 +65,8 @@ pub struct DeviceTotals {
 }
 
 /// CPUs as lists of booked intervals, so that work booked out of order (an entity that ran
-/// ahead) leaves earlier gaps usable by others.
+/// ahead in one atomic step) leaves earlier gaps usable by others, and long work time-shares
+/// with short work (a copy does not wait for a whole write-back step to end).
 struct CpuPool {
     busy: Vec<Vec<(u64, u64)>>,
 }
@@ -77,41 +78,51 @@ impl CpuPool {
         }
     }
 
-    /// Books `duration` ns at or after `at`; returns the start.
+    /// Books `duration` ns of CPU at or after `at`, time-shared: the work fills the gaps
+    /// other entities left on one CPU (the one where it finishes first). Returns the end.
     fn book(&mut self, at: u64, duration: u64) -> u64 {
         if duration == 0 {
             return at;
         }
-        let mut best: Option<(u64, usize, usize)> = None;
+        let mut best: Option<(u64, usize, Vec<(u64, u64)>)> = None;
         for (cpu, intervals) in self.busy.iter().enumerate() {
+            let mut pieces = Vec::new();
             let mut candidate = at;
-            let mut position = intervals.len();
-            for (index, &(start, end)) in intervals.iter().enumerate() {
-                if end <= candidate {
-                    continue;
-                }
-                if start >= candidate + duration {
-                    position = index;
-                    break;
+            let mut remaining = duration;
+            let from = intervals.partition_point(|&(_, end)| end <= at);
+            for &(start, end) in &intervals[from..] {
+                if start > candidate {
+                    let take = remaining.min(start - candidate);
+                    pieces.push((candidate, candidate + take));
+                    remaining -= take;
+                    if remaining == 0 {
+                        break;
+                    }
                 }
                 candidate = candidate.max(end);
             }
-            if best.is_none_or(|(start, _, _)| candidate < start) {
-                best = Some((candidate, cpu, position));
+            if remaining > 0 {
+                pieces.push((candidate, candidate + remaining));
+            }
+            let finish = pieces.last().map_or(at, |&(_, end)| end);
+            if best.as_ref().map_or(true, |(end, _, _)| finish < *end) {
+                best = Some((finish, cpu, pieces));
             }
         }
-        let (start, cpu, _) = best.expect("one CPU");
+        let (finish, cpu, pieces) = best.expect("one CPU");
         let intervals = &mut self.busy[cpu];
-        let index = intervals.partition_point(|&(s, _)| s < start);
-        intervals.insert(index, (start, start + duration));
-        start
+        for piece in pieces {
+            let index = intervals.partition_point(|&(s, _)| s < piece.0);
+            intervals.insert(index, piece);
+        }
+        finish
     }
 
     /// Forgets intervals that end before `floor` (no entity can book before it any more).
     fn prune(&mut self, floor: u64) {
         for intervals in &mut self.busy {
             let keep_from = intervals.partition_point(|&(_, end)| end < floor);
-            if keep_from > 64 {
+            if keep_from > 256 {
                 intervals.drain(..keep_from);
             }
         }
@@ -121,6 +132,9 @@ impl CpuPool {
 pub(crate) struct CoreState {
     pub cursor_ns: u64,
     pub current: usize,
+    /// Where CPU time goes: the running entity, or for the I/O daemon the process whose
+    /// call spawned the job (BSD starts an asynchronous write in the writer's context).
+    pub cpu_account: usize,
     pub accounts: Vec<Account>,
     pub host: HostCosts,
     pub device: DeviceTotals,
@@ -142,6 +156,7 @@ impl SimCore {
             state: Mutex::new(CoreState {
                 cursor_ns: 0,
                 current: 0,
+                cpu_account: 0,
                 accounts: Vec::new(),
                 cpu: CpuPool::new(host.cpus),
                 host,
@@ -174,8 +189,14 @@ impl SimCore {
 
     /// Makes entity `account` current at time `time_ns`.
     pub(crate) fn enter(&self, account: usize, time_ns: u64) {
+        self.enter_on_behalf(account, account, time_ns);
+    }
+
+    /// Makes entity `account` current at `time_ns`, its CPU charged to `cpu_account`.
+    pub(crate) fn enter_on_behalf(&self, account: usize, cpu_account: usize, time_ns: u64) {
         let mut state = self.lock();
         state.current = account;
+        state.cpu_account = cpu_account;
         state.cursor_ns = time_ns;
         drop(state);
         self.clock.advance_to(time_ns);
@@ -184,6 +205,12 @@ impl SimCore {
     /// The running entity's time.
     pub fn cursor(&self) -> u64 {
         self.lock().cursor_ns
+    }
+
+    /// The running entity's time and the account its CPU time goes to.
+    pub(crate) fn cursor_and_origin(&self) -> (u64, usize) {
+        let state = self.lock();
+        (state.cursor_ns, state.cpu_account)
     }
 
     /// Runs `user_ns + sys_ns` of CPU work for the running entity.
@@ -291,13 +318,13 @@ impl CoreState {
         if total == 0 {
             return;
         }
-        let start = self.cpu.book(self.cursor_ns, total);
-        let current = self.current;
-        let account = &mut self.accounts[current];
-        account.cpu_wait_ns += start - self.cursor_ns;
+        let finish = self.cpu.book(self.cursor_ns, total);
+        let wait = finish - self.cursor_ns - total;
+        self.accounts[self.current].cpu_wait_ns += wait;
+        let account = &mut self.accounts[self.cpu_account];
         account.user_ns += user_ns;
         account.sys_ns += sys_ns;
-        self.cursor_ns = start + total;
+        self.cursor_ns = finish;
     }
 }
 
@@ -363,11 +390,12 @@ impl Device for SimDevice {
 
 /// The engine's spawner: background jobs (read-ahead, write-behind) are queued with the time
 /// they were spawned and run later by the simulated I/O daemon, one at a time, on its own
-/// timeline. The queue is bounded like the engine's thread pool; a refused job is run inline
+/// timeline; their CPU time is charged to the process whose call spawned them, as BSD's
+/// asynchronous I/O is started in that process's context. The queue is bounded like the engine's thread pool; a refused job is run inline
 /// or skipped by the engine, as in production.
 pub struct SimSpawner {
     core: Arc<SimCore>,
-    queue: Mutex<VecDeque<(u64, Job)>>,
+    queue: Mutex<VecDeque<(u64, usize, Job)>>,
     queued_max: usize,
 }
 
@@ -381,29 +409,29 @@ impl SimSpawner {
         }
     }
 
-    fn queue(&self) -> MutexGuard<'_, VecDeque<(u64, Job)>> {
+    fn queue(&self) -> MutexGuard<'_, VecDeque<(u64, usize, Job)>> {
         self.queue.lock().unwrap_or_else(|poison| poison.into_inner())
     }
 
     /// Spawn time of the oldest waiting job.
     pub(crate) fn next_time(&self) -> Option<u64> {
-        self.queue().front().map(|(time, _)| *time)
+        self.queue().front().map(|(time, _, _)| *time)
     }
 
-    /// Takes the oldest waiting job.
-    pub(crate) fn pop(&self) -> Option<(u64, Job)> {
+    /// Takes the oldest waiting job: spawn time, account of the spawning process, job.
+    pub(crate) fn pop(&self) -> Option<(u64, usize, Job)> {
         self.queue().pop_front()
     }
 }
 
 impl Spawner for SimSpawner {
     fn spawn(&self, job: Job) -> Result<(), Job> {
-        let now = self.core.cursor();
+        let (now, origin) = self.core.cursor_and_origin();
         let mut queue = self.queue();
         if queue.len() >= self.queued_max {
             return Err(job);
         }
-        queue.push_back((now, job));
+        queue.push_back((now, origin, job));
         Ok(())
     }
 }

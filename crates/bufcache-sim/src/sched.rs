@@ -510,8 +510,10 @@ impl Simulation {
                     }
                 }
                 Pick::Daemon => {
-                    self.world.core.enter(self.daemon_account, time);
-                    if let Some((_, job)) = self.spawner.pop() {
+                    if let Some((_, origin, job)) = self.spawner.pop() {
+                        self.world
+                            .core
+                            .enter_on_behalf(self.daemon_account, origin, time);
                         job();
                     }
                     self.world.charge_engine();
@@ -531,9 +533,11 @@ impl Simulation {
     /// Runs every queued background job now (after the processes finished), so the device
     /// totals include them.
     pub fn drain(&mut self) {
-        while let Some((spawned, job)) = self.spawner.pop() {
+        while let Some((spawned, origin, job)) = self.spawner.pop() {
             let time = self.daemon_time_ns.max(spawned);
-            self.world.core.enter(self.daemon_account, time);
+            self.world
+                .core
+                .enter_on_behalf(self.daemon_account, origin, time);
             job();
             self.world.charge_engine();
             self.daemon_time_ns = self.world.core.cursor();

@@ -27,7 +27,7 @@ use rand::{Rng, SeedableRng};
 const THREADS: usize = 3;
 const REGION_BLOCKS: u64 = 24;
 const OPS_PER_THREAD: usize = 160;
-const SEEDS_PER_VARIANT: u64 = 5;
+const SEEDS_PER_VARIANT: u64 = 40;
 
 #[derive(Clone)]
 struct Variant {
@@ -442,6 +442,11 @@ fn run_one(variant: &Variant, seed: u64) {
     }
     let stats = cache.stats();
     assert_eq!(stats.dirty_bytes, 0, "{label}: dirty data left after sync");
+    assert!(
+        stats.memory_used_bytes <= stats.memory_bytes_max
+            && stats.buffers_in_use <= stats.buffers_max,
+        "{label}: limits exceeded at rest: {stats:?}"
+    );
     let mut through_cache = vec![0u8; length as usize];
     handle
         .read_at(0, &mut through_cache)
