@@ -6,7 +6,9 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use bufcache::{parse_size, CacheConfig, PolicyKind};
+use std::sync::Arc;
+
+use bufcache::{parse_size, CacheConfig, Device, IoQueue, IoQueueConfig, PolicyKind, QueueMode};
 use clap::Args;
 
 fn size(text: &str) -> Result<u64, String> {
@@ -55,6 +57,15 @@ pub struct EngineArgs {
     /// Do not write completed clusters back at once (write-behind).
     #[arg(long)]
     pub no_write_behind: bool,
+    /// Io queue below the cache: none, fifo or elevator (sort and merge). Default elevator.
+    #[arg(long, value_name = "MODE")]
+    pub io_queue: Option<QueueMode>,
+    /// Requests the io queue keeps at the device at once. Default 32.
+    #[arg(long, value_name = "COUNT")]
+    pub io_queue_depth: Option<usize>,
+    /// Do not merge adjacent requests in the io queue.
+    #[arg(long)]
+    pub no_io_merge: bool,
 }
 
 impl EngineArgs {
@@ -121,5 +132,32 @@ impl EngineArgs {
             );
         }
         Ok(block_size as u32)
+    }
+}
+
+impl EngineArgs {
+    /// Puts the io queue these flags describe between the cache and `device`.
+    pub fn queue_device(
+        &self,
+        device: Arc<dyn Device>,
+        config: &CacheConfig,
+    ) -> anyhow::Result<Arc<dyn Device>> {
+        let mut queue = IoQueueConfig {
+            transfer_size_max_bytes: config.transfer_size_max_bytes,
+            ..IoQueueConfig::default()
+        };
+        if let Some(mode) = self.io_queue {
+            queue.mode = mode;
+        }
+        if let Some(depth) = self.io_queue_depth {
+            queue.depth_max = depth;
+        }
+        queue.merge = !self.no_io_merge;
+        if queue.mode == QueueMode::None {
+            return Ok(device);
+        }
+        Ok(Arc::new(
+            IoQueue::new(device, queue).context("invalid io queue configuration")?,
+        ))
     }
 }

@@ -229,7 +229,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let cache = Cache::new(config)?;
     let mut exports: Vec<(String, Arc<dyn Export>)> = Vec::new();
     for (name, backend, is_default) in export_specs(&args)? {
-        let device = open_backend(&backend, &args, is_default)?;
+        let device = args
+            .engine
+            .queue_device(open_backend(&backend, &args, is_default)?, cache.config())?;
         let mut object_config = ObjectConfig::new(
             if name.is_empty() {
                 backend.clone()

@@ -16,7 +16,8 @@ fn main() {
             std::process::exit(2)
         });
     let config = bufcache::CacheConfig {
-        memory_bytes_max: 8 << 20,
+        memory_bytes_max: std::env::var("SIM_MEMORY").ok().map_or(8 << 20, |m| bufcache::parse_size(&m).expect("SIM_MEMORY")),
+        noreuse_sequential: std::env::var("SIM_NOREUSE").map_or(true, |v| v != "0"),
         ..Default::default()
     };
     match bufcache_sim::run_custom(&disk, &workload, config) {

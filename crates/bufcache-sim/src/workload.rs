@@ -8,8 +8,8 @@
 //! - `mixed:scan=512M,ws=32M,reads=20000,think_us=500,bs=64k` — a sequential scan (looping)
 //!   competing with random block reads of a working set;
 //! - `treecopy:files=2000,min=1k,max=16k` — copy a tree of small files, then sync;
-//! - `build:jobs=4,sources=200,headers=300,includes=20,cpu_ms=20` — parallel compile jobs
-//!   reading sources and shared headers and writing objects.
+//! - `build:jobs=4,sources=200,headers=300,includes=20,cpu_ms=20,header_max=24k` — parallel
+//!   compile jobs reading sources and shared headers and writing objects.
 
 use std::fmt;
 use std::str::FromStr;
@@ -361,6 +361,8 @@ pub enum WorkloadSpec {
         includes: u32,
         /// CPU per source, ms.
         cpu_ms: u64,
+        /// Largest header (headers are 1 KiB to this).
+        header_max: u64,
     },
 }
 
@@ -419,6 +421,7 @@ impl FromStr for WorkloadSpec {
                 headers: 300,
                 includes: 20,
                 cpu_ms: 20,
+                header_max: 24 << 10,
             },
             _ => {
                 return Err(SpecError::new(
@@ -491,6 +494,7 @@ impl FromStr for WorkloadSpec {
                     headers,
                     includes,
                     cpu_ms,
+                    header_max,
                 } => match key {
                     "jobs" => *jobs = count_value(key, value)?.min(1024) as u32,
                     "sources" => *sources = count_value(key, value)?,
@@ -501,7 +505,14 @@ impl FromStr for WorkloadSpec {
                             .parse()
                             .map_err(|_| SpecError::new(key, value, "a whole number of ms"))?
                     }
-                    _ => return unknown(key, value, "jobs, sources, headers, includes, cpu_ms"),
+                    "header_max" => *header_max = size_value(key, value)?.max(1 << 10),
+                    _ => {
+                        return unknown(
+                            key,
+                            value,
+                            "jobs, sources, headers, includes, cpu_ms, header_max",
+                        )
+                    }
                 },
             }
         }
@@ -578,9 +589,11 @@ impl fmt::Display for WorkloadSpec {
                 headers,
                 includes,
                 cpu_ms,
+                header_max,
             } => write!(
                 f,
-                "build:jobs={jobs},sources={sources},headers={headers},includes={includes},cpu_ms={cpu_ms}"
+                "build:jobs={jobs},sources={sources},headers={headers},includes={includes},cpu_ms={cpu_ms},header_max={}",
+                s(*header_max)
             ),
         }
     }
@@ -640,10 +653,11 @@ impl WorkloadSpec {
                 headers,
                 includes,
                 cpu_ms,
+                header_max,
             } => {
                 let mut rng = SimRng::new(0xB11D);
                 let header_files = (0..*headers)
-                    .map(|i| sim.create_file(&format!("h-{i}"), rng.between(1 << 10, 24 << 10)))
+                    .map(|i| sim.create_file(&format!("h-{i}"), rng.between(1 << 10, *header_max)))
                     .collect::<Result<Vec<_>, _>>()?;
                 let source_files = (0..*sources)
                     .map(|i| sim.create_file(&format!("c-{i}"), rng.between(2 << 10, 40 << 10)))

@@ -19,6 +19,7 @@ pub mod environment;
 mod error;
 pub mod fault;
 pub mod file;
+pub mod io_queue;
 pub mod memory;
 mod object;
 mod readahead;
@@ -36,6 +37,7 @@ pub use environment::{Clock, InlineSpawner, NoSpawner, Spawner, SystemClock, Thr
 pub use error::CacheError;
 pub use fault::{FaultDevice, FaultKind, FaultStats};
 pub use file::{FileDevice, FileDeviceError, FileDeviceOptions};
+pub use io_queue::{IoQueue, IoQueueConfig, IoQueueStats, QueueMode};
 pub use memory::MemoryDevice;
 pub use object::{BlockMap, BufferGuard, IdentityMap, MappedRun, ObjectConfig, ObjectHandle};
 pub use stats::{CacheStats, WritebackCause};

@@ -1,0 +1,310 @@
+//! I/O clustering, measured below the cache: sequential writes become cluster-sized device
+//! writes (bounded by `cluster_size_max` and `transfer_size_max`), sequential reads grow a
+//! read-ahead window to the maximum, random reads cause no read-ahead, interleaved sequential
+//! readers of one object are each detected, and no request crosses a gap of the block map.
+//!
+//! Method: a `CountingDevice` (or a recording device) directly below the cache counts every
+//! request; background work runs inline (`InlineSpawner`) so the counts are deterministic.
+
+use std::io::{self, IoSlice, IoSliceMut};
+use std::sync::Arc;
+
+use bufcache::{
+    BlockMap, Cache, CacheConfig, CountingDevice, Device, Environment, InlineSpawner, MappedRun,
+    MemoryDevice, ObjectConfig, ObjectHandle, SystemClock,
+};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::sync::Mutex;
+
+const MIB: u64 = 1 << 20;
+
+fn inline_cache(config: CacheConfig) -> Cache {
+    Cache::with_environment(
+        config,
+        Environment {
+            clock: Arc::new(SystemClock::new()),
+            spawner: Arc::new(InlineSpawner),
+        },
+    )
+    .expect("valid config")
+}
+
+fn counted(length: u64) -> Arc<CountingDevice<MemoryDevice>> {
+    Arc::new(CountingDevice::new(MemoryDevice::new(length)))
+}
+
+fn open(cache: &Cache, device: Arc<dyn Device>) -> ObjectHandle {
+    cache.open_object(ObjectConfig::new("c", device)).unwrap()
+}
+
+fn fill_pattern(data: &mut [u8], offset: u64) {
+    for (index, byte) in data.iter_mut().enumerate() {
+        let position = offset + index as u64;
+        *byte = (position / 4096) as u8 ^ (position as u8).wrapping_mul(7);
+    }
+}
+
+#[test]
+fn sequential_writes_are_clustered_up_to_cluster_size_max() {
+    const WRITTEN: u64 = 8 * MIB;
+    for (cluster, memory) in [
+        (16 << 10, 16 * MIB),
+        (MIB, 16 * MIB),
+        (16 << 10, 4 * MIB),
+        (MIB, 4 * MIB),
+    ] {
+        let label = format!("cluster {cluster} memory {memory}");
+        let device = counted(16 * MIB);
+        let config = CacheConfig {
+            cluster_size_max_bytes: cluster,
+            memory_bytes_max: memory,
+            ..CacheConfig::default()
+        };
+        let transfer_max = config.transfer_size_max_bytes;
+        let cache = inline_cache(config);
+        let handle = open(&cache, device.clone());
+        let mut block = vec![0u8; 4096];
+        for offset in (0..WRITTEN).step_by(4096) {
+            fill_pattern(&mut block, offset);
+            handle.write_at(offset, &block, false).unwrap();
+        }
+        handle.flush().unwrap();
+        let writes = device.stats().writes;
+        let minimum = WRITTEN.div_ceil(cluster);
+        assert_eq!(writes.bytes, WRITTEN, "{label}: every byte written once");
+        assert!(
+            writes.requests >= minimum && writes.requests <= minimum + 4,
+            "{label}: {} device writes, expected about {minimum}",
+            writes.requests
+        );
+        assert!(
+            writes.largest_bucket_limit_bytes() <= cluster.min(transfer_max),
+            "{label}: a write larger than the cluster ({} bucket)",
+            writes.largest_bucket_limit_bytes()
+        );
+        let mut on_device = vec![0u8; 4096];
+        let mut expected = vec![0u8; 4096];
+        for offset in (0..WRITTEN).step_by(256 << 10) {
+            device.inner().read_into(offset, &mut on_device).unwrap();
+            fill_pattern(&mut expected, offset);
+            assert_eq!(on_device, expected, "{label}: data at {offset}");
+        }
+    }
+}
+
+#[test]
+fn sequential_reads_grow_read_ahead_to_the_maximum() {
+    const LENGTH: u64 = 8 * MIB;
+    let device = counted(LENGTH);
+    let mut content = vec![0u8; LENGTH as usize];
+    fill_pattern(&mut content, 0);
+    device
+        .inner()
+        .write_vectored_at(&[IoSlice::new(&content)], 0)
+        .unwrap();
+    let cache = inline_cache(CacheConfig {
+        memory_bytes_max: 4 * MIB,
+        ..CacheConfig::default()
+    });
+    let handle = open(&cache, device.clone());
+    let mut block = vec![0u8; 4096];
+    for offset in (0..LENGTH).step_by(4096) {
+        handle.read_at(offset, &mut block).unwrap();
+        assert!(
+            block[..] == content[offset as usize..offset as usize + 4096],
+            "data at {offset}"
+        );
+    }
+    let reads = device.stats().reads;
+    let stats = cache.stats();
+    assert!(
+        reads.requests <= LENGTH / MIB + 8,
+        "{} device reads for {} MiB: the window must grow to 1 MiB",
+        reads.requests,
+        LENGTH / MIB
+    );
+    assert_eq!(reads.largest_bucket_limit_bytes(), MIB, "1 MiB requests");
+    assert!(
+        stats.readahead_issued_blocks > LENGTH / 4096 / 2,
+        "{stats:?}"
+    );
+    assert_eq!(reads.bytes, LENGTH, "every block read once");
+}
+
+#[test]
+fn random_reads_issue_no_read_ahead() {
+    const BLOCKS: u64 = 4096;
+    let device = counted(BLOCKS * 4096);
+    let cache = inline_cache(CacheConfig {
+        memory_bytes_max: MIB,
+        ..CacheConfig::default()
+    });
+    let handle = open(&cache, device.clone());
+    let mut rng = StdRng::seed_from_u64(77);
+    let mut recent_ends: Vec<u64> = Vec::new();
+    let mut block = vec![0u8; 4096];
+    let mut issued = 0;
+    while issued < 600 {
+        let candidate = rng.gen_range(0..BLOCKS);
+        // Never continue any recent read: that would be a (short) sequential stream.
+        if recent_ends.contains(&candidate) {
+            continue;
+        }
+        handle.read_at(candidate * 4096, &mut block).unwrap();
+        recent_ends.push(candidate + 1);
+        if recent_ends.len() > 32 {
+            recent_ends.remove(0);
+        }
+        issued += 1;
+    }
+    let stats = cache.stats();
+    assert_eq!(
+        stats.readahead_issued_blocks, 0,
+        "seed 77: random reads read ahead: {stats:?}"
+    );
+    assert_eq!(
+        device.stats().reads.bytes,
+        stats.misses * 4096,
+        "exactly the missed blocks were read"
+    );
+}
+
+#[test]
+fn interleaved_sequential_readers_are_each_detected() {
+    const STREAM: u64 = 2 * MIB;
+    let device = counted(4 * STREAM);
+    let cache = inline_cache(CacheConfig {
+        memory_bytes_max: 8 * MIB,
+        ..CacheConfig::default()
+    });
+    let handle = open(&cache, device.clone());
+    let mut block = vec![0u8; 4096];
+    for step in (0..STREAM).step_by(4096) {
+        for stream in 0..4u64 {
+            handle.read_at(stream * STREAM + step, &mut block).unwrap();
+        }
+    }
+    let reads = device.stats().reads.requests;
+    let blocks = 4 * STREAM / 4096;
+    assert!(
+        reads <= blocks / 16,
+        "{reads} device reads for {blocks} blocks in 4 interleaved streams"
+    );
+    assert!(cache.stats().readahead_issued_blocks > blocks / 2);
+}
+
+/// Logical blocks in extents of `EXTENT` blocks, each extent followed by a gap of
+/// `STRIDE - EXTENT` blocks on the device.
+struct GapMap {
+    block_bytes: u64,
+}
+
+const EXTENT: u64 = 5;
+const STRIDE: u64 = 8;
+
+impl BlockMap for GapMap {
+    fn map(&self, block: u64) -> MappedRun {
+        let extent = block / EXTENT;
+        let within = block % EXTENT;
+        MappedRun {
+            device_offset: (extent * STRIDE + within) * self.block_bytes,
+            contiguous_blocks: EXTENT - within,
+        }
+    }
+}
+
+/// Records the byte range of every read and write.
+struct Recording {
+    inner: MemoryDevice,
+    requests: Mutex<Vec<(char, u64, u64)>>,
+}
+
+impl Device for Recording {
+    fn read_vectored_at(&self, buffers: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<()> {
+        let length: u64 = buffers.iter().map(|b| b.len() as u64).sum();
+        self.requests.lock().unwrap().push(('r', offset, length));
+        self.inner.read_vectored_at(buffers, offset)
+    }
+    fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
+        let length: u64 = buffers.iter().map(|b| b.len() as u64).sum();
+        self.requests.lock().unwrap().push(('w', offset, length));
+        self.inner.write_vectored_at(buffers, offset)
+    }
+    fn flush(&self) -> io::Result<()> {
+        Ok(())
+    }
+    fn discard(&self, offset: u64, length: u64) -> io::Result<()> {
+        self.inner.discard(offset, length)
+    }
+    fn len(&self) -> u64 {
+        self.inner.len()
+    }
+    fn describe(&self) -> String {
+        "recording".into()
+    }
+}
+
+#[test]
+fn no_request_crosses_a_block_map_gap() {
+    const BLOCK: u64 = 4096;
+    const BLOCKS: u64 = 200;
+    let device = Arc::new(Recording {
+        inner: MemoryDevice::new(BLOCKS / EXTENT * STRIDE * BLOCK),
+        requests: Mutex::new(Vec::new()),
+    });
+    let cache = inline_cache(CacheConfig {
+        memory_bytes_max: 4 * MIB,
+        ..CacheConfig::default()
+    });
+    let mut config = ObjectConfig::new("gaps", device.clone() as Arc<dyn Device>);
+    config.length_bytes = Some(BLOCKS * BLOCK);
+    config.block_map = Some(Arc::new(GapMap { block_bytes: BLOCK }));
+    let handle = cache.open_object(config).unwrap();
+    let mut content = vec![0u8; (BLOCKS * BLOCK) as usize];
+    fill_pattern(&mut content, 0);
+    for offset in (0..BLOCKS * BLOCK).step_by(BLOCK as usize) {
+        handle
+            .write_at(
+                offset,
+                &content[offset as usize..(offset + BLOCK) as usize],
+                false,
+            )
+            .unwrap();
+    }
+    handle.flush().unwrap();
+    handle.invalidate().unwrap();
+    let mut back = vec![0u8; BLOCK as usize];
+    for offset in (0..BLOCKS * BLOCK).step_by(BLOCK as usize) {
+        handle.read_at(offset, &mut back).unwrap();
+        assert!(back[..] == content[offset as usize..(offset + BLOCK) as usize]);
+    }
+    let requests = device.requests.lock().unwrap().clone();
+    let (reads, writes): (Vec<&(char, u64, u64)>, Vec<_>) =
+        requests.iter().partition(|r| r.0 == 'r');
+    assert!(!reads.is_empty() && !writes.is_empty());
+    for &(kind, offset, length) in &requests {
+        let extent = offset / (STRIDE * BLOCK);
+        let extent_start = extent * STRIDE * BLOCK;
+        let extent_end = extent_start + EXTENT * BLOCK;
+        assert!(
+            offset >= extent_start && offset + length <= extent_end,
+            "{kind} request of {length} bytes at {offset} crosses a gap"
+        );
+    }
+    assert!(
+        writes.iter().any(|w| w.2 == EXTENT * BLOCK),
+        "writes are still clustered within an extent"
+    );
+    assert!(reads.iter().any(|r| r.2 > BLOCK), "reads are clustered too");
+    // Each logical block landed at its mapped place.
+    let map = GapMap { block_bytes: BLOCK };
+    for block in [0, 4, 5, 9, 123, 199] {
+        let mut at = vec![0u8; BLOCK as usize];
+        device
+            .inner
+            .read_into(map.map(block).device_offset, &mut at)
+            .unwrap();
+        assert!(at[..] == content[(block * BLOCK) as usize..((block + 1) * BLOCK) as usize]);
+    }
+}
