@@ -136,12 +136,13 @@ impl EngineArgs {
 }
 
 impl EngineArgs {
-    /// Puts the io queue these flags describe between the cache and `device`.
+    /// Puts the io queue these flags describe between the cache and `device`; returns the
+    /// device the cache should use and the queue (for its statistics), if there is one.
     pub fn queue_device(
         &self,
         device: Arc<dyn Device>,
         config: &CacheConfig,
-    ) -> anyhow::Result<Arc<dyn Device>> {
+    ) -> anyhow::Result<(Arc<dyn Device>, Option<Arc<IoQueue<Arc<dyn Device>>>>)> {
         let mut queue = IoQueueConfig {
             transfer_size_max_bytes: config.transfer_size_max_bytes,
             ..IoQueueConfig::default()
@@ -154,10 +155,10 @@ impl EngineArgs {
         }
         queue.merge = !self.no_io_merge;
         if queue.mode == QueueMode::None {
-            return Ok(device);
+            return Ok((device, None));
         }
-        Ok(Arc::new(
-            IoQueue::new(device, queue).context("invalid io queue configuration")?,
-        ))
+        let queue =
+            Arc::new(IoQueue::new(device, queue).context("invalid io queue configuration")?);
+        Ok((Arc::clone(&queue) as Arc<dyn Device>, Some(queue)))
     }
 }

@@ -2,8 +2,10 @@
 
 mod dd;
 mod engine_args;
+mod metrics;
 mod replay;
 mod serve;
+mod stat;
 
 use clap::{Parser, Subcommand};
 
@@ -24,6 +26,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Copy through the buffer cache with dd's syntax (seed 000's tool).
     Dd(dd::DdArgs),
+    /// A live view of a running server's statistics (iostat style).
+    Stat(stat::StatArgs),
     /// Miss-ratio curves of replacement policies over a block I/O trace.
     Replay(replay::ReplayArgs),
 }
@@ -35,6 +39,7 @@ fn main() {
         Command::Serve(args) => serve::run(args),
         Command::Dd(args) => dd::run(args),
         Command::Replay(args) => replay::run(args),
+        Command::Stat(args) => stat::run(args),
     };
     if let Err(error) = result {
         eprintln!("bufcache: {error:#}");

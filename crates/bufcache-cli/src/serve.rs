@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use bufcache::{
-    format_size, parse_size, Cache, CacheError, Device, FileDevice, FileDeviceOptions,
-    MemoryDevice, ObjectConfig, ObjectHandle,
+    format_size, parse_size, Cache, CacheError, CountingDevice, Device, FileDevice,
+    FileDeviceOptions, MemoryDevice, ObjectConfig, ObjectHandle,
 };
 use bufcache_nbd::{
     BlockStatusExtent, Export, ListenAddress, NbdClient, Server, ServerConfig, ShutdownHandle,
@@ -22,6 +22,7 @@ use bufcache_nbd::{
 use clap::Args;
 
 use crate::engine_args::EngineArgs;
+use crate::metrics::{self, ExportMeters, Meters};
 
 /// The backing file served when no backend is named, created sparse when absent.
 pub const DEFAULT_BACKING_FILE: &str = "bufcache.img";
@@ -60,6 +61,9 @@ pub struct ServeArgs {
     /// Largest NBD request in bytes (advertised maximum block size). Default 32M.
     #[arg(long, value_name = "SIZE", value_parser = |text: &str| parse_size(text).map_err(|e| e.to_string()))]
     request_size_max: Option<u64>,
+    /// Serve Prometheus metrics (/metrics) and JSON statistics (/stats) on HOST:PORT.
+    #[arg(long, value_name = "HOST:PORT")]
+    metrics: Option<String>,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -228,10 +232,19 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let block_size = args.engine.block_size_bytes(&config)?;
     let cache = Cache::new(config)?;
     let mut exports: Vec<(String, Arc<dyn Export>)> = Vec::new();
+    let mut meters = Vec::new();
     for (name, backend, is_default) in export_specs(&args)? {
-        let device = args
+        let counting = Arc::new(CountingDevice::new(open_backend(
+            &backend, &args, is_default,
+        )?));
+        let (device, queue) = args
             .engine
-            .queue_device(open_backend(&backend, &args, is_default)?, cache.config())?;
+            .queue_device(Arc::clone(&counting) as Arc<dyn Device>, cache.config())?;
+        meters.push(ExportMeters {
+            name: name.clone(),
+            device: counting,
+            queue,
+        });
         let mut object_config = ObjectConfig::new(
             if name.is_empty() {
                 backend.clone()
@@ -262,6 +275,18 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         server_config.inflight_bytes_max = server_config.inflight_bytes_max.max(size);
     }
     let server = Server::new(server_config, exports)?.bind()?;
+    if let Some(address) = &args.metrics {
+        let local = metrics::start(
+            address,
+            Arc::new(Meters {
+                cache: cache.clone(),
+                exports: meters,
+            }),
+        )?;
+        eprintln!(
+            "bufcache: metrics on http://{local}/metrics and /stats   (try: bufcache stat {local})"
+        );
+    }
     for address in server.local_addrs() {
         eprintln!(
             "bufcache: listening on {}   (try: nbdinfo {})",

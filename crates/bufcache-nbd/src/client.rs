@@ -33,9 +33,11 @@ use crate::uri::{NbdAddress, NbdUri, UriError};
 /// How long the handshake may take before the connect fails.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Largest range one BLOCK_STATUS asks about (it carries no data, so it need not follow the
-/// maximum block size, but some servers limit the work per request).
-const BLOCK_STATUS_BYTES_MAX: u64 = 1 << 30;
+/// Largest range one payload-less request (TRIM, WRITE_ZEROES, CACHE, BLOCK_STATUS) covers.
+/// The maximum block size limits data payloads only; splitting these at it would turn one
+/// hole punch into many partial ones. 1 GiB keeps each request's work bounded and is a
+/// multiple of every power-of-two minimum block size.
+const NO_PAYLOAD_BYTES_MAX: u64 = 1 << 30;
 
 /// Everything that can go wrong talking to a server. Every variant names the server.
 #[derive(Debug, thiserror::Error)]
@@ -390,7 +392,7 @@ impl NbdClient {
         let mut extents: Vec<BlockStatusExtent> = Vec::new();
         let mut done = 0u64;
         while done < length_bytes {
-            let step = (length_bytes - done).min(BLOCK_STATUS_BYTES_MAX);
+            let step = (length_bytes - done).min(NO_PAYLOAD_BYTES_MAX);
             let piece = self.block_status_once(offset + done, step)?;
             for extent in piece {
                 done += extent.length;
@@ -516,7 +518,7 @@ impl NbdClient {
         length_bytes: u64,
     ) -> Result<(), ClientError> {
         let mut pieces = Vec::new();
-        for (piece_offset, piece_length) in self.pieces(offset, length_bytes) {
+        for (piece_offset, piece_length) in split(offset, length_bytes, NO_PAYLOAD_BYTES_MAX) {
             let header = self.header(command, flags, piece_offset, piece_length);
             pieces.push((header, self.submit(header, &[], Expect::Nothing)));
         }
@@ -548,17 +550,9 @@ impl NbdClient {
         maximum - maximum % info.block_size_min
     }
 
-    /// Splits a range into `(offset, length)` pieces no larger than the server accepts.
+    /// Splits a data range into pieces no larger than the server accepts.
     fn pieces(&self, offset: u64, length_bytes: u64) -> Vec<(u64, u32)> {
-        let piece_max = u64::from(self.piece_bytes_max());
-        let mut pieces = Vec::new();
-        let mut done = 0u64;
-        while done < length_bytes {
-            let step = (length_bytes - done).min(piece_max);
-            pieces.push((offset + done, step as u32));
-            done += step;
-        }
-        pieces
+        split(offset, length_bytes, u64::from(self.piece_bytes_max()))
     }
 
     fn header(&self, command: u16, flags: u16, offset: u64, length: u32) -> RequestHeader {
@@ -677,6 +671,18 @@ impl Drop for NbdClient {
             let _ = reader.join();
         }
     }
+}
+
+/// Splits a range into `(offset, length)` pieces of at most `piece_bytes_max` bytes.
+fn split(offset: u64, length_bytes: u64, piece_bytes_max: u64) -> Vec<(u64, u32)> {
+    let mut pieces = Vec::new();
+    let mut done = 0u64;
+    while done < length_bytes {
+        let step = (length_bytes - done).min(piece_bytes_max);
+        pieces.push((offset + done, step as u32));
+        done += step;
+    }
+    pieces
 }
 
 /// The slices of `buffers` covering `length` bytes from byte `start` of their concatenation.

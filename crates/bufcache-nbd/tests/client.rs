@@ -178,7 +178,7 @@ fn a_dying_server_fails_pending_and_later_requests_without_hanging() {
     };
     std::thread::sleep(Duration::from_millis(300));
     let started = Instant::now();
-    nbdkit.stop();
+    nbdkit.kill();
     let pending = reader.join().unwrap().unwrap_err().to_string();
     assert!(pending.contains("READ 4096 bytes at 0 failed: connection lost"), "{pending}");
     assert!(pending.starts_with(&nbdkit.uri()), "{pending}");

@@ -4,7 +4,9 @@
 fn main() {
     let mut args = std::env::args().skip(1);
     let name = args.next().unwrap_or_else(|| "maxbsize".into());
-    let scale: f64 = args.next().map_or(1.0, |s| s.parse().expect("scale is a number"));
+    let scale: f64 = args
+        .next()
+        .map_or(1.0, |s| s.parse().expect("scale is a number"));
     let options = bufcache_sim::ExperimentOptions { scale, seed: 1 };
     let started = std::time::Instant::now();
     match bufcache_sim::run_experiment(&name, &options) {

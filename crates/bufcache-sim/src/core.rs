@@ -64,6 +64,9 @@ pub struct DeviceTotals {
     pub last_done_ns: u64,
 }
 
+/// A booking candidate: finish time, CPU, pieces.
+type Booking = (u64, usize, Vec<(u64, u64)>);
+
 /// CPUs as lists of booked intervals, so that work booked out of order (an entity that ran
 /// ahead in one atomic step) leaves earlier gaps usable by others, and long work time-shares
 /// with short work (a copy does not wait for a whole write-back step to end).
@@ -84,7 +87,7 @@ impl CpuPool {
         if duration == 0 {
             return at;
         }
-        let mut best: Option<(u64, usize, Vec<(u64, u64)>)> = None;
+        let mut best: Option<Booking> = None;
         for (cpu, intervals) in self.busy.iter().enumerate() {
             let mut pieces = Vec::new();
             let mut candidate = at;
@@ -105,7 +108,7 @@ impl CpuPool {
                 pieces.push((candidate, candidate + remaining));
             }
             let finish = pieces.last().map_or(at, |&(_, end)| end);
-            if best.as_ref().map_or(true, |(end, _, _)| finish < *end) {
+            if best.as_ref().is_none_or(|(end, _, _)| finish < *end) {
                 best = Some((finish, cpu, pieces));
             }
         }
@@ -169,7 +172,9 @@ impl SimCore {
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, CoreState> {
-        self.state.lock().unwrap_or_else(|poison| poison.into_inner())
+        self.state
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
     }
 
     /// The engine's clock.
@@ -410,7 +415,9 @@ impl SimSpawner {
     }
 
     fn queue(&self) -> MutexGuard<'_, VecDeque<(u64, usize, Job)>> {
-        self.queue.lock().unwrap_or_else(|poison| poison.into_inner())
+        self.queue
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
     }
 
     /// Spawn time of the oldest waiting job.

@@ -381,7 +381,15 @@ pub enum DiskKind {
 }
 
 /// The preset names `DiskSpec::from_str` knows.
-pub const DISK_PRESETS: &[&str] = &["rz25", "cheetah9lp", "ata2002", "hdd7200", "nvme", "lan", "wan"];
+pub const DISK_PRESETS: &[&str] = &[
+    "rz25",
+    "cheetah9lp",
+    "ata2002",
+    "hdd7200",
+    "nvme",
+    "lan",
+    "wan",
+];
 
 impl DiskSpec {
     /// DEC RZ25 (1991–95 3.5" SCSI-2, 426 MB, 5400 RPM), the disk of seed 000.
@@ -587,26 +595,26 @@ impl DiskSpec {
             bufcache::parse_size(value).map_err(|e| SpecError::new(key, value, &e.reason))
         };
         match &mut self.kind {
-            DiskKind::Hdd(p) => match key {
-                "rpm" => p.rpm = positive()?,
-                "sectors_per_track" | "spt" => p.sectors_per_track = count()?,
-                "heads" => p.heads = count()?,
-                "cylinders" => p.cylinders = count()?.max(3),
-                "seek_single_ms" => p.seek_single_ms = number()?,
-                "seek_avg_ms" => p.seek_avg_ms = number()?,
-                "seek_full_ms" => p.seek_full_ms = number()?,
-                "overhead_ms" => p.overhead_ms = number()?,
-                "segment" => p.segment_bytes = size()?,
-                "bus_mb_s" => p.bus_mb_s = positive()?,
-                _ => {
-                    return Err(SpecError::new(
+            DiskKind::Hdd(p) => {
+                match key {
+                    "rpm" => p.rpm = positive()?,
+                    "sectors_per_track" | "spt" => p.sectors_per_track = count()?,
+                    "heads" => p.heads = count()?,
+                    "cylinders" => p.cylinders = count()?.max(3),
+                    "seek_single_ms" => p.seek_single_ms = number()?,
+                    "seek_avg_ms" => p.seek_avg_ms = number()?,
+                    "seek_full_ms" => p.seek_full_ms = number()?,
+                    "overhead_ms" => p.overhead_ms = number()?,
+                    "segment" => p.segment_bytes = size()?,
+                    "bus_mb_s" => p.bus_mb_s = positive()?,
+                    _ => return Err(SpecError::new(
                         key,
                         value,
                         "a key of a mechanical disk: rpm, sectors_per_track, heads, cylinders, \
                          seek_single_ms, seek_avg_ms, seek_full_ms, overhead_ms, segment, bus_mb_s",
-                    ))
+                    )),
                 }
-            },
+            }
             DiskKind::Ssd(p) | DiskKind::Network(p) => match key {
                 "read_latency_us" => p.read_latency_us = number()?,
                 "write_latency_us" => p.write_latency_us = number()?,
@@ -733,7 +741,11 @@ impl FromStr for DiskSpec {
     fn from_str(text: &str) -> Result<Self, Self::Err> {
         let (name, pairs) = split_spec(text)?;
         let mut spec = DiskSpec::preset(&name).ok_or_else(|| {
-            SpecError::new("disk", &name, &format!("one of {}", DISK_PRESETS.join(", ")))
+            SpecError::new(
+                "disk",
+                &name,
+                &format!("one of {}", DISK_PRESETS.join(", ")),
+            )
         })?;
         for (key, value) in pairs {
             spec.set(&key, &value)?;

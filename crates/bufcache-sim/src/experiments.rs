@@ -17,12 +17,30 @@ use crate::workload::{Dd, Scan, Sweep, WorkingSet, WorkloadSpec};
 
 /// The experiments [`run_experiment`] knows, with one-line descriptions.
 pub const EXPERIMENTS: &[(&str, &str)] = &[
-    ("maxbsize", "seed 000: dd write/read of 86 MiB on an RZ25, clusters of 16K vs 64K"),
-    ("nbuf", "seed 001: buffer headers (buffers_max) vs fixed memory, small files, waste"),
-    ("newfs", "seed 002: rotdelay and maxcontig vs read and write throughput"),
-    ("sweep", "seed 003: read sweep around the cache size, LRU vs no-reuse placement"),
-    ("clustering", "seed 004: cluster size vs throughput and request count, RZ25 and NVMe"),
-    ("scan", "mixed scan + working set: working-set hit ratio per policy"),
+    (
+        "maxbsize",
+        "seed 000: dd write/read of 86 MiB on an RZ25, clusters of 16K vs 64K",
+    ),
+    (
+        "nbuf",
+        "seed 001: buffer headers (buffers_max) vs fixed memory, small files, waste",
+    ),
+    (
+        "newfs",
+        "seed 002: rotdelay and maxcontig vs read and write throughput",
+    ),
+    (
+        "sweep",
+        "seed 003: read sweep around the cache size, LRU vs no-reuse placement",
+    ),
+    (
+        "clustering",
+        "seed 004: cluster size vs throughput and request count, RZ25 and NVMe",
+    ),
+    (
+        "scan",
+        "mixed scan + working set: working-set hit ratio per policy",
+    ),
 ];
 
 /// Options common to every experiment.
@@ -106,7 +124,14 @@ impl CustomRun {
             self.workload, report.disk, report.host
         );
         let mut table = Table::new(&[
-            "process", "real_s", "user_s", "sys_s", "io_wait_s", "reads", "writes", "MB/s",
+            "process",
+            "real_s",
+            "user_s",
+            "sys_s",
+            "io_wait_s",
+            "reads",
+            "writes",
+            "MB/s",
         ]);
         for p in &report.processes {
             let bytes = p
@@ -116,14 +141,25 @@ impl CustomRun {
                 .map(|(_, v)| *v)
                 .unwrap_or((p.device_read_bytes + p.device_write_bytes) as f64);
             table.push(vec![
-                text(format!("{}{}", p.name, if p.finished { "" } else { " (stopped)" })),
+                text(format!(
+                    "{}{}",
+                    p.name,
+                    if p.finished { "" } else { " (stopped)" }
+                )),
                 num(p.real_s, 3),
                 num(p.user_s, 3),
                 num(p.sys_s, 3),
                 num(p.io_wait_s, 3),
                 num(p.device_reads as f64, 0),
                 num(p.device_writes as f64, 0),
-                num(if p.real_s > 0.0 { bytes / 1e6 / p.real_s } else { 0.0 }, 3),
+                num(
+                    if p.real_s > 0.0 {
+                        bytes / 1e6 / p.real_s
+                    } else {
+                        0.0
+                    },
+                    3,
+                ),
             ]);
         }
         out.push_str(&table.to_text());
@@ -200,7 +236,12 @@ fn dd_run(
 ) -> Result<RunReport, SimError> {
     let mut sim = Simulation::new(config)?;
     let file = sim.create_file("bar", bs * count)?;
-    sim.spawn("dd", Box::new(Dd::new(file, write, bs, count, fsync)), 0, true);
+    sim.spawn(
+        "dd",
+        Box::new(Dd::new(file, write, bs, count, fsync)),
+        0,
+        true,
+    );
     sim.run()?;
     Ok(sim.report())
 }
@@ -209,8 +250,17 @@ fn maxbsize(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
     let count = ((86.0 * options.scale).round() as u64).max(2);
     let bs = 1u64 << 20;
     let mut table = Table::new(&[
-        "op", "MAXBSIZE", "real_s", "user_s", "sys_s", "MB/s", "requests", "avg_KiB",
-        "seed_real_s", "seed_sys_s", "seed_MB/s",
+        "op",
+        "MAXBSIZE",
+        "real_s",
+        "user_s",
+        "sys_s",
+        "MB/s",
+        "requests",
+        "avg_KiB",
+        "seed_real_s",
+        "seed_sys_s",
+        "seed_MB/s",
     ]);
     let seed = [(104.95, 9.1, 0.859), (52.70, 7.5, 1.734)];
     let mut write_speed = Vec::new();
@@ -240,7 +290,8 @@ fn maxbsize(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
             let speed = mb_per_s(bs * count, dd.real_s);
             // On a one-process system BSD charges the write-back it starts and the interrupts
             // it takes to that process: count the daemons' system time as dd's.
-            let sys_s = dd.sys_s + report.daemons.iter().map(|a| a.sys_ns).sum::<u64>() as f64 / 1e9;
+            let sys_s =
+                dd.sys_s + report.daemons.iter().map(|a| a.sys_ns).sum::<u64>() as f64 / 1e9;
             let device = &report.device;
             let (requests, bytes) = if write {
                 (device.writes, device.write_bytes)
@@ -258,7 +309,11 @@ fn maxbsize(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
                 num(bytes as f64 / requests.max(1) as f64 / 1024.0, 1),
             ];
             if write {
-                row.extend([num(seed[index].0, 2), num(seed[index].1, 1), num(seed[index].2, 3)]);
+                row.extend([
+                    num(seed[index].0, 2),
+                    num(seed[index].1, 1),
+                    num(seed[index].2, 3),
+                ]);
                 write_speed.push(speed);
             } else {
                 row.extend([text("-"), text("-"), text("-")]);
@@ -321,8 +376,16 @@ fn nbuf(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
     let headers = ((900.0 * options.scale) as u64).max(20);
     let sources = ((200.0 * options.scale) as u64).max(8);
     let mut table = Table::new(&[
-        "page", "buffers_max", "memory", "elapsed_s", "hit_ratio", "device_reads",
-        "buffers_used", "memory_used", "wasted", "wasted_%",
+        "page",
+        "buffers_max",
+        "memory",
+        "elapsed_s",
+        "hit_ratio",
+        "device_reads",
+        "buffers_used",
+        "memory_used",
+        "wasted",
+        "wasted_%",
     ]);
     let mut points = Vec::new();
     let cases: Vec<(u64, u64)> = [256u64, 512, 1024, 2048, 4096]
@@ -366,7 +429,10 @@ fn nbuf(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
             num(c.buffers_in_use as f64, 0),
             text(format_size(c.memory_used_bytes.next_multiple_of(1024))),
             text(format_size(c.memory_wasted_bytes.next_multiple_of(1024))),
-            num(100.0 * c.memory_wasted_bytes as f64 / c.memory_used_bytes.max(1) as f64, 1),
+            num(
+                100.0 * c.memory_wasted_bytes as f64 / c.memory_used_bytes.max(1) as f64,
+                1,
+            ),
         ]);
         if page == 4096 {
             points.push((buffers_max as f64, c.hit_ratio));
@@ -409,7 +475,12 @@ fn newfs(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
     let file = options.size(32 << 20, 1 << 20);
     let count = file / bs;
     let mut table = Table::new(&[
-        "rotdelay_ms", "maxcontig", "cluster", "write_MB/s", "read_MB/s", "avg_write_KiB",
+        "rotdelay_ms",
+        "maxcontig",
+        "cluster",
+        "write_MB/s",
+        "read_MB/s",
+        "avg_write_KiB",
         "avg_read_KiB",
     ]);
     let mut series: Vec<Series> = Vec::new();
@@ -443,8 +514,16 @@ fn newfs(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
                 text(format_size(cluster)),
                 num(w, 1),
                 num(r, 1),
-                num(written.device.write_bytes as f64 / written.device.writes.max(1) as f64 / 1024.0, 1),
-                num(read.device.read_bytes as f64 / read.device.reads.max(1) as f64 / 1024.0, 1),
+                num(
+                    written.device.write_bytes as f64
+                        / written.device.writes.max(1) as f64
+                        / 1024.0,
+                    1,
+                ),
+                num(
+                    read.device.read_bytes as f64 / read.device.reads.max(1) as f64 / 1024.0,
+                    1,
+                ),
             ]);
             write_points.push((maxcontig as f64, w));
             read_points.push((maxcontig as f64, r));
@@ -489,7 +568,10 @@ fn sweep(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
     let mib = 1u64 << 20;
     let scaled = |m: u64| options.size(m * mib, mib);
     let file = scaled(256);
-    let sizes: Vec<u64> = [32, 64, 96, 128, 192, 256].iter().map(|&m| scaled(m)).collect();
+    let sizes: Vec<u64> = [32, 64, 96, 128, 192, 256]
+        .iter()
+        .map(|&m| scaled(m))
+        .collect();
     let memory = scaled(112);
     let passes = 4;
     let mut results: Vec<Vec<f64>> = Vec::new();
@@ -511,7 +593,12 @@ fn sweep(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
         });
         let mut sim = Simulation::new(&config)?;
         let id = sim.create_file("test", file)?;
-        sim.spawn("dd", Box::new(Sweep::new(id, sizes.clone(), mib, passes)), 0, true);
+        sim.spawn(
+            "dd",
+            Box::new(Sweep::new(id, sizes.clone(), mib, passes)),
+            0,
+            true,
+        );
         sim.run()?;
         let report = sim.report();
         let metrics = &report.processes[0].metrics;
@@ -529,10 +616,22 @@ fn sweep(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
             .collect();
         results.push(averages);
     }
-    let seed_rows = [(0.497, 65.5), (1.02, 63.6), (2.24, 50.5), (20.7, 6.19), (32.9, 5.83), (42.5, 6.02)];
+    let seed_rows = [
+        (0.497, 65.5),
+        (1.02, 63.6),
+        (2.24, 50.5),
+        (20.7, 6.19),
+        (32.9, 5.83),
+        (42.5, 6.02),
+    ];
     let mut table = Table::new(&[
-        "read_size", "LRU_time_s", "LRU_MiB/s", "noreuse_time_s", "noreuse_MiB/s",
-        "seed_time_s", "seed_MB/s",
+        "read_size",
+        "LRU_time_s",
+        "LRU_MiB/s",
+        "noreuse_time_s",
+        "noreuse_MiB/s",
+        "seed_time_s",
+        "seed_MB/s",
     ]);
     let mut lru_points = Vec::new();
     let mut noreuse_points = Vec::new();
@@ -593,7 +692,13 @@ fn sweep(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
 fn clustering(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
     let bs = 1u64 << 20;
     let mut table = Table::new(&[
-        "disk", "cluster", "write_MB/s", "writes", "avg_write_KiB", "read_MB/s", "reads",
+        "disk",
+        "cluster",
+        "write_MB/s",
+        "writes",
+        "avg_write_KiB",
+        "read_MB/s",
+        "reads",
         "sys_s_write",
     ]);
     let mut series = Vec::new();
@@ -631,10 +736,18 @@ fn clustering(options: &ExperimentOptions) -> Result<ExperimentResult, SimError>
                 text(format_size(cluster)),
                 num(w, 2),
                 num(written.device.writes as f64, 0),
-                num(written.device.write_bytes as f64 / written.device.writes.max(1) as f64 / 1024.0, 1),
+                num(
+                    written.device.write_bytes as f64
+                        / written.device.writes.max(1) as f64
+                        / 1024.0,
+                    1,
+                ),
                 num(r, 2),
                 num(read.device.reads as f64, 0),
-                num(written.processes[0].sys_s + written.daemons[0].sys_ns as f64 / 1e9, 3),
+                num(
+                    written.processes[0].sys_s + written.daemons[0].sys_ns as f64 / 1e9,
+                    3,
+                ),
             ]);
             points.push((index as f64, w));
         }
@@ -662,7 +775,10 @@ fn clustering(options: &ExperimentOptions) -> Result<ExperimentResult, SimError>
             title: "seed 004: write throughput vs cluster size".into(),
             x_label: "cluster_size_max".into(),
             y_label: "MB/s".into(),
-            x_categories: ["4K", "16K", "64K", "256K", "1M"].iter().map(|s| s.to_string()).collect(),
+            x_categories: ["4K", "16K", "64K", "256K", "1M"]
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
             series,
         },
     })
@@ -675,7 +791,12 @@ fn scan(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
     let scan_size = options.size(512 * mib, mib);
     let reads = (ws / 4096) * 5 / 2;
     let mut table = Table::new(&[
-        "policy", "noreuse", "ws_hit_ratio", "ws_latency_ms", "scan_MB", "evictions",
+        "policy",
+        "noreuse",
+        "ws_hit_ratio",
+        "ws_latency_ms",
+        "scan_MB",
+        "evictions",
     ]);
     let mut points = Vec::new();
     let mut categories = Vec::new();

@@ -128,14 +128,18 @@ impl FromStr for HostCosts {
     fn from_str(text: &str) -> Result<Self, Self::Err> {
         let (name, pairs) = split_spec(text)?;
         let mut host = HostCosts::preset(&name).ok_or_else(|| {
-            SpecError::new("host", &name, &format!("one of {}", HOST_PRESETS.join(", ")))
+            SpecError::new(
+                "host",
+                &name,
+                &format!("one of {}", HOST_PRESETS.join(", ")),
+            )
         })?;
         for (key, value) in pairs {
             let number: u64 = value
                 .parse()
                 .map_err(|_| SpecError::new(&key, &value, "a whole number"))?;
             match key.as_str() {
-                "cpus" if number >= 1 && number <= 1024 => host.cpus = number as u32,
+                "cpus" if (1..=1024).contains(&number) => host.cpus = number as u32,
                 "cpus" => return Err(SpecError::new(&key, &value, "from 1 to 1024")),
                 "user_per_call_ns" => host.user_per_call_ns = number,
                 "syscall_ns" => host.syscall_ns = number,

@@ -26,10 +26,15 @@ pub mod workload;
 
 pub use clock::{SimRng, VirtualClock};
 pub use core::{Account, DeviceTotals, SimCore, SimDevice, SimSpawner};
-pub use disk::{DiskKind, DiskModel, DiskSpec, HddModel, HddParams, Op, QueueModel, QueueParams, SpecError, DISK_PRESETS};
+pub use disk::{
+    DiskKind, DiskModel, DiskSpec, HddModel, HddParams, Op, QueueModel, QueueParams, SpecError,
+    DISK_PRESETS,
+};
 pub use experiments::{run_custom, run_experiment, CustomRun, ExperimentOptions, EXPERIMENTS};
 pub use host::{HostCosts, HOST_PRESETS};
 pub use layout::{FileMap, FsLayout, LayoutParams};
 pub use report::{Cell, ExperimentResult, Plot, Series, Table};
-pub use sched::{sim_cache_config, FileId, Os, Process, RunReport, SimConfig, SimError, Simulation, Step};
+pub use sched::{
+    sim_cache_config, FileId, Os, Process, RunReport, SimConfig, SimError, Simulation, Step,
+};
 pub use workload::WorkloadSpec;

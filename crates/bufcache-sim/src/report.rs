@@ -366,7 +366,12 @@ pub struct ExperimentResult {
 impl ExperimentResult {
     /// Title, description, table and notes as text.
     pub fn to_text(&self) -> String {
-        let mut out = format!("{}\n{}\n\n{}\n", self.title, self.description, self.table.to_text());
+        let mut out = format!(
+            "{}\n{}\n\n{}\n",
+            self.title,
+            self.description,
+            self.table.to_text()
+        );
         for note in &self.notes {
             out.push_str(&format!("* {note}\n"));
         }

@@ -240,9 +240,10 @@ impl Os<'_> {
     /// A system call that zero-fills `length` bytes (reading /dev/zero).
     pub fn read_zero(&mut self, length: u64) {
         let host = &self.world.host;
-        self.world
-            .core
-            .cpu(host.user_per_call_ns, host.syscall_ns + host.copy_ns(length));
+        self.world.core.cpu(
+            host.user_per_call_ns,
+            host.syscall_ns + host.copy_ns(length),
+        );
     }
 
     fn enter_call(&mut self, file: FileId, offset: u64, length: u64) {

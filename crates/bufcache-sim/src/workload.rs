@@ -388,7 +388,11 @@ impl FromStr for WorkloadSpec {
     fn from_str(text: &str) -> Result<Self, Self::Err> {
         let (kind, pairs) = split_spec(text)?;
         let unknown = |key: &str, value: &str, keys: &str| {
-            Err(SpecError::new(key, value, &format!("a key of {kind}: {keys}")))
+            Err(SpecError::new(
+                key,
+                value,
+                &format!("a key of {kind}: {keys}"),
+            ))
         };
         let mut spec = match kind.as_str() {
             "dd" => WorkloadSpec::Dd {
@@ -399,7 +403,14 @@ impl FromStr for WorkloadSpec {
             },
             "sweep" => WorkloadSpec::Sweep {
                 file: 256 << 20,
-                sizes: vec![32 << 20, 64 << 20, 96 << 20, 128 << 20, 192 << 20, 256 << 20],
+                sizes: vec![
+                    32 << 20,
+                    64 << 20,
+                    96 << 20,
+                    128 << 20,
+                    192 << 20,
+                    256 << 20,
+                ],
                 bs: 1 << 20,
                 passes: 4,
             },
@@ -610,7 +621,12 @@ impl WorkloadSpec {
                 fsync,
             } => {
                 let file = sim.create_file("dd", bs * count)?;
-                sim.spawn("dd", Box::new(Dd::new(file, *write, *bs, *count, *fsync)), 0, true);
+                sim.spawn(
+                    "dd",
+                    Box::new(Dd::new(file, *write, *bs, *count, *fsync)),
+                    0,
+                    true,
+                );
             }
             WorkloadSpec::Sweep {
                 file,
@@ -619,7 +635,12 @@ impl WorkloadSpec {
                 passes,
             } => {
                 let id = sim.create_file("sweep", *file)?;
-                sim.spawn("sweep", Box::new(Sweep::new(id, sizes.clone(), *bs, *passes)), 0, true);
+                sim.spawn(
+                    "sweep",
+                    Box::new(Sweep::new(id, sizes.clone(), *bs, *passes)),
+                    0,
+                    true,
+                );
             }
             WorkloadSpec::Mixed {
                 scan,

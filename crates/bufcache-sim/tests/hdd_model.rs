@@ -29,7 +29,11 @@ fn seek_curve_matches_the_cheetah_preset() {
         sum += w * curve.time_ms(d);
         weight += w;
     }
-    assert!((sum / weight - p.seek_avg_ms).abs() < 0.05, "mean {}", sum / weight);
+    assert!(
+        (sum / weight - p.seek_avg_ms).abs() < 0.05,
+        "mean {}",
+        sum / weight
+    );
     // Monotone.
     let mut last = 0.0;
     for d in (0..p.cylinders as u64).step_by(17) {
@@ -94,5 +98,8 @@ fn ssd_channels_overlap_latency() {
     for i in 0..8 {
         last = last.max(model.serve(Op::Read, i * 4096, 4096, serial));
     }
-    assert!(last - serial < 2 * serial, "8 requests overlap on 8 channels");
+    assert!(
+        last - serial < 2 * serial,
+        "8 requests overlap on 8 channels"
+    );
 }

@@ -22,8 +22,17 @@ fn layout(maxcontig: u32, rotdelay_ms: f64) -> LayoutParams {
 #[test]
 fn file_map_has_gaps_after_maxcontig_blocks() {
     let disk = DiskSpec::rz25();
-    let mut fs = FsLayout::new(layout(4, 4.0), disk.bytes_per_ms(), disk.capacity_bytes(), 0);
-    assert_eq!(fs.gap_bytes(), 8192, "4 ms on an RZ25 rounds up to one 8K block");
+    let mut fs = FsLayout::new(
+        layout(4, 4.0),
+        disk.bytes_per_ms(),
+        disk.capacity_bytes(),
+        0,
+    );
+    assert_eq!(
+        fs.gap_bytes(),
+        8192,
+        "4 ms on an RZ25 rounds up to one 8K block"
+    );
     let map = fs.allocate(10 * 8192 + 1000).unwrap();
     assert_eq!(map.runs(), 3);
     let first = map.map(0);
@@ -34,8 +43,16 @@ fn file_map_has_gaps_after_maxcontig_blocks() {
     // The next file starts after the last fragment of this one.
     let next = fs.allocate(8192).unwrap();
     assert_eq!(next.map(0).device_offset, map.map(10).device_offset + 1024);
-    let mut flat = FsLayout::new(layout(4, 0.0), disk.bytes_per_ms(), disk.capacity_bytes(), 0);
-    assert_eq!(flat.allocate(64 * 8192).unwrap().map(0).contiguous_blocks, 64);
+    let mut flat = FsLayout::new(
+        layout(4, 0.0),
+        disk.bytes_per_ms(),
+        disk.capacity_bytes(),
+        0,
+    );
+    assert_eq!(
+        flat.allocate(64 * 8192).unwrap().map(0).contiguous_blocks,
+        64
+    );
 }
 
 fn write_requests(maxcontig: u32, rotdelay_ms: f64) -> (u64, u64) {

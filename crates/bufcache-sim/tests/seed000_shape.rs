@@ -17,14 +17,26 @@ fn small_clusters_halve_write_speed_on_rz25() {
     )
     .unwrap();
     let text = result.to_text();
-    let (w16, w64) = (result.value(0, "MB/s").unwrap(), result.value(1, "MB/s").unwrap());
-    let (r16, r64) = (result.value(2, "MB/s").unwrap(), result.value(3, "MB/s").unwrap());
+    let (w16, w64) = (
+        result.value(0, "MB/s").unwrap(),
+        result.value(1, "MB/s").unwrap(),
+    );
+    let (r16, r64) = (
+        result.value(2, "MB/s").unwrap(),
+        result.value(3, "MB/s").unwrap(),
+    );
     let ratio = w64 / w16;
     assert!(ratio > 1.5 && ratio < 3.0, "write ratio {ratio}\n{text}");
     assert!((r64 / r16 - 1.0).abs() < 0.2, "reads about equal\n{text}");
-    let (q16, q64) = (result.value(0, "requests").unwrap(), result.value(1, "requests").unwrap());
+    let (q16, q64) = (
+        result.value(0, "requests").unwrap(),
+        result.value(1, "requests").unwrap(),
+    );
     assert!(q16 > 3.0 * q64, "{text}");
-    let (s16, s64) = (result.value(0, "sys_s").unwrap(), result.value(1, "sys_s").unwrap());
+    let (s16, s64) = (
+        result.value(0, "sys_s").unwrap(),
+        result.value(1, "sys_s").unwrap(),
+    );
     assert!(s16 > s64, "{text}");
     // Absolute speed in the seed's range (0.86 and 1.73 MB/s), generously.
     assert!(w16 > 0.5 && w16 < 1.3 && w64 > 1.2 && w64 < 2.1, "{text}");

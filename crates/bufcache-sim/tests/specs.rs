@@ -11,10 +11,14 @@ fn good_specs_parse_and_round_trip() {
         assert!(spec.capacity_bytes() > 1 << 20);
     }
     let spec: DiskSpec = "rz25:segment=0,overhead_ms=2".parse().unwrap();
-    let DiskKind::Hdd(p) = spec.kind else { panic!() };
+    let DiskKind::Hdd(p) = spec.kind else {
+        panic!()
+    };
     assert_eq!((p.segment_bytes, p.overhead_ms), (0, 2.0));
     let spec: DiskSpec = "wan:rtt_ms=80,inflight=4".parse().unwrap();
-    let DiskKind::Network(p) = spec.kind else { panic!() };
+    let DiskKind::Network(p) = spec.kind else {
+        panic!()
+    };
     assert_eq!((p.read_latency_us, p.channels), (80_000.0, 4));
     for text in [
         "dd:write,bs=1MiB,count=86",
@@ -36,17 +40,51 @@ fn good_specs_parse_and_round_trip() {
 fn bad_specs_name_the_field() {
     let field = |r: Result<(), bufcache_sim::SpecError>| r.unwrap_err().field;
     assert_eq!(field("floppy".parse::<DiskSpec>().map(|_| ())), "disk");
-    assert_eq!(field("rz25:rpm=fast".parse::<DiskSpec>().map(|_| ())), "rpm");
-    assert_eq!(field("nvme:rpm=5400".parse::<DiskSpec>().map(|_| ())), "rpm");
-    assert_eq!(field("rz25:seek_avg_ms=99".parse::<DiskSpec>().map(|_| ())), "seek_avg_ms");
-    assert_eq!(field("dd:write,bs=1X".parse::<WorkloadSpec>().map(|_| ())), "bs");
-    assert_eq!(field("dd:write,count=0".parse::<WorkloadSpec>().map(|_| ())), "count");
-    assert_eq!(field("dd:colour=red".parse::<WorkloadSpec>().map(|_| ())), "colour");
+    assert_eq!(
+        field("rz25:rpm=fast".parse::<DiskSpec>().map(|_| ())),
+        "rpm"
+    );
+    assert_eq!(
+        field("nvme:rpm=5400".parse::<DiskSpec>().map(|_| ())),
+        "rpm"
+    );
+    assert_eq!(
+        field("rz25:seek_avg_ms=99".parse::<DiskSpec>().map(|_| ())),
+        "seek_avg_ms"
+    );
+    assert_eq!(
+        field("dd:write,bs=1X".parse::<WorkloadSpec>().map(|_| ())),
+        "bs"
+    );
+    assert_eq!(
+        field("dd:write,count=0".parse::<WorkloadSpec>().map(|_| ())),
+        "count"
+    );
+    assert_eq!(
+        field("dd:colour=red".parse::<WorkloadSpec>().map(|_| ())),
+        "colour"
+    );
     assert_eq!(field("fio".parse::<WorkloadSpec>().map(|_| ())), "workload");
-    assert_eq!(field("sweep:file=8M,sizes=16M".parse::<WorkloadSpec>().map(|_| ())), "sizes");
-    assert_eq!(field("modern:cpus=0".parse::<HostCosts>().map(|_| ())), "cpus");
-    let message = "dd:write,bs=1X".parse::<WorkloadSpec>().unwrap_err().to_string();
-    assert!(message.contains("bs") && message.contains("1X"), "{message}");
+    assert_eq!(
+        field(
+            "sweep:file=8M,sizes=16M"
+                .parse::<WorkloadSpec>()
+                .map(|_| ())
+        ),
+        "sizes"
+    );
+    assert_eq!(
+        field("modern:cpus=0".parse::<HostCosts>().map(|_| ())),
+        "cpus"
+    );
+    let message = "dd:write,bs=1X"
+        .parse::<WorkloadSpec>()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        message.contains("bs") && message.contains("1X"),
+        "{message}"
+    );
 }
 
 #[test]

@@ -205,6 +205,14 @@ impl Nbdkit {
     }
 }
 
+impl Nbdkit {
+    /// Kills nbdkit at once, as a crash would.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 impl Drop for Nbdkit {
     fn drop(&mut self) {
         let _ = self.child.kill();

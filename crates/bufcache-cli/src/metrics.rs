@@ -1,0 +1,495 @@
+//! Metrics: the engine's statistics snapshot and each export's device counters, served over a
+//! minimal HTTP/1.0 endpoint as Prometheus text (`/metrics`) and JSON (`/stats`).
+//!
+//! Names are prefixed `bufcache_`, carry their unit (`_bytes`, `_total`), and device metrics
+//! are labelled by export. Nothing is computed at request time beyond reading counters, so a
+//! scrape costs a snapshot and some formatting; one scrape is served at a time.
+
+use std::fmt::Write as _;
+use std::io::{BufRead, BufReader, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use bufcache::counting::{histogram_bucket_limit_bytes, HISTOGRAM_BUCKETS};
+use bufcache::{
+    Cache, CacheStats, CountingDevice, Device, DeviceStats, DirectionStats, IoQueue, IoQueueStats,
+    WritebackCause,
+};
+use serde_json::{json, Value};
+
+/// The counters of one export's device stack.
+pub struct ExportMeters {
+    /// Export name ("" for the default export).
+    pub name: String,
+    /// Counts what reaches the backend.
+    pub device: Arc<CountingDevice<Arc<dyn Device>>>,
+    /// The io queue above it, if any.
+    pub queue: Option<Arc<IoQueue<Arc<dyn Device>>>>,
+}
+
+/// Everything a scrape reports.
+pub struct Meters {
+    /// The shared cache.
+    pub cache: Cache,
+    /// One entry per export.
+    pub exports: Vec<ExportMeters>,
+}
+
+impl Meters {
+    /// The `/stats` document.
+    pub fn json(&self) -> Value {
+        let stats = self.cache.stats();
+        let exports: Vec<Value> = self
+            .exports
+            .iter()
+            .map(|export| {
+                let device = export.device.stats();
+                let queue = export
+                    .queue
+                    .as_ref()
+                    .map(|queue| queue.stats())
+                    .unwrap_or_default();
+                json!({
+                    "name": export.name,
+                    "device": device_json(&device),
+                    "io_queue": {
+                        "requests_entered": queue.requests_entered,
+                        "requests_issued": queue.requests_issued,
+                        "requests_merged": queue.requests_merged,
+                    },
+                })
+            })
+            .collect();
+        json!({ "cache": cache_json(&stats), "exports": exports })
+    }
+
+    /// The `/metrics` document.
+    pub fn prometheus(&self) -> String {
+        let stats = self.cache.stats();
+        let mut text = String::new();
+        cache_prometheus(&mut text, &stats);
+        for export in &self.exports {
+            let label = format!("export=\"{}\"", escape_label(&export.name));
+            let device = export.device.stats();
+            direction_prometheus(&mut text, "read", &label, &device.reads);
+            direction_prometheus(&mut text, "write", &label, &device.writes);
+            counter(
+                &mut text,
+                "bufcache_device_flushes_total",
+                &label,
+                device.flushes,
+                "Backend flushes that succeeded.",
+            );
+            counter(
+                &mut text,
+                "bufcache_device_discards_total",
+                &label,
+                device.discards,
+                "Backend discards and zeroing requests.",
+            );
+            counter(
+                &mut text,
+                "bufcache_device_other_errors_total",
+                &label,
+                device.other_errors,
+                "Backend flush and discard failures.",
+            );
+            let queue: IoQueueStats = export
+                .queue
+                .as_ref()
+                .map(|queue| queue.stats())
+                .unwrap_or_default();
+            counter(
+                &mut text,
+                "bufcache_io_queue_requests_entered_total",
+                &label,
+                queue.requests_entered,
+                "Requests entering the io queue.",
+            );
+            counter(
+                &mut text,
+                "bufcache_io_queue_requests_issued_total",
+                &label,
+                queue.requests_issued,
+                "Requests the io queue issued after merging.",
+            );
+            counter(
+                &mut text,
+                "bufcache_io_queue_requests_merged_total",
+                &label,
+                queue.requests_merged,
+                "Requests merged into another.",
+            );
+        }
+        text
+    }
+}
+
+fn escape_label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+fn counter(text: &mut String, name: &str, labels: &str, value: u64, help: &str) {
+    sample(text, name, labels, value as f64, help, "counter");
+}
+
+fn gauge(text: &mut String, name: &str, value: u64, help: &str) {
+    sample(text, name, "", value as f64, help, "gauge");
+}
+
+fn sample(text: &mut String, name: &str, labels: &str, value: f64, help: &str, kind: &str) {
+    if !text.contains(&format!("# TYPE {name} ")) {
+        let _ = writeln!(text, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    }
+    if labels.is_empty() {
+        let _ = writeln!(text, "{name} {value}");
+    } else {
+        let _ = writeln!(text, "{name}{{{labels}}} {value}");
+    }
+}
+
+fn cache_prometheus(text: &mut String, stats: &CacheStats) {
+    counter(
+        text,
+        "bufcache_cache_hits_total",
+        "",
+        stats.hits,
+        "Block lookups served from the cache.",
+    );
+    counter(
+        text,
+        "bufcache_cache_misses_total",
+        "",
+        stats.misses,
+        "Block lookups that needed the device.",
+    );
+    counter(
+        text,
+        "bufcache_evictions_total",
+        "",
+        stats.evictions,
+        "Clean buffers evicted to make room.",
+    );
+    counter(
+        text,
+        "bufcache_read_clusters_total",
+        "",
+        stats.read_clusters,
+        "Clustered device reads.",
+    );
+    counter(
+        text,
+        "bufcache_read_cluster_buffers_total",
+        "",
+        stats.read_cluster_buffers,
+        "Buffers filled by clustered reads.",
+    );
+    counter(
+        text,
+        "bufcache_write_clusters_total",
+        "",
+        stats.write_clusters,
+        "Clustered device writes.",
+    );
+    counter(
+        text,
+        "bufcache_write_cluster_buffers_total",
+        "",
+        stats.write_cluster_buffers,
+        "Buffers drained by clustered writes.",
+    );
+    counter(
+        text,
+        "bufcache_readahead_issued_blocks_total",
+        "",
+        stats.readahead_issued_blocks,
+        "Blocks read ahead.",
+    );
+    counter(
+        text,
+        "bufcache_readahead_used_blocks_total",
+        "",
+        stats.readahead_used_blocks,
+        "Read-ahead blocks a reader used.",
+    );
+    counter(
+        text,
+        "bufcache_readahead_wasted_blocks_total",
+        "",
+        stats.readahead_wasted_blocks,
+        "Read-ahead blocks dropped unused.",
+    );
+    for cause in WritebackCause::ALL {
+        let labels = format!("cause=\"{}\"", cause.name());
+        counter(
+            text,
+            "bufcache_writeback_blocks_total",
+            &labels,
+            stats.writeback(cause),
+            "Blocks written back, by cause.",
+        );
+    }
+    counter(
+        text,
+        "bufcache_throttled_writes_total",
+        "",
+        stats.throttled_writes,
+        "Writes that wrote back dirty data themselves.",
+    );
+    counter(
+        text,
+        "bufcache_space_waits_total",
+        "",
+        stats.space_waits,
+        "Allocations that waited for space.",
+    );
+    counter(
+        text,
+        "bufcache_space_failures_total",
+        "",
+        stats.space_failures,
+        "Allocations that gave up waiting for space.",
+    );
+    counter(
+        text,
+        "bufcache_engine_device_flushes_total",
+        "",
+        stats.device_flushes,
+        "Device flushes issued by the engine.",
+    );
+    counter(
+        text,
+        "bufcache_engine_device_flush_errors_total",
+        "",
+        stats.device_flush_errors,
+        "Device flushes that failed.",
+    );
+    counter(
+        text,
+        "bufcache_engine_device_read_errors_total",
+        "",
+        stats.device_reads.errors,
+        "Device reads that failed.",
+    );
+    counter(
+        text,
+        "bufcache_engine_device_write_errors_total",
+        "",
+        stats.device_writes.errors,
+        "Device writes that failed.",
+    );
+    gauge(
+        text,
+        "bufcache_dirty_bytes",
+        stats.dirty_bytes,
+        "Bytes of dirty data.",
+    );
+    gauge(
+        text,
+        "bufcache_pinned_bytes",
+        stats.pinned_bytes,
+        "Bytes of buffers held (wired).",
+    );
+    gauge(
+        text,
+        "bufcache_memory_used_bytes",
+        stats.memory_used_bytes,
+        "Memory charged to buffers.",
+    );
+    gauge(
+        text,
+        "bufcache_memory_wasted_bytes",
+        stats.memory_wasted_bytes,
+        "Charged memory beyond buffer sizes.",
+    );
+    gauge(
+        text,
+        "bufcache_memory_limit_bytes",
+        stats.memory_bytes_max,
+        "Memory limit.",
+    );
+    gauge(
+        text,
+        "bufcache_buffers",
+        stats.buffers_in_use,
+        "Live buffers.",
+    );
+    gauge(
+        text,
+        "bufcache_buffers_limit",
+        stats.buffers_max,
+        "Buffer limit (NBUF).",
+    );
+}
+
+fn direction_prometheus(text: &mut String, direction: &str, labels: &str, stats: &DirectionStats) {
+    let help = format!("Backend {direction} requests.");
+    counter(
+        text,
+        &format!("bufcache_device_{direction}_requests_total"),
+        labels,
+        stats.requests,
+        &help,
+    );
+    counter(
+        text,
+        &format!("bufcache_device_{direction}_bytes_total"),
+        labels,
+        stats.bytes,
+        &format!("Bytes {direction} at the backend."),
+    );
+    counter(
+        text,
+        &format!("bufcache_device_{direction}_errors_total"),
+        labels,
+        stats.errors,
+        &format!("Backend {direction} failures."),
+    );
+    let name = format!("bufcache_device_{direction}_request_size_bytes");
+    if !text.contains(&format!("# TYPE {name} ")) {
+        let _ = writeln!(
+            text,
+            "# HELP {name} Backend {direction} request sizes.\n# TYPE {name} histogram"
+        );
+    }
+    let mut cumulative = 0u64;
+    for index in 0..HISTOGRAM_BUCKETS {
+        cumulative += stats.histogram[index];
+        let limit = histogram_bucket_limit_bytes(index);
+        let le = if limit == u64::MAX {
+            "+Inf".to_string()
+        } else {
+            limit.to_string()
+        };
+        let _ = writeln!(text, "{name}_bucket{{{labels},le=\"{le}\"}} {cumulative}");
+    }
+    let _ = writeln!(text, "{name}_sum{{{labels}}} {}", stats.bytes);
+    let _ = writeln!(text, "{name}_count{{{labels}}} {}", stats.requests);
+}
+
+fn direction_json(stats: &DirectionStats) -> Value {
+    json!({
+        "requests": stats.requests,
+        "bytes": stats.bytes,
+        "errors": stats.errors,
+        "average_transfer_bytes": stats.average_transfer_bytes(),
+        "histogram": stats.histogram.to_vec(),
+    })
+}
+
+fn device_json(stats: &DeviceStats) -> Value {
+    json!({
+        "reads": direction_json(&stats.reads),
+        "writes": direction_json(&stats.writes),
+        "flushes": stats.flushes,
+        "discards": stats.discards,
+        "other_errors": stats.other_errors,
+    })
+}
+
+fn cache_json(stats: &CacheStats) -> Value {
+    let writeback: serde_json::Map<String, Value> = WritebackCause::ALL
+        .iter()
+        .map(|&cause| (cause.name().to_string(), json!(stats.writeback(cause))))
+        .collect();
+    json!({
+        "hits": stats.hits,
+        "misses": stats.misses,
+        "hit_ratio": stats.hit_ratio(),
+        "evictions": stats.evictions,
+        "device_reads": direction_json(&stats.device_reads),
+        "device_writes": direction_json(&stats.device_writes),
+        "device_flushes": stats.device_flushes,
+        "device_flush_errors": stats.device_flush_errors,
+        "read_clusters": stats.read_clusters,
+        "read_cluster_buffers": stats.read_cluster_buffers,
+        "write_clusters": stats.write_clusters,
+        "write_cluster_buffers": stats.write_cluster_buffers,
+        "readahead_issued_blocks": stats.readahead_issued_blocks,
+        "readahead_used_blocks": stats.readahead_used_blocks,
+        "readahead_wasted_blocks": stats.readahead_wasted_blocks,
+        "writeback_blocks": writeback,
+        "throttled_writes": stats.throttled_writes,
+        "space_waits": stats.space_waits,
+        "space_failures": stats.space_failures,
+        "dirty_bytes": stats.dirty_bytes,
+        "pinned_bytes": stats.pinned_bytes,
+        "memory_used_bytes": stats.memory_used_bytes,
+        "memory_wasted_bytes": stats.memory_wasted_bytes,
+        "memory_limit_bytes": stats.memory_bytes_max,
+        "buffers": stats.buffers_in_use,
+        "buffers_limit": stats.buffers_max,
+    })
+}
+
+/// Serves `/metrics` and `/stats` on `address` from a background thread.
+pub fn start(address: &str, meters: Arc<Meters>) -> anyhow::Result<std::net::SocketAddr> {
+    let listener = TcpListener::bind(address)
+        .with_context(|| format!("--metrics {address}: cannot listen"))?;
+    let local = listener.local_addr()?;
+    std::thread::Builder::new()
+        .name("bufcache-metrics".into())
+        .spawn(move || {
+            for stream in listener.incoming().flatten() {
+                if let Err(error) = answer(stream, &meters) {
+                    tracing::debug!(%error, "metrics request failed");
+                }
+            }
+        })
+        .context("starting the metrics thread")?;
+    Ok(local)
+}
+
+fn answer(stream: TcpStream, meters: &Meters) -> std::io::Result<()> {
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut request_line = String::new();
+    reader.read_line(&mut request_line)?;
+    // Skip the headers; nothing in them changes the answer.
+    let mut header = String::new();
+    while reader.read_line(&mut header)? > 2 {
+        header.clear();
+    }
+    let path = request_line.split_whitespace().nth(1).unwrap_or("/");
+    let (status, content_type, body) = match path {
+        "/metrics" => ("200 OK", "text/plain; version=0.0.4", meters.prometheus()),
+        "/stats" => ("200 OK", "application/json", meters.json().to_string()),
+        _ => (
+            "404 Not Found",
+            "text/plain",
+            "try /metrics or /stats\n".to_string(),
+        ),
+    };
+    let mut stream = stream;
+    write!(
+        stream,
+        "HTTP/1.0 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    stream.flush()
+}
+
+/// Fetches `/stats` from a running server at `address` (HOST:PORT).
+pub fn fetch_stats(address: &str) -> anyhow::Result<Value> {
+    let mut stream = TcpStream::connect(address)
+        .with_context(|| format!("cannot connect to the metrics endpoint {address}"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(stream, "GET /stats HTTP/1.0\r\nHost: {address}\r\n\r\n")?;
+    let mut response = String::new();
+    std::io::Read::read_to_string(&mut stream, &mut response)?;
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .context("malformed HTTP response from the metrics endpoint")?;
+    if !head.starts_with("HTTP/1.0 200") && !head.starts_with("HTTP/1.1 200") {
+        anyhow::bail!(
+            "{address}/stats answered: {}",
+            head.lines().next().unwrap_or("")
+        );
+    }
+    serde_json::from_str(body).context("the metrics endpoint sent invalid JSON")
+}
