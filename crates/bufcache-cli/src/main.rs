@@ -5,6 +5,7 @@ mod engine_args;
 mod metrics;
 mod replay;
 mod serve;
+mod sim;
 mod stat;
 
 use clap::{Parser, Subcommand};
@@ -26,6 +27,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Copy through the buffer cache with dd's syntax (seed 000's tool).
     Dd(dd::DdArgs),
+    /// The engine on modelled disks, on a virtual clock: the seed experiments and custom runs.
+    Sim(sim::SimArgs),
     /// A live view of a running server's statistics (iostat style).
     Stat(stat::StatArgs),
     /// Miss-ratio curves of replacement policies over a block I/O trace.
@@ -40,6 +43,7 @@ fn main() {
         Command::Dd(args) => dd::run(args),
         Command::Replay(args) => replay::run(args),
         Command::Stat(args) => stat::run(args),
+        Command::Sim(args) => sim::run(args),
     };
     if let Err(error) = result {
         eprintln!("bufcache: {error:#}");

@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 use std::io::{self, IoSlice, IoSliceMut, Read};
-use std::net::TcpStream;
+use std::net::{TcpStream, ToSocketAddrs};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -29,6 +29,9 @@ use crate::export::BlockStatusExtent;
 use crate::protocol::*;
 use crate::stream::{write_all_vectored, Stream};
 use crate::uri::{NbdAddress, NbdUri, UriError};
+
+/// How long one TCP connection attempt may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long the handshake may take before the connect fails.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -250,7 +253,7 @@ impl NbdClient {
         };
         let mut stream = match &parsed.address {
             NbdAddress::Tcp { host, port } => {
-                Stream::Tcp(TcpStream::connect(format!("{host}:{port}")).map_err(connect_error)?)
+                Stream::Tcp(connect_tcp(host, *port).map_err(connect_error)?)
             }
             NbdAddress::Unix(path) => {
                 Stream::Unix(UnixStream::connect(path).map_err(connect_error)?)
@@ -353,12 +356,7 @@ impl NbdClient {
     /// Zeroes `length_bytes` at `offset` with WRITE_ZEROES (`may_trim`: the server may
     /// punch a hole), or by writing zero buffers when the server lacks the command. (Named
     /// apart from `Device::write_zeroes`, which calls it with `may_trim` set.)
-    pub fn zero(
-        &self,
-        offset: u64,
-        length_bytes: u64,
-        may_trim: bool,
-    ) -> Result<(), ClientError> {
+    pub fn zero(&self, offset: u64, length_bytes: u64, may_trim: bool) -> Result<(), ClientError> {
         if !self.shared.info.has_flag(TRANSMIT_SEND_WRITE_ZEROES) {
             return self.write_zero_buffers(offset, length_bytes);
         }
@@ -671,6 +669,20 @@ impl Drop for NbdClient {
             let _ = reader.join();
         }
     }
+}
+
+/// Connects to the first address of `host` that answers, each attempt bounded so an
+/// unreachable host fails the connect instead of hanging it.
+fn connect_tcp(host: &str, port: u16) -> io::Result<TcpStream> {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let mut last_error = io::Error::new(io::ErrorKind::NotFound, "the host has no address");
+    for address in (host, port).to_socket_addrs()? {
+        match TcpStream::connect_timeout(&address, CONNECT_TIMEOUT) {
+            Ok(stream) => return Ok(stream),
+            Err(error) => last_error = error,
+        }
+    }
+    Err(last_error)
 }
 
 /// Splits a range into `(offset, length)` pieces of at most `piece_bytes_max` bytes.

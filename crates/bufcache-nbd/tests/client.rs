@@ -48,7 +48,10 @@ fn pipelined_io_against_nbdkit_memory() {
     hammer(&client);
     // Block status: the first 8 MiB hold data, the rest was never written.
     let extents = client.block_status(0, 64 << 20).unwrap();
-    assert_eq!(extents.iter().map(|extent| extent.length).sum::<u64>(), 64 << 20);
+    assert_eq!(
+        extents.iter().map(|extent| extent.length).sum::<u64>(),
+        64 << 20
+    );
     assert!(!extents[0].hole);
     assert!(extents.last().unwrap().hole && extents.last().unwrap().zero);
     client.write_fua(12345, b"durable").unwrap();
@@ -113,7 +116,11 @@ fn device_trait_round_trips_vectored_io_split_across_requests() {
     let first = pattern_bytes(3000, 1);
     let second = pattern_bytes(5001, 2);
     let third = pattern_bytes(1999, 3);
-    let slices = [IoSlice::new(&first), IoSlice::new(&second), IoSlice::new(&third)];
+    let slices = [
+        IoSlice::new(&first),
+        IoSlice::new(&second),
+        IoSlice::new(&third),
+    ];
     device.write_vectored_at(&slices, 777).unwrap();
     let mut back_first = vec![0u8; 6000];
     let mut back_second = vec![0u8; 4000];
@@ -129,10 +136,16 @@ fn device_trait_round_trips_vectored_io_split_across_requests() {
     device.write_zeroes(65536, 65536).unwrap();
     assert!(device.write_zeroes_is_fast());
     let extents = device.extents(0, 1 << 20).unwrap();
-    assert_eq!(extents.iter().map(|extent| extent.length).sum::<u64>(), 1 << 20);
+    assert_eq!(
+        extents.iter().map(|extent| extent.length).sum::<u64>(),
+        1 << 20
+    );
     assert!(extents[0].hole, "{extents:?}");
     let past_end = device.read_vectored_at(&mut [IoSliceMut::new(&mut [0u8; 2])], (1 << 20) - 1);
-    assert_eq!(past_end.unwrap_err().kind(), std::io::ErrorKind::InvalidInput);
+    assert_eq!(
+        past_end.unwrap_err().kind(),
+        std::io::ErrorKind::InvalidInput
+    );
 }
 
 #[test]
@@ -161,9 +174,15 @@ fn connect_errors_are_clear() {
     assert!(message.contains("unknown export"), "{message}");
     assert!(message.contains("missing"), "{message}");
     let directory = tempfile::tempdir().unwrap();
-    let uri = format!("nbd+unix:///x?socket={}", directory.path().join("none").display());
+    let uri = format!(
+        "nbd+unix:///x?socket={}",
+        directory.path().join("none").display()
+    );
     let message = NbdClient::connect(&uri).unwrap_err().to_string();
-    assert!(message.starts_with(&format!("{uri}: cannot connect")), "{message}");
+    assert!(
+        message.starts_with(&format!("{uri}: cannot connect")),
+        "{message}"
+    );
 }
 
 #[test]
@@ -180,19 +199,79 @@ fn a_dying_server_fails_pending_and_later_requests_without_hanging() {
     let started = Instant::now();
     nbdkit.kill();
     let pending = reader.join().unwrap().unwrap_err().to_string();
-    assert!(pending.contains("READ 4096 bytes at 0 failed: connection lost"), "{pending}");
+    assert!(
+        pending.contains("READ 4096 bytes at 0 failed: connection lost"),
+        "{pending}"
+    );
     assert!(pending.starts_with(&nbdkit.uri()), "{pending}");
     let later = client.write(0, b"x").unwrap_err().to_string();
     assert!(later.contains("connection lost"), "{later}");
     assert!(started.elapsed() < Duration::from_secs(5));
 }
 
+/// A memory export whose reads take 300 ms, to keep a request in flight.
+struct SlowExport(MemoryExport);
+
+impl Export for SlowExport {
+    fn size(&self) -> u64 {
+        self.0.size()
+    }
+    fn read_only(&self) -> bool {
+        false
+    }
+    fn read(&self, offset: u64, buffer: &mut [u8]) -> std::io::Result<()> {
+        std::thread::sleep(Duration::from_millis(300));
+        self.0.read(offset, buffer)
+    }
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> std::io::Result<()> {
+        self.0.write(offset, data, fua)
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> std::io::Result<()> {
+        self.0.trim(offset, length, fua)
+    }
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        length: u64,
+        may_trim: bool,
+        fast_only: bool,
+        fua: bool,
+    ) -> std::io::Result<()> {
+        self.0
+            .write_zeroes(offset, length, may_trim, fast_only, fua)
+    }
+    fn cache(&self, offset: u64, length: u64) -> std::io::Result<()> {
+        self.0.cache(offset, length)
+    }
+    fn block_status(
+        &self,
+        offset: u64,
+        length: u64,
+    ) -> std::io::Result<Vec<bufcache_nbd::BlockStatusExtent>> {
+        self.0.block_status(offset, length)
+    }
+}
+
 #[test]
 fn server_shutdown_answers_in_flight_requests_then_closes() {
-    let (server, _export) = memory_server(1 << 20);
-    let client = NbdClient::connect(&server.tcp_uri("mem")).unwrap();
+    let export = Arc::new(SlowExport(MemoryExport::new(1 << 20)));
+    let server = start_server(vec![("mem", export as Arc<dyn Export>)]);
+    let client = Arc::new(NbdClient::connect(&server.tcp_uri("mem")).unwrap());
     client.write(0, b"before shutdown").unwrap();
+    let reader = {
+        let client = Arc::clone(&client);
+        std::thread::spawn(move || {
+            let mut buffer = [0u8; 15];
+            client.read(0, &mut buffer).map(|()| buffer)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(100));
+    // Triggers shutdown and waits for the server: the in-flight read is answered first.
     drop(server);
+    assert_eq!(&reader.join().unwrap().unwrap(), b"before shutdown");
     let error = client.read(0, &mut [0u8; 4]).unwrap_err().to_string();
     assert!(error.contains("connection lost"), "{error}");
 }

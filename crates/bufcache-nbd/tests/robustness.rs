@@ -40,7 +40,10 @@ impl RawClient {
         let greeting = self.read_bytes(18);
         assert_eq!(be_u64(&greeting[0..8]), INIT_MAGIC);
         assert_eq!(be_u64(&greeting[8..16]), OPTION_MAGIC);
-        assert_eq!(be_u16(&greeting[16..18]), FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
+        assert_eq!(
+            be_u16(&greeting[16..18]),
+            FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES
+        );
         self.stream.write_all(&client_flags.to_be_bytes()).unwrap();
     }
 
@@ -121,7 +124,12 @@ impl RawClient {
         let header = self.read_bytes(20);
         assert_eq!(be_u32(&header), STRUCTURED_REPLY_MAGIC);
         let payload = self.read_bytes(be_u32(&header[16..20]) as usize);
-        (be_u16(&header[4..6]), be_u16(&header[6..8]), be_u64(&header[8..16]), payload)
+        (
+            be_u16(&header[4..6]),
+            be_u16(&header[6..8]),
+            be_u64(&header[8..16]),
+            payload,
+        )
     }
 
     /// True when the server closed the connection (EOF or reset) within a few seconds.
@@ -206,7 +214,10 @@ fn unknown_options_and_exports_get_errors_and_haggling_continues() {
     let mut client = RawClient::connect(&server);
     client.greet(CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES);
     client.send_option(99, b"whatever");
-    assert_eq!(client.read_option_reply(), (99, REP_ERR_UNSUP, b"option 99 is not supported".to_vec()));
+    assert_eq!(
+        client.read_option_reply(),
+        (99, REP_ERR_UNSUP, b"option 99 is not supported".to_vec())
+    );
     client.send_option(OPT_GO, &info_request("nope"));
     let (_, reply_type, _) = client.read_option_reply();
     assert_eq!(reply_type, REP_ERR_UNKNOWN);
@@ -250,7 +261,13 @@ fn invalid_requests_get_the_errno_the_spec_asks_for() {
         (CMD_WRITE, 0, 0, (32 << 20) + 1, (32 << 20) + 1, 75),
     ];
     for (command, command_flags, offset, length, payload_bytes, errno) in cases {
-        client.request(command, command_flags, offset, length, &vec![7u8; payload_bytes]);
+        client.request(
+            command,
+            command_flags,
+            offset,
+            length,
+            &vec![7u8; payload_bytes],
+        );
         let (error, handle) = client.simple_reply();
         assert_eq!(
             (error, handle),
@@ -333,7 +350,8 @@ impl Export for FaultyExport {
         if fast_only {
             return Err(io::ErrorKind::Unsupported.into());
         }
-        self.inner.write_zeroes(offset, length, may_trim, false, fua)
+        self.inner
+            .write_zeroes(offset, length, may_trim, false, fua)
     }
     fn can_fast_zero(&self) -> bool {
         true
@@ -373,7 +391,10 @@ fn export_errors_map_to_errnos_in_simple_and_structured_replies() {
     assert_eq!(&payload[6..6 + message_length], b"injected read fault");
     structured.request(CMD_READ, CMD_FLAG_DF, 4096, 100, &[]);
     let (flags, chunk_type, _, payload) = structured.chunk();
-    assert_eq!((flags, chunk_type), (REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA));
+    assert_eq!(
+        (flags, chunk_type),
+        (REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA)
+    );
     assert_eq!(be_u64(&payload), 4096);
     assert_eq!(payload.len(), 108);
     structured.request(CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE, 0, 1 << 20, &[]);

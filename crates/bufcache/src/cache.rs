@@ -363,11 +363,16 @@ impl Inner {
     }
 
     /// Looks `key` up; on a hit records the access and pins the buffer.
-    pub fn lookup(&self, key: BlockKey) -> Option<Arc<Buffer>> {
+    /// A hit from a no-reuse stream (`placement` NoReuse) is not reported to the policy, so
+    /// the block stays at the eviction end where it was inserted: the stream consuming its
+    /// own read-ahead must not promote it (seed 003's vm_page_dontneed on release).
+    pub fn lookup(&self, key: BlockKey, placement: Placement) -> Option<Arc<Buffer>> {
         let (index, hash) = self.shard_index(&key);
         let mut shard = self.shards[index].lock();
         let slot = *shard.map.get(&MixedKey(hash, key))?;
-        shard.policy.access(slot);
+        if placement == Placement::Normal {
+            shard.policy.access(slot);
+        }
         shard.hits += 1;
         let buffer = Arc::clone(
             shard.entries[slot as usize]
@@ -387,7 +392,7 @@ impl Inner {
         placement: Placement,
         urgency: Urgency,
     ) -> Result<Lookup, CacheError> {
-        if let Some(buffer) = self.lookup(key) {
+        if let Some(buffer) = self.lookup(key, placement) {
             return Ok(Lookup::Found(buffer));
         }
         let size = object.block_size_bytes as usize;

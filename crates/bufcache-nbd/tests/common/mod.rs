@@ -114,10 +114,9 @@ pub fn tool(name: &str) -> Option<PathBuf> {
 
 /// True when every tool is installed (messages printed for the missing ones).
 pub fn tools(names: &[&str]) -> bool {
-    names
-        .iter()
-        .map(|name| tool(name).is_some())
-        .all(|found| found)
+    // Every name is looked up (no short-circuit), so each missing tool is reported.
+    let missing = names.iter().filter(|name| tool(name).is_none()).count();
+    missing == 0
 }
 
 /// Runs a command with a time limit and asserts it succeeded; returns its output.
@@ -172,8 +171,11 @@ impl Nbdkit {
         let nbdkit = tool("nbdkit")?;
         let directory = tempfile::tempdir().expect("temp dir");
         let socket_path = directory.path().join("nbdkit.sock");
+        let pid_path = directory.path().join("nbdkit.pid");
         let child = Command::new(nbdkit)
             .arg("--foreground")
+            .arg("--pidfile")
+            .arg(&pid_path)
             .arg("--exit-with-parent")
             .arg("--unix")
             .arg(&socket_path)
@@ -183,7 +185,8 @@ impl Nbdkit {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("start nbdkit");
-        wait_for_socket(&socket_path);
+        // nbdkit writes its pid file once it accepts connections.
+        wait_for_file(&pid_path);
         Some(Nbdkit {
             child,
             socket_path,
@@ -220,9 +223,9 @@ impl Drop for Nbdkit {
     }
 }
 
-fn wait_for_socket(path: &Path) {
+fn wait_for_file(path: &Path) {
     let started = Instant::now();
-    while std::os::unix::net::UnixStream::connect(path).is_err() {
+    while !path.exists() {
         assert!(
             started.elapsed() < Duration::from_secs(10),
             "{} never appeared",

@@ -1,0 +1,122 @@
+//! `bufcache sim`: the seed experiments and custom runs of the engine on modelled disks, on a
+//! virtual clock (the `bufcache-sim` crate). Everything printed is deterministic for a seed.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use bufcache_sim::{
+    run_custom, run_experiment, DiskSpec, ExperimentOptions, WorkloadSpec, EXPERIMENTS,
+};
+use clap::{Args, Subcommand};
+
+use crate::engine_args::EngineArgs;
+
+/// Arguments of `bufcache sim`.
+#[derive(Args, Debug)]
+pub struct SimArgs {
+    #[command(subcommand)]
+    command: SimCommand,
+}
+
+#[derive(Subcommand, Debug)]
+enum SimCommand {
+    /// List the experiments.
+    List,
+    /// Run a seed experiment: prints its table and writes NAME.txt, .csv, .json and .svg.
+    #[command(after_help = "Examples:\n  \
+        bufcache sim experiment maxbsize            # seed 000: MAXBSIZE 16K vs 64K on an RZ25\n  \
+        bufcache sim experiment sweep --scale 0.25  # seed 003's read sweep, smaller and faster\n  \
+        bufcache sim experiment scan --json")]
+    Experiment {
+        /// Experiment name (see `bufcache sim list`).
+        name: String,
+        /// Print JSON instead of the table.
+        #[arg(long)]
+        json: bool,
+        /// Shrink (below 1) or grow files and memory together; above 0, at most 16.
+        #[arg(long, default_value_t = 1.0)]
+        scale: f64,
+        /// Seed of the deterministic schedule.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Directory for the CSV, JSON and SVG files.
+        #[arg(long, default_value = "sim-results")]
+        output: PathBuf,
+    },
+    /// Run one workload on one disk with the engine's knobs.
+    #[command(after_help = "Examples:\n  \
+        bufcache sim run --disk rz25 --workload dd:write,bs=1M,count=86 --cluster-size-max 16k\n  \
+        bufcache sim run --disk hdd7200 --workload sweep:file=256M,sizes=32M/64M,bs=1M,passes=4 --cache-size 64M\n  \
+        bufcache sim run --disk wan:rtt_ms=80 --workload mixed:scan=512M,ws=32M --policy lru\n\n\
+        Disks: rz25, cheetah9lp, ata2002, hdd7200, nvme, lan, wan (PRESET:key=value,...).\n\
+        Workloads: dd, sweep, mixed, treecopy, build (NAME:key=value,...).")]
+    Run {
+        /// Disk model, PRESET[:key=value,...].
+        #[arg(long)]
+        disk: DiskSpec,
+        /// Workload, NAME:key=value,...
+        #[arg(long)]
+        workload: WorkloadSpec,
+        /// Print JSON instead of the report.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        engine: EngineArgs,
+    },
+}
+
+pub fn run(args: SimArgs) -> anyhow::Result<()> {
+    match args.command {
+        SimCommand::List => {
+            for (name, description) in EXPERIMENTS {
+                println!("{name:<12} {description}");
+            }
+            Ok(())
+        }
+        SimCommand::Experiment {
+            name,
+            json,
+            scale,
+            seed,
+            output,
+        } => {
+            let result = run_experiment(&name, &ExperimentOptions { scale, seed })?;
+            if json {
+                println!("{}", result.to_json());
+            } else {
+                print!("{}", result.to_text());
+            }
+            std::fs::create_dir_all(&output)
+                .with_context(|| format!("creating {}", output.display()))?;
+            for (extension, contents) in [
+                ("txt", result.to_text()),
+                ("csv", result.to_csv()),
+                ("json", result.to_json()),
+                ("svg", result.to_svg()),
+            ] {
+                let path = output.join(format!("{name}.{extension}"));
+                std::fs::write(&path, contents)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            eprintln!(
+                "bufcache: wrote {}/{name}.{{txt,csv,json,svg}}",
+                output.display()
+            );
+            Ok(())
+        }
+        SimCommand::Run {
+            disk,
+            workload,
+            json,
+            engine,
+        } => {
+            let report = run_custom(&disk, &workload, engine.config()?)?;
+            if json {
+                println!("{}", report.to_json());
+            } else {
+                print!("{}", report.to_text());
+            }
+            Ok(())
+        }
+    }
+}
