@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
@@ -29,6 +30,10 @@ use crate::export::Export;
 use crate::handshake::{self, ExportTable, Outcome};
 use crate::stream::Stream;
 use crate::transmission::{self, ConnectionLimits};
+
+/// How long shutdown waits for connections to answer their in-flight requests before it
+/// closes them outright.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 /// How often the accept loop looks at the shutdown flag, in milliseconds.
 const SHUTDOWN_POLL_MILLISECONDS: i32 = 100;
@@ -427,10 +432,20 @@ impl Connections {
         }
     }
 
-    /// Wakes every connection's reader and waits for all connection threads.
+    /// Wakes every connection's reader and waits for all connection threads. A connection
+    /// whose client stopped reading replies would block its writer forever, so after
+    /// [`SHUTDOWN_GRACE`] the remaining sockets are closed in both directions.
     fn drain(&self) {
         for socket in self.sockets.lock().values() {
             socket.shutdown_read();
+        }
+        let deadline = Instant::now() + SHUTDOWN_GRACE;
+        while Instant::now() < deadline && self.active() > 0 {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        for socket in self.sockets.lock().values() {
+            tracing::warn!("closing a connection that did not drain within {SHUTDOWN_GRACE:?}");
+            socket.shutdown_both();
         }
         for handle in self.threads.lock().drain(..) {
             let _ = handle.join();

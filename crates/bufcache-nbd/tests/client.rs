@@ -275,3 +275,74 @@ fn server_shutdown_answers_in_flight_requests_then_closes() {
     let error = client.read(0, &mut [0u8; 4]).unwrap_err().to_string();
     assert!(error.contains("connection lost"), "{error}");
 }
+
+#[test]
+fn pipelined_io_against_qemu_nbd() {
+    if !tools(&["qemu-nbd"]) {
+        return;
+    }
+    let directory = tempfile::tempdir().unwrap();
+    let image = directory.path().join("disk.img");
+    let socket = directory.path().join("qemu-nbd.sock");
+    std::fs::write(&image, vec![0u8; 16 << 20]).unwrap();
+    let mut qemu_nbd = std::process::Command::new("qemu-nbd")
+        .args([
+            "--format=raw",
+            "--persistent",
+            "--export-name=disk",
+            "--shared=4",
+        ])
+        .arg(format!("--socket={}", socket.display()))
+        .arg(&image)
+        .stdin(std::process::Stdio::null())
+        .spawn()
+        .expect("start qemu-nbd");
+    let uri = format!("nbd+unix:///disk?socket={}", socket.display());
+    let started = Instant::now();
+    let client = loop {
+        match NbdClient::connect(&uri) {
+            Ok(client) => break Arc::new(client),
+            Err(error) if started.elapsed() > Duration::from_secs(10) => {
+                let _ = qemu_nbd.kill();
+                panic!("qemu-nbd never answered: {error}");
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    };
+    assert_eq!(client.size(), 16 << 20);
+    hammer(&client);
+    let extents = client.block_status(0, 16 << 20).unwrap();
+    assert_eq!(
+        extents.iter().map(|extent| extent.length).sum::<u64>(),
+        16 << 20
+    );
+    drop(client);
+    let _ = qemu_nbd.kill();
+    let _ = qemu_nbd.wait();
+    let on_disk = std::fs::read(&image).unwrap();
+    assert!(on_disk[5 << 20..6 << 20] == pattern_bytes(1 << 20, 6));
+}
+
+#[test]
+fn simple_replies_only_server_still_works() {
+    let Some(nbdkit) = Nbdkit::start(&["--no-sr", "memory", "64M"]) else {
+        return;
+    };
+    let client = Arc::new(NbdClient::connect(&nbdkit.uri()).unwrap());
+    assert!(!client.export_info().structured_replies);
+    assert_eq!(client.export_info().base_allocation_id, None);
+    hammer(&client);
+    // Without block status everything is reported as data.
+    let extents = client.block_status(0, 64 << 20).unwrap();
+    assert_eq!(extents.len(), 1);
+    assert!(!extents[0].hole);
+}
+
+#[test]
+fn oldstyle_servers_are_refused_clearly() {
+    let Some(nbdkit) = Nbdkit::start(&["--oldstyle", "memory", "1M"]) else {
+        return;
+    };
+    let message = NbdClient::connect(&nbdkit.uri()).unwrap_err().to_string();
+    assert!(message.contains("oldstyle"), "{message}");
+}

@@ -91,16 +91,26 @@ pub(crate) struct MemoryAccount {
 }
 
 impl MemoryAccount {
+    /// Charges one buffer if both limits allow it. Each counter only ever moves to a value
+    /// within its limit (compare-exchange), so no snapshot shows more than the limits.
     fn try_charge(&self, charge_bytes: u64, waste_bytes: u64) -> bool {
         let bytes_max = self.bytes_max.load(Ordering::Acquire);
-        let before = self.used_bytes.fetch_add(charge_bytes, Ordering::AcqRel);
-        if before + charge_bytes > bytes_max {
-            self.used_bytes.fetch_sub(charge_bytes, Ordering::AcqRel);
+        let charged = self
+            .used_bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(charge_bytes)
+                    .filter(|&total| total <= bytes_max)
+            });
+        if charged.is_err() {
             return false;
         }
         let buffers_max = self.buffers_max.load(Ordering::Acquire);
-        if self.buffers.fetch_add(1, Ordering::AcqRel) + 1 > buffers_max {
-            self.buffers.fetch_sub(1, Ordering::AcqRel);
+        let counted = self
+            .buffers
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |buffers| {
+                Some(buffers + 1).filter(|&total| total <= buffers_max)
+            });
+        if counted.is_err() {
             self.used_bytes.fetch_sub(charge_bytes, Ordering::AcqRel);
             return false;
         }
@@ -462,8 +472,14 @@ impl Inner {
     }
 
     /// Evicts one clean, unpinned buffer chosen by a shard's policy. Shards are visited
-    /// round-robin so eviction pressure spreads evenly.
+    /// round-robin so eviction pressure spreads evenly. Read-ahead nobody has used yet is
+    /// spared while anything else can go: evicting it before its reader arrives would only
+    /// turn one clustered read into many single-block misses.
     pub fn evict_one(&self) -> bool {
+        self.evict_pass(false) || self.evict_pass(true)
+    }
+
+    fn evict_pass(&self, including_unused_readahead: bool) -> bool {
         let shard_count = self.shards.len();
         let start = self.evict_cursor.fetch_add(1, Ordering::Relaxed);
         for step in 0..shard_count {
@@ -473,17 +489,14 @@ impl Inner {
             } = &mut *shard;
             let victim = policy.evict(&mut |slot| {
                 entries[slot as usize].as_ref().is_some_and(|buffer| {
-                    buffer.pins.load(Ordering::Acquire) == 0 && !buffer.has(DIRTY)
+                    buffer.pins.load(Ordering::Acquire) == 0
+                        && !buffer.has(DIRTY)
+                        && (including_unused_readahead || !buffer.has(READAHEAD))
                 })
             });
             if let Some(slot) = victim {
                 let buffer = shard.detach(slot);
                 drop(shard);
-                debug_assert_eq!(
-                    Arc::strong_count(&buffer),
-                    1,
-                    "an evicted buffer has no other holder"
-                );
                 self.counters.evictions.fetch_add(1, Ordering::Relaxed);
                 if buffer.has(READAHEAD) {
                     self.counters
@@ -494,6 +507,18 @@ impl Inner {
             }
         }
         false
+    }
+
+    /// Moves a block to the eviction end of its shard's policy (a no-reuse stream is done
+    /// with it), by forgetting and re-inserting it with `NoReuse` placement.
+    pub fn demote(&self, buffer: &Buffer) {
+        let (index, hash) = self.shard_index(&buffer.key);
+        let mut shard = self.shards[index].lock();
+        let slot = buffer.slot.load(Ordering::Acquire);
+        if shard.map.get(&MixedKey(hash, buffer.key)) == Some(&slot) {
+            shard.policy.remove(slot);
+            shard.policy.insert(slot, hash, Placement::NoReuse);
+        }
     }
 
     /// Reserves memory for one buffer, evicting, writing back and waiting as `urgency` allows.

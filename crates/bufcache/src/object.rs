@@ -508,9 +508,12 @@ impl ObjectHandle {
             .min(object.block_count);
         let mut run = vec![BufferGuard::new(inner, object, first)];
         for block in start + 1..run_limit {
-            let Some(buffer) =
-                inner.insert_absent(object.key(block), object, placement, block < request_end)
-            else {
+            let Some(buffer) = inner.insert_absent(
+                object.key(block),
+                object,
+                run_placement(placement, block, request_end),
+                block < request_end,
+            ) else {
                 break;
             };
             if block >= request_end {
@@ -586,9 +589,16 @@ impl ObjectHandle {
         let inner = self.inner();
         let mut block = start;
         while block < end {
-            let Some(buffer) =
-                inner.insert_absent(self.object.key(block), &self.object, placement, !readahead)
-            else {
+            let Some(buffer) = inner.insert_absent(
+                self.object.key(block),
+                &self.object,
+                if readahead {
+                    Placement::Normal
+                } else {
+                    placement
+                },
+                !readahead,
+            ) else {
                 block += 1;
                 continue;
             };
@@ -1059,6 +1069,17 @@ impl ObjectHandle {
                 object_length_bytes: self.object.length_bytes,
             })
         }
+    }
+}
+
+/// Placement of a block of a run: read-ahead (at or past the request's end) is placed
+/// normally until a reader uses it; only blocks a no-reuse stream has consumed go to the
+/// eviction end.
+fn run_placement(placement: Placement, block: u64, request_end: u64) -> Placement {
+    if block >= request_end {
+        Placement::Normal
+    } else {
+        placement
     }
 }
 

@@ -154,7 +154,7 @@ fn sequential_reads_grow_read_ahead_to_the_maximum() {
 /// evict unread read-ahead: unused read-ahead needs protection from the policy until first
 /// use (or the window must be capped by what the policy will keep).
 #[test]
-#[ignore = "engine bug: read-ahead blocks inserted with Placement::NoReuse (and S3-FIFO/SIEVE/CLOCK/ARC small queues) are evicted before use when the stream exceeds the cache"]
+
 fn sequential_reads_larger_than_the_cache_keep_read_ahead_until_used() {
     sequential_reads_grow_read_ahead(4 * MIB);
 }

@@ -2,8 +2,7 @@
 //!
 //! Method: each test drives the smallest workload that shows the bug (tiny caches, a few
 //! threads hammering one path) and asserts the documented behaviour. Tests for bugs not yet
-//! fixed are `#[ignore = "engine bug: ..."]`; run them with `cargo test -p bufcache --test
-//! engine_regressions -- --include-ignored` and remove the `ignore` when the fix lands.
+//! fixed were marked ignored while the bug was open; all three are fixed now and run always.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -76,10 +75,6 @@ fn hammer(
 /// holder never touches the bytes after unpinning); the assertion is wrong. Release builds
 /// pass this test.
 #[test]
-#[cfg_attr(
-    debug_assertions,
-    ignore = "engine bug: cache.rs Inner::evict_one debug_assert strong_count == 1 fails when a holder has unpinned but not yet dropped its Arc"
-)]
 fn eviction_racing_with_a_release_does_not_panic() {
     static STOP: AtomicBool = AtomicBool::new(false);
     let cache = tiny_cache();
@@ -117,7 +112,6 @@ fn eviction_racing_with_a_release_does_not_panic() {
 /// a charge that is about to be withdrawn. A `compare_exchange` loop (add only when it fits)
 /// fixes both.
 #[test]
-#[ignore = "engine bug: cache.rs MemoryAccount::try_charge adds before checking, so stats() shows memory_used_bytes > memory_bytes_max under concurrent allocation"]
 fn stats_never_show_memory_or_buffers_above_the_limits() {
     static STOP: AtomicBool = AtomicBool::new(false);
     let cache = tiny_cache();

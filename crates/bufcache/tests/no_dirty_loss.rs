@@ -102,10 +102,6 @@ fn random_order_writes_far_beyond_memory_lose_nothing() {
 /// two readers keep reading the other (pre-written, static) half and verify it, so eviction,
 /// write-back and read misses all interleave.
 #[test]
-#[cfg_attr(
-    debug_assertions,
-    ignore = "engine bug: cache.rs Inner::evict_one debug_assert strong_count == 1 panics under concurrent eviction (see engine_regressions.rs); run with CARGO_PROFILE_TEST_DEBUG_ASSERTIONS=false or --release"
-)]
 fn slow_device_with_concurrent_readers_loses_nothing() {
     const LENGTH: u64 = 2 << 20;
     const HALF: u64 = LENGTH / 2;

@@ -2,6 +2,7 @@
 //! run external tools with timeouts, skip when a tool is missing, generate and compare data.
 #![allow(dead_code)]
 
+use std::borrow::BorrowMut;
 use std::ffi::OsStr;
 use std::io::Read;
 use std::os::unix::net::UnixStream;
@@ -120,7 +121,8 @@ fn command_text(command: &Command) -> String {
 }
 
 /// Runs `command` to completion with captured output; kills it and panics after `timeout`.
-pub fn run_timeout(command: &mut Command, timeout: Duration) -> Output {
+pub fn run_timeout(mut command: impl BorrowMut<Command>, timeout: Duration) -> Output {
+    let command: &mut Command = command.borrow_mut();
     let text = command_text(command);
     let mut child = command
         .stdin(Stdio::null())
@@ -169,7 +171,8 @@ pub fn output_text(output: &Output) -> String {
 }
 
 /// Runs `command` and panics (with its output) unless it exits 0.
-pub fn run_ok(command: &mut Command, timeout: Duration) -> Output {
+pub fn run_ok(mut command: impl BorrowMut<Command>, timeout: Duration) -> Output {
+    let command: &mut Command = command.borrow_mut();
     let text = command_text(command);
     let output = run_timeout(command, timeout);
     assert!(
