@@ -147,7 +147,10 @@ fn map(uri: &str) -> Vec<Extent> {
 fn check_map(extents: &[Extent], size: u64, data: &[(u64, u64)], client: &NbdClient) {
     let mut next = 0;
     for extent in extents {
-        assert_eq!(extent.offset, next, "extents are not contiguous: {extents:?}");
+        assert_eq!(
+            extent.offset, next,
+            "extents are not contiguous: {extents:?}"
+        );
         next += extent.length;
     }
     assert_eq!(next, size, "extents do not cover the export: {extents:?}");
@@ -201,29 +204,44 @@ fn nbdinfo_map_shows_holes_and_data_of_a_sparse_backing_file() {
     check_map(&extents, SIZE, &[(8 * MIB, MIB), (32 * MIB, 4096)], &client);
     let hole_at = |offset: u64| {
         extents.iter().any(|extent| {
-            extent.hole && extent.zero && extent.offset <= offset && offset < extent.offset + extent.length
+            extent.hole
+                && extent.zero
+                && extent.offset <= offset
+                && offset < extent.offset + extent.length
         })
     };
     for offset in [0, 4 * MIB, 16 * MIB, 40 * MIB, SIZE - 1] {
-        assert!(hole_at(offset), "offset {offset} is not in a hole: {extents:?}");
+        assert!(
+            hole_at(offset),
+            "offset {offset} is not in a hole: {extents:?}"
+        );
     }
     for offset in [8 * MIB, 9 * MIB - 1, 32 * MIB] {
         assert!(
-            extents.iter().any(|e| !e.zero && e.offset <= offset && offset < e.offset + e.length),
+            extents
+                .iter()
+                .any(|e| !e.zero && e.offset <= offset && offset < e.offset + e.length),
             "offset {offset} is not data: {extents:?}"
         );
     }
 
     // Data written through the server but not flushed (still dirty in the cache) must not be
     // reported as a zero hole, or copy tools would skip it.
-    client.write(48 * MIB + 1000, &random_bytes(70_000, 3)).unwrap();
+    client
+        .write(48 * MIB + 1000, &random_bytes(70_000, 3))
+        .unwrap();
     client.write(20 * MIB, &random_bytes(4096, 4)).unwrap();
     let extents = map(&uri);
     eprintln!("map after unflushed writes: {extents:?}");
     check_map(
         &extents,
         SIZE,
-        &[(8 * MIB, MIB), (32 * MIB, 4096), (48 * MIB + 1000, 70_000), (20 * MIB, 4096)],
+        &[
+            (8 * MIB, MIB),
+            (32 * MIB, 4096),
+            (48 * MIB + 1000, 70_000),
+            (20 * MIB, 4096),
+        ],
         &client,
     );
 
@@ -236,12 +254,18 @@ fn nbdinfo_map_shows_holes_and_data_of_a_sparse_backing_file() {
     check_map(
         &extents,
         SIZE,
-        &[(8 * MIB + 512 * 1024, 512 * 1024), (48 * MIB + 1000, 70_000)],
+        &[
+            (8 * MIB + 512 * 1024, 512 * 1024),
+            (48 * MIB + 1000, 70_000),
+        ],
         &client,
     );
     let mut buffer = vec![0xffu8; 4096];
     client.read(32 * MIB, &mut buffer).unwrap();
-    assert!(buffer.iter().all(|b| *b == 0), "zeroed range does not read as zero");
+    assert!(
+        buffer.iter().all(|b| *b == 0),
+        "zeroed range does not read as zero"
+    );
     drop(client);
     server.stop_clean();
 }
