@@ -1,4 +1,4 @@
-//! Prints the miss-ratio tables of POLICIES.md for every policy: scan + working set, Zipf and
+//! Prints the miss-ratio tables of docs/policies.md for every policy: scan + working set, Zipf and
 //! loop workloads, and (with `--trace FILE`) a real block trace in the CloudPhysics CSV format
 //! (`version,time,op,size,lbn`; one object per request, keyed by lbn, as libCacheSim's
 //! `--ignore-obj-size` does) with a cache of 10% of its distinct blocks. `--dump DIR` also

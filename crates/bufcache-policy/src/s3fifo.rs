@@ -28,7 +28,7 @@ const MAIN: ListId = 2;
 /// Hits an entry needs while in `S` to be moved to `M` instead of being evicted.
 /// libCacheSim's current default (the paper and libCacheSim before 2024 use 1). Measured
 /// here, 2 is slightly better on Zipf and on the CloudPhysics trace and identical on scans
-/// and loops (see POLICIES.md); keys that miss this bar still reach `M` through the ghost.
+/// and loops (see docs/policies.md); keys that miss this bar still reach `M` through the ghost.
 pub const MOVE_TO_MAIN_HITS: u8 = 2;
 
 /// Saturation value of the 2-bit frequency counter.

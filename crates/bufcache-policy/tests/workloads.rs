@@ -1,7 +1,7 @@
 // Goal: miss ratios of every policy on Zipf and loop workloads, asserting only robust facts.
 // Method: deterministic traces (Zipf alpha 0.8/0.9/1.0 over 10,000 keys; loops of 1.1x, 1.5x
 // and 3x the cache) through the simulator with a 1,000-object cache; the table is printed
-// (run with --nocapture) and POLICIES.md quotes it.
+// (run with --nocapture) and docs/policies.md quotes it.
 
 mod common;
 
