@@ -22,16 +22,23 @@ pub fn expand(arguments: Vec<OsString>, command: &Command) -> anyhow::Result<Vec
         return Ok(arguments);
     };
     let mut rest = arguments[serve_index + 1..].to_vec();
-    let Some(config_index) = rest.iter().position(|a| a == "--config" || a.to_string_lossy().starts_with("--config=")) else {
+    let Some(config_index) = rest
+        .iter()
+        .position(|a| a == "--config" || a.to_string_lossy().starts_with("--config="))
+    else {
         return Ok(arguments);
     };
     let flag = rest.remove(config_index).to_string_lossy().to_string();
     let path = match flag.strip_prefix("--config=") {
         Some(path) => path.to_string(),
-        None if config_index < rest.len() => rest.remove(config_index).to_string_lossy().to_string(),
+        None if config_index < rest.len() => {
+            rest.remove(config_index).to_string_lossy().to_string()
+        }
         None => bail!("--config needs a FILE"),
     };
-    let serve = command.find_subcommand("serve").context("serve subcommand")?;
+    let serve = command
+        .find_subcommand("serve")
+        .context("serve subcommand")?;
     let from_file = flags_from_file(Path::new(&path), serve)?;
     let mut expanded = arguments[..=serve_index].to_vec();
     expanded.extend(from_file);
@@ -40,14 +47,19 @@ pub fn expand(arguments: Vec<OsString>, command: &Command) -> anyhow::Result<Vec
 }
 
 fn flags_from_file(path: &Path, serve: &Command) -> anyhow::Result<Vec<OsString>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read config file {}", path.display()))?;
-    let table: toml::Table = text.parse().map_err(|error| anyhow::anyhow!("{}: {error}", path.display()))?;
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read config file {}", path.display()))?;
+    let table: toml::Table = text
+        .parse()
+        .map_err(|error| anyhow::anyhow!("{}: {error}", path.display()))?;
     let mut flags = Vec::new();
     for (key, value) in &table {
         let name = key.replace('_', "-");
         let line = line_of(&text, key);
         let where_ = format!("{}:{line}: key `{key}`", path.display());
-        let Some(argument) = serve.get_arguments().find(|a| a.get_long() == Some(name.as_str()) && !NOT_CONFIGURABLE.contains(&name.as_str())) else {
+        let Some(argument) = serve.get_arguments().find(|a| {
+            a.get_long() == Some(name.as_str()) && !NOT_CONFIGURABLE.contains(&name.as_str())
+        }) else {
             bail!("{where_} is not a serve option (see `bufcache config --print-default`)");
         };
         let is_switch = matches!(argument.get_action(), ArgAction::SetTrue | ArgAction::Count);
@@ -61,13 +73,18 @@ fn flags_from_file(path: &Path, serve: &Command) -> anyhow::Result<Vec<OsString>
             toml::Value::Array(items) if repeatable => {
                 for item in items {
                     flags.push(OsString::from(format!("--{name}")));
-                    flags.push(scalar(item).with_context(|| format!("{where_}: array items must be strings or numbers"))?);
+                    flags.push(scalar(item).with_context(|| {
+                        format!("{where_}: array items must be strings or numbers")
+                    })?);
                 }
             }
             _ if is_switch => bail!("{where_} is a switch: use true or false"),
             other => {
                 flags.push(OsString::from(format!("--{name}")));
-                flags.push(scalar(other).with_context(|| format!("{where_}: expected a string or a number"))?);
+                flags.push(
+                    scalar(other)
+                        .with_context(|| format!("{where_}: expected a string or a number"))?,
+                );
             }
         }
     }
@@ -119,16 +136,23 @@ fn default_value(name: &str) -> Option<String> {
 
 /// A commented configuration file holding every serve flag and its default.
 pub fn print_default(command: &Command) -> anyhow::Result<()> {
-    let serve = command.find_subcommand("serve").context("serve subcommand")?;
+    let serve = command
+        .find_subcommand("serve")
+        .context("serve subcommand")?;
     println!("# bufcache serve configuration: `bufcache serve --config FILE`.");
     println!("# Every key is a serve flag; flags on the command line override the file.");
     println!("# Sizes take binary units (4k, 64KiB, 1M, 2GiB). Uncomment to change a default.");
     for argument in serve.get_arguments() {
-        let Some(name) = argument.get_long() else { continue };
+        let Some(name) = argument.get_long() else {
+            continue;
+        };
         if NOT_CONFIGURABLE.contains(&name) {
             continue;
         }
-        let help = argument.get_help().map(|help| help.to_string()).unwrap_or_default();
+        let help = argument
+            .get_help()
+            .map(|help| help.to_string())
+            .unwrap_or_default();
         println!();
         for line in help.lines() {
             println!("# {line}");
@@ -151,18 +175,40 @@ mod tests {
         let directory = tempfile::tempdir().unwrap();
         let path = directory.path().join("serve.toml");
         std::fs::write(&path, file).unwrap();
-        let mut arguments: Vec<OsString> = vec!["bufcache".into(), "serve".into(), "--config".into(), path.clone().into()];
+        let mut arguments: Vec<OsString> = vec![
+            "bufcache".into(),
+            "serve".into(),
+            "--config".into(),
+            path.clone().into(),
+        ];
         arguments.extend(command_line.iter().map(OsString::from));
         let expanded = expand(arguments, &crate::Cli::command())?;
-        Ok(expanded.into_iter().map(|a| a.to_string_lossy().to_string()).collect())
+        Ok(expanded
+            .into_iter()
+            .map(|a| a.to_string_lossy().to_string())
+            .collect())
     }
 
     #[test]
     fn file_flags_come_before_command_line_flags() {
-        let expanded = expand_with("cache-size = \"1G\"\nlisten = [\"unix:/a\", \"tcp:127.0.0.1:1\"]\nread_only = true\n", &["--cache-size", "2G"]).unwrap();
+        let expanded = expand_with(
+            "cache-size = \"1G\"\nlisten = [\"unix:/a\", \"tcp:127.0.0.1:1\"]\nread_only = true\n",
+            &["--cache-size", "2G"],
+        )
+        .unwrap();
         assert_eq!(
             expanded[2..],
-            ["--cache-size", "1G", "--listen", "unix:/a", "--listen", "tcp:127.0.0.1:1", "--read-only", "--cache-size", "2G"]
+            [
+                "--cache-size",
+                "1G",
+                "--listen",
+                "unix:/a",
+                "--listen",
+                "tcp:127.0.0.1:1",
+                "--read-only",
+                "--cache-size",
+                "2G"
+            ]
         );
     }
 

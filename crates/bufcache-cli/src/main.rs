@@ -77,7 +77,9 @@ fn main() {
 
 /// Arguments of `bufcache config`.
 #[derive(clap::Args)]
-#[command(after_help = "Example:\n  bufcache config --print-default > serve.toml && bufcache serve --config serve.toml")]
+#[command(
+    after_help = "Example:\n  bufcache config --print-default > serve.toml && bufcache serve --config serve.toml"
+)]
 struct ConfigArgs {
     /// Print every serve option with its default as a commented TOML file.
     #[arg(long)]
@@ -97,7 +99,10 @@ fn append_help(text: &mut String, command: &mut clap::Command, path: &str) {
     if command.is_hide_set() {
         return;
     }
-    text.push_str(&format!("\n## `{path}`\n\n```text\n{}\n```\n", command.render_long_help().to_string().trim_end()));
+    text.push_str(&format!(
+        "\n## `{path}`\n\n```text\n{}\n```\n",
+        command.render_long_help().to_string().trim_end()
+    ));
     for sub in command.get_subcommands_mut() {
         let name = format!("{path} {}", sub.get_name());
         append_help(text, sub, &name);

@@ -9,9 +9,12 @@
 //!   engine's `BlockMap`;
 //! - [`sched`]: the deterministic scheduler of processes, the I/O daemon and the syncer;
 //! - [`workload`]: dd, read-sweep, mixed scan + working set, tree copy, build;
-//! - [`experiments`]: the seeds' experiments as tables, CSV, JSON and SVG plots.
+//! - [`experiments`]: the seeds' experiments as tables, CSV, JSON and SVG plots;
+//! - [`replay`]: block traces replayed through the engine on a simulated disk (open or
+//!   closed loop), for time as well as misses.
 //!
-//! Entry points for the command line: [`run_experiment`], [`run_custom`], [`EXPERIMENTS`],
+//! Entry points for the command line: [`run_experiment`], [`run_custom`], [`replay_trace`],
+//! [`EXPERIMENTS`],
 //! `DiskSpec::from_str`, `WorkloadSpec::from_str`, `HostCosts::from_str`.
 
 pub mod clock;
@@ -20,6 +23,7 @@ pub mod disk;
 pub mod experiments;
 pub mod host;
 pub mod layout;
+pub mod replay;
 pub mod report;
 pub mod sched;
 pub mod workload;
@@ -33,8 +37,14 @@ pub use disk::{
 pub use experiments::{run_custom, run_experiment, CustomRun, ExperimentOptions, EXPERIMENTS};
 pub use host::{HostCosts, HOST_PRESETS};
 pub use layout::{FileMap, FsLayout, LayoutParams};
+pub use replay::{
+    replay_trace, replay_trace_with, LatencySummary, ReplayMode, ReplayOptions, ReplayReport,
+};
 pub use report::{Cell, ExperimentResult, Plot, Series, Table};
 pub use sched::{
     sim_cache_config, FileId, Os, Process, RunReport, SimConfig, SimError, Simulation, Step,
 };
 pub use workload::WorkloadSpec;
+
+/// The trace readers' crate, for [`TraceRequest`](bufcache_trace::TraceRequest) and `open_trace`.
+pub use bufcache_trace;

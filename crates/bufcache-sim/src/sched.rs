@@ -318,6 +318,11 @@ impl Os<'_> {
     pub fn cache_stats(&self) -> bufcache::CacheStats {
         self.world.cache.stats()
     }
+
+    /// The device's totals now.
+    pub fn device_totals(&self) -> DeviceTotals {
+        self.world.core.device_totals()
+    }
 }
 
 struct Entity {

@@ -427,14 +427,17 @@ impl ObjectHandle {
         };
         let mut block = first;
         while block < end {
-            block = self.read_step(block, end, plan.extend_to_block, placement, offset, target)?;
+            // A miss inside the stream's issued window reads to the window's end itself: the
+            // background job may not have reached those blocks yet.
+            let miss_limit = plan.extend_to_block.max(plan.window_end_block);
+            block = self.read_step(block, end, miss_limit, placement, offset, target)?;
         }
         if plan.extend_to_block > end {
             // The part of the synchronous window the request's own miss runs did not cover.
-            self.start_readahead(end, plan.extend_to_block, placement);
+            self.start_readahead(end, plan.extend_to_block);
         }
         if let Some((start, window_end)) = plan.background {
-            self.start_readahead(start, window_end, placement);
+            self.start_readahead(start, window_end);
         }
         Ok(())
     }
@@ -465,6 +468,9 @@ impl ObjectHandle {
                         .counters
                         .readahead_used_blocks
                         .fetch_add(1, Ordering::Relaxed);
+                    if placement == Placement::NoReuse {
+                        inner.demote(&hold.buffer);
+                    }
                 }
                 // SAFETY: shared lock held by `hold`.
                 copy_out(
@@ -498,6 +504,19 @@ impl ObjectHandle {
         request_end: u64,
         placement: Placement,
     ) -> Result<Vec<BufferGuard>, CacheError> {
+        let mut run = self.collect_run(first, limit, request_end, placement);
+        self.read_collected(&mut run, request_end)?;
+        Ok(run)
+    }
+
+    /// The buffers of a run: `first` and the absent blocks after it, inserted locked.
+    fn collect_run(
+        &self,
+        first: Arc<Buffer>,
+        limit: u64,
+        request_end: u64,
+        placement: Placement,
+    ) -> Vec<BufferGuard> {
         let inner = self.inner();
         let object = &self.object;
         let start = first.key.block;
@@ -521,14 +540,20 @@ impl ObjectHandle {
             }
             run.push(BufferGuard::new(inner, object, buffer));
         }
+        run
+    }
+
+    /// Reads a collected run; blocks at or past `request_end` count as read-ahead.
+    fn read_collected(&self, run: &mut [BufferGuard], request_end: u64) -> Result<(), CacheError> {
+        let start = run[0].block();
         let readahead =
             run.len() as u64 - (request_end.saturating_sub(start)).min(run.len() as u64);
-        self.device_read(&mut run, mapped.device_offset)?;
-        inner
+        self.device_read(run, self.object.map.map(start).device_offset)?;
+        self.inner()
             .counters
             .readahead_issued_blocks
             .fetch_add(readahead, Ordering::Relaxed);
-        Ok(run)
+        Ok(())
     }
 
     /// One vectored device read into every buffer of `run`. On failure nothing is marked
@@ -572,43 +597,46 @@ impl ObjectHandle {
     /// Reads `[start, end)` into the cache in the background (or inline when the spawner
     /// refuses). Best effort: blocks already cached and blocks that find no free space are
     /// skipped; errors are counted but not reported, since no reader asked for these blocks.
-    fn start_readahead(&self, start: u64, end: u64, placement: Placement) {
+    fn start_readahead(&self, start: u64, end: u64) {
         let handle = ObjectHandle {
             cache: self.cache.clone(),
             object: Arc::clone(&self.object),
             seen_error_sequence: AtomicU64::new(0),
         };
-        let job = Box::new(move || handle.fill(start, end, placement, true));
+        let job = Box::new(move || handle.fill_readahead(start, end));
         if let Err(job) = self.cache.inner.spawner.spawn(job) {
             job();
         }
     }
 
     /// Makes blocks `[start, end)` resident without copying them anywhere.
-    fn fill(&self, start: u64, end: u64, placement: Placement, readahead: bool) {
+    fn fill_readahead(&self, start: u64, end: u64) {
+        // Insert the whole window before the first read, so a reader arriving meanwhile
+        // waits on these buffers instead of reading the same blocks itself in small pieces.
         let inner = self.inner();
+        let mut runs = Vec::new();
         let mut block = start;
         while block < end {
             let Some(buffer) = inner.insert_absent(
                 self.object.key(block),
                 &self.object,
-                if readahead {
-                    Placement::Normal
-                } else {
-                    placement
-                },
-                !readahead,
+                Placement::Normal,
+                false,
             ) else {
                 block += 1;
                 continue;
             };
-            if readahead {
-                buffer.set(READAHEAD);
-            }
-            let request_end = if readahead { block } else { end };
-            match self.read_run(buffer, end, request_end, placement) {
-                Ok(run) => block += run.len() as u64,
-                Err(_) => return,
+            buffer.set(READAHEAD);
+            let run = self.collect_run(buffer, end, block, Placement::Normal);
+            block += run.len() as u64;
+            runs.push(run);
+        }
+        for mut run in runs {
+            let start = run[0].block();
+            if self.read_collected(&mut run, start).is_err() {
+                // The remaining runs are dropped unread, which removes them: a failed
+                // read-ahead caches nothing, and the reader will see the error itself.
+                return;
             }
         }
     }

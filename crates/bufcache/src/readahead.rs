@@ -21,6 +21,8 @@ pub(crate) struct ReadaheadPlan {
     pub background: Option<(u64, u64)>,
     /// The stream is long: its blocks go to the eviction end of the policy.
     pub no_reuse: bool,
+    /// End of the read-ahead already issued for this stream: a miss before it reads up to it.
+    pub window_end_block: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -92,12 +94,14 @@ impl StreamTable {
                 extend_to_block: stream.ahead_end_block,
                 background: None,
                 no_reuse: stream.window_blocks >= limits.max_blocks,
+                window_end_block: stream.ahead_end_block,
             };
         }
         let mut plan = ReadaheadPlan {
             extend_to_block: end,
             background: None,
             no_reuse: stream.window_blocks >= limits.max_blocks,
+            window_end_block: stream.ahead_end_block,
         };
         if end > stream.trigger_block && stream.ahead_end_block < limits.object_blocks {
             stream.window_blocks = grow(stream.window_blocks, limits.max_blocks);
@@ -107,6 +111,7 @@ impl StreamTable {
             stream.ahead_end_block = window_end;
             plan.background = Some((start, window_end));
             plan.no_reuse = stream.window_blocks >= limits.max_blocks;
+            plan.window_end_block = window_end;
         }
         plan
     }

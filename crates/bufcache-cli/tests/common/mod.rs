@@ -308,15 +308,21 @@ impl Server {
 
     /// SIGTERM, then waits up to `timeout` for the exit status (SIGKILL and panic after that).
     pub fn terminate(&mut self, timeout: Duration) -> ExitStatus {
+        self.signal_and_wait(SIGTERM, timeout)
+    }
+
+    /// Sends `signal`, then waits up to `timeout` for the exit status (SIGKILL and panic
+    /// after that).
+    pub fn signal_and_wait(&mut self, signal: i32, timeout: Duration) -> ExitStatus {
         let mut child = self.child.take().expect("server already stopped");
-        send_signal(child.id(), SIGTERM);
+        send_signal(child.id(), signal);
         match wait_timeout(&mut child, timeout) {
             Some(status) => status,
             None => {
                 let _ = child.kill();
                 let _ = child.wait();
                 panic!(
-                    "bufcache serve did not exit within {timeout:?} of SIGTERM:\n{}",
+                    "bufcache serve did not exit within {timeout:?} of signal {signal}:\n{}",
                     self.log_text()
                 );
             }

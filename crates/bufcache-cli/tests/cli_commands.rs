@@ -1,0 +1,274 @@
+//! The non-server commands behave as documented: dd copies exactly what dd would (checked
+//! byte for byte against a reference computed here), replay matches libCacheSim's numbers on
+//! the real trace, sim writes its files, the config default is valid TOML, docs/cli.md is
+//! current, and bad input gets an error naming what was wrong.
+//!
+//! Method: run the release binary as a user would, on temporary files.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn bufcache(arguments: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_bufcache"))
+        .args(arguments)
+        .output()
+        .expect("running bufcache")
+}
+
+fn text(output: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+fn pseudo_random_bytes(length: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed;
+    (0..length)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+#[test]
+fn dd_copies_exactly_like_dd() {
+    let directory = tempfile::tempdir().unwrap();
+    let input = directory.path().join("in.img");
+    let output = directory.path().join("out.img");
+    let data = pseudo_random_bytes(3 * 1024 * 1024 + 1234, 7);
+    std::fs::write(&input, &data).unwrap();
+    let result = bufcache(&[
+        "dd",
+        &format!("if={}", input.display()),
+        &format!("of={}", output.display()),
+        "bs=64k",
+    ]);
+    assert!(result.status.success(), "{}", text(&result));
+    assert_eq!(
+        std::fs::read(&output).unwrap(),
+        data,
+        "a whole copy is identical (cmp)"
+    );
+    assert!(
+        text(&result).contains("48+1 records in"),
+        "{}",
+        text(&result)
+    );
+
+    // skip, seek, count and conv=notrunc, against the same copy done by hand.
+    let existing = pseudo_random_bytes(1024 * 1024, 9);
+    std::fs::write(&output, &existing).unwrap();
+    let result = bufcache(&[
+        "dd",
+        &format!("if={}", input.display()),
+        &format!("of={}", output.display()),
+        "bs=4k",
+        "skip=3",
+        "seek=5",
+        "count=300",
+        "conv=notrunc",
+        "--cluster-size-max",
+        "16k",
+    ]);
+    assert!(result.status.success(), "{}", text(&result));
+    let mut expected = existing.clone();
+    expected.resize(expected.len().max((5 + 300) * 4096), 0);
+    expected[5 * 4096..(5 + 300) * 4096].copy_from_slice(&data[3 * 4096..(3 + 300) * 4096]);
+    assert_eq!(std::fs::read(&output).unwrap(), expected);
+    // Blocks 5..305 in aligned 16 KiB clusters: a 3-block head, 74 whole clusters, one block.
+    assert!(
+        text(&result).contains("device writes: 76 transfers"),
+        "clusters bounded by the knob: {}",
+        text(&result)
+    );
+}
+
+#[test]
+fn dd_with_direct_io_round_trips() {
+    let directory = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let input = directory.path().join("in.img");
+    let output = directory.path().join("out.img");
+    let data = pseudo_random_bytes(2 * 1024 * 1024, 11);
+    std::fs::write(&input, &data).unwrap();
+    let result = bufcache(&[
+        "dd",
+        &format!("if={}", input.display()),
+        &format!("of={}", output.display()),
+        "bs=1M",
+        "iflag=direct",
+        "oflag=direct",
+    ]);
+    let output_text = text(&result);
+    if output_text.contains("refuses it") {
+        eprintln!("skipped: this file system refuses O_DIRECT: {output_text}");
+        return;
+    }
+    assert!(result.status.success(), "{output_text}");
+    assert_eq!(std::fs::read(&output).unwrap(), data);
+}
+
+#[test]
+fn dd_demonstration_runs_with_no_arguments() {
+    let result = bufcache(&["dd"]);
+    let output = text(&result);
+    assert!(result.status.success(), "{output}");
+    assert_eq!(output.matches("86+0 records in").count(), 2, "{output}");
+    assert!(
+        output.contains("device writes: 86 transfers"),
+        "1 MiB clusters: {output}"
+    );
+}
+
+#[test]
+fn replay_matches_libcachesim_on_the_real_trace() {
+    let trace = Path::new("/work/shared/traces/cloudPhysicsIO.csv");
+    let trace = if trace.exists() {
+        trace.to_path_buf()
+    } else {
+        workspace_root().join("../shared/traces/cloudPhysicsIO.csv")
+    };
+    if !trace.exists() {
+        eprintln!("skipped: the cloudPhysicsIO trace is not on this machine");
+        return;
+    }
+    let result = bufcache(&[
+        "replay",
+        trace.to_str().unwrap(),
+        "--format",
+        "csv",
+        "--trace-options",
+        "time-col=2,obj-id-col=5,obj-size-col=4,op-col=3,has-header=true,delimiter=,",
+        "--policy",
+        "lru,s3fifo",
+        "--cache-size",
+        "4897",
+        "--no-split",
+        "--json",
+    ]);
+    assert!(result.status.success(), "{}", text(&result));
+    let rows: serde_json::Value = serde_json::from_slice(&result.stdout).unwrap();
+    let ratio = |index: usize| rows[index]["miss_ratio"].as_f64().unwrap();
+    assert_eq!(rows[0]["policy"], "lru");
+    assert_eq!(rows[0]["requests"], 113_872);
+    // libCacheSim 0.3.5 on the same trace: LRU 0.8049, S3-FIFO 0.7553 (docs/policies.md).
+    assert!((ratio(0) - 0.8049).abs() < 0.0001, "lru {}", ratio(0));
+    assert!((ratio(1) - 0.7553).abs() < 0.0001, "s3fifo {}", ratio(1));
+}
+
+#[test]
+fn sim_experiment_prints_its_table_and_writes_its_files() {
+    let directory = tempfile::tempdir().unwrap();
+    let result = bufcache(&[
+        "sim",
+        "experiment",
+        "maxbsize",
+        "--scale",
+        "0.25",
+        "--output",
+        directory.path().to_str().unwrap(),
+    ]);
+    assert!(result.status.success(), "{}", text(&result));
+    assert!(text(&result).contains("MAXBSIZE"), "{}", text(&result));
+    for extension in ["txt", "csv", "json", "svg"] {
+        let path = directory.path().join(format!("maxbsize.{extension}"));
+        assert!(
+            std::fs::metadata(&path)
+                .map(|m| m.len() > 0)
+                .unwrap_or(false),
+            "{} written",
+            path.display()
+        );
+    }
+    let result = bufcache(&["sim", "experiment", "nonesuch"]);
+    assert!(!result.status.success());
+    assert!(
+        text(&result).contains("maxbsize"),
+        "the error lists the experiments: {}",
+        text(&result)
+    );
+}
+
+#[test]
+fn default_configuration_is_valid_toml_with_every_serve_flag() {
+    let result = bufcache(&["config", "--print-default"]);
+    assert!(result.status.success(), "{}", text(&result));
+    let uncommented: String = String::from_utf8_lossy(&result.stdout)
+        .lines()
+        .filter_map(|line| line.strip_prefix("# "))
+        .filter(|line| {
+            line.split_once(" = ")
+                .is_some_and(|(key, _)| key.chars().all(|c| c.is_ascii_lowercase() || c == '-'))
+        })
+        .map(|line| format!("{line}\n"))
+        .collect();
+    let table: toml::Table = uncommented.parse().expect("the printed default is TOML");
+    for key in [
+        "cache-size",
+        "cluster-size-max",
+        "listen",
+        "policy",
+        "io-queue",
+        "metrics",
+    ] {
+        assert!(
+            table.contains_key(key),
+            "{key} in the default configuration"
+        );
+    }
+}
+
+#[test]
+fn docs_cli_md_is_current() {
+    let result = bufcache(&["help-markdown"]);
+    assert!(result.status.success());
+    let generated = String::from_utf8(result.stdout).unwrap();
+    let checked_in =
+        std::fs::read_to_string(workspace_root().join("docs/cli.md")).unwrap_or_default();
+    assert!(
+        generated == checked_in,
+        "docs/cli.md is out of date: run `cargo run --release -- help-markdown > docs/cli.md`"
+    );
+}
+
+#[test]
+fn bad_input_is_named() {
+    let cases: [(&[&str], &str); 6] = [
+        (&["dd", "bs=12q"], "bs="),
+        (&["dd", "colour=blue"], "colour"),
+        (&["serve", "--cache-size", "12q"], "--cache-size"),
+        (&["serve", "--cluster-size-max", "2M"], "cluster_size_max"),
+        (
+            &["serve", "--backend", "/nonexistent/dir/disk.img"],
+            "/nonexistent/dir/disk.img",
+        ),
+        (
+            &[
+                "replay",
+                "/nonexistent.csv",
+                "--format",
+                "csv",
+                "--cache-size",
+                "10",
+            ],
+            "/nonexistent.csv",
+        ),
+    ];
+    for (arguments, expected) in cases {
+        let result = bufcache(arguments);
+        assert!(!result.status.success(), "{arguments:?} fails");
+        assert!(
+            text(&result).contains(expected),
+            "{arguments:?}: the error names `{expected}`: {}",
+            text(&result)
+        );
+    }
+}
