@@ -123,7 +123,7 @@ pub fn config_server(data: &[u8]) {
         inflight_bytes_max: input.size(64 << 20),
         workers_per_connection_max: input.size(16) as usize,
         connections_max: input.size(64) as usize,
-        handshake_timeout: Duration::new(input.u64(), input.u32()),
+        handshake_timeout: Duration::new(input.u64(), input.u32() % 1_000_000_000),
     };
     let name = String::from_utf8_lossy(input.rest()).into_owned();
     match config.validate() {

@@ -49,6 +49,9 @@ pub struct ReplayArgs {
     /// Print a JSON array instead of a table.
     #[arg(long)]
     json: bool,
+    /// Also draw the miss-ratio curves (miss ratio per cache size, a line per policy) as SVG.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
 }
 
 /// One access of the replay: a key and the bytes of the request it stands for.
@@ -99,12 +102,56 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         }
     }
     let rows = replay_all(&accesses, requests, &combinations);
+    if let Some(path) = &args.plot {
+        std::fs::write(path, miss_ratio_plot(&rows, &args).to_svg())
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("bufcache: wrote {}", path.display());
+    }
     if args.json {
         print_json(&rows);
     } else {
         print_table(&rows, args.no_split);
     }
     Ok(())
+}
+
+/// Miss ratio per cache size (in the order given), one line per policy.
+fn miss_ratio_plot(rows: &[Row], args: &ReplayArgs) -> bufcache_sim::Plot {
+    let series = args
+        .policy
+        .iter()
+        .map(|policy| bufcache_sim::Series {
+            name: policy.name().to_string(),
+            points: args
+                .cache_size
+                .iter()
+                .enumerate()
+                .filter_map(|(index, size)| {
+                    rows.iter()
+                        .find(|row| row.policy == *policy && &row.cache_size == size)
+                        .map(|row| (index as f64, row.miss_ratio()))
+                })
+                .collect(),
+        })
+        .collect();
+    let unit = if args.no_split {
+        "objects"
+    } else {
+        "bytes or blocks"
+    };
+    bufcache_sim::Plot {
+        title: format!(
+            "Miss-ratio curve: {}",
+            args.trace
+                .file_name()
+                .map(|n| n.to_string_lossy().to_string())
+                .unwrap_or_default()
+        ),
+        x_label: format!("cache size ({unit})"),
+        y_label: "miss ratio".into(),
+        series,
+        x_categories: args.cache_size.clone(),
+    }
 }
 
 fn capacity_units(text: &str, block_size: u64, no_split: bool) -> anyhow::Result<u64> {
@@ -134,8 +181,13 @@ fn load(
     let stream = open_trace(&args.trace, format, options)?;
     let mut accesses = Vec::new();
     let mut requests = 0u64;
+    let progress = indicatif::ProgressBar::new_spinner()
+        .with_message(format!("reading {}", args.trace.display()));
     for request in stream {
         let request = request?;
+        if requests % 65_536 == 0 {
+            progress.set_position(requests);
+        }
         if request.operation == Operation::Other {
             continue;
         }
@@ -160,6 +212,7 @@ fn load(
             block += 1;
         }
     }
+    progress.finish_and_clear();
     Ok((accesses, requests))
 }
 
@@ -170,6 +223,7 @@ fn replay_all(
 ) -> Vec<Row> {
     let next = Mutex::new(0usize);
     let rows = Mutex::new(Vec::new());
+    let progress = indicatif::ProgressBar::new(combinations.len() as u64).with_message("replaying");
     let workers = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1)
@@ -188,9 +242,11 @@ fn replay_all(
                 };
                 let row = replay_one(accesses, requests, *policy, text, *units);
                 rows.lock().unwrap().push((index, row));
+                progress.inc(1);
             });
         }
     });
+    progress.finish_and_clear();
     let mut rows = rows.into_inner().unwrap();
     rows.sort_by_key(|(index, _)| *index);
     rows.into_iter().map(|(_, row)| row).collect()

@@ -5,11 +5,12 @@
 //! [block=4k] [max=N] [noreuse=on|off] [json]`.
 //!
 //! The README's table: `... --example replay -- TRACE FORMAT table [mode=...] [streams=...]`
-//! runs hdd7200 and nvme × 3 cache sizes × lru and s3fifo in parallel and prints markdown.
+//! runs open and closed loop × hdd7200 and nvme × 8, 32, 128 MiB × lru and s3fifo (four at
+//! a time) and prints markdown tables.
 
 use bufcache::{format_size, parse_size, CacheConfig, PolicyKind};
 use bufcache_sim::bufcache_trace::{open_trace, TraceFormat, TraceOptions, TraceRequest};
-use bufcache_sim::{replay_trace, DiskSpec, ReplayOptions, ReplayReport};
+use bufcache_sim::{replay_trace, DiskSpec, ReplayMode, ReplayOptions, ReplayReport};
 
 fn load(path: &str, format: &str) -> Vec<TraceRequest> {
     let format: TraceFormat = format.parse().expect("trace format");
@@ -76,56 +77,83 @@ fn main() {
         return;
     }
     let mut cases = Vec::new();
-    for disk in ["hdd7200", "nvme"] {
-        for size in [8u64 << 20, 32 << 20, 128 << 20] {
-            for policy in [PolicyKind::Lru, PolicyKind::S3Fifo] {
-                cases.push((disk, size, policy));
+    for mode in [ReplayMode::Open, ReplayMode::Closed] {
+        for disk in ["hdd7200", "nvme"] {
+            for size in [8u64 << 20, 32 << 20, 128 << 20] {
+                for policy in [PolicyKind::Lru, PolicyKind::S3Fifo] {
+                    cases.push((mode, disk, size, policy));
+                }
             }
         }
     }
-    let reports: Vec<ReplayReport> = std::thread::scope(|scope| {
-        let handles: Vec<_> = cases
-            .iter()
-            .map(|&(disk, size, policy)| {
-                let trace = &trace;
-                let options = &options;
-                scope.spawn(move || {
-                    let disk: DiskSpec = disk.parse().unwrap();
-                    run(trace, &disk, policy, size, noreuse, options)
+    // A few at a time: each run holds the trace, its cache and a per-4 KiB map of the disk.
+    let mut reports: Vec<ReplayReport> = Vec::new();
+    for chunk in cases.chunks(4) {
+        reports.extend(std::thread::scope(|scope| {
+            let handles: Vec<_> = chunk
+                .iter()
+                .map(|&(mode, disk, size, policy)| {
+                    let trace = &trace;
+                    let options = ReplayOptions {
+                        mode,
+                        ..options.clone()
+                    };
+                    scope.spawn(move || {
+                        let disk: DiskSpec = disk.parse().unwrap();
+                        run(trace, &disk, policy, size, noreuse, &options)
+                    })
                 })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    println!(
-        "| disk | cache | policy | elapsed_s | req/s | p50_ms | p90_ms | p99_ms | hit_ratio | read_req_hits | dev_reads | avg_read_KiB | dev_writes | avg_write_KiB | RA used / wasted | wb age/thr/evict/behind |"
-    );
-    println!("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-    for r in &reports {
-        let w = &r.writeback_blocks;
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        }));
+    }
+    for mode in [ReplayMode::Open, ReplayMode::Closed] {
         println!(
-            "| {} | {} | {} | {:.1} | {:.0} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {:.1} | {} | {:.1} | {} / {} | {}/{}/{}/{} |",
-            r.disk,
-            format_size(r.cache_bytes),
-            r.policy,
-            r.elapsed_s,
-            r.requests_per_s,
-            r.latency.p50_ms,
-            r.latency.p90_ms,
-            r.latency.p99_ms,
-            r.hit_ratio,
-            r.read_request_hit_ratio,
-            r.device_reads.requests,
-            r.device_reads.average_kib,
-            r.device_writes.requests,
-            r.device_writes.average_kib,
-            r.readahead_used_blocks,
-            r.readahead_wasted_blocks,
-            w.age,
-            w.threshold,
-            w.eviction,
-            w.write_behind
+            "\n{} loop, {} streams{}:\n",
+            mode,
+            options.streams,
+            if mode == ReplayMode::Open {
+                format!(", speed {}", options.speed)
+            } else {
+                String::new()
+            }
         );
+        println!(
+            "| disk | cache | policy | elapsed_s | req/s | p50_ms | p90_ms | p99_ms | read_p99_ms | block_hit | read_req_hit | dev_reads | avg_KiB | dev_writes | avg_KiB | RA used/wasted | wb age/thr/evict/behind |"
+        );
+        println!(
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        );
+        for r in reports.iter().filter(|r| r.options.mode == mode) {
+            let w = &r.writeback_blocks;
+            println!(
+                "| {} | {} | {} | {:.1} | {:.1} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {:.1} | {} | {:.1} | {}/{} | {}/{}/{}/{} |",
+                r.disk.split(' ').next().unwrap_or(""),
+                format_size(r.cache_bytes),
+                r.policy,
+                r.elapsed_s,
+                r.requests_per_s,
+                r.latency.p50_ms,
+                r.latency.p90_ms,
+                r.latency.p99_ms,
+                r.read_latency.p99_ms,
+                r.hit_ratio,
+                r.read_request_hit_ratio,
+                r.device_reads.requests,
+                r.device_reads.average_kib,
+                r.device_writes.requests,
+                r.device_writes.average_kib,
+                r.readahead_used_blocks,
+                r.readahead_wasted_blocks,
+                w.age,
+                w.threshold,
+                w.eviction,
+                w.write_behind
+            );
+        }
     }
     eprintln!("(ran in {:.2} s)", started.elapsed().as_secs_f64());
 }

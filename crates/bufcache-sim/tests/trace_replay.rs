@@ -243,7 +243,7 @@ fn requests_are_rounded_to_blocks_and_others_skipped() {
     let trace = vec![
         request(1_000, Operation::Write, 1_000_000 + 100, 512),
         request(2_000, Operation::Other, 0, 0),
-        request(3_000, Operation::Read, 1_000_000, 4096),
+        request(3_000, Operation::Read, 1_000_000, 3000),
         request(4_000, Operation::Read, 1_000_000 + 8192, 0),
         request(5_000, Operation::Read, 3_000_000, 10_000),
     ];
@@ -260,7 +260,7 @@ fn requests_are_rounded_to_blocks_and_others_skipped() {
         (5, 2, 3)
     );
     assert_eq!((report.reads, report.writes), (2, 1));
-    assert_eq!(report.read_bytes, 4096 + 10_000);
+    assert_eq!(report.read_bytes, 3000 + 10_000);
     // 1,000,000 rounds down to 999,424 (block 244); 3,010,000 rounds up to 3,010,560.
     assert_eq!(report.address_start, 999_424);
     assert_eq!(report.address_bytes, 3_010_560 - 999_424);

@@ -464,7 +464,8 @@ impl MountGuard {
 impl Drop for MountGuard {
     fn drop(&mut self) {
         if is_mounted(&self.path) {
-            let _ = Command::new("fusermount3")
+            let program = find_tool("fusermount3").unwrap_or_else(|| "fusermount3".into());
+            let _ = Command::new(program)
                 .arg("-u")
                 .arg("-z")
                 .arg(&self.path)
