@@ -80,7 +80,10 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             seed,
             output,
         } => {
-            let result = run_experiment(&name, &ExperimentOptions { scale, seed })?;
+            let progress = spinner(format!("simulating {name}"));
+            let result = run_experiment(&name, &ExperimentOptions { scale, seed });
+            progress.finish_and_clear();
+            let result = result?;
             if json {
                 println!("{}", result.to_json());
             } else {
@@ -110,7 +113,10 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             json,
             engine,
         } => {
-            let report = run_custom(&disk, &workload, engine.config()?)?;
+            let progress = spinner("simulating".to_string());
+            let report = run_custom(&disk, &workload, engine.config()?);
+            progress.finish_and_clear();
+            let report = report?;
             if json {
                 println!("{}", report.to_json());
             } else {
@@ -119,4 +125,11 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// A spinner on standard error while a simulation runs (hidden when not on a terminal).
+fn spinner(message: String) -> indicatif::ProgressBar {
+    let progress = indicatif::ProgressBar::new_spinner().with_message(message);
+    progress.enable_steady_tick(std::time::Duration::from_millis(120));
+    progress
 }

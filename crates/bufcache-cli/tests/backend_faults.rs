@@ -136,9 +136,9 @@ fn write_faults_keep_data_cached_fail_flush_and_heal() {
     for (offset, length) in pieces {
         let mut data = vec![0u8; length];
         rng.fill(&mut data);
-        client
-            .write(offset, &data)
-            .unwrap_or_else(|error| panic!("cached write at {offset} while upstream fails: {error}"));
+        client.write(offset, &data).unwrap_or_else(|error| {
+            panic!("cached write at {offset} while upstream fails: {error}")
+        });
         model[offset as usize..offset as usize + length].copy_from_slice(&data);
     }
     assert_same(
@@ -231,7 +231,12 @@ fn read_faults_return_eio_never_stale_or_zero_and_cache_nothing() {
     for offset in (0..2 * MIB).step_by(64 << 10) {
         let mut chunk = vec![0u8; 64 << 10];
         client.read(offset, &mut chunk).unwrap();
-        assert_same("warm-up read", &chunk, &original[offset as usize..][..64 << 10], offset);
+        assert_same(
+            "warm-up read",
+            &chunk,
+            &original[offset as usize..][..64 << 10],
+            offset,
+        );
     }
     std::thread::sleep(Duration::from_millis(200)); // let read-ahead finish
 
@@ -269,14 +274,24 @@ fn read_faults_return_eio_never_stale_or_zero_and_cache_nothing() {
     model[12 * MIB as usize..][..whole.len()].copy_from_slice(&whole);
     let mut back = vec![0u8; whole.len()];
     client.read(12 * MIB, &mut back).unwrap();
-    assert_same("whole-block write read back while reads fail", &back, &whole, 12 * MIB);
+    assert_same(
+        "whole-block write read back while reads fail",
+        &back,
+        &whole,
+        12 * MIB,
+    );
 
     reads.disarm();
     // Nothing from the failed reads was cached: every byte is the upstream's or ours.
     let seen = read_all(&client, 0, REGION);
     assert_same("everything after reads healed", &seen, &model, 0);
     client.flush().unwrap();
-    assert_same("upstream after flush", &read_all(&direct, 0, REGION), &model, 0);
+    assert_same(
+        "upstream after flush",
+        &read_all(&direct, 0, REGION),
+        &model,
+        0,
+    );
     drop(client);
     server.stop_clean(Duration::from_secs(30));
 }
@@ -323,7 +338,13 @@ impl Shadow {
 /// during these checks).
 fn check_upstream(direct: &NbdClient, shadow: &Shadow, region: u64, seed: u64, step: usize) {
     let upstream = read_all(direct, 0, region);
-    shadow.check("upstream after a successful FLUSH", 0, &upstream, seed, step);
+    shadow.check(
+        "upstream after a successful FLUSH",
+        0,
+        &upstream,
+        seed,
+        step,
+    );
 }
 
 fn random_walk(seed: u64, steps: usize) {
@@ -489,10 +510,7 @@ fn random_faults_against_a_shadow_model() {
 /// nbdkit eval plugin over a file, whose FLUSH fails while `trigger` exists.
 fn flaky_flush_upstream(dir: &Path, size: u64) -> (Nbdkit, Trigger, std::path::PathBuf) {
     let disk = dir.join("disk.raw");
-    std::fs::File::create(&disk)
-        .unwrap()
-        .set_len(size)
-        .unwrap();
+    std::fs::File::create(&disk).unwrap().set_len(size).unwrap();
     let trigger = Trigger::new(dir.join("fail-flush"));
     let disk_text = disk.display().to_string();
     let args: Vec<String> = vec![
@@ -533,17 +551,32 @@ fn upstream_flush_failure_is_reported() {
     // Dirty data: written back fine, but the device flush fails.
     let more = random_bytes(256 << 10, 6);
     client.write(2 * MIB, &more).unwrap();
-    expect_eio("FLUSH with dirty data and a failing upstream flush", client.flush());
+    expect_eio(
+        "FLUSH with dirty data and a failing upstream flush",
+        client.flush(),
+    );
     expect_eio(
         "FUA write with a failing upstream flush",
         client.write_fua(3 * MIB, &more),
     );
     flush_fails.disarm();
-    client.flush().expect("FLUSH after the upstream flush healed");
+    client
+        .flush()
+        .expect("FLUSH after the upstream flush healed");
     let on_disk = std::fs::read(&disk).unwrap();
     assert_same("disk: first write", &on_disk[..MIB as usize], &data, 0);
-    assert_same("disk: second write", &on_disk[2 * MIB as usize..][..more.len()], &more, 2 * MIB);
-    assert_same("disk: FUA write", &on_disk[3 * MIB as usize..][..more.len()], &more, 3 * MIB);
+    assert_same(
+        "disk: second write",
+        &on_disk[2 * MIB as usize..][..more.len()],
+        &more,
+        2 * MIB,
+    );
+    assert_same(
+        "disk: FUA write",
+        &on_disk[3 * MIB as usize..][..more.len()],
+        &more,
+        3 * MIB,
+    );
     drop(client);
     server.stop_clean(Duration::from_secs(30));
 }

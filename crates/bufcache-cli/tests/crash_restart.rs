@@ -1,6 +1,6 @@
 //! Goal: `kill -9` of `bufcache serve` in the middle of a write-heavy load never loses a write
 //! the client was told is durable (covered by a completed FLUSH, or acknowledged with FUA).
-//! Method: a thread runs rounds of qemu-io (each: ~24 unaligned pattern writes, some FUA, some
+//! Method: two threads (two connections, disjoint halves) run rounds of qemu-io (each: ~24 unaligned pattern writes, some FUA, some
 //! WRITE_ZEROES, then `flush`) against the server, recording which rounds completed and which
 //! FUA writes were acknowledged; the test kills the server with SIGKILL mid-round, restarts it on
 //! the same backing file, reads the whole export back with qemu-img and checks every byte is
@@ -10,13 +10,14 @@
 mod common;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
 
 const EXPORT: usize = 32 << 20;
 const WRITES_PER_ROUND: usize = 24;
+const WRITERS: usize = 2;
 
 #[derive(Clone, Copy, Debug)]
 struct Write {
@@ -50,7 +51,8 @@ struct Round {
     flushed: bool,
 }
 
-fn plan_round(rng: &mut Rng, round: u64) -> Vec<Write> {
+/// The writes of one round inside `[base, base + span)`.
+fn plan_round(rng: &mut Rng, round: u64, base: usize, span: usize) -> Vec<Write> {
     let pattern = (round % 254) as u8 + 1;
     (0..WRITES_PER_ROUND)
         .map(|i| {
@@ -59,7 +61,7 @@ fn plan_round(rng: &mut Rng, round: u64) -> Vec<Write> {
                 1 => 4096 * (1 + rng.below(16) as usize),
                 _ => 1 + rng.below(256 * 1024) as usize,
             };
-            let offset = rng.below((EXPORT - length) as u64) as usize;
+            let offset = base + rng.below((span - length) as u64) as usize;
             let zeroes = i % 8 == 5;
             Write {
                 offset,
@@ -250,28 +252,39 @@ fn kill_9_during_writes_keeps_every_flushed_write() {
         let uri = server.uri();
         let stop = Arc::new(AtomicBool::new(false));
         let completed = Arc::new(AtomicUsize::new(0));
-        let rounds = Arc::new(Mutex::new(Vec::<Round>::new()));
-        let writer = {
-            let (stop, completed, rounds) = (stop.clone(), completed.clone(), rounds.clone());
-            let mut rng = Rng::new(1000 + iteration as u64);
-            let first_round = round_number;
-            std::thread::spawn(move || {
-                let mut number = first_round;
-                while !stop.load(Ordering::Acquire) {
-                    number += 1;
-                    let round = run_round(&uri, plan_round(&mut rng, number));
-                    let flushed = round.flushed;
-                    rounds.lock().unwrap().push(round);
-                    if !flushed {
-                        break;
+        // Two connections write at once, each in its own half of the export, so each one's
+        // FLUSH covers exactly its own writes.
+        let writers: Vec<_> = (0..WRITERS)
+            .map(|writer| {
+                let (stop, completed, uri) = (stop.clone(), completed.clone(), uri.clone());
+                let mut rng = Rng::new(1000 + (iteration * WRITERS + writer) as u64);
+                let first_round = round_number;
+                let span = EXPORT / WRITERS;
+                std::thread::spawn(move || {
+                    let mut rounds = Vec::new();
+                    let mut number = first_round;
+                    while !stop.load(Ordering::Acquire) {
+                        number += 1;
+                        let writes = plan_round(
+                            &mut rng,
+                            number * WRITERS as u64 + writer as u64,
+                            writer * span,
+                            span,
+                        );
+                        let round = run_round(&uri, writes);
+                        let flushed = round.flushed;
+                        rounds.push(round);
+                        if !flushed {
+                            break;
+                        }
+                        completed.fetch_add(1, Ordering::AcqRel);
                     }
-                    completed.fetch_add(1, Ordering::AcqRel);
-                }
-                number
+                    (number, rounds)
+                })
             })
-        };
-        // Let a few rounds complete, then kill somewhere inside a later round.
-        let warmup = 3 + iteration;
+            .collect();
+        // Let a few rounds complete, then kill somewhere inside later rounds.
+        let warmup = WRITERS * (3 + iteration);
         wait_until("rounds to complete", Duration::from_secs(120), || {
             completed.load(Ordering::Acquire) >= warmup
         });
@@ -279,10 +292,16 @@ fn kill_9_during_writes_keeps_every_flushed_write() {
         std::thread::sleep(Duration::from_millis(rng.below(120)));
         server.kill9();
         stop.store(true, Ordering::Release);
-        round_number = writer.join().expect("writer thread");
-        let rounds = std::mem::take(&mut *rounds.lock().unwrap());
-        let flushed_rounds = rounds.iter().filter(|r| r.flushed).count();
-        let pending = settle(&mut durable, &rounds);
+        let mut pending = Vec::new();
+        let mut rounds_run = 0;
+        let mut flushed_rounds = 0;
+        for writer in writers {
+            let (number, rounds) = writer.join().expect("writer thread");
+            round_number = round_number.max(number);
+            rounds_run += rounds.len();
+            flushed_rounds += rounds.iter().filter(|r| r.flushed).count();
+            pending.extend(settle(&mut durable, &rounds));
+        }
 
         // Restart on the same backing file and read everything back through the server.
         let mut server = Server::start(dir.path(), &format!("check{iteration}"), &args);
@@ -308,7 +327,7 @@ fn kill_9_during_writes_keeps_every_flushed_write() {
             Ok(from_pending) => eprintln!(
                 "iteration {iteration} {extra:?}: {} rounds ({flushed_rounds} flushed) before kill -9; \
                  all durable data present; {from_pending} bytes from unacknowledged writes",
-                rounds.len()
+                rounds_run
             ),
             Err(message) => panic!(
                 "iteration {iteration} {extra:?}: after kill -9 and restart, durable data is \
