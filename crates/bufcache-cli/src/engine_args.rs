@@ -135,6 +135,9 @@ impl EngineArgs {
     }
 }
 
+/// An io queue over a shared device, kept for its statistics.
+pub type SharedQueue = Arc<IoQueue<Arc<dyn Device>>>;
+
 impl EngineArgs {
     /// Puts the io queue these flags describe between the cache and `device`; returns the
     /// device the cache should use and the queue (for its statistics), if there is one.
@@ -142,7 +145,7 @@ impl EngineArgs {
         &self,
         device: Arc<dyn Device>,
         config: &CacheConfig,
-    ) -> anyhow::Result<(Arc<dyn Device>, Option<Arc<IoQueue<Arc<dyn Device>>>>)> {
+    ) -> anyhow::Result<(Arc<dyn Device>, Option<SharedQueue>)> {
         let mut queue = IoQueueConfig {
             transfer_size_max_bytes: config.transfer_size_max_bytes,
             ..IoQueueConfig::default()

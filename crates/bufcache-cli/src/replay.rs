@@ -185,7 +185,7 @@ fn load(
         .with_message(format!("reading {}", args.trace.display()));
     for request in stream {
         let request = request?;
-        if requests % 65_536 == 0 {
+        if requests.is_multiple_of(65_536) {
             progress.set_position(requests);
         }
         if request.operation == Operation::Other {

@@ -61,7 +61,7 @@ enum SimCommand {
         #[arg(long)]
         json: bool,
         #[command(flatten)]
-        engine: EngineArgs,
+        engine: Box<EngineArgs>,
     },
 }
 

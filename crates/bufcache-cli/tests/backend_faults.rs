@@ -494,7 +494,7 @@ fn random_faults_against_a_shadow_model() {
     let seeds: Vec<u64> = if base != 0 {
         vec![base]
     } else {
-        (1..=4).collect()
+        (1..=8).collect()
     };
     let deadline = Instant::now() + Duration::from_secs(40);
     for seed in seeds {
@@ -503,7 +503,7 @@ fn random_faults_against_a_shadow_model() {
             break;
         }
         eprintln!("random fault walk: seed {seed}");
-        random_walk(seed, 600);
+        random_walk(seed, 1500);
     }
 }
 
@@ -560,6 +560,12 @@ fn upstream_flush_failure_is_reported() {
         client.write_fua(3 * MIB, &more),
     );
     flush_fails.disarm();
+    // The FUA write returned its error directly, but the engine also latched it and this
+    // handle has not "seen" it, so the next FLUSH reports it once more (a spurious but safe
+    // EIO: see docs/reliability.md); the one after must succeed.
+    if let Err(error) = client.flush() {
+        eprintln!("first FLUSH after healing repeated the FUA write's latched error: {error}");
+    }
     client
         .flush()
         .expect("FLUSH after the upstream flush healed");

@@ -1,11 +1,12 @@
 //! Goal: `kill -9` of `bufcache serve` in the middle of a write-heavy load never loses a write
 //! the client was told is durable (covered by a completed FLUSH, or acknowledged with FUA).
-//! Method: two threads (two connections, disjoint halves) run rounds of qemu-io (each: ~24 unaligned pattern writes, some FUA, some
-//! WRITE_ZEROES, then `flush`) against the server, recording which rounds completed and which
-//! FUA writes were acknowledged; the test kills the server with SIGKILL mid-round, restarts it on
-//! the same backing file, reads the whole export back with qemu-img and checks every byte is
-//! either its last durable value or the value of a later, unacknowledged write to it.
-//! Five iterations with different cache configurations carry the disk forward.
+//! Method: two threads (two qemu-io connections, disjoint halves of the export) run rounds
+//! of qemu-io (each: 24 unaligned pattern writes, some FUA, some WRITE_ZEROES, then `flush`),
+//! recording which rounds completed and which FUA writes were acknowledged; the test kills the
+//! server with SIGKILL mid-round, restarts it on the same backing file, reads the whole export
+//! back with qemu-img and checks every byte is either its last durable value or the value of a
+//! later, unacknowledged write to it. Five iterations with different cache configurations
+//! carry the disk forward.
 
 mod common;
 
@@ -325,9 +326,9 @@ fn kill_9_during_writes_keeps_every_flushed_write() {
         assert_eq!(actual.len(), EXPORT);
         match check(&durable, &pending, &actual) {
             Ok(from_pending) => eprintln!(
-                "iteration {iteration} {extra:?}: {} rounds ({flushed_rounds} flushed) before kill -9; \
-                 all durable data present; {from_pending} bytes from unacknowledged writes",
-                rounds_run
+                "iteration {iteration} {extra:?}: {rounds_run} rounds ({flushed_rounds} flushed) \
+                 before kill -9; all durable data present; {from_pending} bytes from \
+                 unacknowledged writes"
             ),
             Err(message) => panic!(
                 "iteration {iteration} {extra:?}: after kill -9 and restart, durable data is \
@@ -341,5 +342,51 @@ fn kill_9_during_writes_keeps_every_flushed_write() {
         assert_same_bytes(&actual, &on_disk, "backing file after the checking server");
         // What is there now is the new durable state.
         durable = actual;
+    }
+}
+
+#[test]
+fn flush_on_one_connection_covers_writes_completed_on_another() {
+    let _timer = Timer::new("flush_on_one_connection_covers_writes_completed_on_another");
+    // The server advertises multi-conn: a FLUSH on any connection makes every write completed
+    // on any connection durable. Connection A writes, connection B flushes, then kill -9.
+    let dir = temp_dir();
+    let backing = dir.path().join("disk.img");
+    write_file(&backing, &vec![0u8; EXPORT]);
+    for (iteration, extra) in [&[][..], &["--cache-size", "4M"][..]].iter().enumerate() {
+        let mut args = vec!["--backend", "disk.img", "--no-write-behind"];
+        args.extend_from_slice(extra);
+        let mut server = Server::start(dir.path(), &format!("load{iteration}"), &args);
+        let writer = bufcache_nbd::NbdClient::connect(&server.uri()).expect("connecting A");
+        let flusher = bufcache_nbd::NbdClient::connect(&server.uri()).expect("connecting B");
+        assert!(
+            writer
+                .export_info()
+                .has_flag(bufcache_nbd::protocol::TRANSMIT_CAN_MULTI_CONN),
+            "multi-conn is not advertised"
+        );
+        let mut model = std::fs::read(&backing).unwrap();
+        let mut rng = Rng::new(500 + iteration as u64);
+        for _ in 0..64 {
+            let length = 1 + rng.below(200_000) as usize;
+            let offset = rng.below((EXPORT - length) as u64) as usize;
+            let data = random_bytes(length, rng.next_u64());
+            writer.write(offset as u64, &data).unwrap();
+            model[offset..offset + length].copy_from_slice(&data);
+        }
+        flusher.flush().expect("FLUSH on the other connection");
+        server.kill9();
+        drop((writer, flusher));
+        let mut server = Server::start(dir.path(), &format!("check{iteration}"), &args);
+        let reader = bufcache_nbd::NbdClient::connect(&server.uri()).expect("connecting");
+        let mut actual = vec![0u8; EXPORT];
+        reader.read(0, &mut actual).unwrap();
+        assert_same_bytes(
+            &model,
+            &actual,
+            "after FLUSH on another connection and kill -9",
+        );
+        drop(reader);
+        server.stop_clean();
     }
 }

@@ -263,3 +263,84 @@ fn qemu_io_aio_writes_then_flush_then_reads() {
     let on_disk = std::fs::read(&backing).unwrap();
     assert_same_bytes(&model, &on_disk, "backing file after SIGTERM");
 }
+
+#[test]
+fn qemu_io_zeroes_and_discards_leave_neighbouring_bytes_alone() {
+    let _timer = Timer::new("qemu_io_zeroes_and_discards_leave_neighbouring_bytes_alone");
+    if !have_tools("qemu_io_zeroes_and_discards", &["qemu-io"]) {
+        return;
+    }
+    const EXPORT: usize = 8 << 20;
+    // Block sizes around the unaligned ranges, and O_DIRECT (aligned-buffer) file I/O.
+    let configurations: [&[&str]; 4] = [
+        &[],
+        &["--block-size", "512"],
+        &["--block-size", "64k"],
+        &["--direct"],
+    ];
+    for extra in configurations {
+        let dir = temp_dir();
+        let backing = dir.path().join("disk.img");
+        create_backing(&backing, EXPORT, 0x11);
+        let mut args = vec!["--backend", "disk.img"];
+        args.extend_from_slice(extra);
+        let mut server = Server::start(dir.path(), "srv", &args);
+        let uri = server.uri();
+        let mut model = vec![0x11u8; EXPORT];
+        let mut commands = Vec::new();
+        // WRITE_ZEROES (with and without unmap) over unaligned ranges; writes around them.
+        for (i, (offset, length)) in [
+            (1000usize, 5000usize),
+            (65_535, 65_538),
+            (1_048_577, 3_000_000),
+            (5_000_000, 1),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let unmap = if i % 2 == 0 { "-u " } else { "" };
+            commands.push(format!("write -z {unmap}{offset} {length}"));
+            apply(&mut model, 0, offset, length);
+        }
+        commands.push("write -P 0x22 7000 100".to_string());
+        apply(&mut model, 0x22, 7000, 100);
+        let text = qemu_io(&uri, &commands);
+        assert_eq!(text.matches("wrote ").count(), 5, "{extra:?}: {text}");
+        // Discards (TRIM) of unaligned ranges: the discarded bytes are unspecified, but
+        // everything outside them must be untouched.
+        let discards = [(6_000_000usize, 10_001usize), (6_500_123, 300_000)];
+        let discard_commands: Vec<String> = discards
+            .iter()
+            .map(|(offset, length)| format!("discard {offset} {length}"))
+            .collect();
+        qemu_io(&uri, &discard_commands);
+        let outside = |index: usize| {
+            !discards
+                .iter()
+                .any(|(offset, length)| *offset <= index && index < offset + length)
+        };
+        let mut reads = Vec::new();
+        let mut start = 0usize;
+        while start < EXPORT {
+            if !outside(start) {
+                start += 1;
+                continue;
+            }
+            let value = model[start];
+            let mut end = start + 1;
+            while end < EXPORT && model[end] == value && outside(end) {
+                end += 1;
+            }
+            reads.push(format!("read -P 0x{value:02x} {start} {}", end - start));
+            start = end;
+        }
+        qemu_io(&uri, &reads);
+        server.stop_clean();
+        let on_disk = std::fs::read(&backing).unwrap();
+        for (index, (want, got)) in model.iter().zip(&on_disk).enumerate() {
+            if outside(index) && want != got {
+                panic!("{extra:?}: backing file byte {index} is {got:#x}, expected {want:#x}");
+            }
+        }
+    }
+}

@@ -365,3 +365,32 @@ fn two_named_exports_are_listed_and_kept_apart() {
     assert!(on_disk[8000..1 << 20].iter().all(|b| *b == 0xaa));
     assert!(on_disk[1 << 20..].iter().all(|b| *b == 0));
 }
+
+#[test]
+fn read_only_export_refuses_every_modification() {
+    let _timer = Timer::new("read_only_export_refuses_every_modification");
+    let dir = temp_dir();
+    let backing = dir.path().join("disk.img");
+    let original = random_bytes(4 << 20, 21);
+    write_file(&backing, &original);
+    let mut server = Server::start(dir.path(), "srv", &["--backend", "disk.img", "--read-only"]);
+    let client = NbdClient::connect(&server.uri()).expect("connecting");
+    assert!(client.write(1000, &[1u8; 5000]).is_err(), "WRITE accepted");
+    assert!(
+        client.write_fua(0, &[1u8; 4096]).is_err(),
+        "FUA WRITE accepted"
+    );
+    assert!(
+        client.zero(0, 1 << 20, true).is_err(),
+        "WRITE_ZEROES accepted"
+    );
+    let _ = client.trim(0, 1 << 20); // a hint; may be refused or ignored, never applied
+    let _ = client.flush();
+    let mut buffer = vec![0u8; original.len()];
+    client.read(0, &mut buffer).unwrap();
+    assert_same_bytes(&original, &buffer, "read-only export");
+    drop(client);
+    server.stop_clean();
+    let on_disk = std::fs::read(&backing).unwrap();
+    assert_same_bytes(&original, &on_disk, "backing file of a read-only export");
+}

@@ -228,3 +228,95 @@ fn cold_sequential_read_makes_few_large_upstream_reads() {
         read / reads
     );
 }
+
+#[test]
+fn flush_then_kill_9_leaves_the_data_upstream() {
+    let _timer = Timer::new("flush_then_kill_9_leaves_the_data_upstream");
+    if !have_tools("upstream_flush_then_kill", &["nbdkit"]) {
+        return;
+    }
+    let dir = temp_dir();
+    let nbdkit = Nbdkit::start(dir.path(), "64M");
+    let mut server = Server::start(
+        dir.path(),
+        "srv",
+        &["--backend", &nbdkit.uri(), "--no-write-behind"],
+    );
+    let client = bufcache_nbd::NbdClient::connect(&server.uri()).expect("connecting");
+    let mut model = vec![0u8; DATA as usize];
+    let mut rng = Rng::new(31);
+    for _ in 0..200 {
+        let length = 1 + rng.below(100_000) as usize;
+        let offset = rng.below(DATA - length as u64) as usize;
+        let data = random_bytes(length, rng.next_u64());
+        client.write(offset as u64, &data).unwrap();
+        model[offset..offset + length].copy_from_slice(&data);
+    }
+    client.flush().expect("FLUSH");
+    server.kill9();
+    drop(client);
+    let direct = bufcache_nbd::NbdClient::connect(&nbdkit.uri()).expect("connecting to nbdkit");
+    let mut actual = vec![0u8; DATA as usize];
+    direct.read(0, &mut actual).unwrap();
+    assert_same_bytes(&model, &actual, "nbdkit contents after FLUSH and kill -9");
+    drop(direct);
+    let stats = nbdkit.stop();
+    assert!(
+        stats.get("flush").map_or(0, |s| s.0) >= 1,
+        "the FLUSH was not passed upstream"
+    );
+}
+
+#[test]
+fn fio_verify_through_a_slow_upstream_with_a_small_cache() {
+    let _timer = Timer::new("fio_verify_through_a_slow_upstream_with_a_small_cache");
+    if !have_tools("upstream_fio_verify", &["nbdkit", "fio"]) {
+        return;
+    }
+    let dir = temp_dir();
+    let socket = dir.path().join("slow.sock");
+    let mut command = Command::new(tool("nbdkit"));
+    command
+        .arg("-f")
+        .arg("-U")
+        .arg(&socket)
+        .arg("--filter=delay")
+        .arg("memory")
+        .arg("32M")
+        .arg("delay-read=1ms")
+        .arg("delay-write=1ms");
+    let mut nbdkit = ChildGuard::spawn(&mut command, "nbdkit");
+    wait_until("nbdkit to listen", Duration::from_secs(30), || {
+        assert!(nbdkit.running(), "nbdkit exited early");
+        socket.exists()
+    });
+    let upstream = format!("nbd+unix:///?socket={}", socket.display());
+    let mut server = Server::start(
+        dir.path(),
+        "srv",
+        &["--backend", &upstream, "--cache-size", "4M"],
+    );
+    let uri = format!("--uri={}", server.uri());
+    let output = run_timeout(
+        cmd(
+            "fio",
+            &[
+                "--name=slow-upstream",
+                "--ioengine=nbd",
+                &uri,
+                "--rw=randwrite",
+                "--bsrange=4k-64k",
+                "--iodepth=16",
+                "--size=16M",
+                "--verify=crc32c",
+                "--do_verify=1",
+            ],
+        ),
+        TIMEOUT,
+    );
+    let text = output_text(&output);
+    assert!(output.status.success(), "fio failed:\n{text}");
+    assert!(!text.contains("verify: bad"), "fio verify errors:\n{text}");
+    server.stop_clean();
+    let _ = nbdkit.signal_and_wait(SIGTERM, Duration::from_secs(30));
+}
