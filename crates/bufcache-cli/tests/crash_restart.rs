@@ -6,7 +6,8 @@
 //! server with SIGKILL mid-round, restarts it on the same backing file, reads the whole export
 //! back with qemu-img and checks every byte is either its last durable value or the value of a
 //! later, unacknowledged write to it. Five iterations with different cache configurations
-//! carry the disk forward.
+//! carry the disk forward. A second test checks multi-conn durability: a FLUSH on one
+//! connection covers writes completed on another, across kill -9.
 
 mod common;
 

@@ -3,7 +3,9 @@
 //! few, large upstream reads, with the data intact. Method: nbdkit's memory plugin under its
 //! stats filter (which counts every request that reached it, written at nbdkit exit) behind
 //! `bufcache serve --backend nbd+unix:///?socket=...`; nbdcopy drives 64 KiB requests; the
-//! counts come from the stats file after both servers stopped.
+//! counts come from the stats file after both servers stopped. Also: FLUSH then kill -9 leaves
+//! the data in nbdkit, and fio's crc32c verify passes through a 4 MiB cache over a slow
+//! (delay filter) upstream.
 
 mod common;
 

@@ -68,6 +68,32 @@ pub(crate) struct Shard {
 }
 
 impl Shard {
+    /// Publishes `buffer` under `key` in a free slot and tells the policy.
+    fn attach(&mut self, key: MixedKey, buffer: &Arc<Buffer>, placement: Placement) {
+        let slot = match self.free_slots.pop() {
+            Some(slot) => slot,
+            None => {
+                self.entries.push(None);
+                (self.entries.len() - 1) as Slot
+            }
+        };
+        buffer.slot.store(slot, Ordering::Release);
+        self.entries[slot as usize] = Some(Arc::clone(buffer));
+        self.map.insert(key, slot);
+        self.policy.insert(slot, key.0, placement);
+    }
+
+    /// Pins and returns the buffer in `slot`.
+    fn pin(&self, slot: Slot) -> Arc<Buffer> {
+        let buffer = Arc::clone(
+            self.entries[slot as usize]
+                .as_ref()
+                .expect("mapped slot is occupied"),
+        );
+        buffer.pins.fetch_add(1, Ordering::AcqRel);
+        buffer
+    }
+
     fn detach(&mut self, slot: Slot) -> Arc<Buffer> {
         let buffer = self.entries[slot as usize]
             .take()
@@ -384,13 +410,7 @@ impl Inner {
             shard.policy.access(slot);
         }
         shard.hits += 1;
-        let buffer = Arc::clone(
-            shard.entries[slot as usize]
-                .as_ref()
-                .expect("mapped slot is occupied"),
-        );
-        buffer.pins.fetch_add(1, Ordering::AcqRel);
-        Some(buffer)
+        Some(shard.pin(slot))
     }
 
     /// Finds `key` or inserts a new invalid buffer for it. Space for the new buffer is
@@ -423,21 +443,9 @@ impl Inner {
             // releases its memory; it was never visible, so its lock does not matter.
             shard.policy.access(slot);
             shard.hits += 1;
-            let existing = Arc::clone(shard.entries[slot as usize].as_ref().expect("occupied"));
-            existing.pins.fetch_add(1, Ordering::AcqRel);
-            return Ok(Lookup::Found(existing));
+            return Ok(Lookup::Found(shard.pin(slot)));
         }
-        let slot = match shard.free_slots.pop() {
-            Some(slot) => slot,
-            None => {
-                shard.entries.push(None);
-                (shard.entries.len() - 1) as Slot
-            }
-        };
-        buffer.slot.store(slot, Ordering::Release);
-        shard.entries[slot as usize] = Some(Arc::clone(&buffer));
-        shard.map.insert(MixedKey(hash, key), slot);
-        shard.policy.insert(slot, hash, placement);
+        shard.attach(MixedKey(hash, key), &buffer, placement);
         shard.misses += 1;
         Ok(Lookup::Inserted(buffer))
     }
@@ -573,13 +581,7 @@ impl Inner {
         let (index, hash) = self.shard_index(&key);
         let shard = self.shards[index].lock();
         let slot = *shard.map.get(&MixedKey(hash, key))?;
-        let buffer = Arc::clone(
-            shard.entries[slot as usize]
-                .as_ref()
-                .expect("mapped slot is occupied"),
-        );
-        buffer.pins.fetch_add(1, Ordering::AcqRel);
-        Some(buffer)
+        Some(shard.pin(slot))
     }
 
     /// Inserts a new invalid buffer for `key` if it is absent and space is free without
@@ -616,17 +618,7 @@ impl Inner {
         if shard.map.contains_key(&MixedKey(hash, key)) {
             return None;
         }
-        let slot = match shard.free_slots.pop() {
-            Some(slot) => slot,
-            None => {
-                shard.entries.push(None);
-                (shard.entries.len() - 1) as Slot
-            }
-        };
-        buffer.slot.store(slot, Ordering::Release);
-        shard.entries[slot as usize] = Some(Arc::clone(&buffer));
-        shard.map.insert(MixedKey(hash, key), slot);
-        shard.policy.insert(slot, hash, placement);
+        shard.attach(MixedKey(hash, key), &buffer, placement);
         if count_miss {
             shard.misses += 1;
         }

@@ -701,14 +701,28 @@ impl ObjectHandle {
     /// Holds `block` exclusively with valid contents, or — when the caller overwrites it
     /// whole — possibly invalid contents that the caller is about to replace.
     fn acquire_for_write(&self, block: u64, whole: bool) -> Result<BufferGuard, CacheError> {
+        let guard = self.hold_exclusive(block)?;
+        if guard.is_valid() {
+            return Ok(guard);
+        }
+        let mut run = vec![guard];
+        if whole {
+            run[0].mark_valid();
+        } else {
+            let device_offset = self.object.map.map(block).device_offset;
+            self.device_read(&mut run, device_offset)?;
+        }
+        Ok(run.pop().expect("one guard"))
+    }
+
+    /// Holds `block` exclusively: a cached valid buffer, or a newly inserted invalid one.
+    /// A buffer found invalid was being filled by a reader that failed and removed it, so
+    /// the block is looked up again.
+    fn hold_exclusive(&self, block: u64) -> Result<BufferGuard, CacheError> {
         let inner = self.inner();
         loop {
-            match inner.lookup_or_insert(
-                self.object.key(block),
-                &self.object,
-                Placement::Normal,
-                Urgency::Wait,
-            )? {
+            let key = self.object.key(block);
+            match inner.lookup_or_insert(key, &self.object, Placement::Normal, Urgency::Wait)? {
                 Lookup::Found(buffer) => {
                     buffer.lock_exclusive();
                     let guard = BufferGuard::new(inner, &self.object, buffer);
@@ -717,14 +731,7 @@ impl ObjectHandle {
                     }
                 }
                 Lookup::Inserted(buffer) => {
-                    let mut run = vec![BufferGuard::new(inner, &self.object, buffer)];
-                    if whole {
-                        run[0].mark_valid();
-                    } else {
-                        let device_offset = self.object.map.map(block).device_offset;
-                        self.device_read(&mut run, device_offset)?;
-                    }
-                    return Ok(run.pop().expect("one guard"));
+                    return Ok(BufferGuard::new(inner, &self.object, buffer))
                 }
             }
         }
@@ -982,26 +989,7 @@ impl ObjectHandle {
     /// getblk: the buffer for `block`, held exclusively; invalid when it was not cached.
     pub fn getblk(&self, block: u64) -> Result<BufferGuard, CacheError> {
         self.check_block(block)?;
-        let inner = self.inner();
-        loop {
-            match inner.lookup_or_insert(
-                self.object.key(block),
-                &self.object,
-                Placement::Normal,
-                Urgency::Wait,
-            )? {
-                Lookup::Found(buffer) => {
-                    buffer.lock_exclusive();
-                    let guard = BufferGuard::new(inner, &self.object, buffer);
-                    if guard.is_valid() {
-                        return Ok(guard);
-                    }
-                }
-                Lookup::Inserted(buffer) => {
-                    return Ok(BufferGuard::new(inner, &self.object, buffer))
-                }
-            }
-        }
+        self.hold_exclusive(block)
     }
 
     /// bread: the buffer for `block` with its contents, held exclusively.
