@@ -13,7 +13,6 @@ mod reliability_support;
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -201,24 +200,36 @@ struct Outcome {
 fn run_seed(seed: u64, duration: Duration) -> u64 {
     let dir = temp_dir();
     let disk = dir.path().join("disk.img");
-    let mut server = Server::start(
-        dir.path(),
-        "bufcache",
-        &[
-            "--backend",
-            "disk.img",
-            "--create-size",
-            "32M",
-            "--cache-size",
-            "256k",
-            "--block-size",
-            "4k",
-            "--dirty-age-max",
-            "0.05",
+    // Every seed uses the tiny cache; the rest of the configuration rotates.
+    let mut args: Vec<&str> = vec![
+        "--backend",
+        "disk.img",
+        "--create-size",
+        "32M",
+        "--cache-size",
+        "256k",
+        "--block-size",
+        "4k",
+        "--dirty-age-max",
+        "0.05",
+        "--metrics",
+        "127.0.0.1:0",
+    ];
+    let variant: &[&str] = match seed % 3 {
+        1 => &["--cluster-size-max", "64k"],
+        2 => &[],
+        _ => &[
+            "--policy",
+            "clock",
+            "--io-queue",
+            "fifo",
             "--cluster-size-max",
-            "64k",
+            "16k",
         ],
-    );
+    };
+    args.extend_from_slice(variant);
+    eprintln!("seed {seed}: configuration {variant:?}");
+    let mut server = Server::start(dir.path(), "bufcache", &args);
     // Initial contents: random everywhere we use, written and flushed through the server.
     let used = SHARED_START + SHARED;
     let initial = random_bytes(used as usize, seed ^ INITIAL_SEED_SALT);
@@ -300,6 +311,22 @@ fn run_seed(seed: u64, duration: Duration) -> u64 {
             server.log_text()
         );
     }
+    let stats = server.stats();
+    let cache = &stats["cache"];
+    eprintln!(
+        "seed {seed}: evictions {}, write-back blocks {}, space waits {}, space failures {}, \
+         throttled writes {}, hit ratio {:.2}",
+        cache["evictions"],
+        cache["writeback_blocks"],
+        cache["space_waits"],
+        cache["space_failures"],
+        cache["throttled_writes"],
+        cache["hit_ratio"].as_f64().unwrap_or(0.0)
+    );
+    assert!(
+        cache["evictions"].as_u64().unwrap_or(0) > 1000,
+        "seed {seed}: the cache was not under pressure: {cache}"
+    );
     // No final FLUSH: SIGTERM must write everything back.
     drop(clients);
     server.stop_clean(Duration::from_secs(60));
@@ -361,6 +388,3 @@ fn concurrent_connections_against_a_shadow_model_with_a_tiny_cache() {
         started.elapsed().as_secs_f64()
     );
 }
-
-#[allow(dead_code)]
-fn _unused(_: &Path) {}

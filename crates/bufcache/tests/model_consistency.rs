@@ -18,8 +18,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bufcache::{
-    Cache, CacheConfig, CacheError, Device, FileDevice, FileDeviceOptions, ObjectConfig,
-    ObjectHandle, PolicyKind,
+    Cache, CacheConfig, CacheError, Device, FileDevice, FileDeviceOptions, IoQueue, IoQueueConfig,
+    ObjectConfig, ObjectHandle, PolicyKind, QueueMode,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -35,6 +35,8 @@ struct Variant {
     block_bytes: u32,
     config: CacheConfig,
     rotate_policies: bool,
+    /// Put an io queue (elevator, merging, depth 2) between the cache and the file.
+    io_queue: bool,
 }
 
 fn base_config(page: u64, block: u64, memory: u64, buffers: u64) -> CacheConfig {
@@ -59,18 +61,21 @@ fn variants() -> Vec<Variant> {
         cluster_size_max_bytes: 4096,
         ..clustered.clone()
     };
+    let queued = clustered.clone();
     vec![
         Variant {
             name: "lru-4k-clustered",
             block_bytes: 4096,
             config: clustered,
             rotate_policies: false,
+            io_queue: false,
         },
         Variant {
             name: "lru-4k-unclustered",
             block_bytes: 4096,
             config: unclustered,
             rotate_policies: false,
+            io_queue: false,
         },
         Variant {
             // 512-byte blocks charged a whole 4 KiB page each: memory binds at 8 buffers.
@@ -81,6 +86,7 @@ fn variants() -> Vec<Variant> {
                 ..base_config(4096, 512, 32 << 10, 16)
             },
             rotate_policies: true,
+            io_queue: false,
         },
         Variant {
             // 1 KiB blocks, 1 KiB pages: the buffer count (6) binds before memory (16 KiB).
@@ -92,6 +98,16 @@ fn variants() -> Vec<Variant> {
                 ..base_config(1024, 1024, 16 << 10, 6)
             },
             rotate_policies: true,
+            io_queue: false,
+        },
+        Variant {
+            // Clustering, read-ahead and the io queue all on: merged device requests
+            // carry several callers' buffers.
+            name: "lru-4k-clustered-io-queue",
+            block_bytes: 4096,
+            config: queued,
+            rotate_policies: false,
+            io_queue: true,
         },
     ]
 }
@@ -366,7 +382,17 @@ fn run_one(variant: &Variant, seed: u64) {
         },
     )
     .expect("open backing file");
-    let device: Arc<dyn Device> = Arc::new(device);
+    let device: Arc<dyn Device> = if variant.io_queue {
+        let queue = IoQueueConfig {
+            mode: QueueMode::Elevator,
+            merge: true,
+            depth_max: 2,
+            ..IoQueueConfig::default()
+        };
+        Arc::new(IoQueue::new(device, queue).expect("valid io queue"))
+    } else {
+        Arc::new(device)
+    };
     let cache = Cache::new(config).expect("valid config");
     let handle = cache
         .open_object(ObjectConfig::new("model", device).block_size(variant.block_bytes))
@@ -501,4 +527,9 @@ fn model_small_blocks_page_waste_all_policies() {
 #[test]
 fn model_buffer_count_bound_all_policies() {
     run_variant(3);
+}
+
+#[test]
+fn model_clustered_with_io_queue() {
+    run_variant(4);
 }

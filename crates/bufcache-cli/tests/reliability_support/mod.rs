@@ -424,3 +424,39 @@ pub fn seed_from_env(name: &str, default: u64) -> u64 {
     eprintln!("{name}={seed} (set {name} to replay)");
     seed
 }
+
+impl Server {
+    /// The `--metrics` address the server printed (start it with `--metrics 127.0.0.1:0`).
+    pub fn metrics_address(&self) -> Option<String> {
+        let log = self.log_text();
+        let start = log.find("metrics on http://")? + "metrics on http://".len();
+        let rest = &log[start..];
+        let end = rest.find('/')?;
+        Some(rest[..end].to_string())
+    }
+
+    /// The server's `/stats` JSON (needs `--metrics 127.0.0.1:0`).
+    pub fn stats(&self) -> serde_json::Value {
+        let address = self
+            .metrics_address()
+            .expect("server started without --metrics");
+        let body = http_get(&address, "/stats");
+        serde_json::from_str(&body).unwrap_or_else(|error| panic!("/stats: {error}: {body}"))
+    }
+}
+
+/// GET `path` from `address` (HTTP/1.0, no keep-alive); the body.
+pub fn http_get(address: &str, path: &str) -> String {
+    use std::io::Write;
+    let mut stream = std::net::TcpStream::connect(address).expect("connecting to metrics");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    match response.find("\r\n\r\n") {
+        Some(at) => response[at + 4..].to_string(),
+        None => response,
+    }
+}
