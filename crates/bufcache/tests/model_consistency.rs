@@ -8,8 +8,9 @@
 //! shadow stays exact too. Caches are tiny (8–16 buffers) so eviction, write-back under
 //! pressure, clustering and read-ahead all run across region boundaries. Each thread holds at
 //! most one buffer at a time, so no operation may fail with `NoSpace`. Variants: the default
-//! LRU with clustering and read-ahead on, the same with both off, and small-block variants
-//! (page waste; a buffer-count bound) rotating through every replacement policy. Seeds are
+//! LRU with clustering and read-ahead on, the same with both off, the same on with an io
+//! queue (elevator, merging) below the cache, and small-block variants (page waste; a
+//! buffer-count bound) rotating through every replacement policy. Seeds are
 //! printed in every failure message with the last operations of the failing thread.
 
 use std::collections::VecDeque;
