@@ -55,8 +55,7 @@ fn harness() -> &'static Harness {
         unsafe {
             libc::signal(libc::SIGPIPE, libc::SIG_IGN);
         }
-        let directory =
-            std::env::temp_dir().join(format!("bufcache-fuzz-{}", std::process::id()));
+        let directory = std::env::temp_dir().join(format!("bufcache-fuzz-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&directory);
         std::fs::create_dir_all(&directory).expect("create the fuzz socket directory");
         let server_socket = directory.join("server.sock");
@@ -90,10 +89,7 @@ fn harness() -> &'static Harness {
             .expect("spawn the server thread");
         let fake_socket = directory.join("fake-server.sock");
         let fake_server = UnixListener::bind(&fake_socket).expect("bind the fake server");
-        let client_uri = format!(
-            "nbd+unix:///{EXPORT_NAME}?socket={}",
-            fake_socket.display()
-        );
+        let client_uri = format!("nbd+unix:///{EXPORT_NAME}?socket={}", fake_socket.display());
         Harness {
             directory,
             server_socket,
@@ -264,11 +260,18 @@ pub fn nbd_requests(data: &[u8]) {
     let unique_handles = pending.values().all(|requests| requests.len() == 1);
     let mut answered = 0usize;
     while !replies.is_empty() {
-        assert!(replies.len() >= 4, "reply cut short: {} bytes", replies.len());
+        assert!(
+            replies.len() >= 4,
+            "reply cut short: {} bytes",
+            replies.len()
+        );
         let magic = be_u32(replies);
         let (handle, done, consumed) = match magic {
             SIMPLE_REPLY_MAGIC => {
-                assert!(replies.len() >= SIMPLE_REPLY_HEADER_BYTES, "simple reply cut short");
+                assert!(
+                    replies.len() >= SIMPLE_REPLY_HEADER_BYTES,
+                    "simple reply cut short"
+                );
                 let error = be_u32(&replies[4..8]);
                 let handle = be_u64(&replies[8..16]);
                 let mut consumed = SIMPLE_REPLY_HEADER_BYTES;
@@ -277,11 +280,14 @@ pub fn nbd_requests(data: &[u8]) {
                     .and_then(|requests| requests.first())
                     .unwrap_or_else(|| panic!("simple reply for unknown handle {handle}"));
                 if error == 0 && request.command == CMD_READ {
-                    assert!(!structured, "simple reply with data after structured replies");
                     if !unique_handles {
-                        // Which read this answers, and so its length, is ambiguous.
+                        // Which request this answers, and so its length, is ambiguous.
                         return;
                     }
+                    assert!(
+                        !structured,
+                        "simple reply with data after structured replies"
+                    );
                     consumed += request.length as usize;
                     assert!(replies.len() >= consumed, "read data cut short");
                 }
@@ -314,9 +320,9 @@ pub fn nbd_requests(data: &[u8]) {
             other => panic!("reply magic {other:#x} after {answered} replies"),
         };
         if done {
-            let requests = pending.get_mut(&handle).unwrap_or_else(|| {
-                panic!("final reply for handle {handle}, which was not sent")
-            });
+            let requests = pending
+                .get_mut(&handle)
+                .unwrap_or_else(|| panic!("final reply for handle {handle}, which was not sent"));
             assert!(
                 !requests.is_empty(),
                 "second final reply for handle {handle}"
@@ -446,7 +452,10 @@ fn exercise_client(client: &NbdClient) {
     let status = client.block_status(0, 4096);
     if let Ok(extents) = &status {
         let covered: u64 = extents.iter().map(|extent| extent.length).sum();
-        assert!(covered <= 4096, "block status describes {covered} bytes of 4096");
+        assert!(
+            covered <= 4096,
+            "block status describes {covered} bytes of 4096"
+        );
     }
     let zero = client.zero(0, 4096, true);
     let trim = client.trim(0, 4096);

@@ -126,9 +126,25 @@ pub fn nbd_requests_seeds() -> Vec<(String, Vec<u8>)> {
     }
     let mut pipelined = vec![MODE_STRUCTURED | MODE_BASE_ALLOCATION];
     for handle in 0..16u64 {
-        pipelined.extend(write_request(100 + handle, handle * 4096, &pattern(4096, handle as u8)));
-        pipelined.extend(request(CMD_READ, CMD_FLAG_DF, 200 + handle, handle * 4096, 4096));
-        pipelined.extend(request(CMD_BLOCK_STATUS, 0, 300 + handle, handle * 4096, 8192));
+        pipelined.extend(write_request(
+            100 + handle,
+            handle * 4096,
+            &pattern(4096, handle as u8),
+        ));
+        pipelined.extend(request(
+            CMD_READ,
+            CMD_FLAG_DF,
+            200 + handle,
+            handle * 4096,
+            4096,
+        ));
+        pipelined.extend(request(
+            CMD_BLOCK_STATUS,
+            0,
+            300 + handle,
+            handle * 4096,
+            8192,
+        ));
     }
     seeds.push(("pipelined".into(), pipelined));
     seeds
@@ -170,7 +186,10 @@ pub fn nbd_handshake_seeds() -> Vec<(String, Vec<u8>)> {
     refused.extend(option(OPT_STARTTLS, &[]));
     refused.extend(option(OPT_LIST, b"junk"));
     refused.extend(option(OPT_GO, &info_request("no-such-export", &[])));
-    refused.extend(option(OPT_SET_META_CONTEXT, &meta_context_request(EXPORT_NAME, &[])));
+    refused.extend(option(
+        OPT_SET_META_CONTEXT,
+        &meta_context_request(EXPORT_NAME, &[]),
+    ));
     refused.extend(option(OPT_INFO, &[0, 0, 0, 9, b'd']));
     refused.extend(option(OPT_ABORT, &[]));
     seeds.push(("refusals-then-abort".into(), refused));
@@ -263,10 +282,22 @@ pub fn nbd_client_seeds() -> Vec<(String, Vec<u8>)> {
         bytes.extend(option_reply(OPT_STRUCTURED_REPLY, REP_ACK, &[]));
         let mut context = 1u32.to_be_bytes().to_vec();
         context.extend_from_slice(BASE_ALLOCATION.as_bytes());
-        bytes.extend(option_reply(OPT_SET_META_CONTEXT, REP_META_CONTEXT, &context));
+        bytes.extend(option_reply(
+            OPT_SET_META_CONTEXT,
+            REP_META_CONTEXT,
+            &context,
+        ));
         bytes.extend(option_reply(OPT_SET_META_CONTEXT, REP_ACK, &[]));
-        bytes.extend(option_reply(OPT_GO, REP_INFO, &info_export(size, ALL_FLAGS)));
-        bytes.extend(option_reply(OPT_GO, REP_INFO, &info_block_size(1, 4096, 1 << 20)));
+        bytes.extend(option_reply(
+            OPT_GO,
+            REP_INFO,
+            &info_export(size, ALL_FLAGS),
+        ));
+        bytes.extend(option_reply(
+            OPT_GO,
+            REP_INFO,
+            &info_block_size(1, 4096, 1 << 20),
+        ));
         bytes.extend(option_reply(OPT_GO, REP_ACK, &[]));
         bytes
     };
@@ -358,10 +389,21 @@ pub fn nbd_client_seeds() -> Vec<(String, Vec<u8>)> {
     // GO with small block sizes: requests are split.
     let mut handshake = greeting(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
     handshake.extend(option_reply(OPT_STRUCTURED_REPLY, REP_ERR_UNSUP, &[]));
-    handshake.extend(option_reply(OPT_GO, REP_INFO, &info_export(8192, ALL_FLAGS)));
-    handshake.extend(option_reply(OPT_GO, REP_INFO, &info_block_size(512, 512, 512)));
+    handshake.extend(option_reply(
+        OPT_GO,
+        REP_INFO,
+        &info_export(8192, ALL_FLAGS),
+    ));
+    handshake.extend(option_reply(
+        OPT_GO,
+        REP_INFO,
+        &info_block_size(512, 512, 512),
+    ));
     handshake.extend(option_reply(OPT_GO, REP_ACK, &[]));
-    let units = vec![simple_reply(0, 1, &pattern(512, 7)), simple_reply(0, 2, &[])];
+    let units = vec![
+        simple_reply(0, 1, &pattern(512, 7)),
+        simple_reply(0, 2, &[]),
+    ];
     seeds.push(("block-size-512".into(), client_input(&handshake, &units)));
 
     let mut refused = greeting(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);

@@ -57,8 +57,15 @@ pub fn trace_options(data: &[u8]) {
     }
     match TraceOptions::parse(&text) {
         Ok(options) => {
-            assert!(options.lbn_size_bytes > 0, "lbn-size 0 accepted from {text:?}");
-            assert!(options.delimiter.is_ascii(), "delimiter {:?}", options.delimiter);
+            assert!(
+                options.lbn_size_bytes > 0,
+                "lbn-size 0 accepted from {text:?}"
+            );
+            assert!(
+                options.delimiter.is_ascii(),
+                "delimiter {:?}",
+                options.delimiter
+            );
             for column in [
                 options.time_column,
                 options.object_id_column,

@@ -8,7 +8,9 @@ use std::time::Duration;
 use anyhow::Context;
 use std::sync::Arc;
 
-use bufcache::{parse_size, CacheConfig, Device, IoQueue, IoQueueConfig, PolicyKind, QueueMode};
+use bufcache::{
+    parse_size, CacheConfig, ConfigError, Device, IoQueue, IoQueueConfig, PolicyKind, QueueMode,
+};
 use clap::Args;
 
 fn size(text: &str) -> Result<u64, String> {
@@ -115,19 +117,26 @@ impl EngineArgs {
             config.dirty_limit_percent = value;
         }
         config.write_behind = !self.no_write_behind;
-        config.validate().context("invalid engine configuration")?;
+        config
+            .validate()
+            .map_err(|error| anyhow::anyhow!(flag_error(&error)))?;
         Ok(config)
     }
 
     /// The object block size (default 4 KiB), checked against the configuration.
     pub fn block_size_bytes(&self, config: &CacheConfig) -> anyhow::Result<u32> {
         let block_size = self.block_size.unwrap_or(4096);
+        let given = if self.block_size.is_some() {
+            ""
+        } else {
+            " (the default)"
+        };
         if block_size == 0
             || !block_size.is_multiple_of(512)
             || block_size > config.buffer_size_max_bytes
         {
             anyhow::bail!(
-                "--block-size {block_size} is invalid: must be a multiple of 512 up to --buffer-size-max ({})",
+                "--block-size {block_size}{given} is invalid: must be a multiple of 512 up to --buffer-size-max ({})",
                 config.buffer_size_max_bytes
             );
         }
@@ -163,5 +172,37 @@ impl EngineArgs {
         let queue =
             Arc::new(IoQueue::new(device, queue).context("invalid io queue configuration")?);
         Ok((Arc::clone(&queue) as Arc<dyn Device>, Some(queue)))
+    }
+}
+
+/// The command-line flag that sets an engine configuration field.
+fn flag_name(field: &str) -> String {
+    match field {
+        "memory_bytes_max" => "--cache-size".to_string(),
+        other => format!("--{}", other.replace('_', "-")),
+    }
+}
+
+/// An engine configuration error, reworded in terms of the flags the user typed.
+fn flag_error(error: &ConfigError) -> String {
+    match error {
+        ConfigError::OutOfRange {
+            field,
+            value,
+            allowed,
+        } => {
+            format!("{} {value} is invalid: {allowed}", flag_name(field))
+        }
+        ConfigError::Conflict {
+            field,
+            value,
+            other_field,
+            other_value,
+            rule,
+        } => format!(
+            "{} {value} conflicts with {} {other_value}: {rule}",
+            flag_name(field),
+            flag_name(other_field)
+        ),
     }
 }

@@ -230,6 +230,18 @@ fn export_specs(args: &ServeArgs) -> anyhow::Result<Vec<(String, String, bool)>>
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let config = args.engine.config()?;
     let block_size = args.engine.block_size_bytes(&config)?;
+    let mut server_config = ServerConfig::default();
+    if !args.listen.is_empty() {
+        server_config.listen = args.listen.clone();
+    }
+    if let Some(size) = args.request_size_max {
+        if !(4096..=1 << 30).contains(&size) {
+            bail!("--request-size-max {size} is invalid: must be from 4KiB to 1GiB");
+        }
+        server_config.request_size_max = size as u32;
+        server_config.inflight_bytes_max = server_config.inflight_bytes_max.max(size);
+    }
+    server_config.validate()?;
     let cache = Cache::new(config)?;
     let mut exports: Vec<(String, Arc<dyn Export>)> = Vec::new();
     let mut meters = Vec::new();
@@ -265,15 +277,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         );
         exports.push((name, Arc::new(CacheExport { object })));
     }
-    let mut server_config = ServerConfig::default();
-    if !args.listen.is_empty() {
-        server_config.listen = args.listen.clone();
-    }
-    if let Some(size) = args.request_size_max {
-        server_config.request_size_max =
-            u32::try_from(size).context("--request-size-max is too large")?;
-        server_config.inflight_bytes_max = server_config.inflight_bytes_max.max(size);
-    }
     let server = Server::new(server_config, exports)?.bind()?;
     if let Some(address) = &args.metrics {
         let local = metrics::start(
@@ -300,6 +303,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let writer = start_background_writer(cache.clone(), Arc::clone(&stop_writer));
     let served = server.run(shutdown);
     stop_writer.store(true, Ordering::Release);
+    writer.thread().unpark();
     let _ = writer.join();
     eprintln!("bufcache: shutting down: writing back dirty data");
     let synced = cache.sync();
@@ -323,8 +327,12 @@ fn start_background_writer(cache: Cache, stop: Arc<AtomicBool>) -> std::thread::
     std::thread::Builder::new()
         .name("bufcache-writeback".into())
         .spawn(move || {
-            while !stop.load(Ordering::Acquire) {
-                std::thread::sleep(interval);
+            // Parked between rounds, so shutdown can wake it at once (unpark).
+            loop {
+                std::thread::park_timeout(interval);
+                if stop.load(Ordering::Acquire) {
+                    return;
+                }
                 cache.writeback_tick();
             }
         })

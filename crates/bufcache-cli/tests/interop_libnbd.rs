@@ -2,7 +2,8 @@
 //! in and out with nbdcopy over 4 connections and compare checksums (through the server and in
 //! the backing file), read nbdinfo's JSON for size, block sizes and multi-conn, and check
 //! `nbdinfo --map` on a sparse backing file: holes and data where they are, and every extent
-//! flagged zero really reads as zeros (also after unflushed writes, trims and zeroing).
+//! flagged zero really reads as zeros (also after unflushed writes, trims and zeroing); an
+//! odd-sized backing file (5,000,003 bytes) is served and written to its last byte.
 
 mod common;
 
@@ -268,4 +269,54 @@ fn nbdinfo_map_shows_holes_and_data_of_a_sparse_backing_file() {
     );
     drop(client);
     server.stop_clean();
+}
+
+#[test]
+fn odd_sized_backing_file_is_served_to_its_last_byte() {
+    let _timer = Timer::new("odd_sized_backing_file_is_served_to_its_last_byte");
+    if !have_tools("odd_sized_backing_file", &["nbdcopy", "nbdinfo"]) {
+        return;
+    }
+    // Not a multiple of the block size (nor of 512): the tail block is partial.
+    const SIZE: usize = 5_000_003;
+    let dir = temp_dir();
+    let backing = dir.path().join("odd.img");
+    let original = random_bytes(SIZE, 55);
+    write_file(&backing, &original);
+    for block_size in ["4k", "64k"] {
+        let mut server = Server::start(
+            dir.path(),
+            &format!("srv-{block_size}"),
+            &["--backend", "odd.img", "--block-size", block_size],
+        );
+        let info = nbdinfo_json(&server.uri());
+        assert_eq!(info["exports"][0]["export-size"], SIZE as u64, "{info}");
+        let out = dir.path().join("out.raw");
+        run_ok(
+            cmd("nbdcopy", &[&server.uri(), out.to_str().unwrap()]),
+            TIMEOUT,
+        );
+        let expected = std::fs::read(&backing).unwrap();
+        assert_same_file(&backing, &out);
+        // Writes touching the tail, unaligned, then read back.
+        let client = NbdClient::connect(&server.uri()).expect("connecting");
+        let tail = random_bytes(10_000, 56);
+        client.write((SIZE - 10_000) as u64, &tail).unwrap();
+        client.write((SIZE - 1) as u64, &[0x42]).unwrap();
+        let mut model = expected;
+        model[SIZE - 10_000..].copy_from_slice(&tail);
+        model[SIZE - 1] = 0x42;
+        let mut buffer = vec![0u8; 20_003];
+        client.read((SIZE - 20_003) as u64, &mut buffer).unwrap();
+        assert_same_bytes(&model[SIZE - 20_003..], &buffer, "tail read back");
+        let mut beyond = [0u8; 2];
+        assert!(
+            client.read((SIZE - 1) as u64, &mut beyond).is_err(),
+            "a read past the end succeeded"
+        );
+        drop(client);
+        server.stop_clean();
+        let on_disk = std::fs::read(&backing).unwrap();
+        assert_same_bytes(&model, &on_disk, "odd-sized backing file after SIGTERM");
+    }
 }

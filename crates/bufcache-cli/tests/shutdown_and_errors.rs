@@ -243,8 +243,6 @@ fn bad_flags_exit_non_zero_naming_the_flag() {
 }
 
 #[test]
-#[ignore = "bug: engine validation errors name CacheConfig fields (cluster_size_max, \
-            memory_size_max, request_size_max...) instead of the command-line flag"]
 fn engine_and_server_value_errors_name_the_flag() {
     let cases: [(&[&str], &str); 7] = [
         (&["--cluster-size-max", "2M"], "--cluster-size-max"),

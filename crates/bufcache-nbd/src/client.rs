@@ -791,7 +791,21 @@ fn read_simple_reply(stream: &mut Stream, shared: &Shared) -> Result<(), String>
     let error = be_u32(&rest[0..4]);
     let handle = be_u64(&rest[4..12]);
     let slot = take_slot(shared, handle, true)?;
+    // The slot has left the pending table, so `die` can no longer fail it: any error from
+    // here on must fail it directly, or its caller would wait forever.
     let mut state = slot.state.lock();
+    let result = fill_simple_reply(stream, shared, &slot, &mut state, error);
+    fail_or_finish(&slot, &mut state, &result);
+    result
+}
+
+fn fill_simple_reply(
+    stream: &mut Stream,
+    shared: &Shared,
+    slot: &Slot,
+    state: &mut SlotState,
+    error: u32,
+) -> Result<(), String> {
     if error != 0 {
         state.completion.error = Some((Errno::from_code(error), String::new()));
     } else if let Expect::Read { .. } = slot.expect {
@@ -802,8 +816,16 @@ fn read_simple_reply(stream: &mut Stream, shared: &Shared) -> Result<(), String>
             .read_exact(&mut state.completion.data)
             .map_err(io_reason)?;
     }
-    slot.finish(&mut state);
     Ok(())
+}
+
+/// Completes a slot that was removed from the pending table: with the reply, or, when the
+/// reply could not be read, as failed with the connection.
+fn fail_or_finish(slot: &Slot, state: &mut SlotState, result: &Result<(), String>) {
+    if let Err(reason) = result {
+        state.completion.connection_lost = Some(reason.clone());
+    }
+    slot.finish(state);
 }
 
 fn read_structured_chunk(stream: &mut Stream, shared: &Shared) -> Result<(), String> {
@@ -816,14 +838,16 @@ fn read_structured_chunk(stream: &mut Stream, shared: &Shared) -> Result<(), Str
     let done = flags & REPLY_FLAG_DONE != 0;
     let slot = take_slot(shared, handle, done)?;
     let mut state = slot.state.lock();
-    apply_chunk(stream, &slot, &mut state, chunk_type, length)?;
-    if done {
-        if state.completion.error.is_none() {
-            check_read_coverage(&slot, &state)?;
-        }
-        slot.finish(&mut state);
+    let mut result = apply_chunk(stream, &slot, &mut state, chunk_type, length);
+    if done && result.is_ok() && state.completion.error.is_none() {
+        result = check_read_coverage(&slot, &state);
     }
-    Ok(())
+    // A final chunk's slot has left the pending table (see read_simple_reply); a failure on
+    // a non-final chunk leaves the slot in the table, where `die` fails it.
+    if done {
+        fail_or_finish(&slot, &mut state, &result);
+    }
+    result
 }
 
 /// A successful structured READ must have delivered every byte it asked for.

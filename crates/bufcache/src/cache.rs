@@ -340,7 +340,7 @@ impl Cache {
             .charge_bytes(self.inner.config.buffer_size_max_bytes);
         if memory_bytes_max < page_rounded || buffers_max == 0 {
             return Err(CacheError::Config(ConfigError::OutOfRange {
-                field: "memory_size_max",
+                field: "memory_bytes_max",
                 value: format!("{memory_bytes_max} bytes, {buffers_max} buffers"),
                 allowed: "must hold at least one buffer of the largest size".into(),
             }));

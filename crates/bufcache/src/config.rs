@@ -257,7 +257,7 @@ impl CacheConfig {
             .next_multiple_of(self.page_size_bytes);
         if self.memory_bytes_max < page_rounded_buffer {
             return Err(self.conflict(
-                "memory_size_max",
+                "memory_bytes_max",
                 self.memory_bytes_max,
                 "buffer_size_max",
                 self.buffer_size_max_bytes,

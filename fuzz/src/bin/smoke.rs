@@ -157,9 +157,30 @@ const INTERESTING: [u64; 16] = [
 
 /// Text fragments the text parsers branch on.
 const TOKENS: [&[u8]; 24] = [
-    b",", b"\n", b" ", b"\t", b"=", b"-", b"+", b".", b"0x", b"18446744073709551615",
-    b"99999999999999999999", b"Read", b"Write", b"k", b"GiB", b"P", b"[", b"]", b"%", b"?socket=",
-    b"nbd://", b"unix:", b"tcp:", b"\xff\xfe",
+    b",",
+    b"\n",
+    b" ",
+    b"\t",
+    b"=",
+    b"-",
+    b"+",
+    b".",
+    b"0x",
+    b"18446744073709551615",
+    b"99999999999999999999",
+    b"Read",
+    b"Write",
+    b"k",
+    b"GiB",
+    b"P",
+    b"[",
+    b"]",
+    b"%",
+    b"?socket=",
+    b"nbd://",
+    b"unix:",
+    b"tcp:",
+    b"\xff\xfe",
 ];
 
 fn mutate(rng: &mut Rng, input: &mut Vec<u8>, corpus: &[Vec<u8>]) {
@@ -247,7 +268,11 @@ fn generate(rng: &mut Rng, corpus: &[Vec<u8>]) -> Vec<u8> {
 fn load_corpus(target: &str) -> Vec<Vec<u8>> {
     let directory = corpus_root().join(target);
     let mut files: Vec<PathBuf> = std::fs::read_dir(&directory)
-        .map(|entries| entries.filter_map(|entry| Some(entry.ok()?.path())).collect())
+        .map(|entries| {
+            entries
+                .filter_map(|entry| Some(entry.ok()?.path()))
+                .collect()
+        })
         .unwrap_or_default();
     files.sort();
     files
@@ -333,9 +358,14 @@ fn parse_options() -> Options {
         }
     }
     if let Ok(skip) = std::env::var("FUZZ_SKIP") {
-        options.skip.extend(skip.split_whitespace().map(str::to_string));
+        options
+            .skip
+            .extend(skip.split_whitespace().map(str::to_string));
     }
-    if let Some(seed) = std::env::var("FUZZ_SEED").ok().and_then(|text| text.parse().ok()) {
+    if let Some(seed) = std::env::var("FUZZ_SEED")
+        .ok()
+        .and_then(|text| text.parse().ok())
+    {
         options.seed = seed;
     }
     options

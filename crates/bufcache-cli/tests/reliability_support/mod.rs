@@ -460,3 +460,14 @@ pub fn http_get(address: &str, path: &str) -> String {
         None => response,
     }
 }
+
+impl Server {
+    /// The `cache` object of `/stats` when the server runs with `--metrics`, else null.
+    pub fn stats_or_null(&self) -> serde_json::Value {
+        if self.metrics_address().is_some() {
+            self.stats()["cache"].clone()
+        } else {
+            serde_json::Value::Null
+        }
+    }
+}
