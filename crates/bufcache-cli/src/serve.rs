@@ -146,6 +146,12 @@ impl Export for CacheExport {
         self.object.prefetch(offset, length).map_err(io_error)
     }
 
+    fn open_connection(&self) -> Option<Arc<dyn Export>> {
+        Some(Arc::new(CacheExport {
+            object: self.object.reopen(),
+        }))
+    }
+
     fn block_status(&self, offset: u64, length: u64) -> std::io::Result<Vec<BlockStatusExtent>> {
         let extents = self.object.extents(offset, length).map_err(io_error)?;
         Ok(extents

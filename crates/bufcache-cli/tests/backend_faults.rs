@@ -560,12 +560,8 @@ fn upstream_flush_failure_is_reported() {
         client.write_fua(3 * MIB, &more),
     );
     flush_fails.disarm();
-    // The FUA write returned its error directly, but the engine also latched it and this
-    // handle has not "seen" it, so the next FLUSH reports it once more (a spurious but safe
-    // EIO: see docs/reliability.md); the one after must succeed.
-    if let Err(error) = client.flush() {
-        eprintln!("first FLUSH after healing repeated the FUA write's latched error: {error}");
-    }
+    // The FUA write's error was returned to this connection directly, so the next FLUSH does
+    // not report it again (errseq: once per connection).
     client
         .flush()
         .expect("FLUSH after the upstream flush healed");
@@ -591,7 +587,6 @@ fn upstream_flush_failure_is_reported() {
 /// (A hears EIO). B's own later FLUSH must not claim B's write durable: the failed device
 /// flush may have lost it (fsyncgate). errseq per opener — here, per NBD connection.
 #[test]
-#[ignore = "bug: serve.rs CacheExport shares one ObjectHandle across all NBD connections, so a latched flush error is reported to one connection only; B's FLUSH returns success"]
 fn upstream_flush_failure_is_reported_to_every_connection() {
     let _timer = Timer::new("upstream_flush_failure_is_reported_to_every_connection");
     if !have_nbdkit("flush_faults_every_connection", "eval", &[]) {

@@ -8,6 +8,7 @@
 //! `NBD_CMD_FLUSH` until it returns, and answers a FUA write only after `write` returned.
 
 use std::io;
+use std::sync::Arc;
 
 use parking_lot::RwLock;
 
@@ -61,6 +62,13 @@ pub trait Export: Send + Sync {
     }
     /// Hint to bring `length` bytes at `offset` into the cache.
     fn cache(&self, offset: u64, length: u64) -> io::Result<()>;
+    /// A per-connection view of this export, called once when a connection enters
+    /// transmission; `None` (the default) shares this export with every connection. A cache
+    /// uses it to give each connection its own position for reporting write-back errors, so
+    /// every connection's next FLUSH hears of an error once.
+    fn open_connection(&self) -> Option<Arc<dyn Export>> {
+        None
+    }
     /// Consecutive extents covering [offset, offset+length) (may stop early, at least one); hole => NBD_STATE_HOLE|NBD_STATE_ZERO, zero-only => NBD_STATE_ZERO.
     fn block_status(&self, offset: u64, length: u64) -> io::Result<Vec<BlockStatusExtent>>;
 }

@@ -353,7 +353,12 @@ impl Haggle<'_> {
     }
 
     fn enter(&self, index: usize, name: String) -> Negotiated {
-        let export = Arc::clone(&self.exports.entries[index].1);
+        let shared = &self.exports.entries[index].1;
+        // Each connection may get its own view of the export (for example its own write-back
+        // error reporting position); by default all connections share one.
+        let export = shared
+            .open_connection()
+            .unwrap_or_else(|| Arc::clone(shared));
         Negotiated {
             export_name: name,
             transmission_flags: self.transmission_flags(export.as_ref()),

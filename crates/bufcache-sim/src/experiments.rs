@@ -667,7 +667,9 @@ fn sweep(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
              the engine has one memory limit."
                 .into(),
             "LRU: a file larger than the cache read sequentially evicts each block before its \
-             reuse (0 hits); no-reuse placement keeps the head of the file cached."
+             reuse (0 hits). No-reuse barely helps: the stream's consumed blocks are demoted \
+             to the no-reuse queue, which is drained oldest first, so the head of the file \
+             still leaves first (vm_page_dontneed's pages are reclaimed newest first)."
                 .into(),
         ],
         plot: Plot {
@@ -867,6 +869,9 @@ fn scan(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
              large file' — no-reuse placement (vm_page_dontneed) is what keeps it."
                 .into(),
             "scan_MB is everything read from the disk (scan, read-ahead and working-set misses)."
+                .into(),
+            "With no-reuse on, the scan's blocks are always the victims (its no-reuse queue is \
+             drained before the base policy), so every base policy gives the same run."
                 .into(),
         ],
         plot: Plot {

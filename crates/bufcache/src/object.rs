@@ -221,6 +221,11 @@ impl ObjectState {
         self.latch.lock().sequence
     }
 
+    /// Records that every latched error so far has been reported to the holder of `seen`.
+    fn mark_errors_seen(&self, seen: &AtomicU64) {
+        seen.store(self.latch.lock().sequence, Ordering::Release);
+    }
+
     /// The latched error if it is newer than `seen`, updating `seen`.
     fn unseen_error(&self, seen: &AtomicU64) -> Option<CacheError> {
         let latch = self.latch.lock();
@@ -404,6 +409,15 @@ impl ObjectHandle {
 
     fn inner(&self) -> &Arc<Inner> {
         &self.cache.inner
+    }
+
+    /// Passes `result` through; an error returned to this handle now also counts as reported
+    /// to it, so its next flush does not report the same latched error a second time.
+    fn reported<T>(&self, result: Result<T, CacheError>) -> Result<T, CacheError> {
+        if result.is_err() {
+            self.object.mark_errors_seen(&self.seen_error_sequence);
+        }
+        result
     }
 
     // ----- byte-range API -----
@@ -679,7 +693,7 @@ impl ObjectHandle {
         if data.is_empty() {
             return Ok(());
         }
-        self.inner().throttle_writer(object)?;
+        self.reported(self.inner().throttle_writer(object))?;
         let block_size = object.block_size_bytes as u64;
         let first = offset / block_size;
         let end = (offset + data.len() as u64).div_ceil(block_size);
@@ -691,7 +705,7 @@ impl ObjectHandle {
             self.mark_dirty(&guard);
         }
         if fua {
-            self.write_through(first, end)?;
+            self.reported(self.write_through(first, end))?;
         } else if self.inner().config.write_behind {
             self.write_behind(first, end);
         }
@@ -1013,7 +1027,7 @@ impl ObjectHandle {
             WritebackCause::Flush,
         );
         drop(guard);
-        result.map(|_| ())
+        self.reported(result).map(|_| ())
     }
 
     /// bdwrite: marks the buffer dirty (delayed write) and releases it.
