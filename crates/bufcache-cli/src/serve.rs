@@ -61,6 +61,10 @@ pub struct ServeArgs {
     /// Largest NBD request in bytes (advertised maximum block size). Default 32M.
     #[arg(long, value_name = "SIZE", value_parser = |text: &str| parse_size(text).map_err(|e| e.to_string()))]
     request_size_max: Option<u64>,
+    /// Seconds to keep retrying write-back of dirty data at shutdown (SIGINT, SIGTERM) when
+    /// the backend fails, before giving up with exit status 1. Default 10.
+    #[arg(long, value_name = "SECONDS", default_value_t = 10.0)]
+    shutdown_timeout: f64,
     /// Serve Prometheus metrics (/metrics) and JSON statistics (/stats) on HOST:PORT.
     #[arg(long, value_name = "HOST:PORT")]
     metrics: Option<String>,
@@ -233,7 +237,32 @@ fn export_specs(args: &ServeArgs) -> anyhow::Result<Vec<(String, String, bool)>>
     Ok(specs)
 }
 
+/// Writes back everything dirty, retrying for up to `timeout` while the backend fails: a
+/// backend that recovers within it loses nothing. Dirty data still unwritten when it expires
+/// is lost when the process exits, which the caller reports with a non-zero status.
+fn sync_with_retries(cache: &Cache, timeout: Duration) -> Result<(), CacheError> {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        match cache.sync() {
+            Ok(()) => return Ok(()),
+            Err(error) if std::time::Instant::now() >= deadline => return Err(error),
+            Err(error) => {
+                eprintln!(
+                    "bufcache: write-back failed, retrying until the shutdown timeout: {error}"
+                );
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        }
+    }
+}
+
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    if !(0.0..=86_400.0).contains(&args.shutdown_timeout) {
+        bail!(
+            "--shutdown-timeout {} is invalid: must be from 0 to 86400 seconds",
+            args.shutdown_timeout
+        );
+    }
     let config = args.engine.config()?;
     let block_size = args.engine.block_size_bytes(&config)?;
     let mut server_config = ServerConfig::default();
@@ -312,7 +341,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     writer.thread().unpark();
     let _ = writer.join();
     eprintln!("bufcache: shutting down: writing back dirty data");
-    let synced = cache.sync();
+    let synced = sync_with_retries(&cache, Duration::from_secs_f64(args.shutdown_timeout));
     served?;
     synced.context("writing back dirty data at shutdown")?;
     eprintln!("bufcache: all data written back; bye");

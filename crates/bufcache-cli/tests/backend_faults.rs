@@ -622,7 +622,11 @@ fn sigterm_while_writes_fail_exits_nonzero_and_names_the_error() {
     let baseline = random_bytes(4 * MIB as usize, 12);
     direct.write(0, &baseline).unwrap();
     direct.flush().unwrap();
-    let mut server = serve_over(dir.path(), &upstream, &["--cache-size", "16M"]);
+    let mut server = serve_over(
+        dir.path(),
+        &upstream,
+        &["--cache-size", "16M", "--shutdown-timeout", "1"],
+    );
     let client = connect(&server.uri());
     writes.arm();
     let dirty = random_bytes(2 * MIB as usize, 13);
@@ -650,5 +654,49 @@ fn sigterm_while_writes_fail_exits_nonzero_and_names_the_error() {
         &read_all(&direct, 0, 4 * MIB),
         &baseline,
         0,
+    );
+}
+
+/// An upstream that recovers while the server is shutting down loses nothing: write-back is
+/// retried until `--shutdown-timeout`, and the exit is clean once everything is written.
+#[test]
+fn upstream_recovering_during_shutdown_loses_nothing() {
+    let _timer = Timer::new("upstream_recovering_during_shutdown_loses_nothing");
+    if !have_nbdkit("upstream_recovering_during_shutdown", "memory", &["error"]) {
+        return;
+    }
+    let dir = temp_dir();
+    let (upstream, _reads, writes, _zeroes, _trims) = faulty_upstream(dir.path(), "16M");
+    let direct = connect(&upstream.uri());
+    let mut server = serve_over(
+        dir.path(),
+        &upstream,
+        &["--cache-size", "16M", "--shutdown-timeout", "30"],
+    );
+    let client = connect(&server.uri());
+    writes.arm();
+    let dirty = random_bytes(2 * MIB as usize, 14);
+    client.write(MIB, &dirty).unwrap();
+    let healer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(1500));
+        writes.disarm();
+    });
+    let status = server.signal_and_wait(SIGTERM, Duration::from_secs(60));
+    healer.join().unwrap();
+    let log = server.log_text();
+    let status = status.unwrap_or_else(|| panic!("no exit within 60 s of SIGTERM:\n{log}"));
+    assert!(
+        status.success(),
+        "the upstream recovered in time, so the exit is clean:\n{log}"
+    );
+    assert!(
+        log.contains("retrying"),
+        "the failed attempts are reported:\n{log}"
+    );
+    assert_same(
+        "upstream after the retried shutdown",
+        &read_all(&direct, MIB, 2 * MIB),
+        &dirty,
+        MIB,
     );
 }

@@ -172,7 +172,13 @@ fn writeback_error_at_shutdown_exits_non_zero_with_the_error() {
     let mut server = Server::start(
         dir.path(),
         "srv",
-        &["--backend", &upstream, "--no-write-behind"],
+        &[
+            "--backend",
+            &upstream,
+            "--no-write-behind",
+            "--shutdown-timeout",
+            "1",
+        ],
     );
     let client = NbdClient::connect(&server.uri()).expect("connecting");
     write_file(&fail, b"");

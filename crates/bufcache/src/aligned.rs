@@ -78,3 +78,262 @@ mod tests {
         assert_eq!(bytes.len(), 8192);
     }
 }
+
+/// Page-aligned slots for buffer data, carved from large chunks and recycled by size.
+///
+/// One aligned heap allocation per buffer costs the C allocator about as much again in
+/// padding and fragmentation (measured: resident memory 2–2.6 × the cache). The pool instead
+/// takes memory in 2 MiB chunks and hands out slots of one size each, so resident memory
+/// follows the cache's own charge. Freed slots are kept for reuse (zeroed when handed out
+/// again); [`BufferPool::trim`] gives their pages back to the system, which the cache does
+/// when its limit shrinks or many slots sit unused.
+///
+/// Invariants: a slot is either handed out (owned by one `PooledBytes`) or on its class's free
+/// list, never both; chunks live until the pool is dropped, which happens only after every
+/// `PooledBytes` (each holds the pool) is gone.
+pub struct BufferPool {
+    alignment: usize,
+    classes: parking_lot::Mutex<Vec<SizeClass>>,
+}
+
+/// Bytes taken from the system at a time for one slot size.
+pub const POOL_CHUNK_BYTES: usize = 2 << 20;
+
+struct FreeSlot {
+    pointer: NonNull<u8>,
+    /// The slot still holds an earlier buffer's bytes (not yet zeroed or trimmed).
+    dirty: bool,
+}
+
+struct SizeClass {
+    slot_bytes: usize,
+    free: Vec<FreeSlot>,
+    /// Uncarved remainder of the newest chunk: (next slot, slots left).
+    fresh: Option<(NonNull<u8>, usize)>,
+    chunks: Vec<(NonNull<u8>, Layout)>,
+}
+
+// SAFETY: the raw pointers are owned allocations guarded by the pool's mutex.
+unsafe impl Send for SizeClass {}
+
+impl BufferPool {
+    /// A pool whose slots are aligned to `alignment` (a power of two, the page size).
+    pub fn new(alignment: usize) -> std::sync::Arc<Self> {
+        std::sync::Arc::new(BufferPool {
+            alignment,
+            classes: parking_lot::Mutex::new(Vec::new()),
+        })
+    }
+
+    /// A zeroed slot of at least `length` bytes (a multiple of the alignment).
+    pub fn allocate(self: &std::sync::Arc<Self>, length: usize) -> PooledBytes {
+        assert!(length > 0, "zero-length buffer");
+        let slot_bytes = length.next_multiple_of(self.alignment);
+        let (pointer, dirty) = {
+            let mut classes = self.classes.lock();
+            let class = match classes
+                .iter()
+                .position(|class| class.slot_bytes == slot_bytes)
+            {
+                Some(index) => &mut classes[index],
+                None => {
+                    classes.push(SizeClass {
+                        slot_bytes,
+                        free: Vec::new(),
+                        fresh: None,
+                        chunks: Vec::new(),
+                    });
+                    classes.last_mut().expect("just pushed")
+                }
+            };
+            class.take(self.alignment)
+        };
+        if dirty {
+            // SAFETY: the slot is ours now and `slot_bytes` long.
+            unsafe { std::ptr::write_bytes(pointer.as_ptr(), 0, slot_bytes) };
+        }
+        PooledBytes {
+            pointer,
+            length,
+            slot_bytes,
+            pool: std::sync::Arc::clone(self),
+        }
+    }
+
+    fn release(&self, pointer: NonNull<u8>, slot_bytes: usize) {
+        let mut classes = self.classes.lock();
+        let class = classes
+            .iter_mut()
+            .find(|class| class.slot_bytes == slot_bytes)
+            .expect("a slot returns to the class it came from");
+        class.free.push(FreeSlot {
+            pointer,
+            dirty: true,
+        });
+    }
+
+    /// Bytes in slots that are free and still resident.
+    pub fn idle_resident_bytes(&self) -> u64 {
+        let classes = self.classes.lock();
+        classes
+            .iter()
+            .map(|class| {
+                class.free.iter().filter(|slot| slot.dirty).count() as u64 * class.slot_bytes as u64
+            })
+            .sum()
+    }
+
+    /// Gives the pages of every free slot back to the system (they read as zero afterwards,
+    /// so reuse needs no clearing). Returns the bytes released.
+    pub fn trim(&self) -> u64 {
+        let mut classes = self.classes.lock();
+        let mut released = 0u64;
+        for class in classes.iter_mut() {
+            for slot in class.free.iter_mut().filter(|slot| slot.dirty) {
+                // SAFETY: the slot is free, page aligned and `slot_bytes` long; its contents
+                // are not needed. MADV_DONTNEED on private anonymous memory zero-fills.
+                let result = unsafe {
+                    libc::madvise(
+                        slot.pointer.as_ptr() as *mut libc::c_void,
+                        class.slot_bytes,
+                        libc::MADV_DONTNEED,
+                    )
+                };
+                if result == 0 {
+                    slot.dirty = false;
+                    released += class.slot_bytes as u64;
+                }
+            }
+        }
+        released
+    }
+}
+
+impl SizeClass {
+    fn take(&mut self, alignment: usize) -> (NonNull<u8>, bool) {
+        if let Some(slot) = self.free.pop() {
+            return (slot.pointer, slot.dirty);
+        }
+        if let Some((next, left)) = self.fresh.filter(|&(_, left)| left > 0) {
+            // SAFETY: `next` lies inside the newest chunk with `left` slots after it.
+            let following = unsafe { NonNull::new_unchecked(next.as_ptr().add(self.slot_bytes)) };
+            self.fresh = Some((following, left - 1));
+            return (next, false);
+        }
+        let chunk_bytes = POOL_CHUNK_BYTES
+            .max(self.slot_bytes)
+            .next_multiple_of(self.slot_bytes);
+        let layout = Layout::from_size_align(chunk_bytes, alignment).expect("valid chunk layout");
+        // SAFETY: non-zero size. Zeroed so fresh slots need no clearing (for large sizes the
+        // allocator maps fresh zero pages, which cost nothing until touched).
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let base = NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(layout));
+        self.chunks.push((base, layout));
+        let slots = chunk_bytes / self.slot_bytes;
+        // SAFETY: the chunk holds `slots` slots.
+        let following = unsafe { NonNull::new_unchecked(base.as_ptr().add(self.slot_bytes)) };
+        self.fresh = Some((following, slots - 1));
+        (base, false)
+    }
+}
+
+impl Drop for BufferPool {
+    fn drop(&mut self) {
+        for class in self.classes.get_mut().iter() {
+            for &(base, layout) in &class.chunks {
+                // SAFETY: allocated in `take` with this layout; no slot is handed out (each
+                // PooledBytes holds the pool alive).
+                unsafe { alloc::dealloc(base.as_ptr(), layout) };
+            }
+        }
+    }
+}
+
+/// A slot handed out by a [`BufferPool`]; returns to the pool when dropped.
+pub struct PooledBytes {
+    pointer: NonNull<u8>,
+    length: usize,
+    slot_bytes: usize,
+    pool: std::sync::Arc<BufferPool>,
+}
+
+// SAFETY: PooledBytes owns its slot exclusively, like a Box<[u8]>.
+unsafe impl Send for PooledBytes {}
+// SAFETY: shared access only hands out &[u8].
+unsafe impl Sync for PooledBytes {}
+
+impl PooledBytes {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.length
+    }
+
+    /// Always false: zero-length slots are never made.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+}
+
+impl std::ops::Deref for PooledBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the slot is live, initialised and at least `length` bytes long.
+        unsafe { std::slice::from_raw_parts(self.pointer.as_ptr(), self.length) }
+    }
+}
+
+impl std::ops::DerefMut for PooledBytes {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and &mut self guarantees exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.pointer.as_ptr(), self.length) }
+    }
+}
+
+impl Drop for PooledBytes {
+    fn drop(&mut self) {
+        self.pool.release(self.pointer, self.slot_bytes);
+    }
+}
+
+#[cfg(test)]
+mod pool_tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_aligned_zeroed_and_recycled_zeroed() {
+        let pool = BufferPool::new(4096);
+        let mut first = pool.allocate(4096);
+        assert_eq!(first.as_ptr() as usize % 4096, 0);
+        assert!(first.iter().all(|&byte| byte == 0));
+        first.fill(0xAB);
+        let address = first.as_ptr() as usize;
+        drop(first);
+        let again = pool.allocate(4096);
+        assert_eq!(again.as_ptr() as usize, address, "a freed slot is reused");
+        assert!(
+            again.iter().all(|&byte| byte == 0),
+            "a reused slot is zeroed"
+        );
+    }
+
+    #[test]
+    fn trimmed_slots_read_as_zero_and_sizes_do_not_mix() {
+        let pool = BufferPool::new(4096);
+        let slots: Vec<PooledBytes> = (0..600)
+            .map(|index| {
+                let mut slot = pool.allocate(if index % 2 == 0 { 4096 } else { 8192 });
+                slot.fill(index as u8);
+                slot
+            })
+            .collect();
+        let distinct: std::collections::HashSet<usize> =
+            slots.iter().map(|s| s.as_ptr() as usize).collect();
+        assert_eq!(distinct.len(), 600, "no slot is handed out twice");
+        drop(slots);
+        assert_eq!(pool.idle_resident_bytes(), 300 * 4096 + 300 * 8192);
+        assert_eq!(pool.trim(), 300 * 4096 + 300 * 8192);
+        assert_eq!(pool.idle_resident_bytes(), 0);
+        let reused = pool.allocate(8192);
+        assert!(reused.iter().all(|&byte| byte == 0));
+    }
+}

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use parking_lot::lock_api::RawRwLock as _;
 use parking_lot::RawRwLock;
 
-use crate::aligned::AlignedBytes;
+use crate::aligned::{BufferPool, PooledBytes};
 
 /// The data bytes are valid (read from the device or wholly written).
 pub(crate) const VALID: u32 = 1;
@@ -75,14 +75,14 @@ pub(crate) struct Buffer {
     /// When the buffer last became dirty, on the injected clock.
     pub dirty_since_ns: AtomicU64,
     lock: RawRwLock,
-    data: UnsafeCell<AlignedBytes>,
+    data: UnsafeCell<PooledBytes>,
     memory: Arc<dyn MemoryRelease>,
 }
 
 // SAFETY: `data` is only touched through the guards below, which hold `lock` shared (read) or
 // exclusively (write); every other field is atomic or immutable.
 unsafe impl Sync for Buffer {}
-// SAFETY: as above; AlignedBytes is Send.
+// SAFETY: as above; PooledBytes is Send.
 unsafe impl Send for Buffer {}
 
 impl Buffer {
@@ -91,7 +91,7 @@ impl Buffer {
         key: BlockKey,
         size_bytes: usize,
         length_bytes: u32,
-        page_size: usize,
+        pool: &Arc<BufferPool>,
         charge_bytes: u32,
         memory: Arc<dyn MemoryRelease>,
     ) -> Arc<Buffer> {
@@ -104,7 +104,7 @@ impl Buffer {
             flags: AtomicU32::new(0),
             dirty_since_ns: AtomicU64::new(0),
             lock: RawRwLock::INIT,
-            data: UnsafeCell::new(AlignedBytes::zeroed(size_bytes, page_size)),
+            data: UnsafeCell::new(pool.allocate(size_bytes)),
             memory,
         };
         buffer.lock.lock_exclusive();

@@ -22,6 +22,7 @@ use std::time::Duration;
 use bufcache_policy::{Placement, Policy, Slot};
 use parking_lot::{Condvar, Mutex, RwLock};
 
+use crate::aligned::BufferPool;
 use crate::buffer::{BlockKey, Buffer, MemoryRelease, DIRTY, READAHEAD};
 use crate::config::{CacheConfig, ConfigError};
 use crate::environment::{Clock, Spawner, SystemClock, ThreadPool};
@@ -195,6 +196,8 @@ pub(crate) enum Lookup {
 /// State shared by every handle on one cache.
 pub(crate) struct Inner {
     pub config: CacheConfig,
+    /// Where buffer bytes come from (page-aligned slots in large chunks).
+    pub pool: Arc<BufferPool>,
     pub shards: Box<[Mutex<Shard>]>,
     shard_shift: u32,
     pub memory: Arc<MemoryAccount>,
@@ -279,6 +282,7 @@ impl Cache {
                 counters: Counters::default(),
                 dirty_bytes: AtomicU64::new(0),
                 objects: RwLock::new(Vec::new()),
+                pool: BufferPool::new(config.page_size_bytes as usize),
                 evict_cursor: AtomicUsize::new(0),
                 writeback_cursor: AtomicUsize::new(0),
                 clock: environment.clock,
@@ -363,6 +367,8 @@ impl Cache {
                 });
             }
         }
+        // Memory the smaller cache no longer uses goes back to the system.
+        self.inner.pool.trim();
         Ok(())
     }
 
@@ -383,7 +389,13 @@ impl Cache {
     /// data above the background threshold. Call it periodically (the server runs a thread;
     /// the simulator calls it on its virtual clock). Returns the blocks written.
     pub fn writeback_tick(&self) -> u64 {
-        self.inner.writeback_tick()
+        let written = self.inner.writeback_tick();
+        // Free buffer memory beyond an eighth of the limit is given back to the system.
+        let limit = self.inner.memory.bytes_max.load(Ordering::Acquire);
+        if self.inner.pool.idle_resident_bytes() > limit / 8 {
+            self.inner.pool.trim();
+        }
+        written
     }
 }
 
@@ -432,7 +444,7 @@ impl Inner {
             key,
             size,
             object.block_length_bytes(key.block),
-            self.config.page_size_bytes as usize,
+            &self.pool,
             charge as u32,
             Arc::clone(&self.memory) as Arc<dyn MemoryRelease>,
         );
@@ -610,7 +622,7 @@ impl Inner {
             key,
             size,
             object.block_length_bytes(key.block),
-            self.config.page_size_bytes as usize,
+            &self.pool,
             charge as u32,
             Arc::clone(&self.memory) as Arc<dyn MemoryRelease>,
         );

@@ -1,0 +1,97 @@
+//! The cache can shrink and grow at run time (seed 003: a buffer cache must give memory back
+//! and take it again) without losing dirty data or breaking its limits.
+//!
+//! Method: fill a cache with clean and dirty blocks, shrink its limits, check the snapshot
+//! respects the new limits and that every dirty block reached the device; grow it again and
+//! check it fills up to the larger limit.
+
+use std::sync::Arc;
+
+use bufcache::{Cache, CacheConfig, CountingDevice, Device, MemoryDevice, ObjectConfig};
+
+fn setup(
+    memory_bytes_max: u64,
+) -> (
+    Cache,
+    bufcache::ObjectHandle,
+    Arc<CountingDevice<MemoryDevice>>,
+) {
+    let config = CacheConfig {
+        memory_bytes_max,
+        buffers_max: memory_bytes_max / 4096,
+        readahead_size_max_bytes: 0,
+        dirty_limit_percent: 90,
+        dirty_background_percent: 90,
+        write_behind: false,
+        ..CacheConfig::default()
+    };
+    let cache = Cache::new(config).unwrap();
+    let device = Arc::new(CountingDevice::new(MemoryDevice::new(64 << 20)));
+    let object = cache
+        .open_object(ObjectConfig::new(
+            "sizing",
+            Arc::clone(&device) as Arc<dyn Device>,
+        ))
+        .unwrap();
+    (cache, object, device)
+}
+
+#[test]
+fn shrinking_writes_back_and_evicts_then_growing_fills_again() {
+    let (cache, object, device) = setup(8 << 20);
+    let mut block = vec![0u8; 4096];
+    for index in 0..2048u64 {
+        if index % 2 == 0 {
+            block.fill(index as u8 ^ 0x5a);
+            object.write_at(index * 4096, &block, false).unwrap();
+        } else {
+            object.read_at(index * 4096, &mut block).unwrap();
+        }
+    }
+    let full = cache.stats();
+    assert_eq!(full.memory_used_bytes, 8 << 20);
+    assert!(
+        full.dirty_bytes >= 3 << 20,
+        "half the blocks are dirty: {}",
+        full.dirty_bytes
+    );
+
+    cache.set_limits(2 << 20, 512).unwrap();
+    let small = cache.stats();
+    assert!(
+        small.memory_used_bytes <= 2 << 20,
+        "{} > 2 MiB",
+        small.memory_used_bytes
+    );
+    assert!(small.buffers_in_use <= 512);
+    assert_eq!((small.memory_bytes_max, small.buffers_max), (2 << 20, 512));
+    // Every dirty block that left the cache reached the device first.
+    for index in (0..2048u64).step_by(2) {
+        let mut back = vec![0u8; 4096];
+        object.read_at(index * 4096, &mut back).unwrap();
+        assert!(
+            back.iter().all(|&byte| byte == index as u8 ^ 0x5a),
+            "block {index}"
+        );
+    }
+    assert!(device.stats().writes.bytes >= 2 << 20);
+
+    cache.set_limits(16 << 20, 4096).unwrap();
+    for index in 0..4096u64 {
+        object.read_at(index * 4096, &mut block).unwrap();
+    }
+    let grown = cache.stats();
+    assert_eq!(
+        grown.memory_used_bytes,
+        16 << 20,
+        "the larger limit is used"
+    );
+    assert!(grown.memory_used_bytes <= grown.memory_bytes_max);
+}
+
+#[test]
+fn a_limit_too_small_for_one_buffer_is_refused() {
+    let (cache, _object, _device) = setup(1 << 20);
+    let error = cache.set_limits(1024, 16).unwrap_err().to_string();
+    assert!(error.contains("memory_bytes_max"), "{error}");
+}
