@@ -98,9 +98,9 @@ fn sustained_load() -> Measured {
     let bytes_moved = Arc::new(AtomicU64::new(0));
     let deadline = Instant::now() + duration;
     let mut workers = Vec::new();
-    for connection in 0..CONNECTIONS {
+    for (connection, shared_client) in clients.iter().enumerate().take(CONNECTIONS) {
         for thread in 0..THREADS {
-            let client = Arc::clone(&clients[connection]);
+            let client = Arc::clone(shared_client);
             let moved = Arc::clone(&bytes_moved);
             workers.push(std::thread::spawn(move || {
                 let mut rng = Rng::new(seed * 1000 + (connection * THREADS + thread) as u64);
