@@ -84,11 +84,18 @@ fn dd_copies_exactly_like_dd() {
     expected.resize(expected.len().max((5 + 300) * 4096), 0);
     expected[5 * 4096..(5 + 300) * 4096].copy_from_slice(&data[3 * 4096..(3 + 300) * 4096]);
     assert_eq!(std::fs::read(&output).unwrap(), expected);
-    // Blocks 5..305 in aligned 16 KiB clusters: a 3-block head, 74 whole clusters, one block.
+    // 300 blocks in clusters of at most 16 KiB: 75 when runs start at the first dirty block,
+    // 76 when write-behind already pushed the aligned clusters (a 3-block head, one tail block).
+    let report = text(&result);
+    let writes: u64 = report
+        .split("device writes: ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|count| count.parse().ok())
+        .unwrap_or_else(|| panic!("no device write count in: {report}"));
     assert!(
-        text(&result).contains("device writes: 76 transfers"),
-        "clusters bounded by the knob: {}",
-        text(&result)
+        (75..=76).contains(&writes),
+        "clusters bounded by the knob: {report}"
     );
 }
 
@@ -245,7 +252,7 @@ fn bad_input_is_named() {
         (&["dd", "bs=12q"], "bs="),
         (&["dd", "colour=blue"], "colour"),
         (&["serve", "--cache-size", "12q"], "--cache-size"),
-        (&["serve", "--cluster-size-max", "2M"], "cluster_size_max"),
+        (&["serve", "--cluster-size-max", "2M"], "--cluster-size-max"),
         (
             &["serve", "--backend", "/nonexistent/dir/disk.img"],
             "/nonexistent/dir/disk.img",

@@ -667,9 +667,9 @@ fn sweep(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
              the engine has one memory limit."
                 .into(),
             "LRU: a file larger than the cache read sequentially evicts each block before its \
-             reuse (0 hits). No-reuse barely helps: the stream's consumed blocks are demoted \
-             to the no-reuse queue, which is drained oldest first, so the head of the file \
-             still leaves first (vm_page_dontneed's pages are reclaimed newest first)."
+             reuse (0 hits). No-reuse: the stream's consumed blocks are demoted to the no-reuse \
+             queue, drained newest first as vm_page_dontneed reclaims, so the head of the file \
+             stays cached for the next pass (unused read-ahead is protected separately)."
                 .into(),
         ],
         plot: Plot {
