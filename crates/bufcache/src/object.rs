@@ -128,6 +128,8 @@ pub(crate) struct ObjectState {
     pub device: Arc<dyn Device>,
     pub map: Arc<dyn BlockMap>,
     pub dirty: Mutex<BTreeMap<u64, u64>>,
+    /// Where the next pressure-driven write-back starts looking (see `claim_dirty_cluster`).
+    writeback_cursor: AtomicU64,
     latch: Mutex<ErrorLatch>,
     streams: Mutex<StreamTable>,
     limits: WindowLimits,
@@ -179,6 +181,7 @@ impl ObjectState {
             device: config.device,
             map,
             dirty: Mutex::new(BTreeMap::new()),
+            writeback_cursor: AtomicU64::new(0),
             latch: Mutex::new(ErrorLatch::default()),
             streams: Mutex::new(StreamTable::new()),
             limits: WindowLimits {
@@ -205,8 +208,21 @@ impl ObjectState {
         }
     }
 
-    pub fn first_dirty_block(&self) -> Option<u64> {
-        self.dirty.lock().keys().next().copied()
+    /// A dirty block to start a write-back cluster at: the first at or after the object's
+    /// write-back cursor, wrapping to the start. The cursor moves one cluster past it, so
+    /// threads cleaning under memory pressure take different clusters instead of all
+    /// contending for the first one.
+    pub fn claim_dirty_cluster(&self) -> Option<u64> {
+        let dirty = self.dirty.lock();
+        let cursor = self.writeback_cursor.load(Ordering::Relaxed);
+        let block = dirty
+            .range(cursor..)
+            .next()
+            .or_else(|| dirty.iter().next())
+            .map(|(&block, _)| block)?;
+        self.writeback_cursor
+            .store(block + self.cluster_blocks, Ordering::Relaxed);
+        Some(block)
     }
 
     /// Records a write-back failure.

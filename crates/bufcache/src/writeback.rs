@@ -142,6 +142,8 @@ impl Inner {
             }
         }
         self.counters.writeback(cause, cleaned);
+        // Clean buffers can be evicted: wake allocations waiting for space.
+        self.memory.notify();
         if buffers.len() > 1 {
             self.counters.write_clusters.fetch_add(1, Ordering::Relaxed);
             self.counters
@@ -234,16 +236,32 @@ impl Inner {
                     .fetch_add(1, Ordering::Relaxed);
                 throttled = true;
             }
-            let Some(first) = object.first_dirty_block() else {
-                break;
-            };
-            if self.write_cluster_from(object, first, LockMode::Try, WritebackCause::Threshold)?
-                == 0
-            {
+            if self.clean_claimed_cluster(object, WritebackCause::Threshold)? == 0 {
                 break;
             }
         }
         Ok(())
+    }
+
+    /// Writes back a cluster claimed from the object's write-back cursor, trying a few
+    /// clusters when the first ones are being written by others or held by users. Returns
+    /// the blocks cleaned (0 when nothing could be cleaned now).
+    fn clean_claimed_cluster(
+        &self,
+        object: &ObjectState,
+        cause: WritebackCause,
+    ) -> Result<u64, CacheError> {
+        const CLAIMS_MAX: usize = 4;
+        for _ in 0..CLAIMS_MAX {
+            let Some(first) = object.claim_dirty_cluster() else {
+                return Ok(0);
+            };
+            let cleaned = self.write_cluster_from(object, first, LockMode::Try, cause)?;
+            if cleaned > 0 {
+                return Ok(cleaned);
+            }
+        }
+        Ok(0)
     }
 
     /// One round of background write-back: aged data first, then data above the
@@ -298,10 +316,7 @@ impl Inner {
         let mut last_error = None;
         for step in 0..objects.len() {
             let object = &objects[(start + step) % objects.len()];
-            let Some(first) = object.first_dirty_block() else {
-                continue;
-            };
-            match self.write_cluster_from(object, first, LockMode::Try, cause) {
+            match self.clean_claimed_cluster(object, cause) {
                 Ok(0) => continue,
                 Ok(cleaned) => return Ok(cleaned),
                 Err(error) => last_error = Some(error),
