@@ -136,7 +136,7 @@ impl Policy for Arc {
     }
 
     fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {
-        if let Some(slot) = self.lists.take_newest_accepted(NO_REUSE, evictable) {
+        if let Some(slot) = self.lists.take_oldest_accepted(NO_REUSE, evictable) {
             return Some(slot);
         }
         self.capacity = self.lists.tracked().max(1);

@@ -64,7 +64,7 @@ impl Policy for Clock {
     }
 
     fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {
-        if let Some(slot) = self.lists.take_newest_accepted(NO_REUSE, evictable) {
+        if let Some(slot) = self.lists.take_oldest_accepted(NO_REUSE, evictable) {
             return Some(slot);
         }
         let examinations_max = 2 * self.lists.len(RING) + 1;

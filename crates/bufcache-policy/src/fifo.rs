@@ -54,7 +54,7 @@ impl Policy for Fifo {
 
     fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {
         self.lists
-            .take_newest_accepted(NO_REUSE, evictable)
+            .take_oldest_accepted(NO_REUSE, evictable)
             .or_else(|| self.lists.take_oldest_accepted(QUEUE, evictable))
     }
 

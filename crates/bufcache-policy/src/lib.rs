@@ -15,7 +15,7 @@
 //! Policies that keep a history of evicted keys (ARC, 2Q, S3-FIFO ghosts) key it by the
 //! `key_hash` given at insert, so history survives slot reuse.
 //!
-//! Every policy keeps [`Placement::NoReuse`] entries in a last-in-first-out queue of their
+//! Every policy keeps [`Placement::NoReuse`] entries in a first-in-first-out queue of their
 //! own that `evict` drains before anything else, so "no reuse" combines with any base policy.
 //! Such entries leave no ghost history and no frequency; a hit on one moves it to the policy's
 //! normal insertion point (the stream turned out to be re-read).

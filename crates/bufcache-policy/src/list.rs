@@ -171,27 +171,6 @@ impl<const LIST_COUNT: usize> SlotLists<LIST_COUNT> {
         None
     }
 
-    /// Walks `list` from its head toward its tail and removes and returns the first slot that
-    /// `evictable` accepts: newest first. The no-reuse list is drained this way, like
-    /// `vm_page_dontneed` reclaiming the page a sequential reader released last, so a sweep
-    /// over a file larger than the cache keeps the file's head for its next pass instead of
-    /// cycling through all of it. Refused slots stay where they are; each is examined once.
-    pub(crate) fn take_newest_accepted(
-        &mut self,
-        list: ListId,
-        evictable: &mut dyn FnMut(Slot) -> bool,
-    ) -> Option<Slot> {
-        let mut candidate = some_slot(self.ends[list as usize].head);
-        while let Some(slot) = candidate {
-            if evictable(slot) {
-                self.unlink(slot);
-                return Some(slot);
-            }
-            candidate = some_slot(self.links[slot as usize].older);
-        }
-        None
-    }
-
     /// Panics unless the lists are consistent with their recorded lengths. O(slots).
     #[cfg(test)]
     pub(crate) fn debug_check(&self) {

@@ -1,12 +1,11 @@
 //! Least-recently-used: an intrusive doubly linked list over slots. Hits move a slot to the
 //! head; victims are taken from the tail.
 //!
-//! `NoReuse` entries go to a separate last-in-first-out queue that is drained before the LRU
+//! `NoReuse` entries go to a separate first-in-first-out queue that is drained before the LRU
 //! list, so a large sequential stream recycles its own buffers instead of the working set's,
-//! newest first (`vm_page_dontneed`): a sweep larger than the cache keeps the head of the
-//! file for its next pass. (The engine inserts read-ahead with normal placement and demotes it
-//! only after use, so LIFO never drops read-ahead before it is read.) A hit on a no-reuse
-//! entry moves it to the LRU head like any hit. Refused candidates keep their place.
+//! and a stream's read-ahead blocks leave in the order they arrived (oldest first) rather
+//! than the newest being dropped before it is read. A hit on a no-reuse entry moves it to the
+//! LRU head like any hit. Refused candidates keep their place.
 
 use crate::list::{ListId, SlotLists};
 use crate::{Placement, Policy, Slot};
@@ -56,7 +55,7 @@ impl Policy for Lru {
 
     fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {
         self.lists
-            .take_newest_accepted(NO_REUSE, evictable)
+            .take_oldest_accepted(NO_REUSE, evictable)
             .or_else(|| self.lists.take_oldest_accepted(RECENCY, evictable))
     }
 
@@ -97,14 +96,13 @@ mod tests {
     }
 
     #[test]
-    fn no_reuse_entries_leave_newest_first_before_the_working_set() {
+    fn no_reuse_entries_leave_oldest_first() {
         let mut lru = Lru::with_capacity(4);
         lru.insert(0, 0, Placement::Normal);
         lru.insert(1, 1, Placement::NoReuse);
         lru.insert(2, 2, Placement::NoReuse);
-        assert_eq!(lru.evict(&mut |_| true), Some(2));
         assert_eq!(lru.evict(&mut |_| true), Some(1));
-        assert_eq!(lru.evict(&mut |_| true), Some(0));
+        assert_eq!(lru.evict(&mut |_| true), Some(2));
         lru.lists.debug_check();
     }
 }

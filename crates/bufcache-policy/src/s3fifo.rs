@@ -162,7 +162,7 @@ impl Policy for S3Fifo {
     }
 
     fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {
-        if let Some(slot) = self.lists.take_newest_accepted(NO_REUSE, evictable) {
+        if let Some(slot) = self.lists.take_oldest_accepted(NO_REUSE, evictable) {
             return Some(slot);
         }
         self.has_evicted = true;

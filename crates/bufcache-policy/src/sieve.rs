@@ -89,7 +89,7 @@ impl Policy for Sieve {
     }
 
     fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {
-        if let Some(slot) = self.lists.take_newest_accepted(NO_REUSE, evictable) {
+        if let Some(slot) = self.lists.take_oldest_accepted(NO_REUSE, evictable) {
             return Some(slot);
         }
         debug_assert!(self.hand == NONE || self.lists.list_of(self.hand) == Some(QUEUE));

@@ -667,9 +667,10 @@ fn sweep(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
              the engine has one memory limit."
                 .into(),
             "LRU: a file larger than the cache read sequentially evicts each block before its \
-             reuse (0 hits). No-reuse: the stream's consumed blocks are demoted to the no-reuse \
-             queue, drained newest first as vm_page_dontneed reclaims, so the head of the file \
-             stays cached for the next pass (unused read-ahead is protected separately)."
+             reuse (0 hits). No-reuse barely helps: consumed blocks go to the no-reuse queue, \
+             drained oldest first, so the head of the file still leaves first. Draining it \
+             newest first (vm_page_dontneed) doubles this sweep but lets a looping scan keep \
+             and promote its head, costing the `scan` experiment's working set (docs/policies.md)."
                 .into(),
         ],
         plot: Plot {
