@@ -628,11 +628,7 @@ impl ObjectHandle {
     /// refuses). Best effort: blocks already cached and blocks that find no free space are
     /// skipped; errors are counted but not reported, since no reader asked for these blocks.
     fn start_readahead(&self, start: u64, end: u64) {
-        let handle = ObjectHandle {
-            cache: self.cache.clone(),
-            object: Arc::clone(&self.object),
-            seen_error_sequence: AtomicU64::new(0),
-        };
+        let handle = self.background_handle();
         let job = Box::new(move || handle.fill_readahead(start, end));
         if let Err(job) = self.cache.inner.spawner.spawn(job) {
             job();
@@ -661,13 +657,34 @@ impl ObjectHandle {
             block += run.len() as u64;
             runs.push(run);
         }
+        // Every run after the first is read by its own background job, so a window larger
+        // than a cluster keeps several requests in flight (what a high-latency backend
+        // needs); the first run, which the reader wants soonest, is read here. A failed run
+        // is dropped unread, which removes its buffers: read-ahead caches nothing on error,
+        // and the reader meets the error itself.
+        let mut runs = runs.into_iter();
+        let Some(mut first) = runs.next() else { return };
         for mut run in runs {
-            let start = run[0].block();
-            if self.read_collected(&mut run, start).is_err() {
-                // The remaining runs are dropped unread, which removes them: a failed
-                // read-ahead caches nothing, and the reader will see the error itself.
-                return;
+            let handle = self.background_handle();
+            let job: crate::environment::Job = Box::new(move || {
+                let start = run[0].block();
+                let _ = handle.read_collected(&mut run, start);
+            });
+            if let Err(job) = self.inner().spawner.spawn(job) {
+                job();
             }
+        }
+        let start = first[0].block();
+        let _ = self.read_collected(&mut first, start);
+    }
+
+    /// A handle for background work; it reports no errors to anyone (its errseq position is
+    /// irrelevant), so it does not take part in flush error reporting.
+    fn background_handle(&self) -> ObjectHandle {
+        ObjectHandle {
+            cache: self.cache.clone(),
+            object: Arc::clone(&self.object),
+            seen_error_sequence: AtomicU64::new(0),
         }
     }
 
