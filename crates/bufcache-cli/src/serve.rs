@@ -150,6 +150,10 @@ impl Export for CacheExport {
         self.object.prefetch(offset, length).map_err(io_error)
     }
 
+    fn read_is_quick(&self, offset: u64, length: u64) -> bool {
+        self.object.is_resident(offset, length)
+    }
+
     fn open_connection(&self) -> Option<Arc<dyn Export>> {
         Some(Arc::new(CacheExport {
             object: self.object.reopen(),

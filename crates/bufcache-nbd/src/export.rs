@@ -62,6 +62,12 @@ pub trait Export: Send + Sync {
     }
     /// Hint to bring `length` bytes at `offset` into the cache.
     fn cache(&self, offset: u64, length: u64) -> io::Result<()>;
+    /// True when a READ of this range will finish without waiting for slow I/O (for a
+    /// cache: every block is resident). The server may then serve it on the connection's
+    /// reader thread instead of handing it to a worker. The default, false, always hands off.
+    fn read_is_quick(&self, _offset: u64, _length: u64) -> bool {
+        false
+    }
     /// A per-connection view of this export, called once when a connection enters
     /// transmission; `None` (the default) shares this export with every connection. A cache
     /// uses it to give each connection its own position for reporting write-back errors, so

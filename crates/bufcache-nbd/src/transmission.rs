@@ -1,7 +1,8 @@
 //! The server's transmission phase for one connection: read requests, validate them, run them
 //! on a small pool of worker threads, and write replies in whatever order they finish. A
-//! request that arrives while nothing else is in flight and no further request is waiting in
-//! the socket is served on the reader thread itself: the client is waiting for it alone.
+//! READ the export says is quick (cached), arriving while nothing else is in flight and no
+//! further request waits in the socket, is served on the reader thread itself: the client is
+//! waiting for it alone, and it cannot hold up requests behind it.
 //!
 //! Invariants:
 //! - one reader (the connection's thread) owns the read side; it alone decides when the
@@ -90,6 +91,9 @@ struct Connection {
     inflight: InflightBudget,
     /// Set when a reply could not be written; the reader stops at its next request.
     broken: AtomicBool,
+    /// Requests accepted, and how many of them the reader thread served itself.
+    requests_served: std::sync::atomic::AtomicU64,
+    requests_served_inline: std::sync::atomic::AtomicU64,
 }
 
 /// Serves one connection from the end of the handshake until the client leaves, the socket
@@ -108,11 +112,18 @@ pub(crate) fn serve(
         limits,
         inflight: InflightBudget::default(),
         broken: AtomicBool::new(false),
+        requests_served: Default::default(),
+        requests_served_inline: Default::default(),
     });
     let pool = WorkerPool::new(limits.workers_max);
     let result = read_requests(stream, &connection, &pool);
     // Answer everything already accepted before the socket closes.
     pool.close_and_join();
+    tracing::debug!(
+        requests = connection.requests_served.load(Ordering::Relaxed),
+        served_by_reader = connection.requests_served_inline.load(Ordering::Relaxed),
+        "connection finished"
+    );
     result
 }
 
@@ -164,10 +175,19 @@ fn read_requests(
             payload,
             cost_bytes,
         };
-        if was_idle && stream.pending_bytes() == 0 {
-            // Nothing else is in flight and the client has sent nothing more: it is waiting
-            // for this reply. Serving it here spares two thread hand-offs (most of the cost
-            // of a cached 4K read); a pipelining client still gets the worker pool.
+        let quick = request.header.command == CMD_READ
+            && connection
+                .export
+                .read_is_quick(request.header.offset, u64::from(request.header.length));
+        connection.requests_served.fetch_add(1, Ordering::Relaxed);
+        if was_idle && quick && stream.pending_bytes() == 0 {
+            connection
+                .requests_served_inline
+                .fetch_add(1, Ordering::Relaxed);
+            // Nothing else is in flight, the client has sent nothing more (it is waiting for
+            // this reply) and the export says the read will not wait for I/O. Serving it here
+            // spares two thread hand-offs, most of the cost of a cached 4K read. Anything
+            // that may be slow goes to the workers, so it never holds up later requests.
             connection.execute(request);
             continue;
         }

@@ -587,6 +587,15 @@ impl Inner {
         self.writeback_cursor.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// True when `key` is in the table (no pin, no statistics, no policy update).
+    pub fn contains(&self, key: BlockKey) -> bool {
+        let (index, hash) = self.shard_index(&key);
+        self.shards[index]
+            .lock()
+            .map
+            .contains_key(&MixedKey(hash, key))
+    }
+
     /// Pins the buffer for `key` without counting a hit or telling the policy (write-back
     /// and invalidation are not uses).
     pub fn lookup_quiet(&self, key: BlockKey) -> Option<Arc<Buffer>> {

@@ -688,6 +688,20 @@ impl ObjectHandle {
         }
     }
 
+    /// True when every block of the byte range is in the cache now (a hint: it may change
+    /// at once). Ranges over 64 blocks answer false without looking, to keep the check cheap.
+    pub fn is_resident(&self, offset: u64, length_bytes: u64) -> bool {
+        const BLOCKS_MAX: u64 = 64;
+        if self.object.check_range(offset, length_bytes).is_err() || length_bytes == 0 {
+            return false;
+        }
+        let block_size = self.object.block_size_bytes as u64;
+        let first = offset / block_size;
+        let end = (offset + length_bytes).div_ceil(block_size);
+        end - first <= BLOCKS_MAX
+            && (first..end).all(|block| self.inner().contains(self.object.key(block)))
+    }
+
     /// NBD_CMD_CACHE: reads `[offset, offset + length)` into the cache.
     pub fn prefetch(&self, offset: u64, length_bytes: u64) -> Result<(), CacheError> {
         self.object.check_range(offset, length_bytes)?;
