@@ -4,6 +4,7 @@ mod config_file;
 mod dd;
 mod engine_args;
 mod metrics;
+mod plot;
 mod replay;
 mod serve;
 mod sim;

@@ -49,8 +49,9 @@ pub struct ReplayArgs {
     /// Print a JSON array instead of a table.
     #[arg(long)]
     json: bool,
-    /// Also draw the miss-ratio curves (miss ratio per cache size, a line per policy) as SVG.
-    #[arg(long, value_name = "FILE.svg")]
+    /// Also draw the miss-ratio curves (miss ratio per cache size, a line per policy): an
+    /// SVG file, or PNG when the name ends in .png.
+    #[arg(long, value_name = "FILE.svg|FILE.png")]
     plot: Option<PathBuf>,
 }
 
@@ -103,8 +104,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     }
     let rows = replay_all(&accesses, requests, &combinations);
     if let Some(path) = &args.plot {
-        std::fs::write(path, miss_ratio_plot(&rows, &args).to_svg())
-            .with_context(|| format!("writing {}", path.display()))?;
+        crate::plot::write_plot(&miss_ratio_plot(&rows, &args).to_svg(), path)?;
         eprintln!("bufcache: wrote {}", path.display());
     }
     if args.json {

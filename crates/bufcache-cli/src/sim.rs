@@ -22,7 +22,7 @@ pub struct SimArgs {
 enum SimCommand {
     /// List the experiments.
     List,
-    /// Run a seed experiment: prints its table and writes NAME.txt, .csv, .json and .svg.
+    /// Run a seed experiment: prints its table and writes NAME.txt, .csv, .json, .svg and .png.
     #[command(after_help = "Examples:\n  \
         bufcache sim experiment maxbsize            # seed 000: MAXBSIZE 16K vs 64K on an RZ25\n  \
         bufcache sim experiment sweep --scale 0.25  # seed 003's read sweep, smaller and faster\n  \
@@ -101,10 +101,19 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
                 std::fs::write(&path, contents)
                     .with_context(|| format!("writing {}", path.display()))?;
             }
-            eprintln!(
-                "bufcache: wrote {}/{name}.{{txt,csv,json,svg}}",
-                output.display()
-            );
+            let png = output.join(format!("{name}.png"));
+            if crate::plot::png_available() {
+                crate::plot::write_plot(&result.to_svg(), &png)?;
+                eprintln!(
+                    "bufcache: wrote {}/{name}.{{txt,csv,json,svg,png}}",
+                    output.display()
+                );
+            } else {
+                eprintln!(
+                    "bufcache: wrote {}/{name}.{{txt,csv,json,svg}}; no PNG (install librsvg2-bin for rsvg-convert)",
+                    output.display()
+                );
+            }
             Ok(())
         }
         SimCommand::Run {

@@ -185,7 +185,7 @@ fn sim_experiment_prints_its_table_and_writes_its_files() {
     ]);
     assert!(result.status.success(), "{}", text(&result));
     assert!(text(&result).contains("MAXBSIZE"), "{}", text(&result));
-    for extension in ["txt", "csv", "json", "svg"] {
+    for extension in ["txt", "csv", "json", "svg", "png"] {
         let path = directory.path().join(format!("maxbsize.{extension}"));
         assert!(
             std::fs::metadata(&path)
@@ -202,6 +202,45 @@ fn sim_experiment_prints_its_table_and_writes_its_files() {
         "the error lists the experiments: {}",
         text(&result)
     );
+}
+
+#[test]
+fn replay_draws_its_miss_ratio_curve_as_svg_and_png() {
+    let directory = tempfile::tempdir().unwrap();
+    let trace = directory.path().join("loop.csv");
+    let lines: String = (0..3000)
+        .map(|index| format!("{index},{},4096,r\n", index % 300))
+        .collect();
+    std::fs::write(&trace, lines).unwrap();
+    for name in ["curve.svg", "curve.png"] {
+        let plot = directory.path().join(name);
+        let result = bufcache(&[
+            "replay",
+            trace.to_str().unwrap(),
+            "--format",
+            "csv",
+            "--trace-options",
+            "time-col=1,obj-id-col=2,obj-size-col=3,op-col=4",
+            "--policy",
+            "lru,s3fifo",
+            "--cache-size",
+            "100,200,400",
+            "--no-split",
+            "--plot",
+            plot.to_str().unwrap(),
+        ]);
+        assert!(result.status.success(), "{}", text(&result));
+        let bytes = std::fs::read(&plot).unwrap();
+        if name.ends_with(".png") {
+            assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "a real PNG");
+        } else {
+            let svg = String::from_utf8(bytes).unwrap();
+            assert!(
+                svg.starts_with("<svg") && svg.contains("lru") && svg.contains("miss ratio"),
+                "{svg}"
+            );
+        }
+    }
 }
 
 #[test]
