@@ -83,13 +83,18 @@ impl Inner {
                 LockMode::Try => {}
                 LockMode::Wait => buffer.lock_shared(),
             }
-            if !buffer.has(DIRTY) {
+            // Claim first, then look at DIRTY: a write-back already in flight may have cleared
+            // DIRTY without having finished its bookkeeping (dirty set, dirty bytes), or may
+            // still fail and leave the data dirty. Only its end (WRITEBACK cleared) settles
+            // whether this buffer still needs writing.
+            if buffer.set(WRITEBACK) {
+                if buffer.has(DIRTY) {
+                    return true;
+                }
+                buffer.clear(WRITEBACK);
                 // SAFETY: locked shared just above.
                 unsafe { buffer.unlock_shared() };
                 return false;
-            }
-            if buffer.set(WRITEBACK) {
-                return true;
             }
             // SAFETY: locked shared just above.
             unsafe { buffer.unlock_shared() };
