@@ -9,24 +9,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-pub const SIGKILL: i32 = 9;
-pub const SIGTERM: i32 = 15;
-
-extern "C" {
-    fn kill(pid: i32, signal: i32) -> i32;
-}
-
-/// Sends `signal` to process `pid`.
-pub fn send_signal(pid: u32, signal: i32) {
-    // SAFETY: kill(2) has no memory-safety preconditions.
-    let result = unsafe { kill(pid as i32, signal) };
-    assert_eq!(result, 0, "kill({pid}, {signal}) failed");
-}
-
-/// The `bufcache` binary under test.
-pub fn bufcache_bin() -> &'static str {
-    env!("CARGO_BIN_EXE_bufcache")
-}
+// The primitives the end-to-end tests already have (process signals, tool lookup, timing,
+// bounded waits) come from their helper module rather than a second copy.
+#[path = "../common/mod.rs"]
+mod common;
+pub use common::{bufcache_bin, have_tools, send_signal, wait_timeout, Timer, SIGTERM};
 
 /// A private temporary directory with a short path (unix socket paths are limited).
 pub fn temp_dir() -> tempfile::TempDir {
@@ -34,36 +21,6 @@ pub fn temp_dir() -> tempfile::TempDir {
         .prefix("bcrel-")
         .tempdir_in("/tmp")
         .expect("creating a temporary directory")
-}
-
-/// Where `name` is installed, searching PATH and the sbin directories.
-pub fn find_tool(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    let mut dirs: Vec<PathBuf> = std::env::split_paths(&path).collect();
-    for extra in ["/usr/sbin", "/sbin", "/usr/bin", "/bin"] {
-        dirs.push(PathBuf::from(extra));
-    }
-    dirs.into_iter()
-        .map(|dir| dir.join(name))
-        .find(|candidate| candidate.is_file())
-}
-
-/// True when every tool is installed; otherwise prints why `test` is skipped.
-pub fn have_tools(test: &str, names: &[&str]) -> bool {
-    let missing: Vec<&str> = names
-        .iter()
-        .copied()
-        .filter(|name| find_tool(name).is_none())
-        .collect();
-    if missing.is_empty() {
-        true
-    } else {
-        eprintln!(
-            "SKIPPED {test}: needed tool(s) not installed: {}",
-            missing.join(", ")
-        );
-        false
-    }
 }
 
 /// True when nbdkit has `plugin` (and every filter in `filters`); otherwise prints why.
@@ -87,46 +44,6 @@ pub fn have_nbdkit(test: &str, plugin: &str, filters: &[&str]) -> bool {
         eprintln!("SKIPPED {test}: nbdkit lacks plugin {plugin} or filters {filters:?}");
     }
     ok
-}
-
-/// Prints how long a test took when dropped.
-pub struct Timer {
-    name: String,
-    start: Instant,
-}
-
-impl Timer {
-    pub fn new(name: &str) -> Timer {
-        eprintln!("[{name}] start");
-        Timer {
-            name: name.to_string(),
-            start: Instant::now(),
-        }
-    }
-}
-
-impl Drop for Timer {
-    fn drop(&mut self) {
-        eprintln!(
-            "[{}] took {:.2} s",
-            self.name,
-            self.start.elapsed().as_secs_f64()
-        );
-    }
-}
-
-/// Waits for `child` up to `timeout`; None when it is still running.
-pub fn wait_timeout(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(status) = child.try_wait().expect("waiting for a child") {
-            return Some(status);
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 /// Waits until a unix socket accepts connections, or panics with `describe()` after
