@@ -184,7 +184,7 @@ pub fn run(args: DdArgs) -> anyhow::Result<()> {
         return demonstration(&args.engine, block_size);
     }
     let operands = parse_operands(&args.operands)?;
-    let cache = Cache::new(config)?;
+    let cache = bufcache_host::system_cache(config)?;
     let report = copy(&cache, &operands, block_size, None)?;
     print_report(&report);
     Ok(())
@@ -508,7 +508,7 @@ fn demonstration(engine: &EngineArgs, block_size: u32) -> anyhow::Result<()> {
             ..Default::default()
         };
         print_report(&copy(
-            &Cache::new(engine.config()?)?,
+            &bufcache_host::system_cache(engine.config()?)?,
             &write,
             block_size,
             None,
@@ -525,7 +525,7 @@ fn demonstration(engine: &EngineArgs, block_size: u32) -> anyhow::Result<()> {
         };
         let all_zero = |data: &[u8]| data.iter().all(|&byte| byte == 0);
         print_report(&copy(
-            &Cache::new(engine.config()?)?,
+            &bufcache_host::system_cache(engine.config()?)?,
             &read,
             block_size,
             Some(&all_zero),

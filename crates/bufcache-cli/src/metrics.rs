@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use bufcache::counting::{histogram_bucket_limit_bytes, HISTOGRAM_BUCKETS};
+use bufcache::device::counting::{histogram_bucket_limit_bytes, HISTOGRAM_BUCKETS};
 use bufcache::{
     Cache, CacheStats, CountingDevice, Device, DeviceStats, DirectionStats, IoQueue, IoQueueStats,
     WritebackCause,

@@ -126,7 +126,7 @@ impl Export for CacheExport {
         fast_only: bool,
         fua: bool,
     ) -> std::io::Result<()> {
-        let fast = may_trim && self.object.device().write_zeroes_is_fast();
+        let fast = may_trim && self.object.device().capabilities().write_zeroes_fast;
         if fast_only && !fast {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::Unsupported,
@@ -143,7 +143,7 @@ impl Export for CacheExport {
     }
 
     fn can_fast_zero(&self) -> bool {
-        self.object.device().write_zeroes_is_fast()
+        self.object.device().capabilities().write_zeroes_fast
     }
 
     fn cache(&self, offset: u64, length: u64) -> std::io::Result<()> {
@@ -281,7 +281,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         server_config.inflight_bytes_max = server_config.inflight_bytes_max.max(size);
     }
     server_config.validate()?;
-    let cache = Cache::new(config)?;
+    let cache = bufcache_host::system_cache(config)?;
     let mut exports: Vec<(String, Arc<dyn Export>)> = Vec::new();
     let mut meters = Vec::new();
     for (name, backend, is_default) in export_specs(&args)? {

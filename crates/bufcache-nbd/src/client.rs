@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use bufcache::device::{check_range, Device, Extent};
+use bufcache::device::{check_range, Capabilities, Device, Extent};
 use parking_lot::{Condvar, Mutex};
 
 use crate::client_handshake::{self, ExportInfo, HandshakeFailure};
@@ -989,20 +989,9 @@ impl Device for NbdClient {
         Ok(self.trim(offset, length)?)
     }
 
-    fn len(&self) -> u64 {
-        self.size()
-    }
-
     fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
         check_range(self.size(), offset, length)?;
         Ok(self.zero(offset, length, true)?)
-    }
-
-    /// Fast only when the server says so (it advertises FAST_ZERO); WRITE_ZEROES alone may
-    /// still be implemented by writing zeroes on the server's side.
-    fn write_zeroes_is_fast(&self) -> bool {
-        let info = &self.shared.info;
-        info.has_flag(TRANSMIT_SEND_WRITE_ZEROES) && info.has_flag(TRANSMIT_SEND_FAST_ZERO)
     }
 
     fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {
@@ -1017,8 +1006,19 @@ impl Device for NbdClient {
             .collect())
     }
 
-    fn alignment(&self) -> usize {
-        self.shared.info.block_size_min as usize
+    fn capabilities(&self) -> Capabilities {
+        let info = &self.shared.info;
+        Capabilities {
+            length_bytes: self.size(),
+            alignment_bytes: info.block_size_min as usize,
+            // TRIM may leave old data behind; only WRITE_ZEROES promises zeroes.
+            discard_zeroes: false,
+            // Fast only when the server says so (it advertises FAST_ZERO); WRITE_ZEROES alone
+            // may still be implemented by writing zeroes on the server's side.
+            write_zeroes_fast: info.has_flag(TRANSMIT_SEND_WRITE_ZEROES)
+                && info.has_flag(TRANSMIT_SEND_FAST_ZERO),
+            extents: true,
+        }
     }
 
     fn describe(&self) -> String {

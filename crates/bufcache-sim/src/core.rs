@@ -384,8 +384,16 @@ impl Device for SimDevice {
         bufcache::device::check_range(self.length, offset, length)
     }
 
-    fn len(&self) -> u64 {
-        self.length
+    fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
+        bufcache::device::write_zeroes_by_writing(self, offset, length)
+    }
+
+    fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<bufcache::Extent>> {
+        bufcache::device::all_data(self.length, offset, length)
+    }
+
+    fn capabilities(&self) -> bufcache::Capabilities {
+        bufcache::Capabilities::plain(self.length)
     }
 
     fn describe(&self) -> String {

@@ -15,7 +15,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bufcache::{Cache, CacheConfig, CacheError, ConfigError, Environment, ObjectConfig};
+use bufcache::{Cache, CacheConfig, CacheError, ConfigError, Environment, NoWait, ObjectConfig};
 use bufcache::{ObjectHandle, PolicyKind};
 use serde::Serialize;
 
@@ -368,10 +368,7 @@ impl Simulation {
         ));
         let cache = Cache::with_environment(
             config.cache.clone(),
-            Environment {
-                clock: clock.clone(),
-                spawner: spawner.clone(),
-            },
+            Environment::new(clock.clone(), spawner.clone(), Arc::new(NoWait)),
         )?;
         let layout = FsLayout::new(
             config.layout.clone(),

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use parking_lot::lock_api::RawRwLock as _;
 use parking_lot::RawRwLock;
 
-use crate::aligned::{BufferPool, PooledBytes};
+use bufcache_device::aligned::{BufferPool, PooledBytes};
 
 /// The data bytes are valid (read from the device or wholly written).
 pub(crate) const VALID: u32 = 1;

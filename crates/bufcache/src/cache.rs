@@ -20,15 +20,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bufcache_policy::{Placement, Policy, Slot};
-use parking_lot::{Condvar, Mutex, RwLock};
+use parking_lot::{Mutex, RwLock};
 
-use crate::aligned::BufferPool;
 use crate::buffer::{BlockKey, Buffer, MemoryRelease, DIRTY, READAHEAD};
 use crate::config::{CacheConfig, ConfigError};
-use crate::environment::{Clock, Spawner, SystemClock, ThreadPool};
+use crate::environment::{Clock, Environment, Spawner, Waiter};
 use crate::error::CacheError;
 use crate::object::{ObjectConfig, ObjectHandle, ObjectState};
 use crate::stats::{CacheStats, Counters, WritebackCause};
+use bufcache_device::aligned::BufferPool;
 
 /// Hashes a [`BlockKey`] by its own mixing function: keys are already well mixed, so the
 /// table's hasher only passes the 64-bit value through.
@@ -113,8 +113,7 @@ pub(crate) struct MemoryAccount {
     bytes_max: AtomicU64,
     buffers_max: AtomicU64,
     waiters: AtomicUsize,
-    wait_lock: Mutex<()>,
-    released: Condvar,
+    waiter: Arc<dyn Waiter>,
 }
 
 impl MemoryAccount {
@@ -150,17 +149,23 @@ impl MemoryAccount {
             || self.buffers.load(Ordering::Acquire) > self.buffers_max.load(Ordering::Acquire)
     }
 
-    fn wait_for_release(&self, timeout: Duration) {
-        let mut guard = self.wait_lock.lock();
+    /// Takes a ticket, then blocks (through the injected waiter) until a release after it or
+    /// `timeout` — unless space appeared between the caller's last try and the ticket.
+    fn wait_for_release(&self, charge_bytes: u64, timeout: Duration) {
         self.waiters.fetch_add(1, Ordering::AcqRel);
-        self.released.wait_for(&mut guard, timeout);
+        let ticket = self.waiter.ticket();
+        let bytes_max = self.bytes_max.load(Ordering::Acquire);
+        let room = self.used_bytes.load(Ordering::Acquire) + charge_bytes <= bytes_max
+            && self.buffers.load(Ordering::Acquire) < self.buffers_max.load(Ordering::Acquire);
+        if !room {
+            self.waiter.wait(ticket, timeout.as_nanos() as u64);
+        }
         self.waiters.fetch_sub(1, Ordering::AcqRel);
     }
 
     pub(crate) fn notify(&self) {
         if self.waiters.load(Ordering::Acquire) > 0 {
-            let _guard = self.wait_lock.lock();
-            self.released.notify_all();
+            self.waiter.notify_all();
         }
     }
 }
@@ -208,6 +213,7 @@ pub(crate) struct Inner {
     writeback_cursor: AtomicUsize,
     pub clock: Arc<dyn Clock>,
     pub spawner: Arc<dyn Spawner>,
+    pub waiter: Arc<dyn Waiter>,
 }
 
 /// A concurrent block buffer cache. Cheap to clone; every clone is the same cache.
@@ -216,32 +222,7 @@ pub struct Cache {
     pub(crate) inner: Arc<Inner>,
 }
 
-/// The injected environment of a cache.
-pub struct Environment {
-    /// Time source for dirty ages.
-    pub clock: Arc<dyn Clock>,
-    /// Runs read-ahead and write-behind in the background.
-    pub spawner: Arc<dyn Spawner>,
-}
-
-impl Environment {
-    /// The host clock and a pool of `workers` threads for background I/O.
-    pub fn system(workers: usize, queued_max: usize) -> Self {
-        Environment {
-            clock: Arc::new(SystemClock::new()),
-            spawner: ThreadPool::new("bufcache-io", workers, queued_max),
-        }
-    }
-}
-
 impl Cache {
-    /// A cache with the host clock and a small background thread pool.
-    pub fn new(config: CacheConfig) -> Result<Cache, ConfigError> {
-        let workers = 4;
-        let environment = Environment::system(workers, config.background_jobs_queued_max);
-        Cache::with_environment(config, environment)
-    }
-
     /// A cache whose time and background execution are injected.
     pub fn with_environment(
         config: CacheConfig,
@@ -271,8 +252,7 @@ impl Cache {
             bytes_max: AtomicU64::new(config.memory_bytes_max),
             buffers_max: AtomicU64::new(config.buffers_max),
             waiters: AtomicUsize::new(0),
-            wait_lock: Mutex::new(()),
-            released: Condvar::new(),
+            waiter: Arc::clone(environment.waiter()),
         });
         Ok(Cache {
             inner: Arc::new(Inner {
@@ -285,8 +265,9 @@ impl Cache {
                 pool: BufferPool::new(config.page_size_bytes as usize),
                 evict_cursor: AtomicUsize::new(0),
                 writeback_cursor: AtomicUsize::new(0),
-                clock: environment.clock,
-                spawner: environment.spawner,
+                clock: Arc::clone(environment.clock()),
+                spawner: Arc::clone(environment.spawner()),
+                waiter: Arc::clone(environment.waiter()),
                 config,
             }),
         })
@@ -570,7 +551,7 @@ impl Inner {
             if waited.is_zero() {
                 self.counters.space_waits.fetch_add(1, Ordering::Relaxed);
             }
-            self.memory.wait_for_release(step);
+            self.memory.wait_for_release(charge_bytes, step);
             waited += step;
         }
     }

@@ -1,45 +1,17 @@
-//! What the engine takes from its environment, injected: time and background execution.
+//! What the engine takes from its environment, injected: time, background execution, waiting.
 //!
-//! The engine never reads the wall clock or starts threads on its own. A server passes
-//! [`SystemClock`] and a [`ThreadPool`]; the simulator passes a virtual clock and an inline or
-//! deterministic spawner, so the same engine code runs in simulation.
+//! The engine never reads the wall clock, sleeps, blocks on a timer or starts threads on its
+//! own (clippy's `disallowed-methods` in this crate's `clippy.toml` enforces it). A server
+//! passes the system clock, a thread pool and a blocking waiter from `bufcache-host`; the
+//! simulator passes a virtual clock, an inline or deterministic spawner and [`NoWait`], so the
+//! same engine code runs in simulation.
 
-use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::Arc;
-use std::time::Instant;
-
-use parking_lot::Mutex;
 
 /// A monotonic clock in nanoseconds from an arbitrary origin.
 pub trait Clock: Send + Sync {
     /// Nanoseconds since the clock's origin. Never decreases.
     fn now_ns(&self) -> u64;
-}
-
-/// The host's monotonic clock.
-pub struct SystemClock {
-    origin: Instant,
-}
-
-impl SystemClock {
-    /// A clock whose origin is now.
-    pub fn new() -> Self {
-        SystemClock {
-            origin: Instant::now(),
-        }
-    }
-}
-
-impl Default for SystemClock {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl Clock for SystemClock {
-    fn now_ns(&self) -> u64 {
-        self.origin.elapsed().as_nanos() as u64
-    }
 }
 
 /// A unit of background work: read-ahead or write-behind.
@@ -71,48 +43,83 @@ impl Spawner for NoSpawner {
     }
 }
 
-/// A fixed set of worker threads fed by a bounded queue.
-pub struct ThreadPool {
-    sender: Mutex<Option<SyncSender<Job>>>,
+/// Blocks the calling thread until something it waits for may have changed (memory released,
+/// a write-back finished), or a timeout passes.
+///
+/// Waiting goes through this trait so that the engine never touches real time: a server
+/// injects a blocking implementation (`bufcache-host`), the simulator and deterministic tests
+/// inject [`NoWait`], whose waits return at once, and the engine's waits stay bounded because
+/// it counts each wait as the full timeout.
+pub trait Waiter: Send + Sync {
+    /// A ticket naming the current state. Take it before checking the condition and pass it
+    /// to [`Waiter::wait`], so a notification between the check and the wait is not lost.
+    fn ticket(&self) -> u64;
+
+    /// Returns when [`Waiter::notify_all`] has been called since `ticket` was taken, or after
+    /// at most `timeout_ns`, whichever comes first. May return early.
+    fn wait(&self, ticket: u64, timeout_ns: u64);
+
+    /// Wakes every waiter.
+    fn notify_all(&self);
 }
 
-impl ThreadPool {
-    /// Starts `workers` threads named `name` with room for `queued_max` waiting jobs.
-    pub fn new(name: &str, workers: usize, queued_max: usize) -> Arc<Self> {
-        let (sender, receiver) = sync_channel::<Job>(queued_max);
-        let receiver = Arc::new(Mutex::new(receiver));
-        for index in 0..workers.max(1) {
-            let receiver = Arc::clone(&receiver);
-            std::thread::Builder::new()
-                .name(format!("{name}-{index}"))
-                .spawn(move || loop {
-                    let job = receiver.lock().recv();
-                    match job {
-                        Ok(job) => job(),
-                        Err(_) => return,
-                    }
-                })
-                .expect("starting a worker thread");
-        }
-        Arc::new(ThreadPool {
-            sender: Mutex::new(Some(sender)),
-        })
+/// Never blocks: every wait returns at once. Deterministic, for tests and simulation.
+pub struct NoWait;
+
+impl Waiter for NoWait {
+    fn ticket(&self) -> u64 {
+        0
     }
 
-    /// Stops accepting jobs; workers exit once the queue is drained.
-    pub fn shutdown(&self) {
-        self.sender.lock().take();
+    fn wait(&self, _ticket: u64, _timeout_ns: u64) {}
+
+    fn notify_all(&self) {}
+}
+
+/// A clock that always reads zero: for deterministic tests that do not age dirty data.
+pub struct FrozenClock;
+
+impl Clock for FrozenClock {
+    fn now_ns(&self) -> u64 {
+        0
     }
 }
 
-impl Spawner for ThreadPool {
-    fn spawn(&self, job: Job) -> Result<(), Job> {
-        let sender = self.sender.lock();
-        match sender.as_ref() {
-            None => Err(job),
-            Some(sender) => sender.try_send(job).map_err(|error| match error {
-                TrySendError::Full(job) | TrySendError::Disconnected(job) => job,
-            }),
+/// The injected environment of a cache: time, background execution and waiting.
+#[derive(Clone)]
+pub struct Environment {
+    clock: Arc<dyn Clock>,
+    spawner: Arc<dyn Spawner>,
+    waiter: Arc<dyn Waiter>,
+}
+
+impl Environment {
+    /// An environment from its three parts.
+    pub fn new(clock: Arc<dyn Clock>, spawner: Arc<dyn Spawner>, waiter: Arc<dyn Waiter>) -> Self {
+        Environment {
+            clock,
+            spawner,
+            waiter,
         }
+    }
+
+    /// Runs background work at once on the caller's thread and never blocks: deterministic.
+    pub fn inline(clock: Arc<dyn Clock>) -> Self {
+        Environment::new(clock, Arc::new(InlineSpawner), Arc::new(NoWait))
+    }
+
+    /// The time source for dirty ages.
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
+    }
+
+    /// Runs read-ahead and write-behind in the background.
+    pub fn spawner(&self) -> &Arc<dyn Spawner> {
+        &self.spawner
+    }
+
+    /// Blocks for space and for write-backs in flight.
+    pub fn waiter(&self) -> &Arc<dyn Waiter> {
+        &self.waiter
     }
 }

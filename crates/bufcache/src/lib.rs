@@ -2,25 +2,19 @@
 //!
 //! The engine owns buffers, the cache table, replacement (through `bufcache-policy`),
 //! clustering, read-ahead, write-back and statistics. It knows nothing of NBD, async runtimes,
-//! wall clocks or randomness: time and background execution are injected
-//! ([`environment`]), so the simulator runs this same code on a virtual clock.
+//! wall clocks, sleeping or randomness: time, background execution and waiting are injected
+//! ([`environment`]), so the simulator runs this same code on a virtual clock. This crate's
+//! `clippy.toml` refuses real-time and thread primitives. Devices (the `Device` trait, files,
+//! memory, and the counting, queueing, fault and crash wrappers) live in `bufcache-device`.
 //!
 //! Data flows one way: request → object (logical blocks) → buffer lookup → miss or
 //! write-back → cluster → device. See `docs/design.md` for the buffer states and locking.
 
-pub mod aligned;
 mod buffer;
 mod cache;
 pub mod config;
-pub mod counting;
-pub mod crash;
-pub mod device;
 pub mod environment;
 mod error;
-pub mod fault;
-pub mod file;
-pub mod io_queue;
-pub mod memory;
 mod object;
 mod readahead;
 pub mod stats;
@@ -28,16 +22,21 @@ mod writeback;
 
 pub use bufcache_policy::{Placement, PolicyKind};
 pub use buffer::BlockKey;
-pub use cache::{Cache, Environment};
+pub use cache::Cache;
 pub use config::{format_size, parse_size, CacheConfig, ConfigError};
-pub use counting::{CountingDevice, DeviceStats, DirectionStats};
-pub use crash::{CrashDevice, CrashMode, CrashStats};
-pub use device::{Device, Extent};
-pub use environment::{Clock, InlineSpawner, NoSpawner, Spawner, SystemClock, ThreadPool};
+// The device crate is the engine's lower layer; it is re-exported (as `bufcache::device` and
+// its main types at the top) so an embedder needs one dependency. Each type is defined once,
+// in `bufcache-device`.
+pub use bufcache_device as device;
+pub use bufcache_device::{
+    Capabilities, CountingDevice, CrashDevice, CrashMode, CrashStats, Device, DeviceStats,
+    DirectionStats, Extent, FaultDevice, FaultKind, FaultStats, FileDevice, FileDeviceError,
+    FileDeviceOptions, IoQueue, IoQueueConfig, IoQueueConfigError, IoQueueStats, MemoryDevice,
+    QueueMode,
+};
+pub use environment::{
+    Clock, Environment, FrozenClock, InlineSpawner, Job, NoSpawner, NoWait, Spawner, Waiter,
+};
 pub use error::CacheError;
-pub use fault::{FaultDevice, FaultKind, FaultStats};
-pub use file::{FileDevice, FileDeviceError, FileDeviceOptions};
-pub use io_queue::{IoQueue, IoQueueConfig, IoQueueStats, QueueMode};
-pub use memory::MemoryDevice;
 pub use object::{BlockMap, BufferGuard, IdentityMap, MappedRun, ObjectConfig, ObjectHandle};
 pub use stats::{CacheStats, WritebackCause};

@@ -23,11 +23,11 @@ use parking_lot::Mutex;
 use crate::buffer::{BlockKey, Buffer, DIRTY, READAHEAD, VALID};
 use crate::cache::{Cache, Inner, Lookup, Urgency};
 use crate::config::CacheConfig;
-use crate::device::{Device, Extent};
 use crate::error::CacheError;
 use crate::readahead::{StreamTable, WindowLimits};
 use crate::stats::WritebackCause;
 use crate::writeback::LockMode;
+use bufcache_device::{Device, Extent};
 
 /// Where a run of logical blocks lives on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -891,7 +891,7 @@ impl ObjectHandle {
         self.object.check_range(offset, length_bytes)?;
         let block_size = self.object.block_size_bytes as u64;
         let (first, end) = self.whole_blocks(offset, length_bytes);
-        if first >= end || !self.object.device.write_zeroes_is_fast() {
+        if first >= end || !self.object.device.capabilities().write_zeroes_fast {
             return self.write_zero_bytes(offset, length_bytes, fua);
         }
         let head_end = first * block_size;

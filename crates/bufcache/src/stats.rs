@@ -7,7 +7,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use crate::counting::{DirectionStats, HISTOGRAM_BUCKETS};
+use bufcache_device::counting::{DirectionStats, HISTOGRAM_BUCKETS};
 
 /// Why dirty data was written back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,7 +63,9 @@ impl Direction {
         self.requests.fetch_add(1, Relaxed);
         self.bytes.fetch_add(length_bytes, Relaxed);
         let bucket = (0..HISTOGRAM_BUCKETS)
-            .find(|&index| length_bytes <= crate::counting::histogram_bucket_limit_bytes(index))
+            .find(|&index| {
+                length_bytes <= bufcache_device::counting::histogram_bucket_limit_bytes(index)
+            })
             .unwrap_or(HISTOGRAM_BUCKETS - 1);
         self.histogram[bucket].fetch_add(1, Relaxed);
     }

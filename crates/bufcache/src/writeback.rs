@@ -12,6 +12,9 @@ use std::sync::Arc;
 use std::io::IoSlice;
 
 use crate::buffer::{Buffer, DIRTY, WRITEBACK};
+
+/// How long a caller waiting for another thread's write-back of one buffer waits between looks.
+const WRITEBACK_POLL_NS: u64 = 50_000;
 use crate::cache::Inner;
 use crate::error::CacheError;
 use crate::object::ObjectState;
@@ -101,8 +104,11 @@ impl Inner {
             if mode == LockMode::Try {
                 return false;
             }
+            // The write-back in flight ends without a notification of its own: poll, giving
+            // the CPU away between looks through the injected waiter.
             while buffer.has(WRITEBACK) {
-                std::thread::sleep(std::time::Duration::from_micros(50));
+                let ticket = self.waiter.ticket();
+                self.waiter.wait(ticket, WRITEBACK_POLL_NS);
             }
         }
     }

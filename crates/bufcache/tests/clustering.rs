@@ -6,13 +6,17 @@
 //! Method: a `CountingDevice` (or a recording device) directly below the cache counts every
 //! request; background work runs inline (`InlineSpawner`) so the counts are deterministic.
 
+// Tests drive the engine from real threads on real time; only the engine itself may not.
+#![allow(clippy::disallowed_methods, clippy::disallowed_types)]
+
 use std::io::{self, IoSlice, IoSliceMut};
 use std::sync::Arc;
 
 use bufcache::{
     BlockMap, Cache, CacheConfig, CountingDevice, Device, Environment, InlineSpawner, MappedRun,
-    MemoryDevice, ObjectConfig, ObjectHandle, SystemClock,
+    MemoryDevice, ObjectConfig, ObjectHandle,
 };
+use bufcache_host::{BlockingWaiter, SystemClock};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::sync::Mutex;
@@ -22,10 +26,11 @@ const MIB: u64 = 1 << 20;
 fn inline_cache(config: CacheConfig) -> Cache {
     Cache::with_environment(
         config,
-        Environment {
-            clock: Arc::new(SystemClock::new()),
-            spawner: Arc::new(InlineSpawner),
-        },
+        Environment::new(
+            Arc::new(SystemClock::new()),
+            Arc::new(InlineSpawner),
+            Arc::new(BlockingWaiter::default()),
+        ),
     )
     .expect("valid config")
 }
@@ -264,8 +269,14 @@ impl Device for Recording {
     fn discard(&self, offset: u64, length: u64) -> io::Result<()> {
         self.inner.discard(offset, length)
     }
-    fn len(&self) -> u64 {
-        self.inner.len()
+    fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
+        self.inner.write_zeroes(offset, length)
+    }
+    fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<bufcache::Extent>> {
+        self.inner.extents(offset, length)
+    }
+    fn capabilities(&self) -> bufcache::Capabilities {
+        self.inner.capabilities()
     }
     fn describe(&self) -> String {
         "recording".into()

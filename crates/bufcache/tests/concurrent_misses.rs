@@ -5,6 +5,9 @@
 //! Method: a `CountingDevice` over a `FaultDevice` whose latency makes the slow request last
 //! long enough for every other thread to arrive; a `Barrier` starts the threads together.
 
+// Tests drive the engine from real threads on real time; only the engine itself may not.
+#![allow(clippy::disallowed_methods, clippy::disallowed_types)]
+
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -26,7 +29,7 @@ fn setup() -> (Cache, ObjectHandle, Arc<CountingDevice<Slow>>, Slow) {
         .write_vectored_at(&[std::io::IoSlice::new(&content)], 0)
         .unwrap();
     let counting = Arc::new(CountingDevice::new(fault.clone()));
-    let cache = Cache::new(CacheConfig {
+    let cache = bufcache_host::system_cache(CacheConfig {
         memory_bytes_max: 1 << 20,
         readahead_size_max_bytes: 0,
         ..CacheConfig::default()

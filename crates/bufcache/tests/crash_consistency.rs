@@ -10,13 +10,17 @@
 //! keeps each sector's history and the index of its last acknowledged entry. Background work
 //! runs inline so every seed is reproducible; hundreds of seeds run in about a second.
 
+// Tests drive the engine from real threads on real time; only the engine itself may not.
+#![allow(clippy::disallowed_methods, clippy::disallowed_types)]
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use bufcache::{
     Cache, CacheConfig, CrashDevice, CrashMode, Device, Environment, InlineSpawner, NoSpawner,
-    ObjectConfig, PolicyKind, Spawner, SystemClock,
+    ObjectConfig, PolicyKind, Spawner,
 };
+use bufcache_host::{BlockingWaiter, SystemClock};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -123,10 +127,11 @@ fn run_seed(seed: u64) {
     };
     let cache = Cache::with_environment(
         config,
-        Environment {
-            clock: Arc::new(SystemClock::new()),
+        Environment::new(
+            Arc::new(SystemClock::new()),
             spawner,
-        },
+            Arc::new(BlockingWaiter::default()),
+        ),
     )
     .unwrap();
     let handle = cache
@@ -256,7 +261,7 @@ fn run_seed(seed: u64) {
     }
     // After power returns, a fresh cache serves exactly the durable image.
     device.restart();
-    let cache = Cache::new(CacheConfig {
+    let cache = bufcache_host::system_cache(CacheConfig {
         buffer_size_max_bytes: block_bytes,
         memory_bytes_max: 16 * 4096,
         ..CacheConfig::default()

@@ -5,6 +5,9 @@
 //! respects the new limits and that every dirty block reached the device; grow it again and
 //! check it fills up to the larger limit.
 
+// Tests drive the engine from real threads on real time; only the engine itself may not.
+#![allow(clippy::disallowed_methods, clippy::disallowed_types)]
+
 use std::sync::Arc;
 
 use bufcache::{Cache, CacheConfig, CountingDevice, Device, MemoryDevice, ObjectConfig};
@@ -25,7 +28,7 @@ fn setup(
         write_behind: false,
         ..CacheConfig::default()
     };
-    let cache = Cache::new(config).unwrap();
+    let cache = bufcache_host::system_cache(config).unwrap();
     let device = Arc::new(CountingDevice::new(MemoryDevice::new(64 << 20)));
     let object = cache
         .open_object(ObjectConfig::new(

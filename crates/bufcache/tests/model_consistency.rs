@@ -13,6 +13,9 @@
 //! buffer-count bound) rotating through every replacement policy. Seeds are
 //! printed in every failure message with the last operations of the failing thread.
 
+// Tests drive the engine from real threads on real time; only the engine itself may not.
+#![allow(clippy::disallowed_methods, clippy::disallowed_types)]
+
 use std::collections::VecDeque;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -394,7 +397,7 @@ fn run_one(variant: &Variant, seed: u64) {
     } else {
         Arc::new(device)
     };
-    let cache = Cache::new(config).expect("valid config");
+    let cache = bufcache_host::system_cache(config).expect("valid config");
     let handle = cache
         .open_object(ObjectConfig::new("model", device).block_size(variant.block_bytes))
         .expect("open object");

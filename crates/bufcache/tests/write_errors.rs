@@ -6,6 +6,9 @@
 //! Method: a `FaultDevice` over a `MemoryDevice` below the cache; faults are switched on and
 //! off at run time and what landed is checked on the inner device.
 
+// Tests drive the engine from real threads on real time; only the engine itself may not.
+#![allow(clippy::disallowed_methods, clippy::disallowed_types)]
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,7 +21,7 @@ type Faulty = Arc<FaultDevice<MemoryDevice>>;
 
 fn setup(memory: u64, space_wait: Duration) -> (Cache, ObjectHandle, Faulty) {
     let fault = Arc::new(FaultDevice::new(MemoryDevice::new(1 << 20), 1));
-    let cache = Cache::new(CacheConfig {
+    let cache = bufcache_host::system_cache(CacheConfig {
         buffer_size_max_bytes: 4096,
         memory_bytes_max: memory,
         buffers_max: memory / 4096,

@@ -16,7 +16,9 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use crate::aligned::AlignedBytes;
-use crate::device::{check_range, total_length, Device, Extent};
+use crate::device::{
+    check_range, total_length, write_zeroes_by_writing, Capabilities, Device, Extent,
+};
 
 /// Alignment of memory, offsets and lengths for O_DIRECT requests. 4 KiB covers both 512-byte
 /// and 4 KiB logical sector devices.
@@ -406,12 +408,14 @@ impl Device for FileDevice {
         self.write_zeroes(offset, length)
     }
 
-    fn len(&self) -> u64 {
-        self.length_bytes
-    }
-
-    fn discard_zeroes(&self) -> bool {
-        !self.block_device
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            length_bytes: self.length_bytes,
+            alignment_bytes: if self.direct { DIRECT_ALIGNMENT } else { 1 },
+            discard_zeroes: !self.block_device,
+            write_zeroes_fast: !self.block_device,
+            extents: !self.block_device,
+        }
     }
 
     fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
@@ -434,23 +438,8 @@ impl Device for FileDevice {
                 return Ok(());
             }
         }
-        // The file system cannot zero without writing: write aligned zero buffers.
-        let chunk_size = length.min(1 << 20) as usize;
-        let zeroes = AlignedBytes::zeroed(
-            chunk_size.next_multiple_of(DIRECT_ALIGNMENT),
-            DIRECT_ALIGNMENT,
-        );
-        let mut done = 0u64;
-        while done < length {
-            let step = (length - done).min(chunk_size as u64) as usize;
-            self.write_vectored_at(&[IoSlice::new(&zeroes[..step])], offset + done)?;
-            done += step as u64;
-        }
-        Ok(())
-    }
-
-    fn write_zeroes_is_fast(&self) -> bool {
-        !self.block_device
+        // The file system cannot zero without writing.
+        write_zeroes_by_writing(self, offset, length)
     }
 
     fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {
@@ -490,14 +479,6 @@ impl Device for FileDevice {
             position = hole_start;
         }
         Ok(extents)
-    }
-
-    fn alignment(&self) -> usize {
-        if self.direct {
-            DIRECT_ALIGNMENT
-        } else {
-            1
-        }
     }
 
     fn describe(&self) -> String {

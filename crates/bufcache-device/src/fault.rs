@@ -30,7 +30,8 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::device::{total_length, Device, Extent};
+use crate::device::{total_length, Capabilities, Device, Extent};
+use crate::rng::SeededRng;
 
 /// Sector size used to tear writes: a torn write keeps a whole number of these.
 pub const TORN_SECTOR_BYTES: u64 = 512;
@@ -108,45 +109,6 @@ impl FaultStats {
     }
 }
 
-/// A small seeded generator (splitmix64): deterministic, no dependency.
-#[derive(Clone, Debug)]
-pub struct SplitMix64(u64);
-
-impl SplitMix64 {
-    /// A generator starting from `seed`.
-    pub fn new(seed: u64) -> Self {
-        SplitMix64(seed)
-    }
-
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// A uniform value in `[0, 1)`.
-    pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// A uniform value in `[0, bound)` (0 when `bound` is 0).
-    pub fn below(&mut self, bound: u64) -> u64 {
-        if bound == 0 {
-            0
-        } else {
-            self.next_u64() % bound
-        }
-    }
-
-    /// True with probability `probability`.
-    pub fn chance(&mut self, probability: f64) -> bool {
-        probability > 0.0 && self.next_f64() < probability
-    }
-}
-
 #[derive(Clone, Copy, Debug, Default)]
 struct Latency {
     always: Duration,
@@ -166,7 +128,7 @@ struct Rules {
 pub struct FaultDevice<D> {
     inner: D,
     rules: Mutex<Rules>,
-    random: Mutex<SplitMix64>,
+    random: Mutex<SeededRng>,
     switches: [AtomicBool; 4],
     torn_writes: AtomicBool,
     requests: [AtomicU64; 4],
@@ -181,7 +143,7 @@ impl<D: Device> FaultDevice<D> {
         FaultDevice {
             inner,
             rules: Mutex::new(Rules::default()),
-            random: Mutex::new(SplitMix64::new(seed)),
+            random: Mutex::new(SeededRng::new(seed)),
             switches: Default::default(),
             torn_writes: AtomicBool::new(false),
             requests: Default::default(),
@@ -407,14 +369,6 @@ impl<D: Device> Device for FaultDevice<D> {
         }
     }
 
-    fn len(&self) -> u64 {
-        self.inner.len()
-    }
-
-    fn discard_zeroes(&self) -> bool {
-        self.inner.discard_zeroes()
-    }
-
     fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
         let (number, cause) = self.admit(FaultKind::Discard, Some(offset..offset + length));
         match cause {
@@ -430,16 +384,12 @@ impl<D: Device> Device for FaultDevice<D> {
         }
     }
 
-    fn write_zeroes_is_fast(&self) -> bool {
-        self.inner.write_zeroes_is_fast()
-    }
-
     fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {
         self.inner.extents(offset, length)
     }
 
-    fn alignment(&self) -> usize {
-        self.inner.alignment()
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
     }
 
     fn describe(&self) -> String {

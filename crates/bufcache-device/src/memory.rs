@@ -9,7 +9,7 @@ use std::io::{self, IoSlice, IoSliceMut};
 
 use parking_lot::RwLock;
 
-use crate::device::{check_range, total_length, Device, Extent};
+use crate::device::{check_range, total_length, Capabilities, Device, Extent};
 
 const CHUNK_SIZE: u64 = 64 * 1024;
 
@@ -108,12 +108,13 @@ impl Device for MemoryDevice {
         self.write_zeroes(offset, length)
     }
 
-    fn len(&self) -> u64 {
-        self.length_bytes
-    }
-
-    fn discard_zeroes(&self) -> bool {
-        true
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            discard_zeroes: true,
+            write_zeroes_fast: true,
+            extents: true,
+            ..Capabilities::plain(self.length_bytes)
+        }
     }
 
     fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
@@ -127,10 +128,6 @@ impl Device for MemoryDevice {
             }
         });
         Ok(())
-    }
-
-    fn write_zeroes_is_fast(&self) -> bool {
-        true
     }
 
     fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {

@@ -22,8 +22,8 @@ use std::io::{self, IoSlice, IoSliceMut};
 
 use parking_lot::Mutex;
 
-use crate::device::{check_range, total_length, Device};
-use crate::fault::SplitMix64;
+use crate::device::{all_data, check_range, total_length, Capabilities, Device, Extent};
+use crate::rng::SeededRng;
 
 const PAGE_BYTES: u64 = 4096;
 
@@ -182,7 +182,7 @@ struct State {
     journal: Vec<Pending>,
     crashed: bool,
     armed: Option<(u64, CrashMode)>,
-    random: SplitMix64,
+    random: SeededRng,
     stats: CrashStats,
 }
 
@@ -255,7 +255,7 @@ impl CrashDevice {
                 journal: Vec::new(),
                 crashed: false,
                 armed: None,
-                random: SplitMix64::new(seed),
+                random: SeededRng::new(seed),
                 stats: CrashStats::default(),
             }),
         }
@@ -398,20 +398,20 @@ impl Device for CrashDevice {
         self.zeroing(offset, length, "discard")
     }
 
-    fn len(&self) -> u64 {
-        self.length_bytes
+    fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {
+        all_data(self.length_bytes, offset, length)
     }
 
-    fn discard_zeroes(&self) -> bool {
-        true
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            discard_zeroes: true,
+            write_zeroes_fast: true,
+            ..Capabilities::plain(self.length_bytes)
+        }
     }
 
     fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
         self.zeroing(offset, length, "write_zeroes")
-    }
-
-    fn write_zeroes_is_fast(&self) -> bool {
-        true
     }
 
     fn describe(&self) -> String {

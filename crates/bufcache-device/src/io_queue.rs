@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::device::{total_length, Device, Extent};
+use crate::device::{total_length, Capabilities, Device, Extent};
 
 /// How the queue orders requests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -82,9 +82,9 @@ impl Default for IoQueueConfig {
 
 impl IoQueueConfig {
     /// Checks the ranges.
-    pub fn validate(&self) -> Result<(), crate::ConfigError> {
+    pub fn validate(&self) -> Result<(), IoQueueConfigError> {
         let range =
-            |field: &'static str, value: usize, allowed: &str| crate::ConfigError::OutOfRange {
+            |field: &'static str, value: usize, allowed: &str| IoQueueConfigError::OutOfRange {
                 field,
                 value: value.to_string(),
                 allowed: allowed.to_string(),
@@ -101,6 +101,21 @@ impl IoQueueConfig {
         }
         Ok(())
     }
+}
+
+/// An io queue setting out of range.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum IoQueueConfigError {
+    /// One field's value is out of range.
+    #[error("{field} = {value} is invalid: {allowed}")]
+    OutOfRange {
+        /// The setting's name.
+        field: &'static str,
+        /// The value given.
+        value: String,
+        /// What is allowed.
+        allowed: String,
+    },
 }
 
 /// A snapshot of the queue's counters.
@@ -166,7 +181,7 @@ pub struct IoQueue<D> {
 
 impl<D: Device> IoQueue<D> {
     /// Wraps `inner`.
-    pub fn new(inner: D, config: IoQueueConfig) -> Result<Self, crate::ConfigError> {
+    pub fn new(inner: D, config: IoQueueConfig) -> Result<Self, IoQueueConfigError> {
         config.validate()?;
         Ok(IoQueue {
             inner,
@@ -380,28 +395,16 @@ impl<D: Device> Device for IoQueue<D> {
         self.inner.discard(offset, length)
     }
 
-    fn len(&self) -> u64 {
-        self.inner.len()
-    }
-
-    fn discard_zeroes(&self) -> bool {
-        self.inner.discard_zeroes()
-    }
-
     fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
         self.inner.write_zeroes(offset, length)
-    }
-
-    fn write_zeroes_is_fast(&self) -> bool {
-        self.inner.write_zeroes_is_fast()
     }
 
     fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {
         self.inner.extents(offset, length)
     }
 
-    fn alignment(&self) -> usize {
-        self.inner.alignment()
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
     }
 
     fn describe(&self) -> String {
@@ -434,8 +437,14 @@ mod tests {
         fn discard(&self, offset: u64, length: u64) -> io::Result<()> {
             self.0.discard(offset, length)
         }
-        fn len(&self) -> u64 {
-            self.0.len()
+        fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
+            self.0.write_zeroes(offset, length)
+        }
+        fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {
+            self.0.extents(offset, length)
+        }
+        fn capabilities(&self) -> Capabilities {
+            self.0.capabilities()
         }
         fn describe(&self) -> String {
             "slow".into()

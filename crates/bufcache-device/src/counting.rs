@@ -9,7 +9,7 @@
 use std::io::{self, IoSlice, IoSliceMut};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use crate::device::{total_length, Device, Extent};
+use crate::device::{total_length, Capabilities, Device, Extent};
 
 /// Histogram buckets: bucket `i` counts requests of at most `512 << i` bytes; the last bucket
 /// counts everything larger.
@@ -206,30 +206,18 @@ impl<D: Device> Device for CountingDevice<D> {
         result
     }
 
-    fn len(&self) -> u64 {
-        self.inner.len()
-    }
-
-    fn discard_zeroes(&self) -> bool {
-        self.inner.discard_zeroes()
-    }
-
     fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
         let result = self.inner.write_zeroes(offset, length);
         self.record_other(&self.discards, &result);
         result
     }
 
-    fn write_zeroes_is_fast(&self) -> bool {
-        self.inner.write_zeroes_is_fast()
-    }
-
     fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {
         self.inner.extents(offset, length)
     }
 
-    fn alignment(&self) -> usize {
-        self.inner.alignment()
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
     }
 
     fn describe(&self) -> String {

@@ -1,0 +1,31 @@
+//! bufcache-device: the narrow interface between the cache and whatever stores the bytes.
+//!
+//! [`Device`] has vectored read and write, flush, discard, write-zeroes and extents, and
+//! returns what it can do once as [`Capabilities`]. The real devices ([`FileDevice`],
+//! [`MemoryDevice`]) and the wrappers that add counting ([`CountingDevice`]), a sorting and
+//! merging request queue ([`IoQueue`]), injected faults ([`FaultDevice`]) and crashes
+//! ([`CrashDevice`]) live here, outside the engine: they touch the operating system (threads,
+//! sleeping, files), which the engine never does.
+
+#![warn(missing_docs)]
+
+pub mod aligned;
+pub mod counting;
+pub mod crash;
+pub mod device;
+pub mod fault;
+pub mod file;
+pub mod io_queue;
+pub mod memory;
+pub mod rng;
+
+pub use counting::{CountingDevice, DeviceStats, DirectionStats};
+pub use crash::{CrashDevice, CrashMode, CrashStats};
+pub use device::{
+    all_data, check_range, total_length, write_zeroes_by_writing, Capabilities, Device, Extent,
+};
+pub use fault::{FaultDevice, FaultKind, FaultStats};
+pub use file::{FileDevice, FileDeviceError, FileDeviceOptions};
+pub use io_queue::{IoQueue, IoQueueConfig, IoQueueConfigError, IoQueueStats, QueueMode};
+pub use memory::MemoryDevice;
+pub use rng::SeededRng;
