@@ -20,7 +20,7 @@
 //!   memory limit covers every live buffer, including ones removed but still referenced.
 
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use parking_lot::lock_api::RawRwLock as _;
@@ -73,7 +73,6 @@ pub(crate) struct Buffer {
     pub pins: AtomicU32,
     pub flags: AtomicU32,
     /// When the buffer last became dirty, on the injected clock.
-    pub dirty_since_ns: AtomicU64,
     lock: RawRwLock,
     data: UnsafeCell<PooledBytes>,
     memory: Arc<dyn MemoryRelease>,
@@ -102,7 +101,6 @@ impl Buffer {
             slot: AtomicU32::new(u32::MAX),
             pins: AtomicU32::new(1),
             flags: AtomicU32::new(0),
-            dirty_since_ns: AtomicU64::new(0),
             lock: RawRwLock::INIT,
             data: UnsafeCell::new(pool.allocate(size_bytes)),
             memory,
@@ -116,11 +114,23 @@ impl Buffer {
     }
 
     pub fn set(&self, flag: u32) -> bool {
+        strict_assert!(flag & DIRTY == 0, "DIRTY changes only in the dirty set");
         self.flags.fetch_or(flag, Ordering::AcqRel) & flag == 0
     }
 
     /// Clears `flag`; true when it was set.
     pub fn clear(&self, flag: u32) -> bool {
+        strict_assert!(flag & DIRTY == 0, "DIRTY changes only in the dirty set");
+        self.flags.fetch_and(!flag, Ordering::AcqRel) & flag != 0
+    }
+
+    /// Sets a flag; for `crate::dirty` only, the one home of the DIRTY flag.
+    pub(crate) fn set_flag_of_dirty_set(&self, flag: u32) -> bool {
+        self.flags.fetch_or(flag, Ordering::AcqRel) & flag == 0
+    }
+
+    /// Clears a flag; for `crate::dirty` only, the one home of the DIRTY flag.
+    pub(crate) fn clear_flag_of_dirty_set(&self, flag: u32) -> bool {
         self.flags.fetch_and(!flag, Ordering::AcqRel) & flag != 0
     }
 

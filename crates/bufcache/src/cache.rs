@@ -22,7 +22,7 @@ use std::time::Duration;
 use bufcache_policy::{Placement, Policy, Slot};
 use parking_lot::{Mutex, RwLock};
 
-use crate::buffer::{BlockKey, Buffer, MemoryRelease, DIRTY, READAHEAD};
+use crate::buffer::{BlockKey, Buffer, MemoryRelease, DIRTY, READAHEAD, WRITEBACK};
 use crate::config::{CacheConfig, ConfigError};
 use crate::environment::{Clock, Environment, Spawner, Waiter};
 use crate::error::CacheError;
@@ -141,6 +141,12 @@ impl MemoryAccount {
             return false;
         }
         self.wasted_bytes.fetch_add(waste_bytes, Ordering::Relaxed);
+        // A limit lowered at run time may leave usage above it until eviction catches up, but
+        // a charge never pushes usage past the limit it was checked against.
+        strict_assert!(
+            charge_bytes <= bytes_max,
+            "one buffer larger than the memory limit"
+        );
         true
     }
 
@@ -498,6 +504,11 @@ impl Inner {
             if let Some(slot) = victim {
                 let buffer = shard.detach(slot);
                 drop(shard);
+                strict_assert!(
+                    !buffer.has(DIRTY) && !buffer.has(WRITEBACK),
+                    "evicted {:?} while dirty or under write-back",
+                    buffer.key
+                );
                 self.counters.evictions.fetch_add(1, Ordering::Relaxed);
                 if buffer.has(READAHEAD) {
                     self.counters

@@ -10,9 +10,12 @@
 //! Data flows one way: request → object (logical blocks) → buffer lookup → miss or
 //! write-back → cluster → device. See `docs/design.md` for the buffer states and locking.
 
+#[macro_use]
+mod strict;
 mod buffer;
 mod cache;
 pub mod config;
+mod dirty;
 pub mod environment;
 mod error;
 mod object;

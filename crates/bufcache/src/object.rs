@@ -23,6 +23,7 @@ use parking_lot::Mutex;
 use crate::buffer::{BlockKey, Buffer, DIRTY, READAHEAD, VALID};
 use crate::cache::{Cache, Inner, Lookup, Urgency};
 use crate::config::CacheConfig;
+use crate::dirty;
 use crate::error::CacheError;
 use crate::readahead::{StreamTable, WindowLimits};
 use crate::stats::WritebackCause;
@@ -801,13 +802,9 @@ impl ObjectHandle {
     fn mark_dirty(&self, guard: &BufferGuard) {
         let buffer = &guard.buffer;
         buffer.set(VALID);
-        if buffer.set(DIRTY) {
+        if !buffer.has(DIRTY) {
             let now = self.inner().clock.now_ns();
-            buffer.dirty_since_ns.store(now, Ordering::Release);
-            self.object.dirty.lock().insert(buffer.key.block, now);
-            self.inner()
-                .dirty_bytes
-                .fetch_add(buffer.length_bytes as u64, Ordering::AcqRel);
+            dirty::mark(&self.inner().dirty_bytes, &self.object.dirty, buffer, now);
         }
     }
 
@@ -1001,12 +998,7 @@ impl ObjectHandle {
     }
 
     fn clear_dirty(&self, guard: &BufferGuard) {
-        if guard.buffer.clear(DIRTY) {
-            self.object.dirty.lock().remove(&guard.block());
-            self.inner()
-                .dirty_bytes
-                .fetch_sub(guard.buffer.length_bytes as u64, Ordering::AcqRel);
-        }
+        dirty::clear(&self.inner().dirty_bytes, &self.object.dirty, &guard.buffer);
     }
 
     /// The allocation map of a byte range: the device's holes, except that blocks dirty in

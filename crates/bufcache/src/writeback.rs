@@ -16,6 +16,7 @@ use crate::buffer::{Buffer, DIRTY, WRITEBACK};
 /// How long a caller waiting for another thread's write-back of one buffer waits between looks.
 const WRITEBACK_POLL_NS: u64 = 50_000;
 use crate::cache::Inner;
+use crate::dirty;
 use crate::error::CacheError;
 use crate::object::ObjectState;
 use crate::stats::WritebackCause;
@@ -145,10 +146,7 @@ impl Inner {
         }
         let mut cleaned = 0u64;
         for buffer in buffers {
-            if buffer.clear(DIRTY) {
-                object.dirty.lock().remove(&buffer.key.block);
-                self.dirty_bytes
-                    .fetch_sub(buffer.length_bytes as u64, Ordering::AcqRel);
+            if dirty::clear(&self.dirty_bytes, &object.dirty, buffer) {
                 cleaned += 1;
             }
         }

@@ -1,0 +1,65 @@
+//! The dirty set: the only code that changes dirty state.
+//!
+//! Dirty state has three representations that must agree: a buffer's DIRTY flag, its object's
+//! dirty index (block → time it became dirty, ordered so write-back finds runs), and the
+//! cache's dirty byte count (which drives throttling and background write-back). [`mark`] and
+//! [`clear`] change all three together and assert that they agree:
+//! in the index ⇔ flag set ⇔ counted.
+//!
+//! Callers hold the buffer's lock (exclusive to mark; shared or exclusive to clear, after the
+//! device accepted the bytes — never before, see the fsyncgate note in docs/design.md).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+
+use crate::buffer::{Buffer, DIRTY};
+
+/// An object's dirty blocks, each with the time (ns, injected clock) it became dirty.
+pub(crate) type DirtyIndex = Mutex<BTreeMap<u64, u64>>;
+
+/// Marks `buffer` dirty (if it was not already) in all three places. True when it changed.
+pub(crate) fn mark(
+    total_bytes: &AtomicU64,
+    index: &DirtyIndex,
+    buffer: &Buffer,
+    now_ns: u64,
+) -> bool {
+    if !buffer.set_flag_of_dirty_set(DIRTY) {
+        strict_assert!(
+            index.lock().contains_key(&buffer.key.block),
+            "dirty buffer {:?} missing from its object's dirty index",
+            buffer.key
+        );
+        return false;
+    }
+    let previous = index.lock().insert(buffer.key.block, now_ns);
+    strict_assert!(
+        previous.is_none(),
+        "clean buffer {:?} was in the dirty index",
+        buffer.key
+    );
+    total_bytes.fetch_add(buffer.length_bytes as u64, Ordering::AcqRel);
+    true
+}
+
+/// Marks `buffer` clean (if it was dirty) in all three places. True when it changed.
+pub(crate) fn clear(total_bytes: &AtomicU64, index: &DirtyIndex, buffer: &Buffer) -> bool {
+    if !buffer.clear_flag_of_dirty_set(DIRTY) {
+        return false;
+    }
+    let removed = index.lock().remove(&buffer.key.block);
+    strict_assert!(
+        removed.is_some(),
+        "dirty buffer {:?} was missing from the dirty index",
+        buffer.key
+    );
+    let length = buffer.length_bytes as u64;
+    let before = total_bytes.fetch_sub(length, Ordering::AcqRel);
+    strict_assert!(
+        before >= length,
+        "dirty byte count {before} below the {length} bytes of a dirty buffer"
+    );
+    true
+}
