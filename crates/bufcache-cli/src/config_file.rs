@@ -130,6 +130,13 @@ fn default_value(name: &str) -> Option<String> {
         "request-size-max" => size(32 << 20),
         "create-size" => size(crate::serve::DEFAULT_BACKING_SIZE_BYTES),
         "metrics" => "\"127.0.0.1:9187\"".into(),
+        "connections-max" => crate::limit_args::DEFAULT_CONNECTIONS_MAX.to_string(),
+        "handshake-connections-max" => {
+            crate::limit_args::DEFAULT_HANDSHAKE_CONNECTIONS_MAX.to_string()
+        }
+        "handshake-timeout" => crate::limit_args::DEFAULT_HANDSHAKE_TIMEOUT_SECONDS.to_string(),
+        "idle-timeout" => "60".into(),
+        "inflight-bytes-max" => size(config.memory_bytes_max),
         _ => return None,
     })
 }

@@ -3,6 +3,7 @@
 mod config_file;
 mod dd;
 mod engine_args;
+mod limit_args;
 mod metrics;
 mod plot;
 mod replay;

@@ -22,6 +22,7 @@ use bufcache_nbd::{
 use clap::Args;
 
 use crate::engine_args::EngineArgs;
+use crate::limit_args::LimitArgs;
 use crate::metrics::{self, ExportMeters, Meters};
 
 /// The backing file served when no backend is named, created sparse when absent.
@@ -68,6 +69,8 @@ pub struct ServeArgs {
     /// Serve Prometheus metrics (/metrics) and JSON statistics (/stats) on HOST:PORT.
     #[arg(long, value_name = "HOST:PORT")]
     metrics: Option<String>,
+    #[command(flatten)]
+    limits: LimitArgs,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -278,8 +281,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             bail!("--request-size-max {size} is invalid: must be from 4KiB to 1GiB");
         }
         server_config.request_size_max = size as u32;
-        server_config.inflight_bytes_max = server_config.inflight_bytes_max.max(size);
+        server_config.connection_inflight_bytes_max =
+            server_config.connection_inflight_bytes_max.max(size);
     }
+    args.limits
+        .apply(&mut server_config, config.memory_bytes_max);
     server_config.validate()?;
     let cache = Cache::new(config)?;
     let mut exports: Vec<(String, Arc<dyn Export>)> = Vec::new();

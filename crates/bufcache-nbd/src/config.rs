@@ -84,16 +84,34 @@ pub struct ServerConfig {
     /// Largest READ or WRITE a client may send, in bytes; advertised as the maximum block
     /// size. Default 32 MiB; allowed 4 KiB to 1 GiB.
     pub request_size_max: u32,
-    /// Bytes of requests and replies one connection may have in flight before it stops
-    /// reading new requests. Default 64 MiB; at least `request_size_max`.
+    /// Bytes of requests and replies all connections together may have in flight: one
+    /// memory budget for the whole server. A connection whose next request does not fit
+    /// waits (it stops reading its socket, so the client is slowed by TCP back-pressure);
+    /// nothing is refused. Default 256 MiB (`bufcache serve` ties it to the cache size); at
+    /// least `request_size_max`.
     pub inflight_bytes_max: u64,
+    /// Bytes one connection may have in flight before it stops reading new requests, so a
+    /// single client cannot take the whole server budget. Default 64 MiB; at least
+    /// `request_size_max`.
+    pub connection_inflight_bytes_max: u64,
     /// Worker threads one connection may run (started on demand). Default 16; 1 to 1024.
     pub workers_per_connection_max: usize,
-    /// Open connections the server accepts; further ones are closed at once. Default 64;
+    /// Connections that finished the handshake the server serves at once; further clients
+    /// are closed at once. Connections still in the handshake do not count here (see
+    /// `handshake_connections_max`), so they can never keep a client out. Default 1024;
     /// 1 to 65536.
     pub connections_max: usize,
-    /// How long a client may take to finish the handshake. Default 30 s; 1 ms to 1 hour.
+    /// Connections still in the handshake the server holds at once. When a new one arrives
+    /// over this budget the oldest one still negotiating is closed: a flood of silent
+    /// connections delays nobody who completes the handshake promptly. Default 64;
+    /// 1 to 65536.
+    pub handshake_connections_max: usize,
+    /// How long a client may take to finish the whole handshake, from accept to the start of
+    /// transmission. Default 10 s; 1 ms to 1 hour.
     pub handshake_timeout: Duration,
+    /// A connection with no request in flight and none arriving for this long is closed.
+    /// Default none (idle clients stay); 1 ms to 1 week when set.
+    pub idle_timeout: Option<Duration>,
 }
 
 impl Default for ServerConfig {
@@ -101,10 +119,13 @@ impl Default for ServerConfig {
         ServerConfig {
             listen: vec![ListenAddress::Tcp(format!("127.0.0.1:{DEFAULT_PORT}"))],
             request_size_max: 32 << 20,
-            inflight_bytes_max: 64 << 20,
+            inflight_bytes_max: 256 << 20,
+            connection_inflight_bytes_max: 64 << 20,
             workers_per_connection_max: 16,
-            connections_max: 64,
-            handshake_timeout: Duration::from_secs(30),
+            connections_max: 1024,
+            handshake_connections_max: 64,
+            handshake_timeout: Duration::from_secs(10),
+            idle_timeout: None,
         }
     }
 }
@@ -120,12 +141,20 @@ pub enum ConfigError {
         "inflight_bytes_max: {value} bytes is below request_size_max ({request_size_max} bytes)"
     )]
     InflightBytesMax { value: u64, request_size_max: u32 },
+    #[error(
+        "connection_inflight_bytes_max: {value} bytes is below request_size_max ({request_size_max} bytes)"
+    )]
+    ConnectionInflightBytesMax { value: u64, request_size_max: u32 },
     #[error("workers_per_connection_max: {value} is outside the allowed range 1 to 1024")]
     WorkersPerConnectionMax { value: usize },
     #[error("connections_max: {value} is outside the allowed range 1 to 65536")]
     ConnectionsMax { value: usize },
+    #[error("handshake_connections_max: {value} is outside the allowed range 1 to 65536")]
+    HandshakeConnectionsMax { value: usize },
     #[error("handshake_timeout: {value:?} is outside the allowed range 1 ms to 1 hour")]
     HandshakeTimeout { value: Duration },
+    #[error("idle_timeout: {value:?} is outside the allowed range 1 ms to 1 week")]
+    IdleTimeout { value: Duration },
 }
 
 impl ServerConfig {
@@ -145,6 +174,12 @@ impl ServerConfig {
                 request_size_max: self.request_size_max,
             });
         }
+        if self.connection_inflight_bytes_max < u64::from(self.request_size_max) {
+            return Err(ConfigError::ConnectionInflightBytesMax {
+                value: self.connection_inflight_bytes_max,
+                request_size_max: self.request_size_max,
+            });
+        }
         if !(1..=1024).contains(&self.workers_per_connection_max) {
             return Err(ConfigError::WorkersPerConnectionMax {
                 value: self.workers_per_connection_max,
@@ -155,11 +190,24 @@ impl ServerConfig {
                 value: self.connections_max,
             });
         }
+        if !(1..=65536).contains(&self.handshake_connections_max) {
+            return Err(ConfigError::HandshakeConnectionsMax {
+                value: self.handshake_connections_max,
+            });
+        }
         let timeout_range = Duration::from_millis(1)..=Duration::from_secs(3600);
         if !timeout_range.contains(&self.handshake_timeout) {
             return Err(ConfigError::HandshakeTimeout {
                 value: self.handshake_timeout,
             });
+        }
+        if let Some(idle_timeout) = self.idle_timeout {
+            let idle_range = Duration::from_millis(1)..=Duration::from_secs(7 * 86_400);
+            if !idle_range.contains(&idle_timeout) {
+                return Err(ConfigError::IdleTimeout {
+                    value: idle_timeout,
+                });
+            }
         }
         Ok(())
     }
@@ -218,5 +266,20 @@ mod tests {
         };
         let message = config.validate().unwrap_err().to_string();
         assert!(message.starts_with("inflight_bytes_max"), "{message}");
+        let config = ServerConfig {
+            handshake_connections_max: 0,
+            ..ServerConfig::default()
+        };
+        let message = config.validate().unwrap_err().to_string();
+        assert!(
+            message.starts_with("handshake_connections_max"),
+            "{message}"
+        );
+        let config = ServerConfig {
+            idle_timeout: Some(Duration::ZERO),
+            ..ServerConfig::default()
+        };
+        let message = config.validate().unwrap_err().to_string();
+        assert!(message.starts_with("idle_timeout"), "{message}");
     }
 }

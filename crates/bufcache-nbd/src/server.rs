@@ -18,7 +18,7 @@ use std::os::unix::fs::FileTypeExt;
 use std::os::unix::io::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -29,7 +29,7 @@ use crate::config::{ConfigError, ListenAddress, ServerConfig};
 use crate::export::Export;
 use crate::handshake::{self, ExportTable, Outcome};
 use crate::stream::Stream;
-use crate::transmission::{self, ConnectionLimits};
+use crate::transmission::{self, ConnectionLimits, ServerBudget};
 
 /// How long shutdown waits for connections to answer their in-flight requests before it
 /// closes them outright.
@@ -141,6 +141,7 @@ impl Server {
             listeners.extend(bind_address(address)?);
         }
         Ok(BoundServer {
+            budget: Arc::new(ServerBudget::new(self.config.inflight_bytes_max)),
             config: self.config,
             exports: self.exports,
             listeners,
@@ -243,6 +244,8 @@ fn remove_stale_socket(path: &Path) {
 /// A server with open sockets, ready to run.
 pub struct BoundServer {
     config: ServerConfig,
+    /// The in-flight byte budget all connections share.
+    budget: Arc<ServerBudget>,
     exports: Arc<ExportTable>,
     listeners: Vec<Listener>,
 }
@@ -285,6 +288,7 @@ impl BoundServer {
             .collect();
         while !shutdown.is_triggered() {
             connections.reap_finished();
+            connections.expire_handshakes(self.config.handshake_timeout);
             // SAFETY: `poll_fds` is a valid, exclusively borrowed array of `pollfd` whose
             // length is passed alongside; the descriptors stay open for the whole call.
             let ready = unsafe {
@@ -321,18 +325,15 @@ impl BoundServer {
             }
         };
         let peer = stream.peer_description();
-        if connections.active() >= self.config.connections_max {
-            tracing::warn!(
-                %peer,
-                connections_max = self.config.connections_max,
-                "connection refused: too many connections"
-            );
+        if !connections.admit(&peer, &self.config) {
             return;
         }
         let exports = Arc::clone(&self.exports);
         let config = self.config.clone();
-        if let Err(error) = connections.spawn(stream, move |stream| {
-            serve_connection(stream, &exports, &config, &peer)
+        let budget = Arc::clone(&self.budget);
+        let thread_peer = peer.clone();
+        if let Err(error) = connections.spawn(stream, peer, move |stream, admission| {
+            serve_connection(stream, &exports, &config, &budget, admission, &thread_peer)
         }) {
             tracing::warn!("could not start a connection thread: {error}");
         }
@@ -340,7 +341,14 @@ impl BoundServer {
 }
 
 /// Handshake then transmission for one client. Errors end only this connection.
-fn serve_connection(mut stream: Stream, exports: &ExportTable, config: &ServerConfig, peer: &str) {
+fn serve_connection(
+    mut stream: Stream,
+    exports: &ExportTable,
+    config: &ServerConfig,
+    budget: &Arc<ServerBudget>,
+    admission: &Admission,
+    peer: &str,
+) {
     // A client that never finishes the handshake must not hold a thread forever.
     if let Err(error) = stream.set_read_timeout(Some(config.handshake_timeout)) {
         tracing::warn!(%peer, "cannot set the handshake timeout: {error}");
@@ -358,6 +366,14 @@ fn serve_connection(mut stream: Stream, exports: &ExportTable, config: &ServerCo
         }
     };
     let export_name = negotiated.export_name.clone();
+    if !admission.establish(config.connections_max) {
+        tracing::warn!(
+            %peer,
+            connections_max = config.connections_max,
+            "connection closed after the handshake: too many connections, or handshake timed out"
+        );
+        return;
+    }
     tracing::info!(
         %peer,
         export = %export_name,
@@ -370,13 +386,62 @@ fn serve_connection(mut stream: Stream, exports: &ExportTable, config: &ServerCo
     }
     let limits = ConnectionLimits {
         request_size_max: config.request_size_max,
-        inflight_bytes_max: config.inflight_bytes_max,
+        connection_inflight_bytes_max: config.connection_inflight_bytes_max,
         workers_max: config.workers_per_connection_max,
+        idle_timeout: config.idle_timeout,
     };
-    match transmission::serve(stream, negotiated, limits) {
+    match transmission::serve(stream, negotiated, limits, Arc::clone(budget)) {
         Ok(()) => tracing::info!(%peer, export = %export_name, "client disconnected"),
         Err(error) => {
             tracing::warn!(%peer, export = %export_name, "connection closed: {error}")
+        }
+    }
+}
+
+/// Where a connection is in its life, for the connection budgets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Accepted, still negotiating: counts against `handshake_connections_max`.
+    Handshake,
+    /// In transmission: counts against `connections_max`.
+    Serving,
+    /// Evicted or timed out; its socket is shut and its thread is ending. Counts nowhere.
+    Closing,
+}
+
+/// One open connection: a handle on its socket (so it can be woken or evicted), when it was
+/// accepted, and its phase.
+struct Entry {
+    socket: Stream,
+    peer: String,
+    accepted: Instant,
+    phase: Phase,
+}
+
+type Registry = Arc<Mutex<HashMap<u64, Entry>>>;
+
+/// A connection thread's handle on its own registry entry.
+struct Admission {
+    id: u64,
+    registry: Registry,
+}
+
+impl Admission {
+    /// Moves the connection from the handshake budget to the serving one; false (and the
+    /// connection must end) when every serving slot is taken, or when the connection was
+    /// evicted or timed out meanwhile.
+    fn establish(&self, connections_max: usize) -> bool {
+        let mut registry = self.registry.lock();
+        let serving = registry
+            .values()
+            .filter(|entry| entry.phase == Phase::Serving)
+            .count();
+        match registry.get_mut(&self.id) {
+            Some(entry) if entry.phase == Phase::Handshake && serving < connections_max => {
+                entry.phase = Phase::Serving;
+                true
+            }
+            _ => false,
         }
     }
 }
@@ -385,28 +450,96 @@ fn serve_connection(mut stream: Stream, exports: &ExportTable, config: &ServerCo
 #[derive(Default)]
 struct Connections {
     next_id: AtomicU64,
-    active: Arc<AtomicUsize>,
-    sockets: Arc<Mutex<HashMap<u64, Stream>>>,
+    registry: Registry,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Connections {
     fn active(&self) -> usize {
-        self.active.load(Ordering::Acquire)
+        self.registry.lock().len()
     }
 
-    fn spawn(&self, stream: Stream, serve: impl FnOnce(Stream) + Send + 'static) -> io::Result<()> {
+    /// Decides whether a new connection may start: refused when every serving slot is taken
+    /// (it could not be served anyway); when the handshake budget is full, the oldest
+    /// connection still negotiating is closed to make room, so silent or slow clients can
+    /// delay nobody who finishes the handshake promptly.
+    fn admit(&self, peer: &str, config: &ServerConfig) -> bool {
+        let mut registry = self.registry.lock();
+        let count = |phase| {
+            registry
+                .values()
+                .filter(|entry| entry.phase == phase)
+                .count()
+        };
+        if count(Phase::Serving) >= config.connections_max {
+            tracing::warn!(
+                %peer,
+                connections_max = config.connections_max,
+                "connection refused: too many connections"
+            );
+            return false;
+        }
+        if count(Phase::Handshake) >= config.handshake_connections_max {
+            let oldest = registry
+                .values_mut()
+                .filter(|entry| entry.phase == Phase::Handshake)
+                .min_by_key(|entry| entry.accepted);
+            if let Some(oldest) = oldest {
+                tracing::warn!(
+                    peer = %oldest.peer,
+                    handshake_connections_max = config.handshake_connections_max,
+                    "closing the oldest connection still in the handshake to admit {peer}"
+                );
+                oldest.socket.shutdown_both();
+                oldest.phase = Phase::Closing;
+            }
+        }
+        true
+    }
+
+    /// Closes every connection that has been negotiating for longer than `timeout`: the
+    /// handshake timeout bounds the whole handshake, not each read, so a client trickling
+    /// bytes cannot hold its slot.
+    fn expire_handshakes(&self, timeout: Duration) {
+        let now = Instant::now();
+        for entry in self.registry.lock().values_mut() {
+            if entry.phase == Phase::Handshake && now.duration_since(entry.accepted) > timeout {
+                tracing::warn!(
+                    peer = %entry.peer,
+                    ?timeout,
+                    "closing a connection that did not finish the handshake in time"
+                );
+                entry.socket.shutdown_both();
+                entry.phase = Phase::Closing;
+            }
+        }
+    }
+
+    fn spawn(
+        &self,
+        stream: Stream,
+        peer: String,
+        serve: impl FnOnce(Stream, &Admission) + Send + 'static,
+    ) -> io::Result<()> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.sockets.lock().insert(id, stream.try_clone()?);
-        self.active.fetch_add(1, Ordering::AcqRel);
-        let sockets = Arc::clone(&self.sockets);
-        let active = Arc::clone(&self.active);
+        self.registry.lock().insert(
+            id,
+            Entry {
+                socket: stream.try_clone()?,
+                peer,
+                accepted: Instant::now(),
+                phase: Phase::Handshake,
+            },
+        );
+        let admission = Admission {
+            id,
+            registry: Arc::clone(&self.registry),
+        };
         let spawned = std::thread::Builder::new()
             .name(format!("nbd-connection-{id}"))
             .spawn(move || {
-                serve(stream);
-                sockets.lock().remove(&id);
-                active.fetch_sub(1, Ordering::AcqRel);
+                serve(stream, &admission);
+                admission.registry.lock().remove(&id);
             });
         match spawned {
             Ok(handle) => {
@@ -414,8 +547,7 @@ impl Connections {
                 Ok(())
             }
             Err(error) => {
-                self.sockets.lock().remove(&id);
-                self.active.fetch_sub(1, Ordering::AcqRel);
+                self.registry.lock().remove(&id);
                 Err(error)
             }
         }
@@ -436,16 +568,19 @@ impl Connections {
     /// whose client stopped reading replies would block its writer forever, so after
     /// [`SHUTDOWN_GRACE`] the remaining sockets are closed in both directions.
     fn drain(&self) {
-        for socket in self.sockets.lock().values() {
-            socket.shutdown_read();
+        for entry in self.registry.lock().values() {
+            entry.socket.shutdown_read();
         }
         let deadline = Instant::now() + SHUTDOWN_GRACE;
         while Instant::now() < deadline && self.active() > 0 {
             std::thread::sleep(Duration::from_millis(10));
         }
-        for socket in self.sockets.lock().values() {
-            tracing::warn!("closing a connection that did not drain within {SHUTDOWN_GRACE:?}");
-            socket.shutdown_both();
+        for entry in self.registry.lock().values() {
+            tracing::warn!(
+                peer = %entry.peer,
+                "closing a connection that did not drain within {SHUTDOWN_GRACE:?}"
+            );
+            entry.socket.shutdown_both();
         }
         for handle in self.threads.lock().drain(..) {
             let _ = handle.join();
