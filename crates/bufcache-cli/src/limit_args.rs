@@ -1,12 +1,12 @@
 //! `bufcache serve` flags that bound what clients can hold: connections (serving and still
 //! negotiating), how long a handshake or an idle connection may last, and the one in-flight
-//! byte budget all connections share. Values are checked by clap, so a bad one is refused at
+//! byte budget all connections share; and which TCP peers may connect at all. Values are checked by clap, so a bad one is refused at
 //! start-up with the flag's name and exit status 2.
 
 use std::time::Duration;
 
 use bufcache::parse_size;
-use bufcache_nbd::ServerConfig;
+use bufcache_nbd::{parse_network, IpNet, ServerConfig};
 use clap::Args;
 
 /// Default of `--connections-max`.
@@ -43,6 +43,15 @@ pub struct LimitArgs {
     /// --request-size-max.
     #[arg(long, value_name = "SIZE", value_parser = |text: &str| parse_size(text).map_err(|e| e.to_string()))]
     inflight_bytes_max: Option<u64>,
+    /// Only TCP clients inside this network may connect (CIDR like 192.168.0.0/16 or
+    /// fd00::/8, or one address); repeatable. Default: every address. Checked before any
+    /// negotiation; unix-socket clients are not judged (the socket's permissions are).
+    #[arg(long = "allow", value_name = "CIDR", value_parser = |text: &str| parse_network(text).map_err(|e| e.to_string()))]
+    allow: Vec<IpNet>,
+    /// TCP clients inside this network may not connect, even when --allow covers them;
+    /// repeatable.
+    #[arg(long = "deny", value_name = "CIDR", value_parser = |text: &str| parse_network(text).map_err(|e| e.to_string()))]
+    deny: Vec<IpNet>,
 }
 
 /// Parses a number of seconds within `minimum..=maximum`.
@@ -68,6 +77,8 @@ impl LimitArgs {
         config.handshake_connections_max = self.handshake_connections_max as usize;
         config.handshake_timeout = Duration::from_secs_f64(self.handshake_timeout);
         config.idle_timeout = self.idle_timeout.map(Duration::from_secs_f64);
+        config.access.allow = self.allow.clone();
+        config.access.deny = self.deny.clone();
         let request_size_max = u64::from(config.request_size_max);
         config.inflight_bytes_max = match self.inflight_bytes_max {
             Some(bytes) if bytes < request_size_max => clap::Error::raw(

@@ -7,11 +7,55 @@
 //! an invalid configuration.
 
 use std::fmt;
+use std::net::IpAddr;
 use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
+use ipnet::IpNet;
+
 use crate::protocol::DEFAULT_PORT;
+
+/// Why a network (`--allow`/`--deny` value) was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error(
+    "{0:?} is not an IP network: expected ADDRESS/PREFIX (192.168.0.0/16, fd00::/8) or an address"
+)]
+pub struct NetworkError(String);
+
+/// Parses a network in CIDR notation, or a single address (a /32 or /128 network).
+pub fn parse_network(text: &str) -> Result<IpNet, NetworkError> {
+    if let Ok(network) = text.parse::<IpNet>() {
+        return Ok(network.trunc());
+    }
+    text.parse::<IpAddr>()
+        .map(IpNet::from)
+        .map_err(|_| NetworkError(text.to_string()))
+}
+
+/// Which TCP peers may connect: checked before any negotiation.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AccessRules {
+    /// When not empty, only peers inside one of these networks may connect.
+    pub allow: Vec<IpNet>,
+    /// Peers inside one of these networks may not connect, even when allowed.
+    pub deny: Vec<IpNet>,
+}
+
+impl AccessRules {
+    /// `Err(reason)` when `address` may not connect. IPv4 peers reaching an IPv6 socket
+    /// (`::ffff:a.b.c.d`) are judged by their IPv4 address, so IPv4 rules hold for them.
+    pub fn check(&self, address: IpAddr) -> Result<(), String> {
+        let address = address.to_canonical();
+        if let Some(network) = self.deny.iter().find(|network| network.contains(&address)) {
+            return Err(format!("address is inside --deny {network}"));
+        }
+        if !self.allow.is_empty() && !self.allow.iter().any(|network| network.contains(&address)) {
+            return Err("address is outside every --allow network".to_string());
+        }
+        Ok(())
+    }
+}
 
 /// One place the server listens on.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -112,6 +156,9 @@ pub struct ServerConfig {
     /// A connection with no request in flight and none arriving for this long is closed.
     /// Default none (idle clients stay); 1 ms to 1 week when set.
     pub idle_timeout: Option<Duration>,
+    /// Which TCP peers may connect. Default: everyone. Unix-socket peers are not judged
+    /// (the socket file's permissions decide who reaches it).
+    pub access: AccessRules,
 }
 
 impl Default for ServerConfig {
@@ -126,6 +173,7 @@ impl Default for ServerConfig {
             handshake_connections_max: 64,
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: None,
+            access: AccessRules::default(),
         }
     }
 }
@@ -245,6 +293,34 @@ mod tests {
         for text in cases {
             let error = text.parse::<ListenAddress>().unwrap_err();
             assert!(error.to_string().contains(text), "{error}");
+        }
+    }
+
+    /// Goal: deny wins over allow, an empty allow list allows everyone, IPv4-mapped IPv6
+    /// peers meet the IPv4 rules, and bad networks are refused with the text in the message.
+    #[test]
+    fn access_rules_deny_first_then_allow() {
+        let network = |text| parse_network(text).unwrap();
+        let rules = AccessRules {
+            allow: vec![network("10.0.0.0/8"), network("::1")],
+            deny: vec![network("10.9.0.0/16")],
+        };
+        let address = |text: &str| text.parse::<IpAddr>().unwrap();
+        assert_eq!(rules.check(address("10.1.2.3")), Ok(()));
+        assert_eq!(rules.check(address("::ffff:10.1.2.3")), Ok(()));
+        assert_eq!(rules.check(address("::1")), Ok(()));
+        assert!(rules
+            .check(address("10.9.1.1"))
+            .unwrap_err()
+            .contains("10.9.0.0/16"));
+        assert!(rules
+            .check(address("192.168.1.1"))
+            .unwrap_err()
+            .contains("--allow"));
+        assert_eq!(AccessRules::default().check(address("192.168.1.1")), Ok(()));
+        assert_eq!(network("10.1.2.3/8").to_string(), "10.0.0.0/8");
+        for bad in ["10.0.0.0/33", "10.0.0", "example.com", ""] {
+            assert!(parse_network(bad).unwrap_err().to_string().contains(bad));
         }
     }
 

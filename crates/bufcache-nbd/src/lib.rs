@@ -25,7 +25,11 @@ pub mod uri;
 
 pub use client::{ClientError, NbdClient};
 pub use client_handshake::{ExportInfo, HandshakeFailure};
-pub use config::{ConfigError, ListenAddress, ListenAddressError, ServerConfig};
+pub use config::{
+    parse_network, AccessRules, ConfigError, ListenAddress, ListenAddressError, NetworkError,
+    ServerConfig,
+};
 pub use export::{BlockStatusExtent, Export, MemoryExport};
+pub use ipnet::IpNet;
 pub use server::{BoundAddress, BoundServer, Server, ServerError, ShutdownHandle};
 pub use uri::{NbdAddress, NbdUri, UriError};

@@ -325,6 +325,20 @@ impl BoundServer {
             }
         };
         let peer = stream.peer_description();
+        if let Stream::Tcp(_) = stream {
+            let access = &self.config.access;
+            let verdict = match stream.peer_ip() {
+                Some(address) => access.check(address),
+                // Fail closed: rules that cannot be checked are not skipped.
+                None if access.allow.is_empty() && access.deny.is_empty() => Ok(()),
+                None => Err("the peer's address is unknown".to_string()),
+            };
+            if let Err(reason) = verdict {
+                // Closed before a byte of negotiation: the peer learns nothing.
+                tracing::warn!(%peer, "connection refused: {reason}");
+                return;
+            }
+        }
         if !connections.admit(&peer, &self.config) {
             return;
         }

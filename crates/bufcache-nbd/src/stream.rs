@@ -114,6 +114,14 @@ impl Stream {
         }
     }
 
+    /// The peer's IP address; `None` for unix sockets (or when it is unavailable).
+    pub fn peer_ip(&self) -> Option<std::net::IpAddr> {
+        match self {
+            Stream::Tcp(stream) => stream.peer_addr().ok().map(|address| address.ip()),
+            Stream::Unix(_) => None,
+        }
+    }
+
     /// The peer's address, for log messages.
     pub fn peer_description(&self) -> String {
         match self {
