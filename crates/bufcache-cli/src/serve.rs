@@ -69,8 +69,9 @@ pub struct ServeArgs {
     /// Serve Prometheus metrics (/metrics) and JSON statistics (/stats) on HOST:PORT.
     #[arg(long, value_name = "HOST:PORT")]
     metrics: Option<String>,
+    // Boxed: the limit flags would make `ServeArgs` the one huge variant of the commands.
     #[command(flatten)]
-    limits: LimitArgs,
+    limits: Box<LimitArgs>,
     #[command(flatten)]
     engine: EngineArgs,
 }
