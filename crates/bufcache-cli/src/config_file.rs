@@ -134,6 +134,9 @@ fn default_value(name: &str) -> Option<String> {
         "handshake-connections-max" => {
             crate::limit_args::DEFAULT_HANDSHAKE_CONNECTIONS_MAX.to_string()
         }
+        "handshake-connections-per-peer-max" => {
+            crate::limit_args::DEFAULT_HANDSHAKE_CONNECTIONS_PER_PEER_MAX.to_string()
+        }
         "handshake-timeout" => crate::limit_args::DEFAULT_HANDSHAKE_TIMEOUT_SECONDS.to_string(),
         "idle-timeout" => "60".into(),
         "allow" => "[\"192.168.0.0/16\"]".into(),

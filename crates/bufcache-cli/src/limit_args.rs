@@ -13,6 +13,8 @@ use clap::Args;
 pub const DEFAULT_CONNECTIONS_MAX: u32 = 1024;
 /// Default of `--handshake-connections-max`.
 pub const DEFAULT_HANDSHAKE_CONNECTIONS_MAX: u32 = 64;
+/// Default of `--handshake-connections-per-peer-max`.
+pub const DEFAULT_HANDSHAKE_CONNECTIONS_PER_PEER_MAX: u32 = 16;
 /// Default of `--handshake-timeout`, in seconds.
 pub const DEFAULT_HANDSHAKE_TIMEOUT_SECONDS: f64 = 10.0;
 
@@ -29,6 +31,11 @@ pub struct LimitArgs {
     #[arg(long, value_name = "N", default_value_t = DEFAULT_HANDSHAKE_CONNECTIONS_MAX,
           value_parser = clap::value_parser!(u32).range(1..=65536))]
     handshake_connections_max: u32,
+    /// Connections still in the handshake one TCP address holds at once. Over it, that
+    /// address's own oldest one is closed, so a flood from one address evicts only itself.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_HANDSHAKE_CONNECTIONS_PER_PEER_MAX,
+          value_parser = clap::value_parser!(u32).range(1..=65536))]
+    handshake_connections_per_peer_max: u32,
     /// Seconds a client may take for the whole handshake before it is disconnected.
     #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_HANDSHAKE_TIMEOUT_SECONDS,
           value_parser = |text: &str| seconds(text, 0.001, 3600.0))]
@@ -75,6 +82,8 @@ impl LimitArgs {
     pub fn apply(&self, config: &mut ServerConfig, cache_bytes: u64) {
         config.connections_max = self.connections_max as usize;
         config.handshake_connections_max = self.handshake_connections_max as usize;
+        config.handshake_connections_per_peer_max =
+            self.handshake_connections_per_peer_max as usize;
         config.handshake_timeout = Duration::from_secs_f64(self.handshake_timeout);
         config.idle_timeout = self.idle_timeout.map(Duration::from_secs_f64);
         config.access.allow = self.allow.clone();

@@ -150,6 +150,10 @@ pub struct ServerConfig {
     /// connections delays nobody who completes the handshake promptly. Default 64;
     /// 1 to 65536.
     pub handshake_connections_max: usize,
+    /// Connections still in the handshake one TCP address holds at once. Over it, that
+    /// address's own oldest negotiating connection is closed, so a flood from one address
+    /// never evicts anyone else's. Default 16; 1 to 65536.
+    pub handshake_connections_per_peer_max: usize,
     /// How long a client may take to finish the whole handshake, from accept to the start of
     /// transmission. Default 10 s; 1 ms to 1 hour.
     pub handshake_timeout: Duration,
@@ -171,6 +175,7 @@ impl Default for ServerConfig {
             workers_per_connection_max: 16,
             connections_max: 1024,
             handshake_connections_max: 64,
+            handshake_connections_per_peer_max: 16,
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: None,
             access: AccessRules::default(),
@@ -199,6 +204,8 @@ pub enum ConfigError {
     ConnectionsMax { value: usize },
     #[error("handshake_connections_max: {value} is outside the allowed range 1 to 65536")]
     HandshakeConnectionsMax { value: usize },
+    #[error("handshake_connections_per_peer_max: {value} is outside the allowed range 1 to 65536")]
+    HandshakeConnectionsPerPeerMax { value: usize },
     #[error("handshake_timeout: {value:?} is outside the allowed range 1 ms to 1 hour")]
     HandshakeTimeout { value: Duration },
     #[error("idle_timeout: {value:?} is outside the allowed range 1 ms to 1 week")]
@@ -241,6 +248,11 @@ impl ServerConfig {
         if !(1..=65536).contains(&self.handshake_connections_max) {
             return Err(ConfigError::HandshakeConnectionsMax {
                 value: self.handshake_connections_max,
+            });
+        }
+        if !(1..=65536).contains(&self.handshake_connections_per_peer_max) {
+            return Err(ConfigError::HandshakeConnectionsPerPeerMax {
+                value: self.handshake_connections_per_peer_max,
             });
         }
         let timeout_range = Duration::from_millis(1)..=Duration::from_secs(3600);

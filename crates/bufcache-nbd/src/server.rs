@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::io;
-use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::io::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -339,7 +339,7 @@ impl BoundServer {
                 return;
             }
         }
-        if !connections.admit(&peer, &self.config) {
+        if !connections.admit(&peer, stream.peer_ip(), &self.config) {
             return;
         }
         let exports = Arc::clone(&self.exports);
@@ -428,6 +428,8 @@ enum Phase {
 struct Entry {
     socket: Stream,
     peer: String,
+    /// The TCP peer's address (`None` for unix sockets), for the per-peer handshake budget.
+    peer_ip: Option<IpAddr>,
     accepted: Instant,
     phase: Phase,
 }
@@ -474,18 +476,18 @@ impl Connections {
     }
 
     /// Decides whether a new connection may start: refused when every serving slot is taken
-    /// (it could not be served anyway); when the handshake budget is full, the oldest
-    /// connection still negotiating is closed to make room, so silent or slow clients can
-    /// delay nobody who finishes the handshake promptly.
-    fn admit(&self, peer: &str, config: &ServerConfig) -> bool {
+    /// (it could not be served anyway). Room in the handshake budget is made by closing the
+    /// oldest connection still negotiating: first among the new peer's own when that address
+    /// already holds `handshake_connections_per_peer_max` of them (so one address flooding
+    /// the server only evicts itself), else among all. Silent or slow clients thus delay
+    /// nobody who finishes the handshake promptly.
+    fn admit(&self, peer: &str, peer_ip: Option<IpAddr>, config: &ServerConfig) -> bool {
         let mut registry = self.registry.lock();
-        let count = |phase| {
-            registry
-                .values()
-                .filter(|entry| entry.phase == phase)
-                .count()
-        };
-        if count(Phase::Serving) >= config.connections_max {
+        let serving = registry
+            .values()
+            .filter(|entry| entry.phase == Phase::Serving)
+            .count();
+        if serving >= config.connections_max {
             tracing::warn!(
                 %peer,
                 connections_max = config.connections_max,
@@ -493,20 +495,39 @@ impl Connections {
             );
             return false;
         }
-        if count(Phase::Handshake) >= config.handshake_connections_max {
-            let oldest = registry
+        let negotiating = |entry: &&mut Entry| entry.phase == Phase::Handshake;
+        let same_peer = registry
+            .values()
+            .filter(|entry| entry.phase == Phase::Handshake)
+            .filter(|entry| peer_ip.is_some() && entry.peer_ip == peer_ip)
+            .count();
+        let total = registry
+            .values()
+            .filter(|entry| entry.phase == Phase::Handshake)
+            .count();
+        let victim = if same_peer >= config.handshake_connections_per_peer_max {
+            registry
                 .values_mut()
-                .filter(|entry| entry.phase == Phase::Handshake)
-                .min_by_key(|entry| entry.accepted);
-            if let Some(oldest) = oldest {
-                tracing::warn!(
-                    peer = %oldest.peer,
-                    handshake_connections_max = config.handshake_connections_max,
-                    "closing the oldest connection still in the handshake to admit {peer}"
-                );
-                oldest.socket.shutdown_both();
-                oldest.phase = Phase::Closing;
-            }
+                .filter(negotiating)
+                .filter(|entry| entry.peer_ip == peer_ip)
+                .min_by_key(|entry| entry.accepted)
+        } else if total >= config.handshake_connections_max {
+            registry
+                .values_mut()
+                .filter(negotiating)
+                .min_by_key(|entry| entry.accepted)
+        } else {
+            None
+        };
+        if let Some(oldest) = victim {
+            tracing::warn!(
+                peer = %oldest.peer,
+                handshake_connections_max = config.handshake_connections_max,
+                handshake_connections_per_peer_max = config.handshake_connections_per_peer_max,
+                "closing the oldest connection still in the handshake to admit {peer}"
+            );
+            oldest.socket.shutdown_both();
+            oldest.phase = Phase::Closing;
         }
         true
     }
@@ -539,6 +560,7 @@ impl Connections {
         self.registry.lock().insert(
             id,
             Entry {
+                peer_ip: stream.peer_ip(),
                 socket: stream.try_clone()?,
                 peer,
                 accepted: Instant::now(),

@@ -169,3 +169,77 @@ fn idle_timeout_closes_idle_connections_but_not_busy_ones() {
         "idle client still served"
     );
 }
+
+/// A silent TCP connection to the server from the loopback address `source` (any 127.x.y.z
+/// works on Linux), so a test can play two different peers.
+fn silent_client_from(server: &TestServer, source: [u8; 4]) -> TcpStream {
+    use std::os::unix::io::FromRawFd;
+    let address = |ip: [u8; 4], port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_be_bytes(ip).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    let length = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: plain socket calls on a descriptor this function owns; the addresses are
+    // valid sockaddr_in values that outlive the calls, with their true length.
+    unsafe {
+        let descriptor = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+        assert!(descriptor >= 0, "socket: {}", io::Error::last_os_error());
+        let local = address(source, 0);
+        let bound = libc::bind(
+            descriptor,
+            (&local as *const libc::sockaddr_in).cast(),
+            length,
+        );
+        assert_eq!(bound, 0, "bind: {}", io::Error::last_os_error());
+        let remote = address([127, 0, 0, 1], server.port());
+        let connected = libc::connect(
+            descriptor,
+            (&remote as *const libc::sockaddr_in).cast(),
+            length,
+        );
+        assert_eq!(connected, 0, "connect: {}", io::Error::last_os_error());
+        let stream = TcpStream::from_raw_fd(descriptor);
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        stream
+    }
+}
+
+/// One address flooding the handshake budget only evicts its own connections: a connection
+/// from another address, still negotiating, survives twenty silent ones from the flooder,
+/// though together they are far over the whole handshake budget.
+#[test]
+fn a_flood_from_one_address_evicts_only_its_own_negotiating_connections() {
+    let config = ServerConfig {
+        handshake_connections_max: 8,
+        handshake_connections_per_peer_max: 4,
+        ..ServerConfig::default()
+    };
+    let server = memory_server_with(config);
+    let mut bystander = silent_client_from(&server, [127, 0, 0, 1]);
+    std::thread::sleep(Duration::from_millis(200));
+    let mut flood: Vec<TcpStream> = Vec::new();
+    for _ in 0..20 {
+        flood.push(silent_client_from(&server, [127, 0, 0, 2]));
+        // Let the server register each before the next, so "oldest" is well defined.
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        closed_by_server(&mut flood[0]),
+        "the flooder's oldest stayed"
+    );
+    // The bystander got its greeting and nothing else: the read times out, no end-of-file.
+    bystander
+        .set_read_timeout(Some(Duration::from_millis(1000)))
+        .unwrap();
+    assert!(
+        !closed_by_server(&mut bystander),
+        "the bystander was evicted"
+    );
+    assert!(good_client_round_trip(&server) < Duration::from_secs(5));
+}
