@@ -139,6 +139,9 @@ fn default_value(name: &str) -> Option<String> {
         }
         "handshake-timeout" => crate::limit_args::DEFAULT_HANDSHAKE_TIMEOUT_SECONDS.to_string(),
         "idle-timeout" => "60".into(),
+        "tls" => "\"off\"".into(),
+        "tls-certificates" => "\"/etc/bufcache/tls\"".into(),
+        "tls-psk" => "\"/etc/bufcache/keys.psk\"".into(),
         "allow" => "[\"192.168.0.0/16\"]".into(),
         "deny" => "[\"192.168.66.0/24\"]".into(),
         "inflight-bytes-max" => size(config.memory_bytes_max),

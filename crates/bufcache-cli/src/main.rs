@@ -10,6 +10,7 @@ mod replay;
 mod serve;
 mod sim;
 mod stat;
+mod tls_args;
 
 use clap::{CommandFactory, Parser, Subcommand};
 

@@ -24,6 +24,7 @@ use clap::Args;
 use crate::engine_args::EngineArgs;
 use crate::limit_args::LimitArgs;
 use crate::metrics::{self, ExportMeters, Meters};
+use crate::tls_args::TlsArgs;
 
 /// The backing file served when no backend is named, created sparse when absent.
 pub const DEFAULT_BACKING_FILE: &str = "bufcache.img";
@@ -72,6 +73,8 @@ pub struct ServeArgs {
     // Boxed: the limit flags would make `ServeArgs` the one huge variant of the commands.
     #[command(flatten)]
     limits: Box<LimitArgs>,
+    #[command(flatten)]
+    tls: Box<TlsArgs>,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -287,6 +290,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     args.limits
         .apply(&mut server_config, config.memory_bytes_max);
+    args.tls.apply(&mut server_config);
     server_config.validate()?;
     let cache = Cache::new(config)?;
     let mut exports: Vec<(String, Arc<dyn Export>)> = Vec::new();

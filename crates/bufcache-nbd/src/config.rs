@@ -163,6 +163,8 @@ pub struct ServerConfig {
     /// Which TCP peers may connect. Default: everyone. Unix-socket peers are not judged
     /// (the socket file's permissions decide who reaches it).
     pub access: AccessRules,
+    /// TLS: off by default (see [`crate::tls`]).
+    pub tls: crate::tls::TlsConfig,
 }
 
 impl Default for ServerConfig {
@@ -179,6 +181,7 @@ impl Default for ServerConfig {
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: None,
             access: AccessRules::default(),
+            tls: crate::tls::TlsConfig::default(),
         }
     }
 }

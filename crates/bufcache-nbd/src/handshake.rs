@@ -13,6 +13,7 @@ use std::sync::Arc;
 use crate::export::Export;
 use crate::protocol::*;
 use crate::stream::Stream;
+use crate::tls::{TlsMode, TlsServer};
 
 /// Options longer than this are not haggling but abuse; the connection is closed.
 const OPTION_BYTES_MAX: u32 = 64 * 1024;
@@ -64,6 +65,10 @@ pub(crate) enum HandshakeError {
     OptionTooLong { option: u32, length_bytes: u32 },
     #[error("NBD_OPT_EXPORT_NAME asked for unknown export {0:?}")]
     UnknownExport(String),
+    #[error("client asked for an export without TLS, which is required")]
+    TlsRequired,
+    #[error("TLS handshake failed: {0}")]
+    Tls(io::Error),
 }
 
 /// How the handshake ended.
@@ -77,6 +82,9 @@ pub(crate) enum Outcome {
 struct Haggle<'a> {
     stream: &'a mut Stream,
     exports: &'a ExportTable,
+    tls: &'a TlsServer,
+    /// True once `NBD_OPT_STARTTLS` succeeded: the stream is the TLS relay's plain end.
+    tls_active: bool,
     request_size_max: u32,
     no_zeroes: bool,
     structured_replies: bool,
@@ -89,6 +97,7 @@ pub(crate) fn negotiate(
     stream: &mut Stream,
     exports: &ExportTable,
     request_size_max: u32,
+    tls: &TlsServer,
 ) -> Result<Outcome, HandshakeError> {
     let mut greeting = Vec::with_capacity(18);
     greeting.extend_from_slice(&INIT_MAGIC.to_be_bytes());
@@ -105,6 +114,8 @@ pub(crate) fn negotiate(
     let mut haggle = Haggle {
         stream,
         exports,
+        tls,
+        tls_active: false,
         request_size_max,
         no_zeroes: client_flags & CLIENT_FLAG_NO_ZEROES != 0,
         structured_replies: false,
@@ -151,7 +162,25 @@ impl Haggle<'_> {
         option: u32,
         data: &[u8],
     ) -> Result<Option<Outcome>, HandshakeError> {
+        let tls_missing = self.tls.mode == TlsMode::Require && !self.tls_active;
+        if tls_missing && option != OPT_STARTTLS && option != OPT_ABORT {
+            if option == OPT_EXPORT_NAME {
+                // This option cannot carry an error reply: the spec says to close.
+                return Err(HandshakeError::TlsRequired);
+            }
+            tracing::warn!(
+                option,
+                "option refused: TLS is required and the client has not started it"
+            );
+            self.error(
+                option,
+                REP_ERR_TLS_REQD,
+                "TLS is required: upgrade with NBD_OPT_STARTTLS first",
+            )?;
+            return Ok(None);
+        }
         match option {
+            OPT_STARTTLS if self.tls.mode != TlsMode::Off => self.start_tls(data),
             OPT_EXPORT_NAME => self.export_name(data).map(Some),
             OPT_ABORT => {
                 // The client may already have hung up; the acknowledgement is a courtesy.
@@ -174,6 +203,29 @@ impl Haggle<'_> {
                 Ok(None)
             }
         }
+    }
+
+    /// Acknowledges `NBD_OPT_STARTTLS`, runs the TLS handshake and goes on haggling over
+    /// TLS, forgetting what was agreed in plain text, as the spec asks.
+    fn start_tls(&mut self, data: &[u8]) -> Result<Option<Outcome>, HandshakeError> {
+        if !data.is_empty() {
+            self.error(
+                OPT_STARTTLS,
+                REP_ERR_INVALID,
+                "NBD_OPT_STARTTLS takes no data",
+            )?;
+            return Ok(None);
+        }
+        if self.tls_active {
+            self.error(OPT_STARTTLS, REP_ERR_INVALID, "TLS is already active")?;
+            return Ok(None);
+        }
+        self.reply(OPT_STARTTLS, REP_ACK, &[])?;
+        self.tls.upgrade(self.stream).map_err(HandshakeError::Tls)?;
+        self.tls_active = true;
+        self.structured_replies = false;
+        self.base_allocation_for = None;
+        Ok(None)
     }
 
     fn reply(&mut self, option: u32, reply_type: u32, payload: &[u8]) -> io::Result<()> {

@@ -20,6 +20,7 @@ mod handshake;
 pub mod protocol;
 pub mod server;
 mod stream;
+pub mod tls;
 mod transmission;
 pub mod uri;
 
@@ -32,4 +33,5 @@ pub use config::{
 pub use export::{BlockStatusExtent, Export, MemoryExport};
 pub use ipnet::IpNet;
 pub use server::{BoundAddress, BoundServer, Server, ServerError, ShutdownHandle};
+pub use tls::{parse_psk_file, PskEntry, TlsConfig, TlsError, TlsMode};
 pub use uri::{NbdAddress, NbdUri, UriError};

@@ -29,6 +29,7 @@ use crate::config::{ConfigError, ListenAddress, ServerConfig};
 use crate::export::Export;
 use crate::handshake::{self, ExportTable, Outcome};
 use crate::stream::Stream;
+use crate::tls::TlsServer;
 use crate::transmission::{self, ConnectionLimits, ServerBudget};
 
 /// How long shutdown waits for connections to answer their in-flight requests before it
@@ -53,6 +54,8 @@ pub enum ServerError {
     Resolve { address: String, source: io::Error },
     #[error("cannot listen on {address}: {source}")]
     Bind { address: String, source: io::Error },
+    #[error("{0}")]
+    Tls(#[from] crate::tls::TlsError),
     #[error("accept loop failed: {0}")]
     Poll(io::Error),
 }
@@ -108,6 +111,7 @@ impl fmt::Display for BoundAddress {
 pub struct Server {
     config: ServerConfig,
     exports: Arc<ExportTable>,
+    tls: TlsServer,
 }
 
 impl Server {
@@ -128,9 +132,11 @@ impl Server {
                 return Err(ServerError::DuplicateExport(name.clone()));
             }
         }
+        let tls = TlsServer::new(&config.tls)?;
         Ok(Server {
             config,
             exports: Arc::new(ExportTable { entries: exports }),
+            tls,
         })
     }
 
@@ -144,6 +150,7 @@ impl Server {
             budget: Arc::new(ServerBudget::new(self.config.inflight_bytes_max)),
             config: self.config,
             exports: self.exports,
+            tls: self.tls,
             listeners,
         })
     }
@@ -246,6 +253,7 @@ pub struct BoundServer {
     config: ServerConfig,
     /// The in-flight byte budget all connections share.
     budget: Arc<ServerBudget>,
+    tls: TlsServer,
     exports: Arc<ExportTable>,
     listeners: Vec<Listener>,
 }
@@ -345,9 +353,16 @@ impl BoundServer {
         let exports = Arc::clone(&self.exports);
         let config = self.config.clone();
         let budget = Arc::clone(&self.budget);
+        let tls = self.tls.clone();
         let thread_peer = peer.clone();
         if let Err(error) = connections.spawn(stream, peer, move |stream, admission| {
-            serve_connection(stream, &exports, &config, &budget, admission, &thread_peer)
+            let context = ConnectionContext {
+                exports: &exports,
+                config: &config,
+                budget: &budget,
+                tls: &tls,
+            };
+            serve_connection(stream, &context, admission, &thread_peer)
         }) {
             tracing::warn!("could not start a connection thread: {error}");
         }
@@ -355,20 +370,36 @@ impl BoundServer {
 }
 
 /// Handshake then transmission for one client. Errors end only this connection.
+/// What every connection of a server shares.
+struct ConnectionContext<'a> {
+    exports: &'a ExportTable,
+    config: &'a ServerConfig,
+    budget: &'a Arc<ServerBudget>,
+    tls: &'a TlsServer,
+}
+
 fn serve_connection(
     mut stream: Stream,
-    exports: &ExportTable,
-    config: &ServerConfig,
-    budget: &Arc<ServerBudget>,
+    context: &ConnectionContext<'_>,
     admission: &Admission,
     peer: &str,
 ) {
+    let config = context.config;
+    let budget = context.budget;
+    // Every log line of this connection (handshake and TLS included) names the peer. The
+    // span is at WARN level so it is enabled whenever the warnings it frames are.
+    let _span = tracing::warn_span!("connection", %peer).entered();
     // A client that never finishes the handshake must not hold a thread forever.
     if let Err(error) = stream.set_read_timeout(Some(config.handshake_timeout)) {
         tracing::warn!(%peer, "cannot set the handshake timeout: {error}");
         return;
     }
-    let negotiated = match handshake::negotiate(&mut stream, exports, config.request_size_max) {
+    let negotiated = match handshake::negotiate(
+        &mut stream,
+        context.exports,
+        config.request_size_max,
+        context.tls,
+    ) {
         Ok(Outcome::Transmission(negotiated)) => negotiated,
         Ok(Outcome::Closed) => {
             tracing::debug!(%peer, "client left during the handshake");
