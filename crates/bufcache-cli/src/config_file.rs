@@ -142,6 +142,8 @@ fn default_value(name: &str) -> Option<String> {
         "tls" => "\"off\"".into(),
         "tls-certificates" => "\"/etc/bufcache/tls\"".into(),
         "tls-psk" => "\"/etc/bufcache/keys.psk\"".into(),
+        "export-identity" => "[\"a=alice\"]".into(),
+        "export-read-only" => "[\"b\"]".into(),
         "allow" => "[\"192.168.0.0/16\"]".into(),
         "deny" => "[\"192.168.66.0/24\"]".into(),
         "inflight-bytes-max" => size(config.memory_bytes_max),

@@ -327,7 +327,16 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         );
         exports.push((name, Arc::new(CacheExport { object })));
     }
-    let server = Server::new(server_config, exports)?.bind()?;
+    let server = match Server::new(server_config, exports) {
+        Err(bufcache_nbd::ServerError::PolicyForUnknownExport(name)) => clap::Error::raw(
+            clap::error::ErrorKind::ValueValidation,
+            format!(
+                "--export-identity / --export-read-only name {name:?}, which is not an export\n"
+            ),
+        )
+        .exit(),
+        server => server?.bind()?,
+    };
     if let Some(address) = &args.metrics {
         let local = metrics::start(
             address,

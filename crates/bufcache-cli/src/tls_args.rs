@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use bufcache_nbd::{ServerConfig, TlsConfig, TlsMode};
+use bufcache_nbd::{ExportPolicy, ServerConfig, TlsConfig, TlsMode};
 use clap::Args;
 
 /// TLS flags of `bufcache serve`.
@@ -25,6 +25,22 @@ pub struct TlsArgs {
     /// Pre-shared keys, a psktool file: one identity:hexkey per line.
     #[arg(long, value_name = "FILE")]
     tls_psk: Option<PathBuf>,
+    /// Only this TLS identity (PSK identity or client certificate common name) may open the
+    /// export, EXPORT=IDENTITY; repeatable, several identities per export allowed. Other
+    /// clients do not see the export in lists and are told it does not exist.
+    #[arg(long, value_name = "EXPORT=IDENTITY", value_parser = export_and_value)]
+    export_identity: Vec<(String, String)>,
+    /// Serve this export read-only (the empty name is the default export); repeatable.
+    #[arg(long, value_name = "EXPORT")]
+    export_read_only: Vec<String>,
+}
+
+/// Parses EXPORT=VALUE.
+fn export_and_value(text: &str) -> Result<(String, String), String> {
+    match text.split_once('=') {
+        Some((export, value)) if !value.is_empty() => Ok((export.to_string(), value.to_string())),
+        _ => Err(format!("{text:?} is not EXPORT=IDENTITY")),
+    }
 }
 
 impl TlsArgs {
@@ -44,5 +60,30 @@ impl TlsArgs {
             .exit();
         }
         config.tls = tls;
+        let mut policies: Vec<(String, ExportPolicy)> = Vec::new();
+        for (export, identity) in &self.export_identity {
+            policy_of(&mut policies, export)
+                .identities
+                .push(identity.clone());
+        }
+        for export in &self.export_read_only {
+            policy_of(&mut policies, export).read_only = true;
+        }
+        config.export_policies = policies;
     }
+}
+
+/// The policy of `export` in `policies`, added when absent.
+fn policy_of<'a>(
+    policies: &'a mut Vec<(String, ExportPolicy)>,
+    export: &str,
+) -> &'a mut ExportPolicy {
+    let index = match policies.iter().position(|(name, _)| name == export) {
+        Some(index) => index,
+        None => {
+            policies.push((export.to_string(), ExportPolicy::default()));
+            policies.len() - 1
+        }
+    };
+    &mut policies[index].1
 }

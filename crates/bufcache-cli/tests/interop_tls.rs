@@ -394,6 +394,8 @@ fn tls_with_certificates_interoperates_and_refuses_unknown_or_expired_clients() 
     // Trusts only the rogue CA, so it cannot verify the server.
     let distrustful =
         client_directory(root, "distrustful", &pki.rogue_ca, CLIENT_TEMPLATE, &pki.ca);
+    let bob_template = CLIENT_TEMPLATE.replace("cn = alice", "cn = bob");
+    let bob = client_directory(root, "bob", &pki.ca, &bob_template, &pki.ca);
     let server = Server::start(
         root,
         "bufcache",
@@ -407,6 +409,9 @@ fn tls_with_certificates_interoperates_and_refuses_unknown_or_expired_clients() 
             "--tls-certificates",
             pki.server.to_str().unwrap(),
             "--tls-verify-peer",
+            // The default export: only the certificate whose common name is alice.
+            "--export-identity",
+            "=alice",
         ],
     );
     let port = tcp_port(&server);
@@ -462,6 +467,15 @@ fn tls_with_certificates_interoperates_and_refuses_unknown_or_expired_clients() 
         false,
         &mut nbdinfo(&tcp(&distrustful)),
     );
+    matrix.case(
+        "nbdinfo      tcp   x509, valid cert for bob, export is alice's",
+        false,
+        &mut nbdinfo(&tcp(&bob)),
+    );
+    assert!(log_line_has(
+        &server,
+        &["127.0.0.1:", "export refused", "bob"]
+    ));
     // A client with only the CA, no certificate of its own, under --tls-verify-peer.
     let anonymous = root.join("anonymous");
     std::fs::create_dir_all(&anonymous).unwrap();
@@ -549,4 +563,94 @@ fn bad_tls_credentials_are_refused_at_start_up_naming_flag_and_file() {
             );
         }
     }
+}
+
+/// Per-export authorisation by PSK identity and per-export read-only: export `a` is alice's
+/// alone, `b` is open to every key holder but read-only. bob does not see `a` in the list and
+/// cannot open it; nobody can write `b`.
+#[test]
+fn exports_are_authorised_per_identity_and_hidden_from_others() {
+    if !have_tools("interop_tls exports", &["psktool", "nbdinfo", "nbdcopy"]) {
+        return;
+    }
+    let dir = temp_dir();
+    let root = dir.path();
+    let keys = root.join("keys.psk");
+    for user in ["alice", "bob"] {
+        run_ok(Command::new("psktool").args(["-u", user, "-p"]).arg(&keys));
+    }
+    let server = Server::start(
+        root,
+        "bufcache",
+        &[
+            "--export",
+            "a=memory:8M",
+            "--export",
+            "b=memory:8M",
+            "--listen",
+            "tcp:127.0.0.1:0",
+            "--tls",
+            "require",
+            "--tls-psk",
+            keys.to_str().unwrap(),
+            "--export-identity",
+            "a=alice",
+            "--export-read-only",
+            "b",
+        ],
+    );
+    let port = tcp_port(&server);
+    let uri = |user: &str, export: &str| {
+        format!(
+            "nbds://{user}@127.0.0.1:{port}/{export}?tls-psk-file={}",
+            keys.display()
+        )
+    };
+    let list = |user: &str| {
+        let output = run(Command::new("nbdinfo").arg("--list").arg(uri(user, "")));
+        assert!(output.status.success(), "{output:?}");
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let alice_sees = list("alice");
+    assert!(
+        alice_sees.contains("export=\"a\"") && alice_sees.contains("export=\"b\""),
+        "{alice_sees}"
+    );
+    let bob_sees = list("bob");
+    assert!(
+        !bob_sees.contains("export=\"a\"") && bob_sees.contains("export=\"b\""),
+        "{bob_sees}"
+    );
+    let mut matrix = Matrix::default();
+    matrix.case(
+        "nbdinfo      tcp   psk alice opens a (hers)",
+        true,
+        &mut nbdinfo(&uri("alice", "a")),
+    );
+    matrix.case(
+        "nbdinfo      tcp   psk bob opens a (alice's)",
+        false,
+        &mut nbdinfo(&uri("bob", "a")),
+    );
+    matrix.case(
+        "nbdinfo      tcp   psk bob opens b (read-only)",
+        true,
+        &mut nbdinfo(&uri("bob", "b")),
+    );
+    let input = root.join("in.bin");
+    std::fs::write(&input, random_bytes(1 << 20, 9)).unwrap();
+    matrix.case(
+        "nbdcopy      tcp   psk alice writes a",
+        true,
+        Command::new("nbdcopy").arg(&input).arg(uri("alice", "a")),
+    );
+    matrix.case(
+        "nbdcopy      tcp   psk alice writes b (read-only)",
+        false,
+        Command::new("nbdcopy").arg(&input).arg(uri("alice", "b")),
+    );
+    assert!(log_line_has(
+        &server,
+        &["127.0.0.1:", "export refused", "bob"]
+    ));
 }

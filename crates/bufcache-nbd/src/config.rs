@@ -33,6 +33,24 @@ pub fn parse_network(text: &str) -> Result<IpNet, NetworkError> {
         .map_err(|_| NetworkError(text.to_string()))
 }
 
+/// Who may open one export, and how.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExportPolicy {
+    /// TLS identities (PSK identity or client certificate common name) that may open the
+    /// export; empty: every client may. A client without a TLS identity may open only
+    /// exports with no list.
+    pub identities: Vec<String>,
+    /// Serve the export read-only, whatever the backend allows.
+    pub read_only: bool,
+}
+
+impl ExportPolicy {
+    pub fn admits(&self, identity: Option<&str>) -> bool {
+        self.identities.is_empty()
+            || identity.is_some_and(|identity| self.identities.iter().any(|name| name == identity))
+    }
+}
+
 /// Which TCP peers may connect: checked before any negotiation.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct AccessRules {
@@ -165,6 +183,9 @@ pub struct ServerConfig {
     pub access: AccessRules,
     /// TLS: off by default (see [`crate::tls`]).
     pub tls: crate::tls::TlsConfig,
+    /// Per-export policies by export name; exports not named here are open to every client
+    /// and writable as their backend allows.
+    pub export_policies: Vec<(String, ExportPolicy)>,
 }
 
 impl Default for ServerConfig {
@@ -182,6 +203,7 @@ impl Default for ServerConfig {
             idle_timeout: None,
             access: AccessRules::default(),
             tls: crate::tls::TlsConfig::default(),
+            export_policies: Vec::new(),
         }
     }
 }

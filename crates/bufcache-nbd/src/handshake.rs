@@ -10,6 +10,7 @@
 use std::io::{self, Read, Write};
 use std::sync::Arc;
 
+use crate::config::ExportPolicy;
 use crate::export::Export;
 use crate::protocol::*;
 use crate::stream::Stream;
@@ -25,9 +26,25 @@ pub(crate) const BASE_ALLOCATION_ID: u32 = 1;
 /// export named "" if there is one, otherwise the first export.
 pub(crate) struct ExportTable {
     pub(crate) entries: Vec<(String, Arc<dyn Export>)>,
+    /// Who may open each export and how, parallel to `entries`.
+    pub(crate) policies: Vec<ExportPolicy>,
 }
 
 impl ExportTable {
+    /// Index of the export `name` names, when `identity` may open it. An export the client
+    /// may not open is reported exactly like one that does not exist, so its name stays
+    /// hidden.
+    fn find_for(&self, name: &str, identity: Option<&str>) -> Option<usize> {
+        self.find(name)
+            .filter(|&index| self.may_open(index, identity))
+    }
+
+    fn may_open(&self, index: usize, identity: Option<&str>) -> bool {
+        self.policies
+            .get(index)
+            .is_none_or(|policy| policy.admits(identity))
+    }
+
     /// Index of the export a client asked for by `name`.
     pub(crate) fn find(&self, name: &str) -> Option<usize> {
         let exact = self.entries.iter().position(|(entry, _)| entry == name);
@@ -85,6 +102,8 @@ struct Haggle<'a> {
     tls: &'a TlsServer,
     /// True once `NBD_OPT_STARTTLS` succeeded: the stream is the TLS relay's plain end.
     tls_active: bool,
+    /// The client's TLS identity (PSK identity or certificate common name), once known.
+    identity: Option<String>,
     request_size_max: u32,
     no_zeroes: bool,
     structured_replies: bool,
@@ -116,6 +135,7 @@ pub(crate) fn negotiate(
         exports,
         tls,
         tls_active: false,
+        identity: None,
         request_size_max,
         no_zeroes: client_flags & CLIENT_FLAG_NO_ZEROES != 0,
         structured_replies: false,
@@ -221,7 +241,8 @@ impl Haggle<'_> {
             return Ok(None);
         }
         self.reply(OPT_STARTTLS, REP_ACK, &[])?;
-        self.tls.upgrade(self.stream).map_err(HandshakeError::Tls)?;
+        self.identity = self.tls.upgrade(self.stream).map_err(HandshakeError::Tls)?;
+        tracing::info!(identity = ?self.identity, "TLS established");
         self.tls_active = true;
         self.structured_replies = false;
         self.base_allocation_for = None;
@@ -240,7 +261,7 @@ impl Haggle<'_> {
 
     fn export_name(&mut self, data: &[u8]) -> Result<Outcome, HandshakeError> {
         let name = String::from_utf8_lossy(data).into_owned();
-        let Some(index) = self.exports.find(&name) else {
+        let Some(index) = self.find_export(&name) else {
             // This option cannot carry an error reply: the spec says to close.
             return Err(HandshakeError::UnknownExport(name));
         };
@@ -261,6 +282,9 @@ impl Haggle<'_> {
             return Ok(());
         }
         for index in 0..self.exports.entries.len() {
+            if !self.exports.may_open(index, self.identity.as_deref()) {
+                continue;
+            }
             let (name, export) = &self.exports.entries[index];
             // After the name, the spec allows free text for humans: the description.
             let description = export.description();
@@ -283,13 +307,13 @@ impl Haggle<'_> {
             )?;
             return Ok(None);
         };
-        let Some(index) = self.exports.find(&name) else {
+        let Some(index) = self.find_export(&name) else {
             let message = format!("no export named {name:?}");
             self.error(option, REP_ERR_UNKNOWN, &message)?;
             return Ok(None);
         };
         let export = Arc::clone(&self.exports.entries[index].1);
-        let flags = self.transmission_flags(export.as_ref());
+        let flags = self.transmission_flags(index, export.as_ref());
         let mut export_info = INFO_EXPORT.to_be_bytes().to_vec();
         export_info.extend_from_slice(&export.size().to_be_bytes());
         export_info.extend_from_slice(&flags.to_be_bytes());
@@ -348,7 +372,7 @@ impl Haggle<'_> {
             )?;
             return Ok(());
         };
-        let Some(index) = self.exports.find(&name) else {
+        let Some(index) = self.find_export(&name) else {
             self.error(
                 option,
                 REP_ERR_UNKNOWN,
@@ -381,7 +405,28 @@ impl Haggle<'_> {
         Ok(())
     }
 
-    fn transmission_flags(&self, export: &dyn Export) -> u16 {
+    /// The export `name` names, when this client may open it; a refusal is logged with the
+    /// identity (the client itself is told only that no such export exists).
+    fn find_export(&self, name: &str) -> Option<usize> {
+        let identity = self.identity.as_deref();
+        let found = self.exports.find_for(name, identity);
+        if found.is_none() && self.exports.find(name).is_some() {
+            tracing::warn!(
+                export = %name,
+                identity = identity.unwrap_or("(none: no TLS identity)"),
+                "export refused: this identity may not open it"
+            );
+        }
+        found
+    }
+
+    fn transmission_flags(&self, index: usize, export: &dyn Export) -> u16 {
+        let read_only = export.read_only()
+            || self
+                .exports
+                .policies
+                .get(index)
+                .is_some_and(|policy| policy.read_only);
         let mut flags = TRANSMIT_HAS_FLAGS
             | TRANSMIT_SEND_FLUSH
             | TRANSMIT_SEND_FUA
@@ -389,7 +434,7 @@ impl Haggle<'_> {
             // One export object is shared by every connection, so a flush on one connection
             // covers writes made on all of them.
             | TRANSMIT_CAN_MULTI_CONN;
-        if export.read_only() {
+        if read_only {
             flags |= TRANSMIT_READ_ONLY;
         } else {
             flags |= TRANSMIT_SEND_TRIM | TRANSMIT_SEND_WRITE_ZEROES;
@@ -413,7 +458,7 @@ impl Haggle<'_> {
             .unwrap_or_else(|| Arc::clone(shared));
         Negotiated {
             export_name: name,
-            transmission_flags: self.transmission_flags(export.as_ref()),
+            transmission_flags: self.transmission_flags(index, export.as_ref()),
             export,
             structured_replies: self.structured_replies,
             base_allocation: self.base_allocation_for == Some(index),
@@ -480,6 +525,7 @@ mod tests {
                 "disk".to_string(),
                 Arc::new(crate::MemoryExport::new(4096)) as Arc<dyn Export>,
             )],
+            policies: vec![ExportPolicy::default()],
         };
         assert_eq!(table.find(""), Some(0));
         assert_eq!(table.find("disk"), Some(0));

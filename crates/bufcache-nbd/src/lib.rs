@@ -27,8 +27,8 @@ pub mod uri;
 pub use client::{ClientError, NbdClient};
 pub use client_handshake::{ExportInfo, HandshakeFailure};
 pub use config::{
-    parse_network, AccessRules, ConfigError, ListenAddress, ListenAddressError, NetworkError,
-    ServerConfig,
+    parse_network, AccessRules, ConfigError, ExportPolicy, ListenAddress, ListenAddressError,
+    NetworkError, ServerConfig,
 };
 pub use export::{BlockStatusExtent, Export, MemoryExport};
 pub use ipnet::IpNet;

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::config::{ConfigError, ListenAddress, ServerConfig};
+use crate::config::{ConfigError, ExportPolicy, ListenAddress, ServerConfig};
 use crate::export::Export;
 use crate::handshake::{self, ExportTable, Outcome};
 use crate::stream::Stream;
@@ -56,6 +56,8 @@ pub enum ServerError {
     Bind { address: String, source: io::Error },
     #[error("{0}")]
     Tls(#[from] crate::tls::TlsError),
+    #[error("an export policy names {0:?}, which is not an export")]
+    PolicyForUnknownExport(String),
     #[error("accept loop failed: {0}")]
     Poll(io::Error),
 }
@@ -133,9 +135,20 @@ impl Server {
             }
         }
         let tls = TlsServer::new(&config.tls)?;
+        let mut policies = vec![ExportPolicy::default(); exports.len()];
+        for (name, policy) in &config.export_policies {
+            let index = exports
+                .iter()
+                .position(|(export, _)| export == name)
+                .ok_or_else(|| ServerError::PolicyForUnknownExport(name.clone()))?;
+            policies[index] = policy.clone();
+        }
         Ok(Server {
             config,
-            exports: Arc::new(ExportTable { entries: exports }),
+            exports: Arc::new(ExportTable {
+                entries: exports,
+                policies,
+            }),
             tls,
         })
     }

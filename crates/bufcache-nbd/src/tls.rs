@@ -19,10 +19,11 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use openssl::error::ErrorStack;
+use openssl::ex_data::Index;
 use openssl::pkey::PKey;
 use openssl::ssl::{
-    ErrorCode, SslAcceptor, SslContextBuilder, SslFiletype, SslMethod, SslMode, SslStream,
-    SslVerifyMode, SslVersion,
+    ErrorCode, Ssl, SslAcceptor, SslContextBuilder, SslFiletype, SslMethod, SslMode, SslRef,
+    SslStream, SslVerifyMode, SslVersion,
 };
 use openssl::x509::store::{X509Lookup, X509StoreBuilder};
 use openssl::x509::verify::X509VerifyFlags;
@@ -174,6 +175,9 @@ pub fn parse_psk_file(path: &Path) -> Result<Vec<PskEntry>, TlsError> {
 pub(crate) struct TlsServer {
     pub(crate) mode: TlsMode,
     acceptor: Option<Arc<SslAcceptor>>,
+    /// Where the PSK callback records the identity it accepted: OpenSSL does not report a
+    /// TLS 1.3 external PSK's identity through `SSL_get_psk_identity`.
+    identity_index: Option<Index<Ssl, String>>,
 }
 
 impl TlsServer {
@@ -188,8 +192,10 @@ impl TlsServer {
             return Ok(TlsServer {
                 mode: TlsMode::Off,
                 acceptor: None,
+                identity_index: None,
             });
         }
+        let identity_index = Ssl::new_ex_index::<String>()?;
         let mode_name = if config.mode == TlsMode::On {
             "on"
         } else {
@@ -209,13 +215,15 @@ impl TlsServer {
                 let entries = parse_psk_file(path)?;
                 // TLS 1.2 PSK suites for clients that do not offer TLS 1.3.
                 builder.set_cipher_list("PSK-AES256-GCM-SHA384:PSK-AES128-GCM-SHA256:ECDHE-PSK-AES256-CBC-SHA384:ECDHE-PSK-AES128-CBC-SHA256:PSK-AES256-CBC-SHA384:PSK-AES128-CBC-SHA256")?;
-                builder.set_psk_server_callback(move |_ssl, identity, key_out| {
+                builder.set_psk_server_callback(move |ssl, identity, key_out| {
                     let identity = identity.unwrap_or_default();
                     match entries
                         .iter()
                         .find(|entry| entry.identity.as_bytes() == identity)
                     {
                         Some(entry) if entry.key.len() <= key_out.len() => {
+                            // Only counts once the handshake proves the client holds the key.
+                            ssl.set_ex_data(identity_index, entry.identity.clone());
                             key_out[..entry.key.len()].copy_from_slice(&entry.key);
                             Ok(entry.key.len())
                         }
@@ -228,34 +236,56 @@ impl TlsServer {
         Ok(TlsServer {
             mode: config.mode,
             acceptor: Some(Arc::new(builder.build())),
+            identity_index: Some(identity_index),
         })
     }
 
     /// Runs the TLS handshake on `stream` (blocking, bounded by its read timeout) and
-    /// replaces it by the plain end of a relay to the TLS session.
-    pub(crate) fn upgrade(&self, stream: &mut Stream) -> io::Result<()> {
+    /// replaces it by the plain end of a relay to the TLS session. Returns the client's
+    /// identity: its PSK identity, or its certificate's common name.
+    pub(crate) fn upgrade(&self, stream: &mut Stream) -> io::Result<Option<String>> {
         let acceptor = self
             .acceptor
             .as_ref()
             .ok_or_else(|| io::Error::other("TLS is off"))?;
         let (plain_end, relay_end) = UnixStream::pair()?;
-        match stream {
+        let identity = match stream {
             Stream::Tcp(tcp) => {
                 let tls = acceptor
                     .accept(tcp.try_clone()?)
                     .map_err(io::Error::other)?;
+                let identity = identity_of(tls.ssl(), self.identity_index);
                 spawn_relay(tls, relay_end)?;
+                identity
             }
             Stream::Unix(unix) => {
                 let tls = acceptor
                     .accept(unix.try_clone()?)
                     .map_err(io::Error::other)?;
+                let identity = identity_of(tls.ssl(), self.identity_index);
                 spawn_relay(tls, relay_end)?;
+                identity
             }
-        }
+        };
         *stream = Stream::Unix(plain_end);
-        Ok(())
+        Ok(identity)
     }
+}
+
+/// The PSK identity of a session, or the common name of the client's verified certificate.
+fn identity_of(ssl: &SslRef, identity_index: Option<Index<Ssl, String>>) -> Option<String> {
+    if let Some(identity) = identity_index.and_then(|index| ssl.ex_data(index)) {
+        return Some(identity.clone());
+    }
+    if let Some(identity) = ssl.psk_identity() {
+        return Some(String::from_utf8_lossy(identity).into_owned());
+    }
+    let certificate = ssl.peer_certificate()?;
+    let common_name = certificate
+        .subject_name()
+        .entries_by_nid(openssl::nid::Nid::COMMONNAME)
+        .next()?;
+    common_name.data().to_string().ok()
 }
 
 fn load_certificates(
