@@ -211,7 +211,10 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
         }
         return Ok(Arc::new(MemoryDevice::new(size)));
     }
-    if spec.starts_with("nbd://") || spec.starts_with("nbd+unix://") || spec.starts_with("nbds://")
+    if spec.starts_with("nbd://")
+        || spec.starts_with("nbd+unix://")
+        || spec.starts_with("nbds://")
+        || spec.starts_with("nbds+unix://")
     {
         let client = NbdClient::connect(spec).with_context(|| format!("backend `{spec}`"))?;
         return Ok(Arc::new(client));

@@ -654,3 +654,92 @@ fn exports_are_authorised_per_identity_and_hidden_from_others() {
         &["127.0.0.1:", "export refused", "bob"]
     ));
 }
+
+/// TLS on the upstream side: bufcache fronts nbdkit running `--tls=require`, over
+/// `nbds+unix://` with a PSK and with certificates. Data written through bufcache is on the
+/// TLS-only upstream after a clean stop (read back over TLS and compared); a wrong key makes
+/// the backend fail at start-up with the TLS reason, never a plain-text fallback.
+#[test]
+fn bufcache_fronts_a_tls_only_upstream_with_psk_and_certificates() {
+    let _timer = Timer::new("bufcache_fronts_a_tls_only_upstream");
+    if !have_tools(
+        "interop_tls upstream",
+        &["nbdkit", "psktool", "certtool", "nbdcopy"],
+    ) {
+        return;
+    }
+    let dir = temp_dir();
+    let root = dir.path();
+    let keys = root.join("keys.psk");
+    run_ok(
+        Command::new("psktool")
+            .args(["-u", "alice", "-p"])
+            .arg(&keys),
+    );
+    let wrong = root.join("wrong.psk");
+    run_ok(
+        Command::new("psktool")
+            .args(["-u", "alice", "-p"])
+            .arg(&wrong),
+    );
+    let pki = make_pki(root);
+    let client = client_directory(root, "client", &pki.ca, CLIENT_TEMPLATE, &pki.ca);
+    let psk_upstream = Nbdkit::start(
+        root,
+        "psk-upstream",
+        &[
+            "--tls=require".into(),
+            format!("--tls-psk={}", keys.display()),
+            "memory".into(),
+            "64M".into(),
+        ],
+    );
+    let x509_upstream = Nbdkit::start(
+        root,
+        "x509-upstream",
+        &[
+            "--tls=require".into(),
+            format!("--tls-certificates={}", pki.server.display()),
+            "memory".into(),
+            "64M".into(),
+        ],
+    );
+    let psk_uri = |file: &Path| {
+        format!(
+            "nbds+unix://alice@/?socket={}&tls-psk-file={}",
+            psk_upstream.socket.display(),
+            file.display()
+        )
+    };
+    let x509_uri = format!(
+        "nbds+unix:///?socket={}&tls-certificates={}&tls-hostname=localhost",
+        x509_upstream.socket.display(),
+        client.display()
+    );
+    let input = root.join("in.bin");
+    std::fs::write(&input, random_bytes(4 << 20, 11)).unwrap();
+    for (name, backend) in [("psk", psk_uri(&keys)), ("x509", x509_uri.clone())] {
+        let mut server = Server::start(root, &format!("front-{name}"), &["--backend", &backend]);
+        run_ok(Command::new("nbdcopy").arg(&input).arg(server.uri()));
+        server.stop_clean(Duration::from_secs(60));
+        let output = root.join(format!("out-{name}.bin"));
+        run_ok(Command::new("nbdcopy").arg(&backend).arg(&output));
+        let back = std::fs::read(&output).unwrap();
+        assert!(
+            back[..4 << 20] == std::fs::read(&input).unwrap()[..],
+            "{name}: data on the upstream differs"
+        );
+        eprintln!(
+            "{:<62} works",
+            format!("bufcache → nbdkit  unix  {name} (write 4 MiB, read back)")
+        );
+    }
+    let output = run(Command::new(bufcache_bin())
+        .current_dir(root)
+        .args(["serve", "--backend", &psk_uri(&wrong), "--listen"])
+        .arg(format!("unix:{}", root.join("never.sock").display())));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(stderr.contains("TLS"), "{stderr}");
+    eprintln!("{:<62} refused", "bufcache → nbdkit  unix  psk, wrong key");
+}

@@ -22,8 +22,8 @@ use openssl::error::ErrorStack;
 use openssl::ex_data::Index;
 use openssl::pkey::PKey;
 use openssl::ssl::{
-    ErrorCode, Ssl, SslAcceptor, SslContextBuilder, SslFiletype, SslMethod, SslMode, SslRef,
-    SslStream, SslVerifyMode, SslVersion,
+    ErrorCode, Ssl, SslAcceptor, SslConnector, SslContextBuilder, SslFiletype, SslMethod, SslMode,
+    SslRef, SslStream, SslVerifyMode, SslVersion,
 };
 use openssl::x509::store::{X509Lookup, X509StoreBuilder};
 use openssl::x509::verify::X509VerifyFlags;
@@ -115,6 +115,8 @@ pub enum TlsError {
     PskEmpty { path: PathBuf },
     #[error("TLS library: {0}")]
     Library(#[from] ErrorStack),
+    #[error("TLS handshake failed: {0}")]
+    Handshake(String),
 }
 
 /// One pre-shared key.
@@ -213,8 +215,7 @@ impl TlsServer {
                     return Err(TlsError::VerifyPeerWithoutCa);
                 }
                 let entries = parse_psk_file(path)?;
-                // TLS 1.2 PSK suites for clients that do not offer TLS 1.3.
-                builder.set_cipher_list("PSK-AES256-GCM-SHA384:PSK-AES128-GCM-SHA256:ECDHE-PSK-AES256-CBC-SHA384:ECDHE-PSK-AES128-CBC-SHA256:PSK-AES256-CBC-SHA384:PSK-AES128-CBC-SHA256")?;
+                builder.set_cipher_list(PSK_CIPHERS)?;
                 builder.set_psk_server_callback(move |ssl, identity, key_out| {
                     let identity = identity.unwrap_or_default();
                     match entries
@@ -287,6 +288,119 @@ fn identity_of(ssl: &SslRef, identity_index: Option<Index<Ssl, String>>) -> Opti
         .next()?;
     common_name.data().to_string().ok()
 }
+
+/// The client's side: runs the TLS handshake on `stream` with the URI's credentials and
+/// replaces it by the plain end of a relay. The server's certificate is verified against
+/// `ca-cert.pem`, and its name against `tls-hostname=` or the TCP host when there is one.
+pub(crate) fn client_upgrade(
+    stream: &mut Stream,
+    settings: &crate::uri::ClientTls,
+    host: Option<&str>,
+) -> Result<(), TlsError> {
+    let mut builder = SslConnector::builder(SslMethod::tls_client())?;
+    builder.set_min_proto_version(Some(SslVersion::TLS1_2))?;
+    builder.set_mode(SslMode::ACCEPT_MOVING_WRITE_BUFFER | SslMode::ENABLE_PARTIAL_WRITE);
+    let hostname = settings.hostname.as_deref().or(host);
+    let mut verify_hostname = hostname.is_some();
+    if let Some(path) = &settings.psk_file {
+        let entries = parse_psk_file(path)?;
+        let entry = match &settings.username {
+            Some(user) => entries
+                .into_iter()
+                .find(|entry| &entry.identity == user)
+                .ok_or_else(|| TlsError::PskLine {
+                    path: path.clone(),
+                    line: 0,
+                    reason: format!("no key for identity {user:?}"),
+                })?,
+            None => entries
+                .into_iter()
+                .next()
+                .expect("parse_psk_file never returns none"),
+        };
+        builder.set_cipher_list(PSK_CIPHERS)?;
+        builder.set_psk_client_callback(move |_ssl, _hint, identity_out, key_out| {
+            let identity = entry.identity.as_bytes();
+            if identity.len() + 1 > identity_out.len() || entry.key.len() > key_out.len() {
+                return Ok(0);
+            }
+            identity_out[..identity.len()].copy_from_slice(identity);
+            identity_out[identity.len()] = 0;
+            key_out[..entry.key.len()].copy_from_slice(&entry.key);
+            Ok(entry.key.len())
+        });
+        // A PSK session has no server certificate to check.
+        builder.set_verify(SslVerifyMode::NONE);
+        verify_hostname = false;
+    }
+    if let Some(directory) = &settings.certificates {
+        const FLAG: &str = "tls-certificates=";
+        let ca = directory.join("ca-cert.pem");
+        builder
+            .set_ca_file(&ca)
+            .map_err(|source| TlsError::Invalid {
+                flag: FLAG,
+                path: ca.clone(),
+                source,
+            })?;
+        let certificate = directory.join("client-cert.pem");
+        let key = directory.join("client-key.pem");
+        if certificate.exists() && key.exists() {
+            builder
+                .set_certificate_chain_file(&certificate)
+                .map_err(|source| TlsError::Invalid {
+                    flag: FLAG,
+                    path: certificate.clone(),
+                    source,
+                })?;
+            builder
+                .set_private_key_file(&key, SslFiletype::PEM)
+                .map_err(|source| TlsError::Invalid {
+                    flag: FLAG,
+                    path: key.clone(),
+                    source,
+                })?;
+        }
+        builder.set_verify(SslVerifyMode::PEER);
+    }
+    let connector = builder.build();
+    let mut configuration = connector.configure()?;
+    configuration.set_verify_hostname(verify_hostname);
+    configuration.set_use_server_name_indication(verify_hostname);
+    let name = hostname.unwrap_or("localhost");
+    let (plain_end, relay_end) = UnixStream::pair().map_err(io_error)?;
+    match stream {
+        Stream::Tcp(tcp) => {
+            let tls = configuration
+                .connect(name, tcp.try_clone().map_err(io_error)?)
+                .map_err(|error| client_handshake_error(&error))?;
+            spawn_relay(tls, relay_end).map_err(io_error)?;
+        }
+        Stream::Unix(unix) => {
+            let tls = configuration
+                .connect(name, unix.try_clone().map_err(io_error)?)
+                .map_err(|error| client_handshake_error(&error))?;
+            spawn_relay(tls, relay_end).map_err(io_error)?;
+        }
+    }
+    *stream = Stream::Unix(plain_end);
+    Ok(())
+}
+
+fn client_handshake_error<S>(error: &openssl::ssl::HandshakeError<S>) -> TlsError {
+    TlsError::Handshake(match error {
+        openssl::ssl::HandshakeError::Failure(stream) => stream.error().to_string(),
+        openssl::ssl::HandshakeError::SetupFailure(stack) => stack.to_string(),
+        openssl::ssl::HandshakeError::WouldBlock(_) => "timed out".to_string(),
+    })
+}
+
+fn io_error(error: io::Error) -> TlsError {
+    TlsError::Handshake(error.to_string())
+}
+
+/// TLS 1.2 PSK suites, for peers that do not offer TLS 1.3.
+const PSK_CIPHERS: &str = "PSK-AES256-GCM-SHA384:PSK-AES128-GCM-SHA256:ECDHE-PSK-AES256-CBC-SHA384:ECDHE-PSK-AES128-CBC-SHA256:PSK-AES256-CBC-SHA384:PSK-AES128-CBC-SHA256";
 
 fn load_certificates(
     builder: &mut SslContextBuilder,
