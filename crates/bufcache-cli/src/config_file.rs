@@ -130,6 +130,23 @@ fn default_value(name: &str) -> Option<String> {
         "request-size-max" => size(32 << 20),
         "create-size" => size(crate::serve::DEFAULT_BACKING_SIZE_BYTES),
         "metrics" => "\"127.0.0.1:9187\"".into(),
+        "connections-max" => crate::limit_args::DEFAULT_CONNECTIONS_MAX.to_string(),
+        "handshake-connections-max" => {
+            crate::limit_args::DEFAULT_HANDSHAKE_CONNECTIONS_MAX.to_string()
+        }
+        "handshake-connections-per-peer-max" => {
+            crate::limit_args::DEFAULT_HANDSHAKE_CONNECTIONS_PER_PEER_MAX.to_string()
+        }
+        "handshake-timeout" => crate::limit_args::DEFAULT_HANDSHAKE_TIMEOUT_SECONDS.to_string(),
+        "idle-timeout" => "60".into(),
+        "tls" => "\"off\"".into(),
+        "tls-certificates" => "\"/etc/bufcache/tls\"".into(),
+        "tls-psk" => "\"/etc/bufcache/keys.psk\"".into(),
+        "export-identity" => "[\"a=alice\"]".into(),
+        "export-read-only" => "[\"b\"]".into(),
+        "allow" => "[\"192.168.0.0/16\"]".into(),
+        "deny" => "[\"192.168.66.0/24\"]".into(),
+        "inflight-bytes-max" => size(config.memory_bytes_max),
         _ => return None,
     })
 }

@@ -3,12 +3,14 @@
 mod config_file;
 mod dd;
 mod engine_args;
+mod limit_args;
 mod metrics;
 mod plot;
 mod replay;
 mod serve;
 mod sim;
 mod stat;
+mod tls_args;
 
 use clap::{CommandFactory, Parser, Subcommand};
 

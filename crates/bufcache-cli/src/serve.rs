@@ -22,7 +22,9 @@ use bufcache_nbd::{
 use clap::Args;
 
 use crate::engine_args::EngineArgs;
+use crate::limit_args::LimitArgs;
 use crate::metrics::{self, ExportMeters, Meters};
+use crate::tls_args::TlsArgs;
 
 /// The backing file served when no backend is named, created sparse when absent.
 pub const DEFAULT_BACKING_FILE: &str = "bufcache.img";
@@ -68,6 +70,11 @@ pub struct ServeArgs {
     /// Serve Prometheus metrics (/metrics) and JSON statistics (/stats) on HOST:PORT.
     #[arg(long, value_name = "HOST:PORT")]
     metrics: Option<String>,
+    // Boxed: the limit flags would make `ServeArgs` the one huge variant of the commands.
+    #[command(flatten)]
+    limits: Box<LimitArgs>,
+    #[command(flatten)]
+    tls: Box<TlsArgs>,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -204,7 +211,10 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
         }
         return Ok(Arc::new(MemoryDevice::new(size)));
     }
-    if spec.starts_with("nbd://") || spec.starts_with("nbd+unix://") || spec.starts_with("nbds://")
+    if spec.starts_with("nbd://")
+        || spec.starts_with("nbd+unix://")
+        || spec.starts_with("nbds://")
+        || spec.starts_with("nbds+unix://")
     {
         let client = NbdClient::connect(spec).with_context(|| format!("backend `{spec}`"))?;
         return Ok(Arc::new(client));
@@ -278,8 +288,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             bail!("--request-size-max {size} is invalid: must be from 4KiB to 1GiB");
         }
         server_config.request_size_max = size as u32;
-        server_config.inflight_bytes_max = server_config.inflight_bytes_max.max(size);
+        server_config.connection_inflight_bytes_max =
+            server_config.connection_inflight_bytes_max.max(size);
     }
+    args.limits
+        .apply(&mut server_config, config.memory_bytes_max);
+    args.tls.apply(&mut server_config);
     server_config.validate()?;
     let cache = bufcache_host::system_cache(config)?;
     let mut exports: Vec<(String, Arc<dyn Export>)> = Vec::new();
@@ -316,7 +330,16 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         );
         exports.push((name, Arc::new(CacheExport { object })));
     }
-    let server = Server::new(server_config, exports)?.bind()?;
+    let server = match Server::new(server_config, exports) {
+        Err(bufcache_nbd::ServerError::PolicyForUnknownExport(name)) => clap::Error::raw(
+            clap::error::ErrorKind::ValueValidation,
+            format!(
+                "--export-identity / --export-read-only name {name:?}, which is not an export\n"
+            ),
+        )
+        .exit(),
+        server => server?.bind()?,
+    };
     if let Some(address) = &args.metrics {
         let local = metrics::start(
             address,

@@ -7,7 +7,9 @@
 //! cache + overhead (see docs/reliability.md for the bound and the measurements).
 //! A second test floods one connection (96 threads × 1 MiB writes) in front of a slow
 //! (nbdkit delay filter) upstream and checks the peak stays below what 96 MiB queued would
-//! cost. Seeds: MEMORY_BOUND_SEED.
+//! cost. A third measures many busy connections (16 and 64, each writing 32 MiB requests)
+//! against the server-wide in-flight budget (`--inflight-bytes-max`, default the cache size):
+//! the peak must stay within cache + budget + 64 MiB. Seeds: MEMORY_BOUND_SEED.
 
 mod reliability_support;
 
@@ -278,4 +280,90 @@ fn one_connection_cannot_queue_more_than_its_inflight_limit() {
     let stopping = Instant::now();
     server.stop_clean(Duration::from_secs(120));
     eprintln!("shutdown took {:.1} s", stopping.elapsed().as_secs_f64());
+}
+
+/// Runs `connections` connections, each one thread writing 32 MiB requests for ~3 s, against
+/// `--cache-size 64M` with the default request size (32 MiB) and the default in-flight
+/// budget (the cache size, 64 MiB). Returns the server's peak RSS (VmHWM).
+fn many_busy_connections(connections: usize) -> u64 {
+    const REQUEST: u64 = 32 * MIB;
+    let dir = temp_dir();
+    let mut server = Server::start(
+        dir.path(),
+        "bufcache",
+        &[
+            "--backend",
+            "sparse.img",
+            "--create-size",
+            "2G",
+            "--cache-size",
+            "64M",
+        ],
+    );
+    let pid = server.pid();
+    let clients: Vec<Arc<NbdClient>> = (0..connections)
+        .map(|_| Arc::new(NbdClient::connect(&server.uri()).expect("connecting")))
+        .collect();
+    let size = clients[0].size();
+    // One buffer shared by every writer: the test process must not need 64 × 32 MiB itself.
+    let data = Arc::new(random_bytes(REQUEST as usize, 7));
+    let written = Arc::new(AtomicU64::new(0));
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let workers: Vec<_> = clients
+        .iter()
+        .enumerate()
+        .map(|(index, client)| {
+            let client = Arc::clone(client);
+            let data = Arc::clone(&data);
+            let written = Arc::clone(&written);
+            std::thread::spawn(move || {
+                let slots = size / REQUEST;
+                let mut slot = index as u64;
+                // Every connection sends at least one request, so all of them are busy at once.
+                loop {
+                    client
+                        .write((slot % slots) * REQUEST, &data)
+                        .expect("write");
+                    written.fetch_add(REQUEST, Ordering::Relaxed);
+                    slot += 7;
+                    if Instant::now() >= deadline {
+                        break;
+                    }
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.join().expect("writer panicked");
+    }
+    let peak = rss_peak_bytes(pid).expect("server VmHWM");
+    eprintln!(
+        "{connections} connections × 32 MiB writes: {:.0} MiB written; VmHWM {:.1} MiB \
+         (cache 64 MiB, in-flight budget 64 MiB)",
+        mib(written.load(Ordering::Relaxed)),
+        mib(peak)
+    );
+    drop(clients);
+    server.stop_clean(Duration::from_secs(120));
+    peak
+}
+
+/// The issue's memory target: 16 and then 64 connections each writing 32 MiB requests with
+/// `--cache-size 64M` keep the peak RSS under cache (64 MiB) + in-flight budget (64 MiB,
+/// the default) + 64 MiB, where before the server-wide budget 16 reached 1.1 GiB and 64
+/// reached 4.2 GiB.
+#[test]
+fn many_busy_connections_share_one_inflight_budget() {
+    let _timer = Timer::new("many_busy_connections_share_one_inflight_budget");
+    let bound = 64 * MIB + 64 * MIB + 64 * MIB;
+    for connections in [16, 64] {
+        let peak = many_busy_connections(connections);
+        assert!(
+            peak <= bound,
+            "{connections} connections: peak RSS {:.1} MiB above the {:.0} MiB bound \
+             (cache + in-flight budget + 64 MiB)",
+            mib(peak),
+            mib(bound)
+        );
+    }
 }

@@ -267,7 +267,14 @@ impl NbdClient {
         stream
             .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
             .map_err(|error| handshake_error(error.into()))?;
-        let info = client_handshake::negotiate(&mut stream, &parsed.export_name)
+        let tls_host = match &parsed.address {
+            NbdAddress::Tcp { host, .. } => {
+                Some(host.trim_start_matches('[').trim_end_matches(']'))
+            }
+            NbdAddress::Unix(_) => None,
+        };
+        let tls = parsed.tls.as_ref().map(|settings| (settings, tls_host));
+        let info = client_handshake::negotiate(&mut stream, &parsed.export_name, tls)
             .map_err(handshake_error)?;
         stream
             .set_read_timeout(None)

@@ -57,6 +57,10 @@ pub enum HandshakeFailure {
     Malformed { option: u32, reason: String },
     #[error("the server refused export {export:?}: {reason}")]
     Refused { export: String, reason: String },
+    #[error("the server refused NBD_OPT_STARTTLS (reply type {0:#x}): it does not offer TLS")]
+    StartTlsRefused(u32),
+    #[error("TLS: {0}")]
+    Tls(String),
 }
 
 /// One option reply.
@@ -66,9 +70,12 @@ struct OptionReply {
 }
 
 /// Runs the handshake on a freshly connected stream.
+/// With `tls`, the client upgrades with `NBD_OPT_STARTTLS` before any other option and
+/// fails when the server does not offer TLS (it never falls back to plain text).
 pub(crate) fn negotiate(
     stream: &mut Stream,
     export_name: &str,
+    tls: Option<(&crate::uri::ClientTls, Option<&str>)>,
 ) -> Result<ExportInfo, HandshakeFailure> {
     let no_zeroes = read_greeting(stream)?;
     let mut client_flags = CLIENT_FLAG_FIXED_NEWSTYLE;
@@ -76,6 +83,15 @@ pub(crate) fn negotiate(
         client_flags |= CLIENT_FLAG_NO_ZEROES;
     }
     stream.write_all(&client_flags.to_be_bytes())?;
+    if let Some((settings, host)) = tls {
+        send_option(stream, OPT_STARTTLS, &[])?;
+        let reply = read_option_reply(stream, OPT_STARTTLS)?;
+        if reply.reply_type != REP_ACK {
+            return Err(HandshakeFailure::StartTlsRefused(reply.reply_type));
+        }
+        crate::tls::client_upgrade(stream, settings, host)
+            .map_err(|error| HandshakeFailure::Tls(error.to_string()))?;
+    }
     let structured_replies = request_structured_replies(stream)?;
     let base_allocation_id = if structured_replies {
         request_base_allocation(stream, export_name)?

@@ -10,9 +10,11 @@
 use std::io::{self, Read, Write};
 use std::sync::Arc;
 
+use crate::config::ExportPolicy;
 use crate::export::Export;
 use crate::protocol::*;
 use crate::stream::Stream;
+use crate::tls::{TlsMode, TlsServer};
 
 /// Options longer than this are not haggling but abuse; the connection is closed.
 const OPTION_BYTES_MAX: u32 = 64 * 1024;
@@ -24,9 +26,25 @@ pub(crate) const BASE_ALLOCATION_ID: u32 = 1;
 /// export named "" if there is one, otherwise the first export.
 pub(crate) struct ExportTable {
     pub(crate) entries: Vec<(String, Arc<dyn Export>)>,
+    /// Who may open each export and how, parallel to `entries`.
+    pub(crate) policies: Vec<ExportPolicy>,
 }
 
 impl ExportTable {
+    /// Index of the export `name` names, when `identity` may open it. An export the client
+    /// may not open is reported exactly like one that does not exist, so its name stays
+    /// hidden.
+    fn find_for(&self, name: &str, identity: Option<&str>) -> Option<usize> {
+        self.find(name)
+            .filter(|&index| self.may_open(index, identity))
+    }
+
+    fn may_open(&self, index: usize, identity: Option<&str>) -> bool {
+        self.policies
+            .get(index)
+            .is_none_or(|policy| policy.admits(identity))
+    }
+
     /// Index of the export a client asked for by `name`.
     pub(crate) fn find(&self, name: &str) -> Option<usize> {
         let exact = self.entries.iter().position(|(entry, _)| entry == name);
@@ -64,6 +82,10 @@ pub(crate) enum HandshakeError {
     OptionTooLong { option: u32, length_bytes: u32 },
     #[error("NBD_OPT_EXPORT_NAME asked for unknown export {0:?}")]
     UnknownExport(String),
+    #[error("client asked for an export without TLS, which is required")]
+    TlsRequired,
+    #[error("TLS handshake failed: {0}")]
+    Tls(io::Error),
 }
 
 /// How the handshake ended.
@@ -77,6 +99,11 @@ pub(crate) enum Outcome {
 struct Haggle<'a> {
     stream: &'a mut Stream,
     exports: &'a ExportTable,
+    tls: &'a TlsServer,
+    /// True once `NBD_OPT_STARTTLS` succeeded: the stream is the TLS relay's plain end.
+    tls_active: bool,
+    /// The client's TLS identity (PSK identity or certificate common name), once known.
+    identity: Option<String>,
     request_size_max: u32,
     no_zeroes: bool,
     structured_replies: bool,
@@ -89,6 +116,7 @@ pub(crate) fn negotiate(
     stream: &mut Stream,
     exports: &ExportTable,
     request_size_max: u32,
+    tls: &TlsServer,
 ) -> Result<Outcome, HandshakeError> {
     let mut greeting = Vec::with_capacity(18);
     greeting.extend_from_slice(&INIT_MAGIC.to_be_bytes());
@@ -105,6 +133,9 @@ pub(crate) fn negotiate(
     let mut haggle = Haggle {
         stream,
         exports,
+        tls,
+        tls_active: false,
+        identity: None,
         request_size_max,
         no_zeroes: client_flags & CLIENT_FLAG_NO_ZEROES != 0,
         structured_replies: false,
@@ -151,7 +182,25 @@ impl Haggle<'_> {
         option: u32,
         data: &[u8],
     ) -> Result<Option<Outcome>, HandshakeError> {
+        let tls_missing = self.tls.mode == TlsMode::Require && !self.tls_active;
+        if tls_missing && option != OPT_STARTTLS && option != OPT_ABORT {
+            if option == OPT_EXPORT_NAME {
+                // This option cannot carry an error reply: the spec says to close.
+                return Err(HandshakeError::TlsRequired);
+            }
+            tracing::warn!(
+                option,
+                "option refused: TLS is required and the client has not started it"
+            );
+            self.error(
+                option,
+                REP_ERR_TLS_REQD,
+                "TLS is required: upgrade with NBD_OPT_STARTTLS first",
+            )?;
+            return Ok(None);
+        }
         match option {
+            OPT_STARTTLS if self.tls.mode != TlsMode::Off => self.start_tls(data),
             OPT_EXPORT_NAME => self.export_name(data).map(Some),
             OPT_ABORT => {
                 // The client may already have hung up; the acknowledgement is a courtesy.
@@ -176,6 +225,30 @@ impl Haggle<'_> {
         }
     }
 
+    /// Acknowledges `NBD_OPT_STARTTLS`, runs the TLS handshake and goes on haggling over
+    /// TLS, forgetting what was agreed in plain text, as the spec asks.
+    fn start_tls(&mut self, data: &[u8]) -> Result<Option<Outcome>, HandshakeError> {
+        if !data.is_empty() {
+            self.error(
+                OPT_STARTTLS,
+                REP_ERR_INVALID,
+                "NBD_OPT_STARTTLS takes no data",
+            )?;
+            return Ok(None);
+        }
+        if self.tls_active {
+            self.error(OPT_STARTTLS, REP_ERR_INVALID, "TLS is already active")?;
+            return Ok(None);
+        }
+        self.reply(OPT_STARTTLS, REP_ACK, &[])?;
+        self.identity = self.tls.upgrade(self.stream).map_err(HandshakeError::Tls)?;
+        tracing::info!(identity = ?self.identity, "TLS established");
+        self.tls_active = true;
+        self.structured_replies = false;
+        self.base_allocation_for = None;
+        Ok(None)
+    }
+
     fn reply(&mut self, option: u32, reply_type: u32, payload: &[u8]) -> io::Result<()> {
         let mut message = Vec::with_capacity(OPTION_REPLY_HEADER_BYTES + payload.len());
         put_option_reply(&mut message, option, reply_type, payload);
@@ -188,7 +261,7 @@ impl Haggle<'_> {
 
     fn export_name(&mut self, data: &[u8]) -> Result<Outcome, HandshakeError> {
         let name = String::from_utf8_lossy(data).into_owned();
-        let Some(index) = self.exports.find(&name) else {
+        let Some(index) = self.find_export(&name) else {
             // This option cannot carry an error reply: the spec says to close.
             return Err(HandshakeError::UnknownExport(name));
         };
@@ -209,6 +282,9 @@ impl Haggle<'_> {
             return Ok(());
         }
         for index in 0..self.exports.entries.len() {
+            if !self.exports.may_open(index, self.identity.as_deref()) {
+                continue;
+            }
             let (name, export) = &self.exports.entries[index];
             // After the name, the spec allows free text for humans: the description.
             let description = export.description();
@@ -231,13 +307,13 @@ impl Haggle<'_> {
             )?;
             return Ok(None);
         };
-        let Some(index) = self.exports.find(&name) else {
+        let Some(index) = self.find_export(&name) else {
             let message = format!("no export named {name:?}");
             self.error(option, REP_ERR_UNKNOWN, &message)?;
             return Ok(None);
         };
         let export = Arc::clone(&self.exports.entries[index].1);
-        let flags = self.transmission_flags(export.as_ref());
+        let flags = self.transmission_flags(index, export.as_ref());
         let mut export_info = INFO_EXPORT.to_be_bytes().to_vec();
         export_info.extend_from_slice(&export.size().to_be_bytes());
         export_info.extend_from_slice(&flags.to_be_bytes());
@@ -296,7 +372,7 @@ impl Haggle<'_> {
             )?;
             return Ok(());
         };
-        let Some(index) = self.exports.find(&name) else {
+        let Some(index) = self.find_export(&name) else {
             self.error(
                 option,
                 REP_ERR_UNKNOWN,
@@ -329,7 +405,28 @@ impl Haggle<'_> {
         Ok(())
     }
 
-    fn transmission_flags(&self, export: &dyn Export) -> u16 {
+    /// The export `name` names, when this client may open it; a refusal is logged with the
+    /// identity (the client itself is told only that no such export exists).
+    fn find_export(&self, name: &str) -> Option<usize> {
+        let identity = self.identity.as_deref();
+        let found = self.exports.find_for(name, identity);
+        if found.is_none() && self.exports.find(name).is_some() {
+            tracing::warn!(
+                export = %name,
+                identity = identity.unwrap_or("(none: no TLS identity)"),
+                "export refused: this identity may not open it"
+            );
+        }
+        found
+    }
+
+    fn transmission_flags(&self, index: usize, export: &dyn Export) -> u16 {
+        let read_only = export.read_only()
+            || self
+                .exports
+                .policies
+                .get(index)
+                .is_some_and(|policy| policy.read_only);
         let mut flags = TRANSMIT_HAS_FLAGS
             | TRANSMIT_SEND_FLUSH
             | TRANSMIT_SEND_FUA
@@ -337,7 +434,7 @@ impl Haggle<'_> {
             // One export object is shared by every connection, so a flush on one connection
             // covers writes made on all of them.
             | TRANSMIT_CAN_MULTI_CONN;
-        if export.read_only() {
+        if read_only {
             flags |= TRANSMIT_READ_ONLY;
         } else {
             flags |= TRANSMIT_SEND_TRIM | TRANSMIT_SEND_WRITE_ZEROES;
@@ -361,7 +458,7 @@ impl Haggle<'_> {
             .unwrap_or_else(|| Arc::clone(shared));
         Negotiated {
             export_name: name,
-            transmission_flags: self.transmission_flags(export.as_ref()),
+            transmission_flags: self.transmission_flags(index, export.as_ref()),
             export,
             structured_replies: self.structured_replies,
             base_allocation: self.base_allocation_for == Some(index),
@@ -428,6 +525,7 @@ mod tests {
                 "disk".to_string(),
                 Arc::new(crate::MemoryExport::new(4096)) as Arc<dyn Export>,
             )],
+            policies: vec![ExportPolicy::default()],
         };
         assert_eq!(table.find(""), Some(0));
         assert_eq!(table.find("disk"), Some(0));

@@ -20,12 +20,18 @@ mod handshake;
 pub mod protocol;
 pub mod server;
 mod stream;
+pub mod tls;
 mod transmission;
 pub mod uri;
 
 pub use client::{ClientError, NbdClient};
 pub use client_handshake::{ExportInfo, HandshakeFailure};
-pub use config::{ConfigError, ListenAddress, ListenAddressError, ServerConfig};
+pub use config::{
+    parse_network, AccessRules, ConfigError, ExportPolicy, ListenAddress, ListenAddressError,
+    NetworkError, ServerConfig,
+};
 pub use export::{BlockStatusExtent, Export, MemoryExport};
+pub use ipnet::IpNet;
 pub use server::{BoundAddress, BoundServer, Server, ServerError, ShutdownHandle};
+pub use tls::{parse_psk_file, PskEntry, TlsConfig, TlsError, TlsMode};
 pub use uri::{NbdAddress, NbdUri, UriError};

@@ -13,23 +13,24 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::io;
-use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::io::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::config::{ConfigError, ListenAddress, ServerConfig};
+use crate::config::{ConfigError, ExportPolicy, ListenAddress, ServerConfig};
 use crate::export::Export;
 use crate::handshake::{self, ExportTable, Outcome};
 use crate::stream::Stream;
-use crate::transmission::{self, ConnectionLimits};
+use crate::tls::TlsServer;
+use crate::transmission::{self, ConnectionLimits, ServerBudget};
 
 /// How long shutdown waits for connections to answer their in-flight requests before it
 /// closes them outright.
@@ -53,6 +54,10 @@ pub enum ServerError {
     Resolve { address: String, source: io::Error },
     #[error("cannot listen on {address}: {source}")]
     Bind { address: String, source: io::Error },
+    #[error("{0}")]
+    Tls(#[from] crate::tls::TlsError),
+    #[error("an export policy names {0:?}, which is not an export")]
+    PolicyForUnknownExport(String),
     #[error("accept loop failed: {0}")]
     Poll(io::Error),
 }
@@ -108,6 +113,7 @@ impl fmt::Display for BoundAddress {
 pub struct Server {
     config: ServerConfig,
     exports: Arc<ExportTable>,
+    tls: TlsServer,
 }
 
 impl Server {
@@ -128,9 +134,22 @@ impl Server {
                 return Err(ServerError::DuplicateExport(name.clone()));
             }
         }
+        let tls = TlsServer::new(&config.tls)?;
+        let mut policies = vec![ExportPolicy::default(); exports.len()];
+        for (name, policy) in &config.export_policies {
+            let index = exports
+                .iter()
+                .position(|(export, _)| export == name)
+                .ok_or_else(|| ServerError::PolicyForUnknownExport(name.clone()))?;
+            policies[index] = policy.clone();
+        }
         Ok(Server {
             config,
-            exports: Arc::new(ExportTable { entries: exports }),
+            exports: Arc::new(ExportTable {
+                entries: exports,
+                policies,
+            }),
+            tls,
         })
     }
 
@@ -141,8 +160,10 @@ impl Server {
             listeners.extend(bind_address(address)?);
         }
         Ok(BoundServer {
+            budget: Arc::new(ServerBudget::new(self.config.inflight_bytes_max)),
             config: self.config,
             exports: self.exports,
+            tls: self.tls,
             listeners,
         })
     }
@@ -243,6 +264,9 @@ fn remove_stale_socket(path: &Path) {
 /// A server with open sockets, ready to run.
 pub struct BoundServer {
     config: ServerConfig,
+    /// The in-flight byte budget all connections share.
+    budget: Arc<ServerBudget>,
+    tls: TlsServer,
     exports: Arc<ExportTable>,
     listeners: Vec<Listener>,
 }
@@ -285,6 +309,7 @@ impl BoundServer {
             .collect();
         while !shutdown.is_triggered() {
             connections.reap_finished();
+            connections.expire_handshakes(self.config.handshake_timeout);
             // SAFETY: `poll_fds` is a valid, exclusively borrowed array of `pollfd` whose
             // length is passed alongside; the descriptors stay open for the whole call.
             let ready = unsafe {
@@ -321,18 +346,36 @@ impl BoundServer {
             }
         };
         let peer = stream.peer_description();
-        if connections.active() >= self.config.connections_max {
-            tracing::warn!(
-                %peer,
-                connections_max = self.config.connections_max,
-                "connection refused: too many connections"
-            );
+        if let Stream::Tcp(_) = stream {
+            let access = &self.config.access;
+            let verdict = match stream.peer_ip() {
+                Some(address) => access.check(address),
+                // Fail closed: rules that cannot be checked are not skipped.
+                None if access.allow.is_empty() && access.deny.is_empty() => Ok(()),
+                None => Err("the peer's address is unknown".to_string()),
+            };
+            if let Err(reason) = verdict {
+                // Closed before a byte of negotiation: the peer learns nothing.
+                tracing::warn!(%peer, "connection refused: {reason}");
+                return;
+            }
+        }
+        if !connections.admit(&peer, stream.peer_ip(), &self.config) {
             return;
         }
         let exports = Arc::clone(&self.exports);
         let config = self.config.clone();
-        if let Err(error) = connections.spawn(stream, move |stream| {
-            serve_connection(stream, &exports, &config, &peer)
+        let budget = Arc::clone(&self.budget);
+        let tls = self.tls.clone();
+        let thread_peer = peer.clone();
+        if let Err(error) = connections.spawn(stream, peer, move |stream, admission| {
+            let context = ConnectionContext {
+                exports: &exports,
+                config: &config,
+                budget: &budget,
+                tls: &tls,
+            };
+            serve_connection(stream, &context, admission, &thread_peer)
         }) {
             tracing::warn!("could not start a connection thread: {error}");
         }
@@ -340,13 +383,36 @@ impl BoundServer {
 }
 
 /// Handshake then transmission for one client. Errors end only this connection.
-fn serve_connection(mut stream: Stream, exports: &ExportTable, config: &ServerConfig, peer: &str) {
+/// What every connection of a server shares.
+struct ConnectionContext<'a> {
+    exports: &'a ExportTable,
+    config: &'a ServerConfig,
+    budget: &'a Arc<ServerBudget>,
+    tls: &'a TlsServer,
+}
+
+fn serve_connection(
+    mut stream: Stream,
+    context: &ConnectionContext<'_>,
+    admission: &Admission,
+    peer: &str,
+) {
+    let config = context.config;
+    let budget = context.budget;
+    // Every log line of this connection (handshake and TLS included) names the peer. The
+    // span is at WARN level so it is enabled whenever the warnings it frames are.
+    let _span = tracing::warn_span!("connection", %peer).entered();
     // A client that never finishes the handshake must not hold a thread forever.
     if let Err(error) = stream.set_read_timeout(Some(config.handshake_timeout)) {
         tracing::warn!(%peer, "cannot set the handshake timeout: {error}");
         return;
     }
-    let negotiated = match handshake::negotiate(&mut stream, exports, config.request_size_max) {
+    let negotiated = match handshake::negotiate(
+        &mut stream,
+        context.exports,
+        config.request_size_max,
+        context.tls,
+    ) {
         Ok(Outcome::Transmission(negotiated)) => negotiated,
         Ok(Outcome::Closed) => {
             tracing::debug!(%peer, "client left during the handshake");
@@ -358,6 +424,14 @@ fn serve_connection(mut stream: Stream, exports: &ExportTable, config: &ServerCo
         }
     };
     let export_name = negotiated.export_name.clone();
+    if !admission.establish(config.connections_max) {
+        tracing::warn!(
+            %peer,
+            connections_max = config.connections_max,
+            "connection closed after the handshake: too many connections, or handshake timed out"
+        );
+        return;
+    }
     tracing::info!(
         %peer,
         export = %export_name,
@@ -370,13 +444,64 @@ fn serve_connection(mut stream: Stream, exports: &ExportTable, config: &ServerCo
     }
     let limits = ConnectionLimits {
         request_size_max: config.request_size_max,
-        inflight_bytes_max: config.inflight_bytes_max,
+        connection_inflight_bytes_max: config.connection_inflight_bytes_max,
         workers_max: config.workers_per_connection_max,
+        idle_timeout: config.idle_timeout,
     };
-    match transmission::serve(stream, negotiated, limits) {
+    match transmission::serve(stream, negotiated, limits, Arc::clone(budget)) {
         Ok(()) => tracing::info!(%peer, export = %export_name, "client disconnected"),
         Err(error) => {
             tracing::warn!(%peer, export = %export_name, "connection closed: {error}")
+        }
+    }
+}
+
+/// Where a connection is in its life, for the connection budgets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Accepted, still negotiating: counts against `handshake_connections_max`.
+    Handshake,
+    /// In transmission: counts against `connections_max`.
+    Serving,
+    /// Evicted or timed out; its socket is shut and its thread is ending. Counts nowhere.
+    Closing,
+}
+
+/// One open connection: a handle on its socket (so it can be woken or evicted), when it was
+/// accepted, and its phase.
+struct Entry {
+    socket: Stream,
+    peer: String,
+    /// The TCP peer's address (`None` for unix sockets), for the per-peer handshake budget.
+    peer_ip: Option<IpAddr>,
+    accepted: Instant,
+    phase: Phase,
+}
+
+type Registry = Arc<Mutex<HashMap<u64, Entry>>>;
+
+/// A connection thread's handle on its own registry entry.
+struct Admission {
+    id: u64,
+    registry: Registry,
+}
+
+impl Admission {
+    /// Moves the connection from the handshake budget to the serving one; false (and the
+    /// connection must end) when every serving slot is taken, or when the connection was
+    /// evicted or timed out meanwhile.
+    fn establish(&self, connections_max: usize) -> bool {
+        let mut registry = self.registry.lock();
+        let serving = registry
+            .values()
+            .filter(|entry| entry.phase == Phase::Serving)
+            .count();
+        match registry.get_mut(&self.id) {
+            Some(entry) if entry.phase == Phase::Handshake && serving < connections_max => {
+                entry.phase = Phase::Serving;
+                true
+            }
+            _ => false,
         }
     }
 }
@@ -385,28 +510,116 @@ fn serve_connection(mut stream: Stream, exports: &ExportTable, config: &ServerCo
 #[derive(Default)]
 struct Connections {
     next_id: AtomicU64,
-    active: Arc<AtomicUsize>,
-    sockets: Arc<Mutex<HashMap<u64, Stream>>>,
+    registry: Registry,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Connections {
     fn active(&self) -> usize {
-        self.active.load(Ordering::Acquire)
+        self.registry.lock().len()
     }
 
-    fn spawn(&self, stream: Stream, serve: impl FnOnce(Stream) + Send + 'static) -> io::Result<()> {
+    /// Decides whether a new connection may start: refused when every serving slot is taken
+    /// (it could not be served anyway). Room in the handshake budget is made by closing the
+    /// oldest connection still negotiating: first among the new peer's own when that address
+    /// already holds `handshake_connections_per_peer_max` of them (so one address flooding
+    /// the server only evicts itself), else among all. Silent or slow clients thus delay
+    /// nobody who finishes the handshake promptly.
+    fn admit(&self, peer: &str, peer_ip: Option<IpAddr>, config: &ServerConfig) -> bool {
+        let mut registry = self.registry.lock();
+        let serving = registry
+            .values()
+            .filter(|entry| entry.phase == Phase::Serving)
+            .count();
+        if serving >= config.connections_max {
+            tracing::warn!(
+                %peer,
+                connections_max = config.connections_max,
+                "connection refused: too many connections"
+            );
+            return false;
+        }
+        let negotiating = |entry: &&mut Entry| entry.phase == Phase::Handshake;
+        let same_peer = registry
+            .values()
+            .filter(|entry| entry.phase == Phase::Handshake)
+            .filter(|entry| peer_ip.is_some() && entry.peer_ip == peer_ip)
+            .count();
+        let total = registry
+            .values()
+            .filter(|entry| entry.phase == Phase::Handshake)
+            .count();
+        let victim = if same_peer >= config.handshake_connections_per_peer_max {
+            registry
+                .values_mut()
+                .filter(negotiating)
+                .filter(|entry| entry.peer_ip == peer_ip)
+                .min_by_key(|entry| entry.accepted)
+        } else if total >= config.handshake_connections_max {
+            registry
+                .values_mut()
+                .filter(negotiating)
+                .min_by_key(|entry| entry.accepted)
+        } else {
+            None
+        };
+        if let Some(oldest) = victim {
+            tracing::warn!(
+                peer = %oldest.peer,
+                handshake_connections_max = config.handshake_connections_max,
+                handshake_connections_per_peer_max = config.handshake_connections_per_peer_max,
+                "closing the oldest connection still in the handshake to admit {peer}"
+            );
+            oldest.socket.shutdown_both();
+            oldest.phase = Phase::Closing;
+        }
+        true
+    }
+
+    /// Closes every connection that has been negotiating for longer than `timeout`: the
+    /// handshake timeout bounds the whole handshake, not each read, so a client trickling
+    /// bytes cannot hold its slot.
+    fn expire_handshakes(&self, timeout: Duration) {
+        let now = Instant::now();
+        for entry in self.registry.lock().values_mut() {
+            if entry.phase == Phase::Handshake && now.duration_since(entry.accepted) > timeout {
+                tracing::warn!(
+                    peer = %entry.peer,
+                    ?timeout,
+                    "closing a connection that did not finish the handshake in time"
+                );
+                entry.socket.shutdown_both();
+                entry.phase = Phase::Closing;
+            }
+        }
+    }
+
+    fn spawn(
+        &self,
+        stream: Stream,
+        peer: String,
+        serve: impl FnOnce(Stream, &Admission) + Send + 'static,
+    ) -> io::Result<()> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.sockets.lock().insert(id, stream.try_clone()?);
-        self.active.fetch_add(1, Ordering::AcqRel);
-        let sockets = Arc::clone(&self.sockets);
-        let active = Arc::clone(&self.active);
+        self.registry.lock().insert(
+            id,
+            Entry {
+                peer_ip: stream.peer_ip(),
+                socket: stream.try_clone()?,
+                peer,
+                accepted: Instant::now(),
+                phase: Phase::Handshake,
+            },
+        );
+        let admission = Admission {
+            id,
+            registry: Arc::clone(&self.registry),
+        };
         let spawned = std::thread::Builder::new()
             .name(format!("nbd-connection-{id}"))
             .spawn(move || {
-                serve(stream);
-                sockets.lock().remove(&id);
-                active.fetch_sub(1, Ordering::AcqRel);
+                serve(stream, &admission);
+                admission.registry.lock().remove(&id);
             });
         match spawned {
             Ok(handle) => {
@@ -414,8 +627,7 @@ impl Connections {
                 Ok(())
             }
             Err(error) => {
-                self.sockets.lock().remove(&id);
-                self.active.fetch_sub(1, Ordering::AcqRel);
+                self.registry.lock().remove(&id);
                 Err(error)
             }
         }
@@ -436,16 +648,19 @@ impl Connections {
     /// whose client stopped reading replies would block its writer forever, so after
     /// [`SHUTDOWN_GRACE`] the remaining sockets are closed in both directions.
     fn drain(&self) {
-        for socket in self.sockets.lock().values() {
-            socket.shutdown_read();
+        for entry in self.registry.lock().values() {
+            entry.socket.shutdown_read();
         }
         let deadline = Instant::now() + SHUTDOWN_GRACE;
         while Instant::now() < deadline && self.active() > 0 {
             std::thread::sleep(Duration::from_millis(10));
         }
-        for socket in self.sockets.lock().values() {
-            tracing::warn!("closing a connection that did not drain within {SHUTDOWN_GRACE:?}");
-            socket.shutdown_both();
+        for entry in self.registry.lock().values() {
+            tracing::warn!(
+                peer = %entry.peer,
+                "closing a connection that did not drain within {SHUTDOWN_GRACE:?}"
+            );
+            entry.socket.shutdown_both();
         }
         for handle in self.threads.lock().drain(..) {
             let _ = handle.join();

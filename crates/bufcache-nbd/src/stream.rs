@@ -61,6 +61,41 @@ impl Stream {
         }
     }
 
+    /// Waits until the socket has bytes to read (or end-of-file, or an error) for at most
+    /// `timeout`; false when the time ran out with nothing to read. Nothing is consumed, so
+    /// a timeout never loses part of a message.
+    pub fn wait_readable(&self, timeout: Duration) -> io::Result<bool> {
+        use std::os::unix::io::AsRawFd;
+        let descriptor = match self {
+            Stream::Tcp(stream) => stream.as_raw_fd(),
+            Stream::Unix(stream) => stream.as_raw_fd(),
+        };
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let mut poll_fd = libc::pollfd {
+                fd: descriptor,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // Rounded up, so a wait never ends a fraction of a millisecond early and spins.
+            let milliseconds = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+            // SAFETY: one valid, exclusively borrowed pollfd; the descriptor is open.
+            let ready = unsafe { libc::poll(&mut poll_fd, 1, milliseconds) };
+            match ready {
+                0 if left.is_zero() => return Ok(false),
+                0 => continue,
+                1.. => return Ok(true),
+                _ => {
+                    let error = io::Error::last_os_error();
+                    if error.kind() != io::ErrorKind::Interrupted {
+                        return Err(error);
+                    }
+                }
+            }
+        }
+    }
+
     /// Bytes the peer has sent that wait to be read (0 when none, or when the count is
     /// unavailable).
     pub fn pending_bytes(&self) -> usize {
@@ -76,6 +111,14 @@ impl Stream {
             count.max(0) as usize
         } else {
             0
+        }
+    }
+
+    /// The peer's IP address; `None` for unix sockets (or when it is unavailable).
+    pub fn peer_ip(&self) -> Option<std::net::IpAddr> {
+        match self {
+            Stream::Tcp(stream) => stream.peer_addr().ok().map(|address| address.ip()),
+            Stream::Unix(_) => None,
         }
     }
 

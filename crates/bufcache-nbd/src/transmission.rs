@@ -14,14 +14,21 @@
 //!   ranges inside it; a protocol error costs the client an errno, not the connection, except
 //!   where the byte stream cannot be trusted any more (bad magic, a write payload too large
 //!   to skip);
-//! - the bytes of requests and replies in flight are bounded: over `inflight_bytes_max` the
-//!   reader stops taking new requests until replies drain.
+//! - the bytes of requests and replies in flight are bounded twice: per connection (over
+//!   `connection_inflight_bytes_max` the reader stops taking new requests until replies
+//!   drain) and for the whole server (a request's bytes are reserved in the shared
+//!   [`ServerBudget`] before its payload is read or its reply buffer allocated; when the
+//!   budget is spent the reader waits, leaving the request in the socket, so clients are
+//!   slowed by TCP back-pressure and nothing is refused);
+//! - with an idle timeout, a connection with nothing in flight and nothing arriving for that
+//!   long is closed; a connection with requests in flight is never idle.
 
 use std::collections::VecDeque;
 use std::io::{self, Read};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
@@ -42,8 +49,9 @@ const OVERSIZED_WRITE_SKIP_FACTOR: u64 = 4;
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ConnectionLimits {
     pub(crate) request_size_max: u32,
-    pub(crate) inflight_bytes_max: u64,
+    pub(crate) connection_inflight_bytes_max: u64,
     pub(crate) workers_max: usize,
+    pub(crate) idle_timeout: Option<Duration>,
 }
 
 /// Why a connection ended abnormally.
@@ -89,6 +97,8 @@ struct Connection {
     transmission_flags: u16,
     limits: ConnectionLimits,
     inflight: InflightBudget,
+    /// The server-wide budget every request's bytes are reserved in as well.
+    budget: Arc<ServerBudget>,
     /// Set when a reply could not be written; the reader stops at its next request.
     broken: AtomicBool,
     /// Requests accepted, and how many of them the reader thread served itself.
@@ -102,6 +112,7 @@ pub(crate) fn serve(
     stream: Stream,
     negotiated: Negotiated,
     limits: ConnectionLimits,
+    budget: Arc<ServerBudget>,
 ) -> Result<(), TransmissionError> {
     let connection = Arc::new(Connection {
         export: negotiated.export,
@@ -111,6 +122,7 @@ pub(crate) fn serve(
         transmission_flags: negotiated.transmission_flags,
         limits,
         inflight: InflightBudget::default(),
+        budget,
         broken: AtomicBool::new(false),
         requests_served: Default::default(),
         requests_served_inline: Default::default(),
@@ -135,9 +147,22 @@ fn read_requests(
     loop {
         connection
             .inflight
-            .wait_below(connection.limits.inflight_bytes_max);
+            .wait_below(connection.limits.connection_inflight_bytes_max);
         if connection.broken.load(Ordering::Acquire) {
             return Ok(());
+        }
+        if let Some(idle_timeout) = connection.limits.idle_timeout {
+            if !stream.wait_readable(idle_timeout)? {
+                if connection.inflight.is_idle() {
+                    tracing::info!(
+                        ?idle_timeout,
+                        "closing a connection idle for longer than the idle timeout"
+                    );
+                    return Ok(());
+                }
+                // Requests are still being served: the client is waiting, not idle.
+                continue;
+            }
         }
         let mut header_bytes = [0u8; REQUEST_HEADER_BYTES];
         match stream.read_exact(&mut header_bytes) {
@@ -149,11 +174,20 @@ fn read_requests(
         if header.command == CMD_DISC {
             return Ok(());
         }
-        let payload = match read_payload(&mut stream, connection, &header)? {
-            Ok(payload) => payload,
-            Err(refusal) => {
+        // Reserve the request's bytes server-wide before its payload buffer exists; while the
+        // budget is spent the payload stays in the socket.
+        let cost_bytes = request_cost(&header, connection.limits.request_size_max);
+        connection.budget.acquire(cost_bytes);
+        let payload = match read_payload(&mut stream, connection, &header) {
+            Ok(Ok(payload)) => payload,
+            Ok(Err(refusal)) => {
                 connection.send_error(&header, &refusal);
+                connection.budget.release(cost_bytes);
                 continue;
+            }
+            Err(error) => {
+                connection.budget.release(cost_bytes);
+                return Err(error);
             }
         };
         if let Err(refusal) = connection.validate(&header) {
@@ -166,9 +200,9 @@ fn read_requests(
                 refusal.message
             );
             connection.send_error(&header, &refusal);
+            connection.budget.release(cost_bytes);
             continue;
         }
-        let cost_bytes = request_cost(&header);
         let was_idle = connection.inflight.charge(cost_bytes);
         let request = Request {
             header,
@@ -233,9 +267,11 @@ fn read_payload(
 }
 
 /// Bytes a request holds while in flight: its data (payload or reply) plus a fixed overhead.
-fn request_cost(header: &RequestHeader) -> u64 {
+/// A READ or WRITE above the maximum request size is refused without a buffer of its size
+/// (an oversized payload is skipped through a small one), so it costs only the overhead.
+fn request_cost(header: &RequestHeader, request_size_max: u32) -> u64 {
     let data_bytes = match header.command {
-        CMD_READ | CMD_WRITE => u64::from(header.length),
+        CMD_READ | CMD_WRITE if header.length <= request_size_max => u64::from(header.length),
         _ => 0,
     };
     data_bytes + REQUEST_OVERHEAD_BYTES
@@ -331,6 +367,7 @@ impl Connection {
             }
         }
         self.inflight.release(request.cost_bytes);
+        self.budget.release(request.cost_bytes);
     }
 
     /// Runs a non-READ command; `Some` carries a ready structured reply (block status).
@@ -539,6 +576,10 @@ impl InflightBudget {
         self.drained.notify_all();
     }
 
+    fn is_idle(&self) -> bool {
+        *self.bytes.lock() == 0
+    }
+
     /// Blocks while more than `limit_bytes` are in flight. A single request larger than the
     /// limit still goes through once the connection is idle, so nothing can deadlock.
     fn wait_below(&self, limit_bytes: u64) {
@@ -546,6 +587,63 @@ impl InflightBudget {
         while *bytes >= limit_bytes {
             self.drained.wait(&mut bytes);
         }
+    }
+}
+
+/// The bytes of requests in flight on all connections of a server, bounded by one limit.
+///
+/// Reservations are granted strictly in arrival order, so a large request is not starved by
+/// a stream of small ones. A request larger than the whole budget is granted once nothing
+/// else is reserved, so nothing can wait forever. Reservations are released when the reply
+/// has been written, and every reservation belongs to a request that is being read or
+/// served (never one waiting for the budget), so the budget always drains.
+pub(crate) struct ServerBudget {
+    limit_bytes: u64,
+    state: Mutex<BudgetState>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct BudgetState {
+    reserved_bytes: u64,
+    next_ticket: u64,
+    serving_ticket: u64,
+}
+
+impl ServerBudget {
+    pub(crate) fn new(limit_bytes: u64) -> ServerBudget {
+        ServerBudget {
+            limit_bytes,
+            state: Mutex::new(BudgetState::default()),
+            changed: Condvar::new(),
+        }
+    }
+
+    /// Waits for its turn and for room, then reserves `cost_bytes`.
+    pub(crate) fn acquire(&self, cost_bytes: u64) {
+        let mut state = self.state.lock();
+        let ticket = state.next_ticket;
+        state.next_ticket += 1;
+        while ticket != state.serving_ticket
+            || (state.reserved_bytes != 0 && state.reserved_bytes + cost_bytes > self.limit_bytes)
+        {
+            self.changed.wait(&mut state);
+        }
+        state.reserved_bytes += cost_bytes;
+        state.serving_ticket += 1;
+        // The next ticket holder may fit too.
+        self.changed.notify_all();
+    }
+
+    pub(crate) fn release(&self, cost_bytes: u64) {
+        let mut state = self.state.lock();
+        state.reserved_bytes -= cost_bytes;
+        self.changed.notify_all();
+    }
+
+    #[cfg(test)]
+    fn reserved_bytes(&self) -> u64 {
+        self.state.lock().reserved_bytes
     }
 }
 
@@ -637,6 +735,35 @@ fn worker_loop(shared: &PoolShared) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Goal: the server-wide budget never grants more than its limit, grants in arrival order,
+    /// and still grants a request larger than the limit once nothing else is reserved.
+    /// Method: reserve most of a 100-byte budget, start a waiter for 60 bytes, check it stays
+    /// blocked until the release, then an oversized 500-byte request on an empty budget.
+    #[test]
+    fn server_budget_blocks_until_released_and_never_deadlocks_on_large_requests() {
+        let budget = Arc::new(ServerBudget::new(100));
+        budget.acquire(70);
+        let granted = Arc::new(AtomicBool::new(false));
+        let waiter = {
+            let budget = Arc::clone(&budget);
+            let granted = Arc::clone(&granted);
+            std::thread::spawn(move || {
+                budget.acquire(60);
+                granted.store(true, Ordering::Release);
+            })
+        };
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(!granted.load(Ordering::Acquire), "granted past the limit");
+        assert_eq!(budget.reserved_bytes(), 70);
+        budget.release(70);
+        waiter.join().unwrap();
+        assert_eq!(budget.reserved_bytes(), 60);
+        budget.release(60);
+        budget.acquire(500);
+        assert_eq!(budget.reserved_bytes(), 500);
+        budget.release(500);
+    }
 
     #[test]
     fn block_status_chunk_clamps_to_the_request_and_honours_req_one() {

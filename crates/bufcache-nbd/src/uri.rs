@@ -18,11 +18,26 @@ pub enum NbdAddress {
     Unix(PathBuf),
 }
 
+/// TLS settings of an `nbds://` or `nbds+unix://` URI, with libnbd's parameter names:
+/// `nbds://USER@HOST/EXPORT?tls-psk-file=FILE` or `?tls-certificates=DIR` (ca-cert.pem and,
+/// for client authentication, client-cert.pem and client-key.pem), `tls-hostname=NAME`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClientTls {
+    /// The PSK identity (the URI's user, or `tls-username=`).
+    pub username: Option<String>,
+    pub psk_file: Option<PathBuf>,
+    pub certificates: Option<PathBuf>,
+    /// The name the server certificate must carry; default the host of a TCP URI.
+    pub hostname: Option<String>,
+}
+
 /// A parsed NBD URI.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NbdUri {
     pub address: NbdAddress,
     pub export_name: String,
+    /// Set for `nbds://` and `nbds+unix://`.
+    pub tls: Option<ClientTls>,
     /// The URI as given, for messages.
     pub text: String,
 }
@@ -32,7 +47,7 @@ pub struct NbdUri {
 pub enum UriError {
     #[error("{0:?}: unsupported URI scheme; expected nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH")]
     Scheme(String),
-    #[error("{0:?}: TLS (nbds://) is not supported")]
+    #[error("{0:?}: nbds:// needs credentials: ?tls-psk-file=FILE or ?tls-certificates=DIR")]
     Tls(String),
     #[error("{0:?}: missing host; expected nbd://HOST[:PORT]/EXPORT")]
     MissingHost(String),
@@ -52,8 +67,11 @@ impl FromStr for NbdUri {
     type Err = UriError;
 
     fn from_str(text: &str) -> Result<Self, Self::Err> {
-        if text.starts_with("nbds://") || text.starts_with("nbds+unix://") {
-            return Err(UriError::Tls(text.to_string()));
+        if let Some(rest) = text.strip_prefix("nbds+unix://") {
+            return with_tls(text, rest, parse_unix);
+        }
+        if let Some(rest) = text.strip_prefix("nbds://") {
+            return with_tls(text, rest, parse_tcp);
         }
         if let Some(rest) = text.strip_prefix("nbd+unix://") {
             return parse_unix(text, rest);
@@ -69,6 +87,51 @@ impl fmt::Display for NbdUri {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         formatter.write_str(&self.text)
     }
+}
+
+/// Parses a TLS URI: takes the user and the `tls-*` query parameters out, parses the rest
+/// as the plain form, and attaches the TLS settings.
+fn with_tls(
+    text: &str,
+    rest: &str,
+    parse: fn(&str, &str) -> Result<NbdUri, UriError>,
+) -> Result<NbdUri, UriError> {
+    let (before_query, query) = match rest.split_once('?') {
+        Some((before, query)) => (before, query),
+        None => (rest, ""),
+    };
+    let mut tls = ClientTls::default();
+    let (authority, path) = before_query.split_once('/').unwrap_or((before_query, ""));
+    let authority = match authority.rsplit_once('@') {
+        Some((user, host)) => {
+            tls.username = Some(percent_decode(text, user)?);
+            host
+        }
+        None => authority,
+    };
+    let mut kept = Vec::new();
+    for parameter in query.split('&').filter(|parameter| !parameter.is_empty()) {
+        let (key, value) = parameter.split_once('=').unwrap_or((parameter, ""));
+        let value = percent_decode(text, value)?;
+        match key {
+            "tls-psk-file" => tls.psk_file = Some(PathBuf::from(value)),
+            "tls-certificates" => tls.certificates = Some(PathBuf::from(value)),
+            "tls-username" => tls.username = Some(value),
+            "tls-hostname" => tls.hostname = Some(value),
+            _ => kept.push(parameter),
+        }
+    }
+    if tls.psk_file.is_none() && tls.certificates.is_none() {
+        return Err(UriError::Tls(text.to_string()));
+    }
+    let mut plain = format!("{authority}/{path}");
+    if !kept.is_empty() {
+        plain.push('?');
+        plain.push_str(&kept.join("&"));
+    }
+    let mut uri = parse(text, &plain)?;
+    uri.tls = Some(tls);
+    Ok(uri)
 }
 
 /// Splits `authority/path?query` into its three parts.
@@ -114,6 +177,7 @@ fn parse_tcp(text: &str, rest: &str) -> Result<NbdUri, UriError> {
             port,
         },
         export_name: percent_decode(text, path)?,
+        tls: None,
         text: text.to_string(),
     })
 }
@@ -160,6 +224,7 @@ fn parse_unix(text: &str, rest: &str) -> Result<NbdUri, UriError> {
     Ok(NbdUri {
         address: NbdAddress::Unix(PathBuf::from(socket)),
         export_name: percent_decode(text, path)?,
+        tls: None,
         text: text.to_string(),
     })
 }
@@ -224,6 +289,24 @@ mod tests {
     fn bad_uris_say_what_was_expected() {
         assert!(matches!(parse("http://x/"), Err(UriError::Scheme(_))));
         assert!(matches!(parse("nbds://x/"), Err(UriError::Tls(_))));
+        let uri = parse("nbds://alice@host:10810/disk?tls-psk-file=/k%20s.psk").unwrap();
+        assert_eq!(
+            uri.address,
+            NbdAddress::Tcp {
+                host: "host".into(),
+                port: 10810
+            }
+        );
+        assert_eq!(uri.export_name, "disk");
+        let tls = uri.tls.unwrap();
+        assert_eq!(tls.username.as_deref(), Some("alice"));
+        assert_eq!(tls.psk_file, Some(PathBuf::from("/k s.psk")));
+        let uri =
+            parse("nbds+unix:///d?socket=/s.sock&tls-certificates=/pki&tls-hostname=srv").unwrap();
+        assert_eq!(uri.address, NbdAddress::Unix("/s.sock".into()));
+        let tls = uri.tls.unwrap();
+        assert_eq!(tls.certificates, Some(PathBuf::from("/pki")));
+        assert_eq!(tls.hostname.as_deref(), Some("srv"));
         assert!(matches!(parse("nbd:///e"), Err(UriError::MissingHost(_))));
         assert!(matches!(parse("nbd://h:0/e"), Err(UriError::Port { .. })));
         assert!(matches!(parse("nbd://h:x/e"), Err(UriError::Port { .. })));

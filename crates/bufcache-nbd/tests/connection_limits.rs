@@ -1,0 +1,245 @@
+// Goal: idle or hostile clients cannot keep a good client out, and the connection limits,
+// the handshake budget and timeouts, and the idle timeout do what their documentation says.
+// Method: our server in-process on 127.0.0.1:0; "silent" clients are raw TCP connections
+// that never send a byte (stuck before the handshake), "idle" clients are NbdClient
+// connections that finished the handshake and send nothing. A good client then connects and
+// writes and reads back; closures are observed as end-of-file on the raw sockets. Waits are
+// bounded generously so a busy machine does not fail the tests.
+
+mod common;
+
+use std::io::{self, Read};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bufcache_nbd::{Export, MemoryExport, NbdClient, ServerConfig};
+use common::*;
+
+fn memory_server_with(config: ServerConfig) -> TestServer {
+    let export = Arc::new(MemoryExport::new(1 << 20));
+    start_server_with(vec![("mem", export as Arc<dyn Export>)], config)
+}
+
+/// A TCP connection that never sends anything.
+fn silent_client(server: &TestServer) -> TcpStream {
+    let stream = TcpStream::connect(("127.0.0.1", server.port())).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    stream
+}
+
+/// True when the server closed the socket (end-of-file or reset) within the read timeout;
+/// the greeting and anything else the server sent first are skipped.
+fn closed_by_server(stream: &mut TcpStream) -> bool {
+    let mut buffer = [0u8; 256];
+    loop {
+        match stream.read(&mut buffer) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(error) if error.kind() == io::ErrorKind::ConnectionReset => return true,
+            Err(_) => return false,
+        }
+    }
+}
+
+/// A good client connects, writes, reads back and flushes; returns how long that took.
+fn good_client_round_trip(server: &TestServer) -> Duration {
+    let started = Instant::now();
+    let client = NbdClient::connect(&server.tcp_uri("mem")).expect("good client connects");
+    client.write(8192, b"good client").unwrap();
+    let mut back = [0u8; 11];
+    client.read(8192, &mut back).unwrap();
+    assert_eq!(&back, b"good client");
+    client.flush().unwrap();
+    started.elapsed()
+}
+
+/// The target: 1,000 connections left idle, half before the handshake and half after
+/// it, with the default limits; a good client still connects and completes I/O within 2 s.
+#[test]
+fn a_thousand_idle_connections_do_not_keep_a_good_client_out() {
+    let server = memory_server_with(ServerConfig::default());
+    let silent: Vec<TcpStream> = (0..500).map(|_| silent_client(&server)).collect();
+    let idle: Vec<NbdClient> = (0..500)
+        .map(|_| NbdClient::connect(&server.tcp_uri("mem")).expect("idle client connects"))
+        .collect();
+    let elapsed = good_client_round_trip(&server);
+    eprintln!(
+        "good client served in {:.1} ms beside {} silent and {} idle connections",
+        elapsed.as_secs_f64() * 1000.0,
+        silent.len(),
+        idle.len()
+    );
+    assert!(elapsed < Duration::from_secs(2), "took {elapsed:?}");
+    // The idle clients that finished the handshake were not disturbed.
+    let mut back = [0u8; 11];
+    idle[0].read(8192, &mut back).unwrap();
+    assert_eq!(&back, b"good client");
+}
+
+/// Over the handshake budget, the oldest connection still negotiating is closed: a flood of
+/// silent connections costs each other their slots, not a prompt client its own.
+#[test]
+fn the_oldest_silent_connection_is_evicted_when_the_handshake_budget_is_full() {
+    let config = ServerConfig {
+        handshake_connections_max: 4,
+        ..ServerConfig::default()
+    };
+    let server = memory_server_with(config);
+    let mut silent: Vec<TcpStream> = (0..4).map(|_| silent_client(&server)).collect();
+    // Let the server register the four before the fifth arrives, so "oldest" is well defined.
+    std::thread::sleep(Duration::from_millis(300));
+    let newest = silent_client(&server);
+    assert!(
+        closed_by_server(&mut silent[0]),
+        "the oldest was not evicted"
+    );
+    assert!(good_client_round_trip(&server) < Duration::from_secs(5));
+    drop(newest);
+}
+
+/// The handshake timeout bounds the whole handshake, and `connections_max` counts only
+/// connections that finished it: with one serving slot taken, further clients are refused,
+/// while silent connections never took a slot.
+#[test]
+fn connections_max_counts_serving_clients_and_the_handshake_timeout_closes_silent_ones() {
+    let config = ServerConfig {
+        connections_max: 2,
+        handshake_timeout: Duration::from_millis(500),
+        ..ServerConfig::default()
+    };
+    let server = memory_server_with(config);
+    let mut silent = silent_client(&server);
+    let started = Instant::now();
+    assert!(closed_by_server(&mut silent), "silent client not closed");
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(400),
+        "closed too early: {waited:?}"
+    );
+    assert!(
+        waited < Duration::from_secs(10),
+        "closed too late: {waited:?}"
+    );
+    // Silent connections do not count: two clients are served beside three of them.
+    let _silent: Vec<TcpStream> = (0..3).map(|_| silent_client(&server)).collect();
+    let first = NbdClient::connect(&server.tcp_uri("mem")).expect("first client");
+    let second = NbdClient::connect(&server.tcp_uri("mem")).expect("second client");
+    // Both serving slots are taken: a third is refused at once.
+    assert!(NbdClient::connect(&server.tcp_uri("mem")).is_err());
+    drop(second);
+    // Once a slot frees, clients are served again (the server notices the close promptly).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match NbdClient::connect(&server.tcp_uri("mem")) {
+            Ok(_) => break,
+            Err(error) if Instant::now() < deadline => {
+                let _ = error;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(error) => panic!("slot never freed: {error}"),
+        }
+    }
+    first.flush().unwrap();
+}
+
+/// The idle timeout closes a connection that has nothing in flight and sends nothing, and
+/// never one that keeps sending requests.
+#[test]
+fn idle_timeout_closes_idle_connections_but_not_busy_ones() {
+    let config = ServerConfig {
+        idle_timeout: Some(Duration::from_millis(400)),
+        ..ServerConfig::default()
+    };
+    let server = memory_server_with(config);
+    let idle = NbdClient::connect(&server.tcp_uri("mem")).expect("idle client");
+    let busy = NbdClient::connect(&server.tcp_uri("mem")).expect("busy client");
+    let until = Instant::now() + Duration::from_millis(1500);
+    let mut buffer = [0u8; 512];
+    while Instant::now() < until {
+        busy.read(0, &mut buffer)
+            .expect("busy client keeps being served");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The idle one was closed by now: its next request fails.
+    assert!(
+        idle.read(0, &mut buffer).is_err(),
+        "idle client still served"
+    );
+}
+
+/// A silent TCP connection to the server from the loopback address `source` (any 127.x.y.z
+/// works on Linux), so a test can play two different peers.
+fn silent_client_from(server: &TestServer, source: [u8; 4]) -> TcpStream {
+    use std::os::unix::io::FromRawFd;
+    let address = |ip: [u8; 4], port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_be_bytes(ip).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    let length = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: plain socket calls on a descriptor this function owns; the addresses are
+    // valid sockaddr_in values that outlive the calls, with their true length.
+    unsafe {
+        let descriptor = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+        assert!(descriptor >= 0, "socket: {}", io::Error::last_os_error());
+        let local = address(source, 0);
+        let bound = libc::bind(
+            descriptor,
+            (&local as *const libc::sockaddr_in).cast(),
+            length,
+        );
+        assert_eq!(bound, 0, "bind: {}", io::Error::last_os_error());
+        let remote = address([127, 0, 0, 1], server.port());
+        let connected = libc::connect(
+            descriptor,
+            (&remote as *const libc::sockaddr_in).cast(),
+            length,
+        );
+        assert_eq!(connected, 0, "connect: {}", io::Error::last_os_error());
+        let stream = TcpStream::from_raw_fd(descriptor);
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        stream
+    }
+}
+
+/// One address flooding the handshake budget only evicts its own connections: a connection
+/// from another address, still negotiating, survives twenty silent ones from the flooder,
+/// though together they are far over the whole handshake budget.
+#[test]
+fn a_flood_from_one_address_evicts_only_its_own_negotiating_connections() {
+    let config = ServerConfig {
+        handshake_connections_max: 8,
+        handshake_connections_per_peer_max: 4,
+        ..ServerConfig::default()
+    };
+    let server = memory_server_with(config);
+    let mut bystander = silent_client_from(&server, [127, 0, 0, 1]);
+    std::thread::sleep(Duration::from_millis(200));
+    let mut flood: Vec<TcpStream> = Vec::new();
+    for _ in 0..20 {
+        flood.push(silent_client_from(&server, [127, 0, 0, 2]));
+        // Let the server register each before the next, so "oldest" is well defined.
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        closed_by_server(&mut flood[0]),
+        "the flooder's oldest stayed"
+    );
+    // The bystander got its greeting and nothing else: the read times out, no end-of-file.
+    bystander
+        .set_read_timeout(Some(Duration::from_millis(1000)))
+        .unwrap();
+    assert!(
+        !closed_by_server(&mut bystander),
+        "the bystander was evicted"
+    );
+    assert!(good_client_round_trip(&server) < Duration::from_secs(5));
+}
