@@ -6,6 +6,7 @@ mod engine_args;
 mod metrics;
 mod plot;
 mod replay;
+mod rescue;
 mod serve;
 mod sim;
 mod stat;
@@ -47,7 +48,7 @@ fn main() {
     let arguments = match config_file::expand(std::env::args_os().collect(), &Cli::command()) {
         Ok(arguments) => arguments,
         Err(error) => {
-            eprintln!("bufcache: {error:#}");
+            report_error(&error);
             std::process::exit(2);
         }
     };
@@ -72,9 +73,16 @@ fn main() {
         Command::Sim(args) => sim::run(args),
     };
     if let Err(error) = result {
-        eprintln!("bufcache: {error:#}");
+        report_error(&error);
         std::process::exit(1);
     }
+}
+
+/// Prints the error on standard error; a closed stderr must not turn an exit status into a
+/// panic.
+fn report_error(error: &anyhow::Error) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "bufcache: {error:#}");
 }
 
 /// Arguments of `bufcache config`.

@@ -6,10 +6,11 @@
 //! requests finish, writes back everything dirty and flushes every backend before exiting 0;
 //! if that write-back fails the error is printed and the exit status is 1.
 
-use std::path::Path;
+use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use bufcache::{
@@ -23,6 +24,18 @@ use clap::Args;
 
 use crate::engine_args::EngineArgs;
 use crate::metrics::{self, ExportMeters, Meters};
+use crate::rescue::{self, RescueAction};
+
+/// Exit status when dirty data was saved to the rescue file instead of the backend.
+pub const EXIT_RESCUED: i32 = 3;
+
+/// Prints a line on standard error, ignoring failure: a closed or broken stderr (a pipe
+/// whose reader went away) must never stop the server from shutting down or saving data.
+macro_rules! say {
+    ($($argument:tt)*) => {{
+        let _ = writeln!(std::io::stderr(), "bufcache: {}", format_args!($($argument)*));
+    }};
+}
 
 /// The backing file served when no backend is named, created sparse when absent.
 pub const DEFAULT_BACKING_FILE: &str = "bufcache.img";
@@ -61,10 +74,20 @@ pub struct ServeArgs {
     /// Largest NBD request in bytes (advertised maximum block size). Default 32M.
     #[arg(long, value_name = "SIZE", value_parser = |text: &str| parse_size(text).map_err(|e| e.to_string()))]
     request_size_max: Option<u64>,
-    /// Seconds to keep retrying write-back of dirty data at shutdown (SIGINT, SIGTERM) when
-    /// the backend fails, before giving up with exit status 1. Default 10.
+    /// Seconds from SIGINT/SIGTERM to exit: in-flight requests finish and dirty data is written
+    /// back, retrying while the backend fails. Data still dirty then (or at a second signal) is
+    /// saved to the rescue file and the exit status is 3. Default 10.
     #[arg(long, value_name = "SECONDS", default_value_t = 10.0)]
     shutdown_timeout: f64,
+    /// Where dirty data that could not be written back at shutdown is saved (see
+    /// docs/operations.md for the format). Default ./bufcache.rescue.
+    #[arg(long, value_name = "PATH", default_value = "bufcache.rescue")]
+    rescue_file: PathBuf,
+    /// What to do with a rescue file found at start: replay writes its data to the backends
+    /// and flushes before accepting clients (refusing to start if that fails); discard deletes
+    /// it.
+    #[arg(long, value_name = "ACTION", value_enum, default_value_t = RescueAction::Replay)]
+    rescue: RescueAction,
     /// Serve Prometheus metrics (/metrics) and JSON statistics (/stats) on HOST:PORT.
     #[arg(long, value_name = "HOST:PORT")]
     metrics: Option<String>,
@@ -241,23 +264,30 @@ fn export_specs(args: &ServeArgs) -> anyhow::Result<Vec<(String, String, bool)>>
     Ok(specs)
 }
 
-/// Writes back everything dirty, retrying for up to `timeout` while the backend fails: a
-/// backend that recovers within it loses nothing. Dirty data still unwritten when it expires
-/// is lost when the process exits, which the caller reports with a non-zero status.
-fn sync_with_retries(cache: &Cache, timeout: Duration) -> Result<(), CacheError> {
-    let deadline = std::time::Instant::now() + timeout;
+/// Writes back everything dirty and flushes, retrying while the backend fails until `give_up`
+/// is set: a backend that recovers in time loses nothing. The caller decides when to give up
+/// (the shutdown timeout) and saves what is still dirty to the rescue file.
+fn sync_with_retries(cache: &Cache, give_up: &AtomicBool) -> Result<(), CacheError> {
     loop {
         match cache.sync() {
             Ok(()) => return Ok(()),
-            Err(error) if std::time::Instant::now() >= deadline => return Err(error),
+            Err(error) if give_up.load(Ordering::Acquire) => return Err(error),
             Err(error) => {
-                eprintln!(
-                    "bufcache: write-back failed, retrying until the shutdown timeout: {error}"
-                );
+                say!("write-back failed, retrying until the shutdown timeout: {error}");
                 std::thread::sleep(Duration::from_millis(500));
             }
         }
     }
+}
+
+/// What the main thread waits for once serving has started.
+enum Event {
+    /// SIGINT or SIGTERM arrived.
+    Signal(i32),
+    /// The server stopped accepting and its connections ended.
+    Served(Result<(), bufcache_nbd::ServerError>),
+    /// Shutdown write-back finished (or gave up).
+    Synced(Result<(), CacheError>),
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -284,6 +314,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let cache = Cache::new(config)?;
     let mut exports: Vec<(String, Arc<dyn Export>)> = Vec::new();
     let mut meters = Vec::new();
+    let mut objects: Vec<(String, ObjectHandle)> = Vec::new();
     for (name, backend, is_default) in export_specs(&args)? {
         let counting = Arc::new(CountingDevice::new(open_backend(
             &backend, &args, is_default,
@@ -308,14 +339,16 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         object_config.read_only = args.read_only;
         let object = cache.open_object(object_config)?;
         tracing::info!(export = %name, backend = %backend, size = %format_size(object.len()), "export ready");
-        eprintln!(
-            "bufcache: export {:?} = {} ({} bytes)",
+        say!(
+            "export {:?} = {} ({} bytes)",
             name,
             backend,
             object.len()
         );
+        objects.push((name.clone(), object.reopen()));
         exports.push((name, Arc::new(CacheExport { object })));
     }
+    handle_rescue_file(&args, &cache, &objects)?;
     let server = Server::new(server_config, exports)?.bind()?;
     if let Some(address) = &args.metrics {
         let local = metrics::start(
@@ -325,30 +358,187 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                 exports: meters,
             }),
         )?;
-        eprintln!(
-            "bufcache: metrics on http://{local}/metrics and /stats   (try: bufcache stat {local})"
+        say!(
+            "metrics on http://{local}/metrics and /stats   (try: bufcache stat {local})"
         );
     }
     for address in server.local_addrs() {
-        eprintln!(
-            "bufcache: listening on {}   (try: nbdinfo {})",
+        say!(
+            "listening on {}   (try: nbdinfo {})",
             address_text(&address),
             address.uri("")
         );
     }
     let shutdown = ShutdownHandle::new();
-    install_signal_handlers(shutdown.clone())?;
+    let (events, event_receiver) = mpsc::channel();
+    install_signal_handlers(shutdown.clone(), events.clone())?;
     let stop_writer = Arc::new(AtomicBool::new(false));
     let writer = start_background_writer(cache.clone(), Arc::clone(&stop_writer));
-    let served = server.run(shutdown);
-    stop_writer.store(true, Ordering::Release);
-    writer.thread().unpark();
-    let _ = writer.join();
-    eprintln!("bufcache: shutting down: writing back dirty data");
-    let synced = sync_with_retries(&cache, Duration::from_secs_f64(args.shutdown_timeout));
-    served?;
-    synced.context("writing back dirty data at shutdown")?;
-    eprintln!("bufcache: all data written back; bye");
+    let give_up = Arc::new(AtomicBool::new(false));
+    // Serving and the shutdown write-back run on their own thread, so the main thread can
+    // end the process at the deadline whatever a hung backend does to them.
+    {
+        let cache = cache.clone();
+        let give_up = Arc::clone(&give_up);
+        std::thread::Builder::new()
+            .name("bufcache-serve".into())
+            .spawn(move || {
+                let served = server.run(shutdown);
+                let _ = events.send(Event::Served(served));
+                stop_writer.store(true, Ordering::Release);
+                writer.thread().unpark();
+                let _ = writer.join();
+                say!("shutting down: writing back dirty data");
+                let _ = events.send(Event::Synced(sync_with_retries(&cache, &give_up)));
+            })
+            .context("starting the server thread")?;
+    }
+    let timeout = Duration::from_secs_f64(args.shutdown_timeout);
+    let mut deadline: Option<Instant> = None;
+    let mut serve_error: Option<bufcache_nbd::ServerError> = None;
+    let outcome = loop {
+        let event = match deadline {
+            None => event_receiver.recv().ok(),
+            Some(deadline) => {
+                match event_receiver.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                {
+                    Ok(event) => Some(event),
+                    Err(mpsc::RecvTimeoutError::Timeout) => {
+                        say!("shutdown timeout ({timeout:?}) reached");
+                        break None;
+                    }
+                    Err(mpsc::RecvTimeoutError::Disconnected) => None,
+                }
+            }
+        };
+        match event {
+            Some(Event::Signal(signal)) if deadline.is_none() => {
+                deadline = Some(Instant::now() + timeout);
+                say!("signal {signal}: finishing in-flight requests and writing back (up to {timeout:?})");
+            }
+            Some(Event::Signal(signal)) => {
+                say!("second signal {signal}: saving dirty data to the rescue file now");
+                break None;
+            }
+            Some(Event::Served(result)) => {
+                deadline.get_or_insert_with(|| Instant::now() + timeout);
+                serve_error = result.err();
+            }
+            Some(Event::Synced(result)) => break Some(result),
+            None => break None,
+        }
+    };
+    give_up.store(true, Ordering::Release);
+    match outcome {
+        Some(Ok(())) => {
+            if let Some(error) = serve_error {
+                return Err(error).context("serving");
+            }
+            say!("all data written back; bye");
+            Ok(())
+        }
+        Some(Err(error)) => {
+            say!("writing back dirty data at shutdown failed: {error}");
+            rescue_and_exit(&args.rescue_file, &objects)
+        }
+        None => rescue_and_exit(&args.rescue_file, &objects),
+    }
+}
+
+/// Saves every dirty block of every export to the rescue file and ends the process at once
+/// (threads stuck on a hung backend are not waited for): exit status 3 when everything dirty
+/// was saved, 1 when some could not be (named in the last line).
+fn rescue_and_exit(path: &Path, objects: &[(String, ObjectHandle)]) -> ! {
+    let mut records = Vec::new();
+    let mut unreadable_bytes = 0u64;
+    for (name, object) in objects {
+        object.visit_dirty_blocks(Duration::from_secs(1), |offset, bytes| match bytes {
+            Some(bytes) => records.push(rescue::Record {
+                export: name.clone(),
+                offset,
+                data: bytes.to_vec(),
+            }),
+            None => unreadable_bytes += object.block_size() as u64,
+        });
+    }
+    let saved_bytes: u64 = records.iter().map(|record| record.data.len() as u64).sum();
+    if records.is_empty() && unreadable_bytes == 0 {
+        say!("no dirty data left, but the backend did not confirm a flush: data written last may not be durable");
+        std::process::exit(1);
+    }
+    if let Err(error) = rescue::write(path, &records) {
+        say!(
+            "LOST {saved_bytes} bytes of dirty data: saving them to the rescue file failed: {error:#}"
+        );
+        std::process::exit(1);
+    }
+    if unreadable_bytes > 0 {
+        say!(
+            "saved {saved_bytes} bytes of dirty data to rescue file {}; LOST {unreadable_bytes} bytes held by requests that did not finish",
+            path.display()
+        );
+        std::process::exit(1);
+    }
+    say!(
+        "saved {saved_bytes} bytes of dirty data that could not be written back to rescue file {} ({} records); the next start replays them",
+        path.display(),
+        records.len()
+    );
+    std::process::exit(EXIT_RESCUED);
+}
+
+/// Replays (or discards) a rescue file left by an earlier shutdown, before serving.
+fn handle_rescue_file(
+    args: &ServeArgs,
+    cache: &Cache,
+    objects: &[(String, ObjectHandle)],
+) -> anyhow::Result<()> {
+    let path = &args.rescue_file;
+    if !path.exists() {
+        return Ok(());
+    }
+    let records = rescue::read(path)?;
+    let bytes: u64 = records.iter().map(|record| record.data.len() as u64).sum();
+    if args.rescue == RescueAction::Discard {
+        rescue::remove(path)?;
+        say!(
+            "--rescue discard: deleted rescue file {} ({bytes} bytes of unwritten data dropped)",
+            path.display()
+        );
+        return Ok(());
+    }
+    for record in &records {
+        let Some((_, object)) = objects.iter().find(|(name, _)| *name == record.export) else {
+            bail!(
+                "rescue file {} holds data for export {:?}, which this server does not have; \
+                 start with that export, or pass --rescue discard to drop it",
+                path.display(),
+                record.export
+            );
+        };
+        object
+            .write_at(record.offset, &record.data, false)
+            .with_context(|| {
+                format!(
+                    "replaying rescue file {}: export {:?} offset {}",
+                    path.display(),
+                    record.export,
+                    record.offset
+                )
+            })?;
+    }
+    cache.sync().with_context(|| {
+        format!(
+            "replaying rescue file {}: writing its data back failed (the file is kept)",
+            path.display()
+        )
+    })?;
+    rescue::remove(path)?;
+    say!(
+        "replayed rescue file {}: {bytes} bytes in {} records written back and flushed",
+        path.display(),
+        records.len()
+    );
     Ok(())
 }
 
@@ -378,16 +568,23 @@ fn start_background_writer(cache: Cache, stop: Arc<AtomicBool>) -> std::thread::
         .expect("starting the write-back thread")
 }
 
-fn install_signal_handlers(shutdown: ShutdownHandle) -> anyhow::Result<()> {
+/// SIGINT/SIGTERM start the shutdown; a second one skips the wait. The thread only
+/// triggers and forwards: it prints nothing, so no output failure can stop it.
+fn install_signal_handlers(
+    shutdown: ShutdownHandle,
+    events: mpsc::Sender<Event>,
+) -> anyhow::Result<()> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
         .context("installing signal handlers")?;
     std::thread::Builder::new()
         .name("bufcache-signals".into())
         .spawn(move || {
-            if let Some(signal) = signals.forever().next() {
-                eprintln!("bufcache: signal {signal}: finishing in-flight requests");
+            for signal in signals.forever() {
                 shutdown.trigger();
+                if events.send(Event::Signal(signal)).is_err() {
+                    return;
+                }
             }
         })
         .context("starting the signal thread")?;
