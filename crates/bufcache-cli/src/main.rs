@@ -58,13 +58,13 @@ fn main() {
         Command::Serve(args) => serve::run(args),
         Command::Config(args) => {
             if args.print_default {
-                config_file::print_default(&Cli::command())
+                config_file::default_text(&Cli::command()).map(|text| print_quietly(&text))
             } else {
                 Err(anyhow::anyhow!("nothing to do: pass --print-default"))
             }
         }
         Command::HelpMarkdown => {
-            print!("{}", help_markdown());
+            print_quietly(&help_markdown());
             Ok(())
         }
         Command::Dd(args) => dd::run(args),
@@ -74,6 +74,23 @@ fn main() {
     };
     if let Err(error) = result {
         report_error(&error);
+        std::process::exit(1);
+    }
+}
+
+/// Writes `text` to standard output; when the reader went away (`| head`) the command ends
+/// quietly, as Unix tools do, instead of panicking.
+fn print_quietly(text: &str) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    if let Err(error) = stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        if error.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        report_error(&anyhow::Error::new(error).context("writing to standard output"));
         std::process::exit(1);
     }
 }
@@ -129,8 +146,13 @@ fn init_logging(verbose: u8) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    // Colour only on a terminal, and never when NO_COLOR is set (no-color.org): escape codes
+    // in a log file or journal are noise.
+    use std::io::IsTerminal;
+    let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
     tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(colour)
         .with_writer(std::io::stderr)
         .init();
 }

@@ -168,7 +168,10 @@ mod tests {
         for index in MAGIC.len()..bytes.len() {
             let mut damaged = bytes.clone();
             damaged[index] ^= 0x40;
-            assert!(parse(&damaged).is_err(), "flipped byte {index} not detected");
+            assert!(
+                parse(&damaged).is_err(),
+                "flipped byte {index} not detected"
+            );
         }
         assert!(parse(&bytes[..bytes.len() - 1]).is_err());
         assert!(parse(b"something else").is_err());

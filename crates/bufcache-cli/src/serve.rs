@@ -53,6 +53,10 @@ pub const DEFAULT_BACKING_SIZE_BYTES: u64 = 1 << 30;
     Backends: a file or block device path, memory:SIZE, nbd://HOST[:PORT]/EXPORT or\n\
     nbd+unix:///EXPORT?socket=PATH. SIGINT or SIGTERM writes back all dirty data and exits.")]
 pub struct ServeArgs {
+    /// Read flags from a TOML file (keys are these long flags; see `bufcache config
+    /// --print-default`). A flag also given on the command line overrides the file's value.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
     /// The backing store of the default (empty-named) export. Default ./bufcache.img.
     #[arg(long, value_name = "BACKEND")]
     backend: Option<String>,
@@ -93,6 +97,14 @@ pub struct ServeArgs {
     metrics: Option<String>,
     #[command(flatten)]
     engine: EngineArgs,
+}
+
+impl ServeArgs {
+    /// The --listen addresses given (empty means the default).
+    #[cfg(test)]
+    pub fn listen_addresses(&self) -> &[ListenAddress] {
+        &self.listen
+    }
 }
 
 /// An export served through the cache.
@@ -267,12 +279,20 @@ fn export_specs(args: &ServeArgs) -> anyhow::Result<Vec<(String, String, bool)>>
 /// Writes back everything dirty and flushes, retrying while the backend fails until `give_up`
 /// is set: a backend that recovers in time loses nothing. The caller decides when to give up
 /// (the shutdown timeout) and saves what is still dirty to the rescue file.
-fn sync_with_retries(cache: &Cache, give_up: &AtomicBool) -> Result<(), CacheError> {
+/// The last failure is kept in `last_error` for the final message if the caller gives up first.
+fn sync_with_retries(
+    cache: &Cache,
+    give_up: &AtomicBool,
+    last_error: &std::sync::Mutex<Option<String>>,
+) -> Result<(), CacheError> {
     loop {
         match cache.sync() {
             Ok(()) => return Ok(()),
             Err(error) if give_up.load(Ordering::Acquire) => return Err(error),
             Err(error) => {
+                if let Ok(mut last) = last_error.lock() {
+                    *last = Some(error.to_string());
+                }
                 say!("write-back failed, retrying until the shutdown timeout: {error}");
                 std::thread::sleep(Duration::from_millis(500));
             }
@@ -339,12 +359,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         object_config.read_only = args.read_only;
         let object = cache.open_object(object_config)?;
         tracing::info!(export = %name, backend = %backend, size = %format_size(object.len()), "export ready");
-        say!(
-            "export {:?} = {} ({} bytes)",
-            name,
-            backend,
-            object.len()
-        );
+        say!("export {:?} = {} ({} bytes)", name, backend, object.len());
         objects.push((name.clone(), object.reopen()));
         exports.push((name, Arc::new(CacheExport { object })));
     }
@@ -358,9 +373,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                 exports: meters,
             }),
         )?;
-        say!(
-            "metrics on http://{local}/metrics and /stats   (try: bufcache stat {local})"
-        );
+        say!("metrics on http://{local}/metrics and /stats   (try: bufcache stat {local})");
     }
     for address in server.local_addrs() {
         say!(
@@ -375,11 +388,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let stop_writer = Arc::new(AtomicBool::new(false));
     let writer = start_background_writer(cache.clone(), Arc::clone(&stop_writer));
     let give_up = Arc::new(AtomicBool::new(false));
+    let last_error = Arc::new(std::sync::Mutex::new(None::<String>));
     // Serving and the shutdown write-back run on their own thread, so the main thread can
     // end the process at the deadline whatever a hung backend does to them.
     {
         let cache = cache.clone();
         let give_up = Arc::clone(&give_up);
+        let last_error = Arc::clone(&last_error);
         std::thread::Builder::new()
             .name("bufcache-serve".into())
             .spawn(move || {
@@ -389,7 +404,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                 writer.thread().unpark();
                 let _ = writer.join();
                 say!("shutting down: writing back dirty data");
-                let _ = events.send(Event::Synced(sync_with_retries(&cache, &give_up)));
+                let _ = events.send(Event::Synced(sync_with_retries(
+                    &cache,
+                    &give_up,
+                    &last_error,
+                )));
             })
             .context("starting the server thread")?;
     }
@@ -400,7 +419,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         let event = match deadline {
             None => event_receiver.recv().ok(),
             Some(deadline) => {
-                match event_receiver.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                match event_receiver
+                    .recv_timeout(deadline.saturating_duration_since(Instant::now()))
                 {
                     Ok(event) => Some(event),
                     Err(mpsc::RecvTimeoutError::Timeout) => {
@@ -441,7 +461,15 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             say!("writing back dirty data at shutdown failed: {error}");
             rescue_and_exit(&args.rescue_file, &objects)
         }
-        None => rescue_and_exit(&args.rescue_file, &objects),
+        None => {
+            match last_error.lock().ok().and_then(|last| last.clone()) {
+                Some(error) => say!("writing back dirty data at shutdown failed: {error}"),
+                None => say!(
+                    "writing back dirty data at shutdown did not finish (backend not answering)"
+                ),
+            }
+            rescue_and_exit(&args.rescue_file, &objects)
+        }
     }
 }
 

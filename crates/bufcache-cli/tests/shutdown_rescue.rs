@@ -65,7 +65,11 @@ fn sigterm_with_stderr_on_a_closed_pipe_still_writes_back_and_exits() {
         .expect("bufcache serve did not exit after SIGTERM with stderr a broken pipe");
     assert!(status.success(), "exit status {status}");
     let on_disk = std::fs::read(dir.path().join("disk.img")).unwrap();
-    assert_same_bytes(&data, &on_disk[64 << 10..(64 << 10) + data.len()], "disk.img");
+    assert_same_bytes(
+        &data,
+        &on_disk[64 << 10..(64 << 10) + data.len()],
+        "disk.img",
+    );
 }
 
 /// nbdkit serving `disk` on `socket`; with `hang_writes` every write sleeps an hour.
@@ -95,7 +99,8 @@ fn sigterm_with_a_hung_upstream_ends_in_time_and_the_rescue_file_is_replayed() {
     // the server within the timeout plus a small constant, exit 3 and save every dirty byte.
     // Phase 2: a healthy upstream on the same disk; the next start replays the rescue file
     // (default action), deletes it, and the disk then holds exactly what was written.
-    let _timer = Timer::new("sigterm_with_a_hung_upstream_ends_in_time_and_the_rescue_file_is_replayed");
+    let _timer =
+        Timer::new("sigterm_with_a_hung_upstream_ends_in_time_and_the_rescue_file_is_replayed");
     if !have_tools("hung_upstream_rescue", &["nbdkit"]) {
         return;
     }
@@ -160,12 +165,19 @@ fn sigterm_with_a_hung_upstream_ends_in_time_and_the_rescue_file_is_replayed() {
         log.contains("replayed rescue file") && log.contains(&format!("{total} bytes")),
         "{log}"
     );
-    assert!(!rescue.exists(), "the rescue file is still there after replay");
+    assert!(
+        !rescue.exists(),
+        "the rescue file is still there after replay"
+    );
     // Replay flushed before serving: the upstream's disk has the data already.
     let on_disk = std::fs::read(&disk).unwrap();
     for (offset, data) in &writes {
         let offset = *offset as usize;
-        assert_same_bytes(data, &on_disk[offset..offset + data.len()], "disk after replay");
+        assert_same_bytes(
+            data,
+            &on_disk[offset..offset + data.len()],
+            "disk after replay",
+        );
     }
     server.stop_clean();
 }
