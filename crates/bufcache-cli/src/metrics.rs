@@ -27,6 +27,8 @@ pub struct ExportMeters {
     pub device: Arc<CountingDevice<Arc<dyn Device>>>,
     /// The io queue above it, if any.
     pub queue: Option<Arc<IoQueue<Arc<dyn Device>>>>,
+    /// The upstream NBD connection, for an nbd:// backend.
+    pub upstream: Option<Arc<bufcache_nbd::ReconnectingClient>>,
 }
 
 /// Everything a scrape reports.
@@ -51,8 +53,15 @@ impl Meters {
                     .as_ref()
                     .map(|queue| queue.stats())
                     .unwrap_or_default();
+                let upstream = export.upstream.as_ref().map(|upstream| {
+                    json!({
+                        "connected": upstream.is_connected(),
+                        "reconnects": upstream.reconnect_count(),
+                    })
+                });
                 json!({
                     "name": export.name,
+                    "upstream": upstream,
                     "device": device_json(&device),
                     "io_queue": {
                         "requests_entered": queue.requests_entered,
@@ -96,6 +105,23 @@ impl Meters {
                 device.other_errors,
                 "Backend flush and discard failures.",
             );
+            if let Some(upstream) = &export.upstream {
+                sample(
+                    &mut text,
+                    "bufcache_upstream_connected",
+                    &label,
+                    if upstream.is_connected() { 1.0 } else { 0.0 },
+                    "1 while the upstream NBD connection is up, 0 while reconnecting.",
+                    "gauge",
+                );
+                counter(
+                    &mut text,
+                    "bufcache_upstream_reconnects_total",
+                    &label,
+                    upstream.reconnect_count(),
+                    "Successful reconnections to the upstream NBD server.",
+                );
+            }
             let queue: IoQueueStats = export
                 .queue
                 .as_ref()

@@ -18,7 +18,8 @@ use bufcache::{
     FileDeviceOptions, MemoryDevice, ObjectConfig, ObjectHandle,
 };
 use bufcache_nbd::{
-    BlockStatusExtent, Export, ListenAddress, NbdClient, Server, ServerConfig, ShutdownHandle,
+    BlockStatusExtent, Export, ListenAddress, ReconnectPolicy, ReconnectingClient, Server,
+    ServerConfig, ShutdownHandle,
 };
 use clap::Args;
 
@@ -92,6 +93,16 @@ pub struct ServeArgs {
     /// it.
     #[arg(long, value_name = "ACTION", value_enum, default_value_t = RescueAction::Replay)]
     rescue: RescueAction,
+    /// Upstream NBD backends: seconds before the second reconnect attempt after a lost
+    /// connection; doubles after each failure. Dirty data stays cached meanwhile; FLUSH fails.
+    #[arg(long, value_name = "SECONDS", default_value_t = 0.1)]
+    reconnect_delay_initial: f64,
+    /// Upstream NBD backends: the longest wait between reconnect attempts, in seconds.
+    #[arg(long, value_name = "SECONDS", default_value_t = 5.0)]
+    reconnect_delay_max: f64,
+    /// Upstream NBD backends: stop reconnecting after this many seconds unreachable (0: never).
+    #[arg(long, value_name = "SECONDS", default_value_t = 3600.0)]
+    reconnect_give_up: f64,
     /// Serve Prometheus metrics (/metrics) and JSON statistics (/stats) on HOST:PORT.
     #[arg(long, value_name = "HOST:PORT")]
     metrics: Option<String>,
@@ -230,19 +241,31 @@ fn write_zero_bytes(
     Ok(())
 }
 
-/// Opens the device a backend string names.
-fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Result<Arc<dyn Device>> {
+/// A backend's device, and its upstream connection when it is an NBD server.
+type OpenedBackend = (Arc<dyn Device>, Option<Arc<ReconnectingClient>>);
+
+/// Opens the device a backend string names (and, for nbd://, the upstream connection too, for
+/// its metrics).
+fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Result<OpenedBackend> {
     if let Some(size) = spec.strip_prefix("memory:") {
         let size = parse_size(size).with_context(|| format!("backend `{spec}`"))?;
         if size == 0 {
             bail!("backend `{spec}`: a memory backend needs a size above zero, like memory:1G");
         }
-        return Ok(Arc::new(MemoryDevice::new(size)));
+        return Ok((Arc::new(MemoryDevice::new(size)), None));
     }
     if spec.starts_with("nbd://") || spec.starts_with("nbd+unix://") || spec.starts_with("nbds://")
     {
-        let client = NbdClient::connect(spec).with_context(|| format!("backend `{spec}`"))?;
-        return Ok(Arc::new(client));
+        let policy = ReconnectPolicy {
+            delay_initial: Duration::from_secs_f64(args.reconnect_delay_initial),
+            delay_max: Duration::from_secs_f64(args.reconnect_delay_max),
+            give_up_after: Duration::from_secs_f64(args.reconnect_give_up),
+        };
+        let client = Arc::new(
+            ReconnectingClient::connect(spec, policy)
+                .with_context(|| format!("backend `{spec}`"))?,
+        );
+        return Ok((Arc::clone(&client) as Arc<dyn Device>, Some(client)));
     }
     let path = Path::new(spec);
     let create_length = args
@@ -257,7 +280,7 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
         create_length_bytes: create_length,
         set_length_bytes: None,
     };
-    Ok(Arc::new(FileDevice::open(path, &options)?))
+    Ok((Arc::new(FileDevice::open(path, &options)?), None))
 }
 
 fn export_specs(args: &ServeArgs) -> anyhow::Result<Vec<(String, String, bool)>> {
@@ -317,6 +340,15 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             args.shutdown_timeout
         );
     }
+    for (flag, value) in [
+        ("--reconnect-delay-initial", args.reconnect_delay_initial),
+        ("--reconnect-delay-max", args.reconnect_delay_max),
+        ("--reconnect-give-up", args.reconnect_give_up),
+    ] {
+        if !(0.0..=86_400.0 * 365.0).contains(&value) {
+            bail!("{flag} {value} is invalid: must be from 0 to 31536000 seconds");
+        }
+    }
     let config = args.engine.config()?;
     let block_size = args.engine.block_size_bytes(&config)?;
     let mut server_config = ServerConfig::default();
@@ -336,9 +368,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut meters = Vec::new();
     let mut objects: Vec<(String, ObjectHandle)> = Vec::new();
     for (name, backend, is_default) in export_specs(&args)? {
-        let counting = Arc::new(CountingDevice::new(open_backend(
-            &backend, &args, is_default,
-        )?));
+        let (device, upstream) = open_backend(&backend, &args, is_default)?;
+        let counting = Arc::new(CountingDevice::new(device));
         let (device, queue) = args
             .engine
             .queue_device(Arc::clone(&counting) as Arc<dyn Device>, cache.config())?;
@@ -346,6 +377,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             name: name.clone(),
             device: counting,
             queue,
+            upstream,
         });
         let mut object_config = ObjectConfig::new(
             if name.is_empty() {
