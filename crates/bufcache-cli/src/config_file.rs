@@ -167,6 +167,10 @@ fn default_value(name: &str) -> Option<String> {
         "request-size-max" => size(32 << 20),
         "create-size" => size(crate::serve::DEFAULT_BACKING_SIZE_BYTES),
         "metrics" => "\"127.0.0.1:9187\"".into(),
+        "port" => "10809".into(),
+        "unix" => "\"/run/bufcache/nbd.sock\"".into(),
+        "export-name" => "\"\"".into(),
+        "pid-file" => "\"/run/bufcache/bufcache.pid\"".into(),
         _ => return None,
     })
 }

@@ -64,14 +64,29 @@ pub struct ServeArgs {
     /// Named exports, NAME=BACKEND; repeatable. All share one cache.
     #[arg(long = "export", value_name = "NAME=BACKEND")]
     exports: Vec<String>,
-    /// Where to listen: tcp:HOST:PORT or unix:PATH; repeatable. Default tcp:127.0.0.1:10809.
+    /// Where to listen: tcp:HOST:PORT or unix:PATH; repeatable. Default tcp:127.0.0.1:10809
+    /// (or the sockets systemd passes, see docs/operations.md).
     #[arg(long, value_name = "ADDRESS")]
     listen: Vec<ListenAddress>,
+    /// Listen on TCP port PORT of 127.0.0.1 (--listen tcp:127.0.0.1:PORT; use --listen
+    /// tcp:0.0.0.0:PORT for every interface).
+    #[arg(short = 'p', long, value_name = "PORT")]
+    port: Option<u16>,
+    /// Listen on the unix socket PATH (--listen unix:PATH).
+    #[arg(short = 'U', long, value_name = "PATH")]
+    unix: Option<PathBuf>,
+    /// The export name of --backend (default: the empty name, which clients get without
+    /// asking for one).
+    #[arg(short = 'e', long, value_name = "NAME")]
+    export_name: Option<String>,
+    /// Write the server's process id to PATH once it accepts connections; removed at exit.
+    #[arg(long, value_name = "PATH")]
+    pid_file: Option<PathBuf>,
     /// Size of a backing file to create when it does not exist (the default file: 1G).
     #[arg(long, value_name = "SIZE", value_parser = |text: &str| parse_size(text).map_err(|e| e.to_string()))]
     create_size: Option<u64>,
     /// Refuse writes.
-    #[arg(long)]
+    #[arg(short = 'r', long)]
     read_only: bool,
     /// Open backing files with O_DIRECT (bypassing the host page cache).
     #[arg(long)]
@@ -291,9 +306,13 @@ fn export_specs(args: &ServeArgs) -> anyhow::Result<Vec<(String, String, bool)>>
             .with_context(|| format!("--export `{export}` is not NAME=BACKEND"))?;
         specs.push((name.to_string(), backend.to_string(), false));
     }
+    let name = args.export_name.clone().unwrap_or_default();
     match (&args.backend, specs.is_empty()) {
-        (Some(backend), _) => specs.push((String::new(), backend.clone(), false)),
-        (None, true) => specs.push((String::new(), DEFAULT_BACKING_FILE.to_string(), true)),
+        (Some(backend), _) => specs.push((name, backend.clone(), false)),
+        (None, true) => specs.push((name, DEFAULT_BACKING_FILE.to_string(), true)),
+        (None, false) if args.export_name.is_some() => {
+            bail!("--export-name names the --backend export; with only --export NAME=BACKEND, put the name there")
+        }
         (None, false) => {}
     }
     Ok(specs)
@@ -352,8 +371,19 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let config = args.engine.config()?;
     let block_size = args.engine.block_size_bytes(&config)?;
     let mut server_config = ServerConfig::default();
-    if !args.listen.is_empty() {
-        server_config.listen = args.listen.clone();
+    let mut listen = args.listen.clone();
+    if let Some(port) = args.port {
+        listen.push(ListenAddress::Tcp(format!("127.0.0.1:{port}")));
+    }
+    if let Some(path) = &args.unix {
+        listen.push(ListenAddress::Unix(path.clone()));
+    }
+    let inherited = crate::daemon::inherited_sockets()?;
+    if inherited.is_some() && !listen.is_empty() {
+        bail!("started by systemd socket activation (LISTEN_FDS), which passes the listening sockets: --listen, --port and --unix cannot be used too");
+    }
+    if !listen.is_empty() {
+        server_config.listen = listen;
     }
     if let Some(size) = args.request_size_max {
         if !(4096..=1 << 30).contains(&size) {
@@ -396,7 +426,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         exports.push((name, Arc::new(CacheExport { object })));
     }
     handle_rescue_file(&args, &cache, &objects)?;
-    let server = Server::new(server_config, exports)?.bind()?;
+    let server = Server::new(server_config, exports)?;
+    let server = match inherited {
+        Some(sockets) => server.bind_inherited(sockets)?,
+        None => server.bind()?,
+    };
     if let Some(address) = &args.metrics {
         let local = metrics::start(
             address,
@@ -413,6 +447,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             address_text(&address),
             address.uri("")
         );
+    }
+    if let Some(path) = &args.pid_file {
+        crate::daemon::write_pid_file(path)?;
+    }
+    if let Err(error) = crate::daemon::notify("READY=1") {
+        say!("cannot notify the service manager (NOTIFY_SOCKET) of readiness: {error}");
     }
     let shutdown = ShutdownHandle::new();
     let (events, event_receiver) = mpsc::channel();
@@ -466,6 +506,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         match event {
             Some(Event::Signal(signal)) if deadline.is_none() => {
                 deadline = Some(Instant::now() + timeout);
+                let _ = crate::daemon::notify("STOPPING=1");
                 say!("signal {signal}: finishing in-flight requests and writing back (up to {timeout:?})");
             }
             Some(Event::Signal(signal)) => {
@@ -509,6 +550,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 /// (threads stuck on a hung backend are not waited for): exit status 3 when everything dirty
 /// was saved, 1 when some could not be (named in the last line).
 fn rescue_and_exit(path: &Path, objects: &[(String, ObjectHandle)]) -> ! {
+    crate::daemon::cleanup();
     let mut records = Vec::new();
     let mut unreadable_bytes = 0u64;
     for (name, object) in objects {
