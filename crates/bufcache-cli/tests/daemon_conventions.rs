@@ -60,7 +60,9 @@ fn socket_activation_readiness_and_pid_file_follow_systemd_conventions() {
     assert_same_bytes(&data, &buffer, "read back over the activated socket");
 
     let mut message = [0u8; 256];
-    let length = notify.recv(&mut message).expect("no readiness notification");
+    let length = notify
+        .recv(&mut message)
+        .expect("no readiness notification");
     assert_eq!(&message[..length], b"READY=1");
     // systemd-socket-activate execs the service in its own process.
     let pid = std::fs::read_to_string(&pid_file).expect("the pid file");
@@ -95,7 +97,10 @@ fn short_flags_read_only_unix_socket_and_export_name_work_as_in_nbdkit() {
     });
     let client = NbdClient::connect(&format!("nbd+unix:///vol1?socket={}", socket.display()))
         .expect("export vol1 on the -U socket");
-    assert!(client.export_info().read_only(), "-r did not make it read-only");
+    assert!(
+        client.export_info().read_only(),
+        "-r did not make it read-only"
+    );
     assert!(client.write(0, &[1u8; 4096]).is_err());
     drop(client);
     assert!(
