@@ -505,9 +505,19 @@ pub fn fetch_stats(address: &str) -> anyhow::Result<Value> {
     let mut stream = TcpStream::connect(address)
         .with_context(|| format!("cannot connect to the metrics endpoint {address}"))?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    write!(stream, "GET /stats HTTP/1.0\r\nHost: {address}\r\n\r\n")?;
-    let mut response = String::new();
-    std::io::Read::read_to_string(&mut stream, &mut response)?;
+    // An NBD server speaks first ("NBDMAGIC") and then drops the connection on our request, so
+    // what arrived is kept even when the read ends in an error, to recognise it.
+    let sent = write!(stream, "GET /stats HTTP/1.0\r\nHost: {address}\r\n\r\n");
+    let mut bytes = Vec::new();
+    let received = std::io::Read::read_to_end(&mut stream, &mut bytes);
+    if bytes.starts_with(b"NBDMAGIC") {
+        anyhow::bail!(
+            "{address} is an NBD port, not the metrics endpoint: start `bufcache serve --metrics HOST:PORT` and point stat at that address"
+        );
+    }
+    sent.with_context(|| format!("sending the request to {address}"))?;
+    received.with_context(|| format!("reading the answer from {address}"))?;
+    let response = String::from_utf8_lossy(&bytes);
     let (head, body) = response
         .split_once("\r\n\r\n")
         .context("malformed HTTP response from the metrics endpoint")?;

@@ -368,6 +368,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             bail!("{flag} {value} is invalid: must be from 0 to 31536000 seconds");
         }
     }
+    if args.create_size == Some(0) {
+        bail!("--create-size 0 is invalid: an export needs at least one byte");
+    }
     let config = args.engine.config()?;
     let block_size = args.engine.block_size_bytes(&config)?;
     let mut server_config = ServerConfig::default();
@@ -397,7 +400,21 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut exports: Vec<(String, Arc<dyn Export>)> = Vec::new();
     let mut meters = Vec::new();
     let mut objects: Vec<(String, ObjectHandle)> = Vec::new();
-    for (name, backend, is_default) in export_specs(&args)? {
+    let specs = export_specs(&args)?;
+    let is_file = |spec: &str| {
+        !["memory:", "nbd://", "nbd+unix://", "nbds://"]
+            .iter()
+            .any(|prefix| spec.starts_with(prefix))
+    };
+    if !specs.iter().any(|(_, backend, _)| is_file(backend)) {
+        if args.direct {
+            bail!("--direct opens backing files with O_DIRECT, and no backend is a file");
+        }
+        if args.create_size.is_some() {
+            bail!("--create-size creates a backing file, and no backend is a file");
+        }
+    }
+    for (name, backend, is_default) in specs {
         let (device, upstream) = open_backend(&backend, &args, is_default)?;
         let counting = Arc::new(CountingDevice::new(device));
         let (device, queue) = args
@@ -420,6 +437,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         object_config.block_size_bytes = block_size;
         object_config.read_only = args.read_only;
         let object = cache.open_object(object_config)?;
+        if object.is_empty() {
+            bail!("backend `{backend}` is empty (0 bytes): there is nothing to export");
+        }
         tracing::info!(export = %name, backend = %backend, size = %format_size(object.len()), "export ready");
         say!("export {:?} = {} ({} bytes)", name, backend, object.len());
         objects.push((name.clone(), object.reopen()));

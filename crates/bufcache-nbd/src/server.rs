@@ -421,6 +421,19 @@ fn serve_connection(mut stream: Stream, exports: &ExportTable, config: &ServerCo
             tracing::debug!(%peer, "client left during the handshake");
             return;
         }
+        // A peer gone before or during the greeting (a port probe, a health check, a
+        // readiness poll) is routine, not a warning.
+        Err(handshake::HandshakeError::Io(error))
+            if matches!(
+                error.kind(),
+                io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::BrokenPipe
+                    | io::ErrorKind::UnexpectedEof
+            ) =>
+        {
+            tracing::debug!(%peer, "client left during the handshake: {error}");
+            return;
+        }
         Err(error) => {
             tracing::warn!(%peer, "handshake failed: {error}");
             return;
