@@ -204,3 +204,49 @@ fn an_upstream_returning_with_another_size_is_refused_by_name() {
     let status = server.terminate(TIMEOUT);
     assert!(!status.success());
 }
+
+#[test]
+fn upstream_killed_during_a_writeback_burst_and_flush_loses_nothing() {
+    // The upstream dies while write-back of 16 MiB is in full flow and a FLUSH is waiting on
+    // it: requests in flight on the dead connection fail, their blocks stay dirty, and once
+    // the upstream is back a FLUSH that succeeds means every byte is in the file.
+    let _timer = Timer::new("upstream_killed_during_a_writeback_burst_and_flush_loses_nothing");
+    if !have_tools("upstream_reconnect_burst", &["nbdkit"]) {
+        return;
+    }
+    let dir = temp_dir();
+    let disk = dir.path().join("disk.img");
+    write_file(&disk, &vec![0u8; 32 << 20]);
+    let socket = dir.path().join("upstream.sock");
+    let backend = format!("nbd+unix:///?socket={}", socket.display());
+    let mut upstream = nbdkit_file(&socket, &disk);
+    let mut server = Server::start(
+        dir.path(),
+        "srv",
+        &["--backend", &backend, "--reconnect-delay-max", "0.5"],
+    );
+    let client = std::sync::Arc::new(NbdClient::connect(&server.uri()).expect("connecting"));
+    let data = random_bytes(16 << 20, 64);
+    client.write(1 << 20, &data).unwrap();
+    let flusher = {
+        let client = std::sync::Arc::clone(&client);
+        std::thread::spawn(move || client.flush())
+    };
+    let _ = upstream.signal_and_wait(SIGKILL, TIMEOUT);
+    let first_flush = flusher.join().unwrap();
+    eprintln!("FLUSH racing the kill: {first_flush:?}");
+    let _upstream = nbdkit_file(&socket, &disk);
+    let deadline = Instant::now() + TIMEOUT;
+    let mut flushed = false;
+    while Instant::now() < deadline && !flushed {
+        flushed = client.flush().is_ok();
+        if !flushed {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    assert!(flushed, "no FLUSH succeeded:\n{}", server.log_text());
+    let on_disk = std::fs::read(&disk).unwrap();
+    assert_same_bytes(&data, &on_disk[1 << 20..(1 << 20) + data.len()], "disk");
+    drop(client);
+    server.stop_clean();
+}
