@@ -2,7 +2,9 @@
 //!
 //! Every key is a long flag of `serve` (kebab-case or snake_case): `cache-size = "1G"`,
 //! `listen = ["tcp:0.0.0.0:10809", "unix:/run/bufcache.sock"]`, `read-only = true`. The file's
-//! flags are placed before the command line's, so a flag given on the command line wins.
+//! flags are placed before the command line's, and a key also given on the command line (long
+//! or short form) is dropped from the file's, so the command line wins, a list replacing the
+//! file's whole list.
 //! Unknown keys and values of the wrong type are errors naming the file, the line and the key.
 //! `bufcache config --print-default` prints every key with its default, commented out.
 
@@ -39,21 +41,55 @@ pub fn expand(arguments: Vec<OsString>, command: &Command) -> anyhow::Result<Vec
     let serve = command
         .find_subcommand("serve")
         .context("serve subcommand")?;
-    let from_file = flags_from_file(Path::new(&path), serve)?;
+    let given = flags_given(&rest, serve);
+    let from_file: Vec<OsString> = flags_from_file(Path::new(&path), serve)?
+        .into_iter()
+        .filter(|(name, _)| !given.contains(name))
+        .flat_map(|(_, flags)| flags)
+        .collect();
     let mut expanded = arguments[..=serve_index].to_vec();
     expanded.extend(from_file);
     expanded.extend(rest);
     Ok(expanded)
 }
 
-fn flags_from_file(path: &Path, serve: &Command) -> anyhow::Result<Vec<OsString>> {
+/// Long names of the flags on the command line (short ones mapped to their long name): the
+/// file's value of each is dropped, so the command line overrides it, a list included.
+fn flags_given(arguments: &[OsString], serve: &Command) -> Vec<String> {
+    let mut names = Vec::new();
+    for argument in arguments {
+        let argument = argument.to_string_lossy();
+        if argument == "--" {
+            break;
+        }
+        if let Some(long) = argument.strip_prefix("--") {
+            names.push(long.split('=').next().unwrap_or_default().to_string());
+        } else if let Some(short) = argument.strip_prefix('-') {
+            // A cluster like -rv names several short flags.
+            for letter in short.chars() {
+                if let Some(long) = serve
+                    .get_arguments()
+                    .find(|a| a.get_short() == Some(letter))
+                    .and_then(|a| a.get_long())
+                {
+                    names.push(long.to_string());
+                }
+            }
+        }
+    }
+    names
+}
+
+/// Each key of the file as (flag name, the flags it stands for).
+fn flags_from_file(path: &Path, serve: &Command) -> anyhow::Result<Vec<(String, Vec<OsString>)>> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read config file {}", path.display()))?;
     let table: toml::Table = text
         .parse()
         .map_err(|error| anyhow::anyhow!("{}: {error}", path.display()))?;
-    let mut flags = Vec::new();
+    let mut keys = Vec::new();
     for (key, value) in &table {
+        let mut flags = Vec::new();
         let name = key.replace('_', "-");
         let line = line_of(&text, key);
         let where_ = format!("{}:{line}: key `{key}`", path.display());
@@ -87,8 +123,9 @@ fn flags_from_file(path: &Path, serve: &Command) -> anyhow::Result<Vec<OsString>
                 );
             }
         }
+        keys.push((name, flags));
     }
-    Ok(flags)
+    Ok(keys)
 }
 
 fn scalar(value: &toml::Value) -> anyhow::Result<OsString> {
@@ -147,18 +184,50 @@ fn default_value(name: &str) -> Option<String> {
         "allow" => "[\"192.168.0.0/16\"]".into(),
         "deny" => "[\"192.168.66.0/24\"]".into(),
         "inflight-bytes-max" => size(config.memory_bytes_max),
+        "port" => "10809".into(),
+        "unix" => "\"/run/bufcache/nbd.sock\"".into(),
+        "export-name" => "\"\"".into(),
+        "pid-file" => "\"/run/bufcache/bufcache.pid\"".into(),
         _ => return None,
     })
 }
 
+/// The default clap declares for `argument`, as a TOML value: a number bare, text quoted.
+fn clap_default(argument: &clap::Arg) -> Option<String> {
+    let value = argument
+        .get_default_values()
+        .first()?
+        .to_string_lossy()
+        .to_string();
+    if value.parse::<f64>().is_ok() {
+        Some(value)
+    } else {
+        Some(toml::Value::String(value).to_string())
+    }
+}
+
 /// A commented configuration file holding every serve flag and its default.
-pub fn print_default(command: &Command) -> anyhow::Result<()> {
+pub fn default_text(command: &Command) -> anyhow::Result<String> {
+    use std::fmt::Write;
+    let mut text = String::new();
     let serve = command
         .find_subcommand("serve")
         .context("serve subcommand")?;
-    println!("# bufcache serve configuration: `bufcache serve --config FILE`.");
-    println!("# Every key is a serve flag; flags on the command line override the file.");
-    println!("# Sizes take binary units (4k, 64KiB, 1M, 2GiB). Uncomment to change a default.");
+    // Explanations start with "##" and settings with "# ", so uncommenting every line
+    // (stripping one "# ") gives a valid file that sets every default explicitly.
+    writeln!(
+        text,
+        "## bufcache serve configuration: `bufcache serve --config FILE`."
+    )?;
+    writeln!(
+        text,
+        "## Every key is a serve flag; a flag on the command line overrides the file's key"
+    )?;
+    writeln!(
+        text,
+        "## (a list included). Sizes take binary units (4k, 64KiB, 1M, 2GiB)."
+    )?;
+    writeln!(text, "## Uncomment a line to change a default.")?;
     for argument in serve.get_arguments() {
         let Some(name) = argument.get_long() else {
             continue;
@@ -170,23 +239,25 @@ pub fn print_default(command: &Command) -> anyhow::Result<()> {
             .get_help()
             .map(|help| help.to_string())
             .unwrap_or_default();
-        println!();
+        writeln!(text)?;
         for line in help.lines() {
-            println!("# {line}");
+            writeln!(text, "## {line}")?;
         }
         let value = match argument.get_action() {
             ArgAction::SetTrue => "false".to_string(),
-            _ => default_value(name).unwrap_or_else(|| "\"\"".into()),
+            _ => default_value(name)
+                .or_else(|| clap_default(argument))
+                .with_context(|| format!("no default to print for --{name}"))?,
         };
-        println!("# {name} = {value}");
+        writeln!(text, "# {name} = {value}")?;
     }
-    Ok(())
+    Ok(text)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::CommandFactory;
+    use clap::{CommandFactory, Parser};
 
     fn expand_with(file: &str, command_line: &[&str]) -> anyhow::Result<Vec<String>> {
         let directory = tempfile::tempdir().unwrap();
@@ -216,8 +287,6 @@ mod tests {
         assert_eq!(
             expanded[2..],
             [
-                "--cache-size",
-                "1G",
                 "--listen",
                 "unix:/a",
                 "--listen",
@@ -227,6 +296,56 @@ mod tests {
                 "2G"
             ]
         );
+    }
+
+    #[test]
+    fn command_line_flags_replace_the_files_value_of_the_same_key() {
+        // Goal: the README's promise that flags override the file, for scalars, switches'
+        // short forms and lists. Method: expand a file setting each, with the same keys on
+        // the command line, and check only the command line's values remain.
+        let expanded = expand_with(
+            "cache-size = \"1G\"\nlisten = [\"unix:/a\", \"tcp:127.0.0.1:1\"]\npolicy = \"lru\"\n",
+            &[
+                "--cache-size",
+                "2G",
+                "--listen=unix:/b",
+                "--dirty-age-max",
+                "5",
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            expanded[2..],
+            [
+                "--policy",
+                "lru",
+                "--cache-size",
+                "2G",
+                "--listen=unix:/b",
+                "--dirty-age-max",
+                "5"
+            ]
+        );
+        let parsed = crate::Cli::try_parse_from(&expanded).expect("clap accepts the result");
+        let crate::Command::Serve(args) = parsed.command else {
+            panic!("not serve");
+        };
+        assert_eq!(args.listen_addresses().len(), 1);
+    }
+
+    #[test]
+    fn printed_default_parses_and_is_accepted_with_every_line_uncommented() {
+        // Goal: `config --print-default`, with every line uncommented (one "# " stripped),
+        // is a valid config file serve accepts. Method: strip, expand, parse with clap.
+        let text = default_text(&crate::Cli::command()).unwrap();
+        let uncommented: String = text
+            .lines()
+            .map(|line| format!("{}\n", line.strip_prefix("# ").unwrap_or(line)))
+            .collect();
+        let table: toml::Table = uncommented.parse().expect("valid TOML");
+        assert!(table.contains_key("shutdown-timeout") && table.contains_key("listen"));
+        let expanded = expand_with(&uncommented, &[]).expect("every key is a serve flag");
+        crate::Cli::try_parse_from(&expanded).expect("clap accepts every default");
     }
 
     #[test]

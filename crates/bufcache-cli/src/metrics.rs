@@ -27,6 +27,8 @@ pub struct ExportMeters {
     pub device: Arc<CountingDevice<Arc<dyn Device>>>,
     /// The io queue above it, if any.
     pub queue: Option<Arc<IoQueue<Arc<dyn Device>>>>,
+    /// The upstream NBD connection, for an nbd:// backend.
+    pub upstream: Option<Arc<bufcache_nbd::ReconnectingClient>>,
 }
 
 /// Everything a scrape reports.
@@ -51,8 +53,15 @@ impl Meters {
                     .as_ref()
                     .map(|queue| queue.stats())
                     .unwrap_or_default();
+                let upstream = export.upstream.as_ref().map(|upstream| {
+                    json!({
+                        "connected": upstream.is_connected(),
+                        "reconnects": upstream.reconnect_count(),
+                    })
+                });
                 json!({
                     "name": export.name,
+                    "upstream": upstream,
                     "device": device_json(&device),
                     "io_queue": {
                         "requests_entered": queue.requests_entered,
@@ -96,6 +105,23 @@ impl Meters {
                 device.other_errors,
                 "Backend flush and discard failures.",
             );
+            if let Some(upstream) = &export.upstream {
+                sample(
+                    &mut text,
+                    "bufcache_upstream_connected",
+                    &label,
+                    if upstream.is_connected() { 1.0 } else { 0.0 },
+                    "1 while the upstream NBD connection is up, 0 while reconnecting.",
+                    "gauge",
+                );
+                counter(
+                    &mut text,
+                    "bufcache_upstream_reconnects_total",
+                    &label,
+                    upstream.reconnect_count(),
+                    "Successful reconnections to the upstream NBD server.",
+                );
+            }
             let queue: IoQueueStats = export
                 .queue
                 .as_ref()
@@ -479,9 +505,19 @@ pub fn fetch_stats(address: &str) -> anyhow::Result<Value> {
     let mut stream = TcpStream::connect(address)
         .with_context(|| format!("cannot connect to the metrics endpoint {address}"))?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    write!(stream, "GET /stats HTTP/1.0\r\nHost: {address}\r\n\r\n")?;
-    let mut response = String::new();
-    std::io::Read::read_to_string(&mut stream, &mut response)?;
+    // An NBD server speaks first ("NBDMAGIC") and then drops the connection on our request, so
+    // what arrived is kept even when the read ends in an error, to recognise it.
+    let sent = write!(stream, "GET /stats HTTP/1.0\r\nHost: {address}\r\n\r\n");
+    let mut bytes = Vec::new();
+    let received = std::io::Read::read_to_end(&mut stream, &mut bytes);
+    if bytes.starts_with(b"NBDMAGIC") {
+        anyhow::bail!(
+            "{address} is an NBD port, not the metrics endpoint: start `bufcache serve --metrics HOST:PORT` and point stat at that address"
+        );
+    }
+    sent.with_context(|| format!("sending the request to {address}"))?;
+    received.with_context(|| format!("reading the answer from {address}"))?;
+    let response = String::from_utf8_lossy(&bytes);
     let (head, body) = response
         .split_once("\r\n\r\n")
         .context("malformed HTTP response from the metrics endpoint")?;

@@ -448,6 +448,14 @@ impl NbdClient {
             let mut writer = self.shared.writer.lock();
             let _ = write_all_vectored(&mut *writer, &[&header.encode()]);
         }
+        // A disconnect we asked for is not a lost connection: mark it dead first, so `die`
+        // does not warn (it warned at every clean shutdown with an upstream).
+        {
+            let mut table = self.shared.pending.lock();
+            if table.dead.is_none() {
+                table.dead = Some("the client disconnected".into());
+            }
+        }
         self.shared.die("the client disconnected".into());
         if let Some(reader) = self.reader.lock().take() {
             let _ = reader.join();

@@ -18,6 +18,7 @@ pub mod config;
 pub mod export;
 mod handshake;
 pub mod protocol;
+pub mod reconnect;
 pub mod server;
 mod stream;
 pub mod tls;
@@ -32,6 +33,7 @@ pub use config::{
 };
 pub use export::{BlockStatusExtent, Export, MemoryExport};
 pub use ipnet::IpNet;
+pub use reconnect::{ReconnectPolicy, ReconnectingClient};
 pub use server::{BoundAddress, BoundServer, Server, ServerError, ShutdownHandle};
 pub use tls::{parse_psk_file, PskEntry, TlsConfig, TlsError, TlsMode};
 pub use uri::{NbdAddress, NbdUri, UriError};

@@ -15,7 +15,7 @@ use std::fmt;
 use std::io;
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::os::unix::fs::FileTypeExt;
-use std::os::unix::io::AsRawFd;
+use std::os::unix::io::{AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -168,6 +168,47 @@ impl Server {
         })
     }
 
+    /// Serves on listening sockets already open (systemd socket activation passes them as
+    /// file descriptors) instead of the configured listen addresses. Each must be a listening
+    /// TCP or unix stream socket.
+    pub fn bind_inherited(self, sockets: Vec<OwnedFd>) -> Result<BoundServer, ServerError> {
+        let mut listeners = Vec::new();
+        for socket in sockets {
+            let fd = socket.as_raw_fd();
+            let inherited_error = |source| ServerError::Bind {
+                address: format!("inherited socket (file descriptor {fd})"),
+                source,
+            };
+            let listener = match socket_domain(fd).map_err(inherited_error)? {
+                libc::AF_UNIX => Listener::Unix(UnixListener::from(socket), None),
+                libc::AF_INET | libc::AF_INET6 => Listener::Tcp(TcpListener::from(socket)),
+                domain => {
+                    return Err(inherited_error(io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("socket family {domain} is neither TCP nor unix"),
+                    )))
+                }
+            };
+            let nonblocking = match &listener {
+                Listener::Tcp(tcp) => tcp.set_nonblocking(true),
+                Listener::Unix(unix, _) => unix.set_nonblocking(true),
+            };
+            nonblocking.map_err(inherited_error)?;
+            listeners.push(listener);
+        }
+        if listeners.is_empty() {
+            return Err(ServerError::Bind {
+                address: "inherited sockets".into(),
+                source: io::Error::new(io::ErrorKind::InvalidInput, "none were passed"),
+            });
+        }
+        Ok(BoundServer {
+            config: self.config,
+            exports: self.exports,
+            listeners,
+        })
+    }
+
     /// Binds and serves until `shutdown` is triggered.
     pub fn run(self, shutdown: ShutdownHandle) -> Result<(), ServerError> {
         self.bind()?.run(shutdown)
@@ -176,13 +217,14 @@ impl Server {
 
 enum Listener {
     Tcp(TcpListener),
-    /// The path is removed when the listener is dropped.
-    Unix(UnixListener, PathBuf),
+    /// The path, when given, is removed when the listener is dropped (not for an inherited
+    /// socket: its owner, the service manager, keeps it).
+    Unix(UnixListener, Option<PathBuf>),
 }
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        if let Listener::Unix(_, path) = self {
+        if let Listener::Unix(_, Some(path)) = self {
             let _ = std::fs::remove_file(path);
         }
     }
@@ -213,8 +255,35 @@ impl Listener {
     fn bound_address(&self) -> io::Result<BoundAddress> {
         Ok(match self {
             Listener::Tcp(listener) => BoundAddress::Tcp(listener.local_addr()?),
-            Listener::Unix(_, path) => BoundAddress::Unix(path.clone()),
+            Listener::Unix(_, Some(path)) => BoundAddress::Unix(path.clone()),
+            Listener::Unix(listener, None) => BoundAddress::Unix(
+                listener
+                    .local_addr()?
+                    .as_pathname()
+                    .map_or_else(|| PathBuf::from("(unnamed)"), Path::to_path_buf),
+            ),
         })
+    }
+}
+
+/// The address family of socket `fd` (SO_DOMAIN).
+fn socket_domain(fd: i32) -> io::Result<i32> {
+    let mut domain: libc::c_int = 0;
+    let mut length = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `length` bytes into `domain`, which is that large.
+    let result = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_DOMAIN,
+            (&mut domain as *mut libc::c_int).cast(),
+            &mut length,
+        )
+    };
+    if result == 0 {
+        Ok(domain)
+    } else {
+        Err(io::Error::last_os_error())
     }
 }
 
@@ -245,7 +314,7 @@ fn bind_address(address: &ListenAddress) -> Result<Vec<Listener>, ServerError> {
             remove_stale_socket(path);
             let listener = UnixListener::bind(path).map_err(bind_error)?;
             listener.set_nonblocking(true).map_err(bind_error)?;
-            Ok(vec![Listener::Unix(listener, path.clone())])
+            Ok(vec![Listener::Unix(listener, Some(path.clone()))])
         }
     }
 }
@@ -416,6 +485,19 @@ fn serve_connection(
         Ok(Outcome::Transmission(negotiated)) => negotiated,
         Ok(Outcome::Closed) => {
             tracing::debug!(%peer, "client left during the handshake");
+            return;
+        }
+        // A peer gone before or during the greeting (a port probe, a health check, a
+        // readiness poll) is routine, not a warning.
+        Err(handshake::HandshakeError::Io(error))
+            if matches!(
+                error.kind(),
+                io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::BrokenPipe
+                    | io::ErrorKind::UnexpectedEof
+            ) =>
+        {
+            tracing::debug!(%peer, "client left during the handshake: {error}");
             return;
         }
         Err(error) => {

@@ -1122,6 +1122,43 @@ impl ObjectHandle {
         Ok(())
     }
 
+    /// Calls `visit(offset, bytes)` for every block in the dirty set (data not yet known to be
+    /// on the device, including blocks whose write-back is in flight), in block order. The
+    /// bytes are read under the buffer's shared lock, which an in-flight write-back also holds
+    /// shared, so a hung device does not block this; a block held exclusively (being written
+    /// by a client) for longer than `lock_wait` is visited with `None`. For saving dirty data
+    /// elsewhere when the device cannot take it (the server's rescue file at shutdown).
+    pub fn visit_dirty_blocks(
+        &self,
+        lock_wait: std::time::Duration,
+        mut visit: impl FnMut(u64, Option<&[u8]>),
+    ) {
+        let blocks: Vec<u64> = self.object.dirty.lock().keys().copied().collect();
+        let block_size = self.object.block_size_bytes as u64;
+        for block in blocks {
+            let Some(buffer) = self.inner().lookup_quiet(self.object.key(block)) else {
+                continue;
+            };
+            let deadline = std::time::Instant::now() + lock_wait;
+            let mut locked = buffer.try_lock_shared();
+            while !locked && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+                locked = buffer.try_lock_shared();
+            }
+            if locked {
+                if buffer.has(DIRTY) {
+                    // SAFETY: locked shared just above, released right after.
+                    visit(block * block_size, Some(unsafe { buffer.device_bytes() }));
+                }
+                // SAFETY: locked shared above.
+                unsafe { buffer.unlock_shared() };
+            } else {
+                visit(block * block_size, None);
+            }
+            self.inner().unpin(&buffer);
+        }
+    }
+
     /// fsync of this object: the same as [`ObjectHandle::flush`].
     pub fn fsync(&self) -> Result<(), CacheError> {
         self.flush()
