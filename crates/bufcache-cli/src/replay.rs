@@ -11,6 +11,8 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use anyhow::{bail, Context};
+
+use crate::BadInput;
 use bufcache::parse_size;
 use bufcache_policy::simulate::Simulator;
 use bufcache_policy::PolicyKind;
@@ -50,8 +52,8 @@ pub struct ReplayArgs {
     #[arg(long)]
     json: bool,
     /// Also draw the miss-ratio curves (miss ratio per cache size, a line per policy): an
-    /// SVG file, or PNG when the name ends in .png.
-    #[arg(long, value_name = "FILE.svg|FILE.png")]
+    /// SVG file, or PNG when the name ends in .png; any other extension is refused.
+    #[arg(long, value_name = "FILE.svg|FILE.png", value_parser = crate::plot::parse_plot_path)]
     plot: Option<PathBuf>,
 }
 
@@ -172,23 +174,37 @@ fn capacity_units(text: &str, block_size: u64, no_split: bool) -> anyhow::Result
 }
 
 /// Reads the whole trace into accesses; returns them and the number of requests.
+///
+/// A CSV trace without `op-col` (libCacheSim's common `time,obj_id,size` layout) says nothing
+/// about operations, so every request counts as a read, and a note on standard error says so.
+/// Requests that are neither reads nor writes (flush, trim, unknown opcodes) are skipped and
+/// counted; a trace that leaves no request is an error saying which of these happened.
 fn load(
     args: &ReplayArgs,
     format: TraceFormat,
     options: &TraceOptions,
     block_size: u64,
 ) -> anyhow::Result<(Vec<Access>, u64)> {
-    let stream = open_trace(&args.trace, format, options)?;
+    let stream = open_trace(&args.trace, format, options).map_err(BadInput::from)?;
+    let no_operation_column = format == TraceFormat::Csv && options.operation_column.is_none();
+    if no_operation_column {
+        eprintln!(
+            "bufcache: {}: no op-col in --trace-options, so every request counts as a read",
+            args.trace.display()
+        );
+    }
     let mut accesses = Vec::new();
     let mut requests = 0u64;
+    let mut skipped = 0u64;
     let progress = indicatif::ProgressBar::new_spinner()
         .with_message(format!("reading {}", args.trace.display()));
     for request in stream {
-        let request = request?;
+        let request = request.map_err(BadInput::from)?;
         if requests.is_multiple_of(65_536) {
             progress.set_position(requests);
         }
-        if request.operation == Operation::Other {
+        if request.operation == Operation::Other && !no_operation_column {
+            skipped += 1;
             continue;
         }
         requests += 1;
@@ -213,6 +229,27 @@ fn load(
         }
     }
     progress.finish_and_clear();
+    if requests == 0 {
+        let why = if skipped == 0 {
+            "the trace holds no request (empty, or only a header and blank lines)".to_string()
+        } else {
+            format!(
+                "all {skipped} requests are neither reads nor writes (flush, trim or an unknown \
+                 op); check op-col in --trace-options"
+            )
+        };
+        return Err(BadInput(format!(
+            "{}: nothing to replay: {why}",
+            args.trace.display()
+        ))
+        .into());
+    }
+    if skipped > 0 {
+        eprintln!(
+            "bufcache: {}: skipped {skipped} requests that are neither reads nor writes",
+            args.trace.display()
+        );
+    }
     Ok((accesses, requests))
 }
 

@@ -318,3 +318,82 @@ fn bad_input_is_named() {
         );
     }
 }
+
+#[test]
+fn replay_refuses_traces_it_cannot_use_and_says_why() {
+    // Goal: a trace that yields nothing, or that cannot be parsed, never replays silently as
+    // "miss ratio 0"; the error says why and names the line and field, and the exit status is
+    // 2 (bad input). A CSV without op-col counts every request as a read and says so.
+    // Method: run replay on small CSV files written here.
+    let directory = tempfile::tempdir().unwrap();
+    let write = |name: &str, content: &str| {
+        let path = directory.path().join(name);
+        std::fs::write(&path, content).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let replay = |trace: &str, options: &str, extra: &[&str]| {
+        let mut arguments = vec![
+            "replay",
+            trace,
+            "--format",
+            "csv",
+            "--trace-options",
+            options,
+            "--cache-size",
+            "10",
+            "--no-split",
+            "--json",
+        ];
+        arguments.extend_from_slice(extra);
+        bufcache(&arguments)
+    };
+    let without_op = write("no_op.csv", "1,5,4096\n2,6,4096\n3,5,4096\n");
+    let result = replay(&without_op, "time-col=1,obj-id-col=2,obj-size-col=3", &[]);
+    assert!(result.status.success(), "{}", text(&result));
+    assert!(
+        String::from_utf8_lossy(&result.stderr).contains("every request counts as a read"),
+        "{}",
+        text(&result)
+    );
+    let rows: serde_json::Value = serde_json::from_slice(&result.stdout).unwrap();
+    assert_eq!(rows[0]["requests"], 3);
+    assert_eq!(rows[0]["misses"], 2);
+
+    let cases = [
+        (
+            write("flushes.csv", "1,5,0,flush\n2,6,0,trim\n"),
+            "neither reads nor writes",
+        ),
+        (
+            write("header_only.csv", "time,id,size,op\n\n"),
+            "no request",
+        ),
+        (
+            write("bad_size.csv", "time,id,size,op\n1,5,4096,r\n2,6,big,r\n"),
+            ":3: field obj-size-col",
+        ),
+    ];
+    for (trace, expected) in cases {
+        let result = replay(
+            &trace,
+            "time-col=1,obj-id-col=2,obj-size-col=3,op-col=4,has-header=true",
+            &[],
+        );
+        assert_eq!(result.status.code(), Some(2), "{trace}: {}", text(&result));
+        assert!(
+            text(&result).contains(expected),
+            "{trace}: the error says `{expected}`: {}",
+            text(&result)
+        );
+    }
+
+    let plot = directory.path().join("curve.jpg");
+    let result = replay(
+        &without_op,
+        "time-col=1,obj-id-col=2,obj-size-col=3",
+        &["--plot", plot.to_str().unwrap()],
+    );
+    assert_eq!(result.status.code(), Some(2), "{}", text(&result));
+    assert!(text(&result).contains("curve.jpg"), "{}", text(&result));
+    assert!(!plot.exists(), "nothing written to a .jpg");
+}
