@@ -9,6 +9,7 @@ mod replay;
 mod serve;
 mod sim;
 mod stat;
+mod whatif;
 
 use clap::{CommandFactory, Parser, Subcommand};
 

@@ -70,6 +70,8 @@ pub struct ServeArgs {
     metrics: Option<String>,
     #[command(flatten)]
     engine: EngineArgs,
+    #[command(flatten)]
+    whatif: crate::whatif::WhatIfArgs,
 }
 
 /// An export served through the cache.
@@ -281,6 +283,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         server_config.inflight_bytes_max = server_config.inflight_bytes_max.max(size);
     }
     server_config.validate()?;
+    let whatif = crate::whatif::WhatIfFeed::start(
+        &args.whatif,
+        config.policy,
+        config.memory_bytes_max,
+        u64::from(block_size),
+    )?;
     let cache = Cache::new(config)?;
     let mut exports: Vec<(String, Arc<dyn Export>)> = Vec::new();
     let mut meters = Vec::new();
@@ -314,7 +322,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             backend,
             object.len()
         );
-        exports.push((name, Arc::new(CacheExport { object })));
+        let export = crate::whatif::wrap(&whatif, exports.len(), Arc::new(CacheExport { object }));
+        exports.push((name, export));
     }
     let server = Server::new(server_config, exports)?.bind()?;
     if let Some(address) = &args.metrics {
@@ -323,6 +332,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             Arc::new(Meters {
                 cache: cache.clone(),
                 exports: meters,
+                whatif,
             }),
         )?;
         eprintln!(
