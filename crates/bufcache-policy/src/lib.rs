@@ -32,6 +32,7 @@ mod s3fifo;
 mod sieve;
 pub mod simulate;
 mod two_q;
+pub mod offline;
 pub mod whatif;
 
 pub use arc::Arc;
