@@ -397,3 +397,124 @@ fn replay_refuses_traces_it_cannot_use_and_says_why() {
     assert!(text(&result).contains("curve.jpg"), "{}", text(&result));
     assert!(!plot.exists(), "nothing written to a .jpg");
 }
+
+fn shipped_trace() -> Option<PathBuf> {
+    let trace = Path::new("/work/shared/traces/cloudPhysicsIO.csv");
+    let trace = if trace.exists() {
+        trace.to_path_buf()
+    } else {
+        workspace_root().join("../shared/traces/cloudPhysicsIO.csv")
+    };
+    trace.exists().then_some(trace)
+}
+
+const SHIPPED_TRACE_OPTIONS: &str =
+    "time-col=2,obj-id-col=5,obj-size-col=4,op-col=3,has-header=true,delimiter=,";
+
+fn replay_json(trace: &Path, extra: &[&str]) -> serde_json::Value {
+    let mut arguments = vec![
+        "replay",
+        trace.to_str().unwrap(),
+        "--format",
+        "csv",
+        "--trace-options",
+        SHIPPED_TRACE_OPTIONS,
+        "--json",
+    ];
+    arguments.extend_from_slice(extra);
+    let result = bufcache(&arguments);
+    assert!(result.status.success(), "{}", text(&result));
+    serde_json::from_slice(&result.stdout).unwrap()
+}
+
+#[test]
+fn shards_curve_is_within_a_hundredth_of_exact_lru_on_the_shipped_trace() {
+    // Goal: `--mrc shards` (one sampled pass) estimates LRU's miss ratio within 0.01 at every
+    // size, on the real trace split into 4 KiB blocks (1.1 million block accesses).
+    // Method: replay the same sizes exactly and with SHARDS at a 10% rate; compare.
+    let Some(trace) = shipped_trace() else {
+        eprintln!("skipped: the cloudPhysicsIO trace is not on this machine");
+        return;
+    };
+    let sizes = "1MiB,4MiB,16MiB,64MiB,256MiB,1GiB";
+    let exact = replay_json(&trace, &["--policy", "lru", "--cache-size", sizes]);
+    let shards = replay_json(
+        &trace,
+        &[
+            "--mrc",
+            "shards",
+            "--sampling-rate",
+            "0.1",
+            "--cache-size",
+            sizes,
+        ],
+    );
+    for (exact, estimate) in exact
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(shards.as_array().unwrap())
+    {
+        let exact_ratio = exact["miss_ratio"].as_f64().unwrap();
+        let estimated = estimate["miss_ratio"].as_f64().unwrap();
+        assert!(
+            (exact_ratio - estimated).abs() <= 0.01,
+            "{}: exact {exact_ratio} shards {estimated}",
+            exact["cache_size"]
+        );
+        assert!(
+            estimate["byte_miss_ratio"].is_null(),
+            "not measured by SHARDS"
+        );
+    }
+    let result = bufcache(&[
+        "replay",
+        trace.to_str().unwrap(),
+        "--format",
+        "csv",
+        "--mrc",
+        "shards",
+        "--policy",
+        "s3fifo",
+        "--cache-size",
+        "1MiB",
+    ]);
+    assert_eq!(result.status.code(), Some(2), "{}", text(&result));
+    assert!(text(&result).contains("--policy lru"), "{}", text(&result));
+}
+
+#[test]
+fn opt_misses_no_more_than_any_policy_on_the_shipped_trace() {
+    // Goal: `--policy opt` (Belady) is the lower bound it claims to be on a real trace.
+    // Method: replay every policy and opt at three sizes; opt's misses are the fewest.
+    let Some(trace) = shipped_trace() else {
+        eprintln!("skipped: the cloudPhysicsIO trace is not on this machine");
+        return;
+    };
+    let rows = replay_json(
+        &trace,
+        &[
+            "--policy",
+            "lru,fifo,clock,2q,arc,s3fifo,sieve,opt",
+            "--cache-size",
+            "1000,4897,20000",
+            "--no-split",
+        ],
+    );
+    let rows = rows.as_array().unwrap();
+    for size in ["1000", "4897", "20000"] {
+        let at_size: Vec<_> = rows
+            .iter()
+            .filter(|row| row["cache_size"] == size)
+            .collect();
+        let opt = at_size.iter().find(|row| row["policy"] == "opt").unwrap()["misses"]
+            .as_u64()
+            .unwrap();
+        for row in &at_size {
+            assert!(
+                opt <= row["misses"].as_u64().unwrap(),
+                "size {size}: opt {opt} vs {row}"
+            );
+        }
+    }
+}

@@ -28,11 +28,11 @@ mod fifo;
 mod ghost;
 mod list;
 mod lru;
+pub mod offline;
 mod s3fifo;
 mod sieve;
 pub mod simulate;
 mod two_q;
-pub mod offline;
 pub mod whatif;
 
 pub use arc::Arc;
