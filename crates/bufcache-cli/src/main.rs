@@ -4,11 +4,13 @@ mod config_file;
 mod dd;
 mod engine_args;
 mod metrics;
+mod observe;
 mod plot;
 mod replay;
 mod serve;
 mod sim;
 mod stat;
+mod trace_capture;
 mod whatif;
 
 use clap::{CommandFactory, Parser, Subcommand};

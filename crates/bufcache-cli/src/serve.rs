@@ -71,7 +71,7 @@ pub struct ServeArgs {
     #[command(flatten)]
     engine: EngineArgs,
     #[command(flatten)]
-    whatif: crate::whatif::WhatIfArgs,
+    observe: crate::observe::ObserveArgs,
 }
 
 /// An export served through the cache.
@@ -283,8 +283,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         server_config.inflight_bytes_max = server_config.inflight_bytes_max.max(size);
     }
     server_config.validate()?;
-    let whatif = crate::whatif::WhatIfFeed::start(
-        &args.whatif,
+    let observers = crate::observe::Observers::start(
+        &args.observe,
         config.policy,
         config.memory_bytes_max,
         u64::from(block_size),
@@ -322,7 +322,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             backend,
             object.len()
         );
-        let export = crate::whatif::wrap(&whatif, exports.len(), Arc::new(CacheExport { object }));
+        let export =
+            crate::observe::wrap(&observers, exports.len(), Arc::new(CacheExport { object }));
         exports.push((name, export));
     }
     let server = Server::new(server_config, exports)?.bind()?;
@@ -332,7 +333,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             Arc::new(Meters {
                 cache: cache.clone(),
                 exports: meters,
-                whatif,
+                whatif: observers.whatif.clone(),
             }),
         )?;
         eprintln!(

@@ -2,7 +2,7 @@
 //! miniature simulations ([`bufcache_policy::whatif`]) of the configured policy and LRU at
 //! ¼…8× the configured cache size. Results go to `/metrics`, `/stats` and `bufcache stat`.
 //!
-//! The feed sits at the NBD export adapter ([`WhatIfExport`] wraps any [`Export`]), so the
+//! The feed sits at the NBD export adapter ([`crate::observe`] wraps any export), so the
 //! engine is untouched and sees no extra work. Hot path per request: for each block it covers,
 //! one hash and a compare; only a sampled block (about 1 in 100 by default) takes the lock
 //! around the miniatures. Keys are `export << 52 | block`, so exports never share a key.
@@ -11,22 +11,9 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::bail;
 use bufcache::format_size;
-use bufcache_nbd::{BlockStatusExtent, Export};
 use bufcache_policy::whatif::{sampling_hash, WhatIf, WhatIfEstimate};
 use bufcache_policy::PolicyKind;
-use clap::Args;
 use serde_json::{json, Value};
-
-/// Serve flags of the live what-if.
-#[derive(Args, Debug, Clone)]
-pub struct WhatIfArgs {
-    /// Fraction of blocks (chosen by a hash of their address) fed to the what-if miniature
-    /// caches (the configured policy and LRU at 1/4, 1/2, 1, 2, 4, 8 times --cache-size).
-    /// Raised so the 1x miniature holds at least 1024 blocks, lowered so it holds at most
-    /// 2048 (a few MiB in all). 0 turns the what-if off.
-    #[arg(long, value_name = "RATE", default_value_t = 0.01)]
-    pub whatif_sampling_rate: f64,
-}
 
 /// The miniature caches of one server and what they need to cut requests into keys.
 pub struct WhatIfFeed {
@@ -41,15 +28,14 @@ pub struct WhatIfFeed {
 const BLOCK_BITS: u32 = 52;
 
 impl WhatIfFeed {
-    /// The feed for a cache of `cache_size_bytes` run by `policy`, or `None` when the flag
-    /// turns it off. A rate outside 0..=1 is refused naming the flag.
+    /// The feed for a cache of `cache_size_bytes` run by `policy` sampling about `rate` of the
+    /// blocks, or `None` when the rate is 0 (off). A rate outside 0..=1 is refused naming the flag.
     pub fn start(
-        args: &WhatIfArgs,
+        rate: f64,
         policy: PolicyKind,
         cache_size_bytes: u64,
         block_size_bytes: u64,
     ) -> anyhow::Result<Option<Arc<WhatIfFeed>>> {
-        let rate = args.whatif_sampling_rate;
         if !(0.0..=1.0).contains(&rate) {
             bail!("--whatif-sampling-rate {rate}: must be from 0 (off) to 1 (every block)");
         }
@@ -195,107 +181,6 @@ fn multiplier_text(multiplier: f64) -> String {
     }
 }
 
-/// An export whose reads, writes and discards also feed the what-if miniatures.
-pub struct WhatIfExport {
-    inner: Arc<dyn Export>,
-    feed: Arc<WhatIfFeed>,
-    export: u64,
-}
-
-/// Wraps `inner` (the `export`-th export) so it feeds `feed`; returns it unchanged when
-/// the what-if is off.
-pub fn wrap(
-    feed: &Option<Arc<WhatIfFeed>>,
-    export: usize,
-    inner: Arc<dyn Export>,
-) -> Arc<dyn Export> {
-    match feed {
-        Some(feed) => Arc::new(WhatIfExport {
-            inner,
-            feed: Arc::clone(feed),
-            export: export as u64,
-        }),
-        None => inner,
-    }
-}
-
-impl Export for WhatIfExport {
-    fn size(&self) -> u64 {
-        self.inner.size()
-    }
-
-    fn read_only(&self) -> bool {
-        self.inner.read_only()
-    }
-
-    fn description(&self) -> String {
-        self.inner.description()
-    }
-
-    fn preferred_block_size(&self) -> u32 {
-        self.inner.preferred_block_size()
-    }
-
-    fn read(&self, offset: u64, buffer: &mut [u8]) -> std::io::Result<()> {
-        self.feed
-            .record(self.export, offset, buffer.len() as u64, false);
-        self.inner.read(offset, buffer)
-    }
-
-    fn write(&self, offset: u64, data: &[u8], fua: bool) -> std::io::Result<()> {
-        self.feed
-            .record(self.export, offset, data.len() as u64, false);
-        self.inner.write(offset, data, fua)
-    }
-
-    fn flush(&self) -> std::io::Result<()> {
-        self.inner.flush()
-    }
-
-    fn trim(&self, offset: u64, length: u64, fua: bool) -> std::io::Result<()> {
-        self.feed.record(self.export, offset, length, true);
-        self.inner.trim(offset, length, fua)
-    }
-
-    fn write_zeroes(
-        &self,
-        offset: u64,
-        length: u64,
-        may_trim: bool,
-        fast_only: bool,
-        fua: bool,
-    ) -> std::io::Result<()> {
-        self.inner
-            .write_zeroes(offset, length, may_trim, fast_only, fua)
-    }
-
-    fn can_fast_zero(&self) -> bool {
-        self.inner.can_fast_zero()
-    }
-
-    fn cache(&self, offset: u64, length: u64) -> std::io::Result<()> {
-        self.inner.cache(offset, length)
-    }
-
-    fn read_is_quick(&self, offset: u64, length: u64) -> bool {
-        self.inner.read_is_quick(offset, length)
-    }
-
-    fn open_connection(&self) -> Option<Arc<dyn Export>> {
-        self.inner.open_connection().map(|inner| {
-            Arc::new(WhatIfExport {
-                inner,
-                feed: Arc::clone(&self.feed),
-                export: self.export,
-            }) as Arc<dyn Export>
-        })
-    }
-
-    fn block_status(&self, offset: u64, length: u64) -> std::io::Result<Vec<BlockStatusExtent>> {
-        self.inner.block_status(offset, length)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -304,10 +189,7 @@ mod tests {
     fn stat_prints_a_readable_line_per_size() {
         // Goal: `bufcache stat` turns the /stats section into sentences a person reads.
         // Method: feed a loop of 300 blocks to a feed sized for 256 blocks, render.
-        let args = WhatIfArgs {
-            whatif_sampling_rate: 0.01,
-        };
-        let feed = WhatIfFeed::start(&args, PolicyKind::S3Fifo, 256 * 4096, 4096)
+        let feed = WhatIfFeed::start(0.01, PolicyKind::S3Fifo, 256 * 4096, 4096)
             .unwrap()
             .unwrap();
         for _ in 0..20 {

@@ -6,7 +6,8 @@
 //! clustering do not add hits the policy model does not have) against a server with a 16 MiB
 //! cache and read its `/stats` what-if section; replay the same requests against fresh
 //! servers with 32 MiB and 64 MiB caches and read their measured hit ratios. Also checks that
-//! `/metrics` carries the gauge and `bufcache stat --once` prints the readable lines.
+//! `/metrics` carries the gauge and `bufcache stat --once` prints the readable lines. Trace
+//! capture (`serve --trace`) is checked here too: it sits at the same export adapter.
 
 mod common;
 
@@ -146,4 +147,107 @@ fn whatif_predicts_the_hit_ratio_a_bigger_cache_measures() {
     }
     println!("{report}");
     assert!(worst <= 0.03, "{report}");
+}
+
+#[test]
+fn trace_capture_records_every_request_for_replay_and_stops_at_its_limit() {
+    // Goal: `serve --trace` writes one line per request that `bufcache replay` reads back
+    // (same request count, same offsets), and a trace with a size limit stops at it and says
+    // so in the log. Method: known reads and writes through the NBD client, then replay the
+    // file with the options the server printed; a second server with a 2000-byte limit.
+    let dir = temp_dir();
+    let trace = dir.path().join("requests.csv");
+    let mut server = Server::start(
+        dir.path(),
+        "traced",
+        &[
+            "--backend",
+            "memory:16M",
+            "--trace",
+            trace.to_str().unwrap(),
+        ],
+    );
+    let client = NbdClient::connect(&server.uri()).expect("connecting");
+    let data = vec![7u8; 8192];
+    let mut buffer = vec![0u8; 4096];
+    for block in 0..10u64 {
+        client.write(block * 8192, &data).expect("writing");
+    }
+    for round in 0..3u64 {
+        for block in 0..20u64 {
+            client
+                .read((block + round) * 4096, &mut buffer)
+                .expect("reading");
+        }
+    }
+    drop(client);
+    server.stop_clean();
+    let log = server.log_text();
+    let options = log
+        .split("--trace-options \"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .unwrap_or_else(|| panic!("the log prints the replay command: {log}"));
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(
+        lines[0],
+        "time_us,export,op,offset_bytes,length_bytes,obj_id"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|line| line.ends_with(",0,write,8192,8192,8192")),
+        "the second write, as time,export,op,offset,length,obj_id: {text}"
+    );
+    let reads = lines.iter().filter(|line| line.contains(",read,")).count();
+    let writes = lines.iter().filter(|line| line.contains(",write,")).count();
+    assert_eq!((reads, writes), (60, 10), "{text}");
+    let replay = run_ok(
+        std::process::Command::new(bufcache_bin()).args([
+            "replay",
+            trace.to_str().unwrap(),
+            "--format",
+            "csv",
+            "--trace-options",
+            options,
+            "--policy",
+            "lru",
+            "--cache-size",
+            "1MiB",
+            "--json",
+        ]),
+        Duration::from_secs(30),
+    );
+    let rows: serde_json::Value = serde_json::from_slice(&replay.stdout).unwrap();
+    assert_eq!(rows[0]["requests"], 70, "{rows}");
+    // 20 distinct blocks written (10 × 8 KiB), reads cover blocks 0..22: 2 cold read misses.
+    assert_eq!(rows[0]["misses"], 22, "{rows}");
+
+    let limited = dir.path().join("limited.csv");
+    let mut server = Server::start(
+        dir.path(),
+        "limited",
+        &[
+            "--backend",
+            "memory:16M",
+            "--trace",
+            limited.to_str().unwrap(),
+            "--trace-size-max",
+            "2000",
+        ],
+    );
+    let client = NbdClient::connect(&server.uri()).expect("connecting");
+    for block in 0..200u64 {
+        client.read(block * 4096, &mut buffer).expect("reading");
+    }
+    drop(client);
+    server.stop_clean();
+    let size = std::fs::metadata(&limited).unwrap().len();
+    assert!(size <= 2000 && size > 1000, "trace size {size}");
+    assert!(
+        server.log_text().contains("reached --trace-size-max"),
+        "{}",
+        server.log_text()
+    );
 }
