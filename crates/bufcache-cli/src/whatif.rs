@@ -7,6 +7,7 @@
 //! one hash and a compare; only a sampled block (about 1 in 100 by default) takes the lock
 //! around the miniatures. Keys are `export << 52 | block`, so exports never share a key.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::bail;
@@ -21,6 +22,8 @@ pub struct WhatIfFeed {
     block_size_bytes: u64,
     policy: PolicyKind,
     cache_size_bytes: u64,
+    /// Block accesses offered, sampled or not (the miniatures' bias correction needs it).
+    offered_accesses: AtomicU64,
     state: Mutex<WhatIf>,
 }
 
@@ -57,6 +60,7 @@ impl WhatIfFeed {
             block_size_bytes: block_size_bytes.max(1),
             policy,
             cache_size_bytes,
+            offered_accesses: AtomicU64::new(0),
             state: Mutex::new(whatif),
         })))
     }
@@ -65,6 +69,10 @@ impl WhatIfFeed {
     pub fn record(&self, export: u64, offset: u64, length: u64, discard: bool) {
         let first = offset / self.block_size_bytes;
         let last = offset.saturating_add(length.max(1) - 1) / self.block_size_bytes;
+        if !discard {
+            self.offered_accesses
+                .fetch_add(last - first + 1, Ordering::Relaxed);
+        }
         let mut state = None;
         for block in first..=last {
             let key = (export << BLOCK_BITS) | (block & ((1 << BLOCK_BITS) - 1));
@@ -82,7 +90,8 @@ impl WhatIfFeed {
     }
 
     fn snapshot(&self) -> (f64, Vec<WhatIfEstimate>) {
-        let whatif = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut whatif = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        whatif.set_offered_accesses(self.offered_accesses.load(Ordering::Relaxed));
         (whatif.sampling_rate(), whatif.estimates())
     }
 
