@@ -107,8 +107,8 @@ fn predicted(stats: &serde_json::Value, policy: &str, cache_bytes: u64) -> f64 {
 #[test]
 fn whatif_predicts_the_hit_ratio_a_bigger_cache_measures() {
     let dir = temp_dir();
-    // 256 MiB of blocks, 150000 reads; a 16 MiB cache (4096 blocks) samples 1 block in 4.
-    let reads = zipf_blocks(65_536, 150_000, 17);
+    // 256 MiB of blocks, 90000 reads; a 16 MiB cache (4096 blocks) samples 1 block in 4.
+    let reads = zipf_blocks(65_536, 90_000, 17);
     let (measured_1x, stats) = run_workload(CACHE_BYTES, &reads, dir.path(), "base", |port| {
         let metrics = fetch(port, "/metrics");
         assert!(
