@@ -6,6 +6,7 @@ mod dd;
 mod engine_args;
 mod limit_args;
 mod metrics;
+mod observe;
 mod plot;
 mod replay;
 mod rescue;
@@ -13,6 +14,8 @@ mod serve;
 mod sim;
 mod stat;
 mod tls_args;
+mod trace_capture;
+mod whatif;
 
 use clap::{CommandFactory, Parser, Subcommand};
 
@@ -81,7 +84,20 @@ fn main() {
     };
     if let Err(error) = result {
         report_error(&error);
-        std::process::exit(1);
+        let bad_input = error.chain().any(|cause| cause.is::<BadInput>());
+        std::process::exit(if bad_input { 2 } else { 1 });
+    }
+}
+
+/// An error in what the user gave (a file's content, a flag's value) rather than in the
+/// system: the command exits with status 2, as for a bad flag.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub(crate) struct BadInput(pub String);
+
+impl From<bufcache_trace::TraceError> for BadInput {
+    fn from(error: bufcache_trace::TraceError) -> Self {
+        BadInput(error.to_string())
     }
 }
 

@@ -37,6 +37,8 @@ pub struct Meters {
     pub cache: Cache,
     /// One entry per export.
     pub exports: Vec<ExportMeters>,
+    /// The live what-if miniature caches, when running.
+    pub whatif: Option<Arc<crate::whatif::WhatIfFeed>>,
 }
 
 impl Meters {
@@ -71,7 +73,11 @@ impl Meters {
                 })
             })
             .collect();
-        json!({ "cache": cache_json(&stats), "exports": exports })
+        let mut document = json!({ "cache": cache_json(&stats), "exports": exports });
+        if let Some(whatif) = &self.whatif {
+            document["whatif"] = whatif.json();
+        }
+        document
     }
 
     /// The `/metrics` document.
@@ -79,6 +85,9 @@ impl Meters {
         let stats = self.cache.stats();
         let mut text = String::new();
         cache_prometheus(&mut text, &stats);
+        if let Some(whatif) = &self.whatif {
+            whatif.prometheus(&mut text);
+        }
         for export in &self.exports {
             let label = format!("export=\"{}\"", escape_label(&export.name));
             let device = export.device.stats();

@@ -37,6 +37,22 @@ pub fn write_plot(svg: &str, path: &Path) -> anyhow::Result<()> {
     }
 }
 
+/// Parses a `--plot` path: its name must end in .svg or .png (any case), so a plot never
+/// lands in a file whose name promises another format.
+pub fn parse_plot_path(text: &str) -> Result<std::path::PathBuf, String> {
+    let path = std::path::PathBuf::from(text);
+    let known = path.extension().is_some_and(|extension| {
+        extension.eq_ignore_ascii_case("svg") || extension.eq_ignore_ascii_case("png")
+    });
+    if known {
+        Ok(path)
+    } else {
+        Err(format!(
+            "`{text}`: a plot is written as SVG or PNG; name the file *.svg or *.png"
+        ))
+    }
+}
+
 /// True when PNG plots can be rendered here.
 pub fn png_available() -> bool {
     Command::new("rsvg-convert")

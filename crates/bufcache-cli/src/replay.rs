@@ -11,7 +11,10 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use anyhow::{bail, Context};
+
+use crate::BadInput;
 use bufcache::parse_size;
+use bufcache_policy::offline::{belady, ShardsCurve};
 use bufcache_policy::simulate::Simulator;
 use bufcache_policy::PolicyKind;
 use bufcache_trace::{open_trace, Operation, TraceFormat, TraceOptions};
@@ -22,8 +25,10 @@ use clap::Args;
 #[command(after_help = "Examples:\n  \
     bufcache replay cloudPhysicsIO.vscsi --format vscsi --policy lru,s3fifo,arc --cache-size 16MiB,64MiB,256MiB\n  \
     bufcache replay trace.csv --format csv --trace-options \"time-col=2,obj-id-col=5,obj-size-col=4,op-col=3,has-header=true,delimiter=,\" \\\n      \
-    --policy lru,sieve --cache-size 1000,5000 --no-split --json\n\n\
-    Formats: csv, blkparse, msr, fio, oracle-general, vscsi. Policies: lru, fifo, clock, 2q, arc, s3fifo, sieve.")]
+    --policy lru,sieve --cache-size 1000,5000 --no-split --json\n  \
+    bufcache replay cloudPhysicsIO.vscsi --format vscsi --policy lru,s3fifo,opt --cache-size 16MiB,64MiB\n  \
+    bufcache replay big.oracleGeneral --mrc shards --sampling-rate 0.001 --cache-size 1GiB,4GiB,16GiB\n\n\
+    Formats: csv, blkparse, msr, fio, oracle-general, vscsi. Policies: lru, fifo, clock, 2q, arc, s3fifo, sieve, opt.")]
 pub struct ReplayArgs {
     /// The trace file.
     trace: PathBuf,
@@ -33,9 +38,18 @@ pub struct ReplayArgs {
     /// Reader options in libCacheSim's syntax, for example "time-col=2,obj-id-col=5,...".
     #[arg(long, default_value = "")]
     trace_options: String,
-    /// Policies, comma separated.
-    #[arg(long, default_value = "s3fifo", value_delimiter = ',')]
-    policy: Vec<PolicyKind>,
+    /// Policies, comma separated; `opt` is Belady's optimal policy (a lower bound on misses,
+    /// computed in two passes). Default s3fifo (lru with --mrc shards).
+    #[arg(long, value_delimiter = ',')]
+    policy: Vec<ReplayPolicy>,
+    /// How the curve is computed: `exact` simulates every policy × size; `shards` estimates
+    /// LRU's curve for all sizes in one pass over a spatially hashed sample of the keys
+    /// (SHARDS, Waldspurger et al. FAST '15), for large traces.
+    #[arg(long, value_enum, default_value_t = MrcMethod::Exact)]
+    mrc: MrcMethod,
+    /// Fraction of keys sampled by --mrc shards (0 < RATE <= 1).
+    #[arg(long, value_name = "RATE", default_value_t = 0.01)]
+    sampling_rate: f64,
     /// Cache sizes, comma separated: bytes with a unit (4k, 64MiB), or a bare number of blocks
     /// (of objects with --no-split).
     #[arg(long, required = true, value_delimiter = ',')]
@@ -50,9 +64,47 @@ pub struct ReplayArgs {
     #[arg(long)]
     json: bool,
     /// Also draw the miss-ratio curves (miss ratio per cache size, a line per policy): an
-    /// SVG file, or PNG when the name ends in .png.
-    #[arg(long, value_name = "FILE.svg|FILE.png")]
+    /// SVG file, or PNG when the name ends in .png; any other extension is refused.
+    #[arg(long, value_name = "FILE.svg|FILE.png", value_parser = crate::plot::parse_plot_path)]
     plot: Option<PathBuf>,
+}
+
+/// How `bufcache replay` computes the miss-ratio curve.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum MrcMethod {
+    /// A full simulation per policy and cache size.
+    Exact,
+    /// SHARDS: LRU only, one sampled pass for all sizes.
+    Shards,
+}
+
+/// A policy `bufcache replay` can run: an online policy, or Belady's offline optimum.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ReplayPolicy {
+    Online(PolicyKind),
+    Opt,
+}
+
+impl ReplayPolicy {
+    fn name(self) -> &'static str {
+        match self {
+            ReplayPolicy::Online(kind) => kind.name(),
+            ReplayPolicy::Opt => "opt",
+        }
+    }
+}
+
+impl std::str::FromStr for ReplayPolicy {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        if text.trim().eq_ignore_ascii_case("opt") {
+            return Ok(ReplayPolicy::Opt);
+        }
+        text.parse::<PolicyKind>()
+            .map(ReplayPolicy::Online)
+            .map_err(|error| format!("{error}, opt"))
+    }
 }
 
 /// One access of the replay: a key and the bytes of the request it stands for.
@@ -65,7 +117,7 @@ struct Access {
 /// One row of the miss-ratio curve.
 #[derive(Clone, Debug)]
 struct Row {
-    policy: PolicyKind,
+    policy: ReplayPolicy,
     cache_size: String,
     capacity_units: u64,
     requests: u64,
@@ -73,6 +125,8 @@ struct Row {
     misses: u64,
     bytes: u64,
     missed_bytes: u64,
+    /// SHARDS rows: the estimated miss ratio (their miss and byte counts are not measured).
+    estimated_miss_ratio: Option<f64>,
 }
 
 pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
@@ -95,14 +149,42 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
             capacity_units(text, block_size, args.no_split).map(|units| (text.clone(), units))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let (accesses, requests) = load(&args, format, &options, block_size)?;
-    let mut combinations = Vec::new();
-    for &policy in &args.policy {
-        for (text, units) in &capacities {
-            combinations.push((policy, text.clone(), *units));
+    let mut args = args;
+    if args.policy.is_empty() {
+        args.policy = vec![match args.mrc {
+            MrcMethod::Exact => ReplayPolicy::Online(PolicyKind::S3Fifo),
+            MrcMethod::Shards => ReplayPolicy::Online(PolicyKind::Lru),
+        }];
+    }
+    if args.mrc == MrcMethod::Shards {
+        if args.policy != [ReplayPolicy::Online(PolicyKind::Lru)] {
+            return Err(BadInput(
+                "--mrc shards estimates LRU's curve only: pass --policy lru (or omit --policy)"
+                    .into(),
+            )
+            .into());
+        }
+        if !(args.sampling_rate > 0.0 && args.sampling_rate <= 1.0) {
+            return Err(BadInput(format!(
+                "--sampling-rate {}: must be above 0 and at most 1",
+                args.sampling_rate
+            ))
+            .into());
         }
     }
-    let rows = replay_all(&accesses, requests, &combinations);
+    let (accesses, requests) = load(&args, format, &options, block_size)?;
+    let rows = match args.mrc {
+        MrcMethod::Exact => {
+            let mut combinations = Vec::new();
+            for &policy in &args.policy {
+                for (text, units) in &capacities {
+                    combinations.push((policy, text.clone(), *units));
+                }
+            }
+            replay_all(&accesses, requests, &combinations)
+        }
+        MrcMethod::Shards => shards_rows(&accesses, requests, &capacities, args.sampling_rate),
+    };
     if let Some(path) = &args.plot {
         crate::plot::write_plot(&miss_ratio_plot(&rows, &args).to_svg(), path)?;
         eprintln!("bufcache: wrote {}", path.display());
@@ -172,23 +254,37 @@ fn capacity_units(text: &str, block_size: u64, no_split: bool) -> anyhow::Result
 }
 
 /// Reads the whole trace into accesses; returns them and the number of requests.
+///
+/// A CSV trace without `op-col` (libCacheSim's common `time,obj_id,size` layout) says nothing
+/// about operations, so every request counts as a read, and a note on standard error says so.
+/// Requests that are neither reads nor writes (flush, trim, unknown opcodes) are skipped and
+/// counted; a trace that leaves no request is an error saying which of these happened.
 fn load(
     args: &ReplayArgs,
     format: TraceFormat,
     options: &TraceOptions,
     block_size: u64,
 ) -> anyhow::Result<(Vec<Access>, u64)> {
-    let stream = open_trace(&args.trace, format, options)?;
+    let stream = open_trace(&args.trace, format, options).map_err(BadInput::from)?;
+    let no_operation_column = format == TraceFormat::Csv && options.operation_column.is_none();
+    if no_operation_column {
+        eprintln!(
+            "bufcache: {}: no op-col in --trace-options, so every request counts as a read",
+            args.trace.display()
+        );
+    }
     let mut accesses = Vec::new();
     let mut requests = 0u64;
+    let mut skipped = 0u64;
     let progress = indicatif::ProgressBar::new_spinner()
         .with_message(format!("reading {}", args.trace.display()));
     for request in stream {
-        let request = request?;
+        let request = request.map_err(BadInput::from)?;
         if requests.is_multiple_of(65_536) {
             progress.set_position(requests);
         }
-        if request.operation == Operation::Other {
+        if request.operation == Operation::Other && !no_operation_column {
+            skipped += 1;
             continue;
         }
         requests += 1;
@@ -213,13 +309,67 @@ fn load(
         }
     }
     progress.finish_and_clear();
+    if requests == 0 {
+        let why = if skipped == 0 {
+            "the trace holds no request (empty, or only a header and blank lines)".to_string()
+        } else {
+            format!(
+                "all {skipped} requests are neither reads nor writes (flush, trim or an unknown \
+                 op); check op-col in --trace-options"
+            )
+        };
+        return Err(BadInput(format!(
+            "{}: nothing to replay: {why}",
+            args.trace.display()
+        ))
+        .into());
+    }
+    if skipped > 0 {
+        eprintln!(
+            "bufcache: {}: skipped {skipped} requests that are neither reads nor writes",
+            args.trace.display()
+        );
+    }
     Ok((accesses, requests))
+}
+
+/// LRU rows estimated by SHARDS from one pass over the sampled keys.
+fn shards_rows(
+    accesses: &[Access],
+    requests: u64,
+    capacities: &[(String, u64)],
+    rate: f64,
+) -> Vec<Row> {
+    let keys: Vec<u64> = accesses.iter().map(|access| access.key).collect();
+    let curve = ShardsCurve::build(&keys, rate);
+    eprintln!(
+        "bufcache: SHARDS sampled {} of {} accesses (rate {rate})",
+        curve.sampled(),
+        keys.len()
+    );
+    capacities
+        .iter()
+        .map(|(text, units)| {
+            let miss_ratio = curve.miss_ratio(*units);
+            Row {
+                policy: ReplayPolicy::Online(PolicyKind::Lru),
+                cache_size: text.clone(),
+                capacity_units: *units,
+                requests,
+                accesses: keys.len() as u64,
+                misses: (miss_ratio * keys.len() as f64).round() as u64,
+                bytes: 0,
+                missed_bytes: 0,
+                estimated_miss_ratio: Some(miss_ratio),
+            }
+        })
+        .collect()
 }
 
 fn replay_all(
     accesses: &[Access],
     requests: u64,
-    combinations: &[(PolicyKind, String, u64)],
+    combinations: &[(ReplayPolicy, String, u64)],
 ) -> Vec<Row> {
     let next = Mutex::new(0usize);
     let rows = Mutex::new(Vec::new());
@@ -255,17 +405,31 @@ fn replay_all(
 fn replay_one(
     accesses: &[Access],
     requests: u64,
-    policy: PolicyKind,
+    policy: ReplayPolicy,
     text: &str,
     units: u64,
 ) -> Row {
-    let mut simulator = Simulator::new(policy, units as usize);
-    let mut bytes = 0u64;
+    let bytes = accesses.iter().map(|access| access.bytes as u64).sum();
+    let mut misses = 0u64;
     let mut missed_bytes = 0u64;
-    for access in accesses {
-        bytes += access.bytes as u64;
-        if !simulator.access(access.key) {
-            missed_bytes += access.bytes as u64;
+    match policy {
+        ReplayPolicy::Online(kind) => {
+            let mut simulator = Simulator::new(kind, units as usize);
+            for access in accesses {
+                if !simulator.access(access.key) {
+                    missed_bytes += access.bytes as u64;
+                }
+            }
+            misses = simulator.misses();
+        }
+        ReplayPolicy::Opt => {
+            let keys: Vec<u64> = accesses.iter().map(|access| access.key).collect();
+            belady(&keys, units as usize, |index, hit| {
+                if !hit {
+                    misses += 1;
+                    missed_bytes += accesses[index].bytes as u64;
+                }
+            });
         }
     }
     Row {
@@ -274,21 +438,26 @@ fn replay_one(
         capacity_units: units,
         requests,
         accesses: accesses.len() as u64,
-        misses: simulator.misses(),
+        misses,
         bytes,
         missed_bytes,
+        estimated_miss_ratio: None,
     }
 }
 
 impl Row {
     /// Misses per access (per block when splitting, per request with --no-split).
     fn miss_ratio(&self) -> f64 {
-        self.misses as f64 / self.accesses.max(1) as f64
+        self.estimated_miss_ratio
+            .unwrap_or(self.misses as f64 / self.accesses.max(1) as f64)
     }
 
-    /// Missed bytes per requested byte.
-    fn byte_miss_ratio(&self) -> f64 {
-        self.missed_bytes as f64 / self.bytes.max(1) as f64
+    /// Missed bytes per requested byte (not known for SHARDS estimates).
+    fn byte_miss_ratio(&self) -> Option<f64> {
+        if self.estimated_miss_ratio.is_some() {
+            return None;
+        }
+        Some(self.missed_bytes as f64 / self.bytes.max(1) as f64)
     }
 }
 
@@ -300,7 +469,7 @@ fn print_table(rows: &[Row], no_split: bool) {
     );
     for row in rows {
         println!(
-            "{:<8} {:>12} {:>12} {:>10} {:>12} {:>10.4} {:>15.4}",
+            "{:<8} {:>12} {:>12} {:>10} {:>12} {:>10.4} {:>15}",
             row.policy.name(),
             row.cache_size,
             row.capacity_units,
@@ -308,6 +477,8 @@ fn print_table(rows: &[Row], no_split: bool) {
             row.misses,
             row.miss_ratio(),
             row.byte_miss_ratio()
+                .map(|ratio| format!("{ratio:.4}"))
+                .unwrap_or_else(|| "-".into())
         );
     }
 }

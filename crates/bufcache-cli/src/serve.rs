@@ -130,6 +130,8 @@ pub struct ServeArgs {
     tls: Box<TlsArgs>,
     #[command(flatten)]
     engine: EngineArgs,
+    #[command(flatten)]
+    observe: crate::observe::ObserveArgs,
 }
 
 impl ServeArgs {
@@ -410,6 +412,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .apply(&mut server_config, config.memory_bytes_max);
     args.tls.apply(&mut server_config);
     server_config.validate()?;
+    let observers = crate::observe::Observers::start(
+        &args.observe,
+        config.policy,
+        config.memory_bytes_max,
+        u64::from(block_size),
+    )?;
     let cache = bufcache_host::system_cache(config)?;
     let mut exports: Vec<(String, Arc<dyn Export>)> = Vec::new();
     let mut meters = Vec::new();
@@ -457,7 +465,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         tracing::info!(export = %name, backend = %backend, size = %format_size(object.len()), "export ready");
         say!("export {:?} = {} ({} bytes)", name, backend, object.len());
         objects.push((name.clone(), object.reopen()));
-        exports.push((name, Arc::new(CacheExport { object })));
+        let export =
+            crate::observe::wrap(&observers, exports.len(), Arc::new(CacheExport { object }));
+        exports.push((name, export));
     }
     handle_rescue_file(&args, &cache, &objects)?;
     let server = match Server::new(server_config, exports) {
@@ -480,6 +490,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             Arc::new(Meters {
                 cache: cache.clone(),
                 exports: meters,
+                whatif: observers.whatif.clone(),
             }),
         )?;
         say!("metrics on http://{local}/metrics and /stats   (try: bufcache stat {local})");

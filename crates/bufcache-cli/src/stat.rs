@@ -151,6 +151,9 @@ pub fn run(args: StatArgs) -> anyhow::Result<()> {
             let empty = serde_json::json!({});
             print_header();
             print_line(&line_between(&empty, &first, 1.0), false);
+            for line in crate::whatif::stat_lines(&first) {
+                println!("{line}");
+            }
         }
         return Ok(());
     }

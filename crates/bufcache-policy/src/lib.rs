@@ -28,10 +28,12 @@ mod fifo;
 mod ghost;
 mod list;
 mod lru;
+pub mod offline;
 mod s3fifo;
 mod sieve;
 pub mod simulate;
 mod two_q;
+pub mod whatif;
 
 pub use arc::Arc;
 pub use clock::Clock;
