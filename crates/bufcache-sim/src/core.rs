@@ -111,12 +111,22 @@ impl CpuPool {
             if best.as_ref().is_none_or(|(end, _, _)| finish < *end) {
                 best = Some((finish, cpu, pieces));
             }
+            if finish == at + duration {
+                // No CPU can finish earlier, and ties go to the lowest index: stop looking.
+                break;
+            }
         }
         let (finish, cpu, pieces) = best.expect("one CPU");
         let intervals = &mut self.busy[cpu];
         for piece in pieces {
             let index = intervals.partition_point(|&(s, _)| s < piece.0);
-            intervals.insert(index, piece);
+            // Work that starts where the previous booking ends extends it: the gaps are the
+            // same, and the lists stay short for back-to-back work of one entity.
+            if index > 0 && intervals[index - 1].1 == piece.0 {
+                intervals[index - 1].1 = piece.1;
+            } else {
+                intervals.insert(index, piece);
+            }
         }
         finish
     }
@@ -144,6 +154,9 @@ pub(crate) struct CoreState {
     disk: Box<dyn DiskModel>,
     cpu: CpuPool,
     ready: Vec<u64>,
+    /// Bytes read from the disk into buffers since the scheduler last collected them: the
+    /// pages those buffers wire, charged at the end of the step (O(1), no engine scan).
+    pub read_unwired_bytes: u64,
 }
 
 /// Shared simulation state: used by the scheduler, the device and the spawner.
@@ -166,6 +179,7 @@ impl SimCore {
                 device: DeviceTotals::default(),
                 disk,
                 ready: Vec::new(),
+                read_unwired_bytes: 0,
             }),
             clock,
         }
@@ -252,6 +266,12 @@ impl SimCore {
             .map_or(0, |units| units.iter().copied().max().unwrap_or(0))
     }
 
+    /// Bytes read from the disk since the last call (each read fills fresh buffers whose
+    /// pages are wired), and resets the count.
+    pub(crate) fn take_read_bytes(&self) -> u64 {
+        std::mem::take(&mut self.lock().read_unwired_bytes)
+    }
+
     /// Forgets CPU bookings before `floor`.
     pub(crate) fn prune(&self, floor: u64) {
         self.lock().cpu.prune(floor);
@@ -295,6 +315,7 @@ impl SimCore {
                 account.read_bytes += length;
                 state.device.reads += 1;
                 state.device.read_bytes += length;
+                state.read_unwired_bytes += length;
                 let first = (offset / READY_UNIT) as usize;
                 let end = (offset + length).div_ceil(READY_UNIT) as usize;
                 if state.ready.len() < end {
