@@ -73,9 +73,22 @@ fn main() {
     };
     if let Err(error) = result {
         eprintln!("bufcache: {error:#}");
-        std::process::exit(1);
+        let bad_input = error.downcast_ref::<UsageError>().is_some();
+        std::process::exit(if bad_input { 2 } else { 1 });
     }
 }
+
+/// A command line that cannot be honoured as given (exit status 2, like clap's own errors).
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
 
 /// Arguments of `bufcache config`.
 #[derive(clap::Args)]
