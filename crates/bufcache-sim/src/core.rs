@@ -7,7 +7,7 @@
 //! the disk model at the cursor and the cursor moves to its completion (the entity blocks on
 //! its own I/O). Everything is charged to the running entity's [`Account`].
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::io::{self, IoSlice, IoSliceMut};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -354,22 +354,85 @@ impl CoreState {
     }
 }
 
+/// Granularity of the simulated disk's contents, bytes.
+const CHUNK_BYTES: u64 = 4096;
+
 /// The engine's device: every request is timed by the disk model and charged to the entity
-/// running. It stores no data: reads return zeroes, writes are timed and dropped (the
-/// simulator measures time, and the engine's own tests check data).
+/// running. It keeps what is written, sparsely: 4 KiB chunks in a map, where a chunk of zeroes
+/// is not stored (the workloads mostly write zeroes, so timing runs stay small), and returns
+/// it; bytes never written read as zeroes.
 pub struct SimDevice {
     core: Arc<SimCore>,
     length: u64,
     name: String,
+    chunks: Mutex<BTreeMap<u64, Box<[u8]>>>,
 }
 
 impl SimDevice {
-    /// A device of `length` bytes on `core`'s disk.
+    /// A device of `length` bytes on `core`'s disk, all zeroes.
     pub fn new(core: Arc<SimCore>, length: u64, name: &str) -> Self {
         SimDevice {
             core,
             length,
             name: name.to_string(),
+            chunks: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    fn chunks(&self) -> MutexGuard<'_, BTreeMap<u64, Box<[u8]>>> {
+        self.chunks
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    /// Bytes of the disk's contents stored (non-zero chunks).
+    pub fn stored_bytes(&self) -> u64 {
+        self.chunks().len() as u64 * CHUNK_BYTES
+    }
+
+    /// Copies the stored contents at `offset` into `target` (zeroes where nothing is stored).
+    fn load(&self, target: &mut [u8], offset: u64) {
+        target.fill(0);
+        let chunks = self.chunks();
+        if chunks.is_empty() {
+            return;
+        }
+        let end = offset + target.len() as u64;
+        let first = offset / CHUNK_BYTES * CHUNK_BYTES;
+        for (&start, data) in chunks.range(first..end) {
+            let from = start.max(offset);
+            let to = (start + CHUNK_BYTES).min(end);
+            target[(from - offset) as usize..(to - offset) as usize]
+                .copy_from_slice(&data[(from - start) as usize..(to - start) as usize]);
+        }
+    }
+
+    /// Stores `source` at `offset`.
+    fn store(&self, source: &[u8], offset: u64) {
+        let mut chunks = self.chunks();
+        let end = offset + source.len() as u64;
+        let mut start = offset / CHUNK_BYTES * CHUNK_BYTES;
+        while start < end {
+            let from = start.max(offset);
+            let to = (start + CHUNK_BYTES).min(end);
+            let piece = &source[(from - offset) as usize..(to - offset) as usize];
+            let whole = from == start && to == start + CHUNK_BYTES;
+            let zeroes = piece.iter().all(|&byte| byte == 0);
+            match chunks.get_mut(&start) {
+                Some(chunk) => {
+                    chunk[(from - start) as usize..(to - start) as usize].copy_from_slice(piece);
+                    if zeroes && (whole || chunk.iter().all(|&byte| byte == 0)) {
+                        chunks.remove(&start);
+                    }
+                }
+                None if zeroes => {}
+                None => {
+                    let mut chunk = vec![0u8; CHUNK_BYTES as usize].into_boxed_slice();
+                    chunk[(from - start) as usize..(to - start) as usize].copy_from_slice(piece);
+                    chunks.insert(start, chunk);
+                }
+            }
+            start += CHUNK_BYTES;
         }
     }
 }
@@ -378,8 +441,10 @@ impl Device for SimDevice {
     fn read_vectored_at(&self, buffers: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<()> {
         let length = bufcache::device::total_length(buffers.iter().map(|b| b.len()));
         bufcache::device::check_range(self.length, offset, length)?;
+        let mut at = offset;
         for buffer in buffers.iter_mut() {
-            buffer.fill(0);
+            self.load(buffer, at);
+            at += buffer.len() as u64;
         }
         self.core.io(Op::Read, offset, length);
         Ok(())
@@ -388,6 +453,11 @@ impl Device for SimDevice {
     fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
         let length = bufcache::device::total_length(buffers.iter().map(|b| b.len()));
         bufcache::device::check_range(self.length, offset, length)?;
+        let mut at = offset;
+        for buffer in buffers {
+            self.store(buffer, at);
+            at += buffer.len() as u64;
+        }
         self.core.io(Op::Write, offset, length);
         Ok(())
     }
@@ -402,7 +472,17 @@ impl Device for SimDevice {
     }
 
     fn discard(&self, offset: u64, length: u64) -> io::Result<()> {
-        bufcache::device::check_range(self.length, offset, length)
+        bufcache::device::check_range(self.length, offset, length)?;
+        // Discarded bytes read back as zeroes (deterministic, like WRITE_ZEROES).
+        let zeroes = vec![0u8; CHUNK_BYTES as usize];
+        let mut at = offset;
+        let end = offset + length;
+        while at < end {
+            let step = (CHUNK_BYTES - at % CHUNK_BYTES).min(end - at);
+            self.store(&zeroes[..step as usize], at);
+            at += step;
+        }
+        Ok(())
     }
 
     fn len(&self) -> u64 {
