@@ -84,7 +84,9 @@ fn main() {
     };
     if let Err(error) = result {
         report_error(&error);
-        let bad_input = error.chain().any(|cause| cause.is::<BadInput>());
+        let bad_input = error
+            .chain()
+            .any(|cause| cause.is::<BadInput>() || cause.is::<UsageError>());
         std::process::exit(if bad_input { 2 } else { 1 });
     }
 }
@@ -124,6 +126,18 @@ fn report_error(error: &anyhow::Error) {
     use std::io::Write;
     let _ = writeln!(std::io::stderr(), "bufcache: {error:#}");
 }
+
+/// A command line that cannot be honoured as given (exit status 2, like clap's own errors).
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
 
 /// Arguments of `bufcache config`.
 #[derive(clap::Args)]

@@ -122,6 +122,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             json,
             engine,
         } => {
+            refuse_io_queue_flags(&engine)?;
             let progress = spinner("simulating".to_string());
             let report = run_custom(&disk, &workload, engine.config()?);
             progress.finish_and_clear();
@@ -134,6 +135,30 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// The io queue flags cannot take effect in `sim run`: the simulated engine issues one
+/// device request at a time (one entity runs at a time), so a queue below it never holds two
+/// requests to sort or merge and would change nothing. Refuse them rather than ignore them.
+fn refuse_io_queue_flags(engine: &EngineArgs) -> anyhow::Result<()> {
+    let given: Vec<&str> = [
+        ("--io-queue", engine.io_queue.is_some()),
+        ("--io-queue-depth", engine.io_queue_depth.is_some()),
+        ("--no-io-merge", engine.no_io_merge),
+    ]
+    .into_iter()
+    .filter_map(|(flag, set)| set.then_some(flag))
+    .collect();
+    if given.is_empty() {
+        return Ok(());
+    }
+    Err(crate::UsageError(format!(
+        "sim run does not support {}: the simulator issues one device request at a time, so \
+         an io queue would never hold two requests to sort or merge; drop the flag (the \
+         simulated path has no io queue)",
+        given.join(", ")
+    ))
+    .into())
 }
 
 /// A spinner on standard error while a simulation runs (hidden when not on a terminal).

@@ -518,3 +518,83 @@ fn opt_misses_no_more_than_any_policy_on_the_shipped_trace() {
         }
     }
 }
+
+#[test]
+fn sim_run_refuses_io_queue_flags_and_bad_input_with_exit_2() {
+    // Goal: `sim run` never silently ignores a flag it cannot apply, and bad input names the
+    // offending key. Method: pass each io queue flag, an unknown workload key, an impossible
+    // disk parameter and a non-numeric seed; each must fail with status 2 and a message
+    // naming what was wrong.
+    let base = [
+        "sim",
+        "run",
+        "--disk",
+        "nvme",
+        "--workload",
+        "dd:read,bs=4k,count=8",
+    ];
+    for (extra, named) in [
+        (&["--io-queue", "elevator"][..], "--io-queue"),
+        (&["--io-queue", "none"][..], "--io-queue"),
+        (&["--no-io-merge"][..], "--no-io-merge"),
+        (&["--io-queue-depth", "4"][..], "--io-queue-depth"),
+    ] {
+        let mut arguments = base.to_vec();
+        arguments.extend_from_slice(extra);
+        let result = bufcache(&arguments);
+        assert_eq!(
+            result.status.code(),
+            Some(2),
+            "{extra:?}: {}",
+            text(&result)
+        );
+        assert!(
+            text(&result).contains(named),
+            "{extra:?}: {}",
+            text(&result)
+        );
+    }
+    for (arguments, named) in [
+        (
+            &[
+                "sim",
+                "run",
+                "--disk",
+                "nvme",
+                "--workload",
+                "dd:read,colour=red",
+            ][..],
+            "colour",
+        ),
+        (
+            &[
+                "sim",
+                "run",
+                "--disk",
+                "nvme:channels=zero",
+                "--workload",
+                "dd:read",
+            ][..],
+            "channels",
+        ),
+        (
+            &["sim", "experiment", "scan", "--seed", "abc"][..],
+            "--seed",
+        ),
+    ] {
+        let result = bufcache(arguments);
+        assert_eq!(
+            result.status.code(),
+            Some(2),
+            "{arguments:?}: {}",
+            text(&result)
+        );
+        assert!(
+            text(&result).contains(named),
+            "{arguments:?}: {}",
+            text(&result)
+        );
+    }
+    let result = bufcache(&base);
+    assert!(result.status.success(), "{}", text(&result));
+}

@@ -7,7 +7,7 @@
 //! the disk model at the cursor and the cursor moves to its completion (the entity blocks on
 //! its own I/O). Everything is charged to the running entity's [`Account`].
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::io::{self, IoSlice, IoSliceMut};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -111,12 +111,22 @@ impl CpuPool {
             if best.as_ref().is_none_or(|(end, _, _)| finish < *end) {
                 best = Some((finish, cpu, pieces));
             }
+            if finish == at + duration {
+                // No CPU can finish earlier, and ties go to the lowest index: stop looking.
+                break;
+            }
         }
         let (finish, cpu, pieces) = best.expect("one CPU");
         let intervals = &mut self.busy[cpu];
         for piece in pieces {
             let index = intervals.partition_point(|&(s, _)| s < piece.0);
-            intervals.insert(index, piece);
+            // Work that starts where the previous booking ends extends it: the gaps are the
+            // same, and the lists stay short for back-to-back work of one entity.
+            if index > 0 && intervals[index - 1].1 == piece.0 {
+                intervals[index - 1].1 = piece.1;
+            } else {
+                intervals.insert(index, piece);
+            }
         }
         finish
     }
@@ -144,6 +154,9 @@ pub(crate) struct CoreState {
     disk: Box<dyn DiskModel>,
     cpu: CpuPool,
     ready: Vec<u64>,
+    /// Bytes read from the disk into buffers since the scheduler last collected them: the
+    /// pages those buffers wire, charged at the end of the step (O(1), no engine scan).
+    pub read_unwired_bytes: u64,
 }
 
 /// Shared simulation state: used by the scheduler, the device and the spawner.
@@ -166,6 +179,7 @@ impl SimCore {
                 device: DeviceTotals::default(),
                 disk,
                 ready: Vec::new(),
+                read_unwired_bytes: 0,
             }),
             clock,
         }
@@ -252,6 +266,12 @@ impl SimCore {
             .map_or(0, |units| units.iter().copied().max().unwrap_or(0))
     }
 
+    /// Bytes read from the disk since the last call (each read fills fresh buffers whose
+    /// pages are wired), and resets the count.
+    pub(crate) fn take_read_bytes(&self) -> u64 {
+        std::mem::take(&mut self.lock().read_unwired_bytes)
+    }
+
     /// Forgets CPU bookings before `floor`.
     pub(crate) fn prune(&self, floor: u64) {
         self.lock().cpu.prune(floor);
@@ -295,6 +315,7 @@ impl SimCore {
                 account.read_bytes += length;
                 state.device.reads += 1;
                 state.device.read_bytes += length;
+                state.read_unwired_bytes += length;
                 let first = (offset / READY_UNIT) as usize;
                 let end = (offset + length).div_ceil(READY_UNIT) as usize;
                 if state.ready.len() < end {
@@ -333,22 +354,85 @@ impl CoreState {
     }
 }
 
+/// Granularity of the simulated disk's contents, bytes.
+const CHUNK_BYTES: u64 = 4096;
+
 /// The engine's device: every request is timed by the disk model and charged to the entity
-/// running. It stores no data: reads return zeroes, writes are timed and dropped (the
-/// simulator measures time, and the engine's own tests check data).
+/// running. It keeps what is written, sparsely: 4 KiB chunks in a map, where a chunk of zeroes
+/// is not stored (the workloads mostly write zeroes, so timing runs stay small), and returns
+/// it; bytes never written read as zeroes.
 pub struct SimDevice {
     core: Arc<SimCore>,
     length: u64,
     name: String,
+    chunks: Mutex<BTreeMap<u64, Box<[u8]>>>,
 }
 
 impl SimDevice {
-    /// A device of `length` bytes on `core`'s disk.
+    /// A device of `length` bytes on `core`'s disk, all zeroes.
     pub fn new(core: Arc<SimCore>, length: u64, name: &str) -> Self {
         SimDevice {
             core,
             length,
             name: name.to_string(),
+            chunks: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    fn chunks(&self) -> MutexGuard<'_, BTreeMap<u64, Box<[u8]>>> {
+        self.chunks
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    /// Bytes of the disk's contents stored (non-zero chunks).
+    pub fn stored_bytes(&self) -> u64 {
+        self.chunks().len() as u64 * CHUNK_BYTES
+    }
+
+    /// Copies the stored contents at `offset` into `target` (zeroes where nothing is stored).
+    fn load(&self, target: &mut [u8], offset: u64) {
+        target.fill(0);
+        let chunks = self.chunks();
+        if chunks.is_empty() {
+            return;
+        }
+        let end = offset + target.len() as u64;
+        let first = offset / CHUNK_BYTES * CHUNK_BYTES;
+        for (&start, data) in chunks.range(first..end) {
+            let from = start.max(offset);
+            let to = (start + CHUNK_BYTES).min(end);
+            target[(from - offset) as usize..(to - offset) as usize]
+                .copy_from_slice(&data[(from - start) as usize..(to - start) as usize]);
+        }
+    }
+
+    /// Stores `source` at `offset`.
+    fn store(&self, source: &[u8], offset: u64) {
+        let mut chunks = self.chunks();
+        let end = offset + source.len() as u64;
+        let mut start = offset / CHUNK_BYTES * CHUNK_BYTES;
+        while start < end {
+            let from = start.max(offset);
+            let to = (start + CHUNK_BYTES).min(end);
+            let piece = &source[(from - offset) as usize..(to - offset) as usize];
+            let whole = from == start && to == start + CHUNK_BYTES;
+            let zeroes = piece.iter().all(|&byte| byte == 0);
+            match chunks.get_mut(&start) {
+                Some(chunk) => {
+                    chunk[(from - start) as usize..(to - start) as usize].copy_from_slice(piece);
+                    if zeroes && (whole || chunk.iter().all(|&byte| byte == 0)) {
+                        chunks.remove(&start);
+                    }
+                }
+                None if zeroes => {}
+                None => {
+                    let mut chunk = vec![0u8; CHUNK_BYTES as usize].into_boxed_slice();
+                    chunk[(from - start) as usize..(to - start) as usize].copy_from_slice(piece);
+                    chunks.insert(start, chunk);
+                }
+            }
+            start += CHUNK_BYTES;
         }
     }
 }
@@ -357,8 +441,10 @@ impl Device for SimDevice {
     fn read_vectored_at(&self, buffers: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<()> {
         let length = bufcache::device::total_length(buffers.iter().map(|b| b.len()));
         bufcache::device::check_range(self.length, offset, length)?;
+        let mut at = offset;
         for buffer in buffers.iter_mut() {
-            buffer.fill(0);
+            self.load(buffer, at);
+            at += buffer.len() as u64;
         }
         self.core.io(Op::Read, offset, length);
         Ok(())
@@ -367,6 +453,11 @@ impl Device for SimDevice {
     fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
         let length = bufcache::device::total_length(buffers.iter().map(|b| b.len()));
         bufcache::device::check_range(self.length, offset, length)?;
+        let mut at = offset;
+        for buffer in buffers {
+            self.store(buffer, at);
+            at += buffer.len() as u64;
+        }
         self.core.io(Op::Write, offset, length);
         Ok(())
     }
@@ -381,7 +472,17 @@ impl Device for SimDevice {
     }
 
     fn discard(&self, offset: u64, length: u64) -> io::Result<()> {
-        bufcache::device::check_range(self.length, offset, length)
+        bufcache::device::check_range(self.length, offset, length)?;
+        // Discarded bytes read back as zeroes (deterministic, like WRITE_ZEROES).
+        let zeroes = vec![0u8; CHUNK_BYTES as usize];
+        let mut at = offset;
+        let end = offset + length;
+        while at < end {
+            let step = (CHUNK_BYTES - at % CHUNK_BYTES).min(end - at);
+            self.store(&zeroes[..step as usize], at);
+            at += step;
+        }
+        Ok(())
     }
 
     fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {

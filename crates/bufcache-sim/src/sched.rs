@@ -143,24 +143,54 @@ pub struct World {
     files: Vec<SimFile>,
     host: HostCosts,
     scratch: Vec<u8>,
-    new_buffers_seen: u64,
+    /// Pages wired so far (charged from device reads at once, reconciled with the
+    /// engine's miss and read-ahead counters at each sample).
+    wired_pages: u64,
     evictions_seen: u64,
     block_pages: u64,
+    page_bytes: u64,
+    /// Engine calls left before the next full statistics sample.
+    calls_to_sample: u64,
 }
 
 impl World {
-    /// Charges page wiring for buffers the engine filled and unwiring for buffers it evicted
-    /// since the last call, to the running entity.
+    /// Charges page wiring for buffers the engine filled and unwiring for buffers it evicted,
+    /// to the running entity, at O(1) cost per call.
+    ///
+    /// Buffers filled from the disk are known at once from the device reads of the step (the
+    /// common case: reads and read-ahead). Buffers created without a read (whole-block writes)
+    /// and evictions are only visible in `Cache::stats`, which scans every cached entry; it is
+    /// sampled once every `buffers_in_use / 8` calls (at least every 64), so the amortized
+    /// scan per call stays constant however full the cache is, and those charges land up to
+    /// one sample period late (on the entity running then). [`World::sample_engine`] is also
+    /// forced when a process finishes, so every run's totals are exact.
     fn charge_engine(&mut self) {
+        let read_bytes = self.core.take_read_bytes();
+        let pages = read_bytes.div_ceil(self.page_bytes);
+        self.wired_pages += pages;
+        self.core.cpu(0, pages * self.host.wire_page_ns);
+        self.calls_to_sample = self.calls_to_sample.saturating_sub(1);
+        if self.calls_to_sample == 0 {
+            self.sample_engine();
+        }
+    }
+
+    /// Reconciles the charges with the engine's counters: fresh buffers the device reads did
+    /// not account for, and evictions.
+    fn sample_engine(&mut self) {
+        let read_bytes = self.core.take_read_bytes();
+        let pages = read_bytes.div_ceil(self.page_bytes);
+        self.wired_pages += pages;
         let stats = self.cache.stats();
-        let new_buffers = stats.misses + stats.readahead_issued_blocks;
-        let fresh = new_buffers.saturating_sub(self.new_buffers_seen);
+        let fresh_pages = (stats.misses + stats.readahead_issued_blocks) * self.block_pages;
+        let unwired = fresh_pages.saturating_sub(self.wired_pages);
+        self.wired_pages = self.wired_pages.max(fresh_pages);
         let evicted = stats.evictions.saturating_sub(self.evictions_seen);
-        self.new_buffers_seen = new_buffers;
         self.evictions_seen = stats.evictions;
-        let sys = self.block_pages
-            * (fresh * self.host.wire_page_ns + evicted * self.host.unwire_page_ns);
+        let sys = (pages + unwired) * self.host.wire_page_ns
+            + evicted * self.block_pages * self.host.unwire_page_ns;
         self.core.cpu(0, sys);
+        self.calls_to_sample = (stats.buffers_in_use / 8).max(64);
     }
 
     fn create(&mut self, name: &str, length: u64) -> Result<FileId, SimError> {
@@ -390,9 +420,11 @@ impl Simulation {
                 files: Vec::new(),
                 host: config.host.clone(),
                 scratch: Vec::new(),
-                new_buffers_seen: 0,
+                wired_pages: 0,
                 evictions_seen: 0,
                 block_pages,
+                page_bytes: config.cache.page_size_bytes.max(1),
+                calls_to_sample: 64,
             },
             spawner,
             entities: Vec::new(),
@@ -505,6 +537,10 @@ impl Simulation {
                         account: entity.account,
                     };
                     let step = entity.process.step(&mut os)?;
+                    if step == Step::Done {
+                        // Settle the sampled charges, so the process's totals are exact.
+                        self.world.sample_engine();
+                    }
                     entity.time_ns = self.world.core.cursor();
                     match step {
                         Step::Continue => {}
@@ -536,6 +572,7 @@ impl Simulation {
     /// Runs every queued background job now (after the processes finished), so the device
     /// totals include them.
     pub fn drain(&mut self) {
+        let mut ran = false;
         while let Some((spawned, origin, job)) = self.spawner.pop() {
             let time = self.daemon_time_ns.max(spawned);
             self.world
@@ -543,6 +580,11 @@ impl Simulation {
                 .enter_on_behalf(self.daemon_account, origin, time);
             job();
             self.world.charge_engine();
+            self.daemon_time_ns = self.world.core.cursor();
+            ran = true;
+        }
+        if ran {
+            self.world.sample_engine();
             self.daemon_time_ns = self.world.core.cursor();
         }
     }
