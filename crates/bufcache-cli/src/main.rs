@@ -73,6 +73,14 @@ fn main() {
     };
     if let Err(error) = result {
         eprintln!("bufcache: {error:#}");
+        // A disk that cannot be opened as named (bad URL, unreachable store, metadata that
+        // does not match) is bad input: nothing was written.
+        if error
+            .chain()
+            .any(|cause| cause.downcast_ref::<bufcache_s3::OpenError>().is_some())
+        {
+            std::process::exit(2);
+        }
         std::process::exit(1);
     }
 }

@@ -37,7 +37,7 @@ pub const DEFAULT_BACKING_SIZE_BYTES: u64 = 1 << 30;
     bufcache serve --backend memory:4G --listen unix:/tmp/nbd.sock\n  \
     bufcache serve --backend nbd://disk-server:10809/vol1 --cache-size 2G   # cache a remote disk\n  \
     bufcache serve --export a=disk-a.img --export b=memory:1G --listen tcp:0.0.0.0:10809\n\n\
-    Backends: a file or block device path, memory:SIZE, nbd://HOST[:PORT]/EXPORT or\n\
+    Backends: a file or block device path, memory:SIZE, s3://BUCKET/PREFIX?endpoint=..., nbd://HOST[:PORT]/EXPORT or\n\
     nbd+unix:///EXPORT?socket=PATH. SIGINT or SIGTERM writes back all dirty data and exits.")]
 pub struct ServeArgs {
     /// The backing store of the default (empty-named) export. Default ./bufcache.img.
@@ -208,6 +208,12 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
     {
         let client = NbdClient::connect(spec).with_context(|| format!("backend `{spec}`"))?;
         return Ok(Arc::new(client));
+    }
+    if spec.starts_with("s3://") {
+        let mut url = bufcache_s3::S3Url::parse(spec).map_err(bufcache_s3::OpenError::from)?;
+        url.create_size_bytes = url.create_size_bytes.or(args.create_size);
+        let store = bufcache_s3::ChunkStore::open(&url)?;
+        return Ok(Arc::new(bufcache_s3::S3Device::new(store)));
     }
     let path = Path::new(spec);
     let create_length = args
