@@ -54,33 +54,33 @@ pub enum OpenError {
     #[error(transparent)]
     Url(#[from] UrlError),
     #[error("{url}: cannot configure the S3 client: {message}")]
-    Client { url: S3Url, message: String },
+    Client { url: String, message: String },
     #[error("{url}: cannot start the I/O runtime: {source}")]
-    Runtime { url: S3Url, source: std::io::Error },
+    Runtime { url: String, source: std::io::Error },
     #[error("{url}: {operation} failed (endpoint unreachable, bucket missing or credentials refused?): {message}")]
     Request {
-        url: S3Url,
+        url: String,
         operation: String,
         message: String,
     },
     #[error("{url}: no disk here (no metadata object `{key}`); add create-size=SIZE to the URL to create one")]
-    NoDisk { url: S3Url, key: String },
+    NoDisk { url: String, key: String },
     #[error("{url}: no metadata object `{key}` but {count} other object(s) under the prefix (first: `{first}`); refusing to create a disk over them")]
     PrefixNotEmpty {
-        url: S3Url,
+        url: String,
         key: String,
         count: usize,
         first: String,
     },
     #[error("{url}: metadata object `{key}` is not a bufcache disk description: {reason}")]
     BadMetadata {
-        url: S3Url,
+        url: String,
         key: String,
         reason: String,
     },
     #[error("{url}: parameter `{parameter}={given}` does not match the existing disk, which has {parameter} {stored}")]
     Mismatch {
-        url: S3Url,
+        url: String,
         parameter: &'static str,
         given: String,
         stored: String,
@@ -89,7 +89,7 @@ pub enum OpenError {
         "{url}: parameter `create-size={size}` is not a multiple of the chunk size {chunk_size}"
     )]
     SizeNotChunkMultiple {
-        url: S3Url,
+        url: String,
         size: u64,
         chunk_size: u64,
     },
@@ -138,6 +138,9 @@ fn chain(error: &dyn std::error::Error) -> String {
     }
     text
 }
+
+/// The outcome of reading one piece: where it goes in the buffer and its bytes (None: zeroes).
+type PieceRead = Result<(Range<usize>, Option<Bytes>), StoreError>;
 
 /// One piece of a request that falls in one chunk.
 struct Piece {
@@ -213,11 +216,11 @@ impl ChunkStore {
             .enable_all()
             .build()
             .map_err(|source| OpenError::Runtime {
-                url: url.clone(),
+                url: url.to_string(),
                 source,
             })?;
         let client_error = |error: object_store::Error| OpenError::Client {
-            url: url.clone(),
+            url: url.to_string(),
             message: chain(&error),
         };
         let retry_timeout = Duration::from_millis(url.retry_timeout_ms);
@@ -247,7 +250,7 @@ impl ChunkStore {
     async fn open_metadata(store: &AmazonS3, url: &S3Url) -> Result<DiskMetadata, OpenError> {
         let key = url.key(METADATA_NAME);
         let request_error = |operation: String, error: object_store::Error| OpenError::Request {
-            url: url.clone(),
+            url: url.to_string(),
             operation,
             message: chain(&error),
         };
@@ -258,7 +261,7 @@ impl ChunkStore {
                     .await
                     .map_err(|error| request_error(format!("reading `{key}`"), error))?;
                 let stored = parse_metadata(&body).map_err(|reason| OpenError::BadMetadata {
-                    url: url.clone(),
+                    url: url.to_string(),
                     key: key.clone(),
                     reason,
                 })?;
@@ -278,22 +281,22 @@ impl ChunkStore {
                     .map_err(|error| request_error("listing the bucket".to_string(), error))?;
                 let Some(size) = url.create_size_bytes else {
                     return Err(OpenError::NoDisk {
-                        url: url.clone(),
+                        url: url.to_string(),
                         key,
                     });
                 };
                 if let Some(first) = existing.first() {
                     return Err(OpenError::PrefixNotEmpty {
-                        url: url.clone(),
+                        url: url.to_string(),
                         key,
                         count: existing.len(),
                         first: first.location.to_string(),
                     });
                 }
                 let chunk_size = url.chunk_size_bytes.unwrap_or(CHUNK_SIZE_DEFAULT_BYTES);
-                if size % chunk_size != 0 {
+                if !size.is_multiple_of(chunk_size) {
                     return Err(OpenError::SizeNotChunkMultiple {
-                        url: url.clone(),
+                        url: url.to_string(),
                         size,
                         chunk_size,
                     });
@@ -385,19 +388,18 @@ impl ChunkStore {
     pub fn read(&self, buffer: &mut [u8], offset: u64) -> Result<(), StoreError> {
         self.check_range(offset, buffer.len() as u64)?;
         let pieces = self.pieces(offset, buffer.len() as u64);
-        let results: Vec<Result<(Range<usize>, Option<Bytes>), StoreError>> =
-            self.runtime.block_on(
-                stream::iter(pieces.into_iter().map(|piece| {
-                    let store = self.store.clone();
-                    let key = self.chunk_key(piece.chunk);
-                    async move {
-                        let data = get_range(&store, &key, piece.within.clone()).await?;
-                        Ok((piece.buffer, data))
-                    }
-                }))
-                .buffer_unordered(self.requests_in_flight_max)
-                .collect(),
-            );
+        let results: Vec<PieceRead> = self.runtime.block_on(
+            stream::iter(pieces.into_iter().map(|piece| {
+                let store = self.store.clone();
+                let key = self.chunk_key(piece.chunk);
+                async move {
+                    let data = get_range(&store, &key, piece.within.clone()).await?;
+                    Ok((piece.buffer, data))
+                }
+            }))
+            .buffer_unordered(self.requests_in_flight_max)
+            .collect(),
+        );
         for result in results {
             let (range, data) = result?;
             match data {
@@ -541,7 +543,9 @@ fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, String> {
         ));
     }
     if !metadata.chunk_size_bytes.is_power_of_two()
-        || metadata.size_bytes % metadata.chunk_size_bytes != 0
+        || !metadata
+            .size_bytes
+            .is_multiple_of(metadata.chunk_size_bytes)
     {
         return Err("chunk size is not a power of two dividing the size".to_string());
     }
@@ -552,7 +556,7 @@ fn check_metadata(url: &S3Url, stored: &DiskMetadata) -> Result<(), OpenError> {
     if let Some(given) = url.chunk_size_bytes {
         if given != stored.chunk_size_bytes {
             return Err(OpenError::Mismatch {
-                url: url.clone(),
+                url: url.to_string(),
                 parameter: "chunk-size",
                 given: bufcache::format_size(given),
                 stored: bufcache::format_size(stored.chunk_size_bytes),
@@ -562,7 +566,7 @@ fn check_metadata(url: &S3Url, stored: &DiskMetadata) -> Result<(), OpenError> {
     if let Some(given) = url.create_size_bytes {
         if given != stored.size_bytes {
             return Err(OpenError::Mismatch {
-                url: url.clone(),
+                url: url.to_string(),
                 parameter: "create-size",
                 given: bufcache::format_size(given),
                 stored: bufcache::format_size(stored.size_bytes),

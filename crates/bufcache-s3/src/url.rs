@@ -3,7 +3,7 @@
 use std::fmt;
 
 /// Chunk size used when the URL names none (chosen by measurement: docs/s3.md).
-pub const CHUNK_SIZE_DEFAULT_BYTES: u64 = 4 << 20;
+pub const CHUNK_SIZE_DEFAULT_BYTES: u64 = 1 << 20;
 /// Smallest accepted chunk size: below it the per-request cost dominates every workload.
 pub const CHUNK_SIZE_MIN_BYTES: u64 = 4 << 10;
 /// Largest accepted chunk size: S3 allows one PUT up to 5 GiB, but a read-modify-write of
