@@ -84,9 +84,13 @@ fn main() {
     };
     if let Err(error) = result {
         report_error(&error);
-        let bad_input = error
-            .chain()
-            .any(|cause| cause.is::<BadInput>() || cause.is::<UsageError>());
+        let bad_input = error.chain().any(|cause| {
+            // A disk that cannot be opened as named (bad URL, unreachable store, metadata
+            // that does not match) is bad input too: nothing was written.
+            cause.is::<BadInput>()
+                || cause.is::<UsageError>()
+                || cause.is::<bufcache_s3::OpenError>()
+        });
         std::process::exit(if bad_input { 2 } else { 1 });
     }
 }

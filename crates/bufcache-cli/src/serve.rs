@@ -26,8 +26,8 @@ use clap::Args;
 use crate::engine_args::EngineArgs;
 use crate::limit_args::LimitArgs;
 use crate::metrics::{self, ExportMeters, Meters};
-use crate::tls_args::TlsArgs;
 use crate::rescue::{self, RescueAction};
+use crate::tls_args::TlsArgs;
 
 /// Exit status when dirty data was saved to the rescue file instead of the backend.
 pub const EXIT_RESCUED: i32 = 3;
@@ -53,7 +53,7 @@ pub const DEFAULT_BACKING_SIZE_BYTES: u64 = 1 << 30;
     bufcache serve --backend memory:4G --listen unix:/tmp/nbd.sock\n  \
     bufcache serve --backend nbd://disk-server:10809/vol1 --cache-size 2G   # cache a remote disk\n  \
     bufcache serve --export a=disk-a.img --export b=memory:1G --listen tcp:0.0.0.0:10809\n\n\
-    Backends: a file or block device path, memory:SIZE, nbd://HOST[:PORT]/EXPORT or\n\
+    Backends: a file or block device path, memory:SIZE, s3://BUCKET/PREFIX?endpoint=..., nbd://HOST[:PORT]/EXPORT or\n\
     nbd+unix:///EXPORT?socket=PATH. SIGINT or SIGTERM writes back all dirty data and exits.")]
 pub struct ServeArgs {
     /// Read flags from a TOML file (keys are these long flags; see `bufcache config
@@ -294,6 +294,12 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
         );
         return Ok((Arc::clone(&client) as Arc<dyn Device>, Some(client)));
     }
+    if spec.starts_with("s3://") {
+        let mut url = bufcache_s3::S3Url::parse(spec).map_err(bufcache_s3::OpenError::from)?;
+        url.create_size_bytes = url.create_size_bytes.or(args.create_size);
+        let store = bufcache_s3::ChunkStore::open(&url)?;
+        return Ok((Arc::new(bufcache_s3::S3Device::new(store)), None));
+    }
     let path = Path::new(spec);
     let create_length = args
         .create_size
@@ -424,9 +430,16 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut objects: Vec<(String, ObjectHandle)> = Vec::new();
     let specs = export_specs(&args)?;
     let is_file = |spec: &str| {
-        !["memory:", "nbd://", "nbd+unix://", "nbds://"]
-            .iter()
-            .any(|prefix| spec.starts_with(prefix))
+        ![
+            "memory:",
+            "nbd://",
+            "nbd+unix://",
+            "nbds://",
+            "nbds+unix://",
+            "s3://",
+        ]
+        .iter()
+        .any(|prefix| spec.starts_with(prefix))
     };
     if !specs.iter().any(|(_, backend, _)| is_file(backend)) {
         if args.direct {

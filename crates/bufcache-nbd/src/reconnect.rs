@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bufcache::{Device, Extent};
+use bufcache::{Capabilities, Device, Extent};
 use parking_lot::Mutex;
 
 use crate::client::{ClientError, NbdClient};
@@ -59,9 +59,8 @@ struct State {
 pub struct ReconnectingClient {
     uri: String,
     policy: ReconnectPolicy,
-    size: u64,
-    alignment: usize,
-    fast_zero: bool,
+    /// Fixed at the first connection; a later upstream must match it.
+    capabilities: Capabilities,
     state: Mutex<State>,
     connected: AtomicBool,
     reconnects: AtomicU64,
@@ -74,9 +73,7 @@ impl ReconnectingClient {
         Ok(ReconnectingClient {
             uri: uri.to_string(),
             policy,
-            size: client.size(),
-            alignment: Device::alignment(&client),
-            fast_zero: client.write_zeroes_is_fast(),
+            capabilities: client.capabilities(),
             state: Mutex::new(State {
                 current: Some(Arc::new(client)),
                 down_since: None,
@@ -127,14 +124,14 @@ impl ReconnectingClient {
         }
         let attempt = NbdClient::connect(&self.uri).map_err(|error| error.to_string());
         let attempt = attempt.and_then(|client| {
-            if client.size() == self.size {
+            if client.size() == self.capabilities.length_bytes {
                 Ok(client)
             } else {
                 Err(format!(
                     "the upstream came back with a different size: {} bytes, was {} bytes; \
                      refusing it (the cached data belongs to the old disk)",
                     client.size(),
-                    self.size
+                    self.capabilities.length_bytes
                 ))
             }
         });
@@ -291,26 +288,18 @@ impl Device for ReconnectingClient {
         Ok(())
     }
 
-    fn len(&self) -> u64 {
-        self.size
-    }
-
     fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
         self.run(|client| client.write_zeroes(offset, length))?;
         self.wrote();
         Ok(())
     }
 
-    fn write_zeroes_is_fast(&self) -> bool {
-        self.fast_zero
-    }
-
     fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {
         self.run(|client| client.extents(offset, length))
     }
 
-    fn alignment(&self) -> usize {
-        self.alignment
+    fn capabilities(&self) -> Capabilities {
+        self.capabilities
     }
 
     fn describe(&self) -> String {

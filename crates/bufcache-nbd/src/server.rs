@@ -203,8 +203,10 @@ impl Server {
             });
         }
         Ok(BoundServer {
+            budget: Arc::new(ServerBudget::new(self.config.inflight_bytes_max)),
             config: self.config,
             exports: self.exports,
+            tls: self.tls,
             listeners,
         })
     }

@@ -8,7 +8,7 @@
 use std::io::{IoSlice, IoSliceMut};
 use std::sync::Arc;
 
-use bufcache::{Cache, CacheConfig, Device, Environment, InlineSpawner, ObjectConfig};
+use bufcache::{Cache, CacheConfig, Device, Environment, InlineSpawner, NoWait, ObjectConfig};
 use bufcache_sim::{
     sim_cache_config, DiskSpec, HostCosts, SimCore, SimDevice, SimRng, VirtualClock,
 };
@@ -22,10 +22,7 @@ fn cache(clock: &Arc<VirtualClock>) -> Cache {
     });
     Cache::with_environment(
         config,
-        Environment {
-            clock: clock.clone(),
-            spawner: Arc::new(InlineSpawner),
-        },
+        Environment::new(clock.clone(), Arc::new(InlineSpawner), Arc::new(NoWait)),
     )
     .unwrap()
 }

@@ -24,6 +24,9 @@ use crate::buffer::{BlockKey, Buffer, DIRTY, READAHEAD, VALID};
 use crate::cache::{Cache, Inner, Lookup, Urgency};
 use crate::config::CacheConfig;
 use crate::dirty;
+
+/// How long `visit_dirty_blocks` waits between tries for a block held exclusively.
+const VISIT_LOCK_STEP: std::time::Duration = std::time::Duration::from_millis(1);
 use crate::error::CacheError;
 use crate::readahead::{StreamTable, WindowLimits};
 use crate::stats::WritebackCause;
@@ -1139,10 +1142,14 @@ impl ObjectHandle {
             let Some(buffer) = self.inner().lookup_quiet(self.object.key(block)) else {
                 continue;
             };
-            let deadline = std::time::Instant::now() + lock_wait;
+            // Waits go through the injected waiter and are counted as their full step, so the
+            // total is bounded by `lock_wait` even on a virtual clock.
+            let waiter = &self.inner().waiter;
+            let mut waited = std::time::Duration::ZERO;
             let mut locked = buffer.try_lock_shared();
-            while !locked && std::time::Instant::now() < deadline {
-                std::thread::sleep(std::time::Duration::from_millis(1));
+            while !locked && waited < lock_wait {
+                waiter.wait(waiter.ticket(), VISIT_LOCK_STEP.as_nanos() as u64);
+                waited += VISIT_LOCK_STEP;
                 locked = buffer.try_lock_shared();
             }
             if locked {

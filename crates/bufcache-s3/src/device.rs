@@ -1,0 +1,84 @@
+//! The thin adapter from [`ChunkStore`] to the engine's [`Device`] trait.
+
+use std::io::{self, IoSlice, IoSliceMut};
+
+use bufcache::device::all_data;
+use bufcache::{Capabilities, Device, Extent};
+use bytes::{Bytes, BytesMut};
+
+use crate::store::ChunkStore;
+
+/// A bufcache device stored in an object store.
+pub struct S3Device {
+    store: ChunkStore,
+}
+
+impl S3Device {
+    pub fn new(store: ChunkStore) -> Self {
+        S3Device { store }
+    }
+
+    pub fn store(&self) -> &ChunkStore {
+        &self.store
+    }
+}
+
+impl Device for S3Device {
+    fn read_vectored_at(&self, buffers: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<()> {
+        if let [single] = buffers {
+            return Ok(self.store.read(single, offset)?);
+        }
+        let total: usize = buffers.iter().map(|buffer| buffer.len()).sum();
+        let mut data = vec![0u8; total];
+        self.store.read(&mut data, offset)?;
+        let mut position = 0;
+        for buffer in buffers.iter_mut() {
+            let length = buffer.len();
+            buffer.copy_from_slice(&data[position..position + length]);
+            position += length;
+        }
+        Ok(())
+    }
+
+    fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
+        let total: usize = buffers.iter().map(|buffer| buffer.len()).sum();
+        let mut data = BytesMut::with_capacity(total);
+        for buffer in buffers {
+            data.extend_from_slice(buffer);
+        }
+        let data: Bytes = data.freeze();
+        Ok(self.store.write(data, offset)?)
+    }
+
+    /// Every write returned only after the store acknowledged its PUTs and DELETEs, so there
+    /// is nothing left to wait for.
+    fn flush(&self) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn discard(&self, offset: u64, length: u64) -> io::Result<()> {
+        Ok(self.store.write_zeroes(offset, length)?)
+    }
+
+    fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
+        Ok(self.store.write_zeroes(offset, length)?)
+    }
+
+    /// Every chunk is data to the engine; a missing chunk reads as zeroes anyway.
+    fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {
+        all_data(self.store.metadata().size_bytes, offset, length)
+    }
+
+    /// Discard and write-zeroes delete or rewrite chunks without moving the caller's data.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            discard_zeroes: true,
+            write_zeroes_fast: true,
+            ..Capabilities::plain(self.store.metadata().size_bytes)
+        }
+    }
+
+    fn describe(&self) -> String {
+        self.store.url().to_string()
+    }
+}

@@ -1,0 +1,255 @@
+//! Parsing of `s3://BUCKET/PREFIX?key=value&...` backend strings.
+
+use std::fmt;
+
+/// Chunk size used when the URL names none (chosen by measurement: docs/s3.md).
+pub const CHUNK_SIZE_DEFAULT_BYTES: u64 = 1 << 20;
+/// Smallest accepted chunk size: below it the per-request cost dominates every workload.
+pub const CHUNK_SIZE_MIN_BYTES: u64 = 4 << 10;
+/// Largest accepted chunk size: S3 allows one PUT up to 5 GiB, but a read-modify-write of
+/// a partial chunk moves the whole chunk, so keep it modest.
+pub const CHUNK_SIZE_MAX_BYTES: u64 = 64 << 20;
+
+/// What is wrong with a backend URL; every variant names the offending part.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum UrlError {
+    #[error("`{0}` is not an s3:// URL; expected s3://BUCKET/PREFIX?endpoint=...")]
+    Scheme(String),
+    #[error("`{0}`: missing bucket name; expected s3://BUCKET/PREFIX")]
+    MissingBucket(String),
+    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, chunk-size, create-size, retry-timeout-ms")]
+    UnknownParameter { url: String, name: String },
+    #[error("`{url}`: parameter `{name}` given twice")]
+    DuplicateParameter { url: String, name: String },
+    #[error("`{url}`: parameter `{name}={value}`: {reason}")]
+    BadValue {
+        url: String,
+        name: String,
+        value: String,
+        reason: String,
+    },
+}
+
+/// A parsed object-store disk URL.
+#[derive(Clone, PartialEq, Eq)]
+pub struct S3Url {
+    /// The bucket holding the disk.
+    pub bucket: String,
+    /// Key prefix of the disk's objects, without leading or trailing `/` (may be empty).
+    pub prefix: String,
+    /// Endpoint URL for non-AWS stores (`http://127.0.0.1:9000`); None means AWS.
+    pub endpoint: Option<String>,
+    /// Region; None means the environment's (`AWS_REGION`/`AWS_DEFAULT_REGION`) or us-east-1.
+    pub region: Option<String>,
+    /// Path-style addressing (`http://host/bucket/key`); None means: true when an endpoint is
+    /// given (MinIO, Ceph RGW, moto), false for AWS.
+    pub path_style: Option<bool>,
+    /// Chunk size when given.
+    pub chunk_size_bytes: Option<u64>,
+    /// Size of a new disk; when the disk exists it must match.
+    pub create_size_bytes: Option<u64>,
+    /// How long one request is retried (with exponential backoff) before its error is
+    /// reported.
+    pub retry_timeout_ms: u64,
+}
+
+/// Default for `retry-timeout-ms`: long enough to ride out a server restart.
+pub const RETRY_TIMEOUT_DEFAULT_MS: u64 = 30_000;
+
+impl S3Url {
+    /// Parses `s3://BUCKET/PREFIX?key=value&...`.
+    pub fn parse(text: &str) -> Result<Self, UrlError> {
+        let rest = text
+            .strip_prefix("s3://")
+            .ok_or_else(|| UrlError::Scheme(text.to_string()))?;
+        let (location, query) = match rest.split_once('?') {
+            Some((location, query)) => (location, Some(query)),
+            None => (rest, None),
+        };
+        let (bucket, prefix) = location.split_once('/').unwrap_or((location, ""));
+        if bucket.is_empty() {
+            return Err(UrlError::MissingBucket(text.to_string()));
+        }
+        let mut url = S3Url {
+            bucket: bucket.to_string(),
+            prefix: prefix.trim_matches('/').to_string(),
+            endpoint: None,
+            region: None,
+            path_style: None,
+            chunk_size_bytes: None,
+            create_size_bytes: None,
+            retry_timeout_ms: RETRY_TIMEOUT_DEFAULT_MS,
+        };
+        let mut seen: Vec<String> = Vec::new();
+        for pair in query
+            .unwrap_or("")
+            .split('&')
+            .filter(|pair| !pair.is_empty())
+        {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            if seen.iter().any(|known| known == name) {
+                return Err(UrlError::DuplicateParameter {
+                    url: text.to_string(),
+                    name: name.to_string(),
+                });
+            }
+            seen.push(name.to_string());
+            let bad = |reason: &str| UrlError::BadValue {
+                url: text.to_string(),
+                name: name.to_string(),
+                value: value.to_string(),
+                reason: reason.to_string(),
+            };
+            match name {
+                "endpoint" => {
+                    if !(value.starts_with("http://") || value.starts_with("https://"))
+                        || value.len() <= "https://".len()
+                    {
+                        return Err(bad("expected http://HOST:PORT or https://HOST[:PORT]"));
+                    }
+                    url.endpoint = Some(value.trim_end_matches('/').to_string());
+                }
+                "region" => {
+                    if value.is_empty() {
+                        return Err(bad("empty region"));
+                    }
+                    url.region = Some(value.to_string());
+                }
+                "path-style" => {
+                    url.path_style = Some(match value {
+                        "true" => true,
+                        "false" => false,
+                        _ => return Err(bad("expected true or false")),
+                    })
+                }
+                "chunk-size" => {
+                    let size =
+                        bufcache::parse_size(value).map_err(|error| bad(&error.to_string()))?;
+                    if !size.is_power_of_two()
+                        || !(CHUNK_SIZE_MIN_BYTES..=CHUNK_SIZE_MAX_BYTES).contains(&size)
+                    {
+                        return Err(bad("the chunk size must be a power of two from 4k to 64M"));
+                    }
+                    url.chunk_size_bytes = Some(size);
+                }
+                "create-size" => {
+                    let size =
+                        bufcache::parse_size(value).map_err(|error| bad(&error.to_string()))?;
+                    if size == 0 {
+                        return Err(bad("the size must be above zero"));
+                    }
+                    url.create_size_bytes = Some(size);
+                }
+                "retry-timeout-ms" => {
+                    url.retry_timeout_ms = value
+                        .parse()
+                        .map_err(|_| bad("expected a whole number of milliseconds"))?;
+                }
+                _ => {
+                    return Err(UrlError::UnknownParameter {
+                        url: text.to_string(),
+                        name: name.to_string(),
+                    })
+                }
+            }
+        }
+        Ok(url)
+    }
+
+    /// The key of an object of this disk, under the prefix.
+    pub fn key(&self, name: &str) -> String {
+        if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}/{name}", self.prefix)
+        }
+    }
+
+    /// Path-style addressing in effect.
+    pub fn path_style_effective(&self) -> bool {
+        self.path_style.unwrap_or(self.endpoint.is_some())
+    }
+}
+
+/// The disk's name for messages: bucket, prefix and endpoint, never credentials.
+impl fmt::Display for S3Url {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(formatter, "s3://{}/{}", self.bucket, self.prefix)?;
+        if let Some(endpoint) = &self.endpoint {
+            write!(formatter, " at {endpoint}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for S3Url {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, formatter)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Goal: every documented parameter is understood. Method: parse a URL that sets each.
+    #[test]
+    fn every_documented_parameter_is_parsed() {
+        let url = S3Url::parse(
+            "s3://vm-disks/db1/?endpoint=http://127.0.0.1:9000&region=eu-west-1&path-style=false\
+             &chunk-size=1M&create-size=100G&retry-timeout-ms=500",
+        )
+        .unwrap();
+        assert_eq!(url.bucket, "vm-disks");
+        assert_eq!(url.prefix, "db1");
+        assert_eq!(url.endpoint.as_deref(), Some("http://127.0.0.1:9000"));
+        assert_eq!(url.region.as_deref(), Some("eu-west-1"));
+        assert_eq!(url.path_style, Some(false));
+        assert!(!url.path_style_effective());
+        assert_eq!(url.chunk_size_bytes, Some(1 << 20));
+        assert_eq!(url.create_size_bytes, Some(100 << 30));
+        assert_eq!(url.retry_timeout_ms, 500);
+        assert_eq!(url.key("meta"), "db1/meta");
+    }
+
+    // Goal: defaults follow the store kind. Method: an endpoint implies path style, no
+    // endpoint (AWS) implies virtual-hosted style; an empty prefix keys objects at the root.
+    #[test]
+    fn path_style_defaults_to_true_only_with_an_endpoint() {
+        let aws = S3Url::parse("s3://bucket").unwrap();
+        assert!(!aws.path_style_effective());
+        assert_eq!(aws.key("meta"), "meta");
+        let minio = S3Url::parse("s3://bucket/p?endpoint=http://h:9000").unwrap();
+        assert!(minio.path_style_effective());
+    }
+
+    // Goal: a bad URL is refused with an error naming the bad part. Method: one bad string per
+    // rule, checking the variant and that the message names the parameter.
+    #[test]
+    fn bad_urls_name_the_bad_parameter() {
+        assert!(matches!(S3Url::parse("s4://b/p"), Err(UrlError::Scheme(_))));
+        assert!(matches!(
+            S3Url::parse("s3:///p"),
+            Err(UrlError::MissingBucket(_))
+        ));
+        let cases = [
+            ("s3://b/p?chunk-size=3M", "chunk-size"),
+            ("s3://b/p?chunk-size=1k", "chunk-size"),
+            ("s3://b/p?chunk-size=1X", "chunk-size"),
+            ("s3://b/p?create-size=0", "create-size"),
+            ("s3://b/p?path-style=yes", "path-style"),
+            ("s3://b/p?endpoint=127.0.0.1:9000", "endpoint"),
+            ("s3://b/p?region=", "region"),
+            ("s3://b/p?retry-timeout-ms=soon", "retry-timeout-ms"),
+            ("s3://b/p?colour=blue", "colour"),
+            ("s3://b/p?region=a&region=b", "region"),
+        ];
+        for (text, parameter) in cases {
+            let error = S3Url::parse(text).unwrap_err();
+            assert!(
+                error.to_string().contains(&format!("`{parameter}")),
+                "{text}: {error}"
+            );
+        }
+    }
+}

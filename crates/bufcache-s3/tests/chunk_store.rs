@@ -1,0 +1,184 @@
+//! The chunk store against a real S3 server (moto on loopback): layout, zero elision,
+//! read-modify-write, metadata checks, and errors (never success) while the server is down.
+
+mod support;
+
+use bufcache::Device;
+use bufcache_s3::{ChunkStore, OpenError, S3Device, S3Url};
+use bytes::Bytes;
+use rand::{Rng, SeedableRng};
+use support::{have_moto, Moto, Proxy};
+
+fn open(endpoint: &str, bucket: &str, parameters: &str) -> Result<ChunkStore, OpenError> {
+    ChunkStore::open(
+        &S3Url::parse(&format!(
+            "s3://{bucket}/disk?endpoint={endpoint}{parameters}"
+        ))
+        .unwrap(),
+    )
+}
+
+fn random(length: usize, seed: u64) -> Vec<u8> {
+    let mut data = vec![0u8; length];
+    rand::rngs::StdRng::seed_from_u64(seed).fill(&mut data[..]);
+    data
+}
+
+// Goal: whole-chunk writes are one PUT each, partial writes merge into the stored chunk, and
+// unaligned reads return exactly what was written. Method: 64 KiB chunks; write random data
+// at unaligned offsets across chunk boundaries, compare with a model; count PUTs in moto's log.
+#[test]
+fn writes_at_any_offset_read_back_and_whole_chunks_are_one_put() {
+    if !have_moto("writes_at_any_offset_read_back_and_whole_chunks_are_one_put") {
+        return;
+    }
+    let moto = Moto::start();
+    moto.create_bucket("bucket");
+    let store = open(&moto.endpoint(), "bucket", "&create-size=1M&chunk-size=64k").unwrap();
+    let mut model = vec![0u8; 1 << 20];
+    let puts_before = moto.request_count("PUT");
+    let aligned = random(256 << 10, 1);
+    store
+        .write(Bytes::from(aligned.clone()), 128 << 10)
+        .unwrap();
+    model[128 << 10..384 << 10].copy_from_slice(&aligned);
+    assert_eq!(
+        moto.request_count("PUT") - puts_before,
+        4,
+        "4 whole chunks, 4 PUTs"
+    );
+    for (seed, offset, length) in [
+        (2u64, 1000u64, 70_000usize),
+        (3, 300_000, 5),
+        (4, 1_000_000, 48_575),
+    ] {
+        let data = random(length, seed);
+        store.write(Bytes::from(data.clone()), offset).unwrap();
+        model[offset as usize..offset as usize + length].copy_from_slice(&data);
+    }
+    let mut back = vec![0u8; 1 << 20];
+    store.read(&mut back, 0).unwrap();
+    assert!(back == model, "whole disk differs from the model");
+    let mut piece = vec![0u8; 99_999];
+    store.read(&mut piece, 12_345).unwrap();
+    assert!(piece[..] == model[12_345..12_345 + 99_999]);
+}
+
+// Goal: zero elision. A sparse 1 GiB disk with 10 MiB written stores about 10 MiB, zero
+// chunks are not stored and a whole-chunk write-zeroes deletes its object. Method: count
+// and sum the chunk objects by listing the bucket.
+#[test]
+fn sparse_disk_stores_only_written_chunks_and_zeroes_delete_objects() {
+    if !have_moto("sparse_disk_stores_only_written_chunks_and_zeroes_delete_objects") {
+        return;
+    }
+    let moto = Moto::start();
+    moto.create_bucket("bucket");
+    let device =
+        S3Device::new(open(&moto.endpoint(), "bucket", "&create-size=1G&chunk-size=1M").unwrap());
+    assert_eq!(device.len(), 1 << 30);
+    let data = random(10 << 20, 5);
+    device
+        .write_vectored_at(&[std::io::IoSlice::new(&data)], 512 << 20)
+        .unwrap();
+    // An all-zero write of a chunk that was never stored stores nothing.
+    device
+        .write_vectored_at(&[std::io::IoSlice::new(&vec![0u8; 2 << 20])], 0)
+        .unwrap();
+    let (count, bytes) = device.store().stored_chunks().unwrap();
+    assert_eq!((count, bytes), (10, 10 << 20));
+    device.write_zeroes(512 << 20, 3 << 20).unwrap();
+    device.discard((515 << 20) + 4096, 4096).unwrap();
+    let (count, bytes) = device.store().stored_chunks().unwrap();
+    assert_eq!(
+        (count, bytes),
+        (7, 7 << 20),
+        "3 whole chunks zeroed, 1 partially"
+    );
+    let mut back = vec![0xffu8; 4 << 20];
+    device
+        .read_vectored_at(&mut [std::io::IoSliceMut::new(&mut back)], 512 << 20)
+        .unwrap();
+    assert!(back[..3 << 20].iter().all(|&byte| byte == 0));
+    assert!(back[3 << 20..(3 << 20) + 4096] == data[3 << 20..(3 << 20) + 4096]);
+    assert!(back[(3 << 20) + 4096..(3 << 20) + 8192]
+        .iter()
+        .all(|&byte| byte == 0));
+}
+
+// Goal: the metadata object is written once and checked at every open; a mismatch or a
+// missing disk is a clear error naming the parameter, and writes nothing. Method: create,
+// reopen with matching, mismatching and absent parameters, count PUTs.
+#[test]
+fn metadata_is_checked_at_open_and_a_mismatch_writes_nothing() {
+    if !have_moto("metadata_is_checked_at_open_and_a_mismatch_writes_nothing") {
+        return;
+    }
+    let moto = Moto::start();
+    moto.create_bucket("bucket");
+    let endpoint = moto.endpoint();
+    let error = open(&endpoint, "bucket", "").err().unwrap();
+    assert!(matches!(error, OpenError::NoDisk { .. }), "{error}");
+    assert!(error.to_string().contains("create-size"), "{error}");
+    let created = open(&endpoint, "bucket", "&create-size=8M&chunk-size=1M").unwrap();
+    assert_eq!(created.metadata().size_bytes, 8 << 20);
+    drop(created);
+    let puts = moto.request_count("PUT");
+    let reopened = open(&endpoint, "bucket", "").unwrap();
+    assert_eq!(reopened.metadata().chunk_size_bytes, 1 << 20);
+    drop(reopened);
+    open(&endpoint, "bucket", "&create-size=8M").unwrap();
+    for (parameters, named) in [
+        ("&create-size=16M", "create-size"),
+        ("&chunk-size=2M", "chunk-size"),
+    ] {
+        let error = open(&endpoint, "bucket", parameters).err().unwrap();
+        assert!(matches!(error, OpenError::Mismatch { .. }), "{error}");
+        assert!(error.to_string().contains(&format!("`{named}=")), "{error}");
+    }
+    assert_eq!(
+        moto.request_count("PUT"),
+        puts,
+        "opening an existing disk writes nothing"
+    );
+    let error = open(&endpoint, "absent-bucket", "&create-size=8M")
+        .err()
+        .unwrap();
+    assert!(matches!(error, OpenError::Request { .. }), "{error}");
+    assert!(error.to_string().contains("NoSuchBucket"), "{error}");
+}
+
+// Goal: while the server is unreachable a write or read returns an error (after bounded
+// retries), never success; once it is back the same write succeeds and everything written
+// before is intact. Method: a proxy in front of moto is taken down and brought back.
+#[test]
+fn requests_fail_while_the_server_is_down_and_succeed_after() {
+    if !have_moto("requests_fail_while_the_server_is_down_and_succeed_after") {
+        return;
+    }
+    let moto = Moto::start();
+    moto.create_bucket("bucket");
+    let proxy = Proxy::start(moto.port);
+    let store = open(
+        &proxy.endpoint(),
+        "bucket",
+        "&create-size=4M&chunk-size=1M&retry-timeout-ms=1500",
+    )
+    .unwrap();
+    let first = random(1 << 20, 6);
+    store.write(Bytes::from(first.clone()), 0).unwrap();
+    proxy.set_down(true);
+    let second = random(1 << 20, 7);
+    assert!(store.write(Bytes::from(second.clone()), 1 << 20).is_err());
+    assert!(
+        store.write(Bytes::from(second.clone()), 100).is_err(),
+        "partial write"
+    );
+    let mut back = vec![0u8; 2 << 20];
+    assert!(store.read(&mut back, 0).is_err());
+    proxy.set_down(false);
+    store.write(Bytes::from(second.clone()), 1 << 20).unwrap();
+    store.read(&mut back, 0).unwrap();
+    assert!(back[..1 << 20] == first[..]);
+    assert!(back[1 << 20..] == second[..]);
+}

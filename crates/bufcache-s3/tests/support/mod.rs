@@ -1,0 +1,203 @@
+//! Test support: a moto S3 server on a free loopback port, started per test and killed on
+//! drop, and a TCP proxy in front of it that can be taken down to inject "server stopped"
+//! faults without losing moto's in-memory objects.
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Credentials moto accepts; set for this process and every child it starts.
+pub fn set_test_credentials() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        std::env::set_var("AWS_ACCESS_KEY_ID", "testing");
+        std::env::set_var("AWS_SECRET_ACCESS_KEY", "testing");
+        std::env::set_var("AWS_REGION", "us-east-1");
+    });
+}
+
+/// True when moto's server can be started; otherwise prints why `test` is skipped.
+pub fn have_moto(test: &str) -> bool {
+    let ok = Command::new("python3")
+        .args(["-c", "import moto.server, flask"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .map(|status| status.success())
+        .unwrap_or(false);
+    if !ok {
+        eprintln!("skipping {test}: moto server not installed (pip install 'moto[server]')");
+    }
+    ok
+}
+
+/// A free loopback port (bound then released; the tiny race is acceptable in tests).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn wait_for_port(port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "moto did not listen on port {port} within 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A running moto server; its request log (one line per request) is kept in `log_path`.
+pub struct Moto {
+    child: Child,
+    pub port: u16,
+    pub log_path: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Moto {
+    pub fn start() -> Moto {
+        set_test_credentials();
+        let dir = tempfile::tempdir().unwrap();
+        let log_path = dir.path().join("moto.log");
+        let port = free_port();
+        let child = Command::new("python3")
+            .args([
+                "-m",
+                "moto.server",
+                "-H",
+                "127.0.0.1",
+                "-p",
+                &port.to_string(),
+            ])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log_path).unwrap())
+            .spawn()
+            .expect("starting moto");
+        wait_for_port(port);
+        Moto {
+            child,
+            port,
+            log_path,
+            _dir: dir,
+        }
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Creates a bucket with an unsigned PUT (moto does not check signatures).
+    pub fn create_bucket(&self, name: &str) {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        write!(
+            stream,
+            "PUT /{name} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+            self.port
+        )
+        .unwrap();
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).unwrap();
+        assert!(
+            answer.starts_with("HTTP/1.1 200") || answer.starts_with("HTTP/1.0 200"),
+            "{answer}"
+        );
+    }
+
+    /// Requests logged so far by method (GET, PUT, DELETE, HEAD, POST).
+    pub fn request_count(&self, method: &str) -> usize {
+        let log = std::fs::read_to_string(&self.log_path).unwrap_or_default();
+        log.lines()
+            .filter(|line| line.contains(&format!("\"{method} ")))
+            .count()
+    }
+}
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A TCP proxy on a free loopback port in front of `target_port`. While down it closes every
+/// connection, new and established, as a stopped server would.
+pub struct Proxy {
+    pub port: u16,
+    down: Arc<AtomicBool>,
+    connections: Arc<Mutex<Vec<TcpStream>>>,
+}
+
+impl Proxy {
+    pub fn start(target_port: u16) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let down = Arc::new(AtomicBool::new(false));
+        let connections: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let (thread_down, thread_connections) = (down.clone(), connections.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { continue };
+                if thread_down.load(Ordering::SeqCst) {
+                    let _ = client.shutdown(Shutdown::Both);
+                    continue;
+                }
+                let Ok(server) = TcpStream::connect(("127.0.0.1", target_port)) else {
+                    continue;
+                };
+                {
+                    let mut list = thread_connections.lock().unwrap();
+                    list.push(client.try_clone().unwrap());
+                    list.push(server.try_clone().unwrap());
+                }
+                pump(client.try_clone().unwrap(), server.try_clone().unwrap());
+                pump(server, client);
+            }
+        });
+        Proxy {
+            port,
+            down,
+            connections,
+        }
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Takes the "server" down (true) or brings it back (false).
+    pub fn set_down(&self, down: bool) {
+        self.down.store(down, Ordering::SeqCst);
+        if down {
+            for stream in self.connections.lock().unwrap().drain(..) {
+                let _ = stream.shutdown(Shutdown::Both);
+            }
+        }
+    }
+}
+
+fn pump(mut from: TcpStream, mut to: TcpStream) {
+    std::thread::spawn(move || {
+        let mut buffer = vec![0u8; 64 << 10];
+        loop {
+            match from.read(&mut buffer) {
+                Ok(0) | Err(_) => break,
+                Ok(count) => {
+                    if to.write_all(&buffer[..count]).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = to.shutdown(Shutdown::Write);
+    });
+}
