@@ -188,6 +188,9 @@ fn default_value(name: &str) -> Option<String> {
         "unix" => "\"/run/bufcache/nbd.sock\"".into(),
         "export-name" => "\"\"".into(),
         "pid-file" => "\"/run/bufcache/bufcache.pid\"".into(),
+        "trace" => "\"/var/log/bufcache/requests.csv\"".into(),
+        "trace-size-max" => size(1 << 30),
+        "whatif-sampling-rate" => "0.01".into(),
         _ => return None,
     })
 }
