@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bufcache::{
-    format_size, parse_size, Cache, CacheConfig, Environment, InlineSpawner, MemoryDevice,
-    ObjectConfig, PolicyKind, SystemClock,
+    format_size, parse_size, Cache, CacheConfig, Environment, FrozenClock, MemoryDevice,
+    ObjectConfig, PolicyKind,
 };
 use bufcache_nbd::{Export, ListenAddress, MemoryExport, NbdUri, Server, ServerConfig};
 
@@ -80,10 +80,7 @@ pub fn config_cache(data: &[u8]) {
     if entries / shard_count > 1 << 16 || shard_count > 256 {
         return;
     }
-    let environment = Environment {
-        clock: Arc::new(SystemClock::new()),
-        spawner: Arc::new(InlineSpawner),
-    };
+    let environment = Environment::inline(Arc::new(FrozenClock));
     let cache = Cache::with_environment(config.clone(), environment)
         .unwrap_or_else(|error| panic!("validated config {config:?} refused: {error}"));
     let device = Arc::new(MemoryDevice::new(device_bytes));
@@ -123,6 +120,7 @@ pub fn config_server(data: &[u8]) {
         workers_per_connection_max: input.size(16) as usize,
         connections_max: input.size(64) as usize,
         handshake_timeout: Duration::new(input.u64(), input.u32() % 1_000_000_000),
+        ..ServerConfig::default()
     };
     let name = String::from_utf8_lossy(input.rest()).into_owned();
     match config.validate() {

@@ -66,6 +66,7 @@ fn harness() -> &'static Harness {
             workers_per_connection_max: 2,
             connections_max: 65536,
             handshake_timeout: IO_TIMEOUT,
+            ..ServerConfig::default()
         };
         let exports: Vec<(String, Arc<dyn Export>)> = vec![
             (
