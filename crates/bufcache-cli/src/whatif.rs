@@ -2,7 +2,7 @@
 //! miniature simulations ([`bufcache_policy::whatif`]) of the configured policy and LRU at
 //! ¼…8× the configured cache size. Results go to `/metrics`, `/stats` and `bufcache stat`.
 //!
-//! The feed sits at the NBD export adapter ([`crate::observe`] wraps any export), so the
+//! The feed sits at the NBD export adapter (the `observe` module wraps any export), so the
 //! engine is untouched and sees no extra work. Hot path per request: for each block it covers,
 //! one hash and a compare; only a sampled block (about 1 in 100 by default) takes the lock
 //! around the miniatures. Keys are `export << 52 | block`, so exports never share a key.

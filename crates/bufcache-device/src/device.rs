@@ -12,7 +12,7 @@
 //! - an error is returned to the caller that issued the request; it is never swallowed.
 //!
 //! Faults, latency, crashes, queueing and counting are added by wrapper devices (see
-//! [`crate::counting`]), never by special cases inside the engine.
+//! the `counting` module), never by special cases inside the engine.
 
 use std::io::{self, IoSlice, IoSliceMut};
 

@@ -124,12 +124,12 @@ impl Buffer {
         self.flags.fetch_and(!flag, Ordering::AcqRel) & flag != 0
     }
 
-    /// Sets a flag; for `crate::dirty` only, the one home of the DIRTY flag.
+    /// Sets a flag; for the dirty-set module only, the one home of the DIRTY flag.
     pub(crate) fn set_flag_of_dirty_set(&self, flag: u32) -> bool {
         self.flags.fetch_or(flag, Ordering::AcqRel) & flag == 0
     }
 
-    /// Clears a flag; for `crate::dirty` only, the one home of the DIRTY flag.
+    /// Clears a flag; for the dirty-set module only, the one home of the DIRTY flag.
     pub(crate) fn clear_flag_of_dirty_set(&self, flag: u32) -> bool {
         self.flags.fetch_and(!flag, Ordering::AcqRel) & flag != 0
     }
