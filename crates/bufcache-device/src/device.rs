@@ -44,6 +44,11 @@ pub struct Capabilities {
     pub write_zeroes_fast: bool,
     /// True when [`Device::extents`] reports real holes (otherwise everything is data).
     pub extents: bool,
+    /// The size, and alignment, of the writes the device handles best: an object-store chunk,
+    /// where a write covering part of one costs a read, a merge and a whole upload. Write-back
+    /// cuts its runs at multiples of it so each write covers whole units. 1 when any size is as
+    /// good as another (files, block devices, NBD).
+    pub write_unit_bytes: u64,
 }
 
 impl Capabilities {
@@ -55,6 +60,7 @@ impl Capabilities {
             discard_zeroes: false,
             write_zeroes_fast: false,
             extents: false,
+            write_unit_bytes: 1,
         }
     }
 }

@@ -415,6 +415,7 @@ impl Device for FileDevice {
             discard_zeroes: !self.block_device,
             write_zeroes_fast: !self.block_device,
             extents: !self.block_device,
+            write_unit_bytes: 1,
         }
     }
 

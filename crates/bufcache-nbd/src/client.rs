@@ -1033,6 +1033,7 @@ impl Device for NbdClient {
             write_zeroes_fast: info.has_flag(TRANSMIT_SEND_WRITE_ZEROES)
                 && info.has_flag(TRANSMIT_SEND_FAST_ZERO),
             extents: true,
+            write_unit_bytes: 1,
         }
     }
 

@@ -74,6 +74,7 @@ impl Device for S3Device {
         Capabilities {
             discard_zeroes: true,
             write_zeroes_fast: true,
+            write_unit_bytes: self.store.metadata().chunk_size_bytes,
             ..Capabilities::plain(self.store.metadata().size_bytes)
         }
     }
