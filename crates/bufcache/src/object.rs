@@ -138,6 +138,9 @@ pub(crate) struct ObjectState {
     streams: Mutex<StreamTable>,
     limits: WindowLimits,
     pub cluster_blocks: u64,
+    /// The device's preferred write unit in bytes (`Capabilities::write_unit_bytes`) when it
+    /// is a whole number of blocks larger than one, else 0: write-back runs end on it.
+    write_unit_bytes: u64,
 }
 
 impl ObjectState {
@@ -176,6 +179,19 @@ impl ObjectState {
             .clone()
             .unwrap_or_else(|| Arc::new(IdentityMap::new(0, block_size, block_count)));
         let readahead_blocks = |bytes: u64| bytes.div_ceil(block_size);
+        let write_unit_bytes = config.device.capabilities().write_unit_bytes;
+        let write_unit_bytes = if write_unit_bytes > block_size
+            && write_unit_bytes.is_multiple_of(block_size)
+        {
+            write_unit_bytes
+        } else {
+            0
+        };
+        // A write cluster covers at least one whole write unit, or every unit would be
+        // written in pieces (an object-store chunk read, merged and uploaded once per piece).
+        let cluster_blocks = (cache.cluster_size_max_bytes / block_size)
+            .max(write_unit_bytes / block_size)
+            .max(1);
         Ok(ObjectState {
             id,
             block_size_bytes: config.block_size_bytes,
@@ -194,7 +210,8 @@ impl ObjectState {
                 streams_max: cache.streams_per_object_max,
                 object_blocks: block_count,
             },
-            cluster_blocks: (cache.cluster_size_max_bytes / block_size).max(1),
+            cluster_blocks,
+            write_unit_bytes,
             name: config.name,
         })
     }
@@ -212,18 +229,52 @@ impl ObjectState {
         }
     }
 
+    /// How many blocks a write-back run starting at `first` may cover: one cluster, within
+    /// one contiguous device run, and — on a device with a write unit — ending on the last
+    /// unit boundary inside that, so the runs after it start on a unit and cover whole units.
+    pub fn write_run_blocks_max(&self, first: u64) -> u64 {
+        let mapped = self.map.map(first);
+        let limit = self.cluster_blocks.min(mapped.contiguous_blocks);
+        if self.write_unit_bytes == 0 {
+            return limit;
+        }
+        let block_size = self.block_size_bytes as u64;
+        let end_bytes = mapped.device_offset + limit * block_size;
+        let aligned_end = end_bytes / self.write_unit_bytes * self.write_unit_bytes;
+        let aligned_length = aligned_end.saturating_sub(mapped.device_offset);
+        if aligned_length == 0 || !aligned_length.is_multiple_of(block_size) {
+            return limit;
+        }
+        aligned_length / block_size
+    }
+
+    /// The first block of the write unit holding `block` (itself when there is no unit).
+    fn write_unit_start(&self, block: u64) -> u64 {
+        if self.write_unit_bytes == 0 {
+            return block;
+        }
+        let device_offset = self.map.map(block).device_offset;
+        let into_unit = device_offset % self.write_unit_bytes / self.block_size_bytes as u64;
+        block.saturating_sub(into_unit)
+    }
+
     /// A dirty block to start a write-back cluster at: the first at or after the object's
-    /// write-back cursor, wrapping to the start. The cursor moves one cluster past it, so
-    /// threads cleaning under memory pressure take different clusters instead of all
-    /// contending for the first one.
+    /// write-back cursor, wrapping to the start, moved back to the first dirty block of its
+    /// write unit. The cursor moves one cluster past it, so threads cleaning under memory
+    /// pressure take different clusters instead of all contending for the first one.
     pub fn claim_dirty_cluster(&self) -> Option<u64> {
         let dirty = self.dirty.lock();
         let cursor = self.writeback_cursor.load(Ordering::Relaxed);
-        let block = dirty
+        let found = dirty
             .range(cursor..)
             .next()
             .or_else(|| dirty.iter().next())
             .map(|(&block, _)| block)?;
+        let unit_start = self.write_unit_start(found);
+        let block = dirty
+            .range(unit_start..=found)
+            .next()
+            .map_or(found, |(&block, _)| block);
         self.writeback_cursor
             .store(block + self.cluster_blocks, Ordering::Relaxed);
         Some(block)

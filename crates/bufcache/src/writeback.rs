@@ -40,8 +40,7 @@ impl Inner {
         mode: LockMode,
         cause: WritebackCause,
     ) -> Result<u64, CacheError> {
-        let mapped = object.map.map(first);
-        let limit = object.cluster_blocks.min(mapped.contiguous_blocks);
+        let limit = object.write_run_blocks_max(first);
         let candidates: Vec<u64> = {
             let dirty = object.dirty.lock();
             dirty
