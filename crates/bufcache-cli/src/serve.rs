@@ -224,6 +224,10 @@ impl Export for CacheExport {
         self.object.is_resident(offset, length)
     }
 
+    fn write_is_quick(&self, offset: u64, length: u64, fua: bool) -> bool {
+        self.object.write_is_quick(offset, length, fua)
+    }
+
     fn open_connection(&self) -> Option<Arc<dyn Export>> {
         Some(Arc::new(CacheExport {
             object: self.object.reopen(),

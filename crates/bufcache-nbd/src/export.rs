@@ -68,6 +68,12 @@ pub trait Export: Send + Sync {
     fn read_is_quick(&self, _offset: u64, _length: u64) -> bool {
         false
     }
+    /// True when a WRITE of this range will finish without waiting for slow I/O (for a
+    /// cache: no FUA, room for the data without write-back, and any partly written block
+    /// already resident). The default, false, always passes the reading role on first.
+    fn write_is_quick(&self, _offset: u64, _length: u64, _fua: bool) -> bool {
+        false
+    }
     /// A per-connection view of this export, called once when a connection enters
     /// transmission; `None` (the default) shares this export with every connection. A cache
     /// uses it to give each connection its own position for reporting write-back errors, so
@@ -222,6 +228,14 @@ impl Export for MemoryExport {
     }
 
     fn can_fast_zero(&self) -> bool {
+        true
+    }
+
+    fn read_is_quick(&self, _offset: u64, _length: u64) -> bool {
+        true
+    }
+
+    fn write_is_quick(&self, _offset: u64, _length: u64, _fua: bool) -> bool {
         true
     }
 

@@ -12,6 +12,7 @@
 //! memory per connection); it owns no data: durability is the export's `flush`, and the
 //! server never answers a FLUSH before that returns.
 
+mod buffers;
 pub mod client;
 pub mod client_handshake;
 pub mod config;

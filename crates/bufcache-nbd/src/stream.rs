@@ -96,24 +96,6 @@ impl Stream {
         }
     }
 
-    /// Bytes the peer has sent that wait to be read (0 when none, or when the count is
-    /// unavailable).
-    pub fn pending_bytes(&self) -> usize {
-        use std::os::unix::io::AsRawFd;
-        let descriptor = match self {
-            Stream::Tcp(stream) => stream.as_raw_fd(),
-            Stream::Unix(stream) => stream.as_raw_fd(),
-        };
-        let mut count: libc::c_int = 0;
-        // SAFETY: FIONREAD stores one int through the pointer, which is valid for the call.
-        let result = unsafe { libc::ioctl(descriptor, libc::FIONREAD, &mut count) };
-        if result == 0 {
-            count.max(0) as usize
-        } else {
-            0
-        }
-    }
-
     /// The peer's IP address; `None` for unix sockets (or when it is unavailable).
     pub fn peer_ip(&self) -> Option<std::net::IpAddr> {
         match self {

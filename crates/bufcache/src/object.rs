@@ -180,13 +180,12 @@ impl ObjectState {
             .unwrap_or_else(|| Arc::new(IdentityMap::new(0, block_size, block_count)));
         let readahead_blocks = |bytes: u64| bytes.div_ceil(block_size);
         let write_unit_bytes = config.device.capabilities().write_unit_bytes;
-        let write_unit_bytes = if write_unit_bytes > block_size
-            && write_unit_bytes.is_multiple_of(block_size)
-        {
-            write_unit_bytes
-        } else {
-            0
-        };
+        let write_unit_bytes =
+            if write_unit_bytes > block_size && write_unit_bytes.is_multiple_of(block_size) {
+                write_unit_bytes
+            } else {
+                0
+            };
         // A write cluster covers at least one whole write unit, or every unit would be
         // written in pieces (an object-store chunk read, merged and uploaded once per piece).
         let cluster_blocks = (cache.cluster_size_max_bytes / block_size)
@@ -743,18 +742,45 @@ impl ObjectHandle {
         }
     }
 
-    /// True when every block of the byte range is in the cache now (a hint: it may change
-    /// at once). Ranges over 64 blocks answer false without looking, to keep the check cheap.
+    /// True when the byte range is in the cache now, so reading it will not wait for the
+    /// device (a hint: it may change at once). Up to `CHECKED_BLOCKS_MAX` blocks are all
+    /// looked up; a longer range is sampled (evenly spaced blocks and the last one), which
+    /// costs a few lookups instead of one per block — runs are cached and evicted mostly
+    /// whole (read-ahead, clustering), so a sampled run is almost always wholly resident.
     pub fn is_resident(&self, offset: u64, length_bytes: u64) -> bool {
-        const BLOCKS_MAX: u64 = 64;
+        const CHECKED_BLOCKS_MAX: u64 = 16;
         if self.object.check_range(offset, length_bytes).is_err() || length_bytes == 0 {
             return false;
         }
         let block_size = self.object.block_size_bytes as u64;
         let first = offset / block_size;
         let end = (offset + length_bytes).div_ceil(block_size);
-        end - first <= BLOCKS_MAX
-            && (first..end).all(|block| self.inner().contains(self.object.key(block)))
+        let step = (end - first).div_ceil(CHECKED_BLOCKS_MAX).max(1);
+        let resident = |block: u64| self.inner().contains(self.object.key(block));
+        (first..end).step_by(step as usize).all(resident) && resident(end - 1)
+    }
+
+    /// True when a write of the byte range will complete without waiting for the device: no
+    /// FUA, the dirty data stays under the throttling limit, and a block the write covers
+    /// only in part is cached (so it need not be read first). A hint, like `is_resident`.
+    pub fn write_is_quick(&self, offset: u64, length_bytes: u64, fua: bool) -> bool {
+        let object = &self.object;
+        if fua || object.read_only || object.check_range(offset, length_bytes).is_err() {
+            return false;
+        }
+        let inner = self.inner();
+        let (_, limit) = inner.dirty_thresholds();
+        if inner.dirty_bytes.load(Ordering::Acquire) + length_bytes > limit {
+            return false;
+        }
+        let block_size = object.block_size_bytes as u64;
+        let end_offset = offset + length_bytes;
+        let partial_head = !offset.is_multiple_of(block_size);
+        let partial_tail =
+            !end_offset.is_multiple_of(block_size) && end_offset != object.length_bytes;
+        let resident = |block: u64| inner.contains(object.key(block));
+        (!partial_head || resident(offset / block_size))
+            && (!partial_tail || resident(end_offset / block_size))
     }
 
     /// NBD_CMD_CACHE: reads `[offset, offset + length)` into the cache.
