@@ -12,15 +12,18 @@
 
 #[macro_use]
 mod strict;
+mod bsd;
 mod buffer;
 mod cache;
 pub mod config;
 mod dirty;
 pub mod environment;
 mod error;
+mod handle;
 mod object;
 mod readahead;
 pub mod stats;
+mod table;
 mod writeback;
 
 pub use bufcache_policy::{Placement, PolicyKind};
@@ -41,5 +44,6 @@ pub use environment::{
     Clock, Environment, FrozenClock, InlineSpawner, Job, NoSpawner, NoWait, Spawner, Waiter,
 };
 pub use error::CacheError;
-pub use object::{BlockMap, BufferGuard, IdentityMap, MappedRun, ObjectConfig, ObjectHandle};
+pub use handle::{BufferGuard, ObjectHandle};
+pub use object::{BlockMap, IdentityMap, MappedRun, ObjectConfig};
 pub use stats::{CacheStats, WritebackCause};
