@@ -25,6 +25,18 @@ use crate::table::Lookup;
 use crate::writeback::LockMode;
 use bufcache_device::{Device, Extent};
 
+/// How [`ObjectHandle::zero`] may zero a range.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ZeroOptions {
+    /// The device may deallocate the range (punch a hole) instead of storing zeroes; NBD's
+    /// WRITE_ZEROES without NO_HOLE.
+    pub may_deallocate: bool,
+    /// Fail instead of writing zero bytes to the device; NBD's FAST_ZERO.
+    pub fast_only: bool,
+    /// The zeroes are durable when the call returns; NBD's FUA.
+    pub fua: bool,
+}
+
 impl Cache {
     /// Registers an object (an export, a file) stored on `config.device` and returns a handle.
     pub fn open_object(&self, config: ObjectConfig) -> Result<ObjectHandle, CacheError> {
@@ -674,49 +686,89 @@ impl ObjectHandle {
         })
     }
 
-    /// Makes the range read as zeroes. Whole blocks are zeroed on the device when that is
-    /// cheap (holes), otherwise written as zero blocks through the cache.
+    /// Makes the range read as zeroes, durable on return with `fua`. The same as
+    /// [`ObjectHandle::zero`] with the device allowed to deallocate and no demand for speed.
     pub fn write_zeroes(
         &self,
         offset: u64,
         length_bytes: u64,
         fua: bool,
     ) -> Result<(), CacheError> {
+        let options = ZeroOptions {
+            may_deallocate: true,
+            fast_only: false,
+            fua,
+        };
+        self.zero(offset, length_bytes, options)
+    }
+
+    /// True when zeroing whole blocks costs the device no data transfer (a hole, a protocol
+    /// command), so a caller asking for a fast zero can be served.
+    pub fn can_zero_fast(&self) -> bool {
+        self.object.device.capabilities().write_zeroes_fast
+    }
+
+    /// Makes the range read as zeroes. The one place that decides how: whole blocks are
+    /// zeroed on the device when that is cheap and deallocation is allowed (they leave the
+    /// cache), everything else — partial blocks, or all of it when the device would have to
+    /// write zeroes anyway — is written as zero bytes through the cache. With `fast_only`,
+    /// a range that would need zero bytes written to the device fails with
+    /// [`CacheError::ZeroingWouldWrite`] before anything changes.
+    pub fn zero(
+        &self,
+        offset: u64,
+        length_bytes: u64,
+        options: ZeroOptions,
+    ) -> Result<(), CacheError> {
         self.object.check_writable()?;
         self.object.check_range(offset, length_bytes)?;
+        let fast = options.may_deallocate && self.can_zero_fast();
+        if options.fast_only && !fast {
+            return Err(CacheError::ZeroingWouldWrite {
+                object: self.object.name.clone(),
+            });
+        }
         let block_size = self.object.block_size_bytes as u64;
         let (first, end) = self.whole_blocks(offset, length_bytes);
-        if first >= end || !self.object.device.capabilities().write_zeroes_fast {
-            return self.write_zero_bytes(offset, length_bytes, fua);
+        if first >= end || !fast {
+            self.write_zero_bytes(offset, length_bytes)?;
+        } else {
+            let head_end = first * block_size;
+            let tail_start = (end * block_size).min(self.object.length_bytes);
+            self.write_zero_bytes(offset, head_end - offset)?;
+            self.write_zero_bytes(
+                tail_start,
+                (offset + length_bytes).saturating_sub(tail_start),
+            )?;
+            self.replace_on_device(first, end, "write_zeroes", |device, at, length| {
+                device.write_zeroes(at, length)
+            })?;
         }
-        let head_end = first * block_size;
-        let tail_start = (end * block_size).min(self.object.length_bytes);
-        self.write_zero_bytes(offset, head_end - offset, fua)?;
-        self.write_zero_bytes(
-            tail_start,
-            (offset + length_bytes).saturating_sub(tail_start),
-            fua,
-        )?;
-        self.replace_on_device(first, end, "write_zeroes", |device, at, length| {
-            device.write_zeroes(at, length)
-        })?;
-        if fua {
-            self.inner().writeback().flush_device(&self.object)?;
+        if options.fua {
+            self.reported(self.inner().writeback().write_range(
+                &self.object,
+                offset / block_size,
+                (offset + length_bytes).div_ceil(block_size),
+                LockMode::Wait,
+                WritebackCause::Flush,
+            ))?;
+            self.reported(self.inner().writeback().flush_device(&self.object))?;
         }
         Ok(())
     }
 
-    fn write_zero_bytes(
-        &self,
-        offset: u64,
-        length_bytes: u64,
-        fua: bool,
-    ) -> Result<(), CacheError> {
-        let zeroes = vec![0u8; length_bytes.min(1 << 20) as usize];
+    /// Writes zero bytes through the cache in steps of at most `ZERO_STEP_BYTES`, so the
+    /// zero source stays small whatever the range.
+    fn write_zero_bytes(&self, offset: u64, length_bytes: u64) -> Result<(), CacheError> {
+        const ZERO_STEP_BYTES: u64 = 1 << 20;
+        if length_bytes == 0 {
+            return Ok(());
+        }
+        let zeroes = vec![0u8; length_bytes.min(ZERO_STEP_BYTES) as usize];
         let mut done = 0u64;
         while done < length_bytes {
             let step = (length_bytes - done).min(zeroes.len() as u64) as usize;
-            self.write_at(offset + done, &zeroes[..step], fua)?;
+            self.write_at(offset + done, &zeroes[..step], false)?;
             done += step as u64;
         }
         Ok(())

@@ -44,6 +44,6 @@ pub use environment::{
     Clock, Environment, FrozenClock, InlineSpawner, Job, NoSpawner, NoWait, Spawner, Waiter,
 };
 pub use error::CacheError;
-pub use handle::{BufferGuard, ObjectHandle};
+pub use handle::{BufferGuard, ObjectHandle, ZeroOptions};
 pub use object::{BlockMap, IdentityMap, MappedRun, ObjectConfig};
 pub use stats::{CacheStats, WritebackCause};
