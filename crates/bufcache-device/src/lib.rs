@@ -1,3 +1,4 @@
+#![deny(missing_docs)]
 //! bufcache-device: the narrow interface between the cache and whatever stores the bytes.
 //!
 //! [`Device`] has vectored read and write, flush, discard, write-zeroes and extents, and

@@ -1,3 +1,4 @@
+#![deny(missing_docs)]
 //! bufcache: a concurrent block buffer cache with I/O clustering over pluggable devices.
 //!
 //! The engine owns buffers, the cache table, replacement (through `bufcache-policy`),
