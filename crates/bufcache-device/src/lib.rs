@@ -19,6 +19,7 @@ pub mod file;
 pub mod io_queue;
 pub mod memory;
 pub mod rng;
+pub mod sparse;
 
 pub use counting::{CountingDevice, DeviceStats, DirectionStats};
 pub use crash::{CrashDevice, CrashMode, CrashStats};
@@ -30,3 +31,4 @@ pub use file::{FileDevice, FileDeviceError, FileDeviceOptions};
 pub use io_queue::{IoQueue, IoQueueConfig, IoQueueConfigError, IoQueueStats, QueueMode};
 pub use memory::MemoryDevice;
 pub use rng::SeededRng;
+pub use sparse::SparseStore;
