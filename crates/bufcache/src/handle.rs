@@ -125,6 +125,19 @@ impl Drop for BufferGuard {
     }
 }
 
+/// One byte-range read in progress.
+struct ReadRequest<'a> {
+    offset: u64,
+    target: &'a mut [u8],
+    /// One past the request's last block.
+    end: u64,
+    /// How far a miss run may extend (the stream's read-ahead window).
+    miss_limit: u64,
+    placement: Placement,
+    /// Set when a block was still being read ahead when the reader reached it.
+    waited_for_readahead: bool,
+}
+
 /// A buffer held shared for reading, by the byte-range read path.
 struct SharedHold<'a> {
     inner: &'a Inner,
@@ -234,12 +247,22 @@ impl ObjectHandle {
         } else {
             Placement::Normal
         };
-        let mut block = first;
-        while block < end {
+        let mut request = ReadRequest {
+            offset,
+            target,
+            end,
             // A miss inside the stream's issued window reads to the window's end itself: the
             // background job may not have reached those blocks yet.
-            let miss_limit = plan.extend_to_block.max(plan.window_end_block);
-            block = self.read_step(block, end, miss_limit, placement, offset, target)?;
+            miss_limit: plan.extend_to_block.max(plan.window_end_block),
+            placement,
+            waited_for_readahead: false,
+        };
+        let mut block = first;
+        while block < end {
+            block = self.read_step(block, &mut request)?;
+        }
+        if request.waited_for_readahead {
+            object.note_readahead_wait(end);
         }
         if plan.extend_to_block > end {
             // The part of the synchronous window the request's own miss runs did not cover.
@@ -253,20 +276,17 @@ impl ObjectHandle {
 
     /// Serves `block` (and, on a miss, the run of missing blocks after it) and returns the
     /// next block to serve.
-    fn read_step(
-        &self,
-        block: u64,
-        end: u64,
-        extend_to: u64,
-        placement: Placement,
-        offset: u64,
-        target: &mut [u8],
-    ) -> Result<u64, CacheError> {
+    fn read_step(&self, block: u64, request: &mut ReadRequest<'_>) -> Result<u64, CacheError> {
         let inner = self.inner();
         let key = self.object.key(block);
-        match inner.lookup_or_insert(key, &self.object, placement, Urgency::Wait)? {
+        match inner.lookup_or_insert(key, &self.object, request.placement, Urgency::Wait)? {
             Lookup::Found(buffer) => {
-                buffer.lock_shared();
+                if !buffer.try_lock_shared() {
+                    // Held exclusively: being filled. If by read-ahead, the window did not
+                    // cover the device's latency.
+                    request.waited_for_readahead |= buffer.has(READAHEAD);
+                    buffer.lock_shared();
+                }
                 let hold = SharedHold { inner, buffer };
                 if !hold.buffer.has(VALID) {
                     // The reader that inserted it failed and removed it: look again.
@@ -277,7 +297,7 @@ impl ObjectHandle {
                         .counters()
                         .readahead_used_blocks
                         .fetch_add(1, Ordering::Relaxed);
-                    if placement == Placement::NoReuse {
+                    if request.placement == Placement::NoReuse {
                         inner.table().demote(&hold.buffer);
                     }
                 }
@@ -286,17 +306,24 @@ impl ObjectHandle {
                     &self.object,
                     block,
                     unsafe { hold.buffer.bytes() },
-                    offset,
-                    target,
+                    request.offset,
+                    request.target,
                 );
                 Ok(block + 1)
             }
             Lookup::Inserted(buffer) => {
-                let run_end = extend_to.max(end);
-                let run = self.read_run(buffer, run_end, end, placement)?;
+                let end = request.end;
+                let run_end = request.miss_limit.max(end);
+                let run = self.read_run(buffer, run_end, end, request.placement)?;
                 let served_end = (block + run.len() as u64).min(end);
                 for guard in &run[..(served_end - block) as usize] {
-                    copy_out(&self.object, guard.block(), guard.data(), offset, target);
+                    copy_out(
+                        &self.object,
+                        guard.block(),
+                        guard.data(),
+                        request.offset,
+                        request.target,
+                    );
                 }
                 Ok(served_end)
             }
@@ -414,6 +441,10 @@ impl ObjectHandle {
     /// refuses). Best effort: blocks already cached and blocks that find no free space are
     /// skipped; errors are counted but not reported, since no reader asked for these blocks.
     fn start_readahead(&self, start: u64, end: u64) {
+        if self.blocks_resident(start, end) {
+            // Queue nothing for a window already cached (the hot path of a sequential reader).
+            return;
+        }
         let handle = self.background_handle();
         let job = Box::new(move || handle.fill_readahead(start, end));
         if let Err(job) = self.inner().spawner().spawn(job) {
@@ -480,13 +511,22 @@ impl ObjectHandle {
     /// costs a few lookups instead of one per block — runs are cached and evicted mostly
     /// whole (read-ahead, clustering), so a sampled run is almost always wholly resident.
     pub fn is_resident(&self, offset: u64, length_bytes: u64) -> bool {
-        const CHECKED_BLOCKS_MAX: u64 = 16;
         if self.object.check_range(offset, length_bytes).is_err() || length_bytes == 0 {
             return false;
         }
         let block_size = self.object.block_size_bytes as u64;
         let first = offset / block_size;
         let end = (offset + length_bytes).div_ceil(block_size);
+        self.blocks_resident(first, end)
+    }
+
+    /// Whether blocks `[first, end)` are cached, looking at no more than
+    /// `CHECKED_BLOCKS_MAX` + 1 of them (see `is_resident`).
+    fn blocks_resident(&self, first: u64, end: u64) -> bool {
+        const CHECKED_BLOCKS_MAX: u64 = 16;
+        if first >= end {
+            return true;
+        }
         let step = (end - first).div_ceil(CHECKED_BLOCKS_MAX).max(1);
         let resident = |block: u64| self.inner().table().contains(self.object.key(block));
         (first..end).step_by(step as usize).all(resident) && resident(end - 1)

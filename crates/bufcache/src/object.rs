@@ -197,6 +197,7 @@ impl ObjectState {
             limits: WindowLimits {
                 initial_blocks: readahead_blocks(cache.readahead_size_initial_bytes),
                 max_blocks: cache.readahead_size_max_bytes / block_size,
+                latency_max_blocks: cache.readahead_latency_size_max_bytes / block_size,
                 streams_max: cache.streams_per_object_max,
                 object_blocks: block_count,
             },
@@ -282,6 +283,12 @@ impl ObjectState {
     /// read ahead.
     pub fn plan_read(&self, first: u64, end: u64) -> ReadaheadPlan {
         self.streams.lock().on_read(first, end, self.limits)
+    }
+
+    /// Records that the reader of the stream now at `next_block` waited for read-ahead in
+    /// flight: that stream's windows may grow larger.
+    pub fn note_readahead_wait(&self, next_block: u64) {
+        self.streams.lock().reader_waited(next_block, self.limits);
     }
 
     pub fn latch_sequence(&self) -> u64 {
