@@ -142,6 +142,10 @@ impl Buffer {
         self.lock.try_lock_shared()
     }
 
+    pub fn try_lock_exclusive(&self) -> bool {
+        self.lock.try_lock_exclusive()
+    }
+
     pub fn lock_exclusive(&self) {
         self.lock.lock_exclusive();
     }

@@ -66,6 +66,13 @@ pub enum CacheError {
         /// The object's name.
         object: String,
     },
+    /// The data of a write could not be read from its source (an NBD client's socket); the
+    /// write is torn (see `ObjectHandle::write_from`).
+    #[error("the data of a write could not be read: {source}")]
+    DataSource {
+        /// What the source reported.
+        source: io::Error,
+    },
     /// The object was opened read-only.
     #[error("{object} is read-only")]
     ReadOnly {
@@ -93,6 +100,7 @@ impl CacheError {
             CacheError::OutOfRange { .. } => io::ErrorKind::InvalidInput,
             CacheError::ReadOnly { .. } => io::ErrorKind::PermissionDenied,
             CacheError::ZeroingWouldWrite { .. } => io::ErrorKind::Unsupported,
+            CacheError::DataSource { source } => source.kind(),
         }
     }
 }

@@ -125,6 +125,27 @@ impl Drop for BufferGuard {
     }
 }
 
+/// Fills the slices of a write with its data, in order (see [`ObjectHandle::write_from`]).
+pub type WriteSource<'a> = dyn FnMut(&mut [IoSliceMut<'_>]) -> std::io::Result<()> + 'a;
+
+/// The byte range of one write, to cut it into block pieces.
+#[derive(Clone, Copy)]
+struct WriteRange {
+    offset: u64,
+    end_offset: u64,
+}
+
+impl WriteRange {
+    /// Where in `block` the write starts, and how many of its bytes it covers.
+    fn piece(&self, object: &ObjectState, block: u64) -> (usize, usize) {
+        let block_size = object.block_size_bytes as u64;
+        let block_start = block * block_size;
+        let start = self.offset.max(block_start);
+        let end = self.end_offset.min(block_start + block_size);
+        ((start - block_start) as usize, (end - start) as usize)
+    }
+}
+
 /// One byte-range read in progress.
 struct ReadRequest<'a> {
     offset: u64,
@@ -587,22 +608,54 @@ impl ObjectHandle {
     /// Writes `data` at `offset` into the cache (delayed write). With `fua`, the written
     /// blocks reach the device and the device is flushed before this returns.
     pub fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), CacheError> {
+        let mut copied = 0usize;
+        let mut copy_in = |slices: &mut [IoSliceMut<'_>]| {
+            for slice in slices.iter_mut() {
+                let length = slice.len();
+                slice.copy_from_slice(&data[copied..copied + length]);
+                copied += length;
+            }
+            Ok(())
+        };
+        self.write_from(offset, data.len() as u64, fua, &mut copy_in)
+    }
+
+    /// Writes `length_bytes` at `offset` whose data `source` puts straight into the cache's
+    /// buffers: it is called with slices covering the next bytes of the write, in order, and
+    /// must fill them all (an NBD server reads the socket into them: the one copy between the
+    /// socket and the cache). Blocks are taken in groups of up to `WRITE_GROUP_BLOCKS_MAX`:
+    /// the group's first block may wait for space; the rest join only if they are cached or
+    /// space is free at once, so no buffer lock is held while waiting. Each group is marked
+    /// dirty with one update of the dirty index.
+    ///
+    /// If `source` fails, the write is torn, as an unacknowledged write may be: blocks that
+    /// were cached keep whatever the source wrote into them (and are dirty), blocks that were
+    /// not are dropped, so no byte the client never sent replaces data on the device. The
+    /// error is [`CacheError::DataSource`].
+    pub fn write_from(
+        &self,
+        offset: u64,
+        length_bytes: u64,
+        fua: bool,
+        source: &mut WriteSource<'_>,
+    ) -> Result<(), CacheError> {
         let object = &self.object;
         object.check_writable()?;
-        object.check_range(offset, data.len() as u64)?;
-        if data.is_empty() {
+        object.check_range(offset, length_bytes)?;
+        if length_bytes == 0 {
             return Ok(());
         }
         self.reported(self.inner().writeback().throttle_writer(object))?;
         let block_size = object.block_size_bytes as u64;
         let first = offset / block_size;
-        let end = (offset + data.len() as u64).div_ceil(block_size);
-        for block in first..end {
-            let (within, source) = piece_of(object, block, offset, data);
-            let whole = source.len() == object.block_length_bytes(block) as usize;
-            let mut guard = self.acquire_for_write(block, whole)?;
-            guard.data_mut()[within..within + source.len()].copy_from_slice(source);
-            self.mark_dirty(&guard);
+        let end = (offset + length_bytes).div_ceil(block_size);
+        let range = WriteRange {
+            offset,
+            end_offset: offset + length_bytes,
+        };
+        let mut block = first;
+        while block < end {
+            block = self.write_group(block, end, range, source)?;
         }
         if fua {
             self.reported(self.write_through(first, end))?;
@@ -612,21 +665,122 @@ impl ObjectHandle {
         Ok(())
     }
 
+    /// Writes one group of blocks starting at `block` (see `write_from`); returns the next
+    /// block to write.
+    fn write_group(
+        &self,
+        block: u64,
+        end: u64,
+        range: WriteRange,
+        source: &mut WriteSource<'_>,
+    ) -> Result<u64, CacheError> {
+        const WRITE_GROUP_BLOCKS_MAX: usize = 256;
+        let mut group: Vec<(BufferGuard, bool)> = Vec::new();
+        let (within, length) = range.piece(&self.object, block);
+        let whole = length == self.object.block_length_bytes(block) as usize;
+        group.push(self.acquire_for_write(block, whole)?);
+        let mut next = block + 1;
+        while next < end && group.len() < WRITE_GROUP_BLOCKS_MAX {
+            let (_, length) = range.piece(&self.object, next);
+            let whole = length == self.object.block_length_bytes(next) as usize;
+            match self.try_acquire_for_write(next, whole) {
+                Some(held) => group.push(held),
+                None => break,
+            }
+            next += 1;
+        }
+        let mut slices: Vec<IoSliceMut<'_>> = Vec::with_capacity(group.len());
+        for (index, (guard, _)) in group.iter_mut().enumerate() {
+            let piece_block = block + index as u64;
+            let (start, length) = if index == 0 {
+                (within, length)
+            } else {
+                range.piece(&self.object, piece_block)
+            };
+            slices.push(IoSliceMut::new(
+                &mut guard.data_mut()[start..start + length],
+            ));
+        }
+        let filled = source(&mut slices);
+        drop(slices);
+        if filled.is_err() {
+            for (guard, fresh) in &group {
+                if *fresh {
+                    // Never cached before: drop it rather than write bytes nobody sent.
+                    guard.buffer().clear(VALID);
+                }
+            }
+        }
+        let written: Vec<&Buffer> = group
+            .iter()
+            .filter(|(guard, _)| guard.is_valid())
+            .map(|(guard, _)| guard.buffer().as_ref())
+            .collect();
+        self.inner()
+            .writeback()
+            .mark_dirty_all(&self.object, &written);
+        drop(written);
+        let next = block + group.len() as u64;
+        drop(group);
+        filled.map_err(|source| CacheError::DataSource { source })?;
+        Ok(next)
+    }
+
     /// Holds `block` exclusively with valid contents, or — when the caller overwrites it
-    /// whole — possibly invalid contents that the caller is about to replace.
-    fn acquire_for_write(&self, block: u64, whole: bool) -> Result<BufferGuard, CacheError> {
+    /// whole — contents the caller is about to replace. True with it when the block was not
+    /// cached (its bytes are not the block's until the caller fills them).
+    fn acquire_for_write(
+        &self,
+        block: u64,
+        whole: bool,
+    ) -> Result<(BufferGuard, bool), CacheError> {
         let guard = self.hold_exclusive(block)?;
+        self.make_writable(guard, whole)
+    }
+
+    /// As `acquire_for_write`, for a block joining a group whose earlier blocks are held:
+    /// never waits for space or for a buffer lock, and takes no block that would have to be
+    /// read first (None: the group ends here).
+    fn try_acquire_for_write(&self, block: u64, whole: bool) -> Option<(BufferGuard, bool)> {
+        let inner = self.inner();
+        let key = self.object.key(block);
+        let guard = match inner.table().lookup(key, Placement::Normal) {
+            Some(buffer) => {
+                if !buffer.try_lock_exclusive() {
+                    inner.table().unpin(&buffer);
+                    return None;
+                }
+                BufferGuard::new(inner, &self.object, buffer)
+            }
+            None => {
+                let buffer = inner.insert_absent(key, &self.object, Placement::Normal, true)?;
+                BufferGuard::new(inner, &self.object, buffer)
+            }
+        };
+        if !guard.is_valid() && !whole {
+            return None;
+        }
+        self.make_writable(guard, whole).ok()
+    }
+
+    /// Completes holding a block for writing: valid as it is, marked valid when the caller
+    /// overwrites it whole, or read from the device first.
+    fn make_writable(
+        &self,
+        guard: BufferGuard,
+        whole: bool,
+    ) -> Result<(BufferGuard, bool), CacheError> {
         if guard.is_valid() {
-            return Ok(guard);
+            return Ok((guard, false));
         }
         let mut run = vec![guard];
         if whole {
             run[0].mark_valid();
         } else {
-            let device_offset = self.object.map.map(block).device_offset;
+            let device_offset = self.object.map.map(run[0].block()).device_offset;
             self.device_read(&mut run, device_offset)?;
         }
-        Ok(run.pop().expect("one guard"))
+        Ok((run.pop().expect("one guard"), whole))
     }
 
     /// Holds `block` exclusively: a cached valid buffer, or a newly inserted invalid one.
@@ -939,23 +1093,6 @@ fn run_placement(placement: Placement, block: u64, request_end: u64) -> Placemen
     } else {
         placement
     }
-}
-
-/// The part of a write's `data` that lands in `block`, and where in the block it starts.
-fn piece_of<'a>(
-    object: &ObjectState,
-    block: u64,
-    offset: u64,
-    data: &'a [u8],
-) -> (usize, &'a [u8]) {
-    let block_size = object.block_size_bytes as u64;
-    let block_start = block * block_size;
-    let start = offset.max(block_start);
-    let end = (offset + data.len() as u64).min(block_start + block_size);
-    (
-        (start - block_start) as usize,
-        &data[(start - offset) as usize..(end - offset) as usize],
-    )
 }
 
 /// Copies the part of `block`'s bytes that a read of `target.len()` bytes at `offset` wants.

@@ -87,6 +87,13 @@ impl Writeback {
         }
     }
 
+    /// Marks buffers (held exclusively, their bytes just written) dirty, with one update of
+    /// the object's dirty index for all of them.
+    pub(crate) fn mark_dirty_all(&self, object: &ObjectState, buffers: &[&Buffer]) {
+        let now = self.clock.now_ns();
+        dirty::mark_all(&self.dirty_bytes, &object.dirty, buffers, now);
+    }
+
     /// Marks a buffer (held exclusively) clean without writing it: its contents are being
     /// discarded (discard, write-zeroes, invalidation of replaced data).
     pub(crate) fn forget_dirty(&self, object: &ObjectState, buffer: &Buffer) {
