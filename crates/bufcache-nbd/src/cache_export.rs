@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use bufcache::{ObjectHandle, ZeroOptions};
 
-use crate::export::{BlockStatusExtent, Export};
+use crate::export::{BlockStatusExtent, Export, WriteSource};
 
 /// A cache object served as an NBD export.
 pub struct CacheExport {
@@ -47,6 +47,16 @@ impl Export for CacheExport {
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
         Ok(self.object.write_at(offset, data, fua)?)
+    }
+
+    fn write_from(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        source: &mut WriteSource<'_>,
+    ) -> io::Result<()> {
+        Ok(self.object.write_from(offset, length, fua, source)?)
     }
 
     fn flush(&self) -> io::Result<()> {

@@ -41,7 +41,7 @@ use crate::buffers::BufferRecycler;
 use crate::export::{BlockStatusExtent, Export};
 use crate::handshake::{Negotiated, BASE_ALLOCATION_ID};
 use crate::protocol::*;
-use crate::stream::{write_all_vectored, Stream};
+use crate::stream::{read_exact_vectored, write_all_vectored, Stream};
 
 /// Unused payload and reply buffers a server keeps for reuse at most (and never more than a
 /// quarter of its in-flight budget), so resident memory stays near the cache size plus the
@@ -85,6 +85,11 @@ struct Request {
     /// A WRITE's data in its first `header.length` bytes (a reused buffer may be longer).
     payload: Vec<u8>,
     cost_bytes: u64,
+    /// The export says it will not wait for I/O: the reader serves it without a hand-off.
+    quick: bool,
+    /// A quick WRITE whose data is still in the socket: the reader passes the socket to the
+    /// export, which reads it straight into its own buffers.
+    payload_in_stream: bool,
 }
 
 /// A refusal: the errno and a message for structured error chunks.
@@ -252,13 +257,20 @@ fn read_until_slow(reader: &mut Reader, connection: &Connection) -> Turn {
     loop {
         match read_request(&mut reader.stream, connection) {
             Ok(Some(request)) => {
-                if !connection.is_quick(&request.header) {
+                if !request.quick {
                     return Turn::Slow(request);
                 }
                 connection
                     .requests_served_inline
                     .fetch_add(1, Ordering::Relaxed);
-                connection.execute(request);
+                if !request.payload_in_stream {
+                    connection.execute(request);
+                } else if let Err(error) =
+                    connection.execute_write_from_stream(request, &mut reader.stream)
+                {
+                    reader.ended = Some(Err(error));
+                    return Turn::Ended;
+                }
             }
             Ok(None) => continue,
             Err(result) => {
@@ -313,6 +325,19 @@ fn read_request(
     // budget is spent the payload stays in the socket.
     let cost_bytes = request_cost(&header, connection.limits.request_size_max);
     connection.budget.acquire(cost_bytes);
+    let validated = connection.validate(&header);
+    let quick = validated.is_ok() && connection.is_quick(&header);
+    if quick && header.command == CMD_WRITE && header.length <= connection.limits.request_size_max {
+        connection.inflight.charge(cost_bytes);
+        connection.requests_served.fetch_add(1, Ordering::Relaxed);
+        return Ok(Some(Request {
+            header,
+            payload: Vec::new(),
+            cost_bytes,
+            quick,
+            payload_in_stream: true,
+        }));
+    }
     let payload = match read_payload(stream, connection, &header) {
         Ok(Ok(payload)) => payload,
         Ok(Err(refusal)) => {
@@ -325,7 +350,7 @@ fn read_request(
             return Err(Err(error));
         }
     };
-    if let Err(refusal) = connection.validate(&header) {
+    if let Err(refusal) = validated {
         tracing::debug!(
             command = %command_name(header.command),
             offset = header.offset,
@@ -345,6 +370,8 @@ fn read_request(
         header,
         payload,
         cost_bytes,
+        quick,
+        payload_in_stream: false,
     }))
 }
 
@@ -505,6 +532,59 @@ impl Connection {
         self.budget.give_back_payload(request.payload);
         self.inflight.release(request.cost_bytes);
         self.budget.release(request.cost_bytes);
+    }
+
+    /// Serves a quick WRITE whose data is still in the socket: the export reads it straight
+    /// into its buffers. Whatever the export did not consume (it failed first) is skipped, so
+    /// the stream stays in step. An error means the socket failed and the connection is over.
+    fn execute_write_from_stream(
+        &self,
+        request: Request,
+        stream: &mut Stream,
+    ) -> Result<(), TransmissionError> {
+        let header = request.header;
+        let length = u64::from(header.length);
+        let fua = header.flags & CMD_FLAG_FUA != 0;
+        let mut consumed = 0u64;
+        let mut socket_failed = false;
+        let result = {
+            let mut source = |slices: &mut [io::IoSliceMut<'_>]| {
+                let wanted: u64 = slices.iter().map(|slice| slice.len() as u64).sum();
+                let read = read_exact_vectored(stream, slices);
+                match &read {
+                    Ok(()) => consumed += wanted,
+                    Err(_) => socket_failed = true,
+                }
+                read
+            };
+            self.export
+                .write_from(header.offset, length, fua, &mut source)
+        };
+        let outcome = if socket_failed {
+            Err(match result {
+                Err(error) => error.into(),
+                Ok(()) => io::Error::from(io::ErrorKind::UnexpectedEof).into(),
+            })
+        } else {
+            let skipped = io::copy(
+                &mut stream.by_ref().take(length - consumed),
+                &mut io::sink(),
+            );
+            match skipped {
+                Ok(count) if count == length - consumed => {
+                    match result {
+                        Ok(()) => self.send_simple(header.handle, 0),
+                        Err(error) => self.send_io_error(&header, &error),
+                    }
+                    Ok(())
+                }
+                Ok(_) => Err(io::Error::from(io::ErrorKind::UnexpectedEof).into()),
+                Err(error) => Err(error.into()),
+            }
+        };
+        self.inflight.release(request.cost_bytes);
+        self.budget.release(request.cost_bytes);
+        outcome
     }
 
     /// Runs a non-READ command; `Some` carries a ready structured reply (block status).

@@ -126,10 +126,16 @@ impl StreamTable {
     }
 
     /// The reader of the stream now at `next_block` waited for read-ahead in flight: double
-    /// the stream's window limit, up to `latency_max_blocks`.
+    /// the stream's window limit, up to `latency_max_blocks`, once its windows are full size.
     pub fn reader_waited(&mut self, next_block: u64, limits: WindowLimits) {
-        if let Some(stream) = self.streams.iter_mut().find(|s| s.next_block == next_block) {
-            let doubled = (stream.max_blocks.max(limits.max_blocks) * 2).max(1);
+        let Some(stream) = self.streams.iter_mut().find(|s| s.next_block == next_block) else {
+            return;
+        };
+        let current_max = stream.max_blocks.max(limits.max_blocks);
+        // While windows still ramp up (×4 each), catching up with them is expected; only a
+        // reader that outruns a full-size window shows latency the window does not cover.
+        if stream.window_blocks >= current_max {
+            let doubled = (current_max * 2).max(1);
             stream.max_blocks = doubled.min(limits.latency_max_blocks.max(limits.max_blocks));
         }
     }
