@@ -167,6 +167,21 @@ impl Export for ObservedExport {
         self.inner.read_is_quick(offset, length)
     }
 
+    fn write_is_quick(&self, offset: u64, length: u64, fua: bool) -> bool {
+        self.inner.write_is_quick(offset, length, fua)
+    }
+
+    fn write_from(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        source: &mut bufcache_nbd::export::WriteSource<'_>,
+    ) -> std::io::Result<()> {
+        self.observe(TraceOperation::Write, offset, length);
+        self.inner.write_from(offset, length, fua, source)
+    }
+
     fn open_connection(&self) -> Option<Arc<dyn Export>> {
         self.inner.open_connection().map(|inner| {
             Arc::new(ObservedExport {

@@ -48,19 +48,15 @@ pub trait Export: Send + Sync {
     /// Writes `length` bytes at `offset` whose data `source` reads straight into the export's
     /// own memory (a cache reads the socket into its buffers: one copy). `source` must be
     /// called until it has filled `length` bytes, unless the export fails first; the server
-    /// skips whatever it did not consume. The default reads into a temporary buffer and calls
-    /// [`Export::write`].
+    /// skips whatever it did not consume. [`write_via_buffer`] implements it for an export
+    /// without buffers of its own.
     fn write_from(
         &self,
         offset: u64,
         length: u64,
         fua: bool,
         source: &mut WriteSource<'_>,
-    ) -> io::Result<()> {
-        let mut data = vec![0u8; length as usize];
-        source(&mut [io::IoSliceMut::new(&mut data)])?;
-        self.write(offset, &data, fua)
-    }
+    ) -> io::Result<()>;
     /// Makes every write that completed before this call durable.
     fn flush(&self) -> io::Result<()>;
     /// Hint that `length` bytes at `offset` are no longer needed.
@@ -82,17 +78,15 @@ pub trait Export: Send + Sync {
     /// Hint to bring `length` bytes at `offset` into the cache.
     fn cache(&self, offset: u64, length: u64) -> io::Result<()>;
     /// True when a READ of this range will finish without waiting for slow I/O (for a
-    /// cache: every block is resident). The server may then serve it on the connection's
-    /// reader thread instead of handing it to a worker. The default, false, always hands off.
-    fn read_is_quick(&self, _offset: u64, _length: u64) -> bool {
-        false
-    }
+    /// cache: every block is resident). The thread that read the request then serves it
+    /// without passing the reading role on. Required, like every method a wrapper must
+    /// forward: a defaulted one would be silently dropped by a wrapper that forgot it.
+    fn read_is_quick(&self, offset: u64, length: u64) -> bool;
     /// True when a WRITE of this range will finish without waiting for slow I/O (for a
     /// cache: no FUA, room for the data without write-back, and any partly written block
-    /// already resident). The default, false, always passes the reading role on first.
-    fn write_is_quick(&self, _offset: u64, _length: u64, _fua: bool) -> bool {
-        false
-    }
+    /// already resident). Quick writes also have their payload read by
+    /// [`Export::write_from`] straight from the socket.
+    fn write_is_quick(&self, offset: u64, length: u64, fua: bool) -> bool;
     /// A per-connection view of this export, called once when a connection enters
     /// transmission; `None` (the default) shares this export with every connection. A cache
     /// uses it to give each connection its own position for reporting write-back errors, so
@@ -102,6 +96,20 @@ pub trait Export: Send + Sync {
     }
     /// Consecutive extents covering [offset, offset+length) (may stop early, at least one); hole => NBD_STATE_HOLE|NBD_STATE_ZERO, zero-only => NBD_STATE_ZERO.
     fn block_status(&self, offset: u64, length: u64) -> io::Result<Vec<BlockStatusExtent>>;
+}
+
+/// [`Export::write_from`] for an export without buffers of its own: reads the data into a
+/// temporary buffer, then calls [`Export::write`].
+pub fn write_via_buffer(
+    export: &dyn Export,
+    offset: u64,
+    length: u64,
+    fua: bool,
+    source: &mut WriteSource<'_>,
+) -> io::Result<()> {
+    let mut data = vec![0u8; length as usize];
+    source(&mut [io::IoSliceMut::new(&mut data)])?;
+    export.write(offset, &data, fua)
 }
 
 /// Size of one page of a [`MemoryExport`]; holes are tracked at this granularity.
@@ -256,6 +264,16 @@ impl Export for MemoryExport {
 
     fn write_is_quick(&self, _offset: u64, _length: u64, _fua: bool) -> bool {
         true
+    }
+
+    fn write_from(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        source: &mut WriteSource<'_>,
+    ) -> io::Result<()> {
+        write_via_buffer(self, offset, length, fua, source)
     }
 
     fn cache(&self, offset: u64, length: u64) -> io::Result<()> {

@@ -223,6 +223,21 @@ impl Export for SlowExport {
         std::thread::sleep(Duration::from_millis(300));
         self.0.read(offset, buffer)
     }
+    fn read_is_quick(&self, _offset: u64, _length: u64) -> bool {
+        false
+    }
+    fn write_is_quick(&self, _offset: u64, _length: u64, _fua: bool) -> bool {
+        false
+    }
+    fn write_from(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        source: &mut bufcache_nbd::export::WriteSource<'_>,
+    ) -> std::io::Result<()> {
+        bufcache_nbd::write_via_buffer(self, offset, length, fua, source)
+    }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> std::io::Result<()> {
         self.0.write(offset, data, fua)
     }

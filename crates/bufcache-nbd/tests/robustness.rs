@@ -327,6 +327,22 @@ impl Export for FaultyExport {
         }
         self.inner.read(offset, buffer)
     }
+    fn read_is_quick(&self, _offset: u64, _length: u64) -> bool {
+        // Reads may be slow on purpose: each must go to its own thread.
+        false
+    }
+    fn write_is_quick(&self, _offset: u64, _length: u64, _fua: bool) -> bool {
+        false
+    }
+    fn write_from(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        source: &mut bufcache_nbd::export::WriteSource<'_>,
+    ) -> io::Result<()> {
+        bufcache_nbd::write_via_buffer(self, offset, length, fua, source)
+    }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
         if offset == 0 {
             return Err(io::Error::from_raw_os_error(libc::ENOSPC));
