@@ -123,6 +123,15 @@ impl Read for Stream {
             Stream::Unix(stream) => stream.read(buffer),
         }
     }
+
+    /// One `readv` for all the slices (the default would read only the first slice per
+    /// call: one system call per 4 KiB block of a write).
+    fn read_vectored(&mut self, buffers: &mut [io::IoSliceMut<'_>]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(stream) => stream.read_vectored(buffers),
+            Stream::Unix(stream) => stream.read_vectored(buffers),
+        }
+    }
 }
 
 impl Write for Stream {
