@@ -261,6 +261,7 @@ impl ObjectState {
             .next()
             .or_else(|| dirty.iter().next())
             .map(|(&block, _)| block)?;
+        let found = self.first_whole_dirty_unit(&dirty, found).unwrap_or(found);
         let unit_start = self.write_unit_start(found);
         let block = dirty
             .range(unit_start..=found)
@@ -269,6 +270,36 @@ impl ObjectState {
         self.writeback_cursor
             .store(block + self.cluster_blocks, Ordering::Relaxed);
         Some(block)
+    }
+
+    /// On a device with a write unit: the first block of the first unit, from `from`'s unit
+    /// on (wrapping), whose blocks are all dirty, looking at most `UNITS_SCANNED_MAX` units.
+    /// Writing a unit with holes makes the device read, merge and rewrite it, and again when
+    /// the holes are written later (an object-store chunk: a GET and a PUT per piece).
+    fn first_whole_dirty_unit(&self, dirty: &BTreeMap<u64, u64>, from: u64) -> Option<u64> {
+        const UNITS_SCANNED_MAX: usize = 256;
+        if self.write_unit_bytes == 0 {
+            return None;
+        }
+        let unit_blocks = self.write_unit_bytes / self.block_size_bytes as u64;
+        let from_unit = self.write_unit_start(from);
+        let mut last_unit = None;
+        let mut scanned = 0;
+        for (&block, _) in dirty.range(from_unit..).chain(dirty.range(..from_unit)) {
+            let unit = self.write_unit_start(block);
+            if last_unit == Some(unit) {
+                continue;
+            }
+            last_unit = Some(unit);
+            if dirty.range(unit..unit + unit_blocks).count() as u64 == unit_blocks {
+                return Some(unit);
+            }
+            scanned += 1;
+            if scanned >= UNITS_SCANNED_MAX {
+                return None;
+            }
+        }
+        None
     }
 
     /// Records a write-back failure.

@@ -412,3 +412,49 @@ fn write_back_runs_cover_whole_write_units() {
     device.inner.read_into(start, &mut back).unwrap();
     assert!(back == content, "the device holds what was written");
 }
+
+#[test]
+fn pressure_write_back_takes_wholly_dirty_write_units_first() {
+    // Goal: when write-back must clean under pressure, it writes a unit that is wholly dirty
+    // (one upload) before one with holes (which costs the device a read, a merge and a second
+    // upload once the holes are written too). Method: a recording device with a 64 KiB unit;
+    // unit 0 half dirty (every other block), unit 1 wholly dirty; a background tick over a
+    // tiny background threshold; the first device write must be unit 1, whole.
+    const UNIT: u64 = 64 << 10;
+    const BLOCK: u64 = 4096;
+    let device = Arc::new(Recording {
+        inner: MemoryDevice::new(4 * MIB),
+        requests: Mutex::new(Vec::new()),
+        write_unit_bytes: UNIT,
+    });
+    let cache = inline_cache(CacheConfig {
+        memory_bytes_max: 4 * MIB,
+        dirty_background_percent: 1,
+        write_behind: false,
+        ..CacheConfig::default()
+    });
+    let handle = open(&cache, device.clone() as Arc<dyn Device>);
+    let block = vec![0x5au8; BLOCK as usize];
+    for index in (0..UNIT / BLOCK).step_by(2) {
+        handle.write_at(index * BLOCK, &block, false).unwrap();
+    }
+    for index in 0..UNIT / BLOCK {
+        handle
+            .write_at(UNIT + index * BLOCK, &block, false)
+            .unwrap();
+    }
+    cache.writeback_tick();
+    let writes: Vec<(u64, u64)> = device
+        .requests
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|request| request.0 == 'w')
+        .map(|request| (request.1, request.2))
+        .collect();
+    assert_eq!(
+        writes.first(),
+        Some(&(UNIT, UNIT)),
+        "first write-back is the wholly dirty unit (writes: {writes:?})"
+    );
+}
