@@ -70,6 +70,15 @@ pub trait Policy: Send {
     /// Starts tracking `slot`, which holds the entry whose key hashes to `key_hash`.
     fn insert(&mut self, slot: Slot, key_hash: u64, placement: Placement);
 
+    /// Tells the policy, before any eviction made for it, that `key_hash` missed and will be
+    /// inserted next. Optional: a cache that knows the key before it makes room (the
+    /// simulator) calls it so that policies which adapt to history hits (ARC) adapt before
+    /// choosing the victim, as their papers and libCacheSim do; a cache that does not call
+    /// it gets the same policy adapting at `insert`. The default ignores it.
+    fn announce_miss(&mut self, key_hash: u64) {
+        let _ = key_hash;
+    }
+
     /// Records a hit on a tracked slot.
     fn access(&mut self, slot: Slot);
 

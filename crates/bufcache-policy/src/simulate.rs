@@ -53,9 +53,23 @@ impl Simulator {
         Self::with_units(kind, capacity_bytes, capacity_hint as usize)
     }
 
+    /// A cache of `capacity_objects` unit-size objects driven by a policy built elsewhere
+    /// (with non-default parameters, or wrapped for an experiment).
+    pub fn with_policy(policy: Box<dyn Policy>, capacity_objects: usize) -> Self {
+        Self::with_built_policy(policy, capacity_objects as u64, capacity_objects)
+    }
+
     fn with_units(kind: PolicyKind, capacity_units: u64, capacity_hint: usize) -> Self {
+        Self::with_built_policy(kind.build(capacity_hint), capacity_units, capacity_hint)
+    }
+
+    fn with_built_policy(
+        policy: Box<dyn Policy>,
+        capacity_units: u64,
+        capacity_hint: usize,
+    ) -> Self {
         Simulator {
-            policy: kind.build(capacity_hint),
+            policy,
             capacity_units,
             used_units: 0,
             slots_by_key: HashMap::with_capacity_and_hasher(
@@ -98,7 +112,13 @@ impl Simulator {
             return true;
         }
         self.misses += 1;
-        if size_units <= self.capacity_units && self.make_room(size_units) {
+        if size_units > self.capacity_units {
+            return false;
+        }
+        if placement == Placement::Normal {
+            self.policy.announce_miss(key_hash(key));
+        }
+        if self.make_room(size_units) {
             self.insert(key, size_units, placement);
         }
         false
