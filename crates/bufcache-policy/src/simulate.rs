@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 
 use crate::ghost::BuildMixHasher;
-use crate::{Placement, Policy, PolicyKind, Slot};
+use crate::{Placement, Policy, PolicyKind, PolicyParameters, Slot};
 
 /// Hash of a key as the simulator hands it to the policy. Different keys get different
 /// hashes (the function is a bijection), so ghost lists never confuse two keys.
@@ -51,6 +51,17 @@ impl Simulator {
     ) -> Self {
         let capacity_hint = capacity_bytes / typical_object_bytes.max(1);
         Self::with_units(kind, capacity_bytes, capacity_hint as usize)
+    }
+
+    /// A cache of `capacity_objects` objects of unit size, with non-default policy
+    /// parameters (which must have passed [`PolicyParameters::validate`]).
+    pub fn with_parameters(
+        kind: PolicyKind,
+        capacity_objects: usize,
+        parameters: &PolicyParameters,
+    ) -> Self {
+        let policy = kind.build_with(capacity_objects, parameters);
+        Self::with_built_policy(policy, capacity_objects as u64, capacity_objects)
     }
 
     /// A cache of `capacity_objects` unit-size objects driven by a policy built elsewhere

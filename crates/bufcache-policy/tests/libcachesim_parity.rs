@@ -8,7 +8,7 @@
 mod common;
 
 use bufcache_policy::simulate::Simulator;
-use bufcache_policy::{Arc, Placement, Policy, PolicyKind, Slot};
+use bufcache_policy::{Arc, Placement, Policy, PolicyKind, PolicyParameters, Slot};
 use common::{loop_trace, miss_ratio, scan_with_working_set, zipf_trace};
 
 const CAPACITY_OBJECTS: usize = 1_000;
@@ -154,4 +154,88 @@ fn arc_without_miss_announcement_stays_within_3e_4_of_libcachesim() {
         largest_difference > 0.0,
         "the paths agree now: drop this pin"
     );
+}
+
+/// (policy, parameters, libCacheSim 0.3.5 misses) on cloudPhysicsIO at 4,897 objects (10% of
+/// its distinct blocks), from the Python binding: `S3FIFO(c, small_size_ratio=…,
+/// ghost_size_ratio=…, move_to_main_threshold=…)`, `TwoQ(c, a_in_size_ratio=…,
+/// a_out_size_ratio=…)`, `Clock(c, n_bit_counter=…)`.
+fn parameter_cases() -> Vec<(PolicyKind, PolicyParameters, u64)> {
+    let defaults = PolicyParameters::default();
+    vec![
+        (PolicyKind::S3Fifo, defaults, 86_006),
+        (
+            PolicyKind::S3Fifo,
+            PolicyParameters {
+                s3fifo_small_queue_ratio: 0.2,
+                s3fifo_ghost_size_ratio: 0.5,
+                s3fifo_move_to_main_threshold: 1,
+                ..defaults
+            },
+            88_485,
+        ),
+        (
+            PolicyKind::S3Fifo,
+            PolicyParameters {
+                s3fifo_small_queue_ratio: 0.05,
+                s3fifo_ghost_size_ratio: 2.0,
+                s3fifo_move_to_main_threshold: 3,
+                ..defaults
+            },
+            87_047,
+        ),
+        (PolicyKind::TwoQ, defaults, 88_160),
+        (
+            PolicyKind::TwoQ,
+            PolicyParameters {
+                two_q_ain_size_ratio: 0.1,
+                two_q_aout_size_ratio: 1.0,
+                ..defaults
+            },
+            84_810,
+        ),
+        (
+            PolicyKind::TwoQ,
+            PolicyParameters {
+                two_q_ain_size_ratio: 0.5,
+                two_q_aout_size_ratio: 0.25,
+                ..defaults
+            },
+            89_858,
+        ),
+        (PolicyKind::Clock, defaults, 91_599),
+        (
+            PolicyKind::Clock,
+            PolicyParameters {
+                clock_bits: 2,
+                ..defaults
+            },
+            91_531,
+        ),
+        (
+            PolicyKind::Clock,
+            PolicyParameters {
+                clock_bits: 3,
+                ..defaults
+            },
+            91_518,
+        ),
+    ]
+}
+
+// Goal: policy parameters mean what libCacheSim's mean, so a parameter sweep in `replay`
+// compares with libCacheSim's. Method: replay the shipped trace with non-default S3-FIFO,
+// 2Q and CLOCK parameters and compare miss counts with libCacheSim's for the same parameters.
+#[test]
+fn policy_parameters_match_libcachesim_on_the_shipped_trace() {
+    let Some(keys) = cloud_physics_keys() else {
+        eprintln!("skipped: the cloudPhysicsIO trace is not on this machine");
+        return;
+    };
+    for (kind, parameters, expected) in parameter_cases() {
+        parameters.validate().expect("valid parameters");
+        let simulator = Simulator::with_parameters(kind, 4_897, &parameters);
+        let ours = misses(simulator, &keys);
+        assert_eq!(ours, expected, "{kind} with {parameters:?}");
+    }
 }
