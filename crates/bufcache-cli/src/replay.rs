@@ -16,7 +16,7 @@ use crate::BadInput;
 use bufcache::parse_size;
 use bufcache_policy::offline::{belady, ShardsCurve};
 use bufcache_policy::simulate::Simulator;
-use bufcache_policy::PolicyKind;
+use bufcache_policy::{PolicyKind, PolicyParameters};
 use bufcache_trace::{open_trace, Operation, TraceFormat, TraceOptions};
 use clap::Args;
 
@@ -63,10 +63,60 @@ pub struct ReplayArgs {
     /// Print a JSON array instead of a table.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    parameters: PolicyParameterArgs,
     /// Also draw the miss-ratio curves (miss ratio per cache size, a line per policy): an
     /// SVG file, or PNG when the name ends in .png; any other extension is refused.
     #[arg(long, value_name = "FILE.svg|FILE.png", value_parser = crate::plot::parse_plot_path)]
     plot: Option<PathBuf>,
+}
+
+/// Parameters of the policies that have them. Defaults are libCacheSim's, so results at the
+/// defaults compare with it; each flag gives libCacheSim's name for the parameter.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Policy parameters (libCacheSim's defaults)")]
+pub struct PolicyParameterArgs {
+    /// S3-FIFO: the small FIFO's share of the cache (libCacheSim fifo-size-ratio); above 0
+    /// and below 1.
+    #[arg(long = "s3fifo-small-queue-ratio", value_name = "RATIO", allow_negative_numbers = true, default_value_t = PolicyParameters::default().s3fifo_small_queue_ratio)]
+    s3fifo_small_queue_ratio: f64,
+    /// S3-FIFO: ghost entries kept, as a fraction of the cache (ghost-size-ratio); 0 (none)
+    /// to 10.
+    #[arg(long = "s3fifo-ghost-size-ratio", value_name = "RATIO", allow_negative_numbers = true, default_value_t = PolicyParameters::default().s3fifo_ghost_size_ratio)]
+    s3fifo_ghost_size_ratio: f64,
+    /// S3-FIFO: hits in the small FIFO that move an entry to the main one instead of evicting
+    /// it (move-to-main-threshold); 0 to 3.
+    #[arg(long = "s3fifo-move-to-main-threshold", value_name = "HITS", default_value_t = PolicyParameters::default().s3fifo_move_to_main_threshold)]
+    s3fifo_move_to_main_threshold: u8,
+    /// 2Q: Kin, the A1in FIFO's share of the cache (Ain-size-ratio); above 0 and below 1.
+    #[arg(long = "2q-ain-size-ratio", value_name = "RATIO", allow_negative_numbers = true, default_value_t = PolicyParameters::default().two_q_ain_size_ratio)]
+    two_q_ain_size_ratio: f64,
+    /// 2Q: Kout, the A1out ghost's size as a fraction of the cache (Aout-size-ratio); 0 (none)
+    /// to 10.
+    #[arg(long = "2q-aout-size-ratio", value_name = "RATIO", allow_negative_numbers = true, default_value_t = PolicyParameters::default().two_q_aout_size_ratio)]
+    two_q_aout_size_ratio: f64,
+    /// CLOCK: bits of each entry's reference counter (n-bit-counter); an entry survives up to
+    /// 2^BITS - 1 passes of the hand after its hits. 1 to 8.
+    #[arg(long = "clock-bits", value_name = "BITS", default_value_t = PolicyParameters::default().clock_bits)]
+    clock_bits: u8,
+}
+
+impl PolicyParameterArgs {
+    /// The parameters, checked: a value out of range is an error naming its flag.
+    pub fn parameters(&self) -> Result<PolicyParameters, BadInput> {
+        let parameters = PolicyParameters {
+            s3fifo_small_queue_ratio: self.s3fifo_small_queue_ratio,
+            s3fifo_ghost_size_ratio: self.s3fifo_ghost_size_ratio,
+            s3fifo_move_to_main_threshold: self.s3fifo_move_to_main_threshold,
+            two_q_ain_size_ratio: self.two_q_ain_size_ratio,
+            two_q_aout_size_ratio: self.two_q_aout_size_ratio,
+            clock_bits: self.clock_bits,
+        };
+        parameters
+            .validate()
+            .map_err(|error| BadInput(error.to_string()))?;
+        Ok(parameters)
+    }
 }
 
 /// How `bufcache replay` computes the miss-ratio curve.
@@ -135,6 +185,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         None => TraceFormat::guess(&args.trace).context("pass --format")?,
     };
     let options: TraceOptions = args.trace_options.parse().context("--trace-options")?;
+    let parameters = args.parameters.parameters()?;
     let block_size = parse_size(&args.block_size).context("--block-size")?;
     if block_size == 0 || block_size > 1 << 30 {
         bail!(
@@ -181,7 +232,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
                     combinations.push((policy, text.clone(), *units));
                 }
             }
-            replay_all(&accesses, requests, &combinations)
+            replay_all(&accesses, requests, &combinations, &parameters)
         }
         MrcMethod::Shards => shards_rows(&accesses, requests, &capacities, args.sampling_rate),
     };
@@ -370,6 +421,7 @@ fn replay_all(
     accesses: &[Access],
     requests: u64,
     combinations: &[(ReplayPolicy, String, u64)],
+    parameters: &PolicyParameters,
 ) -> Vec<Row> {
     let next = Mutex::new(0usize);
     let rows = Mutex::new(Vec::new());
@@ -390,7 +442,7 @@ fn replay_all(
                 let Some((policy, text, units)) = combinations.get(index) else {
                     return;
                 };
-                let row = replay_one(accesses, requests, *policy, text, *units);
+                let row = replay_one(accesses, requests, *policy, text, *units, parameters);
                 rows.lock().unwrap().push((index, row));
                 progress.inc(1);
             });
@@ -408,13 +460,14 @@ fn replay_one(
     policy: ReplayPolicy,
     text: &str,
     units: u64,
+    parameters: &PolicyParameters,
 ) -> Row {
     let bytes = accesses.iter().map(|access| access.bytes as u64).sum();
     let mut misses = 0u64;
     let mut missed_bytes = 0u64;
     match policy {
         ReplayPolicy::Online(kind) => {
-            let mut simulator = Simulator::new(kind, units as usize);
+            let mut simulator = Simulator::with_parameters(kind, units as usize, parameters);
             for access in accesses {
                 if !simulator.access(access.key) {
                     missed_bytes += access.bytes as u64;
