@@ -237,7 +237,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         MrcMethod::Shards => shards_rows(&accesses, requests, &capacities, args.sampling_rate),
     };
     if let Some(path) = &args.plot {
-        crate::plot::write_plot(&miss_ratio_plot(&rows, &args).to_svg(), path)?;
+        miss_ratio_plot(&rows, &args, block_size).write(path)?;
         eprintln!("bufcache: wrote {}", path.display());
     }
     if args.json {
@@ -248,42 +248,55 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Miss ratio per cache size (in the order given), one line per policy.
-fn miss_ratio_plot(rows: &[Row], args: &ReplayArgs) -> bufcache_sim::Plot {
-    let series = args
+/// Miss ratio against cache size, one curve per policy. Sizes are in a binary unit fitted to
+/// the largest (blocks times the block size), or in objects with --no-split.
+fn miss_ratio_plot(rows: &[Row], args: &ReplayArgs, block_size: u64) -> crate::plot::CurvePlot {
+    let bytes_max = rows
+        .iter()
+        .map(|row| row.capacity_units as f64 * block_size as f64)
+        .fold(0.0, f64::max);
+    let (unit, unit_value) = if args.no_split {
+        ("objects", 1.0)
+    } else {
+        let (unit, unit_bytes) = crate::plot::size_unit(bytes_max);
+        (unit, unit_bytes / block_size as f64)
+    };
+    let curves = args
         .policy
         .iter()
-        .map(|policy| bufcache_sim::Series {
-            name: policy.name().to_string(),
-            points: args
-                .cache_size
+        .map(|policy| {
+            let mut points: Vec<(f64, f64)> = rows
                 .iter()
-                .enumerate()
-                .filter_map(|(index, size)| {
-                    rows.iter()
-                        .find(|row| row.policy == *policy && &row.cache_size == size)
-                        .map(|row| (index as f64, row.miss_ratio()))
-                })
-                .collect(),
+                .filter(|row| row.policy == *policy)
+                .map(|row| (row.capacity_units as f64 / unit_value, row.miss_ratio()))
+                .collect();
+            points.sort_by(|a, b| a.0.total_cmp(&b.0));
+            crate::plot::Curve {
+                name: policy.name().to_string(),
+                points,
+            }
         })
         .collect();
-    let unit = if args.no_split {
-        "objects"
-    } else {
-        "bytes or blocks"
+    let method = match args.mrc {
+        MrcMethod::Exact => "",
+        MrcMethod::Shards => " (SHARDS estimate)",
     };
-    bufcache_sim::Plot {
+    crate::plot::CurvePlot {
         title: format!(
-            "Miss-ratio curve: {}",
+            "Miss-ratio curve{method}: {}",
             args.trace
                 .file_name()
                 .map(|n| n.to_string_lossy().to_string())
                 .unwrap_or_default()
         ),
         x_label: format!("cache size ({unit})"),
-        y_label: "miss ratio".into(),
-        series,
-        x_categories: args.cache_size.clone(),
+        y_label: if args.no_split {
+            "miss ratio (per request)".into()
+        } else {
+            "miss ratio (per block)".into()
+        },
+        curves,
+        y_is_ratio: true,
     }
 }
 

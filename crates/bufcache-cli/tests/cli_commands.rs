@@ -206,6 +206,9 @@ fn sim_experiment_prints_its_table_and_writes_its_files() {
 
 #[test]
 fn replay_draws_its_miss_ratio_curve_as_svg_and_png() {
+    // Goal: `--plot` writes the format its extension names, with axes in real units.
+    // Method: replay a small loop trace with .svg and .png names; check the PNG signature
+    // and the SVG's axis labels and legend.
     let directory = tempfile::tempdir().unwrap();
     let trace = directory.path().join("loop.csv");
     let lines: String = (0..3000)
@@ -239,8 +242,28 @@ fn replay_draws_its_miss_ratio_curve_as_svg_and_png() {
                 svg.starts_with("<svg") && svg.contains("lru") && svg.contains("miss ratio"),
                 "{svg}"
             );
+            assert!(svg.contains("cache size (objects)"), "{svg}");
         }
     }
+    // Split into blocks, the x axis is in a binary unit fitted to the sizes, never "bytes or
+    // blocks".
+    let plot = directory.path().join("bytes.svg");
+    let result = bufcache(&[
+        "replay",
+        trace.to_str().unwrap(),
+        "--format",
+        "csv",
+        "--trace-options",
+        "time-col=1,obj-id-col=2,obj-size-col=3,op-col=4",
+        "--cache-size",
+        "512KiB,1MiB,2MiB",
+        "--plot",
+        plot.to_str().unwrap(),
+    ]);
+    assert!(result.status.success(), "{}", text(&result));
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(svg.contains("cache size (MiB)"), "{svg}");
+    assert!(!svg.contains("bytes or blocks"), "{svg}");
 }
 
 #[test]
