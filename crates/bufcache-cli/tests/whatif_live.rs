@@ -7,8 +7,8 @@
 //! cache and read its `/stats` what-if section; replay the same requests against fresh
 //! servers with 32 MiB and 64 MiB caches and read their measured hit ratios. Also checks that
 //! `/metrics` carries the gauge, `bufcache stat --once` prints the readable lines and
-//! `bufcache stat --plot` draws the curve. Trace
-//! capture (`serve --trace`) is checked here too: it sits at the same export adapter.
+//! `bufcache stat --plot` draws the curve. Trace capture (`serve --trace`) is checked here too:
+//! it sits at the same export adapter.
 
 mod common;
 
