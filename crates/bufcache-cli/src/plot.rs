@@ -109,11 +109,26 @@ impl CurvePlot {
         root.fill(&WHITE)?;
         let (plot_area, legend_area) = root.split_horizontally(WIDTH_PIXELS - LEGEND_WIDTH_PIXELS);
         let (x_low, x_high) = self.x_extent();
+        // On a log axis, ticks at the sizes that were measured (a handful, usually powers of
+        // two), which decade-based ticks would skip; too many to label are left to plotters.
+        let mut ticks: Vec<f64> = self
+            .curves
+            .iter()
+            .flat_map(|curve| curve.points.iter().map(|point| point.0))
+            .collect();
+        ticks.sort_by(f64::total_cmp);
+        ticks.dedup();
+        let own_ticks = ticks.len() <= 12;
         if x_low > 0.0 && x_high / x_low >= 10.0 {
             // Sizes spanning decades: equal ratios get equal room.
             let range = (x_low / 1.15..x_high * 1.15).log_scale();
-            self.draw_chart(&plot_area, range)?;
+            if own_ticks {
+                self.draw_chart(&plot_area, range.with_key_points(ticks))?;
+            } else {
+                self.draw_chart(&plot_area, range)?;
+            }
         } else {
+            // Within a decade plotters' own round ticks read well.
             let pad = (x_high - x_low) * 0.05;
             self.draw_chart(&plot_area, (x_low - pad)..(x_high + pad))?;
         }
