@@ -102,6 +102,48 @@ pub struct PolicyParameterArgs {
 }
 
 impl PolicyParameterArgs {
+    /// The flags whose value differs from the default, as `--flag value`, for the log.
+    fn changed(&self) -> Vec<String> {
+        let defaults = PolicyParameters::default();
+        let flags = [
+            (
+                "s3fifo-small-queue-ratio",
+                self.s3fifo_small_queue_ratio,
+                defaults.s3fifo_small_queue_ratio,
+            ),
+            (
+                "s3fifo-ghost-size-ratio",
+                self.s3fifo_ghost_size_ratio,
+                defaults.s3fifo_ghost_size_ratio,
+            ),
+            (
+                "s3fifo-move-to-main-threshold",
+                f64::from(self.s3fifo_move_to_main_threshold),
+                f64::from(defaults.s3fifo_move_to_main_threshold),
+            ),
+            (
+                "2q-ain-size-ratio",
+                self.two_q_ain_size_ratio,
+                defaults.two_q_ain_size_ratio,
+            ),
+            (
+                "2q-aout-size-ratio",
+                self.two_q_aout_size_ratio,
+                defaults.two_q_aout_size_ratio,
+            ),
+            (
+                "clock-bits",
+                f64::from(self.clock_bits),
+                f64::from(defaults.clock_bits),
+            ),
+        ];
+        flags
+            .iter()
+            .filter(|(_, value, default)| value != default)
+            .map(|(name, value, _)| format!("--{name} {value}"))
+            .collect()
+    }
+
     /// The parameters, checked: a value out of range is an error naming its flag.
     pub fn parameters(&self) -> Result<PolicyParameters, BadInput> {
         let parameters = PolicyParameters {
@@ -186,6 +228,13 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     };
     let options: TraceOptions = args.trace_options.parse().context("--trace-options")?;
     let parameters = args.parameters.parameters()?;
+    let changed = args.parameters.changed();
+    if !changed.is_empty() {
+        eprintln!(
+            "bufcache: policy parameters {} (libCacheSim's defaults otherwise)",
+            changed.join(" ")
+        );
+    }
     let block_size = parse_size(&args.block_size).context("--block-size")?;
     if block_size == 0 || block_size > 1 << 30 {
         bail!(
