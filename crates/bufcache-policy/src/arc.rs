@@ -281,6 +281,43 @@ mod tests {
     }
 
     #[test]
+    fn announced_miss_with_t1_full_and_b1_empty_evicts_without_a_ghost() {
+        // The paper's case IV(a) with B1 empty (libCacheSim's `_ARC_evict_L1_data_no_ghost`):
+        // the LRU of T1 leaves and nothing remembers it, so its return is a plain miss.
+        let mut arc = Arc::with_capacity(2);
+        for (slot, key) in [(0, 10), (1, 11)] {
+            arc.announce_miss(key);
+            arc.insert(slot, key, Placement::Normal);
+        }
+        arc.announce_miss(12);
+        assert_eq!(arc.evict(&mut |_| true), Some(0));
+        assert_eq!(arc.recent_ghost.len(), 0);
+        arc.insert(0, 12, Placement::Normal);
+        assert_eq!(arc.classify_miss(10), MissKind::New);
+        arc.lists.debug_check();
+    }
+
+    #[test]
+    fn announced_b1_hit_adapts_p_before_the_victim_is_chosen() {
+        // T1 = {1, 2}, T2 = {3}, B1 = {99}: the announcement of a miss on 99 raises p to 1
+        // (step max(|B2|/|B1|, 1)) before any eviction, as libCacheSim's lookup does; REPLACE
+        // then takes T1's LRU (|T1| = 2 > p) and 99 joins T2.
+        let mut arc = Arc::with_capacity(3);
+        for (slot, key) in [(0, 1), (1, 2), (2, 3)] {
+            arc.announce_miss(key);
+            arc.insert(slot, key, Placement::Normal);
+        }
+        arc.access(2);
+        arc.recent_ghost.push(99);
+        arc.announce_miss(99);
+        assert_eq!(arc.recent_target(), 1.0);
+        assert_eq!(arc.evict(&mut |_| true), Some(0));
+        arc.insert(0, 99, Placement::Normal);
+        assert_eq!(arc.lists.list_of(0), Some(FREQUENT));
+        arc.lists.debug_check();
+    }
+
+    #[test]
     fn ghost_lists_stay_within_twice_the_capacity() {
         let mut arc = Arc::with_capacity(8);
         for key in 0..1000u64 {
