@@ -16,7 +16,7 @@ use crate::BadInput;
 use bufcache::parse_size;
 use bufcache_policy::offline::{belady, ShardsCurve};
 use bufcache_policy::simulate::Simulator;
-use bufcache_policy::PolicyKind;
+use bufcache_policy::{PolicyKind, PolicyParameters};
 use bufcache_trace::{open_trace, Operation, TraceFormat, TraceOptions};
 use clap::Args;
 
@@ -63,10 +63,102 @@ pub struct ReplayArgs {
     /// Print a JSON array instead of a table.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    parameters: PolicyParameterArgs,
     /// Also draw the miss-ratio curves (miss ratio per cache size, a line per policy): an
     /// SVG file, or PNG when the name ends in .png; any other extension is refused.
     #[arg(long, value_name = "FILE.svg|FILE.png", value_parser = crate::plot::parse_plot_path)]
     plot: Option<PathBuf>,
+}
+
+/// Parameters of the policies that have them. Defaults are libCacheSim's, so results at the
+/// defaults compare with it; each flag gives libCacheSim's name for the parameter.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Policy parameters (libCacheSim's defaults)")]
+pub struct PolicyParameterArgs {
+    /// S3-FIFO: the small FIFO's share of the cache (libCacheSim fifo-size-ratio); above 0
+    /// and below 1.
+    #[arg(long = "s3fifo-small-queue-ratio", value_name = "RATIO", allow_negative_numbers = true, default_value_t = PolicyParameters::default().s3fifo_small_queue_ratio)]
+    s3fifo_small_queue_ratio: f64,
+    /// S3-FIFO: ghost entries kept, as a fraction of the cache (ghost-size-ratio); 0 (none)
+    /// to 10.
+    #[arg(long = "s3fifo-ghost-size-ratio", value_name = "RATIO", allow_negative_numbers = true, default_value_t = PolicyParameters::default().s3fifo_ghost_size_ratio)]
+    s3fifo_ghost_size_ratio: f64,
+    /// S3-FIFO: hits in the small FIFO that move an entry to the main one instead of evicting
+    /// it (move-to-main-threshold); 0 to 3.
+    #[arg(long = "s3fifo-move-to-main-threshold", value_name = "HITS", default_value_t = PolicyParameters::default().s3fifo_move_to_main_threshold)]
+    s3fifo_move_to_main_threshold: u8,
+    /// 2Q: Kin, the A1in FIFO's share of the cache (Ain-size-ratio); above 0 and below 1.
+    #[arg(long = "2q-ain-size-ratio", value_name = "RATIO", allow_negative_numbers = true, default_value_t = PolicyParameters::default().two_q_ain_size_ratio)]
+    two_q_ain_size_ratio: f64,
+    /// 2Q: Kout, the A1out ghost's size as a fraction of the cache (Aout-size-ratio); 0 (none)
+    /// to 10.
+    #[arg(long = "2q-aout-size-ratio", value_name = "RATIO", allow_negative_numbers = true, default_value_t = PolicyParameters::default().two_q_aout_size_ratio)]
+    two_q_aout_size_ratio: f64,
+    /// CLOCK: bits of each entry's reference counter (n-bit-counter); an entry survives up to
+    /// 2^BITS - 1 passes of the hand after its hits. 1 to 8.
+    #[arg(long = "clock-bits", value_name = "BITS", default_value_t = PolicyParameters::default().clock_bits)]
+    clock_bits: u8,
+}
+
+impl PolicyParameterArgs {
+    /// The flags whose value differs from the default, as `--flag value`, for the log.
+    fn changed(&self) -> Vec<String> {
+        let defaults = PolicyParameters::default();
+        let flags = [
+            (
+                "s3fifo-small-queue-ratio",
+                self.s3fifo_small_queue_ratio,
+                defaults.s3fifo_small_queue_ratio,
+            ),
+            (
+                "s3fifo-ghost-size-ratio",
+                self.s3fifo_ghost_size_ratio,
+                defaults.s3fifo_ghost_size_ratio,
+            ),
+            (
+                "s3fifo-move-to-main-threshold",
+                f64::from(self.s3fifo_move_to_main_threshold),
+                f64::from(defaults.s3fifo_move_to_main_threshold),
+            ),
+            (
+                "2q-ain-size-ratio",
+                self.two_q_ain_size_ratio,
+                defaults.two_q_ain_size_ratio,
+            ),
+            (
+                "2q-aout-size-ratio",
+                self.two_q_aout_size_ratio,
+                defaults.two_q_aout_size_ratio,
+            ),
+            (
+                "clock-bits",
+                f64::from(self.clock_bits),
+                f64::from(defaults.clock_bits),
+            ),
+        ];
+        flags
+            .iter()
+            .filter(|(_, value, default)| value != default)
+            .map(|(name, value, _)| format!("--{name} {value}"))
+            .collect()
+    }
+
+    /// The parameters, checked: a value out of range is an error naming its flag.
+    pub fn parameters(&self) -> Result<PolicyParameters, BadInput> {
+        let parameters = PolicyParameters {
+            s3fifo_small_queue_ratio: self.s3fifo_small_queue_ratio,
+            s3fifo_ghost_size_ratio: self.s3fifo_ghost_size_ratio,
+            s3fifo_move_to_main_threshold: self.s3fifo_move_to_main_threshold,
+            two_q_ain_size_ratio: self.two_q_ain_size_ratio,
+            two_q_aout_size_ratio: self.two_q_aout_size_ratio,
+            clock_bits: self.clock_bits,
+        };
+        parameters
+            .validate()
+            .map_err(|error| BadInput(error.to_string()))?;
+        Ok(parameters)
+    }
 }
 
 /// How `bufcache replay` computes the miss-ratio curve.
@@ -135,6 +227,14 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
         None => TraceFormat::guess(&args.trace).context("pass --format")?,
     };
     let options: TraceOptions = args.trace_options.parse().context("--trace-options")?;
+    let parameters = args.parameters.parameters()?;
+    let changed = args.parameters.changed();
+    if !changed.is_empty() {
+        eprintln!(
+            "bufcache: policy parameters {} (libCacheSim's defaults otherwise)",
+            changed.join(" ")
+        );
+    }
     let block_size = parse_size(&args.block_size).context("--block-size")?;
     if block_size == 0 || block_size > 1 << 30 {
         bail!(
@@ -181,12 +281,12 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
                     combinations.push((policy, text.clone(), *units));
                 }
             }
-            replay_all(&accesses, requests, &combinations)
+            replay_all(&accesses, requests, &combinations, &parameters)
         }
         MrcMethod::Shards => shards_rows(&accesses, requests, &capacities, args.sampling_rate),
     };
     if let Some(path) = &args.plot {
-        crate::plot::write_plot(&miss_ratio_plot(&rows, &args).to_svg(), path)?;
+        miss_ratio_plot(&rows, &args, block_size).write(path)?;
         eprintln!("bufcache: wrote {}", path.display());
     }
     if args.json {
@@ -197,42 +297,55 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Miss ratio per cache size (in the order given), one line per policy.
-fn miss_ratio_plot(rows: &[Row], args: &ReplayArgs) -> bufcache_sim::Plot {
-    let series = args
+/// Miss ratio against cache size, one curve per policy. Sizes are in a binary unit fitted to
+/// the largest (blocks times the block size), or in objects with --no-split.
+fn miss_ratio_plot(rows: &[Row], args: &ReplayArgs, block_size: u64) -> crate::plot::CurvePlot {
+    let bytes_max = rows
+        .iter()
+        .map(|row| row.capacity_units as f64 * block_size as f64)
+        .fold(0.0, f64::max);
+    let (unit, unit_value) = if args.no_split {
+        ("objects", 1.0)
+    } else {
+        let (unit, unit_bytes) = crate::plot::size_unit(bytes_max);
+        (unit, unit_bytes / block_size as f64)
+    };
+    let curves = args
         .policy
         .iter()
-        .map(|policy| bufcache_sim::Series {
-            name: policy.name().to_string(),
-            points: args
-                .cache_size
+        .map(|policy| {
+            let mut points: Vec<(f64, f64)> = rows
                 .iter()
-                .enumerate()
-                .filter_map(|(index, size)| {
-                    rows.iter()
-                        .find(|row| row.policy == *policy && &row.cache_size == size)
-                        .map(|row| (index as f64, row.miss_ratio()))
-                })
-                .collect(),
+                .filter(|row| row.policy == *policy)
+                .map(|row| (row.capacity_units as f64 / unit_value, row.miss_ratio()))
+                .collect();
+            points.sort_by(|a, b| a.0.total_cmp(&b.0));
+            crate::plot::Curve {
+                name: policy.name().to_string(),
+                points,
+            }
         })
         .collect();
-    let unit = if args.no_split {
-        "objects"
-    } else {
-        "bytes or blocks"
+    let method = match args.mrc {
+        MrcMethod::Exact => "",
+        MrcMethod::Shards => " (SHARDS estimate)",
     };
-    bufcache_sim::Plot {
+    crate::plot::CurvePlot {
         title: format!(
-            "Miss-ratio curve: {}",
+            "Miss-ratio curve{method}: {}",
             args.trace
                 .file_name()
                 .map(|n| n.to_string_lossy().to_string())
                 .unwrap_or_default()
         ),
         x_label: format!("cache size ({unit})"),
-        y_label: "miss ratio".into(),
-        series,
-        x_categories: args.cache_size.clone(),
+        y_label: if args.no_split {
+            "miss ratio (per request)".into()
+        } else {
+            "miss ratio (per block)".into()
+        },
+        curves,
+        y_is_ratio: true,
     }
 }
 
@@ -370,6 +483,7 @@ fn replay_all(
     accesses: &[Access],
     requests: u64,
     combinations: &[(ReplayPolicy, String, u64)],
+    parameters: &PolicyParameters,
 ) -> Vec<Row> {
     let next = Mutex::new(0usize);
     let rows = Mutex::new(Vec::new());
@@ -390,7 +504,7 @@ fn replay_all(
                 let Some((policy, text, units)) = combinations.get(index) else {
                     return;
                 };
-                let row = replay_one(accesses, requests, *policy, text, *units);
+                let row = replay_one(accesses, requests, *policy, text, *units, parameters);
                 rows.lock().unwrap().push((index, row));
                 progress.inc(1);
             });
@@ -408,13 +522,14 @@ fn replay_one(
     policy: ReplayPolicy,
     text: &str,
     units: u64,
+    parameters: &PolicyParameters,
 ) -> Row {
     let bytes = accesses.iter().map(|access| access.bytes as u64).sum();
     let mut misses = 0u64;
     let mut missed_bytes = 0u64;
     match policy {
         ReplayPolicy::Online(kind) => {
-            let mut simulator = Simulator::new(kind, units as usize);
+            let mut simulator = Simulator::with_parameters(kind, units as usize, parameters);
             for access in accesses {
                 if !simulator.access(access.key) {
                     missed_bytes += access.bytes as u64;

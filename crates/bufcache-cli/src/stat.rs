@@ -20,7 +20,8 @@ use crate::metrics::fetch_stats;
     bufcache serve --metrics 127.0.0.1:9187 &\n  \
     bufcache stat 127.0.0.1:9187                # a line per second\n  \
     bufcache stat 127.0.0.1:9187 --interval 5 --count 12\n  \
-    bufcache stat 127.0.0.1:9187 --once --json  # totals so far, for scripts")]
+    bufcache stat 127.0.0.1:9187 --once --json  # totals so far, for scripts\n  \
+    bufcache stat 127.0.0.1:9187 --plot whatif.svg  # the live what-if curve")]
 pub struct StatArgs {
     /// The server's metrics address, HOST:PORT (from `bufcache serve --metrics`).
     address: String,
@@ -36,6 +37,10 @@ pub struct StatArgs {
     /// JSON instead of text.
     #[arg(long)]
     json: bool,
+    /// Draw the server's live what-if curve (predicted hit ratio against cache size, a line
+    /// per simulated policy) into FILE, SVG or PNG by its extension, and exit.
+    #[arg(long, value_name = "FILE.svg|FILE.png", value_parser = crate::plot::parse_plot_path)]
+    plot: Option<std::path::PathBuf>,
 }
 
 /// The figures of one line.
@@ -144,6 +149,11 @@ pub fn run(args: StatArgs) -> anyhow::Result<()> {
         );
     }
     let first = fetch_stats(&args.address)?;
+    if let Some(path) = &args.plot {
+        crate::whatif::whatif_plot(&first)?.write(path)?;
+        eprintln!("bufcache: wrote {}", path.display());
+        return Ok(());
+    }
     if args.once {
         if args.json {
             println!("{first}");

@@ -191,6 +191,70 @@ pub fn stat_lines(stats: &Value) -> Vec<String> {
     lines
 }
 
+/// The live what-if curve from a `/stats` document: predicted hit ratio against cache size,
+/// one curve per simulated policy. An error says why when there is nothing to draw.
+pub fn whatif_plot(stats: &Value) -> anyhow::Result<crate::plot::CurvePlot> {
+    let Some(section) = stats.get("whatif") else {
+        bail!(
+            "the server runs no what-if simulation (it was started with \
+             --whatif-sampling-rate 0): nothing to plot"
+        );
+    };
+    let rows = section["estimates"].as_array().cloned().unwrap_or_default();
+    if rows
+        .iter()
+        .all(|row| row["sampled_accesses"].as_u64().unwrap_or(0) == 0)
+    {
+        bail!("the what-if caches have sampled no block yet: plot again after some I/O");
+    }
+    let configured_bytes = section["cache_size_bytes"].as_u64().unwrap_or(0);
+    let bytes_max = rows
+        .iter()
+        .filter_map(|row| row["cache_size_bytes"].as_f64())
+        .fold(0.0, f64::max);
+    let (unit, unit_bytes) = crate::plot::size_unit(bytes_max);
+    let mut names: Vec<&str> = Vec::new();
+    for row in &rows {
+        if let Some(name) = row["policy"].as_str() {
+            if !names.contains(&name) {
+                names.push(name);
+            }
+        }
+    }
+    let curves = names
+        .iter()
+        .map(|&name| {
+            let mut points: Vec<(f64, f64)> = rows
+                .iter()
+                .filter(|row| row["policy"].as_str() == Some(name))
+                .filter_map(|row| {
+                    Some((
+                        row["cache_size_bytes"].as_f64()? / unit_bytes,
+                        row["hit_ratio"].as_f64()?,
+                    ))
+                })
+                .collect();
+            points.sort_by(|a, b| a.0.total_cmp(&b.0));
+            crate::plot::Curve {
+                name: name.to_string(),
+                points,
+            }
+        })
+        .collect();
+    Ok(crate::plot::CurvePlot {
+        title: format!(
+            "Live what-if: {} cache now {}, {:.2}% of blocks sampled",
+            section["policy"].as_str().unwrap_or("?"),
+            format_size(configured_bytes),
+            section["sampling_rate"].as_f64().unwrap_or(0.0) * 100.0
+        ),
+        x_label: format!("cache size ({unit})"),
+        y_label: "hit ratio (predicted)".into(),
+        curves,
+        y_is_ratio: true,
+    })
+}
+
 fn multiplier_text(multiplier: f64) -> String {
     if multiplier >= 1.0 {
         format!("{multiplier}")
@@ -202,6 +266,41 @@ fn multiplier_text(multiplier: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn whatif_plot_has_a_curve_per_policy_in_binary_units() {
+        // Goal: `bufcache stat --plot` draws every simulated policy against real sizes, and
+        // says why when there is nothing to draw. Method: feed a loop to a feed, plot its
+        // /stats section; then plot sections without samples and without what-if.
+        let feed = WhatIfFeed::start(1.0, PolicyKind::S3Fifo, 256 * 4096, 4096)
+            .unwrap()
+            .unwrap();
+        for round in 0..4 {
+            for block in 0..300u64 {
+                feed.record(0, (block + round) * 4096, 4096, false);
+            }
+        }
+        let plot = whatif_plot(&json!({ "whatif": feed.json() })).unwrap();
+        let names: Vec<&str> = plot
+            .curves
+            .iter()
+            .map(|curve| curve.name.as_str())
+            .collect();
+        assert_eq!(names, ["s3fifo", "lru"]);
+        assert_eq!(plot.x_label, "cache size (MiB)");
+        let sizes: Vec<f64> = plot.curves[0].points.iter().map(|point| point.0).collect();
+        assert!(sizes.contains(&1.0) && sizes.contains(&8.0), "{sizes:?}");
+        let idle = WhatIfFeed::start(1.0, PolicyKind::Lru, 256 * 4096, 4096)
+            .unwrap()
+            .unwrap();
+        let error = whatif_plot(&json!({ "whatif": idle.json() })).unwrap_err();
+        assert!(error.to_string().contains("no block yet"), "{error}");
+        let error = whatif_plot(&json!({})).unwrap_err();
+        assert!(
+            error.to_string().contains("--whatif-sampling-rate 0"),
+            "{error}"
+        );
+    }
 
     #[test]
     fn stat_prints_a_readable_line_per_size() {

@@ -206,6 +206,9 @@ fn sim_experiment_prints_its_table_and_writes_its_files() {
 
 #[test]
 fn replay_draws_its_miss_ratio_curve_as_svg_and_png() {
+    // Goal: `--plot` writes the format its extension names, with axes in real units.
+    // Method: replay a small loop trace with .svg and .png names; check the PNG signature
+    // and the SVG's axis labels and legend.
     let directory = tempfile::tempdir().unwrap();
     let trace = directory.path().join("loop.csv");
     let lines: String = (0..3000)
@@ -239,8 +242,28 @@ fn replay_draws_its_miss_ratio_curve_as_svg_and_png() {
                 svg.starts_with("<svg") && svg.contains("lru") && svg.contains("miss ratio"),
                 "{svg}"
             );
+            assert!(svg.contains("cache size (objects)"), "{svg}");
         }
     }
+    // Split into blocks, the x axis is in a binary unit fitted to the sizes, never "bytes or
+    // blocks".
+    let plot = directory.path().join("bytes.svg");
+    let result = bufcache(&[
+        "replay",
+        trace.to_str().unwrap(),
+        "--format",
+        "csv",
+        "--trace-options",
+        "time-col=1,obj-id-col=2,obj-size-col=3,op-col=4",
+        "--cache-size",
+        "512KiB,1MiB,2MiB",
+        "--plot",
+        plot.to_str().unwrap(),
+    ]);
+    assert!(result.status.success(), "{}", text(&result));
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(svg.contains("cache size (MiB)"), "{svg}");
+    assert!(!svg.contains("bytes or blocks"), "{svg}");
 }
 
 #[test]
@@ -597,4 +620,84 @@ fn sim_run_refuses_io_queue_flags_and_bad_input_with_exit_2() {
     }
     let result = bufcache(&base);
     assert!(result.status.success(), "{}", text(&result));
+}
+
+#[test]
+fn replay_policy_parameters_reach_the_policies_and_bad_values_name_their_flag() {
+    // Goal: `replay`'s policy-parameter flags mean libCacheSim's parameters, and a value out of
+    // range is refused (exit 2) with its flag named, before the trace is read. Method: replay
+    // the shipped trace with non-default 2Q, CLOCK and S3-FIFO parameters and compare the miss
+    // counts with libCacheSim 0.3.5's for the same parameters (`TwoQ(4897, a_in_size_ratio=0.1,
+    // a_out_size_ratio=1.0)`: 84,810; `Clock(4897, n_bit_counter=3)`: 91,518;
+    // `S3FIFO(4897, small_size_ratio=0.2, ghost_size_ratio=0.5, move_to_main_threshold=1)`:
+    // 88,485); then give out-of-range values on a trace that does not exist.
+    if let Some(trace) = shipped_trace() {
+        let rows = replay_json(
+            &trace,
+            &[
+                "--policy",
+                "2q,clock,s3fifo",
+                "--cache-size",
+                "4897",
+                "--no-split",
+                "--2q-ain-size-ratio",
+                "0.1",
+                "--2q-aout-size-ratio",
+                "1.0",
+                "--clock-bits",
+                "3",
+                "--s3fifo-small-queue-ratio",
+                "0.2",
+                "--s3fifo-ghost-size-ratio",
+                "0.5",
+                "--s3fifo-move-to-main-threshold",
+                "1",
+            ],
+        );
+        let misses: Vec<u64> = rows
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|row| row["misses"].as_u64().unwrap())
+            .collect();
+        assert_eq!(misses, [84_810, 91_518, 88_485]);
+    } else {
+        eprintln!("skipped the libCacheSim comparison: the cloudPhysicsIO trace is not here");
+    }
+    for (flag, value) in [
+        ("--s3fifo-small-queue-ratio", "1"),
+        ("--s3fifo-ghost-size-ratio", "-0.5"),
+        ("--s3fifo-move-to-main-threshold", "4"),
+        ("--2q-ain-size-ratio", "0"),
+        ("--2q-aout-size-ratio", "11"),
+        ("--clock-bits", "9"),
+        ("--clock-bits", "many"),
+    ] {
+        let result = bufcache(&[
+            "replay",
+            "/nonexistent/trace.csv",
+            "--format",
+            "csv",
+            "--cache-size",
+            "100",
+            flag,
+            value,
+        ]);
+        assert_eq!(
+            result.status.code(),
+            Some(2),
+            "{flag} {value}: {}",
+            text(&result)
+        );
+        assert!(
+            text(&result).contains(flag),
+            "{flag} {value}: {}",
+            text(&result)
+        );
+        assert!(
+            !text(&result).contains("/nonexistent"),
+            "{flag} {value}: checked before the trace is opened: {}",
+            text(&result)
+        );
+    }
 }

@@ -6,8 +6,9 @@
 //! clustering do not add hits the policy model does not have) against a server with a 16 MiB
 //! cache and read its `/stats` what-if section; replay the same requests against fresh
 //! servers with 32 MiB and 64 MiB caches and read their measured hit ratios. Also checks that
-//! `/metrics` carries the gauge and `bufcache stat --once` prints the readable lines. Trace
-//! capture (`serve --trace`) is checked here too: it sits at the same export adapter.
+//! `/metrics` carries the gauge, `bufcache stat --once` prints the readable lines and
+//! `bufcache stat --plot` draws the curve. Trace capture (`serve --trace`) is checked here too:
+//! it sits at the same export adapter.
 
 mod common;
 
@@ -128,6 +129,21 @@ fn whatif_predicts_the_hit_ratio_a_bigger_cache_measures() {
         );
         let text = String::from_utf8_lossy(&stat.stdout).to_string();
         assert!(text.contains("at 2× memory (32MiB): hit ratio"), "{text}");
+        // The same curve as a plot: both simulated policies against sizes in MiB.
+        let plot = dir.path().join("whatif.svg");
+        run_ok(
+            std::process::Command::new(bufcache_bin()).args([
+                "stat",
+                &format!("127.0.0.1:{port}"),
+                "--plot",
+                plot.to_str().unwrap(),
+            ]),
+            Duration::from_secs(30),
+        );
+        let svg = std::fs::read_to_string(&plot).unwrap();
+        for label in ["cache size (MiB)", "hit ratio (predicted)", "s3fifo", "lru"] {
+            assert!(svg.contains(label), "{label} missing from the what-if plot");
+        }
     });
     let mut report = format!(
         "1x: measured {measured_1x:.4} predicted {:.4}\n",

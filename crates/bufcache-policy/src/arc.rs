@@ -9,11 +9,27 @@
 //! remembers the victim's hash in `B1` or `B2`. Ghosts are trimmed so that
 //! `|T1| + |B1| <= c` and `|T1| + |T2| + |B1| + |B2| <= 2c`.
 //!
-//! Differences from the paper forced by the slot interface: the cache evicts *before* it
-//! inserts, so `p` adapts at insert, one eviction later than in the paper, and the
-//! `x ∈ B2 && |T1| == p` tie-break of REPLACE is not available. `c` is re-estimated at every
-//! eviction as the number of tracked entries, so the bounds follow the real cache size.
-//! `NoReuse` entries sit in a separate queue drained first and never enter `B1`/`B2`.
+//! Two ways to drive it. A cache that knows the key of a miss before it makes room for it
+//! (the simulator, and so `replay` and the live what-if) calls [`Policy::announce_miss`]
+//! first: ARC then runs exactly as libCacheSim's `ARC.c` does (which follows the paper):
+//! - a ghost hit adapts `p` *before* the victim is chosen, with a real-valued step
+//!   (`|B2|/|B1|`, not rounded down), and REPLACE uses the paper's tie-break
+//!   (`x ∈ B2 && |T1| == p` takes from `T1`);
+//! - a miss in no list is the paper's case IV: when `|T1| + |B1|` already fills `c`, the
+//!   oldest `B1` ghost is dropped before REPLACE, or, with `B1` empty, `T1`'s LRU entry is
+//!   evicted leaving no ghost; otherwise, when the four lists hold `2c`, the oldest `B2`
+//!   ghost is dropped before REPLACE. Ghosts are trimmed only there, one per eviction.
+//!
+//! A cache that evicts before it knows the key (the engine's shards) inserts without an
+//! announcement: `p` then adapts at insert, one eviction later than in the paper, the
+//! tie-break is not available, and ghosts are trimmed to the paper's bounds after every
+//! eviction and insert. On the shipped CloudPhysics trace that costs at most 1.3e-4 of miss
+//! ratio against libCacheSim (pinned in `tests/libcachesim_parity.rs`); the announced path
+//! matches it miss for miss.
+//!
+//! `c` is re-estimated at every eviction as the number of tracked entries, so the bounds
+//! follow the real cache size. `NoReuse` entries sit in a separate queue drained first and
+//! never enter `B1`/`B2`.
 
 use crate::ghost::Ghost;
 use crate::list::{ListId, SlotLists};
@@ -23,6 +39,17 @@ const NO_REUSE: ListId = 0;
 const RECENT: ListId = 1;
 const FREQUENT: ListId = 2;
 
+/// Where an announced miss's key was found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum MissKind {
+    /// In no list: the paper's case IV.
+    New,
+    /// In `B1` (case II).
+    RecentGhost,
+    /// In `B2` (case III).
+    FrequentGhost,
+}
+
 /// Adaptive replacement cache.
 pub struct Arc {
     lists: SlotLists<3>,
@@ -31,10 +58,13 @@ pub struct Arc {
     /// `B2`: hashes evicted from `T2`.
     frequent_ghost: Ghost,
     key_hashes: Vec<u64>,
-    /// Target size of `T1`, in entries; `0 <= p <= capacity`.
-    recent_target: usize,
+    /// ARC's `p`, the target size of `T1` in entries; `0 <= p <= capacity`. Real-valued as
+    /// in libCacheSim, because the step `|B2|/|B1|` is a ratio.
+    recent_target: f64,
     /// `c`: entries the cache holds when full (re-estimated at each eviction).
     capacity: usize,
+    /// The miss announced by `announce_miss` and not inserted yet: its key hash and kind.
+    announced: Option<(u64, MissKind)>,
 }
 
 impl Arc {
@@ -45,30 +75,31 @@ impl Arc {
             recent_ghost: Ghost::with_capacity(capacity),
             frequent_ghost: Ghost::with_capacity(capacity),
             key_hashes: Vec::with_capacity(capacity),
-            recent_target: 0,
+            recent_target: 0.0,
             capacity: capacity.max(1),
+            announced: None,
         }
     }
 
     /// The current target size of `T1` (ARC's `p`), for tests and statistics.
-    pub fn recent_target(&self) -> usize {
+    pub fn recent_target(&self) -> f64 {
         self.recent_target
     }
 
-    /// Adapts `p` for a miss on `key_hash` and says which list the new entry joins.
-    fn adapt_for_miss(&mut self, key_hash: u64) -> ListId {
-        let recent_ghosts = self.recent_ghost.len();
-        let frequent_ghosts = self.frequent_ghost.len();
+    /// Looks `key_hash` up in the ghosts; a ghost hit adapts `p` and forgets the ghost.
+    fn classify_miss(&mut self, key_hash: u64) -> MissKind {
+        let recent_ghosts = self.recent_ghost.len() as f64;
+        let frequent_ghosts = self.frequent_ghost.len() as f64;
         if self.recent_ghost.remove(key_hash) {
-            let step = (frequent_ghosts / recent_ghosts).max(1);
-            self.recent_target = (self.recent_target + step).min(self.capacity);
-            FREQUENT
+            let step = (frequent_ghosts / recent_ghosts).max(1.0);
+            self.recent_target = (self.recent_target + step).min(self.capacity as f64);
+            MissKind::RecentGhost
         } else if self.frequent_ghost.remove(key_hash) {
-            let step = (recent_ghosts / frequent_ghosts).max(1);
-            self.recent_target = self.recent_target.saturating_sub(step);
-            FREQUENT
+            let step = (recent_ghosts / frequent_ghosts).max(1.0);
+            self.recent_target = (self.recent_target - step).max(0.0);
+            MissKind::FrequentGhost
         } else {
-            RECENT
+            MissKind::New
         }
     }
 
@@ -83,14 +114,68 @@ impl Arc {
             RECENT => self.recent_ghost.push(key_hash),
             _ => self.frequent_ghost.push(key_hash),
         }
-        self.trim_ghosts();
         Some(slot)
     }
 
-    /// Keeps `|T1| + |B1| <= c` and `|T1| + |T2| + |B1| + |B2| <= 2c`. Called after an
-    /// eviction (when the entry about to be inserted is not counted yet, which leaves one
-    /// ghost of slack so the insert can still find its own key, as in the paper where the
-    /// ghost lookup precedes REPLACE) and again after the insert.
+    /// The paper's REPLACE: evicts from `T1` when it is over `p` (or at `p` and the incoming
+    /// key was in `B2`), or when `T2` is empty; else from `T2`. The other list is tried when
+    /// every candidate of the first is refused.
+    fn replace(
+        &mut self,
+        incoming_in_frequent_ghost: bool,
+        evictable: &mut dyn FnMut(Slot) -> bool,
+    ) -> Option<Slot> {
+        let recent = self.lists.len(RECENT);
+        let recent_len = recent as f64;
+        let over_target = recent_len > self.recent_target
+            || (recent_len == self.recent_target && incoming_in_frequent_ghost);
+        let (first, second) = if (recent > 0 && over_target) || self.lists.len(FREQUENT) == 0 {
+            (RECENT, FREQUENT)
+        } else {
+            (FREQUENT, RECENT)
+        };
+        self.evict_from(first, evictable)
+            .or_else(|| self.evict_from(second, evictable))
+    }
+
+    /// Eviction for an announced miss, as libCacheSim's `ARC_evict`.
+    fn evict_announced(
+        &mut self,
+        kind: MissKind,
+        evictable: &mut dyn FnMut(Slot) -> bool,
+    ) -> Option<Slot> {
+        match kind {
+            MissKind::RecentGhost => self.replace(false, evictable),
+            MissKind::FrequentGhost => self.replace(true, evictable),
+            MissKind::New => {
+                let recent = self.lists.len(RECENT);
+                if recent + self.recent_ghost.len() >= self.capacity {
+                    if self.recent_ghost.len() > 0 {
+                        self.recent_ghost.pop_oldest();
+                        return self.replace(false, evictable);
+                    }
+                    // T1 alone fills the cache: its LRU entry leaves without a ghost.
+                    if let Some(slot) = self.lists.take_oldest_accepted(RECENT, evictable) {
+                        return Some(slot);
+                    }
+                    return self.replace(false, evictable);
+                }
+                let listed = self.lists.len(RECENT)
+                    + self.lists.len(FREQUENT)
+                    + self.recent_ghost.len()
+                    + self.frequent_ghost.len();
+                if listed >= 2 * self.capacity {
+                    self.frequent_ghost.pop_oldest();
+                }
+                self.replace(false, evictable)
+            }
+        }
+    }
+
+    /// Keeps `|T1| + |B1| <= c` and `|T1| + |T2| + |B1| + |B2| <= 2c` for a cache that does
+    /// not announce its misses. Called after an eviction (when the entry about to be inserted
+    /// is not counted yet, which leaves one ghost of slack so the insert can still find its
+    /// own key, as in the paper where the ghost lookup precedes REPLACE) and after the insert.
     fn trim_ghosts(&mut self) {
         let recent_room = self.capacity.saturating_sub(self.lists.len(RECENT));
         self.recent_ghost.trim_to(recent_room);
@@ -107,15 +192,30 @@ impl Policy for Arc {
         "arc"
     }
 
+    fn announce_miss(&mut self, key_hash: u64) {
+        let kind = self.classify_miss(key_hash);
+        self.announced = Some((key_hash, kind));
+    }
+
     fn insert(&mut self, slot: Slot, key_hash: u64, placement: Placement) {
         grow_to_slot(&mut self.key_hashes, slot);
         self.key_hashes[slot as usize] = key_hash;
-        let list = match placement {
-            Placement::NoReuse => NO_REUSE,
-            Placement::Normal => self.adapt_for_miss(key_hash),
+        let announced = self.announced.take();
+        let list = match (placement, announced) {
+            (Placement::NoReuse, _) => NO_REUSE,
+            (Placement::Normal, Some((hash, kind))) if hash == key_hash => match kind {
+                MissKind::New => RECENT,
+                MissKind::RecentGhost | MissKind::FrequentGhost => FREQUENT,
+            },
+            (Placement::Normal, _) => match self.classify_miss(key_hash) {
+                MissKind::New => RECENT,
+                MissKind::RecentGhost | MissKind::FrequentGhost => FREQUENT,
+            },
         };
         self.lists.push_head(list, slot);
-        self.trim_ghosts();
+        if !matches!(announced, Some((hash, _)) if hash == key_hash) {
+            self.trim_ghosts();
+        }
     }
 
     fn access(&mut self, slot: Slot) {
@@ -140,20 +240,17 @@ impl Policy for Arc {
             return Some(slot);
         }
         self.capacity = self.lists.tracked().max(1);
-        self.recent_target = self.recent_target.min(self.capacity);
-        let recent = self.lists.len(RECENT);
-        let (first, second) =
-            if recent > 0 && (recent > self.recent_target || self.lists.len(FREQUENT) == 0) {
-                (RECENT, FREQUENT)
-            } else {
-                (FREQUENT, RECENT)
-            };
-        let victim = self
-            .evict_from(first, evictable)
-            .or_else(|| self.evict_from(second, evictable));
-        // The shard may have shrunk since the last eviction: re-apply the ghost bounds.
-        self.trim_ghosts();
-        debug_assert!(self.recent_target <= self.capacity);
+        self.recent_target = self.recent_target.min(self.capacity as f64);
+        let victim = match self.announced {
+            Some((_, kind)) => self.evict_announced(kind, evictable),
+            None => {
+                let victim = self.replace(false, evictable);
+                // The shard may have shrunk since the last eviction: re-apply the bounds.
+                self.trim_ghosts();
+                victim
+            }
+        };
+        debug_assert!(self.recent_target <= self.capacity as f64);
         debug_assert!(self.lists.len(RECENT) + self.recent_ghost.len() <= self.capacity);
         victim
     }
@@ -178,7 +275,44 @@ mod tests {
         assert_eq!(arc.evict(&mut |_| true), Some(0));
         assert_eq!(arc.recent_ghost.len(), 1);
         arc.insert(0, 10, Placement::Normal);
-        assert_eq!(arc.recent_target(), 1);
+        assert_eq!(arc.recent_target(), 1.0);
+        assert_eq!(arc.lists.list_of(0), Some(FREQUENT));
+        arc.lists.debug_check();
+    }
+
+    #[test]
+    fn announced_miss_with_t1_full_and_b1_empty_evicts_without_a_ghost() {
+        // The paper's case IV(a) with B1 empty (libCacheSim's `_ARC_evict_L1_data_no_ghost`):
+        // the LRU of T1 leaves and nothing remembers it, so its return is a plain miss.
+        let mut arc = Arc::with_capacity(2);
+        for (slot, key) in [(0, 10), (1, 11)] {
+            arc.announce_miss(key);
+            arc.insert(slot, key, Placement::Normal);
+        }
+        arc.announce_miss(12);
+        assert_eq!(arc.evict(&mut |_| true), Some(0));
+        assert_eq!(arc.recent_ghost.len(), 0);
+        arc.insert(0, 12, Placement::Normal);
+        assert_eq!(arc.classify_miss(10), MissKind::New);
+        arc.lists.debug_check();
+    }
+
+    #[test]
+    fn announced_b1_hit_adapts_p_before_the_victim_is_chosen() {
+        // T1 = {1, 2}, T2 = {3}, B1 = {99}: the announcement of a miss on 99 raises p to 1
+        // (step max(|B2|/|B1|, 1)) before any eviction, as libCacheSim's lookup does; REPLACE
+        // then takes T1's LRU (|T1| = 2 > p) and 99 joins T2.
+        let mut arc = Arc::with_capacity(3);
+        for (slot, key) in [(0, 1), (1, 2), (2, 3)] {
+            arc.announce_miss(key);
+            arc.insert(slot, key, Placement::Normal);
+        }
+        arc.access(2);
+        arc.recent_ghost.push(99);
+        arc.announce_miss(99);
+        assert_eq!(arc.recent_target(), 1.0);
+        assert_eq!(arc.evict(&mut |_| true), Some(0));
+        arc.insert(0, 99, Placement::Normal);
         assert_eq!(arc.lists.list_of(0), Some(FREQUENT));
         arc.lists.debug_check();
     }

@@ -1,14 +1,15 @@
-//! CLOCK (second chance): a FIFO ring with one reference bit per entry.
+//! CLOCK (second chance): a FIFO ring with a reference counter per entry, one bit by default
+//! (`n` bits with [`Clock::with_bits`], libCacheSim's `n-bit-counter`).
 //!
-//! Hits only set the bit (no list surgery, so the hit path is a single store). The hand is
-//! the ring's tail: a referenced entry has its bit cleared and is passed over (moved to the
-//! head, which in a circular ring is the same as the hand advancing past it); an unreferenced
-//! entry is the victim. New entries enter at the head with the bit clear, as in libCacheSim's
-//! `Clock`. A refused candidate is passed over like a referenced one, so it stays tracked and
-//! comes round again.
+//! Hits only increment the counter, saturating at `2^n - 1` (no list surgery, so the hit path
+//! is a single store). The hand is the ring's tail: an entry with a non-zero counter has it
+//! decremented and is passed over (moved to the head, which in a circular ring is the same as
+//! the hand advancing past it); an entry at zero is the victim. New entries enter at the head
+//! with the counter at zero, as in libCacheSim's `Clock`. A refused candidate is passed over
+//! like a referenced one, so it stays tracked and comes round again.
 //!
-//! Bound: one eviction examines at most `2 × len + 1` ring entries, because after one full
-//! turn every bit is clear and the second turn asks `evictable` about every entry.
+//! Bound: one eviction examines at most `2^n × len + 1` ring entries, because after `2^n - 1`
+//! full turns every counter is zero and the next turn asks `evictable` about every entry.
 
 use crate::list::{ListId, SlotLists};
 use crate::{grow_to_slot, Placement, Policy, Slot};
@@ -19,16 +20,25 @@ const RING: ListId = 1;
 /// CLOCK replacement.
 pub struct Clock {
     lists: SlotLists<2>,
-    /// Reference bit per slot.
-    referenced: Vec<bool>,
+    /// Reference counter per slot.
+    referenced: Vec<u8>,
+    /// The counter's saturation value, `2^bits - 1`.
+    counter_max: u8,
 }
 
 impl Clock {
     /// An empty ring with room for `capacity` slots before it reallocates.
     pub fn with_capacity(capacity: usize) -> Self {
+        Self::with_bits(capacity, 1)
+    }
+
+    /// An empty ring whose entries carry a `bits`-bit reference counter (1 to 8).
+    pub fn with_bits(capacity: usize, bits: u8) -> Self {
+        assert!((1..=8).contains(&bits), "CLOCK counter of {bits} bits");
         Clock {
             lists: SlotLists::with_capacity(capacity),
             referenced: Vec::with_capacity(capacity),
+            counter_max: ((1u16 << bits) - 1) as u8,
         }
     }
 }
@@ -40,7 +50,7 @@ impl Policy for Clock {
 
     fn insert(&mut self, slot: Slot, _key_hash: u64, placement: Placement) {
         grow_to_slot(&mut self.referenced, slot);
-        self.referenced[slot as usize] = false;
+        self.referenced[slot as usize] = 0;
         match placement {
             Placement::Normal => self.lists.push_head(RING, slot),
             Placement::NoReuse => self.lists.push_head(NO_REUSE, slot),
@@ -54,7 +64,8 @@ impl Policy for Clock {
             return;
         }
         debug_assert_eq!(self.lists.list_of(slot), Some(RING));
-        self.referenced[slot as usize] = true;
+        let counter = &mut self.referenced[slot as usize];
+        *counter = counter.saturating_add(1).min(self.counter_max);
     }
 
     fn remove(&mut self, slot: Slot) {
@@ -67,10 +78,13 @@ impl Policy for Clock {
         if let Some(slot) = self.lists.take_oldest_accepted(NO_REUSE, evictable) {
             return Some(slot);
         }
-        let examinations_max = 2 * self.lists.len(RING) + 1;
+        let turns = usize::from(self.counter_max) + 1;
+        let examinations_max = turns * self.lists.len(RING) + 1;
         for _ in 0..examinations_max {
             let hand = self.lists.tail(RING)?;
-            let referenced = std::mem::replace(&mut self.referenced[hand as usize], false);
+            let counter = &mut self.referenced[hand as usize];
+            let referenced = *counter > 0;
+            *counter = counter.saturating_sub(1);
             if !referenced && evictable(hand) {
                 self.lists.unlink(hand);
                 return Some(hand);
@@ -120,5 +134,23 @@ mod tests {
         );
         assert!(asked <= 2 * 3 + 1);
         assert_eq!(clock.len(), 3);
+    }
+
+    #[test]
+    fn two_bit_counters_survive_three_passes_of_the_hand() {
+        let mut clock = Clock::with_bits(2, 2);
+        clock.insert(0, 0, Placement::Normal);
+        clock.insert(1, 1, Placement::Normal);
+        for _ in 0..5 {
+            clock.access(0);
+        }
+        // 0's counter saturates at 3: the hand passes it three times (1 is re-inserted each
+        // time as a fresh entry) before it is taken.
+        for _ in 0..3 {
+            assert_eq!(clock.evict(&mut |_| true), Some(1));
+            clock.insert(1, 1, Placement::Normal);
+        }
+        assert_eq!(clock.evict(&mut |_| true), Some(0));
+        clock.lists.debug_check();
     }
 }

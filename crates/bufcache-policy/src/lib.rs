@@ -30,6 +30,7 @@ mod ghost;
 mod list;
 mod lru;
 pub mod offline;
+mod parameters;
 mod s3fifo;
 mod sieve;
 pub mod simulate;
@@ -41,6 +42,7 @@ pub use clock::Clock;
 pub use fifo::Fifo;
 pub use ghost::{BuildMixHasher, MixHasher};
 pub use lru::Lru;
+pub use parameters::{InvalidParameter, PolicyParameters};
 pub use s3fifo::{S3Fifo, MOVE_TO_MAIN_HITS};
 pub use sieve::Sieve;
 pub use two_q::TwoQ;
@@ -70,6 +72,15 @@ pub trait Policy: Send {
 
     /// Starts tracking `slot`, which holds the entry whose key hashes to `key_hash`.
     fn insert(&mut self, slot: Slot, key_hash: u64, placement: Placement);
+
+    /// Tells the policy, before any eviction made for it, that `key_hash` missed and will be
+    /// inserted next. Optional: a cache that knows the key before it makes room (the
+    /// simulator) calls it so that policies which adapt to history hits (ARC) adapt before
+    /// choosing the victim, as their papers and libCacheSim do; a cache that does not call
+    /// it gets the same policy adapting at `insert`. The default ignores it.
+    fn announce_miss(&mut self, key_hash: u64) {
+        let _ = key_hash;
+    }
 
     /// Records a hit on a tracked slot.
     fn access(&mut self, slot: Slot);
@@ -127,6 +138,30 @@ impl PolicyKind {
     /// Policies that size internal queues use the hint; all of them stay correct when the
     /// real number of entries differs from it.
     pub fn build(self, capacity_hint: usize) -> Box<dyn Policy> {
+        self.build_with(capacity_hint, &PolicyParameters::default())
+    }
+
+    /// [`PolicyKind::build`] with non-default parameters (each policy reads only its own).
+    /// `parameters` must have passed [`PolicyParameters::validate`].
+    pub fn build_with(
+        self,
+        capacity_hint: usize,
+        parameters: &PolicyParameters,
+    ) -> Box<dyn Policy> {
+        debug_assert_eq!(parameters.validate(), Ok(()));
+        match self {
+            PolicyKind::Clock => Box::new(Clock::with_bits(capacity_hint, parameters.clock_bits)),
+            PolicyKind::TwoQ => Box::new(TwoQ::with_ratios(
+                capacity_hint,
+                parameters.two_q_ain_size_ratio,
+                parameters.two_q_aout_size_ratio,
+            )),
+            PolicyKind::S3Fifo => Box::new(S3Fifo::with_parameters(capacity_hint, parameters)),
+            other => other.build_default(capacity_hint),
+        }
+    }
+
+    fn build_default(self, capacity_hint: usize) -> Box<dyn Policy> {
         match self {
             PolicyKind::Lru => Box::new(Lru::with_capacity(capacity_hint)),
             PolicyKind::Fifo => Box::new(Fifo::with_capacity(capacity_hint)),

@@ -5,7 +5,8 @@
 //! New keys enter `S`; keys found in `G` enter `M` directly. Hits only bump the entry's
 //! counter (saturating at 3), so the hit path never touches a list. When the cache needs room
 //! it evicts from `M` if `M` is over its share (or `S` is empty), otherwise from `S`:
-//! - `S`'s tail moves to `M` if it was hit at least `MOVE_TO_MAIN_HITS` times while in `S`,
+//! - `S`'s tail moves to `M` if it was hit at least `MOVE_TO_MAIN_HITS` times (by default)
+//!   while in `S`,
 //!   else it is the victim and its hash goes to `G`;
 //! - `M`'s tail is reinserted at `M`'s head with its counter decremented if the counter is
 //!   non-zero, else it is the victim (nothing is remembered).
@@ -19,7 +20,8 @@
 
 use crate::ghost::Ghost;
 use crate::list::{ListId, SlotLists};
-use crate::{grow_to_slot, Placement, Policy, Slot};
+use crate::parameters::{ghost_share, share};
+use crate::{grow_to_slot, Placement, Policy, PolicyParameters, Slot};
 
 const NO_REUSE: ListId = 0;
 const SMALL: ListId = 1;
@@ -44,11 +46,23 @@ pub struct S3Fifo {
     /// Entries the cache holds when full (re-estimated at each eviction).
     capacity: usize,
     has_evicted: bool,
+    /// `S`'s share of the capacity.
+    small_ratio: f64,
+    /// `G`'s size as a fraction of the capacity.
+    ghost_ratio: f64,
+    /// Hits in `S` that move an entry to `M`.
+    move_to_main_hits: u8,
 }
 
 impl S3Fifo {
     /// Empty queues sized for a cache of about `capacity` entries.
     pub fn with_capacity(capacity: usize) -> Self {
+        Self::with_parameters(capacity, &PolicyParameters::default())
+    }
+
+    /// Empty queues with the S3-FIFO fields of `parameters` (small-queue and ghost ratios,
+    /// move-to-main threshold).
+    pub fn with_parameters(capacity: usize, parameters: &PolicyParameters) -> Self {
         S3Fifo {
             lists: SlotLists::with_capacity(capacity),
             ghost: Ghost::with_capacity(capacity),
@@ -56,11 +70,14 @@ impl S3Fifo {
             key_hashes: Vec::with_capacity(capacity),
             capacity: capacity.max(1),
             has_evicted: false,
+            small_ratio: parameters.s3fifo_small_queue_ratio,
+            ghost_ratio: parameters.s3fifo_ghost_size_ratio,
+            move_to_main_hits: parameters.s3fifo_move_to_main_threshold,
         }
     }
 
     fn small_target(&self) -> usize {
-        (self.capacity / 10).max(1)
+        share(self.capacity, self.small_ratio).max(1)
     }
 
     fn main_target(&self) -> usize {
@@ -68,7 +85,7 @@ impl S3Fifo {
     }
 
     fn ghost_target(&self) -> usize {
-        (self.capacity * 9 / 10).max(1)
+        ghost_share(self.capacity, self.ghost_ratio)
     }
 
     fn queue_for_new_key(&mut self, key_hash: u64) -> ListId {
@@ -87,7 +104,7 @@ impl S3Fifo {
     fn evict_small(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {
         for _ in 0..self.lists.len(SMALL) {
             let slot = self.lists.tail(SMALL)?;
-            if self.frequency[slot as usize] >= MOVE_TO_MAIN_HITS {
+            if self.frequency[slot as usize] >= self.move_to_main_hits {
                 self.lists.unlink(slot);
                 self.lists.push_head(MAIN, slot);
                 self.frequency[slot as usize] = 0;

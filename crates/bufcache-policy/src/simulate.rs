@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 
 use crate::ghost::BuildMixHasher;
-use crate::{Placement, Policy, PolicyKind, Slot};
+use crate::{Placement, Policy, PolicyKind, PolicyParameters, Slot};
 
 /// Hash of a key as the simulator hands it to the policy. Different keys get different
 /// hashes (the function is a bijection), so ghost lists never confuse two keys.
@@ -53,9 +53,34 @@ impl Simulator {
         Self::with_units(kind, capacity_bytes, capacity_hint as usize)
     }
 
+    /// A cache of `capacity_objects` objects of unit size, with non-default policy
+    /// parameters (which must have passed [`PolicyParameters::validate`]).
+    pub fn with_parameters(
+        kind: PolicyKind,
+        capacity_objects: usize,
+        parameters: &PolicyParameters,
+    ) -> Self {
+        let policy = kind.build_with(capacity_objects, parameters);
+        Self::with_built_policy(policy, capacity_objects as u64, capacity_objects)
+    }
+
+    /// A cache of `capacity_objects` unit-size objects driven by a policy built elsewhere
+    /// (with non-default parameters, or wrapped for an experiment).
+    pub fn with_policy(policy: Box<dyn Policy>, capacity_objects: usize) -> Self {
+        Self::with_built_policy(policy, capacity_objects as u64, capacity_objects)
+    }
+
     fn with_units(kind: PolicyKind, capacity_units: u64, capacity_hint: usize) -> Self {
+        Self::with_built_policy(kind.build(capacity_hint), capacity_units, capacity_hint)
+    }
+
+    fn with_built_policy(
+        policy: Box<dyn Policy>,
+        capacity_units: u64,
+        capacity_hint: usize,
+    ) -> Self {
         Simulator {
-            policy: kind.build(capacity_hint),
+            policy,
             capacity_units,
             used_units: 0,
             slots_by_key: HashMap::with_capacity_and_hasher(
@@ -98,7 +123,13 @@ impl Simulator {
             return true;
         }
         self.misses += 1;
-        if size_units <= self.capacity_units && self.make_room(size_units) {
+        if size_units > self.capacity_units {
+            return false;
+        }
+        if placement == Placement::Normal {
+            self.policy.announce_miss(key_hash(key));
+        }
+        if self.make_room(size_units) {
             self.insert(key, size_units, placement);
         }
         false

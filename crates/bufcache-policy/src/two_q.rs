@@ -7,7 +7,8 @@
 //! `A1in` and `A1out` and never touches `Am`. Hits in `A1in` change nothing (they are
 //! "correlated references"). Eviction takes `A1in`'s tail while `A1in` holds more than
 //! `Kin` = 25% of the capacity, otherwise `Am`'s tail; `A1out` keeps `Kout` = 50% of the
-//! capacity worth of hashes (the paper's and libCacheSim's defaults).
+//! capacity worth of hashes (the paper's and libCacheSim's defaults; [`TwoQ::with_ratios`]
+//! sets others).
 //!
 //! Capacity is re-estimated at every eviction as the number of tracked entries (the cache
 //! evicts when full), so the targets follow the real size, not only the hint. If the
@@ -16,6 +17,7 @@
 
 use crate::ghost::Ghost;
 use crate::list::{ListId, SlotLists};
+use crate::parameters::{ghost_share, share};
 use crate::{grow_to_slot, Placement, Policy, Slot};
 
 const NO_REUSE: ListId = 0;
@@ -29,25 +31,41 @@ pub struct TwoQ {
     key_hashes: Vec<u64>,
     /// Entries the cache holds when full (re-estimated at each eviction).
     capacity: usize,
+    /// `Kin` as a fraction of the capacity.
+    a1_in_ratio: f64,
+    /// `Kout` as a fraction of the capacity.
+    a1_out_ratio: f64,
 }
 
 impl TwoQ {
     /// Empty queues sized for a cache of about `capacity` entries.
     pub fn with_capacity(capacity: usize) -> Self {
+        let defaults = crate::PolicyParameters::default();
+        Self::with_ratios(
+            capacity,
+            defaults.two_q_ain_size_ratio,
+            defaults.two_q_aout_size_ratio,
+        )
+    }
+
+    /// Empty queues with `Kin` = `a1_in_ratio` and `Kout` = `a1_out_ratio` of the capacity.
+    pub fn with_ratios(capacity: usize, a1_in_ratio: f64, a1_out_ratio: f64) -> Self {
         TwoQ {
             lists: SlotLists::with_capacity(capacity),
-            a1_out: Ghost::with_capacity(capacity / 2 + 1),
+            a1_out: Ghost::with_capacity(share(capacity, a1_out_ratio) + 1),
             key_hashes: Vec::with_capacity(capacity),
             capacity: capacity.max(1),
+            a1_in_ratio,
+            a1_out_ratio,
         }
     }
 
     fn a1_in_target(&self) -> usize {
-        (self.capacity / 4).max(1)
+        share(self.capacity, self.a1_in_ratio).max(1)
     }
 
     fn a1_out_target(&self) -> usize {
-        (self.capacity / 2).max(1)
+        ghost_share(self.capacity, self.a1_out_ratio)
     }
 
     fn evict_from_a1_in(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {

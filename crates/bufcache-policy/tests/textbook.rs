@@ -99,7 +99,7 @@ fn arc_grows_p_on_recency_misses_and_shrinks_it_on_frequency_misses() {
         cache.access(key);
     }
     let grown = cache.policy.recent_target();
-    assert!(grown > 0, "B1 hits must grow p (p = {grown})");
+    assert!(grown > 0.0, "B1 hits must grow p (p = {grown})");
     // Now re-request the frequent keys after they were pushed out: B2 hits shrink p.
     for key in [4, 5, 6, 7, 8, 100, 101, 9, 10, 11, 12, 100, 101] {
         cache.access(key);
