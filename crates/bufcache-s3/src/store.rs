@@ -29,6 +29,7 @@ use object_store::{
 use serde_json::json;
 
 use crate::credentials::shared_file_credentials;
+use crate::lock::DiskLock;
 use crate::url::{S3Url, UrlError, CHUNK_SIZE_DEFAULT_BYTES};
 
 /// Version of the object layout written in the metadata object.
@@ -85,6 +86,23 @@ pub enum OpenError {
         given: String,
         stored: String,
     },
+    #[error("{url}: {}the disk is in use by {holder} (lock object `{key}`); if that server is no longer running, add break-lock={id} to the URL", break_lock_mismatch(.asked))]
+    Locked {
+        url: String,
+        key: String,
+        holder: String,
+        id: String,
+        /// The `break-lock=` id given, when it did not name the current lock.
+        asked: Option<String>,
+    },
+    #[error("{url}: lock object `{key}` is not a bufcache lock: {reason}; if no server uses the disk, delete that object")]
+    BadLock {
+        url: String,
+        key: String,
+        reason: String,
+    },
+    #[error("{url}: another server took or released lock object `{key}` while this one was taking it; start again to see who holds it")]
+    LockRaced { url: String, key: String },
     #[error(
         "{url}: parameter `create-size={size}` is not a multiple of the chunk size {chunk_size}"
     )]
@@ -93,6 +111,13 @@ pub enum OpenError {
         size: u64,
         chunk_size: u64,
     },
+}
+
+fn break_lock_mismatch(asked: &Option<String>) -> String {
+    match asked {
+        Some(asked) => format!("`break-lock={asked}` does not name the current lock: "),
+        None => String::new(),
+    }
 }
 
 /// A request to the store failed (after the client's retries).
@@ -125,7 +150,7 @@ impl From<StoreError> for std::io::Error {
 }
 
 /// An error and its sources on one line (object_store nests the server's answer).
-fn chain(error: &dyn std::error::Error) -> String {
+pub(crate) fn chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(inner) = source {
@@ -154,6 +179,8 @@ struct Piece {
 /// The chunk store. All methods block the calling thread on the store's own runtime; do not
 /// call them from inside another tokio runtime.
 pub struct ChunkStore {
+    /// Declared before `runtime` so that it is dropped (and released) while the runtime runs.
+    lock: Option<Arc<DiskLock>>,
     runtime: tokio::runtime::Runtime,
     store: Arc<AmazonS3>,
     url: S3Url,
@@ -234,6 +261,7 @@ impl ChunkStore {
             .map_err(client_error)?;
         let metadata = runtime.block_on(Self::open_metadata(&probe, url))?;
         Ok(ChunkStore {
+            lock: None,
             runtime,
             store: Arc::new(store),
             url: url.clone(),
@@ -245,6 +273,46 @@ impl ChunkStore {
             ),
             requests_in_flight_max: REQUESTS_IN_FLIGHT_MAX_DEFAULT,
         })
+    }
+
+    /// Opens the disk like [`ChunkStore::open`] and takes its lock (`bufcache-lock.json`):
+    /// refused with [`OpenError::Locked`], naming the holder, when another server holds it,
+    /// unless the URL's `break-lock=ID` names that lock. The lock is released when the store
+    /// is dropped or by [`crate::release_locks`].
+    pub fn open_locked(url: &S3Url) -> Result<Self, OpenError> {
+        let mut store = Self::open(url)?;
+        let lock = store.runtime.block_on(DiskLock::acquire(
+            store.runtime.handle().clone(),
+            store.store.clone(),
+            url,
+        ))?;
+        store.lock = Some(lock);
+        Ok(store)
+    }
+
+    /// Who holds the disk's lock now (None: nobody), as stored in the lock object.
+    pub fn lock_holder(&self) -> Result<Option<crate::LockHolder>, StoreError> {
+        let key = self.url.key(crate::LOCK_NAME);
+        self.runtime.block_on(async {
+            let body = match self.store.get(&ObjectPath::from(key.as_str())).await {
+                Ok(existing) => existing.bytes().await,
+                Err(object_store::Error::NotFound { .. }) => return Ok(None),
+                Err(error) => Err(error),
+            }
+            .map_err(|error| request_failed("GET", &key, error))?;
+            crate::LockHolder::parse(&body)
+                .map(Some)
+                .map_err(|reason| StoreError::Request {
+                    operation: "GET",
+                    key: key.clone(),
+                    message: format!("not a bufcache lock: {reason}"),
+                })
+        })
+    }
+
+    /// The lock this store holds (opened with [`ChunkStore::open_locked`]).
+    pub fn lock(&self) -> Option<&DiskLock> {
+        self.lock.as_deref()
     }
 
     async fn open_metadata(store: &AmazonS3, url: &S3Url) -> Result<DiskMetadata, OpenError> {
@@ -440,6 +508,12 @@ impl ChunkStore {
                     let chunk: Bytes = if whole {
                         source.unwrap_or_default()
                     } else {
+                        tracing::debug!(
+                            chunk = piece.chunk,
+                            start = piece.within.start,
+                            end = piece.within.end,
+                            "partial chunk write: read, merge, write"
+                        );
                         let old = get_range(&store, &key, 0..chunk_size).await?;
                         let mut merged = match old {
                             Some(old) => old.to_vec(),
@@ -493,7 +567,11 @@ impl ChunkStore {
     }
 }
 
-fn request_failed(operation: &'static str, key: &str, error: object_store::Error) -> StoreError {
+pub(crate) fn request_failed(
+    operation: &'static str,
+    key: &str,
+    error: object_store::Error,
+) -> StoreError {
     StoreError::Request {
         operation,
         key: key.to_string(),
