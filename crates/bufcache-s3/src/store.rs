@@ -8,6 +8,9 @@
 //! - a chunk that would be all zeroes is deleted instead of stored, and a missing chunk reads
 //!   as zeroes, so sparse disks cost nothing;
 //! - reads are ranged GETs of just the bytes asked for;
+//! - while the store holds the disk lock ([`ChunkStore::open_locked`]) nobody else writes, so
+//!   the set of stored chunks is known (one LIST at open, then kept up to date): a chunk never
+//!   stored is read, partially written or zeroed without asking the store;
 //! - every write returns only after the store acknowledged each PUT/DELETE, so `flush` has
 //!   nothing left to wait for; a PUT is atomic per object, so after a crash every chunk is
 //!   either old or new, never torn;
@@ -167,6 +170,56 @@ pub(crate) fn chain(error: &dyn std::error::Error) -> String {
 /// The outcome of reading one piece: where it goes in the buffer and its bytes (None: zeroes).
 type PieceRead = Result<(Range<usize>, Option<Bytes>), StoreError>;
 
+/// A set of chunk indexes (one bit each), shared by concurrent requests.
+struct ChunkSet {
+    words: Vec<std::sync::atomic::AtomicU64>,
+}
+
+impl ChunkSet {
+    /// The chunks stored under the disk's prefix, from a LIST of it.
+    async fn list(
+        store: &AmazonS3,
+        url: &S3Url,
+        chunk_count: u64,
+    ) -> Result<ChunkSet, object_store::Error> {
+        let set = ChunkSet {
+            words: (0..chunk_count.div_ceil(64))
+                .map(|_| std::sync::atomic::AtomicU64::new(0))
+                .collect(),
+        };
+        let prefix = ObjectPath::from(url.key("chunks").as_str());
+        let mut objects = store.list(Some(&prefix));
+        while let Some(object) = objects.next().await {
+            let object = object?;
+            // A name that is not a chunk of this disk is no chunk; reads of it never happen.
+            if let Some(index) = object
+                .location
+                .filename()
+                .and_then(|name| u64::from_str_radix(name, 16).ok())
+                .filter(|&index| index < chunk_count)
+            {
+                set.insert(index);
+            }
+        }
+        Ok(set)
+    }
+
+    fn contains(&self, index: u64) -> bool {
+        let word = self.words[(index / 64) as usize].load(std::sync::atomic::Ordering::Acquire);
+        word & (1 << (index % 64)) != 0
+    }
+
+    fn insert(&self, index: u64) {
+        self.words[(index / 64) as usize]
+            .fetch_or(1 << (index % 64), std::sync::atomic::Ordering::AcqRel);
+    }
+
+    fn remove(&self, index: u64) {
+        self.words[(index / 64) as usize]
+            .fetch_and(!(1 << (index % 64)), std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
 /// One piece of a request that falls in one chunk.
 struct Piece {
     chunk: u64,
@@ -181,6 +234,9 @@ struct Piece {
 pub struct ChunkStore {
     /// Declared before `runtime` so that it is dropped (and released) while the runtime runs.
     lock: Option<Arc<DiskLock>>,
+    /// Which chunk objects may exist, known while this store holds the lock (nobody else
+    /// writes the disk then); None otherwise, and every chunk is asked for.
+    stored: Option<Arc<ChunkSet>>,
     runtime: tokio::runtime::Runtime,
     store: Arc<AmazonS3>,
     url: S3Url,
@@ -262,6 +318,7 @@ impl ChunkStore {
         let metadata = runtime.block_on(Self::open_metadata(&probe, url))?;
         Ok(ChunkStore {
             lock: None,
+            stored: None,
             runtime,
             store: Arc::new(store),
             url: url.clone(),
@@ -287,6 +344,18 @@ impl ChunkStore {
             url,
         ))?;
         store.lock = Some(lock);
+        // One LIST (per 1,000 chunks) now saves a GET for every read or partial write of a
+        // chunk never stored: on a new or sparse disk, most of them.
+        let chunk_count = store.metadata.size_bytes / store.metadata.chunk_size_bytes;
+        let stored = store
+            .runtime
+            .block_on(ChunkSet::list(&store.store, url, chunk_count))
+            .map_err(|error| OpenError::Request {
+                url: url.to_string(),
+                operation: format!("listing the chunks under `{}`", url.key("chunks")),
+                message: chain(&error),
+            })?;
+        store.stored = Some(Arc::new(stored));
         Ok(store)
     }
 
@@ -460,7 +529,11 @@ impl ChunkStore {
             stream::iter(pieces.into_iter().map(|piece| {
                 let store = self.store.clone();
                 let key = self.chunk_key(piece.chunk);
+                let absent = self.known_absent(piece.chunk);
                 async move {
+                    if absent {
+                        return Ok((piece.buffer, None));
+                    }
                     let data = get_range(&store, &key, piece.within.clone()).await?;
                     Ok((piece.buffer, data))
                 }
@@ -500,6 +573,7 @@ impl ChunkStore {
                 let store = self.store.clone();
                 let key = self.chunk_key(piece.chunk);
                 let locks = self.chunk_locks.clone();
+                let stored = self.stored.clone();
                 let source = data.as_ref().map(|data| data.slice(piece.buffer.clone()));
                 async move {
                     // Serialises read-modify-write of one chunk against any other write of it.
@@ -514,7 +588,14 @@ impl ChunkStore {
                             end = piece.within.end,
                             "partial chunk write: read, merge, write"
                         );
-                        let old = get_range(&store, &key, 0..chunk_size).await?;
+                        let absent = stored
+                            .as_ref()
+                            .is_some_and(|set| !set.contains(piece.chunk));
+                        let old = if absent {
+                            None
+                        } else {
+                            get_range(&store, &key, 0..chunk_size).await?
+                        };
                         let mut merged = match old {
                             Some(old) => old.to_vec(),
                             None => vec![0u8; chunk_size as usize],
@@ -528,11 +609,25 @@ impl ChunkStore {
                         Bytes::from(merged)
                     };
                     if chunk.iter().all(|&byte| byte == 0) {
+                        if stored
+                            .as_ref()
+                            .is_some_and(|set| !set.contains(piece.chunk))
+                        {
+                            return Ok(()); // nothing stored: already reads as zeroes
+                        }
                         store
                             .delete(&ObjectPath::from(key.as_str()))
                             .await
-                            .map_err(|error| request_failed("DELETE", &key, error))
+                            .map_err(|error| request_failed("DELETE", &key, error))?;
+                        if let Some(set) = &stored {
+                            set.remove(piece.chunk);
+                        }
+                        Ok(())
                     } else {
+                        // Marked before the PUT: a failed PUT may still have stored it.
+                        if let Some(set) = &stored {
+                            set.insert(piece.chunk);
+                        }
                         store
                             .put(&ObjectPath::from(key.as_str()), PutPayload::from(chunk))
                             .await
@@ -547,6 +642,11 @@ impl ChunkStore {
         // Every request ran to completion (success or error) before the first error is
         // reported, so no request is still in flight when the caller sees the result.
         results.into_iter().collect()
+    }
+
+    /// True when chunk `index` is known not to be stored (reads as zeroes without a GET).
+    fn known_absent(&self, index: u64) -> bool {
+        self.stored.as_ref().is_some_and(|set| !set.contains(index))
     }
 
     /// Number of chunk objects stored and their total bytes (one LIST walk).
