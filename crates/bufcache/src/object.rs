@@ -180,12 +180,13 @@ impl ObjectState {
             .unwrap_or_else(|| Arc::new(IdentityMap::new(0, block_size, block_count)));
         let readahead_blocks = |bytes: u64| bytes.div_ceil(block_size);
         let write_unit_bytes = config.device.capabilities().write_unit_bytes;
-        let write_unit_bytes =
-            if write_unit_bytes > block_size && write_unit_bytes.is_multiple_of(block_size) {
-                write_unit_bytes
-            } else {
-                0
-            };
+        let write_unit_bytes = if write_unit_bytes > block_size
+            && write_unit_bytes.is_multiple_of(block_size)
+        {
+            write_unit_bytes
+        } else {
+            0
+        };
         // A write cluster covers at least one whole write unit, or every unit would be
         // written in pieces (an object-store chunk read, merged and uploaded once per piece).
         let cluster_blocks = (cache.cluster_size_max_bytes / block_size)
