@@ -174,7 +174,7 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
     if spec.starts_with("s3://") {
         let mut url = bufcache_s3::S3Url::parse(spec).map_err(bufcache_s3::OpenError::from)?;
         url.create_size_bytes = url.create_size_bytes.or(args.create_size);
-        let store = bufcache_s3::ChunkStore::open(&url)?;
+        let store = bufcache_s3::ChunkStore::open_locked(&url)?;
         return Ok((Arc::new(bufcache_s3::S3Device::new(store)), None));
     }
     let path = Path::new(spec);
@@ -471,6 +471,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     give_up.store(true, Ordering::Release);
     match outcome {
         Some(Ok(())) => {
+            // Everything is written back: other servers may now open the S3 disks.
+            bufcache_s3::release_locks();
             if let Some(error) = serve_error {
                 return Err(error).context("serving");
             }

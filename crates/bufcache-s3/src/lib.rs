@@ -8,9 +8,11 @@
 
 mod credentials;
 mod device;
+mod lock;
 mod store;
 mod url;
 
 pub use device::S3Device;
+pub use lock::{release_locks, DiskLock, LockHolder, LOCK_NAME};
 pub use store::{ChunkStore, DiskMetadata, OpenError, StoreError, FORMAT_VERSION};
 pub use url::{S3Url, UrlError, CHUNK_SIZE_DEFAULT_BYTES};

@@ -8,6 +8,9 @@
 //! - a chunk that would be all zeroes is deleted instead of stored, and a missing chunk reads
 //!   as zeroes, so sparse disks cost nothing;
 //! - reads are ranged GETs of just the bytes asked for;
+//! - while the store holds the disk lock ([`ChunkStore::open_locked`]) nobody else writes, so
+//!   the set of stored chunks is known (one LIST at open, then kept up to date): a chunk never
+//!   stored is read, partially written or zeroed without asking the store;
 //! - every write returns only after the store acknowledged each PUT/DELETE, so `flush` has
 //!   nothing left to wait for; a PUT is atomic per object, so after a crash every chunk is
 //!   either old or new, never torn;
@@ -29,6 +32,7 @@ use object_store::{
 use serde_json::json;
 
 use crate::credentials::shared_file_credentials;
+use crate::lock::DiskLock;
 use crate::url::{S3Url, UrlError, CHUNK_SIZE_DEFAULT_BYTES};
 
 /// Version of the object layout written in the metadata object.
@@ -85,6 +89,23 @@ pub enum OpenError {
         given: String,
         stored: String,
     },
+    #[error("{url}: {}the disk is in use by {holder} (lock object `{key}`); if that server is no longer running, add break-lock={id} to the URL", break_lock_mismatch(.asked))]
+    Locked {
+        url: String,
+        key: String,
+        holder: String,
+        id: String,
+        /// The `break-lock=` id given, when it did not name the current lock.
+        asked: Option<String>,
+    },
+    #[error("{url}: lock object `{key}` is not a bufcache lock: {reason}; if no server uses the disk, delete that object")]
+    BadLock {
+        url: String,
+        key: String,
+        reason: String,
+    },
+    #[error("{url}: another server took or released lock object `{key}` while this one was taking it; start again to see who holds it")]
+    LockRaced { url: String, key: String },
     #[error(
         "{url}: parameter `create-size={size}` is not a multiple of the chunk size {chunk_size}"
     )]
@@ -93,6 +114,13 @@ pub enum OpenError {
         size: u64,
         chunk_size: u64,
     },
+}
+
+fn break_lock_mismatch(asked: &Option<String>) -> String {
+    match asked {
+        Some(asked) => format!("`break-lock={asked}` does not name the current lock: "),
+        None => String::new(),
+    }
 }
 
 /// A request to the store failed (after the client's retries).
@@ -125,7 +153,7 @@ impl From<StoreError> for std::io::Error {
 }
 
 /// An error and its sources on one line (object_store nests the server's answer).
-fn chain(error: &dyn std::error::Error) -> String {
+pub(crate) fn chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(inner) = source {
@@ -142,6 +170,56 @@ fn chain(error: &dyn std::error::Error) -> String {
 /// The outcome of reading one piece: where it goes in the buffer and its bytes (None: zeroes).
 type PieceRead = Result<(Range<usize>, Option<Bytes>), StoreError>;
 
+/// A set of chunk indexes (one bit each), shared by concurrent requests.
+struct ChunkSet {
+    words: Vec<std::sync::atomic::AtomicU64>,
+}
+
+impl ChunkSet {
+    /// The chunks stored under the disk's prefix, from a LIST of it.
+    async fn list(
+        store: &AmazonS3,
+        url: &S3Url,
+        chunk_count: u64,
+    ) -> Result<ChunkSet, object_store::Error> {
+        let set = ChunkSet {
+            words: (0..chunk_count.div_ceil(64))
+                .map(|_| std::sync::atomic::AtomicU64::new(0))
+                .collect(),
+        };
+        let prefix = ObjectPath::from(url.key("chunks").as_str());
+        let mut objects = store.list(Some(&prefix));
+        while let Some(object) = objects.next().await {
+            let object = object?;
+            // A name that is not a chunk of this disk is no chunk; reads of it never happen.
+            if let Some(index) = object
+                .location
+                .filename()
+                .and_then(|name| u64::from_str_radix(name, 16).ok())
+                .filter(|&index| index < chunk_count)
+            {
+                set.insert(index);
+            }
+        }
+        Ok(set)
+    }
+
+    fn contains(&self, index: u64) -> bool {
+        let word = self.words[(index / 64) as usize].load(std::sync::atomic::Ordering::Acquire);
+        word & (1 << (index % 64)) != 0
+    }
+
+    fn insert(&self, index: u64) {
+        self.words[(index / 64) as usize]
+            .fetch_or(1 << (index % 64), std::sync::atomic::Ordering::AcqRel);
+    }
+
+    fn remove(&self, index: u64) {
+        self.words[(index / 64) as usize]
+            .fetch_and(!(1 << (index % 64)), std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
 /// One piece of a request that falls in one chunk.
 struct Piece {
     chunk: u64,
@@ -154,6 +232,11 @@ struct Piece {
 /// The chunk store. All methods block the calling thread on the store's own runtime; do not
 /// call them from inside another tokio runtime.
 pub struct ChunkStore {
+    /// Declared before `runtime` so that it is dropped (and released) while the runtime runs.
+    lock: Option<Arc<DiskLock>>,
+    /// Which chunk objects may exist, known while this store holds the lock (nobody else
+    /// writes the disk then); None otherwise, and every chunk is asked for.
+    stored: Option<Arc<ChunkSet>>,
     runtime: tokio::runtime::Runtime,
     store: Arc<AmazonS3>,
     url: S3Url,
@@ -234,6 +317,8 @@ impl ChunkStore {
             .map_err(client_error)?;
         let metadata = runtime.block_on(Self::open_metadata(&probe, url))?;
         Ok(ChunkStore {
+            lock: None,
+            stored: None,
             runtime,
             store: Arc::new(store),
             url: url.clone(),
@@ -245,6 +330,58 @@ impl ChunkStore {
             ),
             requests_in_flight_max: REQUESTS_IN_FLIGHT_MAX_DEFAULT,
         })
+    }
+
+    /// Opens the disk like [`ChunkStore::open`] and takes its lock (`bufcache-lock.json`):
+    /// refused with [`OpenError::Locked`], naming the holder, when another server holds it,
+    /// unless the URL's `break-lock=ID` names that lock. The lock is released when the store
+    /// is dropped or by [`crate::release_locks`].
+    pub fn open_locked(url: &S3Url) -> Result<Self, OpenError> {
+        let mut store = Self::open(url)?;
+        let lock = store.runtime.block_on(DiskLock::acquire(
+            store.runtime.handle().clone(),
+            store.store.clone(),
+            url,
+        ))?;
+        store.lock = Some(lock);
+        // One LIST (per 1,000 chunks) now saves a GET for every read or partial write of a
+        // chunk never stored: on a new or sparse disk, most of them.
+        let chunk_count = store.metadata.size_bytes / store.metadata.chunk_size_bytes;
+        let stored = store
+            .runtime
+            .block_on(ChunkSet::list(&store.store, url, chunk_count))
+            .map_err(|error| OpenError::Request {
+                url: url.to_string(),
+                operation: format!("listing the chunks under `{}`", url.key("chunks")),
+                message: chain(&error),
+            })?;
+        store.stored = Some(Arc::new(stored));
+        Ok(store)
+    }
+
+    /// Who holds the disk's lock now (None: nobody), as stored in the lock object.
+    pub fn lock_holder(&self) -> Result<Option<crate::LockHolder>, StoreError> {
+        let key = self.url.key(crate::LOCK_NAME);
+        self.runtime.block_on(async {
+            let body = match self.store.get(&ObjectPath::from(key.as_str())).await {
+                Ok(existing) => existing.bytes().await,
+                Err(object_store::Error::NotFound { .. }) => return Ok(None),
+                Err(error) => Err(error),
+            }
+            .map_err(|error| request_failed("GET", &key, error))?;
+            crate::LockHolder::parse(&body)
+                .map(Some)
+                .map_err(|reason| StoreError::Request {
+                    operation: "GET",
+                    key: key.clone(),
+                    message: format!("not a bufcache lock: {reason}"),
+                })
+        })
+    }
+
+    /// The lock this store holds (opened with [`ChunkStore::open_locked`]).
+    pub fn lock(&self) -> Option<&DiskLock> {
+        self.lock.as_deref()
     }
 
     async fn open_metadata(store: &AmazonS3, url: &S3Url) -> Result<DiskMetadata, OpenError> {
@@ -392,7 +529,11 @@ impl ChunkStore {
             stream::iter(pieces.into_iter().map(|piece| {
                 let store = self.store.clone();
                 let key = self.chunk_key(piece.chunk);
+                let absent = self.known_absent(piece.chunk);
                 async move {
+                    if absent {
+                        return Ok((piece.buffer, None));
+                    }
                     let data = get_range(&store, &key, piece.within.clone()).await?;
                     Ok((piece.buffer, data))
                 }
@@ -432,6 +573,7 @@ impl ChunkStore {
                 let store = self.store.clone();
                 let key = self.chunk_key(piece.chunk);
                 let locks = self.chunk_locks.clone();
+                let stored = self.stored.clone();
                 let source = data.as_ref().map(|data| data.slice(piece.buffer.clone()));
                 async move {
                     // Serialises read-modify-write of one chunk against any other write of it.
@@ -440,7 +582,20 @@ impl ChunkStore {
                     let chunk: Bytes = if whole {
                         source.unwrap_or_default()
                     } else {
-                        let old = get_range(&store, &key, 0..chunk_size).await?;
+                        tracing::debug!(
+                            chunk = piece.chunk,
+                            start = piece.within.start,
+                            end = piece.within.end,
+                            "partial chunk write: read, merge, write"
+                        );
+                        let absent = stored
+                            .as_ref()
+                            .is_some_and(|set| !set.contains(piece.chunk));
+                        let old = if absent {
+                            None
+                        } else {
+                            get_range(&store, &key, 0..chunk_size).await?
+                        };
                         let mut merged = match old {
                             Some(old) => old.to_vec(),
                             None => vec![0u8; chunk_size as usize],
@@ -454,11 +609,25 @@ impl ChunkStore {
                         Bytes::from(merged)
                     };
                     if chunk.iter().all(|&byte| byte == 0) {
+                        if stored
+                            .as_ref()
+                            .is_some_and(|set| !set.contains(piece.chunk))
+                        {
+                            return Ok(()); // nothing stored: already reads as zeroes
+                        }
                         store
                             .delete(&ObjectPath::from(key.as_str()))
                             .await
-                            .map_err(|error| request_failed("DELETE", &key, error))
+                            .map_err(|error| request_failed("DELETE", &key, error))?;
+                        if let Some(set) = &stored {
+                            set.remove(piece.chunk);
+                        }
+                        Ok(())
                     } else {
+                        // Marked before the PUT: a failed PUT may still have stored it.
+                        if let Some(set) = &stored {
+                            set.insert(piece.chunk);
+                        }
                         store
                             .put(&ObjectPath::from(key.as_str()), PutPayload::from(chunk))
                             .await
@@ -473,6 +642,11 @@ impl ChunkStore {
         // Every request ran to completion (success or error) before the first error is
         // reported, so no request is still in flight when the caller sees the result.
         results.into_iter().collect()
+    }
+
+    /// True when chunk `index` is known not to be stored (reads as zeroes without a GET).
+    fn known_absent(&self, index: u64) -> bool {
+        self.stored.as_ref().is_some_and(|set| !set.contains(index))
     }
 
     /// Number of chunk objects stored and their total bytes (one LIST walk).
@@ -493,7 +667,11 @@ impl ChunkStore {
     }
 }
 
-fn request_failed(operation: &'static str, key: &str, error: object_store::Error) -> StoreError {
+pub(crate) fn request_failed(
+    operation: &'static str,
+    key: &str,
+    error: object_store::Error,
+) -> StoreError {
     StoreError::Request {
         operation,
         key: key.to_string(),

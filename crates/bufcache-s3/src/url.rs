@@ -17,7 +17,7 @@ pub enum UrlError {
     Scheme(String),
     #[error("`{0}`: missing bucket name; expected s3://BUCKET/PREFIX")]
     MissingBucket(String),
-    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, chunk-size, create-size, retry-timeout-ms")]
+    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, chunk-size, create-size, retry-timeout-ms, break-lock")]
     UnknownParameter { url: String, name: String },
     #[error("`{url}`: parameter `{name}` given twice")]
     DuplicateParameter { url: String, name: String },
@@ -51,6 +51,9 @@ pub struct S3Url {
     /// How long one request is retried (with exponential backoff) before its error is
     /// reported.
     pub retry_timeout_ms: u64,
+    /// `break-lock=ID`: take over the disk from the (stale) lock with this id, as named by
+    /// the error that refused to start because the disk was in use.
+    pub break_lock: Option<String>,
 }
 
 /// Default for `retry-timeout-ms`: long enough to ride out a server restart.
@@ -79,6 +82,7 @@ impl S3Url {
             chunk_size_bytes: None,
             create_size_bytes: None,
             retry_timeout_ms: RETRY_TIMEOUT_DEFAULT_MS,
+            break_lock: None,
         };
         let mut seen: Vec<String> = Vec::new();
         for pair in query
@@ -145,6 +149,14 @@ impl S3Url {
                         .parse()
                         .map_err(|_| bad("expected a whole number of milliseconds"))?;
                 }
+                "break-lock" => {
+                    if value.is_empty() || !value.bytes().all(|byte| byte.is_ascii_hexdigit()) {
+                        return Err(bad(
+                            "expected the lock id (hex digits) that the refusal to start named",
+                        ));
+                    }
+                    url.break_lock = Some(value.to_ascii_lowercase());
+                }
                 _ => {
                     return Err(UrlError::UnknownParameter {
                         url: text.to_string(),
@@ -197,7 +209,7 @@ mod tests {
     fn every_documented_parameter_is_parsed() {
         let url = S3Url::parse(
             "s3://vm-disks/db1/?endpoint=http://127.0.0.1:9000&region=eu-west-1&path-style=false\
-             &chunk-size=1M&create-size=100G&retry-timeout-ms=500",
+             &chunk-size=1M&create-size=100G&retry-timeout-ms=500&break-lock=0A1b",
         )
         .unwrap();
         assert_eq!(url.bucket, "vm-disks");
@@ -209,6 +221,7 @@ mod tests {
         assert_eq!(url.chunk_size_bytes, Some(1 << 20));
         assert_eq!(url.create_size_bytes, Some(100 << 30));
         assert_eq!(url.retry_timeout_ms, 500);
+        assert_eq!(url.break_lock.as_deref(), Some("0a1b"));
         assert_eq!(url.key("meta"), "db1/meta");
     }
 
@@ -242,6 +255,8 @@ mod tests {
             ("s3://b/p?region=", "region"),
             ("s3://b/p?retry-timeout-ms=soon", "retry-timeout-ms"),
             ("s3://b/p?colour=blue", "colour"),
+            ("s3://b/p?break-lock=", "break-lock"),
+            ("s3://b/p?break-lock=holder", "break-lock"),
             ("s3://b/p?region=a&region=b", "region"),
         ];
         for (text, parameter) in cases {

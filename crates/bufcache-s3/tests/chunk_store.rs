@@ -182,3 +182,69 @@ fn requests_fail_while_the_server_is_down_and_succeed_after() {
     assert!(back[..1 << 20] == first[..]);
     assert!(back[1 << 20..] == second[..]);
 }
+
+// Goal: a store holding the disk lock asks the server nothing about chunks it knows were
+// never stored: reading them, writing part of one, zeroing one cost no GET and no DELETE,
+// while stored chunks are still read, merged and deleted as before; a second locked open
+// is refused naming the holder. Method: count requests in moto's log around each step and
+// compare the data with a model; chunks written before the reopen are found by its LIST.
+#[test]
+fn locked_store_asks_nothing_about_chunks_never_stored() {
+    if !have_moto("locked_store_asks_nothing_about_chunks_never_stored") {
+        return;
+    }
+    let moto = Moto::start();
+    moto.create_bucket("bucket");
+    let url = |parameters: &str| {
+        S3Url::parse(&format!(
+            "s3://bucket/disk?endpoint={}{parameters}",
+            moto.endpoint()
+        ))
+        .unwrap()
+    };
+    let store = ChunkStore::open_locked(&url("&create-size=1M&chunk-size=64k")).unwrap();
+    let refused = ChunkStore::open_locked(&url(""))
+        .err()
+        .expect("a second lock");
+    assert!(
+        refused
+            .to_string()
+            .contains(&format!("pid {}", std::process::id())),
+        "{refused}"
+    );
+    let counts = || {
+        (
+            moto.request_count("GET"),
+            moto.request_count("PUT"),
+            moto.request_count("DELETE"),
+        )
+    };
+    let mut model = vec![0u8; 1 << 20];
+    let before = counts();
+    let data = random(10_000, 9);
+    store.write(Bytes::from(data.clone()), 70_000).unwrap();
+    model[70_000..80_000].copy_from_slice(&data);
+    let mut back = vec![0u8; 64 << 10];
+    store.read(&mut back, 512 << 10).unwrap();
+    store.write_zeroes(256 << 10, 64 << 10).unwrap();
+    assert_eq!(
+        counts(),
+        (before.0, before.1 + 1, before.2),
+        "(GET, PUT, DELETE): only the partial write's PUT"
+    );
+    drop(store);
+    let store = ChunkStore::open_locked(&url("")).unwrap();
+    let before = counts();
+    let data = random(100, 10);
+    store.write(Bytes::from(data.clone()), 65_600).unwrap();
+    model[65_600..65_700].copy_from_slice(&data);
+    let mut back = vec![0u8; 1 << 20];
+    store.read(&mut back, 0).unwrap();
+    assert!(back == model, "disk differs from the model");
+    store.write_zeroes(64 << 10, 64 << 10).unwrap();
+    assert_eq!(
+        counts(),
+        (before.0 + 2, before.1 + 1, before.2 + 1),
+        "a stored chunk: GET to merge, PUT, GET to read, DELETE to zero"
+    );
+}
