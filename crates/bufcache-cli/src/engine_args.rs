@@ -73,6 +73,9 @@ pub struct EngineArgs {
     /// Do not merge adjacent requests in the io queue.
     #[arg(long)]
     pub no_io_merge: bool,
+    /// Parameters of the replacement policy (last: clap puts them under their own heading).
+    #[command(flatten)]
+    pub policy_parameters: crate::replay::PolicyParameterArgs,
 }
 
 impl EngineArgs {
@@ -111,6 +114,7 @@ impl EngineArgs {
         if let Some(value) = self.policy {
             config.policy = value;
         }
+        config.policy_parameters = self.policy_parameters.parameters()?;
         config.noreuse_sequential = !self.no_noreuse;
         if let Some(seconds) = self.dirty_age_max {
             if !(0.0..=86_400.0).contains(&seconds) {

@@ -39,6 +39,7 @@ impl Observers {
     pub fn start(
         args: &ObserveArgs,
         policy: bufcache_policy::PolicyKind,
+        parameters: &bufcache_policy::PolicyParameters,
         cache_size_bytes: u64,
         block_size_bytes: u64,
     ) -> anyhow::Result<Observers> {
@@ -47,6 +48,7 @@ impl Observers {
             policy,
             cache_size_bytes,
             block_size_bytes,
+            parameters,
         )?;
         let trace = match &args.trace {
             Some(path) => {

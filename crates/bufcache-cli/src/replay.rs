@@ -101,6 +101,20 @@ pub struct PolicyParameterArgs {
     clock_bits: u8,
 }
 
+impl Default for PolicyParameterArgs {
+    fn default() -> Self {
+        let defaults = PolicyParameters::default();
+        PolicyParameterArgs {
+            s3fifo_small_queue_ratio: defaults.s3fifo_small_queue_ratio,
+            s3fifo_ghost_size_ratio: defaults.s3fifo_ghost_size_ratio,
+            s3fifo_move_to_main_threshold: defaults.s3fifo_move_to_main_threshold,
+            two_q_ain_size_ratio: defaults.two_q_ain_size_ratio,
+            two_q_aout_size_ratio: defaults.two_q_aout_size_ratio,
+            clock_bits: defaults.clock_bits,
+        }
+    }
+}
+
 impl PolicyParameterArgs {
     /// The flags whose value differs from the default, as `--flag value`, for the log.
     fn changed(&self) -> Vec<String> {

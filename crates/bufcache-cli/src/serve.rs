@@ -298,6 +298,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let observers = crate::observe::Observers::start(
         &args.observe,
         config.policy,
+        &config.policy_parameters,
         config.memory_bytes_max,
         u64::from(block_size),
     )?;

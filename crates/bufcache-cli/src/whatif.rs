@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use anyhow::bail;
 use bufcache::format_size;
 use bufcache_policy::whatif::{sampling_hash, WhatIf, WhatIfEstimate};
-use bufcache_policy::PolicyKind;
+use bufcache_policy::{PolicyKind, PolicyParameters};
 use serde_json::{json, Value};
 
 /// The miniature caches of one server and what they need to cut requests into keys.
@@ -41,6 +41,7 @@ impl WhatIfFeed {
         policy: PolicyKind,
         cache_size_bytes: u64,
         block_size_bytes: u64,
+        parameters: &PolicyParameters,
     ) -> anyhow::Result<Option<Arc<WhatIfFeed>>> {
         if !(0.0..=1.0).contains(&rate) {
             bail!("--whatif-sampling-rate {rate}: must be from 0 (off) to 1 (every block)");
@@ -48,11 +49,12 @@ impl WhatIfFeed {
         if rate == 0.0 {
             return Ok(None);
         }
-        let whatif = WhatIf::new(
+        let whatif = WhatIf::with_parameters(
             &[policy, PolicyKind::Lru],
             cache_size_bytes,
             block_size_bytes,
             rate,
+            parameters,
         );
         tracing::info!(
             sampling_rate = whatif.sampling_rate(),
@@ -272,9 +274,15 @@ mod tests {
         // Goal: `bufcache stat --plot` draws every simulated policy against real sizes, and
         // says why when there is nothing to draw. Method: feed a loop to a feed, plot its
         // /stats section; then plot sections without samples and without what-if.
-        let feed = WhatIfFeed::start(1.0, PolicyKind::S3Fifo, 256 * 4096, 4096)
-            .unwrap()
-            .unwrap();
+        let feed = WhatIfFeed::start(
+            1.0,
+            PolicyKind::S3Fifo,
+            256 * 4096,
+            4096,
+            &PolicyParameters::default(),
+        )
+        .unwrap()
+        .unwrap();
         for round in 0..4 {
             for block in 0..300u64 {
                 feed.record(0, (block + round) * 4096, 4096, false);
@@ -290,9 +298,15 @@ mod tests {
         assert_eq!(plot.x_label, "cache size (MiB)");
         let sizes: Vec<f64> = plot.curves[0].points.iter().map(|point| point.0).collect();
         assert!(sizes.contains(&1.0) && sizes.contains(&8.0), "{sizes:?}");
-        let idle = WhatIfFeed::start(1.0, PolicyKind::Lru, 256 * 4096, 4096)
-            .unwrap()
-            .unwrap();
+        let idle = WhatIfFeed::start(
+            1.0,
+            PolicyKind::Lru,
+            256 * 4096,
+            4096,
+            &PolicyParameters::default(),
+        )
+        .unwrap()
+        .unwrap();
         let error = whatif_plot(&json!({ "whatif": idle.json() })).unwrap_err();
         assert!(error.to_string().contains("no block yet"), "{error}");
         let error = whatif_plot(&json!({})).unwrap_err();
@@ -306,9 +320,15 @@ mod tests {
     fn stat_prints_a_readable_line_per_size() {
         // Goal: `bufcache stat` turns the /stats section into sentences a person reads.
         // Method: feed a loop of 300 blocks to a feed sized for 256 blocks, render.
-        let feed = WhatIfFeed::start(0.01, PolicyKind::S3Fifo, 256 * 4096, 4096)
-            .unwrap()
-            .unwrap();
+        let feed = WhatIfFeed::start(
+            0.01,
+            PolicyKind::S3Fifo,
+            256 * 4096,
+            4096,
+            &PolicyParameters::default(),
+        )
+        .unwrap()
+        .unwrap();
         for _ in 0..20 {
             for block in 0..300u64 {
                 feed.record(0, block * 4096, 4096, false);
@@ -336,9 +356,15 @@ mod tests {
         // whole disk (mkfs) does not walk billions of block numbers on the request path.
         // Method: cache two blocks (rate 1), discard one with a small range and the other
         // with a 1 TiB range; read both again and count the hits.
-        let feed = WhatIfFeed::start(1.0, PolicyKind::Lru, 256 * 4096, 4096)
-            .unwrap()
-            .unwrap();
+        let feed = WhatIfFeed::start(
+            1.0,
+            PolicyKind::Lru,
+            256 * 4096,
+            4096,
+            &PolicyParameters::default(),
+        )
+        .unwrap()
+        .unwrap();
         feed.record(0, 0, 8192, false);
         feed.record(0, 0, 4096, true);
         feed.record(0, 0, 1 << 40, true);

@@ -250,7 +250,7 @@ fn bad_flags_exit_non_zero_naming_the_flag() {
 
 #[test]
 fn engine_and_server_value_errors_name_the_flag() {
-    let cases: [(&[&str], &str); 7] = [
+    let cases: [(&[&str], &str); 10] = [
         (&["--cluster-size-max", "2M"], "--cluster-size-max"),
         (&["--cache-size", "0"], "--cache-size"),
         (&["--transfer-size-max", "0"], "--transfer-size-max"),
@@ -258,6 +258,15 @@ fn engine_and_server_value_errors_name_the_flag() {
         (&["--buffers-max", "0"], "--buffers-max"),
         (&["--readahead-size-max", "3G"], "--readahead-size-max"),
         (&["--request-size-max", "1k"], "--request-size-max"),
+        (
+            &["--readahead-latency-size-max", "64k"],
+            "--readahead-latency-size-max",
+        ),
+        (
+            &["--s3fifo-small-queue-ratio", "1.5"],
+            "--s3fifo-small-queue-ratio",
+        ),
+        (&["--clock-bits", "9"], "--clock-bits"),
     ];
     let mut failures = Vec::new();
     for (args, flag) in cases {

@@ -15,7 +15,7 @@
 //! MiB for all miniatures together, whatever the real cache size), and never above 1.
 
 use crate::simulate::Simulator;
-use crate::PolicyKind;
+use crate::{PolicyKind, PolicyParameters};
 
 /// Fewest blocks the 1× miniature holds (the rate is raised to reach it, up to 1).
 pub const MINIATURE_BLOCKS_MIN: u64 = 1024;
@@ -87,6 +87,23 @@ impl WhatIf {
         block_size_bytes: u64,
         sampling_rate: f64,
     ) -> Self {
+        Self::with_parameters(
+            policies,
+            cache_size_bytes,
+            block_size_bytes,
+            sampling_rate,
+            &PolicyParameters::default(),
+        )
+    }
+
+    /// [`WhatIf::new`] with the policies' parameters (as the cache being predicted uses them).
+    pub fn with_parameters(
+        policies: &[PolicyKind],
+        cache_size_bytes: u64,
+        block_size_bytes: u64,
+        sampling_rate: f64,
+        parameters: &PolicyParameters,
+    ) -> Self {
         let cache_blocks = cache_size_bytes / block_size_bytes.max(1);
         let rate = effective_sampling_rate(sampling_rate, cache_blocks);
         let threshold = if rate >= 1.0 {
@@ -109,7 +126,7 @@ impl WhatIf {
                     policy,
                     cache_size_bytes: (cache_size_bytes as f64 * multiplier) as u64,
                     multiplier,
-                    simulator: Simulator::new(policy, miniature_blocks),
+                    simulator: Simulator::with_parameters(policy, miniature_blocks, parameters),
                 });
             }
         }

@@ -9,7 +9,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use bufcache_policy::PolicyKind;
+use bufcache_policy::{PolicyKind, PolicyParameters};
 
 /// Binary size units: `4k` = 4096, `1M` = 1 MiB, `2GiB` = 2 GiB. Plain numbers are bytes.
 pub fn parse_size(text: &str) -> Result<u64, SizeParseError> {
@@ -135,6 +135,9 @@ pub struct CacheConfig {
     pub noreuse_sequential: bool,
     /// Replacement policy. Default S3-FIFO (chosen by measurement: docs/policies.md).
     pub policy: PolicyKind,
+    /// Parameters of the replacement policy (S3-FIFO queue ratios, 2Q's Kin and Kout, CLOCK
+    /// bits). Default: libCacheSim's defaults.
+    pub policy_parameters: PolicyParameters,
     /// Dirty data older than this is written back by the background writer. Default 30 s.
     pub dirty_age_max: Duration,
     /// Dirty share of `memory_bytes_max` at which background writeback starts. Default 25 %.
@@ -168,6 +171,7 @@ impl Default for CacheConfig {
             streams_per_object_max: 8,
             noreuse_sequential: true,
             policy: PolicyKind::S3Fifo,
+            policy_parameters: PolicyParameters::default(),
             dirty_age_max: Duration::from_secs(30),
             dirty_background_percent: 25,
             dirty_limit_percent: 50,
@@ -212,6 +216,13 @@ fn check_size(
 impl CacheConfig {
     /// Checks every field and the relations between them.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if let Err(error) = self.policy_parameters.validate() {
+            return Err(ConfigError::OutOfRange {
+                field: error.name,
+                value: error.value,
+                allowed: error.expected.to_string(),
+            });
+        }
         if !self.page_size_bytes.is_power_of_two() || !(512..=65536).contains(&self.page_size_bytes)
         {
             return Err(out_of_range(
@@ -372,6 +383,20 @@ impl CacheConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Goal: a policy parameter out of range is refused by the engine's own validation,
+    /// naming the parameter as its flag is spelled. Method: validate a config with each bad.
+    #[test]
+    fn policy_parameters_out_of_range_are_refused_by_name() {
+        let mut config = CacheConfig::default();
+        config.policy_parameters.s3fifo_small_queue_ratio = 1.5;
+        let error = config.validate().unwrap_err().to_string();
+        assert!(error.contains("s3fifo-small-queue-ratio"), "{error}");
+        let mut config = CacheConfig::default();
+        config.policy_parameters.clock_bits = 0;
+        let error = config.validate().unwrap_err().to_string();
+        assert!(error.contains("clock-bits"), "{error}");
+    }
 
     #[test]
     fn sizes_use_binary_units() {

@@ -219,7 +219,9 @@ impl Table {
                     map: HashMap::default(),
                     entries: Vec::new(),
                     free_slots: Vec::new(),
-                    policy: config.policy.build(capacity_hint.max(1)),
+                    policy: config
+                        .policy
+                        .build_with(capacity_hint.max(1), &config.policy_parameters),
                     hits: 0,
                     misses: 0,
                 })
