@@ -9,10 +9,12 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{self, IoSlice, IoSliceMut};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use bufcache::device::SeededRng;
 use bufcache::environment::Job;
-use bufcache::{Device, Spawner};
+use bufcache::{Device, Spawner, Waiter};
 use serde::Serialize;
 
 use crate::clock::VirtualClock;
@@ -357,15 +359,152 @@ impl CoreState {
 /// Granularity of the simulated disk's contents, bytes.
 const CHUNK_BYTES: u64 = 4096;
 
+/// Granularity of a torn write: a crash keeps or loses each sector of an unflushed write
+/// independently, as a disk that writes 512-byte sectors atomically would.
+pub const SECTOR_BYTES: u64 = 512;
+
+/// The one seeded generator of a simulation, shared by the device's faults and crashes and
+/// the workload that drives them, so a run is reproduced exactly from its seed.
+pub type SharedRng = Arc<Mutex<SeededRng>>;
+
+/// Seeded faults of a [`SimDevice`]: each request fails or is slowed with its probability,
+/// drawn from the simulation's one generator.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct FaultConfig {
+    /// Probability that a read fails with an I/O error (no data returned).
+    pub read_error_probability: f64,
+    /// Probability that a write fails with an I/O error (nothing stored).
+    pub write_error_probability: f64,
+    /// Probability that a flush fails (nothing made durable).
+    pub flush_error_probability: f64,
+    /// Probability that a request takes `latency_spike_ns` longer.
+    pub latency_spike_probability: f64,
+    /// Extra latency of a spike, ns of virtual time.
+    pub latency_spike_ns: u64,
+}
+
+/// What a crash did to the writes the disk had accepted but not yet made durable.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct CrashOutcome {
+    /// Unflushed writes that reached the medium whole.
+    pub writes_kept: u64,
+    /// Unflushed writes lost whole.
+    pub writes_lost: u64,
+    /// Unflushed writes torn: some sectors reached the medium, others did not.
+    pub writes_torn: u64,
+}
+
+/// Fault and crash counters of a [`SimDevice`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct FaultCounts {
+    /// Reads failed.
+    pub read_errors: u64,
+    /// Writes failed.
+    pub write_errors: u64,
+    /// Flushes failed.
+    pub flush_errors: u64,
+    /// Requests slowed by a latency spike.
+    pub latency_spikes: u64,
+    /// Crashes.
+    pub crashes: u64,
+}
+
+/// Sparse 4 KiB chunks, absent where all zero.
+type Chunks = BTreeMap<u64, Box<[u8]>>;
+
+/// The disk's contents. With crash tracking on, `chunks` is what reads see (the medium plus
+/// the disk's volatile write cache), `durable` what survives power loss, and `unflushed`
+/// the writes accepted since the last flush, in order.
+#[derive(Default)]
+struct Contents {
+    chunks: Chunks,
+    durable: Option<Chunks>,
+    unflushed: Vec<(u64, Vec<u8>)>,
+}
+
+/// Seeded faults and their generator.
+struct Faults {
+    config: FaultConfig,
+    rng: SharedRng,
+    counts: FaultCounts,
+    /// Byte ranges of failed writes since the last [`SimDevice::take_failed_writes`].
+    failed_writes: Vec<(u64, u64)>,
+    /// Powered off between a crash and the restart: every request fails.
+    offline: bool,
+}
+
 /// The engine's device: every request is timed by the disk model and charged to the entity
 /// running. It keeps what is written, sparsely: 4 KiB chunks in a map, where a chunk of zeroes
 /// is not stored (the workloads mostly write zeroes, so timing runs stay small), and returns
 /// it; bytes never written read as zeroes.
+///
+/// With [`SimDevice::set_faults`] requests fail or slow down at seeded random; with
+/// [`SimDevice::track_crashes`] it keeps a volatile write cache, so [`SimDevice::crash`] can
+/// lose or tear (per 512-byte sector) every write not yet flushed, all in virtual time.
 pub struct SimDevice {
     core: Arc<SimCore>,
     length: u64,
     name: String,
-    chunks: Mutex<BTreeMap<u64, Box<[u8]>>>,
+    contents: Mutex<Contents>,
+    faults: Mutex<Option<Faults>>,
+}
+
+fn load_from(chunks: &Chunks, target: &mut [u8], offset: u64) {
+    target.fill(0);
+    if chunks.is_empty() {
+        return;
+    }
+    let end = offset + target.len() as u64;
+    let first = offset / CHUNK_BYTES * CHUNK_BYTES;
+    for (&start, data) in chunks.range(first..end) {
+        let from = start.max(offset);
+        let to = (start + CHUNK_BYTES).min(end);
+        target[(from - offset) as usize..(to - offset) as usize]
+            .copy_from_slice(&data[(from - start) as usize..(to - start) as usize]);
+    }
+}
+
+fn store_into(chunks: &mut Chunks, source: &[u8], offset: u64) {
+    let end = offset + source.len() as u64;
+    let mut start = offset / CHUNK_BYTES * CHUNK_BYTES;
+    while start < end {
+        let from = start.max(offset);
+        let to = (start + CHUNK_BYTES).min(end);
+        let piece = &source[(from - offset) as usize..(to - offset) as usize];
+        let whole = from == start && to == start + CHUNK_BYTES;
+        let zeroes = piece.iter().all(|&byte| byte == 0);
+        match chunks.get_mut(&start) {
+            Some(chunk) => {
+                chunk[(from - start) as usize..(to - start) as usize].copy_from_slice(piece);
+                if zeroes && (whole || chunk.iter().all(|&byte| byte == 0)) {
+                    chunks.remove(&start);
+                }
+            }
+            None if zeroes => {}
+            None => {
+                let mut chunk = vec![0u8; CHUNK_BYTES as usize].into_boxed_slice();
+                chunk[(from - start) as usize..(to - start) as usize].copy_from_slice(piece);
+                chunks.insert(start, chunk);
+            }
+        }
+        start += CHUNK_BYTES;
+    }
+}
+
+impl Contents {
+    fn store(&mut self, source: &[u8], offset: u64) {
+        store_into(&mut self.chunks, source, offset);
+        if self.durable.is_some() {
+            self.unflushed.push((offset, source.to_vec()));
+        }
+    }
+}
+
+/// The error a simulated fault returns.
+fn fault_error(what: &str, offset: u64, length: u64) -> io::Error {
+    io::Error::other(format!(
+        "simulated {what} fault at offset {offset}, {length} bytes"
+    ))
 }
 
 impl SimDevice {
@@ -375,65 +514,185 @@ impl SimDevice {
             core,
             length,
             name: name.to_string(),
-            chunks: Mutex::new(BTreeMap::new()),
+            contents: Mutex::new(Contents::default()),
+            faults: Mutex::new(None),
         }
     }
 
-    fn chunks(&self) -> MutexGuard<'_, BTreeMap<u64, Box<[u8]>>> {
-        self.chunks
+    fn contents(&self) -> MutexGuard<'_, Contents> {
+        self.contents
             .lock()
             .unwrap_or_else(|poison| poison.into_inner())
     }
 
+    fn fault_state(&self) -> MutexGuard<'_, Option<Faults>> {
+        self.faults
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    /// Length in bytes.
+    pub fn len_bytes(&self) -> u64 {
+        self.length
+    }
+
     /// Bytes of the disk's contents stored (non-zero chunks).
     pub fn stored_bytes(&self) -> u64 {
-        self.chunks().len() as u64 * CHUNK_BYTES
+        self.contents().chunks.len() as u64 * CHUNK_BYTES
     }
 
-    /// Copies the stored contents at `offset` into `target` (zeroes where nothing is stored).
-    fn load(&self, target: &mut [u8], offset: u64) {
-        target.fill(0);
-        let chunks = self.chunks();
-        if chunks.is_empty() {
-            return;
-        }
-        let end = offset + target.len() as u64;
-        let first = offset / CHUNK_BYTES * CHUNK_BYTES;
-        for (&start, data) in chunks.range(first..end) {
-            let from = start.max(offset);
-            let to = (start + CHUNK_BYTES).min(end);
-            target[(from - offset) as usize..(to - offset) as usize]
-                .copy_from_slice(&data[(from - start) as usize..(to - start) as usize]);
+    /// Copies what a read at `offset` would return into `target`, without timing or faults
+    /// (for checkers).
+    pub fn peek(&self, target: &mut [u8], offset: u64) {
+        load_from(&self.contents().chunks, target, offset);
+    }
+
+    /// Turns seeded faults on (or changes them), drawing from `rng`.
+    pub fn set_faults(&self, config: FaultConfig, rng: SharedRng) {
+        let mut faults = self.fault_state();
+        match faults.as_mut() {
+            Some(state) => {
+                state.config = config;
+                state.rng = rng;
+            }
+            None => {
+                *faults = Some(Faults {
+                    config,
+                    rng,
+                    counts: FaultCounts::default(),
+                    failed_writes: Vec::new(),
+                    offline: false,
+                })
+            }
         }
     }
 
-    /// Stores `source` at `offset`.
-    fn store(&self, source: &[u8], offset: u64) {
-        let mut chunks = self.chunks();
-        let end = offset + source.len() as u64;
-        let mut start = offset / CHUNK_BYTES * CHUNK_BYTES;
-        while start < end {
-            let from = start.max(offset);
-            let to = (start + CHUNK_BYTES).min(end);
-            let piece = &source[(from - offset) as usize..(to - offset) as usize];
-            let whole = from == start && to == start + CHUNK_BYTES;
-            let zeroes = piece.iter().all(|&byte| byte == 0);
-            match chunks.get_mut(&start) {
-                Some(chunk) => {
-                    chunk[(from - start) as usize..(to - start) as usize].copy_from_slice(piece);
-                    if zeroes && (whole || chunk.iter().all(|&byte| byte == 0)) {
-                        chunks.remove(&start);
+    /// Fault and crash counters so far.
+    pub fn fault_counts(&self) -> FaultCounts {
+        self.fault_state()
+            .as_ref()
+            .map_or_else(FaultCounts::default, |state| state.counts)
+    }
+
+    /// Byte ranges `(offset, length)` of the writes that failed since the last call.
+    pub fn take_failed_writes(&self) -> Vec<(u64, u64)> {
+        self.fault_state()
+            .as_mut()
+            .map_or_else(Vec::new, |state| std::mem::take(&mut state.failed_writes))
+    }
+
+    /// Keeps a volatile write cache from now on: what is on the disk now is durable, later
+    /// writes only after a flush.
+    pub fn track_crashes(&self) {
+        let mut contents = self.contents();
+        if contents.durable.is_none() {
+            contents.durable = Some(contents.chunks.clone());
+        }
+    }
+
+    /// Power loss: every write accepted since the last flush is kept, lost or torn (each
+    /// 512-byte sector kept or lost), drawn from `rng`; what survives is then all the disk
+    /// holds, and every request fails until [`SimDevice::restart`]. Needs
+    /// [`SimDevice::track_crashes`] (without it every write is durable at once).
+    pub fn crash(&self, rng: &SharedRng) -> CrashOutcome {
+        let mut outcome = CrashOutcome::default();
+        {
+            let mut contents = self.contents();
+            let unflushed = std::mem::take(&mut contents.unflushed);
+            if let Some(mut durable) = contents.durable.take() {
+                let mut rng = rng.lock().unwrap_or_else(|poison| poison.into_inner());
+                for (offset, data) in unflushed {
+                    match rng.below(3) {
+                        0 => outcome.writes_lost += 1,
+                        1 => {
+                            outcome.writes_kept += 1;
+                            store_into(&mut durable, &data, offset);
+                        }
+                        _ => {
+                            outcome.writes_torn += 1;
+                            for (index, sector) in
+                                data.chunks(SECTOR_BYTES as usize).enumerate()
+                            {
+                                if rng.below(2) == 0 {
+                                    let at = offset + index as u64 * SECTOR_BYTES;
+                                    store_into(&mut durable, sector, at);
+                                }
+                            }
+                        }
                     }
                 }
-                None if zeroes => {}
-                None => {
-                    let mut chunk = vec![0u8; CHUNK_BYTES as usize].into_boxed_slice();
-                    chunk[(from - start) as usize..(to - start) as usize].copy_from_slice(piece);
-                    chunks.insert(start, chunk);
-                }
+                contents.chunks = durable.clone();
+                contents.durable = Some(durable);
             }
-            start += CHUNK_BYTES;
         }
+        let mut faults = self.fault_state();
+        if faults.is_none() {
+            *faults = Some(Faults {
+                config: FaultConfig::default(),
+                rng: rng.clone(),
+                counts: FaultCounts::default(),
+                failed_writes: Vec::new(),
+                offline: false,
+            });
+        }
+        let state = faults.as_mut().expect("set above");
+        state.offline = true;
+        state.counts.crashes += 1;
+        outcome
+    }
+
+    /// Power back on after a crash.
+    pub fn restart(&self) {
+        if let Some(state) = self.fault_state().as_mut() {
+            state.offline = false;
+        }
+    }
+
+    /// Draws the faults of one request: an error (when `fails` picks one) and a latency spike.
+    fn draw(
+        &self,
+        probability: impl Fn(&FaultConfig) -> f64,
+        what: &str,
+        offset: u64,
+        length: u64,
+    ) -> io::Result<()> {
+        let mut faults = self.fault_state();
+        let Some(state) = faults.as_mut() else {
+            return Ok(());
+        };
+        if state.offline {
+            return Err(io::Error::new(
+                io::ErrorKind::NotConnected,
+                format!("simulated disk {} is powered off (crashed)", self.name),
+            ));
+        }
+        let (fail, spike) = {
+            let mut rng = state.rng.lock().unwrap_or_else(|poison| poison.into_inner());
+            let fail = rng.chance(probability(&state.config));
+            let spike = rng.chance(state.config.latency_spike_probability);
+            (fail, spike)
+        };
+        if spike {
+            state.counts.latency_spikes += 1;
+            let extra = state.config.latency_spike_ns;
+            drop(faults);
+            let now = self.core.cursor();
+            self.core.wait_until(now + extra, true);
+            faults = self.fault_state();
+        }
+        if !fail {
+            return Ok(());
+        }
+        let state = faults.as_mut().expect("checked above");
+        match what {
+            "read" => state.counts.read_errors += 1,
+            "write" => {
+                state.counts.write_errors += 1;
+                state.failed_writes.push((offset, length));
+            }
+            _ => state.counts.flush_errors += 1,
+        }
+        Err(fault_error(what, offset, length))
     }
 }
 
@@ -441,10 +700,14 @@ impl Device for SimDevice {
     fn read_vectored_at(&self, buffers: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<()> {
         let length = bufcache::device::total_length(buffers.iter().map(|b| b.len()));
         bufcache::device::check_range(self.length, offset, length)?;
-        let mut at = offset;
-        for buffer in buffers.iter_mut() {
-            self.load(buffer, at);
-            at += buffer.len() as u64;
+        self.draw(|c| c.read_error_probability, "read", offset, length)?;
+        {
+            let contents = self.contents();
+            let mut at = offset;
+            for buffer in buffers.iter_mut() {
+                load_from(&contents.chunks, buffer, at);
+                at += buffer.len() as u64;
+            }
         }
         self.core.io(Op::Read, offset, length);
         Ok(())
@@ -453,17 +716,35 @@ impl Device for SimDevice {
     fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
         let length = bufcache::device::total_length(buffers.iter().map(|b| b.len()));
         bufcache::device::check_range(self.length, offset, length)?;
-        let mut at = offset;
-        for buffer in buffers {
-            self.store(buffer, at);
-            at += buffer.len() as u64;
+        if let Err(error) = self.draw(|c| c.write_error_probability, "write", offset, length) {
+            // A failed write still costs the disk its time.
+            self.core.io(Op::Write, offset, length);
+            return Err(error);
+        }
+        {
+            let mut contents = self.contents();
+            let mut at = offset;
+            for buffer in buffers {
+                contents.store(buffer, at);
+                at += buffer.len() as u64;
+            }
         }
         self.core.io(Op::Write, offset, length);
         Ok(())
     }
 
     fn flush(&self) -> io::Result<()> {
-        // No write cache is modelled: a flush costs one command.
+        self.draw(|c| c.flush_error_probability, "flush", 0, 0)?;
+        {
+            let mut contents = self.contents();
+            let unflushed = std::mem::take(&mut contents.unflushed);
+            if let Some(durable) = contents.durable.as_mut() {
+                for (offset, data) in unflushed {
+                    store_into(durable, &data, offset);
+                }
+            }
+        }
+        // No write cache is modelled in time: a flush costs one command.
         let mut state = self.core.lock();
         let io_ns = state.host.io_ns;
         state.cpu_work(0, io_ns);
@@ -473,13 +754,16 @@ impl Device for SimDevice {
 
     fn discard(&self, offset: u64, length: u64) -> io::Result<()> {
         bufcache::device::check_range(self.length, offset, length)?;
+        // A discard is advisory, so it is not failed at random; a powered-off disk refuses it.
+        self.draw(|_| 0.0, "discard", offset, length)?;
         // Discarded bytes read back as zeroes (deterministic, like WRITE_ZEROES).
         let zeroes = vec![0u8; CHUNK_BYTES as usize];
+        let mut contents = self.contents();
         let mut at = offset;
         let end = offset + length;
         while at < end {
             let step = (CHUNK_BYTES - at % CHUNK_BYTES).min(end - at);
-            self.store(&zeroes[..step as usize], at);
+            contents.store(&zeroes[..step as usize], at);
             at += step;
         }
         Ok(())
@@ -499,6 +783,61 @@ impl Device for SimDevice {
 
     fn describe(&self) -> String {
         self.name.clone()
+    }
+}
+
+/// The engine's waiter on virtual time. The engine is synchronous and exactly one simulated
+/// entity runs at a time, so nothing else can release space or finish a write-back while a
+/// call waits: a wait not already satisfied by a notification lasts its whole timeout, which
+/// moves the running entity's timeline on (time passes, no CPU is used). The engine's waits
+/// are bounded (it counts every wait as its full timeout), so a space wait ends after
+/// `space_wait_max` of virtual time, deterministically, instead of sleeping in real time.
+pub struct SimWaiter {
+    core: Arc<SimCore>,
+    notifications: AtomicU64,
+    waits: AtomicU64,
+    waited_ns: AtomicU64,
+}
+
+impl SimWaiter {
+    /// A waiter moving `core`'s running entity on.
+    pub fn new(core: Arc<SimCore>) -> Self {
+        SimWaiter {
+            core,
+            notifications: AtomicU64::new(0),
+            waits: AtomicU64::new(0),
+            waited_ns: AtomicU64::new(0),
+        }
+    }
+
+    /// Waits that passed virtual time.
+    pub fn waits(&self) -> u64 {
+        self.waits.load(Ordering::Relaxed)
+    }
+
+    /// Virtual time spent waiting, ns.
+    pub fn waited_ns(&self) -> u64 {
+        self.waited_ns.load(Ordering::Relaxed)
+    }
+}
+
+impl Waiter for SimWaiter {
+    fn ticket(&self) -> u64 {
+        self.notifications.load(Ordering::Acquire)
+    }
+
+    fn wait(&self, ticket: u64, timeout_ns: u64) {
+        if self.notifications.load(Ordering::Acquire) != ticket || timeout_ns == 0 {
+            return;
+        }
+        self.waits.fetch_add(1, Ordering::Relaxed);
+        self.waited_ns.fetch_add(timeout_ns, Ordering::Relaxed);
+        let now = self.core.cursor();
+        self.core.wait_until(now + timeout_ns, false);
+    }
+
+    fn notify_all(&self) {
+        self.notifications.fetch_add(1, Ordering::AcqRel);
     }
 }
 
@@ -537,6 +876,12 @@ impl SimSpawner {
     /// Takes the oldest waiting job: spawn time, account of the spawning process, job.
     pub(crate) fn pop(&self) -> Option<(u64, usize, Job)> {
         self.queue().pop_front()
+    }
+
+    /// Drops every waiting job unrun (a crash: the background work dies with the cache).
+    pub fn clear(&self) {
+        let jobs = std::mem::take(&mut *self.queue());
+        drop(jobs);
     }
 }
 
