@@ -4,9 +4,10 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
+use bufcache::QueueMode;
 use bufcache_sim::{
-    check_seeds, run_custom, run_experiment, DiskSpec, ExperimentOptions, WorkloadSpec,
-    EXPERIMENTS,
+    check_seeds, run_custom_queued, run_experiment, DiskSpec, ExperimentOptions, SimIoQueue,
+    WorkloadSpec, EXPERIMENTS,
 };
 use clap::{Args, Subcommand};
 
@@ -143,9 +144,10 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             json,
             engine,
         } => {
-            refuse_io_queue_flags(&engine)?;
+            let config = engine.config()?;
+            let io_queue = sim_io_queue(&engine, &config)?;
             let progress = spinner("simulating".to_string());
-            let report = run_custom(&disk, &workload, engine.config()?);
+            let report = run_custom_queued(&disk, &workload, config, io_queue);
             progress.finish_and_clear();
             let report = report?;
             if json {
@@ -210,28 +212,45 @@ fn check(seeds: u64, first_seed: u64, trace: bool) -> anyhow::Result<()> {
     }
 }
 
-/// The io queue flags cannot take effect in `sim run`: the simulated engine issues one
-/// device request at a time (one entity runs at a time), so a queue below it never holds two
-/// requests to sort or merge and would change nothing. Refuse them rather than ignore them.
-fn refuse_io_queue_flags(engine: &EngineArgs) -> anyhow::Result<()> {
-    let given: Vec<&str> = [
-        ("--io-queue", engine.io_queue.is_some()),
-        ("--io-queue-depth", engine.io_queue_depth.is_some()),
-        ("--no-io-merge", engine.no_io_merge),
-    ]
-    .into_iter()
-    .filter_map(|(flag, set)| set.then_some(flag))
-    .collect();
-    if given.is_empty() {
-        return Ok(());
+/// The io queue of `sim run`, from the same flags as `serve`'s. Without `--io-queue` the
+/// simulated path has no queue (so the experiments' figures do not move); `--io-queue fifo`
+/// puts the simulated queue in (merging unless `--no-io-merge`), `--io-queue none` keeps it
+/// out. A flag the simulator cannot apply is refused, never ignored: `elevator` (the simulator
+/// fixes each request's service time when it is issued, so requests already waiting cannot be
+/// reordered), `--io-queue-depth` (the simulated disk serves its own queue; requests are
+/// issued one at a time per entity), and `--no-io-merge` without a queue.
+fn sim_io_queue(
+    engine: &EngineArgs,
+    config: &bufcache::CacheConfig,
+) -> anyhow::Result<Option<SimIoQueue>> {
+    if engine.io_queue_depth.is_some() {
+        return Err(crate::UsageError(
+            "sim run does not support --io-queue-depth: every simulated entity blocks on its \
+             own request and the disk model serves what waits, so there is no dispatch depth to \
+             set; drop the flag"
+                .to_string(),
+        )
+        .into());
     }
-    Err(crate::UsageError(format!(
-        "sim run does not support {}: the simulator issues one device request at a time, so \
-         an io queue would never hold two requests to sort or merge; drop the flag (the \
-         simulated path has no io queue)",
-        given.join(", ")
-    ))
-    .into())
+    match engine.io_queue {
+        Some(QueueMode::Elevator) => Err(crate::UsageError(
+            "sim run does not support --io-queue elevator: the simulator fixes each request's \
+             service time when it is issued, so it cannot reorder requests already waiting; use \
+             --io-queue fifo (merging adjacent waiting requests) or --io-queue none"
+                .to_string(),
+        )
+        .into()),
+        Some(QueueMode::Fifo) => Ok(Some(SimIoQueue {
+            merge: !engine.no_io_merge,
+            transfer_size_max_bytes: config.transfer_size_max_bytes,
+        })),
+        Some(QueueMode::None) | None if engine.no_io_merge => Err(crate::UsageError(
+            "sim run: --no-io-merge needs --io-queue fifo (without a queue nothing is merged)"
+                .to_string(),
+        )
+        .into()),
+        Some(QueueMode::None) | None => Ok(None),
+    }
 }
 
 /// A spinner on standard error while a simulation runs (hidden when not on a terminal).

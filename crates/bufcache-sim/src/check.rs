@@ -33,8 +33,8 @@ use bufcache::{Cache, CacheConfig, Environment, IdentityMap, ObjectConfig, Objec
 use bufcache::{PolicyKind, Spawner, Waiter};
 
 use crate::clock::VirtualClock;
-use crate::core::{FaultConfig, SharedRng, SimCore, SimDevice, SimSpawner, SimWaiter};
 use crate::core::SECTOR_BYTES;
+use crate::core::{FaultConfig, SharedRng, SimCore, SimDevice, SimSpawner, SimWaiter};
 use crate::disk::DiskSpec;
 use crate::host::HostCosts;
 
@@ -191,11 +191,16 @@ impl Shadow {
     }
 
     fn survives(&self, version: u64) -> bool {
-        self.versions[self.floor..].iter().any(|&(v, _)| v == version)
+        self.versions[self.floor..]
+            .iter()
+            .any(|&(v, _)| v == version)
     }
 
     fn expected_after_crash(&self) -> Vec<u64> {
-        self.versions[self.floor..].iter().map(|&(v, _)| v).collect()
+        self.versions[self.floor..]
+            .iter()
+            .map(|&(v, _)| v)
+            .collect()
     }
 
     fn expected_read(&self) -> Vec<u64> {
@@ -603,9 +608,9 @@ impl Harness {
                     )))
                 }
                 Err(garbage) => {
-                    return Err(self.violation(format!(
-                        "corrupt read: sector {sector} holds {garbage}"
-                    )))
+                    return Err(
+                        self.violation(format!("corrupt read: sector {sector} holds {garbage}"))
+                    )
                 }
             }
         }

@@ -38,6 +38,13 @@ pub trait DiskModel: Send {
     fn serve(&mut self, op: Op, offset: u64, length: u64, arrival_ns: u64) -> u64;
     /// Capacity in bytes.
     fn capacity_bytes(&self) -> u64;
+    /// When a request arriving at `arrival_ns` would start: the io queue merges a later
+    /// request into one that has not started yet.
+    fn start_ns(&self, arrival_ns: u64) -> u64;
+    /// Grows the request served last by `length` contiguous bytes (the io queue merged a
+    /// request into it): the extra transfer, no extra command, positioning or rotation.
+    /// Returns the merged request's new completion time.
+    fn extend_last(&mut self, op: Op, length: u64) -> u64;
 }
 
 const SECTOR: u64 = 512;
@@ -290,6 +297,23 @@ impl DiskModel for HddModel {
     fn capacity_bytes(&self) -> u64 {
         self.params.capacity_bytes()
     }
+
+    fn start_ns(&self, arrival_ns: u64) -> u64 {
+        arrival_ns.max(self.busy_until_ns)
+    }
+
+    fn extend_last(&mut self, op: Op, length: u64) -> u64 {
+        let sectors = length.div_ceil(SECTOR);
+        let media = sectors as f64 * self.sector_ns;
+        // The merged sectors stream off the medium right after the first request's; the bus
+        // carries them no slower than that on every preset.
+        let extra = media.max(self.bus_ns(length)).ceil() as u64;
+        if op == Op::Write {
+            self.segment = None;
+        }
+        self.busy_until_ns += extra;
+        self.busy_until_ns
+    }
 }
 
 /// Parameters of a queueing device: an SSD or a network disk.
@@ -313,6 +337,7 @@ pub struct QueueModel {
     params: QueueParams,
     channel_free_ns: Vec<u64>,
     pipe_free_ns: u64,
+    last_channel: usize,
 }
 
 impl QueueModel {
@@ -321,6 +346,7 @@ impl QueueModel {
         QueueModel {
             channel_free_ns: vec![0; params.channels.max(1) as usize],
             pipe_free_ns: 0,
+            last_channel: 0,
             params,
         }
     }
@@ -345,11 +371,25 @@ impl DiskModel for QueueModel {
         let done = data_start + transfer_ns;
         self.pipe_free_ns = done;
         self.channel_free_ns[channel] = done;
+        self.last_channel = channel;
         done
     }
 
     fn capacity_bytes(&self) -> u64 {
         self.params.capacity_bytes
+    }
+
+    fn start_ns(&self, arrival_ns: u64) -> u64 {
+        let free = self.channel_free_ns.iter().copied().min().unwrap_or(0);
+        arrival_ns.max(free)
+    }
+
+    fn extend_last(&mut self, _op: Op, length: u64) -> u64 {
+        let transfer_ns = (length as f64 / (self.params.bandwidth_mb_s * 1e6) * 1e9).ceil() as u64;
+        self.pipe_free_ns += transfer_ns;
+        let channel = &mut self.channel_free_ns[self.last_channel];
+        *channel = (*channel + transfer_ns).max(self.pipe_free_ns);
+        *channel
     }
 }
 

@@ -8,6 +8,7 @@
 use bufcache::{format_size, CacheConfig, PolicyKind};
 use serde::Serialize;
 
+use crate::core::SimIoQueue;
 use crate::disk::{DiskKind, DiskSpec};
 use crate::host::HostCosts;
 use crate::layout::LayoutParams;
@@ -40,6 +41,10 @@ pub const EXPERIMENTS: &[(&str, &str)] = &[
     (
         "scan",
         "mixed scan + working set: working-set hit ratio per policy",
+    ),
+    (
+        "driver-clustering",
+        "seed 004: tree copy and build, io-queue merging off vs on, transfers saved",
     ),
 ];
 
@@ -85,6 +90,7 @@ pub fn run_experiment(
         "sweep" => sweep(options),
         "clustering" => clustering(options),
         "scan" => scan(options),
+        "driver-clustering" => driver_clustering(options),
         _ => Err(SimError::Invalid(format!(
             "unknown experiment `{name}`: expected one of {}",
             EXPERIMENTS
@@ -179,6 +185,14 @@ impl CustomRun {
             d.busy_ns as f64 / 1e9,
             report.elapsed_s
         ));
+        if d.queue_entered > 0 {
+            out.push_str(&format!(
+                "io queue: {} requests entered, {} merged into waiting ones ({:.2} % of transfers saved)\n",
+                d.queue_entered,
+                d.queue_merged,
+                100.0 * d.queue_merged as f64 / d.queue_entered as f64
+            ));
+        }
         out.push_str(&format!(
             "cache: hit ratio {:.4} ({} hits, {} misses), {} evictions, read-ahead {} issued / {} used / {} wasted, {} read clusters, {} write clusters, {} wasted bytes\n",
             c.hit_ratio, c.hits, c.misses, c.evictions, c.readahead_issued_blocks,
@@ -195,7 +209,7 @@ impl CustomRun {
 }
 
 /// Runs `workload` on `disk` with the engine configured by `config` (the simulator forces one
-/// shard and no real-time space waits), the host paired with the disk (see [`host_for`]) and
+/// shard; space waits pass virtual time), the host paired with the disk (see [`host_for`]) and
 /// the default layout (8 KiB blocks, 1 KiB fragments, maxcontig 8, rotdelay 0).
 pub fn run_custom(
     disk: &DiskSpec,
@@ -204,6 +218,19 @@ pub fn run_custom(
 ) -> Result<CustomRun, SimError> {
     let mut sim_config = SimConfig::new(disk.clone(), host_for(disk));
     sim_config.cache = sim_cache_config(config);
+    run_custom_with(&sim_config, workload)
+}
+
+/// [`run_custom`] with an io queue between the engine and the disk.
+pub fn run_custom_queued(
+    disk: &DiskSpec,
+    workload: &WorkloadSpec,
+    config: CacheConfig,
+    io_queue: Option<SimIoQueue>,
+) -> Result<CustomRun, SimError> {
+    let mut sim_config = SimConfig::new(disk.clone(), host_for(disk));
+    sim_config.cache = sim_cache_config(config);
+    sim_config.io_queue = io_queue;
     run_custom_with(&sim_config, workload)
 }
 
@@ -882,6 +909,83 @@ fn scan(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
             x_categories: categories,
             series: vec![Series {
                 name: "working set".into(),
+                points,
+            }],
+        },
+    })
+}
+
+/// Seed 004: merging adjacent queued requests in the driver, below the file system.
+fn driver_clustering(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
+    let scaled = |count: f64| ((count * options.scale).round() as u64).max(4);
+    let workloads = [
+        format!("treecopy:files={}", scaled(2000.0)),
+        format!("build:jobs=10,sources={}", scaled(200.0)),
+    ];
+    let disk = DiskSpec::rz25();
+    let mut table = Table::new(&[
+        "workload",
+        "requests",
+        "commands_merge_off",
+        "commands_merge_on",
+        "saved_%",
+        "real_s_off",
+        "real_s_on",
+    ]);
+    let mut points = Vec::new();
+    let mut categories = Vec::new();
+    for (index, workload) in workloads.iter().enumerate() {
+        let spec: WorkloadSpec = workload.parse()?;
+        let mut runs = Vec::new();
+        for merge in [false, true] {
+            let mut config = SimConfig::new(disk.clone(), host_for(&disk));
+            config.seed = options.seed;
+            config.io_queue = Some(SimIoQueue {
+                merge,
+                transfer_size_max_bytes: config.cache.transfer_size_max_bytes,
+            });
+            runs.push(run_custom_with(&config, &spec)?.report);
+        }
+        let commands = |r: &RunReport| r.device.reads + r.device.writes;
+        let saved = 100.0 * (1.0 - commands(&runs[1]) as f64 / commands(&runs[0]).max(1) as f64);
+        table.push(vec![
+            text(workload.clone()),
+            num(runs[1].device.queue_entered as f64, 0),
+            num(commands(&runs[0]) as f64, 0),
+            num(commands(&runs[1]) as f64, 0),
+            num(saved, 2),
+            num(runs[0].elapsed_s, 3),
+            num(runs[1].elapsed_s, 3),
+        ]);
+        points.push((index as f64, saved));
+        categories.push(workload.split(':').next().unwrap_or("").to_string());
+    }
+    Ok(ExperimentResult {
+        name: "driver-clustering".into(),
+        title: "driver-clustering — io-queue merging below the cache, off vs on".into(),
+        description: format!(
+            "A tree copy and a 10-job build on the RZ25 (1995 host), with the simulated io queue \
+             (fifo) merging adjacent waiting requests or not; {} of cache, clusters of 1 MiB.",
+            format_size(CacheConfig::default().memory_bytes_max)
+        ),
+        table,
+        notes: vec![
+            "Seed 004: merging in the sd/wd drivers saved 4-5 % of transfers on a tree copy and \
+             a kernel build, because the file system had already clustered most I/O."
+                .into(),
+            "A request can merge only while it waits for the disk. The engine clusters writes \
+             itself and every simulated entity blocks on its own request, so requests wait \
+             together only when several processes and the I/O daemon miss at once: far fewer \
+             than the 4.4BSD kernel's asynchronous writes, which filled the driver queue."
+                .into(),
+        ],
+        plot: Plot {
+            title: "transfers saved by io-queue merging".into(),
+            x_label: "workload".into(),
+            y_label: "saved %".into(),
+            x_categories: categories,
+            series: vec![Series {
+                name: "merge on vs off".into(),
                 points,
             }],
         },

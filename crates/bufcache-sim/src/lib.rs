@@ -35,13 +35,15 @@ pub use check::{check_seed, check_seeds, CheckSummary, SeedOutcome, Violation};
 pub use clock::{SimRng, VirtualClock};
 pub use core::{
     Account, CrashOutcome, DeviceTotals, FaultConfig, FaultCounts, SharedRng, SimCore, SimDevice,
-    SimSpawner, SimWaiter, SECTOR_BYTES,
+    SimIoQueue, SimSpawner, SimWaiter, SECTOR_BYTES,
 };
 pub use disk::{
     DiskKind, DiskModel, DiskSpec, HddModel, HddParams, Op, QueueModel, QueueParams, SpecError,
     DISK_PRESETS,
 };
-pub use experiments::{run_custom, run_experiment, CustomRun, ExperimentOptions, EXPERIMENTS};
+pub use experiments::{
+    run_custom, run_custom_queued, run_experiment, CustomRun, ExperimentOptions, EXPERIMENTS,
+};
 pub use host::{HostCosts, HOST_PRESETS};
 pub use layout::{FileMap, FsLayout, LayoutParams};
 pub use replay::{

@@ -20,7 +20,7 @@ use bufcache::{ObjectHandle, PolicyKind};
 use serde::Serialize;
 
 use crate::clock::{SimRng, VirtualClock};
-use crate::core::{Account, DeviceTotals, SimCore, SimDevice, SimSpawner, SimWaiter};
+use crate::core::{Account, DeviceTotals, SimCore, SimDevice, SimIoQueue, SimSpawner, SimWaiter};
 use crate::disk::{DiskSpec, SpecError};
 use crate::host::HostCosts;
 use crate::layout::{FileMap, FsLayout, LayoutParams};
@@ -82,6 +82,8 @@ pub struct SimConfig {
     pub seed: u64,
     /// Period of the syncer (`writeback_tick`), virtual time.
     pub syncer_period: Duration,
+    /// The io queue between the engine and the disk; `None` (the default): no queue.
+    pub io_queue: Option<SimIoQueue>,
 }
 
 impl SimConfig {
@@ -95,6 +97,7 @@ impl SimConfig {
             layout: LayoutParams::default(),
             seed: 1,
             syncer_period: Duration::from_secs(1),
+            io_queue: None,
         }
     }
 }
@@ -390,6 +393,7 @@ impl Simulation {
             config.host.clone(),
             clock.clone(),
         ));
+        core.set_io_queue(config.io_queue);
         let capacity = config.disk.capacity_bytes();
         let device = Arc::new(SimDevice::new(core.clone(), capacity, &config.disk.name));
         let spawner = Arc::new(SimSpawner::new(

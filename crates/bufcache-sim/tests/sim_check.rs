@@ -7,7 +7,10 @@ use bufcache_sim::{check_seed, check_seeds};
 const CI_SEEDS: u64 = 1200;
 
 #[test]
-#[cfg_attr(feature = "planted-defect", ignore = "the planted defect breaks the contract")]
+#[cfg_attr(
+    feature = "planted-defect",
+    ignore = "the planted defect breaks the contract"
+)]
 fn seeded_workloads_with_faults_and_crashes_keep_the_durability_contract() {
     // Goal: no seed finds a lost acknowledged write, a stale read or an unreported write-back
     // error. Method: a sweep of seeds through the real engine, each with tiny caches, several
