@@ -537,7 +537,10 @@ fn sim_run_refuses_io_queue_flags_it_cannot_apply_and_bad_input_with_exit_2() {
     for (extra, named) in [
         (&["--io-queue", "elevator"][..], "--io-queue elevator"),
         (&["--no-io-merge"][..], "--no-io-merge"),
-        (&["--io-queue", "none", "--no-io-merge"][..], "--no-io-merge"),
+        (
+            &["--io-queue", "none", "--no-io-merge"][..],
+            "--no-io-merge",
+        ),
         (&["--io-queue-depth", "4"][..], "--io-queue-depth"),
     ] {
         let mut arguments = base.to_vec();
@@ -598,7 +601,10 @@ fn sim_run_refuses_io_queue_flags_it_cannot_apply_and_bad_input_with_exit_2() {
     }
     let result = bufcache(&base);
     assert!(result.status.success(), "{}", text(&result));
-    for extra in [&["--io-queue", "fifo"][..], &["--io-queue", "fifo", "--no-io-merge"][..]] {
+    for extra in [
+        &["--io-queue", "fifo"][..],
+        &["--io-queue", "fifo", "--no-io-merge"][..],
+    ] {
         let mut arguments = base.to_vec();
         arguments.extend_from_slice(extra);
         let result = bufcache(&arguments);
