@@ -5,7 +5,8 @@
 //! One seed decides everything, through one [`SeededRng`]: the cache's shape (tiny memory,
 //! block and cluster sizes, dirty limits, write-behind, policy), the objects, the fault rates,
 //! and every step — which simulated client calls what (read, write, FUA write, zeroes,
-//! discard, flush, sync), when the syncer and the I/O daemon run, and where the power fails.
+//! discard, flush, sync), when the syncer and the I/O daemon run, when the memory limit
+//! changes, and where the power fails.
 //! Time is virtual, so a seed replays exactly.
 //!
 //! The contract checked (the brief's "never report a write durable before it is"):
@@ -548,7 +549,7 @@ impl Harness {
         let client = self.draw(self.scenario.clients as u64) as usize;
         let object = self.draw(self.scenario.regions.len() as u64) as usize;
         let choice = self.draw(100);
-        if choice < 82 {
+        if choice < 84 {
             // Queued read-ahead jobs hold their buffers locked until they run; in a server a
             // worker runs them while a client waits on the lock, but here the client would
             // wait forever, so they finish before the next call (they still run after any
@@ -568,7 +569,11 @@ impl Harness {
             65..=69 => self.discard(client, object),
             70..=79 => self.flush(client, object),
             80..=81 => self.sync(),
-            82..=89 => {
+            82..=83 => {
+                self.resize();
+                Ok(())
+            }
+            84..=89 => {
                 self.tick();
                 Ok(())
             }
@@ -748,6 +753,27 @@ impl Harness {
             }
         }
         Ok(())
+    }
+
+    /// Changes the memory limit at run time (seed 003's dynamic buffer area): shrinking
+    /// evicts clean buffers and writes dirty ones back, which must lose nothing.
+    fn resize(&mut self) {
+        let block = self.scenario.config.buffer_size_max_bytes;
+        let memory = block * (2 + self.draw(15));
+        let buffers = 2 + self.draw(32);
+        self.enter(self.syncer_account);
+        let result = self
+            .cache
+            .as_ref()
+            .expect("running")
+            .set_limits(memory, buffers);
+        self.leave();
+        self.collect_failed_writes();
+        self.note(format!(
+            "limits {} KiB, {buffers} buffers -> {}",
+            memory / 1024,
+            if result.is_ok() { "ok" } else { "error" }
+        ));
     }
 
     fn tick(&mut self) {
