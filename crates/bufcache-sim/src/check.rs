@@ -3,7 +3,8 @@
 //! a shadow model of what the engine promised.
 //!
 //! One seed decides everything, through one [`SeededRng`]: the cache's shape (tiny memory,
-//! block and cluster sizes, dirty limits, write-behind, policy), the objects, the fault rates,
+//! block and cluster sizes, dirty limits, write-behind, policy), the objects, the real io queue
+//! (`bufcache_device::IoQueue`: none, fifo or elevator, merging or not), the fault rates,
 //! and every step — which simulated client calls what (read, write, FUA write, zeroes,
 //! discard, flush, sync), when the syncer and the I/O daemon run, when the memory limit
 //! changes, and where the power fails.
@@ -30,8 +31,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bufcache::device::SeededRng;
-use bufcache::{Cache, CacheConfig, Environment, IdentityMap, ObjectConfig, ObjectHandle};
-use bufcache::{PolicyKind, Spawner, Waiter};
+use bufcache::{Cache, CacheConfig, Device, Environment, IdentityMap, ObjectConfig, ObjectHandle};
+use bufcache::{IoQueue, IoQueueConfig, PolicyKind, QueueMode, Spawner, Waiter};
 
 use crate::clock::VirtualClock;
 use crate::core::SECTOR_BYTES;
@@ -249,6 +250,8 @@ struct Scenario {
     steps: u64,
     faults: FaultConfig,
     crash_per_mille: u64,
+    /// The real io queue between the engine and the disk, as `serve` has it (or none).
+    io_queue: Option<IoQueueConfig>,
 }
 
 impl Scenario {
@@ -311,7 +314,16 @@ impl Scenario {
         } else {
             FaultConfig::default()
         };
+        let modes = [QueueMode::None, QueueMode::Fifo, QueueMode::Elevator];
+        let mode = modes[rng.below(3) as usize];
+        let io_queue = (mode != QueueMode::None).then(|| IoQueueConfig {
+            mode,
+            merge: rng.below(4) != 0,
+            transfer_size_max_bytes: config.transfer_size_max_bytes,
+            ..IoQueueConfig::default()
+        });
         Scenario {
+            io_queue,
             config,
             regions,
             clients: 2 + rng.below(3) as usize,
@@ -325,7 +337,8 @@ impl Scenario {
         let c = &self.config;
         format!(
             "{} objects of {} KiB blocks, {} clients; cache {} KiB, {} buffers max, cluster {} KiB, \
-             read-ahead {} KiB, policy {}, dirty {}%/{}%, write-behind {}, faults r{}/w{}/f{}",
+             read-ahead {} KiB, policy {}, dirty {}%/{}%, write-behind {}, faults r{}/w{}/f{}, \
+             io queue {}",
             self.regions.len(),
             self.regions[0].block_size / 1024,
             self.clients,
@@ -340,6 +353,14 @@ impl Scenario {
             self.faults.read_error_probability,
             self.faults.write_error_probability,
             self.faults.flush_error_probability,
+            match &self.io_queue {
+                None => "none".to_string(),
+                Some(queue) => format!(
+                    "{:?}{}",
+                    queue.mode,
+                    if queue.merge { " merging" } else { "" }
+                ),
+            },
         )
     }
 }
@@ -350,6 +371,8 @@ struct Harness {
     scenario: Scenario,
     core: Arc<SimCore>,
     device: Arc<SimDevice>,
+    /// What the engine writes to: the disk, or the real io queue over it.
+    engine_device: Arc<dyn Device>,
     spawner: Arc<SimSpawner>,
     waiter: Arc<SimWaiter>,
     cache: Option<Cache>,
@@ -384,6 +407,15 @@ impl Harness {
         let device = Arc::new(SimDevice::new(core.clone(), length, "simulated disk"));
         device.track_crashes();
         device.set_faults(scenario.faults.clone(), rng.clone());
+        // The real io queue dispatches on the submitting thread when nothing else is in
+        // flight, so with one simulated thread it never blocks and stays deterministic.
+        let engine_device: Arc<dyn Device> = match &scenario.io_queue {
+            Some(queue) => Arc::new(
+                IoQueue::new(device.clone() as Arc<dyn Device>, queue.clone())
+                    .expect("the scenario's io queue is valid"),
+            ),
+            None => device.clone(),
+        };
         let spawner = Arc::new(SimSpawner::new(
             core.clone(),
             scenario.config.background_jobs_queued_max,
@@ -399,6 +431,7 @@ impl Harness {
             rng,
             core,
             device,
+            engine_device,
             spawner,
             waiter,
             cache: None,
@@ -445,11 +478,9 @@ impl Harness {
         let mut first_handles = Vec::new();
         for (index, region) in self.scenario.regions.iter().enumerate() {
             let block = region.block_size as u64;
-            let mut config = ObjectConfig::new(
-                format!("object{index}"),
-                self.device.clone() as Arc<dyn bufcache::Device>,
-            )
-            .block_size(region.block_size);
+            let mut config =
+                ObjectConfig::new(format!("object{index}"), self.engine_device.clone())
+                    .block_size(region.block_size);
             config.length_bytes = Some(region.length);
             config.block_map = Some(Arc::new(IdentityMap::new(
                 region.base,
