@@ -820,11 +820,18 @@ impl Device for SimDevice {
                 }
             }
         }
-        // No write cache is modelled in time: a flush costs one command.
+        // A flush costs one command, and on a drive with a write cache it waits until the
+        // cached writes are on the medium.
         let mut state = self.core.lock();
         let io_ns = state.host.io_ns;
         state.cpu_work(0, io_ns);
         state.device.flushes += 1;
+        let now = state.cursor_ns;
+        let drained = state.disk.drain_write_cache(now);
+        drop(state);
+        if let Some(drained) = drained {
+            self.core.wait_until(drained, true);
+        }
         Ok(())
     }
 

@@ -41,6 +41,12 @@ pub trait DiskModel: Send {
     /// When a request arriving at `arrival_ns` would start: the io queue merges a later
     /// request into one that has not started yet.
     fn start_ns(&self, arrival_ns: u64) -> u64;
+    /// Writes the drive's write cache to the medium from `at_ns` (a flush) and returns when
+    /// it is done; `None` for a drive without one (every write is on the medium when it
+    /// completes).
+    fn drain_write_cache(&mut self, _at_ns: u64) -> Option<u64> {
+        None
+    }
     /// Grows the request served last by `length` contiguous bytes (the io queue merged a
     /// request into it): the extra transfer, no extra command, positioning or rotation.
     /// Returns the merged request's new completion time.
@@ -72,6 +78,11 @@ pub struct HddParams {
     pub segment_bytes: u64,
     /// Interface (bus) rate for data served from the drive's buffer, MB/s (10^6 bytes).
     pub bus_mb_s: f64,
+    /// Write-behind cache: a write completes once its data crossed the bus; the drive writes
+    /// its cached writes to the medium, sorted and back to back, when the cache (the segment
+    /// size, at least 64 KiB) is full, before a read, and on a flush. Off in every preset (the
+    /// seeds' timings assume none); `write_cache=on` turns it on.
+    pub write_cache: bool,
 }
 
 impl HddParams {
@@ -177,6 +188,9 @@ pub struct HddModel {
     arm_cylinder: u64,
     busy_until_ns: u64,
     segment: Option<Segment>,
+    /// Writes in the write cache, not yet on the medium: (first sector, sectors).
+    cached_writes: Vec<(u64, u64)>,
+    cached_bytes: u64,
 }
 
 impl HddModel {
@@ -197,7 +211,33 @@ impl HddModel {
             arm_cylinder: 0,
             busy_until_ns: 0,
             segment: None,
+            cached_writes: Vec::new(),
+            cached_bytes: 0,
         }
+    }
+
+    /// Writes the cached writes to the medium from `t`, in sector order, contiguous runs as
+    /// one stream: returns the end.
+    fn drain_cache(&mut self, t: f64) -> f64 {
+        let mut writes = std::mem::take(&mut self.cached_writes);
+        self.cached_bytes = 0;
+        writes.sort_unstable();
+        let mut end = t;
+        let mut run: Option<(u64, u64)> = None;
+        for (first, sectors) in writes {
+            run = match run {
+                Some((start, stop)) if first <= stop => Some((start, stop.max(first + sectors))),
+                Some((start, stop)) => {
+                    end = self.media_access(start, stop - start, end);
+                    Some((first, first + sectors))
+                }
+                None => Some((first, first + sectors)),
+            };
+        }
+        if let Some((start, stop)) = run {
+            end = self.media_access(start, stop - start, end);
+        }
+        end
     }
 
     /// The fitted seek curve.
@@ -252,7 +292,11 @@ impl DiskModel for HddModel {
         let first = offset / SECTOR;
         let sectors = length.div_ceil(SECTOR).max(1);
         let end_sector = first + sectors;
-        let start = arrival_ns.max(self.busy_until_ns) as f64;
+        let mut start = arrival_ns.max(self.busy_until_ns) as f64;
+        if op == Op::Read && !self.cached_writes.is_empty() {
+            // The head writes the cache out before it can read.
+            start = self.drain_cache(start);
+        }
         let t = start + self.params.overhead_ms * 1e6;
         let segment_bytes = self.params.segment_bytes / SECTOR;
         let done = match (op, self.segment) {
@@ -284,6 +328,21 @@ impl DiskModel for HddModel {
                 self.start_segment(end_sector, done);
                 done
             }
+            (Op::Write, _) if self.params.write_cache => {
+                // Acknowledged when the data is in the cache. Drained as one sorted stream,
+                // contiguous writes cost no rotational wait and a gap (rotdelay) its rotation.
+                self.segment = None;
+                let accepted = t + self.bus_ns(length);
+                self.cached_writes.push((first, sectors));
+                self.cached_bytes += sectors * SECTOR;
+                if self.cached_bytes >= self.params.segment_bytes.max(64 << 10) {
+                    let drained = self.drain_cache(accepted);
+                    self.busy_until_ns = drained.ceil() as u64;
+                } else {
+                    self.busy_until_ns = accepted.ceil() as u64;
+                }
+                return accepted.ceil() as u64;
+            }
             (Op::Write, _) => {
                 self.segment = None;
                 self.media_access(first, sectors, t)
@@ -300,6 +359,17 @@ impl DiskModel for HddModel {
 
     fn start_ns(&self, arrival_ns: u64) -> u64 {
         arrival_ns.max(self.busy_until_ns)
+    }
+
+    fn drain_write_cache(&mut self, at_ns: u64) -> Option<u64> {
+        if !self.params.write_cache {
+            return None;
+        }
+        let start = at_ns.max(self.busy_until_ns);
+        if !self.cached_writes.is_empty() {
+            self.busy_until_ns = self.drain_cache(start as f64).ceil() as u64;
+        }
+        Some(self.busy_until_ns.max(start))
     }
 
     fn extend_last(&mut self, op: Op, length: u64) -> u64 {
@@ -398,7 +468,7 @@ impl DiskModel for QueueModel {
 /// Syntax: `PRESET[:key=value,...]`, e.g. `rz25`, `rz25:segment=0`, `nvme:channels=1`,
 /// `wan:rtt_ms=80,bandwidth_mb_s=5`. Keys of mechanical presets: `rpm`, `sectors_per_track`,
 /// `heads`, `cylinders`, `seek_single_ms`, `seek_avg_ms`, `seek_full_ms`, `overhead_ms`,
-/// `segment` (size), `bus_mb_s`. Keys of SSD and network presets: `read_latency_us`,
+/// `segment` (size), `bus_mb_s`, `write_cache` (on or off). Keys of SSD and network presets: `read_latency_us`,
 /// `write_latency_us`, `latency_us` (both), `rtt_ms` (both), `bandwidth_mb_s`, `channels`,
 /// `inflight` (= channels), `capacity` (size).
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -453,6 +523,7 @@ impl DiskSpec {
                 overhead_ms: 1.0,
                 segment_bytes: 64 << 10,
                 bus_mb_s: 10.0,
+                write_cache: false,
             }),
         }
     }
@@ -477,6 +548,7 @@ impl DiskSpec {
                 overhead_ms: 0.3,
                 segment_bytes: 256 << 10,
                 bus_mb_s: 80.0,
+                write_cache: false,
             }),
         }
     }
@@ -497,6 +569,7 @@ impl DiskSpec {
                 overhead_ms: 0.3,
                 segment_bytes: 512 << 10,
                 bus_mb_s: 100.0,
+                write_cache: false,
             }),
         }
     }
@@ -518,6 +591,7 @@ impl DiskSpec {
                 overhead_ms: 0.1,
                 segment_bytes: 1 << 20,
                 bus_mb_s: 550.0,
+                write_cache: false,
             }),
         }
     }
@@ -647,11 +721,19 @@ impl DiskSpec {
                     "overhead_ms" => p.overhead_ms = number()?,
                     "segment" => p.segment_bytes = size()?,
                     "bus_mb_s" => p.bus_mb_s = positive()?,
+                    "write_cache" => {
+                        p.write_cache = match value {
+                            "on" | "1" | "true" => true,
+                            "off" | "0" | "false" => false,
+                            _ => return Err(SpecError::new(key, value, "on or off")),
+                        }
+                    }
                     _ => return Err(SpecError::new(
                         key,
                         value,
                         "a key of a mechanical disk: rpm, sectors_per_track, heads, cylinders, \
-                         seek_single_ms, seek_avg_ms, seek_full_ms, overhead_ms, segment, bus_mb_s",
+                         seek_single_ms, seek_avg_ms, seek_full_ms, overhead_ms, segment, bus_mb_s, \
+                         write_cache",
                     )),
                 }
             }
@@ -697,7 +779,7 @@ impl fmt::Display for DiskSpec {
         match &self.kind {
             DiskKind::Hdd(p) => write!(
                 f,
-                "{} (HDD {:.0} RPM, seek {}/{}/{} ms, {:.2} MB/s media, overhead {} ms, segment {})",
+                "{} (HDD {:.0} RPM, seek {}/{}/{} ms, {:.2} MB/s media, overhead {} ms, segment {}{})",
                 self.name,
                 p.rpm,
                 p.seek_single_ms,
@@ -705,7 +787,8 @@ impl fmt::Display for DiskSpec {
                 p.seek_full_ms,
                 p.media_bytes_per_s() / 1e6,
                 p.overhead_ms,
-                bufcache::format_size(p.segment_bytes)
+                bufcache::format_size(p.segment_bytes),
+                if p.write_cache { ", write cache" } else { "" }
             ),
             DiskKind::Ssd(p) => write!(
                 f,
