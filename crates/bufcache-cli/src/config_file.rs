@@ -158,6 +158,7 @@ fn default_value(name: &str) -> Option<String> {
         "transfer-size-max" => size(config.transfer_size_max_bytes),
         "cluster-size-max" => size(config.cluster_size_max_bytes),
         "readahead-size-max" => size(config.readahead_size_max_bytes),
+        "readahead-latency-size-max" => size(config.readahead_latency_size_max_bytes),
         "policy" => format!("\"{}\"", config.policy),
         "dirty-age-max" => config.dirty_age_max.as_secs().to_string(),
         "dirty-background-percent" => config.dirty_background_percent.to_string(),

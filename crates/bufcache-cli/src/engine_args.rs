@@ -41,6 +41,11 @@ pub struct EngineArgs {
     /// Largest read-ahead window per stream; 0 turns read-ahead off. Default 1M.
     #[arg(long, value_name = "SIZE", value_parser = size)]
     pub readahead_size_max: Option<u64>,
+    /// Largest read-ahead window of a stream whose reader waits for read-ahead in flight
+    /// (a high-latency backend): each wait doubles that stream's window, up to this. Default
+    /// 16M (raised to --readahead-size-max when that is larger).
+    #[arg(long, value_name = "SIZE", value_parser = size)]
+    pub readahead_latency_size_max: Option<u64>,
     /// Replacement policy.
     #[arg(long, value_name = "POLICY")]
     pub policy: Option<PolicyKind>,
@@ -97,6 +102,11 @@ impl EngineArgs {
         }
         if let Some(value) = self.readahead_size_max {
             config.readahead_size_max_bytes = value;
+            config.readahead_latency_size_max_bytes =
+                config.readahead_latency_size_max_bytes.max(value);
+        }
+        if let Some(value) = self.readahead_latency_size_max {
+            config.readahead_latency_size_max_bytes = value;
         }
         if let Some(value) = self.policy {
             config.policy = value;

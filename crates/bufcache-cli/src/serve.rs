@@ -18,8 +18,8 @@ use bufcache::{
     FileDeviceOptions, MemoryDevice, ObjectConfig, ObjectHandle,
 };
 use bufcache_nbd::{
-    BlockStatusExtent, Export, ListenAddress, ReconnectPolicy, ReconnectingClient, Server,
-    ServerConfig, ShutdownHandle,
+    CacheExport, Export, ListenAddress, ReconnectPolicy, ReconnectingClient, Server, ServerConfig,
+    ShutdownHandle,
 };
 use clap::Args;
 
@@ -140,129 +140,6 @@ impl ServeArgs {
     pub fn listen_addresses(&self) -> &[ListenAddress] {
         &self.listen
     }
-}
-
-/// An export served through the cache.
-struct CacheExport {
-    object: ObjectHandle,
-}
-
-fn io_error(error: CacheError) -> std::io::Error {
-    error.into()
-}
-
-impl Export for CacheExport {
-    fn size(&self) -> u64 {
-        self.object.len()
-    }
-
-    fn read_only(&self) -> bool {
-        self.object.is_read_only()
-    }
-
-    fn description(&self) -> String {
-        format!("bufcache over {}", self.object.device().describe())
-    }
-
-    fn preferred_block_size(&self) -> u32 {
-        self.object.block_size()
-    }
-
-    fn read(&self, offset: u64, buffer: &mut [u8]) -> std::io::Result<()> {
-        self.object.read_at(offset, buffer).map_err(io_error)
-    }
-
-    fn write(&self, offset: u64, data: &[u8], fua: bool) -> std::io::Result<()> {
-        self.object.write_at(offset, data, fua).map_err(io_error)
-    }
-
-    fn flush(&self) -> std::io::Result<()> {
-        self.object.flush().map_err(io_error)
-    }
-
-    fn trim(&self, offset: u64, length: u64, fua: bool) -> std::io::Result<()> {
-        self.object.discard(offset, length).map_err(io_error)?;
-        if fua {
-            self.object.flush().map_err(io_error)?;
-        }
-        Ok(())
-    }
-
-    fn write_zeroes(
-        &self,
-        offset: u64,
-        length: u64,
-        may_trim: bool,
-        fast_only: bool,
-        fua: bool,
-    ) -> std::io::Result<()> {
-        let fast = may_trim && self.object.device().capabilities().write_zeroes_fast;
-        if fast_only && !fast {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::Unsupported,
-                "zeroing would write data",
-            ));
-        }
-        if fast {
-            self.object
-                .write_zeroes(offset, length, fua)
-                .map_err(io_error)
-        } else {
-            write_zero_bytes(&self.object, offset, length, fua)
-        }
-    }
-
-    fn can_fast_zero(&self) -> bool {
-        self.object.device().capabilities().write_zeroes_fast
-    }
-
-    fn cache(&self, offset: u64, length: u64) -> std::io::Result<()> {
-        self.object.prefetch(offset, length).map_err(io_error)
-    }
-
-    fn read_is_quick(&self, offset: u64, length: u64) -> bool {
-        self.object.is_resident(offset, length)
-    }
-
-    fn open_connection(&self) -> Option<Arc<dyn Export>> {
-        Some(Arc::new(CacheExport {
-            object: self.object.reopen(),
-        }))
-    }
-
-    fn block_status(&self, offset: u64, length: u64) -> std::io::Result<Vec<BlockStatusExtent>> {
-        let extents = self.object.extents(offset, length).map_err(io_error)?;
-        Ok(extents
-            .into_iter()
-            .map(|extent| BlockStatusExtent {
-                length: extent.length,
-                hole: extent.hole,
-                zero: extent.hole,
-            })
-            .collect())
-    }
-}
-
-/// Zeroes written as data through the cache (NO_HOLE, or a device that cannot punch holes).
-fn write_zero_bytes(
-    object: &ObjectHandle,
-    offset: u64,
-    length: u64,
-    fua: bool,
-) -> std::io::Result<()> {
-    let zeroes = vec![0u8; length.min(1 << 20) as usize];
-    let mut done = 0u64;
-    while done < length {
-        let step = (length - done).min(zeroes.len() as u64) as usize;
-        object
-            .write_at(offset + done, &zeroes[..step], false)
-            .map_err(io_error)?;
-        done += step as u64;
-    }
-    if fua {
-        object.flush().map_err(io_error)?;
-    }
-    Ok(())
 }
 
 /// A backend's device, and its upstream connection when it is an NBD server.
@@ -478,8 +355,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         tracing::info!(export = %name, backend = %backend, size = %format_size(object.len()), "export ready");
         say!("export {:?} = {} ({} bytes)", name, backend, object.len());
         objects.push((name.clone(), object.reopen()));
-        let export =
-            crate::observe::wrap(&observers, exports.len(), Arc::new(CacheExport { object }));
+        let export = crate::observe::wrap(
+            &observers,
+            exports.len(),
+            Arc::new(CacheExport::new(object)),
+        );
         exports.push((name, export));
     }
     handle_rescue_file(&args, &cache, &objects)?;

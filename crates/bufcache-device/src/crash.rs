@@ -17,13 +17,13 @@
 //! Random choices come from a seeded splitmix64 generator: a crash is reproducible from the
 //! seed and the request order.
 
-use std::collections::HashMap;
 use std::io::{self, IoSlice, IoSliceMut};
 
 use parking_lot::Mutex;
 
 use crate::device::{all_data, check_range, total_length, Capabilities, Device, Extent};
 use crate::rng::SeededRng;
+use crate::sparse::SparseStore;
 
 const PAGE_BYTES: u64 = 4096;
 
@@ -94,59 +94,31 @@ struct Pending {
     payload: Payload,
 }
 
-#[derive(Default, Clone)]
+/// One image of the disk (what reads see, or what survives a crash), kept sparsely.
+#[derive(Clone)]
 struct Image {
-    pages: HashMap<u64, Box<[u8]>>,
+    store: SparseStore,
+}
+
+impl Default for Image {
+    fn default() -> Self {
+        Image {
+            store: SparseStore::new(PAGE_BYTES),
+        }
+    }
 }
 
 impl Image {
     fn write(&mut self, offset: u64, data: &[u8]) {
-        let mut done = 0usize;
-        while done < data.len() {
-            let position = offset + done as u64;
-            let page = position / PAGE_BYTES;
-            let within = (position % PAGE_BYTES) as usize;
-            let step = (PAGE_BYTES as usize - within).min(data.len() - done);
-            let bytes = self
-                .pages
-                .entry(page)
-                .or_insert_with(|| vec![0u8; PAGE_BYTES as usize].into_boxed_slice());
-            bytes[within..within + step].copy_from_slice(&data[done..done + step]);
-            done += step;
-        }
+        self.store.write(offset, data);
     }
 
     fn zero(&mut self, offset: u64, length: u64) {
-        let mut done = 0u64;
-        while done < length {
-            let position = offset + done;
-            let page = position / PAGE_BYTES;
-            let within = position % PAGE_BYTES;
-            let step = (PAGE_BYTES - within).min(length - done);
-            if within == 0 && step == PAGE_BYTES {
-                self.pages.remove(&page);
-            } else if let Some(bytes) = self.pages.get_mut(&page) {
-                bytes[within as usize..(within + step) as usize].fill(0);
-            }
-            done += step;
-        }
+        self.store.zero(offset, length);
     }
 
     fn read(&self, offset: u64, target: &mut [u8]) {
-        let mut done = 0usize;
-        while done < target.len() {
-            let position = offset + done as u64;
-            let page = position / PAGE_BYTES;
-            let within = (position % PAGE_BYTES) as usize;
-            let step = (PAGE_BYTES as usize - within).min(target.len() - done);
-            match self.pages.get(&page) {
-                Some(bytes) => {
-                    target[done..done + step].copy_from_slice(&bytes[within..within + step])
-                }
-                None => target[done..done + step].fill(0),
-            }
-            done += step;
-        }
+        self.store.read(offset, target);
     }
 
     fn apply(&mut self, pending: &Pending) {

@@ -1,3 +1,4 @@
+#![deny(missing_docs)]
 //! bufcache-device: the narrow interface between the cache and whatever stores the bytes.
 //!
 //! [`Device`] has vectored read and write, flush, discard, write-zeroes and extents, and
@@ -18,6 +19,7 @@ pub mod file;
 pub mod io_queue;
 pub mod memory;
 pub mod rng;
+pub mod sparse;
 
 pub use counting::{CountingDevice, DeviceStats, DirectionStats};
 pub use crash::{CrashDevice, CrashMode, CrashStats};
@@ -29,3 +31,4 @@ pub use file::{FileDevice, FileDeviceError, FileDeviceOptions};
 pub use io_queue::{IoQueue, IoQueueConfig, IoQueueConfigError, IoQueueStats, QueueMode};
 pub use memory::MemoryDevice;
 pub use rng::SeededRng;
+pub use sparse::SparseStore;

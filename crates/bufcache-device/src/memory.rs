@@ -1,22 +1,22 @@
 //! `MemoryDevice`: a sparse in-memory device, for tests, simulation and `memory:SIZE` exports.
 //!
-//! Storage is a map from 64 KiB chunk index to chunk bytes; chunks that were never written
-//! (or were wholly discarded) are absent and read as zeroes, so a `memory:1T` device costs only
-//! what is written. Writes are immediately "durable": `flush` has nothing to do.
+//! Storage is a [`SparseStore`] of 64 KiB chunks; chunks that were never written (or were
+//! wholly discarded) are absent and read as zeroes, so a `memory:1T` device costs only what is
+//! written. Writes are immediately "durable": `flush` has nothing to do.
 
-use std::collections::HashMap;
 use std::io::{self, IoSlice, IoSliceMut};
 
 use parking_lot::RwLock;
 
 use crate::device::{check_range, total_length, Capabilities, Device, Extent};
+use crate::sparse::SparseStore;
 
 const CHUNK_SIZE: u64 = 64 * 1024;
 
 /// A sparse device held in memory.
 pub struct MemoryDevice {
     length_bytes: u64,
-    chunks: RwLock<HashMap<u64, Box<[u8]>>>,
+    store: RwLock<SparseStore>,
 }
 
 impl MemoryDevice {
@@ -24,32 +24,18 @@ impl MemoryDevice {
     pub fn new(length_bytes: u64) -> Self {
         MemoryDevice {
             length_bytes,
-            chunks: RwLock::new(HashMap::new()),
+            store: RwLock::new(SparseStore::new(CHUNK_SIZE)),
         }
     }
 
     /// Bytes of memory held by written chunks.
     pub fn allocated_bytes(&self) -> u64 {
-        self.chunks.read().len() as u64 * CHUNK_SIZE
+        self.store.read().allocated_bytes()
     }
 
     /// Copies the device's contents at `offset` into `target`, for tests and checks.
     pub fn read_into(&self, offset: u64, target: &mut [u8]) -> io::Result<()> {
         self.read_vectored_at(&mut [IoSliceMut::new(target)], offset)
-    }
-}
-
-/// Calls `visit(chunk_index, offset_in_chunk, range_in_slice)` for each chunk piece of a
-/// transfer of `length` bytes starting at device `offset`.
-fn for_each_piece(offset: u64, length: usize, mut visit: impl FnMut(u64, usize, usize, usize)) {
-    let mut done = 0usize;
-    while done < length {
-        let position = offset + done as u64;
-        let chunk_index = position / CHUNK_SIZE;
-        let within = (position % CHUNK_SIZE) as usize;
-        let step = (CHUNK_SIZE as usize - within).min(length - done);
-        visit(chunk_index, within, done, step);
-        done += step;
     }
 }
 
@@ -60,18 +46,11 @@ impl Device for MemoryDevice {
             offset,
             total_length(buffers.iter().map(|b| b.len())),
         )?;
-        let chunks = self.chunks.read();
+        let store = self.store.read();
         let mut position = offset;
         for buffer in buffers.iter_mut() {
-            let length = buffer.len();
-            for_each_piece(position, length, |chunk_index, within, start, step| {
-                let target = &mut buffer[start..start + step];
-                match chunks.get(&chunk_index) {
-                    Some(chunk) => target.copy_from_slice(&chunk[within..within + step]),
-                    None => target.fill(0),
-                }
-            });
-            position += length as u64;
+            store.read(position, buffer);
+            position += buffer.len() as u64;
         }
         Ok(())
     }
@@ -82,19 +61,10 @@ impl Device for MemoryDevice {
             offset,
             total_length(buffers.iter().map(|b| b.len())),
         )?;
-        let mut chunks = self.chunks.write();
+        let mut store = self.store.write();
         let mut position = offset;
         for buffer in buffers {
-            for_each_piece(
-                position,
-                buffer.len(),
-                |chunk_index, within, start, step| {
-                    let chunk = chunks
-                        .entry(chunk_index)
-                        .or_insert_with(|| vec![0u8; CHUNK_SIZE as usize].into_boxed_slice());
-                    chunk[within..within + step].copy_from_slice(&buffer[start..start + step]);
-                },
-            );
+            store.write(position, buffer);
             position += buffer.len() as u64;
         }
         Ok(())
@@ -119,32 +89,13 @@ impl Device for MemoryDevice {
 
     fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
         check_range(self.length_bytes, offset, length)?;
-        let mut chunks = self.chunks.write();
-        for_each_piece(offset, length as usize, |chunk_index, within, _, step| {
-            if within == 0 && step == CHUNK_SIZE as usize {
-                chunks.remove(&chunk_index);
-            } else if let Some(chunk) = chunks.get_mut(&chunk_index) {
-                chunk[within..within + step].fill(0);
-            }
-        });
+        self.store.write().zero(offset, length);
         Ok(())
     }
 
     fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {
         check_range(self.length_bytes, offset, length)?;
-        let chunks = self.chunks.read();
-        let mut extents: Vec<Extent> = Vec::new();
-        for_each_piece(offset, length as usize, |chunk_index, _, _, step| {
-            let hole = !chunks.contains_key(&chunk_index);
-            match extents.last_mut() {
-                Some(last) if last.hole == hole => last.length += step as u64,
-                _ => extents.push(Extent {
-                    length: step as u64,
-                    hole,
-                }),
-            }
-        });
-        Ok(extents)
+        Ok(self.store.read().extents(offset, length))
     }
 
     fn describe(&self) -> String {

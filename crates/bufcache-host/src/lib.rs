@@ -1,3 +1,4 @@
+#![deny(missing_docs)]
 //! The engine's environment on a real machine.
 //!
 //! The engine (`bufcache`) takes time, background execution and waiting as injected traits and

@@ -12,6 +12,9 @@ use std::sync::Arc;
 
 use parking_lot::RwLock;
 
+/// Fills the slices of a write with its data, in order (see [`Export::write_from`]).
+pub use bufcache::WriteSource;
+
 /// One run of the export's address space with a single allocation state, as reported by
 /// [`Export::block_status`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,6 +45,22 @@ pub trait Export: Send + Sync {
     fn read(&self, offset: u64, buffer: &mut [u8]) -> io::Result<()>;
     /// Writes `data` at `offset`; with `fua`, the data is durable when this returns.
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()>;
+    /// Writes `length` bytes at `offset` whose data `source` reads straight into the export's
+    /// own memory (a cache reads the socket into its buffers: one copy). `source` must be
+    /// called until it has filled `length` bytes, unless the export fails first; the server
+    /// skips whatever it did not consume. The default reads into a temporary buffer and calls
+    /// [`Export::write`].
+    fn write_from(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        source: &mut WriteSource<'_>,
+    ) -> io::Result<()> {
+        let mut data = vec![0u8; length as usize];
+        source(&mut [io::IoSliceMut::new(&mut data)])?;
+        self.write(offset, &data, fua)
+    }
     /// Makes every write that completed before this call durable.
     fn flush(&self) -> io::Result<()>;
     /// Hint that `length` bytes at `offset` are no longer needed.
@@ -66,6 +85,12 @@ pub trait Export: Send + Sync {
     /// cache: every block is resident). The server may then serve it on the connection's
     /// reader thread instead of handing it to a worker. The default, false, always hands off.
     fn read_is_quick(&self, _offset: u64, _length: u64) -> bool {
+        false
+    }
+    /// True when a WRITE of this range will finish without waiting for slow I/O (for a
+    /// cache: no FUA, room for the data without write-back, and any partly written block
+    /// already resident). The default, false, always passes the reading role on first.
+    fn write_is_quick(&self, _offset: u64, _length: u64, _fua: bool) -> bool {
         false
     }
     /// A per-connection view of this export, called once when a connection enters
@@ -222,6 +247,14 @@ impl Export for MemoryExport {
     }
 
     fn can_fast_zero(&self) -> bool {
+        true
+    }
+
+    fn read_is_quick(&self, _offset: u64, _length: u64) -> bool {
+        true
+    }
+
+    fn write_is_quick(&self, _offset: u64, _length: u64, _fua: bool) -> bool {
         true
     }
 

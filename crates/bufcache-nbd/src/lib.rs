@@ -12,6 +12,8 @@
 //! memory per connection); it owns no data: durability is the export's `flush`, and the
 //! server never answers a FLUSH before that returns.
 
+mod buffers;
+pub mod cache_export;
 pub mod client;
 pub mod client_handshake;
 pub mod config;
@@ -25,6 +27,7 @@ pub mod tls;
 mod transmission;
 pub mod uri;
 
+pub use cache_export::CacheExport;
 pub use client::{ClientError, NbdClient};
 pub use client_handshake::{ExportInfo, HandshakeFailure};
 pub use config::{

@@ -96,24 +96,6 @@ impl Stream {
         }
     }
 
-    /// Bytes the peer has sent that wait to be read (0 when none, or when the count is
-    /// unavailable).
-    pub fn pending_bytes(&self) -> usize {
-        use std::os::unix::io::AsRawFd;
-        let descriptor = match self {
-            Stream::Tcp(stream) => stream.as_raw_fd(),
-            Stream::Unix(stream) => stream.as_raw_fd(),
-        };
-        let mut count: libc::c_int = 0;
-        // SAFETY: FIONREAD stores one int through the pointer, which is valid for the call.
-        let result = unsafe { libc::ioctl(descriptor, libc::FIONREAD, &mut count) };
-        if result == 0 {
-            count.max(0) as usize
-        } else {
-            0
-        }
-    }
-
     /// The peer's IP address; `None` for unix sockets (or when it is unavailable).
     pub fn peer_ip(&self) -> Option<std::net::IpAddr> {
         match self {
@@ -202,9 +184,57 @@ pub fn write_all_vectored(stream: &mut impl Write, parts: &[&[u8]]) -> io::Resul
     Ok(())
 }
 
+/// Fills every slice completely, in order, with as few system calls as the socket allows
+/// (one `readv` for a whole request when its bytes have arrived). End-of-file before the
+/// slices are full is an `UnexpectedEof` error.
+pub fn read_exact_vectored(
+    stream: &mut impl Read,
+    mut slices: &mut [io::IoSliceMut<'_>],
+) -> io::Result<()> {
+    io::IoSliceMut::advance_slices(&mut slices, 0);
+    while !slices.is_empty() {
+        match stream.read_vectored(slices) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(count) => io::IoSliceMut::advance_slices(&mut slices, count),
+            Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Goal: a vectored read fills every slice whatever the socket delivers at a time, and
+    /// reports end-of-file before the end. Method: a reader returning 3 bytes per call.
+    #[test]
+    fn read_exact_vectored_fills_all_slices_across_short_reads() {
+        struct Trickle(Vec<u8>);
+        impl Read for Trickle {
+            fn read(&mut self, buffer: &mut [u8]) -> io::Result<usize> {
+                let count = buffer.len().min(3).min(self.0.len());
+                buffer[..count].copy_from_slice(&self.0[..count]);
+                self.0.drain(..count);
+                Ok(count)
+            }
+        }
+        let mut source = Trickle((0..20u8).collect());
+        let (mut first, mut second, mut third) = ([0u8; 4], [0u8; 0], [0u8; 11]);
+        let mut slices = [
+            io::IoSliceMut::new(&mut first),
+            io::IoSliceMut::new(&mut second),
+            io::IoSliceMut::new(&mut third),
+        ];
+        read_exact_vectored(&mut source, &mut slices).unwrap();
+        assert_eq!(first, [0, 1, 2, 3]);
+        assert_eq!(third, [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]);
+        let mut rest = [0u8; 10];
+        let error =
+            read_exact_vectored(&mut source, &mut [io::IoSliceMut::new(&mut rest)]).unwrap_err();
+        assert_eq!(error.kind(), io::ErrorKind::UnexpectedEof);
+    }
 
     /// A writer that accepts at most three bytes per call, to exercise partial writes.
     struct Trickle(Vec<u8>);

@@ -1,13 +1,19 @@
-//! The server's transmission phase for one connection: read requests, validate them, run them
-//! on a small pool of worker threads, and write replies in whatever order they finish. A
-//! READ the export says is quick (cached), arriving while nothing else is in flight and no
-//! further request waits in the socket, is served on the reader thread itself: the client is
-//! waiting for it alone, and it cannot hold up requests behind it.
+//! The server's transmission phase for one connection: read requests, validate them, serve
+//! them, and write replies in whatever order they finish.
+//!
+//! The connection's threads take turns at reading (leader/follower, as nbdkit's threads do):
+//! the thread holding the reading role reads a request and serves it itself when the export
+//! says it will not wait for I/O (a cached read, a write into cache with room), then reads
+//! the next — so the common request is read, served and answered on one thread with no
+//! hand-off. Before a request that may wait, the thread passes the reading role to a waiting
+//! thread (starting one, up to `workers_max`, when none waits) and serves it, so a slow
+//! request never holds up the ones behind it.
 //!
 //! Invariants:
-//! - one reader (the connection's thread) owns the read side; it alone decides when the
-//!   connection ends, and it waits for every dispatched request before returning, so a
-//!   client's in-flight requests are answered even on `NBD_CMD_DISC` or server shutdown;
+//! - exactly one thread reads the socket at a time (the holder of the reading role); the one
+//!   that sees the end records it, every later holder leaves, and the connection's own thread
+//!   joins all others before returning, so a client's in-flight requests are answered even
+//!   on `NBD_CMD_DISC` or server shutdown;
 //! - every reply is written whole under the connection's writer lock, so replies of
 //!   concurrent requests never interleave on the wire;
 //! - requests are validated before an export sees them, and the export is only called with
@@ -23,19 +29,24 @@
 //! - with an idle timeout, a connection with nothing in flight and nothing arriving for that
 //!   long is closed; a connection with requests in flight is never idle.
 
-use std::collections::VecDeque;
 use std::io::{self, Read};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::buffers::BufferRecycler;
 use crate::export::{BlockStatusExtent, Export};
 use crate::handshake::{Negotiated, BASE_ALLOCATION_ID};
 use crate::protocol::*;
-use crate::stream::{write_all_vectored, Stream};
+use crate::stream::{read_exact_vectored, write_all_vectored, Stream};
+
+/// Unused payload and reply buffers a server keeps for reuse at most (and never more than a
+/// quarter of its in-flight budget), so resident memory stays near the cache size plus the
+/// in-flight budget.
+const BUFFERS_RETAINED_BYTES_MAX: u64 = 64 << 20;
 
 /// Cost charged to every request on top of its data, so a flood of tiny requests is bounded
 /// too.
@@ -71,8 +82,14 @@ pub(crate) enum TransmissionError {
 /// A validated request, ready for a worker.
 struct Request {
     header: RequestHeader,
+    /// A WRITE's data in its first `header.length` bytes (a reused buffer may be longer).
     payload: Vec<u8>,
     cost_bytes: u64,
+    /// The export says it will not wait for I/O: the reader serves it without a hand-off.
+    quick: bool,
+    /// A quick WRITE whose data is still in the socket: the reader passes the socket to the
+    /// export, which reads it straight into its own buffers.
+    payload_in_stream: bool,
 }
 
 /// A refusal: the errno and a message for structured error chunks.
@@ -88,9 +105,11 @@ fn refuse(errno: Errno, message: impl Into<String>) -> Refusal {
     }
 }
 
-/// State shared by the reader and the workers of one connection.
+/// State shared by the threads serving one connection.
 struct Connection {
     export: Arc<dyn Export>,
+    /// The reading role: whoever holds it reads the next request from the socket.
+    reader: Mutex<Reader>,
     writer: Mutex<Stream>,
     structured_replies: bool,
     base_allocation: bool,
@@ -101,13 +120,46 @@ struct Connection {
     budget: Arc<ServerBudget>,
     /// Set when a reply could not be written; the reader stops at its next request.
     broken: AtomicBool,
-    /// Requests accepted, and how many of them the reader thread served itself.
-    requests_served: std::sync::atomic::AtomicU64,
-    requests_served_inline: std::sync::atomic::AtomicU64,
+    /// Threads started besides the connection's own, and how many wait for the reading role.
+    crew: Crew,
+    /// Requests accepted, and how many of them were served by the thread holding the reading
+    /// role without giving it up.
+    requests_served: AtomicU64,
+    requests_served_inline: AtomicU64,
+}
+
+/// The read side of a connection and how reading ended.
+struct Reader {
+    stream: Stream,
+    /// Set by the thread that saw the end (EOF, NBD_CMD_DISC, shutdown, a broken stream);
+    /// every thread that takes the reading role afterwards leaves.
+    ended: Option<Result<(), TransmissionError>>,
+}
+
+/// The threads of one connection beyond its own, started on demand.
+struct Crew {
+    handles: Mutex<Vec<JoinHandle<()>>>,
+    /// Threads waiting for the reading role; when none is, a thread about to serve a slow
+    /// request starts another (up to the limit) so reading continues meanwhile.
+    waiting_to_read: AtomicUsize,
+}
+
+/// What the holder of the reading role does next.
+enum Turn {
+    /// A request that may wait for I/O: give up the reading role, then serve it.
+    Slow(Request),
+    /// Reading has ended.
+    Ended,
 }
 
 /// Serves one connection from the end of the handshake until the client leaves, the socket
 /// fails, or the server shuts the read side down. Returns after every reply was written.
+///
+/// Threads take turns (leader/follower): the thread holding the reading role reads a
+/// request; one that will not wait (a hit, a write into cache with room) it serves itself and
+/// reads on, so a request costs no hand-off between threads; before one that may wait, it
+/// passes the role on (starting a thread if none is waiting) and serves it, so slow requests
+/// never hold up the ones behind them.
 pub(crate) fn serve(
     stream: Stream,
     negotiated: Negotiated,
@@ -117,6 +169,10 @@ pub(crate) fn serve(
     let connection = Arc::new(Connection {
         export: negotiated.export,
         writer: Mutex::new(stream.try_clone()?),
+        reader: Mutex::new(Reader {
+            stream,
+            ended: None,
+        }),
         structured_replies: negotiated.structured_replies,
         base_allocation: negotiated.base_allocation,
         transmission_flags: negotiated.transmission_flags,
@@ -124,110 +180,199 @@ pub(crate) fn serve(
         inflight: InflightBudget::default(),
         budget,
         broken: AtomicBool::new(false),
-        requests_served: Default::default(),
-        requests_served_inline: Default::default(),
+        crew: Crew {
+            handles: Mutex::new(Vec::new()),
+            waiting_to_read: AtomicUsize::new(0),
+        },
+        requests_served: AtomicU64::new(0),
+        requests_served_inline: AtomicU64::new(0),
     });
-    let pool = WorkerPool::new(limits.workers_max);
-    let result = read_requests(stream, &connection, &pool);
-    // Answer everything already accepted before the socket closes.
-    pool.close_and_join();
+    take_turns(&connection);
+    // Every started thread finishes the requests it took before it leaves; the list only
+    // grows while reading continues, and reading has ended.
+    let handles = std::mem::take(&mut *connection.crew.handles.lock());
+    for handle in handles {
+        let _ = handle.join();
+    }
     tracing::debug!(
         requests = connection.requests_served.load(Ordering::Relaxed),
-        served_by_reader = connection.requests_served_inline.load(Ordering::Relaxed),
+        served_without_hand_off = connection.requests_served_inline.load(Ordering::Relaxed),
         "connection finished"
     );
-    result
+    let ended = connection.reader.lock().ended.take();
+    ended.unwrap_or(Ok(()))
 }
 
-fn read_requests(
-    mut stream: Stream,
-    connection: &Arc<Connection>,
-    pool: &WorkerPool,
-) -> Result<(), TransmissionError> {
+/// One thread's part: wait for the reading role, read and serve until a slow request, pass
+/// the role on, serve that request, and again, until reading has ended.
+fn take_turns(connection: &Arc<Connection>) {
     loop {
         connection
-            .inflight
-            .wait_below(connection.limits.connection_inflight_bytes_max);
-        if connection.broken.load(Ordering::Acquire) {
-            return Ok(());
+            .crew
+            .waiting_to_read
+            .fetch_add(1, Ordering::AcqRel);
+        let mut reader = connection.reader.lock();
+        connection
+            .crew
+            .waiting_to_read
+            .fetch_sub(1, Ordering::AcqRel);
+        match read_until_slow(&mut reader, connection) {
+            Turn::Ended => return,
+            Turn::Slow(request) => {
+                drop(reader);
+                start_reader_if_none_waits(connection);
+                connection.execute(request);
+            }
         }
-        if let Some(idle_timeout) = connection.limits.idle_timeout {
-            if !stream.wait_readable(idle_timeout)? {
-                if connection.inflight.is_idle() {
-                    tracing::info!(
-                        ?idle_timeout,
-                        "closing a connection idle for longer than the idle timeout"
-                    );
-                    return Ok(());
+    }
+}
+
+/// Starts one more thread for the connection when no thread waits for the reading role and
+/// the limit allows, so the next request is read while this thread serves a slow one.
+fn start_reader_if_none_waits(connection: &Arc<Connection>) {
+    if connection.crew.waiting_to_read.load(Ordering::Acquire) > 0 {
+        return;
+    }
+    let mut handles = connection.crew.handles.lock();
+    if handles.len() >= connection.limits.workers_max {
+        return;
+    }
+    let member = Arc::clone(connection);
+    let spawned = std::thread::Builder::new()
+        .name("nbd-worker".into())
+        .spawn(move || take_turns(&member));
+    match spawned {
+        Ok(handle) => handles.push(handle),
+        // This thread reads again once its request is served; nothing is lost.
+        Err(error) => tracing::warn!("could not start an NBD worker thread: {error}"),
+    }
+}
+
+/// Holding the reading role: reads requests, serving the quick ones on the spot, until one
+/// that may wait arrives or reading ends.
+fn read_until_slow(reader: &mut Reader, connection: &Connection) -> Turn {
+    if reader.ended.is_some() {
+        return Turn::Ended;
+    }
+    loop {
+        match read_request(&mut reader.stream, connection) {
+            Ok(Some(request)) => {
+                if !request.quick {
+                    return Turn::Slow(request);
                 }
-                // Requests are still being served: the client is waiting, not idle.
-                continue;
+                connection
+                    .requests_served_inline
+                    .fetch_add(1, Ordering::Relaxed);
+                if !request.payload_in_stream {
+                    connection.execute(request);
+                } else if let Err(error) =
+                    connection.execute_write_from_stream(request, &mut reader.stream)
+                {
+                    reader.ended = Some(Err(error));
+                    return Turn::Ended;
+                }
+            }
+            Ok(None) => continue,
+            Err(result) => {
+                reader.ended = Some(result);
+                return Turn::Ended;
             }
         }
-        let mut header_bytes = [0u8; REQUEST_HEADER_BYTES];
-        match stream.read_exact(&mut header_bytes) {
-            Ok(()) => {}
-            Err(error) if error.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(error) => return Err(error.into()),
-        }
-        let header = RequestHeader::decode(&header_bytes).ok_or(TransmissionError::RequestMagic)?;
-        if header.command == CMD_DISC {
-            return Ok(());
-        }
-        // Reserve the request's bytes server-wide before its payload buffer exists; while the
-        // budget is spent the payload stays in the socket.
-        let cost_bytes = request_cost(&header, connection.limits.request_size_max);
-        connection.budget.acquire(cost_bytes);
-        let payload = match read_payload(&mut stream, connection, &header) {
-            Ok(Ok(payload)) => payload,
-            Ok(Err(refusal)) => {
-                connection.send_error(&header, &refusal);
-                connection.budget.release(cost_bytes);
-                continue;
+    }
+}
+
+/// Reads and validates one request. `Ok(None)` when it was refused and answered already;
+/// `Err` with the connection's outcome when reading has ended.
+fn read_request(
+    stream: &mut Stream,
+    connection: &Connection,
+) -> Result<Option<Request>, Result<(), TransmissionError>> {
+    connection
+        .inflight
+        .wait_below(connection.limits.connection_inflight_bytes_max);
+    if connection.broken.load(Ordering::Acquire) {
+        return Err(Ok(()));
+    }
+    if let Some(idle_timeout) = connection.limits.idle_timeout {
+        if !stream
+            .wait_readable(idle_timeout)
+            .map_err(|e| Err(e.into()))?
+        {
+            if connection.inflight.is_idle() {
+                tracing::info!(
+                    ?idle_timeout,
+                    "closing a connection idle for longer than the idle timeout"
+                );
+                return Err(Ok(()));
             }
-            Err(error) => {
-                connection.budget.release(cost_bytes);
-                return Err(error);
-            }
-        };
-        if let Err(refusal) = connection.validate(&header) {
-            tracing::debug!(
-                command = %command_name(header.command),
-                offset = header.offset,
-                length = header.length,
-                errno = %refusal.errno,
-                "request refused: {}",
-                refusal.message
-            );
+            // Requests are still being served: the client is waiting, not idle.
+            return Ok(None);
+        }
+    }
+    let mut header_bytes = [0u8; REQUEST_HEADER_BYTES];
+    match stream.read_exact(&mut header_bytes) {
+        Ok(()) => {}
+        Err(error) if error.kind() == io::ErrorKind::UnexpectedEof => return Err(Ok(())),
+        Err(error) => return Err(Err(error.into())),
+    }
+    let header = RequestHeader::decode(&header_bytes)
+        .ok_or(TransmissionError::RequestMagic)
+        .map_err(Err)?;
+    if header.command == CMD_DISC {
+        return Err(Ok(()));
+    }
+    // Reserve the request's bytes server-wide before its payload buffer exists; while the
+    // budget is spent the payload stays in the socket.
+    let cost_bytes = request_cost(&header, connection.limits.request_size_max);
+    connection.budget.acquire(cost_bytes);
+    let validated = connection.validate(&header);
+    let quick = validated.is_ok() && connection.is_quick(&header);
+    if quick && header.command == CMD_WRITE && header.length <= connection.limits.request_size_max {
+        connection.inflight.charge(cost_bytes);
+        connection.requests_served.fetch_add(1, Ordering::Relaxed);
+        return Ok(Some(Request {
+            header,
+            payload: Vec::new(),
+            cost_bytes,
+            quick,
+            payload_in_stream: true,
+        }));
+    }
+    let payload = match read_payload(stream, connection, &header) {
+        Ok(Ok(payload)) => payload,
+        Ok(Err(refusal)) => {
             connection.send_error(&header, &refusal);
             connection.budget.release(cost_bytes);
-            continue;
+            return Ok(None);
         }
-        let was_idle = connection.inflight.charge(cost_bytes);
-        let request = Request {
-            header,
-            payload,
-            cost_bytes,
-        };
-        let quick = request.header.command == CMD_READ
-            && connection
-                .export
-                .read_is_quick(request.header.offset, u64::from(request.header.length));
-        connection.requests_served.fetch_add(1, Ordering::Relaxed);
-        if was_idle && quick && stream.pending_bytes() == 0 {
-            connection
-                .requests_served_inline
-                .fetch_add(1, Ordering::Relaxed);
-            // Nothing else is in flight, the client has sent nothing more (it is waiting for
-            // this reply) and the export says the read will not wait for I/O. Serving it here
-            // spares two thread hand-offs, most of the cost of a cached 4K read. Anything
-            // that may be slow goes to the workers, so it never holds up later requests.
-            connection.execute(request);
-            continue;
+        Err(error) => {
+            connection.budget.release(cost_bytes);
+            return Err(Err(error));
         }
-        let worker_connection = Arc::clone(connection);
-        pool.submit(Box::new(move || worker_connection.execute(request)));
+    };
+    if let Err(refusal) = validated {
+        tracing::debug!(
+            command = %command_name(header.command),
+            offset = header.offset,
+            length = header.length,
+            errno = %refusal.errno,
+            "request refused: {}",
+            refusal.message
+        );
+        connection.send_error(&header, &refusal);
+        connection.budget.give_back_payload(payload);
+        connection.budget.release(cost_bytes);
+        return Ok(None);
     }
+    connection.inflight.charge(cost_bytes);
+    connection.requests_served.fetch_add(1, Ordering::Relaxed);
+    Ok(Some(Request {
+        header,
+        payload,
+        cost_bytes,
+        quick,
+        payload_in_stream: false,
+    }))
 }
 
 /// Reads a WRITE payload whole. An oversized payload is skipped (and refused) when that is
@@ -242,8 +387,11 @@ fn read_payload(
     }
     let request_size_max = connection.limits.request_size_max;
     if header.length <= request_size_max {
-        let mut payload = vec![0u8; header.length as usize];
-        stream.read_exact(&mut payload)?;
+        let mut payload = connection.budget.buffers().take(header.length as usize);
+        if let Err(error) = stream.read_exact(&mut payload[..header.length as usize]) {
+            connection.budget.buffers().give_back(payload);
+            return Err(error.into());
+        }
         return Ok(Ok(payload));
     }
     if u64::from(header.length) > u64::from(request_size_max) * OVERSIZED_WRITE_SKIP_FACTOR {
@@ -278,6 +426,20 @@ fn request_cost(header: &RequestHeader, request_size_max: u32) -> u64 {
 }
 
 impl Connection {
+    /// True when the export says the request will not wait for device I/O, so the thread
+    /// holding the reading role may serve it without passing the role on.
+    fn is_quick(&self, header: &RequestHeader) -> bool {
+        let length = u64::from(header.length);
+        match header.command {
+            CMD_READ => self.export.read_is_quick(header.offset, length),
+            CMD_WRITE => {
+                let fua = header.flags & CMD_FLAG_FUA != 0;
+                self.export.write_is_quick(header.offset, length, fua)
+            }
+            _ => false,
+        }
+    }
+
     /// Checks a request against the negotiated features and the export's bounds.
     fn validate(&self, header: &RequestHeader) -> Result<(), Refusal> {
         let command = header.command;
@@ -360,14 +522,69 @@ impl Connection {
         if header.command == CMD_READ {
             self.execute_read(&header);
         } else {
-            match self.run_command(&header, &request.payload) {
+            let payload = &request.payload[..request.payload.len().min(header.length as usize)];
+            match self.run_command(&header, payload) {
                 Ok(None) => self.send_simple(header.handle, 0),
                 Ok(Some(chunk)) => self.send_parts(&[&chunk]),
                 Err(error) => self.send_io_error(&header, &error),
             }
         }
+        self.budget.give_back_payload(request.payload);
         self.inflight.release(request.cost_bytes);
         self.budget.release(request.cost_bytes);
+    }
+
+    /// Serves a quick WRITE whose data is still in the socket: the export reads it straight
+    /// into its buffers. Whatever the export did not consume (it failed first) is skipped, so
+    /// the stream stays in step. An error means the socket failed and the connection is over.
+    fn execute_write_from_stream(
+        &self,
+        request: Request,
+        stream: &mut Stream,
+    ) -> Result<(), TransmissionError> {
+        let header = request.header;
+        let length = u64::from(header.length);
+        let fua = header.flags & CMD_FLAG_FUA != 0;
+        let mut consumed = 0u64;
+        let mut socket_failed = false;
+        let result = {
+            let mut source = |slices: &mut [io::IoSliceMut<'_>]| {
+                let wanted: u64 = slices.iter().map(|slice| slice.len() as u64).sum();
+                let read = read_exact_vectored(stream, slices);
+                match &read {
+                    Ok(()) => consumed += wanted,
+                    Err(_) => socket_failed = true,
+                }
+                read
+            };
+            self.export
+                .write_from(header.offset, length, fua, &mut source)
+        };
+        let outcome = if socket_failed {
+            Err(match result {
+                Err(error) => error.into(),
+                Ok(()) => io::Error::from(io::ErrorKind::UnexpectedEof).into(),
+            })
+        } else {
+            let skipped = io::copy(
+                &mut stream.by_ref().take(length - consumed),
+                &mut io::sink(),
+            );
+            match skipped {
+                Ok(count) if count == length - consumed => {
+                    match result {
+                        Ok(()) => self.send_simple(header.handle, 0),
+                        Err(error) => self.send_io_error(&header, &error),
+                    }
+                    Ok(())
+                }
+                Ok(_) => Err(io::Error::from(io::ErrorKind::UnexpectedEof).into()),
+                Err(error) => Err(error.into()),
+            }
+        };
+        self.inflight.release(request.cost_bytes);
+        self.budget.release(request.cost_bytes);
+        outcome
     }
 
     /// Runs a non-READ command; `Some` carries a ready structured reply (block status).
@@ -404,11 +621,15 @@ impl Connection {
             SIMPLE_REPLY_HEADER_BYTES
         };
         let length = header.length as usize;
-        let mut message = vec![0u8; header_bytes + length];
-        if let Err(error) = self
-            .export
-            .read(header.offset, &mut message[header_bytes..])
-        {
+        // A reused buffer: the export overwrites the data part, the header is written below,
+        // so nothing needs zero-filling first.
+        let mut message = self.budget.buffers().take(header_bytes + length);
+        let result = self.export.read(
+            header.offset,
+            &mut message[header_bytes..header_bytes + length],
+        );
+        if let Err(error) = result {
+            self.budget.buffers().give_back(message);
             self.send_io_error(header, &error);
             return;
         }
@@ -425,6 +646,7 @@ impl Connection {
                 0,
             );
             self.send_parts(&[&prefix]);
+            self.budget.buffers().give_back(message);
             return;
         } else {
             let chunk_length = (8 + length) as u32;
@@ -438,7 +660,8 @@ impl Connection {
             prefix.extend_from_slice(&header.offset.to_be_bytes());
         }
         message[..header_bytes].copy_from_slice(&prefix);
-        self.send_parts(&[&message]);
+        self.send_parts(&[&message[..header_bytes + length]]);
+        self.budget.buffers().give_back(message);
     }
 
     fn send_io_error(&self, header: &RequestHeader, error: &io::Error) {
@@ -601,6 +824,8 @@ pub(crate) struct ServerBudget {
     limit_bytes: u64,
     state: Mutex<BudgetState>,
     changed: Condvar,
+    /// Payload and reply buffers of finished requests, kept for the next ones.
+    buffers: BufferRecycler,
 }
 
 #[derive(Default)]
@@ -616,6 +841,20 @@ impl ServerBudget {
             limit_bytes,
             state: Mutex::new(BudgetState::default()),
             changed: Condvar::new(),
+            buffers: BufferRecycler::new((limit_bytes / 4).min(BUFFERS_RETAINED_BYTES_MAX) as usize),
+        }
+    }
+
+    /// The server's reusable request and reply buffers.
+    pub(crate) fn buffers(&self) -> &BufferRecycler {
+        &self.buffers
+    }
+
+    /// Keeps a finished request's payload buffer for reuse (requests without one have an
+    /// empty, unallocated buffer).
+    fn give_back_payload(&self, payload: Vec<u8>) {
+        if payload.capacity() > 0 {
+            self.buffers.give_back(payload);
         }
     }
 
@@ -644,91 +883,6 @@ impl ServerBudget {
     #[cfg(test)]
     fn reserved_bytes(&self) -> u64 {
         self.state.lock().reserved_bytes
-    }
-}
-
-type Job = Box<dyn FnOnce() + Send + 'static>;
-
-/// Worker threads of one connection, started on demand up to a maximum, so an idle
-/// connection costs no threads beyond its reader.
-struct WorkerPool {
-    shared: Arc<PoolShared>,
-    workers_max: usize,
-    handles: Mutex<Vec<JoinHandle<()>>>,
-}
-
-struct PoolShared {
-    state: Mutex<PoolState>,
-    job_ready: Condvar,
-}
-
-struct PoolState {
-    jobs: VecDeque<Job>,
-    idle_workers: usize,
-    closed: bool,
-}
-
-impl WorkerPool {
-    fn new(workers_max: usize) -> Self {
-        WorkerPool {
-            shared: Arc::new(PoolShared {
-                state: Mutex::new(PoolState {
-                    jobs: VecDeque::new(),
-                    idle_workers: 0,
-                    closed: false,
-                }),
-                job_ready: Condvar::new(),
-            }),
-            workers_max,
-            handles: Mutex::new(Vec::new()),
-        }
-    }
-
-    fn submit(&self, job: Job) {
-        let mut state = self.shared.state.lock();
-        state.jobs.push_back(job);
-        let mut handles = self.handles.lock();
-        if state.jobs.len() > state.idle_workers && handles.len() < self.workers_max {
-            let shared = Arc::clone(&self.shared);
-            let spawned = std::thread::Builder::new()
-                .name("nbd-worker".into())
-                .spawn(move || worker_loop(&shared));
-            match spawned {
-                Ok(handle) => handles.push(handle),
-                // Existing workers (there is at least one unless this is the first) still
-                // drain the queue; with none, the job runs when a later spawn succeeds.
-                Err(error) => tracing::warn!("could not start an NBD worker thread: {error}"),
-            }
-        }
-        drop(handles);
-        drop(state);
-        self.shared.job_ready.notify_one();
-    }
-
-    /// Lets the workers finish every queued job, then waits for them.
-    fn close_and_join(&self) {
-        self.shared.state.lock().closed = true;
-        self.shared.job_ready.notify_all();
-        for handle in self.handles.lock().drain(..) {
-            let _ = handle.join();
-        }
-    }
-}
-
-fn worker_loop(shared: &PoolShared) {
-    let mut state = shared.state.lock();
-    loop {
-        if let Some(job) = state.jobs.pop_front() {
-            drop(state);
-            job();
-            state = shared.state.lock();
-        } else if state.closed {
-            return;
-        } else {
-            state.idle_workers += 1;
-            shared.job_ready.wait(&mut state);
-            state.idle_workers -= 1;
-        }
     }
 }
 
@@ -800,19 +954,5 @@ mod tests {
     fn utf8_truncation_keeps_whole_characters() {
         assert_eq!(truncate_utf8("héllo", 2), "h");
         assert_eq!(truncate_utf8("abc", 10), "abc");
-    }
-
-    #[test]
-    fn worker_pool_runs_every_job_before_join_returns() {
-        let pool = WorkerPool::new(3);
-        let counter = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        for _ in 0..100 {
-            let counter = Arc::clone(&counter);
-            pool.submit(Box::new(move || {
-                counter.fetch_add(1, Ordering::SeqCst);
-            }));
-        }
-        pool.close_and_join();
-        assert_eq!(counter.load(Ordering::SeqCst), 100);
     }
 }

@@ -1,3 +1,4 @@
+#![deny(missing_docs)]
 //! Replacement policies: which clean, unpinned buffer to give up when the cache needs room.
 //!
 //! A policy sees the cache as numbered *slots* (dense small integers chosen by the cache, reused

@@ -17,7 +17,9 @@ pub enum TraceError {
     /// The file could not be opened or read.
     #[error("{path}: {source}")]
     Io {
+        /// The trace file.
         path: PathBuf,
+        /// What the operating system reported.
         #[source]
         source: std::io::Error,
     },
@@ -25,44 +27,71 @@ pub enum TraceError {
     /// A format name that `TraceFormat::from_str` does not know.
     #[error("unknown trace format {name:?} (expected one of: {expected})")]
     UnknownFormat {
+        /// The name given.
         name: String,
+        /// The names accepted.
         expected: &'static str,
     },
 
     /// `TraceFormat::guess` could not tell the format from the name or content.
     #[error("{path}: cannot guess the trace format: {reason}")]
-    FormatNotGuessed { path: PathBuf, reason: String },
+    FormatNotGuessed {
+        /// The trace file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
 
     /// An option key that `TraceOptions::parse` does not know.
     #[error("unknown trace option {key:?} (known: {known})")]
-    UnknownOption { key: String, known: &'static str },
+    UnknownOption {
+        /// The option key.
+        key: String,
+        /// The keys accepted.
+        known: &'static str,
+    },
 
     /// A known option key with a value it cannot take.
     #[error("trace option {key}={value:?}: {reason}")]
     InvalidOption {
+        /// The option key.
         key: &'static str,
+        /// The offending value (shortened).
         value: String,
+        /// What is wrong.
         reason: String,
     },
 
     /// The options do not fit the chosen format (for example CSV without `obj-id-col`).
     #[error("{format} trace: {reason}")]
     MissingOption {
+        /// The trace format.
         format: &'static str,
+        /// What is wrong.
         reason: &'static str,
     },
 
     /// The file's header (first line, or first records) is not what the format requires.
     #[error("{path}: bad header: {reason}")]
-    Header { path: PathBuf, reason: String },
+    Header {
+        /// The trace file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
 
     /// A text line that does not parse.
     #[error("{path}:{line_number}: field {field} = {value:?}: {reason}")]
     Line {
+        /// The trace file.
         path: PathBuf,
+        /// 1-based line number.
         line_number: u64,
+        /// The field that is wrong.
         field: &'static str,
+        /// The offending value (shortened).
         value: String,
+        /// What is wrong.
         reason: String,
     },
 
@@ -71,21 +100,32 @@ pub enum TraceError {
         "{path}: record {record_index} at byte {offset_bytes}: field {field} = {value}: {reason}"
     )]
     Record {
+        /// The trace file.
         path: PathBuf,
+        /// 0-based index of the record.
         record_index: u64,
+        /// Byte offset of the record in the file.
         offset_bytes: u64,
+        /// The field that is wrong.
         field: &'static str,
+        /// The offending value (shortened).
         value: String,
+        /// What is wrong.
         reason: String,
     },
 
     /// The file ends inside a binary record.
     #[error("{path}: record {record_index} at byte {offset_bytes} is truncated: {present_bytes} of {record_bytes} bytes present")]
     TruncatedRecord {
+        /// The trace file.
         path: PathBuf,
+        /// 0-based index of the record.
         record_index: u64,
+        /// Byte offset of the record in the file.
         offset_bytes: u64,
+        /// Bytes of the record present.
         present_bytes: usize,
+        /// Bytes a whole record has.
         record_bytes: usize,
     },
 }

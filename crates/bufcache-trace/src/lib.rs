@@ -1,3 +1,4 @@
+#![deny(missing_docs)]
 //! Streaming readers for block I/O traces, all producing one record type.
 //!
 //! This crate owns the translation from trace files (libCacheSim-style CSV, blkparse
@@ -44,7 +45,9 @@ pub use text::LINE_LENGTH_MAX;
 /// What a request does to the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Operation {
+    /// Reads data.
     Read,
+    /// Writes data.
     Write,
     /// Anything else the trace records: flush, sync, trim, unknown commands.
     Other,
@@ -55,6 +58,7 @@ pub enum Operation {
 pub struct TraceRequest {
     /// When the request was issued, in microseconds on the trace's own clock.
     pub time_us: u64,
+    /// What the request does.
     pub operation: Operation,
     /// First byte the request touches.
     pub offset_bytes: u64,

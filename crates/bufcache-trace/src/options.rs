@@ -17,9 +17,13 @@ const KNOWN_KEYS: &str = "time-col, obj-id-col, obj-size-col, op-col, has-header
 /// Unit of the time column of a CSV trace.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TimeUnit {
+    /// Seconds.
     Seconds,
+    /// Milliseconds.
     Milliseconds,
+    /// Microseconds.
     Microseconds,
+    /// Nanoseconds.
     Nanoseconds,
 }
 
@@ -39,8 +43,11 @@ impl TimeUnit {
 /// or completed (C).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BlkparseAction {
+    /// The request was queued (Q).
     Queue,
+    /// The request was dispatched to the driver (D).
     Dispatch,
+    /// The request completed (C).
     Complete,
 }
 

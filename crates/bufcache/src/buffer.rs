@@ -142,6 +142,10 @@ impl Buffer {
         self.lock.try_lock_shared()
     }
 
+    pub fn try_lock_exclusive(&self) -> bool {
+        self.lock.try_lock_exclusive()
+    }
+
     pub fn lock_exclusive(&self) {
         self.lock.lock_exclusive();
     }
@@ -149,19 +153,22 @@ impl Buffer {
     /// # Safety
     /// The caller holds the lock shared.
     pub unsafe fn unlock_shared(&self) {
-        self.lock.unlock_shared();
+        // SAFETY: the caller holds the lock shared (this function's contract).
+        unsafe { self.lock.unlock_shared() };
     }
 
     /// # Safety
     /// The caller holds the lock exclusively.
     pub unsafe fn unlock_exclusive(&self) {
-        self.lock.unlock_exclusive();
+        // SAFETY: the caller holds the lock exclusively (this function's contract).
+        unsafe { self.lock.unlock_exclusive() };
     }
 
     /// # Safety
     /// The caller holds the lock (shared or exclusive) for the lifetime of the slice.
     pub unsafe fn bytes(&self) -> &[u8] {
-        &*self.data.get()
+        // SAFETY: the caller holds the lock, so no one writes the bytes meanwhile.
+        unsafe { &*self.data.get() }
     }
 
     /// # Safety
@@ -169,7 +176,8 @@ impl Buffer {
     /// reference to the bytes meanwhile.
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn bytes_mut(&self) -> &mut [u8] {
-        &mut *self.data.get()
+        // SAFETY: the caller holds the lock exclusively and takes no other reference.
+        unsafe { &mut *self.data.get() }
     }
 
     /// The bytes that exist on the device: all but the tail of a short last block.
@@ -177,14 +185,16 @@ impl Buffer {
     /// # Safety
     /// As for [`Buffer::bytes`].
     pub unsafe fn device_bytes(&self) -> &[u8] {
-        &self.bytes()[..self.length_bytes as usize]
+        // SAFETY: forwarded contract of `bytes`.
+        unsafe { &self.bytes()[..self.length_bytes as usize] }
     }
 
     /// # Safety
     /// As for [`Buffer::bytes_mut`].
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn device_bytes_mut(&self) -> &mut [u8] {
-        &mut self.bytes_mut()[..self.length_bytes as usize]
+        // SAFETY: forwarded contract of `bytes_mut`.
+        unsafe { &mut self.bytes_mut()[..self.length_bytes as usize] }
     }
 }
 

@@ -119,6 +119,12 @@ pub struct CacheConfig {
     pub buffers_max: u64,
     /// Read-ahead window limit per stream. Default 1 MiB; 0 turns read-ahead off.
     pub readahead_size_max_bytes: u64,
+    /// Read-ahead window limit for a stream whose reader had to wait for read-ahead still in
+    /// flight — the sign of a device with a per-request latency the window does not cover.
+    /// Each such wait doubles that stream's limit, from `readahead_size_max_bytes` up to this,
+    /// so enough cluster-sized requests are in flight to cover bandwidth × latency. Default
+    /// 16 MiB; at least `readahead_size_max_bytes`, at most 1 GiB.
+    pub readahead_latency_size_max_bytes: u64,
     /// Read-ahead window of a newly detected sequential stream. Default 16 KiB; grows ×4 per
     /// window up to `readahead_size_max_bytes`.
     pub readahead_size_initial_bytes: u64,
@@ -158,6 +164,7 @@ impl Default for CacheConfig {
             buffers_max: 65_536,
             readahead_size_max_bytes: 1 << 20,
             readahead_size_initial_bytes: 16 << 10,
+            readahead_latency_size_max_bytes: 16 << 20,
             streams_per_object_max: 8,
             noreuse_sequential: true,
             policy: PolicyKind::S3Fifo,
@@ -276,6 +283,18 @@ impl CacheConfig {
                 "readahead_size_max",
                 format_size(self.readahead_size_max_bytes),
                 "must be at most 1GiB (0 turns read-ahead off)",
+            ));
+        }
+        if self.readahead_latency_size_max_bytes < self.readahead_size_max_bytes
+            || self.readahead_latency_size_max_bytes > 1 << 30
+        {
+            return Err(out_of_range(
+                "readahead_latency_size_max",
+                format_size(self.readahead_latency_size_max_bytes),
+                &format!(
+                    "must be from readahead_size_max ({}) to 1GiB",
+                    format_size(self.readahead_size_max_bytes)
+                ),
             ));
         }
         if self.readahead_size_initial_bytes == 0 {

@@ -44,6 +44,39 @@ pub(crate) fn mark(
     true
 }
 
+/// Marks every buffer of `buffers` dirty (those that were not already) in all three places,
+/// taking the index lock once. Returns how many changed.
+pub(crate) fn mark_all(
+    total_bytes: &AtomicU64,
+    index: &DirtyIndex,
+    buffers: &[&Buffer],
+    now_ns: u64,
+) -> usize {
+    let mut index = index.lock();
+    let mut added_bytes = 0u64;
+    let mut changed = 0usize;
+    for buffer in buffers {
+        if !buffer.set_flag_of_dirty_set(DIRTY) {
+            strict_assert!(
+                index.contains_key(&buffer.key.block),
+                "dirty buffer {:?} missing from its object's dirty index",
+                buffer.key
+            );
+            continue;
+        }
+        let previous = index.insert(buffer.key.block, now_ns);
+        strict_assert!(
+            previous.is_none(),
+            "clean buffer {:?} was in the dirty index",
+            buffer.key
+        );
+        added_bytes += buffer.length_bytes as u64;
+        changed += 1;
+    }
+    total_bytes.fetch_add(added_bytes, Ordering::AcqRel);
+    changed
+}
+
 /// Marks `buffer` clean (if it was dirty) in all three places. True when it changed.
 pub(crate) fn clear(total_bytes: &AtomicU64, index: &DirtyIndex, buffer: &Buffer) -> bool {
     if !buffer.clear_flag_of_dirty_set(DIRTY) {

@@ -59,6 +59,20 @@ pub enum CacheError {
         /// The object's length.
         object_length_bytes: u64,
     },
+    /// A fast zero was asked for, but zeroing this range would write zero bytes to the
+    /// device (it cannot deallocate, or deallocation was not allowed).
+    #[error("{object}: zeroing would write data (no fast zero)")]
+    ZeroingWouldWrite {
+        /// The object's name.
+        object: String,
+    },
+    /// The data of a write could not be read from its source (an NBD client's socket); the
+    /// write is torn (see `ObjectHandle::write_from`).
+    #[error("the data of a write could not be read: {source}")]
+    DataSource {
+        /// What the source reported.
+        source: io::Error,
+    },
     /// The object was opened read-only.
     #[error("{object} is read-only")]
     ReadOnly {
@@ -85,6 +99,8 @@ impl CacheError {
             CacheError::NoSpace { .. } => io::ErrorKind::OutOfMemory,
             CacheError::OutOfRange { .. } => io::ErrorKind::InvalidInput,
             CacheError::ReadOnly { .. } => io::ErrorKind::PermissionDenied,
+            CacheError::ZeroingWouldWrite { .. } => io::ErrorKind::Unsupported,
+            CacheError::DataSource { source } => source.kind(),
         }
     }
 }

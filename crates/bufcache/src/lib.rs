@@ -1,3 +1,4 @@
+#![deny(missing_docs)]
 //! bufcache: a concurrent block buffer cache with I/O clustering over pluggable devices.
 //!
 //! The engine owns buffers, the cache table, replacement (through `bufcache-policy`),
@@ -12,15 +13,18 @@
 
 #[macro_use]
 mod strict;
+mod bsd;
 mod buffer;
 mod cache;
 pub mod config;
 mod dirty;
 pub mod environment;
 mod error;
+mod handle;
 mod object;
 mod readahead;
 pub mod stats;
+mod table;
 mod writeback;
 
 pub use bufcache_policy::{Placement, PolicyKind};
@@ -41,5 +45,6 @@ pub use environment::{
     Clock, Environment, FrozenClock, InlineSpawner, Job, NoSpawner, NoWait, Spawner, Waiter,
 };
 pub use error::CacheError;
-pub use object::{BlockMap, BufferGuard, IdentityMap, MappedRun, ObjectConfig, ObjectHandle};
+pub use handle::{BufferGuard, ObjectHandle, WriteSource, ZeroOptions};
+pub use object::{BlockMap, IdentityMap, MappedRun, ObjectConfig};
 pub use stats::{CacheStats, WritebackCause};

@@ -11,6 +11,13 @@
 //! window is its trigger: when a reader reaches it, the next window — four times larger, up to
 //! `readahead_size_max_bytes` — is issued asynchronously, so it is in flight before the reader
 //! gets there (Linux's PG_readahead marker, FreeBSD's B_RAM).
+//!
+//! Over a device with a per-request latency (an upstream server, object storage) a window of
+//! `readahead_size_max_bytes` can leave the reader waiting for read-ahead still in flight.
+//! Each such wait doubles that stream's own window limit, up to
+//! `readahead_latency_size_max_bytes`; windows are read as cluster-sized requests in
+//! parallel, so a larger window means more requests in flight — enough, after a few waits, to
+//! cover bandwidth × latency. A stream on a fast device never waits and keeps the base limit.
 
 /// What the reader of one request should read beyond the blocks it asked for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -31,6 +38,8 @@ struct Stream {
     window_blocks: u64,
     trigger_block: u64,
     ahead_end_block: u64,
+    /// This stream's window limit: the base limit, doubled per wait for read-ahead.
+    max_blocks: u64,
     last_use: u64,
 }
 
@@ -45,6 +54,8 @@ pub(crate) struct StreamTable {
 pub(crate) struct WindowLimits {
     pub initial_blocks: u64,
     pub max_blocks: u64,
+    /// The most a stream's limit grows to when its reader waits for read-ahead.
+    pub latency_max_blocks: u64,
     pub streams_max: usize,
     pub object_blocks: u64,
 }
@@ -74,6 +85,7 @@ impl StreamTable {
         };
         stream.next_block = end;
         stream.last_use = tick;
+        let max_blocks = stream.max_blocks.max(limits.max_blocks);
         let clamp = |block: u64| block.min(limits.object_blocks);
         if stream.window_blocks == 0 || first >= stream.ahead_end_block {
             // A new sequential stream, or a reader that outran its read-ahead: read a window
@@ -81,12 +93,9 @@ impl StreamTable {
             stream.window_blocks = if stream.window_blocks == 0 {
                 // Large requests start with a window at least twice their size, so the window
                 // is never smaller than what the reader asks for at once.
-                limits
-                    .initial_blocks
-                    .max(2 * (end - first))
-                    .min(limits.max_blocks)
+                limits.initial_blocks.max(2 * (end - first)).min(max_blocks)
             } else {
-                grow(stream.window_blocks, limits.max_blocks)
+                grow(stream.window_blocks, max_blocks)
             };
             stream.ahead_end_block = clamp(end + stream.window_blocks);
             stream.trigger_block = end;
@@ -104,7 +113,7 @@ impl StreamTable {
             window_end_block: stream.ahead_end_block,
         };
         if end > stream.trigger_block && stream.ahead_end_block < limits.object_blocks {
-            stream.window_blocks = grow(stream.window_blocks, limits.max_blocks);
+            stream.window_blocks = grow(stream.window_blocks, max_blocks);
             let start = stream.ahead_end_block;
             let window_end = clamp(start + stream.window_blocks);
             stream.trigger_block = start;
@@ -116,12 +125,28 @@ impl StreamTable {
         plan
     }
 
+    /// The reader of the stream now at `next_block` waited for read-ahead in flight: double
+    /// the stream's window limit, up to `latency_max_blocks`, once its windows are full size.
+    pub fn reader_waited(&mut self, next_block: u64, limits: WindowLimits) {
+        let Some(stream) = self.streams.iter_mut().find(|s| s.next_block == next_block) else {
+            return;
+        };
+        let current_max = stream.max_blocks.max(limits.max_blocks);
+        // While windows still ramp up (×4 each), catching up with them is expected; only a
+        // reader that outruns a full-size window shows latency the window does not cover.
+        if stream.window_blocks >= current_max {
+            let doubled = (current_max * 2).max(1);
+            stream.max_blocks = doubled.min(limits.latency_max_blocks.max(limits.max_blocks));
+        }
+    }
+
     fn start_stream(&mut self, end: u64, streams_max: usize) {
         let fresh = Stream {
             next_block: end,
             window_blocks: 0,
             trigger_block: 0,
             ahead_end_block: 0,
+            max_blocks: 0,
             last_use: self.tick,
         };
         if self.streams.len() < streams_max {
@@ -149,6 +174,7 @@ mod tests {
     const LIMITS: WindowLimits = WindowLimits {
         initial_blocks: 4,
         max_blocks: 256,
+        latency_max_blocks: 4096,
         streams_max: 8,
         object_blocks: 1 << 30,
     };
@@ -191,6 +217,29 @@ mod tests {
             }
         }
         assert_eq!(windows[..3], [64, 256, 256]);
+    }
+
+    /// Goal: a stream whose reader waits for read-ahead in flight gets larger windows, up to
+    /// the latency limit, and a stream that never waits keeps the base limit. Method: read
+    /// two streams block by block, report a wait for one after every window, compare sizes.
+    #[test]
+    fn waiting_for_read_ahead_grows_the_window_to_the_latency_limit() {
+        let mut table = StreamTable::new();
+        let (slow, fast) = (0u64, 1u64 << 20);
+        let mut largest = [0u64; 2];
+        for step in 0..20_000u64 {
+            for (index, start) in [slow, fast].into_iter().enumerate() {
+                let block = start + step;
+                if let Some((begin, end)) = table.on_read(block, block + 1, LIMITS).background {
+                    largest[index] = largest[index].max(end - begin);
+                    if index == 0 {
+                        table.reader_waited(block + 1, LIMITS);
+                    }
+                }
+            }
+        }
+        assert_eq!(largest[0], LIMITS.latency_max_blocks, "the waiting stream");
+        assert_eq!(largest[1], LIMITS.max_blocks, "the stream that never waits");
     }
 
     #[test]

@@ -1,25 +1,33 @@
 //! Write-back: clustered writes of dirty buffers, fsync, background and throttled writeback.
 //!
-//! Every write-back goes through [`Inner::write_cluster_from`]: a run of consecutive dirty
+//! [`Writeback`] owns every trigger — fsync and FUA, write-behind of a run a write just
+//! completed, throttling of writers above the dirty limit, cleaning for space under memory
+//! pressure, and the background tick (aged data, data above the background threshold) — and
+//! the cache-wide dirty byte count they all act on. It is handed objects and block runs; it
+//! reads an object's dirty index but changes dirty state only through the dirty set.
+//!
+//! Every write-back goes through [`Writeback::write_cluster_from`]: a run of consecutive dirty
 //! blocks, contiguous on the device and at most one cluster long, is held shared (readers
 //! continue, writers wait) and written with one vectored request. Only after the device
 //! accepted every byte are the buffers marked clean; on failure they stay dirty, in memory,
 //! and the error is latched on the object for its flushers (the fsyncgate lesson).
 
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
-
 use std::io::IoSlice;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
 use crate::buffer::{Buffer, DIRTY, WRITEBACK};
+use crate::config::CacheConfig;
+use crate::dirty;
+use crate::environment::{Clock, Waiter};
+use crate::error::CacheError;
+use crate::object::ObjectState;
+use crate::stats::{Counters, WritebackCause};
+use crate::table::Table;
 
 /// How long a caller waiting for another thread's write-back of one buffer waits between looks.
 const WRITEBACK_POLL_NS: u64 = 50_000;
-use crate::cache::Inner;
-use crate::dirty;
-use crate::error::CacheError;
-use crate::object::ObjectState;
-use crate::stats::WritebackCause;
 
 /// How write-back takes buffer locks.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -30,10 +38,80 @@ pub(crate) enum LockMode {
     Wait,
 }
 
-impl Inner {
+/// The write-back side of a cache: its triggers and the dirty byte count.
+pub(crate) struct Writeback {
+    table: Arc<Table>,
+    counters: Arc<Counters>,
+    /// Bytes of dirty data in the whole cache (changed only by the dirty set).
+    dirty_bytes: AtomicU64,
+    /// Round-robin position over objects for pressure-driven write-back.
+    object_cursor: AtomicUsize,
+    dirty_age_max: Duration,
+    dirty_background_percent: u32,
+    dirty_limit_percent: u32,
+    clock: Arc<dyn Clock>,
+    waiter: Arc<dyn Waiter>,
+}
+
+impl Writeback {
+    pub(crate) fn new(
+        table: Arc<Table>,
+        counters: Arc<Counters>,
+        config: &CacheConfig,
+        clock: Arc<dyn Clock>,
+        waiter: Arc<dyn Waiter>,
+    ) -> Writeback {
+        Writeback {
+            table,
+            counters,
+            dirty_bytes: AtomicU64::new(0),
+            object_cursor: AtomicUsize::new(0),
+            dirty_age_max: config.dirty_age_max,
+            dirty_background_percent: config.dirty_background_percent as u32,
+            dirty_limit_percent: config.dirty_limit_percent as u32,
+            clock,
+            waiter,
+        }
+    }
+
+    /// Bytes of dirty data in the cache now.
+    pub(crate) fn dirty_bytes(&self) -> u64 {
+        self.dirty_bytes.load(Ordering::Acquire)
+    }
+
+    /// Marks a buffer (held exclusively, its bytes just written) dirty in its object's index.
+    pub(crate) fn mark_dirty(&self, object: &ObjectState, buffer: &Buffer) {
+        if !buffer.has(DIRTY) {
+            let now = self.clock.now_ns();
+            dirty::mark(&self.dirty_bytes, &object.dirty, buffer, now);
+        }
+    }
+
+    /// Marks buffers (held exclusively, their bytes just written) dirty, with one update of
+    /// the object's dirty index for all of them.
+    pub(crate) fn mark_dirty_all(&self, object: &ObjectState, buffers: &[&Buffer]) {
+        let now = self.clock.now_ns();
+        dirty::mark_all(&self.dirty_bytes, &object.dirty, buffers, now);
+    }
+
+    /// Marks a buffer (held exclusively) clean without writing it: its contents are being
+    /// discarded (discard, write-zeroes, invalidation of replaced data).
+    pub(crate) fn forget_dirty(&self, object: &ObjectState, buffer: &Buffer) {
+        dirty::clear(&self.dirty_bytes, &object.dirty, buffer);
+    }
+
+    /// Dirty byte thresholds (background, limit) for the current memory limit.
+    pub(crate) fn dirty_thresholds(&self) -> (u64, u64) {
+        let memory = self.table.memory_bytes_max();
+        (
+            memory / 100 * self.dirty_background_percent as u64,
+            memory / 100 * self.dirty_limit_percent as u64,
+        )
+    }
+
     /// Writes the run of dirty blocks starting at `first` (one cluster at most). Returns how
     /// many blocks were cleaned (0 when `first` is not dirty or is held, in `Try` mode).
-    pub fn write_cluster_from(
+    pub(crate) fn write_cluster_from(
         &self,
         object: &ObjectState,
         first: u64,
@@ -53,11 +131,11 @@ impl Inner {
         };
         let mut held: Vec<Arc<Buffer>> = Vec::with_capacity(candidates.len());
         for block in candidates {
-            let Some(buffer) = self.lookup_quiet(object.key(block)) else {
+            let Some(buffer) = self.table.lookup_quiet(object.key(block)) else {
                 break;
             };
             if !self.claim_for_writeback(&buffer, mode) {
-                self.unpin(&buffer);
+                self.table.unpin(&buffer);
                 break;
             }
             held.push(buffer);
@@ -70,7 +148,7 @@ impl Inner {
             buffer.clear(WRITEBACK);
             // SAFETY: each was locked shared by claim_for_writeback.
             unsafe { buffer.unlock_shared() };
-            self.unpin(buffer);
+            self.table.unpin(buffer);
         }
         result
     }
@@ -115,7 +193,7 @@ impl Inner {
 
     /// Writes `buffers` — consecutive blocks, contiguous on the device, held locked by the
     /// caller — with one request, then marks them clean. Returns the blocks cleaned.
-    pub fn write_held(
+    pub(crate) fn write_held(
         &self,
         object: &ObjectState,
         buffers: &[Arc<Buffer>],
@@ -157,7 +235,7 @@ impl Inner {
         }
         self.counters.writeback(cause, cleaned);
         // Clean buffers can be evicted: wake allocations waiting for space.
-        self.memory.notify();
+        self.table.notify_space();
         if buffers.len() > 1 {
             self.counters.write_clusters.fetch_add(1, Ordering::Relaxed);
             self.counters
@@ -169,7 +247,7 @@ impl Inner {
 
     /// Writes every dirty block of `[start, end)` in clusters. Keeps going after a failed
     /// cluster so that as much as possible reaches the device; returns the first error.
-    pub fn write_range(
+    pub(crate) fn write_range(
         &self,
         object: &ObjectState,
         start: u64,
@@ -206,7 +284,7 @@ impl Inner {
 
     /// Flushes the object's device; a failure is latched, since data already marked clean
     /// may not be durable.
-    pub fn flush_device(&self, object: &ObjectState) -> Result<(), CacheError> {
+    pub(crate) fn flush_device(&self, object: &ObjectState) -> Result<(), CacheError> {
         match object.device.flush() {
             Ok(()) => {
                 self.counters.device_flushes.fetch_add(1, Ordering::Relaxed);
@@ -230,7 +308,7 @@ impl Inner {
     }
 
     /// Writes back everything dirty in the object, then flushes its device.
-    pub fn fsync_object(&self, object: &ObjectState) -> Result<(), CacheError> {
+    pub(crate) fn fsync_object(&self, object: &ObjectState) -> Result<(), CacheError> {
         let written = self.write_range(object, 0, u64::MAX, LockMode::Wait, WritebackCause::Flush);
         let flushed = self.flush_device(object);
         written?;
@@ -240,7 +318,7 @@ impl Inner {
     /// Above the dirty limit, a writer first writes back some of its own object's dirty
     /// data. If that write-back fails, the writer gets the error: accepting more dirty data
     /// that cannot be written would only grow what is at risk.
-    pub fn throttle_writer(&self, object: &ObjectState) -> Result<(), CacheError> {
+    pub(crate) fn throttle_writer(&self, object: &ObjectState) -> Result<(), CacheError> {
         let (_, limit) = self.dirty_thresholds();
         let mut throttled = false;
         while self.dirty_bytes.load(Ordering::Acquire) > limit {
@@ -280,12 +358,11 @@ impl Inner {
 
     /// One round of background write-back: aged data first, then data above the
     /// background threshold. Errors are latched on their objects.
-    pub fn writeback_tick(&self) -> u64 {
-        let objects: Vec<Arc<ObjectState>> = self.objects.read().clone();
+    pub(crate) fn writeback_tick(&self, objects: &[Arc<ObjectState>]) -> u64 {
         let now = self.clock.now_ns();
-        let deadline = now.saturating_sub(self.config.dirty_age_max.as_nanos() as u64);
+        let deadline = now.saturating_sub(self.dirty_age_max.as_nanos() as u64);
         let mut written = 0u64;
-        for object in &objects {
+        for object in objects {
             let aged: Vec<u64> = object
                 .dirty
                 .lock()
@@ -307,7 +384,7 @@ impl Inner {
         }
         let (background, _) = self.dirty_thresholds();
         while self.dirty_bytes.load(Ordering::Acquire) > background {
-            match self.clean_one_cluster(&objects, WritebackCause::Threshold) {
+            match self.clean_one_cluster(objects, WritebackCause::Threshold) {
                 Ok(0) | Err(_) => break,
                 Ok(cleaned) => written += cleaned,
             }
@@ -318,7 +395,7 @@ impl Inner {
     /// Writes back one cluster of some object's dirty data, visiting objects round-robin.
     /// Returns the blocks cleaned; an error only when nothing could be cleaned and some
     /// write failed.
-    pub fn clean_one_cluster(
+    pub(crate) fn clean_one_cluster(
         &self,
         objects: &[Arc<ObjectState>],
         cause: WritebackCause,
@@ -326,7 +403,7 @@ impl Inner {
         if objects.is_empty() {
             return Ok(0);
         }
-        let start = self.next_writeback_cursor();
+        let start = self.object_cursor.fetch_add(1, Ordering::Relaxed);
         let mut last_error = None;
         for step in 0..objects.len() {
             let object = &objects[(start + step) % objects.len()];

@@ -3,15 +3,9 @@
 //! Goal: keep the engine's modules layered (each piece of state has one owning module, and
 //! owners below never reach back up), so a newcomer can follow a request downward.
 //! Method: read every `crate::MODULE` reference in `src/*.rs`, build the module graph, find its
-//! strongly connected components, and fail on any cycle not listed in `KNOWN_CYCLE` below.
-//! The one listed cycle (the cache table, objects and write-back) is the remaining part of the
-//! engine v2 restructuring; the test also fails when that cycle shrinks without the list
-//! being updated, so the list can only get shorter.
+//! strongly connected components, and fail on any cycle.
 
 use std::collections::{BTreeMap, BTreeSet};
-
-/// Modules still importing each other, to be split (see docs/design.md, "Remaining work").
-const KNOWN_CYCLE: &[&str] = &["cache", "object", "writeback"];
 
 fn module_graph() -> BTreeMap<String, BTreeSet<String>> {
     let source = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
@@ -106,25 +100,42 @@ fn cycles(graph: &BTreeMap<String, BTreeSet<String>>) -> Vec<BTreeSet<String>> {
 }
 
 #[test]
-fn engine_modules_import_each_other_only_in_the_known_cycle() {
+fn engine_module_imports_form_a_dag() {
     let graph = module_graph();
-    assert!(
-        graph.contains_key("cache"),
-        "the module reader found the sources"
-    );
-    let known: BTreeSet<String> = KNOWN_CYCLE.iter().map(|name| name.to_string()).collect();
-    let found = cycles(&graph);
-    for component in &found {
+    for layer in [
+        "cache",
+        "table",
+        "writeback",
+        "object",
+        "handle",
+        "bsd",
+        "dirty",
+    ] {
         assert!(
-            component.is_subset(&known),
-            "new import cycle among engine modules: {component:?} (graph: {graph:?})"
+            graph.contains_key(layer),
+            "the module reader found the sources ({layer})"
         );
     }
-    assert_eq!(
-        found,
-        vec![known],
-        "the known cycle changed: shorten KNOWN_CYCLE to what remains"
+    let found = cycles(&graph);
+    assert!(
+        found.is_empty(),
+        "import cycles among engine modules: {found:?} (graph: {graph:?})"
     );
+    // The layering the design describes: the table knows no objects or write-back, object
+    // state knows no cache, write-back knows no handles.
+    for (module, forbidden) in [
+        ("table", &["object", "writeback", "cache", "handle"][..]),
+        ("object", &["cache", "table", "writeback", "handle"][..]),
+        ("writeback", &["cache", "handle", "bsd"][..]),
+        ("cache", &["handle", "bsd"][..]),
+    ] {
+        for target in forbidden {
+            assert!(
+                !graph[module].contains(*target),
+                "{module} must not import {target} (graph: {graph:?})"
+            );
+        }
+    }
 }
 
 #[test]

@@ -1,0 +1,123 @@
+//! The NBD side of the cache: [`CacheExport`] serves one cache object as an NBD export.
+//!
+//! It only translates: each NBD command becomes one call on the object handle, and every
+//! decision (how to zero, whether a request will wait for I/O) is the engine's. Each
+//! connection gets its own handle ([`Export::open_connection`]), so every connection's next
+//! FLUSH hears of a write-back error once.
+
+use std::io;
+use std::sync::Arc;
+
+use bufcache::{ObjectHandle, ZeroOptions};
+
+use crate::export::{BlockStatusExtent, Export, WriteSource};
+
+/// A cache object served as an NBD export.
+pub struct CacheExport {
+    object: ObjectHandle,
+}
+
+impl CacheExport {
+    /// Serves `object`.
+    pub fn new(object: ObjectHandle) -> Self {
+        CacheExport { object }
+    }
+}
+
+impl Export for CacheExport {
+    fn size(&self) -> u64 {
+        self.object.len()
+    }
+
+    fn read_only(&self) -> bool {
+        self.object.is_read_only()
+    }
+
+    fn description(&self) -> String {
+        format!("bufcache over {}", self.object.device().describe())
+    }
+
+    fn preferred_block_size(&self) -> u32 {
+        self.object.block_size()
+    }
+
+    fn read(&self, offset: u64, buffer: &mut [u8]) -> io::Result<()> {
+        Ok(self.object.read_at(offset, buffer)?)
+    }
+
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
+        Ok(self.object.write_at(offset, data, fua)?)
+    }
+
+    fn write_from(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        source: &mut WriteSource<'_>,
+    ) -> io::Result<()> {
+        Ok(self.object.write_from(offset, length, fua, source)?)
+    }
+
+    fn flush(&self) -> io::Result<()> {
+        Ok(self.object.flush()?)
+    }
+
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> io::Result<()> {
+        self.object.discard(offset, length)?;
+        if fua {
+            self.object.flush()?;
+        }
+        Ok(())
+    }
+
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        length: u64,
+        may_trim: bool,
+        fast_only: bool,
+        fua: bool,
+    ) -> io::Result<()> {
+        let options = ZeroOptions {
+            may_deallocate: may_trim,
+            fast_only,
+            fua,
+        };
+        Ok(self.object.zero(offset, length, options)?)
+    }
+
+    fn can_fast_zero(&self) -> bool {
+        self.object.can_zero_fast()
+    }
+
+    fn cache(&self, offset: u64, length: u64) -> io::Result<()> {
+        Ok(self.object.prefetch(offset, length)?)
+    }
+
+    fn read_is_quick(&self, offset: u64, length: u64) -> bool {
+        self.object.is_resident(offset, length)
+    }
+
+    fn write_is_quick(&self, offset: u64, length: u64, fua: bool) -> bool {
+        self.object.write_is_quick(offset, length, fua)
+    }
+
+    fn open_connection(&self) -> Option<Arc<dyn Export>> {
+        Some(Arc::new(CacheExport {
+            object: self.object.reopen(),
+        }))
+    }
+
+    fn block_status(&self, offset: u64, length: u64) -> io::Result<Vec<BlockStatusExtent>> {
+        let extents = self.object.extents(offset, length)?;
+        Ok(extents
+            .into_iter()
+            .map(|extent| BlockStatusExtent {
+                length: extent.length,
+                hole: extent.hole,
+                zero: extent.hole,
+            })
+            .collect())
+    }
+}

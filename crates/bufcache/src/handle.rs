@@ -1,0 +1,1106 @@
+//! Object handles: the byte-range calls the NBD server uses (read, write, flush, discard,
+//! write-zeroes, extents, prefetch), built on the cache table, the object's state and
+//! write-back. The BSD buffer calls (`getblk`, `bread`, …) are a thin layer over this in
+//! module `bsd`.
+//!
+//! Invariants:
+//! - a partial-block write reads the block first only when it is not cached;
+//! - no buffer lock is held while waiting for space, and only buffer locks are held across
+//!   device I/O;
+//! - each [`ObjectHandle`] remembers the last write-back error sequence it reported, so every
+//!   handle hears of every write-back error once (errseq).
+
+use std::io::IoSliceMut;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use bufcache_policy::Placement;
+
+use crate::buffer::{Buffer, DIRTY, READAHEAD, VALID};
+use crate::cache::{Cache, Inner, Urgency};
+use crate::error::CacheError;
+use crate::object::{ObjectConfig, ObjectState};
+use crate::stats::WritebackCause;
+use crate::table::Lookup;
+use crate::writeback::LockMode;
+use bufcache_device::{Device, Extent};
+
+/// How [`ObjectHandle::zero`] may zero a range.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ZeroOptions {
+    /// The device may deallocate the range (punch a hole) instead of storing zeroes; NBD's
+    /// WRITE_ZEROES without NO_HOLE.
+    pub may_deallocate: bool,
+    /// Fail instead of writing zero bytes to the device; NBD's FAST_ZERO.
+    pub fast_only: bool,
+    /// The zeroes are durable when the call returns; NBD's FUA.
+    pub fua: bool,
+}
+
+impl Cache {
+    /// Registers an object (an export, a file) stored on `config.device` and returns a handle.
+    pub fn open_object(&self, config: ObjectConfig) -> Result<ObjectHandle, CacheError> {
+        let state = self.inner.add_object(config)?;
+        Ok(ObjectHandle::new(self.clone(), state))
+    }
+}
+
+/// A buffer held exclusively: what `getblk` and `bread` return. Dropping it releases it
+/// (`brelse`); an invalid buffer (never filled) is discarded on release.
+pub struct BufferGuard {
+    inner: Arc<Inner>,
+    buffer: Arc<Buffer>,
+    discard_on_release: bool,
+}
+
+impl BufferGuard {
+    /// The buffer held.
+    pub(crate) fn buffer(&self) -> &Arc<Buffer> {
+        &self.buffer
+    }
+
+    /// Keeps the buffer cached on release even if it was marked no-cache (bqrelse).
+    pub(crate) fn keep_on_release(&mut self) {
+        self.discard_on_release = false;
+    }
+
+    fn new(inner: &Arc<Inner>, _object: &Arc<ObjectState>, buffer: Arc<Buffer>) -> Self {
+        BufferGuard {
+            inner: Arc::clone(inner),
+            buffer,
+            discard_on_release: false,
+        }
+    }
+
+    /// The logical block number.
+    pub fn block(&self) -> u64 {
+        self.buffer.key.block
+    }
+
+    /// True when the bytes hold the block's contents (read, or written whole).
+    pub fn is_valid(&self) -> bool {
+        self.buffer.has(VALID)
+    }
+
+    /// True when the bytes are newer than the device.
+    pub fn is_dirty(&self) -> bool {
+        self.buffer.has(DIRTY)
+    }
+
+    /// The block's bytes (the block size; bytes past the end of a short last block are
+    /// zero and never written).
+    pub fn data(&self) -> &[u8] {
+        // SAFETY: the guard holds the buffer lock exclusively.
+        unsafe { self.buffer.bytes() }
+    }
+
+    /// The block's bytes, for filling or modifying; call [`ObjectHandle::bdwrite`] (or
+    /// another write) afterwards to keep the change.
+    pub fn data_mut(&mut self) -> &mut [u8] {
+        // SAFETY: the guard holds the buffer lock exclusively and borrows self mutably.
+        unsafe { self.buffer.bytes_mut() }
+    }
+
+    /// Declares the bytes valid after the caller filled them itself (a clean buffer).
+    pub fn mark_valid(&mut self) {
+        self.buffer.set(VALID);
+    }
+
+    /// B_NOCACHE: on release, drop the buffer from the cache if it is clean.
+    pub fn set_no_cache(&mut self) {
+        self.discard_on_release = true;
+    }
+}
+
+impl Drop for BufferGuard {
+    fn drop(&mut self) {
+        let drop_it =
+            !self.buffer.has(VALID) || (self.discard_on_release && !self.buffer.has(DIRTY));
+        if drop_it {
+            self.inner.table().remove(&self.buffer);
+        }
+        // SAFETY: the guard holds the lock exclusively until now.
+        unsafe { self.buffer.unlock_exclusive() };
+        self.inner.table().unpin(&self.buffer);
+    }
+}
+
+/// Fills the slices of a write with its data, in order (see [`ObjectHandle::write_from`]).
+pub type WriteSource<'a> = dyn FnMut(&mut [IoSliceMut<'_>]) -> std::io::Result<()> + 'a;
+
+/// The byte range of one write, to cut it into block pieces.
+#[derive(Clone, Copy)]
+struct WriteRange {
+    offset: u64,
+    end_offset: u64,
+}
+
+impl WriteRange {
+    /// Where in `block` the write starts, and how many of its bytes it covers.
+    fn piece(&self, object: &ObjectState, block: u64) -> (usize, usize) {
+        let block_size = object.block_size_bytes as u64;
+        let block_start = block * block_size;
+        let start = self.offset.max(block_start);
+        let end = self.end_offset.min(block_start + block_size);
+        ((start - block_start) as usize, (end - start) as usize)
+    }
+}
+
+/// One byte-range read in progress.
+struct ReadRequest<'a> {
+    offset: u64,
+    target: &'a mut [u8],
+    /// One past the request's last block.
+    end: u64,
+    /// How far a miss run may extend (the stream's read-ahead window).
+    miss_limit: u64,
+    placement: Placement,
+    /// Set when a block was still being read ahead when the reader reached it.
+    waited_for_readahead: bool,
+}
+
+/// A buffer held shared for reading, by the byte-range read path.
+struct SharedHold<'a> {
+    inner: &'a Inner,
+    buffer: Arc<Buffer>,
+}
+
+impl Drop for SharedHold<'_> {
+    fn drop(&mut self) {
+        // SAFETY: the hold owns one shared lock.
+        unsafe { self.buffer.unlock_shared() };
+        self.inner.table().unpin(&self.buffer);
+    }
+}
+
+/// A handle on one object of a cache. Each handle is one "opener" for error reporting: a
+/// write-back error is reported by the next `flush` of every handle that existed (or was
+/// opened) before it happened, once each.
+pub struct ObjectHandle {
+    cache: Cache,
+    object: Arc<ObjectState>,
+    seen_error_sequence: AtomicU64,
+}
+
+impl ObjectHandle {
+    pub(crate) fn new(cache: Cache, object: Arc<ObjectState>) -> Self {
+        let seen = object.latch_sequence();
+        ObjectHandle {
+            cache,
+            object,
+            seen_error_sequence: AtomicU64::new(seen),
+        }
+    }
+
+    /// A new handle on the same object, with its own error reporting position (now).
+    pub fn reopen(&self) -> ObjectHandle {
+        ObjectHandle::new(self.cache.clone(), Arc::clone(&self.object))
+    }
+
+    /// The cache this object lives in.
+    pub fn cache(&self) -> &Cache {
+        &self.cache
+    }
+
+    /// The object's name.
+    pub fn name(&self) -> &str {
+        &self.object.name
+    }
+
+    /// The object's length in bytes.
+    pub fn len(&self) -> u64 {
+        self.object.length_bytes
+    }
+
+    /// True for a zero-length object.
+    pub fn is_empty(&self) -> bool {
+        self.object.length_bytes == 0
+    }
+
+    /// The block size in bytes.
+    pub fn block_size(&self) -> u32 {
+        self.object.block_size_bytes
+    }
+
+    /// True when writes are refused.
+    pub fn is_read_only(&self) -> bool {
+        self.object.read_only
+    }
+
+    /// The device below.
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.object.device
+    }
+
+    pub(crate) fn object(&self) -> &Arc<ObjectState> {
+        &self.object
+    }
+
+    pub(crate) fn inner(&self) -> &Arc<Inner> {
+        &self.cache.inner
+    }
+
+    /// Passes `result` through; an error returned to this handle now also counts as reported
+    /// to it, so its next flush does not report the same latched error a second time.
+    pub(crate) fn reported<T>(&self, result: Result<T, CacheError>) -> Result<T, CacheError> {
+        if result.is_err() {
+            self.object.mark_errors_seen(&self.seen_error_sequence);
+        }
+        result
+    }
+
+    // ----- byte-range API -----
+
+    /// Reads `target.len()` bytes at `offset`, through the cache, with read-ahead for
+    /// sequential streams and clustered device reads for runs of misses.
+    pub fn read_at(&self, offset: u64, target: &mut [u8]) -> Result<(), CacheError> {
+        let object = &self.object;
+        object.check_range(offset, target.len() as u64)?;
+        if target.is_empty() {
+            return Ok(());
+        }
+        let block_size = object.block_size_bytes as u64;
+        let first = offset / block_size;
+        let end = (offset + target.len() as u64).div_ceil(block_size);
+        let plan = object.plan_read(first, end);
+        let placement = if plan.no_reuse && self.inner().config().noreuse_sequential {
+            Placement::NoReuse
+        } else {
+            Placement::Normal
+        };
+        let mut request = ReadRequest {
+            offset,
+            target,
+            end,
+            // A miss inside the stream's issued window reads to the window's end itself: the
+            // background job may not have reached those blocks yet.
+            miss_limit: plan.extend_to_block.max(plan.window_end_block),
+            placement,
+            waited_for_readahead: false,
+        };
+        let mut block = first;
+        while block < end {
+            block = self.read_step(block, &mut request)?;
+        }
+        if request.waited_for_readahead {
+            object.note_readahead_wait(end);
+        }
+        if plan.extend_to_block > end {
+            // The part of the synchronous window the request's own miss runs did not cover.
+            self.start_readahead(end, plan.extend_to_block);
+        }
+        if let Some((start, window_end)) = plan.background {
+            self.start_readahead(start, window_end);
+        }
+        Ok(())
+    }
+
+    /// Serves `block` (and, on a miss, the run of missing blocks after it) and returns the
+    /// next block to serve.
+    fn read_step(&self, block: u64, request: &mut ReadRequest<'_>) -> Result<u64, CacheError> {
+        let inner = self.inner();
+        let key = self.object.key(block);
+        match inner.lookup_or_insert(key, &self.object, request.placement, Urgency::Wait)? {
+            Lookup::Found(buffer) => {
+                if !buffer.try_lock_shared() {
+                    // Held exclusively: being filled. If by read-ahead, the window did not
+                    // cover the device's latency.
+                    request.waited_for_readahead |= buffer.has(READAHEAD);
+                    buffer.lock_shared();
+                }
+                let hold = SharedHold { inner, buffer };
+                if !hold.buffer.has(VALID) {
+                    // The reader that inserted it failed and removed it: look again.
+                    return Ok(block);
+                }
+                if hold.buffer.clear(READAHEAD) {
+                    inner
+                        .counters()
+                        .readahead_used_blocks
+                        .fetch_add(1, Ordering::Relaxed);
+                    if request.placement == Placement::NoReuse {
+                        inner.table().demote(&hold.buffer);
+                    }
+                }
+                // SAFETY: shared lock held by `hold`.
+                copy_out(
+                    &self.object,
+                    block,
+                    unsafe { hold.buffer.bytes() },
+                    request.offset,
+                    request.target,
+                );
+                Ok(block + 1)
+            }
+            Lookup::Inserted(buffer) => {
+                let end = request.end;
+                let run_end = request.miss_limit.max(end);
+                let run = self.read_run(buffer, run_end, end, request.placement)?;
+                let served_end = (block + run.len() as u64).min(end);
+                for guard in &run[..(served_end - block) as usize] {
+                    copy_out(
+                        &self.object,
+                        guard.block(),
+                        guard.data(),
+                        request.offset,
+                        request.target,
+                    );
+                }
+                Ok(served_end)
+            }
+        }
+    }
+
+    /// Extends a freshly inserted buffer into a run of absent blocks up to `limit`, one
+    /// cluster at most and never across a block-map gap, and reads the run with one vectored
+    /// device request. Blocks at or past `request_end` are read-ahead.
+    fn read_run(
+        &self,
+        first: Arc<Buffer>,
+        limit: u64,
+        request_end: u64,
+        placement: Placement,
+    ) -> Result<Vec<BufferGuard>, CacheError> {
+        let mut run = self.collect_run(first, limit, request_end, placement);
+        self.read_collected(&mut run, request_end)?;
+        Ok(run)
+    }
+
+    /// The buffers of a run: `first` and the absent blocks after it, inserted locked.
+    fn collect_run(
+        &self,
+        first: Arc<Buffer>,
+        limit: u64,
+        request_end: u64,
+        placement: Placement,
+    ) -> Vec<BufferGuard> {
+        let inner = self.inner();
+        let object = &self.object;
+        let start = first.key.block;
+        let mapped = object.map.map(start);
+        let run_limit = limit
+            .min(start + object.cluster_blocks)
+            .min(start + mapped.contiguous_blocks)
+            .min(object.block_count);
+        let mut run = vec![BufferGuard::new(inner, object, first)];
+        for block in start + 1..run_limit {
+            let Some(buffer) = inner.insert_absent(
+                object.key(block),
+                object,
+                run_placement(placement, block, request_end),
+                block < request_end,
+            ) else {
+                break;
+            };
+            if block >= request_end {
+                buffer.set(READAHEAD);
+            }
+            run.push(BufferGuard::new(inner, object, buffer));
+        }
+        run
+    }
+
+    /// Reads a collected run; blocks at or past `request_end` count as read-ahead.
+    fn read_collected(&self, run: &mut [BufferGuard], request_end: u64) -> Result<(), CacheError> {
+        let start = run[0].block();
+        let readahead =
+            run.len() as u64 - (request_end.saturating_sub(start)).min(run.len() as u64);
+        self.device_read(run, self.object.map.map(start).device_offset)?;
+        self.inner()
+            .counters()
+            .readahead_issued_blocks
+            .fetch_add(readahead, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// One vectored device read into every buffer of `run`. On failure nothing is marked
+    /// valid, so dropping the guards removes every buffer: a failed read caches nothing.
+    pub(crate) fn device_read(
+        &self,
+        run: &mut [BufferGuard],
+        device_offset: u64,
+    ) -> Result<(), CacheError> {
+        let inner = self.inner();
+        let mut slices: Vec<IoSliceMut<'_>> = run
+            .iter()
+            // SAFETY: every guard holds its buffer exclusively.
+            .map(|guard| IoSliceMut::new(unsafe { guard.buffer.device_bytes_mut() }))
+            .collect();
+        let length_bytes: u64 = slices.iter().map(|slice| slice.len() as u64).sum();
+        let result = self
+            .object
+            .device
+            .read_vectored_at(&mut slices, device_offset);
+        inner
+            .counters()
+            .device_reads
+            .record(length_bytes, result.is_ok());
+        result.map_err(|source| CacheError::Device {
+            device: self.object.device.describe(),
+            operation: "read",
+            offset: device_offset,
+            length_bytes,
+            source,
+        })?;
+        if run.len() > 1 {
+            inner
+                .counters()
+                .read_clusters
+                .fetch_add(1, Ordering::Relaxed);
+            inner
+                .counters()
+                .read_cluster_buffers
+                .fetch_add(run.len() as u64, Ordering::Relaxed);
+        }
+        for guard in run.iter_mut() {
+            guard.mark_valid();
+        }
+        Ok(())
+    }
+
+    /// Reads `[start, end)` into the cache in the background (or inline when the spawner
+    /// refuses). Best effort: blocks already cached and blocks that find no free space are
+    /// skipped; errors are counted but not reported, since no reader asked for these blocks.
+    fn start_readahead(&self, start: u64, end: u64) {
+        if self.blocks_resident(start, end) {
+            // Queue nothing for a window already cached (the hot path of a sequential reader).
+            return;
+        }
+        let handle = self.background_handle();
+        let job = Box::new(move || handle.fill_readahead(start, end));
+        if let Err(job) = self.inner().spawner().spawn(job) {
+            job();
+        }
+    }
+
+    /// Makes blocks `[start, end)` resident without copying them anywhere.
+    fn fill_readahead(&self, start: u64, end: u64) {
+        // Insert the whole window before the first read, so a reader arriving meanwhile
+        // waits on these buffers instead of reading the same blocks itself in small pieces.
+        let inner = self.inner();
+        let mut runs = Vec::new();
+        let mut block = start;
+        while block < end {
+            let Some(buffer) = inner.insert_absent(
+                self.object.key(block),
+                &self.object,
+                Placement::Normal,
+                false,
+            ) else {
+                block += 1;
+                continue;
+            };
+            buffer.set(READAHEAD);
+            let run = self.collect_run(buffer, end, block, Placement::Normal);
+            block += run.len() as u64;
+            runs.push(run);
+        }
+        // Every run after the first is read by its own background job, so a window larger
+        // than a cluster keeps several requests in flight (what a high-latency backend
+        // needs); the first run, which the reader wants soonest, is read here. A failed run
+        // is dropped unread, which removes its buffers: read-ahead caches nothing on error,
+        // and the reader meets the error itself.
+        let mut runs = runs.into_iter();
+        let Some(mut first) = runs.next() else { return };
+        for mut run in runs {
+            let handle = self.background_handle();
+            let job: crate::environment::Job = Box::new(move || {
+                let start = run[0].block();
+                let _ = handle.read_collected(&mut run, start);
+            });
+            if let Err(job) = self.inner().spawner().spawn(job) {
+                job();
+            }
+        }
+        let start = first[0].block();
+        let _ = self.read_collected(&mut first, start);
+    }
+
+    /// A handle for background work; it reports no errors to anyone (its errseq position is
+    /// irrelevant), so it does not take part in flush error reporting.
+    fn background_handle(&self) -> ObjectHandle {
+        ObjectHandle {
+            cache: self.cache.clone(),
+            object: Arc::clone(&self.object),
+            seen_error_sequence: AtomicU64::new(0),
+        }
+    }
+
+    /// True when the byte range is in the cache now, so reading it will not wait for the
+    /// device (a hint: it may change at once). Up to `CHECKED_BLOCKS_MAX` blocks are all
+    /// looked up; a longer range is sampled (evenly spaced blocks and the last one), which
+    /// costs a few lookups instead of one per block — runs are cached and evicted mostly
+    /// whole (read-ahead, clustering), so a sampled run is almost always wholly resident.
+    pub fn is_resident(&self, offset: u64, length_bytes: u64) -> bool {
+        if self.object.check_range(offset, length_bytes).is_err() || length_bytes == 0 {
+            return false;
+        }
+        let block_size = self.object.block_size_bytes as u64;
+        let first = offset / block_size;
+        let end = (offset + length_bytes).div_ceil(block_size);
+        self.blocks_resident(first, end)
+    }
+
+    /// Whether blocks `[first, end)` are cached, looking at no more than
+    /// `CHECKED_BLOCKS_MAX` + 1 of them (see `is_resident`).
+    fn blocks_resident(&self, first: u64, end: u64) -> bool {
+        const CHECKED_BLOCKS_MAX: u64 = 16;
+        if first >= end {
+            return true;
+        }
+        let step = (end - first).div_ceil(CHECKED_BLOCKS_MAX).max(1);
+        let resident = |block: u64| self.inner().table().contains(self.object.key(block));
+        (first..end).step_by(step as usize).all(resident) && resident(end - 1)
+    }
+
+    /// True when a write of the byte range will complete without waiting for the device: no
+    /// FUA, the dirty data stays under the throttling limit, and a block the write covers
+    /// only in part is cached (so it need not be read first). A hint, like `is_resident`.
+    pub fn write_is_quick(&self, offset: u64, length_bytes: u64, fua: bool) -> bool {
+        let object = &self.object;
+        if fua || object.read_only || object.check_range(offset, length_bytes).is_err() {
+            return false;
+        }
+        let inner = self.inner();
+        let (_, limit) = inner.writeback().dirty_thresholds();
+        if inner.writeback().dirty_bytes() + length_bytes > limit {
+            return false;
+        }
+        let block_size = object.block_size_bytes as u64;
+        let end_offset = offset + length_bytes;
+        let partial_head = !offset.is_multiple_of(block_size);
+        let partial_tail =
+            !end_offset.is_multiple_of(block_size) && end_offset != object.length_bytes;
+        let resident = |block: u64| inner.table().contains(object.key(block));
+        (!partial_head || resident(offset / block_size))
+            && (!partial_tail || resident(end_offset / block_size))
+    }
+
+    /// NBD_CMD_CACHE: reads `[offset, offset + length)` into the cache.
+    pub fn prefetch(&self, offset: u64, length_bytes: u64) -> Result<(), CacheError> {
+        self.object.check_range(offset, length_bytes)?;
+        if length_bytes == 0 {
+            return Ok(());
+        }
+        let block_size = self.object.block_size_bytes as u64;
+        let first = offset / block_size;
+        let end = (offset + length_bytes).div_ceil(block_size);
+        let mut block = first;
+        while block < end {
+            match self.inner().lookup_or_insert(
+                self.object.key(block),
+                &self.object,
+                Placement::Normal,
+                Urgency::Wait,
+            )? {
+                Lookup::Found(buffer) => {
+                    self.inner().table().unpin(&buffer);
+                    block += 1;
+                }
+                Lookup::Inserted(buffer) => {
+                    block += self.read_run(buffer, end, end, Placement::Normal)?.len() as u64;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `data` at `offset` into the cache (delayed write). With `fua`, the written
+    /// blocks reach the device and the device is flushed before this returns.
+    pub fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), CacheError> {
+        let mut copied = 0usize;
+        let mut copy_in = |slices: &mut [IoSliceMut<'_>]| {
+            for slice in slices.iter_mut() {
+                let length = slice.len();
+                slice.copy_from_slice(&data[copied..copied + length]);
+                copied += length;
+            }
+            Ok(())
+        };
+        self.write_from(offset, data.len() as u64, fua, &mut copy_in)
+    }
+
+    /// Writes `length_bytes` at `offset` whose data `source` puts straight into the cache's
+    /// buffers: it is called with slices covering the next bytes of the write, in order, and
+    /// must fill them all (an NBD server reads the socket into them: the one copy between the
+    /// socket and the cache). Blocks are taken in groups of up to `WRITE_GROUP_BLOCKS_MAX`:
+    /// the group's first block may wait for space; the rest join only if they are cached or
+    /// space is free at once, so no buffer lock is held while waiting. Each group is marked
+    /// dirty with one update of the dirty index.
+    ///
+    /// If `source` fails, the write is torn, as an unacknowledged write may be: blocks that
+    /// were cached keep whatever the source wrote into them (and are dirty), blocks that were
+    /// not are dropped, so no byte the client never sent replaces data on the device. The
+    /// error is [`CacheError::DataSource`].
+    pub fn write_from(
+        &self,
+        offset: u64,
+        length_bytes: u64,
+        fua: bool,
+        source: &mut WriteSource<'_>,
+    ) -> Result<(), CacheError> {
+        let object = &self.object;
+        object.check_writable()?;
+        object.check_range(offset, length_bytes)?;
+        if length_bytes == 0 {
+            return Ok(());
+        }
+        self.reported(self.inner().writeback().throttle_writer(object))?;
+        let block_size = object.block_size_bytes as u64;
+        let first = offset / block_size;
+        let end = (offset + length_bytes).div_ceil(block_size);
+        let range = WriteRange {
+            offset,
+            end_offset: offset + length_bytes,
+        };
+        let mut block = first;
+        while block < end {
+            block = self.write_group(block, end, range, source)?;
+        }
+        if fua {
+            self.reported(self.write_through(first, end))?;
+        } else if self.inner().config().write_behind {
+            self.write_behind(first, end);
+        }
+        Ok(())
+    }
+
+    /// Writes one group of blocks starting at `block` (see `write_from`); returns the next
+    /// block to write.
+    fn write_group(
+        &self,
+        block: u64,
+        end: u64,
+        range: WriteRange,
+        source: &mut WriteSource<'_>,
+    ) -> Result<u64, CacheError> {
+        const WRITE_GROUP_BLOCKS_MAX: usize = 256;
+        let mut group: Vec<(BufferGuard, bool)> = Vec::new();
+        let (within, length) = range.piece(&self.object, block);
+        let whole = length == self.object.block_length_bytes(block) as usize;
+        group.push(self.acquire_for_write(block, whole)?);
+        let mut next = block + 1;
+        while next < end && group.len() < WRITE_GROUP_BLOCKS_MAX {
+            let (_, length) = range.piece(&self.object, next);
+            let whole = length == self.object.block_length_bytes(next) as usize;
+            match self.try_acquire_for_write(next, whole) {
+                Some(held) => group.push(held),
+                None => break,
+            }
+            next += 1;
+        }
+        let mut slices: Vec<IoSliceMut<'_>> = Vec::with_capacity(group.len());
+        for (index, (guard, _)) in group.iter_mut().enumerate() {
+            let piece_block = block + index as u64;
+            let (start, length) = if index == 0 {
+                (within, length)
+            } else {
+                range.piece(&self.object, piece_block)
+            };
+            slices.push(IoSliceMut::new(
+                &mut guard.data_mut()[start..start + length],
+            ));
+        }
+        let filled = source(&mut slices);
+        drop(slices);
+        if filled.is_err() {
+            for (guard, fresh) in &group {
+                if *fresh {
+                    // Never cached before: drop it rather than write bytes nobody sent.
+                    guard.buffer().clear(VALID);
+                }
+            }
+        }
+        let written: Vec<&Buffer> = group
+            .iter()
+            .filter(|(guard, _)| guard.is_valid())
+            .map(|(guard, _)| guard.buffer().as_ref())
+            .collect();
+        self.inner()
+            .writeback()
+            .mark_dirty_all(&self.object, &written);
+        drop(written);
+        let next = block + group.len() as u64;
+        drop(group);
+        filled.map_err(|source| CacheError::DataSource { source })?;
+        Ok(next)
+    }
+
+    /// Holds `block` exclusively with valid contents, or — when the caller overwrites it
+    /// whole — contents the caller is about to replace. True with it when the block was not
+    /// cached (its bytes are not the block's until the caller fills them).
+    fn acquire_for_write(
+        &self,
+        block: u64,
+        whole: bool,
+    ) -> Result<(BufferGuard, bool), CacheError> {
+        let guard = self.hold_exclusive(block)?;
+        self.make_writable(guard, whole)
+    }
+
+    /// As `acquire_for_write`, for a block joining a group whose earlier blocks are held:
+    /// never waits for space or for a buffer lock, and takes no block that would have to be
+    /// read first (None: the group ends here).
+    fn try_acquire_for_write(&self, block: u64, whole: bool) -> Option<(BufferGuard, bool)> {
+        let inner = self.inner();
+        let key = self.object.key(block);
+        let guard = match inner.table().lookup(key, Placement::Normal) {
+            Some(buffer) => {
+                if !buffer.try_lock_exclusive() {
+                    inner.table().unpin(&buffer);
+                    return None;
+                }
+                BufferGuard::new(inner, &self.object, buffer)
+            }
+            None => {
+                let buffer = inner.insert_absent(key, &self.object, Placement::Normal, true)?;
+                BufferGuard::new(inner, &self.object, buffer)
+            }
+        };
+        if !guard.is_valid() && !whole {
+            return None;
+        }
+        self.make_writable(guard, whole).ok()
+    }
+
+    /// Completes holding a block for writing: valid as it is, marked valid when the caller
+    /// overwrites it whole, or read from the device first.
+    fn make_writable(
+        &self,
+        guard: BufferGuard,
+        whole: bool,
+    ) -> Result<(BufferGuard, bool), CacheError> {
+        if guard.is_valid() {
+            return Ok((guard, false));
+        }
+        let mut run = vec![guard];
+        if whole {
+            run[0].mark_valid();
+        } else {
+            let device_offset = self.object.map.map(run[0].block()).device_offset;
+            self.device_read(&mut run, device_offset)?;
+        }
+        Ok((run.pop().expect("one guard"), whole))
+    }
+
+    /// Holds `block` exclusively: a cached valid buffer, or a newly inserted invalid one.
+    /// A buffer found invalid was being filled by a reader that failed and removed it, so
+    /// the block is looked up again.
+    pub(crate) fn hold_exclusive(&self, block: u64) -> Result<BufferGuard, CacheError> {
+        let inner = self.inner();
+        loop {
+            let key = self.object.key(block);
+            match inner.lookup_or_insert(key, &self.object, Placement::Normal, Urgency::Wait)? {
+                Lookup::Found(buffer) => {
+                    buffer.lock_exclusive();
+                    let guard = BufferGuard::new(inner, &self.object, buffer);
+                    if guard.is_valid() {
+                        return Ok(guard);
+                    }
+                }
+                Lookup::Inserted(buffer) => {
+                    return Ok(BufferGuard::new(inner, &self.object, buffer))
+                }
+            }
+        }
+    }
+
+    pub(crate) fn mark_dirty(&self, guard: &BufferGuard) {
+        guard.buffer.set(VALID);
+        self.inner()
+            .writeback()
+            .mark_dirty(&self.object, &guard.buffer);
+    }
+
+    /// Writes the dirty blocks of `[first, end)` to the device now and flushes it (FUA).
+    fn write_through(&self, first: u64, end: u64) -> Result<(), CacheError> {
+        self.inner().writeback().write_range(
+            &self.object,
+            first,
+            end,
+            LockMode::Wait,
+            WritebackCause::Flush,
+        )?;
+        self.inner().writeback().flush_device(&self.object)
+    }
+
+    /// Queues write-back of every cluster this write completed (all its blocks dirty).
+    pub(crate) fn write_behind(&self, first: u64, end: u64) {
+        let object = &self.object;
+        let cluster = object.cluster_blocks;
+        let mut cluster_start = first / cluster * cluster;
+        while cluster_start < end {
+            let cluster_end = (cluster_start + cluster).min(object.block_count);
+            let completed = cluster_end <= end && cluster_end > first;
+            if completed
+                && object
+                    .dirty
+                    .lock()
+                    .range(cluster_start..cluster_end)
+                    .count() as u64
+                    == cluster_end - cluster_start
+            {
+                let inner = Arc::clone(self.inner());
+                let target = Arc::clone(object);
+                let job = Box::new(move || {
+                    // Errors are latched on the object and reported by the next flush.
+                    let _ = inner.writeback().write_range(
+                        &target,
+                        cluster_start,
+                        cluster_end,
+                        LockMode::Try,
+                        WritebackCause::WriteBehind,
+                    );
+                });
+                // When no worker is free the background writer will get to it.
+                let _ = self.inner().spawner().spawn(job);
+            }
+            cluster_start += cluster;
+        }
+    }
+
+    /// Writes every dirty block of this object back and flushes the device. Every write that
+    /// completed before this call is durable when it returns `Ok`. Reports this handle's
+    /// unseen write-back errors once.
+    pub fn flush(&self) -> Result<(), CacheError> {
+        let result = self.inner().writeback().fsync_object(&self.object);
+        let unseen = self.object.unseen_error(&self.seen_error_sequence);
+        result?;
+        unseen.map_or(Ok(()), Err)
+    }
+
+    /// Drops cached blocks wholly inside the range and tells the device the range is unused.
+    /// Blocks partly inside keep their data (a discard is advisory).
+    pub fn discard(&self, offset: u64, length_bytes: u64) -> Result<(), CacheError> {
+        self.object.check_writable()?;
+        self.object.check_range(offset, length_bytes)?;
+        let (first, end) = self.whole_blocks(offset, length_bytes);
+        self.replace_on_device(first, end, "discard", |device, at, length| {
+            device.discard(at, length)
+        })
+    }
+
+    /// Makes the range read as zeroes, durable on return with `fua`. The same as
+    /// [`ObjectHandle::zero`] with the device allowed to deallocate and no demand for speed.
+    pub fn write_zeroes(
+        &self,
+        offset: u64,
+        length_bytes: u64,
+        fua: bool,
+    ) -> Result<(), CacheError> {
+        let options = ZeroOptions {
+            may_deallocate: true,
+            fast_only: false,
+            fua,
+        };
+        self.zero(offset, length_bytes, options)
+    }
+
+    /// True when zeroing whole blocks costs the device no data transfer (a hole, a protocol
+    /// command), so a caller asking for a fast zero can be served.
+    pub fn can_zero_fast(&self) -> bool {
+        self.object.device.capabilities().write_zeroes_fast
+    }
+
+    /// Makes the range read as zeroes. The one place that decides how: whole blocks are
+    /// zeroed on the device when that is cheap and deallocation is allowed (they leave the
+    /// cache), everything else — partial blocks, or all of it when the device would have to
+    /// write zeroes anyway — is written as zero bytes through the cache. With `fast_only`,
+    /// a range that would need zero bytes written to the device fails with
+    /// [`CacheError::ZeroingWouldWrite`] before anything changes.
+    pub fn zero(
+        &self,
+        offset: u64,
+        length_bytes: u64,
+        options: ZeroOptions,
+    ) -> Result<(), CacheError> {
+        self.object.check_writable()?;
+        self.object.check_range(offset, length_bytes)?;
+        let fast = options.may_deallocate && self.can_zero_fast();
+        if options.fast_only && !fast {
+            return Err(CacheError::ZeroingWouldWrite {
+                object: self.object.name.clone(),
+            });
+        }
+        let block_size = self.object.block_size_bytes as u64;
+        let (first, end) = self.whole_blocks(offset, length_bytes);
+        if first >= end || !fast {
+            self.write_zero_bytes(offset, length_bytes)?;
+        } else {
+            let head_end = first * block_size;
+            let tail_start = (end * block_size).min(self.object.length_bytes);
+            self.write_zero_bytes(offset, head_end - offset)?;
+            self.write_zero_bytes(
+                tail_start,
+                (offset + length_bytes).saturating_sub(tail_start),
+            )?;
+            self.replace_on_device(first, end, "write_zeroes", |device, at, length| {
+                device.write_zeroes(at, length)
+            })?;
+        }
+        if options.fua {
+            self.reported(self.inner().writeback().write_range(
+                &self.object,
+                offset / block_size,
+                (offset + length_bytes).div_ceil(block_size),
+                LockMode::Wait,
+                WritebackCause::Flush,
+            ))?;
+            self.reported(self.inner().writeback().flush_device(&self.object))?;
+        }
+        Ok(())
+    }
+
+    /// Writes zero bytes through the cache in steps of at most `ZERO_STEP_BYTES`, so the
+    /// zero source stays small whatever the range.
+    fn write_zero_bytes(&self, offset: u64, length_bytes: u64) -> Result<(), CacheError> {
+        const ZERO_STEP_BYTES: u64 = 1 << 20;
+        if length_bytes == 0 {
+            return Ok(());
+        }
+        let zeroes = vec![0u8; length_bytes.min(ZERO_STEP_BYTES) as usize];
+        let mut done = 0u64;
+        while done < length_bytes {
+            let step = (length_bytes - done).min(zeroes.len() as u64) as usize;
+            self.write_at(offset + done, &zeroes[..step], false)?;
+            done += step as u64;
+        }
+        Ok(())
+    }
+
+    /// Blocks wholly inside a byte range: `[first, end)`.
+    fn whole_blocks(&self, offset: u64, length_bytes: u64) -> (u64, u64) {
+        let block_size = self.object.block_size_bytes as u64;
+        let first = offset.div_ceil(block_size);
+        let range_end = offset + length_bytes;
+        let end = if range_end == self.object.length_bytes {
+            self.object.block_count
+        } else {
+            range_end / block_size
+        };
+        (first, end.max(first))
+    }
+
+    /// Drops the blocks `[first, end)` from the cache (dirty ones included: their contents
+    /// are being replaced), applies `operation` to their device ranges, then drops any clean
+    /// copy a concurrent reader fetched from the device meanwhile. Blocks written meanwhile
+    /// stay dirty: those writes are newer than this operation.
+    fn replace_on_device(
+        &self,
+        first: u64,
+        end: u64,
+        name: &'static str,
+        operation: impl Fn(&dyn Device, u64, u64) -> std::io::Result<()>,
+    ) -> Result<(), CacheError> {
+        if first >= end {
+            return Ok(());
+        }
+        self.invalidate_blocks(first, end, true);
+        let object = &self.object;
+        let mut block = first;
+        while block < end {
+            let mapped = object.map.map(block);
+            let blocks = mapped.contiguous_blocks.min(end - block);
+            let length = (block + blocks) * object.block_size_bytes as u64;
+            let length = length.min(object.length_bytes) - block * object.block_size_bytes as u64;
+            operation(object.device.as_ref(), mapped.device_offset, length).map_err(|source| {
+                CacheError::Device {
+                    device: object.device.describe(),
+                    operation: name,
+                    offset: mapped.device_offset,
+                    length_bytes: length,
+                    source,
+                }
+            })?;
+            block += blocks;
+        }
+        self.invalidate_blocks(first, end, false);
+        Ok(())
+    }
+
+    /// Removes cached blocks of `[first, end)`; dirty ones too when `including_dirty`.
+    pub(crate) fn invalidate_blocks(&self, first: u64, end: u64, including_dirty: bool) {
+        let inner = self.inner();
+        let cached: Vec<u64> = if end - first <= 4096 {
+            (first..end).collect()
+        } else {
+            inner.table().cached_blocks(self.object.id, first, end)
+        };
+        for block in cached {
+            let Some(buffer) = inner.table().lookup_quiet(self.object.key(block)) else {
+                continue;
+            };
+            buffer.lock_exclusive();
+            let mut guard = BufferGuard::new(inner, &self.object, buffer);
+            if guard.is_dirty() && !including_dirty {
+                continue;
+            }
+            self.clear_dirty(&guard);
+            guard.set_no_cache();
+            guard.buffer.clear(VALID);
+        }
+    }
+
+    fn clear_dirty(&self, guard: &BufferGuard) {
+        self.inner()
+            .writeback()
+            .forget_dirty(&self.object, &guard.buffer);
+    }
+
+    /// The allocation map of a byte range: the device's holes, except that blocks dirty in
+    /// the cache are data.
+    pub fn extents(&self, offset: u64, length_bytes: u64) -> Result<Vec<Extent>, CacheError> {
+        self.object.check_range(offset, length_bytes)?;
+        let device_extents =
+            self.object
+                .device
+                .extents(offset, length_bytes)
+                .map_err(|source| CacheError::Device {
+                    device: self.object.device.describe(),
+                    operation: "extents",
+                    offset,
+                    length_bytes,
+                    source,
+                })?;
+        let block_size = self.object.block_size_bytes as u64;
+        let dirty = self.object.dirty.lock();
+        let mut position = offset;
+        let extents = device_extents
+            .into_iter()
+            .map(|extent| {
+                let (start, end) = (
+                    position / block_size,
+                    (position + extent.length).div_ceil(block_size),
+                );
+                position += extent.length;
+                let hole = extent.hole && dirty.range(start..end).next().is_none();
+                Extent {
+                    length: extent.length,
+                    hole,
+                }
+            })
+            .collect();
+        Ok(extents)
+    }
+}
+
+/// Placement of a block of a run: read-ahead (at or past the request's end) is placed
+/// normally until a reader uses it; only blocks a no-reuse stream has consumed go to the
+/// eviction end.
+fn run_placement(placement: Placement, block: u64, request_end: u64) -> Placement {
+    if block >= request_end {
+        Placement::Normal
+    } else {
+        placement
+    }
+}
+
+/// Copies the part of `block`'s bytes that a read of `target.len()` bytes at `offset` wants.
+fn copy_out(object: &ObjectState, block: u64, bytes: &[u8], offset: u64, target: &mut [u8]) {
+    let block_size = object.block_size_bytes as u64;
+    let block_start = block * block_size;
+    let start = offset.max(block_start);
+    let end = (offset + target.len() as u64).min(block_start + block_size);
+    target[(start - offset) as usize..(end - offset) as usize]
+        .copy_from_slice(&bytes[(start - block_start) as usize..(end - block_start) as usize]);
+}

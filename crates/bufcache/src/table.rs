@@ -1,0 +1,534 @@
+//! The buffer table: which blocks are cached, in which slots, under which policy, and how
+//! much memory they hold. It knows buffers and keys, never objects or devices.
+//!
+//! Who guards what:
+//! - each *shard* mutex guards its key → slot map, its slot table and its replacement policy
+//!   instance; it is held only for table updates, never across device I/O or while waiting
+//!   for a buffer lock;
+//! - the *memory account* is two atomics (bytes, buffers) charged before a buffer is created
+//!   and released when it is dropped, so both limits hold at every moment.
+//!
+//! Invariants (asserted): a charge never pushes usage past the limit it was checked against;
+//! `pins` grows only under the shard lock, and eviction (which checks `pins == 0` under that
+//! lock) never takes a dirty buffer or one under write-back.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use bufcache_policy::{Placement, Policy, Slot};
+use parking_lot::Mutex;
+
+use crate::buffer::{BlockKey, Buffer, MemoryRelease, DIRTY, READAHEAD, WRITEBACK};
+use crate::config::CacheConfig;
+use crate::environment::Waiter;
+use crate::stats::{CacheStats, Counters};
+use bufcache_device::aligned::BufferPool;
+
+/// Hashes a [`BlockKey`] by its own mixing function: keys are already well mixed, so the
+/// table's hasher only passes the 64-bit value through.
+#[derive(Default)]
+struct PassThroughHasher(u64);
+
+impl Hasher for PassThroughHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = self.0.rotate_left(8) ^ byte as u64;
+        }
+    }
+    fn write_u64(&mut self, value: u64) {
+        self.0 = value;
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct MixedKey(u64, BlockKey);
+
+impl std::hash::Hash for MixedKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_u64(self.0);
+    }
+}
+
+/// One lock domain of the buffer table.
+struct Shard {
+    map: HashMap<MixedKey, Slot, BuildHasherDefault<PassThroughHasher>>,
+    entries: Vec<Option<Arc<Buffer>>>,
+    free_slots: Vec<Slot>,
+    policy: Box<dyn Policy>,
+    hits: u64,
+    misses: u64,
+}
+
+impl Shard {
+    /// Publishes `buffer` under `key` in a free slot and tells the policy.
+    fn attach(&mut self, key: MixedKey, buffer: &Arc<Buffer>, placement: Placement) {
+        let slot = match self.free_slots.pop() {
+            Some(slot) => slot,
+            None => {
+                self.entries.push(None);
+                (self.entries.len() - 1) as Slot
+            }
+        };
+        buffer.slot.store(slot, Ordering::Release);
+        self.entries[slot as usize] = Some(Arc::clone(buffer));
+        self.map.insert(key, slot);
+        self.policy.insert(slot, key.0, placement);
+    }
+
+    /// Pins and returns the buffer in `slot`.
+    fn pin(&self, slot: Slot) -> Arc<Buffer> {
+        let buffer = Arc::clone(
+            self.entries[slot as usize]
+                .as_ref()
+                .expect("mapped slot is occupied"),
+        );
+        buffer.pins.fetch_add(1, Ordering::AcqRel);
+        buffer
+    }
+
+    fn detach(&mut self, slot: Slot) -> Arc<Buffer> {
+        let buffer = self.entries[slot as usize]
+            .take()
+            .expect("detached slot is occupied");
+        self.map.remove(&MixedKey(buffer.key.hash64(), buffer.key));
+        self.free_slots.push(slot);
+        buffer
+    }
+}
+
+/// Memory and buffer-count limits, charged before a buffer exists and released by its drop.
+struct MemoryAccount {
+    used_bytes: AtomicU64,
+    wasted_bytes: AtomicU64,
+    buffers: AtomicU64,
+    bytes_max: AtomicU64,
+    buffers_max: AtomicU64,
+    waiters: AtomicUsize,
+    waiter: Arc<dyn Waiter>,
+}
+
+impl MemoryAccount {
+    /// Charges one buffer if both limits allow it. Each counter only ever moves to a value
+    /// within its limit (compare-exchange), so no snapshot shows more than the limits.
+    fn try_charge(&self, charge_bytes: u64, waste_bytes: u64) -> bool {
+        let bytes_max = self.bytes_max.load(Ordering::Acquire);
+        let charged = self
+            .used_bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(charge_bytes)
+                    .filter(|&total| total <= bytes_max)
+            });
+        if charged.is_err() {
+            return false;
+        }
+        let buffers_max = self.buffers_max.load(Ordering::Acquire);
+        let counted = self
+            .buffers
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |buffers| {
+                Some(buffers + 1).filter(|&total| total <= buffers_max)
+            });
+        if counted.is_err() {
+            self.used_bytes.fetch_sub(charge_bytes, Ordering::AcqRel);
+            return false;
+        }
+        self.wasted_bytes.fetch_add(waste_bytes, Ordering::Relaxed);
+        // A limit lowered at run time may leave usage above it until eviction catches up, but
+        // a charge never pushes usage past the limit it was checked against.
+        strict_assert!(
+            charge_bytes <= bytes_max,
+            "one buffer larger than the memory limit"
+        );
+        true
+    }
+
+    fn over_limit(&self) -> bool {
+        self.used_bytes.load(Ordering::Acquire) > self.bytes_max.load(Ordering::Acquire)
+            || self.buffers.load(Ordering::Acquire) > self.buffers_max.load(Ordering::Acquire)
+    }
+
+    /// Takes a ticket, then blocks (through the injected waiter) until a release after it or
+    /// `timeout` — unless space appeared between the caller's last try and the ticket.
+    fn wait_for_release(&self, charge_bytes: u64, timeout_ns: u64) {
+        self.waiters.fetch_add(1, Ordering::AcqRel);
+        let ticket = self.waiter.ticket();
+        let bytes_max = self.bytes_max.load(Ordering::Acquire);
+        let room = self.used_bytes.load(Ordering::Acquire) + charge_bytes <= bytes_max
+            && self.buffers.load(Ordering::Acquire) < self.buffers_max.load(Ordering::Acquire);
+        if !room {
+            self.waiter.wait(ticket, timeout_ns);
+        }
+        self.waiters.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    fn notify(&self) {
+        if self.waiters.load(Ordering::Acquire) > 0 {
+            self.waiter.notify_all();
+        }
+    }
+}
+
+impl MemoryRelease for MemoryAccount {
+    fn release(&self, charge_bytes: u64, waste_bytes: u64) {
+        self.used_bytes.fetch_sub(charge_bytes, Ordering::AcqRel);
+        self.wasted_bytes.fetch_sub(waste_bytes, Ordering::Relaxed);
+        self.buffers.fetch_sub(1, Ordering::AcqRel);
+        self.notify();
+    }
+}
+
+/// Result of looking a block up for use.
+pub(crate) enum Lookup {
+    /// The block was in the table; the buffer is pinned but not locked.
+    Found(Arc<Buffer>),
+    /// The block was not there; a new invalid buffer was inserted, pinned and locked
+    /// exclusively.
+    Inserted(Arc<Buffer>),
+}
+
+/// The sharded buffer table and its memory account.
+pub(crate) struct Table {
+    shards: Box<[Mutex<Shard>]>,
+    shard_shift: u32,
+    memory: Arc<MemoryAccount>,
+    /// Where buffer bytes come from (page-aligned slots in large chunks).
+    pool: Arc<BufferPool>,
+    page_size_bytes: u64,
+    evict_cursor: AtomicUsize,
+    counters: Arc<Counters>,
+}
+
+impl Table {
+    /// An empty table sized for `config`'s limits; waits for space go through `waiter`.
+    pub(crate) fn new(
+        config: &CacheConfig,
+        waiter: Arc<dyn Waiter>,
+        counters: Arc<Counters>,
+    ) -> Table {
+        let shard_count = config.shards.next_power_of_two();
+        let capacity_hint = (config.buffers_max as usize)
+            .min((config.memory_bytes_max / config.page_size_bytes) as usize)
+            / shard_count;
+        let shards = (0..shard_count)
+            .map(|_| {
+                Mutex::new(Shard {
+                    map: HashMap::default(),
+                    entries: Vec::new(),
+                    free_slots: Vec::new(),
+                    policy: config.policy.build(capacity_hint.max(1)),
+                    hits: 0,
+                    misses: 0,
+                })
+            })
+            .collect();
+        Table {
+            shard_shift: 64 - shard_count.trailing_zeros(),
+            shards,
+            memory: Arc::new(MemoryAccount {
+                used_bytes: AtomicU64::new(0),
+                wasted_bytes: AtomicU64::new(0),
+                buffers: AtomicU64::new(0),
+                bytes_max: AtomicU64::new(config.memory_bytes_max),
+                buffers_max: AtomicU64::new(config.buffers_max),
+                waiters: AtomicUsize::new(0),
+                waiter,
+            }),
+            pool: BufferPool::new(config.page_size_bytes as usize),
+            page_size_bytes: config.page_size_bytes,
+            evict_cursor: AtomicUsize::new(0),
+            counters,
+        }
+    }
+
+    fn shard_index(&self, key: &BlockKey) -> (usize, u64) {
+        let hash = key.hash64();
+        let index = if self.shards.len() == 1 {
+            0
+        } else {
+            (hash >> self.shard_shift) as usize
+        };
+        (index, hash)
+    }
+
+    /// Memory charged for a buffer of `size_bytes` (whole pages).
+    fn charge_bytes(&self, size_bytes: u64) -> u64 {
+        size_bytes.next_multiple_of(self.page_size_bytes)
+    }
+
+    /// A new invalid buffer for `key`, locked exclusively and pinned; its memory must have
+    /// been reserved with [`Table::try_reserve`] or the cache's waiting reservation.
+    fn new_buffer(&self, key: BlockKey, size_bytes: u64, length_bytes: u32) -> Arc<Buffer> {
+        Buffer::new_locked(
+            key,
+            size_bytes as usize,
+            length_bytes,
+            &self.pool,
+            self.charge_bytes(size_bytes) as u32,
+            Arc::clone(&self.memory) as Arc<dyn MemoryRelease>,
+        )
+    }
+
+    /// Reserves memory for one buffer of `size_bytes`, evicting clean buffers as needed.
+    /// False when nothing more can be evicted now (the caller may write back or wait).
+    pub(crate) fn try_reserve(&self, size_bytes: u64) -> bool {
+        let charge = self.charge_bytes(size_bytes);
+        loop {
+            if self.memory.try_charge(charge, charge - size_bytes) {
+                return true;
+            }
+            if !self.evict_one() {
+                return false;
+            }
+        }
+    }
+
+    /// Waits (through the injected waiter) until a buffer is released or `timeout_ns`.
+    pub(crate) fn wait_for_space(&self, size_bytes: u64, timeout_ns: u64) {
+        self.memory
+            .wait_for_release(self.charge_bytes(size_bytes), timeout_ns);
+    }
+
+    /// Wakes threads waiting for space (something became evictable or was freed).
+    pub(crate) fn notify_space(&self) {
+        self.memory.notify();
+    }
+
+    /// The memory limit in bytes now.
+    pub(crate) fn memory_bytes_max(&self) -> u64 {
+        self.memory.bytes_max.load(Ordering::Acquire)
+    }
+
+    /// Sets both limits; usage above them is brought down by later evictions.
+    pub(crate) fn set_limits(&self, memory_bytes_max: u64, buffers_max: u64) {
+        self.memory
+            .bytes_max
+            .store(memory_bytes_max, Ordering::Release);
+        self.memory
+            .buffers_max
+            .store(buffers_max, Ordering::Release);
+    }
+
+    /// True while usage is above either limit.
+    pub(crate) fn over_limit(&self) -> bool {
+        self.memory.over_limit()
+    }
+
+    /// Gives buffer memory no buffer uses back to the system.
+    pub(crate) fn trim(&self) {
+        self.pool.trim();
+    }
+
+    /// Bytes of free buffer memory still resident.
+    pub(crate) fn idle_resident_bytes(&self) -> u64 {
+        self.pool.idle_resident_bytes()
+    }
+
+    /// Adds the table's counts and gauges to a statistics snapshot. Visits every entry (for
+    /// pinned bytes): for snapshots, never per request.
+    pub(crate) fn fill_stats(&self, stats: &mut CacheStats) {
+        for shard in self.shards.iter() {
+            let shard = shard.lock();
+            stats.hits += shard.hits;
+            stats.misses += shard.misses;
+            stats.pinned_bytes += shard
+                .entries
+                .iter()
+                .flatten()
+                .filter(|buffer| buffer.pins.load(Ordering::Acquire) > 0)
+                .map(|buffer| buffer.charge_bytes as u64)
+                .sum::<u64>();
+        }
+        stats.memory_used_bytes = self.memory.used_bytes.load(Ordering::Acquire);
+        stats.memory_wasted_bytes = self.memory.wasted_bytes.load(Ordering::Acquire);
+        stats.buffers_in_use = self.memory.buffers.load(Ordering::Acquire);
+        stats.memory_bytes_max = self.memory.bytes_max.load(Ordering::Acquire);
+        stats.buffers_max = self.memory.buffers_max.load(Ordering::Acquire);
+    }
+    /// Looks `key` up; on a hit records the access and pins the buffer.
+    /// A hit from a no-reuse stream (`placement` NoReuse) is not reported to the policy, so
+    /// the block stays at the eviction end where it was inserted: the stream consuming its
+    /// own read-ahead must not promote it (seed 003's vm_page_dontneed on release).
+    pub(crate) fn lookup(&self, key: BlockKey, placement: Placement) -> Option<Arc<Buffer>> {
+        let (index, hash) = self.shard_index(&key);
+        let mut shard = self.shards[index].lock();
+        let slot = *shard.map.get(&MixedKey(hash, key))?;
+        if placement == Placement::Normal {
+            shard.policy.access(slot);
+        }
+        shard.hits += 1;
+        Some(shard.pin(slot))
+    }
+
+    /// Inserts a new invalid buffer for `key` whose memory the caller has reserved, unless
+    /// another thread inserted the block meanwhile: then theirs is found (a hit), and ours,
+    /// never visible, is dropped, which releases the reservation.
+    pub(crate) fn insert_reserved(
+        &self,
+        key: BlockKey,
+        size_bytes: u64,
+        length_bytes: u32,
+        placement: Placement,
+    ) -> Lookup {
+        let buffer = self.new_buffer(key, size_bytes, length_bytes);
+        let (index, hash) = self.shard_index(&key);
+        let mut shard = self.shards[index].lock();
+        if let Some(&slot) = shard.map.get(&MixedKey(hash, key)) {
+            shard.policy.access(slot);
+            shard.hits += 1;
+            return Lookup::Found(shard.pin(slot));
+        }
+        shard.attach(MixedKey(hash, key), &buffer, placement);
+        shard.misses += 1;
+        Lookup::Inserted(buffer)
+    }
+
+    /// Removes `buffer` from the table if it is still the one mapped for its key.
+    pub(crate) fn remove(&self, buffer: &Arc<Buffer>) {
+        let (index, _) = self.shard_index(&buffer.key);
+        let mut shard = self.shards[index].lock();
+        let slot = buffer.slot.load(Ordering::Acquire);
+        let mapped = shard
+            .entries
+            .get(slot as usize)
+            .and_then(|entry| entry.as_ref())
+            .is_some_and(|entry| Arc::ptr_eq(entry, buffer));
+        if mapped {
+            shard.policy.remove(slot);
+            let removed = shard.detach(slot);
+            drop(shard);
+            if removed.clear(READAHEAD) {
+                self.counters
+                    .readahead_wasted_blocks
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Releases one pin, waking space waiters when the buffer became evictable.
+    pub(crate) fn unpin(&self, buffer: &Buffer) {
+        if buffer.pins.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.memory.notify();
+        }
+    }
+
+    /// Evicts one clean, unpinned buffer chosen by a shard's policy. Shards are visited
+    /// round-robin so eviction pressure spreads evenly. Read-ahead nobody has used yet is
+    /// spared while anything else can go: evicting it before its reader arrives would only
+    /// turn one clustered read into many single-block misses.
+    pub(crate) fn evict_one(&self) -> bool {
+        self.evict_pass(false) || self.evict_pass(true)
+    }
+
+    fn evict_pass(&self, including_unused_readahead: bool) -> bool {
+        let shard_count = self.shards.len();
+        let start = self.evict_cursor.fetch_add(1, Ordering::Relaxed);
+        for step in 0..shard_count {
+            let mut shard = self.shards[(start + step) % shard_count].lock();
+            let Shard {
+                policy, entries, ..
+            } = &mut *shard;
+            let victim = policy.evict(&mut |slot| {
+                entries[slot as usize].as_ref().is_some_and(|buffer| {
+                    buffer.pins.load(Ordering::Acquire) == 0
+                        && !buffer.has(DIRTY)
+                        && (including_unused_readahead || !buffer.has(READAHEAD))
+                })
+            });
+            if let Some(slot) = victim {
+                let buffer = shard.detach(slot);
+                drop(shard);
+                strict_assert!(
+                    !buffer.has(DIRTY) && !buffer.has(WRITEBACK),
+                    "evicted {:?} while dirty or under write-back",
+                    buffer.key
+                );
+                self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+                if buffer.has(READAHEAD) {
+                    self.counters
+                        .readahead_wasted_blocks
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Moves a block to the eviction end of its shard's policy (a no-reuse stream is done
+    /// with it), by forgetting and re-inserting it with `NoReuse` placement.
+    pub(crate) fn demote(&self, buffer: &Buffer) {
+        let (index, hash) = self.shard_index(&buffer.key);
+        let mut shard = self.shards[index].lock();
+        let slot = buffer.slot.load(Ordering::Acquire);
+        if shard.map.get(&MixedKey(hash, buffer.key)) == Some(&slot) {
+            shard.policy.remove(slot);
+            shard.policy.insert(slot, hash, Placement::NoReuse);
+        }
+    }
+
+    /// True when `key` is in the table (no pin, no statistics, no policy update).
+    pub(crate) fn contains(&self, key: BlockKey) -> bool {
+        let (index, hash) = self.shard_index(&key);
+        self.shards[index]
+            .lock()
+            .map
+            .contains_key(&MixedKey(hash, key))
+    }
+
+    /// Pins the buffer for `key` without counting a hit or telling the policy (write-back
+    /// and invalidation are not uses).
+    pub(crate) fn lookup_quiet(&self, key: BlockKey) -> Option<Arc<Buffer>> {
+        let (index, hash) = self.shard_index(&key);
+        let shard = self.shards[index].lock();
+        let slot = *shard.map.get(&MixedKey(hash, key))?;
+        Some(shard.pin(slot))
+    }
+
+    /// Inserts a new invalid buffer for `key` if it is absent and space is free without
+    /// waiting (clustering and read-ahead extend runs only this way). Returns it locked
+    /// exclusively and pinned, or None.
+    pub(crate) fn insert_absent(
+        &self,
+        key: BlockKey,
+        size_bytes: u64,
+        length_bytes: u32,
+        placement: Placement,
+        count_miss: bool,
+    ) -> Option<Arc<Buffer>> {
+        if self.contains(key) || !self.try_reserve(size_bytes) {
+            return None;
+        }
+        let buffer = self.new_buffer(key, size_bytes, length_bytes);
+        let (index, hash) = self.shard_index(&key);
+        let mut shard = self.shards[index].lock();
+        if shard.map.contains_key(&MixedKey(hash, key)) {
+            return None;
+        }
+        shard.attach(MixedKey(hash, key), &buffer, placement);
+        if count_miss {
+            shard.misses += 1;
+        }
+        Some(buffer)
+    }
+
+    /// Blocks of object `object_id` in `[first, end)` that are cached now, in order.
+    pub(crate) fn cached_blocks(&self, object_id: u32, first: u64, end: u64) -> Vec<u64> {
+        let mut blocks: Vec<u64> = Vec::new();
+        for shard in self.shards.iter() {
+            let shard = shard.lock();
+            blocks.extend(
+                shard
+                    .map
+                    .keys()
+                    .filter(|key| key.1.object == object_id && (first..end).contains(&key.1.block))
+                    .map(|key| key.1.block),
+            );
+        }
+        blocks.sort_unstable();
+        blocks
+    }
+}
