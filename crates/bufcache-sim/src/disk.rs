@@ -80,8 +80,9 @@ pub struct HddParams {
     pub bus_mb_s: f64,
     /// Write-behind cache: a write completes once its data crossed the bus; the drive writes
     /// its cached writes to the medium, sorted and back to back, when the cache (the segment
-    /// size, at least 64 KiB) is full, before a read, and on a flush. Off in every preset (the
-    /// seeds' timings assume none); `write_cache=on` turns it on.
+    /// size, at least 64 KiB) is full, before a read, and on a flush, and a write continuing
+    /// a drain in progress streams on. Off in every preset (the seeds' timings assume none);
+    /// `write_cache=on` turns it on.
     pub write_cache: bool,
 }
 
@@ -191,6 +192,10 @@ pub struct HddModel {
     /// Writes in the write cache, not yet on the medium: (first sector, sectors).
     cached_writes: Vec<(u64, u64)>,
     cached_bytes: u64,
+    /// Where and when the medium write stream of the last drain ends: a cached write that
+    /// continues it while it is still writing joins it without a rotational wait.
+    stream_end_sector: u64,
+    stream_end_ns: f64,
 }
 
 impl HddModel {
@@ -213,6 +218,8 @@ impl HddModel {
             segment: None,
             cached_writes: Vec::new(),
             cached_bytes: 0,
+            stream_end_sector: u64::MAX,
+            stream_end_ns: 0.0,
         }
     }
 
@@ -236,6 +243,8 @@ impl HddModel {
         }
         if let Some((start, stop)) = run {
             end = self.media_access(start, stop - start, end);
+            self.stream_end_sector = stop;
+            self.stream_end_ns = end;
         }
         end
     }
@@ -329,17 +338,32 @@ impl DiskModel for HddModel {
                 done
             }
             (Op::Write, _) if self.params.write_cache => {
-                // Acknowledged when the data is in the cache. Drained as one sorted stream,
-                // contiguous writes cost no rotational wait and a gap (rotdelay) its rotation.
+                // Acknowledged once the data is in the cache, while the medium keeps writing.
+                // Cached writes drain sorted and back to back when the cache fills; a write
+                // that continues a drain still in progress streams on without a rotational
+                // wait, so contiguous writes reach the media rate and a gap (rotdelay) costs
+                // its rotation.
                 self.segment = None;
-                let accepted = t + self.bus_ns(length);
+                let capacity = self.params.segment_bytes.max(64 << 10);
+                let capacity_ns = (capacity / SECTOR) as f64 * self.sector_ns;
+                let accepted =
+                    arrival_ns as f64 + self.params.overhead_ms * 1e6 + self.bus_ns(length);
+                if first == self.stream_end_sector
+                    && self.stream_end_ns > accepted
+                    && self.cached_writes.is_empty()
+                {
+                    self.stream_end_ns += sectors as f64 * self.sector_ns;
+                    self.stream_end_sector = end_sector;
+                    self.arm_cylinder = self.cylinder_of(end_sector - 1);
+                    self.busy_until_ns = self.stream_end_ns.ceil() as u64;
+                    // The cache holds at most `capacity` bytes not yet written.
+                    return accepted.max(self.stream_end_ns - capacity_ns).ceil() as u64;
+                }
                 self.cached_writes.push((first, sectors));
                 self.cached_bytes += sectors * SECTOR;
-                if self.cached_bytes >= self.params.segment_bytes.max(64 << 10) {
-                    let drained = self.drain_cache(accepted);
-                    self.busy_until_ns = drained.ceil() as u64;
-                } else {
-                    self.busy_until_ns = accepted.ceil() as u64;
+                if self.cached_bytes >= capacity {
+                    let from = accepted.max(self.busy_until_ns as f64);
+                    self.busy_until_ns = self.drain_cache(from).ceil() as u64;
                 }
                 return accepted.ceil() as u64;
             }

@@ -598,9 +598,9 @@ fn newfs(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
              rotdelay's purpose on 1980s disks)."
                 .into(),
             "write_cache on (seed 002's 1994 drives had write-behind caches): contiguous writes \
-             stream from the cache, so a rotdelay gap is lost rotation and -d 4 is slower \
-             (maxcontig 8: 68.3 → 14.4 MB/s), as in the seed; at maxcontig 64-128 the host's \
-             copying, not the disk, bounds -d 0."
+             stream from the cache at nearly the media rate, so a rotdelay gap is lost rotation \
+             and -d 0 wins at every maxcontig (maxcontig 8: 144 vs 14.6 MB/s), as in the seed; \
+             with gaps, a larger maxcontig still helps writes, as the seed found."
                 .into(),
         ],
         plot: Plot {
