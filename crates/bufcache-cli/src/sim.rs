@@ -4,8 +4,10 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
+use bufcache::QueueMode;
 use bufcache_sim::{
-    run_custom, run_experiment, DiskSpec, ExperimentOptions, WorkloadSpec, EXPERIMENTS,
+    check_seeds, run_custom_queued, run_experiment, DiskSpec, ExperimentOptions, SimIoQueue,
+    WorkloadSpec, EXPERIMENTS,
 };
 use clap::{Args, Subcommand};
 
@@ -42,6 +44,25 @@ enum SimCommand {
         /// Directory for the CSV, JSON and SVG files.
         #[arg(long, default_value = "sim-results")]
         output: PathBuf,
+    },
+    /// Deterministic simulation testing: seeded random workloads (several clients; reads,
+    /// writes, FUA, zeroes, discards, flushes; tiny caches; device faults; crashes) through the
+    /// real engine, checked against a shadow model of the durability contract. Prints the seed
+    /// of every violation and `N seeds, V violations`; exits 1 on a violation.
+    #[command(after_help = "Examples:\n  \
+        bufcache sim check --seeds 1000            # seeds 1 to 1000\n  \
+        bufcache sim check --seeds 1 --seed 4711   # replay one seed\n  \
+        bufcache sim check --seeds 1 --seed 4711 --trace   # every step of it")]
+    Check {
+        /// How many seeds to run.
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
+        seeds: u64,
+        /// The first seed; seeds SEED, SEED+1, ... are run.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print every step of every seed to standard error (for replaying one seed).
+        #[arg(long)]
+        trace: bool,
     },
     /// Run one workload on one disk with the engine's knobs.
     #[command(after_help = "Examples:\n  \
@@ -116,15 +137,17 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        SimCommand::Check { seeds, seed, trace } => check(seeds, seed, trace),
         SimCommand::Run {
             disk,
             workload,
             json,
             engine,
         } => {
-            refuse_io_queue_flags(&engine)?;
+            let config = engine.config()?;
+            let io_queue = sim_io_queue(&engine, &config)?;
             let progress = spinner("simulating".to_string());
-            let report = run_custom(&disk, &workload, engine.config()?);
+            let report = run_custom_queued(&disk, &workload, config, io_queue);
             progress.finish_and_clear();
             let report = report?;
             if json {
@@ -137,28 +160,97 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     }
 }
 
-/// The io queue flags cannot take effect in `sim run`: the simulated engine issues one
-/// device request at a time (one entity runs at a time), so a queue below it never holds two
-/// requests to sort or merge and would change nothing. Refuse them rather than ignore them.
-fn refuse_io_queue_flags(engine: &EngineArgs) -> anyhow::Result<()> {
-    let given: Vec<&str> = [
-        ("--io-queue", engine.io_queue.is_some()),
-        ("--io-queue-depth", engine.io_queue_depth.is_some()),
-        ("--no-io-merge", engine.no_io_merge),
-    ]
-    .into_iter()
-    .filter_map(|(flag, set)| set.then_some(flag))
-    .collect();
-    if given.is_empty() {
-        return Ok(());
+/// `sim check`: runs the seeds, prints each violation with its seed and the summary line.
+fn check(seeds: u64, first_seed: u64, trace: bool) -> anyhow::Result<()> {
+    let progress = spinner(format!("checking {seeds} seeds"));
+    let summary = if trace {
+        progress.finish_and_clear();
+        let started = std::time::Instant::now();
+        let mut summary = bufcache_sim::CheckSummary::default();
+        for seed in first_seed..first_seed.saturating_add(seeds) {
+            let outcome = bufcache_sim::check::check_seed_traced(seed, true);
+            summary.seeds += 1;
+            summary.steps += outcome.steps;
+            summary.crashes += outcome.crashes;
+            summary.device_faults += outcome.device_faults;
+            if let Some(message) = outcome.violation {
+                summary
+                    .violations
+                    .push(bufcache_sim::Violation { seed, message });
+            }
+        }
+        summary.elapsed = started.elapsed();
+        summary
+    } else {
+        let summary = check_seeds(first_seed, seeds, |seed, outcome| {
+            if outcome.violation.is_some() {
+                progress.suspend(|| eprintln!("bufcache: seed {seed} violates the contract"));
+            }
+        });
+        progress.finish_and_clear();
+        summary
+    };
+    for violation in &summary.violations {
+        println!("seed {}: {}", violation.seed, violation.message);
     }
-    Err(crate::UsageError(format!(
-        "sim run does not support {}: the simulator issues one device request at a time, so \
-         an io queue would never hold two requests to sort or merge; drop the flag (the \
-         simulated path has no io queue)",
-        given.join(", ")
-    ))
-    .into())
+    println!("{}", summary.line());
+    eprintln!(
+        "bufcache: {} engine calls, {} crashes, {} device faults; {:.0} seeds/s",
+        summary.steps,
+        summary.crashes,
+        summary.device_faults,
+        summary.seeds_per_second()
+    );
+    if summary.violations.is_empty() {
+        Ok(())
+    } else {
+        Err(anyhow::anyhow!(
+            "{} of {} seeds broke the durability contract (replay one with `bufcache sim check --seeds 1 --seed SEED --trace`)",
+            summary.violations.len(),
+            summary.seeds
+        ))
+    }
+}
+
+/// The io queue of `sim run`, from the same flags as `serve`'s. Without `--io-queue` the
+/// simulated path has no queue (so the experiments' figures do not move); `--io-queue fifo`
+/// puts the simulated queue in (merging unless `--no-io-merge`), `--io-queue none` keeps it
+/// out. A flag the simulator cannot apply is refused, never ignored: `elevator` (the simulator
+/// fixes each request's service time when it is issued, so requests already waiting cannot be
+/// reordered), `--io-queue-depth` (the simulated disk serves its own queue; requests are
+/// issued one at a time per entity), and `--no-io-merge` without a queue.
+fn sim_io_queue(
+    engine: &EngineArgs,
+    config: &bufcache::CacheConfig,
+) -> anyhow::Result<Option<SimIoQueue>> {
+    if engine.io_queue_depth.is_some() {
+        return Err(crate::UsageError(
+            "sim run does not support --io-queue-depth: every simulated entity blocks on its \
+             own request and the disk model serves what waits, so there is no dispatch depth to \
+             set; drop the flag"
+                .to_string(),
+        )
+        .into());
+    }
+    match engine.io_queue {
+        Some(QueueMode::Elevator) => Err(crate::UsageError(
+            "sim run does not support --io-queue elevator: the simulator fixes each request's \
+             service time when it is issued, so it cannot reorder requests already waiting; use \
+             --io-queue fifo (merging adjacent waiting requests) or --io-queue none"
+                .to_string(),
+        )
+        .into()),
+        Some(QueueMode::Fifo) => Ok(Some(SimIoQueue {
+            merge: !engine.no_io_merge,
+            transfer_size_max_bytes: config.transfer_size_max_bytes,
+        })),
+        Some(QueueMode::None) | None if engine.no_io_merge => Err(crate::UsageError(
+            "sim run: --no-io-merge needs --io-queue fifo (without a queue nothing is merged)"
+                .to_string(),
+        )
+        .into()),
+        Some(QueueMode::None) | None => Ok(None),
+    }
 }
 
 /// A spinner on standard error while a simulation runs (hidden when not on a terminal).

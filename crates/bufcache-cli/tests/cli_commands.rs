@@ -543,11 +543,12 @@ fn opt_misses_no_more_than_any_policy_on_the_shipped_trace() {
 }
 
 #[test]
-fn sim_run_refuses_io_queue_flags_and_bad_input_with_exit_2() {
+fn sim_run_refuses_io_queue_flags_it_cannot_apply_and_bad_input_with_exit_2() {
     // Goal: `sim run` never silently ignores a flag it cannot apply, and bad input names the
-    // offending key. Method: pass each io queue flag, an unknown workload key, an impossible
-    // disk parameter and a non-numeric seed; each must fail with status 2 and a message
-    // naming what was wrong.
+    // offending key. Method: pass each io queue flag the simulator cannot model, an unknown
+    // workload key, an impossible disk parameter and a non-numeric seed; each must fail with
+    // status 2 and a message naming what was wrong. The queue it models (fifo, merging or
+    // not) must run and report itself.
     let base = [
         "sim",
         "run",
@@ -557,9 +558,12 @@ fn sim_run_refuses_io_queue_flags_and_bad_input_with_exit_2() {
         "dd:read,bs=4k,count=8",
     ];
     for (extra, named) in [
-        (&["--io-queue", "elevator"][..], "--io-queue"),
-        (&["--io-queue", "none"][..], "--io-queue"),
+        (&["--io-queue", "elevator"][..], "--io-queue elevator"),
         (&["--no-io-merge"][..], "--no-io-merge"),
+        (
+            &["--io-queue", "none", "--no-io-merge"][..],
+            "--no-io-merge",
+        ),
         (&["--io-queue-depth", "4"][..], "--io-queue-depth"),
     ] {
         let mut arguments = base.to_vec();
@@ -620,6 +624,42 @@ fn sim_run_refuses_io_queue_flags_and_bad_input_with_exit_2() {
     }
     let result = bufcache(&base);
     assert!(result.status.success(), "{}", text(&result));
+    for extra in [
+        &["--io-queue", "fifo"][..],
+        &["--io-queue", "fifo", "--no-io-merge"][..],
+    ] {
+        let mut arguments = base.to_vec();
+        arguments.extend_from_slice(extra);
+        let result = bufcache(&arguments);
+        assert!(result.status.success(), "{extra:?}: {}", text(&result));
+        assert!(
+            String::from_utf8_lossy(&result.stdout).contains("io queue: "),
+            "{extra:?}: {}",
+            text(&result)
+        );
+    }
+}
+
+#[test]
+fn sim_check_prints_its_summary_and_names_bad_flags() {
+    // Goal: `sim check` runs seeds through the engine and says so in its one-line summary,
+    // and a bad seed count or seed is refused naming the flag. Method: run three seeds, then
+    // a non-numeric seed and a zero seed count; each bad one must exit 2.
+    let result = bufcache(&["sim", "check", "--seeds", "3", "--seed", "11"]);
+    assert!(result.status.success(), "{}", text(&result));
+    assert!(
+        String::from_utf8_lossy(&result.stdout).contains("3 seeds, 0 violations"),
+        "{}",
+        text(&result)
+    );
+    for (arguments, named) in [
+        (&["sim", "check", "--seed", "abc"][..], "--seed"),
+        (&["sim", "check", "--seeds", "0"][..], "--seeds"),
+    ] {
+        let result = bufcache(arguments);
+        assert_eq!(result.status.code(), Some(2), "{}", text(&result));
+        assert!(text(&result).contains(named), "{}", text(&result));
+    }
 }
 
 #[test]

@@ -38,6 +38,19 @@ pub trait DiskModel: Send {
     fn serve(&mut self, op: Op, offset: u64, length: u64, arrival_ns: u64) -> u64;
     /// Capacity in bytes.
     fn capacity_bytes(&self) -> u64;
+    /// When a request arriving at `arrival_ns` would start: the io queue merges a later
+    /// request into one that has not started yet.
+    fn start_ns(&self, arrival_ns: u64) -> u64;
+    /// Writes the drive's write cache to the medium from `at_ns` (a flush) and returns when
+    /// it is done; `None` for a drive without one (every write is on the medium when it
+    /// completes).
+    fn drain_write_cache(&mut self, _at_ns: u64) -> Option<u64> {
+        None
+    }
+    /// Grows the request served last by `length` contiguous bytes (the io queue merged a
+    /// request into it): the extra transfer, no extra command, positioning or rotation.
+    /// Returns the merged request's new completion time.
+    fn extend_last(&mut self, op: Op, length: u64) -> u64;
 }
 
 const SECTOR: u64 = 512;
@@ -65,6 +78,12 @@ pub struct HddParams {
     pub segment_bytes: u64,
     /// Interface (bus) rate for data served from the drive's buffer, MB/s (10^6 bytes).
     pub bus_mb_s: f64,
+    /// Write-behind cache: a write completes once its data crossed the bus; the drive writes
+    /// its cached writes to the medium, sorted and back to back, when the cache (the segment
+    /// size, at least 64 KiB) is full, before a read, and on a flush, and a write continuing
+    /// a drain in progress streams on. Off in every preset (the seeds' timings assume none);
+    /// `write_cache=on` turns it on.
+    pub write_cache: bool,
 }
 
 impl HddParams {
@@ -170,6 +189,13 @@ pub struct HddModel {
     arm_cylinder: u64,
     busy_until_ns: u64,
     segment: Option<Segment>,
+    /// Writes in the write cache, not yet on the medium: (first sector, sectors).
+    cached_writes: Vec<(u64, u64)>,
+    cached_bytes: u64,
+    /// Where and when the medium write stream of the last drain ends: a cached write that
+    /// continues it while it is still writing joins it without a rotational wait.
+    stream_end_sector: u64,
+    stream_end_ns: f64,
 }
 
 impl HddModel {
@@ -190,7 +216,37 @@ impl HddModel {
             arm_cylinder: 0,
             busy_until_ns: 0,
             segment: None,
+            cached_writes: Vec::new(),
+            cached_bytes: 0,
+            stream_end_sector: u64::MAX,
+            stream_end_ns: 0.0,
         }
+    }
+
+    /// Writes the cached writes to the medium from `t`, in sector order, contiguous runs as
+    /// one stream: returns the end.
+    fn drain_cache(&mut self, t: f64) -> f64 {
+        let mut writes = std::mem::take(&mut self.cached_writes);
+        self.cached_bytes = 0;
+        writes.sort_unstable();
+        let mut end = t;
+        let mut run: Option<(u64, u64)> = None;
+        for (first, sectors) in writes {
+            run = match run {
+                Some((start, stop)) if first <= stop => Some((start, stop.max(first + sectors))),
+                Some((start, stop)) => {
+                    end = self.media_access(start, stop - start, end);
+                    Some((first, first + sectors))
+                }
+                None => Some((first, first + sectors)),
+            };
+        }
+        if let Some((start, stop)) = run {
+            end = self.media_access(start, stop - start, end);
+            self.stream_end_sector = stop;
+            self.stream_end_ns = end;
+        }
+        end
     }
 
     /// The fitted seek curve.
@@ -245,7 +301,11 @@ impl DiskModel for HddModel {
         let first = offset / SECTOR;
         let sectors = length.div_ceil(SECTOR).max(1);
         let end_sector = first + sectors;
-        let start = arrival_ns.max(self.busy_until_ns) as f64;
+        let mut start = arrival_ns.max(self.busy_until_ns) as f64;
+        if op == Op::Read && !self.cached_writes.is_empty() {
+            // The head writes the cache out before it can read.
+            start = self.drain_cache(start);
+        }
         let t = start + self.params.overhead_ms * 1e6;
         let segment_bytes = self.params.segment_bytes / SECTOR;
         let done = match (op, self.segment) {
@@ -277,6 +337,36 @@ impl DiskModel for HddModel {
                 self.start_segment(end_sector, done);
                 done
             }
+            (Op::Write, _) if self.params.write_cache => {
+                // Acknowledged once the data is in the cache, while the medium keeps writing.
+                // Cached writes drain sorted and back to back when the cache fills; a write
+                // that continues a drain still in progress streams on without a rotational
+                // wait, so contiguous writes reach the media rate and a gap (rotdelay) costs
+                // its rotation.
+                self.segment = None;
+                let capacity = self.params.segment_bytes.max(64 << 10);
+                let capacity_ns = (capacity / SECTOR) as f64 * self.sector_ns;
+                let accepted =
+                    arrival_ns as f64 + self.params.overhead_ms * 1e6 + self.bus_ns(length);
+                if first == self.stream_end_sector
+                    && self.stream_end_ns > accepted
+                    && self.cached_writes.is_empty()
+                {
+                    self.stream_end_ns += sectors as f64 * self.sector_ns;
+                    self.stream_end_sector = end_sector;
+                    self.arm_cylinder = self.cylinder_of(end_sector - 1);
+                    self.busy_until_ns = self.stream_end_ns.ceil() as u64;
+                    // The cache holds at most `capacity` bytes not yet written.
+                    return accepted.max(self.stream_end_ns - capacity_ns).ceil() as u64;
+                }
+                self.cached_writes.push((first, sectors));
+                self.cached_bytes += sectors * SECTOR;
+                if self.cached_bytes >= capacity {
+                    let from = accepted.max(self.busy_until_ns as f64);
+                    self.busy_until_ns = self.drain_cache(from).ceil() as u64;
+                }
+                return accepted.ceil() as u64;
+            }
             (Op::Write, _) => {
                 self.segment = None;
                 self.media_access(first, sectors, t)
@@ -289,6 +379,34 @@ impl DiskModel for HddModel {
 
     fn capacity_bytes(&self) -> u64 {
         self.params.capacity_bytes()
+    }
+
+    fn start_ns(&self, arrival_ns: u64) -> u64 {
+        arrival_ns.max(self.busy_until_ns)
+    }
+
+    fn drain_write_cache(&mut self, at_ns: u64) -> Option<u64> {
+        if !self.params.write_cache {
+            return None;
+        }
+        let start = at_ns.max(self.busy_until_ns);
+        if !self.cached_writes.is_empty() {
+            self.busy_until_ns = self.drain_cache(start as f64).ceil() as u64;
+        }
+        Some(self.busy_until_ns.max(start))
+    }
+
+    fn extend_last(&mut self, op: Op, length: u64) -> u64 {
+        let sectors = length.div_ceil(SECTOR);
+        let media = sectors as f64 * self.sector_ns;
+        // The merged sectors stream off the medium right after the first request's; the bus
+        // carries them no slower than that on every preset.
+        let extra = media.max(self.bus_ns(length)).ceil() as u64;
+        if op == Op::Write {
+            self.segment = None;
+        }
+        self.busy_until_ns += extra;
+        self.busy_until_ns
     }
 }
 
@@ -313,6 +431,7 @@ pub struct QueueModel {
     params: QueueParams,
     channel_free_ns: Vec<u64>,
     pipe_free_ns: u64,
+    last_channel: usize,
 }
 
 impl QueueModel {
@@ -321,6 +440,7 @@ impl QueueModel {
         QueueModel {
             channel_free_ns: vec![0; params.channels.max(1) as usize],
             pipe_free_ns: 0,
+            last_channel: 0,
             params,
         }
     }
@@ -345,11 +465,25 @@ impl DiskModel for QueueModel {
         let done = data_start + transfer_ns;
         self.pipe_free_ns = done;
         self.channel_free_ns[channel] = done;
+        self.last_channel = channel;
         done
     }
 
     fn capacity_bytes(&self) -> u64 {
         self.params.capacity_bytes
+    }
+
+    fn start_ns(&self, arrival_ns: u64) -> u64 {
+        let free = self.channel_free_ns.iter().copied().min().unwrap_or(0);
+        arrival_ns.max(free)
+    }
+
+    fn extend_last(&mut self, _op: Op, length: u64) -> u64 {
+        let transfer_ns = (length as f64 / (self.params.bandwidth_mb_s * 1e6) * 1e9).ceil() as u64;
+        self.pipe_free_ns += transfer_ns;
+        let channel = &mut self.channel_free_ns[self.last_channel];
+        *channel = (*channel + transfer_ns).max(self.pipe_free_ns);
+        *channel
     }
 }
 
@@ -358,7 +492,7 @@ impl DiskModel for QueueModel {
 /// Syntax: `PRESET[:key=value,...]`, e.g. `rz25`, `rz25:segment=0`, `nvme:channels=1`,
 /// `wan:rtt_ms=80,bandwidth_mb_s=5`. Keys of mechanical presets: `rpm`, `sectors_per_track`,
 /// `heads`, `cylinders`, `seek_single_ms`, `seek_avg_ms`, `seek_full_ms`, `overhead_ms`,
-/// `segment` (size), `bus_mb_s`. Keys of SSD and network presets: `read_latency_us`,
+/// `segment` (size), `bus_mb_s`, `write_cache` (on or off). Keys of SSD and network presets: `read_latency_us`,
 /// `write_latency_us`, `latency_us` (both), `rtt_ms` (both), `bandwidth_mb_s`, `channels`,
 /// `inflight` (= channels), `capacity` (size).
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -413,6 +547,7 @@ impl DiskSpec {
                 overhead_ms: 1.0,
                 segment_bytes: 64 << 10,
                 bus_mb_s: 10.0,
+                write_cache: false,
             }),
         }
     }
@@ -437,6 +572,7 @@ impl DiskSpec {
                 overhead_ms: 0.3,
                 segment_bytes: 256 << 10,
                 bus_mb_s: 80.0,
+                write_cache: false,
             }),
         }
     }
@@ -457,6 +593,7 @@ impl DiskSpec {
                 overhead_ms: 0.3,
                 segment_bytes: 512 << 10,
                 bus_mb_s: 100.0,
+                write_cache: false,
             }),
         }
     }
@@ -478,6 +615,7 @@ impl DiskSpec {
                 overhead_ms: 0.1,
                 segment_bytes: 1 << 20,
                 bus_mb_s: 550.0,
+                write_cache: false,
             }),
         }
     }
@@ -607,11 +745,19 @@ impl DiskSpec {
                     "overhead_ms" => p.overhead_ms = number()?,
                     "segment" => p.segment_bytes = size()?,
                     "bus_mb_s" => p.bus_mb_s = positive()?,
+                    "write_cache" => {
+                        p.write_cache = match value {
+                            "on" | "1" | "true" => true,
+                            "off" | "0" | "false" => false,
+                            _ => return Err(SpecError::new(key, value, "on or off")),
+                        }
+                    }
                     _ => return Err(SpecError::new(
                         key,
                         value,
                         "a key of a mechanical disk: rpm, sectors_per_track, heads, cylinders, \
-                         seek_single_ms, seek_avg_ms, seek_full_ms, overhead_ms, segment, bus_mb_s",
+                         seek_single_ms, seek_avg_ms, seek_full_ms, overhead_ms, segment, bus_mb_s, \
+                         write_cache",
                     )),
                 }
             }
@@ -657,7 +803,7 @@ impl fmt::Display for DiskSpec {
         match &self.kind {
             DiskKind::Hdd(p) => write!(
                 f,
-                "{} (HDD {:.0} RPM, seek {}/{}/{} ms, {:.2} MB/s media, overhead {} ms, segment {})",
+                "{} (HDD {:.0} RPM, seek {}/{}/{} ms, {:.2} MB/s media, overhead {} ms, segment {}{})",
                 self.name,
                 p.rpm,
                 p.seek_single_ms,
@@ -665,7 +811,8 @@ impl fmt::Display for DiskSpec {
                 p.seek_full_ms,
                 p.media_bytes_per_s() / 1e6,
                 p.overhead_ms,
-                bufcache::format_size(p.segment_bytes)
+                bufcache::format_size(p.segment_bytes),
+                if p.write_cache { ", write cache" } else { "" }
             ),
             DiskKind::Ssd(p) => write!(
                 f,

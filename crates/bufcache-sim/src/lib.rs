@@ -1,5 +1,7 @@
 //! bufcache-sim: the bufcache engine, unmodified, on simulated disks and a virtual clock.
 //!
+//! - [`check`]: `sim check`, seeded random workloads with faults and crashes checked against
+//!   a shadow model of the engine's durability contract;
 //! - [`clock`]: the virtual clock (the engine's injected `Clock`) and a portable RNG;
 //! - [`disk`]: mechanical, SSD and network disk models and their presets ([`DiskSpec`]);
 //! - [`host`]: CPU costs of system calls, lookups, copies, I/O and page wiring ([`HostCosts`]);
@@ -17,6 +19,7 @@
 //! [`EXPERIMENTS`],
 //! `DiskSpec::from_str`, `WorkloadSpec::from_str`, `HostCosts::from_str`.
 
+pub mod check;
 pub mod clock;
 pub mod core;
 pub mod disk;
@@ -28,13 +31,19 @@ pub mod report;
 pub mod sched;
 pub mod workload;
 
+pub use check::{check_seed, check_seeds, CheckSummary, SeedOutcome, Violation};
 pub use clock::{SimRng, VirtualClock};
-pub use core::{Account, DeviceTotals, SimCore, SimDevice, SimSpawner};
+pub use core::{
+    Account, CrashOutcome, DeviceTotals, FaultConfig, FaultCounts, SharedRng, SimCore, SimDevice,
+    SimIoQueue, SimSpawner, SimWaiter, SECTOR_BYTES,
+};
 pub use disk::{
     DiskKind, DiskModel, DiskSpec, HddModel, HddParams, Op, QueueModel, QueueParams, SpecError,
     DISK_PRESETS,
 };
-pub use experiments::{run_custom, run_experiment, CustomRun, ExperimentOptions, EXPERIMENTS};
+pub use experiments::{
+    run_custom, run_custom_queued, run_experiment, CustomRun, ExperimentOptions, EXPERIMENTS,
+};
 pub use host::{HostCosts, HOST_PRESETS};
 pub use layout::{FileMap, FsLayout, LayoutParams};
 pub use replay::{

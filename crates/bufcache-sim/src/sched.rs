@@ -15,12 +15,12 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bufcache::{Cache, CacheConfig, CacheError, ConfigError, Environment, NoWait, ObjectConfig};
+use bufcache::{Cache, CacheConfig, CacheError, ConfigError, Environment, ObjectConfig};
 use bufcache::{ObjectHandle, PolicyKind};
 use serde::Serialize;
 
 use crate::clock::{SimRng, VirtualClock};
-use crate::core::{Account, DeviceTotals, SimCore, SimDevice, SimSpawner};
+use crate::core::{Account, DeviceTotals, SimCore, SimDevice, SimIoQueue, SimSpawner, SimWaiter};
 use crate::disk::{DiskSpec, SpecError};
 use crate::host::HostCosts;
 use crate::layout::{FileMap, FsLayout, LayoutParams};
@@ -82,12 +82,13 @@ pub struct SimConfig {
     pub seed: u64,
     /// Period of the syncer (`writeback_tick`), virtual time.
     pub syncer_period: Duration,
+    /// The io queue between the engine and the disk; `None` (the default): no queue.
+    pub io_queue: Option<SimIoQueue>,
 }
 
 impl SimConfig {
     /// A configuration for `disk` and `host` with the engine's defaults adjusted for
-    /// simulation: one shard (an exact global policy; there is one thread) and no waiting for
-    /// space in real time.
+    /// simulation: one shard (an exact global policy; there is one thread).
     pub fn new(disk: DiskSpec, host: HostCosts) -> Self {
         SimConfig {
             disk,
@@ -96,14 +97,16 @@ impl SimConfig {
             layout: LayoutParams::default(),
             seed: 1,
             syncer_period: Duration::from_secs(1),
+            io_queue: None,
         }
     }
 }
 
-/// Adjusts an engine configuration for simulation: one shard, no real-time waits.
+/// Adjusts an engine configuration for simulation: one shard (an exact global policy; one
+/// entity runs at a time). Space waits, throttling and write-back stay as configured: waits
+/// pass virtual time through [`SimWaiter`] instead of sleeping.
 pub fn sim_cache_config(mut config: CacheConfig) -> CacheConfig {
     config.shards = 1;
-    config.space_wait_max = Duration::ZERO;
     config
 }
 
@@ -390,15 +393,17 @@ impl Simulation {
             config.host.clone(),
             clock.clone(),
         ));
+        core.set_io_queue(config.io_queue);
         let capacity = config.disk.capacity_bytes();
         let device = Arc::new(SimDevice::new(core.clone(), capacity, &config.disk.name));
         let spawner = Arc::new(SimSpawner::new(
             core.clone(),
             config.cache.background_jobs_queued_max,
         ));
+        let waiter = Arc::new(SimWaiter::new(core.clone()));
         let cache = Cache::with_environment(
             config.cache.clone(),
-            Environment::new(clock.clone(), spawner.clone(), Arc::new(NoWait)),
+            Environment::new(clock.clone(), spawner.clone(), waiter),
         )?;
         let layout = FsLayout::new(
             config.layout.clone(),

@@ -206,6 +206,12 @@ impl Writeback {
             .map(|b| IoSlice::new(unsafe { b.device_bytes() }))
             .collect();
         let length_bytes: u64 = slices.iter().map(|slice| slice.len() as u64).sum();
+        // A deliberate bug, compiled only for `sim check`'s planted-defect test: the buffers
+        // are marked clean before their write, so a failed write silently loses them.
+        #[cfg(feature = "planted-defect")]
+        for buffer in buffers {
+            dirty::clear(&self.dirty_bytes, &object.dirty, buffer);
+        }
         let result = object.device.write_vectored_at(&slices, device_offset);
         self.counters
             .device_writes
