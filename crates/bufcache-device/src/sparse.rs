@@ -2,8 +2,9 @@
 //! written. The one sparse in-memory store of the project: the memory device, the crash
 //! device's volatile and durable images and the simulator's disk all keep their bytes here.
 //!
-//! Invariants: a chunk absent from the map reads as zeroes; zeroing a whole chunk removes it,
-//! so zeroed or discarded space costs no memory; a stored chunk is exactly `chunk_bytes` long.
+//! Invariants: a chunk absent from the map reads as zeroes; a chunk that is all zeroes is not
+//! kept (written zeroes, zeroing and discards cost no memory); a stored chunk is exactly
+//! `chunk_bytes` long.
 //! The store does no locking and no range checks: its owner does both.
 
 use std::collections::BTreeMap;
@@ -35,7 +36,9 @@ impl SparseStore {
         self.chunks.len() as u64 * self.chunk_bytes
     }
 
-    /// Stores `data` at `offset`.
+    /// Stores `data` at `offset`. Zeroes cost nothing: an all-zero piece allocates no chunk,
+    /// and a chunk that becomes all zeroes is freed (simulated disks mostly write zeroes, and
+    /// a memory device should not grow when a file system zeroes its free space).
     pub fn write(&mut self, offset: u64, data: &[u8]) {
         let chunk_bytes = self.chunk_bytes;
         for_each_piece(
@@ -43,11 +46,24 @@ impl SparseStore {
             offset,
             data.len() as u64,
             |index, within, start, step| {
-                let chunk = self
-                    .chunks
-                    .entry(index)
-                    .or_insert_with(|| vec![0u8; chunk_bytes as usize].into_boxed_slice());
-                chunk[within..within + step].copy_from_slice(&data[start..start + step]);
+                let piece = &data[start..start + step];
+                let zeroes = piece.iter().all(|&byte| byte == 0);
+                match self.chunks.get_mut(&index) {
+                    Some(chunk) => {
+                        chunk[within..within + step].copy_from_slice(piece);
+                        if zeroes
+                            && (step as u64 == chunk_bytes || chunk.iter().all(|&byte| byte == 0))
+                        {
+                            self.chunks.remove(&index);
+                        }
+                    }
+                    None if zeroes => {}
+                    None => {
+                        let mut chunk = vec![0u8; chunk_bytes as usize].into_boxed_slice();
+                        chunk[within..within + step].copy_from_slice(piece);
+                        self.chunks.insert(index, chunk);
+                    }
+                }
             },
         );
     }
@@ -140,6 +156,12 @@ mod tests {
         store.zero(4096, 4096);
         store.zero(3000, 10);
         assert_eq!(store.allocated_bytes(), 3 * 4096);
+        store.write(5 * 4096, &[0u8; 4096]);
+        assert_eq!(
+            store.allocated_bytes(),
+            3 * 4096,
+            "written zeroes allocate nothing"
+        );
         let mut piece = vec![9u8; 20];
         store.read(2995, &mut piece);
         assert!(piece[..15].iter().all(|&b| b == 0));

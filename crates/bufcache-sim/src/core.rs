@@ -7,12 +7,12 @@
 //! the disk model at the cursor and the cursor moves to its completion (the entity blocks on
 //! its own I/O). Everything is charged to the running entity's [`Account`].
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use bufcache::device::SeededRng;
+use bufcache::device::{SeededRng, SparseStore};
 use bufcache::environment::Job;
 use bufcache::{Device, Spawner, Waiter};
 use serde::Serialize;
@@ -484,13 +484,12 @@ pub struct FaultCounts {
     pub crashes: u64,
 }
 
-/// Sparse 4 KiB chunks, absent where all zero.
-type Chunks = BTreeMap<u64, Box<[u8]>>;
+/// Sparse 4 KiB chunks, absent where all zero (the project's one sparse store).
+type Chunks = SparseStore;
 
 /// The disk's contents. With crash tracking on, `chunks` is what reads see (the medium plus
 /// the disk's volatile write cache), `durable` what survives power loss, and `unflushed`
 /// the writes accepted since the last flush, in order.
-#[derive(Default)]
 struct Contents {
     chunks: Chunks,
     durable: Option<Chunks>,
@@ -525,44 +524,20 @@ pub struct SimDevice {
 }
 
 fn load_from(chunks: &Chunks, target: &mut [u8], offset: u64) {
-    target.fill(0);
-    if chunks.is_empty() {
-        return;
-    }
-    let end = offset + target.len() as u64;
-    let first = offset / CHUNK_BYTES * CHUNK_BYTES;
-    for (&start, data) in chunks.range(first..end) {
-        let from = start.max(offset);
-        let to = (start + CHUNK_BYTES).min(end);
-        target[(from - offset) as usize..(to - offset) as usize]
-            .copy_from_slice(&data[(from - start) as usize..(to - start) as usize]);
-    }
+    chunks.read(offset, target);
 }
 
 fn store_into(chunks: &mut Chunks, source: &[u8], offset: u64) {
-    let end = offset + source.len() as u64;
-    let mut start = offset / CHUNK_BYTES * CHUNK_BYTES;
-    while start < end {
-        let from = start.max(offset);
-        let to = (start + CHUNK_BYTES).min(end);
-        let piece = &source[(from - offset) as usize..(to - offset) as usize];
-        let whole = from == start && to == start + CHUNK_BYTES;
-        let zeroes = piece.iter().all(|&byte| byte == 0);
-        match chunks.get_mut(&start) {
-            Some(chunk) => {
-                chunk[(from - start) as usize..(to - start) as usize].copy_from_slice(piece);
-                if zeroes && (whole || chunk.iter().all(|&byte| byte == 0)) {
-                    chunks.remove(&start);
-                }
-            }
-            None if zeroes => {}
-            None => {
-                let mut chunk = vec![0u8; CHUNK_BYTES as usize].into_boxed_slice();
-                chunk[(from - start) as usize..(to - start) as usize].copy_from_slice(piece);
-                chunks.insert(start, chunk);
-            }
+    chunks.write(offset, source);
+}
+
+impl Default for Contents {
+    fn default() -> Self {
+        Contents {
+            chunks: SparseStore::new(CHUNK_BYTES),
+            durable: None,
+            unflushed: Vec::new(),
         }
-        start += CHUNK_BYTES;
     }
 }
 
@@ -613,7 +588,7 @@ impl SimDevice {
 
     /// Bytes of the disk's contents stored (non-zero chunks).
     pub fn stored_bytes(&self) -> u64 {
-        self.contents().chunks.len() as u64 * CHUNK_BYTES
+        self.contents().chunks.allocated_bytes()
     }
 
     /// Copies what a read at `offset` would return into `target`, without timing or faults
