@@ -27,7 +27,7 @@ pub mod stats;
 mod table;
 mod writeback;
 
-pub use bufcache_policy::{Placement, PolicyKind};
+pub use bufcache_policy::{Placement, PolicyKind, PolicyParameters};
 pub use buffer::BlockKey;
 pub use cache::Cache;
 pub use config::{format_size, parse_size, CacheConfig, ConfigError};
