@@ -85,7 +85,7 @@ mod tests {
 /// padding and fragmentation (measured: resident memory 2–2.6 × the cache). The pool instead
 /// takes memory in 2 MiB chunks and hands out slots of one size each, so resident memory
 /// follows the cache's own charge. Freed slots are kept for reuse (zeroed when handed out
-/// again); [`BufferPool::trim`] gives their pages back to the system, which the cache does
+/// again, unless the taker overwrites them at once: [`BufferPool::allocate_unzeroed`]); [`BufferPool::trim`] gives their pages back to the system, which the cache does
 /// when its limit shrinks or many slots sit unused.
 ///
 /// Invariants: a slot is either handed out (owned by one `PooledBytes`) or on its class's free
@@ -127,6 +127,18 @@ impl BufferPool {
 
     /// A zeroed slot of at least `length` bytes (a multiple of the alignment).
     pub fn allocate(self: &std::sync::Arc<Self>, length: usize) -> PooledBytes {
+        self.allocate_with(length, true)
+    }
+
+    /// A slot of at least `length` bytes that may still hold an earlier buffer's bytes (every
+    /// byte is initialised, just not necessarily zero): for a caller that overwrites all of
+    /// it before anyone reads it — a buffer about to be filled by a device read or a whole
+    /// write — so the pool does not zero what is overwritten at once.
+    pub fn allocate_unzeroed(self: &std::sync::Arc<Self>, length: usize) -> PooledBytes {
+        self.allocate_with(length, false)
+    }
+
+    fn allocate_with(self: &std::sync::Arc<Self>, length: usize, zeroed: bool) -> PooledBytes {
         assert!(length > 0, "zero-length buffer");
         let slot_bytes = length.next_multiple_of(self.alignment);
         let (pointer, dirty) = {
@@ -148,7 +160,7 @@ impl BufferPool {
             };
             class.take(self.alignment)
         };
-        if dirty {
+        if dirty && zeroed {
             // SAFETY: the slot is ours now and `slot_bytes` long.
             unsafe { std::ptr::write_bytes(pointer.as_ptr(), 0, slot_bytes) };
         }

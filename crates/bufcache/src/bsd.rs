@@ -17,7 +17,13 @@ impl ObjectHandle {
     /// getblk: the buffer for `block`, held exclusively; invalid when it was not cached.
     pub fn getblk(&self, block: u64) -> Result<BufferGuard, CacheError> {
         self.check_block(block)?;
-        self.hold_exclusive(block)
+        let mut guard = self.hold_exclusive(block)?;
+        if !guard.is_valid() {
+            // A new buffer's bytes may be an earlier buffer's; the caller sees them (BSD's
+            // getblk hands out an invalid buffer to be filled), so they start as zeroes.
+            guard.data_mut().fill(0);
+        }
+        Ok(guard)
     }
 
     /// bread: the buffer for `block` with its contents, held exclusively.

@@ -102,10 +102,16 @@ impl Buffer {
             pins: AtomicU32::new(1),
             flags: AtomicU32::new(0),
             lock: RawRwLock::INIT,
-            data: UnsafeCell::new(pool.allocate(size_bytes)),
+            // Not zeroed: an invalid buffer is filled (device read, whole write) before anyone
+            // reads it, so zeroing would be a wasted pass; only the part past a short last
+            // block, which nothing fills, is zeroed below. `bsd::getblk` zeroes the rest of
+            // a new buffer it hands to a caller.
+            data: UnsafeCell::new(pool.allocate_unzeroed(size_bytes)),
             memory,
         };
         buffer.lock.lock_exclusive();
+        // SAFETY: locked exclusively just above, and not yet shared with anyone.
+        unsafe { buffer.bytes_mut()[length_bytes as usize..].fill(0) };
         Arc::new(buffer)
     }
 
