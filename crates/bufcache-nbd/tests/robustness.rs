@@ -178,6 +178,39 @@ fn garbage_bytes_close_only_that_connection() {
 }
 
 #[test]
+fn a_client_gone_mid_payload_ends_only_its_connection_and_writes_nothing() {
+    // Goal: a WRITE whose payload stops half-way (the client died) ends that connection only;
+    // the export, which reads quick writes' payloads straight from the socket, is left as it
+    // was (the memory export applies a write only once all its data has arrived), and the
+    // server keeps serving. Method: a raw client sends a 64 KiB WRITE header with 10 KiB of
+    // data and closes; then the region is read back through a good client.
+    let (server, _export) = memory_server(1 << 20);
+    {
+        let (mut client, _) = RawClient::open(&server, "mem", false);
+        let header = RequestHeader {
+            flags: 0,
+            command: CMD_WRITE,
+            handle: 7,
+            offset: 65536,
+            length: 65536,
+        };
+        let mut message = header.encode().to_vec();
+        message.extend_from_slice(&pattern_bytes(10 * 1024, 9));
+        client.stream.write_all(&message).unwrap();
+        client.stream.shutdown(std::net::Shutdown::Write).unwrap();
+        assert!(client.is_closed_by_server());
+    }
+    let good = NbdClient::connect(&server.tcp_uri("mem")).expect("good client connects");
+    let mut back = vec![1u8; 65536];
+    good.read(65536, &mut back).unwrap();
+    assert!(
+        back.iter().all(|&byte| byte == 0),
+        "nothing of the torn write was applied"
+    );
+    assert_still_serving(&server);
+}
+
+#[test]
 fn half_open_handshakes_do_not_block_others_and_time_out() {
     let config = ServerConfig {
         handshake_timeout: Duration::from_millis(300),
