@@ -444,17 +444,18 @@ impl NbdClient {
     /// Sends DISC and closes the connection; later requests fail.
     pub fn disconnect(&self) {
         let header = self.header(CMD_DISC, 0, 0, 0);
-        {
-            let mut writer = self.shared.writer.lock();
-            let _ = write_all_vectored(&mut *writer, &[&header.encode()]);
-        }
-        // A disconnect we asked for is not a lost connection: mark it dead first, so `die`
-        // does not warn (it warned at every clean shutdown with an upstream).
+        // A disconnect we asked for is not a lost connection: mark it dead before DISC goes
+        // out, so the reader thread, which sees the server close the socket as soon as DISC
+        // arrives, does not warn (it did, now and then, at a clean shutdown with an upstream).
         {
             let mut table = self.shared.pending.lock();
             if table.dead.is_none() {
                 table.dead = Some("the client disconnected".into());
             }
+        }
+        {
+            let mut writer = self.shared.writer.lock();
+            let _ = write_all_vectored(&mut *writer, &[&header.encode()]);
         }
         self.shared.die("the client disconnected".into());
         if let Some(reader) = self.reader.lock().take() {
