@@ -262,7 +262,15 @@ impl ObjectHandle {
         let block_size = object.block_size_bytes as u64;
         let first = offset / block_size;
         let end = (offset + target.len() as u64).div_ceil(block_size);
-        let plan = object.plan_read(first, end);
+        let mut plan = object.plan_read(first, end);
+        // Windows end on a write unit, so an object-store chunk is fetched whole, once.
+        if plan.extend_to_block > end {
+            plan.extend_to_block = object.round_up_to_write_unit(plan.extend_to_block);
+        }
+        plan.window_end_block = object.round_up_to_write_unit(plan.window_end_block);
+        if let Some((start, window_end)) = plan.background {
+            plan.background = Some((start, object.round_up_to_write_unit(window_end)));
+        }
         let placement = if plan.no_reuse && self.inner().config().noreuse_sequential {
             Placement::NoReuse
         } else {
@@ -377,10 +385,10 @@ impl ObjectHandle {
         let inner = self.inner();
         let object = &self.object;
         let start = first.key.block;
-        let mapped = object.map.map(start);
+        // One cluster within one contiguous device run, ending on a write unit when the
+        // device has one (an object-store chunk read with one GET, not in pieces).
         let run_limit = limit
-            .min(start + object.cluster_blocks)
-            .min(start + mapped.contiguous_blocks)
+            .min(start + object.write_run_blocks_max(start))
             .min(object.block_count);
         let mut run = vec![BufferGuard::new(inner, object, first)];
         for block in start + 1..run_limit {

@@ -182,6 +182,13 @@ impl ObjectState {
         let cluster_blocks = (cache.cluster_size_max_bytes / block_size)
             .max(write_unit_bytes / block_size)
             .max(1);
+        let readahead_window = |bytes: u64| {
+            if cache.readahead_size_max_bytes == 0 {
+                0
+            } else {
+                bytes.max(write_unit_bytes) / block_size
+            }
+        };
         Ok(ObjectState {
             id,
             block_size_bytes: config.block_size_bytes,
@@ -196,8 +203,10 @@ impl ObjectState {
             streams: Mutex::new(StreamTable::new()),
             limits: WindowLimits {
                 initial_blocks: readahead_blocks(cache.readahead_size_initial_bytes),
-                max_blocks: cache.readahead_size_max_bytes / block_size,
-                latency_max_blocks: cache.readahead_latency_size_max_bytes / block_size,
+                // A window covers at least one write unit when read-ahead is on, so a
+                // sequential reader of an object store fetches whole chunks.
+                max_blocks: readahead_window(cache.readahead_size_max_bytes),
+                latency_max_blocks: readahead_window(cache.readahead_latency_size_max_bytes),
                 streams_max: cache.streams_per_object_max,
                 object_blocks: block_count,
             },
@@ -237,6 +246,21 @@ impl ObjectState {
             return limit;
         }
         aligned_length / block_size
+    }
+
+    /// `block` moved forward to the next write-unit boundary (itself when it is on one or
+    /// there is no unit), at most the object's end: where a read-ahead window should end so
+    /// that a unit is fetched whole.
+    pub fn round_up_to_write_unit(&self, block: u64) -> u64 {
+        if self.write_unit_bytes == 0 || block >= self.block_count {
+            return block.min(self.block_count);
+        }
+        let into_unit = self.map.map(block).device_offset % self.write_unit_bytes;
+        if into_unit == 0 {
+            return block;
+        }
+        let to_boundary = (self.write_unit_bytes - into_unit) / self.block_size_bytes as u64;
+        (block + to_boundary).min(self.block_count)
     }
 
     /// The first block of the write unit holding `block` (itself when there is no unit).

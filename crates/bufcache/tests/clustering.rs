@@ -458,3 +458,58 @@ fn pressure_write_back_takes_wholly_dirty_write_units_first() {
         "first write-back is the wholly dirty unit (writes: {writes:?})"
     );
 }
+
+#[test]
+fn sequential_reads_fetch_whole_write_units() {
+    // Goal: on a device with a write unit (an object-store chunk, one GET each), a sequential
+    // reader's device reads cover whole units and never straddle two, so each chunk is
+    // fetched once, even when the unit is larger than the read-ahead and cluster limits.
+    // Method: a recording device with a 2 MiB unit; 64 KiB sequential reads over 8 MiB with
+    // the default 1 MiB cluster and read-ahead limits; check every read.
+    const UNIT: u64 = 2 * MIB;
+    let device = Arc::new(Recording {
+        inner: MemoryDevice::new(16 * MIB),
+        requests: Mutex::new(Vec::new()),
+        write_unit_bytes: UNIT,
+    });
+    let cache = inline_cache(CacheConfig {
+        memory_bytes_max: 16 * MIB,
+        ..CacheConfig::default()
+    });
+    let handle = open(&cache, device.clone() as Arc<dyn Device>);
+    let mut buffer = vec![0u8; 64 << 10];
+    for offset in (0..8 * MIB).step_by(64 << 10) {
+        handle.read_at(offset, &mut buffer).unwrap();
+    }
+    let reads: Vec<(u64, u64)> = device
+        .requests
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|request| request.0 == 'r')
+        .map(|request| (request.1, request.2))
+        .collect();
+    assert!(!reads.is_empty());
+    for &(offset, length) in &reads {
+        let within_one = offset / UNIT == (offset + length - 1) / UNIT;
+        let whole_units = offset % UNIT == 0 && (offset + length) % UNIT == 0;
+        assert!(
+            within_one || whole_units,
+            "a read of {length} bytes at {offset} straddles two {UNIT}-byte units ({reads:?})"
+        );
+    }
+    // Each unit is fetched by one read, except the first: the stream is only detected at
+    // the reader's second request, after a first small read of it.
+    let mut fetches = std::collections::BTreeMap::new();
+    for &(offset, length) in &reads {
+        for unit in offset / UNIT..(offset + length).div_ceil(UNIT) {
+            *fetches.entry(unit).or_insert(0) += 1;
+        }
+    }
+    for (&unit, &count) in &fetches {
+        assert!(
+            count == 1 || unit == 0,
+            "unit {unit} fetched by {count} reads ({reads:?})"
+        );
+    }
+}
