@@ -847,23 +847,34 @@ impl ObjectHandle {
                     .range(cluster_start..cluster_end)
                     .count() as u64
                     == cluster_end - cluster_start
+                && object.queue_write_behind(cluster_start, cluster_end)
             {
-                let inner = Arc::clone(self.inner());
-                let target = Arc::clone(object);
-                let job = Box::new(move || {
-                    // Errors are latched on the object and reported by the next flush.
-                    let _ = inner.writeback().write_range(
-                        &target,
-                        cluster_start,
-                        cluster_end,
-                        LockMode::Try,
-                        WritebackCause::WriteBehind,
-                    );
-                });
-                // When no worker is free the background writer will get to it.
-                let _ = self.inner().spawner().spawn(job);
+                self.start_write_behind_job();
             }
             cluster_start += cluster;
+        }
+    }
+
+    /// Starts the object's write-behind job, which writes queued clusters until the queue is
+    /// empty. Errors are latched on the object and reported by the next flush.
+    fn start_write_behind_job(&self) {
+        let inner = Arc::clone(self.inner());
+        let target = Arc::clone(&self.object);
+        let job = Box::new(move || {
+            while let Some((start, end)) = target.next_write_behind() {
+                let _ = inner.writeback().write_range(
+                    &target,
+                    start,
+                    end,
+                    LockMode::Try,
+                    WritebackCause::WriteBehind,
+                );
+            }
+        });
+        if self.inner().spawner().spawn(job).is_err() {
+            // No worker free: this job never runs, so end it here. The queued clusters are
+            // left dirty for the background writer (and for running jobs).
+            self.object.end_write_behind_job();
         }
     }
 

@@ -105,6 +105,20 @@ impl ObjectConfig {
     }
 }
 
+/// Completed clusters queued for write-behind at most, per object; more are left to the
+/// background writer (they stay dirty and are written by age or threshold).
+const WRITE_BEHIND_QUEUED_MAX: usize = 64;
+
+/// Write-behind work of one object: completed clusters, and whether a job is draining them.
+#[derive(Default)]
+struct WriteBehindQueue {
+    ranges: std::collections::VecDeque<(u64, u64)>,
+    jobs_running: usize,
+}
+
+/// Write-behind jobs of one object at most: enough requests in flight for a slow device.
+const WRITE_BEHIND_JOBS_MAX: usize = 4;
+
 #[derive(Default)]
 struct ErrorLatch {
     sequence: u64,
@@ -123,6 +137,9 @@ pub(crate) struct ObjectState {
     pub device: Arc<dyn Device>,
     pub map: Arc<dyn BlockMap>,
     pub dirty: DirtyIndex,
+    /// Clusters a writer completed, waiting for the one write-behind job (see
+    /// `queue_write_behind`).
+    write_behind: Mutex<WriteBehindQueue>,
     /// Where the next pressure-driven write-back starts looking (see `claim_dirty_cluster`).
     writeback_cursor: AtomicU64,
     latch: Mutex<ErrorLatch>,
@@ -199,6 +216,7 @@ impl ObjectState {
             map,
             dirty: Mutex::new(BTreeMap::new()),
             writeback_cursor: AtomicU64::new(0),
+            write_behind: Mutex::new(WriteBehindQueue::default()),
             latch: Mutex::new(ErrorLatch::default()),
             streams: Mutex::new(StreamTable::new()),
             limits: WindowLimits {
@@ -324,6 +342,43 @@ impl ObjectState {
             }
         }
         None
+    }
+
+    /// Queues the completed cluster `[start, end)` for write-behind. True when the caller
+    /// must start one more write-behind job (fewer than `WRITE_BEHIND_JOBS_MAX` run); running
+    /// jobs take it otherwise. Jobs drain the queue, so a stream of writes costs a hand-off to
+    /// a worker only when the jobs are idle, and a slow device still gets several writes in
+    /// flight. Over `WRITE_BEHIND_QUEUED_MAX` ranges the range is left to the background
+    /// writer.
+    pub fn queue_write_behind(&self, start: u64, end: u64) -> bool {
+        let mut queue = self.write_behind.lock();
+        if queue.ranges.len() >= WRITE_BEHIND_QUEUED_MAX {
+            return false;
+        }
+        queue.ranges.push_back((start, end));
+        if queue.jobs_running < WRITE_BEHIND_JOBS_MAX {
+            queue.jobs_running += 1;
+            return true;
+        }
+        false
+    }
+
+    /// The next range for a write-behind job, or None — and then that job is over.
+    pub fn next_write_behind(&self) -> Option<(u64, u64)> {
+        let mut queue = self.write_behind.lock();
+        let next = queue.ranges.pop_front();
+        if next.is_none() {
+            strict_assert!(queue.jobs_running > 0, "a write-behind job ended twice");
+            queue.jobs_running -= 1;
+        }
+        next
+    }
+
+    /// Ends a write-behind job that could not be started.
+    pub fn end_write_behind_job(&self) {
+        let mut queue = self.write_behind.lock();
+        strict_assert!(queue.jobs_running > 0, "a write-behind job ended twice");
+        queue.jobs_running -= 1;
     }
 
     /// Records a write-back failure.
