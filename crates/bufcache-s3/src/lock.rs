@@ -18,7 +18,7 @@ use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, PutMode, PutOptions, PutPayload, UpdateVersion};
 use serde_json::json;
 
-use crate::store::{chain, OpenError, StoreError};
+use crate::error::{chain, request_failed, OpenError, StoreError};
 use crate::url::S3Url;
 
 /// Name of the lock object under the prefix.
@@ -251,13 +251,13 @@ impl DiskLock {
                 Err(object_store::Error::NotFound { .. }) => return Ok(()),
                 Err(error) => Err(error),
             }
-            .map_err(|error| crate::store::request_failed("GET", &self.key, error))?;
+            .map_err(|error| request_failed("GET", &self.key, error))?;
             match LockHolder::parse(&body) {
                 Ok(holder) if holder.id == self.holder.id => self
                     .store
                     .delete(&path)
                     .await
-                    .map_err(|error| crate::store::request_failed("DELETE", &self.key, error)),
+                    .map_err(|error| request_failed("DELETE", &self.key, error)),
                 _ => {
                     tracing::warn!(lock = %self.key, "the disk lock was broken by another server; leaving it");
                     Ok(())

@@ -1,0 +1,132 @@
+//! The crate's errors: why a disk could not be opened, and why a request to the store failed,
+//! with the helpers that turn the client's nested errors into one line. Both the chunk store
+//! and the disk lock report through these, so neither depends on the other for them.
+
+use crate::url::UrlError;
+
+/// Why a disk could not be opened; nothing was written when this is returned.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error(transparent)]
+    Url(#[from] UrlError),
+    #[error("{url}: cannot configure the S3 client: {message}")]
+    Client { url: String, message: String },
+    #[error("{url}: cannot start the I/O runtime: {source}")]
+    Runtime { url: String, source: std::io::Error },
+    #[error("{url}: {operation} failed (endpoint unreachable, bucket missing or credentials refused?): {message}")]
+    Request {
+        url: String,
+        operation: String,
+        message: String,
+    },
+    #[error("{url}: no disk here (no metadata object `{key}`); add create-size=SIZE to the URL to create one")]
+    NoDisk { url: String, key: String },
+    #[error("{url}: no metadata object `{key}` but {count} other object(s) under the prefix (first: `{first}`); refusing to create a disk over them")]
+    PrefixNotEmpty {
+        url: String,
+        key: String,
+        count: usize,
+        first: String,
+    },
+    #[error("{url}: metadata object `{key}` is not a bufcache disk description: {reason}")]
+    BadMetadata {
+        url: String,
+        key: String,
+        reason: String,
+    },
+    #[error("{url}: parameter `{parameter}={given}` does not match the existing disk, which has {parameter} {stored}")]
+    Mismatch {
+        url: String,
+        parameter: &'static str,
+        given: String,
+        stored: String,
+    },
+    #[error("{url}: {}the disk is in use by {holder} (lock object `{key}`); if that server is no longer running, add break-lock={id} to the URL", break_lock_mismatch(.asked))]
+    Locked {
+        url: String,
+        key: String,
+        holder: String,
+        id: String,
+        /// The `break-lock=` id given, when it did not name the current lock.
+        asked: Option<String>,
+    },
+    #[error("{url}: lock object `{key}` is not a bufcache lock: {reason}; if no server uses the disk, delete that object")]
+    BadLock {
+        url: String,
+        key: String,
+        reason: String,
+    },
+    #[error("{url}: another server took or released lock object `{key}` while this one was taking it; start again to see who holds it")]
+    LockRaced { url: String, key: String },
+    #[error(
+        "{url}: parameter `create-size={size}` is not a multiple of the chunk size {chunk_size}"
+    )]
+    SizeNotChunkMultiple {
+        url: String,
+        size: u64,
+        chunk_size: u64,
+    },
+}
+
+fn break_lock_mismatch(asked: &Option<String>) -> String {
+    match asked {
+        Some(asked) => format!("`break-lock={asked}` does not name the current lock: "),
+        None => String::new(),
+    }
+}
+
+/// A request to the store failed (after the client's retries).
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("{operation} of `{key}` failed: {message}")]
+    Request {
+        operation: &'static str,
+        key: String,
+        message: String,
+    },
+    #[error("request of {length} bytes at offset {offset} reaches past the end of the disk ({size} bytes)")]
+    OutOfRange { offset: u64, length: u64, size: u64 },
+    #[error("object `{key}` holds {found} bytes where {expected} were asked for")]
+    ShortObject {
+        key: String,
+        found: usize,
+        expected: usize,
+    },
+}
+
+impl From<StoreError> for std::io::Error {
+    fn from(error: StoreError) -> Self {
+        let kind = match error {
+            StoreError::OutOfRange { .. } => std::io::ErrorKind::InvalidInput,
+            _ => std::io::ErrorKind::Other,
+        };
+        std::io::Error::new(kind, error)
+    }
+}
+
+/// An error and its sources on one line (object_store nests the server's answer).
+pub(crate) fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(inner) = source {
+        let inner_text = inner.to_string();
+        if !text.contains(&inner_text) {
+            text.push_str(": ");
+            text.push_str(&inner_text);
+        }
+        source = inner.source();
+    }
+    text
+}
+
+pub(crate) fn request_failed(
+    operation: &'static str,
+    key: &str,
+    error: object_store::Error,
+) -> StoreError {
+    StoreError::Request {
+        operation,
+        key: key.to_string(),
+        message: chain(&error),
+    }
+}
