@@ -523,14 +523,6 @@ pub struct SimDevice {
     faults: Mutex<Option<Faults>>,
 }
 
-fn load_from(chunks: &Chunks, target: &mut [u8], offset: u64) {
-    chunks.read(offset, target);
-}
-
-fn store_into(chunks: &mut Chunks, source: &[u8], offset: u64) {
-    chunks.write(offset, source);
-}
-
 impl Default for Contents {
     fn default() -> Self {
         Contents {
@@ -543,7 +535,7 @@ impl Default for Contents {
 
 impl Contents {
     fn store(&mut self, source: &[u8], offset: u64) {
-        store_into(&mut self.chunks, source, offset);
+        self.chunks.write(offset, source);
         if self.durable.is_some() {
             self.unflushed.push((offset, source.to_vec()));
         }
@@ -594,7 +586,7 @@ impl SimDevice {
     /// Copies what a read at `offset` would return into `target`, without timing or faults
     /// (for checkers).
     pub fn peek(&self, target: &mut [u8], offset: u64) {
-        load_from(&self.contents().chunks, target, offset);
+        self.contents().chunks.read(offset, target);
     }
 
     /// Turns seeded faults on (or changes them), drawing from `rng`.
@@ -656,14 +648,14 @@ impl SimDevice {
                         0 => outcome.writes_lost += 1,
                         1 => {
                             outcome.writes_kept += 1;
-                            store_into(&mut durable, &data, offset);
+                            durable.write(offset, &data);
                         }
                         _ => {
                             outcome.writes_torn += 1;
                             for (index, sector) in data.chunks(SECTOR_BYTES as usize).enumerate() {
                                 if rng.below(2) == 0 {
                                     let at = offset + index as u64 * SECTOR_BYTES;
-                                    store_into(&mut durable, sector, at);
+                                    durable.write(at, sector);
                                 }
                             }
                         }
@@ -756,7 +748,7 @@ impl Device for SimDevice {
             let contents = self.contents();
             let mut at = offset;
             for buffer in buffers.iter_mut() {
-                load_from(&contents.chunks, buffer, at);
+                contents.chunks.read(at, buffer);
                 at += buffer.len() as u64;
             }
         }
@@ -791,7 +783,7 @@ impl Device for SimDevice {
             let unflushed = std::mem::take(&mut contents.unflushed);
             if let Some(durable) = contents.durable.as_mut() {
                 for (offset, data) in unflushed {
-                    store_into(durable, &data, offset);
+                    durable.write(offset, &data);
                 }
             }
         }

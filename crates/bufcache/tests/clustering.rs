@@ -246,6 +246,19 @@ impl BlockMap for GapMap {
     }
 }
 
+impl Recording {
+    /// The (offset, length) of every recorded request of `kind` ('r' or 'w'), in order.
+    fn recorded(&self, kind: char) -> Vec<(u64, u64)> {
+        self.requests
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|request| request.0 == kind)
+            .map(|request| (request.1, request.2))
+            .collect()
+    }
+}
+
 /// Records the byte range of every read and write.
 struct Recording {
     inner: MemoryDevice,
@@ -384,14 +397,7 @@ fn write_back_runs_cover_whole_write_units() {
             .unwrap();
     }
     handle.flush().unwrap();
-    let writes: Vec<(u64, u64)> = device
-        .requests
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|request| request.0 == 'w')
-        .map(|request| (request.1, request.2))
-        .collect();
+    let writes = device.recorded('w');
     assert!(!writes.is_empty());
     for &(offset, length) in &writes {
         let within_one = offset / UNIT == (offset + length - 1) / UNIT;
@@ -444,14 +450,7 @@ fn pressure_write_back_takes_wholly_dirty_write_units_first() {
             .unwrap();
     }
     cache.writeback_tick();
-    let writes: Vec<(u64, u64)> = device
-        .requests
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|request| request.0 == 'w')
-        .map(|request| (request.1, request.2))
-        .collect();
+    let writes = device.recorded('w');
     assert_eq!(
         writes.first(),
         Some(&(UNIT, UNIT)),
@@ -481,14 +480,7 @@ fn sequential_reads_fetch_whole_write_units() {
     for offset in (0..8 * MIB).step_by(64 << 10) {
         handle.read_at(offset, &mut buffer).unwrap();
     }
-    let reads: Vec<(u64, u64)> = device
-        .requests
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|request| request.0 == 'r')
-        .map(|request| (request.1, request.2))
-        .collect();
+    let reads = device.recorded('r');
     assert!(!reads.is_empty());
     for &(offset, length) in &reads {
         let within_one = offset / UNIT == (offset + length - 1) / UNIT;
