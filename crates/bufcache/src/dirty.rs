@@ -11,6 +11,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 
@@ -95,4 +96,35 @@ pub(crate) fn clear(total_bytes: &AtomicU64, index: &DirtyIndex, buffer: &Buffer
         "dirty byte count {before} below the {length} bytes of a dirty buffer"
     );
     true
+}
+
+/// Marks every buffer of `buffers` clean (those that were dirty) in all three places, taking
+/// the index lock once. Returns how many changed.
+pub(crate) fn clear_all(
+    total_bytes: &AtomicU64,
+    index: &DirtyIndex,
+    buffers: &[Arc<Buffer>],
+) -> u64 {
+    let mut index = index.lock();
+    let mut removed_bytes = 0u64;
+    let mut changed = 0u64;
+    for buffer in buffers {
+        if !buffer.clear_flag_of_dirty_set(DIRTY) {
+            continue;
+        }
+        let removed = index.remove(&buffer.key.block);
+        strict_assert!(
+            removed.is_some(),
+            "dirty buffer {:?} was missing from the dirty index",
+            buffer.key
+        );
+        removed_bytes += buffer.length_bytes as u64;
+        changed += 1;
+    }
+    let before = total_bytes.fetch_sub(removed_bytes, Ordering::AcqRel);
+    strict_assert!(
+        before >= removed_bytes,
+        "dirty byte count {before} below the {removed_bytes} bytes of dirty buffers"
+    );
+    changed
 }

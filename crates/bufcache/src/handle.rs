@@ -21,7 +21,7 @@ use crate::cache::{Cache, Inner, Urgency};
 use crate::error::CacheError;
 use crate::object::{ObjectConfig, ObjectState};
 use crate::stats::WritebackCause;
-use crate::table::Lookup;
+use crate::table::{Lookup, RunLookup};
 use crate::writeback::LockMode;
 use bufcache_device::{Device, Extent};
 
@@ -157,6 +157,9 @@ struct ReadRequest<'a> {
     placement: Placement,
     /// Set when a block was still being read ahead when the reader reached it.
     waited_for_readahead: bool,
+    /// The request's blocks that were cached, looked up together; dropped before anything
+    /// that may wait for space, so a reader never pins blocks it is not about to use then.
+    cached: Option<RunLookup<'a>>,
 }
 
 /// A buffer held shared for reading, by the byte-range read path.
@@ -285,6 +288,11 @@ impl ObjectHandle {
             miss_limit: plan.extend_to_block.max(plan.window_end_block),
             placement,
             waited_for_readahead: false,
+            cached: Some(
+                self.inner()
+                    .table()
+                    .lookup_run(object.id, first, end, Some(placement)),
+            ),
         };
         let mut block = first;
         while block < end {
@@ -305,10 +313,25 @@ impl ObjectHandle {
 
     /// Serves `block` (and, on a miss, the run of missing blocks after it) and returns the
     /// next block to serve.
-    fn read_step(&self, block: u64, request: &mut ReadRequest<'_>) -> Result<u64, CacheError> {
+    fn read_step<'a>(
+        &'a self,
+        block: u64,
+        request: &mut ReadRequest<'a>,
+    ) -> Result<u64, CacheError> {
         let inner = self.inner();
         let key = self.object.key(block);
-        match inner.lookup_or_insert(key, &self.object, request.placement, Urgency::Wait)? {
+        let found = match request
+            .cached
+            .as_mut()
+            .and_then(|cached| cached.take(block))
+        {
+            Some(buffer) => Lookup::Found(buffer),
+            None => {
+                request.cached = None;
+                inner.lookup_or_insert(key, &self.object, request.placement, Urgency::Wait)?
+            }
+        };
+        match found {
             Lookup::Found(buffer) => {
                 if !buffer.try_lock_shared() {
                     // Held exclusively: being filled. If by read-ahead, the window did not
@@ -353,6 +376,15 @@ impl ObjectHandle {
                         request.offset,
                         request.target,
                     );
+                }
+                drop(run);
+                if served_end < end {
+                    request.cached = Some(inner.table().lookup_run(
+                        self.object.id,
+                        served_end,
+                        end,
+                        Some(request.placement),
+                    ));
                 }
                 Ok(served_end)
             }
@@ -682,16 +714,25 @@ impl ObjectHandle {
         range: WriteRange,
         source: &mut WriteSource<'_>,
     ) -> Result<u64, CacheError> {
-        const WRITE_GROUP_BLOCKS_MAX: usize = 256;
-        let mut group: Vec<(BufferGuard, bool)> = Vec::new();
+        const WRITE_GROUP_BLOCKS_MAX: u64 = 256;
+        let group_end = end.min(block + WRITE_GROUP_BLOCKS_MAX);
+        let mut group: Vec<(BufferGuard, bool)> = Vec::with_capacity((group_end - block) as usize);
         let (within, length) = range.piece(&self.object, block);
         let whole = length == self.object.block_length_bytes(block) as usize;
+        // The first block may wait for space, so nothing else is pinned yet.
         group.push(self.acquire_for_write(block, whole)?);
+        // One look at the table for the rest: a chunk's blocks share a probe and a shard lock.
+        let mut cached = self.inner().table().lookup_run(
+            self.object.id,
+            block + 1,
+            group_end,
+            Some(Placement::Normal),
+        );
         let mut next = block + 1;
-        while next < end && group.len() < WRITE_GROUP_BLOCKS_MAX {
+        while next < group_end {
             let (_, length) = range.piece(&self.object, next);
             let whole = length == self.object.block_length_bytes(next) as usize;
-            match self.try_acquire_for_write(next, whole) {
+            match self.try_acquire_for_write(next, whole, cached.take(next)) {
                 Some(held) => group.push(held),
                 None => break,
             }
@@ -730,6 +771,7 @@ impl ObjectHandle {
         drop(written);
         let next = block + group.len() as u64;
         drop(group);
+        drop(cached);
         filled.map_err(|source| CacheError::DataSource { source })?;
         Ok(next)
     }
@@ -749,23 +791,32 @@ impl ObjectHandle {
     /// As `acquire_for_write`, for a block joining a group whose earlier blocks are held:
     /// never waits for space or for a buffer lock, and takes no block that would have to be
     /// read first (None: the group ends here).
-    fn try_acquire_for_write(&self, block: u64, whole: bool) -> Option<(BufferGuard, bool)> {
+    fn try_acquire_for_write(
+        &self,
+        block: u64,
+        whole: bool,
+        cached: Option<Arc<Buffer>>,
+    ) -> Option<(BufferGuard, bool)> {
         let inner = self.inner();
         let key = self.object.key(block);
-        let guard = match inner.table().lookup(key, Placement::Normal) {
+        let guard = match cached {
             Some(buffer) => {
                 if !buffer.try_lock_exclusive() {
                     inner.table().unpin(&buffer);
                     return None;
                 }
-                BufferGuard::new(inner, &self.object, buffer)
+                let guard = BufferGuard::new(inner, &self.object, buffer);
+                // Invalid once locked: a failed reader took it out of the table, and data
+                // written into it would be lost. The group ends; the next one looks again.
+                return guard.is_valid().then_some((guard, false));
             }
             None => {
                 let buffer = inner.insert_absent(key, &self.object, Placement::Normal, true)?;
                 BufferGuard::new(inner, &self.object, buffer)
             }
         };
-        if !guard.is_valid() && !whole {
+        if !whole {
+            // A new block the write covers in part would have to be read first.
             return None;
         }
         self.make_writable(guard, whole).ok()
@@ -834,7 +885,13 @@ impl ObjectHandle {
 
     /// Queues write-back of every cluster this write completed (all its blocks dirty).
     pub(crate) fn write_behind(&self, first: u64, end: u64) {
+        /// A write-behind job starts once this much is queued (or 1/16 of the cache, if
+        /// less): one hand-off per batch.
+        const WRITE_BEHIND_BATCH_BYTES: u64 = 4 << 20;
         let object = &self.object;
+        let batch_bytes =
+            WRITE_BEHIND_BATCH_BYTES.min(self.inner().table().memory_bytes_max() / 16);
+        let batch_blocks = (batch_bytes / object.block_size_bytes as u64).max(1);
         let cluster = object.cluster_blocks;
         let mut cluster_start = first / cluster * cluster;
         while cluster_start < end {
@@ -847,7 +904,7 @@ impl ObjectHandle {
                     .range(cluster_start..cluster_end)
                     .count() as u64
                     == cluster_end - cluster_start
-                && object.queue_write_behind(cluster_start, cluster_end)
+                && object.queue_write_behind(cluster_start, cluster_end, batch_blocks)
             {
                 self.start_write_behind_job();
             }

@@ -113,6 +113,8 @@ const WRITE_BEHIND_QUEUED_MAX: usize = 64;
 #[derive(Default)]
 struct WriteBehindQueue {
     ranges: std::collections::VecDeque<(u64, u64)>,
+    /// Blocks in `ranges`.
+    queued_blocks: u64,
     jobs_running: usize,
 }
 
@@ -345,18 +347,21 @@ impl ObjectState {
     }
 
     /// Queues the completed cluster `[start, end)` for write-behind. True when the caller
-    /// must start one more write-behind job (fewer than `WRITE_BEHIND_JOBS_MAX` run); running
-    /// jobs take it otherwise. Jobs drain the queue, so a stream of writes costs a hand-off to
-    /// a worker only when the jobs are idle, and a slow device still gets several writes in
-    /// flight. Over `WRITE_BEHIND_QUEUED_MAX` ranges the range is left to the background
-    /// writer.
-    pub fn queue_write_behind(&self, start: u64, end: u64) -> bool {
+    /// must start one more write-behind job: at least `batch_blocks` are queued and fewer
+    /// than `WRITE_BEHIND_JOBS_MAX` jobs run. Waiting for a batch means one hand-off to a
+    /// worker per batch instead of per cluster (a wake-up and a sleep cost a 1 MiB write
+    /// about as much CPU as its table work); a backlog of another batch while jobs run starts
+    /// another job, so a slow device still gets several writes in flight. What never makes a
+    /// batch is taken by the background writer's next tick ([`ObjectState::take_write_behind`]).
+    /// Over `WRITE_BEHIND_QUEUED_MAX` ranges the range is left to the background writer.
+    pub fn queue_write_behind(&self, start: u64, end: u64, batch_blocks: u64) -> bool {
         let mut queue = self.write_behind.lock();
         if queue.ranges.len() >= WRITE_BEHIND_QUEUED_MAX {
             return false;
         }
         queue.ranges.push_back((start, end));
-        if queue.jobs_running < WRITE_BEHIND_JOBS_MAX {
+        queue.queued_blocks += end - start;
+        if queue.queued_blocks >= batch_blocks && queue.jobs_running < WRITE_BEHIND_JOBS_MAX {
             queue.jobs_running += 1;
             return true;
         }
@@ -367,11 +372,25 @@ impl ObjectState {
     pub fn next_write_behind(&self) -> Option<(u64, u64)> {
         let mut queue = self.write_behind.lock();
         let next = queue.ranges.pop_front();
-        if next.is_none() {
-            strict_assert!(queue.jobs_running > 0, "a write-behind job ended twice");
-            queue.jobs_running -= 1;
+        match next {
+            Some((start, end)) => queue.queued_blocks -= end - start,
+            None => {
+                strict_assert!(queue.jobs_running > 0, "a write-behind job ended twice");
+                queue.jobs_running -= 1;
+            }
         }
         next
+    }
+
+    /// Every queued write-behind range, when no job runs to take them (the background
+    /// writer's part: a stream that stopped short of a batch is still written soon).
+    pub fn take_write_behind(&self) -> Vec<(u64, u64)> {
+        let mut queue = self.write_behind.lock();
+        if queue.jobs_running > 0 {
+            return Vec::new();
+        }
+        queue.queued_blocks = 0;
+        queue.ranges.drain(..).collect()
     }
 
     /// Ends a write-behind job that could not be started.

@@ -129,9 +129,13 @@ impl Writeback {
                 .map(|(_, block)| block)
                 .collect()
         };
+        let Some(&last) = candidates.last() else {
+            return Ok(0);
+        };
+        let mut cached = self.table.lookup_run(object.id, first, last + 1, None);
         let mut held: Vec<Arc<Buffer>> = Vec::with_capacity(candidates.len());
         for block in candidates {
-            let Some(buffer) = self.table.lookup_quiet(object.key(block)) else {
+            let Some(buffer) = cached.take(block) else {
                 break;
             };
             if !self.claim_for_writeback(&buffer, mode) {
@@ -140,6 +144,7 @@ impl Writeback {
             }
             held.push(buffer);
         }
+        drop(cached);
         if held.is_empty() {
             return Ok(0);
         }
@@ -209,9 +214,7 @@ impl Writeback {
         // A deliberate bug, compiled only for `sim check`'s planted-defect test: the buffers
         // are marked clean before their write, so a failed write silently loses them.
         #[cfg(feature = "planted-defect")]
-        for buffer in buffers {
-            dirty::clear(&self.dirty_bytes, &object.dirty, buffer);
-        }
+        dirty::clear_all(&self.dirty_bytes, &object.dirty, buffers);
         let result = object.device.write_vectored_at(&slices, device_offset);
         self.counters
             .device_writes
@@ -227,12 +230,7 @@ impl Writeback {
             object.latch_error(&error);
             return Err(error);
         }
-        let mut cleaned = 0u64;
-        for buffer in buffers {
-            if dirty::clear(&self.dirty_bytes, &object.dirty, buffer) {
-                cleaned += 1;
-            }
-        }
+        let cleaned = dirty::clear_all(&self.dirty_bytes, &object.dirty, buffers);
         self.counters.writeback(cause, cleaned);
         // Clean buffers can be evicted: wake allocations waiting for space.
         self.table.notify_space();
@@ -356,13 +354,25 @@ impl Writeback {
         Ok(0)
     }
 
-    /// One round of background write-back: aged data first, then data above the
-    /// background threshold. Errors are latched on their objects.
+    /// One round of background write-back: write-behind ranges that never made a batch,
+    /// aged data, then data above the background threshold. Errors are latched on their
+    /// objects.
     pub(crate) fn writeback_tick(&self, objects: &[Arc<ObjectState>]) -> u64 {
         let now = self.clock.now_ns();
         let deadline = now.saturating_sub(self.dirty_age_max.as_nanos() as u64);
         let mut written = 0u64;
         for object in objects {
+            for (start, end) in object.take_write_behind() {
+                written += self
+                    .write_range(
+                        object,
+                        start,
+                        end,
+                        LockMode::Try,
+                        WritebackCause::WriteBehind,
+                    )
+                    .unwrap_or(0);
+            }
             let aged: Vec<u64> = object
                 .dirty
                 .lock()
