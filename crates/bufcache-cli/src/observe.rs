@@ -128,6 +128,16 @@ impl Export for ObservedExport {
         self.inner.read(offset, buffer)
     }
 
+    fn read_with(
+        &self,
+        offset: u64,
+        buffer: &mut [u8],
+        send: &mut bufcache_nbd::ReadSink<'_>,
+    ) -> std::io::Result<()> {
+        self.observe(TraceOperation::Read, offset, buffer.len() as u64);
+        self.inner.read_with(offset, buffer, send)
+    }
+
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> std::io::Result<()> {
         self.observe(TraceOperation::Write, offset, data.len() as u64);
         self.inner.write(offset, data, fua)

@@ -99,6 +99,70 @@ pub struct BufferPool {
 /// Bytes taken from the system at a time for one slot size.
 pub const POOL_CHUNK_BYTES: usize = 2 << 20;
 
+/// Chunks start on this boundary (the x86-64 and arm64 transparent huge page size) and are
+/// offered to the kernel for huge pages: a cache filling up for the first time then takes
+/// one page fault per 2 MiB instead of one per 4 KiB (faults were ~10% of a cold copy's CPU).
+const HUGE_PAGE_BYTES: usize = 2 << 20;
+
+/// Anonymous memory mapped for one chunk: zero-filled by the kernel, so fresh slots need no
+/// clearing (and cost nothing until touched).
+struct Mapping {
+    base: NonNull<u8>,
+    length: usize,
+}
+
+impl Mapping {
+    /// Maps `length` bytes plus room to start the usable part on a `boundary` (a power of
+    /// two); returns the mapping and the first byte at that boundary. The slack before and
+    /// after is never touched, so it costs address space only.
+    fn new(length: usize, boundary: usize) -> (Mapping, NonNull<u8>) {
+        let mapped_length = length + boundary;
+        // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                mapped_length,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            let layout = Layout::from_size_align(length, boundary).expect("valid chunk layout");
+            alloc::handle_alloc_error(layout);
+        }
+        let base = NonNull::new(raw as *mut u8).expect("mmap never maps address zero");
+        let skip = (boundary - base.as_ptr() as usize % boundary) % boundary;
+        // SAFETY: `skip` < `boundary`, so `skip + length` lies within the mapping.
+        let start = unsafe { NonNull::new_unchecked(base.as_ptr().add(skip)) };
+        #[cfg(target_os = "linux")]
+        // SAFETY: the range lies within our mapping; the advice changes no contents. Failure
+        // (huge pages unavailable) only means small pages, so it is ignored.
+        unsafe {
+            libc::madvise(
+                start.as_ptr() as *mut libc::c_void,
+                length,
+                libc::MADV_HUGEPAGE,
+            );
+        }
+        (
+            Mapping {
+                base,
+                length: mapped_length,
+            },
+            start,
+        )
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: mapped in `new` with this length; no slot of it is handed out any more.
+        unsafe { libc::munmap(self.base.as_ptr() as *mut libc::c_void, self.length) };
+    }
+}
+
 struct FreeSlot {
     pointer: NonNull<u8>,
     /// The slot still holds an earlier buffer's bytes (not yet zeroed or trimmed).
@@ -110,7 +174,7 @@ struct SizeClass {
     free: Vec<FreeSlot>,
     /// Uncarved remainder of the newest chunk: (next slot, slots left).
     fresh: Option<(NonNull<u8>, usize)>,
-    chunks: Vec<(NonNull<u8>, Layout)>,
+    chunks: Vec<Mapping>,
 }
 
 // SAFETY: the raw pointers are owned allocations guarded by the pool's mutex.
@@ -235,12 +299,8 @@ impl SizeClass {
         let chunk_bytes = POOL_CHUNK_BYTES
             .max(self.slot_bytes)
             .next_multiple_of(self.slot_bytes);
-        let layout = Layout::from_size_align(chunk_bytes, alignment).expect("valid chunk layout");
-        // SAFETY: non-zero size. Zeroed so fresh slots need no clearing (for large sizes the
-        // allocator maps fresh zero pages, which cost nothing until touched).
-        let raw = unsafe { alloc::alloc_zeroed(layout) };
-        let base = NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(layout));
-        self.chunks.push((base, layout));
+        let (mapping, base) = Mapping::new(chunk_bytes, alignment.max(HUGE_PAGE_BYTES));
+        self.chunks.push(mapping);
         let slots = chunk_bytes / self.slot_bytes;
         // SAFETY: the chunk holds `slots` slots.
         let following = unsafe { NonNull::new_unchecked(base.as_ptr().add(self.slot_bytes)) };
@@ -249,17 +309,8 @@ impl SizeClass {
     }
 }
 
-impl Drop for BufferPool {
-    fn drop(&mut self) {
-        for class in self.classes.get_mut().iter() {
-            for &(base, layout) in &class.chunks {
-                // SAFETY: allocated in `take` with this layout; no slot is handed out (each
-                // PooledBytes holds the pool alive).
-                unsafe { alloc::dealloc(base.as_ptr(), layout) };
-            }
-        }
-    }
-}
+// Dropping the pool drops its chunks' mappings (`Mapping::drop`); no slot is handed out by
+// then, since each `PooledBytes` holds the pool alive.
 
 /// A slot handed out by a [`BufferPool`]; returns to the pool when dropped.
 pub struct PooledBytes {

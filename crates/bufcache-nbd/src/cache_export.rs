@@ -8,9 +8,9 @@
 use std::io;
 use std::sync::Arc;
 
-use bufcache::{ObjectHandle, ZeroOptions};
+use bufcache::{CacheError, ObjectHandle, ZeroOptions};
 
-use crate::export::{BlockStatusExtent, Export, WriteSource};
+use crate::export::{BlockStatusExtent, Export, ReadSink, WriteSource};
 
 /// A cache object served as an NBD export.
 pub struct CacheExport {
@@ -43,6 +43,14 @@ impl Export for CacheExport {
 
     fn read(&self, offset: u64, buffer: &mut [u8]) -> io::Result<()> {
         Ok(self.object.read_at(offset, buffer)?)
+    }
+
+    fn read_with(&self, offset: u64, buffer: &mut [u8], send: &mut ReadSink<'_>) -> io::Result<()> {
+        match self.object.read_with(offset, buffer, send) {
+            Ok(()) => Ok(()),
+            Err(CacheError::DataSink { source }) => Err(source),
+            Err(error) => Err(error.into()),
+        }
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {

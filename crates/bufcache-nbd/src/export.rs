@@ -13,7 +13,7 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 
 /// Fills the slices of a write with its data, in order (see [`Export::write_from`]).
-pub use bufcache::WriteSource;
+pub use bufcache::{ReadSink, WriteSource};
 
 /// One run of the export's address space with a single allocation state, as reported by
 /// [`Export::block_status`].
@@ -43,6 +43,12 @@ pub trait Export: Send + Sync {
     }
     /// Fills `buffer` from `offset`.
     fn read(&self, offset: u64, buffer: &mut [u8]) -> io::Result<()>;
+    /// Reads `buffer.len()` bytes at `offset` and hands them to `send` once: as slices of the
+    /// export's own memory when it can (a cache sends its buffers; nothing is copied into
+    /// `buffer`), else of `buffer` after filling it. `send` is not called when the read
+    /// fails; its own error is returned as it is. [`read_via_buffer`] implements it for an
+    /// export without buffers of its own.
+    fn read_with(&self, offset: u64, buffer: &mut [u8], send: &mut ReadSink<'_>) -> io::Result<()>;
     /// Writes `data` at `offset`; with `fua`, the data is durable when this returns.
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()>;
     /// Writes `length` bytes at `offset` whose data `source` reads straight into the export's
@@ -96,6 +102,18 @@ pub trait Export: Send + Sync {
     }
     /// Consecutive extents covering [offset, offset+length) (may stop early, at least one); hole => NBD_STATE_HOLE|NBD_STATE_ZERO, zero-only => NBD_STATE_ZERO.
     fn block_status(&self, offset: u64, length: u64) -> io::Result<Vec<BlockStatusExtent>>;
+}
+
+/// [`Export::read_with`] for an export without buffers of its own: [`Export::read`] into
+/// `buffer`, then `send` it.
+pub fn read_via_buffer(
+    export: &dyn Export,
+    offset: u64,
+    buffer: &mut [u8],
+    send: &mut ReadSink<'_>,
+) -> io::Result<()> {
+    export.read(offset, buffer)?;
+    send(&[io::IoSlice::new(buffer)])
 }
 
 /// [`Export::write_from`] for an export without buffers of its own: reads the data into a
@@ -218,6 +236,10 @@ impl Export for MemoryExport {
             }
         });
         Ok(())
+    }
+
+    fn read_with(&self, offset: u64, buffer: &mut [u8], send: &mut ReadSink<'_>) -> io::Result<()> {
+        read_via_buffer(self, offset, buffer, send)
     }
 
     fn write(&self, offset: u64, data: &[u8], _fua: bool) -> io::Result<()> {

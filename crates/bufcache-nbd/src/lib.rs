@@ -34,7 +34,10 @@ pub use config::{
     parse_network, AccessRules, ConfigError, ExportPolicy, ListenAddress, ListenAddressError,
     NetworkError, ServerConfig,
 };
-pub use export::{write_via_buffer, BlockStatusExtent, Export, MemoryExport};
+pub use export::{
+    read_via_buffer, write_via_buffer, BlockStatusExtent, Export, MemoryExport, ReadSink,
+    WriteSource,
+};
 pub use ipnet::IpNet;
 pub use reconnect::{ReconnectPolicy, ReconnectingClient};
 pub use server::{BoundAddress, BoundServer, Server, ServerError, ShutdownHandle};

@@ -65,17 +65,31 @@ impl Stream {
     /// `timeout`; false when the time ran out with nothing to read. Nothing is consumed, so
     /// a timeout never loses part of a message.
     pub fn wait_readable(&self, timeout: Duration) -> io::Result<bool> {
+        self.wait_for(libc::POLLIN, timeout)
+    }
+
+    /// Waits until the socket can take more bytes (or has failed) for at most `timeout`;
+    /// false when the time ran out.
+    pub fn wait_writable(&self, timeout: Duration) -> io::Result<bool> {
+        self.wait_for(libc::POLLOUT, timeout)
+    }
+
+    fn descriptor(&self) -> std::os::unix::io::RawFd {
         use std::os::unix::io::AsRawFd;
-        let descriptor = match self {
+        match self {
             Stream::Tcp(stream) => stream.as_raw_fd(),
             Stream::Unix(stream) => stream.as_raw_fd(),
-        };
+        }
+    }
+
+    fn wait_for(&self, events: libc::c_short, timeout: Duration) -> io::Result<bool> {
+        let descriptor = self.descriptor();
         let deadline = std::time::Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             let mut poll_fd = libc::pollfd {
                 fd: descriptor,
-                events: libc::POLLIN,
+                events,
                 revents: 0,
             };
             // Rounded up, so a wait never ends a fraction of a millisecond early and spins.
@@ -92,6 +106,38 @@ impl Stream {
                         return Err(error);
                     }
                 }
+            }
+        }
+    }
+
+    /// Sends as much of `slices` as the socket takes without blocking (one `sendmsg`, at
+    /// most `IOV_MAX` slices); Ok(0) when it takes nothing now.
+    pub fn send_vectored_now(&self, slices: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        const IOV_MAX: usize = 1024;
+        let count = slices.len().min(IOV_MAX);
+        // SAFETY: all-zero is a valid msghdr (no name, no control data).
+        let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
+        // IoSlice is guaranteed ABI-compatible with iovec on unix.
+        message.msg_iov = slices.as_ptr() as *mut libc::iovec;
+        message.msg_iovlen = count as _;
+        loop {
+            // SAFETY: the msghdr points at `count` live slices borrowed for this call; the
+            // kernel only reads them.
+            let sent = unsafe {
+                libc::sendmsg(
+                    self.descriptor(),
+                    &message,
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            };
+            if sent >= 0 {
+                return Ok(sent as usize);
+            }
+            let error = io::Error::last_os_error();
+            match error.kind() {
+                io::ErrorKind::Interrupted => continue,
+                io::ErrorKind::WouldBlock => return Ok(0),
+                _ => return Err(error),
             }
         }
     }
@@ -152,6 +198,54 @@ impl Write for Stream {
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
     }
+}
+
+/// Sends `parts` in order, blocking at most until `deadline`; returns how many bytes went.
+/// The caller sends the rest, if any, some other way (an NBD reply from cache buffers copies
+/// its remainder and lets the buffers go, so a client that stops reading cannot hold them).
+pub fn send_vectored_until(
+    stream: &Stream,
+    parts: &[io::IoSlice<'_>],
+    deadline: std::time::Instant,
+) -> io::Result<usize> {
+    let total: usize = parts.iter().map(|part| part.len()).sum();
+    let mut sent_total = 0usize;
+    let mut part_index = 0usize;
+    let mut offset_in_part = 0usize;
+    while sent_total < total {
+        let mut slices = Vec::with_capacity(parts.len() - part_index);
+        slices.push(io::IoSlice::new(&parts[part_index][offset_in_part..]));
+        slices.extend(
+            parts[part_index + 1..]
+                .iter()
+                .map(|part| io::IoSlice::new(part)),
+        );
+        let mut sent = stream.send_vectored_now(&slices)?;
+        if sent == 0 {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() || !stream.wait_writable(left)? {
+                break;
+            }
+            continue;
+        }
+        sent_total += sent;
+        while sent > 0 {
+            let left_in_part = parts[part_index].len() - offset_in_part;
+            if sent >= left_in_part {
+                sent -= left_in_part;
+                part_index += 1;
+                offset_in_part = 0;
+            } else {
+                offset_in_part += sent;
+                sent = 0;
+            }
+        }
+        while part_index < parts.len() && parts[part_index].len() == offset_in_part {
+            part_index += 1;
+            offset_in_part = 0;
+        }
+    }
+    Ok(sent_total)
 }
 
 /// Writes every byte of every slice, in order, with as few system calls as the socket allows:

@@ -41,7 +41,7 @@ use crate::buffers::BufferRecycler;
 use crate::export::{BlockStatusExtent, Export};
 use crate::handshake::{Negotiated, BASE_ALLOCATION_ID};
 use crate::protocol::*;
-use crate::stream::{read_exact_vectored, write_all_vectored, Stream};
+use crate::stream::{read_exact_vectored, send_vectored_until, write_all_vectored, Stream};
 
 /// Unused payload and reply buffers a server keeps for reuse at most (and never more than a
 /// quarter of its in-flight budget), so resident memory stays near the cache size plus the
@@ -77,6 +77,14 @@ pub(crate) enum TransmissionError {
         length_bytes: u32,
         request_size_max: u32,
     },
+}
+
+/// A READ reply being sent: whether sending began, and what is left to send with the writer
+/// lock still held (the bounded send from the export's buffers ran out of time).
+#[derive(Default)]
+struct ReplyInProgress<'a> {
+    started: bool,
+    rest: Option<(parking_lot::MutexGuard<'a, Stream>, Vec<u8>)>,
 }
 
 /// A validated request, ready for a worker.
@@ -612,28 +620,13 @@ impl Connection {
         Ok(None)
     }
 
-    /// Reads into a buffer that already has room for the reply header in front, so the reply
-    /// leaves in one write without copying the data.
+    /// Serves a READ with one reply written from the export's own memory when it can (a
+    /// cache's buffers, held shared for the send), else from a reused buffer it fills. A
+    /// client that stops reading cannot hold the export's buffers: after
+    /// `REPLY_FROM_EXPORT_HOLD_MAX` the rest of the reply is copied and sent without them.
     fn execute_read(&self, header: &RequestHeader) {
-        let header_bytes = if self.structured_replies {
-            STRUCTURED_REPLY_HEADER_BYTES + 8
-        } else {
-            SIMPLE_REPLY_HEADER_BYTES
-        };
         let length = header.length as usize;
-        // A reused buffer: the export overwrites the data part, the header is written below,
-        // so nothing needs zero-filling first.
-        let mut message = self.budget.buffers().take(header_bytes + length);
-        let result = self.export.read(
-            header.offset,
-            &mut message[header_bytes..header_bytes + length],
-        );
-        if let Err(error) = result {
-            self.budget.buffers().give_back(message);
-            self.send_io_error(header, &error);
-            return;
-        }
-        let mut prefix = Vec::with_capacity(header_bytes);
+        let mut prefix = Vec::with_capacity(STRUCTURED_REPLY_HEADER_BYTES + 8);
         if !self.structured_replies {
             put_simple_reply(&mut prefix, 0, header.handle);
         } else if length == 0 {
@@ -646,7 +639,6 @@ impl Connection {
                 0,
             );
             self.send_parts(&[&prefix]);
-            self.budget.buffers().give_back(message);
             return;
         } else {
             let chunk_length = (8 + length) as u32;
@@ -659,9 +651,89 @@ impl Connection {
             );
             prefix.extend_from_slice(&header.offset.to_be_bytes());
         }
-        message[..header_bytes].copy_from_slice(&prefix);
-        self.send_parts(&[&message[..header_bytes + length]]);
-        self.budget.buffers().give_back(message);
+        // A reused buffer, for when the export cannot lend its own memory; nothing in it
+        // needs zero-filling (the export overwrites what is sent).
+        let mut buffer = self.budget.buffers().take(length);
+        let mut reply = ReplyInProgress::default();
+        let result = self
+            .export
+            .read_with(header.offset, &mut buffer[..length], &mut |data| {
+                self.send_reply_bounded(&prefix, data, &mut reply)
+            });
+        self.budget.buffers().give_back(buffer);
+        match (result, reply.started) {
+            (Ok(()), _) => self.finish_reply(reply),
+            (Err(error), false) => self.send_io_error(header, &error),
+            (Err(error), true) => {
+                // The reply itself failed part-way: the stream cannot be resynchronised.
+                tracing::debug!("reply could not be written, closing the connection: {error}");
+                self.break_connection();
+            }
+        }
+    }
+
+    /// Sends a reply's prefix and data under the writer lock, blocking at most
+    /// `REPLY_FROM_EXPORT_HOLD_MAX`; whatever is left is copied into `reply`, which keeps the
+    /// writer lock until [`Connection::finish_reply`] sends it, so replies never interleave.
+    fn send_reply_bounded<'a>(
+        &'a self,
+        prefix: &[u8],
+        data: &[io::IoSlice<'_>],
+        reply: &mut ReplyInProgress<'a>,
+    ) -> io::Result<()> {
+        /// Longest time a reply may keep the export's buffers (writers of those blocks wait).
+        const REPLY_FROM_EXPORT_HOLD_MAX: Duration = Duration::from_millis(20);
+        reply.started = true;
+        let writer = self.writer.lock();
+        if self.broken.load(Ordering::Acquire) {
+            return Err(io::ErrorKind::BrokenPipe.into());
+        }
+        let mut parts = Vec::with_capacity(data.len() + 1);
+        parts.push(io::IoSlice::new(prefix));
+        parts.extend(data.iter().map(|slice| io::IoSlice::new(slice)));
+        let deadline = std::time::Instant::now() + REPLY_FROM_EXPORT_HOLD_MAX;
+        let sent = match send_vectored_until(&writer, &parts, deadline) {
+            Ok(sent) => sent,
+            Err(error) => {
+                drop(writer);
+                self.break_connection();
+                return Err(error);
+            }
+        };
+        let total: usize = parts.iter().map(|part| part.len()).sum();
+        if sent < total {
+            let mut rest = Vec::with_capacity(total - sent);
+            let mut skip = sent;
+            for part in &parts {
+                if skip >= part.len() {
+                    skip -= part.len();
+                    continue;
+                }
+                rest.extend_from_slice(&part[skip..]);
+                skip = 0;
+            }
+            reply.rest = Some((writer, rest));
+        }
+        Ok(())
+    }
+
+    /// Sends the part of a reply the bounded send left, with the writer lock it kept.
+    fn finish_reply(&self, reply: ReplyInProgress<'_>) {
+        let Some((mut writer, rest)) = reply.rest else {
+            return;
+        };
+        if let Err(error) = write_all_vectored(&mut *writer, &[&rest]) {
+            drop(writer);
+            tracing::debug!("reply could not be written, closing the connection: {error}");
+            self.break_connection();
+        }
+    }
+
+    /// Marks the connection broken and shuts the socket, so the reader stops too.
+    fn break_connection(&self) {
+        let writer = self.writer.lock();
+        self.broken.store(true, Ordering::Release);
+        writer.shutdown_both();
     }
 
     fn send_io_error(&self, header: &RequestHeader, error: &io::Error) {

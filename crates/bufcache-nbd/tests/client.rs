@@ -223,6 +223,14 @@ impl Export for SlowExport {
         std::thread::sleep(Duration::from_millis(300));
         self.0.read(offset, buffer)
     }
+    fn read_with(
+        &self,
+        offset: u64,
+        buffer: &mut [u8],
+        send: &mut bufcache_nbd::ReadSink<'_>,
+    ) -> std::io::Result<()> {
+        bufcache_nbd::read_via_buffer(self, offset, buffer, send)
+    }
     fn read_is_quick(&self, _offset: u64, _length: u64) -> bool {
         false
     }

@@ -360,6 +360,14 @@ impl Export for FaultyExport {
         }
         self.inner.read(offset, buffer)
     }
+    fn read_with(
+        &self,
+        offset: u64,
+        buffer: &mut [u8],
+        send: &mut bufcache_nbd::ReadSink<'_>,
+    ) -> std::io::Result<()> {
+        bufcache_nbd::read_via_buffer(self, offset, buffer, send)
+    }
     fn read_is_quick(&self, _offset: u64, _length: u64) -> bool {
         // Reads may be slow on purpose: each must go to its own thread.
         false
@@ -495,4 +503,58 @@ fn tiny_inflight_budget_still_serves_deep_pipelines() {
     for thread in threads {
         thread.join().unwrap();
     }
+}
+
+#[test]
+fn a_client_that_stops_reading_never_holds_cached_blocks_from_writers() {
+    // Goal: a READ reply is written straight from the cache's buffers, held shared while it
+    // goes out; a client that stops reading its replies must not keep them held, or every
+    // writer of those blocks would wait for it forever. Method: a raw client asks for 4 MiB
+    // of cached data (several times what the socket buffers take) and reads nothing; another
+    // client then rewrites that range, which must finish within seconds. Finally the stalled
+    // client reads its reply, which must be the data as it was when it asked.
+    let cache = bufcache_host::system_cache(bufcache::CacheConfig {
+        memory_bytes_max: 64 << 20,
+        ..bufcache::CacheConfig::default()
+    })
+    .expect("valid config");
+    let device: Arc<dyn bufcache::Device> = Arc::new(bufcache::MemoryDevice::new(16 << 20));
+    let object = cache
+        .open_object(bufcache::ObjectConfig::new("disk", device))
+        .expect("open object");
+    let before = pattern_bytes(4 << 20, 1);
+    object.write_at(0, &before, false).expect("fill the cache");
+    let export: Arc<dyn Export> = Arc::new(bufcache_nbd::CacheExport::new(object));
+    let server = start_server_with(
+        vec![("disk", export)],
+        ServerConfig {
+            request_size_max: 4 << 20,
+            ..ServerConfig::default()
+        },
+    );
+
+    let (mut stalled, _) = RawClient::open(&server, "disk", false);
+    stalled.request(CMD_READ, 0, 0, 4 << 20, &[]);
+    std::thread::sleep(Duration::from_millis(300));
+
+    let writer = NbdClient::connect(&server.tcp_uri("disk")).expect("second client");
+    let after = pattern_bytes(4 << 20, 2);
+    let started = Instant::now();
+    writer
+        .write(0, &after)
+        .expect("rewrite while a reply is stalled");
+    writer.flush().expect("flush");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "a writer waited {:?} for a client that stopped reading",
+        started.elapsed()
+    );
+
+    let (error, _) = stalled.simple_reply();
+    assert_eq!(error, 0, "the stalled READ succeeds");
+    let data = stalled.read_bytes(4 << 20);
+    assert!(data == before, "the stalled client gets the data as it was");
+    let mut back = vec![0u8; 4 << 20];
+    writer.read(0, &mut back).expect("read back");
+    assert!(back == after, "the rewrite is what is cached now");
 }

@@ -73,6 +73,13 @@ pub enum CacheError {
         /// What the source reported.
         source: io::Error,
     },
+    /// The receiver of a read's bytes failed ([`crate::ObjectHandle::read_with`]); the
+    /// cache is unchanged.
+    #[error("the data of a read could not be delivered: {source}")]
+    DataSink {
+        /// What the receiver reported.
+        source: io::Error,
+    },
     /// The object was opened read-only.
     #[error("{object} is read-only")]
     ReadOnly {
@@ -100,7 +107,7 @@ impl CacheError {
             CacheError::OutOfRange { .. } => io::ErrorKind::InvalidInput,
             CacheError::ReadOnly { .. } => io::ErrorKind::PermissionDenied,
             CacheError::ZeroingWouldWrite { .. } => io::ErrorKind::Unsupported,
-            CacheError::DataSource { source } => source.kind(),
+            CacheError::DataSource { source } | CacheError::DataSink { source } => source.kind(),
         }
     }
 }

@@ -10,7 +10,7 @@
 //! - each [`ObjectHandle`] remembers the last write-back error sequence it reported, so every
 //!   handle hears of every write-back error once (errseq).
 
-use std::io::IoSliceMut;
+use std::io::{IoSlice, IoSliceMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -20,6 +20,7 @@ use crate::buffer::{Buffer, DIRTY, READAHEAD, VALID};
 use crate::cache::{Cache, Inner, Urgency};
 use crate::error::CacheError;
 use crate::object::{ObjectConfig, ObjectState};
+use crate::readahead::ReadaheadPlan;
 use crate::stats::WritebackCause;
 use crate::table::{Lookup, RunLookup};
 use crate::writeback::LockMode;
@@ -162,6 +163,52 @@ struct ReadRequest<'a> {
     cached: Option<RunLookup<'a>>,
 }
 
+/// Receives the bytes of a read ([`ObjectHandle::read_with`]): slices covering them, in order.
+pub type ReadSink<'a> = dyn FnMut(&[IoSlice<'_>]) -> std::io::Result<()> + 'a;
+
+/// A read after the stream table saw it: its blocks `[first, end)`, the read-ahead plan and
+/// the policy placement of its blocks.
+struct PlannedRead {
+    first: u64,
+    end: u64,
+    plan: ReadaheadPlan,
+    placement: Placement,
+}
+
+/// Every block of a read, held shared and pinned, in order from `first`.
+struct ResidentRun<'a> {
+    inner: &'a Inner,
+    first: u64,
+    buffers: Vec<SharedHold<'a>>,
+}
+
+impl ResidentRun<'_> {
+    /// Slices of the held buffers covering `[offset, offset + length_bytes)`.
+    fn slices(&self, object: &ObjectState, offset: u64, length_bytes: u64) -> Vec<IoSlice<'_>> {
+        let block_size = object.block_size_bytes as u64;
+        let end_offset = offset + length_bytes;
+        self.buffers
+            .iter()
+            .enumerate()
+            .map(|(index, hold)| {
+                let block_start = (self.first + index as u64) * block_size;
+                let start = offset.max(block_start) - block_start;
+                let end = end_offset.min(block_start + block_size) - block_start;
+                // SAFETY: the hold keeps the buffer locked shared for as long as `self`.
+                let bytes = unsafe { hold.buffer.bytes() };
+                IoSlice::new(&bytes[start as usize..end as usize])
+            })
+            .collect()
+    }
+
+    /// Lets everything go without counting the hits: the read is served another way.
+    fn release_uncounted(&mut self) {
+        for hold in self.buffers.drain(..) {
+            self.inner.table().uncount_hit(hold.buffer.key);
+        }
+    }
+}
+
 /// A buffer held shared for reading, by the byte-range read path.
 struct SharedHold<'a> {
     inner: &'a Inner,
@@ -257,14 +304,60 @@ impl ObjectHandle {
     /// Reads `target.len()` bytes at `offset`, through the cache, with read-ahead for
     /// sequential streams and clustered device reads for runs of misses.
     pub fn read_at(&self, offset: u64, target: &mut [u8]) -> Result<(), CacheError> {
-        let object = &self.object;
-        object.check_range(offset, target.len() as u64)?;
+        self.object.check_range(offset, target.len() as u64)?;
         if target.is_empty() {
             return Ok(());
         }
+        let planned = self.plan(offset, target.len() as u64);
+        let waited = self.read_planned(offset, target, &planned)?;
+        self.finish_read(&planned, waited);
+        Ok(())
+    }
+
+    /// Reads `target.len()` bytes at `offset` and hands them to `send` exactly once. When
+    /// every block is cached and free to share, `send` gets slices of the cache's own
+    /// buffers, held shared for the call (an NBD server writes its reply straight from them:
+    /// no copy into a reply buffer); otherwise the bytes are read into `target` as by
+    /// [`ObjectHandle::read_at`] and `send` gets that. A `send` failure is
+    /// [`CacheError::DataSink`]. While `send` runs, writers of those blocks wait, so it must
+    /// bound how long it blocks.
+    pub fn read_with(
+        &self,
+        offset: u64,
+        target: &mut [u8],
+        send: &mut ReadSink<'_>,
+    ) -> Result<(), CacheError> {
+        self.object.check_range(offset, target.len() as u64)?;
+        let length_bytes = target.len() as u64;
+        if length_bytes == 0 {
+            return send(&[]).map_err(|source| CacheError::DataSink { source });
+        }
+        let planned = self.plan(offset, length_bytes);
+        let sent = match self.hold_resident(&planned) {
+            Some(held) => {
+                let slices = held.slices(&self.object, offset, length_bytes);
+                let sent = send(&slices);
+                drop(slices);
+                drop(held);
+                self.finish_read(&planned, false);
+                sent
+            }
+            None => {
+                let waited = self.read_planned(offset, target, &planned)?;
+                self.finish_read(&planned, waited);
+                send(&[IoSlice::new(target)])
+            }
+        };
+        sent.map_err(|source| CacheError::DataSink { source })
+    }
+
+    /// Feeds the read of `[offset, offset + length_bytes)` to the stream table: what to read
+    /// ahead, how far a miss may extend, and where its blocks go in the policy.
+    fn plan(&self, offset: u64, length_bytes: u64) -> PlannedRead {
+        let object = &self.object;
         let block_size = object.block_size_bytes as u64;
         let first = offset / block_size;
-        let end = (offset + target.len() as u64).div_ceil(block_size);
+        let end = (offset + length_bytes).div_ceil(block_size);
         let mut plan = object.plan_read(first, end);
         // Windows end on a write unit, so an object-store chunk is fetched whole, once.
         if plan.extend_to_block > end {
@@ -279,27 +372,53 @@ impl ObjectHandle {
         } else {
             Placement::Normal
         };
+        PlannedRead {
+            first,
+            end,
+            plan,
+            placement,
+        }
+    }
+
+    /// Serves a planned read into `target`; true when a block was still being read ahead.
+    fn read_planned(
+        &self,
+        offset: u64,
+        target: &mut [u8],
+        planned: &PlannedRead,
+    ) -> Result<bool, CacheError> {
+        let (first, end) = (planned.first, planned.end);
         let mut request = ReadRequest {
             offset,
             target,
             end,
             // A miss inside the stream's issued window reads to the window's end itself: the
             // background job may not have reached those blocks yet.
-            miss_limit: plan.extend_to_block.max(plan.window_end_block),
-            placement,
+            miss_limit: planned
+                .plan
+                .extend_to_block
+                .max(planned.plan.window_end_block),
+            placement: planned.placement,
             waited_for_readahead: false,
-            cached: Some(
-                self.inner()
-                    .table()
-                    .lookup_run(object.id, first, end, Some(placement)),
-            ),
+            cached: Some(self.inner().table().lookup_run(
+                self.object.id,
+                first,
+                end,
+                Some(planned.placement),
+            )),
         };
         let mut block = first;
         while block < end {
             block = self.read_step(block, &mut request)?;
         }
-        if request.waited_for_readahead {
-            object.note_readahead_wait(end);
+        Ok(request.waited_for_readahead)
+    }
+
+    /// After a read: the latency signal and the read-ahead the plan asked for.
+    fn finish_read(&self, planned: &PlannedRead, waited_for_readahead: bool) {
+        let (end, plan) = (planned.end, &planned.plan);
+        if waited_for_readahead {
+            self.object.note_readahead_wait(end);
         }
         if plan.extend_to_block > end {
             // The part of the synchronous window the request's own miss runs did not cover.
@@ -308,7 +427,54 @@ impl ObjectHandle {
         if let Some((start, window_end)) = plan.background {
             self.start_readahead(start, window_end);
         }
-        Ok(())
+    }
+
+    /// Holds every block of a planned read shared, if all are cached, valid and not held
+    /// exclusively right now; None (holding nothing, counting no hits) otherwise.
+    fn hold_resident(&self, planned: &PlannedRead) -> Option<ResidentRun<'_>> {
+        let inner = self.inner();
+        let table = inner.table();
+        let mut cached = table.lookup_run(
+            self.object.id,
+            planned.first,
+            planned.end,
+            Some(planned.placement),
+        );
+        let mut held = ResidentRun {
+            inner,
+            first: planned.first,
+            buffers: Vec::with_capacity((planned.end - planned.first) as usize),
+        };
+        for block in planned.first..planned.end {
+            let Some(buffer) = cached.take(block) else {
+                held.release_uncounted();
+                return None;
+            };
+            if !buffer.try_lock_shared() {
+                cached.give_back(buffer);
+                held.release_uncounted();
+                return None;
+            }
+            let hold = SharedHold { inner, buffer };
+            if !hold.buffer.has(VALID) {
+                held.buffers.push(hold);
+                held.release_uncounted();
+                return None;
+            }
+            held.buffers.push(hold);
+        }
+        for hold in &held.buffers {
+            if hold.buffer.clear(READAHEAD) {
+                inner
+                    .counters()
+                    .readahead_used_blocks
+                    .fetch_add(1, Ordering::Relaxed);
+                if planned.placement == Placement::NoReuse {
+                    table.demote(&hold.buffer);
+                }
+            }
+        }
+        Some(held)
     }
 
     /// Serves `block` (and, on a miss, the run of missing blocks after it) and returns the
@@ -567,10 +733,9 @@ impl ObjectHandle {
     }
 
     /// True when the byte range is in the cache now, so reading it will not wait for the
-    /// device (a hint: it may change at once). Up to `CHECKED_BLOCKS_MAX` blocks are all
-    /// looked up; a longer range is sampled (evenly spaced blocks and the last one), which
-    /// costs a few lookups instead of one per block — runs are cached and evicted mostly
-    /// whole (read-ahead, clustering), so a sampled run is almost always wholly resident.
+    /// device (a hint: it may change at once). Every block is checked, one table probe per
+    /// chunk of 16 blocks, for ranges of up to 64 chunks; longer ranges are sampled by whole
+    /// chunks (see `Table::run_present`).
     pub fn is_resident(&self, offset: u64, length_bytes: u64) -> bool {
         if self.object.check_range(offset, length_bytes).is_err() || length_bytes == 0 {
             return false;
@@ -581,16 +746,13 @@ impl ObjectHandle {
         self.blocks_resident(first, end)
     }
 
-    /// Whether blocks `[first, end)` are cached, looking at no more than
-    /// `CHECKED_BLOCKS_MAX` + 1 of them (see `is_resident`).
+    /// Whether blocks `[first, end)` are cached (see `is_resident`).
     fn blocks_resident(&self, first: u64, end: u64) -> bool {
-        const CHECKED_BLOCKS_MAX: u64 = 16;
-        if first >= end {
-            return true;
-        }
-        let step = (end - first).div_ceil(CHECKED_BLOCKS_MAX).max(1);
-        let resident = |block: u64| self.inner().table().contains(self.object.key(block));
-        (first..end).step_by(step as usize).all(resident) && resident(end - 1)
+        /// 64 chunks of 16 blocks: a 4 MiB range of 4 KiB blocks is checked exactly.
+        const CHECKED_CHUNKS_MAX: u64 = 64;
+        self.inner()
+            .table()
+            .run_present(self.object.id, first, end, CHECKED_CHUNKS_MAX)
     }
 
     /// True when a write of the byte range will complete without waiting for the device: no

@@ -45,6 +45,6 @@ pub use environment::{
     Clock, Environment, FrozenClock, InlineSpawner, Job, NoSpawner, NoWait, Spawner, Waiter,
 };
 pub use error::CacheError;
-pub use handle::{BufferGuard, ObjectHandle, WriteSource, ZeroOptions};
+pub use handle::{BufferGuard, ObjectHandle, ReadSink, WriteSource, ZeroOptions};
 pub use object::{BlockMap, IdentityMap, MappedRun, ObjectConfig};
 pub use stats::{CacheStats, WritebackCause};

@@ -670,8 +670,42 @@ impl Table {
         }
     }
 
+    /// Whether every block of object `object` in `[first, end)` is in the table, looking at
+    /// no more than `chunks_checked_max` chunks (evenly spaced, and always the last): one
+    /// probe per chunk, no pins, no statistics. Past that many chunks it is a sample — runs
+    /// are cached and evicted mostly whole (read-ahead, clustering), so a sampled run is
+    /// almost always wholly present.
+    pub(crate) fn run_present(
+        &self,
+        object: u32,
+        first: u64,
+        end: u64,
+        chunks_checked_max: u64,
+    ) -> bool {
+        if first >= end {
+            return true;
+        }
+        let first_chunk = first / CHUNK_BLOCKS;
+        let last_chunk = (end - 1) / CHUNK_BLOCKS;
+        let step = (last_chunk - first_chunk + 1).div_ceil(chunks_checked_max.max(1));
+        let chunk_present = |chunk_number: u64| {
+            let chunk = ChunkKey::of(object, chunk_number * CHUNK_BLOCKS);
+            let from = first.max(chunk.first_block());
+            let to = end.min(chunk.first_block() + CHUNK_BLOCKS);
+            let shard = self.shard_of(&chunk).lock();
+            shard
+                .chunks
+                .get(&chunk)
+                .is_some_and(|entry| (from..to).all(|block| entry.slot(block).is_some()))
+        };
+        (first_chunk..=last_chunk)
+            .step_by(step as usize)
+            .all(chunk_present)
+            && chunk_present(last_chunk)
+    }
+
     /// Takes back the hit counted for a looked-up block its caller did not use.
-    fn uncount_hit(&self, key: BlockKey) {
+    pub(crate) fn uncount_hit(&self, key: BlockKey) {
         let chunk = ChunkKey::of(key.object, key.block);
         let mut shard = self.shard_of(&chunk).lock();
         shard.hits = shard.hits.saturating_sub(1);
@@ -693,6 +727,14 @@ impl RunLookup<'_> {
     pub(crate) fn take(&mut self, block: u64) -> Option<Arc<Buffer>> {
         let index = usize::try_from(block.checked_sub(self.first)?).ok()?;
         self.buffers.get_mut(index)?.take()
+    }
+
+    /// Returns a taken buffer its caller did not use after all: unpinned, its hit taken back.
+    pub(crate) fn give_back(&self, buffer: Arc<Buffer>) {
+        if self.counted_hits {
+            self.table.uncount_hit(buffer.key);
+        }
+        self.table.unpin(&buffer);
     }
 }
 
