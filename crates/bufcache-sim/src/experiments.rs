@@ -5,7 +5,7 @@
 //! data size (files and cache memory together, so the ratios that matter are kept) for quick
 //! runs and tests.
 
-use bufcache::{format_size, CacheConfig, PolicyKind};
+use bufcache::{format_size, CacheConfig, PolicyKind, QueueMode};
 use serde::Serialize;
 
 use crate::core::SimIoQueue;
@@ -13,7 +13,9 @@ use crate::disk::{DiskKind, DiskSpec};
 use crate::host::HostCosts;
 use crate::layout::LayoutParams;
 use crate::report::{num, text, ExperimentResult, Plot, Series, Table};
-use crate::sched::{sim_cache_config, RunReport, SimConfig, SimError, Simulation};
+use crate::sched::{
+    sim_cache_config, RunReport, SimConfig, SimError, Simulation, SERVE_BACKGROUND_WORKERS,
+};
 use crate::workload::{Dd, Scan, Sweep, WorkingSet, WorkloadSpec};
 
 /// The experiments [`run_experiment`] knows, with one-line descriptions.
@@ -235,6 +237,9 @@ pub fn run_custom_queued(
 ) -> Result<CustomRun, SimError> {
     let mut sim_config = SimConfig::new(disk.clone(), host_for(disk));
     sim_config.cache = sim_cache_config(config);
+    if io_queue.is_some() {
+        sim_config.io_daemons = SERVE_BACKGROUND_WORKERS;
+    }
     sim_config.io_queue = io_queue;
     run_custom_with(&sim_config, workload)
 }
@@ -937,6 +942,14 @@ fn scan(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
     })
 }
 
+fn queue_name(mode: QueueMode) -> &'static str {
+    match mode {
+        QueueMode::None => "none",
+        QueueMode::Fifo => "fifo",
+        QueueMode::Elevator => "elevator",
+    }
+}
+
 /// Seed 004: merging adjacent queued requests in the driver, below the file system.
 fn driver_clustering(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
     let scaled = |count: f64| ((count * options.scale).round() as u64).max(4);
@@ -947,6 +960,7 @@ fn driver_clustering(options: &ExperimentOptions) -> Result<ExperimentResult, Si
     let disk = DiskSpec::rz25();
     let mut table = Table::new(&[
         "workload",
+        "queue",
         "requests",
         "commands_merge_off",
         "commands_merge_on",
@@ -954,33 +968,46 @@ fn driver_clustering(options: &ExperimentOptions) -> Result<ExperimentResult, Si
         "real_s_off",
         "real_s_on",
     ]);
-    let mut points = Vec::new();
+    let mut series = Vec::new();
     let mut categories = Vec::new();
-    for (index, workload) in workloads.iter().enumerate() {
-        let spec: WorkloadSpec = workload.parse()?;
-        let mut runs = Vec::new();
-        for merge in [false, true] {
-            let mut config = SimConfig::new(disk.clone(), host_for(&disk));
-            config.seed = options.seed;
-            config.io_queue = Some(SimIoQueue {
-                merge,
-                transfer_size_max_bytes: config.cache.transfer_size_max_bytes,
-            });
-            runs.push(run_custom_with(&config, &spec)?.report);
+    for mode in [QueueMode::Fifo, QueueMode::Elevator] {
+        let mut points = Vec::new();
+        for (index, workload) in workloads.iter().enumerate() {
+            let spec: WorkloadSpec = workload.parse()?;
+            let mut runs = Vec::new();
+            for merge in [false, true] {
+                let mut config = SimConfig::new(disk.clone(), host_for(&disk));
+                config.seed = options.seed;
+                config.io_queue = Some(SimIoQueue::new(
+                    mode,
+                    merge,
+                    config.cache.transfer_size_max_bytes,
+                ));
+                config.io_daemons = SERVE_BACKGROUND_WORKERS;
+                runs.push(run_custom_with(&config, &spec)?.report);
+            }
+            let commands = |r: &RunReport| r.device.reads + r.device.writes;
+            let saved =
+                100.0 * (1.0 - commands(&runs[1]) as f64 / commands(&runs[0]).max(1) as f64);
+            table.push(vec![
+                text(workload.clone()),
+                text(queue_name(mode)),
+                num(runs[1].device.queue_entered as f64, 0),
+                num(commands(&runs[0]) as f64, 0),
+                num(commands(&runs[1]) as f64, 0),
+                num(saved, 2),
+                num(runs[0].elapsed_s, 3),
+                num(runs[1].elapsed_s, 3),
+            ]);
+            points.push((index as f64, saved));
+            if mode == QueueMode::Fifo {
+                categories.push(workload.split(':').next().unwrap_or("").to_string());
+            }
         }
-        let commands = |r: &RunReport| r.device.reads + r.device.writes;
-        let saved = 100.0 * (1.0 - commands(&runs[1]) as f64 / commands(&runs[0]).max(1) as f64);
-        table.push(vec![
-            text(workload.clone()),
-            num(runs[1].device.queue_entered as f64, 0),
-            num(commands(&runs[0]) as f64, 0),
-            num(commands(&runs[1]) as f64, 0),
-            num(saved, 2),
-            num(runs[0].elapsed_s, 3),
-            num(runs[1].elapsed_s, 3),
-        ]);
-        points.push((index as f64, saved));
-        categories.push(workload.split(':').next().unwrap_or("").to_string());
+        series.push(Series {
+            name: format!("{}: merge on vs off", queue_name(mode)),
+            points,
+        });
     }
     Ok(ExperimentResult {
         name: "driver-clustering".into(),
@@ -1006,10 +1033,7 @@ fn driver_clustering(options: &ExperimentOptions) -> Result<ExperimentResult, Si
             x_label: "workload".into(),
             y_label: "saved %".into(),
             x_categories: categories,
-            series: vec![Series {
-                name: "merge on vs off".into(),
-                points,
-            }],
+            series,
         },
     })
 }
