@@ -52,7 +52,8 @@ pub use replay::{
 };
 pub use report::{Cell, ExperimentResult, Plot, Series, Table};
 pub use sched::{
-    sim_cache_config, FileId, Os, Process, RunReport, SimConfig, SimError, Simulation, Step,
+    sim_cache_config, FileId, MemoryModel, MemoryReport, Os, Process, RunReport, SimConfig,
+    SimError, Simulation, Step,
     SERVE_BACKGROUND_WORKERS,
 };
 pub use workload::WorkloadSpec;

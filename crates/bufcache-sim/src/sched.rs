@@ -90,6 +90,60 @@ pub struct SimConfig {
     /// I/O daemons running the engine's background jobs (read-ahead, write-behind), each
     /// one job at a time. Default 1; `serve` runs [`SERVE_BACKGROUND_WORKERS`].
     pub io_daemons: usize,
+    /// The host's memory shared by the processes and the buffer area, watched (and with
+    /// `dynamic`, the area resized) by a pager once a period; `None`: not modelled.
+    pub memory: Option<MemoryModel>,
+}
+
+/// Memory shared by the running processes and the buffer area (seed 003's dynamic buffers):
+/// every `period` a pager computes the processes' demand — `reserved_bytes` plus
+/// `process_bytes` per primary process started and not finished — and the pressure, the
+/// demand plus the buffer area's pages beyond `ram_bytes`. With `dynamic` it then resizes the
+/// engine's memory limit (`Cache::set_limits`) to what the processes leave, at least
+/// `area_min_bytes`: shrinking as jobs start (the engine evicts and writes back), growing
+/// as they end. Paging itself is not timed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MemoryModel {
+    /// The host's RAM.
+    pub ram_bytes: u64,
+    /// Memory the kernel and other programs hold.
+    pub reserved_bytes: u64,
+    /// Memory each running primary process needs.
+    pub process_bytes: u64,
+    /// Smallest buffer area the pager leaves.
+    pub area_min_bytes: u64,
+    /// Resize the buffer area (dynamic) or only watch it (fixed).
+    pub dynamic: bool,
+    /// How often the pager looks.
+    pub period: Duration,
+}
+
+/// What the pager saw over a run.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct MemoryReport {
+    /// Largest pressure seen (demand plus buffer pages beyond RAM), bytes.
+    pub pressure_max_bytes: u64,
+    /// Pressure integrated over time, byte-seconds (mean pressure × run time).
+    pub pressure_byte_seconds: f64,
+    /// Smallest and largest memory limit the buffer area had.
+    pub area_min_bytes: u64,
+    /// Largest memory limit the buffer area had.
+    pub area_max_bytes: u64,
+    /// Times the pager changed the limit.
+    pub resizes: u64,
+}
+
+/// The pager's state.
+struct Pager {
+    model: MemoryModel,
+    account: usize,
+    next_ns: u64,
+    blocked: Option<u64>,
+    area_bytes: u64,
+    buffers_max: u64,
+    last_ns: u64,
+    last_pressure_bytes: u64,
+    report: MemoryReport,
 }
 
 /// Background worker threads `serve` gives the engine (`bufcache_host::BACKGROUND_WORKERS`):
@@ -110,6 +164,7 @@ impl SimConfig {
             syncer_period: Duration::from_secs(1),
             io_queue: None,
             io_daemons: 1,
+            memory: None,
         }
     }
 }
@@ -400,6 +455,7 @@ pub struct Simulation {
     /// Blocked on the io queue since the tick that started at this time.
     syncer_blocked: Option<u64>,
     syncer_period_ns: u64,
+    pager: Option<Pager>,
     seed: u64,
     disk: DiskSpec,
 }
@@ -446,6 +502,21 @@ impl Simulation {
             })
             .collect();
         let syncer_account = core.add_account("syncer");
+        let pager = config.memory.clone().map(|model| Pager {
+            account: core.add_account("pager"),
+            next_ns: 0,
+            blocked: None,
+            area_bytes: config.cache.memory_bytes_max,
+            buffers_max: config.cache.buffers_max,
+            last_ns: 0,
+            last_pressure_bytes: 0,
+            report: MemoryReport {
+                area_min_bytes: config.cache.memory_bytes_max,
+                area_max_bytes: config.cache.memory_bytes_max,
+                ..MemoryReport::default()
+            },
+            model,
+        });
         Ok(Simulation {
             world: World {
                 core,
@@ -468,6 +539,7 @@ impl Simulation {
             syncer_blocked: None,
             syncer_next_ns: config.syncer_period.as_nanos() as u64,
             syncer_period_ns: (config.syncer_period.as_nanos() as u64).max(1_000_000),
+            pager,
             seed: config.seed,
             disk: config.disk.clone(),
         })
@@ -541,6 +613,7 @@ impl Simulation {
             Process(usize),
             Daemon(usize),
             Syncer,
+            Pager,
             Disk,
         }
         loop {
@@ -572,6 +645,9 @@ impl Simulation {
             if self.syncer_blocked.is_none() {
                 consider(self.syncer_next_ns, 2, 0);
             }
+            if let Some(pager) = self.pager.as_ref().filter(|p| p.blocked.is_none()) {
+                consider(pager.next_ns, 2, 1);
+            }
             // The io queue dispatches after every entity due at the same time has issued
             // its requests, so requests arriving together wait together.
             if let Some(dispatch) = self.world.core.next_dispatch_ns() {
@@ -587,7 +663,8 @@ impl Simulation {
             let pick = match rank {
                 0 => Pick::Process(index),
                 1 => Pick::Daemon(index),
-                2 => Pick::Syncer,
+                2 if index == 0 => Pick::Syncer,
+                2 => Pick::Pager,
                 _ => Pick::Disk,
             };
             match pick {
@@ -635,11 +712,56 @@ impl Simulation {
                         None => self.syncer_blocked = Some(time),
                     }
                 }
+                Pick::Pager => self.page(time),
                 Pick::Disk => {
                     self.world.core.dispatch(time);
                     self.apply_resolved();
                 }
             }
+        }
+    }
+
+    /// One look of the pager at `time`: the demand of the processes running now, the
+    /// pressure, and with a dynamic area the engine's new memory limit.
+    fn page(&mut self, time: u64) {
+        let running = self
+            .entities
+            .iter()
+            .filter(|e| e.primary && e.start_ns <= time && e.end_ns.is_none_or(|end| end > time))
+            .count() as u64;
+        let memory_used = self.world.cache.stats().memory_used_bytes;
+        let pager = self.pager.as_mut().expect("the pager runs only when modelled");
+        let model = &pager.model;
+        let demand = model.reserved_bytes + running * model.process_bytes;
+        let pressure = (demand + memory_used).saturating_sub(model.ram_bytes);
+        pager.report.pressure_byte_seconds +=
+            pager.last_pressure_bytes as f64 * seconds(time - pager.last_ns);
+        pager.last_ns = time;
+        pager.last_pressure_bytes = pressure;
+        pager.report.pressure_max_bytes = pager.report.pressure_max_bytes.max(pressure);
+        let period = (model.period.as_nanos() as u64).max(1);
+        let area = model
+            .ram_bytes
+            .saturating_sub(demand)
+            .max(model.area_min_bytes);
+        if !model.dynamic || area == pager.area_bytes {
+            pager.next_ns = time + period;
+            return;
+        }
+        pager.area_bytes = area;
+        pager.report.resizes += 1;
+        pager.report.area_min_bytes = pager.report.area_min_bytes.min(area);
+        pager.report.area_max_bytes = pager.report.area_max_bytes.max(area);
+        let (account, buffers_max) = (pager.account, pager.buffers_max);
+        self.world.core.enter(account, time);
+        // Shrinking evicts clean buffers and writes dirty ones back; a limit the cache cannot
+        // reach at once (everything pinned) stays set, and later allocations free the rest.
+        let _ = self.world.cache.set_limits(area, buffers_max);
+        self.world.charge_engine();
+        let pager = self.pager.as_mut().expect("checked above");
+        match self.world.core.end_step() {
+            Some(end) => pager.next_ns = (time + period).max(end),
+            None => pager.blocked = Some(time),
         }
     }
 
@@ -659,6 +781,15 @@ impl Simulation {
             if let Some(daemon) = self.daemons.iter_mut().find(|d| d.account == account) {
                 daemon.blocked = false;
                 daemon.time_ns = end;
+            } else if let Some(pager) = self
+                .pager
+                .as_mut()
+                .filter(|pager| pager.account == account)
+            {
+                if let Some(started) = pager.blocked.take() {
+                    let period = pager.model.period.as_nanos() as u64;
+                    pager.next_ns = (started + period.max(1)).max(end);
+                }
             } else if account == self.syncer_account {
                 if let Some(started) = self.syncer_blocked.take() {
                     self.syncer_next_ns = (started + self.syncer_period_ns).max(end);
@@ -760,6 +891,12 @@ impl Simulation {
                 .collect(),
             device: self.world.core.device_totals(),
             cache: CacheSummary::from_stats(&self.world.cache.stats()),
+            memory: self.pager.as_ref().map(|pager| {
+                let mut report = pager.report.clone();
+                report.pressure_byte_seconds +=
+                    pager.last_pressure_bytes as f64 * seconds(elapsed.saturating_sub(pager.last_ns));
+                report
+            }),
         }
     }
 }
@@ -880,6 +1017,8 @@ pub struct RunReport {
     pub device: DeviceTotals,
     /// Engine counters.
     pub cache: CacheSummary,
+    /// What the pager saw (with a memory model).
+    pub memory: Option<MemoryReport>,
 }
 
 /// Names of the engine's replacement policies, for tables.
