@@ -53,8 +53,7 @@ pub use replay::{
 pub use report::{Cell, ExperimentResult, Plot, Series, Table};
 pub use sched::{
     sim_cache_config, FileId, MemoryModel, MemoryReport, Os, Process, RunReport, SimConfig,
-    SimError, Simulation, Step,
-    SERVE_BACKGROUND_WORKERS,
+    SimError, Simulation, Step, SERVE_BACKGROUND_WORKERS,
 };
 pub use workload::WorkloadSpec;
 

@@ -730,7 +730,10 @@ impl Simulation {
             .filter(|e| e.primary && e.start_ns <= time && e.end_ns.is_none_or(|end| end > time))
             .count() as u64;
         let memory_used = self.world.cache.stats().memory_used_bytes;
-        let pager = self.pager.as_mut().expect("the pager runs only when modelled");
+        let pager = self
+            .pager
+            .as_mut()
+            .expect("the pager runs only when modelled");
         let model = &pager.model;
         let demand = model.reserved_bytes + running * model.process_bytes;
         let pressure = (demand + memory_used).saturating_sub(model.ram_bytes);
@@ -781,10 +784,7 @@ impl Simulation {
             if let Some(daemon) = self.daemons.iter_mut().find(|d| d.account == account) {
                 daemon.blocked = false;
                 daemon.time_ns = end;
-            } else if let Some(pager) = self
-                .pager
-                .as_mut()
-                .filter(|pager| pager.account == account)
+            } else if let Some(pager) = self.pager.as_mut().filter(|pager| pager.account == account)
             {
                 if let Some(started) = pager.blocked.take() {
                     let period = pager.model.period.as_nanos() as u64;
@@ -893,8 +893,8 @@ impl Simulation {
             cache: CacheSummary::from_stats(&self.world.cache.stats()),
             memory: self.pager.as_ref().map(|pager| {
                 let mut report = pager.report.clone();
-                report.pressure_byte_seconds +=
-                    pager.last_pressure_bytes as f64 * seconds(elapsed.saturating_sub(pager.last_ns));
+                report.pressure_byte_seconds += pager.last_pressure_bytes as f64
+                    * seconds(elapsed.saturating_sub(pager.last_ns));
                 report
             }),
         }
