@@ -294,7 +294,9 @@ pub struct Os<'a> {
 }
 
 impl Os<'_> {
-    /// The process's virtual time, ns.
+    /// The process's virtual time, ns. With an io queue it is exact at the start of a step
+    /// only: after a request that waits in the queue the rest of the step is replayed later
+    /// (see `core`), so a process that times its own I/O reads the clock in its next step.
     pub fn now(&self) -> u64 {
         self.world.core.cursor()
     }
