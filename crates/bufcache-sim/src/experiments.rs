@@ -968,6 +968,7 @@ fn driver_clustering(options: &ExperimentOptions) -> Result<ExperimentResult, Si
         "commands_merge_off",
         "commands_merge_on",
         "saved_%",
+        "choices",
         "real_s_off",
         "real_s_on",
     ]);
@@ -1005,6 +1006,7 @@ fn driver_clustering(options: &ExperimentOptions) -> Result<ExperimentResult, Si
                 num(commands(&runs[0]) as f64, 0),
                 num(commands(&runs[1]) as f64, 0),
                 num(saved, 2),
+                num(runs[1].device.queue_choices as f64, 0),
                 num(runs[0].elapsed_s, 3),
                 num(runs[1].elapsed_s, 3),
             ]);
@@ -1033,7 +1035,8 @@ fn driver_clustering(options: &ExperimentOptions) -> Result<ExperimentResult, Si
             "Seed 004: merging in the sd/wd drivers saved 4-5 % of transfers on a tree copy and \
              a kernel build, because the file system had already clustered most I/O."
                 .into(),
-            "A request can merge only while it waits for the disk. Requests do wait together \
+            "choices counts the batches taken while other requests waited too (merging on). \
+             A request can merge only while it waits for the disk. Requests do wait together \
              here (the elevator reorders them: see real_s), but the engine writes back each \
              object's clusters synchronously, one request per writer at a time, so two adjacent \
              small-file writes are rarely queued at once; 4.4BSD's sync and update daemon \
