@@ -572,12 +572,10 @@ impl Harness {
         self.now_ns += self.draw(2_000_000);
         self.now_ns = self.now_ns.max(self.core.cursor());
         // The disk serves what is due by now; an entity still blocked on its request (other
-        // clients' requests may have come before it in the queue's order) goes on when it is
-        // done.
+        // clients' requests may have come before it in the queue's order), or whose request
+        // completes later than now, goes on when it is done.
         self.core.advance_disk(self.now_ns);
-        if let Some(resumed) = self.core.settle(account) {
-            self.now_ns = self.now_ns.max(resumed);
-        }
+        self.now_ns = self.now_ns.max(self.core.settle(account));
         self.core.enter(account, self.now_ns);
     }
 

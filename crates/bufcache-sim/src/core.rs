@@ -292,6 +292,8 @@ pub(crate) struct CoreState {
     deferred: bool,
     /// Entities whose continuation finished since the scheduler last asked: (account, time).
     resolved: Vec<(usize, u64)>,
+    /// When each account's last continuation finished (0: never blocked).
+    resumed_ns: Vec<u64>,
 }
 
 /// Shared simulation state: used by the scheduler, the device and the spawner.
@@ -319,6 +321,7 @@ impl SimCore {
                 chains: Vec::new(),
                 deferred: false,
                 resolved: Vec::new(),
+                resumed_ns: Vec::new(),
             }),
             clock,
         }
@@ -415,22 +418,18 @@ impl SimCore {
         }
     }
 
-    /// Dispatches until `account` is no longer blocked; returns its time then (or `None` when
-    /// it was not blocked). For drivers without a scheduler (`sim check`).
-    pub fn settle(&self, account: usize) -> Option<u64> {
-        let mut resumed = None;
+    /// Dispatches until `account` is no longer blocked; returns when its last continuation
+    /// finished (0 when it never blocked). For drivers without a scheduler (`sim check`).
+    pub fn settle(&self, account: usize) -> u64 {
         while self.blocked(account) {
             let time = self
                 .next_dispatch_ns()
                 .expect("a blocked entity waits for a queued request");
             self.dispatch(time);
-            for (who, time) in self.take_resolved() {
-                if who == account {
-                    resumed = Some(time);
-                }
-            }
         }
-        resumed
+        let mut state = self.lock();
+        state.resolved.clear();
+        state.resumed_ns.get(account).copied().unwrap_or(0)
     }
 
     /// Dispatches every batch due by `time_ns` (for drivers without a scheduler).
@@ -900,6 +899,10 @@ impl CoreState {
                 }
             }
         }
+        if self.resumed_ns.len() <= account {
+            self.resumed_ns.resize(account + 1, 0);
+        }
+        self.resumed_ns[account] = time_ns;
         if account == self.current {
             // The entity last entered goes on from here (a driver may keep charging it).
             self.deferred = false;
