@@ -171,7 +171,8 @@ enum Deferred {
 /// A blocked entity: the request or data it waits for, then the rest of its step.
 #[derive(Debug, Default)]
 struct Chain {
-    /// Waiting for data of `(offset, length)` still in the queue (not for a request).
+    /// Waiting (since the time given) for the data of `(offset, length)`, which another
+    /// entity's queued read has not delivered yet, instead of for a request of its own.
     data: Option<(u64, u64, u64)>,
     ops: VecDeque<Deferred>,
 }
@@ -180,7 +181,8 @@ struct Chain {
 struct QueueState {
     config: SimIoQueue,
     order: QueueOrder<Request>,
-    /// Requests issued whose arrival lies ahead of the last dispatch: (arrival, sequence).
+    /// Requests issued but not yet eligible, by (arrival, sequence): a dispatch moves those
+    /// that have arrived by its time into `order`, in arrival order.
     future: std::collections::BTreeMap<(u64, u64), (Op, u64, u64, Request)>,
     sequence: u64,
     /// Completion times of the batches at the disk, ascending.
