@@ -197,10 +197,11 @@ impl CustomRun {
         ));
         if d.queue_entered > 0 {
             out.push_str(&format!(
-                "io queue: {} requests entered, {} merged into waiting ones ({:.2} % of transfers saved)\n",
+                "io queue: {} requests entered, {} merged into waiting ones ({:.2} % of transfers saved), {} batches taken while others waited\n",
                 d.queue_entered,
                 d.queue_merged,
-                100.0 * d.queue_merged as f64 / d.queue_entered as f64
+                100.0 * d.queue_merged as f64 / d.queue_entered as f64,
+                d.queue_choices
             ));
         }
         out.push_str(&format!(
