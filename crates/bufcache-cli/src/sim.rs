@@ -145,7 +145,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             engine,
         } => {
             let config = engine.config()?;
-            let io_queue = sim_io_queue(&engine, &config)?;
+            let io_queue = sim_io_queue(&engine, &config, &disk)?;
             let progress = spinner("simulating".to_string());
             let report = run_custom_queued(&disk, &workload, config, io_queue);
             progress.finish_and_clear();
@@ -214,43 +214,50 @@ fn check(seeds: u64, first_seed: u64, trace: bool) -> anyhow::Result<()> {
 
 /// The io queue of `sim run`, from the same flags as `serve`'s. Without `--io-queue` the
 /// simulated path has no queue (so the experiments' figures do not move); `--io-queue fifo`
-/// puts the simulated queue in (merging unless `--no-io-merge`), `--io-queue none` keeps it
-/// out. A flag the simulator cannot apply is refused, never ignored: `elevator` (the simulator
-/// fixes each request's service time when it is issued, so requests already waiting cannot be
-/// reordered), `--io-queue-depth` (the simulated disk serves its own queue; requests are
-/// issued one at a time per entity), and `--no-io-merge` without a queue.
+/// or `elevator` puts the simulated queue in (merging unless `--no-io-merge`), where requests
+/// wait in virtual time and the discipline picks the next one when the disk is free;
+/// `--io-queue none` keeps it out. `--io-queue-depth` sets the batches at the disk at once
+/// (default: what the modelled drive accepts — 1 for a mechanical disk, which does no command
+/// queueing, its channels for an SSD or network disk). A flag that cannot apply is refused,
+/// never ignored: `--no-io-merge` or `--io-queue-depth` without a queue.
 fn sim_io_queue(
     engine: &EngineArgs,
     config: &bufcache::CacheConfig,
+    disk: &DiskSpec,
 ) -> anyhow::Result<Option<SimIoQueue>> {
-    if engine.io_queue_depth.is_some() {
-        return Err(crate::UsageError(
-            "sim run does not support --io-queue-depth: every simulated entity blocks on its \
-             own request and the disk model serves what waits, so there is no dispatch depth to \
-             set; drop the flag"
-                .to_string(),
-        )
-        .into());
+    let mode = engine.io_queue.unwrap_or(QueueMode::None);
+    if mode == QueueMode::None {
+        if engine.no_io_merge {
+            return Err(crate::UsageError(
+                "sim run: --no-io-merge needs --io-queue fifo or elevator (without a queue \
+                 nothing is merged)"
+                    .to_string(),
+            )
+            .into());
+        }
+        if engine.io_queue_depth.is_some() {
+            return Err(crate::UsageError(
+                "sim run: --io-queue-depth needs --io-queue fifo or elevator (without a queue \
+                 every request goes straight to the disk)"
+                    .to_string(),
+            )
+            .into());
+        }
+        return Ok(None);
     }
-    match engine.io_queue {
-        Some(QueueMode::Elevator) => Err(crate::UsageError(
-            "sim run does not support --io-queue elevator: the simulator fixes each request's \
-             service time when it is issued, so it cannot reorder requests already waiting; use \
-             --io-queue fifo (merging adjacent waiting requests) or --io-queue none"
-                .to_string(),
-        )
-        .into()),
-        Some(QueueMode::Fifo) => Ok(Some(SimIoQueue {
-            merge: !engine.no_io_merge,
-            transfer_size_max_bytes: config.transfer_size_max_bytes,
-        })),
-        Some(QueueMode::None) | None if engine.no_io_merge => Err(crate::UsageError(
-            "sim run: --no-io-merge needs --io-queue fifo (without a queue nothing is merged)"
-                .to_string(),
-        )
-        .into()),
-        Some(QueueMode::None) | None => Ok(None),
+    let depth_max = engine.io_queue_depth.unwrap_or_else(|| disk.commands_max());
+    if let Err(error) = (bufcache::IoQueueConfig {
+        depth_max,
+        ..bufcache::IoQueueConfig::default()
+    })
+    .validate()
+    {
+        return Err(crate::UsageError(format!("--io-queue-depth {depth_max}: {error}")).into());
     }
+    Ok(Some(SimIoQueue {
+        depth_max,
+        ..SimIoQueue::new(mode, !engine.no_io_merge, config.transfer_size_max_bytes)
+    }))
 }
 
 /// A spinner on standard error while a simulation runs (hidden when not on a terminal).

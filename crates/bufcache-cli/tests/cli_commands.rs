@@ -545,10 +545,11 @@ fn opt_misses_no_more_than_any_policy_on_the_shipped_trace() {
 #[test]
 fn sim_run_refuses_io_queue_flags_it_cannot_apply_and_bad_input_with_exit_2() {
     // Goal: `sim run` never silently ignores a flag it cannot apply, and bad input names the
-    // offending key. Method: pass each io queue flag the simulator cannot model, an unknown
-    // workload key, an impossible disk parameter and a non-numeric seed; each must fail with
-    // status 2 and a message naming what was wrong. The queue it models (fifo, merging or
-    // not) must run and report itself.
+    // offending key. Method: pass each io queue flag that cannot apply (merging or a depth
+    // without a queue, a depth out of range), an unknown workload key, an impossible disk
+    // parameter and a non-numeric seed; each must fail with status 2 and a message naming what
+    // was wrong. The queues it models (fifo and elevator, merging or not, any depth) must run
+    // and report themselves.
     let base = [
         "sim",
         "run",
@@ -558,7 +559,10 @@ fn sim_run_refuses_io_queue_flags_it_cannot_apply_and_bad_input_with_exit_2() {
         "dd:read,bs=4k,count=8",
     ];
     for (extra, named) in [
-        (&["--io-queue", "elevator"][..], "--io-queue elevator"),
+        (
+            &["--io-queue", "elevator", "--io-queue-depth", "0"][..],
+            "--io-queue-depth",
+        ),
         (&["--no-io-merge"][..], "--no-io-merge"),
         (
             &["--io-queue", "none", "--no-io-merge"][..],
@@ -627,6 +631,8 @@ fn sim_run_refuses_io_queue_flags_it_cannot_apply_and_bad_input_with_exit_2() {
     for extra in [
         &["--io-queue", "fifo"][..],
         &["--io-queue", "fifo", "--no-io-merge"][..],
+        &["--io-queue", "elevator"][..],
+        &["--io-queue", "elevator", "--io-queue-depth", "4"][..],
     ] {
         let mut arguments = base.to_vec();
         arguments.extend_from_slice(extra);

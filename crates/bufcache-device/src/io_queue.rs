@@ -129,9 +129,12 @@ pub struct IoQueueStats {
     pub requests_merged: u64,
 }
 
+/// Direction of a queued request.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Direction {
+pub enum Direction {
+    /// Data from the device.
     Read,
+    /// Data to the device.
     Write,
 }
 
@@ -150,22 +153,152 @@ struct Completion {
     result: Mutex<Option<io::Result<()>>>,
 }
 
+/// What a submitter waits on: its request's slices and where its result goes.
 struct Pending {
-    direction: Direction,
-    offset: u64,
-    length: u64,
     slices: Vec<RawSlice>,
     completion: Arc<Completion>,
 }
 
-#[derive(Default)]
-struct QueueState {
-    /// Waiting requests by (offset, arrival number).
-    pending: BTreeMap<(u64, u64), Pending>,
+/// A request waiting in a [`QueueOrder`], with what its owner attached to it.
+#[derive(Debug)]
+pub struct Queued<T> {
+    /// Read or write.
+    pub direction: Direction,
+    /// Byte offset on the device.
+    pub offset: u64,
+    /// Length in bytes.
+    pub length: u64,
+    /// The owner's data (the real queue: the submitter's buffers; the simulator: its
+    /// request's bookkeeping).
+    pub payload: T,
+}
+
+/// The io queue's ordering and merging, apart from devices and threads, so the simulator
+/// orders its virtual-time requests with the very rules `serve` uses: `fifo` takes the oldest
+/// request, `elevator` the lowest offset at or after the head position (the end of the last
+/// batch), wrapping to the lowest (C-LOOK); with merging, every waiting request of the same
+/// direction that continues the batch forwards or backwards joins it, up to
+/// `transfer_size_max_bytes`.
+#[derive(Debug)]
+pub struct QueueOrder<T> {
+    mode: QueueMode,
+    merge: bool,
+    transfer_size_max_bytes: u64,
+    /// Waiting requests by (offset, arrival number), or (arrival, arrival) in FIFO mode.
+    pending: BTreeMap<(u64, u64), Queued<T>>,
     arrivals: u64,
-    in_flight: usize,
-    /// Where the elevator is: the end of the last issued batch.
+    /// Where the elevator is: the end of the last batch taken.
     head_position: u64,
+}
+
+impl<T> QueueOrder<T> {
+    /// An empty queue ordering by `mode` (`None` orders like `Fifo`).
+    pub fn new(mode: QueueMode, merge: bool, transfer_size_max_bytes: u64) -> Self {
+        QueueOrder {
+            mode,
+            merge,
+            transfer_size_max_bytes,
+            pending: BTreeMap::new(),
+            arrivals: 0,
+            head_position: 0,
+        }
+    }
+
+    /// Requests waiting.
+    pub fn len(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// True when nothing waits.
+    pub fn is_empty(&self) -> bool {
+        self.pending.is_empty()
+    }
+
+    /// The end of the last batch taken: where the elevator continues from.
+    pub fn head_position(&self) -> u64 {
+        self.head_position
+    }
+
+    /// The waiting requests, in queue order (for checkers and traces).
+    pub fn waiting(&self) -> impl Iterator<Item = &Queued<T>> {
+        self.pending.values()
+    }
+
+    /// Adds a request; it is younger than every request added before.
+    pub fn push(&mut self, direction: Direction, offset: u64, length: u64, payload: T) {
+        let arrival = self.arrivals;
+        self.arrivals += 1;
+        let key = match self.mode {
+            // FIFO orders by arrival alone; the elevator by offset.
+            QueueMode::Elevator => (offset, arrival),
+            _ => (arrival, arrival),
+        };
+        self.pending.insert(
+            key,
+            Queued {
+                direction,
+                offset,
+                length,
+                payload,
+            },
+        );
+    }
+
+    /// Removes the next request in queue order and every request that merges with it,
+    /// sorted by offset (one contiguous range); `None` when nothing waits.
+    pub fn take_batch(&mut self) -> Option<Vec<Queued<T>>> {
+        let first_key = match self.mode {
+            QueueMode::Elevator => self
+                .pending
+                .range((self.head_position, 0)..)
+                .next()
+                .map(|(key, _)| *key)
+                .or_else(|| self.pending.keys().next().copied()),
+            _ => self.pending.keys().next().copied(),
+        }?;
+        let first = self.pending.remove(&first_key).expect("key exists");
+        let mut start = first.offset;
+        let mut end = first.offset + first.length;
+        let direction = first.direction;
+        let mut batch = vec![first];
+        if self.merge {
+            self.merge_into(&mut batch, direction, &mut start, &mut end);
+        }
+        batch.sort_by_key(|member| member.offset);
+        self.head_position = end;
+        Some(batch)
+    }
+
+    /// Pulls pending requests that continue the batch forwards or backwards.
+    fn merge_into(
+        &mut self,
+        batch: &mut Vec<Queued<T>>,
+        direction: Direction,
+        start: &mut u64,
+        end: &mut u64,
+    ) {
+        let limit = self.transfer_size_max_bytes;
+        loop {
+            let adjacent = self.pending.iter().find(|(_, candidate)| {
+                candidate.direction == direction
+                    && (candidate.offset == *end || candidate.offset + candidate.length == *start)
+                    && (*end - *start) + candidate.length <= limit
+            });
+            let Some((&key, _)) = adjacent else { return };
+            let member = self.pending.remove(&key).expect("key exists");
+            if member.offset == *end {
+                *end += member.length;
+            } else {
+                *start = member.offset;
+            }
+            batch.push(member);
+        }
+    }
+}
+
+struct QueueState {
+    order: QueueOrder<Pending>,
+    in_flight: usize,
 }
 
 /// A device wrapper that orders and merges requests.
@@ -185,8 +318,11 @@ impl<D: Device> IoQueue<D> {
         config.validate()?;
         Ok(IoQueue {
             inner,
+            state: Mutex::new(QueueState {
+                order: QueueOrder::new(config.mode, config.merge, config.transfer_size_max_bytes),
+                in_flight: 0,
+            }),
             config,
-            state: Mutex::new(QueueState::default()),
             changed: Condvar::new(),
             entered: AtomicU64::new(0),
             issued: AtomicU64::new(0),
@@ -215,22 +351,14 @@ impl<D: Device> IoQueue<D> {
             result: Mutex::new(None),
         });
         let mut state = self.state.lock();
-        while state.pending.len() >= self.config.queued_max {
+        while state.order.len() >= self.config.queued_max {
             self.changed.wait(&mut state);
         }
-        let arrival = state.arrivals;
-        state.arrivals += 1;
-        let key = match self.config.mode {
-            // FIFO orders by arrival alone; the elevator by offset.
-            QueueMode::Fifo => (arrival, arrival),
-            _ => (offset, arrival),
-        };
-        state.pending.insert(
-            key,
+        state.order.push(
+            direction,
+            offset,
+            length,
             Pending {
-                direction,
-                offset,
-                length,
                 slices,
                 completion: Arc::clone(&completion),
             },
@@ -239,15 +367,17 @@ impl<D: Device> IoQueue<D> {
             if let Some(result) = completion.result.lock().take() {
                 return result;
             }
-            if state.in_flight < self.config.depth_max && !state.pending.is_empty() {
-                let batch = self.take_batch(&mut state);
+            if state.in_flight < self.config.depth_max && !state.order.is_empty() {
+                let batch = state.order.take_batch().expect("a request waits");
+                self.issued.fetch_add(1, Relaxed);
+                self.merged.fetch_add(batch.len() as u64 - 1, Relaxed);
                 state.in_flight += 1;
                 drop(state);
                 let result = self.execute(&batch);
                 state = self.state.lock();
                 state.in_flight -= 1;
                 for member in &batch {
-                    *member.completion.result.lock() = Some(clone_result(&result));
+                    *member.payload.completion.result.lock() = Some(clone_result(&result));
                 }
                 self.changed.notify_all();
                 continue;
@@ -256,71 +386,11 @@ impl<D: Device> IoQueue<D> {
         }
     }
 
-    /// Removes the next request in queue order and every request that merges with it.
-    fn take_batch(&self, state: &mut QueueState) -> Vec<Pending> {
-        let first_key = match self.config.mode {
-            QueueMode::Elevator => state
-                .pending
-                .range((state.head_position, 0)..)
-                .next()
-                .map(|(key, _)| *key)
-                .or_else(|| state.pending.keys().next().copied()),
-            _ => state.pending.keys().next().copied(),
-        }
-        .expect("pending is not empty");
-        let first = state.pending.remove(&first_key).expect("key exists");
-        let mut batch_start = first.offset;
-        let mut batch_end = first.offset + first.length;
-        let direction = first.direction;
-        let mut batch = vec![first];
-        if self.config.merge {
-            self.merge_into(
-                state,
-                &mut batch,
-                direction,
-                &mut batch_start,
-                &mut batch_end,
-            );
-        }
-        batch.sort_by_key(|member| member.offset);
-        state.head_position = batch_end;
-        self.issued.fetch_add(1, Relaxed);
-        self.merged.fetch_add(batch.len() as u64 - 1, Relaxed);
-        batch
-    }
-
-    /// Pulls pending requests that continue the batch forwards or backwards.
-    fn merge_into(
-        &self,
-        state: &mut QueueState,
-        batch: &mut Vec<Pending>,
-        direction: Direction,
-        start: &mut u64,
-        end: &mut u64,
-    ) {
-        let limit = self.config.transfer_size_max_bytes;
-        loop {
-            let adjacent = state.pending.iter().find(|(_, candidate)| {
-                candidate.direction == direction
-                    && (candidate.offset == *end || candidate.offset + candidate.length == *start)
-                    && (*end - *start) + candidate.length <= limit
-            });
-            let Some((&key, _)) = adjacent else { return };
-            let member = state.pending.remove(&key).expect("key exists");
-            if member.offset == *end {
-                *end += member.length;
-            } else {
-                *start = member.offset;
-            }
-            batch.push(member);
-        }
-    }
-
-    fn execute(&self, batch: &[Pending]) -> io::Result<()> {
+    fn execute(&self, batch: &[Queued<Pending>]) -> io::Result<()> {
         let offset = batch[0].offset;
         let raw: Vec<RawSlice> = batch
             .iter()
-            .flat_map(|member| member.slices.iter().copied())
+            .flat_map(|member| member.payload.slices.iter().copied())
             .collect();
         match batch[0].direction {
             Direction::Read => {
@@ -501,6 +571,41 @@ mod tests {
                 "block {index} intact"
             );
         }
+    }
+
+    #[test]
+    fn queue_order_sweeps_by_offset_from_the_head_and_merges_neighbours() {
+        // Goal: the ordering the simulator shares with `IoQueue` is C-LOOK with merging, and
+        // FIFO by arrival. Method: queue requests out of order, take batches, and compare
+        // the offsets taken with the sweep worked out by hand.
+        let mut elevator = QueueOrder::new(QueueMode::Elevator, true, 16 << 10);
+        for (offset, tag) in [
+            (40u64 << 10, 'a'),
+            (8 << 10, 'b'),
+            (12 << 10, 'c'),
+            (4 << 10, 'd'),
+        ] {
+            elevator.push(Direction::Write, offset, 4096, tag);
+        }
+        let first = elevator.take_batch().unwrap();
+        // Head at 0: the lowest offset (4K) and its neighbours 8K and 12K, in one batch.
+        let tags: Vec<char> = first.iter().map(|member| member.payload).collect();
+        assert_eq!(tags, ['d', 'b', 'c']);
+        assert_eq!(elevator.head_position(), 16 << 10);
+        elevator.push(Direction::Write, 0, 4096, 'e');
+        // 40K lies ahead of the head; 0 waits for the next sweep.
+        assert_eq!(elevator.take_batch().unwrap()[0].payload, 'a');
+        assert_eq!(elevator.take_batch().unwrap()[0].payload, 'e');
+        assert!(elevator.take_batch().is_none());
+
+        let mut fifo = QueueOrder::new(QueueMode::Fifo, false, 16 << 10);
+        for (offset, tag) in [(40u64 << 10, 'a'), (8 << 10, 'b'), (12 << 10, 'c')] {
+            fifo.push(Direction::Read, offset, 4096, tag);
+        }
+        let order: Vec<char> = std::iter::from_fn(|| fifo.take_batch())
+            .map(|batch| batch[0].payload)
+            .collect();
+        assert_eq!(order, ['a', 'b', 'c']);
     }
 
     #[test]

@@ -28,7 +28,10 @@ pub use device::{
 };
 pub use fault::{FaultDevice, FaultKind, FaultStats};
 pub use file::{FileDevice, FileDeviceError, FileDeviceOptions};
-pub use io_queue::{IoQueue, IoQueueConfig, IoQueueConfigError, IoQueueStats, QueueMode};
+pub use io_queue::{
+    Direction, IoQueue, IoQueueConfig, IoQueueConfigError, IoQueueStats, QueueMode, QueueOrder,
+    Queued,
+};
 pub use memory::MemoryDevice;
 pub use rng::SeededRng;
 pub use sparse::SparseStore;

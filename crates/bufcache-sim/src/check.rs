@@ -3,8 +3,10 @@
 //! a shadow model of what the engine promised.
 //!
 //! One seed decides everything, through one [`SeededRng`]: the cache's shape (tiny memory,
-//! block and cluster sizes, dirty limits, write-behind, policy), the objects, the real io queue
-//! (`bufcache_device::IoQueue`: none, fifo or elevator, merging or not), the fault rates,
+//! block and cluster sizes, dirty limits, write-behind, policy), the objects, the io queue
+//! (none, fifo or elevator, merging or not, depth 1 to 4: the real `bufcache_device::IoQueue`
+//! over the simulated disk's own queue, where requests of several clients wait together in
+//! virtual time and are reordered and merged), the fault rates,
 //! and every step — which simulated client calls what (read, write, FUA write, zeroes,
 //! discard, flush, sync), when the syncer and the I/O daemon run, when the memory limit
 //! changes, and where the power fails.
@@ -36,7 +38,7 @@ use bufcache::{IoQueue, IoQueueConfig, PolicyKind, QueueMode, Spawner, Waiter};
 
 use crate::clock::VirtualClock;
 use crate::core::SECTOR_BYTES;
-use crate::core::{FaultConfig, SharedRng, SimCore, SimDevice, SimSpawner, SimWaiter};
+use crate::core::{FaultConfig, SharedRng, SimCore, SimDevice, SimIoQueue, SimSpawner, SimWaiter};
 use crate::disk::DiskSpec;
 use crate::host::HostCosts;
 
@@ -64,6 +66,10 @@ pub struct SeedOutcome {
     pub crashes: u64,
     /// Device requests failed by seeded faults.
     pub device_faults: u64,
+    /// The io queue of the seed's scenario (`None`: no queue).
+    pub queue_mode: Option<QueueMode>,
+    /// Batches the simulated io queue took while other requests waited too.
+    pub queue_choices: u64,
     /// The first broken promise, if any.
     pub violation: Option<String>,
 }
@@ -137,6 +143,8 @@ pub fn check_seed_traced(seed: u64, trace: bool) -> SeedOutcome {
         outcome.steps = harness.steps;
         outcome.crashes = harness.crashes;
         outcome.device_faults = harness.device_faults();
+        outcome.queue_mode = harness.scenario.io_queue.as_ref().map(|queue| queue.mode);
+        outcome.queue_choices = harness.core.device_totals().queue_choices;
         result
     }));
     outcome.violation = match result {
@@ -320,6 +328,7 @@ impl Scenario {
             mode,
             merge: rng.below(4) != 0,
             transfer_size_max_bytes: config.transfer_size_max_bytes,
+            depth_max: 1 + rng.below(4) as usize,
             ..IoQueueConfig::default()
         });
         Scenario {
@@ -356,9 +365,10 @@ impl Scenario {
             match &self.io_queue {
                 None => "none".to_string(),
                 Some(queue) => format!(
-                    "{:?}{}",
+                    "{:?}{} depth {}",
                     queue.mode,
-                    if queue.merge { " merging" } else { "" }
+                    if queue.merge { " merging" } else { "" },
+                    queue.depth_max
                 ),
             },
         )
@@ -400,9 +410,21 @@ impl Harness {
         let scenario = Scenario::draw(&mut rng);
         let rng: SharedRng = Arc::new(Mutex::new(rng));
         let clock = Arc::new(VirtualClock::new());
-        let disk: DiskSpec = "nvme".parse().expect("the nvme preset exists");
+        // With an io queue, a mechanical disk: its requests take milliseconds, so the clients'
+        // requests (a step every 0-2 ms) wait in the queue together and are reordered.
+        let disk: DiskSpec = if scenario.io_queue.is_some() {
+            DiskSpec::hdd7200()
+        } else {
+            DiskSpec::nvme()
+        };
         let host = HostCosts::preset("modern").expect("the modern preset exists");
         let core = Arc::new(SimCore::new(disk.build(), host, clock));
+        // The simulated disk's queue, where requests wait in virtual time: the real queue
+        // above it never holds more than one (one simulated thread calls at a time).
+        core.set_io_queue(scenario.io_queue.as_ref().map(|queue| SimIoQueue {
+            depth_max: queue.depth_max,
+            ..SimIoQueue::new(queue.mode, queue.merge, queue.transfer_size_max_bytes)
+        }));
         let length: u64 = scenario.regions.iter().map(|r| r.length).sum();
         let device = Arc::new(SimDevice::new(core.clone(), length, "simulated disk"));
         device.track_crashes();
@@ -549,6 +571,11 @@ impl Harness {
     fn enter(&mut self, account: usize) {
         self.now_ns += self.draw(2_000_000);
         self.now_ns = self.now_ns.max(self.core.cursor());
+        // The disk serves what is due by now; an entity still blocked on its request (other
+        // clients' requests may have come before it in the queue's order), or whose request
+        // completes later than now, goes on when it is done.
+        self.core.advance_disk(self.now_ns);
+        self.now_ns = self.now_ns.max(self.core.settle(account));
         self.core.enter(account, self.now_ns);
     }
 

@@ -6,15 +6,26 @@
 //! books a CPU from the cursor on and moves the cursor past it; a device request is handed to
 //! the disk model at the cursor and the cursor moves to its completion (the entity blocks on
 //! its own I/O). Everything is charged to the running entity's [`Account`].
+//!
+//! With an io queue ([`SimIoQueue`]) a request is not served when it is issued: it waits in
+//! the queue, and the scheduler dispatches it (a [`SimCore::dispatch`] event at the time a
+//! slot at the disk is free) by the queue's discipline — `bufcache_device::QueueOrder`, the
+//! very ordering and merging `serve`'s io queue uses — and only then does the disk model time
+//! it from the head's position at that moment. The engine is synchronous, so the step that
+//! issued the request goes on at once (its data was stored or read when it was issued); from
+//! then on the entity is *blocked*: the rest of its step (CPU work, waits, further requests)
+//! is recorded as a continuation and replayed on virtual time once the request completes, and
+//! the scheduler runs the entity again only then.
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use bufcache::device::{SeededRng, SparseStore};
+use bufcache::device::io_queue::Direction;
+use bufcache::device::{QueueOrder, SeededRng, SparseStore};
 use bufcache::environment::Job;
-use bufcache::{Device, Spawner, Waiter};
+use bufcache::{Device, QueueMode, Spawner, Waiter};
 use serde::Serialize;
 
 use crate::clock::VirtualClock;
@@ -69,29 +80,119 @@ pub struct DeviceTotals {
     /// Requests the io queue merged into a waiting one (not issued as commands of their own;
     /// `reads` and `writes` count commands issued).
     pub queue_merged: u64,
+    /// Batches the io queue took while other requests waited too: the times its discipline
+    /// had a choice to make.
+    pub queue_choices: u64,
 }
 
-/// The io queue in the simulated path: like `serve`'s, requests that wait for the disk
-/// together are merged when adjacent and in the same direction, up to
-/// `transfer_size_max_bytes`. The simulator fixes a request's service time when it is issued
-/// (its entity blocks on it), so a request can join only the request issued just before it,
-/// while that one still waits for the disk; requests already waiting are never reordered.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+/// The io queue in the simulated path, as `serve` has it: requests wait in the queue, and
+/// while fewer than `depth_max` batches are at the disk the next batch is taken by the
+/// discipline (`Fifo`: oldest first; `Elevator`: a one-way sweep by offset from the end of the
+/// last batch), merging waiting adjacent same-direction requests up to
+/// `transfer_size_max_bytes` unless `merge` is off. The modelled drives do no command
+/// queueing of their own, so a batch handed to a mechanical disk is committed to its FIFO
+/// order: `depth_max` 1 leaves every choice to the queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SimIoQueue {
+    /// `Fifo` or `Elevator` (`None` is no queue: use `Option::None` instead).
+    pub mode: QueueMode,
     /// Merge adjacent waiting requests (`--no-io-merge` turns it off).
     pub merge: bool,
     /// Largest merged request, bytes.
     pub transfer_size_max_bytes: u64,
+    /// Batches at the disk at once (`--io-queue-depth`), at least 1.
+    pub depth_max: usize,
 }
 
-/// The request issued last, while it may still take merges.
-#[derive(Clone, Copy, Debug)]
-struct LastRequest {
-    op: Op,
-    offset: u64,
-    end: u64,
-    start_ns: u64,
+impl SimIoQueue {
+    /// A queue of `mode` merging up to `transfer_size_max_bytes`, one batch at the disk.
+    pub fn new(mode: QueueMode, merge: bool, transfer_size_max_bytes: u64) -> Self {
+        SimIoQueue {
+            mode,
+            merge,
+            transfer_size_max_bytes,
+            depth_max: 1,
+        }
+    }
 }
+
+/// One batch the simulated io queue handed to the disk (recorded for checkers).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Dispatch {
+    /// When the batch was taken, ns.
+    pub time_ns: u64,
+    /// Its direction.
+    pub op: Op,
+    /// First byte.
+    pub offset: u64,
+    /// Bytes.
+    pub length: u64,
+    /// Requests in it.
+    pub requests: usize,
+    /// The queue's head position before the batch was taken.
+    pub head_before: u64,
+    /// Offsets of every request waiting (arrived) when it was taken, the batch's included.
+    pub waiting: Vec<u64>,
+    /// When the disk completed it, ns.
+    pub done_ns: u64,
+}
+
+/// A request waiting in the simulated io queue.
+#[derive(Clone, Copy, Debug)]
+struct Request {
+    account: usize,
+    arrival_ns: u64,
+}
+
+/// The rest of a blocked entity's step, replayed once what it waits for is done.
+#[derive(Clone, Copy, Debug)]
+enum Deferred {
+    Cpu {
+        user_ns: u64,
+        sys_ns: u64,
+        cpu_account: usize,
+    },
+    Delay {
+        ns: u64,
+        for_io: bool,
+    },
+    Io {
+        op: Op,
+        offset: u64,
+        length: u64,
+    },
+    Data {
+        offset: u64,
+        length: u64,
+    },
+    Flush,
+}
+
+/// A blocked entity: the request or data it waits for, then the rest of its step.
+#[derive(Debug, Default)]
+struct Chain {
+    /// Waiting (since the time given) for the data of `(offset, length)`, which another
+    /// entity's queued read has not delivered yet, instead of for a request of its own.
+    data: Option<(u64, u64, u64)>,
+    ops: VecDeque<Deferred>,
+}
+
+/// The simulated io queue's state.
+struct QueueState {
+    config: SimIoQueue,
+    order: QueueOrder<Request>,
+    /// Requests issued but not yet eligible, by (arrival, sequence): a dispatch moves those
+    /// that have arrived by its time into `order`, in arrival order.
+    future: std::collections::BTreeMap<(u64, u64), (Op, u64, u64, Request)>,
+    sequence: u64,
+    /// Completion times of the batches at the disk, ascending.
+    in_flight: Vec<u64>,
+    last_dispatch_ns: u64,
+    log: Option<Vec<Dispatch>>,
+}
+
+/// Marks data in the ready map that a queued read has not delivered yet.
+const NOT_READY: u64 = u64::MAX;
 
 /// A booking candidate: finish time, CPU, pieces.
 type Booking = (u64, usize, Vec<(u64, u64)>);
@@ -186,8 +287,15 @@ pub(crate) struct CoreState {
     /// Bytes read from the disk into buffers since the scheduler last collected them: the
     /// pages those buffers wire, charged at the end of the step (O(1), no engine scan).
     pub read_unwired_bytes: u64,
-    io_queue: Option<SimIoQueue>,
-    last_request: Option<LastRequest>,
+    queue: Option<QueueState>,
+    /// Blocked entities by account: what they wait for and the rest of their step.
+    chains: Vec<Option<Chain>>,
+    /// The running entity is blocked (its step goes on as a recorded continuation).
+    deferred: bool,
+    /// Entities whose continuation finished since the scheduler last asked: (account, time).
+    resolved: Vec<(usize, u64)>,
+    /// When each account's last continuation finished (0: never blocked).
+    resumed_ns: Vec<u64>,
 }
 
 /// Shared simulation state: used by the scheduler, the device and the spawner.
@@ -211,8 +319,11 @@ impl SimCore {
                 disk,
                 ready: Vec::new(),
                 read_unwired_bytes: 0,
-                io_queue: None,
-                last_request: None,
+                queue: None,
+                chains: Vec::new(),
+                deferred: false,
+                resolved: Vec::new(),
+                resumed_ns: Vec::new(),
             }),
             clock,
         }
@@ -227,8 +338,107 @@ impl SimCore {
     /// Puts an io queue between the engine and the disk (`None`: requests go straight on).
     pub fn set_io_queue(&self, queue: Option<SimIoQueue>) {
         let mut state = self.lock();
-        state.io_queue = queue;
-        state.last_request = None;
+        state.queue = queue.map(|config| QueueState {
+            order: QueueOrder::new(config.mode, config.merge, config.transfer_size_max_bytes),
+            config: SimIoQueue {
+                depth_max: config.depth_max.max(1),
+                ..config
+            },
+            future: std::collections::BTreeMap::new(),
+            sequence: 0,
+            in_flight: Vec::new(),
+            last_dispatch_ns: 0,
+            log: None,
+        });
+    }
+
+    /// Records every batch the io queue dispatches from now on (see [`SimCore::dispatches`]).
+    pub fn record_dispatches(&self) {
+        if let Some(queue) = self.lock().queue.as_mut() {
+            queue.log = Some(Vec::new());
+        }
+    }
+
+    /// The batches dispatched since [`SimCore::record_dispatches`], in order.
+    pub fn dispatches(&self) -> Vec<Dispatch> {
+        self.lock()
+            .queue
+            .as_ref()
+            .and_then(|queue| queue.log.clone())
+            .unwrap_or_default()
+    }
+
+    /// True when `account` is blocked on the io queue.
+    pub fn blocked(&self, account: usize) -> bool {
+        self.lock()
+            .chains
+            .get(account)
+            .is_some_and(|chain| chain.is_some())
+    }
+
+    /// The end of the running entity's step: its time, or `None` when it is blocked on the io
+    /// queue (its time comes from [`SimCore::take_resolved`] later).
+    pub(crate) fn end_step(&self) -> Option<u64> {
+        let state = self.lock();
+        (!state.deferred).then_some(state.cursor_ns)
+    }
+
+    /// Entities whose continuation finished since the last call: (account, time).
+    pub(crate) fn take_resolved(&self) -> Vec<(usize, u64)> {
+        std::mem::take(&mut self.lock().resolved)
+    }
+
+    /// When the io queue next hands a batch to the disk, if a request waits.
+    pub fn next_dispatch_ns(&self) -> Option<u64> {
+        let state = self.lock();
+        let queue = state.queue.as_ref()?;
+        let earliest = if !queue.order.is_empty() {
+            queue.last_dispatch_ns
+        } else {
+            queue.future.keys().next()?.0
+        };
+        let depth = queue.config.depth_max;
+        let count = queue.in_flight.len();
+        let slot_free = if count < depth {
+            0
+        } else {
+            queue.in_flight[count - depth]
+        };
+        Some(earliest.max(slot_free).max(queue.last_dispatch_ns))
+    }
+
+    /// Hands the next batch to the disk at `time_ns` (from [`SimCore::next_dispatch_ns`]):
+    /// every request arrived by then is eligible, the discipline picks, the disk model times
+    /// the batch from its state now, and the continuations of the requests' entities replay.
+    pub fn dispatch(&self, time_ns: u64) {
+        let mut state = self.lock();
+        state.dispatch(time_ns);
+        let now = state.resolved.iter().map(|&(_, t)| t).max();
+        drop(state);
+        if let Some(now) = now {
+            self.clock.advance_to(now);
+        }
+    }
+
+    /// Dispatches until `account` is no longer blocked; returns when its last continuation
+    /// finished (0 when it never blocked). For drivers without a scheduler (`sim check`).
+    pub fn settle(&self, account: usize) -> u64 {
+        while self.blocked(account) {
+            let time = self
+                .next_dispatch_ns()
+                .expect("a blocked entity waits for a queued request");
+            self.dispatch(time);
+        }
+        let mut state = self.lock();
+        state.resolved.clear();
+        state.resumed_ns.get(account).copied().unwrap_or(0)
+    }
+
+    /// Dispatches every batch due by `time_ns` (for drivers without a scheduler).
+    pub fn advance_disk(&self, time_ns: u64) {
+        while let Some(next) = self.next_dispatch_ns().filter(|&next| next <= time_ns) {
+            self.dispatch(next);
+        }
     }
 
     /// The engine's clock.
@@ -254,9 +464,17 @@ impl SimCore {
     /// Makes entity `account` current at `time_ns`, its CPU charged to `cpu_account`.
     pub(crate) fn enter_on_behalf(&self, account: usize, cpu_account: usize, time_ns: u64) {
         let mut state = self.lock();
+        debug_assert!(
+            state
+                .chains
+                .get(account)
+                .is_none_or(|chain| chain.is_none()),
+            "a blocked entity runs only once its continuation is done"
+        );
         state.current = account;
         state.cpu_account = cpu_account;
         state.cursor_ns = time_ns;
+        state.deferred = false;
         drop(state);
         self.clock.advance_to(time_ns);
     }
@@ -275,15 +493,60 @@ impl SimCore {
     /// Runs `user_ns + sys_ns` of CPU work for the running entity.
     pub fn cpu(&self, user_ns: u64, sys_ns: u64) {
         let mut state = self.lock();
+        if state.deferred {
+            let cpu_account = state.cpu_account;
+            state.defer(Deferred::Cpu {
+                user_ns,
+                sys_ns,
+                cpu_account,
+            });
+            return;
+        }
         state.cpu_work(user_ns, sys_ns);
         let now = state.cursor_ns;
         drop(state);
         self.clock.advance_to(now);
     }
 
+    /// Waits (without CPU) for `ns`: a timed wait of the engine, a latency spike.
+    pub fn delay(&self, ns: u64, for_io: bool) {
+        let mut state = self.lock();
+        if state.deferred {
+            state.defer(Deferred::Delay { ns, for_io });
+            return;
+        }
+        let until = state.cursor_ns + ns;
+        drop(state);
+        self.wait_until(until, for_io);
+    }
+
+    /// Waits until the data of device bytes `[offset, offset + length)` has arrived from the
+    /// disk (a read still in flight, or still in the io queue).
+    pub fn wait_for_data(&self, offset: u64, length: u64) {
+        let mut state = self.lock();
+        if state.deferred {
+            state.defer(Deferred::Data { offset, length });
+            return;
+        }
+        let ready = state.ready_at(offset, length);
+        if ready == NOT_READY {
+            let current = state.current;
+            let cursor = state.cursor_ns;
+            state.block(current).data = Some((offset, length, cursor));
+            return;
+        }
+        drop(state);
+        self.wait_until(ready, true);
+    }
+
     /// Waits (without CPU) until `time_ns`.
     pub fn wait_until(&self, time_ns: u64, for_io: bool) {
         let mut state = self.lock();
+        if state.deferred {
+            let ns = time_ns.saturating_sub(state.cursor_ns);
+            state.defer(Deferred::Delay { ns, for_io });
+            return;
+        }
         if time_ns > state.cursor_ns {
             if for_io {
                 let current = state.current;
@@ -296,14 +559,9 @@ impl SimCore {
     }
 
     /// When the data of device bytes `[offset, offset + length)` last arrived from the disk.
+    /// `u64::MAX` while a read of them waits in the io queue.
     pub fn ready_at(&self, offset: u64, length: u64) -> u64 {
-        let state = self.lock();
-        let first = (offset / READY_UNIT) as usize;
-        let end = ((offset + length).div_ceil(READY_UNIT) as usize).min(state.ready.len());
-        state
-            .ready
-            .get(first..end.max(first))
-            .map_or(0, |units| units.iter().copied().max().unwrap_or(0))
+        self.lock().ready_at(offset, length)
     }
 
     /// Bytes read from the disk since the last call (each read fills fresh buffers whose
@@ -339,73 +597,28 @@ impl SimCore {
 
     fn io(&self, op: Op, offset: u64, length: u64) {
         let mut state = self.lock();
+        if state.queue.is_some() {
+            state.queued_io(op, offset, length);
+            return;
+        }
         let io_ns = state.host.io_ns;
         state.cpu_work(0, io_ns);
         let arrival = state.cursor_ns;
-        let merge_into = match (state.io_queue, state.last_request) {
-            (Some(queue), Some(last))
-                if queue.merge
-                    && last.op == op
-                    && last.start_ns > arrival
-                    && (offset == last.end || offset + length == last.offset)
-                    && last.end - last.offset + length <= queue.transfer_size_max_bytes =>
-            {
-                Some(last)
-            }
-            _ => None,
-        };
-        if state.io_queue.is_some() {
-            state.device.queue_entered += 1;
-        }
-        let done = match merge_into {
-            Some(mut last) => {
-                let done = state.disk.extend_last(op, length);
-                last.offset = last.offset.min(offset);
-                last.end = last.end.max(offset + length);
-                state.last_request = Some(last);
-                state.device.queue_merged += 1;
-                done
-            }
-            None => {
-                let start_ns = state.disk.start_ns(arrival);
-                if state.io_queue.is_some() {
-                    state.last_request = Some(LastRequest {
-                        op,
-                        offset,
-                        end: offset + length,
-                        start_ns,
-                    });
-                }
-                state.disk.serve(op, offset, length, arrival)
-            }
-        };
-        let issued = u64::from(merge_into.is_none());
+        let done = state.disk.serve(op, offset, length, arrival);
         let current = state.current;
         let busy_from = arrival.max(state.device.last_done_ns);
         state.device.busy_ns += done.saturating_sub(busy_from);
         state.device.last_done_ns = state.device.last_done_ns.max(done);
-        let account = &mut state.accounts[current];
-        account.io_wait_ns += done.saturating_sub(arrival);
+        state.count_request(current, op, length);
+        state.accounts[current].io_wait_ns += done.saturating_sub(arrival);
         match op {
             Op::Read => {
-                account.reads += 1;
-                account.read_bytes += length;
-                state.device.reads += issued;
+                state.device.reads += 1;
                 state.device.read_bytes += length;
-                state.read_unwired_bytes += length;
-                let first = (offset / READY_UNIT) as usize;
-                let end = (offset + length).div_ceil(READY_UNIT) as usize;
-                if state.ready.len() < end {
-                    state.ready.resize(end, 0);
-                }
-                for unit in &mut state.ready[first..end] {
-                    *unit = done;
-                }
+                state.mark_ready(offset, length, done);
             }
             Op::Write => {
-                account.writes += 1;
-                account.write_bytes += length;
-                state.device.writes += issued;
+                state.device.writes += 1;
                 state.device.write_bytes += length;
             }
         }
@@ -413,9 +626,293 @@ impl SimCore {
         drop(state);
         self.clock.advance_to(done);
     }
+
+    /// A flush: one command, and on a drive with a write cache a wait until the cached
+    /// writes are on the medium.
+    fn flush_disk(&self) {
+        let mut state = self.lock();
+        if state.deferred {
+            let io_ns = state.host.io_ns;
+            let cpu_account = state.cpu_account;
+            state.defer(Deferred::Cpu {
+                user_ns: 0,
+                sys_ns: io_ns,
+                cpu_account,
+            });
+            state.defer(Deferred::Flush);
+            return;
+        }
+        let io_ns = state.host.io_ns;
+        state.cpu_work(0, io_ns);
+        state.device.flushes += 1;
+        let now = state.cursor_ns;
+        let drained = state.disk.drain_write_cache(now);
+        drop(state);
+        if let Some(drained) = drained {
+            self.wait_until(drained, true);
+        }
+    }
 }
 
 impl CoreState {
+    fn ready_at(&self, offset: u64, length: u64) -> u64 {
+        let first = (offset / READY_UNIT) as usize;
+        let end = ((offset + length).div_ceil(READY_UNIT) as usize).min(self.ready.len());
+        self.ready
+            .get(first..end.max(first))
+            .map_or(0, |units| units.iter().copied().max().unwrap_or(0))
+    }
+
+    fn mark_ready(&mut self, offset: u64, length: u64, time_ns: u64) {
+        let first = (offset / READY_UNIT) as usize;
+        let end = (offset + length).div_ceil(READY_UNIT) as usize;
+        if self.ready.len() < end {
+            self.ready.resize(end, 0);
+        }
+        for unit in &mut self.ready[first..end] {
+            *unit = time_ns;
+        }
+    }
+
+    /// Counts a request against the entity that issued it (when it is issued, so a process
+    /// sees its own reads at once).
+    fn count_request(&mut self, account: usize, op: Op, length: u64) {
+        let account = &mut self.accounts[account];
+        match op {
+            Op::Read => {
+                account.reads += 1;
+                account.read_bytes += length;
+                self.read_unwired_bytes += length;
+            }
+            Op::Write => {
+                account.writes += 1;
+                account.write_bytes += length;
+            }
+        }
+    }
+
+    /// The chain of a blocked `account` (created empty); the running entity is blocked.
+    fn block(&mut self, account: usize) -> &mut Chain {
+        if self.chains.len() <= account {
+            self.chains.resize_with(account + 1, || None);
+        }
+        if account == self.current {
+            self.deferred = true;
+        }
+        self.chains[account].get_or_insert_with(Chain::default)
+    }
+
+    /// Appends to the running (blocked) entity's continuation.
+    fn defer(&mut self, op: Deferred) {
+        let current = self.current;
+        self.block(current).ops.push_back(op);
+    }
+
+    /// A request of the running entity through the io queue: counted now, served later.
+    fn queued_io(&mut self, op: Op, offset: u64, length: u64) {
+        let current = self.current;
+        self.count_request(current, op, length);
+        if self.deferred {
+            let cpu_account = self.cpu_account;
+            let io_ns = self.host.io_ns;
+            self.defer(Deferred::Cpu {
+                user_ns: 0,
+                sys_ns: io_ns,
+                cpu_account,
+            });
+            self.defer(Deferred::Io { op, offset, length });
+            return;
+        }
+        let io_ns = self.host.io_ns;
+        self.cpu_work(0, io_ns);
+        let arrival = self.cursor_ns;
+        self.block(current);
+        self.submit(current, op, offset, length, arrival);
+    }
+
+    /// Puts a request into the io queue at `arrival_ns`; `account` is blocked on it.
+    fn submit(&mut self, account: usize, op: Op, offset: u64, length: u64, arrival_ns: u64) {
+        if op == Op::Read {
+            self.mark_ready(offset, length, NOT_READY);
+        }
+        self.device.queue_entered += 1;
+        let queue = self.queue.as_mut().expect("submit needs the io queue");
+        let sequence = queue.sequence;
+        queue.sequence += 1;
+        queue.future.insert(
+            (arrival_ns, sequence),
+            (
+                op,
+                offset,
+                length,
+                Request {
+                    account,
+                    arrival_ns,
+                },
+            ),
+        );
+    }
+
+    /// One dispatch event (see [`SimCore::dispatch`]).
+    fn dispatch(&mut self, time_ns: u64) {
+        let queue = self.queue.as_mut().expect("dispatch needs the io queue");
+        queue.last_dispatch_ns = queue.last_dispatch_ns.max(time_ns);
+        while let Some(entry) = queue.future.first_entry() {
+            if entry.key().0 > time_ns {
+                break;
+            }
+            let (op, offset, length, request) = entry.remove();
+            let direction = match op {
+                Op::Read => Direction::Read,
+                Op::Write => Direction::Write,
+            };
+            queue.order.push(direction, offset, length, request);
+        }
+        queue.in_flight.retain(|&done| done > time_ns);
+        let head_before = queue.order.head_position();
+        let choice = queue.order.len() > 1;
+        let waiting: Option<Vec<u64>> = queue.log.is_some().then(|| {
+            queue
+                .order
+                .waiting()
+                .map(|request| request.offset)
+                .collect()
+        });
+        let Some(batch) = queue.order.take_batch() else {
+            return;
+        };
+        let op = match batch[0].direction {
+            Direction::Read => Op::Read,
+            Direction::Write => Op::Write,
+        };
+        let offset = batch[0].offset;
+        let length: u64 = batch.iter().map(|member| member.length).sum();
+        let done = self.disk.serve(op, offset, length, time_ns);
+        let queue = self.queue.as_mut().expect("checked above");
+        let at = queue.in_flight.partition_point(|&t| t <= done);
+        queue.in_flight.insert(at, done);
+        if let (Some(log), Some(waiting)) = (queue.log.as_mut(), waiting) {
+            log.push(Dispatch {
+                time_ns,
+                op,
+                offset,
+                length,
+                requests: batch.len(),
+                head_before,
+                waiting,
+                done_ns: done,
+            });
+        }
+        let busy_from = time_ns.max(self.device.last_done_ns);
+        self.device.busy_ns += done.saturating_sub(busy_from);
+        self.device.last_done_ns = self.device.last_done_ns.max(done);
+        self.device.queue_merged += batch.len() as u64 - 1;
+        self.device.queue_choices += u64::from(choice);
+        match op {
+            Op::Read => {
+                self.device.reads += 1;
+                self.device.read_bytes += length;
+                self.mark_ready(offset, length, done);
+            }
+            Op::Write => {
+                self.device.writes += 1;
+                self.device.write_bytes += length;
+            }
+        }
+        for member in &batch {
+            let request = member.payload;
+            self.accounts[request.account].io_wait_ns += done - request.arrival_ns.min(done);
+            self.resume(request.account, done);
+        }
+        if op == Op::Read {
+            // Entities waiting for this data (read by another entity) go on.
+            let waiting: Vec<(usize, u64)> = self
+                .chains
+                .iter()
+                .enumerate()
+                .filter_map(|(account, chain)| {
+                    let (at, bytes, since) = chain.as_ref()?.data?;
+                    let ready = self.ready_at(at, bytes);
+                    (ready != NOT_READY).then(|| (account, since.max(ready)))
+                })
+                .collect();
+            for (account, ready) in waiting {
+                let chain = self.chains[account].as_mut().expect("found above");
+                let (_, _, since) = chain.data.take().expect("found above");
+                self.accounts[account].io_wait_ns += ready - since;
+                self.resume(account, ready);
+            }
+        }
+    }
+
+    /// Replays `account`'s continuation from `time_ns`, up to its next request or wait for
+    /// data, or to its end (then the entity is resolved at the time reached).
+    fn resume(&mut self, account: usize, mut time_ns: u64) {
+        let Some(mut chain) = self.chains.get_mut(account).and_then(Option::take) else {
+            return;
+        };
+        while let Some(op) = chain.ops.pop_front() {
+            match op {
+                Deferred::Cpu {
+                    user_ns,
+                    sys_ns,
+                    cpu_account,
+                } => {
+                    let total = user_ns + sys_ns;
+                    if total > 0 {
+                        let finish = self.cpu.book(time_ns, total);
+                        self.accounts[account].cpu_wait_ns += finish - time_ns - total;
+                        self.accounts[cpu_account].user_ns += user_ns;
+                        self.accounts[cpu_account].sys_ns += sys_ns;
+                        time_ns = finish;
+                    }
+                }
+                Deferred::Delay { ns, for_io } => {
+                    if for_io {
+                        self.accounts[account].io_wait_ns += ns;
+                    }
+                    time_ns += ns;
+                }
+                Deferred::Io { op, offset, length } => {
+                    self.submit(account, op, offset, length, time_ns);
+                    self.chains[account] = Some(chain);
+                    return;
+                }
+                Deferred::Data { offset, length } => {
+                    let ready = self.ready_at(offset, length);
+                    if ready == NOT_READY {
+                        chain.data = Some((offset, length, time_ns));
+                        self.chains[account] = Some(chain);
+                        return;
+                    }
+                    if ready > time_ns {
+                        self.accounts[account].io_wait_ns += ready - time_ns;
+                        time_ns = ready;
+                    }
+                }
+                Deferred::Flush => {
+                    self.device.flushes += 1;
+                    if let Some(drained) = self.disk.drain_write_cache(time_ns) {
+                        if drained > time_ns {
+                            self.accounts[account].io_wait_ns += drained - time_ns;
+                            time_ns = drained;
+                        }
+                    }
+                }
+            }
+        }
+        if self.resumed_ns.len() <= account {
+            self.resumed_ns.resize(account + 1, 0);
+        }
+        self.resumed_ns[account] = time_ns;
+        if account == self.current {
+            // The entity last entered goes on from here (a driver may keep charging it).
+            self.deferred = false;
+            self.cursor_ns = time_ns;
+        }
+        self.resolved.push((account, time_ns));
+    }
+
     fn cpu_work(&mut self, user_ns: u64, sys_ns: u64) {
         let total = user_ns + sys_ns;
         if total == 0 {
@@ -719,8 +1216,7 @@ impl SimDevice {
             state.counts.latency_spikes += 1;
             let extra = state.config.latency_spike_ns;
             drop(faults);
-            let now = self.core.cursor();
-            self.core.wait_until(now + extra, true);
+            self.core.delay(extra, true);
             faults = self.fault_state();
         }
         if !fail {
@@ -787,18 +1283,7 @@ impl Device for SimDevice {
                 }
             }
         }
-        // A flush costs one command, and on a drive with a write cache it waits until the
-        // cached writes are on the medium.
-        let mut state = self.core.lock();
-        let io_ns = state.host.io_ns;
-        state.cpu_work(0, io_ns);
-        state.device.flushes += 1;
-        let now = state.cursor_ns;
-        let drained = state.disk.drain_write_cache(now);
-        drop(state);
-        if let Some(drained) = drained {
-            self.core.wait_until(drained, true);
-        }
+        self.core.flush_disk();
         Ok(())
     }
 
@@ -882,8 +1367,7 @@ impl Waiter for SimWaiter {
         }
         self.waits.fetch_add(1, Ordering::Relaxed);
         self.waited_ns.fetch_add(timeout_ns, Ordering::Relaxed);
-        let now = self.core.cursor();
-        self.core.wait_until(now + timeout_ns, false);
+        self.core.delay(timeout_ns, false);
     }
 
     fn notify_all(&self) {
@@ -952,43 +1436,55 @@ mod tests {
     use super::*;
     use crate::disk::DiskSpec;
 
-    fn core_with_queue(merge: bool) -> (Arc<SimCore>, Vec<usize>) {
+    fn core_with_queue(mode: QueueMode, merge: bool) -> (Arc<SimCore>, Vec<usize>) {
         let clock = Arc::new(VirtualClock::new());
         let core = Arc::new(SimCore::new(
             DiskSpec::rz25().build(),
             HostCosts::modern(),
             clock,
         ));
-        core.set_io_queue(Some(SimIoQueue {
-            merge,
-            transfer_size_max_bytes: 1 << 20,
-        }));
-        let accounts = (0..3).map(|i| core.add_account(&format!("p{i}"))).collect();
+        core.set_io_queue(Some(SimIoQueue::new(mode, merge, 1 << 20)));
+        core.record_dispatches();
+        let accounts = (0..4).map(|i| core.add_account(&format!("p{i}"))).collect();
         (core, accounts)
+    }
+
+    /// Runs the disk until nothing waits.
+    fn run_disk(core: &SimCore) {
+        while let Some(time) = core.next_dispatch_ns() {
+            core.dispatch(time);
+        }
     }
 
     #[test]
     fn a_request_merges_into_an_adjacent_one_still_waiting_for_the_disk() {
-        // Goal: the simulated io queue merges exactly when a request waits, as the real
-        // queue does. Method: one request keeps the disk busy; a second waits behind it; a
-        // third, adjacent to the second, arrives while the second still waits and merges
-        // (with merging off it is issued on its own).
+        // Goal: the simulated io queue merges exactly when requests wait together, as the
+        // real queue does. Method: one request keeps the disk busy; two adjacent ones arrive
+        // while it is served and wait; when the disk frees they go as one command (with
+        // merging off, as two).
         for merge in [false, true] {
-            let (core, accounts) = core_with_queue(merge);
+            let (core, accounts) = core_with_queue(QueueMode::Fifo, merge);
             core.enter(accounts[0], 0);
             core.io(Op::Write, 100 << 20, 64 << 10);
+            assert_eq!(
+                core.end_step(),
+                None,
+                "the writer blocks on its queued request"
+            );
+            core.dispatch(core.next_dispatch_ns().unwrap());
             core.enter(accounts[1], 1_000);
             core.io(Op::Write, 0, 8192);
-            let second_done = core.cursor();
             core.enter(accounts[2], 2_000);
             core.io(Op::Write, 8192, 8192);
+            run_disk(&core);
+            let resolved = core.take_resolved();
+            assert_eq!(resolved.len(), 3, "every entity goes on: {resolved:?}");
             let totals = core.device_totals();
             assert_eq!(totals.queue_entered, 3);
             if merge {
                 assert_eq!((totals.queue_merged, totals.writes), (1, 2));
-                // The merged request ends one transfer after the request it joined.
-                assert!(core.cursor() > second_done);
-                assert!(core.cursor() - second_done < 5_000_000);
+                // Both waiting writers complete together.
+                assert_eq!(resolved[1].1, resolved[2].1);
             } else {
                 assert_eq!((totals.queue_merged, totals.writes), (0, 3));
             }
@@ -998,13 +1494,65 @@ mod tests {
     #[test]
     fn a_request_does_not_merge_into_one_already_at_the_disk() {
         // Goal: no merge with a request the disk has started. Method: an idle disk starts the
-        // first request at once; an adjacent one arriving later is issued on its own.
-        let (core, accounts) = core_with_queue(true);
+        // first request when it arrives; an adjacent one arriving later is issued on its own.
+        let (core, accounts) = core_with_queue(QueueMode::Fifo, true);
         core.enter(accounts[0], 0);
         core.io(Op::Read, 0, 8192);
+        core.dispatch(core.next_dispatch_ns().unwrap());
         core.enter(accounts[1], 1_000);
         core.io(Op::Read, 8192, 8192);
+        run_disk(&core);
         let totals = core.device_totals();
         assert_eq!((totals.queue_merged, totals.reads), (0, 2));
+    }
+
+    #[test]
+    fn the_elevator_serves_waiting_requests_in_one_sweep_and_fifo_in_arrival_order() {
+        // Goal: the queue discipline, not the arrival order, decides what the disk serves
+        // next, and service is timed only then. Method: a request at the disk's start keeps
+        // it busy while three requests arrive in the order high, low, middle; fifo serves them
+        // in that order, the elevator sweeps on from the head in ascending order, with less
+        // positioning time.
+        let mut busy = Vec::new();
+        for mode in [QueueMode::Fifo, QueueMode::Elevator] {
+            let (core, accounts) = core_with_queue(mode, true);
+            core.enter(accounts[0], 0);
+            core.io(Op::Read, 0, 4096);
+            core.dispatch(core.next_dispatch_ns().unwrap());
+            for (index, offset) in [(1, 200u64 << 20), (2, 10 << 20), (3, 100 << 20)] {
+                core.enter(accounts[index], 1_000 * index as u64);
+                core.io(Op::Read, offset, 4096);
+            }
+            run_disk(&core);
+            let served: Vec<u64> = core.dispatches().iter().map(|d| d.offset >> 20).collect();
+            match mode {
+                QueueMode::Fifo => assert_eq!(served, [0, 200, 10, 100]),
+                _ => assert_eq!(served, [0, 10, 100, 200]),
+            }
+            busy.push(core.device_totals().busy_ns);
+        }
+        assert!(busy[1] < busy[0], "the sweep positions less: {busy:?}");
+    }
+
+    #[test]
+    fn a_blocked_entity_replays_the_rest_of_its_step_after_its_request() {
+        // Goal: the work a step does after a queued request happens after that request
+        // completes, in order. Method: a request, then CPU work and a second request in the
+        // same step; the entity resolves after both, and the second request arrives only
+        // after the first one completed plus the CPU work.
+        let (core, accounts) = core_with_queue(QueueMode::Elevator, true);
+        core.enter(accounts[0], 0);
+        core.io(Op::Read, 50 << 20, 4096);
+        core.cpu(5_000_000, 0);
+        core.io(Op::Read, 60 << 20, 4096);
+        assert_eq!(core.end_step(), None);
+        run_disk(&core);
+        let log = core.dispatches();
+        assert_eq!(log.len(), 2);
+        assert!(log[1].time_ns >= log[0].done_ns + 5_000_000);
+        let resolved = core.take_resolved();
+        assert_eq!(resolved, [(accounts[0], log[1].done_ns)]);
+        assert_eq!(core.account(accounts[0]).user_ns, 5_000_000);
+        assert!(!core.blocked(accounts[0]));
     }
 }

@@ -5,7 +5,9 @@
 //! A model serves one request at a time as the simulator hands them over: `serve` gets the
 //! arrival time and returns the completion time, and keeps its own state (arm position,
 //! busy-until, the drive's prefetch segment). Requests are served in the order they are
-//! handed over (one arm, FIFO), so a request that arrives while the disk is busy waits.
+//! handed over (one arm, FIFO), so a request that arrives while the disk is busy waits; the
+//! simulated io queue (in `core`) decides that order and hands a request over only when it
+//! dispatches it, so its positioning is computed from where the head is then.
 //!
 //! The mechanical model follows Ruemmler & Wilkes, "An introduction to disk drive modeling",
 //! IEEE Computer 27(3), 1994: seek time `a + b·√d` for short seeks and linear for long ones,
@@ -38,19 +40,12 @@ pub trait DiskModel: Send {
     fn serve(&mut self, op: Op, offset: u64, length: u64, arrival_ns: u64) -> u64;
     /// Capacity in bytes.
     fn capacity_bytes(&self) -> u64;
-    /// When a request arriving at `arrival_ns` would start: the io queue merges a later
-    /// request into one that has not started yet.
-    fn start_ns(&self, arrival_ns: u64) -> u64;
     /// Writes the drive's write cache to the medium from `at_ns` (a flush) and returns when
     /// it is done; `None` for a drive without one (every write is on the medium when it
     /// completes).
     fn drain_write_cache(&mut self, _at_ns: u64) -> Option<u64> {
         None
     }
-    /// Grows the request served last by `length` contiguous bytes (the io queue merged a
-    /// request into it): the extra transfer, no extra command, positioning or rotation.
-    /// Returns the merged request's new completion time.
-    fn extend_last(&mut self, op: Op, length: u64) -> u64;
 }
 
 const SECTOR: u64 = 512;
@@ -381,10 +376,6 @@ impl DiskModel for HddModel {
         self.params.capacity_bytes()
     }
 
-    fn start_ns(&self, arrival_ns: u64) -> u64 {
-        arrival_ns.max(self.busy_until_ns)
-    }
-
     fn drain_write_cache(&mut self, at_ns: u64) -> Option<u64> {
         if !self.params.write_cache {
             return None;
@@ -394,19 +385,6 @@ impl DiskModel for HddModel {
             self.busy_until_ns = self.drain_cache(start as f64).ceil() as u64;
         }
         Some(self.busy_until_ns.max(start))
-    }
-
-    fn extend_last(&mut self, op: Op, length: u64) -> u64 {
-        let sectors = length.div_ceil(SECTOR);
-        let media = sectors as f64 * self.sector_ns;
-        // The merged sectors stream off the medium right after the first request's; the bus
-        // carries them no slower than that on every preset.
-        let extra = media.max(self.bus_ns(length)).ceil() as u64;
-        if op == Op::Write {
-            self.segment = None;
-        }
-        self.busy_until_ns += extra;
-        self.busy_until_ns
     }
 }
 
@@ -431,7 +409,6 @@ pub struct QueueModel {
     params: QueueParams,
     channel_free_ns: Vec<u64>,
     pipe_free_ns: u64,
-    last_channel: usize,
 }
 
 impl QueueModel {
@@ -440,7 +417,6 @@ impl QueueModel {
         QueueModel {
             channel_free_ns: vec![0; params.channels.max(1) as usize],
             pipe_free_ns: 0,
-            last_channel: 0,
             params,
         }
     }
@@ -465,25 +441,11 @@ impl DiskModel for QueueModel {
         let done = data_start + transfer_ns;
         self.pipe_free_ns = done;
         self.channel_free_ns[channel] = done;
-        self.last_channel = channel;
         done
     }
 
     fn capacity_bytes(&self) -> u64 {
         self.params.capacity_bytes
-    }
-
-    fn start_ns(&self, arrival_ns: u64) -> u64 {
-        let free = self.channel_free_ns.iter().copied().min().unwrap_or(0);
-        arrival_ns.max(free)
-    }
-
-    fn extend_last(&mut self, _op: Op, length: u64) -> u64 {
-        let transfer_ns = (length as f64 / (self.params.bandwidth_mb_s * 1e6) * 1e9).ceil() as u64;
-        self.pipe_free_ns += transfer_ns;
-        let channel = &mut self.channel_free_ns[self.last_channel];
-        *channel = (*channel + transfer_ns).max(self.pipe_free_ns);
-        *channel
     }
 }
 
@@ -686,6 +648,15 @@ impl DiskSpec {
             DiskKind::Ssd(params) | DiskKind::Network(params) => {
                 Box::new(QueueModel::new(params.clone()))
             }
+        }
+    }
+
+    /// Commands the drive accepts at once: 1 for a mechanical disk (the model does no
+    /// command queueing), the channels (requests in flight) of an SSD or network disk.
+    pub fn commands_max(&self) -> usize {
+        match &self.kind {
+            DiskKind::Hdd(_) => 1,
+            DiskKind::Ssd(params) | DiskKind::Network(params) => params.channels.max(1) as usize,
         }
     }
 

@@ -34,15 +34,16 @@ pub mod workload;
 pub use check::{check_seed, check_seeds, CheckSummary, SeedOutcome, Violation};
 pub use clock::{SimRng, VirtualClock};
 pub use core::{
-    Account, CrashOutcome, DeviceTotals, FaultConfig, FaultCounts, SharedRng, SimCore, SimDevice,
-    SimIoQueue, SimSpawner, SimWaiter, SECTOR_BYTES,
+    Account, CrashOutcome, DeviceTotals, Dispatch, FaultConfig, FaultCounts, SharedRng, SimCore,
+    SimDevice, SimIoQueue, SimSpawner, SimWaiter, SECTOR_BYTES,
 };
 pub use disk::{
     DiskKind, DiskModel, DiskSpec, HddModel, HddParams, Op, QueueModel, QueueParams, SpecError,
     DISK_PRESETS,
 };
 pub use experiments::{
-    run_custom, run_custom_queued, run_experiment, CustomRun, ExperimentOptions, EXPERIMENTS,
+    host_for, run_custom, run_custom_queued, run_experiment, CustomRun, ExperimentOptions,
+    EXPERIMENTS,
 };
 pub use host::{HostCosts, HOST_PRESETS};
 pub use layout::{FileMap, FsLayout, LayoutParams};
@@ -51,7 +52,8 @@ pub use replay::{
 };
 pub use report::{Cell, ExperimentResult, Plot, Series, Table};
 pub use sched::{
-    sim_cache_config, FileId, Os, Process, RunReport, SimConfig, SimError, Simulation, Step,
+    sim_cache_config, FileId, MemoryModel, MemoryReport, Os, Process, RunReport, SimConfig,
+    SimError, Simulation, Step, SERVE_BACKGROUND_WORKERS,
 };
 pub use workload::WorkloadSpec;
 

@@ -1,13 +1,16 @@
-//! The discrete-event scheduler: workload processes, the I/O daemon and the syncer,
+//! The discrete-event scheduler: workload processes, the I/O daemons, the syncer and the
+//! io queue's dispatches,
 //! interleaved deterministically on virtual time.
 //!
 //! The engine is synchronous, so the simulator runs exactly one entity at a time and each
 //! step runs to completion: a process step makes one system call through the engine (its
-//! device requests block that process in virtual time), the I/O daemon runs one background
+//! device requests block that process in virtual time), an I/O daemon runs one background
 //! job the engine spawned (read-ahead, write-behind), the syncer calls
-//! `Cache::writeback_tick` once a period. The entity with the earliest timeline runs next
-//! (ties: processes by index, then the daemon, then the syncer), so the same seed gives the
-//! same run, byte for byte. Data a step read from the disk becomes visible to the others at
+//! `Cache::writeback_tick` once a period, and with an io queue a dispatch hands the next
+//! batch to the disk (see `core`: an entity whose request waits in the queue is blocked until
+//! it is served). The entity with the earliest timeline runs next (ties: processes by index,
+//! then the daemons, the syncer, the dispatch), so the same seed gives the same run, byte for
+//! byte. Data a step read from the disk becomes visible to the others at
 //! once, but a reader that finds a block whose read is still in flight in virtual time (read
 //! by the daemon ahead of it) waits for that read's completion.
 
@@ -84,7 +87,69 @@ pub struct SimConfig {
     pub syncer_period: Duration,
     /// The io queue between the engine and the disk; `None` (the default): no queue.
     pub io_queue: Option<SimIoQueue>,
+    /// I/O daemons running the engine's background jobs (read-ahead, write-behind), each
+    /// one job at a time. Default 1; `serve` runs [`SERVE_BACKGROUND_WORKERS`].
+    pub io_daemons: usize,
+    /// The host's memory shared by the processes and the buffer area, watched (and with
+    /// `dynamic`, the area resized) by a pager once a period; `None`: not modelled.
+    pub memory: Option<MemoryModel>,
 }
+
+/// Memory shared by the running processes and the buffer area (seed 003's dynamic buffers):
+/// every `period` a pager computes the processes' demand — `reserved_bytes` plus
+/// `process_bytes` per primary process started and not finished — and the pressure, the
+/// demand plus the buffer area's pages beyond `ram_bytes`. With `dynamic` it then resizes the
+/// engine's memory limit (`Cache::set_limits`) to what the processes leave, at least
+/// `area_min_bytes`: shrinking as jobs start (the engine evicts and writes back), growing
+/// as they end. Paging itself is not timed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MemoryModel {
+    /// The host's RAM.
+    pub ram_bytes: u64,
+    /// Memory the kernel and other programs hold.
+    pub reserved_bytes: u64,
+    /// Memory each running primary process needs.
+    pub process_bytes: u64,
+    /// Smallest buffer area the pager leaves.
+    pub area_min_bytes: u64,
+    /// Resize the buffer area (dynamic) or only watch it (fixed).
+    pub dynamic: bool,
+    /// How often the pager looks.
+    pub period: Duration,
+}
+
+/// What the pager saw over a run.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct MemoryReport {
+    /// Largest pressure seen (demand plus buffer pages beyond RAM), bytes.
+    pub pressure_max_bytes: u64,
+    /// Pressure integrated over time, byte-seconds (mean pressure × run time).
+    pub pressure_byte_seconds: f64,
+    /// Smallest and largest memory limit the buffer area had.
+    pub area_min_bytes: u64,
+    /// Largest memory limit the buffer area had.
+    pub area_max_bytes: u64,
+    /// Times the pager changed the limit.
+    pub resizes: u64,
+}
+
+/// The pager's state.
+struct Pager {
+    model: MemoryModel,
+    account: usize,
+    next_ns: u64,
+    blocked: Option<u64>,
+    area_bytes: u64,
+    buffers_max: u64,
+    last_ns: u64,
+    last_pressure_bytes: u64,
+    report: MemoryReport,
+}
+
+/// Background worker threads `serve` gives the engine (`bufcache_host::BACKGROUND_WORKERS`):
+/// with an io queue the simulator runs as many I/O daemons, so their requests can wait in
+/// the queue together as they do in `serve`.
+pub const SERVE_BACKGROUND_WORKERS: usize = 4;
 
 impl SimConfig {
     /// A configuration for `disk` and `host` with the engine's defaults adjusted for
@@ -98,6 +163,8 @@ impl SimConfig {
             seed: 1,
             syncer_period: Duration::from_secs(1),
             io_queue: None,
+            io_daemons: 1,
+            memory: None,
         }
     }
 }
@@ -227,7 +294,9 @@ pub struct Os<'a> {
 }
 
 impl Os<'_> {
-    /// The process's virtual time, ns.
+    /// The process's virtual time, ns. With an io queue it is exact at the start of a step
+    /// only: after a request that waits in the queue the rest of the step is replayed later
+    /// (see `core`), so a process that times its own I/O reads the clock in its next step.
     pub fn now(&self) -> u64 {
         self.world.core.cursor()
     }
@@ -300,18 +369,14 @@ impl Os<'_> {
         entry
             .handle
             .read_at(offset, &mut world.scratch[..length as usize])?;
-        // Blocks read ahead by the daemon may still be in flight: wait for them.
+        // Blocks read ahead by the daemon may still be in flight (or wait in the io queue):
+        // wait for them.
         let block = entry.block_size;
         let first = offset / block;
         let end = (offset + length).div_ceil(block);
-        let ready = entry
-            .map
-            .device_ranges(first, end)
-            .into_iter()
-            .map(|(at, bytes)| world.core.ready_at(at, bytes))
-            .max()
-            .unwrap_or(0);
-        world.core.wait_until(ready, true);
+        for (at, bytes) in entry.map.device_ranges(first, end) {
+            world.core.wait_for_data(at, bytes);
+        }
         world.core.cpu(0, world.host.copy_ns(length));
         world.charge_engine();
         Ok(())
@@ -358,6 +423,14 @@ impl Os<'_> {
     }
 }
 
+/// One I/O daemon: runs the engine's background jobs one at a time.
+struct Daemon {
+    account: usize,
+    time_ns: u64,
+    /// Blocked on the io queue.
+    blocked: bool,
+}
+
 struct Entity {
     name: String,
     process: Box<dyn Process>,
@@ -368,6 +441,8 @@ struct Entity {
     primary: bool,
     rng: SimRng,
     metrics: Vec<(String, f64)>,
+    /// Blocked on the io queue, with what its last step asked for once it goes on.
+    blocked: Option<Step>,
 }
 
 /// A simulation: a disk, a host, a cache running the real engine, files and processes.
@@ -375,11 +450,14 @@ pub struct Simulation {
     world: World,
     spawner: Arc<SimSpawner>,
     entities: Vec<Entity>,
-    daemon_account: usize,
-    daemon_time_ns: u64,
+    /// The I/O daemons (the engine's background workers): account, time, blocked.
+    daemons: Vec<Daemon>,
     syncer_account: usize,
     syncer_next_ns: u64,
+    /// Blocked on the io queue since the tick that started at this time.
+    syncer_blocked: Option<u64>,
     syncer_period_ns: u64,
+    pager: Option<Pager>,
     seed: u64,
     disk: DiskSpec,
 }
@@ -414,8 +492,33 @@ impl Simulation {
         let block_pages = (config.layout.block_size as u64)
             .div_ceil(config.cache.page_size_bytes)
             .max(1);
-        let daemon_account = core.add_account("iod");
+        let daemons = (0..config.io_daemons.max(1))
+            .map(|index| Daemon {
+                account: core.add_account(&if index == 0 {
+                    "iod".to_string()
+                } else {
+                    format!("iod{index}")
+                }),
+                time_ns: 0,
+                blocked: false,
+            })
+            .collect();
         let syncer_account = core.add_account("syncer");
+        let pager = config.memory.clone().map(|model| Pager {
+            account: core.add_account("pager"),
+            next_ns: 0,
+            blocked: None,
+            area_bytes: config.cache.memory_bytes_max,
+            buffers_max: config.cache.buffers_max,
+            last_ns: 0,
+            last_pressure_bytes: 0,
+            report: MemoryReport {
+                area_min_bytes: config.cache.memory_bytes_max,
+                area_max_bytes: config.cache.memory_bytes_max,
+                ..MemoryReport::default()
+            },
+            model,
+        });
         Ok(Simulation {
             world: World {
                 core,
@@ -433,11 +536,12 @@ impl Simulation {
             },
             spawner,
             entities: Vec::new(),
-            daemon_account,
-            daemon_time_ns: 0,
+            daemons,
             syncer_account,
+            syncer_blocked: None,
             syncer_next_ns: config.syncer_period.as_nanos() as u64,
             syncer_period_ns: (config.syncer_period.as_nanos() as u64).max(1_000_000),
+            pager,
             seed: config.seed,
             disk: config.disk.clone(),
         })
@@ -452,6 +556,11 @@ impl Simulation {
     /// The file's layout.
     pub fn file_map(&self, file: FileId) -> Arc<FileMap> {
         self.world.files[file].map.clone()
+    }
+
+    /// The simulation core (timelines, accounts, the disk and its io queue).
+    pub fn core(&self) -> &Arc<SimCore> {
+        &self.world.core
     }
 
     /// The engine.
@@ -488,8 +597,14 @@ impl Simulation {
             start_ns,
             end_ns: None,
             primary,
-            rng: SimRng::new(self.seed ^ (index + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+            // Each entity's stream starts at a mixed point: seeding with `seed ^ k·γ` alone
+            // gave entity k the stream of entity k+1 shifted by one draw (SplitMix64 adds γ
+            // per draw), so parallel clients chose the same blocks.
+            rng: SimRng::new(
+                SimRng::new(self.seed ^ (index + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64(),
+            ),
             metrics: Vec::new(),
+            blocked: None,
         });
         self.entities.len() - 1
     }
@@ -498,8 +613,10 @@ impl Simulation {
     pub fn run(&mut self) -> Result<(), SimError> {
         enum Pick {
             Process(usize),
-            Daemon,
+            Daemon(usize),
             Syncer,
+            Pager,
+            Disk,
         }
         loop {
             if !self
@@ -516,20 +633,41 @@ impl Simulation {
                 }
             };
             for (index, entity) in self.entities.iter().enumerate() {
-                if entity.end_ns.is_none() {
+                if entity.end_ns.is_none() && entity.blocked.is_none() {
                     consider(entity.time_ns, 0, index);
                 }
             }
             if let Some(spawned) = self.spawner.next_time() {
-                consider(self.daemon_time_ns.max(spawned), 1, 0);
+                for (index, daemon) in self.daemons.iter().enumerate() {
+                    if !daemon.blocked {
+                        consider(daemon.time_ns.max(spawned), 1, index);
+                    }
+                }
             }
-            consider(self.syncer_next_ns, 2, 0);
-            let (time, rank, index) = best.expect("the syncer is always a candidate");
+            if self.syncer_blocked.is_none() {
+                consider(self.syncer_next_ns, 2, 0);
+            }
+            if let Some(pager) = self.pager.as_ref().filter(|p| p.blocked.is_none()) {
+                consider(pager.next_ns, 2, 1);
+            }
+            // The io queue dispatches after every entity due at the same time has issued
+            // its requests, so requests arriving together wait together.
+            if let Some(dispatch) = self.world.core.next_dispatch_ns() {
+                consider(dispatch, 3, 0);
+            }
+            let Some((time, rank, index)) = best else {
+                return Err(SimError::Invalid(
+                    "the simulation stalled: every entity is blocked and no request waits"
+                        .to_string(),
+                ));
+            };
             self.world.core.prune(time);
             let pick = match rank {
                 0 => Pick::Process(index),
-                1 => Pick::Daemon,
-                _ => Pick::Syncer,
+                1 => Pick::Daemon(index),
+                2 if index == 0 => Pick::Syncer,
+                2 => Pick::Pager,
+                _ => Pick::Disk,
             };
             match pick {
                 Pick::Process(index) => {
@@ -546,31 +684,131 @@ impl Simulation {
                         // Settle the sampled charges, so the process's totals are exact.
                         self.world.sample_engine();
                     }
-                    entity.time_ns = self.world.core.cursor();
-                    match step {
-                        Step::Continue => {}
-                        Step::Sleep(ns) => entity.time_ns += ns,
-                        Step::Done => entity.end_ns = Some(entity.time_ns),
+                    match self.world.core.end_step() {
+                        Some(end) => Self::finish_step(entity, step, end),
+                        None => entity.blocked = Some(step),
                     }
                 }
-                Pick::Daemon => {
+                Pick::Daemon(index) => {
+                    let daemon = &mut self.daemons[index];
                     if let Some((_, origin, job)) = self.spawner.pop() {
                         self.world
                             .core
-                            .enter_on_behalf(self.daemon_account, origin, time);
+                            .enter_on_behalf(daemon.account, origin, time);
                         job();
                     }
                     self.world.charge_engine();
-                    self.daemon_time_ns = self.world.core.cursor();
+                    match self.world.core.end_step() {
+                        Some(end) => daemon.time_ns = end,
+                        None => daemon.blocked = true,
+                    }
                 }
                 Pick::Syncer => {
                     self.world.core.enter(self.syncer_account, time);
                     self.world.cache.writeback_tick();
                     self.world.charge_engine();
-                    let finished = self.world.core.cursor();
-                    self.syncer_next_ns = (time + self.syncer_period_ns).max(finished);
+                    match self.world.core.end_step() {
+                        Some(finished) => {
+                            self.syncer_next_ns = (time + self.syncer_period_ns).max(finished)
+                        }
+                        None => self.syncer_blocked = Some(time),
+                    }
+                }
+                Pick::Pager => self.page(time),
+                Pick::Disk => {
+                    self.world.core.dispatch(time);
+                    self.apply_resolved();
                 }
             }
+        }
+    }
+
+    /// One look of the pager at `time`: the demand of the processes running now, the
+    /// pressure, and with a dynamic area the engine's new memory limit.
+    fn page(&mut self, time: u64) {
+        let running = self
+            .entities
+            .iter()
+            .filter(|e| e.primary && e.start_ns <= time && e.end_ns.is_none_or(|end| end > time))
+            .count() as u64;
+        let memory_used = self.world.cache.stats().memory_used_bytes;
+        let pager = self
+            .pager
+            .as_mut()
+            .expect("the pager runs only when modelled");
+        let model = &pager.model;
+        let demand = model.reserved_bytes + running * model.process_bytes;
+        let pressure = (demand + memory_used).saturating_sub(model.ram_bytes);
+        pager.report.pressure_byte_seconds +=
+            pager.last_pressure_bytes as f64 * seconds(time - pager.last_ns);
+        pager.last_ns = time;
+        pager.last_pressure_bytes = pressure;
+        pager.report.pressure_max_bytes = pager.report.pressure_max_bytes.max(pressure);
+        let period = (model.period.as_nanos() as u64).max(1);
+        let area = model
+            .ram_bytes
+            .saturating_sub(demand)
+            .max(model.area_min_bytes);
+        if !model.dynamic || area == pager.area_bytes {
+            pager.next_ns = time + period;
+            return;
+        }
+        pager.area_bytes = area;
+        pager.report.resizes += 1;
+        pager.report.area_min_bytes = pager.report.area_min_bytes.min(area);
+        pager.report.area_max_bytes = pager.report.area_max_bytes.max(area);
+        let (account, buffers_max) = (pager.account, pager.buffers_max);
+        self.world.core.enter(account, time);
+        // Shrinking evicts clean buffers and writes dirty ones back; a limit the cache cannot
+        // reach at once (everything pinned) stays set, and later allocations free the rest.
+        let _ = self.world.cache.set_limits(area, buffers_max);
+        self.world.charge_engine();
+        let pager = self.pager.as_mut().expect("checked above");
+        match self.world.core.end_step() {
+            Some(end) => pager.next_ns = (time + period).max(end),
+            None => pager.blocked = Some(time),
+        }
+    }
+
+    /// Moves a process on after a step that ended at `end`.
+    fn finish_step(entity: &mut Entity, step: Step, end: u64) {
+        entity.time_ns = end;
+        match step {
+            Step::Continue => {}
+            Step::Sleep(ns) => entity.time_ns += ns,
+            Step::Done => entity.end_ns = Some(entity.time_ns),
+        }
+    }
+
+    /// Lets the entities whose continuations finished go on.
+    fn apply_resolved(&mut self) {
+        for (account, end) in self.world.core.take_resolved() {
+            if let Some(daemon) = self.daemons.iter_mut().find(|d| d.account == account) {
+                daemon.blocked = false;
+                daemon.time_ns = end;
+            } else if let Some(pager) = self.pager.as_mut().filter(|pager| pager.account == account)
+            {
+                if let Some(started) = pager.blocked.take() {
+                    let period = pager.model.period.as_nanos() as u64;
+                    pager.next_ns = (started + period.max(1)).max(end);
+                }
+            } else if account == self.syncer_account {
+                if let Some(started) = self.syncer_blocked.take() {
+                    self.syncer_next_ns = (started + self.syncer_period_ns).max(end);
+                }
+            } else if let Some(entity) = self.entities.iter_mut().find(|e| e.account == account) {
+                if let Some(step) = entity.blocked.take() {
+                    Self::finish_step(entity, step, end);
+                }
+            }
+        }
+    }
+
+    /// Dispatches until the io queue is empty and nothing is blocked on it.
+    fn settle_disk(&mut self) {
+        while let Some(time) = self.world.core.next_dispatch_ns() {
+            self.world.core.dispatch(time);
+            self.apply_resolved();
         }
     }
 
@@ -578,19 +816,33 @@ impl Simulation {
     /// totals include them.
     pub fn drain(&mut self) {
         let mut ran = false;
-        while let Some((spawned, origin, job)) = self.spawner.pop() {
-            let time = self.daemon_time_ns.max(spawned);
+        loop {
+            self.settle_disk();
+            let Some((spawned, origin, job)) = self.spawner.pop() else {
+                break;
+            };
+            let daemon = &mut self.daemons[0];
+            let time = daemon.time_ns.max(spawned);
             self.world
                 .core
-                .enter_on_behalf(self.daemon_account, origin, time);
+                .enter_on_behalf(daemon.account, origin, time);
             job();
             self.world.charge_engine();
-            self.daemon_time_ns = self.world.core.cursor();
+            match self.world.core.end_step() {
+                Some(end) => daemon.time_ns = end,
+                None => daemon.blocked = true,
+            }
             ran = true;
         }
         if ran {
             self.world.sample_engine();
-            self.daemon_time_ns = self.world.core.cursor();
+            match self.world.core.end_step() {
+                Some(end) => self.daemons[0].time_ns = end,
+                None => {
+                    self.daemons[0].blocked = true;
+                    self.settle_disk();
+                }
+            }
         }
     }
 
@@ -633,12 +885,20 @@ impl Simulation {
             host: self.world.host.to_string(),
             elapsed_s: seconds(elapsed),
             processes,
-            daemons: vec![
-                accounts[self.daemon_account].clone(),
-                accounts[self.syncer_account].clone(),
-            ],
+            daemons: self
+                .daemons
+                .iter()
+                .map(|daemon| accounts[daemon.account].clone())
+                .chain([accounts[self.syncer_account].clone()])
+                .collect(),
             device: self.world.core.device_totals(),
             cache: CacheSummary::from_stats(&self.world.cache.stats()),
+            memory: self.pager.as_ref().map(|pager| {
+                let mut report = pager.report.clone();
+                report.pressure_byte_seconds += pager.last_pressure_bytes as f64
+                    * seconds(elapsed.saturating_sub(pager.last_ns));
+                report
+            }),
         }
     }
 }
@@ -753,12 +1013,14 @@ pub struct RunReport {
     pub elapsed_s: f64,
     /// Every process.
     pub processes: Vec<ProcessReport>,
-    /// The I/O daemon's and the syncer's accounts.
+    /// The I/O daemons' and the syncer's accounts.
     pub daemons: Vec<Account>,
     /// Device totals.
     pub device: DeviceTotals,
     /// Engine counters.
     pub cache: CacheSummary,
+    /// What the pager saw (with a memory model).
+    pub memory: Option<MemoryReport>,
 }
 
 /// Names of the engine's replacement policies, for tables.

@@ -29,6 +29,7 @@ pub struct Dd {
     count: u64,
     done: u64,
     fsync: bool,
+    synced: bool,
     start_ns: Option<u64>,
 }
 
@@ -42,6 +43,7 @@ impl Dd {
             count,
             done: 0,
             fsync,
+            synced: false,
             start_ns: None,
         }
     }
@@ -51,8 +53,12 @@ impl Process for Dd {
     fn step(&mut self, os: &mut Os<'_>) -> Result<Step, SimError> {
         let start = *self.start_ns.get_or_insert(os.now());
         if self.done == self.count {
-            if self.write && self.fsync {
+            if self.write && self.fsync && !self.synced {
+                // Timed from the next step: with an io queue the fsync's requests may wait,
+                // and the clock reads true only at the start of a step.
                 os.fsync(self.file)?;
+                self.synced = true;
+                return Ok(Step::Continue);
             }
             let elapsed = (os.now() - start) as f64 / 1e9;
             os.record("elapsed_s", elapsed);
@@ -83,6 +89,8 @@ pub struct Sweep {
     pass: u32,
     offset: u64,
     pass_start_ns: u64,
+    /// A pass ended with the last step's read: it is timed at the start of this step.
+    pass_ended: bool,
 }
 
 impl Sweep {
@@ -97,22 +105,17 @@ impl Sweep {
             pass: 0,
             offset: 0,
             pass_start_ns: 0,
+            pass_ended: false,
         }
     }
 }
 
 impl Process for Sweep {
     fn step(&mut self, os: &mut Os<'_>) -> Result<Step, SimError> {
-        let Some(&size) = self.sizes.get(self.size_index) else {
-            return Ok(Step::Done);
-        };
-        if self.offset == 0 {
-            self.pass_start_ns = os.now();
-        }
-        let length = self.bs.min(size - self.offset);
-        os.read(self.file, self.offset, length)?;
-        self.offset += length;
-        if self.offset >= size {
+        // A pass is timed at the start of the step after its last read: with an io queue that
+        // read may wait, and the clock reads true only at the start of a step.
+        if std::mem::take(&mut self.pass_ended) {
+            let size = self.sizes[self.size_index];
             if self.pass > 0 {
                 let seconds = (os.now() - self.pass_start_ns) as f64 / 1e9;
                 os.record(format!("pass:{size}:{}", self.pass), seconds);
@@ -124,6 +127,16 @@ impl Process for Sweep {
                 self.size_index += 1;
             }
         }
+        let Some(&size) = self.sizes.get(self.size_index) else {
+            return Ok(Step::Done);
+        };
+        if self.offset == 0 {
+            self.pass_start_ns = os.now();
+        }
+        let length = self.bs.min(size - self.offset);
+        os.read(self.file, self.offset, length)?;
+        self.offset += length;
+        self.pass_ended = self.offset >= size;
         Ok(Step::Continue)
     }
 }
@@ -246,11 +259,14 @@ impl Process for TreeCopy {
             return Ok(Step::Continue);
         }
         if !self.synced {
+            // Timed from the next step: with an io queue the sync's requests may wait, and the
+            // clock reads true only at the start of a step.
             os.sync()?;
             self.synced = true;
-            os.record("elapsed_s", (os.now() - start) as f64 / 1e9);
-            os.record("files", self.sources.len() as f64);
+            return Ok(Step::Continue);
         }
+        os.record("elapsed_s", (os.now() - start) as f64 / 1e9);
+        os.record("files", self.sources.len() as f64);
         Ok(Step::Done)
     }
 }

@@ -23,7 +23,16 @@ fn a_fixed_buffer_area_adds_memory_pressure_that_a_dynamic_one_gives_back() {
         "{text}"
     );
     // The dynamic area shrinks as the jobs take memory.
-    assert!(value(1, "buffer_MiB") > value(7, "buffer_MiB"), "{text}");
+    assert!(
+        value(1, "buffer_MiB_min") > value(7, "buffer_MiB_min"),
+        "{text}"
+    );
+    // It grows back as the jobs end: its largest size is above its smallest.
+    assert!(
+        value(7, "buffer_MiB_max") > value(7, "buffer_MiB_min"),
+        "{text}"
+    );
+    assert!(value(7, "resizes") > 0.0, "{text}");
 }
 
 #[test]
