@@ -347,8 +347,8 @@ impl ObjectState {
     }
 
     /// Queues the completed cluster `[start, end)` for write-behind. True when the caller
-    /// must start one more write-behind job: at least `batch_blocks` are queued and fewer
-    /// than `WRITE_BEHIND_JOBS_MAX` jobs run. Waiting for a batch means one hand-off to a
+    /// must start one more write-behind job: more batches of `batch_blocks` are queued than
+    /// jobs run, and fewer than `WRITE_BEHIND_JOBS_MAX` run. Waiting for a batch means one hand-off to a
     /// worker per batch instead of per cluster (a wake-up and a sleep cost a 1 MiB write
     /// about as much CPU as its table work); a backlog of another batch while jobs run starts
     /// another job, so a slow device still gets several writes in flight. What never makes a
@@ -361,7 +361,13 @@ impl ObjectState {
         }
         queue.ranges.push_back((start, end));
         queue.queued_blocks += end - start;
-        if queue.queued_blocks >= batch_blocks && queue.jobs_running < WRITE_BEHIND_JOBS_MAX {
+        // Each running job already drains the queue; another starts only when a batch is
+        // queued beyond one per running job (the device is not keeping up), so a fast local
+        // device is written by one job at a time instead of several contending for its
+        // inode lock.
+        let batches_waiting = queue.queued_blocks / batch_blocks.max(1);
+        if batches_waiting > queue.jobs_running as u64 && queue.jobs_running < WRITE_BEHIND_JOBS_MAX
+        {
             queue.jobs_running += 1;
             return true;
         }
