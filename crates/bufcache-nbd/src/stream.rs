@@ -220,7 +220,7 @@ pub fn send_vectored_until(
                 .iter()
                 .map(|part| io::IoSlice::new(part)),
         );
-        let mut sent = stream.send_vectored_now(&slices)?;
+        let sent = stream.send_vectored_now(&slices)?;
         if sent == 0 {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() || !stream.wait_writable(left)? {
@@ -229,23 +229,35 @@ pub fn send_vectored_until(
             continue;
         }
         sent_total += sent;
-        while sent > 0 {
-            let left_in_part = parts[part_index].len() - offset_in_part;
-            if sent >= left_in_part {
-                sent -= left_in_part;
-                part_index += 1;
-                offset_in_part = 0;
-            } else {
-                offset_in_part += sent;
-                sent = 0;
-            }
-        }
-        while part_index < parts.len() && parts[part_index].len() == offset_in_part {
-            part_index += 1;
-            offset_in_part = 0;
-        }
+        (part_index, offset_in_part) = advance(
+            parts.iter().map(|part| part.len()),
+            part_index,
+            offset_in_part,
+            sent,
+        );
     }
     Ok(sent_total)
+}
+
+/// Where sending stands after `sent` more bytes went, from part `part_index` at
+/// `offset_in_part`, over parts of `lengths`: the next part not wholly sent and the offset in
+/// it (empty parts skipped, so a trailing empty part never asks for a zero-byte write).
+fn advance(
+    lengths: impl Iterator<Item = usize>,
+    part_index: usize,
+    offset_in_part: usize,
+    sent: usize,
+) -> (usize, usize) {
+    let mut left = offset_in_part + sent;
+    let mut index = part_index;
+    for length in lengths.skip(part_index) {
+        if left < length {
+            return (index, left);
+        }
+        left -= length;
+        index += 1;
+    }
+    (index, 0)
 }
 
 /// Writes every byte of every slice, in order, with as few system calls as the socket allows:
@@ -261,28 +273,18 @@ pub fn write_all_vectored(stream: &mut impl Write, parts: &[&[u8]]) -> io::Resul
                 .iter()
                 .map(|part| io::IoSlice::new(part)),
         );
-        let mut written = match stream.write_vectored(&slices) {
+        let written = match stream.write_vectored(&slices) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(count) => count,
             Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
             Err(error) => return Err(error),
         };
-        while part_index < parts.len() && written > 0 {
-            let left_in_part = parts[part_index].len() - offset_in_part;
-            if written >= left_in_part {
-                written -= left_in_part;
-                part_index += 1;
-                offset_in_part = 0;
-            } else {
-                offset_in_part += written;
-                written = 0;
-            }
-        }
-        // Skip empty parts so a trailing empty slice never asks for a zero-byte write.
-        while part_index < parts.len() && parts[part_index].len() == offset_in_part {
-            part_index += 1;
-            offset_in_part = 0;
-        }
+        (part_index, offset_in_part) = advance(
+            parts.iter().map(|part| part.len()),
+            part_index,
+            offset_in_part,
+            written,
+        );
     }
     Ok(())
 }

@@ -11,7 +11,6 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 
 use parking_lot::Mutex;
 
@@ -27,22 +26,7 @@ pub(crate) fn mark(
     buffer: &Buffer,
     now_ns: u64,
 ) -> bool {
-    if !buffer.set_flag_of_dirty_set(DIRTY) {
-        strict_assert!(
-            index.lock().contains_key(&buffer.key.block),
-            "dirty buffer {:?} missing from its object's dirty index",
-            buffer.key
-        );
-        return false;
-    }
-    let previous = index.lock().insert(buffer.key.block, now_ns);
-    strict_assert!(
-        previous.is_none(),
-        "clean buffer {:?} was in the dirty index",
-        buffer.key
-    );
-    total_bytes.fetch_add(buffer.length_bytes as u64, Ordering::AcqRel);
-    true
+    mark_all(total_bytes, index, &[buffer], now_ns) == 1
 }
 
 /// Marks every buffer of `buffers` dirty (those that were not already) in all three places,
@@ -80,30 +64,15 @@ pub(crate) fn mark_all(
 
 /// Marks `buffer` clean (if it was dirty) in all three places. True when it changed.
 pub(crate) fn clear(total_bytes: &AtomicU64, index: &DirtyIndex, buffer: &Buffer) -> bool {
-    if !buffer.clear_flag_of_dirty_set(DIRTY) {
-        return false;
-    }
-    let removed = index.lock().remove(&buffer.key.block);
-    strict_assert!(
-        removed.is_some(),
-        "dirty buffer {:?} was missing from the dirty index",
-        buffer.key
-    );
-    let length = buffer.length_bytes as u64;
-    let before = total_bytes.fetch_sub(length, Ordering::AcqRel);
-    strict_assert!(
-        before >= length,
-        "dirty byte count {before} below the {length} bytes of a dirty buffer"
-    );
-    true
+    clear_all(total_bytes, index, [buffer]) == 1
 }
 
 /// Marks every buffer of `buffers` clean (those that were dirty) in all three places, taking
 /// the index lock once. Returns how many changed.
-pub(crate) fn clear_all(
+pub(crate) fn clear_all<'b>(
     total_bytes: &AtomicU64,
     index: &DirtyIndex,
-    buffers: &[Arc<Buffer>],
+    buffers: impl IntoIterator<Item = &'b Buffer>,
 ) -> u64 {
     let mut index = index.lock();
     let mut removed_bytes = 0u64;

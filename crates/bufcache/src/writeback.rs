@@ -214,7 +214,11 @@ impl Writeback {
         // A deliberate bug, compiled only for `sim check`'s planted-defect test: the buffers
         // are marked clean before their write, so a failed write silently loses them.
         #[cfg(feature = "planted-defect")]
-        dirty::clear_all(&self.dirty_bytes, &object.dirty, buffers);
+        dirty::clear_all(
+            &self.dirty_bytes,
+            &object.dirty,
+            buffers.iter().map(|buffer| buffer.as_ref()),
+        );
         let result = object.device.write_vectored_at(&slices, device_offset);
         self.counters
             .device_writes
@@ -230,7 +234,11 @@ impl Writeback {
             object.latch_error(&error);
             return Err(error);
         }
-        let cleaned = dirty::clear_all(&self.dirty_bytes, &object.dirty, buffers);
+        let cleaned = dirty::clear_all(
+            &self.dirty_bytes,
+            &object.dirty,
+            buffers.iter().map(|buffer| buffer.as_ref()),
+        );
         self.counters.writeback(cause, cleaned);
         // Clean buffers can be evicted: wake allocations waiting for space.
         self.table.notify_space();
