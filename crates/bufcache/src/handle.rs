@@ -335,11 +335,13 @@ impl ObjectHandle {
         let planned = self.plan(offset, length_bytes);
         let sent = match self.hold_resident(&planned) {
             Some(held) => {
+                // Read-ahead first, so the device fetches the next window while the bytes go
+                // out (it never touches the held blocks: they are cached).
+                self.finish_read(&planned, false);
                 let slices = held.slices(&self.object, offset, length_bytes);
                 let sent = send(&slices);
                 drop(slices);
                 drop(held);
-                self.finish_read(&planned, false);
                 sent
             }
             None => {
