@@ -61,7 +61,7 @@ pub struct EngineArgs {
     /// Dirty share of memory above which writers are throttled. Default 50.
     #[arg(long, value_name = "PERCENT")]
     pub dirty_limit_percent: Option<u8>,
-    /// Do not write completed clusters back at once (write-behind).
+    /// Do not write completed clusters back early (write-behind, in 4 MiB batches).
     #[arg(long)]
     pub no_write_behind: bool,
     /// Io queue below the cache: none, fifo or elevator (sort and merge). Default elevator.

@@ -145,7 +145,9 @@ pub struct CacheConfig {
     /// Dirty share of `memory_bytes_max` above which writers write back themselves before
     /// continuing (throttling). Default 50 %. Above `dirty_background_percent`, at most 90.
     pub dirty_limit_percent: u8,
-    /// Write a full cluster back as soon as a writer completes it (write-behind). Default true.
+    /// Write completed clusters back before they age (write-behind): a background job starts
+    /// once 4 MiB of an object's completed clusters (or 1/16 of the memory limit) is queued;
+    /// whatever never makes a batch goes at the next `writeback_tick`. Default true.
     pub write_behind: bool,
     /// How long an allocation waits for space when everything is pinned or dirty and cannot be
     /// written before it fails with `CacheError::NoSpace`. Default 30 s; 0 fails at once.
