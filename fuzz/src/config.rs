@@ -66,6 +66,7 @@ pub fn config_cache(data: &[u8]) {
         dirty_background_percent: input.u8(),
         dirty_limit_percent: input.u8(),
         write_behind: input.bool(),
+        huge_pages: input.bool(),
         space_wait_max: Duration::from_millis(u64::from(input.u8())),
         shards: input.size(defaults.shards as u64) as usize,
         background_jobs_queued_max: input.size(defaults.background_jobs_queued_max as u64) as usize,

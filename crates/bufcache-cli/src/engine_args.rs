@@ -64,6 +64,10 @@ pub struct EngineArgs {
     /// Do not write completed clusters back early (write-behind, in 4 MiB batches).
     #[arg(long)]
     pub no_write_behind: bool,
+    /// Ask for transparent huge pages for buffer memory: a faster first fill, at the risk of
+    /// compaction stalls. Default off.
+    #[arg(long)]
+    pub huge_pages: bool,
     /// Io queue below the cache: none, fifo or elevator (sort and merge). Default elevator.
     #[arg(long, value_name = "MODE")]
     pub io_queue: Option<QueueMode>,
@@ -131,6 +135,7 @@ impl EngineArgs {
             config.dirty_limit_percent = value;
         }
         config.write_behind = !self.no_write_behind;
+        config.huge_pages = self.huge_pages;
         config
             .validate()
             .map_err(|error| anyhow::anyhow!(flag_error(&error)))?;

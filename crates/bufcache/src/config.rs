@@ -149,6 +149,11 @@ pub struct CacheConfig {
     /// once 4 MiB of an object's completed clusters (or 1/16 of the memory limit) is queued;
     /// whatever never makes a batch goes at the next `writeback_tick`. Default true.
     pub write_behind: bool,
+    /// Ask the kernel for transparent huge pages for buffer memory. A cache then fills for the
+    /// first time with one page fault per 2 MiB instead of per 4 KiB (measured: cold
+    /// sequential 4K reads over a slow upstream twice as fast), at the price of possible
+    /// compaction stalls and of huge pages taken from never-touched memory. Default false.
+    pub huge_pages: bool,
     /// How long an allocation waits for space when everything is pinned or dirty and cannot be
     /// written before it fails with `CacheError::NoSpace`. Default 30 s; 0 fails at once.
     pub space_wait_max: Duration,
@@ -178,6 +183,7 @@ impl Default for CacheConfig {
             dirty_background_percent: 25,
             dirty_limit_percent: 50,
             write_behind: true,
+            huge_pages: false,
             space_wait_max: Duration::from_secs(30),
             shards: 64,
             background_jobs_queued_max: 64,

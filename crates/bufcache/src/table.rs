@@ -330,7 +330,7 @@ impl Table {
                 waiters: AtomicUsize::new(0),
                 waiter,
             }),
-            pool: BufferPool::new(config.page_size_bytes as usize),
+            pool: BufferPool::with_huge_pages(config.page_size_bytes as usize, config.huge_pages),
             page_size_bytes: config.page_size_bytes,
             evict_cursor: AtomicUsize::new(0),
             counters,
