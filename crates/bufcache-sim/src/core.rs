@@ -606,22 +606,9 @@ impl SimCore {
         let arrival = state.cursor_ns;
         let done = state.disk.serve(op, offset, length, arrival);
         let current = state.current;
-        let busy_from = arrival.max(state.device.last_done_ns);
-        state.device.busy_ns += done.saturating_sub(busy_from);
-        state.device.last_done_ns = state.device.last_done_ns.max(done);
+        state.record_served(op, offset, length, arrival, done);
         state.count_request(current, op, length);
         state.accounts[current].io_wait_ns += done.saturating_sub(arrival);
-        match op {
-            Op::Read => {
-                state.device.reads += 1;
-                state.device.read_bytes += length;
-                state.mark_ready(offset, length, done);
-            }
-            Op::Write => {
-                state.device.writes += 1;
-                state.device.write_bytes += length;
-            }
-        }
         state.cursor_ns = done;
         drop(state);
         self.clock.advance_to(done);
@@ -655,6 +642,25 @@ impl SimCore {
 }
 
 impl CoreState {
+    /// Books one disk command issued at `issued_ns` and done at `done_ns`: busy time, the
+    /// device's totals, and (for a read) when its bytes are ready.
+    fn record_served(&mut self, op: Op, offset: u64, length: u64, issued_ns: u64, done_ns: u64) {
+        let busy_from = issued_ns.max(self.device.last_done_ns);
+        self.device.busy_ns += done_ns.saturating_sub(busy_from);
+        self.device.last_done_ns = self.device.last_done_ns.max(done_ns);
+        match op {
+            Op::Read => {
+                self.device.reads += 1;
+                self.device.read_bytes += length;
+                self.mark_ready(offset, length, done_ns);
+            }
+            Op::Write => {
+                self.device.writes += 1;
+                self.device.write_bytes += length;
+            }
+        }
+    }
+
     fn ready_at(&self, offset: u64, length: u64) -> u64 {
         let first = (offset / READY_UNIT) as usize;
         let end = ((offset + length).div_ceil(READY_UNIT) as usize).min(self.ready.len());
@@ -803,22 +809,9 @@ impl CoreState {
                 done_ns: done,
             });
         }
-        let busy_from = time_ns.max(self.device.last_done_ns);
-        self.device.busy_ns += done.saturating_sub(busy_from);
-        self.device.last_done_ns = self.device.last_done_ns.max(done);
+        self.record_served(op, offset, length, time_ns, done);
         self.device.queue_merged += batch.len() as u64 - 1;
         self.device.queue_choices += u64::from(choice);
-        match op {
-            Op::Read => {
-                self.device.reads += 1;
-                self.device.read_bytes += length;
-                self.mark_ready(offset, length, done);
-            }
-            Op::Write => {
-                self.device.writes += 1;
-                self.device.write_bytes += length;
-            }
-        }
         for member in &batch {
             let request = member.payload;
             self.accounts[request.account].io_wait_ns += done - request.arrival_ns.min(done);
