@@ -117,7 +117,7 @@ fn refuse(errno: Errno, message: impl Into<String>) -> Refusal {
 struct Connection {
     export: Arc<dyn Export>,
     /// The reading role: whoever holds it reads the next request from the socket.
-    reader: Mutex<Reader>,
+    reading: ReadingRole,
     writer: Mutex<Stream>,
     structured_replies: bool,
     base_allocation: bool,
@@ -144,12 +144,59 @@ struct Reader {
     ended: Option<Result<(), TransmissionError>>,
 }
 
+/// The reading role, handed from thread to thread. Waiting for it parks at once: the role is
+/// held for as long as requests keep arriving quick, so spinning for it (as a mutex does,
+/// with `sched_yield` in a loop) only burns the CPU the holder needs; in a FLUSH-heavy run
+/// those yields were most of the server's extra context switches.
+struct ReadingRole {
+    /// The reader when no thread holds the role.
+    idle: Mutex<Option<Reader>>,
+    given_back: Condvar,
+    /// Threads waiting for the role; when none is, a thread about to serve a slow request
+    /// starts another (up to the limit) so reading continues meanwhile.
+    waiting: AtomicUsize,
+}
+
+impl ReadingRole {
+    fn new(reader: Reader) -> Self {
+        ReadingRole {
+            idle: Mutex::new(Some(reader)),
+            given_back: Condvar::new(),
+            waiting: AtomicUsize::new(0),
+        }
+    }
+
+    /// Waits until no other thread holds the role, then holds it.
+    fn take(&self) -> Reader {
+        let mut idle = self.idle.lock();
+        self.waiting.fetch_add(1, Ordering::AcqRel);
+        let reader = loop {
+            if let Some(reader) = idle.take() {
+                break reader;
+            }
+            self.given_back.wait(&mut idle);
+        };
+        self.waiting.fetch_sub(1, Ordering::AcqRel);
+        reader
+    }
+
+    /// Passes the role on to one waiting thread, if any.
+    fn give_back(&self, reader: Reader) {
+        let mut idle = self.idle.lock();
+        bufcache::strict_assert!(idle.is_none(), "two threads held the reading role");
+        *idle = Some(reader);
+        drop(idle);
+        self.given_back.notify_one();
+    }
+
+    fn someone_waits(&self) -> bool {
+        self.waiting.load(Ordering::Acquire) > 0
+    }
+}
+
 /// The threads of one connection beyond its own, started on demand.
 struct Crew {
     handles: Mutex<Vec<JoinHandle<()>>>,
-    /// Threads waiting for the reading role; when none is, a thread about to serve a slow
-    /// request starts another (up to the limit) so reading continues meanwhile.
-    waiting_to_read: AtomicUsize,
 }
 
 /// What the holder of the reading role does next.
@@ -177,7 +224,7 @@ pub(crate) fn serve(
     let connection = Arc::new(Connection {
         export: negotiated.export,
         writer: Mutex::new(stream.try_clone()?),
-        reader: Mutex::new(Reader {
+        reading: ReadingRole::new(Reader {
             stream,
             ended: None,
         }),
@@ -190,7 +237,6 @@ pub(crate) fn serve(
         broken: AtomicBool::new(false),
         crew: Crew {
             handles: Mutex::new(Vec::new()),
-            waiting_to_read: AtomicUsize::new(0),
         },
         requests_served: AtomicU64::new(0),
         requests_served_inline: AtomicU64::new(0),
@@ -207,7 +253,9 @@ pub(crate) fn serve(
         served_without_hand_off = connection.requests_served_inline.load(Ordering::Relaxed),
         "connection finished"
     );
-    let ended = connection.reader.lock().ended.take();
+    let mut reader = connection.reading.take();
+    let ended = reader.ended.take();
+    connection.reading.give_back(reader);
     ended.unwrap_or(Ok(()))
 }
 
@@ -215,19 +263,12 @@ pub(crate) fn serve(
 /// the role on, serve that request, and again, until reading has ended.
 fn take_turns(connection: &Arc<Connection>) {
     loop {
-        connection
-            .crew
-            .waiting_to_read
-            .fetch_add(1, Ordering::AcqRel);
-        let mut reader = connection.reader.lock();
-        connection
-            .crew
-            .waiting_to_read
-            .fetch_sub(1, Ordering::AcqRel);
-        match read_until_slow(&mut reader, connection) {
+        let mut reader = connection.reading.take();
+        let turn = read_until_slow(&mut reader, connection);
+        connection.reading.give_back(reader);
+        match turn {
             Turn::Ended => return,
             Turn::Slow(request) => {
-                drop(reader);
                 start_reader_if_none_waits(connection);
                 connection.execute(request);
             }
@@ -238,7 +279,7 @@ fn take_turns(connection: &Arc<Connection>) {
 /// Starts one more thread for the connection when no thread waits for the reading role and
 /// the limit allows, so the next request is read while this thread serves a slow one.
 fn start_reader_if_none_waits(connection: &Arc<Connection>) {
-    if connection.crew.waiting_to_read.load(Ordering::Acquire) > 0 {
+    if connection.reading.someone_waits() {
         return;
     }
     let mut handles = connection.crew.handles.lock();
