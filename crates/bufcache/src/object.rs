@@ -216,7 +216,7 @@ impl ObjectState {
             read_only: config.read_only,
             device: config.device,
             map,
-            dirty: Mutex::new(BTreeMap::new()),
+            dirty: DirtyIndex::default(),
             writeback_cursor: AtomicU64::new(0),
             write_behind: Mutex::new(WriteBehindQueue::default()),
             latch: Mutex::new(ErrorLatch::default()),
