@@ -95,7 +95,7 @@ pub struct BufferPool {
     alignment: usize,
     /// Ask the kernel for transparent huge pages for new chunks (`MADV_HUGEPAGE`).
     huge_pages: bool,
-    classes: parking_lot::Mutex<Vec<SizeClass>>,
+    classes: crate::sync::SleepingMutex<Vec<SizeClass>>,
 }
 
 /// Bytes taken from the system at a time for one slot size.
@@ -214,7 +214,7 @@ impl BufferPool {
         std::sync::Arc::new(BufferPool {
             alignment,
             huge_pages,
-            classes: parking_lot::Mutex::new(Vec::new()),
+            classes: crate::sync::SleepingMutex::new(Vec::new()),
         })
     }
 

@@ -7,7 +7,7 @@
 //! (a misaligned O_DIRECT write would need a read-modify-write that races with other writers,
 //! so it is refused with a clear error instead).
 //!
-//! `flush` is `fdatasync`. Holes are reported with SEEK_DATA/SEEK_HOLE; discard punches holes.
+//! `flush` is `fdatasync`, shared by flushes asked for while another runs ([`FlushGroup`]). Holes are reported with SEEK_DATA/SEEK_HOLE; discard punches holes.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, IoSlice, IoSliceMut, Seek, SeekFrom};
@@ -19,6 +19,7 @@ use crate::aligned::AlignedBytes;
 use crate::device::{
     check_range, total_length, write_zeroes_by_writing, Capabilities, Device, Extent,
 };
+use crate::flush_group::FlushGroup;
 
 /// Alignment of memory, offsets and lengths for O_DIRECT requests. 4 KiB covers both 512-byte
 /// and 4 KiB logical sector devices.
@@ -83,6 +84,8 @@ pub struct FileDevice {
     direct: bool,
     block_device: bool,
     read_only: bool,
+    /// Concurrent flushes share one `fdatasync` when they can.
+    flushes: FlushGroup,
 }
 
 impl FileDevice {
@@ -141,6 +144,7 @@ impl FileDevice {
             direct: options.direct,
             block_device,
             read_only: options.read_only,
+            flushes: FlushGroup::new(),
         })
     }
 
@@ -393,9 +397,11 @@ impl Device for FileDevice {
         if self.read_only {
             return Ok(());
         }
-        self.file
-            .sync_data()
-            .map_err(|error| self.annotate("flush", 0, 0, error))
+        self.flushes.flush(|| {
+            self.file
+                .sync_data()
+                .map_err(|error| self.annotate("flush", 0, 0, error))
+        })
     }
 
     fn discard(&self, offset: u64, length: u64) -> io::Result<()> {

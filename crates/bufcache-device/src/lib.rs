@@ -16,10 +16,12 @@ pub mod crash;
 pub mod device;
 pub mod fault;
 pub mod file;
+pub mod flush_group;
 pub mod io_queue;
 pub mod memory;
 pub mod rng;
 pub mod sparse;
+pub mod sync;
 
 pub use counting::{CountingDevice, DeviceStats, DirectionStats};
 pub use crash::{CrashDevice, CrashMode, CrashStats};
@@ -28,6 +30,7 @@ pub use device::{
 };
 pub use fault::{FaultDevice, FaultKind, FaultStats};
 pub use file::{FileDevice, FileDeviceError, FileDeviceOptions};
+pub use flush_group::{FlushGroup, FlushGroupStats};
 pub use io_queue::{
     Direction, IoQueue, IoQueueConfig, IoQueueConfigError, IoQueueStats, QueueMode, QueueOrder,
     Queued,
@@ -35,3 +38,4 @@ pub use io_queue::{
 pub use memory::MemoryDevice;
 pub use rng::SeededRng;
 pub use sparse::SparseStore;
+pub use sync::SleepingMutex;

@@ -21,6 +21,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use bufcache::device::SleepingMutex;
 use bufcache::device::{check_range, Capabilities, Device, Extent};
 use parking_lot::{Condvar, Mutex};
 
@@ -192,7 +193,8 @@ struct PendingTable {
 /// State shared between callers and the reader thread.
 struct Shared {
     uri: String,
-    writer: Mutex<Stream>,
+    /// Never yields while it waits: every thread with a request in flight sends through it.
+    writer: SleepingMutex<Stream>,
     /// A handle on the socket used only to shut it down, so that never waits for a writer.
     control: Stream,
     pending: Mutex<PendingTable>,
@@ -288,7 +290,7 @@ impl NbdClient {
         let control = stream.try_clone()?;
         let shared = Arc::new(Shared {
             uri,
-            writer: Mutex::new(stream),
+            writer: SleepingMutex::new(stream),
             control,
             pending: Mutex::new(PendingTable::default()),
             next_handle: AtomicU64::new(1),

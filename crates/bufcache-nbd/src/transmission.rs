@@ -35,6 +35,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use bufcache::device::SleepingMutex;
 use parking_lot::{Condvar, Mutex};
 
 use crate::buffers::BufferRecycler;
@@ -84,7 +85,7 @@ pub(crate) enum TransmissionError {
 #[derive(Default)]
 struct ReplyInProgress<'a> {
     started: bool,
-    rest: Option<(parking_lot::MutexGuard<'a, Stream>, Vec<u8>)>,
+    rest: Option<(std::sync::MutexGuard<'a, Stream>, Vec<u8>)>,
 }
 
 /// A validated request, ready for a worker.
@@ -118,7 +119,8 @@ struct Connection {
     export: Arc<dyn Export>,
     /// The reading role: whoever holds it reads the next request from the socket.
     reading: ReadingRole,
-    writer: Mutex<Stream>,
+    /// Never yields while it waits: a connection's threads meet here on every reply.
+    writer: SleepingMutex<Stream>,
     structured_replies: bool,
     base_allocation: bool,
     transmission_flags: u16,
@@ -223,7 +225,7 @@ pub(crate) fn serve(
 ) -> Result<(), TransmissionError> {
     let connection = Arc::new(Connection {
         export: negotiated.export,
-        writer: Mutex::new(stream.try_clone()?),
+        writer: SleepingMutex::new(stream.try_clone()?),
         reading: ReadingRole::new(Reader {
             stream,
             ended: None,

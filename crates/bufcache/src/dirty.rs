@@ -12,26 +12,14 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use bufcache_device::SleepingMutex;
+
 use crate::buffer::{Buffer, DIRTY};
 
-/// An object's dirty blocks, each with the time (ns, injected clock) it became dirty.
-///
-/// Behind a mutex that never yields the CPU while it waits: a writer marking a run and
-/// write-behind clearing the previous one meet here all the time, and parking_lot's spin
-/// (`sched_yield` in a loop) made that the main source of a sequential writer's extra
-/// context switches. std's mutex spins briefly without a system call, then sleeps.
-#[derive(Default)]
-pub(crate) struct DirtyIndex(std::sync::Mutex<BTreeMap<u64, u64>>);
-
-impl DirtyIndex {
-    pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, u64>> {
-        // A panic while holding the index (only a failed strict assertion can cause one)
-        // leaves it as consistent as the assertion found it; later users still need it.
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
+/// An object's dirty blocks, each with the time (ns, injected clock) it became dirty. A writer
+/// marking one run and write-behind clearing the last meet on it all the time, so it never
+/// yields the CPU while it waits (see [`SleepingMutex`]).
+pub(crate) type DirtyIndex = SleepingMutex<BTreeMap<u64, u64>>;
 
 /// Marks `buffer` dirty (if it was not already) in all three places. True when it changed.
 pub(crate) fn mark(

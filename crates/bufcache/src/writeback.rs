@@ -314,8 +314,21 @@ impl Writeback {
     }
 
     /// Writes back everything dirty in the object, then flushes its device.
+    ///
+    /// Two passes. The first writes whatever nobody else holds and skips the rest; the second
+    /// waits for what is left. Concurrent FLUSHes (a client with several in flight) used to
+    /// walk the same blocks in step, the later one waiting out the earlier one's write of
+    /// each block in turn: a sleep and a wake-up per block, 15% of a FLUSH-heavy run's
+    /// context switches. Now the later one writes the blocks the earlier has not reached,
+    /// and by its second pass most blocks it skipped are clean and out of the index. When
+    /// the first pass fails the FLUSH fails, so the second (which would retry the failed
+    /// blocks at once) is not needed for its answer.
     pub(crate) fn fsync_object(&self, object: &ObjectState) -> Result<(), CacheError> {
-        let written = self.write_range(object, 0, u64::MAX, LockMode::Wait, WritebackCause::Flush);
+        let mut written =
+            self.write_range(object, 0, u64::MAX, LockMode::Try, WritebackCause::Flush);
+        if written.is_ok() {
+            written = self.write_range(object, 0, u64::MAX, LockMode::Wait, WritebackCause::Flush);
+        }
         let flushed = self.flush_device(object);
         written?;
         flushed
