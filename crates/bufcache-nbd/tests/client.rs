@@ -86,6 +86,73 @@ fn nbdkit_stats_show_what_reached_the_backend() {
 }
 
 #[test]
+fn concurrent_device_flushes_share_upstream_flushes() {
+    // Goal: flushes asked for while one is in flight share the next FLUSH upstream (group
+    // commit) and every caller still gets an answer. Method: 16 threads each write, then
+    // flush through the Device interface, 4 times, against nbdkit's file plugin (FLUSH is
+    // fdatasync, which takes a while) with the stats filter; fewer FLUSHes than the 64
+    // asked for reach the plugin, and every write is there.
+    let Some(directory) = tempfile::tempdir().ok() else {
+        return;
+    };
+    let stats_path = directory.path().join("stats.txt");
+    let stats_argument = format!("statsfile={}", stats_path.display());
+    let disk_path = directory.path().join("disk.raw");
+    std::fs::File::create(&disk_path)
+        .and_then(|file| file.set_len(8 << 20))
+        .expect("backing file");
+    let disk_argument = format!("file={}", disk_path.display());
+    let Some(mut nbdkit) = Nbdkit::start(&[
+        "--filter=stats",
+        "file",
+        disk_argument.as_str(),
+        stats_argument.as_str(),
+    ]) else {
+        return;
+    };
+    let client = Arc::new(NbdClient::connect(&nbdkit.uri()).unwrap());
+    // Each round's flushes are asked for together, so they overlap even on a loaded machine.
+    let together = Arc::new(std::sync::Barrier::new(16));
+    let threads: Vec<_> = (0..16u64)
+        .map(|index| {
+            let (client, together) = (Arc::clone(&client), Arc::clone(&together));
+            std::thread::spawn(move || {
+                for round in 0..4u64 {
+                    let offset = (index * 4 + round) << 16;
+                    let data = pattern_bytes(65536, index * 4 + round + 1);
+                    client
+                        .write_vectored_at(&[IoSlice::new(&data)], offset)
+                        .unwrap();
+                    together.wait();
+                    Device::flush(&*client).unwrap();
+                }
+            })
+        })
+        .collect();
+    for thread in threads {
+        thread.join().unwrap();
+    }
+    for chunk in 0..64u64 {
+        let mut back = vec![0u8; 65536];
+        client.read(chunk << 16, &mut back).unwrap();
+        assert!(back == pattern_bytes(65536, chunk + 1), "chunk {chunk}");
+    }
+    drop(client);
+    nbdkit.stop();
+    let stats = std::fs::read_to_string(&stats_path).expect("stats file");
+    let flushes: u64 = stats
+        .lines()
+        .find_map(|line| line.trim().strip_prefix("flush: "))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|count| count.parse().ok())
+        .unwrap_or_else(|| panic!("no flush count in {stats}"));
+    assert!(
+        (1..64).contains(&flushes),
+        "64 concurrent flushes reached nbdkit as {flushes}: {stats}"
+    );
+}
+
+#[test]
 fn pipelined_io_against_our_server_over_tcp_and_unix() {
     let (server, export) = memory_server(16 << 20);
     for uri in [server.tcp_uri("mem"), server.unix_uri("mem")] {
