@@ -1099,10 +1099,55 @@ impl ObjectHandle {
         }
     }
 
+    /// Over a slow device, starts helper jobs that write back shares of the dirty blocks
+    /// while this thread does its own pass, so several device writes are in flight instead
+    /// of one. They only ever take blocks nobody holds; the flush itself still walks every
+    /// dirty block and waits for each write in flight (a helper's too) before it flushes the
+    /// device, so its answer does not depend on them.
+    fn start_flush_helpers(&self) {
+        /// A helper is worth starting for at least this many dirty blocks.
+        const BLOCKS_PER_HELPER_MIN: usize = 4;
+        let wanted = self.inner().writeback().flush_helpers_wanted();
+        if wanted == 0 {
+            return;
+        }
+        let starts: Vec<u64> = {
+            let dirty = self.object.dirty.lock();
+            let helpers = wanted.min(dirty.len() / BLOCKS_PER_HELPER_MIN);
+            if helpers == 0 {
+                return;
+            }
+            // One share per helper plus this thread's, of about equal block counts; share 0
+            // (from the start) is this thread's, and its pass goes on into the others'.
+            let step = dirty.len().div_ceil(helpers + 1);
+            dirty.keys().step_by(step).copied().collect()
+        };
+        for (index, &start) in starts.iter().enumerate().skip(1) {
+            let end = starts.get(index + 1).copied().unwrap_or(u64::MAX);
+            let inner = Arc::clone(self.inner());
+            let object = Arc::clone(&self.object);
+            let job = Box::new(move || {
+                // Errors are latched on the object and reported by the flush.
+                let _ = inner.writeback().write_range(
+                    &object,
+                    start,
+                    end,
+                    LockMode::Try,
+                    WritebackCause::Flush,
+                );
+            });
+            if self.inner().spawner().spawn(job).is_err() {
+                // No worker free: the flush's own pass writes this share.
+                break;
+            }
+        }
+    }
+
     /// Writes every dirty block of this object back and flushes the device. Every write that
     /// completed before this call is durable when it returns `Ok`. Reports this handle's
     /// unseen write-back errors once.
     pub fn flush(&self) -> Result<(), CacheError> {
+        self.start_flush_helpers();
         let result = self.inner().writeback().fsync_object(&self.object);
         let unseen = self.object.unseen_error(&self.seen_error_sequence);
         result?;
