@@ -244,21 +244,34 @@ pub(crate) fn serve(
         requests_served_inline: AtomicU64::new(0),
     });
     take_turns(&connection);
-    // Every started thread finishes the requests it took before it leaves; the list only
-    // grows while reading continues, and reading has ended.
-    let handles = std::mem::take(&mut *connection.crew.handles.lock());
-    for handle in handles {
-        let _ = handle.join();
-    }
+    join_crew(&connection);
     tracing::debug!(
         requests = connection.requests_served.load(Ordering::Relaxed),
         served_without_hand_off = connection.requests_served_inline.load(Ordering::Relaxed),
         "connection finished"
     );
     let mut reader = connection.reading.take();
-    let ended = reader.ended.take();
+    // The outcome is taken out but the end stays recorded, so no thread can ever read
+    // again: a request after a protocol violation must never be served.
+    let ended = reader.ended.replace(Ok(()));
     connection.reading.give_back(reader);
     ended.unwrap_or(Ok(()))
+}
+
+/// Joins every thread the connection started, including ones started while the first were
+/// joined: a thread that took a slow request just before reading ended starts a successor
+/// before serving it. Each finishes the requests it took; a successor finds reading ended and
+/// leaves. The list is empty for good once every thread that could add to it has left.
+fn join_crew(connection: &Connection) {
+    loop {
+        let handles = std::mem::take(&mut *connection.crew.handles.lock());
+        if handles.is_empty() {
+            return;
+        }
+        for handle in handles {
+            let _ = handle.join();
+        }
+    }
 }
 
 /// One thread's part: wait for the reading role, read and serve until a slow request, pass

@@ -1107,7 +1107,7 @@ impl ObjectHandle {
     fn start_flush_helpers(&self) {
         /// A helper is worth starting for at least this many dirty blocks.
         const BLOCKS_PER_HELPER_MIN: usize = 4;
-        let wanted = self.inner().writeback().flush_helpers_wanted();
+        let wanted = self.inner().writeback().flush_helpers_wanted(&self.object);
         if wanted == 0 {
             return;
         }

@@ -151,6 +151,9 @@ pub(crate) struct ObjectState {
     /// The device's preferred write unit in bytes (`Capabilities::write_unit_bytes`) when it
     /// is a whole number of blocks larger than one, else 0: write-back runs end on it.
     write_unit_bytes: u64,
+    /// Moving average of how long one write to the device takes (ns, injected clock): it
+    /// tells a flush whether writing with several threads pays (see `Writeback`).
+    write_latency_ns: AtomicU64,
 }
 
 impl ObjectState {
@@ -232,6 +235,7 @@ impl ObjectState {
             },
             cluster_blocks,
             write_unit_bytes,
+            write_latency_ns: AtomicU64::new(0),
             name: config.name,
         })
     }
@@ -291,6 +295,19 @@ impl ObjectState {
         let device_offset = self.map.map(block).device_offset;
         let into_unit = device_offset % self.write_unit_bytes / self.block_size_bytes as u64;
         block.saturating_sub(into_unit)
+    }
+
+    /// Folds one device write's duration into the moving average (weight 1/8). Racing
+    /// updates may lose a sample; the average only steers how many threads write.
+    pub fn record_write_latency(&self, latency_ns: u64) {
+        let average = self.write_latency_ns.load(Ordering::Relaxed);
+        let updated = average - average / 8 + latency_ns / 8;
+        self.write_latency_ns.store(updated, Ordering::Relaxed);
+    }
+
+    /// How long one write to the device has taken lately (ns; 0 before the first).
+    pub fn write_latency_ns(&self) -> u64 {
+        self.write_latency_ns.load(Ordering::Relaxed)
     }
 
     /// A dirty block to start a write-back cluster at: the first at or after the object's

@@ -68,8 +68,6 @@ pub(crate) struct Writeback {
     dirty_limit_percent: u32,
     clock: Arc<dyn Clock>,
     waiter: Arc<dyn Waiter>,
-    /// Moving average of how long one device write takes (ns, injected clock).
-    write_latency_ns: AtomicU64,
 }
 
 impl Writeback {
@@ -90,26 +88,17 @@ impl Writeback {
             dirty_limit_percent: config.dirty_limit_percent as u32,
             clock,
             waiter,
-            write_latency_ns: AtomicU64::new(0),
         }
     }
 
-    /// How many helper jobs a flush should start: [`FLUSH_HELPERS_MAX`] when device writes
-    /// have been slow enough for parallel write-back to pay, else none.
-    pub(crate) fn flush_helpers_wanted(&self) -> usize {
-        if self.write_latency_ns.load(Ordering::Relaxed) >= PARALLEL_FLUSH_WRITE_LATENCY_NS {
+    /// How many helper jobs a flush of `object` should start: [`FLUSH_HELPERS_MAX`] when its
+    /// device's writes have been slow enough for parallel write-back to pay, else none.
+    pub(crate) fn flush_helpers_wanted(&self, object: &ObjectState) -> usize {
+        if object.write_latency_ns() >= PARALLEL_FLUSH_WRITE_LATENCY_NS {
             FLUSH_HELPERS_MAX
         } else {
             0
         }
-    }
-
-    /// Folds one device write's duration into the moving average (weight 1/8). Racing
-    /// updates may lose a sample; the average only steers how many threads write.
-    fn record_write_latency(&self, latency_ns: u64) {
-        let average = self.write_latency_ns.load(Ordering::Relaxed);
-        let updated = average - average / 8 + latency_ns / 8;
-        self.write_latency_ns.store(updated, Ordering::Relaxed);
     }
 
     /// Bytes of dirty data in the cache now.
@@ -266,7 +255,7 @@ impl Writeback {
         );
         let started_ns = self.clock.now_ns();
         let result = object.device.write_vectored_at(&slices, device_offset);
-        self.record_write_latency(self.clock.now_ns().saturating_sub(started_ns));
+        object.record_write_latency(self.clock.now_ns().saturating_sub(started_ns));
         self.counters
             .device_writes
             .record(length_bytes, result.is_ok());
