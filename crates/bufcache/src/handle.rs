@@ -150,7 +150,8 @@ impl WriteRange {
 /// One byte-range read in progress.
 struct ReadRequest<'a> {
     offset: u64,
-    target: &'a mut [u8],
+    /// Where the bytes go; None when the read only makes its blocks resident.
+    target: Option<&'a mut [u8]>,
     /// One past the request's last block.
     end: u64,
     /// How far a miss run may extend (the stream's read-ahead window).
@@ -179,6 +180,8 @@ struct PlannedRead {
 struct ResidentRun<'a> {
     inner: &'a Inner,
     first: u64,
+    /// The lookup counted its blocks as hits (undone if the run is given up).
+    counted: bool,
     buffers: Vec<SharedHold<'a>>,
 }
 
@@ -204,7 +207,9 @@ impl ResidentRun<'_> {
     /// Lets everything go without counting the hits: the read is served another way.
     fn release_uncounted(&mut self) {
         for hold in self.buffers.drain(..) {
-            self.inner.table().uncount_hit(hold.buffer.key);
+            if self.counted {
+                self.inner.table().uncount_hit(hold.buffer.key);
+            }
         }
     }
 }
@@ -309,7 +314,7 @@ impl ObjectHandle {
             return Ok(());
         }
         let planned = self.plan(offset, target.len() as u64);
-        let waited = self.read_planned(offset, target, &planned)?;
+        let waited = self.read_planned(offset, Some(target), &planned)?;
         self.finish_read(&planned, waited);
         Ok(())
     }
@@ -333,21 +338,28 @@ impl ObjectHandle {
             return send(&[]).map_err(|source| CacheError::DataSink { source });
         }
         let planned = self.plan(offset, length_bytes);
-        let sent = match self.hold_resident(&planned) {
+        let sent = match self.hold_resident(&planned, true) {
             Some(held) => {
                 // Read-ahead first, so the device fetches the next window while the bytes go
                 // out (it never touches the held blocks: they are cached).
                 self.finish_read(&planned, false);
-                let slices = held.slices(&self.object, offset, length_bytes);
-                let sent = send(&slices);
-                drop(slices);
-                drop(held);
-                sent
+                send_held(&self.object, held, offset, length_bytes, send)
             }
             None => {
-                let waited = self.read_planned(offset, target, &planned)?;
+                // Bring every block in (waiting for fills, reading misses) without copying,
+                // then lend them as above: the bytes cross memory once on their way out, not
+                // twice. Nothing is held while the fill waits, as on every miss path; if a
+                // block is evicted or taken for a write in between (a small cache under
+                // pressure), the read is served by copying after all.
+                let waited = self.read_planned(offset, None, &planned)?;
                 self.finish_read(&planned, waited);
-                send(&[IoSlice::new(target)])
+                match self.hold_resident(&planned, false) {
+                    Some(held) => send_held(&self.object, held, offset, length_bytes, send),
+                    None => {
+                        self.read_planned_quietly(offset, target, &planned)?;
+                        send(&[IoSlice::new(target)])
+                    }
+                }
             }
         };
         sent.map_err(|source| CacheError::DataSink { source })
@@ -382,12 +394,35 @@ impl ObjectHandle {
         }
     }
 
-    /// Serves a planned read into `target`; true when a block was still being read ahead.
+    /// Serves a planned read into `target`, or with None only makes every block resident
+    /// (waiting for fills, reading misses); true when a block was still being read ahead.
     fn read_planned(
+        &self,
+        offset: u64,
+        target: Option<&mut [u8]>,
+        planned: &PlannedRead,
+    ) -> Result<bool, CacheError> {
+        self.read_planned_counting(offset, target, planned, Some(planned.placement))
+    }
+
+    /// [`ObjectHandle::read_planned`] into `target` for a read whose blocks were already
+    /// counted: blocks found cached count no second hit (a block evicted since is read, and
+    /// counted, again).
+    fn read_planned_quietly(
         &self,
         offset: u64,
         target: &mut [u8],
         planned: &PlannedRead,
+    ) -> Result<bool, CacheError> {
+        self.read_planned_counting(offset, Some(target), planned, None)
+    }
+
+    fn read_planned_counting(
+        &self,
+        offset: u64,
+        target: Option<&mut [u8]>,
+        planned: &PlannedRead,
+        use_placement: Option<Placement>,
     ) -> Result<bool, CacheError> {
         let (first, end) = (planned.first, planned.end);
         let mut request = ReadRequest {
@@ -406,7 +441,7 @@ impl ObjectHandle {
                 self.object.id,
                 first,
                 end,
-                Some(planned.placement),
+                use_placement,
             )),
         };
         let mut block = first;
@@ -432,19 +467,22 @@ impl ObjectHandle {
     }
 
     /// Holds every block of a planned read shared, if all are cached, valid and not held
-    /// exclusively right now; None (holding nothing, counting no hits) otherwise.
-    fn hold_resident(&self, planned: &PlannedRead) -> Option<ResidentRun<'_>> {
+    /// exclusively right now; None (holding nothing, counting no hits) otherwise. With
+    /// `count` false the blocks were counted already (by the pass that made them resident)
+    /// and this lookup counts no hits.
+    fn hold_resident(&self, planned: &PlannedRead, count: bool) -> Option<ResidentRun<'_>> {
         let inner = self.inner();
         let table = inner.table();
         let mut cached = table.lookup_run(
             self.object.id,
             planned.first,
             planned.end,
-            Some(planned.placement),
+            count.then_some(planned.placement),
         );
         let mut held = ResidentRun {
             inner,
             first: planned.first,
+            counted: count,
             buffers: Vec::with_capacity((planned.end - planned.first) as usize),
         };
         for block in planned.first..planned.end {
@@ -521,14 +559,11 @@ impl ObjectHandle {
                         inner.table().demote(&hold.buffer);
                     }
                 }
-                // SAFETY: shared lock held by `hold`.
-                copy_out(
-                    &self.object,
-                    block,
-                    unsafe { hold.buffer.bytes() },
-                    request.offset,
-                    request.target,
-                );
+                if let Some(target) = request.target.as_deref_mut() {
+                    // SAFETY: shared lock held by `hold`.
+                    let bytes = unsafe { hold.buffer.bytes() };
+                    copy_out(&self.object, block, bytes, request.offset, target);
+                }
                 Ok(block + 1)
             }
             Lookup::Inserted(buffer) => {
@@ -536,14 +571,11 @@ impl ObjectHandle {
                 let run_end = request.miss_limit.max(end);
                 let run = self.read_run(buffer, run_end, end, request.placement)?;
                 let served_end = (block + run.len() as u64).min(end);
-                for guard in &run[..(served_end - block) as usize] {
-                    copy_out(
-                        &self.object,
-                        guard.block(),
-                        guard.data(),
-                        request.offset,
-                        request.target,
-                    );
+                if let Some(target) = request.target.as_deref_mut() {
+                    for guard in &run[..(served_end - block) as usize] {
+                        let (block, bytes) = (guard.block(), guard.data());
+                        copy_out(&self.object, block, bytes, request.offset, target);
+                    }
                 }
                 drop(run);
                 if served_end < end {
@@ -1381,6 +1413,22 @@ fn run_placement(placement: Placement, block: u64, request_end: u64) -> Placemen
 }
 
 /// Copies the part of `block`'s bytes that a read of `target.len()` bytes at `offset` wants.
+/// Hands the held blocks' bytes of `[offset, offset + length_bytes)` to `send`, then lets
+/// the blocks go.
+fn send_held(
+    object: &ObjectState,
+    held: ResidentRun<'_>,
+    offset: u64,
+    length_bytes: u64,
+    send: &mut ReadSink<'_>,
+) -> std::io::Result<()> {
+    let slices = held.slices(object, offset, length_bytes);
+    let sent = send(&slices);
+    drop(slices);
+    drop(held);
+    sent
+}
+
 fn copy_out(object: &ObjectState, block: u64, bytes: &[u8], offset: u64, target: &mut [u8]) {
     let block_size = object.block_size_bytes as u64;
     let block_start = block * block_size;

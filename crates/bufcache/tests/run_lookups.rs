@@ -197,3 +197,84 @@ fn read_with_hands_out_exactly_the_bytes_read_at_returns() {
         );
     }
 }
+
+#[test]
+fn a_read_that_misses_is_lent_from_the_cache_and_counted_once() {
+    // Goal: a read whose blocks are absent still reaches the receiver straight from the
+    // cache's buffers (one copy on the way out, not a copy into the caller's buffer first),
+    // and its blocks count as one miss each, no hit; in a cache too small to hold the read,
+    // it falls back to the caller's buffer with the same bytes. Method: a cold object read
+    // with `read_with` and a scratch buffer full of a sentinel; the scratch must come back
+    // untouched while the receiver gets the device's bytes; the statistics' deltas; then the
+    // same with an 8-buffer cache and a 40-block read, where the scratch must be used.
+    let cache = cache(8 << 20, 2048);
+    let blocks = 64u64;
+    let handle = object(&cache, blocks);
+    let data = pattern(11, (blocks * BLOCK) as usize);
+    handle
+        .device()
+        .write_vectored_at(&[std::io::IoSlice::new(&data)], 0)
+        .expect("fill the device");
+    let (offset, length) = (3 * BLOCK + 100, 20 * BLOCK as usize);
+    let read = |handle: &ObjectHandle, scratch: &mut Vec<u8>| {
+        let mut received = Vec::new();
+        handle
+            .read_with(offset, scratch, &mut |slices| {
+                for slice in slices {
+                    received.extend_from_slice(slice);
+                }
+                Ok(())
+            })
+            .expect("read_with");
+        received
+    };
+    let before = cache.stats();
+    let mut scratch = vec![0xAA; length];
+    let received = read(&handle, &mut scratch);
+    let after = cache.stats();
+    assert!(received == data[offset as usize..offset as usize + length]);
+    assert!(
+        scratch.iter().all(|&byte| byte == 0xAA),
+        "the bytes went out from the cache's buffers, not through the caller's"
+    );
+    assert_eq!(
+        after.misses - before.misses,
+        21,
+        "one miss per block touched"
+    );
+    assert_eq!(
+        after.hits - before.hits,
+        0,
+        "lending the filled blocks counts no hit"
+    );
+
+    let tiny = cache_with_buffers(8);
+    let handle = object(&tiny, blocks);
+    handle
+        .device()
+        .write_vectored_at(&[std::io::IoSlice::new(&data)], 0)
+        .expect("fill the device");
+    let mut scratch = vec![0xAA; 40 * BLOCK as usize];
+    let (offset, length) = (BLOCK, 40 * BLOCK as usize);
+    let mut received = Vec::new();
+    handle
+        .read_with(offset, &mut scratch, &mut |slices| {
+            for slice in slices {
+                received.extend_from_slice(slice);
+            }
+            Ok(())
+        })
+        .expect("read_with larger than the cache");
+    assert!(
+        received == data[offset as usize..offset as usize + length],
+        "a read larger than the cache is served whole"
+    );
+    assert!(
+        scratch[..length] == received[..],
+        "it could not be lent whole, so it went through the caller's buffer"
+    );
+}
+
+fn cache_with_buffers(buffers_max: u64) -> Cache {
+    cache(buffers_max * BLOCK, buffers_max)
+}
