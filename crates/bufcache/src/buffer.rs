@@ -37,6 +37,11 @@ pub(crate) const READAHEAD: u32 = 4;
 /// A write-back of this buffer is in flight; other write-backs skip it or wait for it, so
 /// the same bytes are not written twice.
 pub(crate) const WRITEBACK: u32 = 8;
+/// Write-behind wrote this buffer's bytes since it was cached. A write that dirties it again
+/// is rewriting hot data, which write-behind would write over and over; such writes are left
+/// to the dirty thresholds, age and flushes, which absorb repeated rewrites (see
+/// `ObjectHandle::write_from`). Set by write-back, never cleared: it ends with the buffer.
+pub(crate) const WRITTEN_BEHIND: u32 = 16;
 
 /// Identity of a cached block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

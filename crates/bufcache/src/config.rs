@@ -147,7 +147,10 @@ pub struct CacheConfig {
     pub dirty_limit_percent: u8,
     /// Write completed clusters back before they age (write-behind): a background job starts
     /// once 4 MiB of an object's completed clusters (or 1/16 of the memory limit) is queued;
-    /// whatever never makes a batch goes at the next `writeback_tick`. Default true.
+    /// whatever never makes a batch goes at the next `writeback_tick`. A write whose every
+    /// block write-behind already wrote once (hot data rewritten) is not written behind while
+    /// dirty data is under `dirty_background_percent`: its rewrites are absorbed until a
+    /// flush, the age limit or the threshold. Default true.
     pub write_behind: bool,
     /// Ask the kernel for transparent huge pages for buffer memory. A cache then fills for the
     /// first time with one page fault per 2 MiB instead of per 4 KiB (measured: cold

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use bufcache_policy::Placement;
 
-use crate::buffer::{Buffer, DIRTY, READAHEAD, VALID};
+use crate::buffer::{Buffer, DIRTY, READAHEAD, VALID, WRITTEN_BEHIND};
 use crate::cache::{Cache, Inner, Urgency};
 use crate::error::CacheError;
 use crate::object::{ObjectConfig, ObjectState};
@@ -890,26 +890,30 @@ impl ObjectHandle {
             end_offset: offset + length_bytes,
         };
         let mut block = first;
+        let mut rewritten_blocks = 0;
         while block < end {
-            block = self.write_group(block, end, range, source)?;
+            let (next, rewritten) = self.write_group(block, end, range, source)?;
+            block = next;
+            rewritten_blocks += rewritten;
         }
         if fua {
             self.reported(self.write_through(first, end))?;
-        } else if self.inner().config().write_behind {
+        } else if self.inner().config().write_behind && !self.absorbs(rewritten_blocks, first, end)
+        {
             self.write_behind(first, end);
         }
         Ok(())
     }
 
     /// Writes one group of blocks starting at `block` (see `write_from`); returns the next
-    /// block to write.
+    /// block to write, and how many of the group's blocks write-behind had written before.
     fn write_group(
         &self,
         block: u64,
         end: u64,
         range: WriteRange,
         source: &mut WriteSource<'_>,
-    ) -> Result<u64, CacheError> {
+    ) -> Result<(u64, u64), CacheError> {
         const WRITE_GROUP_BLOCKS_MAX: u64 = 256;
         let group_end = end.min(block + WRITE_GROUP_BLOCKS_MAX);
         let mut group: Vec<(BufferGuard, bool)> = Vec::with_capacity((group_end - block) as usize);
@@ -966,10 +970,14 @@ impl ObjectHandle {
             .mark_dirty_all(&self.object, &written);
         drop(written);
         let next = block + group.len() as u64;
+        let rewritten = group
+            .iter()
+            .filter(|(guard, fresh)| !fresh && guard.buffer().has(WRITTEN_BEHIND))
+            .count() as u64;
         drop(group);
         drop(cached);
         filled.map_err(|source| CacheError::DataSource { source })?;
-        Ok(next)
+        Ok((next, rewritten))
     }
 
     /// Holds `block` exclusively with valid contents, or — when the caller overwrites it
@@ -1077,6 +1085,16 @@ impl ObjectHandle {
             WritebackCause::Flush,
         )?;
         self.inner().writeback().flush_device(&self.object)
+    }
+
+    /// Whether a write of `[first, end)` that found `rewritten_blocks` of its blocks already
+    /// written behind once is left dirty rather than written behind. A write whose every
+    /// block write-behind wrote before rewrites hot data: while dirty data is under the
+    /// background threshold it is left to that threshold, age and flushes, so a region
+    /// rewritten over and over reaches the device once per flush or age, not once per
+    /// rewrite (as the kernel's page cache does for a server without a cache of its own).
+    fn absorbs(&self, rewritten_blocks: u64, first: u64, end: u64) -> bool {
+        rewritten_blocks == end - first && self.inner().writeback().absorbs_rewrites()
     }
 
     /// Queues write-back of every cluster this write completed (all its blocks dirty).

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::buffer::{Buffer, DIRTY, WRITEBACK};
+use crate::buffer::{Buffer, DIRTY, WRITEBACK, WRITTEN_BEHIND};
 use crate::config::CacheConfig;
 use crate::dirty;
 use crate::environment::{Clock, Waiter};
@@ -125,6 +125,14 @@ impl Writeback {
     /// discarded (discard, write-zeroes, invalidation of replaced data).
     pub(crate) fn forget_dirty(&self, object: &ObjectState, buffer: &Buffer) {
         dirty::clear(&self.dirty_bytes, &object.dirty, buffer);
+    }
+
+    /// True while dirty data is under the background threshold: a rewrite of hot data may
+    /// then stay dirty (absorbing further rewrites) instead of being written behind. Past
+    /// it, rewrites are written behind like any write, so absorbed rewrites never hold more
+    /// than `dirty_background_percent` of memory and never make writers throttle.
+    pub(crate) fn absorbs_rewrites(&self) -> bool {
+        self.dirty_bytes.load(Ordering::Acquire) < self.dirty_thresholds().0
     }
 
     /// Dirty byte thresholds (background, limit) for the current memory limit.
@@ -276,6 +284,11 @@ impl Writeback {
             buffers.iter().map(|buffer| buffer.as_ref()),
         );
         self.counters.writeback(cause, cleaned);
+        if cause == WritebackCause::WriteBehind {
+            for buffer in buffers {
+                buffer.set(WRITTEN_BEHIND);
+            }
+        }
         // Clean buffers can be evicted: wake allocations waiting for space.
         self.table.notify_space();
         if buffers.len() > 1 {
