@@ -350,10 +350,13 @@ impl ObjectHandle {
                 // then lend them as above: the bytes cross memory once on their way out, not
                 // twice. Nothing is held while the fill waits, as on every miss path; if a
                 // block is evicted or taken for a write in between (a small cache under
-                // pressure), the read is served by copying after all.
+                // pressure), the read is served by copying after all. The blocks are held
+                // before read-ahead starts, so its buffers never evict them (a long stream's
+                // blocks sit at the eviction end).
                 let waited = self.read_planned(offset, None, &planned)?;
+                let held = self.hold_resident(&planned, false);
                 self.finish_read(&planned, waited);
-                match self.hold_resident(&planned, false) {
+                match held {
                     Some(held) => send_held(&self.object, held, offset, length_bytes, send),
                     None => {
                         self.read_planned_quietly(offset, target, &planned)?;

@@ -278,3 +278,61 @@ fn a_read_that_misses_is_lent_from_the_cache_and_counted_once() {
 fn cache_with_buffers(buffers_max: u64) -> Cache {
     cache(buffers_max * BLOCK, buffers_max)
 }
+
+#[test]
+fn a_stream_through_a_full_cache_is_lent_without_reading_a_block_twice() {
+    // Goal: in a cache already full, a sequential stream's missed reads are still lent
+    // (filled, then handed out from the cache's buffers) and cost no second device read:
+    // the blocks filled are held before read-ahead for the next window takes buffers, so
+    // nothing falls back to reading them again. Method: a 64-block cache, 64 KiB read-ahead,
+    // background work inline (read-ahead runs inside the read); a 4 MiB object read
+    // sequentially in 64 KiB `read_with` calls; every read is lent (the caller's buffer
+    // stays untouched) and the device is read exactly once per byte.
+    use bufcache::{CountingDevice, Environment, InlineSpawner};
+    use bufcache_host::{BlockingWaiter, SystemClock};
+    let cache = Cache::with_environment(
+        CacheConfig {
+            memory_bytes_max: 64 * BLOCK,
+            readahead_size_max_bytes: 64 << 10,
+            ..CacheConfig::default()
+        },
+        Environment::new(
+            Arc::new(SystemClock::new()),
+            Arc::new(InlineSpawner),
+            Arc::new(BlockingWaiter::default()),
+        ),
+    )
+    .expect("valid config");
+    let size = 4u64 << 20;
+    let device = Arc::new(CountingDevice::new(MemoryDevice::new(size)));
+    let data = pattern(13, size as usize);
+    device
+        .write_vectored_at(&[std::io::IoSlice::new(&data)], 0)
+        .expect("fill the device");
+    let handle = cache
+        .open_object(ObjectConfig::new("stream", device.clone()))
+        .expect("open object");
+    let length = 64 << 10;
+    for offset in (0..size).step_by(length) {
+        let mut scratch = vec![0xAA; length];
+        let mut received = Vec::new();
+        handle
+            .read_with(offset, &mut scratch, &mut |slices| {
+                for slice in slices {
+                    received.extend_from_slice(slice);
+                }
+                Ok(())
+            })
+            .expect("read_with");
+        assert!(received == data[offset as usize..offset as usize + length]);
+        assert!(
+            scratch.iter().all(|&byte| byte == 0xAA),
+            "the read at {offset} was lent"
+        );
+    }
+    assert_eq!(
+        device.stats().reads.bytes,
+        size,
+        "every byte was read from the device once"
+    );
+}
