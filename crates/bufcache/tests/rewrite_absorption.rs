@@ -81,6 +81,11 @@ fn rewrite(handle: &ObjectHandle, region: u64, passes: std::ops::Range<u64>) {
     }
 }
 
+/// Checks that `bytes` have been written to `device` in all.
+fn assert_written(device: &CountingDevice<MemoryDevice>, bytes: u64, why: &str) {
+    assert_eq!(device.stats().writes.bytes, bytes, "{why}");
+}
+
 /// Reads the device through a fresh cache and checks it holds the last pass.
 fn assert_device_holds_pass(device: Arc<dyn Device>, region: u64, pass: u64) {
     let cache = inline_cache(16 * MIB);
@@ -105,21 +110,16 @@ fn a_region_rewritten_over_and_over_reaches_the_device_once_per_flush() {
     let cache = inline_cache(16 * MIB);
     let handle = open(&cache, device.clone());
     rewrite(&handle, MIB, 0..1);
-    let first_pass = device.stats().writes.bytes;
-    assert_eq!(first_pass, MIB, "a first write is written behind at once");
+    assert_written(&device, MIB, "a first write is written behind at once");
     rewrite(&handle, MIB, 1..20);
-    let before_flush = device.stats().writes.bytes;
-    assert_eq!(
-        before_flush, MIB,
-        "the rewrites stay in the cache until something asks for them"
+    assert_written(
+        &device,
+        MIB,
+        "the rewrites stay in the cache until something asks for them",
     );
     assert_eq!(cache.stats().dirty_bytes, MIB);
     handle.flush().unwrap();
-    assert_eq!(
-        device.stats().writes.bytes,
-        2 * MIB,
-        "the flush writes the region once"
-    );
+    assert_written(&device, 2 * MIB, "the flush writes the region once");
     assert_eq!(cache.stats().dirty_bytes, 0);
     assert_device_holds_pass(device, MIB, 19);
 }
@@ -174,18 +174,14 @@ fn a_region_rewritten_without_pause_still_reaches_the_device_within_the_age_limi
         rewrite(&handle, MIB, pass..pass + 1);
     }
     cache.writeback_tick();
-    assert_eq!(
-        device.stats().writes.bytes,
+    assert_written(
+        &device,
         MIB,
-        "at 30 s the rewrites (dirty since 1 s) are not old enough yet"
+        "at 30 s the rewrites (dirty since 1 s) are not old enough yet",
     );
     clock.set(Duration::from_millis(31_500));
     cache.writeback_tick();
-    assert_eq!(
-        device.stats().writes.bytes,
-        2 * MIB,
-        "at 31.5 s the region is written once"
-    );
+    assert_written(&device, 2 * MIB, "at 31.5 s the region is written once");
     assert_eq!(cache.stats().dirty_bytes, 0);
     assert_device_holds_pass(device, MIB, 59);
 }

@@ -47,6 +47,33 @@ fn pattern(seed: u64, length: usize) -> Vec<u8> {
     bytes
 }
 
+/// An object of `blocks` blocks whose device holds pattern `seed`; returns it and the bytes.
+fn object_holding(cache: &Cache, blocks: u64, seed: u64) -> (ObjectHandle, Vec<u8>) {
+    let handle = object(cache, blocks);
+    let data = pattern(seed, (blocks * BLOCK) as usize);
+    handle
+        .device()
+        .write_vectored_at(&[std::io::IoSlice::new(&data)], 0)
+        .expect("fill the device");
+    (handle, data)
+}
+
+/// `read_with` into `scratch`: the bytes the receiver got, and how many times it was called.
+fn read_with_received(handle: &ObjectHandle, offset: u64, scratch: &mut [u8]) -> (Vec<u8>, u32) {
+    let mut received = Vec::new();
+    let mut calls = 0;
+    handle
+        .read_with(offset, scratch, &mut |slices| {
+            calls += 1;
+            for slice in slices {
+                received.extend_from_slice(slice);
+            }
+            Ok(())
+        })
+        .expect("read_with");
+    (received, calls)
+}
+
 #[test]
 fn a_request_counts_each_cached_block_as_one_hit() {
     // Goal: looking a run up at once must not count hits for blocks twice or for blocks the
@@ -164,12 +191,7 @@ fn read_with_hands_out_exactly_the_bytes_read_at_returns() {
     // unaligned ranges read both ways and compared; the receiver is called exactly once.
     let cache = cache(8 << 20, 2048);
     let blocks = 256u64;
-    let handle = object(&cache, blocks);
-    let data = pattern(7, (blocks * BLOCK) as usize);
-    handle
-        .device()
-        .write_vectored_at(&[std::io::IoSlice::new(&data)], 0)
-        .expect("fill the device");
+    let (handle, data) = object_holding(&cache, blocks, 7);
     let mut rng = StdRng::seed_from_u64(8);
     for block in (0..blocks).filter(|_| rng.gen_bool(0.5)) {
         let mut warm = vec![0u8; BLOCK as usize];
@@ -179,17 +201,7 @@ fn read_with_hands_out_exactly_the_bytes_read_at_returns() {
         let length = rng.gen_range(1..20 * BLOCK) as usize;
         let offset = rng.gen_range(0..blocks * BLOCK - length as u64);
         let mut scratch = vec![0u8; length];
-        let mut received = Vec::new();
-        let mut calls = 0;
-        handle
-            .read_with(offset, &mut scratch, &mut |slices| {
-                calls += 1;
-                for slice in slices {
-                    received.extend_from_slice(slice);
-                }
-                Ok(())
-            })
-            .expect("read_with");
+        let (received, calls) = read_with_received(&handle, offset, &mut scratch);
         assert_eq!(calls, 1, "step {step}: the receiver is called once");
         assert!(
             received == data[offset as usize..offset as usize + length],
@@ -209,28 +221,11 @@ fn a_read_that_misses_is_lent_from_the_cache_and_counted_once() {
     // same with an 8-buffer cache and a 40-block read, where the scratch must be used.
     let cache = cache(8 << 20, 2048);
     let blocks = 64u64;
-    let handle = object(&cache, blocks);
-    let data = pattern(11, (blocks * BLOCK) as usize);
-    handle
-        .device()
-        .write_vectored_at(&[std::io::IoSlice::new(&data)], 0)
-        .expect("fill the device");
+    let (handle, data) = object_holding(&cache, blocks, 11);
     let (offset, length) = (3 * BLOCK + 100, 20 * BLOCK as usize);
-    let read = |handle: &ObjectHandle, scratch: &mut Vec<u8>| {
-        let mut received = Vec::new();
-        handle
-            .read_with(offset, scratch, &mut |slices| {
-                for slice in slices {
-                    received.extend_from_slice(slice);
-                }
-                Ok(())
-            })
-            .expect("read_with");
-        received
-    };
     let before = cache.stats();
     let mut scratch = vec![0xAA; length];
-    let received = read(&handle, &mut scratch);
+    let (received, _) = read_with_received(&handle, offset, &mut scratch);
     let after = cache.stats();
     assert!(received == data[offset as usize..offset as usize + length]);
     assert!(
@@ -249,22 +244,10 @@ fn a_read_that_misses_is_lent_from_the_cache_and_counted_once() {
     );
 
     let tiny = cache_with_buffers(8);
-    let handle = object(&tiny, blocks);
-    handle
-        .device()
-        .write_vectored_at(&[std::io::IoSlice::new(&data)], 0)
-        .expect("fill the device");
+    let (handle, data) = object_holding(&tiny, blocks, 11);
     let mut scratch = vec![0xAA; 40 * BLOCK as usize];
     let (offset, length) = (BLOCK, 40 * BLOCK as usize);
-    let mut received = Vec::new();
-    handle
-        .read_with(offset, &mut scratch, &mut |slices| {
-            for slice in slices {
-                received.extend_from_slice(slice);
-            }
-            Ok(())
-        })
-        .expect("read_with larger than the cache");
+    let (received, _) = read_with_received(&handle, offset, &mut scratch);
     assert!(
         received == data[offset as usize..offset as usize + length],
         "a read larger than the cache is served whole"
@@ -315,15 +298,7 @@ fn a_stream_through_a_full_cache_is_lent_without_reading_a_block_twice() {
     let length = 64 << 10;
     for offset in (0..size).step_by(length) {
         let mut scratch = vec![0xAA; length];
-        let mut received = Vec::new();
-        handle
-            .read_with(offset, &mut scratch, &mut |slices| {
-                for slice in slices {
-                    received.extend_from_slice(slice);
-                }
-                Ok(())
-            })
-            .expect("read_with");
+        let (received, _) = read_with_received(&handle, offset, &mut scratch);
         assert!(received == data[offset as usize..offset as usize + length]);
         assert!(
             scratch.iter().all(|&byte| byte == 0xAA),
