@@ -324,6 +324,14 @@ impl Writeback {
                 continue;
             }
             match self.write_cluster_from(object, block, mode, cause) {
+                Ok(0) if mode == LockMode::Try => {
+                    // Held, or being written by another thread whose run may not be fully
+                    // claimed yet: taking the blocks after it would split that write in two
+                    // (a flush racing write-behind turned one 1 MiB write into two). The
+                    // rest of its cluster is left to that writer; a `Wait` pass, the tick
+                    // or the next flush finds whatever it leaves.
+                    next_unwritten = (block / object.cluster_blocks + 1) * object.cluster_blocks;
+                }
                 Ok(cleaned) => {
                     written += cleaned;
                     next_unwritten = block + cleaned.max(1);

@@ -127,3 +127,53 @@ fn a_flush_over_a_slow_device_keeps_several_writes_in_flight_and_loses_nothing()
     }
     assert_eq!(cache.stats().dirty_bytes, 0);
 }
+
+#[test]
+fn flush_helpers_write_each_whole_cluster_with_one_request() {
+    // Goal: the shares a flush hands its helpers start on cluster boundaries, so over a slow
+    // device every wholly dirty cluster is still one device write. (Shares used to start at
+    // every n-th dirty block; one starting inside a cluster wrote it as two requests.)
+    // Method: 2 ms writes under a `CountingDevice`, write-behind off; a first flush of one
+    // cluster teaches the cache that writes are slow; then 7 whole 1 MiB clusters (shares
+    // of 224 blocks, not a multiple of a cluster) and a flush: exactly 7 device writes of
+    // 1 MiB, and the device holds every byte.
+    const MIB: u64 = 1 << 20;
+    let slow = FaultDevice::new(MemoryDevice::new(DEVICE_BYTES), 1);
+    slow.set_latency(
+        FaultKind::Write,
+        Duration::from_millis(2),
+        Duration::ZERO,
+        0.0,
+    );
+    let device = Arc::new(bufcache::CountingDevice::new(slow));
+    let cache = bufcache_host::system_cache(CacheConfig {
+        memory_bytes_max: 32 << 20,
+        readahead_size_max_bytes: 0,
+        write_behind: false,
+        ..CacheConfig::default()
+    })
+    .unwrap();
+    let handle = cache
+        .open_object(ObjectConfig::new("slow", device.clone() as Arc<dyn Device>))
+        .unwrap();
+    let data: Vec<u8> = (0..8 * MIB)
+        .map(|index| (index / 4096 * 13 + index) as u8)
+        .collect();
+    handle.write_at(0, &data[..MIB as usize], false).unwrap();
+    handle.flush().unwrap();
+    let before = device.stats().writes;
+    handle.write_at(MIB, &data[MIB as usize..], false).unwrap();
+    handle.flush().unwrap();
+    let writes = device.stats().writes.since(&before);
+    assert_eq!(writes.bytes, 7 * MIB);
+    assert_eq!(
+        writes.requests, 7,
+        "7 wholly dirty clusters, {} device writes",
+        writes.requests
+    );
+    let mut stored = vec![0u8; data.len()];
+    device
+        .read_vectored_at(&mut [IoSliceMut::new(&mut stored)], 0)
+        .unwrap();
+    assert!(stored == data, "the device holds every byte");
+}
