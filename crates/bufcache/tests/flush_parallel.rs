@@ -70,8 +70,8 @@ fn block_pattern(block: u64, round: u64) -> Vec<u8> {
         .collect()
 }
 
-#[test]
-fn a_flush_over_a_slow_device_keeps_several_writes_in_flight_and_loses_nothing() {
+/// A memory device whose every write takes 2 ms.
+fn slow_device() -> FaultDevice<MemoryDevice> {
     let slow = FaultDevice::new(MemoryDevice::new(DEVICE_BYTES), 1);
     slow.set_latency(
         FaultKind::Write,
@@ -79,6 +79,12 @@ fn a_flush_over_a_slow_device_keeps_several_writes_in_flight_and_loses_nothing()
         Duration::ZERO,
         0.0,
     );
+    slow
+}
+
+#[test]
+fn a_flush_over_a_slow_device_keeps_several_writes_in_flight_and_loses_nothing() {
+    let slow = slow_device();
     let device = Arc::new(InFlight {
         inner: slow,
         now: AtomicUsize::new(0),
@@ -138,13 +144,7 @@ fn flush_helpers_write_each_whole_cluster_with_one_request() {
     // of 224 blocks, not a multiple of a cluster) and a flush: exactly 7 device writes of
     // 1 MiB, and the device holds every byte.
     const MIB: u64 = 1 << 20;
-    let slow = FaultDevice::new(MemoryDevice::new(DEVICE_BYTES), 1);
-    slow.set_latency(
-        FaultKind::Write,
-        Duration::from_millis(2),
-        Duration::ZERO,
-        0.0,
-    );
+    let slow = slow_device();
     let device = Arc::new(bufcache::CountingDevice::new(slow));
     let cache = bufcache_host::system_cache(CacheConfig {
         memory_bytes_max: 32 << 20,
