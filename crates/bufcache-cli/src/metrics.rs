@@ -344,6 +344,12 @@ fn cache_prometheus(text: &mut String, stats: &CacheStats) {
     );
     gauge(
         text,
+        "bufcache_memory_prefaulted_bytes",
+        stats.memory_prefaulted_bytes,
+        "Memory faulted in ahead of need (--prefault), not yet used by buffers.",
+    );
+    gauge(
+        text,
         "bufcache_memory_limit_bytes",
         stats.memory_bytes_max,
         "Memory limit.",
@@ -456,6 +462,7 @@ fn cache_json(stats: &CacheStats) -> Value {
         "pinned_bytes": stats.pinned_bytes,
         "memory_used_bytes": stats.memory_used_bytes,
         "memory_wasted_bytes": stats.memory_wasted_bytes,
+        "memory_prefaulted_bytes": stats.memory_prefaulted_bytes,
         "memory_limit_bytes": stats.memory_bytes_max,
         "buffers": stats.buffers_in_use,
         "buffers_limit": stats.buffers_max,

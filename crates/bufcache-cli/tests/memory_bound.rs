@@ -367,3 +367,81 @@ fn many_busy_connections_share_one_inflight_budget() {
         );
     }
 }
+
+/// `serve --prefault` over a 32 MiB export: how much it faulted in, the server's resident
+/// memory before any request, and the cache's stats after writing the whole export.
+fn prefaulted_server(cache: &str) -> (u64, u64, serde_json::Value) {
+    let dir = temp_dir();
+    let mut server = Server::start(
+        dir.path(),
+        "bufcache",
+        &[
+            "--backend",
+            "export.img",
+            "--create-size",
+            "32M",
+            "--cache-size",
+            cache,
+            "--prefault",
+            "--metrics",
+            "127.0.0.1:0",
+        ],
+    );
+    let prefaulted = server.stats()["cache"]["memory_prefaulted_bytes"]
+        .as_u64()
+        .expect("memory_prefaulted_bytes in /stats");
+    let idle_rss = rss_bytes(server.pid()).expect("server RSS");
+    let client = NbdClient::connect(&server.uri()).expect("connecting");
+    let data = random_bytes(32 * MIB as usize, 7);
+    for (index, piece) in data.chunks(MIB as usize).enumerate() {
+        client.write(index as u64 * MIB, piece).expect("write");
+    }
+    let mut back = vec![0u8; data.len()];
+    for (index, piece) in back.chunks_mut(MIB as usize).enumerate() {
+        client.read(index as u64 * MIB, piece).expect("read");
+    }
+    assert!(back == data, "the export reads back what was written");
+    let stats = server.stats()["cache"].clone();
+    drop(client);
+    assert!(
+        server.log_text().contains("prefaulted"),
+        "the server says what it prefaulted:\n{}",
+        server.log_text()
+    );
+    server.stop_clean(Duration::from_secs(60));
+    (prefaulted, idle_rss, stats)
+}
+
+#[test]
+fn prefault_makes_memory_resident_before_serving_within_the_smaller_of_cache_and_exports() {
+    // Goal: --prefault faults buffer memory in before the server accepts a client, never more
+    // than the cache size or the exports' total size (the cache cannot use more), and the
+    // cache then fills from that memory instead of mapping more. Method: a 32 MiB export
+    // behind a 64 MiB cache (bound: the export) and behind a 16 MiB cache (bound: the cache);
+    // read /stats and VmRSS before any request, then write and read back the whole export
+    // and check that every prefaulted chunk was used and the peak stayed within the bound.
+    for (cache, bound) in [("64M", 32 * MIB), ("16M", 16 * MIB)] {
+        let (prefaulted, idle_rss, stats) = prefaulted_server(cache);
+        eprintln!(
+            "cache {cache}: prefaulted {:.0} MiB, idle RSS {:.1} MiB; after the fill {stats}",
+            mib(prefaulted),
+            mib(idle_rss)
+        );
+        assert_eq!(prefaulted, bound, "cache {cache}: prefaulted bytes");
+        assert!(
+            idle_rss >= bound,
+            "cache {cache}: {:.1} MiB resident before any request, below the {:.0} MiB prefaulted",
+            mib(idle_rss),
+            mib(bound)
+        );
+        assert_eq!(
+            stats["memory_prefaulted_bytes"], 0,
+            "cache {cache}: the fill took every prefaulted chunk"
+        );
+        let used = stats["memory_used_bytes"].as_u64().unwrap();
+        assert!(
+            used <= bound,
+            "cache {cache}: {used} bytes used, over the {bound} bound"
+        );
+    }
+}

@@ -88,14 +88,26 @@ mod tests {
 /// again, unless the taker overwrites them at once: [`BufferPool::allocate_unzeroed`]); [`BufferPool::trim`] gives their pages back to the system, which the cache does
 /// when its limit shrinks or many slots sit unused.
 ///
+/// A first fill pays for fresh memory: the kernel zeroes and charges every page as a chunk is
+/// faulted in, which was a fifth to a half of a cold copy's server CPU. A server can take that
+/// off the data path by faulting chunks in before it serves ([`BufferPool::prefault_chunk`]):
+/// they wait as spares, and a size class takes a spare before mapping a chunk of its own.
+///
 /// Invariants: a slot is either handed out (owned by one `PooledBytes`) or on its class's free
-/// list, never both; chunks live until the pool is dropped, which happens only after every
-/// `PooledBytes` (each holds the pool) is gone.
+/// list, never both; a spare chunk belongs to no class; chunks live until the pool is dropped
+/// (spares until [`BufferPool::release_spares`]), which happens only after every `PooledBytes`
+/// (each holds the pool) is gone.
 pub struct BufferPool {
     alignment: usize,
     /// Ask the kernel for transparent huge pages for new chunks (`MADV_HUGEPAGE`).
     huge_pages: bool,
     classes: crate::sync::SleepingMutex<Vec<SizeClass>>,
+    /// Chunks of `POOL_CHUNK_BYTES` faulted in ahead of need ([`BufferPool::prefault_chunk`])
+    /// and not yet given to a size class. Lock order: `classes`, then `spare`.
+    spare: crate::sync::SleepingMutex<Vec<Mapping>>,
+    /// Usable bytes of every chunk mapped, in classes and spare: what
+    /// [`BufferPool::prefault_chunk`] bounds.
+    mapped_bytes: std::sync::atomic::AtomicUsize,
 }
 
 /// Bytes taken from the system at a time for one slot size.
@@ -110,17 +122,24 @@ pub const POOL_CHUNK_BYTES: usize = 2 << 20;
 const HUGE_PAGE_BYTES: usize = 2 << 20;
 
 /// Anonymous memory mapped for one chunk: zero-filled by the kernel, so fresh slots need no
-/// clearing (and cost nothing until touched).
+/// clearing.
 struct Mapping {
     base: NonNull<u8>,
     length: usize,
+    /// The first usable byte, on the boundary asked for.
+    start: NonNull<u8>,
+    /// Usable bytes from `start`.
+    usable_bytes: usize,
 }
+
+// SAFETY: a Mapping owns its memory exclusively; only the pool, under its locks, uses it.
+unsafe impl Send for Mapping {}
 
 impl Mapping {
     /// Maps `length` bytes plus room to start the usable part on a `boundary` (a power of
-    /// two); returns the mapping and the first byte at that boundary. The slack before and
-    /// after is never touched, so it costs address space only.
-    fn new(length: usize, boundary: usize, huge_pages: bool) -> (Mapping, NonNull<u8>) {
+    /// two), and faults the usable part in. The slack before and after is never touched, so
+    /// it costs address space only.
+    fn new(length: usize, boundary: usize, huge_pages: bool) -> Mapping {
         let mapped_length = length + boundary;
         // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
         let raw = unsafe {
@@ -168,13 +187,12 @@ impl Mapping {
         }
         #[cfg(not(target_os = "linux"))]
         let _ = huge_pages;
-        (
-            Mapping {
-                base,
-                length: mapped_length,
-            },
+        Mapping {
+            base,
+            length: mapped_length,
             start,
-        )
+            usable_bytes: length,
+        }
     }
 }
 
@@ -215,7 +233,83 @@ impl BufferPool {
             alignment,
             huge_pages,
             classes: crate::sync::SleepingMutex::new(Vec::new()),
+            spare: crate::sync::SleepingMutex::new(Vec::new()),
+            mapped_bytes: std::sync::atomic::AtomicUsize::new(0),
         })
+    }
+
+    /// Faults one more chunk in ahead of need, unless the pool's chunks (in use or spare)
+    /// would then exceed `bytes_max`. Returns whether it did; call it until it returns false,
+    /// from as many threads as you like (the chunk is counted before it is mapped, so
+    /// concurrent callers never pass the bound together).
+    pub fn prefault_chunk(&self, bytes_max: usize) -> bool {
+        use std::sync::atomic::Ordering;
+        let counted =
+            self.mapped_bytes
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |mapped| {
+                    (mapped + POOL_CHUNK_BYTES <= bytes_max).then_some(mapped + POOL_CHUNK_BYTES)
+                });
+        if counted.is_err() {
+            return false;
+        }
+        let mapping = Mapping::new(
+            POOL_CHUNK_BYTES,
+            self.alignment.max(HUGE_PAGE_BYTES),
+            self.huge_pages,
+        );
+        self.spare.lock().push(mapping);
+        true
+    }
+
+    /// Usable bytes of every chunk mapped, in size classes and spare.
+    pub fn mapped_bytes(&self) -> u64 {
+        self.mapped_bytes.load(std::sync::atomic::Ordering::Acquire) as u64
+    }
+
+    /// Bytes of spare chunks faulted in ahead of need that no size class has taken yet.
+    pub fn spare_bytes(&self) -> u64 {
+        (self.spare.lock().len() * POOL_CHUNK_BYTES) as u64
+    }
+
+    /// Unmaps every spare chunk (for a cache whose memory limit shrank). Returns the bytes
+    /// released.
+    pub fn release_spares(&self) -> u64 {
+        let spares = std::mem::take(&mut *self.spare.lock());
+        let released = spares.len() * POOL_CHUNK_BYTES;
+        self.mapped_bytes
+            .fetch_sub(released, std::sync::atomic::Ordering::AcqRel);
+        released as u64
+    }
+
+    /// Maps and faults in a chunk of `chunk_bytes`, counted in `mapped_bytes`.
+    fn map_chunk(&self, chunk_bytes: usize) -> Mapping {
+        let mapping = Mapping::new(
+            chunk_bytes,
+            self.alignment.max(HUGE_PAGE_BYTES),
+            self.huge_pages,
+        );
+        self.mapped_bytes
+            .fetch_add(chunk_bytes, std::sync::atomic::Ordering::AcqRel);
+        mapping
+    }
+
+    /// A chunk of `chunk_bytes` for a size class: a spare if there is one of that size, else a
+    /// new one. A class whose chunks are of another size (a slot size that does not divide
+    /// `POOL_CHUNK_BYTES`) retires a spare instead, so prefaulting never raises the pool
+    /// above what it would have mapped anyway.
+    fn chunk_for_class(&self, chunk_bytes: usize) -> Mapping {
+        let spare = self.spare.lock().pop();
+        match spare {
+            Some(mapping) if chunk_bytes == POOL_CHUNK_BYTES => mapping,
+            retired => {
+                if retired.is_some() {
+                    self.mapped_bytes
+                        .fetch_sub(POOL_CHUNK_BYTES, std::sync::atomic::Ordering::AcqRel);
+                }
+                drop(retired);
+                self.map_chunk(chunk_bytes)
+            }
+        }
     }
 
     /// A zeroed slot of at least `length` bytes (a multiple of the alignment).
@@ -251,7 +345,7 @@ impl BufferPool {
                     classes.last_mut().expect("just pushed")
                 }
             };
-            class.take(self.alignment, self.huge_pages)
+            class.take(self)
         };
         if dirty && zeroed {
             // SAFETY: the slot is ours now and `slot_bytes` long.
@@ -315,7 +409,7 @@ impl BufferPool {
 }
 
 impl SizeClass {
-    fn take(&mut self, alignment: usize, huge_pages: bool) -> (NonNull<u8>, bool) {
+    fn take(&mut self, pool: &BufferPool) -> (NonNull<u8>, bool) {
         if let Some(slot) = self.free.pop() {
             return (slot.pointer, slot.dirty);
         }
@@ -328,7 +422,9 @@ impl SizeClass {
         let chunk_bytes = POOL_CHUNK_BYTES
             .max(self.slot_bytes)
             .next_multiple_of(self.slot_bytes);
-        let (mapping, base) = Mapping::new(chunk_bytes, alignment.max(HUGE_PAGE_BYTES), huge_pages);
+        let mapping = pool.chunk_for_class(chunk_bytes);
+        let base = mapping.start;
+        debug_assert_eq!(mapping.usable_bytes, chunk_bytes);
         self.chunks.push(mapping);
         let slots = chunk_bytes / self.slot_bytes;
         // SAFETY: the chunk holds `slots` slots.
@@ -496,5 +592,52 @@ mod pool_tests {
         assert_eq!(pool.idle_resident_bytes(), 0);
         let reused = pool.allocate(8192);
         assert!(reused.iter().all(|&byte| byte == 0));
+    }
+
+    #[test]
+    fn prefaulted_chunks_are_used_before_any_new_memory_is_mapped() {
+        // Goal: faulting memory in ahead of need never raises the pool above its bound, and a
+        // fill takes the spares before mapping more. Method: prefault up to 3 chunks (a 4th
+        // is refused), take 3 chunks' worth of 4 KiB slots, and check that the pool mapped
+        // nothing new; the next slot maps a 4th chunk.
+        let pool = BufferPool::new(4096);
+        let bound = 3 * POOL_CHUNK_BYTES;
+        let mut prefaulted = 0;
+        while pool.prefault_chunk(bound) {
+            prefaulted += 1;
+        }
+        assert_eq!(prefaulted, 3);
+        assert_eq!(pool.spare_bytes(), bound as u64);
+        assert_eq!(pool.mapped_bytes(), bound as u64);
+        let slots: Vec<PooledBytes> = (0..bound / 4096).map(|_| pool.allocate(4096)).collect();
+        assert!(slots.iter().all(|slot| slot.iter().all(|&byte| byte == 0)));
+        assert_eq!(pool.spare_bytes(), 0, "every spare was taken");
+        assert_eq!(pool.mapped_bytes(), bound as u64, "nothing new was mapped");
+        assert!(!pool.prefault_chunk(bound), "the bound still holds");
+        let next = pool.allocate(4096);
+        assert_eq!(pool.mapped_bytes(), (bound + POOL_CHUNK_BYTES) as u64);
+        drop(next);
+    }
+
+    #[test]
+    fn a_class_of_another_chunk_size_retires_a_spare_and_spares_can_be_released() {
+        // Goal: slots whose size does not divide a chunk (12 KiB) cannot use a spare; their
+        // class retires one instead, so the pool's mapped memory stays what it would have
+        // been; release_spares gives the rest back. Method: prefault 2 chunks, take one
+        // 12 KiB slot, compare mapped bytes; then release.
+        let pool = BufferPool::new(4096);
+        assert!(pool.prefault_chunk(2 * POOL_CHUNK_BYTES));
+        assert!(pool.prefault_chunk(2 * POOL_CHUNK_BYTES));
+        let odd = pool.allocate(12 << 10);
+        let odd_chunk_bytes = POOL_CHUNK_BYTES.next_multiple_of(12 << 10);
+        assert_eq!(pool.spare_bytes(), POOL_CHUNK_BYTES as u64);
+        assert_eq!(
+            pool.mapped_bytes(),
+            (POOL_CHUNK_BYTES + odd_chunk_bytes) as u64
+        );
+        assert_eq!(pool.release_spares(), POOL_CHUNK_BYTES as u64);
+        assert_eq!(pool.spare_bytes(), 0);
+        assert_eq!(pool.mapped_bytes(), odd_chunk_bytes as u64);
+        assert!(odd.iter().all(|&byte| byte == 0));
     }
 }

@@ -97,6 +97,20 @@ impl Cache {
         &self.inner.config
     }
 
+    /// Faults one more 2 MiB chunk of buffer memory in ahead of need, unless the cache's
+    /// buffer memory would then exceed `bytes_max` or the memory limit. Returns whether it
+    /// did: call it until it returns false, on as many threads as you like.
+    ///
+    /// A cache's first fill otherwise pays, on the data path, for the kernel zeroing and
+    /// charging each fresh page (a fifth to a half of a cold copy's CPU, measured). A server
+    /// that calls this before it serves moves that cost to its start (about 0.5 s per GiB on
+    /// one core of the machine measured). The memory stays resident, not charged to the cache
+    /// (`memory_prefaulted_bytes`), until buffers take it; it is never given back by idle
+    /// trimming, only when the memory limit shrinks below it.
+    pub fn prefault(&self, bytes_max: u64) -> bool {
+        self.inner.table.prefault_chunk(bytes_max)
+    }
+
     /// A statistics snapshot.
     pub fn stats(&self) -> CacheStats {
         let inner = &self.inner;
@@ -135,6 +149,7 @@ impl Cache {
         }
         // Memory the smaller cache no longer uses goes back to the system.
         inner.table.trim();
+        inner.table.release_spares_over_limit();
         Ok(())
     }
 

@@ -159,6 +159,9 @@ pub struct CacheStats {
     pub memory_used_bytes: u64,
     /// Charged memory beyond the buffers' sizes (page rounding).
     pub memory_wasted_bytes: u64,
+    /// Memory faulted in ahead of need ([`crate::Cache::prefault`]) that no buffer has used
+    /// yet: resident, but not charged to the cache.
+    pub memory_prefaulted_bytes: u64,
     /// Live buffers.
     pub buffers_in_use: u64,
     /// Limit on memory now.

@@ -415,6 +415,22 @@ impl Table {
         self.pool.trim();
     }
 
+    /// Faults one more chunk of buffer memory in ahead of need while the pool stays within
+    /// `bytes_max` and the memory limit. Returns whether it did.
+    pub(crate) fn prefault_chunk(&self, bytes_max: u64) -> bool {
+        let bound = bytes_max.min(self.memory.bytes_max.load(Ordering::Acquire));
+        self.pool
+            .prefault_chunk(usize::try_from(bound).unwrap_or(usize::MAX))
+    }
+
+    /// Gives back memory faulted in ahead of need when the pool holds more than the memory
+    /// limit (the limit shrank).
+    pub(crate) fn release_spares_over_limit(&self) {
+        if self.pool.mapped_bytes() > self.memory.bytes_max.load(Ordering::Acquire) {
+            self.pool.release_spares();
+        }
+    }
+
     /// Bytes of free buffer memory still resident.
     pub(crate) fn idle_resident_bytes(&self) -> u64 {
         self.pool.idle_resident_bytes()
@@ -437,6 +453,7 @@ impl Table {
         }
         stats.memory_used_bytes = self.memory.used_bytes.load(Ordering::Acquire);
         stats.memory_wasted_bytes = self.memory.wasted_bytes.load(Ordering::Acquire);
+        stats.memory_prefaulted_bytes = self.pool.spare_bytes();
         stats.buffers_in_use = self.memory.buffers.load(Ordering::Acquire);
         stats.memory_bytes_max = self.memory.bytes_max.load(Ordering::Acquire);
         stats.buffers_max = self.memory.buffers_max.load(Ordering::Acquire);

@@ -98,3 +98,49 @@ fn a_limit_too_small_for_one_buffer_is_refused() {
     let error = cache.set_limits(1024, 16).unwrap_err().to_string();
     assert!(error.contains("memory_bytes_max"), "{error}");
 }
+
+#[test]
+fn prefaulted_memory_stays_within_the_limit_and_is_given_back_when_it_shrinks() {
+    // Goal: memory faulted in ahead of need never exceeds the smaller of the caller's bound
+    // and the memory limit, a fill uses it, and a limit shrunk below it gives it back.
+    // Method: prefault an 8 MiB cache with a 6 MiB bound (3 chunks), then with none (1 more);
+    // write 2 MiB (one chunk taken); shrink to 4 MiB: the spare chunks go, one chunk fits
+    // beside the one in use, and the cache still reads back what was written.
+    let (cache, object, _device) = setup(8 << 20);
+    let mut chunks = 0;
+    while cache.prefault(6 << 20) {
+        chunks += 1;
+    }
+    assert_eq!(chunks, 3);
+    while cache.prefault(u64::MAX) {
+        chunks += 1;
+    }
+    assert_eq!(chunks, 4, "the memory limit bounds an unbounded caller");
+    assert_eq!(cache.stats().memory_prefaulted_bytes, 8 << 20);
+    let data: Vec<u8> = (0..2 << 20).map(|index| (index % 251) as u8).collect();
+    object.write_at(0, &data, false).unwrap();
+    let stats = cache.stats();
+    assert_eq!(stats.memory_used_bytes, 2 << 20);
+    assert_eq!(
+        stats.memory_prefaulted_bytes,
+        6 << 20,
+        "the fill took one chunk"
+    );
+    cache.set_limits(4 << 20, 1024).unwrap();
+    assert_eq!(
+        cache.stats().memory_prefaulted_bytes,
+        0,
+        "spares given back"
+    );
+    let mut again = 0;
+    while cache.prefault(u64::MAX) {
+        again += 1;
+    }
+    assert_eq!(
+        again, 1,
+        "the 2 MiB in use plus one chunk fill the 4 MiB limit"
+    );
+    let mut back = vec![0u8; data.len()];
+    object.read_at(0, &mut back).unwrap();
+    assert!(back == data);
+}
