@@ -138,9 +138,19 @@ struct Connection {
     requests_served_inline: AtomicU64,
 }
 
+/// Bytes a connection reads from its socket at a time when it needs a request header: one
+/// `recv` then usually brings the header with a small WRITE's payload, or several queued
+/// requests' headers, instead of a `recv` for each header and each payload. Larger reads (a
+/// big payload into cache buffers) bypass the buffer, so at most this much of a payload is
+/// copied through it.
+const READ_BUFFER_BYTES: usize = 16 << 10;
+
+/// The socket as requests are read from it: buffered (see `READ_BUFFER_BYTES`).
+type RequestStream = io::BufReader<Stream>;
+
 /// The read side of a connection and how reading ended.
 struct Reader {
-    stream: Stream,
+    stream: RequestStream,
     /// Set by the thread that saw the end (EOF, NBD_CMD_DISC, shutdown, a broken stream);
     /// every thread that takes the reading role afterwards leaves.
     ended: Option<Result<(), TransmissionError>>,
@@ -227,7 +237,7 @@ pub(crate) fn serve(
         export: negotiated.export,
         writer: SleepingMutex::new(stream.try_clone()?),
         reading: ReadingRole::new(Reader {
-            stream,
+            stream: io::BufReader::with_capacity(READ_BUFFER_BYTES, stream),
             ended: None,
         }),
         structured_replies: negotiated.structured_replies,
@@ -348,7 +358,7 @@ fn read_until_slow(reader: &mut Reader, connection: &Connection) -> Turn {
 /// Reads and validates one request. `Ok(None)` when it was refused and answered already;
 /// `Err` with the connection's outcome when reading has ended.
 fn read_request(
-    stream: &mut Stream,
+    stream: &mut RequestStream,
     connection: &Connection,
 ) -> Result<Option<Request>, Result<(), TransmissionError>> {
     connection
@@ -357,8 +367,14 @@ fn read_request(
     if connection.broken.load(Ordering::Acquire) {
         return Err(Ok(()));
     }
-    if let Some(idle_timeout) = connection.limits.idle_timeout {
+    // A request already buffered is not waited for.
+    if let Some(idle_timeout) = connection
+        .limits
+        .idle_timeout
+        .filter(|_| stream.buffer().is_empty())
+    {
         if !stream
+            .get_ref()
             .wait_readable(idle_timeout)
             .map_err(|e| Err(e.into()))?
         {
@@ -442,7 +458,7 @@ fn read_request(
 /// Reads a WRITE payload whole. An oversized payload is skipped (and refused) when that is
 /// cheap enough; beyond that the connection ends.
 fn read_payload(
-    stream: &mut Stream,
+    stream: &mut RequestStream,
     connection: &Connection,
     header: &RequestHeader,
 ) -> Result<Result<Vec<u8>, Refusal>, TransmissionError> {
@@ -604,7 +620,7 @@ impl Connection {
     fn execute_write_from_stream(
         &self,
         request: Request,
-        stream: &mut Stream,
+        stream: &mut RequestStream,
     ) -> Result<(), TransmissionError> {
         let header = request.header;
         let length = u64::from(header.length);
