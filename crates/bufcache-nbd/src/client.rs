@@ -763,8 +763,18 @@ impl SliceCursor {
     }
 }
 
+/// Bytes the reply reader takes from the socket at a time: one `recv` then brings a reply's
+/// header with a small READ's data, or several replies, where it took a read for the magic,
+/// one for the rest of the header, one for a chunk's offset and one for the data (four for a
+/// 4 KiB structured READ reply). Data larger than this goes straight into its request's buffer.
+const REPLY_READ_BUFFER_BYTES: usize = 16 << 10;
+
+/// The socket as replies are read from it: buffered (see `REPLY_READ_BUFFER_BYTES`).
+type ReplyStream = io::BufReader<Stream>;
+
 /// Reads replies until the connection ends, then fails whatever is still pending.
-fn reader_loop(mut stream: Stream, shared: &Shared) {
+fn reader_loop(stream: Stream, shared: &Shared) {
+    let mut stream = io::BufReader::with_capacity(REPLY_READ_BUFFER_BYTES, stream);
     let reason = loop {
         if let Err(reason) = read_one_reply(&mut stream, shared) {
             break reason;
@@ -774,7 +784,7 @@ fn reader_loop(mut stream: Stream, shared: &Shared) {
 }
 
 /// Reads one simple reply or structured chunk and applies it to its slot.
-fn read_one_reply(stream: &mut Stream, shared: &Shared) -> Result<(), String> {
+fn read_one_reply(stream: &mut ReplyStream, shared: &Shared) -> Result<(), String> {
     let mut magic = [0u8; 4];
     stream.read_exact(&mut magic).map_err(|error| {
         if error.kind() == io::ErrorKind::UnexpectedEof {
@@ -806,7 +816,7 @@ fn take_slot(shared: &Shared, handle: u64, remove: bool) -> Result<Arc<Slot>, St
     slot.ok_or_else(|| format!("protocol violation: reply for unknown handle {handle}"))
 }
 
-fn read_simple_reply(stream: &mut Stream, shared: &Shared) -> Result<(), String> {
+fn read_simple_reply(stream: &mut ReplyStream, shared: &Shared) -> Result<(), String> {
     let mut rest = [0u8; SIMPLE_REPLY_HEADER_BYTES - 4];
     stream.read_exact(&mut rest).map_err(io_reason)?;
     let error = be_u32(&rest[0..4]);
@@ -821,7 +831,7 @@ fn read_simple_reply(stream: &mut Stream, shared: &Shared) -> Result<(), String>
 }
 
 fn fill_simple_reply(
-    stream: &mut Stream,
+    stream: &mut ReplyStream,
     shared: &Shared,
     slot: &Slot,
     state: &mut SlotState,
@@ -849,7 +859,7 @@ fn fail_or_finish(slot: &Slot, state: &mut SlotState, result: &Result<(), String
     slot.finish(state);
 }
 
-fn read_structured_chunk(stream: &mut Stream, shared: &Shared) -> Result<(), String> {
+fn read_structured_chunk(stream: &mut ReplyStream, shared: &Shared) -> Result<(), String> {
     let mut rest = [0u8; STRUCTURED_REPLY_HEADER_BYTES - 4];
     stream.read_exact(&mut rest).map_err(io_reason)?;
     let flags = be_u16(&rest[0..2]);
@@ -888,7 +898,7 @@ fn check_read_coverage(slot: &Slot, state: &SlotState) -> Result<(), String> {
 const CHUNK_BYTES_MAX: u32 = 1 << 20;
 
 fn apply_chunk(
-    stream: &mut Stream,
+    stream: &mut ReplyStream,
     slot: &Slot,
     state: &mut SlotState,
     chunk_type: u16,
@@ -955,7 +965,7 @@ fn apply_chunk(
     }
 }
 
-fn read_payload(stream: &mut Stream, length: u32) -> Result<Vec<u8>, String> {
+fn read_payload(stream: &mut ReplyStream, length: u32) -> Result<Vec<u8>, String> {
     if length > CHUNK_BYTES_MAX {
         return Err(format!("protocol violation: chunk of {length} bytes"));
     }
