@@ -80,6 +80,8 @@ pub(crate) enum HandshakeError {
         "option {option} carries {length_bytes} bytes, more than the {OPTION_BYTES_MAX} allowed"
     )]
     OptionTooLong { option: u32, length_bytes: u32 },
+    #[error("too many connections: every serving slot is taken (connections_max)")]
+    TooManyConnections,
     #[error("NBD_OPT_EXPORT_NAME asked for unknown export {0:?}")]
     UnknownExport(String),
     #[error("client asked for an export without TLS, which is required")]
@@ -109,6 +111,9 @@ struct Haggle<'a> {
     structured_replies: bool,
     /// Export index for which `base:allocation` was selected with SET_META_CONTEXT.
     base_allocation_for: Option<usize>,
+    /// Takes a serving slot for the connection; called before the reply that ends the
+    /// handshake, so a client told it may transmit always has one.
+    admit: &'a mut dyn FnMut() -> bool,
 }
 
 /// Runs the handshake on a fresh connection.
@@ -117,6 +122,7 @@ pub(crate) fn negotiate(
     exports: &ExportTable,
     request_size_max: u32,
     tls: &TlsServer,
+    admit: &mut dyn FnMut() -> bool,
 ) -> Result<Outcome, HandshakeError> {
     let mut greeting = Vec::with_capacity(18);
     greeting.extend_from_slice(&INIT_MAGIC.to_be_bytes());
@@ -140,6 +146,7 @@ pub(crate) fn negotiate(
         no_zeroes: client_flags & CLIENT_FLAG_NO_ZEROES != 0,
         structured_replies: false,
         base_allocation_for: None,
+        admit,
     };
     loop {
         let (option, data) = match haggle.read_option() {
@@ -265,6 +272,10 @@ impl Haggle<'_> {
             // This option cannot carry an error reply: the spec says to close.
             return Err(HandshakeError::UnknownExport(name));
         };
+        if !(self.admit)() {
+            // As above: no error reply exists for this option, so the connection closes.
+            return Err(HandshakeError::TooManyConnections);
+        }
         let negotiated = self.enter(index, name);
         let mut message = Vec::with_capacity(10 + 124);
         message.extend_from_slice(&negotiated.export.size().to_be_bytes());
@@ -337,6 +348,15 @@ impl Haggle<'_> {
         info.extend_from_slice(&preferred.to_be_bytes());
         info.extend_from_slice(&self.request_size_max.to_be_bytes());
         self.reply(option, REP_INFO, &info)?;
+        if option == OPT_GO && !(self.admit)() {
+            tracing::warn!("connection refused after the handshake: every serving slot is taken");
+            self.error(
+                option,
+                REP_ERR_POLICY,
+                "too many connections: every serving slot is taken (connections_max)",
+            )?;
+            return Ok(None);
+        }
         self.reply(option, REP_ACK, &[])?;
         if option == OPT_INFO {
             return Ok(None);

@@ -478,11 +478,13 @@ fn serve_connection(
         tracing::warn!(%peer, "cannot set the handshake timeout: {error}");
         return;
     }
+    let mut admit = || admission.establish(config.connections_max);
     let negotiated = match handshake::negotiate(
         &mut stream,
         context.exports,
         config.request_size_max,
         context.tls,
+        &mut admit,
     ) {
         Ok(Outcome::Transmission(negotiated)) => negotiated,
         Ok(Outcome::Closed) => {
@@ -508,14 +510,6 @@ fn serve_connection(
         }
     };
     let export_name = negotiated.export_name.clone();
-    if !admission.establish(config.connections_max) {
-        tracing::warn!(
-            %peer,
-            connections_max = config.connections_max,
-            "connection closed after the handshake: too many connections, or handshake timed out"
-        );
-        return;
-    }
     tracing::info!(
         %peer,
         export = %export_name,

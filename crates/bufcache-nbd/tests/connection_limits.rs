@@ -127,7 +127,12 @@ fn connections_max_counts_serving_clients_and_the_handshake_timeout_closes_silen
     let _silent: Vec<TcpStream> = (0..3).map(|_| silent_client(&server)).collect();
     let first = NbdClient::connect(&server.tcp_uri("mem")).expect("first client");
     let second = NbdClient::connect(&server.tcp_uri("mem")).expect("second client");
-    // Both serving slots are taken: a third is refused at once.
+    // Both serving slots are taken: a third is refused at once, with a reason. A slot is
+    // taken before the reply that lets a client transmit, so a client told it may transmit
+    // always has one (it was taken after that reply, and under CPU contention a third client
+    // was told yes while the second had not taken its slot yet, and one of them was closed).
+    // (Refused at accept, the client is closed before the greeting; refused at GO, it gets
+    // NBD_REP_ERR_POLICY naming the limit.)
     assert!(NbdClient::connect(&server.tcp_uri("mem")).is_err());
     drop(second);
     // Once a slot frees, clients are served again (the server notices the close promptly).
@@ -242,4 +247,53 @@ fn a_flood_from_one_address_evicts_only_its_own_negotiating_connections() {
         "the bystander was evicted"
     );
     assert!(good_client_round_trip(&server) < Duration::from_secs(5));
+}
+
+#[test]
+fn a_client_told_it_may_transmit_always_has_a_serving_slot() {
+    // Goal: the serving slot is taken before the reply that ends the handshake, so when two
+    // clients race for the last slot the loser is refused at NBD_OPT_GO with an error naming
+    // the limit, and the winner is never closed after being told it may transmit. Method:
+    // with connections_max 1, a raw client passes the accept-time check and stops before
+    // GO; a second client then connects fully and takes the slot; the raw client's GO must
+    // get NBD_REP_ERR_POLICY, and the second client must still work.
+    use bufcache_nbd::protocol::*;
+    use std::io::Write;
+    let config = ServerConfig {
+        connections_max: 1,
+        ..ServerConfig::default()
+    };
+    let server = memory_server_with(config);
+    let mut raw = silent_client(&server);
+    let mut greeting = [0u8; 18];
+    raw.read_exact(&mut greeting).unwrap();
+    raw.write_all(&(CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES).to_be_bytes())
+        .unwrap();
+    let winner = NbdClient::connect(&server.tcp_uri("mem")).expect("the first to GO is served");
+    let mut option = OPTION_MAGIC.to_be_bytes().to_vec();
+    option.extend_from_slice(&OPT_GO.to_be_bytes());
+    option.extend_from_slice(&(4 + 3 + 2u32).to_be_bytes());
+    option.extend_from_slice(&3u32.to_be_bytes());
+    option.extend_from_slice(b"mem");
+    option.extend_from_slice(&0u16.to_be_bytes());
+    raw.write_all(&option).unwrap();
+    let refusal = loop {
+        let mut header = [0u8; 20];
+        raw.read_exact(&mut header).unwrap();
+        let reply_type = u32::from_be_bytes(header[12..16].try_into().unwrap());
+        let mut payload =
+            vec![0u8; u32::from_be_bytes(header[16..20].try_into().unwrap()) as usize];
+        raw.read_exact(&mut payload).unwrap();
+        match reply_type {
+            REP_INFO => continue,
+            REP_ACK => panic!("the second GO was acknowledged with no serving slot left"),
+            other => break (other, String::from_utf8_lossy(&payload).into_owned()),
+        };
+    };
+    assert_eq!(refusal.0, REP_ERR_POLICY, "{}", refusal.1);
+    assert!(refusal.1.contains("too many connections"), "{}", refusal.1);
+    winner.write(0, b"still served").unwrap();
+    let mut back = [0u8; 12];
+    winner.read(0, &mut back).unwrap();
+    assert_eq!(&back, b"still served");
 }
