@@ -139,6 +139,10 @@ struct SlotState {
     target: Option<ReadTarget>,
     /// Bytes of READ data delivered so far by structured chunks.
     covered_bytes: u64,
+    /// The ranges of the request those chunks covered, sorted and disjoint: a chunk that
+    /// overlaps one is a protocol violation, and without this check overlapping chunks could
+    /// add up to the request's length and leave a gap of the caller's old bytes unwritten.
+    covered: Vec<std::ops::Range<usize>>,
     done: bool,
 }
 
@@ -162,29 +166,26 @@ struct ReadTarget {
 unsafe impl Send for ReadTarget {}
 
 impl ReadTarget {
-    /// Takes the next `length_bytes` of `buffers` from `cursor` on.
-    fn carve(
-        buffers: &mut [IoSliceMut<'_>],
-        cursor: &mut SliceCursor,
-        length_bytes: usize,
-    ) -> Self {
-        let mut segments = Vec::new();
-        let mut left = length_bytes;
-        while left > 0 && cursor.buffer_index < buffers.len() {
-            let buffer = &mut buffers[cursor.buffer_index][cursor.offset_in_buffer..];
-            let step = buffer.len().min(left);
-            if let Some(start) = NonNull::new(buffer.as_mut_ptr()).filter(|_| step > 0) {
-                segments.push((start, step));
-            }
-            left -= step;
-            cursor.offset_in_buffer += step;
-            if cursor.offset_in_buffer == buffers[cursor.buffer_index].len() {
-                cursor.buffer_index += 1;
-                cursor.offset_in_buffer = 0;
-            }
-        }
-        assert_eq!(left, 0, "a READ piece reaches past the caller's buffers");
-        ReadTarget { segments }
+    /// Splits `buffers` into one target per piece length, in order. Every pointer comes from
+    /// one pass over the buffers, made before any target is used: taking a fresh `&mut` to a
+    /// buffer for each piece would invalidate the pointers an earlier piece holds into it.
+    fn carve_all(buffers: &mut [IoSliceMut<'_>], piece_lengths: &[usize]) -> Vec<Self> {
+        let whole: Vec<(*mut u8, usize)> = buffers
+            .iter_mut()
+            .map(|buffer| (buffer.as_mut_ptr(), buffer.len()))
+            .collect();
+        assert_eq!(
+            piece_lengths.iter().sum::<usize>(),
+            whole.iter().map(|&(_, length)| length).sum::<usize>(),
+            "READ pieces cover exactly the caller's buffers"
+        );
+        let mut cursor = SliceCursor::default();
+        piece_lengths
+            .iter()
+            .map(|&length_bytes| ReadTarget {
+                segments: cursor.take(&whole, length_bytes),
+            })
+            .collect()
     }
 
     /// The caller's memory for bytes `range` of the request.
@@ -215,6 +216,7 @@ impl Slot {
                 completion: Completion::default(),
                 target,
                 covered_bytes: 0,
+                covered: Vec::new(),
                 done: false,
             }),
             finished: Condvar::new(),
@@ -266,6 +268,8 @@ struct Shared {
 impl Shared {
     /// Marks the connection dead and fails every pending request.
     fn die(&self, reason: String) {
+        // First, so a reader blocked mid-reply (holding a slot's lock) wakes and lets go.
+        self.control.shutdown_both();
         let (slots, reason) = {
             let mut table = self.pending.lock();
             if table.dead.is_none() {
@@ -278,7 +282,6 @@ impl Shared {
         for slot in slots {
             slot.fail(&reason);
         }
-        self.control.shutdown_both();
     }
 }
 
@@ -538,15 +541,16 @@ impl NbdClient {
         buffers: &mut [IoSliceMut<'_>],
     ) -> Result<(), ClientError> {
         let total_bytes: u64 = buffers.iter().map(|buffer| buffer.len() as u64).sum();
+        let splits = self.pieces(offset, total_bytes);
+        let lengths: Vec<usize> = splits.iter().map(|&(_, length)| length as usize).collect();
+        let targets = ReadTarget::carve_all(buffers, &lengths);
         let mut pieces = Vec::new();
-        let mut cursor = SliceCursor::default();
-        for (piece_offset, piece_length) in self.pieces(offset, total_bytes) {
+        for ((piece_offset, piece_length), target) in splits.into_iter().zip(targets) {
             let header = self.header(CMD_READ, 0, piece_offset, piece_length);
             let expect = Expect::Read {
                 offset: piece_offset,
                 length_bytes: piece_length,
             };
-            let target = ReadTarget::carve(buffers, &mut cursor, piece_length as usize);
             pieces.push((header, self.submit(header, &[], expect, Some(target))));
         }
         // Every submitted slot is waited for, even after an error: until then the reader
@@ -807,6 +811,37 @@ struct SliceCursor {
     offset_in_buffer: usize,
 }
 
+impl SliceCursor {
+    /// The next `length_bytes` of `whole` (start, length) as segments; empty buffers are
+    /// stepped over.
+    fn take(
+        &mut self,
+        whole: &[(*mut u8, usize)],
+        length_bytes: usize,
+    ) -> Vec<(NonNull<u8>, usize)> {
+        let mut segments = Vec::new();
+        let mut left = length_bytes;
+        while self.buffer_index < whole.len() {
+            let (start, length) = whole[self.buffer_index];
+            let step = (length - self.offset_in_buffer).min(left);
+            if step > 0 {
+                // SAFETY: `offset_in_buffer` < `length`, so the pointer stays in the buffer.
+                let at = unsafe { start.add(self.offset_in_buffer) };
+                segments.extend(NonNull::new(at).map(|at| (at, step)));
+            }
+            left -= step;
+            self.offset_in_buffer += step;
+            if self.offset_in_buffer == length {
+                self.buffer_index += 1;
+                self.offset_in_buffer = 0;
+            } else if left == 0 {
+                break;
+            }
+        }
+        segments
+    }
+}
+
 /// Bytes the reply reader takes from the socket at a time: one `recv` then brings a reply's
 /// header with a small READ's data, or several replies, where it took a read for the magic,
 /// one for the rest of the header, one for a chunk's offset and one for the data (four for a
@@ -924,6 +959,27 @@ fn read_structured_chunk(stream: &mut ReplyStream, shared: &Shared) -> Result<()
 }
 
 /// A successful structured READ must have delivered every byte it asked for.
+impl SlotState {
+    /// Records that a chunk delivered `range` of a READ; refuses one that overlaps an earlier
+    /// chunk (the spec forbids it).
+    fn cover(&mut self, range: &std::ops::Range<usize>) -> Result<(), String> {
+        let at = self.covered.partition_point(|done| done.end <= range.start);
+        if self
+            .covered
+            .get(at)
+            .is_some_and(|next| next.start < range.end)
+        {
+            return Err(format!(
+                "protocol violation: READ reply chunks overlap at bytes {}..{} of the request",
+                range.start, range.end
+            ));
+        }
+        self.covered.insert(at, range.clone());
+        self.covered_bytes += range.len() as u64;
+        Ok(())
+    }
+}
+
 fn check_read_coverage(slot: &Slot, state: &SlotState) -> Result<(), String> {
     match slot.expect {
         Expect::Read { length_bytes, .. } if state.covered_bytes != u64::from(length_bytes) => {
@@ -958,7 +1014,7 @@ fn apply_chunk(
             let mut chunk_offset = [0u8; 8];
             stream.read_exact(&mut chunk_offset).map_err(io_reason)?;
             let range = chunk_range(offset, length_bytes, be_u64(&chunk_offset), length - 8)?;
-            state.covered_bytes += range.len() as u64;
+            state.cover(&range)?;
             read_into_target(stream, state, range)
         }
         (
@@ -975,7 +1031,7 @@ fn apply_chunk(
                 be_u64(&payload),
                 be_u32(&payload[8..]),
             )?;
-            state.covered_bytes += range.len() as u64;
+            state.cover(&range)?;
             if let Some(target) = state.target.as_mut().filter(|_| !state.done) {
                 for slice in target.slices(range).iter_mut() {
                     slice.fill(0);
@@ -1139,14 +1195,19 @@ mod tests {
     #[test]
     fn read_targets_carve_pieces_across_buffers_and_expose_sub_ranges() {
         // Goal: a READ split into pieces writes each piece's bytes to the right place of the
-        // caller's buffers, whatever the buffer boundaries. Method: carve 2 + 3 bytes from a
-        // 3-byte and a 2-byte buffer, then write through sub-ranges of each target.
+        // caller's buffers, whatever the buffer boundaries (an empty buffer included). Method:
+        // carve 2 + 3 bytes from 3-, 0- and 2-byte buffers, then write through sub-ranges of
+        // each target.
         let mut first = [0u8; 3];
+        let mut empty = [0u8; 0];
         let mut second = [0u8; 2];
-        let mut buffers = [IoSliceMut::new(&mut first), IoSliceMut::new(&mut second)];
-        let mut cursor = SliceCursor::default();
-        let mut head = ReadTarget::carve(&mut buffers, &mut cursor, 2);
-        let mut tail = ReadTarget::carve(&mut buffers, &mut cursor, 3);
+        let mut buffers = [
+            IoSliceMut::new(&mut first),
+            IoSliceMut::new(&mut empty),
+            IoSliceMut::new(&mut second),
+        ];
+        let mut targets = ReadTarget::carve_all(&mut buffers, &[2, 3]).into_iter();
+        let (mut head, mut tail) = (targets.next().unwrap(), targets.next().unwrap());
         assert_eq!(head.segments.len(), 1);
         assert_eq!(
             tail.segments.len(),
@@ -1168,6 +1229,26 @@ mod tests {
         }
         drop((head, tail));
         assert_eq!((first, second), ([1, 2, 3], [9, 5]));
+    }
+
+    #[test]
+    fn overlapping_read_chunks_are_refused() {
+        // Goal: chunks that overlap cannot add up to a READ's length and leave a gap of the
+        // caller's old bytes (the spec forbids overlap). Method: cover 0..256 twice, and
+        // check that touching ranges are fine.
+        let mut state = SlotState {
+            completion: Completion::default(),
+            target: None,
+            covered_bytes: 0,
+            covered: Vec::new(),
+            done: false,
+        };
+        state.cover(&(256..512)).unwrap();
+        state.cover(&(0..256)).unwrap();
+        assert!(state.cover(&(0..256)).is_err());
+        assert!(state.cover(&(500..600)).is_err());
+        state.cover(&(512..600)).unwrap();
+        assert_eq!(state.covered_bytes, 600);
     }
 
     #[test]

@@ -473,8 +473,14 @@ fn serve_connection(
     // Every log line of this connection (handshake and TLS included) names the peer. The
     // span is at WARN level so it is enabled whenever the warnings it frames are.
     let _span = tracing::warn_span!("connection", %peer).entered();
-    // A client that never finishes the handshake must not hold a thread forever.
-    if let Err(error) = stream.set_read_timeout(Some(config.handshake_timeout)) {
+    // A client that never finishes the handshake must not hold a thread forever. Writes are
+    // bounded too: the serving slot is taken before the last handshake reply is written, and
+    // a client that stops reading must not keep it (the handshake budget's expiry no longer
+    // covers a connection that holds a serving slot).
+    let timeouts = stream
+        .set_read_timeout(Some(config.handshake_timeout))
+        .and_then(|()| stream.set_write_timeout(Some(config.handshake_timeout)));
+    if let Err(error) = timeouts {
         tracing::warn!(%peer, "cannot set the handshake timeout: {error}");
         return;
     }
@@ -516,7 +522,10 @@ fn serve_connection(
         structured_replies = negotiated.structured_replies,
         "client connected"
     );
-    if let Err(error) = stream.set_read_timeout(None) {
+    let cleared = stream
+        .set_read_timeout(None)
+        .and_then(|()| stream.set_write_timeout(None));
+    if let Err(error) = cleared {
         tracing::warn!(%peer, "cannot clear the handshake timeout: {error}");
         return;
     }
@@ -562,6 +571,12 @@ type Registry = Arc<Mutex<HashMap<u64, Entry>>>;
 struct Admission {
     id: u64,
     registry: Registry,
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        self.registry.lock().remove(&self.id);
+    }
 }
 
 impl Admission {
@@ -695,20 +710,12 @@ impl Connections {
         };
         let spawned = std::thread::Builder::new()
             .name(format!("nbd-connection-{id}"))
-            .spawn(move || {
-                serve(stream, &admission);
-                admission.registry.lock().remove(&id);
-            });
-        match spawned {
-            Ok(handle) => {
-                self.threads.lock().push(handle);
-                Ok(())
-            }
-            Err(error) => {
-                self.registry.lock().remove(&id);
-                Err(error)
-            }
-        }
+            // The entry leaves the registry when `admission` drops: when serving ends, when
+            // it panics, or with the closure if the thread cannot start.
+            .spawn(move || serve(stream, &admission));
+        let handle = spawned?;
+        self.threads.lock().push(handle);
+        Ok(())
     }
 
     fn reap_finished(&self) {

@@ -53,6 +53,14 @@ impl Stream {
         }
     }
 
+    /// Bounds how long a `write` may block (`None`: forever).
+    pub fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        match self {
+            Stream::Tcp(stream) => stream.set_write_timeout(timeout),
+            Stream::Unix(stream) => stream.set_write_timeout(timeout),
+        }
+    }
+
     /// Sends small messages (reply headers) at once instead of waiting to coalesce them:
     /// NBD is request/response, and Nagle's delay would add latency to every request.
     pub fn set_no_delay(&self) {

@@ -137,6 +137,8 @@ impl Cache {
             }));
         }
         inner.table.set_limits(memory_bytes_max, buffers_max);
+        // Spares first: they are not buffers, so no eviction below would ever free them.
+        inner.table.release_spares_over_limit();
         while inner.table.over_limit() {
             if inner.table.evict_one() {
                 continue;
@@ -149,7 +151,6 @@ impl Cache {
         }
         // Memory the smaller cache no longer uses goes back to the system.
         inner.table.trim();
-        inner.table.release_spares_over_limit();
         Ok(())
     }
 
