@@ -261,11 +261,7 @@ impl BufferPool {
         if counted.is_err() {
             return false;
         }
-        let mapping = Mapping::new(
-            POOL_CHUNK_BYTES,
-            self.alignment.max(HUGE_PAGE_BYTES),
-            self.huge_pages,
-        );
+        let mapping = self.mapping(POOL_CHUNK_BYTES);
         self.spare.lock().push(mapping);
         true
     }
@@ -290,13 +286,18 @@ impl BufferPool {
         released as u64
     }
 
-    /// Maps and faults in a chunk of `chunk_bytes`, counted in `mapped_bytes`.
-    fn map_chunk(&self, chunk_bytes: usize) -> Mapping {
-        let mapping = Mapping::new(
+    /// Maps and faults in a chunk of `chunk_bytes`, not yet counted.
+    fn mapping(&self, chunk_bytes: usize) -> Mapping {
+        Mapping::new(
             chunk_bytes,
             self.alignment.max(HUGE_PAGE_BYTES),
             self.huge_pages,
-        );
+        )
+    }
+
+    /// Maps and faults in a chunk of `chunk_bytes`, counted in `mapped_bytes`.
+    fn map_chunk(&self, chunk_bytes: usize) -> Mapping {
+        let mapping = self.mapping(chunk_bytes);
         self.mapped_bytes
             .fetch_add(chunk_bytes, std::sync::atomic::Ordering::AcqRel);
         mapping
