@@ -355,6 +355,10 @@ impl Device for CrashDevice {
         Ok(())
     }
 
+    fn write_batch_at(&self, writes: &[crate::device::BatchWrite<'_>]) -> Vec<io::Result<()>> {
+        crate::device::write_each(self, writes)
+    }
+
     fn flush(&self) -> io::Result<()> {
         let mut state = self.state.lock();
         state.admit("flush")?;

@@ -27,6 +27,22 @@ pub struct Extent {
     pub hole: bool,
 }
 
+/// One write of a [`Device::write_batch_at`] batch: `buffers`, in order, at `offset`.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchWrite<'a> {
+    /// The device byte offset of the first byte.
+    pub offset: u64,
+    /// The data, gathered in order.
+    pub buffers: &'a [IoSlice<'a>],
+}
+
+impl BatchWrite<'_> {
+    /// Total bytes the write carries.
+    pub fn length_bytes(&self) -> u64 {
+        total_length(self.buffers.iter().map(|buffer| buffer.len()))
+    }
+}
+
 /// What a device can do, returned once as one value so that a wrapper forwards all of it or
 /// none of it: a wrapper that forgets a capability does not compile instead of silently
 /// reporting a default.
@@ -76,6 +92,13 @@ pub trait Device: Send + Sync {
 
     /// Writes every slice in `buffers`, in order, to consecutive bytes starting at `offset`.
     fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()>;
+
+    /// Does each of `writes` as [`Device::write_vectored_at`] would and returns one outcome
+    /// per write, in order. A device with a per-request round trip (an NBD upstream) keeps
+    /// them all in flight at once; a local device may simply do them in turn
+    /// ([`write_each`]). Writes of one batch never overlap, and none is durable before the
+    /// next [`Device::flush`] unless it says so itself.
+    fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>>;
 
     /// Makes every write that completed before this call durable.
     fn flush(&self) -> io::Result<()>;
@@ -132,6 +155,20 @@ pub fn write_zeroes_by_writing(
     Ok(())
 }
 
+/// A batch written one write after another, each with [`Device::write_vectored_at`]: the
+/// [`Device::write_batch_at`] of devices for which in-flight writes gain nothing (a local
+/// file, memory, a modelled disk), and of wrappers whose per-request rules need each write
+/// on its own.
+pub fn write_each(
+    device: &(impl Device + ?Sized),
+    writes: &[BatchWrite<'_>],
+) -> Vec<io::Result<()>> {
+    writes
+        .iter()
+        .map(|write| device.write_vectored_at(write.buffers, write.offset))
+        .collect()
+}
+
 /// The alignment of the zero buffer: the largest logical block size O_DIRECT asks for.
 const ZERO_ALIGNMENT_BYTES: usize = 4096;
 
@@ -172,6 +209,9 @@ impl<D: Device + ?Sized> Device for std::sync::Arc<D> {
     }
     fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
         (**self).write_vectored_at(buffers, offset)
+    }
+    fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
+        (**self).write_batch_at(writes)
     }
     fn flush(&self) -> io::Result<()> {
         (**self).flush()

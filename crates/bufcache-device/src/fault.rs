@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::device::{total_length, Capabilities, Device, Extent};
+use crate::device::{total_length, BatchWrite, Capabilities, Device, Extent};
 use crate::rng::SeededRng;
 
 /// Sector size used to tear writes: a torn write keeps a whole number of these.
@@ -269,6 +269,47 @@ impl<D: Device> FaultDevice<D> {
         (number, cause)
     }
 
+    /// The error for write request `number`, failed by `cause`. With torn writes on, a
+    /// random whole-sector prefix shorter than the write reaches the inner device first.
+    fn fail_write(
+        &self,
+        buffers: &[IoSlice<'_>],
+        offset: u64,
+        number: u64,
+        cause: &str,
+    ) -> io::Error {
+        let length = total_length(buffers.iter().map(|b| b.len()));
+        if !self.torn_writes.load(Ordering::Acquire) || length == 0 {
+            return Self::fault(FaultKind::Write, offset, length, number, cause, "");
+        }
+        let sectors = length.div_ceil(TORN_SECTOR_BYTES);
+        let kept = (self.random.lock().below(sectors) * TORN_SECTOR_BYTES).min(length);
+        if kept > 0 {
+            let mut prefix: Vec<IoSlice<'_>> = Vec::new();
+            let mut left = kept as usize;
+            for buffer in buffers {
+                if left == 0 {
+                    break;
+                }
+                let step = buffer.len().min(left);
+                prefix.push(IoSlice::new(&buffer[..step]));
+                left -= step;
+            }
+            if let Err(error) = self.inner.write_vectored_at(&prefix, offset) {
+                return error;
+            }
+        }
+        self.torn.fetch_add(1, Ordering::AcqRel);
+        Self::fault(
+            FaultKind::Write,
+            offset,
+            length,
+            number,
+            cause,
+            &format!(", torn after {kept} bytes"),
+        )
+    }
+
     fn fault(
         kind: FaultKind,
         offset: u64,
@@ -306,44 +347,43 @@ impl<D: Device> Device for FaultDevice<D> {
     fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
         let length = total_length(buffers.iter().map(|b| b.len()));
         let (number, cause) = self.admit(FaultKind::Write, Some(offset..offset + length));
-        let Some(cause) = cause else {
-            return self.inner.write_vectored_at(buffers, offset);
-        };
-        if !self.torn_writes.load(Ordering::Acquire) || length == 0 {
-            return Err(Self::fault(
-                FaultKind::Write,
-                offset,
-                length,
-                number,
-                cause,
-                "",
-            ));
+        match cause {
+            Some(cause) => Err(self.fail_write(buffers, offset, number, cause)),
+            None => self.inner.write_vectored_at(buffers, offset),
         }
-        // Tear: a random whole-sector prefix shorter than the write lands, then the error.
-        let sectors = length.div_ceil(TORN_SECTOR_BYTES);
-        let kept = (self.random.lock().below(sectors) * TORN_SECTOR_BYTES).min(length);
-        if kept > 0 {
-            let mut prefix: Vec<IoSlice<'_>> = Vec::new();
-            let mut left = kept as usize;
-            for buffer in buffers {
-                if left == 0 {
-                    break;
+    }
+
+    /// Each write is admitted (counted, delayed, judged) as if it came alone, in order; the
+    /// healthy ones then reach the inner device as one batch, so faults cost a batch none of
+    /// its in-flight writes.
+    fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
+        let mut outcomes: Vec<Option<io::Result<()>>> = Vec::with_capacity(writes.len());
+        let mut healthy = Vec::new();
+        let mut healthy_positions = Vec::new();
+        for (position, write) in writes.iter().enumerate() {
+            let range = write.offset..write.offset + write.length_bytes();
+            match self.admit(FaultKind::Write, Some(range)) {
+                (number, Some(cause)) => outcomes.push(Some(Err(self.fail_write(
+                    write.buffers,
+                    write.offset,
+                    number,
+                    cause,
+                )))),
+                (_, None) => {
+                    outcomes.push(None);
+                    healthy.push(*write);
+                    healthy_positions.push(position);
                 }
-                let step = buffer.len().min(left);
-                prefix.push(IoSlice::new(&buffer[..step]));
-                left -= step;
             }
-            self.inner.write_vectored_at(&prefix, offset)?;
         }
-        self.torn.fetch_add(1, Ordering::AcqRel);
-        Err(Self::fault(
-            FaultKind::Write,
-            offset,
-            length,
-            number,
-            cause,
-            &format!(", torn after {kept} bytes"),
-        ))
+        let results = self.inner.write_batch_at(&healthy);
+        for (position, result) in healthy_positions.into_iter().zip(results) {
+            outcomes[position] = Some(result);
+        }
+        outcomes
+            .into_iter()
+            .map(|outcome| outcome.expect("every write of the batch has an outcome"))
+            .collect()
     }
 
     fn flush(&self) -> io::Result<()> {
@@ -567,5 +607,42 @@ mod tests {
         let message = device.write_zeroes(0, 4096).unwrap_err().to_string();
         assert!(message.contains("write_zeroes"), "{message}");
         assert_eq!(device.stats().injected(FaultKind::Discard), 2);
+    }
+
+    #[test]
+    fn a_batch_is_judged_write_by_write_and_its_healthy_writes_still_land() {
+        // Goal: in a batch, each write is counted and judged as if it came alone (request
+        // numbers, ranges), a failed one fails only itself, and the healthy ones reach the
+        // inner device. Method: script write #1 and a range over the fourth write; a batch of
+        // four; read back.
+        let device = FaultDevice::new(MemoryDevice::new(1 << 20), 1);
+        device.fail_requests(FaultKind::Write, [1]);
+        device.fail_range(FaultKind::Write, 3 * 4096, 1);
+        let data: Vec<Vec<u8>> = (0..4u8).map(|index| vec![index + 1; 4096]).collect();
+        let slices: Vec<[IoSlice<'_>; 1]> =
+            data.iter().map(|bytes| [IoSlice::new(bytes)]).collect();
+        let writes: Vec<BatchWrite<'_>> = slices
+            .iter()
+            .enumerate()
+            .map(|(index, buffers)| BatchWrite {
+                offset: index as u64 * 4096,
+                buffers,
+            })
+            .collect();
+        let results = device.write_batch_at(&writes);
+        let failed: Vec<bool> = results.iter().map(Result::is_err).collect();
+        assert_eq!(failed, [false, true, false, true]);
+        assert!(results[1]
+            .as_ref()
+            .unwrap_err()
+            .to_string()
+            .contains("write request #1, script"));
+        assert_eq!(device.stats().requests(FaultKind::Write), 4);
+        assert_eq!(device.stats().injected(FaultKind::Write), 2);
+        for (index, failed) in failed.iter().enumerate() {
+            let expected = if *failed { 0 } else { index as u8 + 1 };
+            let back = read(&device, index as u64 * 4096, 4096).unwrap();
+            assert!(back.iter().all(|&byte| byte == expected), "write {index}");
+        }
     }
 }

@@ -393,6 +393,10 @@ impl Device for FileDevice {
         result.map_err(|error| self.annotate("write", offset, length, error))
     }
 
+    fn write_batch_at(&self, writes: &[crate::device::BatchWrite<'_>]) -> Vec<io::Result<()>> {
+        crate::device::write_each(self, writes)
+    }
+
     fn flush(&self) -> io::Result<()> {
         if self.read_only {
             return Ok(());

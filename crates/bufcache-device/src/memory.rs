@@ -70,6 +70,10 @@ impl Device for MemoryDevice {
         Ok(())
     }
 
+    fn write_batch_at(&self, writes: &[crate::device::BatchWrite<'_>]) -> Vec<io::Result<()>> {
+        crate::device::write_each(self, writes)
+    }
+
     fn flush(&self) -> io::Result<()> {
         Ok(())
     }

@@ -22,7 +22,9 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use bufcache::device::{check_range, Capabilities, Device, Extent, FlushGroup, SleepingMutex};
+use bufcache::device::{
+    check_range, BatchWrite, Capabilities, Device, Extent, FlushGroup, SleepingMutex,
+};
 use parking_lot::{Condvar, Mutex};
 
 use crate::client_handshake::{self, ExportInfo, HandshakeFailure};
@@ -245,6 +247,9 @@ impl Slot {
         std::mem::take(&mut state.completion)
     }
 }
+
+/// A request sent (or refused before sending) and the slot its reply will fill.
+type SentPiece = (RequestHeader, Result<Arc<Slot>, ClientError>);
 
 #[derive(Default)]
 struct PendingTable {
@@ -572,6 +577,12 @@ impl NbdClient {
         buffers: &[IoSlice<'_>],
         fua: bool,
     ) -> Result<(), ClientError> {
+        let pieces = self.send_write(offset, buffers, fua);
+        self.complete_all(pieces)
+    }
+
+    /// Sends the WRITE requests for `buffers` at `offset` without waiting for a reply.
+    fn send_write(&self, offset: u64, buffers: &[IoSlice<'_>], fua: bool) -> Vec<SentPiece> {
         let flags = if fua { CMD_FLAG_FUA } else { 0 };
         let total_bytes: u64 = buffers.iter().map(|buffer| buffer.len() as u64).sum();
         let mut pieces = Vec::new();
@@ -582,6 +593,11 @@ impl NbdClient {
             position += piece_length as usize;
             pieces.push((header, self.submit(header, &parts, Expect::Nothing, None)));
         }
+        pieces
+    }
+
+    /// Waits for every sent piece; the first error, if any.
+    fn complete_all(&self, pieces: Vec<SentPiece>) -> Result<(), ClientError> {
         let mut first_error = None;
         for (header, slot) in pieces {
             if let Err(error) = slot.and_then(|slot| self.complete(&header, &slot)) {
@@ -604,13 +620,7 @@ impl NbdClient {
             let header = self.header(command, flags, piece_offset, piece_length);
             pieces.push((header, self.submit(header, &[], Expect::Nothing, None)));
         }
-        let mut first_error = None;
-        for (header, slot) in pieces {
-            if let Err(error) = slot.and_then(|slot| self.complete(&header, &slot)) {
-                first_error.get_or_insert(error);
-            }
-        }
-        first_error.map_or(Ok(()), Err)
+        self.complete_all(pieces)
     }
 
     fn write_zero_buffers(&self, offset: u64, length_bytes: u64) -> Result<(), ClientError> {
@@ -621,6 +631,17 @@ impl NbdClient {
             let step = (length_bytes - done).min(chunk_bytes as u64) as usize;
             self.write(offset + done, &zeroes[..step])?;
             done += step as u64;
+        }
+        Ok(())
+    }
+
+    /// Refuses a write outside the export or to a read-only export.
+    fn check_writable(&self, offset: u64, length_bytes: u64) -> io::Result<()> {
+        check_range(self.size(), offset, length_bytes)?;
+        if self.shared.info.read_only() {
+            let error =
+                self.unsupported(CMD_WRITE, offset, length_bytes, "the export is read-only");
+            return Err(io::Error::new(io::ErrorKind::PermissionDenied, error));
         }
         Ok(())
     }
@@ -1122,12 +1143,23 @@ impl Device for NbdClient {
 
     fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
         let length: u64 = buffers.iter().map(|buffer| buffer.len() as u64).sum();
-        check_range(self.size(), offset, length)?;
-        if self.shared.info.read_only() {
-            let error = self.unsupported(CMD_WRITE, offset, length, "the export is read-only");
-            return Err(io::Error::new(io::ErrorKind::PermissionDenied, error));
-        }
+        self.check_writable(offset, length)?;
         Ok(self.write_vectored(offset, buffers, false)?)
+    }
+
+    /// Every piece of every write is sent before any reply is waited for, so a batch costs
+    /// about one round trip instead of one per write.
+    fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
+        let sent: Vec<io::Result<Vec<SentPiece>>> = writes
+            .iter()
+            .map(|write| {
+                self.check_writable(write.offset, write.length_bytes())?;
+                Ok(self.send_write(write.offset, write.buffers, false))
+            })
+            .collect();
+        sent.into_iter()
+            .map(|pieces| Ok(self.complete_all(pieces?)?))
+            .collect()
     }
 
     /// A FLUSH asked for while another is in flight waits for it and then shares the next

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bufcache::{Capabilities, Device, Extent};
+use bufcache::{BatchWrite, Capabilities, Device, Extent};
 use parking_lot::Mutex;
 
 use crate::client::{ClientError, NbdClient};
@@ -210,6 +210,11 @@ impl ReconnectingClient {
     }
 }
 
+/// The same error again, for a second caller (io::Error is not Clone).
+fn copy_error(error: &io::Error) -> io::Error {
+    io::Error::new(error.kind(), error.to_string())
+}
+
 /// True for errors that mean the connection is gone (not a refused request).
 fn is_disconnect(error: &io::Error) -> bool {
     match error
@@ -246,6 +251,41 @@ impl Device for ReconnectingClient {
         self.run(|client| client.write_vectored_at(buffers, offset))?;
         self.wrote();
         Ok(())
+    }
+
+    /// The batch goes to the current connection whole. Writes that failed because that
+    /// connection was lost are retried once, together, on a new one (as [`Self::run`] does
+    /// for a single request); writes that succeeded are not sent again.
+    fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
+        let client = match self.client() {
+            Ok(client) => client,
+            Err(error) => return writes.iter().map(|_| Err(copy_error(&error))).collect(),
+        };
+        let mut results = client.write_batch_at(writes);
+        let lost: Vec<usize> = (0..results.len())
+            .filter(|&position| results[position].as_ref().is_err_and(is_disconnect))
+            .collect();
+        if let Some(&first) = lost.first() {
+            if let Err(error) = &results[first] {
+                self.lost(&client, error);
+            }
+            if let Ok(client) = self.client() {
+                let retry: Vec<BatchWrite<'_>> =
+                    lost.iter().map(|&position| writes[position]).collect();
+                for (&position, result) in lost.iter().zip(client.write_batch_at(&retry)) {
+                    if let Err(error) = &result {
+                        if is_disconnect(error) {
+                            self.lost(&client, error);
+                        }
+                    }
+                    results[position] = result;
+                }
+            }
+        }
+        if results.iter().any(Result::is_ok) {
+            self.wrote();
+        }
+        results
     }
 
     fn flush(&self) -> io::Result<()> {

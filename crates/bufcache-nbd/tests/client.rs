@@ -481,3 +481,70 @@ fn many_small_pipelined_reads_come_back_whole_through_the_reply_buffer() {
         thread.join().unwrap();
     }
 }
+
+#[test]
+fn a_write_batch_is_in_flight_upstream_at_once_and_answers_each_write() {
+    // Goal: `Device::write_batch_at` over NBD sends every write before it waits for any
+    // reply, so a batch costs one round trip upstream, and each write gets its own outcome.
+    // Method: nbdkit memory behind the delay filter (20 ms per write) and, above it, the log
+    // filter, which logs each write when it arrives and when it returns; a batch of 16
+    // scattered writes and one past the end of the export. The log must show all 16 arrived
+    // before the first returned; the bad write alone fails; the data reads back.
+    let Some(log_directory) = tempfile::tempdir().ok() else {
+        return;
+    };
+    let log_path = log_directory.path().join("log.txt");
+    let log_argument = format!("logfile={}", log_path.display());
+    let Some(mut nbdkit) = Nbdkit::start(&[
+        "--filter=log",
+        "--filter=delay",
+        "memory",
+        "16M",
+        log_argument.as_str(),
+        "wdelay=20ms",
+    ]) else {
+        return;
+    };
+    let client = NbdClient::connect(&nbdkit.uri()).unwrap();
+    let data: Vec<Vec<u8>> = (0..17u64).map(|seed| pattern_bytes(4096, seed)).collect();
+    let slices: Vec<[IoSlice<'_>; 1]> = data.iter().map(|bytes| [IoSlice::new(bytes)]).collect();
+    let offsets: Vec<u64> = (0..16u64)
+        .map(|index| index * 65536)
+        .chain([16 << 20])
+        .collect();
+    let writes: Vec<bufcache::BatchWrite<'_>> = offsets
+        .iter()
+        .zip(&slices)
+        .map(|(&offset, buffers)| bufcache::BatchWrite { offset, buffers })
+        .collect();
+    let results = client.write_batch_at(&writes);
+    assert_eq!(results.len(), 17);
+    assert!(results[..16].iter().all(Result::is_ok), "{results:?}");
+    let past_end = results[16].as_ref().unwrap_err();
+    assert_eq!(
+        past_end.kind(),
+        std::io::ErrorKind::InvalidInput,
+        "{past_end}"
+    );
+    for (index, &offset) in offsets[..16].iter().enumerate() {
+        let mut back = vec![0u8; 4096];
+        client
+            .read_vectored_at(&mut [IoSliceMut::new(&mut back)], offset)
+            .unwrap();
+        assert!(back == data[index], "write {index} reads back");
+    }
+    drop(client);
+    nbdkit.stop();
+    let log = std::fs::read_to_string(&log_path).expect("log file");
+    let mut in_flight = 0usize;
+    let mut most = 0usize;
+    for line in log.lines() {
+        if line.contains("...Write id=") {
+            in_flight -= 1;
+        } else if line.contains(" Write id=") {
+            in_flight += 1;
+            most = most.max(in_flight);
+        }
+    }
+    assert_eq!(most, 16, "writes in flight at once upstream:\n{log}");
+}

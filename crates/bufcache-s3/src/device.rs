@@ -50,6 +50,10 @@ impl Device for S3Device {
         Ok(self.store.write(data, offset)?)
     }
 
+    fn write_batch_at(&self, writes: &[bufcache::device::BatchWrite<'_>]) -> Vec<io::Result<()>> {
+        bufcache::device::write_each(self, writes)
+    }
+
     /// Every write returned only after the store acknowledged its PUTs and DELETEs, so there
     /// is nothing left to wait for.
     fn flush(&self) -> io::Result<()> {

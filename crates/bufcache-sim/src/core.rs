@@ -1265,6 +1265,10 @@ impl Device for SimDevice {
         Ok(())
     }
 
+    fn write_batch_at(&self, writes: &[bufcache::device::BatchWrite<'_>]) -> Vec<io::Result<()>> {
+        bufcache::device::write_each(self, writes)
+    }
+
     fn flush(&self) -> io::Result<()> {
         self.draw(|c| c.flush_error_probability, "flush", 0, 0)?;
         {

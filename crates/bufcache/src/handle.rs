@@ -1157,7 +1157,7 @@ impl ObjectHandle {
     /// of one. They only ever take blocks nobody holds; the flush itself still walks every
     /// dirty block and waits for each write in flight (a helper's too) before it flushes the
     /// device, so its answer does not depend on them.
-    fn start_flush_helpers(&self) {
+    fn start_flush_helpers(&self, dirtied_by_ns: u64) {
         /// A helper is worth starting for at least this many dirty blocks.
         const BLOCKS_PER_HELPER_MIN: usize = 4;
         let wanted = self.inner().writeback().flush_helpers_wanted(&self.object);
@@ -1191,10 +1191,11 @@ impl ObjectHandle {
             let object = Arc::clone(&self.object);
             let job = Box::new(move || {
                 // Errors are latched on the object and reported by the flush.
-                let _ = inner.writeback().write_range(
+                let _ = inner.writeback().write_range_dirtied_by(
                     &object,
                     start,
                     end,
+                    dirtied_by_ns,
                     LockMode::Try,
                     WritebackCause::Flush,
                 );
@@ -1210,8 +1211,12 @@ impl ObjectHandle {
     /// completed before this call is durable when it returns `Ok`. Reports this handle's
     /// unseen write-back errors once.
     pub fn flush(&self) -> Result<(), CacheError> {
-        self.start_flush_helpers();
-        let result = self.inner().writeback().fsync_object(&self.object);
+        let started_ns = self.inner().writeback().now_ns();
+        self.start_flush_helpers(started_ns);
+        let result = self
+            .inner()
+            .writeback()
+            .fsync_dirtied_by(&self.object, started_ns);
         let unseen = self.object.unseen_error(&self.seen_error_sequence);
         result?;
         unseen.map_or(Ok(()), Err)

@@ -36,10 +36,10 @@ pub use config::{format_size, parse_size, CacheConfig, ConfigError};
 // in `bufcache-device`.
 pub use bufcache_device as device;
 pub use bufcache_device::{
-    Capabilities, CountingDevice, CrashDevice, CrashMode, CrashStats, Device, DeviceStats,
-    DirectionStats, Extent, FaultDevice, FaultKind, FaultStats, FileDevice, FileDeviceError,
-    FileDeviceOptions, IoQueue, IoQueueConfig, IoQueueConfigError, IoQueueStats, MemoryDevice,
-    QueueMode,
+    BatchWrite, Capabilities, CountingDevice, CrashDevice, CrashMode, CrashStats, Device,
+    DeviceStats, DirectionStats, Extent, FaultDevice, FaultKind, FaultStats, FileDevice,
+    FileDeviceError, FileDeviceOptions, IoQueue, IoQueueConfig, IoQueueConfigError, IoQueueStats,
+    MemoryDevice, QueueMode,
 };
 pub use environment::{
     Clock, Environment, FrozenClock, InlineSpawner, Job, NoSpawner, NoWait, Spawner, Waiter,

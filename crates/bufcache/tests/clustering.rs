@@ -278,6 +278,10 @@ impl Device for Recording {
         self.requests.lock().unwrap().push(('w', offset, length));
         self.inner.write_vectored_at(buffers, offset)
     }
+
+    fn write_batch_at(&self, writes: &[bufcache::device::BatchWrite<'_>]) -> Vec<io::Result<()>> {
+        bufcache::device::write_each(self, writes)
+    }
     fn flush(&self) -> io::Result<()> {
         Ok(())
     }

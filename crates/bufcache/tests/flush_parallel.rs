@@ -39,6 +39,10 @@ impl<D: Device> Device for InFlight<D> {
         result
     }
 
+    fn write_batch_at(&self, writes: &[bufcache::device::BatchWrite<'_>]) -> Vec<io::Result<()>> {
+        bufcache::device::write_each(self, writes)
+    }
+
     fn flush(&self) -> io::Result<()> {
         self.inner.flush()
     }
