@@ -183,6 +183,19 @@ impl Export for ObservedExport {
         self.inner.write_is_quick(offset, length, fua)
     }
 
+    /// Observed only when it starts: a read not started is served (and observed) by
+    /// `read_with`.
+    fn start_read(
+        &self,
+        offset: u64,
+        length: u32,
+        done: bufcache_nbd::ReadDone,
+    ) -> Result<(), bufcache_nbd::ReadDone> {
+        self.inner.start_read(offset, length, done)?;
+        self.observe(TraceOperation::Read, offset, u64::from(length));
+        Ok(())
+    }
+
     fn write_from(
         &self,
         offset: u64,

@@ -8,8 +8,9 @@
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
 
-use crate::device::{total_length, BatchWrite, Capabilities, Device, Extent};
+use crate::device::{total_length, AsyncRead, BatchWrite, Capabilities, Device, Extent};
 
 /// Histogram buckets: bucket `i` counts requests of at most `512 << i` bytes; the last bucket
 /// counts everything larger.
@@ -135,7 +136,8 @@ impl DeviceStats {
 /// A device wrapper that counts what reaches the inner device.
 pub struct CountingDevice<D> {
     inner: D,
-    reads: DirectionCounters,
+    /// Shared with the completions of reads started asynchronously.
+    reads: Arc<DirectionCounters>,
     writes: DirectionCounters,
     flushes: AtomicU64,
     discards: AtomicU64,
@@ -147,7 +149,7 @@ impl<D: Device> CountingDevice<D> {
     pub fn new(inner: D) -> Self {
         CountingDevice {
             inner,
-            reads: DirectionCounters::default(),
+            reads: Arc::default(),
             writes: DirectionCounters::default(),
             flushes: AtomicU64::new(0),
             discards: AtomicU64::new(0),
@@ -200,6 +202,15 @@ impl<D: Device> Device for CountingDevice<D> {
             self.writes.record(write.length_bytes(), result);
         }
         results
+    }
+
+    fn start_read(&self, read: AsyncRead) {
+        let length = read.length_bytes();
+        let reads = Arc::clone(&self.reads);
+        self.inner.start_read(read.wrap_done(move |result, done| {
+            reads.record(length, &result);
+            done(result);
+        }));
     }
 
     fn flush(&self) -> io::Result<()> {

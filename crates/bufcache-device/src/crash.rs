@@ -359,6 +359,10 @@ impl Device for CrashDevice {
         crate::device::write_each(self, writes)
     }
 
+    fn start_read(&self, read: crate::device::AsyncRead) {
+        crate::device::read_now(self, read)
+    }
+
     fn flush(&self) -> io::Result<()> {
         let mut state = self.state.lock();
         state.admit("flush")?;

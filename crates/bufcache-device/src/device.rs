@@ -15,6 +15,7 @@
 //! the `counting` module), never by special cases inside the engine.
 
 use std::io::{self, IoSlice, IoSliceMut};
+use std::ptr::NonNull;
 
 use crate::aligned::AlignedBytes;
 
@@ -43,6 +44,106 @@ impl BatchWrite<'_> {
     }
 }
 
+/// What runs when an [`AsyncRead`] ends, with its outcome.
+pub type ReadCompletion = Box<dyn FnOnce(io::Result<()>) + Send>;
+
+/// A read a device completes later, from a thread of its own ([`Device::start_read`]).
+///
+/// It carries raw pointers into the caller's memory: whoever makes one promises (it is
+/// `unsafe` to make) that the memory stays valid, and untouched by anyone but the device,
+/// until the completion has run. The completion runs exactly once: with the device's outcome,
+/// or with an error if the read is dropped before it ends.
+pub struct AsyncRead {
+    offset: u64,
+    segments: Vec<(NonNull<u8>, usize)>,
+    done: Option<ReadCompletion>,
+}
+
+// SAFETY: the memory is the caller's, lent until the completion runs (see the type's docs).
+unsafe impl Send for AsyncRead {}
+
+impl AsyncRead {
+    /// A read of the bytes at `offset` into `buffers`, in order, that runs `done` when it
+    /// ends.
+    ///
+    /// # Safety
+    /// The memory of `buffers` must stay valid and untouched by the caller (and anyone else
+    /// but the device) until `done` has run, even though this borrow ends now.
+    pub unsafe fn new(
+        offset: u64,
+        buffers: &mut [IoSliceMut<'_>],
+        done: impl FnOnce(io::Result<()>) + Send + 'static,
+    ) -> Self {
+        AsyncRead {
+            offset,
+            segments: buffers
+                .iter_mut()
+                .map(|buffer| {
+                    let start = NonNull::new(buffer.as_mut_ptr()).expect("slices are non-null");
+                    (start, buffer.len())
+                })
+                .collect(),
+            done: Some(Box::new(done)),
+        }
+    }
+
+    /// The device byte offset of the first byte.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// Total bytes to read.
+    pub fn length_bytes(&self) -> u64 {
+        total_length(self.segments.iter().map(|&(_, length)| length))
+    }
+
+    /// Runs `wrap` instead of the completion, with the outcome and the completion to pass it
+    /// on to: how a wrapper device counts or accounts for a read it forwards.
+    pub fn wrap_done(
+        mut self,
+        wrap: impl FnOnce(io::Result<()>, ReadCompletion) + Send + 'static,
+    ) -> Self {
+        let done = self.done.take().expect("a read's completion runs once");
+        self.done = Some(Box::new(move |result| wrap(result, done)));
+        self
+    }
+
+    /// Ends the read with `result` (a wrapper that fails it without passing it on).
+    pub fn finish(mut self, result: io::Result<()>) {
+        if let Some(done) = self.done.take() {
+            done(result);
+        }
+    }
+
+    /// The memory, as (start, length) segments in order, and the completion, for a device
+    /// that fills the memory from another thread and then runs the completion. The memory
+    /// may be written until the completion runs, and never after.
+    pub fn into_parts(mut self) -> (u64, Vec<(NonNull<u8>, usize)>, ReadCompletion) {
+        let done = self.done.take().expect("a read's completion runs once");
+        (self.offset, std::mem::take(&mut self.segments), done)
+    }
+}
+
+impl Drop for AsyncRead {
+    fn drop(&mut self) {
+        if let Some(done) = self.done.take() {
+            done(Err(io::Error::other(
+                "the read was dropped before it was done",
+            )));
+        }
+    }
+}
+
+impl std::fmt::Debug for AsyncRead {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("AsyncRead")
+            .field("offset", &self.offset)
+            .field("length_bytes", &self.length_bytes())
+            .finish()
+    }
+}
+
 /// What a device can do, returned once as one value so that a wrapper forwards all of it or
 /// none of it: a wrapper that forgets a capability does not compile instead of silently
 /// reporting a default.
@@ -65,6 +166,10 @@ pub struct Capabilities {
     /// cuts its runs at multiples of it so each write covers whole units. 1 when any size is as
     /// good as another (files, block devices, NBD).
     pub write_unit_bytes: u64,
+    /// True when [`Device::start_read`] returns before the read ends and completes it on a
+    /// thread of the device's own (an NBD upstream's reply thread), so a caller can go on
+    /// while it is in flight. False for devices whose reads finish in the caller's thread.
+    pub reads_complete_later: bool,
 }
 
 impl Capabilities {
@@ -77,6 +182,7 @@ impl Capabilities {
             write_zeroes_fast: false,
             extents: false,
             write_unit_bytes: 1,
+            reads_complete_later: false,
         }
     }
 }
@@ -99,6 +205,12 @@ pub trait Device: Send + Sync {
     /// ([`write_each`]). Writes of one batch never overlap, and none is durable before the
     /// next [`Device::flush`] unless it says so itself.
     fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>>;
+
+    /// Starts `read`; its completion runs once, when the read ends. A device whose
+    /// [`Capabilities::reads_complete_later`] is true (an NBD upstream) returns at once and
+    /// completes the read on a thread of its own; any other does it now, in the caller's
+    /// thread ([`read_now`]).
+    fn start_read(&self, read: AsyncRead);
 
     /// Makes every write that completed before this call durable.
     fn flush(&self) -> io::Result<()>;
@@ -169,6 +281,24 @@ pub fn write_each(
         .collect()
 }
 
+/// Does `read` now, in the caller's thread, with [`Device::read_vectored_at`], and runs its
+/// completion: the [`Device::start_read`] of devices whose reads finish in the caller's
+/// thread anyway.
+pub fn read_now(device: &(impl Device + ?Sized), read: AsyncRead) {
+    let (offset, segments, done) = read.into_parts();
+    // SAFETY: the read's maker lent this memory until the completion runs (AsyncRead::new),
+    // and the completion runs only after these slices are gone.
+    let mut slices: Vec<IoSliceMut<'_>> = segments
+        .iter()
+        .map(|&(start, length)| {
+            IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(start.as_ptr(), length) })
+        })
+        .collect();
+    let result = device.read_vectored_at(&mut slices, offset);
+    drop(slices);
+    done(result);
+}
+
 /// The alignment of the zero buffer: the largest logical block size O_DIRECT asks for.
 const ZERO_ALIGNMENT_BYTES: usize = 4096;
 
@@ -212,6 +342,9 @@ impl<D: Device + ?Sized> Device for std::sync::Arc<D> {
     }
     fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
         (**self).write_batch_at(writes)
+    }
+    fn start_read(&self, read: AsyncRead) {
+        (**self).start_read(read)
     }
     fn flush(&self) -> io::Result<()> {
         (**self).flush()

@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::device::{total_length, BatchWrite, Capabilities, Device, Extent};
+use crate::device::{total_length, AsyncRead, BatchWrite, Capabilities, Device, Extent};
 use crate::rng::SeededRng;
 
 /// Sector size used to tear writes: a torn write keeps a whole number of these.
@@ -384,6 +384,23 @@ impl<D: Device> Device for FaultDevice<D> {
             .into_iter()
             .map(|outcome| outcome.expect("every write of the batch has an outcome"))
             .collect()
+    }
+
+    /// Judged (and delayed) like a read now; a healthy one is passed on to be started.
+    fn start_read(&self, read: AsyncRead) {
+        let (offset, length) = (read.offset(), read.length_bytes());
+        let (number, cause) = self.admit(FaultKind::Read, Some(offset..offset + length));
+        match cause {
+            Some(cause) => read.finish(Err(Self::fault(
+                FaultKind::Read,
+                offset,
+                length,
+                number,
+                cause,
+                "",
+            ))),
+            None => self.inner.start_read(read),
+        }
     }
 
     fn flush(&self) -> io::Result<()> {

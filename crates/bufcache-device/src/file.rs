@@ -397,6 +397,10 @@ impl Device for FileDevice {
         crate::device::write_each(self, writes)
     }
 
+    fn start_read(&self, read: crate::device::AsyncRead) {
+        crate::device::read_now(self, read)
+    }
+
     fn flush(&self) -> io::Result<()> {
         if self.read_only {
             return Ok(());
@@ -426,6 +430,7 @@ impl Device for FileDevice {
             write_zeroes_fast: !self.block_device,
             extents: !self.block_device,
             write_unit_bytes: 1,
+            reads_complete_later: false,
         }
     }
 

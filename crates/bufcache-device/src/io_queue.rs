@@ -28,7 +28,7 @@ use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::device::{total_length, BatchWrite, Capabilities, Device, Extent};
+use crate::device::{read_now, total_length, AsyncRead, BatchWrite, Capabilities, Device, Extent};
 
 /// How the queue orders requests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -304,12 +304,18 @@ struct QueueState {
     in_flight: usize,
 }
 
+/// The queue's state and the condition its submitters wait on.
+struct QueueShared {
+    state: Mutex<QueueState>,
+    changed: Condvar,
+}
+
 /// A device wrapper that orders and merges requests.
 pub struct IoQueue<D> {
     inner: D,
     config: IoQueueConfig,
-    state: Mutex<QueueState>,
-    changed: Condvar,
+    /// Shared with the completions of reads started asynchronously.
+    shared: Arc<QueueShared>,
     entered: AtomicU64,
     issued: AtomicU64,
     merged: AtomicU64,
@@ -321,12 +327,18 @@ impl<D: Device> IoQueue<D> {
         config.validate()?;
         Ok(IoQueue {
             inner,
-            state: Mutex::new(QueueState {
-                order: QueueOrder::new(config.mode, config.merge, config.transfer_size_max_bytes),
-                in_flight: 0,
+            shared: Arc::new(QueueShared {
+                state: Mutex::new(QueueState {
+                    order: QueueOrder::new(
+                        config.mode,
+                        config.merge,
+                        config.transfer_size_max_bytes,
+                    ),
+                    in_flight: 0,
+                }),
+                changed: Condvar::new(),
             }),
             config,
-            changed: Condvar::new(),
             entered: AtomicU64::new(0),
             issued: AtomicU64::new(0),
             merged: AtomicU64::new(0),
@@ -353,9 +365,9 @@ impl<D: Device> IoQueue<D> {
         let completion = Arc::new(Completion {
             result: Mutex::new(None),
         });
-        let mut state = self.state.lock();
+        let mut state = self.shared.state.lock();
         while state.order.len() >= self.config.queued_max {
-            self.changed.wait(&mut state);
+            self.shared.changed.wait(&mut state);
         }
         state.order.push(
             direction,
@@ -377,15 +389,15 @@ impl<D: Device> IoQueue<D> {
                 state.in_flight += 1;
                 drop(state);
                 let result = self.execute(&batch);
-                state = self.state.lock();
+                state = self.shared.state.lock();
                 state.in_flight -= 1;
                 for member in &batch {
                     *member.payload.completion.result.lock() = Some(clone_result(&result));
                 }
-                self.changed.notify_all();
+                self.shared.changed.notify_all();
                 continue;
             }
-            self.changed.wait(&mut state);
+            self.shared.changed.wait(&mut state);
         }
     }
 
@@ -404,7 +416,7 @@ impl<D: Device> IoQueue<D> {
             .collect();
         let mut outcomes: Vec<Option<io::Result<()>>> = writes.iter().map(|_| None).collect();
         let mut queued = 0;
-        let mut state = self.state.lock();
+        let mut state = self.shared.state.lock();
         loop {
             while queued < writes.len() && state.order.len() < self.config.queued_max {
                 let write = &writes[queued];
@@ -448,17 +460,17 @@ impl<D: Device> IoQueue<D> {
                 state.in_flight += batches.len();
                 drop(state);
                 let results = self.execute_many(&batches);
-                state = self.state.lock();
+                state = self.shared.state.lock();
                 state.in_flight -= batches.len();
                 for (batch, result) in batches.iter().zip(&results) {
                     for member in batch {
                         *member.payload.completion.result.lock() = Some(clone_result(result));
                     }
                 }
-                self.changed.notify_all();
+                self.shared.changed.notify_all();
                 continue;
             }
-            self.changed.wait(&mut state);
+            self.shared.changed.wait(&mut state);
         }
     }
 
@@ -582,6 +594,34 @@ impl<D: Device> Device for IoQueue<D> {
         self.submit_batch(writes)
     }
 
+    /// A read the inner device completes later goes to it at once when the depth has room
+    /// and nothing waits (it counts as a batch at the device until it ends); otherwise it
+    /// takes its turn in the queue now, in the caller's thread, like any read.
+    fn start_read(&self, read: AsyncRead) {
+        if self.config.mode == QueueMode::None {
+            return self.inner.start_read(read);
+        }
+        let admitted = self.inner.capabilities().reads_complete_later && {
+            let mut state = self.shared.state.lock();
+            let room = state.in_flight < self.config.depth_max && state.order.is_empty();
+            if room {
+                state.in_flight += 1;
+            }
+            room
+        };
+        if !admitted {
+            return read_now(self, read);
+        }
+        self.entered.fetch_add(1, Relaxed);
+        self.issued.fetch_add(1, Relaxed);
+        let shared = Arc::clone(&self.shared);
+        self.inner.start_read(read.wrap_done(move |result, done| {
+            shared.state.lock().in_flight -= 1;
+            shared.changed.notify_all();
+            done(result);
+        }));
+    }
+
     fn flush(&self) -> io::Result<()> {
         self.inner.flush()
     }
@@ -629,6 +669,10 @@ mod tests {
 
         fn write_batch_at(&self, writes: &[crate::device::BatchWrite<'_>]) -> Vec<io::Result<()>> {
             crate::device::write_each(self, writes)
+        }
+
+        fn start_read(&self, read: crate::device::AsyncRead) {
+            crate::device::read_now(self, read)
         }
         fn flush(&self) -> io::Result<()> {
             Ok(())
@@ -777,6 +821,9 @@ mod tests {
                     self.inner.write_vectored_at(write.buffers, write.offset)
                 })
                 .collect()
+        }
+        fn start_read(&self, read: AsyncRead) {
+            read_now(self, read)
         }
         fn flush(&self) -> io::Result<()> {
             Ok(())

@@ -26,8 +26,8 @@ pub mod sync;
 pub use counting::{CountingDevice, DeviceStats, DirectionStats};
 pub use crash::{CrashDevice, CrashMode, CrashStats};
 pub use device::{
-    all_data, check_range, total_length, write_each, write_zeroes_by_writing, BatchWrite,
-    Capabilities, Device, Extent,
+    all_data, check_range, read_now, total_length, write_each, write_zeroes_by_writing, AsyncRead,
+    BatchWrite, Capabilities, Device, Extent, ReadCompletion,
 };
 pub use fault::{FaultDevice, FaultKind, FaultStats};
 pub use file::{FileDevice, FileDeviceError, FileDeviceOptions};

@@ -74,6 +74,10 @@ impl Device for MemoryDevice {
         crate::device::write_each(self, writes)
     }
 
+    fn start_read(&self, read: crate::device::AsyncRead) {
+        crate::device::read_now(self, read)
+    }
+
     fn flush(&self) -> io::Result<()> {
         Ok(())
     }

@@ -8,9 +8,9 @@
 use std::io;
 use std::sync::Arc;
 
-use bufcache::{CacheError, ObjectHandle, ZeroOptions};
+use bufcache::{CacheError, ObjectHandle, StartedRead, StartedReadDone, ZeroOptions};
 
-use crate::export::{BlockStatusExtent, Export, ReadSink, WriteSource};
+use crate::export::{BlockStatusExtent, Export, ReadDone, ReadSink, WriteSource};
 
 /// A cache object served as an NBD export.
 pub struct CacheExport {
@@ -105,6 +105,19 @@ impl Export for CacheExport {
 
     fn read_is_quick(&self, offset: u64, length: u64) -> bool {
         self.object.is_resident(offset, length)
+    }
+
+    fn start_read(&self, offset: u64, length: u32, done: ReadDone) -> Result<(), ReadDone> {
+        let engine_done: StartedReadDone =
+            Box::new(move |outcome| done(outcome.map_err(io::Error::from)));
+        // The engine hands back its own callback when it declines; the export's is inside.
+        self.object
+            .start_read(offset, u64::from(length), engine_done)
+            .map_err(|engine_done| -> ReadDone {
+                Box::new(move |outcome: io::Result<StartedRead>| {
+                    engine_done(outcome.map_err(|source| CacheError::DataSink { source }))
+                })
+            })
     }
 
     fn write_is_quick(&self, offset: u64, length: u64, fua: bool) -> bool {

@@ -23,7 +23,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use bufcache::device::{
-    check_range, BatchWrite, Capabilities, Device, Extent, FlushGroup, SleepingMutex,
+    check_range, read_now, AsyncRead, BatchWrite, Capabilities, Device, Extent, FlushGroup,
+    SleepingMutex,
 };
 use parking_lot::{Condvar, Mutex};
 
@@ -146,6 +147,23 @@ struct SlotState {
     /// add up to the request's length and leave a gap of the caller's old bytes unwritten.
     covered: Vec<std::ops::Range<usize>>,
     done: bool,
+    /// Run with the completion when the slot is done, for a request nobody waits for
+    /// ([`Device::start_read`]); it runs on whichever thread finishes the slot, after the
+    /// slot's lock is let go.
+    on_done: Option<SlotCallback>,
+}
+
+/// What a request nobody waits for runs when it is done.
+type SlotCallback = Box<dyn FnOnce(Completion) + Send>;
+
+/// Work left for after a slot's lock is let go: running its callback.
+type Deferred = Box<dyn FnOnce() + Send>;
+
+/// Runs the work a finished slot left, if any.
+fn run_deferred(deferred: Option<Deferred>) {
+    if let Some(run) = deferred {
+        run();
+    }
 }
 
 /// The caller's memory a READ's data is written to by the reader thread, so replies go from
@@ -212,6 +230,14 @@ impl ReadTarget {
 
 impl Slot {
     fn new(expect: Expect, target: Option<ReadTarget>) -> Arc<Slot> {
+        Slot::with_callback(expect, target, None)
+    }
+
+    fn with_callback(
+        expect: Expect,
+        target: Option<ReadTarget>,
+        on_done: Option<SlotCallback>,
+    ) -> Arc<Slot> {
         Arc::new(Slot {
             expect,
             state: Mutex::new(SlotState {
@@ -220,23 +246,33 @@ impl Slot {
                 covered_bytes: 0,
                 covered: Vec::new(),
                 done: false,
+                on_done,
             }),
             finished: Condvar::new(),
         })
     }
 
-    fn finish(&self, state: &mut SlotState) {
+    /// Marks the slot done (nothing writes its target after this) and wakes its waiter; a
+    /// slot with a callback returns it, with the completion, to run once the lock is gone.
+    #[must_use]
+    fn finish(&self, state: &mut SlotState) -> Option<Deferred> {
         state.done = true;
         state.target = None;
         self.finished.notify_all();
+        let callback = state.on_done.take()?;
+        let completion = std::mem::take(&mut state.completion);
+        Some(Box::new(move || callback(completion)))
     }
 
     fn fail(&self, reason: &str) {
         let mut state = self.state.lock();
-        if !state.done {
-            state.completion.connection_lost = Some(reason.to_string());
-            self.finish(&mut state);
+        if state.done {
+            return;
         }
+        state.completion.connection_lost = Some(reason.to_string());
+        let deferred = self.finish(&mut state);
+        drop(state);
+        run_deferred(deferred);
     }
 
     fn wait(&self) -> Completion {
@@ -678,12 +714,24 @@ impl NbdClient {
         target: Option<ReadTarget>,
     ) -> Result<Arc<Slot>, ClientError> {
         let slot = Slot::new(expect, target);
+        self.submit_slot(header, payload, &slot)?;
+        Ok(slot)
+    }
+
+    /// [`NbdClient::submit`] for a slot made by the caller. On `Err` the slot was never
+    /// registered, and nothing will finish it.
+    fn submit_slot(
+        &self,
+        header: RequestHeader,
+        payload: &[&[u8]],
+        slot: &Arc<Slot>,
+    ) -> Result<(), ClientError> {
         {
             let mut table = self.shared.pending.lock();
             if let Some(reason) = &table.dead {
                 return Err(self.disconnected(&header, reason));
             }
-            table.slots.insert(header.handle, Arc::clone(&slot));
+            table.slots.insert(header.handle, Arc::clone(slot));
         }
         let header_bytes = header.encode();
         let mut parts: Vec<&[u8]> = Vec::with_capacity(payload.len() + 1);
@@ -695,38 +743,44 @@ impl NbdClient {
             self.shared
                 .die(format!("sending a request failed: {error}"));
         }
-        Ok(slot)
+        Ok(())
+    }
+
+    /// Sends a READ for `read` and returns; the reply thread writes the data into the read's
+    /// memory and then runs its completion. A read longer than one request, or empty, is
+    /// done now instead.
+    fn start_read_now_or_later(&self, read: AsyncRead) {
+        let length_bytes = read.length_bytes();
+        if let Err(error) = check_range(self.size(), read.offset(), length_bytes) {
+            return read.finish(Err(error));
+        }
+        if length_bytes == 0 || length_bytes > u64::from(self.piece_bytes_max()) {
+            return read_now(self, read);
+        }
+        let (offset, segments, done) = read.into_parts();
+        let header = self.header(CMD_READ, 0, offset, length_bytes as u32);
+        let uri = self.shared.uri.clone();
+        let callback: SlotCallback = Box::new(move |completion| {
+            let outcome = completion_outcome(&uri, &header, completion);
+            done(outcome.map(|_| ()).map_err(io::Error::from));
+        });
+        let expect = Expect::Read {
+            offset,
+            length_bytes: length_bytes as u32,
+        };
+        let slot = Slot::with_callback(expect, Some(ReadTarget { segments }), Some(callback));
+        if let Err(error) = self.submit_slot(header, &[], &slot) {
+            slot.fail(&error.to_string());
+        }
     }
 
     /// Waits for a slot and turns its outcome into a result.
     fn complete(&self, header: &RequestHeader, slot: &Slot) -> Result<Completion, ClientError> {
-        let completion = slot.wait();
-        if let Some(reason) = &completion.connection_lost {
-            return Err(self.disconnected(header, reason));
-        }
-        if let Some((errno, message)) = &completion.error {
-            let label = label(header);
-            return Err(ClientError::Request {
-                uri: self.shared.uri.clone(),
-                command: command_name(label.command),
-                length_bytes: label.length_bytes,
-                offset: label.offset,
-                errno: *errno,
-                message: message.clone(),
-            });
-        }
-        Ok(completion)
+        completion_outcome(&self.shared.uri, header, slot.wait())
     }
 
     fn disconnected(&self, header: &RequestHeader, reason: &str) -> ClientError {
-        let label = label(header);
-        ClientError::Disconnected {
-            uri: self.shared.uri.clone(),
-            command: command_name(label.command),
-            length_bytes: label.length_bytes,
-            offset: label.offset,
-            reason: reason.to_string(),
-        }
+        disconnected(&self.shared.uri, header, reason)
     }
 
     fn protocol_error(&self, header: &RequestHeader, reason: &str) -> ClientError {
@@ -755,6 +809,41 @@ impl NbdClient {
             offset,
             reason: reason.to_string(),
         }
+    }
+}
+
+/// A finished request's completion as a result: its error, or the lost connection.
+fn completion_outcome(
+    uri: &str,
+    header: &RequestHeader,
+    completion: Completion,
+) -> Result<Completion, ClientError> {
+    if let Some(reason) = &completion.connection_lost {
+        return Err(disconnected(uri, header, reason));
+    }
+    if let Some((errno, message)) = &completion.error {
+        let label = label(header);
+        return Err(ClientError::Request {
+            uri: uri.to_string(),
+            command: command_name(label.command),
+            length_bytes: label.length_bytes,
+            offset: label.offset,
+            errno: *errno,
+            message: message.clone(),
+        });
+    }
+    Ok(completion)
+}
+
+/// The error for a request whose connection was lost.
+fn disconnected(uri: &str, header: &RequestHeader, reason: &str) -> ClientError {
+    let label = label(header);
+    ClientError::Disconnected {
+        uri: uri.to_string(),
+        command: command_name(label.command),
+        length_bytes: label.length_bytes,
+        offset: label.offset,
+        reason: reason.to_string(),
     }
 }
 
@@ -926,7 +1015,9 @@ fn read_simple_reply(stream: &mut ReplyStream, shared: &Shared) -> Result<(), St
     // here on must fail it directly, or its caller would wait forever.
     let mut state = slot.state.lock();
     let result = fill_simple_reply(stream, shared, &slot, &mut state, error);
-    fail_or_finish(&slot, &mut state, &result);
+    let deferred = fail_or_finish(&slot, &mut state, &result);
+    drop(state);
+    run_deferred(deferred);
     result
 }
 
@@ -950,11 +1041,16 @@ fn fill_simple_reply(
 
 /// Completes a slot that was removed from the pending table: with the reply, or, when the
 /// reply could not be read, as failed with the connection.
-fn fail_or_finish(slot: &Slot, state: &mut SlotState, result: &Result<(), String>) {
+#[must_use]
+fn fail_or_finish(
+    slot: &Slot,
+    state: &mut SlotState,
+    result: &Result<(), String>,
+) -> Option<Deferred> {
     if let Err(reason) = result {
         state.completion.connection_lost = Some(reason.clone());
     }
-    slot.finish(state);
+    slot.finish(state)
 }
 
 fn read_structured_chunk(stream: &mut ReplyStream, shared: &Shared) -> Result<(), String> {
@@ -974,7 +1070,9 @@ fn read_structured_chunk(stream: &mut ReplyStream, shared: &Shared) -> Result<()
     // A final chunk's slot has left the pending table (see read_simple_reply); a failure on
     // a non-final chunk leaves the slot in the table, where `die` fails it.
     if done {
-        fail_or_finish(&slot, &mut state, &result);
+        let deferred = fail_or_finish(&slot, &mut state, &result);
+        drop(state);
+        run_deferred(deferred);
     }
     result
 }
@@ -1147,6 +1245,10 @@ impl Device for NbdClient {
         Ok(self.write_vectored(offset, buffers, false)?)
     }
 
+    fn start_read(&self, read: AsyncRead) {
+        self.start_read_now_or_later(read);
+    }
+
     /// Every piece of every write is sent before any reply is waited for, so a batch costs
     /// about one round trip instead of one per write.
     fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
@@ -1203,6 +1305,8 @@ impl Device for NbdClient {
                 && info.has_flag(TRANSMIT_SEND_FAST_ZERO),
             extents: true,
             write_unit_bytes: 1,
+            // The reply thread completes reads started with `start_read`.
+            reads_complete_later: true,
         }
     }
 
@@ -1274,6 +1378,7 @@ mod tests {
             covered_bytes: 0,
             covered: Vec::new(),
             done: false,
+            on_done: None,
         };
         state.cover(&(256..512)).unwrap();
         state.cover(&(0..256)).unwrap();

@@ -13,7 +13,10 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 
 /// Fills the slices of a write with its data, in order (see [`Export::write_from`]).
-pub use bufcache::{ReadSink, WriteSource};
+pub use bufcache::{ReadSink, StartedRead, WriteSource};
+
+/// What [`Export::start_read`] runs when its read ends: the bytes, or the error.
+pub type ReadDone = Box<dyn FnOnce(io::Result<StartedRead>) + Send>;
 
 /// One run of the export's address space with a single allocation state, as reported by
 /// [`Export::block_status`].
@@ -25,6 +28,11 @@ pub struct BlockStatusExtent {
     pub hole: bool,
     /// Reads as zeroes (`NBD_STATE_ZERO`).
     pub zero: bool,
+}
+
+/// [`Export::start_read`] of an export whose reads always finish in the caller's thread.
+pub fn never_start_read(done: ReadDone) -> Result<(), ReadDone> {
+    Err(done)
 }
 
 /// Something the server can export: a fixed-size array of bytes.
@@ -88,6 +96,15 @@ pub trait Export: Send + Sync {
     /// without passing the reading role on. Required, like every method a wrapper must
     /// forward: a defaulted one would be silently dropped by a wrapper that forgot it.
     fn read_is_quick(&self, offset: u64, length: u64) -> bool;
+    /// Starts a READ that ends on a thread of its own, without the caller waiting (for a
+    /// cache: every block missing, over an upstream whose replies arrive on their own
+    /// thread), and returns; `done` then gets the bytes or the error on whichever thread
+    /// ends the read (it may be this one, before this returns). `Err(done)` when the read
+    /// cannot start that way: the caller serves it with [`Export::read_with`]. The server
+    /// serves a read that failed so again with `read_with`, which is where errors are
+    /// reported (and an upstream reconnects). [`never_start_read`] implements it for an
+    /// export that always reads in the caller's thread. Required, like `read_is_quick`.
+    fn start_read(&self, offset: u64, length: u32, done: ReadDone) -> Result<(), ReadDone>;
     /// True when a WRITE of this range will finish without waiting for slow I/O (for a
     /// cache: no FUA, room for the data without write-back, and any partly written block
     /// already resident). Quick writes also have their payload read by
@@ -282,6 +299,9 @@ impl Export for MemoryExport {
 
     fn read_is_quick(&self, _offset: u64, _length: u64) -> bool {
         true
+    }
+    fn start_read(&self, _offset: u64, _length: u32, done: ReadDone) -> Result<(), ReadDone> {
+        never_start_read(done)
     }
 
     fn write_is_quick(&self, _offset: u64, _length: u64, _fua: bool) -> bool {

@@ -17,7 +17,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bufcache::{BatchWrite, Capabilities, Device, Extent};
+use bufcache::device::read_now;
+use bufcache::{AsyncRead, BatchWrite, Capabilities, Device, Extent};
 use parking_lot::Mutex;
 
 use crate::client::{ClientError, NbdClient};
@@ -286,6 +287,17 @@ impl Device for ReconnectingClient {
             self.wrote();
         }
         results
+    }
+
+    /// Started on the current connection when there is one; otherwise done now, which is
+    /// where reconnecting happens. A read the connection fails while in flight fails with it
+    /// (the caller retries it synchronously, as `start_read`'s callers do).
+    fn start_read(&self, read: AsyncRead) {
+        let current = self.state.lock().current.clone();
+        match current {
+            Some(client) => client.start_read(read),
+            None => read_now(self, read),
+        }
     }
 
     fn flush(&self) -> io::Result<()> {

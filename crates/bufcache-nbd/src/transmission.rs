@@ -9,13 +9,23 @@
 //! thread (starting one, up to `workers_max`, when none waits) and serves it, so a slow
 //! request never holds up the ones behind it.
 //!
+//! A READ whose blocks are all missing, over an upstream whose replies arrive on a thread of
+//! their own, is not waited for at all: the reader starts it ([`Export::start_read`]) and
+//! reads on. The upstream's reply thread, once the data is in the cache, sends the reply
+//! itself when the writer lock is free and the socket takes the whole reply at once;
+//! otherwise, or when the read failed, it leaves the work to the connection's threads
+//! (a failed read is served again the usual way). It never waits for the client: a reply
+//! the socket took only part of leaves its end as the writer's tail, which goes out before
+//! any other bytes.
+//!
 //! Invariants:
 //! - exactly one thread reads the socket at a time (the holder of the reading role); the one
 //!   that sees the end records it, every later holder leaves, and the connection's own thread
 //!   joins all others before returning, so a client's in-flight requests are answered even
 //!   on `NBD_CMD_DISC` or server shutdown;
-//! - every reply is written whole under the connection's writer lock, so replies of
-//!   concurrent requests never interleave on the wire;
+//! - every reply is written whole under the connection's writer lock (or its end is left as
+//!   the writer's tail, sent first by whoever takes the lock next), so replies of concurrent
+//!   requests never interleave on the wire;
 //! - requests are validated before an export sees them, and the export is only called with
 //!   ranges inside it; a protocol error costs the client an errno, not the connection, except
 //!   where the byte stream cannot be trusted any more (bad magic, a write payload too large
@@ -39,7 +49,7 @@ use bufcache::device::SleepingMutex;
 use parking_lot::{Condvar, Mutex};
 
 use crate::buffers::BufferRecycler;
-use crate::export::{BlockStatusExtent, Export};
+use crate::export::{BlockStatusExtent, Export, ReadDone, StartedRead};
 use crate::handshake::{Negotiated, BASE_ALLOCATION_ID};
 use crate::protocol::*;
 use crate::stream::{read_exact_vectored, send_vectored_until, write_all_vectored, Stream};
@@ -85,7 +95,7 @@ pub(crate) enum TransmissionError {
 #[derive(Default)]
 struct ReplyInProgress<'a> {
     started: bool,
-    rest: Option<(std::sync::MutexGuard<'a, Stream>, Vec<u8>)>,
+    rest: Option<(std::sync::MutexGuard<'a, Writer>, Vec<u8>)>,
 }
 
 /// A validated request, ready for a worker.
@@ -120,7 +130,7 @@ struct Connection {
     /// The reading role: whoever holds it reads the next request from the socket.
     reading: ReadingRole,
     /// Never yields while it waits: a connection's threads meet here on every reply.
-    writer: SleepingMutex<Stream>,
+    writer: SleepingMutex<Writer>,
     structured_replies: bool,
     base_allocation: bool,
     transmission_flags: u16,
@@ -136,6 +146,68 @@ struct Connection {
     /// role without giving it up.
     requests_served: AtomicU64,
     requests_served_inline: AtomicU64,
+    /// READs started and not yet ended (their completion has not run to its end).
+    started_reads: Outstanding,
+    requests_started: AtomicU64,
+}
+
+/// The write side of a connection.
+struct Writer {
+    stream: Stream,
+    /// The end of a reply an upstream reply thread could not send without waiting; it goes
+    /// out before anything else (see [`Connection::lock_writer`]).
+    tail: Vec<u8>,
+}
+
+/// A count of things in flight that a connection waits for before it ends.
+#[derive(Default)]
+struct Outstanding {
+    count: Mutex<usize>,
+    none_left: Condvar,
+}
+
+impl Outstanding {
+    fn add(&self) {
+        *self.count.lock() += 1;
+    }
+
+    fn remove(&self) {
+        let mut count = self.count.lock();
+        *count -= 1;
+        if *count == 0 {
+            self.none_left.notify_all();
+        }
+    }
+
+    fn is_zero(&self) -> bool {
+        *self.count.lock() == 0
+    }
+
+    fn wait_for_zero(&self) {
+        let mut count = self.count.lock();
+        while *count > 0 {
+            self.none_left.wait(&mut count);
+        }
+    }
+}
+
+/// What a READ that was started leaves for the connection's threads when its completion
+/// could not finish it alone.
+enum Work {
+    /// Send its reply from the cache's buffers (the writer was busy, or had a tail).
+    Reply {
+        header: RequestHeader,
+        cost_bytes: u64,
+        data: StartedRead,
+    },
+    /// It failed: serve it again the usual way, which reports the error (or reads after an
+    /// upstream reconnect).
+    Redo {
+        header: RequestHeader,
+        cost_bytes: u64,
+    },
+    /// Send the writer's tail, in case nobody else is about to send.
+    Tail,
 }
 
 /// Bytes a connection reads from its socket at a time when it needs a request header: one
@@ -156,49 +228,90 @@ struct Reader {
     ended: Option<Result<(), TransmissionError>>,
 }
 
-/// The reading role, handed from thread to thread. Waiting for it parks at once: the role is
-/// held for as long as requests keep arriving quick, so spinning for it (as a mutex does,
-/// with `sched_yield` in a loop) only burns the CPU the holder needs; in a FLUSH-heavy run
-/// those yields were most of the server's extra context switches.
+/// The reading role, handed from thread to thread, and the work started READs leave. Waiting
+/// for either parks at once: the role is held for as long as requests keep arriving quick, so
+/// spinning for it (as a mutex does, with `sched_yield` in a loop) only burns the CPU the
+/// holder needs; in a FLUSH-heavy run those yields were most of the server's extra context
+/// switches.
 struct ReadingRole {
-    /// The reader when no thread holds the role.
-    idle: Mutex<Option<Reader>>,
+    idle: Mutex<RoleState>,
     given_back: Condvar,
-    /// Threads waiting for the role; when none is, a thread about to serve a slow request
-    /// starts another (up to the limit) so reading continues meanwhile.
+    /// Threads waiting for the role or for work; when none is, a thread about to serve a
+    /// slow request (or leaving work) starts another, up to the limit.
     waiting: AtomicUsize,
+}
+
+struct RoleState {
+    /// The reader when no thread holds the role.
+    reader: Option<Reader>,
+    /// Work for whichever thread comes next, before the role.
+    work: std::collections::VecDeque<Work>,
+}
+
+/// What a thread waiting at the reading role gets.
+enum Taken {
+    Reader(Reader),
+    Work(Work),
 }
 
 impl ReadingRole {
     fn new(reader: Reader) -> Self {
         ReadingRole {
-            idle: Mutex::new(Some(reader)),
+            idle: Mutex::new(RoleState {
+                reader: Some(reader),
+                work: std::collections::VecDeque::new(),
+            }),
             given_back: Condvar::new(),
             waiting: AtomicUsize::new(0),
         }
     }
 
-    /// Waits until no other thread holds the role, then holds it.
-    fn take(&self) -> Reader {
+    /// Waits until there is work or no other thread holds the role; takes the work first.
+    fn take(&self) -> Taken {
         let mut idle = self.idle.lock();
         self.waiting.fetch_add(1, Ordering::AcqRel);
-        let reader = loop {
-            if let Some(reader) = idle.take() {
-                break reader;
+        let taken = loop {
+            if let Some(work) = idle.work.pop_front() {
+                break Taken::Work(work);
+            }
+            if let Some(reader) = idle.reader.take() {
+                break Taken::Reader(reader);
             }
             self.given_back.wait(&mut idle);
         };
         self.waiting.fetch_sub(1, Ordering::AcqRel);
-        reader
+        taken
+    }
+
+    /// Waits for the role itself, leaving any work to others.
+    fn take_reader(&self) -> Reader {
+        let mut idle = self.idle.lock();
+        loop {
+            if let Some(reader) = idle.reader.take() {
+                return reader;
+            }
+            self.given_back.wait(&mut idle);
+        }
     }
 
     /// Passes the role on to one waiting thread, if any.
     fn give_back(&self, reader: Reader) {
         let mut idle = self.idle.lock();
-        bufcache::strict_assert!(idle.is_none(), "two threads held the reading role");
-        *idle = Some(reader);
+        bufcache::strict_assert!(idle.reader.is_none(), "two threads held the reading role");
+        idle.reader = Some(reader);
         drop(idle);
         self.given_back.notify_one();
+    }
+
+    /// Leaves work for the next waiting thread.
+    fn leave_work(&self, work: Work) {
+        self.idle.lock().work.push_back(work);
+        self.given_back.notify_one();
+    }
+
+    /// Work nobody has taken yet, if any.
+    fn take_work(&self) -> Option<Work> {
+        self.idle.lock().work.pop_front()
     }
 
     fn someone_waits(&self) -> bool {
@@ -235,7 +348,10 @@ pub(crate) fn serve(
 ) -> Result<(), TransmissionError> {
     let connection = Arc::new(Connection {
         export: negotiated.export,
-        writer: SleepingMutex::new(stream.try_clone()?),
+        writer: SleepingMutex::new(Writer {
+            stream: stream.try_clone()?,
+            tail: Vec::new(),
+        }),
         reading: ReadingRole::new(Reader {
             stream: io::BufReader::with_capacity(READ_BUFFER_BYTES, stream),
             ended: None,
@@ -252,15 +368,19 @@ pub(crate) fn serve(
         },
         requests_served: AtomicU64::new(0),
         requests_served_inline: AtomicU64::new(0),
+        started_reads: Outstanding::default(),
+        requests_started: AtomicU64::new(0),
     });
     take_turns(&connection);
     join_crew(&connection);
+    finish_started_reads(&connection);
     tracing::debug!(
         requests = connection.requests_served.load(Ordering::Relaxed),
         served_without_hand_off = connection.requests_served_inline.load(Ordering::Relaxed),
+        started_without_waiting = connection.requests_started.load(Ordering::Relaxed),
         "connection finished"
     );
-    let mut reader = connection.reading.take();
+    let mut reader = connection.reading.take_reader();
     // The outcome is taken out but the end stays recorded, so no thread can ever read
     // again: a request after a protocol violation must never be served.
     let ended = reader.ended.replace(Ok(()));
@@ -284,11 +404,33 @@ fn join_crew(connection: &Connection) {
     }
 }
 
-/// One thread's part: wait for the reading role, read and serve until a slow request, pass
-/// the role on, serve that request, and again, until reading has ended.
+/// After reading ended and the crew left: waits for every started READ to end and does
+/// the work they leave, so every request the client sent is answered.
+fn finish_started_reads(connection: &Arc<Connection>) {
+    loop {
+        connection.started_reads.wait_for_zero();
+        while let Some(work) = connection.reading.take_work() {
+            connection.do_work(work);
+        }
+        join_crew(connection);
+        if connection.started_reads.is_zero() && connection.reading.take_work().is_none() {
+            return;
+        }
+    }
+}
+
+/// One thread's part: wait for the reading role (or work started READs left), read and
+/// serve until a slow request, pass the role on, serve that request, and again, until
+/// reading has ended.
 fn take_turns(connection: &Arc<Connection>) {
     loop {
-        let mut reader = connection.reading.take();
+        let mut reader = match connection.reading.take() {
+            Taken::Work(work) => {
+                connection.do_work(work);
+                continue;
+            }
+            Taken::Reader(reader) => reader,
+        };
         let turn = read_until_slow(&mut reader, connection);
         connection.reading.give_back(reader);
         match turn {
@@ -324,7 +466,7 @@ fn start_reader_if_none_waits(connection: &Arc<Connection>) {
 
 /// Holding the reading role: reads requests, serving the quick ones on the spot, until one
 /// that may wait arrives or reading ends.
-fn read_until_slow(reader: &mut Reader, connection: &Connection) -> Turn {
+fn read_until_slow(reader: &mut Reader, connection: &Arc<Connection>) -> Turn {
     if reader.ended.is_some() {
         return Turn::Ended;
     }
@@ -332,7 +474,10 @@ fn read_until_slow(reader: &mut Reader, connection: &Connection) -> Turn {
         match read_request(&mut reader.stream, connection) {
             Ok(Some(request)) => {
                 if !request.quick {
-                    return Turn::Slow(request);
+                    match start_read(connection, request) {
+                        Ok(()) => continue,
+                        Err(request) => return Turn::Slow(request),
+                    }
                 }
                 connection
                     .requests_served_inline
@@ -353,6 +498,43 @@ fn read_until_slow(reader: &mut Reader, connection: &Connection) -> Turn {
             }
         }
     }
+}
+
+/// Starts a READ the export can end on another thread, so this one reads on; the request
+/// comes back when it is not a READ or the export cannot start it.
+fn start_read(connection: &Arc<Connection>, request: Request) -> Result<(), Request> {
+    let header = request.header;
+    if header.command != CMD_READ {
+        return Err(request);
+    }
+    connection.started_reads.add();
+    let cost_bytes = request.cost_bytes;
+    let finisher = Arc::clone(connection);
+    let done: ReadDone = Box::new(move |outcome| {
+        finisher.finish_started_read(header, cost_bytes, outcome);
+        finisher.started_reads.remove();
+    });
+    match connection
+        .export
+        .start_read(header.offset, header.length, done)
+    {
+        Ok(()) => {
+            connection.requests_started.fetch_add(1, Ordering::Relaxed);
+            connection.budget.give_back_payload(request.payload);
+            Ok(())
+        }
+        Err(_not_started) => {
+            connection.started_reads.remove();
+            Err(request)
+        }
+    }
+}
+
+/// Leaves work for the connection's threads, starting one when none waits (a thread that
+/// holds the reading role may be waiting for the client, which waits for this reply).
+fn leave_work(connection: &Arc<Connection>, work: Work) {
+    connection.reading.leave_work(work);
+    start_reader_if_none_waits(connection);
 }
 
 /// Reads and validates one request. `Ok(None)` when it was refused and answered already;
@@ -692,37 +874,153 @@ impl Connection {
         Ok(None)
     }
 
+    /// The end of a started READ, on whichever thread ended it (usually the upstream's reply
+    /// thread): sends the reply now if that cannot wait for the client, else leaves it to
+    /// the connection's threads; a failed read is left to be served again.
+    fn finish_started_read(
+        self: &Arc<Self>,
+        header: RequestHeader,
+        cost_bytes: u64,
+        outcome: io::Result<StartedRead>,
+    ) {
+        let data = match outcome {
+            Ok(data) => data,
+            Err(_) => return leave_work(self, Work::Redo { header, cost_bytes }),
+        };
+        let Some(mut writer) = self.writer.try_lock() else {
+            return leave_work(
+                self,
+                Work::Reply {
+                    header,
+                    cost_bytes,
+                    data,
+                },
+            );
+        };
+        if !writer.tail.is_empty() {
+            drop(writer);
+            return leave_work(
+                self,
+                Work::Reply {
+                    header,
+                    cost_bytes,
+                    data,
+                },
+            );
+        }
+        if !self.broken.load(Ordering::Acquire) {
+            let prefix = self.read_reply_prefix(&header);
+            let slices = data.slices();
+            let mut parts = Vec::with_capacity(slices.len() + 1);
+            parts.push(io::IoSlice::new(&prefix));
+            parts.extend(slices.iter().map(|slice| io::IoSlice::new(slice)));
+            // One attempt that never blocks; whatever the socket did not take becomes the tail.
+            match send_vectored_until(&writer.stream, &parts, std::time::Instant::now()) {
+                Ok(sent) => {
+                    let rest = unsent(&parts, sent);
+                    if !rest.is_empty() {
+                        writer.tail = rest;
+                        drop(writer);
+                        leave_work(self, Work::Tail);
+                    }
+                }
+                Err(error) => {
+                    tracing::debug!("reply could not be written, closing the connection: {error}");
+                    self.broken.store(true, Ordering::Release);
+                    writer.stream.shutdown_both();
+                }
+            }
+        }
+        self.release(cost_bytes);
+    }
+
+    /// Does work a started READ left.
+    fn do_work(&self, work: Work) {
+        match work {
+            Work::Reply {
+                header,
+                cost_bytes,
+                data,
+            } => {
+                let prefix = self.read_reply_prefix(&header);
+                let mut reply = ReplyInProgress::default();
+                let _ = self.send_reply_bounded(&prefix, &data.slices(), &mut reply);
+                drop(data);
+                self.finish_reply(reply);
+                self.release(cost_bytes);
+            }
+            Work::Redo { header, cost_bytes } => {
+                self.execute_read(&header);
+                self.release(cost_bytes);
+            }
+            Work::Tail => drop(self.lock_writer()),
+        }
+    }
+
+    /// Releases a finished request's bytes from both in-flight budgets.
+    fn release(&self, cost_bytes: u64) {
+        self.inflight.release(cost_bytes);
+        self.budget.release(cost_bytes);
+    }
+
+    /// The writer, once any tail a reply thread left has gone out before anything else; an
+    /// error when the connection is broken (or breaks sending the tail).
+    fn lock_writer(&self) -> io::Result<std::sync::MutexGuard<'_, Writer>> {
+        let mut writer = self.writer.lock();
+        if self.broken.load(Ordering::Acquire) {
+            return Err(io::ErrorKind::BrokenPipe.into());
+        }
+        if !writer.tail.is_empty() {
+            let tail = std::mem::take(&mut writer.tail);
+            if let Err(error) = write_all_vectored(&mut writer.stream, &[&tail]) {
+                tracing::debug!("reply could not be written, closing the connection: {error}");
+                self.broken.store(true, Ordering::Release);
+                writer.stream.shutdown_both();
+                return Err(error);
+            }
+        }
+        Ok(writer)
+    }
+
+    /// The bytes before a READ reply's data: a simple reply header, or a structured
+    /// OFFSET_DATA chunk header with the offset (the read is not empty).
+    fn read_reply_prefix(&self, header: &RequestHeader) -> Vec<u8> {
+        let mut prefix = Vec::with_capacity(STRUCTURED_REPLY_HEADER_BYTES + 8);
+        if !self.structured_replies {
+            put_simple_reply(&mut prefix, 0, header.handle);
+        } else {
+            put_structured_header(
+                &mut prefix,
+                REPLY_FLAG_DONE,
+                REPLY_TYPE_OFFSET_DATA,
+                header.handle,
+                8 + header.length,
+            );
+            prefix.extend_from_slice(&header.offset.to_be_bytes());
+        }
+        prefix
+    }
+
     /// Serves a READ with one reply written from the export's own memory when it can (a
     /// cache's buffers, held shared for the send), else from a reused buffer it fills. A
     /// client that stops reading cannot hold the export's buffers: after
     /// `REPLY_FROM_EXPORT_HOLD_MAX` the rest of the reply is copied and sent without them.
     fn execute_read(&self, header: &RequestHeader) {
         let length = header.length as usize;
-        let mut prefix = Vec::with_capacity(STRUCTURED_REPLY_HEADER_BYTES + 8);
-        if !self.structured_replies {
-            put_simple_reply(&mut prefix, 0, header.handle);
-        } else if length == 0 {
+        if self.structured_replies && length == 0 {
             // A data chunk must carry at least one byte; an empty read is just "done".
+            let mut done = Vec::with_capacity(STRUCTURED_REPLY_HEADER_BYTES);
             put_structured_header(
-                &mut prefix,
+                &mut done,
                 REPLY_FLAG_DONE,
                 REPLY_TYPE_NONE,
                 header.handle,
                 0,
             );
-            self.send_parts(&[&prefix]);
+            self.send_parts(&[&done]);
             return;
-        } else {
-            let chunk_length = (8 + length) as u32;
-            put_structured_header(
-                &mut prefix,
-                REPLY_FLAG_DONE,
-                REPLY_TYPE_OFFSET_DATA,
-                header.handle,
-                chunk_length,
-            );
-            prefix.extend_from_slice(&header.offset.to_be_bytes());
         }
+        let prefix = self.read_reply_prefix(header);
         // A reused buffer, for when the export cannot lend its own memory; nothing in it
         // needs zero-filling (the export overwrites what is sent).
         let mut buffer = self.budget.buffers().take(length);
@@ -756,15 +1054,12 @@ impl Connection {
         /// Longest time a reply may keep the export's buffers (writers of those blocks wait).
         const REPLY_FROM_EXPORT_HOLD_MAX: Duration = Duration::from_millis(20);
         reply.started = true;
-        let writer = self.writer.lock();
-        if self.broken.load(Ordering::Acquire) {
-            return Err(io::ErrorKind::BrokenPipe.into());
-        }
+        let writer = self.lock_writer()?;
         let mut parts = Vec::with_capacity(data.len() + 1);
         parts.push(io::IoSlice::new(prefix));
         parts.extend(data.iter().map(|slice| io::IoSlice::new(slice)));
         let deadline = std::time::Instant::now() + REPLY_FROM_EXPORT_HOLD_MAX;
-        let sent = match send_vectored_until(&writer, &parts, deadline) {
+        let sent = match send_vectored_until(&writer.stream, &parts, deadline) {
             Ok(sent) => sent,
             Err(error) => {
                 drop(writer);
@@ -772,18 +1067,8 @@ impl Connection {
                 return Err(error);
             }
         };
-        let total: usize = parts.iter().map(|part| part.len()).sum();
-        if sent < total {
-            let mut rest = Vec::with_capacity(total - sent);
-            let mut skip = sent;
-            for part in &parts {
-                if skip >= part.len() {
-                    skip -= part.len();
-                    continue;
-                }
-                rest.extend_from_slice(&part[skip..]);
-                skip = 0;
-            }
+        let rest = unsent(&parts, sent);
+        if !rest.is_empty() {
             reply.rest = Some((writer, rest));
         }
         Ok(())
@@ -794,7 +1079,7 @@ impl Connection {
         let Some((mut writer, rest)) = reply.rest else {
             return;
         };
-        if let Err(error) = write_all_vectored(&mut *writer, &[&rest]) {
+        if let Err(error) = write_all_vectored(&mut writer.stream, &[&rest]) {
             drop(writer);
             tracing::debug!("reply could not be written, closing the connection: {error}");
             self.break_connection();
@@ -805,7 +1090,7 @@ impl Connection {
     fn break_connection(&self) {
         let writer = self.writer.lock();
         self.broken.store(true, Ordering::Release);
-        writer.shutdown_both();
+        writer.stream.shutdown_both();
     }
 
     fn send_io_error(&self, header: &RequestHeader, error: &io::Error) {
@@ -852,16 +1137,31 @@ impl Connection {
     /// Writes one whole reply under the writer lock. A failed write means the client is gone:
     /// the socket is shut so the reader stops too.
     fn send_parts(&self, parts: &[&[u8]]) {
-        let mut writer = self.writer.lock();
-        if self.broken.load(Ordering::Acquire) {
+        let Ok(mut writer) = self.lock_writer() else {
             return;
-        }
-        if let Err(error) = write_all_vectored(&mut *writer, parts) {
+        };
+        if let Err(error) = write_all_vectored(&mut writer.stream, parts) {
             tracing::debug!("reply could not be written, closing the connection: {error}");
             self.broken.store(true, Ordering::Release);
-            writer.shutdown_both();
+            writer.stream.shutdown_both();
         }
     }
+}
+
+/// The bytes of `parts` after the first `sent`, copied.
+fn unsent(parts: &[io::IoSlice<'_>], sent: usize) -> Vec<u8> {
+    let total: usize = parts.iter().map(|part| part.len()).sum();
+    let mut rest = Vec::with_capacity(total.saturating_sub(sent));
+    let mut skip = sent;
+    for part in parts {
+        if skip >= part.len() {
+            skip -= part.len();
+            continue;
+        }
+        rest.extend_from_slice(&part[skip..]);
+        skip = 0;
+    }
+    rest
 }
 
 /// Encodes the `base:allocation` extents as one structured BLOCK_STATUS chunk, never

@@ -301,6 +301,14 @@ impl Export for SlowExport {
     fn read_is_quick(&self, _offset: u64, _length: u64) -> bool {
         false
     }
+    fn start_read(
+        &self,
+        _offset: u64,
+        _length: u32,
+        done: bufcache_nbd::ReadDone,
+    ) -> Result<(), bufcache_nbd::ReadDone> {
+        bufcache_nbd::never_start_read(done)
+    }
     fn write_is_quick(&self, _offset: u64, _length: u64, _fua: bool) -> bool {
         false
     }

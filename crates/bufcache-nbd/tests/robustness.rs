@@ -449,6 +449,14 @@ impl Export for FaultyExport {
         // Reads may be slow on purpose: each must go to its own thread.
         false
     }
+    fn start_read(
+        &self,
+        _offset: u64,
+        _length: u32,
+        done: bufcache_nbd::ReadDone,
+    ) -> Result<(), bufcache_nbd::ReadDone> {
+        bufcache_nbd::never_start_read(done)
+    }
     fn write_is_quick(&self, _offset: u64, _length: u64, _fua: bool) -> bool {
         false
     }
@@ -725,4 +733,83 @@ fn pipelined_requests_sent_in_one_burst_keep_their_boundaries_and_data() {
         assert!(held == *data, "the export holds other bytes at {offset}");
     }
     assert_still_serving(&server);
+}
+
+#[test]
+fn a_client_that_stops_reading_does_not_hold_up_other_clients_reads_that_miss() {
+    // Goal: a READ that misses over an upstream is started and ended by the upstream's reply
+    // thread, which sends the reply itself only when that cannot wait for the client; so a
+    // client that stops reading its replies must never stall that thread, or every other
+    // client's misses would wait behind it. Method: the cache's device is an NBD client of a
+    // second (memory) server. A raw client asks for 8 MiB of uncached data in eight 1 MiB
+    // READs and reads nothing; another client then reads 64 other uncached blocks, which must
+    // all come back within seconds. Finally the stalled client reads its eight replies, in
+    // whatever order they come: each must carry its own range's data.
+    const MIB: u64 = 1 << 20;
+    let (upstream, upstream_export) = memory_server(32 * MIB);
+    let contents = pattern_bytes(32 * MIB as usize, 3);
+    upstream_export
+        .write(0, &contents, false)
+        .expect("fill the upstream");
+    let device: Arc<dyn bufcache::Device> =
+        Arc::new(NbdClient::connect(&upstream.tcp_uri("mem")).expect("upstream client"));
+    let cache = bufcache_host::system_cache(bufcache::CacheConfig {
+        memory_bytes_max: 64 << 20,
+        readahead_size_max_bytes: 0,
+        ..bufcache::CacheConfig::default()
+    })
+    .expect("valid config");
+    let object = cache
+        .open_object(bufcache::ObjectConfig::new("disk", device))
+        .expect("open object");
+    let export: Arc<dyn Export> = Arc::new(bufcache_nbd::CacheExport::new(object));
+    let server = start_server_with(
+        vec![("disk", export)],
+        ServerConfig {
+            request_size_max: 4 << 20,
+            ..ServerConfig::default()
+        },
+    );
+
+    let (mut stalled, _) = RawClient::open(&server, "disk", false);
+    for index in 0..8u64 {
+        let header = RequestHeader {
+            flags: 0,
+            command: CMD_READ,
+            handle: index,
+            offset: index * MIB,
+            length: MIB as u32,
+        };
+        stalled.stream.write_all(&header.encode()).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(300));
+
+    let other = NbdClient::connect(&server.tcp_uri("disk")).expect("second client");
+    let started = Instant::now();
+    for index in 0..64u64 {
+        let offset = 16 * MIB + index * 64 * 1024;
+        let mut block = vec![0u8; 4096];
+        other
+            .read(offset, &mut block)
+            .expect("read a missing block");
+        assert!(block == contents[offset as usize..offset as usize + 4096]);
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "another client's misses waited {:?} behind a client that stopped reading",
+        started.elapsed()
+    );
+
+    let mut seen = [false; 8];
+    for _ in 0..8 {
+        let (error, handle) = stalled.simple_reply();
+        assert_eq!(error, 0, "READ {handle} succeeds");
+        let data = stalled.read_bytes(MIB as usize);
+        let start = (handle * MIB) as usize;
+        assert!(
+            data == contents[start..start + MIB as usize],
+            "READ {handle} carries its own range"
+        );
+        assert!(!std::mem::replace(&mut seen[handle as usize], true));
+    }
 }

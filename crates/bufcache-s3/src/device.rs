@@ -54,6 +54,10 @@ impl Device for S3Device {
         bufcache::device::write_each(self, writes)
     }
 
+    fn start_read(&self, read: bufcache::AsyncRead) {
+        bufcache::device::read_now(self, read)
+    }
+
     /// Every write returned only after the store acknowledged its PUTs and DELETEs, so there
     /// is nothing left to wait for.
     fn flush(&self) -> io::Result<()> {

@@ -1269,6 +1269,10 @@ impl Device for SimDevice {
         bufcache::device::write_each(self, writes)
     }
 
+    fn start_read(&self, read: bufcache::AsyncRead) {
+        bufcache::device::read_now(self, read)
+    }
+
     fn flush(&self) -> io::Result<()> {
         self.draw(|c| c.flush_error_probability, "flush", 0, 0)?;
         {

@@ -24,7 +24,7 @@ use crate::readahead::ReadaheadPlan;
 use crate::stats::WritebackCause;
 use crate::table::{Lookup, RunLookup};
 use crate::writeback::LockMode;
-use bufcache_device::{Device, Extent};
+use bufcache_device::{AsyncRead, Device, Extent};
 
 /// How [`ObjectHandle::zero`] may zero a range.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -166,6 +166,42 @@ struct ReadRequest<'a> {
 
 /// Receives the bytes of a read ([`ObjectHandle::read_with`]): slices covering them, in order.
 pub type ReadSink<'a> = dyn FnMut(&[IoSlice<'_>]) -> std::io::Result<()> + 'a;
+
+/// What [`ObjectHandle::start_read`] runs when its read ends.
+pub type StartedReadDone = Box<dyn FnOnce(Result<StartedRead, CacheError>) + Send>;
+
+/// The bytes of a read [`ObjectHandle::start_read`] finished: the cache's own buffers, held
+/// exclusively (writers and other readers of these blocks wait) until this is dropped, or,
+/// when the read had to be done another way, a copy.
+pub struct StartedRead {
+    object: Arc<ObjectState>,
+    offset: u64,
+    length_bytes: u64,
+    first: u64,
+    guards: Vec<BufferGuard>,
+    copy: Vec<u8>,
+}
+
+impl StartedRead {
+    /// The bytes read, in order.
+    pub fn slices(&self) -> Vec<IoSlice<'_>> {
+        if self.guards.is_empty() {
+            return vec![IoSlice::new(&self.copy)];
+        }
+        let block_size = self.object.block_size_bytes as u64;
+        let end_offset = self.offset + self.length_bytes;
+        self.guards
+            .iter()
+            .enumerate()
+            .map(|(index, guard)| {
+                let block_start = (self.first + index as u64) * block_size;
+                let start = self.offset.max(block_start) - block_start;
+                let end = end_offset.min(block_start + block_size) - block_start;
+                IoSlice::new(&guard.data()[start as usize..end as usize])
+            })
+            .collect()
+    }
+}
 
 /// A read after the stream table saw it: its blocks `[first, end)`, the read-ahead plan and
 /// the policy placement of its blocks.
@@ -366,6 +402,167 @@ impl ObjectHandle {
             }
         };
         sent.map_err(|source| CacheError::DataSink { source })
+    }
+
+    /// Starts a read of `length_bytes` at `offset` whose blocks are all missing, over a device
+    /// that completes reads on a thread of its own ([`Capabilities::reads_complete_later`]:
+    /// an NBD upstream), and returns without waiting. `done` runs on that thread with the
+    /// bytes, in the cache's buffers, or with the error; the read counts, extends into
+    /// read-ahead and starts further read-ahead as [`ObjectHandle::read_at`] would.
+    ///
+    /// So a server thread that reads requests need not wait for a miss, nor hand its
+    /// reading to another thread first. Any other read (a block cached or being filled,
+    /// longer than a cluster, a device whose reads finish in the caller's thread) is not
+    /// started: `done` comes back as `Err` and the caller reads as usual. Should another
+    /// reader insert one of the blocks in between, the read is done now, in this thread,
+    /// and `done` runs here.
+    ///
+    /// [`Capabilities::reads_complete_later`]: bufcache_device::Capabilities
+    pub fn start_read(
+        &self,
+        offset: u64,
+        length_bytes: u64,
+        done: StartedReadDone,
+    ) -> Result<(), StartedReadDone> {
+        let object = &self.object;
+        if length_bytes == 0
+            || object.check_range(offset, length_bytes).is_err()
+            || !object.device.capabilities().reads_complete_later
+        {
+            return Err(done);
+        }
+        let block_size = object.block_size_bytes as u64;
+        let (first, end) = (
+            offset / block_size,
+            (offset + length_bytes).div_ceil(block_size),
+        );
+        if end - first > object.write_run_blocks_max(first)
+            || !self.inner().table().run_absent(object.id, first, end)
+        {
+            return Err(done);
+        }
+        let planned = self.plan(offset, length_bytes);
+        let limit = planned
+            .plan
+            .extend_to_block
+            .max(planned.plan.window_end_block)
+            .max(end);
+        let inserted =
+            self.inner()
+                .insert_absent(object.key(first), object, planned.placement, true);
+        let mut run = match inserted {
+            Some(buffer) => self.collect_run(buffer, limit, end, planned.placement),
+            None => Vec::new(),
+        };
+        if (run.len() as u64) < end - first {
+            // Another reader got to a block first: finish here, counting nothing twice.
+            let result = self.read_started_now(&mut run, offset, length_bytes, &planned);
+            done(result);
+            return Ok(());
+        }
+        let readahead_blocks = run.len() as u64 - (end - first);
+        self.inner()
+            .counters()
+            .readahead_issued_blocks
+            .fetch_add(readahead_blocks, Ordering::Relaxed);
+        let device_offset = object.map.map(first).device_offset;
+        // SAFETY: every guard holds its buffer exclusively, and the guards move into the
+        // completion below, so the memory stays valid and untouched until the device has
+        // filled it and the completion runs.
+        let mut slices: Vec<IoSliceMut<'static>> = run
+            .iter()
+            .map(|guard| {
+                let bytes = unsafe { guard.buffer.device_bytes_mut() };
+                IoSliceMut::new(unsafe {
+                    std::slice::from_raw_parts_mut(bytes.as_mut_ptr(), bytes.len())
+                })
+            })
+            .collect();
+        let handle = self.background_handle();
+        let completion = move |result: std::io::Result<()>| {
+            let started =
+                handle.finish_started_read(run, result, device_offset, offset, length_bytes);
+            done(started);
+        };
+        // SAFETY: see above.
+        let read = unsafe { AsyncRead::new(device_offset, &mut slices, completion) };
+        drop(slices);
+        object.device.start_read(read);
+        self.finish_read(&planned, false);
+        Ok(())
+    }
+
+    /// The completion of a read [`ObjectHandle::start_read`] started: counts it, marks its
+    /// blocks valid and lends the requested ones; the read-ahead blocks after them are let go
+    /// (cached). On failure nothing is kept.
+    fn finish_started_read(
+        &self,
+        mut run: Vec<BufferGuard>,
+        result: std::io::Result<()>,
+        device_offset: u64,
+        offset: u64,
+        length_bytes: u64,
+    ) -> Result<StartedRead, CacheError> {
+        let counters = self.inner().counters();
+        let run_bytes: u64 = run
+            .iter()
+            .map(|guard| guard.buffer.length_bytes as u64)
+            .sum();
+        counters.device_reads.record(run_bytes, result.is_ok());
+        result.map_err(|source| CacheError::Device {
+            device: self.object.device.describe(),
+            operation: "read",
+            offset: device_offset,
+            length_bytes: run_bytes,
+            source,
+        })?;
+        if run.len() > 1 {
+            counters.read_clusters.fetch_add(1, Ordering::Relaxed);
+            counters
+                .read_cluster_buffers
+                .fetch_add(run.len() as u64, Ordering::Relaxed);
+        }
+        for guard in run.iter_mut() {
+            guard.mark_valid();
+        }
+        let block_size = self.object.block_size_bytes as u64;
+        let first = offset / block_size;
+        let end = (offset + length_bytes).div_ceil(block_size);
+        run.truncate((end - first) as usize);
+        Ok(StartedRead {
+            object: Arc::clone(&self.object),
+            offset,
+            length_bytes,
+            first,
+            guards: run,
+            copy: Vec::new(),
+        })
+    }
+
+    /// A started read that could not go out as one run: the run collected so far is read
+    /// now, then the whole range is copied out without counting its blocks again.
+    fn read_started_now(
+        &self,
+        run: &mut Vec<BufferGuard>,
+        offset: u64,
+        length_bytes: u64,
+        planned: &PlannedRead,
+    ) -> Result<StartedRead, CacheError> {
+        if !run.is_empty() {
+            self.read_collected(run, planned.end)?;
+        }
+        run.clear();
+        let mut copy = vec![0u8; length_bytes as usize];
+        let waited = self.read_planned_quietly(offset, &mut copy, planned)?;
+        self.finish_read(planned, waited);
+        Ok(StartedRead {
+            object: Arc::clone(&self.object),
+            offset,
+            length_bytes,
+            first: planned.first,
+            guards: Vec::new(),
+            copy,
+        })
     }
 
     /// Feeds the read of `[offset, offset + length_bytes)` to the stream table: what to read

@@ -36,8 +36,8 @@ pub use config::{format_size, parse_size, CacheConfig, ConfigError};
 // in `bufcache-device`.
 pub use bufcache_device as device;
 pub use bufcache_device::{
-    BatchWrite, Capabilities, CountingDevice, CrashDevice, CrashMode, CrashStats, Device,
-    DeviceStats, DirectionStats, Extent, FaultDevice, FaultKind, FaultStats, FileDevice,
+    AsyncRead, BatchWrite, Capabilities, CountingDevice, CrashDevice, CrashMode, CrashStats,
+    Device, DeviceStats, DirectionStats, Extent, FaultDevice, FaultKind, FaultStats, FileDevice,
     FileDeviceError, FileDeviceOptions, IoQueue, IoQueueConfig, IoQueueConfigError, IoQueueStats,
     MemoryDevice, QueueMode,
 };
@@ -45,6 +45,8 @@ pub use environment::{
     Clock, Environment, FrozenClock, InlineSpawner, Job, NoSpawner, NoWait, Spawner, Waiter,
 };
 pub use error::CacheError;
-pub use handle::{BufferGuard, ObjectHandle, ReadSink, WriteSource, ZeroOptions};
+pub use handle::{
+    BufferGuard, ObjectHandle, ReadSink, StartedRead, StartedReadDone, WriteSource, ZeroOptions,
+};
 pub use object::{BlockMap, IdentityMap, MappedRun, ObjectConfig};
 pub use stats::{CacheStats, WritebackCause};

@@ -721,6 +721,24 @@ impl Table {
             && chunk_present(last_chunk)
     }
 
+    /// True when no block of `[first, end)` of `object` is cached (nor being filled): one
+    /// probe per chunk of blocks, nothing counted.
+    pub(crate) fn run_absent(&self, object: u32, first: u64, end: u64) -> bool {
+        let mut block = first;
+        while block < end {
+            let chunk = ChunkKey::of(object, block);
+            let stop = end.min(chunk.first_block() + CHUNK_BLOCKS);
+            let shard = self.shard_of(&chunk).lock();
+            if let Some(entry) = shard.chunks.get(&chunk) {
+                if (block..stop).any(|block| entry.slot(block).is_some()) {
+                    return false;
+                }
+            }
+            block = stop;
+        }
+        true
+    }
+
     /// Takes back the hit counted for a looked-up block its caller did not use.
     pub(crate) fn uncount_hit(&self, key: BlockKey) {
         let chunk = ChunkKey::of(key.object, key.block);

@@ -282,6 +282,10 @@ impl Device for Recording {
     fn write_batch_at(&self, writes: &[bufcache::device::BatchWrite<'_>]) -> Vec<io::Result<()>> {
         bufcache::device::write_each(self, writes)
     }
+
+    fn start_read(&self, read: bufcache::AsyncRead) {
+        bufcache::device::read_now(self, read)
+    }
     fn flush(&self) -> io::Result<()> {
         Ok(())
     }

@@ -63,6 +63,10 @@ impl<D: Device> Device for BatchLog<D> {
         self.inner.write_batch_at(writes)
     }
 
+    fn start_read(&self, read: bufcache::AsyncRead) {
+        self.inner.start_read(read)
+    }
+
     fn flush(&self) -> io::Result<()> {
         self.inner.flush()
     }
@@ -247,6 +251,10 @@ impl<D: Device> Device for GatedWrite<D> {
 
     fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
         write_each(self, writes)
+    }
+
+    fn start_read(&self, read: bufcache::AsyncRead) {
+        bufcache::device::read_now(self, read)
     }
 
     fn flush(&self) -> io::Result<()> {

@@ -43,6 +43,10 @@ impl<D: Device> Device for InFlight<D> {
         bufcache::device::write_each(self, writes)
     }
 
+    fn start_read(&self, read: bufcache::AsyncRead) {
+        bufcache::device::read_now(self, read)
+    }
+
     fn flush(&self) -> io::Result<()> {
         self.inner.flush()
     }

@@ -344,12 +344,22 @@ pub fn seed_from_env(name: &str, default: u64) -> u64 {
 
 impl Server {
     /// The `--metrics` address the server printed (start it with `--metrics 127.0.0.1:0`).
+    /// Waits up to 10 s for the line: the server binds its NBD socket (which is what the
+    /// start waited for) before it prints the metrics address.
     pub fn metrics_address(&self) -> Option<String> {
-        let log = self.log_text();
-        let start = log.find("metrics on http://")? + "metrics on http://".len();
-        let rest = &log[start..];
-        let end = rest.find('/')?;
-        Some(rest[..end].to_string())
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let log = self.log_text();
+            if let Some(start) = log.find("metrics on http://") {
+                let rest = &log[start + "metrics on http://".len()..];
+                let end = rest.find('/')?;
+                return Some(rest[..end].to_string());
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// The server's `/stats` JSON (needs `--metrics 127.0.0.1:0`).
