@@ -12,7 +12,9 @@
 //! stay in flight together below the queue too.
 //!
 //! Invariants:
-//! - at most `queued_max` requests wait and at most `depth_max` batches are at the device;
+//! - at most `queued_max` requests wait and at most `depth_max` batches are at the device,
+//!   besides reads started asynchronously (`start_read`), which go to the device at once and
+//!   count toward the depth while they are there;
 //! - a request's memory is touched only while its submitter is blocked in the call, so the
 //!   raw slices handed between threads never outlive their borrow;
 //! - a batch's result is every member's result: one failed merged request fails all of them
@@ -447,7 +449,7 @@ impl<D: Device> IoQueue<D> {
             if queued == writes.len() && outcomes.iter().all(Option::is_some) {
                 return outcomes.into_iter().flatten().collect();
             }
-            let room = self.config.depth_max - state.in_flight;
+            let room = self.config.depth_max.saturating_sub(state.in_flight);
             if room > 0 && !state.order.is_empty() {
                 let batches: Vec<Vec<Queued<Pending>>> =
                     std::iter::from_fn(|| state.order.take_batch())
@@ -594,24 +596,20 @@ impl<D: Device> Device for IoQueue<D> {
         self.submit_batch(writes)
     }
 
-    /// A read the inner device completes later goes to it at once when the depth has room
-    /// and nothing waits (it counts as a batch at the device until it ends); otherwise it
-    /// takes its turn in the queue now, in the caller's thread, like any read.
+    /// A read the inner device completes later goes to it at once and counts as a batch at
+    /// the device until it ends, so queued requests wait for it as for any other; it never
+    /// waits in the queue itself (it has no submitter blocked in the call to dispatch it, and
+    /// the thread that started it must not block: it is reading a client's next request).
+    /// Over a device whose reads finish in the caller's thread it takes its turn in the queue
+    /// now, like any read.
     fn start_read(&self, read: AsyncRead) {
         if self.config.mode == QueueMode::None {
             return self.inner.start_read(read);
         }
-        let admitted = self.inner.capabilities().reads_complete_later && {
-            let mut state = self.shared.state.lock();
-            let room = state.in_flight < self.config.depth_max && state.order.is_empty();
-            if room {
-                state.in_flight += 1;
-            }
-            room
-        };
-        if !admitted {
+        if !self.inner.capabilities().reads_complete_later {
             return read_now(self, read);
         }
+        self.shared.state.lock().in_flight += 1;
         self.entered.fetch_add(1, Relaxed);
         self.issued.fetch_add(1, Relaxed);
         let shared = Arc::clone(&self.shared);
@@ -934,5 +932,116 @@ mod tests {
                 .unwrap();
             assert!(back.iter().all(|&byte| byte == index as u8 + 1));
         }
+    }
+
+    /// A memory device whose started reads end on a thread of their own, and whose writes
+    /// wait at a gate after saying they started.
+    struct LaterInner {
+        inner: Arc<MemoryDevice>,
+        write_started: Mutex<Option<std::sync::mpsc::Sender<()>>>,
+        write_gate: Mutex<Option<std::sync::mpsc::Receiver<()>>>,
+    }
+
+    impl Device for LaterInner {
+        fn read_vectored_at(&self, buffers: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<()> {
+            self.inner.read_vectored_at(buffers, offset)
+        }
+        fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
+            if let Some(started) = self.write_started.lock().take() {
+                started.send(()).unwrap();
+            }
+            if let Some(gate) = self.write_gate.lock().take() {
+                gate.recv().unwrap();
+            }
+            self.inner.write_vectored_at(buffers, offset)
+        }
+        fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
+            crate::device::write_each(self, writes)
+        }
+        fn start_read(&self, read: AsyncRead) {
+            let inner = Arc::clone(&self.inner);
+            std::thread::spawn(move || read_now(inner.as_ref(), read));
+        }
+        fn flush(&self) -> io::Result<()> {
+            Ok(())
+        }
+        fn discard(&self, offset: u64, length: u64) -> io::Result<()> {
+            self.inner.discard(offset, length)
+        }
+        fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
+            self.inner.write_zeroes(offset, length)
+        }
+        fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {
+            self.inner.extents(offset, length)
+        }
+        fn capabilities(&self) -> Capabilities {
+            Capabilities {
+                reads_complete_later: true,
+                ..self.inner.capabilities()
+            }
+        }
+        fn describe(&self) -> String {
+            "later".into()
+        }
+    }
+
+    #[test]
+    fn a_started_read_goes_out_at_once_even_when_the_depth_is_full_and_then_frees_it() {
+        // Goal: a read started through the queue never waits in it (its starter must not
+        // block) and never strands: it goes to the device at once even with the depth used
+        // up, ends with the right bytes, and gives its place back. Method: depth 1, taken by
+        // a write held at the device's gate; a started read must end while the write is
+        // still held; then the write ends and a plain read goes through.
+        let (started_sender, write_started) = std::sync::mpsc::channel();
+        let (open_gate, gate) = std::sync::mpsc::channel();
+        let memory = MemoryDevice::new(1 << 20);
+        memory
+            .write_vectored_at(&[IoSlice::new(&[7u8; 4096])], 65536)
+            .unwrap();
+        let queue = Arc::new(
+            IoQueue::new(
+                LaterInner {
+                    inner: Arc::new(memory),
+                    write_started: Mutex::new(Some(started_sender)),
+                    write_gate: Mutex::new(Some(gate)),
+                },
+                IoQueueConfig {
+                    depth_max: 1,
+                    ..IoQueueConfig::default()
+                },
+            )
+            .unwrap(),
+        );
+        let writer = {
+            let queue = Arc::clone(&queue);
+            std::thread::spawn(move || {
+                queue
+                    .write_vectored_at(&[IoSlice::new(&[1u8; 4096])], 0)
+                    .unwrap()
+            })
+        };
+        write_started.recv().unwrap();
+        let mut target = vec![0u8; 4096];
+        let (done_sender, done) = std::sync::mpsc::channel();
+        // SAFETY: `target` is not touched until the completion has run (received below).
+        let read = unsafe {
+            AsyncRead::new(65536, &mut [IoSliceMut::new(&mut target)], move |result| {
+                done_sender.send(result).unwrap()
+            })
+        };
+        queue.start_read(read);
+        done.recv_timeout(Duration::from_secs(10))
+            .expect("the started read ended while the depth was full")
+            .unwrap();
+        assert!(target.iter().all(|&byte| byte == 7));
+        assert!(!writer.is_finished(), "the write still holds the depth");
+        open_gate.send(()).unwrap();
+        writer.join().unwrap();
+        let mut back = vec![0u8; 4096];
+        queue
+            .read_vectored_at(&mut [IoSliceMut::new(&mut back)], 0)
+            .unwrap();
+        assert!(back.iter().all(|&byte| byte == 1));
+        assert_eq!(queue.shared.state.lock().in_flight, 0);
     }
 }
