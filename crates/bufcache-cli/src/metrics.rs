@@ -219,6 +219,27 @@ fn cache_prometheus(text: &mut String, stats: &CacheStats) {
     );
     counter(
         text,
+        "bufcache_reads_started_total",
+        "",
+        stats.reads_started,
+        "Reads of missing blocks started on an upstream that ends them on its own thread (no thread waited).",
+    );
+    counter(
+        text,
+        "bufcache_write_batches_total",
+        "",
+        stats.write_batches,
+        "Batches of write-back writes handed to a slow device together.",
+    );
+    counter(
+        text,
+        "bufcache_write_batch_writes_total",
+        "",
+        stats.write_batch_writes,
+        "Writes carried by those batches.",
+    );
+    counter(
+        text,
         "bufcache_read_cluster_buffers_total",
         "",
         stats.read_cluster_buffers,
@@ -449,6 +470,9 @@ fn cache_json(stats: &CacheStats) -> Value {
         "device_flush_errors": stats.device_flush_errors,
         "read_clusters": stats.read_clusters,
         "read_cluster_buffers": stats.read_cluster_buffers,
+        "reads_started": stats.reads_started,
+        "write_batches": stats.write_batches,
+        "write_batch_writes": stats.write_batch_writes,
         "write_clusters": stats.write_clusters,
         "write_cluster_buffers": stats.write_cluster_buffers,
         "readahead_issued_blocks": stats.readahead_issued_blocks,

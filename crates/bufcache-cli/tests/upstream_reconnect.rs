@@ -250,3 +250,72 @@ fn upstream_killed_during_a_writeback_burst_and_flush_loses_nothing() {
     drop(client);
     server.stop_clean();
 }
+
+#[test]
+fn cold_reads_are_started_without_waiting_and_survive_an_upstream_restart() {
+    // Goal: through the whole serving stack (counting device, io queue, reconnecting client)
+    // a READ that misses is started and ended by the upstream's reply thread, and one whose
+    // upstream connection died since is served again the usual way, reconnecting, so the
+    // client sees the data and no error. Method: 64 scattered cold 4 KiB reads over nbdkit
+    // file, checked against the file and counted in `bufcache_reads_started_total`; then the
+    // upstream is killed and restarted on the same socket, and 64 more cold reads must all
+    // succeed with the file's bytes.
+    let _timer =
+        Timer::new("cold_reads_are_started_without_waiting_and_survive_an_upstream_restart");
+    if !have_tools("upstream_reconnect", &["nbdkit"]) {
+        return;
+    }
+    let dir = temp_dir();
+    let disk = dir.path().join("disk.img");
+    let contents = random_bytes(32 << 20, 71);
+    write_file(&disk, &contents);
+    let socket = dir.path().join("upstream.sock");
+    let backend = format!("nbd+unix:///?socket={}", socket.display());
+    let mut upstream = nbdkit_file(&socket, &disk);
+    let mut server = Server::start(
+        dir.path(),
+        "srv",
+        &[
+            "--backend",
+            &backend,
+            "--reconnect-delay-initial",
+            "0.05",
+            "--reconnect-delay-max",
+            "0.5",
+            "--metrics",
+            "127.0.0.1:0",
+        ],
+    );
+    let client = NbdClient::connect(&server.uri()).expect("connecting");
+    let read_cold = |first: u64| {
+        for index in 0..64u64 {
+            let offset = first + index * (128 << 10);
+            let mut block = vec![0u8; 4096];
+            client
+                .read(offset, &mut block)
+                .unwrap_or_else(|error| panic!("cold read at {offset}: {error}"));
+            assert_same_bytes(
+                &contents[offset as usize..offset as usize + 4096],
+                &block,
+                "a cold read",
+            );
+        }
+    };
+    read_cold(0);
+    let metrics = scrape_metrics(&server.log_text());
+    let started: u64 = metrics
+        .lines()
+        .find_map(|line| line.strip_prefix("bufcache_reads_started_total "))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no bufcache_reads_started_total in:\n{metrics}"));
+    assert!(
+        started >= 60,
+        "only {started} of 64 cold reads were started"
+    );
+
+    let _ = upstream.signal_and_wait(SIGKILL, TIMEOUT);
+    let _upstream = nbdkit_file(&socket, &disk);
+    read_cold(16 << 20);
+    drop(client);
+    server.stop_clean();
+}

@@ -461,10 +461,11 @@ impl ObjectHandle {
             return Ok(());
         }
         let readahead_blocks = run.len() as u64 - (end - first);
-        self.inner()
-            .counters()
+        let counters = self.inner().counters();
+        counters
             .readahead_issued_blocks
             .fetch_add(readahead_blocks, Ordering::Relaxed);
+        counters.reads_started.fetch_add(1, Ordering::Relaxed);
         let device_offset = object.map.map(first).device_offset;
         // SAFETY: every guard holds its buffer exclusively, and the guards move into the
         // completion below, so the memory stays valid and untouched until the device has

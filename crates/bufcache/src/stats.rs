@@ -92,6 +92,9 @@ pub(crate) struct Counters {
     pub read_cluster_buffers: AtomicU64,
     pub write_clusters: AtomicU64,
     pub write_cluster_buffers: AtomicU64,
+    pub write_batches: AtomicU64,
+    pub write_batch_writes: AtomicU64,
+    pub reads_started: AtomicU64,
     pub readahead_issued_blocks: AtomicU64,
     pub readahead_used_blocks: AtomicU64,
     pub readahead_wasted_blocks: AtomicU64,
@@ -137,6 +140,13 @@ pub struct CacheStats {
     pub write_clusters: u64,
     /// Buffers drained by clustered writes.
     pub write_cluster_buffers: u64,
+    /// Batches of write-back writes handed to a slow device together (in flight at once).
+    pub write_batches: u64,
+    /// Writes those batches carried.
+    pub write_batch_writes: u64,
+    /// Reads of missing blocks started on a device that ends them on a thread of its own,
+    /// so no thread waited for them ([`crate::ObjectHandle::start_read`]).
+    pub reads_started: u64,
     /// Blocks read ahead of a reader.
     pub readahead_issued_blocks: u64,
     /// Read-ahead blocks a reader then used.
@@ -202,6 +212,9 @@ impl Counters {
         stats.read_cluster_buffers = self.read_cluster_buffers.load(Relaxed);
         stats.write_clusters = self.write_clusters.load(Relaxed);
         stats.write_cluster_buffers = self.write_cluster_buffers.load(Relaxed);
+        stats.write_batches = self.write_batches.load(Relaxed);
+        stats.write_batch_writes = self.write_batch_writes.load(Relaxed);
+        stats.reads_started = self.reads_started.load(Relaxed);
         stats.readahead_issued_blocks = self.readahead_issued_blocks.load(Relaxed);
         stats.readahead_used_blocks = self.readahead_used_blocks.load(Relaxed);
         stats.readahead_wasted_blocks = self.readahead_wasted_blocks.load(Relaxed);

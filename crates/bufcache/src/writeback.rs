@@ -315,7 +315,13 @@ impl Writeback {
         let started_ns = self.clock.now_ns();
         let results = match writes.as_slice() {
             [write] => vec![object.device.write_vectored_at(write.buffers, write.offset)],
-            _ => object.device.write_batch_at(&writes),
+            _ => {
+                self.counters.write_batches.fetch_add(1, Ordering::Relaxed);
+                self.counters
+                    .write_batch_writes
+                    .fetch_add(writes.len() as u64, Ordering::Relaxed);
+                object.device.write_batch_at(&writes)
+            }
         };
         object.record_write_latency(self.clock.now_ns().saturating_sub(started_ns));
         strict_assert!(

@@ -160,6 +160,7 @@ fn a_flush_over_a_slow_device_hands_its_runs_down_in_batches_and_loses_nothing()
     // the device holds every byte. Method: 96 scattered blocks, one flush; the batch log
     // must show a batch of more than one write and 96 writes in all.
     let (cache, device, handle) = open_slow();
+    let before = cache.stats();
     write_round(&handle, 1);
     handle.flush().unwrap();
     let batches = device.take();
@@ -172,6 +173,13 @@ fn a_flush_over_a_slow_device_hands_its_runs_down_in_batches_and_loses_nothing()
     assert_eq!(
         writes, SCATTERED as usize,
         "each dirty run is written exactly once ({batches:?})"
+    );
+    let stats = cache.stats();
+    assert!(stats.write_batches > before.write_batches);
+    assert_eq!(
+        (stats.write_batch_writes - before.write_batch_writes) as usize,
+        batches.iter().filter(|&&size| size > 1).sum::<usize>(),
+        "the cache counts the batches the device saw"
     );
     for round in 0..2 {
         for block in scattered_blocks(round) {

@@ -208,6 +208,7 @@ fn only_reads_of_wholly_missing_blocks_over_a_device_that_reads_later_are_starte
     refuse(&handle, 0, 0);
     let stats = cache.stats();
     assert_eq!((stats.hits, stats.misses), (before.hits, before.misses));
+    assert_eq!(stats.reads_started, 0);
 
     let plain = bufcache_host::system_cache(CacheConfig::default()).unwrap();
     let memory: Arc<dyn Device> = Arc::new(MemoryDevice::new(DEVICE_BYTES));
