@@ -13,8 +13,8 @@
 //!
 //! Invariants:
 //! - at most `queued_max` requests wait and at most `depth_max` batches are at the device,
-//!   besides reads started asynchronously (`start_read`), which go to the device at once and
-//!   count toward the depth while they are there;
+//!   besides reads started asynchronously (`start_read`), which go to the device at once,
+//!   past the queue;
 //! - a request's memory is touched only while its submitter is blocked in the call, so the
 //!   raw slices handed between threads never outlive their borrow;
 //! - a batch's result is every member's result: one failed merged request fails all of them
@@ -306,18 +306,12 @@ struct QueueState {
     in_flight: usize,
 }
 
-/// The queue's state and the condition its submitters wait on.
-struct QueueShared {
-    state: Mutex<QueueState>,
-    changed: Condvar,
-}
-
 /// A device wrapper that orders and merges requests.
 pub struct IoQueue<D> {
     inner: D,
     config: IoQueueConfig,
-    /// Shared with the completions of reads started asynchronously.
-    shared: Arc<QueueShared>,
+    state: Mutex<QueueState>,
+    changed: Condvar,
     entered: AtomicU64,
     issued: AtomicU64,
     merged: AtomicU64,
@@ -329,17 +323,11 @@ impl<D: Device> IoQueue<D> {
         config.validate()?;
         Ok(IoQueue {
             inner,
-            shared: Arc::new(QueueShared {
-                state: Mutex::new(QueueState {
-                    order: QueueOrder::new(
-                        config.mode,
-                        config.merge,
-                        config.transfer_size_max_bytes,
-                    ),
-                    in_flight: 0,
-                }),
-                changed: Condvar::new(),
+            state: Mutex::new(QueueState {
+                order: QueueOrder::new(config.mode, config.merge, config.transfer_size_max_bytes),
+                in_flight: 0,
             }),
+            changed: Condvar::new(),
             config,
             entered: AtomicU64::new(0),
             issued: AtomicU64::new(0),
@@ -367,9 +355,9 @@ impl<D: Device> IoQueue<D> {
         let completion = Arc::new(Completion {
             result: Mutex::new(None),
         });
-        let mut state = self.shared.state.lock();
+        let mut state = self.state.lock();
         while state.order.len() >= self.config.queued_max {
-            self.shared.changed.wait(&mut state);
+            self.changed.wait(&mut state);
         }
         state.order.push(
             direction,
@@ -391,15 +379,15 @@ impl<D: Device> IoQueue<D> {
                 state.in_flight += 1;
                 drop(state);
                 let result = self.execute(&batch);
-                state = self.shared.state.lock();
+                state = self.state.lock();
                 state.in_flight -= 1;
                 for member in &batch {
                     *member.payload.completion.result.lock() = Some(clone_result(&result));
                 }
-                self.shared.changed.notify_all();
+                self.changed.notify_all();
                 continue;
             }
-            self.shared.changed.wait(&mut state);
+            self.changed.wait(&mut state);
         }
     }
 
@@ -418,7 +406,7 @@ impl<D: Device> IoQueue<D> {
             .collect();
         let mut outcomes: Vec<Option<io::Result<()>>> = writes.iter().map(|_| None).collect();
         let mut queued = 0;
-        let mut state = self.shared.state.lock();
+        let mut state = self.state.lock();
         loop {
             while queued < writes.len() && state.order.len() < self.config.queued_max {
                 let write = &writes[queued];
@@ -462,17 +450,17 @@ impl<D: Device> IoQueue<D> {
                 state.in_flight += batches.len();
                 drop(state);
                 let results = self.execute_many(&batches);
-                state = self.shared.state.lock();
+                state = self.state.lock();
                 state.in_flight -= batches.len();
                 for (batch, result) in batches.iter().zip(&results) {
                     for member in batch {
                         *member.payload.completion.result.lock() = Some(clone_result(result));
                     }
                 }
-                self.shared.changed.notify_all();
+                self.changed.notify_all();
                 continue;
             }
-            self.shared.changed.wait(&mut state);
+            self.changed.wait(&mut state);
         }
     }
 
@@ -596,28 +584,20 @@ impl<D: Device> Device for IoQueue<D> {
         self.submit_batch(writes)
     }
 
-    /// A read the inner device completes later goes to it at once and counts as a batch at
-    /// the device until it ends, so queued requests wait for it as for any other; it never
-    /// waits in the queue itself (it has no submitter blocked in the call to dispatch it, and
-    /// the thread that started it must not block: it is reading a client's next request).
-    /// Over a device whose reads finish in the caller's thread it takes its turn in the queue
-    /// now, like any read.
+    /// A read the inner device completes later goes to it at once, past the queue: it has no
+    /// submitter blocked in the call to dispatch it, the thread that started it must not
+    /// block (it is reading a client's next request), and counting it in the depth would let
+    /// a client with many reads in flight hold back everyone's queued requests. Over a device
+    /// whose reads finish in the caller's thread it takes its turn in the queue now.
     fn start_read(&self, read: AsyncRead) {
-        if self.config.mode == QueueMode::None {
-            return self.inner.start_read(read);
+        if self.config.mode != QueueMode::None {
+            if !self.inner.capabilities().reads_complete_later {
+                return read_now(self, read);
+            }
+            self.entered.fetch_add(1, Relaxed);
+            self.issued.fetch_add(1, Relaxed);
         }
-        if !self.inner.capabilities().reads_complete_later {
-            return read_now(self, read);
-        }
-        self.shared.state.lock().in_flight += 1;
-        self.entered.fetch_add(1, Relaxed);
-        self.issued.fetch_add(1, Relaxed);
-        let shared = Arc::clone(&self.shared);
-        self.inner.start_read(read.wrap_done(move |result, done| {
-            shared.state.lock().in_flight -= 1;
-            shared.changed.notify_all();
-            done(result);
-        }));
+        self.inner.start_read(read)
     }
 
     fn flush(&self) -> io::Result<()> {
@@ -986,12 +966,12 @@ mod tests {
     }
 
     #[test]
-    fn a_started_read_goes_out_at_once_even_when_the_depth_is_full_and_then_frees_it() {
+    fn a_started_read_goes_out_at_once_even_when_the_depth_is_full() {
         // Goal: a read started through the queue never waits in it (its starter must not
-        // block) and never strands: it goes to the device at once even with the depth used
-        // up, ends with the right bytes, and gives its place back. Method: depth 1, taken by
-        // a write held at the device's gate; a started read must end while the write is
-        // still held; then the write ends and a plain read goes through.
+        // block) and takes no place in its depth: it goes to the device at once even with
+        // the depth used up and ends with the right bytes. Method: depth 1, taken by a write
+        // held at the device's gate; a started read must end while the write is still held;
+        // then the write ends and a plain read goes through.
         let (started_sender, write_started) = std::sync::mpsc::channel();
         let (open_gate, gate) = std::sync::mpsc::channel();
         let memory = MemoryDevice::new(1 << 20);
@@ -1042,6 +1022,6 @@ mod tests {
             .read_vectored_at(&mut [IoSliceMut::new(&mut back)], 0)
             .unwrap();
         assert!(back.iter().all(|&byte| byte == 1));
-        assert_eq!(queue.shared.state.lock().in_flight, 0);
+        assert_eq!(queue.state.lock().in_flight, 0);
     }
 }

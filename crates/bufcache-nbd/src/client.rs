@@ -23,7 +23,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use bufcache::device::{
-    check_range, read_now, AsyncRead, BatchWrite, Capabilities, Device, Extent, FlushGroup,
+    check_range, AsyncRead, BatchWrite, Capabilities, Device, Extent, FlushGroup, ReadCompletion,
     SleepingMutex,
 };
 use parking_lot::{Condvar, Mutex};
@@ -226,6 +226,39 @@ impl ReadTarget {
         }
         slices
     }
+}
+
+/// The pieces of a started read still in flight, the first error among the ended ones, and
+/// the read's completion, run when the last piece ends.
+struct PiecesLeft {
+    state: Mutex<(usize, Option<io::Error>, Option<ReadCompletion>)>,
+}
+
+impl PiecesLeft {
+    fn end_one(&self, outcome: io::Result<()>) {
+        let finished = {
+            let mut state = self.state.lock();
+            state.0 -= 1;
+            if let Err(error) = outcome {
+                state.1.get_or_insert(error);
+            }
+            if state.0 > 0 {
+                return;
+            }
+            (state.1.take(), state.2.take())
+        };
+        if let (error, Some(done)) = finished {
+            done(error.map_or(Ok(()), Err));
+        }
+    }
+}
+
+/// A started read's memory as the raw (start, length) pairs [`SliceCursor`] cuts.
+fn raw_segments(segments: &[(NonNull<u8>, usize)]) -> Vec<(*mut u8, usize)> {
+    segments
+        .iter()
+        .map(|&(start, length)| (start.as_ptr(), length))
+        .collect()
 }
 
 impl Slot {
@@ -569,7 +602,17 @@ impl NbdClient {
             let _ = write_all_vectored(&mut *writer, &[&header.encode()]);
         }
         self.shared.die("the client disconnected".into());
-        if let Some(reader) = self.reader.lock().take() {
+        self.join_reader();
+    }
+
+    /// Waits for the reader thread to end, unless this is the reader thread: a started
+    /// read's completion runs there and may drop the last reference to this client (at
+    /// shutdown, with the whole cache above it), and a thread cannot join itself.
+    fn join_reader(&self) {
+        let Some(reader) = self.reader.lock().take() else {
+            return;
+        };
+        if reader.thread().id() != std::thread::current().id() {
             let _ = reader.join();
         }
     }
@@ -746,31 +789,47 @@ impl NbdClient {
         Ok(())
     }
 
-    /// Sends a READ for `read` and returns; the reply thread writes the data into the read's
-    /// memory and then runs its completion. A read longer than one request, or empty, is
-    /// done now instead.
+    /// Sends the READs for `read` (one per piece the server takes) and returns; the reply
+    /// thread writes the data into the read's memory and, once every piece has ended, runs
+    /// its completion with the first error, if any.
     fn start_read_now_or_later(&self, read: AsyncRead) {
         let length_bytes = read.length_bytes();
         if let Err(error) = check_range(self.size(), read.offset(), length_bytes) {
             return read.finish(Err(error));
         }
-        if length_bytes == 0 || length_bytes > u64::from(self.piece_bytes_max()) {
-            return read_now(self, read);
+        if length_bytes == 0 {
+            return read.finish(Ok(()));
         }
         let (offset, segments, done) = read.into_parts();
-        let header = self.header(CMD_READ, 0, offset, length_bytes as u32);
-        let uri = self.shared.uri.clone();
-        let callback: SlotCallback = Box::new(move |completion| {
-            let outcome = completion_outcome(&uri, &header, completion);
-            done(outcome.map(|_| ()).map_err(io::Error::from));
+        let splits = self.pieces(offset, length_bytes);
+        let lengths: Vec<usize> = splits.iter().map(|&(_, length)| length as usize).collect();
+        let whole = raw_segments(&segments);
+        let mut cursor = SliceCursor::default();
+        let targets: Vec<ReadTarget> = lengths
+            .iter()
+            .map(|&length| ReadTarget {
+                segments: cursor.take(&whole, length),
+            })
+            .collect();
+        let pieces = Arc::new(PiecesLeft {
+            state: Mutex::new((splits.len(), None, Some(done))),
         });
-        let expect = Expect::Read {
-            offset,
-            length_bytes: length_bytes as u32,
-        };
-        let slot = Slot::with_callback(expect, Some(ReadTarget { segments }), Some(callback));
-        if let Err(error) = self.submit_slot(header, &[], &slot) {
-            slot.fail(&error.to_string());
+        for ((piece_offset, piece_length), target) in splits.into_iter().zip(targets) {
+            let header = self.header(CMD_READ, 0, piece_offset, piece_length);
+            let uri = self.shared.uri.clone();
+            let pieces = Arc::clone(&pieces);
+            let callback: SlotCallback = Box::new(move |completion| {
+                let outcome = completion_outcome(&uri, &header, completion);
+                pieces.end_one(outcome.map(|_| ()).map_err(io::Error::from));
+            });
+            let expect = Expect::Read {
+                offset: piece_offset,
+                length_bytes: piece_length,
+            };
+            let slot = Slot::with_callback(expect, Some(target), Some(callback));
+            if let Err(error) = self.submit_slot(header, &[], &slot) {
+                slot.fail(&error.to_string());
+            }
         }
     }
 
@@ -860,8 +919,8 @@ impl Drop for NbdClient {
         let alive = self.shared.pending.lock().dead.is_none();
         if alive {
             self.disconnect();
-        } else if let Some(reader) = self.reader.lock().take() {
-            let _ = reader.join();
+        } else {
+            self.join_reader();
         }
     }
 }

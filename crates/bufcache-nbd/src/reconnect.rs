@@ -17,7 +17,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bufcache::device::read_now;
 use bufcache::{AsyncRead, BatchWrite, Capabilities, Device, Extent};
 use parking_lot::Mutex;
 
@@ -263,6 +262,11 @@ impl Device for ReconnectingClient {
             Err(error) => return writes.iter().map(|_| Err(copy_error(&error))).collect(),
         };
         let mut results = client.write_batch_at(writes);
+        // Writes this connection acknowledged need a FLUSH on it: say so before a loss is
+        // recorded, so that the loss marks them as possibly not durable.
+        if results.iter().any(Result::is_ok) {
+            self.wrote();
+        }
         let lost: Vec<usize> = (0..results.len())
             .filter(|&position| results[position].as_ref().is_err_and(is_disconnect))
             .collect();
@@ -273,7 +277,11 @@ impl Device for ReconnectingClient {
             if let Ok(client) = self.client() {
                 let retry: Vec<BatchWrite<'_>> =
                     lost.iter().map(|&position| writes[position]).collect();
-                for (&position, result) in lost.iter().zip(client.write_batch_at(&retry)) {
+                let retried = client.write_batch_at(&retry);
+                if retried.iter().any(Result::is_ok) {
+                    self.wrote();
+                }
+                for (&position, result) in lost.iter().zip(retried) {
                     if let Err(error) = &result {
                         if is_disconnect(error) {
                             self.lost(&client, error);
@@ -283,20 +291,19 @@ impl Device for ReconnectingClient {
                 }
             }
         }
-        if results.iter().any(Result::is_ok) {
-            self.wrote();
-        }
         results
     }
 
-    /// Started on the current connection when there is one; otherwise done now, which is
-    /// where reconnecting happens. A read the connection fails while in flight fails with it
-    /// (the caller retries it synchronously, as `start_read`'s callers do).
+    /// Started on the current connection when there is one. Without one it fails at once
+    /// rather than reconnect here, in the thread that started it (which is reading a
+    /// client's requests): the caller serves a failed started read again synchronously,
+    /// which is where reconnecting happens, as it does for a read the connection fails
+    /// while in flight.
     fn start_read(&self, read: AsyncRead) {
         let current = self.state.lock().current.clone();
         match current {
             Some(client) => client.start_read(read),
-            None => read_now(self, read),
+            None => read.finish(Err(self.down_error("not connected; reconnecting"))),
         }
     }
 

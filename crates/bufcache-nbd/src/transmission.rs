@@ -90,12 +90,13 @@ pub(crate) enum TransmissionError {
     },
 }
 
-/// A READ reply being sent: whether sending began, and what is left to send with the writer
-/// lock still held (the bounded send from the export's buffers ran out of time).
+/// A READ reply being sent: whether sending began, and what is left to send, copied, once
+/// the export's buffers are let go: with the writer lock still held when the bounded send ran
+/// out of time, or without it when the lock could not be had in time at all.
 #[derive(Default)]
 struct ReplyInProgress<'a> {
     started: bool,
-    rest: Option<(std::sync::MutexGuard<'a, Writer>, Vec<u8>)>,
+    rest: Option<(Option<std::sync::MutexGuard<'a, Writer>>, Vec<u8>)>,
 }
 
 /// A validated request, ready for a worker.
@@ -194,11 +195,13 @@ impl Outstanding {
 /// What a READ that was started leaves for the connection's threads when its completion
 /// could not finish it alone.
 enum Work {
-    /// Send its reply from the cache's buffers (the writer was busy, or had a tail).
+    /// Send its reply (the writer was busy, or had a tail). The data is a copy in a reused
+    /// buffer, so the cache's blocks are let go at once: work waits for a connection thread,
+    /// and one of those may itself be waiting for those blocks.
     Reply {
         header: RequestHeader,
         cost_bytes: u64,
-        data: StartedRead,
+        data: Vec<u8>,
     },
     /// It failed: serve it again the usual way, which reports the error (or reads after an
     /// upstream reconnect).
@@ -314,6 +317,10 @@ impl ReadingRole {
         self.idle.lock().work.pop_front()
     }
 
+    fn has_work(&self) -> bool {
+        !self.idle.lock().work.is_empty()
+    }
+
     fn someone_waits(&self) -> bool {
         self.waiting.load(Ordering::Acquire) > 0
     }
@@ -413,7 +420,7 @@ fn finish_started_reads(connection: &Arc<Connection>) {
             connection.do_work(work);
         }
         join_crew(connection);
-        if connection.started_reads.is_zero() && connection.reading.take_work().is_none() {
+        if connection.started_reads.is_zero() && !connection.reading.has_work() {
             return;
         }
     }
@@ -887,27 +894,13 @@ impl Connection {
             Ok(data) => data,
             Err(_) => return leave_work(self, Work::Redo { header, cost_bytes }),
         };
-        let Some(mut writer) = self.writer.try_lock() else {
-            return leave_work(
-                self,
-                Work::Reply {
-                    header,
-                    cost_bytes,
-                    data,
-                },
-            );
+        let free_writer = self
+            .writer
+            .try_lock()
+            .filter(|writer| writer.tail.is_empty());
+        let Some(mut writer) = free_writer else {
+            return self.leave_reply(header, cost_bytes, &data);
         };
-        if !writer.tail.is_empty() {
-            drop(writer);
-            return leave_work(
-                self,
-                Work::Reply {
-                    header,
-                    cost_bytes,
-                    data,
-                },
-            );
-        }
         if !self.broken.load(Ordering::Acquire) {
             let prefix = self.read_reply_prefix(&header);
             let slices = data.slices();
@@ -934,6 +927,23 @@ impl Connection {
         self.release(cost_bytes);
     }
 
+    /// Leaves a started READ's reply to the connection's threads, with its data copied.
+    fn leave_reply(self: &Arc<Self>, header: RequestHeader, cost_bytes: u64, data: &StartedRead) {
+        let mut copy = self.budget.buffers().take(header.length as usize);
+        copy.clear();
+        for slice in data.slices() {
+            copy.extend_from_slice(&slice);
+        }
+        leave_work(
+            self,
+            Work::Reply {
+                header,
+                cost_bytes,
+                data: copy,
+            },
+        );
+    }
+
     /// Does work a started READ left.
     fn do_work(&self, work: Work) {
         match work {
@@ -943,10 +953,8 @@ impl Connection {
                 data,
             } => {
                 let prefix = self.read_reply_prefix(&header);
-                let mut reply = ReplyInProgress::default();
-                let _ = self.send_reply_bounded(&prefix, &data.slices(), &mut reply);
-                drop(data);
-                self.finish_reply(reply);
+                self.send_parts(&[&prefix, &data]);
+                self.budget.buffers().give_back(data);
                 self.release(cost_bytes);
             }
             Work::Redo { header, cost_bytes } => {
@@ -1042,9 +1050,12 @@ impl Connection {
         }
     }
 
-    /// Sends a reply's prefix and data under the writer lock, blocking at most
-    /// `REPLY_FROM_EXPORT_HOLD_MAX`; whatever is left is copied into `reply`, which keeps the
-    /// writer lock until [`Connection::finish_reply`] sends it, so replies never interleave.
+    /// Sends a reply's prefix and data under the writer lock, waiting for the lock and the
+    /// socket together at most `REPLY_FROM_EXPORT_HOLD_MAX`; whatever is left is copied into
+    /// `reply`, and [`Connection::finish_reply`] sends it once the export's buffers are let
+    /// go (with the writer lock this kept, or the lock taken then), so replies never
+    /// interleave. The lock is waited for with a bound too: its holder may be blocked on a
+    /// client that stopped reading (a reply's rest, a reply thread's tail).
     fn send_reply_bounded<'a>(
         &'a self,
         prefix: &[u8],
@@ -1054,11 +1065,23 @@ impl Connection {
         /// Longest time a reply may keep the export's buffers (writers of those blocks wait).
         const REPLY_FROM_EXPORT_HOLD_MAX: Duration = Duration::from_millis(20);
         reply.started = true;
-        let writer = self.lock_writer()?;
-        let mut parts = Vec::with_capacity(data.len() + 1);
+        let deadline = std::time::Instant::now() + REPLY_FROM_EXPORT_HOLD_MAX;
+        let Some(mut writer) = self.lock_writer_until(deadline) else {
+            let mut parts = vec![io::IoSlice::new(prefix)];
+            parts.extend(data.iter().map(|slice| io::IoSlice::new(slice)));
+            reply.rest = Some((None, unsent(&parts, 0)));
+            return Ok(());
+        };
+        if self.broken.load(Ordering::Acquire) {
+            return Err(io::ErrorKind::BrokenPipe.into());
+        }
+        // A tail a reply thread left goes first, within the same bounded send: waiting for
+        // it without a bound would let a client that stops reading hold the export's buffers.
+        let tail = std::mem::take(&mut writer.tail);
+        let mut parts = Vec::with_capacity(data.len() + 2);
+        parts.push(io::IoSlice::new(&tail));
         parts.push(io::IoSlice::new(prefix));
         parts.extend(data.iter().map(|slice| io::IoSlice::new(slice)));
-        let deadline = std::time::Instant::now() + REPLY_FROM_EXPORT_HOLD_MAX;
         let sent = match send_vectored_until(&writer.stream, &parts, deadline) {
             Ok(sent) => sent,
             Err(error) => {
@@ -1069,15 +1092,42 @@ impl Connection {
         };
         let rest = unsent(&parts, sent);
         if !rest.is_empty() {
-            reply.rest = Some((writer, rest));
+            reply.rest = Some((Some(writer), rest));
         }
         Ok(())
     }
 
-    /// Sends the part of a reply the bounded send left, with the writer lock it kept.
+    /// The writer lock if it can be had by `deadline`, looking again after short, growing
+    /// pauses (a reply normally holds it for microseconds); None when it is still held then.
+    fn lock_writer_until(
+        &self,
+        deadline: std::time::Instant,
+    ) -> Option<std::sync::MutexGuard<'_, Writer>> {
+        let mut pause = Duration::from_micros(5);
+        loop {
+            if let Some(writer) = self.writer.try_lock() {
+                return Some(writer);
+            }
+            if std::time::Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_micros(500));
+        }
+    }
+
+    /// Sends the part of a reply the bounded send left: with the writer lock it kept, or
+    /// (when it could not have the lock in time) with the lock taken now.
     fn finish_reply(&self, reply: ReplyInProgress<'_>) {
-        let Some((mut writer, rest)) = reply.rest else {
+        let Some((writer, rest)) = reply.rest else {
             return;
+        };
+        let mut writer = match writer {
+            Some(writer) => writer,
+            None => match self.lock_writer() {
+                Ok(writer) => writer,
+                Err(_) => return,
+            },
         };
         if let Err(error) = write_all_vectored(&mut writer.stream, &[&rest]) {
             drop(writer);

@@ -556,3 +556,64 @@ fn a_write_batch_is_in_flight_upstream_at_once_and_answers_each_write() {
     }
     assert_eq!(most, 16, "writes in flight at once upstream:\n{log}");
 }
+
+#[test]
+fn a_started_read_larger_than_the_server_takes_ends_once_on_the_reply_thread_with_every_piece() {
+    // Goal: `Device::start_read` over NBD never reads in the caller's thread: a read longer
+    // than the server's maximum block size goes out as several READs, and the completion runs
+    // once, on the reply thread, after the last piece, with every byte; a read past the end
+    // fails at once. Method: our server with a 64 KiB maximum request; a started read of
+    // 200 KiB at an odd offset into two buffers.
+    let export = Arc::new(MemoryExport::new(1 << 20));
+    let contents = pattern_bytes(1 << 20, 9);
+    export.write(0, &contents, false).unwrap();
+    let server = start_server_with(
+        vec![("mem", export as Arc<dyn Export>)],
+        ServerConfig {
+            request_size_max: 64 << 10,
+            ..ServerConfig::default()
+        },
+    );
+    let client = NbdClient::connect(&server.tcp_uri("mem")).unwrap();
+    let (offset, first_part, second_part) = (4097u64, 70_000usize, 134_800usize);
+    let mut first = vec![0u8; first_part];
+    let mut second = vec![0u8; second_part];
+    let (sender, receiver) = std::sync::mpsc::channel();
+    // SAFETY: the buffers are not touched until the completion has run (received below).
+    let read = unsafe {
+        bufcache::AsyncRead::new(
+            offset,
+            &mut [IoSliceMut::new(&mut first), IoSliceMut::new(&mut second)],
+            move |result| sender.send((result, std::thread::current().id())).unwrap(),
+        )
+    };
+    client.start_read(read);
+    let (result, thread) = receiver.recv_timeout(Duration::from_secs(10)).unwrap();
+    result.unwrap();
+    assert_ne!(
+        thread,
+        std::thread::current().id(),
+        "ended on the reply thread"
+    );
+    assert!(receiver.try_recv().is_err(), "the completion ran once");
+    let start = offset as usize;
+    assert!(first == contents[start..start + first_part]);
+    assert!(second == contents[start + first_part..start + first_part + second_part]);
+
+    let mut past = vec![0u8; 4096];
+    let (sender, receiver) = std::sync::mpsc::channel();
+    // SAFETY: as above.
+    let read = unsafe {
+        bufcache::AsyncRead::new(
+            (1 << 20) - 100,
+            &mut [IoSliceMut::new(&mut past)],
+            move |r| sender.send(r).unwrap(),
+        )
+    };
+    client.start_read(read);
+    let error = receiver
+        .recv_timeout(Duration::from_secs(10))
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(error.kind(), std::io::ErrorKind::InvalidInput, "{error}");
+}

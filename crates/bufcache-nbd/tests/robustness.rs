@@ -743,8 +743,10 @@ fn a_client_that_stops_reading_does_not_hold_up_other_clients_reads_that_miss() 
     // client's misses would wait behind it. Method: the cache's device is an NBD client of a
     // second (memory) server. A raw client asks for 8 MiB of uncached data in eight 1 MiB
     // READs and reads nothing; another client then reads 64 other uncached blocks, which must
-    // all come back within seconds. Finally the stalled client reads its eight replies, in
-    // whatever order they come: each must carry its own range's data.
+    // all come back within seconds. Then the stalled client asks for one of those (now
+    // cached) blocks and the other client rewrites it, which must not wait for the stalled
+    // client either. Finally the stalled client reads its nine replies, in whatever order
+    // they come: each must carry its own range's data.
     const MIB: u64 = 1 << 20;
     let (upstream, upstream_export) = memory_server(32 * MIB);
     let contents = pattern_bytes(32 * MIB as usize, 3);
@@ -800,10 +802,42 @@ fn a_client_that_stops_reading_does_not_hold_up_other_clients_reads_that_miss() 
         started.elapsed()
     );
 
+    // The stalled client now also asks for a block the other client made cached: that reply
+    // goes out from the cache's buffers behind the stalled replies, and a writer of the block
+    // must still not wait for the stalled client.
+    let cached_offset = 16 * MIB;
+    let header = RequestHeader {
+        flags: 0,
+        command: CMD_READ,
+        handle: 100,
+        offset: cached_offset,
+        length: 4096,
+    };
+    stalled.stream.write_all(&header.encode()).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    other
+        .write(cached_offset, &[0xAB; 4096])
+        .expect("rewrite a block the stalled client is being sent");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "a writer waited {:?} for a client that stopped reading",
+        started.elapsed()
+    );
+
     let mut seen = [false; 8];
-    for _ in 0..8 {
+    for _ in 0..9 {
         let (error, handle) = stalled.simple_reply();
         assert_eq!(error, 0, "READ {handle} succeeds");
+        if handle == 100 {
+            let data = stalled.read_bytes(4096);
+            let start = cached_offset as usize;
+            assert!(
+                data == contents[start..start + 4096],
+                "the cached block as it was"
+            );
+            continue;
+        }
         let data = stalled.read_bytes(MIB as usize);
         let start = (handle * MIB) as usize;
         assert!(

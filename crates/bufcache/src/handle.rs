@@ -171,23 +171,18 @@ pub type ReadSink<'a> = dyn FnMut(&[IoSlice<'_>]) -> std::io::Result<()> + 'a;
 pub type StartedReadDone = Box<dyn FnOnce(Result<StartedRead, CacheError>) + Send>;
 
 /// The bytes of a read [`ObjectHandle::start_read`] finished: the cache's own buffers, held
-/// exclusively (writers and other readers of these blocks wait) until this is dropped, or,
-/// when the read had to be done another way, a copy.
+/// exclusively (writers and other readers of these blocks wait) until this is dropped.
 pub struct StartedRead {
     object: Arc<ObjectState>,
     offset: u64,
     length_bytes: u64,
     first: u64,
     guards: Vec<BufferGuard>,
-    copy: Vec<u8>,
 }
 
 impl StartedRead {
     /// The bytes read, in order.
     pub fn slices(&self) -> Vec<IoSlice<'_>> {
-        if self.guards.is_empty() {
-            return vec![IoSlice::new(&self.copy)];
-        }
         let block_size = self.object.block_size_bytes as u64;
         let end_offset = self.offset + self.length_bytes;
         self.guards
@@ -411,11 +406,11 @@ impl ObjectHandle {
     /// read-ahead and starts further read-ahead as [`ObjectHandle::read_at`] would.
     ///
     /// So a server thread that reads requests need not wait for a miss, nor hand its
-    /// reading to another thread first. Any other read (a block cached or being filled,
-    /// longer than a cluster, a device whose reads finish in the caller's thread) is not
-    /// started: `done` comes back as `Err` and the caller reads as usual. Should another
-    /// reader insert one of the blocks in between, the read is done now, in this thread,
-    /// and `done` runs here.
+    /// reading to another thread first; nothing here waits (no space is waited for, and
+    /// read-ahead the background cannot take now is skipped). Any other read (a block
+    /// cached or being filled, longer than a cluster, a device whose reads finish in the
+    /// caller's thread, no room without waiting) is not started: `done` comes back as `Err`
+    /// and the caller reads as usual.
     ///
     /// [`Capabilities::reads_complete_later`]: bufcache_device::Capabilities
     pub fn start_read(
@@ -450,15 +445,17 @@ impl ObjectHandle {
         let inserted =
             self.inner()
                 .insert_absent(object.key(first), object, planned.placement, true);
-        let mut run = match inserted {
+        let run = match inserted {
             Some(buffer) => self.collect_run(buffer, limit, end, planned.placement),
             None => Vec::new(),
         };
         if (run.len() as u64) < end - first {
-            // Another reader got to a block first: finish here, counting nothing twice.
-            let result = self.read_started_now(&mut run, offset, length_bytes, &planned);
-            done(result);
-            return Ok(());
+            // Another reader got to a block first, or there is no room without waiting: the
+            // caller reads as usual (and counts these blocks then).
+            for guard in &run {
+                self.inner().table().uncount_miss(guard.buffer.key);
+            }
+            return Err(done);
         }
         let readahead_blocks = run.len() as u64 - (end - first);
         let counters = self.inner().counters();
@@ -489,8 +486,27 @@ impl ObjectHandle {
         let read = unsafe { AsyncRead::new(device_offset, &mut slices, completion) };
         drop(slices);
         object.device.start_read(read);
-        self.finish_read(&planned, false);
+        self.start_planned_readahead_in_background(&planned);
         Ok(())
+    }
+
+    /// The read-ahead [`ObjectHandle::finish_read`] starts, but only what the background
+    /// takes now: a started read's caller must not do it inline.
+    fn start_planned_readahead_in_background(&self, planned: &PlannedRead) {
+        let (end, plan) = (planned.end, &planned.plan);
+        let windows = [
+            (plan.extend_to_block > end).then_some((end, plan.extend_to_block)),
+            plan.background,
+        ];
+        for (start, window_end) in windows.into_iter().flatten() {
+            if self.blocks_resident(start, window_end) {
+                continue;
+            }
+            let handle = self.background_handle();
+            let job = Box::new(move || handle.fill_readahead(start, window_end));
+            // Refused (the background queue is full): skipped, read-ahead is best effort.
+            let _ = self.inner().spawner().spawn(job);
+        }
     }
 
     /// The completion of a read [`ObjectHandle::start_read`] started: counts it, marks its
@@ -510,13 +526,23 @@ impl ObjectHandle {
             .map(|guard| guard.buffer.length_bytes as u64)
             .sum();
         counters.device_reads.record(run_bytes, result.is_ok());
-        result.map_err(|source| CacheError::Device {
-            device: self.object.device.describe(),
-            operation: "read",
-            offset: device_offset,
-            length_bytes: run_bytes,
-            source,
-        })?;
+        let block_size = self.object.block_size_bytes as u64;
+        let first = offset / block_size;
+        let end = (offset + length_bytes).div_ceil(block_size);
+        if let Err(source) = result {
+            // The caller serves a failed started read again (NBD does), and counts its
+            // blocks then; nothing of it stays cached.
+            for guard in run.iter().filter(|guard| guard.block() < end) {
+                self.inner().table().uncount_miss(guard.buffer.key);
+            }
+            return Err(CacheError::Device {
+                device: self.object.device.describe(),
+                operation: "read",
+                offset: device_offset,
+                length_bytes: run_bytes,
+                source,
+            });
+        }
         if run.len() > 1 {
             counters.read_clusters.fetch_add(1, Ordering::Relaxed);
             counters
@@ -526,9 +552,6 @@ impl ObjectHandle {
         for guard in run.iter_mut() {
             guard.mark_valid();
         }
-        let block_size = self.object.block_size_bytes as u64;
-        let first = offset / block_size;
-        let end = (offset + length_bytes).div_ceil(block_size);
         run.truncate((end - first) as usize);
         Ok(StartedRead {
             object: Arc::clone(&self.object),
@@ -536,33 +559,6 @@ impl ObjectHandle {
             length_bytes,
             first,
             guards: run,
-            copy: Vec::new(),
-        })
-    }
-
-    /// A started read that could not go out as one run: the run collected so far is read
-    /// now, then the whole range is copied out without counting its blocks again.
-    fn read_started_now(
-        &self,
-        run: &mut Vec<BufferGuard>,
-        offset: u64,
-        length_bytes: u64,
-        planned: &PlannedRead,
-    ) -> Result<StartedRead, CacheError> {
-        if !run.is_empty() {
-            self.read_collected(run, planned.end)?;
-        }
-        run.clear();
-        let mut copy = vec![0u8; length_bytes as usize];
-        let waited = self.read_planned_quietly(offset, &mut copy, planned)?;
-        self.finish_read(planned, waited);
-        Ok(StartedRead {
-            object: Arc::clone(&self.object),
-            offset,
-            length_bytes,
-            first: planned.first,
-            guards: Vec::new(),
-            copy,
         })
     }
 

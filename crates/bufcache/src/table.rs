@@ -745,6 +745,14 @@ impl Table {
         let mut shard = self.shard_of(&chunk).lock();
         shard.hits = shard.hits.saturating_sub(1);
     }
+
+    /// Takes back the miss counted for an inserted block whose read was given up before it
+    /// was issued (the reader will look the block up, and count it, again).
+    pub(crate) fn uncount_miss(&self, key: BlockKey) {
+        let chunk = ChunkKey::of(key.object, key.block);
+        let mut shard = self.shard_of(&chunk).lock();
+        shard.misses = shard.misses.saturating_sub(1);
+    }
 }
 
 /// The blocks of a run looked up at once ([`Table::lookup_run`]): the caller takes the

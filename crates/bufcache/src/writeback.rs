@@ -313,7 +313,7 @@ impl Writeback {
             );
         }
         let started_ns = self.clock.now_ns();
-        let results = match writes.as_slice() {
+        let mut results = match writes.as_slice() {
             [write] => vec![object.device.write_vectored_at(write.buffers, write.offset)],
             _ => {
                 self.counters.write_batches.fetch_add(1, Ordering::Relaxed);
@@ -328,6 +328,12 @@ impl Writeback {
             results.len() == runs.len(),
             "a device answered a batch partly"
         );
+        // Unanswered writes count as failed: their blocks stay dirty and the error is latched.
+        results.resize_with(runs.len(), || {
+            Err(std::io::Error::other(
+                "the device did not answer this write of a batch",
+            ))
+        });
         runs.iter()
             .zip(&writes)
             .zip(results)

@@ -220,14 +220,21 @@ fn only_reads_of_wholly_missing_blocks_over_a_device_that_reads_later_are_starte
 
 #[test]
 fn a_failed_started_read_reports_the_device_error_and_caches_nothing() {
-    // Goal: when the device fails a started read, the completion gets the device's error and
-    // none of the blocks stays cached, so a later read goes to the device again.
-    let (_cache, device, handle, contents) = setup(0);
+    // Goal: when the device fails a started read, the completion gets the device's error,
+    // none of the blocks stays cached and none is counted, so a later read goes to the
+    // device again and counts once.
+    let (cache, device, handle, contents) = setup(0);
     device.failing.store(true, Ordering::SeqCst);
+    let before = cache.stats();
     let receiver = start(&handle, 0, 2 * BLOCK);
     let (outcome, _) = receiver.recv_timeout(Duration::from_secs(10)).unwrap();
     let error = outcome.expect_err("the device failed the read");
     assert!(error.to_string().contains("injected read fault"), "{error}");
+    assert_eq!(
+        cache.stats().misses,
+        before.misses,
+        "a failed started read counts no miss: its caller reads (and counts) again"
+    );
     assert!(!handle.is_resident(0, BLOCK));
     device.failing.store(false, Ordering::SeqCst);
     let mut back = vec![0u8; 2 * BLOCK as usize];
