@@ -1542,8 +1542,11 @@ impl ObjectHandle {
         if first >= end {
             return Ok(());
         }
-        self.invalidate_blocks(first, end, true);
         let object = &self.object;
+        // Until the device answers, a flush waits (the dirty blocks dropped here may hold
+        // writes it must make durable; the replacement covers them once it is on the device).
+        let _in_flight = object.begin_replace();
+        self.invalidate_blocks(first, end, true);
         let mut block = first;
         while block < end {
             let mapped = object.map.map(block);

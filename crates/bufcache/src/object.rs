@@ -154,6 +154,9 @@ pub(crate) struct ObjectState {
     /// Moving average of how long one write to the device takes (ns, injected clock): it
     /// tells a flush whether writing with several threads pays (see `Writeback`).
     write_latency_ns: AtomicU64,
+    /// Discards and zeroings between dropping their range's dirty blocks and the device's
+    /// answer: a flush waits for them (see [`ObjectState::begin_replace`]).
+    replaces_in_flight: AtomicU64,
 }
 
 impl ObjectState {
@@ -236,6 +239,7 @@ impl ObjectState {
             cluster_blocks,
             write_unit_bytes,
             write_latency_ns: AtomicU64::new(0),
+            replaces_in_flight: AtomicU64::new(0),
             name: config.name,
         })
     }
@@ -423,6 +427,22 @@ impl ObjectState {
         queue.jobs_running -= 1;
     }
 
+    /// Marks a discard or zeroing that is about to drop its range's dirty blocks and replace
+    /// them on the device; the returned guard ends it. Those blocks may hold writes completed
+    /// before a FLUSH that then finds nothing of them to write: the FLUSH must not flush the
+    /// device before the replacement reached it, or a crash could leave neither the writes
+    /// nor the replacement.
+    pub fn begin_replace(&self) -> ReplaceInFlight<'_> {
+        self.replaces_in_flight.fetch_add(1, Ordering::AcqRel);
+        ReplaceInFlight { object: self }
+    }
+
+    /// True while a discard or zeroing has dropped dirty blocks and its device operation has
+    /// not answered.
+    pub fn replace_in_flight(&self) -> bool {
+        self.replaces_in_flight.load(Ordering::Acquire) > 0
+    }
+
     /// Records a write-back failure.
     pub fn latch_error(&self, error: &CacheError) {
         let mut latch = self.latch.lock();
@@ -487,5 +507,20 @@ impl ObjectState {
         } else {
             Ok(())
         }
+    }
+}
+
+/// A discard or zeroing in flight on an object ([`ObjectState::begin_replace`]).
+pub(crate) struct ReplaceInFlight<'a> {
+    object: &'a ObjectState,
+}
+
+impl Drop for ReplaceInFlight<'_> {
+    fn drop(&mut self) {
+        let before = self
+            .object
+            .replaces_in_flight
+            .fetch_sub(1, Ordering::AcqRel);
+        strict_assert!(before > 0, "a replace ended twice");
     }
 }

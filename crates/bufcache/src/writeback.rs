@@ -562,9 +562,22 @@ impl Writeback {
                 WritebackCause::Flush,
             );
         }
+        self.wait_for_replaces(object);
         let flushed = self.flush_device(object);
         written?;
         flushed
+    }
+
+    /// Waits until no discard or zeroing of the object is between dropping dirty blocks and
+    /// the device's answer, looking again after the same growing pauses as for a write-back
+    /// in flight (they are rare, and last one device request).
+    fn wait_for_replaces(&self, object: &ObjectState) {
+        let mut sleep_ns = WRITEBACK_POLL_NS;
+        while object.replace_in_flight() {
+            let ticket = self.waiter.ticket();
+            self.waiter.wait(ticket, sleep_ns);
+            sleep_ns = (sleep_ns * 2).min(WRITEBACK_POLL_MAX_NS);
+        }
     }
 
     /// The injected clock's time now, for a flush to say which dirty blocks it covers.

@@ -352,3 +352,109 @@ fn a_flush_leaves_blocks_dirtied_after_it_started_to_the_next_flush() {
     assert!(stored_block(device.as_ref(), 64) == block_pattern(64, 1));
     assert_eq!(cache.stats().dirty_bytes, 0);
 }
+
+/// Holds its first discard until the test lets it go, after saying it has started.
+struct GatedDiscard {
+    inner: MemoryDevice,
+    started: Mutex<Option<mpsc::Sender<()>>>,
+    release: Mutex<mpsc::Receiver<()>>,
+}
+
+impl Device for GatedDiscard {
+    fn read_vectored_at(&self, buffers: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<()> {
+        self.inner.read_vectored_at(buffers, offset)
+    }
+
+    fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
+        self.inner.write_vectored_at(buffers, offset)
+    }
+
+    fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
+        write_each(self, writes)
+    }
+
+    fn start_read(&self, read: bufcache::AsyncRead) {
+        bufcache::device::read_now(self, read)
+    }
+
+    fn flush(&self) -> io::Result<()> {
+        self.inner.flush()
+    }
+
+    fn discard(&self, offset: u64, length: u64) -> io::Result<()> {
+        if let Some(started) = self.started.lock().unwrap().take() {
+            started.send(()).unwrap();
+            self.release.lock().unwrap().recv().unwrap();
+        }
+        self.inner.discard(offset, length)
+    }
+
+    fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
+        self.inner.write_zeroes(offset, length)
+    }
+
+    fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {
+        self.inner.extents(offset, length)
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+}
+
+#[test]
+fn a_flush_waits_for_a_discard_that_dropped_dirty_blocks_it_covers() {
+    // Goal: a discard drops its range's dirty blocks before the device discards the range;
+    // a FLUSH arriving in between finds nothing of them to write, and must still not answer
+    // before the discard reached the device, or a crash could leave neither the writes it
+    // covers nor the discard. Method: a write of block 0; a discard of it held at the
+    // device's gate; a flush from another thread must not end while the gate is closed,
+    // and ends once it opens.
+    let (started_sender, started) = mpsc::channel();
+    let (release, release_receiver) = mpsc::channel();
+    let device = Arc::new(GatedDiscard {
+        inner: MemoryDevice::new(DEVICE_BYTES),
+        started: Mutex::new(Some(started_sender)),
+        release: Mutex::new(release_receiver),
+    });
+    let cache = bufcache_host::system_cache(CacheConfig {
+        memory_bytes_max: 8 << 20,
+        readahead_size_max_bytes: 0,
+        ..CacheConfig::default()
+    })
+    .unwrap();
+    let handle = Arc::new(
+        cache
+            .open_object(ObjectConfig::new(
+                "gated",
+                device.clone() as Arc<dyn Device>,
+            ))
+            .unwrap(),
+    );
+    handle.write_at(0, &block_pattern(0, 1), false).unwrap();
+    let discarder = {
+        let handle = Arc::clone(&handle);
+        std::thread::spawn(move || handle.discard(0, BLOCK))
+    };
+    started.recv().unwrap();
+    let (flushed_sender, flushed) = mpsc::channel();
+    let flusher = {
+        let handle = Arc::clone(&handle);
+        std::thread::spawn(move || flushed_sender.send(handle.flush()).unwrap())
+    };
+    assert!(
+        flushed.recv_timeout(Duration::from_millis(300)).is_err(),
+        "the flush answered while the discard of a block it covers was not on the device"
+    );
+    release.send(()).unwrap();
+    discarder.join().unwrap().unwrap();
+    flushed
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the flush ends once the discard is done")
+        .unwrap();
+    flusher.join().unwrap();
+}
