@@ -637,15 +637,9 @@ impl NbdClient {
             };
             pieces.push((header, self.submit(header, &[], expect, Some(target))));
         }
-        // Every submitted slot is waited for, even after an error: until then the reader
-        // may write into `buffers` (see `ReadTarget`).
-        let mut first_error = None;
-        for (header, slot) in pieces {
-            if let Err(error) = slot.and_then(|slot| self.complete(&header, &slot)) {
-                first_error.get_or_insert(error);
-            }
-        }
-        first_error.map_or(Ok(()), Err)
+        // Every submitted slot is waited for, even after an error (`complete_all` does): until
+        // then the reader may write into `buffers` (see `ReadTarget`).
+        self.complete_all(pieces)
     }
 
     /// Writes `buffers` at `offset`, splitting at the server's maximum block size; payloads
@@ -675,7 +669,7 @@ impl NbdClient {
         pieces
     }
 
-    /// Waits for every sent piece; the first error, if any.
+    /// Waits for every sent piece, even after an error; the first error, if any.
     fn complete_all(&self, pieces: Vec<SentPiece>) -> Result<(), ClientError> {
         let mut first_error = None;
         for (header, slot) in pieces {

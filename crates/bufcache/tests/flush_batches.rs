@@ -237,23 +237,54 @@ impl Clock for ManualClock {
     }
 }
 
-/// Blocks its first write until the test lets it go, after saying it has started.
-struct GatedWrite<D> {
+/// Which request a [`Gated`] device holds.
+#[derive(Clone, Copy, PartialEq)]
+enum GatedOperation {
+    Write,
+    Discard,
+}
+
+/// Holds its first request of one kind until the test lets it go, after saying it started.
+struct Gated<D> {
     inner: D,
+    operation: GatedOperation,
     started: Mutex<Option<mpsc::Sender<()>>>,
     release: Mutex<mpsc::Receiver<()>>,
 }
 
-impl<D: Device> Device for GatedWrite<D> {
+impl<D> Gated<D> {
+    /// A gated device, the receiver that hears when the gate is reached, and the sender
+    /// that opens it.
+    fn new(inner: D, operation: GatedOperation) -> (Self, mpsc::Receiver<()>, mpsc::Sender<()>) {
+        let (started_sender, started) = mpsc::channel();
+        let (release, release_receiver) = mpsc::channel();
+        let device = Gated {
+            inner,
+            operation,
+            started: Mutex::new(Some(started_sender)),
+            release: Mutex::new(release_receiver),
+        };
+        (device, started, release)
+    }
+
+    fn gate(&self, operation: GatedOperation) {
+        if operation != self.operation {
+            return;
+        }
+        if let Some(started) = self.started.lock().unwrap().take() {
+            started.send(()).unwrap();
+            self.release.lock().unwrap().recv().unwrap();
+        }
+    }
+}
+
+impl<D: Device> Device for Gated<D> {
     fn read_vectored_at(&self, buffers: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<()> {
         self.inner.read_vectored_at(buffers, offset)
     }
 
     fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
-        if let Some(started) = self.started.lock().unwrap().take() {
-            started.send(()).unwrap();
-            self.release.lock().unwrap().recv().unwrap();
-        }
+        self.gate(GatedOperation::Write);
         self.inner.write_vectored_at(buffers, offset)
     }
 
@@ -270,6 +301,7 @@ impl<D: Device> Device for GatedWrite<D> {
     }
 
     fn discard(&self, offset: u64, length: u64) -> io::Result<()> {
+        self.gate(GatedOperation::Discard);
         self.inner.discard(offset, length)
     }
 
@@ -299,13 +331,9 @@ fn a_flush_leaves_blocks_dirtied_after_it_started_to_the_next_flush() {
     // is written at t = 3 s. The flush writes block 0 only; block 64 stays dirty until the
     // next flush, which writes it.
     let clock = Arc::new(ManualClock::default());
-    let (started_sender, started) = mpsc::channel();
-    let (release, release_receiver) = mpsc::channel();
-    let device = Arc::new(CountingDevice::new(GatedWrite {
-        inner: MemoryDevice::new(DEVICE_BYTES),
-        started: Mutex::new(Some(started_sender)),
-        release: Mutex::new(release_receiver),
-    }));
+    let (gated, started, release) =
+        Gated::new(MemoryDevice::new(DEVICE_BYTES), GatedOperation::Write);
+    let device = Arc::new(CountingDevice::new(gated));
     let cache = Cache::with_environment(
         CacheConfig {
             memory_bytes_max: 8 << 20,
@@ -353,59 +381,6 @@ fn a_flush_leaves_blocks_dirtied_after_it_started_to_the_next_flush() {
     assert_eq!(cache.stats().dirty_bytes, 0);
 }
 
-/// Holds its first discard until the test lets it go, after saying it has started.
-struct GatedDiscard {
-    inner: MemoryDevice,
-    started: Mutex<Option<mpsc::Sender<()>>>,
-    release: Mutex<mpsc::Receiver<()>>,
-}
-
-impl Device for GatedDiscard {
-    fn read_vectored_at(&self, buffers: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<()> {
-        self.inner.read_vectored_at(buffers, offset)
-    }
-
-    fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
-        self.inner.write_vectored_at(buffers, offset)
-    }
-
-    fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
-        write_each(self, writes)
-    }
-
-    fn start_read(&self, read: bufcache::AsyncRead) {
-        bufcache::device::read_now(self, read)
-    }
-
-    fn flush(&self) -> io::Result<()> {
-        self.inner.flush()
-    }
-
-    fn discard(&self, offset: u64, length: u64) -> io::Result<()> {
-        if let Some(started) = self.started.lock().unwrap().take() {
-            started.send(()).unwrap();
-            self.release.lock().unwrap().recv().unwrap();
-        }
-        self.inner.discard(offset, length)
-    }
-
-    fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
-        self.inner.write_zeroes(offset, length)
-    }
-
-    fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {
-        self.inner.extents(offset, length)
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-}
-
 #[test]
 fn a_flush_waits_for_a_discard_that_dropped_dirty_blocks_it_covers() {
     // Goal: a discard drops its range's dirty blocks before the device discards the range;
@@ -414,13 +389,9 @@ fn a_flush_waits_for_a_discard_that_dropped_dirty_blocks_it_covers() {
     // covers nor the discard. Method: a write of block 0; a discard of it held at the
     // device's gate; a flush from another thread must not end while the gate is closed,
     // and ends once it opens.
-    let (started_sender, started) = mpsc::channel();
-    let (release, release_receiver) = mpsc::channel();
-    let device = Arc::new(GatedDiscard {
-        inner: MemoryDevice::new(DEVICE_BYTES),
-        started: Mutex::new(Some(started_sender)),
-        release: Mutex::new(release_receiver),
-    });
+    let (gated, started, release) =
+        Gated::new(MemoryDevice::new(DEVICE_BYTES), GatedOperation::Discard);
+    let device = Arc::new(gated);
     let cache = bufcache_host::system_cache(CacheConfig {
         memory_bytes_max: 8 << 20,
         readahead_size_max_bytes: 0,
