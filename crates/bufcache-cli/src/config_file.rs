@@ -44,13 +44,22 @@ pub fn expand(arguments: Vec<OsString>, command: &Command) -> anyhow::Result<Vec
     let given = flags_given(&rest, serve);
     let from_file: Vec<OsString> = flags_from_file(Path::new(&path), serve)?
         .into_iter()
-        .filter(|(name, _)| !given.contains(name))
+        .filter(|(name, _)| !given.contains(name) && !given.contains(&negation(name)))
         .flat_map(|(_, flags)| flags)
         .collect();
     let mut expanded = arguments[..=serve_index].to_vec();
     expanded.extend(from_file);
     expanded.extend(rest);
     Ok(expanded)
+}
+
+/// The flag saying the opposite of `name` (`no-prefault` for `prefault` and back): the command
+/// line's one overrides the file's too.
+fn negation(name: &str) -> String {
+    match name.strip_prefix("no-") {
+        Some(positive) => positive.to_string(),
+        None => format!("no-{name}"),
+    }
 }
 
 /// Long names of the flags on the command line (short ones mapped to their long name): the
@@ -100,27 +109,48 @@ fn flags_from_file(path: &Path, serve: &Command) -> anyhow::Result<Vec<(String, 
         };
         let is_switch = matches!(argument.get_action(), ArgAction::SetTrue | ArgAction::Count);
         let repeatable = matches!(argument.get_action(), ArgAction::Append);
+        // An option whose value may be left out (`--prefault` or `--prefault=WHEN`).
+        let value_optional = argument
+            .get_num_args()
+            .is_some_and(|range| range.min_values() == 0);
+        // `--name=VALUE` in one argument: options whose value may be left out take no other
+        // form.
+        let with_value = |value: OsString| {
+            let mut flag = OsString::from(format!("--{name}="));
+            flag.push(value);
+            flag
+        };
         match value {
             toml::Value::Boolean(enabled) if is_switch => {
                 if *enabled {
                     flags.push(OsString::from(format!("--{name}")));
                 }
             }
+            toml::Value::Boolean(enabled) if value_optional => {
+                let negated = format!("no-{name}");
+                if *enabled {
+                    flags.push(OsString::from(format!("--{name}")));
+                } else if serve
+                    .get_arguments()
+                    .any(|a| a.get_long() == Some(negated.as_str()))
+                {
+                    flags.push(OsString::from(format!("--{negated}")));
+                } else {
+                    bail!("{where_} takes a value, or true for its default");
+                }
+            }
             toml::Value::Array(items) if repeatable => {
                 for item in items {
-                    flags.push(OsString::from(format!("--{name}")));
-                    flags.push(scalar(item).with_context(|| {
+                    flags.push(with_value(scalar(item).with_context(|| {
                         format!("{where_}: array items must be strings or numbers")
-                    })?);
+                    })?));
                 }
             }
             _ if is_switch => bail!("{where_} is a switch: use true or false"),
             other => {
-                flags.push(OsString::from(format!("--{name}")));
-                flags.push(
-                    scalar(other)
-                        .with_context(|| format!("{where_}: expected a string or a number"))?,
-                );
+                flags.push(with_value(scalar(other).with_context(|| {
+                    format!("{where_}: expected a string or a number")
+                })?));
             }
         }
         keys.push((name, flags));
@@ -291,10 +321,8 @@ mod tests {
         assert_eq!(
             expanded[2..],
             [
-                "--listen",
-                "unix:/a",
-                "--listen",
-                "tcp:127.0.0.1:1",
+                "--listen=unix:/a",
+                "--listen=tcp:127.0.0.1:1",
                 "--read-only",
                 "--cache-size",
                 "2G"
@@ -321,8 +349,7 @@ mod tests {
         assert_eq!(
             expanded[2..],
             [
-                "--policy",
-                "lru",
+                "--policy=lru",
                 "--cache-size",
                 "2G",
                 "--listen=unix:/b",
@@ -350,6 +377,28 @@ mod tests {
         assert!(table.contains_key("shutdown-timeout") && table.contains_key("listen"));
         let expanded = expand_with(&uncommented, &[]).expect("every key is a serve flag");
         crate::Cli::try_parse_from(&expanded).expect("clap accepts every default");
+    }
+
+    #[test]
+    fn an_option_whose_value_may_be_left_out_takes_a_value_or_a_boolean() {
+        // Goal: `prefault`, whose value may be left out on the command line, works from a
+        // file as a value (`"off"`), as true (the bare flag, as before it took a value) and as
+        // false (its `no-` flag), and the command line's `--no-prefault` overrides the file's
+        // `prefault`. Method: expand each file and parse the result with clap.
+        for (file, command_line, expected) in [
+            ("prefault = \"off\"\n", &[][..], &["--prefault=off"][..]),
+            ("prefault = true\n", &[][..], &["--prefault"][..]),
+            ("prefault = false\n", &[][..], &["--no-prefault"][..]),
+            (
+                "prefault = \"startup\"\n",
+                &["--no-prefault"][..],
+                &["--no-prefault"][..],
+            ),
+        ] {
+            let expanded = expand_with(file, command_line).unwrap();
+            assert_eq!(expanded[2..], *expected, "{file}");
+            crate::Cli::try_parse_from(&expanded).expect("clap accepts the result");
+        }
     }
 
     #[test]

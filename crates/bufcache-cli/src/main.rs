@@ -8,6 +8,7 @@ mod limit_args;
 mod metrics;
 mod observe;
 mod plot;
+mod prefault;
 mod replay;
 mod rescue;
 mod serve;

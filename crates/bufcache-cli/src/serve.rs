@@ -26,6 +26,7 @@ use clap::Args;
 use crate::engine_args::EngineArgs;
 use crate::limit_args::LimitArgs;
 use crate::metrics::{self, ExportMeters, Meters};
+use crate::prefault::{self, PrefaultWhen};
 use crate::rescue::{self, RescueAction};
 use crate::tls_args::TlsArgs;
 
@@ -120,12 +121,24 @@ pub struct ServeArgs {
     /// Upstream NBD backends: stop reconnecting after this many seconds unreachable (0: never).
     #[arg(long, value_name = "SECONDS", default_value_t = 3600.0)]
     reconnect_give_up: f64,
-    /// Fault the cache's memory in before accepting clients (up to the cache size or the
-    /// exports' total size, whichever is smaller), so a first fill does not pay the kernel for
-    /// fresh pages on the data path. Startup takes longer (about 0.5 s per GiB per core) and
-    /// that memory is resident from the start. Off by default, like a kernel's page cache.
-    #[arg(long)]
-    prefault: bool,
+    /// When to fault the cache's memory in (up to the cache size or the exports' total size,
+    /// whichever is smaller), so a first fill does not pay the kernel for fresh pages on the
+    /// data path: background (on a low-priority thread while serving), startup (before
+    /// accepting clients, about 0.5 s per GiB per core) or off (as data first arrives).
+    /// `--prefault` alone means startup. That memory is resident from then on.
+    #[arg(
+        long,
+        value_name = "WHEN",
+        value_enum,
+        num_args = 0..=1,
+        require_equals = true,
+        default_value_t = PrefaultWhen::Background,
+        default_missing_value = "startup"
+    )]
+    prefault: PrefaultWhen,
+    /// The same as --prefault=off: memory is faulted in as data first arrives.
+    #[arg(long, conflicts_with = "prefault")]
+    no_prefault: bool,
     /// Serve Prometheus metrics (/metrics) and JSON statistics (/stats) on HOST:PORT.
     #[arg(long, value_name = "HOST:PORT")]
     metrics: Option<String>,
@@ -241,25 +254,6 @@ fn sync_with_retries(
             }
         }
     }
-}
-
-/// Faults buffer memory in on every core until the cache holds `bytes_max` or its memory
-/// limit (`--prefault`): the cache never needs more than its exports' total size.
-fn prefault_memory(cache: &Cache, bytes_max: u64) {
-    let started = Instant::now();
-    let threads = std::thread::available_parallelism().map_or(1, |count| count.get());
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| while cache.prefault(bytes_max) {});
-        }
-    });
-    let prefaulted = cache.stats().memory_prefaulted_bytes;
-    tracing::info!(bytes = prefaulted, "memory prefaulted");
-    say!(
-        "prefaulted {} of buffer memory in {:.2} s",
-        format_size(prefaulted),
-        started.elapsed().as_secs_f64()
-    );
 }
 
 /// What the main thread waits for once serving has started.
@@ -389,9 +383,23 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         exports.push((name, export));
     }
     handle_rescue_file(&args, &cache, &objects)?;
-    if args.prefault {
-        prefault_memory(&cache, objects.iter().map(|(_, object)| object.len()).sum());
-    }
+    let prefault_bytes_max = objects.iter().map(|(_, object)| object.len()).sum();
+    let prefault_when = if args.no_prefault {
+        PrefaultWhen::Off
+    } else {
+        args.prefault
+    };
+    let background_prefault = match prefault_when {
+        PrefaultWhen::Startup => {
+            prefault::before_serving(&cache, prefault_bytes_max);
+            None
+        }
+        PrefaultWhen::Background => Some(
+            prefault::Background::start(cache.clone(), prefault_bytes_max)
+                .context("starting the prefault thread")?,
+        ),
+        PrefaultWhen::Off => None,
+    };
     let server = match Server::new(server_config, exports) {
         Err(bufcache_nbd::ServerError::PolicyForUnknownExport(name)) => clap::Error::raw(
             clap::error::ErrorKind::ValueValidation,
@@ -448,6 +456,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             .spawn(move || {
                 let served = server.run(shutdown);
                 let _ = events.send(Event::Served(served));
+                if let Some(background) = background_prefault {
+                    background.stop();
+                }
                 stop_writer.store(true, Ordering::Release);
                 writer.thread().unpark();
                 let _ = writer.join();

@@ -368,25 +368,28 @@ fn many_busy_connections_share_one_inflight_budget() {
     }
 }
 
-/// `serve --prefault` over a 32 MiB export: how much it faulted in, the server's resident
-/// memory before any request, and the cache's stats after writing the whole export.
-fn prefaulted_server(cache: &str) -> (u64, u64, serde_json::Value) {
+/// `serve` with `prefault` (the prefault flags, if any) over a 32 MiB export: how much it faulted in
+/// before any request (waiting up to 10 s for a background prefault to end), the server's
+/// resident memory then, the cache's stats after writing and reading back the whole export,
+/// and the server's log.
+fn prefaulted_server(cache: &str, prefault: &[&str]) -> (u64, u64, serde_json::Value, String) {
     let dir = temp_dir();
-    let mut server = Server::start(
-        dir.path(),
-        "bufcache",
-        &[
-            "--backend",
-            "export.img",
-            "--create-size",
-            "32M",
-            "--cache-size",
-            cache,
-            "--prefault",
-            "--metrics",
-            "127.0.0.1:0",
-        ],
-    );
+    let mut args = vec![
+        "--backend",
+        "export.img",
+        "--create-size",
+        "32M",
+        "--cache-size",
+        cache,
+        "--metrics",
+        "127.0.0.1:0",
+    ];
+    args.extend_from_slice(prefault);
+    let mut server = Server::start(dir.path(), "bufcache", &args);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !server.log_text().contains("prefaulted") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let prefaulted = server.stats()["cache"]["memory_prefaulted_bytes"]
         .as_u64()
         .expect("memory_prefaulted_bytes in /stats");
@@ -403,13 +406,38 @@ fn prefaulted_server(cache: &str) -> (u64, u64, serde_json::Value) {
     assert!(back == data, "the export reads back what was written");
     let stats = server.stats()["cache"].clone();
     drop(client);
-    assert!(
-        server.log_text().contains("prefaulted"),
-        "the server says what it prefaulted:\n{}",
-        server.log_text()
-    );
     server.stop_clean(Duration::from_secs(60));
-    (prefaulted, idle_rss, stats)
+    (prefaulted, idle_rss, stats, server.log_text())
+}
+
+/// Checks what `prefaulted_server` measured for `cache` against `bound`, the smaller of the
+/// cache and the export.
+fn check_prefaulted(
+    cache: &str,
+    bound: u64,
+    (prefaulted, idle_rss, stats, log): (u64, u64, serde_json::Value, String),
+) {
+    eprintln!(
+        "cache {cache}: prefaulted {:.0} MiB, idle RSS {:.1} MiB; after the fill {stats}",
+        mib(prefaulted),
+        mib(idle_rss)
+    );
+    assert_eq!(prefaulted, bound, "cache {cache}: prefaulted bytes\n{log}");
+    assert!(
+        idle_rss >= bound,
+        "cache {cache}: {:.1} MiB resident before any request, below the {:.0} MiB prefaulted",
+        mib(idle_rss),
+        mib(bound)
+    );
+    assert_eq!(
+        stats["memory_prefaulted_bytes"], 0,
+        "cache {cache}: the fill took every prefaulted chunk"
+    );
+    let used = stats["memory_used_bytes"].as_u64().unwrap();
+    assert!(
+        used <= bound,
+        "cache {cache}: {used} bytes used, over the {bound} bound"
+    );
 }
 
 #[test]
@@ -421,27 +449,94 @@ fn prefault_makes_memory_resident_before_serving_within_the_smaller_of_cache_and
     // read /stats and VmRSS before any request, then write and read back the whole export
     // and check that every prefaulted chunk was used and the peak stayed within the bound.
     for (cache, bound) in [("64M", 32 * MIB), ("16M", 16 * MIB)] {
-        let (prefaulted, idle_rss, stats) = prefaulted_server(cache);
+        let measured = prefaulted_server(cache, &["--prefault"]);
+        let log = measured.3.clone();
+        let said = log
+            .find("before serving")
+            .expect("the server says what it prefaulted");
+        let listening = log.find("listening on").expect("the server listens");
+        assert!(said < listening, "prefaulted before listening:\n{log}");
+        check_prefaulted(cache, bound, measured);
+    }
+}
+
+#[test]
+fn by_default_memory_is_prefaulted_in_the_background_within_the_same_bound() {
+    // Goal: with no prefault flag (and with --prefault=background), the server listens at
+    // once and faults the same memory in on background threads, never more than the smaller
+    // of the cache and the exports, and the fill then uses it. Method: as the --prefault
+    // test, waiting for the server to say it finished, and checking it listened first.
+    for (cache, bound, flag) in [
+        ("64M", 32 * MIB, &[][..]),
+        ("16M", 16 * MIB, &["--prefault=background"][..]),
+    ] {
+        let measured = prefaulted_server(cache, flag);
+        let log = measured.3.clone();
+        let said = log
+            .find("in the background")
+            .expect("the server says what it prefaulted");
+        let listening = log.find("listening on").expect("the server listens");
+        assert!(
+            listening < said,
+            "listening before the prefault ends:\n{log}"
+        );
+        check_prefaulted(cache, bound, measured);
+    }
+}
+
+#[test]
+fn no_prefault_leaves_memory_to_be_faulted_in_as_data_arrives() {
+    // Goal: --no-prefault and --prefault=off fault nothing in ahead of need. Method: a 32 MiB
+    // export behind a 64 MiB cache; after the fill, nothing was ever prefaulted and the log
+    // says nothing of it; the idle RSS before the fill is far below the export.
+    for flag in ["--no-prefault", "--prefault=off"] {
+        let (prefaulted, idle_rss, stats, log) = prefaulted_server("64M", &[flag]);
         eprintln!(
-            "cache {cache}: prefaulted {:.0} MiB, idle RSS {:.1} MiB; after the fill {stats}",
-            mib(prefaulted),
+            "{flag}: idle RSS {:.1} MiB; after the fill {stats}",
             mib(idle_rss)
         );
-        assert_eq!(prefaulted, bound, "cache {cache}: prefaulted bytes");
+        assert_eq!(prefaulted, 0, "{flag}: prefaulted bytes");
         assert!(
-            idle_rss >= bound,
-            "cache {cache}: {:.1} MiB resident before any request, below the {:.0} MiB prefaulted",
-            mib(idle_rss),
-            mib(bound)
+            !log.contains("prefaulted"),
+            "{flag}: nothing prefaulted:\n{log}"
         );
-        assert_eq!(
-            stats["memory_prefaulted_bytes"], 0,
-            "cache {cache}: the fill took every prefaulted chunk"
-        );
-        let used = stats["memory_used_bytes"].as_u64().unwrap();
         assert!(
-            used <= bound,
-            "cache {cache}: {used} bytes used, over the {bound} bound"
+            idle_rss < 24 * MIB,
+            "{flag}: {:.1} MiB resident before any request",
+            mib(idle_rss)
         );
     }
+}
+
+#[test]
+fn a_server_stops_promptly_while_it_prefaults_in_the_background() {
+    // Goal: a background prefault does not hold up shutdown. Method: a 1 GiB sparse export
+    // behind a 1 GiB cache (0.25 s or more of prefaulting on this machine); SIGTERM as soon as
+    // the server listens; it exits cleanly within 10 s, and says what it prefaulted (the
+    // threads were joined), which is within the 1 GiB bound.
+    let dir = temp_dir();
+    let mut server = Server::start(
+        dir.path(),
+        "bufcache",
+        &[
+            "--backend",
+            "export.img",
+            "--create-size",
+            "1G",
+            "--cache-size",
+            "1G",
+        ],
+    );
+    let started = Instant::now();
+    server.stop_clean(Duration::from_secs(10));
+    let log = server.log_text();
+    eprintln!(
+        "stopped in {:.2} s:\n{log}",
+        started.elapsed().as_secs_f64()
+    );
+    let line = log
+        .lines()
+        .find(|line| line.contains("prefaulted"))
+        .unwrap_or_else(|| panic!("the prefault threads said what they did:\n{log}"));
+    assert!(line.contains("in the background"), "{line}");
 }

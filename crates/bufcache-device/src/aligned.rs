@@ -121,6 +121,20 @@ pub const POOL_CHUNK_BYTES: usize = 2 << 20;
 /// clear, and compaction stalls are why database engines advise against them.
 const HUGE_PAGE_BYTES: usize = 2 << 20;
 
+/// How a chunk's pages are faulted in when it is mapped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Populate {
+    /// One `madvise(MADV_POPULATE_WRITE)` call for the chunk: the cheapest, but the kernel
+    /// holds the process's address-space lock for the whole call, so a thread preempted inside
+    /// it makes every `mmap` in the process wait. For the data path and for faulting in
+    /// before serving, when nothing else runs.
+    Advise,
+    /// Touch each page from user space: a trap per page, but no lock held between pages. For
+    /// a low-priority thread faulting memory in while the server runs, which may be preempted
+    /// anywhere.
+    Touch,
+}
+
 /// Anonymous memory mapped for one chunk: zero-filled by the kernel, so fresh slots need no
 /// clearing.
 struct Mapping {
@@ -139,7 +153,7 @@ impl Mapping {
     /// Maps `length` bytes plus room to start the usable part on a `boundary` (a power of
     /// two), and faults the usable part in. The slack before and after is never touched, so
     /// it costs address space only.
-    fn new(length: usize, boundary: usize, huge_pages: bool) -> Mapping {
+    fn new(length: usize, boundary: usize, huge_pages: bool, populate: Populate) -> Mapping {
         let mapped_length = length + boundary;
         // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
         let raw = unsafe {
@@ -172,23 +186,31 @@ impl Mapping {
                 );
             }
         }
+        // Faulting the whole chunk in with one call, rather than one page fault per 4 KiB as
+        // buffers are first written, took the per-fault trap and accounting cost off a cold
+        // fill's data path (the chunk is carved into buffers that are about to be used; the
+        // kernel still zeroes it). Kernels before 5.14 refuse the advice; then, and when
+        // touching was asked for, each page is touched below.
         #[cfg(target_os = "linux")]
-        // SAFETY: as above. Faulting the whole chunk in with one call, rather than one page
-        // fault per 4 KiB as buffers are first written, took the per-fault trap and
-        // accounting cost off a cold fill's data path (the chunk is carved into buffers that
-        // are about to be used; the kernel still zeroes it). Kernels before 5.14 refuse the
-        // advice; then each page is touched below.
-        let populated = unsafe {
-            libc::madvise(
-                start.as_ptr() as *mut libc::c_void,
-                length,
-                libc::MADV_POPULATE_WRITE,
-            )
+        let populated = match populate {
+            // SAFETY: as above: the range lies within our mapping.
+            Populate::Advise => unsafe {
+                libc::madvise(
+                    start.as_ptr() as *mut libc::c_void,
+                    length,
+                    libc::MADV_POPULATE_WRITE,
+                )
+            },
+            Populate::Touch => -1,
         };
-        #[cfg(target_os = "linux")]
+        #[cfg(not(target_os = "linux"))]
+        let populated = {
+            let _ = populate;
+            -1
+        };
         if populated != 0 {
-            // An older kernel: touch each page instead, so a prefaulted chunk is resident
-            // as promised (a chunk mapped on the data path is about to be touched anyway).
+            // Touch each page, so a prefaulted chunk is resident as promised (a chunk mapped
+            // on the data path is about to be touched anyway).
             for page in (0..length).step_by(4096) {
                 // SAFETY: within the usable part of our fresh, writable mapping.
                 unsafe { start.as_ptr().add(page).write_volatile(0) };
@@ -250,8 +272,9 @@ impl BufferPool {
     /// Faults one more chunk in ahead of need, unless the pool's chunks (in use or spare)
     /// would then exceed `bytes_max`. Returns whether it did; call it until it returns false,
     /// from as many threads as you like (the chunk is counted before it is mapped, so
-    /// concurrent callers never pass the bound together).
-    pub fn prefault_chunk(&self, bytes_max: usize) -> bool {
+    /// concurrent callers never pass the bound together). `populate` says how its pages are
+    /// faulted in.
+    pub fn prefault_chunk(&self, bytes_max: usize, populate: Populate) -> bool {
         use std::sync::atomic::Ordering;
         let counted =
             self.mapped_bytes
@@ -261,7 +284,7 @@ impl BufferPool {
         if counted.is_err() {
             return false;
         }
-        let mapping = self.mapping(POOL_CHUNK_BYTES);
+        let mapping = self.mapping(POOL_CHUNK_BYTES, populate);
         self.spare.lock().push(mapping);
         true
     }
@@ -287,17 +310,18 @@ impl BufferPool {
     }
 
     /// Maps and faults in a chunk of `chunk_bytes`, not yet counted.
-    fn mapping(&self, chunk_bytes: usize) -> Mapping {
+    fn mapping(&self, chunk_bytes: usize, populate: Populate) -> Mapping {
         Mapping::new(
             chunk_bytes,
             self.alignment.max(HUGE_PAGE_BYTES),
             self.huge_pages,
+            populate,
         )
     }
 
     /// Maps and faults in a chunk of `chunk_bytes`, counted in `mapped_bytes`.
     fn map_chunk(&self, chunk_bytes: usize) -> Mapping {
-        let mapping = self.mapping(chunk_bytes);
+        let mapping = self.mapping(chunk_bytes, Populate::Advise);
         self.mapped_bytes
             .fetch_add(chunk_bytes, std::sync::atomic::Ordering::AcqRel);
         mapping
@@ -599,7 +623,7 @@ mod pool_tests {
         let pool = BufferPool::new(4096);
         let bound = 3 * POOL_CHUNK_BYTES;
         let mut prefaulted = 0;
-        while pool.prefault_chunk(bound) {
+        while pool.prefault_chunk(bound, Populate::Advise) {
             prefaulted += 1;
         }
         assert_eq!(prefaulted, 3);
@@ -609,7 +633,10 @@ mod pool_tests {
         assert!(slots.iter().all(|slot| slot.iter().all(|&byte| byte == 0)));
         assert_eq!(pool.spare_bytes(), 0, "every spare was taken");
         assert_eq!(pool.mapped_bytes(), bound as u64, "nothing new was mapped");
-        assert!(!pool.prefault_chunk(bound), "the bound still holds");
+        assert!(
+            !pool.prefault_chunk(bound, Populate::Advise),
+            "the bound still holds"
+        );
         let next = pool.allocate(4096);
         assert_eq!(pool.mapped_bytes(), (bound + POOL_CHUNK_BYTES) as u64);
         drop(next);
@@ -622,8 +649,8 @@ mod pool_tests {
         // been; release_spares gives the rest back. Method: prefault 2 chunks, take one
         // 12 KiB slot, compare mapped bytes; then release.
         let pool = BufferPool::new(4096);
-        assert!(pool.prefault_chunk(2 * POOL_CHUNK_BYTES));
-        assert!(pool.prefault_chunk(2 * POOL_CHUNK_BYTES));
+        assert!(pool.prefault_chunk(2 * POOL_CHUNK_BYTES, Populate::Touch));
+        assert!(pool.prefault_chunk(2 * POOL_CHUNK_BYTES, Populate::Touch));
         let odd = pool.allocate(12 << 10);
         let odd_chunk_bytes = POOL_CHUNK_BYTES.next_multiple_of(12 << 10);
         assert_eq!(pool.spare_bytes(), POOL_CHUNK_BYTES as u64);

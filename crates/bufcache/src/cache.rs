@@ -16,6 +16,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bufcache_device::aligned::Populate;
 use bufcache_policy::Placement;
 use parking_lot::RwLock;
 
@@ -107,8 +108,11 @@ impl Cache {
     /// one core of the machine measured). The memory stays resident, not charged to the cache
     /// (`memory_prefaulted_bytes`), until buffers take it; it is never given back by idle
     /// trimming, only when the memory limit shrinks below it.
-    pub fn prefault(&self, bytes_max: u64) -> bool {
-        self.inner.table.prefault_chunk(bytes_max)
+    ///
+    /// `populate`: [`Populate::Advise`] before serving (fastest), [`Populate::Touch`] from a
+    /// low-priority thread while serving (no kernel lock held across a preemption).
+    pub fn prefault(&self, bytes_max: u64, populate: Populate) -> bool {
+        self.inner.table.prefault_chunk(bytes_max, populate)
     }
 
     /// A statistics snapshot.

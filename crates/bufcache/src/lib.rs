@@ -35,6 +35,7 @@ pub use config::{format_size, parse_size, CacheConfig, ConfigError};
 // its main types at the top) so an embedder needs one dependency. Each type is defined once,
 // in `bufcache-device`.
 pub use bufcache_device as device;
+pub use bufcache_device::aligned::Populate;
 pub use bufcache_device::{
     AsyncRead, BatchWrite, Capabilities, CountingDevice, CrashDevice, CrashMode, CrashStats,
     Device, DeviceStats, DirectionStats, Extent, FaultDevice, FaultKind, FaultStats, FileDevice,

@@ -31,7 +31,7 @@ use crate::buffer::{BlockKey, Buffer, MemoryRelease, DIRTY, READAHEAD, WRITEBACK
 use crate::config::CacheConfig;
 use crate::environment::Waiter;
 use crate::stats::{CacheStats, Counters};
-use bufcache_device::aligned::BufferPool;
+use bufcache_device::aligned::{BufferPool, Populate};
 
 /// Consecutive blocks of one object that share a map entry and a shard. 16 slots of 4
 /// bytes fill one cache line; a 1 MiB request of 4 KiB blocks touches 16 chunks.
@@ -417,10 +417,10 @@ impl Table {
 
     /// Faults one more chunk of buffer memory in ahead of need while the pool stays within
     /// `bytes_max` and the memory limit. Returns whether it did.
-    pub(crate) fn prefault_chunk(&self, bytes_max: u64) -> bool {
+    pub(crate) fn prefault_chunk(&self, bytes_max: u64, populate: Populate) -> bool {
         let bound = bytes_max.min(self.memory.bytes_max.load(Ordering::Acquire));
         self.pool
-            .prefault_chunk(usize::try_from(bound).unwrap_or(usize::MAX))
+            .prefault_chunk(usize::try_from(bound).unwrap_or(usize::MAX), populate)
     }
 
     /// Gives back memory faulted in ahead of need when the pool holds more than the memory

@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use bufcache::{Cache, CacheConfig, CountingDevice, Device, MemoryDevice, ObjectConfig};
+use bufcache::{Cache, CacheConfig, CountingDevice, Device, MemoryDevice, ObjectConfig, Populate};
 
 fn setup(
     memory_bytes_max: u64,
@@ -108,11 +108,11 @@ fn prefaulted_memory_stays_within_the_limit_and_is_given_back_when_it_shrinks() 
     // beside the one in use, and the cache still reads back what was written.
     let (cache, object, _device) = setup(8 << 20);
     let mut chunks = 0;
-    while cache.prefault(6 << 20) {
+    while cache.prefault(6 << 20, Populate::Advise) {
         chunks += 1;
     }
     assert_eq!(chunks, 3);
-    while cache.prefault(u64::MAX) {
+    while cache.prefault(u64::MAX, Populate::Touch) {
         chunks += 1;
     }
     assert_eq!(chunks, 4, "the memory limit bounds an unbounded caller");
@@ -133,7 +133,7 @@ fn prefaulted_memory_stays_within_the_limit_and_is_given_back_when_it_shrinks() 
         "spares given back"
     );
     let mut again = 0;
-    while cache.prefault(u64::MAX) {
+    while cache.prefault(u64::MAX, Populate::Touch) {
         again += 1;
     }
     assert_eq!(
