@@ -32,6 +32,52 @@ pub enum PrefaultWhen {
 /// list) is never held for long.
 const BACKGROUND_NICE: libc::c_int = 10;
 
+/// The share of the memory the system says is available (`MemAvailable`) that prefaulting
+/// may take; the rest stays with the kernel, other processes and request buffers.
+const AVAILABLE_MEMORY_SHARE_PERCENT: u64 = 90;
+
+/// How much to fault in ahead of need: `wanted` (the smaller of the cache size and the
+/// exports' total size), but no more than `AVAILABLE_MEMORY_SHARE_PERCENT` of the memory the
+/// system has available, so a cache sized beyond the machine is not pushed into swap or the
+/// OOM killer at startup. What is left out is faulted in as data arrives; the server says so.
+pub fn bytes_to_prefault(wanted: u64) -> u64 {
+    let Some(available) = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| mem_available_bytes(&text))
+    else {
+        return wanted;
+    };
+    // Whole chunks: the unit prefaulting maps.
+    let chunk = POOL_CHUNK_BYTES as u64;
+    let cap = available / 100 * AVAILABLE_MEMORY_SHARE_PERCENT / chunk * chunk;
+    if wanted <= cap {
+        return wanted;
+    }
+    let gib = |bytes: u64| bytes as f64 / f64::from(1u32 << 30);
+    let _ = writeln!(
+        std::io::stderr(),
+        "bufcache: prefaulting {:.1} GiB of the {:.1} GiB the cache could use: the system has \
+         {:.1} GiB available (MemAvailable); the rest is faulted in as data arrives",
+        gib(cap),
+        gib(wanted),
+        gib(available)
+    );
+    cap
+}
+
+/// `MemAvailable` from the text of `/proc/meminfo`, in bytes.
+fn mem_available_bytes(meminfo: &str) -> Option<u64> {
+    let kib = meminfo
+        .lines()
+        .find_map(|line| line.strip_prefix("MemAvailable:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse::<u64>()
+        .ok()?;
+    kib.checked_mul(1024)
+}
+
 /// Faults buffer memory in on every core until the cache holds `bytes_max` or its memory
 /// limit, before the server accepts anyone.
 pub fn before_serving(cache: &Cache, bytes_max: u64) {
@@ -155,4 +201,26 @@ fn report(chunks: u64, started: Instant, how: &str) {
         "bufcache: prefaulted {} of buffer memory in {seconds:.2} s {how}",
         format_size(bytes)
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mem_available_is_read_from_meminfo_in_bytes() {
+        // Goal: the prefault cap reads the kernel's figure right, and an unreadable one means
+        // no cap rather than a wrong one. Method: parse meminfo texts.
+        let text = "MemTotal:       24565432 kB\nMemFree:  100 kB\nMemAvailable:   20000000 kB\n";
+        assert_eq!(mem_available_bytes(text), Some(20_000_000 * 1024));
+        assert_eq!(mem_available_bytes("MemTotal: 5 kB\n"), None);
+        assert_eq!(mem_available_bytes("MemAvailable: lots\n"), None);
+    }
+
+    #[test]
+    fn a_prefault_within_available_memory_is_not_capped() {
+        // Goal: a small cache is prefaulted whole. Method: 1 MiB is below any machine's
+        // available memory; a cap of it would be the bug.
+        assert_eq!(bytes_to_prefault(1 << 20), 1 << 20);
+    }
 }

@@ -383,11 +383,15 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         exports.push((name, export));
     }
     handle_rescue_file(&args, &cache, &objects)?;
-    let prefault_bytes_max = objects.iter().map(|(_, object)| object.len()).sum();
+    let exports_bytes: u64 = objects.iter().map(|(_, object)| object.len()).sum();
     let prefault_when = if args.no_prefault {
         PrefaultWhen::Off
     } else {
         args.prefault
+    };
+    let prefault_bytes_max = match prefault_when {
+        PrefaultWhen::Off => 0,
+        _ => prefault::bytes_to_prefault(exports_bytes.min(cache.config().memory_bytes_max)),
     };
     let background_prefault = match prefault_when {
         PrefaultWhen::Startup => {
