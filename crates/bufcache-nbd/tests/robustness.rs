@@ -561,6 +561,69 @@ fn replies_come_back_out_of_order_when_requests_finish_out_of_order() {
 }
 
 #[test]
+fn slow_requests_handed_to_waiting_threads_are_all_answered_even_at_disconnect() {
+    // Goal: while a client has requests in flight, the reader hands each slow request to a
+    // waiting thread and reads on; every such request is answered once, with its own data,
+    // also when the client disconnects right behind them (work still queued then). Method:
+    // write distinct bytes over 64 KiB; then one burst: a 300 ms READ (keeps a thread
+    // serving), 64 slow 16-byte READs with a FLUSH after every eighth, and NBD_CMD_DISC;
+    // every reply is a success for a handle sent, each READ carries its range's bytes, and
+    // the server closes the connection only after the last.
+    let server = faulty_server();
+    let (mut client, _) = RawClient::open(&server, "mem", false);
+    let data: Vec<u8> = (0..65536u32).map(|index| (index * 7 + 3) as u8).collect();
+    client.request(CMD_WRITE, 0, 65536, data.len() as u32, &data);
+    assert_eq!(client.simple_reply().0, 0);
+    let mut burst = Vec::new();
+    let mut push = |command: u16, handle: u64, offset: u64, length: u32| {
+        let header = RequestHeader {
+            flags: 0,
+            command,
+            handle,
+            offset,
+            length,
+        };
+        burst.extend_from_slice(&header.encode());
+    };
+    push(CMD_READ, 5000, 8192, 16);
+    let mut expected = std::collections::HashMap::new();
+    for index in 0..64u64 {
+        let offset = 65536 + index * 1000;
+        push(CMD_READ, index, offset, 16);
+        expected.insert(index, Some(offset));
+        if index % 8 == 7 {
+            push(CMD_FLUSH, 1000 + index, 0, 0);
+            expected.insert(1000 + index, None);
+        }
+    }
+    expected.insert(5000, Some(8192));
+    push(CMD_DISC, 9999, 0, 0);
+    client.stream.write_all(&burst).unwrap();
+    for _ in 0..expected.len() {
+        let (error, handle) = client.simple_reply();
+        assert_eq!(error, 0, "request {handle} failed");
+        let offset = expected
+            .remove(&handle)
+            .unwrap_or_else(|| panic!("a second reply, or one for a handle never sent: {handle}"));
+        if let Some(offset) = offset {
+            let bytes = client.read_bytes(16);
+            let want = if offset >= 65536 {
+                data[(offset - 65536) as usize..][..16].to_vec()
+            } else {
+                vec![0u8; 16]
+            };
+            assert_eq!(bytes, want, "READ {handle} at {offset}");
+        }
+    }
+    assert!(expected.is_empty());
+    assert!(
+        client.is_closed_by_server(),
+        "the server ends the connection after DISC"
+    );
+    assert_still_serving(&server);
+}
+
+#[test]
 fn tiny_inflight_budget_still_serves_deep_pipelines() {
     let config = ServerConfig {
         request_size_max: 4096,
