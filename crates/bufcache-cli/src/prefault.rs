@@ -19,13 +19,23 @@ use bufcache::{format_size, Cache, Populate};
 /// When the cache's memory is faulted in (`--prefault=WHEN`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum PrefaultWhen {
-    /// On a low-priority thread while serving, from the start (the default).
+    /// Up to `BEFORE_SERVING_BYTES_MAX` before accepting clients, the rest in the background
+    /// (the default).
+    Auto,
+    /// On low-priority threads while serving, from the start.
     Background,
     /// Before accepting clients, on every core (what `--prefault` alone means).
     Startup,
     /// Never: pages are faulted in as data first arrives.
     Off,
 }
+
+/// What the default (`auto`) faults in before accepting clients: a copy that starts the
+/// moment the server listens then never outruns the background threads (measured: a
+/// 256 MiB copy started at once ran at 0.86–1.04 of `nbdkit file` with all of it in the
+/// background, 0.89–1.07 with it faulted in first), while a large cache delays the start
+/// by at most this much (about 0.25 s on two cores).
+pub const BEFORE_SERVING_BYTES_MAX: u64 = 1 << 30;
 
 /// The background thread's nice value: it yields to request threads (nice 0) but is not
 /// starved as a `SCHED_IDLE` thread can be, so a lock it holds for a moment (the pool's spare
@@ -193,6 +203,9 @@ fn lower_priority() {
 
 /// Says how much was faulted in: `chunks` of `POOL_CHUNK_BYTES`.
 fn report(chunks: u64, started: Instant, how: &str) {
+    if chunks == 0 {
+        return;
+    }
     let bytes = chunks * POOL_CHUNK_BYTES as u64;
     let seconds = started.elapsed().as_secs_f64();
     tracing::info!(bytes, seconds, how, "memory prefaulted");

@@ -122,17 +122,19 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = 3600.0)]
     reconnect_give_up: f64,
     /// When to fault the cache's memory in (up to the cache size or the exports' total size,
-    /// whichever is smaller), so a first fill does not pay the kernel for fresh pages on the
-    /// data path: background (on a low-priority thread while serving), startup (before
-    /// accepting clients, about 0.5 s per GiB per core) or off (as data first arrives).
-    /// `--prefault` alone means startup. That memory is resident from then on.
+    /// whichever is smaller, and 90% of the memory available), so a first fill does not pay
+    /// the kernel for fresh pages on the data path: auto (the first GiB before accepting
+    /// clients, the rest on low-priority threads while serving), background (all of it while
+    /// serving), startup (all of it before accepting clients, about 0.5 s per GiB per core)
+    /// or off (as data first arrives). `--prefault` alone means startup. That memory is
+    /// resident from then on.
     #[arg(
         long,
         value_name = "WHEN",
         value_enum,
         num_args = 0..=1,
         require_equals = true,
-        default_value_t = PrefaultWhen::Background,
+        default_value_t = PrefaultWhen::Auto,
         default_missing_value = "startup"
     )]
     prefault: PrefaultWhen,
@@ -398,9 +400,19 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             prefault::before_serving(&cache, prefault_bytes_max);
             None
         }
+        PrefaultWhen::Auto => {
+            prefault::before_serving(
+                &cache,
+                prefault_bytes_max.min(prefault::BEFORE_SERVING_BYTES_MAX),
+            );
+            (prefault_bytes_max > prefault::BEFORE_SERVING_BYTES_MAX)
+                .then(|| prefault::Background::start(cache.clone(), prefault_bytes_max))
+                .transpose()
+                .context("starting the prefault threads")?
+        }
         PrefaultWhen::Background => Some(
             prefault::Background::start(cache.clone(), prefault_bytes_max)
-                .context("starting the prefault thread")?,
+                .context("starting the prefault threads")?,
         ),
         PrefaultWhen::Off => None,
     };

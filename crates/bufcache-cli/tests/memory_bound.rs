@@ -461,16 +461,73 @@ fn prefault_makes_memory_resident_before_serving_within_the_smaller_of_cache_and
 }
 
 #[test]
-fn by_default_memory_is_prefaulted_in_the_background_within_the_same_bound() {
-    // Goal: with no prefault flag (and with --prefault=background), the server listens at
-    // once and faults the same memory in on background threads, never more than the smaller
-    // of the cache and the exports, and the fill then uses it. Method: as the --prefault
-    // test, waiting for the server to say it finished, and checking it listened first.
-    for (cache, bound, flag) in [
-        ("64M", 32 * MIB, &[][..]),
-        ("16M", 16 * MIB, &["--prefault=background"][..]),
-    ] {
-        let measured = prefaulted_server(cache, flag);
+fn by_default_memory_is_prefaulted_before_serving_up_to_a_gib() {
+    // Goal: with no prefault flag (auto), an export smaller than a GiB has its memory faulted
+    // in before the server listens, within the same bound as --prefault. Method: a 32 MiB
+    // export behind a 64 MiB cache; the server says it prefaulted before it says it listens;
+    // then as the --prefault test.
+    let measured = prefaulted_server("64M", &[]);
+    let log = measured.3.clone();
+    let said = log
+        .find("before serving")
+        .expect("the server says what it prefaulted");
+    let listening = log.find("listening on").expect("the server listens");
+    assert!(said < listening, "prefaulted before listening:\n{log}");
+    check_prefaulted("64M", 32 * MIB, measured);
+}
+
+#[test]
+fn by_default_a_cache_over_a_gib_is_prefaulted_a_gib_before_serving_and_the_rest_after() {
+    // Goal: auto bounds the start's delay: one GiB is faulted in before the server listens,
+    // the rest on background threads after. Method: a 1088 MiB sparse export behind a cache
+    // as large; the log says 1GiB before serving, then that it listens, then 64MiB in the
+    // background; /stats then shows all 1088 MiB prefaulted.
+    let dir = temp_dir();
+    let mut server = Server::start(
+        dir.path(),
+        "bufcache",
+        &[
+            "--backend",
+            "export.img",
+            "--create-size",
+            "1088M",
+            "--cache-size",
+            "1088M",
+            "--metrics",
+            "127.0.0.1:0",
+        ],
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !server.log_text().contains("in the background") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let log = server.log_text();
+    let before = log
+        .find("prefaulted 1GiB of buffer memory")
+        .unwrap_or_else(|| panic!("a GiB before serving:\n{log}"));
+    let listening = log.find("listening on").expect("the server listens");
+    let after = log
+        .find("prefaulted 64MiB of buffer memory")
+        .unwrap_or_else(|| panic!("the rest in the background:\n{log}"));
+    assert!(before < listening && listening < after, "{log}");
+    assert!(log[before..listening].contains("before serving"), "{log}");
+    assert!(log[after..].contains("in the background"), "{log}");
+    assert_eq!(
+        server.stats()["cache"]["memory_prefaulted_bytes"],
+        1088 * MIB,
+        "all of it prefaulted"
+    );
+    server.stop_clean(Duration::from_secs(60));
+}
+
+#[test]
+fn a_background_prefault_faults_the_same_memory_in_while_serving() {
+    // Goal: --prefault=background listens at once and faults the same memory in on
+    // background threads, never more than the smaller of the cache and the exports, and the
+    // fill then uses it. Method: as the --prefault test, waiting for the server to say it
+    // finished, and checking it listened first.
+    for (cache, bound) in [("64M", 32 * MIB), ("16M", 16 * MIB)] {
+        let measured = prefaulted_server(cache, &["--prefault=background"]);
         let log = measured.3.clone();
         let said = log
             .find("in the background")
@@ -525,6 +582,7 @@ fn a_server_stops_promptly_while_it_prefaults_in_the_background() {
             "1G",
             "--cache-size",
             "1G",
+            "--prefault=background",
         ],
     );
     let started = Instant::now();
