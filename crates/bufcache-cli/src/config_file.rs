@@ -136,7 +136,7 @@ fn flags_from_file(path: &Path, serve: &Command) -> anyhow::Result<Vec<(String, 
                 {
                     flags.push(OsString::from(format!("--{negated}")));
                 } else {
-                    bail!("{where_} takes a value, or true for its default");
+                    bail!("{where_} takes a value, or true for the flag without one");
                 }
             }
             toml::Value::Array(items) if repeatable => {

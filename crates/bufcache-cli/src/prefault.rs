@@ -9,7 +9,7 @@
 //! requests when they come.
 
 use std::io::Write;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -19,8 +19,7 @@ use bufcache::{format_size, Cache, Populate};
 /// When the cache's memory is faulted in (`--prefault=WHEN`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum PrefaultWhen {
-    /// Up to `BEFORE_SERVING_BYTES_MAX` before accepting clients, the rest in the background
-    /// (the default).
+    /// The first GiB before accepting clients, the rest in the background (the default).
     Auto,
     /// On low-priority threads while serving, from the start.
     Background,
@@ -48,13 +47,15 @@ const AVAILABLE_MEMORY_SHARE_PERCENT: u64 = 90;
 
 /// How much to fault in ahead of need: `wanted` (the smaller of the cache size and the
 /// exports' total size), but no more than `AVAILABLE_MEMORY_SHARE_PERCENT` of the memory the
-/// system has available, so a cache sized beyond the machine is not pushed into swap or the
-/// OOM killer at startup. What is left out is faulted in as data arrives; the server says so.
+/// system has available (or the process's memory cgroup allows, if less), so a cache sized
+/// beyond the machine is not pushed into swap or the OOM killer at startup. What is left out is faulted in as data arrives; the server says so.
 pub fn bytes_to_prefault(wanted: u64) -> u64 {
-    let Some(available) = std::fs::read_to_string("/proc/meminfo")
+    let system = std::fs::read_to_string("/proc/meminfo")
         .ok()
-        .and_then(|text| mem_available_bytes(&text))
-    else {
+        .and_then(|text| mem_available_bytes(&text));
+    // In a container /proc/meminfo tells the host's memory; the cgroup's limit is the one
+    // the OOM killer applies.
+    let Some(available) = [system, cgroup_room_bytes()].into_iter().flatten().min() else {
         return wanted;
     };
     // Whole chunks: the unit prefaulting maps.
@@ -66,13 +67,59 @@ pub fn bytes_to_prefault(wanted: u64) -> u64 {
     let gib = |bytes: u64| bytes as f64 / f64::from(1u32 << 30);
     let _ = writeln!(
         std::io::stderr(),
-        "bufcache: prefaulting {:.1} GiB of the {:.1} GiB the cache could use: the system has \
-         {:.1} GiB available (MemAvailable); the rest is faulted in as data arrives",
+        "bufcache: prefaulting {:.1} GiB of the {:.1} GiB the cache could use: {:.1} GiB is \
+         available (MemAvailable, or the memory cgroup's room); the rest is faulted in as data \
+         arrives",
         gib(cap),
         gib(wanted),
         gib(available)
     );
     cap
+}
+
+/// What the process's memory cgroup lets it still use (limit minus usage), when it has a
+/// limit: cgroup v2 (`memory.max`, `memory.current`) or v1 (`memory.limit_in_bytes`,
+/// `memory.usage_in_bytes`).
+fn cgroup_room_bytes() -> Option<u64> {
+    let membership = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let (version, path) = memory_cgroup(&membership)?;
+    let read = |name: &str| {
+        std::fs::read_to_string(format!("/sys/fs/cgroup{path}/{name}"))
+            .ok()
+            .and_then(|text| text.trim().parse::<u64>().ok())
+    };
+    let (limit, usage) = match version {
+        CgroupVersion::V2 => (read("memory.max")?, read("memory.current")?),
+        CgroupVersion::V1 => (
+            read("memory.limit_in_bytes")?,
+            read("memory.usage_in_bytes")?,
+        ),
+    };
+    Some(limit.saturating_sub(usage))
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum CgroupVersion {
+    V1,
+    V2,
+}
+
+/// The memory cgroup's version and its directory under `/sys/fs/cgroup`, from the text of
+/// `/proc/self/cgroup`: a v1 `memory` controller line wins over the v2 line, which a hybrid
+/// setup also has.
+fn memory_cgroup(membership: &str) -> Option<(CgroupVersion, String)> {
+    let mut v2 = None;
+    for line in membership.lines() {
+        let mut fields = line.splitn(3, ':');
+        let (_, controllers, path) = (fields.next()?, fields.next()?, fields.next()?);
+        if controllers.split(',').any(|name| name == "memory") {
+            return Some((CgroupVersion::V1, format!("/memory{path}")));
+        }
+        if controllers.is_empty() {
+            v2 = Some((CgroupVersion::V2, path.to_string()));
+        }
+    }
+    v2
 }
 
 /// `MemAvailable` from the text of `/proc/meminfo`, in bytes.
@@ -92,89 +139,88 @@ fn mem_available_bytes(meminfo: &str) -> Option<u64> {
 /// limit, before the server accepts anyone.
 pub fn before_serving(cache: &Cache, bytes_max: u64) {
     let started = Instant::now();
+    let chunks = on_every_core(cache, bytes_max, Populate::Advise, &AtomicBool::new(false));
+    report(chunks, started, "before serving");
+}
+
+/// Runs `cache.prefault` on one scoped thread per core (the calling thread stands in when
+/// none can be started: prefaulting is an optimization, never a reason to fail) until it
+/// declines or `stop` is set; returns the chunks faulted in.
+fn on_every_core(cache: &Cache, bytes_max: u64, populate: Populate, stop: &AtomicBool) -> u64 {
+    let prefault = || {
+        if populate == Populate::Touch {
+            lower_priority();
+        }
+        let mut chunks = 0;
+        while !stop.load(Ordering::Acquire) && cache.prefault(bytes_max, populate) {
+            chunks += 1;
+        }
+        chunks
+    };
     let threads = std::thread::available_parallelism().map_or(1, |count| count.get());
-    let chunks: u64 = std::thread::scope(|scope| {
+    std::thread::scope(|scope| {
         let workers: Vec<_> = (0..threads)
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut chunks = 0;
-                    while cache.prefault(bytes_max, Populate::Advise) {
-                        chunks += 1;
-                    }
-                    chunks
-                })
+            .filter_map(|_| {
+                std::thread::Builder::new()
+                    .name("bufcache-prefault".into())
+                    .spawn_scoped(scope, prefault)
+                    .map_err(|error| {
+                        tracing::warn!("cannot start a prefault thread: {error}");
+                    })
+                    .ok()
             })
             .collect();
+        if workers.is_empty() {
+            return prefault();
+        }
         workers
             .into_iter()
             .map(|worker| worker.join().unwrap_or(0))
             .sum()
-    });
-    report(chunks, started, "before serving");
+    })
 }
 
 /// The threads faulting memory in while the server runs.
 pub struct Background {
     stop: Arc<AtomicBool>,
-    threads: Vec<std::thread::JoinHandle<u64>>,
+    thread: std::thread::JoinHandle<()>,
 }
 
 impl Background {
-    /// Starts faulting memory in, a 2 MiB chunk at a time on one thread per core, until the
-    /// cache holds `bytes_max` or its memory limit, or [`Background::stop`] is called. The
-    /// last thread to finish says how much was faulted in.
-    pub fn start(cache: Cache, bytes_max: u64) -> std::io::Result<Background> {
+    /// Starts faulting memory in, a 2 MiB chunk at a time on one thread per core at a low
+    /// priority, until the cache holds `bytes_max` or its memory limit, or
+    /// [`Background::stop`] is called; then says how much was faulted in. None (with a
+    /// warning) when no thread can be started: the cache then fills as data arrives.
+    pub fn start(cache: Cache, bytes_max: u64) -> Option<Background> {
         let stop = Arc::new(AtomicBool::new(false));
-        let count = std::thread::available_parallelism().map_or(1, |count| count.get());
-        let running = Arc::new(AtomicUsize::new(count));
-        let total_chunks = Arc::new(AtomicU64::new(0));
-        let started = Instant::now();
-        let mut threads = Vec::with_capacity(count);
-        for _ in 0..count {
-            let cache = cache.clone();
-            let stopping = Arc::clone(&stop);
-            let running = Arc::clone(&running);
-            let total_chunks = Arc::clone(&total_chunks);
-            let thread = std::thread::Builder::new()
-                .name("bufcache-prefault".into())
-                .spawn(move || {
-                    lower_priority();
-                    let mut chunks = 0;
-                    // Touching pages rather than one madvise call per chunk: this thread may
-                    // be preempted anywhere, and must not hold the address-space lock then.
-                    while !stopping.load(Ordering::Acquire)
-                        && cache.prefault(bytes_max, Populate::Touch)
-                    {
-                        chunks += 1;
-                    }
-                    total_chunks.fetch_add(chunks, Ordering::AcqRel);
-                    if running.fetch_sub(1, Ordering::AcqRel) == 1 {
-                        let how = if stopping.load(Ordering::Acquire) {
-                            "in the background (stopped at shutdown)"
-                        } else {
-                            "in the background"
-                        };
-                        report(total_chunks.load(Ordering::Acquire), started, how);
-                    }
-                    chunks
-                });
-            match thread {
-                Ok(thread) => threads.push(thread),
-                Err(error) => {
-                    stop.store(true, Ordering::Release);
-                    return Err(error);
-                }
+        let stopping = Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name("bufcache-prefault".into())
+            .spawn(move || {
+                let started = Instant::now();
+                // Touching pages rather than one madvise call per chunk: these threads may
+                // be preempted anywhere, and must not hold the address-space lock then.
+                let chunks = on_every_core(&cache, bytes_max, Populate::Touch, &stopping);
+                let how = if stopping.load(Ordering::Acquire) {
+                    "in the background (stopped at shutdown)"
+                } else {
+                    "in the background"
+                };
+                report(chunks, started, how);
+            });
+        match thread {
+            Ok(thread) => Some(Background { stop, thread }),
+            Err(error) => {
+                tracing::warn!("cannot start the prefault threads: {error}");
+                None
             }
         }
-        Ok(Background { stop, threads })
     }
 
     /// Stops after the chunks in progress and waits for the threads.
     pub fn stop(self) {
         self.stop.store(true, Ordering::Release);
-        for thread in self.threads {
-            let _ = thread.join();
-        }
+        let _ = self.thread.join();
     }
 }
 
@@ -228,6 +274,26 @@ mod tests {
         assert_eq!(mem_available_bytes(text), Some(20_000_000 * 1024));
         assert_eq!(mem_available_bytes("MemTotal: 5 kB\n"), None);
         assert_eq!(mem_available_bytes("MemAvailable: lots\n"), None);
+    }
+
+    #[test]
+    fn the_memory_cgroup_is_found_in_v1_hybrid_and_v2_membership() {
+        // Goal: the prefault cap reads the right cgroup's files. Method: parse the
+        // /proc/self/cgroup texts of a v1 host (this CI machine's shape), of a pure v2 host,
+        // and one with no memory cgroup.
+        let v1 = "9:name=systemd:/\n4:memory:/process_api/abc\n1:cpu:/\n0::/\n";
+        assert_eq!(
+            memory_cgroup(v1),
+            Some((CgroupVersion::V1, "/memory/process_api/abc".to_string()))
+        );
+        assert_eq!(
+            memory_cgroup("0::/system.slice/bufcache.service\n"),
+            Some((
+                CgroupVersion::V2,
+                "/system.slice/bufcache.service".to_string()
+            ))
+        );
+        assert_eq!(memory_cgroup("3:cpu,cpuacct:/\n"), None);
     }
 
     #[test]

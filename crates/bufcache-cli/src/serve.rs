@@ -407,13 +407,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             );
             (prefault_bytes_max > prefault::BEFORE_SERVING_BYTES_MAX)
                 .then(|| prefault::Background::start(cache.clone(), prefault_bytes_max))
-                .transpose()
-                .context("starting the prefault threads")?
+                .flatten()
         }
-        PrefaultWhen::Background => Some(
-            prefault::Background::start(cache.clone(), prefault_bytes_max)
-                .context("starting the prefault threads")?,
-        ),
+        PrefaultWhen::Background => prefault::Background::start(cache.clone(), prefault_bytes_max),
         PrefaultWhen::Off => None,
     };
     let server = match Server::new(server_config, exports) {

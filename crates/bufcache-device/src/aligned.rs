@@ -285,7 +285,18 @@ impl BufferPool {
             return false;
         }
         let mapping = self.mapping(POOL_CHUNK_BYTES, populate);
-        self.spare.lock().push(mapping);
+        let mut spare = self.spare.lock();
+        // Size classes may have mapped chunks of their own while this one was faulted in
+        // (slowly, from a low-priority thread): past the bound, this chunk would only be
+        // memory no buffer will use, so it goes back instead.
+        if self.mapped_bytes.load(Ordering::Acquire) > bytes_max {
+            drop(spare);
+            drop(mapping);
+            self.mapped_bytes
+                .fetch_sub(POOL_CHUNK_BYTES, Ordering::AcqRel);
+            return false;
+        }
+        spare.push(mapping);
         true
     }
 

@@ -351,8 +351,11 @@ impl ReadingRole {
         !self.idle.lock().work.is_empty()
     }
 
-    fn someone_waits(&self) -> bool {
-        self.waiting.load(Ordering::Acquire) > 0
+    /// Whether a thread waits that no queued work is promised to: a thread that was woken
+    /// for work still counts as waiting until it runs, and must not be counted on twice.
+    fn free_thread_waits(&self) -> bool {
+        let idle = self.idle.lock();
+        self.waiting.load(Ordering::Acquire) > idle.work.len()
     }
 }
 
@@ -501,10 +504,11 @@ impl Drop for Serving<'_> {
     }
 }
 
-/// Starts one more thread for the connection when no thread waits for the reading role and
-/// the limit allows, so the next request is read while this thread serves a slow one.
+/// Starts one more thread for the connection when no thread waits for the reading role (none
+/// that queued work is not already promised to) and the limit allows, so the next request
+/// is read while this thread serves a slow one.
 fn start_reader_if_none_waits(connection: &Arc<Connection>) {
-    if connection.reading.someone_waits() {
+    if connection.reading.free_thread_waits() {
         return;
     }
     let mut handles = connection.crew.handles.lock();
@@ -575,7 +579,7 @@ fn hand_off(
     let others_in_flight = buffered_bytes > 0
         || connection.serving.load(Ordering::Acquire) > 0
         || !connection.started_reads.is_zero();
-    if !others_in_flight || !connection.reading.someone_waits() {
+    if !others_in_flight || !connection.reading.free_thread_waits() {
         return Err(request);
     }
     connection.reading.hand_to_waiting(request)?;

@@ -624,6 +624,47 @@ fn slow_requests_handed_to_waiting_threads_are_all_answered_even_at_disconnect()
 }
 
 #[test]
+fn a_request_behind_two_slow_ones_is_read_while_they_run() {
+    // Goal: a thread already promised a handed-off request is not counted on to read next,
+    // so a third request behind two slow ones is read and answered while they run. Method:
+    // one slow READ alone first (after it, one thread waits and another holds the reading
+    // role); then, in one write, two 300 ms READs and a fast one. The fast one's reply must
+    // come first: the first slow READ goes to the waiting thread, the second stays with the
+    // reader, and a new thread must take the role for the third.
+    let server = faulty_server();
+    let (mut client, _) = RawClient::open(&server, "mem", false);
+    let read = |handle: u64, offset: u64| {
+        RequestHeader {
+            flags: 0,
+            command: CMD_READ,
+            handle,
+            offset,
+            length: 16,
+        }
+        .encode()
+    };
+    client.stream.write_all(&read(1, 8192)).unwrap();
+    assert_eq!(client.simple_reply(), (0, 1));
+    client.read_bytes(16);
+    let mut burst = Vec::new();
+    for (handle, offset) in [(2, 8192), (3, 8192), (4, 4096)] {
+        burst.extend_from_slice(&read(handle, offset));
+    }
+    client.stream.write_all(&burst).unwrap();
+    let mut order = Vec::new();
+    for _ in 0..3 {
+        let (error, handle) = client.simple_reply();
+        assert_eq!(error, 0, "READ {handle} failed");
+        client.read_bytes(16);
+        order.push(handle);
+    }
+    assert_eq!(
+        order[0], 4,
+        "the fast READ waited for a slow one: replies in order {order:?}"
+    );
+}
+
+#[test]
 fn tiny_inflight_budget_still_serves_deep_pipelines() {
     let config = ServerConfig {
         request_size_max: 4096,
