@@ -425,6 +425,15 @@ fn server_over_export(
     Server::start(dir, "bufcache", &args)
 }
 
+/// Asserts the server's log says `first` before `second`.
+fn assert_said_in_order(log: &str, first: &str, second: &str) {
+    let at = |text: &str| {
+        log.find(text)
+            .unwrap_or_else(|| panic!("the server never said {text:?}:\n{log}"))
+    };
+    assert!(at(first) < at(second), "{first:?} after {second:?}:\n{log}");
+}
+
 /// Checks what `prefaulted_server` measured for `cache` against `bound`, the smaller of the
 /// cache and the export.
 fn check_prefaulted(
@@ -465,12 +474,7 @@ fn prefault_makes_memory_resident_before_serving_within_the_smaller_of_cache_and
     // and check that every prefaulted chunk was used and the peak stayed within the bound.
     for (cache, bound) in [("64M", 32 * MIB), ("16M", 16 * MIB)] {
         let measured = prefaulted_server(cache, &["--prefault"]);
-        let log = measured.3.clone();
-        let said = log
-            .find("before serving")
-            .expect("the server says what it prefaulted");
-        let listening = log.find("listening on").expect("the server listens");
-        assert!(said < listening, "prefaulted before listening:\n{log}");
+        assert_said_in_order(&measured.3, "before serving", "listening on");
         check_prefaulted(cache, bound, measured);
     }
 }
@@ -482,12 +486,7 @@ fn by_default_memory_is_prefaulted_before_serving_up_to_a_gib() {
     // export behind a 64 MiB cache; the server says it prefaulted before it says it listens;
     // then as the --prefault test.
     let measured = prefaulted_server("64M", &[]);
-    let log = measured.3.clone();
-    let said = log
-        .find("before serving")
-        .expect("the server says what it prefaulted");
-    let listening = log.find("listening on").expect("the server listens");
-    assert!(said < listening, "prefaulted before listening:\n{log}");
+    assert_said_in_order(&measured.3, "before serving", "listening on");
     check_prefaulted("64M", 32 * MIB, measured);
 }
 
@@ -550,15 +549,7 @@ fn a_background_prefault_faults_the_same_memory_in_while_serving() {
     // finished, and checking it listened first.
     for (cache, bound) in [("64M", 32 * MIB), ("16M", 16 * MIB)] {
         let measured = prefaulted_server(cache, &["--prefault=background"]);
-        let log = measured.3.clone();
-        let said = log
-            .find("in the background")
-            .expect("the server says what it prefaulted");
-        let listening = log.find("listening on").expect("the server listens");
-        assert!(
-            listening < said,
-            "listening before the prefault ends:\n{log}"
-        );
+        assert_said_in_order(&measured.3, "listening on", "in the background");
         check_prefaulted(cache, bound, measured);
     }
 }
