@@ -123,6 +123,16 @@ fn write_round(handle: &ObjectHandle, round: u64) {
     }
 }
 
+/// The object over a gated device, shared with the thread that waits at its gate.
+fn open_gated<D: Device + 'static>(cache: &Cache, device: &Arc<D>) -> Arc<ObjectHandle> {
+    let device = Arc::clone(device) as Arc<dyn Device>;
+    Arc::new(
+        cache
+            .open_object(ObjectConfig::new("gated", device))
+            .unwrap(),
+    )
+}
+
 fn stored_block(device: &dyn Device, block: u64) -> Vec<u8> {
     let mut stored = vec![0u8; BLOCK as usize];
     device
@@ -347,14 +357,7 @@ fn a_flush_leaves_blocks_dirtied_after_it_started_to_the_next_flush() {
         ),
     )
     .unwrap();
-    let handle = Arc::new(
-        cache
-            .open_object(ObjectConfig::new(
-                "gated",
-                device.clone() as Arc<dyn Device>,
-            ))
-            .unwrap(),
-    );
+    let handle = open_gated(&cache, &device);
     clock.0.store(1_000_000_000, Ordering::SeqCst);
     handle.write_at(0, &block_pattern(0, 1), false).unwrap();
     clock.0.store(2_000_000_000, Ordering::SeqCst);
@@ -398,14 +401,7 @@ fn a_flush_waits_for_a_discard_that_dropped_dirty_blocks_it_covers() {
         ..CacheConfig::default()
     })
     .unwrap();
-    let handle = Arc::new(
-        cache
-            .open_object(ObjectConfig::new(
-                "gated",
-                device.clone() as Arc<dyn Device>,
-            ))
-            .unwrap(),
-    );
+    let handle = open_gated(&cache, &device);
     handle.write_at(0, &block_pattern(0, 1), false).unwrap();
     let discarder = {
         let handle = Arc::clone(&handle);
