@@ -201,12 +201,13 @@ impl Background {
                 // Touching pages rather than one madvise call per chunk: these threads may
                 // be preempted anywhere, and must not hold the address-space lock then.
                 let chunks = on_every_core(&cache, bytes_max, Populate::Touch, &stopping);
-                let how = if stopping.load(Ordering::Acquire) {
-                    "in the background (stopped at shutdown)"
+                if stopping.load(Ordering::Acquire) {
+                    // Said even when nothing was done yet: a shutdown on a busy machine can
+                    // come before the low-priority threads faulted in their first chunk.
+                    say_prefaulted(chunks, started, "in the background (stopped at shutdown)");
                 } else {
-                    "in the background"
-                };
-                report(chunks, started, how);
+                    report(chunks, started, "in the background");
+                }
             });
         match thread {
             Ok(thread) => Some(Background { stop, thread }),
@@ -247,11 +248,15 @@ fn lower_priority() {
     }
 }
 
-/// Says how much was faulted in: `chunks` of `POOL_CHUNK_BYTES`.
+/// Says how much was faulted in, unless nothing was (there was nothing to do).
 fn report(chunks: u64, started: Instant, how: &str) {
-    if chunks == 0 {
-        return;
+    if chunks > 0 {
+        say_prefaulted(chunks, started, how);
     }
+}
+
+/// Says how much was faulted in: `chunks` of `POOL_CHUNK_BYTES`.
+fn say_prefaulted(chunks: u64, started: Instant, how: &str) {
     let bytes = chunks * POOL_CHUNK_BYTES as u64;
     let seconds = started.elapsed().as_secs_f64();
     tracing::info!(bytes, seconds, how, "memory prefaulted");
