@@ -42,6 +42,11 @@ pub(crate) const WRITEBACK: u32 = 8;
 /// to the dirty thresholds, age and flushes, which absorb repeated rewrites (see
 /// `ObjectHandle::write_from`). Set by write-back, never cleared: it ends with the buffer.
 pub(crate) const WRITTEN_BEHIND: u32 = 16;
+/// A thread waits for this buffer's write-back in flight to end; whoever ends it wakes the
+/// waiters. Without it a waiter learnt of the end only at its next look, after a sleep that
+/// (at 50 µs and up) outlasted a local file's write: 11% of the FLUSHes of a FLUSH-heavy run
+/// waited so, about 180 µs each.
+pub(crate) const WRITEBACK_WAITED: u32 = 32;
 
 /// Identity of a cached block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -133,6 +138,12 @@ impl Buffer {
     pub fn clear(&self, flag: u32) -> bool {
         strict_assert!(flag & DIRTY == 0, "DIRTY changes only in the dirty set");
         self.flags.fetch_and(!flag, Ordering::AcqRel) & flag != 0
+    }
+
+    /// Clears every flag in `flags` at once; returns which of them were set.
+    pub fn take(&self, flags: u32) -> u32 {
+        strict_assert!(flags & DIRTY == 0, "DIRTY changes only in the dirty set");
+        self.flags.fetch_and(!flags, Ordering::AcqRel) & flags
     }
 
     /// Sets a flag; for the dirty-set module only, the one home of the DIRTY flag.

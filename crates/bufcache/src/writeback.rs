@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use bufcache_device::BatchWrite;
 
-use crate::buffer::{Buffer, DIRTY, WRITEBACK, WRITTEN_BEHIND};
+use crate::buffer::{Buffer, DIRTY, WRITEBACK, WRITEBACK_WAITED, WRITTEN_BEHIND};
 use crate::config::CacheConfig;
 use crate::dirty;
 use crate::environment::{Clock, Waiter};
@@ -30,10 +30,11 @@ use crate::table::Table;
 
 /// How long a caller waiting for another thread's write-back of one buffer first sleeps
 /// before looking again; each further look waits twice as long, up to
-/// `WRITEBACK_POLL_MAX_NS`. A write-back ends without a notification of its own (a
-/// broadcast on the shared waiter woke every waiter per write and was measured slower).
-/// A fixed 50 µs poll made a flush waiting on 1 ms upstream writes wake twenty times per
-/// block, half of all context switches of a FLUSH-heavy run over a slow upstream.
+/// `WRITEBACK_POLL_MAX_NS`. The end of a write-back wakes the shared waiter only when the
+/// buffer is marked `WRITEBACK_WAITED` (a broadcast after every write woke every waiter per
+/// write and was measured slower); the looks remain as the bound on a wait. A fixed 50 µs
+/// poll made a flush waiting on 1 ms upstream writes wake twenty times per block, half of
+/// all context switches of a FLUSH-heavy run over a slow upstream.
 const WRITEBACK_POLL_NS: u64 = 50_000;
 const WRITEBACK_POLL_MAX_NS: u64 = 400_000;
 
@@ -210,11 +211,15 @@ impl Writeback {
 
     /// Ends the claim [`Self::claim_run`] took, whether or not the write succeeded.
     fn release_claimed(&self, held: &[Arc<Buffer>]) {
+        let mut waited = false;
         for buffer in held {
-            buffer.clear(WRITEBACK);
+            waited |= end_writeback(buffer);
             // SAFETY: each was locked shared by claim_for_writeback.
             unsafe { buffer.unlock_shared() };
             self.table.unpin(buffer);
+        }
+        if waited {
+            self.waiter.notify_all();
         }
     }
 
@@ -237,9 +242,12 @@ impl Writeback {
                 if buffer.has(DIRTY) {
                     return true;
                 }
-                buffer.clear(WRITEBACK);
+                let waited = end_writeback(buffer);
                 // SAFETY: locked shared just above.
                 unsafe { buffer.unlock_shared() };
+                if waited {
+                    self.waiter.notify_all();
+                }
                 return false;
             }
             // SAFETY: locked shared just above.
@@ -251,13 +259,21 @@ impl Writeback {
         }
     }
 
-    /// Sleeps until `buffer`'s write-back in flight (another thread's) has ended, looking
-    /// again after 50 µs, then after twice as long each time (at most 400 µs): a local
-    /// file's write ends within the first sleep, an upstream's 1 ms write costs four looks.
+    /// Sleeps until `buffer`'s write-back in flight (another thread's) has ended. The buffer
+    /// is marked `WRITEBACK_WAITED` first, so the thread that ends the write-back wakes this
+    /// one; the sleep is still bounded (50 µs, then twice as long each time, at most 400 µs)
+    /// and the flag set again at each look, in case the write-back that ended was another.
     fn wait_for_writeback_end(&self, buffer: &Buffer) {
         let mut sleep_ns = WRITEBACK_POLL_NS;
-        while buffer.has(WRITEBACK) {
+        loop {
+            // Ticket, then mark, then look: both the mark and the end of a write-back change
+            // the one flags word, so either the ender sees the mark (and its notification
+            // comes after this ticket) or this look sees the write-back ended.
             let ticket = self.waiter.ticket();
+            buffer.set(WRITEBACK_WAITED);
+            if !buffer.has(WRITEBACK) {
+                return;
+            }
             self.waiter.wait(ticket, sleep_ns);
             sleep_ns = (sleep_ns * 2).min(WRITEBACK_POLL_MAX_NS);
         }
@@ -713,4 +729,12 @@ impl Batch {
         self.bytes += run.len() as u64 * block_bytes;
         self.runs.push(run);
     }
+}
+
+/// Ends `buffer`'s write-back in flight (and forgets any waiter's mark with it, in the same
+/// step); true when a thread marked that it waits, so the caller must wake the waiters.
+fn end_writeback(buffer: &Buffer) -> bool {
+    let ended = buffer.take(WRITEBACK | WRITEBACK_WAITED);
+    strict_assert!(ended & WRITEBACK != 0, "only a write-back in flight ends");
+    ended & WRITEBACK_WAITED != 0
 }
