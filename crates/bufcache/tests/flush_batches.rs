@@ -123,6 +123,38 @@ fn write_round(handle: &ObjectHandle, round: u64) {
     }
 }
 
+/// A cache (no read-ahead) on `clock` and `waiter` over a counted device whose first write
+/// waits at a gate: the device, the receiver that hears the gate reached, and the sender
+/// that opens it.
+#[allow(clippy::type_complexity)]
+fn cache_over_gated_writes(
+    clock: Arc<dyn Clock>,
+    waiter: Arc<dyn Waiter>,
+) -> (
+    Cache,
+    Arc<CountingDevice<Gated<MemoryDevice>>>,
+    mpsc::Receiver<()>,
+    mpsc::Sender<()>,
+) {
+    let (gated, started, release) =
+        Gated::new(MemoryDevice::new(DEVICE_BYTES), GatedOperation::Write);
+    let cache = Cache::with_environment(
+        CacheConfig {
+            memory_bytes_max: 8 << 20,
+            readahead_size_max_bytes: 0,
+            ..CacheConfig::default()
+        },
+        Environment::new(clock, Arc::new(InlineSpawner), waiter),
+    )
+    .unwrap();
+    (
+        cache,
+        Arc::new(CountingDevice::new(gated)),
+        started,
+        release,
+    )
+}
+
 /// The object over a gated device, shared with the thread that waits at its gate.
 fn open_gated<D: Device + 'static>(cache: &Cache, device: &Arc<D>) -> Arc<ObjectHandle> {
     let device = Arc::clone(device) as Arc<dyn Device>;
@@ -372,22 +404,10 @@ fn a_flush_leaves_blocks_dirtied_after_it_started_to_the_next_flush() {
     // is written at t = 3 s. The flush writes block 0 only; block 64 stays dirty until the
     // next flush, which writes it.
     let clock = Arc::new(ManualClock::default());
-    let (gated, started, release) =
-        Gated::new(MemoryDevice::new(DEVICE_BYTES), GatedOperation::Write);
-    let device = Arc::new(CountingDevice::new(gated));
-    let cache = Cache::with_environment(
-        CacheConfig {
-            memory_bytes_max: 8 << 20,
-            readahead_size_max_bytes: 0,
-            ..CacheConfig::default()
-        },
-        Environment::new(
-            clock.clone() as Arc<dyn Clock>,
-            Arc::new(InlineSpawner),
-            Arc::new(BlockingWaiter::default()),
-        ),
-    )
-    .unwrap();
+    let (cache, device, started, release) = cache_over_gated_writes(
+        clock.clone() as Arc<dyn Clock>,
+        Arc::new(BlockingWaiter::default()),
+    );
     let handle = open_gated(&cache, &device);
     clock.0.store(1_000_000_000, Ordering::SeqCst);
     handle.write_at(0, &block_pattern(0, 1), false).unwrap();
@@ -467,22 +487,10 @@ fn a_flush_waiting_for_another_write_back_is_woken_when_it_ends() {
     // 30 s); the gate opens. The second flush must end through a notification: no wait of
     // the observed waiter may run out of time, and the block is written once.
     let waiter = Arc::new(ObservedWaiter::default());
-    let (gated, started, release) =
-        Gated::new(MemoryDevice::new(DEVICE_BYTES), GatedOperation::Write);
-    let device = Arc::new(CountingDevice::new(gated));
-    let cache = Cache::with_environment(
-        CacheConfig {
-            memory_bytes_max: 8 << 20,
-            readahead_size_max_bytes: 0,
-            ..CacheConfig::default()
-        },
-        Environment::new(
-            Arc::new(ManualClock::default()) as Arc<dyn Clock>,
-            Arc::new(InlineSpawner),
-            waiter.clone() as Arc<dyn Waiter>,
-        ),
-    )
-    .unwrap();
+    let (cache, device, started, release) = cache_over_gated_writes(
+        Arc::new(ManualClock::default()),
+        waiter.clone() as Arc<dyn Waiter>,
+    );
     let handle = open_gated(&cache, &device);
     handle.write_at(0, &block_pattern(0, 1), false).unwrap();
     let flush_on_thread = || {
