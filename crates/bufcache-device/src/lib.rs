@@ -39,4 +39,4 @@ pub use io_queue::{
 pub use memory::MemoryDevice;
 pub use rng::SeededRng;
 pub use sparse::SparseStore;
-pub use sync::SleepingMutex;
+pub use sync::{DeadlineMutex, DeadlineMutexGuard, SleepingMutex};

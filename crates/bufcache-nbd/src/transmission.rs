@@ -50,7 +50,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use bufcache::device::SleepingMutex;
+use bufcache::device::{DeadlineMutex, DeadlineMutexGuard};
 use parking_lot::{Condvar, Mutex};
 
 use crate::buffers::BufferRecycler;
@@ -101,7 +101,7 @@ pub(crate) enum TransmissionError {
 #[derive(Default)]
 struct ReplyInProgress<'a> {
     started: bool,
-    rest: Option<(Option<std::sync::MutexGuard<'a, Writer>>, Vec<u8>)>,
+    rest: Option<(Option<DeadlineMutexGuard<'a, Writer>>, Vec<u8>)>,
 }
 
 /// A validated request, ready for a worker.
@@ -136,7 +136,7 @@ struct Connection {
     /// The reading role: whoever holds it reads the next request from the socket.
     reading: ReadingRole,
     /// Never yields while it waits: a connection's threads meet here on every reply.
-    writer: SleepingMutex<Writer>,
+    writer: DeadlineMutex<Writer>,
     structured_replies: bool,
     base_allocation: bool,
     transmission_flags: u16,
@@ -388,7 +388,7 @@ pub(crate) fn serve(
 ) -> Result<(), TransmissionError> {
     let connection = Arc::new(Connection {
         export: negotiated.export,
-        writer: SleepingMutex::new(Writer {
+        writer: DeadlineMutex::new(Writer {
             stream: stream.try_clone()?,
             tail: Vec::new(),
         }),
@@ -1056,7 +1056,7 @@ impl Connection {
 
     /// The writer, once any tail a reply thread left has gone out before anything else; an
     /// error when the connection is broken (or breaks sending the tail).
-    fn lock_writer(&self) -> io::Result<std::sync::MutexGuard<'_, Writer>> {
+    fn lock_writer(&self) -> io::Result<DeadlineMutexGuard<'_, Writer>> {
         let mut writer = self.writer.lock();
         if self.broken.load(Ordering::Acquire) {
             return Err(io::ErrorKind::BrokenPipe.into());
@@ -1149,7 +1149,7 @@ impl Connection {
         const REPLY_FROM_EXPORT_HOLD_MAX: Duration = Duration::from_millis(20);
         reply.started = true;
         let deadline = std::time::Instant::now() + REPLY_FROM_EXPORT_HOLD_MAX;
-        let Some(mut writer) = self.lock_writer_until(deadline) else {
+        let Some(mut writer) = self.writer.lock_until(deadline) else {
             let mut parts = vec![io::IoSlice::new(prefix)];
             parts.extend(data.iter().map(|slice| io::IoSlice::new(slice)));
             reply.rest = Some((None, unsent(&parts, 0)));
@@ -1178,25 +1178,6 @@ impl Connection {
             reply.rest = Some((Some(writer), rest));
         }
         Ok(())
-    }
-
-    /// The writer lock if it can be had by `deadline`, looking again after short, growing
-    /// pauses (a reply normally holds it for microseconds); None when it is still held then.
-    fn lock_writer_until(
-        &self,
-        deadline: std::time::Instant,
-    ) -> Option<std::sync::MutexGuard<'_, Writer>> {
-        let mut pause = Duration::from_micros(5);
-        loop {
-            if let Some(writer) = self.writer.try_lock() {
-                return Some(writer);
-            }
-            if std::time::Instant::now() >= deadline {
-                return None;
-            }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_micros(500));
-        }
     }
 
     /// Sends the part of a reply the bounded send left: with the writer lock it kept, or
