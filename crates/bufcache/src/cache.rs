@@ -264,6 +264,28 @@ impl Inner {
         )
     }
 
+    /// [`Cache::insert_absent`] for the blocks `first..end` of `object` in order, stopping at
+    /// the first that cannot be inserted; each block's placement and miss counting come from
+    /// `placement_of`. Shard locks are taken per chunk (see `Table::insert_absent_run`).
+    pub(crate) fn insert_absent_run(
+        &self,
+        object: &ObjectState,
+        first: u64,
+        end: u64,
+        mut placement_of: impl FnMut(u64) -> (Placement, bool),
+    ) -> Vec<Arc<Buffer>> {
+        self.table.insert_absent_run(
+            object.id,
+            first,
+            end,
+            object.block_size_bytes as u64,
+            |block| {
+                let (placement, count_miss) = placement_of(block);
+                (object.block_length_bytes(block), placement, count_miss)
+            },
+        )
+    }
+
     /// Reserves memory for one buffer, evicting, writing back and waiting as `urgency` allows.
     fn reserve(&self, size_bytes: u64, urgency: Urgency) -> Result<(), CacheError> {
         let mut waited = Duration::ZERO;

@@ -700,15 +700,19 @@ impl ObjectHandle {
             }
             held.buffers.push(hold);
         }
+        let mut used_readahead = Vec::new();
         for hold in &held.buffers {
             if hold.buffer.clear(READAHEAD) {
-                inner
-                    .counters()
-                    .readahead_used_blocks
-                    .fetch_add(1, Ordering::Relaxed);
-                if planned.placement == Placement::NoReuse {
-                    table.demote(&hold.buffer);
-                }
+                used_readahead.push(&*hold.buffer);
+            }
+        }
+        if !used_readahead.is_empty() {
+            inner
+                .counters()
+                .readahead_used_blocks
+                .fetch_add(used_readahead.len() as u64, Ordering::Relaxed);
+            if planned.placement == Placement::NoReuse {
+                table.demote_run(used_readahead);
             }
         }
         Some(held)
@@ -819,17 +823,16 @@ impl ObjectHandle {
         let run_limit = limit
             .min(start + object.write_run_blocks_max(start))
             .min(object.block_count);
-        let mut run = vec![BufferGuard::new(inner, object, first)];
-        for block in start + 1..run_limit {
-            let Some(buffer) = inner.insert_absent(
-                object.key(block),
-                object,
+        let rest = inner.insert_absent_run(object, start + 1, run_limit, |block| {
+            (
                 run_placement(placement, block, request_end),
                 block < request_end,
-            ) else {
-                break;
-            };
-            if block >= request_end {
+            )
+        });
+        let mut run = Vec::with_capacity(1 + rest.len());
+        run.push(BufferGuard::new(inner, object, first));
+        for buffer in rest {
+            if buffer.key.block >= request_end {
                 buffer.set(READAHEAD);
             }
             run.push(BufferGuard::new(inner, object, buffer));

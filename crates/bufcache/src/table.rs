@@ -571,14 +571,28 @@ impl Table {
     /// Moves a block to the eviction end of its shard's policy (a no-reuse stream is done
     /// with it), by forgetting and re-inserting it with `NoReuse` placement.
     pub(crate) fn demote(&self, buffer: &Buffer) {
-        let chunk = ChunkKey::of(buffer.key.object, buffer.key.block);
-        let mut shard = self.shard_of(&chunk).lock();
-        let slot = buffer.slot.load(Ordering::Acquire);
-        if shard.slot_of(&chunk, buffer.key) == Some(slot) {
-            shard.policy.remove(slot);
-            shard
-                .policy
-                .insert(slot, buffer.key.hash64(), Placement::NoReuse);
+        self.demote_run(std::iter::once(buffer));
+    }
+
+    /// [`Table::demote`] for every buffer of `buffers`, taking each shard lock once per run
+    /// of consecutive buffers in the same chunk (a stream's blocks come in order).
+    pub(crate) fn demote_run<'b>(&self, buffers: impl IntoIterator<Item = &'b Buffer>) {
+        let mut buffers = buffers.into_iter().peekable();
+        while let Some(first) = buffers.next() {
+            let chunk = ChunkKey::of(first.key.object, first.key.block);
+            let mut shard = self.shard_of(&chunk).lock();
+            let mut next = Some(first);
+            while let Some(buffer) = next {
+                let slot = buffer.slot.load(Ordering::Acquire);
+                if shard.slot_of(&chunk, buffer.key) == Some(slot) {
+                    shard.policy.remove(slot);
+                    shard
+                        .policy
+                        .insert(slot, buffer.key.hash64(), Placement::NoReuse);
+                }
+                next = buffers
+                    .next_if(|buffer| ChunkKey::of(buffer.key.object, buffer.key.block) == chunk);
+            }
         }
     }
 
@@ -622,6 +636,77 @@ impl Table {
             shard.misses += 1;
         }
         Some(buffer)
+    }
+
+    /// [`Table::insert_absent`] for the blocks `first`, `first + 1`, ... of `object` up to
+    /// `end`, stopping at the first block already present or when no space is free without
+    /// waiting. `block_of` gives each block's length, placement and whether it counts as a
+    /// miss. Each shard lock is taken twice per chunk (a look, then the attach) instead of
+    /// twice per block, and memory is reserved before either, since reserving may evict from
+    /// any shard. Returns the buffers in block order, locked exclusively and pinned.
+    pub(crate) fn insert_absent_run(
+        &self,
+        object: u32,
+        first: u64,
+        end: u64,
+        size_bytes: u64,
+        mut block_of: impl FnMut(u64) -> (u32, Placement, bool),
+    ) -> Vec<Arc<Buffer>> {
+        let mut inserted = Vec::with_capacity(end.saturating_sub(first) as usize);
+        let mut block = first;
+        while block < end {
+            let chunk = ChunkKey::of(object, block);
+            let stop = end.min(chunk.first_block() + CHUNK_BLOCKS);
+            let absent = {
+                let shard = self.shard_of(&chunk).lock();
+                match shard.chunks.get(&chunk) {
+                    None => stop - block,
+                    Some(entry) => (block..stop)
+                        .take_while(|&block| entry.slot(block).is_none())
+                        .count() as u64,
+                }
+            };
+            let mut reserved = 0;
+            while reserved < absent && self.try_reserve(size_bytes) {
+                reserved += 1;
+            }
+            // Made before the attach, so no allocation happens under the shard lock.
+            let fresh: Vec<_> = (block..block + reserved)
+                .map(|block| {
+                    let (length_bytes, placement, count_miss) = block_of(block);
+                    let key = BlockKey { object, block };
+                    let buffer = self.new_buffer(key, size_bytes, length_bytes);
+                    (buffer, placement, count_miss)
+                })
+                .collect();
+            let mut fresh = fresh.into_iter();
+            let attached_from = inserted.len();
+            // A buffer that lost its block to another thread meanwhile is dropped (its memory
+            // released) after the shard lock, as are the ones after it.
+            let mut lost = None;
+            {
+                let mut shard = self.shard_of(&chunk).lock();
+                for (buffer, placement, count_miss) in fresh.by_ref() {
+                    if shard.slot_of(&chunk, buffer.key).is_some() {
+                        lost = Some(buffer);
+                        break;
+                    }
+                    shard.attach(chunk, &buffer, placement);
+                    if count_miss {
+                        shard.misses += 1;
+                    }
+                    inserted.push(buffer);
+                }
+            }
+            drop(lost);
+            drop(fresh);
+            let attached = (inserted.len() - attached_from) as u64;
+            block += attached;
+            if block < stop {
+                break;
+            }
+        }
+        inserted
     }
 
     /// Blocks of object `object_id` in `[first, end)` that are cached now, in order.

@@ -12,7 +12,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bufcache::{Cache, CacheConfig, Device, MemoryDevice, ObjectConfig, ObjectHandle, PolicyKind};
+use bufcache::{
+    Cache, CacheConfig, CountingDevice, Device, MemoryDevice, ObjectConfig, ObjectHandle,
+    PolicyKind,
+};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -309,5 +312,42 @@ fn a_stream_through_a_full_cache_is_lent_without_reading_a_block_twice() {
         device.stats().reads.bytes,
         size,
         "every byte was read from the device once"
+    );
+}
+
+#[test]
+fn a_miss_run_spans_chunks_and_stops_at_the_first_cached_block() {
+    // Goal: a miss extends into a run a chunk (16 blocks) at a time, across chunk edges,
+    // and ends exactly at the first block already cached, which is served from the cache.
+    // Method: over a counting device, cache block 37 alone, then read blocks 3..70 in one
+    // request; the device must see two reads (3..37 and 38..70, 66 blocks), the statistics
+    // 66 misses and one hit, and the bytes must be the device's.
+    let cache = cache(8 << 20, 2048);
+    let blocks = 1024;
+    let device = Arc::new(CountingDevice::new(MemoryDevice::new(blocks * BLOCK)));
+    let data = pattern(7, (blocks * BLOCK) as usize);
+    device
+        .write_vectored_at(&[std::io::IoSlice::new(&data)], 0)
+        .expect("fill the device");
+    let as_device: Arc<dyn Device> = Arc::clone(&device) as Arc<dyn Device>;
+    let handle = cache
+        .open_object(ObjectConfig::new("chunk-runs", as_device))
+        .expect("open object");
+    let mut one = vec![0u8; BLOCK as usize];
+    handle.read_at(37 * BLOCK, &mut one).expect("read block 37");
+
+    let (stats_before, device_before) = (cache.stats(), device.stats());
+    let mut back = vec![0u8; 67 * BLOCK as usize];
+    handle.read_at(3 * BLOCK, &mut back).expect("read 3..70");
+    let (stats_after, device_after) = (cache.stats(), device.stats());
+    let reads = device_after.since(&device_before).reads;
+    assert_eq!(back, &data[3 * BLOCK as usize..70 * BLOCK as usize]);
+    assert_eq!(reads.requests, 2, "one device read per absent stretch");
+    assert_eq!(reads.bytes, 66 * BLOCK, "every absent block read once");
+    assert_eq!(stats_after.misses - stats_before.misses, 66);
+    assert_eq!(
+        stats_after.hits - stats_before.hits,
+        1,
+        "block 37 from the cache"
     );
 }
