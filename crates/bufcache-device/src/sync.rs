@@ -10,9 +10,10 @@
 //! [`DeadlineMutex`] adds a wait with a deadline, for a lock whose holder may be stuck (the
 //! NBD reply lock, held while a client that stopped reading fills the socket). std's mutex
 //! has no timed lock, and looking again after growing sleeps leaves the lock idle for up to
-//! a sleep after it is let go, on every contended reply: alternating 256 MiB copies put that
-//! at 3–17% of a download's time. A waiter with a deadline sleeps on a condition variable
-//! instead, and the holder that lets go wakes it.
+//! a sleep after it is let go, on every contended reply (a qemu-img download slept ~200 times).
+//! In alternating 256 MiB downloads that cost up to 17% of the copy's time, in other batches
+//! nothing measurable. A waiter with a deadline sleeps on a condition variable instead, and
+//! the holder that lets go wakes it.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{fence, AtomicUsize, Ordering};
