@@ -700,20 +700,27 @@ impl ObjectHandle {
             }
             held.buffers.push(hold);
         }
-        let mut used_readahead = Vec::new();
-        for hold in &held.buffers {
-            if hold.buffer.clear(READAHEAD) {
-                used_readahead.push(&*hold.buffer);
-            }
+        // Read-ahead used for the first time: counted, and for a no-reuse stream demoted a
+        // chunk at a time, in one pass with nothing allocated on this hit path.
+        let mut used_readahead = 0u64;
+        let newly_used = held
+            .buffers
+            .iter()
+            .filter(|hold| hold.buffer.clear(READAHEAD))
+            .map(|hold| {
+                used_readahead += 1;
+                &*hold.buffer
+            });
+        if planned.placement == Placement::NoReuse {
+            table.demote_run(newly_used);
+        } else {
+            newly_used.for_each(drop);
         }
-        if !used_readahead.is_empty() {
+        if used_readahead > 0 {
             inner
                 .counters()
                 .readahead_used_blocks
-                .fetch_add(used_readahead.len() as u64, Ordering::Relaxed);
-            if planned.placement == Placement::NoReuse {
-                table.demote_run(used_readahead);
-            }
+                .fetch_add(used_readahead, Ordering::Relaxed);
         }
         Some(held)
     }
