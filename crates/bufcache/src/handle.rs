@@ -1137,13 +1137,14 @@ impl ObjectHandle {
         );
         let mut next = block + 1;
         while next < group_end {
-            let (_, length) = range.piece(&self.object, next);
-            let whole = length == self.object.block_length_bytes(next) as usize;
-            match self.try_acquire_for_write(next, whole, cached.take(next)) {
-                Some(held) => group.push(held),
-                None => break,
+            let joined = match cached.take(next) {
+                Some(buffer) => self.try_acquire_cached_for_write(buffer, &mut group),
+                None => self.insert_for_write(next, group_end, range, &cached, &mut group),
+            };
+            if joined == 0 {
+                break;
             }
-            next += 1;
+            next += joined;
         }
         let mut slices: Vec<IoSliceMut<'_>> = Vec::with_capacity(group.len());
         for (index, (guard, _)) in group.iter_mut().enumerate() {
@@ -1199,38 +1200,59 @@ impl ObjectHandle {
         self.make_writable(guard, whole)
     }
 
-    /// As `acquire_for_write`, for a block joining a group whose earlier blocks are held:
-    /// never waits for space or for a buffer lock, and takes no block that would have to be
-    /// read first (None: the group ends here).
-    fn try_acquire_for_write(
+    /// Joins a cached block (pinned by the group's lookup) to a group whose earlier blocks
+    /// are held, without waiting for its lock; pushes it and returns 1, or 0 when the group
+    /// ends here.
+    fn try_acquire_cached_for_write(
+        &self,
+        buffer: Arc<Buffer>,
+        group: &mut Vec<(BufferGuard, bool)>,
+    ) -> u64 {
+        let inner = self.inner();
+        if !buffer.try_lock_exclusive() {
+            inner.table().unpin(&buffer);
+            return 0;
+        }
+        let guard = BufferGuard::new(inner, &self.object, buffer);
+        // Invalid once locked: a failed reader took it out of the table, and data written
+        // into it would be lost. The group ends; the next one looks again.
+        if !guard.is_valid() {
+            return 0;
+        }
+        group.push((guard, false));
+        1
+    }
+
+    /// Joins the blocks from `block` on that the group's lookup (`cached`) found absent and
+    /// the write covers whole, inserting them a chunk at a time without waiting for space;
+    /// pushes them, valid (the write fills them), and returns how many joined. A new block
+    /// the write covers in part would have to be read first, so it ends the group.
+    fn insert_for_write(
         &self,
         block: u64,
-        whole: bool,
-        cached: Option<Arc<Buffer>>,
-    ) -> Option<(BufferGuard, bool)> {
-        let inner = self.inner();
-        let key = self.object.key(block);
-        let guard = match cached {
-            Some(buffer) => {
-                if !buffer.try_lock_exclusive() {
-                    inner.table().unpin(&buffer);
-                    return None;
-                }
-                let guard = BufferGuard::new(inner, &self.object, buffer);
-                // Invalid once locked: a failed reader took it out of the table, and data
-                // written into it would be lost. The group ends; the next one looks again.
-                return guard.is_valid().then_some((guard, false));
-            }
-            None => {
-                let buffer = inner.insert_absent(key, &self.object, Placement::Normal, true)?;
-                BufferGuard::new(inner, &self.object, buffer)
-            }
+        group_end: u64,
+        range: WriteRange,
+        cached: &RunLookup<'_>,
+        group: &mut Vec<(BufferGuard, bool)>,
+    ) -> u64 {
+        let object = &self.object;
+        let whole = |block: u64| {
+            let (_, length) = range.piece(object, block);
+            length == object.block_length_bytes(block) as usize
         };
-        if !whole {
-            // A new block the write covers in part would have to be read first.
-            return None;
+        let stretch_end = (block..group_end)
+            .find(|&next| cached.holds(next) || !whole(next))
+            .unwrap_or(group_end);
+        let inner = self.inner();
+        let fresh =
+            inner.insert_absent_run(object, block, stretch_end, |_| (Placement::Normal, true));
+        let joined = fresh.len() as u64;
+        for buffer in fresh {
+            let mut guard = BufferGuard::new(inner, object, buffer);
+            guard.mark_valid();
+            group.push((guard, true));
         }
-        self.make_writable(guard, whole).ok()
+        joined
     }
 
     /// Completes holding a block for writing: valid as it is, marked valid when the caller

@@ -857,6 +857,14 @@ impl RunLookup<'_> {
         self.buffers.get_mut(index)?.take()
     }
 
+    /// Whether `block` was cached at lookup time and its buffer is not taken yet.
+    pub(crate) fn holds(&self, block: u64) -> bool {
+        block
+            .checked_sub(self.first)
+            .and_then(|index| self.buffers.get(usize::try_from(index).ok()?))
+            .is_some_and(Option::is_some)
+    }
+
     /// Returns a taken buffer its caller did not use after all: unpinned, its hit taken back.
     pub(crate) fn give_back(&self, buffer: Arc<Buffer>) {
         if self.counted_hits {

@@ -351,3 +351,45 @@ fn a_miss_run_spans_chunks_and_stops_at_the_first_cached_block() {
         "block 37 from the cache"
     );
 }
+
+#[test]
+fn a_write_over_absent_stretches_inserts_them_whole_and_reads_only_its_partial_ends() {
+    // Goal: a write joins the absent blocks it covers whole a chunk at a time, around a
+    // block already cached, without reading any of them; only the partial first and last
+    // blocks are read, and every byte reaches the device. Method: over a counting device,
+    // cache block 37 alone, then write from the middle of block 3 to the middle of block 69
+    // in one request; the device must see two one-block reads (blocks 3 and 69), and after
+    // a flush it must hold the written bytes with the old ones around them.
+    let cache = cache(8 << 20, 2048);
+    let blocks = 1024;
+    let device = Arc::new(CountingDevice::new(MemoryDevice::new(blocks * BLOCK)));
+    let mut model = pattern(11, (blocks * BLOCK) as usize);
+    device
+        .write_vectored_at(&[std::io::IoSlice::new(&model)], 0)
+        .expect("fill the device");
+    let as_device: Arc<dyn Device> = Arc::clone(&device) as Arc<dyn Device>;
+    let handle = cache
+        .open_object(ObjectConfig::new("chunk-writes", as_device))
+        .expect("open object");
+    let mut one = vec![0u8; BLOCK as usize];
+    handle.read_at(37 * BLOCK, &mut one).expect("read block 37");
+
+    let device_before = device.stats();
+    let (offset, end) = (3 * BLOCK + 100, 69 * BLOCK + 50);
+    let data = pattern(12, (end - offset) as usize);
+    handle.write_at(offset, &data, false).expect("write");
+    let reads = device.stats().since(&device_before).reads;
+    assert_eq!(reads.requests, 2, "only the partial ends are read");
+    assert_eq!(reads.bytes, 2 * BLOCK);
+
+    handle.flush().expect("flush");
+    model[offset as usize..end as usize].copy_from_slice(&data);
+    let mut on_device = vec![0u8; (blocks * BLOCK) as usize];
+    device
+        .read_vectored_at(&mut [std::io::IoSliceMut::new(&mut on_device)], 0)
+        .expect("read the device");
+    assert!(
+        on_device == model,
+        "the device holds the write and nothing else changed"
+    );
+}
