@@ -114,7 +114,7 @@ impl ObjectHandle {
         lock_wait: std::time::Duration,
         mut visit: impl FnMut(u64, Option<&[u8]>),
     ) {
-        let blocks: Vec<u64> = self.object().dirty.lock().keys().copied().collect();
+        let blocks: Vec<u64> = self.object().dirty.lock().blocks().collect();
         let block_size = self.object().block_size_bytes as u64;
         for block in blocks {
             let Some(buffer) = self.inner().table().lookup_quiet(self.object().key(block)) else {

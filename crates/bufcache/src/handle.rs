@@ -1404,9 +1404,9 @@ impl ObjectHandle {
             let step = dirty.len().div_ceil(helpers + 1);
             let cluster = self.object.cluster_blocks;
             let mut starts: Vec<u64> = dirty
-                .keys()
+                .blocks()
                 .step_by(step)
-                .map(|&block| block / cluster * cluster)
+                .map(|block| block / cluster * cluster)
                 .collect();
             starts.dedup();
             starts

@@ -11,7 +11,6 @@
 //! - the error latch's sequence number only grows, so a handle that remembers the last
 //!   sequence it reported hears of every write-back error once (errseq).
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -19,7 +18,7 @@ use parking_lot::Mutex;
 
 use crate::buffer::BlockKey;
 use crate::config::CacheConfig;
-use crate::dirty::DirtyIndex;
+use crate::dirty::{DirtyBlocks, DirtyIndex};
 use crate::error::CacheError;
 use crate::readahead::{ReadaheadPlan, StreamTable, WindowLimits};
 use bufcache_device::Device;
@@ -324,14 +323,14 @@ impl ObjectState {
         let found = dirty
             .range(cursor..)
             .next()
-            .or_else(|| dirty.iter().next())
-            .map(|(&block, _)| block)?;
+            .or_else(|| dirty.range(..).next())
+            .map(|(block, _)| block)?;
         let found = self.first_whole_dirty_unit(&dirty, found).unwrap_or(found);
         let unit_start = self.write_unit_start(found);
         let block = dirty
             .range(unit_start..=found)
             .next()
-            .map_or(found, |(&block, _)| block);
+            .map_or(found, |(block, _)| block);
         self.writeback_cursor
             .store(block + self.cluster_blocks, Ordering::Relaxed);
         Some(block)
@@ -341,7 +340,7 @@ impl ObjectState {
     /// on (wrapping), whose blocks are all dirty, looking at most `UNITS_SCANNED_MAX` units.
     /// Writing a unit with holes makes the device read, merge and rewrite it, and again when
     /// the holes are written later (an object-store chunk: a GET and a PUT per piece).
-    fn first_whole_dirty_unit(&self, dirty: &BTreeMap<u64, u64>, from: u64) -> Option<u64> {
+    fn first_whole_dirty_unit(&self, dirty: &DirtyBlocks, from: u64) -> Option<u64> {
         const UNITS_SCANNED_MAX: usize = 256;
         if self.write_unit_bytes == 0 {
             return None;
@@ -350,7 +349,7 @@ impl ObjectState {
         let from_unit = self.write_unit_start(from);
         let mut last_unit = None;
         let mut scanned = 0;
-        for (&block, _) in dirty.range(from_unit..).chain(dirty.range(..from_unit)) {
+        for (block, _) in dirty.range(from_unit..).chain(dirty.range(..from_unit)) {
             let unit = self.write_unit_start(block);
             if last_unit == Some(unit) {
                 continue;

@@ -185,7 +185,7 @@ impl Writeback {
             let dirty = object.dirty.lock();
             dirty
                 .range(first..first + limit)
-                .map(|(&block, _)| block)
+                .map(|(block, _)| block)
                 .enumerate()
                 .take_while(|&(index, block)| block == first + index as u64)
                 .map(|(_, block)| block)
@@ -438,8 +438,8 @@ impl Writeback {
             .dirty
             .lock()
             .range(start..end)
-            .filter(|&(_, &dirtied_ns)| dirtied_ns <= dirtied_by_ns)
-            .map(|(&block, _)| block)
+            .filter(|&(_, dirtied_ns)| dirtied_ns <= dirtied_by_ns)
+            .map(|(block, _)| block)
             .collect();
         let writes_max = self.batch_writes_max(object);
         let mut batch = Batch::default();
@@ -664,9 +664,9 @@ impl Writeback {
             let aged: Vec<u64> = object
                 .dirty
                 .lock()
-                .iter()
-                .filter(|&(_, &since)| since <= deadline)
-                .map(|(&block, _)| block)
+                .range(..)
+                .filter(|&(_, since)| since <= deadline)
+                .map(|(block, _)| block)
                 .collect();
             let mut next_unwritten = 0;
             for block in aged {
