@@ -235,6 +235,44 @@ fn bookkeeping_paths(criterion: &mut Criterion) {
             })
         })
     });
+    // Two writers at once, each filling half of one cache through its own object: the time
+    // per MiB against the one-writer row shows what sharing the table, the memory account and
+    // the allocator costs (on two cores, no sharing cost would halve it).
+    let (shared_cache, _) = cache_over(CACHE_BYTES, 0, device());
+    let writers: Vec<Arc<ObjectHandle>> = (0..2)
+        .map(|index| {
+            let config = ObjectConfig::new(&format!("writer-{index}"), device());
+            Arc::new(shared_cache.open_object(config).unwrap())
+        })
+        .collect();
+    group.bench_function("upload_1mib_new_blocks_written_behind_2_threads", |bench| {
+        bench.iter_custom(|iterations| {
+            let half_bytes = CACHE_BYTES / 2;
+            let mut elapsed = Duration::ZERO;
+            let mut done = 0;
+            while done < iterations {
+                for writer in &writers {
+                    writer.discard(0, half_bytes).unwrap();
+                }
+                let steps = (iterations - done).min(CACHE_BYTES >> 20);
+                let started = Instant::now();
+                std::thread::scope(|scope| {
+                    for (index, writer) in writers.iter().enumerate() {
+                        let source = &source;
+                        let share = steps / 2 + (index as u64) * (steps % 2);
+                        scope.spawn(move || {
+                            for step in 0..share {
+                                writer.write_at(step << 20, source, false).unwrap();
+                            }
+                        });
+                    }
+                });
+                elapsed += started.elapsed();
+                done += steps;
+            }
+            elapsed
+        })
+    });
     group.bench_function("upload_1mib_new_blocks_written_behind_evicting", |bench| {
         let mut index = 0u64;
         bench.iter(|| {
