@@ -241,7 +241,7 @@ fn bookkeeping_paths(criterion: &mut Criterion) {
     let (shared_cache, _) = cache_over(CACHE_BYTES, 0, device());
     let writers: Vec<Arc<ObjectHandle>> = (0..2)
         .map(|index| {
-            let config = ObjectConfig::new(&format!("writer-{index}"), device());
+            let config = ObjectConfig::new(format!("writer-{index}"), device());
             Arc::new(shared_cache.open_object(config).unwrap())
         })
         .collect();
