@@ -1160,11 +1160,13 @@ impl ObjectHandle {
         }
         let filled = source(&mut slices);
         drop(slices);
-        if filled.is_err() {
-            for (guard, fresh) in &group {
+        if filled.is_ok() {
+            // Blocks never cached before become valid only now that they are filled. If the
+            // source failed (or panicked) they stay invalid and their guards drop them, so
+            // no byte nobody sent — stale pool memory — is ever cached or written.
+            for (guard, fresh) in group.iter_mut() {
                 if *fresh {
-                    // Never cached before: drop it rather than write bytes nobody sent.
-                    guard.buffer().clear(VALID);
+                    guard.mark_valid();
                 }
             }
         }
@@ -1190,7 +1192,7 @@ impl ObjectHandle {
 
     /// Holds `block` exclusively with valid contents, or — when the caller overwrites it
     /// whole — contents the caller is about to replace. True with it when the block was not
-    /// cached (its bytes are not the block's until the caller fills them).
+    /// cached: it stays invalid until the caller has filled it and marks it valid.
     fn acquire_for_write(
         &self,
         block: u64,
@@ -1225,8 +1227,9 @@ impl ObjectHandle {
 
     /// Joins the blocks from `block` on that the group's lookup (`cached`) found absent and
     /// the write covers whole, inserting them a chunk at a time without waiting for space;
-    /// pushes them, valid (the write fills them), and returns how many joined. A new block
-    /// the write covers in part would have to be read first, so it ends the group.
+    /// pushes them as fresh (invalid until the write fills them) and returns how many
+    /// joined. A new block the write covers in part would have to be read first, so it ends
+    /// the group.
     fn insert_for_write(
         &self,
         block: u64,
@@ -1248,15 +1251,15 @@ impl ObjectHandle {
             inner.insert_absent_run(object, block, stretch_end, |_| (Placement::Normal, true));
         let joined = fresh.len() as u64;
         for buffer in fresh {
-            let mut guard = BufferGuard::new(inner, object, buffer);
-            guard.mark_valid();
-            group.push((guard, true));
+            group.push((BufferGuard::new(inner, object, buffer), true));
         }
         joined
     }
 
-    /// Completes holding a block for writing: valid as it is, marked valid when the caller
-    /// overwrites it whole, or read from the device first.
+    /// Completes holding a block for writing: valid as it is, read from the device first
+    /// when the caller overwrites it in part, or — when the caller overwrites it whole —
+    /// left invalid and returned with `true` (fresh): `write_group` marks it valid once
+    /// filled.
     fn make_writable(
         &self,
         guard: BufferGuard,
@@ -1265,14 +1268,13 @@ impl ObjectHandle {
         if guard.is_valid() {
             return Ok((guard, false));
         }
-        let mut run = vec![guard];
         if whole {
-            run[0].mark_valid();
-        } else {
-            let device_offset = self.object.map.map(run[0].block()).device_offset;
-            self.device_read(&mut run, device_offset)?;
+            return Ok((guard, true));
         }
-        Ok((run.pop().expect("one guard"), whole))
+        let mut run = vec![guard];
+        let device_offset = self.object.map.map(run[0].block()).device_offset;
+        self.device_read(&mut run, device_offset)?;
+        Ok((run.pop().expect("one guard"), false))
     }
 
     /// Holds `block` exclusively: a cached valid buffer, or a newly inserted invalid one.

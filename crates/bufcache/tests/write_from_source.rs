@@ -130,3 +130,43 @@ fn a_failed_source_never_puts_unsent_bytes_over_device_data() {
     handle.read_at(0, &mut through_cache).unwrap();
     assert!(through_cache == back);
 }
+
+#[test]
+fn a_source_that_panics_leaves_no_unfilled_block_cached() {
+    // Goal: a write into blocks that were not cached must not leave them cached if its
+    // source panics before filling them: their buffer memory still holds whatever an earlier
+    // block left there (here: another object's data), and a reader must never see it.
+    // Method: fill and discard 1 MiB of another object so the buffer memory holds its bytes,
+    // then write 1 MiB of this one from a source that panics at once (caught); every byte a
+    // read returns afterwards must be this object's device contents.
+    let (cache, handle, device) = setup();
+    let other_device = Arc::new(MemoryDevice::new(4 << 20));
+    let other = cache
+        .open_object(ObjectConfig::new("other", other_device as Arc<dyn Device>))
+        .unwrap();
+    let secret = pattern(7, 1 << 20);
+    other.write_at(0, &secret, false).unwrap();
+    other.flush().unwrap();
+    other.discard(0, 1 << 20).unwrap();
+    let old = pattern(33, 1 << 20);
+    device
+        .write_vectored_at(&[io::IoSlice::new(&old)], 0)
+        .unwrap();
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut source = |_: &mut [IoSliceMut<'_>]| -> io::Result<()> {
+            panic!("the source gave up without filling anything")
+        };
+        let _ = handle.write_from(0, 1 << 20, false, &mut source);
+    }));
+    assert!(panicked.is_err(), "the source's panic reached the caller");
+    let mut back = vec![0u8; 1 << 20];
+    handle.read_at(0, &mut back).unwrap();
+    assert!(
+        back == old,
+        "a read returned bytes that were never this object's"
+    );
+    handle.flush().unwrap();
+    let mut on_device = vec![0u8; 1 << 20];
+    device.read_into(0, &mut on_device).unwrap();
+    assert!(on_device == old, "nothing unsent was written");
+}

@@ -352,8 +352,10 @@ impl Server {
             let log = self.log_text();
             if let Some(start) = log.find("metrics on http://") {
                 let rest = &log[start + "metrics on http://".len()..];
-                let end = rest.find('/')?;
-                return Some(rest[..end].to_string());
+                // The line may be caught half written: without its '/' yet, look again.
+                if let Some(end) = rest.find('/') {
+                    return Some(rest[..end].to_string());
+                }
             }
             if Instant::now() >= deadline {
                 return None;
