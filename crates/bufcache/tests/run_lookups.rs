@@ -315,17 +315,15 @@ fn a_stream_through_a_full_cache_is_lent_without_reading_a_block_twice() {
     );
 }
 
-#[test]
-fn a_miss_run_spans_chunks_and_stops_at_the_first_cached_block() {
-    // Goal: a miss extends into a run a chunk (16 blocks) at a time, across chunk edges,
-    // and ends exactly at the first block already cached, which is served from the cache.
-    // Method: over a counting device, cache block 37 alone, then read blocks 3..70 in one
-    // request; the device must see two reads (3..37 and 38..70, 66 blocks), the statistics
-    // 66 misses and one hit, and the bytes must be the device's.
-    let cache = cache(8 << 20, 2048);
+/// An object of 1024 blocks over a counting device holding pattern `seed`, with block 37
+/// alone cached; returns the device, the object and the device's bytes.
+fn counted_object_with_block_37_cached(
+    cache: &Cache,
+    seed: u64,
+) -> (Arc<CountingDevice<MemoryDevice>>, ObjectHandle, Vec<u8>) {
     let blocks = 1024;
     let device = Arc::new(CountingDevice::new(MemoryDevice::new(blocks * BLOCK)));
-    let data = pattern(7, (blocks * BLOCK) as usize);
+    let data = pattern(seed, (blocks * BLOCK) as usize);
     device
         .write_vectored_at(&[std::io::IoSlice::new(&data)], 0)
         .expect("fill the device");
@@ -335,6 +333,18 @@ fn a_miss_run_spans_chunks_and_stops_at_the_first_cached_block() {
         .expect("open object");
     let mut one = vec![0u8; BLOCK as usize];
     handle.read_at(37 * BLOCK, &mut one).expect("read block 37");
+    (device, handle, data)
+}
+
+#[test]
+fn a_miss_run_spans_chunks_and_stops_at_the_first_cached_block() {
+    // Goal: a miss extends into a run a chunk (16 blocks) at a time, across chunk edges,
+    // and ends exactly at the first block already cached, which is served from the cache.
+    // Method: over a counting device, cache block 37 alone, then read blocks 3..70 in one
+    // request; the device must see two reads (3..37 and 38..70, 66 blocks), the statistics
+    // 66 misses and one hit, and the bytes must be the device's.
+    let cache = cache(8 << 20, 2048);
+    let (device, handle, data) = counted_object_with_block_37_cached(&cache, 7);
 
     let (stats_before, device_before) = (cache.stats(), device.stats());
     let mut back = vec![0u8; 67 * BLOCK as usize];
@@ -361,18 +371,7 @@ fn a_write_over_absent_stretches_inserts_them_whole_and_reads_only_its_partial_e
     // in one request; the device must see two one-block reads (blocks 3 and 69), and after
     // a flush it must hold the written bytes with the old ones around them.
     let cache = cache(8 << 20, 2048);
-    let blocks = 1024;
-    let device = Arc::new(CountingDevice::new(MemoryDevice::new(blocks * BLOCK)));
-    let mut model = pattern(11, (blocks * BLOCK) as usize);
-    device
-        .write_vectored_at(&[std::io::IoSlice::new(&model)], 0)
-        .expect("fill the device");
-    let as_device: Arc<dyn Device> = Arc::clone(&device) as Arc<dyn Device>;
-    let handle = cache
-        .open_object(ObjectConfig::new("chunk-writes", as_device))
-        .expect("open object");
-    let mut one = vec![0u8; BLOCK as usize];
-    handle.read_at(37 * BLOCK, &mut one).expect("read block 37");
+    let (device, handle, mut model) = counted_object_with_block_37_cached(&cache, 11);
 
     let device_before = device.stats();
     let (offset, end) = (3 * BLOCK + 100, 69 * BLOCK + 50);
@@ -384,7 +383,7 @@ fn a_write_over_absent_stretches_inserts_them_whole_and_reads_only_its_partial_e
 
     handle.flush().expect("flush");
     model[offset as usize..end as usize].copy_from_slice(&data);
-    let mut on_device = vec![0u8; (blocks * BLOCK) as usize];
+    let mut on_device = vec![0u8; model.len()];
     device
         .read_vectored_at(&mut [std::io::IoSliceMut::new(&mut on_device)], 0)
         .expect("read the device");
