@@ -1158,12 +1158,22 @@ impl ObjectHandle {
                 &mut guard.data_mut()[start..start + length],
             ));
         }
-        let filled = source(&mut slices);
+        // A source that panics is treated as one that failed, and the panic goes on once the
+        // group's bookkeeping is done: blocks it may have written into are kept dirty, as
+        // after an error, instead of keeping new bytes while marked clean.
+        let filled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| source(&mut slices)));
         drop(slices);
+        let (filled, panic) = match filled {
+            Ok(filled) => (filled, None),
+            Err(panic) => (
+                Err(std::io::Error::other("the data source panicked")),
+                Some(panic),
+            ),
+        };
         if filled.is_ok() {
             // Blocks never cached before become valid only now that they are filled. If the
-            // source failed (or panicked) they stay invalid and their guards drop them, so
-            // no byte nobody sent — stale pool memory — is ever cached or written.
+            // source failed they stay invalid and their guards drop them, so no byte nobody
+            // sent — stale pool memory — is ever cached or written.
             for (guard, fresh) in group.iter_mut() {
                 if *fresh {
                     guard.mark_valid();
@@ -1186,6 +1196,9 @@ impl ObjectHandle {
             .count() as u64;
         drop(group);
         drop(cached);
+        if let Some(panic) = panic {
+            std::panic::resume_unwind(panic);
+        }
         filled.map_err(|source| CacheError::DataSource { source })?;
         Ok((next, rewritten))
     }

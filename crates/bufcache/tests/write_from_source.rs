@@ -132,13 +132,16 @@ fn a_failed_source_never_puts_unsent_bytes_over_device_data() {
 }
 
 #[test]
-fn a_source_that_panics_leaves_no_unfilled_block_cached() {
-    // Goal: a write into blocks that were not cached must not leave them cached if its
-    // source panics before filling them: their buffer memory still holds whatever an earlier
-    // block left there (here: another object's data), and a reader must never see it.
-    // Method: fill and discard 1 MiB of another object so the buffer memory holds its bytes,
-    // then write 1 MiB of this one from a source that panics at once (caught); every byte a
-    // read returns afterwards must be this object's device contents.
+fn a_source_that_panics_leaves_no_unfilled_block_cached_and_keeps_what_it_wrote_dirty() {
+    // Goal: a panicking source tears a write as a failing one does. Blocks that were not
+    // cached must not stay cached unfilled: their buffer memory still holds whatever an
+    // earlier block left there (here: another object's data), and a reader must never see
+    // it. A cached block the source wrote into before panicking keeps those bytes and is
+    // dirty, so the cache and the device agree once flushed. Method: fill and discard 1 MiB
+    // of another object so the buffer memory holds its bytes; cache block 0 of this one;
+    // write 1 MiB from a source that fills block 0's slice and then panics (caught); every
+    // byte read back, before and after a flush, and the device's, must be this object's old
+    // data except block 0, which holds the sent bytes.
     let (cache, handle, device) = setup();
     let other_device = Arc::new(MemoryDevice::new(4 << 20));
     let other = cache
@@ -152,21 +155,30 @@ fn a_source_that_panics_leaves_no_unfilled_block_cached() {
     device
         .write_vectored_at(&[io::IoSlice::new(&old)], 0)
         .unwrap();
+    let mut block_zero = vec![0u8; BLOCK as usize];
+    handle.read_at(0, &mut block_zero).unwrap();
+    let sent = pattern(91, BLOCK as usize);
     let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let mut source = |_: &mut [IoSliceMut<'_>]| -> io::Result<()> {
-            panic!("the source gave up without filling anything")
+        let mut source = |slices: &mut [IoSliceMut<'_>]| -> io::Result<()> {
+            slices[0].copy_from_slice(&sent);
+            panic!("the source gave up after the first block")
         };
         let _ = handle.write_from(0, 1 << 20, false, &mut source);
     }));
     assert!(panicked.is_err(), "the source's panic reached the caller");
+    let mut expected = old.clone();
+    expected[..BLOCK as usize].copy_from_slice(&sent);
     let mut back = vec![0u8; 1 << 20];
     handle.read_at(0, &mut back).unwrap();
     assert!(
-        back == old,
-        "a read returned bytes that were never this object's"
+        back == expected,
+        "a read returned bytes that were never written here"
     );
     handle.flush().unwrap();
     let mut on_device = vec![0u8; 1 << 20];
     device.read_into(0, &mut on_device).unwrap();
-    assert!(on_device == old, "nothing unsent was written");
+    assert!(
+        on_device == expected,
+        "the sent block was kept dirty and nothing else written"
+    );
 }
