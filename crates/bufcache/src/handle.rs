@@ -1074,7 +1074,8 @@ impl ObjectHandle {
     /// If `source` fails, the write is torn, as an unacknowledged write may be: blocks that
     /// were cached keep whatever the source wrote into them (and are dirty), blocks that were
     /// not are dropped, so no byte the client never sent replaces data on the device. The
-    /// error is [`CacheError::DataSource`].
+    /// error is [`CacheError::DataSource`]. A source that panics tears the write the same
+    /// way, and its panic then continues to the caller.
     pub fn write_from(
         &self,
         offset: u64,
