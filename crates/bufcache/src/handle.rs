@@ -1357,11 +1357,7 @@ impl ObjectHandle {
             let cluster_end = (cluster_start + cluster).min(object.block_count);
             let completed = cluster_end <= end && cluster_end > first;
             if completed
-                && object
-                    .dirty
-                    .lock()
-                    .range(cluster_start..cluster_end)
-                    .count() as u64
+                && object.dirty.lock().count(cluster_start..cluster_end)
                     == cluster_end - cluster_start
                 && object.queue_write_behind(cluster_start, cluster_end, batch_blocks)
             {

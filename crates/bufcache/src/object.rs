@@ -355,7 +355,7 @@ impl ObjectState {
                 continue;
             }
             last_unit = Some(unit);
-            if dirty.range(unit..unit + unit_blocks).count() as u64 == unit_blocks {
+            if dirty.count(unit..unit + unit_blocks) == unit_blocks {
                 return Some(unit);
             }
             scanned += 1;
