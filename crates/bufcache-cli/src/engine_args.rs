@@ -77,6 +77,11 @@ pub struct EngineArgs {
     /// Do not merge adjacent requests in the io queue.
     #[arg(long)]
     pub no_io_merge: bool,
+    /// Write-back requests at one backend at once, at most. Over an upstream or object store
+    /// write-back also takes at most half of the requests the backend serves at once, so a
+    /// read miss waits behind no more than this. Default 16.
+    #[arg(long, value_name = "COUNT")]
+    pub writeback_inflight_max: Option<usize>,
     /// Parameters of the replacement policy (last: clap puts them under their own heading).
     #[command(flatten)]
     pub policy_parameters: crate::replay::PolicyParameterArgs,
@@ -136,6 +141,9 @@ impl EngineArgs {
         }
         config.write_behind = !self.no_write_behind;
         config.huge_pages = self.huge_pages;
+        if let Some(value) = self.writeback_inflight_max {
+            config.writeback_inflight_max = value;
+        }
         config
             .validate()
             .map_err(|error| anyhow::anyhow!(flag_error(&error)))?;

@@ -240,6 +240,13 @@ fn cache_prometheus(text: &mut String, stats: &CacheStats) {
     );
     counter(
         text,
+        "bufcache_writeback_inflight_waits_total",
+        "",
+        stats.writeback_inflight_waits,
+        "Write-back passes that waited for a slot of their backend's write-back share (--writeback-inflight-max).",
+    );
+    counter(
+        text,
         "bufcache_read_cluster_buffers_total",
         "",
         stats.read_cluster_buffers,
@@ -344,6 +351,12 @@ fn cache_prometheus(text: &mut String, stats: &CacheStats) {
         "bufcache_dirty_bytes",
         stats.dirty_bytes,
         "Bytes of dirty data.",
+    );
+    gauge(
+        text,
+        "bufcache_writeback_inflight_requests",
+        stats.writeback_inflight_requests,
+        "Write-back requests at the backends now.",
     );
     gauge(
         text,
@@ -473,6 +486,8 @@ fn cache_json(stats: &CacheStats) -> Value {
         "reads_started": stats.reads_started,
         "write_batches": stats.write_batches,
         "write_batch_writes": stats.write_batch_writes,
+        "writeback_inflight_waits": stats.writeback_inflight_waits,
+        "writeback_inflight_requests": stats.writeback_inflight_requests,
         "write_clusters": stats.write_clusters,
         "write_cluster_buffers": stats.write_cluster_buffers,
         "readahead_issued_blocks": stats.readahead_issued_blocks,

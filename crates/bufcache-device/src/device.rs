@@ -170,6 +170,17 @@ pub struct Capabilities {
     /// thread of the device's own (an NBD upstream's reply thread), so a caller can go on
     /// while it is in flight. False for devices whose reads finish in the caller's thread.
     pub reads_complete_later: bool,
+    /// Requests the device serves at once to good effect: what keeps its pipe full. 1 for a
+    /// device that does one request at a time in the caller's thread (a file, memory, a
+    /// modelled disk: concurrency there comes from the callers' own threads); the pipelining
+    /// depth of an NBD upstream; the concurrent requests of an object store. The engine
+    /// batches write-back only for devices above 1, and gives write-back a bounded share of
+    /// these slots so read misses find room (`CacheConfig::writeback_inflight_max`).
+    pub inflight_requests_max: usize,
+    /// The largest request the device takes in one piece (an NBD upstream's maximum block
+    /// size); `u64::MAX` when there is no limit. Write-back and clustered reads never build a
+    /// request larger than this.
+    pub request_bytes_max: u64,
 }
 
 impl Capabilities {
@@ -183,6 +194,8 @@ impl Capabilities {
             extents: false,
             write_unit_bytes: 1,
             reads_complete_later: false,
+            inflight_requests_max: 1,
+            request_bytes_max: u64::MAX,
         }
     }
 }

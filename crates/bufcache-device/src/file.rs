@@ -431,6 +431,10 @@ impl Device for FileDevice {
             extents: !self.block_device,
             write_unit_bytes: 1,
             reads_complete_later: false,
+            // Requests run in the caller's thread; parallel writers of one file contend for
+            // its inode lock, so write-back to it is not batched.
+            inflight_requests_max: 1,
+            request_bytes_max: u64::MAX,
         }
     }
 

@@ -46,6 +46,12 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// multiple of every power-of-two minimum block size.
 const NO_PAYLOAD_BYTES_MAX: u64 = 1 << 30;
 
+/// Requests the client tells the engine to keep in flight at once (`Capabilities`): the
+/// connection pipelines without a bound of its own, so this is what keeps a long link busy
+/// (64 × 1 MiB covers 64 MiB per round trip) while leaving the engine's write-back share
+/// (half of it, at most `writeback_inflight_max`) a bound that read misses only queue behind.
+pub const UPSTREAM_INFLIGHT_REQUESTS_MAX: usize = 64;
+
 /// Everything that can go wrong talking to a server. Every variant names the server.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -1360,6 +1366,8 @@ impl Device for NbdClient {
             write_unit_bytes: 1,
             // The reply thread completes reads started with `start_read`.
             reads_complete_later: true,
+            inflight_requests_max: UPSTREAM_INFLIGHT_REQUESTS_MAX,
+            request_bytes_max: u64::from(self.piece_bytes_max()),
         }
     }
 

@@ -23,6 +23,16 @@ impl S3Device {
     }
 }
 
+/// The buffers' bytes, in order, as one owned payload (the store's requests outlive the borrow).
+fn gather(buffers: &[IoSlice<'_>]) -> Bytes {
+    let total: usize = buffers.iter().map(|buffer| buffer.len()).sum();
+    let mut data = BytesMut::with_capacity(total);
+    for buffer in buffers {
+        data.extend_from_slice(buffer);
+    }
+    data.freeze()
+}
+
 impl Device for S3Device {
     fn read_vectored_at(&self, buffers: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<()> {
         if let [single] = buffers {
@@ -41,17 +51,21 @@ impl Device for S3Device {
     }
 
     fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
-        let total: usize = buffers.iter().map(|buffer| buffer.len()).sum();
-        let mut data = BytesMut::with_capacity(total);
-        for buffer in buffers {
-            data.extend_from_slice(buffer);
-        }
-        let data: Bytes = data.freeze();
-        Ok(self.store.write(data, offset)?)
+        Ok(self.store.write(gather(buffers), offset)?)
     }
 
+    /// Every chunk request of every write goes to the store at once (up to the store's
+    /// in-flight bound): a batch of scattered runs costs about one round trip, not one each.
     fn write_batch_at(&self, writes: &[bufcache::device::BatchWrite<'_>]) -> Vec<io::Result<()>> {
-        bufcache::device::write_each(self, writes)
+        let gathered = writes
+            .iter()
+            .map(|write| (gather(write.buffers), write.offset))
+            .collect();
+        self.store
+            .write_batch(gathered)
+            .into_iter()
+            .map(|result| result.map_err(io::Error::from))
+            .collect()
     }
 
     fn start_read(&self, read: bufcache::AsyncRead) {
@@ -83,6 +97,7 @@ impl Device for S3Device {
             discard_zeroes: true,
             write_zeroes_fast: true,
             write_unit_bytes: self.store.metadata().chunk_size_bytes,
+            inflight_requests_max: self.store.requests_in_flight_max(),
             ..Capabilities::plain(self.store.metadata().size_bytes)
         }
     }

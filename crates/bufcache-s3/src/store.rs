@@ -14,7 +14,8 @@
 //! - every write returns only after the store acknowledged each PUT/DELETE, so `flush` has
 //!   nothing left to wait for; a PUT is atomic per object, so after a crash every chunk is
 //!   either old or new, never torn;
-//! - requests of one call run in parallel, at most `requests_in_flight_max` at a time;
+//! - requests of one call (one write, or every write of a batch) run in parallel, at most
+//!   `requests_in_flight_max` at a time;
 //!   the client retries errors and timeouts with exponential backoff for `retry-timeout-ms`,
 //!   after which the error is returned, never success.
 
@@ -41,7 +42,7 @@ pub const FORMAT_VERSION: u64 = 1;
 /// Name of the metadata object under the prefix.
 pub const METADATA_NAME: &str = "bufcache-disk.json";
 /// Default bound on concurrent requests of one read or write call.
-pub const REQUESTS_IN_FLIGHT_MAX_DEFAULT: usize = 16;
+pub const REQUESTS_IN_FLIGHT_MAX_DEFAULT: usize = 32;
 /// Per-chunk locks are striped over this many mutexes.
 const CHUNK_LOCK_STRIPES: usize = 256;
 
@@ -371,6 +372,11 @@ impl ChunkStore {
         self.requests_in_flight_max = requests_in_flight_max.max(1);
     }
 
+    /// The bound on concurrent requests of one call.
+    pub fn requests_in_flight_max(&self) -> usize {
+        self.requests_in_flight_max
+    }
+
     /// The object key of chunk `index`.
     pub fn chunk_key(&self, index: u64) -> String {
         self.url.key(&format!("chunks/{index:016x}"))
@@ -452,82 +458,143 @@ impl ChunkStore {
 
     /// Writes `data` (or zeroes when None) over `length` bytes at `offset`.
     fn modify(&self, offset: u64, length: u64, data: Option<Bytes>) -> Result<(), StoreError> {
-        let chunk_size = self.metadata.chunk_size_bytes;
-        let pieces = self.pieces(offset, length);
-        let results: Vec<Result<(), StoreError>> = self.runtime.block_on(
-            stream::iter(pieces.into_iter().map(|piece| {
-                let store = self.store.clone();
-                let key = self.chunk_key(piece.chunk);
-                let locks = self.chunk_locks.clone();
-                let stored = self.stored.clone();
-                let source = data.as_ref().map(|data| data.slice(piece.buffer.clone()));
-                async move {
-                    // Serialises read-modify-write of one chunk against any other write of it.
-                    let _guard = locks[(piece.chunk as usize) % locks.len()].lock().await;
-                    let whole = piece.within.start == 0 && piece.within.end == chunk_size;
-                    let chunk: Bytes = if whole {
-                        source.unwrap_or_default()
-                    } else {
-                        tracing::debug!(
-                            chunk = piece.chunk,
-                            start = piece.within.start,
-                            end = piece.within.end,
-                            "partial chunk write: read, merge, write"
-                        );
-                        let absent = stored
-                            .as_ref()
-                            .is_some_and(|set| !set.contains(piece.chunk));
-                        let old = if absent {
-                            None
-                        } else {
-                            get_range(&store, &key, 0..chunk_size).await?
-                        };
-                        let mut merged = match old {
-                            Some(old) => old.to_vec(),
-                            None => vec![0u8; chunk_size as usize],
-                        };
-                        let target =
-                            &mut merged[piece.within.start as usize..piece.within.end as usize];
-                        match source {
-                            Some(source) => target.copy_from_slice(&source),
-                            None => target.fill(0),
-                        }
-                        Bytes::from(merged)
-                    };
-                    if chunk.iter().all(|&byte| byte == 0) {
-                        if stored
-                            .as_ref()
-                            .is_some_and(|set| !set.contains(piece.chunk))
-                        {
-                            return Ok(()); // nothing stored: already reads as zeroes
-                        }
-                        store
-                            .delete(&ObjectPath::from(key.as_str()))
-                            .await
-                            .map_err(|error| request_failed("DELETE", &key, error))?;
-                        if let Some(set) = &stored {
-                            set.remove(piece.chunk);
-                        }
-                        Ok(())
-                    } else {
-                        // Marked before the PUT: a failed PUT may still have stored it.
-                        if let Some(set) = &stored {
-                            set.insert(piece.chunk);
-                        }
-                        store
-                            .put(&ObjectPath::from(key.as_str()), PutPayload::from(chunk))
-                            .await
-                            .map(|_| ())
-                            .map_err(|error| request_failed("PUT", &key, error))
-                    }
+        self.modify_batch(vec![(offset, length, data)])
+            .pop()
+            .expect("one outcome per write")
+    }
+
+    /// Writes each `(data, offset)` as [`ChunkStore::write`] would, with the chunk requests of
+    /// every write in flight together (at most `requests_in_flight_max` at a time), and
+    /// returns one outcome per write, in order. Writes of one batch do not overlap; two that
+    /// touch one chunk are merged into it one after the other under its lock.
+    pub fn write_batch(&self, writes: Vec<(Bytes, u64)>) -> Vec<Result<(), StoreError>> {
+        let mut outcomes: Vec<Option<Result<(), StoreError>>> = Vec::with_capacity(writes.len());
+        let mut valid = Vec::with_capacity(writes.len());
+        for (index, (data, offset)) in writes.into_iter().enumerate() {
+            match self.check_range(offset, data.len() as u64) {
+                Ok(()) => {
+                    outcomes.push(None);
+                    valid.push((index, offset, data.len() as u64, Some(data)));
                 }
+                Err(error) => outcomes.push(Some(Err(error))),
+            }
+        }
+        let indexes: Vec<usize> = valid.iter().map(|&(index, ..)| index).collect();
+        let results = self.modify_batch(
+            valid
+                .into_iter()
+                .map(|(_, offset, length, data)| (offset, length, data))
+                .collect(),
+        );
+        for (index, result) in indexes.into_iter().zip(results) {
+            outcomes[index] = Some(result);
+        }
+        outcomes
+            .into_iter()
+            .map(|outcome| outcome.expect("every write has an outcome"))
+            .collect()
+    }
+
+    /// Applies each `(offset, length, data or zeroes)`, every chunk request of the batch in
+    /// flight together; one outcome per write, its first failed request's error.
+    fn modify_batch(&self, writes: Vec<(u64, u64, Option<Bytes>)>) -> Vec<Result<(), StoreError>> {
+        let mut requests = Vec::new();
+        for (write, (offset, length, data)) in writes.iter().enumerate() {
+            for piece in self.pieces(*offset, *length) {
+                let source = data.as_ref().map(|data| data.slice(piece.buffer.clone()));
+                requests.push((write, piece, source));
+            }
+        }
+        let outcomes: Vec<(usize, Result<(), StoreError>)> = self.runtime.block_on(
+            stream::iter(requests.into_iter().map(|(write, piece, source)| {
+                let request = self.modify_piece(piece, source);
+                async move { (write, request.await) }
             }))
             .buffer_unordered(self.requests_in_flight_max)
             .collect(),
         );
-        // Every request ran to completion (success or error) before the first error is
-        // reported, so no request is still in flight when the caller sees the result.
-        results.into_iter().collect()
+        // Every request ran to completion (success or error) before any outcome is reported,
+        // so no request is still in flight when the caller sees the result.
+        let mut results: Vec<Result<(), StoreError>> = writes.iter().map(|_| Ok(())).collect();
+        for (write, outcome) in outcomes {
+            if let (Err(error), Ok(())) = (outcome, &results[write]) {
+                results[write] = Err(error);
+            }
+        }
+        results
+    }
+
+    /// One chunk's part of a write: a PUT of the whole chunk, a GET + merge + PUT of part of
+    /// it, or a DELETE when it would be all zeroes.
+    fn modify_piece(
+        &self,
+        piece: Piece,
+        source: Option<Bytes>,
+    ) -> impl std::future::Future<Output = Result<(), StoreError>> {
+        let chunk_size = self.metadata.chunk_size_bytes;
+        let store = self.store.clone();
+        let key = self.chunk_key(piece.chunk);
+        let locks = self.chunk_locks.clone();
+        let stored = self.stored.clone();
+        async move {
+            // Serialises read-modify-write of one chunk against any other write of it.
+            let _guard = locks[(piece.chunk as usize) % locks.len()].lock().await;
+            let whole = piece.within.start == 0 && piece.within.end == chunk_size;
+            let chunk: Bytes = if whole {
+                source.unwrap_or_default()
+            } else {
+                tracing::debug!(
+                    chunk = piece.chunk,
+                    start = piece.within.start,
+                    end = piece.within.end,
+                    "partial chunk write: read, merge, write"
+                );
+                let absent = stored
+                    .as_ref()
+                    .is_some_and(|set| !set.contains(piece.chunk));
+                let old = if absent {
+                    None
+                } else {
+                    get_range(&store, &key, 0..chunk_size).await?
+                };
+                let mut merged = match old {
+                    Some(old) => old.to_vec(),
+                    None => vec![0u8; chunk_size as usize],
+                };
+                let target = &mut merged[piece.within.start as usize..piece.within.end as usize];
+                match source {
+                    Some(source) => target.copy_from_slice(&source),
+                    None => target.fill(0),
+                }
+                Bytes::from(merged)
+            };
+            if chunk.iter().all(|&byte| byte == 0) {
+                if stored
+                    .as_ref()
+                    .is_some_and(|set| !set.contains(piece.chunk))
+                {
+                    return Ok(()); // nothing stored: already reads as zeroes
+                }
+                store
+                    .delete(&ObjectPath::from(key.as_str()))
+                    .await
+                    .map_err(|error| request_failed("DELETE", &key, error))?;
+                if let Some(set) = &stored {
+                    set.remove(piece.chunk);
+                }
+                Ok(())
+            } else {
+                // Marked before the PUT: a failed PUT may still have stored it.
+                if let Some(set) = &stored {
+                    set.insert(piece.chunk);
+                }
+                store
+                    .put(&ObjectPath::from(key.as_str()), PutPayload::from(chunk))
+                    .await
+                    .map(|_| ())
+                    .map_err(|error| request_failed("PUT", &key, error))
+            }
+        }
     }
 
     /// True when chunk `index` is known not to be stored (reads as zeroes without a GET).

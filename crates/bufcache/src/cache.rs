@@ -24,6 +24,7 @@ use crate::buffer::{BlockKey, Buffer};
 use crate::config::{CacheConfig, ConfigError};
 use crate::environment::{Environment, Spawner, Waiter};
 use crate::error::CacheError;
+use crate::io::Io;
 use crate::object::{ObjectConfig, ObjectState};
 use crate::stats::{CacheStats, Counters, WritebackCause};
 use crate::table::{Lookup, Table};
@@ -47,6 +48,7 @@ pub(crate) struct Inner {
     config: CacheConfig,
     table: Arc<Table>,
     writeback: Writeback,
+    io: Arc<Io>,
     counters: Arc<Counters>,
     objects: RwLock<Vec<Arc<ObjectState>>>,
     spawner: Arc<dyn Spawner>,
@@ -72,8 +74,14 @@ impl Cache {
             Arc::clone(environment.waiter()),
             Arc::clone(&counters),
         ));
+        let io = Arc::new(Io::new(
+            Arc::clone(&counters),
+            Arc::clone(environment.waiter()),
+            config.writeback_inflight_max,
+        ));
         let writeback = Writeback::new(
             Arc::clone(&table),
+            Arc::clone(&io),
             Arc::clone(&counters),
             &config,
             Arc::clone(environment.clock()),
@@ -83,6 +91,7 @@ impl Cache {
             inner: Arc::new(Inner {
                 table,
                 writeback,
+                io,
                 counters,
                 objects: RwLock::new(Vec::new()),
                 spawner: Arc::clone(environment.spawner()),
@@ -122,6 +131,7 @@ impl Cache {
         inner.table.fill_stats(&mut stats);
         inner.counters.fill(&mut stats);
         stats.dirty_bytes = inner.writeback.dirty_bytes();
+        stats.writeback_inflight_requests = inner.io.writeback_inflight_requests();
         stats
     }
 
@@ -195,6 +205,10 @@ impl Inner {
 
     pub(crate) fn writeback(&self) -> &Writeback {
         &self.writeback
+    }
+
+    pub(crate) fn io(&self) -> &Io {
+        &self.io
     }
 
     pub(crate) fn counters(&self) -> &Counters {

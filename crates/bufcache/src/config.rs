@@ -164,6 +164,11 @@ pub struct CacheConfig {
     pub shards: usize,
     /// Background jobs (read-ahead, write-behind) that may wait for a worker. Default 64.
     pub background_jobs_queued_max: usize,
+    /// Write-back requests at one device at once, at most. Over a device that serves many
+    /// requests at once (`Capabilities::inflight_requests_max` above 1: an NBD upstream, an
+    /// object store) write-back also takes at most half of those, so a read miss finds
+    /// slots free and waits behind no more than this share. Default 16; 1 to 1024.
+    pub writeback_inflight_max: usize,
 }
 
 impl Default for CacheConfig {
@@ -190,6 +195,7 @@ impl Default for CacheConfig {
             space_wait_max: Duration::from_secs(30),
             shards: 64,
             background_jobs_queued_max: 64,
+            writeback_inflight_max: 16,
         }
     }
 }
@@ -324,6 +330,13 @@ impl CacheConfig {
                 "readahead_size_initial",
                 0,
                 "must be at least 1 byte",
+            ));
+        }
+        if !(1..=1024).contains(&self.writeback_inflight_max) {
+            return Err(out_of_range(
+                "writeback_inflight_max",
+                self.writeback_inflight_max,
+                "must be from 1 to 1024",
             ));
         }
         if !(1..=64).contains(&self.streams_per_object_max) {

@@ -19,6 +19,7 @@ use bufcache_policy::Placement;
 use crate::buffer::{Buffer, DIRTY, READAHEAD, VALID, WRITTEN_BEHIND};
 use crate::cache::{Cache, Inner, Urgency};
 use crate::error::CacheError;
+use crate::io::Io;
 use crate::object::{ObjectConfig, ObjectState};
 use crate::readahead::ReadaheadPlan;
 use crate::stats::WritebackCause;
@@ -422,7 +423,7 @@ impl ObjectHandle {
         let object = &self.object;
         if length_bytes == 0
             || object.check_range(offset, length_bytes).is_err()
-            || !object.device.capabilities().reads_complete_later
+            || !self.inner().io().capabilities(object).reads_complete_later
         {
             return Err(done);
         }
@@ -485,7 +486,7 @@ impl ObjectHandle {
         // SAFETY: see above.
         let read = unsafe { AsyncRead::new(device_offset, &mut slices, completion) };
         drop(slices);
-        object.device.start_read(read);
+        self.inner().io().start_read(object, read);
         self.start_planned_readahead_in_background(&planned);
         Ok(())
     }
@@ -521,11 +522,6 @@ impl ObjectHandle {
         length_bytes: u64,
     ) -> Result<StartedRead, CacheError> {
         let counters = self.inner().counters();
-        let run_bytes: u64 = run
-            .iter()
-            .map(|guard| guard.buffer.length_bytes as u64)
-            .sum();
-        counters.device_reads.record(run_bytes, result.is_ok());
         let block_size = self.object.block_size_bytes as u64;
         let first = offset / block_size;
         let end = (offset + length_bytes).div_ceil(block_size);
@@ -535,13 +531,12 @@ impl ObjectHandle {
             for guard in run.iter().filter(|guard| guard.block() < end) {
                 self.inner().table().uncount_miss(guard.buffer.key);
             }
-            return Err(CacheError::Device {
-                device: self.object.device.describe(),
-                operation: "read",
-                offset: device_offset,
-                length_bytes: run_bytes,
-                source,
-            });
+            let run_bytes: u64 = run
+                .iter()
+                .map(|guard| guard.buffer.length_bytes as u64)
+                .sum();
+            let io = self.inner().io();
+            return Err(io.error(&self.object, "read", device_offset, run_bytes, source));
         }
         if run.len() > 1 {
             counters.read_clusters.fetch_add(1, Ordering::Relaxed);
@@ -873,22 +868,8 @@ impl ObjectHandle {
             // SAFETY: every guard holds its buffer exclusively.
             .map(|guard| IoSliceMut::new(unsafe { guard.buffer.device_bytes_mut() }))
             .collect();
-        let length_bytes: u64 = slices.iter().map(|slice| slice.len() as u64).sum();
-        let result = self
-            .object
-            .device
-            .read_vectored_at(&mut slices, device_offset);
-        inner
-            .counters()
-            .device_reads
-            .record(length_bytes, result.is_ok());
-        result.map_err(|source| CacheError::Device {
-            device: self.object.device.describe(),
-            operation: "read",
-            offset: device_offset,
-            length_bytes,
-            source,
-        })?;
+        inner.io().read(&self.object, &mut slices, device_offset)?;
+        drop(slices);
         if run.len() > 1 {
             inner
                 .counters()
@@ -1466,8 +1447,8 @@ impl ObjectHandle {
         self.object.check_writable()?;
         self.object.check_range(offset, length_bytes)?;
         let (first, end) = self.whole_blocks(offset, length_bytes);
-        self.replace_on_device(first, end, "discard", |device, at, length| {
-            device.discard(at, length)
+        self.replace_on_device(first, end, |io, object, at, length| {
+            io.discard(object, at, length)
         })
     }
 
@@ -1490,7 +1471,10 @@ impl ObjectHandle {
     /// True when zeroing whole blocks costs the device no data transfer (a hole, a protocol
     /// command), so a caller asking for a fast zero can be served.
     pub fn can_zero_fast(&self) -> bool {
-        self.object.device.capabilities().write_zeroes_fast
+        self.inner()
+            .io()
+            .capabilities(&self.object)
+            .write_zeroes_fast
     }
 
     /// Makes the range read as zeroes. The one place that decides how: whole blocks are
@@ -1525,8 +1509,8 @@ impl ObjectHandle {
                 tail_start,
                 (offset + length_bytes).saturating_sub(tail_start),
             )?;
-            self.replace_on_device(first, end, "write_zeroes", |device, at, length| {
-                device.write_zeroes(at, length)
+            self.replace_on_device(first, end, |io, object, at, length| {
+                io.write_zeroes(object, at, length)
             })?;
         }
         if options.fua {
@@ -1580,8 +1564,7 @@ impl ObjectHandle {
         &self,
         first: u64,
         end: u64,
-        name: &'static str,
-        operation: impl Fn(&dyn Device, u64, u64) -> std::io::Result<()>,
+        operation: impl Fn(&Io, &ObjectState, u64, u64) -> Result<(), CacheError>,
     ) -> Result<(), CacheError> {
         if first >= end {
             return Ok(());
@@ -1597,15 +1580,7 @@ impl ObjectHandle {
             let blocks = mapped.contiguous_blocks.min(end - block);
             let length = (block + blocks) * object.block_size_bytes as u64;
             let length = length.min(object.length_bytes) - block * object.block_size_bytes as u64;
-            operation(object.device.as_ref(), mapped.device_offset, length).map_err(|source| {
-                CacheError::Device {
-                    device: object.device.describe(),
-                    operation: name,
-                    offset: mapped.device_offset,
-                    length_bytes: length,
-                    source,
-                }
-            })?;
+            operation(self.inner().io(), object, mapped.device_offset, length)?;
             block += blocks;
         }
         self.invalidate_blocks(first, end, false);
@@ -1645,17 +1620,10 @@ impl ObjectHandle {
     /// the cache are data.
     pub fn extents(&self, offset: u64, length_bytes: u64) -> Result<Vec<Extent>, CacheError> {
         self.object.check_range(offset, length_bytes)?;
-        let device_extents =
-            self.object
-                .device
-                .extents(offset, length_bytes)
-                .map_err(|source| CacheError::Device {
-                    device: self.object.device.describe(),
-                    operation: "extents",
-                    offset,
-                    length_bytes,
-                    source,
-                })?;
+        let device_extents = self
+            .inner()
+            .io()
+            .extents(&self.object, offset, length_bytes)?;
         let block_size = self.object.block_size_bytes as u64;
         let dirty = self.object.dirty.lock();
         let mut position = offset;

@@ -21,6 +21,7 @@ mod dirty;
 pub mod environment;
 mod error;
 mod handle;
+mod io;
 mod object;
 mod readahead;
 pub mod stats;

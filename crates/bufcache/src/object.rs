@@ -150,9 +150,9 @@ pub(crate) struct ObjectState {
     /// The device's preferred write unit in bytes (`Capabilities::write_unit_bytes`) when it
     /// is a whole number of blocks larger than one, else 0: write-back runs end on it.
     write_unit_bytes: u64,
-    /// Moving average of how long one write to the device takes (ns, injected clock): it
-    /// tells a flush whether writing with several threads pays (see `Writeback`).
-    write_latency_ns: AtomicU64,
+    /// Blocks one device request carries at most (`Capabilities::request_bytes_max`, at least
+    /// one block): write-back runs and clustered reads end on it.
+    request_blocks_max: u64,
     /// Discards and zeroings between dropping their range's dirty blocks and the device's
     /// answer: a flush waits for them (see [`ObjectState::begin_replace`]).
     replaces_in_flight: AtomicU64,
@@ -194,7 +194,9 @@ impl ObjectState {
             .clone()
             .unwrap_or_else(|| Arc::new(IdentityMap::new(0, block_size, block_count)));
         let readahead_blocks = |bytes: u64| bytes.div_ceil(block_size);
-        let write_unit_bytes = config.device.capabilities().write_unit_bytes;
+        let capabilities = config.device.capabilities();
+        let request_blocks_max = (capabilities.request_bytes_max / block_size).max(1);
+        let write_unit_bytes = capabilities.write_unit_bytes;
         let write_unit_bytes =
             if write_unit_bytes > block_size && write_unit_bytes.is_multiple_of(block_size) {
                 write_unit_bytes
@@ -237,7 +239,7 @@ impl ObjectState {
             },
             cluster_blocks,
             write_unit_bytes,
-            write_latency_ns: AtomicU64::new(0),
+            request_blocks_max,
             replaces_in_flight: AtomicU64::new(0),
             name: config.name,
         })
@@ -261,7 +263,10 @@ impl ObjectState {
     /// unit boundary inside that, so the runs after it start on a unit and cover whole units.
     pub fn write_run_blocks_max(&self, first: u64) -> u64 {
         let mapped = self.map.map(first);
-        let limit = self.cluster_blocks.min(mapped.contiguous_blocks);
+        let limit = self
+            .cluster_blocks
+            .min(mapped.contiguous_blocks)
+            .min(self.request_blocks_max);
         if self.write_unit_bytes == 0 {
             return limit;
         }
@@ -298,19 +303,6 @@ impl ObjectState {
         let device_offset = self.map.map(block).device_offset;
         let into_unit = device_offset % self.write_unit_bytes / self.block_size_bytes as u64;
         block.saturating_sub(into_unit)
-    }
-
-    /// Folds one device write's duration into the moving average (weight 1/8). Racing
-    /// updates may lose a sample; the average only steers how many threads write.
-    pub fn record_write_latency(&self, latency_ns: u64) {
-        let average = self.write_latency_ns.load(Ordering::Relaxed);
-        let updated = average - average / 8 + latency_ns / 8;
-        self.write_latency_ns.store(updated, Ordering::Relaxed);
-    }
-
-    /// How long one write to the device has taken lately (ns; 0 before the first).
-    pub fn write_latency_ns(&self) -> u64 {
-        self.write_latency_ns.load(Ordering::Relaxed)
     }
 
     /// A dirty block to start a write-back cluster at: the first at or after the object's

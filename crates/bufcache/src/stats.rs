@@ -102,6 +102,7 @@ pub(crate) struct Counters {
     pub throttled_writes: AtomicU64,
     pub space_waits: AtomicU64,
     pub space_failures: AtomicU64,
+    pub writeback_inflight_waits: AtomicU64,
 }
 
 impl Counters {
@@ -161,6 +162,11 @@ pub struct CacheStats {
     pub space_waits: u64,
     /// Allocations that gave up waiting for space.
     pub space_failures: u64,
+    /// Write-back passes that waited for a slot of their device's write-back share
+    /// (`CacheConfig::writeback_inflight_max`).
+    pub writeback_inflight_waits: u64,
+    /// Write-back requests at the devices now.
+    pub writeback_inflight_requests: u64,
     /// Bytes of dirty data.
     pub dirty_bytes: u64,
     /// Bytes of buffers someone holds (pinned or locked).
@@ -223,5 +229,6 @@ impl Counters {
         stats.throttled_writes = self.throttled_writes.load(Relaxed);
         stats.space_waits = self.space_waits.load(Relaxed);
         stats.space_failures = self.space_failures.load(Relaxed);
+        stats.writeback_inflight_waits = self.writeback_inflight_waits.load(Relaxed);
     }
 }

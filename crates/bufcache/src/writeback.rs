@@ -24,6 +24,7 @@ use crate::config::CacheConfig;
 use crate::dirty;
 use crate::environment::{Clock, Waiter};
 use crate::error::CacheError;
+use crate::io::Io;
 use crate::object::ObjectState;
 use crate::stats::{Counters, WritebackCause};
 use crate::table::Table;
@@ -38,22 +39,12 @@ use crate::table::Table;
 const WRITEBACK_POLL_NS: u64 = 50_000;
 const WRITEBACK_POLL_MAX_NS: u64 = 400_000;
 
-/// A device whose writes take this long on average (an upstream server, an object store)
-/// is written by several threads when a flush finds many dirty runs: one at a time, a FLUSH
-/// after scattered 4 KiB writes over a 1 ms upstream took a round trip per block. A local
-/// file's writes take microseconds and are better written by one thread (parallel writers
-/// of one file contend for its inode lock).
-const PARALLEL_FLUSH_WRITE_LATENCY_NS: u64 = 250_000;
-
-/// Helper jobs a flush over a slow device starts at most (besides its own thread); each
-/// writes a share of the dirty runs, so about this many device writes are in flight.
+/// Helper jobs a flush over a device that serves several requests at once starts at most
+/// (besides its own thread); each writes a share of the dirty runs in batches, so several
+/// batches are in flight (the device's write-back share bounds the total). A local file is
+/// written by the flush's thread alone: parallel writers of one file contend for its inode
+/// lock.
 pub(crate) const FLUSH_HELPERS_MAX: usize = 7;
-
-/// Device writes one write-back pass over a slow device (see
-/// `PARALLEL_FLUSH_WRITE_LATENCY_NS`) keeps in flight at once, as one
-/// [`bufcache_device::Device::write_batch_at`] batch. One at a time, a FLUSH after scattered
-/// 4 KiB writes over a 1 ms upstream waited a round trip per dirty run; a batch costs about one.
-pub(crate) const WRITEBACK_BATCH_WRITES_MAX: usize = 32;
 
 /// Bytes one write-back batch carries at most: its buffers stay locked until the whole batch
 /// is answered, so it is kept to what a fast link moves in a few round trips.
@@ -71,6 +62,7 @@ pub(crate) enum LockMode {
 /// The write-back side of a cache: its triggers and the dirty byte count.
 pub(crate) struct Writeback {
     table: Arc<Table>,
+    io: Arc<Io>,
     counters: Arc<Counters>,
     /// Bytes of dirty data in the whole cache (changed only by the dirty set).
     dirty_bytes: AtomicU64,
@@ -86,6 +78,7 @@ pub(crate) struct Writeback {
 impl Writeback {
     pub(crate) fn new(
         table: Arc<Table>,
+        io: Arc<Io>,
         counters: Arc<Counters>,
         config: &CacheConfig,
         clock: Arc<dyn Clock>,
@@ -93,6 +86,7 @@ impl Writeback {
     ) -> Writeback {
         Writeback {
             table,
+            io,
             counters,
             dirty_bytes: AtomicU64::new(0),
             object_cursor: AtomicUsize::new(0),
@@ -105,9 +99,9 @@ impl Writeback {
     }
 
     /// How many helper jobs a flush of `object` should start: [`FLUSH_HELPERS_MAX`] when its
-    /// device's writes have been slow enough for parallel write-back to pay, else none.
+    /// device serves several requests at once, else none.
     pub(crate) fn flush_helpers_wanted(&self, object: &ObjectState) -> usize {
-        if object.write_latency_ns() >= PARALLEL_FLUSH_WRITE_LATENCY_NS {
+        if self.io.serves_requests_in_parallel(object) {
             FLUSH_HELPERS_MAX
         } else {
             0
@@ -328,28 +322,7 @@ impl Writeback {
                 run.iter().map(|buffer| buffer.as_ref()),
             );
         }
-        let started_ns = self.clock.now_ns();
-        let mut results = match writes.as_slice() {
-            [write] => vec![object.device.write_vectored_at(write.buffers, write.offset)],
-            _ => {
-                self.counters.write_batches.fetch_add(1, Ordering::Relaxed);
-                self.counters
-                    .write_batch_writes
-                    .fetch_add(writes.len() as u64, Ordering::Relaxed);
-                object.device.write_batch_at(&writes)
-            }
-        };
-        object.record_write_latency(self.clock.now_ns().saturating_sub(started_ns));
-        strict_assert!(
-            results.len() == runs.len(),
-            "a device answered a batch partly"
-        );
-        // Unanswered writes count as failed: their blocks stay dirty and the error is latched.
-        results.resize_with(runs.len(), || {
-            Err(std::io::Error::other(
-                "the device did not answer this write of a batch",
-            ))
-        });
+        let results = self.io.write_back(object, &writes);
         runs.iter()
             .zip(&writes)
             .zip(results)
@@ -367,18 +340,10 @@ impl Writeback {
         result: std::io::Result<()>,
         cause: WritebackCause,
     ) -> Result<u64, CacheError> {
-        let length_bytes = write.length_bytes();
-        self.counters
-            .device_writes
-            .record(length_bytes, result.is_ok());
         if let Err(source) = result {
-            let error = CacheError::Device {
-                device: object.device.describe(),
-                operation: "write",
-                offset: write.offset,
-                length_bytes,
-                source,
-            };
+            let error = self
+                .io
+                .error(object, "write", write.offset, write.length_bytes(), source);
             object.latch_error(&error);
             return Err(error);
         }
@@ -408,7 +373,7 @@ impl Writeback {
     /// cluster so that as much as possible reaches the device; returns the first error.
     ///
     /// Over a slow device, claimed runs are written in batches
-    /// ([`WRITEBACK_BATCH_WRITES_MAX`]), in flight together.
+    /// ([`crate::io::WRITEBACK_BATCH_WRITES_MAX`] at most, as the device allows), in flight together.
     pub(crate) fn write_range(
         &self,
         object: &ObjectState,
@@ -479,15 +444,11 @@ impl Writeback {
         batch.first_error.map_or(Ok(batch.written), Err)
     }
 
-    /// How many runs a pass writes in one batch: several only over a device whose writes are
-    /// slow enough for in-flight writes to pay (a local file's are not: batching would only
-    /// hold its buffers locked longer).
+    /// How many runs a pass writes in one batch: several only over a device that serves
+    /// several requests at once (a local file does not: batching would only hold its buffers
+    /// locked longer).
     fn batch_writes_max(&self, object: &ObjectState) -> usize {
-        if object.write_latency_ns() >= PARALLEL_FLUSH_WRITE_LATENCY_NS {
-            WRITEBACK_BATCH_WRITES_MAX
-        } else {
-            1
-        }
+        self.io.batch_writes_max(object)
     }
 
     /// Writes the batch's claimed runs, releases them and empties it, keeping its totals.
@@ -513,26 +474,9 @@ impl Writeback {
     /// Flushes the object's device; a failure is latched, since data already marked clean
     /// may not be durable.
     pub(crate) fn flush_device(&self, object: &ObjectState) -> Result<(), CacheError> {
-        match object.device.flush() {
-            Ok(()) => {
-                self.counters.device_flushes.fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            }
-            Err(source) => {
-                self.counters
-                    .device_flush_errors
-                    .fetch_add(1, Ordering::Relaxed);
-                let error = CacheError::Device {
-                    device: object.device.describe(),
-                    operation: "flush",
-                    offset: 0,
-                    length_bytes: 0,
-                    source,
-                };
-                object.latch_error(&error);
-                Err(error)
-            }
-        }
+        self.io
+            .flush(object)
+            .inspect_err(|error| object.latch_error(error))
     }
 
     /// Writes back everything dirty in the object, then flushes its device.

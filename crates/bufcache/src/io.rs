@@ -1,0 +1,334 @@
+//! The io path: the only module of the engine that calls a [`Device`].
+//!
+//! Every device request of the engine — clustered reads, started reads, write-back writes and
+//! batches, flushes, discards, zeroing, allocation maps — goes through [`Io`]. It counts each
+//! request once, turns device errors into [`CacheError::Device`] naming the device, the
+//! operation and the range, and bounds write-back per device:
+//!
+//! - **Write-back slots.** Each device has `writeback_inflight_max` slots for write-back
+//!   requests (a batch takes one per write). Over a device that serves many requests at once
+//!   (`Capabilities::inflight_requests_max` above 1: an NBD upstream, an object store) the
+//!   share is also at most half of the device's in-flight requests, so a read miss — which
+//!   takes no slot and is sent at once — finds room and waits behind at most that share of
+//!   write-back. A write-back pass that finds no free slot waits for one before it sends.
+//! - **Batches follow the device.** Write-back hands several runs to the device as one batch
+//!   (in flight together) only when the device serves more than one request at a time; a
+//!   batch never holds more writes than the device's share, so a batch is sent whole.
+//!
+//! Invariants:
+//! - a device's write-back requests in flight never exceed its share, except that one batch
+//!   always proceeds when nothing of that device is in flight (no pass waits forever);
+//! - every slot taken is given back when the device has answered, before the caller sees
+//!   the outcome;
+//! - state changes that follow a request (valid, clean, latched errors) are made by the
+//!   owners of that state (`handle`, `writeback`, `dirty`), never here.
+
+use std::collections::HashMap;
+use std::io::IoSliceMut;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use bufcache_device::{AsyncRead, BatchWrite, Capabilities, Device, Extent};
+use parking_lot::Mutex;
+
+use crate::environment::Waiter;
+use crate::error::CacheError;
+use crate::object::ObjectState;
+use crate::stats::Counters;
+
+/// Most writes of one write-back batch: its buffers stay locked until the whole batch is
+/// answered, so it is kept to what a long link moves in a round trip or two.
+pub(crate) const WRITEBACK_BATCH_WRITES_MAX: usize = 32;
+
+/// How long a pass waiting for a write-back slot first sleeps before looking again (a slot's
+/// release wakes it sooner); each further look waits twice as long, up to
+/// `SLOT_POLL_MAX_NS`.
+const SLOT_POLL_NS: u64 = 50_000;
+const SLOT_POLL_MAX_NS: u64 = 1_000_000;
+
+/// Write-back's share of one device.
+struct DeviceSlots {
+    /// Write-back requests at the device now.
+    writeback_inflight: AtomicUsize,
+    /// Passes waiting for a slot: a release wakes waiters only when there are some.
+    waiting: AtomicUsize,
+    /// The share: write-back requests at the device at once, at most.
+    writeback_inflight_max: usize,
+    /// Writes one write-back batch carries at most (1: no batches).
+    batch_writes_max: usize,
+}
+
+impl DeviceSlots {
+    fn new(capabilities: &Capabilities, writeback_inflight_max: usize) -> Self {
+        let device_max = capabilities.inflight_requests_max.max(1);
+        let share = if device_max > 1 {
+            writeback_inflight_max.min((device_max / 2).max(1))
+        } else {
+            writeback_inflight_max
+        };
+        let batch_writes_max = if device_max > 1 {
+            share.min(WRITEBACK_BATCH_WRITES_MAX)
+        } else {
+            1
+        };
+        DeviceSlots {
+            writeback_inflight: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+            writeback_inflight_max: share,
+            batch_writes_max,
+        }
+    }
+
+    /// Takes `count` slots if they are free now (or if nothing is in flight, so a batch
+    /// larger than the share still goes, alone).
+    fn try_take(&self, count: usize) -> bool {
+        let mut current = self.writeback_inflight.load(Ordering::Acquire);
+        loop {
+            if current != 0 && current + count > self.writeback_inflight_max {
+                return false;
+            }
+            match self.writeback_inflight.compare_exchange_weak(
+                current,
+                current + count,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return true,
+                Err(seen) => current = seen,
+            }
+        }
+    }
+}
+
+/// The engine's one path to its devices.
+pub(crate) struct Io {
+    counters: Arc<Counters>,
+    waiter: Arc<dyn Waiter>,
+    writeback_inflight_max: usize,
+    /// Write-back slots per device, keyed by the device's address (objects that share a
+    /// device share its slots).
+    slots: Mutex<HashMap<usize, Arc<DeviceSlots>>>,
+}
+
+impl Io {
+    pub(crate) fn new(
+        counters: Arc<Counters>,
+        waiter: Arc<dyn Waiter>,
+        writeback_inflight_max: usize,
+    ) -> Io {
+        Io {
+            counters,
+            waiter,
+            writeback_inflight_max,
+            slots: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The write-back slots of `object`'s device, made at its first use.
+    fn slots(&self, object: &ObjectState) -> Arc<DeviceSlots> {
+        let key = Arc::as_ptr(&object.device) as *const () as usize;
+        let mut slots = self.slots.lock();
+        Arc::clone(slots.entry(key).or_insert_with(|| {
+            Arc::new(DeviceSlots::new(
+                &object.device.capabilities(),
+                self.writeback_inflight_max,
+            ))
+        }))
+    }
+
+    /// What the object's device can do.
+    pub(crate) fn capabilities(&self, object: &ObjectState) -> Capabilities {
+        object.device.capabilities()
+    }
+
+    /// Writes one write-back batch of `object` carries at most (1 over a device that serves
+    /// one request at a time).
+    pub(crate) fn batch_writes_max(&self, object: &ObjectState) -> usize {
+        self.slots(object).batch_writes_max
+    }
+
+    /// True when the object's device serves several requests at once, so write-back passes
+    /// in parallel (a flush's helpers) keep more of them busy.
+    pub(crate) fn serves_requests_in_parallel(&self, object: &ObjectState) -> bool {
+        object.device.capabilities().inflight_requests_max > 1
+    }
+
+    /// Write-back requests at all devices now.
+    pub(crate) fn writeback_inflight_requests(&self) -> u64 {
+        self.slots
+            .lock()
+            .values()
+            .map(|slots| slots.writeback_inflight.load(Ordering::Relaxed) as u64)
+            .sum()
+    }
+
+    /// A [`CacheError::Device`] for a failed request to `object`'s device.
+    pub(crate) fn error(
+        &self,
+        object: &ObjectState,
+        operation: &'static str,
+        offset: u64,
+        length_bytes: u64,
+        source: std::io::Error,
+    ) -> CacheError {
+        CacheError::Device {
+            device: object.device.describe(),
+            operation,
+            offset,
+            length_bytes,
+            source,
+        }
+    }
+
+    /// One vectored read of `slices` at `device_offset`, counted.
+    pub(crate) fn read(
+        &self,
+        object: &ObjectState,
+        slices: &mut [IoSliceMut<'_>],
+        device_offset: u64,
+    ) -> Result<(), CacheError> {
+        let length_bytes: u64 = slices.iter().map(|slice| slice.len() as u64).sum();
+        let result = object.device.read_vectored_at(slices, device_offset);
+        self.counters
+            .device_reads
+            .record(length_bytes, result.is_ok());
+        result.map_err(|source| self.error(object, "read", device_offset, length_bytes, source))
+    }
+
+    /// Starts `read` on `object`'s device; it is counted when it ends, before its own
+    /// completion runs.
+    pub(crate) fn start_read(&self, object: &ObjectState, read: AsyncRead) {
+        let length_bytes = read.length_bytes();
+        let counters = Arc::clone(&self.counters);
+        let read = read.wrap_done(move |result, done| {
+            counters.device_reads.record(length_bytes, result.is_ok());
+            done(result)
+        });
+        object.device.start_read(read);
+    }
+
+    /// Writes each of `writes` (write-back runs of `object`, non-overlapping) and returns one
+    /// outcome per write, in order. Several go to the device as one batch, in flight
+    /// together; one goes as a plain write. Takes one write-back slot per write for the
+    /// duration, waiting for free slots first.
+    pub(crate) fn write_back(
+        &self,
+        object: &ObjectState,
+        writes: &[BatchWrite<'_>],
+    ) -> Vec<std::io::Result<()>> {
+        let slots = self.slots(object);
+        self.take_slots(&slots, writes.len());
+        let mut results = match writes {
+            [write] => vec![object.device.write_vectored_at(write.buffers, write.offset)],
+            _ => {
+                self.counters.write_batches.fetch_add(1, Ordering::Relaxed);
+                self.counters
+                    .write_batch_writes
+                    .fetch_add(writes.len() as u64, Ordering::Relaxed);
+                object.device.write_batch_at(writes)
+            }
+        };
+        self.give_slots(&slots, writes.len());
+        strict_assert!(
+            results.len() == writes.len(),
+            "a device answered a batch partly"
+        );
+        // Unanswered writes count as failed: their blocks stay dirty and the error is latched.
+        results.resize_with(writes.len(), || {
+            Err(std::io::Error::other(
+                "the device did not answer this write of a batch",
+            ))
+        });
+        for (write, result) in writes.iter().zip(&results) {
+            self.counters
+                .device_writes
+                .record(write.length_bytes(), result.is_ok());
+        }
+        results
+    }
+
+    /// Waits until `count` write-back slots of the device are free and takes them.
+    fn take_slots(&self, slots: &DeviceSlots, count: usize) {
+        if slots.try_take(count) {
+            return;
+        }
+        self.counters
+            .writeback_inflight_waits
+            .fetch_add(1, Ordering::Relaxed);
+        slots.waiting.fetch_add(1, Ordering::AcqRel);
+        let mut sleep_ns = SLOT_POLL_NS;
+        loop {
+            // Ticket before the look: a release after the look ends the wait at once.
+            let ticket = self.waiter.ticket();
+            if slots.try_take(count) {
+                break;
+            }
+            self.waiter.wait(ticket, sleep_ns);
+            sleep_ns = (sleep_ns * 2).min(SLOT_POLL_MAX_NS);
+        }
+        slots.waiting.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    fn give_slots(&self, slots: &DeviceSlots, count: usize) {
+        let before = slots.writeback_inflight.fetch_sub(count, Ordering::AcqRel);
+        strict_assert!(before >= count, "only slots taken are given back");
+        if slots.waiting.load(Ordering::Acquire) > 0 {
+            self.waiter.notify_all();
+        }
+    }
+
+    /// Makes every write the device completed durable, counted.
+    pub(crate) fn flush(&self, object: &ObjectState) -> Result<(), CacheError> {
+        match object.device.flush() {
+            Ok(()) => {
+                self.counters.device_flushes.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(source) => {
+                self.counters
+                    .device_flush_errors
+                    .fetch_add(1, Ordering::Relaxed);
+                Err(self.error(object, "flush", 0, 0, source))
+            }
+        }
+    }
+
+    /// Tells the device `length` bytes at `device_offset` are unused.
+    pub(crate) fn discard(
+        &self,
+        object: &ObjectState,
+        device_offset: u64,
+        length: u64,
+    ) -> Result<(), CacheError> {
+        object
+            .device
+            .discard(device_offset, length)
+            .map_err(|source| self.error(object, "discard", device_offset, length, source))
+    }
+
+    /// Writes zeroes over `length` bytes at `device_offset`.
+    pub(crate) fn write_zeroes(
+        &self,
+        object: &ObjectState,
+        device_offset: u64,
+        length: u64,
+    ) -> Result<(), CacheError> {
+        object
+            .device
+            .write_zeroes(device_offset, length)
+            .map_err(|source| self.error(object, "write_zeroes", device_offset, length, source))
+    }
+
+    /// The device's allocation map of `length` bytes at `device_offset`.
+    pub(crate) fn extents(
+        &self,
+        object: &ObjectState,
+        device_offset: u64,
+        length: u64,
+    ) -> Result<Vec<Extent>, CacheError> {
+        object
+            .device
+            .extents(device_offset, length)
+            .map_err(|source| self.error(object, "extents", device_offset, length, source))
+    }
+}
