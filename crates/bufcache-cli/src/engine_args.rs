@@ -78,7 +78,7 @@ pub struct EngineArgs {
     #[arg(long)]
     pub no_io_merge: bool,
     /// Write-back requests at one backend at once, at most. Over an upstream or object store
-    /// write-back also takes at most half of the requests the backend serves at once, so a
+    /// write-back also takes at most a quarter of the requests the backend serves at once, so a
     /// read miss waits behind no more than this. Default 16.
     #[arg(long, value_name = "COUNT")]
     pub writeback_inflight_max: Option<usize>,

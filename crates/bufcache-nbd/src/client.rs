@@ -49,7 +49,7 @@ const NO_PAYLOAD_BYTES_MAX: u64 = 1 << 30;
 /// Requests the client tells the engine to keep in flight at once (`Capabilities`): the
 /// connection pipelines without a bound of its own, so this is what keeps a long link busy
 /// (64 × 1 MiB covers 64 MiB per round trip) while leaving the engine's write-back share
-/// (half of it, at most `writeback_inflight_max`) a bound that read misses only queue behind.
+/// (a quarter of it, at most `writeback_inflight_max`) a bound that read misses only queue behind.
 pub const UPSTREAM_INFLIGHT_REQUESTS_MAX: usize = 64;
 
 /// Everything that can go wrong talking to a server. Every variant names the server.

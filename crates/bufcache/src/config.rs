@@ -166,7 +166,7 @@ pub struct CacheConfig {
     pub background_jobs_queued_max: usize,
     /// Write-back requests at one device at once, at most. Over a device that serves many
     /// requests at once (`Capabilities::inflight_requests_max` above 1: an NBD upstream, an
-    /// object store) write-back also takes at most half of those, so a read miss finds
+    /// object store) write-back also takes at most a quarter of those, so a read miss finds
     /// slots free and waits behind no more than this share. Default 16; 1 to 1024.
     pub writeback_inflight_max: usize,
 }

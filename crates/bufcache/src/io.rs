@@ -8,7 +8,7 @@
 //! - **Write-back slots.** Each device has `writeback_inflight_max` slots for write-back
 //!   requests (a batch takes one per write). Over a device that serves many requests at once
 //!   (`Capabilities::inflight_requests_max` above 1: an NBD upstream, an object store) the
-//!   share is also at most half of the device's in-flight requests, so a read miss — which
+//!   share is also at most a quarter of the device's in-flight requests, so a read miss — which
 //!   takes no slot and is sent at once — finds room and waits behind at most that share of
 //!   write-back. A write-back pass that finds no free slot waits for one before it sends.
 //! - **Batches follow the device.** Write-back hands several runs to the device as one batch
@@ -40,6 +40,13 @@ use crate::stats::Counters;
 /// answered, so it is kept to what a long link moves in a round trip or two.
 pub(crate) const WRITEBACK_BATCH_WRITES_MAX: usize = 32;
 
+/// Over a device that serves several requests at once, write-back takes at most this
+/// fraction (1 / divisor) of them: the rest are left to read misses, which then wait behind
+/// at most that much write-back at the device. A quarter rather than half, because a store
+/// busy with uploads serves a GET more slowly however many slots are free (measured in
+/// docs/design.md, "The io path").
+const WRITEBACK_SHARE_DIVISOR: usize = 4;
+
 /// How long a pass waiting for a write-back slot first sleeps before looking again (a slot's
 /// release wakes it sooner); each further look waits twice as long, up to
 /// `SLOT_POLL_MAX_NS`.
@@ -62,7 +69,7 @@ impl DeviceSlots {
     fn new(capabilities: &Capabilities, writeback_inflight_max: usize) -> Self {
         let device_max = capabilities.inflight_requests_max.max(1);
         let share = if device_max > 1 {
-            writeback_inflight_max.min((device_max / 2).max(1))
+            writeback_inflight_max.min((device_max / WRITEBACK_SHARE_DIVISOR).max(1))
         } else {
             writeback_inflight_max
         };

@@ -3,7 +3,7 @@
 //! behind write-back.
 //!
 //! Method: a source scan for device calls outside `io.rs`, and a device that says it serves
-//! eight requests at once and holds every write at a gate until the test opens it, so the
+//! sixteen requests at once and holds every write at a gate until the test opens it, so the
 //! write-back in flight can be counted while a flush is stuck on it.
 
 // Tests drive the engine from real threads on real time; only the engine itself may not.
@@ -18,9 +18,9 @@ use bufcache::{AsyncRead, CacheConfig, Capabilities, Device, Extent, MemoryDevic
 
 const BLOCK: u64 = 4096;
 const DEVICE_BYTES: u64 = 16 << 20;
-/// Requests the gated device says it serves at once; write-back may take half.
-const DEVICE_INFLIGHT_REQUESTS: usize = 8;
-const WRITEBACK_SHARE: usize = DEVICE_INFLIGHT_REQUESTS / 2;
+/// Requests the gated device says it serves at once; write-back may take a quarter.
+const DEVICE_INFLIGHT_REQUESTS: usize = 16;
+const WRITEBACK_SHARE: usize = DEVICE_INFLIGHT_REQUESTS / 4;
 
 #[test]
 fn only_the_io_module_calls_a_device() {
