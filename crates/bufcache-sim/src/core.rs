@@ -32,6 +32,11 @@ use crate::clock::VirtualClock;
 use crate::disk::{DiskModel, Op};
 use crate::host::HostCosts;
 
+/// Requests a simulated device behind an io queue says it takes at once: the depth `serve`'s
+/// io queue keeps at the device by default, so the engine hands write-back down in batches
+/// that wait in the queue together.
+const QUEUED_INFLIGHT_REQUESTS_MAX: usize = 32;
+
 /// Granularity of the "data ready at" map, bytes.
 const READY_UNIT: u64 = 4096;
 
@@ -141,7 +146,6 @@ pub struct Dispatch {
 #[derive(Clone, Copy, Debug)]
 struct Request {
     account: usize,
-    arrival_ns: u64,
 }
 
 /// The rest of a blocked entity's step, replayed once what it waits for is done.
@@ -160,6 +164,8 @@ enum Deferred {
         op: Op,
         offset: u64,
         length: u64,
+        /// Another request of the same batch follows, submitted at the same time.
+        more: bool,
     },
     Data {
         offset: u64,
@@ -175,6 +181,13 @@ struct Chain {
     /// entity's queued read has not delivered yet, instead of for a request of its own.
     data: Option<(u64, u64, u64)>,
     ops: VecDeque<Deferred>,
+    /// Requests of this entity in the io queue or at the disk (a batch has several); the
+    /// entity goes on when the last of them is done.
+    outstanding: usize,
+    /// When the outstanding requests were submitted, and the latest completion among those
+    /// done so far.
+    submitted_ns: u64,
+    done_ns: u64,
 }
 
 /// The simulated io queue's state.
@@ -595,6 +608,31 @@ impl SimCore {
         self.lock().host.clone()
     }
 
+    /// Requests issued together (a batch of writes): with an io queue they wait there
+    /// together, where the queue may sort and merge them; without one the disk takes them in
+    /// turn.
+    fn io_batch(&self, requests: &[(Op, u64, u64)]) {
+        let mut state = self.lock();
+        if state.queue.is_some() {
+            state.queued_io_batch(requests);
+            return;
+        }
+        drop(state);
+        for &(op, offset, length) in requests {
+            self.io(op, offset, length);
+        }
+    }
+
+    /// Requests the device takes at once: with an io queue, what `serve` takes (the queue
+    /// holds them), else one at a time.
+    fn inflight_requests_max(&self) -> usize {
+        if self.lock().queue.is_some() {
+            QUEUED_INFLIGHT_REQUESTS_MAX
+        } else {
+            1
+        }
+    }
+
     fn io(&self, op: Op, offset: u64, length: u64) {
         let mut state = self.lock();
         if state.queue.is_some() {
@@ -726,14 +764,57 @@ impl CoreState {
                 sys_ns: io_ns,
                 cpu_account,
             });
-            self.defer(Deferred::Io { op, offset, length });
+            self.defer(Deferred::Io {
+                op,
+                offset,
+                length,
+                more: false,
+            });
             return;
         }
+        self.queued_io_batch(&[(op, offset, length)]);
+    }
+
+    /// Requests of the running entity through the io queue, all waiting there together (a
+    /// batch of writes the engine keeps in flight at once): counted now, served later; the
+    /// entity goes on when the last is done.
+    fn queued_io_batch(&mut self, requests: &[(Op, u64, u64)]) {
+        let current = self.current;
         let io_ns = self.host.io_ns;
-        self.cpu_work(0, io_ns);
+        if self.deferred {
+            let cpu_account = self.cpu_account;
+            for _ in requests {
+                self.defer(Deferred::Cpu {
+                    user_ns: 0,
+                    sys_ns: io_ns,
+                    cpu_account,
+                });
+            }
+            for (index, &(op, offset, length)) in requests.iter().enumerate() {
+                self.count_request(current, op, length);
+                self.defer(Deferred::Io {
+                    op,
+                    offset,
+                    length,
+                    more: index + 1 < requests.len(),
+                });
+            }
+            return;
+        }
+        for &(op, _, length) in requests {
+            if requests.len() > 1 {
+                self.count_request(current, op, length);
+            }
+            self.cpu_work(0, io_ns);
+        }
         let arrival = self.cursor_ns;
-        self.block(current);
-        self.submit(current, op, offset, length, arrival);
+        let chain = self.block(current);
+        chain.outstanding += requests.len();
+        chain.submitted_ns = arrival;
+        chain.done_ns = arrival;
+        for &(op, offset, length) in requests {
+            self.submit(current, op, offset, length, arrival);
+        }
     }
 
     /// Puts a request into the io queue at `arrival_ns`; `account` is blocked on it.
@@ -747,15 +828,7 @@ impl CoreState {
         queue.sequence += 1;
         queue.future.insert(
             (arrival_ns, sequence),
-            (
-                op,
-                offset,
-                length,
-                Request {
-                    account,
-                    arrival_ns,
-                },
-            ),
+            (op, offset, length, Request { account }),
         );
     }
 
@@ -813,9 +886,7 @@ impl CoreState {
         self.device.queue_merged += batch.len() as u64 - 1;
         self.device.queue_choices += u64::from(choice);
         for member in &batch {
-            let request = member.payload;
-            self.accounts[request.account].io_wait_ns += done - request.arrival_ns.min(done);
-            self.resume(request.account, done);
+            self.request_done(member.payload.account, done);
         }
         if op == Op::Read {
             // Entities waiting for this data (read by another entity) go on.
@@ -836,6 +907,26 @@ impl CoreState {
                 self.resume(account, ready);
             }
         }
+    }
+
+    /// One of `account`'s outstanding requests is done at `done_ns`: when it was the last, the
+    /// entity waited from their submission to the latest completion, and goes on from there.
+    fn request_done(&mut self, account: usize, done_ns: u64) {
+        let Some(chain) = self.chains.get_mut(account).and_then(Option::as_mut) else {
+            return;
+        };
+        assert!(
+            chain.outstanding > 0,
+            "a request is done that was never submitted"
+        );
+        chain.outstanding -= 1;
+        chain.done_ns = chain.done_ns.max(done_ns);
+        if chain.outstanding > 0 {
+            return;
+        }
+        let (since, done) = (chain.submitted_ns, chain.done_ns);
+        self.accounts[account].io_wait_ns += done - since.min(done);
+        self.resume(account, done);
     }
 
     /// Replays `account`'s continuation from `time_ns`, up to its next request or wait for
@@ -866,10 +957,22 @@ impl CoreState {
                     }
                     time_ns += ns;
                 }
-                Deferred::Io { op, offset, length } => {
+                Deferred::Io {
+                    op,
+                    offset,
+                    length,
+                    more,
+                } => {
+                    if chain.outstanding == 0 {
+                        chain.submitted_ns = time_ns;
+                        chain.done_ns = time_ns;
+                    }
+                    chain.outstanding += 1;
                     self.submit(account, op, offset, length, time_ns);
-                    self.chains[account] = Some(chain);
-                    return;
+                    if !more {
+                        self.chains[account] = Some(chain);
+                        return;
+                    }
                 }
                 Deferred::Data { offset, length } => {
                     let ready = self.ready_at(offset, length);
@@ -1265,8 +1368,29 @@ impl Device for SimDevice {
         Ok(())
     }
 
+    /// Every write of the batch is issued at once, so behind an io queue they wait there
+    /// together (sorted, and merged where adjacent); each keeps its own outcome.
     fn write_batch_at(&self, writes: &[bufcache::device::BatchWrite<'_>]) -> Vec<io::Result<()>> {
-        bufcache::device::write_each(self, writes)
+        let mut requests = Vec::with_capacity(writes.len());
+        let results = writes
+            .iter()
+            .map(|write| {
+                let length = write.length_bytes();
+                bufcache::device::check_range(self.length, write.offset, length)?;
+                // A failed write still costs the disk its time.
+                requests.push((Op::Write, write.offset, length));
+                self.draw(|c| c.write_error_probability, "write", write.offset, length)?;
+                let mut contents = self.contents();
+                let mut at = write.offset;
+                for buffer in write.buffers {
+                    contents.store(buffer, at);
+                    at += buffer.len() as u64;
+                }
+                Ok(())
+            })
+            .collect();
+        self.core.io_batch(&requests);
+        results
     }
 
     fn start_read(&self, read: bufcache::AsyncRead) {
@@ -1314,7 +1438,10 @@ impl Device for SimDevice {
     }
 
     fn capabilities(&self) -> bufcache::Capabilities {
-        bufcache::Capabilities::plain(self.length)
+        bufcache::Capabilities {
+            inflight_requests_max: self.core.inflight_requests_max(),
+            ..bufcache::Capabilities::plain(self.length)
+        }
     }
 
     fn describe(&self) -> String {

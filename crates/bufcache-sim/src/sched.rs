@@ -201,6 +201,10 @@ struct SimFile {
     handle: ObjectHandle,
     map: Arc<FileMap>,
     length: u64,
+    /// Bytes the file takes on disk: its length rounded up to whole fragments, as the file
+    /// system stores a file's tail (the object covers them all, so a write that ends the file
+    /// fills its last fragment and the next file's first write starts where it ended).
+    stored_bytes: u64,
     block_size: u64,
 }
 
@@ -270,15 +274,17 @@ impl World {
             ))
         })?;
         let block_size = map.block_size() as u32;
+        let stored_bytes = length.next_multiple_of(u64::from(self.layout.params().fragment_size));
         let mut config = ObjectConfig::new(name, self.device.clone() as Arc<dyn bufcache::Device>)
             .block_size(block_size);
-        config.length_bytes = Some(length);
+        config.length_bytes = Some(stored_bytes.max(1));
         config.block_map = Some(map.clone() as Arc<dyn bufcache::BlockMap>);
         let handle = self.cache.open_object(config)?;
         self.files.push(SimFile {
             handle,
             map,
             length,
+            stored_bytes,
             block_size: block_size as u64,
         });
         Ok(self.files.len() - 1)
@@ -382,14 +388,22 @@ impl Os<'_> {
         Ok(())
     }
 
-    /// write(2): `length` bytes to `file` at `offset` through the cache (delayed write).
+    /// write(2): `length` bytes to `file` at `offset` through the cache (delayed write). A
+    /// write that reaches the file's end fills its last fragment too, as the file system's
+    /// buffer for the tail does.
     pub fn write(&mut self, file: FileId, offset: u64, length: u64) -> Result<(), SimError> {
-        self.enter_call(file, offset, length);
+        let entry = &self.world.files[file];
+        let stored = if offset + length == entry.length {
+            entry.stored_bytes - offset
+        } else {
+            length
+        };
+        self.enter_call(file, offset, stored);
         let world = &mut *self.world;
         world.core.cpu(0, world.host.copy_ns(length));
         world.files[file]
             .handle
-            .write_at(offset, &world.scratch[..length as usize], false)?;
+            .write_at(offset, &world.scratch[..stored as usize], false)?;
         world.charge_engine();
         Ok(())
     }

@@ -170,9 +170,18 @@ impl Cache {
 
     /// Writes back every dirty buffer of every object, then flushes every device (sync(2)).
     /// Returns the first error; every object's error is still latched for its own flushers.
+    ///
+    /// A first pass hands down the runs of all objects stored on one device together, in
+    /// that device's batches (what an io queue below can sort and merge); then each object
+    /// is fsynced, which writes what that pass skipped and flushes its device.
     pub fn sync(&self) -> Result<(), CacheError> {
-        let mut first_error = None;
-        for object in self.inner.objects() {
+        let objects = self.inner.objects();
+        let (_, mut first_error) = self.inner.writeback.write_objects_dirtied_by(
+            &objects,
+            u64::MAX,
+            WritebackCause::Flush,
+        );
+        for object in objects {
             if let Err(error) = self.inner.writeback.fsync_object(&object) {
                 first_error.get_or_insert(error);
             }

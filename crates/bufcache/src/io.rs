@@ -131,11 +131,27 @@ impl Io {
         }
     }
 
+    /// The objects grouped by the device they are stored on (groups in order of first
+    /// appearance, objects in order within each).
+    pub(crate) fn group_by_device<'a>(
+        &self,
+        objects: &'a [Arc<ObjectState>],
+    ) -> Vec<Vec<&'a ObjectState>> {
+        let mut groups: Vec<(usize, Vec<&ObjectState>)> = Vec::new();
+        for object in objects {
+            let key = device_key(object);
+            match groups.iter_mut().find(|(group_key, _)| *group_key == key) {
+                Some((_, group)) => group.push(object),
+                None => groups.push((key, vec![object])),
+            }
+        }
+        groups.into_iter().map(|(_, group)| group).collect()
+    }
+
     /// The write-back slots of `object`'s device, made at its first use.
     fn slots(&self, object: &ObjectState) -> Arc<DeviceSlots> {
-        let key = Arc::as_ptr(&object.device) as *const () as usize;
         let mut slots = self.slots.lock();
-        Arc::clone(slots.entry(key).or_insert_with(|| {
+        Arc::clone(slots.entry(device_key(object)).or_insert_with(|| {
             Arc::new(DeviceSlots::new(
                 &object.device.capabilities(),
                 self.writeback_inflight_max,
@@ -338,4 +354,10 @@ impl Io {
             .extents(device_offset, length)
             .map_err(|source| self.error(object, "extents", device_offset, length, source))
     }
+}
+
+/// What tells devices apart: the address of the object's device (objects opened on one
+/// `Arc<dyn Device>` share it).
+fn device_key(object: &ObjectState) -> usize {
+    Arc::as_ptr(&object.device) as *const () as usize
 }

@@ -281,24 +281,32 @@ impl Writeback {
         buffers: &[Arc<Buffer>],
         cause: WritebackCause,
     ) -> Result<u64, CacheError> {
-        self.write_runs(object, &[buffers], cause)
+        self.write_runs(&[(object, buffers)], cause)
             .pop()
             .expect("one outcome per run")
     }
 
-    /// Writes each run (as [`Self::write_held`] does one) and marks its blocks clean when its
-    /// write succeeded. Several runs go to the device as one batch, in flight together; one
-    /// goes as a plain write. One outcome per run, in order.
+    /// Writes each run (as [`Self::write_held`] does one) of its object and marks its blocks
+    /// clean when its write succeeded. Several runs — of one object, or of objects stored on
+    /// one device — go to the device as one batch, in flight together; one goes as a plain
+    /// write. One outcome per run, in order.
     fn write_runs(
         &self,
-        object: &ObjectState,
-        runs: &[&[Arc<Buffer>]],
+        runs: &[(&ObjectState, &[Arc<Buffer>])],
         cause: WritebackCause,
     ) -> Vec<Result<u64, CacheError>> {
+        let Some(&(device_object, _)) = runs.first() else {
+            return Vec::new();
+        };
+        strict_assert!(
+            runs.iter()
+                .all(|(object, _)| Arc::ptr_eq(&object.device, &device_object.device)),
+            "the runs of one batch are stored on one device"
+        );
         // SAFETY: the caller holds every buffer's lock (shared or exclusive).
         let slice_lists: Vec<Vec<IoSlice<'_>>> = runs
             .iter()
-            .map(|run| {
+            .map(|(_, run)| {
                 run.iter()
                     .map(|b| IoSlice::new(unsafe { b.device_bytes() }))
                     .collect()
@@ -307,7 +315,7 @@ impl Writeback {
         let writes: Vec<BatchWrite<'_>> = runs
             .iter()
             .zip(&slice_lists)
-            .map(|(run, slices)| BatchWrite {
+            .map(|((object, run), slices)| BatchWrite {
                 offset: object.map.map(run[0].key.block).device_offset,
                 buffers: slices,
             })
@@ -315,18 +323,20 @@ impl Writeback {
         // A deliberate bug, compiled only for `sim check`'s planted-defect test: the buffers
         // are marked clean before their write, so a failed write silently loses them.
         #[cfg(feature = "planted-defect")]
-        for run in runs {
+        for &(object, run) in runs {
             dirty::clear_all(
                 &self.dirty_bytes,
                 &object.dirty,
                 run.iter().map(|buffer| buffer.as_ref()),
             );
         }
-        let results = self.io.write_back(object, &writes);
+        let results = self.io.write_back(device_object, &writes);
         runs.iter()
             .zip(&writes)
             .zip(results)
-            .map(|((run, write), result)| self.finish_write(object, run, write, result, cause))
+            .map(|((&(object, run), write), result)| {
+                self.finish_write(object, run, write, result, cause)
+            })
             .collect()
     }
 
@@ -399,6 +409,25 @@ impl Writeback {
         mode: LockMode,
         cause: WritebackCause,
     ) -> Result<u64, CacheError> {
+        let mut batch = Batch::default();
+        let range = (start, end, dirtied_by_ns);
+        self.claim_range_into(object, range, mode, cause, &mut batch);
+        self.write_batch(&mut batch, cause);
+        batch.first_error.map_or(Ok(batch.written), Err)
+    }
+
+    /// The pass of [`Self::write_range_dirtied_by`] over `(start, end, dirtied_by_ns)`:
+    /// claims runs into `batch`, writing it whenever it is full. The batch may already hold
+    /// runs of other objects stored on the same device; what it holds at the end is left for
+    /// the caller to write.
+    fn claim_range_into<'a>(
+        &self,
+        object: &'a ObjectState,
+        (start, end, dirtied_by_ns): (u64, u64, u64),
+        mode: LockMode,
+        cause: WritebackCause,
+        batch: &mut Batch<'a>,
+    ) {
         let blocks: Vec<u64> = object
             .dirty
             .lock()
@@ -407,7 +436,6 @@ impl Writeback {
             .map(|(block, _)| block)
             .collect();
         let writes_max = self.batch_writes_max(object);
-        let mut batch = Batch::default();
         let mut next_unclaimed = 0u64;
         for block in blocks {
             if block < next_unclaimed {
@@ -418,7 +446,7 @@ impl Writeback {
             let first_try = if batching_wait { LockMode::Try } else { mode };
             let mut held = self.claim_run(object, block, first_try);
             if held.is_empty() && batching_wait {
-                self.write_batch(object, &mut batch, cause);
+                self.write_batch(batch, cause);
                 held = self.claim_run(object, block, LockMode::Wait);
             }
             if held.is_empty() {
@@ -435,13 +463,38 @@ impl Writeback {
                 continue;
             }
             next_unclaimed = block + held.len() as u64;
-            batch.add(held, u64::from(object.block_size_bytes));
-            if batch.runs.len() >= writes_max || batch.bytes >= WRITEBACK_BATCH_BYTES_MAX {
-                self.write_batch(object, &mut batch, cause);
+            batch.add(object, held);
+            if batch.is_full(writes_max) {
+                self.write_batch(batch, cause);
             }
         }
-        self.write_batch(object, &mut batch, cause);
-        batch.first_error.map_or(Ok(batch.written), Err)
+    }
+
+    /// One write-back pass (`LockMode::Try`) over the blocks of every object that became
+    /// dirty at or before `dirtied_by_ns`, with the runs of objects stored on one device
+    /// handed down together in that device's batches: below, they wait together, and an io
+    /// queue sorts and merges adjacent ones (as 4.4BSD's syncer filled the driver queue with
+    /// every delayed write at once). Errors are latched on their objects; returns the blocks
+    /// cleaned and the first error.
+    pub(crate) fn write_objects_dirtied_by(
+        &self,
+        objects: &[Arc<ObjectState>],
+        dirtied_by_ns: u64,
+        cause: WritebackCause,
+    ) -> (u64, Option<CacheError>) {
+        let mut written = 0;
+        let mut first_error = None;
+        for group in self.io.group_by_device(objects) {
+            let mut batch = Batch::default();
+            for object in group {
+                let range = (0, u64::MAX, dirtied_by_ns);
+                self.claim_range_into(object, range, LockMode::Try, cause, &mut batch);
+            }
+            self.write_batch(&mut batch, cause);
+            written += batch.written;
+            first_error = first_error.or(batch.first_error);
+        }
+        (written, first_error)
     }
 
     /// How many runs a pass writes in one batch: several only over a device that serves
@@ -452,13 +505,17 @@ impl Writeback {
     }
 
     /// Writes the batch's claimed runs, releases them and empties it, keeping its totals.
-    fn write_batch(&self, object: &ObjectState, batch: &mut Batch, cause: WritebackCause) {
+    fn write_batch(&self, batch: &mut Batch<'_>, cause: WritebackCause) {
         if batch.runs.is_empty() {
             return;
         }
-        let runs: Vec<&[Arc<Buffer>]> = batch.runs.iter().map(Vec::as_slice).collect();
-        let results = self.write_runs(object, &runs, cause);
-        for (run, result) in batch.runs.iter().zip(results) {
+        let runs: Vec<(&ObjectState, &[Arc<Buffer>])> = batch
+            .runs
+            .iter()
+            .map(|(object, run)| (*object, run.as_slice()))
+            .collect();
+        let results = self.write_runs(&runs, cause);
+        for ((_, run), result) in batch.runs.iter().zip(results) {
             self.release_claimed(run);
             match result {
                 Ok(cleaned) => batch.written += cleaned,
@@ -587,43 +644,28 @@ impl Writeback {
     }
 
     /// One round of background write-back: write-behind ranges that never made a batch,
-    /// aged data, then data above the background threshold. Errors are latched on their
-    /// objects.
+    /// aged data, then data above the background threshold. The first two hand down the runs
+    /// of all objects stored on one device together, in that device's batches. Errors are
+    /// latched on their objects.
     pub(crate) fn writeback_tick(&self, objects: &[Arc<ObjectState>]) -> u64 {
         let now = self.clock.now_ns();
         let deadline = now.saturating_sub(self.dirty_age_max.as_nanos() as u64);
         let mut written = 0u64;
-        for object in objects {
-            for (start, end) in object.take_write_behind() {
-                written += self
-                    .write_range(
-                        object,
-                        start,
-                        end,
-                        LockMode::Try,
-                        WritebackCause::WriteBehind,
-                    )
-                    .unwrap_or(0);
-            }
-            let aged: Vec<u64> = object
-                .dirty
-                .lock()
-                .range(..)
-                .filter(|&(_, since)| since <= deadline)
-                .map(|(block, _)| block)
-                .collect();
-            let mut next_unwritten = 0;
-            for block in aged {
-                if block < next_unwritten {
-                    continue;
+        for group in self.io.group_by_device(objects) {
+            let mut batch = Batch::default();
+            for object in group {
+                for (start, end) in object.take_write_behind() {
+                    let range = (start, end, u64::MAX);
+                    let cause = WritebackCause::WriteBehind;
+                    self.claim_range_into(object, range, LockMode::Try, cause, &mut batch);
                 }
-                let cleaned = self
-                    .write_cluster_from(object, block, LockMode::Try, WritebackCause::Age)
-                    .unwrap_or(0);
-                written += cleaned;
-                next_unwritten = block + cleaned.max(1);
             }
+            self.write_batch(&mut batch, WritebackCause::WriteBehind);
+            written += batch.written;
         }
+        written += self
+            .write_objects_dirtied_by(objects, deadline, WritebackCause::Age)
+            .0;
         let (background, _) = self.dirty_thresholds();
         while self.dirty_bytes.load(Ordering::Acquire) > background {
             match self.clean_one_cluster(objects, WritebackCause::Threshold) {
@@ -659,19 +701,25 @@ impl Writeback {
     }
 }
 
-/// Runs claimed by one write-back pass and not yet written, and what the pass has done.
+/// Runs claimed by one write-back pass and not yet written (each with its object; all
+/// stored on one device), and what the pass has done.
 #[derive(Default)]
-struct Batch {
-    runs: Vec<Vec<Arc<Buffer>>>,
+struct Batch<'a> {
+    runs: Vec<(&'a ObjectState, Vec<Arc<Buffer>>)>,
     bytes: u64,
     written: u64,
     first_error: Option<CacheError>,
 }
 
-impl Batch {
-    fn add(&mut self, run: Vec<Arc<Buffer>>, block_bytes: u64) {
-        self.bytes += run.len() as u64 * block_bytes;
-        self.runs.push(run);
+impl<'a> Batch<'a> {
+    fn add(&mut self, object: &'a ObjectState, run: Vec<Arc<Buffer>>) {
+        self.bytes += run.len() as u64 * u64::from(object.block_size_bytes);
+        self.runs.push((object, run));
+    }
+
+    /// True when `writes_max` runs or `WRITEBACK_BATCH_BYTES_MAX` are claimed.
+    fn is_full(&self, writes_max: usize) -> bool {
+        self.runs.len() >= writes_max || self.bytes >= WRITEBACK_BATCH_BYTES_MAX
     }
 }
 
