@@ -164,16 +164,15 @@ impl Writeback {
         if held.is_empty() {
             return Ok(0);
         }
-        let result = self.write_held(object, &held, cause);
-        self.release_claimed(&held);
-        result
+        self.write_held(object, held.buffers(), cause)
     }
 
     /// Claims for write-back the run of consecutive dirty blocks starting at `first` (one
     /// cluster at most, contiguous on the device): each is pinned, locked shared and marked
     /// in write-back. The run ends at the first block that is not dirty, not cached or (in
-    /// `Try` mode) held; empty when `first` is one of those.
-    fn claim_run(&self, object: &ObjectState, first: u64, mode: LockMode) -> Vec<Arc<Buffer>> {
+    /// `Try` mode) held; empty when `first` is one of those. The claim ends when the returned
+    /// run is dropped.
+    fn claim_run(&self, object: &ObjectState, first: u64, mode: LockMode) -> ClaimedRun<'_> {
         let limit = object.write_run_blocks_max(first);
         let candidates: Vec<u64> = {
             let dirty = object.dirty.lock();
@@ -185,11 +184,14 @@ impl Writeback {
                 .map(|(_, block)| block)
                 .collect()
         };
+        let mut held = ClaimedRun {
+            writeback: self,
+            buffers: Vec::with_capacity(candidates.len()),
+        };
         let Some(&last) = candidates.last() else {
-            return Vec::new();
+            return held;
         };
         let mut cached = self.table.lookup_run(object.id, first, last + 1, None);
-        let mut held: Vec<Arc<Buffer>> = Vec::with_capacity(candidates.len());
         for block in candidates {
             let Some(buffer) = cached.take(block) else {
                 break;
@@ -198,12 +200,13 @@ impl Writeback {
                 self.table.unpin(&buffer);
                 break;
             }
-            held.push(buffer);
+            held.buffers.push(buffer);
         }
         held
     }
 
-    /// Ends the claim [`Self::claim_run`] took, whether or not the write succeeded.
+    /// Ends the claim [`Self::claim_run`] took, whether or not the write succeeded (only
+    /// [`ClaimedRun`]'s drop calls it).
     fn release_claimed(&self, held: &[Arc<Buffer>]) {
         let mut waited = false;
         for buffer in held {
@@ -421,7 +424,7 @@ impl Writeback {
     /// runs of other objects stored on the same device; what it holds at the end is left for
     /// the caller to write.
     fn claim_range_into<'a>(
-        &self,
+        &'a self,
         object: &'a ObjectState,
         (start, end, dirtied_by_ns): (u64, u64, u64),
         mode: LockMode,
@@ -512,11 +515,12 @@ impl Writeback {
         let runs: Vec<(&ObjectState, &[Arc<Buffer>])> = batch
             .runs
             .iter()
-            .map(|(object, run)| (*object, run.as_slice()))
+            .map(|(object, run)| (*object, run.buffers()))
             .collect();
         let results = self.write_runs(&runs, cause);
-        for ((_, run), result) in batch.runs.iter().zip(results) {
-            self.release_claimed(run);
+        // Dropping the runs ends their claims.
+        for ((_, run), result) in batch.runs.drain(..).zip(results) {
+            drop(run);
             match result {
                 Ok(cleaned) => batch.written += cleaned,
                 Err(error) => {
@@ -524,7 +528,6 @@ impl Writeback {
                 }
             }
         }
-        batch.runs.clear();
         batch.bytes = 0;
     }
 
@@ -703,16 +706,55 @@ impl Writeback {
 
 /// Runs claimed by one write-back pass and not yet written (each with its object; all
 /// stored on one device), and what the pass has done.
-#[derive(Default)]
 struct Batch<'a> {
-    runs: Vec<(&'a ObjectState, Vec<Arc<Buffer>>)>,
+    runs: Vec<(&'a ObjectState, ClaimedRun<'a>)>,
     bytes: u64,
     written: u64,
     first_error: Option<CacheError>,
 }
 
+impl Default for Batch<'_> {
+    fn default() -> Self {
+        Batch {
+            runs: Vec::new(),
+            bytes: 0,
+            written: 0,
+            first_error: None,
+        }
+    }
+}
+
+/// A run claimed for write-back ([`Writeback::claim_run`]): every buffer pinned, locked
+/// shared and marked `WRITEBACK`, consecutive blocks contiguous on the device. Dropping it
+/// ends the claim — after its write, whether or not that succeeded, or on an early return or
+/// a panic — so no claim is ever left behind and no caller unlocks a buffer by hand.
+struct ClaimedRun<'w> {
+    writeback: &'w Writeback,
+    buffers: Vec<Arc<Buffer>>,
+}
+
+impl ClaimedRun<'_> {
+    fn buffers(&self) -> &[Arc<Buffer>] {
+        &self.buffers
+    }
+
+    fn len(&self) -> usize {
+        self.buffers.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.buffers.is_empty()
+    }
+}
+
+impl Drop for ClaimedRun<'_> {
+    fn drop(&mut self) {
+        self.writeback.release_claimed(&self.buffers);
+    }
+}
+
 impl<'a> Batch<'a> {
-    fn add(&mut self, object: &'a ObjectState, run: Vec<Arc<Buffer>>) {
+    fn add(&mut self, object: &'a ObjectState, run: ClaimedRun<'a>) {
         self.bytes += run.len() as u64 * u64::from(object.block_size_bytes);
         self.runs.push((object, run));
     }
