@@ -706,22 +706,12 @@ impl Writeback {
 
 /// Runs claimed by one write-back pass and not yet written (each with its object; all
 /// stored on one device), and what the pass has done.
+#[derive(Default)]
 struct Batch<'a> {
     runs: Vec<(&'a ObjectState, ClaimedRun<'a>)>,
     bytes: u64,
     written: u64,
     first_error: Option<CacheError>,
-}
-
-impl Default for Batch<'_> {
-    fn default() -> Self {
-        Batch {
-            runs: Vec::new(),
-            bytes: 0,
-            written: 0,
-            first_error: None,
-        }
-    }
 }
 
 /// A run claimed for write-back ([`Writeback::claim_run`]): every buffer pinned, locked
