@@ -110,6 +110,7 @@ fn engine_module_imports_form_a_dag() {
         "handle",
         "bsd",
         "dirty",
+        "io",
     ] {
         assert!(
             graph.contains_key(layer),
@@ -128,6 +129,8 @@ fn engine_module_imports_form_a_dag() {
         ("object", &["cache", "table", "writeback", "handle"][..]),
         ("writeback", &["cache", "handle", "bsd"][..]),
         ("cache", &["handle", "bsd"][..]),
+        // The io path knows devices and objects, never the cache's state or its callers.
+        ("io", &["cache", "handle", "bsd", "writeback", "table", "buffer", "dirty"][..]),
     ] {
         for target in forbidden {
             assert!(
