@@ -248,3 +248,66 @@ fn locked_store_asks_nothing_about_chunks_never_stored() {
         "a stored chunk: GET to merge, PUT, GET to read, DELETE to zero"
     );
 }
+
+// Goal: a write-back batch reaches the store as PUTs in flight together, not one round trip
+// after another, and each write of the batch keeps its own outcome. Method: 64 KiB chunks
+// through a proxy that holds every request 50 ms and counts requests in flight; one batch of
+// 16 whole-chunk writes on separate chunks plus one write past the end; at least 8 PUTs must
+// have been in flight at once, the bad write alone must fail, and every other chunk must read
+// back.
+#[test]
+fn a_write_batch_keeps_its_puts_in_flight_together_and_each_write_its_outcome() {
+    if !have_moto("a_write_batch_keeps_its_puts_in_flight_together_and_each_write_its_outcome") {
+        return;
+    }
+    let moto = Moto::start();
+    moto.create_bucket("batch");
+    let proxy = support::DelayProxy::start(moto.port, std::time::Duration::from_millis(50));
+    let store = open(&proxy.endpoint(), "batch", "&create-size=4M&chunk-size=64k").unwrap();
+    let device = S3Device::new(store);
+    let chunks: Vec<(u64, Vec<u8>)> = (0..16u64)
+        .map(|index| (index * 3 * (64 << 10), random(64 << 10, 100 + index)))
+        .collect();
+    let slices: Vec<[std::io::IoSlice<'_>; 1]> = chunks
+        .iter()
+        .map(|(_, data)| [std::io::IoSlice::new(data)])
+        .collect();
+    let past_end = [std::io::IoSlice::new(&chunks[0].1)];
+    let mut writes: Vec<bufcache::BatchWrite<'_>> = chunks
+        .iter()
+        .zip(&slices)
+        .map(|((offset, _), buffers)| bufcache::BatchWrite {
+            offset: *offset,
+            buffers,
+        })
+        .collect();
+    writes.insert(
+        5,
+        bufcache::BatchWrite {
+            offset: 4 << 20,
+            buffers: &past_end,
+        },
+    );
+    proxy.reset_peak();
+    let results = device.write_batch_at(&writes);
+    assert_eq!(results.len(), writes.len(), "one outcome per write");
+    for (index, result) in results.iter().enumerate() {
+        assert_eq!(
+            result.is_err(),
+            index == 5,
+            "write {index} of the batch: {result:?}"
+        );
+    }
+    assert!(
+        proxy.peak() >= 8,
+        "the batch's PUTs went {} at a time",
+        proxy.peak()
+    );
+    for (offset, data) in &chunks {
+        let mut back = vec![0u8; data.len()];
+        device
+            .read_vectored_at(&mut [std::io::IoSliceMut::new(&mut back)], *offset)
+            .unwrap();
+        assert!(back == *data, "chunk at {offset} did not read back");
+    }
+}

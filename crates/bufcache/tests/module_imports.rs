@@ -130,7 +130,18 @@ fn engine_module_imports_form_a_dag() {
         ("writeback", &["cache", "handle", "bsd"][..]),
         ("cache", &["handle", "bsd"][..]),
         // The io path knows devices and objects, never the cache's state or its callers.
-        ("io", &["cache", "handle", "bsd", "writeback", "table", "buffer", "dirty"][..]),
+        (
+            "io",
+            &[
+                "cache",
+                "handle",
+                "bsd",
+                "writeback",
+                "table",
+                "buffer",
+                "dirty",
+            ][..],
+        ),
     ] {
         for target in forbidden {
             assert!(

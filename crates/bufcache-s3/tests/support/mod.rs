@@ -201,3 +201,90 @@ fn pump(mut from: TcpStream, mut to: TcpStream) {
         let _ = to.shutdown(Shutdown::Write);
     });
 }
+
+/// A TCP proxy on a free loopback port in front of `target_port` that holds each HTTP
+/// request's first bytes `delay` before passing them on (a remote store's round trip) and
+/// counts the requests in flight: a connection has one from its request's first byte until
+/// its answer's first byte (the S3 client does not pipeline, so a connection carries one
+/// request at a time).
+pub struct DelayProxy {
+    pub port: u16,
+    inflight: Arc<std::sync::atomic::AtomicUsize>,
+    peak: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl DelayProxy {
+    pub fn start(target_port: u16, delay: Duration) -> DelayProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let inflight: Arc<std::sync::atomic::AtomicUsize> = Arc::default();
+        let peak: Arc<std::sync::atomic::AtomicUsize> = Arc::default();
+        let (thread_inflight, thread_peak) = (inflight.clone(), peak.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { continue };
+                let Ok(server) = TcpStream::connect(("127.0.0.1", target_port)) else {
+                    continue;
+                };
+                let active = Arc::new(AtomicBool::new(false));
+                let counts = (thread_inflight.clone(), thread_peak.clone());
+                let (requests, answers) =
+                    (client.try_clone().unwrap(), server.try_clone().unwrap());
+                let request_active = active.clone();
+                let request_counts = counts.clone();
+                std::thread::spawn(move || {
+                    relay(requests, server, |_| {
+                        if !request_active.swap(true, Ordering::SeqCst) {
+                            let now = request_counts.0.fetch_add(1, Ordering::SeqCst) + 1;
+                            request_counts.1.fetch_max(now, Ordering::SeqCst);
+                            std::thread::sleep(delay);
+                        }
+                    })
+                });
+                std::thread::spawn(move || {
+                    relay(answers, client, |_| {
+                        if active.swap(false, Ordering::SeqCst) {
+                            counts.0.fetch_sub(1, Ordering::SeqCst);
+                        }
+                    })
+                });
+            }
+        });
+        DelayProxy {
+            port,
+            inflight,
+            peak,
+        }
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The most requests in flight at once since the last reset.
+    pub fn peak(&self) -> usize {
+        self.peak.load(Ordering::SeqCst)
+    }
+
+    pub fn reset_peak(&self) {
+        self.peak
+            .store(self.inflight.load(Ordering::SeqCst), Ordering::SeqCst);
+    }
+}
+
+/// Copies `from` to `to`, calling `before` with each piece before it goes on.
+fn relay(mut from: TcpStream, mut to: TcpStream, mut before: impl FnMut(&[u8])) {
+    let mut buffer = vec![0u8; 64 << 10];
+    loop {
+        match from.read(&mut buffer) {
+            Ok(0) | Err(_) => break,
+            Ok(count) => {
+                before(&buffer[..count]);
+                if to.write_all(&buffer[..count]).is_err() {
+                    break;
+                }
+            }
+        }
+    }
+    let _ = to.shutdown(Shutdown::Write);
+}
