@@ -73,7 +73,15 @@ impl Meters {
                 })
             })
             .collect();
-        let mut document = json!({ "cache": cache_json(&stats), "exports": exports });
+        let mut document = json!({
+            "cache": cache_json(&stats),
+            "exports": exports,
+            "log": {
+                "lines_dropped": crate::log::lines_dropped_total(),
+                "events_suppressed": crate::log::events_suppressed_total(),
+                "lines_queued": crate::log::lines_queued(),
+            },
+        });
         if let Some(whatif) = &self.whatif {
             document["whatif"] = whatif.json();
         }
@@ -85,6 +93,26 @@ impl Meters {
         let stats = self.cache.stats();
         let mut text = String::new();
         cache_prometheus(&mut text, &stats);
+        counter(
+            &mut text,
+            "bufcache_log_lines_dropped_total",
+            "",
+            crate::log::lines_dropped_total(),
+            "Log lines dropped: the log queue was full or standard error failed (closed pipe, full disk).",
+        );
+        counter(
+            &mut text,
+            "bufcache_log_events_suppressed_total",
+            "",
+            crate::log::events_suppressed_total(),
+            "Repeated warnings and errors held back by the rate limit.",
+        );
+        gauge(
+            &mut text,
+            "bufcache_log_lines_queued",
+            crate::log::lines_queued() as u64,
+            "Log lines waiting to be written to standard error.",
+        );
         if let Some(whatif) = &self.whatif {
             whatif.prometheus(&mut text);
         }
