@@ -43,24 +43,27 @@ impl TlsArgs {
         if self.tls != TlsMode::Require {
             return None;
         }
-        let uri = if let Some(rest) = plain.strip_prefix("nbd+unix://") {
-            format!("nbds+unix://{rest}")
+        let (scheme, rest) = if let Some(rest) = plain.strip_prefix("nbd+unix://") {
+            ("nbds+unix://", rest)
         } else {
-            format!("nbds://{}", plain.strip_prefix("nbd://")?)
+            ("nbds://", plain.strip_prefix("nbd://")?)
         };
+        let mut user = String::new();
         let mut parameters = Vec::new();
         if let Some(psk) = &self.tls_psk {
             parameters.push(format!("tls-psk-file={}", psk.display()));
+            // libnbd takes the PSK identity from the URI's user part.
             let identity = std::fs::read_to_string(psk).ok().and_then(|text| {
                 text.lines()
                     .find_map(|line| line.split_once(':').map(|(name, _)| name.to_string()))
             });
             if let Some(identity) = identity {
-                parameters.push(format!("tls-username={identity}"));
+                user = format!("{identity}@");
             }
         } else if let Some(directory) = &self.tls_certificates {
             parameters.push(format!("tls-certificates={}", directory.display()));
         }
+        let uri = format!("{scheme}{user}{rest}");
         let separator = if uri.contains('?') { '&' } else { '?' };
         Some(if parameters.is_empty() {
             uri
