@@ -12,6 +12,7 @@ mod observe;
 mod plot;
 mod prefault;
 mod replay;
+mod request_meters;
 mod rescue;
 mod serve;
 mod sim;

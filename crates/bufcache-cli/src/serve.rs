@@ -29,6 +29,7 @@ use crate::limit_args::LimitArgs;
 use crate::log::say;
 use crate::metrics::{self, ExportMeters, Meters};
 use crate::prefault::{self, PrefaultWhen};
+use crate::request_meters::{MeteredExport, RequestMeters};
 use crate::rescue::{self, RescueAction};
 use crate::tls_args::TlsArgs;
 
@@ -504,8 +505,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             .engine
             .queue_device(Arc::clone(&counting) as Arc<dyn Device>, cache.config())?;
         counters.push(Arc::clone(&counting));
+        let requests = Arc::new(RequestMeters::default());
         meters.push(ExportMeters {
             name: name.clone(),
+            requests: Arc::clone(&requests),
             device: counting,
             queue,
             upstream,
@@ -535,10 +538,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             });
         }
         objects.push((name.clone(), object.reopen()));
-        let export = crate::observe::wrap(
-            &observers,
-            exports.len(),
-            Arc::new(CacheExport::new(object)),
+        let export = MeteredExport::wrap(
+            crate::observe::wrap(
+                &observers,
+                exports.len(),
+                Arc::new(CacheExport::new(object)),
+            ),
+            requests,
         );
         exports.push((name, export));
     }
