@@ -34,7 +34,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
@@ -129,7 +129,13 @@ pub fn default_path(export: &str, identity: &str) -> PathBuf {
 /// target are nobody else's.
 pub fn write(path: &Path, backends: &[Backend], records: &[Record]) -> anyhow::Result<()> {
     let temporary = temporary_path(path);
-    let mut file = File::create(&temporary)
+    // Only the owner may read it: it holds clients' data.
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&temporary)
         .with_context(|| format!("creating rescue file {}", temporary.display()))?;
     let mut bytes = Vec::new();
     bytes.extend_from_slice(MAGIC);
@@ -414,6 +420,9 @@ mod tests {
             },
         ];
         write(&path, &backends(), &records).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o077, 0, "a rescue file others can read: {mode:o}");
         let contents = read(&path).unwrap();
         assert_eq!(contents.records, records);
         assert_eq!(contents.backends, Some(backends()));

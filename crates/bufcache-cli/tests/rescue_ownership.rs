@@ -247,3 +247,46 @@ fn a_second_server_on_an_image_in_use_refuses_to_start_naming_the_first() {
     );
     first.stop_clean();
 }
+
+/// A loop device over a file, detached when dropped.
+struct LoopDevice(String);
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").args(["-d", &self.0]).status();
+    }
+}
+
+#[test]
+fn a_second_server_on_a_block_device_in_use_refuses_to_start_naming_the_first() {
+    // Block devices are opened O_EXCL as qemu does (the kernel refuses a second exclusive
+    // opener, and a mounted device); the refusal names the first server's pid. Needs root and
+    // a free loop device; skipped otherwise.
+    let _timer =
+        Timer::new("a_second_server_on_a_block_device_in_use_refuses_to_start_naming_the_first");
+    let dir = temp_dir();
+    let image = dir.path().join("loop.img");
+    write_file(&image, &vec![0u8; 8 << 20]);
+    let attached = Command::new("losetup")
+        .args(["-f", "--show"])
+        .arg(&image)
+        .output();
+    let device = match attached {
+        Ok(output) if output.status.success() => {
+            String::from_utf8_lossy(&output.stdout).trim().to_string()
+        }
+        _ => {
+            eprintln!("SKIP: cannot attach a loop device (needs root and losetup)");
+            return;
+        }
+    };
+    let _device = LoopDevice(device.clone());
+    let mut first = Server::start(dir.path(), "first", &["--backend", &device]);
+    let refusal = refused_start(dir.path(), &["--backend", &device]);
+    assert!(
+        refusal.contains("block device is busy")
+            && refusal.contains(&format!("pid {}", first.pid())),
+        "{refusal}"
+    );
+    first.stop_clean();
+}

@@ -185,3 +185,135 @@ fn a_double_sigterm_on_an_idle_server_exits_0_without_a_false_alarm() {
         );
     }
 }
+
+/// GET /metrics from the address the server printed in `log`.
+fn scrape(log: &str) -> String {
+    use std::io::{Read, Write};
+    let address = log
+        .split("metrics on http://")
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_else(|| panic!("no metrics address in the log:\n{log}"));
+    let mut stream = std::net::TcpStream::connect(address).unwrap();
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).unwrap();
+    text
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("no {name}:\n{text}"))
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn with_stderr_a_full_disk_lines_are_dropped_and_counted_and_silent_clients_cost_no_listener() {
+    // stderr on /dev/full fails every write with ENOSPC, as a log file on a full disk does.
+    // Silent clients time out in the handshake, each logging a warning (the report: the
+    // listener disappeared after one). Clients must be served after them, the dropped lines
+    // counted on /metrics, and SIGTERM must exit 0 within a second.
+    let _timer = Timer::new(
+        "with_stderr_a_full_disk_lines_are_dropped_and_counted_and_silent_clients_cost_no_listener",
+    );
+    let dir = temp_dir();
+    let socket = dir.path().join("srv.sock");
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    // The metrics address is printed only on stderr, so the port is chosen here.
+    let port = free_tcp_port();
+    let mut command = Command::new(bufcache_bin());
+    command
+        .args([
+            "-v",
+            "serve",
+            "--backend",
+            "disk.img",
+            "--create-size",
+            "16M",
+        ])
+        .args(["--handshake-timeout", "0.2"])
+        .args(["--metrics", &format!("127.0.0.1:{port}")])
+        .arg("--listen")
+        .arg(format!("unix:{}", socket.display()))
+        .current_dir(dir.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(full);
+    let mut server = ChildGuard::spawn(&mut command, "bufcache serve");
+    wait_until("bufcache serve to listen", TIMEOUT, || {
+        assert!(server.running(), "bufcache serve exited early");
+        std::os::unix::net::UnixStream::connect(&socket).is_ok()
+    });
+    let log = format!("metrics on http://127.0.0.1:{port}/metrics");
+    let silent: Vec<_> = (0..5)
+        .map(|_| std::os::unix::net::UnixStream::connect(&socket).unwrap())
+        .collect();
+    wait_until("the silent clients to be timed out", TIMEOUT, || {
+        metric(&scrape(&log), "bufcache_log_lines_dropped_total") >= 5.0
+    });
+    drop(silent);
+    let uri = format!("nbd+unix:///?socket={}", socket.display());
+    let expected = serve_many_clients(&uri);
+    let text = scrape(&log);
+    assert!(
+        metric(&text, "bufcache_log_lines_dropped_total") >= 5.0,
+        "{text}"
+    );
+    sigterm_exits_0_quickly(&mut server);
+    let on_disk = std::fs::read(dir.path().join("disk.img")).unwrap();
+    assert_same_bytes(&expected, &on_disk[..expected.len()], "disk.img");
+}
+
+#[test]
+fn repeated_warnings_of_one_kind_are_rate_limited_and_counted() {
+    // Clients that send garbage each make the server warn "handshake failed". Thirty of them
+    // may put at most the rate limit's ten such lines in the log; the rest are counted.
+    let _timer = Timer::new("repeated_warnings_of_one_kind_are_rate_limited_and_counted");
+    let dir = temp_dir();
+    let port = free_tcp_port();
+    let mut server = Server::start(
+        dir.path(),
+        "srv",
+        &[
+            "--backend",
+            "memory:1M",
+            "--metrics",
+            &format!("127.0.0.1:{port}"),
+        ],
+    );
+    for _ in 0..30 {
+        use std::io::{Read, Write};
+        let mut stream = std::os::unix::net::UnixStream::connect(server.socket()).unwrap();
+        let mut greeting = [0u8; 18];
+        stream.read_exact(&mut greeting).unwrap();
+        // Client flags, then an option header with the wrong magic.
+        stream.write_all(&[0, 0, 0, 3]).unwrap();
+        stream.write_all(&[0xde; 16]).unwrap();
+        let mut rest = Vec::new();
+        let _ = stream.read_to_end(&mut rest);
+    }
+    let log_address = format!("metrics on http://127.0.0.1:{port}/metrics");
+    wait_until("thirty warnings to be logged or held back", TIMEOUT, || {
+        let logged = server.log_text().matches("handshake failed").count() as f64;
+        logged
+            + metric(
+                &scrape(&log_address),
+                "bufcache_log_events_suppressed_total",
+            )
+            >= 30.0
+    });
+    let log = server.log_text();
+    let logged = log.matches("handshake failed").count();
+    assert!(
+        (1..=10).contains(&logged),
+        "{logged} warnings of one kind logged:\n{log}"
+    );
+    server.stop_clean();
+}
