@@ -317,3 +317,83 @@ fn repeated_warnings_of_one_kind_are_rate_limited_and_counted() {
     );
     server.stop_clean();
 }
+
+#[test]
+fn with_stderr_a_closed_pipe_a_flush_after_an_upstream_restart_completes() {
+    // The report: with stderr's reader gone, after an upstream restart a FLUSH hung for good
+    // (the reconnect's warning panicked the thread that logged it). Here nbdkit is killed and
+    // restarted on the same socket while stderr is a closed pipe; the FLUSH after it must
+    // complete, and the upstream's file must hold the data.
+    let _timer =
+        Timer::new("with_stderr_a_closed_pipe_a_flush_after_an_upstream_restart_completes");
+    if !have_tools("closed_stderr_upstream_restart", &["nbdkit"]) {
+        return;
+    }
+    let dir = temp_dir();
+    let disk = dir.path().join("up.img");
+    write_file(&disk, &vec![0u8; 8 << 20]);
+    let upstream_socket = dir.path().join("up.sock");
+    let nbdkit = |socket: &Path| {
+        let _ = std::fs::remove_file(socket);
+        let mut command = Command::new(tool("nbdkit"));
+        command
+            .arg("-f")
+            .arg("-U")
+            .arg(socket)
+            .arg("file")
+            .arg(&disk)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let mut guard = ChildGuard::spawn(&mut command, "nbdkit");
+        wait_until("nbdkit to listen", TIMEOUT, || {
+            assert!(guard.running(), "nbdkit exited early");
+            std::os::unix::net::UnixStream::connect(socket).is_ok()
+        });
+        guard
+    };
+    let mut upstream = nbdkit(&upstream_socket);
+    let socket = dir.path().join("srv.sock");
+    let (read, write) = small_pipe();
+    let mut command = Command::new(bufcache_bin());
+    command
+        .args(["serve", "--backend"])
+        .arg(format!("nbd+unix:///?socket={}", upstream_socket.display()))
+        .args([
+            "--reconnect-delay-initial",
+            "0.05",
+            "--reconnect-delay-max",
+            "0.2",
+        ])
+        .arg("--listen")
+        .arg(format!("unix:{}", socket.display()))
+        .current_dir(dir.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(write));
+    let mut server = ChildGuard::spawn(&mut command, "bufcache serve");
+    wait_until("bufcache serve to listen", TIMEOUT, || {
+        assert!(server.running(), "bufcache serve exited early");
+        std::os::unix::net::UnixStream::connect(&socket).is_ok()
+    });
+    drop(read);
+    let client = NbdClient::connect(&format!("nbd+unix:///?socket={}", socket.display()))
+        .expect("connecting");
+    let data = random_bytes(1 << 20, 131);
+    client.write(0, &data).unwrap();
+    client.flush().unwrap();
+    let _ = upstream.signal_and_wait(SIGKILL, TIMEOUT);
+    client.write(2 << 20, &data).unwrap();
+    let _upstream = nbdkit(&upstream_socket);
+    // The first FLUSH after a reconnect may fail once (the lost connection's unflushed
+    // writes); a later one must succeed. Each must answer (a hang fails the test's timeout).
+    wait_until(
+        "a FLUSH to succeed after the upstream came back",
+        TIMEOUT,
+        || client.flush().is_ok(),
+    );
+    drop(client);
+    sigterm_exits_0_quickly(&mut server);
+    let on_disk = std::fs::read(&disk).unwrap();
+    assert_same_bytes(&data, &on_disk[..data.len()], "up.img");
+    assert_same_bytes(&data, &on_disk[2 << 20..(2 << 20) + data.len()], "up.img");
+}
