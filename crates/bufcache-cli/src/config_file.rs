@@ -16,7 +16,7 @@ use bufcache::{format_size, CacheConfig};
 use clap::{ArgAction, Command};
 
 /// Keys that are not flags to read from a file.
-const NOT_CONFIGURABLE: [&str; 4] = ["help", "config", "version", "run"];
+const NOT_CONFIGURABLE: [&str; 5] = ["help", "config", "version", "run", "fork"];
 
 /// Replaces `--config FILE` after the `serve` subcommand by the flags the file holds.
 pub fn expand(arguments: Vec<OsString>, command: &Command) -> anyhow::Result<Vec<OsString>> {

@@ -115,6 +115,9 @@ pub struct ServeArgs {
     /// --run command or (with --exit-with-parent) the parent exits.
     #[arg(short = 't', long)]
     persistent: bool,
+    /// qemu-nbd's --fork: refused with an explanation (the server stays in the foreground).
+    #[arg(long, hide = true)]
+    fork: bool,
     /// Size of a backing file to create when it does not exist (the default file: 1G).
     #[arg(long, value_name = "SIZE", value_parser = |text: &str| parse_size(text).map_err(|e| e.to_string()))]
     create_size: Option<u64>,
@@ -399,6 +402,14 @@ enum Event {
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    if args.fork {
+        return Err(crate::UsageError(
+            "--fork: bufcache serve always stays in the foreground; start it from a service \
+             manager (docs/operations.md) or with `&`, and use --pid-file to find it"
+                .into(),
+        )
+        .into());
+    }
     if !(0.0..=86_400.0).contains(&args.shutdown_timeout) {
         bail!(
             "--shutdown-timeout {} is invalid: must be from 0 to 86400 seconds",

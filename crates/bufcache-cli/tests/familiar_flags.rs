@@ -186,4 +186,14 @@ fn foreground_persistent_print_uri_and_version_are_accepted() {
         help.contains("--pidfile") && help.contains("--socket"),
         "{help}"
     );
+    assert!(help.contains("--shared"), "qemu-nbd's --shared: {help}");
+
+    // No misleading "did you mean": --exit-with-parent exists now, and qemu-nbd's --fork is
+    // refused with the reason rather than a suggestion of an unrelated flag.
+    let fork = run_timeout(serve(dir.path(), &["--fork"]), TIMEOUT);
+    let fork = String::from_utf8_lossy(&fork.stderr).into_owned();
+    assert!(
+        fork.contains("foreground") && !fork.contains("similar"),
+        "{fork}"
+    );
 }
