@@ -823,7 +823,40 @@ fn rescue_targets(
             lock,
         });
     }
+    warn_of_other_rescue_files(&targets);
     Ok(targets)
+}
+
+/// Says which rescue files in the working directory belong to other backends (a backend named
+/// another way, say a relative socket path, has another file): their data is not replayed
+/// here, and nobody should think it was.
+fn warn_of_other_rescue_files(targets: &[RescueTarget]) {
+    let Ok(entries) = std::fs::read_dir(".") else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("bufcache-") || !name.ends_with(".rescue") {
+            continue;
+        }
+        if targets.iter().any(|target| target.path == Path::new(&name)) {
+            continue;
+        }
+        let owners = match rescue::read(Path::new(&name)) {
+            Ok(contents) => contents
+                .backends
+                .unwrap_or_default()
+                .iter()
+                .map(|backend| format!("export {:?} on {}", backend.export, backend.identity))
+                .collect::<Vec<_>>()
+                .join(", "),
+            Err(error) => format!("unreadable: {error:#}"),
+        };
+        say!(
+            "rescue file {name} holds unwritten data of another backend ({owners}); it is not \
+             replayed here: start a server on that backend (spelled the same way) to replay it"
+        );
+    }
 }
 
 /// Saves every dirty block of every export to its rescue file and ends the process at once

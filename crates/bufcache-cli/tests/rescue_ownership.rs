@@ -178,8 +178,9 @@ fn two_servers_with_pending_rescues_neither_lose_nor_cross_replay_data() {
     );
     assert!(a_file.exists(), "a refused replay deleted the rescue file");
 
-    // The right backends, started in the other order.
-    for index in [1, 0] {
+    // The right backends, started in the other order. The first to start also says that the
+    // other's file is not its own and is left alone.
+    for (round, index) in [1, 0].into_iter().enumerate() {
         let mut server = Server::start(
             dir.path(),
             &format!("again-{}", names[index]),
@@ -187,6 +188,12 @@ fn two_servers_with_pending_rescues_neither_lose_nor_cross_replay_data() {
         );
         let log = server.log_text();
         assert!(log.contains("replayed rescue file"), "{log}");
+        if round == 0 {
+            assert!(
+                log.contains("is not replayed here") && log.contains(sockets[0].to_str().unwrap()),
+                "{log}"
+            );
+        }
         server.stop_clean();
     }
     assert!(
