@@ -16,7 +16,7 @@ use bufcache::{format_size, CacheConfig};
 use clap::{ArgAction, Command};
 
 /// Keys that are not flags to read from a file.
-const NOT_CONFIGURABLE: [&str; 3] = ["help", "config", "version"];
+const NOT_CONFIGURABLE: [&str; 5] = ["help", "config", "version", "run", "fork"];
 
 /// Replaces `--config FILE` after the `serve` subcommand by the flags the file holds.
 pub fn expand(arguments: Vec<OsString>, command: &Command) -> anyhow::Result<Vec<OsString>> {
@@ -217,6 +217,8 @@ fn default_value(name: &str) -> Option<String> {
         "deny" => "[\"192.168.66.0/24\"]".into(),
         "inflight-bytes-max" => size(config.memory_bytes_max),
         "port" => "10809".into(),
+        "bind" => "\"127.0.0.1\"".into(),
+        "rescue-file" => "\"/var/lib/bufcache/bufcache.rescue\"".into(),
         "unix" => "\"/run/bufcache/nbd.sock\"".into(),
         "export-name" => "\"\"".into(),
         "pid-file" => "\"/run/bufcache/bufcache.pid\"".into(),

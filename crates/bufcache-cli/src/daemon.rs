@@ -69,6 +69,37 @@ pub fn notify(state: &str) -> std::io::Result<()> {
 }
 
 static PID_FILE: Mutex<Option<PathBuf>> = Mutex::new(None);
+static PRIVATE_DIRECTORY: Mutex<Option<PathBuf>> = Mutex::new(None);
+
+/// A unix socket path in a new directory only this user can enter (for --run without a
+/// listener, as nbdkit does); [`cleanup`] removes both.
+pub fn private_socket_path() -> anyhow::Result<PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
+    let directory = std::env::temp_dir().join(format!("bufcache-{}", std::process::id()));
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&directory)
+        .with_context(|| format!("--run: cannot create {}", directory.display()))?;
+    if let Ok(mut slot) = PRIVATE_DIRECTORY.lock() {
+        *slot = Some(directory.clone());
+    }
+    Ok(directory.join("nbd.sock"))
+}
+
+/// Asks the kernel to send SIGTERM when the parent exits (--exit-with-parent), so shutdown
+/// writes everything back as on any SIGTERM. Fails if the parent is already gone.
+pub fn exit_with_parent() -> anyhow::Result<()> {
+    // SAFETY: getppid and prctl(PR_SET_PDEATHSIG) have no memory-safety preconditions.
+    let parent = unsafe { libc::getppid() };
+    if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("--exit-with-parent: prctl");
+    }
+    // The parent may have exited before the request: then no signal will come.
+    if unsafe { libc::getppid() } != parent {
+        bail!("--exit-with-parent: the parent process has already exited");
+    }
+    Ok(())
+}
 
 /// Writes this process's id to `path` (replacing it atomically); [`cleanup`] removes it.
 pub fn write_pid_file(path: &Path) -> anyhow::Result<()> {
@@ -89,6 +120,11 @@ pub fn cleanup() {
     if let Ok(mut slot) = PID_FILE.lock() {
         if let Some(path) = slot.take() {
             let _ = std::fs::remove_file(path);
+        }
+    }
+    if let Ok(mut slot) = PRIVATE_DIRECTORY.lock() {
+        if let Some(directory) = slot.take() {
+            let _ = std::fs::remove_dir_all(directory);
         }
     }
 }

@@ -22,8 +22,9 @@ pub const DEFAULT_HANDSHAKE_TIMEOUT_SECONDS: f64 = 10.0;
 #[derive(Args, Debug)]
 pub struct LimitArgs {
     /// Clients served at once (connections that finished the handshake); further clients are
-    /// closed at once. Connections still negotiating do not count here.
-    #[arg(long, value_name = "N", default_value_t = DEFAULT_CONNECTIONS_MAX,
+    /// closed at once. Connections still negotiating do not count here. (qemu-nbd's
+    /// -e/--shared N.)
+    #[arg(long, visible_alias = "shared", value_name = "N", default_value_t = DEFAULT_CONNECTIONS_MAX,
           value_parser = clap::value_parser!(u32).range(1..=65536))]
     connections_max: u32,
     /// Connections still in the handshake held at once. Over it, the oldest one still

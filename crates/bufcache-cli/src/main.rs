@@ -1,15 +1,18 @@
 //! The `bufcache` command: serve, dd, replay, sim, stat.
 
+mod backend_lock;
 mod config_file;
 mod daemon;
 mod dd;
 mod engine_args;
 mod limit_args;
+mod log;
 mod metrics;
 mod observe;
 mod plot;
 mod prefault;
 mod replay;
+mod request_meters;
 mod rescue;
 mod serve;
 mod sim;
@@ -22,7 +25,7 @@ use clap::{CommandFactory, Parser, Subcommand};
 
 /// A buffer cache with I/O clustering: an NBD server, a dd, and a simulator.
 #[derive(Parser)]
-#[command(name = "bufcache", version, about, long_about = None)]
+#[command(name = "bufcache", version, propagate_version = true, about, long_about = None)]
 pub(crate) struct Cli {
     /// More log output (-v info, -vv debug, -vvv trace); RUST_LOG overrides.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
@@ -56,7 +59,7 @@ fn main() {
         Ok(arguments) => arguments,
         Err(error) => {
             report_error(&error);
-            std::process::exit(2);
+            log::exit(2);
         }
     };
     let cli = Cli::parse_from(arguments);
@@ -92,8 +95,9 @@ fn main() {
                 || cause.is::<UsageError>()
                 || cause.is::<bufcache_s3::OpenError>()
         });
-        std::process::exit(if bad_input { 2 } else { 1 });
+        log::exit(if bad_input { 2 } else { 1 });
     }
+    log::flush(log::EXIT_FLUSH_WAIT);
 }
 
 /// An error in what the user gave (a file's content, a flag's value) rather than in the
@@ -125,11 +129,28 @@ fn print_quietly(text: &str) {
     }
 }
 
-/// Prints the error on standard error; a closed stderr must not turn an exit status into a
-/// panic.
+/// Prints the error on standard error through the log queue: a closed or full stderr must
+/// neither turn an exit status into a panic nor hold the exit up.
 fn report_error(error: &anyhow::Error) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "bufcache: {error:#}");
+    log::line(&error_text(error));
+}
+
+/// The error and its causes on one line, `outer: inner: ...`, leaving out a cause whose text
+/// the line already holds (an error that prints its source, like "cannot open X: Permission
+/// denied", would otherwise show the OS error twice).
+pub(crate) fn error_text(error: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in error.chain() {
+        let cause = cause.to_string();
+        if text.contains(&cause) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&cause);
+    }
+    text.replace('\n', " ")
 }
 
 /// A command line that cannot be honoured as given (exit status 2, like clap's own errors).
@@ -195,7 +216,7 @@ fn init_logging(verbose: u8) {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(colour)
-        .with_writer(std::io::stderr)
+        .with_writer(log::MakeEventWriter)
         .init();
 }
 

@@ -19,6 +19,8 @@ use bufcache::{
 };
 use serde_json::{json, Value};
 
+use crate::request_meters::{RequestMeters, COMMANDS, LATENCY_BUCKETS_SECONDS};
+
 /// The counters of one export's device stack.
 pub struct ExportMeters {
     /// Export name ("" for the default export).
@@ -29,6 +31,8 @@ pub struct ExportMeters {
     pub queue: Option<Arc<IoQueue<Arc<dyn Device>>>>,
     /// The upstream NBD connection, for an nbd:// backend.
     pub upstream: Option<Arc<bufcache_nbd::ReconnectingClient>>,
+    /// What clients asked of the export: connections and NBD commands.
+    pub requests: Arc<RequestMeters>,
 }
 
 /// Everything a scrape reports.
@@ -63,6 +67,7 @@ impl Meters {
                 });
                 json!({
                     "name": export.name,
+                    "nbd": requests_json(&export.requests),
                     "upstream": upstream,
                     "device": device_json(&device),
                     "io_queue": {
@@ -73,7 +78,15 @@ impl Meters {
                 })
             })
             .collect();
-        let mut document = json!({ "cache": cache_json(&stats), "exports": exports });
+        let mut document = json!({
+            "cache": cache_json(&stats),
+            "exports": exports,
+            "log": {
+                "lines_dropped": crate::log::lines_dropped_total(),
+                "events_suppressed": crate::log::events_suppressed_total(),
+                "lines_queued": crate::log::lines_queued(),
+            },
+        });
         if let Some(whatif) = &self.whatif {
             document["whatif"] = whatif.json();
         }
@@ -85,11 +98,32 @@ impl Meters {
         let stats = self.cache.stats();
         let mut text = String::new();
         cache_prometheus(&mut text, &stats);
+        counter(
+            &mut text,
+            "bufcache_log_lines_dropped_total",
+            "",
+            crate::log::lines_dropped_total(),
+            "Log lines dropped: the log queue was full or standard error failed (closed pipe, full disk).",
+        );
+        counter(
+            &mut text,
+            "bufcache_log_events_suppressed_total",
+            "",
+            crate::log::events_suppressed_total(),
+            "Repeated warnings and errors held back by the rate limit.",
+        );
+        gauge(
+            &mut text,
+            "bufcache_log_lines_queued",
+            crate::log::lines_queued() as u64,
+            "Log lines waiting to be written to standard error.",
+        );
         if let Some(whatif) = &self.whatif {
             whatif.prometheus(&mut text);
         }
         for export in &self.exports {
             let label = format!("export=\"{}\"", escape_label(&export.name));
+            requests_prometheus(&mut text, &label, &export.requests);
             let device = export.device.stats();
             direction_prometheus(&mut text, "read", &label, &device.reads);
             direction_prometheus(&mut text, "write", &label, &device.writes);
@@ -159,6 +193,108 @@ impl Meters {
             );
         }
         text
+    }
+}
+
+/// The `nbd` object of an export on `/stats`: connections, and per command the requests,
+/// bytes, errors, latency sum and the histogram's (non-cumulative) bucket counts.
+fn requests_json(meters: &RequestMeters) -> Value {
+    use std::sync::atomic::Ordering::Relaxed;
+    let commands: serde_json::Map<String, Value> = COMMANDS
+        .iter()
+        .zip(&meters.commands)
+        .map(|(name, meter)| {
+            let buckets: Vec<u64> = meter
+                .latency_buckets
+                .iter()
+                .map(|bucket| bucket.load(Relaxed))
+                .collect();
+            (
+                (*name).to_string(),
+                json!({
+                    "requests": meter.requests.load(Relaxed),
+                    "bytes": meter.bytes.load(Relaxed),
+                    "errors": meter.errors.load(Relaxed),
+                    "latency_seconds_sum": meter.latency_ns_sum.load(Relaxed) as f64 / 1e9,
+                    "latency_buckets": buckets,
+                }),
+            )
+        })
+        .collect();
+    json!({
+        "connections_open": meters.connections_open.load(Relaxed),
+        "connections_total": meters.connections_total.load(Relaxed),
+        "latency_bucket_limits_seconds": LATENCY_BUCKETS_SECONDS,
+        "commands": commands,
+    })
+}
+
+/// Connections and per-command counters and latency histograms of one export.
+fn requests_prometheus(text: &mut String, export_label: &str, meters: &RequestMeters) {
+    use std::sync::atomic::Ordering::Relaxed;
+    sample(
+        text,
+        "bufcache_nbd_connections_open",
+        export_label,
+        meters.connections_open.load(Relaxed) as f64,
+        "NBD connections in transmission now.",
+        "gauge",
+    );
+    counter(
+        text,
+        "bufcache_nbd_connections_total",
+        export_label,
+        meters.connections_total.load(Relaxed),
+        "NBD connections that entered transmission.",
+    );
+    for (name, meter) in COMMANDS.iter().zip(&meters.commands) {
+        let labels = format!("{export_label},command=\"{name}\"");
+        counter(
+            text,
+            "bufcache_nbd_requests_total",
+            &labels,
+            meter.requests.load(Relaxed),
+            "NBD requests by command, failed ones included.",
+        );
+        counter(
+            text,
+            "bufcache_nbd_request_bytes_total",
+            &labels,
+            meter.bytes.load(Relaxed),
+            "Bytes of the NBD requests that succeeded, by command (the range for trim, \
+             zeroing, cache and block status).",
+        );
+        counter(
+            text,
+            "bufcache_nbd_request_errors_total",
+            &labels,
+            meter.errors.load(Relaxed),
+            "NBD requests answered with an error, by command.",
+        );
+        let name = "bufcache_nbd_request_duration_seconds";
+        if !text.contains(&format!("# TYPE {name} ")) {
+            let _ = writeln!(
+                text,
+                "# HELP {name} Time from an NBD request's dispatch to its completion, by command.\n# TYPE {name} histogram"
+            );
+        }
+        let mut cumulative = 0;
+        for (index, bucket) in meter.latency_buckets.iter().enumerate() {
+            cumulative += bucket.load(Relaxed);
+            let limit = LATENCY_BUCKETS_SECONDS
+                .get(index)
+                .map_or_else(|| "+Inf".to_string(), |limit| limit.to_string());
+            let _ = writeln!(
+                text,
+                "{name}_bucket{{{labels},le=\"{limit}\"}} {cumulative}"
+            );
+        }
+        let _ = writeln!(
+            text,
+            "{name}_sum{{{labels}}} {}",
+            meter.latency_ns_sum.load(Relaxed) as f64 / 1e9
+        );
+        let _ = writeln!(text, "{name}_count{{{labels}}} {cumulative}");
     }
 }
 

@@ -53,8 +53,8 @@ impl Observers {
         let trace = match &args.trace {
             Some(path) => {
                 let recorder = TraceRecorder::create(path, args.trace_size_max)?;
-                eprintln!(
-                    "bufcache: recording requests in {} (at most {} bytes); replay with: \
+                crate::log::say!(
+                    "recording requests in {} (at most {} bytes); replay with: \
                      bufcache replay {} --format csv --trace-options \"{}\" --cache-size SIZE",
                     path.display(),
                     args.trace_size_max,

@@ -8,7 +8,6 @@
 //! thread uses the time a new server waits for its first clients instead, and yields the CPU to
 //! requests when they come.
 
-use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -65,9 +64,8 @@ pub fn bytes_to_prefault(wanted: u64) -> u64 {
         return wanted;
     }
     let gib = |bytes: u64| bytes as f64 / f64::from(1u32 << 30);
-    let _ = writeln!(
-        std::io::stderr(),
-        "bufcache: prefaulting {:.1} GiB of the {:.1} GiB the cache could use: {:.1} GiB is \
+    crate::log::say!(
+        "prefaulting {:.1} GiB of the {:.1} GiB the cache could use: {:.1} GiB is \
          available (MemAvailable, or the memory cgroup's room); the rest is faulted in as data \
          arrives",
         gib(cap),
@@ -260,9 +258,8 @@ fn say_prefaulted(chunks: u64, started: Instant, how: &str) {
     let bytes = chunks * POOL_CHUNK_BYTES as u64;
     let seconds = started.elapsed().as_secs_f64();
     tracing::info!(bytes, seconds, how, "memory prefaulted");
-    let _ = writeln!(
-        std::io::stderr(),
-        "bufcache: prefaulted {} of buffer memory in {seconds:.2} s {how}",
+    crate::log::say!(
+        "prefaulted {} of buffer memory in {seconds:.2} s {how}",
         format_size(bytes)
     );
 }

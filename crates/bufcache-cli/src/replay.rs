@@ -238,7 +238,11 @@ struct Row {
 pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     let format = match args.format {
         Some(format) => format,
-        None => TraceFormat::guess(&args.trace).context("pass --format")?,
+        None => TraceFormat::guess(&args.trace).map_err(|error| match error {
+            // Unreadable is unreadable: --format would not help.
+            bufcache_trace::TraceError::Io { .. } => anyhow::Error::new(error),
+            other => anyhow::Error::new(other).context("pass --format"),
+        })?,
     };
     let options: TraceOptions = args.trace_options.parse().context("--trace-options")?;
     let parameters = args.parameters.parameters()?;

@@ -2,29 +2,53 @@
 //!
 //! `bufcache serve` owns acknowledged data until it is on the backend. When the shutdown
 //! timeout expires (or a second signal arrives) with data still dirty, that data is saved here
-//! instead of being dropped, and the next `bufcache serve` replays it to the backend (and
+//! instead of being dropped, and the next `bufcache serve` on the same backend replays it (and
 //! flushes) before accepting clients, or discards it when told `--rescue discard`.
+//!
+//! A rescue file belongs to the backends it was saved from. By default each export has its own
+//! file, named after its backend's identity and export name ([`default_path`]); a server holds
+//! an exclusive lock ([`RescueLock`]) on every rescue file it may write for as long as it runs,
+//! so a second server on the same backend refuses to start rather than share (or rename over)
+//! the first one's file. The header records each backend's identity, size and block size, and
+//! replay into any other backend is refused naming both.
 //!
 //! Format (all integers little-endian):
 //!
 //! ```text
-//! file    = magic record*
-//! magic   = "BUFCACHE-RESCUE1" (16 bytes)
+//! file    = magic header record*
+//! magic   = "BUFCACHE-RESCUE2" (16 bytes)
+//! header  = count:u32 backend*count crc:u32
+//! backend = name_len:u32 name:[u8; name_len] identity_len:u32 identity:[u8; identity_len]
+//!           size:u64 block_size:u32
 //! record  = name_len:u32 name:[u8; name_len] offset:u64 data_len:u32 data:[u8; data_len] crc:u32
 //! ```
 //!
-//! `name` is the export name (UTF-8, empty for the default export), `offset` the byte offset
-//! in the export, and `crc` the CRC-32 (IEEE) of every byte of the record before it. The file
+//! `name` is the export name (UTF-8, empty for the default export), `identity` names the
+//! backend (`file:/absolute/path`, an `nbd://` URI, an `s3://` URL), `offset` is the byte
+//! offset in the export, and each `crc` is the CRC-32 (IEEE) of every byte of the header or
+//! record before it. Files of the first format (`BUFCACHE-RESCUE1`, no header) are still read:
+//! they carry no identity, so they are replayed only when named with `--rescue-file`. The file
 //! is written beside its final path, fsynced, renamed into place and its directory fsynced, so
 //! a crash while writing it leaves the previous state, never a torn file.
 
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 
-const MAGIC: &[u8; 16] = b"BUFCACHE-RESCUE1";
+const MAGIC: &[u8; 16] = b"BUFCACHE-RESCUE2";
+const MAGIC_UNIDENTIFIED: &[u8; 16] = b"BUFCACHE-RESCUE1";
+/// Most backends one rescue file describes (a server's exports); a larger count in a header
+/// is damage, not a configuration.
+const BACKENDS_MAX: usize = 4096;
+/// Longest identity or export name kept in a header, in bytes.
+const NAME_BYTES_MAX: usize = 64 << 10;
+/// The rescue file every server used before files were derived from the backend: found at
+/// start it is refused until the operator says whose it is.
+pub const LEGACY_PATH: &str = "bufcache.rescue";
 
 /// One saved extent of dirty data.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,6 +56,26 @@ pub struct Record {
     pub export: String,
     pub offset: u64,
     pub data: Vec<u8>,
+}
+
+/// The backend an export's rescued data belongs to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Backend {
+    /// The export name (empty for the default export).
+    pub export: String,
+    /// What the backend is, independent of how it was spelled: `file:/absolute/path`, an NBD
+    /// URI, an S3 URL without credentials.
+    pub identity: String,
+    pub size_bytes: u64,
+    pub block_size_bytes: u32,
+}
+
+/// A rescue file's contents.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Contents {
+    /// The backends the data was saved from; None for a file of the first format.
+    pub backends: Option<Vec<Backend>>,
+    pub records: Vec<Record>,
 }
 
 /// What `--rescue` says to do with a rescue file found at start.
@@ -43,17 +87,70 @@ pub enum RescueAction {
     Discard,
 }
 
-/// Writes `records` to `path` durably (temporary file, fsync, rename, directory fsync).
-pub fn write(path: &Path, records: &[Record]) -> anyhow::Result<()> {
+/// The default rescue file of an export, in the working directory: `bufcache-NAME-HASH.rescue`
+/// where NAME is readable (the export name, or the backend's last path component) and HASH is a
+/// 64-bit FNV-1a hash of the export name and backend identity, so two backends never share one.
+pub fn default_path(export: &str, identity: &str) -> PathBuf {
+    let readable = if export.is_empty() {
+        identity
+            .trim_end_matches('/')
+            .rsplit(['/', ':'])
+            .next()
+            .unwrap_or_default()
+    } else {
+        export
+    };
+    let readable: String = readable
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "._-".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(40)
+        .collect();
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in export.bytes().chain([0]).chain(identity.bytes()) {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    let readable = if readable.is_empty() {
+        String::new()
+    } else {
+        format!("{readable}-")
+    };
+    PathBuf::from(format!("bufcache-{readable}{hash:016x}.rescue"))
+}
+
+/// Writes `records` of `backends` to `path` durably (temporary file, fsync, rename, directory
+/// fsync). The caller holds the path's [`RescueLock`], so the temporary file and the rename
+/// target are nobody else's.
+pub fn write(path: &Path, backends: &[Backend], records: &[Record]) -> anyhow::Result<()> {
     let temporary = temporary_path(path);
-    let mut file = File::create(&temporary)
+    // Only the owner may read it: it holds clients' data.
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&temporary)
         .with_context(|| format!("creating rescue file {}", temporary.display()))?;
     let mut bytes = Vec::new();
     bytes.extend_from_slice(MAGIC);
+    bytes.extend_from_slice(&(backends.len() as u32).to_le_bytes());
+    for backend in backends {
+        put_text(&mut bytes, &backend.export);
+        put_text(&mut bytes, &backend.identity);
+        bytes.extend_from_slice(&backend.size_bytes.to_le_bytes());
+        bytes.extend_from_slice(&backend.block_size_bytes.to_le_bytes());
+    }
+    let crc = crc32fast::hash(&bytes[MAGIC.len()..]);
+    bytes.extend_from_slice(&crc.to_le_bytes());
     for record in records {
         let start = bytes.len();
-        bytes.extend_from_slice(&(record.export.len() as u32).to_le_bytes());
-        bytes.extend_from_slice(record.export.as_bytes());
+        put_text(&mut bytes, &record.export);
         bytes.extend_from_slice(&record.offset.to_le_bytes());
         bytes.extend_from_slice(&(record.data.len() as u32).to_le_bytes());
         bytes.extend_from_slice(&record.data);
@@ -64,13 +161,23 @@ pub fn write(path: &Path, records: &[Record]) -> anyhow::Result<()> {
         .and_then(|()| file.sync_all())
         .with_context(|| format!("writing rescue file {}", temporary.display()))?;
     drop(file);
-    std::fs::rename(&temporary, path)
-        .with_context(|| format!("renaming the rescue file into {}", path.display()))?;
+    std::fs::rename(&temporary, path).with_context(|| {
+        format!(
+            "renaming rescue file {} to {}",
+            temporary.display(),
+            path.display()
+        )
+    })?;
     sync_directory(path)
 }
 
-/// Reads and checks every record of the rescue file at `path`.
-pub fn read(path: &Path) -> anyhow::Result<Vec<Record>> {
+fn put_text(bytes: &mut Vec<u8>, text: &str) {
+    bytes.extend_from_slice(&(text.len() as u32).to_le_bytes());
+    bytes.extend_from_slice(text.as_bytes());
+}
+
+/// Reads and checks the header and every record of the rescue file at `path`.
+pub fn read(path: &Path) -> anyhow::Result<Contents> {
     let mut bytes = Vec::new();
     File::open(path)
         .and_then(|mut file| file.read_to_end(&mut bytes))
@@ -78,30 +185,87 @@ pub fn read(path: &Path) -> anyhow::Result<Vec<Record>> {
     parse(&bytes).with_context(|| format!("rescue file {}", path.display()))
 }
 
-fn parse(bytes: &[u8]) -> anyhow::Result<Vec<Record>> {
-    if bytes.len() < MAGIC.len() || &bytes[..MAGIC.len()] != MAGIC {
-        bail!("not a bufcache rescue file (bad magic)");
+/// A cursor over a rescue file's bytes that refuses to read past the end.
+struct Reader<'a> {
+    bytes: &'a [u8],
+    position: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, length: usize, what: &str) -> anyhow::Result<&'a [u8]> {
+        let end = self
+            .position
+            .checked_add(length)
+            .filter(|end| *end <= self.bytes.len())
+            .with_context(|| format!("{what} is truncated"))?;
+        let field = &self.bytes[self.position..end];
+        self.position = end;
+        Ok(field)
     }
+
+    fn u32(&mut self, what: &str) -> anyhow::Result<u32> {
+        Ok(u32::from_le_bytes(self.take(4, what)?.try_into()?))
+    }
+
+    fn u64(&mut self, what: &str) -> anyhow::Result<u64> {
+        Ok(u64::from_le_bytes(self.take(8, what)?.try_into()?))
+    }
+
+    fn text(&mut self, what: &str) -> anyhow::Result<String> {
+        let length = self.u32(what)? as usize;
+        if length > NAME_BYTES_MAX {
+            bail!("{what}: a name of {length} bytes (damaged file)");
+        }
+        String::from_utf8(self.take(length, what)?.to_vec())
+            .with_context(|| format!("{what}: a name that is not UTF-8"))
+    }
+}
+
+fn parse(bytes: &[u8]) -> anyhow::Result<Contents> {
+    let magic = bytes.get(..MAGIC.len());
+    let identified = match magic {
+        Some(magic) if magic == MAGIC => true,
+        Some(magic) if magic == MAGIC_UNIDENTIFIED => false,
+        _ => bail!("not a bufcache rescue file (bad magic)"),
+    };
+    let mut reader = Reader {
+        bytes,
+        position: MAGIC.len(),
+    };
+    let backends = if identified {
+        let count = reader.u32("the header")? as usize;
+        if count > BACKENDS_MAX {
+            bail!("the header lists {count} backends (damaged file)");
+        }
+        let mut backends = Vec::with_capacity(count);
+        for _ in 0..count {
+            backends.push(Backend {
+                export: reader.text("the header")?,
+                identity: reader.text("the header")?,
+                size_bytes: reader.u64("the header")?,
+                block_size_bytes: reader.u32("the header")?,
+            });
+        }
+        let body_end = reader.position;
+        let crc = reader.u32("the header")?;
+        if crc32fast::hash(&bytes[MAGIC.len()..body_end]) != crc {
+            bail!("the header fails its checksum");
+        }
+        Some(backends)
+    } else {
+        None
+    };
     let mut records = Vec::new();
-    let mut position = MAGIC.len();
-    while position < bytes.len() {
-        let start = position;
-        let take = |position: &mut usize, length: usize| -> anyhow::Result<&[u8]> {
-            let end = position
-                .checked_add(length)
-                .filter(|end| *end <= bytes.len())
-                .with_context(|| format!("record at byte {start} is truncated"))?;
-            let field = &bytes[*position..end];
-            *position = end;
-            Ok(field)
-        };
-        let name_length = u32::from_le_bytes(take(&mut position, 4)?.try_into()?) as usize;
-        let name = take(&mut position, name_length)?.to_vec();
-        let offset = u64::from_le_bytes(take(&mut position, 8)?.try_into()?);
-        let data_length = u32::from_le_bytes(take(&mut position, 4)?.try_into()?) as usize;
-        let data = take(&mut position, data_length)?.to_vec();
-        let body_end = position;
-        let crc = u32::from_le_bytes(take(&mut position, 4)?.try_into()?);
+    while reader.position < bytes.len() {
+        let start = reader.position;
+        let what = format!("record at byte {start}");
+        let name_length = reader.u32(&what)? as usize;
+        let name = reader.take(name_length, &what)?.to_vec();
+        let offset = reader.u64(&what)?;
+        let data_length = reader.u32(&what)? as usize;
+        let data = reader.take(data_length, &what)?.to_vec();
+        let body_end = reader.position;
+        let crc = reader.u32(&what)?;
         if crc32fast::hash(&bytes[start..body_end]) != crc {
             bail!("record at byte {start} fails its checksum");
         }
@@ -113,7 +277,7 @@ fn parse(bytes: &[u8]) -> anyhow::Result<Vec<Record>> {
             data,
         });
     }
-    Ok(records)
+    Ok(Contents { backends, records })
 }
 
 /// Deletes the rescue file and makes the deletion durable.
@@ -129,6 +293,12 @@ fn temporary_path(path: &Path) -> PathBuf {
     path.with_file_name(name)
 }
 
+fn lock_path(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".lock");
+    path.with_file_name(name)
+}
+
 fn sync_directory(path: &Path) -> anyhow::Result<()> {
     let directory = match path.parent() {
         Some(parent) if !parent.as_os_str().is_empty() => parent,
@@ -139,15 +309,102 @@ fn sync_directory(path: &Path) -> anyhow::Result<()> {
         .with_context(|| format!("syncing directory {}", directory.display()))
 }
 
+/// The exclusive right to write (and replay) one rescue file, held from start to exit: an
+/// `flock` on `PATH.lock`, which holds the holder's pid so a refused server can name it.
+/// The lock file is never renamed; it is deleted only by its holder, and a server that locked
+/// a file deleted meanwhile tries again, so two servers never both believe they hold it.
+#[derive(Debug)]
+pub struct RescueLock {
+    file: File,
+    lock_path: PathBuf,
+}
+
+impl RescueLock {
+    /// Takes the lock of the rescue file `path` (`what` says whose file it is, for the error),
+    /// or fails naming the pid of the server that holds it.
+    pub fn acquire(path: &Path, what: &str) -> anyhow::Result<RescueLock> {
+        let lock_path = lock_path(path);
+        // Bounded: each retry means the holder deleted the file between our open and lock.
+        for _ in 0..100 {
+            let mut file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&lock_path)
+                .with_context(|| format!("opening rescue lock file {}", lock_path.display()))?;
+            // SAFETY: flock on a descriptor this function owns.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                let error = std::io::Error::last_os_error();
+                if error.raw_os_error() != Some(libc::EWOULDBLOCK) {
+                    return Err(error)
+                        .with_context(|| format!("locking rescue file {}", lock_path.display()));
+                }
+                let mut holder = String::new();
+                let _ = file.read_to_string(&mut holder);
+                let holder = match holder.trim().parse::<u32>() {
+                    Ok(pid) => format!("pid {pid}"),
+                    Err(_) => "another process".to_string(),
+                };
+                bail!(
+                    "rescue file {} ({what}) is locked by another bufcache serve ({holder}) on the \
+                     same backend: stop that server first, or give this one its own --rescue-file",
+                    path.display()
+                );
+            }
+            let same = match (file.metadata(), std::fs::metadata(&lock_path)) {
+                (Ok(held), Ok(named)) => held.dev() == named.dev() && held.ino() == named.ino(),
+                _ => false,
+            };
+            if !same {
+                continue;
+            }
+            file.set_len(0)
+                .and_then(|()| file.write_all(format!("{}\n", std::process::id()).as_bytes()))
+                .with_context(|| format!("writing rescue lock file {}", lock_path.display()))?;
+            return Ok(RescueLock { file, lock_path });
+        }
+        bail!(
+            "rescue lock file {} keeps being replaced by another process",
+            lock_path.display()
+        )
+    }
+
+    /// Deletes the lock file while still holding the lock, then releases it. Called after the
+    /// last write of the rescue file.
+    pub fn release(self) {
+        let _ = std::fs::remove_file(&self.lock_path);
+        drop(self.file);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn backends() -> Vec<Backend> {
+        vec![
+            Backend {
+                export: String::new(),
+                identity: "file:/srv/disk.img".into(),
+                size_bytes: 1 << 30,
+                block_size_bytes: 4096,
+            },
+            Backend {
+                export: "b".into(),
+                identity: "nbd://host:10809/vol".into(),
+                size_bytes: 1 << 41,
+                block_size_bytes: 65536,
+            },
+        ]
+    }
+
     #[test]
     fn records_round_trip_and_any_flipped_byte_is_detected() {
-        // Goal: what is written is read back exactly, and corruption anywhere is refused
-        // rather than replayed. Method: write two records, read them back, then flip each byte
-        // after the magic in turn and expect an error.
+        // Goal: what is written (header and records) is read back exactly, and corruption
+        // anywhere is refused rather than replayed. Method: write two backends and two
+        // records, read them back, then flip each byte after the magic in turn and expect an
+        // error.
         let directory = tempfile::tempdir().unwrap();
         let path = directory.path().join("rescue");
         let records = vec![
@@ -162,8 +419,13 @@ mod tests {
                 data: (0..=255).collect(),
             },
         ];
-        write(&path, &records).unwrap();
-        assert_eq!(read(&path).unwrap(), records);
+        write(&path, &backends(), &records).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o077, 0, "a rescue file others can read: {mode:o}");
+        let contents = read(&path).unwrap();
+        assert_eq!(contents.records, records);
+        assert_eq!(contents.backends, Some(backends()));
         let bytes = std::fs::read(&path).unwrap();
         for index in MAGIC.len()..bytes.len() {
             let mut damaged = bytes.clone();
@@ -175,5 +437,68 @@ mod tests {
         }
         assert!(parse(&bytes[..bytes.len() - 1]).is_err());
         assert!(parse(b"something else").is_err());
+    }
+
+    #[test]
+    fn a_first_format_file_is_read_without_an_identity() {
+        // Goal: rescue files saved before the header existed are still readable (and so never
+        // silently lost), marked as carrying no identity. Method: a hand-made first-format
+        // file with one record.
+        let mut bytes = MAGIC_UNIDENTIFIED.to_vec();
+        let start = bytes.len();
+        put_text(&mut bytes, "");
+        bytes.extend_from_slice(&512u64.to_le_bytes());
+        bytes.extend_from_slice(&3u32.to_le_bytes());
+        bytes.extend_from_slice(b"abc");
+        let crc = crc32fast::hash(&bytes[start..]);
+        bytes.extend_from_slice(&crc.to_le_bytes());
+        let contents = parse(&bytes).unwrap();
+        assert_eq!(contents.backends, None);
+        assert_eq!(
+            contents.records,
+            vec![Record {
+                export: String::new(),
+                offset: 512,
+                data: b"abc".to_vec()
+            }]
+        );
+    }
+
+    #[test]
+    fn default_paths_differ_by_backend_and_by_export() {
+        // Goal: two backends (or two exports of one) never share a default rescue file, and
+        // the name says whose it is. Method: compare the paths of near-identical identities.
+        let a = default_path("", "file:/srv/a/disk.img");
+        let b = default_path("", "file:/srv/b/disk.img");
+        let named = default_path("x", "file:/srv/a/disk.img");
+        assert_ne!(a, b);
+        assert_ne!(a, named);
+        assert_eq!(a, default_path("", "file:/srv/a/disk.img"));
+        let text = a.to_string_lossy();
+        assert!(
+            text.starts_with("bufcache-disk.img-") && text.ends_with(".rescue"),
+            "{text}"
+        );
+        assert!(named.to_string_lossy().starts_with("bufcache-x-"));
+    }
+
+    #[test]
+    fn a_held_rescue_lock_refuses_a_second_holder_naming_the_pid() {
+        // Goal: one rescue file has one writer; the refusal names the holder so the operator
+        // can find it. Method: take the lock, try again in the same process (flock locks
+        // belong to open files, so the second open conflicts), then release and retake.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("r.rescue");
+        let held = RescueLock::acquire(&path, "export \"\"").unwrap();
+        let error = RescueLock::acquire(&path, "export \"\"")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains(&format!("pid {}", std::process::id())),
+            "{error}"
+        );
+        held.release();
+        assert!(!directory.path().join("r.rescue.lock").exists());
+        RescueLock::acquire(&path, "export \"\"").unwrap().release();
     }
 }

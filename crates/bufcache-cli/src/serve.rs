@@ -23,23 +23,20 @@ use bufcache_nbd::{
 };
 use clap::Args;
 
+use crate::backend_lock::BackendLock;
 use crate::engine_args::EngineArgs;
 use crate::limit_args::LimitArgs;
+use crate::log::say;
 use crate::metrics::{self, ExportMeters, Meters};
 use crate::prefault::{self, PrefaultWhen};
+use crate::request_meters::{MeteredExport, RequestMeters};
 use crate::rescue::{self, RescueAction};
 use crate::tls_args::TlsArgs;
 
 /// Exit status when dirty data was saved to the rescue file instead of the backend.
 pub const EXIT_RESCUED: i32 = 3;
-
-/// Prints a line on standard error, ignoring failure: a closed or broken stderr (a pipe
-/// whose reader went away) must never stop the server from shutting down or saving data.
-macro_rules! say {
-    ($($argument:tt)*) => {{
-        let _ = writeln!(std::io::stderr(), "bufcache: {}", format_args!($($argument)*));
-    }};
-}
+/// How long a second signal waits for the shutdown's last flush when nothing is dirty.
+const SECOND_SIGNAL_GRACE: Duration = Duration::from_millis(500);
 
 /// The backing file served when no backend is named, created sparse when absent.
 pub const DEFAULT_BACKING_FILE: &str = "bufcache.img";
@@ -71,20 +68,56 @@ pub struct ServeArgs {
     /// (or the sockets systemd passes, see docs/operations.md).
     #[arg(long, value_name = "ADDRESS")]
     listen: Vec<ListenAddress>,
-    /// Listen on TCP port PORT of 127.0.0.1 (--listen tcp:127.0.0.1:PORT; use --listen
-    /// tcp:0.0.0.0:PORT for every interface).
+    /// Listen on TCP port PORT of 127.0.0.1, or of the --bind address (--listen
+    /// tcp:127.0.0.1:PORT; use --listen tcp:0.0.0.0:PORT for every interface).
     #[arg(short = 'p', long, value_name = "PORT")]
     port: Option<u16>,
-    /// Listen on the unix socket PATH (--listen unix:PATH).
-    #[arg(short = 'U', long, value_name = "PATH")]
+    /// Listen on TCP address ADDR (qemu-nbd's -b), port --port or 10809.
+    #[arg(short = 'b', long, value_name = "ADDR")]
+    bind: Option<String>,
+    /// Listen on the unix socket PATH (--listen unix:PATH; -k/--socket as in qemu-nbd).
+    #[arg(
+        short = 'U',
+        long,
+        visible_short_alias = 'k',
+        visible_alias = "socket",
+        value_name = "PATH"
+    )]
     unix: Option<PathBuf>,
     /// The export name of --backend (default: the empty name, which clients get without
-    /// asking for one).
+    /// asking for one). Note: -e is nbdkit's --exportname; qemu-nbd's -e (--shared=N, most
+    /// clients at once) is --connections-max N here.
     #[arg(short = 'e', long, value_name = "NAME")]
     export_name: Option<String>,
     /// Write the server's process id to PATH once it accepts connections; removed at exit.
-    #[arg(long, value_name = "PATH")]
+    #[arg(short = 'P', long, visible_alias = "pidfile", value_name = "PATH")]
     pid_file: Option<PathBuf>,
+    /// Captive mode, as nbdkit's --run: once listening, run CMD with `sh -c`, with $uri,
+    /// $socket (unix listener) and $port (TCP listener) set; when it exits, shut down as on
+    /// SIGTERM and exit with its status (unless dirty data had to go to the rescue file: then
+    /// 3, or 1). Without --listen, -p, -b or -U the server listens on a private unix socket.
+    #[arg(long, value_name = "CMD")]
+    run: Option<String>,
+    /// Shut down as on SIGTERM (writing everything back) when the parent process exits
+    /// (nbdkit's --exit-with-parent; Linux's PR_SET_PDEATHSIG).
+    #[arg(long)]
+    exit_with_parent: bool,
+    /// Print the URI of the default export on standard output once listening (nbdkit's
+    /// --print-uri).
+    #[arg(long)]
+    print_uri: bool,
+    /// Accepted for nbdkit's users; the server always runs in the foreground (a service
+    /// manager or `&` puts it in the background).
+    #[arg(short = 'f', long)]
+    foreground: bool,
+    /// Accepted for qemu-nbd's users: the server always keeps serving after the last client
+    /// disconnects (qemu-nbd's -t/--persistent); it stops on SIGINT/SIGTERM, or when the
+    /// --run command or (with --exit-with-parent) the parent exits.
+    #[arg(short = 't', long)]
+    persistent: bool,
+    /// qemu-nbd's --fork: refused with an explanation (the server stays in the foreground).
+    #[arg(long, hide = true)]
+    fork: bool,
     /// Size of a backing file to create when it does not exist (the default file: 1G).
     #[arg(long, value_name = "SIZE", value_parser = |text: &str| parse_size(text).map_err(|e| e.to_string()))]
     create_size: Option<u64>,
@@ -102,10 +135,11 @@ pub struct ServeArgs {
     /// saved to the rescue file and the exit status is 3. Default 10.
     #[arg(long, value_name = "SECONDS", default_value_t = 10.0)]
     shutdown_timeout: f64,
-    /// Where dirty data that could not be written back at shutdown is saved (see
-    /// docs/operations.md for the format). Default ./bufcache.rescue.
-    #[arg(long, value_name = "PATH", default_value = "bufcache.rescue")]
-    rescue_file: PathBuf,
+    /// Where dirty data that could not be written back at shutdown is saved, for every export
+    /// (see docs/operations.md). Default: one file per export in the working directory,
+    /// bufcache-NAME-HASH.rescue, named after the backend, locked while the server runs.
+    #[arg(long, value_name = "PATH")]
+    rescue_file: Option<PathBuf>,
     /// What to do with a rescue file found at start: replay writes its data to the backends
     /// and flushes before accepting clients (refusing to start if that fails); discard deletes
     /// it.
@@ -163,8 +197,43 @@ impl ServeArgs {
     }
 }
 
-/// A backend's device, and its upstream connection when it is an NBD server.
-type OpenedBackend = (Arc<dyn Device>, Option<Arc<ReconnectingClient>>);
+/// A backend's device, and what comes with it.
+struct OpenedBackend {
+    device: Arc<dyn Device>,
+    /// The upstream connection when the backend is an NBD server (for its metrics).
+    upstream: Option<Arc<ReconnectingClient>>,
+    /// What the backend is, for its rescue file; None for memory, which does not outlive the
+    /// process (so there is nothing to rescue into).
+    identity: Option<String>,
+    /// Exclusive use of a backing file or block device, held until the process ends.
+    _lock: Option<BackendLock>,
+}
+
+/// A URL without the query parameters that may carry secrets, as a backend identity: the
+/// identity is written into rescue files in the clear.
+fn identity_of_url(url: &str) -> String {
+    let Some((base, query)) = url.split_once('?') else {
+        return url.to_string();
+    };
+    let kept: Vec<&str> = query
+        .split('&')
+        .filter(|pair| {
+            let key = pair
+                .split('=')
+                .next()
+                .unwrap_or_default()
+                .to_ascii_lowercase();
+            !["secret", "key", "token", "password", "psk", "credential"]
+                .iter()
+                .any(|word| key.contains(word))
+        })
+        .collect();
+    if kept.is_empty() {
+        base.to_string()
+    } else {
+        format!("{base}?{}", kept.join("&"))
+    }
+}
 
 /// Opens the device a backend string names (and, for nbd://, the upstream connection too, for
 /// its metrics).
@@ -174,7 +243,12 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
         if size == 0 {
             bail!("backend `{spec}`: a memory backend needs a size above zero, like memory:1G");
         }
-        return Ok((Arc::new(MemoryDevice::new(size)), None));
+        return Ok(OpenedBackend {
+            device: Arc::new(MemoryDevice::new(size)),
+            upstream: None,
+            identity: None,
+            _lock: None,
+        });
     }
     if spec.starts_with("nbd://")
         || spec.starts_with("nbd+unix://")
@@ -190,15 +264,41 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
             ReconnectingClient::connect(spec, policy)
                 .with_context(|| format!("backend `{spec}`"))?,
         );
-        return Ok((Arc::clone(&client) as Arc<dyn Device>, Some(client)));
+        return Ok(OpenedBackend {
+            device: Arc::clone(&client) as Arc<dyn Device>,
+            upstream: Some(client),
+            identity: Some(identity_of_url(spec)),
+            _lock: None,
+        });
     }
     if spec.starts_with("s3://") {
         let mut url = bufcache_s3::S3Url::parse(spec).map_err(bufcache_s3::OpenError::from)?;
         url.create_size_bytes = url.create_size_bytes.or(args.create_size);
         let store = bufcache_s3::ChunkStore::open_locked(&url)?;
-        return Ok((Arc::new(bufcache_s3::S3Device::new(store)), None));
+        return Ok(OpenedBackend {
+            device: Arc::new(bufcache_s3::S3Device::new(store)),
+            upstream: None,
+            identity: Some(identity_of_url(spec)),
+            _lock: None,
+        });
     }
     let path = Path::new(spec);
+    if !path.exists() {
+        if let Some(scheme) = url_scheme(spec) {
+            let hint = match scheme.as_str() {
+                "nbd" | "nbds" | "nbd+unix" | "nbds+unix" | "s3" => {
+                    format!("write it as {scheme}://..., with two slashes")
+                }
+                "memory" => "write it as memory:SIZE".to_string(),
+                _ => format!("there is no `{scheme}` backend"),
+            };
+            bail!(
+                "backend `{spec}` is not a file, and `{scheme}:` is not a backend scheme ({hint}); \
+                 backends are a file or block device path, memory:SIZE, nbd://, nbd+unix://, \
+                 nbds://, nbds+unix:// or s3://"
+            );
+        }
+    }
     let create_length = args
         .create_size
         .or(is_default.then_some(DEFAULT_BACKING_SIZE_BYTES));
@@ -211,7 +311,38 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
         create_length_bytes: create_length,
         set_length_bytes: None,
     };
-    Ok((Arc::new(FileDevice::open(path, &options)?), None))
+    let device = FileDevice::open(path, &options).map_err(|error| {
+        let denied = matches!(
+            &error,
+            bufcache::FileDeviceError::Open { source, .. }
+                if matches!(source.raw_os_error(), Some(libc::EACCES | libc::EROFS | libc::EPERM))
+        );
+        if denied && !args.read_only && path.exists() {
+            anyhow::anyhow!("{error}; to serve it without writing, pass -r (--read-only)")
+        } else {
+            anyhow::Error::new(error)
+        }
+    })?;
+    let lock = BackendLock::acquire(path)?;
+    let absolute = std::fs::canonicalize(path)
+        .with_context(|| format!("backend `{spec}`: resolving its absolute path"))?;
+    Ok(OpenedBackend {
+        device: Arc::new(device),
+        upstream: None,
+        identity: Some(format!("file:{}", absolute.display())),
+        _lock: Some(lock),
+    })
+}
+
+/// The scheme of a backend spelled like a URL (`http://x`, `nbd:/host`, `foo:`), if it is one:
+/// letters first, then letters, digits, `+`, `-` or `.`, then a colon.
+fn url_scheme(spec: &str) -> Option<String> {
+    let (scheme, _) = spec.split_once(':')?;
+    let mut characters = scheme.chars();
+    let first = characters.next()?;
+    (first.is_ascii_alphabetic()
+        && characters.all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c)))
+    .then(|| scheme.to_ascii_lowercase())
 }
 
 fn export_specs(args: &ServeArgs) -> anyhow::Result<Vec<(String, String, bool)>> {
@@ -266,9 +397,19 @@ enum Event {
     Served(Result<(), bufcache_nbd::ServerError>),
     /// Shutdown write-back finished (or gave up).
     Synced(Result<(), CacheError>),
+    /// The --run command exited with this status (shell convention: 128+N for signal N).
+    CaptiveExited(i32),
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    if args.fork {
+        return Err(crate::UsageError(
+            "--fork: bufcache serve always stays in the foreground; start it from a service \
+             manager (docs/operations.md) or with `&`, and use --pid-file to find it"
+                .into(),
+        )
+        .into());
+    }
     if !(0.0..=86_400.0).contains(&args.shutdown_timeout) {
         bail!(
             "--shutdown-timeout {} is invalid: must be from 0 to 86400 seconds",
@@ -291,8 +432,16 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let block_size = args.engine.block_size_bytes(&config)?;
     let mut server_config = ServerConfig::default();
     let mut listen = args.listen.clone();
-    if let Some(port) = args.port {
-        listen.push(ListenAddress::Tcp(format!("127.0.0.1:{port}")));
+    if args.port.is_some() || args.bind.is_some() {
+        let host = match args.bind.as_deref() {
+            None => "127.0.0.1".to_string(),
+            Some(host) if host.contains(':') && !host.starts_with('[') => format!("[{host}]"),
+            Some(host) => host.to_string(),
+        };
+        listen.push(ListenAddress::Tcp(format!(
+            "{host}:{}",
+            args.port.unwrap_or(10809)
+        )));
     }
     if let Some(path) = &args.unix {
         listen.push(ListenAddress::Unix(path.clone()));
@@ -300,6 +449,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let inherited = crate::daemon::inherited_sockets()?;
     if inherited.is_some() && !listen.is_empty() {
         bail!("started by systemd socket activation (LISTEN_FDS), which passes the listening sockets: --listen, --port and --unix cannot be used too");
+    }
+    if args.run.is_some() && listen.is_empty() && inherited.is_none() {
+        listen.push(ListenAddress::Unix(crate::daemon::private_socket_path()?));
     }
     if !listen.is_empty() {
         server_config.listen = listen;
@@ -348,14 +500,26 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             bail!("--create-size creates a backing file, and no backend is a file");
         }
     }
+    let mut rescuable: Vec<rescue::Backend> = Vec::new();
+    let mut backend_locks = Vec::new();
+    let mut counters: Vec<Arc<CountingDevice<Arc<dyn Device>>>> = Vec::new();
     for (name, backend, is_default) in specs {
-        let (device, upstream) = open_backend(&backend, &args, is_default)?;
+        let OpenedBackend {
+            device,
+            upstream,
+            identity,
+            _lock: lock,
+        } = open_backend(&backend, &args, is_default)?;
+        backend_locks.extend(lock);
         let counting = Arc::new(CountingDevice::new(device));
         let (device, queue) = args
             .engine
             .queue_device(Arc::clone(&counting) as Arc<dyn Device>, cache.config())?;
+        counters.push(Arc::clone(&counting));
+        let requests = Arc::new(RequestMeters::default());
         meters.push(ExportMeters {
             name: name.clone(),
+            requests: Arc::clone(&requests),
             device: counting,
             queue,
             upstream,
@@ -376,15 +540,29 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
         tracing::info!(export = %name, backend = %backend, size = %format_size(object.len()), "export ready");
         say!("export {:?} = {} ({} bytes)", name, backend, object.len());
+        if let Some(identity) = identity {
+            rescuable.push(rescue::Backend {
+                export: name.clone(),
+                identity,
+                size_bytes: object.len(),
+                block_size_bytes: object.block_size(),
+            });
+        }
         objects.push((name.clone(), object.reopen()));
-        let export = crate::observe::wrap(
-            &observers,
-            exports.len(),
-            Arc::new(CacheExport::new(object)),
+        let export = MeteredExport::wrap(
+            crate::observe::wrap(
+                &observers,
+                exports.len(),
+                Arc::new(CacheExport::new(object)),
+            ),
+            requests,
         );
         exports.push((name, export));
     }
-    handle_rescue_file(&args, &cache, &objects)?;
+    let mut rescue_targets = rescue_targets(&args, rescuable)?;
+    for target in &rescue_targets {
+        handle_rescue_file(&args, target, &cache, &objects)?;
+    }
     let exports_bytes: u64 = objects.iter().map(|(_, object)| object.len()).sum();
     let prefault_when = if args.no_prefault {
         PrefaultWhen::Off
@@ -437,12 +615,33 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         )?;
         say!("metrics on http://{local}/metrics and /stats   (try: bufcache stat {local})");
     }
-    for address in server.local_addrs() {
+    // Signals are handled before anyone is told the server is up (pid file, READY=1, the
+    // listening lines), so a supervisor's SIGTERM right after them shuts down cleanly.
+    let shutdown = ShutdownHandle::new();
+    let (events, event_receiver) = mpsc::channel();
+    install_signal_handlers(shutdown.clone(), events.clone())?;
+    if args.exit_with_parent {
+        crate::daemon::exit_with_parent()?;
+    }
+    let addresses = server.local_addrs();
+    for address in &addresses {
+        let plain = address.uri("");
         say!(
-            "listening on {}   (try: nbdinfo {})",
-            address_text(&address),
-            address.uri("")
+            "listening on {}   (try: nbdinfo '{}')",
+            address_text(address),
+            args.tls.client_uri(&plain).unwrap_or(plain)
         );
+    }
+    let default_export = args.export_name.clone().unwrap_or_default();
+    let client_uri = addresses.first().map(|address| {
+        let plain = address.uri(&default_export);
+        args.tls.client_uri(&plain).unwrap_or(plain)
+    });
+    if args.print_uri {
+        if let Some(uri) = &client_uri {
+            let mut stdout = std::io::stdout().lock();
+            let _ = writeln!(stdout, "{uri}").and_then(|()| stdout.flush());
+        }
     }
     if let Some(path) = &args.pid_file {
         crate::daemon::write_pid_file(path)?;
@@ -450,9 +649,15 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     if let Err(error) = crate::daemon::notify("READY=1") {
         say!("cannot notify the service manager (NOTIFY_SOCKET) of readiness: {error}");
     }
-    let shutdown = ShutdownHandle::new();
-    let (events, event_receiver) = mpsc::channel();
-    install_signal_handlers(shutdown.clone(), events.clone())?;
+    if let Some(command) = &args.run {
+        start_captive(
+            command,
+            client_uri.as_deref(),
+            &addresses,
+            shutdown.clone(),
+            events.clone(),
+        )?;
+    }
     let stop_writer = Arc::new(AtomicBool::new(false));
     let writer = start_background_writer(cache.clone(), Arc::clone(&stop_writer));
     let give_up = Arc::new(AtomicBool::new(false));
@@ -486,6 +691,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let timeout = Duration::from_secs_f64(args.shutdown_timeout);
     let mut deadline: Option<Instant> = None;
     let mut serve_error: Option<bufcache_nbd::ServerError> = None;
+    let mut captive_status: Option<i32> = None;
     let outcome = loop {
         let event = match deadline {
             None => event_receiver.recv().ok(),
@@ -508,6 +714,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                 let _ = crate::daemon::notify("STOPPING=1");
                 say!("signal {signal}: finishing in-flight requests and writing back (up to {timeout:?})");
             }
+            Some(Event::Signal(signal)) if cache.stats().dirty_bytes == 0 => {
+                // Nothing to save: what is left of the shutdown is a flush, a moment away on a
+                // healthy backend. Wait for it briefly rather than report it missing.
+                let grace = Instant::now() + SECOND_SIGNAL_GRACE;
+                deadline = deadline.map(|deadline| deadline.min(grace));
+                say!("second signal {signal}: nothing is dirty; waiting up to {SECOND_SIGNAL_GRACE:?} for the backends' flush");
+            }
             Some(Event::Signal(signal)) => {
                 say!("second signal {signal}: saving dirty data to the rescue file now");
                 break None;
@@ -517,6 +730,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                 serve_error = result.err();
             }
             Some(Event::Synced(result)) => break Some(result),
+            Some(Event::CaptiveExited(code)) => {
+                captive_status = Some(code);
+                if deadline.is_none() {
+                    deadline = Some(Instant::now() + timeout);
+                    let _ = crate::daemon::notify("STOPPING=1");
+                    say!("--run command exited with status {code}: finishing in-flight requests and writing back (up to {timeout:?})");
+                }
+            }
             None => break None,
         }
     };
@@ -525,15 +746,23 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         Some(Ok(())) => {
             // Everything is written back: other servers may now open the S3 disks.
             bufcache_s3::release_locks();
+            for target in rescue_targets.drain(..) {
+                target.lock.release();
+            }
+            drop(backend_locks);
             if let Some(error) = serve_error {
                 return Err(error).context("serving");
             }
             say!("all data written back; bye");
+            if let Some(code) = captive_status.filter(|code| *code != 0) {
+                crate::daemon::cleanup();
+                crate::log::exit(code);
+            }
             Ok(())
         }
         Some(Err(error)) => {
             say!("writing back dirty data at shutdown failed: {error}");
-            rescue_and_exit(&args.rescue_file, &objects)
+            rescue_and_exit(rescue_targets, &objects, &counters)
         }
         None => {
             match last_error.lock().ok().and_then(|last| last.clone()) {
@@ -542,65 +771,198 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                     "writing back dirty data at shutdown did not finish (backend not answering)"
                 ),
             }
-            rescue_and_exit(&args.rescue_file, &objects)
+            rescue_and_exit(rescue_targets, &objects, &counters)
         }
     }
 }
 
-/// Saves every dirty block of every export to the rescue file and ends the process at once
-/// (threads stuck on a hung backend are not waited for): exit status 3 when everything dirty
-/// was saved, 1 when some could not be (named in the last line).
-fn rescue_and_exit(path: &Path, objects: &[(String, ObjectHandle)]) -> ! {
-    crate::daemon::cleanup();
-    let mut records = Vec::new();
-    let mut unreadable_bytes = 0u64;
-    for (name, object) in objects {
-        object.visit_dirty_blocks(Duration::from_secs(1), |offset, bytes| match bytes {
-            Some(bytes) => records.push(rescue::Record {
-                export: name.clone(),
-                offset,
-                data: bytes.to_vec(),
-            }),
-            None => unreadable_bytes += object.block_size() as u64,
+/// One rescue file this server may write: its path, the backends it holds data for, and the
+/// lock that makes it this server's alone.
+struct RescueTarget {
+    path: PathBuf,
+    backends: Vec<rescue::Backend>,
+    lock: rescue::RescueLock,
+}
+
+/// The rescue files of this server, locked: `--rescue-file` for every export, or by default one
+/// file per export derived from its backend. Memory backends have none (they end with the
+/// process). A second server on the same backend fails here, naming the first one's pid.
+fn rescue_targets(
+    args: &ServeArgs,
+    rescuable: Vec<rescue::Backend>,
+) -> anyhow::Result<Vec<RescueTarget>> {
+    let describe = |backends: &[rescue::Backend]| {
+        backends
+            .iter()
+            .map(|backend| format!("export {:?} on {}", backend.export, backend.identity))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut targets = Vec::new();
+    if let Some(path) = &args.rescue_file {
+        let lock = rescue::RescueLock::acquire(path, &describe(&rescuable))?;
+        targets.push(RescueTarget {
+            path: path.clone(),
+            backends: rescuable,
+            lock,
+        });
+        return Ok(targets);
+    }
+    if !rescuable.is_empty() && Path::new(rescue::LEGACY_PATH).exists() {
+        bail!(
+            "found rescue file {legacy}, saved by an older bufcache serve without the identity of              its backend: if it belongs to this server's backend, start once with --rescue-file              {legacy} to replay it (or add --rescue discard to drop it)",
+            legacy = rescue::LEGACY_PATH
+        );
+    }
+    for backend in rescuable {
+        let path = rescue::default_path(&backend.export, &backend.identity);
+        let lock = rescue::RescueLock::acquire(&path, &describe(std::slice::from_ref(&backend)))?;
+        targets.push(RescueTarget {
+            path,
+            backends: vec![backend],
+            lock,
         });
     }
-    let saved_bytes: u64 = records.iter().map(|record| record.data.len() as u64).sum();
-    if records.is_empty() && unreadable_bytes == 0 {
-        say!("no dirty data left, but the backend did not confirm a flush: data written last may not be durable");
-        std::process::exit(1);
-    }
-    if let Err(error) = rescue::write(path, &records) {
+    warn_of_other_rescue_files(&targets);
+    Ok(targets)
+}
+
+/// Says which rescue files in the working directory belong to other backends (a backend named
+/// another way, say a relative socket path, has another file): their data is not replayed
+/// here, and nobody should think it was.
+fn warn_of_other_rescue_files(targets: &[RescueTarget]) {
+    let Ok(entries) = std::fs::read_dir(".") else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("bufcache-") || !name.ends_with(".rescue") {
+            continue;
+        }
+        if targets.iter().any(|target| target.path == Path::new(&name)) {
+            continue;
+        }
+        let owners = match rescue::read(Path::new(&name)) {
+            Ok(contents) => contents
+                .backends
+                .unwrap_or_default()
+                .iter()
+                .map(|backend| format!("export {:?} on {}", backend.export, backend.identity))
+                .collect::<Vec<_>>()
+                .join(", "),
+            Err(error) => format!("unreadable: {error:#}"),
+        };
         say!(
-            "LOST {saved_bytes} bytes of dirty data: saving them to the rescue file failed: {error:#}"
+            "rescue file {name} holds unwritten data of another backend ({owners}); it is not \
+             replayed here: start a server on that backend (spelled the same way) to replay it"
         );
-        std::process::exit(1);
+    }
+}
+
+/// Saves every dirty block of every export to its rescue file and ends the process at once
+/// (threads stuck on a hung backend are not waited for): exit status 3 when everything dirty
+/// was saved, 1 when some could not be (named in the last line).
+fn rescue_and_exit(
+    targets: Vec<RescueTarget>,
+    objects: &[(String, ObjectHandle)],
+    counters: &[Arc<CountingDevice<Arc<dyn Device>>>],
+) -> ! {
+    crate::daemon::cleanup();
+    let mut saved_bytes = 0u64;
+    let mut saved_records = 0usize;
+    let mut unreadable_bytes = 0u64;
+    let mut lost_bytes = 0u64;
+    let mut failures = Vec::new();
+    let mut saved_paths = Vec::new();
+    for target in &targets {
+        let mut records = Vec::new();
+        for backend in &target.backends {
+            let Some((name, object)) = objects.iter().find(|(name, _)| *name == backend.export)
+            else {
+                continue;
+            };
+            object.visit_dirty_blocks(Duration::from_secs(1), |offset, bytes| match bytes {
+                Some(bytes) => records.push(rescue::Record {
+                    export: name.clone(),
+                    offset,
+                    data: bytes.to_vec(),
+                }),
+                None => unreadable_bytes += object.block_size() as u64,
+            });
+        }
+        if records.is_empty() {
+            continue;
+        }
+        let bytes: u64 = records.iter().map(|record| record.data.len() as u64).sum();
+        match rescue::write(&target.path, &target.backends, &records) {
+            Ok(()) => {
+                saved_bytes += bytes;
+                saved_records += records.len();
+                saved_paths.push(target.path.display().to_string());
+            }
+            Err(error) => {
+                lost_bytes += bytes;
+                failures.push(format!("{error:#}"));
+            }
+        }
+    }
+    let targets_empty = targets.is_empty();
+    // Only now may another server take these files: the writes above are complete.
+    for target in targets {
+        target.lock.release();
+    }
+    if targets_empty {
+        // Only memory backends: their data ends with the process whatever is done here.
+        say!("all exports are in memory; their data ends with the process; bye");
+        crate::log::exit(0);
+    }
+    if !failures.is_empty() {
+        say!(
+            "LOST {lost_bytes} bytes of dirty data: saving them to the rescue file failed: {}",
+            failures.join("; ")
+        );
+        crate::log::exit(1);
+    }
+    let written_ever = counters.iter().any(|counting| {
+        let stats = counting.stats();
+        stats.writes.requests + stats.writes.errors + stats.discards + stats.other_errors > 0
+    });
+    if saved_bytes == 0 && unreadable_bytes == 0 && !written_ever {
+        say!("nothing was written since start; bye");
+        crate::log::exit(0);
+    }
+    if saved_bytes == 0 && unreadable_bytes == 0 {
+        say!("no dirty data left, but the backend did not confirm a flush: data written last may not be durable");
+        crate::log::exit(1);
     }
     if unreadable_bytes > 0 {
         say!(
             "saved {saved_bytes} bytes of dirty data to rescue file {}; LOST {unreadable_bytes} bytes held by requests that did not finish",
-            path.display()
+            saved_paths.join(", ")
         );
-        std::process::exit(1);
+        crate::log::exit(1);
     }
     say!(
-        "saved {saved_bytes} bytes of dirty data that could not be written back to rescue file {} ({} records); the next start replays them",
-        path.display(),
-        records.len()
+        "saved {saved_bytes} bytes of dirty data that could not be written back to rescue file {} ({saved_records} records); the next start replays them",
+        saved_paths.join(", ")
     );
-    std::process::exit(EXIT_RESCUED);
+    crate::log::exit(EXIT_RESCUED);
 }
 
-/// Replays (or discards) a rescue file left by an earlier shutdown, before serving.
+/// Replays (or discards) a rescue file left by an earlier shutdown, before serving. A file
+/// saved from another backend (or another size of it) is refused naming both.
 fn handle_rescue_file(
     args: &ServeArgs,
+    target: &RescueTarget,
     cache: &Cache,
     objects: &[(String, ObjectHandle)],
 ) -> anyhow::Result<()> {
-    let path = &args.rescue_file;
+    let path = &target.path;
     if !path.exists() {
         return Ok(());
     }
-    let records = rescue::read(path)?;
+    let contents = rescue::read(path)?;
+    let records = contents.records;
     let bytes: u64 = records.iter().map(|record| record.data.len() as u64).sum();
     if args.rescue == RescueAction::Discard {
         rescue::remove(path)?;
@@ -609,6 +971,39 @@ fn handle_rescue_file(
             path.display()
         );
         return Ok(());
+    }
+    for saved in contents.backends.iter().flatten() {
+        let Some(ours) = target
+            .backends
+            .iter()
+            .find(|ours| ours.export == saved.export)
+        else {
+            bail!(
+                "rescue file {} holds data of export {:?} on {}, which this server does not                  serve: start with that export, or pass --rescue discard to drop it",
+                path.display(),
+                saved.export,
+                saved.identity
+            );
+        };
+        if ours.identity != saved.identity {
+            bail!(
+                "rescue file {} was saved from {} (export {:?}), and this server's export {:?}                  is {}: refusing to replay it into another backend; start with the backend it                  was saved from, or pass --rescue discard to drop it",
+                path.display(),
+                saved.identity,
+                saved.export,
+                ours.export,
+                ours.identity
+            );
+        }
+        if ours.size_bytes != saved.size_bytes {
+            bail!(
+                "rescue file {} was saved from {} when it was {} bytes; it is {} bytes now:                  refusing to replay into a resized backend (pass --rescue discard to drop it)",
+                path.display(),
+                saved.identity,
+                saved.size_bytes,
+                ours.size_bytes
+            );
+        }
     }
     for record in &records {
         let Some((_, object)) = objects.iter().find(|(name, _)| *name == record.export) else {
@@ -642,6 +1037,51 @@ fn handle_rescue_file(
         path.display(),
         records.len()
     );
+    Ok(())
+}
+
+/// Starts the --run command (nbdkit's captive mode) with $uri, $socket and $port set; when
+/// it exits, the server shuts down as on SIGTERM and `events` hears its status.
+fn start_captive(
+    command: &str,
+    uri: Option<&str>,
+    addresses: &[bufcache_nbd::BoundAddress],
+    shutdown: ShutdownHandle,
+    events: mpsc::Sender<Event>,
+) -> anyhow::Result<()> {
+    let mut child = std::process::Command::new("/bin/sh");
+    child.arg("-c").arg(command);
+    if let Some(uri) = uri {
+        child.env("uri", uri);
+    }
+    for address in addresses {
+        match address {
+            bufcache_nbd::BoundAddress::Tcp(socket) => {
+                child.env("port", socket.port().to_string());
+            }
+            bufcache_nbd::BoundAddress::Unix(path) => {
+                child.env("socket", path);
+            }
+        }
+    }
+    let mut child = child
+        .spawn()
+        .with_context(|| format!("--run: cannot start `{command}`"))?;
+    std::thread::Builder::new()
+        .name("bufcache-run".into())
+        .spawn(move || {
+            use std::os::unix::process::ExitStatusExt;
+            let code = match child.wait() {
+                Ok(status) => status
+                    .code()
+                    .or_else(|| status.signal().map(|signal| 128 + signal))
+                    .unwrap_or(1),
+                Err(_) => 1,
+            };
+            shutdown.trigger();
+            let _ = events.send(Event::CaptiveExited(code));
+        })
+        .context("starting the --run thread")?;
     Ok(())
 }
 

@@ -4,7 +4,9 @@
 //! difference of two snapshots: transfers per second and MB/s at the backends, the average
 //! transfer size (bytes over requests of the same interval, both directions — seed 001's
 //! complaint was an iostat that got this wrong), the interval's hit ratio, dirty and wired
-//! memory, and read-ahead efficiency (used over issued). `--once` prints the totals so far.
+//! memory, read-ahead efficiency (used over issued), NBD connections open, NBD requests per
+//! second and the interval's 99th-percentile request latency. `--once` prints the totals so
+//! far, with a line per NBD command (requests, bytes, errors, mean, p50 and p99 latency).
 
 use std::time::Duration;
 
@@ -54,6 +56,104 @@ struct Line {
     dirty_bytes: u64,
     pinned_bytes: u64,
     readahead_efficiency: f64,
+    /// NBD connections open at the end of the interval, over all exports.
+    connections_open: u64,
+    /// NBD requests per second (every command, every export).
+    nbd_requests_per_second: f64,
+    /// The interval's 99th-percentile NBD request latency, as the upper bound of its
+    /// histogram bucket, in milliseconds (0 without requests; infinite past the last bound).
+    latency_p99_ms: f64,
+}
+
+/// Every export's NBD latency histogram summed per bucket, for the command `command` (or all
+/// commands when None).
+fn latency_buckets(stats: &Value, command: Option<&str>) -> Vec<f64> {
+    let mut sums: Vec<f64> = Vec::new();
+    let exports = stats.get("exports").and_then(Value::as_array);
+    for export in exports.into_iter().flatten() {
+        let commands = export.pointer("/nbd/commands").and_then(Value::as_object);
+        for (name, meter) in commands.into_iter().flatten() {
+            if command.is_some_and(|wanted| wanted != name) {
+                continue;
+            }
+            let buckets = meter.get("latency_buckets").and_then(Value::as_array);
+            for (index, count) in buckets.into_iter().flatten().enumerate() {
+                if sums.len() <= index {
+                    sums.resize(index + 1, 0.0);
+                }
+                sums[index] += count.as_f64().unwrap_or(0.0);
+            }
+        }
+    }
+    sums
+}
+
+/// The upper bound in milliseconds of the bucket holding quantile `q` of `counts`.
+fn quantile_ms(stats: &Value, counts: &[f64], q: f64) -> f64 {
+    let total: f64 = counts.iter().sum();
+    if total <= 0.0 {
+        return 0.0;
+    }
+    let limits: Vec<f64> = stats
+        .get("exports")
+        .and_then(Value::as_array)
+        .and_then(|exports| exports.first())
+        .and_then(|export| export.pointer("/nbd/latency_bucket_limits_seconds"))
+        .and_then(Value::as_array)
+        .map(|limits| limits.iter().filter_map(Value::as_f64).collect())
+        .unwrap_or_default();
+    let mut cumulative = 0.0;
+    for (index, count) in counts.iter().enumerate() {
+        cumulative += count;
+        if cumulative >= q * total {
+            return limits
+                .get(index)
+                .map_or(f64::INFINITY, |limit| limit * 1000.0);
+        }
+    }
+    f64::INFINITY
+}
+
+/// Sum over exports of the number at `path` inside each export.
+fn exports_sum(stats: &Value, path: &str) -> f64 {
+    stats
+        .get("exports")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|export| export.pointer(path).and_then(Value::as_f64))
+        .sum()
+}
+
+/// Per-command totals since start, one line each, for `--once`.
+fn command_lines(stats: &Value) -> Vec<String> {
+    let mut lines = vec![format!(
+        "nbd connections open {} (since start {})",
+        exports_sum(stats, "/nbd/connections_open"),
+        exports_sum(stats, "/nbd/connections_total")
+    )];
+    for command in crate::request_meters::COMMANDS {
+        let requests = exports_sum(stats, &format!("/nbd/commands/{command}/requests"));
+        if requests == 0.0 {
+            continue;
+        }
+        let seconds = exports_sum(
+            stats,
+            &format!("/nbd/commands/{command}/latency_seconds_sum"),
+        );
+        let buckets = latency_buckets(stats, Some(command));
+        lines.push(format!(
+            "nbd {command:<12} {requests:>10} requests {:>10} {:>6} errors   mean {:.3} ms  p50 <= {} ms  p99 <= {} ms",
+            bufcache::format_size(
+                exports_sum(stats, &format!("/nbd/commands/{command}/bytes")) as u64
+            ),
+            exports_sum(stats, &format!("/nbd/commands/{command}/errors")),
+            seconds * 1000.0 / requests,
+            quantile_ms(stats, &buckets, 0.5),
+            quantile_ms(stats, &buckets, 0.99),
+        ));
+    }
+    lines
 }
 
 fn number(value: &Value, path: &[&str]) -> f64 {
@@ -93,7 +193,18 @@ fn line_between(earlier: &Value, later: &Value, seconds: f64) -> Line {
     let hits = delta(&["cache", "hits"]);
     let lookups = hits + delta(&["cache", "misses"]);
     let issued = delta(&["cache", "readahead_issued_blocks"]);
+    let buckets_1 = latency_buckets(later, None);
+    let buckets_0 = latency_buckets(earlier, None);
+    let interval_buckets: Vec<f64> = buckets_1
+        .iter()
+        .enumerate()
+        .map(|(index, count)| count - buckets_0.get(index).copied().unwrap_or(0.0))
+        .collect();
+    let nbd_requests: f64 = interval_buckets.iter().sum();
     Line {
+        connections_open: exports_sum(later, "/nbd/connections_open") as u64,
+        nbd_requests_per_second: nbd_requests / seconds,
+        latency_p99_ms: quantile_ms(later, &interval_buckets, 0.99),
         transfers_per_second: requests / seconds,
         read_megabytes_per_second: (read_1 - read_0) / seconds / 1e6,
         write_megabytes_per_second: (written_1 - written_0) / seconds / 1e6,
@@ -124,12 +235,15 @@ fn print_line(line: &Line, json: bool) {
             "dirty_bytes": line.dirty_bytes,
             "pinned_bytes": line.pinned_bytes,
             "readahead_efficiency": line.readahead_efficiency,
+            "connections_open": line.connections_open,
+            "nbd_requests_per_second": line.nbd_requests_per_second,
+            "latency_p99_ms": if line.latency_p99_ms.is_finite() { line.latency_p99_ms } else { -1.0 },
         });
         println!("{value}");
         return;
     }
     println!(
-        "{:>9.1} {:>8.2} {:>8.2} {:>8.1} {:>6.1} {:>10} {:>10} {:>7.1}",
+        "{:>9.1} {:>8.2} {:>8.2} {:>8.1} {:>6.1} {:>10} {:>10} {:>7.1} {:>6} {:>9.1} {:>8.3}",
         line.transfers_per_second,
         line.read_megabytes_per_second,
         line.write_megabytes_per_second,
@@ -137,7 +251,10 @@ fn print_line(line: &Line, json: bool) {
         line.hit_ratio * 100.0,
         bufcache::format_size(line.dirty_bytes),
         bufcache::format_size(line.pinned_bytes),
-        line.readahead_efficiency * 100.0
+        line.readahead_efficiency * 100.0,
+        line.connections_open,
+        line.nbd_requests_per_second,
+        line.latency_p99_ms
     );
 }
 
@@ -161,6 +278,9 @@ pub fn run(args: StatArgs) -> anyhow::Result<()> {
             let empty = serde_json::json!({});
             print_header();
             print_line(&line_between(&empty, &first, 1.0), false);
+            for line in command_lines(&first) {
+                println!("{line}");
+            }
             for line in crate::whatif::stat_lines(&first) {
                 println!("{line}");
             }
@@ -184,8 +304,18 @@ pub fn run(args: StatArgs) -> anyhow::Result<()> {
 
 fn print_header() {
     println!(
-        "{:>9} {:>8} {:>8} {:>8} {:>6} {:>10} {:>10} {:>7}",
-        "tps", "rMB/s", "wMB/s", "avg KiB", "hit%", "dirty", "wired", "ra-eff%"
+        "{:>9} {:>8} {:>8} {:>8} {:>6} {:>10} {:>10} {:>7} {:>6} {:>9} {:>8}",
+        "tps",
+        "rMB/s",
+        "wMB/s",
+        "avg KiB",
+        "hit%",
+        "dirty",
+        "wired",
+        "ra-eff%",
+        "conns",
+        "nbd req/s",
+        "p99 ms"
     );
 }
 

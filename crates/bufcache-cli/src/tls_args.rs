@@ -35,6 +35,44 @@ pub struct TlsArgs {
     export_read_only: Vec<String>,
 }
 
+impl TlsArgs {
+    /// How a client on this host reaches the server when TLS is required: the `nbds` scheme
+    /// and the libnbd URI parameters for the same PSK file (and its first identity) or the
+    /// same certificate directory. None when plain `nbd://` works.
+    pub fn client_uri(&self, plain: &str) -> Option<String> {
+        if self.tls != TlsMode::Require {
+            return None;
+        }
+        let (scheme, rest) = if let Some(rest) = plain.strip_prefix("nbd+unix://") {
+            ("nbds+unix://", rest)
+        } else {
+            ("nbds://", plain.strip_prefix("nbd://")?)
+        };
+        let mut user = String::new();
+        let mut parameters = Vec::new();
+        if let Some(psk) = &self.tls_psk {
+            parameters.push(format!("tls-psk-file={}", psk.display()));
+            // libnbd takes the PSK identity from the URI's user part.
+            let identity = std::fs::read_to_string(psk).ok().and_then(|text| {
+                text.lines()
+                    .find_map(|line| line.split_once(':').map(|(name, _)| name.to_string()))
+            });
+            if let Some(identity) = identity {
+                user = format!("{identity}@");
+            }
+        } else if let Some(directory) = &self.tls_certificates {
+            parameters.push(format!("tls-certificates={}", directory.display()));
+        }
+        let uri = format!("{scheme}{user}{rest}");
+        let separator = if uri.contains('?') { '&' } else { '?' };
+        Some(if parameters.is_empty() {
+            uri
+        } else {
+            format!("{uri}{separator}{}", parameters.join("&"))
+        })
+    }
+}
+
 /// Parses EXPORT=VALUE.
 fn export_and_value(text: &str) -> Result<(String, String), String> {
     match text.split_once('=') {

@@ -103,8 +103,8 @@ impl TraceRecorder {
             let _ = writer.flush();
             output.writer = None;
             tracing::warn!(path = %self.path.display(), bytes_max = self.bytes_max, "trace reached --trace-size-max: recording stopped");
-            eprintln!(
-                "bufcache: trace {} reached --trace-size-max ({} bytes): recording stopped",
+            crate::log::say!(
+                "trace {} reached --trace-size-max ({} bytes): recording stopped",
                 self.path.display(),
                 self.bytes_max
             );
@@ -112,8 +112,8 @@ impl TraceRecorder {
         }
         if let Err(error) = writer.write_all(line.as_bytes()) {
             output.writer = None;
-            eprintln!(
-                "bufcache: trace {}: write failed, recording stopped: {error}",
+            crate::log::say!(
+                "trace {}: write failed, recording stopped: {error}",
                 self.path.display()
             );
             return;
@@ -127,7 +127,7 @@ impl Drop for TraceRecorder {
         let output = self.output.get_mut().unwrap_or_else(|e| e.into_inner());
         if let Some(writer) = output.writer.as_mut() {
             if let Err(error) = writer.flush() {
-                eprintln!("bufcache: trace {}: {error}", self.path.display());
+                crate::log::say!("trace {}: {error}", self.path.display());
             }
         }
     }

@@ -52,10 +52,17 @@ struct Fields<'a> {
 
 impl<R: BufRead> CsvReader<R> {
     pub fn new(input: R, path: PathBuf, options: &TraceOptions) -> Result<Self, TraceError> {
-        let object_id_column = options.object_id_column.ok_or(TraceError::MissingOption {
-            format: "csv",
-            reason: "obj-id-col is required",
-        })?;
+        let object_id_column =
+            options
+                .object_id_column
+                .ok_or_else(|| TraceError::MissingOption {
+                    path: path.clone(),
+                    format: "csv",
+                    reason: "--trace-options must name the object id's column (1-based), for \
+                         example --trace-options \"obj-id-col=2,obj-size-col=3,op-col=4,\
+                         has-header=true\" (time-col, obj-size-col, op-col and has-header as the \
+                         file has them)",
+                })?;
         let zero_based = |column: usize| column - 1;
         let columns = Columns {
             time: options.time_column.map(zero_based),

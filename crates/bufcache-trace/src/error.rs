@@ -63,8 +63,10 @@ pub enum TraceError {
     },
 
     /// The options do not fit the chosen format (for example CSV without `obj-id-col`).
-    #[error("{format} trace: {reason}")]
+    #[error("{path}: {format} trace: {reason}")]
     MissingOption {
+        /// The trace file.
+        path: PathBuf,
         /// The trace format.
         format: &'static str,
         /// What is wrong.
@@ -130,10 +132,25 @@ pub enum TraceError {
     },
 }
 
-/// Shortens `value` for display in an error, keeping at most [`VALUE_LENGTH_MAX`] characters.
+/// Shortens `value` for display in an error, keeping at most [`VALUE_LENGTH_MAX`] characters,
+/// each a printable ASCII character: anything else (control bytes, the replacement characters
+/// of a binary file read as text) shows as `.`, so an error never prints raw bytes to a
+/// terminal.
 pub(crate) fn excerpt(value: &str) -> String {
-    match value.char_indices().nth(VALUE_LENGTH_MAX) {
-        Some((cut, _)) => format!("{}...", &value[..cut]),
-        None => value.to_owned(),
+    let printable = |c: char| {
+        if c == ' ' || c.is_ascii_graphic() {
+            c
+        } else {
+            '.'
+        }
+    };
+    let mut text: String = value
+        .chars()
+        .take(VALUE_LENGTH_MAX)
+        .map(printable)
+        .collect();
+    if value.chars().nth(VALUE_LENGTH_MAX).is_some() {
+        text.push_str("...");
     }
+    text
 }

@@ -111,7 +111,8 @@ impl<R: BufRead> LineSource<R> {
             Err(_) => Err(self.context().error(
                 "line",
                 &String::from_utf8_lossy(bytes),
-                "not valid UTF-8 text",
+                "not text (a binary file?): is --format right? oracle-general and vscsi are the \
+                 binary formats",
             )),
         }
     }

@@ -11,23 +11,26 @@ use std::time::Duration;
 
 use bufcache_policy::{PolicyKind, PolicyParameters};
 
-/// Binary size units: `4k` = 4096, `1M` = 1 MiB, `2GiB` = 2 GiB. Plain numbers are bytes.
+/// Binary size units: `4k` = 4096, `1M` = 1 MiB, `2GiB` = 2 GiB, `1.5G` = 1.5 GiB. Plain
+/// numbers are bytes. A fraction must come to a whole number of bytes (`0.5k` is 512; `0.1k`
+/// is refused).
 pub fn parse_size(text: &str) -> Result<u64, SizeParseError> {
     let trimmed = text.trim();
     let split = trimmed
-        .find(|c: char| !c.is_ascii_digit())
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
         .unwrap_or(trimmed.len());
-    let (digits, unit) = trimmed.split_at(split);
+    let (number, unit) = trimmed.split_at(split);
     let error = |reason: &str| SizeParseError {
         text: text.to_string(),
         reason: reason.to_string(),
     };
-    if digits.is_empty() {
+    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+    if whole.is_empty() && fraction.is_empty() {
         return Err(error("it does not start with a number"));
     }
-    let number: u64 = digits
-        .parse()
-        .map_err(|_| error("the number is too large"))?;
+    if fraction.contains('.') {
+        return Err(error("the number has two decimal points"));
+    }
     let shift = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 0,
         "k" | "kb" | "kib" => 10,
@@ -37,8 +40,40 @@ pub fn parse_size(text: &str) -> Result<u64, SizeParseError> {
         "p" | "pb" | "pib" => 50,
         _ => return Err(error("unknown unit; use k, M, G, T (binary: 1k = 1024)")),
     };
-    number
+    let whole: u64 = if whole.is_empty() {
+        0
+    } else {
+        whole
+            .parse()
+            .map_err(|_| error("the number is too large"))?
+    };
+    let whole_bytes = whole
         .checked_mul(1u64 << shift)
+        .ok_or_else(|| error("the size does not fit in 64 bits"))?;
+    if fraction.is_empty() {
+        return Ok(whole_bytes);
+    }
+    // fraction / 10^digits × 2^shift, exactly: at most 18 digits keep 10^digits in a u64, and
+    // u128 holds the product.
+    let fraction = fraction.trim_end_matches('0');
+    if fraction.len() > 18 {
+        return Err(error("too many decimal places"));
+    }
+    let numerator: u128 = if fraction.is_empty() {
+        0
+    } else {
+        fraction
+            .parse::<u128>()
+            .map_err(|_| error("the fraction is not a number"))?
+    };
+    let denominator = 10u128.pow(fraction.len() as u32);
+    let scaled = numerator << shift;
+    if !scaled.is_multiple_of(denominator) {
+        return Err(error("the fraction is not a whole number of bytes"));
+    }
+    u64::try_from(scaled / denominator)
+        .ok()
+        .and_then(|fraction_bytes| whole_bytes.checked_add(fraction_bytes))
         .ok_or_else(|| error("the size does not fit in 64 bits"))
 }
 
@@ -432,6 +467,16 @@ mod tests {
         assert!(parse_size("k").unwrap_err().to_string().contains("number"));
         assert!(parse_size("4x").unwrap_err().to_string().contains("unit"));
         assert!(parse_size("99999999999P").is_err());
+        assert_eq!(parse_size("1.5G").unwrap(), 3 << 29);
+        assert_eq!(parse_size("0.5k").unwrap(), 512);
+        assert_eq!(parse_size(".25M").unwrap(), 1 << 18);
+        assert_eq!(parse_size("2.0G").unwrap(), 2 << 30);
+        assert!(parse_size("0.1k")
+            .unwrap_err()
+            .to_string()
+            .contains("whole number"));
+        assert!(parse_size("1.2.3G").is_err());
+        assert!(parse_size(".").is_err());
         assert_eq!(format_size(65536), "64KiB");
         assert_eq!(format_size(1000), "1000B");
     }

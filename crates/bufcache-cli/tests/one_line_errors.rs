@@ -1,0 +1,228 @@
+//! Goal: every error is one line that names what was wrong and where, and hints point the
+//! right way. Method: run the real binary on each bad input the issue lists and check the
+//! whole of standard error: one line, the OS error once, the file or flag named, no raw bytes,
+//! no misleading advice; and the TLS start-up hint's URI is checked by connecting with it.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Runs `bufcache ARGS` in `dir`, expecting failure; returns stderr, checked to be one line.
+fn one_line_failure(dir: &Path, args: &[&str]) -> String {
+    let mut command = Command::new(bufcache_bin());
+    command.args(args).current_dir(dir);
+    failure_of(command)
+}
+
+fn failure_of(command: Command) -> String {
+    let output = run_timeout(command, TIMEOUT);
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(!output.status.success(), "it succeeded:\n{stderr}");
+    // clap's usage errors end with its standard "For more information, try '--help'.".
+    let lines = stderr
+        .lines()
+        .filter(|line| !line.trim().is_empty() && !line.starts_with("For more information"))
+        .count();
+    assert_eq!(lines, 1, "not one line:\n{stderr}");
+    stderr
+}
+
+#[test]
+fn fractional_sizes_are_exact_or_refused_by_name() {
+    // 1.5G is 1.5 GiB; a fraction that is not a whole number of bytes is refused saying so.
+    let _timer = Timer::new("fractional_sizes_are_exact_or_refused_by_name");
+    let dir = temp_dir();
+    let output = run_timeout(
+        Command::new(bufcache_bin())
+            .args(["serve", "--cache-size", "1.5G", "--prefault=off"])
+            .args([
+                "--backend",
+                "memory:1.5M",
+                "--run",
+                "nbdinfo --size \"$uri\"",
+            ])
+            .current_dir(dir.path()),
+        TIMEOUT,
+    );
+    assert!(output.status.success(), "{}", output_text(&output));
+    if find_tool("nbdinfo").is_some() {
+        assert_eq!(String::from_utf8_lossy(&output.stdout).trim(), "1572864");
+    }
+    let error = one_line_failure(dir.path(), &["serve", "--cache-size", "0.1k"]);
+    assert!(
+        error.contains("0.1k") && error.contains("whole number of bytes"),
+        "{error}"
+    );
+}
+
+#[test]
+fn backend_errors_name_the_backend_once_and_point_the_right_way() {
+    // A missing directory prints the OS error once; an unknown URL scheme is an error, not a
+    // file name; a file the user cannot write suggests -r.
+    let _timer = Timer::new("backend_errors_name_the_backend_once_and_point_the_right_way");
+    let dir = temp_dir();
+    let missing = one_line_failure(
+        dir.path(),
+        &[
+            "serve",
+            "--backend",
+            "no/such/dir.img",
+            "--create-size",
+            "1M",
+        ],
+    );
+    assert_eq!(
+        missing.matches("No such file or directory").count(),
+        1,
+        "{missing}"
+    );
+    assert!(missing.contains("no/such/dir.img"), "{missing}");
+    for (backend, says) in [
+        ("http://example.com/disk", "no `http` backend"),
+        ("nbd:/host", "nbd://"),
+    ] {
+        let error = one_line_failure(dir.path(), &["serve", "--backend", backend]);
+        assert!(
+            error.contains(backend) && error.contains(says),
+            "{backend}: {error}"
+        );
+        assert!(!dir.path().join(backend).exists());
+    }
+
+    // Unwritable: as root permissions do not apply, so drop to nobody with setpriv.
+    let image = dir.path().join("ro.img");
+    std::fs::write(&image, vec![0u8; 1 << 20]).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&image, std::fs::Permissions::from_mode(0o444)).unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let mut command = if root {
+        if find_tool("setpriv").is_none() {
+            eprintln!("SKIP the read-only part: setpriv is missing");
+            return;
+        }
+        let mut command = Command::new(tool("setpriv"));
+        command
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(bufcache_bin());
+        command
+    } else {
+        Command::new(bufcache_bin())
+    };
+    command
+        .args(["serve", "--backend"])
+        .arg(&image)
+        .current_dir("/");
+    let error = failure_of(command);
+    assert!(
+        error.contains("ro.img") && error.contains("-r (--read-only)"),
+        "{error}"
+    );
+    assert_eq!(error.matches("Permission denied").count(), 1, "{error}");
+}
+
+#[test]
+fn trace_errors_name_the_file_show_a_working_example_and_print_no_raw_bytes() {
+    // A CSV without obj-id-col names the file and shows --trace-options that work (checked by
+    // running them); a binary file read as text shows only printable characters; a file that
+    // cannot be read is not told to pass --format.
+    let _timer =
+        Timer::new("trace_errors_name_the_file_show_a_working_example_and_print_no_raw_bytes");
+    let dir = temp_dir();
+    std::fs::write(
+        dir.path().join("t.csv"),
+        "time,id,size,op\n1,10,4096,r\n2,11,4096,w\n",
+    )
+    .unwrap();
+    let error = one_line_failure(dir.path(), &["replay", "t.csv", "--cache-size", "1M"]);
+    assert!(error.contains("t.csv"), "{error}");
+    let example = error
+        .split("--trace-options \"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .unwrap_or_else(|| panic!("no --trace-options example: {error}"));
+    run_ok(
+        Command::new(bufcache_bin())
+            .args([
+                "replay",
+                "t.csv",
+                "--cache-size",
+                "1M",
+                "--trace-options",
+                example,
+            ])
+            .current_dir(dir.path()),
+        TIMEOUT,
+    );
+
+    let binary: Vec<u8> = (0..4096u32)
+        .map(|index| (index * 7919 % 251) as u8)
+        .collect();
+    std::fs::write(dir.path().join("b.trace"), &binary).unwrap();
+    let error = one_line_failure(
+        dir.path(),
+        &["replay", "b.trace", "--format", "fio", "--cache-size", "1M"],
+    );
+    assert!(error.contains("b.trace"), "{error}");
+    assert!(
+        error
+            .chars()
+            .all(|c| c == '\n' || c == ' ' || c.is_ascii_graphic()),
+        "raw bytes in the error: {error:?}"
+    );
+
+    let error = one_line_failure(
+        dir.path(),
+        &["replay", "no-such.trace", "--cache-size", "1M"],
+    );
+    assert!(
+        error.contains("no-such.trace") && !error.contains("--format"),
+        "{error}"
+    );
+}
+
+#[test]
+fn under_tls_require_the_start_up_hint_is_an_nbds_uri_that_connects() {
+    // The "try: nbdinfo URI" hint must work as printed when TLS is required: the nbds scheme
+    // with the PSK file and username. Method: the --run command connects with the same URI.
+    let _timer = Timer::new("under_tls_require_the_start_up_hint_is_an_nbds_uri_that_connects");
+    if !have_tools("tls_hint", &["psktool", "nbdinfo"]) {
+        return;
+    }
+    let dir = temp_dir();
+    let keys = dir.path().join("keys.psk");
+    run_ok(
+        Command::new("psktool")
+            .args(["-u", "alice", "-p"])
+            .arg(&keys),
+        TIMEOUT,
+    );
+    let port = free_tcp_port().to_string();
+    let output = run_timeout(
+        Command::new(bufcache_bin())
+            .args(["serve", "--backend", "memory:1M", "-p", &port])
+            .args(["--tls=require", "--tls-psk"])
+            .arg(&keys)
+            .args(["--run", "nbdinfo --size \"$uri\""])
+            .current_dir(dir.path()),
+        TIMEOUT,
+    );
+    let text = output_text(&output);
+    assert!(output.status.success(), "{text}");
+    assert_eq!(String::from_utf8_lossy(&output.stdout).trim(), "1048576");
+    let expected = format!(
+        "nbds://alice@127.0.0.1:{port}/?tls-psk-file={}",
+        keys.display()
+    );
+    assert!(
+        text.contains(&format!("try: nbdinfo '{expected}'")),
+        "{text}"
+    );
+}
