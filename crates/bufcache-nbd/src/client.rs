@@ -40,6 +40,14 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the handshake may take before the connect fails.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How long the server may leave requests unanswered (no byte of any reply arriving) or
+/// leave a request unread (no byte of it taken) before the connection is declared dead and
+/// every request in flight fails: a server that stopped answering must not hold the cache's
+/// write-back (and so every writer waiting for space) for ever. As long as the cache waits
+/// for space at most (`space_wait_max`, 30 s by default), so a write fails in about that
+/// time plus one reconnect (see docs/reliability.md).
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Largest range one payload-less request (TRIM, WRITE_ZEROES, CACHE, BLOCK_STATUS) covers.
 /// The maximum block size limits data payloads only; splitting these at it would turn one
 /// hole punch into many partial ones. 1 GiB keeps each request's work bounded and is a
@@ -332,8 +340,11 @@ struct Shared {
     uri: String,
     /// Never yields while it waits: every thread with a request in flight sends through it.
     writer: SleepingMutex<Stream>,
-    /// A handle on the socket used only to shut it down, so that never waits for a writer.
+    /// A handle on the socket used only to shut it down (so that never waits for a writer)
+    /// and to change its timeouts.
     control: Stream,
+    /// The reply timeout in milliseconds (see [`REPLY_TIMEOUT`]), for messages.
+    reply_timeout_ms: AtomicU64,
     pending: Mutex<PendingTable>,
     next_handle: AtomicU64,
     info: ExportInfo,
@@ -420,7 +431,8 @@ impl NbdClient {
         let info = client_handshake::negotiate(&mut stream, &parsed.export_name, tls)
             .map_err(handshake_error)?;
         stream
-            .set_read_timeout(None)
+            .set_read_timeout(Some(REPLY_TIMEOUT))
+            .and_then(|()| stream.set_write_timeout(Some(REPLY_TIMEOUT)))
             .map_err(|error| handshake_error(error.into()))?;
         tracing::info!(uri, size_bytes = info.size_bytes, "connected to NBD server");
         Self::start(uri.to_string(), stream, info).map_err(connect_error)
@@ -433,6 +445,7 @@ impl NbdClient {
             uri,
             writer: SleepingMutex::new(stream),
             control,
+            reply_timeout_ms: AtomicU64::new(REPLY_TIMEOUT.as_millis() as u64),
             pending: Mutex::new(PendingTable::default()),
             next_handle: AtomicU64::new(1),
             info,
@@ -446,6 +459,20 @@ impl NbdClient {
             reader: Mutex::new(Some(reader)),
             flushes: FlushGroup::new(),
         })
+    }
+
+    /// Changes how long the server may leave requests unanswered (default [`REPLY_TIMEOUT`])
+    /// before the connection is declared dead and every request in flight fails.
+    pub fn set_reply_timeout(&self, timeout: Duration) -> io::Result<()> {
+        assert!(
+            !timeout.is_zero(),
+            "a reply timeout of zero would never expire"
+        );
+        self.shared
+            .reply_timeout_ms
+            .store(timeout.as_millis() as u64, Ordering::Relaxed);
+        self.shared.control.set_read_timeout(Some(timeout))?;
+        self.shared.control.set_write_timeout(Some(timeout))
     }
 
     /// The URI this client was connected with.
@@ -1028,13 +1055,31 @@ fn reader_loop(stream: Stream, shared: &Shared) {
 /// Reads one simple reply or structured chunk and applies it to its slot.
 fn read_one_reply(stream: &mut ReplyStream, shared: &Shared) -> Result<(), String> {
     let mut magic = [0u8; 4];
-    stream.read_exact(&mut magic).map_err(|error| {
-        if error.kind() == io::ErrorKind::UnexpectedEof {
-            "the server closed the connection".to_string()
-        } else {
-            format!("reading a reply failed: {error}")
+    let mut received = 0;
+    // The socket's receive timeout is REPLY_TIMEOUT: running out between replies is fine
+    // while nothing is in flight, and the end of the connection otherwise.
+    while received < magic.len() {
+        match stream.read(&mut magic[received..]) {
+            Ok(0) => return Err("the server closed the connection".to_string()),
+            Ok(count) => received += count,
+            Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                let waiting = shared.pending.lock().slots.len();
+                if received > 0 || waiting > 0 {
+                    let timeout_ms = shared.reply_timeout_ms.load(Ordering::Relaxed);
+                    return Err(format!(
+                        "the server sent nothing for the reply timeout ({timeout_ms} ms) with {waiting} request(s) waiting for replies"
+                    ));
+                }
+            }
+            Err(error) => return Err(format!("reading a reply failed: {error}")),
         }
-    })?;
+    }
     match be_u32(&magic) {
         SIMPLE_REPLY_MAGIC => read_simple_reply(stream, shared),
         STRUCTURED_REPLY_MAGIC => read_structured_chunk(stream, shared),

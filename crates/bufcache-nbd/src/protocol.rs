@@ -234,6 +234,11 @@ impl Errno {
             io::ErrorKind::InvalidInput => Errno::Invalid,
             io::ErrorKind::OutOfMemory => Errno::NoMemory,
             io::ErrorKind::Unsupported => Errno::NotSupported,
+            // A device's ENOSPC, EDQUOT or EFBIG keeps its kind through the engine's errors
+            // (which carry no OS code): the client hears "no space", as from nbdkit.
+            io::ErrorKind::StorageFull
+            | io::ErrorKind::QuotaExceeded
+            | io::ErrorKind::FileTooLarge => Errno::NoSpace,
             _ => Errno::Io,
         }
     }
