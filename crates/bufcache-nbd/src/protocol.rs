@@ -209,7 +209,9 @@ impl Errno {
             Errno::NoMemory => io::ErrorKind::OutOfMemory,
             Errno::NotSupported => io::ErrorKind::Unsupported,
             Errno::Shutdown => io::ErrorKind::ConnectionAborted,
-            Errno::Io | Errno::NoSpace | Errno::Other(_) => io::ErrorKind::Other,
+            // Kept as a kind, so an upstream's ENOSPC reaches our own clients as ENOSPC.
+            Errno::NoSpace => io::ErrorKind::StorageFull,
+            Errno::Io | Errno::Other(_) => io::ErrorKind::Other,
         }
     }
 
