@@ -340,8 +340,7 @@ struct Shared {
     uri: String,
     /// Never yields while it waits: every thread with a request in flight sends through it.
     writer: SleepingMutex<Stream>,
-    /// A handle on the socket used only to shut it down (so that never waits for a writer)
-    /// and to change its timeouts.
+    /// A handle on the socket used only to shut it down, so that never waits for a writer.
     control: Stream,
     /// The reply timeout in milliseconds (see [`REPLY_TIMEOUT`]), for messages.
     reply_timeout_ms: AtomicU64,
@@ -400,6 +399,20 @@ impl NbdClient {
     /// Connects to `uri` (`nbd://HOST[:PORT]/EXPORT` or `nbd+unix:///EXPORT?socket=PATH`)
     /// and completes the handshake.
     pub fn connect(uri: &str) -> Result<NbdClient, ClientError> {
+        Self::connect_with_reply_timeout(uri, REPLY_TIMEOUT)
+    }
+
+    /// [`NbdClient::connect`] with another reply timeout than [`REPLY_TIMEOUT`]: how long the
+    /// server may leave requests unanswered before the connection is declared dead and
+    /// every request in flight fails.
+    pub fn connect_with_reply_timeout(
+        uri: &str,
+        reply_timeout: Duration,
+    ) -> Result<NbdClient, ClientError> {
+        assert!(
+            !reply_timeout.is_zero(),
+            "a reply timeout of zero would never expire"
+        );
         let parsed: NbdUri = uri.parse()?;
         let connect_error = |source| ClientError::Connect {
             uri: uri.to_string(),
@@ -431,21 +444,26 @@ impl NbdClient {
         let info = client_handshake::negotiate(&mut stream, &parsed.export_name, tls)
             .map_err(handshake_error)?;
         stream
-            .set_read_timeout(Some(REPLY_TIMEOUT))
-            .and_then(|()| stream.set_write_timeout(Some(REPLY_TIMEOUT)))
+            .set_read_timeout(Some(reply_timeout))
+            .and_then(|()| stream.set_write_timeout(Some(reply_timeout)))
             .map_err(|error| handshake_error(error.into()))?;
         tracing::info!(uri, size_bytes = info.size_bytes, "connected to NBD server");
-        Self::start(uri.to_string(), stream, info).map_err(connect_error)
+        Self::start(uri.to_string(), stream, info, reply_timeout).map_err(connect_error)
     }
 
-    fn start(uri: String, stream: Stream, info: ExportInfo) -> io::Result<NbdClient> {
+    fn start(
+        uri: String,
+        stream: Stream,
+        info: ExportInfo,
+        reply_timeout: Duration,
+    ) -> io::Result<NbdClient> {
         let reader_stream = stream.try_clone()?;
         let control = stream.try_clone()?;
         let shared = Arc::new(Shared {
             uri,
             writer: SleepingMutex::new(stream),
             control,
-            reply_timeout_ms: AtomicU64::new(REPLY_TIMEOUT.as_millis() as u64),
+            reply_timeout_ms: AtomicU64::new(reply_timeout.as_millis() as u64),
             pending: Mutex::new(PendingTable::default()),
             next_handle: AtomicU64::new(1),
             info,
@@ -459,20 +477,6 @@ impl NbdClient {
             reader: Mutex::new(Some(reader)),
             flushes: FlushGroup::new(),
         })
-    }
-
-    /// Changes how long the server may leave requests unanswered (default [`REPLY_TIMEOUT`])
-    /// before the connection is declared dead and every request in flight fails.
-    pub fn set_reply_timeout(&self, timeout: Duration) -> io::Result<()> {
-        assert!(
-            !timeout.is_zero(),
-            "a reply timeout of zero would never expire"
-        );
-        self.shared
-            .reply_timeout_ms
-            .store(timeout.as_millis() as u64, Ordering::Relaxed);
-        self.shared.control.set_read_timeout(Some(timeout))?;
-        self.shared.control.set_write_timeout(Some(timeout))
     }
 
     /// The URI this client was connected with.

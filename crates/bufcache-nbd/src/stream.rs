@@ -61,6 +61,17 @@ impl Stream {
         }
     }
 
+    /// Bytes received and not read yet (FIONREAD).
+    pub fn readable_bytes(&self) -> io::Result<usize> {
+        let mut bytes: libc::c_int = 0;
+        // SAFETY: FIONREAD writes one c_int into `bytes`; the descriptor is open.
+        let result = unsafe { libc::ioctl(self.descriptor(), libc::FIONREAD, &mut bytes) };
+        if result < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(bytes.max(0) as usize)
+    }
+
     /// Makes the socket's close abortive (SO_LINGER 0, a TCP reset): replies queued for a
     /// client that stopped reading are dropped at once instead of holding kernel memory,
     /// and the client learns at once that it was cut off. Nothing for a unix socket.

@@ -100,6 +100,11 @@ pub(crate) enum TransmissionError {
     Io(#[from] io::Error),
     #[error("request magic is wrong; the stream cannot be resynchronised")]
     RequestMagic,
+    #[error("a WRITE of {length_bytes} bytes waited for the in-flight budget for the stall timeout ({stall_timeout:?}) while its payload was not being sent")]
+    PayloadStalledInQueue {
+        length_bytes: u32,
+        stall_timeout: Duration,
+    },
     #[error("a request header stalled: only {received_bytes} of its 32 bytes arrived within the stall timeout ({stall_timeout:?})")]
     HeaderStalled {
         received_bytes: usize,
@@ -698,7 +703,32 @@ fn read_request(
     // busy (never evicted as idle), also while it waits for the budget or its payload.
     let cost_bytes = request_cost(&header, connection.limits.request_size_max);
     let connection_idle = connection.inflight.charge(cost_bytes);
-    connection.budget.acquire(cost_bytes, connection_idle);
+    let stall_timeout = connection.limits.stall_timeout;
+    let mut give_up = |waited: Duration| {
+        if connection.broken.load(Ordering::Acquire) {
+            return true;
+        }
+        if header.command != CMD_WRITE || waited < stall_timeout {
+            return false;
+        }
+        let wanted = (header.length as usize).min(PAYLOAD_PROBE_BYTES);
+        let buffered = stream.buffer().len();
+        let available = stream
+            .get_ref()
+            .readable_bytes()
+            .map_or(usize::MAX, |bytes| buffered + bytes);
+        available < wanted
+    };
+    if !connection
+        .budget
+        .acquire(cost_bytes, connection_idle, &mut give_up)
+    {
+        connection.inflight.release(cost_bytes);
+        return Err(Err(TransmissionError::PayloadStalledInQueue {
+            length_bytes: header.length,
+            stall_timeout,
+        }));
+    }
     let validated = connection.validate(&header);
     let quick = validated.is_ok() && connection.is_quick(&header);
     if quick && header.command == CMD_WRITE && header.length <= connection.limits.request_size_max {
@@ -1586,12 +1616,32 @@ struct BudgetState {
     /// The request whose turn it is costs more than the shared part and waits for an empty
     /// budget: small requests wait behind it instead of using the headroom.
     oversized_waiting: bool,
+    /// Tickets whose requests left the queue before their turn; skipped when it comes.
+    abandoned_tickets: std::collections::BTreeSet<u64>,
     next_ticket: u64,
     serving_ticket: u64,
 }
 
 /// The share of the server budget kept for small requests of idle connections: 1/this.
 const HEADROOM_FRACTION: u64 = 4;
+
+/// How often a request waiting in order for the budget asks whether to give up.
+const GIVE_UP_CHECK_INTERVAL: Duration = Duration::from_millis(250);
+
+/// A WRITE waiting for the budget whose connection has not even this much of its payload
+/// (or all of it, if shorter) buffered after a stall timeout is stalled: a client that is
+/// sending fills the socket's receive buffer, which holds more, while it waits.
+const PAYLOAD_PROBE_BYTES: usize = 64 << 10;
+
+impl BudgetState {
+    /// Passes the turn to the next ticket still waiting.
+    fn advance_serving_ticket(&mut self) {
+        self.serving_ticket += 1;
+        while self.abandoned_tickets.remove(&self.serving_ticket) {
+            self.serving_ticket += 1;
+        }
+    }
+}
 
 impl ServerBudget {
     /// A budget of `limit_bytes` for a server of at most `connections_max` serving
@@ -1631,8 +1681,16 @@ impl ServerBudget {
 
     /// Waits for room, then reserves `cost_bytes`: at once from the headroom when the
     /// request is small and its connection has nothing else in flight
-    /// (`connection_idle`), else in arrival order below the headroom.
-    pub(crate) fn acquire(&self, cost_bytes: u64, connection_idle: bool) {
+    /// (`connection_idle`), else in arrival order below the headroom. While it waits in
+    /// order, `give_up` is asked now and then how long it has waited; when it says so the
+    /// request leaves the queue unreserved (false), so a stalled request does not hold the
+    /// line for the requests behind it.
+    pub(crate) fn acquire(
+        &self,
+        cost_bytes: u64,
+        connection_idle: bool,
+        give_up: &mut dyn FnMut(Duration) -> bool,
+    ) -> bool {
         let mut state = self.state.lock();
         if connection_idle && cost_bytes <= self.headroom_cost_bytes_max {
             // Fits at once unless a single request larger than everything but the headroom
@@ -1646,24 +1704,43 @@ impl ServerBudget {
                 self.changed.wait(&mut state);
             }
             state.reserved_bytes += cost_bytes;
-            return;
+            return true;
         }
         let shared_limit_bytes = self.limit_bytes - self.headroom_bytes;
         let ticket = state.next_ticket;
         state.next_ticket += 1;
+        let started = std::time::Instant::now();
+        let mut next_check = started + GIVE_UP_CHECK_INTERVAL;
         while ticket != state.serving_ticket
             || (state.reserved_bytes != 0 && state.reserved_bytes + cost_bytes > shared_limit_bytes)
         {
             if ticket == state.serving_ticket && cost_bytes > shared_limit_bytes {
                 state.oversized_waiting = true;
             }
-            self.changed.wait(&mut state);
+            // Woken by every release, so the check is by the clock, not by a timed-out wait.
+            self.changed.wait_until(&mut state, next_check);
+            let now = std::time::Instant::now();
+            if now < next_check {
+                continue;
+            }
+            next_check = now + GIVE_UP_CHECK_INTERVAL;
+            if give_up(now - started) {
+                if ticket == state.serving_ticket {
+                    state.oversized_waiting = false;
+                    state.advance_serving_ticket();
+                } else {
+                    state.abandoned_tickets.insert(ticket);
+                }
+                self.changed.notify_all();
+                return false;
+            }
         }
         state.oversized_waiting = false;
         state.reserved_bytes += cost_bytes;
-        state.serving_ticket += 1;
+        state.advance_serving_ticket();
         // The next ticket holder may fit too.
         self.changed.notify_all();
+        true
     }
 
     pub(crate) fn release(&self, cost_bytes: u64) {
@@ -1693,13 +1770,13 @@ mod tests {
     #[test]
     fn server_budget_blocks_until_released_and_never_deadlocks_on_large_requests() {
         let budget = Arc::new(ServerBudget::new(100, 1));
-        budget.acquire(70, false);
+        budget.acquire(70, false, &mut |_| false);
         let granted = Arc::new(AtomicBool::new(false));
         let waiter = {
             let budget = Arc::clone(&budget);
             let granted = Arc::clone(&granted);
             std::thread::spawn(move || {
-                budget.acquire(60, false);
+                budget.acquire(60, false, &mut |_| false);
                 granted.store(true, Ordering::Release);
             })
         };
@@ -1710,7 +1787,7 @@ mod tests {
         waiter.join().unwrap();
         assert_eq!(budget.reserved_bytes(), 60);
         budget.release(60);
-        budget.acquire(500, false);
+        budget.acquire(500, false, &mut |_| false);
         assert_eq!(budget.reserved_bytes(), 500);
         budget.release(500);
     }
@@ -1724,16 +1801,16 @@ mod tests {
     #[test]
     fn small_requests_of_idle_connections_use_the_headroom_past_stalled_ones() {
         let budget = Arc::new(ServerBudget::new(1 << 20, 4));
-        budget.acquire(700 << 10, false);
+        budget.acquire(700 << 10, false, &mut |_| false);
         let waiting = {
             let budget = Arc::clone(&budget);
-            std::thread::spawn(move || budget.acquire(100 << 10, false))
+            std::thread::spawn(move || budget.acquire(100 << 10, false, &mut |_| false))
         };
         while budget.state.lock().next_ticket < 2 {
             std::thread::yield_now();
         }
         for _ in 0..4 {
-            budget.acquire(64 << 10, true);
+            budget.acquire(64 << 10, true, &mut |_| false);
         }
         assert_eq!(budget.reserved_bytes(), (700 + 4 * 64) << 10);
         assert!(
@@ -1741,7 +1818,7 @@ mod tests {
             "the large one waits below the headroom"
         );
         budget.release(700 << 10);
-        waiting.join().unwrap();
+        assert!(waiting.join().unwrap());
         for _ in 0..4 {
             budget.release(64 << 10);
         }

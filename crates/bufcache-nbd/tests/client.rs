@@ -628,8 +628,8 @@ fn an_upstream_that_never_answers_fails_requests_after_the_reply_timeout() {
     let Some(nbdkit) = Nbdkit::start(&["--filter=delay", "memory", "16M", "delay-write=60"]) else {
         return;
     };
-    let client = NbdClient::connect(&nbdkit.uri()).unwrap();
-    client.set_reply_timeout(Duration::from_secs(1)).unwrap();
+    let client =
+        NbdClient::connect_with_reply_timeout(&nbdkit.uri(), Duration::from_secs(1)).unwrap();
     let started = Instant::now();
     let error = client
         .write(0, b"never answered")
