@@ -40,12 +40,12 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the handshake may take before the connect fails.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// How long the server may leave requests unanswered (no byte of any reply arriving) or
-/// leave a request unread (no byte of it taken) before the connection is declared dead and
-/// every request in flight fails: a server that stopped answering must not hold the cache's
-/// write-back (and so every writer waiting for space) for ever. As long as the cache waits
-/// for space at most (`space_wait_max`, 30 s by default), so a write fails in about that
-/// time plus one reconnect (see docs/reliability.md).
+/// How long the server may leave requests unanswered (no byte of any reply arriving; the
+/// connection is declared dead between one and two of these after the oldest request was
+/// sent) or leave a request unread (no byte of it taken) before every request in flight
+/// fails: a server that stopped answering must not hold the cache's write-back (and so every
+/// writer waiting for space) for ever. As long as the cache waits for space at most
+/// (`space_wait_max`, 30 s by default); see docs/operations.md for the whole bound.
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Largest range one payload-less request (TRIM, WRITE_ZEROES, CACHE, BLOCK_STATUS) covers.
@@ -1060,8 +1060,12 @@ fn reader_loop(stream: Stream, shared: &Shared) {
 fn read_one_reply(stream: &mut ReplyStream, shared: &Shared) -> Result<(), String> {
     let mut magic = [0u8; 4];
     let mut received = 0;
-    // The socket's receive timeout is REPLY_TIMEOUT: running out between replies is fine
-    // while nothing is in flight, and the end of the connection otherwise.
+    // The socket's receive timeout is the reply timeout. Running out of it between replies is
+    // fine while nothing is in flight. With requests waiting it ends the connection only the
+    // second time in a row: a request sent just before the first time ran out has not waited
+    // a whole timeout, one pending across a whole quiet timeout has. So a silent server is
+    // declared dead between one and two reply timeouts after the oldest request was sent.
+    let mut quiet_with_requests_waiting = false;
     while received < magic.len() {
         match stream.read(&mut magic[received..]) {
             Ok(0) => return Err("the server closed the connection".to_string()),
@@ -1074,12 +1078,13 @@ fn read_one_reply(stream: &mut ReplyStream, shared: &Shared) -> Result<(), Strin
                 ) =>
             {
                 let waiting = shared.pending.lock().slots.len();
-                if received > 0 || waiting > 0 {
+                if received > 0 || (waiting > 0 && quiet_with_requests_waiting) {
                     let timeout_ms = shared.reply_timeout_ms.load(Ordering::Relaxed);
                     return Err(format!(
                         "the server sent nothing for the reply timeout ({timeout_ms} ms) with {waiting} request(s) waiting for replies"
                     ));
                 }
+                quiet_with_requests_waiting = waiting > 0;
             }
             Err(error) => return Err(format!("reading a reply failed: {error}")),
         }
