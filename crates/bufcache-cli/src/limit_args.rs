@@ -1,5 +1,5 @@
 //! `bufcache serve` flags that bound what clients can hold: connections (serving and still
-//! negotiating), how long a handshake or an idle connection may last, and the one in-flight
+//! negotiating), how long a handshake, an idle connection or a stalled request may last, and the one in-flight
 //! byte budget all connections share; and which TCP peers may connect at all. Values are checked by clap, so a bad one is refused at
 //! start-up with the flag's name and exit status 2.
 
@@ -17,6 +17,14 @@ pub const DEFAULT_HANDSHAKE_CONNECTIONS_MAX: u32 = 64;
 pub const DEFAULT_HANDSHAKE_CONNECTIONS_PER_PEER_MAX: u32 = 16;
 /// Default of `--handshake-timeout`, in seconds.
 pub const DEFAULT_HANDSHAKE_TIMEOUT_SECONDS: f64 = 10.0;
+/// Default of `--idle-timeout`, in seconds (see `bufcache_nbd::DEFAULT_IDLE_TIMEOUT`).
+pub const DEFAULT_IDLE_TIMEOUT_SECONDS: f64 = 3600.0;
+/// Default of `--stall-timeout`, in seconds (see `bufcache_nbd::DEFAULT_STALL_TIMEOUT`).
+pub const DEFAULT_STALL_TIMEOUT_SECONDS: f64 = 5.0;
+const _: () =
+    assert!(DEFAULT_IDLE_TIMEOUT_SECONDS as u64 == bufcache_nbd::DEFAULT_IDLE_TIMEOUT.as_secs());
+const _: () =
+    assert!(DEFAULT_STALL_TIMEOUT_SECONDS as u64 == bufcache_nbd::DEFAULT_STALL_TIMEOUT.as_secs());
 
 /// Connection and memory limits of `bufcache serve`.
 #[derive(Args, Debug)]
@@ -41,10 +49,20 @@ pub struct LimitArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_HANDSHAKE_TIMEOUT_SECONDS,
           value_parser = |text: &str| seconds(text, 0.001, 3600.0))]
     handshake_timeout: f64,
-    /// Disconnect a client with no request in flight and none arriving for SECONDS.
-    /// Default: never.
-    #[arg(long, value_name = "SECONDS", value_parser = |text: &str| seconds(text, 0.001, 604_800.0))]
-    idle_timeout: Option<f64>,
+    /// Disconnect a client with no request in flight and none arriving for SECONDS; 0:
+    /// never. The default hour frees connections whose client vanished without closing
+    /// them; a client idle for longer that must keep its connection (a kernel nbd device
+    /// mounted but unused) needs 0. When --connections-max is reached, the client idle the
+    /// longest is disconnected to admit a new one whatever this says.
+    #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_IDLE_TIMEOUT_SECONDS,
+          value_parser = |text: &str| seconds_or_never(text, 0.001, 604_800.0))]
+    idle_timeout: f64,
+    /// Disconnect a client that holds part of the in-flight budget without progress for
+    /// SECONDS: a WRITE payload or request header that stops arriving, or a reply it does
+    /// not read. A payload must also average 256 KiB/s after the first SECONDS.
+    #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_STALL_TIMEOUT_SECONDS,
+          value_parser = |text: &str| seconds(text, 0.001, 3600.0))]
+    stall_timeout: f64,
     /// Bytes of requests all connections together may have in flight (payloads and reply
     /// buffers). A request that does not fit waits in its socket until replies drain:
     /// clients are slowed, never refused. Default: the cache size, at least twice
@@ -75,6 +93,14 @@ fn seconds(text: &str, minimum: f64, maximum: f64) -> Result<f64, String> {
     Ok(value)
 }
 
+/// Like [`seconds`], but 0 is accepted too (meaning never).
+fn seconds_or_never(text: &str, minimum: f64, maximum: f64) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(0.0) => Ok(0.0),
+        _ => seconds(text, minimum, maximum),
+    }
+}
+
 impl LimitArgs {
     /// Applies the limits to `config`; `cache_bytes` is the cache size, which the in-flight
     /// budget defaults to, so memory stays within about twice the cache size however many
@@ -86,7 +112,10 @@ impl LimitArgs {
         config.handshake_connections_per_peer_max =
             self.handshake_connections_per_peer_max as usize;
         config.handshake_timeout = Duration::from_secs_f64(self.handshake_timeout);
-        config.idle_timeout = self.idle_timeout.map(Duration::from_secs_f64);
+        config.idle_timeout = Some(self.idle_timeout)
+            .filter(|&seconds| seconds > 0.0)
+            .map(Duration::from_secs_f64);
+        config.stall_timeout = Duration::from_secs_f64(self.stall_timeout);
         config.access.allow = self.allow.clone();
         config.access.deny = self.deny.clone();
         let request_size_max = u64::from(config.request_size_max);

@@ -706,3 +706,61 @@ fn upstream_recovering_during_shutdown_loses_nothing() {
         MIB,
     );
 }
+
+/// Goal: a full backend reaches the client as ENOSPC, as nbdkit reports it, not as EIO, and
+/// the operator sees it at the default log level, once per connection rather than once per
+/// request (issue #32: EIO, and nothing logged). Method: nbdkit's error filter answers every
+/// upstream write with ENOSPC; a write lands in the cache, and the FLUSHes that write it back
+/// must fail with ENOSPC; the server's log (default verbosity) holds one request-failure
+/// warning for the connection, naming ENOSPC.
+#[test]
+fn a_full_upstream_reaches_the_client_as_enospc_with_one_warning() {
+    let _timer = Timer::new("a_full_upstream_reaches_the_client_as_enospc_with_one_warning");
+    if !have_nbdkit("enospc", "memory", &["error"]) {
+        return;
+    }
+    let dir = temp_dir();
+    let full = Trigger::new(dir.path().join("full"));
+    let args: Vec<String> = [
+        "--filter=error",
+        "memory",
+        "8M",
+        "error-pwrite=ENOSPC",
+        "error-pwrite-rate=100%",
+    ]
+    .iter()
+    .map(|arg| arg.to_string())
+    .chain([format!("error-pwrite-file={}", full.path.display())])
+    .collect();
+    let upstream = Nbdkit::start(dir.path(), "upstream", &args);
+    let mut server = serve_over(dir.path(), &upstream, &["--cache-size", "8M"]);
+    let client = connect(&server.uri());
+    full.arm();
+    client.write(0, &random_bytes(64 << 10, 7)).unwrap();
+    for attempt in 0..3 {
+        let error = client
+            .flush()
+            .expect_err("FLUSH onto a full upstream fails");
+        assert_eq!(
+            errno_of(&error),
+            Some(Errno::NoSpace),
+            "FLUSH {attempt}: expected ENOSPC, got: {error}"
+        );
+    }
+    full.disarm();
+    let _ = client.flush();
+    client.flush().expect("FLUSH once the upstream has room");
+    let log = server.log_text();
+    let warnings: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains("WARN") && line.contains("request failed"))
+        .collect();
+    assert_eq!(
+        warnings.len(),
+        1,
+        "one warning per connection: {warnings:#?}"
+    );
+    assert!(warnings[0].contains("ENOSPC"), "{}", warnings[0]);
+    drop(client);
+    server.stop_clean(Duration::from_secs(30));
+}

@@ -40,6 +40,14 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the handshake may take before the connect fails.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How long the server may leave requests unanswered (no byte of any reply arriving; the
+/// connection is declared dead between one and two of these after the oldest request was
+/// sent) or leave a request unread (no byte of it taken) before every request in flight
+/// fails: a server that stopped answering must not hold the cache's write-back (and so every
+/// writer waiting for space) for ever. As long as the cache waits for space at most
+/// (`space_wait_max`, 30 s by default); see docs/operations.md for the whole bound.
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Largest range one payload-less request (TRIM, WRITE_ZEROES, CACHE, BLOCK_STATUS) covers.
 /// The maximum block size limits data payloads only; splitting these at it would turn one
 /// hole punch into many partial ones. 1 GiB keeps each request's work bounded and is a
@@ -340,6 +348,8 @@ struct Shared {
     writer: SleepingMutex<Stream>,
     /// A handle on the socket used only to shut it down, so that never waits for a writer.
     control: Stream,
+    /// The reply timeout in milliseconds (see [`REPLY_TIMEOUT`]), for messages.
+    reply_timeout_ms: AtomicU64,
     pending: Mutex<PendingTable>,
     next_handle: AtomicU64,
     info: ExportInfo,
@@ -395,6 +405,20 @@ impl NbdClient {
     /// Connects to `uri` (`nbd://HOST[:PORT]/EXPORT` or `nbd+unix:///EXPORT?socket=PATH`)
     /// and completes the handshake.
     pub fn connect(uri: &str) -> Result<NbdClient, ClientError> {
+        Self::connect_with_reply_timeout(uri, REPLY_TIMEOUT)
+    }
+
+    /// [`NbdClient::connect`] with another reply timeout than [`REPLY_TIMEOUT`]: how long the
+    /// server may leave requests unanswered before the connection is declared dead and
+    /// every request in flight fails.
+    pub fn connect_with_reply_timeout(
+        uri: &str,
+        reply_timeout: Duration,
+    ) -> Result<NbdClient, ClientError> {
+        assert!(
+            !reply_timeout.is_zero(),
+            "a reply timeout of zero would never expire"
+        );
         let parsed: NbdUri = uri.parse()?;
         let connect_error = |source| ClientError::Connect {
             uri: uri.to_string(),
@@ -426,19 +450,26 @@ impl NbdClient {
         let info = client_handshake::negotiate(&mut stream, &parsed.export_name, tls)
             .map_err(handshake_error)?;
         stream
-            .set_read_timeout(None)
+            .set_read_timeout(Some(reply_timeout))
+            .and_then(|()| stream.set_write_timeout(Some(reply_timeout)))
             .map_err(|error| handshake_error(error.into()))?;
         tracing::info!(uri, size_bytes = info.size_bytes, "connected to NBD server");
-        Self::start(uri.to_string(), stream, info).map_err(connect_error)
+        Self::start(uri.to_string(), stream, info, reply_timeout).map_err(connect_error)
     }
 
-    fn start(uri: String, stream: Stream, info: ExportInfo) -> io::Result<NbdClient> {
+    fn start(
+        uri: String,
+        stream: Stream,
+        info: ExportInfo,
+        reply_timeout: Duration,
+    ) -> io::Result<NbdClient> {
         let reader_stream = stream.try_clone()?;
         let control = stream.try_clone()?;
         let shared = Arc::new(Shared {
             uri,
             writer: SleepingMutex::new(stream),
             control,
+            reply_timeout_ms: AtomicU64::new(reply_timeout.as_millis() as u64),
             pending: Mutex::new(PendingTable::default()),
             next_handle: AtomicU64::new(1),
             info,
@@ -1034,13 +1065,36 @@ fn reader_loop(stream: Stream, shared: &Shared) {
 /// Reads one simple reply or structured chunk and applies it to its slot.
 fn read_one_reply(stream: &mut ReplyStream, shared: &Shared) -> Result<(), String> {
     let mut magic = [0u8; 4];
-    stream.read_exact(&mut magic).map_err(|error| {
-        if error.kind() == io::ErrorKind::UnexpectedEof {
-            "the server closed the connection".to_string()
-        } else {
-            format!("reading a reply failed: {error}")
+    let mut received = 0;
+    // The socket's receive timeout is the reply timeout. Running out of it between replies is
+    // fine while nothing is in flight. With requests waiting it ends the connection only the
+    // second time in a row: a request sent just before the first time ran out has not waited
+    // a whole timeout, one pending across a whole quiet timeout has. So a silent server is
+    // declared dead between one and two reply timeouts after the oldest request was sent.
+    let mut quiet_with_requests_waiting = false;
+    while received < magic.len() {
+        match stream.read(&mut magic[received..]) {
+            Ok(0) => return Err("the server closed the connection".to_string()),
+            Ok(count) => received += count,
+            Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                let waiting = shared.pending.lock().slots.len();
+                if received > 0 || (waiting > 0 && quiet_with_requests_waiting) {
+                    let timeout_ms = shared.reply_timeout_ms.load(Ordering::Relaxed);
+                    return Err(format!(
+                        "the server sent nothing for the reply timeout ({timeout_ms} ms) with {waiting} request(s) waiting for replies"
+                    ));
+                }
+                quiet_with_requests_waiting = waiting > 0;
+            }
+            Err(error) => return Err(format!("reading a reply failed: {error}")),
         }
-    })?;
+    }
     match be_u32(&magic) {
         SIMPLE_REPLY_MAGIC => read_simple_reply(stream, shared),
         STRUCTURED_REPLY_MAGIC => read_structured_chunk(stream, shared),

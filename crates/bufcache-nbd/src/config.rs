@@ -16,6 +16,22 @@ use ipnet::IpNet;
 
 use crate::protocol::DEFAULT_PORT;
 
+/// Default idle timeout of a connection that finished the handshake: long enough that no
+/// client pausing between bursts of work is closed, short enough that connections left
+/// behind by clients that vanished without a FIN (a crash, a partition) do not stay for
+/// ever. A flood of idle connections is handled by eviction at `connections_max`, not by
+/// this timeout.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// Default stall timeout: a few seconds, far above any round trip a working client has
+/// (a payload or a reply makes progress within milliseconds on any live network), so only
+/// clients that stopped sending or reading reach it.
+pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The average rate, after the first `stall_timeout`, below which a WRITE payload is taken
+/// as a trickle meant to hold the budget: a 32 MiB payload may take 5 s + 128 s.
+pub const PAYLOAD_BYTES_PER_SECOND_MIN: u64 = 256 << 10;
+
 /// Why a network (`--allow`/`--deny` value) was refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error(
@@ -176,8 +192,15 @@ pub struct ServerConfig {
     /// transmission. Default 10 s; 1 ms to 1 hour.
     pub handshake_timeout: Duration,
     /// A connection with no request in flight and none arriving for this long is closed.
-    /// Default none (idle clients stay); 1 ms to 1 week when set.
+    /// Default 1 hour ([`DEFAULT_IDLE_TIMEOUT`]); `None` keeps idle clients forever; 1 ms to
+    /// 1 week when set.
     pub idle_timeout: Option<Duration>,
+    /// How long a connection may hold a share of the in-flight budget without progress: a
+    /// WRITE payload (or the rest of a request header) that does not arrive, or a reply the
+    /// client does not read, for this long closes the connection and releases its share.
+    /// A payload must also arrive at [`PAYLOAD_BYTES_PER_SECOND_MIN`] on average after the
+    /// first `stall_timeout`. Default 5 s ([`DEFAULT_STALL_TIMEOUT`]); 1 ms to 1 hour.
+    pub stall_timeout: Duration,
     /// Which TCP peers may connect. Default: everyone. Unix-socket peers are not judged
     /// (the socket file's permissions decide who reaches it).
     pub access: AccessRules,
@@ -200,7 +223,8 @@ impl Default for ServerConfig {
             handshake_connections_max: 64,
             handshake_connections_per_peer_max: 16,
             handshake_timeout: Duration::from_secs(10),
-            idle_timeout: None,
+            idle_timeout: Some(DEFAULT_IDLE_TIMEOUT),
+            stall_timeout: DEFAULT_STALL_TIMEOUT,
             access: AccessRules::default(),
             tls: crate::tls::TlsConfig::default(),
             export_policies: Vec::new(),
@@ -235,6 +259,8 @@ pub enum ConfigError {
     HandshakeTimeout { value: Duration },
     #[error("idle_timeout: {value:?} is outside the allowed range 1 ms to 1 week")]
     IdleTimeout { value: Duration },
+    #[error("stall_timeout: {value:?} is outside the allowed range 1 ms to 1 hour")]
+    StallTimeout { value: Duration },
 }
 
 impl ServerConfig {
@@ -284,6 +310,11 @@ impl ServerConfig {
         if !timeout_range.contains(&self.handshake_timeout) {
             return Err(ConfigError::HandshakeTimeout {
                 value: self.handshake_timeout,
+            });
+        }
+        if !timeout_range.contains(&self.stall_timeout) {
+            return Err(ConfigError::StallTimeout {
+                value: self.stall_timeout,
             });
         }
         if let Some(idle_timeout) = self.idle_timeout {
@@ -394,5 +425,11 @@ mod tests {
         };
         let message = config.validate().unwrap_err().to_string();
         assert!(message.starts_with("idle_timeout"), "{message}");
+        let config = ServerConfig {
+            stall_timeout: Duration::ZERO,
+            ..ServerConfig::default()
+        };
+        let message = config.validate().unwrap_err().to_string();
+        assert!(message.starts_with("stall_timeout"), "{message}");
     }
 }

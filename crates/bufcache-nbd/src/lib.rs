@@ -32,7 +32,8 @@ pub use client::{ClientError, NbdClient};
 pub use client_handshake::{ExportInfo, HandshakeFailure};
 pub use config::{
     parse_network, AccessRules, ConfigError, ExportPolicy, ListenAddress, ListenAddressError,
-    NetworkError, ServerConfig,
+    NetworkError, ServerConfig, DEFAULT_IDLE_TIMEOUT, DEFAULT_STALL_TIMEOUT,
+    PAYLOAD_BYTES_PER_SECOND_MIN,
 };
 pub use export::{
     never_start_read, read_via_buffer, write_via_buffer, BlockStatusExtent, Export, MemoryExport,

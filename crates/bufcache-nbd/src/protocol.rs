@@ -209,7 +209,9 @@ impl Errno {
             Errno::NoMemory => io::ErrorKind::OutOfMemory,
             Errno::NotSupported => io::ErrorKind::Unsupported,
             Errno::Shutdown => io::ErrorKind::ConnectionAborted,
-            Errno::Io | Errno::NoSpace | Errno::Other(_) => io::ErrorKind::Other,
+            // Kept as a kind, so an upstream's ENOSPC reaches our own clients as ENOSPC.
+            Errno::NoSpace => io::ErrorKind::StorageFull,
+            Errno::Io | Errno::Other(_) => io::ErrorKind::Other,
         }
     }
 
@@ -234,6 +236,11 @@ impl Errno {
             io::ErrorKind::InvalidInput => Errno::Invalid,
             io::ErrorKind::OutOfMemory => Errno::NoMemory,
             io::ErrorKind::Unsupported => Errno::NotSupported,
+            // A device's ENOSPC, EDQUOT or EFBIG keeps its kind through the engine's errors
+            // (which carry no OS code): the client hears "no space", as from nbdkit.
+            io::ErrorKind::StorageFull
+            | io::ErrorKind::QuotaExceeded
+            | io::ErrorKind::FileTooLarge => Errno::NoSpace,
             _ => Errno::Io,
         }
     }

@@ -30,7 +30,7 @@ use crate::export::Export;
 use crate::handshake::{self, ExportTable, Outcome};
 use crate::stream::Stream;
 use crate::tls::TlsServer;
-use crate::transmission::{self, ConnectionLimits, ServerBudget};
+use crate::transmission::{self, ConnectionLimits, InflightBudget, ServerBudget};
 
 /// How long shutdown waits for connections to answer their in-flight requests before it
 /// closes them outright.
@@ -160,7 +160,10 @@ impl Server {
             listeners.extend(bind_address(address)?);
         }
         Ok(BoundServer {
-            budget: Arc::new(ServerBudget::new(self.config.inflight_bytes_max)),
+            budget: Arc::new(ServerBudget::new(
+                self.config.inflight_bytes_max,
+                self.config.connections_max,
+            )),
             config: self.config,
             exports: self.exports,
             tls: self.tls,
@@ -203,7 +206,10 @@ impl Server {
             });
         }
         Ok(BoundServer {
-            budget: Arc::new(ServerBudget::new(self.config.inflight_bytes_max)),
+            budget: Arc::new(ServerBudget::new(
+                self.config.inflight_bytes_max,
+                self.config.connections_max,
+            )),
             config: self.config,
             exports: self.exports,
             tls: self.tls,
@@ -522,11 +528,14 @@ fn serve_connection(
         structured_replies = negotiated.structured_replies,
         "client connected"
     );
-    let cleared = stream
-        .set_read_timeout(None)
-        .and_then(|()| stream.set_write_timeout(None));
-    if let Err(error) = cleared {
-        tracing::warn!(%peer, "cannot clear the handshake timeout: {error}");
+    // From here a connection holds a share of the in-flight budget only while it makes
+    // progress: a read or write waiting longer than the stall timeout ends it (waiting for
+    // the next request to begin excepted, see `transmission`).
+    let stall_timeouts = stream
+        .set_read_timeout(Some(config.stall_timeout))
+        .and_then(|()| stream.set_write_timeout(Some(config.stall_timeout)));
+    if let Err(error) = stall_timeouts {
+        tracing::warn!(%peer, "cannot set the stall timeout: {error}");
         return;
     }
     let limits = ConnectionLimits {
@@ -534,8 +543,10 @@ fn serve_connection(
         connection_inflight_bytes_max: config.connection_inflight_bytes_max,
         workers_max: config.workers_per_connection_max,
         idle_timeout: config.idle_timeout,
+        stall_timeout: config.stall_timeout,
     };
-    match transmission::serve(stream, negotiated, limits, Arc::clone(budget)) {
+    let inflight = Arc::clone(&admission.inflight);
+    match transmission::serve(stream, negotiated, limits, Arc::clone(budget), inflight) {
         Ok(()) => tracing::info!(%peer, export = %export_name, "client disconnected"),
         Err(error) => {
             tracing::warn!(%peer, export = %export_name, "connection closed: {error}")
@@ -563,6 +574,9 @@ struct Entry {
     peer_ip: Option<IpAddr>,
     accepted: Instant,
     phase: Phase,
+    /// The connection's requests in flight, and since when it has had none: when every
+    /// serving slot is taken, the connection idle the longest is evicted.
+    inflight: Arc<InflightBudget>,
 }
 
 type Registry = Arc<Mutex<HashMap<u64, Entry>>>;
@@ -571,6 +585,7 @@ type Registry = Arc<Mutex<HashMap<u64, Entry>>>;
 struct Admission {
     id: u64,
     registry: Registry,
+    inflight: Arc<InflightBudget>,
 }
 
 impl Drop for Admission {
@@ -581,22 +596,47 @@ impl Drop for Admission {
 
 impl Admission {
     /// Moves the connection from the handshake budget to the serving one; false (and the
-    /// connection must end) when every serving slot is taken, or when the connection was
-    /// evicted or timed out meanwhile.
+    /// connection must end) when every serving slot is taken by a connection with requests
+    /// in flight, or when this connection was evicted or timed out meanwhile. When every
+    /// slot is taken, the serving connection idle the longest is closed to make room: an
+    /// idle client can reconnect when it needs to, a new one could not be served at all.
     fn establish(&self, connections_max: usize) -> bool {
         let mut registry = self.registry.lock();
+        if registry.get(&self.id).map(|entry| entry.phase) != Some(Phase::Handshake) {
+            return false;
+        }
         let serving = registry
             .values()
             .filter(|entry| entry.phase == Phase::Serving)
             .count();
-        match registry.get_mut(&self.id) {
-            Some(entry) if entry.phase == Phase::Handshake && serving < connections_max => {
-                entry.phase = Phase::Serving;
-                true
-            }
-            _ => false,
+        if serving >= connections_max && !evict_longest_idle(&mut registry, connections_max) {
+            return false;
         }
+        let entry = registry.get_mut(&self.id).expect("checked above");
+        entry.phase = Phase::Serving;
+        true
     }
+}
+
+/// Closes the serving connection idle the longest (none in flight); false when none is idle.
+fn evict_longest_idle(registry: &mut HashMap<u64, Entry>, connections_max: usize) -> bool {
+    let longest_idle = registry
+        .values_mut()
+        .filter(|entry| entry.phase == Phase::Serving)
+        .filter_map(|entry| entry.inflight.idle_since().map(|since| (since, entry)))
+        .min_by_key(|(since, _)| *since);
+    let Some((since, victim)) = longest_idle else {
+        return false;
+    };
+    tracing::warn!(
+        peer = %victim.peer,
+        idle = ?since.elapsed(),
+        connections_max,
+        "closing the connection idle the longest: every serving slot is taken and a new client finished its handshake"
+    );
+    victim.socket.shutdown_both();
+    victim.phase = Phase::Closing;
+    true
 }
 
 /// Open connections: their threads, and a handle on each socket so shutdown can wake them.
@@ -613,22 +653,30 @@ impl Connections {
     }
 
     /// Decides whether a new connection may start: refused when every serving slot is taken
-    /// (it could not be served anyway). Room in the handshake budget is made by closing the
-    /// oldest connection still negotiating: first among the new peer's own when that address
-    /// already holds `handshake_connections_per_peer_max` of them (so one address flooding
-    /// the server only evicts itself), else among all. Silent or slow clients thus delay
-    /// nobody who finishes the handshake promptly.
+    /// by a connection with requests in flight (it could not be served anyway); when some
+    /// are idle, the one idle the longest makes room once the new one finishes its
+    /// handshake (see [`Admission::establish`]), so silent connections evict nobody. Room
+    /// in the handshake budget is made by closing the oldest connection still negotiating:
+    /// first among the new peer's own when that address already holds
+    /// `handshake_connections_per_peer_max` of them (so one address flooding the server
+    /// only evicts itself), else among all. Silent, slow or idle clients thus delay nobody
+    /// who finishes the handshake promptly.
     fn admit(&self, peer: &str, peer_ip: Option<IpAddr>, config: &ServerConfig) -> bool {
         let mut registry = self.registry.lock();
         let serving = registry
             .values()
             .filter(|entry| entry.phase == Phase::Serving)
             .count();
-        if serving >= config.connections_max {
+        let any_idle = || {
+            registry
+                .values()
+                .any(|entry| entry.phase == Phase::Serving && entry.inflight.idle_since().is_some())
+        };
+        if serving >= config.connections_max && !any_idle() {
             tracing::warn!(
                 %peer,
                 connections_max = config.connections_max,
-                "connection refused: too many connections"
+                "connection refused: too many connections, none of them idle"
             );
             return false;
         }
@@ -694,6 +742,7 @@ impl Connections {
         serve: impl FnOnce(Stream, &Admission) + Send + 'static,
     ) -> io::Result<()> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let inflight = Arc::new(InflightBudget::default());
         self.registry.lock().insert(
             id,
             Entry {
@@ -702,11 +751,13 @@ impl Connections {
                 peer,
                 accepted: Instant::now(),
                 phase: Phase::Handshake,
+                inflight: Arc::clone(&inflight),
             },
         );
         let admission = Admission {
             id,
             registry: Arc::clone(&self.registry),
+            inflight,
         };
         let spawned = std::thread::Builder::new()
             .name(format!("nbd-connection-{id}"))

@@ -61,6 +61,41 @@ impl Stream {
         }
     }
 
+    /// Bytes received and not read yet (FIONREAD).
+    pub fn readable_bytes(&self) -> io::Result<usize> {
+        let mut bytes: libc::c_int = 0;
+        // SAFETY: FIONREAD writes one c_int into `bytes`; the descriptor is open.
+        let result = unsafe { libc::ioctl(self.descriptor(), libc::FIONREAD, &mut bytes) };
+        if result < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(bytes.max(0) as usize)
+    }
+
+    /// Makes the socket's close abortive (SO_LINGER 0, a TCP reset): replies queued for a
+    /// client that stopped reading are dropped at once instead of holding kernel memory,
+    /// and the client learns at once that it was cut off. Nothing for a unix socket.
+    pub fn abort_on_close(&self) {
+        let Stream::Tcp(stream) = self else {
+            return;
+        };
+        let linger = libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        };
+        // SAFETY: setsockopt reads `size_of::<linger>()` bytes from a live `linger` value;
+        // the descriptor is open for the call.
+        unsafe {
+            libc::setsockopt(
+                std::os::unix::io::AsRawFd::as_raw_fd(stream),
+                libc::SOL_SOCKET,
+                libc::SO_LINGER,
+                (&linger as *const libc::linger).cast(),
+                std::mem::size_of::<libc::linger>() as libc::socklen_t,
+            );
+        }
+    }
+
     /// Sends small messages (reply headers) at once instead of waiting to coalesce them:
     /// NBD is request/response, and Nagle's delay would add latency to every request.
     pub fn set_no_delay(&self) {

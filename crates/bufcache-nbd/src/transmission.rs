@@ -42,7 +42,16 @@
 //!   budget is spent the reader waits, leaving the request in the socket, so clients are
 //!   slowed by TCP back-pressure and nothing is refused);
 //! - with an idle timeout, a connection with nothing in flight and nothing arriving for that
-//!   long is closed; a connection with requests in flight is never idle.
+//!   long is closed; a connection with requests in flight is never idle;
+//! - a share of the budget is held only while the connection makes progress: the socket's
+//!   receive and send timeouts are the stall timeout, so a request header or WRITE payload
+//!   that stops arriving, or a reply the client stops reading, ends the connection within
+//!   it and releases every byte the connection held (a payload must also keep an average
+//!   rate, so a trickle cannot hold its share either);
+//! - the last quarter of the server budget (the headroom) is granted only to small requests
+//!   of connections with nothing else in flight, at most one per connection and
+//!   `headroom / connections_max` bytes each, so stalled large requests, however many, never
+//!   keep a prompt client's request waiting.
 
 use std::io::{self, Read};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -79,6 +88,9 @@ pub(crate) struct ConnectionLimits {
     pub(crate) connection_inflight_bytes_max: u64,
     pub(crate) workers_max: usize,
     pub(crate) idle_timeout: Option<Duration>,
+    /// The socket's receive and send timeout during transmission (see the module's
+    /// invariants).
+    pub(crate) stall_timeout: Duration,
 }
 
 /// Why a connection ended abnormally.
@@ -88,6 +100,16 @@ pub(crate) enum TransmissionError {
     Io(#[from] io::Error),
     #[error("request magic is wrong; the stream cannot be resynchronised")]
     RequestMagic,
+    #[error("a WRITE of {length_bytes} bytes waited for the in-flight budget for the stall timeout ({stall_timeout:?}) while its payload was not being sent")]
+    PayloadStalledInQueue {
+        length_bytes: u32,
+        stall_timeout: Duration,
+    },
+    #[error("a request header stalled: only {received_bytes} of its 32 bytes arrived within the stall timeout ({stall_timeout:?})")]
+    HeaderStalled {
+        received_bytes: usize,
+        stall_timeout: Duration,
+    },
     #[error("WRITE of {length_bytes} bytes is far above the {request_size_max} byte maximum")]
     WriteTooLarge {
         length_bytes: u32,
@@ -141,11 +163,15 @@ struct Connection {
     base_allocation: bool,
     transmission_flags: u16,
     limits: ConnectionLimits,
-    inflight: InflightBudget,
+    /// Shared with the server's connection registry, which reads when the connection went
+    /// idle to pick the one to evict when every serving slot is taken.
+    inflight: Arc<InflightBudget>,
     /// The server-wide budget every request's bytes are reserved in as well.
     budget: Arc<ServerBudget>,
     /// Set when a reply could not be written; the reader stops at its next request.
     broken: AtomicBool,
+    /// Set once a request failed in the export and that was logged as a warning.
+    failure_logged: AtomicBool,
     /// Threads started besides the connection's own, and how many wait for the reading role.
     crew: Crew,
     /// Requests accepted, and how many of them were served by the thread holding the reading
@@ -385,6 +411,7 @@ pub(crate) fn serve(
     negotiated: Negotiated,
     limits: ConnectionLimits,
     budget: Arc<ServerBudget>,
+    inflight: Arc<InflightBudget>,
 ) -> Result<(), TransmissionError> {
     let connection = Arc::new(Connection {
         export: negotiated.export,
@@ -400,9 +427,10 @@ pub(crate) fn serve(
         base_allocation: negotiated.base_allocation,
         transmission_flags: negotiated.transmission_flags,
         limits,
-        inflight: InflightBudget::default(),
+        inflight,
         budget,
         broken: AtomicBool::new(false),
+        failure_logged: AtomicBool::new(false),
         crew: Crew {
             handles: Mutex::new(Vec::new()),
         },
@@ -660,12 +688,9 @@ fn read_request(
             return Ok(None);
         }
     }
-    let mut header_bytes = [0u8; REQUEST_HEADER_BYTES];
-    match stream.read_exact(&mut header_bytes) {
-        Ok(()) => {}
-        Err(error) if error.kind() == io::ErrorKind::UnexpectedEof => return Err(Ok(())),
-        Err(error) => return Err(Err(error.into())),
-    }
+    let Some(header_bytes) = read_header(stream, connection.limits.stall_timeout)? else {
+        return Err(Ok(()));
+    };
     let header = RequestHeader::decode(&header_bytes)
         .ok_or(TransmissionError::RequestMagic)
         .map_err(Err)?;
@@ -674,12 +699,39 @@ fn read_request(
     }
     // Reserve the request's bytes server-wide before its payload buffer exists; while the
     // budget is spent the payload stays in the socket.
+    // Charged to the connection first: from its header on, a request makes the connection
+    // busy (never evicted as idle), also while it waits for the budget or its payload.
     let cost_bytes = request_cost(&header, connection.limits.request_size_max);
-    connection.budget.acquire(cost_bytes);
+    let connection_idle = connection.inflight.charge(cost_bytes);
+    let stall_timeout = connection.limits.stall_timeout;
+    let mut give_up = |waited: Duration| {
+        if connection.broken.load(Ordering::Acquire) {
+            return true;
+        }
+        if header.command != CMD_WRITE || waited < stall_timeout {
+            return false;
+        }
+        let wanted = (header.length as usize).min(PAYLOAD_PROBE_BYTES);
+        let buffered = stream.buffer().len();
+        let available = stream
+            .get_ref()
+            .readable_bytes()
+            .map_or(usize::MAX, |bytes| buffered + bytes);
+        available < wanted
+    };
+    if !connection
+        .budget
+        .acquire(cost_bytes, connection_idle, &mut give_up)
+    {
+        connection.inflight.release(cost_bytes);
+        return Err(Err(TransmissionError::PayloadStalledInQueue {
+            length_bytes: header.length,
+            stall_timeout,
+        }));
+    }
     let validated = connection.validate(&header);
     let quick = validated.is_ok() && connection.is_quick(&header);
     if quick && header.command == CMD_WRITE && header.length <= connection.limits.request_size_max {
-        connection.inflight.charge(cost_bytes);
         connection.requests_served.fetch_add(1, Ordering::Relaxed);
         return Ok(Some(Request {
             header,
@@ -693,11 +745,11 @@ fn read_request(
         Ok(Ok(payload)) => payload,
         Ok(Err(refusal)) => {
             connection.send_error(&header, &refusal);
-            connection.budget.release(cost_bytes);
+            connection.release(cost_bytes);
             return Ok(None);
         }
         Err(error) => {
-            connection.budget.release(cost_bytes);
+            connection.release(cost_bytes);
             return Err(Err(error));
         }
     };
@@ -712,10 +764,9 @@ fn read_request(
         );
         connection.send_error(&header, &refusal);
         connection.budget.give_back_payload(payload);
-        connection.budget.release(cost_bytes);
+        connection.release(cost_bytes);
         return Ok(None);
     }
-    connection.inflight.charge(cost_bytes);
     connection.requests_served.fetch_add(1, Ordering::Relaxed);
     Ok(Some(Request {
         header,
@@ -724,6 +775,108 @@ fn read_request(
         quick,
         payload_in_stream: false,
     }))
+}
+
+/// Reads the next request header. `Ok(None)` at end-of-file (also mid-header: the client is
+/// gone). Waiting for a header to begin is not a stall (an idle client holds nothing), but a
+/// header begun and not finished within the stall timeout ends the connection.
+fn read_header(
+    stream: &mut RequestStream,
+    stall_timeout: Duration,
+) -> Result<Option<[u8; REQUEST_HEADER_BYTES]>, Result<(), TransmissionError>> {
+    let mut header_bytes = [0u8; REQUEST_HEADER_BYTES];
+    let mut received_bytes = 0;
+    while received_bytes < REQUEST_HEADER_BYTES {
+        match stream.read(&mut header_bytes[received_bytes..]) {
+            Ok(0) => return Ok(None),
+            Ok(count) => received_bytes += count,
+            Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+            Err(error) if is_timeout(&error) && received_bytes == 0 => {}
+            Err(error) if is_timeout(&error) => {
+                return Err(Err(TransmissionError::HeaderStalled {
+                    received_bytes,
+                    stall_timeout,
+                }))
+            }
+            Err(error) => return Err(Err(error.into())),
+        }
+    }
+    Ok(Some(header_bytes))
+}
+
+/// True for the error a socket read or write gives when its timeout (the stall timeout)
+/// ran out.
+fn is_timeout(error: &io::Error) -> bool {
+    matches!(
+        error.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
+
+/// The socket as a WRITE payload is read from it. Each read waits at most the stall timeout
+/// (the socket's receive timeout), and all reads of one payload together wait at most
+/// `waited_max` (the stall timeout plus the payload's length at
+/// [`crate::config::PAYLOAD_BYTES_PER_SECOND_MIN`]), so a client that stops sending, or
+/// trickles, loses its connection and the payload's share of the budget. Only time spent
+/// waiting for the socket counts, never time the export spends between reads.
+struct PayloadReader<'a> {
+    stream: &'a mut RequestStream,
+    length_bytes: u32,
+    stall_timeout: Duration,
+    waited: Duration,
+    waited_max: Duration,
+}
+
+impl<'a> PayloadReader<'a> {
+    fn new(stream: &'a mut RequestStream, length_bytes: u32, stall_timeout: Duration) -> Self {
+        let trickle_seconds =
+            u64::from(length_bytes) as f64 / crate::config::PAYLOAD_BYTES_PER_SECOND_MIN as f64;
+        PayloadReader {
+            stream,
+            length_bytes,
+            stall_timeout,
+            waited: Duration::ZERO,
+            waited_max: stall_timeout + Duration::from_secs_f64(trickle_seconds),
+        }
+    }
+
+    fn timed(
+        &mut self,
+        read: impl FnOnce(&mut RequestStream) -> io::Result<usize>,
+    ) -> io::Result<usize> {
+        if self.waited > self.waited_max {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "a WRITE payload of {} bytes trickled: it took longer than {:?}",
+                    self.length_bytes, self.waited_max
+                ),
+            ));
+        }
+        let started = std::time::Instant::now();
+        let result = read(self.stream);
+        self.waited += started.elapsed();
+        match result {
+            Err(error) if is_timeout(&error) => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "a WRITE payload of {} bytes stalled: nothing arrived for the stall timeout ({:?})",
+                    self.length_bytes, self.stall_timeout
+                ),
+            )),
+            other => other,
+        }
+    }
+}
+
+impl Read for PayloadReader<'_> {
+    fn read(&mut self, buffer: &mut [u8]) -> io::Result<usize> {
+        self.timed(|stream| stream.read(buffer))
+    }
+
+    fn read_vectored(&mut self, buffers: &mut [io::IoSliceMut<'_>]) -> io::Result<usize> {
+        self.timed(|stream| stream.read_vectored(buffers))
+    }
 }
 
 /// Reads a WRITE payload whole. An oversized payload is skipped (and refused) when that is
@@ -737,6 +890,7 @@ fn read_payload(
         return Ok(Ok(Vec::new()));
     }
     let request_size_max = connection.limits.request_size_max;
+    let mut stream = PayloadReader::new(stream, header.length, connection.limits.stall_timeout);
     if header.length <= request_size_max {
         let mut payload = connection.budget.buffers().take(header.length as usize);
         if let Err(error) = stream.read_exact(&mut payload[..header.length as usize]) {
@@ -897,25 +1051,26 @@ impl Connection {
         let length = u64::from(header.length);
         let fua = header.flags & CMD_FLAG_FUA != 0;
         let mut consumed = 0u64;
-        let mut socket_failed = false;
+        let mut socket_error: Option<io::Error> = None;
+        let mut stream = PayloadReader::new(stream, header.length, self.limits.stall_timeout);
         let result = {
             let mut source = |slices: &mut [io::IoSliceMut<'_>]| {
                 let wanted: u64 = slices.iter().map(|slice| slice.len() as u64).sum();
-                let read = read_exact_vectored(stream, slices);
+                let read = read_exact_vectored(&mut stream, slices);
                 match &read {
                     Ok(()) => consumed += wanted,
-                    Err(_) => socket_failed = true,
+                    Err(error) => {
+                        socket_error = Some(io::Error::new(error.kind(), error.to_string()))
+                    }
                 }
                 read
             };
             self.export
                 .write_from(header.offset, length, fua, &mut source)
         };
-        let outcome = if socket_failed {
-            Err(match result {
-                Err(error) => error.into(),
-                Ok(()) => io::Error::from(io::ErrorKind::UnexpectedEof).into(),
-            })
+        let outcome = if let Some(error) = socket_error {
+            drop(result);
+            Err(error.into())
         } else {
             let skipped = io::copy(
                 &mut stream.by_ref().take(length - consumed),
@@ -1000,7 +1155,7 @@ impl Connection {
                     }
                 }
                 Err(error) => {
-                    tracing::debug!("reply could not be written, closing the connection: {error}");
+                    self.reply_failed(Some(&writer.stream), &error);
                     self.broken.store(true, Ordering::Release);
                     writer.stream.shutdown_both();
                 }
@@ -1064,7 +1219,7 @@ impl Connection {
         if !writer.tail.is_empty() {
             let tail = std::mem::take(&mut writer.tail);
             if let Err(error) = write_all_vectored(&mut writer.stream, &[&tail]) {
-                tracing::debug!("reply could not be written, closing the connection: {error}");
+                self.reply_failed(Some(&writer.stream), &error);
                 self.broken.store(true, Ordering::Release);
                 writer.stream.shutdown_both();
                 return Err(error);
@@ -1127,7 +1282,7 @@ impl Connection {
             (Err(error), false) => self.send_io_error(header, &error),
             (Err(error), true) => {
                 // The reply itself failed part-way: the stream cannot be resynchronised.
-                tracing::debug!("reply could not be written, closing the connection: {error}");
+                self.reply_failed(None, &error);
                 self.break_connection();
             }
         }
@@ -1194,9 +1349,27 @@ impl Connection {
             },
         };
         if let Err(error) = write_all_vectored(&mut writer.stream, &[&rest]) {
+            self.reply_failed(Some(&writer.stream), &error);
             drop(writer);
-            tracing::debug!("reply could not be written, closing the connection: {error}");
             self.break_connection();
+        }
+    }
+
+    /// Logs why a reply could not be written (the connection closes): a warning when the
+    /// client left a reply unread for the stall timeout (it held its share of the budget
+    /// without progress), else at debug level (the client is simply gone). A stalled
+    /// client's socket (`stream`) is closed abortively: what is queued for it is dropped.
+    fn reply_failed(&self, stream: Option<&Stream>, error: &io::Error) {
+        if is_timeout(error) {
+            if let Some(stream) = stream {
+                stream.abort_on_close();
+            }
+            tracing::warn!(
+                stall_timeout = ?self.limits.stall_timeout,
+                "closing the connection: the client did not read a reply for the stall timeout"
+            );
+        } else {
+            tracing::debug!("reply could not be written, closing the connection: {error}");
         }
     }
 
@@ -1209,13 +1382,25 @@ impl Connection {
 
     fn send_io_error(&self, header: &RequestHeader, error: &io::Error) {
         let refusal = refuse(Errno::from_io_error(error), error.to_string());
-        tracing::debug!(
-            command = %command_name(header.command),
-            offset = header.offset,
-            length = header.length,
-            errno = %refusal.errno,
-            "request failed: {error}"
-        );
+        // The first failure of a connection is a warning (a full or failing backend must be
+        // visible at the default log level); the rest would flood the log.
+        if !self.failure_logged.swap(true, Ordering::AcqRel) {
+            tracing::warn!(
+                command = %command_name(header.command),
+                offset = header.offset,
+                length = header.length,
+                errno = %refusal.errno,
+                "request failed (later failures of this connection are logged at debug level): {error}"
+            );
+        } else {
+            tracing::debug!(
+                command = %command_name(header.command),
+                offset = header.offset,
+                length = header.length,
+                errno = %refusal.errno,
+                "request failed: {error}"
+            );
+        }
         self.send_error(header, &refusal);
     }
 
@@ -1255,7 +1440,7 @@ impl Connection {
             return;
         };
         if let Err(error) = write_all_vectored(&mut writer.stream, parts) {
-            tracing::debug!("reply could not be written, closing the connection: {error}");
+            self.reply_failed(Some(&writer.stream), &error);
             self.broken.store(true, Ordering::Release);
             writer.stream.shutdown_both();
         }
@@ -1335,38 +1520,66 @@ fn truncate_utf8(text: &str, bytes_max: usize) -> &str {
     &text[..end]
 }
 
-/// Bytes in flight on one connection, with a wait for "below the limit".
-#[derive(Default)]
-struct InflightBudget {
-    bytes: Mutex<u64>,
+/// Bytes in flight on one connection, with a wait for "below the limit", and since when the
+/// connection has been idle (for eviction of the longest-idle connection).
+pub(crate) struct InflightBudget {
+    state: Mutex<InflightState>,
     drained: Condvar,
+}
+
+struct InflightState {
+    bytes: u64,
+    /// When the last request in flight ended (or the connection began).
+    active: std::time::Instant,
+}
+
+impl Default for InflightBudget {
+    fn default() -> Self {
+        InflightBudget {
+            state: Mutex::new(InflightState {
+                bytes: 0,
+                active: std::time::Instant::now(),
+            }),
+            drained: Condvar::new(),
+        }
+    }
 }
 
 impl InflightBudget {
     /// Adds a request's cost; true when nothing else was in flight.
     fn charge(&self, cost_bytes: u64) -> bool {
-        let mut bytes = self.bytes.lock();
-        let was_idle = *bytes == 0;
-        *bytes += cost_bytes;
+        let mut state = self.state.lock();
+        let was_idle = state.bytes == 0;
+        state.bytes += cost_bytes;
         was_idle
     }
 
     fn release(&self, cost_bytes: u64) {
-        let mut bytes = self.bytes.lock();
-        *bytes -= cost_bytes;
+        let mut state = self.state.lock();
+        bufcache::strict_assert!(state.bytes >= cost_bytes, "released more than charged");
+        state.bytes -= cost_bytes;
+        if state.bytes == 0 {
+            state.active = std::time::Instant::now();
+        }
         self.drained.notify_all();
     }
 
     fn is_idle(&self) -> bool {
-        *self.bytes.lock() == 0
+        self.state.lock().bytes == 0
+    }
+
+    /// When the connection became idle: `None` while it has a request in flight.
+    pub(crate) fn idle_since(&self) -> Option<std::time::Instant> {
+        let state = self.state.lock();
+        (state.bytes == 0).then_some(state.active)
     }
 
     /// Blocks while more than `limit_bytes` are in flight. A single request larger than the
     /// limit still goes through once the connection is idle, so nothing can deadlock.
     fn wait_below(&self, limit_bytes: u64) {
-        let mut bytes = self.bytes.lock();
-        while *bytes >= limit_bytes {
-            self.drained.wait(&mut bytes);
+        let mut state = self.state.lock();
+        while state.bytes >= limit_bytes {
+            self.drained.wait(&mut state);
         }
     }
 }
@@ -1378,8 +1591,19 @@ impl InflightBudget {
 /// else is reserved, so nothing can wait forever. Reservations are released when the reply
 /// has been written, and every reservation belongs to a request that is being read or
 /// served (never one waiting for the budget), so the budget always drains.
+///
+/// The last quarter of the limit, the headroom, is kept for small requests of connections
+/// with nothing else in flight (a prompt client at queue depth one): requests in arrival
+/// order are granted only up to `limit - headroom`, while a small request of an idle
+/// connection is granted at once whenever it fits in the whole limit. Each connection has
+/// at most one such request and each costs at most `headroom / connections_max`, so they
+/// always fit: requests that stall (until the stall timeout closes their connections) can
+/// delay large requests, never a prompt client's small one.
 pub(crate) struct ServerBudget {
     limit_bytes: u64,
+    headroom_bytes: u64,
+    /// The largest cost that may use the headroom.
+    headroom_cost_bytes_max: u64,
     state: Mutex<BudgetState>,
     changed: Condvar,
     /// Payload and reply buffers of finished requests, kept for the next ones.
@@ -1389,14 +1613,53 @@ pub(crate) struct ServerBudget {
 #[derive(Default)]
 struct BudgetState {
     reserved_bytes: u64,
+    /// The request whose turn it is costs more than the shared part and waits for an empty
+    /// budget: small requests wait behind it instead of using the headroom.
+    oversized_waiting: bool,
+    /// Tickets whose requests left the queue before their turn; skipped when it comes.
+    abandoned_tickets: std::collections::BTreeSet<u64>,
     next_ticket: u64,
     serving_ticket: u64,
 }
 
+/// The share of the server budget kept for small requests of idle connections: 1/this.
+const HEADROOM_FRACTION: u64 = 4;
+
+/// How often a request waiting in order for the budget asks whether to give up.
+const GIVE_UP_CHECK_INTERVAL: Duration = Duration::from_millis(250);
+
+/// A WRITE waiting for the budget whose connection has not even this much of its payload
+/// (or all of it, if shorter) buffered after a stall timeout is stalled: a client that is
+/// sending fills the socket's receive buffer, which holds more, while it waits.
+const PAYLOAD_PROBE_BYTES: usize = 64 << 10;
+
+impl BudgetState {
+    /// Passes the turn to the next ticket still waiting.
+    fn advance_serving_ticket(&mut self) {
+        self.serving_ticket += 1;
+        while self.abandoned_tickets.remove(&self.serving_ticket) {
+            self.serving_ticket += 1;
+        }
+    }
+}
+
 impl ServerBudget {
-    pub(crate) fn new(limit_bytes: u64) -> ServerBudget {
+    /// A budget of `limit_bytes` for a server of at most `connections_max` serving
+    /// connections (which sizes the requests that may use the headroom).
+    pub(crate) fn new(limit_bytes: u64, connections_max: usize) -> ServerBudget {
+        assert!(
+            connections_max > 0,
+            "a server serves at least one connection"
+        );
+        let headroom_bytes = limit_bytes / HEADROOM_FRACTION;
+        // At least a 4 KiB request may always use it: with a tiny budget and many
+        // connections, small requests may then wait for each other, never for large ones.
+        let headroom_cost_bytes_max =
+            (headroom_bytes / connections_max as u64).max(4096 + REQUEST_OVERHEAD_BYTES);
         ServerBudget {
             limit_bytes,
+            headroom_bytes,
+            headroom_cost_bytes_max,
             state: Mutex::new(BudgetState::default()),
             changed: Condvar::new(),
             buffers: BufferRecycler::new((limit_bytes / 4).min(BUFFERS_RETAINED_BYTES_MAX) as usize),
@@ -1416,24 +1679,76 @@ impl ServerBudget {
         }
     }
 
-    /// Waits for its turn and for room, then reserves `cost_bytes`.
-    pub(crate) fn acquire(&self, cost_bytes: u64) {
+    /// Waits for room, then reserves `cost_bytes`: at once from the headroom when the
+    /// request is small and its connection has nothing else in flight
+    /// (`connection_idle`), else in arrival order below the headroom. While it waits in
+    /// order, `give_up` is asked now and then how long it has waited; when it says so the
+    /// request leaves the queue unreserved (false), so a stalled request does not hold the
+    /// line for the requests behind it.
+    pub(crate) fn acquire(
+        &self,
+        cost_bytes: u64,
+        connection_idle: bool,
+        give_up: &mut dyn FnMut(Duration) -> bool,
+    ) -> bool {
         let mut state = self.state.lock();
+        if connection_idle && cost_bytes <= self.headroom_cost_bytes_max {
+            // Fits at once unless a single request larger than everything but the headroom
+            // was granted alone, or waits to be (a budget barely above one request): then
+            // it waits too, so that request is not starved. Like any request, one larger
+            // than the whole budget is granted once nothing else is reserved.
+            while state.oversized_waiting
+                || (state.reserved_bytes != 0
+                    && state.reserved_bytes + cost_bytes > self.limit_bytes)
+            {
+                self.changed.wait(&mut state);
+            }
+            state.reserved_bytes += cost_bytes;
+            return true;
+        }
+        let shared_limit_bytes = self.limit_bytes - self.headroom_bytes;
         let ticket = state.next_ticket;
         state.next_ticket += 1;
+        let started = std::time::Instant::now();
+        let mut next_check = started + GIVE_UP_CHECK_INTERVAL;
         while ticket != state.serving_ticket
-            || (state.reserved_bytes != 0 && state.reserved_bytes + cost_bytes > self.limit_bytes)
+            || (state.reserved_bytes != 0 && state.reserved_bytes + cost_bytes > shared_limit_bytes)
         {
-            self.changed.wait(&mut state);
+            if ticket == state.serving_ticket && cost_bytes > shared_limit_bytes {
+                state.oversized_waiting = true;
+            }
+            // Woken by every release, so the check is by the clock, not by a timed-out wait.
+            self.changed.wait_until(&mut state, next_check);
+            let now = std::time::Instant::now();
+            if now < next_check {
+                continue;
+            }
+            next_check = now + GIVE_UP_CHECK_INTERVAL;
+            if give_up(now - started) {
+                if ticket == state.serving_ticket {
+                    state.oversized_waiting = false;
+                    state.advance_serving_ticket();
+                } else {
+                    state.abandoned_tickets.insert(ticket);
+                }
+                self.changed.notify_all();
+                return false;
+            }
         }
+        state.oversized_waiting = false;
         state.reserved_bytes += cost_bytes;
-        state.serving_ticket += 1;
+        state.advance_serving_ticket();
         // The next ticket holder may fit too.
         self.changed.notify_all();
+        true
     }
 
     pub(crate) fn release(&self, cost_bytes: u64) {
         let mut state = self.state.lock();
+        bufcache::strict_assert!(
+            state.reserved_bytes >= cost_bytes,
+            "released more than reserved"
+        );
         state.reserved_bytes -= cost_bytes;
         self.changed.notify_all();
     }
@@ -1454,14 +1769,14 @@ mod tests {
     /// blocked until the release, then an oversized 500-byte request on an empty budget.
     #[test]
     fn server_budget_blocks_until_released_and_never_deadlocks_on_large_requests() {
-        let budget = Arc::new(ServerBudget::new(100));
-        budget.acquire(70);
+        let budget = Arc::new(ServerBudget::new(100, 1));
+        budget.acquire(70, false, &mut |_| false);
         let granted = Arc::new(AtomicBool::new(false));
         let waiter = {
             let budget = Arc::clone(&budget);
             let granted = Arc::clone(&granted);
             std::thread::spawn(move || {
-                budget.acquire(60);
+                budget.acquire(60, false, &mut |_| false);
                 granted.store(true, Ordering::Release);
             })
         };
@@ -1472,9 +1787,43 @@ mod tests {
         waiter.join().unwrap();
         assert_eq!(budget.reserved_bytes(), 60);
         budget.release(60);
-        budget.acquire(500);
+        budget.acquire(500, false, &mut |_| false);
         assert_eq!(budget.reserved_bytes(), 500);
         budget.release(500);
+    }
+
+    /// Goal: requests that hold the shared part of the budget (stalled ones, until the stall
+    /// timeout) never keep a small request of an idle connection waiting, and the headroom
+    /// it uses is bounded. Method: a 1 MiB budget for 4 connections (256 KiB headroom, 64 KiB
+    /// per small request); 700 KiB taken in order, a 100 KiB request then waits (over the
+    /// 768 KiB shared part) while four 64 KiB requests of idle connections are granted at
+    /// once, past it.
+    #[test]
+    fn small_requests_of_idle_connections_use_the_headroom_past_stalled_ones() {
+        let budget = Arc::new(ServerBudget::new(1 << 20, 4));
+        budget.acquire(700 << 10, false, &mut |_| false);
+        let waiting = {
+            let budget = Arc::clone(&budget);
+            std::thread::spawn(move || budget.acquire(100 << 10, false, &mut |_| false))
+        };
+        while budget.state.lock().next_ticket < 2 {
+            std::thread::yield_now();
+        }
+        for _ in 0..4 {
+            budget.acquire(64 << 10, true, &mut |_| false);
+        }
+        assert_eq!(budget.reserved_bytes(), (700 + 4 * 64) << 10);
+        assert!(
+            !waiting.is_finished(),
+            "the large one waits below the headroom"
+        );
+        budget.release(700 << 10);
+        assert!(waiting.join().unwrap());
+        for _ in 0..4 {
+            budget.release(64 << 10);
+        }
+        budget.release(100 << 10);
+        assert_eq!(budget.reserved_bytes(), 0);
     }
 
     #[test]

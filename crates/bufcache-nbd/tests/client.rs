@@ -617,3 +617,33 @@ fn a_started_read_larger_than_the_server_takes_ends_once_on_the_reply_thread_wit
         .unwrap_err();
     assert_eq!(error.kind(), std::io::ErrorKind::InvalidInput, "{error}");
 }
+
+/// Goal: an upstream that never answers cannot hold a caller for ever (issue #32: writes to
+/// such an upstream blocked for over 190 s): once the reply timeout passes with requests
+/// waiting and no byte of a reply, every request in flight fails and later ones fail at once.
+/// Method: nbdkit's delay filter holds every WRITE for 60 s; with a 1 s reply timeout a write
+/// must fail within one to two seconds (one to two reply timeouts), naming the timeout, and
+/// the client is dead afterwards.
+#[test]
+fn an_upstream_that_never_answers_fails_requests_after_the_reply_timeout() {
+    let Some(nbdkit) = Nbdkit::start(&["--filter=delay", "memory", "16M", "delay-write=60"]) else {
+        return;
+    };
+    let client =
+        NbdClient::connect_with_reply_timeout(&nbdkit.uri(), Duration::from_secs(1)).unwrap();
+    let started = Instant::now();
+    let error = client
+        .write(0, b"never answered")
+        .expect_err("a write the upstream never answers fails");
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(900) && waited < Duration::from_secs(10),
+        "failed after {waited:?}"
+    );
+    assert!(error.to_string().contains("reply timeout"), "{error}");
+    let mut buffer = [0u8; 16];
+    assert!(
+        client.read(0, &mut buffer).is_err(),
+        "the connection is dead"
+    );
+}

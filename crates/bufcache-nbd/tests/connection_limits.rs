@@ -101,8 +101,9 @@ fn the_oldest_silent_connection_is_evicted_when_the_handshake_budget_is_full() {
 }
 
 /// The handshake timeout bounds the whole handshake, and `connections_max` counts only
-/// connections that finished it: with one serving slot taken, further clients are refused,
-/// while silent connections never took a slot.
+/// connections that finished it: with every serving slot taken by idle clients, a new client
+/// is served in place of the one idle the longest, while silent connections never took a
+/// slot (and evict nobody).
 #[test]
 fn connections_max_counts_serving_clients_and_the_handshake_timeout_closes_silent_ones() {
     let config = ServerConfig {
@@ -127,27 +128,19 @@ fn connections_max_counts_serving_clients_and_the_handshake_timeout_closes_silen
     let _silent: Vec<TcpStream> = (0..3).map(|_| silent_client(&server)).collect();
     let first = NbdClient::connect(&server.tcp_uri("mem")).expect("first client");
     let second = NbdClient::connect(&server.tcp_uri("mem")).expect("second client");
-    // Both serving slots are taken: a third is refused at once, with a reason. A slot is
-    // taken before the reply that lets a client transmit, so a client told it may transmit
-    // always has one (it was taken after that reply, and under CPU contention a third client
-    // was told yes while the second had not taken its slot yet, and one of them was closed).
-    // (Refused at accept, the client is closed before the greeting; refused at GO, it gets
-    // NBD_REP_ERR_POLICY naming the limit.)
-    assert!(NbdClient::connect(&server.tcp_uri("mem")).is_err());
-    drop(second);
-    // Once a slot frees, clients are served again (the server notices the close promptly).
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        match NbdClient::connect(&server.tcp_uri("mem")) {
-            Ok(_) => break,
-            Err(error) if Instant::now() < deadline => {
-                let _ = error;
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            Err(error) => panic!("slot never freed: {error}"),
-        }
-    }
-    first.flush().unwrap();
+    // Both serving slots are taken by idle clients: a third is served, in place of the one
+    // idle the longest (the first); the second is untouched. (With no idle client, a new
+    // one is refused: `a_client_told_it_may_transmit_always_has_a_serving_slot`.)
+    let third = NbdClient::connect(&server.tcp_uri("mem")).expect("third client");
+    let mut buffer = [0u8; 512];
+    assert!(
+        first.read(0, &mut buffer).is_err(),
+        "the client idle the longest was not the one closed"
+    );
+    second
+        .read(0, &mut buffer)
+        .expect("the other idle client is still served");
+    third.flush().unwrap();
 }
 
 /// The idle timeout closes a connection that has nothing in flight and sends nothing, and
@@ -253,23 +246,53 @@ fn a_flood_from_one_address_evicts_only_its_own_negotiating_connections() {
 fn a_client_told_it_may_transmit_always_has_a_serving_slot() {
     // Goal: the serving slot is taken before the reply that ends the handshake, so when two
     // clients race for the last slot the loser is refused at NBD_OPT_GO with an error naming
-    // the limit, and the winner is never closed after being told it may transmit. Method:
-    // with connections_max 1, a raw client passes the accept-time check and stops before
-    // GO; a second client then connects fully and takes the slot; the raw client's GO must
-    // get NBD_REP_ERR_POLICY, and the second client must still work.
+    // the limit, and the winner is never closed after being told it may transmit (nor while
+    // it has a request in flight: only idle connections are evicted). Method: with
+    // connections_max 1, a raw client passes the accept-time check and stops before GO; a
+    // second client then connects fully, takes the slot and starts a FLUSH the export holds;
+    // the raw client's GO must get NBD_REP_ERR_POLICY, and the second client must still work.
     use bufcache_nbd::protocol::*;
     use std::io::Write;
     let config = ServerConfig {
         connections_max: 1,
         ..ServerConfig::default()
     };
-    let server = memory_server_with(config);
+    let export = Arc::new(GatedFlushExport {
+        inner: MemoryExport::new(1 << 20),
+        gate: parking_lot::Mutex::new(GateState::default()),
+        changed: parking_lot::Condvar::new(),
+    });
+    let server = start_server_with(
+        vec![("mem", Arc::clone(&export) as Arc<dyn Export>)],
+        config,
+    );
     let mut raw = silent_client(&server);
     let mut greeting = [0u8; 18];
     raw.read_exact(&mut greeting).unwrap();
     raw.write_all(&(CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES).to_be_bytes())
         .unwrap();
     let winner = NbdClient::connect(&server.tcp_uri("mem")).expect("the first to GO is served");
+    let refusal = std::thread::scope(|scope| {
+        let flushing = scope.spawn(|| winner.flush());
+        export.wait_until_flushing();
+        let refusal = go_refusal(&mut raw);
+        export.open_gate();
+        flushing.join().unwrap().expect("the held FLUSH completes");
+        refusal
+    });
+    assert_eq!(refusal.0, REP_ERR_POLICY, "{}", refusal.1);
+    assert!(refusal.1.contains("too many connections"), "{}", refusal.1);
+    winner.write(0, b"still served").unwrap();
+    let mut back = [0u8; 12];
+    winner.read(0, &mut back).unwrap();
+    assert_eq!(&back, b"still served");
+}
+
+/// Sends NBD_OPT_GO for "mem" on a raw connection past its greeting and returns the reply
+/// that ends it (type and message); panics when it is acknowledged.
+fn go_refusal(raw: &mut TcpStream) -> (u32, String) {
+    use bufcache_nbd::protocol::*;
+    use std::io::Write;
     let mut option = OPTION_MAGIC.to_be_bytes().to_vec();
     option.extend_from_slice(&OPT_GO.to_be_bytes());
     option.extend_from_slice(&(4 + 3 + 2u32).to_be_bytes());
@@ -277,7 +300,7 @@ fn a_client_told_it_may_transmit_always_has_a_serving_slot() {
     option.extend_from_slice(b"mem");
     option.extend_from_slice(&0u16.to_be_bytes());
     raw.write_all(&option).unwrap();
-    let refusal = loop {
+    loop {
         let mut header = [0u8; 20];
         raw.read_exact(&mut header).unwrap();
         let reply_type = u32::from_be_bytes(header[12..16].try_into().unwrap());
@@ -287,13 +310,114 @@ fn a_client_told_it_may_transmit_always_has_a_serving_slot() {
         match reply_type {
             REP_INFO => continue,
             REP_ACK => panic!("the second GO was acknowledged with no serving slot left"),
-            other => break (other, String::from_utf8_lossy(&payload).into_owned()),
+            other => return (other, String::from_utf8_lossy(&payload).into_owned()),
         };
-    };
-    assert_eq!(refusal.0, REP_ERR_POLICY, "{}", refusal.1);
-    assert!(refusal.1.contains("too many connections"), "{}", refusal.1);
-    winner.write(0, b"still served").unwrap();
-    let mut back = [0u8; 12];
-    winner.read(0, &mut back).unwrap();
-    assert_eq!(&back, b"still served");
+    }
+}
+
+#[derive(Default)]
+struct GateState {
+    flushing: bool,
+    open: bool,
+}
+
+/// A memory export whose FLUSH waits until the test opens its gate, so a connection has a
+/// request in flight for as long as the test needs.
+struct GatedFlushExport {
+    inner: MemoryExport,
+    gate: parking_lot::Mutex<GateState>,
+    changed: parking_lot::Condvar,
+}
+
+impl GatedFlushExport {
+    fn wait_until_flushing(&self) {
+        let mut gate = self.gate.lock();
+        while !gate.flushing {
+            self.changed.wait(&mut gate);
+        }
+    }
+
+    fn open_gate(&self) {
+        self.gate.lock().open = true;
+        self.changed.notify_all();
+    }
+}
+
+impl Export for GatedFlushExport {
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn read_only(&self) -> bool {
+        false
+    }
+    fn read(&self, offset: u64, buffer: &mut [u8]) -> io::Result<()> {
+        self.inner.read(offset, buffer)
+    }
+    fn read_with(
+        &self,
+        offset: u64,
+        buffer: &mut [u8],
+        send: &mut bufcache_nbd::ReadSink<'_>,
+    ) -> io::Result<()> {
+        self.inner.read_with(offset, buffer, send)
+    }
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
+        self.inner.write(offset, data, fua)
+    }
+    fn write_from(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        source: &mut bufcache_nbd::export::WriteSource<'_>,
+    ) -> io::Result<()> {
+        self.inner.write_from(offset, length, fua, source)
+    }
+    fn flush(&self) -> io::Result<()> {
+        let mut gate = self.gate.lock();
+        gate.flushing = true;
+        self.changed.notify_all();
+        while !gate.open {
+            self.changed.wait(&mut gate);
+        }
+        Ok(())
+    }
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> io::Result<()> {
+        self.inner.trim(offset, length, fua)
+    }
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        length: u64,
+        may_trim: bool,
+        fast_only: bool,
+        fua: bool,
+    ) -> io::Result<()> {
+        self.inner
+            .write_zeroes(offset, length, may_trim, fast_only, fua)
+    }
+    fn cache(&self, offset: u64, length: u64) -> io::Result<()> {
+        self.inner.cache(offset, length)
+    }
+    fn read_is_quick(&self, offset: u64, length: u64) -> bool {
+        self.inner.read_is_quick(offset, length)
+    }
+    fn start_read(
+        &self,
+        offset: u64,
+        length: u32,
+        done: bufcache_nbd::ReadDone,
+    ) -> Result<(), bufcache_nbd::ReadDone> {
+        self.inner.start_read(offset, length, done)
+    }
+    fn write_is_quick(&self, offset: u64, length: u64, fua: bool) -> bool {
+        self.inner.write_is_quick(offset, length, fua)
+    }
+    fn block_status(
+        &self,
+        offset: u64,
+        length: u64,
+    ) -> io::Result<Vec<bufcache_nbd::BlockStatusExtent>> {
+        self.inner.block_status(offset, length)
+    }
 }

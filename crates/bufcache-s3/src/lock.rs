@@ -9,6 +9,11 @@
 //! (`If-Match`), so of two servers breaking the same stale lock exactly one wins too. The lock
 //! has no expiry: S3 cannot fence a server that was paused past a lease, so a timed lease
 //! would not be safe either (docs/s3.md, "Two servers on one disk").
+//!
+//! Taking (or breaking) the lock is idempotent: a PUT the store carried out but whose answer
+//! was lost (a 500, a timeout) is retried by the client and then fails its condition (412),
+//! as if someone else held the lock. The lock body carries this process's random id, so on
+//! a failed condition the lock is read back and, when it carries our id, it is ours.
 
 use std::sync::{Arc, Mutex, Weak};
 use std::time::SystemTime;
@@ -52,6 +57,12 @@ impl LockHolder {
         // differ between processes.
         let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
         hasher.write_u32(std::process::id());
+        // The id tells this process's own lock apart from every other (a lost answer is
+        // recognised by it): the clock goes in with the random seed.
+        let nanoseconds = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |elapsed| elapsed.as_nanos());
+        hasher.write_u128(nanoseconds);
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|name| name.trim().to_string())
             .ok()
@@ -95,6 +106,19 @@ impl LockHolder {
             since: text("since")?,
         })
     }
+}
+
+/// The lock's holder now (None: no lock object, or not a bufcache lock).
+async fn read_holder(
+    store: &AmazonS3,
+    path: &ObjectPath,
+) -> Result<Option<LockHolder>, object_store::Error> {
+    let body = match store.get(path).await {
+        Ok(existing) => existing.bytes().await?,
+        Err(object_store::Error::NotFound { .. }) => return Ok(None),
+        Err(error) => return Err(error),
+    };
+    Ok(LockHolder::parse(&body).ok())
 }
 
 /// A lock this process holds; released (deleted) by [`DiskLock::release`], on drop, or by
@@ -152,7 +176,8 @@ impl DiskLock {
                 .await;
             match created {
                 Ok(_) => return Ok(DiskLock::held(runtime, store, key, holder)),
-                Err(object_store::Error::AlreadyExists { .. }) => {}
+                Err(object_store::Error::AlreadyExists { .. })
+                | Err(object_store::Error::Precondition { .. }) => {}
                 Err(error) => return Err(request_error("creating the lock", error)),
             }
             let existing = match store.get(&path).await {
@@ -170,6 +195,10 @@ impl DiskLock {
                 key: key.clone(),
                 reason,
             })?;
+            if stale.id == holder.id {
+                tracing::info!(lock = %key, "the lock's create was carried out though its answer was lost");
+                return Ok(DiskLock::held(runtime, store, key, holder));
+            }
             if url.break_lock.as_deref() != Some(stale.id.as_str()) {
                 return Err(OpenError::Locked {
                     url: url.to_string(),
@@ -197,12 +226,20 @@ impl DiskLock {
                     tracing::warn!(disk = %url, broken = %stale, "broke the stale disk lock");
                     Ok(DiskLock::held(runtime, store, key, holder))
                 }
-                // Someone else broke or released it first: whoever holds it now is named.
+                // Our own break carried out with its answer lost (the retry then failed its
+                // condition), or someone else broke or released it first.
                 Err(object_store::Error::Precondition { .. })
-                | Err(object_store::Error::NotFound { .. }) => Err(OpenError::LockRaced {
-                    url: url.to_string(),
-                    key: key.clone(),
-                }),
+                | Err(object_store::Error::NotFound { .. }) => {
+                    let now = read_holder(&store, &path).await;
+                    if now.is_ok_and(|now| now.as_ref() == Some(&holder)) {
+                        tracing::warn!(disk = %url, broken = %stale, "broke the stale disk lock (its answer was lost)");
+                        return Ok(DiskLock::held(runtime, store, key, holder));
+                    }
+                    Err(OpenError::LockRaced {
+                        url: url.to_string(),
+                        key: key.clone(),
+                    })
+                }
                 Err(error) => Err(request_error("breaking the lock", error)),
             };
         }

@@ -132,6 +132,10 @@ pub struct ChunkStore {
     requests_in_flight_max: usize,
 }
 
+/// No count cap on a request's retries: `retry-timeout-ms` alone bounds them, as documented
+/// (a count cap of 10 ended retries after 2 to 26 s whatever the timeout said).
+const RETRIES_UNBOUNDED: usize = usize::MAX;
+
 fn client_builder(url: &S3Url, retry_timeout: Duration, max_retries: usize) -> AmazonS3Builder {
     let mut builder = AmazonS3Builder::from_env()
         .with_bucket_name(&url.bucket)
@@ -194,7 +198,7 @@ impl ChunkStore {
             message: chain(&error),
         };
         let retry_timeout = Duration::from_millis(url.retry_timeout_ms);
-        let store = client_builder(url, retry_timeout, 10)
+        let store = client_builder(url, retry_timeout, RETRIES_UNBOUNDED)
             .build()
             .map_err(client_error)?;
         // Opening probes with few retries so an unreachable endpoint or a refused key is

@@ -7,7 +7,7 @@ use bufcache::Device;
 use bufcache_s3::{ChunkStore, OpenError, S3Device, S3Url};
 use bytes::Bytes;
 use rand::{Rng, SeedableRng};
-use support::{have_moto, Moto, Proxy};
+use support::{have_moto, FaultProxy, Moto, Proxy};
 
 fn open(endpoint: &str, bucket: &str, parameters: &str) -> Result<ChunkStore, OpenError> {
     ChunkStore::open(
@@ -310,4 +310,39 @@ fn a_write_batch_keeps_its_puts_in_flight_together_and_each_write_its_outcome() 
             .unwrap();
         assert!(back == *data, "chunk at {offset} did not read back");
     }
+}
+
+// Goal: taking the disk lock is idempotent (issue #32): a lock PUT the store carried out but
+// answered 500 is retried by the client, and the retry fails its If-None-Match condition;
+// that must be recognised as our own lock (its body carries our id), not refused as "in use
+// by ... pid <our own pid>" with the lock left behind. Method: a proxy in front of moto
+// carries out the first PUT of the lock object and answers it 500; the locked open must
+// succeed, the lock must name this process's lock id, and dropping the store must delete it.
+#[test]
+fn a_lock_put_carried_out_but_answered_500_still_takes_the_lock() {
+    if !have_moto("a_lock_put_carried_out_but_answered_500_still_takes_the_lock") {
+        return;
+    }
+    let moto = Moto::start();
+    moto.create_bucket("bucket");
+    drop(open(&moto.endpoint(), "bucket", "&create-size=1M&chunk-size=64k").unwrap());
+    let proxy = FaultProxy::start(moto.port, bufcache_s3::LOCK_NAME, 1);
+    let url = S3Url::parse(&format!("s3://bucket/disk?endpoint={}", proxy.endpoint())).unwrap();
+    let store = ChunkStore::open_locked(&url).expect("the server takes its own lock");
+    let faults = proxy.faults();
+    assert_eq!(faults.len(), 1, "the fault was not injected: {faults:?}");
+    assert!(
+        faults[0].ends_with(" 200"),
+        "the faulted PUT was not carried out: {faults:?}"
+    );
+    let holder = store.lock_holder().unwrap().expect("a lock object");
+    assert_eq!(holder.id, store.lock().unwrap().holder().id);
+    assert_eq!(holder.pid, u64::from(std::process::id()));
+    drop(store);
+    let inspector = open(&moto.endpoint(), "bucket", "").unwrap();
+    assert_eq!(
+        inspector.lock_holder().unwrap(),
+        None,
+        "the lock was left behind"
+    );
 }

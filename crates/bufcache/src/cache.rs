@@ -11,8 +11,14 @@
 //!
 //! A thread never waits for space while it holds a buffer lock, so allocation cannot deadlock
 //! against write-back; waits for space are bounded by `space_wait_max`.
+//!
+//! Objects are isolated from each other's device failures: a write-back that fails while
+//! making space is latched on the object it belongs to (and reported to that object's
+//! flushers), but it fails only an allocation for that same object. An allocation for
+//! another object goes on cleaning elsewhere, waits, and at worst gets `NoSpace`; it never
+//! gets another object's I/O error.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -51,6 +57,9 @@ pub(crate) struct Inner {
     io: Arc<Io>,
     counters: Arc<Counters>,
     objects: RwLock<Vec<Arc<ObjectState>>>,
+    /// Where the next search for dirty data to clean for space starts, so objects take
+    /// turns.
+    space_cursor: AtomicUsize,
     spawner: Arc<dyn Spawner>,
     waiter: Arc<dyn Waiter>,
 }
@@ -94,6 +103,7 @@ impl Cache {
                 io,
                 counters,
                 objects: RwLock::new(Vec::new()),
+                space_cursor: AtomicUsize::new(0),
                 spawner: Arc::clone(environment.spawner()),
                 waiter: Arc::clone(environment.waiter()),
                 config,
@@ -157,7 +167,7 @@ impl Cache {
             if inner.table.evict_one() {
                 continue;
             }
-            if !inner.clean_for_space()? {
+            if !inner.clean_for_space(None)? {
                 return Err(CacheError::NoSpace {
                     waited: Duration::ZERO,
                 });
@@ -259,7 +269,7 @@ impl Inner {
             return Ok(Lookup::Found(buffer));
         }
         let size_bytes = object.block_size_bytes as u64;
-        self.reserve(size_bytes, urgency)?;
+        self.reserve(size_bytes, urgency, object)?;
         Ok(self.table.insert_reserved(
             key,
             size_bytes,
@@ -309,8 +319,14 @@ impl Inner {
         )
     }
 
-    /// Reserves memory for one buffer, evicting, writing back and waiting as `urgency` allows.
-    fn reserve(&self, size_bytes: u64, urgency: Urgency) -> Result<(), CacheError> {
+    /// Reserves memory for one buffer of `object`, evicting, writing back and waiting as
+    /// `urgency` allows.
+    fn reserve(
+        &self,
+        size_bytes: u64,
+        urgency: Urgency,
+        object: &ObjectState,
+    ) -> Result<(), CacheError> {
         let mut waited = Duration::ZERO;
         loop {
             if self.table.try_reserve(size_bytes) {
@@ -319,7 +335,7 @@ impl Inner {
             if urgency == Urgency::Quick {
                 return Err(CacheError::NoSpace { waited });
             }
-            if self.clean_for_space()? {
+            if self.clean_for_space(Some(object))? {
                 continue;
             }
             if waited >= self.config.space_wait_max {
@@ -335,14 +351,36 @@ impl Inner {
         }
     }
 
-    /// Writes back one cluster of dirty data so its buffers become evictable. Returns
-    /// whether any buffer was cleaned; an error when nothing could be cleaned because
-    /// writing failed, so the caller knows waiting would not help.
-    pub(crate) fn clean_for_space(&self) -> Result<bool, CacheError> {
+    /// Writes back one cluster of dirty data so its buffers become evictable, visiting
+    /// objects in turn. Returns whether any buffer was cleaned. A failed write-back is
+    /// latched on its own object by write-back; it is returned only when nothing could be
+    /// cleaned and it belongs to `requester` (the object that needs the space; `None`: the
+    /// cache itself, which hears of any): waiting would not help that object, while
+    /// another object's failure is none of the requester's business.
+    pub(crate) fn clean_for_space(
+        &self,
+        requester: Option<&ObjectState>,
+    ) -> Result<bool, CacheError> {
         let objects = self.objects();
-        Ok(self
-            .writeback
-            .clean_one_cluster(&objects, WritebackCause::Eviction)?
-            > 0)
+        if objects.is_empty() {
+            return Ok(false);
+        }
+        let start = self.space_cursor.fetch_add(1, Ordering::Relaxed);
+        let mut own_error = None;
+        for step in 0..objects.len() {
+            let object = &objects[(start + step) % objects.len()];
+            match self
+                .writeback
+                .clean_one_cluster(std::slice::from_ref(object), WritebackCause::Eviction)
+            {
+                Ok(0) => {}
+                Ok(_) => return Ok(true),
+                Err(error) if requester.is_none_or(|requester| requester.id == object.id) => {
+                    own_error.get_or_insert(error);
+                }
+                Err(_latched_on_its_object) => {}
+            }
+        }
+        own_error.map_or(Ok(false), Err)
     }
 }

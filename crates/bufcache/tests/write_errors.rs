@@ -265,3 +265,86 @@ fn memory_full_of_unwritable_dirty_data_fails_writers_never_drops_data() {
         );
     }
 }
+
+/// Goal: objects are isolated from each other's device failures (issue #32: two exports in
+/// one cache, one's upstream refusing writes, and 9–12 of 24 uncached reads of the healthy
+/// one returned EIO — the write-back error of evicting the other's blocks). An allocation
+/// for object b that has to make room by writing back object a's dirty data, which fails,
+/// must never get a's I/O error: it reads (room found elsewhere) or gets `NoSpace`; a's error
+/// stays latched for a's own flushers. Method: a cache of 8 buffers; a's device fails every
+/// write and a fills the cache with dirty blocks, as far as the dirty limit allows; 24
+/// reads of 4 of b's uncached blocks follow, each needing more buffers than are clean.
+#[test]
+fn a_failing_object_never_fails_another_objects_allocation() {
+    let fault = Arc::new(FaultDevice::new(MemoryDevice::new(1 << 20), 1));
+    let cache = bufcache_host::system_cache(CacheConfig {
+        buffer_size_max_bytes: 4096,
+        memory_bytes_max: 32 << 10,
+        buffers_max: 8,
+        space_wait_max: Duration::from_millis(100),
+        readahead_size_max_bytes: 0,
+        // As much of the cache dirty as the engine allows, and kept dirty.
+        dirty_background_percent: 89,
+        dirty_limit_percent: 90,
+        write_behind: false,
+        ..CacheConfig::default()
+    })
+    .unwrap();
+    let failing = cache
+        .open_object(ObjectConfig::new("a", fault.clone() as Arc<dyn Device>))
+        .unwrap();
+    let healthy_device = Arc::new(MemoryDevice::new(1 << 20));
+    let healthy_data = pattern(9, 24 * 4096);
+    healthy_device
+        .write_vectored_at(&[std::io::IoSlice::new(&healthy_data)], 0)
+        .unwrap();
+    let healthy = cache
+        .open_object(ObjectConfig::new("b", healthy_device as Arc<dyn Device>))
+        .unwrap();
+    fault.set_failing(FaultKind::Write, true);
+    // a's writes fill the cache until one needs room and fails with a's own error.
+    let accepted = (0..8u64)
+        .take_while(|&block| {
+            failing
+                .write_at(block * 4096, &pattern(block as u8, 4096), false)
+                .is_ok()
+        })
+        .count() as u64;
+    let dirty_bytes = cache.stats().dirty_bytes;
+    eprintln!("a: {accepted} blocks accepted, {dirty_bytes} bytes dirty");
+    assert_eq!(
+        dirty_bytes,
+        accepted * 4096,
+        "nothing of a's was written or dropped"
+    );
+    // Reads of several blocks: each needs more buffers than the one a left clean.
+    let mut read = 0;
+    for index in 0..24u64 {
+        let offset = (index % 6) * 4 * 4096;
+        let mut back = vec![0u8; 4 * 4096];
+        match healthy.read_at(offset, &mut back) {
+            Ok(()) => {
+                let expected = &healthy_data[offset as usize..][..back.len()];
+                assert!(back == expected, "read {index} at {offset}");
+                read += 1;
+            }
+            Err(CacheError::NoSpace { .. }) => {}
+            Err(other) => panic!("a read of b got another object's error: {other}"),
+        }
+    }
+    eprintln!("{read} of 24 reads of the healthy object served, the rest NoSpace");
+    assert!(
+        failing.flush().is_err(),
+        "the failing object's own flusher hears of its write-back error"
+    );
+    fault.set_failing(FaultKind::Write, false);
+    let _ = failing.flush();
+    failing.flush().unwrap();
+    for block in 0..accepted {
+        assert_eq!(
+            on_device(&fault, block * 4096, 4096),
+            pattern(block as u8, 4096),
+            "block {block}"
+        );
+    }
+}

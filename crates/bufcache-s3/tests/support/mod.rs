@@ -288,3 +288,56 @@ fn relay(mut from: TcpStream, mut to: TcpStream, mut before: impl FnMut(&[u8])) 
     }
     let _ = to.shutdown(Shutdown::Write);
 }
+
+/// An HTTP proxy in front of a server (`fault_proxy.py`) that carries out the first `count`
+/// PUTs to a key ending in `suffix` but answers them 500, as a store whose answer was lost.
+pub struct FaultProxy {
+    child: Child,
+    pub port: u16,
+    faults_log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl FaultProxy {
+    pub fn start(target_port: u16, suffix: &str, count: usize) -> FaultProxy {
+        let dir = tempfile::tempdir().unwrap();
+        let faults_log = dir.path().join("faults.log");
+        let port = free_port();
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/support/fault_proxy.py");
+        let child = Command::new("python3")
+            .arg(script)
+            .args([&port.to_string(), &target_port.to_string()])
+            .arg(&faults_log)
+            .args([suffix, &count.to_string()])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("starting the fault proxy");
+        wait_for_port(port);
+        FaultProxy {
+            child,
+            port,
+            faults_log,
+            _dir: dir,
+        }
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The faults injected so far: one line per request, with the server's real status.
+    pub fn faults(&self) -> Vec<String> {
+        std::fs::read_to_string(&self.faults_log)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""An HTTP proxy in front of an S3 server that loses the answers of chosen requests.
+
+usage: fault_proxy.py LISTEN_PORT TARGET_PORT FAULTS_LOG SUFFIX COUNT
+Every request is forwarded to the server on TARGET_PORT and its answer relayed, except the
+first COUNT PUTs whose path ends with SUFFIX: those are carried out by the server, but the
+client is answered 500 InternalError instead, as when a store applies a write and the answer
+is lost. Each such fault appends a line "PUT PATH STATUS" (the server's real status) to
+FAULTS_LOG. The port is ready when LISTEN_PORT accepts connections.
+"""
+import http.client
+import http.server
+import sys
+import threading
+
+listen_port, target_port = int(sys.argv[1]), int(sys.argv[2])
+faults_log, suffix, faults_left = sys.argv[3], sys.argv[4], [int(sys.argv[5])]
+lock = threading.Lock()
+
+ERROR_BODY = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
+    b"<Message>injected: the request was carried out but its answer is lost</Message></Error>"
+)
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *arguments):
+        pass
+
+    def forward(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else None
+        connection = http.client.HTTPConnection("127.0.0.1", target_port, timeout=60)
+        headers = {name: value for name, value in self.headers.items()}
+        connection.request(self.command, self.path, body=body, headers=headers)
+        answer = connection.getresponse()
+        answer_body = answer.read()
+        connection.close()
+        fault = False
+        if self.command == "PUT" and self.path.split("?")[0].endswith(suffix):
+            with lock:
+                if faults_left[0] > 0:
+                    faults_left[0] -= 1
+                    fault = True
+        if fault:
+            with open(faults_log, "a") as log:
+                log.write(f"PUT {self.path} {answer.status}\n")
+            self.send_response(500)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(ERROR_BODY)))
+            self.end_headers()
+            self.wfile.write(ERROR_BODY)
+            return
+        self.send_response(answer.status)
+        for name, value in answer.getheaders():
+            if name.lower() not in ("content-length", "transfer-encoding", "connection", "date", "server"):
+                self.send_header(name, value)
+        self.send_header("Content-Length", str(len(answer_body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(answer_body)
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = forward
+
+
+http.server.ThreadingHTTPServer(("127.0.0.1", listen_port), Handler).serve_forever()
