@@ -205,13 +205,31 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
     if !path.exists() && create_length.is_none() {
         bail!("backend `{spec}` does not exist; pass --create-size SIZE to create it, or use memory:SIZE");
     }
-    let options = FileDeviceOptions {
+    let mut options = FileDeviceOptions {
         direct: args.direct,
         read_only: args.read_only,
         create_length_bytes: create_length,
         set_length_bytes: None,
     };
-    Ok((Arc::new(FileDevice::open(path, &options)?), None))
+    let device = match FileDevice::open(path, &options) {
+        // A file this process may only read is served read-only (as nbdkit's file plugin
+        // does), not refused: the export then says READ_ONLY.
+        Err(bufcache::device::FileDeviceError::Open { source, .. })
+            if path.exists() && !args.read_only && refuses_writing(&source) =>
+        {
+            say!("backend `{spec}` cannot be opened for writing ({source}): serving it read-only");
+            options.read_only = true;
+            FileDevice::open(path, &options)?
+        }
+        opened => opened?,
+    };
+    Ok((Arc::new(device), None))
+}
+
+/// True when opening for writing failed only because writing is not allowed.
+fn refuses_writing(error: &std::io::Error) -> bool {
+    error.kind() == std::io::ErrorKind::PermissionDenied
+        || error.raw_os_error() == Some(libc::EROFS)
 }
 
 fn export_specs(args: &ServeArgs) -> anyhow::Result<Vec<(String, String, bool)>> {

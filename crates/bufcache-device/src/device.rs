@@ -170,6 +170,10 @@ pub struct Capabilities {
     /// thread of the device's own (an NBD upstream's reply thread), so a caller can go on
     /// while it is in flight. False for devices whose reads finish in the caller's thread.
     pub reads_complete_later: bool,
+    /// True when the device refuses every write, discard and zeroing (a file opened
+    /// read-only, an NBD upstream that said READ_ONLY): an object over it refuses writes too,
+    /// so nothing is ever acknowledged that could not reach it.
+    pub read_only: bool,
 }
 
 impl Capabilities {
@@ -183,6 +187,7 @@ impl Capabilities {
             extents: false,
             write_unit_bytes: 1,
             reads_complete_later: false,
+            read_only: false,
         }
     }
 }

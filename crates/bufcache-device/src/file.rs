@@ -431,6 +431,7 @@ impl Device for FileDevice {
             extents: !self.block_device,
             write_unit_bytes: 1,
             reads_complete_later: false,
+            read_only: self.read_only,
         }
     }
 

@@ -1360,6 +1360,8 @@ impl Device for NbdClient {
             write_unit_bytes: 1,
             // The reply thread completes reads started with `start_read`.
             reads_complete_later: true,
+            // Every write would fail with EPERM upstream: the cache must not accept any.
+            read_only: info.read_only(),
         }
     }
 
