@@ -8,9 +8,9 @@
 use std::io;
 use std::sync::Arc;
 
-use bufcache::{CacheError, ObjectHandle, StartedRead, StartedReadDone, ZeroOptions};
+use bufcache::{CacheError, ObjectHandle, Residency, StartedRead, StartedReadDone, ZeroOptions};
 
-use crate::export::{BlockStatusExtent, Export, ReadDone, ReadSink, WriteSource};
+use crate::export::{BlockStatusExtent, CacheStateExtent, Export, ReadDone, ReadSink, WriteSource};
 
 /// A cache object served as an NBD export.
 pub struct CacheExport {
@@ -138,6 +138,22 @@ impl Export for CacheExport {
                 length: extent.length,
                 hole: extent.hole,
                 zero: extent.hole,
+            })
+            .collect())
+    }
+
+    fn has_cache_state(&self) -> bool {
+        true
+    }
+
+    fn cache_state(&self, offset: u64, length: u64) -> io::Result<Vec<CacheStateExtent>> {
+        let runs = self.object.residency(offset, length)?;
+        Ok(runs
+            .into_iter()
+            .map(|run| CacheStateExtent {
+                length: run.length,
+                resident: run.state != Residency::Absent,
+                dirty: run.state == Residency::Dirty,
             })
             .collect())
     }

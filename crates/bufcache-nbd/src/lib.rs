@@ -35,8 +35,8 @@ pub use config::{
     NetworkError, ServerConfig,
 };
 pub use export::{
-    never_start_read, read_via_buffer, write_via_buffer, BlockStatusExtent, Export, MemoryExport,
-    ReadDone, ReadSink, StartedRead, WriteSource,
+    never_start_read, no_cache_state, read_via_buffer, write_via_buffer, BlockStatusExtent,
+    CacheStateExtent, Export, MemoryExport, ReadDone, ReadSink, StartedRead, WriteSource,
 };
 pub use ipnet::IpNet;
 pub use reconnect::{ReconnectPolicy, ReconnectingClient};

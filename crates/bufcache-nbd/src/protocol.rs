@@ -119,8 +119,17 @@ pub fn is_reply_error(chunk_type: u16) -> bool {
 pub const STATE_HOLE: u32 = 1 << 0;
 pub const STATE_ZERO: u32 = 1 << 1;
 
-/// The only metadata context this crate knows.
+/// The metadata context every export offers: holes and zeroes.
 pub const BASE_ALLOCATION: &str = "base:allocation";
+
+/// The metadata context a cache export offers: which blocks are in the cache, and which of
+/// them are dirty (see docs/protocol.md).
+pub const BUFCACHE_STATE: &str = "bufcache:state";
+
+/// `bufcache:state` status flags: the block is in the cache (clean or dirty)...
+pub const CACHE_STATE_RESIDENT: u32 = 1 << 0;
+/// ...and is newer than the backend (written, not yet written back).
+pub const CACHE_STATE_DIRTY: u32 = 1 << 1;
 
 /// Byte sizes of the fixed headers.
 pub const REQUEST_HEADER_BYTES: usize = 28;

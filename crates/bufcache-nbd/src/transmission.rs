@@ -54,9 +54,10 @@ use bufcache::device::{DeadlineMutex, DeadlineMutexGuard};
 use parking_lot::{Condvar, Mutex};
 
 use crate::buffers::BufferRecycler;
-use crate::export::{BlockStatusExtent, Export, ReadDone, StartedRead};
-use crate::handshake::{Negotiated, BASE_ALLOCATION_ID};
+use crate::export::{Export, ReadDone, StartedRead};
+use crate::handshake::{MetaContexts, Negotiated, BASE_ALLOCATION_ID, CACHE_STATE_ID};
 use crate::protocol::*;
+use crate::server::ShutdownHandle;
 use crate::stream::{read_exact_vectored, send_vectored_until, write_all_vectored, Stream};
 
 /// Unused payload and reply buffers a server keeps for reuse at most (and never more than a
@@ -138,8 +139,10 @@ struct Connection {
     /// Never yields while it waits: a connection's threads meet here on every reply.
     writer: DeadlineMutex<Writer>,
     structured_replies: bool,
-    base_allocation: bool,
+    contexts: MetaContexts,
     transmission_flags: u16,
+    /// Once triggered, every request read is refused with ESHUTDOWN.
+    shutdown: ShutdownHandle,
     limits: ConnectionLimits,
     inflight: InflightBudget,
     /// The server-wide budget every request's bytes are reserved in as well.
@@ -397,8 +400,9 @@ pub(crate) fn serve(
             ended: None,
         }),
         structured_replies: negotiated.structured_replies,
-        base_allocation: negotiated.base_allocation,
+        contexts: negotiated.contexts,
         transmission_flags: negotiated.transmission_flags,
+        shutdown: negotiated.shutdown,
         limits,
         inflight: InflightBudget::default(),
         budget,
@@ -762,7 +766,8 @@ fn read_payload(
         "WRITE of {} bytes exceeds the maximum request size of {request_size_max} bytes",
         header.length
     );
-    Ok(Err(refuse(Errno::Overflow, message)))
+    // EINVAL, not EOVERFLOW: the spec keeps EOVERFLOW for READ with DF.
+    Ok(Err(refuse(Errno::Invalid, message)))
 }
 
 /// Bytes a request holds while in flight: its data (payload or reply) plus a fixed overhead.
@@ -793,6 +798,11 @@ impl Connection {
 
     /// Checks a request against the negotiated features and the export's bounds.
     fn validate(&self, header: &RequestHeader) -> Result<(), Refusal> {
+        if self.shutdown.is_triggered() {
+            // Requests read before the shutdown are served; these are answered at once, as
+            // the spec suggests, and the client then disconnects.
+            return Err(refuse(Errno::Shutdown, "the server is shutting down"));
+        }
         let command = header.command;
         let allowed_flags = self
             .allowed_flags(command)
@@ -809,22 +819,30 @@ impl Connection {
         if writes && self.transmission_flags & TRANSMIT_READ_ONLY != 0 {
             return Err(refuse(Errno::Perm, "the export is read-only"));
         }
+        // ENOSPC past the end is for the commands that store data; TRIM only forgets it.
+        let stores = matches!(command, CMD_WRITE | CMD_WRITE_ZEROES);
         if command == CMD_READ && header.length > self.limits.request_size_max {
             let message = format!(
                 "READ of {} bytes exceeds the maximum request size of {} bytes",
                 header.length, self.limits.request_size_max
             );
-            return Err(refuse(Errno::Overflow, message));
+            // EOVERFLOW only where the spec documents it: a READ that may not be fragmented.
+            let errno = if header.flags & CMD_FLAG_DF != 0 {
+                Errno::Overflow
+            } else {
+                Errno::Invalid
+            };
+            return Err(refuse(errno, message));
         }
         if command == CMD_BLOCK_STATUS {
-            if !self.base_allocation {
+            if !self.contexts.any() {
                 return Err(refuse(Errno::Invalid, "no metadata context was negotiated"));
             }
             if header.length == 0 {
                 return Err(refuse(Errno::Invalid, "BLOCK_STATUS of zero bytes"));
             }
         }
-        self.check_range(header, writes)
+        self.check_range(header, stores)
     }
 
     /// Flags valid for `command`, or `None` for an unknown command. FUA is accepted on every
@@ -843,8 +861,9 @@ impl Connection {
         Some(specific | CMD_FLAG_FUA)
     }
 
-    /// Refuses ranges outside the export: ENOSPC for writes (as the spec asks), EINVAL else.
-    fn check_range(&self, header: &RequestHeader, writes: bool) -> Result<(), Refusal> {
+    /// Refuses ranges outside the export: ENOSPC for WRITE and WRITE_ZEROES (`stores`), EINVAL
+    /// for the others (READ, TRIM, CACHE, BLOCK_STATUS), as the spec asks.
+    fn check_range(&self, header: &RequestHeader, stores: bool) -> Result<(), Refusal> {
         if header.command == CMD_FLUSH {
             return Ok(());
         }
@@ -853,7 +872,7 @@ impl Connection {
         if end.is_some_and(|end| end <= size) {
             return Ok(());
         }
-        let errno = if writes {
+        let errno = if stores {
             Errno::NoSpace
         } else {
             Errno::Invalid
@@ -953,14 +972,47 @@ impl Connection {
                 let fast_only = header.flags & CMD_FLAG_FAST_ZERO != 0;
                 export.write_zeroes(header.offset, length, may_trim, fast_only, fua)?;
             }
-            CMD_BLOCK_STATUS => {
-                let extents = export.block_status(header.offset, length)?;
-                let req_one = header.flags & CMD_FLAG_REQ_ONE != 0;
-                return block_status_chunk(header, &extents, req_one).map(Some);
-            }
+            CMD_BLOCK_STATUS => return self.block_status_reply(header).map(Some),
             other => unreachable!("command {other} passed validation"),
         }
         Ok(None)
+    }
+
+    /// The reply to a BLOCK_STATUS: one status chunk per selected metadata context, the last
+    /// marked final. Every context is asked before anything is sent, so a failure is answered
+    /// with one error reply.
+    fn block_status_reply(&self, header: &RequestHeader) -> io::Result<Vec<u8>> {
+        let length = u64::from(header.length);
+        let mut chunks: Vec<(u32, Vec<(u64, u32)>)> = Vec::with_capacity(2);
+        if self.contexts.base_allocation {
+            let extents = self.export.block_status(header.offset, length)?;
+            let descriptors = extents.iter().map(|extent| {
+                let hole = if extent.hole { STATE_HOLE } else { 0 };
+                let zero = if extent.zero { STATE_ZERO } else { 0 };
+                (extent.length, hole | zero)
+            });
+            chunks.push((BASE_ALLOCATION_ID, descriptors.collect()));
+        }
+        if self.contexts.cache_state {
+            let extents = self.export.cache_state(header.offset, length)?;
+            let descriptors = extents.iter().map(|extent| {
+                let resident = if extent.resident {
+                    CACHE_STATE_RESIDENT
+                } else {
+                    0
+                };
+                let dirty = if extent.dirty { CACHE_STATE_DIRTY } else { 0 };
+                (extent.length, resident | dirty)
+            });
+            chunks.push((CACHE_STATE_ID, descriptors.collect()));
+        }
+        let req_one = header.flags & CMD_FLAG_REQ_ONE != 0;
+        let mut reply = Vec::new();
+        for (index, (context_id, descriptors)) in chunks.iter().enumerate() {
+            let done = index + 1 == chunks.len();
+            put_status_chunk(&mut reply, header, *context_id, descriptors, req_one, done)?;
+        }
+        Ok(reply)
     }
 
     /// The end of a started READ, on whichever thread ended it (usually the upstream's reply
@@ -1278,49 +1330,46 @@ fn unsent(parts: &[io::IoSlice<'_>], sent: usize) -> Vec<u8> {
     rest
 }
 
-/// Encodes the `base:allocation` extents as one structured BLOCK_STATUS chunk, never
-/// describing more than the request asked for.
-fn block_status_chunk(
+/// Appends one structured BLOCK_STATUS chunk for metadata context `context_id` to `reply`:
+/// `descriptors` (length, status flags) cut to the request's length (REQ_ONE: the first only),
+/// marked final when `done`.
+fn put_status_chunk(
+    reply: &mut Vec<u8>,
     header: &RequestHeader,
-    extents: &[BlockStatusExtent],
+    context_id: u32,
+    descriptors: &[(u64, u32)],
     req_one: bool,
-) -> io::Result<Vec<u8>> {
-    let mut descriptors = Vec::new();
+    done: bool,
+) -> io::Result<()> {
+    let mut encoded = Vec::with_capacity(8 * descriptors.len());
     let mut left = u64::from(header.length);
-    for extent in extents {
-        let length = extent.length.min(left);
+    for &(length, flags) in descriptors {
+        let length = length.min(left);
         if length == 0 {
             break;
         }
-        let mut flags = 0;
-        if extent.hole {
-            flags |= STATE_HOLE;
-        }
-        if extent.zero {
-            flags |= STATE_ZERO;
-        }
-        descriptors.extend_from_slice(&(length as u32).to_be_bytes());
-        descriptors.extend_from_slice(&flags.to_be_bytes());
+        encoded.extend_from_slice(&(length as u32).to_be_bytes());
+        encoded.extend_from_slice(&flags.to_be_bytes());
         left -= length;
         if req_one {
             break;
         }
     }
-    if descriptors.is_empty() {
+    if encoded.is_empty() {
         return Err(io::Error::other("the export reported no extents"));
     }
-    let payload_length = 4 + descriptors.len() as u32;
-    let mut chunk = Vec::with_capacity(STRUCTURED_REPLY_HEADER_BYTES + payload_length as usize);
+    let payload_length = 4 + encoded.len() as u32;
+    let flags = if done { REPLY_FLAG_DONE } else { 0 };
     put_structured_header(
-        &mut chunk,
-        REPLY_FLAG_DONE,
+        reply,
+        flags,
         REPLY_TYPE_BLOCK_STATUS,
         header.handle,
         payload_length,
     );
-    chunk.extend_from_slice(&BASE_ALLOCATION_ID.to_be_bytes());
-    chunk.extend_from_slice(&descriptors);
-    Ok(chunk)
+    reply.extend_from_slice(&context_id.to_be_bytes());
+    reply.extend_from_slice(&encoded);
+    Ok(())
 }
 
 /// The longest prefix of `text` that fits in `bytes_max` bytes without splitting a character.
@@ -1478,7 +1527,7 @@ mod tests {
     }
 
     #[test]
-    fn block_status_chunk_clamps_to_the_request_and_honours_req_one() {
+    fn status_chunks_clamp_to_the_request_and_honour_req_one() {
         let header = RequestHeader {
             flags: 0,
             command: CMD_BLOCK_STATUS,
@@ -1486,26 +1535,20 @@ mod tests {
             offset: 0,
             length: 1000,
         };
-        let extents = [
-            BlockStatusExtent {
-                length: 600,
-                hole: true,
-                zero: true,
-            },
-            BlockStatusExtent {
-                length: 600,
-                hole: false,
-                zero: false,
-            },
-        ];
-        let chunk = block_status_chunk(&header, &extents, false).unwrap();
+        let descriptors = [(600, STATE_HOLE | STATE_ZERO), (600, 0)];
+        let mut chunk = Vec::new();
+        put_status_chunk(&mut chunk, &header, 1, &descriptors, false, true).unwrap();
+        assert_eq!(be_u16(&chunk[4..6]), REPLY_FLAG_DONE);
         let payload = &chunk[STRUCTURED_REPLY_HEADER_BYTES + 4..];
         assert_eq!(be_u32(&payload[0..4]), 600);
         assert_eq!(be_u32(&payload[4..8]), STATE_HOLE | STATE_ZERO);
         assert_eq!(be_u32(&payload[8..12]), 400);
         assert_eq!(payload.len(), 16);
-        let one = block_status_chunk(&header, &extents, true).unwrap();
+        let mut one = Vec::new();
+        put_status_chunk(&mut one, &header, 2, &descriptors, true, false).unwrap();
         assert_eq!(one.len(), STRUCTURED_REPLY_HEADER_BYTES + 4 + 8);
+        assert_eq!(be_u16(&one[4..6]), 0, "not the last chunk");
+        assert_eq!(be_u32(&one[STRUCTURED_REPLY_HEADER_BYTES..]), 2);
     }
 
     #[test]
