@@ -118,6 +118,9 @@ pub(crate) struct Negotiated {
     pub(crate) export_name: String,
     pub(crate) export: Arc<dyn Export>,
     pub(crate) structured_replies: bool,
+    /// `NBD_OPT_EXTENDED_HEADERS` was agreed: 32-byte requests and reply chunks, 64-bit
+    /// lengths (`structured_replies` is set too: every reply is a chunk).
+    pub(crate) extended_headers: bool,
     /// The metadata contexts BLOCK_STATUS answers for (none: it is refused).
     pub(crate) contexts: MetaContexts,
     pub(crate) transmission_flags: u16,
@@ -138,6 +141,8 @@ pub(crate) enum HandshakeError {
     NotFixedNewstyle(u32),
     #[error("NBD_OPT_EXPORT_NAME while the server shuts down")]
     ShuttingDown,
+    #[error("NBD_OPT_EXPORT_NAME after extended headers were agreed, which the spec forbids")]
+    ExportNameWithExtendedHeaders,
     #[error("option magic {0:#x} is not IHAVEOPT")]
     OptionMagic(u64),
     #[error(
@@ -175,6 +180,7 @@ struct Haggle<'a> {
     fixed_newstyle: bool,
     no_zeroes: bool,
     structured_replies: bool,
+    extended_headers: bool,
     /// The export index and the contexts the last SET_META_CONTEXT selected for it.
     contexts_for: Option<(usize, MetaContexts)>,
     shutdown: &'a ShutdownHandle,
@@ -214,6 +220,7 @@ pub(crate) fn negotiate(
         fixed_newstyle: client_flags & CLIENT_FLAG_FIXED_NEWSTYLE != 0,
         no_zeroes: client_flags & CLIENT_FLAG_NO_ZEROES != 0,
         structured_replies: false,
+        extended_headers: false,
         contexts_for: None,
         shutdown,
         admit,
@@ -299,6 +306,7 @@ impl Haggle<'_> {
             OPT_LIST => self.list(data).map(|()| None),
             OPT_INFO | OPT_GO => self.info_or_go(option, data),
             OPT_STRUCTURED_REPLY => self.structured_reply(data).map(|()| None),
+            OPT_EXTENDED_HEADERS => self.extended_headers(data).map(|()| None),
             OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
                 self.meta_context(option, data).map(|()| None)
             }
@@ -334,6 +342,7 @@ impl Haggle<'_> {
         tracing::info!(identity = ?self.identity, "TLS established");
         self.tls_active = true;
         self.structured_replies = false;
+        self.extended_headers = false;
         self.contexts_for = None;
         Ok(None)
     }
@@ -349,6 +358,10 @@ impl Haggle<'_> {
     }
 
     fn export_name(&mut self, data: &[u8]) -> Result<Outcome, HandshakeError> {
+        if self.extended_headers {
+            // A MUST NOT for the client, and this option has no error reply: close.
+            return Err(HandshakeError::ExportNameWithExtendedHeaders);
+        }
         let name = String::from_utf8_lossy(data).into_owned();
         let Some(index) = self.find_export(&name) else {
             // This option cannot carry an error reply: the spec says to close.
@@ -462,8 +475,34 @@ impl Haggle<'_> {
             )?;
             return Ok(());
         }
+        if self.extended_headers {
+            // The spec: extended headers take precedence; there is no going back.
+            self.error(
+                OPT_STRUCTURED_REPLY,
+                REP_ERR_EXT_HEADER_REQD,
+                "extended headers are already in use",
+            )?;
+            return Ok(());
+        }
         self.structured_replies = true;
         self.reply(OPT_STRUCTURED_REPLY, REP_ACK, &[])?;
+        Ok(())
+    }
+
+    /// `NBD_OPT_EXTENDED_HEADERS`: 32-byte requests with 64-bit lengths and 32-byte reply
+    /// chunks from transmission on (structured replies come with them).
+    fn extended_headers(&mut self, data: &[u8]) -> Result<(), HandshakeError> {
+        if !data.is_empty() {
+            self.error(
+                OPT_EXTENDED_HEADERS,
+                REP_ERR_INVALID,
+                "NBD_OPT_EXTENDED_HEADERS takes no data",
+            )?;
+            return Ok(());
+        }
+        self.extended_headers = true;
+        self.structured_replies = true;
+        self.reply(OPT_EXTENDED_HEADERS, REP_ACK, &[])?;
         Ok(())
     }
 
@@ -566,6 +605,12 @@ impl Haggle<'_> {
             // Reads are always answered with a single data chunk, so DF costs nothing.
             flags |= TRANSMIT_SEND_DF;
         }
+        let contexts_selected = self
+            .contexts_for
+            .is_some_and(|(selected_for, _)| selected_for == index);
+        if self.extended_headers && contexts_selected {
+            flags |= TRANSMIT_BLOCK_STATUS_PAYLOAD;
+        }
         flags
     }
 
@@ -581,6 +626,7 @@ impl Haggle<'_> {
             transmission_flags: self.transmission_flags(index, export.as_ref()),
             export,
             structured_replies: self.structured_replies,
+            extended_headers: self.extended_headers,
             contexts: self
                 .contexts_for
                 .filter(|(selected_for, _)| *selected_for == index)

@@ -89,9 +89,9 @@ pub(crate) enum TransmissionError {
     Io(#[from] io::Error),
     #[error("request magic is wrong; the stream cannot be resynchronised")]
     RequestMagic,
-    #[error("WRITE of {length_bytes} bytes is far above the {request_size_max} byte maximum")]
+    #[error("a payload of {length_bytes} bytes is far above the {request_size_max} byte maximum")]
     WriteTooLarge {
-        length_bytes: u32,
+        length_bytes: u64,
         request_size_max: u32,
     },
 }
@@ -110,6 +110,9 @@ struct Request {
     header: RequestHeader,
     /// A WRITE's data in its first `header.length` bytes (a reused buffer may be longer).
     payload: Vec<u8>,
+    /// The metadata contexts a BLOCK_STATUS answers for: all the connection selected, or
+    /// those its payload names (extended headers).
+    contexts: MetaContexts,
     cost_bytes: u64,
     /// The export says it will not wait for I/O: the reader serves it without a hand-off.
     quick: bool,
@@ -139,6 +142,8 @@ struct Connection {
     /// Never yields while it waits: a connection's threads meet here on every reply.
     writer: DeadlineMutex<Writer>,
     structured_replies: bool,
+    /// Requests and replies have 32-byte headers; every reply is a chunk.
+    extended_headers: bool,
     contexts: MetaContexts,
     transmission_flags: u16,
     /// Once triggered, every request read is refused with ESHUTDOWN.
@@ -400,6 +405,7 @@ pub(crate) fn serve(
             ended: None,
         }),
         structured_replies: negotiated.structured_replies,
+        extended_headers: negotiated.extended_headers,
         contexts: negotiated.contexts,
         transmission_flags: negotiated.transmission_flags,
         shutdown: negotiated.shutdown,
@@ -609,7 +615,7 @@ fn start_read(connection: &Arc<Connection>, request: Request) -> Result<(), Requ
     });
     match connection
         .export
-        .start_read(header.offset, header.length, done)
+        .start_read(header.offset, header.length as u32, done)
     {
         Ok(()) => {
             connection.requests_started.fetch_add(1, Ordering::Relaxed);
@@ -664,15 +670,26 @@ fn read_request(
             return Ok(None);
         }
     }
-    let mut header_bytes = [0u8; REQUEST_HEADER_BYTES];
-    match stream.read_exact(&mut header_bytes) {
+    let mut header_bytes = [0u8; EXTENDED_REQUEST_HEADER_BYTES];
+    let header_length = if connection.extended_headers {
+        EXTENDED_REQUEST_HEADER_BYTES
+    } else {
+        REQUEST_HEADER_BYTES
+    };
+    match stream.read_exact(&mut header_bytes[..header_length]) {
         Ok(()) => {}
         Err(error) if error.kind() == io::ErrorKind::UnexpectedEof => return Err(Ok(())),
         Err(error) => return Err(Err(error.into())),
     }
-    let header = RequestHeader::decode(&header_bytes)
-        .ok_or(TransmissionError::RequestMagic)
-        .map_err(Err)?;
+    let header = if connection.extended_headers {
+        RequestHeader::decode_extended(&header_bytes)
+    } else {
+        let compact: &[u8; REQUEST_HEADER_BYTES] = header_bytes[..REQUEST_HEADER_BYTES]
+            .try_into()
+            .expect("a compact header's bytes");
+        RequestHeader::decode(compact)
+    };
+    let header = header.ok_or(TransmissionError::RequestMagic).map_err(Err)?;
     if header.command == CMD_DISC {
         return Err(Ok(()));
     }
@@ -682,12 +699,16 @@ fn read_request(
     connection.budget.acquire(cost_bytes);
     let validated = connection.validate(&header);
     let quick = validated.is_ok() && connection.is_quick(&header);
-    if quick && header.command == CMD_WRITE && header.length <= connection.limits.request_size_max {
+    if quick
+        && header.command == CMD_WRITE
+        && header.length <= connection.limits.request_size_max.into()
+    {
         connection.inflight.charge(cost_bytes);
         connection.requests_served.fetch_add(1, Ordering::Relaxed);
         return Ok(Some(Request {
             header,
             payload: Vec::new(),
+            contexts: connection.contexts,
             cost_bytes,
             quick,
             payload_in_stream: true,
@@ -705,66 +726,78 @@ fn read_request(
             return Err(Err(error));
         }
     };
-    if let Err(refusal) = validated {
-        tracing::debug!(
-            command = %command_name(header.command),
-            offset = header.offset,
-            length = header.length,
-            errno = %refusal.errno,
-            "request refused: {}",
-            refusal.message
-        );
-        connection.send_error(&header, &refusal);
-        connection.budget.give_back_payload(payload);
-        connection.budget.release(cost_bytes);
-        return Ok(None);
-    }
+    // A BLOCK_STATUS with a payload (extended headers) is validated once the payload says
+    // its effect length and contexts.
+    let payload_form = validated
+        .and_then(|()| connection.block_status_payload(&header, &payload))
+        .and_then(|(header, contexts)| {
+            connection.validate(&header)?;
+            Ok((header, contexts))
+        });
+    let (effective, contexts) = match payload_form {
+        Ok(effective) => effective,
+        Err(refusal) => {
+            tracing::debug!(
+                command = %command_name(header.command),
+                offset = header.offset,
+                length = header.length,
+                errno = %refusal.errno,
+                "request refused: {}",
+                refusal.message
+            );
+            connection.send_error(&header, &refusal);
+            connection.budget.give_back_payload(payload);
+            connection.budget.release(cost_bytes);
+            return Ok(None);
+        }
+    };
     connection.inflight.charge(cost_bytes);
     connection.requests_served.fetch_add(1, Ordering::Relaxed);
     Ok(Some(Request {
-        header,
+        header: effective,
         payload,
+        contexts,
         cost_bytes,
         quick,
         payload_in_stream: false,
     }))
 }
 
-/// Reads a WRITE payload whole. An oversized payload is skipped (and refused) when that is
-/// cheap enough; beyond that the connection ends.
+/// Reads a request's payload (a WRITE's data; with extended headers, whatever
+/// `CMD_FLAG_PAYLOAD_LEN` announces) whole. An oversized payload is skipped (and refused) when
+/// that is cheap enough; beyond that the connection ends.
 fn read_payload(
     stream: &mut RequestStream,
     connection: &Connection,
     header: &RequestHeader,
 ) -> Result<Result<Vec<u8>, Refusal>, TransmissionError> {
-    if header.command != CMD_WRITE {
+    let length = connection.payload_bytes(header);
+    if length == 0 {
         return Ok(Ok(Vec::new()));
     }
     let request_size_max = connection.limits.request_size_max;
-    if header.length <= request_size_max {
-        let mut payload = connection.budget.buffers().take(header.length as usize);
-        if let Err(error) = stream.read_exact(&mut payload[..header.length as usize]) {
+    if length <= u64::from(request_size_max) {
+        let mut payload = connection.budget.buffers().take(length as usize);
+        if let Err(error) = stream.read_exact(&mut payload[..length as usize]) {
             connection.budget.buffers().give_back(payload);
             return Err(error.into());
         }
         return Ok(Ok(payload));
     }
-    if u64::from(header.length) > u64::from(request_size_max) * OVERSIZED_WRITE_SKIP_FACTOR {
+    if length > u64::from(request_size_max) * OVERSIZED_WRITE_SKIP_FACTOR {
         return Err(TransmissionError::WriteTooLarge {
-            length_bytes: header.length,
+            length_bytes: length,
             request_size_max,
         });
     }
-    let skipped = io::copy(
-        &mut stream.by_ref().take(u64::from(header.length)),
-        &mut io::sink(),
-    )?;
-    if skipped < u64::from(header.length) {
+    let skipped = io::copy(&mut stream.by_ref().take(length), &mut io::sink())?;
+    if skipped < length {
         return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
     }
     let message = format!(
-        "WRITE of {} bytes exceeds the maximum request size of {request_size_max} bytes",
-        header.length
+        "{} with a payload of {length} bytes exceeds the maximum request size of \
+         {request_size_max} bytes",
+        command_name(header.command)
     );
     // EINVAL, not EOVERFLOW: the spec keeps EOVERFLOW for READ with DF.
     Ok(Err(refuse(Errno::Invalid, message)))
@@ -775,7 +808,7 @@ fn read_payload(
 /// (an oversized payload is skipped through a small one), so it costs only the overhead.
 fn request_cost(header: &RequestHeader, request_size_max: u32) -> u64 {
     let data_bytes = match header.command {
-        CMD_READ | CMD_WRITE if header.length <= request_size_max => u64::from(header.length),
+        CMD_READ | CMD_WRITE if header.length <= u64::from(request_size_max) => header.length,
         _ => 0,
     };
     data_bytes + REQUEST_OVERHEAD_BYTES
@@ -785,7 +818,7 @@ impl Connection {
     /// True when the export says the request will not wait for device I/O, so the thread
     /// holding the reading role may serve it without passing the role on.
     fn is_quick(&self, header: &RequestHeader) -> bool {
-        let length = u64::from(header.length);
+        let length = header.length;
         match header.command {
             CMD_READ => self.export.read_is_quick(header.offset, length),
             CMD_WRITE => {
@@ -821,7 +854,11 @@ impl Connection {
         }
         // ENOSPC past the end is for the commands that store data; TRIM only forgets it.
         let stores = matches!(command, CMD_WRITE | CMD_WRITE_ZEROES);
-        if command == CMD_READ && header.length > self.limits.request_size_max {
+        if header.flags & CMD_FLAG_PAYLOAD_LEN != 0 && command == CMD_BLOCK_STATUS {
+            // Checked again once the payload gives the effect length and contexts.
+            return Ok(());
+        }
+        if command == CMD_READ && header.length > u64::from(self.limits.request_size_max) {
             let message = format!(
                 "READ of {} bytes exceeds the maximum request size of {} bytes",
                 header.length, self.limits.request_size_max
@@ -850,15 +887,77 @@ impl Connection {
     fn allowed_flags(&self, command: u16) -> Option<u16> {
         let specific = match command {
             CMD_READ if self.structured_replies => CMD_FLAG_DF,
-            CMD_READ | CMD_WRITE | CMD_FLUSH | CMD_TRIM | CMD_CACHE => 0,
+            CMD_READ | CMD_FLUSH | CMD_TRIM | CMD_CACHE => 0,
+            CMD_WRITE if self.extended_headers => CMD_FLAG_PAYLOAD_LEN,
+            CMD_WRITE => 0,
             CMD_WRITE_ZEROES if self.transmission_flags & TRANSMIT_SEND_FAST_ZERO != 0 => {
                 CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO
             }
             CMD_WRITE_ZEROES => CMD_FLAG_NO_HOLE,
+            CMD_BLOCK_STATUS if self.extended_headers => CMD_FLAG_REQ_ONE | CMD_FLAG_PAYLOAD_LEN,
             CMD_BLOCK_STATUS => CMD_FLAG_REQ_ONE,
             _ => return None,
         };
         Some(specific | CMD_FLAG_FUA)
+    }
+
+    /// Bytes of payload that follow `header`: a WRITE's data, or with extended headers what
+    /// `CMD_FLAG_PAYLOAD_LEN` announces. Read even when the request is refused, so the stream
+    /// stays in step. The spec asks an extended WRITE to set the flag, but qemu's client does
+    /// not: a WRITE's length is its payload's either way (as qemu-nbd takes it).
+    fn payload_bytes(&self, header: &RequestHeader) -> u64 {
+        let has_payload = header.command == CMD_WRITE
+            || (self.extended_headers && header.flags & CMD_FLAG_PAYLOAD_LEN != 0);
+        if has_payload {
+            header.length
+        } else {
+            0
+        }
+    }
+
+    /// For a BLOCK_STATUS whose payload (extended headers, `CMD_FLAG_PAYLOAD_LEN`) gives the
+    /// effect length and the context ids to answer: the request as it acts (that length, no
+    /// payload flag) and those contexts. Any other request comes back as it is, with every
+    /// context the connection selected. Unknown or repeated ids are refused, as the spec asks.
+    fn block_status_payload(
+        &self,
+        header: &RequestHeader,
+        payload: &[u8],
+    ) -> Result<(RequestHeader, MetaContexts), Refusal> {
+        if header.command != CMD_BLOCK_STATUS || header.flags & CMD_FLAG_PAYLOAD_LEN == 0 {
+            return Ok((*header, self.contexts));
+        }
+        let payload = &payload[..payload.len().min(header.length as usize)];
+        let malformed = || {
+            refuse(
+                Errno::Invalid,
+                "a BLOCK_STATUS payload is an 8-byte length and 4-byte context ids",
+            )
+        };
+        if payload.len() < 12 || !(payload.len() - 8).is_multiple_of(4) {
+            return Err(malformed());
+        }
+        let mut contexts = MetaContexts::default();
+        for id in payload[8..].chunks_exact(4).map(be_u32) {
+            let (selected, seen) = match id {
+                BASE_ALLOCATION_ID => {
+                    (self.contexts.base_allocation, &mut contexts.base_allocation)
+                }
+                CACHE_STATE_ID => (self.contexts.cache_state, &mut contexts.cache_state),
+                _ => (false, &mut contexts.base_allocation),
+            };
+            if !selected || *seen {
+                let message = format!("context id {id} is not selected, or named twice");
+                return Err(refuse(Errno::Invalid, message));
+            }
+            *seen = true;
+        }
+        let effective = RequestHeader {
+            flags: header.flags & !CMD_FLAG_PAYLOAD_LEN,
+            length: be_u64(payload),
+            ..*header
+        };
+        Ok((effective, contexts))
     }
 
     /// Refuses ranges outside the export: ENOSPC for WRITE and WRITE_ZEROES (`stores`), EINVAL
@@ -868,7 +967,7 @@ impl Connection {
             return Ok(());
         }
         let size = self.export.size();
-        let end = header.offset.checked_add(u64::from(header.length));
+        let end = header.offset.checked_add(header.length);
         if end.is_some_and(|end| end <= size) {
             return Ok(());
         }
@@ -893,8 +992,8 @@ impl Connection {
             self.execute_read(&header);
         } else {
             let payload = &request.payload[..request.payload.len().min(header.length as usize)];
-            match self.run_command(&header, payload) {
-                Ok(None) => self.send_simple(header.handle, 0),
+            match self.run_command(&header, payload, request.contexts) {
+                Ok(None) => self.send_ok(&header),
                 Ok(Some(chunk)) => self.send_parts(&[&chunk]),
                 Err(error) => self.send_io_error(&header, &error),
             }
@@ -913,7 +1012,7 @@ impl Connection {
         stream: &mut RequestStream,
     ) -> Result<(), TransmissionError> {
         let header = request.header;
-        let length = u64::from(header.length);
+        let length = header.length;
         let fua = header.flags & CMD_FLAG_FUA != 0;
         let mut consumed = 0u64;
         let mut socket_failed = false;
@@ -943,7 +1042,7 @@ impl Connection {
             match skipped {
                 Ok(count) if count == length - consumed => {
                     match result {
-                        Ok(()) => self.send_simple(header.handle, 0),
+                        Ok(()) => self.send_ok(&header),
                         Err(error) => self.send_io_error(&header, &error),
                     }
                     Ok(())
@@ -958,10 +1057,15 @@ impl Connection {
     }
 
     /// Runs a non-READ command; `Some` carries a ready structured reply (block status).
-    fn run_command(&self, header: &RequestHeader, payload: &[u8]) -> io::Result<Option<Vec<u8>>> {
+    fn run_command(
+        &self,
+        header: &RequestHeader,
+        payload: &[u8],
+        contexts: MetaContexts,
+    ) -> io::Result<Option<Vec<u8>>> {
         let export = self.export.as_ref();
         let fua = header.flags & CMD_FLAG_FUA != 0;
-        let length = u64::from(header.length);
+        let length = header.length;
         match header.command {
             CMD_WRITE => export.write(header.offset, payload, fua)?,
             CMD_FLUSH => export.flush()?,
@@ -972,19 +1076,23 @@ impl Connection {
                 let fast_only = header.flags & CMD_FLAG_FAST_ZERO != 0;
                 export.write_zeroes(header.offset, length, may_trim, fast_only, fua)?;
             }
-            CMD_BLOCK_STATUS => return self.block_status_reply(header).map(Some),
+            CMD_BLOCK_STATUS => return self.block_status_reply(header, contexts).map(Some),
             other => unreachable!("command {other} passed validation"),
         }
         Ok(None)
     }
 
-    /// The reply to a BLOCK_STATUS: one status chunk per selected metadata context, the last
-    /// marked final. Every context is asked before anything is sent, so a failure is answered
-    /// with one error reply.
-    fn block_status_reply(&self, header: &RequestHeader) -> io::Result<Vec<u8>> {
-        let length = u64::from(header.length);
+    /// The reply to a BLOCK_STATUS: one status chunk per metadata context in `contexts`, the
+    /// last marked final. Every context is asked before anything is sent, so a failure is
+    /// answered with one error reply.
+    fn block_status_reply(
+        &self,
+        header: &RequestHeader,
+        contexts: MetaContexts,
+    ) -> io::Result<Vec<u8>> {
+        let length = header.length;
         let mut chunks: Vec<(u32, Vec<(u64, u32)>)> = Vec::with_capacity(2);
-        if self.contexts.base_allocation {
+        if contexts.base_allocation {
             let extents = self.export.block_status(header.offset, length)?;
             let descriptors = extents.iter().map(|extent| {
                 let hole = if extent.hole { STATE_HOLE } else { 0 };
@@ -993,7 +1101,7 @@ impl Connection {
             });
             chunks.push((BASE_ALLOCATION_ID, descriptors.collect()));
         }
-        if self.contexts.cache_state {
+        if contexts.cache_state {
             let extents = self.export.cache_state(header.offset, length)?;
             let descriptors = extents.iter().map(|extent| {
                 let resident = if extent.resident {
@@ -1010,7 +1118,13 @@ impl Connection {
         let mut reply = Vec::new();
         for (index, (context_id, descriptors)) in chunks.iter().enumerate() {
             let done = index + 1 == chunks.len();
-            put_status_chunk(&mut reply, header, *context_id, descriptors, req_one, done)?;
+            let form = StatusChunk {
+                context_id: *context_id,
+                req_one,
+                done,
+                extended: self.extended_headers,
+            };
+            put_status_chunk(&mut reply, header, descriptors, form)?;
         }
         Ok(reply)
     }
@@ -1125,23 +1239,47 @@ impl Connection {
         Ok(writer)
     }
 
-    /// The bytes before a READ reply's data: a simple reply header, or a structured
-    /// OFFSET_DATA chunk header with the offset (the read is not empty).
+    /// The bytes before a READ reply's data: a simple reply header, or a structured (or
+    /// extended) OFFSET_DATA chunk header with the offset (the read is not empty).
     fn read_reply_prefix(&self, header: &RequestHeader) -> Vec<u8> {
-        let mut prefix = Vec::with_capacity(STRUCTURED_REPLY_HEADER_BYTES + 8);
+        let mut prefix = Vec::with_capacity(EXTENDED_REPLY_HEADER_BYTES + 8);
         if !self.structured_replies {
             put_simple_reply(&mut prefix, 0, header.handle);
         } else {
-            put_structured_header(
+            self.put_chunk_header(
                 &mut prefix,
                 REPLY_FLAG_DONE,
                 REPLY_TYPE_OFFSET_DATA,
-                header.handle,
+                header,
                 8 + header.length,
             );
             prefix.extend_from_slice(&header.offset.to_be_bytes());
         }
         prefix
+    }
+
+    /// Appends a reply chunk's header for `header`'s request: extended (the request's offset
+    /// echoed, a 64-bit length) or structured, as negotiated.
+    fn put_chunk_header(
+        &self,
+        out: &mut Vec<u8>,
+        flags: u16,
+        chunk_type: u16,
+        header: &RequestHeader,
+        payload_length: u64,
+    ) {
+        if self.extended_headers {
+            put_extended_header(
+                out,
+                flags,
+                chunk_type,
+                header.handle,
+                header.offset,
+                payload_length,
+            );
+        } else {
+            put_structured_header(out, flags, chunk_type, header.handle, payload_length as u32);
+        }
     }
 
     /// Serves a READ with one reply written from the export's own memory when it can (a
@@ -1151,15 +1289,10 @@ impl Connection {
     fn execute_read(&self, header: &RequestHeader) {
         let length = header.length as usize;
         if self.structured_replies && length == 0 {
-            // A data chunk must carry at least one byte; an empty read is just "done".
-            let mut done = Vec::with_capacity(STRUCTURED_REPLY_HEADER_BYTES);
-            put_structured_header(
-                &mut done,
-                REPLY_FLAG_DONE,
-                REPLY_TYPE_NONE,
-                header.handle,
-                0,
-            );
+            // A data chunk must carry at least one byte; an empty read is just "done" (a
+            // chunk: a READ never gets a simple reply once structured replies are on).
+            let mut done = Vec::with_capacity(EXTENDED_REPLY_HEADER_BYTES);
+            self.put_chunk_header(&mut done, REPLY_FLAG_DONE, REPLY_TYPE_NONE, header, 0);
             self.send_parts(&[&done]);
             return;
         }
@@ -1279,19 +1412,31 @@ impl Connection {
             return;
         }
         let message = truncate_utf8(&refusal.message, STRING_BYTES_MAX);
-        let payload_length = 6 + message.len() as u32;
-        let mut chunk = Vec::with_capacity(STRUCTURED_REPLY_HEADER_BYTES + payload_length as usize);
-        put_structured_header(
+        let payload_length = 6 + message.len() as u64;
+        let mut chunk = Vec::with_capacity(EXTENDED_REPLY_HEADER_BYTES + payload_length as usize);
+        self.put_chunk_header(
             &mut chunk,
             REPLY_FLAG_DONE,
             REPLY_TYPE_ERROR,
-            header.handle,
+            header,
             payload_length,
         );
         chunk.extend_from_slice(&refusal.errno.code().to_be_bytes());
         chunk.extend_from_slice(&(message.len() as u16).to_be_bytes());
         chunk.extend_from_slice(message.as_bytes());
         self.send_parts(&[&chunk]);
+    }
+
+    /// Answers a request that succeeded without data: a simple reply, or with extended
+    /// headers (which have no simple replies) a final NONE chunk.
+    fn send_ok(&self, header: &RequestHeader) {
+        if !self.extended_headers {
+            self.send_simple(header.handle, 0);
+            return;
+        }
+        let mut done = Vec::with_capacity(EXTENDED_REPLY_HEADER_BYTES);
+        self.put_chunk_header(&mut done, REPLY_FLAG_DONE, REPLY_TYPE_NONE, header, 0);
+        self.send_parts(&[&done]);
     }
 
     fn send_simple(&self, handle: u64, error: u32) {
@@ -1330,44 +1475,80 @@ fn unsent(parts: &[io::IoSlice<'_>], sent: usize) -> Vec<u8> {
     rest
 }
 
-/// Appends one structured BLOCK_STATUS chunk for metadata context `context_id` to `reply`:
-/// `descriptors` (length, status flags) cut to the request's length (REQ_ONE: the first only),
-/// marked final when `done`.
+/// How one status chunk is sent: for which context, whether it holds one descriptor
+/// (REQ_ONE), whether it is the reply's last, and in which form.
+#[derive(Clone, Copy)]
+struct StatusChunk {
+    context_id: u32,
+    req_one: bool,
+    done: bool,
+    /// BLOCK_STATUS_EXT in an extended header (64-bit lengths and status) instead of
+    /// BLOCK_STATUS in a structured one.
+    extended: bool,
+}
+
+/// Most descriptors one status chunk carries (the spec's SHOULD); the client asks again from
+/// where the reply stops.
+const STATUS_DESCRIPTORS_MAX: usize = 1 << 20;
+
+/// Appends one status chunk to `reply`: `descriptors` (length, status flags) cut to the
+/// request's length (REQ_ONE: the first only), each within 32 bits in the compact form.
 fn put_status_chunk(
     reply: &mut Vec<u8>,
     header: &RequestHeader,
-    context_id: u32,
     descriptors: &[(u64, u32)],
-    req_one: bool,
-    done: bool,
+    form: StatusChunk,
 ) -> io::Result<()> {
-    let mut encoded = Vec::with_capacity(8 * descriptors.len());
-    let mut left = u64::from(header.length);
-    for &(length, flags) in descriptors {
+    let descriptor_bytes = if form.extended { 16 } else { 8 };
+    let mut encoded = Vec::with_capacity(descriptor_bytes * descriptors.len().min(1024));
+    let mut left = header.length;
+    let mut count = 0u32;
+    for &(length, flags) in descriptors.iter().take(STATUS_DESCRIPTORS_MAX) {
         let length = length.min(left);
         if length == 0 {
             break;
         }
-        encoded.extend_from_slice(&(length as u32).to_be_bytes());
-        encoded.extend_from_slice(&flags.to_be_bytes());
+        if form.extended {
+            encoded.extend_from_slice(&length.to_be_bytes());
+            encoded.extend_from_slice(&u64::from(flags).to_be_bytes());
+        } else {
+            // A compact request's length fits in 32 bits, so this cut never shortens it.
+            encoded.extend_from_slice(&(length.min(u64::from(u32::MAX)) as u32).to_be_bytes());
+            encoded.extend_from_slice(&flags.to_be_bytes());
+        }
         left -= length;
-        if req_one {
+        count += 1;
+        if form.req_one {
             break;
         }
     }
     if encoded.is_empty() {
         return Err(io::Error::other("the export reported no extents"));
     }
-    let payload_length = 4 + encoded.len() as u32;
-    let flags = if done { REPLY_FLAG_DONE } else { 0 };
-    put_structured_header(
-        reply,
-        flags,
-        REPLY_TYPE_BLOCK_STATUS,
-        header.handle,
-        payload_length,
-    );
-    reply.extend_from_slice(&context_id.to_be_bytes());
+    let flags = if form.done { REPLY_FLAG_DONE } else { 0 };
+    if form.extended {
+        let payload_length = 8 + encoded.len() as u64;
+        put_extended_header(
+            reply,
+            flags,
+            REPLY_TYPE_BLOCK_STATUS_EXT,
+            header.handle,
+            header.offset,
+            payload_length,
+        );
+        reply.extend_from_slice(&form.context_id.to_be_bytes());
+        reply.extend_from_slice(&count.to_be_bytes());
+    } else {
+        let payload_length = 4 + encoded.len() as u32;
+        put_structured_header(
+            reply,
+            flags,
+            REPLY_TYPE_BLOCK_STATUS,
+            header.handle,
+            payload_length,
+        );
+        reply.extend_from_slice(&form.context_id.to_be_bytes());
+    }
     reply.extend_from_slice(&encoded);
     Ok(())
 }
@@ -1536,8 +1717,14 @@ mod tests {
             length: 1000,
         };
         let descriptors = [(600, STATE_HOLE | STATE_ZERO), (600, 0)];
+        let form = StatusChunk {
+            context_id: 1,
+            req_one: false,
+            done: true,
+            extended: false,
+        };
         let mut chunk = Vec::new();
-        put_status_chunk(&mut chunk, &header, 1, &descriptors, false, true).unwrap();
+        put_status_chunk(&mut chunk, &header, &descriptors, form).unwrap();
         assert_eq!(be_u16(&chunk[4..6]), REPLY_FLAG_DONE);
         let payload = &chunk[STRUCTURED_REPLY_HEADER_BYTES + 4..];
         assert_eq!(be_u32(&payload[0..4]), 600);
@@ -1545,10 +1732,49 @@ mod tests {
         assert_eq!(be_u32(&payload[8..12]), 400);
         assert_eq!(payload.len(), 16);
         let mut one = Vec::new();
-        put_status_chunk(&mut one, &header, 2, &descriptors, true, false).unwrap();
+        let form = StatusChunk {
+            context_id: 2,
+            req_one: true,
+            done: false,
+            ..form
+        };
+        put_status_chunk(&mut one, &header, &descriptors, form).unwrap();
         assert_eq!(one.len(), STRUCTURED_REPLY_HEADER_BYTES + 4 + 8);
         assert_eq!(be_u16(&one[4..6]), 0, "not the last chunk");
         assert_eq!(be_u32(&one[STRUCTURED_REPLY_HEADER_BYTES..]), 2);
+    }
+
+    #[test]
+    fn extended_status_chunks_carry_64_bit_lengths_and_a_count() {
+        let header = RequestHeader {
+            flags: 0,
+            command: CMD_BLOCK_STATUS,
+            handle: 7,
+            offset: 1 << 32,
+            length: 6 << 30,
+        };
+        let descriptors = [(5 << 30, STATE_HOLE), (4 << 30, 0)];
+        let form = StatusChunk {
+            context_id: 1,
+            req_one: false,
+            done: true,
+            extended: true,
+        };
+        let mut chunk = Vec::new();
+        put_status_chunk(&mut chunk, &header, &descriptors, form).unwrap();
+        assert_eq!(be_u32(&chunk), EXTENDED_REPLY_MAGIC);
+        assert_eq!(be_u16(&chunk[6..8]), REPLY_TYPE_BLOCK_STATUS_EXT);
+        assert_eq!(
+            be_u64(&chunk[16..24]),
+            1 << 32,
+            "the request's offset is echoed"
+        );
+        assert_eq!(be_u64(&chunk[24..32]), 8 + 2 * 16);
+        let payload = &chunk[EXTENDED_REPLY_HEADER_BYTES..];
+        assert_eq!((be_u32(payload), be_u32(&payload[4..])), (1, 2));
+        assert_eq!(be_u64(&payload[8..]), 5 << 30);
+        assert_eq!(be_u64(&payload[16..]), u64::from(STATE_HOLE));
+        assert_eq!(be_u64(&payload[24..]), 1 << 30, "cut to the request");
     }
 
     #[test]

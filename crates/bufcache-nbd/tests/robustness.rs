@@ -105,7 +105,7 @@ impl RawClient {
             command,
             handle: 0x1234_5678 + u64::from(command),
             offset,
-            length,
+            length: length.into(),
         };
         let mut message = header.encode().to_vec();
         message.extend_from_slice(payload);
@@ -595,7 +595,7 @@ fn slow_requests_handed_to_waiting_threads_are_all_answered_even_at_disconnect()
             command,
             handle,
             offset,
-            length,
+            length: length.into(),
         };
         burst.extend_from_slice(&header.encode());
     };
@@ -796,7 +796,7 @@ fn pipelined_requests_sent_in_one_burst_keep_their_boundaries_and_data() {
             command: CMD_WRITE,
             handle: index,
             offset,
-            length: length as u32,
+            length,
         };
         burst.extend_from_slice(&header.encode());
         burst.extend_from_slice(&data);
@@ -831,7 +831,7 @@ fn pipelined_requests_sent_in_one_burst_keep_their_boundaries_and_data() {
             command: CMD_READ,
             handle: index as u64,
             offset: *offset,
-            length: data.len() as u32,
+            length: data.len() as u64,
         };
         burst.extend_from_slice(&header.encode());
     }
@@ -898,7 +898,7 @@ fn a_client_that_stops_reading_does_not_hold_up_other_clients_reads_that_miss() 
             command: CMD_READ,
             handle: index,
             offset: index * MIB,
-            length: MIB as u32,
+            length: MIB,
         };
         stalled.stream.write_all(&header.encode()).unwrap();
     }
