@@ -232,4 +232,8 @@ impl Export for ObservedExport {
     ) -> std::io::Result<Vec<bufcache_nbd::CacheStateExtent>> {
         self.inner.cache_state(offset, length)
     }
+
+    fn known_zeroes(&self, offset: u64, length: u64) -> Vec<(u64, u64)> {
+        self.inner.known_zeroes(offset, length)
+    }
 }

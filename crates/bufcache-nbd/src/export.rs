@@ -138,6 +138,11 @@ pub trait Export: Send + Sync {
     /// consecutive extents from `offset` (at least one; they may stop early). Only called
     /// when [`Export::has_cache_state`] is true.
     fn cache_state(&self, offset: u64, length: u64) -> io::Result<Vec<CacheStateExtent>>;
+    /// The parts of `[offset, offset + length)` the export knows read as zeroes without
+    /// reading them, as ordered, disjoint `(offset, length)` ranges inside it (a cache: what
+    /// was zeroed or trimmed and not written since; a memory export: its unallocated pages).
+    /// Empty when it knows of none. A structured READ answers these with `OFFSET_HOLE` chunks.
+    fn known_zeroes(&self, offset: u64, length: u64) -> Vec<(u64, u64)>;
 }
 
 /// [`Export::cache_state`] for an export that is no cache.
@@ -372,6 +377,24 @@ impl Export for MemoryExport {
 
     fn cache_state(&self, _offset: u64, _length: u64) -> io::Result<Vec<CacheStateExtent>> {
         no_cache_state()
+    }
+
+    fn known_zeroes(&self, offset: u64, length: u64) -> Vec<(u64, u64)> {
+        if self.check_range(offset, length).is_err() {
+            return Vec::new();
+        }
+        let mut zeroes: Vec<(u64, u64)> = Vec::new();
+        self.for_each_piece(offset, length, |page_index, _, range| {
+            if self.pages[page_index].read().is_some() {
+                return;
+            }
+            let start = offset + range.start as u64;
+            match zeroes.last_mut() {
+                Some(last) if last.0 + last.1 == start => last.1 += range.len() as u64,
+                _ => zeroes.push((start, range.len() as u64)),
+            }
+        });
+        zeroes
     }
 }
 

@@ -603,7 +603,7 @@ fn hand_off(
 /// comes back when it is not a READ or the export cannot start it.
 fn start_read(connection: &Arc<Connection>, request: Request) -> Result<(), Request> {
     let header = request.header;
-    if header.command != CMD_READ {
+    if header.command != CMD_READ || !connection.known_zeroes(&header).is_empty() {
         return Err(request);
     }
     connection.started_reads.add();
@@ -1296,6 +1296,11 @@ impl Connection {
             self.send_parts(&[&done]);
             return;
         }
+        let holes = self.known_zeroes(header);
+        if !holes.is_empty() {
+            self.execute_read_with_holes(header, &holes);
+            return;
+        }
         let prefix = self.read_reply_prefix(header);
         // A reused buffer, for when the export cannot lend its own memory; nothing in it
         // needs zero-filling (the export overwrites what is sent).
@@ -1316,6 +1321,89 @@ impl Connection {
                 self.break_connection();
             }
         }
+    }
+
+    /// The parts of a READ's range the export knows read as zeroes, when its reply may say
+    /// so: structured replies and no DF (which asks for a single data chunk).
+    fn known_zeroes(&self, header: &RequestHeader) -> Vec<(u64, u64)> {
+        if !self.structured_replies || header.flags & CMD_FLAG_DF != 0 {
+            return Vec::new();
+        }
+        self.export.known_zeroes(header.offset, header.length)
+    }
+
+    /// Serves a structured READ part of which the export knows reads as zeroes: those parts
+    /// as OFFSET_HOLE chunks (the client skips them without a byte of data), the rest read and
+    /// sent as OFFSET_DATA chunks, the last chunk final. Everything is read before anything is
+    /// sent, so a failure is one error reply.
+    fn execute_read_with_holes(&self, header: &RequestHeader, holes: &[(u64, u64)]) {
+        let end = header.offset + header.length;
+        // (start, length, is a hole), in order, covering the request.
+        let mut segments: Vec<(u64, u64, bool)> = Vec::with_capacity(2 * holes.len() + 1);
+        let mut position = header.offset;
+        for &(start, length) in holes {
+            if start < position || length == 0 || start + length > end {
+                continue;
+            }
+            if start > position {
+                segments.push((position, start - position, false));
+            }
+            segments.push((start, length, true));
+            position = start + length;
+        }
+        if position < end {
+            segments.push((position, end - position, false));
+        }
+        let data_bytes: u64 = segments
+            .iter()
+            .filter(|segment| !segment.2)
+            .map(|segment| segment.1)
+            .sum();
+        let mut buffer = self.budget.buffers().take(data_bytes as usize);
+        let mut at = 0usize;
+        for &(start, length, _) in segments.iter().filter(|segment| !segment.2) {
+            let piece = &mut buffer[at..at + length as usize];
+            if let Err(error) = self.export.read(start, piece) {
+                self.budget.buffers().give_back(buffer);
+                return self.send_io_error(header, &error);
+            }
+            at += length as usize;
+        }
+        let mut headers: Vec<Vec<u8>> = Vec::with_capacity(segments.len());
+        for (index, &(start, length, hole)) in segments.iter().enumerate() {
+            let flags = if index + 1 == segments.len() {
+                REPLY_FLAG_DONE
+            } else {
+                0
+            };
+            let mut chunk = Vec::with_capacity(EXTENDED_REPLY_HEADER_BYTES + 12);
+            if hole {
+                self.put_chunk_header(&mut chunk, flags, REPLY_TYPE_OFFSET_HOLE, header, 12);
+                chunk.extend_from_slice(&start.to_be_bytes());
+                chunk.extend_from_slice(&(length as u32).to_be_bytes());
+            } else {
+                self.put_chunk_header(
+                    &mut chunk,
+                    flags,
+                    REPLY_TYPE_OFFSET_DATA,
+                    header,
+                    8 + length,
+                );
+                chunk.extend_from_slice(&start.to_be_bytes());
+            }
+            headers.push(chunk);
+        }
+        let mut parts: Vec<&[u8]> = Vec::with_capacity(2 * segments.len());
+        let mut at = 0usize;
+        for (chunk, &(_, length, hole)) in headers.iter().zip(&segments) {
+            parts.push(chunk);
+            if !hole {
+                parts.push(&buffer[at..at + length as usize]);
+                at += length as usize;
+            }
+        }
+        self.send_parts(&parts);
+        self.budget.buffers().give_back(buffer);
     }
 
     /// Sends a reply's prefix and data under the writer lock, waiting for the lock and the

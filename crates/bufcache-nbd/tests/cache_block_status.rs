@@ -2,9 +2,11 @@
 //! blocks as data and everything else as the backend reports it (one 4 KiB write no longer
 //! turns an 8 MiB query into one data extent), so copying tools keep sparseness before the
 //! first flush; and the `bufcache:state` context tells which ranges are dirty, resident or
-//! absent. Method: a cache over a 64 MiB sparse memory device, served by our server; raw
-//! BLOCK_STATUS probes check every descriptor, and real clients (nbdinfo --map, qemu-img map)
-//! read the same maps.
+//! absent. And a structured READ answers ranges zeroed or trimmed since they were last written
+//! with OFFSET_HOLE chunks, so a client skips zeroes without reading them. Method: a cache over
+//! a 64 MiB sparse memory device, served by our server; raw BLOCK_STATUS and READ probes check
+//! every descriptor and chunk, and real clients (nbdinfo --map, qemu-img map, qemu-io) read the
+//! same maps and holes.
 
 mod common;
 
@@ -280,4 +282,98 @@ fn real_clients_see_dirty_data_as_data_and_the_rest_as_holes() {
         data[0].contains(&format!("\"start\": {MIB}, \"length\": 4096,")),
         "the dirty block:\n{text}"
     );
+}
+
+/// A structured READ's chunks as (type, offset, length) and its assembled data.
+fn read_chunks(
+    raw: &mut Raw,
+    flags: u16,
+    offset: u64,
+    length: u64,
+) -> (Vec<(u16, u64, u64)>, Vec<u8>) {
+    let answer = raw.request(flags, CMD_READ, offset, length, &[]).unwrap();
+    assert_eq!(errno_name(answer.error), "ok");
+    let chunks = answer
+        .chunks
+        .iter()
+        .map(|(kind, payload)| match *kind {
+            REPLY_TYPE_OFFSET_HOLE => (*kind, be_u64(payload), u64::from(be_u32(&payload[8..]))),
+            REPLY_TYPE_OFFSET_DATA => (*kind, be_u64(payload), payload.len() as u64 - 8),
+            other => (other, 0, 0),
+        })
+        .collect();
+    (chunks, answer.data)
+}
+
+#[test]
+fn reads_of_zeroed_and_trimmed_ranges_come_back_as_hole_chunks() {
+    const K: u64 = 1024;
+    const HOLE_CHUNK: u16 = REPLY_TYPE_OFFSET_HOLE;
+    const DATA_CHUNK: u16 = REPLY_TYPE_OFFSET_DATA;
+    let (server, object) = cached_memory();
+    object
+        .write_at(0, &pattern_bytes(3 * MIB as usize, 3), false)
+        .unwrap();
+    let (mut raw, _, _) = open_both(&server.socket_path);
+    let zero = raw.request(0, CMD_WRITE_ZEROES, 256 * K, MIB, &[]).unwrap();
+    assert_eq!(zero.error, 0);
+    let trim = raw.request(0, CMD_TRIM, 2 * MIB, 256 * K, &[]).unwrap();
+    assert_eq!(trim.error, 0);
+    let (chunks, data) = read_chunks(&mut raw, 0, 0, 3 * MIB);
+    assert_eq!(
+        chunks,
+        vec![
+            (DATA_CHUNK, 0, 256 * K),
+            (HOLE_CHUNK, 256 * K, MIB),
+            (DATA_CHUNK, 1280 * K, 768 * K),
+            (HOLE_CHUNK, 2 * MIB, 256 * K),
+            (DATA_CHUNK, 2304 * K, 768 * K),
+        ]
+    );
+    let mut expected = pattern_bytes(3 * MIB as usize, 3);
+    expected[256 * K as usize..1280 * K as usize].fill(0);
+    expected[2 * MIB as usize..2304 * K as usize].fill(0);
+    assert!(data == expected, "the data around the holes is intact");
+    // A write into a hole splits it, seen from another connection too.
+    let mut other = Raw::modern(&server.socket_path);
+    assert_eq!(other.structured(), Ok(REP_ACK));
+    other.go("");
+    let write = other
+        .request(0, CMD_WRITE, 512 * K, 4096, &[7; 4096])
+        .unwrap();
+    assert_eq!(write.error, 0);
+    let (chunks, data) = read_chunks(&mut raw, 0, 256 * K, MIB);
+    assert_eq!(
+        chunks,
+        vec![
+            (HOLE_CHUNK, 256 * K, 256 * K),
+            (DATA_CHUNK, 512 * K, 4096),
+            (HOLE_CHUNK, 516 * K, 764 * K),
+        ]
+    );
+    assert_eq!(
+        &data[256 * K as usize..256 * K as usize + 4096],
+        &[7; 4096][..]
+    );
+    // DF asks for one data chunk: the zeroes are sent.
+    let (chunks, data) = read_chunks(&mut raw, CMD_FLAG_DF, 256 * K, 8192);
+    assert_eq!(
+        (chunks, data),
+        (vec![(DATA_CHUNK, 256 * K, 8192)], vec![0; 8192])
+    );
+    // qemu's client takes the holes as zeroes.
+    if tool("qemu-io").is_some() {
+        let output = run_ok(Command::new("qemu-io").args([
+            "--trace",
+            "nbd_receive_reply_chunk_header",
+            "-f",
+            "raw",
+            "-c",
+            "read -P 0 600k 64k",
+            &server.unix_uri(""),
+        ]));
+        let text = String::from_utf8_lossy(&output.stderr);
+        assert!(text.contains("type = 2 (hole)"), "{text}");
+        assert!(String::from_utf8_lossy(&output.stdout).contains("read 65536/65536"));
+    }
 }

@@ -363,6 +363,10 @@ impl Export for SlowExport {
     ) -> std::io::Result<Vec<bufcache_nbd::CacheStateExtent>> {
         bufcache_nbd::no_cache_state()
     }
+
+    fn known_zeroes(&self, _offset: u64, _length: u64) -> Vec<(u64, u64)> {
+        Vec::new()
+    }
 }
 
 #[test]

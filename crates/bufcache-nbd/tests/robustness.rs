@@ -518,6 +518,10 @@ impl Export for FaultyExport {
     ) -> io::Result<Vec<bufcache_nbd::CacheStateExtent>> {
         bufcache_nbd::no_cache_state()
     }
+
+    fn known_zeroes(&self, _offset: u64, _length: u64) -> Vec<(u64, u64)> {
+        Vec::new()
+    }
 }
 
 fn faulty_server() -> TestServer {
