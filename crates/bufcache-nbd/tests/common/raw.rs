@@ -388,7 +388,7 @@ impl Raw {
                     } else {
                         u64::from(be_u32(&rest[12..]))
                     };
-                    assert!(length <= 64 << 20, "chunk of {length} bytes");
+                    assert!(length <= 128 << 20, "chunk of {length} bytes");
                     let payload = self.read_bytes(length as usize)?;
                     self.apply_chunk(&mut answer, kind, &payload, offset);
                     answer.chunks.push((kind, payload));
