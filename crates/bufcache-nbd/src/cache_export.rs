@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use parking_lot::RwLock;
@@ -21,6 +22,9 @@ pub struct CacheExport {
     /// Ranges zeroed or trimmed (on a device whose discards read as zeroes) and not written
     /// since, shared by every connection's view: a structured READ answers them as holes.
     known_zeroes: Arc<RwLock<KnownZeroes>>,
+    /// True while `known_zeroes` holds a range: a READ looks at it only then, so reads of an
+    /// export that was never zeroed take no lock for it.
+    any_known_zeroes: Arc<AtomicBool>,
 }
 
 impl CacheExport {
@@ -29,7 +33,25 @@ impl CacheExport {
         CacheExport {
             object,
             known_zeroes: Arc::default(),
+            any_known_zeroes: Arc::default(),
         }
+    }
+
+    /// Ends a zeroing (see [`KnownZeroes::end_zeroing`]) and updates `any_known_zeroes`.
+    fn end_zeroing(&self, id: u64, succeeded: bool) {
+        let mut known = self.known_zeroes.write();
+        known.end_zeroing(id, succeeded);
+        self.any_known_zeroes
+            .store(!known.ranges.is_empty(), Ordering::Release);
+    }
+
+    /// Ends a write (see [`KnownZeroes::wrote`]) and updates `any_known_zeroes` (the write
+    /// removed its range when it started).
+    fn wrote(&self, id: u64) {
+        let mut known = self.known_zeroes.write();
+        known.wrote(id);
+        self.any_known_zeroes
+            .store(!known.ranges.is_empty(), Ordering::Release);
     }
 
     /// Whole blocks of a byte range as a byte range (what a discard drops), maybe empty.
@@ -210,7 +232,7 @@ impl Export for CacheExport {
             .write()
             .writing(offset, offset + data.len() as u64);
         let written = self.object.write_at(offset, data, fua);
-        self.known_zeroes.write().wrote(write);
+        self.wrote(write);
         Ok(written?)
     }
 
@@ -223,7 +245,7 @@ impl Export for CacheExport {
     ) -> io::Result<()> {
         let write = self.known_zeroes.write().writing(offset, offset + length);
         let written = self.object.write_from(offset, length, fua, source);
-        self.known_zeroes.write().wrote(write);
+        self.wrote(write);
         Ok(written?)
     }
 
@@ -239,7 +261,7 @@ impl Export for CacheExport {
         let zeroing = zeroes.then(|| self.known_zeroes.write().begin_zeroing(start, end));
         let discarded = self.object.discard(offset, length);
         if let Some(id) = zeroing {
-            self.known_zeroes.write().end_zeroing(id, discarded.is_ok());
+            self.end_zeroing(id, discarded.is_ok());
         }
         discarded?;
         if fua {
@@ -266,9 +288,7 @@ impl Export for CacheExport {
             .write()
             .begin_zeroing(offset, offset + length);
         let zeroed = self.object.zero(offset, length, options);
-        self.known_zeroes
-            .write()
-            .end_zeroing(zeroing, zeroed.is_ok());
+        self.end_zeroing(zeroing, zeroed.is_ok());
         Ok(zeroed?)
     }
 
@@ -305,6 +325,7 @@ impl Export for CacheExport {
         Some(Arc::new(CacheExport {
             object: self.object.reopen(),
             known_zeroes: Arc::clone(&self.known_zeroes),
+            any_known_zeroes: Arc::clone(&self.any_known_zeroes),
         }))
     }
 
@@ -337,6 +358,9 @@ impl Export for CacheExport {
     }
 
     fn known_zeroes(&self, offset: u64, length: u64) -> Vec<(u64, u64)> {
+        if !self.any_known_zeroes.load(Ordering::Acquire) {
+            return Vec::new();
+        }
         self.known_zeroes.read().within(offset, offset + length)
     }
 }

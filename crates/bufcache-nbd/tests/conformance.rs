@@ -29,37 +29,85 @@ const ALLOWED: &[(&str, &str, &str)] = &[
     // nbdkit 1.32 predates extended headers (1.36 added them); "*" ends a prefix.
     ("extended*", "nbdkit", "nbdkit 1.32 has no extended headers"),
     // Server-specific contexts: bufcache:state.
-    ("LIST_META_CONTEXT, no query", "nbdkit", "own metadata contexts"),
-    ("LIST_META_CONTEXT, no query", "qemu-nbd", "own metadata contexts"),
+    (
+        "LIST_META_CONTEXT, no query",
+        "nbdkit",
+        "own metadata contexts",
+    ),
+    (
+        "LIST_META_CONTEXT, no query",
+        "qemu-nbd",
+        "own metadata contexts",
+    ),
     // Holes: qemu-nbd answers from the file's allocation map; the cache from what it knows
     // without a backend round trip; nbdkit never sends holes.
-    ("READ of a never-written range, structured", "qemu-nbd", "holes only when known"),
-    ("READ after WRITE_ZEROES, structured", "nbdkit", "nbdkit sends no holes"),
-    ("BLOCK_STATUS around written data", "nbdkit", "the backend's allocation granularity"),
+    (
+        "READ of a never-written range, structured",
+        "qemu-nbd",
+        "holes only when known",
+    ),
+    (
+        "READ after WRITE_ZEROES, structured",
+        "nbdkit",
+        "nbdkit sends no holes",
+    ),
+    (
+        "BLOCK_STATUS around written data",
+        "nbdkit",
+        "the backend's allocation granularity",
+    ),
     ("GO, minimum block size", "nbdkit", "block sizes advertised"),
     // Limits.
     ("option of 70000 bytes", "nbdkit", "option length limit"),
     ("option of 70000 bytes", "qemu-nbd", "option length limit"),
     ("WRITE of 32 MiB + 1", "nbdkit", "request size limit"),
     ("READ of 64 MiB", "nbdkit", "request size limit"),
-    ("READ of 64 MiB with DF, structured", "nbdkit", "request size limit"),
+    (
+        "READ of 64 MiB with DF, structured",
+        "nbdkit",
+        "request size limit",
+    ),
     ("READ of 64 MiB, structured", "nbdkit", "request size limit"),
     // Where the spec says SHOULD and bufcache follows it.
-    ("READ of 64 MiB with DF, structured", "qemu-nbd", "EOVERFLOW for READ with DF"),
+    (
+        "READ of 64 MiB with DF, structured",
+        "qemu-nbd",
+        "EOVERFLOW for READ with DF",
+    ),
     ("WRITE past the end", "qemu-nbd", "ENOSPC past the end"),
-    ("WRITE_ZEROES past the end", "qemu-nbd", "ENOSPC past the end"),
-    ("plain newstyle, another option", "nbdkit", "no option replies to plain newstyle"),
+    (
+        "WRITE_ZEROES past the end",
+        "qemu-nbd",
+        "ENOSPC past the end",
+    ),
+    (
+        "plain newstyle, another option",
+        "nbdkit",
+        "no option replies to plain newstyle",
+    ),
     // Unspecified by the spec, or lenient where it is the client's MUST.
     ("READ of 0 bytes", "nbdkit", "zero-length requests"),
     ("WRITE of 0 bytes", "nbdkit", "zero-length requests"),
     ("TRIM of 0 bytes", "nbdkit", "zero-length requests"),
-    ("READ of 0 bytes, structured", "nbdkit", "zero-length requests"),
+    (
+        "READ of 0 bytes, structured",
+        "nbdkit",
+        "zero-length requests",
+    ),
     ("FLUSH with an offset", "nbdkit", "reserved fields"),
     ("STARTTLS, TLS off", "nbdkit", "STARTTLS with TLS off"),
     ("STARTTLS, TLS off", "qemu-nbd", "STARTTLS with TLS off"),
     ("STRUCTURED_REPLY twice", "qemu-nbd", "repeated options"),
-    ("unknown export (INFO)", "nbdkit", "nbdkit serves every export name"),
-    ("unknown export (EXPORT_NAME)", "nbdkit", "nbdkit serves every export name"),
+    (
+        "unknown export (INFO)",
+        "nbdkit",
+        "nbdkit serves every export name",
+    ),
+    (
+        "unknown export (EXPORT_NAME)",
+        "nbdkit",
+        "nbdkit serves every export name",
+    ),
 ];
 
 /// True when an `ALLOWED` name covers `probe` (a name ending in `*` is a prefix).
