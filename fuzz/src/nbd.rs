@@ -24,7 +24,10 @@ use bufcache_nbd::{
     Export, ListenAddress, MemoryExport, NbdClient, Server, ServerConfig, ShutdownHandle,
 };
 
-use crate::seeds::{self, EXPORT_NAME, MODE_EXPORT_NAME, MODE_READ_ONLY, MODE_STRUCTURED};
+use crate::seeds::{
+    self, EXPORT_NAME, MODE_EXPORT_NAME, MODE_EXTENDED, MODE_MASK, MODE_READ_ONLY,
+    MODE_STRUCTURED,
+};
 
 /// Size of both exports.
 const EXPORT_BYTES: u64 = 64 << 10;
@@ -194,24 +197,37 @@ struct Sent {
     command: u16,
     handle: u64,
     offset: u64,
-    length: u32,
+    length: u64,
 }
 
 /// Splits the transmission input into the requests the server reads whole, stopping where
-/// the server stops (short header, bad magic, DISC, a write too large to skip).
-fn frame_requests(mut bytes: &[u8]) -> Vec<Sent> {
+/// the server stops (short header, bad magic, DISC, a payload too large to skip). With
+/// `extended` headers are 32 bytes, and a payload follows a WRITE or any request with
+/// `CMD_FLAG_PAYLOAD_LEN`.
+fn frame_requests(mut bytes: &[u8], extended: bool) -> Vec<Sent> {
+    let header_bytes = if extended {
+        EXTENDED_REQUEST_HEADER_BYTES
+    } else {
+        REQUEST_HEADER_BYTES
+    };
     let mut sent = Vec::new();
-    while bytes.len() >= REQUEST_HEADER_BYTES {
-        let Some(header) = RequestHeader::decode(bytes[..REQUEST_HEADER_BYTES].try_into().unwrap())
-        else {
+    while bytes.len() >= header_bytes {
+        let header = if extended {
+            RequestHeader::decode_extended(bytes[..header_bytes].try_into().unwrap())
+        } else {
+            RequestHeader::decode(bytes[..header_bytes].try_into().unwrap())
+        };
+        let Some(header) = header else {
             break;
         };
-        bytes = &bytes[REQUEST_HEADER_BYTES..];
+        bytes = &bytes[header_bytes..];
         if header.command == CMD_DISC {
             break;
         }
-        if header.command == CMD_WRITE {
-            if header.length > WRITE_SKIP_MAX || (header.length as usize) > bytes.len() {
+        let payload = header.command == CMD_WRITE
+            || (extended && header.flags & CMD_FLAG_PAYLOAD_LEN != 0);
+        if payload {
+            if header.length > u64::from(WRITE_SKIP_MAX) || header.length > bytes.len() as u64 {
                 break;
             }
             bytes = &bytes[header.length as usize..];
@@ -233,8 +249,14 @@ pub fn nbd_requests(data: &[u8]) {
     let Some((&mode, requests)) = data.split_first() else {
         return;
     };
-    let mode = mode & 0x0f;
-    let structured = mode & MODE_STRUCTURED != 0;
+    let mut mode = mode & MODE_MASK;
+    let extended = mode & MODE_EXTENDED != 0;
+    if extended {
+        // A client that agreed to extended headers may not use EXPORT_NAME (the server
+        // closes); the handshake seeds cover that.
+        mode &= !MODE_EXPORT_NAME;
+    }
+    let structured = mode & MODE_STRUCTURED != 0 || extended;
     let mut input = seeds::preamble(mode);
     input.extend_from_slice(requests);
     let output = exchange(&input);
@@ -253,7 +275,7 @@ pub fn nbd_requests(data: &[u8]) {
             "GO was not acknowledged"
         );
     }
-    let sent = frame_requests(requests);
+    let sent = frame_requests(requests, extended);
     let mut pending: HashMap<u64, Vec<Sent>> = HashMap::new();
     for request in &sent {
         pending.entry(request.handle).or_default().push(*request);
@@ -268,6 +290,44 @@ pub fn nbd_requests(data: &[u8]) {
         );
         let magic = be_u32(replies);
         let (handle, done, consumed) = match magic {
+            SIMPLE_REPLY_MAGIC if extended => panic!("a simple reply with extended headers"),
+            STRUCTURED_REPLY_MAGIC if extended => {
+                panic!("a structured reply with extended headers")
+            }
+            EXTENDED_REPLY_MAGIC => {
+                assert!(extended, "an extended reply that was not negotiated");
+                assert!(
+                    replies.len() >= EXTENDED_REPLY_HEADER_BYTES,
+                    "extended reply header cut short"
+                );
+                let flags = be_u16(&replies[4..6]);
+                let chunk_type = be_u16(&replies[6..8]);
+                let handle = be_u64(&replies[8..16]);
+                let offset = be_u64(&replies[16..24]);
+                let length = be_u64(&replies[24..32]);
+                assert!(length <= 1 << 24, "extended chunk of {length} bytes");
+                let consumed = EXTENDED_REPLY_HEADER_BYTES + length as usize;
+                assert!(replies.len() >= consumed, "extended chunk cut short");
+                if unique_handles {
+                    let request = pending
+                        .get(&handle)
+                        .and_then(|requests| requests.first())
+                        .unwrap_or_else(|| panic!("chunk for unknown handle {handle}"));
+                    assert_eq!(offset, request.offset, "the chunk echoes the request's offset");
+                    if chunk_type == REPLY_TYPE_OFFSET_DATA {
+                        assert_eq!(request.command, CMD_READ, "data chunk for {request:?}");
+                        assert_eq!(length, 8 + request.length, "data chunk length");
+                    }
+                    if chunk_type == REPLY_TYPE_BLOCK_STATUS_EXT {
+                        let payload = &replies[EXTENDED_REPLY_HEADER_BYTES..consumed];
+                        let count = be_u32(&payload[4..8]) as usize;
+                        assert_eq!(payload.len(), 8 + 16 * count, "descriptor count");
+                        assert!(count > 0, "a status chunk without descriptors");
+                    }
+                }
+                assert_ne!(chunk_type, REPLY_TYPE_BLOCK_STATUS, "a 32-bit status chunk");
+                (handle, flags & REPLY_FLAG_DONE != 0, consumed)
+            }
             SIMPLE_REPLY_MAGIC => {
                 assert!(
                     replies.len() >= SIMPLE_REPLY_HEADER_BYTES,
@@ -312,7 +372,7 @@ pub fn nbd_requests(data: &[u8]) {
                         .and_then(|requests| requests.first())
                         .unwrap_or_else(|| panic!("data chunk for unknown handle {handle}"));
                     assert_eq!(request.command, CMD_READ, "data chunk for {request:?}");
-                    assert_eq!(length, 8 + request.length as usize, "data chunk length");
+                    assert_eq!(length as u64, 8 + request.length, "data chunk length");
                     let offset = be_u64(&replies[STRUCTURED_REPLY_HEADER_BYTES..]);
                     assert_eq!(offset, request.offset, "data chunk offset");
                 }
@@ -418,17 +478,29 @@ fn fake_server(mut stream: UnixStream, mut input: &[u8]) {
                     .is_ok();
             continue;
         }
-        let mut rest = [0u8; REQUEST_HEADER_BYTES - 8];
-        if be_u32(&magic) != REQUEST_MAGIC || stream.read_exact(&mut rest).is_err() {
+        // A compact request, or an extended one once the handshake agreed to them.
+        let extended = be_u32(&magic) == EXTENDED_REQUEST_MAGIC;
+        let header_bytes = if extended {
+            EXTENDED_REQUEST_HEADER_BYTES
+        } else {
+            REQUEST_HEADER_BYTES
+        };
+        let mut header = magic.to_vec();
+        header.resize(header_bytes, 0);
+        if !(extended || be_u32(&magic) == REQUEST_MAGIC)
+            || stream.read_exact(&mut header[8..]).is_err()
+        {
             break;
         }
-        let mut header = magic.to_vec();
-        header.extend_from_slice(&rest);
-        let header = RequestHeader::decode(header.as_slice().try_into().unwrap()).unwrap();
-        if header.command == CMD_WRITE {
+        let header = if extended {
+            RequestHeader::decode_extended(header.as_slice().try_into().unwrap()).unwrap()
+        } else {
+            RequestHeader::decode(header.as_slice().try_into().unwrap()).unwrap()
+        };
+        if header.command == CMD_WRITE || header.flags & CMD_FLAG_PAYLOAD_LEN != 0 {
             let mut payload = Vec::new();
             open = (&mut stream)
-                .take(u64::from(header.length))
+                .take(header.length)
                 .read_to_end(&mut payload)
                 .is_ok();
         }

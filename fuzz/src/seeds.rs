@@ -12,6 +12,10 @@ pub const MODE_STRUCTURED: u8 = 1 << 0;
 pub const MODE_BASE_ALLOCATION: u8 = 1 << 1;
 pub const MODE_READ_ONLY: u8 = 1 << 2;
 pub const MODE_EXPORT_NAME: u8 = 1 << 3;
+/// `NBD_OPT_EXTENDED_HEADERS` instead of structured replies: 32-byte requests and replies.
+pub const MODE_EXTENDED: u8 = 1 << 4;
+/// Every mode bit.
+pub const MODE_MASK: u8 = 0x1f;
 
 pub fn option(option: u32, data: &[u8]) -> Vec<u8> {
     let mut message = OPTION_MAGIC.to_be_bytes().to_vec();
@@ -54,10 +58,31 @@ pub fn request(command: u16, flags: u16, handle: u64, offset: u64, length: u32) 
         command,
         handle,
         offset,
-        length,
+        length: length.into(),
     }
     .encode()
     .to_vec()
+}
+
+/// A 32-byte request (extended headers), with a 64-bit length.
+pub fn extended_request(command: u16, flags: u16, handle: u64, offset: u64, length: u64) -> Vec<u8> {
+    RequestHeader {
+        flags,
+        command,
+        handle,
+        offset,
+        length,
+    }
+    .encode_extended()
+    .to_vec()
+}
+
+/// An extended WRITE: PAYLOAD_LEN set, as the spec asks (qemu leaves it out; see the mix).
+pub fn extended_write(handle: u64, offset: u64, payload: &[u8]) -> Vec<u8> {
+    let length = payload.len() as u64;
+    let mut bytes = extended_request(CMD_WRITE, CMD_FLAG_PAYLOAD_LEN, handle, offset, length);
+    bytes.extend_from_slice(payload);
+    bytes
 }
 
 pub fn write_request(handle: u64, offset: u64, payload: &[u8]) -> Vec<u8> {
@@ -76,8 +101,13 @@ pub fn preamble(mode: u8) -> Vec<u8> {
     };
     let flags = CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES;
     let mut bytes = flags.to_be_bytes().to_vec();
-    if structured {
-        bytes.extend(option(OPT_STRUCTURED_REPLY, &[]));
+    if mode & MODE_EXTENDED != 0 {
+        bytes.extend(option(OPT_EXTENDED_HEADERS, &[]));
+    }
+    if structured || mode & MODE_EXTENDED != 0 {
+        if mode & MODE_EXTENDED == 0 {
+            bytes.extend(option(OPT_STRUCTURED_REPLY, &[]));
+        }
         if mode & MODE_BASE_ALLOCATION != 0 {
             let data = meta_context_request(name, &[BASE_ALLOCATION]);
             bytes.extend(option(OPT_SET_META_CONTEXT, &data));
@@ -116,6 +146,34 @@ fn request_mix() -> Vec<u8> {
     bytes
 }
 
+/// The mix with 32-byte headers, plus what only they can say: 64-bit effect lengths, a WRITE
+/// without PAYLOAD_LEN (as qemu sends it), BLOCK_STATUS payloads (a good one, a bad id, a
+/// short one), and a payload on a command that takes none.
+fn extended_request_mix() -> Vec<u8> {
+    let mut bytes = Vec::new();
+    bytes.extend(extended_write(1, 0, &pattern(512, 1)));
+    bytes.extend(extended_request(CMD_READ, 0, 2, 0, 512));
+    bytes.extend(extended_request(CMD_TRIM, 0, 3, 4096, 1 << 33));
+    bytes.extend(extended_request(CMD_WRITE_ZEROES, 0, 4, 8192, 4096));
+    bytes.extend(extended_request(CMD_BLOCK_STATUS, 0, 5, 0, 1 << 40));
+    bytes.extend(extended_request(CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE, 6, 0, 65536));
+    let mut filter = 65536u64.to_be_bytes().to_vec();
+    filter.extend_from_slice(&1u32.to_be_bytes());
+    for (handle, payload) in [(7, filter.clone()), (8, [&filter[..8], &[0, 0, 0, 9]].concat()), (9, filter[..8].to_vec())] {
+        let flags = CMD_FLAG_PAYLOAD_LEN;
+        bytes.extend(extended_request(CMD_BLOCK_STATUS, flags, handle, 0, payload.len() as u64));
+        bytes.extend(payload);
+    }
+    bytes.extend(extended_request(CMD_FLUSH, CMD_FLAG_PAYLOAD_LEN, 10, 0, 8));
+    bytes.extend([0u8; 8]);
+    bytes.extend(extended_request(CMD_WRITE, 0, 11, 4096, 16));
+    bytes.extend(pattern(16, 3));
+    bytes.extend(extended_request(CMD_READ, 0, 12, 4096, 1 << 32));
+    bytes.extend(extended_request(CMD_READ, CMD_FLAG_DF, 13, 4096, 4096));
+    bytes.extend(extended_request(CMD_DISC, 0, 14, 0, 0));
+    bytes
+}
+
 /// Seeds for `nbd_requests`: (file name, bytes).
 pub fn nbd_requests_seeds() -> Vec<(String, Vec<u8>)> {
     let mut seeds = Vec::new();
@@ -123,6 +181,11 @@ pub fn nbd_requests_seeds() -> Vec<(String, Vec<u8>)> {
         let mut bytes = vec![mode];
         bytes.extend(request_mix());
         seeds.push((format!("mix-mode{mode}"), bytes));
+    }
+    for mode in [MODE_EXTENDED, MODE_EXTENDED | MODE_BASE_ALLOCATION, MODE_EXTENDED | MODE_BASE_ALLOCATION | MODE_READ_ONLY] {
+        let mut bytes = vec![mode];
+        bytes.extend(extended_request_mix());
+        seeds.push((format!("extended-mix-mode{mode}"), bytes));
     }
     let mut pipelined = vec![MODE_STRUCTURED | MODE_BASE_ALLOCATION];
     for handle in 0..16u64 {
@@ -207,6 +270,54 @@ pub fn nbd_handshake_seeds() -> Vec<(String, Vec<u8>)> {
     seeds.push(("read-only".into(), read_only));
 
     seeds.push(("bad-flags".into(), 0xffff_ffffu32.to_be_bytes().to_vec()));
+
+    // Extended headers: refused data, structured replies after them, two contexts listed,
+    // then GO and 32-byte requests with 64-bit lengths and a BLOCK_STATUS payload.
+    let mut extended = flags.to_vec();
+    extended.extend(option(OPT_EXTENDED_HEADERS, b"junk"));
+    extended.extend(option(OPT_EXTENDED_HEADERS, &[]));
+    extended.extend(option(OPT_STRUCTURED_REPLY, &[]));
+    extended.extend(option(
+        OPT_LIST_META_CONTEXT,
+        &meta_context_request(EXPORT_NAME, &["base:", BUFCACHE_STATE, "bufcache:"]),
+    ));
+    extended.extend(option(
+        OPT_SET_META_CONTEXT,
+        &meta_context_request(EXPORT_NAME, &[BASE_ALLOCATION, BUFCACHE_STATE]),
+    ));
+    extended.extend(option(OPT_GO, &info_request(EXPORT_NAME, &[INFO_BLOCK_SIZE])));
+    extended.extend(extended_write(1, 0, b"hello"));
+    extended.extend(extended_request(CMD_BLOCK_STATUS, 0, 2, 0, 1 << 36));
+    let mut filter = 4096u64.to_be_bytes().to_vec();
+    filter.extend_from_slice(&1u32.to_be_bytes());
+    extended.extend(extended_request(CMD_BLOCK_STATUS, CMD_FLAG_PAYLOAD_LEN, 3, 0, 12));
+    extended.extend(filter);
+    extended.extend(extended_request(CMD_TRIM, 0, 4, 0, u64::MAX));
+    extended.extend(request(CMD_READ, 0, 5, 0, 5));
+    seeds.push(("extended-headers".into(), extended));
+
+    // EXPORT_NAME after extended headers (the spec forbids it), and a failed SET that
+    // forgets the earlier one.
+    let mut export_name = flags.to_vec();
+    export_name.extend(option(OPT_STRUCTURED_REPLY, &[]));
+    export_name.extend(option(
+        OPT_SET_META_CONTEXT,
+        &meta_context_request(EXPORT_NAME, &[BASE_ALLOCATION]),
+    ));
+    export_name.extend(option(
+        OPT_SET_META_CONTEXT,
+        &meta_context_request("no-such-export", &[BASE_ALLOCATION]),
+    ));
+    export_name.extend(option(OPT_EXTENDED_HEADERS, &[]));
+    export_name.extend(option(OPT_EXPORT_NAME, EXPORT_NAME.as_bytes()));
+    seeds.push(("extended-then-export-name".into(), export_name));
+
+    // Plain newstyle (no FIXED_NEWSTYLE): EXPORT_NAME with the 124 zeroes, then requests.
+    let mut plain = 0u32.to_be_bytes().to_vec();
+    plain.extend(option(OPT_EXPORT_NAME, EXPORT_NAME.as_bytes()));
+    plain.extend(write_request(1, 0, b"plain"));
+    plain.extend(request(CMD_READ, 0, 2, 0, 5));
+    seeds.push(("plain-newstyle".into(), plain));
     seeds
 }
 
@@ -252,6 +363,13 @@ fn chunk(flags: u16, chunk_type: u16, handle: u64, payload: &[u8]) -> Vec<u8> {
     bytes
 }
 
+fn extended_chunk(flags: u16, chunk_type: u16, handle: u64, offset: u64, payload: &[u8]) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    put_extended_header(&mut bytes, flags, chunk_type, handle, offset, payload.len() as u64);
+    bytes.extend_from_slice(payload);
+    bytes
+}
+
 const ALL_FLAGS: u16 = TRANSMIT_HAS_FLAGS
     | TRANSMIT_SEND_FLUSH
     | TRANSMIT_SEND_FUA
@@ -279,6 +397,7 @@ pub fn nbd_client_seeds() -> Vec<(String, Vec<u8>)> {
     let mut seeds = Vec::new();
     let handshake_structured = |size: u64| {
         let mut bytes = greeting(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
+        bytes.extend(option_reply(OPT_EXTENDED_HEADERS, REP_ERR_UNSUP, &[]));
         bytes.extend(option_reply(OPT_STRUCTURED_REPLY, REP_ACK, &[]));
         let mut context = 1u32.to_be_bytes().to_vec();
         context.extend_from_slice(BASE_ALLOCATION.as_bytes());
@@ -353,6 +472,7 @@ pub fn nbd_client_seeds() -> Vec<(String, Vec<u8>)> {
 
     // No structured replies, no GO: the EXPORT_NAME fallback, then simple replies.
     let mut handshake = greeting(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
+    handshake.extend(option_reply(OPT_EXTENDED_HEADERS, REP_ERR_UNSUP, &[]));
     handshake.extend(option_reply(OPT_STRUCTURED_REPLY, REP_ERR_UNSUP, &[]));
     handshake.extend(option_reply(OPT_GO, REP_ERR_UNSUP, b"no GO here"));
     handshake.extend_from_slice(&65536u64.to_be_bytes());
@@ -371,6 +491,7 @@ pub fn nbd_client_seeds() -> Vec<(String, Vec<u8>)> {
 
     // Zeroes after EXPORT_NAME, no flags at all (so writes of zeroes are plain writes).
     let mut handshake = greeting(FLAG_FIXED_NEWSTYLE);
+    handshake.extend(option_reply(OPT_EXTENDED_HEADERS, REP_ERR_UNSUP, &[]));
     handshake.extend(option_reply(OPT_STRUCTURED_REPLY, REP_ERR_UNSUP, &[]));
     handshake.extend(option_reply(OPT_GO, REP_ERR_UNSUP, &[]));
     handshake.extend_from_slice(&4096u64.to_be_bytes());
@@ -388,6 +509,7 @@ pub fn nbd_client_seeds() -> Vec<(String, Vec<u8>)> {
 
     // GO with small block sizes: requests are split.
     let mut handshake = greeting(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
+    handshake.extend(option_reply(OPT_EXTENDED_HEADERS, REP_ERR_UNSUP, &[]));
     handshake.extend(option_reply(OPT_STRUCTURED_REPLY, REP_ERR_UNSUP, &[]));
     handshake.extend(option_reply(
         OPT_GO,
@@ -407,10 +529,41 @@ pub fn nbd_client_seeds() -> Vec<(String, Vec<u8>)> {
     seeds.push(("block-size-512".into(), client_input(&handshake, &units)));
 
     let mut refused = greeting(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
+    refused.extend(option_reply(OPT_EXTENDED_HEADERS, REP_ERR_UNSUP, &[]));
     refused.extend(option_reply(OPT_STRUCTURED_REPLY, REP_ACK, &[]));
     refused.extend(option_reply(OPT_SET_META_CONTEXT, REP_ERR_UNSUP, &[]));
     refused.extend(option_reply(OPT_GO, REP_ERR_UNKNOWN, b"no such export"));
     seeds.push(("refused".into(), client_input(&refused, &[])));
+
+    // Extended headers: every reply an extended chunk (data, none, 64-bit block status, an
+    // error), and the rest of an unknown chunk type.
+    let mut handshake = greeting(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
+    handshake.extend(option_reply(OPT_EXTENDED_HEADERS, REP_ACK, &[]));
+    let mut context = 1u32.to_be_bytes().to_vec();
+    context.extend_from_slice(BASE_ALLOCATION.as_bytes());
+    handshake.extend(option_reply(OPT_SET_META_CONTEXT, REP_META_CONTEXT, &context));
+    handshake.extend(option_reply(OPT_SET_META_CONTEXT, REP_ACK, &[]));
+    handshake.extend(option_reply(OPT_GO, REP_INFO, &info_export(1 << 33, ALL_FLAGS)));
+    handshake.extend(option_reply(OPT_GO, REP_ACK, &[]));
+    let mut data = 0u64.to_be_bytes().to_vec();
+    data.extend(pattern(512, 8));
+    let mut status = 1u32.to_be_bytes().to_vec();
+    status.extend_from_slice(&2u32.to_be_bytes());
+    for (length, flags) in [(1024u64, 0u64), (3072, u64::from(STATE_HOLE | STATE_ZERO))] {
+        status.extend_from_slice(&length.to_be_bytes());
+        status.extend_from_slice(&flags.to_be_bytes());
+    }
+    let mut error = 5u32.to_be_bytes().to_vec();
+    error.extend_from_slice(&0u16.to_be_bytes());
+    let units = vec![
+        extended_chunk(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, 1, 0, &data),
+        extended_chunk(REPLY_FLAG_DONE, REPLY_TYPE_NONE, 2, 0, &[]),
+        extended_chunk(REPLY_FLAG_DONE, REPLY_TYPE_NONE, 3, 0, &[]),
+        extended_chunk(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS_EXT, 4, 0, &status),
+        extended_chunk(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, 5, 0, &error),
+        simple_reply(0, 6, &[]),
+    ];
+    seeds.push(("extended".into(), client_input(&handshake, &units)));
 
     let mut oldstyle = INIT_MAGIC.to_be_bytes().to_vec();
     oldstyle.extend_from_slice(&0x0000_4202_8186_1253u64.to_be_bytes());

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
 
-use bufcache_nbd::{BlockStatusExtent, Export};
+use bufcache_nbd::{BlockStatusExtent, CacheStateExtent, Export};
 
 /// The NBD commands counted, in the order they are reported.
 pub const COMMANDS: [&str; 7] = [
@@ -246,6 +246,18 @@ impl Export for MeteredExport {
         self.timed(BLOCK_STATUS, length, || {
             self.inner.block_status(offset, length)
         })
+    }
+
+    fn has_cache_state(&self) -> bool {
+        self.inner.has_cache_state()
+    }
+
+    fn cache_state(&self, offset: u64, length: u64) -> std::io::Result<Vec<CacheStateExtent>> {
+        self.inner.cache_state(offset, length)
+    }
+
+    fn known_zeroes(&self, offset: u64, length: u64) -> Vec<(u64, u64)> {
+        self.inner.known_zeroes(offset, length)
     }
 }
 

@@ -305,24 +305,24 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
     if !path.exists() && create_length.is_none() {
         bail!("backend `{spec}` does not exist; pass --create-size SIZE to create it, or use memory:SIZE");
     }
-    let options = FileDeviceOptions {
+    let mut options = FileDeviceOptions {
         direct: args.direct,
         read_only: args.read_only,
         create_length_bytes: create_length,
         set_length_bytes: None,
     };
-    let device = FileDevice::open(path, &options).map_err(|error| {
-        let denied = matches!(
-            &error,
-            bufcache::FileDeviceError::Open { source, .. }
-                if matches!(source.raw_os_error(), Some(libc::EACCES | libc::EROFS | libc::EPERM))
-        );
-        if denied && !args.read_only && path.exists() {
-            anyhow::anyhow!("{error}; to serve it without writing, pass -r (--read-only)")
-        } else {
-            anyhow::Error::new(error)
+    let device = match FileDevice::open(path, &options) {
+        // A file this process may only read is served read-only (as nbdkit's file plugin
+        // does), not refused: the export then says READ_ONLY.
+        Err(bufcache::device::FileDeviceError::Open { source, .. })
+            if path.exists() && !args.read_only && refuses_writing(&source) =>
+        {
+            say!("backend `{spec}` cannot be opened for writing ({source}): serving it read-only");
+            options.read_only = true;
+            FileDevice::open(path, &options)?
         }
-    })?;
+        opened => opened?,
+    };
     let lock = BackendLock::acquire(path)?;
     let absolute = std::fs::canonicalize(path)
         .with_context(|| format!("backend `{spec}`: resolving its absolute path"))?;
@@ -332,6 +332,12 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
         identity: Some(format!("file:{}", absolute.display())),
         _lock: Some(lock),
     })
+}
+
+/// True when opening for writing failed only because writing is not allowed.
+fn refuses_writing(error: &std::io::Error) -> bool {
+    error.kind() == std::io::ErrorKind::PermissionDenied
+        || error.raw_os_error() == Some(libc::EROFS)
 }
 
 /// The scheme of a backend spelled like a URL (`http://x`, `nbd:/host`, `foo:`), if it is one:

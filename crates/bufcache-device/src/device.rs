@@ -181,6 +181,10 @@ pub struct Capabilities {
     /// size); `u64::MAX` when there is no limit. Write-back and clustered reads never build a
     /// request larger than this.
     pub request_bytes_max: u64,
+    /// True when the device refuses every write, discard and zeroing (a file opened
+    /// read-only, an NBD upstream that said READ_ONLY): an object over it refuses writes too,
+    /// so nothing is ever acknowledged that could not reach it.
+    pub read_only: bool,
 }
 
 impl Capabilities {
@@ -196,6 +200,7 @@ impl Capabilities {
             reads_complete_later: false,
             inflight_requests_max: 1,
             request_bytes_max: u64::MAX,
+            read_only: false,
         }
     }
 }

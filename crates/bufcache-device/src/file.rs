@@ -435,6 +435,7 @@ impl Device for FileDevice {
             // its inode lock, so write-back to it is not batched.
             inflight_requests_max: 1,
             request_bytes_max: u64::MAX,
+            read_only: self.read_only,
         }
     }
 

@@ -5,22 +5,195 @@
 //! connection gets its own handle ([`Export::open_connection`]), so every connection's next
 //! FLUSH hears of a write-back error once.
 
+use std::collections::BTreeMap;
 use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use bufcache::{CacheError, ObjectHandle, StartedRead, StartedReadDone, ZeroOptions};
+use parking_lot::RwLock;
 
-use crate::export::{BlockStatusExtent, Export, ReadDone, ReadSink, WriteSource};
+use bufcache::{CacheError, ObjectHandle, Residency, StartedRead, StartedReadDone, ZeroOptions};
+
+use crate::export::{BlockStatusExtent, CacheStateExtent, Export, ReadDone, ReadSink, WriteSource};
 
 /// A cache object served as an NBD export.
 pub struct CacheExport {
     object: ObjectHandle,
+    /// Ranges zeroed or trimmed (on a device whose discards read as zeroes) and not written
+    /// since, shared by every connection's view: a structured READ answers them as holes.
+    known_zeroes: Arc<RwLock<KnownZeroes>>,
+    /// True while `known_zeroes` holds a range: a READ looks at it only then, so reads of an
+    /// export that was never zeroed take no lock for it.
+    any_known_zeroes: Arc<AtomicBool>,
 }
 
 impl CacheExport {
     /// Serves `object`.
     pub fn new(object: ObjectHandle) -> Self {
-        CacheExport { object }
+        CacheExport {
+            object,
+            known_zeroes: Arc::default(),
+            any_known_zeroes: Arc::default(),
+        }
+    }
+
+    /// Ends a zeroing (see [`KnownZeroes::end_zeroing`]) and updates `any_known_zeroes`.
+    fn end_zeroing(&self, id: u64, succeeded: bool) {
+        let mut known = self.known_zeroes.write();
+        known.end_zeroing(id, succeeded);
+        self.any_known_zeroes
+            .store(!known.ranges.is_empty(), Ordering::Release);
+    }
+
+    /// Ends a write (see [`KnownZeroes::wrote`]) and updates `any_known_zeroes` (the write
+    /// removed its range when it started).
+    fn wrote(&self, id: u64) {
+        let mut known = self.known_zeroes.write();
+        known.wrote(id);
+        self.any_known_zeroes
+            .store(!known.ranges.is_empty(), Ordering::Release);
+    }
+
+    /// Whole blocks of a byte range as a byte range (what a discard drops), maybe empty.
+    fn whole_blocks(&self, offset: u64, length: u64) -> (u64, u64) {
+        let block_size = u64::from(self.object.block_size());
+        let end = offset + length;
+        let first = offset.next_multiple_of(block_size);
+        let last = if end == self.object.len() {
+            end
+        } else {
+            end - end % block_size
+        };
+        (first, last.max(first))
+    }
+}
+
+/// Most ranges [`KnownZeroes`] keeps; past that it forgets them all (knowing less is safe).
+const KNOWN_ZERO_RANGES_MAX: usize = 4096;
+
+/// Byte ranges known to read as zeroes: disjoint, merged when they touch, start → end.
+///
+/// Invariant: a range is added only after its zeroing succeeded with no overlapping write in
+/// flight at any time during it (a write marks the zeroings it overlaps spoiled, a zeroing
+/// starts spoiled when an overlapping write is in flight), and removed before a write into it
+/// starts, so a READ never calls written bytes a hole, whatever the order of overlapping
+/// requests in flight.
+#[derive(Default)]
+struct KnownZeroes {
+    ranges: BTreeMap<u64, u64>,
+    /// Zeroings in flight: (id, start, end, spoiled by an overlapping write).
+    zeroing: Vec<(u64, u64, u64, bool)>,
+    /// Writes in flight: (id, start, end).
+    writes: Vec<(u64, u64, u64)>,
+    next_id: u64,
+}
+
+impl KnownZeroes {
+    /// Notes a zeroing of `[start, end)` that is about to start; its id for [`Self::end_zeroing`].
+    fn begin_zeroing(&mut self, start: u64, end: u64) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        let spoiled = self
+            .writes
+            .iter()
+            .any(|&(_, write_start, write_end)| write_start < end && start < write_end);
+        self.zeroing.push((id, start, end, spoiled));
+        id
+    }
+
+    /// The zeroing `id` ended: its range is known zero when it `succeeded` unspoiled.
+    fn end_zeroing(&mut self, id: u64, succeeded: bool) {
+        let Some(at) = self.zeroing.iter().position(|entry| entry.0 == id) else {
+            return;
+        };
+        let (_, start, end, spoiled) = self.zeroing.swap_remove(at);
+        if succeeded && !spoiled {
+            self.add(start, end);
+        }
+    }
+
+    /// A write of `[start, end)` is about to start; its id for [`Self::wrote`].
+    fn writing(&mut self, start: u64, end: u64) -> u64 {
+        for entry in &mut self.zeroing {
+            if entry.1 < end && start < entry.2 {
+                entry.3 = true;
+            }
+        }
+        self.remove(start, end);
+        let id = self.next_id;
+        self.next_id += 1;
+        self.writes.push((id, start, end));
+        id
+    }
+
+    /// The write `id` ended (whether or not it succeeded).
+    fn wrote(&mut self, id: u64) {
+        if let Some(at) = self.writes.iter().position(|entry| entry.0 == id) {
+            self.writes.swap_remove(at);
+        }
+    }
+
+    fn add(&mut self, start: u64, end: u64) {
+        if start >= end {
+            return;
+        }
+        let (mut start, mut end) = (start, end);
+        // Absorb every range that overlaps or touches [start, end).
+        let touching: Vec<(u64, u64)> = self
+            .ranges
+            .range(..=end)
+            .rev()
+            .take_while(|&(_, &range_end)| range_end >= start)
+            .map(|(&range_start, &range_end)| (range_start, range_end))
+            .collect();
+        for (range_start, range_end) in touching {
+            self.ranges.remove(&range_start);
+            start = start.min(range_start);
+            end = end.max(range_end);
+        }
+        self.ranges.insert(start, end);
+        if self.ranges.len() > KNOWN_ZERO_RANGES_MAX {
+            self.ranges.clear();
+        }
+    }
+
+    fn remove(&mut self, start: u64, end: u64) {
+        let overlapping: Vec<(u64, u64)> = self
+            .ranges
+            .range(..end)
+            .rev()
+            .take_while(|&(_, &range_end)| range_end > start)
+            .map(|(&range_start, &range_end)| (range_start, range_end))
+            .collect();
+        for (range_start, range_end) in overlapping {
+            self.ranges.remove(&range_start);
+            if range_start < start {
+                self.ranges.insert(range_start, start);
+            }
+            if range_end > end {
+                self.ranges.insert(end, range_end);
+            }
+        }
+        if self.ranges.len() > KNOWN_ZERO_RANGES_MAX {
+            self.ranges.clear();
+        }
+    }
+
+    /// The parts of `[start, end)` known to be zero, as `(offset, length)`, in order.
+    fn within(&self, start: u64, end: u64) -> Vec<(u64, u64)> {
+        let first = self
+            .ranges
+            .range(..=start)
+            .next_back()
+            .filter(|&(_, &range_end)| range_end > start)
+            .map(|(&range_start, _)| range_start)
+            .unwrap_or(start);
+        self.ranges
+            .range(first..end)
+            .map(|(&range_start, &range_end)| (range_start.max(start), range_end.min(end)))
+            .filter(|(from, to)| from < to)
+            .map(|(from, to)| (from, to - from))
+            .collect()
     }
 }
 
@@ -54,7 +227,13 @@ impl Export for CacheExport {
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
-        Ok(self.object.write_at(offset, data, fua)?)
+        let write = self
+            .known_zeroes
+            .write()
+            .writing(offset, offset + data.len() as u64);
+        let written = self.object.write_at(offset, data, fua);
+        self.wrote(write);
+        Ok(written?)
     }
 
     fn write_from(
@@ -64,7 +243,10 @@ impl Export for CacheExport {
         fua: bool,
         source: &mut WriteSource<'_>,
     ) -> io::Result<()> {
-        Ok(self.object.write_from(offset, length, fua, source)?)
+        let write = self.known_zeroes.write().writing(offset, offset + length);
+        let written = self.object.write_from(offset, length, fua, source);
+        self.wrote(write);
+        Ok(written?)
     }
 
     fn flush(&self) -> io::Result<()> {
@@ -72,7 +254,16 @@ impl Export for CacheExport {
     }
 
     fn trim(&self, offset: u64, length: u64, fua: bool) -> io::Result<()> {
-        self.object.discard(offset, length)?;
+        // The cache drops the whole blocks, and a device whose discards read as zeroes then
+        // reads them as zeroes.
+        let (start, end) = self.whole_blocks(offset, length);
+        let zeroes = self.object.device().capabilities().discard_zeroes;
+        let zeroing = zeroes.then(|| self.known_zeroes.write().begin_zeroing(start, end));
+        let discarded = self.object.discard(offset, length);
+        if let Some(id) = zeroing {
+            self.end_zeroing(id, discarded.is_ok());
+        }
+        discarded?;
         if fua {
             self.object.flush()?;
         }
@@ -92,7 +283,13 @@ impl Export for CacheExport {
             fast_only,
             fua,
         };
-        Ok(self.object.zero(offset, length, options)?)
+        let zeroing = self
+            .known_zeroes
+            .write()
+            .begin_zeroing(offset, offset + length);
+        let zeroed = self.object.zero(offset, length, options);
+        self.end_zeroing(zeroing, zeroed.is_ok());
+        Ok(zeroed?)
     }
 
     fn can_fast_zero(&self) -> bool {
@@ -127,6 +324,8 @@ impl Export for CacheExport {
     fn open_connection(&self) -> Option<Arc<dyn Export>> {
         Some(Arc::new(CacheExport {
             object: self.object.reopen(),
+            known_zeroes: Arc::clone(&self.known_zeroes),
+            any_known_zeroes: Arc::clone(&self.any_known_zeroes),
         }))
     }
 
@@ -140,5 +339,75 @@ impl Export for CacheExport {
                 zero: extent.hole,
             })
             .collect())
+    }
+
+    fn has_cache_state(&self) -> bool {
+        true
+    }
+
+    fn cache_state(&self, offset: u64, length: u64) -> io::Result<Vec<CacheStateExtent>> {
+        let runs = self.object.residency(offset, length)?;
+        Ok(runs
+            .into_iter()
+            .map(|run| CacheStateExtent {
+                length: run.length,
+                resident: run.state != Residency::Absent,
+                dirty: run.state == Residency::Dirty,
+            })
+            .collect())
+    }
+
+    fn known_zeroes(&self, offset: u64, length: u64) -> Vec<(u64, u64)> {
+        if !self.any_known_zeroes.load(Ordering::Acquire) {
+            return Vec::new();
+        }
+        self.known_zeroes.read().within(offset, offset + length)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn known_zeroes_merge_split_and_answer_within_a_range() {
+        let mut zeroes = KnownZeroes::default();
+        zeroes.add(100, 200);
+        zeroes.add(300, 400);
+        zeroes.add(200, 300);
+        assert_eq!(zeroes.within(0, 1000), vec![(100, 300)]);
+        zeroes.remove(150, 160);
+        assert_eq!(zeroes.within(0, 1000), vec![(100, 50), (160, 240)]);
+        assert_eq!(zeroes.within(120, 170), vec![(120, 30), (160, 10)]);
+        assert_eq!(zeroes.within(150, 160), vec![]);
+        zeroes.remove(0, 1000);
+        assert_eq!(zeroes.within(0, 1000), vec![]);
+        zeroes.add(5, 5);
+        assert!(zeroes.ranges.is_empty(), "an empty range adds nothing");
+    }
+
+    #[test]
+    fn a_write_during_a_zeroing_keeps_its_range_from_being_known_zero() {
+        let mut zeroes = KnownZeroes::default();
+        let spoiled = zeroes.begin_zeroing(0, 100);
+        let clean = zeroes.begin_zeroing(200, 300);
+        let write = zeroes.writing(50, 60);
+        zeroes.wrote(write);
+        zeroes.end_zeroing(spoiled, true);
+        zeroes.end_zeroing(clean, true);
+        assert_eq!(zeroes.within(0, 1000), vec![(200, 100)]);
+        let failed = zeroes.begin_zeroing(400, 500);
+        zeroes.end_zeroing(failed, false);
+        assert_eq!(zeroes.within(0, 1000), vec![(200, 100)]);
+        assert!(zeroes.zeroing.is_empty());
+        // A zeroing that starts while an overlapping write is in flight is not trusted either.
+        let write = zeroes.writing(600, 700);
+        let during = zeroes.begin_zeroing(650, 800);
+        zeroes.wrote(write);
+        zeroes.end_zeroing(during, true);
+        let after = zeroes.begin_zeroing(900, 950);
+        zeroes.end_zeroing(after, true);
+        assert_eq!(zeroes.within(0, 1000), vec![(200, 100), (900, 50)]);
+        assert!(zeroes.writes.is_empty());
     }
 }

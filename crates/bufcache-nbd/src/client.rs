@@ -48,11 +48,15 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// (`space_wait_max`, 30 s by default); see docs/operations.md for the whole bound.
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Largest range one payload-less request (TRIM, WRITE_ZEROES, CACHE, BLOCK_STATUS) covers.
-/// The maximum block size limits data payloads only; splitting these at it would turn one
-/// hole punch into many partial ones. 1 GiB keeps each request's work bounded and is a
-/// multiple of every power-of-two minimum block size.
+/// Largest range one payload-less request (TRIM, WRITE_ZEROES, CACHE, BLOCK_STATUS) covers
+/// with compact headers. The maximum block size limits data payloads only; splitting these at
+/// it would turn one hole punch into many partial ones. 1 GiB keeps each request's work
+/// bounded and is a multiple of every power-of-two minimum block size.
 const NO_PAYLOAD_BYTES_MAX: u64 = 1 << 30;
+
+/// The same with extended headers, whose 64-bit lengths let one request cover a whole large
+/// disk: 1 TiB, still a multiple of every power-of-two minimum block size.
+const NO_PAYLOAD_EXTENDED_BYTES_MAX: u64 = 1 << 40;
 
 /// Requests the client tells the engine to keep in flight at once (`Capabilities`): the
 /// connection pipelines without a bound of its own, so this is what keeps a long link busy
@@ -130,7 +134,8 @@ impl From<ClientError> for io::Error {
 /// What a finished request produced (a READ's data is already in the caller's memory).
 #[derive(Default)]
 struct Completion {
-    extents: Vec<(u32, u32)>,
+    /// BLOCK_STATUS descriptors: (length, status flags).
+    extents: Vec<(u64, u32)>,
     error: Option<(Errno, String)>,
     connection_lost: Option<String>,
 }
@@ -578,7 +583,7 @@ impl NbdClient {
         let mut extents: Vec<BlockStatusExtent> = Vec::new();
         let mut done = 0u64;
         while done < length_bytes {
-            let step = (length_bytes - done).min(NO_PAYLOAD_BYTES_MAX);
+            let step = (length_bytes - done).min(self.no_payload_bytes_max());
             let piece = self.block_status_once(offset + done, step)?;
             for extent in piece {
                 done += extent.length;
@@ -599,13 +604,13 @@ impl NbdClient {
         offset: u64,
         length_bytes: u64,
     ) -> Result<Vec<BlockStatusExtent>, ClientError> {
-        let header = self.header(CMD_BLOCK_STATUS, 0, offset, length_bytes as u32);
+        let header = self.header(CMD_BLOCK_STATUS, 0, offset, length_bytes);
         let slot = self.submit(header, &[], Expect::BlockStatus, None)?;
         let completion = self.complete(&header, &slot)?;
         let mut extents = Vec::new();
         let mut covered = 0u64;
         for (length, flags) in completion.extents {
-            let length = u64::from(length).min(length_bytes - covered);
+            let length = length.min(length_bytes - covered);
             if length == 0 {
                 break;
             }
@@ -636,7 +641,11 @@ impl NbdClient {
         }
         {
             let mut writer = self.shared.writer.lock();
-            let _ = write_all_vectored(&mut *writer, &[&header.encode()]);
+            let _ = if self.shared.info.extended_headers {
+                write_all_vectored(&mut *writer, &[&header.encode_extended()])
+            } else {
+                write_all_vectored(&mut *writer, &[&header.encode()])
+            };
         }
         self.shared.die("the client disconnected".into());
         self.join_reader();
@@ -667,7 +676,7 @@ impl NbdClient {
         let targets = ReadTarget::carve_all(buffers, &lengths);
         let mut pieces = Vec::new();
         for ((piece_offset, piece_length), target) in splits.into_iter().zip(targets) {
-            let header = self.header(CMD_READ, 0, piece_offset, piece_length);
+            let header = self.header(CMD_READ, 0, piece_offset, piece_length.into());
             let expect = Expect::Read {
                 offset: piece_offset,
                 length_bytes: piece_length,
@@ -698,7 +707,7 @@ impl NbdClient {
         let mut pieces = Vec::new();
         let mut position = 0usize;
         for (piece_offset, piece_length) in self.pieces(offset, total_bytes) {
-            let header = self.header(CMD_WRITE, flags, piece_offset, piece_length);
+            let header = self.header(CMD_WRITE, flags, piece_offset, piece_length.into());
             let parts = gather(buffers, position, piece_length as usize);
             position += piece_length as usize;
             pieces.push((header, self.submit(header, &parts, Expect::Nothing, None)));
@@ -726,7 +735,8 @@ impl NbdClient {
         length_bytes: u64,
     ) -> Result<(), ClientError> {
         let mut pieces = Vec::new();
-        for (piece_offset, piece_length) in split(offset, length_bytes, NO_PAYLOAD_BYTES_MAX) {
+        for (piece_offset, piece_length) in split(offset, length_bytes, self.no_payload_bytes_max())
+        {
             let header = self.header(command, flags, piece_offset, piece_length);
             pieces.push((header, self.submit(header, &[], Expect::Nothing, None)));
         }
@@ -766,11 +776,29 @@ impl NbdClient {
     /// Splits a data range into pieces no larger than the server accepts.
     fn pieces(&self, offset: u64, length_bytes: u64) -> Vec<(u64, u32)> {
         split(offset, length_bytes, u64::from(self.piece_bytes_max()))
+            .into_iter()
+            .map(|(piece_offset, length)| (piece_offset, length as u32))
+            .collect()
     }
 
-    fn header(&self, command: u16, flags: u16, offset: u64, length: u32) -> RequestHeader {
+    /// The largest range one payload-less request covers (see [`NO_PAYLOAD_BYTES_MAX`]).
+    fn no_payload_bytes_max(&self) -> u64 {
+        if self.shared.info.extended_headers {
+            NO_PAYLOAD_EXTENDED_BYTES_MAX
+        } else {
+            NO_PAYLOAD_BYTES_MAX
+        }
+    }
+
+    /// A request header; with extended headers a WRITE says its length is a payload's.
+    fn header(&self, command: u16, flags: u16, offset: u64, length: u64) -> RequestHeader {
+        let payload = self.shared.info.extended_headers && command == CMD_WRITE;
         RequestHeader {
-            flags,
+            flags: if payload {
+                flags | CMD_FLAG_PAYLOAD_LEN
+            } else {
+                flags
+            },
             command,
             handle: self.shared.next_handle.fetch_add(1, Ordering::Relaxed),
             offset,
@@ -807,9 +835,17 @@ impl NbdClient {
             }
             table.slots.insert(header.handle, Arc::clone(slot));
         }
-        let header_bytes = header.encode();
+        let extended_bytes;
+        let compact_bytes;
+        let header_bytes: &[u8] = if self.shared.info.extended_headers {
+            extended_bytes = header.encode_extended();
+            &extended_bytes
+        } else {
+            compact_bytes = header.encode();
+            &compact_bytes
+        };
         let mut parts: Vec<&[u8]> = Vec::with_capacity(payload.len() + 1);
-        parts.push(&header_bytes);
+        parts.push(header_bytes);
         parts.extend_from_slice(payload);
         let mut writer = self.shared.writer.lock();
         if let Err(error) = write_all_vectored(&mut *writer, &parts) {
@@ -846,7 +882,7 @@ impl NbdClient {
             state: Mutex::new((splits.len(), None, Some(done))),
         });
         for ((piece_offset, piece_length), target) in splits.into_iter().zip(targets) {
-            let header = self.header(CMD_READ, 0, piece_offset, piece_length);
+            let header = self.header(CMD_READ, 0, piece_offset, piece_length.into());
             let uri = self.shared.uri.clone();
             let pieces = Arc::clone(&pieces);
             let callback: SlotCallback = Box::new(move |completion| {
@@ -941,7 +977,7 @@ fn label(header: &RequestHeader) -> RequestLabel {
     RequestLabel {
         command: header.command,
         offset: header.offset,
-        length_bytes: u64::from(header.length),
+        length_bytes: header.length,
     }
 }
 
@@ -971,12 +1007,12 @@ fn connect_tcp(host: &str, port: u16) -> io::Result<TcpStream> {
 }
 
 /// Splits a range into `(offset, length)` pieces of at most `piece_bytes_max` bytes.
-fn split(offset: u64, length_bytes: u64, piece_bytes_max: u64) -> Vec<(u64, u32)> {
+fn split(offset: u64, length_bytes: u64, piece_bytes_max: u64) -> Vec<(u64, u64)> {
     let mut pieces = Vec::new();
     let mut done = 0u64;
     while done < length_bytes {
         let step = (length_bytes - done).min(piece_bytes_max);
-        pieces.push((offset + done, step as u32));
+        pieces.push((offset + done, step));
         done += step;
     }
     pieces
@@ -1095,11 +1131,13 @@ fn read_one_reply(stream: &mut ReplyStream, shared: &Shared) -> Result<(), Strin
             Err(error) => return Err(format!("reading a reply failed: {error}")),
         }
     }
+    let extended = shared.info.extended_headers;
     match be_u32(&magic) {
-        SIMPLE_REPLY_MAGIC => read_simple_reply(stream, shared),
-        STRUCTURED_REPLY_MAGIC => read_structured_chunk(stream, shared),
+        SIMPLE_REPLY_MAGIC if !extended => read_simple_reply(stream, shared),
+        STRUCTURED_REPLY_MAGIC if !extended => read_structured_chunk(stream, shared),
+        EXTENDED_REPLY_MAGIC if extended => read_extended_chunk(stream, shared),
         other => Err(format!(
-            "protocol violation: unknown reply magic {other:#x}"
+            "protocol violation: reply magic {other:#x} (extended headers: {extended})"
         )),
     }
 }
@@ -1173,6 +1211,41 @@ fn read_structured_chunk(stream: &mut ReplyStream, shared: &Shared) -> Result<()
     let chunk_type = be_u16(&rest[2..4]);
     let handle = be_u64(&rest[4..12]);
     let length = be_u32(&rest[12..16]);
+    read_chunk_payload(stream, shared, flags, chunk_type, handle, length)
+}
+
+/// An extended reply chunk: a structured chunk with the request's offset and a 64-bit length,
+/// which must still fit a READ's data or [`CHUNK_BYTES_MAX`].
+fn read_extended_chunk(stream: &mut ReplyStream, shared: &Shared) -> Result<(), String> {
+    let mut rest = [0u8; EXTENDED_REPLY_HEADER_BYTES - 4];
+    stream.read_exact(&mut rest).map_err(io_reason)?;
+    let flags = be_u16(&rest[0..2]);
+    let chunk_type = be_u16(&rest[2..4]);
+    let handle = be_u64(&rest[4..12]);
+    let length = be_u64(&rest[20..28]);
+    let length = u32::try_from(length)
+        .ok()
+        .filter(|&length| {
+            length
+                <= shared
+                    .info
+                    .block_size_max
+                    .saturating_add(8)
+                    .max(CHUNK_BYTES_MAX)
+        })
+        .ok_or_else(|| format!("protocol violation: extended chunk of {length} bytes"))?;
+    read_chunk_payload(stream, shared, flags, chunk_type, handle, length)
+}
+
+/// Applies a structured or extended chunk's payload of `length` bytes to its slot.
+fn read_chunk_payload(
+    stream: &mut ReplyStream,
+    shared: &Shared,
+    flags: u16,
+    chunk_type: u16,
+    handle: u64,
+    length: u32,
+) -> Result<(), String> {
     let done = flags & REPLY_FLAG_DONE != 0;
     let slot = take_slot(shared, handle, done)?;
     let mut state = slot.state.lock();
@@ -1275,7 +1348,21 @@ fn apply_chunk(
             let payload = read_payload(stream, length)?;
             state.completion.extents = payload[4..]
                 .chunks_exact(8)
-                .map(|pair| (be_u32(&pair[0..4]), be_u32(&pair[4..8])))
+                .map(|pair| (u64::from(be_u32(&pair[0..4])), be_u32(&pair[4..8])))
+                .collect();
+            Ok(())
+        }
+        (REPLY_TYPE_BLOCK_STATUS_EXT, Expect::BlockStatus) if length >= 24 && length % 16 == 8 => {
+            let payload = read_payload(stream, length)?;
+            if be_u32(&payload[4..8]) as usize != (payload.len() - 8) / 16 {
+                return Err(
+                    "protocol violation: BLOCK_STATUS_EXT count disagrees with its length".into(),
+                );
+            }
+            // base:allocation has 32 bits of status; the upper half is zero.
+            state.completion.extents = payload[8..]
+                .chunks_exact(16)
+                .map(|pair| (be_u64(&pair[0..8]), be_u64(&pair[8..16]) as u32))
                 .collect();
             Ok(())
         }
@@ -1422,6 +1509,8 @@ impl Device for NbdClient {
             reads_complete_later: true,
             inflight_requests_max: UPSTREAM_INFLIGHT_REQUESTS_MAX,
             request_bytes_max: u64::from(self.piece_bytes_max()),
+            // Every write would fail with EPERM upstream: the cache must not accept any.
+            read_only: info.read_only(),
         }
     }
 

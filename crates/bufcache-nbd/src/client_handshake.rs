@@ -1,7 +1,7 @@
-//! The client's side of the fixed newstyle handshake: ask for structured replies and the
-//! `base:allocation` context, then enter the export with `NBD_OPT_GO` (falling back to
-//! `NBD_OPT_EXPORT_NAME` when the server does not know GO), learning its size, transmission
-//! flags and block size limits.
+//! The client's side of the fixed newstyle handshake: ask for extended headers (else
+//! structured replies) and the `base:allocation` context, then enter the export with
+//! `NBD_OPT_GO` (falling back to `NBD_OPT_EXPORT_NAME` when the server knows neither GO nor
+//! extended headers), learning its size, transmission flags and block size limits.
 //!
 //! Invariants: only fixed newstyle servers are accepted; every option reply is checked for
 //! magic, option number and a bounded length, so a confused server fails the connect with a
@@ -24,6 +24,9 @@ pub struct ExportInfo {
     pub block_size_preferred: u32,
     pub block_size_max: u32,
     pub structured_replies: bool,
+    /// The server agreed to extended headers: 32-byte requests with 64-bit lengths, and every
+    /// reply an extended chunk (`structured_replies` is set too).
+    pub extended_headers: bool,
     /// Context id of `base:allocation` when the server agreed to it.
     pub base_allocation_id: Option<u32>,
 }
@@ -92,7 +95,8 @@ pub(crate) fn negotiate(
         crate::tls::client_upgrade(stream, settings, host)
             .map_err(|error| HandshakeFailure::Tls(error.to_string()))?;
     }
-    let structured_replies = request_structured_replies(stream)?;
+    let extended_headers = request_extended_headers(stream)?;
+    let structured_replies = extended_headers || request_structured_replies(stream)?;
     let base_allocation_id = if structured_replies {
         request_base_allocation(stream, export_name)?
     } else {
@@ -105,9 +109,18 @@ pub(crate) fn negotiate(
         block_size_preferred: DEFAULT_BLOCK_SIZE_PREFERRED,
         block_size_max: DEFAULT_BLOCK_SIZE_MAX,
         structured_replies,
+        extended_headers,
         base_allocation_id,
     };
     if !go(stream, export_name, &mut info)? {
+        if extended_headers {
+            // The spec forbids both a server refusing GO after extended headers and a client
+            // using EXPORT_NAME after them.
+            return Err(HandshakeFailure::Malformed {
+                option: OPT_GO,
+                reason: "NBD_OPT_GO unsupported after extended headers were agreed".into(),
+            });
+        }
         export_name_fallback(stream, export_name, no_zeroes, &mut info)?;
     }
     Ok(info)
@@ -161,6 +174,13 @@ fn read_option_reply(stream: &mut Stream, option: u32) -> Result<OptionReply, Ha
         reply_type: be_u32(&header[12..16]),
         payload,
     })
+}
+
+/// Asks for extended headers; false when the server does not know them (or refuses).
+fn request_extended_headers(stream: &mut Stream) -> Result<bool, HandshakeFailure> {
+    send_option(stream, OPT_EXTENDED_HEADERS, &[])?;
+    let reply = read_option_reply(stream, OPT_EXTENDED_HEADERS)?;
+    Ok(reply.reply_type == REP_ACK)
 }
 
 fn request_structured_replies(stream: &mut Stream) -> Result<bool, HandshakeFailure> {

@@ -30,6 +30,18 @@ pub struct BlockStatusExtent {
     pub zero: bool,
 }
 
+/// One run of the export's address space with a single cache state, as reported by
+/// [`Export::cache_state`] for the `bufcache:state` metadata context.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheStateExtent {
+    /// Length of the run in bytes (never zero).
+    pub length: u64,
+    /// In the cache (`CACHE_STATE_RESIDENT`).
+    pub resident: bool,
+    /// In the cache and newer than the backend (`CACHE_STATE_DIRTY`; implies resident).
+    pub dirty: bool,
+}
+
 /// [`Export::start_read`] of an export whose reads always finish in the caller's thread.
 pub fn never_start_read(done: ReadDone) -> Result<(), ReadDone> {
     Err(done)
@@ -119,6 +131,26 @@ pub trait Export: Send + Sync {
     }
     /// Consecutive extents covering [offset, offset+length) (may stop early, at least one); hole => NBD_STATE_HOLE|NBD_STATE_ZERO, zero-only => NBD_STATE_ZERO.
     fn block_status(&self, offset: u64, length: u64) -> io::Result<Vec<BlockStatusExtent>>;
+    /// True when the export answers [`Export::cache_state`] (it is a cache): the server then
+    /// offers the `bufcache:state` metadata context for it.
+    fn has_cache_state(&self) -> bool;
+    /// Which bytes of `[offset, offset + length)` are in the cache and which are dirty, as
+    /// consecutive extents from `offset` (at least one; they may stop early). Only called
+    /// when [`Export::has_cache_state`] is true.
+    fn cache_state(&self, offset: u64, length: u64) -> io::Result<Vec<CacheStateExtent>>;
+    /// The parts of `[offset, offset + length)` the export knows read as zeroes without
+    /// reading them, as ordered, disjoint `(offset, length)` ranges inside it (a cache: what
+    /// was zeroed or trimmed and not written since; a memory export: its unallocated pages).
+    /// Empty when it knows of none. A structured READ answers these with `OFFSET_HOLE` chunks.
+    fn known_zeroes(&self, offset: u64, length: u64) -> Vec<(u64, u64)>;
+}
+
+/// [`Export::cache_state`] for an export that is no cache.
+pub fn no_cache_state() -> io::Result<Vec<CacheStateExtent>> {
+    Err(io::Error::new(
+        io::ErrorKind::Unsupported,
+        "the export is not a cache: it has no bufcache:state",
+    ))
 }
 
 /// [`Export::read_with`] for an export without buffers of its own: [`Export::read`] into
@@ -337,6 +369,32 @@ impl Export for MemoryExport {
             }
         });
         Ok(extents)
+    }
+
+    fn has_cache_state(&self) -> bool {
+        false
+    }
+
+    fn cache_state(&self, _offset: u64, _length: u64) -> io::Result<Vec<CacheStateExtent>> {
+        no_cache_state()
+    }
+
+    fn known_zeroes(&self, offset: u64, length: u64) -> Vec<(u64, u64)> {
+        if self.check_range(offset, length).is_err() {
+            return Vec::new();
+        }
+        let mut zeroes: Vec<(u64, u64)> = Vec::new();
+        self.for_each_piece(offset, length, |page_index, _, range| {
+            if self.pages[page_index].read().is_some() {
+                return;
+            }
+            let start = offset + range.start as u64;
+            match zeroes.last_mut() {
+                Some(last) if last.0 + last.1 == start => last.1 += range.len() as u64,
+                _ => zeroes.push((start, range.len() as u64)),
+            }
+        });
+        zeroes
     }
 }
 

@@ -1,11 +1,15 @@
 //! The server's side of the fixed newstyle handshake: greeting, client flags, and option
 //! haggling until the client picks an export (`NBD_OPT_GO` / `NBD_OPT_EXPORT_NAME`) or leaves.
 //!
-//! Invariants: only clients that set `NBD_FLAG_C_FIXED_NEWSTYLE` are served (older clients
-//! cannot be told about errors); every option gets exactly one final reply, an unknown
-//! option gets `NBD_REP_ERR_UNSUP` and haggling goes on; any malformed framing (bad magic,
-//! oversized option, unknown client flags) ends only this connection, by returning an error.
-//! Metadata contexts selected here apply only if the client then enters the same export.
+//! Invariants: a fixed newstyle client gets exactly one final reply to every option, an
+//! unknown option gets `NBD_REP_ERR_UNSUP` and haggling goes on; a client without
+//! `NBD_FLAG_C_FIXED_NEWSTYLE` (plain newstyle, which cannot be told about errors) may only
+//! send `NBD_OPT_EXPORT_NAME`, and any other option closes its connection; any malformed
+//! framing (bad magic, oversized option, unknown client flags) ends only this connection, by
+//! returning an error. Metadata contexts selected here apply only if the client then enters
+//! the same export, and each `NBD_OPT_SET_META_CONTEXT` replaces the selection, even when it
+//! fails. Once the server shuts down, every option but `NBD_OPT_ABORT` is answered
+//! `NBD_REP_ERR_SHUTDOWN`.
 
 use std::io::{self, Read, Write};
 use std::sync::Arc;
@@ -13,6 +17,7 @@ use std::sync::Arc;
 use crate::config::ExportPolicy;
 use crate::export::Export;
 use crate::protocol::*;
+use crate::server::ShutdownHandle;
 use crate::stream::Stream;
 use crate::tls::{TlsMode, TlsServer};
 
@@ -21,6 +26,58 @@ const OPTION_BYTES_MAX: u32 = 64 * 1024;
 
 /// Context id the server gives `base:allocation` when a client selects it.
 pub(crate) const BASE_ALLOCATION_ID: u32 = 1;
+/// Context id the server gives `bufcache:state` when a client selects it.
+pub(crate) const CACHE_STATE_ID: u32 = 2;
+
+/// A set of metadata contexts: the ones an export offers, or the ones a client selected.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct MetaContexts {
+    /// `base:allocation` (every export offers it).
+    pub(crate) base_allocation: bool,
+    /// `bufcache:state` (offered by exports that are a cache, [`Export::has_cache_state`]).
+    pub(crate) cache_state: bool,
+}
+
+impl MetaContexts {
+    pub(crate) fn any(self) -> bool {
+        self.base_allocation || self.cache_state
+    }
+
+    /// The contexts of `offered` that `queries` name. Listing, no query names them all and a
+    /// namespace alone (`base:`, `bufcache:`) names all of its contexts; selecting, a
+    /// namespace alone names none (the spec asks for that in `base:`). Unknown queries are
+    /// ignored, as the spec requires.
+    fn matching(offered: MetaContexts, queries: &[String], listing: bool) -> MetaContexts {
+        if listing && queries.is_empty() {
+            return offered;
+        }
+        let mut chosen = MetaContexts::default();
+        for query in queries {
+            match query.as_str() {
+                BASE_ALLOCATION => chosen.base_allocation = true,
+                "base:" if listing => chosen.base_allocation = true,
+                BUFCACHE_STATE => chosen.cache_state = true,
+                "bufcache:" if listing => chosen.cache_state = true,
+                _ => {}
+            }
+        }
+        MetaContexts {
+            base_allocation: chosen.base_allocation && offered.base_allocation,
+            cache_state: chosen.cache_state && offered.cache_state,
+        }
+    }
+
+    /// `(id, name)` of each context in the set.
+    fn named(self) -> impl Iterator<Item = (u32, &'static str)> {
+        [
+            (self.base_allocation, BASE_ALLOCATION_ID, BASE_ALLOCATION),
+            (self.cache_state, CACHE_STATE_ID, BUFCACHE_STATE),
+        ]
+        .into_iter()
+        .filter(|(selected, _, _)| *selected)
+        .map(|(_, id, name)| (id, name))
+    }
+}
 
 /// The exports a server offers, by name. The empty name (the "default export") means the
 /// export named "" if there is one, otherwise the first export.
@@ -61,8 +118,14 @@ pub(crate) struct Negotiated {
     pub(crate) export_name: String,
     pub(crate) export: Arc<dyn Export>,
     pub(crate) structured_replies: bool,
-    pub(crate) base_allocation: bool,
+    /// `NBD_OPT_EXTENDED_HEADERS` was agreed: 32-byte requests and reply chunks, 64-bit
+    /// lengths (`structured_replies` is set too: every reply is a chunk).
+    pub(crate) extended_headers: bool,
+    /// The metadata contexts BLOCK_STATUS answers for (none: it is refused).
+    pub(crate) contexts: MetaContexts,
     pub(crate) transmission_flags: u16,
+    /// The server's shutdown: requests read after it are refused with ESHUTDOWN.
+    pub(crate) shutdown: ShutdownHandle,
 }
 
 /// Why a handshake ended without transmission.
@@ -70,10 +133,16 @@ pub(crate) struct Negotiated {
 pub(crate) enum HandshakeError {
     #[error("socket error during handshake: {0}")]
     Io(#[from] io::Error),
-    #[error(
-        "client flags {0:#x} refused (fixed newstyle is required; unknown bits are not allowed)"
-    )]
+    #[error("client flags {0:#x} refused (unknown bits are not allowed)")]
     ClientFlags(u32),
+    #[error(
+        "option {0} from a client without fixed newstyle, which allows only NBD_OPT_EXPORT_NAME"
+    )]
+    NotFixedNewstyle(u32),
+    #[error("NBD_OPT_EXPORT_NAME while the server shuts down")]
+    ShuttingDown,
+    #[error("NBD_OPT_EXPORT_NAME after extended headers were agreed, which the spec forbids")]
+    ExportNameWithExtendedHeaders,
     #[error("option magic {0:#x} is not IHAVEOPT")]
     OptionMagic(u64),
     #[error(
@@ -107,10 +176,14 @@ struct Haggle<'a> {
     /// The client's TLS identity (PSK identity or certificate common name), once known.
     identity: Option<String>,
     request_size_max: u32,
+    /// The client set `NBD_FLAG_C_FIXED_NEWSTYLE`: it understands option replies.
+    fixed_newstyle: bool,
     no_zeroes: bool,
     structured_replies: bool,
-    /// Export index for which `base:allocation` was selected with SET_META_CONTEXT.
-    base_allocation_for: Option<usize>,
+    extended_headers: bool,
+    /// The export index and the contexts the last SET_META_CONTEXT selected for it.
+    contexts_for: Option<(usize, MetaContexts)>,
+    shutdown: &'a ShutdownHandle,
     /// Takes a serving slot for the connection; called before the reply that ends the
     /// handshake, so a client told it may transmit always has one.
     admit: &'a mut dyn FnMut() -> bool,
@@ -122,6 +195,7 @@ pub(crate) fn negotiate(
     exports: &ExportTable,
     request_size_max: u32,
     tls: &TlsServer,
+    shutdown: &ShutdownHandle,
     admit: &mut dyn FnMut() -> bool,
 ) -> Result<Outcome, HandshakeError> {
     let mut greeting = Vec::with_capacity(18);
@@ -133,7 +207,7 @@ pub(crate) fn negotiate(
     stream.read_exact(&mut flag_bytes)?;
     let client_flags = u32::from_be_bytes(flag_bytes);
     let known = CLIENT_FLAG_FIXED_NEWSTYLE | CLIENT_FLAG_NO_ZEROES;
-    if client_flags & CLIENT_FLAG_FIXED_NEWSTYLE == 0 || client_flags & !known != 0 {
+    if client_flags & !known != 0 {
         return Err(HandshakeError::ClientFlags(client_flags));
     }
     let mut haggle = Haggle {
@@ -143,9 +217,12 @@ pub(crate) fn negotiate(
         tls_active: false,
         identity: None,
         request_size_max,
+        fixed_newstyle: client_flags & CLIENT_FLAG_FIXED_NEWSTYLE != 0,
         no_zeroes: client_flags & CLIENT_FLAG_NO_ZEROES != 0,
         structured_replies: false,
-        base_allocation_for: None,
+        extended_headers: false,
+        contexts_for: None,
+        shutdown,
         admit,
     };
     loop {
@@ -189,6 +266,18 @@ impl Haggle<'_> {
         option: u32,
         data: &[u8],
     ) -> Result<Option<Outcome>, HandshakeError> {
+        if !self.fixed_newstyle && option != OPT_EXPORT_NAME {
+            // A plain newstyle client cannot read an option reply: the spec says to close.
+            return Err(HandshakeError::NotFixedNewstyle(option));
+        }
+        if self.shutdown.is_triggered() && option != OPT_ABORT {
+            if option == OPT_EXPORT_NAME {
+                // No error reply exists for this option: the connection closes.
+                return Err(HandshakeError::ShuttingDown);
+            }
+            self.error(option, REP_ERR_SHUTDOWN, "the server is shutting down")?;
+            return Ok(None);
+        }
         let tls_missing = self.tls.mode == TlsMode::Require && !self.tls_active;
         if tls_missing && option != OPT_STARTTLS && option != OPT_ABORT {
             if option == OPT_EXPORT_NAME {
@@ -217,6 +306,7 @@ impl Haggle<'_> {
             OPT_LIST => self.list(data).map(|()| None),
             OPT_INFO | OPT_GO => self.info_or_go(option, data),
             OPT_STRUCTURED_REPLY => self.structured_reply(data).map(|()| None),
+            OPT_EXTENDED_HEADERS => self.extended_headers(data).map(|()| None),
             OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
                 self.meta_context(option, data).map(|()| None)
             }
@@ -252,7 +342,8 @@ impl Haggle<'_> {
         tracing::info!(identity = ?self.identity, "TLS established");
         self.tls_active = true;
         self.structured_replies = false;
-        self.base_allocation_for = None;
+        self.extended_headers = false;
+        self.contexts_for = None;
         Ok(None)
     }
 
@@ -267,6 +358,10 @@ impl Haggle<'_> {
     }
 
     fn export_name(&mut self, data: &[u8]) -> Result<Outcome, HandshakeError> {
+        if self.extended_headers {
+            // A MUST NOT for the client, and this option has no error reply: close.
+            return Err(HandshakeError::ExportNameWithExtendedHeaders);
+        }
         let name = String::from_utf8_lossy(data).into_owned();
         let Some(index) = self.find_export(&name) else {
             // This option cannot carry an error reply: the spec says to close.
@@ -319,6 +414,13 @@ impl Haggle<'_> {
             return Ok(None);
         };
         let Some(index) = self.find_export(&name) else {
+            if self.needs_tls_first(&name) {
+                // SELECTIVETLS: the spec requires this answer for a TLS-only export.
+                let message =
+                    format!("export {name:?} requires TLS: upgrade with NBD_OPT_STARTTLS first");
+                self.error(option, REP_ERR_TLS_REQD, &message)?;
+                return Ok(None);
+            }
             let message = format!("no export named {name:?}");
             self.error(option, REP_ERR_UNKNOWN, &message)?;
             return Ok(None);
@@ -373,12 +475,43 @@ impl Haggle<'_> {
             )?;
             return Ok(());
         }
+        if self.extended_headers {
+            // The spec: extended headers take precedence; there is no going back.
+            self.error(
+                OPT_STRUCTURED_REPLY,
+                REP_ERR_EXT_HEADER_REQD,
+                "extended headers are already in use",
+            )?;
+            return Ok(());
+        }
         self.structured_replies = true;
         self.reply(OPT_STRUCTURED_REPLY, REP_ACK, &[])?;
         Ok(())
     }
 
+    /// `NBD_OPT_EXTENDED_HEADERS`: 32-byte requests with 64-bit lengths and 32-byte reply
+    /// chunks from transmission on (structured replies come with them).
+    fn extended_headers(&mut self, data: &[u8]) -> Result<(), HandshakeError> {
+        if !data.is_empty() {
+            self.error(
+                OPT_EXTENDED_HEADERS,
+                REP_ERR_INVALID,
+                "NBD_OPT_EXTENDED_HEADERS takes no data",
+            )?;
+            return Ok(());
+        }
+        self.extended_headers = true;
+        self.structured_replies = true;
+        self.reply(OPT_EXTENDED_HEADERS, REP_ACK, &[])?;
+        Ok(())
+    }
+
     fn meta_context(&mut self, option: u32, data: &[u8]) -> Result<(), HandshakeError> {
+        let selecting = option == OPT_SET_META_CONTEXT;
+        if selecting {
+            // The spec: SET replaces every earlier selection, including when it fails.
+            self.contexts_for = None;
+        }
         if !self.structured_replies {
             let message = "metadata contexts need structured replies first";
             self.error(option, REP_ERR_INVALID, message)?;
@@ -400,29 +533,35 @@ impl Haggle<'_> {
             )?;
             return Ok(());
         };
-        let selected = if option == OPT_LIST_META_CONTEXT {
-            queries.is_empty()
-                || queries
-                    .iter()
-                    .any(|query| query == "base:" || query == BASE_ALLOCATION)
-        } else {
-            queries.iter().any(|query| query == BASE_ALLOCATION)
+        let offered = MetaContexts {
+            base_allocation: true,
+            cache_state: self.exports.entries[index].1.has_cache_state(),
         };
-        if selected {
-            let id = if option == OPT_SET_META_CONTEXT {
-                BASE_ALLOCATION_ID
-            } else {
-                0
-            };
+        let chosen = MetaContexts::matching(offered, &queries, !selecting);
+        for (id, context) in chosen.named() {
+            // Listing, the id is reserved and SHOULD be zero.
+            let id = if selecting { id } else { 0 };
             let mut payload = id.to_be_bytes().to_vec();
-            payload.extend_from_slice(BASE_ALLOCATION.as_bytes());
+            payload.extend_from_slice(context.as_bytes());
             self.reply(option, REP_META_CONTEXT, &payload)?;
         }
-        if option == OPT_SET_META_CONTEXT {
-            self.base_allocation_for = selected.then_some(index);
+        if selecting && chosen.any() {
+            self.contexts_for = Some((index, chosen));
         }
         self.reply(option, REP_ACK, &[])?;
         Ok(())
+    }
+
+    /// True when `name` is an export this client may not open only because it has not
+    /// upgraded to TLS yet (SELECTIVETLS: `--tls on` and an export limited to TLS identities).
+    fn needs_tls_first(&self, name: &str) -> bool {
+        self.tls.mode == TlsMode::On
+            && !self.tls_active
+            && self
+                .exports
+                .find(name)
+                .and_then(|index| self.exports.policies.get(index))
+                .is_some_and(|policy| !policy.admits(None))
     }
 
     /// The export `name` names, when this client may open it; a refusal is logged with the
@@ -466,6 +605,12 @@ impl Haggle<'_> {
             // Reads are always answered with a single data chunk, so DF costs nothing.
             flags |= TRANSMIT_SEND_DF;
         }
+        let contexts_selected = self
+            .contexts_for
+            .is_some_and(|(selected_for, _)| selected_for == index);
+        if self.extended_headers && contexts_selected {
+            flags |= TRANSMIT_BLOCK_STATUS_PAYLOAD;
+        }
         flags
     }
 
@@ -481,7 +626,12 @@ impl Haggle<'_> {
             transmission_flags: self.transmission_flags(index, export.as_ref()),
             export,
             structured_replies: self.structured_replies,
-            base_allocation: self.base_allocation_for == Some(index),
+            extended_headers: self.extended_headers,
+            contexts: self
+                .contexts_for
+                .filter(|(selected_for, _)| *selected_for == index)
+                .map_or_else(MetaContexts::default, |(_, contexts)| contexts),
+            shutdown: self.shutdown.clone(),
         }
     }
 }

@@ -3,8 +3,9 @@
 //!
 //! Two halves share one wire module ([`protocol`]):
 //! - the **server** ([`Server`]) serves any number of [`Export`]s over TCP and unix sockets
-//!   with the fixed newstyle handshake, structured replies, `base:allocation` block status,
-//!   and many requests in flight per connection, answered out of order by worker threads;
+//!   with the newstyle handshake, structured replies, extended headers (64-bit lengths),
+//!   `base:allocation` and `bufcache:state` block status, and many requests in flight per
+//!   connection, answered out of order by worker threads (docs/protocol.md);
 //! - the **client** ([`NbdClient`]) connects to an upstream NBD server and implements
 //!   [`bufcache::Device`], so the cache engine can sit in front of another NBD server.
 //!
@@ -36,8 +37,8 @@ pub use config::{
     PAYLOAD_BYTES_PER_SECOND_MIN,
 };
 pub use export::{
-    never_start_read, read_via_buffer, write_via_buffer, BlockStatusExtent, Export, MemoryExport,
-    ReadDone, ReadSink, StartedRead, WriteSource,
+    never_start_read, no_cache_state, read_via_buffer, write_via_buffer, BlockStatusExtent,
+    CacheStateExtent, Export, MemoryExport, ReadDone, ReadSink, StartedRead, WriteSource,
 };
 pub use ipnet::IpNet;
 pub use reconnect::{ReconnectPolicy, ReconnectingClient};

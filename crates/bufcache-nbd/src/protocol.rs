@@ -21,6 +21,10 @@ pub const REQUEST_MAGIC: u32 = 0x2560_9513;
 pub const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
 /// Prefix of a structured reply chunk.
 pub const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
+/// Prefix of every transmission request once extended headers are negotiated.
+pub const EXTENDED_REQUEST_MAGIC: u32 = 0x21e4_1c71;
+/// Prefix of every reply chunk once extended headers are negotiated.
+pub const EXTENDED_REPLY_MAGIC: u32 = 0x6e8a_278c;
 
 /// Handshake flags (server → client, 16 bits).
 pub const FLAG_FIXED_NEWSTYLE: u16 = 1 << 0;
@@ -45,6 +49,8 @@ pub const TRANSMIT_CAN_MULTI_CONN: u16 = 1 << 8;
 pub const TRANSMIT_SEND_RESIZE: u16 = 1 << 9;
 pub const TRANSMIT_SEND_CACHE: u16 = 1 << 10;
 pub const TRANSMIT_SEND_FAST_ZERO: u16 = 1 << 11;
+/// BLOCK_STATUS may carry a payload naming the contexts to answer (extended headers only).
+pub const TRANSMIT_BLOCK_STATUS_PAYLOAD: u16 = 1 << 12;
 
 /// Option numbers.
 pub const OPT_EXPORT_NAME: u32 = 1;
@@ -56,6 +62,7 @@ pub const OPT_GO: u32 = 7;
 pub const OPT_STRUCTURED_REPLY: u32 = 8;
 pub const OPT_LIST_META_CONTEXT: u32 = 9;
 pub const OPT_SET_META_CONTEXT: u32 = 10;
+pub const OPT_EXTENDED_HEADERS: u32 = 11;
 
 /// Option reply types.
 pub const REP_ACK: u32 = 1;
@@ -72,6 +79,7 @@ pub const REP_ERR_UNKNOWN: u32 = REP_ERROR_BIT + 6;
 pub const REP_ERR_SHUTDOWN: u32 = REP_ERROR_BIT + 7;
 pub const REP_ERR_BLOCK_SIZE_REQD: u32 = REP_ERROR_BIT + 8;
 pub const REP_ERR_TOO_BIG: u32 = REP_ERROR_BIT + 9;
+pub const REP_ERR_EXT_HEADER_REQD: u32 = REP_ERROR_BIT + 10;
 
 /// True for option reply types that report an error.
 pub fn is_option_error(reply_type: u32) -> bool {
@@ -100,6 +108,8 @@ pub const CMD_FLAG_NO_HOLE: u16 = 1 << 1;
 pub const CMD_FLAG_DF: u16 = 1 << 2;
 pub const CMD_FLAG_REQ_ONE: u16 = 1 << 3;
 pub const CMD_FLAG_FAST_ZERO: u16 = 1 << 4;
+/// Extended headers: the length is a payload's length, and the payload follows.
+pub const CMD_FLAG_PAYLOAD_LEN: u16 = 1 << 5;
 
 /// Structured reply flags and chunk types.
 pub const REPLY_FLAG_DONE: u16 = 1 << 0;
@@ -107,6 +117,7 @@ pub const REPLY_TYPE_NONE: u16 = 0;
 pub const REPLY_TYPE_OFFSET_DATA: u16 = 1;
 pub const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
 pub const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
+pub const REPLY_TYPE_BLOCK_STATUS_EXT: u16 = 6;
 pub const REPLY_TYPE_ERROR: u16 = (1 << 15) + 1;
 pub const REPLY_TYPE_ERROR_OFFSET: u16 = (1 << 15) + 2;
 
@@ -119,11 +130,22 @@ pub fn is_reply_error(chunk_type: u16) -> bool {
 pub const STATE_HOLE: u32 = 1 << 0;
 pub const STATE_ZERO: u32 = 1 << 1;
 
-/// The only metadata context this crate knows.
+/// The metadata context every export offers: holes and zeroes.
 pub const BASE_ALLOCATION: &str = "base:allocation";
+
+/// The metadata context a cache export offers: which blocks are in the cache, and which of
+/// them are dirty (see docs/protocol.md).
+pub const BUFCACHE_STATE: &str = "bufcache:state";
+
+/// `bufcache:state` status flags: the block is in the cache (clean or dirty)...
+pub const CACHE_STATE_RESIDENT: u32 = 1 << 0;
+/// ...and is newer than the backend (written, not yet written back).
+pub const CACHE_STATE_DIRTY: u32 = 1 << 1;
 
 /// Byte sizes of the fixed headers.
 pub const REQUEST_HEADER_BYTES: usize = 28;
+pub const EXTENDED_REQUEST_HEADER_BYTES: usize = 32;
+pub const EXTENDED_REPLY_HEADER_BYTES: usize = 32;
 pub const SIMPLE_REPLY_HEADER_BYTES: usize = 16;
 pub const STRUCTURED_REPLY_HEADER_BYTES: usize = 20;
 pub const OPTION_HEADER_BYTES: usize = 16;
@@ -267,30 +289,51 @@ pub fn command_name(command: u16) -> String {
     }
 }
 
-/// A transmission request header (without the write payload).
+/// A transmission request header (without the write payload), compact (28 bytes, 32-bit
+/// length) or extended (32 bytes, 64-bit length).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RequestHeader {
     pub flags: u16,
     pub command: u16,
     pub handle: u64,
     pub offset: u64,
-    pub length: u32,
+    /// The effect length, or with `CMD_FLAG_PAYLOAD_LEN` (and for a compact WRITE) the
+    /// payload's length. At most `u32::MAX` in a compact header.
+    pub length: u64,
 }
 
 impl RequestHeader {
-    /// Encodes the header in wire order.
+    /// Encodes the header in wire order, compact. The length must fit in 32 bits.
     pub fn encode(&self) -> [u8; REQUEST_HEADER_BYTES] {
+        assert!(
+            self.length <= u64::from(u32::MAX),
+            "a compact request header holds a 32-bit length, not {}",
+            self.length
+        );
         let mut bytes = [0u8; REQUEST_HEADER_BYTES];
         bytes[0..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
         bytes[4..6].copy_from_slice(&self.flags.to_be_bytes());
         bytes[6..8].copy_from_slice(&self.command.to_be_bytes());
         bytes[8..16].copy_from_slice(&self.handle.to_be_bytes());
         bytes[16..24].copy_from_slice(&self.offset.to_be_bytes());
-        bytes[24..28].copy_from_slice(&self.length.to_be_bytes());
+        bytes[24..28].copy_from_slice(&(self.length as u32).to_be_bytes());
         bytes
     }
 
-    /// Decodes a header; `None` when the magic is wrong (the stream cannot be resynchronised).
+    /// Encodes the header in wire order, extended.
+    pub fn encode_extended(&self) -> [u8; EXTENDED_REQUEST_HEADER_BYTES] {
+        let mut bytes = [0u8; EXTENDED_REQUEST_HEADER_BYTES];
+        bytes[0..4].copy_from_slice(&EXTENDED_REQUEST_MAGIC.to_be_bytes());
+        bytes[4..6].copy_from_slice(&self.flags.to_be_bytes());
+        bytes[6..8].copy_from_slice(&self.command.to_be_bytes());
+        bytes[8..16].copy_from_slice(&self.handle.to_be_bytes());
+        bytes[16..24].copy_from_slice(&self.offset.to_be_bytes());
+        bytes[24..32].copy_from_slice(&self.length.to_be_bytes());
+        bytes
+    }
+
+    /// Decodes a compact header; `None` when the magic is wrong (the stream cannot be
+    /// resynchronised).
     pub fn decode(bytes: &[u8; REQUEST_HEADER_BYTES]) -> Option<RequestHeader> {
         if be_u32(&bytes[0..4]) != REQUEST_MAGIC {
             return None;
@@ -300,7 +343,21 @@ impl RequestHeader {
             command: be_u16(&bytes[6..8]),
             handle: be_u64(&bytes[8..16]),
             offset: be_u64(&bytes[16..24]),
-            length: be_u32(&bytes[24..28]),
+            length: u64::from(be_u32(&bytes[24..28])),
+        })
+    }
+
+    /// Decodes an extended header; `None` when the magic is wrong.
+    pub fn decode_extended(bytes: &[u8; EXTENDED_REQUEST_HEADER_BYTES]) -> Option<RequestHeader> {
+        if be_u32(&bytes[0..4]) != EXTENDED_REQUEST_MAGIC {
+            return None;
+        }
+        Some(RequestHeader {
+            flags: be_u16(&bytes[4..6]),
+            command: be_u16(&bytes[6..8]),
+            handle: be_u64(&bytes[8..16]),
+            offset: be_u64(&bytes[16..24]),
+            length: be_u64(&bytes[24..32]),
         })
     }
 }
@@ -324,6 +381,24 @@ pub fn put_structured_header(
     out.extend_from_slice(&flags.to_be_bytes());
     out.extend_from_slice(&chunk_type.to_be_bytes());
     out.extend_from_slice(&handle.to_be_bytes());
+    out.extend_from_slice(&payload_length.to_be_bytes());
+}
+
+/// Appends an extended reply chunk header to `out`: like a structured one, with the request's
+/// offset echoed and a 64-bit payload length.
+pub fn put_extended_header(
+    out: &mut Vec<u8>,
+    flags: u16,
+    chunk_type: u16,
+    handle: u64,
+    offset: u64,
+    payload_length: u64,
+) {
+    out.extend_from_slice(&EXTENDED_REPLY_MAGIC.to_be_bytes());
+    out.extend_from_slice(&flags.to_be_bytes());
+    out.extend_from_slice(&chunk_type.to_be_bytes());
+    out.extend_from_slice(&handle.to_be_bytes());
+    out.extend_from_slice(&offset.to_be_bytes());
     out.extend_from_slice(&payload_length.to_be_bytes());
 }
 
@@ -420,6 +495,30 @@ mod tests {
             length: 65536,
         };
         assert_eq!(RequestHeader::decode(&header.encode()), Some(header));
+    }
+
+    #[test]
+    fn extended_request_header_round_trips_a_64_bit_length_and_magics_do_not_mix() {
+        let header = RequestHeader {
+            flags: CMD_FLAG_REQ_ONE,
+            command: CMD_BLOCK_STATUS,
+            handle: 9,
+            offset: 1 << 33,
+            length: (1 << 35) + 17,
+        };
+        let bytes = header.encode_extended();
+        assert_eq!(RequestHeader::decode_extended(&bytes), Some(header));
+        let compact: [u8; REQUEST_HEADER_BYTES] = bytes[..REQUEST_HEADER_BYTES].try_into().unwrap();
+        assert_eq!(RequestHeader::decode(&compact), None);
+        let mut extended = [0u8; EXTENDED_REQUEST_HEADER_BYTES];
+        extended[..REQUEST_HEADER_BYTES].copy_from_slice(
+            &RequestHeader {
+                length: 1,
+                ..header
+            }
+            .encode(),
+        );
+        assert_eq!(RequestHeader::decode_extended(&extended), None);
     }
 
     #[test]

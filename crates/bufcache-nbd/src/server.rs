@@ -4,9 +4,13 @@
 //! Lifecycle: [`Server::new`] validates the configuration and exports, [`Server::bind`]
 //! opens every listen address (so the caller can learn the ports it got, port 0 included),
 //! and [`BoundServer::run`] serves until its [`ShutdownHandle`] is triggered. Shutdown stops
-//! accepting at once, shuts the read side of every open connection (a blocked reader sees
-//! end-of-file), lets each connection answer the requests it already accepted, and returns
-//! once every connection thread has ended; the caller then flushes its exports. Unix socket
+//! accepting at once and, as the spec suggests, tells clients: for [`SHUTDOWN_NOTICE`] a
+//! connection still negotiating has every option answered `NBD_REP_ERR_SHUTDOWN` and one in
+//! transmission every new request answered ESHUTDOWN (either client then disconnects), while
+//! requests already accepted are served. After that, negotiating connections are closed and
+//! the others have their read side shut (a blocked reader sees end-of-file) and end once their
+//! accepted requests are answered. [`BoundServer::run`] returns once every connection thread
+//! has ended; the caller then flushes its exports. Unix socket
 //! files the server created are removed when it returns. A misbehaving client only ever ends
 //! its own connection.
 
@@ -35,6 +39,11 @@ use crate::transmission::{self, ConnectionLimits, InflightBudget, ServerBudget};
 /// How long shutdown waits for connections to answer their in-flight requests before it
 /// closes them outright.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// How long shutdown answers options with `NBD_REP_ERR_SHUTDOWN` and requests with
+/// ESHUTDOWN, so clients hear of it and disconnect, before it closes negotiating connections
+/// and shuts the read side of the others (an idle client would never hear of it).
+const SHUTDOWN_NOTICE: Duration = Duration::from_millis(500);
 
 /// How often the accept loop looks at the shutdown flag, in milliseconds.
 const SHUTDOWN_POLL_MILLISECONDS: i32 = 100;
@@ -405,14 +414,19 @@ impl BoundServer {
             }
             for (index, poll_fd) in poll_fds.iter().enumerate() {
                 if poll_fd.revents != 0 {
-                    self.accept_one(&self.listeners[index], connections);
+                    self.accept_one(&self.listeners[index], connections, shutdown);
                 }
             }
         }
         Ok(())
     }
 
-    fn accept_one(&self, listener: &Listener, connections: &Connections) {
+    fn accept_one(
+        &self,
+        listener: &Listener,
+        connections: &Connections,
+        shutdown: &ShutdownHandle,
+    ) {
         let stream = match listener.accept() {
             Ok(stream) => stream,
             Err(error) if error.kind() == io::ErrorKind::WouldBlock => return,
@@ -444,6 +458,7 @@ impl BoundServer {
         let config = self.config.clone();
         let budget = Arc::clone(&self.budget);
         let tls = self.tls.clone();
+        let shutdown = shutdown.clone();
         let thread_peer = peer.clone();
         if let Err(error) = connections.spawn(stream, peer, move |stream, admission| {
             let context = ConnectionContext {
@@ -451,6 +466,7 @@ impl BoundServer {
                 config: &config,
                 budget: &budget,
                 tls: &tls,
+                shutdown: &shutdown,
             };
             serve_connection(stream, &context, admission, &thread_peer)
         }) {
@@ -466,6 +482,7 @@ struct ConnectionContext<'a> {
     config: &'a ServerConfig,
     budget: &'a Arc<ServerBudget>,
     tls: &'a TlsServer,
+    shutdown: &'a ShutdownHandle,
 }
 
 fn serve_connection(
@@ -496,6 +513,7 @@ fn serve_connection(
         context.exports,
         config.request_size_max,
         context.tls,
+        context.shutdown,
         &mut admit,
     ) {
         Ok(Outcome::Transmission(negotiated)) => negotiated,
@@ -780,15 +798,26 @@ impl Connections {
         }
     }
 
-    /// Wakes every connection's reader and waits for all connection threads. A connection
-    /// whose client stopped reading replies would block its writer forever, so after
-    /// [`SHUTDOWN_GRACE`] the remaining sockets are closed in both directions.
+    /// Waits for all connection threads once the shutdown was triggered. For
+    /// [`SHUTDOWN_NOTICE`] connections go on reading, so clients are answered that the server
+    /// shuts down (the handshake and transmission see the trigger); then negotiating
+    /// connections are closed and every other reader is woken by shutting its read side. A
+    /// connection whose client stopped reading replies would block its writer forever, so
+    /// after [`SHUTDOWN_GRACE`] the remaining sockets are closed in both directions.
     fn drain(&self) {
-        for entry in self.registry.lock().values() {
-            entry.socket.shutdown_read();
-        }
-        let deadline = Instant::now() + SHUTDOWN_GRACE;
-        while Instant::now() < deadline && self.active() > 0 {
+        let started = Instant::now();
+        let mut noticed = false;
+        while started.elapsed() < SHUTDOWN_GRACE && self.active() > 0 {
+            if !noticed && started.elapsed() >= SHUTDOWN_NOTICE {
+                noticed = true;
+                for entry in self.registry.lock().values() {
+                    match entry.phase {
+                        Phase::Handshake => entry.socket.shutdown_both(),
+                        Phase::Serving => entry.socket.shutdown_read(),
+                        Phase::Closing => {}
+                    }
+                }
+            }
             std::thread::sleep(Duration::from_millis(10));
         }
         for entry in self.registry.lock().values() {

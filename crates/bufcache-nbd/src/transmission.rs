@@ -63,9 +63,10 @@ use bufcache::device::{DeadlineMutex, DeadlineMutexGuard};
 use parking_lot::{Condvar, Mutex};
 
 use crate::buffers::BufferRecycler;
-use crate::export::{BlockStatusExtent, Export, ReadDone, StartedRead};
-use crate::handshake::{Negotiated, BASE_ALLOCATION_ID};
+use crate::export::{Export, ReadDone, StartedRead};
+use crate::handshake::{MetaContexts, Negotiated, BASE_ALLOCATION_ID, CACHE_STATE_ID};
 use crate::protocol::*;
+use crate::server::ShutdownHandle;
 use crate::stream::{read_exact_vectored, send_vectored_until, write_all_vectored, Stream};
 
 /// Unused payload and reply buffers a server keeps for reuse at most (and never more than a
@@ -102,17 +103,18 @@ pub(crate) enum TransmissionError {
     RequestMagic,
     #[error("a WRITE of {length_bytes} bytes waited for the in-flight budget for the stall timeout ({stall_timeout:?}) while its payload was not being sent")]
     PayloadStalledInQueue {
-        length_bytes: u32,
+        length_bytes: u64,
         stall_timeout: Duration,
     },
-    #[error("a request header stalled: only {received_bytes} of its 32 bytes arrived within the stall timeout ({stall_timeout:?})")]
+    #[error("a request header stalled: only {received_bytes} of its {header_bytes} bytes arrived within the stall timeout ({stall_timeout:?})")]
     HeaderStalled {
         received_bytes: usize,
+        header_bytes: usize,
         stall_timeout: Duration,
     },
-    #[error("WRITE of {length_bytes} bytes is far above the {request_size_max} byte maximum")]
+    #[error("a payload of {length_bytes} bytes is far above the {request_size_max} byte maximum")]
     WriteTooLarge {
-        length_bytes: u32,
+        length_bytes: u64,
         request_size_max: u32,
     },
 }
@@ -131,6 +133,9 @@ struct Request {
     header: RequestHeader,
     /// A WRITE's data in its first `header.length` bytes (a reused buffer may be longer).
     payload: Vec<u8>,
+    /// The metadata contexts a BLOCK_STATUS answers for: all the connection selected, or
+    /// those its payload names (extended headers).
+    contexts: MetaContexts,
     cost_bytes: u64,
     /// The export says it will not wait for I/O: the reader serves it without a hand-off.
     quick: bool,
@@ -160,8 +165,12 @@ struct Connection {
     /// Never yields while it waits: a connection's threads meet here on every reply.
     writer: DeadlineMutex<Writer>,
     structured_replies: bool,
-    base_allocation: bool,
+    /// Requests and replies have 32-byte headers; every reply is a chunk.
+    extended_headers: bool,
+    contexts: MetaContexts,
     transmission_flags: u16,
+    /// Once triggered, every request read is refused with ESHUTDOWN.
+    shutdown: ShutdownHandle,
     limits: ConnectionLimits,
     /// Shared with the server's connection registry, which reads when the connection went
     /// idle to pick the one to evict when every serving slot is taken.
@@ -424,8 +433,10 @@ pub(crate) fn serve(
             ended: None,
         }),
         structured_replies: negotiated.structured_replies,
-        base_allocation: negotiated.base_allocation,
+        extended_headers: negotiated.extended_headers,
+        contexts: negotiated.contexts,
         transmission_flags: negotiated.transmission_flags,
+        shutdown: negotiated.shutdown,
         limits,
         inflight,
         budget,
@@ -621,7 +632,7 @@ fn hand_off(
 /// comes back when it is not a READ or the export cannot start it.
 fn start_read(connection: &Arc<Connection>, request: Request) -> Result<(), Request> {
     let header = request.header;
-    if header.command != CMD_READ {
+    if header.command != CMD_READ || !connection.known_zeroes(&header).is_empty() {
         return Err(request);
     }
     connection.started_reads.add();
@@ -633,7 +644,7 @@ fn start_read(connection: &Arc<Connection>, request: Request) -> Result<(), Requ
     });
     match connection
         .export
-        .start_read(header.offset, header.length, done)
+        .start_read(header.offset, header.length as u32, done)
     {
         Ok(()) => {
             connection.requests_started.fetch_add(1, Ordering::Relaxed);
@@ -688,12 +699,24 @@ fn read_request(
             return Ok(None);
         }
     }
-    let Some(header_bytes) = read_header(stream, connection.limits.stall_timeout)? else {
+    let header_length = if connection.extended_headers {
+        EXTENDED_REQUEST_HEADER_BYTES
+    } else {
+        REQUEST_HEADER_BYTES
+    };
+    let Some(header_bytes) = read_header(stream, header_length, connection.limits.stall_timeout)?
+    else {
         return Err(Ok(()));
     };
-    let header = RequestHeader::decode(&header_bytes)
-        .ok_or(TransmissionError::RequestMagic)
-        .map_err(Err)?;
+    let header = if connection.extended_headers {
+        RequestHeader::decode_extended(&header_bytes)
+    } else {
+        let compact: &[u8; REQUEST_HEADER_BYTES] = header_bytes[..REQUEST_HEADER_BYTES]
+            .try_into()
+            .expect("a compact header's bytes");
+        RequestHeader::decode(compact)
+    };
+    let header = header.ok_or(TransmissionError::RequestMagic).map_err(Err)?;
     if header.command == CMD_DISC {
         return Err(Ok(()));
     }
@@ -731,11 +754,15 @@ fn read_request(
     }
     let validated = connection.validate(&header);
     let quick = validated.is_ok() && connection.is_quick(&header);
-    if quick && header.command == CMD_WRITE && header.length <= connection.limits.request_size_max {
+    if quick
+        && header.command == CMD_WRITE
+        && header.length <= connection.limits.request_size_max.into()
+    {
         connection.requests_served.fetch_add(1, Ordering::Relaxed);
         return Ok(Some(Request {
             header,
             payload: Vec::new(),
+            contexts: connection.contexts,
             cost_bytes,
             quick,
             payload_in_stream: true,
@@ -753,41 +780,54 @@ fn read_request(
             return Err(Err(error));
         }
     };
-    if let Err(refusal) = validated {
-        tracing::debug!(
-            command = %command_name(header.command),
-            offset = header.offset,
-            length = header.length,
-            errno = %refusal.errno,
-            "request refused: {}",
-            refusal.message
-        );
-        connection.send_error(&header, &refusal);
-        connection.budget.give_back_payload(payload);
-        connection.release(cost_bytes);
-        return Ok(None);
-    }
+    // A BLOCK_STATUS with a payload (extended headers) is validated once the payload says
+    // its effect length and contexts.
+    let payload_form = validated
+        .and_then(|()| connection.block_status_payload(&header, &payload))
+        .and_then(|(header, contexts)| {
+            connection.validate(&header)?;
+            Ok((header, contexts))
+        });
+    let (effective, contexts) = match payload_form {
+        Ok(effective) => effective,
+        Err(refusal) => {
+            tracing::debug!(
+                command = %command_name(header.command),
+                offset = header.offset,
+                length = header.length,
+                errno = %refusal.errno,
+                "request refused: {}",
+                refusal.message
+            );
+            connection.send_error(&header, &refusal);
+            connection.budget.give_back_payload(payload);
+            connection.release(cost_bytes);
+            return Ok(None);
+        }
+    };
     connection.requests_served.fetch_add(1, Ordering::Relaxed);
     Ok(Some(Request {
-        header,
+        header: effective,
         payload,
+        contexts,
         cost_bytes,
         quick,
         payload_in_stream: false,
     }))
 }
 
-/// Reads the next request header. `Ok(None)` at end-of-file (also mid-header: the client is
+/// Reads the next request header (`header_length` bytes: compact or extended). `Ok(None)` at end-of-file (also mid-header: the client is
 /// gone). Waiting for a header to begin is not a stall (an idle client holds nothing), but a
 /// header begun and not finished within the stall timeout ends the connection.
 fn read_header(
     stream: &mut RequestStream,
+    header_length: usize,
     stall_timeout: Duration,
-) -> Result<Option<[u8; REQUEST_HEADER_BYTES]>, Result<(), TransmissionError>> {
-    let mut header_bytes = [0u8; REQUEST_HEADER_BYTES];
+) -> Result<Option<[u8; EXTENDED_REQUEST_HEADER_BYTES]>, Result<(), TransmissionError>> {
+    let mut header_bytes = [0u8; EXTENDED_REQUEST_HEADER_BYTES];
     let mut received_bytes = 0;
-    while received_bytes < REQUEST_HEADER_BYTES {
-        match stream.read(&mut header_bytes[received_bytes..]) {
+    while received_bytes < header_length {
+        match stream.read(&mut header_bytes[received_bytes..header_length]) {
             Ok(0) => return Ok(None),
             Ok(count) => received_bytes += count,
             Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
@@ -795,6 +835,7 @@ fn read_header(
             Err(error) if is_timeout(&error) => {
                 return Err(Err(TransmissionError::HeaderStalled {
                     received_bytes,
+                    header_bytes: header_length,
                     stall_timeout,
                 }))
             }
@@ -821,16 +862,16 @@ fn is_timeout(error: &io::Error) -> bool {
 /// waiting for the socket counts, never time the export spends between reads.
 struct PayloadReader<'a> {
     stream: &'a mut RequestStream,
-    length_bytes: u32,
+    length_bytes: u64,
     stall_timeout: Duration,
     waited: Duration,
     waited_max: Duration,
 }
 
 impl<'a> PayloadReader<'a> {
-    fn new(stream: &'a mut RequestStream, length_bytes: u32, stall_timeout: Duration) -> Self {
+    fn new(stream: &'a mut RequestStream, length_bytes: u64, stall_timeout: Duration) -> Self {
         let trickle_seconds =
-            u64::from(length_bytes) as f64 / crate::config::PAYLOAD_BYTES_PER_SECOND_MIN as f64;
+            length_bytes as f64 / crate::config::PAYLOAD_BYTES_PER_SECOND_MIN as f64;
         PayloadReader {
             stream,
             length_bytes,
@@ -879,44 +920,45 @@ impl Read for PayloadReader<'_> {
     }
 }
 
-/// Reads a WRITE payload whole. An oversized payload is skipped (and refused) when that is
-/// cheap enough; beyond that the connection ends.
+/// Reads a request's payload (a WRITE's data; with extended headers, whatever
+/// `CMD_FLAG_PAYLOAD_LEN` announces) whole. An oversized payload is skipped (and refused) when
+/// that is cheap enough; beyond that the connection ends.
 fn read_payload(
     stream: &mut RequestStream,
     connection: &Connection,
     header: &RequestHeader,
 ) -> Result<Result<Vec<u8>, Refusal>, TransmissionError> {
-    if header.command != CMD_WRITE {
+    let length = connection.payload_bytes(header);
+    if length == 0 {
         return Ok(Ok(Vec::new()));
     }
     let request_size_max = connection.limits.request_size_max;
-    let mut stream = PayloadReader::new(stream, header.length, connection.limits.stall_timeout);
-    if header.length <= request_size_max {
-        let mut payload = connection.budget.buffers().take(header.length as usize);
-        if let Err(error) = stream.read_exact(&mut payload[..header.length as usize]) {
+    let mut stream = PayloadReader::new(stream, length, connection.limits.stall_timeout);
+    if length <= u64::from(request_size_max) {
+        let mut payload = connection.budget.buffers().take(length as usize);
+        if let Err(error) = stream.read_exact(&mut payload[..length as usize]) {
             connection.budget.buffers().give_back(payload);
             return Err(error.into());
         }
         return Ok(Ok(payload));
     }
-    if u64::from(header.length) > u64::from(request_size_max) * OVERSIZED_WRITE_SKIP_FACTOR {
+    if length > u64::from(request_size_max) * OVERSIZED_WRITE_SKIP_FACTOR {
         return Err(TransmissionError::WriteTooLarge {
-            length_bytes: header.length,
+            length_bytes: length,
             request_size_max,
         });
     }
-    let skipped = io::copy(
-        &mut stream.by_ref().take(u64::from(header.length)),
-        &mut io::sink(),
-    )?;
-    if skipped < u64::from(header.length) {
+    let skipped = io::copy(&mut stream.by_ref().take(length), &mut io::sink())?;
+    if skipped < length {
         return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
     }
     let message = format!(
-        "WRITE of {} bytes exceeds the maximum request size of {request_size_max} bytes",
-        header.length
+        "{} with a payload of {length} bytes exceeds the maximum request size of \
+         {request_size_max} bytes",
+        command_name(header.command)
     );
-    Ok(Err(refuse(Errno::Overflow, message)))
+    // EINVAL, not EOVERFLOW: the spec keeps EOVERFLOW for READ with DF.
+    Ok(Err(refuse(Errno::Invalid, message)))
 }
 
 /// Bytes a request holds while in flight: its data (payload or reply) plus a fixed overhead.
@@ -924,7 +966,7 @@ fn read_payload(
 /// (an oversized payload is skipped through a small one), so it costs only the overhead.
 fn request_cost(header: &RequestHeader, request_size_max: u32) -> u64 {
     let data_bytes = match header.command {
-        CMD_READ | CMD_WRITE if header.length <= request_size_max => u64::from(header.length),
+        CMD_READ | CMD_WRITE if header.length <= u64::from(request_size_max) => header.length,
         _ => 0,
     };
     data_bytes + REQUEST_OVERHEAD_BYTES
@@ -934,7 +976,7 @@ impl Connection {
     /// True when the export says the request will not wait for device I/O, so the thread
     /// holding the reading role may serve it without passing the role on.
     fn is_quick(&self, header: &RequestHeader) -> bool {
-        let length = u64::from(header.length);
+        let length = header.length;
         match header.command {
             CMD_READ => self.export.read_is_quick(header.offset, length),
             CMD_WRITE => {
@@ -947,6 +989,11 @@ impl Connection {
 
     /// Checks a request against the negotiated features and the export's bounds.
     fn validate(&self, header: &RequestHeader) -> Result<(), Refusal> {
+        if self.shutdown.is_triggered() {
+            // Requests read before the shutdown are served; these are answered at once, as
+            // the spec suggests, and the client then disconnects.
+            return Err(refuse(Errno::Shutdown, "the server is shutting down"));
+        }
         let command = header.command;
         let allowed_flags = self
             .allowed_flags(command)
@@ -963,22 +1010,34 @@ impl Connection {
         if writes && self.transmission_flags & TRANSMIT_READ_ONLY != 0 {
             return Err(refuse(Errno::Perm, "the export is read-only"));
         }
-        if command == CMD_READ && header.length > self.limits.request_size_max {
+        // ENOSPC past the end is for the commands that store data; TRIM only forgets it.
+        let stores = matches!(command, CMD_WRITE | CMD_WRITE_ZEROES);
+        if header.flags & CMD_FLAG_PAYLOAD_LEN != 0 && command == CMD_BLOCK_STATUS {
+            // Checked again once the payload gives the effect length and contexts.
+            return Ok(());
+        }
+        if command == CMD_READ && header.length > u64::from(self.limits.request_size_max) {
             let message = format!(
                 "READ of {} bytes exceeds the maximum request size of {} bytes",
                 header.length, self.limits.request_size_max
             );
-            return Err(refuse(Errno::Overflow, message));
+            // EOVERFLOW only where the spec documents it: a READ that may not be fragmented.
+            let errno = if header.flags & CMD_FLAG_DF != 0 {
+                Errno::Overflow
+            } else {
+                Errno::Invalid
+            };
+            return Err(refuse(errno, message));
         }
         if command == CMD_BLOCK_STATUS {
-            if !self.base_allocation {
+            if !self.contexts.any() {
                 return Err(refuse(Errno::Invalid, "no metadata context was negotiated"));
             }
             if header.length == 0 {
                 return Err(refuse(Errno::Invalid, "BLOCK_STATUS of zero bytes"));
             }
         }
-        self.check_range(header, writes)
+        self.check_range(header, stores)
     }
 
     /// Flags valid for `command`, or `None` for an unknown command. FUA is accepted on every
@@ -986,28 +1045,91 @@ impl Connection {
     fn allowed_flags(&self, command: u16) -> Option<u16> {
         let specific = match command {
             CMD_READ if self.structured_replies => CMD_FLAG_DF,
-            CMD_READ | CMD_WRITE | CMD_FLUSH | CMD_TRIM | CMD_CACHE => 0,
+            CMD_READ | CMD_FLUSH | CMD_TRIM | CMD_CACHE => 0,
+            CMD_WRITE if self.extended_headers => CMD_FLAG_PAYLOAD_LEN,
+            CMD_WRITE => 0,
             CMD_WRITE_ZEROES if self.transmission_flags & TRANSMIT_SEND_FAST_ZERO != 0 => {
                 CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO
             }
             CMD_WRITE_ZEROES => CMD_FLAG_NO_HOLE,
+            CMD_BLOCK_STATUS if self.extended_headers => CMD_FLAG_REQ_ONE | CMD_FLAG_PAYLOAD_LEN,
             CMD_BLOCK_STATUS => CMD_FLAG_REQ_ONE,
             _ => return None,
         };
         Some(specific | CMD_FLAG_FUA)
     }
 
-    /// Refuses ranges outside the export: ENOSPC for writes (as the spec asks), EINVAL else.
-    fn check_range(&self, header: &RequestHeader, writes: bool) -> Result<(), Refusal> {
+    /// Bytes of payload that follow `header`: a WRITE's data, or with extended headers what
+    /// `CMD_FLAG_PAYLOAD_LEN` announces. Read even when the request is refused, so the stream
+    /// stays in step. The spec asks an extended WRITE to set the flag, but qemu's client does
+    /// not: a WRITE's length is its payload's either way (as qemu-nbd takes it).
+    fn payload_bytes(&self, header: &RequestHeader) -> u64 {
+        let has_payload = header.command == CMD_WRITE
+            || (self.extended_headers && header.flags & CMD_FLAG_PAYLOAD_LEN != 0);
+        if has_payload {
+            header.length
+        } else {
+            0
+        }
+    }
+
+    /// For a BLOCK_STATUS whose payload (extended headers, `CMD_FLAG_PAYLOAD_LEN`) gives the
+    /// effect length and the context ids to answer: the request as it acts (that length, no
+    /// payload flag) and those contexts. Any other request comes back as it is, with every
+    /// context the connection selected. Unknown or repeated ids are refused, as the spec asks.
+    fn block_status_payload(
+        &self,
+        header: &RequestHeader,
+        payload: &[u8],
+    ) -> Result<(RequestHeader, MetaContexts), Refusal> {
+        if header.command != CMD_BLOCK_STATUS || header.flags & CMD_FLAG_PAYLOAD_LEN == 0 {
+            return Ok((*header, self.contexts));
+        }
+        let payload = &payload[..payload.len().min(header.length as usize)];
+        let malformed = || {
+            refuse(
+                Errno::Invalid,
+                "a BLOCK_STATUS payload is an 8-byte length and 4-byte context ids",
+            )
+        };
+        if payload.len() < 12 || !(payload.len() - 8).is_multiple_of(4) {
+            return Err(malformed());
+        }
+        let mut contexts = MetaContexts::default();
+        for id in payload[8..].chunks_exact(4).map(be_u32) {
+            let (selected, seen) = match id {
+                BASE_ALLOCATION_ID => {
+                    (self.contexts.base_allocation, &mut contexts.base_allocation)
+                }
+                CACHE_STATE_ID => (self.contexts.cache_state, &mut contexts.cache_state),
+                _ => (false, &mut contexts.base_allocation),
+            };
+            if !selected || *seen {
+                let message = format!("context id {id} is not selected, or named twice");
+                return Err(refuse(Errno::Invalid, message));
+            }
+            *seen = true;
+        }
+        let effective = RequestHeader {
+            flags: header.flags & !CMD_FLAG_PAYLOAD_LEN,
+            length: be_u64(payload),
+            ..*header
+        };
+        Ok((effective, contexts))
+    }
+
+    /// Refuses ranges outside the export: ENOSPC for WRITE and WRITE_ZEROES (`stores`), EINVAL
+    /// for the others (READ, TRIM, CACHE, BLOCK_STATUS), as the spec asks.
+    fn check_range(&self, header: &RequestHeader, stores: bool) -> Result<(), Refusal> {
         if header.command == CMD_FLUSH {
             return Ok(());
         }
         let size = self.export.size();
-        let end = header.offset.checked_add(u64::from(header.length));
+        let end = header.offset.checked_add(header.length);
         if end.is_some_and(|end| end <= size) {
             return Ok(());
         }
-        let errno = if writes {
+        let errno = if stores {
             Errno::NoSpace
         } else {
             Errno::Invalid
@@ -1028,8 +1150,8 @@ impl Connection {
             self.execute_read(&header);
         } else {
             let payload = &request.payload[..request.payload.len().min(header.length as usize)];
-            match self.run_command(&header, payload) {
-                Ok(None) => self.send_simple(header.handle, 0),
+            match self.run_command(&header, payload, request.contexts) {
+                Ok(None) => self.send_ok(&header),
                 Ok(Some(chunk)) => self.send_parts(&[&chunk]),
                 Err(error) => self.send_io_error(&header, &error),
             }
@@ -1048,7 +1170,7 @@ impl Connection {
         stream: &mut RequestStream,
     ) -> Result<(), TransmissionError> {
         let header = request.header;
-        let length = u64::from(header.length);
+        let length = header.length;
         let fua = header.flags & CMD_FLAG_FUA != 0;
         let mut consumed = 0u64;
         let mut socket_error: Option<io::Error> = None;
@@ -1079,7 +1201,7 @@ impl Connection {
             match skipped {
                 Ok(count) if count == length - consumed => {
                     match result {
-                        Ok(()) => self.send_simple(header.handle, 0),
+                        Ok(()) => self.send_ok(&header),
                         Err(error) => self.send_io_error(&header, &error),
                     }
                     Ok(())
@@ -1094,10 +1216,15 @@ impl Connection {
     }
 
     /// Runs a non-READ command; `Some` carries a ready structured reply (block status).
-    fn run_command(&self, header: &RequestHeader, payload: &[u8]) -> io::Result<Option<Vec<u8>>> {
+    fn run_command(
+        &self,
+        header: &RequestHeader,
+        payload: &[u8],
+        contexts: MetaContexts,
+    ) -> io::Result<Option<Vec<u8>>> {
         let export = self.export.as_ref();
         let fua = header.flags & CMD_FLAG_FUA != 0;
-        let length = u64::from(header.length);
+        let length = header.length;
         match header.command {
             CMD_WRITE => export.write(header.offset, payload, fua)?,
             CMD_FLUSH => export.flush()?,
@@ -1108,14 +1235,57 @@ impl Connection {
                 let fast_only = header.flags & CMD_FLAG_FAST_ZERO != 0;
                 export.write_zeroes(header.offset, length, may_trim, fast_only, fua)?;
             }
-            CMD_BLOCK_STATUS => {
-                let extents = export.block_status(header.offset, length)?;
-                let req_one = header.flags & CMD_FLAG_REQ_ONE != 0;
-                return block_status_chunk(header, &extents, req_one).map(Some);
-            }
+            CMD_BLOCK_STATUS => return self.block_status_reply(header, contexts).map(Some),
             other => unreachable!("command {other} passed validation"),
         }
         Ok(None)
+    }
+
+    /// The reply to a BLOCK_STATUS: one status chunk per metadata context in `contexts`, the
+    /// last marked final. Every context is asked before anything is sent, so a failure is
+    /// answered with one error reply.
+    fn block_status_reply(
+        &self,
+        header: &RequestHeader,
+        contexts: MetaContexts,
+    ) -> io::Result<Vec<u8>> {
+        let length = header.length;
+        let mut chunks: Vec<(u32, Vec<(u64, u32)>)> = Vec::with_capacity(2);
+        if contexts.base_allocation {
+            let extents = self.export.block_status(header.offset, length)?;
+            let descriptors = extents.iter().map(|extent| {
+                let hole = if extent.hole { STATE_HOLE } else { 0 };
+                let zero = if extent.zero { STATE_ZERO } else { 0 };
+                (extent.length, hole | zero)
+            });
+            chunks.push((BASE_ALLOCATION_ID, descriptors.collect()));
+        }
+        if contexts.cache_state {
+            let extents = self.export.cache_state(header.offset, length)?;
+            let descriptors = extents.iter().map(|extent| {
+                let resident = if extent.resident {
+                    CACHE_STATE_RESIDENT
+                } else {
+                    0
+                };
+                let dirty = if extent.dirty { CACHE_STATE_DIRTY } else { 0 };
+                (extent.length, resident | dirty)
+            });
+            chunks.push((CACHE_STATE_ID, descriptors.collect()));
+        }
+        let req_one = header.flags & CMD_FLAG_REQ_ONE != 0;
+        let mut reply = Vec::new();
+        for (index, (context_id, descriptors)) in chunks.iter().enumerate() {
+            let done = index + 1 == chunks.len();
+            let form = StatusChunk {
+                context_id: *context_id,
+                req_one,
+                done,
+                extended: self.extended_headers,
+            };
+            put_status_chunk(&mut reply, header, descriptors, form)?;
+        }
+        Ok(reply)
     }
 
     /// The end of a started READ, on whichever thread ended it (usually the upstream's reply
@@ -1228,23 +1398,47 @@ impl Connection {
         Ok(writer)
     }
 
-    /// The bytes before a READ reply's data: a simple reply header, or a structured
-    /// OFFSET_DATA chunk header with the offset (the read is not empty).
+    /// The bytes before a READ reply's data: a simple reply header, or a structured (or
+    /// extended) OFFSET_DATA chunk header with the offset (the read is not empty).
     fn read_reply_prefix(&self, header: &RequestHeader) -> Vec<u8> {
-        let mut prefix = Vec::with_capacity(STRUCTURED_REPLY_HEADER_BYTES + 8);
+        let mut prefix = Vec::with_capacity(EXTENDED_REPLY_HEADER_BYTES + 8);
         if !self.structured_replies {
             put_simple_reply(&mut prefix, 0, header.handle);
         } else {
-            put_structured_header(
+            self.put_chunk_header(
                 &mut prefix,
                 REPLY_FLAG_DONE,
                 REPLY_TYPE_OFFSET_DATA,
-                header.handle,
+                header,
                 8 + header.length,
             );
             prefix.extend_from_slice(&header.offset.to_be_bytes());
         }
         prefix
+    }
+
+    /// Appends a reply chunk's header for `header`'s request: extended (the request's offset
+    /// echoed, a 64-bit length) or structured, as negotiated.
+    fn put_chunk_header(
+        &self,
+        out: &mut Vec<u8>,
+        flags: u16,
+        chunk_type: u16,
+        header: &RequestHeader,
+        payload_length: u64,
+    ) {
+        if self.extended_headers {
+            put_extended_header(
+                out,
+                flags,
+                chunk_type,
+                header.handle,
+                header.offset,
+                payload_length,
+            );
+        } else {
+            put_structured_header(out, flags, chunk_type, header.handle, payload_length as u32);
+        }
     }
 
     /// Serves a READ with one reply written from the export's own memory when it can (a
@@ -1254,16 +1448,16 @@ impl Connection {
     fn execute_read(&self, header: &RequestHeader) {
         let length = header.length as usize;
         if self.structured_replies && length == 0 {
-            // A data chunk must carry at least one byte; an empty read is just "done".
-            let mut done = Vec::with_capacity(STRUCTURED_REPLY_HEADER_BYTES);
-            put_structured_header(
-                &mut done,
-                REPLY_FLAG_DONE,
-                REPLY_TYPE_NONE,
-                header.handle,
-                0,
-            );
+            // A data chunk must carry at least one byte; an empty read is just "done" (a
+            // chunk: a READ never gets a simple reply once structured replies are on).
+            let mut done = Vec::with_capacity(EXTENDED_REPLY_HEADER_BYTES);
+            self.put_chunk_header(&mut done, REPLY_FLAG_DONE, REPLY_TYPE_NONE, header, 0);
             self.send_parts(&[&done]);
+            return;
+        }
+        let holes = self.known_zeroes(header);
+        if !holes.is_empty() {
+            self.execute_read_with_holes(header, &holes);
             return;
         }
         let prefix = self.read_reply_prefix(header);
@@ -1286,6 +1480,89 @@ impl Connection {
                 self.break_connection();
             }
         }
+    }
+
+    /// The parts of a READ's range the export knows read as zeroes, when its reply may say
+    /// so: structured replies and no DF (which asks for a single data chunk).
+    fn known_zeroes(&self, header: &RequestHeader) -> Vec<(u64, u64)> {
+        if !self.structured_replies || header.flags & CMD_FLAG_DF != 0 {
+            return Vec::new();
+        }
+        self.export.known_zeroes(header.offset, header.length)
+    }
+
+    /// Serves a structured READ part of which the export knows reads as zeroes: those parts
+    /// as OFFSET_HOLE chunks (the client skips them without a byte of data), the rest read and
+    /// sent as OFFSET_DATA chunks, the last chunk final. Everything is read before anything is
+    /// sent, so a failure is one error reply.
+    fn execute_read_with_holes(&self, header: &RequestHeader, holes: &[(u64, u64)]) {
+        let end = header.offset + header.length;
+        // (start, length, is a hole), in order, covering the request.
+        let mut segments: Vec<(u64, u64, bool)> = Vec::with_capacity(2 * holes.len() + 1);
+        let mut position = header.offset;
+        for &(start, length) in holes {
+            if start < position || length == 0 || start + length > end {
+                continue;
+            }
+            if start > position {
+                segments.push((position, start - position, false));
+            }
+            segments.push((start, length, true));
+            position = start + length;
+        }
+        if position < end {
+            segments.push((position, end - position, false));
+        }
+        let data_bytes: u64 = segments
+            .iter()
+            .filter(|segment| !segment.2)
+            .map(|segment| segment.1)
+            .sum();
+        let mut buffer = self.budget.buffers().take(data_bytes as usize);
+        let mut at = 0usize;
+        for &(start, length, _) in segments.iter().filter(|segment| !segment.2) {
+            let piece = &mut buffer[at..at + length as usize];
+            if let Err(error) = self.export.read(start, piece) {
+                self.budget.buffers().give_back(buffer);
+                return self.send_io_error(header, &error);
+            }
+            at += length as usize;
+        }
+        let mut headers: Vec<Vec<u8>> = Vec::with_capacity(segments.len());
+        for (index, &(start, length, hole)) in segments.iter().enumerate() {
+            let flags = if index + 1 == segments.len() {
+                REPLY_FLAG_DONE
+            } else {
+                0
+            };
+            let mut chunk = Vec::with_capacity(EXTENDED_REPLY_HEADER_BYTES + 12);
+            if hole {
+                self.put_chunk_header(&mut chunk, flags, REPLY_TYPE_OFFSET_HOLE, header, 12);
+                chunk.extend_from_slice(&start.to_be_bytes());
+                chunk.extend_from_slice(&(length as u32).to_be_bytes());
+            } else {
+                self.put_chunk_header(
+                    &mut chunk,
+                    flags,
+                    REPLY_TYPE_OFFSET_DATA,
+                    header,
+                    8 + length,
+                );
+                chunk.extend_from_slice(&start.to_be_bytes());
+            }
+            headers.push(chunk);
+        }
+        let mut parts: Vec<&[u8]> = Vec::with_capacity(2 * segments.len());
+        let mut at = 0usize;
+        for (chunk, &(_, length, hole)) in headers.iter().zip(&segments) {
+            parts.push(chunk);
+            if !hole {
+                parts.push(&buffer[at..at + length as usize]);
+                at += length as usize;
+            }
+        }
+        self.send_parts(&parts);
+        self.budget.buffers().give_back(buffer);
     }
 
     /// Sends a reply's prefix and data under the writer lock, waiting for the lock and the
@@ -1412,19 +1689,31 @@ impl Connection {
             return;
         }
         let message = truncate_utf8(&refusal.message, STRING_BYTES_MAX);
-        let payload_length = 6 + message.len() as u32;
-        let mut chunk = Vec::with_capacity(STRUCTURED_REPLY_HEADER_BYTES + payload_length as usize);
-        put_structured_header(
+        let payload_length = 6 + message.len() as u64;
+        let mut chunk = Vec::with_capacity(EXTENDED_REPLY_HEADER_BYTES + payload_length as usize);
+        self.put_chunk_header(
             &mut chunk,
             REPLY_FLAG_DONE,
             REPLY_TYPE_ERROR,
-            header.handle,
+            header,
             payload_length,
         );
         chunk.extend_from_slice(&refusal.errno.code().to_be_bytes());
         chunk.extend_from_slice(&(message.len() as u16).to_be_bytes());
         chunk.extend_from_slice(message.as_bytes());
         self.send_parts(&[&chunk]);
+    }
+
+    /// Answers a request that succeeded without data: a simple reply, or with extended
+    /// headers (which have no simple replies) a final NONE chunk.
+    fn send_ok(&self, header: &RequestHeader) {
+        if !self.extended_headers {
+            self.send_simple(header.handle, 0);
+            return;
+        }
+        let mut done = Vec::with_capacity(EXTENDED_REPLY_HEADER_BYTES);
+        self.put_chunk_header(&mut done, REPLY_FLAG_DONE, REPLY_TYPE_NONE, header, 0);
+        self.send_parts(&[&done]);
     }
 
     fn send_simple(&self, handle: u64, error: u32) {
@@ -1463,49 +1752,82 @@ fn unsent(parts: &[io::IoSlice<'_>], sent: usize) -> Vec<u8> {
     rest
 }
 
-/// Encodes the `base:allocation` extents as one structured BLOCK_STATUS chunk, never
-/// describing more than the request asked for.
-fn block_status_chunk(
-    header: &RequestHeader,
-    extents: &[BlockStatusExtent],
+/// How one status chunk is sent: for which context, whether it holds one descriptor
+/// (REQ_ONE), whether it is the reply's last, and in which form.
+#[derive(Clone, Copy)]
+struct StatusChunk {
+    context_id: u32,
     req_one: bool,
-) -> io::Result<Vec<u8>> {
-    let mut descriptors = Vec::new();
-    let mut left = u64::from(header.length);
-    for extent in extents {
-        let length = extent.length.min(left);
+    done: bool,
+    /// BLOCK_STATUS_EXT in an extended header (64-bit lengths and status) instead of
+    /// BLOCK_STATUS in a structured one.
+    extended: bool,
+}
+
+/// Most descriptors one status chunk carries (the spec's SHOULD); the client asks again from
+/// where the reply stops.
+const STATUS_DESCRIPTORS_MAX: usize = 1 << 20;
+
+/// Appends one status chunk to `reply`: `descriptors` (length, status flags) cut to the
+/// request's length (REQ_ONE: the first only), each within 32 bits in the compact form.
+fn put_status_chunk(
+    reply: &mut Vec<u8>,
+    header: &RequestHeader,
+    descriptors: &[(u64, u32)],
+    form: StatusChunk,
+) -> io::Result<()> {
+    let descriptor_bytes = if form.extended { 16 } else { 8 };
+    let mut encoded = Vec::with_capacity(descriptor_bytes * descriptors.len().min(1024));
+    let mut left = header.length;
+    let mut count = 0u32;
+    for &(length, flags) in descriptors.iter().take(STATUS_DESCRIPTORS_MAX) {
+        let length = length.min(left);
         if length == 0 {
             break;
         }
-        let mut flags = 0;
-        if extent.hole {
-            flags |= STATE_HOLE;
+        if form.extended {
+            encoded.extend_from_slice(&length.to_be_bytes());
+            encoded.extend_from_slice(&u64::from(flags).to_be_bytes());
+        } else {
+            // A compact request's length fits in 32 bits, so this cut never shortens it.
+            encoded.extend_from_slice(&(length.min(u64::from(u32::MAX)) as u32).to_be_bytes());
+            encoded.extend_from_slice(&flags.to_be_bytes());
         }
-        if extent.zero {
-            flags |= STATE_ZERO;
-        }
-        descriptors.extend_from_slice(&(length as u32).to_be_bytes());
-        descriptors.extend_from_slice(&flags.to_be_bytes());
         left -= length;
-        if req_one {
+        count += 1;
+        if form.req_one {
             break;
         }
     }
-    if descriptors.is_empty() {
+    if encoded.is_empty() {
         return Err(io::Error::other("the export reported no extents"));
     }
-    let payload_length = 4 + descriptors.len() as u32;
-    let mut chunk = Vec::with_capacity(STRUCTURED_REPLY_HEADER_BYTES + payload_length as usize);
-    put_structured_header(
-        &mut chunk,
-        REPLY_FLAG_DONE,
-        REPLY_TYPE_BLOCK_STATUS,
-        header.handle,
-        payload_length,
-    );
-    chunk.extend_from_slice(&BASE_ALLOCATION_ID.to_be_bytes());
-    chunk.extend_from_slice(&descriptors);
-    Ok(chunk)
+    let flags = if form.done { REPLY_FLAG_DONE } else { 0 };
+    if form.extended {
+        let payload_length = 8 + encoded.len() as u64;
+        put_extended_header(
+            reply,
+            flags,
+            REPLY_TYPE_BLOCK_STATUS_EXT,
+            header.handle,
+            header.offset,
+            payload_length,
+        );
+        reply.extend_from_slice(&form.context_id.to_be_bytes());
+        reply.extend_from_slice(&count.to_be_bytes());
+    } else {
+        let payload_length = 4 + encoded.len() as u32;
+        put_structured_header(
+            reply,
+            flags,
+            REPLY_TYPE_BLOCK_STATUS,
+            header.handle,
+            payload_length,
+        );
+        reply.extend_from_slice(&form.context_id.to_be_bytes());
+    }
+    reply.extend_from_slice(&encoded);
+    Ok(())
 }
 
 /// The longest prefix of `text` that fits in `bytes_max` bytes without splitting a character.
@@ -1827,7 +2149,7 @@ mod tests {
     }
 
     #[test]
-    fn block_status_chunk_clamps_to_the_request_and_honours_req_one() {
+    fn status_chunks_clamp_to_the_request_and_honour_req_one() {
         let header = RequestHeader {
             flags: 0,
             command: CMD_BLOCK_STATUS,
@@ -1835,26 +2157,65 @@ mod tests {
             offset: 0,
             length: 1000,
         };
-        let extents = [
-            BlockStatusExtent {
-                length: 600,
-                hole: true,
-                zero: true,
-            },
-            BlockStatusExtent {
-                length: 600,
-                hole: false,
-                zero: false,
-            },
-        ];
-        let chunk = block_status_chunk(&header, &extents, false).unwrap();
+        let descriptors = [(600, STATE_HOLE | STATE_ZERO), (600, 0)];
+        let form = StatusChunk {
+            context_id: 1,
+            req_one: false,
+            done: true,
+            extended: false,
+        };
+        let mut chunk = Vec::new();
+        put_status_chunk(&mut chunk, &header, &descriptors, form).unwrap();
+        assert_eq!(be_u16(&chunk[4..6]), REPLY_FLAG_DONE);
         let payload = &chunk[STRUCTURED_REPLY_HEADER_BYTES + 4..];
         assert_eq!(be_u32(&payload[0..4]), 600);
         assert_eq!(be_u32(&payload[4..8]), STATE_HOLE | STATE_ZERO);
         assert_eq!(be_u32(&payload[8..12]), 400);
         assert_eq!(payload.len(), 16);
-        let one = block_status_chunk(&header, &extents, true).unwrap();
+        let mut one = Vec::new();
+        let form = StatusChunk {
+            context_id: 2,
+            req_one: true,
+            done: false,
+            ..form
+        };
+        put_status_chunk(&mut one, &header, &descriptors, form).unwrap();
         assert_eq!(one.len(), STRUCTURED_REPLY_HEADER_BYTES + 4 + 8);
+        assert_eq!(be_u16(&one[4..6]), 0, "not the last chunk");
+        assert_eq!(be_u32(&one[STRUCTURED_REPLY_HEADER_BYTES..]), 2);
+    }
+
+    #[test]
+    fn extended_status_chunks_carry_64_bit_lengths_and_a_count() {
+        let header = RequestHeader {
+            flags: 0,
+            command: CMD_BLOCK_STATUS,
+            handle: 7,
+            offset: 1 << 32,
+            length: 6 << 30,
+        };
+        let descriptors = [(5 << 30, STATE_HOLE), (4 << 30, 0)];
+        let form = StatusChunk {
+            context_id: 1,
+            req_one: false,
+            done: true,
+            extended: true,
+        };
+        let mut chunk = Vec::new();
+        put_status_chunk(&mut chunk, &header, &descriptors, form).unwrap();
+        assert_eq!(be_u32(&chunk), EXTENDED_REPLY_MAGIC);
+        assert_eq!(be_u16(&chunk[6..8]), REPLY_TYPE_BLOCK_STATUS_EXT);
+        assert_eq!(
+            be_u64(&chunk[16..24]),
+            1 << 32,
+            "the request's offset is echoed"
+        );
+        assert_eq!(be_u64(&chunk[24..32]), 8 + 2 * 16);
+        let payload = &chunk[EXTENDED_REPLY_HEADER_BYTES..];
+        assert_eq!((be_u32(payload), be_u32(&payload[4..])), (1, 2));
+        assert_eq!(be_u64(&payload[8..]), 5 << 30);
+        assert_eq!(be_u64(&payload[16..]), u64::from(STATE_HOLE));
+        assert_eq!(be_u64(&payload[24..]), 1 << 30, "cut to the request");
     }
 
     #[test]

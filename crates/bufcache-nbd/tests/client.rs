@@ -351,6 +351,22 @@ impl Export for SlowExport {
     ) -> std::io::Result<Vec<bufcache_nbd::BlockStatusExtent>> {
         self.0.block_status(offset, length)
     }
+
+    fn has_cache_state(&self) -> bool {
+        false
+    }
+
+    fn cache_state(
+        &self,
+        _offset: u64,
+        _length: u64,
+    ) -> std::io::Result<Vec<bufcache_nbd::CacheStateExtent>> {
+        bufcache_nbd::no_cache_state()
+    }
+
+    fn known_zeroes(&self, _offset: u64, _length: u64) -> Vec<(u64, u64)> {
+        Vec::new()
+    }
 }
 
 #[test]

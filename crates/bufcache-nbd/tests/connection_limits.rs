@@ -420,4 +420,17 @@ impl Export for GatedFlushExport {
     ) -> io::Result<Vec<bufcache_nbd::BlockStatusExtent>> {
         self.inner.block_status(offset, length)
     }
+    fn has_cache_state(&self) -> bool {
+        self.inner.has_cache_state()
+    }
+    fn cache_state(
+        &self,
+        offset: u64,
+        length: u64,
+    ) -> io::Result<Vec<bufcache_nbd::CacheStateExtent>> {
+        self.inner.cache_state(offset, length)
+    }
+    fn known_zeroes(&self, offset: u64, length: u64) -> Vec<(u64, u64)> {
+        self.inner.known_zeroes(offset, length)
+    }
 }

@@ -89,7 +89,7 @@ fn request_header(command: u16, handle: u64, offset: u64, length: u32) -> [u8; 2
         command,
         handle,
         offset,
-        length,
+        length: length.into(),
     }
     .encode()
 }

@@ -48,7 +48,8 @@ pub use environment::{
 };
 pub use error::CacheError;
 pub use handle::{
-    BufferGuard, ObjectHandle, ReadSink, StartedRead, StartedReadDone, WriteSource, ZeroOptions,
+    BufferGuard, ObjectHandle, ReadSink, Residency, ResidencyRun, StartedRead, StartedReadDone,
+    WriteSource, ZeroOptions,
 };
 pub use object::{BlockMap, IdentityMap, MappedRun, ObjectConfig};
 pub use stats::{CacheStats, WritebackCause};

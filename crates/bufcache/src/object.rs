@@ -80,7 +80,8 @@ pub struct ObjectConfig {
     pub length_bytes: Option<u64>,
     /// Block map. Default (None): identity from device offset 0.
     pub block_map: Option<Arc<dyn BlockMap>>,
-    /// Refuse writes.
+    /// Refuse writes (an object over a device whose capabilities say `read_only` refuses them
+    /// whatever this says).
     pub read_only: bool,
 }
 
@@ -220,7 +221,9 @@ impl ObjectState {
             block_size_bytes: config.block_size_bytes,
             length_bytes,
             block_count,
-            read_only: config.read_only,
+            // A device that refuses writes makes the object read-only: a write the cache
+            // acknowledged could never be written back.
+            read_only: config.read_only || config.device.capabilities().read_only,
             device: config.device,
             map,
             dirty: DirtyIndex::default(),

@@ -156,7 +156,11 @@ const INTERESTING: [u64; 16] = [
 ];
 
 /// Text fragments the text parsers branch on.
-const TOKENS: [&[u8]; 24] = [
+const TOKENS: [&[u8]; 27] = [
+    // NBD: the extended request magic, the extended headers option, PAYLOAD_LEN with a length.
+    b"\x21\xe4\x1c\x71",
+    b"\x00\x00\x00\x0b\x00\x00\x00\x00",
+    b"\x00\x20\x00\x07",
     b",",
     b"\n",
     b" ",

@@ -2,6 +2,8 @@
 //! external tools (skipping politely when one is missing), and run nbdkit as an upstream.
 #![allow(dead_code)]
 
+pub mod raw;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::Arc;
@@ -44,6 +46,13 @@ impl TestServer {
                 BoundAddress::Unix(_) => None,
             })
             .expect("a TCP address")
+    }
+}
+
+impl TestServer {
+    /// Triggers the server's shutdown without waiting for it (dropping waits).
+    pub fn begin_shutdown(&self) {
+        self.shutdown.trigger();
     }
 }
 
@@ -246,4 +255,53 @@ pub fn pattern_bytes(length: usize, seed: u64) -> Vec<u8> {
             state as u8
         })
         .collect()
+}
+
+/// A qemu-nbd process serving a sparse raw file on a unix socket; killed on drop.
+pub struct QemuNbd {
+    child: Child,
+    pub socket_path: PathBuf,
+    _directory: tempfile::TempDir,
+}
+
+impl QemuNbd {
+    /// Serves a sparse file of `size_bytes` (`qemu-nbd -f raw --persistent --shared=16`, plus
+    /// `args`), or `None` when qemu-nbd is not installed.
+    pub fn start(size_bytes: u64, args: &[&str]) -> Option<QemuNbd> {
+        let qemu_nbd = tool("qemu-nbd")?;
+        let directory = tempfile::tempdir().expect("temp dir");
+        let socket_path = directory.path().join("qemu-nbd.sock");
+        let image = directory.path().join("disk.img");
+        std::fs::File::create(&image)
+            .and_then(|file| file.set_len(size_bytes))
+            .expect("sparse image");
+        let child = Command::new(qemu_nbd)
+            .arg("--socket")
+            .arg(&socket_path)
+            .args(["--format=raw", "--persistent", "--shared=16"])
+            .args(args)
+            .arg(&image)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start qemu-nbd");
+        wait_for_file(&socket_path);
+        Some(QemuNbd {
+            child,
+            socket_path,
+            _directory: directory,
+        })
+    }
+
+    pub fn uri(&self) -> String {
+        format!("nbd+unix:///?socket={}", self.socket_path.display())
+    }
+}
+
+impl Drop for QemuNbd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
