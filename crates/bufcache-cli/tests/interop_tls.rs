@@ -320,16 +320,25 @@ fn tls_with_psk_interoperates_and_refuses_wrong_keys_and_plain_text() {
     assert!(log_line_has(&server, &["127.0.0.1:", "TLS is required"]));
 }
 
-/// True when one line of the server log contains every one of `texts`.
+/// True when one line of the server log contains every one of `texts` within 10 s: the
+/// server writes its log from a thread of its own, so a line can land after the client that
+/// caused it has its answer.
 fn log_line_has(server: &Server, texts: &[&str]) -> bool {
-    let log = server.log_text();
-    let found = log
-        .lines()
-        .any(|line| texts.iter().all(|text| line.contains(text)));
-    if !found {
-        eprintln!("no log line with {texts:?} in:\n{log}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let log = server.log_text();
+        if log
+            .lines()
+            .any(|line| texts.iter().all(|text| line.contains(text)))
+        {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            eprintln!("no log line with {texts:?} in:\n{log}");
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
-    found
 }
 
 /// `--tls=on` serves both: clients that upgrade and clients that stay in plain text.
