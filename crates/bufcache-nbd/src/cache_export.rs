@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::io;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::RwLock;
@@ -21,10 +21,7 @@ pub struct CacheExport {
     object: ObjectHandle,
     /// Ranges zeroed or trimmed (on a device whose discards read as zeroes) and not written
     /// since, shared by every connection's view: a structured READ answers them as holes.
-    known_zeroes: Arc<RwLock<KnownZeroes>>,
-    /// True while `known_zeroes` holds a range: a READ looks at it only then, so reads of an
-    /// export that was never zeroed take no lock for it.
-    any_known_zeroes: Arc<AtomicBool>,
+    zeroes: Arc<ZeroTracker>,
 }
 
 impl CacheExport {
@@ -32,26 +29,8 @@ impl CacheExport {
     pub fn new(object: ObjectHandle) -> Self {
         CacheExport {
             object,
-            known_zeroes: Arc::default(),
-            any_known_zeroes: Arc::default(),
+            zeroes: Arc::default(),
         }
-    }
-
-    /// Ends a zeroing (see [`KnownZeroes::end_zeroing`]) and updates `any_known_zeroes`.
-    fn end_zeroing(&self, id: u64, succeeded: bool) {
-        let mut known = self.known_zeroes.write();
-        known.end_zeroing(id, succeeded);
-        self.any_known_zeroes
-            .store(!known.ranges.is_empty(), Ordering::Release);
-    }
-
-    /// Ends a write (see [`KnownZeroes::wrote`]) and updates `any_known_zeroes` (the write
-    /// removed its range when it started).
-    fn wrote(&self, id: u64) {
-        let mut known = self.known_zeroes.write();
-        known.wrote(id);
-        self.any_known_zeroes
-            .store(!known.ranges.is_empty(), Ordering::Release);
     }
 
     /// Whole blocks of a byte range as a byte range (what a discard drops), maybe empty.
@@ -65,6 +44,86 @@ impl CacheExport {
             end - end % block_size
         };
         (first, last.max(first))
+    }
+}
+
+/// [`KnownZeroes`] behind a lock, with what lets the hot paths skip the lock: reads look
+/// only while some range is known, and writes register only while ranges are known or
+/// zeroings are in flight. A write that does not register is counted instead, and a zeroing
+/// that starts while such a write is in flight is not trusted: either the zeroing sees the
+/// count, or the write sees `tracking` (both are `SeqCst`) and registers.
+#[derive(Default)]
+struct ZeroTracker {
+    known: RwLock<KnownZeroes>,
+    /// Some range is known.
+    any_known: AtomicBool,
+    /// Ranges are known or zeroings are in flight: writes must register.
+    tracking: AtomicBool,
+    /// Writes in flight that did not register.
+    untracked_writes: AtomicU64,
+}
+
+/// How a write was noted by [`ZeroTracker::begin_write`].
+enum WriteNote {
+    Untracked,
+    Tracked(u64),
+}
+
+impl ZeroTracker {
+    fn begin_write(&self, start: u64, end: u64) -> WriteNote {
+        self.untracked_writes.fetch_add(1, Ordering::SeqCst);
+        if !self.tracking.load(Ordering::SeqCst) {
+            return WriteNote::Untracked;
+        }
+        let mut known = self.known.write();
+        self.untracked_writes.fetch_sub(1, Ordering::SeqCst);
+        let id = known.writing(start, end);
+        self.update(&known);
+        WriteNote::Tracked(id)
+    }
+
+    fn end_write(&self, note: WriteNote) {
+        match note {
+            WriteNote::Untracked => {
+                self.untracked_writes.fetch_sub(1, Ordering::SeqCst);
+            }
+            WriteNote::Tracked(id) => {
+                let mut known = self.known.write();
+                known.wrote(id);
+                self.update(&known);
+            }
+        }
+    }
+
+    fn begin_zeroing(&self, start: u64, end: u64) -> u64 {
+        let mut known = self.known.write();
+        self.tracking.store(true, Ordering::SeqCst);
+        let id = known.begin_zeroing(start, end);
+        if self.untracked_writes.load(Ordering::SeqCst) > 0 {
+            known.spoil(id);
+        }
+        id
+    }
+
+    fn end_zeroing(&self, id: u64, succeeded: bool) {
+        let mut known = self.known.write();
+        known.end_zeroing(id, succeeded);
+        self.update(&known);
+    }
+
+    fn within(&self, start: u64, end: u64) -> Vec<(u64, u64)> {
+        if !self.any_known.load(Ordering::Acquire) {
+            return Vec::new();
+        }
+        self.known.read().within(start, end)
+    }
+
+    /// Sets the flags from `known` (called with its lock held).
+    fn update(&self, known: &KnownZeroes) {
+        self.any_known
+            .store(!known.ranges.is_empty(), Ordering::Release);
+        let tracking = !known.ranges.is_empty() || !known.zeroing.is_empty();
+        self.tracking.store(tracking, Ordering::SeqCst);
     }
 }
 
@@ -99,6 +158,13 @@ impl KnownZeroes {
             .any(|&(_, write_start, write_end)| write_start < end && start < write_end);
         self.zeroing.push((id, start, end, spoiled));
         id
+    }
+
+    /// Marks the zeroing `id` untrustworthy.
+    fn spoil(&mut self, id: u64) {
+        if let Some(entry) = self.zeroing.iter_mut().find(|entry| entry.0 == id) {
+            entry.3 = true;
+        }
     }
 
     /// The zeroing `id` ended: its range is known zero when it `succeeded` unspoiled.
@@ -227,12 +293,9 @@ impl Export for CacheExport {
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
-        let write = self
-            .known_zeroes
-            .write()
-            .writing(offset, offset + data.len() as u64);
+        let note = self.zeroes.begin_write(offset, offset + data.len() as u64);
         let written = self.object.write_at(offset, data, fua);
-        self.wrote(write);
+        self.zeroes.end_write(note);
         Ok(written?)
     }
 
@@ -243,9 +306,9 @@ impl Export for CacheExport {
         fua: bool,
         source: &mut WriteSource<'_>,
     ) -> io::Result<()> {
-        let write = self.known_zeroes.write().writing(offset, offset + length);
+        let note = self.zeroes.begin_write(offset, offset + length);
         let written = self.object.write_from(offset, length, fua, source);
-        self.wrote(write);
+        self.zeroes.end_write(note);
         Ok(written?)
     }
 
@@ -258,10 +321,10 @@ impl Export for CacheExport {
         // reads them as zeroes.
         let (start, end) = self.whole_blocks(offset, length);
         let zeroes = self.object.device().capabilities().discard_zeroes;
-        let zeroing = zeroes.then(|| self.known_zeroes.write().begin_zeroing(start, end));
+        let zeroing = zeroes.then(|| self.zeroes.begin_zeroing(start, end));
         let discarded = self.object.discard(offset, length);
         if let Some(id) = zeroing {
-            self.end_zeroing(id, discarded.is_ok());
+            self.zeroes.end_zeroing(id, discarded.is_ok());
         }
         discarded?;
         if fua {
@@ -283,12 +346,9 @@ impl Export for CacheExport {
             fast_only,
             fua,
         };
-        let zeroing = self
-            .known_zeroes
-            .write()
-            .begin_zeroing(offset, offset + length);
+        let zeroing = self.zeroes.begin_zeroing(offset, offset + length);
         let zeroed = self.object.zero(offset, length, options);
-        self.end_zeroing(zeroing, zeroed.is_ok());
+        self.zeroes.end_zeroing(zeroing, zeroed.is_ok());
         Ok(zeroed?)
     }
 
@@ -324,8 +384,7 @@ impl Export for CacheExport {
     fn open_connection(&self) -> Option<Arc<dyn Export>> {
         Some(Arc::new(CacheExport {
             object: self.object.reopen(),
-            known_zeroes: Arc::clone(&self.known_zeroes),
-            any_known_zeroes: Arc::clone(&self.any_known_zeroes),
+            zeroes: Arc::clone(&self.zeroes),
         }))
     }
 
@@ -358,10 +417,7 @@ impl Export for CacheExport {
     }
 
     fn known_zeroes(&self, offset: u64, length: u64) -> Vec<(u64, u64)> {
-        if !self.any_known_zeroes.load(Ordering::Acquire) {
-            return Vec::new();
-        }
-        self.known_zeroes.read().within(offset, offset + length)
+        self.zeroes.within(offset, offset + length)
     }
 }
 
@@ -409,5 +465,37 @@ mod tests {
         zeroes.end_zeroing(after, true);
         assert_eq!(zeroes.within(0, 1000), vec![(200, 100), (900, 50)]);
         assert!(zeroes.writes.is_empty());
+    }
+
+    #[test]
+    fn the_tracker_distrusts_a_zeroing_that_overlaps_an_untracked_write() {
+        let tracker = ZeroTracker::default();
+        // Nothing known: a write does not register, but is counted.
+        let untracked = tracker.begin_write(0, 10);
+        assert!(matches!(untracked, WriteNote::Untracked));
+        let zeroing = tracker.begin_zeroing(100, 200);
+        tracker.end_write(untracked);
+        tracker.end_zeroing(zeroing, true);
+        assert_eq!(
+            tracker.within(0, 1000),
+            vec![],
+            "spoiled by the write in flight"
+        );
+        let zeroing = tracker.begin_zeroing(100, 200);
+        tracker.end_zeroing(zeroing, true);
+        assert_eq!(tracker.within(0, 1000), vec![(100, 100)]);
+        // With a range known, writes register and split it.
+        let tracked = tracker.begin_write(150, 160);
+        assert!(matches!(tracked, WriteNote::Tracked(_)));
+        tracker.end_write(tracked);
+        assert_eq!(tracker.within(0, 1000), vec![(100, 50), (160, 40)]);
+        let all = tracker.begin_write(0, 1000);
+        tracker.end_write(all);
+        assert_eq!(tracker.within(0, 1000), vec![]);
+        assert!(
+            !tracker.tracking.load(Ordering::SeqCst),
+            "nothing left to track"
+        );
+        assert_eq!(tracker.untracked_writes.load(Ordering::SeqCst), 0);
     }
 }
