@@ -24,6 +24,12 @@ const STALL_TIMEOUT: Duration = Duration::from_secs(2);
 /// The good client's target: connect + 4 KiB write + read + flush, p99 of the tries.
 const ROUND_TRIP_P99_MAX: Duration = Duration::from_secs(1);
 
+/// How long after the stall timeout an attacker may still be open, or a large request still
+/// waiting: the server's work between its reads, scheduling on a loaded machine, and the
+/// time the attacker's own send takes to stall. Generous, since the property is that the
+/// attacker is closed at all, after about one stall timeout, not a latency.
+const STALL_SLACK: Duration = Duration::from_secs(4);
+
 /// Good-client tries at least, as the target asks.
 const TRIES_MIN: usize = 20;
 
@@ -207,13 +213,13 @@ fn slowloris_writes_do_not_stop_a_good_client_and_are_closed_at_the_stall_timeou
         closed.iter().map(|(_, at)| *at).collect::<Vec<_>>()
     );
     assert!(
-        large < 2 * STALL_TIMEOUT,
+        large < STALL_TIMEOUT + STALL_SLACK,
         "a 1 MiB write waited {large:?}: one stall timeout per attacker"
     );
     assert!(p99(&times) < ROUND_TRIP_P99_MAX, "p99 {:?}", p99(&times));
     for (bytes, at) in closed {
         assert!(bytes.is_some(), "an attacker was never closed");
-        assert!(at < 2 * STALL_TIMEOUT, "closed after {at:?}");
+        assert!(at < STALL_TIMEOUT + STALL_SLACK, "closed after {at:?}");
     }
     assert!(
         started.elapsed() >= STALL_TIMEOUT,
