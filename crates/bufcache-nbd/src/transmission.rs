@@ -730,9 +730,11 @@ fn read_request(
     // its effect length and contexts.
     let payload_form = validated
         .and_then(|()| connection.block_status_payload(&header, &payload))
-        .and_then(|(header, contexts)| {
-            connection.validate(&header)?;
-            Ok((header, contexts))
+        .and_then(|(effective, contexts)| {
+            if effective != header {
+                connection.validate(&effective)?;
+            }
+            Ok((effective, contexts))
         });
     let (effective, contexts) = match payload_form {
         Ok(effective) => effective,
