@@ -57,7 +57,7 @@ use crate::buffers::BufferRecycler;
 use crate::export::{Export, ReadDone, StartedRead};
 use crate::handshake::{MetaContexts, Negotiated, BASE_ALLOCATION_ID, CACHE_STATE_ID};
 use crate::protocol::*;
-use crate::server::ShutdownHandle;
+use crate::shutdown::ShutdownHandle;
 use crate::stream::{read_exact_vectored, send_vectored_until, write_all_vectored, Stream};
 
 /// Unused payload and reply buffers a server keeps for reuse at most (and never more than a
