@@ -242,6 +242,51 @@ fn frame_requests(mut bytes: &[u8], extended: bool) -> Vec<Sent> {
     sent
 }
 
+/// The content chunks (data and holes) of the READ replies being walked: each must lie
+/// inside its request, and a READ answered without an error chunk must be covered whole.
+#[derive(Default)]
+struct ContentChunks {
+    /// Bytes covered so far, and whether an error chunk came, per handle.
+    covered: HashMap<u64, (u64, bool)>,
+}
+
+impl ContentChunks {
+    fn record(&mut self, request: &Sent, chunk_type: u16, payload: &[u8], flags: u16) {
+        let entry = self.covered.entry(request.handle).or_default();
+        let (start, length) = match chunk_type {
+            REPLY_TYPE_OFFSET_DATA => {
+                assert!(payload.len() > 8, "a data chunk of {} bytes", payload.len());
+                (be_u64(payload), payload.len() as u64 - 8)
+            }
+            REPLY_TYPE_OFFSET_HOLE => {
+                assert_eq!(payload.len(), 12, "a hole chunk's length");
+                let size = u64::from(be_u32(&payload[8..]));
+                assert!(size > 0, "an empty hole chunk");
+                (be_u64(payload), size)
+            }
+            kind if kind & (1 << 15) != 0 => {
+                entry.1 = true;
+                (0, 0)
+            }
+            _ => (0, 0),
+        };
+        if length > 0 {
+            assert_eq!(request.command, CMD_READ, "content chunk for {request:?}");
+            assert!(
+                start >= request.offset && start + length <= request.offset + request.length,
+                "content chunk {start}+{length} outside {request:?}"
+            );
+            entry.0 += length;
+        }
+        if flags & REPLY_FLAG_DONE != 0 {
+            let (covered, errored) = self.covered.remove(&request.handle).unwrap_or_default();
+            if request.command == CMD_READ && !errored {
+                assert_eq!(covered, request.length, "a READ's chunks cover it whole");
+            }
+        }
+    }
+}
+
 /// Requests after a fixed handshake (first byte: `seeds::MODE_*` bits). Besides no panic or
 /// hang: the handshake succeeds, every request the server read whole gets exactly one
 /// final reply, replies are well framed, and successful reads return the length asked for.
@@ -281,6 +326,7 @@ pub fn nbd_requests(data: &[u8]) {
         pending.entry(request.handle).or_default().push(*request);
     }
     let unique_handles = pending.values().all(|requests| requests.len() == 1);
+    let mut content = ContentChunks::default();
     let mut answered = 0usize;
     while !replies.is_empty() {
         assert!(
@@ -314,10 +360,8 @@ pub fn nbd_requests(data: &[u8]) {
                         .and_then(|requests| requests.first())
                         .unwrap_or_else(|| panic!("chunk for unknown handle {handle}"));
                     assert_eq!(offset, request.offset, "the chunk echoes the request's offset");
-                    if chunk_type == REPLY_TYPE_OFFSET_DATA {
-                        assert_eq!(request.command, CMD_READ, "data chunk for {request:?}");
-                        assert_eq!(length, 8 + request.length, "data chunk length");
-                    }
+                    let payload = &replies[EXTENDED_REPLY_HEADER_BYTES..consumed];
+                    content.record(request, chunk_type, payload, flags);
                     if chunk_type == REPLY_TYPE_BLOCK_STATUS_EXT {
                         let payload = &replies[EXTENDED_REPLY_HEADER_BYTES..consumed];
                         let count = be_u32(&payload[4..8]) as usize;
@@ -366,15 +410,13 @@ pub fn nbd_requests(data: &[u8]) {
                 let length = be_u32(&replies[16..20]) as usize;
                 let consumed = STRUCTURED_REPLY_HEADER_BYTES + length;
                 assert!(replies.len() >= consumed, "structured chunk cut short");
-                if chunk_type == REPLY_TYPE_OFFSET_DATA && unique_handles {
+                if unique_handles {
                     let request = pending
                         .get(&handle)
                         .and_then(|requests| requests.first())
-                        .unwrap_or_else(|| panic!("data chunk for unknown handle {handle}"));
-                    assert_eq!(request.command, CMD_READ, "data chunk for {request:?}");
-                    assert_eq!(length as u64, 8 + request.length, "data chunk length");
-                    let offset = be_u64(&replies[STRUCTURED_REPLY_HEADER_BYTES..]);
-                    assert_eq!(offset, request.offset, "data chunk offset");
+                        .unwrap_or_else(|| panic!("chunk for unknown handle {handle}"));
+                    let payload = &replies[STRUCTURED_REPLY_HEADER_BYTES..consumed];
+                    content.record(request, chunk_type, payload, flags);
                 }
                 (handle, flags & REPLY_FLAG_DONE != 0, consumed)
             }

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use crate::config::ExportPolicy;
 use crate::export::Export;
 use crate::protocol::*;
-use crate::server::ShutdownHandle;
+use crate::shutdown::ShutdownHandle;
 use crate::stream::Stream;
 use crate::tls::{TlsMode, TlsServer};
 

@@ -23,6 +23,7 @@ mod handshake;
 pub mod protocol;
 pub mod reconnect;
 pub mod server;
+mod shutdown;
 mod stream;
 pub mod tls;
 mod transmission;

@@ -22,7 +22,7 @@ use std::os::unix::fs::FileTypeExt;
 use std::os::unix::io::{AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -32,6 +32,7 @@ use parking_lot::Mutex;
 use crate::config::{ConfigError, ExportPolicy, ListenAddress, ServerConfig};
 use crate::export::Export;
 use crate::handshake::{self, ExportTable, Outcome};
+pub use crate::shutdown::ShutdownHandle;
 use crate::stream::Stream;
 use crate::tls::TlsServer;
 use crate::transmission::{self, ConnectionLimits, InflightBudget, ServerBudget};
@@ -69,27 +70,6 @@ pub enum ServerError {
     PolicyForUnknownExport(String),
     #[error("accept loop failed: {0}")]
     Poll(io::Error),
-}
-
-/// Tells a running server to stop. Cheap to clone; every clone controls the same server.
-#[derive(Clone, Debug, Default)]
-pub struct ShutdownHandle {
-    triggered: Arc<AtomicBool>,
-}
-
-impl ShutdownHandle {
-    pub fn new() -> Self {
-        ShutdownHandle::default()
-    }
-
-    /// Asks the server to stop accepting, finish in-flight requests and return from `run`.
-    pub fn trigger(&self) {
-        self.triggered.store(true, Ordering::Release);
-    }
-
-    pub fn is_triggered(&self) -> bool {
-        self.triggered.load(Ordering::Acquire)
-    }
 }
 
 /// An address the server is actually listening on.

@@ -66,7 +66,7 @@ use crate::buffers::BufferRecycler;
 use crate::export::{Export, ReadDone, StartedRead};
 use crate::handshake::{MetaContexts, Negotiated, BASE_ALLOCATION_ID, CACHE_STATE_ID};
 use crate::protocol::*;
-use crate::server::ShutdownHandle;
+use crate::shutdown::ShutdownHandle;
 use crate::stream::{read_exact_vectored, send_vectored_until, write_all_vectored, Stream};
 
 /// Unused payload and reply buffers a server keeps for reuse at most (and never more than a
@@ -784,9 +784,11 @@ fn read_request(
     // its effect length and contexts.
     let payload_form = validated
         .and_then(|()| connection.block_status_payload(&header, &payload))
-        .and_then(|(header, contexts)| {
-            connection.validate(&header)?;
-            Ok((header, contexts))
+        .and_then(|(effective, contexts)| {
+            if effective != header {
+                connection.validate(&effective)?;
+            }
+            Ok((effective, contexts))
         });
     let (effective, contexts) = match payload_form {
         Ok(effective) => effective,

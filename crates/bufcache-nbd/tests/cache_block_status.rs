@@ -14,9 +14,9 @@ use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 
-use bufcache::{CacheConfig, Device, MemoryDevice, ObjectConfig, ObjectHandle};
+use bufcache::{MemoryDevice, ObjectHandle};
 use bufcache_nbd::protocol::*;
-use bufcache_nbd::{CacheExport, Export, MemoryExport};
+use bufcache_nbd::{Export, MemoryExport};
 use common::raw::*;
 use common::*;
 
@@ -32,18 +32,7 @@ const RESIDENT: u64 = CACHE_STATE_RESIDENT as u64;
 const DIRTY: u64 = (CACHE_STATE_RESIDENT | CACHE_STATE_DIRTY) as u64;
 
 fn cached_memory() -> (TestServer, ObjectHandle) {
-    let cache = bufcache_host::system_cache(CacheConfig {
-        memory_bytes_max: 64 * MIB,
-        readahead_size_max_bytes: 0,
-        ..CacheConfig::default()
-    })
-    .expect("valid config");
-    let device: Arc<dyn Device> = Arc::new(MemoryDevice::new(SIZE));
-    let object = cache
-        .open_object(ObjectConfig::new("disk", device))
-        .expect("open object");
-    let export: Arc<dyn Export> = Arc::new(CacheExport::new(object.reopen()));
-    (start_server(vec![("", export)]), object)
+    cached_server(Arc::new(MemoryDevice::new(SIZE)))
 }
 
 /// A structured connection with both contexts selected: (connection, id of base:allocation,

@@ -14,9 +14,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use bufcache::{CacheConfig, Device, MemoryDevice, ObjectConfig};
+use bufcache::MemoryDevice;
 use bufcache_nbd::protocol::*;
-use bufcache_nbd::{CacheExport, Export};
 use common::raw::*;
 use common::*;
 
@@ -632,17 +631,7 @@ fn answers(socket: &Path) -> Vec<String> {
 
 /// bufcache: a cache over a 64 MiB sparse memory device.
 fn bufcache_server() -> TestServer {
-    let cache = bufcache_host::system_cache(CacheConfig {
-        memory_bytes_max: 64 << 20,
-        ..CacheConfig::default()
-    })
-    .expect("valid config");
-    let device: Arc<dyn Device> = Arc::new(MemoryDevice::new(SIZE));
-    let object = cache
-        .open_object(ObjectConfig::new("disk", device))
-        .expect("open object");
-    let export: Arc<dyn Export> = Arc::new(CacheExport::new(object));
-    start_server(vec![("", export)])
+    cached_server(Arc::new(MemoryDevice::new(SIZE))).0
 }
 
 #[test]

@@ -12,9 +12,9 @@ use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 
-use bufcache::{CacheConfig, Device, MemoryDevice, ObjectConfig};
+use bufcache::MemoryDevice;
 use bufcache_nbd::protocol::*;
-use bufcache_nbd::{CacheExport, Export, NbdClient};
+use bufcache_nbd::NbdClient;
 use common::raw::*;
 use common::*;
 
@@ -24,18 +24,7 @@ const FOUR_GIB: u64 = 4 * GIB;
 
 /// Our server over a cache of a 16 GiB sparse memory device, as export "".
 fn large_cached_server() -> TestServer {
-    let cache = bufcache_host::system_cache(CacheConfig {
-        memory_bytes_max: 64 << 20,
-        readahead_size_max_bytes: 0,
-        ..CacheConfig::default()
-    })
-    .expect("valid config");
-    let device: Arc<dyn Device> = Arc::new(MemoryDevice::new(SIZE));
-    let object = cache
-        .open_object(ObjectConfig::new("disk", device))
-        .expect("open object");
-    let export: Arc<dyn Export> = Arc::new(CacheExport::new(object));
-    start_server(vec![("", export)])
+    cached_server(Arc::new(MemoryDevice::new(SIZE))).0
 }
 
 /// An extended-headers connection with base:allocation selected: (connection, context id,

@@ -15,29 +15,15 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bufcache::{CacheConfig, Device, ObjectConfig};
+use bufcache::Device;
 use bufcache_nbd::protocol::*;
 use bufcache_nbd::{
-    CacheExport, Export, ExportPolicy, MemoryExport, NbdClient, ServerConfig, TlsConfig, TlsMode,
+    Export, ExportPolicy, MemoryExport, NbdClient, ServerConfig, TlsConfig, TlsMode,
 };
 use common::raw::*;
 use common::*;
 
 const SIZE: u64 = 64 << 20;
-
-/// A cache of 64 MiB over `device`, served as the default export "" by our server.
-fn serve_cached(device: Arc<dyn Device>) -> (TestServer, bufcache::ObjectHandle) {
-    let cache = bufcache_host::system_cache(CacheConfig {
-        memory_bytes_max: 64 << 20,
-        ..CacheConfig::default()
-    })
-    .expect("valid config");
-    let object = cache
-        .open_object(ObjectConfig::new("disk", device))
-        .expect("open object");
-    let export: Arc<dyn Export> = Arc::new(CacheExport::new(object.reopen()));
-    (start_server(vec![("", export)]), object)
-}
 
 /// Our server with a 64 MiB memory export named "".
 fn memory_default_server() -> TestServer {
@@ -69,7 +55,7 @@ fn a_read_only_upstream_is_served_read_only() {
         client.capabilities().read_only,
         "the client hears READ_ONLY"
     );
-    let (server, object) = serve_cached(Arc::new(client));
+    let (server, object) = cached_server(Arc::new(client));
     assert!(object.is_read_only(), "the object over it refuses writes");
     let mut raw = Raw::modern(&server.socket_path);
     let flags = raw.go("");
@@ -121,7 +107,7 @@ fn unaligned_block_status_over_an_upstream_with_a_4096_byte_minimum_is_asked_ali
     }
     let client = NbdClient::connect(&upstream.uri()).expect("connect upstream");
     assert_eq!(client.capabilities().alignment_bytes, 4096);
-    let (server, _object) = serve_cached(Arc::new(client));
+    let (server, _object) = cached_server(Arc::new(client));
     let mut raw = open_structured(&server.socket_path);
     let answer = raw
         .request(0, CMD_BLOCK_STATUS, start, end - start, &[])

@@ -305,3 +305,19 @@ impl Drop for QemuNbd {
         let _ = self.child.wait();
     }
 }
+
+/// A 64 MiB cache (read-ahead off) over `device`, served by our server as the default export
+/// "", and a handle on the cached object.
+pub fn cached_server(device: Arc<dyn bufcache::Device>) -> (TestServer, bufcache::ObjectHandle) {
+    let cache = bufcache_host::system_cache(bufcache::CacheConfig {
+        memory_bytes_max: 64 << 20,
+        readahead_size_max_bytes: 0,
+        ..bufcache::CacheConfig::default()
+    })
+    .expect("valid config");
+    let object = cache
+        .open_object(bufcache::ObjectConfig::new("disk", device))
+        .expect("open object");
+    let export: Arc<dyn Export> = Arc::new(bufcache_nbd::CacheExport::new(object.reopen()));
+    (start_server(vec![("", export)]), object)
+}
