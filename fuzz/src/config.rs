@@ -70,6 +70,7 @@ pub fn config_cache(data: &[u8]) {
         space_wait_max: Duration::from_millis(u64::from(input.u8())),
         shards: input.size(defaults.shards as u64) as usize,
         background_jobs_queued_max: input.size(defaults.background_jobs_queued_max as u64) as usize,
+        writeback_inflight_max: input.size(defaults.writeback_inflight_max as u64) as usize,
     };
     let block_size = input.size(4096) as u32;
     let device_bytes = (u64::from(input.u16()) % 512 + 1) * 512;

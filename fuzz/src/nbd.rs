@@ -25,8 +25,7 @@ use bufcache_nbd::{
 };
 
 use crate::seeds::{
-    self, EXPORT_NAME, MODE_EXPORT_NAME, MODE_EXTENDED, MODE_MASK, MODE_READ_ONLY,
-    MODE_STRUCTURED,
+    self, EXPORT_NAME, MODE_EXPORT_NAME, MODE_EXTENDED, MODE_MASK, MODE_READ_ONLY, MODE_STRUCTURED,
 };
 
 /// Size of both exports.
@@ -224,8 +223,8 @@ fn frame_requests(mut bytes: &[u8], extended: bool) -> Vec<Sent> {
         if header.command == CMD_DISC {
             break;
         }
-        let payload = header.command == CMD_WRITE
-            || (extended && header.flags & CMD_FLAG_PAYLOAD_LEN != 0);
+        let payload =
+            header.command == CMD_WRITE || (extended && header.flags & CMD_FLAG_PAYLOAD_LEN != 0);
         if payload {
             if header.length > u64::from(WRITE_SKIP_MAX) || header.length > bytes.len() as u64 {
                 break;
@@ -359,7 +358,10 @@ pub fn nbd_requests(data: &[u8]) {
                         .get(&handle)
                         .and_then(|requests| requests.first())
                         .unwrap_or_else(|| panic!("chunk for unknown handle {handle}"));
-                    assert_eq!(offset, request.offset, "the chunk echoes the request's offset");
+                    assert_eq!(
+                        offset, request.offset,
+                        "the chunk echoes the request's offset"
+                    );
                     let payload = &replies[EXTENDED_REPLY_HEADER_BYTES..consumed];
                     content.record(request, chunk_type, payload, flags);
                     if chunk_type == REPLY_TYPE_BLOCK_STATUS_EXT {

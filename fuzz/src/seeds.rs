@@ -65,7 +65,13 @@ pub fn request(command: u16, flags: u16, handle: u64, offset: u64, length: u32) 
 }
 
 /// A 32-byte request (extended headers), with a 64-bit length.
-pub fn extended_request(command: u16, flags: u16, handle: u64, offset: u64, length: u64) -> Vec<u8> {
+pub fn extended_request(
+    command: u16,
+    flags: u16,
+    handle: u64,
+    offset: u64,
+    length: u64,
+) -> Vec<u8> {
     RequestHeader {
         flags,
         command,
@@ -156,12 +162,28 @@ fn extended_request_mix() -> Vec<u8> {
     bytes.extend(extended_request(CMD_TRIM, 0, 3, 4096, 1 << 33));
     bytes.extend(extended_request(CMD_WRITE_ZEROES, 0, 4, 8192, 4096));
     bytes.extend(extended_request(CMD_BLOCK_STATUS, 0, 5, 0, 1 << 40));
-    bytes.extend(extended_request(CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE, 6, 0, 65536));
+    bytes.extend(extended_request(
+        CMD_BLOCK_STATUS,
+        CMD_FLAG_REQ_ONE,
+        6,
+        0,
+        65536,
+    ));
     let mut filter = 65536u64.to_be_bytes().to_vec();
     filter.extend_from_slice(&1u32.to_be_bytes());
-    for (handle, payload) in [(7, filter.clone()), (8, [&filter[..8], &[0, 0, 0, 9]].concat()), (9, filter[..8].to_vec())] {
+    for (handle, payload) in [
+        (7, filter.clone()),
+        (8, [&filter[..8], &[0, 0, 0, 9]].concat()),
+        (9, filter[..8].to_vec()),
+    ] {
         let flags = CMD_FLAG_PAYLOAD_LEN;
-        bytes.extend(extended_request(CMD_BLOCK_STATUS, flags, handle, 0, payload.len() as u64));
+        bytes.extend(extended_request(
+            CMD_BLOCK_STATUS,
+            flags,
+            handle,
+            0,
+            payload.len() as u64,
+        ));
         bytes.extend(payload);
     }
     bytes.extend(extended_request(CMD_FLUSH, CMD_FLAG_PAYLOAD_LEN, 10, 0, 8));
@@ -182,7 +204,11 @@ pub fn nbd_requests_seeds() -> Vec<(String, Vec<u8>)> {
         bytes.extend(request_mix());
         seeds.push((format!("mix-mode{mode}"), bytes));
     }
-    for mode in [MODE_EXTENDED, MODE_EXTENDED | MODE_BASE_ALLOCATION, MODE_EXTENDED | MODE_BASE_ALLOCATION | MODE_READ_ONLY] {
+    for mode in [
+        MODE_EXTENDED,
+        MODE_EXTENDED | MODE_BASE_ALLOCATION,
+        MODE_EXTENDED | MODE_BASE_ALLOCATION | MODE_READ_ONLY,
+    ] {
         let mut bytes = vec![mode];
         bytes.extend(extended_request_mix());
         seeds.push((format!("extended-mix-mode{mode}"), bytes));
@@ -285,12 +311,21 @@ pub fn nbd_handshake_seeds() -> Vec<(String, Vec<u8>)> {
         OPT_SET_META_CONTEXT,
         &meta_context_request(EXPORT_NAME, &[BASE_ALLOCATION, BUFCACHE_STATE]),
     ));
-    extended.extend(option(OPT_GO, &info_request(EXPORT_NAME, &[INFO_BLOCK_SIZE])));
+    extended.extend(option(
+        OPT_GO,
+        &info_request(EXPORT_NAME, &[INFO_BLOCK_SIZE]),
+    ));
     extended.extend(extended_write(1, 0, b"hello"));
     extended.extend(extended_request(CMD_BLOCK_STATUS, 0, 2, 0, 1 << 36));
     let mut filter = 4096u64.to_be_bytes().to_vec();
     filter.extend_from_slice(&1u32.to_be_bytes());
-    extended.extend(extended_request(CMD_BLOCK_STATUS, CMD_FLAG_PAYLOAD_LEN, 3, 0, 12));
+    extended.extend(extended_request(
+        CMD_BLOCK_STATUS,
+        CMD_FLAG_PAYLOAD_LEN,
+        3,
+        0,
+        12,
+    ));
     extended.extend(filter);
     extended.extend(extended_request(CMD_TRIM, 0, 4, 0, u64::MAX));
     extended.extend(request(CMD_READ, 0, 5, 0, 5));
@@ -363,9 +398,22 @@ fn chunk(flags: u16, chunk_type: u16, handle: u64, payload: &[u8]) -> Vec<u8> {
     bytes
 }
 
-fn extended_chunk(flags: u16, chunk_type: u16, handle: u64, offset: u64, payload: &[u8]) -> Vec<u8> {
+fn extended_chunk(
+    flags: u16,
+    chunk_type: u16,
+    handle: u64,
+    offset: u64,
+    payload: &[u8],
+) -> Vec<u8> {
     let mut bytes = Vec::new();
-    put_extended_header(&mut bytes, flags, chunk_type, handle, offset, payload.len() as u64);
+    put_extended_header(
+        &mut bytes,
+        flags,
+        chunk_type,
+        handle,
+        offset,
+        payload.len() as u64,
+    );
     bytes.extend_from_slice(payload);
     bytes
 }
@@ -541,9 +589,17 @@ pub fn nbd_client_seeds() -> Vec<(String, Vec<u8>)> {
     handshake.extend(option_reply(OPT_EXTENDED_HEADERS, REP_ACK, &[]));
     let mut context = 1u32.to_be_bytes().to_vec();
     context.extend_from_slice(BASE_ALLOCATION.as_bytes());
-    handshake.extend(option_reply(OPT_SET_META_CONTEXT, REP_META_CONTEXT, &context));
+    handshake.extend(option_reply(
+        OPT_SET_META_CONTEXT,
+        REP_META_CONTEXT,
+        &context,
+    ));
     handshake.extend(option_reply(OPT_SET_META_CONTEXT, REP_ACK, &[]));
-    handshake.extend(option_reply(OPT_GO, REP_INFO, &info_export(1 << 33, ALL_FLAGS)));
+    handshake.extend(option_reply(
+        OPT_GO,
+        REP_INFO,
+        &info_export(1 << 33, ALL_FLAGS),
+    ));
     handshake.extend(option_reply(OPT_GO, REP_ACK, &[]));
     let mut data = 0u64.to_be_bytes().to_vec();
     data.extend(pattern(512, 8));
