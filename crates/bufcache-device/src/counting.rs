@@ -10,7 +10,8 @@ use std::io::{self, IoSlice, IoSliceMut};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
-use crate::device::{total_length, AsyncRead, BatchWrite, Capabilities, Device, Extent};
+use crate::device::{total_length, Capabilities, Device, Extent};
+use crate::request::{ReadRequest, WriteRequest};
 
 /// Histogram buckets: bucket `i` counts requests of at most `512 << i` bytes; the last bucket
 /// counts everything larger.
@@ -136,9 +137,9 @@ impl DeviceStats {
 /// A device wrapper that counts what reaches the inner device.
 pub struct CountingDevice<D> {
     inner: D,
-    /// Shared with the completions of reads started asynchronously.
+    /// Shared with the completions of submitted requests, which may run on another thread.
     reads: Arc<DirectionCounters>,
-    writes: DirectionCounters,
+    writes: Arc<DirectionCounters>,
     flushes: AtomicU64,
     discards: AtomicU64,
     other_errors: AtomicU64,
@@ -150,7 +151,7 @@ impl<D: Device> CountingDevice<D> {
         CountingDevice {
             inner,
             reads: Arc::default(),
-            writes: DirectionCounters::default(),
+            writes: Arc::default(),
             flushes: AtomicU64::new(0),
             discards: AtomicU64::new(0),
             other_errors: AtomicU64::new(0),
@@ -196,21 +197,32 @@ impl<D: Device> Device for CountingDevice<D> {
         result
     }
 
-    fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
-        let results = self.inner.write_batch_at(writes);
-        for (write, result) in writes.iter().zip(&results) {
-            self.writes.record(write.length_bytes(), result);
-        }
-        results
+    fn submit_reads(&self, reads: Vec<ReadRequest>) {
+        let reads = reads
+            .into_iter()
+            .map(|read| {
+                let (length, counts) = (read.length_bytes(), Arc::clone(&self.reads));
+                read.on_complete(move |result| {
+                    counts.record(length, &result);
+                    result
+                })
+            })
+            .collect();
+        self.inner.submit_reads(reads);
     }
 
-    fn start_read(&self, read: AsyncRead) {
-        let length = read.length_bytes();
-        let reads = Arc::clone(&self.reads);
-        self.inner.start_read(read.wrap_done(move |result, done| {
-            reads.record(length, &result);
-            done(result);
-        }));
+    fn submit_writes(&self, writes: Vec<WriteRequest>) {
+        let writes = writes
+            .into_iter()
+            .map(|write| {
+                let (length, counts) = (write.length_bytes(), Arc::clone(&self.writes));
+                write.on_complete(move |result| {
+                    counts.record(length, &result);
+                    result
+                })
+            })
+            .collect();
+        self.inner.submit_writes(writes);
     }
 
     fn flush(&self) -> io::Result<()> {
@@ -247,6 +259,7 @@ impl<D: Device> Device for CountingDevice<D> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::BatchWrite;
     use crate::memory::MemoryDevice;
 
     #[test]
@@ -286,16 +299,19 @@ mod tests {
         let small = vec![2u8; 4096];
         let large_slices = [IoSlice::new(&large)];
         let small_slices = [IoSlice::new(&small)];
-        let results = device.write_batch_at(&[
-            BatchWrite {
-                offset: 0,
-                buffers: &large_slices,
-            },
-            BatchWrite {
-                offset: 1 << 19,
-                buffers: &small_slices,
-            },
-        ]);
+        let results = crate::device::write_batch_and_wait(
+            &device,
+            &[
+                BatchWrite {
+                    offset: 0,
+                    buffers: &large_slices,
+                },
+                BatchWrite {
+                    offset: 1 << 19,
+                    buffers: &small_slices,
+                },
+            ],
+        );
         assert!(results.iter().all(Result::is_ok));
         let writes = device.stats().writes;
         assert_eq!(writes.requests, 2);

@@ -15,9 +15,12 @@
 //! the `counting` module), never by special cases inside the engine.
 
 use std::io::{self, IoSlice, IoSliceMut};
-use std::ptr::NonNull;
+use std::sync::Arc;
+
+use parking_lot::{Condvar, Mutex};
 
 use crate::aligned::AlignedBytes;
+use crate::request::{ReadRequest, WriteMemory, WriteRequest};
 
 /// One run of the device's address space with the same allocation state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,7 +31,8 @@ pub struct Extent {
     pub hole: bool,
 }
 
-/// One write of a [`Device::write_batch_at`] batch: `buffers`, in order, at `offset`.
+/// One write of a borrowed batch ([`write_batch_and_wait`]): `buffers`, in order, at
+/// `offset`.
 #[derive(Clone, Copy, Debug)]
 pub struct BatchWrite<'a> {
     /// The device byte offset of the first byte.
@@ -41,106 +45,6 @@ impl BatchWrite<'_> {
     /// Total bytes the write carries.
     pub fn length_bytes(&self) -> u64 {
         total_length(self.buffers.iter().map(|buffer| buffer.len()))
-    }
-}
-
-/// What runs when an [`AsyncRead`] ends, with its outcome.
-pub type ReadCompletion = Box<dyn FnOnce(io::Result<()>) + Send>;
-
-/// A read a device completes later, from a thread of its own ([`Device::start_read`]).
-///
-/// It carries raw pointers into the caller's memory: whoever makes one promises (it is
-/// `unsafe` to make) that the memory stays valid, and untouched by anyone but the device,
-/// until the completion has run. The completion runs exactly once: with the device's outcome,
-/// or with an error if the read is dropped before it ends.
-pub struct AsyncRead {
-    offset: u64,
-    segments: Vec<(NonNull<u8>, usize)>,
-    done: Option<ReadCompletion>,
-}
-
-// SAFETY: the memory is the caller's, lent until the completion runs (see the type's docs).
-unsafe impl Send for AsyncRead {}
-
-impl AsyncRead {
-    /// A read of the bytes at `offset` into `buffers`, in order, that runs `done` when it
-    /// ends.
-    ///
-    /// # Safety
-    /// The memory of `buffers` must stay valid and untouched by the caller (and anyone else
-    /// but the device) until `done` has run, even though this borrow ends now.
-    pub unsafe fn new(
-        offset: u64,
-        buffers: &mut [IoSliceMut<'_>],
-        done: impl FnOnce(io::Result<()>) + Send + 'static,
-    ) -> Self {
-        AsyncRead {
-            offset,
-            segments: buffers
-                .iter_mut()
-                .map(|buffer| {
-                    let start = NonNull::new(buffer.as_mut_ptr()).expect("slices are non-null");
-                    (start, buffer.len())
-                })
-                .collect(),
-            done: Some(Box::new(done)),
-        }
-    }
-
-    /// The device byte offset of the first byte.
-    pub fn offset(&self) -> u64 {
-        self.offset
-    }
-
-    /// Total bytes to read.
-    pub fn length_bytes(&self) -> u64 {
-        total_length(self.segments.iter().map(|&(_, length)| length))
-    }
-
-    /// Runs `wrap` instead of the completion, with the outcome and the completion to pass it
-    /// on to: how a wrapper device counts or accounts for a read it forwards.
-    pub fn wrap_done(
-        mut self,
-        wrap: impl FnOnce(io::Result<()>, ReadCompletion) + Send + 'static,
-    ) -> Self {
-        let done = self.done.take().expect("a read's completion runs once");
-        self.done = Some(Box::new(move |result| wrap(result, done)));
-        self
-    }
-
-    /// Ends the read with `result` (a wrapper that fails it without passing it on).
-    pub fn finish(mut self, result: io::Result<()>) {
-        if let Some(done) = self.done.take() {
-            done(result);
-        }
-    }
-
-    /// The memory, as (start, length) segments in order, and the completion, for a device
-    /// that fills the memory from another thread and then runs the completion. The memory
-    /// may be written until the completion runs, and never after.
-    pub fn into_parts(mut self) -> (u64, Vec<(NonNull<u8>, usize)>, ReadCompletion) {
-        let done = self.done.take().expect("a read's completion runs once");
-        (self.offset, std::mem::take(&mut self.segments), done)
-    }
-}
-
-impl Drop for AsyncRead {
-    fn drop(&mut self) {
-        if let Some(done) = self.done.take() {
-            done(Err(io::Error::other(
-                "the read was dropped before it was done",
-            )));
-        }
-    }
-}
-
-impl std::fmt::Debug for AsyncRead {
-    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        formatter
-            .debug_struct("AsyncRead")
-            .field("offset", &self.offset)
-            .field("length_bytes", &self.length_bytes())
-            .finish()
     }
 }
 
@@ -166,10 +70,11 @@ pub struct Capabilities {
     /// cuts its runs at multiples of it so each write covers whole units. 1 when any size is as
     /// good as another (files, block devices, NBD).
     pub write_unit_bytes: u64,
-    /// True when [`Device::start_read`] returns before the read ends and completes it on a
-    /// thread of the device's own (an NBD upstream's reply thread), so a caller can go on
-    /// while it is in flight. False for devices whose reads finish in the caller's thread.
-    pub reads_complete_later: bool,
+    /// True when [`Device::submit_reads`] and [`Device::submit_writes`] may return before
+    /// their requests end, completing them on a thread of the device's own (an NBD upstream's
+    /// reply thread), so a caller can go on while they are in flight. False for devices that
+    /// finish every request in the caller's thread, before `submit_*` returns.
+    pub completes_later: bool,
     /// Requests the device serves at once to good effect: what keeps its pipe full. 1 for a
     /// device that does one request at a time in the caller's thread (a file, memory, a
     /// modelled disk: concurrency there comes from the callers' own threads); the pipelining
@@ -197,7 +102,7 @@ impl Capabilities {
             write_zeroes_fast: false,
             extents: false,
             write_unit_bytes: 1,
-            reads_complete_later: false,
+            completes_later: false,
             inflight_requests_max: 1,
             request_bytes_max: u64::MAX,
             read_only: false,
@@ -217,18 +122,18 @@ pub trait Device: Send + Sync {
     /// Writes every slice in `buffers`, in order, to consecutive bytes starting at `offset`.
     fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()>;
 
-    /// Does each of `writes` as [`Device::write_vectored_at`] would and returns one outcome
-    /// per write, in order. A device with a per-request round trip (an NBD upstream) keeps
-    /// them all in flight at once; a local device may simply do them in turn
-    /// ([`write_each`]). Writes of one batch never overlap, and none is durable before the
-    /// next [`Device::flush`] unless it says so itself.
-    fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>>;
+    /// Starts every read of `reads`; each completes exactly once, with its own outcome. A
+    /// device whose [`Capabilities::completes_later`] is true (an NBD upstream) returns at
+    /// once and completes them on a thread of its own; any other does them now, in the
+    /// caller's thread ([`read_each_now`]). Reads of one batch never overlap.
+    fn submit_reads(&self, reads: Vec<ReadRequest>);
 
-    /// Starts `read`; its completion runs once, when the read ends. A device whose
-    /// [`Capabilities::reads_complete_later`] is true (an NBD upstream) returns at once and
-    /// completes the read on a thread of its own; any other does it now, in the caller's
-    /// thread ([`read_now`]).
-    fn start_read(&self, read: AsyncRead);
+    /// Starts every write of `writes`, as [`Device::write_vectored_at`] would do each; each
+    /// completes exactly once, with its own outcome. A device with a per-request round trip
+    /// (an NBD upstream, an object store) keeps them in flight together; a local device may
+    /// do them in turn ([`write_each_now`]). Writes of one batch never overlap, and none is
+    /// durable before the next [`Device::flush`] unless the device says so itself.
+    fn submit_writes(&self, writes: Vec<WriteRequest>);
 
     /// Makes every write that completed before this call durable.
     fn flush(&self) -> io::Result<()>;
@@ -285,36 +190,119 @@ pub fn write_zeroes_by_writing(
     Ok(())
 }
 
-/// A batch written one write after another, each with [`Device::write_vectored_at`]: the
-/// [`Device::write_batch_at`] of devices for which in-flight writes gain nothing (a local
-/// file, memory, a modelled disk), and of wrappers whose per-request rules need each write
-/// on its own.
-pub fn write_each(
+/// Does each of `reads` now, in the caller's thread, with [`Device::read_vectored_at`], and
+/// completes it: the [`Device::submit_reads`] of devices whose reads finish in the caller's
+/// thread anyway.
+pub fn read_each_now(device: &(impl Device + ?Sized), reads: Vec<ReadRequest>) {
+    for mut read in reads {
+        let offset = read.offset();
+        let result = device.read_vectored_at(&mut read.slices_mut(), offset);
+        read.complete(result);
+    }
+}
+
+/// Does each of `writes` now, in the caller's thread and in order, with
+/// [`Device::write_vectored_at`], and completes it: the [`Device::submit_writes`] of devices
+/// for which writes in flight together gain nothing (a local file, memory, a modelled disk).
+pub fn write_each_now(device: &(impl Device + ?Sized), writes: Vec<WriteRequest>) {
+    for mut write in writes {
+        let offset = write.offset();
+        let result = device.write_vectored_at(&write.slices(), offset);
+        write.complete(result);
+    }
+}
+
+/// Submits the borrowed `writes` as one batch ([`Device::submit_writes`]) and waits until
+/// every one has completed; one outcome per write, in order. For callers whose memory is
+/// borrowed (an io queue dispatching its submitters' requests, tests).
+pub fn write_batch_and_wait(
     device: &(impl Device + ?Sized),
     writes: &[BatchWrite<'_>],
 ) -> Vec<io::Result<()>> {
-    writes
+    let outcomes = Arc::new(Outcomes {
+        results: Mutex::new((0, (0..writes.len()).map(|_| None).collect())),
+        done: Condvar::new(),
+    });
+    let requests = writes
         .iter()
-        .map(|write| device.write_vectored_at(write.buffers, write.offset))
-        .collect()
-}
-
-/// Does `read` now, in the caller's thread, with [`Device::read_vectored_at`], and runs its
-/// completion: the [`Device::start_read`] of devices whose reads finish in the caller's
-/// thread anyway.
-pub fn read_now(device: &(impl Device + ?Sized), read: AsyncRead) {
-    let (offset, segments, done) = read.into_parts();
-    // SAFETY: the read's maker lent this memory until the completion runs (AsyncRead::new),
-    // and the completion runs only after these slices are gone.
-    let mut slices: Vec<IoSliceMut<'_>> = segments
-        .iter()
-        .map(|&(start, length)| {
-            IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(start.as_ptr(), length) })
+        .enumerate()
+        .map(|(index, write)| {
+            let memory = BorrowedWrite::new(write.buffers);
+            let outcomes = Arc::clone(&outcomes);
+            WriteRequest::new(write.offset, memory, move |_memory, result| {
+                outcomes.record(index, result)
+            })
         })
         .collect();
-    let result = device.read_vectored_at(&mut slices, offset);
-    drop(slices);
-    done(result);
+    device.submit_writes(requests);
+    outcomes.wait_all()
+}
+
+/// The outcomes of a borrowed batch, filled in by completions on any thread.
+struct Outcomes {
+    /// (completed so far, one slot per write).
+    results: Mutex<(usize, Vec<Option<io::Result<()>>>)>,
+    done: Condvar,
+}
+
+impl Outcomes {
+    fn record(&self, index: usize, result: io::Result<()>) {
+        let mut results = self.results.lock();
+        let slot = &mut results.1[index];
+        assert!(slot.is_none(), "a write completes once");
+        *slot = Some(result);
+        results.0 += 1;
+        if results.0 == results.1.len() {
+            self.done.notify_all();
+        }
+    }
+
+    fn wait_all(&self) -> Vec<io::Result<()>> {
+        let mut results = self.results.lock();
+        while results.0 < results.1.len() {
+            self.done.wait(&mut results);
+        }
+        std::mem::take(&mut results.1)
+            .into_iter()
+            .map(|result| result.expect("every write completed"))
+            .collect()
+    }
+}
+
+/// A borrowed write's memory, as raw (start, length) segments.
+///
+/// Sound only inside [`write_batch_and_wait`]: that function does not return (so the borrow
+/// it was given does not end) until every request made over this memory has completed or
+/// been dropped, and a request hands its memory to its completion, so no device can reach
+/// the memory afterwards.
+struct BorrowedWrite {
+    segments: Vec<(*const u8, usize)>,
+}
+
+// SAFETY: the memory is only read, and only while its lender waits (see the type's docs).
+unsafe impl Send for BorrowedWrite {}
+
+impl BorrowedWrite {
+    fn new(buffers: &[IoSlice<'_>]) -> Self {
+        BorrowedWrite {
+            segments: buffers
+                .iter()
+                .map(|buffer| (buffer.as_ptr(), buffer.len()))
+                .collect(),
+        }
+    }
+}
+
+impl WriteMemory for BorrowedWrite {
+    fn slices(&self) -> Vec<IoSlice<'_>> {
+        self.segments
+            .iter()
+            // SAFETY: the lender's borrow is alive while any request over it is (see above).
+            .map(|&(start, length)| {
+                IoSlice::new(unsafe { std::slice::from_raw_parts(start, length) })
+            })
+            .collect()
+    }
 }
 
 /// The alignment of the zero buffer: the largest logical block size O_DIRECT asks for.
@@ -351,18 +339,18 @@ pub fn check_range(device_length: u64, offset: u64, length: u64) -> io::Result<(
     }
 }
 
-impl<D: Device + ?Sized> Device for std::sync::Arc<D> {
+impl<D: Device + ?Sized> Device for Arc<D> {
     fn read_vectored_at(&self, buffers: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<()> {
         (**self).read_vectored_at(buffers, offset)
     }
     fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
         (**self).write_vectored_at(buffers, offset)
     }
-    fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
-        (**self).write_batch_at(writes)
+    fn submit_reads(&self, reads: Vec<ReadRequest>) {
+        (**self).submit_reads(reads)
     }
-    fn start_read(&self, read: AsyncRead) {
-        (**self).start_read(read)
+    fn submit_writes(&self, writes: Vec<WriteRequest>) {
+        (**self).submit_writes(writes)
     }
     fn flush(&self) -> io::Result<()> {
         (**self).flush()

@@ -30,7 +30,8 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::device::{total_length, AsyncRead, BatchWrite, Capabilities, Device, Extent};
+use crate::device::{total_length, Capabilities, Device, Extent};
+use crate::request::{ReadRequest, WriteRequest};
 use crate::rng::SeededRng;
 
 /// Sector size used to tear writes: a torn write keeps a whole number of these.
@@ -356,50 +357,43 @@ impl<D: Device> Device for FaultDevice<D> {
     /// Each write is admitted (counted, delayed, judged) as if it came alone, in order; the
     /// healthy ones then reach the inner device as one batch, so faults cost a batch none of
     /// its in-flight writes.
-    fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
-        let mut outcomes: Vec<Option<io::Result<()>>> = Vec::with_capacity(writes.len());
-        let mut healthy = Vec::new();
-        let mut healthy_positions = Vec::new();
-        for (position, write) in writes.iter().enumerate() {
-            let range = write.offset..write.offset + write.length_bytes();
-            match self.admit(FaultKind::Write, Some(range)) {
-                (number, Some(cause)) => outcomes.push(Some(Err(self.fail_write(
-                    write.buffers,
-                    write.offset,
-                    number,
-                    cause,
-                )))),
-                (_, None) => {
-                    outcomes.push(None);
-                    healthy.push(*write);
-                    healthy_positions.push(position);
+    fn submit_writes(&self, writes: Vec<WriteRequest>) {
+        let mut healthy = Vec::with_capacity(writes.len());
+        for mut write in writes {
+            let (offset, length) = (write.offset(), write.length_bytes());
+            match self.admit(FaultKind::Write, Some(offset..offset + length)) {
+                (number, Some(cause)) => {
+                    let error = self.fail_write(&write.slices(), offset, number, cause);
+                    write.complete(Err(error));
                 }
+                (_, None) => healthy.push(write),
             }
         }
-        let results = self.inner.write_batch_at(&healthy);
-        for (position, result) in healthy_positions.into_iter().zip(results) {
-            outcomes[position] = Some(result);
+        if !healthy.is_empty() {
+            self.inner.submit_writes(healthy);
         }
-        outcomes
-            .into_iter()
-            .map(|outcome| outcome.expect("every write of the batch has an outcome"))
-            .collect()
     }
 
-    /// Judged (and delayed) like a read now; a healthy one is passed on to be started.
-    fn start_read(&self, read: AsyncRead) {
-        let (offset, length) = (read.offset(), read.length_bytes());
-        let (number, cause) = self.admit(FaultKind::Read, Some(offset..offset + length));
-        match cause {
-            Some(cause) => read.finish(Err(Self::fault(
-                FaultKind::Read,
-                offset,
-                length,
-                number,
-                cause,
-                "",
-            ))),
-            None => self.inner.start_read(read),
+    /// Each read is judged (and delayed) as if it came alone; the healthy ones are passed on
+    /// together.
+    fn submit_reads(&self, reads: Vec<ReadRequest>) {
+        let mut healthy = Vec::with_capacity(reads.len());
+        for read in reads {
+            let (offset, length) = (read.offset(), read.length_bytes());
+            match self.admit(FaultKind::Read, Some(offset..offset + length)) {
+                (number, Some(cause)) => read.complete(Err(Self::fault(
+                    FaultKind::Read,
+                    offset,
+                    length,
+                    number,
+                    cause,
+                    "",
+                ))),
+                (_, None) => healthy.push(read),
+            }
+        }
+        if !healthy.is_empty() {
+            self.inner.submit_reads(healthy);
         }
     }
 
@@ -457,6 +451,7 @@ impl<D: Device> Device for FaultDevice<D> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::BatchWrite;
     use crate::memory::MemoryDevice;
 
     fn write(device: &dyn Device, offset: u64, data: &[u8]) -> io::Result<()> {
@@ -646,7 +641,7 @@ mod tests {
                 buffers,
             })
             .collect();
-        let results = device.write_batch_at(&writes);
+        let results = crate::device::write_batch_and_wait(&device, &writes);
         let failed: Vec<bool> = results.iter().map(Result::is_err).collect();
         assert_eq!(failed, [false, true, false, true]);
         assert!(results[1]

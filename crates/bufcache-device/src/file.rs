@@ -393,12 +393,12 @@ impl Device for FileDevice {
         result.map_err(|error| self.annotate("write", offset, length, error))
     }
 
-    fn write_batch_at(&self, writes: &[crate::device::BatchWrite<'_>]) -> Vec<io::Result<()>> {
-        crate::device::write_each(self, writes)
+    fn submit_reads(&self, reads: Vec<crate::request::ReadRequest>) {
+        crate::device::read_each_now(self, reads)
     }
 
-    fn start_read(&self, read: crate::device::AsyncRead) {
-        crate::device::read_now(self, read)
+    fn submit_writes(&self, writes: Vec<crate::request::WriteRequest>) {
+        crate::device::write_each_now(self, writes)
     }
 
     fn flush(&self) -> io::Result<()> {
@@ -430,7 +430,7 @@ impl Device for FileDevice {
             write_zeroes_fast: !self.block_device,
             extents: !self.block_device,
             write_unit_bytes: 1,
-            reads_complete_later: false,
+            completes_later: false,
             // Requests run in the caller's thread; parallel writers of one file contend for
             // its inode lock, so write-back to it is not batched.
             inflight_requests_max: 1,

@@ -7,13 +7,14 @@
 //! than `depth_max` requests are at the device, becomes the dispatcher for the best pending
 //! batch (possibly other threads' requests); otherwise it sleeps until its own request is done.
 //! Merging therefore happens exactly when requests wait, which is when it pays. A batch of
-//! writes (`write_batch_at`) is queued whole; its submitter then dispatches as many batches as
+//! writes (`submit_writes`) is queued whole; its submitter then dispatches as many batches as
 //! the depth allows at once and hands their writes to the inner device as one batch, so they
 //! stay in flight together below the queue too.
 //!
 //! Invariants:
 //! - at most `queued_max` requests wait and at most `depth_max` batches are at the device,
-//!   besides reads started asynchronously (`start_read`), which go to the device at once,
+//!   besides reads submitted to a device that completes them later (`submit_reads`), which go
+//!   to the device at once,
 //!   past the queue;
 //! - a request's memory is touched only while its submitter is blocked in the call, so the
 //!   raw slices handed between threads never outlive their borrow;
@@ -30,7 +31,11 @@ use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::device::{read_now, total_length, AsyncRead, BatchWrite, Capabilities, Device, Extent};
+use crate::device::{
+    read_each_now, total_length, write_batch_and_wait, write_each_now, BatchWrite, Capabilities,
+    Device, Extent,
+};
+use crate::request::{ReadRequest, WriteRequest};
 
 /// How the queue orders requests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -494,7 +499,7 @@ impl<D: Device> IoQueue<D> {
                 buffers: slices,
             })
             .collect();
-        let mut write_results = self.inner.write_batch_at(&batch_writes).into_iter();
+        let mut write_results = write_batch_and_wait(&self.inner, &batch_writes).into_iter();
         batches
             .iter()
             .map(|batch| match batch[0].direction {
@@ -577,27 +582,48 @@ impl<D: Device> Device for IoQueue<D> {
         self.submit(Direction::Write, offset, slices)
     }
 
-    fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
+    /// A batch of writes is queued whole and dispatched by the submitting thread (see the
+    /// module's docs); each write completes with its batch's outcome before this returns.
+    fn submit_writes(&self, mut writes: Vec<WriteRequest>) {
         if self.config.mode == QueueMode::None {
-            return self.inner.write_batch_at(writes);
+            return self.inner.submit_writes(writes);
         }
-        self.submit_batch(writes)
+        if writes.len() == 1 {
+            return write_each_now(self, writes);
+        }
+        let results = {
+            let slice_lists: Vec<(u64, Vec<IoSlice<'_>>)> = writes
+                .iter_mut()
+                .map(|write| (write.offset(), write.slices()))
+                .collect();
+            let batch: Vec<BatchWrite<'_>> = slice_lists
+                .iter()
+                .map(|(offset, buffers)| BatchWrite {
+                    offset: *offset,
+                    buffers,
+                })
+                .collect();
+            self.submit_batch(&batch)
+        };
+        for (write, result) in writes.into_iter().zip(results) {
+            write.complete(result);
+        }
     }
 
-    /// A read the inner device completes later goes to it at once, past the queue: it has no
-    /// submitter blocked in the call to dispatch it, the thread that started it must not
-    /// block (it is reading a client's next request), and counting it in the depth would let
-    /// a client with many reads in flight hold back everyone's queued requests. Over a device
-    /// whose reads finish in the caller's thread it takes its turn in the queue now.
-    fn start_read(&self, read: AsyncRead) {
+    /// Reads the inner device completes later go to it at once, past the queue: they have no
+    /// submitter blocked in the call to dispatch them, the thread that started them must not
+    /// block (it is reading a client's next request), and counting them in the depth would
+    /// let a client with many reads in flight hold back everyone's queued requests. Over a
+    /// device whose reads finish in the caller's thread each takes its turn in the queue now.
+    fn submit_reads(&self, reads: Vec<ReadRequest>) {
         if self.config.mode != QueueMode::None {
-            if !self.inner.capabilities().reads_complete_later {
-                return read_now(self, read);
+            if !self.inner.capabilities().completes_later {
+                return read_each_now(self, reads);
             }
-            self.entered.fetch_add(1, Relaxed);
-            self.issued.fetch_add(1, Relaxed);
+            self.entered.fetch_add(reads.len() as u64, Relaxed);
+            self.issued.fetch_add(reads.len() as u64, Relaxed);
         }
-        self.inner.start_read(read)
+        self.inner.submit_reads(reads)
     }
 
     fn flush(&self) -> io::Result<()> {
@@ -645,12 +671,12 @@ mod tests {
             self.0.write_vectored_at(buffers, offset)
         }
 
-        fn write_batch_at(&self, writes: &[crate::device::BatchWrite<'_>]) -> Vec<io::Result<()>> {
-            crate::device::write_each(self, writes)
+        fn submit_writes(&self, writes: Vec<crate::request::WriteRequest>) {
+            crate::device::write_each_now(self, writes)
         }
 
-        fn start_read(&self, read: crate::device::AsyncRead) {
-            crate::device::read_now(self, read)
+        fn submit_reads(&self, reads: Vec<crate::request::ReadRequest>) {
+            crate::device::read_each_now(self, reads)
         }
         fn flush(&self) -> io::Result<()> {
             Ok(())
@@ -779,29 +805,29 @@ mod tests {
             self.inner.read_vectored_at(buffers, offset)
         }
         fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
-            self.write_batch_at(&[BatchWrite { offset, buffers }])
+            write_batch_and_wait(self, &[BatchWrite { offset, buffers }])
                 .pop()
                 .expect("one outcome")
         }
-        fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
+        fn submit_writes(&self, writes: Vec<WriteRequest>) {
             self.batches.lock().push(
                 writes
                     .iter()
-                    .map(|write| (write.offset, write.length_bytes()))
+                    .map(|write| (write.offset(), write.length_bytes()))
                     .collect(),
             );
-            writes
-                .iter()
-                .map(|write| {
-                    if write.offset == self.failing_offset {
-                        return Err(io::Error::other("bad sector"));
-                    }
-                    self.inner.write_vectored_at(write.buffers, write.offset)
-                })
-                .collect()
+            for mut write in writes {
+                let offset = write.offset();
+                let result = if offset == self.failing_offset {
+                    Err(io::Error::other("bad sector"))
+                } else {
+                    self.inner.write_vectored_at(&write.slices(), offset)
+                };
+                write.complete(result);
+            }
         }
-        fn start_read(&self, read: AsyncRead) {
-            read_now(self, read)
+        fn submit_reads(&self, reads: Vec<crate::request::ReadRequest>) {
+            read_each_now(self, reads)
         }
         fn flush(&self) -> io::Result<()> {
             Ok(())
@@ -848,7 +874,7 @@ mod tests {
             .zip(&slices)
             .map(|(&offset, buffers)| BatchWrite { offset, buffers })
             .collect();
-        let results = queue.write_batch_at(&writes);
+        let results = write_batch_and_wait(&queue, &writes);
         let failed: Vec<bool> = results.iter().map(Result::is_err).collect();
         assert_eq!(failed, [false, false, true, false, false]);
         let batches = queue.inner().batches.lock().clone();
@@ -898,7 +924,9 @@ mod tests {
                 buffers,
             })
             .collect();
-        assert!(queue.write_batch_at(&writes).iter().all(Result::is_ok));
+        assert!(write_batch_and_wait(&queue, &writes)
+            .iter()
+            .all(Result::is_ok));
         let batches = queue.inner().batches.lock().clone();
         assert!(
             batches.iter().all(|batch| batch.len() <= 2),
@@ -935,12 +963,12 @@ mod tests {
             }
             self.inner.write_vectored_at(buffers, offset)
         }
-        fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
-            crate::device::write_each(self, writes)
+        fn submit_writes(&self, writes: Vec<crate::request::WriteRequest>) {
+            crate::device::write_each_now(self, writes)
         }
-        fn start_read(&self, read: AsyncRead) {
+        fn submit_reads(&self, reads: Vec<ReadRequest>) {
             let inner = Arc::clone(&self.inner);
-            std::thread::spawn(move || read_now(inner.as_ref(), read));
+            std::thread::spawn(move || read_each_now(inner.as_ref(), reads));
         }
         fn flush(&self) -> io::Result<()> {
             Ok(())
@@ -956,7 +984,7 @@ mod tests {
         }
         fn capabilities(&self) -> Capabilities {
             Capabilities {
-                reads_complete_later: true,
+                completes_later: true,
                 ..self.inner.capabilities()
             }
         }
@@ -1001,18 +1029,15 @@ mod tests {
             })
         };
         write_started.recv().unwrap();
-        let mut target = vec![0u8; 4096];
         let (done_sender, done) = std::sync::mpsc::channel();
-        // SAFETY: `target` is not touched until the completion has run (received below).
-        let read = unsafe {
-            AsyncRead::new(65536, &mut [IoSliceMut::new(&mut target)], move |result| {
-                done_sender.send(result).unwrap()
-            })
-        };
-        queue.start_read(read);
-        done.recv_timeout(Duration::from_secs(10))
-            .expect("the started read ended while the depth was full")
-            .unwrap();
+        let read = ReadRequest::new(65536, vec![0u8; 4096], move |target: Vec<u8>, result| {
+            done_sender.send((target, result)).unwrap()
+        });
+        queue.submit_reads(vec![read]);
+        let (target, result) = done
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the started read ended while the depth was full");
+        result.unwrap();
         assert!(target.iter().all(|&byte| byte == 7));
         assert!(!writer.is_finished(), "the write still holds the depth");
         open_gate.send(()).unwrap();

@@ -19,6 +19,7 @@ pub mod file;
 pub mod flush_group;
 pub mod io_queue;
 pub mod memory;
+pub mod request;
 pub mod rng;
 pub mod sparse;
 pub mod sync;
@@ -26,8 +27,8 @@ pub mod sync;
 pub use counting::{CountingDevice, DeviceStats, DirectionStats};
 pub use crash::{CrashDevice, CrashMode, CrashStats};
 pub use device::{
-    all_data, check_range, read_now, total_length, write_each, write_zeroes_by_writing, AsyncRead,
-    BatchWrite, Capabilities, Device, Extent, ReadCompletion,
+    all_data, check_range, read_each_now, total_length, write_batch_and_wait, write_each_now,
+    write_zeroes_by_writing, BatchWrite, Capabilities, Device, Extent,
 };
 pub use fault::{FaultDevice, FaultKind, FaultStats};
 pub use file::{FileDevice, FileDeviceError, FileDeviceOptions};
@@ -37,6 +38,7 @@ pub use io_queue::{
     Queued,
 };
 pub use memory::MemoryDevice;
+pub use request::{ReadMemory, ReadRequest, Request, WriteMemory, WriteRequest};
 pub use rng::SeededRng;
 pub use sparse::SparseStore;
 pub use sync::{DeadlineMutex, DeadlineMutexGuard, SleepingMutex};

@@ -70,12 +70,12 @@ impl Device for MemoryDevice {
         Ok(())
     }
 
-    fn write_batch_at(&self, writes: &[crate::device::BatchWrite<'_>]) -> Vec<io::Result<()>> {
-        crate::device::write_each(self, writes)
+    fn submit_reads(&self, reads: Vec<crate::request::ReadRequest>) {
+        crate::device::read_each_now(self, reads)
     }
 
-    fn start_read(&self, read: crate::device::AsyncRead) {
-        crate::device::read_now(self, read)
+    fn submit_writes(&self, writes: Vec<crate::request::WriteRequest>) {
+        crate::device::write_each_now(self, writes)
     }
 
     fn flush(&self) -> io::Result<()> {

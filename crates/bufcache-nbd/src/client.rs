@@ -23,8 +23,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use bufcache::device::{
-    check_range, AsyncRead, BatchWrite, Capabilities, Device, Extent, FlushGroup, ReadCompletion,
-    SleepingMutex,
+    check_range, Capabilities, Device, Extent, FlushGroup, ReadRequest, SleepingMutex, WriteRequest,
 };
 use parking_lot::{Condvar, Mutex};
 
@@ -247,10 +246,13 @@ impl ReadTarget {
     }
 }
 
-/// The pieces of a started read still in flight, the first error among the ended ones, and
-/// the read's completion, run when the last piece ends.
+/// What runs when the last piece of a submitted request ends, with the first error.
+type PiecesDone = Box<dyn FnOnce(io::Result<()>) + Send>;
+
+/// The pieces of a submitted request still in flight, the first error among the ended ones,
+/// and what completes the request, run when the last piece ends.
 struct PiecesLeft {
-    state: Mutex<(usize, Option<io::Error>, Option<ReadCompletion>)>,
+    state: Mutex<(usize, Option<io::Error>, Option<PiecesDone>)>,
 }
 
 impl PiecesLeft {
@@ -261,7 +263,8 @@ impl PiecesLeft {
             if let Err(error) = outcome {
                 state.1.get_or_insert(error);
             }
-            if state.0 > 0 {
+            // Without a completion yet, the first error waits for it (`then`).
+            if state.0 > 0 || state.2.is_none() {
                 return;
             }
             (state.1.take(), state.2.take())
@@ -272,12 +275,33 @@ impl PiecesLeft {
     }
 }
 
-/// A started read's memory as the raw (start, length) pairs [`SliceCursor`] cuts.
-fn raw_segments(segments: &[(NonNull<u8>, usize)]) -> Vec<(*mut u8, usize)> {
-    segments
-        .iter()
-        .map(|&(start, length)| (start.as_ptr(), length))
-        .collect()
+impl PiecesLeft {
+    fn new(count: usize, done: PiecesDone) -> Arc<PiecesLeft> {
+        Arc::new(PiecesLeft {
+            state: Mutex::new((count, None, Some(done))),
+        })
+    }
+
+    /// Pieces whose completion is given later ([`PiecesLeft::then`]), once the request's
+    /// memory is no longer borrowed for sending.
+    fn waiting(count: usize) -> Arc<PiecesLeft> {
+        Arc::new(PiecesLeft {
+            state: Mutex::new((count, None, None)),
+        })
+    }
+
+    /// Gives the completion: it runs when the last piece ends, or now if every piece has.
+    fn then(&self, done: PiecesDone) {
+        let finished = {
+            let mut state = self.state.lock();
+            if state.0 > 0 {
+                state.2 = Some(done);
+                return;
+            }
+            state.1.take()
+        };
+        done(finished.map_or(Ok(()), Err));
+    }
 }
 
 impl Slot {
@@ -857,46 +881,78 @@ impl NbdClient {
     }
 
     /// Sends the READs for `read` (one per piece the server takes) and returns; the reply
-    /// thread writes the data into the read's memory and, once every piece has ended, runs
-    /// its completion with the first error, if any.
-    fn start_read_now_or_later(&self, read: AsyncRead) {
-        let length_bytes = read.length_bytes();
-        if let Err(error) = check_range(self.size(), read.offset(), length_bytes) {
-            return read.finish(Err(error));
+    /// thread writes the data into the read's memory and, once every piece has ended,
+    /// completes it with the first error, if any.
+    fn submit_read(&self, mut read: ReadRequest) {
+        let (offset, length_bytes) = (read.offset(), read.length_bytes());
+        if let Err(error) = check_range(self.size(), offset, length_bytes) {
+            return read.complete(Err(error));
         }
         if length_bytes == 0 {
-            return read.finish(Ok(()));
+            return read.complete(Ok(()));
         }
-        let (offset, segments, done) = read.into_parts();
         let splits = self.pieces(offset, length_bytes);
         let lengths: Vec<usize> = splits.iter().map(|&(_, length)| length as usize).collect();
-        let whole = raw_segments(&segments);
-        let mut cursor = SliceCursor::default();
-        let targets: Vec<ReadTarget> = lengths
-            .iter()
-            .map(|&length| ReadTarget {
-                segments: cursor.take(&whole, length),
-            })
-            .collect();
-        let pieces = Arc::new(PiecesLeft {
-            state: Mutex::new((splits.len(), None, Some(done))),
-        });
+        // The memory is owned by the request and stays where it is while the request is held
+        // (below, until the last piece ends), so targets into it stay valid that long: the
+        // reply thread writes a piece only before that piece's slot is done.
+        let targets = ReadTarget::carve_all(&mut read.slices_mut(), &lengths);
+        let pieces = PiecesLeft::new(splits.len(), Box::new(move |result| read.complete(result)));
         for ((piece_offset, piece_length), target) in splits.into_iter().zip(targets) {
             let header = self.header(CMD_READ, 0, piece_offset, piece_length.into());
-            let uri = self.shared.uri.clone();
-            let pieces = Arc::clone(&pieces);
-            let callback: SlotCallback = Box::new(move |completion| {
-                let outcome = completion_outcome(&uri, &header, completion);
-                pieces.end_one(outcome.map(|_| ()).map_err(io::Error::from));
-            });
             let expect = Expect::Read {
                 offset: piece_offset,
                 length_bytes: piece_length,
             };
-            let slot = Slot::with_callback(expect, Some(target), Some(callback));
-            if let Err(error) = self.submit_slot(header, &[], &slot) {
-                slot.fail(&error.to_string());
+            self.submit_piece(header, &[], expect, Some(target), &pieces);
+        }
+    }
+
+    /// Sends the WRITEs for `write` (one per piece the server takes) and returns; the reply
+    /// thread completes it once every piece has ended, with the first error, if any. The
+    /// bytes have left when this returns; the request is held until its replies come.
+    fn submit_write(&self, mut write: WriteRequest) {
+        let (offset, length_bytes) = (write.offset(), write.length_bytes());
+        if let Err(error) = self.check_writable(offset, length_bytes) {
+            return write.complete(Err(error));
+        }
+        let splits = self.pieces(offset, length_bytes);
+        if splits.is_empty() {
+            return write.complete(Ok(()));
+        }
+        let pieces = PiecesLeft::waiting(splits.len());
+        {
+            let buffers = write.slices();
+            let mut position = 0usize;
+            for (piece_offset, piece_length) in splits {
+                let header = self.header(CMD_WRITE, 0, piece_offset, piece_length.into());
+                let parts = gather(&buffers, position, piece_length as usize);
+                position += piece_length as usize;
+                self.submit_piece(header, &parts, Expect::Nothing, None, &pieces);
             }
+        }
+        pieces.then(Box::new(move |result| write.complete(result)));
+    }
+
+    /// Registers and sends one piece of a submitted request; its end (or its failure to be
+    /// sent) counts towards `pieces`.
+    fn submit_piece(
+        &self,
+        header: RequestHeader,
+        payload: &[&[u8]],
+        expect: Expect,
+        target: Option<ReadTarget>,
+        pieces: &Arc<PiecesLeft>,
+    ) {
+        let uri = self.shared.uri.clone();
+        let pieces = Arc::clone(pieces);
+        let callback: SlotCallback = Box::new(move |completion| {
+            let outcome = completion_outcome(&uri, &header, completion);
+            pieces.end_one(outcome.map(|_| ()).map_err(io::Error::from));
+        });
+        let slot = Slot::with_callback(expect, target, Some(callback));
+        if let Err(error) = self.submit_slot(header, payload, &slot) {
+            slot.fail(&error.to_string());
         }
     }
 
@@ -1445,23 +1501,21 @@ impl Device for NbdClient {
         Ok(self.write_vectored(offset, buffers, false)?)
     }
 
-    fn start_read(&self, read: AsyncRead) {
-        self.start_read_now_or_later(read);
+    /// Every piece of every read is sent before this returns; the reply thread completes
+    /// each read.
+    fn submit_reads(&self, reads: Vec<ReadRequest>) {
+        for read in reads {
+            self.submit_read(read);
+        }
     }
 
-    /// Every piece of every write is sent before any reply is waited for, so a batch costs
-    /// about one round trip instead of one per write.
-    fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
-        let sent: Vec<io::Result<Vec<SentPiece>>> = writes
-            .iter()
-            .map(|write| {
-                self.check_writable(write.offset, write.length_bytes())?;
-                Ok(self.send_write(write.offset, write.buffers, false))
-            })
-            .collect();
-        sent.into_iter()
-            .map(|pieces| Ok(self.complete_all(pieces?)?))
-            .collect()
+    /// Every piece of every write is sent before this returns, and none waits for a reply,
+    /// so a batch costs about one round trip instead of one per write; the reply thread
+    /// completes each write.
+    fn submit_writes(&self, writes: Vec<WriteRequest>) {
+        for write in writes {
+            self.submit_write(write);
+        }
     }
 
     /// A FLUSH asked for while another is in flight waits for it and then shares the next
@@ -1506,7 +1560,7 @@ impl Device for NbdClient {
             extents: true,
             write_unit_bytes: 1,
             // The reply thread completes reads started with `start_read`.
-            reads_complete_later: true,
+            completes_later: true,
             inflight_requests_max: UPSTREAM_INFLIGHT_REQUESTS_MAX,
             request_bytes_max: u64::from(self.piece_bytes_max()),
             // Every write would fail with EPERM upstream: the cache must not accept any.

@@ -17,7 +17,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bufcache::{AsyncRead, BatchWrite, Capabilities, Device, Extent};
+use bufcache::device::write_batch_and_wait;
+use bufcache::{BatchWrite, Capabilities, Device, Extent, ReadRequest, WriteRequest};
 use parking_lot::Mutex;
 
 use crate::client::{ClientError, NbdClient};
@@ -67,6 +68,46 @@ pub struct ReconnectingClient {
 }
 
 impl ReconnectingClient {
+    /// Writes a borrowed batch on the current connection, retrying writes the connection
+    /// lost once on a new one; one outcome per write.
+    fn write_batch(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
+        let client = match self.client() {
+            Ok(client) => client,
+            Err(error) => return writes.iter().map(|_| Err(copy_error(&error))).collect(),
+        };
+        let mut results = write_batch_and_wait(&*client, writes);
+        // Writes this connection acknowledged need a FLUSH on it: say so before a loss is
+        // recorded, so that the loss marks them as possibly not durable.
+        if results.iter().any(Result::is_ok) {
+            self.wrote();
+        }
+        let lost: Vec<usize> = (0..results.len())
+            .filter(|&position| results[position].as_ref().is_err_and(is_disconnect))
+            .collect();
+        if let Some(&first) = lost.first() {
+            if let Err(error) = &results[first] {
+                self.lost(&client, error);
+            }
+            if let Ok(client) = self.client() {
+                let retry: Vec<BatchWrite<'_>> =
+                    lost.iter().map(|&position| writes[position]).collect();
+                let retried = write_batch_and_wait(&*client, &retry);
+                if retried.iter().any(Result::is_ok) {
+                    self.wrote();
+                }
+                for (&position, result) in lost.iter().zip(retried) {
+                    if let Err(error) = &result {
+                        if is_disconnect(error) {
+                            self.lost(&client, error);
+                        }
+                    }
+                    results[position] = result;
+                }
+            }
+        }
+        results
+    }
+
     /// Connects for the first time; failing here is an error (there is no size to serve yet).
     pub fn connect(uri: &str, policy: ReconnectPolicy) -> Result<ReconnectingClient, ClientError> {
         let client = NbdClient::connect(uri)?;
@@ -253,57 +294,44 @@ impl Device for ReconnectingClient {
         Ok(())
     }
 
-    /// The batch goes to the current connection whole. Writes that failed because that
-    /// connection was lost are retried once, together, on a new one (as [`Self::run`] does
-    /// for a single request); writes that succeeded are not sent again.
-    fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
-        let client = match self.client() {
-            Ok(client) => client,
-            Err(error) => return writes.iter().map(|_| Err(copy_error(&error))).collect(),
+    /// The batch goes to the current connection whole, and each write completes before this
+    /// returns: writes that failed because that connection was lost are retried once,
+    /// together, on a new one (as [`Self::run`] does for a single request); writes that
+    /// succeeded are not sent again.
+    fn submit_writes(&self, mut writes: Vec<WriteRequest>) {
+        let results = {
+            let slice_lists: Vec<(u64, Vec<IoSlice<'_>>)> = writes
+                .iter_mut()
+                .map(|write| (write.offset(), write.slices()))
+                .collect();
+            let batch: Vec<BatchWrite<'_>> = slice_lists
+                .iter()
+                .map(|(offset, buffers)| BatchWrite {
+                    offset: *offset,
+                    buffers,
+                })
+                .collect();
+            self.write_batch(&batch)
         };
-        let mut results = client.write_batch_at(writes);
-        // Writes this connection acknowledged need a FLUSH on it: say so before a loss is
-        // recorded, so that the loss marks them as possibly not durable.
-        if results.iter().any(Result::is_ok) {
-            self.wrote();
+        for (write, result) in writes.into_iter().zip(results) {
+            write.complete(result);
         }
-        let lost: Vec<usize> = (0..results.len())
-            .filter(|&position| results[position].as_ref().is_err_and(is_disconnect))
-            .collect();
-        if let Some(&first) = lost.first() {
-            if let Err(error) = &results[first] {
-                self.lost(&client, error);
-            }
-            if let Ok(client) = self.client() {
-                let retry: Vec<BatchWrite<'_>> =
-                    lost.iter().map(|&position| writes[position]).collect();
-                let retried = client.write_batch_at(&retry);
-                if retried.iter().any(Result::is_ok) {
-                    self.wrote();
-                }
-                for (&position, result) in lost.iter().zip(retried) {
-                    if let Err(error) = &result {
-                        if is_disconnect(error) {
-                            self.lost(&client, error);
-                        }
-                    }
-                    results[position] = result;
-                }
-            }
-        }
-        results
     }
 
-    /// Started on the current connection when there is one. Without one it fails at once
-    /// rather than reconnect here, in the thread that started it (which is reading a
+    /// Started on the current connection when there is one. Without one they fail at once
+    /// rather than reconnect here, in the thread that started them (which is reading a
     /// client's requests): the caller serves a failed started read again synchronously,
     /// which is where reconnecting happens, as it does for a read the connection fails
     /// while in flight.
-    fn start_read(&self, read: AsyncRead) {
+    fn submit_reads(&self, reads: Vec<ReadRequest>) {
         let current = self.state.lock().current.clone();
         match current {
-            Some(client) => client.start_read(read),
-            None => read.finish(Err(self.down_error("not connected; reconnecting"))),
+            Some(client) => client.submit_reads(reads),
+            None => {
+                for read in reads {
+                    read.complete(Err(self.down_error("not connected; reconnecting")));
+                }
+            }
         }
     }
 

@@ -9,7 +9,7 @@ use std::io::{IoSlice, IoSliceMut};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bufcache::Device;
+use bufcache::{Device, ReadRequest};
 use bufcache_nbd::{ClientError, Export, MemoryExport, NbdClient, ServerConfig};
 use common::*;
 
@@ -541,7 +541,7 @@ fn a_write_batch_is_in_flight_upstream_at_once_and_answers_each_write() {
         .zip(&slices)
         .map(|(&offset, buffers)| bufcache::BatchWrite { offset, buffers })
         .collect();
-    let results = client.write_batch_at(&writes);
+    let results = bufcache::device::write_batch_and_wait(&client, &writes);
     assert_eq!(results.len(), 17);
     assert!(results[..16].iter().all(Result::is_ok), "{results:?}");
     let past_end = results[16].as_ref().unwrap_err();
@@ -575,7 +575,7 @@ fn a_write_batch_is_in_flight_upstream_at_once_and_answers_each_write() {
 
 #[test]
 fn a_started_read_larger_than_the_server_takes_ends_once_on_the_reply_thread_with_every_piece() {
-    // Goal: `Device::start_read` over NBD never reads in the caller's thread: a read longer
+    // Goal: `Device::submit_reads` over NBD never reads in the caller's thread: a read longer
     // than the server's maximum block size goes out as several READs, and the completion runs
     // once, on the reply thread, after the last piece, with every byte; a read past the end
     // fails at once. Method: our server with a 64 KiB maximum request; a started read of
@@ -592,20 +592,17 @@ fn a_started_read_larger_than_the_server_takes_ends_once_on_the_reply_thread_wit
     );
     let client = NbdClient::connect(&server.tcp_uri("mem")).unwrap();
     let (offset, first_part, second_part) = (4097u64, 70_000usize, 134_800usize);
-    let mut first = vec![0u8; first_part];
-    let mut second = vec![0u8; second_part];
     let (sender, receiver) = std::sync::mpsc::channel();
-    // SAFETY: the buffers are not touched until the completion has run (received below).
-    let read = unsafe {
-        bufcache::AsyncRead::new(
-            offset,
-            &mut [IoSliceMut::new(&mut first), IoSliceMut::new(&mut second)],
-            move |result| sender.send((result, std::thread::current().id())).unwrap(),
-        )
-    };
-    client.start_read(read);
-    let (result, thread) = receiver.recv_timeout(Duration::from_secs(10)).unwrap();
+    let memory = vec![vec![0u8; first_part], vec![0u8; second_part]];
+    let read = ReadRequest::new(offset, memory, move |memory: Vec<Vec<u8>>, result| {
+        sender
+            .send((memory, result, std::thread::current().id()))
+            .unwrap()
+    });
+    client.submit_reads(vec![read]);
+    let (memory, result, thread) = receiver.recv_timeout(Duration::from_secs(10)).unwrap();
     result.unwrap();
+    let (first, second) = (&memory[0], &memory[1]);
     assert_ne!(
         thread,
         std::thread::current().id(),
@@ -613,20 +610,14 @@ fn a_started_read_larger_than_the_server_takes_ends_once_on_the_reply_thread_wit
     );
     assert!(receiver.try_recv().is_err(), "the completion ran once");
     let start = offset as usize;
-    assert!(first == contents[start..start + first_part]);
-    assert!(second == contents[start + first_part..start + first_part + second_part]);
+    assert!(*first == contents[start..start + first_part]);
+    assert!(*second == contents[start + first_part..start + first_part + second_part]);
 
-    let mut past = vec![0u8; 4096];
     let (sender, receiver) = std::sync::mpsc::channel();
-    // SAFETY: as above.
-    let read = unsafe {
-        bufcache::AsyncRead::new(
-            (1 << 20) - 100,
-            &mut [IoSliceMut::new(&mut past)],
-            move |r| sender.send(r).unwrap(),
-        )
-    };
-    client.start_read(read);
+    let read = ReadRequest::new((1 << 20) - 100, vec![0u8; 4096], move |_: Vec<u8>, r| {
+        sender.send(r).unwrap()
+    });
+    client.submit_reads(vec![read]);
     let error = receiver
         .recv_timeout(Duration::from_secs(10))
         .unwrap()

@@ -56,20 +56,19 @@ impl Device for S3Device {
 
     /// Every chunk request of every write goes to the store at once (up to the store's
     /// in-flight bound): a batch of scattered runs costs about one round trip, not one each.
-    fn write_batch_at(&self, writes: &[bufcache::device::BatchWrite<'_>]) -> Vec<io::Result<()>> {
+    fn submit_writes(&self, mut writes: Vec<bufcache::device::WriteRequest>) {
         let gathered = writes
-            .iter()
-            .map(|write| (gather(write.buffers), write.offset))
+            .iter_mut()
+            .map(|write| (gather(&write.slices()), write.offset()))
             .collect();
-        self.store
-            .write_batch(gathered)
-            .into_iter()
-            .map(|result| result.map_err(io::Error::from))
-            .collect()
+        let results = self.store.write_batch(gathered);
+        for (write, result) in writes.into_iter().zip(results) {
+            write.complete(result.map_err(io::Error::from));
+        }
     }
 
-    fn start_read(&self, read: bufcache::AsyncRead) {
-        bufcache::device::read_now(self, read)
+    fn submit_reads(&self, reads: Vec<bufcache::device::ReadRequest>) {
+        bufcache::device::read_each_now(self, reads)
     }
 
     /// Every write returned only after the store acknowledged its PUTs and DELETEs, so there

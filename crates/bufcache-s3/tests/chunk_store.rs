@@ -289,7 +289,7 @@ fn a_write_batch_keeps_its_puts_in_flight_together_and_each_write_its_outcome() 
         },
     );
     proxy.reset_peak();
-    let results = device.write_batch_at(&writes);
+    let results = bufcache::device::write_batch_and_wait(&device, &writes);
     assert_eq!(results.len(), writes.len(), "one outcome per write");
     for (index, result) in results.iter().enumerate() {
         assert_eq!(

@@ -1368,33 +1368,39 @@ impl Device for SimDevice {
         Ok(())
     }
 
-    /// Every write of the batch is issued at once, so behind an io queue they wait there
-    /// together (sorted, and merged where adjacent); each keeps its own outcome.
-    fn write_batch_at(&self, writes: &[bufcache::device::BatchWrite<'_>]) -> Vec<io::Result<()>> {
+    /// Every write of a batch is issued at once, so behind an io queue they wait there
+    /// together (sorted, and merged where adjacent); each keeps its own outcome. A single
+    /// write is a plain write. Every write completes before this returns.
+    fn submit_writes(&self, mut writes: Vec<bufcache::device::WriteRequest>) {
+        if writes.len() == 1 {
+            return bufcache::device::write_each_now(self, writes);
+        }
         let mut requests = Vec::with_capacity(writes.len());
-        let results = writes
-            .iter()
+        let results: Vec<io::Result<()>> = writes
+            .iter_mut()
             .map(|write| {
-                let length = write.length_bytes();
-                bufcache::device::check_range(self.length, write.offset, length)?;
+                let (offset, length) = (write.offset(), write.length_bytes());
+                bufcache::device::check_range(self.length, offset, length)?;
                 // A failed write still costs the disk its time.
-                requests.push((Op::Write, write.offset, length));
-                self.draw(|c| c.write_error_probability, "write", write.offset, length)?;
+                requests.push((Op::Write, offset, length));
+                self.draw(|c| c.write_error_probability, "write", offset, length)?;
                 let mut contents = self.contents();
-                let mut at = write.offset;
-                for buffer in write.buffers {
-                    contents.store(buffer, at);
+                let mut at = offset;
+                for buffer in write.slices() {
+                    contents.store(&buffer, at);
                     at += buffer.len() as u64;
                 }
                 Ok(())
             })
             .collect();
         self.core.io_batch(&requests);
-        results
+        for (write, result) in writes.into_iter().zip(results) {
+            write.complete(result);
+        }
     }
 
-    fn start_read(&self, read: bufcache::AsyncRead) {
-        bufcache::device::read_now(self, read)
+    fn submit_reads(&self, reads: Vec<bufcache::device::ReadRequest>) {
+        bufcache::device::read_each_now(self, reads)
     }
 
     fn flush(&self) -> io::Result<()> {

@@ -18,8 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bufcache::device::{
-    all_data, read_now, write_each, write_zeroes_by_writing, AsyncRead, BatchWrite, Capabilities,
-    Extent,
+    all_data, read_each_now, write_each_now, write_zeroes_by_writing, Capabilities, Extent,
 };
 use bufcache::{
     Cache, CacheConfig, Device, Environment, InlineSpawner, MemoryDevice, ObjectConfig,
@@ -43,11 +42,11 @@ impl Device for NoDataDevice {
     fn write_vectored_at(&self, _buffers: &[IoSlice<'_>], _offset: u64) -> io::Result<()> {
         Ok(())
     }
-    fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
-        write_each(self, writes)
+    fn submit_writes(&self, writes: Vec<bufcache::device::WriteRequest>) {
+        write_each_now(self, writes)
     }
-    fn start_read(&self, read: AsyncRead) {
-        read_now(self, read)
+    fn submit_reads(&self, reads: Vec<bufcache::device::ReadRequest>) {
+        read_each_now(self, reads)
     }
     fn flush(&self) -> io::Result<()> {
         Ok(())

@@ -25,7 +25,7 @@ use crate::readahead::ReadaheadPlan;
 use crate::stats::WritebackCause;
 use crate::table::{Lookup, RunLookup};
 use crate::writeback::LockMode;
-use bufcache_device::{AsyncRead, Device, Extent};
+use bufcache_device::{Device, Extent, ReadMemory};
 
 /// How [`ObjectHandle::zero`] may zero a range.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -103,6 +103,12 @@ impl BufferGuard {
         unsafe { self.buffer.bytes_mut() }
     }
 
+    /// The bytes that exist on the device: the block, or less for a short last block.
+    fn device_data_mut(&mut self) -> &mut [u8] {
+        // SAFETY: the guard holds the buffer lock exclusively and borrows self mutably.
+        unsafe { self.buffer.device_bytes_mut() }
+    }
+
     /// Declares the bytes valid after the caller filled them itself (a clean buffer).
     pub fn mark_valid(&mut self) {
         self.buffer.set(VALID);
@@ -124,6 +130,20 @@ impl Drop for BufferGuard {
         // SAFETY: the guard holds the lock exclusively until now.
         unsafe { self.buffer.unlock_exclusive() };
         self.inner.table().unpin(&self.buffer);
+    }
+}
+
+/// A run of buffers held exclusively, lent to the device as one read's memory: the guards move
+/// with the request and come back with its completion, so the memory lives as long as the
+/// read does.
+struct GuardRun(Vec<BufferGuard>);
+
+impl ReadMemory for GuardRun {
+    fn slices_mut(&mut self) -> Vec<IoSliceMut<'_>> {
+        self.0
+            .iter_mut()
+            .map(|guard| IoSliceMut::new(guard.device_data_mut()))
+            .collect()
     }
 }
 
@@ -401,7 +421,7 @@ impl ObjectHandle {
     }
 
     /// Starts a read of `length_bytes` at `offset` whose blocks are all missing, over a device
-    /// that completes reads on a thread of its own ([`Capabilities::reads_complete_later`]:
+    /// that completes requests on a thread of its own ([`Capabilities::completes_later`]:
     /// an NBD upstream), and returns without waiting. `done` runs on that thread with the
     /// bytes, in the cache's buffers, or with the error; the read counts, extends into
     /// read-ahead and starts further read-ahead as [`ObjectHandle::read_at`] would.
@@ -413,7 +433,7 @@ impl ObjectHandle {
     /// caller's thread, no room without waiting) is not started: `done` comes back as `Err`
     /// and the caller reads as usual.
     ///
-    /// [`Capabilities::reads_complete_later`]: bufcache_device::Capabilities
+    /// [`Capabilities::completes_later`]: bufcache_device::Capabilities
     pub fn start_read(
         &self,
         offset: u64,
@@ -423,7 +443,7 @@ impl ObjectHandle {
         let object = &self.object;
         if length_bytes == 0
             || object.check_range(offset, length_bytes).is_err()
-            || !self.inner().io().capabilities(object).reads_complete_later
+            || !self.inner().io().capabilities(object).completes_later
         {
             return Err(done);
         }
@@ -465,27 +485,13 @@ impl ObjectHandle {
             .fetch_add(readahead_blocks, Ordering::Relaxed);
         counters.reads_started.fetch_add(1, Ordering::Relaxed);
         let device_offset = object.map.map(first).device_offset;
-        // SAFETY: every guard holds its buffer exclusively, and the guards move into the
-        // completion below, so the memory stays valid and untouched until the device has
-        // filled it and the completion runs.
-        let mut slices: Vec<IoSliceMut<'static>> = run
-            .iter()
-            .map(|guard| {
-                let bytes = unsafe { guard.buffer.device_bytes_mut() };
-                IoSliceMut::new(unsafe {
-                    std::slice::from_raw_parts_mut(bytes.as_mut_ptr(), bytes.len())
-                })
-            })
-            .collect();
         let handle = self.background_handle();
-        let completion = move |result: std::io::Result<()>| {
+        let completion = move |run: GuardRun, result: std::io::Result<()>| {
             let started =
-                handle.finish_started_read(run, result, device_offset, offset, length_bytes);
+                handle.finish_started_read(run.0, result, device_offset, offset, length_bytes);
             done(started);
         };
-        // SAFETY: see above.
-        let read = unsafe { AsyncRead::new(device_offset, &mut slices, completion) };
-        drop(slices);
+        let read = bufcache_device::ReadRequest::new(device_offset, GuardRun(run), completion);
         self.inner().io().start_read(object, read);
         self.start_planned_readahead_in_background(&planned);
         Ok(())
@@ -864,9 +870,8 @@ impl ObjectHandle {
     ) -> Result<(), CacheError> {
         let inner = self.inner();
         let mut slices: Vec<IoSliceMut<'_>> = run
-            .iter()
-            // SAFETY: every guard holds its buffer exclusively.
-            .map(|guard| IoSliceMut::new(unsafe { guard.buffer.device_bytes_mut() }))
+            .iter_mut()
+            .map(|guard| IoSliceMut::new(guard.device_data_mut()))
             .collect();
         inner.io().read(&self.object, &mut slices, device_offset)?;
         drop(slices);

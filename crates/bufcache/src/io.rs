@@ -25,10 +25,12 @@
 
 use std::collections::HashMap;
 use std::io::IoSliceMut;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use bufcache_device::{AsyncRead, BatchWrite, Capabilities, Device, Extent};
+use bufcache_device::{
+    total_length, Capabilities, Device, Extent, ReadRequest, WriteMemory, WriteRequest,
+};
 use parking_lot::Mutex;
 
 use crate::environment::Waiter;
@@ -104,6 +106,62 @@ impl DeviceSlots {
                 Err(seen) => current = seen,
             }
         }
+    }
+}
+
+/// The outcomes of one write-back batch, filled in by its completions (on the device's
+/// thread, or the submitter's), and waited for through the injected waiter.
+struct Outcomes {
+    /// One slot per write; each is filled exactly once.
+    results: Mutex<Vec<Option<std::io::Result<()>>>>,
+    /// Writes not completed yet.
+    remaining: AtomicUsize,
+    /// Set by the submitter before it first waits, so the last completion wakes the waiter
+    /// only when someone sleeps (a device that completes in the caller's thread never
+    /// notifies anyone).
+    waiting: AtomicBool,
+    waiter: Arc<dyn Waiter>,
+}
+
+impl Outcomes {
+    fn new(count: usize, waiter: Arc<dyn Waiter>) -> Self {
+        Outcomes {
+            results: Mutex::new((0..count).map(|_| None).collect()),
+            remaining: AtomicUsize::new(count),
+            waiting: AtomicBool::new(false),
+            waiter,
+        }
+    }
+
+    fn record(&self, index: usize, result: std::io::Result<()>) {
+        let previous = self.results.lock()[index].replace(result);
+        strict_assert!(previous.is_none(), "a write completes once");
+        // SeqCst pairs with the submitter's store of `waiting` and load of `remaining`:
+        // either it sees this write done, or this sees it waiting and wakes it.
+        if self.remaining.fetch_sub(1, Ordering::SeqCst) == 1 && self.waiting.load(Ordering::SeqCst)
+        {
+            self.waiter.notify_all();
+        }
+    }
+
+    /// Waits until every write has completed; their outcomes, in order.
+    fn wait_all(&self) -> Vec<std::io::Result<()>> {
+        let mut sleep_ns = SLOT_POLL_NS;
+        // A device that completes in the caller's thread is done already: no ticket taken.
+        while self.remaining.load(Ordering::SeqCst) != 0 {
+            // Ticket before the look: the last completion after the look ends the wait.
+            let ticket = self.waiter.ticket();
+            self.waiting.store(true, Ordering::SeqCst);
+            if self.remaining.load(Ordering::SeqCst) == 0 {
+                break;
+            }
+            self.waiter.wait(ticket, sleep_ns);
+            sleep_ns = (sleep_ns * 2).min(SLOT_POLL_MAX_NS);
+        }
+        std::mem::take(&mut *self.results.lock())
+            .into_iter()
+            .map(|result| result.expect("every write completed"))
+            .collect()
     }
 }
 
@@ -220,53 +278,54 @@ impl Io {
 
     /// Starts `read` on `object`'s device; it is counted when it ends, before its own
     /// completion runs.
-    pub(crate) fn start_read(&self, object: &ObjectState, read: AsyncRead) {
+    pub(crate) fn start_read(&self, object: &ObjectState, read: ReadRequest) {
         let length_bytes = read.length_bytes();
         let counters = Arc::clone(&self.counters);
-        let read = read.wrap_done(move |result, done| {
+        let read = read.on_complete(move |result| {
             counters.device_reads.record(length_bytes, result.is_ok());
-            done(result)
+            result
         });
-        object.device.start_read(read);
+        object.device.submit_reads(vec![read]);
     }
 
-    /// Writes each of `writes` (write-back runs of `object`, non-overlapping) and returns one
-    /// outcome per write, in order. Several go to the device as one batch, in flight
-    /// together; one goes as a plain write. Takes one write-back slot per write for the
-    /// duration, waiting for free slots first.
-    pub(crate) fn write_back(
+    /// Writes each of `writes` (write-back runs of `object`, non-overlapping: a device
+    /// offset and the run's memory) and returns one outcome per write, in order, once every
+    /// one has completed. They go to the device as one batch, in flight together where the
+    /// device allows. Takes one write-back slot per write for the duration, waiting for free
+    /// slots first.
+    pub(crate) fn write_back<M: WriteMemory>(
         &self,
         object: &ObjectState,
-        writes: &[BatchWrite<'_>],
+        writes: Vec<(u64, M)>,
     ) -> Vec<std::io::Result<()>> {
+        let count = writes.len();
         let slots = self.slots(object);
-        self.take_slots(&slots, writes.len());
-        let mut results = match writes {
-            [write] => vec![object.device.write_vectored_at(write.buffers, write.offset)],
-            _ => {
-                self.counters.write_batches.fetch_add(1, Ordering::Relaxed);
-                self.counters
-                    .write_batch_writes
-                    .fetch_add(writes.len() as u64, Ordering::Relaxed);
-                object.device.write_batch_at(writes)
-            }
-        };
-        self.give_slots(&slots, writes.len());
-        strict_assert!(
-            results.len() == writes.len(),
-            "a device answered a batch partly"
-        );
-        // Unanswered writes count as failed: their blocks stay dirty and the error is latched.
-        results.resize_with(writes.len(), || {
-            Err(std::io::Error::other(
-                "the device did not answer this write of a batch",
-            ))
-        });
-        for (write, result) in writes.iter().zip(&results) {
+        self.take_slots(&slots, count);
+        if count > 1 {
+            self.counters.write_batches.fetch_add(1, Ordering::Relaxed);
             self.counters
-                .device_writes
-                .record(write.length_bytes(), result.is_ok());
+                .write_batch_writes
+                .fetch_add(count as u64, Ordering::Relaxed);
         }
+        let outcomes = Arc::new(Outcomes::new(count, Arc::clone(&self.waiter)));
+        let requests = writes
+            .into_iter()
+            .enumerate()
+            .map(|(index, (offset, memory))| {
+                let (outcomes, counters) = (Arc::clone(&outcomes), Arc::clone(&self.counters));
+                WriteRequest::new(offset, memory, move |memory: M, result| {
+                    let length_bytes = total_length(memory.slices().iter().map(|s| s.len()));
+                    counters.device_writes.record(length_bytes, result.is_ok());
+                    // The memory goes before the outcome is seen: nothing of the device's
+                    // holds a run once its writer goes on.
+                    drop(memory);
+                    outcomes.record(index, result);
+                })
+            })
+            .collect();
+        object.device.submit_writes(requests);
+        let results = outcomes.wait_all();
+        self.give_slots(&slots, count);
         results
     }
 

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bufcache_device::BatchWrite;
+use bufcache_device::WriteMemory;
 
 use crate::buffer::{Buffer, DIRTY, WRITEBACK, WRITEBACK_WAITED, WRITTEN_BEHIND};
 use crate::config::CacheConfig;
@@ -306,23 +306,14 @@ impl Writeback {
                 .all(|(object, _)| Arc::ptr_eq(&object.device, &device_object.device)),
             "the runs of one batch are stored on one device"
         );
-        // SAFETY: the caller holds every buffer's lock (shared or exclusive).
-        let slice_lists: Vec<Vec<IoSlice<'_>>> = runs
+        let writes: Vec<(u64, HeldBytes)> = runs
             .iter()
-            .map(|(_, run)| {
-                run.iter()
-                    .map(|b| IoSlice::new(unsafe { b.device_bytes() }))
-                    .collect()
+            .map(|(object, run)| {
+                let offset = object.map.map(run[0].key.block).device_offset;
+                (offset, HeldBytes(run.to_vec()))
             })
             .collect();
-        let writes: Vec<BatchWrite<'_>> = runs
-            .iter()
-            .zip(&slice_lists)
-            .map(|((object, run), slices)| BatchWrite {
-                offset: object.map.map(run[0].key.block).device_offset,
-                buffers: slices,
-            })
-            .collect();
+        let offsets: Vec<u64> = writes.iter().map(|&(offset, _)| offset).collect();
         // A deliberate bug, compiled only for `sim check`'s planted-defect test: the buffers
         // are marked clean before their write, so a failed write silently loses them.
         #[cfg(feature = "planted-defect")]
@@ -333,12 +324,12 @@ impl Writeback {
                 run.iter().map(|buffer| buffer.as_ref()),
             );
         }
-        let results = self.io.write_back(device_object, &writes);
+        let results = self.io.write_back(device_object, writes);
         runs.iter()
-            .zip(&writes)
+            .zip(offsets)
             .zip(results)
-            .map(|((&(object, run), write), result)| {
-                self.finish_write(object, run, write, result, cause)
+            .map(|((&(object, run), offset), result)| {
+                self.finish_write(object, run, offset, result, cause)
             })
             .collect()
     }
@@ -349,14 +340,13 @@ impl Writeback {
         &self,
         object: &ObjectState,
         buffers: &[Arc<Buffer>],
-        write: &BatchWrite<'_>,
+        offset: u64,
         result: std::io::Result<()>,
         cause: WritebackCause,
     ) -> Result<u64, CacheError> {
         if let Err(source) = result {
-            let error = self
-                .io
-                .error(object, "write", write.offset, write.length_bytes(), source);
+            let length_bytes = buffers.iter().map(|b| b.length_bytes as u64).sum();
+            let error = self.io.error(object, "write", offset, length_bytes, source);
             object.latch_error(&error);
             return Err(error);
         }
@@ -752,6 +742,24 @@ impl<'a> Batch<'a> {
     /// True when `writes_max` runs or `WRITEBACK_BATCH_BYTES_MAX` are claimed.
     fn is_full(&self, writes_max: usize) -> bool {
         self.runs.len() >= writes_max || self.bytes >= WRITEBACK_BATCH_BYTES_MAX
+    }
+}
+
+/// The bytes of a run held for write-back (locked shared by its claim, or exclusively by its
+/// writer), lent to the device as one write's memory.
+///
+/// Its slices are read only while the run is held: [`Writeback::write_runs`] does not return,
+/// and so does not let the hold go, until the device has completed the write, and a completed
+/// write hands this memory to its completion, which drops it.
+struct HeldBytes(Vec<Arc<Buffer>>);
+
+impl WriteMemory for HeldBytes {
+    fn slices(&self) -> Vec<IoSlice<'_>> {
+        self.0
+            .iter()
+            // SAFETY: the run is held (see the type's docs) while any slice is in use.
+            .map(|buffer| IoSlice::new(unsafe { buffer.device_bytes() }))
+            .collect()
     }
 }
 

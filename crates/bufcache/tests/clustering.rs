@@ -279,12 +279,12 @@ impl Device for Recording {
         self.inner.write_vectored_at(buffers, offset)
     }
 
-    fn write_batch_at(&self, writes: &[bufcache::device::BatchWrite<'_>]) -> Vec<io::Result<()>> {
-        bufcache::device::write_each(self, writes)
+    fn submit_writes(&self, writes: Vec<bufcache::device::WriteRequest>) {
+        bufcache::device::write_each_now(self, writes)
     }
 
-    fn start_read(&self, read: bufcache::AsyncRead) {
-        bufcache::device::read_now(self, read)
+    fn submit_reads(&self, reads: Vec<bufcache::device::ReadRequest>) {
+        bufcache::device::read_each_now(self, reads)
     }
     fn flush(&self) -> io::Result<()> {
         Ok(())

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
-use bufcache::device::{write_each, BatchWrite};
+use bufcache::device::write_each_now;
 use bufcache::{
     Cache, CacheConfig, Capabilities, Clock, CountingDevice, Device, Environment, Extent,
     FaultDevice, FaultKind, InlineSpawner, MemoryDevice, ObjectConfig, ObjectHandle, Waiter,
@@ -64,13 +64,13 @@ impl<D: Device> Device for BatchLog<D> {
         self.inner.write_vectored_at(buffers, offset)
     }
 
-    fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
+    fn submit_writes(&self, writes: Vec<bufcache::device::WriteRequest>) {
         self.batches.lock().unwrap().push(writes.len());
-        self.inner.write_batch_at(writes)
+        self.inner.submit_writes(writes)
     }
 
-    fn start_read(&self, read: bufcache::AsyncRead) {
-        self.inner.start_read(read)
+    fn submit_reads(&self, reads: Vec<bufcache::device::ReadRequest>) {
+        self.inner.submit_reads(reads)
     }
 
     fn flush(&self) -> io::Result<()> {
@@ -417,12 +417,12 @@ impl<D: Device> Device for Gated<D> {
         self.inner.write_vectored_at(buffers, offset)
     }
 
-    fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
-        write_each(self, writes)
+    fn submit_writes(&self, writes: Vec<bufcache::device::WriteRequest>) {
+        write_each_now(self, writes)
     }
 
-    fn start_read(&self, read: bufcache::AsyncRead) {
-        bufcache::device::read_now(self, read)
+    fn submit_reads(&self, reads: Vec<bufcache::device::ReadRequest>) {
+        bufcache::device::read_each_now(self, reads)
     }
 
     fn flush(&self) -> io::Result<()> {

@@ -42,21 +42,20 @@ impl<D: Device> Device for InFlight<D> {
     }
 
     /// Every write of a batch in flight at once, as a pipelined device does them.
-    fn write_batch_at(&self, writes: &[bufcache::device::BatchWrite<'_>]) -> Vec<io::Result<()>> {
+    fn submit_writes(&self, writes: Vec<bufcache::device::WriteRequest>) {
         std::thread::scope(|scope| {
-            let writes: Vec<_> = writes
-                .iter()
-                .map(|write| scope.spawn(|| self.write_vectored_at(write.buffers, write.offset)))
-                .collect();
-            writes
-                .into_iter()
-                .map(|write| write.join().unwrap())
-                .collect()
+            for mut write in writes {
+                scope.spawn(move || {
+                    let offset = write.offset();
+                    let result = self.write_vectored_at(&write.slices(), offset);
+                    write.complete(result);
+                });
+            }
         })
     }
 
-    fn start_read(&self, read: bufcache::AsyncRead) {
-        bufcache::device::read_now(self, read)
+    fn submit_reads(&self, reads: Vec<bufcache::device::ReadRequest>) {
+        bufcache::device::read_each_now(self, reads)
     }
 
     fn flush(&self) -> io::Result<()> {

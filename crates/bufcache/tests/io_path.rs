@@ -13,8 +13,7 @@ use std::io::{self, IoSlice, IoSliceMut};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use bufcache::device::BatchWrite;
-use bufcache::{AsyncRead, CacheConfig, Capabilities, Device, Extent, MemoryDevice, ObjectConfig};
+use bufcache::{CacheConfig, Capabilities, Device, Extent, MemoryDevice, ObjectConfig};
 
 const BLOCK: u64 = 4096;
 const DEVICE_BYTES: u64 = 16 << 20;
@@ -114,14 +113,15 @@ impl Device for GatedWrites {
         self.leave(1);
         result
     }
-    fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
-        self.enter(writes.len());
-        let results = self.inner.write_batch_at(writes);
-        self.leave(writes.len());
-        results
+    /// The inner device completes every write before it returns.
+    fn submit_writes(&self, writes: Vec<bufcache::device::WriteRequest>) {
+        let count = writes.len();
+        self.enter(count);
+        self.inner.submit_writes(writes);
+        self.leave(count);
     }
-    fn start_read(&self, read: AsyncRead) {
-        bufcache::device::read_now(self, read)
+    fn submit_reads(&self, reads: Vec<bufcache::device::ReadRequest>) {
+        bufcache::device::read_each_now(self, reads)
     }
     fn flush(&self) -> io::Result<()> {
         self.inner.flush()

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
-use bufcache::device::{read_now, write_each, AsyncRead, BatchWrite};
+use bufcache::device::{read_each_now, write_each_now};
 use bufcache::{
     Cache, CacheConfig, CacheError, Capabilities, Device, Extent, MemoryDevice, ObjectConfig,
     ObjectHandle, StartedRead,
@@ -44,6 +44,28 @@ impl LaterDevice {
             gate: Mutex::new(None),
         }
     }
+
+    /// Ends `read` later, on a thread of its own.
+    fn start_one(&self, read: bufcache::device::ReadRequest) {
+        self.reads.fetch_add(1, Ordering::SeqCst);
+        self.started_lengths
+            .lock()
+            .unwrap()
+            .push(read.length_bytes());
+        let failing = self.failing.load(Ordering::SeqCst);
+        let gate = self.gate.lock().unwrap().take();
+        let inner = Arc::clone(&self.inner);
+        std::thread::spawn(move || {
+            match gate {
+                Some(gate) => gate.recv().unwrap(),
+                None => std::thread::sleep(Duration::from_millis(5)),
+            }
+            if failing {
+                return read.complete(Err(io::Error::other("injected read fault")));
+            }
+            read_each_now(inner.as_ref(), vec![read]);
+        });
+    }
 }
 
 impl Device for LaterDevice {
@@ -59,31 +81,15 @@ impl Device for LaterDevice {
         self.inner.write_vectored_at(buffers, offset)
     }
 
-    fn write_batch_at(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
-        write_each(self, writes)
+    fn submit_writes(&self, writes: Vec<bufcache::device::WriteRequest>) {
+        write_each_now(self, writes)
     }
 
-    fn start_read(&self, read: AsyncRead) {
-        self.reads.fetch_add(1, Ordering::SeqCst);
-        self.started_lengths
-            .lock()
-            .unwrap()
-            .push(read.length_bytes());
-        let failing = self.failing.load(Ordering::SeqCst);
-        let gate = self.gate.lock().unwrap().take();
-        let inner = Arc::clone(&self.inner);
-        std::thread::spawn(move || {
-            match gate {
-                Some(gate) => gate.recv().unwrap(),
-                None => std::thread::sleep(Duration::from_millis(5)),
-            }
-            if failing {
-                return read.finish(Err(io::Error::other("injected read fault")));
-            }
-            read_now(inner.as_ref(), read);
-        });
+    fn submit_reads(&self, reads: Vec<bufcache::device::ReadRequest>) {
+        for read in reads {
+            self.start_one(read);
+        }
     }
-
     fn flush(&self) -> io::Result<()> {
         self.inner.flush()
     }
@@ -102,7 +108,7 @@ impl Device for LaterDevice {
 
     fn capabilities(&self) -> Capabilities {
         Capabilities {
-            reads_complete_later: true,
+            completes_later: true,
             ..self.inner.capabilities()
         }
     }
