@@ -195,6 +195,7 @@ fn default_value(name: &str) -> Option<String> {
         "dirty-limit-percent" => config.dirty_limit_percent.to_string(),
         "io-queue" => "\"elevator\"".into(),
         "io-queue-depth" => "32".into(),
+        "io-queue-read-batches-ahead-max" => "8".into(),
         "writeback-inflight-max" => config.writeback_inflight_max.to_string(),
         "request-size-max" => size(32 << 20),
         "create-size" => size(crate::serve::DEFAULT_BACKING_SIZE_BYTES),

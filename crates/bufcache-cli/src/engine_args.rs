@@ -77,6 +77,11 @@ pub struct EngineArgs {
     /// Do not merge adjacent requests in the io queue.
     #[arg(long)]
     pub no_io_merge: bool,
+    /// Read batches the io queue sends ahead of waiting writes before it sends a write again
+    /// (a read has a client waiting; write-back does not). 0 keeps the plain sweep order.
+    /// Default 8.
+    #[arg(long, value_name = "COUNT")]
+    pub io_queue_read_batches_ahead_max: Option<usize>,
     /// Write-back requests at one backend at once, at most. Over an upstream or object store
     /// write-back also takes at most a quarter of the requests the backend serves at once, so a
     /// read miss waits behind no more than this. Default 16.
@@ -191,6 +196,9 @@ impl EngineArgs {
         }
         if let Some(depth) = self.io_queue_depth {
             queue.depth_max = depth;
+        }
+        if let Some(read_batches) = self.io_queue_read_batches_ahead_max {
+            queue.read_batches_ahead_max = read_batches;
         }
         queue.merge = !self.no_io_merge;
         if queue.mode == QueueMode::None {

@@ -226,6 +226,14 @@ fn sim_io_queue(
     disk: &DiskSpec,
 ) -> anyhow::Result<Option<SimIoQueue>> {
     let mode = engine.io_queue.unwrap_or(QueueMode::None);
+    if engine.io_queue_read_batches_ahead_max.is_some() {
+        return Err(crate::UsageError(
+            "sim run: --io-queue-read-batches-ahead-max applies to serve's io queue; the \
+             simulated queue orders requests as 4.4BSD's disksort did, reads and writes alike"
+                .to_string(),
+        )
+        .into());
+    }
     if mode == QueueMode::None {
         if engine.no_io_merge {
             return Err(crate::UsageError(

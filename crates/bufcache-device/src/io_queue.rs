@@ -76,6 +76,11 @@ pub struct IoQueueConfig {
     pub queued_max: usize,
     /// Largest merged request in bytes (MAXPHYS). Default 1 MiB.
     pub transfer_size_max_bytes: u64,
+    /// Read batches the queue takes ahead of waiting writes before it takes a write again:
+    /// a read has a caller waiting for it, a write-back write does not, so reads go first,
+    /// but a stream of reads never holds writes back for longer than this many batches.
+    /// Default 8; 0 takes every request in the mode's order alone (4.4BSD's disksort).
+    pub read_batches_ahead_max: usize,
 }
 
 impl Default for IoQueueConfig {
@@ -86,6 +91,7 @@ impl Default for IoQueueConfig {
             depth_max: 32,
             queued_max: 256,
             transfer_size_max_bytes: 1 << 20,
+            read_batches_ahead_max: 8,
         }
     }
 }
@@ -189,6 +195,13 @@ pub struct Queued<T> {
 /// batch), wrapping to the lowest (C-LOOK); with merging, every waiting request of the same
 /// direction that continues the batch forwards or backwards joins it, up to
 /// `transfer_size_max_bytes`.
+///
+/// With reads preferred ([`QueueOrder::prefer_reads`]), the next batch is the next *read* in
+/// that order while reads and writes both wait, until `read_batches_ahead_max` read batches
+/// have gone ahead of waiting writes; then the next write in that order goes, and the count
+/// starts again. Invariants: `reads_waiting` and `writes_waiting` count the waiting requests
+/// of each direction; a write waits behind at most `read_batches_ahead_max` read batches
+/// before a write batch is taken.
 #[derive(Debug)]
 pub struct QueueOrder<T> {
     mode: QueueMode,
@@ -199,6 +212,12 @@ pub struct QueueOrder<T> {
     arrivals: u64,
     /// Where the elevator is: the end of the last batch taken.
     head_position: u64,
+    /// Read batches that may go ahead of waiting writes in a row (0: no preference).
+    read_batches_ahead_max: usize,
+    /// Read batches taken in a row while writes waited.
+    read_batches_ahead: usize,
+    reads_waiting: usize,
+    writes_waiting: usize,
 }
 
 impl<T> QueueOrder<T> {
@@ -211,7 +230,18 @@ impl<T> QueueOrder<T> {
             pending: BTreeMap::new(),
             arrivals: 0,
             head_position: 0,
+            read_batches_ahead_max: 0,
+            read_batches_ahead: 0,
+            reads_waiting: 0,
+            writes_waiting: 0,
         }
+    }
+
+    /// The same queue taking reads ahead of waiting writes, at most `read_batches_ahead_max`
+    /// read batches in a row (0: no preference; see the type's docs).
+    pub fn prefer_reads(mut self, read_batches_ahead_max: usize) -> Self {
+        self.read_batches_ahead_max = read_batches_ahead_max;
+        self
     }
 
     /// Requests waiting.
@@ -243,6 +273,7 @@ impl<T> QueueOrder<T> {
             QueueMode::Elevator => (offset, arrival),
             _ => (arrival, arrival),
         };
+        *self.waiting_count(direction) += 1;
         self.pending.insert(
             key,
             Queued {
@@ -257,16 +288,10 @@ impl<T> QueueOrder<T> {
     /// Removes the next request in queue order and every request that merges with it,
     /// sorted by offset (one contiguous range); `None` when nothing waits.
     pub fn take_batch(&mut self) -> Option<Vec<Queued<T>>> {
-        let first_key = match self.mode {
-            QueueMode::Elevator => self
-                .pending
-                .range((self.head_position, 0)..)
-                .next()
-                .map(|(key, _)| *key)
-                .or_else(|| self.pending.keys().next().copied()),
-            _ => self.pending.keys().next().copied(),
-        }?;
-        let first = self.pending.remove(&first_key).expect("key exists");
+        let writes_waited = self.writes_waiting > 0;
+        let wanted = self.direction_wanted();
+        let first_key = self.next_key(wanted)?;
+        let first = self.remove(&first_key);
         let mut start = first.offset;
         let mut end = first.offset + first.length;
         let direction = first.direction;
@@ -276,7 +301,59 @@ impl<T> QueueOrder<T> {
         }
         batch.sort_by_key(|member| member.offset);
         self.head_position = end;
+        let preferring = self.read_batches_ahead_max > 0;
+        self.read_batches_ahead = match direction {
+            Direction::Read if writes_waited && preferring => self.read_batches_ahead + 1,
+            _ => 0,
+        };
+        debug_assert!(
+            self.read_batches_ahead <= self.read_batches_ahead_max,
+            "writes wait behind at most the bound of read batches"
+        );
         Some(batch)
+    }
+
+    /// The direction the next batch must have: reads while both wait and fewer than the
+    /// bound of read batches went ahead of writes, then a write; `None` for any.
+    fn direction_wanted(&self) -> Option<Direction> {
+        let both_wait = self.reads_waiting > 0 && self.writes_waiting > 0;
+        if self.read_batches_ahead_max == 0 || !both_wait {
+            return None;
+        }
+        if self.read_batches_ahead < self.read_batches_ahead_max {
+            Some(Direction::Read)
+        } else {
+            Some(Direction::Write)
+        }
+    }
+
+    /// The key of the next request of `direction` (any, when `None`) in the mode's order.
+    fn next_key(&self, direction: Option<Direction>) -> Option<(u64, u64)> {
+        let fits = |queued: &Queued<T>| direction.is_none_or(|wanted| queued.direction == wanted);
+        let first_fitting = |mut entries: std::collections::btree_map::Range<'_, _, Queued<T>>| {
+            entries
+                .find(|(_, queued)| fits(queued))
+                .map(|(key, _): (&(u64, u64), _)| *key)
+        };
+        match self.mode {
+            QueueMode::Elevator => first_fitting(self.pending.range((self.head_position, 0)..))
+                .or_else(|| first_fitting(self.pending.range(..))),
+            _ => first_fitting(self.pending.range(..)),
+        }
+    }
+
+    /// Takes a waiting request out, keeping the per-direction counts.
+    fn remove(&mut self, key: &(u64, u64)) -> Queued<T> {
+        let queued = self.pending.remove(key).expect("key exists");
+        *self.waiting_count(queued.direction) -= 1;
+        queued
+    }
+
+    fn waiting_count(&mut self, direction: Direction) -> &mut usize {
+        match direction {
+            Direction::Read => &mut self.reads_waiting,
+            Direction::Write => &mut self.writes_waiting,
+        }
     }
 
     /// Pulls pending requests that continue the batch forwards or backwards.
@@ -295,7 +372,7 @@ impl<T> QueueOrder<T> {
                     && (*end - *start) + candidate.length <= limit
             });
             let Some((&key, _)) = adjacent else { return };
-            let member = self.pending.remove(&key).expect("key exists");
+            let member = self.remove(&key);
             if member.offset == *end {
                 *end += member.length;
             } else {
@@ -329,7 +406,8 @@ impl<D: Device> IoQueue<D> {
         Ok(IoQueue {
             inner,
             state: Mutex::new(QueueState {
-                order: QueueOrder::new(config.mode, config.merge, config.transfer_size_max_bytes),
+                order: QueueOrder::new(config.mode, config.merge, config.transfer_size_max_bytes)
+                    .prefer_reads(config.read_batches_ahead_max),
                 in_flight: 0,
             }),
             changed: Condvar::new(),
@@ -783,6 +861,167 @@ mod tests {
             .map(|batch| batch[0].payload)
             .collect();
         assert_eq!(order, ['a', 'b', 'c']);
+    }
+
+    /// The tags of every batch `order` hands out, in order (first member of each).
+    fn drain_tags(order: &mut QueueOrder<char>) -> Vec<char> {
+        std::iter::from_fn(|| order.take_batch())
+            .map(|batch| batch[0].payload)
+            .collect()
+    }
+
+    /// Writes at 0, 20K, 40K, 60K and reads at 10K, 30K, 50K, none adjacent.
+    fn mixed(order: &mut QueueOrder<char>) {
+        for (offset, tag) in [(0u64, 'w'), (20 << 10, 'x'), (40 << 10, 'y'), (60 << 10, 'z')] {
+            order.push(Direction::Write, offset, 4096, tag);
+        }
+        for (offset, tag) in [(10u64 << 10, 'a'), (30 << 10, 'b'), (50 << 10, 'c')] {
+            order.push(Direction::Read, offset, 4096, tag);
+        }
+    }
+
+    #[test]
+    fn reads_go_ahead_of_waiting_writes_for_at_most_the_bound() {
+        // Goal: a read waits behind no write-back a caller is not waiting for, yet a stream
+        // of reads never holds writes back for more than the bound of read batches; with no
+        // bound the order is plain C-LOOK. Method: the same reads and writes, queued
+        // together, drained with bounds 0, 1 and 8; compare the order with the rule worked
+        // out by hand.
+        let mut plain = QueueOrder::new(QueueMode::Elevator, true, 1 << 20);
+        mixed(&mut plain);
+        assert_eq!(drain_tags(&mut plain), ['w', 'a', 'x', 'b', 'y', 'c', 'z']);
+
+        let mut reads_first = QueueOrder::new(QueueMode::Elevator, true, 1 << 20).prefer_reads(8);
+        mixed(&mut reads_first);
+        assert_eq!(
+            drain_tags(&mut reads_first),
+            ['a', 'b', 'c', 'z', 'w', 'x', 'y'],
+            "reads in sweep order first, then the writes' sweep on from the head"
+        );
+
+        let mut bounded = QueueOrder::new(QueueMode::Elevator, true, 1 << 20).prefer_reads(1);
+        mixed(&mut bounded);
+        assert_eq!(
+            drain_tags(&mut bounded),
+            ['a', 'x', 'b', 'y', 'c', 'z', 'w'],
+            "one read batch ahead, then the next write along the sweep"
+        );
+
+        let mut fifo = QueueOrder::new(QueueMode::Fifo, false, 1 << 20).prefer_reads(2);
+        mixed(&mut fifo);
+        assert_eq!(drain_tags(&mut fifo), ['a', 'b', 'w', 'c', 'x', 'y', 'z']);
+    }
+
+    /// A device that records the order requests reach it and holds the first write at a gate
+    /// until the test opens it, so other requests wait in the queue meanwhile.
+    struct GatedFirstWrite {
+        inner: MemoryDevice,
+        order: Mutex<Vec<(Direction, u64)>>,
+        first_write_started: Mutex<Option<std::sync::mpsc::Sender<()>>>,
+        gate: Mutex<Option<std::sync::mpsc::Receiver<()>>>,
+    }
+
+    impl Device for GatedFirstWrite {
+        fn read_vectored_at(&self, buffers: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<()> {
+            self.order.lock().push((Direction::Read, offset));
+            self.inner.read_vectored_at(buffers, offset)
+        }
+        fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
+            self.order.lock().push((Direction::Write, offset));
+            if let Some(started) = self.first_write_started.lock().take() {
+                started.send(()).unwrap();
+                let gate = self.gate.lock().take().expect("the gate");
+                gate.recv().unwrap();
+            }
+            self.inner.write_vectored_at(buffers, offset)
+        }
+        fn submit_writes(&self, writes: Vec<WriteRequest>) {
+            write_each_now(self, writes)
+        }
+        fn submit_reads(&self, reads: Vec<ReadRequest>) {
+            read_each_now(self, reads)
+        }
+        fn flush(&self) -> io::Result<()> {
+            Ok(())
+        }
+        fn discard(&self, offset: u64, length: u64) -> io::Result<()> {
+            self.inner.discard(offset, length)
+        }
+        fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
+            self.inner.write_zeroes(offset, length)
+        }
+        fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {
+            self.inner.extents(offset, length)
+        }
+        fn capabilities(&self) -> Capabilities {
+            self.inner.capabilities()
+        }
+        fn describe(&self) -> String {
+            "gated".into()
+        }
+    }
+
+    #[test]
+    fn a_read_miss_is_dispatched_ahead_of_queued_write_back() {
+        // Goal: a read that arrives while a batch of write-back waits in the queue reaches the
+        // device next, not after the batch. Method: depth 1; a batch of eight scattered
+        // writes whose first is held at the device; a read beyond them queued meanwhile; once
+        // the gate opens, the read must be the second request the device sees (plain C-LOOK
+        // would send it last, the writes lying between the head and it).
+        let (started_sender, first_write_started) = std::sync::mpsc::channel();
+        let (open_gate, gate) = std::sync::mpsc::channel();
+        let queue = Arc::new(
+            IoQueue::new(
+                GatedFirstWrite {
+                    inner: MemoryDevice::new(4 << 20),
+                    order: Mutex::new(Vec::new()),
+                    first_write_started: Mutex::new(Some(started_sender)),
+                    gate: Mutex::new(Some(gate)),
+                },
+                IoQueueConfig {
+                    depth_max: 1,
+                    merge: false,
+                    ..IoQueueConfig::default()
+                },
+            )
+            .unwrap(),
+        );
+        let writer = {
+            let queue = Arc::clone(&queue);
+            std::thread::spawn(move || {
+                let data = vec![5u8; 4096];
+                let slices = [IoSlice::new(&data)];
+                let writes: Vec<BatchWrite<'_>> = (0..8u64)
+                    .map(|index| BatchWrite {
+                        offset: index * (64 << 10),
+                        buffers: &slices,
+                    })
+                    .collect();
+                write_batch_and_wait(queue.as_ref(), &writes)
+            })
+        };
+        first_write_started.recv().unwrap();
+        let reader = {
+            let queue = Arc::clone(&queue);
+            std::thread::spawn(move || {
+                let mut back = vec![0u8; 4096];
+                queue.read_vectored_at(&mut [IoSliceMut::new(&mut back)], 3 << 20)
+            })
+        };
+        while queue.state.lock().order.reads_waiting == 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        open_gate.send(()).unwrap();
+        assert!(writer.join().unwrap().iter().all(Result::is_ok));
+        reader.join().unwrap().unwrap();
+        let order = queue.inner().order.lock().clone();
+        assert_eq!(order.len(), 9);
+        assert_eq!(order[0], (Direction::Write, 0));
+        assert_eq!(
+            order[1],
+            (Direction::Read, 3 << 20),
+            "the read goes next: {order:?}"
+        );
     }
 
     #[test]
