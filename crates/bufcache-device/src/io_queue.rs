@@ -872,7 +872,12 @@ mod tests {
 
     /// Writes at 0, 20K, 40K, 60K and reads at 10K, 30K, 50K, none adjacent.
     fn mixed(order: &mut QueueOrder<char>) {
-        for (offset, tag) in [(0u64, 'w'), (20 << 10, 'x'), (40 << 10, 'y'), (60 << 10, 'z')] {
+        for (offset, tag) in [
+            (0u64, 'w'),
+            (20 << 10, 'x'),
+            (40 << 10, 'y'),
+            (60 << 10, 'z'),
+        ] {
             order.push(Direction::Write, offset, 4096, tag);
         }
         for (offset, tag) in [(10u64 << 10, 'a'), (30 << 10, 'b'), (50 << 10, 'c')] {

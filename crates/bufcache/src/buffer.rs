@@ -177,6 +177,9 @@ impl Buffer {
         self.lock.lock_exclusive();
     }
 
+    /// Any thread may release a hold another took (parking_lot's `send_guard`): a write-back
+    /// or read the device completes later ends on the device's thread.
+    ///
     /// # Safety
     /// The caller holds the lock shared.
     pub unsafe fn unlock_shared(&self) {

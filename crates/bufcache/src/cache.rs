@@ -34,7 +34,7 @@ use crate::io::Io;
 use crate::object::{ObjectConfig, ObjectState};
 use crate::stats::{CacheStats, Counters, WritebackCause};
 use crate::table::{Lookup, Table};
-use crate::writeback::Writeback;
+use crate::writeback::{Awaiting, Writeback};
 
 /// How long one wait for space lasts before the reservation looks again.
 const SPACE_WAIT_STEP: Duration = Duration::from_millis(5);
@@ -190,6 +190,7 @@ impl Cache {
             &objects,
             u64::MAX,
             WritebackCause::Flush,
+            Awaiting::Outcomes,
         );
         for object in objects {
             if let Err(error) = self.inner.writeback.fsync_object(&object) {

@@ -109,6 +109,9 @@ impl DeviceSlots {
     }
 }
 
+/// What runs when one write of a started write-back ends, with its memory and outcome.
+pub(crate) type WriteBackDone<M> = Box<dyn FnOnce(M, std::io::Result<()>) + Send>;
+
 /// The outcomes of one write-back batch, filled in by its completions (on the device's
 /// thread, or the submitter's), and waited for through the injected waiter.
 struct Outcomes {
@@ -194,8 +197,8 @@ impl Io {
     pub(crate) fn group_by_device<'a>(
         &self,
         objects: &'a [Arc<ObjectState>],
-    ) -> Vec<Vec<&'a ObjectState>> {
-        let mut groups: Vec<(usize, Vec<&ObjectState>)> = Vec::new();
+    ) -> Vec<Vec<&'a Arc<ObjectState>>> {
+        let mut groups: Vec<(usize, Vec<&Arc<ObjectState>>)> = Vec::new();
         for object in objects {
             let key = device_key(object);
             match groups.iter_mut().find(|(group_key, _)| *group_key == key) {
@@ -290,15 +293,46 @@ impl Io {
 
     /// Writes each of `writes` (write-back runs of `object`, non-overlapping: a device
     /// offset and the run's memory) and returns one outcome per write, in order, once every
-    /// one has completed. They go to the device as one batch, in flight together where the
-    /// device allows. Takes one write-back slot per write for the duration, waiting for free
-    /// slots first.
+    /// one has completed ([`Io::start_write_back`], then a wait through the injected waiter).
     pub(crate) fn write_back<M: WriteMemory>(
         &self,
         object: &ObjectState,
         writes: Vec<(u64, M)>,
     ) -> Vec<std::io::Result<()>> {
+        let outcomes = Arc::new(Outcomes::new(writes.len(), Arc::clone(&self.waiter)));
+        let writes = writes
+            .into_iter()
+            .enumerate()
+            .map(|(index, (offset, memory))| {
+                let outcomes = Arc::clone(&outcomes);
+                let done: WriteBackDone<M> = Box::new(move |memory, result| {
+                    // The memory goes before the outcome is seen: nothing of the device's
+                    // holds a run once its writer goes on.
+                    drop(memory);
+                    outcomes.record(index, result);
+                });
+                (offset, memory, done)
+            })
+            .collect();
+        self.start_write_back(object, writes);
+        outcomes.wait_all()
+    }
+
+    /// Sends each of `writes` (write-back runs of `object`, non-overlapping: a device offset,
+    /// the run's memory and what runs when the write ends) to the device as one batch, in
+    /// flight together where the device allows, and returns without waiting for them. Takes
+    /// one write-back slot per write first, waiting for free slots; each write gives its slot
+    /// back when it ends, is counted, and then runs its `done` with its memory and outcome,
+    /// on whichever thread the device completes it.
+    pub(crate) fn start_write_back<M: WriteMemory>(
+        &self,
+        object: &ObjectState,
+        writes: Vec<(u64, M, WriteBackDone<M>)>,
+    ) {
         let count = writes.len();
+        if count == 0 {
+            return;
+        }
         let slots = self.slots(object);
         self.take_slots(&slots, count);
         if count > 1 {
@@ -307,26 +341,20 @@ impl Io {
                 .write_batch_writes
                 .fetch_add(count as u64, Ordering::Relaxed);
         }
-        let outcomes = Arc::new(Outcomes::new(count, Arc::clone(&self.waiter)));
         let requests = writes
             .into_iter()
-            .enumerate()
-            .map(|(index, (offset, memory))| {
-                let (outcomes, counters) = (Arc::clone(&outcomes), Arc::clone(&self.counters));
+            .map(|(offset, memory, done)| {
+                let length_bytes = total_length(memory.slices().iter().map(|slice| slice.len()));
+                let slots = Arc::clone(&slots);
+                let (counters, waiter) = (Arc::clone(&self.counters), Arc::clone(&self.waiter));
                 WriteRequest::new(offset, memory, move |memory: M, result| {
-                    let length_bytes = total_length(memory.slices().iter().map(|s| s.len()));
                     counters.device_writes.record(length_bytes, result.is_ok());
-                    // The memory goes before the outcome is seen: nothing of the device's
-                    // holds a run once its writer goes on.
-                    drop(memory);
-                    outcomes.record(index, result);
+                    release_slots(&slots, 1, waiter.as_ref());
+                    done(memory, result);
                 })
             })
             .collect();
         object.device.submit_writes(requests);
-        let results = outcomes.wait_all();
-        self.give_slots(&slots, count);
-        results
     }
 
     /// Waits until `count` write-back slots of the device are free and takes them.
@@ -349,14 +377,6 @@ impl Io {
             sleep_ns = (sleep_ns * 2).min(SLOT_POLL_MAX_NS);
         }
         slots.waiting.fetch_sub(1, Ordering::AcqRel);
-    }
-
-    fn give_slots(&self, slots: &DeviceSlots, count: usize) {
-        let before = slots.writeback_inflight.fetch_sub(count, Ordering::AcqRel);
-        strict_assert!(before >= count, "only slots taken are given back");
-        if slots.waiting.load(Ordering::Acquire) > 0 {
-            self.waiter.notify_all();
-        }
     }
 
     /// Makes every write the device completed durable, counted.
@@ -412,6 +432,15 @@ impl Io {
             .device
             .extents(device_offset, length)
             .map_err(|source| self.error(object, "extents", device_offset, length, source))
+    }
+}
+
+/// Gives `count` write-back slots of a device back, waking passes that wait for one.
+fn release_slots(slots: &DeviceSlots, count: usize, waiter: &dyn Waiter) {
+    let before = slots.writeback_inflight.fetch_sub(count, Ordering::AcqRel);
+    strict_assert!(before >= count, "only slots taken are given back");
+    if slots.waiting.load(Ordering::Acquire) > 0 {
+        waiter.notify_all();
     }
 }
 

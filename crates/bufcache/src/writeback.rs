@@ -24,7 +24,7 @@ use crate::config::CacheConfig;
 use crate::dirty;
 use crate::environment::{Clock, Waiter};
 use crate::error::CacheError;
-use crate::io::Io;
+use crate::io::{Io, WriteBackDone};
 use crate::object::ObjectState;
 use crate::stats::{Counters, WritebackCause};
 use crate::table::Table;
@@ -59,13 +59,38 @@ pub(crate) enum LockMode {
     Wait,
 }
 
-/// The write-back side of a cache: its triggers and the dirty byte count.
-pub(crate) struct Writeback {
+/// Whether a write-back pass waits for the outcomes of its writes.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Awaiting {
+    /// The caller needs them (flush, fsync, sync, throttling, space): the pass returns once
+    /// every write it sent has ended, with the first error.
+    Outcomes,
+    /// Nobody waits (the background tick, 4.4BSD's `bawrite`): the pass returns once its
+    /// writes are sent; each ends on its own, marking its blocks clean or latching its
+    /// error on the object, and releases its claim. A flush that needs those blocks waits
+    /// for their write-back in flight like any other.
+    Nothing,
+}
+
+/// What ends a write-back write, wherever its completion runs (the writer's thread or the
+/// device's): marking its blocks clean or latching its error, then releasing its claim.
+/// Shared by the [`Writeback`] and every run in flight.
+struct RunEnd {
     table: Arc<Table>,
     io: Arc<Io>,
     counters: Arc<Counters>,
     /// Bytes of dirty data in the whole cache (changed only by the dirty set).
     dirty_bytes: AtomicU64,
+    waiter: Arc<dyn Waiter>,
+}
+
+/// The write-back side of a cache: its triggers and the dirty byte count.
+pub(crate) struct Writeback {
+    table: Arc<Table>,
+    io: Arc<Io>,
+    counters: Arc<Counters>,
+    /// The dirty byte count and what ends a write, shared with writes in flight.
+    end: Arc<RunEnd>,
     /// Round-robin position over objects for pressure-driven write-back.
     object_cursor: AtomicUsize,
     dirty_age_max: Duration,
@@ -84,11 +109,18 @@ impl Writeback {
         clock: Arc<dyn Clock>,
         waiter: Arc<dyn Waiter>,
     ) -> Writeback {
+        let end = Arc::new(RunEnd {
+            table: Arc::clone(&table),
+            io: Arc::clone(&io),
+            counters: Arc::clone(&counters),
+            dirty_bytes: AtomicU64::new(0),
+            waiter: Arc::clone(&waiter),
+        });
         Writeback {
             table,
             io,
             counters,
-            dirty_bytes: AtomicU64::new(0),
+            end,
             object_cursor: AtomicUsize::new(0),
             dirty_age_max: config.dirty_age_max,
             dirty_background_percent: config.dirty_background_percent as u32,
@@ -110,14 +142,14 @@ impl Writeback {
 
     /// Bytes of dirty data in the cache now.
     pub(crate) fn dirty_bytes(&self) -> u64 {
-        self.dirty_bytes.load(Ordering::Acquire)
+        self.end.dirty_bytes.load(Ordering::Acquire)
     }
 
     /// Marks a buffer (held exclusively, its bytes just written) dirty in its object's index.
     pub(crate) fn mark_dirty(&self, object: &ObjectState, buffer: &Buffer) {
         if !buffer.has(DIRTY) {
             let now = self.clock.now_ns();
-            dirty::mark(&self.dirty_bytes, &object.dirty, buffer, now);
+            dirty::mark(&self.end.dirty_bytes, &object.dirty, buffer, now);
         }
     }
 
@@ -125,13 +157,13 @@ impl Writeback {
     /// the object's dirty index for all of them.
     pub(crate) fn mark_dirty_all(&self, object: &ObjectState, buffers: &[&Buffer]) {
         let now = self.clock.now_ns();
-        dirty::mark_all(&self.dirty_bytes, &object.dirty, buffers, now);
+        dirty::mark_all(&self.end.dirty_bytes, &object.dirty, buffers, now);
     }
 
     /// Marks a buffer (held exclusively) clean without writing it: its contents are being
     /// discarded (discard, write-zeroes, invalidation of replaced data).
     pub(crate) fn forget_dirty(&self, object: &ObjectState, buffer: &Buffer) {
-        dirty::clear(&self.dirty_bytes, &object.dirty, buffer);
+        dirty::clear(&self.end.dirty_bytes, &object.dirty, buffer);
     }
 
     /// True while dirty data is under the background threshold: a rewrite of hot data may
@@ -139,7 +171,7 @@ impl Writeback {
     /// it, rewrites are written behind like any write, so absorbed rewrites never hold more
     /// than `dirty_background_percent` of memory and never make writers throttle.
     pub(crate) fn absorbs_rewrites(&self) -> bool {
-        self.dirty_bytes.load(Ordering::Acquire) < self.dirty_thresholds().0
+        self.end.dirty_bytes.load(Ordering::Acquire) < self.dirty_thresholds().0
     }
 
     /// Dirty byte thresholds (background, limit) for the current memory limit.
@@ -172,7 +204,7 @@ impl Writeback {
     /// in write-back. The run ends at the first block that is not dirty, not cached or (in
     /// `Try` mode) held; empty when `first` is one of those. The claim ends when the returned
     /// run is dropped.
-    fn claim_run(&self, object: &ObjectState, first: u64, mode: LockMode) -> ClaimedRun<'_> {
+    fn claim_run(&self, object: &ObjectState, first: u64, mode: LockMode) -> ClaimedRun {
         let limit = object.write_run_blocks_max(first);
         let candidates: Vec<u64> = {
             let dirty = object.dirty.lock();
@@ -185,7 +217,7 @@ impl Writeback {
                 .collect()
         };
         let mut held = ClaimedRun {
-            writeback: self,
+            end: Arc::clone(&self.end),
             buffers: Vec::with_capacity(candidates.len()),
         };
         let Some(&last) = candidates.last() else {
@@ -203,21 +235,6 @@ impl Writeback {
             held.buffers.push(buffer);
         }
         held
-    }
-
-    /// Ends the claim [`Self::claim_run`] took, whether or not the write succeeded (only
-    /// [`ClaimedRun`]'s drop calls it).
-    fn release_claimed(&self, held: &[Arc<Buffer>]) {
-        let mut waited = false;
-        for buffer in held {
-            waited |= end_writeback(buffer);
-            // SAFETY: each was locked shared by claim_for_writeback.
-            unsafe { buffer.unlock_shared() };
-            self.table.unpin(buffer);
-        }
-        if waited {
-            self.waiter.notify_all();
-        }
     }
 
     /// Locks a dirty buffer shared and marks its write-back in flight. False when it is not
@@ -319,7 +336,7 @@ impl Writeback {
         #[cfg(feature = "planted-defect")]
         for &(object, run) in runs {
             dirty::clear_all(
-                &self.dirty_bytes,
+                &self.end.dirty_bytes,
                 &object.dirty,
                 run.iter().map(|buffer| buffer.as_ref()),
             );
@@ -329,47 +346,9 @@ impl Writeback {
             .zip(offsets)
             .zip(results)
             .map(|((&(object, run), offset), result)| {
-                self.finish_write(object, run, offset, result, cause)
+                self.end.finish_write(object, run, offset, result, cause)
             })
             .collect()
-    }
-
-    /// After one write-back write: counts it, and marks its blocks clean if it succeeded or
-    /// latches its error on the object if it failed (the blocks stay dirty).
-    fn finish_write(
-        &self,
-        object: &ObjectState,
-        buffers: &[Arc<Buffer>],
-        offset: u64,
-        result: std::io::Result<()>,
-        cause: WritebackCause,
-    ) -> Result<u64, CacheError> {
-        if let Err(source) = result {
-            let length_bytes = buffers.iter().map(|b| b.length_bytes as u64).sum();
-            let error = self.io.error(object, "write", offset, length_bytes, source);
-            object.latch_error(&error);
-            return Err(error);
-        }
-        let cleaned = dirty::clear_all(
-            &self.dirty_bytes,
-            &object.dirty,
-            buffers.iter().map(|buffer| buffer.as_ref()),
-        );
-        self.counters.writeback(cause, cleaned);
-        if cause == WritebackCause::WriteBehind {
-            for buffer in buffers {
-                buffer.set(WRITTEN_BEHIND);
-            }
-        }
-        // Clean buffers can be evicted: wake allocations waiting for space.
-        self.table.notify_space();
-        if buffers.len() > 1 {
-            self.counters.write_clusters.fetch_add(1, Ordering::Relaxed);
-            self.counters
-                .write_cluster_buffers
-                .fetch_add(buffers.len() as u64, Ordering::Relaxed);
-        }
-        Ok(cleaned)
     }
 
     /// Writes every dirty block of `[start, end)` in clusters. Keeps going after a failed
@@ -379,7 +358,7 @@ impl Writeback {
     /// ([`crate::io::WRITEBACK_BATCH_WRITES_MAX`] at most, as the device allows), in flight together.
     pub(crate) fn write_range(
         &self,
-        object: &ObjectState,
+        object: &Arc<ObjectState>,
         start: u64,
         end: u64,
         mode: LockMode,
@@ -395,14 +374,14 @@ impl Writeback {
     /// far are written: a pass never waits while it holds claims of its own.
     pub(crate) fn write_range_dirtied_by(
         &self,
-        object: &ObjectState,
+        object: &Arc<ObjectState>,
         start: u64,
         end: u64,
         dirtied_by_ns: u64,
         mode: LockMode,
         cause: WritebackCause,
     ) -> Result<u64, CacheError> {
-        let mut batch = Batch::default();
+        let mut batch = Batch::new(Awaiting::Outcomes);
         let range = (start, end, dirtied_by_ns);
         self.claim_range_into(object, range, mode, cause, &mut batch);
         self.write_batch(&mut batch, cause);
@@ -413,13 +392,13 @@ impl Writeback {
     /// claims runs into `batch`, writing it whenever it is full. The batch may already hold
     /// runs of other objects stored on the same device; what it holds at the end is left for
     /// the caller to write.
-    fn claim_range_into<'a>(
-        &'a self,
-        object: &'a ObjectState,
+    fn claim_range_into(
+        &self,
+        object: &Arc<ObjectState>,
         (start, end, dirtied_by_ns): (u64, u64, u64),
         mode: LockMode,
         cause: WritebackCause,
-        batch: &mut Batch<'a>,
+        batch: &mut Batch,
     ) {
         let blocks: Vec<u64> = object
             .dirty
@@ -474,11 +453,12 @@ impl Writeback {
         objects: &[Arc<ObjectState>],
         dirtied_by_ns: u64,
         cause: WritebackCause,
+        awaiting: Awaiting,
     ) -> (u64, Option<CacheError>) {
         let mut written = 0;
         let mut first_error = None;
         for group in self.io.group_by_device(objects) {
-            let mut batch = Batch::default();
+            let mut batch = Batch::new(awaiting);
             for object in group {
                 let range = (0, u64::MAX, dirtied_by_ns);
                 self.claim_range_into(object, range, LockMode::Try, cause, &mut batch);
@@ -497,15 +477,19 @@ impl Writeback {
         self.io.batch_writes_max(object)
     }
 
-    /// Writes the batch's claimed runs, releases them and empties it, keeping its totals.
-    fn write_batch(&self, batch: &mut Batch<'_>, cause: WritebackCause) {
+    /// Writes the batch's claimed runs, releases them and empties it, keeping its totals; a
+    /// batch awaiting nothing is only sent ([`Self::start_batch`]).
+    fn write_batch(&self, batch: &mut Batch, cause: WritebackCause) {
         if batch.runs.is_empty() {
             return;
+        }
+        if batch.awaiting == Awaiting::Nothing {
+            return self.start_batch(batch, cause);
         }
         let runs: Vec<(&ObjectState, &[Arc<Buffer>])> = batch
             .runs
             .iter()
-            .map(|(object, run)| (*object, run.buffers()))
+            .map(|(object, run)| (object.as_ref(), run.buffers()))
             .collect();
         let results = self.write_runs(&runs, cause);
         // Dropping the runs ends their claims.
@@ -519,6 +503,45 @@ impl Writeback {
             }
         }
         batch.bytes = 0;
+    }
+
+    /// Sends the batch's claimed runs as one batch of writes and empties it without waiting
+    /// for them (4.4BSD's `bawrite`): each write's completion marks its blocks clean or
+    /// latches its error, and ends its claim, on whichever thread the device completes it.
+    /// The batch's `written` counts the blocks of writes that ended before this returned.
+    fn start_batch(&self, batch: &mut Batch, cause: WritebackCause) {
+        let runs: Vec<(Arc<ObjectState>, ClaimedRun)> = batch.runs.drain(..).collect();
+        batch.bytes = 0;
+        let device_object = Arc::clone(&runs[0].0);
+        #[cfg(feature = "planted-defect")]
+        for (object, run) in &runs {
+            dirty::clear_all(
+                &self.end.dirty_bytes,
+                &object.dirty,
+                run.buffers().iter().map(|b| b.as_ref()),
+            );
+        }
+        let cleaned = Arc::new(AtomicU64::new(0));
+        let writes = runs
+            .into_iter()
+            .map(|(object, run)| {
+                let offset = object.map.map(run.buffers[0].key.block).device_offset;
+                let (end, cleaned) = (Arc::clone(&self.end), Arc::clone(&cleaned));
+                let done: WriteBackDone<ClaimedRun> = Box::new(move |run, result| {
+                    // A failure is latched on the object for its flushers.
+                    if let Ok(blocks) =
+                        end.finish_write(&object, run.buffers(), offset, result, cause)
+                    {
+                        cleaned.fetch_add(blocks, Ordering::AcqRel);
+                    }
+                    // Dropping the run ends its claim.
+                    drop(run);
+                });
+                (offset, run, done)
+            })
+            .collect();
+        self.io.start_write_back(&device_object, writes);
+        batch.written += cleaned.load(Ordering::Acquire);
     }
 
     /// Flushes the object's device; a failure is latched, since data already marked clean
@@ -539,7 +562,7 @@ impl Writeback {
     /// and by its second pass most blocks it skipped are clean and out of the index. When
     /// the first pass fails the FLUSH fails, so the second (which would retry the failed
     /// blocks at once) is not needed for its answer.
-    pub(crate) fn fsync_object(&self, object: &ObjectState) -> Result<(), CacheError> {
+    pub(crate) fn fsync_object(&self, object: &Arc<ObjectState>) -> Result<(), CacheError> {
         self.fsync_dirtied_by(object, u64::MAX)
     }
 
@@ -551,7 +574,7 @@ impl Writeback {
     /// with the write rate of everyone else.
     pub(crate) fn fsync_dirtied_by(
         &self,
-        object: &ObjectState,
+        object: &Arc<ObjectState>,
         dirtied_by_ns: u64,
     ) -> Result<(), CacheError> {
         let mut written = self.write_range_dirtied_by(
@@ -601,7 +624,7 @@ impl Writeback {
     pub(crate) fn throttle_writer(&self, object: &ObjectState) -> Result<(), CacheError> {
         let (_, limit) = self.dirty_thresholds();
         let mut throttled = false;
-        while self.dirty_bytes.load(Ordering::Acquire) > limit {
+        while self.end.dirty_bytes.load(Ordering::Acquire) > limit {
             if !throttled {
                 self.counters
                     .throttled_writes
@@ -645,7 +668,7 @@ impl Writeback {
         let deadline = now.saturating_sub(self.dirty_age_max.as_nanos() as u64);
         let mut written = 0u64;
         for group in self.io.group_by_device(objects) {
-            let mut batch = Batch::default();
+            let mut batch = Batch::new(Awaiting::Nothing);
             for object in group {
                 for (start, end) in object.take_write_behind() {
                     let range = (start, end, u64::MAX);
@@ -657,10 +680,10 @@ impl Writeback {
             written += batch.written;
         }
         written += self
-            .write_objects_dirtied_by(objects, deadline, WritebackCause::Age)
+            .write_objects_dirtied_by(objects, deadline, WritebackCause::Age, Awaiting::Nothing)
             .0;
         let (background, _) = self.dirty_thresholds();
-        while self.dirty_bytes.load(Ordering::Acquire) > background {
+        while self.end.dirty_bytes.load(Ordering::Acquire) > background {
             match self.clean_one_cluster(objects, WritebackCause::Threshold) {
                 Ok(0) | Err(_) => break,
                 Ok(cleaned) => written += cleaned,
@@ -694,26 +717,93 @@ impl Writeback {
     }
 }
 
+impl RunEnd {
+    /// After one write-back write: counts it, and marks its blocks clean if it succeeded or
+    /// latches its error on the object if it failed (the blocks stay dirty).
+    fn finish_write(
+        &self,
+        object: &ObjectState,
+        buffers: &[Arc<Buffer>],
+        offset: u64,
+        result: std::io::Result<()>,
+        cause: WritebackCause,
+    ) -> Result<u64, CacheError> {
+        if let Err(source) = result {
+            let length_bytes = buffers.iter().map(|b| b.length_bytes as u64).sum();
+            let error = self.io.error(object, "write", offset, length_bytes, source);
+            object.latch_error(&error);
+            return Err(error);
+        }
+        let cleaned = dirty::clear_all(
+            &self.dirty_bytes,
+            &object.dirty,
+            buffers.iter().map(|buffer| buffer.as_ref()),
+        );
+        self.counters.writeback(cause, cleaned);
+        if cause == WritebackCause::WriteBehind {
+            for buffer in buffers {
+                buffer.set(WRITTEN_BEHIND);
+            }
+        }
+        // Clean buffers can be evicted: wake allocations waiting for space.
+        self.table.notify_space();
+        if buffers.len() > 1 {
+            self.counters.write_clusters.fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .write_cluster_buffers
+                .fetch_add(buffers.len() as u64, Ordering::Relaxed);
+        }
+        Ok(cleaned)
+    }
+
+    /// Ends the claim [`Writeback::claim_run`] took, whether or not the write succeeded (only
+    /// [`ClaimedRun`]'s drop calls it).
+    fn release_claimed(&self, held: &[Arc<Buffer>]) {
+        let mut waited = false;
+        for buffer in held {
+            waited |= end_writeback(buffer);
+            // SAFETY: each was locked shared by claim_for_writeback.
+            unsafe { buffer.unlock_shared() };
+            self.table.unpin(buffer);
+        }
+        if waited {
+            self.waiter.notify_all();
+        }
+    }
+}
+
 /// Runs claimed by one write-back pass and not yet written (each with its object; all
 /// stored on one device), and what the pass has done.
-#[derive(Default)]
-struct Batch<'a> {
-    runs: Vec<(&'a ObjectState, ClaimedRun<'a>)>,
+struct Batch {
+    runs: Vec<(Arc<ObjectState>, ClaimedRun)>,
     bytes: u64,
+    /// Blocks cleaned by the pass's writes that ended before it returned.
     written: u64,
     first_error: Option<CacheError>,
+    awaiting: Awaiting,
 }
 
 /// A run claimed for write-back ([`Writeback::claim_run`]): every buffer pinned, locked
 /// shared and marked `WRITEBACK`, consecutive blocks contiguous on the device. Dropping it
 /// ends the claim — after its write, whether or not that succeeded, or on an early return or
-/// a panic — so no claim is ever left behind and no caller unlocks a buffer by hand.
-struct ClaimedRun<'w> {
-    writeback: &'w Writeback,
+/// a panic — so no claim is ever left behind and no caller unlocks a buffer by hand. It owns
+/// what it needs to end, so a write the device completes later carries it as its memory.
+struct ClaimedRun {
+    end: Arc<RunEnd>,
     buffers: Vec<Arc<Buffer>>,
 }
 
-impl ClaimedRun<'_> {
+impl WriteMemory for ClaimedRun {
+    fn slices(&self) -> Vec<IoSlice<'_>> {
+        self.buffers
+            .iter()
+            // SAFETY: the claim holds every buffer locked shared for as long as it exists.
+            .map(|buffer| IoSlice::new(unsafe { buffer.device_bytes() }))
+            .collect()
+    }
+}
+
+impl ClaimedRun {
     fn buffers(&self) -> &[Arc<Buffer>] {
         &self.buffers
     }
@@ -727,16 +817,26 @@ impl ClaimedRun<'_> {
     }
 }
 
-impl Drop for ClaimedRun<'_> {
+impl Drop for ClaimedRun {
     fn drop(&mut self) {
-        self.writeback.release_claimed(&self.buffers);
+        self.end.release_claimed(&self.buffers);
     }
 }
 
-impl<'a> Batch<'a> {
-    fn add(&mut self, object: &'a ObjectState, run: ClaimedRun<'a>) {
+impl Batch {
+    fn new(awaiting: Awaiting) -> Self {
+        Batch {
+            runs: Vec::new(),
+            bytes: 0,
+            written: 0,
+            first_error: None,
+            awaiting,
+        }
+    }
+
+    fn add(&mut self, object: &Arc<ObjectState>, run: ClaimedRun) {
         self.bytes += run.len() as u64 * u64::from(object.block_size_bytes);
-        self.runs.push((object, run));
+        self.runs.push((Arc::clone(object), run));
     }
 
     /// True when `writes_max` runs or `WRITEBACK_BATCH_BYTES_MAX` are claimed.

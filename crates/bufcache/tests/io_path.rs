@@ -4,7 +4,8 @@
 //!
 //! Method: a source scan for device calls outside `io.rs`, and a device that says it serves
 //! sixteen requests at once and holds every write at a gate until the test opens it, so the
-//! write-back in flight can be counted while a flush is stuck on it.
+//! write-back in flight can be counted while a flush is stuck on it; and one that completes
+//! writes later, on a thread of its own, so the background tick can be seen not to wait.
 
 // Tests drive the engine from real threads on real time; only the engine itself may not.
 #![allow(clippy::disallowed_methods, clippy::disallowed_types)]
@@ -31,8 +32,8 @@ fn only_the_io_module_calls_a_device() {
     let requests = [
         "read_vectored_at(",
         "write_vectored_at(",
-        "write_batch_at(",
-        "start_read(",
+        "submit_reads(",
+        "submit_writes(",
         "flush(",
         "discard(",
         "write_zeroes(",
@@ -95,11 +96,13 @@ impl GatedWrites {
             state = self.gate.changed.wait(state).unwrap();
         }
     }
+}
 
+impl Gate {
     fn leave(&self, count: usize) {
-        let mut state = self.gate.state.lock().unwrap();
+        let mut state = self.state.lock().unwrap();
         state.writes_inflight -= count;
-        self.gate.changed.notify_all();
+        self.changed.notify_all();
     }
 }
 
@@ -110,15 +113,23 @@ impl Device for GatedWrites {
     fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
         self.enter(1);
         let result = self.inner.write_vectored_at(buffers, offset);
-        self.leave(1);
+        self.gate.leave(1);
         result
     }
-    /// The inner device completes every write before it returns.
+    /// Each write leaves the count as it completes (its slot is given back then).
     fn submit_writes(&self, writes: Vec<bufcache::device::WriteRequest>) {
-        let count = writes.len();
-        self.enter(count);
+        self.enter(writes.len());
+        let writes = writes
+            .into_iter()
+            .map(|write| {
+                let gate = Arc::clone(&self.gate);
+                write.on_complete(move |result| {
+                    gate.leave(1);
+                    result
+                })
+            })
+            .collect();
         self.inner.submit_writes(writes);
-        self.leave(count);
     }
     fn submit_reads(&self, reads: Vec<bufcache::device::ReadRequest>) {
         bufcache::device::read_each_now(self, reads)
@@ -233,5 +244,138 @@ fn writeback_keeps_to_its_share_and_a_read_miss_passes_it() {
             stored == pattern(block),
             "block {block} did not reach the device"
         );
+    }
+}
+
+/// A memory device that completes writes later, on a thread of its own, once its gate is
+/// open (as an NBD upstream's reply thread does), counting how many are in flight.
+struct LaterWrites {
+    inner: Arc<MemoryDevice>,
+    gate: Arc<Gate>,
+}
+
+impl Device for LaterWrites {
+    fn read_vectored_at(&self, buffers: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<()> {
+        self.inner.read_vectored_at(buffers, offset)
+    }
+    fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
+        self.inner.write_vectored_at(buffers, offset)
+    }
+    fn submit_writes(&self, writes: Vec<bufcache::device::WriteRequest>) {
+        let (inner, gate) = (Arc::clone(&self.inner), Arc::clone(&self.gate));
+        let count = writes.len();
+        {
+            let mut state = gate.state.lock().unwrap();
+            state.writes_inflight += count;
+            state.writes_inflight_peak = state.writes_inflight_peak.max(state.writes_inflight);
+            gate.changed.notify_all();
+        }
+        std::thread::spawn(move || {
+            let mut state = gate.state.lock().unwrap();
+            while !state.open {
+                state = gate.changed.wait(state).unwrap();
+            }
+            drop(state);
+            bufcache::device::write_each_now(inner.as_ref(), writes);
+            gate.leave(count);
+        });
+    }
+    fn submit_reads(&self, reads: Vec<bufcache::device::ReadRequest>) {
+        bufcache::device::read_each_now(self, reads)
+    }
+    fn flush(&self) -> io::Result<()> {
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, length: u64) -> io::Result<()> {
+        self.inner.discard(offset, length)
+    }
+    fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
+        self.inner.write_zeroes(offset, length)
+    }
+    fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {
+        self.inner.extents(offset, length)
+    }
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            inflight_requests_max: DEVICE_INFLIGHT_REQUESTS,
+            completes_later: true,
+            ..self.inner.capabilities()
+        }
+    }
+    fn describe(&self) -> String {
+        "later writes".into()
+    }
+}
+
+#[test]
+fn the_tick_sends_aged_writes_without_waiting_and_a_flush_waits_for_them() {
+    // Goal: background write-back is 4.4BSD's bawrite: the tick sends aged dirty runs and
+    // returns while the device still holds them (their blocks stay dirty until each write
+    // ends), and a FLUSH arriving meanwhile covers them: it returns only after they ended,
+    // with every block on the device. Method: a device that completes writes later, after
+    // its gate opens; as many scattered dirty blocks as write-back's share, aged at once
+    // (dirty_age_max 0); tick; the writes must be at the closed gate with the tick
+    // returned; a flush on another thread must still be waiting 100 ms later; open the gate.
+    let gate = Arc::new(Gate::default());
+    let memory = Arc::new(MemoryDevice::new(DEVICE_BYTES));
+    let device = Arc::new(LaterWrites {
+        inner: Arc::clone(&memory),
+        gate: Arc::clone(&gate),
+    });
+    let cache = bufcache_host::system_cache(CacheConfig {
+        memory_bytes_max: 8 << 20,
+        readahead_size_max_bytes: 0,
+        dirty_age_max: Duration::ZERO,
+        ..CacheConfig::default()
+    })
+    .unwrap();
+    let handle = Arc::new(
+        cache
+            .open_object(ObjectConfig::new(
+                "later",
+                Arc::clone(&device) as Arc<dyn Device>,
+            ))
+            .unwrap(),
+    );
+    let blocks: Vec<u64> = (0..WRITEBACK_SHARE as u64).map(|index| index * 8).collect();
+    for &block in &blocks {
+        handle
+            .write_at(block * BLOCK, &pattern(block), false)
+            .unwrap();
+    }
+    cache.writeback_tick();
+    assert_eq!(
+        gate.state.lock().unwrap().writes_inflight,
+        blocks.len(),
+        "the tick returned with its writes at the device"
+    );
+    assert_eq!(
+        cache.stats().dirty_bytes,
+        blocks.len() as u64 * BLOCK,
+        "blocks stay dirty until their write ends"
+    );
+    let flusher = {
+        let handle = Arc::clone(&handle);
+        std::thread::spawn(move || handle.flush())
+    };
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        !flusher.is_finished(),
+        "a flush returned before the writes it covers ended"
+    );
+    {
+        let mut state = gate.state.lock().unwrap();
+        state.open = true;
+        gate.changed.notify_all();
+    }
+    flusher.join().unwrap().unwrap();
+    assert_eq!(cache.stats().dirty_bytes, 0);
+    assert_eq!(cache.stats().writeback_inflight_requests, 0);
+    for &block in &blocks {
+        let mut stored = vec![0u8; BLOCK as usize];
+        memory
+            .read_vectored_at(&mut [IoSliceMut::new(&mut stored)], block * BLOCK)
+            .unwrap();
+        assert!(stored == pattern(block), "block {block} is on the device");
     }
 }
