@@ -202,7 +202,9 @@ impl Cache {
 
     /// Background writeback work due now: dirty data older than `dirty_age_max`, and dirty
     /// data above the background threshold. Call it periodically (the server runs a thread;
-    /// the simulator calls it on its virtual clock). Returns the blocks written.
+    /// the simulator calls it on its virtual clock). Aged and written-behind data is sent
+    /// without waiting for the device (4.4BSD's `bawrite`): returns the blocks whose writes
+    /// had ended by then (all of them over a device that completes in the caller's thread).
     pub fn writeback_tick(&self) -> u64 {
         let inner = &self.inner;
         let written = inner.writeback.writeback_tick(&inner.objects());

@@ -11,6 +11,11 @@
 //! continue, writers wait) and written with one vectored request. Only after the device
 //! accepted every byte are the buffers marked clean; on failure they stay dirty, in memory,
 //! and the error is latched on the object for its flushers (the fsyncgate lesson).
+//!
+//! Passes that need the outcomes (flush, fsync, sync, throttling, space) wait for their
+//! writes; the background tick's passes only send them ([`Awaiting::Nothing`], 4.4BSD's
+//! `bawrite`), and each write ends on its own through [`RunEnd`], on whichever thread the
+//! device completes it. Either way a block stays dirty until its write has ended.
 
 use std::io::IoSlice;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -661,8 +666,9 @@ impl Writeback {
 
     /// One round of background write-back: write-behind ranges that never made a batch,
     /// aged data, then data above the background threshold. The first two hand down the runs
-    /// of all objects stored on one device together, in that device's batches. Errors are
-    /// latched on their objects.
+    /// of all objects stored on one device together, in that device's batches, and do not
+    /// wait for them ([`Awaiting::Nothing`]). Errors are latched on their objects. Returns
+    /// the blocks cleaned by writes that ended before it returned.
     pub(crate) fn writeback_tick(&self, objects: &[Arc<ObjectState>]) -> u64 {
         let now = self.clock.now_ns();
         let deadline = now.saturating_sub(self.dirty_age_max.as_nanos() as u64);
