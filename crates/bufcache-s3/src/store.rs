@@ -285,7 +285,7 @@ impl ChunkStore {
             Acquired::Held(lock) => lock,
             Acquired::WritesRefused(answer) => {
                 store.runtime.block_on(check_not_held(&store.store, url))?;
-                tracing::warn!(disk = %url, "the store refuses writes ({answer}): opened read-only, without the disk lock");
+                tracing::info!(disk = %url, "the store refuses writes ({answer}): opened read-only, without the disk lock");
                 store.read_only = Some(ReadOnly::WritesRefused(answer));
                 return Ok(store);
             }
