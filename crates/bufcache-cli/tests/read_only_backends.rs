@@ -173,7 +173,14 @@ fn assert_s3_data_reads_back(server: &Server) {
     run_ok(
         cmd(
             "qemu-io",
-            &["-r", "-f", "raw", "-c", "read -P 0xab 1M 64k", &server.uri()],
+            &[
+                "-r",
+                "-f",
+                "raw",
+                "-c",
+                "read -P 0xab 1M 64k",
+                &server.uri(),
+            ],
         ),
         Duration::from_secs(30),
     );

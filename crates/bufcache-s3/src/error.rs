@@ -50,12 +50,12 @@ pub enum OpenError {
         /// The `break-lock=` id given, when it did not name the current lock.
         asked: Option<String>,
     },
-    #[error("{url}: {}the disk is in use by {holder} (lock object `{key}`); a read-only server would serve data that server has since overwritten: stop it first, or add break-lock={id} to the URL to serve the disk read-only anyway (the lock is left in place)", break_lock_mismatch(.asked))]
+    #[error("{url}: {}the disk is in use by {holder} (lock object `{key}`); a read-only server would serve data that server has since overwritten: stop it first, or add break-lock={} to the URL to serve the disk read-only anyway (the lock is left in place)", break_lock_mismatch(.asked), .holder.id)]
     LockedReadOnly {
         url: String,
         key: String,
-        holder: String,
-        id: String,
+        /// Boxed: the error stays small enough to return by value.
+        holder: Box<crate::LockHolder>,
         /// The `break-lock=` id given, when it did not name the current lock.
         asked: Option<String>,
     },

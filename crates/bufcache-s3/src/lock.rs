@@ -174,8 +174,7 @@ pub(crate) async fn check_not_held(store: &AmazonS3, url: &S3Url) -> Result<(), 
     Err(OpenError::LockedReadOnly {
         url: url.to_string(),
         key,
-        holder: holder.to_string(),
-        id: holder.id,
+        holder: Box::new(holder),
         asked: url.break_lock.clone(),
     })
 }

@@ -469,7 +469,7 @@ fn a_read_only_open_writes_nothing_and_respects_another_servers_lock() {
         .err()
         .expect("the disk is held");
     assert!(
-        matches!(refused, OpenError::LockedReadOnly { ref id, .. } if *id == holder.id),
+        matches!(refused, OpenError::LockedReadOnly { holder: ref named, .. } if **named == holder),
         "{refused}"
     );
     let before = counts();
