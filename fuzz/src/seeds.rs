@@ -305,7 +305,7 @@ pub fn nbd_handshake_seeds() -> Vec<(String, Vec<u8>)> {
     extended.extend(option(OPT_STRUCTURED_REPLY, &[]));
     extended.extend(option(
         OPT_LIST_META_CONTEXT,
-        &meta_context_request(EXPORT_NAME, &["base:", BUFCACHE_STATE, "bufcache:"]),
+        &meta_context_request(EXPORT_NAME, &["base:", BUFCACHE_STATE, BUFCACHE_NAMESPACE]),
     ));
     extended.extend(option(
         OPT_SET_META_CONTEXT,

@@ -274,7 +274,17 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
     if spec.starts_with("s3://") {
         let mut url = bufcache_s3::S3Url::parse(spec).map_err(bufcache_s3::OpenError::from)?;
         url.create_size_bytes = url.create_size_bytes.or(args.create_size);
-        let store = bufcache_s3::ChunkStore::open_locked(&url)?;
+        // --read-only writes nothing, not even the disk lock; credentials that may not write
+        // (the store answers the lock's PUT 403) make a read-only export too, as a file this
+        // process may only read does.
+        let store = if args.read_only {
+            bufcache_s3::ChunkStore::open_read_only(&url)?
+        } else {
+            bufcache_s3::ChunkStore::open_locked(&url)?
+        };
+        if let Some(bufcache_s3::ReadOnly::WritesRefused(answer)) = store.read_only() {
+            say!("{url}: the store refuses writes ({answer}): serving it read-only, without taking the disk lock");
+        }
         return Ok(OpenedBackend {
             device: Arc::new(bufcache_s3::S3Device::new(store)),
             upstream: None,

@@ -31,7 +31,7 @@ pub struct BlockStatusExtent {
 }
 
 /// One run of the export's address space with a single cache state, as reported by
-/// [`Export::cache_state`] for the `bufcache:state` metadata context.
+/// [`Export::cache_state`] for the `x-bufcache:state` metadata context.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CacheStateExtent {
     /// Length of the run in bytes (never zero).
@@ -132,7 +132,7 @@ pub trait Export: Send + Sync {
     /// Consecutive extents covering [offset, offset+length) (may stop early, at least one); hole => NBD_STATE_HOLE|NBD_STATE_ZERO, zero-only => NBD_STATE_ZERO.
     fn block_status(&self, offset: u64, length: u64) -> io::Result<Vec<BlockStatusExtent>>;
     /// True when the export answers [`Export::cache_state`] (it is a cache): the server then
-    /// offers the `bufcache:state` metadata context for it.
+    /// offers the `x-bufcache:state` metadata context for it.
     fn has_cache_state(&self) -> bool;
     /// Which bytes of `[offset, offset + length)` are in the cache and which are dirty, as
     /// consecutive extents from `offset` (at least one; they may stop early). Only called
@@ -149,7 +149,7 @@ pub trait Export: Send + Sync {
 pub fn no_cache_state() -> io::Result<Vec<CacheStateExtent>> {
     Err(io::Error::new(
         io::ErrorKind::Unsupported,
-        "the export is not a cache: it has no bufcache:state",
+        "the export is not a cache: it has no x-bufcache:state",
     ))
 }
 

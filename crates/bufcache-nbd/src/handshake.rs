@@ -26,7 +26,7 @@ const OPTION_BYTES_MAX: u32 = 64 * 1024;
 
 /// Context id the server gives `base:allocation` when a client selects it.
 pub(crate) const BASE_ALLOCATION_ID: u32 = 1;
-/// Context id the server gives `bufcache:state` when a client selects it.
+/// Context id the server gives `x-bufcache:state` when a client selects it.
 pub(crate) const CACHE_STATE_ID: u32 = 2;
 
 /// A set of metadata contexts: the ones an export offers, or the ones a client selected.
@@ -34,7 +34,7 @@ pub(crate) const CACHE_STATE_ID: u32 = 2;
 pub(crate) struct MetaContexts {
     /// `base:allocation` (every export offers it).
     pub(crate) base_allocation: bool,
-    /// `bufcache:state` (offered by exports that are a cache, [`Export::has_cache_state`]).
+    /// `x-bufcache:state` (offered by exports that are a cache, [`Export::has_cache_state`]).
     pub(crate) cache_state: bool,
 }
 
@@ -44,7 +44,7 @@ impl MetaContexts {
     }
 
     /// The contexts of `offered` that `queries` name. Listing, no query names them all and a
-    /// namespace alone (`base:`, `bufcache:`) names all of its contexts; selecting, a
+    /// namespace alone (`base:`, `x-bufcache:`) names all of its contexts; selecting, a
     /// namespace alone names none (the spec asks for that in `base:`). Unknown queries are
     /// ignored, as the spec requires.
     fn matching(offered: MetaContexts, queries: &[String], listing: bool) -> MetaContexts {
@@ -57,7 +57,7 @@ impl MetaContexts {
                 BASE_ALLOCATION => chosen.base_allocation = true,
                 "base:" if listing => chosen.base_allocation = true,
                 BUFCACHE_STATE => chosen.cache_state = true,
-                "bufcache:" if listing => chosen.cache_state = true,
+                BUFCACHE_NAMESPACE if listing => chosen.cache_state = true,
                 _ => {}
             }
         }

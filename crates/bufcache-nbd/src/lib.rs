@@ -4,7 +4,7 @@
 //! Two halves share one wire module ([`protocol`]):
 //! - the **server** ([`Server`]) serves any number of [`Export`]s over TCP and unix sockets
 //!   with the newstyle handshake, structured replies, extended headers (64-bit lengths),
-//!   `base:allocation` and `bufcache:state` block status, and many requests in flight per
+//!   `base:allocation` and `x-bufcache:state` block status, and many requests in flight per
 //!   connection, answered out of order by worker threads (docs/protocol.md);
 //! - the **client** ([`NbdClient`]) connects to an upstream NBD server and implements
 //!   [`bufcache::Device`], so the cache engine can sit in front of another NBD server.

@@ -133,11 +133,17 @@ pub const STATE_ZERO: u32 = 1 << 1;
 /// The metadata context every export offers: holes and zeroes.
 pub const BASE_ALLOCATION: &str = "base:allocation";
 
+/// The namespace of bufcache's own metadata contexts. The NBD spec allows only `base`,
+/// `nbd-server`, registered third-party namespaces and `x-*` ("for local experiments");
+/// `bufcache` is not registered, so its contexts live under `x-bufcache:`
+/// (docs/protocol.md, "`x-bufcache:state`").
+pub const BUFCACHE_NAMESPACE: &str = "x-bufcache:";
+
 /// The metadata context a cache export offers: which blocks are in the cache, and which of
 /// them are dirty (see docs/protocol.md).
-pub const BUFCACHE_STATE: &str = "bufcache:state";
+pub const BUFCACHE_STATE: &str = "x-bufcache:state";
 
-/// `bufcache:state` status flags: the block is in the cache (clean or dirty)...
+/// `x-bufcache:state` status flags: the block is in the cache (clean or dirty)...
 pub const CACHE_STATE_RESIDENT: u32 = 1 << 0;
 /// ...and is newer than the backend (written, not yet written back).
 pub const CACHE_STATE_DIRTY: u32 = 1 << 1;

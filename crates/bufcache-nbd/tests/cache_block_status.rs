@@ -1,7 +1,7 @@
 //! Goal: block status tells the truth while data is dirty. `base:allocation` reports dirty
 //! blocks as data and everything else as the backend reports it (one 4 KiB write no longer
 //! turns an 8 MiB query into one data extent), so copying tools keep sparseness before the
-//! first flush; and the `bufcache:state` context tells which ranges are dirty, resident or
+//! first flush; and the `x-bufcache:state` context tells which ranges are dirty, resident or
 //! absent. And a structured READ answers ranges zeroed or trimmed since they were last written
 //! with OFFSET_HOLE chunks, so a client skips zeroes without reading them. Method: a cache over
 //! a 64 MiB sparse memory device, served by our server; raw BLOCK_STATUS and READ probes check
@@ -36,7 +36,7 @@ fn cached_memory() -> (TestServer, ObjectHandle) {
 }
 
 /// A structured connection with both contexts selected: (connection, id of base:allocation,
-/// id of bufcache:state).
+/// id of x-bufcache:state).
 fn open_both(socket: &Path) -> (Raw, u32, u32) {
     let mut raw = Raw::modern(socket);
     assert_eq!(raw.structured(), Ok(REP_ACK));
@@ -59,7 +59,7 @@ fn open_both(socket: &Path) -> (Raw, u32, u32) {
 /// A status chunk's descriptors: (length, flags).
 type Descriptors = Vec<(u64, u64)>;
 
-/// BLOCK_STATUS of `length` at `offset`: (base:allocation descriptors, bufcache:state ones).
+/// BLOCK_STATUS of `length` at `offset`: (base:allocation descriptors, x-bufcache:state ones).
 fn maps(raw: &mut Raw, ids: (u32, u32), offset: u64, length: u64) -> (Descriptors, Descriptors) {
     let answer = raw
         .request(0, CMD_BLOCK_STATUS, offset, length, &[])
@@ -165,8 +165,18 @@ fn the_cache_state_context_is_listed_and_selected_like_qemu_allocation_depth() {
         vec![BASE_ALLOCATION, BUFCACHE_STATE]
     );
     assert_eq!(
-        names(&mut raw, OPT_LIST_META_CONTEXT, &["bufcache:"]),
+        names(&mut raw, OPT_LIST_META_CONTEXT, &[BUFCACHE_NAMESPACE]),
         vec![BUFCACHE_STATE]
+    );
+    // The namespace is `x-bufcache:` (the spec allows no unregistered namespace without
+    // `x-`); the unprefixed name is no alias.
+    assert_eq!(
+        names(
+            &mut raw,
+            OPT_LIST_META_CONTEXT,
+            &["bufcache:", "bufcache:state"]
+        ),
+        Vec::<String>::new()
     );
     assert_eq!(
         names(&mut raw, OPT_LIST_META_CONTEXT, &["qemu:", "x-other:y"]),
@@ -177,7 +187,7 @@ fn the_cache_state_context_is_listed_and_selected_like_qemu_allocation_depth() {
         names(
             &mut raw,
             OPT_SET_META_CONTEXT,
-            &["bufcache:", "bufcache:nope"]
+            &[BUFCACHE_NAMESPACE, "x-bufcache:nope", "bufcache:state"]
         ),
         Vec::<String>::new()
     );

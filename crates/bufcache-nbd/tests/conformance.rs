@@ -27,7 +27,7 @@ const MIB: u64 = 1 << 20;
 const ALLOWED: &[(&str, &str, &str)] = &[
     // nbdkit 1.32 predates extended headers (1.36 added them); "*" ends a prefix.
     ("extended*", "nbdkit", "nbdkit 1.32 has no extended headers"),
-    // Server-specific contexts: bufcache:state.
+    // Server-specific contexts: x-bufcache:state.
     (
         "LIST_META_CONTEXT, no query",
         "nbdkit",

@@ -90,9 +90,12 @@ impl Device for S3Device {
         all_data(self.store.metadata().size_bytes, offset, length)
     }
 
-    /// Discard and write-zeroes delete or rewrite chunks without moving the caller's data.
+    /// Discard and write-zeroes delete or rewrite chunks without moving the caller's data. A
+    /// store opened read-only (asked for, or credentials that may not write) says so, and the
+    /// object over it refuses writes.
     fn capabilities(&self) -> Capabilities {
         Capabilities {
+            read_only: self.store.read_only().is_some(),
             discard_zeroes: true,
             write_zeroes_fast: true,
             write_unit_bytes: self.store.metadata().chunk_size_bytes,

@@ -50,6 +50,17 @@ pub enum OpenError {
         /// The `break-lock=` id given, when it did not name the current lock.
         asked: Option<String>,
     },
+    #[error("{url}: {}the disk is in use by {holder} (lock object `{key}`); a read-only server would serve data that server has since overwritten: stop it first, or add break-lock={} to the URL to serve the disk read-only anyway (the lock is left in place)", break_lock_mismatch(.asked), .holder.id)]
+    LockedReadOnly {
+        url: String,
+        key: String,
+        /// Boxed: the error stays small enough to return by value.
+        holder: Box<crate::LockHolder>,
+        /// The `break-lock=` id given, when it did not name the current lock.
+        asked: Option<String>,
+    },
+    #[error("{url}: no disk here (no metadata object `{key}`), and a read-only server does not create one; start it once without --read-only, with credentials that may write, to create the disk")]
+    NoDiskReadOnly { url: String, key: String },
     #[error("{url}: lock object `{key}` is not a bufcache lock: {reason}; if no server uses the disk, delete that object")]
     BadLock {
         url: String,
@@ -86,6 +97,8 @@ pub enum StoreError {
     },
     #[error("request of {length} bytes at offset {offset} reaches past the end of the disk ({size} bytes)")]
     OutOfRange { offset: u64, length: u64, size: u64 },
+    #[error("{url} is open read-only ({reason}): writes are refused")]
+    ReadOnly { url: String, reason: String },
     #[error("object `{key}` holds {found} bytes where {expected} were asked for")]
     ShortObject {
         key: String,
@@ -98,6 +111,7 @@ impl From<StoreError> for std::io::Error {
     fn from(error: StoreError) -> Self {
         let kind = match error {
             StoreError::OutOfRange { .. } => std::io::ErrorKind::InvalidInput,
+            StoreError::ReadOnly { .. } => std::io::ErrorKind::PermissionDenied,
             _ => std::io::ErrorKind::Other,
         };
         std::io::Error::new(kind, error)

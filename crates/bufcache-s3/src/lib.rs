@@ -16,5 +16,5 @@ mod url;
 pub use device::S3Device;
 pub use error::{OpenError, StoreError};
 pub use lock::{release_locks, DiskLock, LockHolder, LOCK_NAME};
-pub use store::{ChunkStore, DiskMetadata, FORMAT_VERSION};
+pub use store::{ChunkStore, DiskMetadata, ReadOnly, FORMAT_VERSION};
 pub use url::{S3Url, UrlError, CHUNK_SIZE_DEFAULT_BYTES};

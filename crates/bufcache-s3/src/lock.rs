@@ -121,6 +121,64 @@ async fn read_holder(
     Ok(LockHolder::parse(&body).ok())
 }
 
+/// What came of trying to take the lock.
+pub(crate) enum Acquired {
+    /// This process holds the lock.
+    Held(Arc<DiskLock>),
+    /// The store answered the lock's PUT 403 Forbidden: these credentials (or the bucket's
+    /// policy) do not allow writing. Nothing was written; the store's answer, on one line.
+    WritesRefused(String),
+}
+
+/// The store's 403 answer on one line: the status and, when its XML body has them, the S3
+/// error code and message (the full answer is long and spans lines).
+fn refusal_summary(error: &object_store::Error) -> String {
+    let text = chain(error);
+    let element = |name: &str| {
+        let start = text.find(&format!("<{name}>"))? + name.len() + 2;
+        let end = start + text[start..].find(&format!("</{name}>"))?;
+        Some(text[start..end].trim().to_string())
+    };
+    match (element("Code"), element("Message")) {
+        (Some(code), Some(message)) => format!("403 Forbidden, {code}: {message}"),
+        (Some(code), None) => format!("403 Forbidden, {code}"),
+        _ => text.split_whitespace().collect::<Vec<_>>().join(" "),
+    }
+}
+
+/// Checks, for a server that opens the disk read-only and so takes no lock, that no other
+/// server holds the disk: that server's writes would make the read-only server's cache serve
+/// stale data. Refused unless `url.break_lock` names the holder (the operator says it is
+/// gone); the lock object is left as it is either way.
+pub(crate) async fn check_not_held(store: &AmazonS3, url: &S3Url) -> Result<(), OpenError> {
+    let key = url.key(LOCK_NAME);
+    let request_error = |error: object_store::Error| OpenError::Request {
+        url: url.to_string(),
+        operation: format!("reading the lock `{key}`"),
+        message: chain(&error),
+    };
+    let body = match store.get(&ObjectPath::from(key.as_str())).await {
+        Ok(existing) => existing.bytes().await.map_err(request_error)?,
+        Err(object_store::Error::NotFound { .. }) => return Ok(()),
+        Err(error) => return Err(request_error(error)),
+    };
+    let holder = LockHolder::parse(&body).map_err(|reason| OpenError::BadLock {
+        url: url.to_string(),
+        key: key.clone(),
+        reason,
+    })?;
+    if url.break_lock.as_deref() == Some(holder.id.as_str()) {
+        tracing::warn!(disk = %url, holder = %holder, "serving read-only over a disk another server holds, as break-lock= asked; its lock is left in place");
+        return Ok(());
+    }
+    Err(OpenError::LockedReadOnly {
+        url: url.to_string(),
+        key,
+        holder: Box::new(holder),
+        asked: url.break_lock.clone(),
+    })
+}
+
 /// A lock this process holds; released (deleted) by [`DiskLock::release`], on drop, or by
 /// [`release_locks`].
 pub struct DiskLock {
@@ -148,12 +206,15 @@ pub fn release_locks() {
 
 impl DiskLock {
     /// Takes the lock of the disk `url` names, or breaks the stale lock `url.break_lock`
-    /// names. Refused (nothing written) when another holder has it.
+    /// names. Refused (nothing written) when another holder has it. A 403 answer to the
+    /// lock's PUT is [`Acquired::WritesRefused`], not an error: the caller may serve the disk
+    /// read-only. Any other failure (a 500 after the retries, an unreachable store) is an
+    /// error.
     pub(crate) async fn acquire(
         runtime: tokio::runtime::Handle,
         store: Arc<AmazonS3>,
         url: &S3Url,
-    ) -> Result<Arc<DiskLock>, OpenError> {
+    ) -> Result<Acquired, OpenError> {
         let key = url.key(LOCK_NAME);
         let path = ObjectPath::from(key.as_str());
         let holder = LockHolder::of_this_process();
@@ -176,6 +237,11 @@ impl DiskLock {
                 .await;
             match created {
                 Ok(_) => return Ok(DiskLock::held(runtime, store, key, holder)),
+                // S3 checks permissions before the condition: a 403 says nothing of whether
+                // the lock exists.
+                Err(error @ object_store::Error::PermissionDenied { .. }) => {
+                    return Ok(Acquired::WritesRefused(refusal_summary(&error)))
+                }
                 Err(object_store::Error::AlreadyExists { .. })
                 | Err(object_store::Error::Precondition { .. }) => {}
                 Err(error) => return Err(request_error("creating the lock", error)),
@@ -240,6 +306,9 @@ impl DiskLock {
                         key: key.clone(),
                     })
                 }
+                Err(error @ object_store::Error::PermissionDenied { .. }) => {
+                    Ok(Acquired::WritesRefused(refusal_summary(&error)))
+                }
                 Err(error) => Err(request_error("breaking the lock", error)),
             };
         }
@@ -254,7 +323,7 @@ impl DiskLock {
         store: Arc<AmazonS3>,
         key: String,
         holder: LockHolder,
-    ) -> Arc<DiskLock> {
+    ) -> Acquired {
         tracing::info!(lock = %key, holder = %holder, "took the disk lock");
         let lock = Arc::new(DiskLock {
             runtime,
@@ -266,7 +335,7 @@ impl DiskLock {
         let mut held = HELD.lock().unwrap();
         held.retain(|weak| weak.strong_count() > 0);
         held.push(Arc::downgrade(&lock));
-        lock
+        Acquired::Held(lock)
     }
 
     /// Who this process is in the lock object.

@@ -11,6 +11,9 @@
 //! - while the store holds the disk lock ([`ChunkStore::open_locked`]) nobody else writes, so
 //!   the set of stored chunks is known (one LIST at open, then kept up to date): a chunk never
 //!   stored is read, partially written or zeroed without asking the store;
+//! - a server whose credentials may not write (the store answers the lock's PUT 403) opens
+//!   the disk read-only instead, as does one that asks for it ([`ChunkStore::open_read_only`],
+//!   which writes nothing at all, not even the lock); see [`ReadOnly`];
 //! - every write returns only after the store acknowledged each PUT/DELETE, so `flush` has
 //!   nothing left to wait for; a PUT is atomic per object, so after a crash every chunk is
 //!   either old or new, never torn;
@@ -34,7 +37,7 @@ use serde_json::json;
 
 use crate::credentials::shared_file_credentials;
 use crate::error::{chain, request_failed, OpenError, StoreError};
-use crate::lock::DiskLock;
+use crate::lock::{check_not_held, Acquired, DiskLock};
 use crate::url::{S3Url, CHUNK_SIZE_DEFAULT_BYTES};
 
 /// Version of the object layout written in the metadata object.
@@ -52,6 +55,37 @@ pub struct DiskMetadata {
     pub size_bytes: u64,
     pub chunk_size_bytes: u64,
     pub format_version: u64,
+}
+
+/// Why a store opened for serving refuses writes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReadOnly {
+    /// The caller asked for it ([`ChunkStore::open_read_only`]): nothing is written, not even
+    /// the disk lock.
+    Requested,
+    /// The store answered the lock's create-only PUT 403 Forbidden, so these credentials (or
+    /// the bucket's policy) may not write; the store's answer, on one line. No lock is held.
+    WritesRefused(String),
+}
+
+impl std::fmt::Display for ReadOnly {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReadOnly::Requested => write!(formatter, "opened read-only as asked"),
+            ReadOnly::WritesRefused(answer) => {
+                write!(formatter, "the store refuses writes: {answer}")
+            }
+        }
+    }
+}
+
+/// Whether opening may create a missing disk.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Create {
+    /// When the URL has `create-size=`.
+    IfAsked,
+    /// Never: a read-only open writes nothing.
+    Never,
 }
 
 /// The outcome of reading one piece: where it goes in the buffer and its bytes (None: zeroes).
@@ -130,6 +164,9 @@ pub struct ChunkStore {
     metadata: DiskMetadata,
     chunk_locks: Arc<Vec<tokio::sync::Mutex<()>>>,
     requests_in_flight_max: usize,
+    /// Set when the store refuses writes; every write then fails with
+    /// [`StoreError::ReadOnly`] without a request.
+    read_only: Option<ReadOnly>,
 }
 
 /// No count cap on a request's retries: `retry-timeout-ms` alone bounds them, as documented
@@ -184,6 +221,10 @@ impl ChunkStore {
     /// exists. The metadata object is checked against the URL's parameters; on any mismatch
     /// nothing is written.
     pub fn open(url: &S3Url) -> Result<Self, OpenError> {
+        Self::open_with(url, Create::IfAsked)
+    }
+
+    fn open_with(url: &S3Url, create: Create) -> Result<Self, OpenError> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("bufcache-s3")
@@ -206,7 +247,7 @@ impl ChunkStore {
         let probe = client_builder(url, retry_timeout.min(Duration::from_secs(5)), 2)
             .build()
             .map_err(client_error)?;
-        let metadata = runtime.block_on(Self::open_metadata(&probe, url))?;
+        let metadata = runtime.block_on(Self::open_metadata(&probe, url, create))?;
         Ok(ChunkStore {
             lock: None,
             stored: None,
@@ -220,6 +261,7 @@ impl ChunkStore {
                     .collect(),
             ),
             requests_in_flight_max: REQUESTS_IN_FLIGHT_MAX_DEFAULT,
+            read_only: None,
         })
     }
 
@@ -227,13 +269,27 @@ impl ChunkStore {
     /// refused with [`OpenError::Locked`], naming the holder, when another server holds it,
     /// unless the URL's `break-lock=ID` names that lock. The lock is released when the store
     /// is dropped or by [`crate::release_locks`].
+    ///
+    /// When the store answers the lock's PUT 403 Forbidden (credentials that may only read),
+    /// the disk is opened read-only instead, without a lock, as [`ChunkStore::open_read_only`]
+    /// would: [`ChunkStore::read_only`] then says why. Any other failure to take the lock (a
+    /// 500 after the retries, an unreachable store) is an error, never a read-only store.
     pub fn open_locked(url: &S3Url) -> Result<Self, OpenError> {
         let mut store = Self::open(url)?;
-        let lock = store.runtime.block_on(DiskLock::acquire(
+        let acquired = store.runtime.block_on(DiskLock::acquire(
             store.runtime.handle().clone(),
             store.store.clone(),
             url,
         ))?;
+        let lock = match acquired {
+            Acquired::Held(lock) => lock,
+            Acquired::WritesRefused(answer) => {
+                store.runtime.block_on(check_not_held(&store.store, url))?;
+                tracing::info!(disk = %url, "the store refuses writes ({answer}): opened read-only, without the disk lock");
+                store.read_only = Some(ReadOnly::WritesRefused(answer));
+                return Ok(store);
+            }
+        };
         store.lock = Some(lock);
         // One LIST (per 1,000 chunks) now saves a GET for every read or partial write of a
         // chunk never stored: on a new or sparse disk, most of them.
@@ -248,6 +304,24 @@ impl ChunkStore {
             })?;
         store.stored = Some(Arc::new(stored));
         Ok(store)
+    }
+
+    /// Opens an existing disk read-only for serving, writing nothing at all (not the lock,
+    /// not a new disk). Without the lock another server could write the disk underneath, so
+    /// a disk whose lock another server holds is refused ([`OpenError::LockedReadOnly`])
+    /// unless the URL's `break-lock=ID` names that lock, which is then left in place. Every
+    /// chunk is asked for (no LIST at open): without the lock, the set of stored chunks is
+    /// not this store's to know.
+    pub fn open_read_only(url: &S3Url) -> Result<Self, OpenError> {
+        let mut store = Self::open_with(url, Create::Never)?;
+        store.runtime.block_on(check_not_held(&store.store, url))?;
+        store.read_only = Some(ReadOnly::Requested);
+        Ok(store)
+    }
+
+    /// Why this store refuses writes; None when it takes them.
+    pub fn read_only(&self) -> Option<&ReadOnly> {
+        self.read_only.as_ref()
     }
 
     /// Who holds the disk's lock now (None: nobody), as stored in the lock object.
@@ -275,7 +349,11 @@ impl ChunkStore {
         self.lock.as_deref()
     }
 
-    async fn open_metadata(store: &AmazonS3, url: &S3Url) -> Result<DiskMetadata, OpenError> {
+    async fn open_metadata(
+        store: &AmazonS3,
+        url: &S3Url,
+        create: Create,
+    ) -> Result<DiskMetadata, OpenError> {
         let key = url.key(METADATA_NAME);
         let request_error = |operation: String, error: object_store::Error| OpenError::Request {
             url: url.to_string(),
@@ -295,6 +373,12 @@ impl ChunkStore {
                 })?;
                 check_metadata(url, &stored)?;
                 Ok(stored)
+            }
+            Err(object_store::Error::NotFound { .. }) if create == Create::Never => {
+                Err(OpenError::NoDiskReadOnly {
+                    url: url.to_string(),
+                    key,
+                })
             }
             Err(object_store::Error::NotFound { .. }) => {
                 // Listing tells a missing bucket (an error) from an empty prefix, and refuses
@@ -502,6 +586,17 @@ impl ChunkStore {
     /// Applies each `(offset, length, data or zeroes)`, every chunk request of the batch in
     /// flight together; one outcome per write, its first failed request's error.
     fn modify_batch(&self, writes: Vec<(u64, u64, Option<Bytes>)>) -> Vec<Result<(), StoreError>> {
+        if let Some(read_only) = &self.read_only {
+            return writes
+                .iter()
+                .map(|_| {
+                    Err(StoreError::ReadOnly {
+                        url: self.url.to_string(),
+                        reason: read_only.to_string(),
+                    })
+                })
+                .collect();
+        }
         let mut requests = Vec::new();
         for (write, (offset, length, data)) in writes.iter().enumerate() {
             for piece in self.pieces(*offset, *length) {

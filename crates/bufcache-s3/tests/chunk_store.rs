@@ -4,10 +4,10 @@
 mod support;
 
 use bufcache::Device;
-use bufcache_s3::{ChunkStore, OpenError, S3Device, S3Url};
+use bufcache_s3::{ChunkStore, OpenError, ReadOnly, S3Device, S3Url};
 use bytes::Bytes;
 use rand::{Rng, SeedableRng};
-use support::{have_moto, FaultProxy, Moto, Proxy};
+use support::{have_moto, FaultProxy, Moto, Proxy, RefuseProxy};
 
 fn open(endpoint: &str, bucket: &str, parameters: &str) -> Result<ChunkStore, OpenError> {
     ChunkStore::open(
@@ -344,5 +344,147 @@ fn a_lock_put_carried_out_but_answered_500_still_takes_the_lock() {
         inspector.lock_holder().unwrap(),
         None,
         "the lock was left behind"
+    );
+}
+
+// Goal: a store that refuses writes with 403 at open (credentials that may only read) gives a
+// read-only store, not an error: no lock, every write refused with PermissionDenied before
+// any request, reads served, and the device says read_only. Method: moto behind a proxy that
+// answers every PUT and DELETE 403 AccessDenied without forwarding it; data written earlier
+// straight to moto must read back through the read-only store, and moto must hold no lock.
+// (The CLI test credentials_that_cannot_write_serve_a_read_only_export does the same with
+// moto's own IAM checks.)
+#[test]
+fn a_lock_put_refused_403_opens_the_store_read_only_without_a_lock() {
+    if !have_moto("a_lock_put_refused_403_opens_the_store_read_only_without_a_lock") {
+        return;
+    }
+    let moto = Moto::start();
+    moto.create_bucket("bucket");
+    let writer = open(&moto.endpoint(), "bucket", "&create-size=1M&chunk-size=64k").unwrap();
+    let data = random(100_000, 21);
+    writer.write(Bytes::from(data.clone()), 30_000).unwrap();
+    drop(writer);
+    let proxy = RefuseProxy::start(moto.port, "PUT,DELETE", 403, "AccessDenied");
+    let url = S3Url::parse(&format!("s3://bucket/disk?endpoint={}", proxy.endpoint())).unwrap();
+    let store = ChunkStore::open_locked(&url).expect("a read-only store, not an error");
+    match store.read_only() {
+        Some(ReadOnly::WritesRefused(answer)) => assert!(
+            answer.contains("403") && answer.contains("AccessDenied"),
+            "{answer}"
+        ),
+        other => panic!("the store must say the store refused writes, not {other:?}"),
+    }
+    assert!(store.lock().is_none(), "no lock is held");
+    let mut back = vec![0u8; 100_000];
+    store.read(&mut back, 30_000).unwrap();
+    assert!(back == data, "the data written before reads back");
+    let puts = moto.request_count("PUT");
+    let refused = store.write(Bytes::from_static(b"x"), 0).unwrap_err();
+    assert_eq!(
+        std::io::Error::from(refused).kind(),
+        std::io::ErrorKind::PermissionDenied
+    );
+    assert!(store.write_zeroes(0, 65_536).is_err());
+    assert_eq!(
+        moto.request_count("PUT"),
+        puts,
+        "a refused write sends nothing"
+    );
+    let device = S3Device::new(store);
+    assert!(device.capabilities().read_only);
+    drop(device);
+    let inspector = open(&moto.endpoint(), "bucket", "").unwrap();
+    assert_eq!(inspector.lock_holder().unwrap(), None, "no lock object");
+}
+
+// Goal: a store that fails the lock's PUT for any reason but a 403 (a 500 that outlasts the
+// retries, a connection closed unanswered) is an error at open naming the lock, never a
+// silently read-only store. Method: moto behind a proxy that answers every PUT 500
+// InternalError, then behind one that closes the connection of every PUT; retry-timeout-ms=500
+// keeps each open short.
+#[test]
+fn a_lock_put_failing_but_not_403_is_an_error_at_open_not_read_only() {
+    if !have_moto("a_lock_put_failing_but_not_403_is_an_error_at_open_not_read_only") {
+        return;
+    }
+    let moto = Moto::start();
+    moto.create_bucket("bucket");
+    drop(open(&moto.endpoint(), "bucket", "&create-size=1M&chunk-size=64k").unwrap());
+    for (status, code) in [(500, "InternalError"), (0, "-")] {
+        let proxy = RefuseProxy::start(moto.port, "PUT", status, code);
+        let url = S3Url::parse(&format!(
+            "s3://bucket/disk?endpoint={}&retry-timeout-ms=500",
+            proxy.endpoint()
+        ))
+        .unwrap();
+        let error = match ChunkStore::open_locked(&url) {
+            Err(error) => error.to_string(),
+            Ok(store) => panic!(
+                "status {status}: opened (read-only: {:?}) instead of failing",
+                store.read_only()
+            ),
+        };
+        assert!(
+            error.contains("creating the lock") && error.contains("bufcache-lock.json"),
+            "status {status}: {error}"
+        );
+    }
+}
+
+// Goal: a store opened read-only on request writes nothing at all (not the lock, not a new
+// disk), refuses a disk another server holds unless break-lock= names that holder (and then
+// leaves the lock alone), and refuses to create a disk. Method: count PUTs and DELETEs in
+// moto's log around read-only opens, reads and refused writes, with and without a locked
+// writer on the same disk.
+#[test]
+fn a_read_only_open_writes_nothing_and_respects_another_servers_lock() {
+    if !have_moto("a_read_only_open_writes_nothing_and_respects_another_servers_lock") {
+        return;
+    }
+    let moto = Moto::start();
+    moto.create_bucket("bucket");
+    let url = |parameters: &str| {
+        S3Url::parse(&format!(
+            "s3://bucket/disk?endpoint={}{parameters}",
+            moto.endpoint()
+        ))
+        .unwrap()
+    };
+    let counts = || (moto.request_count("PUT"), moto.request_count("DELETE"));
+    let before = counts();
+    let missing = ChunkStore::open_read_only(&url("&create-size=1M&chunk-size=64k"))
+        .err()
+        .expect("no disk to open");
+    assert!(
+        matches!(missing, OpenError::NoDiskReadOnly { .. }),
+        "{missing}"
+    );
+    assert_eq!(counts(), before, "a read-only open creates nothing");
+    let writer = ChunkStore::open_locked(&url("&create-size=1M&chunk-size=64k")).unwrap();
+    let data = random(5_000, 22);
+    writer.write(Bytes::from(data.clone()), 1_000).unwrap();
+    let holder = writer.lock().unwrap().holder().clone();
+    let refused = ChunkStore::open_read_only(&url(""))
+        .err()
+        .expect("the disk is held");
+    assert!(
+        matches!(refused, OpenError::LockedReadOnly { holder: ref named, .. } if **named == holder),
+        "{refused}"
+    );
+    let before = counts();
+    let reader = ChunkStore::open_read_only(&url(&format!("&break-lock={}", holder.id)))
+        .expect("break-lock= naming the holder lets a read-only server in");
+    assert_eq!(reader.read_only(), Some(&ReadOnly::Requested));
+    let mut back = vec![0u8; 5_000];
+    reader.read(&mut back, 1_000).unwrap();
+    assert!(back == data, "the holder's data reads back");
+    assert!(reader.write(Bytes::from_static(b"x"), 0).is_err());
+    drop(reader);
+    assert_eq!(counts(), before, "no PUT and no DELETE, lock included");
+    assert_eq!(
+        writer.lock_holder().unwrap(),
+        Some(holder),
+        "the holder's lock is left in place"
     );
 }

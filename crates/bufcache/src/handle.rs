@@ -1705,7 +1705,7 @@ impl ObjectHandle {
     /// Where each block of a byte range is: dirty, resident (cached and clean) or absent, as
     /// consecutive runs covering `[offset, offset + length_bytes)`, adjacent runs with the
     /// same state merged. Blocks being filled count as resident. This is the cache's own view
-    /// (the `bufcache:state` NBD metadata context): a backup tool copies only the dirty runs
+    /// (the `x-bufcache:state` NBD metadata context): a backup tool copies only the dirty runs
     /// to learn what changed since the last flush.
     pub fn residency(
         &self,

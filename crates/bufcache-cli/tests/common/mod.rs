@@ -217,6 +217,18 @@ impl Server {
 
     /// Starts the server listening on `listen` and waits until it accepts.
     pub fn start_listening(dir: &Path, name: &str, listen: Listen, args: &[&str]) -> Server {
+        Server::start_with_env(dir, name, listen, args, &[])
+    }
+
+    /// Starts the server like [`Server::start_listening`], with `env` added to (or replacing
+    /// in) its environment: other credentials, for one.
+    pub fn start_with_env(
+        dir: &Path,
+        name: &str,
+        listen: Listen,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Server {
         let log = dir.join(format!("{name}.log"));
         let listen_arg = match &listen {
             Listen::Unix(path) => {
@@ -235,6 +247,7 @@ impl Server {
             .args(args)
             .arg("--listen")
             .arg(&listen_arg)
+            .envs(env.iter().copied())
             .current_dir(dir)
             .stdin(Stdio::null())
             .stdout(log_file.try_clone().unwrap())

@@ -113,6 +113,47 @@ impl Moto {
         );
     }
 
+    /// Creates a user whose credentials may only read (s3:GetObject, s3:ListBucket) and turns
+    /// on moto's IAM checks (`moto_read_only_user.py`): from then on a write signed with the
+    /// key is answered 403 AccessDenied, and the tests' own "testing" key is refused. Returns
+    /// (access key id, secret access key).
+    pub fn read_only_user(&self) -> (String, String) {
+        let script = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../bufcache-s3/tests/support/moto_read_only_user.py"
+        );
+        let output = Command::new("python3")
+            .arg(script)
+            .arg(self.endpoint())
+            .output()
+            .expect("running moto_read_only_user.py");
+        assert!(
+            output.status.success(),
+            "moto_read_only_user.py: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let text = String::from_utf8(output.stdout).unwrap();
+        let mut words = text.split_whitespace();
+        match (words.next(), words.next()) {
+            (Some(id), Some(secret)) => (id.to_string(), secret.to_string()),
+            _ => panic!("moto_read_only_user.py printed no key: {text:?}"),
+        }
+    }
+
+    /// Turns moto's IAM checks off again (after [`Moto::read_only_user`]).
+    pub fn stop_checking_iam(&self) {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        write!(
+            stream,
+            "POST /moto-api/reset-auth HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Type: text/plain\r\nContent-Length: 3\r\nConnection: close\r\n\r\ninf",
+            self.port
+        )
+        .unwrap();
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    }
+
     /// Requests logged so far by method (GET, PUT, DELETE, HEAD, POST).
     pub fn request_count(&self, method: &str) -> usize {
         let log = std::fs::read_to_string(&self.log_path).unwrap_or_default();
@@ -336,6 +377,44 @@ impl FaultProxy {
 }
 
 impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// An HTTP proxy in front of a server (`refuse_proxy.py`) that answers every request whose
+/// method is in `methods` with `status` and an S3 error document of `code`, without
+/// forwarding it (status 0: closes the connection unanswered); other requests go through.
+pub struct RefuseProxy {
+    child: Child,
+    pub port: u16,
+}
+
+impl RefuseProxy {
+    pub fn start(target_port: u16, methods: &str, status: u16, code: &str) -> RefuseProxy {
+        let port = free_port();
+        let script = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../bufcache-s3/tests/support/refuse_proxy.py"
+        );
+        let child = Command::new("python3")
+            .arg(script)
+            .args([&port.to_string(), &target_port.to_string(), methods])
+            .args([&status.to_string(), code])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("starting the refusing proxy");
+        wait_for_port(port);
+        RefuseProxy { child, port }
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for RefuseProxy {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
