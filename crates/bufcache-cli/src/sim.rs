@@ -24,7 +24,8 @@ pub struct SimArgs {
 enum SimCommand {
     /// List the experiments.
     List,
-    /// Run a seed experiment: prints its table and writes NAME.txt, .csv, .json, .svg and .png.
+    /// Run a seed experiment: prints its figures beside the seed's, its table, and writes
+    /// NAME.txt, .csv, .comparison.csv, .json (with a `comparison` list), .svg and .png.
     #[command(after_help = "Examples:\n  \
         bufcache sim experiment maxbsize            # seed 000: MAXBSIZE 16K vs 64K on an RZ25\n  \
         bufcache sim experiment sweep --scale 0.25  # seed 003's read sweep, smaller and faster\n  \
@@ -115,6 +116,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             for (extension, contents) in [
                 ("txt", result.to_text()),
                 ("csv", result.to_csv()),
+                ("comparison.csv", result.comparison_csv()),
                 ("json", result.to_json()),
                 ("svg", result.to_svg()),
             ] {
@@ -126,12 +128,12 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             if crate::plot::png_available() {
                 crate::plot::write_plot(&result.to_svg(), &png)?;
                 eprintln!(
-                    "bufcache: wrote {}/{name}.{{txt,csv,json,svg,png}}",
+                    "bufcache: wrote {}/{name}.{{txt,csv,comparison.csv,json,svg,png}}",
                     output.display()
                 );
             } else {
                 eprintln!(
-                    "bufcache: wrote {}/{name}.{{txt,csv,json,svg}}; no PNG (install librsvg2-bin for rsvg-convert)",
+                    "bufcache: wrote {}/{name}.{{txt,csv,comparison.csv,json,svg}}; no PNG (install librsvg2-bin for rsvg-convert)",
                     output.display()
                 );
             }
