@@ -541,7 +541,8 @@ impl SimCore {
     }
 
     /// Waits until the data of device bytes `[offset, offset + length)` has arrived from the
-    /// disk (a read still in flight, or still in the io queue).
+    /// disk (a read still in flight, or still in the io queue), or reached it (a write the
+    /// disk has been handed).
     pub fn wait_for_data(&self, offset: u64, length: u64) {
         let mut state = self.lock();
         if state.deferred {
@@ -704,6 +705,11 @@ impl CoreState {
             Op::Write => {
                 self.device.writes += 1;
                 self.device.write_bytes += length;
+                // Written bytes are on the disk (durable without a write cache) from here: a
+                // later fsync of them waits for this, as 4.4BSD's waits for a busy buffer's
+                // write to finish. (A write still waiting in the io queue is not waited for
+                // here: the engine's own flush waits for the writes it issues.)
+                self.mark_ready(offset, length, done_ns);
             }
         }
     }

@@ -372,6 +372,9 @@ pub enum ComparisonKind {
     /// A ratio between two of the seed's conditions (the direction and size of a change):
     /// what the experiment is meant to reproduce.
     Shape,
+    /// A direction the seed states without a figure ("much worse", "greatly improved"):
+    /// `theirs` is +1 (the ratio goes up) or -1 (down), `ours` the ratio.
+    Direction,
     /// An absolute figure of one condition.
     Figure,
     /// A figure the model was calibrated on: an input, never a result.
@@ -408,6 +411,7 @@ impl Comparison {
     fn kind_name(&self) -> &'static str {
         match self.kind {
             ComparisonKind::Shape => "shape",
+            ComparisonKind::Direction => "direction",
             ComparisonKind::Figure => "figure",
             ComparisonKind::Calibration => "calibration input",
         }
@@ -420,19 +424,30 @@ pub fn comparison_table(entries: &[Comparison]) -> Table {
     let mut table = Table::new(&["seed", "kind", "metric", "theirs", "ours", "ours/theirs", "direction"]);
     let mut sorted: Vec<&Comparison> = entries.iter().collect();
     sorted.sort_by_key(|c| match c.kind {
-        ComparisonKind::Shape => 0,
+        ComparisonKind::Shape | ComparisonKind::Direction => 0,
         ComparisonKind::Figure => 1,
         ComparisonKind::Calibration => 2,
     });
     for entry in sorted {
         let direction = match entry.kind {
             // A ratio above 1 is an increase, below 1 a decrease.
+            // No change in the seed: ours within 10 % counts as the same.
+            ComparisonKind::Shape if (entry.theirs - 1.0).abs() < 0.02 => {
+                if (entry.ours - 1.0).abs() <= 0.1 { "same" } else { "differs" }
+            }
             ComparisonKind::Shape => {
                 let theirs = (entry.theirs - 1.0).signum();
                 let ours = (entry.ours - 1.0).signum();
                 if theirs == ours { "same" } else { "opposite" }
             }
+            ComparisonKind::Direction => {
+                if (entry.ours - 1.0).signum() == entry.theirs.signum() { "same" } else { "opposite" }
+            }
             _ => "-",
+        };
+        let relative = match entry.kind {
+            ComparisonKind::Direction => text("-"),
+            _ => num(if entry.theirs != 0.0 { entry.ours / entry.theirs } else { 0.0 }, 2),
         };
         table.push(vec![
             text(entry.seed.clone()),
@@ -440,7 +455,7 @@ pub fn comparison_table(entries: &[Comparison]) -> Table {
             text(entry.metric.clone()),
             num(entry.theirs, 3),
             num(entry.ours, 3),
-            num(if entry.theirs != 0.0 { entry.ours / entry.theirs } else { 0.0 }, 2),
+            relative,
             text(direction),
         ]);
     }

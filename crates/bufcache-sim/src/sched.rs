@@ -386,7 +386,6 @@ impl World {
         state
             .raw
             .write_at(offset, &self.scratch[..length as usize], synchronous)?;
-        self.core.wait_for_data(offset, length);
         Ok(())
     }
 
@@ -668,7 +667,15 @@ impl Os<'_> {
         let host = &self.world.host;
         self.world.core.cpu(host.user_per_call_ns, host.syscall_ns);
         self.world.files[file].handle.flush()?;
-        self.world.charge_engine();
+        // Writes another entity (a write-behind job) issued for this file may still be on
+        // their way to the disk in virtual time: fsync returns when they are there.
+        let world = &mut *self.world;
+        let entry = &world.files[file];
+        let end = entry.stored_bytes.div_ceil(entry.block_size);
+        for (at, bytes) in entry.map.device_ranges(0, end) {
+            world.core.wait_for_data(at, bytes);
+        }
+        world.charge_engine();
         Ok(())
     }
 
