@@ -70,7 +70,7 @@ enum SimCommand {
         bufcache sim run --disk rz25 --workload dd:write,bs=1M,count=86 --cluster-size-max 16k\n  \
         bufcache sim run --disk hdd7200 --workload sweep:file=256M,sizes=32M/64M,bs=1M,passes=4 --cache-size 64M\n  \
         bufcache sim run --disk wan:rtt_ms=80 --workload mixed:scan=512M,ws=32M --policy lru\n\n\
-        Disks: rz25, cheetah9lp, ata2002, hdd7200, nvme, lan, wan (PRESET:key=value,...).\n\
+        Disks: rz25, rz25-1995est, rz28, fireball-tm, travelstar, cheetah9lp, ata2002, hdd7200, nvme, lan, wan (PRESET:key=value,...).\n\
         Workloads: dd, sweep, mixed, treecopy, build (NAME:key=value,...).")]
     Run {
         /// Disk model, PRESET[:key=value,...].
