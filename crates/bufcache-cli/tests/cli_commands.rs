@@ -185,7 +185,7 @@ fn sim_experiment_prints_its_table_and_writes_its_files() {
     ]);
     assert!(result.status.success(), "{}", text(&result));
     assert!(text(&result).contains("MAXBSIZE"), "{}", text(&result));
-    for extension in ["txt", "csv", "json", "svg", "png"] {
+    for extension in ["txt", "csv", "comparison.csv", "json", "svg", "png"] {
         let path = directory.path().join(format!("maxbsize.{extension}"));
         assert!(
             std::fs::metadata(&path)

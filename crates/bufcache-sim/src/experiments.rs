@@ -12,9 +12,9 @@ use serde::Serialize;
 
 use crate::core::SimIoQueue;
 use crate::disk::{DiskKind, DiskSpec};
+use crate::fs::NewfsParams;
 use crate::host::HostCosts;
 use crate::layout::LayoutParams;
-use crate::fs::NewfsParams;
 use crate::report::{num, text, Comparison, ComparisonKind, ExperimentResult, Plot, Series, Table};
 use crate::sched::{
     sim_cache_config, MemoryModel, RunReport, SimConfig, SimError, Simulation,
@@ -267,7 +267,11 @@ pub fn run_custom_with(config: &SimConfig, workload: &WorkloadSpec) -> Result<Cu
 /// The share of the run's time the CPUs were busy with the processes and daemons (user
 /// and system time over elapsed time and CPUs).
 fn busy_share(report: &RunReport) -> f64 {
-    let cpu: f64 = report.processes.iter().map(|p| p.user_s + p.sys_s).sum::<f64>()
+    let cpu: f64 = report
+        .processes
+        .iter()
+        .map(|p| p.user_s + p.sys_s)
+        .sum::<f64>()
         + report
             .daemons
             .iter()
@@ -390,17 +394,65 @@ fn maxbsize(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
     }
     let ratio = write_speed[1] / write_speed[0];
     let comparison = vec![
-        Comparison::new("000", ComparisonKind::Shape, "write elapsed, ratio 64K/16K", 52.70 / 104.95, write_real[1] / write_real[0]),
-        Comparison::new("000", ComparisonKind::Shape, "write MB/s, ratio 64K/16K", 1.734 / 0.859, ratio),
+        Comparison::new(
+            "000",
+            ComparisonKind::Shape,
+            "write elapsed, ratio 64K/16K",
+            52.70 / 104.95,
+            write_real[1] / write_real[0],
+        ),
+        Comparison::new(
+            "000",
+            ComparisonKind::Shape,
+            "write MB/s, ratio 64K/16K",
+            1.734 / 0.859,
+            ratio,
+        ),
         // "CPU time was reduced by between 20% and 40%": the middle of the range.
-        Comparison::new("000", ComparisonKind::Shape, "read CPU (sys), ratio 64K/16K (seed: 0.6-0.8)", 0.70, read_sys[1] / read_sys[0].max(1e-9)),
+        Comparison::new(
+            "000",
+            ComparisonKind::Shape,
+            "read CPU (sys), ratio 64K/16K (seed: 0.6-0.8)",
+            0.70,
+            read_sys[1] / read_sys[0].max(1e-9),
+        ),
         // "elapsed time remained the same": a ratio of 1 (the direction column reads a
         // change either way as a difference).
-        Comparison::new("000", ComparisonKind::Shape, "read elapsed, ratio 64K/16K (\"remained the same\")", 1.0, read_speed[0] / read_speed[1]),
-        Comparison::new("000", ComparisonKind::Figure, "write MB/s at 16K", 0.859, write_speed[0]),
-        Comparison::new("000", ComparisonKind::Figure, "write MB/s at 64K", 1.734, write_speed[1]),
-        Comparison::new("000", ComparisonKind::Calibration, "write sys s at 16K (host costs fitted to it)", 9.1, write_sys[0]),
-        Comparison::new("000", ComparisonKind::Calibration, "write sys s at 64K (host costs fitted to it)", 7.5, write_sys[1]),
+        Comparison::new(
+            "000",
+            ComparisonKind::Shape,
+            "read elapsed, ratio 64K/16K (\"remained the same\")",
+            1.0,
+            read_speed[0] / read_speed[1],
+        ),
+        Comparison::new(
+            "000",
+            ComparisonKind::Figure,
+            "write MB/s at 16K",
+            0.859,
+            write_speed[0],
+        ),
+        Comparison::new(
+            "000",
+            ComparisonKind::Figure,
+            "write MB/s at 64K",
+            1.734,
+            write_speed[1],
+        ),
+        Comparison::new(
+            "000",
+            ComparisonKind::Calibration,
+            "write sys s at 16K (host costs fitted to it)",
+            9.1,
+            write_sys[0],
+        ),
+        Comparison::new(
+            "000",
+            ComparisonKind::Calibration,
+            "write sys s at 64K (host costs fitted to it)",
+            7.5,
+            write_sys[1],
+        ),
     ];
     Ok(ExperimentResult {
         comparison,
@@ -527,7 +579,10 @@ fn nbuf(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
                 1,
             ),
             num((r.device.reads + r.device.writes) as f64, 0),
-            num((r.device.reads + r.device.writes) as f64 / r.elapsed_s.max(1e-9), 1),
+            num(
+                (r.device.reads + r.device.writes) as f64 / r.elapsed_s.max(1e-9),
+                1,
+            ),
             num(r.device.interrupts as f64, 0),
         ]);
         let point = (
@@ -548,13 +603,43 @@ fn nbuf(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
     }
     let (before, after) = (at_430.unwrap_or_default(), at_1024.unwrap_or_default());
     let comparison = vec![
-        Comparison::new("001", ComparisonKind::Shape, "transfers/s, ratio NBUF 1024/430 (\"cut in half\")", 0.5, after.1 / before.1.max(1e-9)),
-        Comparison::new("001", ComparisonKind::Shape, "interrupts, ratio NBUF 1024/430 (\"cut in half\")", 0.5, after.2 / before.2.max(1e-9)),
-        Comparison::new("001", ComparisonKind::Shape, "transfers, ratio NBUF 1024/430", 0.5, after.0 / before.0.max(1e-9)),
+        Comparison::new(
+            "001",
+            ComparisonKind::Shape,
+            "transfers/s, ratio NBUF 1024/430 (\"cut in half\")",
+            0.5,
+            after.1 / before.1.max(1e-9),
+        ),
+        Comparison::new(
+            "001",
+            ComparisonKind::Shape,
+            "interrupts, ratio NBUF 1024/430 (\"cut in half\")",
+            0.5,
+            after.2 / before.2.max(1e-9),
+        ),
+        Comparison::new(
+            "001",
+            ComparisonKind::Shape,
+            "transfers, ratio NBUF 1024/430",
+            0.5,
+            after.0 / before.0.max(1e-9),
+        ),
         // "the machine was 50% idle" before; "more than 50% cpu utilisation, sometimes 100%"
         // after: CPU busy share, not device busy share; ours is the CPU share of the run.
-        Comparison::new("001", ComparisonKind::Calibration, "CPU busy share at NBUF 430 (\"50% idle\"; compile CPU fitted to it)", 0.5, before.3),
-        Comparison::new("001", ComparisonKind::Figure, "CPU busy share at NBUF 1024 (\"more than 50%\")", 0.55, after.3),
+        Comparison::new(
+            "001",
+            ComparisonKind::Calibration,
+            "CPU busy share at NBUF 430 (\"50% idle\"; compile CPU fitted to it)",
+            0.5,
+            before.3,
+        ),
+        Comparison::new(
+            "001",
+            ComparisonKind::Figure,
+            "CPU busy share at NBUF 1024 (\"more than 50%\")",
+            0.55,
+            after.3,
+        ),
     ];
     Ok(ExperimentResult {
         comparison,
@@ -593,7 +678,11 @@ fn nbuf(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
 /// transfers straight to the disk model, each paying the host's per-request cost, no cache.
 fn raw_device_mb_s(disk: &DiskSpec, host: &HostCosts, write: bool, bs: u64, bytes: u64) -> f64 {
     let mut model = disk.build();
-    let op = if write { crate::disk::Op::Write } else { crate::disk::Op::Read };
+    let op = if write {
+        crate::disk::Op::Write
+    } else {
+        crate::disk::Op::Read
+    };
     let start = 64u64 << 10;
     let mut time = 0u64;
     let mut offset = 0;
@@ -708,25 +797,96 @@ fn newfs(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
         text("-"),
         text("-"),
     ]);
-    let get = |positions: u32, maxcontig: u32| results.get(&(positions, maxcontig)).copied().unwrap_or((0.0, 0.0));
+    let get = |positions: u32, maxcontig: u32| {
+        results
+            .get(&(positions, maxcontig))
+            .copied()
+            .unwrap_or((0.0, 0.0))
+    };
     let (w64, r64) = get(1, 64);
     let (w512, r512) = get(1, 512);
     let (_, r16) = get(1, 16);
     let (w8_default, r8_default) = get(8, 8);
     let (w8_tuned, r8_tuned) = get(1, 8);
     let comparison = vec![
-        Comparison::new("002", ComparisonKind::Shape, "write MB/s, ratio -a 512/-a 64", 4.7 / 4.3, w512 / w64.max(1e-9)),
-        Comparison::new("002", ComparisonKind::Shape, "read MB/s, ratio -a 512/-a 64", 2.1 / 2.6, r512 / r64.max(1e-9)),
-        Comparison::new("002", ComparisonKind::Shape, "read MB/s at -a 16 / raw device read", 0.75, r16 / raw_read.max(1e-9)),
+        Comparison::new(
+            "002",
+            ComparisonKind::Shape,
+            "write MB/s, ratio -a 512/-a 64",
+            4.7 / 4.3,
+            w512 / w64.max(1e-9),
+        ),
+        Comparison::new(
+            "002",
+            ComparisonKind::Shape,
+            "read MB/s, ratio -a 512/-a 64",
+            2.1 / 2.6,
+            r512 / r64.max(1e-9),
+        ),
+        Comparison::new(
+            "002",
+            ComparisonKind::Shape,
+            "read MB/s at -a 16 / raw device read",
+            0.75,
+            r16 / raw_read.max(1e-9),
+        ),
         // "-n 1 -d 0 ... greatly improved performance" over the defaults: direction only.
-        Comparison::new("002", ComparisonKind::Direction, "write MB/s, ratio -n 1 -d 0 / defaults at -a 8 (\"greatly improved\")", 1.0, w8_tuned / w8_default.max(1e-9)),
-        Comparison::new("002", ComparisonKind::Direction, "read MB/s, ratio -n 1 -d 0 / defaults at -a 8 (\"greatly improved\")", 1.0, r8_tuned / r8_default.max(1e-9)),
-        Comparison::new("002", ComparisonKind::Direction, "write MB/s, ratio -a 16 / -a 8 (\"always improve write\")", 1.0, get(1, 16).0 / w8_tuned.max(1e-9)),
-        Comparison::new("002", ComparisonKind::Figure, "write MB/s at -a 64", 4.3, w64),
-        Comparison::new("002", ComparisonKind::Figure, "write MB/s at -a 512", 4.7, w512),
-        Comparison::new("002", ComparisonKind::Figure, "read MB/s at -a 64", 2.6, r64),
-        Comparison::new("002", ComparisonKind::Figure, "read MB/s at -a 512", 2.1, r512),
-        Comparison::new("002", ComparisonKind::Figure, "raw device read MB/s (\"about 5MB/s\")", 5.0, raw_read),
+        Comparison::new(
+            "002",
+            ComparisonKind::Direction,
+            "write MB/s, ratio -n 1 -d 0 / defaults at -a 8 (\"greatly improved\")",
+            1.0,
+            w8_tuned / w8_default.max(1e-9),
+        ),
+        Comparison::new(
+            "002",
+            ComparisonKind::Direction,
+            "read MB/s, ratio -n 1 -d 0 / defaults at -a 8 (\"greatly improved\")",
+            1.0,
+            r8_tuned / r8_default.max(1e-9),
+        ),
+        Comparison::new(
+            "002",
+            ComparisonKind::Direction,
+            "write MB/s, ratio -a 16 / -a 8 (\"always improve write\")",
+            1.0,
+            get(1, 16).0 / w8_tuned.max(1e-9),
+        ),
+        Comparison::new(
+            "002",
+            ComparisonKind::Figure,
+            "write MB/s at -a 64",
+            4.3,
+            w64,
+        ),
+        Comparison::new(
+            "002",
+            ComparisonKind::Figure,
+            "write MB/s at -a 512",
+            4.7,
+            w512,
+        ),
+        Comparison::new(
+            "002",
+            ComparisonKind::Figure,
+            "read MB/s at -a 64",
+            2.6,
+            r64,
+        ),
+        Comparison::new(
+            "002",
+            ComparisonKind::Figure,
+            "read MB/s at -a 512",
+            2.1,
+            r512,
+        ),
+        Comparison::new(
+            "002",
+            ComparisonKind::Figure,
+            "raw device read MB/s (\"about 5MB/s\")",
+            5.0,
+            raw_read,
+        ),
     ];
     Ok(ExperimentResult {
         comparison,
@@ -851,12 +1011,48 @@ fn sweep(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
     // Speeds in the seed's unit (10^6 bytes/s of its MB-sized reads; both sides MiB/s here).
     let speed = |index: usize| (sizes[index] as f64 / mib as f64) / results[0][index];
     let comparison = vec![
-        Comparison::new("003", ComparisonKind::Shape, "read speed, ratio 96/64 MB (first drop)", 50.5 / 63.6, speed(2) / speed(1)),
-        Comparison::new("003", ComparisonKind::Shape, "read speed, ratio 128/96 MB (second drop)", 6.19 / 50.5, speed(3) / speed(2)),
-        Comparison::new("003", ComparisonKind::Figure, "read MB/s at 32 MB (cached)", 65.5, speed(0)),
-        Comparison::new("003", ComparisonKind::Figure, "read MB/s at 128 MB (from the disk)", 6.19, speed(3)),
-        Comparison::new("003", ComparisonKind::Figure, "read MB/s at 256 MB (from the disk)", 6.02, speed(5)),
-        Comparison::new("003", ComparisonKind::Calibration, "read MB/s at 64 MB (host copy cost fitted to ≈ 65 MB/s)", 63.6, speed(1)),
+        Comparison::new(
+            "003",
+            ComparisonKind::Shape,
+            "read speed, ratio 96/64 MB (first drop)",
+            50.5 / 63.6,
+            speed(2) / speed(1),
+        ),
+        Comparison::new(
+            "003",
+            ComparisonKind::Shape,
+            "read speed, ratio 128/96 MB (second drop)",
+            6.19 / 50.5,
+            speed(3) / speed(2),
+        ),
+        Comparison::new(
+            "003",
+            ComparisonKind::Figure,
+            "read MB/s at 32 MB (cached)",
+            65.5,
+            speed(0),
+        ),
+        Comparison::new(
+            "003",
+            ComparisonKind::Figure,
+            "read MB/s at 128 MB (from the disk)",
+            6.19,
+            speed(3),
+        ),
+        Comparison::new(
+            "003",
+            ComparisonKind::Figure,
+            "read MB/s at 256 MB (from the disk)",
+            6.02,
+            speed(5),
+        ),
+        Comparison::new(
+            "003",
+            ComparisonKind::Calibration,
+            "read MB/s at 64 MB (host copy cost fitted to ≈ 65 MB/s)",
+            63.6,
+            speed(1),
+        ),
     ];
     Ok(ExperimentResult {
         comparison,
@@ -1198,10 +1394,34 @@ fn driver_clustering(options: &ExperimentOptions) -> Result<ExperimentResult, Si
     }
     let comparison = vec![
         // ~99K transfers, ~3800 saved: 99K / (99K + 3.8K).
-        Comparison::new("004", ComparisonKind::Shape, "tree copy transfers, ratio merging on/off", 99_000.0 / 102_800.0, ratios[0].1 / ratios[0].0.max(1.0)),
-        Comparison::new("004", ComparisonKind::Shape, "build transfers, ratio merging on/off", 12_200.0 / 12_800.0, ratios[1].1 / ratios[1].0.max(1.0)),
-        Comparison::new("004", ComparisonKind::Figure, "tree copy transfers with merging (/usr/src/sys; ours 2000 files)", 99_000.0, ratios[0].1),
-        Comparison::new("004", ComparisonKind::Figure, "build transfers with merging (GENERIC; ours 200 sources)", 12_200.0, ratios[1].1),
+        Comparison::new(
+            "004",
+            ComparisonKind::Shape,
+            "tree copy transfers, ratio merging on/off",
+            99_000.0 / 102_800.0,
+            ratios[0].1 / ratios[0].0.max(1.0),
+        ),
+        Comparison::new(
+            "004",
+            ComparisonKind::Shape,
+            "build transfers, ratio merging on/off",
+            12_200.0 / 12_800.0,
+            ratios[1].1 / ratios[1].0.max(1.0),
+        ),
+        Comparison::new(
+            "004",
+            ComparisonKind::Figure,
+            "tree copy transfers with merging (/usr/src/sys; ours 2000 files)",
+            99_000.0,
+            ratios[0].1,
+        ),
+        Comparison::new(
+            "004",
+            ComparisonKind::Figure,
+            "build transfers with merging (GENERIC; ours 200 sources)",
+            12_200.0,
+            ratios[1].1,
+        ),
     ];
     Ok(ExperimentResult {
         comparison,
@@ -1331,10 +1551,28 @@ fn dynamic_buffers(options: &ExperimentOptions) -> Result<ExperimentResult, SimE
     for (index, jobs) in [1, 10, 20, 30].into_iter().enumerate() {
         let (fixed, dynamic) = (real_sys[2 * index], real_sys[2 * index + 1]);
         let (base, patched) = seed_rows[index];
-        comparison.push(Comparison::new("003", ComparisonKind::Shape, format!("make -j{jobs} real, ratio dynamic/fixed"), patched.0 / base.0, dynamic.0 / fixed.0));
-        comparison.push(Comparison::new("003", ComparisonKind::Shape, format!("make -j{jobs} sys, ratio dynamic/fixed"), patched.1 / base.1, dynamic.1 / fixed.1.max(1e-9)));
+        comparison.push(Comparison::new(
+            "003",
+            ComparisonKind::Shape,
+            format!("make -j{jobs} real, ratio dynamic/fixed"),
+            patched.0 / base.0,
+            dynamic.0 / fixed.0,
+        ));
+        comparison.push(Comparison::new(
+            "003",
+            ComparisonKind::Shape,
+            format!("make -j{jobs} sys, ratio dynamic/fixed"),
+            patched.1 / base.1,
+            dynamic.1 / fixed.1.max(1e-9),
+        ));
     }
-    comparison.push(Comparison::new("003", ComparisonKind::Shape, "make real, ratio -j30/-j20 (fixed)", 1923.42 / 1568.01, real_sys[6].0 / real_sys[4].0));
+    comparison.push(Comparison::new(
+        "003",
+        ComparisonKind::Shape,
+        "make real, ratio -j30/-j20 (fixed)",
+        1923.42 / 1568.01,
+        real_sys[6].0 / real_sys[4].0,
+    ));
     Ok(ExperimentResult {
         comparison,
         name: "dynamic-buffers".into(),

@@ -109,28 +109,50 @@ impl NewfsParams {
             ));
         }
         let fragment = self.fragment_size;
-        if fragment == 0 || block % fragment != 0 || !(1..=8).contains(&(block / fragment)) || fragment < 512 {
+        if fragment == 0
+            || !block.is_multiple_of(fragment)
+            || !(1..=8).contains(&(block / fragment))
+            || fragment < 512
+        {
             return Err(format!(
                 "newfs -f {fragment} is invalid: the block ({block}) divided by 1, 2, 4 or 8, at least 512"
             ));
         }
         if !(1..=512).contains(&self.maxcontig) {
-            return Err(format!("newfs -a {} is invalid: from 1 to 512", self.maxcontig));
+            return Err(format!(
+                "newfs -a {} is invalid: from 1 to 512",
+                self.maxcontig
+            ));
         }
         if !(self.rotdelay_ms >= 0.0 && self.rotdelay_ms <= 100.0) {
-            return Err(format!("newfs -d {} is invalid: from 0 to 100 ms", self.rotdelay_ms));
+            return Err(format!(
+                "newfs -d {} is invalid: from 0 to 100 ms",
+                self.rotdelay_ms
+            ));
         }
         if !(1..=32).contains(&self.rotational_positions) {
-            return Err(format!("newfs -n {} is invalid: from 1 to 32", self.rotational_positions));
+            return Err(format!(
+                "newfs -n {} is invalid: from 1 to 32",
+                self.rotational_positions
+            ));
         }
         if !(1000..=20000).contains(&self.rpm) {
-            return Err(format!("newfs -r {} is invalid: from 1000 to 20000", self.rpm));
+            return Err(format!(
+                "newfs -r {} is invalid: from 1000 to 20000",
+                self.rpm
+            ));
         }
         if !(1..=1024).contains(&self.cylinders_per_group) {
-            return Err(format!("newfs -c {} is invalid: from 1 to 1024", self.cylinders_per_group));
+            return Err(format!(
+                "newfs -c {} is invalid: from 1 to 1024",
+                self.cylinders_per_group
+            ));
         }
         if !(1024..=1 << 20).contains(&self.bytes_per_inode) {
-            return Err(format!("newfs -i {} is invalid: from 1024 to 1048576", self.bytes_per_inode));
+            return Err(format!(
+                "newfs -i {} is invalid: from 1024 to 1048576",
+                self.bytes_per_inode
+            ));
         }
         Ok(())
     }
@@ -200,7 +222,8 @@ impl Ffs {
     pub fn new(params: NewfsParams, geometry: FsGeometry) -> Result<Ffs, String> {
         params.validate()?;
         let block = params.block_size as u64;
-        let group_bytes = (geometry.cylinder_bytes * params.cylinders_per_group as u64) / block * block;
+        let group_bytes =
+            (geometry.cylinder_bytes * params.cylinders_per_group as u64) / block * block;
         if group_bytes < 8 * block {
             return Err(format!(
                 "newfs -c {}: a cylinder group of {group_bytes} bytes is under 8 blocks",
@@ -216,7 +239,12 @@ impl Ffs {
         for index in 0..count {
             let start = index * group_bytes;
             // Group 0 starts past the boot blocks and the primary superblock (16 KiB).
-            let metadata = start + if index == 0 { (16u64 << 10).next_multiple_of(block) } else { 0 };
+            let metadata = start
+                + if index == 0 {
+                    (16u64 << 10).next_multiple_of(block)
+                } else {
+                    0
+                };
             // The superblock copy and the cylinder-group block, one block each.
             let data_start = metadata + 2 * block + inode_bytes;
             let end = (start + group_bytes).min(geometry.capacity_bytes);
@@ -278,7 +306,11 @@ impl Ffs {
     /// `ffs_dirpref`: the group with the fewest directories among those with at least the
     /// average number of free inodes.
     fn directory_group(&self) -> usize {
-        let free: u64 = self.groups.iter().map(|g| self.inodes_per_group - g.inodes_used).sum();
+        let free: u64 = self
+            .groups
+            .iter()
+            .map(|g| self.inodes_per_group - g.inodes_used)
+            .sum();
         let average = free / self.groups.len() as u64;
         self.groups
             .iter()
@@ -378,7 +410,7 @@ impl Ffs {
             let mut needed = 0;
             if lbn == DIRECT_BLOCKS {
                 needed = 1;
-            } else if lbn > DIRECT_BLOCKS && (lbn - DIRECT_BLOCKS) % nindir == 0 {
+            } else if lbn > DIRECT_BLOCKS && (lbn - DIRECT_BLOCKS).is_multiple_of(nindir) {
                 // A new second-level block, plus the double indirect block at the first.
                 needed = if lbn == DIRECT_BLOCKS + nindir { 2 } else { 1 };
                 // ffs_blkpref: a new section of the file starts in another group.
@@ -406,8 +438,7 @@ impl Ffs {
             current = from;
             in_run += 1;
             match runs.last_mut() {
-                Some((first, start, count)) if *start + *count * block == offset => {
-                    let _ = first;
+                Some((_, start, count)) if *start + *count * block == offset => {
                     *count += 1;
                 }
                 _ => runs.push((lbn, offset, 1)),

@@ -398,7 +398,13 @@ pub struct Comparison {
 
 impl Comparison {
     /// An entry.
-    pub fn new(seed: &str, kind: ComparisonKind, metric: impl Into<String>, theirs: f64, ours: f64) -> Self {
+    pub fn new(
+        seed: &str,
+        kind: ComparisonKind,
+        metric: impl Into<String>,
+        theirs: f64,
+        ours: f64,
+    ) -> Self {
         Comparison {
             seed: seed.to_string(),
             metric: metric.into(),
@@ -421,7 +427,15 @@ impl Comparison {
 /// The comparison entries as a table, shapes first: seed, kind, metric, theirs, ours, and
 /// ours/theirs with the direction (same or opposite sign of the change for shapes).
 pub fn comparison_table(entries: &[Comparison]) -> Table {
-    let mut table = Table::new(&["seed", "kind", "metric", "theirs", "ours", "ours/theirs", "direction"]);
+    let mut table = Table::new(&[
+        "seed",
+        "kind",
+        "metric",
+        "theirs",
+        "ours",
+        "ours/theirs",
+        "direction",
+    ]);
     let mut sorted: Vec<&Comparison> = entries.iter().collect();
     sorted.sort_by_key(|c| match c.kind {
         ComparisonKind::Shape | ComparisonKind::Direction => 0,
@@ -433,21 +447,40 @@ pub fn comparison_table(entries: &[Comparison]) -> Table {
             // A ratio above 1 is an increase, below 1 a decrease.
             // No change in the seed: ours within 10 % counts as the same.
             ComparisonKind::Shape if (entry.theirs - 1.0).abs() < 0.02 => {
-                if (entry.ours - 1.0).abs() <= 0.1 { "same" } else { "differs" }
+                if (entry.ours - 1.0).abs() <= 0.1 {
+                    "same"
+                } else {
+                    "differs"
+                }
             }
             ComparisonKind::Shape => {
                 let theirs = (entry.theirs - 1.0).signum();
                 let ours = (entry.ours - 1.0).signum();
-                if theirs == ours { "same" } else { "opposite" }
+                if theirs == ours {
+                    "same"
+                } else {
+                    "opposite"
+                }
             }
             ComparisonKind::Direction => {
-                if (entry.ours - 1.0).signum() == entry.theirs.signum() { "same" } else { "opposite" }
+                if (entry.ours - 1.0).signum() == entry.theirs.signum() {
+                    "same"
+                } else {
+                    "opposite"
+                }
             }
             _ => "-",
         };
         let relative = match entry.kind {
             ComparisonKind::Direction => text("-"),
-            _ => num(if entry.theirs != 0.0 { entry.ours / entry.theirs } else { 0.0 }, 2),
+            _ => num(
+                if entry.theirs != 0.0 {
+                    entry.ours / entry.theirs
+                } else {
+                    0.0
+                },
+                2,
+            ),
         };
         table.push(vec![
             text(entry.seed.clone()),

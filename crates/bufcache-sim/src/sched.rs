@@ -25,8 +25,8 @@ use serde::Serialize;
 use crate::clock::{SimRng, VirtualClock};
 use crate::core::{Account, DeviceTotals, SimCore, SimDevice, SimIoQueue, SimSpawner, SimWaiter};
 use crate::disk::{DiskSpec, SpecError};
-use crate::host::HostCosts;
 use crate::fs::{Ffs, FileMeta, FsGeometry, NewfsParams, RawMap, DIRECTORY_ENTRY_BYTES};
+use crate::host::HostCosts;
 use crate::layout::{FileMap, FsLayout, LayoutParams};
 
 /// An error of the simulator.
@@ -345,7 +345,10 @@ impl World {
     ) -> Result<FileId, SimError> {
         let state = self.ffs.as_mut().expect("the FFS model is configured");
         let full = |e: crate::fs::FsFull| {
-            SimError::Invalid(format!("the simulated file system is full: cannot place {name} ({length} bytes): {}", e.0))
+            SimError::Invalid(format!(
+                "the simulated file system is full: cannot place {name} ({length} bytes): {}",
+                e.0
+            ))
         };
         let (placed, length) = if make_directory {
             let entries = length / DIRECTORY_ENTRY_BYTES;
@@ -378,7 +381,12 @@ impl World {
 
     /// Writes `length` bytes of metadata at device offset `offset` through the raw-device
     /// object: synchronously (`bwrite`) or as a delayed write (`bdwrite`).
-    fn metadata_write(&mut self, offset: u64, length: u64, synchronous: bool) -> Result<(), SimError> {
+    fn metadata_write(
+        &mut self,
+        offset: u64,
+        length: u64,
+        synchronous: bool,
+    ) -> Result<(), SimError> {
         let state = self.ffs.as_ref().expect("the FFS model is configured");
         if self.scratch.len() < length as usize {
             self.scratch.resize(length as usize, 0);
@@ -396,7 +404,9 @@ impl World {
         if self.scratch.len() < block as usize {
             self.scratch.resize(block as usize, 0);
         }
-        state.raw.read_at(offset, &mut self.scratch[..block as usize])?;
+        state
+            .raw
+            .read_at(offset, &mut self.scratch[..block as usize])?;
         self.core.wait_for_data(offset, block);
         Ok(())
     }
@@ -474,7 +484,8 @@ impl Os<'_> {
         let dir = &mut state.directories[directory];
         let file = dir.file;
         let stored = world.files[file].stored_bytes;
-        let offset = (dir.entries * DIRECTORY_ENTRY_BYTES) % (stored - stored % DIRECTORY_ENTRY_BYTES).max(DIRECTORY_ENTRY_BYTES);
+        let offset = (dir.entries * DIRECTORY_ENTRY_BYTES)
+            % (stored - stored % DIRECTORY_ENTRY_BYTES).max(DIRECTORY_ENTRY_BYTES);
         dir.entries += 1;
         let length = DIRECTORY_ENTRY_BYTES.min(stored - offset);
         world.files[file]
@@ -510,19 +521,34 @@ impl Os<'_> {
         let length = entries.max(2) * DIRECTORY_ENTRY_BYTES;
         let file = self.world.place(name, length, None, true)?;
         let group = {
-            let state = self.world.ffs.as_ref().expect("the FFS model is configured");
+            let state = self
+                .world
+                .ffs
+                .as_ref()
+                .expect("the FFS model is configured");
             state.files[file].as_ref().expect("an FFS file").0.group
         };
         self.new_inode(file)?;
-        let sync = self.world.ffs.as_ref().map(|s| s.ffs.params().sync_metadata).unwrap_or(true);
+        let sync = self
+            .world
+            .ffs
+            .as_ref()
+            .map(|s| s.ffs.params().sync_metadata)
+            .unwrap_or(true);
         let first = DIRECTORY_BLOCK_BYTES_USIZE.min(self.world.files[file].stored_bytes as usize);
         if self.world.scratch.len() < first {
             self.world.scratch.resize(first, 0);
         }
         let world = &mut *self.world;
-        world.files[file].handle.write_at(0, &world.scratch[..first], sync)?;
+        world.files[file]
+            .handle
+            .write_at(0, &world.scratch[..first], sync)?;
         let state = world.ffs.as_mut().expect("the FFS model is configured");
-        state.directories.push(Directory { file, group, entries: 2 });
+        state.directories.push(Directory {
+            file,
+            group,
+            entries: 2,
+        });
         let id = state.directories.len() - 1;
         self.enter(0)?;
         self.world.charge_engine();
@@ -532,7 +558,12 @@ impl Os<'_> {
     /// creat(2) of a file of `length` bytes in directory `directory` (FFS model): the inode
     /// (synchronous), the directory entry (synchronous) and the group's bitmaps (delayed).
     /// Without the FFS model, [`Os::create`].
-    pub fn create_in(&mut self, directory: DirId, name: &str, length: u64) -> Result<FileId, SimError> {
+    pub fn create_in(
+        &mut self,
+        directory: DirId,
+        name: &str,
+        length: u64,
+    ) -> Result<FileId, SimError> {
         let host = &self.world.host;
         self.world.core.cpu(host.user_per_call_ns, host.syscall_ns);
         if self.world.ffs.is_none() {
@@ -547,7 +578,13 @@ impl Os<'_> {
 
     /// Reads the indirect blocks mapping blocks `[first, end)` of `file` (`ufs_bmaparray`'s
     /// `bread`s), then allocates (synchronous, zeroed: `ffs_balloc`) those a write needs.
-    fn indirect_blocks(&mut self, file: FileId, first: u64, end: u64, write: bool) -> Result<(), SimError> {
+    fn indirect_blocks(
+        &mut self,
+        file: FileId,
+        first: u64,
+        end: u64,
+        write: bool,
+    ) -> Result<(), SimError> {
         let Some(state) = self.world.ffs.as_ref() else {
             return Ok(());
         };
@@ -556,7 +593,6 @@ impl Os<'_> {
         };
         let block = state.block_size;
         let nindir = block / 4;
-        let sync = state.ffs.params().sync_metadata;
         let mut allocated = allocated;
         let blocks = &meta.indirect_blocks;
         for (index, &(from_lbn, offset)) in blocks.iter().enumerate() {
@@ -578,7 +614,6 @@ impl Os<'_> {
             } else {
                 self.world.metadata_read(offset)?;
             }
-            let _ = sync;
         }
         if let Some(state) = self.world.ffs.as_mut() {
             if let Some(entry) = state.files[file].as_mut() {
@@ -614,7 +649,12 @@ impl Os<'_> {
     pub fn read(&mut self, file: FileId, offset: u64, length: u64) -> Result<(), SimError> {
         self.enter_call(file, offset, length);
         let block = self.block_size(file);
-        self.indirect_blocks(file, offset / block, (offset + length).div_ceil(block), false)?;
+        self.indirect_blocks(
+            file,
+            offset / block,
+            (offset + length).div_ceil(block),
+            false,
+        )?;
         let world = &mut *self.world;
         let entry = &world.files[file];
         entry
@@ -645,7 +685,12 @@ impl Os<'_> {
         };
         self.enter_call(file, offset, stored);
         let block = self.block_size(file);
-        self.indirect_blocks(file, offset / block, (offset + stored).div_ceil(block), true)?;
+        self.indirect_blocks(
+            file,
+            offset / block,
+            (offset + stored).div_ceil(block),
+            true,
+        )?;
         let world = &mut *self.world;
         world.core.cpu(0, world.host.copy_ns(length));
         world.files[file]
@@ -865,10 +910,12 @@ impl Simulation {
         let block = params.block_size as u64;
         let ffs = Ffs::new(params, geometry).map_err(SimError::Invalid)?;
         let world = &mut self.world;
-        let mut config = ObjectConfig::new("raw", world.device.clone() as Arc<dyn bufcache::Device>)
-            .block_size(block as u32);
+        let mut config =
+            ObjectConfig::new("raw", world.device.clone() as Arc<dyn bufcache::Device>)
+                .block_size(block as u32);
         config.length_bytes = Some(capacity / block * block);
-        config.block_map = Some(Arc::new(RawMap { block_size: block }) as Arc<dyn bufcache::BlockMap>);
+        config.block_map =
+            Some(Arc::new(RawMap { block_size: block }) as Arc<dyn bufcache::BlockMap>);
         let raw = world.cache.open_object(config)?;
         world.ffs = Some(FfsState {
             ffs,
@@ -877,9 +924,17 @@ impl Simulation {
             files: vec![None; world.files.len()],
             directories: Vec::new(),
         });
-        let root = world.place("/", ROOT_DIRECTORY_ENTRIES * DIRECTORY_ENTRY_BYTES, None, true)?;
+        let root = world.place(
+            "/",
+            ROOT_DIRECTORY_ENTRIES * DIRECTORY_ENTRY_BYTES,
+            None,
+            true,
+        )?;
         let state = world.ffs.as_mut().expect("just configured");
-        let group = state.files[root].as_ref().map(|(meta, _)| meta.group).unwrap_or(0);
+        let group = state.files[root]
+            .as_ref()
+            .map(|(meta, _)| meta.group)
+            .unwrap_or(0);
         state.directories.push(Directory {
             file: root,
             group,
@@ -956,7 +1011,12 @@ impl Simulation {
             // Spawned last, so the workload's processes keep their indices.
             self.update_spawned = true;
             let period_ns = period.as_nanos() as u64;
-            self.spawn("update", Box::new(UpdateDaemon { period_ns }), period_ns, false);
+            self.spawn(
+                "update",
+                Box::new(UpdateDaemon { period_ns }),
+                period_ns,
+                false,
+            );
         }
         enum Pick {
             Process(usize),

@@ -276,7 +276,7 @@ impl Process for TreeCopy {
                     length
                 }
             };
-            if os.has_directories() && self.next as u64 % self.dir_files.max(1) == 0 {
+            if os.has_directories() && (self.next as u64).is_multiple_of(self.dir_files.max(1)) {
                 self.directory = os.mkdir(&format!("dir-{}", self.next), self.dir_files)?;
             }
             let copy = os.create_in(self.directory, &format!("copy-{}", self.next), length)?;
@@ -747,7 +747,8 @@ impl WorkloadSpec {
                     if *remote {
                         copy.remote_lengths.push(length);
                     } else {
-                        copy.sources.push(sim.create_file(&format!("src-{index}"), length)?);
+                        copy.sources
+                            .push(sim.create_file(&format!("src-{index}"), length)?);
                     }
                 }
                 copy.dir_files = *dir_files;

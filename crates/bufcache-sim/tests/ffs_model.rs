@@ -150,7 +150,10 @@ fn the_update_daemon_pushes_delayed_writes_every_30_seconds() {
     let without = idle_writer(None);
     assert_eq!(without.device.writes, 0, "nothing pushes the delayed write");
     let with = idle_writer(Some(Duration::from_secs(30)));
-    assert_eq!(with.device.writes, 1, "the update daemon's first sync writes it");
+    assert_eq!(
+        with.device.writes, 1,
+        "the update daemon's first sync writes it"
+    );
     let done_s = with.device.last_done_ns as f64 / 1e9;
     assert!((30.0..30.2).contains(&done_s), "written at {done_s} s");
 }
@@ -161,7 +164,11 @@ fn experiments_print_their_figures_beside_the_seeds() {
         scale: 0.25,
         seed: 1,
     };
-    for (name, seed) in [("maxbsize", "000"), ("newfs", "002"), ("driver-clustering", "004")] {
+    for (name, seed) in [
+        ("maxbsize", "000"),
+        ("newfs", "002"),
+        ("driver-clustering", "004"),
+    ] {
         let result = run_experiment(name, &options).unwrap();
         assert!(!result.comparison.is_empty(), "{name}");
         assert!(result.comparison.iter().all(|c| c.seed == seed), "{name}");
@@ -173,7 +180,9 @@ fn experiments_print_their_figures_beside_the_seeds() {
             "{name} has a shape"
         );
         let text = result.to_text();
-        let beside = text.find("beside the seed").expect("comparison in the text");
+        let beside = text
+            .find("beside the seed")
+            .expect("comparison in the text");
         let last_column = result.table.columns.last().unwrap();
         assert!(beside < text.rfind(last_column.as_str()).unwrap(), "{text}");
         let json: serde_json::Value = serde_json::from_str(&result.to_json()).unwrap();
@@ -181,7 +190,9 @@ fn experiments_print_their_figures_beside_the_seeds() {
         for key in ["seed", "metric", "theirs", "ours"] {
             assert!(!first[key].is_null(), "{name}: {key} in {first}");
         }
-        assert!(result.comparison_csv().starts_with("seed,kind,metric,theirs,ours"));
+        assert!(result
+            .comparison_csv()
+            .starts_with("seed,kind,metric,theirs,ours"));
     }
     // Seed 000's sys times are what the host costs were fitted to: an input, not a result.
     let maxbsize = run_experiment("maxbsize", &options).unwrap();
