@@ -101,62 +101,85 @@ impl Default for NewfsParams {
 
 impl NewfsParams {
     /// Checks the parameters; the error names the bad one.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), FsError> {
+        let invalid = |flag: &'static str, value: String, expected: &str| {
+            Err(FsError::Invalid {
+                flag,
+                value,
+                expected: expected.to_string(),
+            })
+        };
         let block = self.block_size;
         if !(4096..=65536).contains(&block) || !block.is_power_of_two() {
-            return Err(format!(
-                "newfs -b {block} is invalid: a power of two from 4096 to 65536"
-            ));
+            return invalid("-b", block.to_string(), "a power of two from 4096 to 65536");
         }
         let fragment = self.fragment_size;
-        if fragment == 0
+        if fragment < 512
             || !block.is_multiple_of(fragment)
             || !(1..=8).contains(&(block / fragment))
-            || fragment < 512
         {
-            return Err(format!(
-                "newfs -f {fragment} is invalid: the block ({block}) divided by 1, 2, 4 or 8, at least 512"
-            ));
+            return invalid(
+                "-f",
+                fragment.to_string(),
+                &format!("the block ({block}) divided by 1, 2, 4 or 8, at least 512"),
+            );
         }
         if !(1..=512).contains(&self.maxcontig) {
-            return Err(format!(
-                "newfs -a {} is invalid: from 1 to 512",
-                self.maxcontig
-            ));
+            return invalid("-a", self.maxcontig.to_string(), "from 1 to 512");
         }
         if !(self.rotdelay_ms >= 0.0 && self.rotdelay_ms <= 100.0) {
-            return Err(format!(
-                "newfs -d {} is invalid: from 0 to 100 ms",
-                self.rotdelay_ms
-            ));
+            return invalid("-d", self.rotdelay_ms.to_string(), "from 0 to 100 ms");
         }
         if !(1..=32).contains(&self.rotational_positions) {
-            return Err(format!(
-                "newfs -n {} is invalid: from 1 to 32",
-                self.rotational_positions
-            ));
+            return invalid("-n", self.rotational_positions.to_string(), "from 1 to 32");
         }
         if !(1000..=20000).contains(&self.rpm) {
-            return Err(format!(
-                "newfs -r {} is invalid: from 1000 to 20000",
-                self.rpm
-            ));
+            return invalid("-r", self.rpm.to_string(), "from 1000 to 20000");
         }
         if !(1..=1024).contains(&self.cylinders_per_group) {
-            return Err(format!(
-                "newfs -c {} is invalid: from 1 to 1024",
-                self.cylinders_per_group
-            ));
+            return invalid("-c", self.cylinders_per_group.to_string(), "from 1 to 1024");
         }
         if !(1024..=1 << 20).contains(&self.bytes_per_inode) {
-            return Err(format!(
-                "newfs -i {} is invalid: from 1024 to 1048576",
-                self.bytes_per_inode
-            ));
+            return invalid(
+                "-i",
+                self.bytes_per_inode.to_string(),
+                "from 1024 to 1048576",
+            );
         }
         Ok(())
     }
 }
+
+/// A file system that cannot be laid out, or is full.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FsError {
+    /// A `newfs` parameter out of range, or one the disk cannot hold.
+    Invalid {
+        /// The newfs flag (`-a`, `-f`, ...).
+        flag: &'static str,
+        /// The value given.
+        value: String,
+        /// What is allowed.
+        expected: String,
+    },
+    /// No free inode or block is left.
+    Full(&'static str),
+}
+
+impl std::fmt::Display for FsError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FsError::Invalid {
+                flag,
+                value,
+                expected,
+            } => write!(f, "newfs {flag} {value} is invalid: expected {expected}"),
+            FsError::Full(what) => write!(f, "the file system is full: {what}"),
+        }
+    }
+}
+
+impl std::error::Error for FsError {}
 
 /// The disk geometry the file system is laid out on (`newfs` reads it from the label).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -213,22 +236,21 @@ pub struct Ffs {
     pointers_per_block: u64,
 }
 
-/// The file system does not fit, or is full.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct FsFull(pub String);
-
 impl Ffs {
     /// Lays out an empty file system (what `newfs` writes) on `geometry`.
-    pub fn new(params: NewfsParams, geometry: FsGeometry) -> Result<Ffs, String> {
+    pub fn new(params: NewfsParams, geometry: FsGeometry) -> Result<Ffs, FsError> {
         params.validate()?;
         let block = params.block_size as u64;
         let group_bytes =
             (geometry.cylinder_bytes * params.cylinders_per_group as u64) / block * block;
         if group_bytes < 8 * block {
-            return Err(format!(
-                "newfs -c {}: a cylinder group of {group_bytes} bytes is under 8 blocks",
-                params.cylinders_per_group
-            ));
+            return Err(FsError::Invalid {
+                flag: "-c",
+                value: params.cylinders_per_group.to_string(),
+                expected: format!(
+                    "cylinder groups of at least 8 blocks (this gives {group_bytes} bytes)"
+                ),
+            });
         }
         let inodes_per_group = (group_bytes / params.bytes_per_inode as u64)
             .max(block / INODE_BYTES)
@@ -249,10 +271,11 @@ impl Ffs {
             let data_start = metadata + 2 * block + inode_bytes;
             let end = (start + group_bytes).min(geometry.capacity_bytes);
             if data_start + block > end {
-                return Err(format!(
-                    "newfs -i {}: the inodes fill cylinder group {index}",
-                    params.bytes_per_inode
-                ));
+                return Err(FsError::Invalid {
+                    flag: "-i",
+                    value: params.bytes_per_inode.to_string(),
+                    expected: format!("inodes that leave data space in cylinder group {index}"),
+                });
             }
             groups.push(Group {
                 start,
@@ -321,7 +344,7 @@ impl Ffs {
             .unwrap_or(0)
     }
 
-    fn inode_in(&mut self, preferred: usize) -> Result<(usize, u64), FsFull> {
+    fn inode_in(&mut self, preferred: usize) -> Result<(usize, u64), FsError> {
         let count = self.groups.len();
         for step in 0..count {
             let group = (preferred + step) % count;
@@ -331,12 +354,12 @@ impl Ffs {
                 return Ok((group, self.inode_table_offset(group) + number * INODE_BYTES));
             }
         }
-        Err(FsFull("no free inode".into()))
+        Err(FsError::Full("no free inode"))
     }
 
     /// One whole block from group `preferred` or the next with space; returns its offset
     /// and the group it came from.
-    fn block_from(&mut self, preferred: usize) -> Result<(u64, usize), FsFull> {
+    fn block_from(&mut self, preferred: usize) -> Result<(u64, usize), FsError> {
         let block = self.params.block_size as u64;
         let count = self.groups.len();
         for step in 0..count {
@@ -348,12 +371,12 @@ impl Ffs {
                 return Ok((offset, group));
             }
         }
-        Err(FsFull("no free block".into()))
+        Err(FsError::Full("no free block"))
     }
 
     /// `bytes` of fragments (a multiple of the fragment) in group `group`'s partially used
     /// block, or a new block's first fragments.
-    fn fragments_in(&mut self, group: usize, bytes: u64) -> Result<u64, FsFull> {
+    fn fragments_in(&mut self, group: usize, bytes: u64) -> Result<u64, FsError> {
         if let Some((next, end)) = self.groups[group].fragments {
             if next + bytes <= end {
                 self.groups[group].fragments = Some((next + bytes, end));
@@ -367,17 +390,17 @@ impl Ffs {
     }
 
     /// Makes a directory able to hold `entries` entries in group chosen by `ffs_dirpref`.
-    pub fn make_directory(&mut self, entries: u64) -> Result<Placed, FsFull> {
+    pub fn make_directory(&mut self, entries: u64) -> Result<Placed, FsError> {
         let group = self.directory_group();
         self.place(group, directory_bytes(entries), true)
     }
 
     /// Creates a file of `length` bytes in the group of its directory (`directory_group`).
-    pub fn create_file(&mut self, directory_group: usize, length: u64) -> Result<Placed, FsFull> {
+    pub fn create_file(&mut self, directory_group: usize, length: u64) -> Result<Placed, FsError> {
         self.place(directory_group, length, false)
     }
 
-    fn place(&mut self, preferred: usize, length: u64, directory: bool) -> Result<Placed, FsFull> {
+    fn place(&mut self, preferred: usize, length: u64, directory: bool) -> Result<Placed, FsError> {
         let (group, inode_offset) = self.inode_in(preferred)?;
         if directory {
             self.groups[group].directories += 1;

@@ -344,11 +344,8 @@ impl World {
         make_directory: bool,
     ) -> Result<FileId, SimError> {
         let state = self.ffs.as_mut().expect("the FFS model is configured");
-        let full = |e: crate::fs::FsFull| {
-            SimError::Invalid(format!(
-                "the simulated file system is full: cannot place {name} ({length} bytes): {}",
-                e.0
-            ))
+        let full = |e: crate::fs::FsError| {
+            SimError::Invalid(format!("cannot place {name} ({length} bytes): {e}"))
         };
         let (placed, length) = if make_directory {
             let entries = length / DIRECTORY_ENTRY_BYTES;
@@ -908,7 +905,7 @@ impl Simulation {
             },
         };
         let block = params.block_size as u64;
-        let ffs = Ffs::new(params, geometry).map_err(SimError::Invalid)?;
+        let ffs = Ffs::new(params, geometry).map_err(|e| SimError::Invalid(e.to_string()))?;
         let world = &mut self.world;
         let mut config =
             ObjectConfig::new("raw", world.device.clone() as Arc<dyn bufcache::Device>)

@@ -62,13 +62,13 @@ fn newfs_refuses_bad_parameters_by_name() {
         maxcontig: 513,
         ..NewfsParams::default()
     };
-    let error = Ffs::new(bad, rz25_geometry()).err().unwrap();
+    let error = Ffs::new(bad, rz25_geometry()).err().unwrap().to_string();
     assert!(error.contains("-a 513"), "{error}");
     let bad = NewfsParams {
         fragment_size: 3000,
         ..NewfsParams::default()
     };
-    let error = Ffs::new(bad, rz25_geometry()).err().unwrap();
+    let error = Ffs::new(bad, rz25_geometry()).err().unwrap().to_string();
     assert!(error.contains("-f 3000"), "{error}");
 }
 
