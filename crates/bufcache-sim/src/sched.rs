@@ -513,6 +513,11 @@ impl Os<'_> {
     /// and its first block with `.` and `..` (synchronous), the parent's entry (synchronous)
     /// and the group's bitmaps (delayed), as 4.4BSD's `ufs_mkdir` without soft updates.
     pub fn mkdir(&mut self, name: &str, entries: u64) -> Result<DirId, SimError> {
+        if self.world.ffs.is_none() {
+            return Err(SimError::Invalid(format!(
+                "mkdir {name}: directories need the FFS model (SimConfig::fs)"
+            )));
+        }
         let host = &self.world.host;
         self.world.core.cpu(host.user_per_call_ns, host.syscall_ns);
         let length = entries.max(2) * DIRECTORY_ENTRY_BYTES;
@@ -563,8 +568,14 @@ impl Os<'_> {
     ) -> Result<FileId, SimError> {
         let host = &self.world.host;
         self.world.core.cpu(host.user_per_call_ns, host.syscall_ns);
-        if self.world.ffs.is_none() {
-            return self.world.create(name, length);
+        let directories = match &self.world.ffs {
+            None => return self.world.create(name, length),
+            Some(state) => state.directories.len(),
+        };
+        if directory >= directories {
+            return Err(SimError::Invalid(format!(
+                "create {name}: directory {directory} does not exist ({directories} made)"
+            )));
         }
         let file = self.world.place(name, length, Some(directory), false)?;
         self.new_inode(file)?;

@@ -201,3 +201,39 @@ fn experiments_print_their_figures_beside_the_seeds() {
         .iter()
         .any(|c| c.kind == ComparisonKind::Calibration && c.metric.contains("sys")));
 }
+
+/// Calls mkdir, or creates a file in a directory that was never made.
+struct BadDirectoryCall {
+    mkdir: bool,
+}
+
+impl Process for BadDirectoryCall {
+    fn step(&mut self, os: &mut Os<'_>) -> Result<Step, SimError> {
+        if self.mkdir {
+            os.mkdir("d", 4)?;
+        } else {
+            os.create_in(7, "f", 100)?;
+        }
+        Ok(Step::Done)
+    }
+}
+
+#[test]
+fn directory_calls_refuse_what_cannot_apply_by_name() {
+    // Without the FFS model there are no directories to make.
+    let mut sim =
+        Simulation::new(&SimConfig::new(DiskSpec::rz25(), HostCosts::alpha1995())).unwrap();
+    sim.spawn("p", Box::new(BadDirectoryCall { mkdir: true }), 0, true);
+    let error = sim.run().unwrap_err().to_string();
+    assert!(
+        error.contains("mkdir d") && error.contains("FFS"),
+        "{error}"
+    );
+    // With it, directory 7 was never made.
+    let mut config = SimConfig::new(DiskSpec::rz25(), HostCosts::alpha1995());
+    config.fs = Some(NewfsParams::default());
+    let mut sim = Simulation::new(&config).unwrap();
+    sim.spawn("p", Box::new(BadDirectoryCall { mkdir: false }), 0, true);
+    let error = sim.run().unwrap_err().to_string();
+    assert!(error.contains("directory 7 does not exist"), "{error}");
+}
