@@ -181,6 +181,71 @@ impl std::fmt::Display for FsError {
 
 impl std::error::Error for FsError {}
 
+/// Syntax: `key=value,...` with the newfs flags as keys — `b` (block), `f` (fragment), `a`
+/// (maxcontig), `d` (rotdelay, ms), `n` (rotational positions), `r` (rpm), `c` (cylinders
+/// per group), `i` (bytes per inode) — and `sync` (`on` or `off`: synchronous metadata);
+/// unnamed keys keep [`NewfsParams::default`]. `default` alone is the defaults.
+impl std::str::FromStr for NewfsParams {
+    type Err = crate::disk::SpecError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        use crate::disk::SpecError;
+        let mut params = NewfsParams::default();
+        let text = text.trim();
+        if text.is_empty() || text == "default" {
+            return Ok(params);
+        }
+        for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (key, value) = item.split_once('=').ok_or_else(|| {
+                SpecError::new(item, "", "key=value (b, f, a, d, n, r, c, i, sync)")
+            })?;
+            let (key, value) = (key.trim(), value.trim());
+            let whole = || {
+                value
+                    .parse::<u32>()
+                    .map_err(|_| SpecError::new(key, value, "a whole number"))
+            };
+            match key {
+                "b" => params.block_size = whole()?,
+                "f" => params.fragment_size = whole()?,
+                "a" => params.maxcontig = whole()?,
+                "d" => {
+                    params.rotdelay_ms = value
+                        .parse::<f64>()
+                        .map_err(|_| SpecError::new(key, value, "a number of ms"))?
+                }
+                "n" => params.rotational_positions = whole()?,
+                "r" => params.rpm = whole()?,
+                "c" => params.cylinders_per_group = whole()?,
+                "i" => params.bytes_per_inode = whole()?,
+                "sync" => {
+                    params.sync_metadata = match value {
+                        "on" | "1" | "true" => true,
+                        "off" | "0" | "false" => false,
+                        _ => return Err(SpecError::new(key, value, "on or off")),
+                    }
+                }
+                _ => {
+                    return Err(SpecError::new(
+                        key,
+                        value,
+                        "a newfs key: b, f, a, d, n, r, c, i, sync",
+                    ))
+                }
+            }
+        }
+        params.validate().map_err(|e| match e {
+            FsError::Invalid {
+                flag,
+                value,
+                expected,
+            } => SpecError::new(flag.trim_start_matches('-'), &value, &expected),
+            FsError::Full(what) => SpecError::new("newfs", what, "room"),
+        })?;
+        Ok(params)
+    }
+}
+
 /// The disk geometry the file system is laid out on (`newfs` reads it from the label).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct FsGeometry {

@@ -70,6 +70,26 @@ fn newfs_refuses_bad_parameters_by_name() {
     };
     let error = Ffs::new(bad, rz25_geometry()).err().unwrap().to_string();
     assert!(error.contains("-f 3000"), "{error}");
+    // The command line's form: newfs flags as keys.
+    let parsed: NewfsParams = "a=16,d=0,n=1,r=5400,sync=off".parse().unwrap();
+    assert_eq!(
+        (
+            parsed.maxcontig,
+            parsed.rotdelay_ms,
+            parsed.rotational_positions,
+            parsed.rpm
+        ),
+        (16, 0.0, 1, 5400)
+    );
+    assert!(!parsed.sync_metadata);
+    assert_eq!(
+        "default".parse::<NewfsParams>().unwrap(),
+        NewfsParams::default()
+    );
+    let error = "a=513".parse::<NewfsParams>().unwrap_err().to_string();
+    assert!(error.contains("a = `513`"), "{error}");
+    let error = "q=1".parse::<NewfsParams>().unwrap_err().to_string();
+    assert!(error.contains("q = `1`"), "{error}");
 }
 
 fn tree_copy(fs: bool) -> bufcache_sim::RunReport {
