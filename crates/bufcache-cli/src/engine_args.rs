@@ -68,10 +68,12 @@ pub struct EngineArgs {
     /// compaction stalls. Default off.
     #[arg(long)]
     pub huge_pages: bool,
-    /// Io queue below the cache: none, fifo or elevator (sort and merge). Default elevator.
+    /// Io queue below the cache: none, fifo or elevator (sort and merge). Default elevator in
+    /// `serve`; `sim run` puts no queue in without this flag.
     #[arg(long, value_name = "MODE")]
     pub io_queue: Option<QueueMode>,
-    /// Requests the io queue keeps at the device at once. Default 32.
+    /// Requests the io queue keeps at the device at once. Default 32 in `serve`; in `sim run`,
+    /// what the modelled drive accepts (1 for a mechanical disk).
     #[arg(long, value_name = "COUNT")]
     pub io_queue_depth: Option<usize>,
     /// Do not merge adjacent requests in the io queue.

@@ -5,9 +5,10 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use bufcache::QueueMode;
+use bufcache_sim::experiments::run_custom_with;
 use bufcache_sim::{
-    check_seeds, run_custom_queued, run_experiment, DiskSpec, ExperimentOptions, SimIoQueue,
-    WorkloadSpec, EXPERIMENTS,
+    check_seeds, host_for, run_experiment, sim_cache_config, DiskSpec, ExperimentOptions,
+    SimConfig, SimIoQueue, WorkloadSpec, EXPERIMENTS, SERVE_BACKGROUND_WORKERS,
 };
 use clap::{Args, Subcommand};
 
@@ -24,7 +25,8 @@ pub struct SimArgs {
 enum SimCommand {
     /// List the experiments.
     List,
-    /// Run a seed experiment: prints its table and writes NAME.txt, .csv, .json, .svg and .png.
+    /// Run a seed experiment: prints its figures beside the seed's, its table, and writes
+    /// NAME.txt, .csv, .comparison.csv, .json (with a `comparison` list), .svg and .png.
     #[command(after_help = "Examples:\n  \
         bufcache sim experiment maxbsize            # seed 000: MAXBSIZE 16K vs 64K on an RZ25\n  \
         bufcache sim experiment sweep --scale 0.25  # seed 003's read sweep, smaller and faster\n  \
@@ -68,8 +70,9 @@ enum SimCommand {
     #[command(after_help = "Examples:\n  \
         bufcache sim run --disk rz25 --workload dd:write,bs=1M,count=86 --cluster-size-max 16k\n  \
         bufcache sim run --disk hdd7200 --workload sweep:file=256M,sizes=32M/64M,bs=1M,passes=4 --cache-size 64M\n  \
-        bufcache sim run --disk wan:rtt_ms=80 --workload mixed:scan=512M,ws=32M --policy lru\n\n\
-        Disks: rz25, cheetah9lp, ata2002, hdd7200, nvme, lan, wan (PRESET:key=value,...).\n\
+        bufcache sim run --disk wan:rtt_ms=80 --workload mixed:scan=512M,ws=32M --policy lru\n  \
+        bufcache sim run --disk rz25 --workload treecopy:files=200,remote=on --newfs default --update-period 30 --io-queue fifo\n\n\
+        Disks: rz25, rz25-1995est, rz28, fireball-tm, travelstar, cheetah9lp, ata2002, hdd7200, nvme, lan, wan (PRESET:key=value,...).\n\
         Workloads: dd, sweep, mixed, treecopy, build (NAME:key=value,...).")]
     Run {
         /// Disk model, PRESET[:key=value,...].
@@ -81,6 +84,16 @@ enum SimCommand {
         /// Print JSON instead of the report.
         #[arg(long)]
         json: bool,
+        /// Lay out a 4.4BSD FFS on the disk and write its metadata (inodes, directories,
+        /// bitmaps, indirect blocks) through the cache: `default` or newfs keys, e.g.
+        /// `a=16,d=0,n=1` (b, f, a, d, n, r, c, i, sync=on|off). Default: a flat layout
+        /// without metadata I/O.
+        #[arg(long, value_name = "NEWFS")]
+        newfs: Option<bufcache_sim::NewfsParams>,
+        /// Run 4.4BSD's update daemon: sync(2) every this many seconds (4.4BSD: 30). Default:
+        /// none.
+        #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..=3600))]
+        update_period: Option<u64>,
         #[command(flatten)]
         engine: Box<EngineArgs>,
     },
@@ -115,6 +128,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             for (extension, contents) in [
                 ("txt", result.to_text()),
                 ("csv", result.to_csv()),
+                ("comparison.csv", result.comparison_csv()),
                 ("json", result.to_json()),
                 ("svg", result.to_svg()),
             ] {
@@ -126,12 +140,12 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             if crate::plot::png_available() {
                 crate::plot::write_plot(&result.to_svg(), &png)?;
                 eprintln!(
-                    "bufcache: wrote {}/{name}.{{txt,csv,json,svg,png}}",
+                    "bufcache: wrote {}/{name}.{{txt,csv,comparison.csv,json,svg,png}}",
                     output.display()
                 );
             } else {
                 eprintln!(
-                    "bufcache: wrote {}/{name}.{{txt,csv,json,svg}}; no PNG (install librsvg2-bin for rsvg-convert)",
+                    "bufcache: wrote {}/{name}.{{txt,csv,comparison.csv,json,svg}}; no PNG (install librsvg2-bin for rsvg-convert)",
                     output.display()
                 );
             }
@@ -142,12 +156,22 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             disk,
             workload,
             json,
+            newfs,
+            update_period,
             engine,
         } => {
             let config = engine.config()?;
             let io_queue = sim_io_queue(&engine, &config, &disk)?;
+            let mut sim_config = SimConfig::new(disk.clone(), host_for(&disk));
+            sim_config.cache = sim_cache_config(config);
+            if io_queue.is_some() {
+                sim_config.io_daemons = SERVE_BACKGROUND_WORKERS;
+            }
+            sim_config.io_queue = io_queue;
+            sim_config.fs = newfs;
+            sim_config.update_period = update_period.map(std::time::Duration::from_secs);
             let progress = spinner("simulating".to_string());
-            let report = run_custom_queued(&disk, &workload, config, io_queue);
+            let report = run_custom_with(&sim_config, &workload);
             progress.finish_and_clear();
             let report = report?;
             if json {

@@ -185,7 +185,7 @@ fn sim_experiment_prints_its_table_and_writes_its_files() {
     ]);
     assert!(result.status.success(), "{}", text(&result));
     assert!(text(&result).contains("MAXBSIZE"), "{}", text(&result));
-    for extension in ["txt", "csv", "json", "svg", "png"] {
+    for extension in ["txt", "csv", "comparison.csv", "json", "svg", "png"] {
         let path = directory.path().join(format!("maxbsize.{extension}"));
         assert!(
             std::fs::metadata(&path)
@@ -612,6 +612,32 @@ fn sim_run_refuses_io_queue_flags_it_cannot_apply_and_bad_input_with_exit_2() {
             &["sim", "experiment", "scan", "--seed", "abc"][..],
             "--seed",
         ),
+        (
+            &[
+                "sim",
+                "run",
+                "--disk",
+                "rz25",
+                "--workload",
+                "dd:read",
+                "--newfs",
+                "a=600",
+            ][..],
+            "a = `600`",
+        ),
+        (
+            &[
+                "sim",
+                "run",
+                "--disk",
+                "rz25",
+                "--workload",
+                "dd:read",
+                "--update-period",
+                "0",
+            ][..],
+            "--update-period",
+        ),
     ] {
         let result = bufcache(arguments);
         assert_eq!(
@@ -628,6 +654,26 @@ fn sim_run_refuses_io_queue_flags_it_cannot_apply_and_bad_input_with_exit_2() {
     }
     let result = bufcache(&base);
     assert!(result.status.success(), "{}", text(&result));
+    // The FFS model and the update daemon run from the command line too: a tree copy then
+    // writes more than its files' data (inodes and directory entries).
+    let result = bufcache(&[
+        "sim",
+        "run",
+        "--disk",
+        "rz25",
+        "--workload",
+        "treecopy:files=20,remote=on",
+        "--newfs",
+        "a=16,d=0,n=1",
+        "--update-period",
+        "30",
+    ]);
+    assert!(result.status.success(), "{}", text(&result));
+    assert!(
+        String::from_utf8_lossy(&result.stdout).contains("device: "),
+        "{}",
+        text(&result)
+    );
     for extra in [
         &["--io-queue", "fifo"][..],
         &["--io-queue", "fifo", "--no-io-merge"][..],

@@ -479,6 +479,10 @@ pub enum DiskKind {
 /// The preset names `DiskSpec::from_str` knows.
 pub const DISK_PRESETS: &[&str] = &[
     "rz25",
+    "rz25-1995est",
+    "rz28",
+    "fireball-tm",
+    "travelstar",
     "cheetah9lp",
     "ata2002",
     "hdd7200",
@@ -488,16 +492,45 @@ pub const DISK_PRESETS: &[&str] = &[
 ];
 
 impl DiskSpec {
-    /// DEC RZ25 (1991–95 3.5" SCSI-2, 426 MB, 5400 RPM), the disk of seed 000.
-    /// Source: the capacity (426 MB) and spindle speed (5400 RPM) DEC quoted for the RZ25
-    /// and seed 000 (which names the disk); the geometry (44 sectors/track ≈ 2.0 MB/s media
-    /// rate, 14 heads, 1351 cylinders) is chosen to give that capacity and a media rate in the
-    /// 1–2 MB/s range of the era. Seek times (2.5 / 14 / 26 ms), 1 ms command overhead and a
-    /// 64 KiB read-ahead segment are class-typical assumptions, not checked against a
-    /// datasheet.
+    /// DEC RZ25 (1991–95 3.5" SCSI-2, 426 MB, 5400 RPM), the disk of seed 000, behind the
+    /// NCR 53c810 (a Fast SCSI-2 controller, 10 MB/s synchronous: `bus_mb_s`).
+    ///
+    /// Sources: the geometry the drive reports in its SCSI mode pages — 62 sectors per track,
+    /// 9 heads, 1492 cylinders, 832,527 blocks of 512 bytes (426 MB) — as the SIMH VAX
+    /// emulator reproduces it for the RZ25 (`VAX/vax_rzdev.h`, `RZ25_SECTS/SURFS/CYLS/LBN`);
+    /// 5400 RPM (DEC's RZ25 specification, also seed 000's "rz25 (not too fast, but not
+    /// horrible)"). The media rate follows: 62 × 512 B × 90 rev/s = 2.86 MB/s (one zone; the
+    /// reported geometry is the drive's average track). The 53c810's 10 MB/s synchronous
+    /// rate is NCR's figure for Fast SCSI-2. **Assumed** (class-typical for a 1991 3.5"
+    /// 5400 RPM drive, not checked against a data sheet): seek 2.5 ms track-to-track,
+    /// 14 ms average, 26 ms full stroke; 1 ms command overhead; a 64 KiB read-ahead segment;
+    /// no write cache (the seed never mentions one).
     pub fn rz25() -> DiskSpec {
         DiskSpec {
             name: "rz25".into(),
+            kind: DiskKind::Hdd(HddParams {
+                rpm: 5400.0,
+                sectors_per_track: 62,
+                heads: 9,
+                cylinders: 1492,
+                seek_single_ms: 2.5,
+                seek_avg_ms: 14.0,
+                seek_full_ms: 26.0,
+                overhead_ms: 1.0,
+                segment_bytes: 64 << 10,
+                bus_mb_s: 10.0,
+                write_cache: false,
+            }),
+        }
+    }
+
+    /// The earlier RZ25 model (44 sectors per track, 14 heads, 1351 cylinders: 2.0 MB/s),
+    /// whose geometry was chosen to give 426 MB and a 1–2 MB/s media rate before the drive's
+    /// reported geometry (see [`DiskSpec::rz25`]) was found. Kept as `rz25-1995est` so the
+    /// figures published before the change can be reproduced; not a sourced preset.
+    pub fn rz25_estimate() -> DiskSpec {
+        DiskSpec {
+            name: "rz25-1995est".into(),
             kind: DiskKind::Hdd(HddParams {
                 rpm: 5400.0,
                 sectors_per_track: 44,
@@ -509,6 +542,95 @@ impl DiskSpec {
                 overhead_ms: 1.0,
                 segment_bytes: 64 << 10,
                 bus_mb_s: 10.0,
+                write_cache: false,
+            }),
+        }
+    }
+
+    /// DEC RZ28B (1994 3.5" Fast SCSI-2, 2.1 GB, 5400 RPM), standing for the 1994 SCSI disk
+    /// of seed 002 (whose raw device "delivers about 5 MB/s").
+    ///
+    /// Source: DEC's SWXD3-SD (RZ28B) data sheet: 2.10 GB formatted, average read seek
+    /// 9.9 ms, average latency 5.5 ms (5400 RPM), media transfer rate up to 5.4 MB/s, Fast
+    /// SCSI-2 at 10 MB/s synchronous, a 256 KB cache in 3 segments of ≈ 80 KB by default,
+    /// banded (zoned) recording. One zone at the outer band's rate stands for the zones
+    /// (files of a fresh file system lie at the start of the disk): 5.4 MB/s / (512 B ×
+    /// 90 rev/s) = 117 sectors per track. **Assumed**: 16 heads and 2191 cylinders (giving
+    /// the 2.1 GB), 1 ms track-to-track and 20 ms full-stroke seeks, 0.5 ms command overhead,
+    /// no write cache (the seed never mentions one; its write figures are about clustering).
+    pub fn rz28() -> DiskSpec {
+        DiskSpec {
+            name: "rz28".into(),
+            kind: DiskKind::Hdd(HddParams {
+                rpm: 5400.0,
+                sectors_per_track: 117,
+                heads: 16,
+                cylinders: 2191,
+                seek_single_ms: 1.0,
+                seek_avg_ms: 9.9,
+                seek_full_ms: 20.0,
+                overhead_ms: 0.5,
+                segment_bytes: 80 << 10,
+                bus_mb_s: 10.0,
+                write_cache: false,
+            }),
+        }
+    }
+
+    /// Quantum Fireball TM (1996–97 3.5" ATA, 1.0–3.8 GB), standing for the "IDE disk" of
+    /// seed 001's 1997 P150.
+    ///
+    /// Sources: the Fireball TM product manual (Quantum 81-111394, October 1996) names the
+    /// family and capacities; its 4500 RPM spindle (the TM's "better throughput, but slower
+    /// seek times due to a 4500 rpm spindle") is from the drive's history as Wikipedia and
+    /// Red Hill's hard-drive history tell it. **Assumed** (class values for a 1996 ATA drive,
+    /// not checked against the manual's tables): 12 ms average seek, 2.5 ms track-to-track,
+    /// 25 ms full stroke, 108 sectors per track (≈ 4.1 MB/s media rate), 2.1 GB (4 heads,
+    /// 9600 cylinders), a 128 KiB read-ahead buffer, 0.5 ms command overhead, PIO mode 4 at
+    /// 16.7 MB/s on the bus, no write cache.
+    pub fn fireball_tm() -> DiskSpec {
+        DiskSpec {
+            name: "fireball-tm".into(),
+            kind: DiskKind::Hdd(HddParams {
+                rpm: 4500.0,
+                sectors_per_track: 108,
+                heads: 4,
+                cylinders: 9600,
+                seek_single_ms: 2.5,
+                seek_avg_ms: 12.0,
+                seek_full_ms: 25.0,
+                overhead_ms: 0.5,
+                segment_bytes: 128 << 10,
+                bus_mb_s: 16.7,
+                write_cache: false,
+            }),
+        }
+    }
+
+    /// An IBM Travelstar-class 2.5" 4200 RPM ATA drive of 1998–99, standing for the disk of
+    /// seed 003's ThinkPad 600E (which IBM shipped with 4.3–6.4 GB Travelstars).
+    ///
+    /// Sources: 4200 RPM, the speed of the bulk of notebook drives even in 2003 (Disk/Trend's
+    /// analyst quoted by eWeek, "Hitachi cranks up mobile drives"); the seed's own uncached
+    /// reads, 5.8–6.2 MB/s for 128–256 MB, bound the media rate from below. **Assumed**:
+    /// 6.4 GB (4 heads × 14,700 cylinders), 13 ms average seek (IBM quoted 13 ms
+    /// for the 1995 Travelstar 2LP, Computerwoche 20.10.1995), 2.5 ms track-to-track, 24 ms
+    /// full stroke, 213 sectors per track (≈ 7.6 MB/s media rate at the outer zone), a 512 KiB
+    /// buffer, 0.5 ms overhead, Ultra DMA/33 on the bus, no write cache.
+    pub fn travelstar() -> DiskSpec {
+        DiskSpec {
+            name: "travelstar".into(),
+            kind: DiskKind::Hdd(HddParams {
+                rpm: 4200.0,
+                sectors_per_track: 213,
+                heads: 4,
+                cylinders: 14_700,
+                seek_single_ms: 2.5,
+                seek_avg_ms: 13.0,
+                seek_full_ms: 24.0,
+                overhead_ms: 0.5,
+                segment_bytes: 512 << 10,
+                bus_mb_s: 33.0,
                 write_cache: false,
             }),
         }
@@ -631,6 +753,10 @@ impl DiskSpec {
     pub fn preset(name: &str) -> Option<DiskSpec> {
         Some(match name.to_ascii_lowercase().as_str() {
             "rz25" => Self::rz25(),
+            "rz25-1995est" => Self::rz25_estimate(),
+            "rz28" => Self::rz28(),
+            "fireball-tm" | "fireball" => Self::fireball_tm(),
+            "travelstar" => Self::travelstar(),
             "cheetah9lp" | "cheetah" => Self::cheetah9lp(),
             "ata2002" => Self::ata2002(),
             "hdd7200" | "hdd" => Self::hdd7200(),

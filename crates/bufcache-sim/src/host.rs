@@ -36,7 +36,7 @@ pub struct HostCosts {
 }
 
 /// The host preset names.
-pub const HOST_PRESETS: &[&str] = &["alpha1995", "pc2002", "modern"];
+pub const HOST_PRESETS: &[&str] = &["alpha1995", "p150", "pii366", "pc2002", "modern"];
 
 impl HostCosts {
     /// A 1995 DEC 3000 Alpha with a 53c810 SCSI controller (seed 000's machine). Calibrated
@@ -73,6 +73,36 @@ impl HostCosts {
         }
     }
 
+    /// The Pentium II 366 of seed 003's ThinkPad 600E (160 MB). The costs are
+    /// [`HostCosts::pc2002`]'s, which were calibrated on that machine's own figure (cached
+    /// 1 MiB reads at ≈ 65 MB/s in seed 003): this preset names the machine.
+    pub fn pii366() -> HostCosts {
+        HostCosts {
+            name: "pii366".into(),
+            ..Self::pc2002()
+        }
+    }
+
+    /// The 1997 Pentium 150 of seed 001 (32 MB, IDE disk). **Assumed**: the PII 366's costs
+    /// scaled by the clock ratio 366/150 ≈ 2.4 (no figure in the seed gives a per-call or
+    /// per-byte cost), and an IDE request costs 60 µs of driver and interrupt time (the
+    /// PII's 30 µs doubled for programmed I/O set-up on a slower bus; assumed).
+    pub fn p150() -> HostCosts {
+        let scale = |ns: u64| ns * 366 / 150;
+        let base = Self::pc2002();
+        HostCosts {
+            name: "p150".into(),
+            cpus: 1,
+            user_per_call_ns: scale(base.user_per_call_ns),
+            syscall_ns: scale(base.syscall_ns),
+            lookup_ns: scale(base.lookup_ns),
+            copy_ps_per_byte: scale(base.copy_ps_per_byte),
+            io_ns: 60_000,
+            wire_page_ns: scale(base.wire_page_ns),
+            unwire_page_ns: scale(base.unwire_page_ns),
+        }
+    }
+
     /// A current 4-core machine: ≈ 10 GB/s copies, 5 µs per I/O (NVMe driver + interrupt).
     pub fn modern() -> HostCosts {
         HostCosts {
@@ -93,6 +123,8 @@ impl HostCosts {
         Some(match name {
             "alpha1995" | "alpha" => Self::alpha1995(),
             "pc2002" | "pc" => Self::pc2002(),
+            "pii366" => Self::pii366(),
+            "p150" => Self::p150(),
             "modern" => Self::modern(),
             _ => return None,
         })

@@ -142,6 +142,22 @@ pub struct FileMap {
 }
 
 impl FileMap {
+    /// A map of runs `(first block, device offset, blocks)` in block order, each run's
+    /// blocks contiguous on the disk.
+    pub fn from_runs(runs: Vec<(u64, u64, u64)>, block_size: u64) -> FileMap {
+        FileMap {
+            runs: runs
+                .into_iter()
+                .map(|(first_block, device_offset, blocks)| Run {
+                    first_block,
+                    device_offset,
+                    blocks,
+                })
+                .collect(),
+            block_size,
+        }
+    }
+
     /// Block size of this file's buffers, bytes.
     pub fn block_size(&self) -> u64 {
         self.block_size

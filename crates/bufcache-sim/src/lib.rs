@@ -7,6 +7,8 @@
 //! - [`host`]: CPU costs of system calls, lookups, copies, I/O and page wiring ([`HostCosts`]);
 //! - [`core`]: timelines and accounts, [`SimDevice`] (the engine's `Device`) and
 //!   [`SimSpawner`] (the engine's `Spawner`, feeding the simulated I/O daemon);
+//! - [`fs`]: a 4.4BSD FFS model (cylinder groups, inodes, directories, bitmaps, indirect
+//!   blocks) whose metadata goes through the cache;
 //! - [`layout`]: newfs-style file layout (block, fragment, maxcontig, rotdelay) as the
 //!   engine's `BlockMap`;
 //! - [`sched`]: the deterministic scheduler of processes, the I/O daemon and the syncer;
@@ -24,6 +26,7 @@ pub mod clock;
 pub mod core;
 pub mod disk;
 pub mod experiments;
+pub mod fs;
 pub mod host;
 pub mod layout;
 pub mod replay;
@@ -45,14 +48,15 @@ pub use experiments::{
     host_for, run_custom, run_custom_queued, run_experiment, CustomRun, ExperimentOptions,
     EXPERIMENTS,
 };
+pub use fs::{Ffs, NewfsParams};
 pub use host::{HostCosts, HOST_PRESETS};
 pub use layout::{FileMap, FsLayout, LayoutParams};
 pub use replay::{
     replay_trace, replay_trace_with, LatencySummary, ReplayMode, ReplayOptions, ReplayReport,
 };
-pub use report::{Cell, ExperimentResult, Plot, Series, Table};
+pub use report::{Cell, Comparison, ComparisonKind, ExperimentResult, Plot, Series, Table};
 pub use sched::{
-    sim_cache_config, FileId, MemoryModel, MemoryReport, Os, Process, RunReport, SimConfig,
+    sim_cache_config, DirId, FileId, MemoryModel, MemoryReport, Os, Process, RunReport, SimConfig,
     SimError, Simulation, Step, SERVE_BACKGROUND_WORKERS,
 };
 pub use workload::WorkloadSpec;

@@ -361,17 +361,151 @@ pub struct ExperimentResult {
     pub notes: Vec<String>,
     /// A plot of the table.
     pub plot: Plot,
+    /// The seed's figures beside ours, shape (direction and ratio) first.
+    pub comparison: Vec<Comparison>,
+}
+
+/// What a [`Comparison`] entry compares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ComparisonKind {
+    /// A ratio between two of the seed's conditions (the direction and size of a change):
+    /// what the experiment is meant to reproduce.
+    Shape,
+    /// A direction the seed states without a figure ("much worse", "greatly improved"):
+    /// `theirs` is +1 (the ratio goes up) or -1 (down), `ours` the ratio.
+    Direction,
+    /// An absolute figure of one condition.
+    Figure,
+    /// A figure the model was calibrated on: an input, never a result.
+    Calibration,
+}
+
+/// One of the seed's figures beside ours.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Comparison {
+    /// The seed thread (`000` … `004`).
+    pub seed: String,
+    /// What is compared, with its unit or `ratio a/b`.
+    pub metric: String,
+    /// Shape, figure or calibration input.
+    pub kind: ComparisonKind,
+    /// The seed's value, copied from the thread.
+    pub theirs: f64,
+    /// Ours.
+    pub ours: f64,
+}
+
+impl Comparison {
+    /// An entry.
+    pub fn new(
+        seed: &str,
+        kind: ComparisonKind,
+        metric: impl Into<String>,
+        theirs: f64,
+        ours: f64,
+    ) -> Self {
+        Comparison {
+            seed: seed.to_string(),
+            metric: metric.into(),
+            kind,
+            theirs,
+            ours,
+        }
+    }
+
+    fn kind_name(&self) -> &'static str {
+        match self.kind {
+            ComparisonKind::Shape => "shape",
+            ComparisonKind::Direction => "direction",
+            ComparisonKind::Figure => "figure",
+            ComparisonKind::Calibration => "calibration input",
+        }
+    }
+}
+
+/// The comparison entries as a table, shapes first: seed, kind, metric, theirs, ours, and
+/// ours/theirs with the direction (same or opposite sign of the change for shapes).
+pub fn comparison_table(entries: &[Comparison]) -> Table {
+    let mut table = Table::new(&[
+        "seed",
+        "kind",
+        "metric",
+        "theirs",
+        "ours",
+        "ours/theirs",
+        "direction",
+    ]);
+    let mut sorted: Vec<&Comparison> = entries.iter().collect();
+    sorted.sort_by_key(|c| match c.kind {
+        ComparisonKind::Shape | ComparisonKind::Direction => 0,
+        ComparisonKind::Figure => 1,
+        ComparisonKind::Calibration => 2,
+    });
+    for entry in sorted {
+        let direction = match entry.kind {
+            // A ratio above 1 is an increase, below 1 a decrease.
+            // No change in the seed: ours within 10 % counts as the same.
+            ComparisonKind::Shape if (entry.theirs - 1.0).abs() < 0.02 => {
+                if (entry.ours - 1.0).abs() <= 0.1 {
+                    "same"
+                } else {
+                    "differs"
+                }
+            }
+            ComparisonKind::Shape => {
+                let theirs = (entry.theirs - 1.0).signum();
+                let ours = (entry.ours - 1.0).signum();
+                if theirs == ours {
+                    "same"
+                } else {
+                    "opposite"
+                }
+            }
+            ComparisonKind::Direction => {
+                if (entry.ours - 1.0).signum() == entry.theirs.signum() {
+                    "same"
+                } else {
+                    "opposite"
+                }
+            }
+            _ => "-",
+        };
+        let relative = match entry.kind {
+            ComparisonKind::Direction => text("-"),
+            _ => num(
+                if entry.theirs != 0.0 {
+                    entry.ours / entry.theirs
+                } else {
+                    0.0
+                },
+                2,
+            ),
+        };
+        table.push(vec![
+            text(entry.seed.clone()),
+            text(entry.kind_name()),
+            text(entry.metric.clone()),
+            num(entry.theirs, 3),
+            num(entry.ours, 3),
+            relative,
+            text(direction),
+        ]);
+    }
+    table
 }
 
 impl ExperimentResult {
-    /// Title, description, table and notes as text.
+    /// Title, description, the comparison with the seed, table and notes as text.
     pub fn to_text(&self) -> String {
-        let mut out = format!(
-            "{}\n{}\n\n{}\n",
-            self.title,
-            self.description,
-            self.table.to_text()
-        );
+        let mut out = format!("{}\n{}\n\n", self.title, self.description);
+        if !self.comparison.is_empty() {
+            out.push_str("beside the seed (shape first; a calibration input is not a result):\n");
+            out.push_str(&comparison_table(&self.comparison).to_text());
+            out.push('\n');
+        }
+        out.push_str(&self.table.to_text());
+        out.push('\n');
         for note in &self.notes {
             out.push_str(&format!("* {note}\n"));
         }
@@ -381,6 +515,11 @@ impl ExperimentResult {
     /// The table as CSV.
     pub fn to_csv(&self) -> String {
         self.table.to_csv()
+    }
+
+    /// The comparison with the seed as CSV (shapes first).
+    pub fn comparison_csv(&self) -> String {
+        comparison_table(&self.comparison).to_csv()
     }
 
     /// Everything as pretty JSON.

@@ -25,6 +25,7 @@ use serde::Serialize;
 use crate::clock::{SimRng, VirtualClock};
 use crate::core::{Account, DeviceTotals, SimCore, SimDevice, SimIoQueue, SimSpawner, SimWaiter};
 use crate::disk::{DiskSpec, SpecError};
+use crate::fs::{Ffs, FileMeta, FsGeometry, NewfsParams, RawMap, DIRECTORY_ENTRY_BYTES};
 use crate::host::HostCosts;
 use crate::layout::{FileMap, FsLayout, LayoutParams};
 
@@ -93,6 +94,13 @@ pub struct SimConfig {
     /// The host's memory shared by the processes and the buffer area, watched (and with
     /// `dynamic`, the area resized) by a pager once a period; `None`: not modelled.
     pub memory: Option<MemoryModel>,
+    /// The FFS model (`crate::fs`): cylinder groups, inodes, directories, bitmaps and
+    /// indirect blocks written through the cache. `None` (the default): the flat layout of
+    /// `layout`, no metadata I/O.
+    pub fs: Option<NewfsParams>,
+    /// 4.4BSD's update daemon: `sync` every period (30 s in 4.4BSD), from a process of its
+    /// own so its writes are asynchronous to the workload. `None` (the default): none.
+    pub update_period: Option<Duration>,
 }
 
 /// Memory shared by the running processes and the buffer area (seed 003's dynamic buffers):
@@ -165,6 +173,8 @@ impl SimConfig {
             io_queue: None,
             io_daemons: 1,
             memory: None,
+            fs: None,
+            update_period: None,
         }
     }
 }
@@ -225,7 +235,35 @@ pub struct World {
     page_bytes: u64,
     /// Engine calls left before the next full statistics sample.
     calls_to_sample: u64,
+    /// The FFS model, when configured.
+    ffs: Option<FfsState>,
 }
+
+/// The FFS model's state: the allocator, the raw-device object caching metadata blocks,
+/// each file's metadata and the directories.
+struct FfsState {
+    ffs: Ffs,
+    raw: ObjectHandle,
+    block_size: u64,
+    /// Per file (by `FileId`): its metadata and how many of its indirect blocks exist yet.
+    files: Vec<Option<(FileMeta, usize)>>,
+    /// Directories: the file holding them, their group, entries so far.
+    directories: Vec<Directory>,
+}
+
+struct Directory {
+    file: FileId,
+    group: usize,
+    entries: u64,
+}
+
+/// A directory of the FFS model (index into the directories; 0 is the root).
+pub type DirId = usize;
+
+const DIRECTORY_BLOCK_BYTES_USIZE: usize = crate::fs::DIRECTORY_BLOCK_BYTES as usize;
+
+/// Entries the root directory is sized for. **Assumed**; entries past it reuse its blocks.
+const ROOT_DIRECTORY_ENTRIES: u64 = 4096;
 
 impl World {
     /// Charges page wiring for buffers the engine filled and unwiring for buffers it evicted,
@@ -268,6 +306,9 @@ impl World {
     }
 
     fn create(&mut self, name: &str, length: u64) -> Result<FileId, SimError> {
+        if self.ffs.is_some() {
+            return self.place(name, length, Some(0), false);
+        }
         let map = self.layout.allocate(length).ok_or_else(|| {
             SimError::Invalid(format!(
                 "the simulated disk is full: cannot place {name} ({length} bytes)"
@@ -287,7 +328,84 @@ impl World {
             stored_bytes,
             block_size: block_size as u64,
         });
+        if let Some(state) = &mut self.ffs {
+            state.files.push(None);
+        }
         Ok(self.files.len() - 1)
+    }
+
+    /// Places a file (in directory `directory`) or a directory (`make_directory`, in the
+    /// group `ffs_dirpref` picks) with the FFS model and opens its object. No I/O.
+    fn place(
+        &mut self,
+        name: &str,
+        length: u64,
+        directory: Option<DirId>,
+        make_directory: bool,
+    ) -> Result<FileId, SimError> {
+        let state = self.ffs.as_mut().expect("the FFS model is configured");
+        let full = |e: crate::fs::FsError| {
+            SimError::Invalid(format!("cannot place {name} ({length} bytes): {e}"))
+        };
+        let (placed, length) = if make_directory {
+            let entries = length / DIRECTORY_ENTRY_BYTES;
+            let placed = state.ffs.make_directory(entries).map_err(full)?;
+            (placed, crate::fs::directory_bytes(entries))
+        } else {
+            let group = directory.map(|d| state.directories[d].group).unwrap_or(0);
+            (state.ffs.create_file(group, length).map_err(full)?, length)
+        };
+        let fragment = u64::from(state.ffs.params().fragment_size);
+        let block_size = placed.map.block_size();
+        let stored_bytes = length.next_multiple_of(fragment).max(1);
+        let mut config = ObjectConfig::new(name, self.device.clone() as Arc<dyn bufcache::Device>)
+            .block_size(block_size as u32);
+        config.length_bytes = Some(stored_bytes);
+        config.block_map = Some(placed.map.clone() as Arc<dyn bufcache::BlockMap>);
+        let handle = self.cache.open_object(config)?;
+        self.files.push(SimFile {
+            handle,
+            map: placed.map,
+            length,
+            stored_bytes,
+            block_size,
+        });
+        let id = self.files.len() - 1;
+        let state = self.ffs.as_mut().expect("the FFS model is configured");
+        state.files.push(Some((placed.meta, 0)));
+        Ok(id)
+    }
+
+    /// Writes `length` bytes of metadata at device offset `offset` through the raw-device
+    /// object: synchronously (`bwrite`) or as a delayed write (`bdwrite`).
+    fn metadata_write(
+        &mut self,
+        offset: u64,
+        length: u64,
+        synchronous: bool,
+    ) -> Result<(), SimError> {
+        let state = self.ffs.as_ref().expect("the FFS model is configured");
+        if self.scratch.len() < length as usize {
+            self.scratch.resize(length as usize, 0);
+        }
+        state
+            .raw
+            .write_at(offset, &self.scratch[..length as usize], synchronous)?;
+        Ok(())
+    }
+
+    /// Reads the metadata block at `offset` (`bread`): synchronous, cached.
+    fn metadata_read(&mut self, offset: u64) -> Result<(), SimError> {
+        let state = self.ffs.as_ref().expect("the FFS model is configured");
+        let block = state.block_size;
+        if self.scratch.len() < block as usize {
+            self.scratch.resize(block as usize, 0);
+        }
+        state
+            .raw
+            .read_at(offset, &mut self.scratch[..block as usize])?;
+        self.core.wait_for_data(offset, block);
+        Ok(())
     }
 }
 
@@ -338,11 +456,179 @@ impl Os<'_> {
         self.world.files[file].block_size
     }
 
-    /// Creates a file of `length` bytes (allocated on disk, not written).
+    /// Creates a file of `length` bytes (allocated on disk, not written). With the FFS
+    /// model it is created in the root directory, as [`Os::create_in`] does.
     pub fn create(&mut self, name: &str, length: u64) -> Result<FileId, SimError> {
+        if self.world.ffs.is_some() {
+            return self.create_in(0, name, length);
+        }
         let host = &self.world.host;
         self.world.core.cpu(host.user_per_call_ns, host.syscall_ns);
         self.world.create(name, length)
+    }
+
+    /// Whether the FFS model is on (directories exist).
+    pub fn has_directories(&self) -> bool {
+        self.world.ffs.is_some()
+    }
+
+    /// Adds an entry to directory `directory`: the entry's bytes in the directory's block,
+    /// written synchronously without soft updates (`ufs_direnter`'s `bwrite`).
+    fn enter(&mut self, directory: DirId) -> Result<(), SimError> {
+        let world = &mut *self.world;
+        let state = world.ffs.as_mut().expect("the FFS model is configured");
+        let sync = state.ffs.params().sync_metadata;
+        let dir = &mut state.directories[directory];
+        let file = dir.file;
+        let stored = world.files[file].stored_bytes;
+        let offset = (dir.entries * DIRECTORY_ENTRY_BYTES)
+            % (stored - stored % DIRECTORY_ENTRY_BYTES).max(DIRECTORY_ENTRY_BYTES);
+        dir.entries += 1;
+        let length = DIRECTORY_ENTRY_BYTES.min(stored - offset);
+        world.files[file]
+            .handle
+            .write_at(offset, &world.scratch[..length as usize], sync)?;
+        let map = world.files[file].map.clone();
+        let block = map.block_size();
+        for (at, bytes) in map.device_ranges(offset / block, (offset + length).div_ceil(block)) {
+            world.core.wait_for_data(at, bytes);
+        }
+        Ok(())
+    }
+
+    /// The metadata writes of a new inode in `group`: the inode itself (synchronous without
+    /// soft updates: `ffs_update` with waitfor) and the group's bitmaps (delayed).
+    fn new_inode(&mut self, file: FileId) -> Result<(), SimError> {
+        let world = &mut *self.world;
+        let state = world.ffs.as_ref().expect("the FFS model is configured");
+        let sync = state.ffs.params().sync_metadata;
+        let (meta, _) = state.files[file].clone().expect("an FFS file");
+        let group_block = state.ffs.group_block_offset(meta.group);
+        world.metadata_write(meta.inode_offset, crate::fs::INODE_BYTES, sync)?;
+        world.metadata_write(group_block, 512, false)?;
+        Ok(())
+    }
+
+    /// mkdir(2) in the root directory for a directory of `entries` entries: the new inode
+    /// and its first block with `.` and `..` (synchronous), the parent's entry (synchronous)
+    /// and the group's bitmaps (delayed), as 4.4BSD's `ufs_mkdir` without soft updates.
+    pub fn mkdir(&mut self, name: &str, entries: u64) -> Result<DirId, SimError> {
+        if self.world.ffs.is_none() {
+            return Err(SimError::Invalid(format!(
+                "mkdir {name}: directories need the FFS model (SimConfig::fs)"
+            )));
+        }
+        let host = &self.world.host;
+        self.world.core.cpu(host.user_per_call_ns, host.syscall_ns);
+        let length = entries.max(2) * DIRECTORY_ENTRY_BYTES;
+        let file = self.world.place(name, length, None, true)?;
+        let group = {
+            let state = self
+                .world
+                .ffs
+                .as_ref()
+                .expect("the FFS model is configured");
+            state.files[file].as_ref().expect("an FFS file").0.group
+        };
+        self.new_inode(file)?;
+        let sync = self
+            .world
+            .ffs
+            .as_ref()
+            .map(|s| s.ffs.params().sync_metadata)
+            .unwrap_or(true);
+        let first = DIRECTORY_BLOCK_BYTES_USIZE.min(self.world.files[file].stored_bytes as usize);
+        if self.world.scratch.len() < first {
+            self.world.scratch.resize(first, 0);
+        }
+        let world = &mut *self.world;
+        world.files[file]
+            .handle
+            .write_at(0, &world.scratch[..first], sync)?;
+        let state = world.ffs.as_mut().expect("the FFS model is configured");
+        state.directories.push(Directory {
+            file,
+            group,
+            entries: 2,
+        });
+        let id = state.directories.len() - 1;
+        self.enter(0)?;
+        self.world.charge_engine();
+        Ok(id)
+    }
+
+    /// creat(2) of a file of `length` bytes in directory `directory` (FFS model): the inode
+    /// (synchronous), the directory entry (synchronous) and the group's bitmaps (delayed).
+    /// Without the FFS model, [`Os::create`].
+    pub fn create_in(
+        &mut self,
+        directory: DirId,
+        name: &str,
+        length: u64,
+    ) -> Result<FileId, SimError> {
+        let host = &self.world.host;
+        self.world.core.cpu(host.user_per_call_ns, host.syscall_ns);
+        let directories = match &self.world.ffs {
+            None => return self.world.create(name, length),
+            Some(state) => state.directories.len(),
+        };
+        if directory >= directories {
+            return Err(SimError::Invalid(format!(
+                "create {name}: directory {directory} does not exist ({directories} made)"
+            )));
+        }
+        let file = self.world.place(name, length, Some(directory), false)?;
+        self.new_inode(file)?;
+        self.enter(directory)?;
+        self.world.charge_engine();
+        Ok(file)
+    }
+
+    /// Reads the indirect blocks mapping blocks `[first, end)` of `file` (`ufs_bmaparray`'s
+    /// `bread`s), then allocates (synchronous, zeroed: `ffs_balloc`) those a write needs.
+    fn indirect_blocks(
+        &mut self,
+        file: FileId,
+        first: u64,
+        end: u64,
+        write: bool,
+    ) -> Result<(), SimError> {
+        let Some(state) = self.world.ffs.as_ref() else {
+            return Ok(());
+        };
+        let Some((meta, allocated)) = state.files[file].clone() else {
+            return Ok(());
+        };
+        let block = state.block_size;
+        let nindir = block / 4;
+        let mut allocated = allocated;
+        let blocks = &meta.indirect_blocks;
+        for (index, &(from_lbn, offset)) in blocks.iter().enumerate() {
+            // An indirect block maps a block of pointers from `from_lbn`; the double indirect
+            // one (allocated just before the first second-level block, at the same block)
+            // maps NINDIR of those.
+            let double = blocks.get(index + 1).is_some_and(|next| next.0 == from_lbn);
+            let span = if double { nindir * nindir } else { nindir };
+            if from_lbn >= end || from_lbn + span <= first {
+                continue;
+            }
+            if write && index >= allocated {
+                // A new indirect block: zeroed and written at once so it never points at
+                // garbage; its pointers are delayed writes after.
+                self.world.metadata_write(offset, block, true)?;
+                allocated = index + 1;
+            } else if write {
+                self.world.metadata_write(offset, 512, false)?;
+            } else {
+                self.world.metadata_read(offset)?;
+            }
+        }
+        if let Some(state) = self.world.ffs.as_mut() {
+            if let Some(entry) = state.files[file].as_mut() {
+                entry.1 = allocated;
+            }
+        }
+        Ok(())
     }
 
     /// A system call that zero-fills `length` bytes (reading /dev/zero).
@@ -370,6 +656,13 @@ impl Os<'_> {
     /// read(2): `length` bytes of `file` at `offset` through the cache.
     pub fn read(&mut self, file: FileId, offset: u64, length: u64) -> Result<(), SimError> {
         self.enter_call(file, offset, length);
+        let block = self.block_size(file);
+        self.indirect_blocks(
+            file,
+            offset / block,
+            (offset + length).div_ceil(block),
+            false,
+        )?;
         let world = &mut *self.world;
         let entry = &world.files[file];
         entry
@@ -399,11 +692,25 @@ impl Os<'_> {
             length
         };
         self.enter_call(file, offset, stored);
+        let block = self.block_size(file);
+        self.indirect_blocks(
+            file,
+            offset / block,
+            (offset + stored).div_ceil(block),
+            true,
+        )?;
         let world = &mut *self.world;
         world.core.cpu(0, world.host.copy_ns(length));
         world.files[file]
             .handle
             .write_at(offset, &world.scratch[..stored as usize], false)?;
+        // The inode's size and block pointers changed: a delayed write of its block.
+        if let Some(state) = &world.ffs {
+            if let Some((meta, _)) = &state.files[file] {
+                let inode = meta.inode_offset;
+                world.metadata_write(inode, crate::fs::INODE_BYTES, false)?;
+            }
+        }
         world.charge_engine();
         Ok(())
     }
@@ -413,7 +720,15 @@ impl Os<'_> {
         let host = &self.world.host;
         self.world.core.cpu(host.user_per_call_ns, host.syscall_ns);
         self.world.files[file].handle.flush()?;
-        self.world.charge_engine();
+        // Writes another entity (a write-behind job) issued for this file may still be on
+        // their way to the disk in virtual time: fsync returns when they are there.
+        let world = &mut *self.world;
+        let entry = &world.files[file];
+        let end = entry.stored_bytes.div_ceil(entry.block_size);
+        for (at, bytes) in entry.map.device_ranges(0, end) {
+            world.core.wait_for_data(at, bytes);
+        }
+        world.charge_engine();
         Ok(())
     }
 
@@ -434,6 +749,20 @@ impl Os<'_> {
     /// The device's totals now.
     pub fn device_totals(&self) -> DeviceTotals {
         self.world.core.device_totals()
+    }
+}
+
+/// 4.4BSD's update daemon: `sync(2)` once a period, pushing every delayed write to the
+/// disk through the engine's `Cache::sync` (which hands the dirty runs of all objects on a
+/// device down together). It blocks only itself while its writes are served.
+struct UpdateDaemon {
+    period_ns: u64,
+}
+
+impl Process for UpdateDaemon {
+    fn step(&mut self, os: &mut Os<'_>) -> Result<Step, SimError> {
+        os.sync()?;
+        Ok(Step::Sleep(self.period_ns))
     }
 }
 
@@ -471,6 +800,8 @@ pub struct Simulation {
     /// Blocked on the io queue since the tick that started at this time.
     syncer_blocked: Option<u64>,
     syncer_period_ns: u64,
+    update_period: Option<Duration>,
+    update_spawned: bool,
     pager: Option<Pager>,
     seed: u64,
     disk: DiskSpec,
@@ -533,7 +864,7 @@ impl Simulation {
             },
             model,
         });
-        Ok(Simulation {
+        let mut sim = Simulation {
             world: World {
                 core,
                 cache,
@@ -547,6 +878,7 @@ impl Simulation {
                 block_pages,
                 page_bytes: config.cache.page_size_bytes.max(1),
                 calls_to_sample: 64,
+                ffs: None,
             },
             spawner,
             entities: Vec::new(),
@@ -558,7 +890,65 @@ impl Simulation {
             pager,
             seed: config.seed,
             disk: config.disk.clone(),
-        })
+            update_period: config.update_period,
+            update_spawned: false,
+        };
+        if let Some(params) = &config.fs {
+            sim.newfs(params.clone(), capacity)?;
+        }
+        Ok(sim)
+    }
+
+    /// Lays out an empty FFS (`newfs`) and opens the raw-device object for its metadata
+    /// and the root directory.
+    fn newfs(&mut self, params: NewfsParams, capacity: u64) -> Result<(), SimError> {
+        let geometry = match &self.disk.kind {
+            crate::disk::DiskKind::Hdd(p) => FsGeometry {
+                capacity_bytes: capacity,
+                cylinder_bytes: p.sectors_per_track as u64 * p.heads as u64 * 512,
+                track_bytes: p.sectors_per_track as u64 * 512,
+            },
+            // No geometry to read: a 1 MiB "cylinder" of 4 tracks (assumed).
+            _ => FsGeometry {
+                capacity_bytes: capacity,
+                cylinder_bytes: 1 << 20,
+                track_bytes: 256 << 10,
+            },
+        };
+        let block = params.block_size as u64;
+        let ffs = Ffs::new(params, geometry).map_err(|e| SimError::Invalid(e.to_string()))?;
+        let world = &mut self.world;
+        let mut config =
+            ObjectConfig::new("raw", world.device.clone() as Arc<dyn bufcache::Device>)
+                .block_size(block as u32);
+        config.length_bytes = Some(capacity / block * block);
+        config.block_map =
+            Some(Arc::new(RawMap { block_size: block }) as Arc<dyn bufcache::BlockMap>);
+        let raw = world.cache.open_object(config)?;
+        world.ffs = Some(FfsState {
+            ffs,
+            raw,
+            block_size: block,
+            files: vec![None; world.files.len()],
+            directories: Vec::new(),
+        });
+        let root = world.place(
+            "/",
+            ROOT_DIRECTORY_ENTRIES * DIRECTORY_ENTRY_BYTES,
+            None,
+            true,
+        )?;
+        let state = world.ffs.as_mut().expect("just configured");
+        let group = state.files[root]
+            .as_ref()
+            .map(|(meta, _)| meta.group)
+            .unwrap_or(0);
+        state.directories.push(Directory {
+            file: root,
+            group,
+            entries: 2,
+        });
+        Ok(())
     }
 
     /// Creates a file of `length` bytes on the disk (its contents are whatever the disk
@@ -625,6 +1015,17 @@ impl Simulation {
 
     /// Runs until every primary process is done.
     pub fn run(&mut self) -> Result<(), SimError> {
+        if let (Some(period), false) = (self.update_period, self.update_spawned) {
+            // Spawned last, so the workload's processes keep their indices.
+            self.update_spawned = true;
+            let period_ns = period.as_nanos() as u64;
+            self.spawn(
+                "update",
+                Box::new(UpdateDaemon { period_ns }),
+                period_ns,
+                false,
+            );
+        }
         enum Pick {
             Process(usize),
             Daemon(usize),

@@ -230,6 +230,11 @@ impl Process for WorkingSet {
 /// `elapsed_s` and `files`.
 pub struct TreeCopy {
     sources: Vec<FileId>,
+    /// Files received over the network instead (their lengths): nothing is read locally.
+    remote_lengths: Vec<u64>,
+    /// With the FFS model, a new directory every this many files.
+    dir_files: u64,
+    directory: crate::sched::DirId,
     next: usize,
     synced: bool,
     start_ns: Option<u64>,
@@ -240,20 +245,41 @@ impl TreeCopy {
     pub fn new(sources: Vec<FileId>) -> Self {
         TreeCopy {
             sources,
+            remote_lengths: Vec::new(),
+            dir_files: 12,
+            directory: 0,
             next: 0,
             synced: false,
             start_ns: None,
         }
+    }
+
+    fn files(&self) -> usize {
+        self.sources.len() + self.remote_lengths.len()
     }
 }
 
 impl Process for TreeCopy {
     fn step(&mut self, os: &mut Os<'_>) -> Result<Step, SimError> {
         let start = *self.start_ns.get_or_insert(os.now());
-        if let Some(&source) = self.sources.get(self.next) {
-            let length = os.file_len(source);
-            os.read(source, 0, length)?;
-            let copy = os.create(&format!("copy-{}", self.next), length)?;
+        if self.next < self.files() {
+            let length = match self.sources.get(self.next) {
+                Some(&source) => {
+                    let length = os.file_len(source);
+                    os.read(source, 0, length)?;
+                    length
+                }
+                None => {
+                    // Received from the network: a copy into the process, no disk read.
+                    let length = self.remote_lengths[self.next - self.sources.len()];
+                    os.read_zero(length);
+                    length
+                }
+            };
+            if os.has_directories() && (self.next as u64).is_multiple_of(self.dir_files.max(1)) {
+                self.directory = os.mkdir(&format!("dir-{}", self.next), self.dir_files)?;
+            }
+            let copy = os.create_in(self.directory, &format!("copy-{}", self.next), length)?;
             os.write(copy, 0, length)?;
             self.next += 1;
             return Ok(Step::Continue);
@@ -266,7 +292,7 @@ impl Process for TreeCopy {
             return Ok(Step::Continue);
         }
         os.record("elapsed_s", (os.now() - start) as f64 / 1e9);
-        os.record("files", self.sources.len() as f64);
+        os.record("files", self.files() as f64);
         Ok(Step::Done)
     }
 }
@@ -364,6 +390,12 @@ pub enum WorkloadSpec {
         min: u64,
         /// Largest file.
         max: u64,
+        /// The source comes over the network (seed 004's ssh/pax): only the copy's writes
+        /// reach the disk. Default false (the source is read from the same disk).
+        remote: bool,
+        /// Files per directory of the copy, with the FFS model (a directory is made before
+        /// each group). Default 12 (**assumed**, /usr/src/sys's order of magnitude).
+        dir_files: u64,
     },
     /// A parallel build.
     Build {
@@ -441,6 +473,8 @@ impl FromStr for WorkloadSpec {
                 files: 2000,
                 min: 1 << 10,
                 max: 16 << 10,
+                remote: false,
+                dir_files: 12,
             },
             "build" => WorkloadSpec::Build {
                 jobs: 4,
@@ -509,11 +543,25 @@ impl FromStr for WorkloadSpec {
                     "bs" => *bs = size_value(key, value)?,
                     _ => return unknown(key, value, "scan, ws, reads, think_us, bs"),
                 },
-                WorkloadSpec::TreeCopy { files, min, max } => match key {
+                WorkloadSpec::TreeCopy {
+                    files,
+                    min,
+                    max,
+                    remote,
+                    dir_files,
+                } => match key {
                     "files" => *files = count_value(key, value)?,
                     "min" => *min = size_value(key, value)?,
                     "max" => *max = size_value(key, value)?,
-                    _ => return unknown(key, value, "files, min, max"),
+                    "dir_files" => *dir_files = count_value(key, value)?,
+                    "remote" => {
+                        *remote = match value {
+                            "on" | "1" | "true" => true,
+                            "off" | "0" | "false" => false,
+                            _ => return Err(SpecError::new(key, value, "on or off")),
+                        }
+                    }
+                    _ => return unknown(key, value, "files, min, max, remote, dir_files"),
                 },
                 WorkloadSpec::Build {
                     jobs,
@@ -607,9 +655,19 @@ impl fmt::Display for WorkloadSpec {
                 s(*ws),
                 s(*bs)
             ),
-            WorkloadSpec::TreeCopy { files, min, max } => {
-                write!(f, "treecopy:files={files},min={},max={}", s(*min), s(*max))
-            }
+            WorkloadSpec::TreeCopy {
+                files,
+                min,
+                max,
+                remote,
+                dir_files,
+            } => write!(
+                f,
+                "treecopy:files={files},min={},max={},remote={},dir_files={dir_files}",
+                s(*min),
+                s(*max),
+                if *remote { "on" } else { "off" }
+            ),
             WorkloadSpec::Build {
                 jobs,
                 sources,
@@ -675,14 +733,26 @@ impl WorkloadSpec {
                 );
                 sim.spawn("scan", Box::new(Scan::new(big, *bs)), 0, false);
             }
-            WorkloadSpec::TreeCopy { files, min, max } => {
+            WorkloadSpec::TreeCopy {
+                files,
+                min,
+                max,
+                remote,
+                dir_files,
+            } => {
                 let mut rng = SimRng::new(0x7EE);
-                let mut sources = Vec::new();
+                let mut copy = TreeCopy::new(Vec::new());
                 for index in 0..*files {
                     let length = rng.between(*min, *max);
-                    sources.push(sim.create_file(&format!("src-{index}"), length)?);
+                    if *remote {
+                        copy.remote_lengths.push(length);
+                    } else {
+                        copy.sources
+                            .push(sim.create_file(&format!("src-{index}"), length)?);
+                    }
                 }
-                sim.spawn("cp", Box::new(TreeCopy::new(sources)), 0, true);
+                copy.dir_files = *dir_files;
+                sim.spawn("cp", Box::new(copy), 0, true);
             }
             WorkloadSpec::Build {
                 jobs,

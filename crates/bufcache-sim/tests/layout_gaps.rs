@@ -21,7 +21,8 @@ fn layout(maxcontig: u32, rotdelay_ms: f64) -> LayoutParams {
 
 #[test]
 fn file_map_has_gaps_after_maxcontig_blocks() {
-    let disk = DiskSpec::rz25();
+    // The 2.0 MB/s RZ25 estimate, on which 4 ms is just under one 8K block.
+    let disk = DiskSpec::rz25_estimate();
     let mut fs = FsLayout::new(
         layout(4, 4.0),
         disk.bytes_per_ms(),
@@ -31,7 +32,7 @@ fn file_map_has_gaps_after_maxcontig_blocks() {
     assert_eq!(
         fs.gap_bytes(),
         8192,
-        "4 ms on an RZ25 rounds up to one 8K block"
+        "4 ms on the 2.0 MB/s RZ25 estimate rounds up to one 8K block"
     );
     let map = fs.allocate(10 * 8192 + 1000).unwrap();
     assert_eq!(map.runs(), 3);

@@ -25,7 +25,7 @@ fn good_specs_parse_and_round_trip() {
         "dd:read,bs=64KiB,count=10,fsync",
         "sweep:file=64MiB,sizes=16MiB/32MiB,bs=1MiB,passes=2",
         "mixed:scan=64MiB,ws=8MiB,reads=100,think_us=10,bs=64KiB",
-        "treecopy:files=10,min=1KiB,max=4KiB",
+        "treecopy:files=10,min=1KiB,max=4KiB,remote=on,dir_files=8",
         "build:jobs=2,sources=10,headers=5,includes=3,cpu_ms=1,header_max=8KiB",
     ] {
         let spec: WorkloadSpec = text.parse().unwrap();
