@@ -274,9 +274,9 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
     if spec.starts_with("s3://") {
         let mut url = bufcache_s3::S3Url::parse(spec).map_err(bufcache_s3::OpenError::from)?;
         url.create_size_bytes = url.create_size_bytes.or(args.create_size);
-        let store = bufcache_s3::ChunkStore::open_locked(&url)?;
+        let device = bufcache_s3::S3Device::open_locked(&url)?;
         return Ok(OpenedBackend {
-            device: Arc::new(bufcache_s3::S3Device::new(store)),
+            device: Arc::new(device),
             upstream: None,
             identity: Some(identity_of_url(spec)),
             _lock: None,

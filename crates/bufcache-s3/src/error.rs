@@ -58,6 +58,20 @@ pub enum OpenError {
     },
     #[error("{url}: another server took or released lock object `{key}` while this one was taking it; start again to see who holds it")]
     LockRaced { url: String, key: String },
+    #[error("{url}: object `{key}` is damaged or not this disk's: {reason}; nothing was served or changed")]
+    BadObject {
+        url: String,
+        key: String,
+        reason: String,
+    },
+    #[error("{url}: the index (checkpoint `{checkpoint}`) names segment `{key}`, which does not exist; nothing was served or changed")]
+    MissingSegment {
+        url: String,
+        checkpoint: String,
+        key: String,
+    },
+    #[error("{url}: configuration: {reason}")]
+    Config { url: String, reason: String },
     #[error(
         "{url}: parameter `create-size={size}` is not a multiple of the chunk size {chunk_size}"
     )]
@@ -86,6 +100,8 @@ pub enum StoreError {
     },
     #[error("request of {length} bytes at offset {offset} reaches past the end of the disk ({size} bytes)")]
     OutOfRange { offset: u64, length: u64, size: u64 },
+    #[error("segment `{key}` named by the index does not exist (deleted behind this server's back?)")]
+    MissingSegment { key: String },
     #[error("object `{key}` holds {found} bytes where {expected} were asked for")]
     ShortObject {
         key: String,

@@ -85,11 +85,11 @@ fn sparse_disk_stores_only_written_chunks_and_zeroes_delete_objects() {
     device
         .write_vectored_at(&[std::io::IoSlice::new(&vec![0u8; 2 << 20])], 0)
         .unwrap();
-    let (count, bytes) = device.store().stored_chunks().unwrap();
+    let (count, bytes) = device.store().unwrap().stored_chunks().unwrap();
     assert_eq!((count, bytes), (10, 10 << 20));
     device.write_zeroes(512 << 20, 3 << 20).unwrap();
     device.discard((515 << 20) + 4096, 4096).unwrap();
-    let (count, bytes) = device.store().stored_chunks().unwrap();
+    let (count, bytes) = device.store().unwrap().stored_chunks().unwrap();
     assert_eq!(
         (count, bytes),
         (7, 7 << 20),

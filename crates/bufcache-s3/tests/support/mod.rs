@@ -113,13 +113,35 @@ impl Moto {
         );
     }
 
-    /// Requests logged so far by method (GET, PUT, DELETE, HEAD, POST).
+    /// Requests logged so far by method (GET, PUT, DELETE, HEAD, POST). Some moto versions
+    /// colour the lines of some status codes (206, 404, 204) with ANSI escapes that sit
+    /// between the quote and the method; they are stripped first so every request counts.
     pub fn request_count(&self, method: &str) -> usize {
         let log = std::fs::read_to_string(&self.log_path).unwrap_or_default();
         log.lines()
+            .map(strip_ansi)
             .filter(|line| line.contains(&format!("\"{method} ")))
             .count()
     }
+}
+
+/// `line` without ANSI escape sequences (`ESC [ … letter`).
+pub fn strip_ansi(line: &str) -> String {
+    let mut text = String::with_capacity(line.len());
+    let mut characters = line.chars();
+    while let Some(character) = characters.next() {
+        if character == '\u{1b}' {
+            // Skip `[`, parameters and the final letter.
+            for inner in characters.by_ref() {
+                if inner.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            text.push(character);
+        }
+    }
+    text
 }
 
 impl Drop for Moto {
