@@ -100,7 +100,9 @@ pub enum StoreError {
     },
     #[error("request of {length} bytes at offset {offset} reaches past the end of the disk ({size} bytes)")]
     OutOfRange { offset: u64, length: u64, size: u64 },
-    #[error("segment `{key}` named by the index does not exist (deleted behind this server's back?)")]
+    #[error(
+        "segment `{key}` named by the index does not exist (deleted behind this server's back?)"
+    )]
     MissingSegment { key: String },
     #[error("object `{key}` holds {found} bytes where {expected} were asked for")]
     ShortObject {

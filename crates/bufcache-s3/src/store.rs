@@ -335,7 +335,10 @@ impl ChunkStore {
         self.lock.as_deref()
     }
 
-    pub(crate) async fn open_metadata(store: &AmazonS3, url: &S3Url) -> Result<DiskMetadata, OpenError> {
+    pub(crate) async fn open_metadata(
+        store: &AmazonS3,
+        url: &S3Url,
+    ) -> Result<DiskMetadata, OpenError> {
         let key = url.key(METADATA_NAME);
         let request_error = |operation: String, error: object_store::Error| OpenError::Request {
             url: url.to_string(),
@@ -853,7 +856,8 @@ mod tests {
         let log = br#"{"format":"bufcache-s3","format_version":2,"layout":"log","disk_id":"00000000000000ab","size_bytes":8388608}"#;
         let parsed = parse_metadata(log).unwrap();
         assert_eq!((parsed.layout, parsed.disk_id), (LayoutKind::Log, 0xab));
-        let no_id = br#"{"format":"bufcache-s3","format_version":2,"layout":"log","size_bytes":8388608}"#;
+        let no_id =
+            br#"{"format":"bufcache-s3","format_version":2,"layout":"log","size_bytes":8388608}"#;
         assert!(parse_metadata(no_id).unwrap_err().contains("disk_id"));
         let odd = br#"{"format":"bufcache-s3","format_version":1,"size_bytes":100,"chunk_size_bytes":4194304}"#;
         assert!(parse_metadata(odd).is_err());

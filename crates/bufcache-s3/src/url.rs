@@ -182,9 +182,8 @@ impl S3Url {
                     url.chunk_size_bytes = Some(size);
                 }
                 "layout" => {
-                    url.layout = Some(
-                        LayoutKind::parse(value).ok_or_else(|| bad("expected chunk or log"))?,
-                    );
+                    url.layout =
+                        Some(LayoutKind::parse(value).ok_or_else(|| bad("expected chunk or log"))?);
                 }
                 "segment-size" => {
                     let size =

@@ -162,7 +162,10 @@ fn log_disk_reads_back_writes_and_zeroes_before_and_after_reopen() {
     assert!(read_all(&store, SIZE) == model, "seed {seed}: after flush");
     drop(store);
     let reopened = open(&moto.endpoint(), "").unwrap();
-    assert!(read_all(&reopened, SIZE) == model, "seed {seed}: after reopen");
+    assert!(
+        read_all(&reopened, SIZE) == model,
+        "seed {seed}: after reopen"
+    );
     assert!(
         url(&moto.endpoint(), "&layout=chunk").layout == Some(LayoutKind::Chunk),
         "layout parameter parsed"
@@ -191,8 +194,8 @@ fn random_4k_writes_cost_their_bytes_once_in_few_puts() {
     let moto = Moto::start();
     moto.create_bucket("bucket");
     let raw = Raw::new(&moto);
-    let device = S3Device::open_locked(&url(&moto.endpoint(), "&create-size=1G&layout=log"))
-        .unwrap();
+    let device =
+        S3Device::open_locked(&url(&moto.endpoint(), "&create-size=1G&layout=log")).unwrap();
     assert_eq!(device.capabilities().write_unit_bytes, 1);
     let blocks: Vec<u64> = (0..1024).map(|_| rng.gen_range(0..(1u64 << 18))).collect();
     let data = random(4096 * 1024, &mut rng);
@@ -215,16 +218,25 @@ fn random_4k_writes_cost_their_bytes_once_in_few_puts() {
     device.flush().unwrap();
     let puts = moto.request_count("PUT") - puts_before;
     let stored: u64 = raw.list("log/").iter().map(|(_, size)| size).sum();
-    println!("random 4K: {puts} PUTs, {stored} bytes stored for {} client bytes", data.len());
+    println!(
+        "random 4K: {puts} PUTs, {stored} bytes stored for {} client bytes",
+        data.len()
+    );
     assert!(puts <= 4, "{puts} PUTs");
-    assert!(stored as f64 <= 1.5 * data.len() as f64, "{stored} bytes stored");
+    assert!(
+        stored as f64 <= 1.5 * data.len() as f64,
+        "{stored} bytes stored"
+    );
     // Sequential: 32 MiB in 1 MiB writes.
     let sequential = random(32 << 20, &mut rng);
     let before_bytes: u64 = raw.list("log/segments").iter().map(|(_, size)| size).sum();
     let puts_before = moto.request_count("PUT");
     for (number, piece) in sequential.chunks(1 << 20).enumerate() {
         device
-            .write_vectored_at(&[IoSlice::new(piece)], (512 << 20) + ((number as u64) << 20))
+            .write_vectored_at(
+                &[IoSlice::new(piece)],
+                (512 << 20) + ((number as u64) << 20),
+            )
             .unwrap();
     }
     device.flush().unwrap();
@@ -269,7 +281,11 @@ fn trim_and_write_zeroes_only_change_the_index() {
     device.discard(1 << 20, 512 << 10).unwrap();
     device.flush().unwrap();
     let after: u64 = raw.list("log/segments").iter().map(|(_, size)| size).sum();
-    assert!(after - before <= 256, "zeroing uploaded {} bytes", after - before);
+    assert!(
+        after - before <= 256,
+        "zeroing uploaded {} bytes",
+        after - before
+    );
     let check = |store: &LogStore| {
         let mut back = vec![0u8; 2 << 20];
         store.read(&mut back, 0).unwrap();
@@ -298,7 +314,9 @@ fn replay_stops_at_a_missing_segment_and_deletes_the_segments_after_it() {
     let store = open(&moto.endpoint(), "&create-size=1M&layout=log").unwrap();
     for epoch in 1..=3u8 {
         store.write(&[epoch; 4096], 0).unwrap();
-        store.write(&[epoch; 4096], u64::from(epoch) * 4096).unwrap();
+        store
+            .write(&[epoch; 4096], u64::from(epoch) * 4096)
+            .unwrap();
         store.flush().unwrap();
     }
     let id = crash(store);
@@ -362,7 +380,10 @@ fn damaged_segments_and_checkpoints_are_refused_naming_the_object() {
     // The checkpoint names a segment that is gone.
     raw.delete(&key);
     let text = open(&moto.endpoint(), "").err().unwrap().to_string();
-    assert!(text.contains(&key) && text.contains("does not exist"), "{text}");
+    assert!(
+        text.contains(&key) && text.contains("does not exist"),
+        "{text}"
+    );
     // A segment of another disk (a second log disk's segment copied in).
     let other = S3Url::parse(&format!(
         "s3://bucket/other?endpoint={}&create-size=1M&layout=log",
@@ -382,5 +403,8 @@ fn damaged_segments_and_checkpoints_are_refused_naming_the_object() {
     let foreign = listed[0].location.to_string();
     raw.put(&key, raw.get(&foreign));
     let text = open(&moto.endpoint(), "").err().unwrap().to_string();
-    assert!(text.contains(&key) && text.contains("not this disk"), "{text}");
+    assert!(
+        text.contains(&key) && text.contains("not this disk"),
+        "{text}"
+    );
 }

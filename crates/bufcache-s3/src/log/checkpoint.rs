@@ -53,7 +53,10 @@ fn u64_at(bytes: &[u8], at: usize) -> u64 {
 /// Checks and decodes a checkpoint object; the error says what is wrong.
 pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Checkpoint, String> {
     if object.len() < HEADER_BYTES + 4 {
-        return Err(format!("{} bytes, shorter than a checkpoint header (truncated?)", object.len()));
+        return Err(format!(
+            "{} bytes, shorter than a checkpoint header (truncated?)",
+            object.len()
+        ));
     }
     if &object[..8] != MAGIC {
         return Err("no checkpoint magic `BCLOGCKP` (not a bufcache checkpoint)".to_string());
@@ -131,7 +134,13 @@ mod tests {
         }
         let object = encode(5, 3, &index);
         let decoded = decode(&object, 5, 1 << 30).unwrap();
-        assert_eq!(decoded, Checkpoint { through_sequence: 3, index });
+        assert_eq!(
+            decoded,
+            Checkpoint {
+                through_sequence: 3,
+                index
+            }
+        );
         assert!(decode(&object, 6, 1 << 30).unwrap_err().contains("disk"));
         for byte in 0..object.len() {
             let mut damaged = object.to_vec();

@@ -34,7 +34,9 @@ impl Index {
 
     /// The mappings in disk order.
     pub fn iter(&self) -> impl Iterator<Item = (u64, Mapping)> + '_ {
-        self.mappings.iter().map(|(&offset, &mapping)| (offset, mapping))
+        self.mappings
+            .iter()
+            .map(|(&offset, &mapping)| (offset, mapping))
     }
 
     pub fn len(&self) -> usize {
@@ -191,7 +193,9 @@ mod tests {
                 assert_eq!(piece.disk_offset, position, "seed {seed}");
                 for byte in 0..piece.length {
                     let expected = model[(piece.disk_offset + byte) as usize];
-                    let got = piece.stored.map(|(segment, object)| (segment, object + byte));
+                    let got = piece
+                        .stored
+                        .map(|(segment, object)| (segment, object + byte));
                     assert_eq!(got, expected, "seed {seed} step {step}");
                 }
                 position += piece.length;

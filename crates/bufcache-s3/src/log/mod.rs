@@ -397,8 +397,7 @@ impl LogStore {
         let mut state = self.shared.lock();
         for (number, piece) in data.chunks(piece_bytes_max).enumerate() {
             let piece_offset = offset + (number * piece_bytes_max) as u64;
-            if state.open.sealed_bytes_with(piece.len() as u64, 1) > self.config.segment_bytes_max
-            {
+            if state.open.sealed_bytes_with(piece.len() as u64, 1) > self.config.segment_bytes_max {
                 state = self.seal(state)?;
             }
             let object_offset = state.open.append_data(piece_offset, piece);
@@ -502,9 +501,9 @@ impl LogStore {
         };
         if older > 0 && older < through {
             let old_key = checkpoint_key(&self.shared.url, older);
-            let deleted = self.runtime.block_on(async {
-                store.delete(&ObjectPath::from(old_key.as_str())).await
-            });
+            let deleted = self
+                .runtime
+                .block_on(async { store.delete(&ObjectPath::from(old_key.as_str())).await });
             if let Err(error) = deleted {
                 // Harmless: the newest checkpoint wins at open.
                 tracing::warn!(checkpoint = %old_key, error = %chain(&error), "could not delete an old checkpoint");
@@ -531,8 +530,8 @@ impl LogStore {
                     }
                     Some((segment, object_offset)) => match state.sealed.get(&segment) {
                         Some(sealed) => target.copy_from_slice(
-                            &sealed.body[object_offset as usize
-                                ..(object_offset + piece.length) as usize],
+                            &sealed.body
+                                [object_offset as usize..(object_offset + piece.length) as usize],
                         ),
                         // Not in memory, so durable (a segment leaves memory only then).
                         None => remote.push((
@@ -580,8 +579,7 @@ impl LogStore {
             let (data, parts) = result?;
             for (within, target) in parts {
                 let length = target.len();
-                buffer[target]
-                    .copy_from_slice(&data[within as usize..within as usize + length]);
+                buffer[target].copy_from_slice(&data[within as usize..within as usize + length]);
             }
         }
         Ok(())
@@ -678,7 +676,10 @@ async fn recover(
                 return Err(bad_object(
                     url,
                     &key,
-                    format!("covers segments to {}, not the {through} its name says", checkpoint.through_sequence),
+                    format!(
+                        "covers segments to {}, not the {through} its name says",
+                        checkpoint.through_sequence
+                    ),
                 ));
             }
             let present: BTreeSet<u64> = segments.iter().copied().collect();
@@ -699,7 +700,10 @@ async fn recover(
     };
     let mut last_sequence = checkpoint_through;
     let mut orphans = Vec::new();
-    for &sequence in segments.iter().filter(|&&sequence| sequence > checkpoint_through) {
+    for &sequence in segments
+        .iter()
+        .filter(|&&sequence| sequence > checkpoint_through)
+    {
         if sequence != last_sequence + 1 || !orphans.is_empty() {
             orphans.push(sequence);
             continue;
@@ -712,7 +716,10 @@ async fn recover(
             return Err(bad_object(
                 url,
                 &key,
-                format!("holds segment {}, not the {sequence} its name says", decoded.sequence),
+                format!(
+                    "holds segment {}, not the {sequence} its name says",
+                    decoded.sequence
+                ),
             ));
         }
         for extent in decoded.extents {

@@ -123,9 +123,8 @@ impl OpenSegment {
                 KIND_ZEROES
             });
         }
-        let mut object = BytesMut::with_capacity(
-            HEADER_BYTES as usize + self.data.len() + table.len(),
-        );
+        let mut object =
+            BytesMut::with_capacity(HEADER_BYTES as usize + self.data.len() + table.len());
         object.put_slice(MAGIC);
         object.put_u32_le(FORMAT_VERSION);
         object.put_u32_le(HEADER_BYTES as u32);
@@ -162,11 +161,7 @@ fn u32_at(bytes: &[u8], at: usize) -> u32 {
 /// Checks and decodes a whole segment object: magic, version, header and table checksums,
 /// the disk id, every extent's checksum and that every extent lies inside the disk. The
 /// error says what is wrong (the caller names the object).
-pub fn decode(
-    object: &[u8],
-    disk_id: u64,
-    disk_size_bytes: u64,
-) -> Result<DecodedSegment, String> {
+pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<DecodedSegment, String> {
     if object.len() < HEADER_BYTES as usize {
         return Err(format!(
             "{} bytes, shorter than the {HEADER_BYTES}-byte header (truncated?)",
@@ -186,7 +181,10 @@ pub fn decode(
         ));
     }
     if u64::from(u32_at(object, 12)) != HEADER_BYTES {
-        return Err(format!("header length {} is not {HEADER_BYTES}", u32_at(object, 12)));
+        return Err(format!(
+            "header length {} is not {HEADER_BYTES}",
+            u32_at(object, 12)
+        ));
     }
     let stored_disk = u64_at(object, 16);
     if stored_disk != disk_id {
@@ -275,8 +273,12 @@ mod tests {
         let decoded = decode(&object, 0xabc, 1 << 30).unwrap();
         assert_eq!(decoded.sequence, 7);
         assert_eq!(decoded.extents, segment.table);
-        assert!(decode(&object, 0xabd, 1 << 30).unwrap_err().contains("disk"));
-        assert!(decode(&object, 0xabc, 4096).unwrap_err().contains("past the end"));
+        assert!(decode(&object, 0xabd, 1 << 30)
+            .unwrap_err()
+            .contains("disk"));
+        assert!(decode(&object, 0xabc, 4096)
+            .unwrap_err()
+            .contains("past the end"));
         for index in 0..object.len() {
             let mut damaged = object.to_vec();
             damaged[index] ^= 0x40;
