@@ -154,7 +154,7 @@ fn log_layout_reopens_as_a_prefix_of_flush_epochs_after_kill_9_during_write_back
                     if client.write(block * BLOCK as u64, &data).is_err() {
                         return;
                     }
-                    if (index as usize + 1) % FLUSH_EVERY_WRITES == 0 {
+                    if (index as usize + 1).is_multiple_of(FLUSH_EVERY_WRITES) {
                         if client.flush().is_err() {
                             return;
                         }

@@ -8,7 +8,8 @@ use crate::log::{LogConfig, LogStore};
 use crate::store::{connect, ChunkStore};
 use crate::url::{LayoutKind, S3Url};
 
-/// A disk of either layout.
+/// A disk of either layout (one per device: the size difference does not matter).
+#[allow(clippy::large_enum_variant)]
 pub enum Layout {
     Chunk(ChunkStore),
     Log(LogStore),

@@ -178,6 +178,10 @@ pub struct LogStore {
     runtime: tokio::runtime::Runtime,
 }
 
+/// One piece of a coalesced GET: its offset in the fetched bytes and where it goes in the
+/// caller's buffer.
+type Part = (u64, Range<usize>);
+
 /// What recovery found: the index and where the sequence numbers stand.
 struct Recovered {
     index: Index,
@@ -549,7 +553,7 @@ impl LogStore {
         // Coalesce pieces contiguous in one object into one GET (a sequential write-back
         // stores consecutive disk ranges back to back).
         remote.sort_by_key(|(segment, range, _)| (*segment, range.start));
-        let mut requests: Vec<(u64, Range<u64>, Vec<(u64, Range<usize>)>)> = Vec::new();
+        let mut requests: Vec<(u64, Range<u64>, Vec<Part>)> = Vec::new();
         for (segment, range, target) in remote {
             if let Some((last_segment, last_range, parts)) = requests.last_mut() {
                 if *last_segment == segment && last_range.end == range.start {
@@ -560,21 +564,20 @@ impl LogStore {
             }
             requests.push((segment, range, vec![(0, target)]));
         }
-        let fetched: Vec<Result<(Bytes, Vec<(u64, Range<usize>)>), StoreError>> =
-            self.runtime.block_on(
-                stream::iter(requests.into_iter().map(|(segment, range, parts)| {
-                    let store = self.shared.store.clone();
-                    let key = self.shared.segment_key(segment);
-                    async move {
-                        match get_range(&store, &key, range).await? {
-                            Some(data) => Ok((data, parts)),
-                            None => Err(StoreError::MissingSegment { key }),
-                        }
+        let fetched: Vec<Result<(Bytes, Vec<Part>), StoreError>> = self.runtime.block_on(
+            stream::iter(requests.into_iter().map(|(segment, range, parts)| {
+                let store = self.shared.store.clone();
+                let key = self.shared.segment_key(segment);
+                async move {
+                    match get_range(&store, &key, range).await? {
+                        Some(data) => Ok((data, parts)),
+                        None => Err(StoreError::MissingSegment { key }),
                     }
-                }))
-                .buffer_unordered(self.config.requests_in_flight_max)
-                .collect(),
-            );
+                }
+            }))
+            .buffer_unordered(self.config.requests_in_flight_max)
+            .collect(),
+        );
         for result in fetched {
             let (data, parts) = result?;
             for (within, target) in parts {
