@@ -408,3 +408,41 @@ fn damaged_segments_and_checkpoints_are_refused_naming_the_object() {
         "{text}"
     );
 }
+
+// Goal: a segment whose upload fails is never dropped: FLUSH reports the error, reads still
+// return the data, and a later FLUSH (store back) uploads the kept segments. Method: a proxy
+// in front of moto taken down with a short retry timeout; write, FLUSH (error), read back,
+// bring the proxy up, FLUSH (ok, nothing written again), reopen through moto and read back.
+#[test]
+fn failed_segment_uploads_are_kept_and_a_later_flush_stores_them() {
+    let name = "failed_segment_uploads_are_kept_and_a_later_flush_stores_them";
+    if !have_moto(name) {
+        return;
+    }
+    let moto = Moto::start();
+    moto.create_bucket("bucket");
+    let proxy = support::Proxy::start(moto.port);
+    let store = open(
+        &proxy.endpoint(),
+        "&create-size=4M&layout=log&segment-size=64k&retry-timeout-ms=300",
+    )
+    .unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let data = random(200 << 10, &mut rng);
+    proxy.set_down(true);
+    // 200 KiB seal 3 segments of 64 KiB: within segments_in_flight_max, so the write
+    // itself needs no upload to finish.
+    store.write(&data, 4096).unwrap();
+    let error = store.flush().expect_err("the store is down");
+    assert!(error.to_string().contains("log/segments/"), "{error}");
+    let mut back = vec![0u8; data.len()];
+    store.read(&mut back, 4096).unwrap();
+    assert!(back == data, "data served from memory while its upload fails");
+    proxy.set_down(false);
+    store.flush().unwrap();
+    drop(store);
+    let reopened = open(&moto.endpoint(), "").unwrap();
+    let mut back = vec![0u8; data.len()];
+    reopened.read(&mut back, 4096).unwrap();
+    assert!(back == data);
+}
