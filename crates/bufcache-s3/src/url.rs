@@ -54,7 +54,7 @@ pub enum UrlError {
     Scheme(String),
     #[error("`{0}`: missing bucket name; expected s3://BUCKET/PREFIX")]
     MissingBucket(String),
-    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, layout, chunk-size, segment-size, create-size, retry-timeout-ms, break-lock")]
+    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, layout, chunk-size, segment-size, create-size, retry-timeout-ms, break-lock, lock")]
     UnknownParameter { url: String, name: String },
     #[error("`{url}`: parameter `{name}` given twice")]
     DuplicateParameter { url: String, name: String },
@@ -97,6 +97,10 @@ pub struct S3Url {
     /// `break-lock=ID`: take over the disk from the (stale) lock with this id, as named by
     /// the error that refused to start because the disk was in use.
     pub break_lock: Option<String>,
+    /// `lock=on|off`: whether opening checks that the store refuses a second create-only PUT
+    /// of the lock object (without which the lock keeps nobody out) and refuses the store if
+    /// not. Off serves such a store anyway, unprotected against a second server.
+    pub lock_check: bool,
 }
 
 /// Default for `retry-timeout-ms`: long enough to ride out a server restart.
@@ -128,6 +132,7 @@ impl S3Url {
             create_size_bytes: None,
             retry_timeout_ms: RETRY_TIMEOUT_DEFAULT_MS,
             break_lock: None,
+            lock_check: true,
         };
         let mut seen: Vec<String> = Vec::new();
         for pair in query
@@ -206,6 +211,13 @@ impl S3Url {
                         .parse()
                         .map_err(|_| bad("expected a whole number of milliseconds"))?;
                 }
+                "lock" => {
+                    url.lock_check = match value {
+                        "on" => true,
+                        "off" => false,
+                        _ => return Err(bad("expected on or off")),
+                    }
+                }
                 "break-lock" => {
                     if value.is_empty() || !value.bytes().all(|byte| byte.is_ascii_hexdigit()) {
                         return Err(bad(
@@ -267,7 +279,7 @@ mod tests {
         let url = S3Url::parse(
             "s3://vm-disks/db1/?endpoint=http://127.0.0.1:9000&region=eu-west-1&path-style=false\
              &chunk-size=1M&create-size=100G&retry-timeout-ms=500&break-lock=0A1b\
-             &layout=log&segment-size=16M",
+             &layout=log&segment-size=16M&lock=off",
         )
         .unwrap();
         assert_eq!(url.bucket, "vm-disks");
@@ -282,6 +294,7 @@ mod tests {
         assert_eq!(url.break_lock.as_deref(), Some("0a1b"));
         assert_eq!(url.layout, Some(LayoutKind::Log));
         assert_eq!(url.segment_bytes_max, Some(16 << 20));
+        assert!(!url.lock_check);
         assert_eq!(url.key("meta"), "db1/meta");
     }
 
@@ -316,6 +329,7 @@ mod tests {
             ("s3://b/p?retry-timeout-ms=soon", "retry-timeout-ms"),
             ("s3://b/p?colour=blue", "colour"),
             ("s3://b/p?layout=tree", "layout"),
+            ("s3://b/p?lock=maybe", "lock"),
             ("s3://b/p?segment-size=4k", "segment-size"),
             ("s3://b/p?segment-size=2G", "segment-size"),
             ("s3://b/p?break-lock=", "break-lock"),

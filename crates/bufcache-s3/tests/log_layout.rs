@@ -437,7 +437,10 @@ fn failed_segment_uploads_are_kept_and_a_later_flush_stores_them() {
     assert!(error.to_string().contains("log/segments/"), "{error}");
     let mut back = vec![0u8; data.len()];
     store.read(&mut back, 4096).unwrap();
-    assert!(back == data, "data served from memory while its upload fails");
+    assert!(
+        back == data,
+        "data served from memory while its upload fails"
+    );
     proxy.set_down(false);
     store.flush().unwrap();
     drop(store);

@@ -322,6 +322,21 @@ pub struct FaultProxy {
 
 impl FaultProxy {
     pub fn start(target_port: u16, suffix: &str, count: usize) -> FaultProxy {
+        FaultProxy::start_with(target_port, suffix, count, false)
+    }
+
+    /// A proxy that drops If-None-Match and If-Match from every request: the server then
+    /// behaves as a store that ignores conditional PUTs.
+    pub fn ignoring_conditions(target_port: u16) -> FaultProxy {
+        FaultProxy::start_with(target_port, "", 0, true)
+    }
+
+    fn start_with(
+        target_port: u16,
+        suffix: &str,
+        count: usize,
+        ignore_conditions: bool,
+    ) -> FaultProxy {
         let dir = tempfile::tempdir().unwrap();
         let faults_log = dir.path().join("faults.log");
         let port = free_port();
@@ -331,6 +346,7 @@ impl FaultProxy {
             .args([&port.to_string(), &target_port.to_string()])
             .arg(&faults_log)
             .args([suffix, &count.to_string()])
+            .args(ignore_conditions.then_some("ignore-conditions"))
             .stdout(Stdio::null())
             .spawn()
             .expect("starting the fault proxy");
