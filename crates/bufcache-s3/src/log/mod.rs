@@ -57,6 +57,10 @@ pub const SEGMENTS_IN_FLIGHT_MAX_DEFAULT: usize = 4;
 /// Default `checkpoint_interval_segments`: at most this many segments are replayed at open.
 pub const CHECKPOINT_INTERVAL_SEGMENTS_DEFAULT: u64 = 16;
 
+/// The smallest piece a write is split into to fill the end of a segment: smaller remnants
+/// of room are left empty (a piece costs a table entry and, when read, a GET of its own).
+const SPLIT_BYTES_MIN: u64 = 4096;
+
 /// Tuning of the log layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LogConfig {
@@ -394,26 +398,38 @@ impl LogStore {
     }
 
     /// Appends `data` written at `offset` (already range-checked), sealing segments as they
-    /// fill. Returns once the data is in memory: durable at the next successful FLUSH.
+    /// fill. A write that does not fit is split at the segment's end, so segments are full
+    /// (a sequential write-back costs one PUT per `segment_bytes_max`). Returns once the data
+    /// is in memory: durable at the next successful FLUSH.
     fn append(&self, data: &[u8], offset: u64) -> Result<(), StoreError> {
-        let piece_bytes_max =
-            (self.config.segment_bytes_max - HEADER_BYTES - TABLE_ENTRY_BYTES) as usize;
         let mut state = self.shared.lock();
-        for (number, piece) in data.chunks(piece_bytes_max).enumerate() {
-            let piece_offset = offset + (number * piece_bytes_max) as u64;
-            if state.open.sealed_bytes_with(piece.len() as u64, 1) > self.config.segment_bytes_max {
+        let mut position = 0usize;
+        while position < data.len() {
+            let remaining = (data.len() - position) as u64;
+            let room = self
+                .config
+                .segment_bytes_max
+                .saturating_sub(state.open.sealed_bytes_with(0, 1));
+            // A fresh segment has room for at least 4 KiB (LogConfig::validate), so this
+            // loop always makes progress; below that, no sliver is split off.
+            if room < remaining.min(SPLIT_BYTES_MIN) {
                 state = self.seal(state)?;
+                continue;
             }
+            let take = remaining.min(room) as usize;
+            let piece = &data[position..position + take];
+            let piece_offset = offset + position as u64;
             let object_offset = state.open.append_data(piece_offset, piece);
             let segment = state.open.sequence;
             state.index.insert(
                 piece_offset,
                 Mapping {
-                    length: piece.len() as u64,
+                    length: take as u64,
                     segment,
                     object_offset,
                 },
             );
+            position += take;
         }
         Ok(())
     }
