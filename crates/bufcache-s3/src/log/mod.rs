@@ -364,14 +364,19 @@ impl LogStore {
         Ok(state)
     }
 
-    /// Seals the open segment and starts its upload, first waiting until fewer than
-    /// `segments_in_flight_max` segments are in flight (retrying a failed one once).
+    /// Seals open segment `sequence` and starts its upload, first waiting until fewer than
+    /// `segments_in_flight_max` segments are in flight (retrying a failed one once). The lock
+    /// is let go while waiting: when another caller sealed `sequence` meanwhile, the segment
+    /// open now (holding only newer writes) is left open.
     fn seal<'a>(
         &'a self,
         mut state: MutexGuard<'a, State>,
+        sequence: u64,
     ) -> Result<MutexGuard<'a, State>, StoreError> {
         let mut retried = BTreeSet::new();
-        while state.sealed.len() >= self.config.segments_in_flight_max {
+        while state.open.sequence == sequence
+            && state.sealed.len() >= self.config.segments_in_flight_max
+        {
             state = self.retry_failed(state, u64::MAX, &mut retried)?;
             if state.sealed.len() < self.config.segments_in_flight_max {
                 break;
@@ -382,8 +387,16 @@ impl LogStore {
                 .wait(state)
                 .unwrap_or_else(PoisonError::into_inner);
         }
-        let sequence = state.open.sequence;
+        if state.open.sequence != sequence {
+            return Ok(state);
+        }
         let body = state.open.seal(self.shared.metadata.disk_id);
+        tracing::debug!(
+            segment = sequence,
+            bytes = body.len(),
+            extents = state.open.table.len(),
+            "sealed a segment"
+        );
         state.sealed.insert(
             sequence,
             Sealed {
@@ -413,7 +426,8 @@ impl LogStore {
             // A fresh segment has room for at least 4 KiB (LogConfig::validate), so this
             // loop always makes progress; below that, no sliver is split off.
             if room < remaining.min(SPLIT_BYTES_MIN) {
-                state = self.seal(state)?;
+                let sequence = state.open.sequence;
+                state = self.seal(state, sequence)?;
                 continue;
             }
             let take = remaining.min(room) as usize;
@@ -455,8 +469,9 @@ impl LogStore {
             return Ok(());
         }
         let mut state = self.shared.lock();
-        if state.open.sealed_bytes_with(0, 1) > self.config.segment_bytes_max {
-            state = self.seal(state)?;
+        while state.open.sealed_bytes_with(0, 1) > self.config.segment_bytes_max {
+            let sequence = state.open.sequence;
+            state = self.seal(state, sequence)?;
         }
         state.open.append_zeroes(offset, length);
         state.index.remove(offset, length);
@@ -472,20 +487,29 @@ impl LogStore {
 
     fn flush_and_checkpoint(&self, checkpoint_always: bool) -> Result<(), StoreError> {
         let mut state = self.shared.lock();
-        if !state.open.is_empty() {
-            state = self.seal(state)?;
-        }
-        let target = state.open.sequence - 1;
+        // Every write that returned before this call is in a segment up to `target`.
+        let target = if state.open.is_empty() {
+            state.open.sequence - 1
+        } else {
+            let sequence = state.open.sequence;
+            state = self.seal(state, sequence)?;
+            sequence
+        };
         let since_checkpoint = target.saturating_sub(state.checkpoint_through);
-        // Taken now, while the open segment is empty: the snapshot names no segment after
-        // `target`, and is written only once every segment up to `target` is durable.
+        // The snapshot must name no segment after the one it covers and is written only once
+        // every segment up to that one is durable: it covers every sealed segment, taken while
+        // the open segment is empty (when it is not, another writer got in while this flush
+        // waited, and the checkpoint waits for a later flush).
+        let covered = state.open.sequence - 1;
         let snapshot = (since_checkpoint > 0
+            && state.open.is_empty()
             && (checkpoint_always || since_checkpoint >= self.config.checkpoint_interval_segments))
-            .then(|| state.index.clone());
+            .then(|| (covered, state.index.clone()));
+        let wait_through = snapshot.as_ref().map_or(target, |&(covered, _)| covered);
         let mut retried = BTreeSet::new();
-        while state.durable_through < target {
-            state = self.retry_failed(state, target, &mut retried)?;
-            if state.durable_through >= target {
+        while state.durable_through < wait_through {
+            state = self.retry_failed(state, wait_through, &mut retried)?;
+            if state.durable_through >= wait_through {
                 break;
             }
             state = self
@@ -495,8 +519,8 @@ impl LogStore {
                 .unwrap_or_else(PoisonError::into_inner);
         }
         drop(state);
-        if let Some(index) = snapshot {
-            self.write_checkpoint(target, &index)?;
+        if let Some((covered, index)) = snapshot {
+            self.write_checkpoint(covered, &index)?;
         }
         Ok(())
     }
