@@ -277,16 +277,16 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
         // --read-only writes nothing, not even the disk lock; credentials that may not write
         // (the store answers the lock's PUT 403) make a read-only export too, as a file this
         // process may only read does.
-        let store = if args.read_only {
-            bufcache_s3::ChunkStore::open_read_only(&url)?
+        let device = if args.read_only {
+            bufcache_s3::S3Device::open_read_only(&url)?
         } else {
-            bufcache_s3::ChunkStore::open_locked(&url)?
+            bufcache_s3::S3Device::open_locked(&url)?
         };
-        if let Some(bufcache_s3::ReadOnly::WritesRefused(answer)) = store.read_only() {
+        if let Some(bufcache_s3::ReadOnly::WritesRefused(answer)) = device.read_only() {
             say!("{url}: the store refuses writes ({answer}): serving it read-only, without taking the disk lock");
         }
         return Ok(OpenedBackend {
-            device: Arc::new(bufcache_s3::S3Device::new(store)),
+            device: Arc::new(device),
             upstream: None,
             identity: Some(identity_of_url(spec)),
             _lock: None,

@@ -1,4 +1,5 @@
-//! The thin adapter from [`ChunkStore`] to the engine's [`Device`] trait.
+//! The thin adapter from a disk's layout ([`ChunkStore`] or [`LogStore`]) to the engine's
+//! [`Device`] trait.
 
 use std::io::{self, IoSlice, IoSliceMut};
 
@@ -6,20 +7,68 @@ use bufcache::device::all_data;
 use bufcache::{Capabilities, Device, Extent};
 use bytes::{Bytes, BytesMut};
 
+use crate::error::OpenError;
+use crate::layout::Layout;
+use crate::log::LogStore;
 use crate::store::ChunkStore;
+use crate::url::S3Url;
 
 /// A bufcache device stored in an object store.
 pub struct S3Device {
-    store: ChunkStore,
+    store: Layout,
 }
 
 impl S3Device {
+    /// A device over a chunk-layout disk.
     pub fn new(store: ChunkStore) -> Self {
-        S3Device { store }
+        S3Device {
+            store: Layout::Chunk(store),
+        }
     }
 
-    pub fn store(&self) -> &ChunkStore {
-        &self.store
+    /// A device over a log-layout disk.
+    pub fn new_log(store: LogStore) -> Self {
+        S3Device {
+            store: Layout::Log(store),
+        }
+    }
+
+    /// Opens the disk `url` names in the layout its metadata records (creating it with the
+    /// URL's `layout=` when asked to) and takes its lock.
+    pub fn open_locked(url: &S3Url) -> Result<Self, OpenError> {
+        Ok(S3Device {
+            store: Layout::open_locked(url)?,
+        })
+    }
+
+    /// Opens an existing disk read-only, writing nothing at all (see
+    /// [`ChunkStore::open_read_only`]).
+    pub fn open_read_only(url: &S3Url) -> Result<Self, OpenError> {
+        Ok(S3Device {
+            store: Layout::open_read_only(url)?,
+        })
+    }
+
+    /// Why the disk refuses writes (asked for, or credentials that may not write); None when
+    /// it takes them.
+    pub fn read_only(&self) -> Option<&crate::ReadOnly> {
+        self.store.read_only()
+    }
+
+    /// The chunk store, when the disk has the chunk layout.
+    pub fn store(&self) -> Option<&ChunkStore> {
+        match &self.store {
+            Layout::Chunk(store) => Some(store),
+            Layout::Log(_) => None,
+        }
+    }
+
+    /// The log store, when the disk has the log layout.
+    pub fn log_store(&self) -> Option<&LogStore> {
+        match &self.store {
+            Layout::Log(store) => Some(store),
+            Layout::Chunk(_) => None,
+        }
     }
 }
 
@@ -71,10 +120,11 @@ impl Device for S3Device {
         bufcache::device::read_each_now(self, reads)
     }
 
-    /// Every write returned only after the store acknowledged its PUTs and DELETEs, so there
-    /// is nothing left to wait for.
+    /// Chunk layout: every write returned only after the store acknowledged its PUTs and
+    /// DELETEs, so there is nothing left to wait for. Log layout: the open segment is sealed
+    /// and every segment up to it uploaded.
     fn flush(&self) -> io::Result<()> {
-        Ok(())
+        Ok(self.store.flush()?)
     }
 
     fn discard(&self, offset: u64, length: u64) -> io::Result<()> {
@@ -85,22 +135,22 @@ impl Device for S3Device {
         Ok(self.store.write_zeroes(offset, length)?)
     }
 
-    /// Every chunk is data to the engine; a missing chunk reads as zeroes anyway.
+    /// Everything is data to the engine; a missing chunk or unmapped range reads as zeroes.
     fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {
-        all_data(self.store.metadata().size_bytes, offset, length)
+        all_data(self.store.size_bytes(), offset, length)
     }
 
-    /// Discard and write-zeroes delete or rewrite chunks without moving the caller's data. A
-    /// store opened read-only (asked for, or credentials that may not write) says so, and the
-    /// object over it refuses writes.
+    /// Discard and write-zeroes delete or rewrite chunks (chunk layout) or change only the
+    /// index (log layout) without moving the caller's data. A store opened read-only (asked
+    /// for, or credentials that may not write) says so, and the object over it refuses writes.
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             read_only: self.store.read_only().is_some(),
             discard_zeroes: true,
             write_zeroes_fast: true,
-            write_unit_bytes: self.store.metadata().chunk_size_bytes,
+            write_unit_bytes: self.store.write_unit_bytes(),
             inflight_requests_max: self.store.requests_in_flight_max(),
-            ..Capabilities::plain(self.store.metadata().size_bytes)
+            ..Capabilities::plain(self.store.size_bytes())
         }
     }
 

@@ -9,6 +9,8 @@ use crate::url::UrlError;
 pub enum OpenError {
     #[error(transparent)]
     Url(#[from] UrlError),
+    #[error("{url}: {reason}; a log-layout disk cannot be served read-only yet")]
+    ReadOnlyLog { url: String, reason: String },
     #[error("{url}: cannot configure the S3 client: {message}")]
     Client { url: String, message: String },
     #[error("{url}: cannot start the I/O runtime: {source}")]
@@ -69,6 +71,22 @@ pub enum OpenError {
     },
     #[error("{url}: another server took or released lock object `{key}` while this one was taking it; start again to see who holds it")]
     LockRaced { url: String, key: String },
+    #[error("{url}: object `{key}` is damaged or not this disk's: {reason}; nothing was served or changed")]
+    BadObject {
+        url: String,
+        key: String,
+        reason: String,
+    },
+    #[error("{url}: the index (checkpoint `{checkpoint}`) names segment `{key}`, which does not exist; nothing was served or changed")]
+    MissingSegment {
+        url: String,
+        checkpoint: String,
+        key: String,
+    },
+    #[error("{url}: the store does not honour create-only PUTs (`If-None-Match: *`): a second create of lock object `{key}` succeeded instead of failing with 412, so it cannot keep a second server off this disk; use a store that honours it (AWS S3, MinIO, Ceph RGW, moto), or add lock=off to the URL to serve without that protection")]
+    StoreCannotLock { url: String, key: String },
+    #[error("{url}: configuration: {reason}")]
+    Config { url: String, reason: String },
     #[error(
         "{url}: parameter `create-size={size}` is not a multiple of the chunk size {chunk_size}"
     )]
@@ -99,6 +117,10 @@ pub enum StoreError {
     OutOfRange { offset: u64, length: u64, size: u64 },
     #[error("{url} is open read-only ({reason}): writes are refused")]
     ReadOnly { url: String, reason: String },
+    #[error(
+        "segment `{key}` named by the index does not exist (deleted behind this server's back?)"
+    )]
+    MissingSegment { key: String },
     #[error("object `{key}` holds {found} bytes where {expected} were asked for")]
     ShortObject {
         key: String,

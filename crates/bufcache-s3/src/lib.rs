@@ -2,19 +2,27 @@
 //! (AWS S3, MinIO, Ceph RGW, moto ...), named by one URL:
 //! `s3://BUCKET/PREFIX?endpoint=http://HOST:PORT&region=R&path-style=true&chunk-size=4M&create-size=100G`.
 //!
-//! [`ChunkStore`] holds all the logic (metadata object, chunk reads and writes, zero elision,
-//! bounded parallel requests over the `object_store` client); [`S3Device`] is a thin adapter to
-//! the engine's [`bufcache::Device`] trait.
+//! Two layouts, recorded in the disk's metadata object: [`ChunkStore`] (fixed-size chunk
+//! objects rewritten in place, zero elision, bounded parallel requests over the
+//! `object_store` client) and [`LogStore`] (`layout=log`: immutable segments, an index and its
+//! checkpoints). [`S3Device`] is a thin adapter from either to the engine's
+//! [`bufcache::Device`] trait.
 
 mod credentials;
 mod device;
 mod error;
+mod layout;
 mod lock;
+mod log;
 mod store;
 mod url;
 
 pub use device::S3Device;
 pub use error::{OpenError, StoreError};
 pub use lock::{release_locks, DiskLock, LockHolder, LOCK_NAME};
-pub use store::{ChunkStore, DiskMetadata, ReadOnly, FORMAT_VERSION};
-pub use url::{S3Url, UrlError, CHUNK_SIZE_DEFAULT_BYTES};
+pub use log::{
+    LogConfig, LogStore, CHECKPOINT_INTERVAL_SEGMENTS_DEFAULT, SEGMENTS_IN_FLIGHT_MAX_DEFAULT,
+    SEGMENT_BYTES_MAX_DEFAULT,
+};
+pub use store::{ChunkStore, DiskMetadata, ReadOnly, FORMAT_VERSION, FORMAT_VERSION_LOG};
+pub use url::{LayoutKind, S3Url, UrlError, CHUNK_SIZE_DEFAULT_BYTES, LAYOUT_DEFAULT};

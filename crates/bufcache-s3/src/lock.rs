@@ -215,6 +215,65 @@ impl DiskLock {
         store: Arc<AmazonS3>,
         url: &S3Url,
     ) -> Result<Acquired, OpenError> {
+        let acquired = Self::take(runtime, store.clone(), url).await?;
+        if let (Acquired::Held(lock), true) = (&acquired, url.lock_check) {
+            lock.check_store_refuses_second_create(url).await?;
+        }
+        Ok(acquired)
+    }
+
+    /// Refuses a store that ignores `If-None-Match: *` (s3rver 3.7.1 stores the object again
+    /// and answers 200): there, two servers would both "take" the lock. The probe creates the
+    /// lock object again with the very body it holds, so a store that ignores the condition
+    /// rewrites identical bytes and nothing changes. `lock=off` skips it.
+    async fn check_store_refuses_second_create(&self, url: &S3Url) -> Result<(), OpenError> {
+        let probe = self
+            .store
+            .put_opts(
+                &ObjectPath::from(self.key.as_str()),
+                PutPayload::from(self.holder.to_json()),
+                PutOptions {
+                    mode: PutMode::Create,
+                    ..Default::default()
+                },
+            )
+            .await;
+        match probe {
+            Err(object_store::Error::AlreadyExists { .. })
+            | Err(object_store::Error::Precondition { .. }) => Ok(()),
+            Ok(_) => {
+                // Released here, in async code: the drop's blocking release must not run
+                // inside the runtime.
+                if let Err(error) = self
+                    .store
+                    .delete(&ObjectPath::from(self.key.as_str()))
+                    .await
+                {
+                    tracing::warn!(lock = %self.key, error = %chain(&error), "could not delete the lock object");
+                }
+                *self.released.lock().unwrap() = true;
+                Err(OpenError::StoreCannotLock {
+                    url: url.to_string(),
+                    key: self.key.clone(),
+                })
+            }
+            Err(error) => Err(OpenError::Request {
+                url: url.to_string(),
+                operation: format!(
+                    "checking that the store refuses a second create of `{}`",
+                    self.key
+                ),
+                message: chain(&error),
+            }),
+        }
+    }
+
+    /// Takes the lock (see [`DiskLock::acquire`]) without checking the store.
+    async fn take(
+        runtime: tokio::runtime::Handle,
+        store: Arc<AmazonS3>,
+        url: &S3Url,
+    ) -> Result<Acquired, OpenError> {
         let key = url.key(LOCK_NAME);
         let path = ObjectPath::from(key.as_str());
         let holder = LockHolder::of_this_process();

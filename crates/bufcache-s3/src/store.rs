@@ -38,10 +38,13 @@ use serde_json::json;
 use crate::credentials::shared_file_credentials;
 use crate::error::{chain, request_failed, OpenError, StoreError};
 use crate::lock::{check_not_held, Acquired, DiskLock};
-use crate::url::{S3Url, CHUNK_SIZE_DEFAULT_BYTES};
+use crate::url::{LayoutKind, S3Url, CHUNK_SIZE_DEFAULT_BYTES, LAYOUT_DEFAULT};
 
-/// Version of the object layout written in the metadata object.
+/// Version of the chunk layout written in the metadata object (older servers read only it).
 pub const FORMAT_VERSION: u64 = 1;
+/// Version of the metadata object of a log-layout disk: a version chunk-only servers refuse,
+/// so none of them mistakes a log disk for an empty chunk disk.
+pub const FORMAT_VERSION_LOG: u64 = 2;
 /// Name of the metadata object under the prefix.
 pub const METADATA_NAME: &str = "bufcache-disk.json";
 /// Default bound on concurrent requests of one read or write call.
@@ -53,8 +56,71 @@ const CHUNK_LOCK_STRIPES: usize = 256;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DiskMetadata {
     pub size_bytes: u64,
+    /// The chunk size of a chunk-layout disk; 0 for a log-layout disk.
     pub chunk_size_bytes: u64,
     pub format_version: u64,
+    pub layout: LayoutKind,
+    /// Random identity of a log-layout disk, written in each of its segments and checkpoints
+    /// so objects of another disk are never replayed as its own; 0 for a chunk-layout disk.
+    pub disk_id: u64,
+}
+
+/// What opening a disk yields before a layout takes over: the runtime, the client and the
+/// disk's metadata (created when the URL asked for it).
+pub(crate) struct Connection {
+    pub runtime: tokio::runtime::Runtime,
+    pub store: Arc<AmazonS3>,
+    pub metadata: DiskMetadata,
+}
+
+/// Connects to the disk `url` names and reads (or creates, when the URL asks) its metadata
+/// object.
+pub(crate) fn connect(url: &S3Url) -> Result<Connection, OpenError> {
+    connect_with(url, Create::IfAsked)
+}
+
+/// [`connect`], creating a missing disk only when `create` allows it.
+pub(crate) fn connect_with(url: &S3Url, create: Create) -> Result<Connection, OpenError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("bufcache-s3")
+        .enable_all()
+        .build()
+        .map_err(|source| OpenError::Runtime {
+            url: url.to_string(),
+            source,
+        })?;
+    let client_error = |error: object_store::Error| OpenError::Client {
+        url: url.to_string(),
+        message: chain(&error),
+    };
+    let retry_timeout = Duration::from_millis(url.retry_timeout_ms);
+    let store = client_builder(url, retry_timeout, RETRIES_UNBOUNDED)
+        .build()
+        .map_err(client_error)?;
+    // Opening probes with few retries so an unreachable endpoint or a refused key is
+    // reported in seconds rather than after the full retry timeout.
+    let probe = client_builder(url, retry_timeout.min(Duration::from_secs(5)), 2)
+        .build()
+        .map_err(client_error)?;
+    let metadata = runtime.block_on(ChunkStore::open_metadata(&probe, url, create))?;
+    Ok(Connection {
+        runtime,
+        store: Arc::new(store),
+        metadata,
+    })
+}
+
+/// A random 64-bit id (OS-seeded hasher, the clock and the process id mixed in).
+pub(crate) fn random_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    let nanoseconds = std::time::SystemTime::now()
+        .duration_since(std::time::SystemTime::UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_nanos());
+    hasher.write_u128(nanoseconds);
+    hasher.finish()
 }
 
 /// Why a store opened for serving refuses writes.
@@ -81,7 +147,7 @@ impl std::fmt::Display for ReadOnly {
 
 /// Whether opening may create a missing disk.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Create {
+pub(crate) enum Create {
     /// When the URL has `create-size=`.
     IfAsked,
     /// Never: a read-only open writes nothing.
@@ -221,38 +287,29 @@ impl ChunkStore {
     /// exists. The metadata object is checked against the URL's parameters; on any mismatch
     /// nothing is written.
     pub fn open(url: &S3Url) -> Result<Self, OpenError> {
-        Self::open_with(url, Create::IfAsked)
+        Self::from_connection(url, connect(url)?)
     }
 
-    fn open_with(url: &S3Url, create: Create) -> Result<Self, OpenError> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("bufcache-s3")
-            .enable_all()
-            .build()
-            .map_err(|source| OpenError::Runtime {
+    /// The chunk store of a connected disk; refused when the disk has another layout.
+    pub(crate) fn from_connection(url: &S3Url, connection: Connection) -> Result<Self, OpenError> {
+        let Connection {
+            runtime,
+            store,
+            metadata,
+        } = connection;
+        if metadata.layout != LayoutKind::Chunk {
+            return Err(OpenError::Mismatch {
                 url: url.to_string(),
-                source,
-            })?;
-        let client_error = |error: object_store::Error| OpenError::Client {
-            url: url.to_string(),
-            message: chain(&error),
-        };
-        let retry_timeout = Duration::from_millis(url.retry_timeout_ms);
-        let store = client_builder(url, retry_timeout, RETRIES_UNBOUNDED)
-            .build()
-            .map_err(client_error)?;
-        // Opening probes with few retries so an unreachable endpoint or a refused key is
-        // reported in seconds rather than after the full retry timeout.
-        let probe = client_builder(url, retry_timeout.min(Duration::from_secs(5)), 2)
-            .build()
-            .map_err(client_error)?;
-        let metadata = runtime.block_on(Self::open_metadata(&probe, url, create))?;
+                parameter: "layout",
+                given: LayoutKind::Chunk.name().to_string(),
+                stored: metadata.layout.name().to_string(),
+            });
+        }
         Ok(ChunkStore {
             lock: None,
             stored: None,
             runtime,
-            store: Arc::new(store),
+            store,
             url: url.clone(),
             metadata,
             chunk_locks: Arc::new(
@@ -275,7 +332,13 @@ impl ChunkStore {
     /// would: [`ChunkStore::read_only`] then says why. Any other failure to take the lock (a
     /// 500 after the retries, an unreachable store) is an error, never a read-only store.
     pub fn open_locked(url: &S3Url) -> Result<Self, OpenError> {
-        let mut store = Self::open(url)?;
+        Self::open(url)?.take_lock(url)
+    }
+
+    /// Takes the disk's lock and lists the stored chunks (see [`ChunkStore::open_locked`]);
+    /// a store that answers the lock's PUT 403 leaves this one read-only, without a lock.
+    pub(crate) fn take_lock(mut self, url: &S3Url) -> Result<Self, OpenError> {
+        let store = &mut self;
         let acquired = store.runtime.block_on(DiskLock::acquire(
             store.runtime.handle().clone(),
             store.store.clone(),
@@ -287,7 +350,7 @@ impl ChunkStore {
                 store.runtime.block_on(check_not_held(&store.store, url))?;
                 tracing::info!(disk = %url, "the store refuses writes ({answer}): opened read-only, without the disk lock");
                 store.read_only = Some(ReadOnly::WritesRefused(answer));
-                return Ok(store);
+                return Ok(self);
             }
         };
         store.lock = Some(lock);
@@ -303,7 +366,7 @@ impl ChunkStore {
                 message: chain(&error),
             })?;
         store.stored = Some(Arc::new(stored));
-        Ok(store)
+        Ok(self)
     }
 
     /// Opens an existing disk read-only for serving, writing nothing at all (not the lock,
@@ -313,7 +376,15 @@ impl ChunkStore {
     /// chunk is asked for (no LIST at open): without the lock, the set of stored chunks is
     /// not this store's to know.
     pub fn open_read_only(url: &S3Url) -> Result<Self, OpenError> {
-        let mut store = Self::open_with(url, Create::Never)?;
+        Self::read_only_from_connection(url, connect_with(url, Create::Never)?)
+    }
+
+    /// [`ChunkStore::open_read_only`] for a disk already connected (without creating it).
+    pub(crate) fn read_only_from_connection(
+        url: &S3Url,
+        connection: Connection,
+    ) -> Result<Self, OpenError> {
+        let mut store = Self::from_connection(url, connection)?;
         store.runtime.block_on(check_not_held(&store.store, url))?;
         store.read_only = Some(ReadOnly::Requested);
         Ok(store)
@@ -349,7 +420,7 @@ impl ChunkStore {
         self.lock.as_deref()
     }
 
-    async fn open_metadata(
+    pub(crate) async fn open_metadata(
         store: &AmazonS3,
         url: &S3Url,
         create: Create,
@@ -405,26 +476,60 @@ impl ChunkStore {
                         first: first.location.to_string(),
                     });
                 }
-                let chunk_size = url.chunk_size_bytes.unwrap_or(CHUNK_SIZE_DEFAULT_BYTES);
-                if !size.is_multiple_of(chunk_size) {
-                    return Err(OpenError::SizeNotChunkMultiple {
-                        url: url.to_string(),
-                        size,
-                        chunk_size,
-                    });
-                }
-                let metadata = DiskMetadata {
-                    size_bytes: size,
-                    chunk_size_bytes: chunk_size,
-                    format_version: FORMAT_VERSION,
+                let layout = url.layout.unwrap_or(LAYOUT_DEFAULT);
+                let (metadata, body) = match layout {
+                    LayoutKind::Chunk => {
+                        let chunk_size = url.chunk_size_bytes.unwrap_or(CHUNK_SIZE_DEFAULT_BYTES);
+                        if !size.is_multiple_of(chunk_size) {
+                            return Err(OpenError::SizeNotChunkMultiple {
+                                url: url.to_string(),
+                                size,
+                                chunk_size,
+                            });
+                        }
+                        let metadata = DiskMetadata {
+                            size_bytes: size,
+                            chunk_size_bytes: chunk_size,
+                            format_version: FORMAT_VERSION,
+                            layout,
+                            disk_id: 0,
+                        };
+                        let body = json!({
+                            "format": "bufcache-s3",
+                            "format_version": FORMAT_VERSION,
+                            "size_bytes": size,
+                            "chunk_size_bytes": chunk_size,
+                        });
+                        (metadata, body)
+                    }
+                    LayoutKind::Log => {
+                        if url.chunk_size_bytes.is_some() {
+                            return Err(OpenError::Mismatch {
+                                url: url.to_string(),
+                                parameter: "chunk-size",
+                                given: "a chunk size".to_string(),
+                                stored: "none: `layout=log` has segments, not chunks".to_string(),
+                            });
+                        }
+                        let disk_id = random_id();
+                        let metadata = DiskMetadata {
+                            size_bytes: size,
+                            chunk_size_bytes: 0,
+                            format_version: FORMAT_VERSION_LOG,
+                            layout,
+                            disk_id,
+                        };
+                        let body = json!({
+                            "format": "bufcache-s3",
+                            "format_version": FORMAT_VERSION_LOG,
+                            "layout": "log",
+                            "disk_id": format!("{disk_id:016x}"),
+                            "size_bytes": size,
+                        });
+                        (metadata, body)
+                    }
                 };
-                let body = json!({
-                    "format": "bufcache-s3",
-                    "format_version": FORMAT_VERSION,
-                    "size_bytes": size,
-                    "chunk_size_bytes": chunk_size,
-                })
-                .to_string();
+                let body = body.to_string();
                 // Create-only: when two servers create the same disk at once, one loses here
                 // instead of overwriting the other's description.
                 store
@@ -438,7 +543,7 @@ impl ChunkStore {
                     )
                     .await
                     .map_err(|error| request_error(format!("creating `{key}`"), error))?;
-                tracing::info!(disk = %url, size_bytes = size, chunk_size_bytes = chunk_size, "created object-store disk");
+                tracing::info!(disk = %url, size_bytes = size, layout = layout.name(), "created object-store disk");
                 Ok(metadata)
             }
             Err(error) => Err(request_error(format!("reading `{key}`"), error)),
@@ -720,7 +825,7 @@ impl ChunkStore {
 }
 
 /// A ranged GET; None when the object does not exist (a chunk never written or all zeroes).
-async fn get_range(
+pub(crate) async fn get_range(
     store: &AmazonS3,
     key: &str,
     range: Range<u64>,
@@ -749,28 +854,62 @@ fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, String> {
             .as_u64()
             .ok_or_else(|| format!("field `{name}` is missing or not a whole number"))
     };
-    let metadata = DiskMetadata {
-        format_version: field("format_version")?,
-        size_bytes: field("size_bytes")?,
-        chunk_size_bytes: field("chunk_size_bytes")?,
-    };
-    if metadata.format_version != FORMAT_VERSION {
-        return Err(format!(
-            "format version {} is not the supported {FORMAT_VERSION}",
-            metadata.format_version
-        ));
+    let format_version = field("format_version")?;
+    let size_bytes = field("size_bytes")?;
+    match format_version {
+        FORMAT_VERSION => {
+            let metadata = DiskMetadata {
+                format_version,
+                size_bytes,
+                chunk_size_bytes: field("chunk_size_bytes")?,
+                layout: LayoutKind::Chunk,
+                disk_id: 0,
+            };
+            if !metadata.chunk_size_bytes.is_power_of_two()
+                || !metadata
+                    .size_bytes
+                    .is_multiple_of(metadata.chunk_size_bytes)
+            {
+                return Err("chunk size is not a power of two dividing the size".to_string());
+            }
+            Ok(metadata)
+        }
+        FORMAT_VERSION_LOG => {
+            if value["layout"] != "log" {
+                return Err("field `layout` is not \"log\"".to_string());
+            }
+            let disk_id = value["disk_id"]
+                .as_str()
+                .and_then(|text| u64::from_str_radix(text, 16).ok())
+                .ok_or("field `disk_id` is missing or not hex digits")?;
+            if size_bytes == 0 {
+                return Err("field `size_bytes` is 0".to_string());
+            }
+            Ok(DiskMetadata {
+                format_version,
+                size_bytes,
+                chunk_size_bytes: 0,
+                layout: LayoutKind::Log,
+                disk_id,
+            })
+        }
+        other => Err(format!(
+            "format version {other} is not one of the supported {FORMAT_VERSION} (chunk layout) and {FORMAT_VERSION_LOG} (log layout)"
+        )),
     }
-    if !metadata.chunk_size_bytes.is_power_of_two()
-        || !metadata
-            .size_bytes
-            .is_multiple_of(metadata.chunk_size_bytes)
-    {
-        return Err("chunk size is not a power of two dividing the size".to_string());
-    }
-    Ok(metadata)
 }
 
 fn check_metadata(url: &S3Url, stored: &DiskMetadata) -> Result<(), OpenError> {
+    if let Some(given) = url.layout {
+        if given != stored.layout {
+            return Err(OpenError::Mismatch {
+                url: url.to_string(),
+                parameter: "layout",
+                given: given.name().to_string(),
+                stored: stored.layout.name().to_string(),
+            });
+        }
+    }
     if let Some(given) = url.chunk_size_bytes {
         if given != stored.chunk_size_bytes {
             return Err(OpenError::Mismatch {
@@ -808,13 +947,21 @@ mod tests {
             DiskMetadata {
                 size_bytes: 8 << 20,
                 chunk_size_bytes: 4 << 20,
-                format_version: 1
+                format_version: 1,
+                layout: LayoutKind::Chunk,
+                disk_id: 0,
             }
         );
-        let version = br#"{"format":"bufcache-s3","format_version":2,"size_bytes":8388608,"chunk_size_bytes":4194304}"#;
+        let version = br#"{"format":"bufcache-s3","format_version":3,"size_bytes":8388608,"chunk_size_bytes":4194304}"#;
         assert!(parse_metadata(version)
             .unwrap_err()
-            .contains("format version 2"));
+            .contains("format version 3"));
+        let log = br#"{"format":"bufcache-s3","format_version":2,"layout":"log","disk_id":"00000000000000ab","size_bytes":8388608}"#;
+        let parsed = parse_metadata(log).unwrap();
+        assert_eq!((parsed.layout, parsed.disk_id), (LayoutKind::Log, 0xab));
+        let no_id =
+            br#"{"format":"bufcache-s3","format_version":2,"layout":"log","size_bytes":8388608}"#;
+        assert!(parse_metadata(no_id).unwrap_err().contains("disk_id"));
         let odd = br#"{"format":"bufcache-s3","format_version":1,"size_bytes":100,"chunk_size_bytes":4194304}"#;
         assert!(parse_metadata(odd).is_err());
         assert!(parse_metadata(b"{}").unwrap_err().contains("format"));

@@ -9,6 +9,43 @@ pub const CHUNK_SIZE_MIN_BYTES: u64 = 4 << 10;
 /// Largest accepted chunk size: S3 allows one PUT up to 5 GiB, but a read-modify-write of
 /// a partial chunk moves the whole chunk, so keep it modest.
 pub const CHUNK_SIZE_MAX_BYTES: u64 = 64 << 20;
+/// Smallest accepted `segment-size=` (log layout): below it every segment is mostly header
+/// and request overhead.
+pub const SEGMENT_SIZE_MIN_BYTES: u64 = 64 << 10;
+/// Largest accepted `segment-size=`: the open segment and each one in flight is held in memory.
+pub const SEGMENT_SIZE_MAX_BYTES: u64 = 1 << 30;
+
+/// How a disk's bytes are laid out in objects, recorded in its metadata object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayoutKind {
+    /// Fixed-size chunk objects, rewritten in place (`chunks/…`).
+    Chunk,
+    /// Immutable segments appended per write-back, an index and its checkpoints (`log/…`).
+    Log,
+}
+
+impl LayoutKind {
+    /// The name used in URLs and in the metadata object.
+    pub fn name(self) -> &'static str {
+        match self {
+            LayoutKind::Chunk => "chunk",
+            LayoutKind::Log => "log",
+        }
+    }
+
+    /// The layout of `name`, as written by [`LayoutKind::name`].
+    pub fn parse(name: &str) -> Option<LayoutKind> {
+        match name {
+            "chunk" => Some(LayoutKind::Chunk),
+            "log" => Some(LayoutKind::Log),
+            _ => None,
+        }
+    }
+}
+
+/// Layout of a disk created without `layout=`: the chunk layout, so that every tool and test
+/// that reads chunk objects of a new disk keeps working (docs/s3.md, "Log layout").
+pub const LAYOUT_DEFAULT: LayoutKind = LayoutKind::Chunk;
 
 /// What is wrong with a backend URL; every variant names the offending part.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -17,7 +54,7 @@ pub enum UrlError {
     Scheme(String),
     #[error("`{0}`: missing bucket name; expected s3://BUCKET/PREFIX")]
     MissingBucket(String),
-    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, chunk-size, create-size, retry-timeout-ms, break-lock")]
+    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, layout, chunk-size, segment-size, create-size, retry-timeout-ms, break-lock, lock")]
     UnknownParameter { url: String, name: String },
     #[error("`{url}`: parameter `{name}` given twice")]
     DuplicateParameter { url: String, name: String },
@@ -44,8 +81,14 @@ pub struct S3Url {
     /// Path-style addressing (`http://host/bucket/key`); None means: true when an endpoint is
     /// given (MinIO, Ceph RGW, moto), false for AWS.
     pub path_style: Option<bool>,
+    /// `layout=chunk|log` when given: the layout of a new disk; an existing disk must have it.
+    pub layout: Option<LayoutKind>,
     /// Chunk size when given.
     pub chunk_size_bytes: Option<u64>,
+    /// `segment-size=SIZE` (log layout): the most bytes one segment object holds; None means
+    /// [`crate::log::SEGMENT_BYTES_MAX_DEFAULT`]. Not fixed at creation: each segment describes
+    /// itself.
+    pub segment_bytes_max: Option<u64>,
     /// Size of a new disk; when the disk exists it must match.
     pub create_size_bytes: Option<u64>,
     /// How long one request is retried (with exponential backoff) before its error is
@@ -54,6 +97,10 @@ pub struct S3Url {
     /// `break-lock=ID`: take over the disk from the (stale) lock with this id, as named by
     /// the error that refused to start because the disk was in use.
     pub break_lock: Option<String>,
+    /// `lock=on|off`: whether opening checks that the store refuses a second create-only PUT
+    /// of the lock object (without which the lock keeps nobody out) and refuses the store if
+    /// not. Off serves such a store anyway, unprotected against a second server.
+    pub lock_check: bool,
 }
 
 /// Default for `retry-timeout-ms`: long enough to ride out a server restart.
@@ -79,10 +126,13 @@ impl S3Url {
             endpoint: None,
             region: None,
             path_style: None,
+            layout: None,
             chunk_size_bytes: None,
+            segment_bytes_max: None,
             create_size_bytes: None,
             retry_timeout_ms: RETRY_TIMEOUT_DEFAULT_MS,
             break_lock: None,
+            lock_check: true,
         };
         let mut seen: Vec<String> = Vec::new();
         for pair in query
@@ -136,6 +186,18 @@ impl S3Url {
                     }
                     url.chunk_size_bytes = Some(size);
                 }
+                "layout" => {
+                    url.layout =
+                        Some(LayoutKind::parse(value).ok_or_else(|| bad("expected chunk or log"))?);
+                }
+                "segment-size" => {
+                    let size =
+                        bufcache::parse_size(value).map_err(|error| bad(&error.to_string()))?;
+                    if !(SEGMENT_SIZE_MIN_BYTES..=SEGMENT_SIZE_MAX_BYTES).contains(&size) {
+                        return Err(bad("the segment size must be from 64k to 1G"));
+                    }
+                    url.segment_bytes_max = Some(size);
+                }
                 "create-size" => {
                     let size =
                         bufcache::parse_size(value).map_err(|error| bad(&error.to_string()))?;
@@ -148,6 +210,13 @@ impl S3Url {
                     url.retry_timeout_ms = value
                         .parse()
                         .map_err(|_| bad("expected a whole number of milliseconds"))?;
+                }
+                "lock" => {
+                    url.lock_check = match value {
+                        "on" => true,
+                        "off" => false,
+                        _ => return Err(bad("expected on or off")),
+                    }
                 }
                 "break-lock" => {
                     if value.is_empty() || !value.bytes().all(|byte| byte.is_ascii_hexdigit()) {
@@ -209,7 +278,8 @@ mod tests {
     fn every_documented_parameter_is_parsed() {
         let url = S3Url::parse(
             "s3://vm-disks/db1/?endpoint=http://127.0.0.1:9000&region=eu-west-1&path-style=false\
-             &chunk-size=1M&create-size=100G&retry-timeout-ms=500&break-lock=0A1b",
+             &chunk-size=1M&create-size=100G&retry-timeout-ms=500&break-lock=0A1b\
+             &layout=log&segment-size=16M&lock=off",
         )
         .unwrap();
         assert_eq!(url.bucket, "vm-disks");
@@ -222,6 +292,9 @@ mod tests {
         assert_eq!(url.create_size_bytes, Some(100 << 30));
         assert_eq!(url.retry_timeout_ms, 500);
         assert_eq!(url.break_lock.as_deref(), Some("0a1b"));
+        assert_eq!(url.layout, Some(LayoutKind::Log));
+        assert_eq!(url.segment_bytes_max, Some(16 << 20));
+        assert!(!url.lock_check);
         assert_eq!(url.key("meta"), "db1/meta");
     }
 
@@ -255,6 +328,10 @@ mod tests {
             ("s3://b/p?region=", "region"),
             ("s3://b/p?retry-timeout-ms=soon", "retry-timeout-ms"),
             ("s3://b/p?colour=blue", "colour"),
+            ("s3://b/p?layout=tree", "layout"),
+            ("s3://b/p?lock=maybe", "lock"),
+            ("s3://b/p?segment-size=4k", "segment-size"),
+            ("s3://b/p?segment-size=2G", "segment-size"),
             ("s3://b/p?break-lock=", "break-lock"),
             ("s3://b/p?break-lock=holder", "break-lock"),
             ("s3://b/p?region=a&region=b", "region"),

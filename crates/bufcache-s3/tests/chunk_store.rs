@@ -85,11 +85,11 @@ fn sparse_disk_stores_only_written_chunks_and_zeroes_delete_objects() {
     device
         .write_vectored_at(&[std::io::IoSlice::new(&vec![0u8; 2 << 20])], 0)
         .unwrap();
-    let (count, bytes) = device.store().stored_chunks().unwrap();
+    let (count, bytes) = device.store().unwrap().stored_chunks().unwrap();
     assert_eq!((count, bytes), (10, 10 << 20));
     device.write_zeroes(512 << 20, 3 << 20).unwrap();
     device.discard((515 << 20) + 4096, 4096).unwrap();
-    let (count, bytes) = device.store().stored_chunks().unwrap();
+    let (count, bytes) = device.store().unwrap().stored_chunks().unwrap();
     assert_eq!(
         (count, bytes),
         (7, 7 << 20),
@@ -487,4 +487,49 @@ fn a_read_only_open_writes_nothing_and_respects_another_servers_lock() {
         Some(holder),
         "the holder's lock is left in place"
     );
+}
+
+// Goal: a store that ignores create-only PUTs (`If-None-Match: *`) is refused at open with
+// an error naming the behaviour and `lock=off`, for both layouts, since its lock would keep
+// nobody out; with `lock=off` it is served. Method: moto behind a proxy that drops the
+// condition headers, as s3rver 3.7.1 behaves.
+#[test]
+fn a_store_that_ignores_create_only_puts_is_refused_unless_lock_off() {
+    if !have_moto("a_store_that_ignores_create_only_puts_is_refused_unless_lock_off") {
+        return;
+    }
+    let moto = Moto::start();
+    moto.create_bucket("bucket");
+    let proxy = FaultProxy::ignoring_conditions(moto.port);
+    for (prefix, layout) in [("chunky", "chunk"), ("loggy", "log")] {
+        let url = |extra: &str| {
+            S3Url::parse(&format!(
+                "s3://bucket/{prefix}?endpoint={}&create-size=1M&layout={layout}{extra}",
+                proxy.endpoint()
+            ))
+            .unwrap()
+        };
+        let refused = S3Device::open_locked(&url(""))
+            .err()
+            .expect("a store that cannot lock is refused");
+        let text = refused.to_string();
+        assert!(
+            matches!(refused, OpenError::StoreCannotLock { .. })
+                && text.contains("If-None-Match")
+                && text.contains("lock=off")
+                && text.contains(&format!("{prefix}/{}", bufcache_s3::LOCK_NAME)),
+            "{text}"
+        );
+        // The refused server left no lock behind, and `lock=off` serves the store.
+        let device = S3Device::open_locked(&url("&lock=off")).unwrap();
+        device
+            .write_vectored_at(&[std::io::IoSlice::new(&[5u8; 4096])], 0)
+            .unwrap();
+        device.flush().unwrap();
+        let mut back = [0u8; 4096];
+        device
+            .read_vectored_at(&mut [std::io::IoSliceMut::new(&mut back)], 0)
+            .unwrap();
+        assert_eq!(back, [5u8; 4096]);
+    }
 }

@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """An HTTP proxy in front of an S3 server that loses the answers of chosen requests.
 
-usage: fault_proxy.py LISTEN_PORT TARGET_PORT FAULTS_LOG SUFFIX COUNT
+usage: fault_proxy.py LISTEN_PORT TARGET_PORT FAULTS_LOG SUFFIX COUNT [ignore-conditions]
 Every request is forwarded to the server on TARGET_PORT and its answer relayed, except the
 first COUNT PUTs whose path ends with SUFFIX: those are carried out by the server, but the
 client is answered 500 InternalError instead, as when a store applies a write and the answer
 is lost. Each such fault appends a line "PUT PATH STATUS" (the server's real status) to
-FAULTS_LOG. The port is ready when LISTEN_PORT accepts connections.
+FAULTS_LOG. With `ignore-conditions`, the If-None-Match and If-Match headers are dropped
+from every request, so the server behaves as a store that ignores them (s3rver 3.7.1 stores a
+create-only PUT of an existing object again and answers 200). The port is ready when
+LISTEN_PORT accepts connections.
 """
 import http.client
 import http.server
@@ -15,6 +18,7 @@ import threading
 
 listen_port, target_port = int(sys.argv[1]), int(sys.argv[2])
 faults_log, suffix, faults_left = sys.argv[3], sys.argv[4], [int(sys.argv[5])]
+ignore_conditions = len(sys.argv) > 6 and sys.argv[6] == "ignore-conditions"
 lock = threading.Lock()
 
 ERROR_BODY = (
@@ -33,7 +37,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else None
         connection = http.client.HTTPConnection("127.0.0.1", target_port, timeout=60)
-        headers = {name: value for name, value in self.headers.items()}
+        headers = {
+            name: value
+            for name, value in self.headers.items()
+            if not (ignore_conditions and name.lower() in ("if-none-match", "if-match"))
+        }
         connection.request(self.command, self.path, body=body, headers=headers)
         answer = connection.getresponse()
         answer_body = answer.read()

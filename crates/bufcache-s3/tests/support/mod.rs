@@ -155,12 +155,36 @@ impl Moto {
     }
 
     /// Requests logged so far by method (GET, PUT, DELETE, HEAD, POST).
+
+    /// Requests logged so far by method (GET, PUT, DELETE, HEAD, POST). Some moto versions
+    /// colour the lines of some status codes (206, 404, 204) with ANSI escapes that sit
+    /// between the quote and the method; they are stripped first so every request counts.
     pub fn request_count(&self, method: &str) -> usize {
         let log = std::fs::read_to_string(&self.log_path).unwrap_or_default();
         log.lines()
+            .map(strip_ansi)
             .filter(|line| line.contains(&format!("\"{method} ")))
             .count()
     }
+}
+
+/// `line` without ANSI escape sequences (`ESC [ … letter`).
+pub fn strip_ansi(line: &str) -> String {
+    let mut text = String::with_capacity(line.len());
+    let mut characters = line.chars();
+    while let Some(character) = characters.next() {
+        if character == '\u{1b}' {
+            // Skip `[`, parameters and the final letter.
+            for inner in characters.by_ref() {
+                if inner.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            text.push(character);
+        }
+    }
+    text
 }
 
 impl Drop for Moto {
@@ -341,6 +365,21 @@ pub struct FaultProxy {
 
 impl FaultProxy {
     pub fn start(target_port: u16, suffix: &str, count: usize) -> FaultProxy {
+        FaultProxy::start_with(target_port, suffix, count, false)
+    }
+
+    /// A proxy that drops If-None-Match and If-Match from every request: the server then
+    /// behaves as a store that ignores conditional PUTs.
+    pub fn ignoring_conditions(target_port: u16) -> FaultProxy {
+        FaultProxy::start_with(target_port, "", 0, true)
+    }
+
+    fn start_with(
+        target_port: u16,
+        suffix: &str,
+        count: usize,
+        ignore_conditions: bool,
+    ) -> FaultProxy {
         let dir = tempfile::tempdir().unwrap();
         let faults_log = dir.path().join("faults.log");
         let port = free_port();
@@ -350,6 +389,7 @@ impl FaultProxy {
             .args([&port.to_string(), &target_port.to_string()])
             .arg(&faults_log)
             .args([suffix, &count.to_string()])
+            .args(ignore_conditions.then_some("ignore-conditions"))
             .stdout(Stdio::null())
             .spawn()
             .expect("starting the fault proxy");

@@ -1,0 +1,124 @@
+//! The layouts an [`crate::S3Device`] can drive, behind one set of calls, so the device
+//! adapter does not care which one the disk's metadata object names.
+
+use bytes::Bytes;
+
+use crate::error::{OpenError, StoreError};
+use crate::log::{LogConfig, LogStore};
+use crate::store::{connect, connect_with, ChunkStore, Create, ReadOnly};
+use crate::url::{LayoutKind, S3Url};
+
+/// A disk of either layout (one per device: the size difference does not matter).
+#[allow(clippy::large_enum_variant)]
+pub enum Layout {
+    Chunk(ChunkStore),
+    Log(LogStore),
+}
+
+impl Layout {
+    /// Opens the disk `url` names with the layout its metadata object records (a new disk
+    /// gets the URL's `layout=`, else [`crate::LAYOUT_DEFAULT`]) and takes its lock.
+    pub fn open_locked(url: &S3Url) -> Result<Layout, OpenError> {
+        let connection = connect(url)?;
+        match connection.metadata.layout {
+            LayoutKind::Chunk => Ok(Layout::Chunk(
+                ChunkStore::from_connection(url, connection)?.take_lock(url)?,
+            )),
+            LayoutKind::Log => Ok(Layout::Log(LogStore::from_connection(
+                url,
+                connection,
+                LogConfig::from_url(url),
+            )?)),
+        }
+    }
+
+    /// Opens an existing disk read-only, writing nothing (see [`ChunkStore::open_read_only`]);
+    /// a log-layout disk is refused for now ([`OpenError::ReadOnlyLog`]).
+    pub fn open_read_only(url: &S3Url) -> Result<Layout, OpenError> {
+        let connection = connect_with(url, Create::Never)?;
+        match connection.metadata.layout {
+            LayoutKind::Chunk => Ok(Layout::Chunk(ChunkStore::read_only_from_connection(
+                url, connection,
+            )?)),
+            LayoutKind::Log => Err(OpenError::ReadOnlyLog {
+                url: url.to_string(),
+                reason: "serving read-only was asked for".to_string(),
+            }),
+        }
+    }
+
+    /// Why the disk refuses writes; None when it takes them.
+    pub fn read_only(&self) -> Option<&ReadOnly> {
+        match self {
+            Layout::Chunk(store) => store.read_only(),
+            Layout::Log(_) => None,
+        }
+    }
+
+    pub fn read(&self, buffer: &mut [u8], offset: u64) -> Result<(), StoreError> {
+        match self {
+            Layout::Chunk(store) => store.read(buffer, offset),
+            Layout::Log(store) => store.read(buffer, offset),
+        }
+    }
+
+    pub fn write(&self, data: Bytes, offset: u64) -> Result<(), StoreError> {
+        match self {
+            Layout::Chunk(store) => store.write(data, offset),
+            Layout::Log(store) => store.write(&data, offset),
+        }
+    }
+
+    pub fn write_batch(&self, writes: Vec<(Bytes, u64)>) -> Vec<Result<(), StoreError>> {
+        match self {
+            Layout::Chunk(store) => store.write_batch(writes),
+            Layout::Log(store) => store.write_batch(writes),
+        }
+    }
+
+    pub fn write_zeroes(&self, offset: u64, length: u64) -> Result<(), StoreError> {
+        match self {
+            Layout::Chunk(store) => store.write_zeroes(offset, length),
+            Layout::Log(store) => store.write_zeroes(offset, length),
+        }
+    }
+
+    /// The chunk layout acknowledges each write only once stored, so it has nothing to wait
+    /// for; the log layout seals and uploads its open segment.
+    pub fn flush(&self) -> Result<(), StoreError> {
+        match self {
+            Layout::Chunk(_) => Ok(()),
+            Layout::Log(store) => store.flush(),
+        }
+    }
+
+    pub fn size_bytes(&self) -> u64 {
+        match self {
+            Layout::Chunk(store) => store.metadata().size_bytes,
+            Layout::Log(store) => store.metadata().size_bytes,
+        }
+    }
+
+    /// The chunk size for the chunk layout (a partial chunk costs a read-modify-write); 1 for
+    /// the log layout, where every write costs its own bytes.
+    pub fn write_unit_bytes(&self) -> u64 {
+        match self {
+            Layout::Chunk(store) => store.metadata().chunk_size_bytes,
+            Layout::Log(_) => 1,
+        }
+    }
+
+    pub fn requests_in_flight_max(&self) -> usize {
+        match self {
+            Layout::Chunk(store) => store.requests_in_flight_max(),
+            Layout::Log(store) => store.config().requests_in_flight_max,
+        }
+    }
+
+    pub fn url(&self) -> &S3Url {
+        match self {
+            Layout::Chunk(store) => store.url(),
+            Layout::Log(store) => store.url(),
+        }
+    }
+}

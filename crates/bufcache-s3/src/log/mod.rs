@@ -1,0 +1,810 @@
+//! The log layout (`layout=log`): every write-back costs its own bytes once.
+//!
+//! Writes are appended to an in-memory open segment; a segment is sealed when the next
+//! extent would not fit in `segment_bytes_max` or when a FLUSH needs it, and then PUT as one
+//! immutable object `PREFIX/log/segments/<sequence>`. An in-memory [`Index`] maps disk byte
+//! ranges to (segment, offset in the object); it is written whole as a checkpoint object
+//! `PREFIX/log/checkpoints/<sequence>` every `checkpoint_interval_segments` segments (at a
+//! FLUSH) and at a clean close. TRIM and WRITE_ZEROES only change the index (and append a
+//! table entry, no data, so replay sees them).
+//!
+//! Crash consistency by construction:
+//! - segments are numbered in append order and nothing references a segment before it is
+//!   durable: a checkpoint `C` is written only once every segment up to `C` is durable, and
+//!   segments carry their own extent tables;
+//! - opening a disk reads the newest checkpoint and replays the segments after it in sequence
+//!   order, stopping at the first missing one; the segments after that gap were never covered
+//!   by an acknowledged FLUSH (a FLUSH returns only when every segment up to its own is
+//!   durable) and are deleted before anything new is written, so the disk reopens as a prefix
+//!   of the appended writes that includes every FLUSH-acknowledged one;
+//! - a segment or checkpoint that exists but fails its checksums or names another disk is
+//!   damage, not a crash (an object PUT is atomic): opening stops with an error naming it,
+//!   serving and changing nothing;
+//! - a segment whose upload fails stays in memory (reads are served from it) and is uploaded
+//!   again by the next FLUSH or the next seal that needs room; its data is never dropped.
+//!
+//! Memory: the open segment plus at most `segments_in_flight_max` sealed segments, each at
+//! most `segment_bytes_max`; a write that needs room waits for an upload to finish.
+
+mod checkpoint;
+mod index;
+mod segment;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+
+use bytes::Bytes;
+use futures::stream::{self, StreamExt, TryStreamExt};
+use object_store::aws::AmazonS3;
+use object_store::path::Path as ObjectPath;
+use object_store::{ObjectStore, PutPayload};
+
+use crate::error::{chain, request_failed, OpenError, StoreError};
+use crate::lock::{Acquired, DiskLock};
+use crate::store::{connect, get_range, Connection, DiskMetadata, REQUESTS_IN_FLIGHT_MAX_DEFAULT};
+use crate::url::{LayoutKind, S3Url};
+
+pub use index::{Index, Mapping};
+use segment::{OpenSegment, HEADER_BYTES, TABLE_ENTRY_BYTES};
+
+/// Default `segment_bytes_max`: 8 MiB keeps a sequential write-back at one PUT per 8 MiB
+/// (WA ≈ 1.00002 from headers and tables) while bounding memory at (1 + in flight) × 8 MiB.
+pub const SEGMENT_BYTES_MAX_DEFAULT: u64 = 8 << 20;
+/// Default `segments_in_flight_max`: uploads of sealed segments at once (and segments held in
+/// memory besides the open one).
+pub const SEGMENTS_IN_FLIGHT_MAX_DEFAULT: usize = 4;
+/// Default `checkpoint_interval_segments`: at most this many segments are replayed at open.
+pub const CHECKPOINT_INTERVAL_SEGMENTS_DEFAULT: u64 = 16;
+
+/// The smallest piece a write is split into to fill the end of a segment: smaller remnants
+/// of room are left empty (a piece costs a table entry and, when read, a GET of its own).
+const SPLIT_BYTES_MIN: u64 = 4096;
+
+/// Tuning of the log layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LogConfig {
+    /// Most bytes of one segment object (header, data and extent table). Default
+    /// [`SEGMENT_BYTES_MAX_DEFAULT`]; URL parameter `segment-size=`.
+    pub segment_bytes_max: u64,
+    /// Sealed segments uploading (and held in memory) at once. Default
+    /// [`SEGMENTS_IN_FLIGHT_MAX_DEFAULT`].
+    pub segments_in_flight_max: usize,
+    /// A FLUSH writes a checkpoint once this many segments were sealed since the last one.
+    /// Default [`CHECKPOINT_INTERVAL_SEGMENTS_DEFAULT`].
+    pub checkpoint_interval_segments: u64,
+    /// Concurrent ranged GETs of one read. Default [`REQUESTS_IN_FLIGHT_MAX_DEFAULT`].
+    pub requests_in_flight_max: usize,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            segment_bytes_max: SEGMENT_BYTES_MAX_DEFAULT,
+            segments_in_flight_max: SEGMENTS_IN_FLIGHT_MAX_DEFAULT,
+            checkpoint_interval_segments: CHECKPOINT_INTERVAL_SEGMENTS_DEFAULT,
+            requests_in_flight_max: REQUESTS_IN_FLIGHT_MAX_DEFAULT,
+        }
+    }
+}
+
+impl LogConfig {
+    /// The configuration a URL asks for (`segment-size=`), defaults elsewhere.
+    pub fn from_url(url: &S3Url) -> LogConfig {
+        LogConfig {
+            segment_bytes_max: url.segment_bytes_max.unwrap_or(SEGMENT_BYTES_MAX_DEFAULT),
+            ..LogConfig::default()
+        }
+    }
+
+    /// Refuses a configuration the store cannot work with, naming the field.
+    pub fn validate(&self) -> Result<(), String> {
+        let smallest = HEADER_BYTES + 4 * TABLE_ENTRY_BYTES + 4096;
+        if self.segment_bytes_max < smallest {
+            return Err(format!(
+                "segment_bytes_max {} is below {smallest} (a header, a 4 KiB extent and its table entries)",
+                self.segment_bytes_max
+            ));
+        }
+        if self.segments_in_flight_max == 0 {
+            return Err("segments_in_flight_max is 0: no segment could ever be uploaded".into());
+        }
+        if self.checkpoint_interval_segments == 0 {
+            return Err("checkpoint_interval_segments is 0".into());
+        }
+        if self.requests_in_flight_max == 0 {
+            return Err("requests_in_flight_max is 0".into());
+        }
+        Ok(())
+    }
+}
+
+/// Where a sealed segment's upload stands.
+enum Upload {
+    Running,
+    /// The PUT failed after the client's retries; the segment waits for the next FLUSH (or a
+    /// seal that needs room) to try again.
+    Failed(String),
+}
+
+struct Sealed {
+    body: Bytes,
+    upload: Upload,
+}
+
+struct State {
+    index: Index,
+    open: OpenSegment,
+    /// Sealed segments not yet durable, by sequence; their bodies serve reads meanwhile.
+    sealed: BTreeMap<u64, Sealed>,
+    /// Segments above `durable_through` whose uploads finished (out of order).
+    durable_ahead: BTreeSet<u64>,
+    /// Every segment up to this sequence is durable.
+    durable_through: u64,
+    /// The newest checkpoint covers the segments up to this sequence.
+    checkpoint_through: u64,
+}
+
+struct Shared {
+    store: Arc<AmazonS3>,
+    url: S3Url,
+    metadata: DiskMetadata,
+    state: Mutex<State>,
+    /// Signalled whenever an upload ends.
+    uploaded: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn segment_key(&self, sequence: u64) -> String {
+        segment_key(&self.url, sequence)
+    }
+}
+
+fn segment_key(url: &S3Url, sequence: u64) -> String {
+    url.key(&format!("log/segments/{sequence:016x}"))
+}
+
+fn checkpoint_key(url: &S3Url, sequence: u64) -> String {
+    url.key(&format!("log/checkpoints/{sequence:016x}"))
+}
+
+/// A log-layout disk. All methods block the calling thread on the store's own runtime; do not
+/// call them from inside another tokio runtime.
+pub struct LogStore {
+    /// Declared before `runtime` so that it is released while the runtime runs.
+    lock: Option<Arc<DiskLock>>,
+    shared: Arc<Shared>,
+    config: LogConfig,
+    runtime: tokio::runtime::Runtime,
+}
+
+/// One piece of a coalesced GET: its offset in the fetched bytes and where it goes in the
+/// caller's buffer.
+type Part = (u64, Range<usize>);
+
+/// What recovery found: the index and where the sequence numbers stand.
+struct Recovered {
+    index: Index,
+    last_sequence: u64,
+    checkpoint_through: u64,
+}
+
+impl LogStore {
+    /// Opens (or creates, with `create-size=` and `layout=log`) the log-layout disk `url`
+    /// names, takes its lock and recovers its index.
+    pub fn open_locked(url: &S3Url) -> Result<LogStore, OpenError> {
+        Self::from_connection(url, connect(url)?, LogConfig::from_url(url))
+    }
+
+    pub(crate) fn from_connection(
+        url: &S3Url,
+        connection: Connection,
+        config: LogConfig,
+    ) -> Result<LogStore, OpenError> {
+        config.validate().map_err(|reason| OpenError::Config {
+            url: url.to_string(),
+            reason,
+        })?;
+        let Connection {
+            runtime,
+            store,
+            metadata,
+        } = connection;
+        if metadata.layout != LayoutKind::Log {
+            return Err(OpenError::Mismatch {
+                url: url.to_string(),
+                parameter: "layout",
+                given: LayoutKind::Log.name().to_string(),
+                stored: metadata.layout.name().to_string(),
+            });
+        }
+        let lock = match runtime.block_on(DiskLock::acquire(
+            runtime.handle().clone(),
+            store.clone(),
+            url,
+        ))? {
+            Acquired::Held(lock) => lock,
+            Acquired::WritesRefused(answer) => {
+                return Err(OpenError::ReadOnlyLog {
+                    url: url.to_string(),
+                    reason: format!("the store refuses writes ({answer})"),
+                })
+            }
+        };
+        let recovered = runtime.block_on(recover(&store, url, &metadata))?;
+        tracing::info!(
+            disk = %url,
+            segments_through = recovered.last_sequence,
+            checkpoint_through = recovered.checkpoint_through,
+            mapped_bytes = recovered.index.mapped_bytes(),
+            "opened log-layout disk"
+        );
+        let state = State {
+            index: recovered.index,
+            open: OpenSegment::new(recovered.last_sequence + 1),
+            sealed: BTreeMap::new(),
+            durable_ahead: BTreeSet::new(),
+            durable_through: recovered.last_sequence,
+            checkpoint_through: recovered.checkpoint_through,
+        };
+        Ok(LogStore {
+            lock: Some(lock),
+            shared: Arc::new(Shared {
+                store,
+                url: url.clone(),
+                metadata,
+                state: Mutex::new(state),
+                uploaded: Condvar::new(),
+            }),
+            config,
+            runtime,
+        })
+    }
+
+    /// The disk's shape.
+    pub fn metadata(&self) -> DiskMetadata {
+        self.shared.metadata
+    }
+
+    /// The URL the store was opened with.
+    pub fn url(&self) -> &S3Url {
+        &self.shared.url
+    }
+
+    /// The layout's tuning.
+    pub fn config(&self) -> LogConfig {
+        self.config
+    }
+
+    /// The lock this store holds.
+    pub fn lock(&self) -> Option<&DiskLock> {
+        self.lock.as_deref()
+    }
+
+    /// Bytes of the disk that the index maps to stored data (the rest reads as zeroes).
+    pub fn mapped_bytes(&self) -> u64 {
+        self.shared.lock().index.mapped_bytes()
+    }
+
+    /// Every segment up to this sequence is durable.
+    pub fn durable_through(&self) -> u64 {
+        self.shared.lock().durable_through
+    }
+
+    fn check_range(&self, offset: u64, length: u64) -> Result<(), StoreError> {
+        let size = self.shared.metadata.size_bytes;
+        match offset.checked_add(length) {
+            Some(end) if end <= size => Ok(()),
+            _ => Err(StoreError::OutOfRange {
+                offset,
+                length,
+                size,
+            }),
+        }
+    }
+
+    /// Starts the PUT of sealed segment `sequence`; its outcome lands in the state.
+    fn start_upload(&self, sequence: u64, body: Bytes) {
+        let shared = self.shared.clone();
+        self.runtime.spawn(async move {
+            let key = shared.segment_key(sequence);
+            let result = shared
+                .store
+                .put(&ObjectPath::from(key.as_str()), PutPayload::from(body))
+                .await;
+            let mut state = shared.lock();
+            match result {
+                Ok(_) => {
+                    state.sealed.remove(&sequence);
+                    state.durable_ahead.insert(sequence);
+                    let state = &mut *state;
+                    while state.durable_ahead.remove(&(state.durable_through + 1)) {
+                        state.durable_through += 1;
+                    }
+                }
+                Err(error) => {
+                    let message = chain(&error);
+                    tracing::warn!(segment = %key, error = %message, "segment upload failed; kept in memory for the next flush");
+                    if let Some(sealed) = state.sealed.get_mut(&sequence) {
+                        sealed.upload = Upload::Failed(message);
+                    }
+                }
+            }
+            drop(state);
+            shared.uploaded.notify_all();
+        });
+    }
+
+    /// Restarts the upload of the oldest failed segment at or below `through`, unless it was
+    /// already retried in this call (`retried`), in which case its error is returned.
+    fn retry_failed<'a>(
+        &'a self,
+        mut state: MutexGuard<'a, State>,
+        through: u64,
+        retried: &mut BTreeSet<u64>,
+    ) -> Result<MutexGuard<'a, State>, StoreError> {
+        let failed = state
+            .sealed
+            .range(..=through)
+            .find_map(|(&sequence, sealed)| match &sealed.upload {
+                Upload::Failed(message) => Some((sequence, message.clone())),
+                Upload::Running => None,
+            });
+        if let Some((sequence, message)) = failed {
+            if !retried.insert(sequence) {
+                return Err(StoreError::Request {
+                    operation: "PUT",
+                    key: self.shared.segment_key(sequence),
+                    message,
+                });
+            }
+            let sealed = state.sealed.get_mut(&sequence).expect("found just now");
+            sealed.upload = Upload::Running;
+            let body = sealed.body.clone();
+            drop(state);
+            self.start_upload(sequence, body);
+            state = self.shared.lock();
+        }
+        Ok(state)
+    }
+
+    /// Seals open segment `sequence` and starts its upload, first waiting until fewer than
+    /// `segments_in_flight_max` segments are in flight (retrying a failed one once). The lock
+    /// is let go while waiting: when another caller sealed `sequence` meanwhile, the segment
+    /// open now (holding only newer writes) is left open.
+    fn seal<'a>(
+        &'a self,
+        mut state: MutexGuard<'a, State>,
+        sequence: u64,
+    ) -> Result<MutexGuard<'a, State>, StoreError> {
+        let mut retried = BTreeSet::new();
+        while state.open.sequence == sequence
+            && state.sealed.len() >= self.config.segments_in_flight_max
+        {
+            state = self.retry_failed(state, u64::MAX, &mut retried)?;
+            if state.sealed.len() < self.config.segments_in_flight_max {
+                break;
+            }
+            state = self
+                .shared
+                .uploaded
+                .wait(state)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+        if state.open.sequence != sequence {
+            return Ok(state);
+        }
+        let body = state.open.seal(self.shared.metadata.disk_id);
+        tracing::debug!(
+            segment = sequence,
+            bytes = body.len(),
+            extents = state.open.table.len(),
+            "sealed a segment"
+        );
+        state.sealed.insert(
+            sequence,
+            Sealed {
+                body: body.clone(),
+                upload: Upload::Running,
+            },
+        );
+        state.open = OpenSegment::new(sequence + 1);
+        drop(state);
+        self.start_upload(sequence, body);
+        Ok(self.shared.lock())
+    }
+
+    /// Appends `data` written at `offset` (already range-checked), sealing segments as they
+    /// fill. A write that does not fit is split at the segment's end, so segments are full
+    /// (a sequential write-back costs one PUT per `segment_bytes_max`). Returns once the data
+    /// is in memory: durable at the next successful FLUSH.
+    fn append(&self, data: &[u8], offset: u64) -> Result<(), StoreError> {
+        let mut state = self.shared.lock();
+        let mut position = 0usize;
+        while position < data.len() {
+            let remaining = (data.len() - position) as u64;
+            let room = self
+                .config
+                .segment_bytes_max
+                .saturating_sub(state.open.sealed_bytes_with(0, 1));
+            // A fresh segment has room for at least 4 KiB (LogConfig::validate), so this
+            // loop always makes progress; below that, no sliver is split off.
+            if room < remaining.min(SPLIT_BYTES_MIN) {
+                let sequence = state.open.sequence;
+                state = self.seal(state, sequence)?;
+                continue;
+            }
+            let take = remaining.min(room) as usize;
+            let piece = &data[position..position + take];
+            let piece_offset = offset + position as u64;
+            let object_offset = state.open.append_data(piece_offset, piece);
+            let segment = state.open.sequence;
+            state.index.insert(
+                piece_offset,
+                Mapping {
+                    length: take as u64,
+                    segment,
+                    object_offset,
+                },
+            );
+            position += take;
+        }
+        Ok(())
+    }
+
+    /// Writes `data` at `offset` (durable at the next successful [`LogStore::flush`]).
+    pub fn write(&self, data: &[u8], offset: u64) -> Result<(), StoreError> {
+        self.check_range(offset, data.len() as u64)?;
+        self.append(data, offset)
+    }
+
+    /// Writes each `(data, offset)` in order, one outcome per write.
+    pub fn write_batch(&self, writes: Vec<(Bytes, u64)>) -> Vec<Result<(), StoreError>> {
+        writes
+            .into_iter()
+            .map(|(data, offset)| self.write(&data, offset))
+            .collect()
+    }
+
+    /// Zeroes `length` bytes at `offset`: an index change and one table entry, no data.
+    pub fn write_zeroes(&self, offset: u64, length: u64) -> Result<(), StoreError> {
+        self.check_range(offset, length)?;
+        if length == 0 {
+            return Ok(());
+        }
+        let mut state = self.shared.lock();
+        while state.open.sealed_bytes_with(0, 1) > self.config.segment_bytes_max {
+            let sequence = state.open.sequence;
+            state = self.seal(state, sequence)?;
+        }
+        state.open.append_zeroes(offset, length);
+        state.index.remove(offset, length);
+        Ok(())
+    }
+
+    /// Makes every write and zeroing that returned before this call durable: seals the open
+    /// segment, waits until every segment up to it is durable (uploading failed ones again,
+    /// once each) and writes a checkpoint when one is due.
+    pub fn flush(&self) -> Result<(), StoreError> {
+        self.flush_and_checkpoint(false)
+    }
+
+    fn flush_and_checkpoint(&self, checkpoint_always: bool) -> Result<(), StoreError> {
+        let mut state = self.shared.lock();
+        // Every write that returned before this call is in a segment up to `target`.
+        let target = if state.open.is_empty() {
+            state.open.sequence - 1
+        } else {
+            let sequence = state.open.sequence;
+            state = self.seal(state, sequence)?;
+            sequence
+        };
+        let since_checkpoint = target.saturating_sub(state.checkpoint_through);
+        // The snapshot must name no segment after the one it covers and is written only once
+        // every segment up to that one is durable: it covers every sealed segment, taken while
+        // the open segment is empty (when it is not, another writer got in while this flush
+        // waited, and the checkpoint waits for a later flush).
+        let covered = state.open.sequence - 1;
+        let snapshot = (since_checkpoint > 0
+            && state.open.is_empty()
+            && (checkpoint_always || since_checkpoint >= self.config.checkpoint_interval_segments))
+            .then(|| (covered, state.index.clone()));
+        let wait_through = snapshot.as_ref().map_or(target, |&(covered, _)| covered);
+        let mut retried = BTreeSet::new();
+        while state.durable_through < wait_through {
+            state = self.retry_failed(state, wait_through, &mut retried)?;
+            if state.durable_through >= wait_through {
+                break;
+            }
+            state = self
+                .shared
+                .uploaded
+                .wait(state)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+        drop(state);
+        if let Some((covered, index)) = snapshot {
+            self.write_checkpoint(covered, &index)?;
+        }
+        Ok(())
+    }
+
+    /// PUTs the checkpoint of `index` covering the segments up to `through`, then deletes
+    /// the older checkpoints (which nothing needs once this one is durable).
+    fn write_checkpoint(&self, through: u64, index: &Index) -> Result<(), StoreError> {
+        let key = checkpoint_key(&self.shared.url, through);
+        let body = checkpoint::encode(self.shared.metadata.disk_id, through, index);
+        let store = self.shared.store.clone();
+        self.runtime.block_on(async {
+            store
+                .put(&ObjectPath::from(key.as_str()), PutPayload::from(body))
+                .await
+                .map_err(|error| request_failed("PUT", &key, error))
+        })?;
+        let older = {
+            let mut state = self.shared.lock();
+            let older = state.checkpoint_through;
+            state.checkpoint_through = state.checkpoint_through.max(through);
+            older
+        };
+        if older > 0 && older < through {
+            let old_key = checkpoint_key(&self.shared.url, older);
+            let deleted = self
+                .runtime
+                .block_on(async { store.delete(&ObjectPath::from(old_key.as_str())).await });
+            if let Err(error) = deleted {
+                // Harmless: the newest checkpoint wins at open.
+                tracing::warn!(checkpoint = %old_key, error = %chain(&error), "could not delete an old checkpoint");
+            }
+        }
+        Ok(())
+    }
+
+    /// Fills `buffer` from the disk at `offset`: bytes still in memory are copied, the rest
+    /// fetched with ranged GETs, one per run of extents adjacent in one segment object.
+    pub fn read(&self, buffer: &mut [u8], offset: u64) -> Result<(), StoreError> {
+        self.check_range(offset, buffer.len() as u64)?;
+        // (segment, object range, buffer range) of every piece that must be fetched.
+        let mut remote: Vec<(u64, Range<u64>, Range<usize>)> = Vec::new();
+        {
+            let state = self.shared.lock();
+            for piece in state.index.lookup(offset, buffer.len() as u64) {
+                let start = (piece.disk_offset - offset) as usize;
+                let target = &mut buffer[start..start + piece.length as usize];
+                match piece.stored {
+                    None => target.fill(0),
+                    Some((segment, object_offset)) if segment == state.open.sequence => {
+                        target.copy_from_slice(state.open.read(object_offset, piece.length));
+                    }
+                    Some((segment, object_offset)) => match state.sealed.get(&segment) {
+                        Some(sealed) => target.copy_from_slice(
+                            &sealed.body
+                                [object_offset as usize..(object_offset + piece.length) as usize],
+                        ),
+                        // Not in memory, so durable (a segment leaves memory only then).
+                        None => remote.push((
+                            segment,
+                            object_offset..object_offset + piece.length,
+                            start..start + piece.length as usize,
+                        )),
+                    },
+                }
+            }
+        }
+        if remote.is_empty() {
+            return Ok(());
+        }
+        // Coalesce pieces contiguous in one object into one GET (a sequential write-back
+        // stores consecutive disk ranges back to back).
+        remote.sort_by_key(|(segment, range, _)| (*segment, range.start));
+        let mut requests: Vec<(u64, Range<u64>, Vec<Part>)> = Vec::new();
+        for (segment, range, target) in remote {
+            if let Some((last_segment, last_range, parts)) = requests.last_mut() {
+                if *last_segment == segment && last_range.end == range.start {
+                    parts.push((range.start - last_range.start, target));
+                    last_range.end = range.end;
+                    continue;
+                }
+            }
+            requests.push((segment, range, vec![(0, target)]));
+        }
+        let fetched: Vec<Result<(Bytes, Vec<Part>), StoreError>> = self.runtime.block_on(
+            stream::iter(requests.into_iter().map(|(segment, range, parts)| {
+                let store = self.shared.store.clone();
+                let key = self.shared.segment_key(segment);
+                async move {
+                    match get_range(&store, &key, range).await? {
+                        Some(data) => Ok((data, parts)),
+                        None => Err(StoreError::MissingSegment { key }),
+                    }
+                }
+            }))
+            .buffer_unordered(self.config.requests_in_flight_max)
+            .collect(),
+        );
+        for result in fetched {
+            let (data, parts) = result?;
+            for (within, target) in parts {
+                let length = target.len();
+                buffer[target].copy_from_slice(&data[within as usize..within as usize + length]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Flushes and writes a checkpoint covering every segment, so the next open replays
+    /// nothing. Called at drop; an error leaves the disk as a crash would (still consistent).
+    pub fn close(&self) -> Result<(), StoreError> {
+        self.flush_and_checkpoint(true)
+    }
+}
+
+impl Drop for LogStore {
+    fn drop(&mut self) {
+        if let Err(error) = self.close() {
+            tracing::error!(disk = %self.shared.url, error = %error, "closing the log: writes after the last successful flush may be lost");
+        }
+    }
+}
+
+fn bad_object(url: &S3Url, key: &str, reason: String) -> OpenError {
+    OpenError::BadObject {
+        url: url.to_string(),
+        key: key.to_string(),
+        reason,
+    }
+}
+
+/// Sequences of the objects under `folder` (names are 16 hex digits), ascending.
+async fn list_sequences(
+    store: &AmazonS3,
+    url: &S3Url,
+    folder: &str,
+) -> Result<Vec<u64>, OpenError> {
+    let prefix = ObjectPath::from(url.key(folder).as_str());
+    let objects: Vec<_> = store
+        .list(Some(&prefix))
+        .try_collect()
+        .await
+        .map_err(|error| OpenError::Request {
+            url: url.to_string(),
+            operation: format!("listing `{prefix}`"),
+            message: chain(&error),
+        })?;
+    let mut sequences = Vec::with_capacity(objects.len());
+    for object in objects {
+        let name = object.location.filename().unwrap_or_default();
+        match u64::from_str_radix(name, 16) {
+            Ok(sequence) if name.len() == 16 && sequence > 0 => sequences.push(sequence),
+            _ => {
+                return Err(bad_object(
+                    url,
+                    object.location.as_ref(),
+                    format!("not a bufcache object name under `{prefix}` (16 hex digits)"),
+                ))
+            }
+        }
+    }
+    sequences.sort_unstable();
+    Ok(sequences)
+}
+
+async fn get_whole(store: &AmazonS3, url: &S3Url, key: &str) -> Result<Bytes, OpenError> {
+    let request_error = |error: object_store::Error| OpenError::Request {
+        url: url.to_string(),
+        operation: format!("reading `{key}`"),
+        message: chain(&error),
+    };
+    store
+        .get(&ObjectPath::from(key))
+        .await
+        .map_err(request_error)?
+        .bytes()
+        .await
+        .map_err(request_error)
+}
+
+/// Reads the newest checkpoint and replays the segments after it (see the module docs for
+/// the rule); deletes the segments after a gap.
+async fn recover(
+    store: &AmazonS3,
+    url: &S3Url,
+    metadata: &DiskMetadata,
+) -> Result<Recovered, OpenError> {
+    let checkpoints = list_sequences(store, url, "log/checkpoints").await?;
+    let segments = list_sequences(store, url, "log/segments").await?;
+    let (mut index, checkpoint_through) = match checkpoints.last() {
+        Some(&through) => {
+            let key = checkpoint_key(url, through);
+            let body = get_whole(store, url, &key).await?;
+            let checkpoint = checkpoint::decode(&body, metadata.disk_id, metadata.size_bytes)
+                .map_err(|reason| bad_object(url, &key, reason))?;
+            if checkpoint.through_sequence != through {
+                return Err(bad_object(
+                    url,
+                    &key,
+                    format!(
+                        "covers segments to {}, not the {through} its name says",
+                        checkpoint.through_sequence
+                    ),
+                ));
+            }
+            let present: BTreeSet<u64> = segments.iter().copied().collect();
+            if let Some((_, missing)) = checkpoint
+                .index
+                .iter()
+                .find(|(_, mapping)| !present.contains(&mapping.segment))
+            {
+                return Err(OpenError::MissingSegment {
+                    url: url.to_string(),
+                    checkpoint: key,
+                    key: segment_key(url, missing.segment),
+                });
+            }
+            (checkpoint.index, through)
+        }
+        None => (Index::new(), 0),
+    };
+    let mut last_sequence = checkpoint_through;
+    let mut orphans = Vec::new();
+    for &sequence in segments
+        .iter()
+        .filter(|&&sequence| sequence > checkpoint_through)
+    {
+        if sequence != last_sequence + 1 || !orphans.is_empty() {
+            orphans.push(sequence);
+            continue;
+        }
+        let key = segment_key(url, sequence);
+        let body = get_whole(store, url, &key).await?;
+        let decoded = segment::decode(&body, metadata.disk_id, metadata.size_bytes)
+            .map_err(|reason| bad_object(url, &key, reason))?;
+        if decoded.sequence != sequence {
+            return Err(bad_object(
+                url,
+                &key,
+                format!(
+                    "holds segment {}, not the {sequence} its name says",
+                    decoded.sequence
+                ),
+            ));
+        }
+        for extent in decoded.extents {
+            match extent.object_offset() {
+                Some(object_offset) => index.insert(
+                    extent.disk_offset,
+                    Mapping {
+                        length: extent.length,
+                        segment: sequence,
+                        object_offset,
+                    },
+                ),
+                None => index.remove(extent.disk_offset, extent.length),
+            }
+        }
+        last_sequence = sequence;
+    }
+    // Segments after a gap were never covered by an acknowledged FLUSH; their sequence
+    // numbers are about to be reused, so they go before anything new is written.
+    for sequence in orphans {
+        let key = segment_key(url, sequence);
+        tracing::warn!(segment = %key, after = last_sequence, "deleting a segment written after a missing one (its writes were never flushed)");
+        store
+            .delete(&ObjectPath::from(key.as_str()))
+            .await
+            .map_err(|error| OpenError::Request {
+                url: url.to_string(),
+                operation: format!("deleting unflushed segment `{key}`"),
+                message: chain(&error),
+            })?;
+    }
+    Ok(Recovered {
+        index,
+        last_sequence,
+        checkpoint_through,
+    })
+}
