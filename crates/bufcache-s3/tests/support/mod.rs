@@ -154,8 +154,6 @@ impl Moto {
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     }
 
-    /// Requests logged so far by method (GET, PUT, DELETE, HEAD, POST).
-
     /// Requests logged so far by method (GET, PUT, DELETE, HEAD, POST). Some moto versions
     /// colour the lines of some status codes (206, 404, 204) with ANSI escapes that sit
     /// between the quote and the method; they are stripped first so every request counts.
