@@ -616,6 +616,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .exit(),
         server => server?,
     };
+    // Signals are handled before the sockets listen: a client can connect (into the
+    // kernel's backlog) as soon as they do, and a supervisor that probes the port and then
+    // sends SIGTERM, or anyone told the server is up (pid file, READY=1, the listening lines),
+    // must get a clean shutdown, not the default action's kill.
+    let shutdown = ShutdownHandle::new();
+    let (events, event_receiver) = mpsc::channel();
+    install_signal_handlers(shutdown.clone(), events.clone())?;
     let server = match inherited {
         Some(sockets) => server.bind_inherited(sockets)?,
         None => server.bind()?,
@@ -631,11 +638,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         )?;
         say!("metrics on http://{local}/metrics and /stats   (try: bufcache stat {local})");
     }
-    // Signals are handled before anyone is told the server is up (pid file, READY=1, the
-    // listening lines), so a supervisor's SIGTERM right after them shuts down cleanly.
-    let shutdown = ShutdownHandle::new();
-    let (events, event_receiver) = mpsc::channel();
-    install_signal_handlers(shutdown.clone(), events.clone())?;
     if args.exit_with_parent {
         crate::daemon::exit_with_parent()?;
     }
