@@ -449,3 +449,54 @@ fn failed_segment_uploads_are_kept_and_a_later_flush_stores_them() {
     reopened.read(&mut back, 4096).unwrap();
     assert!(back == data);
 }
+
+// Goal: a write split at a segment's end (to keep segments full) is split between whole
+// 4 KiB blocks, so when a crash keeps the first segment and loses the second, every block of
+// the write reads back whole — new or old, never part of each (the kill -9 test through the
+// server found such a torn block). Method: 64 KiB segments; an odd-sized filler leaves the
+// open segment with room that is not a multiple of 4 KiB; a 40 KiB write of a new pattern
+// over blocks holding an old one must then straddle two segments; flush, crash, delete the
+// newest segment behind the store's back, reopen, and look at each 4 KiB block.
+#[test]
+fn a_write_split_at_a_segment_end_keeps_every_block_whole_when_the_rest_is_lost() {
+    let name = "a_write_split_at_a_segment_end_keeps_every_block_whole_when_the_rest_is_lost";
+    if !have_moto(name) {
+        return;
+    }
+    let moto = Moto::start();
+    moto.create_bucket("bucket");
+    let raw = Raw::new(&moto);
+    let store = open(
+        &moto.endpoint(),
+        "&create-size=1M&layout=log&segment-size=64k",
+    )
+    .unwrap();
+    store.write(&[1; 40960], 0).unwrap();
+    store.flush().unwrap();
+    store.write(&[3; 30001], 512 << 10).unwrap();
+    store.write(&[2; 40960], 0).unwrap();
+    store.flush().unwrap();
+    let id = crash(store);
+    let segments = raw.list("log/segments");
+    let (newest, _) = segments.last().expect("segments").clone();
+    raw.delete(&newest);
+    let reopened = open(&moto.endpoint(), &format!("&break-lock={id}")).unwrap();
+    let image = read_all(&reopened, 40960);
+    let mut new_blocks = 0;
+    for (index, block) in image.chunks(4096).enumerate() {
+        let first = block[0];
+        assert!(
+            (first == 1 || first == 2) && block.iter().all(|&byte| byte == first),
+            "block {index} is torn: starts with {first}, holds {:?}",
+            block
+                .iter()
+                .copied()
+                .collect::<std::collections::BTreeSet<u8>>()
+        );
+        new_blocks += usize::from(first == 2);
+    }
+    assert!(
+        new_blocks > 0 && new_blocks < 10,
+        "the write must straddle the lost segment ({new_blocks} of 10 blocks kept)"
+    );
+}

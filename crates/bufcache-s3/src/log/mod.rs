@@ -57,8 +57,11 @@ pub const SEGMENTS_IN_FLIGHT_MAX_DEFAULT: usize = 4;
 /// Default `checkpoint_interval_segments`: at most this many segments are replayed at open.
 pub const CHECKPOINT_INTERVAL_SEGMENTS_DEFAULT: u64 = 16;
 
-/// The smallest piece a write is split into to fill the end of a segment: smaller remnants
-/// of room are left empty (a piece costs a table entry and, when read, a GET of its own).
+/// The unit a write is split at to fill the end of a segment: pieces are whole multiples of
+/// it from the write's start, so no 4 KiB block of a write is ever in two segments (after a
+/// crash that keeps the first and loses the second, such a block would read back torn), and
+/// smaller remnants of room are left empty (a piece costs a table entry and, when read, a GET
+/// of its own).
 const SPLIT_BYTES_MIN: u64 = 4096;
 
 /// Tuning of the log layout.
@@ -438,7 +441,11 @@ impl LogStore {
                 state = self.seal(state, sequence)?;
                 continue;
             }
-            let take = remaining.min(room) as usize;
+            let take = if remaining <= room {
+                remaining
+            } else {
+                room - room % SPLIT_BYTES_MIN
+            } as usize;
             let piece = &data[position..position + take];
             let piece_offset = offset + position as u64;
             let object_offset = state.open.append_data(piece_offset, piece);
