@@ -214,7 +214,6 @@ impl FileDevice {
 }
 
 impl FileCore {
-
     fn annotate(&self, what: &str, offset: u64, length: u64, error: io::Error) -> io::Error {
         io::Error::new(
             error.kind(),
@@ -461,7 +460,9 @@ impl Device for FileDevice {
     fn submit_reads(&self, reads: Vec<ReadRequest>) {
         match &self.pool {
             None => read_each_now(self, reads),
-            Some(pool) => reads.into_iter().for_each(|read| pool.submit(Job::Read(read))),
+            Some(pool) => reads
+                .into_iter()
+                .for_each(|read| pool.submit(Job::Read(read))),
         }
     }
 
@@ -479,7 +480,8 @@ impl Device for FileDevice {
             return Ok(());
         }
         self.flushes.flush(|| {
-            self.core.file
+            self.core
+                .file
                 .sync_data()
                 .map_err(|error| self.core.annotate("flush", 0, 0, error))
         })
@@ -498,7 +500,11 @@ impl Device for FileDevice {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             length_bytes: self.core.length_bytes,
-            alignment_bytes: if self.core.direct { DIRECT_ALIGNMENT } else { 1 },
+            alignment_bytes: if self.core.direct {
+                DIRECT_ALIGNMENT
+            } else {
+                1
+            },
             discard_zeroes: !self.core.block_device,
             write_zeroes_fast: !self.core.block_device,
             extents: !self.core.block_device,
@@ -770,7 +776,10 @@ mod tests {
         let (_path, device) = pooled_device(&directory, (BLOCK * BLOCKS) as u64, 4);
         let capabilities = device.capabilities();
         assert!(capabilities.completes_later);
-        assert_eq!(capabilities.inflight_requests_max, 4 * (1 + IO_QUEUED_PER_THREAD));
+        assert_eq!(
+            capabilities.inflight_requests_max,
+            4 * (1 + IO_QUEUED_PER_THREAD)
+        );
         let device = Arc::new(device);
         let submitters: Vec<_> = (0..SUBMITTERS)
             .map(|submitter| {
@@ -804,7 +813,9 @@ mod tests {
                                     (block * BLOCK) as u64,
                                     data,
                                     move |_data: Vec<u8>, result| {
-                                        sender.send((id, thread_name(), result, Vec::new())).unwrap()
+                                        sender
+                                            .send((id, thread_name(), result, Vec::new()))
+                                            .unwrap()
                                     },
                                 )
                             })
@@ -944,12 +955,17 @@ mod tests {
         };
         let (sender, receiver) = std::sync::mpsc::channel::<Completion>();
         let mut aligned = AlignedBytes::zeroed(2 * DIRECT_ALIGNMENT, DIRECT_ALIGNMENT);
-        aligned.iter_mut().enumerate().for_each(|(i, b)| *b = (i % 251) as u8);
+        aligned
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, b)| *b = (i % 251) as u8);
         let expected = aligned.to_vec();
         let written = sender.clone();
         device.submit_writes(vec![
             WriteRequest::new(8192, aligned, move |_memory: AlignedBytes, result| {
-                written.send((0, thread_name(), result, Vec::new())).unwrap()
+                written
+                    .send((0, thread_name(), result, Vec::new()))
+                    .unwrap()
             }),
             WriteRequest::new(100, vec![1u8; 10], {
                 let sender = sender.clone();
@@ -958,12 +974,15 @@ mod tests {
                 }
             }),
         ]);
-        let mut outcomes: Vec<Completion> = vec![receiver.recv().unwrap(), receiver.recv().unwrap()];
+        let mut outcomes: Vec<Completion> =
+            vec![receiver.recv().unwrap(), receiver.recv().unwrap()];
         outcomes.sort_by_key(|outcome| outcome.0);
         assert!(outcomes[0].2.is_ok(), "{:?}", outcomes[0].2);
         let refused = outcomes[1].2.as_ref().unwrap_err().to_string();
         assert!(refused.contains("aligned to 4096"), "{refused}");
-        assert!(outcomes.iter().all(|outcome| outcome.1.starts_with("file-io-")));
+        assert!(outcomes
+            .iter()
+            .all(|outcome| outcome.1.starts_with("file-io-")));
         device.submit_reads(vec![ReadRequest::new(
             8192 + 7,
             vec![0u8; 5000],
