@@ -127,6 +127,11 @@ pub struct ServeArgs {
     /// Open backing files with O_DIRECT (bypassing the host page cache).
     #[arg(long)]
     direct: bool,
+    /// Worker threads per backing file for the cache's reads and write-back: requests go to a
+    /// bounded queue (3 per thread) and run in parallel on the workers. 0 (the default) runs
+    /// each request in the thread that asks for it.
+    #[arg(long, value_name = "COUNT", default_value_t = 0)]
+    file_io_threads: usize,
     /// Largest NBD request in bytes (advertised maximum block size). Default 32M.
     #[arg(long, value_name = "SIZE", value_parser = |text: &str| parse_size(text).map_err(|e| e.to_string()))]
     request_size_max: Option<u64>,
@@ -320,6 +325,7 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
         read_only: args.read_only,
         create_length_bytes: create_length,
         set_length_bytes: None,
+        io_threads: args.file_io_threads,
     };
     let device = match FileDevice::open(path, &options) {
         // A file this process may only read is served read-only (as nbdkit's file plugin
@@ -514,6 +520,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
         if args.create_size.is_some() {
             bail!("--create-size creates a backing file, and no backend is a file");
+        }
+        if args.file_io_threads > 0 {
+            bail!("--file-io-threads gives backing files worker threads, and no backend is a file");
         }
     }
     let mut rescuable: Vec<rescue::Backend> = Vec::new();

@@ -42,6 +42,8 @@ fn empty_exports_and_meaningless_flag_combinations_are_refused_by_name() {
     assert!(text.contains("--create-size 0"), "{text}");
     let text = serve_refused(&["--backend", "memory:1M", "--direct"]);
     assert!(text.contains("--direct"), "{text}");
+    let text = serve_refused(&["--backend", "memory:1M", "--file-io-threads", "4"]);
+    assert!(text.contains("--file-io-threads"), "{text}");
     let text = serve_refused(&["--backend", "memory:1M", "--create-size", "1M"]);
     assert!(text.contains("--create-size"), "{text}");
     let dir = temp_dir();
