@@ -17,7 +17,6 @@
 use std::io::{self, IoSlice, IoSliceMut};
 
 use crate::aligned::AlignedBytes;
-use crate::device::total_length;
 
 /// Memory a read fills: slices, in order, that receive consecutive bytes.
 pub trait ReadMemory: Send + 'static {
@@ -223,7 +222,11 @@ impl ReadRequest {
         T: ReadMemory,
         F: FnOnce(T, io::Result<()>) + Send + 'static,
     {
-        let length_bytes = total_length(memory.slices_mut().iter().map(|slice| slice.len()));
+        let length_bytes = memory
+            .slices_mut()
+            .iter()
+            .map(|slice| slice.len() as u64)
+            .sum();
         Request {
             offset,
             length_bytes,
@@ -247,7 +250,7 @@ impl WriteRequest {
         T: WriteMemory,
         F: FnOnce(T, io::Result<()>) + Send + 'static,
     {
-        let length_bytes = total_length(memory.slices().iter().map(|slice| slice.len()));
+        let length_bytes = memory.slices().iter().map(|slice| slice.len() as u64).sum();
         Request {
             offset,
             length_bytes,

@@ -52,12 +52,14 @@ pub enum OpenError {
         /// The `break-lock=` id given, when it did not name the current lock.
         asked: Option<String>,
     },
-    #[error("{url}: {}the disk is in use by {holder} (lock object `{key}`); a read-only server would serve data that server has since overwritten: stop it first, or add break-lock={} to the URL to serve the disk read-only anyway (the lock is left in place)", break_lock_mismatch(.asked), .holder.id)]
+    #[error("{url}: {}the disk is in use by {holder} (lock object `{key}`); a read-only server would serve data that server has since overwritten: stop it first, or add break-lock={} to the URL to serve the disk read-only anyway (the lock is left in place)", break_lock_mismatch(.asked), .id)]
     LockedReadOnly {
         url: String,
         key: String,
-        /// Boxed: the error stays small enough to return by value.
-        holder: Box<crate::LockHolder>,
+        /// The holder as the lock object names it (host, pid, since, id); boxed so the
+        /// error stays small enough to return by value.
+        holder: Box<str>,
+        id: String,
         /// The `break-lock=` id given, when it did not name the current lock.
         asked: Option<String>,
     },

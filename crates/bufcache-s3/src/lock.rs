@@ -174,7 +174,8 @@ pub(crate) async fn check_not_held(store: &AmazonS3, url: &S3Url) -> Result<(), 
     Err(OpenError::LockedReadOnly {
         url: url.to_string(),
         key,
-        holder: Box::new(holder),
+        holder: holder.to_string().into_boxed_str(),
+        id: holder.id,
         asked: url.break_lock.clone(),
     })
 }

@@ -86,7 +86,7 @@ pub struct S3Url {
     /// Chunk size when given.
     pub chunk_size_bytes: Option<u64>,
     /// `segment-size=SIZE` (log layout): the most bytes one segment object holds; None means
-    /// [`crate::log::SEGMENT_BYTES_MAX_DEFAULT`]. Not fixed at creation: each segment describes
+    /// `SEGMENT_BYTES_MAX_DEFAULT` (the log module's). Not fixed at creation: each segment describes
     /// itself.
     pub segment_bytes_max: Option<u64>,
     /// Size of a new disk; when the disk exists it must match.

@@ -469,7 +469,8 @@ fn a_read_only_open_writes_nothing_and_respects_another_servers_lock() {
         .err()
         .expect("the disk is held");
     assert!(
-        matches!(refused, OpenError::LockedReadOnly { holder: ref named, .. } if **named == holder),
+        matches!(refused, OpenError::LockedReadOnly { holder: ref named, ref id, .. }
+            if **named == holder.to_string() && *id == holder.id),
         "{refused}"
     );
     let before = counts();
