@@ -199,6 +199,7 @@ fn default_value(name: &str) -> Option<String> {
         "writeback-inflight-max" => config.writeback_inflight_max.to_string(),
         "request-size-max" => size(32 << 20),
         "file-io-threads" => "0".into(),
+        "file-io-uring-depth" => "0".into(),
         "create-size" => size(crate::serve::DEFAULT_BACKING_SIZE_BYTES),
         "metrics" => "\"127.0.0.1:9187\"".into(),
         "connections-max" => crate::limit_args::DEFAULT_CONNECTIONS_MAX.to_string(),

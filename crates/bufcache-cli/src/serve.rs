@@ -132,6 +132,16 @@ pub struct ServeArgs {
     /// each request in the thread that asks for it.
     #[arg(long, value_name = "COUNT", default_value_t = 0)]
     file_io_threads: usize,
+    /// Requests in flight per backing file through one io_uring (Linux): the cache's reads
+    /// and write-back go to the kernel without waiting and complete on one reaper thread.
+    /// 0 (the default) uses no ring. Exclusive with --file-io-threads.
+    #[arg(
+        long,
+        value_name = "COUNT",
+        default_value_t = 0,
+        conflicts_with = "file_io_threads"
+    )]
+    file_io_uring_depth: usize,
     /// Largest NBD request in bytes (advertised maximum block size). Default 32M.
     #[arg(long, value_name = "SIZE", value_parser = |text: &str| parse_size(text).map_err(|e| e.to_string()))]
     request_size_max: Option<u64>,
@@ -326,6 +336,7 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
         create_length_bytes: create_length,
         set_length_bytes: None,
         io_threads: args.file_io_threads,
+        io_uring_depth: args.file_io_uring_depth,
     };
     let device = match FileDevice::open(path, &options) {
         // A file this process may only read is served read-only (as nbdkit's file plugin
@@ -523,6 +534,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
         if args.file_io_threads > 0 {
             bail!("--file-io-threads gives backing files worker threads, and no backend is a file");
+        }
+        if args.file_io_uring_depth > 0 {
+            bail!(
+                "--file-io-uring-depth gives backing files an io_uring, and no backend is a file"
+            );
         }
     }
     let mut rescuable: Vec<rescue::Backend> = Vec::new();

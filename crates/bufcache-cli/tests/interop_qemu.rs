@@ -273,14 +273,16 @@ fn qemu_io_zeroes_and_discards_leave_neighbouring_bytes_alone() {
     const EXPORT: usize = 8 << 20;
     // Block sizes around the unaligned ranges, O_DIRECT (aligned-buffer) file I/O, and a file
     // worker pool (write-back on the workers while zeroing and discards run in the caller's
-    // thread), with and without O_DIRECT.
-    let configurations: [&[&str]; 6] = [
+    // thread), with and without O_DIRECT, and an io_uring, with and without O_DIRECT.
+    let configurations: [&[&str]; 8] = [
         &[],
         &["--block-size", "512"],
         &["--block-size", "64k"],
         &["--direct"],
         &["--file-io-threads", "4"],
         &["--direct", "--file-io-threads", "2"],
+        &["--file-io-uring-depth", "32"],
+        &["--direct", "--file-io-uring-depth", "8"],
     ];
     for extra in configurations {
         let dir = temp_dir();

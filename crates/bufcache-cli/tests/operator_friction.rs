@@ -44,6 +44,8 @@ fn empty_exports_and_meaningless_flag_combinations_are_refused_by_name() {
     assert!(text.contains("--direct"), "{text}");
     let text = serve_refused(&["--backend", "memory:1M", "--file-io-threads", "4"]);
     assert!(text.contains("--file-io-threads"), "{text}");
+    let text = serve_refused(&["--backend", "memory:1M", "--file-io-uring-depth", "32"]);
+    assert!(text.contains("--file-io-uring-depth"), "{text}");
     let text = serve_refused(&["--backend", "memory:1M", "--create-size", "1M"]);
     assert!(text.contains("--create-size"), "{text}");
     let dir = temp_dir();
