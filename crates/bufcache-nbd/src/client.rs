@@ -166,7 +166,7 @@ struct SlotState {
     covered: Vec<std::ops::Range<usize>>,
     done: bool,
     /// Run with the completion when the slot is done, for a request nobody waits for
-    /// ([`Device::start_read`]); it runs on whichever thread finishes the slot, after the
+    /// ([`Device::submit_reads`], [`Device::submit_writes`]); it runs on whichever thread finishes the slot, after the
     /// slot's lock is let go.
     on_done: Option<SlotCallback>,
 }

@@ -239,10 +239,17 @@ impl CpuPool {
         }
         let mut best: Option<Booking> = None;
         for (cpu, intervals) in self.busy.iter().enumerate() {
+            let from = intervals.partition_point(|&(_, end)| end <= at);
+            let free_until = intervals.get(from).map_or(u64::MAX, |&(start, _)| start);
+            if free_until >= at + duration {
+                // This CPU is idle for the whole of it, so it finishes first (ties go to the
+                // lowest index, and earlier CPUs would have finished later): book it without
+                // collecting pieces, the common case for one entity's back-to-back work.
+                return self.book_piece(cpu, (at, at + duration));
+            }
             let mut pieces = Vec::new();
             let mut candidate = at;
             let mut remaining = duration;
-            let from = intervals.partition_point(|&(_, end)| end <= at);
             for &(start, end) in &intervals[from..] {
                 if start > candidate {
                     let take = remaining.min(start - candidate);
@@ -267,18 +274,24 @@ impl CpuPool {
             }
         }
         let (finish, cpu, pieces) = best.expect("one CPU");
-        let intervals = &mut self.busy[cpu];
         for piece in pieces {
-            let index = intervals.partition_point(|&(s, _)| s < piece.0);
-            // Work that starts where the previous booking ends extends it: the gaps are the
-            // same, and the lists stay short for back-to-back work of one entity.
-            if index > 0 && intervals[index - 1].1 == piece.0 {
-                intervals[index - 1].1 = piece.1;
-            } else {
-                intervals.insert(index, piece);
-            }
+            self.book_piece(cpu, piece);
         }
         finish
+    }
+
+    /// Marks `piece` (start, end) busy on `cpu`, which is free then; returns its end.
+    fn book_piece(&mut self, cpu: usize, piece: (u64, u64)) -> u64 {
+        let intervals = &mut self.busy[cpu];
+        let index = intervals.partition_point(|&(s, _)| s < piece.0);
+        // Work that starts where the previous booking ends extends it: the gaps are the
+        // same, and the lists stay short for back-to-back work of one entity.
+        if index > 0 && intervals[index - 1].1 == piece.0 {
+            intervals[index - 1].1 = piece.1;
+        } else {
+            intervals.insert(index, piece);
+        }
+        piece.1
     }
 
     /// Forgets intervals that end before `floor` (no entity can book before it any more).
