@@ -107,7 +107,7 @@ fn break_lock_mismatch(asked: &Option<String>) -> String {
 }
 
 /// A request to the store failed (after the client's retries).
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("{operation} of `{key}` failed: {message}")]
     Request {

@@ -22,6 +22,7 @@
 //!   the client retries errors and timeouts with exponential backoff for `retry-timeout-ms`,
 //!   after which the error is returned, never success.
 
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
@@ -214,6 +215,27 @@ struct Piece {
     within: Range<u64>,
     /// Byte range inside the caller's buffer.
     buffer: Range<usize>,
+}
+
+/// The pieces a batch writes into one chunk, in batch order, and the writes they belong to.
+#[derive(Default)]
+struct ChunkEdits {
+    writes: Vec<usize>,
+    edits: Vec<(Range<u64>, Option<Bytes>)>,
+}
+
+/// True when `ranges` together cover `0..length`.
+fn covers(length: u64, ranges: impl Iterator<Item = Range<u64>>) -> bool {
+    let mut ranges: Vec<Range<u64>> = ranges.collect();
+    ranges.sort_by_key(|range| range.start);
+    let mut covered_to = 0;
+    for range in ranges {
+        if range.start > covered_to {
+            return false;
+        }
+        covered_to = covered_to.max(range.end);
+    }
+    covered_to >= length
 }
 
 /// The chunk store. All methods block the calling thread on the store's own runtime; do not
@@ -702,17 +724,21 @@ impl ChunkStore {
                 })
                 .collect();
         }
-        let mut requests = Vec::new();
+        // Every piece of one chunk, in batch order: one read-modify-write per chunk however
+        // many runs of the batch touch it.
+        let mut chunks: BTreeMap<u64, ChunkEdits> = BTreeMap::new();
         for (write, (offset, length, data)) in writes.iter().enumerate() {
             for piece in self.pieces(*offset, *length) {
                 let source = data.as_ref().map(|data| data.slice(piece.buffer.clone()));
-                requests.push((write, piece, source));
+                let edits = chunks.entry(piece.chunk).or_default();
+                edits.writes.push(write);
+                edits.edits.push((piece.within, source));
             }
         }
-        let outcomes: Vec<(usize, Result<(), StoreError>)> = self.runtime.block_on(
-            stream::iter(requests.into_iter().map(|(write, piece, source)| {
-                let request = self.modify_piece(piece, source);
-                async move { (write, request.await) }
+        let outcomes: Vec<(Vec<usize>, Result<(), StoreError>)> = self.runtime.block_on(
+            stream::iter(chunks.into_iter().map(|(chunk, edits)| {
+                let request = self.modify_chunk(chunk, edits.edits);
+                async move { (edits.writes, request.await) }
             }))
             .buffer_unordered(self.requests_in_flight_max)
             .collect(),
@@ -720,63 +746,61 @@ impl ChunkStore {
         // Every request ran to completion (success or error) before any outcome is reported,
         // so no request is still in flight when the caller sees the result.
         let mut results: Vec<Result<(), StoreError>> = writes.iter().map(|_| Ok(())).collect();
-        for (write, outcome) in outcomes {
-            if let (Err(error), Ok(())) = (outcome, &results[write]) {
-                results[write] = Err(error);
+        for (chunk_writes, outcome) in outcomes {
+            if let Err(error) = outcome {
+                for write in chunk_writes {
+                    if results[write].is_ok() {
+                        results[write] = Err(error.clone());
+                    }
+                }
             }
         }
         results
     }
 
-    /// One chunk's part of a write: a PUT of the whole chunk, a GET + merge + PUT of part of
-    /// it, or a DELETE when it would be all zeroes.
-    fn modify_piece(
+    /// One chunk's part of a batch: the edits (byte range inside the chunk, and the bytes or
+    /// zeroes) applied in order. A PUT of the whole chunk when the edits cover it; otherwise
+    /// one GET, the merge, one PUT; a DELETE when the result would be all zeroes.
+    fn modify_chunk(
         &self,
-        piece: Piece,
-        source: Option<Bytes>,
+        chunk_index: u64,
+        edits: Vec<(Range<u64>, Option<Bytes>)>,
     ) -> impl std::future::Future<Output = Result<(), StoreError>> {
         let chunk_size = self.metadata.chunk_size_bytes;
         let store = self.store.clone();
-        let key = self.chunk_key(piece.chunk);
+        let key = self.chunk_key(chunk_index);
         let locks = self.chunk_locks.clone();
         let stored = self.stored.clone();
         async move {
             // Serialises read-modify-write of one chunk against any other write of it.
-            let _guard = locks[(piece.chunk as usize) % locks.len()].lock().await;
-            let whole = piece.within.start == 0 && piece.within.end == chunk_size;
-            let chunk: Bytes = if whole {
-                source.unwrap_or_default()
+            let _guard = locks[(chunk_index as usize) % locks.len()].lock().await;
+            let covered = covers(chunk_size, edits.iter().map(|(within, _)| within.clone()));
+            let absent = stored
+                .as_ref()
+                .is_some_and(|set| !set.contains(chunk_index));
+            let old = if covered || absent {
+                None
             } else {
                 tracing::debug!(
-                    chunk = piece.chunk,
-                    start = piece.within.start,
-                    end = piece.within.end,
+                    chunk = chunk_index,
+                    edits = edits.len(),
                     "partial chunk write: read, merge, write"
                 );
-                let absent = stored
-                    .as_ref()
-                    .is_some_and(|set| !set.contains(piece.chunk));
-                let old = if absent {
-                    None
-                } else {
-                    get_range(&store, &key, 0..chunk_size).await?
-                };
-                let mut merged = match old {
-                    Some(old) => old.to_vec(),
-                    None => vec![0u8; chunk_size as usize],
-                };
-                let target = &mut merged[piece.within.start as usize..piece.within.end as usize];
+                get_range(&store, &key, 0..chunk_size).await?
+            };
+            let mut merged = match old {
+                Some(old) => old.to_vec(),
+                None => vec![0u8; chunk_size as usize],
+            };
+            for (within, source) in edits {
+                let target = &mut merged[within.start as usize..within.end as usize];
                 match source {
                     Some(source) => target.copy_from_slice(&source),
                     None => target.fill(0),
                 }
-                Bytes::from(merged)
-            };
-            if chunk.iter().all(|&byte| byte == 0) {
-                if stored
-                    .as_ref()
-                    .is_some_and(|set| !set.contains(piece.chunk))
-                {
+            }
+            if merged.iter().all(|&byte| byte == 0) {
+                if absent {
                     return Ok(()); // nothing stored: already reads as zeroes
                 }
                 store
@@ -784,16 +808,16 @@ impl ChunkStore {
                     .await
                     .map_err(|error| request_failed("DELETE", &key, error))?;
                 if let Some(set) = &stored {
-                    set.remove(piece.chunk);
+                    set.remove(chunk_index);
                 }
                 Ok(())
             } else {
                 // Marked before the PUT: a failed PUT may still have stored it.
                 if let Some(set) = &stored {
-                    set.insert(piece.chunk);
+                    set.insert(chunk_index);
                 }
                 store
-                    .put(&ObjectPath::from(key.as_str()), PutPayload::from(chunk))
+                    .put(&ObjectPath::from(key.as_str()), PutPayload::from(merged))
                     .await
                     .map(|_| ())
                     .map_err(|error| request_failed("PUT", &key, error))
