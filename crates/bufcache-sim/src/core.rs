@@ -643,6 +643,13 @@ impl SimCore {
         }
     }
 
+    /// A page-in (`write` false) or page-out of `length` bytes at `offset` in a swap area:
+    /// the disk's time and a request, charged to the current entity like any other; no data
+    /// is stored.
+    pub fn swap_io(&self, write: bool, offset: u64, length: u64) {
+        self.io(if write { Op::Write } else { Op::Read }, offset, length);
+    }
+
     fn io(&self, op: Op, offset: u64, length: u64) {
         let mut state = self.lock();
         if state.queue.is_some() {
