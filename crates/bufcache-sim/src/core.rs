@@ -650,6 +650,12 @@ impl SimCore {
     /// is stored.
     pub fn swap_io(&self, write: bool, offset: u64, length: u64) {
         self.io(if write { Op::Write } else { Op::Read }, offset, length);
+        if !write {
+            // A page-in fills a process's pages, not buffers: `io` counted it (at once, also
+            // behind the queue) among the bytes whose buffer pages get wired; take it back.
+            let mut state = self.lock();
+            state.read_unwired_bytes -= length;
+        }
     }
 
     fn io(&self, op: Op, offset: u64, length: u64) {
