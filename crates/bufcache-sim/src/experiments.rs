@@ -209,6 +209,19 @@ impl CustomRun {
                 d.queue_choices
             ));
         }
+        if let Some(m) = &report.memory {
+            out.push_str(&format!(
+                "memory: pressure peak {:.1} MiB, buffer area {:.1}–{:.1} MiB ({} resizes), paged in {:.1} MiB in {} reads, out {:.1} MiB in {} writes\n",
+                m.pressure_max_bytes as f64 / 1048576.0,
+                m.area_min_bytes as f64 / 1048576.0,
+                m.area_max_bytes as f64 / 1048576.0,
+                m.resizes,
+                m.page_in_bytes as f64 / 1048576.0,
+                m.page_ins,
+                m.page_out_bytes as f64 / 1048576.0,
+                m.page_outs
+            ));
+        }
         out.push_str(&format!(
             "cache: hit ratio {:.4} ({} hits, {} misses), {} evictions, read-ahead {} issued / {} used / {} wasted, {} read clusters, {} write clusters, {} wasted bytes\n",
             c.hit_ratio, c.hits, c.misses, c.evictions, c.readahead_issued_blocks,

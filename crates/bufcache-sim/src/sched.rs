@@ -137,6 +137,107 @@ pub struct MemoryModel {
     pub paging: Option<PagingModel>,
 }
 
+impl MemoryModel {
+    /// Seed 003's ThinkPad 600E as `dynamic-buffers` models it at scale 1: 160 MiB of RAM
+    /// (the thread), 16 MiB reserved (assumed), 6 MiB per job (assumed), 6 MiB wired
+    /// (Tanimura: "only up to 6-7MB ... were wired down"), a fixed area, a look every
+    /// 100 ms, and paging to 320 MiB of swap in 64 KiB clusters (twice RAM, assumed;
+    /// FreeBSD's 16-page fault and page-out clusters).
+    pub fn seed003() -> MemoryModel {
+        let mib = 1u64 << 20;
+        MemoryModel {
+            ram_bytes: 160 * mib,
+            reserved_bytes: 16 * mib,
+            process_bytes: 6 * mib,
+            area_min_bytes: 6 * mib,
+            dynamic: false,
+            period: Duration::from_millis(100),
+            paging: Some(PagingModel {
+                swap_bytes: 320 * mib,
+                cluster_bytes: 64 << 10,
+            }),
+        }
+    }
+}
+
+/// Syntax: `key=value,...` over [`MemoryModel::seed003`] — `ram`, `reserved`, `job` (each
+/// running process's working set), `wired` (the floor a dynamic area keeps), `dynamic` (`on`
+/// or `off`), `period_ms`, `swap` (a size, or `off`: pressure watched, not paged) and
+/// `cluster` (bytes per page-in and page-out). `default` alone is seed 003's machine.
+impl std::str::FromStr for MemoryModel {
+    type Err = SpecError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        const KEYS: &str = "ram, reserved, job, wired, dynamic, period_ms, swap, cluster";
+        let mut model = MemoryModel::seed003();
+        let text = text.trim();
+        if text.is_empty() || text == "default" {
+            return Ok(model);
+        }
+        let size = |key: &str, value: &str| {
+            bufcache::parse_size(value).map_err(|e| SpecError::new(key, value, &e.reason))
+        };
+        for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (key, value) = item
+                .split_once('=')
+                .ok_or_else(|| SpecError::new(item, "", &format!("key=value ({KEYS})")))?;
+            let (key, value) = (key.trim(), value.trim());
+            match key {
+                "ram" => model.ram_bytes = size(key, value)?,
+                "reserved" => model.reserved_bytes = size(key, value)?,
+                "job" => model.process_bytes = size(key, value)?,
+                "wired" => model.area_min_bytes = size(key, value)?,
+                "dynamic" => {
+                    model.dynamic = match value {
+                        "on" | "1" | "true" => true,
+                        "off" | "0" | "false" => false,
+                        _ => return Err(SpecError::new(key, value, "on or off")),
+                    }
+                }
+                "period_ms" => {
+                    let ms: u64 = value
+                        .parse()
+                        .ok()
+                        .filter(|ms| (1..=60_000).contains(ms))
+                        .ok_or_else(|| SpecError::new(key, value, "1 to 60000 ms"))?;
+                    model.period = Duration::from_millis(ms);
+                }
+                "swap" if value == "off" => model.paging = None,
+                "swap" | "cluster" => {
+                    let bytes = size(key, value)?;
+                    let paging = model.paging.get_or_insert(PagingModel {
+                        swap_bytes: 320 << 20,
+                        cluster_bytes: 64 << 10,
+                    });
+                    if key == "swap" {
+                        paging.swap_bytes = bytes;
+                    } else {
+                        paging.cluster_bytes = bytes;
+                    }
+                }
+                _ => return Err(SpecError::new(key, value, &format!("a memory key: {KEYS}"))),
+            }
+        }
+        if model.ram_bytes <= model.reserved_bytes {
+            return Err(SpecError::new(
+                "reserved",
+                &model.reserved_bytes.to_string(),
+                "less than ram",
+            ));
+        }
+        if let Some(paging) = &model.paging {
+            if paging.cluster_bytes == 0 || paging.cluster_bytes > paging.swap_bytes {
+                return Err(SpecError::new(
+                    "cluster",
+                    &paging.cluster_bytes.to_string(),
+                    "above 0 and at most swap",
+                ));
+            }
+        }
+        Ok(model)
+    }
+}
+
 /// Paging to a swap area on the simulated disk. The memory the running processes lack (the
 /// deficit: demand plus wired buffer pages beyond RAM) is taken evenly from their working
 /// sets, so a fraction `deficit / (running × process_bytes)` of each is on swap. Each

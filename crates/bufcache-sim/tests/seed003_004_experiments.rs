@@ -129,3 +129,40 @@ fn a_paging_model_that_cannot_fit_is_refused_by_name() {
         assert!(error.contains(field), "{error}");
     }
 }
+
+#[test]
+fn memory_keys_parse_and_bad_ones_are_refused_by_name() {
+    // Goal: `sim run --memory` takes seed 003's machine by default and refuses a bad key or
+    // value naming it. Method: parse the default, a full set of keys, and bad inputs.
+    use std::time::Duration;
+
+    use bufcache_sim::MemoryModel;
+    let default: MemoryModel = "default".parse().unwrap();
+    assert_eq!(default, MemoryModel::seed003());
+    let model: MemoryModel =
+        "ram=64M,reserved=8M,job=4M,wired=2M,dynamic=on,period_ms=50,swap=128M,cluster=32k"
+            .parse()
+            .unwrap();
+    assert_eq!(model.ram_bytes, 64 << 20);
+    assert_eq!(model.process_bytes, 4 << 20);
+    assert!(model.dynamic);
+    assert_eq!(model.period, Duration::from_millis(50));
+    let paging = model.paging.expect("swap given");
+    assert_eq!(
+        (paging.swap_bytes, paging.cluster_bytes),
+        (128 << 20, 32 << 10)
+    );
+    let watched: MemoryModel = "swap=off".parse().unwrap();
+    assert!(watched.paging.is_none());
+    for (text, field) in [
+        ("rams=1M", "rams"),
+        ("dynamic=maybe", "dynamic"),
+        ("period_ms=0", "period_ms"),
+        ("ram=8M", "reserved"),
+        ("swap=1M,cluster=2M", "cluster"),
+        ("job", "job"),
+    ] {
+        let error = text.parse::<MemoryModel>().unwrap_err().to_string();
+        assert!(error.contains(field), "{text}: {error}");
+    }
+}
