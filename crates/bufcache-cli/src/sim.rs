@@ -101,8 +101,8 @@ enum SimCommand {
         /// period_ms=100, swap=320M, cluster=64k) or those keys; `dynamic=on` reclaims clean
         /// buffer pages first (Tanimura's patch), `swap=off` only watches. The buffer area
         /// starts at --cache-size. Default: memory not modelled.
-        #[arg(long, value_name = "MEMORY")]
-        memory: Option<bufcache_sim::MemoryModel>,
+        #[arg(long, value_name = "MEMORY", value_parser = parse_memory)]
+        memory: Option<Box<bufcache_sim::MemoryModel>>,
         #[command(flatten)]
         engine: Box<EngineArgs>,
     },
@@ -180,7 +180,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             sim_config.io_queue = io_queue;
             sim_config.fs = newfs;
             sim_config.update_period = update_period.map(std::time::Duration::from_secs);
-            sim_config.memory = memory;
+            sim_config.memory = memory.map(|model| *model);
             let progress = spinner("simulating".to_string());
             let report = run_custom_with(&sim_config, &workload);
             progress.finish_and_clear();
@@ -193,6 +193,11 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// `--memory`: boxed, so the subcommand enum stays small.
+fn parse_memory(text: &str) -> Result<Box<bufcache_sim::MemoryModel>, bufcache_sim::SpecError> {
+    text.parse().map(Box::new)
 }
 
 /// `sim check`: runs the seeds, prints each violation with its seed and the summary line.
