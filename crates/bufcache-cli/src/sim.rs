@@ -71,7 +71,8 @@ enum SimCommand {
         bufcache sim run --disk rz25 --workload dd:write,bs=1M,count=86 --cluster-size-max 16k\n  \
         bufcache sim run --disk hdd7200 --workload sweep:file=256M,sizes=32M/64M,bs=1M,passes=4 --cache-size 64M\n  \
         bufcache sim run --disk wan:rtt_ms=80 --workload mixed:scan=512M,ws=32M --policy lru\n  \
-        bufcache sim run --disk rz25 --workload treecopy:files=200,remote=on --newfs default --update-period 30 --io-queue fifo\n\n\
+        bufcache sim run --disk rz25 --workload treecopy:files=200,remote=on --newfs default --update-period 30 --io-queue fifo\n  \
+        bufcache sim run --disk travelstar --workload build:jobs=30,sources=1000,headers=1500,cpu_ms=1388 --cache-size 48M --memory default\n\n\
         Disks: rz25, rz25-1995est, rz28, fireball-tm, travelstar, cheetah9lp, ata2002, hdd7200, nvme, lan, wan (PRESET:key=value,...).\n\
         Workloads: dd, sweep, mixed, treecopy, build (NAME:key=value,...).")]
     Run {
@@ -94,6 +95,14 @@ enum SimCommand {
         /// none.
         #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..=3600))]
         update_period: Option<u64>,
+        /// Share the host's memory between the workload's processes and the buffer area,
+        /// paging what the processes lack to swap on the same disk, in disk time: `default`
+        /// (seed 003's ThinkPad: ram=160M, reserved=16M, job=6M, wired=6M, dynamic=off,
+        /// period_ms=100, swap=320M, cluster=64k) or those keys; `dynamic=on` reclaims clean
+        /// buffer pages first (Tanimura's patch), `swap=off` only watches. The buffer area
+        /// starts at --cache-size. Default: memory not modelled.
+        #[arg(long, value_name = "MEMORY", value_parser = parse_memory)]
+        memory: Option<Box<bufcache_sim::MemoryModel>>,
         #[command(flatten)]
         engine: Box<EngineArgs>,
     },
@@ -158,6 +167,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             json,
             newfs,
             update_period,
+            memory,
             engine,
         } => {
             let config = engine.config()?;
@@ -170,6 +180,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             sim_config.io_queue = io_queue;
             sim_config.fs = newfs;
             sim_config.update_period = update_period.map(std::time::Duration::from_secs);
+            sim_config.memory = memory.map(|model| *model);
             let progress = spinner("simulating".to_string());
             let report = run_custom_with(&sim_config, &workload);
             progress.finish_and_clear();
@@ -182,6 +193,11 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// `--memory`: boxed, so the subcommand enum stays small.
+fn parse_memory(text: &str) -> Result<Box<bufcache_sim::MemoryModel>, bufcache_sim::SpecError> {
+    text.parse().map(Box::new)
 }
 
 /// `sim check`: runs the seeds, prints each violation with its seed and the summary line.

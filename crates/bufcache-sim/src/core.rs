@@ -211,7 +211,8 @@ struct QueueState {
     log: Option<Vec<Dispatch>>,
 }
 
-/// Marks data in the ready map that a queued read has not delivered yet.
+/// Marks bytes in the ready map that a queued read has not delivered yet, or a queued write
+/// has not put on the disk yet.
 const NOT_READY: u64 = u64::MAX;
 
 /// A booking candidate: finish time, CPU, pieces.
@@ -554,8 +555,9 @@ impl SimCore {
     }
 
     /// Waits until the data of device bytes `[offset, offset + length)` has arrived from the
-    /// disk (a read still in flight, or still in the io queue), or reached it (a write the
-    /// disk has been handed).
+    /// disk (a read still in flight, or still in the io queue), or reached it (a write in
+    /// flight or still in the io queue: 4.4BSD sleeps on a busy buffer until its write is
+    /// done).
     pub fn wait_for_data(&self, offset: u64, length: u64) {
         let mut state = self.lock();
         if state.deferred {
@@ -593,7 +595,7 @@ impl SimCore {
     }
 
     /// When the data of device bytes `[offset, offset + length)` last arrived from the disk.
-    /// `u64::MAX` while a read of them waits in the io queue.
+    /// `u64::MAX` while a read or write of them waits in the io queue.
     pub fn ready_at(&self, offset: u64, length: u64) -> u64 {
         self.lock().ready_at(offset, length)
     }
@@ -653,6 +655,19 @@ impl SimCore {
             QUEUED_INFLIGHT_REQUESTS_MAX
         } else {
             1
+        }
+    }
+
+    /// A page-in (`write` false) or page-out of `length` bytes at `offset` in a swap area:
+    /// the disk's time and a request, charged to the current entity like any other; no data
+    /// is stored.
+    pub fn swap_io(&self, write: bool, offset: u64, length: u64) {
+        self.io(if write { Op::Write } else { Op::Read }, offset, length);
+        if !write {
+            // A page-in fills a process's pages, not buffers: `io` counted it (at once, also
+            // behind the queue) among the bytes whose buffer pages get wired; take it back.
+            let mut state = self.lock();
+            state.read_unwired_bytes -= length;
         }
     }
 
@@ -720,8 +735,8 @@ impl CoreState {
                 self.device.write_bytes += length;
                 // Written bytes are on the disk (durable without a write cache) from here: a
                 // later fsync of them waits for this, as 4.4BSD's waits for a busy buffer's
-                // write to finish. (A write still waiting in the io queue is not waited for
-                // here: the engine's own flush waits for the writes it issues.)
+                // write to finish; while the write waits in the io queue they are not ready
+                // (see `submit`).
                 self.mark_ready(offset, length, done_ns);
             }
         }
@@ -845,11 +860,11 @@ impl CoreState {
         }
     }
 
-    /// Puts a request into the io queue at `arrival_ns`; `account` is blocked on it.
+    /// Puts a request into the io queue at `arrival_ns`; `account` is blocked on it. Its
+    /// bytes are not ready until it is served: a read's have not arrived, a write's have not
+    /// reached the disk (so an fsync waits for a queued write-behind write).
     fn submit(&mut self, account: usize, op: Op, offset: u64, length: u64, arrival_ns: u64) {
-        if op == Op::Read {
-            self.mark_ready(offset, length, NOT_READY);
-        }
+        self.mark_ready(offset, length, NOT_READY);
         self.device.queue_entered += 1;
         let queue = self.queue.as_mut().expect("submit needs the io queue");
         let sequence = queue.sequence;
@@ -916,8 +931,10 @@ impl CoreState {
         for member in &batch {
             self.request_done(member.payload.account, done);
         }
-        if op == Op::Read {
-            // Entities waiting for this data (read by another entity) go on.
+        {
+            // Entities waiting for these bytes go on: read by another entity, or written
+            // (an fsync waiting for a write-behind write). Waking only after reads left a
+            // waiter for a queued write blocked for ever while the periodic entities ran on.
             let waiting: Vec<(usize, u64)> = self
                 .chains
                 .iter()
@@ -1651,6 +1668,41 @@ mod tests {
                 assert_eq!((totals.queue_merged, totals.writes), (0, 3));
             }
         }
+    }
+
+    #[test]
+    fn a_wait_for_written_data_holds_until_a_queued_write_reaches_the_disk() {
+        // Goal: fsync's wait for a file's written data (`wait_for_data`) holds until a
+        // write-behind write still waiting in the io queue has reached the disk, and the
+        // write's dispatch wakes the waiter (it neither returns early nor waits for ever).
+        // Method: a read keeps the disk busy; a write of [0, 64 KiB) arrives and waits in the
+        // queue; a third entity then waits for those bytes: it must block, and go on at the
+        // write's completion once the disk has run.
+        let (core, accounts) = core_with_queue(QueueMode::Fifo, true);
+        core.enter(accounts[0], 0);
+        core.io(Op::Read, 100 << 20, 64 << 10);
+        core.dispatch(core.next_dispatch_ns().unwrap());
+        core.enter(accounts[1], 1_000);
+        core.io(Op::Write, 0, 64 << 10);
+        core.enter(accounts[2], 2_000);
+        core.wait_for_data(0, 64 << 10);
+        assert_eq!(
+            core.end_step(),
+            None,
+            "the waiter blocks while the write waits in the queue"
+        );
+        run_disk(&core);
+        let resolved = core.take_resolved();
+        let done = |account: usize| {
+            resolved
+                .iter()
+                .find(|&&(a, _)| a == account)
+                .map(|&(_, time)| time)
+        };
+        let written = done(accounts[1]).expect("the writer goes on");
+        let waited = done(accounts[2]).expect("the waiter goes on");
+        assert!(written > 2_000, "the write was queued behind the read");
+        assert_eq!(waited, written, "the waiter goes on when the write is done");
     }
 
     #[test]

@@ -28,9 +28,11 @@
 //!   file moves to the group `(inode's group + lbn / maxbpg) mod groups` with free space
 //!   (`ffs_blkpref`; maxbpg = NINDIR, `newfs -e`'s default), so large files spread over
 //!   the groups.
-//! - `rotational_positions` (`-n`) is recorded: the block-granular allocator here places a
-//!   gap by whole blocks whatever `-n` is, so it does not change placement (seed 002's
-//!   "-n 1" effect is not modelled; see docs/experiments.md).
+//! - `rotational_positions` (`-n`) changes no placement, as in 4.4BSD on an empty file
+//!   system: `ffs_alloccgblk` takes the requested block when it is free and searches the
+//!   cylinder's rotational positions (`fs_nrpos`) only when it is taken, and the rotdelay gap
+//!   comes from `ffs_blkpref` whatever `-n` is. Files are never freed here, so the requested
+//!   block is always free (seed 002's "-n 1" effect; see docs/experiments.md).
 
 use std::sync::Arc;
 
@@ -67,7 +69,8 @@ pub struct NewfsParams {
     pub maxcontig: u32,
     /// Rotational delay between runs (`-d`), ms; 0 lays runs back to back.
     pub rotdelay_ms: f64,
-    /// Rotational positions per cylinder (`-n`); recorded (see the module documentation).
+    /// Rotational positions per cylinder (`-n`); consulted by 4.4BSD only for a taken
+    /// requested block, which never happens here (see the module documentation).
     pub rotational_positions: u32,
     /// Revolutions per minute the file system assumes (`-r`), for the rotdelay gap.
     pub rpm: u32,

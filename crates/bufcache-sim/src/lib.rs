@@ -56,8 +56,8 @@ pub use replay::{
 };
 pub use report::{Cell, Comparison, ComparisonKind, ExperimentResult, Plot, Series, Table};
 pub use sched::{
-    sim_cache_config, DirId, FileId, MemoryModel, MemoryReport, Os, Process, RunReport, SimConfig,
-    SimError, Simulation, Step, SERVE_BACKGROUND_WORKERS,
+    sim_cache_config, DirId, FileId, MemoryModel, MemoryReport, Os, PagingModel, Process,
+    RunReport, SimConfig, SimError, Simulation, Step, SERVE_BACKGROUND_WORKERS,
 };
 pub use workload::WorkloadSpec;
 

@@ -424,8 +424,50 @@ impl Comparison {
     }
 }
 
+/// Ratios within this of 1 count as no change: a flat result never shares the seed's
+/// direction (`f64::signum` would call a ratio of exactly 1 an increase).
+const FLAT_RATIO_TOLERANCE: f64 = 0.01;
+
+/// The sign of the change a ratio shows: +1 up, -1 down, 0 flat.
+fn change(ratio: f64) -> f64 {
+    if (ratio - 1.0).abs() < FLAT_RATIO_TOLERANCE {
+        0.0
+    } else {
+        (ratio - 1.0).signum()
+    }
+}
+
+/// Whether ours moved as the seed did: `same`, `opposite`, `flat` (the seed's figure moved,
+/// ours did not) or `differs` (the seed's did not move, ours moved by more than 10 %); `-`
+/// for figures.
+pub fn direction_label(entry: &Comparison) -> &'static str {
+    let theirs = match entry.kind {
+        // A ratio above 1 is an increase, below 1 a decrease.
+        ComparisonKind::Shape => change(entry.theirs),
+        // The seed states the sign alone.
+        ComparisonKind::Direction => entry.theirs.signum(),
+        _ => return "-",
+    };
+    let ours = change(entry.ours);
+    if entry.kind == ComparisonKind::Shape && (entry.theirs - 1.0).abs() < 0.02 {
+        // No change in the seed: ours within 10 % counts as the same.
+        return if (entry.ours - 1.0).abs() <= 0.1 {
+            "same"
+        } else {
+            "differs"
+        };
+    }
+    if ours == 0.0 {
+        "flat"
+    } else if ours == theirs {
+        "same"
+    } else {
+        "opposite"
+    }
+}
+
 /// The comparison entries as a table, shapes first: seed, kind, metric, theirs, ours, and
-/// ours/theirs with the direction (same or opposite sign of the change for shapes).
+/// ours/theirs with the direction (see [`direction_label`]).
 pub fn comparison_table(entries: &[Comparison]) -> Table {
     let mut table = Table::new(&[
         "seed",
@@ -443,34 +485,7 @@ pub fn comparison_table(entries: &[Comparison]) -> Table {
         ComparisonKind::Calibration => 2,
     });
     for entry in sorted {
-        let direction = match entry.kind {
-            // A ratio above 1 is an increase, below 1 a decrease.
-            // No change in the seed: ours within 10 % counts as the same.
-            ComparisonKind::Shape if (entry.theirs - 1.0).abs() < 0.02 => {
-                if (entry.ours - 1.0).abs() <= 0.1 {
-                    "same"
-                } else {
-                    "differs"
-                }
-            }
-            ComparisonKind::Shape => {
-                let theirs = (entry.theirs - 1.0).signum();
-                let ours = (entry.ours - 1.0).signum();
-                if theirs == ours {
-                    "same"
-                } else {
-                    "opposite"
-                }
-            }
-            ComparisonKind::Direction => {
-                if (entry.ours - 1.0).signum() == entry.theirs.signum() {
-                    "same"
-                } else {
-                    "opposite"
-                }
-            }
-            _ => "-",
-        };
+        let direction = direction_label(entry);
         let relative = match entry.kind {
             ComparisonKind::Direction => text("-"),
             _ => num(
@@ -536,5 +551,32 @@ impl ExperimentResult {
     pub fn value(&self, row: usize, column: &str) -> Option<f64> {
         let index = self.table.columns.iter().position(|c| c == column)?;
         self.table.rows.get(row)?.get(index)?.value()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_flat_ratio_never_shares_the_seeds_direction() {
+        // Goal: a ratio of 1 (ours did not move) is reported as flat, not as the seed's
+        // increase (f64::signum(0.0) is +1). Method: label shapes and directions whose ours
+        // is exactly 1, slightly off 1, clearly up and clearly down.
+        let shape = |theirs, ours| Comparison::new("002", ComparisonKind::Shape, "m", theirs, ours);
+        let direction =
+            |theirs, ours| Comparison::new("002", ComparisonKind::Direction, "m", theirs, ours);
+        assert_eq!(direction_label(&shape(1.093, 1.0)), "flat");
+        assert_eq!(direction_label(&shape(0.808, 1.004)), "flat");
+        assert_eq!(direction_label(&shape(1.093, 1.2)), "same");
+        assert_eq!(direction_label(&shape(1.093, 0.8)), "opposite");
+        assert_eq!(direction_label(&direction(1.0, 1.0)), "flat");
+        assert_eq!(direction_label(&direction(1.0, 1.36)), "same");
+        assert_eq!(direction_label(&direction(1.0, 0.74)), "opposite");
+        // The seed did not move: ours within 10 % is the same, beyond it differs.
+        assert_eq!(direction_label(&shape(0.995, 1.05)), "same");
+        assert_eq!(direction_label(&shape(0.995, 1.47)), "differs");
+        let figure = Comparison::new("002", ComparisonKind::Figure, "m", 4.3, 2.7);
+        assert_eq!(direction_label(&figure), "-");
     }
 }

@@ -104,26 +104,158 @@ pub struct SimConfig {
 }
 
 /// Memory shared by the running processes and the buffer area (seed 003's dynamic buffers):
-/// every `period` a pager computes the processes' demand — `reserved_bytes` plus
-/// `process_bytes` per primary process started and not finished — and the pressure, the
-/// demand plus the buffer area's pages beyond `ram_bytes`. With `dynamic` it then resizes the
-/// engine's memory limit (`Cache::set_limits`) to what the processes leave, at least
-/// `area_min_bytes`: shrinking as jobs start (the engine evicts and writes back), growing
-/// as they end. Paging itself is not timed.
+/// every `period` a pager (the page daemon) computes the processes' demand —
+/// `reserved_bytes` plus `process_bytes` (the working set) per primary process started and
+/// not finished — and the pressure, the demand plus the buffer pages beyond `ram_bytes`.
+///
+/// - Fixed (`dynamic` false, 4.x's `buffer_map`): every buffer page is wired, so the page
+///   daemon can take memory only from the processes.
+/// - Dynamic (`dynamic` true, Tanimura's patch in seed 003): a clean buffer's pages are
+///   unwired and passed to `vm_page_dontneed`, so under pressure the page daemon reclaims
+///   them before any process page (`Cache::set_limits` evicts clean buffers), down to
+///   `area_min_bytes`, the pages that stay wired (dirty or busy). Without pressure the area
+///   grows back into the memory the processes leave.
+///
+/// With `paging`, what the processes lack is paged to a swap area on the same disk, in
+/// disk time: see [`PagingModel`]. Without it the pressure is only watched.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MemoryModel {
     /// The host's RAM.
     pub ram_bytes: u64,
     /// Memory the kernel and other programs hold.
     pub reserved_bytes: u64,
-    /// Memory each running primary process needs.
+    /// Working set of each running primary process.
     pub process_bytes: u64,
-    /// Smallest buffer area the pager leaves.
+    /// Buffer pages the page daemon cannot reclaim from a dynamic area (wired: dirty or
+    /// busy).
     pub area_min_bytes: u64,
-    /// Resize the buffer area (dynamic) or only watch it (fixed).
+    /// Unwired, reclaimable buffer pages (dynamic) or a wired area (fixed).
     pub dynamic: bool,
     /// How often the pager looks.
     pub period: Duration,
+    /// Paging to swap with a cost; `None`: the pressure is watched, not timed.
+    pub paging: Option<PagingModel>,
+}
+
+impl MemoryModel {
+    /// Seed 003's ThinkPad 600E as `dynamic-buffers` models it at scale 1: 160 MiB of RAM
+    /// (the thread), 16 MiB reserved (assumed), 6 MiB per job (assumed), 6 MiB wired
+    /// (Tanimura: "only up to 6-7MB ... were wired down"), a fixed area, a look every
+    /// 100 ms, and paging to 320 MiB of swap in 64 KiB clusters (twice RAM, assumed;
+    /// FreeBSD's 16-page fault and page-out clusters).
+    pub fn seed003() -> MemoryModel {
+        let mib = 1u64 << 20;
+        MemoryModel {
+            ram_bytes: 160 * mib,
+            reserved_bytes: 16 * mib,
+            process_bytes: 6 * mib,
+            area_min_bytes: 6 * mib,
+            dynamic: false,
+            period: Duration::from_millis(100),
+            paging: Some(PagingModel {
+                swap_bytes: 320 * mib,
+                cluster_bytes: 64 << 10,
+            }),
+        }
+    }
+}
+
+/// Syntax: `key=value,...` over [`MemoryModel::seed003`] — `ram`, `reserved`, `job` (each
+/// running process's working set), `wired` (the floor a dynamic area keeps), `dynamic` (`on`
+/// or `off`), `period_ms`, `swap` (a size, or `off`: pressure watched, not paged) and
+/// `cluster` (bytes per page-in and page-out). `default` alone is seed 003's machine.
+impl std::str::FromStr for MemoryModel {
+    type Err = SpecError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        const KEYS: &str = "ram, reserved, job, wired, dynamic, period_ms, swap, cluster";
+        let mut model = MemoryModel::seed003();
+        let text = text.trim();
+        if text.is_empty() || text == "default" {
+            return Ok(model);
+        }
+        let size = |key: &str, value: &str| {
+            bufcache::parse_size(value).map_err(|e| SpecError::new(key, value, &e.reason))
+        };
+        for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (key, value) = item
+                .split_once('=')
+                .ok_or_else(|| SpecError::new(item, "", &format!("key=value ({KEYS})")))?;
+            let (key, value) = (key.trim(), value.trim());
+            match key {
+                "ram" => model.ram_bytes = size(key, value)?,
+                "reserved" => model.reserved_bytes = size(key, value)?,
+                "job" => model.process_bytes = size(key, value)?,
+                "wired" => model.area_min_bytes = size(key, value)?,
+                "dynamic" => {
+                    model.dynamic = match value {
+                        "on" | "1" | "true" => true,
+                        "off" | "0" | "false" => false,
+                        _ => return Err(SpecError::new(key, value, "on or off")),
+                    }
+                }
+                "period_ms" => {
+                    let ms: u64 = value
+                        .parse()
+                        .ok()
+                        .filter(|ms| (1..=60_000).contains(ms))
+                        .ok_or_else(|| SpecError::new(key, value, "1 to 60000 ms"))?;
+                    model.period = Duration::from_millis(ms);
+                }
+                "swap" if value == "off" => model.paging = None,
+                "swap" | "cluster" => {
+                    let bytes = size(key, value)?;
+                    let paging = model.paging.get_or_insert(PagingModel {
+                        swap_bytes: 320 << 20,
+                        cluster_bytes: 64 << 10,
+                    });
+                    if key == "swap" {
+                        paging.swap_bytes = bytes;
+                    } else {
+                        paging.cluster_bytes = bytes;
+                    }
+                }
+                _ => return Err(SpecError::new(key, value, &format!("a memory key: {KEYS}"))),
+            }
+        }
+        if model.ram_bytes <= model.reserved_bytes {
+            return Err(SpecError::new(
+                "reserved",
+                &model.reserved_bytes.to_string(),
+                "less than ram",
+            ));
+        }
+        if let Some(paging) = &model.paging {
+            if paging.cluster_bytes == 0 || paging.cluster_bytes > paging.swap_bytes {
+                return Err(SpecError::new(
+                    "cluster",
+                    &paging.cluster_bytes.to_string(),
+                    "above 0 and at most swap",
+                ));
+            }
+        }
+        Ok(model)
+    }
+}
+
+/// Paging to a swap area on the simulated disk. The memory the running processes lack (the
+/// deficit: demand plus wired buffer pages beyond RAM) is taken evenly from their working
+/// sets, so a fraction `deficit / (running × process_bytes)` of each is on swap. Each
+/// [`Os::compute`] touches the process's whole working set once and so pages that
+/// fraction back in first, blocking the process: one disk read per `cluster_bytes`, at a
+/// random place in the swap area, each a fault (a trap and the pages' mapping, sys time).
+/// The page daemon frees as much again by writing other pages out, asynchronously, in
+/// `cluster_bytes` writes placed one after another in the swap area; when the deficit grows
+/// it writes the growth out too. Every page taken is assumed dirty (anonymous memory: a
+/// compiler's heap), so every page-out is a write.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PagingModel {
+    /// Size of the swap area, bytes. It lies before the flat file layout (4.4BSD's
+    /// disklabel put swap, `b`, after root and before /usr) or, with the FFS model, at the
+    /// disk's end.
+    pub swap_bytes: u64,
+    /// Bytes one page-in reads and one page-out writes.
+    pub cluster_bytes: u64,
 }
 
 /// What the pager saw over a run.
@@ -139,6 +271,14 @@ pub struct MemoryReport {
     pub area_max_bytes: u64,
     /// Times the pager changed the limit.
     pub resizes: u64,
+    /// Bytes paged in from swap (with a paging model).
+    pub page_in_bytes: u64,
+    /// Page-in reads.
+    pub page_ins: u64,
+    /// Bytes paged out to swap.
+    pub page_out_bytes: u64,
+    /// Page-out writes.
+    pub page_outs: u64,
 }
 
 /// The pager's state.
@@ -153,6 +293,10 @@ struct Pager {
     last_pressure_bytes: u64,
     report: MemoryReport,
 }
+
+/// Where the flat layout's first file (or the swap area before it) starts: past the
+/// superblock area.
+const FLAT_LAYOUT_START_BYTES: u64 = 64 << 10;
 
 /// Background worker threads `serve` gives the engine (`bufcache_host::BACKGROUND_WORKERS`):
 /// with an io queue the simulator runs as many I/O daemons, so their requests can wait in
@@ -237,6 +381,32 @@ pub struct World {
     calls_to_sample: u64,
     /// The FFS model, when configured.
     ffs: Option<FfsState>,
+    /// The paging model's state, when configured.
+    paging: Option<Paging>,
+}
+
+/// The paging model's state: the processes page in (in [`Os::compute`]), the pager pages
+/// out.
+struct Paging {
+    model: PagingModel,
+    /// First byte of the swap area on the disk.
+    swap_offset: u64,
+    /// Working set of each running process.
+    process_bytes: u64,
+    /// Fraction of each running process's working set on swap, as the pager last saw it.
+    nonresident_fraction: f64,
+    /// The deficit the pager last saw, bytes.
+    deficit_bytes: u64,
+    /// Bytes the page daemon has still to write out.
+    page_out_pending_bytes: u64,
+    /// Where the next page-out goes, relative to `swap_offset`.
+    page_out_cursor: u64,
+    /// Places page-ins in the swap area.
+    rng: SimRng,
+    page_in_bytes: u64,
+    page_ins: u64,
+    page_out_bytes: u64,
+    page_outs: u64,
 }
 
 /// The FFS model's state: the allocator, the raw-device object caching metadata blocks,
@@ -266,6 +436,60 @@ const DIRECTORY_BLOCK_BYTES_USIZE: usize = crate::fs::DIRECTORY_BLOCK_BYTES as u
 const ROOT_DIRECTORY_ENTRIES: u64 = 4096;
 
 impl World {
+    /// Pages in the part of the current process's working set that is on swap (it is about
+    /// to touch all of it): one blocking read per cluster at a random place in the swap
+    /// area, each a fault costing a trap and the mapping of its pages. The page daemon owes
+    /// as many bytes of page-outs.
+    fn page_in(&mut self) {
+        let Some(paging) = self.paging.as_mut() else {
+            return;
+        };
+        if paging.nonresident_fraction <= 0.0 {
+            return;
+        }
+        let page = self.page_bytes;
+        let bytes = ((paging.nonresident_fraction * paging.process_bytes as f64) as u64)
+            .div_ceil(page)
+            * page;
+        let cluster = paging.model.cluster_bytes;
+        let slots = (paging.model.swap_bytes / cluster).max(1);
+        let mut left = bytes;
+        while left > 0 {
+            let length = left.min(cluster);
+            let offset = paging.swap_offset + paging.rng.below(slots) * cluster;
+            let pages = length.div_ceil(page);
+            self.core
+                .cpu(0, self.host.syscall_ns + pages * self.host.wire_page_ns);
+            self.core.swap_io(false, offset, length);
+            paging.page_ins += 1;
+            paging.page_in_bytes += length;
+            left -= length;
+        }
+        paging.page_out_pending_bytes += bytes;
+    }
+
+    /// The page daemon writes out what it owes, in clusters placed one after another in
+    /// the swap area (wrapping at its end).
+    fn page_out(&mut self) {
+        let Some(paging) = self.paging.as_mut() else {
+            return;
+        };
+        let cluster = paging.model.cluster_bytes;
+        let area = (paging.model.swap_bytes / cluster).max(1) * cluster;
+        while paging.page_out_pending_bytes > 0 {
+            let length = paging.page_out_pending_bytes.min(cluster);
+            if paging.page_out_cursor + length > area {
+                paging.page_out_cursor = 0;
+            }
+            self.core
+                .swap_io(true, paging.swap_offset + paging.page_out_cursor, length);
+            paging.page_out_cursor += length;
+            paging.page_outs += 1;
+            paging.page_out_bytes += length;
+            paging.page_out_pending_bytes -= length;
+        }
+    }
+
     /// Charges page wiring for buffers the engine filled and unwiring for buffers it evicted,
     /// to the running entity, at O(1) cost per call.
     ///
@@ -440,8 +664,10 @@ impl Os<'_> {
         self.world.core.account(self.account)
     }
 
-    /// User-mode computation of `ns`.
+    /// User-mode computation of `ns`. With a paging model the process first pages in the
+    /// part of its working set that is on swap (see [`PagingModel`]).
     pub fn compute(&mut self, ns: u64) {
+        self.world.page_in();
         self.world.core.cpu(ns, 0);
     }
 
@@ -828,11 +1054,39 @@ impl Simulation {
             config.cache.clone(),
             Environment::new(clock.clone(), spawner.clone(), waiter),
         )?;
+        let paging_model = config.memory.as_ref().and_then(|m| m.paging.clone());
+        let swap_bytes = match &paging_model {
+            Some(paging) => {
+                if paging.cluster_bytes == 0 || paging.swap_bytes < paging.cluster_bytes {
+                    return Err(SimError::Invalid(format!(
+                        "memory paging: cluster_bytes ({}) must be at least 1 and at most \
+                         swap_bytes ({})",
+                        paging.cluster_bytes, paging.swap_bytes
+                    )));
+                }
+                if paging.swap_bytes.saturating_add(FLAT_LAYOUT_START_BYTES) >= capacity / 2 {
+                    return Err(SimError::Invalid(format!(
+                        "memory paging: swap_bytes ({}) must be under half of the disk \
+                         {} ({capacity} bytes)",
+                        paging.swap_bytes, config.disk.name
+                    )));
+                }
+                paging.swap_bytes
+            }
+            None => 0,
+        };
+        // Swap before the flat layout's files (as 4.4BSD's `b` before /usr); with the FFS
+        // model, which spans the disk it is given, at the disk's end.
+        let swap_offset = if config.fs.is_some() {
+            capacity - swap_bytes
+        } else {
+            FLAT_LAYOUT_START_BYTES
+        };
         let layout = FsLayout::new(
             config.layout.clone(),
             config.disk.bytes_per_ms(),
             capacity,
-            64 << 10,
+            FLAT_LAYOUT_START_BYTES + if config.fs.is_some() { 0 } else { swap_bytes },
         );
         let block_pages = (config.layout.block_size as u64)
             .div_ceil(config.cache.page_size_bytes)
@@ -879,6 +1133,20 @@ impl Simulation {
                 page_bytes: config.cache.page_size_bytes.max(1),
                 calls_to_sample: 64,
                 ffs: None,
+                paging: paging_model.map(|model| Paging {
+                    swap_offset,
+                    process_bytes: config.memory.as_ref().map(|m| m.process_bytes).unwrap_or(0),
+                    nonresident_fraction: 0.0,
+                    deficit_bytes: 0,
+                    page_out_pending_bytes: 0,
+                    page_out_cursor: 0,
+                    rng: SimRng::new(config.seed ^ 0x5A4B_0000_0000_0001),
+                    page_in_bytes: 0,
+                    page_ins: 0,
+                    page_out_bytes: 0,
+                    page_outs: 0,
+                    model,
+                }),
             },
             spawner,
             entities: Vec::new(),
@@ -894,7 +1162,7 @@ impl Simulation {
             update_spawned: false,
         };
         if let Some(params) = &config.fs {
-            sim.newfs(params.clone(), capacity)?;
+            sim.newfs(params.clone(), capacity - swap_bytes)?;
         }
         Ok(sim)
     }
@@ -1138,8 +1406,10 @@ impl Simulation {
         }
     }
 
-    /// One look of the pager at `time`: the demand of the processes running now, the
-    /// pressure, and with a dynamic area the engine's new memory limit.
+    /// One look of the pager at `time`: the demand of the processes running now and the
+    /// pressure; with a dynamic area the reclaim of unwired buffer pages (or the area's
+    /// growth into free memory); with paging the deficit the processes page, and the
+    /// page daemon's writes.
     fn page(&mut self, time: u64) {
         let running = self
             .entities
@@ -1151,7 +1421,7 @@ impl Simulation {
             .pager
             .as_mut()
             .expect("the pager runs only when modelled");
-        let model = &pager.model;
+        let model = pager.model.clone();
         let demand = model.reserved_bytes + running * model.process_bytes;
         let pressure = (demand + memory_used).saturating_sub(model.ram_bytes);
         pager.report.pressure_byte_seconds +=
@@ -1160,25 +1430,55 @@ impl Simulation {
         pager.last_pressure_bytes = pressure;
         pager.report.pressure_max_bytes = pager.report.pressure_max_bytes.max(pressure);
         let period = (model.period.as_nanos() as u64).max(1);
+        // Under pressure the page daemon reclaims unwired buffer pages first (they were
+        // passed to vm_page_dontneed), down to the wired ones; without pressure the area may
+        // grow into what the processes leave. Both are this one limit.
         let area = model
             .ram_bytes
             .saturating_sub(demand)
             .max(model.area_min_bytes);
-        if !model.dynamic || area == pager.area_bytes {
+        let account = pager.account;
+        let mut entered = false;
+        let mut buffer_bytes = memory_used;
+        if model.dynamic && area != pager.area_bytes {
+            pager.area_bytes = area;
+            pager.report.resizes += 1;
+            pager.report.area_min_bytes = pager.report.area_min_bytes.min(area);
+            pager.report.area_max_bytes = pager.report.area_max_bytes.max(area);
+            let buffers_max = pager.buffers_max;
+            self.world.core.enter(account, time);
+            entered = true;
+            // Reclaiming evicts clean buffers and writes dirty ones back; a limit the cache
+            // cannot reach at once (everything pinned) stays set, and later allocations free
+            // the rest.
+            let _ = self.world.cache.set_limits(area, buffers_max);
+            self.world.charge_engine();
+            buffer_bytes = self.world.cache.stats().memory_used_bytes;
+        }
+        if let Some(paging) = self.world.paging.as_mut() {
+            let deficit = (demand + buffer_bytes).saturating_sub(model.ram_bytes);
+            let working = running * model.process_bytes;
+            paging.nonresident_fraction = if working == 0 {
+                0.0
+            } else {
+                (deficit as f64 / working as f64).min(1.0)
+            };
+            // A growing deficit is written out now; page-ins owe their page-outs.
+            paging.page_out_pending_bytes += deficit.saturating_sub(paging.deficit_bytes);
+            paging.deficit_bytes = deficit;
+            if paging.page_out_pending_bytes > 0 {
+                if !entered {
+                    self.world.core.enter(account, time);
+                    entered = true;
+                }
+                self.world.page_out();
+            }
+        }
+        let pager = self.pager.as_mut().expect("checked above");
+        if !entered {
             pager.next_ns = time + period;
             return;
         }
-        pager.area_bytes = area;
-        pager.report.resizes += 1;
-        pager.report.area_min_bytes = pager.report.area_min_bytes.min(area);
-        pager.report.area_max_bytes = pager.report.area_max_bytes.max(area);
-        let (account, buffers_max) = (pager.account, pager.buffers_max);
-        self.world.core.enter(account, time);
-        // Shrinking evicts clean buffers and writes dirty ones back; a limit the cache cannot
-        // reach at once (everything pinned) stays set, and later allocations free the rest.
-        let _ = self.world.cache.set_limits(area, buffers_max);
-        self.world.charge_engine();
-        let pager = self.pager.as_mut().expect("checked above");
         match self.world.core.end_step() {
             Some(end) => pager.next_ns = (time + period).max(end),
             None => pager.blocked = Some(time),
@@ -1310,6 +1610,12 @@ impl Simulation {
             cache: CacheSummary::from_stats(&self.world.cache.stats()),
             memory: self.pager.as_ref().map(|pager| {
                 let mut report = pager.report.clone();
+                if let Some(paging) = &self.world.paging {
+                    report.page_in_bytes = paging.page_in_bytes;
+                    report.page_ins = paging.page_ins;
+                    report.page_out_bytes = paging.page_out_bytes;
+                    report.page_outs = paging.page_outs;
+                }
                 report.pressure_byte_seconds += pager.last_pressure_bytes as f64
                     * seconds(elapsed.saturating_sub(pager.last_ns));
                 report
