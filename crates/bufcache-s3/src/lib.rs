@@ -21,8 +21,9 @@ pub use device::S3Device;
 pub use error::{OpenError, StoreError};
 pub use lock::{release_locks, DiskLock, LockHolder, LOCK_NAME};
 pub use log::{
-    LogConfig, LogStore, CHECKPOINT_INTERVAL_SEGMENTS_DEFAULT, SEGMENTS_IN_FLIGHT_MAX_DEFAULT,
-    SEGMENT_BYTES_MAX_DEFAULT,
+    GcReport, LogConfig, LogStore, CHECKPOINT_INTERVAL_SEGMENTS_DEFAULT, GC_BYTES_MAX_DEFAULT,
+    GC_INTERVAL_MS_DEFAULT, GC_REQUESTS_IN_FLIGHT_MAX_DEFAULT, GC_THRESHOLD_DEFAULT,
+    SEGMENTS_IN_FLIGHT_MAX_DEFAULT, SEGMENT_BYTES_MAX_DEFAULT,
 };
 pub use store::{ChunkStore, DiskMetadata, ReadOnly, FORMAT_VERSION, FORMAT_VERSION_LOG};
 pub use url::{LayoutKind, S3Url, UrlError, CHUNK_SIZE_DEFAULT_BYTES, LAYOUT_DEFAULT};
