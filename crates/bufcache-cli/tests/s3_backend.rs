@@ -40,7 +40,10 @@ fn random_data_round_trips_through_qemu_img_and_nbdcopy_and_survives_restart() {
     let mut data = random_bytes(24 * MIB as usize, 11);
     data.resize(64 * MIB as usize, 0);
     write_file(&input, &data);
-    let url = disk_url(&moto.endpoint(), "&create-size=64M&chunk-size=1M");
+    let url = disk_url(
+        &moto.endpoint(),
+        "&create-size=64M&chunk-size=1M&layout=chunk",
+    );
     let mut server = Server::start(
         dir.path(),
         "s3",
@@ -142,7 +145,7 @@ fn flush_fails_while_the_store_is_down_and_succeeds_after_with_data_intact() {
     let proxy = Proxy::start(moto.port);
     let url = disk_url(
         &proxy.endpoint(),
-        "&create-size=16M&chunk-size=1M&retry-timeout-ms=1000",
+        "&create-size=16M&chunk-size=1M&layout=chunk&retry-timeout-ms=1000",
     );
     let mut server = Server::start(dir.path(), "s3", &["--backend", &url]);
     let client = NbdClient::connect(&server.uri()).unwrap();
@@ -211,7 +214,10 @@ fn second_server_on_one_s3_disk_is_refused_naming_the_holder_until_released_or_b
     let dir = temp_dir();
     let moto = Moto::start();
     moto.create_bucket("disks");
-    let url = disk_url(&moto.endpoint(), "&create-size=8M&chunk-size=1M");
+    let url = disk_url(
+        &moto.endpoint(),
+        "&create-size=8M&chunk-size=1M&layout=chunk",
+    );
 
     let mut first = Server::start(dir.path(), "first", &["--backend", &url]);
     // The bucket as it is, read without taking the lock.
@@ -376,7 +382,10 @@ fn ext4_on_an_s3_disk_survives_a_server_restart_clean_and_intact() {
         fuse_mount(command, &fs_mount)
     };
 
-    let url = disk_url(&moto.endpoint(), "&create-size=64M&chunk-size=1M");
+    let url = disk_url(
+        &moto.endpoint(),
+        "&create-size=64M&chunk-size=1M&layout=chunk",
+    );
     let mut server = Server::start(
         dir.path(),
         "first",

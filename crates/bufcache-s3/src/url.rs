@@ -43,9 +43,10 @@ impl LayoutKind {
     }
 }
 
-/// Layout of a disk created without `layout=`: the chunk layout, so that every tool and test
-/// that reads chunk objects of a new disk keeps working (docs/s3.md, "Log layout").
-pub const LAYOUT_DEFAULT: LayoutKind = LayoutKind::Chunk;
+/// Layout of a disk a server creates without `layout=`: the log layout, where every write
+/// costs its own bytes once (docs/s3.md, "Log layout"). An existing disk keeps the layout
+/// its metadata object records; [`crate::ChunkStore::open`] creates chunk disks.
+pub const LAYOUT_DEFAULT: LayoutKind = LayoutKind::Log;
 
 /// What is wrong with a backend URL; every variant names the offending part.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
