@@ -742,3 +742,69 @@ fn a_write_between_the_collector_read_and_its_append_wins_live_and_after_a_crash
         }
     }
 }
+
+// Goal: a log disk opened read-only reads what a writing server's recovery would give and
+// writes nothing at all: no lock, no deletes (not even of the segment after a gap, which a
+// writing open deletes), no checkpoint at close; writes are refused; a disk whose lock
+// another server holds is refused unless `break-lock=` names it. Method: three flushed
+// epochs in three segments, the store abandoned (its lock left), segment 2 deleted behind
+// its back; read-only opens with and without break-lock; moto's PUT and DELETE counts
+// before and after; then a writing open deletes segment 3.
+#[test]
+fn a_read_only_log_disk_reads_the_recovered_prefix_and_writes_nothing() {
+    let name = "a_read_only_log_disk_reads_the_recovered_prefix_and_writes_nothing";
+    if !have_moto(name) {
+        return;
+    }
+    let moto = Moto::start();
+    moto.create_bucket("bucket");
+    let raw = Raw::new(&moto);
+    let endpoint = moto.endpoint();
+    let store = open(&endpoint, "&create-size=1M&layout=log&gc=off").unwrap();
+    for epoch in 1..=3u8 {
+        store
+            .write(&[epoch; 4096], u64::from(epoch) * 4096)
+            .unwrap();
+        store.flush().unwrap();
+    }
+    let id = crash(store);
+    let segments = raw.list("log/segments");
+    assert_eq!(segments.len(), 3, "{segments:?}");
+    raw.delete(&segments[1].0);
+    let writes_before = (moto.request_count("PUT"), moto.request_count("DELETE"));
+    let refused = LogStore::open_read_only(&url(&endpoint, ""))
+        .err()
+        .expect("another server's lock refuses a read-only open");
+    assert!(
+        matches!(refused, OpenError::LockedReadOnly { .. }),
+        "{refused}"
+    );
+    let reader = LogStore::open_read_only(&url(&endpoint, &format!("&break-lock={id}"))).unwrap();
+    assert!(reader.read_only().is_some());
+    let image = read_all(&reader, 4 * 4096);
+    assert!(image[..4096].iter().all(|&byte| byte == 0));
+    assert!(image[4096..8192].iter().all(|&byte| byte == 1));
+    assert!(image[8192..].iter().all(|&byte| byte == 0), "after the gap");
+    let write = reader.write(&[7; 4096], 0).unwrap_err();
+    assert!(
+        matches!(write, bufcache_s3::StoreError::ReadOnly { .. }),
+        "{write}"
+    );
+    assert!(reader.write_zeroes(0, 4096).is_err());
+    reader.flush().unwrap();
+    assert!(reader.collect_garbage(0.5).is_err());
+    drop(reader);
+    assert_eq!(
+        (moto.request_count("PUT"), moto.request_count("DELETE")),
+        writes_before,
+        "(PUT, DELETE): none from a read-only store"
+    );
+    assert_eq!(raw.list("log/segments").len(), 2, "segment 3 left in place");
+    let writer = open(&endpoint, &format!("&break-lock={id}")).unwrap();
+    assert_eq!(
+        raw.list("log/segments").len(),
+        1,
+        "a writing open deletes it"
+    );
+    drop(writer);
+}

@@ -7,9 +7,11 @@
 //!    one is empty: the last live byte went at or before it), and deletes the doomed
 //!    segments the newest durable checkpoint covers that far;
 //! 2. picks durable segments whose live fraction (live bytes ÷ object bytes) is below the
-//!    threshold, least live first, as long as their live bytes fit in `gc_bytes_max`;
+//!    threshold, and beyond them, while the stored segment bytes exceed
+//!    `gc_stored_ratio_max` × the live bytes by more than a segment, the least live ones of
+//!    any fraction; least live first, as long as their object bytes fit in `gc_bytes_max`;
 //! 3. reads their live extents with ranged GETs (at most `gc_requests_in_flight_max` at
-//!    once), adjacent ones in one GET;
+//!    once), extents less than `GC_READ_GAP_BYTES_MAX` apart in one GET;
 //! 4. appends them to the log as copies of their source (see `segment.rs`): each piece
 //!    applies only where the index still maps it to the source, so a client write or trim
 //!    that landed after the read wins, both now and when the log is replayed after a crash.
@@ -39,6 +41,9 @@ use std::time::Duration;
 use super::{Core, Mapping};
 use crate::error::{chain, StoreError};
 use crate::store::get_range;
+
+/// Live extents of one segment at most this far apart are fetched by one ranged GET.
+const GC_READ_GAP_BYTES_MAX: u64 = 256 << 10;
 
 /// What garbage collection did: in one round, or in total since the disk was opened.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -81,6 +86,7 @@ impl Core {
         threshold: f64,
         between: &mut dyn FnMut(),
     ) -> Result<GcReport, StoreError> {
+        self.check_writable()?;
         let _round = self
             .collector
             .lock()
@@ -211,27 +217,42 @@ impl Core {
     /// and then object order.
     fn pick_sources(&self, threshold: f64) -> Vec<Live> {
         let state = self.shared.lock();
-        let mut candidates: Vec<(f64, u64, u64)> = state
+        // (live fraction, sequence, live bytes, object bytes) of every segment that could go.
+        let mut candidates: Vec<(f64, u64, u64, u64)> = state
             .stored
             .iter()
             .filter(|(sequence, _)| !state.doomed.contains_key(sequence))
             .filter_map(|(&sequence, &bytes)| {
                 let live = state.index.live_bytes(sequence);
                 let fraction = live as f64 / bytes.max(1) as f64;
-                (live > 0 && fraction < threshold).then_some((fraction, sequence, live))
+                (live > 0).then_some((fraction, sequence, live, bytes))
             })
             .collect();
-        if candidates.is_empty() {
-            return Vec::new();
-        }
         candidates.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        // The space rule: while the stored bytes exceed `gc_stored_ratio_max` × the live ones
+        // by more than a segment (less is the open segment's and headers' share, not worth a
+        // rewrite), the least live segments go too, whatever their fraction.
+        let live_total: u64 = candidates.iter().map(|&(_, _, live, _)| live).sum();
+        let stored_total: u64 = candidates.iter().map(|&(_, _, _, bytes)| bytes).sum();
+        let mut excess = stored_total as f64
+            - self.config.gc_stored_ratio_max * live_total as f64
+            - self.config.segment_bytes_max as f64;
         let mut chosen = std::collections::BTreeSet::new();
         let mut budget = self.config.gc_bytes_max;
-        for (_, sequence, live) in candidates {
-            if live <= budget {
-                budget -= live;
+        for (fraction, sequence, live, bytes) in candidates {
+            if fraction >= threshold && excess <= 0.0 {
+                break;
+            }
+            // The object's bytes bound what reading its live extents downloads (gaps are
+            // read through).
+            if bytes <= budget {
+                budget -= bytes;
+                excess -= (bytes - live) as f64;
                 chosen.insert(sequence);
             }
+        }
+        if chosen.is_empty() {
+            return Vec::new();
         }
         let mut live: Vec<Live> = state
             .index
@@ -244,12 +265,17 @@ impl Core {
 
     /// Reads the live extents (step 3 of the module docs): (disk offset, source, bytes).
     fn read_live(&self, live: Vec<Live>) -> Result<Vec<LiveRead>, StoreError> {
-        // Runs of extents adjacent in one object become one GET.
+        // Extents of one object less than GC_READ_GAP_BYTES_MAX apart become one GET (the
+        // dead bytes between them are downloaded and dropped: one request instead of one per
+        // extent, which for scattered small writes is what bounds the collector's speed).
         let mut requests: Vec<Run> = Vec::new();
         for (disk_offset, mapping) in live {
             let range = mapping.object_offset..mapping.object_offset + mapping.length;
             if let Some((segment, run, parts)) = requests.last_mut() {
-                if *segment == mapping.segment && run.end == range.start {
+                if *segment == mapping.segment
+                    && range.start >= run.end
+                    && range.start - run.end <= GC_READ_GAP_BYTES_MAX
+                {
                     parts.push((disk_offset, range.start - run.start, mapping.length));
                     run.end = range.end;
                     continue;

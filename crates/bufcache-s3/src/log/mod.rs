@@ -51,8 +51,11 @@ use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, PutPayload};
 
 use crate::error::{chain, request_failed, OpenError, StoreError};
-use crate::lock::{Acquired, DiskLock};
-use crate::store::{connect, get_range, Connection, DiskMetadata, REQUESTS_IN_FLIGHT_MAX_DEFAULT};
+use crate::lock::{check_not_held, Acquired, DiskLock};
+use crate::store::{
+    connect, connect_with, get_range, Connection, Create, DiskMetadata, ReadOnly,
+    REQUESTS_IN_FLIGHT_MAX_DEFAULT,
+};
 use crate::url::{LayoutKind, S3Url};
 
 pub use gc::GcReport;
@@ -72,10 +75,15 @@ pub const CHECKPOINT_INTERVAL_SEGMENTS_DEFAULT: u64 = 16;
 /// bytes stay under about twice the live data and each rewrite moves at most half a segment
 /// per segment freed.
 pub const GC_THRESHOLD_DEFAULT: f64 = 0.5;
+/// Default `gc_stored_ratio_max`: the collector keeps the stored segment bytes within 1.5 ×
+/// the live bytes (plus a segment) by rewriting the least live segments, whatever their
+/// fraction. Under uniform random overwrites, `gc_threshold` alone leaves segments just above
+/// it (stored ≈ 2 × live at 0.5).
+pub const GC_STORED_RATIO_MAX_DEFAULT: f64 = 1.5;
 /// Default `gc_requests_in_flight_max`: ranged GETs and DELETEs the collector has in flight
 /// at once (its share of the store beside the client's requests).
 pub const GC_REQUESTS_IN_FLIGHT_MAX_DEFAULT: usize = 2;
-/// Default `gc_bytes_max`: the most live bytes one collection round reads into memory.
+/// Default `gc_bytes_max`: the most bytes one collection round reads into memory.
 pub const GC_BYTES_MAX_DEFAULT: u64 = SEGMENT_BYTES_MAX_DEFAULT;
 /// Default `gc_interval_ms`: the collector's pause between rounds (its pacing).
 pub const GC_INTERVAL_MS_DEFAULT: u64 = 100;
@@ -105,10 +113,15 @@ pub struct LogConfig {
     /// rewritten by the background collector; None: no background collection. Default
     /// [`GC_THRESHOLD_DEFAULT`]; URL parameters `gc-threshold=` and `gc=off`.
     pub gc_threshold: Option<f64>,
+    /// The collector also rewrites the least live segments while the stored segment bytes
+    /// exceed this many times the live bytes (by more than a segment); at least 1. Default
+    /// [`GC_STORED_RATIO_MAX_DEFAULT`].
+    pub gc_stored_ratio_max: f64,
     /// Requests the collector has in flight at once. Default
     /// [`GC_REQUESTS_IN_FLIGHT_MAX_DEFAULT`].
     pub gc_requests_in_flight_max: usize,
-    /// Most live bytes one collection round reads into memory; at least `segment_bytes_max`,
+    /// Most bytes one collection round reads into memory (it picks segments whose object bytes
+    /// fit, since it reads through small gaps between live extents); at least `segment_bytes_max`,
     /// so any segment this configuration writes fits in one round. Default
     /// [`GC_BYTES_MAX_DEFAULT`] (raised to `segment_bytes_max` by [`LogConfig::from_url`]).
     pub gc_bytes_max: u64,
@@ -124,6 +137,7 @@ impl Default for LogConfig {
             checkpoint_interval_segments: CHECKPOINT_INTERVAL_SEGMENTS_DEFAULT,
             requests_in_flight_max: REQUESTS_IN_FLIGHT_MAX_DEFAULT,
             gc_threshold: Some(GC_THRESHOLD_DEFAULT),
+            gc_stored_ratio_max: GC_STORED_RATIO_MAX_DEFAULT,
             gc_requests_in_flight_max: GC_REQUESTS_IN_FLIGHT_MAX_DEFAULT,
             gc_bytes_max: GC_BYTES_MAX_DEFAULT,
             gc_interval_ms: GC_INTERVAL_MS_DEFAULT,
@@ -171,6 +185,12 @@ impl LogConfig {
                     "gc_threshold {threshold} is not a fraction above 0 and below 1"
                 ));
             }
+        }
+        if self.gc_stored_ratio_max.is_nan() || self.gc_stored_ratio_max < 1.0 {
+            return Err(format!(
+                "gc_stored_ratio_max {} is below 1: the live bytes alone would exceed it",
+                self.gc_stored_ratio_max
+            ));
         }
         if self.gc_requests_in_flight_max == 0 {
             return Err("gc_requests_in_flight_max is 0: the collector could read nothing".into());
@@ -251,6 +271,8 @@ struct Core {
     checkpoint_writer: Mutex<()>,
     /// Held during a collection round, so rounds never overlap.
     collector: Mutex<()>,
+    /// Why writes are refused (and nothing is ever written); None when they are taken.
+    read_only: Option<ReadOnly>,
 }
 
 fn segment_key(url: &S3Url, sequence: u64) -> String {
@@ -293,42 +315,79 @@ impl LogStore {
         Self::from_connection(url, connect(url)?, LogConfig::from_url(url))
     }
 
+    /// Opens an existing log-layout disk read-only, writing nothing at all: no lock (a disk
+    /// whose lock another server holds is refused, [`OpenError::LockedReadOnly`], unless the
+    /// URL's `break-lock=` names it), no deletes at recovery (segments after a gap are just
+    /// not replayed), no collector, no checkpoint; writes are refused
+    /// ([`StoreError::ReadOnly`]) and a flush has nothing to do.
+    pub fn open_read_only(url: &S3Url) -> Result<LogStore, OpenError> {
+        Self::read_only_from_connection(
+            url,
+            connect_with(url, Create::Never)?,
+            LogConfig::from_url(url),
+            ReadOnly::Requested,
+        )
+    }
+
+    pub(crate) fn read_only_from_connection(
+        url: &S3Url,
+        connection: Connection,
+        config: LogConfig,
+        why: ReadOnly,
+    ) -> Result<LogStore, OpenError> {
+        check_layout(url, &connection, &config)?;
+        connection
+            .runtime
+            .block_on(check_not_held(&connection.store, url))?;
+        Self::build(url, connection, config, None, Some(why))
+    }
+
     pub(crate) fn from_connection(
         url: &S3Url,
         connection: Connection,
         config: LogConfig,
     ) -> Result<LogStore, OpenError> {
-        config.validate().map_err(|reason| OpenError::Config {
-            url: url.to_string(),
-            reason,
-        })?;
+        check_layout(url, &connection, &config)?;
+        let lock = match connection.runtime.block_on(DiskLock::acquire(
+            connection.runtime.handle().clone(),
+            connection.store.clone(),
+            url,
+        ))? {
+            Acquired::Held(lock) => lock,
+            // Credentials that may read but not write: served read-only, as a chunk disk.
+            Acquired::WritesRefused(answer) => {
+                return Self::read_only_from_connection(
+                    url,
+                    connection,
+                    config,
+                    ReadOnly::WritesRefused(answer),
+                )
+            }
+        };
+        Self::build(url, connection, config, Some(lock), None)
+    }
+
+    fn build(
+        url: &S3Url,
+        connection: Connection,
+        config: LogConfig,
+        lock: Option<Arc<DiskLock>>,
+        read_only: Option<ReadOnly>,
+    ) -> Result<LogStore, OpenError> {
         let Connection {
             runtime,
             store,
             metadata,
         } = connection;
-        if metadata.layout != LayoutKind::Log {
-            return Err(OpenError::Mismatch {
-                url: url.to_string(),
-                parameter: "layout",
-                given: LayoutKind::Log.name().to_string(),
-                stored: metadata.layout.name().to_string(),
-            });
-        }
-        let lock = match runtime.block_on(DiskLock::acquire(
-            runtime.handle().clone(),
-            store.clone(),
-            url,
-        ))? {
-            Acquired::Held(lock) => lock,
-            Acquired::WritesRefused(answer) => {
-                return Err(OpenError::ReadOnlyLog {
-                    url: url.to_string(),
-                    reason: format!("the store refuses writes ({answer})"),
-                })
+        let writable = read_only.is_none();
+        let recovered = match runtime.block_on(recover(&store, url, &metadata, writable)) {
+            Ok(recovered) => recovered,
+            Err(error) => {
+                // The lock is released on the runtime, so it goes first.
+                drop(lock);
+                return Err(error);
             }
         };
-        let recovered = runtime.block_on(recover(&store, url, &metadata))?;
         tracing::info!(
             disk = %url,
             segments_through = recovered.last_sequence,
@@ -360,18 +419,26 @@ impl LogStore {
             runtime: runtime.handle().clone(),
             checkpoint_writer: Mutex::new(()),
             collector: Mutex::new(()),
+            read_only,
         });
-        let collector = config
+        let collector = match config
             .gc_threshold
+            .filter(|_| writable)
             .map(|threshold| gc::Collector::start(core.clone(), threshold))
             .transpose()
-            .map_err(|error| OpenError::Request {
-                url: url.to_string(),
-                operation: "starting the garbage collector thread".to_string(),
-                message: error.to_string(),
-            })?;
+        {
+            Ok(collector) => collector,
+            Err(error) => {
+                drop(lock);
+                return Err(OpenError::Request {
+                    url: url.to_string(),
+                    operation: "starting the garbage collector thread".to_string(),
+                    message: error.to_string(),
+                });
+            }
+        };
         Ok(LogStore {
-            lock: Some(lock),
+            lock,
             collector,
             core,
             _runtime: runtime,
@@ -396,6 +463,11 @@ impl LogStore {
     /// The lock this store holds.
     pub fn lock(&self) -> Option<&DiskLock> {
         self.lock.as_deref()
+    }
+
+    /// Why the disk refuses writes; None when it takes them.
+    pub fn read_only(&self) -> Option<&ReadOnly> {
+        self.core.read_only.as_ref()
     }
 
     /// Bytes of the disk that the index maps to stored data (the rest reads as zeroes).
@@ -502,6 +574,9 @@ impl LogStore {
     /// needs. Called at drop; an error leaves the disk as a crash would (still consistent).
     pub fn close(&mut self) -> Result<(), StoreError> {
         self.stop_gc();
+        if self.core.read_only.is_some() {
+            return Ok(());
+        }
         self.core.flush_and_checkpoint(true)?;
         self.core.delete_dead_segments()
     }
@@ -704,11 +779,23 @@ impl Core {
 
     fn write(&self, data: &[u8], offset: u64) -> Result<(), StoreError> {
         self.check_range(offset, data.len() as u64)?;
+        self.check_writable()?;
         self.append(data, offset)
+    }
+
+    fn check_writable(&self) -> Result<(), StoreError> {
+        match &self.read_only {
+            None => Ok(()),
+            Some(why) => Err(StoreError::ReadOnly {
+                url: self.shared.url.to_string(),
+                reason: why.to_string(),
+            }),
+        }
     }
 
     fn write_zeroes(&self, offset: u64, length: u64) -> Result<(), StoreError> {
         self.check_range(offset, length)?;
+        self.check_writable()?;
         if length == 0 {
             return Ok(());
         }
@@ -723,6 +810,10 @@ impl Core {
     }
 
     fn flush_and_checkpoint(&self, checkpoint_always: bool) -> Result<(), StoreError> {
+        if self.read_only.is_some() {
+            // Nothing was written, and a read-only store writes no checkpoint.
+            return Ok(());
+        }
         let mut state = self.shared.lock();
         // Every write that returned before this call is in a segment up to `target`.
         let target = if state.open.is_empty() {
@@ -896,6 +987,23 @@ impl Drop for LogStore {
     }
 }
 
+/// Refuses a disk of another layout, or a configuration [`LogConfig::validate`] refuses.
+fn check_layout(url: &S3Url, connection: &Connection, config: &LogConfig) -> Result<(), OpenError> {
+    config.validate().map_err(|reason| OpenError::Config {
+        url: url.to_string(),
+        reason,
+    })?;
+    if connection.metadata.layout != LayoutKind::Log {
+        return Err(OpenError::Mismatch {
+            url: url.to_string(),
+            parameter: "layout",
+            given: LayoutKind::Log.name().to_string(),
+            stored: connection.metadata.layout.name().to_string(),
+        });
+    }
+    Ok(())
+}
+
 fn bad_object(url: &S3Url, key: &str, reason: String) -> OpenError {
     OpenError::BadObject {
         url: url.to_string(),
@@ -962,6 +1070,7 @@ async fn recover(
     store: &AmazonS3,
     url: &S3Url,
     metadata: &DiskMetadata,
+    writable: bool,
 ) -> Result<Recovered, OpenError> {
     let checkpoints = list_sequences(store, url, "log/checkpoints").await?;
     let segments = list_sequences(store, url, "log/segments").await?;
@@ -1057,6 +1166,11 @@ async fn recover(
         }
         stored.insert(sequence, bytes);
         last_sequence = sequence;
+    }
+    if !writable {
+        // Read-only: the dead segments and those after a gap stay; neither is read.
+        dead.clear();
+        orphans.clear();
     }
     for sequence in dead {
         let key = segment_key(url, sequence);
