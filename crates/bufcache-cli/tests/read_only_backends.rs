@@ -156,7 +156,7 @@ fn moto_requests(moto: &s3_support::Moto, method: &str) -> Vec<String> {
 /// credentials, holding 0xab in [1 MiB, 1 MiB + 64 KiB); the server is stopped cleanly, so
 /// the data is in the bucket and the lock released.
 fn s3_disk_with_data(dir: &Path, url: &str) {
-    let create = format!("{url}&create-size=16M&chunk-size=1M");
+    let create = format!("{url}&create-size=16M&chunk-size=1M&layout=chunk");
     let mut writer = Server::start(dir, "writer", &["--backend", &create]);
     run_ok(
         cmd(

@@ -40,7 +40,10 @@ fn random_data_round_trips_through_qemu_img_and_nbdcopy_and_survives_restart() {
     let mut data = random_bytes(24 * MIB as usize, 11);
     data.resize(64 * MIB as usize, 0);
     write_file(&input, &data);
-    let url = disk_url(&moto.endpoint(), "&create-size=64M&chunk-size=1M");
+    let url = disk_url(
+        &moto.endpoint(),
+        "&create-size=64M&chunk-size=1M&layout=chunk",
+    );
     let mut server = Server::start(
         dir.path(),
         "s3",
@@ -142,7 +145,7 @@ fn flush_fails_while_the_store_is_down_and_succeeds_after_with_data_intact() {
     let proxy = Proxy::start(moto.port);
     let url = disk_url(
         &proxy.endpoint(),
-        "&create-size=16M&chunk-size=1M&retry-timeout-ms=1000",
+        "&create-size=16M&chunk-size=1M&layout=chunk&retry-timeout-ms=1000",
     );
     let mut server = Server::start(dir.path(), "s3", &["--backend", &url]);
     let client = NbdClient::connect(&server.uri()).unwrap();
@@ -211,7 +214,10 @@ fn second_server_on_one_s3_disk_is_refused_naming_the_holder_until_released_or_b
     let dir = temp_dir();
     let moto = Moto::start();
     moto.create_bucket("disks");
-    let url = disk_url(&moto.endpoint(), "&create-size=8M&chunk-size=1M");
+    let url = disk_url(
+        &moto.endpoint(),
+        "&create-size=8M&chunk-size=1M&layout=chunk",
+    );
 
     let mut first = Server::start(dir.path(), "first", &["--backend", &url]);
     // The bucket as it is, read without taking the lock.
@@ -376,7 +382,10 @@ fn ext4_on_an_s3_disk_survives_a_server_restart_clean_and_intact() {
         fuse_mount(command, &fs_mount)
     };
 
-    let url = disk_url(&moto.endpoint(), "&create-size=64M&chunk-size=1M");
+    let url = disk_url(
+        &moto.endpoint(),
+        "&create-size=64M&chunk-size=1M&layout=chunk",
+    );
     let mut server = Server::start(
         dir.path(),
         "first",
@@ -412,4 +421,72 @@ fn ext4_on_an_s3_disk_survives_a_server_restart_clean_and_intact() {
     fuse_unmount(&fs_guard, &mut fs_daemon);
     fuse_unmount(&nbd_guard, &mut nbd_daemon);
     server.stop_clean();
+}
+
+// Goal: `serve -r` serves a log-layout disk (the default for new disks) read-only and
+// writes nothing to the store. Method: a server creates a disk without `layout=` and
+// qemu-io writes a pattern; after a clean stop, `serve -r`: nbdinfo says read-only, qemu-io
+// reads the pattern back and may not write; moto's log shows no PUT or DELETE meanwhile.
+#[test]
+fn serve_read_only_serves_a_log_disk_and_writes_nothing() {
+    let name = "serve_read_only_serves_a_log_disk_and_writes_nothing";
+    if !have_moto(name) || !have_tools(name, &["nbdinfo", "qemu-io"]) {
+        return;
+    }
+    let dir = temp_dir();
+    let moto = Moto::start();
+    moto.create_bucket("disks");
+    let url = disk_url(&moto.endpoint(), "");
+    let create = disk_url(&moto.endpoint(), "&create-size=16M");
+    let mut writer = Server::start(dir.path(), "writer", &["--backend", &create]);
+    run_ok(
+        cmd(
+            "qemu-io",
+            &["-f", "raw", "-c", "write -P 0xcd 1M 64k", &writer.uri()],
+        ),
+        Duration::from_secs(30),
+    );
+    writer.stop_clean();
+    let writes_before = (moto.request_count("PUT"), moto.request_count("DELETE"));
+    let mut reader = Server::start(dir.path(), "reader", &["-r", "--backend", &url]);
+    let info = run_ok(
+        cmd("nbdinfo", &["--json", &reader.uri()]),
+        Duration::from_secs(30),
+    );
+    assert!(
+        output_text(&info).contains("\"is_read_only\": true"),
+        "{}",
+        output_text(&info)
+    );
+    run_ok(
+        cmd(
+            "qemu-io",
+            &[
+                "-r",
+                "-f",
+                "raw",
+                "-c",
+                "read -P 0xcd 1M 64k",
+                "-c",
+                "read -P 0 0 1M",
+                &reader.uri(),
+            ],
+        ),
+        Duration::from_secs(30),
+    );
+    let write = run_timeout(
+        cmd("qemu-io", &["-f", "raw", "-c", "write 0 4k", &reader.uri()]),
+        Duration::from_secs(30),
+    );
+    assert!(
+        !write.status.success(),
+        "qemu-io may not write: {}",
+        output_text(&write)
+    );
+    reader.stop_clean();
+    assert_eq!(
+        (moto.request_count("PUT"), moto.request_count("DELETE")),
+        writes_before,
+        "(PUT, DELETE): none from a read-only server"
+    );
 }

@@ -9,8 +9,6 @@ use crate::url::UrlError;
 pub enum OpenError {
     #[error(transparent)]
     Url(#[from] UrlError),
-    #[error("{url}: {reason}; a log-layout disk cannot be served read-only yet")]
-    ReadOnlyLog { url: String, reason: String },
     #[error("{url}: cannot configure the S3 client: {message}")]
     Client { url: String, message: String },
     #[error("{url}: cannot start the I/O runtime: {source}")]

@@ -32,18 +32,20 @@ impl Layout {
         }
     }
 
-    /// Opens an existing disk read-only, writing nothing (see [`ChunkStore::open_read_only`]);
-    /// a log-layout disk is refused for now ([`OpenError::ReadOnlyLog`]).
+    /// Opens an existing disk read-only, writing nothing (see [`ChunkStore::open_read_only`]
+    /// and [`LogStore::open_read_only`]).
     pub fn open_read_only(url: &S3Url) -> Result<Layout, OpenError> {
         let connection = connect_with(url, Create::Never)?;
         match connection.metadata.layout {
             LayoutKind::Chunk => Ok(Layout::Chunk(ChunkStore::read_only_from_connection(
                 url, connection,
             )?)),
-            LayoutKind::Log => Err(OpenError::ReadOnlyLog {
-                url: url.to_string(),
-                reason: "serving read-only was asked for".to_string(),
-            }),
+            LayoutKind::Log => Ok(Layout::Log(LogStore::read_only_from_connection(
+                url,
+                connection,
+                LogConfig::from_url(url),
+                ReadOnly::Requested,
+            )?)),
         }
     }
 
@@ -51,7 +53,7 @@ impl Layout {
     pub fn read_only(&self) -> Option<&ReadOnly> {
         match self {
             Layout::Chunk(store) => store.read_only(),
-            Layout::Log(_) => None,
+            Layout::Log(store) => store.read_only(),
         }
     }
 

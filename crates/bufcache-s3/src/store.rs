@@ -309,7 +309,10 @@ impl ChunkStore {
     /// exists. The metadata object is checked against the URL's parameters; on any mismatch
     /// nothing is written.
     pub fn open(url: &S3Url) -> Result<Self, OpenError> {
-        Self::from_connection(url, connect(url)?)
+        // The chunk store creates chunk disks whatever the servers' default layout.
+        let mut url = url.clone();
+        url.layout.get_or_insert(LayoutKind::Chunk);
+        Self::from_connection(&url, connect(&url)?)
     }
 
     /// The chunk store of a connected disk; refused when the disk has another layout.
@@ -530,7 +533,7 @@ impl ChunkStore {
                                 url: url.to_string(),
                                 parameter: "chunk-size",
                                 given: "a chunk size".to_string(),
-                                stored: "none: `layout=log` has segments, not chunks".to_string(),
+                                stored: "none: a new disk gets `layout=log` (segments, not chunks) unless `layout=chunk` is given".to_string(),
                             });
                         }
                         let disk_id = random_id();

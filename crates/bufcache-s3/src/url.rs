@@ -43,9 +43,10 @@ impl LayoutKind {
     }
 }
 
-/// Layout of a disk created without `layout=`: the chunk layout, so that every tool and test
-/// that reads chunk objects of a new disk keeps working (docs/s3.md, "Log layout").
-pub const LAYOUT_DEFAULT: LayoutKind = LayoutKind::Chunk;
+/// Layout of a disk a server creates without `layout=`: the log layout, where every write
+/// costs its own bytes once (docs/s3.md, "Log layout"). An existing disk keeps the layout
+/// its metadata object records; [`crate::ChunkStore::open`] creates chunk disks.
+pub const LAYOUT_DEFAULT: LayoutKind = LayoutKind::Log;
 
 /// What is wrong with a backend URL; every variant names the offending part.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -54,7 +55,7 @@ pub enum UrlError {
     Scheme(String),
     #[error("`{0}`: missing bucket name; expected s3://BUCKET/PREFIX")]
     MissingBucket(String),
-    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, layout, chunk-size, segment-size, create-size, retry-timeout-ms, break-lock, lock")]
+    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, layout, chunk-size, segment-size, gc, gc-threshold, create-size, retry-timeout-ms, break-lock, lock")]
     UnknownParameter { url: String, name: String },
     #[error("`{url}`: parameter `{name}` given twice")]
     DuplicateParameter { url: String, name: String },
@@ -89,6 +90,12 @@ pub struct S3Url {
     /// `SEGMENT_BYTES_MAX_DEFAULT` (the log module's). Not fixed at creation: each segment describes
     /// itself.
     pub segment_bytes_max: Option<u64>,
+    /// `gc=on|off` (log layout): whether garbage collection runs; None means on.
+    pub gc: Option<bool>,
+    /// `gc-threshold=FRACTION` (log layout): segments whose live fraction is below it are
+    /// rewritten, in parts per million (the URL gives a fraction such as 0.5); None means the
+    /// log module's `GC_THRESHOLD_DEFAULT`.
+    pub gc_threshold_ppm: Option<u32>,
     /// Size of a new disk; when the disk exists it must match.
     pub create_size_bytes: Option<u64>,
     /// How long one request is retried (with exponential backoff) before its error is
@@ -129,6 +136,8 @@ impl S3Url {
             layout: None,
             chunk_size_bytes: None,
             segment_bytes_max: None,
+            gc: None,
+            gc_threshold_ppm: None,
             create_size_bytes: None,
             retry_timeout_ms: RETRY_TIMEOUT_DEFAULT_MS,
             break_lock: None,
@@ -197,6 +206,24 @@ impl S3Url {
                         return Err(bad("the segment size must be from 64k to 1G"));
                     }
                     url.segment_bytes_max = Some(size);
+                }
+                "gc" => {
+                    url.gc = Some(match value {
+                        "on" => true,
+                        "off" => false,
+                        _ => return Err(bad("expected on or off")),
+                    })
+                }
+                "gc-threshold" => {
+                    let fraction: f64 = value
+                        .parse()
+                        .map_err(|_| bad("expected a fraction such as 0.5"))?;
+                    if !(fraction > 0.0 && fraction < 1.0) {
+                        return Err(bad(
+                            "the live fraction below which a segment is rewritten must be above 0 and below 1",
+                        ));
+                    }
+                    url.gc_threshold_ppm = Some((fraction * 1e6).round() as u32);
                 }
                 "create-size" => {
                     let size =
@@ -279,7 +306,7 @@ mod tests {
         let url = S3Url::parse(
             "s3://vm-disks/db1/?endpoint=http://127.0.0.1:9000&region=eu-west-1&path-style=false\
              &chunk-size=1M&create-size=100G&retry-timeout-ms=500&break-lock=0A1b\
-             &layout=log&segment-size=16M&lock=off",
+             &layout=log&segment-size=16M&lock=off&gc=off&gc-threshold=0.25",
         )
         .unwrap();
         assert_eq!(url.bucket, "vm-disks");
@@ -294,6 +321,8 @@ mod tests {
         assert_eq!(url.break_lock.as_deref(), Some("0a1b"));
         assert_eq!(url.layout, Some(LayoutKind::Log));
         assert_eq!(url.segment_bytes_max, Some(16 << 20));
+        assert_eq!(url.gc, Some(false));
+        assert_eq!(url.gc_threshold_ppm, Some(250_000));
         assert!(!url.lock_check);
         assert_eq!(url.key("meta"), "db1/meta");
     }
@@ -330,6 +359,9 @@ mod tests {
             ("s3://b/p?colour=blue", "colour"),
             ("s3://b/p?layout=tree", "layout"),
             ("s3://b/p?lock=maybe", "lock"),
+            ("s3://b/p?gc=maybe", "gc"),
+            ("s3://b/p?gc-threshold=1.5", "gc-threshold"),
+            ("s3://b/p?gc-threshold=half", "gc-threshold"),
             ("s3://b/p?segment-size=4k", "segment-size"),
             ("s3://b/p?segment-size=2G", "segment-size"),
             ("s3://b/p?break-lock=", "break-lock"),

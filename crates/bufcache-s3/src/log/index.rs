@@ -1,8 +1,13 @@
 //! The index: which disk byte ranges live where. A map from disk offset to non-overlapping
 //! mappings `(length, segment, object offset)`; a range with no mapping reads as zeroes (never
 //! written, trimmed or zeroed). Later writes split or replace the mappings they overlap.
+//!
+//! The index also keeps the live bytes of every segment (bytes some mapping points at), the
+//! measure garbage collection picks segments by. Invariant: `live` holds exactly the sums a
+//! recount of the mappings gives ([`Index::recount_live_bytes`]), and no segment with zero
+//! live bytes is kept in it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// Where one mapped range's bytes are: `length` bytes at `object_offset` of segment `segment`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,6 +30,8 @@ pub struct Piece {
 pub struct Index {
     /// Keyed by disk offset; mappings never overlap.
     mappings: BTreeMap<u64, Mapping>,
+    /// Live bytes per segment (see the module docs).
+    live: HashMap<u64, u64>,
 }
 
 impl Index {
@@ -48,12 +55,77 @@ impl Index {
         self.mappings.values().map(|mapping| mapping.length).sum()
     }
 
+    /// Bytes of segment `segment` some mapping points at.
+    pub fn live_bytes(&self, segment: u64) -> u64 {
+        self.live.get(&segment).copied().unwrap_or(0)
+    }
+
+    /// Live bytes of every segment with any (kept up to date, see the module docs).
+    pub fn live_bytes_by_segment(&self) -> &HashMap<u64, u64> {
+        &self.live
+    }
+
+    /// Live bytes per segment counted afresh from the mappings (tests compare it with
+    /// [`Index::live_bytes_by_segment`]).
+    pub fn recount_live_bytes(&self) -> HashMap<u64, u64> {
+        let mut live = HashMap::new();
+        for mapping in self.mappings.values() {
+            *live.entry(mapping.segment).or_insert(0) += mapping.length;
+        }
+        live
+    }
+
+    fn add_live(&mut self, segment: u64, bytes: u64) {
+        if bytes > 0 {
+            *self.live.entry(segment).or_insert(0) += bytes;
+        }
+    }
+
+    fn subtract_live(&mut self, segment: u64, bytes: u64) {
+        if bytes == 0 {
+            return;
+        }
+        let live = self
+            .live
+            .get_mut(&segment)
+            .expect("a mapped segment has live bytes");
+        *live = live.checked_sub(bytes).unwrap_or_else(|| {
+            panic!("live bytes of segment {segment} would go negative ({live} - {bytes})")
+        });
+        if *live == 0 {
+            self.live.remove(&segment);
+        }
+    }
+
     /// Maps `[offset, offset + mapping.length)` to `mapping`, replacing whatever was there.
     pub fn insert(&mut self, offset: u64, mapping: Mapping) {
         self.remove(offset, mapping.length);
         if mapping.length > 0 {
+            self.add_live(mapping.segment, mapping.length);
             self.mappings.insert(offset, mapping);
         }
+    }
+
+    /// Applies a garbage collector's copy: maps to `mapping` only the parts of
+    /// `[offset, offset + mapping.length)` that the index still maps to segment `source`
+    /// (a newer write or trim of the rest wins over the copy). Returns the bytes mapped.
+    pub fn insert_copy(&mut self, offset: u64, mapping: Mapping, source: u64) -> u64 {
+        let mut applied = 0;
+        for piece in self.lookup(offset, mapping.length) {
+            if matches!(piece.stored, Some((segment, _)) if segment == source) {
+                let within = piece.disk_offset - offset;
+                self.insert(
+                    piece.disk_offset,
+                    Mapping {
+                        length: piece.length,
+                        segment: mapping.segment,
+                        object_offset: mapping.object_offset + within,
+                    },
+                );
+                applied += piece.length;
+            }
+        }
+        applied
     }
 
     /// Unmaps `[offset, offset + length)`: it reads as zeroes.
@@ -67,6 +139,7 @@ impl Index {
         if let Some((&start, &mapping)) = self.mappings.range(..offset).next_back() {
             let mapping_end = start + mapping.length;
             if mapping_end > offset {
+                self.subtract_live(mapping.segment, mapping_end.min(end) - offset);
                 self.mappings.insert(
                     start,
                     Mapping {
@@ -94,6 +167,7 @@ impl Index {
         for start in inside {
             let mapping = self.mappings.remove(&start).expect("listed just now");
             let mapping_end = start + mapping.length;
+            self.subtract_live(mapping.segment, mapping_end.min(end) - start);
             if mapping_end > end {
                 self.mappings.insert(
                     end,
@@ -154,8 +228,9 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     // Goal: the index always says where the newest bytes of every disk byte are. Method: a
-    // random sequence of inserts and removes on a small disk, mirrored in a per-byte model
-    // (segment, object offset or hole); every lookup of every range agrees with the model.
+    // random sequence of inserts, garbage-collector copies and removes on a small disk,
+    // mirrored in a per-byte model (segment, object offset or hole); every lookup of every
+    // range agrees with the model, and the live bytes kept per segment equal a recount.
     #[test]
     fn index_lookups_agree_with_a_per_byte_model() {
         let seed: u64 = rand::random();
@@ -167,7 +242,26 @@ mod tests {
         for step in 0..2000u64 {
             let offset = rng.gen_range(0..SIZE);
             let length = rng.gen_range(0..=(SIZE - offset).min(40));
-            if rng.gen_bool(0.7) {
+            let source = model[offset as usize].map(|(segment, _)| segment);
+            if let (Some(source), true) = (source, rng.gen_bool(0.2)) {
+                // A copy applies only where the range still maps to its source.
+                let object_offset = rng.gen_range(0..1000u64);
+                let mapping = Mapping {
+                    length,
+                    segment: step,
+                    object_offset,
+                };
+                let applied = index.insert_copy(offset, mapping, source);
+                let mut expected_applied = 0;
+                for byte in 0..length {
+                    let at = (offset + byte) as usize;
+                    if matches!(model[at], Some((segment, _)) if segment == source) {
+                        model[at] = Some((step, object_offset + byte));
+                        expected_applied += 1;
+                    }
+                }
+                assert_eq!(applied, expected_applied, "seed {seed} step {step}");
+            } else if rng.gen_bool(0.7) {
                 let object_offset = rng.gen_range(0..1000u64);
                 index.insert(
                     offset,
@@ -203,6 +297,11 @@ mod tests {
             assert_eq!(position, from + span, "seed {seed}");
             let mapped = model.iter().filter(|byte| byte.is_some()).count() as u64;
             assert_eq!(index.mapped_bytes(), mapped, "seed {seed}");
+            assert_eq!(
+                index.live_bytes_by_segment(),
+                &index.recount_live_bytes(),
+                "live bytes per segment, seed {seed} step {step}"
+            );
         }
     }
 }

@@ -24,9 +24,19 @@
 //!   again by the next FLUSH or the next seal that needs room; its data is never dropped.
 //!
 //! Memory: the open segment plus at most `segments_in_flight_max` sealed segments, each at
-//! most `segment_bytes_max`; a write that needs room waits for an upload to finish.
+//! most `segment_bytes_max`; a write that needs room waits for an upload to finish. The
+//! garbage collector holds at most `gc_bytes_max` bytes it read besides.
+//!
+//! Garbage collection (module `gc`): the index keeps the live bytes of every segment; a
+//! background thread rewrites durable segments whose live fraction is below `gc_threshold`
+//! (their live extents are read with ranged GETs and appended as copies, which apply only
+//! where the index still maps the range to the source) and deletes a segment only once it has
+//! no live bytes and a durable checkpoint taken after that covers it, so no replay ever
+//! needs it. Segments no checkpoint names and that it covers are deleted at open (a crash
+//! during deletes leaves them).
 
 mod checkpoint;
+mod gc;
 mod index;
 mod segment;
 
@@ -41,10 +51,14 @@ use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, PutPayload};
 
 use crate::error::{chain, request_failed, OpenError, StoreError};
-use crate::lock::{Acquired, DiskLock};
-use crate::store::{connect, get_range, Connection, DiskMetadata, REQUESTS_IN_FLIGHT_MAX_DEFAULT};
+use crate::lock::{check_not_held, Acquired, DiskLock};
+use crate::store::{
+    connect, connect_with, get_range, Connection, Create, DiskMetadata, ReadOnly,
+    REQUESTS_IN_FLIGHT_MAX_DEFAULT,
+};
 use crate::url::{LayoutKind, S3Url};
 
+pub use gc::GcReport;
 pub use index::{Index, Mapping};
 use segment::{OpenSegment, HEADER_BYTES, TABLE_ENTRY_BYTES};
 
@@ -57,6 +71,23 @@ pub const SEGMENTS_IN_FLIGHT_MAX_DEFAULT: usize = 4;
 /// Default `checkpoint_interval_segments`: at most this many segments are replayed at open.
 pub const CHECKPOINT_INTERVAL_SEGMENTS_DEFAULT: u64 = 16;
 
+/// Default `gc_threshold`: a durable segment less than half live is rewritten, so stored
+/// bytes stay under about twice the live data and each rewrite moves at most half a segment
+/// per segment freed.
+pub const GC_THRESHOLD_DEFAULT: f64 = 0.5;
+/// Default `gc_stored_ratio_max`: the collector keeps the stored segment bytes within 1.5 ×
+/// the live bytes (plus a segment) by rewriting the least live segments, whatever their
+/// fraction. Under uniform random overwrites, `gc_threshold` alone leaves segments just above
+/// it (stored ≈ 2 × live at 0.5).
+pub const GC_STORED_RATIO_MAX_DEFAULT: f64 = 1.5;
+/// Default `gc_requests_in_flight_max`: ranged GETs and DELETEs the collector has in flight
+/// at once (its share of the store beside the client's requests).
+pub const GC_REQUESTS_IN_FLIGHT_MAX_DEFAULT: usize = 2;
+/// Default `gc_bytes_max`: the most bytes one collection round reads into memory.
+pub const GC_BYTES_MAX_DEFAULT: u64 = SEGMENT_BYTES_MAX_DEFAULT;
+/// Default `gc_interval_ms`: the collector's pause between rounds (its pacing).
+pub const GC_INTERVAL_MS_DEFAULT: u64 = 100;
+
 /// The unit a write is split at to fill the end of a segment: pieces are whole multiples of
 /// it from the write's start, so no 4 KiB block of a write is ever in two segments (after a
 /// crash that keeps the first and loses the second, such a block would read back torn), and
@@ -65,7 +96,7 @@ pub const CHECKPOINT_INTERVAL_SEGMENTS_DEFAULT: u64 = 16;
 const SPLIT_BYTES_MIN: u64 = 4096;
 
 /// Tuning of the log layout.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LogConfig {
     /// Most bytes of one segment object (header, data and extent table). Default
     /// [`SEGMENT_BYTES_MAX_DEFAULT`]; URL parameter `segment-size=`.
@@ -78,6 +109,24 @@ pub struct LogConfig {
     pub checkpoint_interval_segments: u64,
     /// Concurrent ranged GETs of one read. Default [`REQUESTS_IN_FLIGHT_MAX_DEFAULT`].
     pub requests_in_flight_max: usize,
+    /// Durable segments whose live fraction (live bytes ÷ object bytes) is below this are
+    /// rewritten by the background collector; None: no background collection. Default
+    /// [`GC_THRESHOLD_DEFAULT`]; URL parameters `gc-threshold=` and `gc=off`.
+    pub gc_threshold: Option<f64>,
+    /// The collector also rewrites the least live segments while the stored segment bytes
+    /// exceed this many times the live bytes (by more than a segment); at least 1. Default
+    /// [`GC_STORED_RATIO_MAX_DEFAULT`].
+    pub gc_stored_ratio_max: f64,
+    /// Requests the collector has in flight at once. Default
+    /// [`GC_REQUESTS_IN_FLIGHT_MAX_DEFAULT`].
+    pub gc_requests_in_flight_max: usize,
+    /// Most bytes one collection round reads into memory (it picks segments whose object bytes
+    /// fit, since it reads through small gaps between live extents); at least `segment_bytes_max`,
+    /// so any segment this configuration writes fits in one round. Default
+    /// [`GC_BYTES_MAX_DEFAULT`] (raised to `segment_bytes_max` by [`LogConfig::from_url`]).
+    pub gc_bytes_max: u64,
+    /// Pause of the background collector between rounds. Default [`GC_INTERVAL_MS_DEFAULT`].
+    pub gc_interval_ms: u64,
 }
 
 impl Default for LogConfig {
@@ -87,15 +136,27 @@ impl Default for LogConfig {
             segments_in_flight_max: SEGMENTS_IN_FLIGHT_MAX_DEFAULT,
             checkpoint_interval_segments: CHECKPOINT_INTERVAL_SEGMENTS_DEFAULT,
             requests_in_flight_max: REQUESTS_IN_FLIGHT_MAX_DEFAULT,
+            gc_threshold: Some(GC_THRESHOLD_DEFAULT),
+            gc_stored_ratio_max: GC_STORED_RATIO_MAX_DEFAULT,
+            gc_requests_in_flight_max: GC_REQUESTS_IN_FLIGHT_MAX_DEFAULT,
+            gc_bytes_max: GC_BYTES_MAX_DEFAULT,
+            gc_interval_ms: GC_INTERVAL_MS_DEFAULT,
         }
     }
 }
 
 impl LogConfig {
-    /// The configuration a URL asks for (`segment-size=`), defaults elsewhere.
+    /// The configuration a URL asks for (`segment-size=`, `gc=`, `gc-threshold=`), defaults
+    /// elsewhere.
     pub fn from_url(url: &S3Url) -> LogConfig {
+        let segment_bytes_max = url.segment_bytes_max.unwrap_or(SEGMENT_BYTES_MAX_DEFAULT);
+        let threshold = url
+            .gc_threshold_ppm
+            .map_or(GC_THRESHOLD_DEFAULT, |ppm| f64::from(ppm) / 1e6);
         LogConfig {
-            segment_bytes_max: url.segment_bytes_max.unwrap_or(SEGMENT_BYTES_MAX_DEFAULT),
+            segment_bytes_max,
+            gc_threshold: (url.gc != Some(false)).then_some(threshold),
+            gc_bytes_max: GC_BYTES_MAX_DEFAULT.max(segment_bytes_max),
             ..LogConfig::default()
         }
     }
@@ -117,6 +178,28 @@ impl LogConfig {
         }
         if self.requests_in_flight_max == 0 {
             return Err("requests_in_flight_max is 0".into());
+        }
+        if let Some(threshold) = self.gc_threshold {
+            if !(threshold > 0.0 && threshold < 1.0) {
+                return Err(format!(
+                    "gc_threshold {threshold} is not a fraction above 0 and below 1"
+                ));
+            }
+        }
+        if self.gc_stored_ratio_max.is_nan() || self.gc_stored_ratio_max < 1.0 {
+            return Err(format!(
+                "gc_stored_ratio_max {} is below 1: the live bytes alone would exceed it",
+                self.gc_stored_ratio_max
+            ));
+        }
+        if self.gc_requests_in_flight_max == 0 {
+            return Err("gc_requests_in_flight_max is 0: the collector could read nothing".into());
+        }
+        if self.gc_bytes_max < self.segment_bytes_max {
+            return Err(format!(
+                "gc_bytes_max {} is below segment_bytes_max {}: a segment could not be collected",
+                self.gc_bytes_max, self.segment_bytes_max
+            ));
         }
         Ok(())
     }
@@ -146,6 +229,17 @@ struct State {
     durable_through: u64,
     /// The newest checkpoint covers the segments up to this sequence.
     checkpoint_through: u64,
+    /// Object bytes of every durable segment in the store (not deleted yet), by sequence.
+    stored: BTreeMap<u64, u64>,
+    /// Segments without live bytes awaiting deletion, with the log position (a segment
+    /// sequence) a durable checkpoint must cover before they go: one taken after their last
+    /// live byte went.
+    doomed: BTreeMap<u64, u64>,
+    /// Segments deleted so far: a read whose GET found its segment gone looks again when
+    /// this moved (the collector deleted it after the read looked the index up).
+    deleted_segments: u64,
+    /// What the collector did so far.
+    gc_totals: GcReport,
 }
 
 struct Shared {
@@ -167,6 +261,20 @@ impl Shared {
     }
 }
 
+/// The state and calls the client's threads and the collector's thread share.
+struct Core {
+    shared: Arc<Shared>,
+    config: LogConfig,
+    runtime: tokio::runtime::Handle,
+    /// Held while a checkpoint is written, so checkpoints are written (and the older ones
+    /// deleted) one at a time, in order.
+    checkpoint_writer: Mutex<()>,
+    /// Held during a collection round, so rounds never overlap.
+    collector: Mutex<()>,
+    /// Why writes are refused (and nothing is ever written); None when they are taken.
+    read_only: Option<ReadOnly>,
+}
+
 fn segment_key(url: &S3Url, sequence: u64) -> String {
     url.key(&format!("log/segments/{sequence:016x}"))
 }
@@ -178,11 +286,13 @@ fn checkpoint_key(url: &S3Url, sequence: u64) -> String {
 /// A log-layout disk. All methods block the calling thread on the store's own runtime; do not
 /// call them from inside another tokio runtime.
 pub struct LogStore {
-    /// Declared before `runtime` so that it is released while the runtime runs.
+    /// Declared before `_runtime` so that it is released while the runtime runs.
     lock: Option<Arc<DiskLock>>,
-    shared: Arc<Shared>,
-    config: LogConfig,
-    runtime: tokio::runtime::Runtime,
+    /// The background collector (None with `gc=off`); stopped before the final checkpoint.
+    collector: Option<gc::Collector>,
+    core: Arc<Core>,
+    /// Owns the runtime the core's handle and the uploads run on; dropped last.
+    _runtime: tokio::runtime::Runtime,
 }
 
 /// One piece of a coalesced GET: its offset in the fetched bytes and where it goes in the
@@ -194,6 +304,8 @@ struct Recovered {
     index: Index,
     last_sequence: u64,
     checkpoint_through: u64,
+    /// Object bytes of every segment kept, by sequence.
+    stored: BTreeMap<u64, u64>,
 }
 
 impl LogStore {
@@ -203,42 +315,79 @@ impl LogStore {
         Self::from_connection(url, connect(url)?, LogConfig::from_url(url))
     }
 
+    /// Opens an existing log-layout disk read-only, writing nothing at all: no lock (a disk
+    /// whose lock another server holds is refused, [`OpenError::LockedReadOnly`], unless the
+    /// URL's `break-lock=` names it), no deletes at recovery (segments after a gap are just
+    /// not replayed), no collector, no checkpoint; writes are refused
+    /// ([`StoreError::ReadOnly`]) and a flush has nothing to do.
+    pub fn open_read_only(url: &S3Url) -> Result<LogStore, OpenError> {
+        Self::read_only_from_connection(
+            url,
+            connect_with(url, Create::Never)?,
+            LogConfig::from_url(url),
+            ReadOnly::Requested,
+        )
+    }
+
+    pub(crate) fn read_only_from_connection(
+        url: &S3Url,
+        connection: Connection,
+        config: LogConfig,
+        why: ReadOnly,
+    ) -> Result<LogStore, OpenError> {
+        check_layout(url, &connection, &config)?;
+        connection
+            .runtime
+            .block_on(check_not_held(&connection.store, url))?;
+        Self::build(url, connection, config, None, Some(why))
+    }
+
     pub(crate) fn from_connection(
         url: &S3Url,
         connection: Connection,
         config: LogConfig,
     ) -> Result<LogStore, OpenError> {
-        config.validate().map_err(|reason| OpenError::Config {
-            url: url.to_string(),
-            reason,
-        })?;
+        check_layout(url, &connection, &config)?;
+        let lock = match connection.runtime.block_on(DiskLock::acquire(
+            connection.runtime.handle().clone(),
+            connection.store.clone(),
+            url,
+        ))? {
+            Acquired::Held(lock) => lock,
+            // Credentials that may read but not write: served read-only, as a chunk disk.
+            Acquired::WritesRefused(answer) => {
+                return Self::read_only_from_connection(
+                    url,
+                    connection,
+                    config,
+                    ReadOnly::WritesRefused(answer),
+                )
+            }
+        };
+        Self::build(url, connection, config, Some(lock), None)
+    }
+
+    fn build(
+        url: &S3Url,
+        connection: Connection,
+        config: LogConfig,
+        lock: Option<Arc<DiskLock>>,
+        read_only: Option<ReadOnly>,
+    ) -> Result<LogStore, OpenError> {
         let Connection {
             runtime,
             store,
             metadata,
         } = connection;
-        if metadata.layout != LayoutKind::Log {
-            return Err(OpenError::Mismatch {
-                url: url.to_string(),
-                parameter: "layout",
-                given: LayoutKind::Log.name().to_string(),
-                stored: metadata.layout.name().to_string(),
-            });
-        }
-        let lock = match runtime.block_on(DiskLock::acquire(
-            runtime.handle().clone(),
-            store.clone(),
-            url,
-        ))? {
-            Acquired::Held(lock) => lock,
-            Acquired::WritesRefused(answer) => {
-                return Err(OpenError::ReadOnlyLog {
-                    url: url.to_string(),
-                    reason: format!("the store refuses writes ({answer})"),
-                })
+        let writable = read_only.is_none();
+        let recovered = match runtime.block_on(recover(&store, url, &metadata, writable)) {
+            Ok(recovered) => recovered,
+            Err(error) => {
+                // The lock is released on the runtime, so it goes first.
+                drop(lock);
+                return Err(error);
             }
         };
-        let recovered = runtime.block_on(recover(&store, url, &metadata))?;
         tracing::info!(
             disk = %url,
             segments_through = recovered.last_sequence,
@@ -253,9 +402,12 @@ impl LogStore {
             durable_ahead: BTreeSet::new(),
             durable_through: recovered.last_sequence,
             checkpoint_through: recovered.checkpoint_through,
+            stored: recovered.stored,
+            doomed: BTreeMap::new(),
+            deleted_segments: 0,
+            gc_totals: GcReport::default(),
         };
-        Ok(LogStore {
-            lock: Some(lock),
+        let core = Arc::new(Core {
             shared: Arc::new(Shared {
                 store,
                 url: url.clone(),
@@ -264,23 +416,48 @@ impl LogStore {
                 uploaded: Condvar::new(),
             }),
             config,
-            runtime,
+            runtime: runtime.handle().clone(),
+            checkpoint_writer: Mutex::new(()),
+            collector: Mutex::new(()),
+            read_only,
+        });
+        let collector = match config
+            .gc_threshold
+            .filter(|_| writable)
+            .map(|threshold| gc::Collector::start(core.clone(), threshold))
+            .transpose()
+        {
+            Ok(collector) => collector,
+            Err(error) => {
+                drop(lock);
+                return Err(OpenError::Request {
+                    url: url.to_string(),
+                    operation: "starting the garbage collector thread".to_string(),
+                    message: error.to_string(),
+                });
+            }
+        };
+        Ok(LogStore {
+            lock,
+            collector,
+            core,
+            _runtime: runtime,
         })
     }
 
     /// The disk's shape.
     pub fn metadata(&self) -> DiskMetadata {
-        self.shared.metadata
+        self.core.shared.metadata
     }
 
     /// The URL the store was opened with.
     pub fn url(&self) -> &S3Url {
-        &self.shared.url
+        &self.core.shared.url
     }
 
     /// The layout's tuning.
     pub fn config(&self) -> LogConfig {
-        self.config
+        self.core.config
     }
 
     /// The lock this store holds.
@@ -288,16 +465,124 @@ impl LogStore {
         self.lock.as_deref()
     }
 
+    /// Why the disk refuses writes; None when it takes them.
+    pub fn read_only(&self) -> Option<&ReadOnly> {
+        self.core.read_only.as_ref()
+    }
+
     /// Bytes of the disk that the index maps to stored data (the rest reads as zeroes).
     pub fn mapped_bytes(&self) -> u64 {
-        self.shared.lock().index.mapped_bytes()
+        self.core.shared.lock().index.mapped_bytes()
     }
 
     /// Every segment up to this sequence is durable.
     pub fn durable_through(&self) -> u64 {
-        self.shared.lock().durable_through
+        self.core.shared.lock().durable_through
     }
 
+    /// Object bytes of the durable segments in the store (what the disk's data costs to
+    /// keep, checkpoints and metadata aside).
+    pub fn stored_segment_bytes(&self) -> u64 {
+        self.core.shared.lock().stored.values().sum()
+    }
+
+    /// What the garbage collector did since the disk was opened.
+    pub fn gc_totals(&self) -> GcReport {
+        self.core.shared.lock().gc_totals
+    }
+
+    /// Checks the live bytes the index keeps per segment against a recount of its mappings;
+    /// the error names the first difference.
+    pub fn check_live_bytes(&self) -> Result<(), String> {
+        let state = self.core.shared.lock();
+        let kept = state.index.live_bytes_by_segment();
+        let counted = state.index.recount_live_bytes();
+        if kept == &counted {
+            return Ok(());
+        }
+        let segment = kept
+            .keys()
+            .chain(counted.keys())
+            .find(|segment| kept.get(segment) != counted.get(segment))
+            .expect("the maps differ");
+        Err(format!(
+            "segment {segment}: {:?} live bytes kept, {:?} counted",
+            kept.get(segment),
+            counted.get(segment)
+        ))
+    }
+
+    /// Writes `data` at `offset` (durable at the next successful [`LogStore::flush`]).
+    pub fn write(&self, data: &[u8], offset: u64) -> Result<(), StoreError> {
+        self.core.write(data, offset)
+    }
+
+    /// Writes each `(data, offset)` in order, one outcome per write.
+    pub fn write_batch(&self, writes: Vec<(Bytes, u64)>) -> Vec<Result<(), StoreError>> {
+        writes
+            .into_iter()
+            .map(|(data, offset)| self.core.write(&data, offset))
+            .collect()
+    }
+
+    /// Zeroes `length` bytes at `offset`: an index change and one table entry, no data.
+    pub fn write_zeroes(&self, offset: u64, length: u64) -> Result<(), StoreError> {
+        self.core.write_zeroes(offset, length)
+    }
+
+    /// Makes every write and zeroing that returned before this call durable: seals the open
+    /// segment, waits until every segment up to it is durable (uploading failed ones again,
+    /// once each) and writes a checkpoint when one is due.
+    pub fn flush(&self) -> Result<(), StoreError> {
+        self.core.flush_and_checkpoint(false)
+    }
+
+    /// Fills `buffer` from the disk at `offset`: bytes still in memory are copied, the rest
+    /// fetched with ranged GETs, one per run of extents adjacent in one segment object.
+    pub fn read(&self, buffer: &mut [u8], offset: u64) -> Result<(), StoreError> {
+        self.core.read(buffer, offset)
+    }
+
+    /// Runs one garbage collection round now, with `threshold` as the live fraction below
+    /// which a segment is rewritten (whether or not the background collector runs): see
+    /// [`GcReport`].
+    pub fn collect_garbage(&self, threshold: f64) -> Result<GcReport, StoreError> {
+        self.core.collect_garbage(threshold, &mut || {})
+    }
+
+    /// [`LogStore::collect_garbage`], calling `between` after the round read the live extents
+    /// and before it appends them (tests use it to write in that window).
+    #[doc(hidden)]
+    pub fn collect_garbage_calling(
+        &self,
+        threshold: f64,
+        between: &mut dyn FnMut(),
+    ) -> Result<GcReport, StoreError> {
+        self.core.collect_garbage(threshold, between)
+    }
+
+    /// Stops the background collector after its current round, if it runs (a test stops it
+    /// before abandoning the store as a crashed server would leave it).
+    pub fn stop_gc(&mut self) {
+        if let Some(collector) = self.collector.take() {
+            collector.stop();
+        }
+    }
+
+    /// Stops the collector, flushes and writes a checkpoint covering every segment (so the
+    /// next open replays nothing), then deletes the segments that checkpoint no longer
+    /// needs. Called at drop; an error leaves the disk as a crash would (still consistent).
+    pub fn close(&mut self) -> Result<(), StoreError> {
+        self.stop_gc();
+        if self.core.read_only.is_some() {
+            return Ok(());
+        }
+        self.core.flush_and_checkpoint(true)?;
+        self.core.delete_dead_segments()
+    }
+}
+
+impl Core {
     fn check_range(&self, offset: u64, length: u64) -> Result<(), StoreError> {
         let size = self.shared.metadata.size_bytes;
         match offset.checked_add(length) {
@@ -313,6 +598,7 @@ impl LogStore {
     /// Starts the PUT of sealed segment `sequence`; its outcome lands in the state.
     fn start_upload(&self, sequence: u64, body: Bytes) {
         let shared = self.shared.clone();
+        let body_bytes = body.len() as u64;
         self.runtime.spawn(async move {
             let key = shared.segment_key(sequence);
             let result = shared
@@ -323,6 +609,7 @@ impl LogStore {
             match result {
                 Ok(_) => {
                     state.sealed.remove(&sequence);
+                    state.stored.insert(sequence, body_bytes);
                     state.durable_ahead.insert(sequence);
                     let state = &mut *state;
                     while state.durable_ahead.remove(&(state.durable_through + 1)) {
@@ -426,7 +713,21 @@ impl LogStore {
     /// (a sequential write-back costs one PUT per `segment_bytes_max`). Returns once the data
     /// is in memory: durable at the next successful FLUSH.
     fn append(&self, data: &[u8], offset: u64) -> Result<(), StoreError> {
-        let mut state = self.shared.lock();
+        drop(self.append_locked(self.shared.lock(), data, offset, None)?);
+        Ok(())
+    }
+
+    /// [`Core::append`] under the caller's lock, of client data (`copy_of` None) or of bytes
+    /// the collector copied from segment `copy_of`. A copy is mapped only where the index
+    /// still maps the range to its source when each piece is appended (the lock is let go
+    /// while a seal waits for room, and a client write may land meanwhile), as replay does.
+    fn append_locked<'a>(
+        &'a self,
+        mut state: MutexGuard<'a, State>,
+        data: &[u8],
+        offset: u64,
+        copy_of: Option<u64>,
+    ) -> Result<MutexGuard<'a, State>, StoreError> {
         let mut position = 0usize;
         while position < data.len() {
             let remaining = (data.len() - position) as u64;
@@ -448,38 +749,53 @@ impl LogStore {
             } as usize;
             let piece = &data[position..position + take];
             let piece_offset = offset + position as u64;
-            let object_offset = state.open.append_data(piece_offset, piece);
             let segment = state.open.sequence;
-            state.index.insert(
-                piece_offset,
-                Mapping {
-                    length: take as u64,
-                    segment,
-                    object_offset,
-                },
-            );
+            match copy_of {
+                None => {
+                    let object_offset = state.open.append_data(piece_offset, piece);
+                    state.index.insert(
+                        piece_offset,
+                        Mapping {
+                            length: take as u64,
+                            segment,
+                            object_offset,
+                        },
+                    );
+                }
+                Some(source) => {
+                    let object_offset = state.open.append_copy(piece_offset, piece, source);
+                    let mapping = Mapping {
+                        length: take as u64,
+                        segment,
+                        object_offset,
+                    };
+                    state.index.insert_copy(piece_offset, mapping, source);
+                }
+            }
             position += take;
         }
-        Ok(())
+        Ok(state)
     }
 
-    /// Writes `data` at `offset` (durable at the next successful [`LogStore::flush`]).
-    pub fn write(&self, data: &[u8], offset: u64) -> Result<(), StoreError> {
+    fn write(&self, data: &[u8], offset: u64) -> Result<(), StoreError> {
         self.check_range(offset, data.len() as u64)?;
+        self.check_writable()?;
         self.append(data, offset)
     }
 
-    /// Writes each `(data, offset)` in order, one outcome per write.
-    pub fn write_batch(&self, writes: Vec<(Bytes, u64)>) -> Vec<Result<(), StoreError>> {
-        writes
-            .into_iter()
-            .map(|(data, offset)| self.write(&data, offset))
-            .collect()
+    fn check_writable(&self) -> Result<(), StoreError> {
+        match &self.read_only {
+            None => Ok(()),
+            Some(why) => Err(StoreError::ReadOnly {
+                url: self.shared.url.to_string(),
+                reason: why.to_string(),
+            }),
+        }
     }
 
-    /// Zeroes `length` bytes at `offset`: an index change and one table entry, no data.
-    pub fn write_zeroes(&self, offset: u64, length: u64) -> Result<(), StoreError> {
+    fn write_zeroes(&self, offset: u64, length: u64) -> Result<(), StoreError> {
         self.check_range(offset, length)?;
+        self.check_writable()?;
         if length == 0 {
             return Ok(());
         }
@@ -493,14 +809,11 @@ impl LogStore {
         Ok(())
     }
 
-    /// Makes every write and zeroing that returned before this call durable: seals the open
-    /// segment, waits until every segment up to it is durable (uploading failed ones again,
-    /// once each) and writes a checkpoint when one is due.
-    pub fn flush(&self) -> Result<(), StoreError> {
-        self.flush_and_checkpoint(false)
-    }
-
     fn flush_and_checkpoint(&self, checkpoint_always: bool) -> Result<(), StoreError> {
+        if self.read_only.is_some() {
+            // Nothing was written, and a read-only store writes no checkpoint.
+            return Ok(());
+        }
         let mut state = self.shared.lock();
         // Every write that returned before this call is in a segment up to `target`.
         let target = if state.open.is_empty() {
@@ -543,6 +856,14 @@ impl LogStore {
     /// PUTs the checkpoint of `index` covering the segments up to `through`, then deletes
     /// the older checkpoints (which nothing needs once this one is durable).
     fn write_checkpoint(&self, through: u64, index: &Index) -> Result<(), StoreError> {
+        let _writer = self
+            .checkpoint_writer
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if self.shared.lock().checkpoint_through >= through {
+            // A checkpoint at least as new was written meanwhile.
+            return Ok(());
+        }
         let key = checkpoint_key(&self.shared.url, through);
         let body = checkpoint::encode(self.shared.metadata.disk_id, through, index);
         let store = self.shared.store.clone();
@@ -571,10 +892,24 @@ impl LogStore {
         Ok(())
     }
 
-    /// Fills `buffer` from the disk at `offset`: bytes still in memory are copied, the rest
-    /// fetched with ranged GETs, one per run of extents adjacent in one segment object.
-    pub fn read(&self, buffer: &mut [u8], offset: u64) -> Result<(), StoreError> {
+    fn read(&self, buffer: &mut [u8], offset: u64) -> Result<(), StoreError> {
         self.check_range(offset, buffer.len() as u64)?;
+        loop {
+            let deleted_before = self.shared.lock().deleted_segments;
+            match self.read_once(buffer, offset) {
+                Err(StoreError::MissingSegment { .. })
+                    if self.shared.lock().deleted_segments != deleted_before =>
+                {
+                    // The collector deleted a segment this read had looked up (after
+                    // copying its live bytes elsewhere): look the index up again.
+                    continue;
+                }
+                outcome => return outcome,
+            }
+        }
+    }
+
+    fn read_once(&self, buffer: &mut [u8], offset: u64) -> Result<(), StoreError> {
         // (segment, object range, buffer range) of every piece that must be fetched.
         let mut remote: Vec<(u64, Range<u64>, Range<usize>)> = Vec::new();
         {
@@ -642,20 +977,31 @@ impl LogStore {
         }
         Ok(())
     }
-
-    /// Flushes and writes a checkpoint covering every segment, so the next open replays
-    /// nothing. Called at drop; an error leaves the disk as a crash would (still consistent).
-    pub fn close(&self) -> Result<(), StoreError> {
-        self.flush_and_checkpoint(true)
-    }
 }
 
 impl Drop for LogStore {
     fn drop(&mut self) {
         if let Err(error) = self.close() {
-            tracing::error!(disk = %self.shared.url, error = %error, "closing the log: writes after the last successful flush may be lost");
+            tracing::error!(disk = %self.core.shared.url, error = %error, "closing the log: writes after the last successful flush may be lost");
         }
     }
+}
+
+/// Refuses a disk of another layout, or a configuration [`LogConfig::validate`] refuses.
+fn check_layout(url: &S3Url, connection: &Connection, config: &LogConfig) -> Result<(), OpenError> {
+    config.validate().map_err(|reason| OpenError::Config {
+        url: url.to_string(),
+        reason,
+    })?;
+    if connection.metadata.layout != LayoutKind::Log {
+        return Err(OpenError::Mismatch {
+            url: url.to_string(),
+            parameter: "layout",
+            given: LayoutKind::Log.name().to_string(),
+            stored: connection.metadata.layout.name().to_string(),
+        });
+    }
+    Ok(())
 }
 
 fn bad_object(url: &S3Url, key: &str, reason: String) -> OpenError {
@@ -666,12 +1012,13 @@ fn bad_object(url: &S3Url, key: &str, reason: String) -> OpenError {
     }
 }
 
-/// Sequences of the objects under `folder` (names are 16 hex digits), ascending.
+/// (sequence, object bytes) of the objects under `folder` (names are 16 hex digits),
+/// ascending.
 async fn list_sequences(
     store: &AmazonS3,
     url: &S3Url,
     folder: &str,
-) -> Result<Vec<u64>, OpenError> {
+) -> Result<Vec<(u64, u64)>, OpenError> {
     let prefix = ObjectPath::from(url.key(folder).as_str());
     let objects: Vec<_> = store
         .list(Some(&prefix))
@@ -686,7 +1033,9 @@ async fn list_sequences(
     for object in objects {
         let name = object.location.filename().unwrap_or_default();
         match u64::from_str_radix(name, 16) {
-            Ok(sequence) if name.len() == 16 && sequence > 0 => sequences.push(sequence),
+            Ok(sequence) if name.len() == 16 && sequence > 0 => {
+                sequences.push((sequence, object.size))
+            }
             _ => {
                 return Err(bad_object(
                     url,
@@ -721,11 +1070,12 @@ async fn recover(
     store: &AmazonS3,
     url: &S3Url,
     metadata: &DiskMetadata,
+    writable: bool,
 ) -> Result<Recovered, OpenError> {
     let checkpoints = list_sequences(store, url, "log/checkpoints").await?;
     let segments = list_sequences(store, url, "log/segments").await?;
     let (mut index, checkpoint_through) = match checkpoints.last() {
-        Some(&through) => {
+        Some(&(through, _)) => {
             let key = checkpoint_key(url, through);
             let body = get_whole(store, url, &key).await?;
             let checkpoint = checkpoint::decode(&body, metadata.disk_id, metadata.size_bytes)
@@ -740,7 +1090,7 @@ async fn recover(
                     ),
                 ));
             }
-            let present: BTreeSet<u64> = segments.iter().copied().collect();
+            let present: BTreeSet<u64> = segments.iter().map(|&(sequence, _)| sequence).collect();
             if let Some((_, missing)) = checkpoint
                 .index
                 .iter()
@@ -758,9 +1108,23 @@ async fn recover(
     };
     let mut last_sequence = checkpoint_through;
     let mut orphans = Vec::new();
-    for &sequence in segments
+    let mut stored = BTreeMap::new();
+    // Segments the checkpoint covers but does not name hold no live byte and no replay needs
+    // them: the collector's deletes were cut short (or it had not got to them yet).
+    let mut dead = Vec::new();
+    for &(sequence, bytes) in segments
         .iter()
-        .filter(|&&sequence| sequence > checkpoint_through)
+        .filter(|&&(sequence, _)| sequence <= checkpoint_through)
+    {
+        if index.live_bytes(sequence) > 0 {
+            stored.insert(sequence, bytes);
+        } else {
+            dead.push(sequence);
+        }
+    }
+    for &(sequence, bytes) in segments
+        .iter()
+        .filter(|&&(sequence, _)| sequence > checkpoint_through)
     {
         if sequence != last_sequence + 1 || !orphans.is_empty() {
             orphans.push(sequence);
@@ -781,19 +1145,44 @@ async fn recover(
             ));
         }
         for extent in decoded.extents {
-            match extent.object_offset() {
-                Some(object_offset) => index.insert(
-                    extent.disk_offset,
-                    Mapping {
+            match (extent.object_offset(), extent.copy_of) {
+                (Some(object_offset), copy_of) => {
+                    let mapping = Mapping {
                         length: extent.length,
                         segment: sequence,
                         object_offset,
-                    },
-                ),
-                None => index.remove(extent.disk_offset, extent.length),
+                    };
+                    match copy_of {
+                        None => index.insert(extent.disk_offset, mapping),
+                        // As when it was appended: only where the range still maps to the
+                        // source (a newer write or trim before it in the log wins).
+                        Some(source) => {
+                            index.insert_copy(extent.disk_offset, mapping, source);
+                        }
+                    }
+                }
+                (None, _) => index.remove(extent.disk_offset, extent.length),
             }
         }
+        stored.insert(sequence, bytes);
         last_sequence = sequence;
+    }
+    if !writable {
+        // Read-only: the dead segments and those after a gap stay; neither is read.
+        dead.clear();
+        orphans.clear();
+    }
+    for sequence in dead {
+        let key = segment_key(url, sequence);
+        tracing::info!(segment = %key, checkpoint_through, "deleting a segment the checkpoint covers and no longer needs");
+        store
+            .delete(&ObjectPath::from(key.as_str()))
+            .await
+            .map_err(|error| OpenError::Request {
+                url: url.to_string(),
+                operation: format!("deleting unneeded segment `{key}`"),
+                message: chain(&error),
+            })?;
     }
     // Segments after a gap were never covered by an acknowledged FLUSH; their sequence
     // numbers are about to be reused, so they go before anything new is written.
@@ -813,5 +1202,6 @@ async fn recover(
         index,
         last_sequence,
         checkpoint_through,
+        stored,
     })
 }

@@ -6,16 +6,22 @@
 //! ```text
 //! header (64 bytes)
 //!   0  magic "BCLOGSEG"
-//!   8  format version u32 (1)      12 header length u32 (64)
+//!   8  format version u32 (2)      12 header length u32 (64)
 //!  16  disk id u64                 24 sequence u64
 //!  32  data length u64             40 extent count u64
 //!  48  CRC-32 (IEEE) of the table u32
 //!  52  reserved u32 (0) ×2         60 CRC-32 of bytes 0..60 u32
 //! data (data length bytes): the data extents' bytes, in append order
-//! table (extent count × 32 bytes), in append order, later entries win:
+//! table (extent count × 40 bytes), in append order, later entries win:
 //!   disk offset u64, length u64, position in data u64 (u64::MAX: zeroes), CRC-32 of the
-//!   extent's bytes u32 (0 for zeroes), kind u32 (1 data, 2 zeroes)
+//!   extent's bytes u32 (0 for zeroes), kind u32 (1 data, 2 zeroes, 3 copy), source segment
+//!   u64 (kind 3: the segment the garbage collector copied the bytes from; else 0)
 //! ```
+//!
+//! A copy (kind 3) applies only where the index, at that point of the log, still maps the
+//! range to its source segment: a client write or trim that reached the log between the
+//! collector's read of the source and its append wins over the copy, live and at replay.
+//! Version 1 segments (32-byte entries, no copies) are still read.
 //!
 //! The data comes first so that an extent's place in the object is known when it is
 //! appended (header length + position in data), before the segment is sealed.
@@ -23,13 +29,16 @@
 use bytes::{BufMut, Bytes, BytesMut};
 
 const MAGIC: &[u8; 8] = b"BCLOGSEG";
-const FORMAT_VERSION: u32 = 1;
+const FORMAT_VERSION: u32 = 2;
 /// Bytes before the data.
 pub const HEADER_BYTES: u64 = 64;
 /// Bytes of one table entry.
-pub const TABLE_ENTRY_BYTES: u64 = 32;
+pub const TABLE_ENTRY_BYTES: u64 = 40;
+/// Bytes of one table entry of a version 1 segment (no source field).
+const TABLE_ENTRY_BYTES_VERSION_1: u64 = 32;
 const KIND_DATA: u32 = 1;
 const KIND_ZEROES: u32 = 2;
+const KIND_COPY: u32 = 3;
 const ZEROES_POSITION: u64 = u64::MAX;
 
 /// One extent of a segment: bytes written at `disk_offset`, or a range zeroed.
@@ -40,6 +49,8 @@ pub struct SegmentExtent {
     /// Where the bytes are in the data area; None for a zeroed (trimmed) range.
     pub data_position: Option<u64>,
     pub checksum: u32,
+    /// For bytes the garbage collector copied: the segment they were copied from.
+    pub copy_of: Option<u64>,
 }
 
 impl SegmentExtent {
@@ -80,6 +91,16 @@ impl OpenSegment {
 
     /// Appends `data` written at `disk_offset`; returns the offset of its bytes in the object.
     pub fn append_data(&mut self, disk_offset: u64, data: &[u8]) -> u64 {
+        self.append(disk_offset, data, None)
+    }
+
+    /// Appends `data` the garbage collector copied from segment `source` (see the module
+    /// docs); returns the offset of its bytes in the object.
+    pub fn append_copy(&mut self, disk_offset: u64, data: &[u8], source: u64) -> u64 {
+        self.append(disk_offset, data, Some(source))
+    }
+
+    fn append(&mut self, disk_offset: u64, data: &[u8], copy_of: Option<u64>) -> u64 {
         let position = self.data.len() as u64;
         self.data.extend_from_slice(data);
         let extent = SegmentExtent {
@@ -87,6 +108,7 @@ impl OpenSegment {
             length: data.len() as u64,
             data_position: Some(position),
             checksum: crc32fast::hash(data),
+            copy_of,
         };
         self.table.push(extent);
         HEADER_BYTES + position
@@ -99,6 +121,7 @@ impl OpenSegment {
             length,
             data_position: None,
             checksum: 0,
+            copy_of: None,
         });
     }
 
@@ -117,11 +140,12 @@ impl OpenSegment {
             table.put_u64_le(extent.length);
             table.put_u64_le(extent.data_position.unwrap_or(ZEROES_POSITION));
             table.put_u32_le(extent.checksum);
-            table.put_u32_le(if extent.data_position.is_some() {
-                KIND_DATA
-            } else {
-                KIND_ZEROES
+            table.put_u32_le(match (extent.data_position, extent.copy_of) {
+                (Some(_), None) => KIND_DATA,
+                (Some(_), Some(_)) => KIND_COPY,
+                (None, _) => KIND_ZEROES,
             });
+            table.put_u64_le(extent.copy_of.unwrap_or(0));
         }
         let mut object =
             BytesMut::with_capacity(HEADER_BYTES as usize + self.data.len() + table.len());
@@ -175,11 +199,15 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Decod
         return Err("header checksum mismatch (corrupt header)".to_string());
     }
     let version = u32_at(object, 8);
-    if version != FORMAT_VERSION {
-        return Err(format!(
-            "segment format version {version} is not the supported {FORMAT_VERSION}"
-        ));
-    }
+    let entry_bytes = match version {
+        1 => TABLE_ENTRY_BYTES_VERSION_1,
+        FORMAT_VERSION => TABLE_ENTRY_BYTES,
+        _ => {
+            return Err(format!(
+                "segment format version {version} is not a supported one (1 or {FORMAT_VERSION})"
+            ))
+        }
+    };
     if u64::from(u32_at(object, 12)) != HEADER_BYTES {
         return Err(format!(
             "header length {} is not {HEADER_BYTES}",
@@ -196,7 +224,7 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Decod
     let data_bytes = u64_at(object, 32);
     let extent_count = u64_at(object, 40);
     let expected = extent_count
-        .checked_mul(TABLE_ENTRY_BYTES)
+        .checked_mul(entry_bytes)
         .and_then(|table| table.checked_add(data_bytes))
         .and_then(|body| body.checked_add(HEADER_BYTES));
     if expected != Some(object.len() as u64) {
@@ -211,7 +239,7 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Decod
         return Err("extent table checksum mismatch (corrupt table)".to_string());
     }
     let mut extents = Vec::with_capacity(extent_count as usize);
-    for (number, entry) in table.chunks_exact(TABLE_ENTRY_BYTES as usize).enumerate() {
+    for (number, entry) in table.chunks_exact(entry_bytes as usize).enumerate() {
         let disk_offset = u64_at(entry, 0);
         let length = u64_at(entry, 8);
         let position = u64_at(entry, 16);
@@ -225,8 +253,23 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Decod
                 "extent {number} ({length} bytes at {disk_offset}) reaches past the end of the disk ({disk_size_bytes} bytes)"
             ));
         }
+        let source = (entry_bytes == TABLE_ENTRY_BYTES).then(|| u64_at(entry, 32));
+        let copy_of = match (kind, source) {
+            (KIND_COPY, Some(source)) if source > 0 && source < sequence => Some(source),
+            (KIND_COPY, _) => {
+                return Err(format!(
+                    "extent {number} is a copy of segment {source:?}, not of an earlier segment"
+                ))
+            }
+            (_, Some(0) | None) => None,
+            (_, Some(other)) => {
+                return Err(format!(
+                    "extent {number} names source segment {other} but is no copy"
+                ))
+            }
+        };
         let data_position = match kind {
-            KIND_DATA => {
+            KIND_DATA | KIND_COPY => {
                 let bytes = position
                     .checked_add(length)
                     .filter(|&end| end <= data_bytes)
@@ -247,6 +290,7 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Decod
             length,
             data_position,
             checksum,
+            copy_of,
         });
     }
     Ok(DecodedSegment { sequence, extents })
@@ -265,6 +309,8 @@ mod tests {
         let first = segment.append_data(4096, &[1u8; 100]);
         segment.append_zeroes(0, 8192);
         let second = segment.append_data(1 << 20, &[2u8; 50]);
+        let copy = segment.append_copy(1 << 21, &[3u8; 30], 4);
+        assert_eq!(segment.read(copy, 30), &[3u8; 30]);
         assert_eq!(segment.read(first, 100), &[1u8; 100]);
         assert_eq!(segment.read(second, 50), &[2u8; 50]);
         let object = segment.seal(0xabc);
