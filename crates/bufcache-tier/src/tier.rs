@@ -137,9 +137,9 @@ struct State {
     /// for it (an invalidation, a dropped write record), so a read that went to the remote
     /// before does not cache what it read.
     generation: u64,
-    /// A write went straight to the remote since the last flush.
-    remote_unflushed: bool,
     writeback_failures_in_a_row: u32,
+    /// Failed write-back attempts ever: a waiter reports an error only after one of its own.
+    writeback_failures_total: u64,
     writeback_error: Option<String>,
     writeback_epochs: u64,
     stopping: bool,
@@ -489,8 +489,8 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
                 remote_epoch: checkpoint.remote_epoch,
                 dirty_epochs: BTreeMap::new(),
                 generation: 0,
-                remote_unflushed: false,
                 writeback_failures_in_a_row: 0,
+                writeback_failures_total: 0,
                 writeback_error: None,
                 writeback_epochs: 0,
                 stopping: false,
@@ -574,12 +574,8 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
     /// (whatever `flush_to` says). Returns the remote's error once write-back has failed
     /// `writeback_attempts_max` times in a row.
     pub fn drain(&self) -> io::Result<()> {
-        let (target, remote_unflushed) = self.shared.close_epoch();
-        self.shared.wait_for_remote(target)?;
-        if remote_unflushed {
-            self.shared.flush_remote_after_write_through()?;
-        }
-        Ok(())
+        let target = self.shared.close_epoch();
+        self.shared.wait_for_remote(target)
     }
 
     /// Stops write-back without waiting for it to finish an epoch it has not started; for
@@ -981,11 +977,7 @@ impl<R: Device, L: Device> Shared<R, L> {
             "local cache has no room for a write (full of data not yet on the remote, or the \
              write is larger than a record): falling back to remote durability for it"
         );
-        let (target, remote_unflushed) = self.close_epoch();
-        if remote_unflushed {
-            // Not this write's flush to clear: whoever flushes next must flush the remote.
-            self.state.lock().remote_unflushed = true;
-        }
+        let target = self.close_epoch();
         self.wait_for_remote(target)?;
         let total_bytes = record_total_bytes(payload.len() as u64);
         // Zeroings too long for a record (one index entry per block) always go through.
@@ -1052,34 +1044,28 @@ impl<R: Device, L: Device> Shared<R, L> {
             RecordKind::Zero => self.remote.write_zeroes(disk_offset, length_bytes),
             _ => self.remote.discard(disk_offset, length_bytes),
         };
-        self.state.lock().remote_unflushed = true;
-        result
+        // Flushed before returning, so no later write (logged, so durable at the next local
+        // flush) can survive a crash that this one does not: replay stays a prefix.
+        result.and_then(|()| self.remote.flush())
     }
 
-    /// Closes the open epoch if it has writes; returns the last closed epoch and whether a
-    /// write went straight to the remote since the last flush (clearing that).
-    fn close_epoch(&self) -> (u64, bool) {
+    /// Closes the open epoch if it has writes; returns the last closed epoch.
+    fn close_epoch(&self) -> u64 {
         let mut state = self.state.lock();
         if state.open_epoch_has_writes {
             state.open_epoch += 1;
             state.open_epoch_has_writes = false;
             self.changed.notify_all();
         }
-        (
-            state.open_epoch - 1,
-            std::mem::take(&mut state.remote_unflushed),
-        )
+        state.open_epoch - 1
     }
 
-    fn flush_remote_after_write_through(&self) -> io::Result<()> {
-        self.remote.flush().inspect_err(|_| {
-            self.state.lock().remote_unflushed = true;
-        })
-    }
-
-    /// Waits until every logged write of epochs up to `target` is on the remote.
+    /// Waits until every logged write of epochs up to `target` is on the remote. Fails once
+    /// write-back has failed `writeback_attempts_max` times in a row, the last of them while
+    /// this call waited (so a remote that is back gets its retry first).
     fn wait_for_remote(&self, target: u64) -> io::Result<()> {
         let mut state = self.state.lock();
+        let failures_before = state.writeback_failures_total;
         loop {
             if state
                 .dirty_epochs
@@ -1088,7 +1074,9 @@ impl<R: Device, L: Device> Shared<R, L> {
             {
                 return Ok(());
             }
-            if state.writeback_failures_in_a_row >= self.config.writeback_attempts_max {
+            if state.writeback_failures_in_a_row >= self.config.writeback_attempts_max
+                && state.writeback_failures_total > failures_before
+            {
                 return Err(io::Error::other(format!(
                     "write-back to {} failed {} times in a row: {}",
                     self.remote.describe(),
@@ -1339,6 +1327,7 @@ impl<R: Device, L: Device> Shared<R, L> {
                 Err(error) => {
                     let mut state = self.state.lock();
                     state.writeback_failures_in_a_row += 1;
+                    state.writeback_failures_total += 1;
                     state.writeback_error = Some(error.to_string());
                     tracing::warn!(
                         remote = %self.remote.describe(),
@@ -1520,16 +1509,11 @@ impl<R: Device + 'static, L: Device + 'static> Device for LocalTier<R, L> {
 
     fn flush(&self) -> io::Result<()> {
         let shared = &self.shared;
-        let (target, remote_unflushed) = shared.close_epoch();
-        if let Err(error) = shared.local.flush() {
-            if remote_unflushed {
-                shared.state.lock().remote_unflushed = true;
-            }
-            return Err(shared.local_error("flushing the log", error));
-        }
-        if remote_unflushed {
-            shared.flush_remote_after_write_through()?;
-        }
+        let target = shared.close_epoch();
+        shared
+            .local
+            .flush()
+            .map_err(|error| shared.local_error("flushing the log", error))?;
         if shared.config.flush_to == FlushTo::Remote {
             shared.wait_for_remote(target)?;
         }
