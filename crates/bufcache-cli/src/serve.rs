@@ -239,7 +239,8 @@ fn open_local_tier(
     };
     let existed = path.exists();
     let early_lock = existed.then(|| BackendLock::acquire(path)).transpose()?;
-    let tier = bufcache_tier::LocalTier::open_path(path, args.local_cache_size, remote, identity, config)?;
+    let tier =
+        bufcache_tier::LocalTier::open_path(path, args.local_cache_size, remote, identity, config)?;
     let lock = match early_lock {
         Some(lock) => lock,
         None => BackendLock::acquire(path)?,
@@ -249,7 +250,11 @@ fn open_local_tier(
         "local cache {} ({} log, flush to {}): {} dirty in {} epochs to write back",
         path.display(),
         format_size(stats.log_capacity_bytes),
-        if config_flush_remote(args) { "remote" } else { "local" },
+        if config_flush_remote(args) {
+            "remote"
+        } else {
+            "local"
+        },
         format_size(stats.dirty_bytes),
         stats.epochs_pending
     );

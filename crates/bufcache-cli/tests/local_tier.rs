@@ -83,7 +83,10 @@ fn flushed_writes_survive_kill_9_and_reach_the_backend() {
     // kill -9 the restarted server serves them and writes them back to the file. Method:
     // qemu-io writes patterns (aligned and not) and flushes; kill -9; restart; qemu-io reads
     // the patterns back; wait until the tier reports nothing dirty; stop; compare the file.
-    if !have_tools("flushed_writes_survive_kill_9_and_reach_the_backend", &["qemu-io"]) {
+    if !have_tools(
+        "flushed_writes_survive_kill_9_and_reach_the_backend",
+        &["qemu-io"],
+    ) {
         return;
     }
     let _timer = Timer::new("flushed_writes_survive_kill_9_and_reach_the_backend");
@@ -141,10 +144,7 @@ fn the_read_cache_is_as_warm_after_kill_9() {
     let read_all = |server: &Server| {
         let _ = std::fs::remove_file(&copy);
         run_ok(
-            cmd(
-                "nbdcopy",
-                &[server.uri().as_str(), copy.to_str().unwrap()],
-            ),
+            cmd("nbdcopy", &[server.uri().as_str(), copy.to_str().unwrap()]),
             TIMEOUT,
         );
         assert_same_bytes(&contents, &std::fs::read(&copy).unwrap(), "the export");
@@ -165,8 +165,14 @@ fn the_read_cache_is_as_warm_after_kill_9() {
     let (hits, misses) = read_all(&server);
     let after = hits / (hits + misses);
     eprintln!("tier hit ratio: before restart {before:.3}, after {after:.3}");
-    assert!(before > 0.5, "the second pass hits the local cache: {before}");
-    assert!(after >= 0.9 * before, "warm after restart: {after} vs {before}");
+    assert!(
+        before > 0.5,
+        "the second pass hits the local cache: {before}"
+    );
+    assert!(
+        after >= 0.9 * before,
+        "warm after restart: {after} vs {before}"
+    );
 }
 
 fn bufcache(args: &[&str]) -> std::process::Command {
@@ -190,17 +196,15 @@ fn a_local_cache_of_another_backend_or_size_is_refused() {
     server.stop_clean();
     let before = std::fs::read(&cache).unwrap();
     let output = run_timeout(
-        bufcache(
-            &[
-                "serve",
-                "--backend",
-                other.to_str().unwrap(),
-                "--local-cache",
-                &cache,
-                "--listen",
-                &format!("unix:{}", dir.path().join("x.sock").display()),
-            ],
-        ),
+        bufcache(&[
+            "serve",
+            "--backend",
+            other.to_str().unwrap(),
+            "--local-cache",
+            &cache,
+            "--listen",
+            &format!("unix:{}", dir.path().join("x.sock").display()),
+        ]),
         TIMEOUT,
     );
     let text = output_text(&output);
@@ -210,23 +214,25 @@ fn a_local_cache_of_another_backend_or_size_is_refused() {
         "{text}"
     );
     let output = run_timeout(
-        bufcache(
-            &[
-                "serve",
-                "--backend",
-                &backend,
-                "--local-cache",
-                &cache,
-                "--local-cache-size",
-                "32M",
-                "--listen",
-                &format!("unix:{}", dir.path().join("y.sock").display()),
-            ],
-        ),
+        bufcache(&[
+            "serve",
+            "--backend",
+            &backend,
+            "--local-cache",
+            &cache,
+            "--local-cache-size",
+            "32M",
+            "--listen",
+            &format!("unix:{}", dir.path().join("y.sock").display()),
+        ]),
         TIMEOUT,
     );
     let text = output_text(&output);
     assert!(!output.status.success(), "{text}");
     assert!(text.contains("not the 33554432 bytes asked for"), "{text}");
-    assert_eq!(std::fs::read(&cache).unwrap(), before, "the cache is untouched");
+    assert_eq!(
+        std::fs::read(&cache).unwrap(),
+        before,
+        "the cache is untouched"
+    );
 }

@@ -49,7 +49,9 @@ pub enum TierError {
         local: String,
     },
     /// The superblock's checksum does not match.
-    #[error("local cache {local}: the superblock is corrupt (checksum mismatch): nothing was replayed")]
+    #[error(
+        "local cache {local}: the superblock is corrupt (checksum mismatch): nothing was replayed"
+    )]
     SuperblockCorrupt {
         /// The local cache.
         local: String,

@@ -144,7 +144,8 @@ impl Checkpoint {
     pub fn decode(bytes: &[u8]) -> Option<Checkpoint> {
         if bytes.len() < CHECKPOINT_BYTES
             || u32_at(bytes, 0) != CHECKPOINT_MAGIC
-            || crc32fast::hash(&bytes[..CHECKPOINT_BYTES - 4]) != u32_at(bytes, CHECKPOINT_BYTES - 4)
+            || crc32fast::hash(&bytes[..CHECKPOINT_BYTES - 4])
+                != u32_at(bytes, CHECKPOINT_BYTES - 4)
         {
             return None;
         }

@@ -226,7 +226,8 @@ impl<R: Device + 'static> LocalTier<R, FileDevice> {
                 create_length_bytes: Some(size_bytes),
                 ..FileDeviceOptions::default()
             };
-            let local = FileDevice::open(path, &options).map_err(|error| open_error(&local_name, error))?;
+            let local =
+                FileDevice::open(path, &options).map_err(|error| open_error(&local_name, error))?;
             return Self::create(local, local_name, remote, identity, config);
         }
         let local = FileDevice::open(path, &FileDeviceOptions::default())
@@ -611,7 +612,7 @@ fn check_backend(
     identity: &str,
     config: &LocalTierConfig,
 ) -> Result<(), TierError> {
-    if remote.len() % u64::from(config.block_bytes) != 0 {
+    if !remote.len().is_multiple_of(u64::from(config.block_bytes)) {
         return Err(TierError::BackendNotBlockMultiple {
             identity: identity.to_string(),
             backend_bytes: remote.len(),
@@ -701,7 +702,12 @@ impl<R: Device, L: Device> Shared<R, L> {
             state.head_position = position;
         }
         // Writes of epochs that were open at the crash are written back as closed epochs.
-        let epoch_seen = state.records.iter().map(|record| record.epoch).max().unwrap_or(0);
+        let epoch_seen = state
+            .records
+            .iter()
+            .map(|record| record.epoch)
+            .max()
+            .unwrap_or(0);
         state.open_epoch = state.open_epoch.max(epoch_seen + 1);
         Ok(())
     }
@@ -819,7 +825,8 @@ impl<R: Device, L: Device> Shared<R, L> {
         }
         loop {
             let full = state.used_bytes > 0 && state.head_position == state.tail_position;
-            let head_after_tail = state.used_bytes == 0 || state.head_position > state.tail_position;
+            let head_after_tail =
+                state.used_bytes == 0 || state.head_position > state.tail_position;
             enum Fit {
                 Here,
                 AfterWrap,
@@ -893,7 +900,8 @@ impl<R: Device, L: Device> Shared<R, L> {
         };
         let (header_bytes, crc) = header.encode(payload);
         let total_bytes = record_total_bytes(payload_bytes);
-        let padding = vec![0u8; (total_bytes - RECORD_HEADER_BYTES as u64 - payload_bytes) as usize];
+        let padding =
+            vec![0u8; (total_bytes - RECORD_HEADER_BYTES as u64 - payload_bytes) as usize];
         let mut slices = Vec::with_capacity(payload.len() + 2);
         slices.push(IoSlice::new(&header_bytes));
         slices.extend(payload.iter().map(|part| IoSlice::new(part)));
@@ -981,7 +989,8 @@ impl<R: Device, L: Device> Shared<R, L> {
         self.wait_for_remote(target)?;
         let total_bytes = record_total_bytes(payload.len() as u64);
         // Zeroings too long for a record (one index entry per block) always go through.
-        let loggable = kind == RecordKind::Dirty || length_bytes <= self.config.zero_record_bytes_max;
+        let loggable =
+            kind == RecordKind::Dirty || length_bytes <= self.config.zero_record_bytes_max;
         {
             let mut state = self.state.lock();
             match loggable.then(|| self.reserve(&mut state, total_bytes)) {
@@ -1026,7 +1035,10 @@ impl<R: Device, L: Device> Shared<R, L> {
             .map_err(|error| self.local_error("flushing an invalidation", error))?;
         let result = match kind {
             RecordKind::Dirty => {
-                let step = self.remote_capabilities.request_bytes_max.max(self.block_bytes)
+                let step = self
+                    .remote_capabilities
+                    .request_bytes_max
+                    .max(self.block_bytes)
                     / self.block_bytes
                     * self.block_bytes;
                 let mut done = 0u64;
@@ -1034,7 +1046,9 @@ impl<R: Device, L: Device> Shared<R, L> {
                 while done < length_bytes && result.is_ok() {
                     let piece = (length_bytes - done).min(step);
                     result = self.remote.write_vectored_at(
-                        &[IoSlice::new(&payload[done as usize..(done + piece) as usize])],
+                        &[IoSlice::new(
+                            &payload[done as usize..(done + piece) as usize],
+                        )],
                         disk_offset + done,
                     );
                     done += piece;
@@ -1113,7 +1127,7 @@ impl<R: Device, L: Device> Shared<R, L> {
             return Ok(());
         }
         let end = offset + data.len() as u64;
-        if offset % self.block_bytes == 0 && end % self.block_bytes == 0 {
+        if offset.is_multiple_of(self.block_bytes) && end.is_multiple_of(self.block_bytes) {
             return self.write_blocks(offset, data);
         }
         let _partial = self.partial_writes.lock();
@@ -1213,7 +1227,9 @@ impl<R: Device, L: Device> Shared<R, L> {
                 let piece = (count - done).min(step);
                 let at = ((start + done) * block) as usize;
                 self.remote.read_vectored_at(
-                    &mut [IoSliceMut::new(&mut whole[at..at + (piece * block) as usize])],
+                    &mut [IoSliceMut::new(
+                        &mut whole[at..at + (piece * block) as usize],
+                    )],
                     (first_block + start + done) * block,
                 )?;
                 done += piece;
@@ -1361,9 +1377,9 @@ impl<R: Device, L: Device> Shared<R, L> {
             let first_block = record.disk_offset / block;
             for index in 0..record.length_bytes / block {
                 let source = match record.kind {
-                    RecordKind::Dirty => Source::Data(
-                        record.position + RECORD_HEADER_BYTES as u64 + index * block,
-                    ),
+                    RecordKind::Dirty => {
+                        Source::Data(record.position + RECORD_HEADER_BYTES as u64 + index * block)
+                    }
                     RecordKind::Zero => Source::Zero,
                     RecordKind::Discard => Source::Discard,
                     _ => continue,
@@ -1380,7 +1396,8 @@ impl<R: Device, L: Device> Shared<R, L> {
         for (number, source) in newest {
             let offset = number * block;
             let adjacent = previous.is_some_and(|(last, kind)| {
-                last + 1 == number && std::mem::discriminant(&kind) == std::mem::discriminant(&source)
+                last + 1 == number
+                    && std::mem::discriminant(&kind) == std::mem::discriminant(&source)
             });
             let extended = adjacent
                 && match (runs.last_mut(), source) {
@@ -1451,13 +1468,17 @@ impl<R: Device, L: Device> Shared<R, L> {
                             &mut [IoSliceMut::new(&mut buffer[at..at + bytes as usize])],
                             position,
                         )
-                        .map_err(|error| self.local_error("reading the log for write-back", error))?;
+                        .map_err(|error| {
+                            self.local_error("reading the log for write-back", error)
+                        })?;
                     at += bytes as usize;
                 }
                 buffers.push(buffer);
             }
-            let slices: Vec<[IoSlice<'_>; 1]> =
-                buffers.iter().map(|buffer| [IoSlice::new(buffer)]).collect();
+            let slices: Vec<[IoSlice<'_>; 1]> = buffers
+                .iter()
+                .map(|buffer| [IoSlice::new(buffer)])
+                .collect();
             let writes: Vec<BatchWrite<'_>> = batch
                 .iter()
                 .zip(&slices)
@@ -1495,7 +1516,10 @@ impl<R: Device + 'static, L: Device + 'static> Device for LocalTier<R, L> {
         if let [single] = buffers {
             return self.shared.write_at(offset, single);
         }
-        let data: Vec<u8> = buffers.iter().flat_map(|buffer| buffer.iter().copied()).collect();
+        let data: Vec<u8> = buffers
+            .iter()
+            .flat_map(|buffer| buffer.iter().copied())
+            .collect();
         self.shared.write_at(offset, &data)
     }
 

@@ -154,13 +154,9 @@ impl Model {
         let block = sector * SECTOR / BLOCK;
         let within = (sector * SECTOR % BLOCK) as usize;
         held == &interval.start[at..at + SECTOR as usize]
-            || interval
-                .writes
-                .iter()
-                .flatten()
-                .any(|(written, data)| {
-                    *written == block && held == &data[within..within + SECTOR as usize]
-                })
+            || interval.writes.iter().flatten().any(|(written, data)| {
+                *written == block && held == &data[within..within + SECTOR as usize]
+            })
     }
 
     fn epoch_prefix_at(&self, remote: &[u8], from: usize) -> bool {
@@ -222,7 +218,11 @@ fn every_flushed_write_survives_crashes_and_the_remote_stays_an_epoch_prefix() {
     // TIER_SEED=N reruns one.
     for seed in seeds(60) {
         let mut random = SeededRng::new(seed);
-        let flush_to = if seed % 3 == 0 { FlushTo::Remote } else { FlushTo::Local };
+        let flush_to = if seed % 3 == 0 {
+            FlushTo::Remote
+        } else {
+            FlushTo::Local
+        };
         let local = Arc::new(CrashDevice::new(LOCAL_BYTES_MIN + 16 * BLOCK, seed));
         let remote = Arc::new(CrashDevice::new(BACKEND_BYTES, seed ^ 0xabc));
         let mut tier = Some(
@@ -311,7 +311,11 @@ fn the_remote_is_an_epoch_prefix_when_write_back_dies_and_the_local_device_is_lo
     // durable image against the model without ever looking at the local device again.
     for seed in seeds(80) {
         let mut random = SeededRng::new(seed);
-        let flush_to = if seed % 2 == 0 { FlushTo::Remote } else { FlushTo::Local };
+        let flush_to = if seed % 2 == 0 {
+            FlushTo::Remote
+        } else {
+            FlushTo::Local
+        };
         let local = Arc::new(CrashDevice::new(LOCAL_BYTES_MIN + 8 * BLOCK, seed));
         let remote = Arc::new(CrashDevice::new(BACKEND_BYTES, seed ^ 0x55));
         let tier: Tier = LocalTier::create(
@@ -383,9 +387,18 @@ fn a_full_log_falls_back_to_the_remote_and_loses_nothing() {
     let capacity_blocks = tier.stats().log_capacity_bytes / (BLOCK + 512);
     let blocks = (capacity_blocks * 3).min(1024);
     for block in 0..blocks {
-        write(&tier, block * BLOCK, &vec![(block % 251) as u8 + 1; BLOCK as usize]).unwrap();
+        write(
+            &tier,
+            block * BLOCK,
+            &vec![(block % 251) as u8 + 1; BLOCK as usize],
+        )
+        .unwrap();
     }
-    assert!(tier.stats().fallbacks > 0, "the log was full: {:?}", tier.stats());
+    assert!(
+        tier.stats().fallbacks > 0,
+        "the log was full: {:?}",
+        tier.stats()
+    );
     for block in 0..blocks {
         assert_eq!(
             read(&tier, block * BLOCK, BLOCK).unwrap(),
@@ -416,7 +429,12 @@ fn the_read_cache_survives_a_restart() {
     let local = Arc::new(CrashDevice::new(LOCAL_BYTES_MIN + 64 * (BLOCK + 512), 3));
     let remote = Arc::new(CrashDevice::new(BACKEND_BYTES, 4));
     for block in 0..BACKEND_BYTES / BLOCK {
-        write(&*remote, block * BLOCK, &vec![block as u8 + 7; BLOCK as usize]).unwrap();
+        write(
+            &*remote,
+            block * BLOCK,
+            &vec![block as u8 + 7; BLOCK as usize],
+        )
+        .unwrap();
     }
     remote.flush().unwrap();
     let tier = open_new(&local, &remote);
@@ -465,7 +483,10 @@ fn write_back_errors_are_retried_and_reported_by_flush_to_remote() {
     remote.crash(CrashMode::DropUnflushed);
     write(&tier, 0, &[9u8; 4096]).unwrap();
     let error = tier.flush().unwrap_err().to_string();
-    assert!(error.contains("write-back to crash:") && error.contains("crashed"), "{error}");
+    assert!(
+        error.contains("write-back to crash:") && error.contains("crashed"),
+        "{error}"
+    );
     assert!(tier.stats().writeback_error.is_some());
     remote.restart();
     tier.drain().unwrap();
@@ -506,7 +527,10 @@ fn refused(path: &std::path::Path, result: Result<LocalTier<MemoryDevice>, TierE
         Ok(_) => panic!("{} was accepted", path.display()),
         Err(error) => error.to_string(),
     };
-    assert!(message.contains(&path.display().to_string()), "names the file: {message}");
+    assert!(
+        message.contains(&path.display().to_string()),
+        "names the file: {message}"
+    );
     assert_eq!(std::fs::read(path).ok(), before, "the file is unchanged");
     message
 }
@@ -517,8 +541,14 @@ fn a_cache_of_another_backend_is_refused() {
     // Method: make a cache for one identity, open it for another.
     let directory = tempfile::tempdir().unwrap();
     let path = made_cache(&directory);
-    let message = refused(&path, file_tier(&path, None, BACKEND_BYTES, "file:/srv/other.img"));
-    assert!(message.contains("file:/srv/test.img") && message.contains("file:/srv/other.img"), "{message}");
+    let message = refused(
+        &path,
+        file_tier(&path, None, BACKEND_BYTES, "file:/srv/other.img"),
+    );
+    assert!(
+        message.contains("file:/srv/test.img") && message.contains("file:/srv/other.img"),
+        "{message}"
+    );
 }
 
 #[test]
@@ -527,7 +557,10 @@ fn a_backend_of_another_size_is_refused() {
     let directory = tempfile::tempdir().unwrap();
     let path = made_cache(&directory);
     let message = refused(&path, file_tier(&path, None, 2 * BACKEND_BYTES, IDENTITY));
-    assert!(message.contains("was made for a backend of 262144 bytes"), "{message}");
+    assert!(
+        message.contains("was made for a backend of 262144 bytes"),
+        "{message}"
+    );
 }
 
 #[test]
@@ -535,8 +568,14 @@ fn a_cache_of_the_wrong_size_is_refused() {
     // Goal: asking for another size than the cache has is an error, not a silent resize.
     let directory = tempfile::tempdir().unwrap();
     let path = made_cache(&directory);
-    let message = refused(&path, file_tier(&path, Some(2 << 20), BACKEND_BYTES, IDENTITY));
-    assert!(message.contains("not the 2097152 bytes asked for"), "{message}");
+    let message = refused(
+        &path,
+        file_tier(&path, Some(2 << 20), BACKEND_BYTES, IDENTITY),
+    );
+    assert!(
+        message.contains("not the 2097152 bytes asked for"),
+        "{message}"
+    );
 }
 
 #[test]
@@ -566,8 +605,14 @@ fn garbage_and_a_corrupt_superblock_are_refused() {
     let mut random = SeededRng::new(9);
     let garbage: Vec<u8> = (0..1 << 20).map(|_| random.next_u64() as u8).collect();
     std::fs::write(&path, garbage).unwrap();
-    let message = refused(&path, file_tier(&path, Some(1 << 20), BACKEND_BYTES, IDENTITY));
-    assert!(message.contains("is not a bufcache local cache"), "{message}");
+    let message = refused(
+        &path,
+        file_tier(&path, Some(1 << 20), BACKEND_BYTES, IDENTITY),
+    );
+    assert!(
+        message.contains("is not a bufcache local cache"),
+        "{message}"
+    );
     let path = made_cache(&directory);
     let mut bytes = std::fs::read(&path).unwrap();
     bytes[40] ^= 0x10;
@@ -586,7 +631,10 @@ fn a_read_only_path_and_a_missing_size_are_refused() {
             .err()
             .expect("refused")
             .to_string();
-        assert!(message.contains("/sys/kernel/notes is read-only"), "{message}");
+        assert!(
+            message.contains("/sys/kernel/notes is read-only"),
+            "{message}"
+        );
     }
     let directory = tempfile::tempdir().unwrap();
     let path = directory.path().join("new.cache");
@@ -594,7 +642,10 @@ fn a_read_only_path_and_a_missing_size_are_refused() {
         .err()
         .expect("refused")
         .to_string();
-    assert!(message.contains("does not exist; give its size"), "{message}");
+    assert!(
+        message.contains("does not exist; give its size"),
+        "{message}"
+    );
     assert!(!path.exists());
 }
 
@@ -607,13 +658,26 @@ fn a_file_cache_keeps_flushed_writes_across_a_reopen() {
     let path = directory.path().join("local.cache");
     let remote = Arc::new(CrashDevice::new(BACKEND_BYTES, 1));
     remote.crash(CrashMode::DropUnflushed);
-    let tier = LocalTier::open_path(&path, Some(1 << 20), Arc::clone(&remote), IDENTITY, config(FlushTo::Local));
+    let tier = LocalTier::open_path(
+        &path,
+        Some(1 << 20),
+        Arc::clone(&remote),
+        IDENTITY,
+        config(FlushTo::Local),
+    );
     let tier = tier.unwrap();
     write(&tier, 8192, &[5u8; 8192]).unwrap();
     tier.flush().unwrap();
     tier.stop();
     remote.restart();
-    let tier = LocalTier::open_path(&path, Some(1 << 20), Arc::clone(&remote), IDENTITY, config(FlushTo::Local)).unwrap();
+    let tier = LocalTier::open_path(
+        &path,
+        Some(1 << 20),
+        Arc::clone(&remote),
+        IDENTITY,
+        config(FlushTo::Local),
+    )
+    .unwrap();
     assert_eq!(read(&tier, 8192, 8192).unwrap(), vec![5u8; 8192]);
     tier.drain().unwrap();
     assert_eq!(remote.durable_image()[8192..16384], [5u8; 8192]);
