@@ -222,12 +222,12 @@ impl<R: Device + 'static> LocalTier<R, FileDevice> {
                     minimum_bytes: LOCAL_BYTES_MIN,
                 });
             }
-            let options = FileDeviceOptions {
-                create_length_bytes: Some(size_bytes),
-                ..FileDeviceOptions::default()
-            };
-            let local =
-                FileDevice::open(path, &options).map_err(|error| open_error(&local_name, error))?;
+            allocate(path, size_bytes).map_err(|source| TierError::Open {
+                local: local_name.clone(),
+                source,
+            })?;
+            let local = FileDevice::open(path, &FileDeviceOptions::default())
+                .map_err(|error| open_error(&local_name, error))?;
             return Self::create(local, local_name, remote, identity, config);
         }
         let local = FileDevice::open(path, &FileDeviceOptions::default())
@@ -250,6 +250,30 @@ impl<R: Device + 'static> LocalTier<R, FileDevice> {
         }
         Self::open_checked(local, local_name, remote, identity, config, size_bytes)
     }
+}
+
+/// Creates the cache file with all of its blocks allocated, so a full file system shows up
+/// now, as an error naming the file, and never later as a failed log append. A file left
+/// behind by a failure is removed.
+fn allocate(path: &Path, size_bytes: u64) -> io::Result<()> {
+    use std::os::unix::io::AsRawFd;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(path)?;
+    // SAFETY: posix_fallocate on a descriptor this function owns.
+    let status = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size_bytes as libc::off_t) };
+    let result = match status {
+        0 => file.sync_all(),
+        // File systems without fallocate get a sparse file of the right size.
+        libc::EOPNOTSUPP | libc::EINVAL => file.set_len(size_bytes).and_then(|()| file.sync_all()),
+        error => Err(io::Error::from_raw_os_error(error)),
+    };
+    if result.is_err() {
+        let _ = std::fs::remove_file(path);
+    }
+    result
 }
 
 fn open_error(local: &str, error: FileDeviceError) -> TierError {
