@@ -142,6 +142,9 @@ struct State {
     writeback_failures_total: u64,
     writeback_error: Option<String>,
     writeback_epochs: u64,
+    /// Set when a checkpoint or an fsync of the local device failed: what is durable there is
+    /// no longer known (fsyncgate), so every later write and flush is refused until restart.
+    local_failure: Option<String>,
     stopping: bool,
 }
 
@@ -518,6 +521,7 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
                 writeback_failures_total: 0,
                 writeback_error: None,
                 writeback_epochs: 0,
+                local_failure: None,
                 stopping: false,
             }),
             changed: Condvar::new(),
@@ -796,13 +800,31 @@ impl<R: Device, L: Device> Shared<R, L> {
             tail_previous_crc: state.tail_previous_crc,
             remote_epoch: state.remote_epoch,
         };
-        self.local.write_vectored_at(
-            &[IoSlice::new(&checkpoint.encode())],
-            CHECKPOINT_OFFSETS[(checkpoint.generation % 2) as usize],
-        )?;
-        self.local.flush()?;
+        let written = self
+            .local
+            .write_vectored_at(
+                &[IoSlice::new(&checkpoint.encode())],
+                CHECKPOINT_OFFSETS[(checkpoint.generation % 2) as usize],
+            )
+            .and_then(|()| self.local.flush());
+        if let Err(error) = written {
+            state.local_failure = Some(format!("writing a checkpoint: {error}"));
+            return Err(error);
+        }
         state.checkpoint_generation = checkpoint.generation;
         Ok(())
+    }
+
+    /// Refuses when the local device has failed a checkpoint or an fsync (`local_failure`).
+    fn check_local(&self, state: &State) -> io::Result<()> {
+        match &state.local_failure {
+            None => Ok(()),
+            Some(failure) => Err(io::Error::other(format!(
+                "local cache {}: refusing writes and flushes after a failure of the local \
+                 device ({failure}); restart the server to replay the log",
+                self.local_name
+            ))),
+        }
     }
 
     /// True when the record at the tail may be dropped (Dirty).
@@ -911,6 +933,7 @@ impl<R: Device, L: Device> Shared<R, L> {
         length_bytes: u64,
         payload: &[&[u8]],
     ) -> io::Result<()> {
+        self.check_local(state)?;
         let payload_bytes: u64 = payload.iter().map(|part| part.len() as u64).sum();
         let header = RecordHeader {
             kind,
@@ -1557,11 +1580,12 @@ impl<R: Device + 'static, L: Device + 'static> Device for LocalTier<R, L> {
 
     fn flush(&self) -> io::Result<()> {
         let shared = &self.shared;
+        shared.check_local(&shared.state.lock())?;
         let target = shared.close_epoch();
-        shared
-            .local
-            .flush()
-            .map_err(|error| shared.local_error("flushing the log", error))?;
+        if let Err(error) = shared.local.flush() {
+            shared.state.lock().local_failure = Some(format!("flushing the log: {error}"));
+            return Err(shared.local_error("flushing the log", error));
+        }
         if shared.config.flush_to == FlushTo::Remote {
             shared.wait_for_remote(target)?;
         }

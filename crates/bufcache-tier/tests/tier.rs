@@ -494,6 +494,35 @@ fn write_back_errors_are_retried_and_reported_by_flush_to_remote() {
     assert_eq!(tier.stats().writeback_error, None);
 }
 
+#[test]
+fn a_failed_local_fsync_refuses_every_later_write_and_flush() {
+    // Goal: after the local device fails an fsync, what it holds is unknown (fsyncgate): the
+    // tier must not acknowledge anything more until it is reopened and has replayed the log.
+    // Method: a local device that loses power under a running tier (every request then
+    // fails), powered back on: writes and flushes still fail, naming the earlier failure;
+    // after a reopen the flushed write is there and new writes work.
+    let local = Arc::new(CrashDevice::new(LOCAL_BYTES_MIN, 7));
+    let remote = Arc::new(CrashDevice::new(BACKEND_BYTES, 8));
+    let tier = open_new(&local, &remote);
+    write(&tier, 0, &[1u8; 4096]).unwrap();
+    tier.flush().unwrap();
+    write(&tier, 4096, &[2u8; 4096]).unwrap();
+    local.crash(CrashMode::DropUnflushed);
+    assert!(tier.flush().is_err());
+    local.restart();
+    let error = write(&tier, 8192, &[3u8; 4096]).unwrap_err().to_string();
+    assert!(
+        error.contains("refusing writes and flushes after a failure"),
+        "{error}"
+    );
+    assert!(tier.flush().is_err());
+    tier.stop();
+    let tier = open(&local, &remote, FlushTo::Local, 0);
+    assert_eq!(read(&tier, 0, 4096).unwrap(), vec![1u8; 4096]);
+    write(&tier, 8192, &[3u8; 4096]).unwrap();
+    tier.flush().unwrap();
+}
+
 // ---- Bad local caches: each gives an error naming the file and what is wrong, and the
 // file is left as it was (nothing replayed, nothing written).
 
