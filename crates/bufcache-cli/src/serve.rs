@@ -607,6 +607,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         bail!("--local-cache belongs to one backend, and {} exports are given: serve one export per local cache", specs.len());
     }
     let mut rescuable: Vec<rescue::Backend> = Vec::new();
+    let mut tiers: Vec<Arc<ServeTier>> = Vec::new();
     let mut backend_locks = Vec::new();
     let mut counters: Vec<Arc<CountingDevice<Arc<dyn Device>>>> = Vec::new();
     for (name, backend, is_default) in specs {
@@ -625,7 +626,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                 bail!("--local-cache {}: backend `{backend}` lives in memory and does not outlive the process, so there is nothing to keep a local cache of", path.display());
             };
             let (opened, lock) = open_local_tier(&args, path, above_backend, identity)?;
-            backend_locks.push(lock);
+            // Held until the process ends, not released with the backend locks at shutdown:
+            // the tier's write-back thread may still be writing its checkpoint until then.
+            std::mem::forget(lock);
+            tiers.push(Arc::clone(&opened));
             above_backend = Arc::clone(&opened) as Arc<dyn Device>;
             tier = Some(opened);
         }
@@ -870,6 +874,17 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             drop(backend_locks);
             if let Some(error) = serve_error {
                 return Err(error).context("serving");
+            }
+            for tier in &tiers {
+                let stats = tier.stats();
+                if stats.dirty_bytes > 0 {
+                    say!(
+                        "{}: {} in {} flush epochs is in the local cache, not yet on the backend: the next start writes it back",
+                        tier.describe(),
+                        format_size(stats.dirty_bytes),
+                        stats.epochs_pending
+                    );
+                }
             }
             say!("all data written back; bye");
             if let Some(code) = captive_status.filter(|code| *code != 0) {
