@@ -1077,9 +1077,10 @@ impl<R: Device, L: Device> Shared<R, L> {
         }
         // The invalidation is durable before the remote changes, so a replay never serves
         // the older local copies over what the remote then holds.
-        self.local
-            .flush()
-            .map_err(|error| self.local_error("flushing an invalidation", error))?;
+        if let Err(error) = self.local.flush() {
+            self.state.lock().local_failure = Some(format!("flushing an invalidation: {error}"));
+            return Err(self.local_error("flushing an invalidation", error));
+        }
         let result = match kind {
             RecordKind::Dirty => {
                 let step = self
@@ -1105,6 +1106,9 @@ impl<R: Device, L: Device> Shared<R, L> {
             RecordKind::Zero => self.remote.write_zeroes(disk_offset, length_bytes),
             _ => self.remote.discard(disk_offset, length_bytes),
         };
+        // A read that went to the remote while this write was landing may have read the old
+        // bytes: it must not cache them.
+        self.state.lock().generation += 1;
         // Flushed before returning, so no later write (logged, so durable at the next local
         // flush) can survive a crash that this one does not: replay stays a prefix.
         result.and_then(|()| self.remote.flush())
