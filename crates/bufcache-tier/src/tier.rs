@@ -1362,7 +1362,12 @@ impl<R: Device, L: Device> Shared<R, L> {
                     if state.stopping {
                         return;
                     }
-                    if let Some((&epoch, _)) = state.dirty_epochs.first_key_value() {
+                    #[cfg(not(feature = "planted-defect"))]
+                    let next = state.dirty_epochs.first_key_value();
+                    // The planted defect (tests only): the newest closed epoch first.
+                    #[cfg(feature = "planted-defect")]
+                    let next = state.dirty_epochs.range(..state.open_epoch).next_back();
+                    if let Some((&epoch, _)) = next {
                         if epoch < state.open_epoch {
                             break (epoch, self.plan(&state, epoch));
                         }

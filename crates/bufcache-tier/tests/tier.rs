@@ -208,6 +208,10 @@ fn open(local: &Arc<CrashDevice>, remote: &Arc<CrashDevice>, flush_to: FlushTo, 
 }
 
 #[test]
+#[cfg_attr(
+    feature = "planted-defect",
+    should_panic(expected = "not an epoch prefix")
+)]
 fn every_flushed_write_survives_crashes_and_the_remote_stays_an_epoch_prefix() {
     // Goal: after any crash of the machine (local and remote lose what they had not
     // synced, in every CrashMode), the tier shows every write a flush acknowledged, plus
@@ -302,6 +306,10 @@ fn every_flushed_write_survives_crashes_and_the_remote_stays_an_epoch_prefix() {
 }
 
 #[test]
+#[cfg_attr(
+    feature = "planted-defect",
+    should_panic(expected = "not an epoch prefix")
+)]
 fn the_remote_is_an_epoch_prefix_when_write_back_dies_and_the_local_device_is_lost() {
     // Goal: whatever point write-back is killed at (the remote loses power in the middle of
     // an epoch, in any CrashMode), and with the local device then gone for good, the remote
@@ -366,6 +374,57 @@ fn the_remote_is_an_epoch_prefix_when_write_back_dies_and_the_local_device_is_lo
             );
         }
     }
+}
+
+#[test]
+#[cfg_attr(
+    feature = "planted-defect",
+    should_panic(expected = "not all of the older one")
+)]
+fn write_back_goes_oldest_epoch_first_after_an_outage() {
+    // Goal: after a remote outage with two flushed epochs waiting, write-back puts the older
+    // one on the remote first, so a crash after one epoch leaves the older, never the newer.
+    // Method: the remote refuses everything while block 0 (epoch 1) and block 1 (epoch 2)
+    // are flushed; once write-back is asleep after a failure, the remote comes back armed to
+    // crash after two requests (one epoch's write and flush); then the durable remote must
+    // hold block 0 alone. Under the planted-defect feature (newest epoch first) it fails.
+    let local = Arc::new(CrashDevice::new(LOCAL_BYTES_MIN, 11));
+    let remote = Arc::new(CrashDevice::new(BACKEND_BYTES, 12));
+    let tier: Tier = LocalTier::create(
+        Arc::clone(&local),
+        "crash-local".into(),
+        Arc::clone(&remote),
+        IDENTITY,
+        LocalTierConfig {
+            writeback_retry_delay_initial: Duration::from_millis(300),
+            writeback_retry_delay_max: Duration::from_millis(300),
+            ..config(FlushTo::Local)
+        },
+    )
+    .unwrap();
+    remote.crash(CrashMode::DropUnflushed);
+    write(&tier, 0, &[1u8; 4096]).unwrap();
+    tier.flush().unwrap();
+    write(&tier, 4096, &[2u8; 4096]).unwrap();
+    tier.flush().unwrap();
+    let failures = tier.stats().writeback_failures_in_a_row;
+    while tier.stats().writeback_failures_in_a_row == failures {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    remote.restart();
+    remote.crash_after_requests(2, CrashMode::KeepAll);
+    while !remote.is_crashed() {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    tier.stop();
+    let image = remote.durable_image();
+    let newer = image[4096..8192] == [2u8; 4096];
+    let older = image[..4096] == [1u8; 4096];
+    assert!(
+        older || !newer,
+        "the remote holds the newer epoch but not all of the older one"
+    );
+    assert!(older, "one epoch reached the remote before the crash");
 }
 
 #[test]
@@ -524,6 +583,7 @@ fn a_failed_local_fsync_refuses_every_later_write_and_flush() {
 }
 
 #[test]
+#[cfg_attr(feature = "planted-defect", should_panic(expected = "a thread failed"))]
 fn concurrent_writers_readers_and_flushers_see_their_own_writes_and_lose_none() {
     // Goal: the tier's locking holds up under threads: each thread reads back what it last
     // wrote while others write, read, flush and force fallbacks (a log too small for them),
