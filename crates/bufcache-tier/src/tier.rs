@@ -1443,9 +1443,13 @@ impl<R: Device, L: Device> Shared<R, L> {
                 newest.insert(first_block + index, source);
             }
         }
+        // An object store writes whole chunks best (`write_unit_bytes`): data runs are cut at
+        // its multiples and may grow to one, so each write covers whole units where it can.
+        let unit = self.remote_capabilities.write_unit_bytes.max(1);
         let run_bytes_max = self
             .config
             .writeback_run_bytes_max
+            .max(unit)
             .min(self.remote_capabilities.request_bytes_max.max(block));
         let mut runs: Vec<Run> = Vec::new();
         let mut previous: Option<(u64, Source)> = None;
@@ -1454,7 +1458,7 @@ impl<R: Device, L: Device> Shared<R, L> {
             let adjacent = previous.is_some_and(|(last, kind)| {
                 last + 1 == number
                     && std::mem::discriminant(&kind) == std::mem::discriminant(&source)
-            });
+            }) && (unit == 1 || !offset.is_multiple_of(unit));
             let extended = adjacent
                 && match (runs.last_mut(), source) {
                     (Some(Run::Data { segments, .. }), Source::Data(position)) => {
