@@ -1627,7 +1627,8 @@ impl<R: Device + 'static, L: Device + 'static> Device for LocalTier<R, L> {
             length_bytes: self.shared.backend_bytes,
             alignment_bytes: 1,
             discard_zeroes: remote.discard_zeroes,
-            write_zeroes_fast: true,
+            // Short zeroings are records, but long ones go to the remote: only as fast as it.
+            write_zeroes_fast: remote.write_zeroes_fast,
             extents: false,
             write_unit_bytes: 1,
             completes_later: false,

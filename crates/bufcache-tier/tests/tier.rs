@@ -654,6 +654,93 @@ fn concurrent_writers_readers_and_flushers_see_their_own_writes_and_lose_none() 
     }
 }
 
+/// A remote that writes best in whole `unit`-byte chunks (an object store's), recording the
+/// range of every write it is given.
+struct ChunkedRemote {
+    inner: CrashDevice,
+    unit: u64,
+    writes: std::sync::Mutex<Vec<(u64, u64)>>,
+}
+
+impl Device for ChunkedRemote {
+    fn read_vectored_at(&self, buffers: &mut [IoSliceMut<'_>], offset: u64) -> std::io::Result<()> {
+        self.inner.read_vectored_at(buffers, offset)
+    }
+    fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> std::io::Result<()> {
+        let length = buffers.iter().map(|buffer| buffer.len() as u64).sum();
+        self.writes.lock().unwrap().push((offset, length));
+        self.inner.write_vectored_at(buffers, offset)
+    }
+    fn submit_reads(&self, reads: Vec<bufcache_device::ReadRequest>) {
+        bufcache_device::read_each_now(self, reads)
+    }
+    fn submit_writes(&self, writes: Vec<bufcache_device::WriteRequest>) {
+        bufcache_device::write_each_now(self, writes)
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, length: u64) -> std::io::Result<()> {
+        self.inner.discard(offset, length)
+    }
+    fn write_zeroes(&self, offset: u64, length: u64) -> std::io::Result<()> {
+        self.inner.write_zeroes(offset, length)
+    }
+    fn extents(&self, offset: u64, length: u64) -> std::io::Result<Vec<bufcache_device::Extent>> {
+        self.inner.extents(offset, length)
+    }
+    fn capabilities(&self) -> bufcache_device::Capabilities {
+        bufcache_device::Capabilities {
+            write_unit_bytes: self.unit,
+            ..self.inner.capabilities()
+        }
+    }
+    fn describe(&self) -> String {
+        "chunked".into()
+    }
+}
+
+#[test]
+fn write_back_cuts_runs_at_the_remotes_write_unit() {
+    // Goal: over an object store (chunks of `write_unit_bytes`), write-back never sends a
+    // write that straddles a chunk boundary, and merges up to whole chunks, so the store does
+    // no read-merge-upload it could have avoided. Method: 80 KiB written in 4 KiB pieces
+    // from 8 KiB, over a remote with 16 KiB units; drain; look at every remote write.
+    let unit = 4 * BLOCK;
+    let local = Arc::new(CrashDevice::new(LOCAL_BYTES_MIN, 13));
+    let remote = Arc::new(ChunkedRemote {
+        inner: CrashDevice::new(BACKEND_BYTES, 14),
+        unit,
+        writes: std::sync::Mutex::new(Vec::new()),
+    });
+    let tier = LocalTier::create(
+        Arc::clone(&local),
+        "crash-local".into(),
+        Arc::clone(&remote),
+        IDENTITY,
+        config(FlushTo::Local),
+    )
+    .unwrap();
+    for block in 2..22u64 {
+        write(&tier, block * BLOCK, &[block as u8; 4096]).unwrap();
+    }
+    tier.flush().unwrap();
+    tier.drain().unwrap();
+    let writes = remote.writes.lock().unwrap().clone();
+    assert_eq!(
+        writes,
+        vec![
+            (2 * BLOCK, 2 * BLOCK),
+            (4 * BLOCK, unit),
+            (8 * BLOCK, unit),
+            (12 * BLOCK, unit),
+            (16 * BLOCK, unit),
+            (20 * BLOCK, 2 * BLOCK)
+        ],
+        "whole chunks, cut at chunk boundaries"
+    );
+}
+
 // ---- Bad local caches: each gives an error naming the file and what is wrong, and the
 // file is left as it was (nothing replayed, nothing written).
 
