@@ -16,6 +16,9 @@
 //!   it writes anything of a later epoch. Writes of one epoch may go in any order. So the
 //!   remote always holds epochs up to the persisted one and possibly part of the next: a
 //!   prefix of the flushed writes at epoch granularity, whatever happens to the local device.
+//! - **Durable first.** No record reaches the remote before it is durable in the log, so the
+//!   remote is never ahead of what replay finds (older clean copies of a block would
+//!   otherwise be served over a newer epoch the remote already holds).
 //! - **Write-through.** A write that cannot be logged (the log is full of dirty data and
 //!   stays so, or it is larger than a record may be) waits until every logged write is on
 //!   the remote, holding out other writers, then logs a durable invalidation of its range and
@@ -130,6 +133,8 @@ struct State {
     index: BTreeMap<u64, Entry>,
     open_epoch: u64,
     open_epoch_has_writes: bool,
+    /// Every record of epochs up to this one is durable on the local device (Durable first).
+    durable_epoch: u64,
     remote_epoch: u64,
     /// Epoch -> bytes of its logged writes, for every epoch not yet on the remote.
     dirty_epochs: BTreeMap<u64, u64>,
@@ -514,6 +519,7 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
                 index: BTreeMap::new(),
                 open_epoch: checkpoint.remote_epoch + 1,
                 open_epoch_has_writes: false,
+                durable_epoch: 0,
                 remote_epoch: checkpoint.remote_epoch,
                 dirty_epochs: BTreeMap::new(),
                 generation: 0,
@@ -812,6 +818,8 @@ impl<R: Device, L: Device> Shared<R, L> {
             return Err(error);
         }
         state.checkpoint_generation = checkpoint.generation;
+        // The fsync covered every record appended so far, so every closed epoch's.
+        state.durable_epoch = state.durable_epoch.max(state.open_epoch - 1);
         Ok(())
     }
 
@@ -1375,25 +1383,28 @@ impl<R: Device, L: Device> Shared<R, L> {
                     self.changed.wait(&mut state);
                 }
             };
-            let outcome = self.write_epoch(&runs).and_then(|()| {
-                let mut state = self.state.lock();
-                let previous = state.remote_epoch;
-                state.remote_epoch = epoch;
-                match self.write_checkpoint(&mut state) {
-                    Ok(()) => {
-                        state.dirty_epochs.remove(&epoch);
-                        state.writeback_epochs += 1;
-                        state.writeback_failures_in_a_row = 0;
-                        state.writeback_error = None;
-                        self.changed.notify_all();
-                        Ok(())
+            let outcome = self
+                .make_durable(epoch)
+                .and_then(|()| self.write_epoch(&runs))
+                .and_then(|()| {
+                    let mut state = self.state.lock();
+                    let previous = state.remote_epoch;
+                    state.remote_epoch = epoch;
+                    match self.write_checkpoint(&mut state) {
+                        Ok(()) => {
+                            state.dirty_epochs.remove(&epoch);
+                            state.writeback_epochs += 1;
+                            state.writeback_failures_in_a_row = 0;
+                            state.writeback_error = None;
+                            self.changed.notify_all();
+                            Ok(())
+                        }
+                        Err(error) => {
+                            state.remote_epoch = previous;
+                            Err(self.local_error("persisting write-back progress", error))
+                        }
                     }
-                    Err(error) => {
-                        state.remote_epoch = previous;
-                        Err(self.local_error("persisting write-back progress", error))
-                    }
-                }
-            });
+                });
             match outcome {
                 Ok(()) => delay = self.config.writeback_retry_delay_initial,
                 Err(error) => {
@@ -1416,6 +1427,25 @@ impl<R: Device, L: Device> Shared<R, L> {
                 }
             }
         }
+    }
+
+    /// Makes every record of `epoch` durable locally before any of it goes to the remote
+    /// (Durable first): otherwise a crash could keep the epoch on the remote while the log
+    /// loses it and keeps older clean copies of its blocks, and replay would serve a mix.
+    /// Epochs closed by an acknowledged flush are durable already; those closed by a
+    /// fallback, a drain or a failed flush are not.
+    fn make_durable(&self, epoch: u64) -> io::Result<()> {
+        if self.state.lock().durable_epoch >= epoch {
+            return Ok(());
+        }
+        // The epoch is closed, so all its records were appended before this fsync.
+        if let Err(error) = self.local.flush() {
+            self.state.lock().local_failure = Some(format!("flushing the log: {error}"));
+            return Err(self.local_error("flushing the log before write-back", error));
+        }
+        let mut state = self.state.lock();
+        state.durable_epoch = state.durable_epoch.max(epoch);
+        Ok(())
     }
 
     /// The runs that put epoch `epoch` on the remote: the newest copy within the epoch of each
@@ -1598,6 +1628,10 @@ impl<R: Device + 'static, L: Device + 'static> Device for LocalTier<R, L> {
         if let Err(error) = shared.local.flush() {
             shared.state.lock().local_failure = Some(format!("flushing the log: {error}"));
             return Err(shared.local_error("flushing the log", error));
+        }
+        {
+            let mut state = shared.state.lock();
+            state.durable_epoch = state.durable_epoch.max(target);
         }
         if shared.config.flush_to == FlushTo::Remote {
             shared.wait_for_remote(target)?;

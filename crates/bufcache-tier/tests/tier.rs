@@ -207,6 +207,43 @@ fn open(local: &Arc<CrashDevice>, remote: &Arc<CrashDevice>, flush_to: FlushTo, 
     .unwrap_or_else(|error| panic!("seed {seed}: reopen: {error}"))
 }
 
+/// The machine loses power (the local device unless it already has, and the remote) and
+/// comes back: checks the remote is an epoch prefix, reopens the tier, and checks what it
+/// shows against the model.
+#[allow(clippy::too_many_arguments)]
+fn power_cycle(
+    tier: &mut Option<Tier>,
+    local: &Arc<CrashDevice>,
+    remote: &Arc<CrashDevice>,
+    model: &mut Model,
+    random: &mut SeededRng,
+    flush_to: FlushTo,
+    seed: u64,
+    step: u64,
+) {
+    tier.take().unwrap().stop();
+    if !local.is_crashed() {
+        local.crash(random_mode(random));
+    }
+    remote.crash(random_mode(random));
+    assert!(
+        model.is_epoch_prefix(&remote.durable_image(), 0),
+        "seed {seed} step {step}: the remote is not an epoch prefix after a crash"
+    );
+    if flush_to == FlushTo::Remote {
+        assert!(
+            model.is_epoch_prefix(&remote.durable_image(), model.acknowledged),
+            "seed {seed} step {step}: with --flush-to remote the remote lost an acknowledged flush"
+        );
+    }
+    local.restart();
+    remote.restart();
+    let reopened = open(local, remote, flush_to, seed);
+    let recovered = read(&reopened, 0, BACKEND_BYTES).unwrap();
+    model.recovered(&recovered, seed);
+    *tier = Some(reopened);
+}
+
 #[test]
 #[cfg_attr(
     feature = "planted-defect",
@@ -217,8 +254,9 @@ fn every_flushed_write_survives_crashes_and_the_remote_stays_an_epoch_prefix() {
     // synced, in every CrashMode), the tier shows every write a flush acknowledged, plus
     // at most a prefix of the later ones; reads always match the model; and the remote's
     // durable image is a prefix at epoch granularity at every crash. Method: random
-    // writes (aligned and not), zeroings, reads, flushes and crashes over a log small
-    // enough to wrap and fill, checked against a shadow model. Seeds print on failure;
+    // writes (aligned and not), zeroings, reads, flushes and crashes (now, or armed to fire
+    // a few local requests later, wherever they come from) over a log small enough to wrap
+    // and fill, checked against a shadow model. Seeds print on failure;
     // TIER_SEED=N reruns one.
     for seed in seeds(60) {
         let mut random = SeededRng::new(seed);
@@ -241,58 +279,81 @@ fn every_flushed_write_survives_crashes_and_the_remote_stays_an_epoch_prefix() {
         );
         let mut model = Model::new(vec![0u8; BACKEND_BYTES as usize]);
         for step in 0..300 {
+            let choice = random.below(100);
+            // A crash armed earlier has fired (in a client request or in write-back), or one
+            // happens now: the machine loses power.
+            if local.is_crashed() || choice >= 95 {
+                power_cycle(
+                    &mut tier,
+                    &local,
+                    &remote,
+                    &mut model,
+                    &mut random,
+                    flush_to,
+                    seed,
+                    step,
+                );
+                continue;
+            }
             let device = tier.as_ref().unwrap();
-            match random.below(100) {
+            // Requests fail only once the local device has lost power; those are not
+            // acknowledged, so the model does not take them.
+            let allowed = |error: std::io::Error, what: &str| {
+                assert!(
+                    local.is_crashed(),
+                    "seed {seed} step {step}: {what} failed: {error}"
+                );
+            };
+            match choice {
                 0..=49 => {
                     let (offset, data) = random_write(&mut random);
-                    write(device, offset, &data)
-                        .unwrap_or_else(|error| panic!("seed {seed} step {step}: write: {error}"));
-                    model.write(offset, &data);
+                    match write(device, offset, &data) {
+                        Ok(()) => model.write(offset, &data),
+                        Err(error) => allowed(error, "a write"),
+                    }
                 }
                 50..=54 => {
                     let offset = random.below(BACKEND_BYTES / BLOCK - 12) * BLOCK;
                     let length = BLOCK * (1 + random.below(11));
-                    device.write_zeroes(offset, length).unwrap();
-                    model.write(offset, &vec![0u8; length as usize]);
+                    match device.write_zeroes(offset, length) {
+                        Ok(()) => model.write(offset, &vec![0u8; length as usize]),
+                        Err(error) => allowed(error, "a zeroing"),
+                    }
                 }
                 55..=74 => {
                     let offset = random.below(BACKEND_BYTES - 4 * BLOCK);
                     let length = 1 + random.below(4 * BLOCK);
-                    let seen = read(device, offset, length).unwrap();
-                    assert!(
-                        seen == model.image[offset as usize..(offset + length) as usize],
-                        "seed {seed} step {step}: a read of {length} bytes at {offset} differs from the model"
-                    );
-                }
-                75..=89 => {
-                    device
-                        .flush()
-                        .unwrap_or_else(|error| panic!("seed {seed} step {step}: flush: {error}"));
-                    model.flushed();
-                }
-                _ => {
-                    tier.take().unwrap().stop();
-                    local.crash(random_mode(&mut random));
-                    remote.crash(random_mode(&mut random));
-                    assert!(
-                        model.is_epoch_prefix(&remote.durable_image(), 0),
-                        "seed {seed} step {step}: the remote is not an epoch prefix after a crash"
-                    );
-                    if flush_to == FlushTo::Remote {
-                        assert!(
-                            model.is_epoch_prefix(&remote.durable_image(), model.acknowledged),
-                            "seed {seed} step {step}: with --flush-to remote the remote lost an acknowledged flush"
-                        );
+                    match read(device, offset, length) {
+                        Ok(seen) => assert!(
+                            seen == model.image[offset as usize..(offset + length) as usize],
+                            "seed {seed} step {step}: a read of {length} bytes at {offset} differs from the model"
+                        ),
+                        Err(error) => allowed(error, "a read"),
                     }
-                    local.restart();
-                    remote.restart();
-                    let reopened = open(&local, &remote, flush_to, seed);
-                    let recovered = read(&reopened, 0, BACKEND_BYTES).unwrap();
-                    model.recovered(&recovered, seed);
-                    tier = Some(reopened);
+                }
+                75..=89 => match device.flush() {
+                    Ok(()) => model.flushed(),
+                    Err(error) => allowed(error, "a flush"),
+                },
+                _ => {
+                    // Power fails by itself a few requests from now: in a client's write,
+                    // a flush, or in the middle of write-back's checkpoint.
+                    let requests = random.below(12);
+                    local.crash_after_requests(requests, random_mode(&mut random));
                 }
             }
         }
+        // A crash may still be armed: power-cycle once more so it cannot fire below.
+        power_cycle(
+            &mut tier,
+            &local,
+            &remote,
+            &mut model,
+            &mut random,
+            flush_to,
+            seed,
+            300,
+        );
         // Write-back finishes: the remote then holds exactly what clients see.
         let device = tier.take().unwrap();
         device.flush().unwrap();
