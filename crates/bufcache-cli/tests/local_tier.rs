@@ -237,17 +237,27 @@ fn a_local_cache_of_another_backend_or_size_is_refused() {
     );
 }
 
-const CHUNK_BYTES: usize = 1 << 20;
-const ROUNDS: usize = 24;
+const CHUNK_BYTES: usize = 256 << 10;
+/// Rounds of the kill -9 test: 48, or LOCAL_TIER_ROUNDS (at most 120, the upstream's room).
+fn rounds() -> usize {
+    std::env::var("LOCAL_TIER_ROUNDS")
+        .map(|rounds| {
+            rounds
+                .parse::<usize>()
+                .expect("LOCAL_TIER_ROUNDS is a number")
+                .min(120)
+        })
+        .unwrap_or(48)
+}
 
-/// The writes of round `round`: its own 1 MiB chunk in eight 128 KiB writes of pattern
-/// `round + 1`, then a FLUSH.
+/// The writes of round `round`: its own 256 KiB chunk in eight 32 KiB writes of pattern
+/// `round % 250 + 1`, then a FLUSH.
 fn round_commands(round: usize) -> Vec<String> {
     let mut commands: Vec<String> = (0..8)
         .map(|piece| {
             format!(
                 "write -P 0x{:02x} {} {}",
-                round + 1,
+                pattern(round),
                 round * CHUNK_BYTES + piece * (CHUNK_BYTES / 8),
                 CHUNK_BYTES / 8
             )
@@ -262,7 +272,7 @@ fn round_commands(round: usize) -> Vec<String> {
 /// round with any of its data there.
 fn assert_round_prefix(image: &[u8], flushed: &[bool], when: &str) -> Option<usize> {
     let chunk = |round: usize| &image[round * CHUNK_BYTES..(round + 1) * CHUNK_BYTES];
-    let last = (0..ROUNDS)
+    let last = (0..flushed.len())
         .rev()
         .find(|&round| chunk(round).iter().any(|&byte| byte != 0));
     for (round, _) in flushed
@@ -272,11 +282,15 @@ fn assert_round_prefix(image: &[u8], flushed: &[bool], when: &str) -> Option<usi
         .filter(|(_, flushed)| **flushed)
     {
         assert!(
-            chunk(round).iter().all(|&byte| byte == round as u8 + 1),
+            chunk(round).iter().all(|&byte| byte == pattern(round)),
             "{when}: the upstream holds data of round {last:?} but not all of flushed round {round}: not a prefix of the flushes"
         );
     }
     last
+}
+
+fn pattern(round: usize) -> u8 {
+    (round % 250) as u8 + 1
 }
 
 #[test]
@@ -285,8 +299,8 @@ fn kill_9_rounds_over_a_slow_upstream_keep_every_flush_and_a_prefix_upstream() {
     // clients), kill -9 at random points never loses a flushed round, and the upstream alone
     // always holds a prefix of the flushed rounds (never a round whose predecessors are not
     // all there). Method: nbdkit memory behind the delay filter (20 ms per write) as the
-    // backend; 24 qemu-io rounds, each its own 1 MiB chunk then FLUSH; every sixth round is
-    // cut by kill -9 after a varying delay; after each kill the upstream is read directly with
+    // backend; 48 qemu-io rounds (LOCAL_TIER_ROUNDS=N for more), each its own 256 KiB chunk
+    // then FLUSH; every fourth round is cut by kill -9 after a varying delay; after each kill the upstream is read directly with
     // nbdcopy and checked, the server restarted and every flushed round read back through it;
     // at the end, once write-back has drained, the upstream holds every flushed round.
     let name = "kill_9_rounds_over_a_slow_upstream_keep_every_flush_and_a_prefix_upstream";
@@ -329,10 +343,11 @@ fn kill_9_rounds_over_a_slow_upstream_keep_every_flush_and_a_prefix_upstream() {
         std::fs::read(&image_path).unwrap()
     };
     let mut server = Server::start(dir.path(), "start", &args);
-    let mut flushed = vec![false; ROUNDS];
+    let rounds = rounds();
+    let mut flushed = vec![false; rounds];
     let mut rng = Rng::new(36);
-    for round in 0..ROUNDS {
-        if round % 6 != 5 {
+    for round in 0..rounds {
+        if round % 4 != 3 {
             qemu_io(&server.uri(), &round_commands(round));
             flushed[round] = true;
             continue;
@@ -348,7 +363,7 @@ fn kill_9_rounds_over_a_slow_upstream_keep_every_flush_and_a_prefix_upstream() {
                 .stderr(std::process::Stdio::null()),
             "qemu-io",
         );
-        std::thread::sleep(Duration::from_millis(rng.below(60)));
+        std::thread::sleep(Duration::from_millis(rng.below(12)));
         server.kill9();
         let status = client
             .wait(TIMEOUT)
@@ -369,7 +384,7 @@ fn kill_9_rounds_over_a_slow_upstream_keep_every_flush_and_a_prefix_upstream() {
             .map(|earlier| {
                 format!(
                     "read -P 0x{:02x} {} {CHUNK_BYTES}",
-                    earlier + 1,
+                    pattern(earlier),
                     earlier * CHUNK_BYTES
                 )
             })
@@ -383,10 +398,10 @@ fn kill_9_rounds_over_a_slow_upstream_keep_every_flush_and_a_prefix_upstream() {
     server.stop_clean();
     let image = read_upstream();
     assert_round_prefix(&image, &flushed, "at the end");
-    for round in (0..ROUNDS).filter(|&round| flushed[round]) {
+    for round in (0..rounds).filter(|&round| flushed[round]) {
         let chunk = &image[round * CHUNK_BYTES..(round + 1) * CHUNK_BYTES];
         assert!(
-            chunk.iter().all(|&byte| byte == round as u8 + 1),
+            chunk.iter().all(|&byte| byte == pattern(round)),
             "flushed round {round} is on the upstream"
         );
     }
