@@ -406,3 +406,71 @@ fn kill_9_rounds_over_a_slow_upstream_keep_every_flush_and_a_prefix_upstream() {
         );
     }
 }
+
+#[test]
+fn flush_to_remote_puts_every_flushed_write_on_the_upstream_before_it_returns() {
+    // Goal: with --flush-to remote, a FLUSH that returned means the upstream itself holds the
+    // writes (flushed), whatever happens to the server and its local cache afterwards.
+    // Method: nbdkit memory behind the delay filter as the upstream; qemu-io writes and
+    // flushes; kill -9 at once; the upstream, read directly with nbdcopy, has the writes.
+    // (With --flush-to local in its place this test fails: write-back is still running.)
+    let name = "flush_to_remote_puts_every_flushed_write_on_the_upstream_before_it_returns";
+    if !have_tools(name, &["qemu-io", "nbdkit", "nbdcopy"]) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    let dir = temp_dir();
+    let upstream_socket = dir.path().join("upstream.sock");
+    let _nbdkit = ChildGuard::spawn(
+        cmd(
+            "nbdkit",
+            &[
+                "-f",
+                "-U",
+                upstream_socket.to_str().unwrap(),
+                "--filter=delay",
+                "memory",
+                "16M",
+                "delay-write=10ms",
+            ],
+        )
+        .stdout(std::process::Stdio::null()),
+        "nbdkit",
+    );
+    wait_until("nbdkit listens", TIMEOUT, || upstream_socket.exists());
+    let upstream = format!("nbd+unix:///?socket={}", upstream_socket.display());
+    let cache = dir.path().join("local.cache").display().to_string();
+    let mut server = Server::start(
+        dir.path(),
+        "remote",
+        &serve_args(&upstream, &cache, "remote"),
+    );
+    qemu_io(
+        &server.uri(),
+        &[
+            "write -P 0x6b 0 1048576".to_string(),
+            "write -P 0x6c 4194304 12345".to_string(),
+            "flush".to_string(),
+        ],
+    );
+    server.kill9();
+    let image_path = dir.path().join("upstream.img");
+    run_ok(
+        cmd(
+            "nbdcopy",
+            &[upstream.as_str(), image_path.to_str().unwrap()],
+        ),
+        TIMEOUT,
+    );
+    let image = std::fs::read(&image_path).unwrap();
+    assert!(
+        image[..1 << 20].iter().all(|&byte| byte == 0x6b),
+        "the first write is on the upstream"
+    );
+    assert!(
+        image[4 << 20..(4 << 20) + 12345]
+            .iter()
+            .all(|&byte| byte == 0x6c),
+        "the second write is on the upstream"
+    );
+}
