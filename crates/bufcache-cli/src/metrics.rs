@@ -33,6 +33,8 @@ pub struct ExportMeters {
     pub upstream: Option<Arc<bufcache_nbd::ReconnectingClient>>,
     /// What clients asked of the export: connections and NBD commands.
     pub requests: Arc<RequestMeters>,
+    /// The local tier (--local-cache) between the cache and the backend, if any.
+    pub tier: Option<Arc<crate::serve::ServeTier>>,
 }
 
 /// Everything a scrape reports.
@@ -65,8 +67,26 @@ impl Meters {
                         "reconnects": upstream.reconnect_count(),
                     })
                 });
+                let tier = export.tier.as_ref().map(|tier| {
+                    let stats = tier.stats();
+                    json!({
+                        "dirty_bytes": stats.dirty_bytes,
+                        "epochs_pending": stats.epochs_pending,
+                        "remote_epoch": stats.remote_epoch,
+                        "log_used_bytes": stats.log_used_bytes,
+                        "log_capacity_bytes": stats.log_capacity_bytes,
+                        "fallbacks": stats.fallbacks,
+                        "read_blocks_local": stats.read_blocks_local,
+                        "read_blocks_remote": stats.read_blocks_remote,
+                        "read_cache_insert_failures": stats.read_cache_insert_failures,
+                        "writeback_epochs": stats.writeback_epochs,
+                        "writeback_failures_in_a_row": stats.writeback_failures_in_a_row,
+                        "writeback_error": stats.writeback_error,
+                    })
+                });
                 json!({
                     "name": export.name,
+                    "local_tier": tier,
                     "nbd": requests_json(&export.requests),
                     "upstream": upstream,
                     "device": device_json(&device),
@@ -165,6 +185,9 @@ impl Meters {
                     "Successful reconnections to the upstream NBD server.",
                 );
             }
+            if let Some(tier) = &export.tier {
+                tier_prometheus(&mut text, &label, &tier.stats());
+            }
             let queue: IoQueueStats = export
                 .queue
                 .as_ref()
@@ -193,6 +216,53 @@ impl Meters {
             );
         }
         text
+    }
+}
+
+/// The local tier's metrics of one export.
+fn tier_prometheus(text: &mut String, label: &str, stats: &bufcache_tier::TierStats) {
+    for (name, value, help) in [
+        (
+            "bufcache_tier_dirty_bytes",
+            stats.dirty_bytes,
+            "Bytes in the local cache's log not yet on the backend.",
+        ),
+        (
+            "bufcache_tier_epochs_pending",
+            stats.epochs_pending,
+            "Flush epochs with writes not yet on the backend.",
+        ),
+        (
+            "bufcache_tier_log_used_bytes",
+            stats.log_used_bytes,
+            "Bytes of the local cache's log in use.",
+        ),
+    ] {
+        sample(text, name, label, value as f64, help, "gauge");
+    }
+    for (name, value, help) in [
+        (
+            "bufcache_tier_fallbacks_total",
+            stats.fallbacks,
+            "Writes that found the local cache full of data not yet on the backend and fell back to backend durability.",
+        ),
+        (
+            "bufcache_tier_read_blocks_local_total",
+            stats.read_blocks_local,
+            "Blocks read from the local cache.",
+        ),
+        (
+            "bufcache_tier_read_blocks_remote_total",
+            stats.read_blocks_remote,
+            "Blocks the local cache read from the backend.",
+        ),
+        (
+            "bufcache_tier_writeback_epochs_total",
+            stats.writeback_epochs,
+            "Flush epochs written back to the backend.",
+        ),
+    ] {
+        counter(text, name, label, value, help);
     }
 }
 

@@ -190,6 +190,22 @@ pub struct ServeArgs {
     /// The same as --prefault=off: memory is faulted in as data first arrives.
     #[arg(long, conflicts_with = "prefault")]
     no_prefault: bool,
+    /// A local cache (a file or block device) in front of the backend: a checksummed log of
+    /// writes not yet on the backend and a read cache that survives restarts, written back in
+    /// flush order so the backend is always a consistent image (docs/local-tier.md). The file
+    /// is created with --local-cache-size when missing (a block device is used when its first
+    /// 4 KiB are zeroes). It belongs to one backend: one export only, not memory:.
+    #[arg(long, value_name = "PATH")]
+    local_cache: Option<PathBuf>,
+    /// Size of the --local-cache file to create. An existing cache keeps its size; giving
+    /// another one is an error.
+    #[arg(long, value_name = "SIZE", value_parser = |text: &str| parse_size(text).map_err(|e| e.to_string()))]
+    local_cache_size: Option<u64>,
+    /// With --local-cache, when a FLUSH returns: local (the default) once the local log
+    /// holds its writes, fsynced, the backend following in the background in flush order;
+    /// remote once the backend holds them too, flushed (the behaviour without a local cache).
+    #[arg(long, value_name = "WHERE", value_enum)]
+    flush_to: Option<FlushToArg>,
     /// Serve Prometheus metrics (/metrics) and JSON statistics (/stats) on HOST:PORT.
     #[arg(long, value_name = "HOST:PORT")]
     metrics: Option<String>,
@@ -202,6 +218,61 @@ pub struct ServeArgs {
     engine: EngineArgs,
     #[command(flatten)]
     observe: crate::observe::ObserveArgs,
+}
+
+/// The durability point of a FLUSH with a local cache (--flush-to).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum FlushToArg {
+    /// The local log holds the writes, fsynced.
+    Local,
+    /// The backend holds the writes, flushed.
+    Remote,
+}
+
+/// The local tier type serve builds: over the counted backend, on a file or block device.
+pub type ServeTier = bufcache_tier::LocalTier<Arc<dyn Device>>;
+
+/// Puts the --local-cache tier over `remote` (whose identity is `identity`); the lock on
+/// the local cache file is taken before anything in it is read.
+fn open_local_tier(
+    args: &ServeArgs,
+    path: &Path,
+    remote: Arc<dyn Device>,
+    identity: &str,
+) -> anyhow::Result<(Arc<ServeTier>, BackendLock)> {
+    let config = bufcache_tier::LocalTierConfig {
+        flush_to: match args.flush_to {
+            Some(FlushToArg::Remote) => bufcache_tier::FlushTo::Remote,
+            Some(FlushToArg::Local) | None => bufcache_tier::FlushTo::Local,
+        },
+        ..bufcache_tier::LocalTierConfig::default()
+    };
+    let existed = path.exists();
+    let early_lock = existed.then(|| BackendLock::acquire(path)).transpose()?;
+    let tier =
+        bufcache_tier::LocalTier::open_path(path, args.local_cache_size, remote, identity, config)?;
+    let lock = match early_lock {
+        Some(lock) => lock,
+        None => BackendLock::acquire(path)?,
+    };
+    let stats = tier.stats();
+    say!(
+        "local cache {} ({} log, flush to {}): {} dirty in {} epochs to write back",
+        path.display(),
+        format_size(stats.log_capacity_bytes),
+        if config_flush_remote(args) {
+            "remote"
+        } else {
+            "local"
+        },
+        format_size(stats.dirty_bytes),
+        stats.epochs_pending
+    );
+    Ok((Arc::new(tier), lock))
+}
+
+fn config_flush_remote(args: &ServeArgs) -> bool {
+    args.flush_to == Some(FlushToArg::Remote)
 }
 
 impl ServeArgs {
@@ -541,7 +612,18 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             );
         }
     }
+    if args.local_cache.is_none() {
+        if args.local_cache_size.is_some() {
+            bail!("--local-cache-size sizes the --local-cache file, and no --local-cache is given");
+        }
+        if args.flush_to == Some(FlushToArg::Local) {
+            bail!("--flush-to local needs a --local-cache to flush to");
+        }
+    } else if specs.len() != 1 {
+        bail!("--local-cache belongs to one backend, and {} exports are given: serve one export per local cache", specs.len());
+    }
     let mut rescuable: Vec<rescue::Backend> = Vec::new();
+    let mut tiers: Vec<Arc<ServeTier>> = Vec::new();
     let mut backend_locks = Vec::new();
     let mut counters: Vec<Arc<CountingDevice<Arc<dyn Device>>>> = Vec::new();
     for (name, backend, is_default) in specs {
@@ -553,9 +635,21 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         } = open_backend(&backend, &args, is_default)?;
         backend_locks.extend(lock);
         let counting = Arc::new(CountingDevice::new(device));
-        let (device, queue) = args
-            .engine
-            .queue_device(Arc::clone(&counting) as Arc<dyn Device>, cache.config())?;
+        let mut tier = None;
+        let mut above_backend = Arc::clone(&counting) as Arc<dyn Device>;
+        if let Some(path) = &args.local_cache {
+            let Some(identity) = &identity else {
+                bail!("--local-cache {}: backend `{backend}` lives in memory and does not outlive the process, so there is nothing to keep a local cache of", path.display());
+            };
+            let (opened, lock) = open_local_tier(&args, path, above_backend, identity)?;
+            // Held until the process ends, not released with the backend locks at shutdown:
+            // the tier's write-back thread may still be writing its checkpoint until then.
+            std::mem::forget(lock);
+            tiers.push(Arc::clone(&opened));
+            above_backend = Arc::clone(&opened) as Arc<dyn Device>;
+            tier = Some(opened);
+        }
+        let (device, queue) = args.engine.queue_device(above_backend, cache.config())?;
         counters.push(Arc::clone(&counting));
         let requests = Arc::new(RequestMeters::default());
         meters.push(ExportMeters {
@@ -564,6 +658,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             device: counting,
             queue,
             upstream,
+            tier,
         });
         let mut object_config = ObjectConfig::new(
             if name.is_empty() {
@@ -795,6 +890,17 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             drop(backend_locks);
             if let Some(error) = serve_error {
                 return Err(error).context("serving");
+            }
+            for tier in &tiers {
+                let stats = tier.stats();
+                if stats.dirty_bytes > 0 {
+                    say!(
+                        "{}: {} in {} flush epochs is in the local cache, not yet on the backend: the next start writes it back",
+                        tier.describe(),
+                        format_size(stats.dirty_bytes),
+                        stats.epochs_pending
+                    );
+                }
             }
             say!("all data written back; bye");
             if let Some(code) = captive_status.filter(|code| *code != 0) {

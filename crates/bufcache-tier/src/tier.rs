@@ -1,0 +1,1682 @@
+//! `LocalTier`: a device that keeps a checksummed log on a local device in front of a remote.
+//!
+//! Invariants (each is relied on by the code that names it):
+//! - **Chain.** Records form a chain: record `n+1` follows record `n` in the log, carries
+//!   sequence `n+1`, the CRC of record `n`, and the session (open count) that wrote it. Replay
+//!   walks the chain from the persisted tail and stops at the first record that does not
+//!   continue it (torn, corrupt, stale from an earlier lap or an earlier session), so what is
+//!   replayed is always a prefix of what was appended, and a record is never served unless
+//!   its CRC matched.
+//! - **Tail.** Log space is reused only after the checkpoint naming the new tail is durable,
+//!   so replay never starts at a record that was overwritten.
+//! - **Dirty.** A record that is a write (dirty data, zeroes, discard) whose epoch is above
+//!   the persisted remote epoch is never dropped: the tail stops at it.
+//! - **Epoch order.** Write-back puts epoch `E` on the remote (writes, then the remote's
+//!   flush) and persists "epochs up to `E` are on the remote" in a durable checkpoint before
+//!   it writes anything of a later epoch. Writes of one epoch may go in any order. So the
+//!   remote always holds epochs up to the persisted one and possibly part of the next: a
+//!   prefix of the flushed writes at epoch granularity, whatever happens to the local device.
+//! - **Durable first.** No record reaches the remote before it is durable in the log, so the
+//!   remote is never ahead of what replay finds (older clean copies of a block would
+//!   otherwise be served over a newer epoch the remote already holds).
+//! - **Write-through.** A write that cannot be logged (the log is full of dirty data and
+//!   stays so, or it is larger than a record may be) waits until every logged write is on
+//!   the remote, holding out other writers, then logs a durable invalidation of its range and
+//!   writes it straight to the remote: it stays ordered after everything logged before it.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::io::{self, IoSlice, IoSliceMut};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use bufcache_device::{
+    all_data, check_range, read_each_now, write_batch_and_wait, write_each_now, BatchWrite,
+    Capabilities, Device, Extent, FileDevice, FileDeviceError, FileDeviceOptions, ReadRequest,
+    WriteRequest,
+};
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use crate::config::{FlushTo, LocalTierConfig};
+use crate::error::TierError;
+use crate::format::{
+    record_total_bytes, Checkpoint, RecordHeader, RecordKind, Superblock, SuperblockProblem,
+    CHECKPOINT_BYTES, CHECKPOINT_OFFSETS, FORMAT_VERSION, IDENTITY_BYTES_MAX, LOCAL_BYTES_MIN,
+    LOG_START, RECORD_HEADER_BYTES, SUPERBLOCK_BYTES, SUPERBLOCK_MAGIC,
+};
+
+/// What the tier has done, for metrics and tests.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TierStats {
+    /// Bytes of logged writes not yet on the remote.
+    pub dirty_bytes: u64,
+    /// Epochs with writes not yet on the remote.
+    pub epochs_pending: u64,
+    /// Every epoch up to this one is on the remote, flushed.
+    pub remote_epoch: u64,
+    /// The epoch new writes join.
+    pub open_epoch: u64,
+    /// Log bytes in use (records and wrap padding).
+    pub log_used_bytes: u64,
+    /// Log bytes in all.
+    pub log_capacity_bytes: u64,
+    /// Writes that found the log full of dirty data and fell back to remote durability.
+    pub fallbacks: u64,
+    /// Blocks read from the local log (dirty or clean records).
+    pub read_blocks_local: u64,
+    /// Blocks read from the remote.
+    pub read_blocks_remote: u64,
+    /// Blocks read from the remote that could not be added to the read cache because a local
+    /// write failed (the read itself succeeded).
+    pub read_cache_insert_failures: u64,
+    /// Epochs written back to the remote.
+    pub writeback_epochs: u64,
+    /// Failed write-back attempts in a row (0 once one succeeds).
+    pub writeback_failures_in_a_row: u32,
+    /// The last write-back error, while write-back is failing.
+    pub writeback_error: Option<String>,
+}
+
+/// Where a block's newest local copy is.
+#[derive(Clone, Copy, Debug)]
+enum Entry {
+    /// In a data record with sequence `sequence`, at local byte `position`.
+    Data { sequence: u64, position: u64 },
+    /// Zeroed or discarded by the record with sequence `sequence`.
+    Zero { sequence: u64 },
+}
+
+impl Entry {
+    fn sequence(self) -> u64 {
+        match self {
+            Entry::Data { sequence, .. } | Entry::Zero { sequence } => sequence,
+        }
+    }
+}
+
+/// A live record, in log order.
+#[derive(Clone, Copy, Debug)]
+struct RecordMeta {
+    position: u64,
+    /// Log bytes it takes (a wrap record takes the rest of the log).
+    space_bytes: u64,
+    sequence: u64,
+    epoch: u64,
+    kind: RecordKind,
+    disk_offset: u64,
+    length_bytes: u64,
+    crc: u32,
+}
+
+/// Why space could not be reserved.
+enum NoSpace {
+    /// Larger than a record may be: write it through.
+    TooLarge,
+    /// The tail is dirty: wait for write-back.
+    Dirty,
+    /// The local device failed.
+    Io(io::Error),
+}
+
+struct State {
+    session: u64,
+    checkpoint_generation: u64,
+    records: VecDeque<RecordMeta>,
+    used_bytes: u64,
+    tail_position: u64,
+    tail_sequence: u64,
+    tail_previous_crc: u32,
+    head_position: u64,
+    next_sequence: u64,
+    last_crc: u32,
+    index: BTreeMap<u64, Entry>,
+    open_epoch: u64,
+    open_epoch_has_writes: bool,
+    /// Every record of epochs up to this one is durable on the local device (Durable first).
+    durable_epoch: u64,
+    remote_epoch: u64,
+    /// Epoch -> bytes of its logged writes, for every epoch not yet on the remote.
+    dirty_epochs: BTreeMap<u64, u64>,
+    /// Bumped whenever a block's local copy disappears while the remote may hold other data
+    /// for it (an invalidation, a dropped write record), so a read that went to the remote
+    /// before does not cache what it read.
+    generation: u64,
+    writeback_failures_in_a_row: u32,
+    /// Failed write-back attempts ever: a waiter reports an error only after one of its own.
+    writeback_failures_total: u64,
+    writeback_error: Option<String>,
+    writeback_epochs: u64,
+    /// Set when a checkpoint or an fsync of the local device failed: what is durable there is
+    /// no longer known (fsyncgate), so every later write and flush is refused until restart.
+    local_failure: Option<String>,
+    stopping: bool,
+}
+
+#[derive(Default)]
+struct Counters {
+    fallbacks: AtomicU64,
+    read_blocks_local: AtomicU64,
+    read_blocks_remote: AtomicU64,
+    read_cache_insert_failures: AtomicU64,
+}
+
+struct Shared<R, L> {
+    remote: R,
+    local: L,
+    local_name: String,
+    config: LocalTierConfig,
+    block_bytes: u64,
+    backend_bytes: u64,
+    log_start: u64,
+    log_end: u64,
+    remote_capabilities: Capabilities,
+    state: Mutex<State>,
+    /// Signalled when epochs close, write-back progresses or fails, or the tier stops.
+    changed: Condvar,
+    /// Logging writers hold it shared; a write-through holds it exclusively (Write-through).
+    order: RwLock<()>,
+    /// Serializes writes of partial blocks, whose read-modify-write must not interleave.
+    partial_writes: Mutex<()>,
+    counters: Counters,
+}
+
+/// A device that logs writes and caches reads on a local device and writes back to `R`. See
+/// the module docs and docs/local-tier.md.
+pub struct LocalTier<R: Device + 'static, L: Device + 'static = FileDevice> {
+    shared: Arc<Shared<R, L>>,
+    writeback: Option<JoinHandle<()>>,
+}
+
+/// One piece of an epoch's write-back.
+#[derive(Debug)]
+enum Run {
+    /// Write `length` bytes at `offset`, gathered from local `(position, bytes)` segments.
+    Data {
+        offset: u64,
+        segments: Vec<(u64, u64)>,
+    },
+    Zero {
+        offset: u64,
+        length: u64,
+    },
+    Discard {
+        offset: u64,
+        length: u64,
+    },
+}
+
+impl<R: Device + 'static> LocalTier<R, FileDevice> {
+    /// Opens the local cache at `path` for `remote` (whose identity is `identity`), creating
+    /// it with `size_bytes` when it does not exist. A block device is formatted when its
+    /// first 4 KiB are zeroes.
+    pub fn open_path(
+        path: &Path,
+        size_bytes: Option<u64>,
+        remote: R,
+        identity: &str,
+        config: LocalTierConfig,
+    ) -> Result<Self, TierError> {
+        let local_name = path.display().to_string();
+        config.validate()?;
+        if !path.exists() {
+            let size_bytes = size_bytes.ok_or_else(|| TierError::SizeRequired {
+                local: local_name.clone(),
+            })?;
+            if size_bytes < LOCAL_BYTES_MIN {
+                return Err(TierError::TooSmall {
+                    local: local_name,
+                    size_bytes,
+                    minimum_bytes: LOCAL_BYTES_MIN,
+                });
+            }
+            allocate(path, size_bytes).map_err(|source| TierError::Open {
+                local: local_name.clone(),
+                source,
+            })?;
+            let local = FileDevice::open(path, &FileDeviceOptions::default())
+                .map_err(|error| open_error(&local_name, error))?;
+            return Self::create(local, local_name, remote, identity, config);
+        }
+        let local = FileDevice::open(path, &FileDeviceOptions::default())
+            .map_err(|error| open_error(&local_name, error))?;
+        let is_block_device = std::fs::metadata(path)
+            .map(|metadata| std::os::unix::fs::FileTypeExt::is_block_device(&metadata.file_type()))
+            .unwrap_or(false);
+        if is_block_device && local.len() >= SUPERBLOCK_BYTES {
+            let mut first = vec![0u8; SUPERBLOCK_BYTES as usize];
+            local
+                .read_vectored_at(&mut [IoSliceMut::new(&mut first)], 0)
+                .map_err(|source| TierError::Io {
+                    local: local_name.clone(),
+                    what: "reading the superblock",
+                    source,
+                })?;
+            if first.iter().all(|&byte| byte == 0) {
+                return Self::create(local, local_name, remote, identity, config);
+            }
+        }
+        Self::open_checked(local, local_name, remote, identity, config, size_bytes)
+    }
+}
+
+/// Creates the cache file with all of its blocks allocated, so a full file system shows up
+/// now, as an error naming the file, and never later as a failed log append. A file left
+/// behind by a failure is removed.
+fn allocate(path: &Path, size_bytes: u64) -> io::Result<()> {
+    use std::os::unix::io::AsRawFd;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(path)?;
+    // SAFETY: posix_fallocate on a descriptor this function owns.
+    let status = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size_bytes as libc::off_t) };
+    let result = match status {
+        0 => file.sync_all(),
+        // File systems without fallocate get a sparse file of the right size.
+        libc::EOPNOTSUPP | libc::EINVAL => file.set_len(size_bytes).and_then(|()| file.sync_all()),
+        error => Err(io::Error::from_raw_os_error(error)),
+    };
+    if result.is_err() {
+        let _ = std::fs::remove_file(path);
+    }
+    result
+}
+
+fn open_error(local: &str, error: FileDeviceError) -> TierError {
+    match error {
+        FileDeviceError::Open { source, .. }
+            if source.kind() == io::ErrorKind::PermissionDenied
+                || source.raw_os_error() == Some(libc::EROFS) =>
+        {
+            TierError::ReadOnly {
+                local: local.to_string(),
+                source,
+            }
+        }
+        other => TierError::Open {
+            local: local.to_string(),
+            source: io::Error::other(other.to_string()),
+        },
+    }
+}
+
+impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
+    /// Formats `local` as a new, empty cache for `remote` and opens it.
+    pub fn create(
+        local: L,
+        local_name: String,
+        remote: R,
+        identity: &str,
+        config: LocalTierConfig,
+    ) -> Result<Self, TierError> {
+        config.validate()?;
+        check_identity(identity)?;
+        let local_bytes = local.len();
+        if local_bytes < LOCAL_BYTES_MIN {
+            return Err(TierError::TooSmall {
+                local: local_name,
+                size_bytes: local_bytes,
+                minimum_bytes: LOCAL_BYTES_MIN,
+            });
+        }
+        check_backend(&remote, identity, &config)?;
+        let superblock = Superblock {
+            block_bytes: config.block_bytes,
+            backend_bytes: remote.len(),
+            local_bytes,
+            log_start: LOG_START,
+            log_end: local_bytes / 512 * 512,
+            identity: identity.to_string(),
+        };
+        let io_error = |what| {
+            let local_name = local_name.clone();
+            move |source| TierError::Io {
+                local: local_name,
+                what,
+                source,
+            }
+        };
+        for generation in 0..2u64 {
+            let checkpoint = Checkpoint {
+                generation,
+                session: 0,
+                tail_position: LOG_START,
+                tail_sequence: 1,
+                tail_previous_crc: 0,
+                remote_epoch: 0,
+            };
+            local
+                .write_vectored_at(
+                    &[IoSlice::new(&checkpoint.encode())],
+                    CHECKPOINT_OFFSETS[generation as usize % 2],
+                )
+                .map_err(io_error("writing a checkpoint"))?;
+        }
+        // A stale chain from an earlier use of the device must not continue ours: the first
+        // record's header slot is cleared.
+        local
+            .write_vectored_at(&[IoSlice::new(&[0u8; RECORD_HEADER_BYTES])], LOG_START)
+            .map_err(io_error("clearing the log"))?;
+        local.flush().map_err(io_error("flushing"))?;
+        // The superblock last: a cache whose creation was cut short has no magic and is
+        // refused, never half-trusted.
+        local
+            .write_vectored_at(&[IoSlice::new(&superblock.encode())], 0)
+            .map_err(io_error("writing the superblock"))?;
+        local.flush().map_err(io_error("flushing the superblock"))?;
+        Self::open_checked(local, local_name, remote, identity, config, None)
+    }
+
+    /// Opens an existing cache on `local` for `remote`: checks the superblock, replays the
+    /// log and resumes write-back.
+    pub fn open(
+        local: L,
+        local_name: String,
+        remote: R,
+        identity: &str,
+        config: LocalTierConfig,
+    ) -> Result<Self, TierError> {
+        Self::open_checked(local, local_name, remote, identity, config, None)
+    }
+
+    fn open_checked(
+        local: L,
+        local_name: String,
+        remote: R,
+        identity: &str,
+        config: LocalTierConfig,
+        asked_bytes: Option<u64>,
+    ) -> Result<Self, TierError> {
+        config.validate()?;
+        check_identity(identity)?;
+        check_backend(&remote, identity, &config)?;
+        let local_bytes = local.len();
+        let mut first = vec![0u8; local_bytes.min(SUPERBLOCK_BYTES) as usize];
+        local
+            .read_vectored_at(&mut [IoSliceMut::new(&mut first)], 0)
+            .map_err(|source| TierError::Io {
+                local: local_name.clone(),
+                what: "reading the superblock",
+                source,
+            })?;
+        if local_bytes < SUPERBLOCK_BYTES {
+            return Err(if first.len() >= 8 && first[..8] == SUPERBLOCK_MAGIC {
+                TierError::Truncated {
+                    local: local_name,
+                    expected: SUPERBLOCK_BYTES,
+                    actual: local_bytes,
+                }
+            } else {
+                TierError::NotACache { local: local_name }
+            });
+        }
+        let superblock = match Superblock::decode(&first) {
+            Ok(superblock) => superblock,
+            Err(SuperblockProblem::NoMagic) => {
+                return Err(TierError::NotACache { local: local_name })
+            }
+            Err(SuperblockProblem::Checksum) => {
+                return Err(TierError::SuperblockCorrupt { local: local_name })
+            }
+            Err(SuperblockProblem::Version(found)) => {
+                return Err(TierError::Version {
+                    local: local_name,
+                    found,
+                    expected: FORMAT_VERSION,
+                })
+            }
+        };
+        if local_bytes < superblock.local_bytes {
+            return Err(TierError::Truncated {
+                local: local_name,
+                expected: superblock.local_bytes,
+                actual: local_bytes,
+            });
+        }
+        if let Some(asked) = asked_bytes.filter(|&asked| asked != superblock.local_bytes) {
+            return Err(TierError::SizeMismatch {
+                local: local_name,
+                actual: superblock.local_bytes,
+                asked,
+            });
+        }
+        if superblock.identity != identity {
+            return Err(TierError::OtherBackend {
+                local: local_name,
+                found: superblock.identity,
+                expected: identity.to_string(),
+            });
+        }
+        if superblock.backend_bytes != remote.len() {
+            return Err(TierError::BackendSize {
+                local: local_name,
+                identity: identity.to_string(),
+                found: superblock.backend_bytes,
+                expected: remote.len(),
+            });
+        }
+        if superblock.block_bytes != config.block_bytes {
+            return Err(TierError::BlockSize {
+                local: local_name,
+                found: superblock.block_bytes,
+                expected: config.block_bytes,
+            });
+        }
+        if superblock.log_start != LOG_START
+            || superblock.log_end > superblock.local_bytes
+            || superblock.log_end < superblock.log_start + LOCAL_BYTES_MIN - LOG_START
+        {
+            return Err(TierError::SuperblockCorrupt { local: local_name });
+        }
+        let mut best: Option<Checkpoint> = None;
+        for offset in CHECKPOINT_OFFSETS {
+            let mut slot = [0u8; CHECKPOINT_BYTES];
+            local
+                .read_vectored_at(&mut [IoSliceMut::new(&mut slot)], offset)
+                .map_err(|source| TierError::Io {
+                    local: local_name.clone(),
+                    what: "reading a checkpoint",
+                    source,
+                })?;
+            if let Some(checkpoint) = Checkpoint::decode(&slot) {
+                if best.is_none_or(|best| checkpoint.generation > best.generation) {
+                    best = Some(checkpoint);
+                }
+            }
+        }
+        let checkpoint = best
+            .filter(|checkpoint| {
+                (superblock.log_start..superblock.log_end).contains(&checkpoint.tail_position)
+                    && checkpoint.tail_position % 512 == 0
+            })
+            .ok_or_else(|| TierError::NoCheckpoint {
+                local: local_name.clone(),
+            })?;
+        let remote_capabilities = remote.capabilities();
+        let shared = Shared {
+            block_bytes: u64::from(config.block_bytes),
+            backend_bytes: remote.len(),
+            log_start: superblock.log_start,
+            log_end: superblock.log_end,
+            remote_capabilities,
+            remote,
+            local,
+            local_name: local_name.clone(),
+            config,
+            state: Mutex::new(State {
+                session: checkpoint.session + 1,
+                checkpoint_generation: checkpoint.generation,
+                records: VecDeque::new(),
+                used_bytes: 0,
+                tail_position: checkpoint.tail_position,
+                tail_sequence: checkpoint.tail_sequence,
+                tail_previous_crc: checkpoint.tail_previous_crc,
+                head_position: checkpoint.tail_position,
+                next_sequence: checkpoint.tail_sequence,
+                last_crc: checkpoint.tail_previous_crc,
+                index: BTreeMap::new(),
+                open_epoch: checkpoint.remote_epoch + 1,
+                open_epoch_has_writes: false,
+                durable_epoch: 0,
+                remote_epoch: checkpoint.remote_epoch,
+                dirty_epochs: BTreeMap::new(),
+                generation: 0,
+                writeback_failures_in_a_row: 0,
+                writeback_failures_total: 0,
+                writeback_error: None,
+                writeback_epochs: 0,
+                local_failure: None,
+                stopping: false,
+            }),
+            changed: Condvar::new(),
+            order: RwLock::new(()),
+            partial_writes: Mutex::new(()),
+            counters: Counters::default(),
+        };
+        {
+            let mut state = shared.state.lock();
+            shared.replay(&mut state).map_err(|source| TierError::Io {
+                local: local_name.clone(),
+                what: "replaying the log",
+                source,
+            })?;
+            // The new session is durable before any record of it is written (Chain).
+            shared
+                .write_checkpoint(&mut state)
+                .map_err(|source| TierError::Io {
+                    local: local_name.clone(),
+                    what: "writing a checkpoint",
+                    source,
+                })?;
+            if !state.dirty_epochs.is_empty() {
+                tracing::info!(
+                    local = %local_name,
+                    dirty_bytes = state.dirty_epochs.values().sum::<u64>(),
+                    epochs = state.dirty_epochs.len(),
+                    "local cache replayed: resuming write-back"
+                );
+            }
+        }
+        let shared = Arc::new(shared);
+        let worker = Arc::clone(&shared);
+        let writeback = std::thread::Builder::new()
+            .name("tier-writeback".into())
+            .spawn(move || worker.writeback_loop())
+            .map_err(|source| TierError::Thread {
+                local: local_name,
+                source,
+            })?;
+        Ok(LocalTier {
+            shared,
+            writeback: Some(writeback),
+        })
+    }
+
+    /// The counters and state now.
+    pub fn stats(&self) -> TierStats {
+        let state = self.shared.state.lock();
+        let counters = &self.shared.counters;
+        TierStats {
+            dirty_bytes: state.dirty_epochs.values().sum(),
+            epochs_pending: state.dirty_epochs.len() as u64,
+            remote_epoch: state.remote_epoch,
+            open_epoch: state.open_epoch,
+            log_used_bytes: state.used_bytes,
+            log_capacity_bytes: self.shared.log_end - self.shared.log_start,
+            fallbacks: counters.fallbacks.load(Ordering::Relaxed),
+            read_blocks_local: counters.read_blocks_local.load(Ordering::Relaxed),
+            read_blocks_remote: counters.read_blocks_remote.load(Ordering::Relaxed),
+            read_cache_insert_failures: counters.read_cache_insert_failures.load(Ordering::Relaxed),
+            writeback_epochs: state.writeback_epochs,
+            writeback_failures_in_a_row: state.writeback_failures_in_a_row,
+            writeback_error: state.writeback_error.clone(),
+        }
+    }
+
+    /// The remote device.
+    pub fn remote(&self) -> &R {
+        &self.shared.remote
+    }
+
+    /// The local device.
+    pub fn local(&self) -> &L {
+        &self.shared.local
+    }
+
+    /// Closes the open epoch and waits until every logged write is on the remote, flushed
+    /// (whatever `flush_to` says). Returns the remote's error once write-back has failed
+    /// `writeback_attempts_max` times in a row.
+    pub fn drain(&self) -> io::Result<()> {
+        let target = self.shared.close_epoch();
+        self.shared.wait_for_remote(target)
+    }
+
+    /// Stops write-back without waiting for it to finish an epoch it has not started; for
+    /// tests that model a crash (nothing is flushed or written on the way out).
+    pub fn stop(mut self) {
+        self.stop_writeback();
+    }
+
+    fn stop_writeback(&mut self) {
+        self.shared.state.lock().stopping = true;
+        self.shared.changed.notify_all();
+        if let Some(thread) = self.writeback.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl<R: Device + 'static, L: Device + 'static> Drop for LocalTier<R, L> {
+    fn drop(&mut self) {
+        self.stop_writeback();
+    }
+}
+
+fn check_identity(identity: &str) -> Result<(), TierError> {
+    if identity.len() > IDENTITY_BYTES_MAX {
+        return Err(TierError::IdentityTooLong(identity.len()));
+    }
+    Ok(())
+}
+
+fn check_backend(
+    remote: &impl Device,
+    identity: &str,
+    config: &LocalTierConfig,
+) -> Result<(), TierError> {
+    if !remote.len().is_multiple_of(u64::from(config.block_bytes)) {
+        return Err(TierError::BackendNotBlockMultiple {
+            identity: identity.to_string(),
+            backend_bytes: remote.len(),
+            block_bytes: config.block_bytes,
+        });
+    }
+    Ok(())
+}
+
+impl<R: Device, L: Device> Shared<R, L> {
+    fn capacity_bytes(&self) -> u64 {
+        self.log_end - self.log_start
+    }
+
+    fn local_error(&self, what: &str, error: io::Error) -> io::Error {
+        io::Error::new(
+            error.kind(),
+            format!("local cache {}: {what}: {error}", self.local_name),
+        )
+    }
+
+    /// Walks the chain from the persisted tail (Chain) and rebuilds the index.
+    fn replay(&self, state: &mut State) -> io::Result<()> {
+        let mut position = state.tail_position;
+        let mut header_bytes = [0u8; RECORD_HEADER_BYTES];
+        let mut payload = Vec::new();
+        loop {
+            if position == self.log_end {
+                position = self.log_start;
+            }
+            if position + RECORD_HEADER_BYTES as u64 > self.log_end {
+                break;
+            }
+            self.local
+                .read_vectored_at(&mut [IoSliceMut::new(&mut header_bytes)], position)?;
+            let Some((header, crc)) = RecordHeader::decode(&header_bytes) else {
+                break;
+            };
+            let space_bytes = match header.kind {
+                RecordKind::Wrap => self.log_end - position,
+                _ => header.total_bytes(),
+            };
+            let payload_expected = if header.kind.has_payload() {
+                header.length_bytes
+            } else {
+                0
+            };
+            let continues = header.sequence == state.next_sequence
+                && header.previous_crc == state.last_crc
+                && u64::from(header.payload_bytes) == payload_expected
+                && position + header.total_bytes() <= self.log_end
+                && state.used_bytes + space_bytes <= self.capacity_bytes()
+                && (header.kind == RecordKind::Wrap
+                    || (header.disk_offset % self.block_bytes == 0
+                        && header.length_bytes % self.block_bytes == 0
+                        && header.length_bytes > 0
+                        && header
+                            .disk_offset
+                            .checked_add(header.length_bytes)
+                            .is_some_and(|end| end <= self.backend_bytes)));
+            if !continues {
+                break;
+            }
+            payload.resize(header.payload_bytes as usize, 0);
+            self.local.read_vectored_at(
+                &mut [IoSliceMut::new(&mut payload)],
+                position + RECORD_HEADER_BYTES as u64,
+            )?;
+            if !RecordHeader::verify(&header_bytes, &payload, crc) {
+                break;
+            }
+            let meta = RecordMeta {
+                position,
+                space_bytes,
+                sequence: header.sequence,
+                epoch: header.epoch,
+                kind: header.kind,
+                disk_offset: header.disk_offset,
+                length_bytes: header.length_bytes,
+                crc,
+            };
+            self.apply(state, meta);
+            position += space_bytes;
+            if position == self.log_end {
+                position = self.log_start;
+            }
+            state.head_position = position;
+        }
+        // Writes of epochs that were open at the crash are written back as closed epochs.
+        let epoch_seen = state
+            .records
+            .iter()
+            .map(|record| record.epoch)
+            .max()
+            .unwrap_or(0);
+        state.open_epoch = state.open_epoch.max(epoch_seen + 1);
+        Ok(())
+    }
+
+    /// Adds a record just written (or replayed) to the state and the index.
+    fn apply(&self, state: &mut State, meta: RecordMeta) {
+        let first_block = meta.disk_offset / self.block_bytes;
+        let blocks = meta.length_bytes / self.block_bytes;
+        match meta.kind {
+            RecordKind::Dirty | RecordKind::Clean => {
+                for index in 0..blocks {
+                    state.index.insert(
+                        first_block + index,
+                        Entry::Data {
+                            sequence: meta.sequence,
+                            position: meta.position
+                                + RECORD_HEADER_BYTES as u64
+                                + index * self.block_bytes,
+                        },
+                    );
+                }
+            }
+            RecordKind::Zero | RecordKind::Discard => {
+                for index in 0..blocks {
+                    state.index.insert(
+                        first_block + index,
+                        Entry::Zero {
+                            sequence: meta.sequence,
+                        },
+                    );
+                }
+            }
+            RecordKind::Invalidate => {
+                let stale: Vec<u64> = state
+                    .index
+                    .range(first_block..first_block + blocks)
+                    .map(|(&block, _)| block)
+                    .collect();
+                for block in stale {
+                    state.index.remove(&block);
+                }
+                state.generation += 1;
+            }
+            RecordKind::Wrap => {}
+        }
+        if meta.kind.is_write() && meta.epoch > state.remote_epoch {
+            *state.dirty_epochs.entry(meta.epoch).or_default() += meta.length_bytes;
+        }
+        state.records.push_back(meta);
+        state.used_bytes += meta.space_bytes;
+        state.next_sequence = meta.sequence + 1;
+        state.last_crc = meta.crc;
+    }
+
+    /// Writes the next checkpoint (alternating slots) and flushes the local device.
+    fn write_checkpoint(&self, state: &mut State) -> io::Result<()> {
+        let checkpoint = Checkpoint {
+            generation: state.checkpoint_generation + 1,
+            session: state.session,
+            tail_position: state.tail_position,
+            tail_sequence: state.tail_sequence,
+            tail_previous_crc: state.tail_previous_crc,
+            remote_epoch: state.remote_epoch,
+        };
+        let written = self
+            .local
+            .write_vectored_at(
+                &[IoSlice::new(&checkpoint.encode())],
+                CHECKPOINT_OFFSETS[(checkpoint.generation % 2) as usize],
+            )
+            .and_then(|()| self.local.flush());
+        if let Err(error) = written {
+            state.local_failure = Some(format!("writing a checkpoint: {error}"));
+            return Err(error);
+        }
+        state.checkpoint_generation = checkpoint.generation;
+        // The fsync covered every record appended so far, so every closed epoch's.
+        state.durable_epoch = state.durable_epoch.max(state.open_epoch - 1);
+        Ok(())
+    }
+
+    /// Refuses when the local device has failed a checkpoint or an fsync (`local_failure`).
+    fn check_local(&self, state: &State) -> io::Result<()> {
+        match &state.local_failure {
+            None => Ok(()),
+            Some(failure) => Err(io::Error::other(format!(
+                "local cache {}: refusing writes and flushes after a failure of the local \
+                 device ({failure}); restart the server to replay the log",
+                self.local_name
+            ))),
+        }
+    }
+
+    /// True when the record at the tail may be dropped (Dirty).
+    fn droppable(state: &State, record: &RecordMeta) -> bool {
+        !(record.kind.is_write() && record.epoch > state.remote_epoch)
+    }
+
+    /// Drops the tail record from the log and the index; the caller persists the new tail
+    /// before reusing its space (Tail).
+    fn drop_tail(&self, state: &mut State) {
+        let record = state.records.pop_front().expect("a record to drop");
+        state.used_bytes -= record.space_bytes;
+        state.tail_sequence = record.sequence + 1;
+        state.tail_previous_crc = record.crc;
+        state.tail_position = state
+            .records
+            .front()
+            .map_or(state.head_position, |next| next.position);
+        if matches!(
+            record.kind,
+            RecordKind::Dirty | RecordKind::Clean | RecordKind::Zero | RecordKind::Discard
+        ) {
+            let first_block = record.disk_offset / self.block_bytes;
+            for block in first_block..first_block + record.length_bytes / self.block_bytes {
+                if state
+                    .index
+                    .get(&block)
+                    .is_some_and(|entry| entry.sequence() == record.sequence)
+                {
+                    state.index.remove(&block);
+                }
+            }
+            if record.kind != RecordKind::Clean {
+                state.generation += 1;
+            }
+        }
+    }
+
+    /// Finds `total_bytes` of contiguous log space at the head, dropping clean records at the
+    /// tail (and persisting the new tail) or writing a wrap record as needed.
+    fn reserve(&self, state: &mut State, total_bytes: u64) -> Result<u64, NoSpace> {
+        if total_bytes > self.capacity_bytes() / 2 {
+            return Err(NoSpace::TooLarge);
+        }
+        loop {
+            let full = state.used_bytes > 0 && state.head_position == state.tail_position;
+            let head_after_tail =
+                state.used_bytes == 0 || state.head_position > state.tail_position;
+            enum Fit {
+                Here,
+                AfterWrap,
+                No,
+            }
+            let fit = if full {
+                Fit::No
+            } else if head_after_tail {
+                if state.head_position + total_bytes <= self.log_end {
+                    Fit::Here
+                } else if state.tail_position - self.log_start >= total_bytes {
+                    Fit::AfterWrap
+                } else {
+                    Fit::No
+                }
+            } else if state.tail_position - state.head_position >= total_bytes {
+                Fit::Here
+            } else {
+                Fit::No
+            };
+            match fit {
+                Fit::Here => return Ok(state.head_position),
+                Fit::AfterWrap => {
+                    let position = state.head_position;
+                    self.append_at(state, position, RecordKind::Wrap, 0, 0, &[])
+                        .map_err(NoSpace::Io)?;
+                }
+                Fit::No => {
+                    // Drop ahead by an eighth of the log, so the checkpoint this costs is paid
+                    // once per many records.
+                    let free_wanted =
+                        (total_bytes + self.capacity_bytes() / 8).min(self.capacity_bytes());
+                    let mut dropped = 0usize;
+                    while let Some(record) = state.records.front() {
+                        let enough = self.capacity_bytes() - state.used_bytes >= free_wanted;
+                        if !Self::droppable(state, record) || (dropped > 0 && enough) {
+                            break;
+                        }
+                        self.drop_tail(state);
+                        dropped += 1;
+                    }
+                    if dropped == 0 {
+                        return Err(NoSpace::Dirty);
+                    }
+                    self.write_checkpoint(state).map_err(NoSpace::Io)?;
+                }
+            }
+        }
+    }
+
+    /// Writes a record at `position` (reserved) and applies it.
+    fn append_at(
+        &self,
+        state: &mut State,
+        position: u64,
+        kind: RecordKind,
+        disk_offset: u64,
+        length_bytes: u64,
+        payload: &[&[u8]],
+    ) -> io::Result<()> {
+        self.check_local(state)?;
+        let payload_bytes: u64 = payload.iter().map(|part| part.len() as u64).sum();
+        let header = RecordHeader {
+            kind,
+            sequence: state.next_sequence,
+            session: state.session,
+            epoch: state.open_epoch,
+            disk_offset,
+            length_bytes,
+            payload_bytes: payload_bytes as u32,
+            previous_crc: state.last_crc,
+        };
+        let (header_bytes, crc) = header.encode(payload);
+        let total_bytes = record_total_bytes(payload_bytes);
+        let padding =
+            vec![0u8; (total_bytes - RECORD_HEADER_BYTES as u64 - payload_bytes) as usize];
+        let mut slices = Vec::with_capacity(payload.len() + 2);
+        slices.push(IoSlice::new(&header_bytes));
+        slices.extend(payload.iter().map(|part| IoSlice::new(part)));
+        slices.push(IoSlice::new(&padding));
+        self.local
+            .write_vectored_at(&slices, position)
+            .map_err(|error| self.local_error("appending to the log", error))?;
+        let space_bytes = match kind {
+            RecordKind::Wrap => self.log_end - position,
+            _ => total_bytes,
+        };
+        let meta = RecordMeta {
+            position,
+            space_bytes,
+            sequence: header.sequence,
+            epoch: header.epoch,
+            kind,
+            disk_offset,
+            length_bytes,
+            crc,
+        };
+        self.apply(state, meta);
+        let mut head = position + space_bytes;
+        if head == self.log_end {
+            head = self.log_start;
+        }
+        state.head_position = head;
+        if kind.is_write() {
+            state.open_epoch_has_writes = true;
+        }
+        Ok(())
+    }
+
+    /// Logs one write record (dirty data, zeroes or discard), falling back to remote
+    /// durability when the log cannot take it (Write-through).
+    fn log_write(
+        &self,
+        kind: RecordKind,
+        disk_offset: u64,
+        length_bytes: u64,
+        payload: &[u8],
+    ) -> io::Result<()> {
+        let total_bytes = record_total_bytes(payload.len() as u64);
+        {
+            let _order = self.order.read();
+            let mut state = self.state.lock();
+            match self.reserve(&mut state, total_bytes) {
+                Ok(position) => {
+                    return self.append_at(
+                        &mut state,
+                        position,
+                        kind,
+                        disk_offset,
+                        length_bytes,
+                        &[payload],
+                    )
+                }
+                Err(NoSpace::Io(error)) => return Err(error),
+                Err(NoSpace::Dirty | NoSpace::TooLarge) => {}
+            }
+        }
+        self.write_through(kind, disk_offset, length_bytes, payload)
+    }
+
+    /// The fallback: waits until everything logged is on the remote, then logs the write if
+    /// it now fits, or else invalidates its range durably and writes it to the remote.
+    fn write_through(
+        &self,
+        kind: RecordKind,
+        disk_offset: u64,
+        length_bytes: u64,
+        payload: &[u8],
+    ) -> io::Result<()> {
+        let _order = self.order.write();
+        let fallbacks = self.counters.fallbacks.fetch_add(1, Ordering::Relaxed) + 1;
+        tracing::warn!(
+            local = %self.local_name,
+            remote = %self.remote.describe(),
+            bytes = length_bytes,
+            fallbacks,
+            "local cache has no room for a write (full of data not yet on the remote, or the \
+             write is larger than a record): falling back to remote durability for it"
+        );
+        let target = self.close_epoch();
+        self.wait_for_remote(target)?;
+        let total_bytes = record_total_bytes(payload.len() as u64);
+        // Zeroings too long for a record (one index entry per block) always go through.
+        let loggable =
+            kind == RecordKind::Dirty || length_bytes <= self.config.zero_record_bytes_max;
+        {
+            let mut state = self.state.lock();
+            match loggable.then(|| self.reserve(&mut state, total_bytes)) {
+                None => {}
+                Some(Ok(position)) => {
+                    return self.append_at(
+                        &mut state,
+                        position,
+                        kind,
+                        disk_offset,
+                        length_bytes,
+                        &[payload],
+                    )
+                }
+                Some(Err(NoSpace::Io(error))) => return Err(error),
+                Some(Err(NoSpace::Dirty | NoSpace::TooLarge)) => {}
+            }
+            let position = match self.reserve(&mut state, record_total_bytes(0)) {
+                Ok(position) => position,
+                Err(NoSpace::Io(error)) => return Err(error),
+                Err(NoSpace::Dirty | NoSpace::TooLarge) => {
+                    return Err(io::Error::other(format!(
+                        "local cache {}: no room even for an invalidation record after \
+                         write-back drained the log",
+                        self.local_name
+                    )))
+                }
+            };
+            self.append_at(
+                &mut state,
+                position,
+                RecordKind::Invalidate,
+                disk_offset,
+                length_bytes,
+                &[],
+            )?;
+        }
+        // The invalidation is durable before the remote changes, so a replay never serves
+        // the older local copies over what the remote then holds.
+        if let Err(error) = self.local.flush() {
+            self.state.lock().local_failure = Some(format!("flushing an invalidation: {error}"));
+            return Err(self.local_error("flushing an invalidation", error));
+        }
+        let result = match kind {
+            RecordKind::Dirty => {
+                let step = self
+                    .remote_capabilities
+                    .request_bytes_max
+                    .max(self.block_bytes)
+                    / self.block_bytes
+                    * self.block_bytes;
+                let mut done = 0u64;
+                let mut result = Ok(());
+                while done < length_bytes && result.is_ok() {
+                    let piece = (length_bytes - done).min(step);
+                    result = self.remote.write_vectored_at(
+                        &[IoSlice::new(
+                            &payload[done as usize..(done + piece) as usize],
+                        )],
+                        disk_offset + done,
+                    );
+                    done += piece;
+                }
+                result
+            }
+            RecordKind::Zero => self.remote.write_zeroes(disk_offset, length_bytes),
+            _ => self.remote.discard(disk_offset, length_bytes),
+        };
+        // A read that went to the remote while this write was landing may have read the old
+        // bytes: it must not cache them.
+        self.state.lock().generation += 1;
+        // Flushed before returning, so no later write (logged, so durable at the next local
+        // flush) can survive a crash that this one does not: replay stays a prefix.
+        result.and_then(|()| self.remote.flush())
+    }
+
+    /// Closes the open epoch if it has writes; returns the last closed epoch.
+    fn close_epoch(&self) -> u64 {
+        let mut state = self.state.lock();
+        if state.open_epoch_has_writes {
+            state.open_epoch += 1;
+            state.open_epoch_has_writes = false;
+            self.changed.notify_all();
+        }
+        state.open_epoch - 1
+    }
+
+    /// Waits until every logged write of epochs up to `target` is on the remote. Fails once
+    /// write-back has failed `writeback_attempts_max` times in a row, the last of them while
+    /// this call waited (so a remote that is back gets its retry first).
+    fn wait_for_remote(&self, target: u64) -> io::Result<()> {
+        let mut state = self.state.lock();
+        let failures_before = state.writeback_failures_total;
+        loop {
+            if state
+                .dirty_epochs
+                .first_key_value()
+                .is_none_or(|(&epoch, _)| epoch > target)
+            {
+                return Ok(());
+            }
+            if state.writeback_failures_in_a_row >= self.config.writeback_attempts_max
+                && state.writeback_failures_total > failures_before
+            {
+                return Err(io::Error::other(format!(
+                    "write-back to {} failed {} times in a row: {}",
+                    self.remote.describe(),
+                    state.writeback_failures_in_a_row,
+                    state.writeback_error.as_deref().unwrap_or("unknown error")
+                )));
+            }
+            if state.stopping {
+                return Err(io::Error::other("the local tier is stopping"));
+            }
+            self.changed.wait(&mut state);
+        }
+    }
+
+    /// Writes whole blocks at a block-aligned offset, record by record.
+    fn write_blocks(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        let step = self.config.record_bytes_max as usize;
+        for (index, chunk) in data.chunks(step).enumerate() {
+            let at = offset + (index * step) as u64;
+            self.log_write(RecordKind::Dirty, at, chunk.len() as u64, chunk)?;
+        }
+        Ok(())
+    }
+
+    fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        check_range(self.backend_bytes, offset, data.len() as u64)?;
+        if self.remote_capabilities.read_only {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!("{} is read-only", self.remote.describe()),
+            ));
+        }
+        if data.is_empty() {
+            return Ok(());
+        }
+        let end = offset + data.len() as u64;
+        if offset.is_multiple_of(self.block_bytes) && end.is_multiple_of(self.block_bytes) {
+            return self.write_blocks(offset, data);
+        }
+        let _partial = self.partial_writes.lock();
+        let start = offset / self.block_bytes * self.block_bytes;
+        let stop = end.next_multiple_of(self.block_bytes);
+        let mut whole = vec![0u8; (stop - start) as usize];
+        let block = self.block_bytes as usize;
+        self.read_at(start, &mut whole[..block])?;
+        let last = whole.len() - block;
+        self.read_at(stop - self.block_bytes, &mut whole[last..])?;
+        whole[(offset - start) as usize..(end - start) as usize].copy_from_slice(data);
+        self.write_blocks(start, &whole)
+    }
+
+    /// Zeroes (or discards) a range: partial blocks at the edges by writing zeroes, whole
+    /// blocks by a record, or through to the remote when longer than a zero record may be.
+    fn zero_at(&self, offset: u64, length: u64, kind: RecordKind) -> io::Result<()> {
+        check_range(self.backend_bytes, offset, length)?;
+        if length == 0 {
+            return Ok(());
+        }
+        let end = offset + length;
+        let first_whole = offset.next_multiple_of(self.block_bytes);
+        let last_whole = end / self.block_bytes * self.block_bytes;
+        if first_whole >= last_whole {
+            return match kind {
+                RecordKind::Zero => self.write_at(offset, &vec![0u8; length as usize]),
+                _ => Ok(()),
+            };
+        }
+        if kind == RecordKind::Zero {
+            if offset < first_whole {
+                self.write_at(offset, &vec![0u8; (first_whole - offset) as usize])?;
+            }
+            if last_whole < end {
+                self.write_at(last_whole, &vec![0u8; (end - last_whole) as usize])?;
+            }
+        }
+        if last_whole - first_whole > self.config.zero_record_bytes_max {
+            // A huge zeroing (mkfs's discard of a whole disk) would fill the index with one
+            // entry per block: it goes to the remote in one piece instead.
+            return self.write_through(kind, first_whole, last_whole - first_whole, &[]);
+        }
+        let mut at = first_whole;
+        while at < last_whole {
+            let piece = (last_whole - at).min(self.config.zero_record_bytes_max);
+            self.log_write(kind, at, piece, &[])?;
+            at += piece;
+        }
+        Ok(())
+    }
+
+    /// Reads `target.len()` bytes at `offset`: each block from its newest local record, or
+    /// from the remote (then cached as a clean record).
+    fn read_at(&self, offset: u64, target: &mut [u8]) -> io::Result<()> {
+        check_range(self.backend_bytes, offset, target.len() as u64)?;
+        if target.is_empty() {
+            return Ok(());
+        }
+        let block = self.block_bytes;
+        let first_block = offset / block;
+        let end_block = (offset + target.len() as u64).div_ceil(block);
+        let mut whole = vec![0u8; ((end_block - first_block) * block) as usize];
+        let mut missing: Vec<(u64, u64)> = Vec::new();
+        let generation_before;
+        let mut local_blocks = 0u64;
+        {
+            let state = self.state.lock();
+            generation_before = state.generation;
+            for number in first_block..end_block {
+                let at = ((number - first_block) * block) as usize;
+                match state.index.get(&number) {
+                    Some(Entry::Data { position, .. }) => {
+                        self.local
+                            .read_vectored_at(
+                                &mut [IoSliceMut::new(&mut whole[at..at + block as usize])],
+                                *position,
+                            )
+                            .map_err(|error| self.local_error("reading the log", error))?;
+                        local_blocks += 1;
+                    }
+                    Some(Entry::Zero { .. }) => local_blocks += 1,
+                    None => {
+                        let relative = number - first_block;
+                        match missing.last_mut() {
+                            Some((start, count)) if *start + *count == relative => *count += 1,
+                            _ => missing.push((relative, 1)),
+                        }
+                    }
+                }
+            }
+        }
+        let step = (self.remote_capabilities.request_bytes_max.max(block) / block).max(1);
+        for &(start, count) in &missing {
+            let mut done = 0u64;
+            while done < count {
+                let piece = (count - done).min(step);
+                let at = ((start + done) * block) as usize;
+                self.remote.read_vectored_at(
+                    &mut [IoSliceMut::new(
+                        &mut whole[at..at + (piece * block) as usize],
+                    )],
+                    (first_block + start + done) * block,
+                )?;
+                done += piece;
+            }
+        }
+        let remote_blocks: u64 = missing.iter().map(|&(_, count)| count).sum();
+        self.counters
+            .read_blocks_local
+            .fetch_add(local_blocks, Ordering::Relaxed);
+        self.counters
+            .read_blocks_remote
+            .fetch_add(remote_blocks, Ordering::Relaxed);
+        if !missing.is_empty() {
+            self.cache_clean(first_block, &whole, &missing, generation_before);
+        }
+        let skip = (offset - first_block * block) as usize;
+        target.copy_from_slice(&whole[skip..skip + target.len()]);
+        Ok(())
+    }
+
+    /// Adds blocks read from the remote as clean records, when nothing changed them since and
+    /// the log has room without waiting for write-back.
+    fn cache_clean(&self, first_block: u64, whole: &[u8], missing: &[(u64, u64)], generation: u64) {
+        let block = self.block_bytes;
+        let blocks_per_record = self.config.record_bytes_max / block;
+        let mut state = self.state.lock();
+        if state.generation != generation {
+            return;
+        }
+        for &(start, count) in missing {
+            let mut done = 0u64;
+            while done < count {
+                let piece = (count - done).min(blocks_per_record);
+                let number = first_block + start + done;
+                let at = ((start + done) * block) as usize;
+                done += piece;
+                if state.index.range(number..number + piece).next().is_some() {
+                    continue;
+                }
+                let payload = &whole[at..at + (piece * block) as usize];
+                let position = match self.reserve(&mut state, record_total_bytes(piece * block)) {
+                    Ok(position) => position,
+                    Err(NoSpace::Dirty | NoSpace::TooLarge) => return,
+                    Err(NoSpace::Io(error)) => {
+                        self.insert_failed(&error);
+                        return;
+                    }
+                };
+                if let Err(error) = self.append_at(
+                    &mut state,
+                    position,
+                    RecordKind::Clean,
+                    number * block,
+                    piece * block,
+                    &[payload],
+                ) {
+                    self.insert_failed(&error);
+                    return;
+                }
+            }
+        }
+    }
+
+    fn insert_failed(&self, error: &io::Error) {
+        self.counters
+            .read_cache_insert_failures
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(local = %self.local_name, %error, "could not add a block read from the remote to the local read cache");
+    }
+
+    /// The write-back thread: epochs in order, each written, the remote flushed, and the
+    /// progress persisted before the next (Epoch order).
+    fn writeback_loop(&self) {
+        let mut delay = self.config.writeback_retry_delay_initial;
+        loop {
+            let (epoch, runs) = {
+                let mut state = self.state.lock();
+                loop {
+                    if state.stopping {
+                        return;
+                    }
+                    #[cfg(not(feature = "planted-defect"))]
+                    let next = state.dirty_epochs.first_key_value();
+                    // The planted defect (tests only): the newest closed epoch first.
+                    #[cfg(feature = "planted-defect")]
+                    let next = state.dirty_epochs.range(..state.open_epoch).next_back();
+                    if let Some((&epoch, _)) = next {
+                        if epoch < state.open_epoch {
+                            break (epoch, self.plan(&state, epoch));
+                        }
+                    }
+                    self.changed.wait(&mut state);
+                }
+            };
+            let outcome = self
+                .make_durable(epoch)
+                .and_then(|()| self.write_epoch(&runs))
+                .and_then(|()| {
+                    let mut state = self.state.lock();
+                    let previous = state.remote_epoch;
+                    state.remote_epoch = epoch;
+                    match self.write_checkpoint(&mut state) {
+                        Ok(()) => {
+                            state.dirty_epochs.remove(&epoch);
+                            state.writeback_epochs += 1;
+                            state.writeback_failures_in_a_row = 0;
+                            state.writeback_error = None;
+                            self.changed.notify_all();
+                            Ok(())
+                        }
+                        Err(error) => {
+                            state.remote_epoch = previous;
+                            Err(self.local_error("persisting write-back progress", error))
+                        }
+                    }
+                });
+            match outcome {
+                Ok(()) => delay = self.config.writeback_retry_delay_initial,
+                Err(error) => {
+                    let mut state = self.state.lock();
+                    state.writeback_failures_in_a_row += 1;
+                    state.writeback_failures_total += 1;
+                    state.writeback_error = Some(error.to_string());
+                    tracing::warn!(
+                        remote = %self.remote.describe(),
+                        epoch,
+                        failures = state.writeback_failures_in_a_row,
+                        %error,
+                        "write-back of an epoch failed; retrying"
+                    );
+                    self.changed.notify_all();
+                    if !state.stopping {
+                        self.changed.wait_for(&mut state, delay);
+                    }
+                    delay = (delay * 2).min(self.config.writeback_retry_delay_max);
+                }
+            }
+        }
+    }
+
+    /// Makes every record of `epoch` durable locally before any of it goes to the remote
+    /// (Durable first): otherwise a crash could keep the epoch on the remote while the log
+    /// loses it and keeps older clean copies of its blocks, and replay would serve a mix.
+    /// Epochs closed by an acknowledged flush are durable already; those closed by a
+    /// fallback, a drain or a failed flush are not.
+    fn make_durable(&self, epoch: u64) -> io::Result<()> {
+        if self.state.lock().durable_epoch >= epoch {
+            return Ok(());
+        }
+        // The epoch is closed, so all its records were appended before this fsync.
+        if let Err(error) = self.local.flush() {
+            self.state.lock().local_failure = Some(format!("flushing the log: {error}"));
+            return Err(self.local_error("flushing the log before write-back", error));
+        }
+        let mut state = self.state.lock();
+        state.durable_epoch = state.durable_epoch.max(epoch);
+        Ok(())
+    }
+
+    /// The runs that put epoch `epoch` on the remote: the newest copy within the epoch of each
+    /// block it wrote, sorted, adjacent blocks merged.
+    fn plan(&self, state: &State, epoch: u64) -> Vec<Run> {
+        #[derive(Clone, Copy, PartialEq)]
+        enum Source {
+            Data(u64),
+            Zero,
+            Discard,
+        }
+        let block = self.block_bytes;
+        let mut newest: BTreeMap<u64, Source> = BTreeMap::new();
+        for record in state.records.iter().filter(|record| record.epoch == epoch) {
+            let first_block = record.disk_offset / block;
+            for index in 0..record.length_bytes / block {
+                let source = match record.kind {
+                    RecordKind::Dirty => {
+                        Source::Data(record.position + RECORD_HEADER_BYTES as u64 + index * block)
+                    }
+                    RecordKind::Zero => Source::Zero,
+                    RecordKind::Discard => Source::Discard,
+                    _ => continue,
+                };
+                newest.insert(first_block + index, source);
+            }
+        }
+        // An object store writes whole chunks best (`write_unit_bytes`): data runs are cut at
+        // its multiples and may grow to one, so each write covers whole units where it can.
+        let unit = self.remote_capabilities.write_unit_bytes.max(1);
+        let run_bytes_max = self
+            .config
+            .writeback_run_bytes_max
+            .max(unit)
+            .min(self.remote_capabilities.request_bytes_max.max(block));
+        let mut runs: Vec<Run> = Vec::new();
+        let mut previous: Option<(u64, Source)> = None;
+        for (number, source) in newest {
+            let offset = number * block;
+            let adjacent = previous.is_some_and(|(last, kind)| {
+                last + 1 == number
+                    && std::mem::discriminant(&kind) == std::mem::discriminant(&source)
+            }) && (unit == 1 || !offset.is_multiple_of(unit));
+            let extended = adjacent
+                && match (runs.last_mut(), source) {
+                    (Some(Run::Data { segments, .. }), Source::Data(position)) => {
+                        let length: u64 = segments.iter().map(|&(_, bytes)| bytes).sum();
+                        if length + block > run_bytes_max {
+                            false
+                        } else {
+                            match segments.last_mut() {
+                                Some((start, bytes)) if *start + *bytes == position => {
+                                    *bytes += block
+                                }
+                                _ => segments.push((position, block)),
+                            }
+                            true
+                        }
+                    }
+                    (
+                        Some(Run::Zero { length, .. } | Run::Discard { length, .. }),
+                        Source::Zero | Source::Discard,
+                    ) if *length + block <= self.config.zero_record_bytes_max => {
+                        *length += block;
+                        true
+                    }
+                    _ => false,
+                };
+            if !extended {
+                runs.push(match source {
+                    Source::Data(position) => Run::Data {
+                        offset,
+                        segments: vec![(position, block)],
+                    },
+                    Source::Zero => Run::Zero {
+                        offset,
+                        length: block,
+                    },
+                    Source::Discard => Run::Discard {
+                        offset,
+                        length: block,
+                    },
+                });
+            }
+            previous = Some((number, source));
+        }
+        runs
+    }
+
+    /// Puts `runs` on the remote (data runs up to `writeback_requests_in_flight_max` at once)
+    /// and flushes it. The records they read from cannot be reused meanwhile (Dirty).
+    fn write_epoch(&self, runs: &[Run]) -> io::Result<()> {
+        let mut data_runs = Vec::new();
+        for run in runs {
+            match run {
+                Run::Data { offset, segments } => data_runs.push((*offset, segments)),
+                Run::Zero { offset, length } => self.remote.write_zeroes(*offset, *length)?,
+                Run::Discard { offset, length } => self.remote.discard(*offset, *length)?,
+            }
+        }
+        for batch in data_runs.chunks(self.config.writeback_requests_in_flight_max) {
+            let mut buffers = Vec::with_capacity(batch.len());
+            for (_, segments) in batch {
+                let length: u64 = segments.iter().map(|&(_, bytes)| bytes).sum();
+                let mut buffer = vec![0u8; length as usize];
+                let mut at = 0usize;
+                for &(position, bytes) in segments.iter() {
+                    self.local
+                        .read_vectored_at(
+                            &mut [IoSliceMut::new(&mut buffer[at..at + bytes as usize])],
+                            position,
+                        )
+                        .map_err(|error| {
+                            self.local_error("reading the log for write-back", error)
+                        })?;
+                    at += bytes as usize;
+                }
+                buffers.push(buffer);
+            }
+            let slices: Vec<[IoSlice<'_>; 1]> = buffers
+                .iter()
+                .map(|buffer| [IoSlice::new(buffer)])
+                .collect();
+            let writes: Vec<BatchWrite<'_>> = batch
+                .iter()
+                .zip(&slices)
+                .map(|((offset, _), slice)| BatchWrite {
+                    offset: *offset,
+                    buffers: slice,
+                })
+                .collect();
+            for outcome in write_batch_and_wait(&self.remote, &writes) {
+                outcome?;
+            }
+        }
+        self.remote.flush()
+    }
+}
+
+impl<R: Device + 'static, L: Device + 'static> Device for LocalTier<R, L> {
+    fn read_vectored_at(&self, buffers: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<()> {
+        if let [single] = buffers {
+            return self.shared.read_at(offset, single);
+        }
+        let length: usize = buffers.iter().map(|buffer| buffer.len()).sum();
+        let mut data = vec![0u8; length];
+        self.shared.read_at(offset, &mut data)?;
+        let mut at = 0;
+        for buffer in buffers.iter_mut() {
+            let length = buffer.len();
+            buffer.copy_from_slice(&data[at..at + length]);
+            at += length;
+        }
+        Ok(())
+    }
+
+    fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
+        if let [single] = buffers {
+            return self.shared.write_at(offset, single);
+        }
+        let data: Vec<u8> = buffers
+            .iter()
+            .flat_map(|buffer| buffer.iter().copied())
+            .collect();
+        self.shared.write_at(offset, &data)
+    }
+
+    fn submit_reads(&self, reads: Vec<ReadRequest>) {
+        read_each_now(self, reads)
+    }
+
+    fn submit_writes(&self, writes: Vec<WriteRequest>) {
+        write_each_now(self, writes)
+    }
+
+    fn flush(&self) -> io::Result<()> {
+        let shared = &self.shared;
+        shared.check_local(&shared.state.lock())?;
+        let target = shared.close_epoch();
+        if let Err(error) = shared.local.flush() {
+            shared.state.lock().local_failure = Some(format!("flushing the log: {error}"));
+            return Err(shared.local_error("flushing the log", error));
+        }
+        {
+            let mut state = shared.state.lock();
+            state.durable_epoch = state.durable_epoch.max(target);
+        }
+        if shared.config.flush_to == FlushTo::Remote {
+            shared.wait_for_remote(target)?;
+        }
+        Ok(())
+    }
+
+    fn discard(&self, offset: u64, length: u64) -> io::Result<()> {
+        if !self.shared.remote_capabilities.discard_zeroes {
+            // Advisory where discarded data is unspecified: keeping the old data is stable.
+            return check_range(self.shared.backend_bytes, offset, length);
+        }
+        self.shared.zero_at(offset, length, RecordKind::Discard)
+    }
+
+    fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
+        self.shared.zero_at(offset, length, RecordKind::Zero)
+    }
+
+    fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {
+        all_data(self.shared.backend_bytes, offset, length)
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        let remote = self.shared.remote_capabilities;
+        Capabilities {
+            length_bytes: self.shared.backend_bytes,
+            alignment_bytes: 1,
+            discard_zeroes: remote.discard_zeroes,
+            // Short zeroings are records, but long ones go to the remote: only as fast as it.
+            write_zeroes_fast: remote.write_zeroes_fast,
+            extents: false,
+            write_unit_bytes: 1,
+            completes_later: false,
+            inflight_requests_max: 1,
+            request_bytes_max: remote.request_bytes_max,
+            read_only: remote.read_only,
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} (local cache {})",
+            self.shared.remote.describe(),
+            self.shared.local_name
+        )
+    }
+}
