@@ -21,6 +21,9 @@ use serde_json::{json, Value};
 
 use crate::request_meters::{RequestMeters, COMMANDS, LATENCY_BUCKETS_SECONDS};
 
+/// The local tier type serve builds: over the counted backend, on a file or block device.
+pub type ServeTier = bufcache_tier::LocalTier<std::sync::Arc<dyn bufcache::Device>>;
+
 /// The counters of one export's device stack.
 pub struct ExportMeters {
     /// Export name ("" for the default export).
@@ -34,7 +37,7 @@ pub struct ExportMeters {
     /// What clients asked of the export: connections and NBD commands.
     pub requests: Arc<RequestMeters>,
     /// The local tier (--local-cache) between the cache and the backend, if any.
-    pub tier: Option<Arc<crate::serve::ServeTier>>,
+    pub tier: Option<Arc<ServeTier>>,
 }
 
 /// Everything a scrape reports.

@@ -27,7 +27,7 @@ use crate::backend_lock::BackendLock;
 use crate::engine_args::EngineArgs;
 use crate::limit_args::LimitArgs;
 use crate::log::say;
-use crate::metrics::{self, ExportMeters, Meters};
+use crate::metrics::{self, ExportMeters, Meters, ServeTier};
 use crate::prefault::{self, PrefaultWhen};
 use crate::request_meters::{MeteredExport, RequestMeters};
 use crate::rescue::{self, RescueAction};
@@ -135,12 +135,7 @@ pub struct ServeArgs {
     /// Requests in flight per backing file through one io_uring (Linux): the cache's reads
     /// and write-back go to the kernel without waiting and complete on one reaper thread.
     /// 0 (the default) uses no ring. Exclusive with --file-io-threads.
-    #[arg(
-        long,
-        value_name = "COUNT",
-        default_value_t = 0,
-        conflicts_with = "file_io_threads"
-    )]
+    #[arg(long, value_name = "COUNT", default_value_t = 0)]
     file_io_uring_depth: usize,
     /// Largest NBD request in bytes (advertised maximum block size). Default 32M.
     #[arg(long, value_name = "SIZE", value_parser = |text: &str| parse_size(text).map_err(|e| e.to_string()))]
@@ -228,9 +223,6 @@ pub enum FlushToArg {
     /// The backend holds the writes, flushed.
     Remote,
 }
-
-/// The local tier type serve builds: over the counted backend, on a file or block device.
-pub type ServeTier = bufcache_tier::LocalTier<Arc<dyn Device>>;
 
 /// Puts the --local-cache tier over `remote` (whose identity is `identity`); the lock on
 /// the local cache file is taken before anything in it is read.
@@ -596,6 +588,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .iter()
         .any(|prefix| spec.starts_with(prefix))
     };
+    if args.file_io_threads > 0 && args.file_io_uring_depth > 0 {
+        bail!(
+            "--file-io-threads and --file-io-uring-depth are two ways to do a file's requests; \
+             give one of them"
+        );
+    }
     if !specs.iter().any(|(_, backend, _)| is_file(backend)) {
         if args.direct {
             bail!("--direct opens backing files with O_DIRECT, and no backend is a file");

@@ -46,6 +46,20 @@ fn empty_exports_and_meaningless_flag_combinations_are_refused_by_name() {
     assert!(text.contains("--file-io-threads"), "{text}");
     let text = serve_refused(&["--backend", "memory:1M", "--file-io-uring-depth", "32"]);
     assert!(text.contains("--file-io-uring-depth"), "{text}");
+    let text = serve_refused(&[
+        "--backend",
+        "disk.img",
+        "--create-size",
+        "1M",
+        "--file-io-threads",
+        "2",
+        "--file-io-uring-depth",
+        "8",
+    ]);
+    assert!(
+        text.contains("--file-io-threads") && text.contains("--file-io-uring-depth"),
+        "{text}"
+    );
     let text = serve_refused(&["--backend", "memory:1M", "--create-size", "1M"]);
     assert!(text.contains("--create-size"), "{text}");
     let dir = temp_dir();
