@@ -1190,8 +1190,7 @@ fn a_flipped_byte_in_a_sealed_extent_is_a_read_error_naming_the_segment() {
         let mut back = vec![0u8; 4096];
         let text = store
             .read(&mut back, 8192)
-            .err()
-            .expect("damage is an error")
+            .expect_err("damage is an error")
             .to_string();
         assert!(
             text.contains(&key_name) && text.contains("checksum"),

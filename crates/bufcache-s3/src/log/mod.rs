@@ -305,6 +305,13 @@ pub struct LogStore {
 /// caller's buffer.
 type Part = (u64, u64, u64, u64, Range<usize>);
 
+/// A piece to fetch: (segment, object range to fetch, index address, disk offset, buffer
+/// range).
+type Fetch = (u64, Range<u64>, u64, u64, Range<usize>);
+
+/// A coalesced GET's outcome: (segment, fetched bytes, its pieces).
+type Fetched = Result<(u64, Bytes, Vec<Part>), StoreError>;
+
 /// What recovery found: the index and where the sequence numbers stand.
 struct Recovered {
     index: Index,
@@ -922,10 +929,9 @@ impl Core {
     }
 
     fn read_once(&self, buffer: &mut [u8], offset: u64) -> Result<(), StoreError> {
-        // (segment, object range to fetch, address, disk offset, buffer range) of every
-        // piece that must be fetched: the piece itself when stored as written, its whole
-        // frame when sealed (module `segment`).
-        let mut remote: Vec<(u64, Range<u64>, u64, u64, Range<usize>)> = Vec::new();
+        // Every piece that must be fetched: the piece itself when stored as written, its
+        // whole frame when sealed (module `segment`).
+        let mut remote: Vec<Fetch> = Vec::new();
         {
             let state = self.shared.lock();
             for piece in state.index.lookup(offset, buffer.len() as u64) {
@@ -995,7 +1001,7 @@ impl Core {
                 vec![(0, length, address, disk_offset, target)],
             ));
         }
-        let fetched: Vec<Result<(u64, Bytes, Vec<Part>), StoreError>> = self.runtime.block_on(
+        let fetched: Vec<Fetched> = self.runtime.block_on(
             stream::iter(requests.into_iter().map(|(segment, range, parts)| {
                 let store = self.shared.store.clone();
                 let key = self.shared.segment_key(segment);
