@@ -369,6 +369,16 @@ mod tests {
         assert_eq!(url.segment_bytes_max, Some(16 << 20));
         assert_eq!(url.gc, Some(false));
         assert_eq!(url.gc_threshold_ppm, Some(250_000));
+        let sealed = S3Url::parse("s3://b/p?key-file=/etc/disk.key&compress=zstd").unwrap();
+        assert_eq!(
+            sealed.key_file.as_deref(),
+            Some(std::path::Path::new("/etc/disk.key"))
+        );
+        assert_eq!(sealed.compression, Some(Compression::Zstd));
+        assert_eq!(
+            S3Url::parse("s3://b/p?compress=off").unwrap().compression,
+            Some(Compression::Off)
+        );
         assert!(!url.lock_check);
         assert_eq!(url.key("meta"), "db1/meta");
     }
@@ -411,6 +421,8 @@ mod tests {
             ("s3://b/p?segment-size=4k", "segment-size"),
             ("s3://b/p?segment-size=2G", "segment-size"),
             ("s3://b/p?break-lock=", "break-lock"),
+            ("s3://b/p?key-file=", "key-file"),
+            ("s3://b/p?compress=lz5", "compress"),
             ("s3://b/p?break-lock=holder", "break-lock"),
             ("s3://b/p?region=a&region=b", "region"),
         ];
