@@ -23,6 +23,11 @@
 //! - a segment whose upload fails stays in memory (reads are served from it) and is uploaded
 //!   again by the next FLUSH or the next seal that needs room; its data is never dropped.
 //!
+//! Sealing (module `seal`, URL parameters `compress=` and `key-file=`, recorded in the
+//! metadata object): each extent is compressed and/or encrypted on its own, in pieces of at
+//! most `SEALED_EXTENT_BYTES_MAX`; reads fetch such an extent's whole frame, and the
+//! collector unseals what it copies and seals it anew for the segment it lands in.
+//!
 //! Memory: the open segment plus at most `segments_in_flight_max` sealed segments, each at
 //! most `segment_bytes_max`; a write that needs room waits for an upload to finish. The
 //! garbage collector holds at most `gc_bytes_max` bytes it read besides.

@@ -468,7 +468,12 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Decod
                 }
                 Some(position)
             }
-            KIND_ZEROES => None,
+            KIND_ZEROES if seal_flags == 0 => None,
+            KIND_ZEROES => {
+                return Err(format!(
+                    "extent {number} is a zeroed range but has seal flags {seal_flags:#x}"
+                ))
+            }
             other => return Err(format!("extent {number} has unknown kind {other}")),
         };
         extents.push(SegmentExtent {
