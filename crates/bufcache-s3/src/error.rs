@@ -121,6 +121,8 @@ pub enum StoreError {
         "segment `{key}` named by the index does not exist (deleted behind this server's back?)"
     )]
     MissingSegment { key: String },
+    #[error("object `{key}` is damaged or not this disk's: {reason}; nothing was served from it")]
+    BadData { key: String, reason: String },
     #[error("object `{key}` holds {found} bytes where {expected} were asked for")]
     ShortObject {
         key: String,

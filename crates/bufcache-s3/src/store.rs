@@ -39,6 +39,7 @@ use serde_json::json;
 use crate::credentials::shared_file_credentials;
 use crate::error::{chain, request_failed, OpenError, StoreError};
 use crate::lock::{check_not_held, Acquired, DiskLock};
+use crate::log::SealParameters;
 use crate::url::{LayoutKind, S3Url, CHUNK_SIZE_DEFAULT_BYTES, LAYOUT_DEFAULT};
 
 /// Version of the chunk layout written in the metadata object (older servers read only it).
@@ -64,6 +65,9 @@ pub struct DiskMetadata {
     /// Random identity of a log-layout disk, written in each of its segments and checkpoints
     /// so objects of another disk are never replayed as its own; 0 for a chunk-layout disk.
     pub disk_id: u64,
+    /// Compression and encryption of a log-layout disk's extents (docs/s3.md, "Encryption
+    /// and compression"); none for a chunk-layout disk.
+    pub seal: SealParameters,
 }
 
 /// What opening a disk yields before a layout takes over: the runtime, the client and the
@@ -504,6 +508,7 @@ impl ChunkStore {
                 let layout = url.layout.unwrap_or(LAYOUT_DEFAULT);
                 let (metadata, body) = match layout {
                     LayoutKind::Chunk => {
+                        check_no_seal_parameters(url)?;
                         let chunk_size = url.chunk_size_bytes.unwrap_or(CHUNK_SIZE_DEFAULT_BYTES);
                         if !size.is_multiple_of(chunk_size) {
                             return Err(OpenError::SizeNotChunkMultiple {
@@ -518,6 +523,7 @@ impl ChunkStore {
                             format_version: FORMAT_VERSION,
                             layout,
                             disk_id: 0,
+                            seal: SealParameters::default(),
                         };
                         let body = json!({
                             "format": "bufcache-s3",
@@ -537,20 +543,29 @@ impl ChunkStore {
                             });
                         }
                         let disk_id = random_id();
+                        let seal =
+                            SealParameters::for_new_disk(url, disk_id).map_err(|reason| {
+                                OpenError::Config {
+                                    url: url.to_string(),
+                                    reason,
+                                }
+                            })?;
                         let metadata = DiskMetadata {
                             size_bytes: size,
                             chunk_size_bytes: 0,
                             format_version: FORMAT_VERSION_LOG,
                             layout,
                             disk_id,
+                            seal,
                         };
-                        let body = json!({
+                        let mut body = json!({
                             "format": "bufcache-s3",
                             "format_version": FORMAT_VERSION_LOG,
                             "layout": "log",
                             "disk_id": format!("{disk_id:016x}"),
                             "size_bytes": size,
                         });
+                        seal.write_json(&mut body);
                         (metadata, body)
                     }
                 };
@@ -891,6 +906,7 @@ fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, String> {
                 chunk_size_bytes: field("chunk_size_bytes")?,
                 layout: LayoutKind::Chunk,
                 disk_id: 0,
+                seal: SealParameters::default(),
             };
             if !metadata.chunk_size_bytes.is_power_of_two()
                 || !metadata
@@ -918,6 +934,7 @@ fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, String> {
                 chunk_size_bytes: 0,
                 layout: LayoutKind::Log,
                 disk_id,
+                seal: SealParameters::read_json(&value)?,
             })
         }
         other => Err(format!(
@@ -926,7 +943,21 @@ fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, String> {
     }
 }
 
+/// Refuses `key-file=` and `compress=` for a chunk-layout disk, which has neither.
+fn check_no_seal_parameters(url: &S3Url) -> Result<(), OpenError> {
+    if url.key_file.is_some() || url.compression.is_some() {
+        return Err(OpenError::Config {
+            url: url.to_string(),
+            reason: "key-file= and compress= apply to log-layout disks only; this is a chunk-layout disk".to_string(),
+        });
+    }
+    Ok(())
+}
+
 fn check_metadata(url: &S3Url, stored: &DiskMetadata) -> Result<(), OpenError> {
+    if stored.layout == LayoutKind::Chunk {
+        check_no_seal_parameters(url)?;
+    }
     if let Some(given) = url.layout {
         if given != stored.layout {
             return Err(OpenError::Mismatch {
@@ -977,6 +1008,7 @@ mod tests {
                 format_version: 1,
                 layout: LayoutKind::Chunk,
                 disk_id: 0,
+                seal: SealParameters::default(),
             }
         );
         let version = br#"{"format":"bufcache-s3","format_version":3,"size_bytes":8388608,"chunk_size_bytes":4194304}"#;

@@ -43,6 +43,34 @@ impl LayoutKind {
     }
 }
 
+/// How the log layout compresses each extent, recorded in the disk's metadata object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Compression {
+    /// Extents are stored as written.
+    Off,
+    /// Each extent is compressed with zstd (kept only when that makes it smaller).
+    Zstd,
+}
+
+impl Compression {
+    /// The name used in URLs and in the metadata object.
+    pub fn name(self) -> &'static str {
+        match self {
+            Compression::Off => "off",
+            Compression::Zstd => "zstd",
+        }
+    }
+
+    /// The compression of `name`, as written by [`Compression::name`].
+    pub fn parse(name: &str) -> Option<Compression> {
+        match name {
+            "off" => Some(Compression::Off),
+            "zstd" => Some(Compression::Zstd),
+            _ => None,
+        }
+    }
+}
+
 /// Layout of a disk a server creates without `layout=`: the log layout, where every write
 /// costs its own bytes once (docs/s3.md, "Log layout"). An existing disk keeps the layout
 /// its metadata object records; [`crate::ChunkStore::open`] creates chunk disks.
@@ -55,7 +83,7 @@ pub enum UrlError {
     Scheme(String),
     #[error("`{0}`: missing bucket name; expected s3://BUCKET/PREFIX")]
     MissingBucket(String),
-    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, layout, chunk-size, segment-size, gc, gc-threshold, create-size, retry-timeout-ms, break-lock, lock")]
+    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, layout, chunk-size, segment-size, gc, gc-threshold, key-file, compress, create-size, retry-timeout-ms, break-lock, lock")]
     UnknownParameter { url: String, name: String },
     #[error("`{url}`: parameter `{name}` given twice")]
     DuplicateParameter { url: String, name: String },
@@ -96,6 +124,12 @@ pub struct S3Url {
     /// rewritten, in parts per million (the URL gives a fraction such as 0.5); None means the
     /// log module's `GC_THRESHOLD_DEFAULT`.
     pub gc_threshold_ppm: Option<u32>,
+    /// `key-file=PATH` (log layout): a file holding the disk's 32-byte key (raw, or 64 hex
+    /// digits): a new disk is created encrypted; an encrypted disk needs it to open.
+    pub key_file: Option<std::path::PathBuf>,
+    /// `compress=zstd|off` (log layout): the compression of a new disk; an existing disk
+    /// must have the one given. None means off for a new disk, the recorded one otherwise.
+    pub compression: Option<Compression>,
     /// Size of a new disk; when the disk exists it must match.
     pub create_size_bytes: Option<u64>,
     /// How long one request is retried (with exponential backoff) before its error is
@@ -138,6 +172,8 @@ impl S3Url {
             segment_bytes_max: None,
             gc: None,
             gc_threshold_ppm: None,
+            key_file: None,
+            compression: None,
             create_size_bytes: None,
             retry_timeout_ms: RETRY_TIMEOUT_DEFAULT_MS,
             break_lock: None,
@@ -224,6 +260,16 @@ impl S3Url {
                         ));
                     }
                     url.gc_threshold_ppm = Some((fraction * 1e6).round() as u32);
+                }
+                "key-file" => {
+                    if value.is_empty() {
+                        return Err(bad("expected the path of a file holding a 32-byte key"));
+                    }
+                    url.key_file = Some(std::path::PathBuf::from(value));
+                }
+                "compress" => {
+                    url.compression =
+                        Some(Compression::parse(value).ok_or_else(|| bad("expected zstd or off"))?);
                 }
                 "create-size" => {
                     let size =
@@ -323,6 +369,16 @@ mod tests {
         assert_eq!(url.segment_bytes_max, Some(16 << 20));
         assert_eq!(url.gc, Some(false));
         assert_eq!(url.gc_threshold_ppm, Some(250_000));
+        let sealed = S3Url::parse("s3://b/p?key-file=/etc/disk.key&compress=zstd").unwrap();
+        assert_eq!(
+            sealed.key_file.as_deref(),
+            Some(std::path::Path::new("/etc/disk.key"))
+        );
+        assert_eq!(sealed.compression, Some(Compression::Zstd));
+        assert_eq!(
+            S3Url::parse("s3://b/p?compress=off").unwrap().compression,
+            Some(Compression::Off)
+        );
         assert!(!url.lock_check);
         assert_eq!(url.key("meta"), "db1/meta");
     }
@@ -365,6 +421,8 @@ mod tests {
             ("s3://b/p?segment-size=4k", "segment-size"),
             ("s3://b/p?segment-size=2G", "segment-size"),
             ("s3://b/p?break-lock=", "break-lock"),
+            ("s3://b/p?key-file=", "key-file"),
+            ("s3://b/p?compress=lz5", "compress"),
             ("s3://b/p?break-lock=holder", "break-lock"),
             ("s3://b/p?region=a&region=b", "region"),
         ];

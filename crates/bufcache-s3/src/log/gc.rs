@@ -38,7 +38,7 @@ use object_store::ObjectStore;
 
 use std::time::Duration;
 
-use super::{Core, Mapping};
+use super::{segment, Core, Mapping};
 use crate::error::{chain, StoreError};
 use crate::store::get_range;
 
@@ -74,9 +74,9 @@ type Live = (u64, Mapping);
 /// Live bytes read: (disk offset, source segment, bytes).
 type LiveRead = (u64, u64, Bytes);
 
-/// One ranged GET of a source: (segment, object range, pieces as (disk offset, offset in
-/// the fetched bytes, length)).
-type Run = (u64, Range<u64>, Vec<(u64, u64, u64)>);
+/// One ranged GET of a source: (segment, object range, pieces as (disk offset, where its
+/// fetch range starts in the fetched bytes, that range's length, index address, length)).
+type Run = (u64, Range<u64>, Vec<(u64, u64, u64, u64, u64)>);
 
 impl Core {
     /// One collection round (see the module docs); `between` is called after the reads and
@@ -259,7 +259,10 @@ impl Core {
             .iter()
             .filter(|(_, mapping)| chosen.contains(&mapping.segment))
             .collect();
-        live.sort_by_key(|(_, mapping)| (mapping.segment, mapping.object_offset));
+        live.sort_by_key(|(_, mapping)| {
+            let fetch = segment::fetch_range(mapping.object_offset, mapping.length);
+            (mapping.segment, fetch.start)
+        });
         live
     }
 
@@ -269,43 +272,66 @@ impl Core {
         // dead bytes between them are downloaded and dropped: one request instead of one per
         // extent, which for scattered small writes is what bounds the collector's speed).
         let mut requests: Vec<Run> = Vec::new();
+        // A sealed extent is fetched whole (its frame), once for all its live pieces.
         for (disk_offset, mapping) in live {
-            let range = mapping.object_offset..mapping.object_offset + mapping.length;
+            let range = segment::fetch_range(mapping.object_offset, mapping.length);
+            let part = |at: u64| {
+                (
+                    disk_offset,
+                    at,
+                    range.end - range.start,
+                    mapping.object_offset,
+                    mapping.length,
+                )
+            };
             if let Some((segment, run, parts)) = requests.last_mut() {
                 if *segment == mapping.segment
-                    && range.start >= run.end
-                    && range.start - run.end <= GC_READ_GAP_BYTES_MAX
+                    && range.start.saturating_sub(run.end) <= GC_READ_GAP_BYTES_MAX
                 {
-                    parts.push((disk_offset, range.start - run.start, mapping.length));
-                    run.end = range.end;
+                    parts.push(part(range.start - run.start));
+                    run.end = run.end.max(range.end);
                     continue;
                 }
             }
-            requests.push((
-                mapping.segment,
-                range,
-                vec![(disk_offset, 0, mapping.length)],
-            ));
+            requests.push((mapping.segment, range.clone(), vec![part(0)]));
         }
         let fetched: Vec<Result<Vec<LiveRead>, StoreError>> = self.runtime.block_on(
             stream::iter(requests.into_iter().map(|(segment, range, parts)| {
                 let store = self.shared.store.clone();
                 let key = self.shared.segment_key(segment);
+                let sealer = self.shared.sealer.clone();
                 async move {
                     let data = get_range(&store, &key, range)
                         .await?
-                        .ok_or(StoreError::MissingSegment { key })?;
-                    Ok(parts
+                        .ok_or_else(|| StoreError::MissingSegment { key: key.clone() })?;
+                    parts
                         .into_iter()
-                        .map(|(disk_offset, within, length)| {
-                            let within = within as usize;
-                            (
-                                disk_offset,
-                                segment,
-                                data.slice(within..within + length as usize),
-                            )
+                        .map(|(disk_offset, at, fetched, address, length)| {
+                            let fetched = data.slice(at as usize..(at + fetched) as usize);
+                            let bytes = match segment::locate(address) {
+                                segment::Location::Plain { .. } => fetched.slice(..length as usize),
+                                segment::Location::Sealed { .. } => {
+                                    let mut bytes = vec![0u8; length as usize];
+                                    segment::extract(
+                                        &sealer,
+                                        segment,
+                                        &fetched,
+                                        address,
+                                        disk_offset,
+                                        &mut bytes,
+                                    )
+                                    .map_err(|reason| {
+                                        StoreError::BadData {
+                                            key: key.clone(),
+                                            reason,
+                                        }
+                                    })?;
+                                    Bytes::from(bytes)
+                                }
+                            };
+                            Ok((disk_offset, segment, bytes))
                         })
-                        .collect())
+                        .collect()
                 }
             }))
             .buffer_unordered(self.config.gc_requests_in_flight_max)

@@ -23,6 +23,11 @@
 //! - a segment whose upload fails stays in memory (reads are served from it) and is uploaded
 //!   again by the next FLUSH or the next seal that needs room; its data is never dropped.
 //!
+//! Sealing (module `seal`, URL parameters `compress=` and `key-file=`, recorded in the
+//! metadata object): each extent is compressed and/or encrypted on its own, in pieces of at
+//! most `SEALED_EXTENT_BYTES_MAX`; reads fetch such an extent's whole frame, and the
+//! collector unseals what it copies and seals it anew for the segment it lands in.
+//!
 //! Memory: the open segment plus at most `segments_in_flight_max` sealed segments, each at
 //! most `segment_bytes_max`; a write that needs room waits for an upload to finish. The
 //! garbage collector holds at most `gc_bytes_max` bytes it read besides.
@@ -38,6 +43,7 @@
 mod checkpoint;
 mod gc;
 mod index;
+mod seal;
 mod segment;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -60,6 +66,8 @@ use crate::url::{LayoutKind, S3Url};
 
 pub use gc::GcReport;
 pub use index::{Index, Mapping};
+use seal::Sealer;
+pub use seal::{SealParameters, SEALED_EXTENT_BYTES_MAX};
 use segment::{OpenSegment, HEADER_BYTES, TABLE_ENTRY_BYTES};
 
 /// Default `segment_bytes_max`: 8 MiB keeps a sequential write-back at one PUT per 8 MiB
@@ -246,6 +254,8 @@ struct Shared {
     store: Arc<AmazonS3>,
     url: S3Url,
     metadata: DiskMetadata,
+    /// Seals and unseals extents (compression, encryption) as the disk's metadata says.
+    sealer: Arc<Sealer>,
     state: Mutex<State>,
     /// Signalled whenever an upload ends.
     uploaded: Condvar,
@@ -295,9 +305,17 @@ pub struct LogStore {
     _runtime: tokio::runtime::Runtime,
 }
 
-/// One piece of a coalesced GET: its offset in the fetched bytes and where it goes in the
+/// One piece of a coalesced GET: where its fetch range starts in the fetched bytes, that
+/// range's length, the piece's index address and disk offset, and where it goes in the
 /// caller's buffer.
-type Part = (u64, Range<usize>);
+type Part = (u64, u64, u64, u64, Range<usize>);
+
+/// A piece to fetch: (segment, object range to fetch, index address, disk offset, buffer
+/// range).
+type Fetch = (u64, Range<u64>, u64, u64, Range<usize>);
+
+/// A coalesced GET's outcome: (segment, fetched bytes, its pieces).
+type Fetched = Result<(u64, Bytes, Vec<Part>), StoreError>;
 
 /// What recovery found: the index and where the sequence numbers stand.
 struct Recovered {
@@ -335,11 +353,11 @@ impl LogStore {
         config: LogConfig,
         why: ReadOnly,
     ) -> Result<LogStore, OpenError> {
-        check_layout(url, &connection, &config)?;
+        let sealer = check_layout(url, &connection, &config)?;
         connection
             .runtime
             .block_on(check_not_held(&connection.store, url))?;
-        Self::build(url, connection, config, None, Some(why))
+        Self::build(url, connection, config, sealer, None, Some(why))
     }
 
     pub(crate) fn from_connection(
@@ -347,7 +365,7 @@ impl LogStore {
         connection: Connection,
         config: LogConfig,
     ) -> Result<LogStore, OpenError> {
-        check_layout(url, &connection, &config)?;
+        let sealer = check_layout(url, &connection, &config)?;
         let lock = match connection.runtime.block_on(DiskLock::acquire(
             connection.runtime.handle().clone(),
             connection.store.clone(),
@@ -364,16 +382,18 @@ impl LogStore {
                 )
             }
         };
-        Self::build(url, connection, config, Some(lock), None)
+        Self::build(url, connection, config, sealer, Some(lock), None)
     }
 
     fn build(
         url: &S3Url,
         connection: Connection,
         config: LogConfig,
+        sealer: Sealer,
         lock: Option<Arc<DiskLock>>,
         read_only: Option<ReadOnly>,
     ) -> Result<LogStore, OpenError> {
+        let sealer = Arc::new(sealer);
         let Connection {
             runtime,
             store,
@@ -397,7 +417,7 @@ impl LogStore {
         );
         let state = State {
             index: recovered.index,
-            open: OpenSegment::new(recovered.last_sequence + 1),
+            open: OpenSegment::new(recovered.last_sequence + 1, sealer.clone()),
             sealed: BTreeMap::new(),
             durable_ahead: BTreeSet::new(),
             durable_through: recovered.last_sequence,
@@ -412,6 +432,7 @@ impl LogStore {
                 store,
                 url: url.clone(),
                 metadata,
+                sealer,
                 state: Mutex::new(state),
                 uploaded: Condvar::new(),
             }),
@@ -702,7 +723,7 @@ impl Core {
                 upload: Upload::Running,
             },
         );
-        state.open = OpenSegment::new(sequence + 1);
+        state.open = OpenSegment::new(sequence + 1, self.shared.sealer.clone());
         drop(state);
         self.start_upload(sequence, body);
         Ok(self.shared.lock())
@@ -742,11 +763,14 @@ impl Core {
                 state = self.seal(state, sequence)?;
                 continue;
             }
+            // A sealed extent holds at most SEALED_EXTENT_BYTES_MAX bytes (a multiple of
+            // SPLIT_BYTES_MIN, so pieces still start at whole multiples of it).
             let take = if remaining <= room {
                 remaining
             } else {
                 room - room % SPLIT_BYTES_MIN
-            } as usize;
+            }
+            .min(state.open.extent_bytes_max()) as usize;
             let piece = &data[position..position + take];
             let piece_offset = offset + position as u64;
             let segment = state.open.sequence;
@@ -910,57 +934,85 @@ impl Core {
     }
 
     fn read_once(&self, buffer: &mut [u8], offset: u64) -> Result<(), StoreError> {
-        // (segment, object range, buffer range) of every piece that must be fetched.
-        let mut remote: Vec<(u64, Range<u64>, Range<usize>)> = Vec::new();
+        // Every piece that must be fetched: the piece itself when stored as written, its
+        // whole frame when sealed (module `segment`).
+        let mut remote: Vec<Fetch> = Vec::new();
         {
             let state = self.shared.lock();
             for piece in state.index.lookup(offset, buffer.len() as u64) {
                 let start = (piece.disk_offset - offset) as usize;
                 let target = &mut buffer[start..start + piece.length as usize];
+                let bad = |segment: u64, reason: String| StoreError::BadData {
+                    key: self.shared.segment_key(segment),
+                    reason,
+                };
                 match piece.stored {
                     None => target.fill(0),
-                    Some((segment, object_offset)) if segment == state.open.sequence => {
-                        target.copy_from_slice(state.open.read(object_offset, piece.length));
+                    Some((segment, address)) if segment == state.open.sequence => state
+                        .open
+                        .read_into(address, piece.disk_offset, target)
+                        .map_err(|reason| bad(segment, reason))?,
+                    Some((segment, address)) => {
+                        let fetch = segment::fetch_range(address, piece.length);
+                        match state.sealed.get(&segment) {
+                            Some(sealed) => segment::extract(
+                                &self.shared.sealer,
+                                segment,
+                                &sealed.body[fetch.start as usize..fetch.end as usize],
+                                address,
+                                piece.disk_offset,
+                                target,
+                            )
+                            .map_err(|reason| bad(segment, reason))?,
+                            // Not in memory, so durable (a segment leaves memory only then).
+                            None => remote.push((
+                                segment,
+                                fetch,
+                                address,
+                                piece.disk_offset,
+                                start..start + piece.length as usize,
+                            )),
+                        }
                     }
-                    Some((segment, object_offset)) => match state.sealed.get(&segment) {
-                        Some(sealed) => target.copy_from_slice(
-                            &sealed.body
-                                [object_offset as usize..(object_offset + piece.length) as usize],
-                        ),
-                        // Not in memory, so durable (a segment leaves memory only then).
-                        None => remote.push((
-                            segment,
-                            object_offset..object_offset + piece.length,
-                            start..start + piece.length as usize,
-                        )),
-                    },
                 }
             }
         }
         if remote.is_empty() {
             return Ok(());
         }
-        // Coalesce pieces contiguous in one object into one GET (a sequential write-back
-        // stores consecutive disk ranges back to back).
-        remote.sort_by_key(|(segment, range, _)| (*segment, range.start));
+        // Coalesce fetch ranges contiguous in one object into one GET (a sequential
+        // write-back stores consecutive disk ranges back to back); pieces of one sealed
+        // extent share its frame.
+        remote.sort_by_key(|(segment, range, ..)| (*segment, range.start));
         let mut requests: Vec<(u64, Range<u64>, Vec<Part>)> = Vec::new();
-        for (segment, range, target) in remote {
+        for (segment, range, address, disk_offset, target) in remote {
+            let length = range.end - range.start;
             if let Some((last_segment, last_range, parts)) = requests.last_mut() {
-                if *last_segment == segment && last_range.end == range.start {
-                    parts.push((range.start - last_range.start, target));
-                    last_range.end = range.end;
+                if *last_segment == segment && range.start <= last_range.end {
+                    parts.push((
+                        range.start - last_range.start,
+                        length,
+                        address,
+                        disk_offset,
+                        target,
+                    ));
+                    last_range.end = last_range.end.max(range.end);
                     continue;
                 }
             }
-            requests.push((segment, range, vec![(0, target)]));
+            requests.push((
+                segment,
+                range,
+                vec![(0, length, address, disk_offset, target)],
+            ));
         }
-        let fetched: Vec<Result<(Bytes, Vec<Part>), StoreError>> = self.runtime.block_on(
+        let fetched: Vec<Fetched> = self.runtime.block_on(
             stream::iter(requests.into_iter().map(|(segment, range, parts)| {
                 let store = self.shared.store.clone();
                 let key = self.shared.segment_key(segment);
                 async move {
                     match get_range(&store, &key, range).await? {
-                        Some(data) => Ok((data, parts)),
+                        Some(data) => Ok((segment, data, parts)),
                         None => Err(StoreError::MissingSegment { key }),
                     }
                 }
@@ -969,10 +1021,20 @@ impl Core {
             .collect(),
         );
         for result in fetched {
-            let (data, parts) = result?;
-            for (within, target) in parts {
-                let length = target.len();
-                buffer[target].copy_from_slice(&data[within as usize..within as usize + length]);
+            let (segment, data, parts) = result?;
+            for (within, length, address, disk_offset, target) in parts {
+                segment::extract(
+                    &self.shared.sealer,
+                    segment,
+                    &data[within as usize..(within + length) as usize],
+                    address,
+                    disk_offset,
+                    &mut buffer[target],
+                )
+                .map_err(|reason| StoreError::BadData {
+                    key: self.shared.segment_key(segment),
+                    reason,
+                })?;
             }
         }
         Ok(())
@@ -987,8 +1049,13 @@ impl Drop for LogStore {
     }
 }
 
-/// Refuses a disk of another layout, or a configuration [`LogConfig::validate`] refuses.
-fn check_layout(url: &S3Url, connection: &Connection, config: &LogConfig) -> Result<(), OpenError> {
+/// Refuses a disk of another layout, or a configuration [`LogConfig::validate`] refuses, or
+/// seal parameters [`Sealer::open`] refuses (a wrong key among them); else the disk's sealer.
+fn check_layout(
+    url: &S3Url,
+    connection: &Connection,
+    config: &LogConfig,
+) -> Result<Sealer, OpenError> {
     config.validate().map_err(|reason| OpenError::Config {
         url: url.to_string(),
         reason,
@@ -1001,7 +1068,18 @@ fn check_layout(url: &S3Url, connection: &Connection, config: &LogConfig) -> Res
             stored: connection.metadata.layout.name().to_string(),
         });
     }
-    Ok(())
+    let sealer = Sealer::open(url, &connection.metadata)?;
+    if sealer.seals() && config.segment_bytes_max > segment::SEALED_SEGMENT_BYTES_MAX {
+        return Err(OpenError::Config {
+            url: url.to_string(),
+            reason: format!(
+                "segment_bytes_max {} is above {}, the largest segment of sealed extents",
+                config.segment_bytes_max,
+                segment::SEALED_SEGMENT_BYTES_MAX
+            ),
+        });
+    }
+    Ok(sealer)
 }
 
 fn bad_object(url: &S3Url, key: &str, reason: String) -> OpenError {

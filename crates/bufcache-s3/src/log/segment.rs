@@ -6,112 +6,259 @@
 //! ```text
 //! header (64 bytes)
 //!   0  magic "BCLOGSEG"
-//!   8  format version u32 (2)      12 header length u32 (64)
+//!   8  format version u32 (3)      12 header length u32 (64)
 //!  16  disk id u64                 24 sequence u64
 //!  32  data length u64             40 extent count u64
 //!  48  CRC-32 (IEEE) of the table u32
 //!  52  reserved u32 (0) ×2         60 CRC-32 of bytes 0..60 u32
-//! data (data length bytes): the data extents' bytes, in append order
-//! table (extent count × 40 bytes), in append order, later entries win:
-//!   disk offset u64, length u64, position in data u64 (u64::MAX: zeroes), CRC-32 of the
-//!   extent's bytes u32 (0 for zeroes), kind u32 (1 data, 2 zeroes, 3 copy), source segment
-//!   u64 (kind 3: the segment the garbage collector copied the bytes from; else 0)
+//! data (data length bytes): the data extents' stored bytes, in append order
+//! table (extent count × 56 bytes), in append order, later entries win:
+//!   disk offset u64, length u64 (logical), position in data u64 (u64::MAX: zeroes), CRC-32
+//!   of the extent's stored bytes u32 (0 for zeroes), kind u32 (1 data, 2 zeroes, 3 copy),
+//!   source segment u64 (kind 3: the segment the garbage collector copied the bytes from;
+//!   else 0), stored length u64, seal flags u32 (0: stored as written; else the flags of its
+//!   frame, module `seal`: 1 compressed, 2 encrypted), reserved u32 (0)
 //! ```
 //!
 //! A copy (kind 3) applies only where the index, at that point of the log, still maps the
 //! range to its source segment: a client write or trim that reached the log between the
 //! collector's read of the source and its append wins over the copy, live and at replay.
-//! Version 1 segments (32-byte entries, no copies) are still read.
+//! Version 1 segments (32-byte entries, no copies) and version 2 ones (40-byte entries, no
+//! sealing) are still read.
 //!
 //! The data comes first so that an extent's place in the object is known when it is
 //! appended (header length + position in data), before the segment is sealed.
+//!
+//! The index keeps, for each mapped range, an *address* in its segment: for an extent stored
+//! as written, the object offset of the range's first byte (ranged reads fetch just the
+//! range); for a sealed extent (compressed and/or encrypted, readable only whole), bit 63
+//! set, the frame's object offset in bits 33..63, its stored length in bits 16..33 and the
+//! range's offset within the extent's logical bytes in bits 0..16. Adding `n` to an address
+//! moves `n` bytes into the range either way (the index does that when it splits mappings),
+//! since a sealed extent holds at most `seal::SEALED_EXTENT_BYTES_MAX` (64 KiB) logical bytes.
+//! So the index and its checkpoints need no format change, and a sealed segment is at most
+//! [`SEALED_SEGMENT_BYTES_MAX`] (1 GiB, the largest `segment-size=`).
+
+use std::ops::Range;
+use std::sync::Arc;
 
 use bytes::{BufMut, Bytes, BytesMut};
 
+use super::seal::{Sealer, FRAME_OVERHEAD_BYTES_MAX, SEALED_EXTENT_BYTES_MAX};
+
 const MAGIC: &[u8; 8] = b"BCLOGSEG";
-const FORMAT_VERSION: u32 = 2;
+const FORMAT_VERSION: u32 = 3;
 /// Bytes before the data.
 pub const HEADER_BYTES: u64 = 64;
 /// Bytes of one table entry.
-pub const TABLE_ENTRY_BYTES: u64 = 40;
+pub const TABLE_ENTRY_BYTES: u64 = 56;
 /// Bytes of one table entry of a version 1 segment (no source field).
 const TABLE_ENTRY_BYTES_VERSION_1: u64 = 32;
+/// Bytes of one table entry of a version 2 segment (no stored length, no seal flags).
+const TABLE_ENTRY_BYTES_VERSION_2: u64 = 40;
 const KIND_DATA: u32 = 1;
 const KIND_ZEROES: u32 = 2;
 const KIND_COPY: u32 = 3;
 const ZEROES_POSITION: u64 = u64::MAX;
+/// Seal flags a table entry may carry (module `seal`).
+const SEAL_FLAGS_KNOWN: u32 = 3;
+
+/// Largest segment object whose sealed extents' addresses fit (see the module docs).
+pub const SEALED_SEGMENT_BYTES_MAX: u64 = 1 << OBJECT_OFFSET_BITS;
+const SEALED_BIT: u64 = 1 << 63;
+const WITHIN_BITS: u32 = 16;
+const STORED_LENGTH_BITS: u32 = 17;
+const OBJECT_OFFSET_BITS: u32 = 30;
+const STORED_LENGTH_SHIFT: u32 = WITHIN_BITS;
+const OBJECT_OFFSET_SHIFT: u32 = WITHIN_BITS + STORED_LENGTH_BITS;
+const _: () = assert!(SEALED_EXTENT_BYTES_MAX <= 1 << WITHIN_BITS);
+const _: () = assert!(SEALED_EXTENT_BYTES_MAX + FRAME_OVERHEAD_BYTES_MAX < 1 << STORED_LENGTH_BITS);
+const _: () = assert!(OBJECT_OFFSET_SHIFT + OBJECT_OFFSET_BITS == 63);
+
+fn sealed_address(object_offset: u64, stored_length: u64) -> u64 {
+    debug_assert!(object_offset < SEALED_SEGMENT_BYTES_MAX);
+    debug_assert!(stored_length < 1 << STORED_LENGTH_BITS);
+    SEALED_BIT | object_offset << OBJECT_OFFSET_SHIFT | stored_length << STORED_LENGTH_SHIFT
+}
+
+/// Where the bytes of a mapped range are, from its address (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Location {
+    /// Stored as written, from this object offset on.
+    Plain { object_offset: u64 },
+    /// Inside the sealed extent whose frame is `stored_length` bytes at `object_offset`,
+    /// `within` bytes into its logical bytes.
+    Sealed {
+        object_offset: u64,
+        stored_length: u64,
+        within: u64,
+    },
+}
+
+pub fn locate(address: u64) -> Location {
+    if address & SEALED_BIT == 0 {
+        return Location::Plain {
+            object_offset: address,
+        };
+    }
+    let field = |shift: u32, bits: u32| (address >> shift) & ((1 << bits) - 1);
+    Location::Sealed {
+        object_offset: field(OBJECT_OFFSET_SHIFT, OBJECT_OFFSET_BITS),
+        stored_length: field(STORED_LENGTH_SHIFT, STORED_LENGTH_BITS),
+        within: field(0, WITHIN_BITS),
+    }
+}
+
+/// The object bytes a read of `length` bytes at `address` must fetch: the range itself when
+/// stored as written, the whole frame when sealed.
+pub fn fetch_range(address: u64, length: u64) -> Range<u64> {
+    match locate(address) {
+        Location::Plain { object_offset } => object_offset..object_offset + length,
+        Location::Sealed {
+            object_offset,
+            stored_length,
+            ..
+        } => object_offset..object_offset + stored_length,
+    }
+}
+
+/// Fills `target` (the bytes at `disk_offset`, mapped to `address` of segment `sequence`)
+/// from `fetched`, the object bytes [`fetch_range`] named. The error says what is wrong.
+pub fn extract(
+    sealer: &Sealer,
+    sequence: u64,
+    fetched: &[u8],
+    address: u64,
+    disk_offset: u64,
+    target: &mut [u8],
+) -> Result<(), String> {
+    match locate(address) {
+        Location::Plain { .. } => target.copy_from_slice(&fetched[..target.len()]),
+        Location::Sealed { within, .. } => {
+            let logical = sealer.unseal(fetched, sequence, disk_offset - within)?;
+            let range = within as usize..within as usize + target.len();
+            let bytes = logical.get(range).ok_or_else(|| {
+                format!(
+                    "sealed extent at disk offset {} holds {} bytes, fewer than the index maps",
+                    disk_offset - within,
+                    logical.len()
+                )
+            })?;
+            target.copy_from_slice(bytes);
+        }
+    }
+    Ok(())
+}
 
 /// One extent of a segment: bytes written at `disk_offset`, or a range zeroed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SegmentExtent {
     pub disk_offset: u64,
+    /// Logical bytes (what the client wrote).
     pub length: u64,
-    /// Where the bytes are in the data area; None for a zeroed (trimmed) range.
+    /// Where the stored bytes are in the data area; None for a zeroed (trimmed) range.
     pub data_position: Option<u64>,
+    /// CRC-32 of the stored bytes.
     pub checksum: u32,
     /// For bytes the garbage collector copied: the segment they were copied from.
     pub copy_of: Option<u64>,
+    /// Bytes stored in the data area (`length` unless sealed).
+    pub stored_length: u64,
+    /// The frame's seal flags; 0: stored as written.
+    pub seal_flags: u32,
 }
 
 impl SegmentExtent {
-    /// Offset of the extent's bytes in the segment object (None for zeroes).
+    /// The index address of the extent's first byte (None for zeroes): see the module docs.
     pub fn object_offset(&self) -> Option<u64> {
-        self.data_position.map(|position| HEADER_BYTES + position)
+        self.data_position.map(|position| {
+            if self.seal_flags == 0 {
+                HEADER_BYTES + position
+            } else {
+                sealed_address(HEADER_BYTES + position, self.stored_length)
+            }
+        })
     }
 }
 
 /// A segment being filled in memory.
 pub struct OpenSegment {
     pub sequence: u64,
+    /// Stored bytes of the data extents.
     pub data: BytesMut,
     pub table: Vec<SegmentExtent>,
+    sealer: Arc<Sealer>,
 }
 
 impl OpenSegment {
-    pub fn new(sequence: u64) -> OpenSegment {
+    pub fn new(sequence: u64, sealer: Arc<Sealer>) -> OpenSegment {
         OpenSegment {
             sequence,
             data: BytesMut::new(),
             table: Vec::new(),
+            sealer,
         }
     }
 
-    /// The object's size once sealed, with `more_data` more bytes and `more_extents` more
-    /// extents.
+    /// The most the object can be once sealed, with `more_data` more logical bytes in
+    /// `more_extents` more extents (sealing may add a frame to each).
     pub fn sealed_bytes_with(&self, more_data: u64, more_extents: u64) -> u64 {
         HEADER_BYTES
             + self.data.len() as u64
             + more_data
+            + more_extents * self.sealer.overhead_bytes_max()
             + (self.table.len() as u64 + more_extents) * TABLE_ENTRY_BYTES
+    }
+
+    /// Most logical bytes one appended extent may hold.
+    pub fn extent_bytes_max(&self) -> u64 {
+        self.sealer.extent_bytes_max()
     }
 
     pub fn is_empty(&self) -> bool {
         self.table.is_empty()
     }
 
-    /// Appends `data` written at `disk_offset`; returns the offset of its bytes in the object.
+    /// Appends `data` written at `disk_offset` (at most [`OpenSegment::extent_bytes_max`]
+    /// bytes); returns the index address of its first byte.
     pub fn append_data(&mut self, disk_offset: u64, data: &[u8]) -> u64 {
         self.append(disk_offset, data, None)
     }
 
     /// Appends `data` the garbage collector copied from segment `source` (see the module
-    /// docs); returns the offset of its bytes in the object.
+    /// docs), sealed anew for this segment; returns the index address of its first byte.
     pub fn append_copy(&mut self, disk_offset: u64, data: &[u8], source: u64) -> u64 {
         self.append(disk_offset, data, Some(source))
     }
 
     fn append(&mut self, disk_offset: u64, data: &[u8], copy_of: Option<u64>) -> u64 {
+        assert!(
+            data.len() as u64 <= self.extent_bytes_max(),
+            "an extent of {} bytes exceeds the most a sealed extent holds",
+            data.len()
+        );
         let position = self.data.len() as u64;
-        self.data.extend_from_slice(data);
+        let (stored_length, seal_flags) = match self.sealer.seal(self.sequence, disk_offset, data) {
+            Some((frame, flags)) => {
+                self.data.extend_from_slice(&frame);
+                (frame.len() as u64, u32::from(flags))
+            }
+            None => {
+                self.data.extend_from_slice(data);
+                (data.len() as u64, 0)
+            }
+        };
         let extent = SegmentExtent {
             disk_offset,
             length: data.len() as u64,
             data_position: Some(position),
-            checksum: crc32fast::hash(data),
+            checksum: crc32fast::hash(&self.data[position as usize..]),
             copy_of,
+            stored_length,
+            seal_flags,
         };
         self.table.push(extent);
-        HEADER_BYTES + position
+        extent.object_offset().expect("a data extent")
     }
 
     /// Records that `length` bytes at `disk_offset` were zeroed.
@@ -122,14 +269,30 @@ impl OpenSegment {
             data_position: None,
             checksum: 0,
             copy_of: None,
+            stored_length: 0,
+            seal_flags: 0,
         });
     }
 
-    /// The bytes at `object_offset` of this segment's future object (an extent appended
-    /// earlier).
-    pub fn read(&self, object_offset: u64, length: u64) -> &[u8] {
-        let start = (object_offset - HEADER_BYTES) as usize;
-        &self.data[start..start + length as usize]
+    /// Fills `target` with the bytes at `disk_offset`, which the index maps to `address` of
+    /// this segment (an extent appended earlier).
+    pub fn read_into(
+        &self,
+        address: u64,
+        disk_offset: u64,
+        target: &mut [u8],
+    ) -> Result<(), String> {
+        let range = fetch_range(address, target.len() as u64);
+        let fetched =
+            &self.data[(range.start - HEADER_BYTES) as usize..(range.end - HEADER_BYTES) as usize];
+        extract(
+            &self.sealer,
+            self.sequence,
+            fetched,
+            address,
+            disk_offset,
+            target,
+        )
     }
 
     /// The whole object.
@@ -146,6 +309,9 @@ impl OpenSegment {
                 (None, _) => KIND_ZEROES,
             });
             table.put_u64_le(extent.copy_of.unwrap_or(0));
+            table.put_u64_le(extent.stored_length);
+            table.put_u32_le(extent.seal_flags);
+            table.put_u32_le(0);
         }
         let mut object =
             BytesMut::with_capacity(HEADER_BYTES as usize + self.data.len() + table.len());
@@ -201,10 +367,11 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Decod
     let version = u32_at(object, 8);
     let entry_bytes = match version {
         1 => TABLE_ENTRY_BYTES_VERSION_1,
+        2 => TABLE_ENTRY_BYTES_VERSION_2,
         FORMAT_VERSION => TABLE_ENTRY_BYTES,
         _ => {
             return Err(format!(
-                "segment format version {version} is not a supported one (1 or {FORMAT_VERSION})"
+                "segment format version {version} is not a supported one (1 to {FORMAT_VERSION})"
             ))
         }
     };
@@ -253,7 +420,26 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Decod
                 "extent {number} ({length} bytes at {disk_offset}) reaches past the end of the disk ({disk_size_bytes} bytes)"
             ));
         }
-        let source = (entry_bytes == TABLE_ENTRY_BYTES).then(|| u64_at(entry, 32));
+        let source = (entry_bytes >= TABLE_ENTRY_BYTES_VERSION_2).then(|| u64_at(entry, 32));
+        let (stored_length, seal_flags) = if entry_bytes == TABLE_ENTRY_BYTES {
+            (u64_at(entry, 40), u32_at(entry, 48))
+        } else {
+            (length, 0)
+        };
+        if seal_flags & !SEAL_FLAGS_KNOWN != 0 {
+            return Err(format!(
+                "extent {number} has unknown seal flags {seal_flags:#x}"
+            ));
+        }
+        if seal_flags != 0
+            && (length > SEALED_EXTENT_BYTES_MAX
+                || stored_length > SEALED_EXTENT_BYTES_MAX + FRAME_OVERHEAD_BYTES_MAX
+                || HEADER_BYTES + data_bytes > SEALED_SEGMENT_BYTES_MAX)
+        {
+            return Err(format!(
+                "sealed extent {number} ({length} bytes, {stored_length} stored) is larger than a sealed extent can be, or lies past {SEALED_SEGMENT_BYTES_MAX} bytes"
+            ));
+        }
         let copy_of = match (kind, source) {
             (KIND_COPY, Some(source)) if source > 0 && source < sequence => Some(source),
             (KIND_COPY, _) => {
@@ -271,7 +457,7 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Decod
         let data_position = match kind {
             KIND_DATA | KIND_COPY => {
                 let bytes = position
-                    .checked_add(length)
+                    .checked_add(stored_length)
                     .filter(|&end| end <= data_bytes)
                     .map(|end| &data[position as usize..end as usize])
                     .ok_or_else(|| format!("extent {number} lies outside the data area"))?;
@@ -282,7 +468,12 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Decod
                 }
                 Some(position)
             }
-            KIND_ZEROES => None,
+            KIND_ZEROES if seal_flags == 0 => None,
+            KIND_ZEROES => {
+                return Err(format!(
+                    "extent {number} is a zeroed range but has seal flags {seal_flags:#x}"
+                ))
+            }
             other => return Err(format!("extent {number} has unknown kind {other}")),
         };
         extents.push(SegmentExtent {
@@ -291,6 +482,12 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Decod
             data_position,
             checksum,
             copy_of,
+            stored_length: if data_position.is_some() {
+                stored_length
+            } else {
+                0
+            },
+            seal_flags,
         });
     }
     Ok(DecodedSegment { sequence, extents })
@@ -299,39 +496,86 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Decod
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::url::Compression;
 
-    // Goal: a sealed segment decodes to what was appended, and any flipped byte or truncation
-    // is detected. Method: seal a segment of two data extents and a zeroed range, decode it,
-    // then flip every byte in turn (and cut it short) and expect an error each time.
+    fn read(segment: &OpenSegment, address: u64, disk_offset: u64, length: usize) -> Vec<u8> {
+        let mut bytes = vec![0u8; length];
+        segment.read_into(address, disk_offset, &mut bytes).unwrap();
+        bytes
+    }
+
+    // Goal: a sealed segment decodes to what was appended, with every seal setting, and any
+    // flipped byte or truncation is detected. Method: for a plain, a compressing, an
+    // encrypting and a compressing-and-encrypting sealer, seal a segment of data extents, a
+    // copy and a zeroed range, read the extents back (also from inside: address + n), decode
+    // it, then flip every byte in turn (and cut it short) and expect an error each time.
     #[test]
     fn sealed_segments_decode_and_every_flipped_byte_is_detected() {
-        let mut segment = OpenSegment::new(7);
-        let first = segment.append_data(4096, &[1u8; 100]);
-        segment.append_zeroes(0, 8192);
-        let second = segment.append_data(1 << 20, &[2u8; 50]);
-        let copy = segment.append_copy(1 << 21, &[3u8; 30], 4);
-        assert_eq!(segment.read(copy, 30), &[3u8; 30]);
-        assert_eq!(segment.read(first, 100), &[1u8; 100]);
-        assert_eq!(segment.read(second, 50), &[2u8; 50]);
-        let object = segment.seal(0xabc);
-        assert_eq!(object.len() as u64, segment.sealed_bytes_with(0, 0));
-        assert_eq!(&object[first as usize..first as usize + 100], &[1u8; 100]);
-        let decoded = decode(&object, 0xabc, 1 << 30).unwrap();
-        assert_eq!(decoded.sequence, 7);
-        assert_eq!(decoded.extents, segment.table);
-        assert!(decode(&object, 0xabd, 1 << 30)
-            .unwrap_err()
-            .contains("disk"));
-        assert!(decode(&object, 0xabc, 4096)
-            .unwrap_err()
-            .contains("past the end"));
-        for index in 0..object.len() {
-            let mut damaged = object.to_vec();
-            damaged[index] ^= 0x40;
-            assert!(decode(&damaged, 0xabc, 1 << 30).is_err(), "byte {index}");
+        let key = Some([9u8; 32]);
+        for sealer in [
+            Sealer::plain(0xabc),
+            Sealer::with(0xabc, Compression::Zstd, None),
+            Sealer::with(0xabc, Compression::Off, key),
+            Sealer::with(0xabc, Compression::Zstd, key),
+        ] {
+            let mut segment = OpenSegment::new(7, Arc::new(sealer));
+            let first = segment.append_data(4096, &[1u8; 100]);
+            segment.append_zeroes(0, 8192);
+            let counting: Vec<u8> = (0..50).collect();
+            let second = segment.append_data(1 << 20, &counting);
+            let copy = segment.append_copy(1 << 21, &[3u8; 30], 4);
+            assert_eq!(read(&segment, copy, 1 << 21, 30), [3u8; 30]);
+            assert_eq!(read(&segment, first, 4096, 100), [1u8; 100]);
+            assert_eq!(read(&segment, second, 1 << 20, 50), counting);
+            assert_eq!(
+                read(&segment, second + 10, (1 << 20) + 10, 5),
+                counting[10..15]
+            );
+            let object = segment.seal(0xabc);
+            assert_eq!(
+                object.len() as u64,
+                HEADER_BYTES + segment.data.len() as u64 + 4 * TABLE_ENTRY_BYTES
+            );
+            let decoded = decode(&object, 0xabc, 1 << 30).unwrap();
+            assert_eq!(decoded.sequence, 7);
+            assert_eq!(decoded.extents, segment.table);
+            assert_eq!(decoded.extents[0].object_offset(), Some(first));
+            assert!(decode(&object, 0xabd, 1 << 30)
+                .unwrap_err()
+                .contains("disk"));
+            assert!(decode(&object, 0xabc, 4096)
+                .unwrap_err()
+                .contains("past the end"));
+            for index in 0..object.len() {
+                let mut damaged = object.to_vec();
+                damaged[index] ^= 0x40;
+                assert!(decode(&damaged, 0xabc, 1 << 30).is_err(), "byte {index}");
+            }
+            assert!(decode(&object[..object.len() - 1], 0xabc, 1 << 30)
+                .unwrap_err()
+                .contains("truncated"));
         }
-        assert!(decode(&object[..object.len() - 1], 0xabc, 1 << 30)
-            .unwrap_err()
-            .contains("truncated"));
+    }
+
+    // Goal: sealed addresses survive the arithmetic the index applies and decode to their
+    // fields. Method: build one, add offsets within the extent, locate each.
+    #[test]
+    fn sealed_addresses_carry_frame_and_offset_within() {
+        let address = sealed_address(HEADER_BYTES + 12_345, 65_581);
+        for within in [0, 1, 4096, 65_535] {
+            assert_eq!(
+                locate(address + within),
+                Location::Sealed {
+                    object_offset: HEADER_BYTES + 12_345,
+                    stored_length: 65_581,
+                    within
+                }
+            );
+            assert_eq!(
+                fetch_range(address + within, 1),
+                HEADER_BYTES + 12_345..HEADER_BYTES + 12_345 + 65_581
+            );
+        }
+        assert_eq!(fetch_range(100, 10), 100..110);
     }
 }
