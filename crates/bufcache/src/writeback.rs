@@ -188,22 +188,6 @@ impl Writeback {
         )
     }
 
-    /// Writes the run of dirty blocks starting at `first` (one cluster at most). Returns how
-    /// many blocks were cleaned (0 when `first` is not dirty or is held, in `Try` mode).
-    pub(crate) fn write_cluster_from(
-        &self,
-        object: &ObjectState,
-        first: u64,
-        mode: LockMode,
-        cause: WritebackCause,
-    ) -> Result<u64, CacheError> {
-        let held = self.claim_run(object, first, mode);
-        if held.is_empty() {
-            return Ok(0);
-        }
-        self.write_held(object, held.buffers(), cause)
-    }
-
     /// Claims for write-back the run of consecutive dirty blocks starting at `first` (one
     /// cluster at most, contiguous on the device): each is pinned, locked shared and marked
     /// in write-back. The run ends at the first block that is not dirty, not cached or (in
@@ -626,7 +610,7 @@ impl Writeback {
     /// Above the dirty limit, a writer first writes back some of its own object's dirty
     /// data. If that write-back fails, the writer gets the error: accepting more dirty data
     /// that cannot be written would only grow what is at risk.
-    pub(crate) fn throttle_writer(&self, object: &ObjectState) -> Result<(), CacheError> {
+    pub(crate) fn throttle_writer(&self, object: &Arc<ObjectState>) -> Result<(), CacheError> {
         let (_, limit) = self.dirty_thresholds();
         let mut throttled = false;
         while self.end.dirty_bytes.load(Ordering::Acquire) > limit {
@@ -643,25 +627,38 @@ impl Writeback {
         Ok(())
     }
 
-    /// Writes back a cluster claimed from the object's write-back cursor, trying a few
-    /// clusters when the first ones are being written by others or held by users. Returns
-    /// the blocks cleaned (0 when nothing could be cleaned now).
+    /// Writes back clusters claimed from the object's write-back cursor, as one batch of up
+    /// to the device's batch size (one cluster over a local file, the write-back share over
+    /// a device that serves requests in parallel: a throttled writer over a remote disk then
+    /// waits one round trip for a batch, not one per cluster), and waits for them. Clusters
+    /// being written by others or held by users are skipped, a few times at most. Returns
+    /// the blocks cleaned (0 when nothing could be cleaned now); an error only when a write
+    /// failed and none cleaned anything.
     fn clean_claimed_cluster(
         &self,
-        object: &ObjectState,
+        object: &Arc<ObjectState>,
         cause: WritebackCause,
     ) -> Result<u64, CacheError> {
-        const CLAIMS_MAX: usize = 4;
-        for _ in 0..CLAIMS_MAX {
+        const SKIPS_MAX: usize = 4;
+        let writes_max = self.batch_writes_max(object);
+        let mut batch = Batch::new(Awaiting::Outcomes);
+        let mut skips = 0;
+        while !batch.is_full(writes_max) && skips < SKIPS_MAX {
             let Some(first) = object.claim_dirty_cluster() else {
-                return Ok(0);
+                break;
             };
-            let cleaned = self.write_cluster_from(object, first, LockMode::Try, cause)?;
-            if cleaned > 0 {
-                return Ok(cleaned);
+            let held = self.claim_run(object, first, LockMode::Try);
+            if held.is_empty() {
+                skips += 1;
+                continue;
             }
+            batch.add(object, held);
         }
-        Ok(0)
+        self.write_batch(&mut batch, cause);
+        match batch.first_error {
+            Some(error) if batch.written == 0 => Err(error),
+            _ => Ok(batch.written),
+        }
     }
 
     /// One round of background write-back: write-behind ranges that never made a batch,

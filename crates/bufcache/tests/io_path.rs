@@ -379,3 +379,63 @@ fn the_tick_sends_aged_writes_without_waiting_and_a_flush_waits_for_them() {
         assert!(stored == pattern(block), "block {block} is on the device");
     }
 }
+
+#[test]
+fn cleaning_above_the_dirty_thresholds_sends_batches_of_the_writeback_share() {
+    // Goal: a writer throttled at the dirty limit (and the tick's pass above the background
+    // threshold) writes back a batch of clusters at once over a device that serves requests
+    // in parallel, not one cluster per round trip: over a remote disk, one write at a time
+    // made a throttled burst of random 4 KiB writes run at one round trip per block. Method:
+    // the gated device with its gate open records the most writes it was handed at once;
+    // 2,048 scattered 4 KiB writes into an 8 MiB cache whose dirty limit is 20 % must be
+    // throttled, must have reached the device in batches of more than one write and at most
+    // the write-back share before any flush, and must all be on the device after one.
+    let gate = Arc::new(Gate::default());
+    gate.state.lock().unwrap().open = true;
+    let device = Arc::new(GatedWrites {
+        inner: MemoryDevice::new(DEVICE_BYTES),
+        gate: Arc::clone(&gate),
+    });
+    let cache = bufcache_host::system_cache(CacheConfig {
+        memory_bytes_max: 8 << 20,
+        readahead_size_max_bytes: 0,
+        dirty_background_percent: 10,
+        dirty_limit_percent: 20,
+        ..CacheConfig::default()
+    })
+    .unwrap();
+    let handle = cache
+        .open_object(ObjectConfig::new(
+            "throttled",
+            Arc::clone(&device) as Arc<dyn Device>,
+        ))
+        .unwrap();
+    let blocks: Vec<u64> = (0..2048).map(|index| index * 2).collect();
+    for &block in &blocks {
+        handle
+            .write_at(block * BLOCK, &pattern(block), false)
+            .unwrap();
+    }
+    assert!(
+        cache.stats().throttled_writes > 0,
+        "no writer was throttled"
+    );
+    // Taken before the flush, whose own passes send batches anyway.
+    let peak = gate.state.lock().unwrap().writes_inflight_peak;
+    handle.flush().unwrap();
+    assert!(
+        peak > 1 && peak <= WRITEBACK_SHARE,
+        "write-back above the thresholds handed the device {peak} writes at once; \
+         expected batches of 2..={WRITEBACK_SHARE}"
+    );
+    for &block in &blocks {
+        let mut stored = vec![0u8; BLOCK as usize];
+        device
+            .read_vectored_at(&mut [IoSliceMut::new(&mut stored)], block * BLOCK)
+            .unwrap();
+        assert!(
+            stored == pattern(block),
+            "block {block} is not on the device"
+        );
+    }
+}
