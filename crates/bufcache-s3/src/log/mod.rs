@@ -43,7 +43,7 @@
 mod checkpoint;
 mod gc;
 mod index;
-mod seal;
+pub(crate) mod seal;
 mod segment;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -1068,7 +1068,7 @@ fn check_layout(
             stored: connection.metadata.layout.name().to_string(),
         });
     }
-    let sealer = Sealer::open(url, &connection.metadata)?;
+    let sealer = Sealer::open(url, connection.metadata.disk_id, connection.metadata.seal)?;
     if sealer.seals() && config.segment_bytes_max > segment::SEALED_SEGMENT_BYTES_MAX {
         return Err(OpenError::Config {
             url: url.to_string(),

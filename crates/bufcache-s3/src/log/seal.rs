@@ -34,7 +34,6 @@ use chacha20poly1305::aead::{Aead, Payload};
 use chacha20poly1305::{Key, KeyInit, XChaCha20Poly1305, XNonce};
 
 use crate::error::OpenError;
-use crate::store::DiskMetadata;
 use crate::url::{Compression, S3Url};
 
 /// Most logical bytes of one sealed extent: a read of any byte of it fetches and unseals it
@@ -230,11 +229,11 @@ impl Sealer {
         }
     }
 
-    /// The sealer of the disk `metadata` describes, opened with `url`'s key file: refuses a
-    /// `compress=` other than the recorded one, an encrypted disk without `key-file=`, a key
-    /// file for a disk created unencrypted, and a key that fails the recorded check.
-    pub fn open(url: &S3Url, metadata: &DiskMetadata) -> Result<Sealer, OpenError> {
-        let recorded = metadata.seal;
+    /// The sealer of disk `disk_id`, whose metadata object records `recorded`, opened with
+    /// `url`'s key file: refuses a `compress=` other than the recorded one, an encrypted disk
+    /// without `key-file=`, a key file for a disk created unencrypted, and a key that fails
+    /// the recorded check.
+    pub fn open(url: &S3Url, disk_id: u64, recorded: SealParameters) -> Result<Sealer, OpenError> {
         let config = |reason: String| OpenError::Config {
             url: url.to_string(),
             reason,
@@ -271,7 +270,7 @@ impl Sealer {
                         &nonce,
                         Payload {
                             msg: tag,
-                            aad: &key_check_data(metadata.disk_id),
+                            aad: &key_check_data(disk_id),
                         },
                     )
                     .map_err(|_| {
@@ -284,7 +283,7 @@ impl Sealer {
             }
         };
         Ok(Sealer {
-            disk_id: metadata.disk_id,
+            disk_id,
             compression: recorded.compression,
             cipher,
         })
