@@ -14,6 +14,7 @@ mod error;
 mod layout;
 mod lock;
 mod log;
+mod seal;
 mod store;
 mod url;
 

@@ -39,7 +39,7 @@ use serde_json::json;
 use crate::credentials::shared_file_credentials;
 use crate::error::{chain, request_failed, OpenError, StoreError};
 use crate::lock::{check_not_held, Acquired, DiskLock};
-use crate::log::seal::SealParameters;
+use crate::seal::SealParameters;
 use crate::url::{LayoutKind, S3Url, CHUNK_SIZE_DEFAULT_BYTES, LAYOUT_DEFAULT};
 
 /// Version of the chunk layout written in the metadata object (older servers read only it).

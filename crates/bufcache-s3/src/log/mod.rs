@@ -43,7 +43,6 @@
 mod checkpoint;
 mod gc;
 mod index;
-pub(crate) mod seal;
 mod segment;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -64,10 +63,10 @@ use crate::store::{
 };
 use crate::url::{LayoutKind, S3Url};
 
+use crate::seal::Sealer;
+pub use crate::seal::{SealParameters, SEALED_EXTENT_BYTES_MAX};
 pub use gc::GcReport;
 pub use index::{Index, Mapping};
-use seal::Sealer;
-pub use seal::{SealParameters, SEALED_EXTENT_BYTES_MAX};
 use segment::{OpenSegment, HEADER_BYTES, TABLE_ENTRY_BYTES};
 
 /// Default `segment_bytes_max`: 8 MiB keeps a sequential write-back at one PUT per 8 MiB

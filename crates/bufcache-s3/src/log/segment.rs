@@ -44,7 +44,7 @@ use std::sync::Arc;
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-use super::seal::{Sealer, FRAME_OVERHEAD_BYTES_MAX, SEALED_EXTENT_BYTES_MAX};
+use crate::seal::{Sealer, FRAME_OVERHEAD_BYTES_MAX, SEALED_EXTENT_BYTES_MAX};
 
 const MAGIC: &[u8; 8] = b"BCLOGSEG";
 const FORMAT_VERSION: u32 = 3;
