@@ -7,7 +7,6 @@
 
 mod common;
 
-use std::io::{Read, Write};
 use std::path::Path;
 use std::time::Duration;
 
@@ -16,32 +15,9 @@ use common::*;
 const TIMEOUT: Duration = Duration::from_secs(60);
 const EXPORT_BYTES: usize = 16 << 20;
 
-fn metrics_address(log: &str) -> String {
-    log.split("metrics on http://")
-        .last()
-        .and_then(|rest| rest.split('/').next())
-        .unwrap_or_else(|| panic!("no metrics address in the log:\n{log}"))
-        .to_string()
-}
-
-fn scrape(address: &str) -> String {
-    let mut stream = std::net::TcpStream::connect(address).unwrap();
-    stream
-        .write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        .unwrap();
-    let mut text = String::new();
-    stream.read_to_string(&mut text).unwrap();
-    text
-}
-
 /// The value of the tier sample `name` of the default export.
 fn tier_value(text: &str, name: &str) -> f64 {
-    let series = format!("{name}{{export=\"\"}} ");
-    text.lines()
-        .find_map(|line| line.strip_prefix(&series))
-        .unwrap_or_else(|| panic!("no sample {series}:\n{text}"))
-        .parse()
-        .unwrap()
+    sample(text, &format!("{name}{{export=\"\"}}"))
 }
 
 fn serve_args<'a>(backend: &'a str, cache: &'a str, flush_to: &'a str) -> Vec<&'a str> {

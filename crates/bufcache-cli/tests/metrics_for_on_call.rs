@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::io::{Read, Write};
 use std::process::Command;
 use std::time::Duration;
 
@@ -14,33 +13,6 @@ use bufcache_nbd::NbdClient;
 use common::*;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
-
-fn metrics_address(log: &str) -> String {
-    log.split("metrics on http://")
-        .nth(1)
-        .and_then(|rest| rest.split('/').next())
-        .unwrap_or_else(|| panic!("no metrics address in the log:\n{log}"))
-        .to_string()
-}
-
-fn scrape(address: &str) -> String {
-    let mut stream = std::net::TcpStream::connect(address).unwrap();
-    stream
-        .write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        .unwrap();
-    let mut text = String::new();
-    stream.read_to_string(&mut text).unwrap();
-    text
-}
-
-/// The value of the sample whose name and labels are exactly `series`.
-fn value(text: &str, series: &str) -> f64 {
-    text.lines()
-        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
-        .unwrap_or_else(|| panic!("no sample {series}:\n{text}"))
-        .parse()
-        .unwrap()
-}
 
 #[test]
 fn connections_requests_bytes_and_latency_histograms_per_command_are_exact() {
@@ -67,7 +39,7 @@ fn connections_requests_bytes_and_latency_histograms_per_command_are_exact() {
     let text = scrape(&address);
     let export = "export=\"\"";
     assert_eq!(
-        value(&text, &format!("bufcache_nbd_connections_open{{{export}}}")),
+        sample(&text, &format!("bufcache_nbd_connections_open{{{export}}}")),
         2.0
     );
     for (command, requests, bytes) in [
@@ -79,12 +51,12 @@ fn connections_requests_bytes_and_latency_histograms_per_command_are_exact() {
     ] {
         let labels = format!("{export},command=\"{command}\"");
         assert_eq!(
-            value(&text, &format!("bufcache_nbd_requests_total{{{labels}}}")),
+            sample(&text, &format!("bufcache_nbd_requests_total{{{labels}}}")),
             requests,
             "{command}"
         );
         assert_eq!(
-            value(
+            sample(
                 &text,
                 &format!("bufcache_nbd_request_bytes_total{{{labels}}}")
             ),
@@ -103,14 +75,17 @@ fn connections_requests_bytes_and_latency_histograms_per_command_are_exact() {
             "{command}"
         );
         assert_eq!(
-            value(&text, &format!("{name}_bucket{{{labels},le=\"+Inf\"}}")),
+            sample(&text, &format!("{name}_bucket{{{labels},le=\"+Inf\"}}")),
             requests
         );
-        assert_eq!(value(&text, &format!("{name}_count{{{labels}}}")), requests);
-        assert!(value(&text, &format!("{name}_sum{{{labels}}}")) >= 0.0);
+        assert_eq!(
+            sample(&text, &format!("{name}_count{{{labels}}}")),
+            requests
+        );
+        assert!(sample(&text, &format!("{name}_sum{{{labels}}}")) >= 0.0);
     }
     assert!(text.contains("# TYPE bufcache_nbd_request_duration_seconds histogram"));
-    assert_eq!(value(&text, "bufcache_log_lines_dropped_total"), 0.0);
+    assert_eq!(sample(&text, "bufcache_log_lines_dropped_total"), 0.0);
 
     let stat = run_ok(
         Command::new(bufcache_bin()).args(["stat", &address, "--once"]),
@@ -130,14 +105,14 @@ fn connections_requests_bytes_and_latency_histograms_per_command_are_exact() {
     drop(first);
     drop(second);
     wait_until("both connections to close", TIMEOUT, || {
-        value(
+        sample(
             &scrape(&address),
             &format!("bufcache_nbd_connections_open{{{export}}}"),
         ) == 0.0
     });
     let text = scrape(&address);
     assert_eq!(
-        value(
+        sample(
             &text,
             &format!("bufcache_nbd_connections_total{{{export}}}")
         ),

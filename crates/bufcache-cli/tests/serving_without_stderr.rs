@@ -186,31 +186,6 @@ fn a_double_sigterm_on_an_idle_server_exits_0_without_a_false_alarm() {
     }
 }
 
-/// GET /metrics from the address the server printed in `log`.
-fn scrape(log: &str) -> String {
-    use std::io::{Read, Write};
-    let address = log
-        .split("metrics on http://")
-        .nth(1)
-        .and_then(|rest| rest.split('/').next())
-        .unwrap_or_else(|| panic!("no metrics address in the log:\n{log}"));
-    let mut stream = std::net::TcpStream::connect(address).unwrap();
-    stream
-        .write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        .unwrap();
-    let mut text = String::new();
-    stream.read_to_string(&mut text).unwrap();
-    text
-}
-
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
-        .unwrap_or_else(|| panic!("no {name}:\n{text}"))
-        .parse()
-        .unwrap()
-}
-
 #[test]
 fn with_stderr_a_full_disk_lines_are_dropped_and_counted_and_silent_clients_cost_no_listener() {
     // stderr on /dev/full fails every write with ENOSPC, as a log file on a full disk does.
@@ -256,14 +231,14 @@ fn with_stderr_a_full_disk_lines_are_dropped_and_counted_and_silent_clients_cost
         .map(|_| std::os::unix::net::UnixStream::connect(&socket).unwrap())
         .collect();
     wait_until("the silent clients to be timed out", TIMEOUT, || {
-        metric(&scrape(&log), "bufcache_log_lines_dropped_total") >= 5.0
+        sample(&scrape_log(&log), "bufcache_log_lines_dropped_total") >= 5.0
     });
     drop(silent);
     let uri = format!("nbd+unix:///?socket={}", socket.display());
     let expected = serve_many_clients(&uri);
-    let text = scrape(&log);
+    let text = scrape_log(&log);
     assert!(
-        metric(&text, "bufcache_log_lines_dropped_total") >= 5.0,
+        sample(&text, "bufcache_log_lines_dropped_total") >= 5.0,
         "{text}"
     );
     sigterm_exits_0_quickly(&mut server);
@@ -303,8 +278,8 @@ fn repeated_warnings_of_one_kind_are_rate_limited_and_counted() {
     wait_until("thirty warnings to be logged or held back", TIMEOUT, || {
         let logged = server.log_text().matches("handshake failed").count() as f64;
         logged
-            + metric(
-                &scrape(&log_address),
+            + sample(
+                &scrape_log(&log_address),
                 "bufcache_log_events_suppressed_total",
             )
             >= 30.0

@@ -128,7 +128,7 @@ fn upstream_killed_and_restarted_loses_nothing_and_flush_never_lies() {
         "{}",
         server.log_text()
     );
-    let metrics = scrape_metrics(&server.log_text());
+    let metrics = scrape_log(&server.log_text());
     assert!(
         metrics.contains("bufcache_upstream_reconnects_total{export=\"\"} 1")
             && metrics.contains("bufcache_upstream_connected{export=\"\"} 1"),
@@ -136,23 +136,6 @@ fn upstream_killed_and_restarted_loses_nothing_and_flush_never_lies() {
     );
     drop(client);
     server.stop_clean();
-}
-
-/// GET /metrics from the address the server logged.
-fn scrape_metrics(log: &str) -> String {
-    use std::io::{Read, Write};
-    let address = log
-        .split("metrics on http://")
-        .nth(1)
-        .and_then(|rest| rest.split('/').next())
-        .unwrap_or_else(|| panic!("no metrics address in the log:\n{log}"));
-    let mut stream = std::net::TcpStream::connect(address).unwrap();
-    stream
-        .write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        .unwrap();
-    let mut text = String::new();
-    stream.read_to_string(&mut text).unwrap();
-    text
 }
 
 #[test]
@@ -302,7 +285,7 @@ fn cold_reads_are_started_without_waiting_and_survive_an_upstream_restart() {
         }
     };
     read_cold(0);
-    let metrics = scrape_metrics(&server.log_text());
+    let metrics = scrape_log(&server.log_text());
     let started: u64 = metrics
         .lines()
         .find_map(|line| line.strip_prefix("bufcache_reads_started_total "))

@@ -585,3 +585,41 @@ pub fn cmd<S: AsRef<OsStr>>(tool_name: &str, args: &[S]) -> Command {
     command.args(args);
     command
 }
+
+/// The `host:port` of the metrics endpoint a server printed in `log` (its newest line, so a
+/// log holding several starts names the server that runs now).
+pub fn metrics_address(log: &str) -> String {
+    const PREFIX: &str = "metrics on http://";
+    log.rfind(PREFIX)
+        .and_then(|start| log[start + PREFIX.len()..].split('/').next())
+        .unwrap_or_else(|| panic!("no metrics address in the log:\n{log}"))
+        .to_string()
+}
+
+/// The text of `GET /metrics` at `address` (`host:port`).
+pub fn scrape(address: &str) -> String {
+    use std::io::Write;
+    let mut stream = std::net::TcpStream::connect(address)
+        .unwrap_or_else(|error| panic!("connecting to the metrics endpoint {address}: {error}"));
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).unwrap();
+    text
+}
+
+/// The text of `GET /metrics` from the server whose log is `log`.
+pub fn scrape_log(log: &str) -> String {
+    scrape(&metrics_address(log))
+}
+
+/// The value of the sample whose name and labels are exactly `series` (`name{labels}`, or a
+/// bare name for a sample without labels).
+pub fn sample(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("no sample {series}:\n{text}"))
+        .parse()
+        .unwrap_or_else(|error| panic!("sample {series} is not a number ({error}):\n{text}"))
+}
