@@ -691,11 +691,15 @@ impl<D: Device> Device for IoQueue<D> {
     /// Reads the inner device completes later go to it at once, past the queue: they have no
     /// submitter blocked in the call to dispatch them, the thread that started them must not
     /// block (it is reading a client's next request), and counting them in the depth would
-    /// let a client with many reads in flight hold back everyone's queued requests. Over a
-    /// device whose reads finish in the caller's thread each takes its turn in the queue now.
+    /// let a client with many reads in flight hold back everyone's queued requests. So do the
+    /// reads of a device that serves many requests at once (an object store): it keeps a
+    /// batch in flight together, which taking turns in the queue would undo, and there is no
+    /// head position for an elevator to save. Over a device that does one request at a time
+    /// in the caller's thread each read takes its turn in the queue now.
     fn submit_reads(&self, reads: Vec<ReadRequest>) {
         if self.config.mode != QueueMode::None {
-            if !self.inner.capabilities().completes_later {
+            let capabilities = self.inner.capabilities();
+            if !capabilities.completes_later && capabilities.inflight_requests_max <= 1 {
                 return read_each_now(self, reads);
             }
             self.entered.fetch_add(reads.len() as u64, Relaxed);

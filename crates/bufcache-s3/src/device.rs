@@ -116,8 +116,39 @@ impl Device for S3Device {
         }
     }
 
+    /// The reads of a batch (a read-ahead window's runs) go to the store together, up to the
+    /// store's in-flight bound at once, each completing as its own GETs end: a window costs
+    /// about one round trip, not one per run. They are done before this returns
+    /// (`completes_later` is false), on short-lived threads that each take the next read.
     fn submit_reads(&self, reads: Vec<bufcache::device::ReadRequest>) {
-        bufcache::device::read_each_now(self, reads)
+        if reads.len() <= 1 {
+            return bufcache::device::read_each_now(self, reads);
+        }
+        let workers = reads.len().min(self.store.requests_in_flight_max().max(1));
+        let queue = std::sync::Mutex::new(reads.into_iter());
+        let next = || {
+            queue
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .next()
+        };
+        let work = || {
+            while let Some(mut read) = next() {
+                let offset = read.offset();
+                let result = self.read_vectored_at(&mut read.slices_mut(), offset);
+                read.complete(result);
+            }
+        };
+        std::thread::scope(|scope| {
+            for _ in 1..workers {
+                // A thread that cannot be started leaves its share to the others and to
+                // this one, which works the queue too.
+                let _ = std::thread::Builder::new()
+                    .name("bufcache-s3-read".into())
+                    .spawn_scoped(scope, work);
+            }
+            work();
+        });
     }
 
     /// Chunk layout: every write returned only after the store acknowledged its PUTs and

@@ -928,6 +928,9 @@ impl ObjectHandle {
             block += run.len() as u64;
             runs.push(run);
         }
+        if runs.len() > 1 && inner.io().serves_requests_in_parallel(&self.object) {
+            return self.read_runs_together(runs);
+        }
         // Every run after the first is read by its own background job, so a window larger
         // than a cluster keeps several requests in flight (what a high-latency backend
         // needs); the first run, which the reader wants soonest, is read here. A failed run
@@ -947,6 +950,50 @@ impl ObjectHandle {
         }
         let start = first[0].block();
         let _ = self.read_collected(&mut first, start);
+    }
+
+    /// Reads every run of a read-ahead window as one batch of device requests, for a device
+    /// that serves several at once (an object store, an NBD upstream, a file's worker pool):
+    /// the whole window is in flight together, however few background threads there are,
+    /// and this thread does not wait for it. Each run's blocks become valid when its own read
+    /// ends; a failed run is dropped unread, which removes its buffers, as in
+    /// `fill_readahead`.
+    fn read_runs_together(&self, runs: Vec<Vec<BufferGuard>>) {
+        let reads = runs
+            .into_iter()
+            .map(|run| {
+                let device_offset = self.object.map.map(run[0].block()).device_offset;
+                let handle = self.background_handle();
+                bufcache_device::ReadRequest::new(
+                    device_offset,
+                    GuardRun(run),
+                    move |mut run: GuardRun, result: std::io::Result<()>| {
+                        if result.is_ok() {
+                            handle.finish_readahead_run(&mut run.0);
+                        }
+                    },
+                )
+            })
+            .collect();
+        self.inner().io().start_reads(&self.object, reads);
+    }
+
+    /// Counts a read-ahead run the device filled and marks its blocks valid (its guards,
+    /// dropped next, then leave them cached).
+    fn finish_readahead_run(&self, run: &mut [BufferGuard]) {
+        let counters = self.inner().counters();
+        counters
+            .readahead_issued_blocks
+            .fetch_add(run.len() as u64, Ordering::Relaxed);
+        if run.len() > 1 {
+            counters.read_clusters.fetch_add(1, Ordering::Relaxed);
+            counters
+                .read_cluster_buffers
+                .fetch_add(run.len() as u64, Ordering::Relaxed);
+        }
+        for guard in run.iter_mut() {
+            guard.mark_valid();
+        }
     }
 
     /// A handle for background work; it reports no errors to anyone (its errseq position is

@@ -282,13 +282,25 @@ impl Io {
     /// Starts `read` on `object`'s device; it is counted when it ends, before its own
     /// completion runs.
     pub(crate) fn start_read(&self, object: &ObjectState, read: ReadRequest) {
-        let length_bytes = read.length_bytes();
-        let counters = Arc::clone(&self.counters);
-        let read = read.on_complete(move |result| {
-            counters.device_reads.record(length_bytes, result.is_ok());
-            result
-        });
-        object.device.submit_reads(vec![read]);
+        self.start_reads(object, vec![read]);
+    }
+
+    /// Starts every read of `reads` (non-overlapping) on `object`'s device as one batch, so a
+    /// device that serves several requests at once has them in flight together; each is
+    /// counted when it ends, before its own completion runs.
+    pub(crate) fn start_reads(&self, object: &ObjectState, reads: Vec<ReadRequest>) {
+        let reads = reads
+            .into_iter()
+            .map(|read| {
+                let length_bytes = read.length_bytes();
+                let counters = Arc::clone(&self.counters);
+                read.on_complete(move |result| {
+                    counters.device_reads.record(length_bytes, result.is_ok());
+                    result
+                })
+            })
+            .collect();
+        object.device.submit_reads(reads);
     }
 
     /// Writes each of `writes` (write-back runs of `object`, non-overlapping: a device

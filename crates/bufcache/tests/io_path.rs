@@ -439,3 +439,113 @@ fn cleaning_above_the_dirty_thresholds_sends_batches_of_the_writeback_share() {
         );
     }
 }
+
+/// A memory device that says it serves many requests at once, records the size of every
+/// `submit_reads` batch and fails every read that touches `failing_offset`.
+struct BatchedReads {
+    inner: MemoryDevice,
+    batches: Mutex<Vec<usize>>,
+    failing_offset: u64,
+}
+
+impl Device for BatchedReads {
+    fn read_vectored_at(&self, buffers: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<()> {
+        let length: u64 = buffers.iter().map(|buffer| buffer.len() as u64).sum();
+        if (offset..offset + length).contains(&self.failing_offset) {
+            return Err(io::Error::other("injected read error"));
+        }
+        self.inner.read_vectored_at(buffers, offset)
+    }
+    fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
+        self.inner.write_vectored_at(buffers, offset)
+    }
+    fn submit_writes(&self, writes: Vec<bufcache::device::WriteRequest>) {
+        bufcache::device::write_each_now(self, writes)
+    }
+    fn submit_reads(&self, reads: Vec<bufcache::device::ReadRequest>) {
+        self.batches.lock().unwrap().push(reads.len());
+        bufcache::device::read_each_now(self, reads)
+    }
+    fn flush(&self) -> io::Result<()> {
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, length: u64) -> io::Result<()> {
+        self.inner.discard(offset, length)
+    }
+    fn write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
+        self.inner.write_zeroes(offset, length)
+    }
+    fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {
+        self.inner.extents(offset, length)
+    }
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            inflight_requests_max: DEVICE_INFLIGHT_REQUESTS,
+            ..self.inner.capabilities()
+        }
+    }
+    fn describe(&self) -> String {
+        "batched reads".into()
+    }
+}
+
+#[test]
+fn a_readahead_window_reaches_a_parallel_device_as_one_batch_and_a_failed_run_is_not_cached() {
+    // Goal: over a device that serves many requests at once (an object store) a read-ahead
+    // window larger than a cluster is in flight together: its runs reach the device as one
+    // `submit_reads` batch, not one background job per run (which held a 20 ms store to the
+    // background pool's four threads). Each run's blocks are cached when it ends; a run the
+    // device fails is not cached, and the reader meets the error itself. Method: a memory
+    // device holding a pattern, recording each read batch's size and failing reads that
+    // touch one block near the end; 64 KiB clusters and 1 MiB windows; read 8 MiB
+    // sequentially in 64 KiB pieces; some batch must hold several runs, every piece but the
+    // failing one must read back exactly, and that one must fail.
+    const READ_BYTES: u64 = 64 << 10;
+    const FAILING_OFFSET: u64 = (7 << 20) + (5 << 12);
+    let memory = MemoryDevice::new(DEVICE_BYTES);
+    for block in 0..DEVICE_BYTES / BLOCK {
+        memory
+            .write_vectored_at(&[IoSlice::new(&pattern(block))], block * BLOCK)
+            .unwrap();
+    }
+    let device = Arc::new(BatchedReads {
+        inner: memory,
+        batches: Mutex::new(Vec::new()),
+        failing_offset: FAILING_OFFSET,
+    });
+    let cache = bufcache_host::system_cache(CacheConfig {
+        memory_bytes_max: 32 << 20,
+        cluster_size_max_bytes: 64 << 10,
+        readahead_size_max_bytes: 1 << 20,
+        readahead_size_initial_bytes: 1 << 20,
+        ..CacheConfig::default()
+    })
+    .unwrap();
+    let handle = cache
+        .open_object(ObjectConfig::new(
+            "batched",
+            Arc::clone(&device) as Arc<dyn Device>,
+        ))
+        .unwrap();
+    for offset in (0..8 << 20).step_by(READ_BYTES as usize) {
+        let mut piece = vec![0u8; READ_BYTES as usize];
+        let result = handle.read_at(offset, &mut piece);
+        if (offset..offset + READ_BYTES).contains(&FAILING_OFFSET) {
+            assert!(
+                result.is_err(),
+                "the piece at {offset} read the failed block"
+            );
+            continue;
+        }
+        result.unwrap_or_else(|error| panic!("piece at {offset}: {error}"));
+        for (index, block) in piece.chunks(BLOCK as usize).enumerate() {
+            let number = offset / BLOCK + index as u64;
+            assert!(block == pattern(number), "block {number} read back wrong");
+        }
+    }
+    let batches = device.batches.lock().unwrap().clone();
+    assert!(
+        batches.iter().any(|&reads| reads > 1),
+        "every read-ahead run went alone: batches {batches:?}"
+    );
+}
