@@ -8,6 +8,7 @@
 //! checkpoints). [`S3Device`] is a thin adapter from either to the engine's
 //! [`bufcache::Device`] trait.
 
+mod blocks;
 mod credentials;
 mod device;
 mod error;

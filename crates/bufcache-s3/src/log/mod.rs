@@ -751,10 +751,7 @@ impl Core {
         let mut position = 0usize;
         while position < data.len() {
             let remaining = (data.len() - position) as u64;
-            let room = self
-                .config
-                .segment_bytes_max
-                .saturating_sub(state.open.sealed_bytes_with(0, 1));
+            let room = state.open.room_bytes(self.config.segment_bytes_max);
             // A fresh segment has room for at least 4 KiB (LogConfig::validate), so this
             // loop always makes progress; below that, no sliver is split off.
             if room < remaining.min(SPLIT_BYTES_MIN) {
@@ -1068,11 +1065,11 @@ fn check_layout(
         });
     }
     let sealer = Sealer::open(url, connection.metadata.disk_id, connection.metadata.seal)?;
-    if sealer.seals() && config.segment_bytes_max > segment::SEALED_SEGMENT_BYTES_MAX {
+    if config.segment_bytes_max > segment::SEALED_SEGMENT_BYTES_MAX {
         return Err(OpenError::Config {
             url: url.to_string(),
             reason: format!(
-                "segment_bytes_max {} is above {}, the largest segment of sealed extents",
+                "segment_bytes_max {} is above {}, the largest segment whose extents' addresses fit",
                 config.segment_bytes_max,
                 segment::SEALED_SEGMENT_BYTES_MAX
             ),
