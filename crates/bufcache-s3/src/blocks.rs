@@ -117,8 +117,9 @@ pub fn decode_range(
         let from = logical.start.max(block_start);
         let to = logical.end.min(block_start + BLOCK_BYTES);
         if from < to {
-            target[(from - logical.start) as usize..(to - logical.start) as usize]
-                .copy_from_slice(&bytes[(from - block_start) as usize..(to - block_start) as usize]);
+            target[(from - logical.start) as usize..(to - logical.start) as usize].copy_from_slice(
+                &bytes[(from - block_start) as usize..(to - block_start) as usize],
+            );
         }
     }
     Ok(())
@@ -150,7 +151,9 @@ mod tests {
         let stored = encode(&data);
         assert_eq!(stored.len() as u64, stored_bytes(data.len() as u64));
         assert_eq!(stored.len(), 4 * 4100);
-        let ends = [0u64, 1, 4095, 4096, 4097, 8191, 8192, 12_000, 12_288, 12_388];
+        let ends = [
+            0u64, 1, 4095, 4096, 4097, 8191, 8192, 12_000, 12_288, 12_388,
+        ];
         for &start in &ends {
             for &end in ends.iter().filter(|&&end| end > start) {
                 let range = stored_range(start..end);
@@ -166,7 +169,7 @@ mod tests {
             }
         }
         for index in 0..stored.len() {
-            let mut damaged = stored.clone();
+            let mut damaged = stored.to_vec();
             damaged[index] ^= 0x08;
             let error = decode(&damaged, data.len() as u64, PLACE).unwrap_err();
             let block = index as u64 / STORED_BLOCK_BYTES;
@@ -175,9 +178,11 @@ mod tests {
                 "byte {index}: {error}"
             );
         }
-        assert!(decode(&stored[..stored.len() - 1], data.len() as u64, PLACE)
-            .unwrap_err()
-            .contains("truncated"));
+        assert!(
+            decode(&stored[..stored.len() - 1], data.len() as u64, PLACE)
+                .unwrap_err()
+                .contains("truncated")
+        );
         assert_eq!(logical_bytes_within(4100 * 3 + 4099), 3 * 4096);
     }
 }

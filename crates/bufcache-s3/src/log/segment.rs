@@ -282,13 +282,11 @@ impl OpenSegment {
         } else {
             // sealed_bytes_with(0, 1) counted a padded block's worth of overhead: take it
             // back and count whole stored blocks.
-            blocks::logical_bytes_within(
-                segment_bytes_max.saturating_sub(
-                    HEADER_BYTES
-                        + self.data.len() as u64
-                        + (self.table.len() as u64 + 1) * TABLE_ENTRY_BYTES,
-                ),
-            )
+            blocks::logical_bytes_within(segment_bytes_max.saturating_sub(
+                HEADER_BYTES
+                    + self.data.len() as u64
+                    + (self.table.len() as u64 + 1) * TABLE_ENTRY_BYTES,
+            ))
         }
     }
 
@@ -618,6 +616,7 @@ mod tests {
         for sealer in [
             Sealer::plain(0xabc),
             Sealer::with(0xabc, Compression::Zstd, None),
+            Sealer::with(0xabc, Compression::Lz4, None),
             Sealer::with(0xabc, Compression::Off, key),
             Sealer::with(0xabc, Compression::Zstd, key),
         ] {
