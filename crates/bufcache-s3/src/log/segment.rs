@@ -262,6 +262,9 @@ impl OpenSegment {
     pub fn sealed_bytes_with(&self, more_data: u64, more_extents: u64) -> u64 {
         let overhead = if self.sealer.seals() {
             more_extents * self.sealer.overhead_bytes_max()
+        } else if more_data == 0 {
+            // Zeroed ranges: a table entry each, no data.
+            0
         } else {
             (more_data.div_ceil(blocks::BLOCK_BYTES) + more_extents) * blocks::CHECKSUM_BYTES
                 + more_extents * (blocks::BLOCK_BYTES - 1)
@@ -274,19 +277,15 @@ impl OpenSegment {
     }
 
     /// The most logical bytes one more extent may hold with the object staying within
-    /// `segment_bytes_max` bytes (0: none fit).
+    /// `segment_bytes_max` bytes (0: none fit): whole stored blocks when stored as written.
     pub fn room_bytes(&self, segment_bytes_max: u64) -> u64 {
+        // With no data, sealed_bytes_with counts the header, the data so far, the table with
+        // one more entry and, when sealing, that extent's frame overhead.
         let stored_room = segment_bytes_max.saturating_sub(self.sealed_bytes_with(0, 1));
         if self.sealer.seals() {
             stored_room
         } else {
-            // sealed_bytes_with(0, 1) counted a padded block's worth of overhead: take it
-            // back and count whole stored blocks.
-            blocks::logical_bytes_within(segment_bytes_max.saturating_sub(
-                HEADER_BYTES
-                    + self.data.len() as u64
-                    + (self.table.len() as u64 + 1) * TABLE_ENTRY_BYTES,
-            ))
+            blocks::logical_bytes_within(stored_room)
         }
     }
 
@@ -679,5 +678,19 @@ mod tests {
             );
         }
         assert_eq!(fetch_range(100, 10), 100..110);
+        let checked = checked_address(HEADER_BYTES + 8200);
+        for within in [0, 1, 4096, 1 << 31] {
+            assert_eq!(
+                locate(checked + within),
+                Location::Checked {
+                    object_offset: HEADER_BYTES + 8200,
+                    within
+                }
+            );
+        }
+        assert_eq!(
+            fetch_range(checked + 5000, 4000),
+            HEADER_BYTES + 8200 + 4100..HEADER_BYTES + 8200 + 3 * 4100
+        );
     }
 }
