@@ -8,6 +8,7 @@
 //! checkpoints). [`S3Device`] is a thin adapter from either to the engine's
 //! [`bufcache::Device`] trait.
 
+mod blocks;
 mod credentials;
 mod device;
 mod error;
@@ -27,5 +28,8 @@ pub use log::{
     GC_STORED_RATIO_MAX_DEFAULT, GC_THRESHOLD_DEFAULT, SEALED_EXTENT_BYTES_MAX,
     SEGMENTS_IN_FLIGHT_MAX_DEFAULT, SEGMENT_BYTES_MAX_DEFAULT,
 };
-pub use store::{ChunkStore, DiskMetadata, ReadOnly, FORMAT_VERSION, FORMAT_VERSION_LOG};
+pub use store::{
+    ChunkStore, DiskMetadata, ReadOnly, FORMAT_VERSION, FORMAT_VERSION_CHUNK_CHECKED,
+    FORMAT_VERSION_LOG,
+};
 pub use url::{Compression, LayoutKind, S3Url, UrlError, CHUNK_SIZE_DEFAULT_BYTES, LAYOUT_DEFAULT};

@@ -1,4 +1,4 @@
-//! Sealing of extents: optional compression (zstd) and authenticated encryption
+//! Sealing of extents: optional compression (zstd or LZ4) and authenticated encryption
 //! (XChaCha20-Poly1305), per extent, for the log layout.
 //!
 //! Both are chosen when a disk is created (`compress=`, `key-file=`) and recorded in its
@@ -148,7 +148,7 @@ impl SealParameters {
             value => value
                 .as_str()
                 .and_then(Compression::parse)
-                .ok_or("field `compress` is not \"zstd\" or \"off\"")?,
+                .ok_or("field `compress` is not \"zstd\", \"lz4\" or \"off\"")?,
         };
         let key_check = match (&object["encryption"], &object["key_check"]) {
             (serde_json::Value::Null, serde_json::Value::Null) => None,
@@ -330,10 +330,10 @@ impl Sealer {
         }
         let compressed = match self.compression {
             Compression::Off => None,
-            Compression::Zstd => zstd::bulk::compress(data, ZSTD_LEVEL)
-                .ok()
-                .filter(|packed| packed.len() + CRC_BYTES + 1 < data.len()),
-        };
+            Compression::Zstd => zstd::bulk::compress(data, ZSTD_LEVEL).ok(),
+            Compression::Lz4 => Some(lz4_flex::block::compress(data)),
+        }
+        .filter(|packed| packed.len() + CRC_BYTES + 1 < data.len());
         let mut flags = if compressed.is_some() {
             FLAG_COMPRESSED
         } else {
@@ -417,11 +417,25 @@ impl Sealer {
                 ))
             }
         };
-        if flags & FLAG_COMPRESSED != 0 {
-            zstd::bulk::decompress(plain, SEALED_EXTENT_BYTES_MAX as usize)
-                .map_err(|error| format!("{} does not decompress: {error}", what()))
-        } else {
-            Ok(plain.to_vec())
+        if flags & FLAG_COMPRESSED == 0 {
+            return Ok(plain.to_vec());
+        }
+        // The disk's recorded compression says how (it is fixed at creation); the output is
+        // bounded by the most a sealed extent holds whatever the frame claims.
+        match self.compression {
+            Compression::Zstd => zstd::bulk::decompress(plain, SEALED_EXTENT_BYTES_MAX as usize)
+                .map_err(|error| format!("{} does not decompress: {error}", what())),
+            Compression::Lz4 => {
+                let mut logical = vec![0u8; SEALED_EXTENT_BYTES_MAX as usize];
+                let length = lz4_flex::block::decompress_into(plain, &mut logical)
+                    .map_err(|error| format!("{} does not decompress: {error}", what()))?;
+                logical.truncate(length);
+                Ok(logical)
+            }
+            Compression::Off => Err(format!(
+                "{} is compressed but the disk's metadata records no compression",
+                what()
+            )),
         }
     }
 }
@@ -441,8 +455,10 @@ mod tests {
         let random: Vec<u8> = (0..8192).map(|_| rand::random::<u8>()).collect();
         for sealer in [
             Sealer::with(1, Compression::Zstd, None),
+            Sealer::with(1, Compression::Lz4, None),
             Sealer::with(1, Compression::Off, Some(key)),
             Sealer::with(1, Compression::Zstd, Some(key)),
+            Sealer::with(1, Compression::Lz4, Some(key)),
         ] {
             for data in [&compressible, &random] {
                 let Some((frame, _)) = sealer.seal(5, 4096, data) else {
@@ -466,12 +482,14 @@ mod tests {
                 }
             }
         }
-        let zstd = Sealer::with(1, Compression::Zstd, None);
-        let (frame, _) = zstd.seal(1, 0, &compressible).unwrap();
-        assert!(frame.len() < 200, "{} bytes", frame.len());
-        assert!(
-            zstd.seal(1, 0, &random).is_none(),
-            "incompressible stays plain"
-        );
+        for compression in [Compression::Zstd, Compression::Lz4] {
+            let compressing = Sealer::with(1, compression, None);
+            let (frame, _) = compressing.seal(1, 0, &compressible).unwrap();
+            assert!(frame.len() < 200, "{compression:?}: {} bytes", frame.len());
+            assert!(
+                compressing.seal(1, 0, &random).is_none(),
+                "{compression:?}: incompressible stays plain"
+            );
+        }
     }
 }

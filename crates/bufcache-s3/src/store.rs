@@ -36,14 +36,23 @@ use object_store::{
 };
 use serde_json::json;
 
+use crate::blocks;
 use crate::credentials::shared_file_credentials;
 use crate::error::{chain, request_failed, OpenError, StoreError};
 use crate::lock::{check_not_held, Acquired, DiskLock};
 use crate::seal::SealParameters;
 use crate::url::{LayoutKind, S3Url, CHUNK_SIZE_DEFAULT_BYTES, LAYOUT_DEFAULT};
 
-/// Version of the chunk layout written in the metadata object (older servers read only it).
+/// Version of the chunk layout without checksums, as older servers wrote it (still read and
+/// written to; new chunk disks get [`FORMAT_VERSION_CHUNK_CHECKED`]).
 pub const FORMAT_VERSION: u64 = 1;
+/// Version of the metadata object of a chunk-layout disk whose chunks are stored in checked
+/// blocks (module `blocks`: each 4 KiB followed by its CRC-32), recorded with
+/// `"chunk_checksums":"crc32-4k"`: a version older servers refuse, so none of them serves
+/// the checksums as data.
+pub const FORMAT_VERSION_CHUNK_CHECKED: u64 = 3;
+/// The `chunk_checksums` value of a chunk disk in checked blocks.
+const CHUNK_CHECKSUMS_NAME: &str = "crc32-4k";
 /// Version of the metadata object of a log-layout disk: a version chunk-only servers refuse,
 /// so none of them mistakes a log disk for an empty chunk disk.
 pub const FORMAT_VERSION_LOG: u64 = 2;
@@ -60,6 +69,11 @@ pub struct DiskMetadata {
     pub size_bytes: u64,
     /// The chunk size of a chunk-layout disk; 0 for a log-layout disk.
     pub chunk_size_bytes: u64,
+    /// Whether the chunk objects are stored in checked blocks (each 4 KiB followed by its
+    /// CRC-32, checked on every read and on the GET of a read-modify-write): true for chunk
+    /// disks created since, false for older ones and log-layout disks (whose segments carry
+    /// their own checksums).
+    pub chunk_checksums: bool,
     pub format_version: u64,
     pub layout: LayoutKind,
     /// Random identity of a log-layout disk, written in each of its segments and checkpoints
@@ -520,16 +534,18 @@ impl ChunkStore {
                         let metadata = DiskMetadata {
                             size_bytes: size,
                             chunk_size_bytes: chunk_size,
-                            format_version: FORMAT_VERSION,
+                            chunk_checksums: true,
+                            format_version: FORMAT_VERSION_CHUNK_CHECKED,
                             layout,
                             disk_id: 0,
                             seal: SealParameters::default(),
                         };
                         let body = json!({
                             "format": "bufcache-s3",
-                            "format_version": FORMAT_VERSION,
+                            "format_version": FORMAT_VERSION_CHUNK_CHECKED,
                             "size_bytes": size,
                             "chunk_size_bytes": chunk_size,
+                            "chunk_checksums": CHUNK_CHECKSUMS_NAME,
                         });
                         (metadata, body)
                     }
@@ -553,6 +569,7 @@ impl ChunkStore {
                         let metadata = DiskMetadata {
                             size_bytes: size,
                             chunk_size_bytes: 0,
+                            chunk_checksums: false,
                             format_version: FORMAT_VERSION_LOG,
                             layout,
                             disk_id,
@@ -650,6 +667,8 @@ impl ChunkStore {
     pub fn read(&self, buffer: &mut [u8], offset: u64) -> Result<(), StoreError> {
         self.check_range(offset, buffer.len() as u64)?;
         let pieces = self.pieces(offset, buffer.len() as u64);
+        let checked = self.metadata.chunk_checksums;
+        let chunk_size = self.metadata.chunk_size_bytes;
         let results: Vec<PieceRead> = self.runtime.block_on(
             stream::iter(pieces.into_iter().map(|piece| {
                 let store = self.store.clone();
@@ -659,8 +678,30 @@ impl ChunkStore {
                     if absent {
                         return Ok((piece.buffer, None));
                     }
-                    let data = get_range(&store, &key, piece.within.clone()).await?;
-                    Ok((piece.buffer, data))
+                    if !checked {
+                        let data = get_range(&store, &key, piece.within.clone()).await?;
+                        return Ok((piece.buffer, data));
+                    }
+                    // The whole blocks around the piece with their checksums, one ranged GET.
+                    let stored = blocks::stored_range(piece.within.clone());
+                    let Some(fetched) = get_range(&store, &key, stored.clone()).await? else {
+                        return Ok((piece.buffer, None));
+                    };
+                    let mut data = vec![0u8; (piece.within.end - piece.within.start) as usize];
+                    blocks::decode_range(
+                        &fetched,
+                        piece.within.clone(),
+                        blocks::Place {
+                            object_offset: 0,
+                            disk_offset: piece.chunk * chunk_size,
+                        },
+                        &mut data,
+                    )
+                    .map_err(|reason| StoreError::BadData {
+                        key: key.clone(),
+                        reason,
+                    })?;
+                    Ok((piece.buffer, Some(Bytes::from(data))))
                 }
             }))
             .buffer_unordered(self.requests_in_flight_max)
@@ -785,6 +826,7 @@ impl ChunkStore {
         edits: Vec<(Range<u64>, Option<Bytes>)>,
     ) -> impl std::future::Future<Output = Result<(), StoreError>> {
         let chunk_size = self.metadata.chunk_size_bytes;
+        let checked = self.metadata.chunk_checksums;
         let store = self.store.clone();
         let key = self.chunk_key(chunk_index);
         let locks = self.chunk_locks.clone();
@@ -804,9 +846,28 @@ impl ChunkStore {
                     edits = edits.len(),
                     "partial chunk write: read, merge, write"
                 );
-                get_range(&store, &key, 0..chunk_size).await?
+                let stored_size = if checked {
+                    blocks::stored_bytes(chunk_size)
+                } else {
+                    chunk_size
+                };
+                get_range(&store, &key, 0..stored_size).await?
             };
             let mut merged = match old {
+                // A damaged chunk is an error: merging into it would store the damage
+                // under fresh checksums.
+                Some(old) if checked => blocks::decode(
+                    &old,
+                    chunk_size,
+                    blocks::Place {
+                        object_offset: 0,
+                        disk_offset: chunk_index * chunk_size,
+                    },
+                )
+                .map_err(|reason| StoreError::BadData {
+                    key: key.clone(),
+                    reason,
+                })?,
                 Some(old) => old.to_vec(),
                 None => vec![0u8; chunk_size as usize],
             };
@@ -834,8 +895,13 @@ impl ChunkStore {
                 if let Some(set) = &stored {
                     set.insert(chunk_index);
                 }
+                let body = if checked {
+                    blocks::encode(&merged)
+                } else {
+                    Bytes::from(merged)
+                };
                 store
-                    .put(&ObjectPath::from(key.as_str()), PutPayload::from(merged))
+                    .put(&ObjectPath::from(key.as_str()), PutPayload::from(body))
                     .await
                     .map(|_| ())
                     .map_err(|error| request_failed("PUT", &key, error))
@@ -899,11 +965,18 @@ fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, String> {
     let format_version = field("format_version")?;
     let size_bytes = field("size_bytes")?;
     match format_version {
-        FORMAT_VERSION => {
+        FORMAT_VERSION | FORMAT_VERSION_CHUNK_CHECKED => {
+            let chunk_checksums = format_version == FORMAT_VERSION_CHUNK_CHECKED;
+            if chunk_checksums && value["chunk_checksums"] != CHUNK_CHECKSUMS_NAME {
+                return Err(format!(
+                    "field `chunk_checksums` is not \"{CHUNK_CHECKSUMS_NAME}\" (the only supported one for format version {FORMAT_VERSION_CHUNK_CHECKED})"
+                ));
+            }
             let metadata = DiskMetadata {
                 format_version,
                 size_bytes,
                 chunk_size_bytes: field("chunk_size_bytes")?,
+                chunk_checksums,
                 layout: LayoutKind::Chunk,
                 disk_id: 0,
                 seal: SealParameters::default(),
@@ -932,13 +1005,14 @@ fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, String> {
                 format_version,
                 size_bytes,
                 chunk_size_bytes: 0,
+                chunk_checksums: false,
                 layout: LayoutKind::Log,
                 disk_id,
                 seal: SealParameters::read_json(&value)?,
             })
         }
         other => Err(format!(
-            "format version {other} is not one of the supported {FORMAT_VERSION} (chunk layout) and {FORMAT_VERSION_LOG} (log layout)"
+            "format version {other} is not one of the supported {FORMAT_VERSION} and {FORMAT_VERSION_CHUNK_CHECKED} (chunk layout) and {FORMAT_VERSION_LOG} (log layout)"
         )),
     }
 }
@@ -1005,16 +1079,23 @@ mod tests {
             DiskMetadata {
                 size_bytes: 8 << 20,
                 chunk_size_bytes: 4 << 20,
+                chunk_checksums: false,
                 format_version: 1,
                 layout: LayoutKind::Chunk,
                 disk_id: 0,
                 seal: SealParameters::default(),
             }
         );
-        let version = br#"{"format":"bufcache-s3","format_version":3,"size_bytes":8388608,"chunk_size_bytes":4194304}"#;
+        let version = br#"{"format":"bufcache-s3","format_version":4,"size_bytes":8388608,"chunk_size_bytes":4194304}"#;
         assert!(parse_metadata(version)
             .unwrap_err()
-            .contains("format version 3"));
+            .contains("format version 4"));
+        let checked = br#"{"format":"bufcache-s3","format_version":3,"size_bytes":8388608,"chunk_size_bytes":4194304,"chunk_checksums":"crc32-4k"}"#;
+        assert!(parse_metadata(checked).unwrap().chunk_checksums);
+        let unknown_checksums = br#"{"format":"bufcache-s3","format_version":3,"size_bytes":8388608,"chunk_size_bytes":4194304,"chunk_checksums":"sha256"}"#;
+        assert!(parse_metadata(unknown_checksums)
+            .unwrap_err()
+            .contains("chunk_checksums"));
         let log = br#"{"format":"bufcache-s3","format_version":2,"layout":"log","disk_id":"00000000000000ab","size_bytes":8388608}"#;
         let parsed = parse_metadata(log).unwrap();
         assert_eq!((parsed.layout, parsed.disk_id), (LayoutKind::Log, 0xab));

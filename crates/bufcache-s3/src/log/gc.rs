@@ -308,9 +308,12 @@ impl Core {
                         .into_iter()
                         .map(|(disk_offset, at, fetched, address, length)| {
                             let fetched = data.slice(at as usize..(at + fetched) as usize);
+                            // Checked blocks and sealed frames are checked here as on
+                            // any read: a damaged source is an error, never copied.
                             let bytes = match segment::locate(address) {
                                 segment::Location::Plain { .. } => fetched.slice(..length as usize),
-                                segment::Location::Sealed { .. } => {
+                                segment::Location::Checked { .. }
+                                | segment::Location::Sealed { .. } => {
                                     let mut bytes = vec![0u8; length as usize];
                                     segment::extract(
                                         &sealer,

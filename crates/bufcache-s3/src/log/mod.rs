@@ -16,7 +16,9 @@
 //!   order, stopping at the first missing one; the segments after that gap were never covered
 //!   by an acknowledged FLUSH (a FLUSH returns only when every segment up to its own is
 //!   durable) and are deleted before anything new is written, so the disk reopens as a prefix
-//!   of the appended writes that includes every FLUSH-acknowledged one;
+//!   of the appended writes that includes every FLUSH-acknowledged one; a checkpoint covering
+//!   them is stored first, so their numbers are never used again (a saved copy put back
+//!   later is never read);
 //! - a segment or checkpoint that exists but fails its checksums or names another disk is
 //!   damage, not a crash (an object PUT is atomic): opening stops with an error naming it,
 //!   serving and changing nothing;
@@ -751,10 +753,7 @@ impl Core {
         let mut position = 0usize;
         while position < data.len() {
             let remaining = (data.len() - position) as u64;
-            let room = self
-                .config
-                .segment_bytes_max
-                .saturating_sub(state.open.sealed_bytes_with(0, 1));
+            let room = state.open.room_bytes(self.config.segment_bytes_max);
             // A fresh segment has room for at least 4 KiB (LogConfig::validate), so this
             // loop always makes progress; below that, no sliver is split off.
             if room < remaining.min(SPLIT_BYTES_MIN) {
@@ -1068,11 +1067,11 @@ fn check_layout(
         });
     }
     let sealer = Sealer::open(url, connection.metadata.disk_id, connection.metadata.seal)?;
-    if sealer.seals() && config.segment_bytes_max > segment::SEALED_SEGMENT_BYTES_MAX {
+    if config.segment_bytes_max > segment::SEALED_SEGMENT_BYTES_MAX {
         return Err(OpenError::Config {
             url: url.to_string(),
             reason: format!(
-                "segment_bytes_max {} is above {}, the largest segment of sealed extents",
+                "segment_bytes_max {} is above {}, the largest segment whose extents' addresses fit",
                 config.segment_bytes_max,
                 segment::SEALED_SEGMENT_BYTES_MAX
             ),
@@ -1248,6 +1247,34 @@ async fn recover(
         // Read-only: the dead segments and those after a gap stay; neither is read.
         dead.clear();
         orphans.clear();
+    }
+    let mut checkpoint_through = checkpoint_through;
+    if let Some(&newest_orphan) = orphans.last() {
+        // Segment numbers are never used twice: a saved copy of a segment deleted here, put
+        // back under its number after a new segment took it, would be replayed as that new
+        // segment (and its sealed extents authenticate: their associated data names the
+        // disk and that number). So a checkpoint covering the segments after the gap is
+        // stored before they go: no replay reads a segment at or below it that its index
+        // does not name, and new segments are numbered after it.
+        let key = checkpoint_key(url, newest_orphan);
+        let body = checkpoint::encode(metadata.disk_id, newest_orphan, &index);
+        store
+            .put(&ObjectPath::from(key.as_str()), PutPayload::from(body))
+            .await
+            .map_err(|error| OpenError::Request {
+                url: url.to_string(),
+                operation: format!("storing checkpoint `{key}` past the unflushed segments"),
+                message: chain(&error),
+            })?;
+        if checkpoint_through > 0 {
+            let old_key = checkpoint_key(url, checkpoint_through);
+            if let Err(error) = store.delete(&ObjectPath::from(old_key.as_str())).await {
+                // Harmless: the newest checkpoint wins at open.
+                tracing::warn!(checkpoint = %old_key, error = %chain(&error), "could not delete an old checkpoint");
+            }
+        }
+        checkpoint_through = newest_orphan;
+        last_sequence = newest_orphan;
     }
     for sequence in dead {
         let key = segment_key(url, sequence);

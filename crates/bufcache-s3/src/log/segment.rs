@@ -6,7 +6,7 @@
 //! ```text
 //! header (64 bytes)
 //!   0  magic "BCLOGSEG"
-//!   8  format version u32 (3)      12 header length u32 (64)
+//!   8  format version u32 (4)      12 header length u32 (64)
 //!  16  disk id u64                 24 sequence u64
 //!  32  data length u64             40 extent count u64
 //!  48  CRC-32 (IEEE) of the table u32
@@ -16,38 +16,51 @@
 //!   disk offset u64, length u64 (logical), position in data u64 (u64::MAX: zeroes), CRC-32
 //!   of the extent's stored bytes u32 (0 for zeroes), kind u32 (1 data, 2 zeroes, 3 copy),
 //!   source segment u64 (kind 3: the segment the garbage collector copied the bytes from;
-//!   else 0), stored length u64, seal flags u32 (0: stored as written; else the flags of its
-//!   frame, module `seal`: 1 compressed, 2 encrypted), reserved u32 (0)
+//!   else 0), stored length u64, storage flags u32, reserved u32 (0)
 //! ```
+//!
+//! Storage flags of a data extent: 4 (version 4): stored as written in checked blocks, each
+//! 4 KiB followed by its CRC-32 (module `blocks`: every ranged read checks the blocks it
+//! fetches); 1 and/or 2: a sealed frame (module `seal`: 1 compressed, 2 encrypted), read and
+//! checked whole; 0 (versions 1 to 3 only): stored as written, without block checksums
+//! (only the table's CRC of the whole extent, checked when the segment is replayed).
 //!
 //! A copy (kind 3) applies only where the index, at that point of the log, still maps the
 //! range to its source segment: a client write or trim that reached the log between the
 //! collector's read of the source and its append wins over the copy, live and at replay.
-//! Version 1 segments (32-byte entries, no copies) and version 2 ones (40-byte entries, no
-//! sealing) are still read.
+//! Version 1 segments (32-byte entries, no copies), version 2 ones (40-byte entries, no
+//! sealing) and version 3 ones (plain extents without block checksums) are still read.
 //!
 //! The data comes first so that an extent's place in the object is known when it is
 //! appended (header length + position in data), before the segment is sealed.
 //!
-//! The index keeps, for each mapped range, an *address* in its segment: for an extent stored
-//! as written, the object offset of the range's first byte (ranged reads fetch just the
-//! range); for a sealed extent (compressed and/or encrypted, readable only whole), bit 63
-//! set, the frame's object offset in bits 33..63, its stored length in bits 16..33 and the
-//! range's offset within the extent's logical bytes in bits 0..16. Adding `n` to an address
-//! moves `n` bytes into the range either way (the index does that when it splits mappings),
-//! since a sealed extent holds at most `seal::SEALED_EXTENT_BYTES_MAX` (64 KiB) logical bytes.
-//! So the index and its checkpoints need no format change, and a sealed segment is at most
-//! [`SEALED_SEGMENT_BYTES_MAX`] (1 GiB, the largest `segment-size=`).
+//! The index keeps, for each mapped range, an *address* in its segment:
+//! - for an extent in checked blocks, bit 62 set, the extent's object offset in bits 32..62
+//!   and the range's offset within the extent's logical bytes in bits 0..32;
+//! - for a sealed extent (compressed and/or encrypted, readable only whole), bit 63 set, the
+//!   frame's object offset in bits 33..63, its stored length in bits 16..33 and the range's
+//!   offset within the extent's logical bytes in bits 0..16;
+//! - for an extent of an older segment stored as written, the object offset of the range's
+//!   first byte (ranged reads fetch just the range, unchecked).
+//!
+//! Adding `n` to an address moves `n` bytes into the range in every case (the index does that
+//! when it splits mappings), since a sealed extent holds at most
+//! `seal::SEALED_EXTENT_BYTES_MAX` (64 KiB) logical bytes and a checked one less than 4 GiB.
+//! So the index and its checkpoints need no format change, and a segment of version 3 or
+//! later is at most [`SEALED_SEGMENT_BYTES_MAX`] (1 GiB, the largest `segment-size=`).
 
 use std::ops::Range;
 use std::sync::Arc;
 
 use bytes::{BufMut, Bytes, BytesMut};
 
+use crate::blocks::{self, Place};
 use crate::seal::{Sealer, FRAME_OVERHEAD_BYTES_MAX, SEALED_EXTENT_BYTES_MAX};
 
 const MAGIC: &[u8; 8] = b"BCLOGSEG";
-const FORMAT_VERSION: u32 = 3;
+const FORMAT_VERSION: u32 = 4;
+/// The version whose extents stored as written carry no block checksums.
+const FORMAT_VERSION_3: u32 = 3;
 /// Bytes before the data.
 pub const HEADER_BYTES: u64 = 64;
 /// Bytes of one table entry.
@@ -60,11 +73,19 @@ const KIND_DATA: u32 = 1;
 const KIND_ZEROES: u32 = 2;
 const KIND_COPY: u32 = 3;
 const ZEROES_POSITION: u64 = u64::MAX;
-/// Seal flags a table entry may carry (module `seal`).
-const SEAL_FLAGS_KNOWN: u32 = 3;
+/// Storage flags of a sealed frame (module `seal`: 1 compressed, 2 encrypted).
+const FRAME_FLAGS: u32 = 3;
+/// Storage flag of an extent stored as written in checked blocks (module `blocks`).
+const FLAG_BLOCKS: u32 = 4;
 
-/// Largest segment object whose sealed extents' addresses fit (see the module docs).
+/// Largest segment object whose sealed and checked extents' addresses fit (see the module
+/// docs).
 pub const SEALED_SEGMENT_BYTES_MAX: u64 = 1 << OBJECT_OFFSET_BITS;
+const CHECKED_BIT: u64 = 1 << 62;
+const CHECKED_WITHIN_BITS: u32 = 32;
+/// Most logical bytes of one extent in checked blocks (its offset within must fit).
+const CHECKED_EXTENT_BYTES_MAX: u64 = 1 << CHECKED_WITHIN_BITS;
+const _: () = assert!(CHECKED_WITHIN_BITS + OBJECT_OFFSET_BITS == 62);
 const SEALED_BIT: u64 = 1 << 63;
 const WITHIN_BITS: u32 = 16;
 const STORED_LENGTH_BITS: u32 = 17;
@@ -81,11 +102,20 @@ fn sealed_address(object_offset: u64, stored_length: u64) -> u64 {
     SEALED_BIT | object_offset << OBJECT_OFFSET_SHIFT | stored_length << STORED_LENGTH_SHIFT
 }
 
+fn checked_address(object_offset: u64) -> u64 {
+    debug_assert!(object_offset < SEALED_SEGMENT_BYTES_MAX);
+    CHECKED_BIT | object_offset << CHECKED_WITHIN_BITS
+}
+
 /// Where the bytes of a mapped range are, from its address (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Location {
-    /// Stored as written, from this object offset on.
+    /// Stored as written without checksums (segments before version 4), from this object
+    /// offset on.
     Plain { object_offset: u64 },
+    /// In checked blocks (module `blocks`) whose stored form starts at `object_offset`,
+    /// `within` bytes into the extent's logical bytes.
+    Checked { object_offset: u64, within: u64 },
     /// Inside the sealed extent whose frame is `stored_length` bytes at `object_offset`,
     /// `within` bytes into its logical bytes.
     Sealed {
@@ -96,7 +126,14 @@ pub enum Location {
 }
 
 pub fn locate(address: u64) -> Location {
+    let field = |shift: u32, bits: u32| (address >> shift) & ((1 << bits) - 1);
     if address & SEALED_BIT == 0 {
+        if address & CHECKED_BIT != 0 {
+            return Location::Checked {
+                object_offset: field(CHECKED_WITHIN_BITS, OBJECT_OFFSET_BITS),
+                within: field(0, CHECKED_WITHIN_BITS),
+            };
+        }
         return Location::Plain {
             object_offset: address,
         };
@@ -110,10 +147,18 @@ pub fn locate(address: u64) -> Location {
 }
 
 /// The object bytes a read of `length` bytes at `address` must fetch: the range itself when
-/// stored as written, the whole frame when sealed.
+/// stored as written without checksums, the whole blocks around it with their checksums when
+/// checked, the whole frame when sealed.
 pub fn fetch_range(address: u64, length: u64) -> Range<u64> {
     match locate(address) {
         Location::Plain { object_offset } => object_offset..object_offset + length,
+        Location::Checked {
+            object_offset,
+            within,
+        } => {
+            let stored = blocks::stored_range(within..within + length);
+            object_offset + stored.start..object_offset + stored.end
+        }
         Location::Sealed {
             object_offset,
             stored_length,
@@ -134,6 +179,18 @@ pub fn extract(
 ) -> Result<(), String> {
     match locate(address) {
         Location::Plain { .. } => target.copy_from_slice(&fetched[..target.len()]),
+        Location::Checked {
+            object_offset,
+            within,
+        } => blocks::decode_range(
+            fetched,
+            within..within + target.len() as u64,
+            Place {
+                object_offset,
+                disk_offset: disk_offset - within,
+            },
+            target,
+        )?,
         Location::Sealed { within, .. } => {
             let logical = sealer.unseal(fetched, sequence, disk_offset - within)?;
             let range = within as usize..within as usize + target.len();
@@ -162,21 +219,20 @@ pub struct SegmentExtent {
     pub checksum: u32,
     /// For bytes the garbage collector copied: the segment they were copied from.
     pub copy_of: Option<u64>,
-    /// Bytes stored in the data area (`length` unless sealed).
+    /// Bytes stored in the data area (`length` when stored as written without checksums).
     pub stored_length: u64,
-    /// The frame's seal flags; 0: stored as written.
+    /// Storage flags (module docs): a frame's seal flags, `FLAG_BLOCKS`, or 0 (an older
+    /// segment's extent stored as written).
     pub seal_flags: u32,
 }
 
 impl SegmentExtent {
     /// The index address of the extent's first byte (None for zeroes): see the module docs.
     pub fn object_offset(&self) -> Option<u64> {
-        self.data_position.map(|position| {
-            if self.seal_flags == 0 {
-                HEADER_BYTES + position
-            } else {
-                sealed_address(HEADER_BYTES + position, self.stored_length)
-            }
+        self.data_position.map(|position| match self.seal_flags {
+            0 => HEADER_BYTES + position,
+            FLAG_BLOCKS => checked_address(HEADER_BYTES + position),
+            _ => sealed_address(HEADER_BYTES + position, self.stored_length),
         })
     }
 }
@@ -201,18 +257,41 @@ impl OpenSegment {
     }
 
     /// The most the object can be once sealed, with `more_data` more logical bytes in
-    /// `more_extents` more extents (sealing may add a frame to each).
+    /// `more_extents` more extents (sealing may add a frame to each; checked blocks add a
+    /// checksum per 4 KiB and pad each extent's last block).
     pub fn sealed_bytes_with(&self, more_data: u64, more_extents: u64) -> u64 {
+        let overhead = if self.sealer.seals() {
+            more_extents * self.sealer.overhead_bytes_max()
+        } else if more_data == 0 {
+            // Zeroed ranges: a table entry each, no data.
+            0
+        } else {
+            (more_data.div_ceil(blocks::BLOCK_BYTES) + more_extents) * blocks::CHECKSUM_BYTES
+                + more_extents * (blocks::BLOCK_BYTES - 1)
+        };
         HEADER_BYTES
             + self.data.len() as u64
             + more_data
-            + more_extents * self.sealer.overhead_bytes_max()
+            + overhead
             + (self.table.len() as u64 + more_extents) * TABLE_ENTRY_BYTES
+    }
+
+    /// The most logical bytes one more extent may hold with the object staying within
+    /// `segment_bytes_max` bytes (0: none fit): whole stored blocks when stored as written.
+    pub fn room_bytes(&self, segment_bytes_max: u64) -> u64 {
+        // With no data, sealed_bytes_with counts the header, the data so far, the table with
+        // one more entry and, when sealing, that extent's frame overhead.
+        let stored_room = segment_bytes_max.saturating_sub(self.sealed_bytes_with(0, 1));
+        if self.sealer.seals() {
+            stored_room
+        } else {
+            blocks::logical_bytes_within(stored_room)
+        }
     }
 
     /// Most logical bytes one appended extent may hold.
     pub fn extent_bytes_max(&self) -> u64 {
-        self.sealer.extent_bytes_max()
+        self.sealer.extent_bytes_max().min(CHECKED_EXTENT_BYTES_MAX)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -244,8 +323,8 @@ impl OpenSegment {
                 (frame.len() as u64, u32::from(flags))
             }
             None => {
-                self.data.extend_from_slice(data);
-                (data.len() as u64, 0)
+                blocks::encode_into(data, &mut self.data);
+                (blocks::stored_bytes(data.len() as u64), FLAG_BLOCKS)
             }
         };
         let extent = SegmentExtent {
@@ -368,7 +447,7 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Decod
     let entry_bytes = match version {
         1 => TABLE_ENTRY_BYTES_VERSION_1,
         2 => TABLE_ENTRY_BYTES_VERSION_2,
-        FORMAT_VERSION => TABLE_ENTRY_BYTES,
+        FORMAT_VERSION_3 | FORMAT_VERSION => TABLE_ENTRY_BYTES,
         _ => {
             return Err(format!(
                 "segment format version {version} is not a supported one (1 to {FORMAT_VERSION})"
@@ -426,12 +505,33 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Decod
         } else {
             (length, 0)
         };
-        if seal_flags & !SEAL_FLAGS_KNOWN != 0 {
+        let flags_known = if version >= FORMAT_VERSION {
+            FRAME_FLAGS | FLAG_BLOCKS
+        } else {
+            FRAME_FLAGS
+        };
+        if seal_flags & !flags_known != 0
+            || (seal_flags & FLAG_BLOCKS != 0 && seal_flags != FLAG_BLOCKS)
+        {
             return Err(format!(
-                "extent {number} has unknown seal flags {seal_flags:#x}"
+                "extent {number} has unknown storage flags {seal_flags:#x}"
             ));
         }
-        if seal_flags != 0
+        if version >= FORMAT_VERSION && kind != KIND_ZEROES && seal_flags == 0 {
+            return Err(format!(
+                "extent {number} is stored as written without block checksums, which a version {FORMAT_VERSION} segment never does"
+            ));
+        }
+        if seal_flags == FLAG_BLOCKS
+            && (stored_length != blocks::stored_bytes(length)
+                || length >= CHECKED_EXTENT_BYTES_MAX
+                || HEADER_BYTES + data_bytes > SEALED_SEGMENT_BYTES_MAX)
+        {
+            return Err(format!(
+                "extent {number} in checked blocks ({length} bytes, {stored_length} stored) does not add up, or lies past {SEALED_SEGMENT_BYTES_MAX} bytes"
+            ));
+        }
+        if seal_flags & FRAME_FLAGS != 0
             && (length > SEALED_EXTENT_BYTES_MAX
                 || stored_length > SEALED_EXTENT_BYTES_MAX + FRAME_OVERHEAD_BYTES_MAX
                 || HEADER_BYTES + data_bytes > SEALED_SEGMENT_BYTES_MAX)
@@ -515,6 +615,7 @@ mod tests {
         for sealer in [
             Sealer::plain(0xabc),
             Sealer::with(0xabc, Compression::Zstd, None),
+            Sealer::with(0xabc, Compression::Lz4, None),
             Sealer::with(0xabc, Compression::Off, key),
             Sealer::with(0xabc, Compression::Zstd, key),
         ] {
@@ -577,5 +678,19 @@ mod tests {
             );
         }
         assert_eq!(fetch_range(100, 10), 100..110);
+        let checked = checked_address(HEADER_BYTES + 8200);
+        for within in [0, 1, 4096, 1 << 31] {
+            assert_eq!(
+                locate(checked + within),
+                Location::Checked {
+                    object_offset: HEADER_BYTES + 8200,
+                    within
+                }
+            );
+        }
+        assert_eq!(
+            fetch_range(checked + 5000, 4000),
+            HEADER_BYTES + 8200 + 4100..HEADER_BYTES + 8200 + 3 * 4100
+        );
     }
 }
