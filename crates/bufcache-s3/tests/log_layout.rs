@@ -551,7 +551,11 @@ fn garbage_collection_keeps_a_shadow_model_through_reopen_and_crash() {
 /// The body of [`garbage_collection_keeps_a_shadow_model_through_reopen_and_crash`], with
 /// `extra` URL parameters on every open (sealing: `&key-file=…&compress=zstd`).
 fn garbage_collection_keeps_a_shadow_model(extra: &str) {
-    let seed: u64 = rand::random();
+    // GC_SEED=N replays a printed seed.
+    let seed: u64 = std::env::var("GC_SEED")
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .unwrap_or_else(rand::random);
     println!("seed {seed}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let moto = Moto::start();
@@ -609,11 +613,14 @@ fn garbage_collection_keeps_a_shadow_model(extra: &str) {
         let report = store.collect_garbage(0.5).unwrap();
         rewritten += report.segments_rewritten;
         deleted += report.segments_deleted;
+        // Live bytes as stored: an extent that does not end on a 4 KiB boundary keeps its
+        // last checked block whole, and this workload's unaligned writes leave many such
+        // pieces (the engine's whole-block writes leave none).
         let stored = store.stored_segment_bytes();
-        let live = store.mapped_bytes();
+        let live = store.mapped_bytes() + store.mapped_extents() as u64 * 4100;
         assert!(
             stored <= 2 * live + 4 * SEGMENT,
-            "seed {seed} round {round}: {stored} bytes stored for {live} live"
+            "seed {seed} round {round}: {stored} bytes stored for {live} live (padding included)"
         );
         assert!(read_all(&store, SIZE) == model, "seed {seed} round {round}");
         let gc = if round >= 1 { "on" } else { "off" };

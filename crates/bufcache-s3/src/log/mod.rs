@@ -497,6 +497,13 @@ impl LogStore {
         self.core.shared.lock().index.mapped_bytes()
     }
 
+    /// Ranges the index maps now. Each stored as written may cost up to one checked block of
+    /// padding beyond its bytes (its last block is stored whole), which matters only for
+    /// extents that do not end on a 4 KiB boundary.
+    pub fn mapped_extents(&self) -> usize {
+        self.core.shared.lock().index.len()
+    }
+
     /// Every segment up to this sequence is durable.
     pub fn durable_through(&self) -> u64 {
         self.core.shared.lock().durable_through
