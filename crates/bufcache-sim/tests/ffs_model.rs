@@ -305,13 +305,21 @@ fn aging_fragments_free_space_and_n_decides_where_taken_requests_go() {
         // A fresh group is one free run of ≈ 1800 blocks; aged ones are cut short.
         assert!(report.free_run_mean_blocks < 100.0, "{report:?}");
     }
-    assert_eq!(aged(1, seed).1, report_n1, "aging is deterministic in its seed");
+    assert_eq!(
+        aged(1, seed).1,
+        report_n1,
+        "aging is deterministic in its seed"
+    );
     let file_n1 = n1.create_file(0, 4 << 20).unwrap();
     let file_n8 = n8.create_file(0, 4 << 20).unwrap();
     let mut fresh = Ffs::new(NewfsParams::default(), rz28_geometry()).unwrap();
     let file_fresh = fresh.create_file(0, 4 << 20).unwrap();
     // Fresh: the direct blocks, the indirect block, the rest (rotdelay gaps every 8 blocks).
-    assert!(file_fresh.map.runs() <= 70, "{} runs", file_fresh.map.runs());
+    assert!(
+        file_fresh.map.runs() <= 70,
+        "{} runs",
+        file_fresh.map.runs()
+    );
     assert!(
         file_n1.map.runs() > 20 && file_n8.map.runs() > 20,
         "aged: {} runs with -n 1, {} with -n 8",
@@ -320,7 +328,10 @@ fn aging_fragments_free_space_and_n_decides_where_taken_requests_go() {
     );
     let ranges_n1 = file_n1.map.device_ranges(0, 512);
     let ranges_n8 = file_n8.map.device_ranges(0, 512);
-    assert_ne!(ranges_n1, ranges_n8, "-n changes the placement on an aged file system");
+    assert_ne!(
+        ranges_n1, ranges_n8,
+        "-n changes the placement on an aged file system"
+    );
     // Aging refuses what it cannot do, by name.
     let bad = AgingParams {
         fill: 0.95,
