@@ -24,15 +24,29 @@
 //!   12 + NINDIR the double indirect block and one second-level block per NINDIR blocks
 //!   after. A new indirect block is allocated just before the data block that needs it and
 //!   written synchronously (zeroed) so it never points at garbage (`ffs_balloc`); the
-//!   pointers it gains are delayed writes. At each indirect boundary past the first, the
-//!   file moves to the group `(inode's group + lbn / maxbpg) mod groups` with free space
-//!   (`ffs_blkpref`; maxbpg = NINDIR, `newfs -e`'s default), so large files spread over
-//!   the groups.
-//! - `rotational_positions` (`-n`) changes no placement, as in 4.4BSD on an empty file
-//!   system: `ffs_alloccgblk` takes the requested block when it is free and searches the
-//!   cylinder's rotational positions (`fs_nrpos`) only when it is taken, and the rotdelay gap
-//!   comes from `ffs_blkpref` whatever `-n` is. Files are never freed here, so the requested
-//!   block is always free (seed 002's "-n 1" effect; see docs/experiments.md).
+//!   pointers it gains are delayed writes. At each indirect boundary the file moves to the
+//!   first group from `(inode's group + lbn / maxbpg) mod groups` with at least the average
+//!   number of free blocks (`ffs_blkpref`; maxbpg = NINDIR, `newfs -e`'s default), so large
+//!   files spread over the groups.
+//! - Blocks come from per-group free-block maps as 4.4BSD-Lite2's `ffs_alloc.c` hands
+//!   them out: `ffs_blkpref` requests the block after the previous one (or a rotdelay gap
+//!   further), and at the start of a section the group's second block — in the inode's group
+//!   for the direct blocks, else in the first group from `inode's group + lbn / maxbpg` with
+//!   at least the average number of free blocks; `ffs_alloccgblk` takes the requested block
+//!   if it is free, else with `-n` above 1 the first free block of the requested cylinder at
+//!   the requested rotational position or the next one around (`cbtorpos` on the label's
+//!   track), else (`-n 1`: "drives of unknown geometry (e.g. SCSI)") the next free block
+//!   after the request (`ffs_mapsearch`); a group without free blocks passes the request
+//!   on (`ffs_hashalloc`'s quadratic rehash, then every group).
+//! - So `-n` decides only when a requested block is taken: on a fresh file system, where a
+//!   file starts (its first request, the group's second block, is metadata) and at its
+//!   indirect blocks; on an aged one ([`Ffs::age`]: seeded create/remove churn through the
+//!   same maps), wherever other files' blocks are in the way (seed 002's "-n 1"; see
+//!   docs/experiments.md).
+//! - Simplified: the maps are kept per block with a count of fragments in use; small files
+//!   and tails take fragments from one partially used block per group, and fragments freed
+//!   inside a block still partly in use are not reused until the whole block is free. No
+//!   `ffs_reallocblks` (cluster reallocation).
 
 use std::sync::Arc;
 
@@ -70,7 +84,7 @@ pub struct NewfsParams {
     /// Rotational delay between runs (`-d`), ms; 0 lays runs back to back.
     pub rotdelay_ms: f64,
     /// Rotational positions per cylinder (`-n`); consulted by 4.4BSD only for a taken
-    /// requested block, which never happens here (see the module documentation).
+    /// requested block (see the module documentation).
     pub rotational_positions: u32,
     /// Revolutions per minute the file system assumes (`-r`), for the rotdelay gap.
     pub rpm: u32,
@@ -767,7 +781,7 @@ impl Ffs {
         let mut last = (0u64, group);
         for lbn in 0..blocks {
             let starts_section =
-                lbn == 0 || (lbn >= DIRECT_BLOCKS && (lbn - DIRECT_BLOCKS) % nindir == 0);
+                lbn == 0 || (lbn >= DIRECT_BLOCKS && (lbn - DIRECT_BLOCKS).is_multiple_of(nindir));
             if starts_section && lbn >= DIRECT_BLOCKS {
                 // ffs_balloc: the indirect blocks this block needs (the single at 12; the
                 // double and a second-level one at 12 + NINDIR; a second-level one after),
@@ -869,7 +883,6 @@ impl Ffs {
     pub fn age(&mut self, aging: &AgingParams, seed: u64) -> Result<AgingReport, FsError> {
         aging.validate()?;
         let mut rng = crate::clock::SimRng::new(seed ^ 0xA6E5_F5A6_0000_0037);
-        let block = self.params.block_size as u64;
         let data_blocks: u64 = self
             .groups
             .iter()
@@ -907,7 +920,6 @@ impl Ffs {
             self.remove(victim.0, &victim.1);
             removed += 1;
         }
-        let _ = block;
         let mut runs = 0u64;
         let mut free = 0u64;
         for g in &self.groups {
