@@ -771,7 +771,8 @@ fn newfs(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
     let mut series: Vec<Series> = Vec::new();
     let mut results = std::collections::HashMap::new();
     // -n 8 -d 0 isolates -n: 4.4BSD's allocator consults the rotational positions only when
-    // the preferred block is taken (ffs_alloccgblk), never on an empty file system.
+    // the requested block is taken (ffs_alloccgblk), on an empty file system only where a
+    // file starts and at its indirect blocks.
     // The aged rows run on a file system aged first (AgingParams::default(): filled to 70 %
     // with files of 1 KiB to 1 MiB, churned twice over, through the same allocator), where
     // a requested block is often taken and -n's rotational search decides.
@@ -1055,8 +1056,9 @@ fn newfs(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
              cache, update daemon every 30 s) on the RZ28; clusters of up to maxcontig × 8K \
              but at most MAXPHYS (64 KiB) as in 4.4BSD, read-ahead up to maxcontig × 8K. \
              The raw device row is dd with 64 KiB \
-             records on the character device (no cache). No write cache on the drive (the \
-             seed never mentions one).",
+             records on the character device (no cache). Each -n/-d setting runs on a fresh \
+             and on an aged file system. No write cache on the drive (the seed never \
+             mentions one) except in the what-if rows.",
             format_size(file)
         ),
         table,
