@@ -351,3 +351,42 @@ fn aging_fragments_free_space_and_n_decides_where_taken_requests_go() {
         })
     );
 }
+
+#[test]
+fn a_taken_request_goes_to_the_nearest_rotational_position_with_n_above_1() {
+    // Goal: ffs_alloccgblk's rotational search — with -n 8 a taken requested block is
+    // replaced by the first free block of the same cylinder at the requested rotational
+    // position (or the next one around), with -n 1 by the next free block after it.
+    // Method: on a fresh RZ28 file system a file's first request is the group's second
+    // block, which is metadata (taken); place one block-sized file with -n 1 and with -n 8
+    // and compare where each went, computing rotational positions from the label's track.
+    let geometry = rz28_geometry();
+    let with = |positions: u32| {
+        let params = NewfsParams {
+            rotational_positions: positions,
+            ..NewfsParams::default()
+        };
+        let mut ffs = Ffs::new(params, geometry).unwrap();
+        ffs.create_file(0, 8192).unwrap().map.device_ranges(0, 1)[0].0
+    };
+    let block = 8192u64;
+    let sectors_per_track = geometry.track_bytes / 512;
+    let position = |offset: u64| (offset / 512 % sectors_per_track) * 8 / sectors_per_track;
+    let first_free = with(1);
+    let rotational = with(8);
+    // The requested block (the group's second) is at rotational position 1.
+    let wanted = position(block);
+    assert_eq!(wanted, 1);
+    assert_eq!(position(rotational), wanted, "-n 8 took {rotational}");
+    assert!(rotational / geometry.cylinder_bytes == 0, "same cylinder");
+    // It is the first free block at that position: every block from the first free one up
+    // to it lies at another position.
+    assert!(rotational > first_free, "{rotational} <= {first_free}");
+    for offset in (first_free..rotational).step_by(block as usize) {
+        assert_ne!(
+            position(offset),
+            wanted,
+            "block at {offset} was free at the position"
+        );
+    }
+}
