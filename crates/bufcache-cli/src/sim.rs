@@ -87,8 +87,9 @@ enum SimCommand {
         json: bool,
         /// Lay out a 4.4BSD FFS on the disk and write its metadata (inodes, directories,
         /// bitmaps, indirect blocks) through the cache: `default` or newfs keys, e.g.
-        /// `a=16,d=0,n=1` (b, f, a, d, n, r, c, i, sync=on|off). Default: a flat layout
-        /// without metadata I/O.
+        /// `a=16,d=0,n=1` (b, f, a, d, n, r, c, i, sync=on|off); `age=0.7,churn=2` ages
+        /// the file system first (filled to that share by seeded create/remove churn through
+        /// the allocator). Default: a flat layout without metadata I/O.
         #[arg(long, value_name = "NEWFS")]
         newfs: Option<bufcache_sim::NewfsParams>,
         /// Run 4.4BSD's update daemon: sync(2) every this many seconds (4.4BSD: 30). Default:

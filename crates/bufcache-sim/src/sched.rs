@@ -419,6 +419,8 @@ struct FfsState {
     files: Vec<Option<(FileMeta, usize)>>,
     /// Directories: the file holding them, their group, entries so far.
     directories: Vec<Directory>,
+    /// What aging left, when the file system was aged before the run.
+    aging: Option<crate::fs::AgingReport>,
 }
 
 struct Directory {
@@ -1199,6 +1201,7 @@ impl Simulation {
             block_size: block,
             files: vec![None; world.files.len()],
             directories: Vec::new(),
+            aging: None,
         });
         let root = world.place(
             "/",
@@ -1216,7 +1219,22 @@ impl Simulation {
             group,
             entries: 2,
         });
+        if let Some(aging) = &state.ffs.params().aging.clone() {
+            let report = state
+                .ffs
+                .age(aging, self.seed)
+                .map_err(|e| SimError::Invalid(format!("cannot age the file system: {e}")))?;
+            state.aging = Some(report);
+        }
         Ok(())
+    }
+
+    /// What aging the file system left (`None` without the FFS model or aging).
+    pub fn aging_report(&self) -> Option<crate::fs::AgingReport> {
+        self.world
+            .ffs
+            .as_ref()
+            .and_then(|state| state.aging.clone())
     }
 
     /// Creates a file of `length` bytes on the disk (its contents are whatever the disk

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use bufcache::CacheConfig;
-use bufcache_sim::fs::{Ffs, FsGeometry, NewfsParams, INODE_BYTES};
+use bufcache_sim::fs::{AgingParams, Ffs, FsGeometry, NewfsParams, INODE_BYTES};
 use bufcache_sim::{
     run_experiment, sim_cache_config, ComparisonKind, DiskKind, DiskSpec, ExperimentOptions,
     HostCosts, Os, Process, SimConfig, SimError, Simulation, Step, WorkloadSpec,
@@ -256,4 +256,137 @@ fn directory_calls_refuse_what_cannot_apply_by_name() {
     sim.spawn("p", Box::new(BadDirectoryCall { mkdir: false }), 0, true);
     let error = sim.run().unwrap_err().to_string();
     assert!(error.contains("directory 7 does not exist"), "{error}");
+}
+
+fn rz28_geometry() -> FsGeometry {
+    let DiskKind::Hdd(p) = DiskSpec::rz28().kind else {
+        panic!("the RZ28 is a mechanical disk")
+    };
+    FsGeometry {
+        capacity_bytes: p.capacity_bytes(),
+        cylinder_bytes: p.sectors_per_track as u64 * p.heads as u64 * 512,
+        track_bytes: p.sectors_per_track as u64 * 512,
+    }
+}
+
+fn aged(positions: u32, seed: u64) -> (Ffs, bufcache_sim::fs::AgingReport) {
+    let params = NewfsParams {
+        maxcontig: 8,
+        rotdelay_ms: 0.0,
+        rotational_positions: positions,
+        rpm: 5400,
+        ..NewfsParams::default()
+    };
+    let mut ffs = Ffs::new(params, rz28_geometry()).unwrap();
+    let report = ffs.age(&AgingParams::default(), seed).unwrap();
+    (ffs, report)
+}
+
+#[test]
+fn aging_fragments_free_space_and_n_decides_where_taken_requests_go() {
+    // Goal: aging (create/remove churn through the allocator's free-block maps) leaves a
+    // file system at its fill with free space in short runs, deterministically per seed,
+    // and on it a new file's requested blocks are often taken, so -n (4.4BSD's rotational
+    // search in ffs_alloccgblk) changes where the file goes — while on a fresh file system
+    // a large file lies in a few long runs whatever -n is.
+    // Method: age the RZ28's file system with -n 1 and with -n 8 (seed 7, printed), check
+    // the reports, then place the same 4 MiB file in the first group and count its runs.
+    let seed = 7;
+    println!("seed {seed}");
+    let (mut n1, report_n1) = aged(1, seed);
+    let (mut n8, report_n8) = aged(8, seed);
+    for report in [&report_n1, &report_n8] {
+        assert!(
+            (report.used_fraction - 0.7).abs() < 0.02,
+            "used {:.3}",
+            report.used_fraction
+        );
+        assert!(report.files_removed > 1000, "{report:?}");
+        // A fresh group is one free run of ≈ 1800 blocks; aged ones are cut short.
+        assert!(report.free_run_mean_blocks < 100.0, "{report:?}");
+    }
+    assert_eq!(
+        aged(1, seed).1,
+        report_n1,
+        "aging is deterministic in its seed"
+    );
+    let file_n1 = n1.create_file(0, 4 << 20).unwrap();
+    let file_n8 = n8.create_file(0, 4 << 20).unwrap();
+    let mut fresh = Ffs::new(NewfsParams::default(), rz28_geometry()).unwrap();
+    let file_fresh = fresh.create_file(0, 4 << 20).unwrap();
+    // Fresh: the direct blocks, the indirect block, the rest (rotdelay gaps every 8 blocks).
+    assert!(
+        file_fresh.map.runs() <= 70,
+        "{} runs",
+        file_fresh.map.runs()
+    );
+    assert!(
+        file_n1.map.runs() > 20 && file_n8.map.runs() > 20,
+        "aged: {} runs with -n 1, {} with -n 8",
+        file_n1.map.runs(),
+        file_n8.map.runs()
+    );
+    let ranges_n1 = file_n1.map.device_ranges(0, 512);
+    let ranges_n8 = file_n8.map.device_ranges(0, 512);
+    assert_ne!(
+        ranges_n1, ranges_n8,
+        "-n changes the placement on an aged file system"
+    );
+    // Aging refuses what it cannot do, by name.
+    let bad = AgingParams {
+        fill: 0.95,
+        ..AgingParams::default()
+    };
+    let error = n1.age(&bad, seed).unwrap_err().to_string();
+    assert!(error.contains("age 0.95"), "{error}");
+    let error = "age=x".parse::<NewfsParams>().unwrap_err().to_string();
+    assert!(error.contains("age = `x`"), "{error}");
+    let parsed: NewfsParams = "age=0.5,churn=1".parse().unwrap();
+    assert_eq!(
+        parsed.aging,
+        Some(AgingParams {
+            fill: 0.5,
+            churn: 1.0,
+            ..AgingParams::default()
+        })
+    );
+}
+
+#[test]
+fn a_taken_request_goes_to_the_nearest_rotational_position_with_n_above_1() {
+    // Goal: ffs_alloccgblk's rotational search — with -n 8 a taken requested block is
+    // replaced by the first free block of the same cylinder at the requested rotational
+    // position (or the next one around), with -n 1 by the next free block after it.
+    // Method: on a fresh RZ28 file system a file's first request is the group's second
+    // block, which is metadata (taken); place one block-sized file with -n 1 and with -n 8
+    // and compare where each went, computing rotational positions from the label's track.
+    let geometry = rz28_geometry();
+    let with = |positions: u32| {
+        let params = NewfsParams {
+            rotational_positions: positions,
+            ..NewfsParams::default()
+        };
+        let mut ffs = Ffs::new(params, geometry).unwrap();
+        ffs.create_file(0, 8192).unwrap().map.device_ranges(0, 1)[0].0
+    };
+    let block = 8192u64;
+    let sectors_per_track = geometry.track_bytes / 512;
+    let position = |offset: u64| (offset / 512 % sectors_per_track) * 8 / sectors_per_track;
+    let first_free = with(1);
+    let rotational = with(8);
+    // The requested block (the group's second) is at rotational position 1.
+    let wanted = position(block);
+    assert_eq!(wanted, 1);
+    assert_eq!(position(rotational), wanted, "-n 8 took {rotational}");
+    assert!(rotational / geometry.cylinder_bytes == 0, "same cylinder");
+    // It is the first free block at that position: every block from the first free one up
+    // to it lies at another position.
+    assert!(rotational > first_free, "{rotational} <= {first_free}");
+    for offset in (first_free..rotational).step_by(block as usize) {
+        assert_ne!(
+            position(offset),
+            wanted,
+            "block at {offset} was free at the position"
+        );
+    }
 }
