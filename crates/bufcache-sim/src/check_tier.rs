@@ -645,6 +645,17 @@ impl Harness {
                         })
                         .unwrap_or_default()
                 };
+                if self.trace {
+                    for done in low..=self.epoch {
+                        eprintln!("  E = {done}: {}", blame(done));
+                    }
+                    for (sector, shadow) in self.shadow.iter().enumerate() {
+                        eprintln!(
+                            "  sector {sector}: remote {} floor {} {:?}",
+                            versions[sector], shadow.floor, shadow.versions
+                        );
+                    }
+                }
                 Err(self.violation(format!(
                     "remote not an epoch prefix {when}: no E from {low} to {} fits; {}; {}",
                     self.epoch,

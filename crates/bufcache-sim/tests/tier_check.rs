@@ -12,7 +12,7 @@ fn local_tier_seeds_lose_no_flushed_write_and_keep_the_remote_an_epoch_prefix() 
         .and_then(|text| text.parse().ok())
         .unwrap_or(300);
     let summary = bufcache_sim::check_tier_seeds(1, seeds, |_, _| {});
-    for violation in summary.violations.iter().take(3) {
+    for violation in summary.violations.iter().take(10) {
         eprintln!("seed {}: {}", violation.seed, violation.message);
     }
     assert!(summary.violations.is_empty(), "{}", summary.line());
@@ -33,4 +33,12 @@ fn a_local_tier_seed_replays_exactly() {
         let second = bufcache_sim::check_tier_seed_traced(seed, false);
         assert_eq!(first, second, "seed {seed}");
     }
+}
+
+#[test]
+#[ignore]
+fn debug_one_seed() {
+    let seed = std::env::var("TIER_DEBUG_SEED").unwrap().parse().unwrap();
+    let outcome = bufcache_sim::check_tier_seed_traced(seed, true);
+    eprintln!("{:?}", outcome.violation);
 }

@@ -161,6 +161,11 @@ struct State {
     /// for it (an invalidation, a dropped write record), so a read that went to the remote
     /// before does not cache what it read.
     generation: u64,
+    /// Set when a write straight to the remote failed: the remote may hold some of it without
+    /// having made it durable, so what a read finds there may vanish in a crash and must not
+    /// be cached (a durable clean record would then serve data the remote lost). Cleared by
+    /// the next successful flush of the remote.
+    remote_unflushed: bool,
     writeback_failures_in_a_row: u32,
     /// Failed write-back attempts ever: a waiter reports an error only after one of its own.
     writeback_failures_total: u64,
@@ -546,6 +551,7 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
                 remote_epoch: checkpoint.remote_epoch,
                 dirty_epochs: BTreeMap::new(),
                 generation: 0,
+                remote_unflushed: false,
                 writeback_failures_in_a_row: 0,
                 writeback_failures_total: 0,
                 writeback_error: None,
@@ -1150,12 +1156,16 @@ impl<R: Device, L: Device> Shared<R, L> {
             RecordKind::Zero => self.remote.write_zeroes(disk_offset, length_bytes),
             _ => self.remote.discard(disk_offset, length_bytes),
         };
-        // A read that went to the remote while this write was landing may have read the old
-        // bytes: it must not cache them.
-        self.state.lock().generation += 1;
         // Flushed before returning, so no later write (logged, so durable at the next local
         // flush) can survive a crash that this one does not: replay stays a prefix.
-        result.and_then(|()| self.remote.flush())
+        let result = result.and_then(|()| self.remote.flush());
+        let mut state = self.state.lock();
+        // A read that went to the remote while this write was landing may have read the old
+        // bytes: it must not cache them. After a failure, no read caches what it finds there
+        // until the remote is flushed (`remote_unflushed`).
+        state.generation += 1;
+        state.remote_unflushed = result.is_err();
+        result
     }
 
     /// Closes the open epoch if it has writes; returns the last closed epoch.
@@ -1367,7 +1377,7 @@ impl<R: Device, L: Device> Shared<R, L> {
         let block = self.block_bytes;
         let blocks_per_record = self.config.record_bytes_max / block;
         let mut state = self.state.lock();
-        if state.generation != generation {
+        if state.generation != generation || state.remote_unflushed {
             return;
         }
         for &(start, count) in missing {
@@ -1451,6 +1461,9 @@ impl<R: Device, L: Device> Shared<R, L> {
                 state.remote_epoch = epoch;
                 match self.write_checkpoint(&mut state) {
                     Ok(()) => {
+                        // write_epoch flushed the remote: what a failed write-through left
+                        // there is durable now.
+                        state.remote_unflushed = false;
                         state.dirty_epochs.remove(&epoch);
                         state.writeback_epochs += 1;
                         state.writeback_failures_in_a_row = 0;
