@@ -92,8 +92,7 @@ pub fn check_tier_seed_traced(seed: u64, trace: bool) -> SeedOutcome {
             outcome.steps = harness.steps;
             outcome.crashes = harness.crashes;
             let counts = harness.remote.fault_counts();
-            outcome.device_faults =
-                counts.read_errors + counts.write_errors + counts.flush_errors;
+            outcome.device_faults = counts.read_errors + counts.write_errors + counts.flush_errors;
             result
         }))
     };
@@ -495,7 +494,9 @@ impl Harness {
         for (index, piece) in data.chunks_mut(SECTOR_BYTES as usize).enumerate() {
             sector_pattern(version, first + index as u64, piece);
         }
-        let result = self.tier().write_vectored_at(&[IoSlice::new(&data)], offset);
+        let result = self
+            .tier()
+            .write_vectored_at(&[IoSlice::new(&data)], offset);
         self.record(offset, length, version, result.is_ok());
         self.note(format!(
             "write v{version} [{offset}, +{length}) epoch {} -> {}",
@@ -533,7 +534,10 @@ impl Harness {
         let result = self
             .tier()
             .read_vectored_at(&mut [IoSliceMut::new(&mut data)], offset);
-        self.note(format!("read [{offset}, +{length}) -> {}", outcome(&result)));
+        self.note(format!(
+            "read [{offset}, +{length}) -> {}",
+            outcome(&result)
+        ));
         if result.is_err() {
             return Ok(());
         }
@@ -557,9 +561,9 @@ impl Harness {
                     )))
                 }
                 Err(garbage) => {
-                    return Err(self.violation(format!(
-                        "corrupt {what}: sector {sector} holds {garbage}"
-                    )))
+                    return Err(
+                        self.violation(format!("corrupt {what}: sector {sector} holds {garbage}"))
+                    )
                 }
             }
         }
@@ -578,7 +582,10 @@ impl Harness {
                 self.remote_epoch_required = closed;
             }
         }
-        self.note(format!("flush closes epoch {closed} -> {}", outcome(&result)));
+        self.note(format!(
+            "flush closes epoch {closed} -> {}",
+            outcome(&result)
+        ));
     }
 
     fn writeback_step(&mut self) {

@@ -36,9 +36,20 @@ fn a_local_tier_seed_replays_exactly() {
 }
 
 #[test]
-#[ignore]
-fn debug_one_seed() {
-    let seed = std::env::var("TIER_DEBUG_SEED").unwrap().parse().unwrap();
-    let outcome = bufcache_sim::check_tier_seed_traced(seed, true);
-    eprintln!("{:?}", outcome.violation);
+fn a_read_after_a_failed_write_through_does_not_cache_what_the_remote_may_lose() {
+    // Goal: a regression the checker found. A zeroing too long for a record went straight to
+    // the remote and failed half-way, leaving zeroes the remote had not flushed; a read then
+    // found them there and logged them as a clean record, which outlived the crash that made
+    // the remote lose them: the tier served zeroes over a remote holding the older data, and
+    // the remote no longer matched any epoch prefix of what the tier served. Method: replay
+    // seed 1113, which showed it, and 403 and 3336, which failed the same check before the fix.
+    for seed in [403, 1113, 3336] {
+        let outcome = bufcache_sim::check_tier_seed_traced(seed, false);
+        assert_eq!(outcome.violation, None, "seed {seed}");
+    }
+    let outcome = bufcache_sim::check_tier_seed_traced(1113, false);
+    assert!(
+        outcome.crashes > 0 && outcome.device_faults > 0,
+        "seed 1113 no longer crashes after remote faults: {outcome:?}"
+    );
 }
