@@ -54,7 +54,8 @@ enum SimCommand {
     #[command(after_help = "Examples:\n  \
         bufcache sim check --seeds 1000            # seeds 1 to 1000\n  \
         bufcache sim check --seeds 1 --seed 4711   # replay one seed\n  \
-        bufcache sim check --seeds 1 --seed 4711 --trace   # every step of it")]
+        bufcache sim check --seeds 1 --seed 4711 --trace   # every step of it\n  \
+        bufcache sim check --local-tier --seeds 10000      # the local tier: log + remote")]
     Check {
         /// How many seeds to run.
         #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
@@ -65,6 +66,12 @@ enum SimCommand {
         /// Print every step of every seed to standard error (for replaying one seed).
         #[arg(long)]
         trace: bool,
+        /// Check the persistent local tier instead of the engine: a simulated local device
+        /// (the log) and a remote, remote faults, machine crashes and the loss of the local
+        /// device; asserts no acknowledged write is lost and the remote is always an epoch
+        /// prefix (docs/local-tier.md).
+        #[arg(long)]
+        local_tier: bool,
     },
     /// Run one workload on one disk with the engine's knobs.
     #[command(after_help = "Examples:\n  \
@@ -161,7 +168,12 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        SimCommand::Check { seeds, seed, trace } => check(seeds, seed, trace),
+        SimCommand::Check {
+            seeds,
+            seed,
+            trace,
+            local_tier,
+        } => check(seeds, seed, trace, local_tier),
         SimCommand::Run {
             disk,
             workload,
@@ -202,14 +214,19 @@ fn parse_memory(text: &str) -> Result<Box<bufcache_sim::MemoryModel>, bufcache_s
 }
 
 /// `sim check`: runs the seeds, prints each violation with its seed and the summary line.
-fn check(seeds: u64, first_seed: u64, trace: bool) -> anyhow::Result<()> {
+fn check(seeds: u64, first_seed: u64, trace: bool, local_tier: bool) -> anyhow::Result<()> {
+    let check_seed_traced = if local_tier {
+        bufcache_sim::check_tier_seed_traced
+    } else {
+        bufcache_sim::check::check_seed_traced
+    };
     let progress = spinner(format!("checking {seeds} seeds"));
     let summary = if trace {
         progress.finish_and_clear();
         let started = std::time::Instant::now();
         let mut summary = bufcache_sim::CheckSummary::default();
         for seed in first_seed..first_seed.saturating_add(seeds) {
-            let outcome = bufcache_sim::check::check_seed_traced(seed, true);
+            let outcome = check_seed_traced(seed, true);
             summary.seeds += 1;
             summary.steps += outcome.steps;
             summary.crashes += outcome.crashes;
@@ -223,11 +240,16 @@ fn check(seeds: u64, first_seed: u64, trace: bool) -> anyhow::Result<()> {
         summary.elapsed = started.elapsed();
         summary
     } else {
-        let summary = check_seeds(first_seed, seeds, |seed, outcome| {
+        let on_seed = |seed: u64, outcome: &bufcache_sim::SeedOutcome| {
             if outcome.violation.is_some() {
                 progress.suspend(|| eprintln!("bufcache: seed {seed} violates the contract"));
             }
-        });
+        };
+        let summary = if local_tier {
+            bufcache_sim::check_tier_seeds(first_seed, seeds, on_seed)
+        } else {
+            check_seeds(first_seed, seeds, on_seed)
+        };
         progress.finish_and_clear();
         summary
     };
@@ -246,9 +268,10 @@ fn check(seeds: u64, first_seed: u64, trace: bool) -> anyhow::Result<()> {
         Ok(())
     } else {
         Err(anyhow::anyhow!(
-            "{} of {} seeds broke the durability contract (replay one with `bufcache sim check --seeds 1 --seed SEED --trace`)",
+            "{} of {} seeds broke the durability contract (replay one with `bufcache sim check{} --seeds 1 --seed SEED --trace`)",
             summary.violations.len(),
-            summary.seeds
+            summary.seeds,
+            if local_tier { " --local-tier" } else { "" }
         ))
     }
 }

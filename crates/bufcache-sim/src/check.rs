@@ -222,7 +222,7 @@ impl Shadow {
 }
 
 /// The content of sector `sector` written by `version` (0 is all zeroes).
-fn sector_pattern(version: u64, sector: u64, target: &mut [u8]) {
+pub(crate) fn sector_pattern(version: u64, sector: u64, target: &mut [u8]) {
     if version == 0 {
         target.fill(0);
         return;
@@ -234,7 +234,7 @@ fn sector_pattern(version: u64, sector: u64, target: &mut [u8]) {
 }
 
 /// Which version a sector's bytes are, or a description of what is wrong with them.
-fn decode_sector(bytes: &[u8], sector: u64) -> Result<u64, String> {
+pub(crate) fn decode_sector(bytes: &[u8], sector: u64) -> Result<u64, String> {
     if bytes.iter().all(|&b| b == 0) {
         return Ok(0);
     }

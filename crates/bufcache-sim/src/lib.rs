@@ -2,6 +2,8 @@
 //!
 //! - [`check`]: `sim check`, seeded random workloads with faults and crashes checked against
 //!   a shadow model of the engine's durability contract;
+//! - [`check_tier`]: `sim check --local-tier`, the persistent local tier over a simulated
+//!   local device and a remote, with crashes and the loss of the local device;
 //! - [`clock`]: the virtual clock (the engine's injected `Clock`) and a portable RNG;
 //! - [`disk`]: mechanical, SSD and network disk models and their presets ([`DiskSpec`]);
 //! - [`host`]: CPU costs of system calls, lookups, copies, I/O and page wiring ([`HostCosts`]);
@@ -22,6 +24,7 @@
 //! `DiskSpec::from_str`, `WorkloadSpec::from_str`, `HostCosts::from_str`.
 
 pub mod check;
+pub mod check_tier;
 pub mod clock;
 pub mod core;
 pub mod disk;
@@ -35,6 +38,7 @@ pub mod sched;
 pub mod workload;
 
 pub use check::{check_seed, check_seeds, CheckSummary, SeedOutcome, Violation};
+pub use check_tier::{check_tier_seed_traced, check_tier_seeds};
 pub use clock::{SimRng, VirtualClock};
 pub use core::{
     Account, CrashOutcome, DeviceTotals, Dispatch, FaultConfig, FaultCounts, SharedRng, SimCore,

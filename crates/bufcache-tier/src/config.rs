@@ -16,6 +16,21 @@ pub enum FlushTo {
     Remote,
 }
 
+/// Who runs the tier's write-back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum WritebackDriver {
+    /// A background thread of the tier, which waits for closed epochs and retries failures
+    /// after `writeback_retry_delay_initial` .. `writeback_retry_delay_max`. The default.
+    #[default]
+    Thread,
+    /// Whoever holds the tier: nothing runs unless [`crate::LocalTier::writeback_step`] is
+    /// called, or a flush or a write must wait for the remote (`--flush-to remote`, a full
+    /// log), which then runs the steps itself, retrying at once (at most
+    /// `writeback_attempts_max` failures in a row). No thread, no sleep and no wall clock:
+    /// the simulator's deterministic mode (`bufcache sim check --local-tier`).
+    Caller,
+}
+
 /// How a [`crate::LocalTier`] behaves.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LocalTierConfig {
@@ -45,6 +60,8 @@ pub struct LocalTierConfig {
     /// the remote (after everything logged before it). A multiple of `block_bytes`.
     /// Default 64 MiB.
     pub zero_record_bytes_max: u64,
+    /// Who runs write-back. Default [`WritebackDriver::Thread`].
+    pub writeback_driver: WritebackDriver,
 }
 
 impl Default for LocalTierConfig {
@@ -59,6 +76,7 @@ impl Default for LocalTierConfig {
             writeback_retry_delay_initial: Duration::from_millis(50),
             writeback_retry_delay_max: Duration::from_secs(5),
             zero_record_bytes_max: 64 << 20,
+            writeback_driver: WritebackDriver::Thread,
         }
     }
 }

@@ -38,7 +38,7 @@ use bufcache_device::{
 };
 use parking_lot::{Condvar, Mutex, RwLock};
 
-use crate::config::{FlushTo, LocalTierConfig};
+use crate::config::{FlushTo, LocalTierConfig, WritebackDriver};
 use crate::error::TierError;
 use crate::format::{
     record_total_bytes, Checkpoint, RecordHeader, RecordKind, Superblock, SuperblockProblem,
@@ -76,6 +76,25 @@ pub struct TierStats {
     pub writeback_failures_in_a_row: u32,
     /// The last write-back error, while write-back is failing.
     pub writeback_error: Option<String>,
+}
+
+/// What one call of [`LocalTier::writeback_step`] did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WritebackStep {
+    /// No closed epoch has writes waiting for the remote.
+    Idle,
+    /// Epoch `epoch` is on the remote, flushed, and the checkpoint saying so is durable.
+    Wrote {
+        /// The epoch written back.
+        epoch: u64,
+    },
+    /// Writing epoch `epoch` back failed; the next step retries it.
+    Failed {
+        /// The epoch tried.
+        epoch: u64,
+        /// The error, naming the device.
+        error: String,
+    },
 }
 
 /// Where a block's newest local copy is.
@@ -142,6 +161,11 @@ struct State {
     /// for it (an invalidation, a dropped write record), so a read that went to the remote
     /// before does not cache what it read.
     generation: u64,
+    /// Set when a write straight to the remote failed: the remote may hold some of it without
+    /// having made it durable, so what a read finds there may vanish in a crash and must not
+    /// be cached (a durable clean record would then serve data the remote lost). Cleared by
+    /// the next successful flush of the remote.
+    remote_unflushed: bool,
     writeback_failures_in_a_row: u32,
     /// Failed write-back attempts ever: a waiter reports an error only after one of its own.
     writeback_failures_total: u64,
@@ -178,6 +202,10 @@ struct Shared<R, L> {
     order: RwLock<()>,
     /// Serializes writes of partial blocks, whose read-modify-write must not interleave.
     partial_writes: Mutex<()>,
+    /// Held for one whole write-back step, by the thread or a caller: epochs are written back
+    /// one at a time, so the oldest pending one is always done before the next starts (Epoch
+    /// order), whoever drives write-back.
+    writeback_turn: Mutex<()>,
     counters: Counters,
 }
 
@@ -523,6 +551,7 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
                 remote_epoch: checkpoint.remote_epoch,
                 dirty_epochs: BTreeMap::new(),
                 generation: 0,
+                remote_unflushed: false,
                 writeback_failures_in_a_row: 0,
                 writeback_failures_total: 0,
                 writeback_error: None,
@@ -533,6 +562,7 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
             changed: Condvar::new(),
             order: RwLock::new(()),
             partial_writes: Mutex::new(()),
+            writeback_turn: Mutex::new(()),
             counters: Counters::default(),
         };
         {
@@ -560,18 +590,30 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
             }
         }
         let shared = Arc::new(shared);
-        let worker = Arc::clone(&shared);
-        let writeback = std::thread::Builder::new()
-            .name("tier-writeback".into())
-            .spawn(move || worker.writeback_loop())
-            .map_err(|source| TierError::Thread {
-                local: local_name,
-                source,
-            })?;
-        Ok(LocalTier {
-            shared,
-            writeback: Some(writeback),
-        })
+        let writeback = match shared.config.writeback_driver {
+            WritebackDriver::Caller => None,
+            WritebackDriver::Thread => {
+                let worker = Arc::clone(&shared);
+                let thread = std::thread::Builder::new()
+                    .name("tier-writeback".into())
+                    .spawn(move || worker.writeback_loop())
+                    .map_err(|source| TierError::Thread {
+                        local: local_name,
+                        source,
+                    })?;
+                Some(thread)
+            }
+        };
+        Ok(LocalTier { shared, writeback })
+    }
+
+    /// Does one unit of write-back, exactly what the write-back thread does each time it
+    /// wakes: takes the oldest closed epoch with writes not yet on the remote, makes its
+    /// records durable locally, writes them to the remote, flushes the remote and persists
+    /// the checkpoint saying so. With [`WritebackDriver::Caller`] this is how write-back
+    /// runs; with the thread it is safe too (one step at a time, whoever calls).
+    pub fn writeback_step(&self) -> WritebackStep {
+        self.shared.writeback_step()
     }
 
     /// The counters and state now.
@@ -1114,12 +1156,16 @@ impl<R: Device, L: Device> Shared<R, L> {
             RecordKind::Zero => self.remote.write_zeroes(disk_offset, length_bytes),
             _ => self.remote.discard(disk_offset, length_bytes),
         };
-        // A read that went to the remote while this write was landing may have read the old
-        // bytes: it must not cache them.
-        self.state.lock().generation += 1;
         // Flushed before returning, so no later write (logged, so durable at the next local
         // flush) can survive a crash that this one does not: replay stays a prefix.
-        result.and_then(|()| self.remote.flush())
+        let result = result.and_then(|()| self.remote.flush());
+        let mut state = self.state.lock();
+        // A read that went to the remote while this write was landing may have read the old
+        // bytes: it must not cache them. After a failure, no read caches what it finds there
+        // until the remote is flushed (`remote_unflushed`).
+        state.generation += 1;
+        state.remote_unflushed = result.is_err();
+        result
     }
 
     /// Closes the open epoch if it has writes; returns the last closed epoch.
@@ -1160,7 +1206,23 @@ impl<R: Device, L: Device> Shared<R, L> {
             if state.stopping {
                 return Err(io::Error::other("the local tier is stopping"));
             }
-            self.changed.wait(&mut state);
+            match self.config.writeback_driver {
+                WritebackDriver::Thread => self.changed.wait(&mut state),
+                WritebackDriver::Caller => {
+                    // Nobody else writes back: this caller does, one epoch per step, until
+                    // its target is on the remote or the failures above stop it.
+                    drop(state);
+                    let step = self.writeback_step();
+                    state = self.state.lock();
+                    if step == WritebackStep::Idle {
+                        return Err(io::Error::other(format!(
+                            "local cache {}: epochs up to {target} are not on the remote, yet \
+                             write-back found nothing to do",
+                            self.local_name
+                        )));
+                    }
+                }
+            }
         }
     }
 
@@ -1315,7 +1377,7 @@ impl<R: Device, L: Device> Shared<R, L> {
         let block = self.block_bytes;
         let blocks_per_record = self.config.record_bytes_max / block;
         let mut state = self.state.lock();
-        if state.generation != generation {
+        if state.generation != generation || state.remote_unflushed {
             return;
         }
         for &(start, count) in missing {
@@ -1359,67 +1421,108 @@ impl<R: Device, L: Device> Shared<R, L> {
         tracing::warn!(local = %self.local_name, %error, "could not add a block read from the remote to the local read cache");
     }
 
-    /// The write-back thread: epochs in order, each written, the remote flushed, and the
-    /// progress persisted before the next (Epoch order).
+    /// The epoch write-back takes next: the oldest closed one with writes not yet on the
+    /// remote (Epoch order).
+    fn next_epoch(state: &State) -> Option<u64> {
+        #[cfg(not(feature = "planted-defect"))]
+        let next = state.dirty_epochs.first_key_value();
+        // The planted defect (tests only): the newest closed epoch first.
+        #[cfg(feature = "planted-defect")]
+        let next = state.dirty_epochs.range(..state.open_epoch).next_back();
+        next.map(|(&epoch, _)| epoch)
+            .filter(|&epoch| epoch < state.open_epoch)
+    }
+
+    /// One unit of write-back (see [`LocalTier::writeback_step`]): epoch `E` written, the
+    /// remote flushed, and "epochs up to `E` are on the remote" persisted, or the failure
+    /// recorded for waiters and `/stats`.
+    fn writeback_step(&self) -> WritebackStep {
+        let _turn = self.writeback_turn.lock();
+        let (epoch, runs) = {
+            let state = self.state.lock();
+            match Self::next_epoch(&state) {
+                None => return WritebackStep::Idle,
+                Some(epoch) => (epoch, self.plan(&state, epoch)),
+            }
+        };
+        let outcome = self
+            .make_durable(epoch)
+            .and_then(|()| self.write_epoch(&runs))
+            .and_then(|()| {
+                let mut state = self.state.lock();
+                let previous = state.remote_epoch;
+                // (The planted defect breaks exactly this; its checkers must see it, so the
+                // assertion stays out of that build.)
+                #[cfg(not(feature = "planted-defect"))]
+                assert!(
+                    epoch > previous,
+                    "write-back of epoch {epoch} after epoch {previous} is on the remote"
+                );
+                state.remote_epoch = epoch;
+                match self.write_checkpoint(&mut state) {
+                    Ok(()) => {
+                        // write_epoch flushed the remote: what a failed write-through left
+                        // there is durable now.
+                        state.remote_unflushed = false;
+                        state.dirty_epochs.remove(&epoch);
+                        state.writeback_epochs += 1;
+                        state.writeback_failures_in_a_row = 0;
+                        state.writeback_error = None;
+                        self.changed.notify_all();
+                        Ok(())
+                    }
+                    Err(error) => {
+                        state.remote_epoch = previous;
+                        Err(self.local_error("persisting write-back progress", error))
+                    }
+                }
+            });
+        match outcome {
+            Ok(()) => WritebackStep::Wrote { epoch },
+            Err(error) => {
+                let mut state = self.state.lock();
+                state.writeback_failures_in_a_row += 1;
+                state.writeback_failures_total += 1;
+                state.writeback_error = Some(error.to_string());
+                tracing::warn!(
+                    remote = %self.remote.describe(),
+                    epoch,
+                    failures = state.writeback_failures_in_a_row,
+                    %error,
+                    "write-back of an epoch failed; retrying"
+                );
+                self.changed.notify_all();
+                WritebackStep::Failed {
+                    epoch,
+                    error: error.to_string(),
+                }
+            }
+        }
+    }
+
+    /// The write-back thread ([`WritebackDriver::Thread`]): waits for a closed epoch, runs
+    /// [`Shared::writeback_step`], and after a failure waits before the retry (doubling).
     fn writeback_loop(&self) {
         let mut delay = self.config.writeback_retry_delay_initial;
         loop {
-            let (epoch, runs) = {
+            {
                 let mut state = self.state.lock();
                 loop {
                     if state.stopping {
                         return;
                     }
-                    #[cfg(not(feature = "planted-defect"))]
-                    let next = state.dirty_epochs.first_key_value();
-                    // The planted defect (tests only): the newest closed epoch first.
-                    #[cfg(feature = "planted-defect")]
-                    let next = state.dirty_epochs.range(..state.open_epoch).next_back();
-                    if let Some((&epoch, _)) = next {
-                        if epoch < state.open_epoch {
-                            break (epoch, self.plan(&state, epoch));
-                        }
+                    if Self::next_epoch(&state).is_some() {
+                        break;
                     }
                     self.changed.wait(&mut state);
                 }
-            };
-            let outcome = self
-                .make_durable(epoch)
-                .and_then(|()| self.write_epoch(&runs))
-                .and_then(|()| {
+            }
+            match self.writeback_step() {
+                WritebackStep::Idle | WritebackStep::Wrote { .. } => {
+                    delay = self.config.writeback_retry_delay_initial
+                }
+                WritebackStep::Failed { .. } => {
                     let mut state = self.state.lock();
-                    let previous = state.remote_epoch;
-                    state.remote_epoch = epoch;
-                    match self.write_checkpoint(&mut state) {
-                        Ok(()) => {
-                            state.dirty_epochs.remove(&epoch);
-                            state.writeback_epochs += 1;
-                            state.writeback_failures_in_a_row = 0;
-                            state.writeback_error = None;
-                            self.changed.notify_all();
-                            Ok(())
-                        }
-                        Err(error) => {
-                            state.remote_epoch = previous;
-                            Err(self.local_error("persisting write-back progress", error))
-                        }
-                    }
-                });
-            match outcome {
-                Ok(()) => delay = self.config.writeback_retry_delay_initial,
-                Err(error) => {
-                    let mut state = self.state.lock();
-                    state.writeback_failures_in_a_row += 1;
-                    state.writeback_failures_total += 1;
-                    state.writeback_error = Some(error.to_string());
-                    tracing::warn!(
-                        remote = %self.remote.describe(),
-                        epoch,
-                        failures = state.writeback_failures_in_a_row,
-                        %error,
-                        "write-back of an epoch failed; retrying"
-                    );
-                    self.changed.notify_all();
                     if !state.stopping {
                         self.changed.wait_for(&mut state, delay);
                     }
