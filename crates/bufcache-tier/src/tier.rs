@@ -551,7 +551,10 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
                 remote_epoch: checkpoint.remote_epoch,
                 dirty_epochs: BTreeMap::new(),
                 generation: 0,
-                remote_unflushed: false,
+                // A server killed after a failed write-through may have left bytes in the
+                // remote's volatile cache: until this run has flushed the remote (just
+                // below, or by write-back), nothing read there is cached.
+                remote_unflushed: true,
                 writeback_failures_in_a_row: 0,
                 writeback_failures_total: 0,
                 writeback_error: None,
@@ -580,6 +583,14 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
                     what: "writing a checkpoint",
                     source,
                 })?;
+            match shared.remote.flush() {
+                Ok(()) => state.remote_unflushed = false,
+                Err(error) => tracing::warn!(
+                    local = %local_name,
+                    %error,
+                    "flushing the backend at start failed: reads are not cached until a flush succeeds"
+                ),
+            }
             if !state.dirty_epochs.is_empty() {
                 tracing::info!(
                     local = %local_name,
