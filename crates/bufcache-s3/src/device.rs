@@ -13,6 +13,10 @@ use crate::log::LogStore;
 use crate::store::ChunkStore;
 use crate::url::S3Url;
 
+/// A batch's reads in flight at once are at most the store's request bound divided by this
+/// (8 of the default 32): a chunk read is one or two GETs, a log-layout read a few.
+pub const READ_SHARE_DIVISOR: usize = 4;
+
 /// A bufcache device stored in an object store.
 pub struct S3Device {
     store: Layout,
@@ -116,15 +120,18 @@ impl Device for S3Device {
         }
     }
 
-    /// The reads of a batch (a read-ahead window's runs) go to the store together, up to the
-    /// store's in-flight bound at once, each completing as its own GETs end: a window costs
-    /// about one round trip, not one per run. They are done before this returns
-    /// (`completes_later` is false), on short-lived threads that each take the next read.
+    /// The reads of a batch (a read-ahead window's runs) go to the store together, each
+    /// completing as its own GETs end: a window costs about one round trip, not one per run.
+    /// At most a [`READ_SHARE_DIVISOR`]th of the store's request bound of reads are in flight
+    /// at once, since one read may itself have several GETs in flight (a log-layout range
+    /// spread over extents). They are done before this returns (`completes_later` is false),
+    /// on short-lived threads that each take the next read.
     fn submit_reads(&self, reads: Vec<bufcache::device::ReadRequest>) {
         if reads.len() <= 1 {
             return bufcache::device::read_each_now(self, reads);
         }
-        let workers = reads.len().min(self.store.requests_in_flight_max().max(1));
+        let reads_in_flight_max = (self.store.requests_in_flight_max() / READ_SHARE_DIVISOR).max(1);
+        let workers = reads.len().min(reads_in_flight_max);
         let queue = std::sync::Mutex::new(reads.into_iter());
         let next = || {
             queue
