@@ -40,7 +40,7 @@ use std::time::Duration;
 
 use super::{segment, Core, Mapping};
 use crate::error::{chain, StoreError};
-use crate::store::get_range;
+use crate::store::get_range_in;
 
 /// Live extents of one segment at most this far apart are fetched by one ranged GET.
 const GC_READ_GAP_BYTES_MAX: u64 = 256 << 10;
@@ -301,7 +301,7 @@ impl Core {
                 let key = self.shared.segment_key(segment);
                 let sealer = self.shared.sealer.clone();
                 async move {
-                    let data = get_range(&store, &key, range)
+                    let data = get_range_in(&*store, &key, range)
                         .await?
                         .ok_or_else(|| StoreError::MissingSegment { key: key.clone() })?;
                     parts
