@@ -351,13 +351,22 @@ impl Core {
     fn append_copies(&self, read: Vec<LiveRead>) -> Result<(), StoreError> {
         let uploads_max = (self.config.segments_in_flight_max / 2).max(1);
         let mut state = self.shared.lock();
+        let mut retried = std::collections::BTreeSet::new();
         for (disk_offset, source, data) in read {
             while state.sealed.len() >= uploads_max {
-                state = self
-                    .shared
-                    .uploaded
-                    .wait(state)
-                    .unwrap_or_else(PoisonError::into_inner);
+                // A failed upload is retried once here (nobody else may be flushing), then
+                // ends the round with its error: waiting for it alone would wait forever.
+                state = self.retry_failed(state, u64::MAX, &mut retried)?;
+                if state.sealed.len() < uploads_max {
+                    break;
+                }
+                if !super::has_failed(&state, u64::MAX) {
+                    state = self
+                        .shared
+                        .uploaded
+                        .wait(state)
+                        .unwrap_or_else(PoisonError::into_inner);
+                }
             }
             state = self.append_locked(state, &data, disk_offset, Some(source))?;
         }
