@@ -14,6 +14,15 @@ use clap::{Args, Subcommand};
 
 use crate::engine_args::EngineArgs;
 
+/// What `sim check` checks.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum CheckLayout {
+    /// The engine's durability contract on simulated disks.
+    Engine,
+    /// The S3 log layout over a simulated object store.
+    Log,
+}
+
 /// Arguments of `bufcache sim`.
 #[derive(Args, Debug)]
 pub struct SimArgs {
@@ -55,7 +64,8 @@ enum SimCommand {
         bufcache sim check --seeds 1000            # seeds 1 to 1000\n  \
         bufcache sim check --seeds 1 --seed 4711   # replay one seed\n  \
         bufcache sim check --seeds 1 --seed 4711 --trace   # every step of it\n  \
-        bufcache sim check --local-tier --seeds 10000      # the local tier: log + remote")]
+        bufcache sim check --local-tier --seeds 10000      # the local tier: log + remote\n  \
+        bufcache sim check --layout log --seeds 2000       # the S3 log layout's crash consistency")]
     Check {
         /// How many seeds to run.
         #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
@@ -72,6 +82,11 @@ enum SimCommand {
         /// prefix (docs/local-tier.md).
         #[arg(long)]
         local_tier: bool,
+        /// What to check: `engine` (the cache engine's durability contract) or `log` (the
+        /// S3 log layout's crash consistency over a simulated object store that fails,
+        /// loses and hangs requests and lands a crashed server's requests late; docs/s3.md).
+        #[arg(long, value_enum, default_value_t = CheckLayout::Engine)]
+        layout: CheckLayout,
     },
     /// Run one workload on one disk with the engine's knobs.
     #[command(after_help = "Examples:\n  \
@@ -173,7 +188,16 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             seed,
             trace,
             local_tier,
-        } => check(seeds, seed, trace, local_tier),
+            layout,
+        } => match layout {
+            CheckLayout::Log if local_tier => Err(crate::UsageError(
+                "sim check: --local-tier and --layout log are two different checks; give one"
+                    .into(),
+            )
+            .into()),
+            CheckLayout::Log => check_log(seeds, seed, trace),
+            CheckLayout::Engine => check(seeds, seed, trace, local_tier),
+        },
         SimCommand::Run {
             disk,
             workload,
@@ -272,6 +296,52 @@ fn check(seeds: u64, first_seed: u64, trace: bool, local_tier: bool) -> anyhow::
             summary.violations.len(),
             summary.seeds,
             if local_tier { " --local-tier" } else { "" }
+        ))
+    }
+}
+
+/// `sim check --layout log`: runs the seeds, prints each violation with its seed and the
+/// summary line.
+fn check_log(seeds: u64, first_seed: u64, trace: bool) -> anyhow::Result<()> {
+    let progress = spinner(format!("checking the log layout on {seeds} seeds"));
+    if trace {
+        progress.finish_and_clear();
+    }
+    let started = std::time::Instant::now();
+    let summary =
+        bufcache_s3::sim_check::check_log_seeds(first_seed, seeds, trace, |seed, outcome| {
+            if outcome.violation.is_some() {
+                progress.suspend(|| {
+                    eprintln!("bufcache: seed {seed} violates the log layout's crash consistency")
+                });
+            }
+        });
+    progress.finish_and_clear();
+    for (seed, message) in &summary.violations {
+        println!("seed {seed}: {message}");
+    }
+    println!(
+        "{} seeds, {} violations",
+        summary.seeds,
+        summary.violations.len()
+    );
+    let elapsed = started.elapsed().as_secs_f64().max(1e-9);
+    eprintln!(
+        "bufcache: {} steps, {} crashes, {} store faults, {} late landings of crashed servers' requests, {} collection rounds; {:.0} seeds/s",
+        summary.steps,
+        summary.crashes,
+        summary.faults,
+        summary.late_landings,
+        summary.gc_rounds,
+        summary.seeds as f64 / elapsed
+    );
+    if summary.violations.is_empty() {
+        Ok(())
+    } else {
+        Err(anyhow::anyhow!(
+            "{} of {} seeds broke the log layout's crash consistency (replay one with `bufcache sim check --layout log --seeds 1 --seed SEED --trace`)",
+            summary.violations.len(),
+            summary.seeds
         ))
     }
 }

@@ -16,6 +16,8 @@ mod layout;
 mod lock;
 mod log;
 mod seal;
+pub mod sim_check;
+pub mod sim_store;
 mod store;
 mod url;
 

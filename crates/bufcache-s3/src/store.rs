@@ -464,7 +464,7 @@ impl ChunkStore {
     }
 
     pub(crate) async fn open_metadata(
-        store: &AmazonS3,
+        store: &dyn ObjectStore,
         url: &S3Url,
         create: Create,
     ) -> Result<DiskMetadata, OpenError> {
@@ -935,6 +935,15 @@ impl ChunkStore {
 /// A ranged GET; None when the object does not exist (a chunk never written or all zeroes).
 pub(crate) async fn get_range(
     store: &AmazonS3,
+    key: &str,
+    range: Range<u64>,
+) -> Result<Option<Bytes>, StoreError> {
+    get_range_in(store, key, range).await
+}
+
+/// [`get_range`] through any store (the log layout takes its store as a trait object).
+pub(crate) async fn get_range_in(
+    store: &dyn ObjectStore,
     key: &str,
     range: Range<u64>,
 ) -> Result<Option<Bytes>, StoreError> {

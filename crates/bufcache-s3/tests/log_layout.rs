@@ -689,7 +689,7 @@ fn a_write_between_the_collector_read_and_its_append_wins_live_and_after_a_crash
     expected[16 << 10..].copy_from_slice(&b);
     expected[..8 << 10].copy_from_slice(&c);
     let before = snapshot(&raw);
-    let source = "disk/log/segments/0000000000000001";
+    let source = "disk/log/segments/0000000000000001-0000000000000001";
     assert!(before.iter().any(|(key, _)| key == source), "{before:?}");
     let mut written = false;
     let report = store
@@ -869,7 +869,7 @@ fn a_source_segment_stays_until_the_checkpoint_covering_its_copy_is_stored() {
     store.flush().unwrap();
     let mut expected = a.clone();
     expected[16 << 10..].copy_from_slice(&b);
-    let source = "disk/log/segments/0000000000000001";
+    let source = "disk/log/segments/0000000000000001-0000000000000001";
     let error = store.collect_garbage(0.5).unwrap_err().to_string();
     assert!(error.contains("checkpoints/0000000000000003"), "{error}");
     assert!(

@@ -40,7 +40,7 @@ use std::time::Duration;
 
 use super::{segment, Core, Mapping};
 use crate::error::{chain, StoreError};
-use crate::store::get_range;
+use crate::store::get_range_in;
 
 /// Live extents of one segment at most this far apart are fetched by one ranged GET.
 const GC_READ_GAP_BYTES_MAX: u64 = 256 << 10;
@@ -301,7 +301,7 @@ impl Core {
                 let key = self.shared.segment_key(segment);
                 let sealer = self.shared.sealer.clone();
                 async move {
-                    let data = get_range(&store, &key, range)
+                    let data = get_range_in(&*store, &key, range)
                         .await?
                         .ok_or_else(|| StoreError::MissingSegment { key: key.clone() })?;
                     parts
@@ -354,13 +354,22 @@ impl Core {
     fn append_copies(&self, read: Vec<LiveRead>) -> Result<(), StoreError> {
         let uploads_max = (self.config.segments_in_flight_max / 2).max(1);
         let mut state = self.shared.lock();
+        let mut retried = std::collections::BTreeSet::new();
         for (disk_offset, source, data) in read {
             while state.sealed.len() >= uploads_max {
-                state = self
-                    .shared
-                    .uploaded
-                    .wait(state)
-                    .unwrap_or_else(PoisonError::into_inner);
+                // A failed upload is retried once here (nobody else may be flushing), then
+                // ends the round with its error: waiting for it alone would wait forever.
+                state = self.retry_failed(state, u64::MAX, &mut retried)?;
+                if state.sealed.len() < uploads_max {
+                    break;
+                }
+                if !super::has_failed(&state, u64::MAX) {
+                    state = self
+                        .shared
+                        .uploaded
+                        .wait(state)
+                        .unwrap_or_else(PoisonError::into_inner);
+                }
             }
             state = self.append_locked(state, &data, disk_offset, Some(source))?;
         }

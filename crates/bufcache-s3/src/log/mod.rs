@@ -43,6 +43,7 @@
 //! during deletes leaves them).
 
 mod checkpoint;
+mod epoch;
 mod gc;
 mod index;
 mod segment;
@@ -53,14 +54,13 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use bytes::Bytes;
 use futures::stream::{self, StreamExt, TryStreamExt};
-use object_store::aws::AmazonS3;
 use object_store::path::Path as ObjectPath;
-use object_store::{ObjectStore, PutPayload};
+use object_store::{ObjectStore, PutMode, PutOptions, PutPayload};
 
 use crate::error::{chain, request_failed, OpenError, StoreError};
 use crate::lock::{check_not_held, Acquired, DiskLock};
 use crate::store::{
-    connect, connect_with, get_range, Connection, Create, DiskMetadata, ReadOnly,
+    connect, connect_with, get_range_in, Connection, Create, DiskMetadata, ReadOnly,
     REQUESTS_IN_FLIGHT_MAX_DEFAULT,
 };
 use crate::url::{LayoutKind, S3Url};
@@ -252,11 +252,13 @@ struct State {
 }
 
 struct Shared {
-    store: Arc<AmazonS3>,
+    store: Arc<dyn ObjectStore>,
     url: S3Url,
     metadata: DiskMetadata,
     /// Seals and unseals extents (compression, encryption) as the disk's metadata says.
     sealer: Arc<Sealer>,
+    /// Which epoch owns each segment sequence (module `epoch`), this open's included.
+    epochs: epoch::Epochs,
     state: Mutex<State>,
     /// Signalled whenever an upload ends.
     uploaded: Condvar,
@@ -268,7 +270,7 @@ impl Shared {
     }
 
     fn segment_key(&self, sequence: u64) -> String {
-        segment_key(&self.url, sequence)
+        segment_key(&self.url, sequence, self.epochs.owner(sequence))
     }
 }
 
@@ -286,9 +288,29 @@ struct Core {
     read_only: Option<ReadOnly>,
 }
 
-fn segment_key(url: &S3Url, sequence: u64) -> String {
-    url.key(&format!("log/segments/{sequence:016x}"))
+/// True when a sealed segment up to `through` has a failed upload (which the caller's retry
+/// loop handles without waiting for a signal).
+fn has_failed(state: &State, through: u64) -> bool {
+    state
+        .sealed
+        .range(..=through)
+        .any(|(_, sealed)| matches!(sealed.upload, Upload::Failed(_)))
 }
+
+fn segment_key(url: &S3Url, sequence: u64, epoch: u64) -> String {
+    url.key(&format!(
+        "log/segments/{}",
+        epoch::segment_name(sequence, epoch)
+    ))
+}
+
+fn epoch_key(url: &S3Url, epoch: u64) -> String {
+    url.key(&format!("log/epochs/{epoch:016x}"))
+}
+
+/// Epoch numbers a writable open tries to claim before it gives up (each failed claim means
+/// another claim landed meanwhile: a crashed server's late one).
+const EPOCH_CLAIMS_MAX: u32 = 8;
 
 fn checkpoint_key(url: &S3Url, sequence: u64) -> String {
     url.key(&format!("log/checkpoints/{sequence:016x}"))
@@ -325,6 +347,8 @@ struct Recovered {
     checkpoint_through: u64,
     /// Object bytes of every segment kept, by sequence.
     stored: BTreeMap<u64, u64>,
+    /// The disk's epochs as recovery found them.
+    epochs: epoch::Epochs,
 }
 
 impl LogStore {
@@ -354,11 +378,25 @@ impl LogStore {
         config: LogConfig,
         why: ReadOnly,
     ) -> Result<LogStore, OpenError> {
-        let sealer = check_layout(url, &connection, &config)?;
+        let sealer = check_layout(url, &connection.metadata, &config)?;
         connection
             .runtime
             .block_on(check_not_held(&connection.store, url))?;
-        Self::build(url, connection, config, sealer, None, Some(why))
+        let Connection {
+            runtime,
+            store,
+            metadata,
+        } = connection;
+        Self::build(
+            url,
+            runtime,
+            store,
+            metadata,
+            config,
+            sealer,
+            None,
+            Some(why),
+        )
     }
 
     pub(crate) fn from_connection(
@@ -366,7 +404,7 @@ impl LogStore {
         connection: Connection,
         config: LogConfig,
     ) -> Result<LogStore, OpenError> {
-        let sealer = check_layout(url, &connection, &config)?;
+        let sealer = check_layout(url, &connection.metadata, &config)?;
         let lock = match connection.runtime.block_on(DiskLock::acquire(
             connection.runtime.handle().clone(),
             connection.store.clone(),
@@ -383,25 +421,71 @@ impl LogStore {
                 )
             }
         };
-        Self::build(url, connection, config, sealer, Some(lock), None)
+        let Connection {
+            runtime,
+            store,
+            metadata,
+        } = connection;
+        Self::build(
+            url,
+            runtime,
+            store,
+            metadata,
+            config,
+            sealer,
+            Some(lock),
+            None,
+        )
     }
 
+    /// Opens (or creates, with `create-size=` and `layout=log`) the log-layout disk `url`
+    /// names in `store`, which may be any object store (the simulator's among them), on a
+    /// runtime of its own, WITHOUT the disk lock: the caller keeps every other writer away.
+    /// The URL's endpoint and client parameters are not used.
+    pub fn open_unlocked_on(
+        url: &S3Url,
+        store: Arc<dyn ObjectStore>,
+        config: LogConfig,
+    ) -> Result<LogStore, OpenError> {
+        // The store's threads log where the thread opening it does.
+        let dispatch = tracing::dispatcher::get_default(|dispatch| dispatch.clone());
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("bufcache-s3")
+            .on_thread_start(move || {
+                // Kept for the thread's life (it ends with the runtime).
+                std::mem::forget(tracing::dispatcher::set_default(&dispatch));
+            })
+            .enable_all()
+            .build()
+            .map_err(|source| OpenError::Runtime {
+                url: url.to_string(),
+                source,
+            })?;
+        let metadata = runtime.block_on(crate::store::ChunkStore::open_metadata(
+            &*store,
+            url,
+            Create::IfAsked,
+        ))?;
+        let sealer = check_layout(url, &metadata, &config)?;
+        Self::build(url, runtime, store, metadata, config, sealer, None, None)
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn build(
         url: &S3Url,
-        connection: Connection,
+        runtime: tokio::runtime::Runtime,
+        store: Arc<dyn ObjectStore>,
+        metadata: DiskMetadata,
         config: LogConfig,
         sealer: Sealer,
         lock: Option<Arc<DiskLock>>,
         read_only: Option<ReadOnly>,
     ) -> Result<LogStore, OpenError> {
         let sealer = Arc::new(sealer);
-        let Connection {
-            runtime,
-            store,
-            metadata,
-        } = connection;
         let writable = read_only.is_none();
-        let recovered = match runtime.block_on(recover(&store, url, &metadata, writable)) {
+        let recovered = match runtime.block_on(recover_and_claim(&*store, url, &metadata, writable))
+        {
             Ok(recovered) => recovered,
             Err(error) => {
                 // The lock is released on the runtime, so it goes first.
@@ -416,6 +500,7 @@ impl LogStore {
             mapped_bytes = recovered.index.mapped_bytes(),
             "opened log-layout disk"
         );
+        let recovered_epochs = recovered.epochs;
         let state = State {
             index: recovered.index,
             open: OpenSegment::new(recovered.last_sequence + 1, sealer.clone()),
@@ -434,6 +519,7 @@ impl LogStore {
                 url: url.clone(),
                 metadata,
                 sealer,
+                epochs: recovered_epochs,
                 state: Mutex::new(state),
                 uploaded: Condvar::new(),
             }),
@@ -708,11 +794,15 @@ impl Core {
             if state.sealed.len() < self.config.segments_in_flight_max {
                 break;
             }
-            state = self
-                .shared
-                .uploaded
-                .wait(state)
-                .unwrap_or_else(PoisonError::into_inner);
+            // An upload retried just now may have failed again before the lock was taken
+            // back (its signal then went to nobody): look again instead of waiting.
+            if !has_failed(&state, u64::MAX) {
+                state = self
+                    .shared
+                    .uploaded
+                    .wait(state)
+                    .unwrap_or_else(PoisonError::into_inner);
+            }
         }
         if state.open.sequence != sequence {
             return Ok(state);
@@ -863,17 +953,24 @@ impl Core {
             && (checkpoint_always || since_checkpoint >= self.config.checkpoint_interval_segments))
             .then(|| (covered, state.index.clone()));
         let wait_through = snapshot.as_ref().map_or(target, |&(covered, _)| covered);
+        // The planted defect (tests/log_sim_check.rs): acknowledge the FLUSH (and write the
+        // checkpoint) without waiting for the segments to be durable.
+        #[cfg(feature = "planted-defect")]
+        let wait_through = wait_through.min(state.durable_through);
         let mut retried = BTreeSet::new();
         while state.durable_through < wait_through {
             state = self.retry_failed(state, wait_through, &mut retried)?;
             if state.durable_through >= wait_through {
                 break;
             }
-            state = self
-                .shared
-                .uploaded
-                .wait(state)
-                .unwrap_or_else(PoisonError::into_inner);
+            // As in `seal`: a retried upload that already failed again signalled nobody.
+            if !has_failed(&state, wait_through) {
+                state = self
+                    .shared
+                    .uploaded
+                    .wait(state)
+                    .unwrap_or_else(PoisonError::into_inner);
+            }
         }
         drop(state);
         if let Some((covered, index)) = snapshot {
@@ -1016,7 +1113,7 @@ impl Core {
                 let store = self.shared.store.clone();
                 let key = self.shared.segment_key(segment);
                 async move {
-                    match get_range(&store, &key, range).await? {
+                    match get_range_in(&*store, &key, range).await? {
                         Some(data) => Ok((segment, data, parts)),
                         None => Err(StoreError::MissingSegment { key }),
                     }
@@ -1058,22 +1155,22 @@ impl Drop for LogStore {
 /// seal parameters [`Sealer::open`] refuses (a wrong key among them); else the disk's sealer.
 fn check_layout(
     url: &S3Url,
-    connection: &Connection,
+    metadata: &DiskMetadata,
     config: &LogConfig,
 ) -> Result<Sealer, OpenError> {
     config.validate().map_err(|reason| OpenError::Config {
         url: url.to_string(),
         reason,
     })?;
-    if connection.metadata.layout != LayoutKind::Log {
+    if metadata.layout != LayoutKind::Log {
         return Err(OpenError::Mismatch {
             url: url.to_string(),
             parameter: "layout",
             given: LayoutKind::Log.name().to_string(),
-            stored: connection.metadata.layout.name().to_string(),
+            stored: metadata.layout.name().to_string(),
         });
     }
-    let sealer = Sealer::open(url, connection.metadata.disk_id, connection.metadata.seal)?;
+    let sealer = Sealer::open(url, metadata.disk_id, metadata.seal)?;
     if config.segment_bytes_max > segment::SEALED_SEGMENT_BYTES_MAX {
         return Err(OpenError::Config {
             url: url.to_string(),
@@ -1098,7 +1195,7 @@ fn bad_object(url: &S3Url, key: &str, reason: String) -> OpenError {
 /// (sequence, object bytes) of the objects under `folder` (names are 16 hex digits),
 /// ascending.
 async fn list_sequences(
-    store: &AmazonS3,
+    store: &dyn ObjectStore,
     url: &S3Url,
     folder: &str,
 ) -> Result<Vec<(u64, u64)>, OpenError> {
@@ -1132,7 +1229,7 @@ async fn list_sequences(
     Ok(sequences)
 }
 
-async fn get_whole(store: &AmazonS3, url: &S3Url, key: &str) -> Result<Bytes, OpenError> {
+async fn get_whole(store: &dyn ObjectStore, url: &S3Url, key: &str) -> Result<Bytes, OpenError> {
     let request_error = |error: object_store::Error| OpenError::Request {
         url: url.to_string(),
         operation: format!("reading `{key}`"),
@@ -1150,13 +1247,24 @@ async fn get_whole(store: &AmazonS3, url: &S3Url, key: &str) -> Result<Bytes, Op
 /// Reads the newest checkpoint and replays the segments after it (see the module docs for
 /// the rule); deletes the segments after a gap.
 async fn recover(
-    store: &AmazonS3,
+    store: &dyn ObjectStore,
     url: &S3Url,
     metadata: &DiskMetadata,
     writable: bool,
 ) -> Result<Recovered, OpenError> {
+    let epochs = read_epochs(store, url, metadata).await?;
     let checkpoints = list_sequences(store, url, "log/checkpoints").await?;
-    let segments = list_sequences(store, url, "log/segments").await?;
+    // Only the owner's object of each sequence is part of the log (module `epoch`); the
+    // others are void: a crashed server's late PUTs, or the segments after a gap it wrote.
+    let mut segments = Vec::new();
+    let mut void = Vec::new();
+    for (sequence, epoch, bytes) in list_segments(store, url).await? {
+        if epoch == epochs.owner(sequence) {
+            segments.push((sequence, bytes));
+        } else {
+            void.push((sequence, epoch));
+        }
+    }
     let (mut index, checkpoint_through) = match checkpoints.last() {
         Some(&(through, _)) => {
             let key = checkpoint_key(url, through);
@@ -1182,7 +1290,7 @@ async fn recover(
                 return Err(OpenError::MissingSegment {
                     url: url.to_string(),
                     checkpoint: key,
-                    key: segment_key(url, missing.segment),
+                    key: segment_key(url, missing.segment, epochs.owner(missing.segment)),
                 });
             }
             (checkpoint.index, through)
@@ -1213,7 +1321,7 @@ async fn recover(
             orphans.push(sequence);
             continue;
         }
-        let key = segment_key(url, sequence);
+        let key = segment_key(url, sequence, epochs.owner(sequence));
         let body = get_whole(store, url, &key).await?;
         let decoded = segment::decode(&body, metadata.disk_id, metadata.size_bytes)
             .map_err(|reason| bad_object(url, &key, reason))?;
@@ -1251,9 +1359,23 @@ async fn recover(
         last_sequence = sequence;
     }
     if !writable {
-        // Read-only: the dead segments and those after a gap stay; neither is read.
+        // Read-only: the dead segments, those after a gap and the void ones stay; none is
+        // read.
         dead.clear();
         orphans.clear();
+        void.clear();
+    }
+    for (sequence, epoch) in void {
+        let key = segment_key(url, sequence, epoch);
+        tracing::info!(segment = %key, owner = epochs.owner(sequence), "deleting a segment of an epoch that does not own its sequence (a crashed server's)");
+        store
+            .delete(&ObjectPath::from(key.as_str()))
+            .await
+            .map_err(|error| OpenError::Request {
+                url: url.to_string(),
+                operation: format!("deleting void segment `{key}`"),
+                message: chain(&error),
+            })?;
     }
     let mut checkpoint_through = checkpoint_through;
     if let Some(&newest_orphan) = orphans.last() {
@@ -1284,7 +1406,7 @@ async fn recover(
         last_sequence = newest_orphan;
     }
     for sequence in dead {
-        let key = segment_key(url, sequence);
+        let key = segment_key(url, sequence, epochs.owner(sequence));
         tracing::info!(segment = %key, checkpoint_through, "deleting a segment the checkpoint covers and no longer needs");
         store
             .delete(&ObjectPath::from(key.as_str()))
@@ -1298,7 +1420,7 @@ async fn recover(
     // Segments after a gap were never covered by an acknowledged FLUSH; their sequence
     // numbers are about to be reused, so they go before anything new is written.
     for sequence in orphans {
-        let key = segment_key(url, sequence);
+        let key = segment_key(url, sequence, epochs.owner(sequence));
         tracing::warn!(segment = %key, after = last_sequence, "deleting a segment written after a missing one (its writes were never flushed)");
         store
             .delete(&ObjectPath::from(key.as_str()))
@@ -1314,5 +1436,114 @@ async fn recover(
         last_sequence,
         checkpoint_through,
         stored,
+        epochs,
     })
+}
+
+/// Recovers the log and, for a writable open, claims the next epoch (module `epoch`) with a
+/// create-only PUT before anything is written; when the claim fails because that epoch
+/// appeared meanwhile (a crashed server's late claim), recovers again under it.
+async fn recover_and_claim(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    metadata: &DiskMetadata,
+    writable: bool,
+) -> Result<Recovered, OpenError> {
+    let mut claims = 0;
+    loop {
+        let mut recovered = recover(store, url, metadata, writable).await?;
+        if !writable {
+            return Ok(recovered);
+        }
+        let epoch = recovered.epochs.newest() + 1;
+        let start = recovered.last_sequence + 1;
+        let key = epoch_key(url, epoch);
+        let claimed = store
+            .put_opts(
+                &ObjectPath::from(key.as_str()),
+                PutPayload::from(epoch::encode(metadata.disk_id, epoch, start)),
+                PutOptions {
+                    mode: PutMode::Create,
+                    ..Default::default()
+                },
+            )
+            .await;
+        claims += 1;
+        match claimed {
+            Ok(_) => {
+                recovered.epochs.insert(epoch, start);
+                return Ok(recovered);
+            }
+            Err(
+                object_store::Error::AlreadyExists { .. }
+                | object_store::Error::Precondition { .. },
+            ) if claims < EPOCH_CLAIMS_MAX => {
+                tracing::warn!(epoch = %key, "another open claimed this epoch meanwhile (a crashed server's late request); recovering again");
+            }
+            Err(error) => {
+                return Err(OpenError::Request {
+                    url: url.to_string(),
+                    operation: format!("claiming epoch `{key}` (create-only PUT)"),
+                    message: chain(&error),
+                })
+            }
+        }
+    }
+}
+
+/// The epochs recorded under `log/epochs/` (module `epoch`).
+async fn read_epochs(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    metadata: &DiskMetadata,
+) -> Result<epoch::Epochs, OpenError> {
+    let mut epochs = epoch::Epochs::default();
+    for (number, _) in list_sequences(store, url, "log/epochs").await? {
+        let key = epoch_key(url, number);
+        let body = get_whole(store, url, &key).await?;
+        let (recorded, start) = epoch::decode(&body, metadata.disk_id)
+            .map_err(|reason| bad_object(url, &key, reason))?;
+        if recorded != number {
+            return Err(bad_object(
+                url,
+                &key,
+                format!("records epoch {recorded}, not the {number} its name says"),
+            ));
+        }
+        epochs.insert(number, start);
+    }
+    Ok(epochs)
+}
+
+/// (sequence, epoch, object bytes) of the segment objects, ascending.
+async fn list_segments(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+) -> Result<Vec<(u64, u64, u64)>, OpenError> {
+    let prefix = ObjectPath::from(url.key("log/segments").as_str());
+    let objects: Vec<_> = store
+        .list(Some(&prefix))
+        .try_collect()
+        .await
+        .map_err(|error| OpenError::Request {
+            url: url.to_string(),
+            operation: format!("listing `{prefix}`"),
+            message: chain(&error),
+        })?;
+    let mut segments = Vec::with_capacity(objects.len());
+    for object in objects {
+        let name = object.location.filename().unwrap_or_default();
+        match epoch::parse_segment_name(name) {
+            Some((sequence, epoch)) => segments.push((sequence, epoch, object.size)),
+            None => {
+                return Err(bad_object(
+                    url,
+                    object.location.as_ref(),
+                    format!("not a bufcache segment name under `{prefix}` (16 hex digits, then optionally `-` and 16 more)"),
+                ))
+            }
+        }
+    }
+    segments.sort_unstable();
+    Ok(segments)
 }

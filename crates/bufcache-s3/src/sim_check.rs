@@ -1,0 +1,843 @@
+//! `bufcache sim check --layout log`: the log layout's crash consistency, checked seed by
+//! seed over the simulated object store ([`crate::sim_store`]).
+//!
+//! Each seed opens a [`LogStore`] on a small disk with a small segment size and checkpoint
+//! interval (so segments, checkpoints and garbage collection all happen within a few dozen
+//! steps), compression and encryption as the seed says, and drives seeded writes, zeroes,
+//! reads, flushes and garbage collection rounds (with writes landing in the middle of a round)
+//! through it, while the store fails, loses, and hangs requests. At seeded moments, and
+//! whenever a step is stuck on a hung request, the server crashes: its instance is abandoned,
+//! its hung requests are dropped, carried out at once or carried out later (after the next
+//! server opened the disk and wrote), and the disk is opened again. The check:
+//! - every read before a crash returns, block by block, the latest acknowledged data (or, for
+//!   a block a failed write touched, the data before or after it);
+//! - after a crash, the reopened disk equals the disk after some prefix of the writes in
+//!   acknowledgement order since the previous open, and that prefix includes every write a
+//!   successful FLUSH acknowledged (a failed write may be in it or not, block by block, and
+//!   the write after the prefix may be torn at block boundaries: a write longer than a
+//!   segment's room is split across segments, and a disk does not make a multi-block write
+//!   atomic either);
+//! - the collector's bookkeeping of live bytes per segment matches a recount after every
+//!   round (it decides what may be deleted).
+//!
+//! Blocks carry a tag (the write that wrote them and the block's number) in their first
+//! eight bytes and bytes derived from it after, so a block read back names its write and
+//! anything else (torn, corrupt, another write's data at the wrong place) is reported.
+//!
+//! Replay: a seed's fates are a function of the seed (module `sim_store`); the one timing
+//! input is how long the harness waits before it deems a step stuck on a hung request
+//! (`STUCK_AFTER`), which under heavy load can move a crash earlier, never hide a violation.
+
+use std::ops::Range;
+use std::sync::mpsc;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::sim_store::{mix, FaultRates, LateRates, SimWorld};
+use crate::{LogConfig, LogStore, S3Url, StoreError};
+
+/// Bytes of one block of the model (the log layout never splits a 4 KiB block of a write).
+const BLOCK_BYTES: u64 = 4096;
+/// How long a step may run while a request of its instance hangs before the harness deems
+/// it stuck on that request and crashes the server.
+const STUCK_AFTER: Duration = Duration::from_millis(40);
+/// How long a step may run with no request hanging, or after its server crashed, before it
+/// is reported as never returning.
+const NEVER_RETURNS: Duration = Duration::from_secs(10);
+/// Attempts at opening the disk after a crash before faults are turned off for one more.
+const REOPEN_ATTEMPTS_MAX: u32 = 20;
+
+/// What checking one seed found.
+#[derive(Clone, Debug, Default)]
+pub struct LogCheckOutcome {
+    /// Steps (writes, zeroes, reads, flushes, collection rounds) taken.
+    pub steps: u64,
+    pub crashes: u64,
+    /// Requests the store failed, lost or hung.
+    pub faults: u64,
+    /// Requests of crashed servers carried out after the crash.
+    pub late_landings: u64,
+    pub gc_rounds: u64,
+    /// What broke the contract, with the step; None when nothing did.
+    pub violation: Option<String>,
+}
+
+/// A key file for the seeds that encrypt (one per process, removed at exit).
+fn key_file() -> &'static std::path::Path {
+    static KEY: OnceLock<tempfile::NamedTempFile> = OnceLock::new();
+    KEY.get_or_init(|| {
+        let file = tempfile::NamedTempFile::new().expect("creating a temporary key file");
+        std::fs::write(file.path(), [0x5au8; 32]).expect("writing the temporary key file");
+        file
+    })
+    .path()
+}
+
+/// Fills one block with the bytes of `tag` (0 is a block of zeroes).
+fn fill_block(tag: u64, compressible: bool, block: &mut [u8]) {
+    if tag == 0 {
+        block.fill(0);
+        return;
+    }
+    block[..8].copy_from_slice(&tag.to_le_bytes());
+    for (index, chunk) in block[8..].chunks_mut(8).enumerate() {
+        let word = if compressible {
+            tag
+        } else {
+            mix(tag ^ ((index as u64) << 40))
+        };
+        let bytes = word.to_le_bytes();
+        chunk.copy_from_slice(&bytes[..chunk.len()]);
+    }
+}
+
+/// The tag a block read back carries, or why it carries none.
+fn tag_of(block: &[u8], compressible: bool) -> Result<u64, String> {
+    let tag = u64::from_le_bytes(block[..8].try_into().expect("8 bytes"));
+    let mut expected = vec![0u8; block.len()];
+    fill_block(tag, compressible, &mut expected);
+    if expected == block {
+        Ok(tag)
+    } else {
+        let first = block
+            .iter()
+            .zip(&expected)
+            .position(|(a, b)| a != b)
+            .unwrap_or(0);
+        Err(format!(
+            "holds bytes of no write (first 8 bytes say tag {tag:#x}; differs at byte {first})"
+        ))
+    }
+}
+
+fn describe_tag(tag: u64) -> String {
+    if tag == 0 {
+        "zeroes".to_string()
+    } else {
+        format!("write {} (block {})", tag >> 24, tag & 0xff_ffff)
+    }
+}
+
+/// One step of the workload, as acknowledged (or not).
+#[derive(Clone, Debug)]
+struct Change {
+    blocks: Range<u64>,
+    /// Write number (tags are `write << 24 | block`); None: zeroes.
+    write: Option<u64>,
+    acknowledged: bool,
+}
+
+impl Change {
+    fn tag(&self, block: u64) -> u64 {
+        self.write.map_or(0, |write| write << 24 | block)
+    }
+}
+
+/// Allowed tags of each block: one, or more after a failed write.
+type Allowed = Vec<Vec<u64>>;
+
+fn apply(allowed: &mut Allowed, change: &Change) {
+    for block in change.blocks.clone() {
+        let tag = change.tag(block);
+        let set = &mut allowed[block as usize];
+        if change.acknowledged {
+            set.clear();
+            set.push(tag);
+        } else if !set.contains(&tag) {
+            set.push(tag);
+        }
+    }
+}
+
+/// What a step asks of the store (run on the step thread).
+enum Step {
+    Open,
+    Write(Vec<(u64, Vec<u8>)>),
+    Zeroes(u64, u64),
+    Read(u64, usize),
+    Flush,
+    Collect(f64, Vec<(u64, Vec<u8>)>),
+}
+
+/// What a step's thread answers.
+enum Answer {
+    Opened(Result<LogStore, String>),
+    Writes(Vec<Result<(), StoreError>>),
+    Done(Result<(), StoreError>),
+    Read(Result<Vec<u8>, StoreError>),
+    Collected(
+        Result<crate::GcReport, StoreError>,
+        Vec<Result<(), StoreError>>,
+    ),
+}
+
+/// Runs one step on its own thread, so the harness can crash the server while the step is
+/// stuck on a hung request.
+fn spawn_step(
+    store: Option<Arc<LogStore>>,
+    world: &Arc<SimWorld>,
+    instance: u64,
+    url: &S3Url,
+    config: LogConfig,
+    step: Step,
+    trace: bool,
+) -> mpsc::Receiver<Answer> {
+    let (sender, receiver) = mpsc::channel();
+    let backend = world.store(instance);
+    let url = url.clone();
+    std::thread::Builder::new()
+        .name("sim-log-step".to_string())
+        .spawn(move || {
+            let _quiet = (!trace).then(|| {
+                tracing::subscriber::set_default(tracing::subscriber::NoSubscriber::default())
+            });
+            let answer = match step {
+                Step::Open => Answer::Opened(
+                    LogStore::open_unlocked_on(&url, backend, config)
+                        .map_err(|error| error.to_string()),
+                ),
+                Step::Write(writes) => {
+                    let store = store.expect("a write has a store");
+                    Answer::Writes(
+                        writes
+                            .iter()
+                            .map(|(offset, data)| store.write(data, *offset))
+                            .collect(),
+                    )
+                }
+                Step::Zeroes(offset, length) => Answer::Done(
+                    store
+                        .expect("zeroes have a store")
+                        .write_zeroes(offset, length),
+                ),
+                Step::Read(offset, length) => {
+                    let mut buffer = vec![0u8; length];
+                    Answer::Read(
+                        store
+                            .expect("a read has a store")
+                            .read(&mut buffer, offset)
+                            .map(|()| buffer),
+                    )
+                }
+                Step::Flush => Answer::Done(store.expect("a flush has a store").flush()),
+                Step::Collect(threshold, writes) => {
+                    let store = store.expect("a round has a store");
+                    let mut outcomes = Vec::new();
+                    let mut between = || {
+                        outcomes = writes
+                            .iter()
+                            .map(|(offset, data)| store.write(data, *offset))
+                            .collect();
+                    };
+                    let report = store.collect_garbage_calling(threshold, &mut between);
+                    Answer::Collected(report, outcomes)
+                }
+            };
+            let _ = sender.send(answer);
+        })
+        .expect("starting a step thread");
+    receiver
+}
+
+/// How waiting for a step ended.
+enum Waited {
+    Answer(Answer),
+    /// A request of the step's instance hangs and the step has not returned.
+    Stuck,
+}
+
+fn wait(receiver: &mpsc::Receiver<Answer>, world: &SimWorld) -> Result<Waited, String> {
+    let mut waited = Duration::ZERO;
+    loop {
+        match receiver.recv_timeout(STUCK_AFTER) {
+            Ok(answer) => return Ok(Waited::Answer(answer)),
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                return Err("the step's thread panicked".to_string())
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                waited += STUCK_AFTER;
+                if world.parked() > 0 {
+                    return Ok(Waited::Stuck);
+                }
+                if waited >= NEVER_RETURNS {
+                    return Err(format!(
+                        "a step has not returned after {NEVER_RETURNS:?} and no request hangs (deadlock?)"
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// Waits for a step of a crashed server (its requests now fail at once).
+fn wait_after_crash(receiver: mpsc::Receiver<Answer>) -> Result<Option<LogStore>, String> {
+    match receiver.recv_timeout(NEVER_RETURNS) {
+        Ok(Answer::Opened(Ok(store))) => Ok(Some(store)),
+        Ok(_) => Ok(None),
+        Err(_) => Err(format!(
+            "a step of a crashed server has not returned after {NEVER_RETURNS:?}"
+        )),
+    }
+}
+
+struct Harness {
+    seed: u64,
+    trace: bool,
+    rng: StdRng,
+    world: Arc<SimWorld>,
+    url: S3Url,
+    config: LogConfig,
+    compressible: bool,
+    blocks: u64,
+    instance: u64,
+    store: Option<Arc<LogStore>>,
+    /// Tags of every block at the last open, as read back.
+    base: Vec<u64>,
+    /// Writes, zeroes and failed ones since the last open, in acknowledgement order.
+    history: Vec<Change>,
+    /// How many of `history` the last successful FLUSH covers.
+    flushed: usize,
+    /// Allowed tags of every block now (base and all of history).
+    now: Allowed,
+    next_write: u64,
+    step: u64,
+    outcome: LogCheckOutcome,
+}
+
+impl Harness {
+    fn note(&self, text: impl FnOnce() -> String) {
+        if self.trace {
+            eprintln!("seed {} step {}: {}", self.seed, self.step, text());
+        }
+    }
+
+    fn flush_world_log(&self) {
+        let lines = self.world.take_log();
+        if self.trace {
+            for line in lines {
+                eprintln!("seed {} step {}:   store: {line}", self.seed, self.step);
+            }
+        }
+    }
+
+    fn data_for(&mut self, blocks: Range<u64>) -> (u64, Vec<u8>, Change) {
+        self.next_write += 1;
+        let write = self.next_write;
+        let mut data = vec![0u8; ((blocks.end - blocks.start) * BLOCK_BYTES) as usize];
+        for (index, block) in blocks.clone().enumerate() {
+            let at = index * BLOCK_BYTES as usize;
+            fill_block(
+                write << 24 | block,
+                self.compressible,
+                &mut data[at..at + BLOCK_BYTES as usize],
+            );
+        }
+        let change = Change {
+            blocks: blocks.clone(),
+            write: Some(write),
+            acknowledged: false,
+        };
+        (blocks.start * BLOCK_BYTES, data, change)
+    }
+
+    fn random_blocks(&mut self) -> Range<u64> {
+        let length = if self.rng.gen_bool(0.1) {
+            self.rng.gen_range(1..=(self.blocks / 4).max(1))
+        } else {
+            self.rng.gen_range(1..=8u64.min(self.blocks))
+        };
+        let start = self.rng.gen_range(0..=self.blocks - length);
+        start..start + length
+    }
+
+    fn record(&mut self, mut change: Change, outcome: &Result<(), StoreError>) {
+        change.acknowledged = outcome.is_ok();
+        self.note(|| {
+            format!(
+                "{} blocks {:?}: {}",
+                change
+                    .write
+                    .map_or("zeroes".to_string(), |write| format!("write {write}")),
+                change.blocks,
+                match outcome {
+                    Ok(()) => "acknowledged".to_string(),
+                    Err(error) => format!("failed: {error}"),
+                }
+            )
+        });
+        apply(&mut self.now, &change);
+        self.history.push(change);
+    }
+
+    /// Runs a step; None when it got stuck on a hung request (the server then crashed).
+    fn run(&mut self, step: Step) -> Result<Option<Answer>, String> {
+        let receiver = spawn_step(
+            self.store.clone(),
+            &self.world,
+            self.instance,
+            &self.url,
+            self.config,
+            step,
+            self.trace,
+        );
+        match wait(&receiver, &self.world)? {
+            Waited::Answer(answer) => {
+                self.flush_world_log();
+                Ok(Some(answer))
+            }
+            Waited::Stuck => {
+                self.note(|| "stuck on a hung request: the server crashes".to_string());
+                self.world.crash(self.instance);
+                if let Some(store) = wait_after_crash(receiver)? {
+                    // An open that completed as it crashed: abandoned all the same.
+                    drop(store);
+                }
+                self.flush_world_log();
+                Ok(None)
+            }
+        }
+    }
+
+    /// Crashes the server (if one is open) and opens the disk again; checks what it finds.
+    fn crash_and_reopen(&mut self) -> Result<(), String> {
+        if let Some(store) = self.store.take() {
+            self.outcome.crashes += 1;
+            self.note(|| format!("crash of instance {}", self.instance));
+            self.world.crash(self.instance);
+            // The dead server's close fails at once (its requests are refused): nothing of
+            // it reaches the store.
+            drop(store);
+            self.flush_world_log();
+        }
+        let mut attempts = 0;
+        loop {
+            self.instance += 1;
+            attempts += 1;
+            if attempts > REOPEN_ATTEMPTS_MAX {
+                self.world.set_calm(true);
+            }
+            self.note(|| format!("opening as instance {}", self.instance));
+            match self.run(Step::Open)? {
+                Some(Answer::Opened(Ok(store))) => {
+                    self.store = Some(Arc::new(store));
+                    break;
+                }
+                Some(Answer::Opened(Err(error))) => {
+                    self.note(|| format!("open failed: {error}"));
+                    if attempts > REOPEN_ATTEMPTS_MAX {
+                        self.world.set_calm(false);
+                        return Err(format!(
+                            "the disk cannot be opened again, even without faults: {error}"
+                        ));
+                    }
+                }
+                Some(_) => unreachable!("an open answers Opened"),
+                None => {
+                    self.outcome.crashes += 1;
+                }
+            }
+        }
+        self.world.set_calm(false);
+        self.verify_reopened()
+    }
+
+    /// Reads the whole disk without faults and finds the prefix of history it equals.
+    fn verify_reopened(&mut self) -> Result<(), String> {
+        self.world.set_calm(true);
+        let image = self.read_all();
+        self.world.set_calm(false);
+        let image = image?;
+        let mut state: Allowed = self.base.iter().map(|&tag| vec![tag]).collect();
+        let mismatched = |state: &Allowed, block: usize| !state[block].contains(&image[block]);
+        let mut mismatches: usize = (0..image.len()).filter(|&b| mismatched(&state, b)).count();
+        let mut found = None;
+        for length in 0..=self.history.len() {
+            if length > 0 {
+                let change = &self.history[length - 1];
+                let before: Vec<bool> = change
+                    .blocks
+                    .clone()
+                    .map(|b| mismatched(&state, b as usize))
+                    .collect();
+                apply(&mut state, change);
+                for (b, was) in change.blocks.clone().zip(before) {
+                    let is = mismatched(&state, b as usize);
+                    mismatches = mismatches + usize::from(is) - usize::from(was);
+                }
+            }
+            // The next change may be torn at the crash (a write longer than a segment's room
+            // is split across segments): its blocks may hold its data instead.
+            let torn = self.history.get(length).map_or(0, |next| {
+                next.blocks
+                    .clone()
+                    .filter(|&b| mismatched(&state, b as usize) && image[b as usize] == next.tag(b))
+                    .count()
+            });
+            if length >= self.flushed && mismatches == torn {
+                found = Some(length);
+                break;
+            }
+        }
+        match found {
+            Some(length) => {
+                self.note(|| {
+                    format!(
+                        "reopened: the disk is the first {length} of {} changes since the last open ({} flushed)",
+                        self.history.len(),
+                        self.flushed
+                    )
+                });
+                self.base = image;
+                self.now = self.base.iter().map(|&tag| vec![tag]).collect();
+                self.history.clear();
+                self.flushed = 0;
+                Ok(())
+            }
+            None => Err(self.explain_no_prefix(&image)),
+        }
+    }
+
+    /// Why no prefix fits: the first block that differs from the flushed prefix's image, and
+    /// from the whole history's.
+    fn explain_no_prefix(&self, image: &[u64]) -> String {
+        let mut state: Allowed = self.base.iter().map(|&tag| vec![tag]).collect();
+        for change in &self.history[..self.flushed] {
+            apply(&mut state, change);
+        }
+        let flushed_block = (0..image.len()).find(|&b| !state[b].contains(&image[b]));
+        let mut detail = String::new();
+        if let Some(block) = flushed_block {
+            detail = format!(
+                "block {block} reads {} but the {} flushed changes leave {}",
+                describe_tag(image[block]),
+                self.flushed,
+                state[block]
+                    .iter()
+                    .map(|&tag| describe_tag(tag))
+                    .collect::<Vec<_>>()
+                    .join(" or ")
+            );
+        }
+        format!(
+            "after reopening (instance {}), the disk is no prefix of the {} changes acknowledged since the last open that includes the {} a FLUSH acknowledged{}{detail}",
+            self.instance,
+            self.history.len(),
+            self.flushed,
+            if detail.is_empty() { "" } else { ": " }
+        )
+    }
+
+    fn read_all(&mut self) -> Result<Vec<u64>, String> {
+        let store = self.store.clone().expect("reopened");
+        let mut tags = Vec::with_capacity(self.blocks as usize);
+        let chunk_blocks = 16u64;
+        let mut block = 0;
+        while block < self.blocks {
+            let count = chunk_blocks.min(self.blocks - block);
+            let mut buffer = vec![0u8; (count * BLOCK_BYTES) as usize];
+            store
+                .read(&mut buffer, block * BLOCK_BYTES)
+                .map_err(|error| {
+                    format!("reading the reopened disk at block {block} (no faults): {error}")
+                })?;
+            for (index, data) in buffer.chunks(BLOCK_BYTES as usize).enumerate() {
+                tags.push(tag_of(data, self.compressible).map_err(|reason| {
+                    format!("after reopening, block {} {reason}", block + index as u64)
+                })?);
+            }
+            block += count;
+        }
+        Ok(tags)
+    }
+
+    fn check_read(&self, offset: u64, data: &[u8]) -> Result<(), String> {
+        for (index, bytes) in data.chunks(BLOCK_BYTES as usize).enumerate() {
+            let block = offset / BLOCK_BYTES + index as u64;
+            let tag = tag_of(bytes, self.compressible)
+                .map_err(|reason| format!("a read of block {block} {reason}"))?;
+            let allowed = &self.now[block as usize];
+            if !allowed.contains(&tag) {
+                return Err(format!(
+                    "a read of block {block} returned {} but the latest acknowledged data is {}",
+                    describe_tag(tag),
+                    allowed
+                        .iter()
+                        .map(|&tag| describe_tag(tag))
+                        .collect::<Vec<_>>()
+                        .join(" or ")
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// One step of the workload; false when the server crashed.
+    fn one_step(&mut self) -> Result<bool, String> {
+        self.step += 1;
+        self.outcome.steps += 1;
+        self.world.land_due(self.step);
+        self.flush_world_log();
+        let choice = self.rng.gen_range(0..100);
+        if choice < 50 {
+            let count = if self.rng.gen_bool(0.2) { 3 } else { 1 };
+            let mut writes = Vec::new();
+            let mut changes = Vec::new();
+            for _ in 0..count {
+                let blocks = self.random_blocks();
+                let (offset, data, change) = self.data_for(blocks);
+                writes.push((offset, data));
+                changes.push(change);
+            }
+            let Some(answer) = self.run(Step::Write(writes))? else {
+                return self.stuck(changes);
+            };
+            let Answer::Writes(outcomes) = answer else {
+                unreachable!("writes answer Writes")
+            };
+            for (change, outcome) in changes.into_iter().zip(outcomes) {
+                self.record(change, &outcome);
+            }
+        } else if choice < 60 {
+            let blocks = self.random_blocks();
+            let change = Change {
+                blocks: blocks.clone(),
+                write: None,
+                acknowledged: false,
+            };
+            let step = Step::Zeroes(
+                blocks.start * BLOCK_BYTES,
+                (blocks.end - blocks.start) * BLOCK_BYTES,
+            );
+            let Some(answer) = self.run(step)? else {
+                return self.stuck(vec![change]);
+            };
+            let Answer::Done(outcome) = answer else {
+                unreachable!("zeroes answer Done")
+            };
+            self.record(change, &outcome);
+        } else if choice < 75 {
+            let blocks = self.random_blocks();
+            let offset = blocks.start * BLOCK_BYTES;
+            let length = ((blocks.end - blocks.start) * BLOCK_BYTES) as usize;
+            let Some(answer) = self.run(Step::Read(offset, length))? else {
+                return self.stuck(Vec::new());
+            };
+            let Answer::Read(outcome) = answer else {
+                unreachable!("a read answers Read")
+            };
+            match outcome {
+                Ok(data) => {
+                    self.note(|| format!("read blocks {blocks:?}"));
+                    self.check_read(offset, &data)?;
+                }
+                Err(error) => self.note(|| format!("read blocks {blocks:?} failed: {error}")),
+            }
+        } else if choice < 90 {
+            let covers = self.history.len();
+            let Some(answer) = self.run(Step::Flush)? else {
+                return self.stuck(Vec::new());
+            };
+            let Answer::Done(outcome) = answer else {
+                unreachable!("a flush answers Done")
+            };
+            match outcome {
+                Ok(()) => {
+                    self.note(|| format!("flush acknowledged ({covers} changes)"));
+                    self.flushed = covers;
+                }
+                Err(error) => self.note(|| format!("flush failed: {error}")),
+            }
+        } else {
+            let threshold = self.rng.gen_range(0.2..0.9);
+            let mut writes = Vec::new();
+            let mut changes = Vec::new();
+            for _ in 0..self.rng.gen_range(0..3) {
+                let blocks = self.random_blocks();
+                let (offset, data, change) = self.data_for(blocks);
+                writes.push((offset, data));
+                changes.push(change);
+            }
+            self.outcome.gc_rounds += 1;
+            let Some(answer) = self.run(Step::Collect(threshold, writes))? else {
+                return self.stuck(changes);
+            };
+            let Answer::Collected(report, outcomes) = answer else {
+                unreachable!("a round answers Collected")
+            };
+            // A round that failed before its reads wrote nothing in between.
+            let mut outcomes = outcomes.into_iter();
+            for change in changes {
+                match outcomes.next() {
+                    Some(outcome) => self.record(change, &outcome),
+                    None => self.note(|| "a write of the round was never made".to_string()),
+                }
+            }
+            match report {
+                Ok(report) => self.note(|| format!("collection round: {report:?}")),
+                Err(error) => self.note(|| format!("collection round failed: {error}")),
+            }
+            if let Some(store) = &self.store {
+                store
+                    .check_live_bytes()
+                    .map_err(|reason| format!("after a collection round, {reason}"))?;
+            }
+        }
+        Ok(true)
+    }
+
+    /// A step got stuck and the server crashed under it: its writes were never acknowledged
+    /// (each may have reached the log or not).
+    fn stuck(&mut self, changes: Vec<Change>) -> Result<bool, String> {
+        for change in changes {
+            apply(&mut self.now, &change);
+            self.history.push(change);
+        }
+        self.outcome.crashes += 1;
+        // The crashed store is dropped by the reopen (its requests are refused already).
+        if let Some(store) = self.store.take() {
+            drop(store);
+            self.flush_world_log();
+        }
+        Ok(false)
+    }
+}
+
+/// Checks one seed (see the module docs); `trace` prints every step to standard error.
+pub fn check_log_seed(seed: u64, trace: bool) -> LogCheckOutcome {
+    // The crashed servers' stores log their failures; only a trace wants them.
+    let _quiet = (!trace)
+        .then(|| tracing::subscriber::set_default(tracing::subscriber::NoSubscriber::default()));
+    let mut rng = StdRng::seed_from_u64(seed);
+    let faulty = rng.gen_range(0..4) != 0;
+    let faults = if faulty {
+        FaultRates {
+            fail_ppm: rng.gen_range(0..40_000),
+            lost_ppm: rng.gen_range(0..20_000),
+            hang_ppm: rng.gen_range(0..30_000),
+        }
+    } else {
+        FaultRates::default()
+    };
+    let late = LateRates {
+        at_crash_ppm: 300_000,
+        later_ppm: 500_000,
+        later_steps_max: rng.gen_range(1..60),
+    };
+    let world = SimWorld::new(seed, faults, late);
+    let blocks: u64 = rng.gen_range(16..=128);
+    let compress = rng.gen_bool(0.5);
+    let encrypt = rng.gen_bool(0.5);
+    let mut text = format!(
+        "s3://sim/disk{seed}?create-size={}&layout=log",
+        blocks * BLOCK_BYTES
+    );
+    if compress {
+        text.push_str("&compress=zstd");
+    }
+    if encrypt {
+        text.push_str(&format!("&key-file={}", key_file().display()));
+    }
+    let url = S3Url::parse(&text).expect("the harness's URL parses");
+    let segment_bytes_max = [8u64 << 10, 16 << 10, 32 << 10, 64 << 10][rng.gen_range(0..4)];
+    let config = LogConfig {
+        segment_bytes_max,
+        segments_in_flight_max: rng.gen_range(1..=4),
+        checkpoint_interval_segments: rng.gen_range(1..=4),
+        requests_in_flight_max: rng.gen_range(1..=4),
+        // Rounds run as steps of the workload (seeded), not on the background thread's clock.
+        gc_threshold: None,
+        gc_stored_ratio_max: 1.5,
+        gc_requests_in_flight_max: rng.gen_range(1..=2),
+        gc_bytes_max: segment_bytes_max * rng.gen_range(1..=4),
+        gc_interval_ms: 100,
+    };
+    let lives = rng.gen_range(2..=5);
+    let mut harness = Harness {
+        seed,
+        trace,
+        compressible: rng.gen_bool(0.5),
+        rng,
+        world: world.clone(),
+        url,
+        config,
+        blocks,
+        instance: 0,
+        store: None,
+        base: vec![0; blocks as usize],
+        history: Vec::new(),
+        flushed: 0,
+        now: vec![vec![0]; blocks as usize],
+        next_write: 0,
+        step: 0,
+        outcome: LogCheckOutcome::default(),
+    };
+    harness.note(|| {
+        format!(
+            "{} blocks, {config:?}, compress {compress}, encrypt {encrypt}, faults {faults:?}, late {late:?}, {lives} lives",
+            harness.blocks
+        )
+    });
+    let result = (|| -> Result<(), String> {
+        harness.crash_and_reopen()?;
+        for _ in 0..lives {
+            let steps = harness.rng.gen_range(5..120);
+            for _ in 0..steps {
+                if !harness.one_step()? {
+                    break;
+                }
+            }
+            harness.crash_and_reopen()?;
+        }
+        Ok(())
+    })();
+    let counts = world.counts();
+    harness.outcome.faults = counts.failed + counts.lost + counts.hung;
+    harness.outcome.late_landings = counts.landed_at_crash + counts.landed_late;
+    if let Err(message) = result {
+        harness.outcome.violation = Some(format!("step {}: {message}", harness.step));
+    }
+    // The last server is abandoned as a crash would leave it.
+    world.crash(harness.instance);
+    drop(harness.store.take());
+    harness.outcome
+}
+
+/// What checking a range of seeds found.
+#[derive(Clone, Debug, Default)]
+pub struct LogCheckSummary {
+    pub seeds: u64,
+    pub steps: u64,
+    pub crashes: u64,
+    pub faults: u64,
+    pub late_landings: u64,
+    pub gc_rounds: u64,
+    /// (seed, what broke) of every seed that broke the contract.
+    pub violations: Vec<(u64, String)>,
+}
+
+/// Checks seeds `first..first + count`, calling `each` after every seed.
+pub fn check_log_seeds(
+    first: u64,
+    count: u64,
+    trace: bool,
+    mut each: impl FnMut(u64, &LogCheckOutcome),
+) -> LogCheckSummary {
+    let mut summary = LogCheckSummary::default();
+    for seed in first..first.saturating_add(count) {
+        let outcome = check_log_seed(seed, trace);
+        each(seed, &outcome);
+        summary.seeds += 1;
+        summary.steps += outcome.steps;
+        summary.crashes += outcome.crashes;
+        summary.faults += outcome.faults;
+        summary.late_landings += outcome.late_landings;
+        summary.gc_rounds += outcome.gc_rounds;
+        if let Some(message) = outcome.violation {
+            summary.violations.push((seed, message));
+        }
+    }
+    summary
+}
