@@ -22,6 +22,9 @@ fn random(length: usize, seed: u64) -> Vec<u8> {
     data
 }
 
+/// What each read of a batch ended with: its offset, its bytes, and whether it succeeded.
+type Outcomes = Arc<Mutex<Vec<(u64, Vec<u8>, bool)>>>;
+
 /// Memory a read fills, handed back to the test with the outcome.
 struct Filled(Vec<u8>);
 
@@ -67,7 +70,7 @@ fn a_read_batch_keeps_its_gets_in_flight_together_and_each_read_its_outcome() {
                 .unwrap();
         }
         device.flush().unwrap();
-        let outcomes: Arc<Mutex<Vec<(u64, Vec<u8>, bool)>>> = Arc::default();
+        let outcomes: Outcomes = Arc::default();
         let mut reads: Vec<ReadRequest> = runs
             .iter()
             .map(|(offset, _)| *offset)
