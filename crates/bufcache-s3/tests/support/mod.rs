@@ -458,3 +458,74 @@ impl Drop for RefuseProxy {
         let _ = self.child.wait();
     }
 }
+
+/// The bucket `bucket` of `moto`, seen directly: to list, damage, truncate, plant or delete
+/// objects behind a store's back.
+pub struct Raw {
+    runtime: tokio::runtime::Runtime,
+    store: object_store::aws::AmazonS3,
+}
+
+impl Raw {
+    pub fn new(moto: &Moto) -> Raw {
+        Raw {
+            runtime: tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap(),
+            store: object_store::aws::AmazonS3Builder::new()
+                .with_bucket_name("bucket")
+                .with_endpoint(moto.endpoint())
+                .with_allow_http(true)
+                .with_region("us-east-1")
+                .with_access_key_id("testing")
+                .with_secret_access_key("testing")
+                .build()
+                .unwrap(),
+        }
+    }
+
+    /// (key, size) of every object under `prefix`, in key order.
+    pub fn list(&self, prefix: &str) -> Vec<(String, u64)> {
+        use futures::TryStreamExt;
+        use object_store::ObjectStore;
+        let prefix = object_store::path::Path::from(prefix);
+        let mut objects: Vec<(String, u64)> = self
+            .runtime
+            .block_on(self.store.list(Some(&prefix)).try_collect::<Vec<_>>())
+            .unwrap()
+            .into_iter()
+            .map(|object| (object.location.to_string(), object.size))
+            .collect();
+        objects.sort();
+        objects
+    }
+
+    /// Keys of every object under `prefix`, in key order.
+    pub fn keys(&self, prefix: &str) -> Vec<String> {
+        self.list(prefix).into_iter().map(|(key, _)| key).collect()
+    }
+
+    pub fn get(&self, key: &str) -> Vec<u8> {
+        use object_store::ObjectStore;
+        let path = object_store::path::Path::from(key);
+        self.runtime
+            .block_on(async { self.store.get(&path).await.unwrap().bytes().await })
+            .unwrap()
+            .to_vec()
+    }
+
+    pub fn put(&self, key: &str, body: Vec<u8>) {
+        use object_store::ObjectStore;
+        let path = object_store::path::Path::from(key);
+        self.runtime
+            .block_on(self.store.put(&path, object_store::PutPayload::from(body)))
+            .unwrap();
+    }
+
+    pub fn delete(&self, key: &str) {
+        use object_store::ObjectStore;
+        let path = object_store::path::Path::from(key);
+        self.runtime.block_on(self.store.delete(&path)).unwrap();
+    }
+}
