@@ -147,7 +147,17 @@ pub fn check_seed_traced(seed: u64, trace: bool) -> SeedOutcome {
         outcome.queue_choices = harness.core.device_totals().queue_choices;
         result
     }));
-    outcome.violation = match result {
+    outcome.violation = violation_of(result, "the engine");
+    outcome
+}
+
+/// The violation a checked run found: its own message, or a panic of `what` (a broken
+/// invariant assertion) with the panic's text; None when the run kept every promise.
+pub(crate) fn violation_of(
+    result: std::thread::Result<Result<(), String>>,
+    what: &str,
+) -> Option<String> {
+    match result {
         Ok(Ok(())) => None,
         Ok(Err(message)) => Some(message),
         Err(panic) => {
@@ -156,10 +166,9 @@ pub fn check_seed_traced(seed: u64, trace: bool) -> SeedOutcome {
                 .cloned()
                 .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "a panic without a message".to_string());
-            Some(format!("the engine panicked: {text}"))
+            Some(format!("{what} panicked: {text}"))
         }
-    };
-    outcome
+    }
 }
 
 /// One object: a disjoint range of the disk.

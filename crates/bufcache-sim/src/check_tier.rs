@@ -103,18 +103,7 @@ pub fn check_tier_seed_traced(seed: u64, trace: bool) -> SeedOutcome {
     } else {
         tracing::subscriber::with_default(tracing::subscriber::NoSubscriber::default(), run)
     };
-    outcome.violation = match result {
-        Ok(Ok(())) => None,
-        Ok(Err(message)) => Some(message),
-        Err(panic) => {
-            let text = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "a panic without a message".to_string());
-            Some(format!("the local tier panicked: {text}"))
-        }
-    };
+    outcome.violation = crate::check::violation_of(result, "the local tier");
     outcome
 }
 
