@@ -10,8 +10,12 @@ use std::io::{IoSlice, IoSliceMut};
 
 use bufcache::Device;
 use bufcache_s3::{LogStore, OpenError, S3Device, S3Url};
+use futures::TryStreamExt;
+use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::path::Path as ObjectPath;
+use object_store::{ObjectStore, PutPayload};
 use rand::{Rng, SeedableRng};
-use support::{have_moto, Moto, Raw};
+use support::{have_moto, Moto};
 
 fn url(endpoint: &str, disk: &str, parameters: &str) -> S3Url {
     S3Url::parse(&format!(
@@ -22,6 +26,76 @@ fn url(endpoint: &str, disk: &str, parameters: &str) -> S3Url {
 
 fn open_log(endpoint: &str, disk: &str, parameters: &str) -> Result<LogStore, OpenError> {
     LogStore::open_locked(&url(endpoint, disk, parameters))
+}
+
+/// The bucket, seen directly (to list, damage, truncate or plant objects behind the store's
+/// back).
+struct Raw {
+    runtime: tokio::runtime::Runtime,
+    store: AmazonS3,
+}
+
+impl Raw {
+    fn new(moto: &Moto) -> Raw {
+        Raw {
+            runtime: tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap(),
+            store: AmazonS3Builder::new()
+                .with_bucket_name("bucket")
+                .with_endpoint(moto.endpoint())
+                .with_allow_http(true)
+                .with_region("us-east-1")
+                .with_access_key_id("testing")
+                .with_secret_access_key("testing")
+                .build()
+                .unwrap(),
+        }
+    }
+
+    /// Keys of every object under `prefix`, in key order.
+    fn list(&self, prefix: &str) -> Vec<String> {
+        let prefix = ObjectPath::from(prefix);
+        let mut keys: Vec<String> = self
+            .runtime
+            .block_on(self.store.list(Some(&prefix)).try_collect::<Vec<_>>())
+            .unwrap()
+            .into_iter()
+            .map(|object| object.location.to_string())
+            .collect();
+        keys.sort();
+        keys
+    }
+
+    fn get(&self, key: &str) -> Vec<u8> {
+        self.runtime
+            .block_on(async {
+                self.store
+                    .get(&ObjectPath::from(key))
+                    .await
+                    .unwrap()
+                    .bytes()
+                    .await
+            })
+            .unwrap()
+            .to_vec()
+    }
+
+    fn put(&self, key: &str, body: Vec<u8>) {
+        self.runtime
+            .block_on(
+                self.store
+                    .put(&ObjectPath::from(key), PutPayload::from(body)),
+            )
+            .unwrap();
+    }
+
+    fn delete(&self, key: &str) {
+        self.runtime
+            .block_on(self.store.delete(&ObjectPath::from(key)))
+            .unwrap();
+    }
 }
 
 /// Bytes compression shrinks: runs of one random byte, 1 to 512 bytes long.
@@ -128,7 +202,7 @@ fn a_flipped_byte_in_any_stored_segment_is_a_read_error_naming_it_never_wrong_da
             model[offset..offset + length].copy_from_slice(&data);
         }
         drop(store);
-        let segments = raw.keys(&format!("{disk}/log/segments"));
+        let segments = raw.list(&format!("{disk}/log/segments"));
         assert_eq!(segments.len(), 1, "{disk}: {segments:?}");
         let segment = &segments[0];
         let body = raw.get(segment);
@@ -194,7 +268,7 @@ fn the_collector_refuses_a_damaged_source_instead_of_copying_it() {
     store.write(&random(6 * 4096, &mut rng), 0).unwrap();
     store.flush().unwrap();
     drop(store);
-    let segments = raw.keys("disk/log/segments");
+    let segments = raw.list("disk/log/segments");
     assert_eq!(segments.len(), 2, "{segments:?}");
     let source = &segments[0];
     let mut body = raw.get(source);
@@ -214,7 +288,7 @@ fn the_collector_refuses_a_damaged_source_instead_of_copying_it() {
     let error = store.read(&mut back, 6 * 4096).unwrap_err().to_string();
     assert!(error.contains(source.as_str()), "{error}");
     assert!(
-        raw.keys("disk/log/segments").contains(source),
+        raw.list("disk/log/segments").contains(source),
         "the damaged source is not deleted"
     );
 }
@@ -417,7 +491,7 @@ fn a_segment_recovery_deleted_is_never_read_when_put_back() {
         store.flush().unwrap();
     }
     let id = crash(store);
-    let segments = raw.keys("disk/log/segments");
+    let segments = raw.list("disk/log/segments");
     assert_eq!(segments.len(), 3, "{segments:?}");
     let saved = raw.get(&segments[2]);
     raw.delete(&segments[1]);
@@ -427,16 +501,16 @@ fn a_segment_recovery_deleted_is_never_read_when_put_back() {
         &format!("&key-file={key}&break-lock={id}"),
     )
     .unwrap();
-    assert_eq!(raw.keys("disk/log/segments"), segments[..1].to_vec());
+    assert_eq!(raw.list("disk/log/segments"), segments[..1].to_vec());
     assert_eq!(
-        raw.keys("disk/log/checkpoints"),
+        raw.list("disk/log/checkpoints"),
         vec!["disk/log/checkpoints/0000000000000003".to_string()]
     );
     store.write(&[4; 4096], 3 * 4096).unwrap();
     store.write(&[4; 4096], 4 * 4096).unwrap();
     store.flush().unwrap();
     // Segment names are `<sequence>-<epoch>` (the epoch of the open that wrote them).
-    let newest = raw.keys("disk/log/segments").last().unwrap().clone();
+    let newest = raw.list("disk/log/segments").last().unwrap().clone();
     assert!(
         newest.starts_with("disk/log/segments/0000000000000004"),
         "new segments are numbered after the deleted ones: {newest}"
@@ -457,7 +531,7 @@ fn a_segment_recovery_deleted_is_never_read_when_put_back() {
         .chunks(4096)
         .all(|block| block.iter().all(|&byte| byte == block[0])));
     assert!(
-        !raw.keys("disk/log/segments").contains(&segments[2]),
+        !raw.list("disk/log/segments").contains(&segments[2]),
         "the put-back segment is deleted again"
     );
 }
