@@ -490,3 +490,106 @@ fn serve_read_only_serves_a_log_disk_and_writes_nothing() {
         "(PUT, DELETE): none from a read-only server"
     );
 }
+
+// Goal: a small write into a chunk the cache holds whole costs one PUT and no GET (write-back
+// fills the chunk from the cached clean blocks instead of reading, merging and rewriting it),
+// and the chunk keeps every byte. Method: a 1 MiB-chunk disk; qemu-io writes and flushes
+// 4 MiB (four chunks, all cached afterwards), then two 4 KiB writes into chunk 1 and a flush;
+// moto's log counts the GETs and PUTs of that second session; after a clean stop a second
+// server reads the whole 4 MiB back through qemu-io's pattern checks.
+#[test]
+fn a_small_write_into_a_wholly_cached_chunk_is_one_put_and_no_get() {
+    let name = "a_small_write_into_a_wholly_cached_chunk_is_one_put_and_no_get";
+    if !have_moto(name) || !have_tools(name, &["qemu-io"]) {
+        return;
+    }
+    let dir = temp_dir();
+    let moto = Moto::start();
+    moto.create_bucket("disks");
+    let create = disk_url(
+        &moto.endpoint(),
+        "&create-size=16M&layout=chunk&chunk-size=1M",
+    );
+    let mut server = Server::start(dir.path(), "filler", &["--backend", &create]);
+    run_ok(
+        cmd(
+            "qemu-io",
+            &[
+                "-f",
+                "raw",
+                "-c",
+                "write -P 0x11 0 4M",
+                "-c",
+                "flush",
+                &server.uri(),
+            ],
+        ),
+        Duration::from_secs(60),
+    );
+    let before = (moto.request_count("GET"), moto.request_count("PUT"));
+    let log_lines = || {
+        std::fs::read_to_string(&moto.log_path)
+            .unwrap_or_default()
+            .lines()
+            .count()
+    };
+    let lines_before = log_lines();
+    run_ok(
+        cmd(
+            "qemu-io",
+            &[
+                // Write-back mode: qemu-io's default (writethrough) flushes after every write.
+                "-t",
+                "writeback",
+                "-f",
+                "raw",
+                "-c",
+                "write -P 0x22 1036k 4k",
+                "-c",
+                "write -P 0x33 1536k 4k",
+                "-c",
+                "flush",
+                &server.uri(),
+            ],
+        ),
+        Duration::from_secs(60),
+    );
+    let after = (moto.request_count("GET"), moto.request_count("PUT"));
+    assert_eq!(
+        (after.0 - before.0, after.1 - before.1),
+        (0, 1),
+        "(GETs, PUTs) of two 4 KiB writes into a cached chunk and a flush; requests:\n{}",
+        std::fs::read_to_string(&moto.log_path)
+            .unwrap_or_default()
+            .lines()
+            .skip(lines_before)
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    server.stop_clean();
+    let url = disk_url(&moto.endpoint(), "");
+    let mut reader = Server::start(dir.path(), "reader", &["-r", "--backend", &url]);
+    run_ok(
+        cmd(
+            "qemu-io",
+            &[
+                "-r",
+                "-f",
+                "raw",
+                "-c",
+                "read -P 0x11 0 1036k",
+                "-c",
+                "read -P 0x22 1036k 4k",
+                "-c",
+                "read -P 0x11 1040k 496k",
+                "-c",
+                "read -P 0x33 1536k 4k",
+                "-c",
+                "read -P 0x11 1540k 2556k",
+                &reader.uri(),
+            ],
+        ),
+        Duration::from_secs(60),
+    );
+    reader.stop_clean();
+}

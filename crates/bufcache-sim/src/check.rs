@@ -269,6 +269,9 @@ struct Scenario {
     crash_per_mille: u64,
     /// The real io queue between the engine and the disk, as `serve` has it (or none).
     io_queue: Option<IoQueueConfig>,
+    /// The disk's write unit (1: none; else 2 to 8 blocks, as an object-store chunk), so
+    /// write-back's whole-unit runs and filling from clean blocks are checked too.
+    write_unit_bytes: u64,
 }
 
 impl Scenario {
@@ -340,8 +343,14 @@ impl Scenario {
             depth_max: 1 + rng.below(4) as usize,
             ..IoQueueConfig::default()
         });
+        let write_unit_bytes = if rng.below(3) == 0 {
+            block * (2 + rng.below(7))
+        } else {
+            1
+        };
         Scenario {
             io_queue,
+            write_unit_bytes,
             config,
             regions,
             clients: 2 + rng.below(3) as usize,
@@ -356,7 +365,7 @@ impl Scenario {
         format!(
             "{} objects of {} KiB blocks, {} clients; cache {} KiB, {} buffers max, cluster {} KiB, \
              read-ahead {} KiB, policy {}, dirty {}%/{}%, write-behind {}, faults r{}/w{}/f{}, \
-             io queue {}",
+             io queue {}, write unit {} B",
             self.regions.len(),
             self.regions[0].block_size / 1024,
             self.clients,
@@ -380,6 +389,7 @@ impl Scenario {
                     queue.depth_max
                 ),
             },
+            self.write_unit_bytes,
         )
     }
 }
@@ -435,7 +445,9 @@ impl Harness {
             ..SimIoQueue::new(queue.mode, queue.merge, queue.transfer_size_max_bytes)
         }));
         let length: u64 = scenario.regions.iter().map(|r| r.length).sum();
-        let device = Arc::new(SimDevice::new(core.clone(), length, "simulated disk"));
+        let mut device = SimDevice::new(core.clone(), length, "simulated disk");
+        device.set_write_unit_bytes(scenario.write_unit_bytes);
+        let device = Arc::new(device);
         device.track_crashes();
         device.set_faults(scenario.faults.clone(), rng.clone());
         // The real io queue dispatches on the submitting thread when nothing else is in

@@ -1157,6 +1157,9 @@ pub struct SimDevice {
     core: Arc<SimCore>,
     length: u64,
     name: String,
+    /// The write unit the device reports (`Capabilities::write_unit_bytes`; 1: none), so
+    /// `sim check` runs the engine's whole-unit write-back as over an object store.
+    write_unit_bytes: u64,
     contents: Mutex<Contents>,
     faults: Mutex<Option<Faults>>,
 }
@@ -1194,9 +1197,16 @@ impl SimDevice {
             core,
             length,
             name: name.to_string(),
+            write_unit_bytes: 1,
             contents: Mutex::new(Contents::default()),
             faults: Mutex::new(None),
         }
+    }
+
+    /// Reports `bytes` as the device's write unit (before the device is shared).
+    pub fn set_write_unit_bytes(&mut self, bytes: u64) {
+        assert!(bytes >= 1, "a write unit is at least one byte");
+        self.write_unit_bytes = bytes;
     }
 
     fn contents(&self) -> MutexGuard<'_, Contents> {
@@ -1491,6 +1501,7 @@ impl Device for SimDevice {
     fn capabilities(&self) -> bufcache::Capabilities {
         bufcache::Capabilities {
             inflight_requests_max: self.core.inflight_requests_max(),
+            write_unit_bytes: self.write_unit_bytes,
             ..bufcache::Capabilities::plain(self.length)
         }
     }

@@ -298,6 +298,19 @@ impl ObjectState {
         (block + to_boundary).min(self.block_count)
     }
 
+    /// The blocks `[start, end)` of the write unit holding `block`, when the device has a
+    /// write unit and that unit can be written as one run (contiguous on the device, within
+    /// one cluster and one request; cut at the object's end). None otherwise.
+    pub fn write_unit_of(&self, block: u64) -> Option<(u64, u64)> {
+        if self.write_unit_bytes == 0 || block >= self.block_count {
+            return None;
+        }
+        let start = self.write_unit_start(block);
+        let unit_blocks = self.write_unit_bytes / self.block_size_bytes as u64;
+        let end = (start + unit_blocks).min(self.block_count);
+        (self.write_run_blocks_max(start) >= end - start).then_some((start, end))
+    }
+
     /// The first block of the write unit holding `block` (itself when there is no unit).
     fn write_unit_start(&self, block: u64) -> u64 {
         if self.write_unit_bytes == 0 {

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use bufcache_device::WriteMemory;
 
-use crate::buffer::{Buffer, DIRTY, WRITEBACK, WRITEBACK_WAITED, WRITTEN_BEHIND};
+use crate::buffer::{Buffer, DIRTY, VALID, WRITEBACK, WRITEBACK_WAITED, WRITTEN_BEHIND};
 use crate::config::CacheConfig;
 use crate::dirty;
 use crate::environment::{Clock, Waiter};
@@ -195,7 +195,7 @@ impl Writeback {
     /// run is dropped.
     fn claim_run(&self, object: &ObjectState, first: u64, mode: LockMode) -> ClaimedRun {
         let limit = object.write_run_blocks_max(first);
-        let candidates: Vec<u64> = {
+        let mut candidates: Vec<u64> = {
             let dirty = object.dirty.lock();
             dirty
                 .range(first..first + limit)
@@ -205,6 +205,15 @@ impl Writeback {
                 .map(|(_, block)| block)
                 .collect()
         };
+        // A run that would end part-way into a later write unit stops before that unit, so
+        // the unit is claimed on its own and may be filled whole (`claim_filled_unit`).
+        if let Some(&last) = candidates.last() {
+            if let Some((unit_start, unit_end)) = object.write_unit_of(last) {
+                if unit_start > first && last + 1 < unit_end {
+                    candidates.retain(|&block| block < unit_start);
+                }
+            }
+        }
         let mut held = ClaimedRun {
             end: Arc::clone(&self.end),
             buffers: Vec::with_capacity(candidates.len()),
@@ -224,6 +233,68 @@ impl Writeback {
             held.buffers.push(buffer);
         }
         held
+    }
+
+    /// Claims the run starting at `first` ([`Self::claim_run`]), or, on a device with a write
+    /// unit, the whole unit holding `first` when the unit is not all dirty and none of it is
+    /// claimed by this pass yet (`first_unclaimed`) and it can be filled
+    /// ([`Self::claim_filled_unit`]).
+    fn claim_from(
+        &self,
+        object: &ObjectState,
+        first: u64,
+        mode: LockMode,
+        first_unclaimed: u64,
+    ) -> ClaimedRun {
+        if let Some(unit) = object.write_unit_of(first) {
+            let (unit_start, unit_end) = unit;
+            let partly_dirty = unit_start >= first_unclaimed
+                && object.dirty.lock().count(unit_start..unit_end) < unit_end - unit_start;
+            if let Some(run) = partly_dirty
+                .then(|| self.claim_filled_unit(object, unit))
+                .flatten()
+            {
+                return run;
+            }
+        }
+        self.claim_run(object, first, mode)
+    }
+
+    /// Claims every block of the write unit `[start, end)` — the dirty ones for write-back,
+    /// the clean ones as filler, all pinned, locked shared and marked `WRITEBACK` — so the unit
+    /// reaches the device as one whole write: an object-store chunk is then PUT without the GET
+    /// and merge a partial chunk costs. Writing a clean block again is harmless: it holds what
+    /// the device holds, and the shared lock keeps writers (and discards, which lock
+    /// exclusively) out until the write has ended.
+    ///
+    /// None, with nothing claimed, when a block is not cached, not valid or held, when none is
+    /// dirty, or while a discard or zeroing is in flight on the object: a clean block a reader
+    /// fetched meanwhile may hold bytes the replacement is about to change, and writing them
+    /// after it would bring them back.
+    fn claim_filled_unit(
+        &self,
+        object: &ObjectState,
+        (start, end): (u64, u64),
+    ) -> Option<ClaimedRun> {
+        let mut cached = self.table.lookup_run(object.id, start, end, None);
+        let mut held = ClaimedRun {
+            end: Arc::clone(&self.end),
+            buffers: Vec::with_capacity((end - start) as usize),
+        };
+        for block in start..end {
+            let buffer = cached.take(block)?;
+            if !claim_unit_block(&buffer) {
+                self.table.unpin(&buffer);
+                return None;
+            }
+            held.buffers.push(buffer);
+        }
+        // Checked with every block held: a replacement that starts later must lock them
+        // exclusively first, so it waits for this write and its device operation comes after.
+        if object.replace_in_flight() || !held.buffers.iter().any(|buffer| buffer.has(DIRTY)) {
+            return None;
+        }
+        Some(held)
     }
 
     /// Locks a dirty buffer shared and marks its write-back in flight. False when it is not
@@ -405,7 +476,7 @@ impl Writeback {
             // A batching `Wait` pass tries first, and waits only once its batch is written.
             let batching_wait = mode == LockMode::Wait && writes_max > 1;
             let first_try = if batching_wait { LockMode::Try } else { mode };
-            let mut held = self.claim_run(object, block, first_try);
+            let mut held = self.claim_from(object, block, first_try, next_unclaimed);
             if held.is_empty() && batching_wait {
                 self.write_batch(batch, cause);
                 held = self.claim_run(object, block, LockMode::Wait);
@@ -423,7 +494,7 @@ impl Writeback {
                 };
                 continue;
             }
-            next_unclaimed = block + held.len() as u64;
+            next_unclaimed = held.end_block();
             batch.add(object, held);
             if batch.is_full(writes_max) {
                 self.write_batch(batch, cause);
@@ -647,7 +718,7 @@ impl Writeback {
             let Some(first) = object.claim_dirty_cluster() else {
                 break;
             };
-            let held = self.claim_run(object, first, LockMode::Try);
+            let held = self.claim_from(object, first, LockMode::Try, 0);
             if held.is_empty() {
                 skips += 1;
                 continue;
@@ -818,6 +889,11 @@ impl ClaimedRun {
     fn is_empty(&self) -> bool {
         self.buffers.is_empty()
     }
+
+    /// The block after the run's last (the run is not empty).
+    fn end_block(&self) -> u64 {
+        self.buffers.last().expect("a claimed run").key.block + 1
+    }
 }
 
 impl Drop for ClaimedRun {
@@ -864,6 +940,20 @@ impl WriteMemory for HeldBytes {
             .map(|buffer| IoSlice::new(unsafe { buffer.device_bytes() }))
             .collect()
     }
+}
+
+/// Claims one block of a write unit being filled ([`Writeback::claim_filled_unit`]): locked
+/// shared without waiting, valid, and not in another write-back. Dirty or clean alike.
+fn claim_unit_block(buffer: &Buffer) -> bool {
+    if !buffer.try_lock_shared() {
+        return false;
+    }
+    if buffer.has(VALID) && buffer.set(WRITEBACK) {
+        return true;
+    }
+    // SAFETY: locked shared just above.
+    unsafe { buffer.unlock_shared() };
+    false
 }
 
 /// Ends `buffer`'s write-back in flight (and forgets any waiter's mark with it, in the same
