@@ -666,7 +666,10 @@ fn nbuf(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
             format!("one build, {} (assumed)", format_size(assumed_memory)),
         ),
     ] {
-        let (before, after) = (figure(builds, 430.0, memory), figure(builds, 1024.0, memory));
+        let (before, after) = (
+            figure(builds, 430.0, memory),
+            figure(builds, 1024.0, memory),
+        );
         comparison.push(Comparison::new(
             "001",
             ComparisonKind::Shape,
