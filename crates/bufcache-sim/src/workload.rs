@@ -8,8 +8,10 @@
 //! - `mixed:scan=512M,ws=32M,reads=20000,think_us=500,bs=64k` — a sequential scan (looping)
 //!   competing with random block reads of a working set;
 //! - `treecopy:files=2000,min=1k,max=16k` — copy a tree of small files, then sync;
-//! - `build:jobs=4,sources=200,headers=300,includes=20,cpu_ms=20,header_max=24k` — parallel
-//!   compile jobs reading sources and shared headers and writing objects.
+//! - `build:jobs=4,sources=200,headers=300,includes=20,cpu_ms=20,header_max=24k[,builds=2]` —
+//!   parallel compile jobs reading sources and shared headers and writing objects; `builds`
+//!   independent builds at once (default 1), each with its own sources and headers and `jobs`
+//!   jobs (seed 001's `make build` beside a kernel build).
 
 use std::fmt;
 use std::str::FromStr;
@@ -411,6 +413,10 @@ pub enum WorkloadSpec {
         cpu_ms: u64,
         /// Largest header (headers are 1 KiB to this).
         header_max: u64,
+        /// Independent builds run at once, each with its own `sources` sources, `headers`
+        /// headers and `jobs` jobs (separate trees: they share only the disk and the cache).
+        /// Default 1.
+        builds: u32,
     },
 }
 
@@ -483,6 +489,7 @@ impl FromStr for WorkloadSpec {
                 includes: 20,
                 cpu_ms: 20,
                 header_max: 24 << 10,
+                builds: 1,
             },
             _ => {
                 return Err(SpecError::new(
@@ -570,8 +577,10 @@ impl FromStr for WorkloadSpec {
                     includes,
                     cpu_ms,
                     header_max,
+                    builds,
                 } => match key {
                     "jobs" => *jobs = count_value(key, value)?.min(1024) as u32,
+                    "builds" => *builds = count_value(key, value)?.min(64) as u32,
                     "sources" => *sources = count_value(key, value)?,
                     "headers" => *headers = count_value(key, value)?,
                     "includes" => *includes = count_value(key, value)?.min(10_000) as u32,
@@ -585,7 +594,7 @@ impl FromStr for WorkloadSpec {
                         return unknown(
                             key,
                             value,
-                            "jobs, sources, headers, includes, cpu_ms, header_max",
+                            "jobs, sources, headers, includes, cpu_ms, header_max, builds",
                         )
                     }
                 },
@@ -675,11 +684,19 @@ impl fmt::Display for WorkloadSpec {
                 includes,
                 cpu_ms,
                 header_max,
-            } => write!(
-                f,
-                "build:jobs={jobs},sources={sources},headers={headers},includes={includes},cpu_ms={cpu_ms},header_max={}",
-                s(*header_max)
-            ),
+                builds,
+            } => {
+                write!(
+                    f,
+                    "build:jobs={jobs},sources={sources},headers={headers},includes={includes},cpu_ms={cpu_ms},header_max={}",
+                    s(*header_max)
+                )?;
+                // Only when not the default, so one build's text stays as it was.
+                if *builds != 1 {
+                    write!(f, ",builds={builds}")?;
+                }
+                Ok(())
+            }
         }
     }
 }
@@ -761,32 +778,52 @@ impl WorkloadSpec {
                 includes,
                 cpu_ms,
                 header_max,
+                builds,
             } => {
-                let mut rng = SimRng::new(0xB11D);
-                let header_files = (0..*headers)
-                    .map(|i| sim.create_file(&format!("h-{i}"), rng.between(1 << 10, *header_max)))
-                    .collect::<Result<Vec<_>, _>>()?;
-                let source_files = (0..*sources)
-                    .map(|i| sim.create_file(&format!("c-{i}"), rng.between(2 << 10, 40 << 10)))
-                    .collect::<Result<Vec<_>, _>>()?;
-                for job in 0..*jobs as usize {
-                    let mine: Vec<FileId> = source_files
-                        .iter()
-                        .copied()
-                        .skip(job)
-                        .step_by(*jobs as usize)
-                        .collect();
-                    sim.spawn(
-                        &format!("cc-{job}"),
-                        Box::new(BuildJob::new(
-                            mine,
-                            header_files.clone(),
-                            *includes,
-                            cpu_ms * 1_000_000,
-                        )),
-                        0,
-                        true,
-                    );
+                for build in 0..*builds {
+                    // Build 0 keeps the names and sizes one build always had; each further
+                    // build is a tree of its own (its own names and sizes).
+                    let prefix = if build == 0 {
+                        String::new()
+                    } else {
+                        format!("b{build}-")
+                    };
+                    let mut rng = SimRng::new(0xB11D + u64::from(build));
+                    let header_files = (0..*headers)
+                        .map(|i| {
+                            sim.create_file(
+                                &format!("{prefix}h-{i}"),
+                                rng.between(1 << 10, *header_max),
+                            )
+                        })
+                        .collect::<Result<Vec<_>, _>>()?;
+                    let source_files = (0..*sources)
+                        .map(|i| {
+                            sim.create_file(
+                                &format!("{prefix}c-{i}"),
+                                rng.between(2 << 10, 40 << 10),
+                            )
+                        })
+                        .collect::<Result<Vec<_>, _>>()?;
+                    for job in 0..*jobs as usize {
+                        let mine: Vec<FileId> = source_files
+                            .iter()
+                            .copied()
+                            .skip(job)
+                            .step_by(*jobs as usize)
+                            .collect();
+                        sim.spawn(
+                            &format!("{prefix}cc-{job}"),
+                            Box::new(BuildJob::new(
+                                mine,
+                                header_files.clone(),
+                                *includes,
+                                cpu_ms * 1_000_000,
+                            )),
+                            0,
+                            true,
+                        );
+                    }
                 }
             }
         }
