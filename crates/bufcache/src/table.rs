@@ -436,20 +436,31 @@ impl Table {
         self.pool.idle_resident_bytes()
     }
 
-    /// Adds the table's counts and gauges to a statistics snapshot. Visits every entry (for
-    /// pinned bytes): for snapshots, never per request.
-    pub(crate) fn fill_stats(&self, stats: &mut CacheStats) {
+    /// Bytes of buffers someone holds. Visits every entry: for snapshots, never per request.
+    pub(crate) fn pinned_bytes(&self) -> u64 {
+        self.shards
+            .iter()
+            .map(|shard| {
+                let shard = shard.lock();
+                shard
+                    .entries
+                    .iter()
+                    .flatten()
+                    .filter(|buffer| buffer.pins.load(Ordering::Acquire) > 0)
+                    .map(|buffer| buffer.charge_bytes as u64)
+                    .sum::<u64>()
+            })
+            .sum()
+    }
+
+    /// Adds the table's counts and gauges to a statistics snapshot, but for `pinned_bytes`
+    /// ([`Table::pinned_bytes`]): a lock per shard and no entry visited, so a caller may
+    /// sample it often.
+    pub(crate) fn fill_stats_without_pinned(&self, stats: &mut CacheStats) {
         for shard in self.shards.iter() {
             let shard = shard.lock();
             stats.hits += shard.hits;
             stats.misses += shard.misses;
-            stats.pinned_bytes += shard
-                .entries
-                .iter()
-                .flatten()
-                .filter(|buffer| buffer.pins.load(Ordering::Acquire) > 0)
-                .map(|buffer| buffer.charge_bytes as u64)
-                .sum::<u64>();
         }
         stats.memory_used_bytes = self.memory.used_bytes.load(Ordering::Acquire);
         stats.memory_wasted_bytes = self.memory.wasted_bytes.load(Ordering::Acquire);
@@ -458,6 +469,7 @@ impl Table {
         stats.memory_bytes_max = self.memory.bytes_max.load(Ordering::Acquire);
         stats.buffers_max = self.memory.buffers_max.load(Ordering::Acquire);
     }
+
     /// Looks `key` up; on a hit records the access and pins the buffer.
     /// A hit from a no-reuse stream (`placement` NoReuse) is not reported to the policy, so
     /// the block stays at the eviction end where it was inserted: the stream consuming its
