@@ -19,7 +19,7 @@
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, IoSliceMut};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bufcache::device::io_queue::Direction;
@@ -225,6 +225,11 @@ struct CpuPool {
     busy: Vec<Vec<(u64, u64)>>,
 }
 
+/// [`SimCore::prune`] prunes the CPU lists once per this many calls (one call per scheduler
+/// step): pruning only frees memory, so how often it runs changes no booking, and a prune
+/// per step cost a lock and a binary search per CPU per simulated call.
+const PRUNE_CALLS_PER_PRUNE: u32 = 64;
+
 impl CpuPool {
     fn new(cpus: u32) -> Self {
         CpuPool {
@@ -296,6 +301,8 @@ impl CpuPool {
     }
 
     /// Forgets intervals that end before `floor` (no entity can book before it any more).
+    /// Bookings are the same with or without it: an interval ending before `floor` is skipped
+    /// by every booking at or after it, and never extended.
     fn prune(&mut self, floor: u64) {
         for intervals in &mut self.busy {
             let keep_from = intervals.partition_point(|&(_, end)| end < floor);
@@ -336,6 +343,11 @@ pub(crate) struct CoreState {
 pub struct SimCore {
     state: Mutex<CoreState>,
     clock: Arc<VirtualClock>,
+    /// Calls of [`SimCore::prune`] until it next prunes.
+    prune_countdown: AtomicU32,
+    /// An io queue is configured (`state.queue` is Some): read without the lock by
+    /// [`SimCore::next_dispatch_ns`], which the scheduler asks at every step.
+    has_io_queue: AtomicBool,
 }
 
 impl SimCore {
@@ -360,6 +372,8 @@ impl SimCore {
                 resumed_ns: Vec::new(),
             }),
             clock,
+            prune_countdown: AtomicU32::new(PRUNE_CALLS_PER_PRUNE),
+            has_io_queue: AtomicBool::new(false),
         }
     }
 
@@ -372,6 +386,7 @@ impl SimCore {
     /// Puts an io queue between the engine and the disk (`None`: requests go straight on).
     pub fn set_io_queue(&self, queue: Option<SimIoQueue>) {
         let mut state = self.lock();
+        self.has_io_queue.store(queue.is_some(), Ordering::Release);
         state.queue = queue.map(|config| QueueState {
             order: QueueOrder::new(config.mode, config.merge, config.transfer_size_max_bytes),
             config: SimIoQueue {
@@ -424,6 +439,9 @@ impl SimCore {
 
     /// When the io queue next hands a batch to the disk, if a request waits.
     pub fn next_dispatch_ns(&self) -> Option<u64> {
+        if !self.has_io_queue.load(Ordering::Acquire) {
+            return None;
+        }
         let state = self.lock();
         let queue = state.queue.as_ref()?;
         let earliest = if !queue.order.is_empty() {
@@ -450,7 +468,7 @@ impl SimCore {
         let now = state.resolved.iter().map(|&(_, t)| t).max();
         drop(state);
         if let Some(now) = now {
-            self.clock.advance_to(now);
+            self.advance_clock(now);
         }
     }
 
@@ -472,6 +490,15 @@ impl SimCore {
     pub fn advance_disk(&self, time_ns: u64) {
         while let Some(next) = self.next_dispatch_ns().filter(|&next| next <= time_ns) {
             self.dispatch(next);
+        }
+    }
+
+    /// Moves the engine's clock forward to `time_ns` (never back). A plain load first: most
+    /// calls find the clock there already, and an atomic read-modify-write per simulated
+    /// call was a visible share of the simulator's own CPU time.
+    fn advance_clock(&self, time_ns: u64) {
+        if self.clock.now() < time_ns {
+            self.clock.advance_to(time_ns);
         }
     }
 
@@ -510,7 +537,7 @@ impl SimCore {
         state.cursor_ns = time_ns;
         state.deferred = false;
         drop(state);
-        self.clock.advance_to(time_ns);
+        self.advance_clock(time_ns);
     }
 
     /// The running entity's time.
@@ -526,6 +553,10 @@ impl SimCore {
 
     /// Runs `user_ns + sys_ns` of CPU work for the running entity.
     pub fn cpu(&self, user_ns: u64, sys_ns: u64) {
+        if user_ns == 0 && sys_ns == 0 {
+            // No work: nothing to book, now or (for a blocked entity) on replay.
+            return;
+        }
         let mut state = self.lock();
         if state.deferred {
             let cpu_account = state.cpu_account;
@@ -539,7 +570,7 @@ impl SimCore {
         state.cpu_work(user_ns, sys_ns);
         let now = state.cursor_ns;
         drop(state);
-        self.clock.advance_to(now);
+        self.advance_clock(now);
     }
 
     /// Waits (without CPU) for `ns`: a timed wait of the engine, a latency spike.
@@ -550,8 +581,9 @@ impl SimCore {
             return;
         }
         let until = state.cursor_ns + ns;
+        state.wait_until(until, for_io);
         drop(state);
-        self.wait_until(until, for_io);
+        self.advance_clock(until);
     }
 
     /// Waits until the data of device bytes `[offset, offset + length)` has arrived from the
@@ -571,8 +603,10 @@ impl SimCore {
             state.block(current).data = Some((offset, length, cursor));
             return;
         }
+        // Not deferred (checked above, under the same lock): wait at once.
+        state.wait_until(ready, true);
         drop(state);
-        self.wait_until(ready, true);
+        self.advance_clock(ready);
     }
 
     /// Waits (without CPU) until `time_ns`.
@@ -583,15 +617,9 @@ impl SimCore {
             state.defer(Deferred::Delay { ns, for_io });
             return;
         }
-        if time_ns > state.cursor_ns {
-            if for_io {
-                let current = state.current;
-                state.accounts[current].io_wait_ns += time_ns - state.cursor_ns;
-            }
-            state.cursor_ns = time_ns;
-        }
+        state.wait_until(time_ns, for_io);
         drop(state);
-        self.clock.advance_to(time_ns);
+        self.advance_clock(time_ns);
     }
 
     /// When the data of device bytes `[offset, offset + length)` last arrived from the disk.
@@ -606,8 +634,17 @@ impl SimCore {
         std::mem::take(&mut self.lock().read_unwired_bytes)
     }
 
-    /// Forgets CPU bookings before `floor`.
+    /// Forgets CPU bookings before `floor`, once per [`PRUNE_CALLS_PER_PRUNE`] calls.
     pub(crate) fn prune(&self, floor: u64) {
+        // A load and a store, not a read-modify-write: a lost count (two threads at once)
+        // only moves the next prune, which changes no booking.
+        let countdown = self.prune_countdown.load(Ordering::Relaxed);
+        if countdown > 1 {
+            self.prune_countdown.store(countdown - 1, Ordering::Relaxed);
+            return;
+        }
+        self.prune_countdown
+            .store(PRUNE_CALLS_PER_PRUNE, Ordering::Relaxed);
         self.lock().cpu.prune(floor);
     }
 
@@ -687,7 +724,7 @@ impl SimCore {
         state.accounts[current].io_wait_ns += done.saturating_sub(arrival);
         state.cursor_ns = done;
         drop(state);
-        self.clock.advance_to(done);
+        self.advance_clock(done);
     }
 
     /// A flush: one command, and on a drive with a write cache a wait until the cached
@@ -1052,6 +1089,17 @@ impl CoreState {
             self.cursor_ns = time_ns;
         }
         self.resolved.push((account, time_ns));
+    }
+
+    /// The running entity, not deferred, waits (without CPU) until `time_ns`.
+    fn wait_until(&mut self, time_ns: u64, for_io: bool) {
+        if time_ns > self.cursor_ns {
+            if for_io {
+                let current = self.current;
+                self.accounts[current].io_wait_ns += time_ns - self.cursor_ns;
+            }
+            self.cursor_ns = time_ns;
+        }
     }
 
     fn cpu_work(&mut self, user_ns: u64, sys_ns: u64) {
