@@ -753,7 +753,7 @@ impl Table {
         end: u64,
         use_placement: Option<Placement>,
     ) -> RunLookup<'_> {
-        let mut buffers = Vec::with_capacity(end.saturating_sub(first) as usize);
+        let mut buffers = RunBuffers::with_capacity(end.saturating_sub(first) as usize);
         let mut block = first;
         while block < end {
             let chunk = ChunkKey::of(object, block);
@@ -852,13 +852,17 @@ impl Table {
     }
 }
 
+/// The buffers of a [`RunLookup`], by block from its first: inline for short runs, so the
+/// common read of a block or two allocates nothing.
+type RunBuffers = smallvec::SmallVec<[Option<Arc<Buffer>>; 4]>;
+
 /// The blocks of a run looked up at once ([`Table::lookup_run`]): the caller takes the
 /// buffers it uses, in any order; the ones it leaves are unpinned (and their hits taken
 /// back) when this is dropped.
 pub(crate) struct RunLookup<'table> {
     table: &'table Table,
     first: u64,
-    buffers: Vec<Option<Arc<Buffer>>>,
+    buffers: RunBuffers,
     counted_hits: bool,
 }
 
