@@ -19,7 +19,7 @@
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, IoSliceMut};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bufcache::device::io_queue::Direction;
@@ -245,7 +245,7 @@ impl CpuPool {
         }
         let mut best: Option<Booking> = None;
         for (cpu, intervals) in self.busy.iter().enumerate() {
-            let from = intervals.partition_point(|&(_, end)| end <= at);
+            let from = index_after(intervals, |&(_, end)| end <= at);
             let free_until = intervals.get(from).map_or(u64::MAX, |&(start, _)| start);
             if free_until >= at + duration {
                 // This CPU is idle for the whole of it, so it finishes first (ties go to the
@@ -289,7 +289,7 @@ impl CpuPool {
     /// Marks `piece` (start, end) busy on `cpu`, which is free then; returns its end.
     fn book_piece(&mut self, cpu: usize, piece: (u64, u64)) -> u64 {
         let intervals = &mut self.busy[cpu];
-        let index = intervals.partition_point(|&(s, _)| s < piece.0);
+        let index = index_after(intervals, |&(start, _)| start < piece.0);
         // Work that starts where the previous booking ends extends it: the gaps are the
         // same, and the lists stay short for back-to-back work of one entity.
         if index > 0 && intervals[index - 1].1 == piece.0 {
@@ -310,6 +310,17 @@ impl CpuPool {
                 intervals.drain(..keep_from);
             }
         }
+    }
+}
+
+/// `intervals.partition_point(before)` for a list of disjoint intervals in order (`before`
+/// holds for a prefix of them), looking at the last interval first: an entity mostly books
+/// at or after everything booked so far, and then the answer is the list's end without a
+/// search of the hundreds of intervals kept for out-of-order bookings.
+fn index_after(intervals: &[(u64, u64)], before: impl Fn(&(u64, u64)) -> bool) -> usize {
+    match intervals.last() {
+        Some(last) if !before(last) => intervals.partition_point(before),
+        _ => intervals.len(),
     }
 }
 
@@ -1611,6 +1622,9 @@ pub struct SimSpawner {
     core: Arc<SimCore>,
     queue: Mutex<VecDeque<(u64, usize, Job)>>,
     queued_max: usize,
+    /// Jobs in `queue`, changed under its lock: [`SimSpawner::next_time`], which the
+    /// scheduler asks at every step, reads it without the lock when nothing waits.
+    queued: AtomicUsize,
 }
 
 impl SimSpawner {
@@ -1620,6 +1634,7 @@ impl SimSpawner {
             core,
             queue: Mutex::new(VecDeque::new()),
             queued_max: queued_max.max(1),
+            queued: AtomicUsize::new(0),
         }
     }
 
@@ -1631,17 +1646,26 @@ impl SimSpawner {
 
     /// Spawn time of the oldest waiting job.
     pub(crate) fn next_time(&self) -> Option<u64> {
+        if self.queued.load(Ordering::Acquire) == 0 {
+            return None;
+        }
         self.queue().front().map(|(time, _, _)| *time)
     }
 
     /// Takes the oldest waiting job: spawn time, account of the spawning process, job.
     pub(crate) fn pop(&self) -> Option<(u64, usize, Job)> {
-        self.queue().pop_front()
+        let mut queue = self.queue();
+        let job = queue.pop_front();
+        self.queued.store(queue.len(), Ordering::Release);
+        job
     }
 
     /// Drops every waiting job unrun (a crash: the background work dies with the cache).
     pub fn clear(&self) {
-        let jobs = std::mem::take(&mut *self.queue());
+        let mut queue = self.queue();
+        let jobs = std::mem::take(&mut *queue);
+        self.queued.store(0, Ordering::Release);
+        drop(queue);
         drop(jobs);
     }
 }
@@ -1654,6 +1678,7 @@ impl Spawner for SimSpawner {
             return Err(job);
         }
         queue.push_back((now, origin, job));
+        self.queued.store(queue.len(), Ordering::Release);
         Ok(())
     }
 }
