@@ -80,20 +80,32 @@ impl SparseStore {
         });
     }
 
-    /// Copies the bytes at `offset` into `target` (zeroes where nothing is stored).
+    /// Copies the bytes at `offset` into `target` (zeroes where nothing is stored). One
+    /// ordered walk over the stored chunks the range touches, and one fill per stretch of
+    /// absent chunks between them, rather than a map probe and a fill per chunk: a read-ahead
+    /// cluster of a never-written region is one fill per target.
     pub fn read(&self, offset: u64, target: &mut [u8]) {
-        for_each_piece(
-            self.chunk_bytes,
-            offset,
-            target.len() as u64,
-            |index, within, start, step| {
-                let piece = &mut target[start..start + step];
-                match self.chunks.get(&index) {
-                    Some(chunk) => piece.copy_from_slice(&chunk[within..within + step]),
-                    None => piece.fill(0),
-                }
-            },
-        );
+        let length = target.len() as u64;
+        if length == 0 {
+            return;
+        }
+        let chunk_bytes = self.chunk_bytes;
+        let first = offset / chunk_bytes;
+        let last = (offset + length - 1) / chunk_bytes;
+        // Bytes of `target` filled so far: everything before it is copied or zeroed.
+        let mut done = 0usize;
+        for (&index, chunk) in self.chunks.range(first..=last) {
+            let chunk_start = index * chunk_bytes;
+            let from = chunk_start.max(offset);
+            let to = (chunk_start + chunk_bytes).min(offset + length);
+            let start = (from - offset) as usize;
+            let end = (to - offset) as usize;
+            fill_zeroes(&mut target[done..start]);
+            let within = (from - chunk_start) as usize;
+            target[start..end].copy_from_slice(&chunk[within..within + (end - start)]);
+            done = end;
+        }
+        fill_zeroes(&mut target[done..]);
     }
 
     /// The allocation map of `length` bytes at `offset`, at chunk granularity: a chunk never
@@ -111,6 +123,14 @@ impl SparseStore {
             }
         });
         extents
+    }
+}
+
+/// Zeroes `bytes`, skipping the call for an empty slice: glibc's AVX-512 memset ends even an
+/// empty fill with a masked store at the slice's end, which may be the next page.
+fn fill_zeroes(bytes: &mut [u8]) {
+    if !bytes.is_empty() {
+        bytes.fill(0);
     }
 }
 
@@ -188,5 +208,49 @@ mod tests {
                 },
             ]
         );
+    }
+
+    /// Goal: a read returns exactly what a flat array of the same writes and zeroings holds,
+    /// whatever mix of stored and absent chunks (and chunk edges) the range crosses. Method:
+    /// seeded random writes, zeroings and reads over a small store with 64-byte chunks,
+    /// each read compared with the model; the seed is printed.
+    #[test]
+    fn reads_match_a_flat_model_across_stored_and_absent_chunks() {
+        let seed = 0x5EED_0034_u64;
+        println!("seed {seed:#x}");
+        let mut state = seed;
+        let mut next = move |bound: u64| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (state >> 33) % bound
+        };
+        let size = 2048u64;
+        let mut store = SparseStore::new(64);
+        let mut model = vec![0u8; size as usize];
+        for round in 0..4000 {
+            let offset = next(size);
+            let length = next(size - offset + 1);
+            let range = offset as usize..(offset + length) as usize;
+            match next(4) {
+                0 => {
+                    let data: Vec<u8> = (0..length).map(|_| next(3) as u8).collect();
+                    store.write(offset, &data);
+                    model[range].copy_from_slice(&data);
+                }
+                1 => {
+                    store.zero(offset, length);
+                    model[range].fill(0);
+                }
+                _ => {
+                    let mut back = vec![0xA5u8; length as usize];
+                    store.read(offset, &mut back);
+                    assert_eq!(
+                        back, model[range],
+                        "seed {seed:#x}, round {round}: read of {length} bytes at {offset}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -519,7 +519,7 @@ impl World {
         let read_bytes = self.core.take_read_bytes();
         let pages = read_bytes.div_ceil(self.page_bytes);
         self.wired_pages += pages;
-        let stats = self.cache.stats();
+        let stats = self.cache.stats_without_pinned();
         let fresh_pages = (stats.misses + stats.readahead_issued_blocks) * self.block_pages;
         let unwired = fresh_pages.saturating_sub(self.wired_pages);
         self.wired_pages = self.wired_pages.max(fresh_pages);

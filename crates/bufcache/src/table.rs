@@ -436,20 +436,31 @@ impl Table {
         self.pool.idle_resident_bytes()
     }
 
-    /// Adds the table's counts and gauges to a statistics snapshot. Visits every entry (for
-    /// pinned bytes): for snapshots, never per request.
-    pub(crate) fn fill_stats(&self, stats: &mut CacheStats) {
+    /// Bytes of buffers someone holds. Visits every entry: for snapshots, never per request.
+    pub(crate) fn pinned_bytes(&self) -> u64 {
+        self.shards
+            .iter()
+            .map(|shard| {
+                let shard = shard.lock();
+                shard
+                    .entries
+                    .iter()
+                    .flatten()
+                    .filter(|buffer| buffer.pins.load(Ordering::Acquire) > 0)
+                    .map(|buffer| buffer.charge_bytes as u64)
+                    .sum::<u64>()
+            })
+            .sum()
+    }
+
+    /// Adds the table's counts and gauges to a statistics snapshot, but for `pinned_bytes`
+    /// ([`Table::pinned_bytes`]): a lock per shard and no entry visited, so a caller may
+    /// sample it often.
+    pub(crate) fn fill_stats_without_pinned(&self, stats: &mut CacheStats) {
         for shard in self.shards.iter() {
             let shard = shard.lock();
             stats.hits += shard.hits;
             stats.misses += shard.misses;
-            stats.pinned_bytes += shard
-                .entries
-                .iter()
-                .flatten()
-                .filter(|buffer| buffer.pins.load(Ordering::Acquire) > 0)
-                .map(|buffer| buffer.charge_bytes as u64)
-                .sum::<u64>();
         }
         stats.memory_used_bytes = self.memory.used_bytes.load(Ordering::Acquire);
         stats.memory_wasted_bytes = self.memory.wasted_bytes.load(Ordering::Acquire);
@@ -458,6 +469,7 @@ impl Table {
         stats.memory_bytes_max = self.memory.bytes_max.load(Ordering::Acquire);
         stats.buffers_max = self.memory.buffers_max.load(Ordering::Acquire);
     }
+
     /// Looks `key` up; on a hit records the access and pins the buffer.
     /// A hit from a no-reuse stream (`placement` NoReuse) is not reported to the policy, so
     /// the block stays at the eviction end where it was inserted: the stream consuming its
@@ -741,7 +753,7 @@ impl Table {
         end: u64,
         use_placement: Option<Placement>,
     ) -> RunLookup<'_> {
-        let mut buffers = Vec::with_capacity(end.saturating_sub(first) as usize);
+        let mut buffers = RunBuffers::with_capacity(end.saturating_sub(first) as usize);
         let mut block = first;
         while block < end {
             let chunk = ChunkKey::of(object, block);
@@ -840,13 +852,17 @@ impl Table {
     }
 }
 
+/// The buffers of a [`RunLookup`], by block from its first: inline for short runs, so the
+/// common read of a block or two allocates nothing.
+type RunBuffers = smallvec::SmallVec<[Option<Arc<Buffer>>; 4]>;
+
 /// The blocks of a run looked up at once ([`Table::lookup_run`]): the caller takes the
 /// buffers it uses, in any order; the ones it leaves are unpinned (and their hits taken
 /// back) when this is dropped.
 pub(crate) struct RunLookup<'table> {
     table: &'table Table,
     first: u64,
-    buffers: Vec<Option<Arc<Buffer>>>,
+    buffers: RunBuffers,
     counted_hits: bool,
 }
 
