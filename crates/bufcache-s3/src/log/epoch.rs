@@ -15,6 +15,17 @@
 //! sequence. A late claim of an epoch number fails its create-only condition, and an open
 //! whose own claim fails recovers again (the claim that won may move ownership).
 //!
+//! Epoch objects do not accumulate: a version 2 checkpoint records the epochs owning the
+//! segments it names and those after it (module `checkpoint`), so an open reads only the
+//! epoch objects newer than the checkpoint's writer, and once a checkpoint of epoch `W` is
+//! durable the epoch objects older than `W` are deleted. Every later checkpoint sorts after
+//! it (a newer epoch, a `through` never smaller), so no open reads them again; a claim is
+//! always newer than the newest checkpoint's writer, so a deleted number is never claimed
+//! again by a live server, and a crashed server's late claim of one lands below that writer
+//! and is ignored. Deleting them before that checkpoint is durable would lose a crashed
+//! predecessor's epoch (its segments would read as void): the `planted-prune-defect` feature
+//! does that, and `sim check --layout log` catches it.
+//!
 //! Format of an epoch object (integers little-endian):
 //!
 //! ```text
