@@ -72,4 +72,4 @@ fn log_sim_check_finds_the_planted_prune_before_durable_defect() {
 
 /// Seeds the planted prune defect is searched for in.
 #[cfg(feature = "planted-prune-defect")]
-const SEEDS: u64 = 300;
+const SEEDS: u64 = 100;

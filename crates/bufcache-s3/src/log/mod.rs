@@ -1057,10 +1057,6 @@ impl Core {
             index,
         );
         let store = self.shared.store.clone();
-        // The planted defect (tests/log_sim_check.rs): the epoch objects go before the
-        // checkpoint that makes them unneeded is durable.
-        #[cfg(feature = "planted-prune-defect")]
-        self.prune_epochs();
         self.runtime.block_on(async {
             store
                 .put(&ObjectPath::from(key.as_str()), PutPayload::from(body))
@@ -1618,7 +1614,12 @@ async fn clean_up(
     }
     // The newest checkpoint is durable (it was read, or just stored): the epoch objects older
     // than its writer's are needed by no open.
-    if let Some(checkpoint_epoch) = recovered.checkpoint_epoch {
+    let prune_below = recovered.checkpoint_epoch;
+    // The planted defect (tests/log_sim_check.rs): every epoch object older than this open's
+    // goes now, before a checkpoint recording the epochs this open needs is durable.
+    #[cfg(feature = "planted-prune-defect")]
+    let prune_below = Some(recovered.epoch);
+    if let Some(checkpoint_epoch) = prune_below {
         let older: Vec<u64> = recovered
             .epoch_objects
             .range(..checkpoint_epoch)
