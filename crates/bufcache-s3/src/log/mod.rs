@@ -1375,6 +1375,19 @@ async fn recover(
         ..Cleanup::default()
     };
     for (sequence, epoch, bytes) in list_segments(store, url).await? {
+        // Epoch objects are deleted only once a version 2 checkpoint records what opens need
+        // of them; without one, a segment's epoch always has its object (it was claimed
+        // before the segment was written). One that does not means the newest checkpoint
+        // is gone: refused rather than its segments taken for void and deleted.
+        if checkpoint_epoch.is_none() && epoch != 0 && !epoch_objects.contains(&epoch) {
+            return Err(bad_object(
+                url,
+                &segment_key(url, sequence, epoch),
+                format!(
+                    "names epoch {epoch}, which has no epoch object and no version 2 checkpoint records (the newest checkpoint is missing?)"
+                ),
+            ));
+        }
         if epoch == epochs.owner(sequence) {
             segments.push((sequence, bytes));
         } else {
