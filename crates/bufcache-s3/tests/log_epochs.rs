@@ -264,7 +264,7 @@ fn a_version_1_checkpoint_disk_opens_and_its_first_checkpoint_upgrades_it() {
     expected[..4096].fill(1);
     expected[4096..8192].fill(2);
     assert!(read_all(&store) == expected, "the version 1 disk's data");
-    assert_eq!(raw.list("log/checkpoints"), [v1_key.clone()]);
+    assert_eq!(raw.list("log/checkpoints"), [v1_key]);
     assert_eq!(
         raw.list("log/epochs").len(),
         3,

@@ -1627,11 +1627,13 @@ async fn clean_up(
     }
     // The newest checkpoint is durable (it was read, or just stored): the epoch objects older
     // than its writer's are needed by no open.
-    let prune_below = recovered.checkpoint_epoch;
     // The planted defect (tests/log_sim_check.rs): every epoch object older than this open's
     // goes now, before a checkpoint recording the epochs this open needs is durable.
-    #[cfg(feature = "planted-prune-defect")]
-    let prune_below = Some(recovered.epoch);
+    let prune_below = if cfg!(feature = "planted-prune-defect") {
+        Some(recovered.epoch)
+    } else {
+        recovered.checkpoint_epoch
+    };
     if let Some(checkpoint_epoch) = prune_below {
         let older: Vec<u64> = recovered
             .epoch_objects
