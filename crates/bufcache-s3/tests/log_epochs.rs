@@ -156,7 +156,9 @@ fn epoch_object(disk_id: u64, epoch: u64, start: u64) -> Vec<u8> {
 // open cycles, each writing a 4 KiB block of its own that stays live (so the checkpoint must
 // record a dozen epochs), flushing, and then closing or (every third cycle) crashing; after
 // each open, the bucket holds at most 2 epoch objects plus one per crash since the last
-// close, after each close exactly one, and the whole disk reads back as the model.
+// close, after each close exactly one, every open after a close makes the same number of
+// GETs (LISTs included) however many opens came before, and the whole disk reads back as the
+// model.
 #[test]
 fn epoch_objects_stay_bounded_over_many_reopens_and_every_epochs_data_reads_back() {
     let name = "epoch_objects_stay_bounded_over_many_reopens_and_every_epochs_data_reads_back";
@@ -170,6 +172,7 @@ fn epoch_objects_stay_bounded_over_many_reopens_and_every_epochs_data_reads_back
     let mut lock_id: Option<String> = None;
     let mut crashes_since_close = 0;
     let mut pruned = 0;
+    let mut gets_after_close = Vec::new();
     for cycle in 0..12u8 {
         let mut parameters = String::new();
         if cycle == 0 {
@@ -178,7 +181,13 @@ fn epoch_objects_stay_bounded_over_many_reopens_and_every_epochs_data_reads_back
         if let Some(id) = lock_id.take() {
             parameters.push_str(&format!("&break-lock={id}"));
         }
+        let gets_before = moto.request_count("GET");
         let store = open(&moto.endpoint(), &parameters).unwrap();
+        if crashes_since_close == 0 && cycle > 0 {
+            // After a clean close an open GETs the same objects however many epochs came
+            // before: no epoch object at all (the checkpoint records them).
+            gets_after_close.push(moto.request_count("GET") - gets_before);
+        }
         let epochs = raw.list("log/epochs");
         assert!(
             epochs.len() <= 2 + crashes_since_close,
@@ -206,6 +215,16 @@ fn epoch_objects_stay_bounded_over_many_reopens_and_every_epochs_data_reads_back
         }
     }
     assert!(pruned >= 8, "{pruned} epoch objects deleted over 12 opens");
+    eprintln!("GETs of each open after a clean close: {gets_after_close:?}");
+    assert!(gets_after_close[0] > 0, "{gets_after_close:?}");
+    // (Equal; a spread of one allows for a request log line moto had not written yet. One
+    // epoch object read per past open would spread them by 6 or more.)
+    let fewest = gets_after_close.iter().min().unwrap();
+    let most = gets_after_close.iter().max().unwrap();
+    assert!(
+        gets_after_close.len() >= 6 && most - fewest <= 1,
+        "GETs of each open after a clean close: {gets_after_close:?}"
+    );
     // The last checkpoint records the epochs of all the opens whose blocks are live.
     let checkpoint = raw.get(&raw.list("log/checkpoints")[0]);
     let (_, recorded, _) = checkpoint_as_v1(&checkpoint);
