@@ -7,7 +7,7 @@
 //! reads, flushes and garbage collection rounds (with writes landing in the middle of a round)
 //! through it, while the store fails, loses, and hangs requests. Some steps close the store
 //! cleanly and open the disk again (which must then hold every acknowledged write), so a
-//! seed opens its disk a dozen times or so and the servers delete epoch objects their
+//! seed opens its disk about 8 times on average and the servers delete epoch objects their
 //! checkpoints no longer need (counted, with the most epoch objects a bucket held). At seeded moments, and
 //! whenever a step is stuck on a hung request, the server crashes: its instance is abandoned,
 //! its hung requests are dropped, carried out at once or carried out later (after the next
