@@ -8,10 +8,10 @@
 //! through it, while the store fails, loses, and hangs requests. Some steps close the store
 //! cleanly and open the disk again (which must then hold every acknowledged write), so a
 //! seed opens its disk about 8 times on average and the servers delete epoch objects their
-//! checkpoints no longer need (counted, with the most epoch objects a bucket held). At seeded moments, and
-//! whenever a step is stuck on a hung request, the server crashes: its instance is abandoned,
-//! its hung requests are dropped, carried out at once or carried out later (after the next
-//! server opened the disk and wrote), and the disk is opened again. The check:
+//! checkpoints no longer need (counted, with the most epoch objects a bucket held). At
+//! seeded moments, and whenever a step is stuck on a hung request, the server crashes: its
+//! instance is abandoned, its hung requests are dropped, carried out at once or carried out
+//! later (after the next server opened the disk and wrote), and the disk is opened again. The check:
 //! - every read before a crash returns, block by block, the latest acknowledged data (or, for
 //!   a block a failed write touched, the data before or after it);
 //! - after a crash, the reopened disk equals the disk after some prefix of the writes in
