@@ -5,10 +5,13 @@
 //! interval (so segments, checkpoints and garbage collection all happen within a few dozen
 //! steps), compression and encryption as the seed says, and drives seeded writes, zeroes,
 //! reads, flushes and garbage collection rounds (with writes landing in the middle of a round)
-//! through it, while the store fails, loses, and hangs requests. At seeded moments, and
-//! whenever a step is stuck on a hung request, the server crashes: its instance is abandoned,
-//! its hung requests are dropped, carried out at once or carried out later (after the next
-//! server opened the disk and wrote), and the disk is opened again. The check:
+//! through it, while the store fails, loses, and hangs requests. Some steps close the store
+//! cleanly and open the disk again (which must then hold every acknowledged write), so a
+//! seed opens its disk about 8 times on average and the servers delete epoch objects their
+//! checkpoints no longer need (counted, with the most epoch objects a bucket held). At
+//! seeded moments, and whenever a step is stuck on a hung request, the server crashes: its
+//! instance is abandoned, its hung requests are dropped, carried out at once or carried out
+//! later (after the next server opened the disk and wrote), and the disk is opened again. The check:
 //! - every read before a crash returns, block by block, the latest acknowledged data (or, for
 //!   a block a failed write touched, the data before or after it);
 //! - after a crash, the reopened disk equals the disk after some prefix of the writes in
@@ -61,6 +64,12 @@ pub struct LogCheckOutcome {
     /// Requests of crashed servers carried out after the crash.
     pub late_landings: u64,
     pub gc_rounds: u64,
+    /// Clean closes (each followed by an open that must find every acknowledged write).
+    pub clean_closes: u64,
+    /// Epoch objects the servers deleted (at open and after their checkpoints).
+    pub epochs_pruned: u64,
+    /// The most epoch objects the bucket held after an open.
+    pub epoch_objects_max: u64,
     /// What broke the contract, with the step; None when nothing did.
     pub violation: Option<String>,
 }
@@ -160,6 +169,8 @@ enum Step {
     Read(u64, usize),
     Flush,
     Collect(f64, Vec<(u64, Vec<u8>)>),
+    /// A clean close of the store (the harness's only reference).
+    Close(Arc<LogStore>),
 }
 
 /// What a step's thread answers.
@@ -168,6 +179,8 @@ enum Answer {
     Writes(Vec<Result<(), StoreError>>),
     Done(Result<(), StoreError>),
     Read(Result<Vec<u8>, StoreError>),
+    /// A close's outcome and the epoch objects the store deleted.
+    Closed(Result<(), StoreError>, u64),
     Collected(
         Result<crate::GcReport, StoreError>,
         Vec<Result<(), StoreError>>,
@@ -234,6 +247,20 @@ fn spawn_step(
                     };
                     let report = store.collect_garbage_calling(threshold, &mut between);
                     Answer::Collected(report, outcomes)
+                }
+                Step::Close(mut store) => {
+                    // A step that answered may still be dropping its reference.
+                    let mut store = loop {
+                        match Arc::try_unwrap(store) {
+                            Ok(store) => break store,
+                            Err(shared) => {
+                                store = shared;
+                                std::thread::sleep(Duration::from_millis(1));
+                            }
+                        }
+                    };
+                    let closed = store.close();
+                    Answer::Closed(closed, store.epochs_pruned())
                 }
             };
             let _ = sender.send(answer);
@@ -409,7 +436,7 @@ impl Harness {
             self.world.crash(self.instance);
             // The dead server's close fails at once (its requests are refused): nothing of
             // it reaches the store.
-            drop(store);
+            self.retire(store);
             self.flush_world_log();
         }
         let mut attempts = 0;
@@ -441,7 +468,51 @@ impl Harness {
             }
         }
         self.world.set_calm(false);
+        let epoch_objects = self
+            .world
+            .objects()
+            .iter()
+            .filter(|(key, _)| key.contains("/log/epochs/"))
+            .count() as u64;
+        self.outcome.epoch_objects_max = self.outcome.epoch_objects_max.max(epoch_objects);
         self.verify_reopened()
+    }
+
+    /// Drops a store the harness is done with, counting what it pruned.
+    fn retire(&mut self, store: Arc<LogStore>) {
+        self.outcome.epochs_pruned += store.epochs_pruned();
+        drop(store);
+    }
+
+    /// Closes the store cleanly and opens the disk again, which must then hold every
+    /// acknowledged write; a close that fails or hangs is a crash.
+    fn close_and_reopen(&mut self) -> Result<bool, String> {
+        let store = self.store.take().expect("a close has a store");
+        self.note(|| format!("clean close of instance {}", self.instance));
+        let Some(answer) = self.run(Step::Close(store))? else {
+            return self.stuck(Vec::new());
+        };
+        let Answer::Closed(outcome, pruned) = answer else {
+            unreachable!("a close answers Closed")
+        };
+        self.outcome.epochs_pruned += pruned;
+        // The server's process ends: whatever it still sent is refused.
+        self.world.crash(self.instance);
+        self.flush_world_log();
+        match outcome {
+            Ok(()) => {
+                self.note(|| "closed".to_string());
+                self.outcome.clean_closes += 1;
+                self.flushed = self.history.len();
+                self.crash_and_reopen()?;
+                Ok(true)
+            }
+            Err(error) => {
+                self.note(|| format!("close failed: {error}; a crash"));
+                self.outcome.crashes += 1;
+                Ok(false)
+            }
+        }
     }
 
     /// Reads the whole disk without faults and finds the prefix of history it equals.
@@ -650,6 +721,8 @@ impl Harness {
                 }
                 Err(error) => self.note(|| format!("flush failed: {error}")),
             }
+        } else if choice >= 97 {
+            return self.close_and_reopen();
         } else {
             let threshold = self.rng.gen_range(0.2..0.9);
             let mut writes = Vec::new();
@@ -698,7 +771,7 @@ impl Harness {
         self.outcome.crashes += 1;
         // The crashed store is dropped by the reopen (its requests are refused already).
         if let Some(store) = self.store.take() {
-            drop(store);
+            self.retire(store);
             self.flush_world_log();
         }
         Ok(false)
@@ -801,7 +874,9 @@ pub fn check_log_seed(seed: u64, trace: bool) -> LogCheckOutcome {
     }
     // The last server is abandoned as a crash would leave it.
     world.crash(harness.instance);
-    drop(harness.store.take());
+    if let Some(store) = harness.store.take() {
+        harness.retire(store);
+    }
     harness.outcome
 }
 
@@ -814,6 +889,11 @@ pub struct LogCheckSummary {
     pub faults: u64,
     pub late_landings: u64,
     pub gc_rounds: u64,
+    pub clean_closes: u64,
+    /// Epoch objects deleted, over all seeds.
+    pub epochs_pruned: u64,
+    /// The most epoch objects one seed's bucket held after an open.
+    pub epoch_objects_max: u64,
     /// (seed, what broke) of every seed that broke the contract.
     pub violations: Vec<(u64, String)>,
 }
@@ -835,6 +915,9 @@ pub fn check_log_seeds(
         summary.faults += outcome.faults;
         summary.late_landings += outcome.late_landings;
         summary.gc_rounds += outcome.gc_rounds;
+        summary.clean_closes += outcome.clean_closes;
+        summary.epochs_pruned += outcome.epochs_pruned;
+        summary.epoch_objects_max = summary.epoch_objects_max.max(outcome.epoch_objects_max);
         if let Some(message) = outcome.violation {
             summary.violations.push((seed, message));
         }

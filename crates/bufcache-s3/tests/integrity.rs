@@ -504,7 +504,8 @@ fn a_segment_recovery_deleted_is_never_read_when_put_back() {
     assert_eq!(raw.list("disk/log/segments"), segments[..1].to_vec());
     assert_eq!(
         raw.list("disk/log/checkpoints"),
-        vec!["disk/log/checkpoints/0000000000000003".to_string()]
+        // Named `<through>-<epoch>`: stored by the second open, epoch 2.
+        vec!["disk/log/checkpoints/0000000000000003-0000000000000002".to_string()]
     );
     store.write(&[4; 4096], 3 * 4096).unwrap();
     store.write(&[4; 4096], 4 * 4096).unwrap();

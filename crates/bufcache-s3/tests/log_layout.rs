@@ -353,8 +353,9 @@ fn replay_stops_at_a_missing_segment_and_deletes_the_segments_after_it() {
 }
 
 // Goal: damage is an error naming the object, never data: a flipped byte in a segment, a
-// truncated checkpoint, a segment of another disk, and a checkpoint naming a missing segment
-// each stop the open with the object's name. Method: damage objects through the bucket
+// truncated checkpoint, a segment of another disk, a checkpoint naming a missing segment, and
+// a deleted checkpoint that was the only record of a segment's epoch each stop the open with
+// the object's name (and delete nothing). Method: damage objects through the bucket
 // directly, one case per disk.
 #[test]
 fn damaged_segments_and_checkpoints_are_refused_naming_the_object() {
@@ -391,6 +392,7 @@ fn damaged_segments_and_checkpoints_are_refused_naming_the_object() {
     assert!(text.contains(&checkpoint), "{text}");
     raw.put(&checkpoint, whole);
     // The checkpoint names a segment that is gone.
+    let saved = raw.get(&key);
     raw.delete(&key);
     let text = open(&moto.endpoint(), "").err().unwrap().to_string();
     assert!(
@@ -407,19 +409,35 @@ fn damaged_segments_and_checkpoints_are_refused_naming_the_object() {
     other_store.write(&[1; 4096], 0).unwrap();
     other_store.flush().unwrap();
     drop(other_store);
-    raw.delete(&checkpoint);
+    raw.put(&key, saved);
     let prefix = ObjectPath::from("other/log/segments");
     let listed: Vec<_> = raw
         .runtime
         .block_on(raw.store.list(Some(&prefix)).try_collect::<Vec<_>>())
         .unwrap();
     let foreign = listed[0].location.to_string();
-    raw.put(&key, raw.get(&foreign));
+    // Copied in as the segment after the checkpoint (sequence 2 of epoch 2, the open that
+    // wrote the checkpoint), which the open replays.
+    let next = "disk/log/segments/0000000000000002-0000000000000002";
+    raw.put(next, raw.get(&foreign));
     let text = open(&moto.endpoint(), "").err().unwrap().to_string();
     assert!(
-        text.contains(&key) && text.contains("not this disk"),
+        text.contains(next) && text.contains("not this disk"),
         "{text}"
     );
+    raw.delete(next);
+    // The checkpoint deleted: it was the only record of epoch 1 (whose object the
+    // checkpoint let go), so segment 1 is refused, not taken for void and deleted.
+    raw.delete(&checkpoint);
+    let text = open(&moto.endpoint(), "").err().unwrap().to_string();
+    assert!(
+        text.contains(&key) && text.contains("no epoch object"),
+        "{text}"
+    );
+    assert!(raw
+        .list("log/segments")
+        .iter()
+        .any(|(listed, _)| *listed == key));
 }
 
 // Goal: a segment whose upload fails is never dropped: FLUSH reports the error, reads still
@@ -854,7 +872,11 @@ fn a_source_segment_stays_until_the_checkpoint_covering_its_copy_is_stored() {
     let moto = Moto::start();
     moto.create_bucket("bucket");
     let raw = Raw::new(&moto);
-    let proxy = support::FaultProxy::start(moto.port, "log/checkpoints/0000000000000003", 1000);
+    let proxy = support::FaultProxy::start(
+        moto.port,
+        "log/checkpoints/0000000000000003-0000000000000001",
+        1000,
+    );
     let store = open(
         &proxy.endpoint(),
         "&create-size=1M&layout=log&segment-size=64k&gc=off&retry-timeout-ms=1000",

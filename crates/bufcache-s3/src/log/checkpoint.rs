@@ -1,46 +1,124 @@
 //! The checkpoint object: the whole index as it stood once every segment up to and including
-//! `through_sequence` was durable, `PREFIX/log/checkpoints/<through_sequence as 16 hex digits>`.
-//! Opening a disk reads the newest checkpoint and replays only the segments after it.
+//! `through_sequence` was durable, and the epochs that own the segments it names and those
+//! after it, `PREFIX/log/checkpoints/<through_sequence>-<epoch>` (16 hex digits each; `epoch`
+//! is the writer's). Opening a disk reads the newest checkpoint (the greatest (through,
+//! epoch)) and replays only the segments after it.
 //!
-//! Format (integers little-endian):
+//! Naming by the writer's epoch fences a crashed server's late checkpoint PUT: it covers only
+//! segments that were durable before the crash, so its `through` is at most where the next
+//! server's log started and every checkpoint of a later server (a newer epoch) sorts after it.
+//!
+//! Format version 2 (integers little-endian):
 //!
 //! ```text
-//!  0  magic "BCLOGCKP"     8  format version u32 (1)    12 reserved u32 (0)
-//! 16  disk id u64          24 through sequence u64      32 mapping count u64
-//! 40  mappings, 32 bytes each: disk offset u64, length u64, segment u64, object offset u64
+//!  0  magic "BCLOGCKP"     8  format version u32 (2)    12 reserved u32 (0)
+//! 16  disk id u64          24 through sequence u64      32 writer's epoch u64
+//! 40  epoch count u64      48 mapping count u64
+//! 56  epochs, 16 bytes each, ascending: epoch u64, start sequence u64
+//! ..  mappings, 32 bytes each: disk offset u64, length u64, segment u64, object offset u64
 //! end CRC-32 (IEEE) of every byte before it u32
 //! ```
+//!
+//! The epochs are those owning a sequence at or after the oldest segment the index names
+//! (module `epoch`, [`Epochs::needed_from`]), the writer's last among them; with them an
+//! open needs only the epoch objects newer than the writer's, and every older epoch object
+//! may be deleted once this checkpoint is durable.
+//!
+//! Format version 1 (disks written before version 2; read, never written): at 32 the mapping
+//! count, at 40 the mappings, no epochs (an open reads every epoch object), named
+//! `<through_sequence>` alone.
 
 use bytes::{BufMut, Bytes, BytesMut};
 
+use super::epoch::Epochs;
 use super::index::{Index, Mapping};
 
 const MAGIC: &[u8; 8] = b"BCLOGCKP";
-const FORMAT_VERSION: u32 = 1;
-const HEADER_BYTES: usize = 40;
+const FORMAT_VERSION: u32 = 2;
+const HEADER_BYTES: usize = 56;
+const HEADER_BYTES_V1: usize = 40;
+const EPOCH_BYTES: usize = 16;
 const ENTRY_BYTES: usize = 32;
 
 /// A checkpoint's content.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Checkpoint {
     pub through_sequence: u64,
+    /// The writer's epoch (0 for version 1).
+    pub epoch: u64,
+    /// The epochs an open needs besides those newer than `epoch`; None for version 1 (every
+    /// epoch object is needed).
+    pub epochs: Option<Epochs>,
     pub index: Index,
 }
 
-pub fn encode(disk_id: u64, through_sequence: u64, index: &Index) -> Bytes {
-    let mut object = BytesMut::with_capacity(HEADER_BYTES + index.len() * ENTRY_BYTES + 4);
+/// The epochs a checkpoint of `index` covering the segments up to `through` records: those
+/// owning a sequence at or after the oldest segment it names (or after `through`).
+pub fn needed_epochs(epochs: &Epochs, through: u64, index: &Index) -> Epochs {
+    let oldest = index
+        .live_bytes_by_segment()
+        .keys()
+        .copied()
+        .min()
+        .unwrap_or(through + 1)
+        .min(through + 1);
+    epochs.needed_from(oldest)
+}
+
+/// Encodes a version 2 checkpoint; `epochs` must hold `epoch` as its newest.
+pub fn encode(
+    disk_id: u64,
+    through_sequence: u64,
+    epoch: u64,
+    epochs: &Epochs,
+    index: &Index,
+) -> Bytes {
+    debug_assert_eq!(
+        epochs.newest(),
+        epoch,
+        "the writer's epoch is the newest it records"
+    );
+    let mut object = BytesMut::with_capacity(
+        HEADER_BYTES + epochs.len() * EPOCH_BYTES + index.len() * ENTRY_BYTES + 4,
+    );
     object.put_slice(MAGIC);
     object.put_u32_le(FORMAT_VERSION);
     object.put_u32_le(0);
     object.put_u64_le(disk_id);
     object.put_u64_le(through_sequence);
+    object.put_u64_le(epoch);
+    object.put_u64_le(epochs.len() as u64);
     object.put_u64_le(index.len() as u64);
+    for (number, start) in epochs.iter() {
+        object.put_u64_le(number);
+        object.put_u64_le(start);
+    }
+    put_mappings(&mut object, index);
+    let checksum = crc32fast::hash(&object);
+    object.put_u32_le(checksum);
+    object.freeze()
+}
+
+fn put_mappings(object: &mut BytesMut, index: &Index) {
     for (offset, mapping) in index.iter() {
         object.put_u64_le(offset);
         object.put_u64_le(mapping.length);
         object.put_u64_le(mapping.segment);
         object.put_u64_le(mapping.object_offset);
     }
+}
+
+/// Encodes a version 1 checkpoint, as disks written before version 2 hold them.
+#[cfg(test)]
+pub fn encode_v1(disk_id: u64, through_sequence: u64, index: &Index) -> Bytes {
+    let mut object = BytesMut::new();
+    object.put_slice(MAGIC);
+    object.put_u32_le(1);
+    object.put_u32_le(0);
+    object.put_u64_le(disk_id);
+    object.put_u64_le(through_sequence);
+    object.put_u64_le(index.len() as u64);
+    put_mappings(&mut object, index);
     let checksum = crc32fast::hash(&object);
     object.put_u32_le(checksum);
     object.freeze()
@@ -50,9 +128,9 @@ fn u64_at(bytes: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"))
 }
 
-/// Checks and decodes a checkpoint object; the error says what is wrong.
+/// Checks and decodes a checkpoint object (version 2 or 1); the error says what is wrong.
 pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Checkpoint, String> {
-    if object.len() < HEADER_BYTES + 4 {
+    if object.len() < HEADER_BYTES_V1 + 4 {
         return Err(format!(
             "{} bytes, shorter than a checkpoint header (truncated?)",
             object.len()
@@ -66,11 +144,6 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Check
         return Err("checksum mismatch (corrupt or truncated)".to_string());
     }
     let version = u32::from_le_bytes(object[8..12].try_into().expect("4 bytes"));
-    if version != FORMAT_VERSION {
-        return Err(format!(
-            "checkpoint format version {version} is not the supported {FORMAT_VERSION}"
-        ));
-    }
     let stored_disk = u64_at(object, 16);
     if stored_disk != disk_id {
         return Err(format!(
@@ -78,13 +151,51 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Check
         ));
     }
     let through_sequence = u64_at(object, 24);
-    let count = u64_at(object, 32);
-    if count.checked_mul(ENTRY_BYTES as u64) != Some((body.len() - HEADER_BYTES) as u64) {
+    let (epoch, epochs, mappings) = match version {
+        1 => (0, None, (u64_at(object, 32), HEADER_BYTES_V1)),
+        FORMAT_VERSION if body.len() >= HEADER_BYTES => {
+            let epoch = u64_at(object, 32);
+            let epoch_count = u64_at(object, 40);
+            let room = ((body.len() - HEADER_BYTES) / EPOCH_BYTES) as u64;
+            if epoch_count > room {
+                return Err(format!(
+                    "{epoch_count} epochs do not fit in {} bytes",
+                    body.len()
+                ));
+            }
+            let mappings_at = HEADER_BYTES + epoch_count as usize * EPOCH_BYTES;
+            let mut epochs = Epochs::default();
+            let mut previous = None;
+            for entry in body[HEADER_BYTES..mappings_at].chunks_exact(EPOCH_BYTES) {
+                let (number, start) = (u64_at(entry, 0), u64_at(entry, 8));
+                if previous.is_some_and(|previous| previous >= number) || start == 0 {
+                    return Err(format!(
+                        "epoch {number} (start {start}) is out of order or starts at 0"
+                    ));
+                }
+                previous = Some(number);
+                epochs.insert(number, start);
+            }
+            if epoch == 0 || previous != Some(epoch) {
+                return Err(format!(
+                    "the writer's epoch {epoch} is not the newest of the {epoch_count} it records"
+                ));
+            }
+            (epoch, Some(epochs), (u64_at(object, 48), mappings_at))
+        }
+        _ => {
+            return Err(format!(
+                "checkpoint format version {version} is not a supported one (1 or {FORMAT_VERSION})"
+            ))
+        }
+    };
+    let (count, mappings_at) = mappings;
+    if count.checked_mul(ENTRY_BYTES as u64) != Some((body.len() - mappings_at) as u64) {
         return Err(format!("{count} mappings do not fill {} bytes", body.len()));
     }
     let mut index = Index::new();
     let mut previous_end = 0;
-    for entry in body[HEADER_BYTES..].chunks_exact(ENTRY_BYTES) {
+    for entry in body[mappings_at..].chunks_exact(ENTRY_BYTES) {
         let offset = u64_at(entry, 0);
         let mapping = Mapping {
             length: u64_at(entry, 8),
@@ -109,6 +220,8 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Check
     }
     Ok(Checkpoint {
         through_sequence,
+        epoch,
+        epochs,
         index,
     })
 }
@@ -117,8 +230,9 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Check
 mod tests {
     use super::*;
 
-    // Goal: a checkpoint round-trips and damage is an error, never a different index. Method:
-    // encode an index of three mappings, decode it, flip each byte and expect an error.
+    // Goal: a checkpoint (version 2 and the version 1 disks hold) round-trips and damage is
+    // an error, never a different index. Method: encode an index of three mappings, decode
+    // it, flip each byte and expect an error.
     #[test]
     fn checkpoints_round_trip_and_every_flipped_byte_is_detected() {
         let mut index = Index::new();
@@ -132,13 +246,18 @@ mod tests {
                 },
             );
         }
-        let object = encode(5, 3, &index);
+        let mut epochs = Epochs::default();
+        epochs.insert(2, 1);
+        epochs.insert(4, 3);
+        let object = encode(5, 3, 4, &epochs, &index);
         let decoded = decode(&object, 5, 1 << 30).unwrap();
         assert_eq!(
             decoded,
             Checkpoint {
                 through_sequence: 3,
-                index
+                epoch: 4,
+                epochs: Some(epochs),
+                index: index.clone(),
             }
         );
         assert!(decode(&object, 6, 1 << 30).unwrap_err().contains("disk"));
@@ -146,6 +265,23 @@ mod tests {
             let mut damaged = object.to_vec();
             damaged[byte] ^= 1;
             assert!(decode(&damaged, 5, 1 << 30).is_err(), "byte {byte}");
+        }
+        // Version 1, as disks written before version 2 hold them: no epochs.
+        let object = encode_v1(5, 3, &index);
+        let decoded = decode(&object, 5, 1 << 30).unwrap();
+        assert_eq!(
+            decoded,
+            Checkpoint {
+                through_sequence: 3,
+                epoch: 0,
+                epochs: None,
+                index,
+            }
+        );
+        for byte in 0..object.len() {
+            let mut damaged = object.to_vec();
+            damaged[byte] ^= 1;
+            assert!(decode(&damaged, 5, 1 << 30).is_err(), "v1 byte {byte}");
         }
     }
 }

@@ -15,6 +15,17 @@
 //! sequence. A late claim of an epoch number fails its create-only condition, and an open
 //! whose own claim fails recovers again (the claim that won may move ownership).
 //!
+//! Epoch objects do not accumulate: a version 2 checkpoint records the epochs owning the
+//! segments it names and those after it (module `checkpoint`), so an open reads only the
+//! epoch objects newer than the checkpoint's writer, and once a checkpoint of epoch `W` is
+//! durable the epoch objects older than `W` are deleted. Every later checkpoint sorts after
+//! it (a newer epoch, a `through` never smaller), so no open reads them again; a claim is
+//! always newer than the newest checkpoint's writer, so a deleted number is never claimed
+//! again by a live server, and a crashed server's late claim of one lands below that writer
+//! and is ignored. Deleting them before that checkpoint is durable would lose a crashed
+//! predecessor's epoch (its segments would read as void): the `planted-prune-defect` feature
+//! does that, and `sim check --layout log` catches it.
+//!
 //! Format of an epoch object (integers little-endian):
 //!
 //! ```text
@@ -103,10 +114,35 @@ impl Epochs {
     pub fn newest(&self) -> u64 {
         self.starts.keys().next_back().copied().unwrap_or(0)
     }
+
+    /// (epoch, start) of every recorded epoch, ascending by epoch.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.starts.iter().map(|(&epoch, &start)| (epoch, start))
+    }
+
+    pub fn len(&self) -> usize {
+        self.starts.len()
+    }
+
+    /// The epochs that own some sequence at or after `low`: all [`Epochs::owner`] needs to
+    /// name the owner of any such sequence (an epoch owning `s >= low` owns
+    /// `max(its start, low)`, since fewer epochs started by then).
+    pub fn needed_from(&self, low: u64) -> Epochs {
+        Epochs {
+            starts: self
+                .starts
+                .iter()
+                .filter(|&(&epoch, &start)| self.owner(start.max(low)) == epoch)
+                .map(|(&epoch, &start)| (epoch, start))
+                .collect(),
+        }
+    }
 }
 
-/// The name under `log/segments/` of segment `sequence` written by `epoch`.
-pub fn segment_name(sequence: u64, epoch: u64) -> String {
+/// The name of object `sequence` written by `epoch`: a segment under `log/segments/`, or a
+/// checkpoint (`sequence` the last segment it covers) under `log/checkpoints/`. Epoch 0 (disks
+/// written before epochs, and version 1 checkpoints) has no suffix.
+pub fn object_name(sequence: u64, epoch: u64) -> String {
     if epoch == 0 {
         format!("{sequence:016x}")
     } else {
@@ -114,8 +150,8 @@ pub fn segment_name(sequence: u64, epoch: u64) -> String {
     }
 }
 
-/// (sequence, epoch) of a segment object's name; None when it is not one.
-pub fn parse_segment_name(name: &str) -> Option<(u64, u64)> {
+/// (sequence, epoch) of a segment's or checkpoint's name; None when it is not one.
+pub fn parse_object_name(name: &str) -> Option<(u64, u64)> {
     let hex = |text: &str| {
         (text.len() == 16 && text.bytes().all(|byte| byte.is_ascii_hexdigit()))
             .then(|| u64::from_str_radix(text, 16).ok())
@@ -153,9 +189,24 @@ mod tests {
         assert_eq!(epochs.owner(9), 1);
         assert_eq!(epochs.owner(10), 3);
         assert_eq!(epochs.newest(), 3);
-        assert_eq!(parse_segment_name(&segment_name(10, 3)), Some((10, 3)));
-        assert_eq!(parse_segment_name(&segment_name(10, 0)), Some((10, 0)));
-        assert_eq!(parse_segment_name("000000000000000a-zz"), None);
-        assert_eq!(parse_segment_name("0000000000000000"), None);
+        // Epoch 2 started where 3 did and owns nothing; 1 owns 9 and below.
+        let needed: Vec<_> = epochs.needed_from(5).iter().collect();
+        assert_eq!(needed, [(1, 1), (3, 10)]);
+        let needed: Vec<_> = epochs.needed_from(10).iter().collect();
+        assert_eq!(needed, [(3, 10)]);
+        for low in [1, 5, 9, 10, 11, 30] {
+            let needed = epochs.needed_from(low);
+            for sequence in low..low + 20 {
+                assert_eq!(
+                    needed.owner(sequence),
+                    epochs.owner(sequence),
+                    "{low} {sequence}"
+                );
+            }
+        }
+        assert_eq!(parse_object_name(&object_name(10, 3)), Some((10, 3)));
+        assert_eq!(parse_object_name(&object_name(10, 0)), Some((10, 0)));
+        assert_eq!(parse_object_name("000000000000000a-zz"), None);
+        assert_eq!(parse_object_name("0000000000000000"), None);
     }
 }

@@ -4,8 +4,9 @@
 //! extent would not fit in `segment_bytes_max` or when a FLUSH needs it, and then PUT as one
 //! immutable object `PREFIX/log/segments/<sequence>`. An in-memory [`Index`] maps disk byte
 //! ranges to (segment, offset in the object); it is written whole as a checkpoint object
-//! `PREFIX/log/checkpoints/<sequence>` every `checkpoint_interval_segments` segments (at a
-//! FLUSH) and at a clean close. TRIM and WRITE_ZEROES only change the index (and append a
+//! `PREFIX/log/checkpoints/<sequence>-<epoch>` every `checkpoint_interval_segments` segments
+//! (at a FLUSH) and at a clean close, with the epochs an open needs (modules `checkpoint`,
+//! `epoch`: segment names carry the epoch of the open that wrote them). TRIM and WRITE_ZEROES only change the index (and append a
 //! table entry, no data, so replay sees them).
 //!
 //! Crash consistency by construction:
@@ -247,6 +248,14 @@ struct State {
     /// Segments deleted so far: a read whose GET found its segment gone looks again when
     /// this moved (the collector deleted it after the read looked the index up).
     deleted_segments: u64,
+    /// (through, epoch) of the newest durable checkpoint, deleted once a newer one is.
+    checkpoint_name: Option<(u64, u64)>,
+    /// Epoch objects older than this open's that were in the store at open and are not
+    /// deleted yet: this open's first durable checkpoint records what an open needs of
+    /// them, and they go after it (module `checkpoint`).
+    epoch_objects: BTreeSet<u64>,
+    /// Epoch objects deleted so far (at open and after checkpoints).
+    epochs_pruned: u64,
     /// What the collector did so far.
     gc_totals: GcReport,
 }
@@ -259,6 +268,8 @@ struct Shared {
     sealer: Arc<Sealer>,
     /// Which epoch owns each segment sequence (module `epoch`), this open's included.
     epochs: epoch::Epochs,
+    /// This open's epoch (0 for a read-only open, which writes nothing).
+    epoch: u64,
     state: Mutex<State>,
     /// Signalled whenever an upload ends.
     uploaded: Condvar,
@@ -300,7 +311,7 @@ fn has_failed(state: &State, through: u64) -> bool {
 fn segment_key(url: &S3Url, sequence: u64, epoch: u64) -> String {
     url.key(&format!(
         "log/segments/{}",
-        epoch::segment_name(sequence, epoch)
+        epoch::object_name(sequence, epoch)
     ))
 }
 
@@ -312,8 +323,11 @@ fn epoch_key(url: &S3Url, epoch: u64) -> String {
 /// another claim landed meanwhile: a crashed server's late one).
 const EPOCH_CLAIMS_MAX: u32 = 8;
 
-fn checkpoint_key(url: &S3Url, sequence: u64) -> String {
-    url.key(&format!("log/checkpoints/{sequence:016x}"))
+fn checkpoint_key(url: &S3Url, (through, epoch): (u64, u64)) -> String {
+    url.key(&format!(
+        "log/checkpoints/{}",
+        epoch::object_name(through, epoch)
+    ))
 }
 
 /// A log-layout disk. All methods block the calling thread on the store's own runtime; do not
@@ -347,8 +361,35 @@ struct Recovered {
     checkpoint_through: u64,
     /// Object bytes of every segment kept, by sequence.
     stored: BTreeMap<u64, u64>,
-    /// The disk's epochs as recovery found them.
+    /// The disk's epochs as recovery found them (the claimed one included).
     epochs: epoch::Epochs,
+    /// The epoch this open claimed (0 for a read-only open).
+    epoch: u64,
+    /// (through, epoch) of the newest checkpoint; None when there is none.
+    checkpoint_name: Option<(u64, u64)>,
+    /// The newest checkpoint's writer epoch when it is a version 2 one (which lets the
+    /// epoch objects older than it go); None for version 1 or no checkpoint.
+    checkpoint_epoch: Option<u64>,
+    /// Epoch objects listed at open.
+    epoch_objects: BTreeSet<u64>,
+    /// Epoch objects deleted at open.
+    epochs_pruned: u64,
+    /// What a writable open deletes (and, after a gap, the checkpoint it stores) once it
+    /// claimed its epoch.
+    cleanup: Cleanup,
+}
+
+/// What recovery found to delete: every object but the log itself.
+#[derive(Default)]
+struct Cleanup {
+    /// (sequence, epoch) of segments of an epoch that does not own their sequence.
+    void: Vec<(u64, u64)>,
+    /// Segments the checkpoint covers and does not name.
+    dead: Vec<u64>,
+    /// Segments after a gap in the log.
+    orphans: Vec<u64>,
+    /// (through, epoch) of the checkpoints other than the newest.
+    stale_checkpoints: Vec<(u64, u64)>,
 }
 
 impl LogStore {
@@ -511,6 +552,13 @@ impl LogStore {
             stored: recovered.stored,
             doomed: BTreeMap::new(),
             deleted_segments: 0,
+            checkpoint_name: recovered.checkpoint_name,
+            epoch_objects: recovered
+                .epoch_objects
+                .range(..recovered.epoch)
+                .copied()
+                .collect(),
+            epochs_pruned: recovered.epochs_pruned,
             gc_totals: GcReport::default(),
         };
         let core = Arc::new(Core {
@@ -520,6 +568,7 @@ impl LogStore {
                 metadata,
                 sealer,
                 epochs: recovered_epochs,
+                epoch: recovered.epoch,
                 state: Mutex::new(state),
                 uploaded: Condvar::new(),
             }),
@@ -599,6 +648,12 @@ impl LogStore {
     /// keep, checkpoints and metadata aside).
     pub fn stored_segment_bytes(&self) -> u64 {
         self.core.shared.lock().stored.values().sum()
+    }
+
+    /// Epoch objects this store deleted so far (at open and after its checkpoints), since a
+    /// durable checkpoint records what an open needs of them.
+    pub fn epochs_pruned(&self) -> u64 {
+        self.core.shared.lock().epochs_pruned
     }
 
     /// What the garbage collector did since the disk was opened.
@@ -980,7 +1035,8 @@ impl Core {
     }
 
     /// PUTs the checkpoint of `index` covering the segments up to `through`, then deletes
-    /// the older checkpoints (which nothing needs once this one is durable).
+    /// the older checkpoint and the epoch objects older than this open's (which nothing needs
+    /// once this one is durable: it records the epochs an open needs, module `checkpoint`).
     fn write_checkpoint(&self, through: u64, index: &Index) -> Result<(), StoreError> {
         let _writer = self
             .checkpoint_writer
@@ -990,8 +1046,16 @@ impl Core {
             // A checkpoint at least as new was written meanwhile.
             return Ok(());
         }
-        let key = checkpoint_key(&self.shared.url, through);
-        let body = checkpoint::encode(self.shared.metadata.disk_id, through, index);
+        let name = (through, self.shared.epoch);
+        let key = checkpoint_key(&self.shared.url, name);
+        let epochs = checkpoint::needed_epochs(&self.shared.epochs, through, index);
+        let body = checkpoint::encode(
+            self.shared.metadata.disk_id,
+            through,
+            self.shared.epoch,
+            &epochs,
+            index,
+        );
         let store = self.shared.store.clone();
         self.runtime.block_on(async {
             store
@@ -1001,21 +1065,46 @@ impl Core {
         })?;
         let older = {
             let mut state = self.shared.lock();
-            let older = state.checkpoint_through;
             state.checkpoint_through = state.checkpoint_through.max(through);
-            older
+            state.checkpoint_name.replace(name)
         };
-        if older > 0 && older < through {
+        if let Some(older) = older.filter(|&older| older != name) {
             let old_key = checkpoint_key(&self.shared.url, older);
             let deleted = self
                 .runtime
                 .block_on(async { store.delete(&ObjectPath::from(old_key.as_str())).await });
             if let Err(error) = deleted {
-                // Harmless: the newest checkpoint wins at open.
+                // Harmless: the newest checkpoint wins at open, which deletes the others.
                 tracing::warn!(checkpoint = %old_key, error = %chain(&error), "could not delete an old checkpoint");
             }
         }
+        self.prune_epochs();
         Ok(())
+    }
+
+    /// Deletes the epoch objects older than this open's that were in the store at open (call
+    /// only once a checkpoint of this open is durable). A failed delete is left for a later
+    /// checkpoint or open.
+    fn prune_epochs(&self) {
+        let older: Vec<u64> = self.shared.lock().epoch_objects.iter().copied().collect();
+        for number in older {
+            let key = epoch_key(&self.shared.url, number);
+            let store = self.shared.store.clone();
+            let deleted = self
+                .runtime
+                .block_on(async { store.delete(&ObjectPath::from(key.as_str())).await });
+            match deleted {
+                Ok(()) => {
+                    let mut state = self.shared.lock();
+                    state.epoch_objects.remove(&number);
+                    state.epochs_pruned += 1;
+                }
+                Err(error) => {
+                    tracing::warn!(epoch = %key, error = %chain(&error), "could not delete an epoch object no open needs; a later checkpoint or open will");
+                    return;
+                }
+            }
+        }
     }
 
     fn read(&self, buffer: &mut [u8], offset: u64) -> Result<(), StoreError> {
@@ -1192,43 +1281,6 @@ fn bad_object(url: &S3Url, key: &str, reason: String) -> OpenError {
     }
 }
 
-/// (sequence, object bytes) of the objects under `folder` (names are 16 hex digits),
-/// ascending.
-async fn list_sequences(
-    store: &dyn ObjectStore,
-    url: &S3Url,
-    folder: &str,
-) -> Result<Vec<(u64, u64)>, OpenError> {
-    let prefix = ObjectPath::from(url.key(folder).as_str());
-    let objects: Vec<_> = store
-        .list(Some(&prefix))
-        .try_collect()
-        .await
-        .map_err(|error| OpenError::Request {
-            url: url.to_string(),
-            operation: format!("listing `{prefix}`"),
-            message: chain(&error),
-        })?;
-    let mut sequences = Vec::with_capacity(objects.len());
-    for object in objects {
-        let name = object.location.filename().unwrap_or_default();
-        match u64::from_str_radix(name, 16) {
-            Ok(sequence) if name.len() == 16 && sequence > 0 => {
-                sequences.push((sequence, object.size))
-            }
-            _ => {
-                return Err(bad_object(
-                    url,
-                    object.location.as_ref(),
-                    format!("not a bufcache object name under `{prefix}` (16 hex digits)"),
-                ))
-            }
-        }
-    }
-    sequences.sort_unstable();
-    Ok(sequences)
-}
-
 async fn get_whole(store: &dyn ObjectStore, url: &S3Url, key: &str) -> Result<Bytes, OpenError> {
     let request_error = |error: object_store::Error| OpenError::Request {
         url: url.to_string(),
@@ -1244,43 +1296,106 @@ async fn get_whole(store: &dyn ObjectStore, url: &S3Url, key: &str) -> Result<By
         .map_err(request_error)
 }
 
-/// Reads the newest checkpoint and replays the segments after it (see the module docs for
-/// the rule); deletes the segments after a gap.
+/// Reads the newest checkpoint and the epochs it needs, and replays the segments after it
+/// (see the module docs for the rule); changes nothing (a writable open then claims its epoch
+/// and carries the cleanup out, [`recover_and_claim`]).
 async fn recover(
     store: &dyn ObjectStore,
     url: &S3Url,
     metadata: &DiskMetadata,
-    writable: bool,
 ) -> Result<Recovered, OpenError> {
-    let epochs = read_epochs(store, url, metadata).await?;
-    let checkpoints = list_sequences(store, url, "log/checkpoints").await?;
-    // Only the owner's object of each sequence is part of the log (module `epoch`); the
-    // others are void: a crashed server's late PUTs, or the segments after a gap it wrote.
-    let mut segments = Vec::new();
-    let mut void = Vec::new();
-    for (sequence, epoch, bytes) in list_segments(store, url).await? {
-        if epoch == epochs.owner(sequence) {
-            segments.push((sequence, bytes));
-        } else {
-            void.push((sequence, epoch));
-        }
-    }
-    let (mut index, checkpoint_through) = match checkpoints.last() {
-        Some(&(through, _)) => {
-            let key = checkpoint_key(url, through);
+    let mut checkpoints = list_numbered(store, url, "log/checkpoints").await?;
+    let newest = checkpoints.pop();
+    let checkpoint = match newest {
+        Some(name) => {
+            let key = checkpoint_key(url, name);
             let body = get_whole(store, url, &key).await?;
             let checkpoint = checkpoint::decode(&body, metadata.disk_id, metadata.size_bytes)
                 .map_err(|reason| bad_object(url, &key, reason))?;
-            if checkpoint.through_sequence != through {
+            if (checkpoint.through_sequence, checkpoint.epoch) != name {
                 return Err(bad_object(
                     url,
                     &key,
                     format!(
-                        "covers segments to {}, not the {through} its name says",
-                        checkpoint.through_sequence
+                        "covers segments to {} written by epoch {}, not the {} and {} its name says",
+                        checkpoint.through_sequence, checkpoint.epoch, name.0, name.1
                     ),
                 ));
             }
+            Some((key, checkpoint))
+        }
+        None => None,
+    };
+    let checkpoint_epoch = checkpoint
+        .as_ref()
+        .and_then(|(_, checkpoint)| checkpoint.epochs.is_some().then_some(checkpoint.epoch));
+    let epoch_objects: BTreeSet<u64> = list_numbered(store, url, "log/epochs")
+        .await?
+        .into_iter()
+        .map(|(number, epoch)| {
+            if epoch == 0 {
+                Ok(number)
+            } else {
+                Err(bad_object(
+                    url,
+                    &epoch_key(url, number),
+                    "not a bufcache epoch object name (16 hex digits)".to_string(),
+                ))
+            }
+        })
+        .collect::<Result<_, _>>()?;
+    // A version 2 checkpoint records the epochs an open needs up to its writer's; only the
+    // newer ones are read (module `checkpoint`). Older epoch objects are not needed: at
+    // most not deleted yet, or a crashed server's late claim of a deleted number.
+    let (mut epochs, newer_than) = match checkpoint.as_ref().and_then(|(_, c)| c.epochs.clone()) {
+        Some(epochs) => (epochs, checkpoint_epoch.unwrap_or(0)),
+        None => (epoch::Epochs::default(), 0),
+    };
+    for &number in epoch_objects.range(newer_than + 1..) {
+        let key = epoch_key(url, number);
+        let body = get_whole(store, url, &key).await?;
+        let (recorded, start) = epoch::decode(&body, metadata.disk_id)
+            .map_err(|reason| bad_object(url, &key, reason))?;
+        if recorded != number {
+            return Err(bad_object(
+                url,
+                &key,
+                format!("records epoch {recorded}, not the {number} its name says"),
+            ));
+        }
+        epochs.insert(number, start);
+    }
+    // Only the owner's object of each sequence is part of the log (module `epoch`); the
+    // others are void: a crashed server's late PUTs, or the segments after a gap it wrote.
+    // (Below the oldest segment the checkpoint names, the owners may be unknown: such
+    // segments are dead or void, deleted either way.)
+    let mut segments = Vec::new();
+    let mut cleanup = Cleanup {
+        stale_checkpoints: checkpoints,
+        ..Cleanup::default()
+    };
+    for (sequence, epoch, bytes) in list_segments(store, url).await? {
+        // Epoch objects are deleted only once a version 2 checkpoint records what opens need
+        // of them; without one, a segment's epoch always has its object (it was claimed
+        // before the segment was written). One that does not means the newest checkpoint
+        // is gone: refused rather than its segments taken for void and deleted.
+        if checkpoint_epoch.is_none() && epoch != 0 && !epoch_objects.contains(&epoch) {
+            return Err(bad_object(
+                url,
+                &segment_key(url, sequence, epoch),
+                format!(
+                    "names epoch {epoch}, which has no epoch object and no version 2 checkpoint records (the newest checkpoint is missing?)"
+                ),
+            ));
+        }
+        if epoch == epochs.owner(sequence) {
+            segments.push((sequence, bytes));
+        } else {
+            cleanup.void.push((sequence, epoch));
+        }
+    }
+    let (mut index, checkpoint_through) = match checkpoint {
+        Some((key, checkpoint)) => {
             let present: BTreeSet<u64> = segments.iter().map(|&(sequence, _)| sequence).collect();
             if let Some((_, missing)) = checkpoint
                 .index
@@ -1293,16 +1408,14 @@ async fn recover(
                     key: segment_key(url, missing.segment, epochs.owner(missing.segment)),
                 });
             }
-            (checkpoint.index, through)
+            (checkpoint.index, checkpoint.through_sequence)
         }
         None => (Index::new(), 0),
     };
     let mut last_sequence = checkpoint_through;
-    let mut orphans = Vec::new();
     let mut stored = BTreeMap::new();
     // Segments the checkpoint covers but does not name hold no live byte and no replay needs
     // them: the collector's deletes were cut short (or it had not got to them yet).
-    let mut dead = Vec::new();
     for &(sequence, bytes) in segments
         .iter()
         .filter(|&&(sequence, _)| sequence <= checkpoint_through)
@@ -1310,15 +1423,15 @@ async fn recover(
         if index.live_bytes(sequence) > 0 {
             stored.insert(sequence, bytes);
         } else {
-            dead.push(sequence);
+            cleanup.dead.push(sequence);
         }
     }
     for &(sequence, bytes) in segments
         .iter()
         .filter(|&&(sequence, _)| sequence > checkpoint_through)
     {
-        if sequence != last_sequence + 1 || !orphans.is_empty() {
-            orphans.push(sequence);
+        if sequence != last_sequence + 1 || !cleanup.orphans.is_empty() {
+            cleanup.orphans.push(sequence);
             continue;
         }
         let key = segment_key(url, sequence, epochs.owner(sequence));
@@ -1358,91 +1471,25 @@ async fn recover(
         stored.insert(sequence, bytes);
         last_sequence = sequence;
     }
-    if !writable {
-        // Read-only: the dead segments, those after a gap and the void ones stay; none is
-        // read.
-        dead.clear();
-        orphans.clear();
-        void.clear();
-    }
-    for (sequence, epoch) in void {
-        let key = segment_key(url, sequence, epoch);
-        tracing::info!(segment = %key, owner = epochs.owner(sequence), "deleting a segment of an epoch that does not own its sequence (a crashed server's)");
-        store
-            .delete(&ObjectPath::from(key.as_str()))
-            .await
-            .map_err(|error| OpenError::Request {
-                url: url.to_string(),
-                operation: format!("deleting void segment `{key}`"),
-                message: chain(&error),
-            })?;
-    }
-    let mut checkpoint_through = checkpoint_through;
-    if let Some(&newest_orphan) = orphans.last() {
-        // Segment numbers are never used twice: a saved copy of a segment deleted here, put
-        // back under its number after a new segment took it, would be replayed as that new
-        // segment (and its sealed extents authenticate: their associated data names the
-        // disk and that number). So a checkpoint covering the segments after the gap is
-        // stored before they go: no replay reads a segment at or below it that its index
-        // does not name, and new segments are numbered after it.
-        let key = checkpoint_key(url, newest_orphan);
-        let body = checkpoint::encode(metadata.disk_id, newest_orphan, &index);
-        store
-            .put(&ObjectPath::from(key.as_str()), PutPayload::from(body))
-            .await
-            .map_err(|error| OpenError::Request {
-                url: url.to_string(),
-                operation: format!("storing checkpoint `{key}` past the unflushed segments"),
-                message: chain(&error),
-            })?;
-        if checkpoint_through > 0 {
-            let old_key = checkpoint_key(url, checkpoint_through);
-            if let Err(error) = store.delete(&ObjectPath::from(old_key.as_str())).await {
-                // Harmless: the newest checkpoint wins at open.
-                tracing::warn!(checkpoint = %old_key, error = %chain(&error), "could not delete an old checkpoint");
-            }
-        }
-        checkpoint_through = newest_orphan;
-        last_sequence = newest_orphan;
-    }
-    for sequence in dead {
-        let key = segment_key(url, sequence, epochs.owner(sequence));
-        tracing::info!(segment = %key, checkpoint_through, "deleting a segment the checkpoint covers and no longer needs");
-        store
-            .delete(&ObjectPath::from(key.as_str()))
-            .await
-            .map_err(|error| OpenError::Request {
-                url: url.to_string(),
-                operation: format!("deleting unneeded segment `{key}`"),
-                message: chain(&error),
-            })?;
-    }
-    // Segments after a gap were never covered by an acknowledged FLUSH; their sequence
-    // numbers are about to be reused, so they go before anything new is written.
-    for sequence in orphans {
-        let key = segment_key(url, sequence, epochs.owner(sequence));
-        tracing::warn!(segment = %key, after = last_sequence, "deleting a segment written after a missing one (its writes were never flushed)");
-        store
-            .delete(&ObjectPath::from(key.as_str()))
-            .await
-            .map_err(|error| OpenError::Request {
-                url: url.to_string(),
-                operation: format!("deleting unflushed segment `{key}`"),
-                message: chain(&error),
-            })?;
-    }
     Ok(Recovered {
         index,
         last_sequence,
         checkpoint_through,
         stored,
         epochs,
+        epoch: 0,
+        checkpoint_name: newest,
+        checkpoint_epoch,
+        epoch_objects,
+        epochs_pruned: 0,
+        cleanup,
     })
 }
 
 /// Recovers the log and, for a writable open, claims the next epoch (module `epoch`) with a
-/// create-only PUT before anything is written; when the claim fails because that epoch
-/// appeared meanwhile (a crashed server's late claim), recovers again under it.
+/// create-only PUT before anything is written (when the claim fails because that epoch
+/// appeared meanwhile, a crashed server's late claim, it recovers again under it); then
+/// carries recovery's cleanup out ([`clean_up`]).
 async fn recover_and_claim(
     store: &dyn ObjectStore,
     url: &S3Url,
@@ -1451,12 +1498,21 @@ async fn recover_and_claim(
 ) -> Result<Recovered, OpenError> {
     let mut claims = 0;
     loop {
-        let mut recovered = recover(store, url, metadata, writable).await?;
+        let mut recovered = recover(store, url, metadata).await?;
         if !writable {
+            // Read-only: the dead segments, those after a gap and the void ones stay; none
+            // is read.
             return Ok(recovered);
         }
         let epoch = recovered.epochs.newest() + 1;
-        let start = recovered.last_sequence + 1;
+        // The segments after a gap are skipped (module docs): this epoch starts after them.
+        let start = recovered
+            .cleanup
+            .orphans
+            .last()
+            .copied()
+            .unwrap_or(recovered.last_sequence)
+            + 1;
         let key = epoch_key(url, epoch);
         let claimed = store
             .put_opts(
@@ -1472,6 +1528,8 @@ async fn recover_and_claim(
         match claimed {
             Ok(_) => {
                 recovered.epochs.insert(epoch, start);
+                recovered.epoch = epoch;
+                clean_up(store, url, metadata, &mut recovered).await?;
                 return Ok(recovered);
             }
             Err(
@@ -1491,28 +1549,144 @@ async fn recover_and_claim(
     }
 }
 
-/// The epochs recorded under `log/epochs/` (module `epoch`).
-async fn read_epochs(
+/// A writable open's cleanup, after it claimed its epoch: past a gap, stores a checkpoint
+/// covering the segments after it; deletes the void, dead and orphaned segments, the
+/// checkpoints but the newest, and the epoch objects older than the newest checkpoint's
+/// writer (when it is a version 2 one, which records what an open needs of them).
+async fn clean_up(
     store: &dyn ObjectStore,
     url: &S3Url,
     metadata: &DiskMetadata,
-) -> Result<epoch::Epochs, OpenError> {
-    let mut epochs = epoch::Epochs::default();
-    for (number, _) in list_sequences(store, url, "log/epochs").await? {
-        let key = epoch_key(url, number);
-        let body = get_whole(store, url, &key).await?;
-        let (recorded, start) = epoch::decode(&body, metadata.disk_id)
-            .map_err(|reason| bad_object(url, &key, reason))?;
-        if recorded != number {
-            return Err(bad_object(
-                url,
-                &key,
-                format!("records epoch {recorded}, not the {number} its name says"),
-            ));
-        }
-        epochs.insert(number, start);
+    recovered: &mut Recovered,
+) -> Result<(), OpenError> {
+    let cleanup = std::mem::take(&mut recovered.cleanup);
+    let delete = |key: String, what: &'static str| async move {
+        store
+            .delete(&ObjectPath::from(key.as_str()))
+            .await
+            .map_err(|error| OpenError::Request {
+                url: url.to_string(),
+                operation: format!("deleting {what} `{key}`"),
+                message: chain(&error),
+            })
+    };
+    for (sequence, epoch) in cleanup.void {
+        let key = segment_key(url, sequence, epoch);
+        tracing::info!(segment = %key, owner = recovered.epochs.owner(sequence), "deleting a segment of an epoch that does not own its sequence (a crashed server's)");
+        delete(key, "void segment").await?;
     }
-    Ok(epochs)
+    let mut stale_checkpoints = cleanup.stale_checkpoints;
+    if let Some(&newest_orphan) = cleanup.orphans.last() {
+        // Segment numbers are never used twice: a saved copy of a segment deleted here, put
+        // back under its number after a new segment took it, would be replayed as that new
+        // segment (and its sealed extents authenticate: their associated data names the
+        // disk and that number). So a checkpoint covering the segments after the gap is
+        // stored before they go: no replay reads a segment at or below it that its index
+        // does not name, and new segments are numbered after it.
+        let name = (newest_orphan, recovered.epoch);
+        let key = checkpoint_key(url, name);
+        let epochs = checkpoint::needed_epochs(&recovered.epochs, newest_orphan, &recovered.index);
+        let body = checkpoint::encode(
+            metadata.disk_id,
+            newest_orphan,
+            recovered.epoch,
+            &epochs,
+            &recovered.index,
+        );
+        store
+            .put(&ObjectPath::from(key.as_str()), PutPayload::from(body))
+            .await
+            .map_err(|error| OpenError::Request {
+                url: url.to_string(),
+                operation: format!("storing checkpoint `{key}` past the unflushed segments"),
+                message: chain(&error),
+            })?;
+        stale_checkpoints.extend(recovered.checkpoint_name.replace(name));
+        recovered.checkpoint_epoch = Some(recovered.epoch);
+        recovered.checkpoint_through = newest_orphan;
+        recovered.last_sequence = newest_orphan;
+    }
+    for sequence in cleanup.dead {
+        let key = segment_key(url, sequence, recovered.epochs.owner(sequence));
+        tracing::info!(segment = %key, checkpoint_through = recovered.checkpoint_through, "deleting a segment the checkpoint covers and no longer needs");
+        delete(key, "unneeded segment").await?;
+    }
+    // Segments after a gap were never covered by an acknowledged FLUSH; the checkpoint just
+    // stored covers them, so they go before anything new is written.
+    for sequence in cleanup.orphans {
+        let key = segment_key(url, sequence, recovered.epochs.owner(sequence));
+        tracing::warn!(segment = %key, after = recovered.last_sequence, "deleting a segment written after a missing one (its writes were never flushed)");
+        delete(key, "unflushed segment").await?;
+    }
+    for name in stale_checkpoints {
+        // Harmless when it fails: the newest checkpoint wins at open.
+        let key = checkpoint_key(url, name);
+        if let Err(error) = store.delete(&ObjectPath::from(key.as_str())).await {
+            tracing::warn!(checkpoint = %key, error = %chain(&error), "could not delete an old checkpoint");
+        }
+    }
+    // The newest checkpoint is durable (it was read, or just stored): the epoch objects older
+    // than its writer's are needed by no open.
+    // The planted defect (tests/log_sim_check.rs): every epoch object older than this open's
+    // goes now, before a checkpoint recording the epochs this open needs is durable.
+    let prune_below = if cfg!(feature = "planted-prune-defect") {
+        Some(recovered.epoch)
+    } else {
+        recovered.checkpoint_epoch
+    };
+    if let Some(checkpoint_epoch) = prune_below {
+        let older: Vec<u64> = recovered
+            .epoch_objects
+            .range(..checkpoint_epoch)
+            .copied()
+            .collect();
+        for number in older {
+            // Housekeeping only: what is left is deleted by a later checkpoint or open.
+            let key = epoch_key(url, number);
+            if let Err(error) = store.delete(&ObjectPath::from(key.as_str())).await {
+                tracing::warn!(epoch = %key, error = %chain(&error), "could not delete an epoch object no open needs");
+                break;
+            }
+            recovered.epoch_objects.remove(&number);
+            recovered.epochs_pruned += 1;
+        }
+    }
+    Ok(())
+}
+
+/// (number, epoch) of the objects under `folder` named `<number>` or `<number>-<epoch>` (16
+/// hex digits each; epoch 0 when absent), ascending.
+async fn list_numbered(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    folder: &str,
+) -> Result<Vec<(u64, u64)>, OpenError> {
+    let prefix = ObjectPath::from(url.key(folder).as_str());
+    let objects: Vec<_> = store
+        .list(Some(&prefix))
+        .try_collect()
+        .await
+        .map_err(|error| OpenError::Request {
+            url: url.to_string(),
+            operation: format!("listing `{prefix}`"),
+            message: chain(&error),
+        })?;
+    let mut names = Vec::with_capacity(objects.len());
+    for object in objects {
+        let name = object.location.filename().unwrap_or_default();
+        match epoch::parse_object_name(name) {
+            Some(parsed) => names.push(parsed),
+            None => {
+                return Err(bad_object(
+                    url,
+                    object.location.as_ref(),
+                    format!("not a bufcache object name under `{prefix}` (16 hex digits, then optionally `-` and 16 more)"),
+                ))
+            }
+        }
+    }
+    names.sort_unstable();
+    Ok(names)
 }
 
 /// (sequence, epoch, object bytes) of the segment objects, ascending.
@@ -1533,7 +1707,7 @@ async fn list_segments(
     let mut segments = Vec::with_capacity(objects.len());
     for object in objects {
         let name = object.location.filename().unwrap_or_default();
-        match epoch::parse_segment_name(name) {
+        match epoch::parse_object_name(name) {
             Some((sequence, epoch)) => segments.push((sequence, epoch, object.size)),
             None => {
                 return Err(bad_object(
