@@ -4,17 +4,16 @@
 //! read-modify-write refuse damage instead of copying it; objects of the older formats still
 //! read; a segment recovery deleted is never read again when put back.
 
+#[path = "support/raw.rs"]
+mod raw;
 mod support;
 
 use std::io::{IoSlice, IoSliceMut};
 
 use bufcache::Device;
 use bufcache_s3::{LogStore, OpenError, S3Device, S3Url};
-use futures::TryStreamExt;
-use object_store::aws::{AmazonS3, AmazonS3Builder};
-use object_store::path::Path as ObjectPath;
-use object_store::{ObjectStore, PutPayload};
 use rand::{Rng, SeedableRng};
+use raw::Raw;
 use support::{have_moto, Moto};
 
 fn url(endpoint: &str, disk: &str, parameters: &str) -> S3Url {
@@ -26,76 +25,6 @@ fn url(endpoint: &str, disk: &str, parameters: &str) -> S3Url {
 
 fn open_log(endpoint: &str, disk: &str, parameters: &str) -> Result<LogStore, OpenError> {
     LogStore::open_locked(&url(endpoint, disk, parameters))
-}
-
-/// The bucket, seen directly (to list, damage, truncate or plant objects behind the store's
-/// back).
-struct Raw {
-    runtime: tokio::runtime::Runtime,
-    store: AmazonS3,
-}
-
-impl Raw {
-    fn new(moto: &Moto) -> Raw {
-        Raw {
-            runtime: tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap(),
-            store: AmazonS3Builder::new()
-                .with_bucket_name("bucket")
-                .with_endpoint(moto.endpoint())
-                .with_allow_http(true)
-                .with_region("us-east-1")
-                .with_access_key_id("testing")
-                .with_secret_access_key("testing")
-                .build()
-                .unwrap(),
-        }
-    }
-
-    /// Keys of every object under `prefix`, in key order.
-    fn list(&self, prefix: &str) -> Vec<String> {
-        let prefix = ObjectPath::from(prefix);
-        let mut keys: Vec<String> = self
-            .runtime
-            .block_on(self.store.list(Some(&prefix)).try_collect::<Vec<_>>())
-            .unwrap()
-            .into_iter()
-            .map(|object| object.location.to_string())
-            .collect();
-        keys.sort();
-        keys
-    }
-
-    fn get(&self, key: &str) -> Vec<u8> {
-        self.runtime
-            .block_on(async {
-                self.store
-                    .get(&ObjectPath::from(key))
-                    .await
-                    .unwrap()
-                    .bytes()
-                    .await
-            })
-            .unwrap()
-            .to_vec()
-    }
-
-    fn put(&self, key: &str, body: Vec<u8>) {
-        self.runtime
-            .block_on(
-                self.store
-                    .put(&ObjectPath::from(key), PutPayload::from(body)),
-            )
-            .unwrap();
-    }
-
-    fn delete(&self, key: &str) {
-        self.runtime
-            .block_on(self.store.delete(&ObjectPath::from(key)))
-            .unwrap();
-    }
 }
 
 /// Bytes compression shrinks: runs of one random byte, 1 to 512 bytes long.
@@ -202,7 +131,7 @@ fn a_flipped_byte_in_any_stored_segment_is_a_read_error_naming_it_never_wrong_da
             model[offset..offset + length].copy_from_slice(&data);
         }
         drop(store);
-        let segments = raw.list(&format!("{disk}/log/segments"));
+        let segments = raw.keys(&format!("{disk}/log/segments"));
         assert_eq!(segments.len(), 1, "{disk}: {segments:?}");
         let segment = &segments[0];
         let body = raw.get(segment);
@@ -268,7 +197,7 @@ fn the_collector_refuses_a_damaged_source_instead_of_copying_it() {
     store.write(&random(6 * 4096, &mut rng), 0).unwrap();
     store.flush().unwrap();
     drop(store);
-    let segments = raw.list("disk/log/segments");
+    let segments = raw.keys("disk/log/segments");
     assert_eq!(segments.len(), 2, "{segments:?}");
     let source = &segments[0];
     let mut body = raw.get(source);
@@ -288,7 +217,7 @@ fn the_collector_refuses_a_damaged_source_instead_of_copying_it() {
     let error = store.read(&mut back, 6 * 4096).unwrap_err().to_string();
     assert!(error.contains(source.as_str()), "{error}");
     assert!(
-        raw.list("disk/log/segments").contains(source),
+        raw.keys("disk/log/segments").contains(source),
         "the damaged source is not deleted"
     );
 }
@@ -491,7 +420,7 @@ fn a_segment_recovery_deleted_is_never_read_when_put_back() {
         store.flush().unwrap();
     }
     let id = crash(store);
-    let segments = raw.list("disk/log/segments");
+    let segments = raw.keys("disk/log/segments");
     assert_eq!(segments.len(), 3, "{segments:?}");
     let saved = raw.get(&segments[2]);
     raw.delete(&segments[1]);
@@ -501,9 +430,9 @@ fn a_segment_recovery_deleted_is_never_read_when_put_back() {
         &format!("&key-file={key}&break-lock={id}"),
     )
     .unwrap();
-    assert_eq!(raw.list("disk/log/segments"), segments[..1].to_vec());
+    assert_eq!(raw.keys("disk/log/segments"), segments[..1].to_vec());
     assert_eq!(
-        raw.list("disk/log/checkpoints"),
+        raw.keys("disk/log/checkpoints"),
         // Named `<through>-<epoch>`: stored by the second open, epoch 2.
         vec!["disk/log/checkpoints/0000000000000003-0000000000000002".to_string()]
     );
@@ -511,7 +440,7 @@ fn a_segment_recovery_deleted_is_never_read_when_put_back() {
     store.write(&[4; 4096], 4 * 4096).unwrap();
     store.flush().unwrap();
     // Segment names are `<sequence>-<epoch>` (the epoch of the open that wrote them).
-    let newest = raw.list("disk/log/segments").last().unwrap().clone();
+    let newest = raw.keys("disk/log/segments").last().unwrap().clone();
     assert!(
         newest.starts_with("disk/log/segments/0000000000000004"),
         "new segments are numbered after the deleted ones: {newest}"
@@ -532,7 +461,7 @@ fn a_segment_recovery_deleted_is_never_read_when_put_back() {
         .chunks(4096)
         .all(|block| block.iter().all(|&byte| byte == block[0])));
     assert!(
-        !raw.list("disk/log/segments").contains(&segments[2]),
+        !raw.keys("disk/log/segments").contains(&segments[2]),
         "the put-back segment is deleted again"
     );
 }

@@ -3,13 +3,12 @@
 //! checkpoint is version 1 opens and is upgraded by its first checkpoint, and a crash between
 //! a checkpoint and the deletes of the epoch objects it made unneeded is harmless.
 
+#[path = "support/raw.rs"]
+mod raw;
 mod support;
 
 use bufcache_s3::{LogStore, OpenError, S3Url};
-use futures::TryStreamExt;
-use object_store::aws::{AmazonS3, AmazonS3Builder};
-use object_store::path::Path as ObjectPath;
-use object_store::{ObjectStore, PutPayload};
+use raw::Raw;
 use support::{have_moto, Moto, RefuseProxy};
 
 const DISK_BYTES: usize = 1 << 20;
@@ -21,75 +20,6 @@ fn open(endpoint: &str, parameters: &str) -> Result<LogStore, OpenError> {
         ))
         .unwrap(),
     )
-}
-
-/// The bucket, seen directly.
-struct Raw {
-    runtime: tokio::runtime::Runtime,
-    store: AmazonS3,
-}
-
-impl Raw {
-    fn new(moto: &Moto) -> Raw {
-        Raw {
-            runtime: tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap(),
-            store: AmazonS3Builder::new()
-                .with_bucket_name("bucket")
-                .with_endpoint(moto.endpoint())
-                .with_allow_http(true)
-                .with_region("us-east-1")
-                .with_access_key_id("testing")
-                .with_secret_access_key("testing")
-                .build()
-                .unwrap(),
-        }
-    }
-
-    /// Keys under `disk/<folder>`, in key order.
-    fn list(&self, folder: &str) -> Vec<String> {
-        let prefix = ObjectPath::from(format!("disk/{folder}"));
-        let mut keys: Vec<String> = self
-            .runtime
-            .block_on(self.store.list(Some(&prefix)).try_collect::<Vec<_>>())
-            .unwrap()
-            .into_iter()
-            .map(|object| object.location.to_string())
-            .collect();
-        keys.sort();
-        keys
-    }
-
-    fn get(&self, key: &str) -> Vec<u8> {
-        self.runtime
-            .block_on(async {
-                self.store
-                    .get(&ObjectPath::from(key))
-                    .await
-                    .unwrap()
-                    .bytes()
-                    .await
-            })
-            .unwrap()
-            .to_vec()
-    }
-
-    fn put(&self, key: &str, body: Vec<u8>) {
-        self.runtime
-            .block_on(
-                self.store
-                    .put(&ObjectPath::from(key), PutPayload::from(body)),
-            )
-            .unwrap();
-    }
-
-    fn delete(&self, key: &str) {
-        self.runtime
-            .block_on(self.store.delete(&ObjectPath::from(key)))
-            .unwrap();
-    }
 }
 
 fn read_all(store: &LogStore) -> Vec<u8> {
@@ -188,7 +118,7 @@ fn epoch_objects_stay_bounded_over_many_reopens_and_every_epochs_data_reads_back
             // before: no epoch object at all (the checkpoint records them).
             gets_after_close.push(moto.request_count("GET") - gets_before);
         }
-        let epochs = raw.list("log/epochs");
+        let epochs = raw.keys("disk/log/epochs");
         assert!(
             epochs.len() <= 2 + crashes_since_close,
             "cycle {cycle}, {crashes_since_close} crashes since the last close: {epochs:?}"
@@ -208,9 +138,9 @@ fn epoch_objects_stay_bounded_over_many_reopens_and_every_epochs_data_reads_back
             pruned += store.epochs_pruned();
             drop(store);
             crashes_since_close = 0;
-            let epochs = raw.list("log/epochs");
+            let epochs = raw.keys("disk/log/epochs");
             assert_eq!(epochs.len(), 1, "cycle {cycle}: after a close: {epochs:?}");
-            let checkpoints = raw.list("log/checkpoints");
+            let checkpoints = raw.keys("disk/log/checkpoints");
             assert_eq!(checkpoints.len(), 1, "cycle {cycle}: {checkpoints:?}");
         }
     }
@@ -226,7 +156,7 @@ fn epoch_objects_stay_bounded_over_many_reopens_and_every_epochs_data_reads_back
         "GETs of each open after a clean close: {gets_after_close:?}"
     );
     // The last checkpoint records the epochs of all the opens whose blocks are live.
-    let checkpoint = raw.get(&raw.list("log/checkpoints")[0]);
+    let checkpoint = raw.get(&raw.keys("disk/log/checkpoints")[0]);
     let (_, recorded, _) = checkpoint_as_v1(&checkpoint);
     assert!(recorded.len() >= 11, "{recorded:?}");
     // The last cycle crashed: its lock is broken.
@@ -260,7 +190,7 @@ fn a_version_1_checkpoint_disk_opens_and_its_first_checkpoint_upgrades_it() {
     store.write(&[2; 4096], 4096).unwrap();
     store.close().unwrap();
     drop(store);
-    let v2_key = raw.list("log/checkpoints").pop().unwrap();
+    let v2_key = raw.keys("disk/log/checkpoints").pop().unwrap();
     assert!(v2_key.ends_with("-0000000000000002"), "{v2_key}");
     let (through, epochs, v1) = checkpoint_as_v1(&raw.get(&v2_key));
     assert_eq!(
@@ -283,9 +213,9 @@ fn a_version_1_checkpoint_disk_opens_and_its_first_checkpoint_upgrades_it() {
     expected[..4096].fill(1);
     expected[4096..8192].fill(2);
     assert!(read_all(&store) == expected, "the version 1 disk's data");
-    assert_eq!(raw.list("log/checkpoints"), [v1_key]);
+    assert_eq!(raw.keys("disk/log/checkpoints"), [v1_key]);
     assert_eq!(
-        raw.list("log/epochs").len(),
+        raw.keys("disk/log/epochs").len(),
         3,
         "nothing deleted before a version 2 checkpoint"
     );
@@ -293,7 +223,7 @@ fn a_version_1_checkpoint_disk_opens_and_its_first_checkpoint_upgrades_it() {
     expected[8192..12288].fill(3);
     store.close().unwrap();
     drop(store);
-    let checkpoints = raw.list("log/checkpoints");
+    let checkpoints = raw.keys("disk/log/checkpoints");
     assert_eq!(checkpoints.len(), 1, "{checkpoints:?}");
     assert!(
         checkpoints[0].ends_with("-0000000000000003"),
@@ -302,7 +232,7 @@ fn a_version_1_checkpoint_disk_opens_and_its_first_checkpoint_upgrades_it() {
     let upgraded = raw.get(&checkpoints[0]);
     assert_eq!(u32::from_le_bytes(upgraded[8..12].try_into().unwrap()), 2);
     assert_eq!(
-        raw.list("log/epochs"),
+        raw.keys("disk/log/epochs"),
         ["disk/log/epochs/0000000000000003".to_string()]
     );
     let store = open(&moto.endpoint(), "").unwrap();
@@ -339,8 +269,8 @@ fn an_open_after_a_crash_between_a_checkpoint_and_its_epoch_deletes_recovers_and
         store.flush().unwrap();
         lock_id = Some(crash(store));
     }
-    assert_eq!(raw.list("log/epochs").len(), 2);
-    assert!(raw.list("log/checkpoints").is_empty());
+    assert_eq!(raw.keys("disk/log/epochs").len(), 2);
+    assert!(raw.keys("disk/log/checkpoints").is_empty());
     let proxy = RefuseProxy::start(moto.port, "DELETE", 403, "AccessDenied");
     let mut store = open(
         &proxy.endpoint(),
@@ -354,14 +284,14 @@ fn an_open_after_a_crash_between_a_checkpoint_and_its_epoch_deletes_recovers_and
     let id = store.lock().unwrap().holder().id.clone();
     drop(store);
     drop(proxy);
-    let checkpoints = raw.list("log/checkpoints");
+    let checkpoints = raw.keys("disk/log/checkpoints");
     assert_eq!(checkpoints.len(), 1, "{checkpoints:?}");
     assert!(
         checkpoints[0].ends_with("-0000000000000003"),
         "{checkpoints:?}"
     );
     assert_eq!(
-        raw.list("log/epochs").len(),
+        raw.keys("disk/log/epochs").len(),
         3,
         "the deletes never happened"
     );
@@ -370,7 +300,7 @@ fn an_open_after_a_crash_between_a_checkpoint_and_its_epoch_deletes_recovers_and
     assert!(read_all(&store) == expected, "after the crash");
     assert_eq!(store.epochs_pruned(), 2);
     assert_eq!(
-        raw.list("log/epochs"),
+        raw.keys("disk/log/epochs"),
         [
             "disk/log/epochs/0000000000000003".to_string(),
             "disk/log/epochs/0000000000000004".to_string()

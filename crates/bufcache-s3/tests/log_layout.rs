@@ -2,6 +2,8 @@
 //! writes, zeroes and reopening; what a write-back costs in requests and bytes; the recovery
 //! rule (replay stops at a missing segment); damaged objects refused by name.
 
+#[path = "support/raw.rs"]
+mod raw;
 mod support;
 
 use std::io::IoSlice;
@@ -9,11 +11,8 @@ use std::io::IoSlice;
 use bufcache::device::BatchWrite;
 use bufcache::Device;
 use bufcache_s3::{LayoutKind, LogStore, OpenError, S3Device, S3Url};
-use futures::TryStreamExt;
-use object_store::aws::{AmazonS3, AmazonS3Builder};
-use object_store::path::Path as ObjectPath;
-use object_store::{ObjectStore, PutPayload};
 use rand::{Rng, SeedableRng};
+use raw::Raw;
 use support::{have_moto, Moto};
 
 fn url(endpoint: &str, parameters: &str) -> S3Url {
@@ -22,75 +21,6 @@ fn url(endpoint: &str, parameters: &str) -> S3Url {
 
 fn open(endpoint: &str, parameters: &str) -> Result<LogStore, OpenError> {
     LogStore::open_locked(&url(endpoint, parameters))
-}
-
-/// The bucket, seen directly (to list, damage or delete objects behind the store's back).
-struct Raw {
-    runtime: tokio::runtime::Runtime,
-    store: AmazonS3,
-}
-
-impl Raw {
-    fn new(moto: &Moto) -> Raw {
-        Raw {
-            runtime: tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap(),
-            store: AmazonS3Builder::new()
-                .with_bucket_name("bucket")
-                .with_endpoint(moto.endpoint())
-                .with_allow_http(true)
-                .with_region("us-east-1")
-                .with_access_key_id("testing")
-                .with_secret_access_key("testing")
-                .build()
-                .unwrap(),
-        }
-    }
-
-    /// (key, size) of every object under `disk/<folder>`, in key order.
-    fn list(&self, folder: &str) -> Vec<(String, u64)> {
-        let prefix = ObjectPath::from(format!("disk/{folder}"));
-        let mut objects: Vec<(String, u64)> = self
-            .runtime
-            .block_on(self.store.list(Some(&prefix)).try_collect::<Vec<_>>())
-            .unwrap()
-            .into_iter()
-            .map(|object| (object.location.to_string(), object.size))
-            .collect();
-        objects.sort();
-        objects
-    }
-
-    fn get(&self, key: &str) -> Vec<u8> {
-        self.runtime
-            .block_on(async {
-                self.store
-                    .get(&ObjectPath::from(key))
-                    .await
-                    .unwrap()
-                    .bytes()
-                    .await
-            })
-            .unwrap()
-            .to_vec()
-    }
-
-    fn put(&self, key: &str, body: Vec<u8>) {
-        self.runtime
-            .block_on(
-                self.store
-                    .put(&ObjectPath::from(key), PutPayload::from(body)),
-            )
-            .unwrap();
-    }
-
-    fn delete(&self, key: &str) {
-        self.runtime
-            .block_on(self.store.delete(&ObjectPath::from(key)))
-            .unwrap();
-    }
 }
 
 fn random(length: usize, rng: &mut impl Rng) -> Vec<u8> {
@@ -230,7 +160,7 @@ fn random_4k_writes_cost_their_bytes_once_in_few_puts() {
     }
     device.flush().unwrap();
     let puts = moto.request_count("PUT") - puts_before;
-    let stored: u64 = raw.list("log/").iter().map(|(_, size)| size).sum();
+    let stored: u64 = raw.objects("disk/log/").iter().map(|(_, size)| size).sum();
     println!(
         "random 4K: {puts} PUTs, {stored} bytes stored for {} client bytes",
         data.len()
@@ -242,7 +172,11 @@ fn random_4k_writes_cost_their_bytes_once_in_few_puts() {
     );
     // Sequential: 32 MiB in 1 MiB writes.
     let sequential = random(32 << 20, &mut rng);
-    let before_bytes: u64 = raw.list("log/segments").iter().map(|(_, size)| size).sum();
+    let before_bytes: u64 = raw
+        .objects("disk/log/segments")
+        .iter()
+        .map(|(_, size)| size)
+        .sum();
     let puts_before = moto.request_count("PUT");
     for (number, piece) in sequential.chunks(1 << 20).enumerate() {
         device
@@ -254,7 +188,11 @@ fn random_4k_writes_cost_their_bytes_once_in_few_puts() {
     }
     device.flush().unwrap();
     let puts = moto.request_count("PUT") - puts_before;
-    let after_bytes: u64 = raw.list("log/segments").iter().map(|(_, size)| size).sum();
+    let after_bytes: u64 = raw
+        .objects("disk/log/segments")
+        .iter()
+        .map(|(_, size)| size)
+        .sum();
     let amplification = (after_bytes - before_bytes) as f64 / sequential.len() as f64;
     println!("sequential 32 MiB: {puts} PUTs, write amplification {amplification:.5}");
     assert!(amplification <= 1.05, "WA {amplification}");
@@ -289,11 +227,19 @@ fn trim_and_write_zeroes_only_change_the_index() {
     let data = random(2 << 20, &mut rng);
     device.write_vectored_at(&[IoSlice::new(&data)], 0).unwrap();
     device.flush().unwrap();
-    let before: u64 = raw.list("log/segments").iter().map(|(_, size)| size).sum();
+    let before: u64 = raw
+        .objects("disk/log/segments")
+        .iter()
+        .map(|(_, size)| size)
+        .sum();
     device.write_zeroes(0, 1 << 20).unwrap();
     device.discard(1 << 20, 512 << 10).unwrap();
     device.flush().unwrap();
-    let after: u64 = raw.list("log/segments").iter().map(|(_, size)| size).sum();
+    let after: u64 = raw
+        .objects("disk/log/segments")
+        .iter()
+        .map(|(_, size)| size)
+        .sum();
     assert!(
         after - before <= 256,
         "zeroing uploaded {} bytes",
@@ -333,7 +279,7 @@ fn replay_stops_at_a_missing_segment_and_deletes_the_segments_after_it() {
         store.flush().unwrap();
     }
     let id = crash(store);
-    let segments = raw.list("log/segments");
+    let segments = raw.objects("disk/log/segments");
     assert_eq!(segments.len(), 3, "{segments:?}");
     raw.delete(&segments[1].0);
     let reopened = open(&moto.endpoint(), &format!("&break-lock={id}")).unwrap();
@@ -341,7 +287,11 @@ fn replay_stops_at_a_missing_segment_and_deletes_the_segments_after_it() {
     assert!(image[..4096].iter().all(|&byte| byte == 1));
     assert!(image[4096..8192].iter().all(|&byte| byte == 1));
     assert!(image[8192..].iter().all(|&byte| byte == 0));
-    assert_eq!(raw.list("log/segments").len(), 1, "segment 3 deleted");
+    assert_eq!(
+        raw.objects("disk/log/segments").len(),
+        1,
+        "segment 3 deleted"
+    );
     reopened.write(&[9; 4096], 3 * 4096).unwrap();
     reopened.flush().unwrap();
     drop(reopened);
@@ -371,7 +321,7 @@ fn damaged_segments_and_checkpoints_are_refused_naming_the_object() {
     store.write(&[7; 8192], 4096).unwrap();
     store.flush().unwrap();
     let id = crash(store);
-    let (key, _) = raw.list("log/segments")[0].clone();
+    let (key, _) = raw.objects("disk/log/segments")[0].clone();
     let mut body = raw.get(&key);
     body[100] ^= 1;
     raw.put(&key, body.clone());
@@ -385,7 +335,7 @@ fn damaged_segments_and_checkpoints_are_refused_naming_the_object() {
     raw.put(&key, body);
     let store = open(&moto.endpoint(), &format!("&break-lock={id}")).unwrap();
     drop(store);
-    let (checkpoint, _) = raw.list("log/checkpoints")[0].clone();
+    let (checkpoint, _) = raw.objects("disk/log/checkpoints")[0].clone();
     let whole = raw.get(&checkpoint);
     raw.put(&checkpoint, whole[..whole.len() - 3].to_vec());
     let text = open(&moto.endpoint(), "").err().unwrap().to_string();
@@ -410,12 +360,7 @@ fn damaged_segments_and_checkpoints_are_refused_naming_the_object() {
     other_store.flush().unwrap();
     drop(other_store);
     raw.put(&key, saved);
-    let prefix = ObjectPath::from("other/log/segments");
-    let listed: Vec<_> = raw
-        .runtime
-        .block_on(raw.store.list(Some(&prefix)).try_collect::<Vec<_>>())
-        .unwrap();
-    let foreign = listed[0].location.to_string();
+    let foreign = raw.keys("other/log/segments")[0].clone();
     // Copied in as the segment after the checkpoint (sequence 2 of epoch 2, the open that
     // wrote the checkpoint), which the open replays.
     let next = "disk/log/segments/0000000000000002-0000000000000002";
@@ -435,7 +380,7 @@ fn damaged_segments_and_checkpoints_are_refused_naming_the_object() {
         "{text}"
     );
     assert!(raw
-        .list("log/segments")
+        .objects("disk/log/segments")
         .iter()
         .any(|(listed, _)| *listed == key));
 }
@@ -508,7 +453,7 @@ fn a_write_split_at_a_segment_end_keeps_every_block_whole_when_the_rest_is_lost(
     store.write(&[2; 40960], 0).unwrap();
     store.flush().unwrap();
     let id = crash(store);
-    let segments = raw.list("log/segments");
+    let segments = raw.objects("disk/log/segments");
     let (newest, _) = segments.last().expect("segments").clone();
     raw.delete(&newest);
     let reopened = open(&moto.endpoint(), &format!("&break-lock={id}")).unwrap();
@@ -534,7 +479,7 @@ fn a_write_split_at_a_segment_end_keeps_every_block_whole_when_the_rest_is_lost(
 
 /// Every object under `disk/log/` with its body, to put back behind the store's back.
 fn snapshot(raw: &Raw) -> Vec<(String, Vec<u8>)> {
-    raw.list("log/")
+    raw.objects("disk/log/")
         .into_iter()
         .map(|(key, _)| {
             let body = raw.get(&key);
@@ -544,7 +489,10 @@ fn snapshot(raw: &Raw) -> Vec<(String, Vec<u8>)> {
 }
 
 fn listed_bytes(raw: &Raw, folder: &str) -> u64 {
-    raw.list(folder).iter().map(|(_, size)| size).sum()
+    raw.objects(&format!("disk/{folder}"))
+        .iter()
+        .map(|(_, size)| size)
+        .sum()
 }
 
 // Goal: garbage collection never changes what the disk reads, keeps the live bytes per
@@ -728,7 +676,7 @@ fn a_write_between_the_collector_read_and_its_append_wins_live_and_after_a_crash
         "source deleted"
     );
     let checkpoints_after: Vec<String> = raw
-        .list("log/checkpoints")
+        .objects("disk/log/checkpoints")
         .into_iter()
         .map(|(key, _)| key)
         .collect();
@@ -768,7 +716,7 @@ fn a_write_between_the_collector_read_and_its_append_wins_live_and_after_a_crash
         reopened.check_live_bytes().unwrap();
         if !put_back_checkpoints {
             assert!(
-                !raw.list("log/segments")
+                !raw.objects("disk/log/segments")
                     .iter()
                     .any(|(key, _)| key == source),
                 "crash {point}: opening deletes the source the checkpoint no longer needs"
@@ -814,7 +762,7 @@ fn a_read_only_log_disk_reads_the_recovered_prefix_and_writes_nothing() {
         store.flush().unwrap();
     }
     let id = crash(store);
-    let segments = raw.list("log/segments");
+    let segments = raw.objects("disk/log/segments");
     assert_eq!(segments.len(), 3, "{segments:?}");
     raw.delete(&segments[1].0);
     let writes_before = (moto.request_count("PUT"), moto.request_count("DELETE"));
@@ -845,10 +793,14 @@ fn a_read_only_log_disk_reads_the_recovered_prefix_and_writes_nothing() {
         writes_before,
         "(PUT, DELETE): none from a read-only store"
     );
-    assert_eq!(raw.list("log/segments").len(), 2, "segment 3 left in place");
+    assert_eq!(
+        raw.objects("disk/log/segments").len(),
+        2,
+        "segment 3 left in place"
+    );
     let writer = open(&endpoint, &format!("&break-lock={id}")).unwrap();
     assert_eq!(
-        raw.list("log/segments").len(),
+        raw.objects("disk/log/segments").len(),
         1,
         "a writing open deletes it"
     );
@@ -895,7 +847,7 @@ fn a_source_segment_stays_until_the_checkpoint_covering_its_copy_is_stored() {
     let error = store.collect_garbage(0.5).unwrap_err().to_string();
     assert!(error.contains("checkpoints/0000000000000003"), "{error}");
     assert!(
-        raw.list("log/segments")
+        raw.objects("disk/log/segments")
             .iter()
             .any(|(key, _)| key == source),
         "the source stays while no checkpoint covering its copy is known to be stored"
@@ -906,7 +858,7 @@ fn a_source_segment_stays_until_the_checkpoint_covering_its_copy_is_stored() {
     assert!(read_all(&reopened, 48 << 10) == expected, "after the crash");
     reopened.check_live_bytes().unwrap();
     assert!(
-        !raw.list("log/segments")
+        !raw.objects("disk/log/segments")
             .iter()
             .any(|(key, _)| key == source),
         "opening deletes the source the stored checkpoint no longer needs"
@@ -1165,7 +1117,7 @@ fn a_key_file_of_the_wrong_length_is_refused_naming_the_file() {
             "{file}: {text}"
         );
     }
-    assert!(raw.list("").is_empty(), "nothing was created");
+    assert!(raw.objects("disk/").is_empty(), "nothing was created");
 }
 
 // Goal: a flipped byte in a stored sealed extent is a read error naming the segment, never
@@ -1199,12 +1151,7 @@ fn a_flipped_byte_in_a_sealed_extent_is_a_read_error_naming_the_segment() {
         let store = open_disk(&endpoint, disk, &create).unwrap();
         store.write(&data, 8192).unwrap();
         drop(store);
-        let listed = raw.runtime.block_on(
-            raw.store
-                .list(Some(&ObjectPath::from(format!("{disk}/log/segments"))))
-                .try_collect::<Vec<_>>(),
-        );
-        let key_name = listed.unwrap()[0].location.to_string();
+        let key_name = raw.keys(&format!("{disk}/log/segments"))[0].clone();
         let body = raw.get(&key_name);
         // The frame starts after the 64-byte header; its stored length is in the table
         // entry (offset 40 of the 56-byte entry at the end).
