@@ -1661,6 +1661,28 @@ async fn list_numbered(
     url: &S3Url,
     folder: &str,
 ) -> Result<Vec<(u64, u64)>, OpenError> {
+    let named = list_named(store, url, folder).await?;
+    Ok(named
+        .into_iter()
+        .map(|(number, epoch, _)| (number, epoch))
+        .collect())
+}
+
+/// (sequence, epoch, object bytes) of the segment objects, ascending.
+async fn list_segments(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+) -> Result<Vec<(u64, u64, u64)>, OpenError> {
+    list_named(store, url, "log/segments").await
+}
+
+/// (number, epoch, object bytes) of the objects under `folder`, ascending; an object named
+/// otherwise than `<number>` or `<number>-<epoch>` is an error naming it.
+async fn list_named(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    folder: &str,
+) -> Result<Vec<(u64, u64, u64)>, OpenError> {
     let prefix = ObjectPath::from(url.key(folder).as_str());
     let objects: Vec<_> = store
         .list(Some(&prefix))
@@ -1671,53 +1693,18 @@ async fn list_numbered(
             operation: format!("listing `{prefix}`"),
             message: chain(&error),
         })?;
-    let mut names = Vec::with_capacity(objects.len());
+    let mut named = Vec::with_capacity(objects.len());
     for object in objects {
         let name = object.location.filename().unwrap_or_default();
-        match epoch::parse_object_name(name) {
-            Some(parsed) => names.push(parsed),
-            None => {
-                return Err(bad_object(
-                    url,
-                    object.location.as_ref(),
-                    format!("not a bufcache object name under `{prefix}` (16 hex digits, then optionally `-` and 16 more)"),
-                ))
-            }
-        }
+        let Some((number, epoch)) = epoch::parse_object_name(name) else {
+            return Err(bad_object(
+                url,
+                object.location.as_ref(),
+                format!("not a bufcache object name under `{prefix}` (16 hex digits, then optionally `-` and 16 more)"),
+            ));
+        };
+        named.push((number, epoch, object.size));
     }
-    names.sort_unstable();
-    Ok(names)
-}
-
-/// (sequence, epoch, object bytes) of the segment objects, ascending.
-async fn list_segments(
-    store: &dyn ObjectStore,
-    url: &S3Url,
-) -> Result<Vec<(u64, u64, u64)>, OpenError> {
-    let prefix = ObjectPath::from(url.key("log/segments").as_str());
-    let objects: Vec<_> = store
-        .list(Some(&prefix))
-        .try_collect()
-        .await
-        .map_err(|error| OpenError::Request {
-            url: url.to_string(),
-            operation: format!("listing `{prefix}`"),
-            message: chain(&error),
-        })?;
-    let mut segments = Vec::with_capacity(objects.len());
-    for object in objects {
-        let name = object.location.filename().unwrap_or_default();
-        match epoch::parse_object_name(name) {
-            Some((sequence, epoch)) => segments.push((sequence, epoch, object.size)),
-            None => {
-                return Err(bad_object(
-                    url,
-                    object.location.as_ref(),
-                    format!("not a bufcache segment name under `{prefix}` (16 hex digits, then optionally `-` and 16 more)"),
-                ))
-            }
-        }
-    }
-    segments.sort_unstable();
-    Ok(segments)
+    named.sort_unstable();
+    Ok(named)
 }
