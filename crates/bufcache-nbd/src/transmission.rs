@@ -677,26 +677,21 @@ fn read_request(
     if connection.broken.load(Ordering::Acquire) {
         return Err(Ok(()));
     }
-    // A request already buffered is not waited for.
-    if let Some(idle_timeout) = connection
-        .limits
+    // A request already buffered is not waited for. An idle timeout shorter than the
+    // socket's receive timeout needs its own wait; a longer one is counted in receive
+    // timeouts while the header is read, which costs no system call per request.
+    let limits = &connection.limits;
+    if let Some(idle_timeout) = limits
         .idle_timeout
+        .filter(|&idle_timeout| idle_timeout < limits.stall_timeout)
         .filter(|_| stream.buffer().is_empty())
     {
-        if !stream
+        let readable = stream
             .get_ref()
             .wait_readable(idle_timeout)
-            .map_err(|e| Err(e.into()))?
-        {
-            if connection.inflight.is_idle() {
-                tracing::info!(
-                    ?idle_timeout,
-                    "closing a connection idle for longer than the idle timeout"
-                );
-                return Err(Ok(()));
-            }
-            // Requests are still being served: the client is waiting, not idle.
-            return Ok(None);
+            .map_err(|e| Err(e.into()))?;
+        if !readable {
+            return idle_timed_out(connection, idle_timeout);
         }
     }
     let header_length = if connection.extended_headers {
@@ -704,9 +699,10 @@ fn read_request(
     } else {
         REQUEST_HEADER_BYTES
     };
-    let Some(header_bytes) = read_header(stream, header_length, connection.limits.stall_timeout)?
-    else {
-        return Err(Ok(()));
+    let header_bytes = match read_header(stream, header_length, limits)? {
+        HeaderRead::Header(header_bytes) => header_bytes,
+        HeaderRead::End => return Err(Ok(())),
+        HeaderRead::Idle(idle_timeout) => return idle_timed_out(connection, idle_timeout),
     };
     let header = if connection.extended_headers {
         RequestHeader::decode_extended(&header_bytes)
@@ -818,22 +814,50 @@ fn read_request(
     }))
 }
 
-/// Reads the next request header (`header_length` bytes: compact or extended). `Ok(None)` at end-of-file (also mid-header: the client is
-/// gone). Waiting for a header to begin is not a stall (an idle client holds nothing), but a
-/// header begun and not finished within the stall timeout ends the connection.
+/// Reads the next request header (`header_length` bytes: compact or extended); `End` at
+/// end-of-file (also mid-header: the client is gone). Waiting for a header to begin is not a
+/// stall (an idle client holds nothing), but a header begun and not finished within the stall
+/// timeout ends the connection. An idle timeout at least as long as the stall timeout (the
+/// socket's receive timeout) is counted here in receive timeouts, its last part waited for
+/// exactly: `Idle` when it ran out before a header began.
 fn read_header(
     stream: &mut RequestStream,
     header_length: usize,
-    stall_timeout: Duration,
-) -> Result<Option<[u8; EXTENDED_REQUEST_HEADER_BYTES]>, Result<(), TransmissionError>> {
+    limits: &ConnectionLimits,
+) -> Result<HeaderRead, Result<(), TransmissionError>> {
+    let stall_timeout = limits.stall_timeout;
+    // Counted here only when at least one receive timeout long (else `read_request` waits).
+    let idle_timeout = limits
+        .idle_timeout
+        .filter(|&idle_timeout| idle_timeout >= stall_timeout);
+    let mut idle_waited = Duration::ZERO;
     let mut header_bytes = [0u8; EXTENDED_REQUEST_HEADER_BYTES];
     let mut received_bytes = 0;
     while received_bytes < header_length {
         match stream.read(&mut header_bytes[received_bytes..header_length]) {
-            Ok(0) => return Ok(None),
+            Ok(0) => return Ok(HeaderRead::End),
             Ok(count) => received_bytes += count,
             Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
-            Err(error) if is_timeout(&error) && received_bytes == 0 => {}
+            Err(error) if is_timeout(&error) && received_bytes == 0 => {
+                // A whole receive timeout passed with nothing sent.
+                idle_waited += stall_timeout;
+                let Some(idle_timeout) = idle_timeout else {
+                    continue;
+                };
+                let rest = idle_timeout.saturating_sub(idle_waited);
+                if rest >= stall_timeout {
+                    continue;
+                }
+                // Less than one receive timeout is left: wait exactly that long.
+                let readable = rest > Duration::ZERO
+                    && stream
+                        .get_ref()
+                        .wait_readable(rest)
+                        .map_err(|e| Err(e.into()))?;
+                if !readable {
+                    return Ok(HeaderRead::Idle(idle_timeout));
+                }
+            }
             Err(error) if is_timeout(&error) => {
                 return Err(Err(TransmissionError::HeaderStalled {
                     received_bytes,
@@ -844,7 +868,34 @@ fn read_header(
             Err(error) => return Err(Err(error.into())),
         }
     }
-    Ok(Some(header_bytes))
+    Ok(HeaderRead::Header(header_bytes))
+}
+
+/// What waiting for a request header gave.
+enum HeaderRead {
+    /// The header's bytes (the first `header_length` are set).
+    Header([u8; EXTENDED_REQUEST_HEADER_BYTES]),
+    /// The client closed the connection before a header began.
+    End,
+    /// Nothing arrived for the idle timeout (given).
+    Idle(Duration),
+}
+
+/// The idle timeout ran out with nothing received: the connection ends when nothing of it
+/// is in flight either; otherwise requests are still being served, the client is waiting,
+/// not idle, and the wait starts again (`Ok(None)`).
+fn idle_timed_out(
+    connection: &Connection,
+    idle_timeout: Duration,
+) -> Result<Option<Request>, Result<(), TransmissionError>> {
+    if connection.inflight.is_idle() {
+        tracing::info!(
+            ?idle_timeout,
+            "closing a connection idle for longer than the idle timeout"
+        );
+        return Err(Ok(()));
+    }
+    Ok(None)
 }
 
 /// True for the error a socket read or write gives when its timeout (the stall timeout)

@@ -144,11 +144,24 @@ fn connections_max_counts_serving_clients_and_the_handshake_timeout_closes_silen
 }
 
 /// The idle timeout closes a connection that has nothing in flight and sends nothing, and
-/// never one that keeps sending requests.
+/// never one that keeps sending requests: with the idle timeout shorter than the stall
+/// timeout (waited for on its own) and longer (counted in the socket's receive timeouts).
 #[test]
 fn idle_timeout_closes_idle_connections_but_not_busy_ones() {
+    idle_timeout_closes_only_the_idle_client(Duration::from_millis(400), Duration::from_secs(5));
+    idle_timeout_closes_only_the_idle_client(
+        Duration::from_millis(400),
+        Duration::from_millis(150),
+    );
+}
+
+/// Goal: the property above for one pair of timeouts. Method: one client sends a request
+/// every 50 ms for 1.5 s while another sends nothing; then the silent one's request must
+/// fail and the busy one must have been served throughout.
+fn idle_timeout_closes_only_the_idle_client(idle_timeout: Duration, stall_timeout: Duration) {
     let config = ServerConfig {
-        idle_timeout: Some(Duration::from_millis(400)),
+        idle_timeout: Some(idle_timeout),
+        stall_timeout,
         ..ServerConfig::default()
     };
     let server = memory_server_with(config);
@@ -164,7 +177,7 @@ fn idle_timeout_closes_idle_connections_but_not_busy_ones() {
     // The idle one was closed by now: its next request fails.
     assert!(
         idle.read(0, &mut buffer).is_err(),
-        "idle client still served"
+        "idle client still served (idle timeout {idle_timeout:?}, stall timeout {stall_timeout:?})"
     );
 }
 
