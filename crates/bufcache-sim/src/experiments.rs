@@ -221,6 +221,16 @@ impl CustomRun {
                 m.page_out_bytes as f64 / 1048576.0,
                 m.page_outs
             ));
+            if let Some(vm) = &m.page_cache {
+                out.push_str(&format!(
+                    "page cache: {} reads served from resident pages ({:.1} MiB), {:.1} MiB from the disk, {} pages reclaimed, {:.1} MiB resident at most\n",
+                    vm.hits,
+                    vm.hit_bytes as f64 / 1048576.0,
+                    vm.miss_bytes as f64 / 1048576.0,
+                    vm.reclaimed_pages,
+                    vm.resident_pages_max as f64 * crate::vm::PAGE_BYTES as f64 / 1048576.0
+                ));
+            }
         }
         out.push_str(&format!(
             "cache: hit ratio {:.4} ({} hits, {} misses), {} evictions, read-ahead {} issued / {} used / {} wasted, {} read clusters, {} write clusters, {} wasted bytes\n",
@@ -1759,6 +1769,8 @@ fn dynamic_buffers(options: &ExperimentOptions) -> Result<ExperimentResult, SimE
                 dynamic,
                 period: Duration::from_millis(100),
                 paging: Some(paging.clone()),
+                page_cache: true,
+                dontneed: true,
             });
             let report = run_custom_with(&config, &spec)?.report;
             let memory = report.memory.clone().unwrap_or_default();
