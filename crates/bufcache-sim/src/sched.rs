@@ -617,18 +617,6 @@ impl World {
         excess = excess.saturating_sub(idle * page);
         let deficit = excess.min(processes);
         excess -= deficit;
-        if std::env::var_os("VMDEBUG").is_some() {
-            eprintln!(
-                "t={:.1} R={} engine={} idle={} deficit={} thr={:?} first={:?}",
-                time as f64 / 1e9,
-                vm.resident_pages(),
-                engine_pages,
-                idle,
-                deficit >> 20,
-                threshold.map(|t| t.1 as f64 / 1e9),
-                vm.first_key().map(|t| (t.0, t.1 as f64 / 1e9))
-            );
-        }
         if excess > 0 {
             vm.reclaim(excess.div_ceil(page).min(reclaimable), None);
         }
