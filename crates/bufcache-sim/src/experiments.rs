@@ -1183,7 +1183,11 @@ fn sweep(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
     let buffer_map = scaled(26);
     let ram = scaled(160);
     let reserved = scaled(16);
-    let variants = [("LRU", false, false), ("no-reuse", true, false), ("page cache", false, true)];
+    let variants = [
+        ("LRU", false, false),
+        ("no-reuse", true, false),
+        ("page cache", false, true),
+    ];
     for (_, noreuse, page_cache) in variants {
         let mut config = SimConfig::new(DiskSpec::travelstar(), HostCosts::pii366());
         config.seed = options.seed;
@@ -1279,8 +1283,7 @@ fn sweep(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
     }
     // Speeds in the seed's unit (10^6 bytes/s of its MB-sized reads; both sides MiB/s here).
     let speed = |index: usize| (sizes[index] as f64 / mib as f64) / results[0][index];
-    let page_cache_speed =
-        |index: usize| (sizes[index] as f64 / mib as f64) / results[2][index];
+    let page_cache_speed = |index: usize| (sizes[index] as f64 / mib as f64) / results[2][index];
     let comparison = vec![
         Comparison::new(
             "003",

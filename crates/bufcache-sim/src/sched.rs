@@ -604,12 +604,10 @@ impl World {
         // count from its start.
         let threshold = running
             .iter()
-            .map(|&(account, start)| {
-                match self.activity.get(&account) {
-                    Some(&(_, after, from)) if from <= time => after.key(),
-                    Some(&(before, _, _)) => before.key(),
-                    None => Activity::new(start.min(time)).key(),
-                }
+            .map(|&(account, start)| match self.activity.get(&account) {
+                Some(&(_, after, from)) if from <= time => after.key(),
+                Some(&(before, _, _)) => before.key(),
+                None => Activity::new(start.min(time)).key(),
             })
             .min();
         let idle = vm.reclaim(excess.div_ceil(page).min(reclaimable), threshold);
@@ -686,8 +684,7 @@ impl World {
         })?;
         let block_size = map.block_size() as u32;
         let stored_bytes = length.next_multiple_of(u64::from(self.layout.params().fragment_size));
-        let mut config = ObjectConfig::new(name, self.object_device.clone())
-            .block_size(block_size);
+        let mut config = ObjectConfig::new(name, self.object_device.clone()).block_size(block_size);
         config.length_bytes = Some(stored_bytes.max(1));
         config.block_map = Some(map.clone() as Arc<dyn bufcache::BlockMap>);
         let handle = self.cache.open_object(config)?;
@@ -728,8 +725,8 @@ impl World {
         let fragment = u64::from(state.ffs.params().fragment_size);
         let block_size = placed.map.block_size();
         let stored_bytes = length.next_multiple_of(fragment).max(1);
-        let mut config = ObjectConfig::new(name, self.object_device.clone())
-            .block_size(block_size as u32);
+        let mut config =
+            ObjectConfig::new(name, self.object_device.clone()).block_size(block_size as u32);
         config.length_bytes = Some(stored_bytes);
         config.block_map = Some(placed.map.clone() as Arc<dyn bufcache::BlockMap>);
         let handle = self.cache.open_object(config)?;
@@ -1371,8 +1368,7 @@ impl Simulation {
         let ffs = Ffs::new(params, geometry).map_err(|e| SimError::Invalid(e.to_string()))?;
         let world = &mut self.world;
         let mut config =
-            ObjectConfig::new("raw", world.object_device.clone())
-                .block_size(block as u32);
+            ObjectConfig::new("raw", world.object_device.clone()).block_size(block as u32);
         config.length_bytes = Some(capacity / block * block);
         config.block_map =
             Some(Arc::new(RawMap { block_size: block }) as Arc<dyn bufcache::BlockMap>);
@@ -1641,7 +1637,8 @@ impl Simulation {
         } else {
             (demand + memory_used).saturating_sub(model.ram_bytes)
         };
-        let process_resident = (running_count * model.process_bytes).saturating_sub(process_deficit);
+        let process_resident =
+            (running_count * model.process_bytes).saturating_sub(process_deficit);
         let area = if model.page_cache {
             model
                 .ram_bytes

@@ -398,6 +398,22 @@ mod tests {
     }
 
     #[test]
+    fn the_page_daemon_reclaims_file_pages_below_a_threshold_first_and_oldest_first() {
+        // Goal: reclaim follows the activity order and stops at the least active process's
+        // key. Method: release pages at 1, 2, 3 and 4 s on the inactive tail; reclaim with the
+        // threshold at 2.5 s, then without one.
+        let vm = VmPages::new(Release::InactiveTail);
+        for second in 1..=4u64 {
+            vm.reference(second * PAGE_BYTES, PAGE_BYTES, second * 1_000_000_000);
+        }
+        assert_eq!(vm.reclaim(10, Some((1, 2_500_000_000))), 2);
+        assert_eq!(vm.first_key(), Some((1, 3_000_000_000)));
+        assert_eq!(vm.reclaim(1, None), 1);
+        assert_eq!(vm.resident_pages(), 1);
+        assert_eq!(vm.report().reclaimed_pages, 3);
+    }
+
+    #[test]
     fn dontneed_puts_28_of_32_released_pages_at_the_inactive_head() {
         // Goal: Tanimura's patch passes released pages through vm_page_dontneed's rolling
         // counter. Method: release 512 pages one at a time and count where they went.
