@@ -1357,8 +1357,9 @@ fn sweep(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
         table,
         notes: vec![
             "Seed columns: Seigo Tanimura's 'without my patch' run (FreeBSD, 160 MB RAM, 256 MB \
-             file). The seed's two drops (buffer map, then VM page cache) are one drop here: \
-             the engine has one memory limit."
+             file). The seed's two drops (buffer map, then VM page cache) are one drop in the \
+             LRU and no-reuse columns: the engine has one memory limit. The page cache \
+             column has both limits."
                 .into(),
             "LRU: a file larger than the cache read sequentially evicts each block before its \
              reuse (0 hits). No-reuse barely helps: consumed blocks go to the no-reuse queue, \
