@@ -121,9 +121,12 @@ enum SimCommand {
         /// Share the host's memory between the workload's processes and the buffer area,
         /// paging what the processes lack to swap on the same disk, in disk time: `default`
         /// (seed 003's ThinkPad: ram=160M, reserved=16M, job=6M, wired=6M, dynamic=off,
-        /// period_ms=100, swap=320M, cluster=64k) or those keys; `dynamic=on` reclaims clean
-        /// buffer pages first (Tanimura's patch), `swap=off` only watches. The buffer area
-        /// starts at --cache-size. Default: memory not modelled.
+        /// period_ms=100, swap=320M, cluster=64k, pagecache=off, dontneed=on) or those keys;
+        /// `dynamic=on` reclaims clean buffer pages first (Tanimura's patch), `swap=off` only
+        /// watches; `pagecache=on` keeps pages released by buffers in a VM page cache that
+        /// competes with the processes' pages in FreeBSD's activity order (with `dynamic=on`
+        /// released pages pass through vm_page_dontneed unless `dontneed=off`). The buffer
+        /// area starts at --cache-size. Default: memory not modelled.
         #[arg(long, value_name = "MEMORY", value_parser = parse_memory)]
         memory: Option<Box<bufcache_sim::MemoryModel>>,
         #[command(flatten)]

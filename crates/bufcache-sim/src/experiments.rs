@@ -221,6 +221,16 @@ impl CustomRun {
                 m.page_out_bytes as f64 / 1048576.0,
                 m.page_outs
             ));
+            if let Some(vm) = &m.page_cache {
+                out.push_str(&format!(
+                    "page cache: {} reads served from resident pages ({:.1} MiB), {:.1} MiB from the disk, {} pages reclaimed, {:.1} MiB resident at most\n",
+                    vm.hits,
+                    vm.hit_bytes as f64 / 1048576.0,
+                    vm.miss_bytes as f64 / 1048576.0,
+                    vm.reclaimed_pages,
+                    vm.resident_pages_max as f64 * crate::vm::PAGE_BYTES as f64 / 1048576.0
+                ));
+            }
         }
         out.push_str(&format!(
             "cache: hit ratio {:.4} ({} hits, {} misses), {} evictions, read-ahead {} issued / {} used / {} wasted, {} read clusters, {} write clusters, {} wasted bytes\n",
@@ -1166,8 +1176,19 @@ fn sweep(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
     let memory = scaled(112);
     let passes = 4;
     let mut results: Vec<Vec<f64>> = Vec::new();
-    let variants = [("LRU", false), ("no-reuse", true)];
-    for (_, noreuse) in variants {
+    // The third variant has FreeBSD's two limits: a buffer map of hibufspace (25.8 MiB for
+    // 160 MB by kern_vfs_bio_buffer_alloc, rounded to 26 MiB) in front of the VM page cache,
+    // which holds what the kernel and programs leave of the thread's 160 MB (16 MiB
+    // reserved: assumed, as in dynamic-buffers; dd's own pages are not counted).
+    let buffer_map = scaled(26);
+    let ram = scaled(160);
+    let reserved = scaled(16);
+    let variants = [
+        ("LRU", false, false),
+        ("no-reuse", true, false),
+        ("page cache", false, true),
+    ];
+    for (_, noreuse, page_cache) in variants {
         let mut config = SimConfig::new(DiskSpec::travelstar(), HostCosts::pii366());
         config.seed = options.seed;
         config.layout = LayoutParams {
@@ -1177,11 +1198,24 @@ fn sweep(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
             rotdelay_ms: 0.0,
         };
         config.cache = sim_cache_config(CacheConfig {
-            memory_bytes_max: memory,
+            memory_bytes_max: if page_cache { buffer_map } else { memory },
             noreuse_sequential: noreuse,
             policy: PolicyKind::Lru,
             ..CacheConfig::default()
         });
+        if page_cache {
+            config.memory = Some(MemoryModel {
+                ram_bytes: ram,
+                reserved_bytes: reserved,
+                process_bytes: 0,
+                area_min_bytes: 0,
+                dynamic: false,
+                period: Duration::from_millis(100),
+                paging: None,
+                page_cache: true,
+                dontneed: true,
+            });
+        }
         let mut sim = Simulation::new(&config)?;
         let id = sim.create_file("test", file)?;
         sim.spawn(
@@ -1221,13 +1255,16 @@ fn sweep(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
         "LRU_MiB/s",
         "noreuse_time_s",
         "noreuse_MiB/s",
+        "pagecache_time_s",
+        "pagecache_MiB/s",
         "seed_time_s",
         "seed_MB/s",
     ]);
     let mut lru_points = Vec::new();
     let mut noreuse_points = Vec::new();
+    let mut page_cache_points = Vec::new();
     for (index, &size) in sizes.iter().enumerate() {
-        let (lru, nr) = (results[0][index], results[1][index]);
+        let (lru, nr, pc) = (results[0][index], results[1][index], results[2][index]);
         let mb = size as f64 / mib as f64;
         table.push(vec![
             text(format_size(size)),
@@ -1235,14 +1272,18 @@ fn sweep(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
             num(mb / lru, 2),
             num(nr, 3),
             num(mb / nr, 2),
+            num(pc, 3),
+            num(mb / pc, 2),
             num(seed_rows[index].0, 3),
             num(seed_rows[index].1, 2),
         ]);
         lru_points.push((mb, mb / lru));
         noreuse_points.push((mb, mb / nr));
+        page_cache_points.push((mb, mb / pc));
     }
     // Speeds in the seed's unit (10^6 bytes/s of its MB-sized reads; both sides MiB/s here).
     let speed = |index: usize| (sizes[index] as f64 / mib as f64) / results[0][index];
+    let page_cache_speed = |index: usize| (sizes[index] as f64 / mib as f64) / results[2][index];
     let comparison = vec![
         Comparison::new(
             "003",
@@ -1257,6 +1298,20 @@ fn sweep(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
             "read speed, ratio 128/96 MB (second drop)",
             6.19 / 50.5,
             speed(3) / speed(2),
+        ),
+        Comparison::new(
+            "003",
+            ComparisonKind::Shape,
+            "read speed, ratio 96/64 MB (first drop), buffer map + VM page cache",
+            50.5 / 63.6,
+            page_cache_speed(2) / page_cache_speed(1),
+        ),
+        Comparison::new(
+            "003",
+            ComparisonKind::Shape,
+            "read speed, ratio 128/96 MB (second drop), buffer map + VM page cache",
+            6.19 / 50.5,
+            page_cache_speed(3) / page_cache_speed(2),
         ),
         Comparison::new(
             "003",
@@ -1302,8 +1357,9 @@ fn sweep(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
         table,
         notes: vec![
             "Seed columns: Seigo Tanimura's 'without my patch' run (FreeBSD, 160 MB RAM, 256 MB \
-             file). The seed's two drops (buffer map, then VM page cache) are one drop here: \
-             the engine has one memory limit."
+             file). The seed's two drops (buffer map, then VM page cache) are one drop in the \
+             LRU and no-reuse columns: the engine has one memory limit. The page cache \
+             column has both limits."
                 .into(),
             "LRU: a file larger than the cache read sequentially evicts each block before its \
              reuse (0 hits). No-reuse barely helps: consumed blocks go to the no-reuse queue, \
@@ -1311,6 +1367,16 @@ fn sweep(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
              newest first (vm_page_dontneed) doubles this sweep but lets a looping scan keep \
              and promote its head, costing the `scan` experiment's working set (docs/policies.md)."
                 .into(),
+            format!(
+                "page cache: FreeBSD's two limits — a {} buffer map (hibufspace for 160 MB) \
+                 in front of a VM page cache holding what {} reserved leaves of {} RAM \
+                 (assumed). Released buffer pages go to the inactive queue's tail \
+                 (vfs_vmio_release) and are reclaimed oldest first; a read of resident pages \
+                 costs their rewiring, no disk time.",
+                format_size(buffer_map),
+                format_size(reserved),
+                format_size(ram)
+            ),
         ],
         plot: Plot {
             title: "seed 003: read speed vs read size".into(),
@@ -1325,6 +1391,10 @@ fn sweep(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
                 Series {
                     name: "no-reuse".into(),
                     points: noreuse_points,
+                },
+                Series {
+                    name: "page cache".into(),
+                    points: page_cache_points,
                 },
             ],
         },
@@ -1734,13 +1804,21 @@ fn dynamic_buffers(options: &ExperimentOptions) -> Result<ExperimentResult, SimE
         "page_in_MiB",
         "page_out_MiB",
         "page_outs",
+        "page_cache_hit_MiB",
+        "file_resident_MiB_max",
     ]);
     let mut fixed_points = Vec::new();
     let mut dynamic_points = Vec::new();
     // (real, sys, page-out writes) per row: fixed, dynamic for each -j.
     let mut rows: Vec<(f64, f64, f64)> = Vec::new();
-    for jobs in [1u64, 10, 20, 30] {
-        for dynamic in [false, true] {
+    // Every -j with both areas, then the what-if rows: the dynamic area whose released
+    // pages skip vm_page_dontneed (the thread's variant of the patch), at -j20 and -j30.
+    let runs = [1u64, 10, 20, 30]
+        .into_iter()
+        .flat_map(|jobs| [(jobs, false, true), (jobs, true, true)])
+        .chain([(20, true, false), (30, true, false)]);
+    for (jobs, dynamic, dontneed) in runs {
+        {
             let spec: WorkloadSpec =
                 format!("build:jobs={jobs},sources={sources},headers={headers},cpu_ms={cpu_ms}")
                     .parse()?;
@@ -1759,6 +1837,8 @@ fn dynamic_buffers(options: &ExperimentOptions) -> Result<ExperimentResult, SimE
                 dynamic,
                 period: Duration::from_millis(100),
                 paging: Some(paging.clone()),
+                page_cache: true,
+                dontneed,
             });
             let report = run_custom_with(&config, &spec)?.report;
             let memory = report.memory.clone().unwrap_or_default();
@@ -1768,9 +1848,14 @@ fn dynamic_buffers(options: &ExperimentOptions) -> Result<ExperimentResult, SimE
                     .iter()
                     .map(|a| a.sys_ns as f64 / 1e9)
                     .sum::<f64>();
+            let page_cache = memory.page_cache.clone().unwrap_or_default();
             table.push(vec![
                 num(jobs as f64, 0),
-                text(if dynamic { "dynamic" } else { "fixed" }),
+                text(match (dynamic, dontneed) {
+                    (false, _) => "fixed",
+                    (true, true) => "dynamic",
+                    (true, false) => "dynamic, no dontneed (what-if)",
+                }),
                 num(memory.area_min_bytes as f64 / mib as f64, 0),
                 num(memory.area_max_bytes as f64 / mib as f64, 0),
                 num(report.elapsed_s, 3),
@@ -1783,7 +1868,15 @@ fn dynamic_buffers(options: &ExperimentOptions) -> Result<ExperimentResult, SimE
                 num(memory.page_in_bytes as f64 / mib as f64, 1),
                 num(memory.page_out_bytes as f64 / mib as f64, 1),
                 num(memory.page_outs as f64, 0),
+                num(page_cache.hit_bytes as f64 / mib as f64, 1),
+                num(
+                    (page_cache.resident_pages_max * crate::vm::PAGE_BYTES) as f64 / mib as f64,
+                    1,
+                ),
             ]);
+            if !dontneed {
+                continue;
+            }
             rows.push((report.elapsed_s, sys, memory.page_outs as f64));
             let point = (jobs as f64, memory.pressure_max_bytes as f64 / mib as f64);
             if dynamic {
@@ -1907,9 +2000,12 @@ fn dynamic_buffers(options: &ExperimentOptions) -> Result<ExperimentResult, SimE
             "A build of {sources} sources ({cpu_ms} ms of CPU each) and {headers} shared \
              headers at -j 1, 10, 20 and 30 on the ThinkPad 600E's disk and PII 366; {} of \
              RAM, {} reserved, a {} working set per job, {} of swap before the file system. \
-             Fixed: a {} buffer area whose pages stay wired. Dynamic: clean buffer pages are \
-             unwired, and the page daemon reclaims them before any process page, down to {} \
-             wired; the area grows back into memory the jobs leave.",
+             Pages released by buffers stay in a VM page cache (reads of them cost no disk \
+             time) and compete with the jobs' pages in FreeBSD's activity order. \
+             Fixed: a {} buffer area whose pages stay wired; released pages go to the \
+             inactive queue's tail. Dynamic: clean buffer pages are unwired and passed to \
+             vm_page_dontneed (28 in 32 to the inactive queue's head), down to {} wired; \
+             the area grows back into memory the jobs leave.",
             format_size(ram),
             format_size(reserved),
             format_size(job_memory),
@@ -1929,6 +2025,15 @@ fn dynamic_buffers(options: &ExperimentOptions) -> Result<ExperimentResult, SimE
              working set on swap (64 KiB random reads that block it), and the page daemon \
              writes as much out (64 KiB writes). page_outs stands beside the thread's swaps, \
              whose unit the thread does not give."
+                .into(),
+            "The page daemon scans every 100 ms: a file page is reclaimed before the jobs' \
+             pages when its activity count reached 0 before the least active running job's \
+             (ACT_INIT 5, +ACT_ADVANCE+1 per half-second scan that finds a page referenced, \
+             -ACT_DECLINE per scan that does not, ACT_MAX 64: vm_page.h, vm_pageout.c); \
+             then the jobs' pages are taken evenly. page_cache_hit_MiB: bytes the engine read \
+             that the page cache served; file_resident_MiB_max: most file pages resident \
+             (buffers and page cache). The what-if rows skip vm_page_dontneed (Tanimura's \
+             variant in the thread) and are not in the comparison."
                 .into(),
         ],
         plot: Plot {

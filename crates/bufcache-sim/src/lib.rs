@@ -35,6 +35,7 @@ pub mod layout;
 pub mod replay;
 pub mod report;
 pub mod sched;
+pub mod vm;
 pub mod workload;
 
 pub use check::{check_seed, check_seeds, CheckSummary, SeedOutcome, Violation};

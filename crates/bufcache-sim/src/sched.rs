@@ -28,6 +28,7 @@ use crate::disk::{DiskSpec, SpecError};
 use crate::fs::{Ffs, FileMeta, FsGeometry, NewfsParams, RawMap, DIRECTORY_ENTRY_BYTES};
 use crate::host::HostCosts;
 use crate::layout::{FileMap, FsLayout, LayoutParams};
+use crate::vm::{Activity, Release, VmDevice, VmPages};
 
 /// An error of the simulator.
 #[derive(Debug)]
@@ -135,6 +136,17 @@ pub struct MemoryModel {
     pub period: Duration,
     /// Paging to swap with a cost; `None`: the pressure is watched, not timed.
     pub paging: Option<PagingModel>,
+    /// FreeBSD's global page replacement (`crate::vm`): file pages released by buffers stay
+    /// resident in a VM page cache and compete with the processes' pages in one activity
+    /// order; reads of resident pages cost no disk time. `false` (the default): the buffer
+    /// area is the only file memory and the page daemon takes unwired buffer pages before
+    /// any process page.
+    pub page_cache: bool,
+    /// With the page cache and a dynamic area: released buffer pages pass through
+    /// `vm_page_dontneed`, as Tanimura's patch did (default); `false`: they go to the
+    /// inactive queue's tail as 4.x's `vfs_vmio_release` puts them (the thread's variant
+    /// "where vfs_unwirepages() does not call vm_page_dontneed()").
+    pub dontneed: bool,
 }
 
 impl MemoryModel {
@@ -156,19 +168,24 @@ impl MemoryModel {
                 swap_bytes: 320 * mib,
                 cluster_bytes: 64 << 10,
             }),
+            page_cache: false,
+            dontneed: true,
         }
     }
 }
 
 /// Syntax: `key=value,...` over [`MemoryModel::seed003`] — `ram`, `reserved`, `job` (each
 /// running process's working set), `wired` (the floor a dynamic area keeps), `dynamic` (`on`
-/// or `off`), `period_ms`, `swap` (a size, or `off`: pressure watched, not paged) and
-/// `cluster` (bytes per page-in and page-out). `default` alone is seed 003's machine.
+/// or `off`), `period_ms`, `swap` (a size, or `off`: pressure watched, not paged),
+/// `cluster` (bytes per page-in and page-out), `pagecache` (`on` or `off`: FreeBSD's VM
+/// page cache and global page replacement, see [`MemoryModel::page_cache`]) and `dontneed`
+/// (`on` or `off`, [`MemoryModel::dontneed`]). `default` alone is seed 003's machine.
 impl std::str::FromStr for MemoryModel {
     type Err = SpecError;
 
     fn from_str(text: &str) -> Result<Self, Self::Err> {
-        const KEYS: &str = "ram, reserved, job, wired, dynamic, period_ms, swap, cluster";
+        const KEYS: &str =
+            "ram, reserved, job, wired, dynamic, period_ms, swap, cluster, pagecache, dontneed";
         let mut model = MemoryModel::seed003();
         let text = text.trim();
         if text.is_empty() || text == "default" {
@@ -187,11 +204,16 @@ impl std::str::FromStr for MemoryModel {
                 "reserved" => model.reserved_bytes = size(key, value)?,
                 "job" => model.process_bytes = size(key, value)?,
                 "wired" => model.area_min_bytes = size(key, value)?,
-                "dynamic" => {
-                    model.dynamic = match value {
+                "dynamic" | "pagecache" | "dontneed" => {
+                    let on = match value {
                         "on" | "1" | "true" => true,
                         "off" | "0" | "false" => false,
                         _ => return Err(SpecError::new(key, value, "on or off")),
+                    };
+                    match key {
+                        "dynamic" => model.dynamic = on,
+                        "pagecache" => model.page_cache = on,
+                        _ => model.dontneed = on,
                     }
                 }
                 "period_ms" => {
@@ -279,6 +301,8 @@ pub struct MemoryReport {
     pub page_out_bytes: u64,
     /// Page-out writes.
     pub page_outs: u64,
+    /// The VM page cache (with [`MemoryModel::page_cache`]).
+    pub page_cache: Option<crate::vm::PageCacheReport>,
 }
 
 /// The pager's state.
@@ -292,7 +316,15 @@ struct Pager {
     last_ns: u64,
     last_pressure_bytes: u64,
     report: MemoryReport,
+    /// With the page cache: when the page daemon's next scan of the page queues is due
+    /// (bookkeeping only, so it runs on time even while the pager waits for its page-outs).
+    scan_next_ns: u64,
+    /// With the page cache: the process bytes the last scan left on swap.
+    process_deficit_bytes: u64,
 }
+
+/// The VM page size, bytes (`crate::vm`).
+const PAGE_BYTES_VM: u64 = crate::vm::PAGE_BYTES;
 
 /// Where the flat layout's first file (or the swap area before it) starts: past the
 /// superblock area.
@@ -366,7 +398,6 @@ struct SimFile {
 pub struct World {
     core: Arc<SimCore>,
     cache: Cache,
-    device: Arc<SimDevice>,
     layout: FsLayout,
     files: Vec<SimFile>,
     host: HostCosts,
@@ -383,6 +414,14 @@ pub struct World {
     ffs: Option<FfsState>,
     /// The paging model's state, when configured.
     paging: Option<Paging>,
+    /// The device the engine's objects use: `device`, or the page cache in front of it.
+    object_device: Arc<dyn bufcache::Device>,
+    /// The VM page cache, when modelled.
+    vm: Option<Arc<VmPages>>,
+    /// Activity of each process's pages (by account), with the page cache: before its
+    /// latest run, and from that run's start on (a step books its CPU ahead of the
+    /// scheduler's time, so a scan may come before the run it has already booked).
+    activity: std::collections::HashMap<usize, (Activity, Activity, u64)>,
 }
 
 /// The paging model's state: the processes page in (in [`Os::compute`]), the pager pages
@@ -407,6 +446,20 @@ struct Paging {
     page_ins: u64,
     page_out_bytes: u64,
     page_outs: u64,
+}
+
+impl Paging {
+    /// The pager's latest deficit: the share of each running process's working set on swap,
+    /// and page-outs owed for its growth (page-ins owe theirs when they happen).
+    fn set_deficit(&mut self, deficit: u64, working: u64) {
+        self.nonresident_fraction = if working == 0 {
+            0.0
+        } else {
+            (deficit as f64 / working as f64).min(1.0)
+        };
+        self.page_out_pending_bytes += deficit.saturating_sub(self.deficit_bytes);
+        self.deficit_bytes = deficit;
+    }
 }
 
 /// The FFS model's state: the allocator, the raw-device object caching metadata blocks,
@@ -505,11 +558,100 @@ impl World {
     fn charge_engine(&mut self) {
         let read_bytes = self.core.take_read_bytes();
         let pages = read_bytes.div_ceil(self.page_bytes);
-        self.wired_pages += pages;
+        self.wired_pages += pages + self.served_pages();
         self.core.cpu(0, pages * self.host.wire_page_ns);
         self.calls_to_sample = self.calls_to_sample.saturating_sub(1);
         if self.calls_to_sample == 0 {
             self.sample_engine();
+        }
+    }
+
+    /// One look of the global page replacement (with the page cache): the memory left after
+    /// the reserve holds the running processes' working sets and the file pages (the
+    /// buffers' and the page cache's). When they do not fit, the page daemon reclaims in
+    /// activity order: first every file page whose key is below the least active running
+    /// process's (cached pages idle longer than any process), then process pages — taken
+    /// evenly from the running processes, as a clock hand over their interleaved pages
+    /// takes them — and only when no process page is left, the remaining file pages.
+    /// Pages of the wired buffers (the whole area when fixed, the floor when dynamic) are
+    /// never reclaimed. Returns the process bytes that must be on swap.
+    fn replace_pages(
+        &mut self,
+        model: &MemoryModel,
+        running: &[(usize, u64)],
+        memory_used: u64,
+        time: u64,
+    ) -> u64 {
+        let Some(vm) = self.vm.clone() else {
+            return 0;
+        };
+        let page = PAGE_BYTES_VM;
+        let processes = running.len() as u64 * model.process_bytes;
+        let engine_pages = memory_used.div_ceil(page);
+        let file_pages = vm.resident_pages().max(engine_pages);
+        let wired_pages = if model.dynamic {
+            engine_pages.min(model.area_min_bytes / page)
+        } else {
+            engine_pages
+        };
+        let mut reclaimable = vm.resident_pages().saturating_sub(wired_pages);
+        let room = model.ram_bytes.saturating_sub(model.reserved_bytes);
+        let mut excess = (processes + file_pages * page).saturating_sub(room);
+        if excess == 0 {
+            return 0;
+        }
+        // The least active running process: one that has not run yet has a fresh page's
+        // count from its start.
+        let threshold = running
+            .iter()
+            .map(|&(account, start)| match self.activity.get(&account) {
+                Some(&(_, after, from)) if from <= time => after.key(),
+                Some(&(before, _, _)) => before.key(),
+                None => Activity::new(start.min(time)).key(),
+            })
+            .min();
+        let idle = vm.reclaim(excess.div_ceil(page).min(reclaimable), threshold);
+        reclaimable -= idle;
+        excess = excess.saturating_sub(idle * page);
+        let deficit = excess.min(processes);
+        excess -= deficit;
+        if excess > 0 {
+            vm.reclaim(excess.div_ceil(page).min(reclaimable), None);
+        }
+        deficit
+    }
+
+    /// Buffer pages the page cache filled since the last call: their rewiring was charged
+    /// when served.
+    fn served_pages(&mut self) -> u64 {
+        self.vm.as_ref().map_or(0, |vm| {
+            let pages = vm.take_served_pages();
+            pages * PAGE_BYTES_VM / self.page_bytes.max(1)
+        })
+    }
+
+    /// The process on `account` ran from `start_ns` to `end_ns`: its pages were referenced.
+    fn touch_process(&mut self, account: usize, start_ns: u64, end_ns: u64) {
+        if self.vm.is_none() {
+            return;
+        }
+        let entry = self
+            .activity
+            .entry(account)
+            .or_insert_with(|| (Activity::new(start_ns), Activity::new(start_ns), start_ns));
+        let mut after = entry.1;
+        after.reference(start_ns, end_ns);
+        *entry = (entry.1, after, start_ns);
+    }
+
+    /// A system call used the device bytes of `ranges` at the current time: with the page
+    /// cache their pages are resident and referenced.
+    fn touch_file(&self, ranges: &[(u64, u64)]) {
+        if let Some(vm) = &self.vm {
+            let now = self.core.cursor();
+            for &(offset, length) in ranges {
+                vm.reference(offset, length, now);
+            }
         }
     }
 
@@ -518,7 +660,7 @@ impl World {
     fn sample_engine(&mut self) {
         let read_bytes = self.core.take_read_bytes();
         let pages = read_bytes.div_ceil(self.page_bytes);
-        self.wired_pages += pages;
+        self.wired_pages += pages + self.served_pages();
         let stats = self.cache.stats_without_pinned();
         let fresh_pages = (stats.misses + stats.readahead_issued_blocks) * self.block_pages;
         let unwired = fresh_pages.saturating_sub(self.wired_pages);
@@ -542,8 +684,7 @@ impl World {
         })?;
         let block_size = map.block_size() as u32;
         let stored_bytes = length.next_multiple_of(u64::from(self.layout.params().fragment_size));
-        let mut config = ObjectConfig::new(name, self.device.clone() as Arc<dyn bufcache::Device>)
-            .block_size(block_size);
+        let mut config = ObjectConfig::new(name, self.object_device.clone()).block_size(block_size);
         config.length_bytes = Some(stored_bytes.max(1));
         config.block_map = Some(map.clone() as Arc<dyn bufcache::BlockMap>);
         let handle = self.cache.open_object(config)?;
@@ -584,8 +725,8 @@ impl World {
         let fragment = u64::from(state.ffs.params().fragment_size);
         let block_size = placed.map.block_size();
         let stored_bytes = length.next_multiple_of(fragment).max(1);
-        let mut config = ObjectConfig::new(name, self.device.clone() as Arc<dyn bufcache::Device>)
-            .block_size(block_size as u32);
+        let mut config =
+            ObjectConfig::new(name, self.object_device.clone()).block_size(block_size as u32);
         config.length_bytes = Some(stored_bytes);
         config.block_map = Some(placed.map.clone() as Arc<dyn bufcache::BlockMap>);
         let handle = self.cache.open_object(config)?;
@@ -671,6 +812,11 @@ impl Os<'_> {
     pub fn compute(&mut self, ns: u64) {
         self.world.page_in();
         self.world.core.cpu(ns, 0);
+        // The process held the CPU for the last `ns` of the call (before: paging in, waiting
+        // for the CPU); its pages were referenced then.
+        let end = self.world.core.cursor();
+        self.world
+            .touch_process(self.account, end.saturating_sub(ns), end);
     }
 
     /// Length of a file.
@@ -901,9 +1047,11 @@ impl Os<'_> {
         let block = entry.block_size;
         let first = offset / block;
         let end = (offset + length).div_ceil(block);
-        for (at, bytes) in entry.map.device_ranges(first, end) {
+        let ranges = entry.map.device_ranges(first, end);
+        for &(at, bytes) in &ranges {
             world.core.wait_for_data(at, bytes);
         }
+        world.touch_file(&ranges);
         world.core.cpu(0, world.host.copy_ns(length));
         world.charge_engine();
         Ok(())
@@ -932,6 +1080,13 @@ impl Os<'_> {
         world.files[file]
             .handle
             .write_at(offset, &world.scratch[..stored as usize], false)?;
+        if world.vm.is_some() {
+            let entry = &world.files[file];
+            let ranges = entry
+                .map
+                .device_ranges(offset / block, (offset + stored).div_ceil(block));
+            world.touch_file(&ranges);
+        }
         // The inode's size and block pointers changed: a delayed write of its block.
         if let Some(state) = &world.ffs {
             if let Some((meta, _)) = &state.files[file] {
@@ -1113,6 +1268,8 @@ impl Simulation {
             buffers_max: config.cache.buffers_max,
             last_ns: 0,
             last_pressure_bytes: 0,
+            scan_next_ns: 0,
+            process_deficit_bytes: 0,
             report: MemoryReport {
                 area_min_bytes: config.cache.memory_bytes_max,
                 area_max_bytes: config.cache.memory_bytes_max,
@@ -1120,11 +1277,33 @@ impl Simulation {
             },
             model,
         });
+        let vm = config
+            .memory
+            .as_ref()
+            .filter(|memory| memory.page_cache)
+            .map(|memory| {
+                VmPages::new(if memory.dynamic && memory.dontneed {
+                    Release::DontNeed
+                } else {
+                    Release::InactiveTail
+                })
+            });
+        let object_device: Arc<dyn bufcache::Device> = match &vm {
+            Some(vm) => Arc::new(VmDevice::new(
+                device.clone(),
+                core.clone(),
+                vm.clone(),
+                config.host.wire_page_ns,
+            )),
+            None => device.clone(),
+        };
         let mut sim = Simulation {
             world: World {
+                object_device,
+                vm,
+                activity: std::collections::HashMap::new(),
                 core,
                 cache,
-                device,
                 layout,
                 files: Vec::new(),
                 host: config.host.clone(),
@@ -1189,8 +1368,7 @@ impl Simulation {
         let ffs = Ffs::new(params, geometry).map_err(|e| SimError::Invalid(e.to_string()))?;
         let world = &mut self.world;
         let mut config =
-            ObjectConfig::new("raw", world.device.clone() as Arc<dyn bufcache::Device>)
-                .block_size(block as u32);
+            ObjectConfig::new("raw", world.object_device.clone()).block_size(block as u32);
         config.length_bytes = Some(capacity / block * block);
         config.block_map =
             Some(Arc::new(RawMap { block_size: block }) as Arc<dyn bufcache::BlockMap>);
@@ -1317,6 +1495,7 @@ impl Simulation {
             Daemon(usize),
             Syncer,
             Pager,
+            Scan,
             Disk,
         }
         loop {
@@ -1351,6 +1530,9 @@ impl Simulation {
             if let Some(pager) = self.pager.as_ref().filter(|p| p.blocked.is_none()) {
                 consider(pager.next_ns, 2, 1);
             }
+            if let Some(pager) = self.pager.as_ref().filter(|p| p.model.page_cache) {
+                consider(pager.scan_next_ns, 2, 2);
+            }
             // The io queue dispatches after every entity due at the same time has issued
             // its requests, so requests arriving together wait together.
             if let Some(dispatch) = self.world.core.next_dispatch_ns() {
@@ -1367,7 +1549,8 @@ impl Simulation {
                 0 => Pick::Process(index),
                 1 => Pick::Daemon(index),
                 2 if index == 0 => Pick::Syncer,
-                2 => Pick::Pager,
+                2 if index == 1 => Pick::Pager,
+                2 => Pick::Scan,
                 _ => Pick::Disk,
             };
             match pick {
@@ -1416,6 +1599,7 @@ impl Simulation {
                     }
                 }
                 Pick::Pager => self.page(time),
+                Pick::Scan => self.scan_pages(time),
                 Pick::Disk => {
                     self.world.core.dispatch(time);
                     self.apply_resolved();
@@ -1429,18 +1613,14 @@ impl Simulation {
     /// growth into free memory); with paging the deficit the processes page, and the
     /// page daemon's writes.
     fn page(&mut self, time: u64) {
-        let running = self
-            .entities
-            .iter()
-            .filter(|e| e.primary && e.start_ns <= time && e.end_ns.is_none_or(|end| end > time))
-            .count() as u64;
+        let running_count = self.running(time).len() as u64;
         let memory_used = self.world.cache.stats().memory_used_bytes;
         let pager = self
             .pager
             .as_mut()
             .expect("the pager runs only when modelled");
         let model = pager.model.clone();
-        let demand = model.reserved_bytes + running * model.process_bytes;
+        let demand = model.reserved_bytes + running_count * model.process_bytes;
         let pressure = (demand + memory_used).saturating_sub(model.ram_bytes);
         pager.report.pressure_byte_seconds +=
             pager.last_pressure_bytes as f64 * seconds(time - pager.last_ns);
@@ -1448,13 +1628,29 @@ impl Simulation {
         pager.last_pressure_bytes = pressure;
         pager.report.pressure_max_bytes = pager.report.pressure_max_bytes.max(pressure);
         let period = (model.period.as_nanos() as u64).max(1);
-        // Under pressure the page daemon reclaims unwired buffer pages first (they were
-        // passed to vm_page_dontneed), down to the wired ones; without pressure the area may
-        // grow into what the processes leave. Both are this one limit.
-        let area = model
-            .ram_bytes
-            .saturating_sub(demand)
-            .max(model.area_min_bytes);
+        // Without the page cache: under pressure the page daemon reclaims unwired buffer
+        // pages first (they were passed to vm_page_dontneed), down to the wired ones; without
+        // pressure the area may grow into what the processes leave. Both are this one limit.
+        // With it, the global replacement decides what the processes keep (below).
+        let process_deficit = if model.page_cache {
+            pager.process_deficit_bytes
+        } else {
+            (demand + memory_used).saturating_sub(model.ram_bytes)
+        };
+        let process_resident =
+            (running_count * model.process_bytes).saturating_sub(process_deficit);
+        let area = if model.page_cache {
+            model
+                .ram_bytes
+                .saturating_sub(model.reserved_bytes + process_resident)
+                .max(model.area_min_bytes)
+        } else {
+            model
+                .ram_bytes
+                .saturating_sub(demand)
+                .max(model.area_min_bytes)
+        };
+        let pager = self.pager.as_mut().expect("checked above");
         let account = pager.account;
         let mut entered = false;
         let mut buffer_bytes = memory_used;
@@ -1474,16 +1670,11 @@ impl Simulation {
             buffer_bytes = self.world.cache.stats().memory_used_bytes;
         }
         if let Some(paging) = self.world.paging.as_mut() {
-            let deficit = (demand + buffer_bytes).saturating_sub(model.ram_bytes);
-            let working = running * model.process_bytes;
-            paging.nonresident_fraction = if working == 0 {
-                0.0
-            } else {
-                (deficit as f64 / working as f64).min(1.0)
-            };
-            // A growing deficit is written out now; page-ins owe their page-outs.
-            paging.page_out_pending_bytes += deficit.saturating_sub(paging.deficit_bytes);
-            paging.deficit_bytes = deficit;
+            if !model.page_cache {
+                // (With the page cache the scans set the deficit.)
+                let deficit = (demand + buffer_bytes).saturating_sub(model.ram_bytes);
+                paging.set_deficit(deficit, running_count * model.process_bytes);
+            }
             if paging.page_out_pending_bytes > 0 {
                 if !entered {
                     self.world.core.enter(account, time);
@@ -1500,6 +1691,34 @@ impl Simulation {
         match self.world.core.end_step() {
             Some(end) => pager.next_ns = (time + period).max(end),
             None => pager.blocked = Some(time),
+        }
+    }
+
+    /// The primary processes running at `time`: (account, start).
+    fn running(&self, time: u64) -> Vec<(usize, u64)> {
+        self.entities
+            .iter()
+            .filter(|e| e.primary && e.start_ns <= time && e.end_ns.is_none_or(|end| end > time))
+            .map(|e| (e.account, e.start_ns))
+            .collect()
+    }
+
+    /// One scan of the page queues (with the page cache): the global replacement decides
+    /// which file pages stay resident and how much of the processes' working sets is on
+    /// swap. Bookkeeping only: the page-outs it owes are written by the pager's next look.
+    fn scan_pages(&mut self, time: u64) {
+        let running = self.running(time);
+        let memory_used = self.world.cache.stats().memory_used_bytes;
+        let pager = self.pager.as_mut().expect("scans run with a pager");
+        let model = pager.model.clone();
+        pager.scan_next_ns = time + (model.period.as_nanos() as u64).max(1);
+        let deficit = self
+            .world
+            .replace_pages(&model, &running, memory_used, time);
+        let pager = self.pager.as_mut().expect("checked above");
+        pager.process_deficit_bytes = deficit;
+        if let Some(paging) = self.world.paging.as_mut() {
+            paging.set_deficit(deficit, running.len() as u64 * model.process_bytes);
         }
     }
 
@@ -1634,6 +1853,7 @@ impl Simulation {
                     report.page_out_bytes = paging.page_out_bytes;
                     report.page_outs = paging.page_outs;
                 }
+                report.page_cache = self.world.vm.as_ref().map(|vm| vm.report());
                 report.pressure_byte_seconds += pager.last_pressure_bytes as f64
                     * seconds(elapsed.saturating_sub(pager.last_ns));
                 report

@@ -104,6 +104,8 @@ fn a_paging_model_that_cannot_fit_is_refused_by_name() {
         dynamic: false,
         period: Duration::from_millis(100),
         paging: Some(paging),
+        page_cache: false,
+        dontneed: true,
     };
     let disk = DiskSpec::travelstar();
     let capacity = disk.capacity_bytes();
