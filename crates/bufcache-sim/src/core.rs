@@ -1462,14 +1462,7 @@ impl Device for SimDevice {
         let length = bufcache::device::total_length(buffers.iter().map(|b| b.len()));
         bufcache::device::check_range(self.length, offset, length)?;
         self.draw(|c| c.read_error_probability, "read", offset, length)?;
-        {
-            let contents = self.contents();
-            let mut at = offset;
-            for buffer in buffers.iter_mut() {
-                contents.chunks.read(at, buffer);
-                at += buffer.len() as u64;
-            }
-        }
+        self.contents().chunks.read_vectored(offset, buffers);
         self.core.io(Op::Read, offset, length);
         Ok(())
     }
@@ -1643,7 +1636,8 @@ impl Waiter for SimWaiter {
 /// or skipped by the engine, as in production.
 pub struct SimSpawner {
     core: Arc<SimCore>,
-    queue: Mutex<VecDeque<(u64, usize, Job)>>,
+    /// A spin lock, as the core's (see [`SimCore`]): one thread, asked at every step.
+    queue: SpinMutex<VecDeque<(u64, usize, Job)>>,
     queued_max: usize,
     /// Jobs in `queue`, changed under its lock: [`SimSpawner::next_time`], which the
     /// scheduler asks at every step, reads it without the lock when nothing waits.
@@ -1655,16 +1649,14 @@ impl SimSpawner {
     pub fn new(core: Arc<SimCore>, queued_max: usize) -> Self {
         SimSpawner {
             core,
-            queue: Mutex::new(VecDeque::new()),
+            queue: SpinMutex::new(VecDeque::new()),
             queued_max: queued_max.max(1),
             queued: AtomicUsize::new(0),
         }
     }
 
-    fn queue(&self) -> MutexGuard<'_, VecDeque<(u64, usize, Job)>> {
-        self.queue
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
+    fn queue(&self) -> SpinMutexGuard<'_, VecDeque<(u64, usize, Job)>> {
+        self.queue.lock()
     }
 
     /// Spawn time of the oldest waiting job.
