@@ -759,7 +759,10 @@ impl ObjectHandle {
                     // The reader that inserted it failed and removed it: look again.
                     return Ok(block);
                 }
-                if hold.buffer.clear(READAHEAD) {
+                // A load first: the flag is set only on a buffer being filled, never on one
+                // held shared, and most hits find it clear (an atomic clear is a
+                // read-modify-write even then).
+                if hold.buffer.has(READAHEAD) && hold.buffer.clear(READAHEAD) {
                     inner
                         .counters()
                         .readahead_used_blocks
