@@ -373,6 +373,10 @@ pub struct SimCore {
     /// An io queue is configured (`state.queue` is Some): read without the lock by
     /// [`SimCore::next_dispatch_ns`], which the scheduler asks at every step.
     has_io_queue: AtomicBool,
+    /// A request may have been counted since [`SimCore::take_read_bytes`] last took the read
+    /// bytes (set by `io` and `io_batch`, the only callers of `count_request`): while it is
+    /// false `state.read_unwired_bytes` is 0, and the take, asked at every step, needs no lock.
+    requests_counted: AtomicBool,
 }
 
 impl SimCore {
@@ -399,6 +403,7 @@ impl SimCore {
             clock,
             prune_countdown: AtomicU32::new(PRUNE_CALLS_PER_PRUNE),
             has_io_queue: AtomicBool::new(false),
+            requests_counted: AtomicBool::new(false),
         }
     }
 
@@ -654,7 +659,12 @@ impl SimCore {
     /// Bytes read from the disk since the last call (each read fills fresh buffers whose
     /// pages are wired), and resets the count.
     pub(crate) fn take_read_bytes(&self) -> u64 {
-        std::mem::take(&mut self.lock().read_unwired_bytes)
+        if !self.requests_counted.load(Ordering::Acquire) {
+            return 0;
+        }
+        let mut state = self.lock();
+        self.requests_counted.store(false, Ordering::Release);
+        std::mem::take(&mut state.read_unwired_bytes)
     }
 
     /// Forgets CPU bookings before `floor`, once per [`PRUNE_CALLS_PER_PRUNE`] calls.
@@ -698,6 +708,7 @@ impl SimCore {
     /// turn.
     fn io_batch(&self, requests: &[(Op, u64, u64)]) {
         let mut state = self.lock();
+        self.requests_counted.store(true, Ordering::Release);
         if state.queue.is_some() {
             state.queued_io_batch(requests);
             return;
@@ -733,6 +744,7 @@ impl SimCore {
 
     fn io(&self, op: Op, offset: u64, length: u64) {
         let mut state = self.lock();
+        self.requests_counted.store(true, Ordering::Release);
         if state.queue.is_some() {
             state.queued_io(op, offset, length);
             return;
