@@ -917,6 +917,13 @@ impl ObjectHandle {
         let mut runs = Vec::new();
         let mut block = start;
         while block < end {
+            // Cached blocks are skipped a chunk per probe: a window the reader's own misses
+            // already read (it caught up with read-ahead still queued) would otherwise cost a
+            // probe per block.
+            block = inner.table().first_absent(self.object.id, block, end);
+            if block == end {
+                break;
+            }
             let Some(buffer) = inner.insert_absent(
                 self.object.key(block),
                 &self.object,

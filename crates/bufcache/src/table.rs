@@ -846,6 +846,26 @@ impl Table {
         true
     }
 
+    /// The first block of `[first, end)` of `object` that is not in the table (`end` when
+    /// every one is): one probe per chunk of blocks, nothing counted. A hint, like
+    /// [`Table::run_absent`]: the block may be inserted by someone else at once.
+    pub(crate) fn first_absent(&self, object: u32, first: u64, end: u64) -> u64 {
+        let mut block = first;
+        while block < end {
+            let chunk = ChunkKey::of(object, block);
+            let stop = end.min(chunk.first_block() + CHUNK_BLOCKS);
+            let shard = self.shard_of(&chunk).lock();
+            let Some(entry) = shard.chunks.get(&chunk) else {
+                return block;
+            };
+            if let Some(absent) = (block..stop).find(|&block| entry.slot(block).is_none()) {
+                return absent;
+            }
+            block = stop;
+        }
+        end
+    }
+
     /// Takes back the hit counted for a looked-up block its caller did not use.
     pub(crate) fn uncount_hit(&self, key: BlockKey) {
         let chunk = ChunkKey::of(key.object, key.block);
