@@ -46,12 +46,7 @@ impl Device for MemoryDevice {
             offset,
             total_length(buffers.iter().map(|b| b.len())),
         )?;
-        let store = self.store.read();
-        let mut position = offset;
-        for buffer in buffers.iter_mut() {
-            store.read(position, buffer);
-            position += buffer.len() as u64;
-        }
+        self.store.read().read_vectored(offset, buffers);
         Ok(())
     }
 

@@ -22,6 +22,8 @@ use std::io::{self, IoSlice, IoSliceMut};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use spin::mutex::{SpinMutex, SpinMutexGuard};
+
 use bufcache::device::io_queue::Direction;
 use bufcache::device::{QueueOrder, SeededRng, SparseStore};
 use bufcache::environment::Job;
@@ -358,21 +360,30 @@ pub(crate) struct CoreState {
 }
 
 /// Shared simulation state: used by the scheduler, the device and the spawner.
+///
+/// The state's lock is a spin lock: a simulation runs on one thread, so the lock is never
+/// contended, and it is taken several times per simulated call. A spin lock is released with
+/// a plain store where a sleeping mutex needs a second atomic read-modify-write to see
+/// whether anyone sleeps on it; those were most of the cost of `SimCore::cpu`.
 pub struct SimCore {
-    state: Mutex<CoreState>,
+    state: SpinMutex<CoreState>,
     clock: Arc<VirtualClock>,
     /// Calls of [`SimCore::prune`] until it next prunes.
     prune_countdown: AtomicU32,
     /// An io queue is configured (`state.queue` is Some): read without the lock by
     /// [`SimCore::next_dispatch_ns`], which the scheduler asks at every step.
     has_io_queue: AtomicBool,
+    /// A request may have been counted since [`SimCore::take_read_bytes`] last took the read
+    /// bytes (set by `io` and `io_batch`, the only callers of `count_request`): while it is
+    /// false `state.read_unwired_bytes` is 0, and the take, asked at every step, needs no lock.
+    requests_counted: AtomicBool,
 }
 
 impl SimCore {
     /// A core with `disk` and `host`, at time 0.
     pub fn new(disk: Box<dyn DiskModel>, host: HostCosts, clock: Arc<VirtualClock>) -> Self {
         SimCore {
-            state: Mutex::new(CoreState {
+            state: SpinMutex::new(CoreState {
                 cursor_ns: 0,
                 current: 0,
                 cpu_account: 0,
@@ -392,13 +403,12 @@ impl SimCore {
             clock,
             prune_countdown: AtomicU32::new(PRUNE_CALLS_PER_PRUNE),
             has_io_queue: AtomicBool::new(false),
+            requests_counted: AtomicBool::new(false),
         }
     }
 
-    pub(crate) fn lock(&self) -> MutexGuard<'_, CoreState> {
-        self.state
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
+    pub(crate) fn lock(&self) -> SpinMutexGuard<'_, CoreState> {
+        self.state.lock()
     }
 
     /// Puts an io queue between the engine and the disk (`None`: requests go straight on).
@@ -649,7 +659,12 @@ impl SimCore {
     /// Bytes read from the disk since the last call (each read fills fresh buffers whose
     /// pages are wired), and resets the count.
     pub(crate) fn take_read_bytes(&self) -> u64 {
-        std::mem::take(&mut self.lock().read_unwired_bytes)
+        if !self.requests_counted.load(Ordering::Acquire) {
+            return 0;
+        }
+        let mut state = self.lock();
+        self.requests_counted.store(false, Ordering::Release);
+        std::mem::take(&mut state.read_unwired_bytes)
     }
 
     /// Forgets CPU bookings before `floor`, once per [`PRUNE_CALLS_PER_PRUNE`] calls.
@@ -693,6 +708,7 @@ impl SimCore {
     /// turn.
     fn io_batch(&self, requests: &[(Op, u64, u64)]) {
         let mut state = self.lock();
+        self.requests_counted.store(true, Ordering::Release);
         if state.queue.is_some() {
             state.queued_io_batch(requests);
             return;
@@ -728,6 +744,7 @@ impl SimCore {
 
     fn io(&self, op: Op, offset: u64, length: u64) {
         let mut state = self.lock();
+        self.requests_counted.store(true, Ordering::Release);
         if state.queue.is_some() {
             state.queued_io(op, offset, length);
             return;
@@ -1457,14 +1474,7 @@ impl Device for SimDevice {
         let length = bufcache::device::total_length(buffers.iter().map(|b| b.len()));
         bufcache::device::check_range(self.length, offset, length)?;
         self.draw(|c| c.read_error_probability, "read", offset, length)?;
-        {
-            let contents = self.contents();
-            let mut at = offset;
-            for buffer in buffers.iter_mut() {
-                contents.chunks.read(at, buffer);
-                at += buffer.len() as u64;
-            }
-        }
+        self.contents().chunks.read_vectored(offset, buffers);
         self.core.io(Op::Read, offset, length);
         Ok(())
     }
@@ -1638,7 +1648,8 @@ impl Waiter for SimWaiter {
 /// or skipped by the engine, as in production.
 pub struct SimSpawner {
     core: Arc<SimCore>,
-    queue: Mutex<VecDeque<(u64, usize, Job)>>,
+    /// A spin lock, as the core's (see [`SimCore`]): one thread, asked at every step.
+    queue: SpinMutex<VecDeque<(u64, usize, Job)>>,
     queued_max: usize,
     /// Jobs in `queue`, changed under its lock: [`SimSpawner::next_time`], which the
     /// scheduler asks at every step, reads it without the lock when nothing waits.
@@ -1650,16 +1661,14 @@ impl SimSpawner {
     pub fn new(core: Arc<SimCore>, queued_max: usize) -> Self {
         SimSpawner {
             core,
-            queue: Mutex::new(VecDeque::new()),
+            queue: SpinMutex::new(VecDeque::new()),
             queued_max: queued_max.max(1),
             queued: AtomicUsize::new(0),
         }
     }
 
-    fn queue(&self) -> MutexGuard<'_, VecDeque<(u64, usize, Job)>> {
-        self.queue
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
+    fn queue(&self) -> SpinMutexGuard<'_, VecDeque<(u64, usize, Job)>> {
+        self.queue.lock()
     }
 
     /// Spawn time of the oldest waiting job.

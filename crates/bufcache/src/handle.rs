@@ -759,7 +759,10 @@ impl ObjectHandle {
                     // The reader that inserted it failed and removed it: look again.
                     return Ok(block);
                 }
-                if hold.buffer.clear(READAHEAD) {
+                // A load first: the flag is set only on a buffer being filled, never on one
+                // held shared, and most hits find it clear (an atomic clear is a
+                // read-modify-write even then).
+                if hold.buffer.has(READAHEAD) && hold.buffer.clear(READAHEAD) {
                     inner
                         .counters()
                         .readahead_used_blocks
@@ -914,6 +917,13 @@ impl ObjectHandle {
         let mut runs = Vec::new();
         let mut block = start;
         while block < end {
+            // Cached blocks are skipped a chunk per probe: a window the reader's own misses
+            // already read (it caught up with read-ahead still queued) would otherwise cost a
+            // probe per block.
+            block = inner.table().first_absent(self.object.id, block, end);
+            if block == end {
+                break;
+            }
             let Some(buffer) = inner.insert_absent(
                 self.object.key(block),
                 &self.object,

@@ -227,7 +227,11 @@ impl MemoryAccount {
             self.used_bytes.fetch_sub(charge_bytes, Ordering::AcqRel);
             return false;
         }
-        self.wasted_bytes.fetch_add(waste_bytes, Ordering::Relaxed);
+        if waste_bytes > 0 {
+            // (Skipped when there is nothing to add: a buffer of whole pages, the usual one,
+            // costs one atomic read-modify-write less.)
+            self.wasted_bytes.fetch_add(waste_bytes, Ordering::Relaxed);
+        }
         // A limit lowered at run time may leave usage above it until eviction catches up, but
         // a charge never pushes usage past the limit it was checked against.
         strict_assert!(
@@ -266,7 +270,9 @@ impl MemoryAccount {
 impl MemoryRelease for MemoryAccount {
     fn release(&self, charge_bytes: u64, waste_bytes: u64) {
         self.used_bytes.fetch_sub(charge_bytes, Ordering::AcqRel);
-        self.wasted_bytes.fetch_sub(waste_bytes, Ordering::Relaxed);
+        if waste_bytes > 0 {
+            self.wasted_bytes.fetch_sub(waste_bytes, Ordering::Relaxed);
+        }
         self.buffers.fetch_sub(1, Ordering::AcqRel);
         self.notify();
     }
@@ -547,7 +553,11 @@ impl Table {
 
     fn evict_pass(&self, including_unused_readahead: bool) -> bool {
         let shard_count = self.shards.len();
-        let start = self.evict_cursor.fetch_add(1, Ordering::Relaxed);
+        let start = if shard_count == 1 {
+            0
+        } else {
+            self.evict_cursor.fetch_add(1, Ordering::Relaxed)
+        };
         for step in 0..shard_count {
             let mut shard = self.shards[(start + step) % shard_count].lock();
             let Shard {
@@ -834,6 +844,26 @@ impl Table {
             block = stop;
         }
         true
+    }
+
+    /// The first block of `[first, end)` of `object` that is not in the table (`end` when
+    /// every one is): one probe per chunk of blocks, nothing counted. A hint, like
+    /// [`Table::run_absent`]: the block may be inserted by someone else at once.
+    pub(crate) fn first_absent(&self, object: u32, first: u64, end: u64) -> u64 {
+        let mut block = first;
+        while block < end {
+            let chunk = ChunkKey::of(object, block);
+            let stop = end.min(chunk.first_block() + CHUNK_BLOCKS);
+            let shard = self.shard_of(&chunk).lock();
+            let Some(entry) = shard.chunks.get(&chunk) else {
+                return block;
+            };
+            if let Some(absent) = (block..stop).find(|&block| entry.slot(block).is_none()) {
+                return absent;
+            }
+            block = stop;
+        }
+        end
     }
 
     /// Takes back the hit counted for a looked-up block its caller did not use.
