@@ -1783,10 +1783,12 @@ fn dynamic_buffers(options: &ExperimentOptions) -> Result<ExperimentResult, SimE
     let cpu_ms = 1388;
     // Swap twice RAM (the FreeBSD handbook's rule, assumed for this machine); a page-in
     // reads 16 pages around the fault (FreeBSD's VM_FAULT_READ, vm_fault.c) and the page
-    // daemon writes 16 pages at a time (vm_pageout_page_count, vm_pageout.c).
+    // daemon writes 16 pages at a time (vm_pageout_page_count, vm_pageout.c), asynchronously,
+    // at most nsw_wcount_async (4, swap_pager.c) writes in flight.
     let paging = PagingModel {
         swap_bytes: 2 * ram,
         cluster_bytes: 16 * 4096,
+        page_outs_in_flight_max: crate::sched::PAGE_OUTS_IN_FLIGHT_MAX,
     };
     let disk = DiskSpec::travelstar();
     let mut table = Table::new(&[
