@@ -317,6 +317,9 @@ pub struct MemoryReport {
     pub page_out_bytes: u64,
     /// Page-out writes.
     pub page_outs: u64,
+    /// Page-out writes a faulting process waited for (owed beyond the free minimum:
+    /// `VM_WAIT`); the rest the page daemon issued without waiting.
+    pub page_outs_waited: u64,
     /// The VM page cache (with [`MemoryModel::page_cache`]).
     pub page_cache: Option<crate::vm::PageCacheReport>,
 }
@@ -564,7 +567,8 @@ impl World {
     /// Pages in the part of the current process's working set that is on swap (it is about
     /// to touch all of it): one blocking read per cluster at a random place in the swap
     /// area, each a fault costing a trap and the mapping of its pages. The page daemon owes
-    /// as many bytes of page-outs.
+    /// as many bytes of page-outs; while it owes more than the free minimum the faulting
+    /// process (`account`) waits for the excess to be written first (`VM_WAIT`).
     fn page_in(&mut self, account: usize) {
         let Some(paging) = self.paging.as_mut() else {
             return;
@@ -1763,7 +1767,8 @@ impl Simulation {
     /// One look of the pager at `time`: the demand of the processes running now and the
     /// pressure; with a dynamic area the reclaim of unwired buffer pages (or the area's
     /// growth into free memory); with paging the deficit the processes page, and the
-    /// page daemon's writes.
+    /// page daemon's asynchronous writes. The pager never waits for its writes: it looks
+    /// again after its period, or sooner when a page-out slot frees while it still owes.
     fn page(&mut self, time: u64) {
         let running_count = self.running(time).len() as u64;
         let memory_used = self.world.cache.stats().memory_used_bytes;
@@ -2033,6 +2038,7 @@ impl Simulation {
                     report.page_ins = paging.page_ins;
                     report.page_out_bytes = paging.page_out_bytes;
                     report.page_outs = paging.page_outs;
+                    report.page_outs_waited = paging.page_outs_waited;
                 }
                 report.page_cache = self.world.vm.as_ref().map(|vm| vm.report());
                 report.pressure_byte_seconds += pager.last_pressure_bytes as f64
