@@ -1783,10 +1783,12 @@ fn dynamic_buffers(options: &ExperimentOptions) -> Result<ExperimentResult, SimE
     let cpu_ms = 1388;
     // Swap twice RAM (the FreeBSD handbook's rule, assumed for this machine); a page-in
     // reads 16 pages around the fault (FreeBSD's VM_FAULT_READ, vm_fault.c) and the page
-    // daemon writes 16 pages at a time (vm_pageout_page_count, vm_pageout.c).
+    // daemon writes 16 pages at a time (vm_pageout_page_count, vm_pageout.c), asynchronously,
+    // at most nsw_wcount_async (4, swap_pager.c) writes in flight.
     let paging = PagingModel {
         swap_bytes: 2 * ram,
         cluster_bytes: 16 * 4096,
+        page_outs_in_flight_max: crate::sched::PAGE_OUTS_IN_FLIGHT_MAX,
     };
     let disk = DiskSpec::travelstar();
     let mut table = Table::new(&[
@@ -1804,6 +1806,7 @@ fn dynamic_buffers(options: &ExperimentOptions) -> Result<ExperimentResult, SimE
         "page_in_MiB",
         "page_out_MiB",
         "page_outs",
+        "page_outs_waited",
         "page_cache_hit_MiB",
         "file_resident_MiB_max",
     ]);
@@ -1868,6 +1871,7 @@ fn dynamic_buffers(options: &ExperimentOptions) -> Result<ExperimentResult, SimE
                 num(memory.page_in_bytes as f64 / mib as f64, 1),
                 num(memory.page_out_bytes as f64 / mib as f64, 1),
                 num(memory.page_outs as f64, 0),
+                num(memory.page_outs_waited as f64, 0),
                 num(page_cache.hit_bytes as f64 / mib as f64, 1),
                 num(
                     (page_cache.resident_pages_max * crate::vm::PAGE_BYTES) as f64 / mib as f64,
@@ -2023,8 +2027,12 @@ fn dynamic_buffers(options: &ExperimentOptions) -> Result<ExperimentResult, SimE
              pages held over RAM, seen by the pager every 100 ms; pressure_MiB_s integrates it \
              over the run. What the jobs lack is paged: each compile pages in the share of its \
              working set on swap (64 KiB random reads that block it), and the page daemon \
-             writes as much out (64 KiB writes). page_outs stands beside the thread's swaps, \
-             whose unit the thread does not give."
+             writes as much out in 64 KiB writes, asynchronously: at most 4 in flight \
+             (nsw_wcount_async, swap_pager.c), and it goes on looking every 100 ms. A job \
+             that faults while more than v_free_min (4 + (pages - 1024) / 200 pages, \
+             vm_pageout.c) is owed waits for the excess to be written (VM_WAIT): \
+             page_outs_waited. page_outs stands beside the thread's swaps, whose unit the \
+             thread does not give."
                 .into(),
             "The page daemon scans every 100 ms: a file page is reclaimed before the jobs' \
              pages when its activity count reached 0 before the least active running job's \

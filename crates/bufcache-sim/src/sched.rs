@@ -167,6 +167,7 @@ impl MemoryModel {
             paging: Some(PagingModel {
                 swap_bytes: 320 * mib,
                 cluster_bytes: 64 << 10,
+                page_outs_in_flight_max: PAGE_OUTS_IN_FLIGHT_MAX,
             }),
             page_cache: false,
             dontneed: true,
@@ -230,6 +231,7 @@ impl std::str::FromStr for MemoryModel {
                     let paging = model.paging.get_or_insert(PagingModel {
                         swap_bytes: 320 << 20,
                         cluster_bytes: 64 << 10,
+                        page_outs_in_flight_max: PAGE_OUTS_IN_FLIGHT_MAX,
                     });
                     if key == "swap" {
                         paging.swap_bytes = bytes;
@@ -266,10 +268,15 @@ impl std::str::FromStr for MemoryModel {
 /// [`Os::compute`] touches the process's whole working set once and so pages that
 /// fraction back in first, blocking the process: one disk read per `cluster_bytes`, at a
 /// random place in the swap area, each a fault (a trap and the pages' mapping, sys time).
-/// The page daemon frees as much again by writing other pages out, asynchronously, in
-/// `cluster_bytes` writes placed one after another in the swap area; when the deficit grows
-/// it writes the growth out too. Every page taken is assumed dirty (anonymous memory: a
-/// compiler's heap), so every page-out is a write.
+/// The page daemon frees as much again by writing other pages out in `cluster_bytes` writes
+/// placed one after another in the swap area; when the deficit grows it writes the growth
+/// out too. Every page taken is assumed dirty (anonymous memory: a compiler's heap), so every
+/// page-out is a write. The page-outs are asynchronous, as FreeBSD's were
+/// (`vm_pageout_flush` → `swap_pager_putpages` with `VM_PAGER_PUT_ASYNC`): the daemon issues a
+/// write and goes on scanning, with at most `page_outs_in_flight_max` writes in flight; with
+/// every slot taken it waits for the first to finish (`getpbuf(&nsw_wcount_async)` sleeps).
+/// The writes occupy the disk like any other request, so they delay the build's file I/O
+/// and the page-ins, which still block the faulting process.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PagingModel {
     /// Size of the swap area, bytes. It lies before the flat file layout (4.4BSD's
@@ -278,7 +285,16 @@ pub struct PagingModel {
     pub swap_bytes: u64,
     /// Bytes one page-in reads and one page-out writes.
     pub cluster_bytes: u64,
+    /// Page-out writes in flight at once, at least 1 (default
+    /// [`PAGE_OUTS_IN_FLIGHT_MAX`]).
+    pub page_outs_in_flight_max: usize,
 }
+
+/// Asynchronous page-out writes in flight at once: FreeBSD's `nsw_wcount_async`, set to 4 in
+/// `swap_pager_swap_init` (sys/vm/swap_pager.c, 4.x and 5.0: "4 is a pretty good value"),
+/// the count of swap buffers `swap_pager_putpages` takes with `getpbuf` for an asynchronous
+/// write.
+pub const PAGE_OUTS_IN_FLIGHT_MAX: usize = 4;
 
 /// What the pager saw over a run.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
@@ -301,6 +317,9 @@ pub struct MemoryReport {
     pub page_out_bytes: u64,
     /// Page-out writes.
     pub page_outs: u64,
+    /// Page-out writes a faulting process waited for (owed beyond the free minimum:
+    /// `VM_WAIT`); the rest the page daemon issued without waiting.
+    pub page_outs_waited: u64,
     /// The VM page cache (with [`MemoryModel::page_cache`]).
     pub page_cache: Option<crate::vm::PageCacheReport>,
 }
@@ -321,6 +340,35 @@ struct Pager {
     scan_next_ns: u64,
     /// With the page cache: the process bytes the last scan left on swap.
     process_deficit_bytes: u64,
+    /// When the pager last looked, and the longest time between two of its looks.
+    look_last_ns: u64,
+    look_gap_max_ns: u64,
+}
+
+/// How the pager kept up over a run (for tests and diagnosis).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PagerActivity {
+    /// The longest time between two looks of the pager, ns.
+    pub look_gap_max_ns: u64,
+    /// The most page-out writes in flight at once.
+    pub page_outs_in_flight_peak: usize,
+    /// The bound on page-out writes in flight.
+    pub page_outs_in_flight_max: usize,
+    /// Page-out writes issued by the page daemon without waiting for them.
+    pub page_outs_async: u64,
+    /// Page-out writes a faulting process waited for (`VM_WAIT`: owed page-outs beyond
+    /// the free minimum).
+    pub page_outs_waited: u64,
+}
+
+/// One asynchronous page-out write slot (a swap buffer): its own account on the core, so
+/// the write's disk time passes there and not on the pager.
+struct PageOutSlot {
+    account: usize,
+    /// When its write finished (or finishes); a slot is free from then on.
+    done_ns: u64,
+    /// Its write waits in the io queue (the time it finishes comes later).
+    queued: bool,
 }
 
 /// The VM page size, bytes (`crate::vm`).
@@ -446,6 +494,31 @@ struct Paging {
     page_ins: u64,
     page_out_bytes: u64,
     page_outs: u64,
+    /// The swap buffers for asynchronous page-outs, `model.page_outs_in_flight_max` of
+    /// them: at most that many writes are in flight.
+    slots: Vec<PageOutSlot>,
+    page_outs_in_flight_peak: usize,
+    /// Page-outs the daemon may owe (pages taken but not yet written, so not free) before a
+    /// faulting process finds no free page and waits for them (`VM_WAIT`): see
+    /// [`free_min_bytes`].
+    owed_bytes_max: u64,
+    /// Page-outs written while a faulting process waited for them.
+    page_outs_waited: u64,
+    /// The pager's account (the page daemon's CPU for the page-outs goes there), and whether
+    /// requests pass an io queue (then a faulting process's continuation cannot switch its
+    /// CPU account, and the issue CPU of the page-outs it waits for stays its own).
+    pager_account: usize,
+    io_queue: bool,
+}
+
+/// FreeBSD 4.x's free-page minimum for `ram_bytes` of RAM, below which a faulting process
+/// sleeps in `VM_WAIT` until the page daemon has freed pages: `v_free_min = 4 + (pages −
+/// 1024) / 200` (vm_pageout.c, `vm_pageout()`), in 4 KiB pages. The `v_free_reserved` that
+/// 4.x adds on top (tens of pages more) is left out.
+pub fn free_min_bytes(ram_bytes: u64) -> u64 {
+    let page = PAGE_BYTES_VM;
+    let pages = ram_bytes / page;
+    (4 + pages.saturating_sub(1024) / 200) * page
 }
 
 impl Paging {
@@ -494,8 +567,9 @@ impl World {
     /// Pages in the part of the current process's working set that is on swap (it is about
     /// to touch all of it): one blocking read per cluster at a random place in the swap
     /// area, each a fault costing a trap and the mapping of its pages. The page daemon owes
-    /// as many bytes of page-outs.
-    fn page_in(&mut self) {
+    /// as many bytes of page-outs; while it owes more than the free minimum the faulting
+    /// process (`account`) waits for the excess to be written first (`VM_WAIT`).
+    fn page_in(&mut self, account: usize) {
         let Some(paging) = self.paging.as_mut() else {
             return;
         };
@@ -507,6 +581,37 @@ impl World {
             .div_ceil(page)
             * page;
         let cluster = paging.model.cluster_bytes;
+        // The pages this fault fills must be free first: the page daemon owes their
+        // page-outs. Past the free minimum the faulting process waits (VM_WAIT) while the
+        // excess is written, so owed page-outs never pile up beyond it; the daemon issues the
+        // rest asynchronously at its next look.
+        paging.page_out_pending_bytes += bytes;
+        let area = (paging.model.swap_bytes / cluster).max(1) * cluster;
+        let waits = paging.page_out_pending_bytes > paging.owed_bytes_max;
+        // The writes are the page daemon's: their CPU is its; the process only waits.
+        let restore = (waits && !paging.io_queue).then(|| {
+            let (cursor, origin) = self.core.cursor_and_origin();
+            self.core
+                .enter_on_behalf(account, paging.pager_account, cursor);
+            origin
+        });
+        while paging.page_out_pending_bytes > paging.owed_bytes_max {
+            let length = paging.page_out_pending_bytes.min(cluster);
+            if paging.page_out_cursor + length > area {
+                paging.page_out_cursor = 0;
+            }
+            self.core
+                .swap_io(true, paging.swap_offset + paging.page_out_cursor, length);
+            paging.page_out_cursor += length;
+            paging.page_outs += 1;
+            paging.page_outs_waited += 1;
+            paging.page_out_bytes += length;
+            paging.page_out_pending_bytes -= length;
+        }
+        if let Some(origin) = restore {
+            let cursor = self.core.cursor();
+            self.core.enter_on_behalf(account, origin, cursor);
+        }
         let slots = (paging.model.swap_bytes / cluster).max(1);
         let mut left = bytes;
         while left > 0 {
@@ -520,29 +625,52 @@ impl World {
             paging.page_in_bytes += length;
             left -= length;
         }
-        paging.page_out_pending_bytes += bytes;
     }
 
-    /// The page daemon writes out what it owes, in clusters placed one after another in
-    /// the swap area (wrapping at its end).
-    fn page_out(&mut self) {
-        let Some(paging) = self.paging.as_mut() else {
-            return;
-        };
+    /// The page daemon issues the page-outs it owes at `time`, in clusters placed one after
+    /// another in the swap area (wrapping at its end), each as an asynchronous write on a
+    /// free slot (its CPU charged to `pager_account`); it does not wait for them. Returns
+    /// when the first busy slot frees if page-outs are still owed with every slot taken (the
+    /// daemon then resumes), `None` when nothing is owed or that time is not known yet (a
+    /// write waits in the io queue: its completion wakes the pager).
+    fn page_out(&mut self, time: u64, pager_account: usize) -> Option<u64> {
+        let paging = self.paging.as_mut()?;
         let cluster = paging.model.cluster_bytes;
         let area = (paging.model.swap_bytes / cluster).max(1) * cluster;
         while paging.page_out_pending_bytes > 0 {
+            let Some(slot) = paging
+                .slots
+                .iter_mut()
+                .find(|slot| !slot.queued && slot.done_ns <= time)
+            else {
+                break;
+            };
             let length = paging.page_out_pending_bytes.min(cluster);
             if paging.page_out_cursor + length > area {
                 paging.page_out_cursor = 0;
             }
+            self.core.enter_on_behalf(slot.account, pager_account, time);
             self.core
                 .swap_io(true, paging.swap_offset + paging.page_out_cursor, length);
+            match self.core.end_step() {
+                Some(end) => slot.done_ns = end,
+                None => slot.queued = true,
+            }
             paging.page_out_cursor += length;
             paging.page_outs += 1;
             paging.page_out_bytes += length;
             paging.page_out_pending_bytes -= length;
+            let in_flight = paging
+                .slots
+                .iter()
+                .filter(|slot| slot.queued || slot.done_ns > time)
+                .count();
+            paging.page_outs_in_flight_peak = paging.page_outs_in_flight_peak.max(in_flight);
         }
+        if paging.page_out_pending_bytes == 0 || paging.slots.iter().any(|slot| slot.queued) {
+            return None;
+        }
+        paging.slots.iter().map(|slot| slot.done_ns).min()
     }
 
     /// Charges page wiring for buffers the engine filled and unwiring for buffers it evicted,
@@ -810,7 +938,7 @@ impl Os<'_> {
     /// User-mode computation of `ns`. With a paging model the process first pages in the
     /// part of its working set that is on swap (see [`PagingModel`]).
     pub fn compute(&mut self, ns: u64) {
-        self.world.page_in();
+        self.world.page_in(self.account);
         self.world.core.cpu(ns, 0);
         // The process held the CPU for the last `ns` of the call (before: paging in, waiting
         // for the CPU); its pages were referenced then.
@@ -1214,6 +1342,11 @@ impl Simulation {
         let paging_model = config.memory.as_ref().and_then(|m| m.paging.clone());
         let swap_bytes = match &paging_model {
             Some(paging) => {
+                if paging.page_outs_in_flight_max == 0 {
+                    return Err(SimError::Invalid(
+                        "memory paging: page_outs_in_flight_max must be at least 1".to_string(),
+                    ));
+                }
                 if paging.cluster_bytes == 0 || paging.swap_bytes < paging.cluster_bytes {
                     return Err(SimError::Invalid(format!(
                         "memory paging: cluster_bytes ({}) must be at least 1 and at most \
@@ -1260,6 +1393,18 @@ impl Simulation {
             })
             .collect();
         let syncer_account = core.add_account("syncer");
+        let page_out_slots: Vec<PageOutSlot> = paging_model
+            .as_ref()
+            .map(|paging| {
+                (0..paging.page_outs_in_flight_max)
+                    .map(|index| PageOutSlot {
+                        account: core.add_account(&format!("pageout{index}")),
+                        done_ns: 0,
+                        queued: false,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
         let pager = config.memory.clone().map(|model| Pager {
             account: core.add_account("pager"),
             next_ns: 0,
@@ -1270,6 +1415,8 @@ impl Simulation {
             last_pressure_bytes: 0,
             scan_next_ns: 0,
             process_deficit_bytes: 0,
+            look_last_ns: 0,
+            look_gap_max_ns: 0,
             report: MemoryReport {
                 area_min_bytes: config.cache.memory_bytes_max,
                 area_max_bytes: config.cache.memory_bytes_max,
@@ -1326,6 +1473,15 @@ impl Simulation {
                     page_ins: 0,
                     page_out_bytes: 0,
                     page_outs: 0,
+                    slots: page_out_slots,
+                    page_outs_in_flight_peak: 0,
+                    owed_bytes_max: config
+                        .memory
+                        .as_ref()
+                        .map_or(0, |m| free_min_bytes(m.ram_bytes)),
+                    page_outs_waited: 0,
+                    pager_account: pager.as_ref().map_or(0, |pager| pager.account),
+                    io_queue: config.io_queue.is_some(),
                     model,
                 }),
             },
@@ -1611,7 +1767,8 @@ impl Simulation {
     /// One look of the pager at `time`: the demand of the processes running now and the
     /// pressure; with a dynamic area the reclaim of unwired buffer pages (or the area's
     /// growth into free memory); with paging the deficit the processes page, and the
-    /// page daemon's writes.
+    /// page daemon's asynchronous writes. The pager never waits for its writes: it looks
+    /// again after its period, or sooner when a page-out slot frees while it still owes.
     fn page(&mut self, time: u64) {
         let running_count = self.running(time).len() as u64;
         let memory_used = self.world.cache.stats().memory_used_bytes;
@@ -1627,6 +1784,8 @@ impl Simulation {
         pager.last_ns = time;
         pager.last_pressure_bytes = pressure;
         pager.report.pressure_max_bytes = pager.report.pressure_max_bytes.max(pressure);
+        pager.look_gap_max_ns = pager.look_gap_max_ns.max(time - pager.look_last_ns);
+        pager.look_last_ns = time;
         let period = (model.period.as_nanos() as u64).max(1);
         // Without the page cache: under pressure the page daemon reclaims unwired buffer
         // pages first (they were passed to vm_page_dontneed), down to the wired ones; without
@@ -1675,23 +1834,22 @@ impl Simulation {
                 let deficit = (demand + buffer_bytes).saturating_sub(model.ram_bytes);
                 paging.set_deficit(deficit, running_count * model.process_bytes);
             }
-            if paging.page_out_pending_bytes > 0 {
-                if !entered {
-                    self.world.core.enter(account, time);
-                    entered = true;
-                }
-                self.world.page_out();
-            }
         }
         let pager = self.pager.as_mut().expect("checked above");
-        if !entered {
-            pager.next_ns = time + period;
-            return;
+        let mut next = time + period;
+        if entered {
+            match self.world.core.end_step() {
+                Some(end) => next = next.max(end),
+                None => pager.blocked = Some(time),
+            }
         }
-        match self.world.core.end_step() {
-            Some(end) => pager.next_ns = (time + period).max(end),
-            None => pager.blocked = Some(time),
+        // The page-outs go on their own slots, so the pager's next look does not wait for
+        // them; with every slot taken and page-outs still owed it resumes when one frees.
+        if let Some(free) = self.world.page_out(time, account) {
+            next = next.min(free.max(time + 1));
         }
+        let pager = self.pager.as_mut().expect("checked above");
+        pager.next_ns = next;
     }
 
     /// The primary processes running at `time`: (account, start).
@@ -1735,7 +1893,22 @@ impl Simulation {
     /// Lets the entities whose continuations finished go on.
     fn apply_resolved(&mut self) {
         for (account, end) in self.world.core.take_resolved() {
-            if let Some(daemon) = self.daemons.iter_mut().find(|d| d.account == account) {
+            let slot = self.world.paging.as_mut().and_then(|paging| {
+                let owed = paging.page_out_pending_bytes > 0;
+                paging
+                    .slots
+                    .iter_mut()
+                    .find(|slot| slot.account == account)
+                    .map(|slot| (slot, owed))
+            });
+            if let Some((slot, owed)) = slot {
+                slot.queued = false;
+                slot.done_ns = end;
+                // A freed swap buffer wakes a pager that still owes page-outs.
+                if let Some(pager) = self.pager.as_mut().filter(|p| owed && p.blocked.is_none()) {
+                    pager.next_ns = pager.next_ns.min(end);
+                }
+            } else if let Some(daemon) = self.daemons.iter_mut().find(|d| d.account == account) {
                 daemon.blocked = false;
                 daemon.time_ns = end;
             } else if let Some(pager) = self.pager.as_mut().filter(|pager| pager.account == account)
@@ -1798,6 +1971,19 @@ impl Simulation {
         }
     }
 
+    /// How the pager kept up so far (`None` without a memory model).
+    pub fn pager_activity(&self) -> Option<PagerActivity> {
+        let pager = self.pager.as_ref()?;
+        let paging = self.world.paging.as_ref();
+        Some(PagerActivity {
+            look_gap_max_ns: pager.look_gap_max_ns,
+            page_outs_in_flight_peak: paging.map_or(0, |p| p.page_outs_in_flight_peak),
+            page_outs_in_flight_max: paging.map_or(0, |p| p.model.page_outs_in_flight_max),
+            page_outs_async: paging.map_or(0, |p| p.page_outs - p.page_outs_waited),
+            page_outs_waited: paging.map_or(0, |p| p.page_outs_waited),
+        })
+    }
+
     /// The report of the run so far.
     pub fn report(&self) -> RunReport {
         let accounts = self.world.core.accounts();
@@ -1852,6 +2038,7 @@ impl Simulation {
                     report.page_ins = paging.page_ins;
                     report.page_out_bytes = paging.page_out_bytes;
                     report.page_outs = paging.page_outs;
+                    report.page_outs_waited = paging.page_outs_waited;
                 }
                 report.page_cache = self.world.vm.as_ref().map(|vm| vm.report());
                 report.pressure_byte_seconds += pager.last_pressure_bytes as f64

@@ -95,6 +95,7 @@ fn a_paging_model_that_cannot_fit_is_refused_by_name() {
     // large as the disk.
     use std::time::Duration;
 
+    use bufcache_sim::sched::PAGE_OUTS_IN_FLIGHT_MAX;
     use bufcache_sim::{DiskSpec, HostCosts, MemoryModel, PagingModel, SimConfig, Simulation};
     let memory = |paging: PagingModel| MemoryModel {
         ram_bytes: 64 << 20,
@@ -114,6 +115,7 @@ fn a_paging_model_that_cannot_fit_is_refused_by_name() {
             PagingModel {
                 swap_bytes: 64 << 20,
                 cluster_bytes: 0,
+                page_outs_in_flight_max: PAGE_OUTS_IN_FLIGHT_MAX,
             },
             "cluster_bytes",
         ),
@@ -121,6 +123,7 @@ fn a_paging_model_that_cannot_fit_is_refused_by_name() {
             PagingModel {
                 swap_bytes: capacity,
                 cluster_bytes: 64 << 10,
+                page_outs_in_flight_max: PAGE_OUTS_IN_FLIGHT_MAX,
             },
             "swap_bytes",
         ),
