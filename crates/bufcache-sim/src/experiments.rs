@@ -1843,6 +1843,16 @@ fn dynamic_buffers(options: &ExperimentOptions) -> Result<ExperimentResult, SimE
                 page_cache: true,
                 dontneed,
             });
+            // The thread's kernel (FreeBSD -current of 2002) queued each disk's requests in
+            // the ata driver sorted by `bioq_disksort` (ata-disk.c `adstrategy`; subr_disk.c:
+            // a one-way scan in ascending block order), one command at the drive, with no
+            // merging; the engine's background jobs run on I/O daemons, as with every queue.
+            config.io_queue = Some(SimIoQueue::new(
+                QueueMode::Elevator,
+                false,
+                config.cache.transfer_size_max_bytes,
+            ));
+            config.io_daemons = SERVE_BACKGROUND_WORKERS;
             let report = run_custom_with(&config, &spec)?.report;
             let memory = report.memory.clone().unwrap_or_default();
             let sys: f64 = report.processes.iter().map(|p| p.sys_s).sum::<f64>()
@@ -2002,8 +2012,8 @@ fn dynamic_buffers(options: &ExperimentOptions) -> Result<ExperimentResult, SimE
         title: "dynamic-buffers — parallel build, fixed vs dynamic buffer area".into(),
         description: format!(
             "A build of {sources} sources ({cpu_ms} ms of CPU each) and {headers} shared \
-             headers at -j 1, 10, 20 and 30 on the ThinkPad 600E's disk and PII 366; {} of \
-             RAM, {} reserved, a {} working set per job, {} of swap before the file system. \
+             headers at -j 1, 10, 20 and 30 on the ThinkPad 600E's disk and PII 366, its requests \
+             sorted by the driver's disksort (a one-way elevator, no merging); {} of RAM, {} reserved, a {} working set per job, {} of swap before the file system. \
              Pages released by buffers stay in a VM page cache (reads of them cost no disk \
              time) and compete with the jobs' pages in FreeBSD's activity order. \
              Fixed: a {} buffer area whose pages stay wired; released pages go to the \
