@@ -258,6 +258,7 @@ fn for_each_piece(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::SeededRng;
 
     /// Goal: the store reads back what was written across chunk boundaries, reads zeroes
     /// elsewhere, frees wholly zeroed chunks and reports holes. Method: write across three
@@ -364,13 +365,8 @@ mod tests {
     fn reads_match_a_flat_model_across_stored_and_absent_chunks() {
         let seed = 0x5EED_0034_u64;
         println!("seed {seed:#x}");
-        let mut state = seed;
-        let mut next = move |bound: u64| {
-            state = state
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            (state >> 33) % bound
-        };
+        let mut rng = SeededRng::new(seed);
+        let mut next = move |bound: u64| rng.below(bound);
         let size = 2048u64;
         let mut store = SparseStore::new(64);
         let mut model = vec![0u8; size as usize];

@@ -1723,13 +1723,8 @@ mod tests {
     fn index_after_matches_partition_point() {
         let seed = 0x0034_5EED_u64;
         println!("seed {seed:#x}");
-        let mut state = seed;
-        let mut next = move |bound: u64| {
-            state = state
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            (state >> 33) % bound
-        };
+        let mut rng = SeededRng::new(seed);
+        let mut next = move |bound: u64| rng.below(bound);
         for round in 0..500 {
             let count = next(40) as usize;
             let mut intervals = Vec::with_capacity(count);
