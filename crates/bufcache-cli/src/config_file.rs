@@ -4,7 +4,8 @@
 //! `listen = ["tcp:0.0.0.0:10809", "unix:/run/bufcache.sock"]`, `read-only = true`. The file's
 //! flags are placed before the command line's, and a key also given on the command line (long
 //! or short form) is dropped from the file's, so the command line wins, a list replacing the
-//! file's whole list.
+//! file's whole list. Where to listen is one setting: any of `--listen`, `-p`, `-b`, `-U`/`-k`
+//! on the command line drops all of the file's `listen`, `port`, `bind` and `unix`.
 //! Unknown keys and values of the wrong type are errors naming the file, the line and the key.
 //! `bufcache config --print-default` prints every key with its default, commented out.
 
@@ -17,6 +18,10 @@ use clap::{ArgAction, Command};
 
 /// Keys that are not flags to read from a file.
 const NOT_CONFIGURABLE: [&str; 5] = ["help", "config", "version", "run", "fork"];
+
+/// The keys that together say where the server listens: any one of them on the command line
+/// replaces all of them in the file, so `--listen unix:PATH` never also opens the file's port.
+const LISTEN_KEYS: [&str; 4] = ["listen", "port", "bind", "unix"];
 
 /// Replaces `--config FILE` after the `serve` subcommand by the flags the file holds.
 pub fn expand(arguments: Vec<OsString>, command: &Command) -> anyhow::Result<Vec<OsString>> {
@@ -41,7 +46,13 @@ pub fn expand(arguments: Vec<OsString>, command: &Command) -> anyhow::Result<Vec
     let serve = command
         .find_subcommand("serve")
         .context("serve subcommand")?;
-    let given = flags_given(&rest, serve);
+    let mut given = flags_given(&rest, serve);
+    if given
+        .iter()
+        .any(|name| LISTEN_KEYS.contains(&name.as_str()))
+    {
+        given.extend(LISTEN_KEYS.iter().map(|key| key.to_string()));
+    }
     let from_file: Vec<OsString> = flags_from_file(Path::new(&path), serve)?
         .into_iter()
         .filter(|(name, _)| !given.contains(name) && !given.contains(&negation(name)))
@@ -72,13 +83,27 @@ fn flags_given(arguments: &[OsString], serve: &Command) -> Vec<String> {
             break;
         }
         if let Some(long) = argument.strip_prefix("--") {
-            names.push(long.split('=').next().unwrap_or_default().to_string());
+            let name = long.split('=').next().unwrap_or_default();
+            // An alias (`--socket`) stands for its flag's long name (`unix`).
+            let canonical = serve
+                .get_arguments()
+                .find(|a| {
+                    a.get_long() == Some(name)
+                        || a.get_all_aliases().is_some_and(|all| all.contains(&name))
+                })
+                .and_then(|a| a.get_long())
+                .unwrap_or(name);
+            names.push(canonical.to_string());
         } else if let Some(short) = argument.strip_prefix('-') {
-            // A cluster like -rv names several short flags.
+            // A cluster like -rv names several short flags; aliases (-k) count as their flag.
             for letter in short.chars() {
                 if let Some(long) = serve
                     .get_arguments()
-                    .find(|a| a.get_short() == Some(letter))
+                    .find(|a| {
+                        a.get_short() == Some(letter)
+                            || a.get_all_short_aliases()
+                                .is_some_and(|all| all.contains(&letter))
+                    })
                     .and_then(|a| a.get_long())
                 {
                     names.push(long.to_string());
@@ -371,6 +396,36 @@ mod tests {
             panic!("not serve");
         };
         assert_eq!(args.listen_addresses().len(), 1);
+    }
+
+    #[test]
+    fn any_listen_flag_on_the_command_line_replaces_every_listen_key_of_the_file() {
+        // Goal: the README's promise that a command-line listen replaces the file's: a file
+        // with `port`, `bind`, `unix` and `listen` never opens any of them when the command
+        // line names where to listen in any of its forms (--listen, -p, -b, -k, -U, --socket).
+        // Method: expand the file with each form and check no listen key of the file is left.
+        let file = "port = 10809\nbind = \"127.0.0.1\"\nunix = \"/run/a.sock\"\n\
+                    listen = [\"tcp:127.0.0.1:1\"]\ncache-size = \"1G\"\n";
+        for command_line in [
+            &["--listen", "unix:/b"][..],
+            &["--listen=unix:/b"][..],
+            &["-p", "2000"][..],
+            &["-b", "127.0.0.2"][..],
+            &["-k", "/b"][..],
+            &["-U", "/b"][..],
+            &["--socket=/b"][..],
+        ] {
+            let expanded = expand_with(file, command_line).unwrap();
+            let from_file: Vec<&String> = expanded[2..expanded.len() - command_line.len()]
+                .iter()
+                .collect();
+            assert_eq!(
+                from_file,
+                ["--cache-size=1G"],
+                "command line {command_line:?} left {from_file:?} of the file"
+            );
+            crate::Cli::try_parse_from(&expanded).expect("clap accepts the result");
+        }
     }
 
     #[test]
