@@ -175,6 +175,10 @@ impl Export for ObservedExport {
         self.inner.cache(offset, length)
     }
 
+    fn cache_request_bytes_max(&self) -> u64 {
+        self.inner.cache_request_bytes_max()
+    }
+
     fn read_is_quick(&self, offset: u64, length: u64) -> bool {
         self.inner.read_is_quick(offset, length)
     }

@@ -360,6 +360,10 @@ impl Export for CacheExport {
         Ok(self.object.prefetch(offset, length)?)
     }
 
+    fn cache_request_bytes_max(&self) -> u64 {
+        self.object.cache().stats_without_pinned().memory_bytes_max
+    }
+
     fn read_is_quick(&self, offset: u64, length: u64) -> bool {
         self.object.is_resident(offset, length)
     }

@@ -103,6 +103,9 @@ pub trait Export: Send + Sync {
     }
     /// Hint to bring `length` bytes at `offset` into the cache.
     fn cache(&self, offset: u64, length: u64) -> io::Result<()>;
+    /// The most of one CACHE request worth doing (for a cache: its size; more would evict
+    /// what the request itself brought in). The server does the rest of the range no more.
+    fn cache_request_bytes_max(&self) -> u64;
     /// True when a READ of this range will finish without waiting for slow I/O (for a
     /// cache: every block is resident). The thread that read the request then serves it
     /// without passing the reading role on. Required, like every method a wrapper must
@@ -352,6 +355,11 @@ impl Export for MemoryExport {
 
     fn cache(&self, offset: u64, length: u64) -> io::Result<()> {
         self.check_range(offset, length)
+    }
+
+    fn cache_request_bytes_max(&self) -> u64 {
+        // Memory holds everything already: a CACHE costs nothing at any length.
+        u64::MAX
     }
 
     fn block_status(&self, offset: u64, length: u64) -> io::Result<Vec<BlockStatusExtent>> {

@@ -157,6 +157,47 @@ fn refuse(errno: Errno, message: impl Into<String>) -> Refusal {
     }
 }
 
+/// The most of a CACHE, or of a WRITE_ZEROES that must allocate, done in one call to the
+/// export: pieces that move data. Between pieces a request looks whether the server is
+/// shutting down or its client went away.
+const MOVING_PIECE_BYTES: u64 = 64 << 20;
+
+/// The same for a TRIM or a WRITE_ZEROES that may deallocate: pieces that only drop data,
+/// cheap per byte, so larger (an upstream sees one request per piece).
+const DROPPING_PIECE_BYTES: u64 = 64 << 30;
+
+/// When a long request stops before its end (see [`Connection::in_pieces`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Abandon {
+    /// Requests that change data run on after their client left (as if it had waited).
+    OnShutdown,
+    /// A CACHE is only worth finishing for a client that is there to read.
+    OnShutdownOrClientGone,
+}
+
+/// How a long request is cut (see [`Connection::in_pieces`]).
+#[derive(Clone, Copy, Debug)]
+struct Pieces {
+    bytes_max: u64,
+    abandon: Abandon,
+}
+
+impl Pieces {
+    fn moving(abandon: Abandon) -> Pieces {
+        Pieces {
+            bytes_max: MOVING_PIECE_BYTES,
+            abandon,
+        }
+    }
+
+    fn dropping(abandon: Abandon) -> Pieces {
+        Pieces {
+            bytes_max: DROPPING_PIECE_BYTES,
+            abandon,
+        }
+    }
+}
+
 /// State shared by the threads serving one connection.
 struct Connection {
     export: Arc<dyn Export>,
@@ -179,6 +220,9 @@ struct Connection {
     budget: Arc<ServerBudget>,
     /// Set when a reply could not be written; the reader stops at its next request.
     broken: AtomicBool,
+    /// Set once reading ended (end of stream, NBD_CMD_DISC, a broken stream): a long CACHE
+    /// then stops, as no one is left to read what it would bring in.
+    reading_ended: AtomicBool,
     /// Set once a request failed in the export and that was logged as a warning.
     failure_logged: AtomicBool,
     /// Threads started besides the connection's own, and how many wait for the reading role.
@@ -441,6 +485,7 @@ pub(crate) fn serve(
         inflight,
         budget,
         broken: AtomicBool::new(false),
+        reading_ended: AtomicBool::new(false),
         failure_logged: AtomicBool::new(false),
         crew: Crew {
             handles: Mutex::new(Vec::new()),
@@ -593,12 +638,14 @@ fn read_until_slow(reader: &mut Reader, connection: &Arc<Connection>) -> Turn {
                     connection.execute_write_from_stream(request, &mut reader.stream)
                 {
                     reader.ended = Some(Err(error));
+                    connection.reading_ended.store(true, Ordering::Release);
                     return Turn::Ended;
                 }
             }
             Ok(None) => continue,
             Err(result) => {
                 reader.ended = Some(result);
+                connection.reading_ended.store(true, Ordering::Release);
                 return Turn::Ended;
             }
         }
@@ -1277,21 +1324,91 @@ impl Connection {
     ) -> io::Result<Option<Vec<u8>>> {
         let export = self.export.as_ref();
         let fua = header.flags & CMD_FLAG_FUA != 0;
-        let length = header.length;
         match header.command {
             CMD_WRITE => export.write(header.offset, payload, fua)?,
             CMD_FLUSH => export.flush()?,
-            CMD_TRIM => export.trim(header.offset, length, fua)?,
-            CMD_CACHE => export.cache(header.offset, length)?,
+            CMD_TRIM => {
+                let pieces = Pieces::dropping(Abandon::OnShutdown);
+                self.in_pieces(header, pieces, |offset, length| {
+                    export.trim(offset, length, false)
+                })?;
+                if fua {
+                    export.flush()?;
+                }
+            }
+            CMD_CACHE => {
+                // Past what the export can hold, a CACHE would evict its own beginning.
+                let taken = header.length.min(export.cache_request_bytes_max());
+                let range = RequestHeader {
+                    length: taken,
+                    ..*header
+                };
+                let pieces = Pieces::moving(Abandon::OnShutdownOrClientGone);
+                self.in_pieces(&range, pieces, |offset, length| {
+                    export.cache(offset, length)
+                })?;
+            }
             CMD_WRITE_ZEROES => {
                 let may_trim = header.flags & CMD_FLAG_NO_HOLE == 0;
                 let fast_only = header.flags & CMD_FLAG_FAST_ZERO != 0;
-                export.write_zeroes(header.offset, length, may_trim, fast_only, fua)?;
+                let pieces = if may_trim {
+                    Pieces::dropping(Abandon::OnShutdown)
+                } else {
+                    Pieces::moving(Abandon::OnShutdown)
+                };
+                self.in_pieces(header, pieces, |offset, length| {
+                    export.write_zeroes(offset, length, may_trim, fast_only, false)
+                })?;
+                if fua {
+                    export.flush()?;
+                }
             }
             CMD_BLOCK_STATUS => return self.block_status_reply(header, contexts).map(Some),
             other => unreachable!("command {other} passed validation"),
         }
         Ok(None)
+    }
+
+    /// Runs a request over a range (TRIM, WRITE_ZEROES, CACHE) as pieces of at most
+    /// `pieces.bytes_max`, looking between pieces whether to go on: a request of
+    /// terabytes (extended headers allow them) then ends soon after a shutdown, or after its
+    /// client went away when no one is left to benefit (CACHE). A request cut short answers
+    /// an error (ESHUTDOWN, or ECONNABORTED to a client that is gone): the NBD protocol leaves
+    /// a failed TRIM's or WRITE_ZEROES's range in an unspecified state, and the pieces done
+    /// are as valid as any.
+    fn in_pieces(
+        &self,
+        header: &RequestHeader,
+        pieces: Pieces,
+        mut piece: impl FnMut(u64, u64) -> io::Result<()>,
+    ) -> io::Result<()> {
+        let end = header.offset + header.length;
+        let mut offset = header.offset;
+        while offset < end {
+            if offset > header.offset {
+                self.check_going_on(pieces.abandon)?;
+            }
+            let length = (end - offset).min(pieces.bytes_max);
+            piece(offset, length)?;
+            offset += length;
+        }
+        Ok(())
+    }
+
+    /// Whether a long request may take its next piece (see [`Connection::in_pieces`]).
+    fn check_going_on(&self, abandon: Abandon) -> io::Result<()> {
+        if self.shutdown.is_triggered() {
+            return Err(io::Error::from_raw_os_error(libc::ESHUTDOWN));
+        }
+        let client_gone =
+            self.reading_ended.load(Ordering::Acquire) || self.broken.load(Ordering::Acquire);
+        if abandon == Abandon::OnShutdownOrClientGone && client_gone {
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "the client went away; the rest of the request was not done",
+            ));
+        }
+        Ok(())
     }
 
     /// The reply to a BLOCK_STATUS: one status chunk per metadata context in `contexts`, the
@@ -1302,6 +1419,9 @@ impl Connection {
         header: &RequestHeader,
         contexts: MetaContexts,
     ) -> io::Result<Vec<u8>> {
+        // The work is bounded by what the disk holds (extents, dirty and cached blocks), not by
+        // the range's length, and the reply by `STATUS_DESCRIPTORS_MAX`: a range of terabytes
+        // is answered whole, as qemu-nbd does.
         let length = header.length;
         let mut chunks: Vec<(u32, Vec<(u64, u32)>)> = Vec::with_capacity(2);
         if contexts.base_allocation {

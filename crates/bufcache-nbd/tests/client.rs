@@ -344,6 +344,9 @@ impl Export for SlowExport {
     fn cache(&self, offset: u64, length: u64) -> std::io::Result<()> {
         self.0.cache(offset, length)
     }
+    fn cache_request_bytes_max(&self) -> u64 {
+        self.0.cache_request_bytes_max()
+    }
     fn block_status(
         &self,
         offset: u64,

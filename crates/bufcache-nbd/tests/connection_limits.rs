@@ -412,6 +412,9 @@ impl Export for GatedFlushExport {
     fn cache(&self, offset: u64, length: u64) -> io::Result<()> {
         self.inner.cache(offset, length)
     }
+    fn cache_request_bytes_max(&self) -> u64 {
+        self.inner.cache_request_bytes_max()
+    }
     fn read_is_quick(&self, offset: u64, length: u64) -> bool {
         self.inner.read_is_quick(offset, length)
     }

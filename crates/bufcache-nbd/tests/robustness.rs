@@ -503,6 +503,9 @@ impl Export for FaultyExport {
     fn cache(&self, offset: u64, length: u64) -> io::Result<()> {
         self.inner.cache(offset, length)
     }
+    fn cache_request_bytes_max(&self) -> u64 {
+        self.inner.cache_request_bytes_max()
+    }
     fn block_status(&self, offset: u64, length: u64) -> io::Result<Vec<BlockStatusExtent>> {
         self.inner.block_status(offset, length)
     }
