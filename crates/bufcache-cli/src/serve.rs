@@ -201,6 +201,12 @@ pub struct ServeArgs {
     /// remote once the backend holds them too, flushed (the behaviour without a local cache).
     #[arg(long, value_name = "WHERE", value_enum)]
     flush_to: Option<FlushToArg>,
+    /// Seconds a write waits, once the --local-cache log is full of data not yet on the
+    /// backend, while write-back makes no progress at all; then it fails (a FLUSH answers
+    /// EIO) and the data stays dirty. Progress restarts the wait, so a slow backend that
+    /// moves is waited for. Default 10.
+    #[arg(long, value_name = "SECONDS")]
+    local_cache_stall_max: Option<f64>,
     /// Serve Prometheus metrics (/metrics) and JSON statistics (/stats) on HOST:PORT.
     #[arg(long, value_name = "HOST:PORT")]
     metrics: Option<String>,
@@ -237,6 +243,10 @@ fn open_local_tier(
             Some(FlushToArg::Remote) => bufcache_tier::FlushTo::Remote,
             Some(FlushToArg::Local) | None => bufcache_tier::FlushTo::Local,
         },
+        remote_stall_max: args.local_cache_stall_max.map_or(
+            bufcache_tier::LocalTierConfig::default().remote_stall_max,
+            Duration::from_secs_f64,
+        ),
         ..bufcache_tier::LocalTierConfig::default()
     };
     let existed = path.exists();
@@ -512,6 +522,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             args.shutdown_timeout
         );
     }
+    if let Some(seconds) = args.local_cache_stall_max {
+        if !(seconds > 0.0 && seconds <= 86_400.0) {
+            bail!("--local-cache-stall-max {seconds} is invalid: must be above 0 and at most 86400 seconds");
+        }
+    }
     for (flag, value) in [
         ("--reconnect-delay-initial", args.reconnect_delay_initial),
         ("--reconnect-delay-max", args.reconnect_delay_max),
@@ -616,6 +631,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
         if args.flush_to == Some(FlushToArg::Local) {
             bail!("--flush-to local needs a --local-cache to flush to");
+        }
+        if args.local_cache_stall_max.is_some() {
+            bail!("--local-cache-stall-max bounds waits of a --local-cache, and no --local-cache is given");
         }
     } else if specs.len() != 1 {
         bail!("--local-cache belongs to one backend, and {} exports are given: serve one export per local cache", specs.len());
