@@ -83,6 +83,15 @@ pub enum OpenError {
         checkpoint: String,
         key: String,
     },
+    #[error("{url}: objects that durable records prove were stored are missing: {}; {evidence}. Nothing was served or changed; put them back, or add recover-prefix=on to the URL to open the disk as the part of its log that is left (the writes they held are lost)", keys_named(.missing))]
+    LostObjects {
+        url: String,
+        /// The missing objects' keys (a checkpoint's as `…/log/checkpoints/<through>-*`,
+        /// its writer's epoch being unknown).
+        missing: Vec<String>,
+        /// Which object proves they were stored, and how.
+        evidence: String,
+    },
     #[error("{url}: the store does not honour create-only PUTs (`If-None-Match: *`): a second create of lock object `{key}` succeeded instead of failing with 412, so it cannot keep a second server off this disk; use a store that honours it (AWS S3, MinIO, Ceph RGW, moto), or add lock=off to the URL to serve without that protection")]
     StoreCannotLock { url: String, key: String },
     #[error("{url}: configuration: {reason}")]
@@ -95,6 +104,13 @@ pub enum OpenError {
         size: u64,
         chunk_size: u64,
     },
+}
+
+fn keys_named(keys: &[String]) -> String {
+    keys.iter()
+        .map(|key| format!("`{key}`"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn break_lock_mismatch(asked: &Option<String>) -> String {

@@ -15,6 +15,7 @@ mod error;
 mod layout;
 mod lock;
 mod log;
+mod retry_writes;
 mod seal;
 pub mod sim_check;
 pub mod sim_store;

@@ -218,7 +218,14 @@ impl DiskLock {
     ) -> Result<Acquired, OpenError> {
         let acquired = Self::take(runtime, store.clone(), url).await?;
         if let (Acquired::Held(lock), true) = (&acquired, url.lock_check) {
-            lock.check_store_refuses_second_create(url).await?;
+            if let Err(error) = lock.check_store_refuses_second_create(url).await {
+                // Released here, awaited: a lock dropped in async code is released in the
+                // background, which nobody would wait for.
+                if let Err(release) = lock.release_async().await {
+                    tracing::warn!(lock = %lock.key, "{release}; the next server must break the lock");
+                }
+                return Err(error);
+            }
         }
         Ok(acquired)
     }
@@ -404,37 +411,67 @@ impl DiskLock {
     }
 
     /// Deletes the lock object if it is still ours (a lock broken by another server is left
-    /// to its new holder). Idempotent.
+    /// to its new holder). Idempotent. Blocks on the lock's runtime; called from inside a
+    /// runtime (async code, where blocking would panic) it starts the release there and
+    /// returns without waiting for it: async code calls [`DiskLock::release_async`].
     pub fn release(&self) -> Result<(), StoreError> {
-        let mut released = self.released.lock().unwrap();
-        if *released {
+        if let Ok(current) = tokio::runtime::Handle::try_current() {
+            self.release_in_background(&current);
             return Ok(());
         }
-        let path = ObjectPath::from(self.key.as_str());
-        let result = self.runtime.block_on(async {
-            let body = match self.store.get(&path).await {
-                Ok(existing) => existing.bytes().await,
-                Err(object_store::Error::NotFound { .. }) => return Ok(()),
-                Err(error) => Err(error),
-            }
-            .map_err(|error| request_failed("GET", &self.key, error))?;
-            match LockHolder::parse(&body) {
-                Ok(holder) if holder.id == self.holder.id => self
-                    .store
-                    .delete(&path)
-                    .await
-                    .map_err(|error| request_failed("DELETE", &self.key, error)),
-                _ => {
-                    tracing::warn!(lock = %self.key, "the disk lock was broken by another server; leaving it");
-                    Ok(())
+        self.runtime.block_on(self.release_async())
+    }
+
+    /// [`DiskLock::release`] for async code.
+    pub async fn release_async(&self) -> Result<(), StoreError> {
+        // Claimed before the requests, so that releases never overlap; given back when this
+        // one fails.
+        if std::mem::replace(&mut *self.released.lock().unwrap(), true) {
+            return Ok(());
+        }
+        let result = delete_if_ours(&self.store, &self.key, &self.holder.id).await;
+        match &result {
+            Ok(()) => tracing::info!(lock = %self.key, "released the disk lock"),
+            Err(_) => *self.released.lock().unwrap() = false,
+        }
+        result
+    }
+
+    /// Starts the release on `runtime` without waiting for it (for a drop inside async code).
+    fn release_in_background(&self, runtime: &tokio::runtime::Handle) {
+        if std::mem::replace(&mut *self.released.lock().unwrap(), true) {
+            return;
+        }
+        let (store, key, id) = (self.store.clone(), self.key.clone(), self.holder.id.clone());
+        runtime.spawn(async move {
+            match delete_if_ours(&store, &key, &id).await {
+                Ok(()) => tracing::info!(lock = %key, "released the disk lock"),
+                Err(error) => {
+                    tracing::warn!(lock = %key, "{error}; the next server must break the lock")
                 }
             }
         });
-        if result.is_ok() {
-            *released = true;
-            tracing::info!(lock = %self.key, "released the disk lock");
+    }
+}
+
+/// Deletes the lock object `key` if it still carries holder id `id`.
+async fn delete_if_ours(store: &AmazonS3, key: &str, id: &str) -> Result<(), StoreError> {
+    let path = ObjectPath::from(key);
+    let body = match store.get(&path).await {
+        Ok(existing) => existing.bytes().await,
+        Err(object_store::Error::NotFound { .. }) => return Ok(()),
+        Err(error) => Err(error),
+    }
+    .map_err(|error| request_failed("GET", key, error))?;
+    match LockHolder::parse(&body) {
+        Ok(holder) if holder.id == id => store
+            .delete(&path)
+            .await
+            .map_err(|error| request_failed("DELETE", key, error)),
+        _ => {
+            tracing::warn!(lock = %key, "the disk lock was broken by another server; leaving it");
+            Ok(())
         }
-        result
     }
 }
 

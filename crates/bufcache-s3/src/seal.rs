@@ -23,6 +23,16 @@
 //! CRC tells damage from a wrong binding in messages and protects compressed-only extents.
 //! The random 24-byte nonce makes a nonce collision negligible for any number of extents.
 //!
+//! Every object of an encrypted disk (segment, checkpoint, epoch object) ends with a tag:
+//! HMAC-SHA256, keyed with a key derived from the disk's key and id, over the object's name
+//! under the disk's prefix and all its bytes before the tag ([`Sealer::tag_object`],
+//! [`Sealer::check_object`]). Without the key nobody can make an object an open accepts:
+//! not a segment whose extents are stored plain or zeroed, not an extent table, a header,
+//! a checkpoint or an epoch object, nor one object renamed as another. Disks encrypted
+//! before the tag existed record `encryption` "xchacha20-poly1305" and are refused
+//! ([`Sealer::open`]); those with the tag record "xchacha20-poly1305+hmac-sha256", which the
+//! versions before it refuse in turn.
+//!
 //! Extents are sealed in pieces of at most [`SEALED_EXTENT_BYTES_MAX`] logical bytes, since a
 //! sealed extent can only be read whole: a 4 KiB read of one fetches at most that much.
 //! Without encryption an extent compression does not shrink is stored as written (plain),
@@ -30,8 +40,11 @@
 
 use std::path::Path;
 
+use bytes::{Bytes, BytesMut};
 use chacha20poly1305::aead::{Aead, Payload};
 use chacha20poly1305::{Key, KeyInit, XChaCha20Poly1305, XNonce};
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
 
 use crate::error::OpenError;
 use crate::url::{Compression, S3Url};
@@ -54,6 +67,13 @@ const KEY_CHECK_BYTES: usize = NONCE_BYTES + TAG_BYTES;
 const KEY_BYTES: usize = 32;
 const KEY_CHECK_CONTEXT: &[u8] = b"bufcache-s3 key check v1";
 const EXTENT_CONTEXT: &[u8] = b"bufcache-s3 extent v1";
+const OBJECT_KEY_CONTEXT: &[u8] = b"bufcache-s3 object tag key v1";
+/// Bytes of the tag ending every object of an encrypted disk.
+pub const OBJECT_TAG_BYTES: usize = 32;
+/// The `encryption` a metadata object records for a disk whose objects carry tags.
+const ENCRYPTION_TAGGED: &str = "xchacha20-poly1305+hmac-sha256";
+/// The `encryption` of disks encrypted before objects carried tags (refused).
+const ENCRYPTION_UNTAGGED: &str = "xchacha20-poly1305";
 
 /// What a disk's metadata object records about sealing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,6 +82,9 @@ pub struct SealParameters {
     /// For an encrypted disk: nonce and tag of an empty message sealed with the disk's key
     /// (associated data: a context string and the disk id). None: not encrypted.
     pub key_check: Option<[u8; KEY_CHECK_BYTES]>,
+    /// Whether every object of the (encrypted) disk ends with a tag: false only for disks
+    /// encrypted before tags existed.
+    pub objects_tagged: bool,
 }
 
 impl Default for SealParameters {
@@ -69,6 +92,7 @@ impl Default for SealParameters {
         SealParameters {
             compression: Compression::Off,
             key_check: None,
+            objects_tagged: false,
         }
     }
 }
@@ -125,6 +149,7 @@ impl SealParameters {
         };
         Ok(SealParameters {
             compression: url.compression.unwrap_or(Compression::Off),
+            objects_tagged: key_check.is_some(),
             key_check,
         })
     }
@@ -136,7 +161,12 @@ impl SealParameters {
             object["compress"] = self.compression.name().into();
         }
         if let Some(check) = &self.key_check {
-            object["encryption"] = "xchacha20-poly1305".into();
+            object["encryption"] = if self.objects_tagged {
+                ENCRYPTION_TAGGED
+            } else {
+                ENCRYPTION_UNTAGGED
+            }
+            .into();
             object["key_check"] = hex(check).into();
         }
     }
@@ -150,14 +180,15 @@ impl SealParameters {
                 .and_then(Compression::parse)
                 .ok_or("field `compress` is not \"zstd\", \"lz4\" or \"off\"")?,
         };
+        let mut objects_tagged = false;
         let key_check = match (&object["encryption"], &object["key_check"]) {
             (serde_json::Value::Null, serde_json::Value::Null) => None,
             (encryption, check) => {
-                if encryption != "xchacha20-poly1305" {
-                    return Err(
-                        "field `encryption` is not \"xchacha20-poly1305\" (the only supported one)"
-                            .to_string(),
-                    );
+                objects_tagged = encryption == ENCRYPTION_TAGGED;
+                if !objects_tagged && encryption != ENCRYPTION_UNTAGGED {
+                    return Err(format!(
+                        "field `encryption` is not \"{ENCRYPTION_TAGGED}\" (the only supported one)"
+                    ));
                 }
                 let bytes = check
                     .as_str()
@@ -173,6 +204,7 @@ impl SealParameters {
         Ok(SealParameters {
             compression,
             key_check,
+            objects_tagged,
         })
     }
 }
@@ -201,11 +233,22 @@ fn cipher_of(key: &[u8; KEY_BYTES]) -> XChaCha20Poly1305 {
     XChaCha20Poly1305::new(&Key::from(*key))
 }
 
-/// How one disk's extents are sealed and unsealed: its id, compression and cipher.
+/// The key of the objects' tags, derived from the disk's key and id.
+fn object_key_of(key: &[u8; KEY_BYTES], disk_id: u64) -> [u8; 32] {
+    let mut mac = <Hmac<Sha256> as hmac::KeyInit>::new_from_slice(key).expect("HMAC takes any key");
+    mac.update(OBJECT_KEY_CONTEXT);
+    mac.update(&disk_id.to_le_bytes());
+    mac.finalize().into_bytes().into()
+}
+
+/// How one disk's extents are sealed and unsealed, and its objects tagged: its id,
+/// compression, cipher and tag key.
 pub struct Sealer {
     disk_id: u64,
     compression: Compression,
     cipher: Option<XChaCha20Poly1305>,
+    /// The key of the tag ending every object (an encrypted disk only).
+    object_key: Option<[u8; 32]>,
 }
 
 impl Sealer {
@@ -216,6 +259,7 @@ impl Sealer {
             disk_id,
             compression: Compression::Off,
             cipher: None,
+            object_key: None,
         }
     }
 
@@ -226,13 +270,14 @@ impl Sealer {
             disk_id,
             compression,
             cipher: key.as_ref().map(cipher_of),
+            object_key: key.as_ref().map(|key| object_key_of(key, disk_id)),
         }
     }
 
     /// The sealer of disk `disk_id`, whose metadata object records `recorded`, opened with
     /// `url`'s key file: refuses a `compress=` other than the recorded one, an encrypted disk
     /// without `key-file=`, a key file for a disk created unencrypted, and a key that fails
-    /// the recorded check.
+    /// the recorded check; refuses a disk encrypted before objects carried tags.
     pub fn open(url: &S3Url, disk_id: u64, recorded: SealParameters) -> Result<Sealer, OpenError> {
         let config = |reason: String| OpenError::Config {
             url: url.to_string(),
@@ -248,8 +293,13 @@ impl Sealer {
                 });
             }
         }
-        let cipher = match (&url.key_file, &recorded.key_check) {
-            (None, None) => None,
+        if recorded.key_check.is_some() && !recorded.objects_tagged {
+            return Err(config(format!(
+                "the disk was encrypted by an earlier bufcache, whose objects carry no tag (metadata `encryption` \"{ENCRYPTION_UNTAGGED}\"): someone who may write to the bucket could plant data in it unnoticed, so this version refuses it; read it with the version that wrote it and copy the data to a new disk"
+            )));
+        }
+        let (cipher, object_key) = match (&url.key_file, &recorded.key_check) {
+            (None, None) => (None, None),
             (None, Some(_)) => {
                 return Err(config(
                     "the disk is encrypted (its metadata object records a key check): add key-file=PATH naming the file with its key".to_string(),
@@ -262,7 +312,8 @@ impl Sealer {
                 )))
             }
             (Some(path), Some(check)) => {
-                let cipher = cipher_of(&read_key_file(path).map_err(config)?);
+                let key = read_key_file(path).map_err(config)?;
+                let cipher = cipher_of(&key);
                 let (nonce, tag) = check.split_at(NONCE_BYTES);
                 let nonce = XNonce::try_from(nonce).expect("24 bytes");
                 cipher
@@ -279,14 +330,68 @@ impl Sealer {
                             path.display()
                         ))
                     })?;
-                Some(cipher)
+                (Some(cipher), Some(object_key_of(&key, disk_id)))
             }
         };
         Ok(Sealer {
             disk_id,
             compression: recorded.compression,
             cipher,
+            object_key,
         })
+    }
+
+    /// Bytes the tag adds to every object (0 when the disk is not encrypted).
+    pub fn object_tag_bytes(&self) -> u64 {
+        if self.object_key.is_some() {
+            OBJECT_TAG_BYTES as u64
+        } else {
+            0
+        }
+    }
+
+    fn object_mac(key: &[u8; 32], name: &str, body: &[u8]) -> Hmac<Sha256> {
+        let mut mac =
+            <Hmac<Sha256> as hmac::KeyInit>::new_from_slice(key).expect("HMAC takes any key");
+        mac.update(&(name.len() as u64).to_le_bytes());
+        mac.update(name.as_bytes());
+        mac.update(body);
+        mac
+    }
+
+    /// `object` with its tag appended (unchanged when the disk is not encrypted); `name` is
+    /// the object's key under the disk's prefix.
+    pub fn tag_object(&self, name: &str, object: Bytes) -> Bytes {
+        let Some(key) = &self.object_key else {
+            return object;
+        };
+        let tag = Self::object_mac(key, name, &object).finalize().into_bytes();
+        let mut tagged = BytesMut::with_capacity(object.len() + OBJECT_TAG_BYTES);
+        tagged.extend_from_slice(&object);
+        tagged.extend_from_slice(&tag);
+        tagged.freeze()
+    }
+
+    /// `object` without its tag once the tag proves it was made with the disk's key under
+    /// `name` (unchanged when the disk is not encrypted). The error says what is wrong (the
+    /// caller names the object).
+    pub fn check_object<'a>(&self, name: &str, object: &'a [u8]) -> Result<&'a [u8], String> {
+        let Some(key) = &self.object_key else {
+            return Ok(object);
+        };
+        let Some(body_bytes) = object.len().checked_sub(OBJECT_TAG_BYTES) else {
+            return Err(format!(
+                "{} bytes, too short for the {OBJECT_TAG_BYTES}-byte tag every object of an encrypted disk ends with",
+                object.len()
+            ));
+        };
+        let (body, tag) = object.split_at(body_bytes);
+        Self::object_mac(key, name, body)
+            .verify_slice(tag)
+            .map_err(|_| {
+                "fails its tag: not made with the disk's key under this name (forged, renamed from another object, or damaged)".to_string()
+            })?;
+        Ok(body)
     }
 
     /// Whether extents are sealed at all (else every extent is stored as written).

@@ -297,7 +297,9 @@ fn client_builder(url: &S3Url, retry_timeout: Duration, max_retries: usize) -> A
                 .with_allow_http(true)
                 .with_connect_timeout(Duration::from_secs(5))
                 .with_timeout(Duration::from_secs(60)),
-        );
+        )
+        // PUTs and DELETEs whose connection broke are retried too (module `retry_writes`).
+        .with_http_connector(crate::retry_writes::RetryWritesConnector::default());
     if let Some(endpoint) = &url.endpoint {
         builder = builder.with_endpoint(endpoint);
     }

@@ -88,7 +88,7 @@ pub enum UrlError {
     Scheme(String),
     #[error("`{0}`: missing bucket name; expected s3://BUCKET/PREFIX")]
     MissingBucket(String),
-    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, layout, chunk-size, segment-size, gc, gc-threshold, key-file, compress, create-size, retry-timeout-ms, break-lock, lock")]
+    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, layout, chunk-size, segment-size, gc, gc-threshold, key-file, compress, create-size, retry-timeout-ms, break-lock, lock, recover-prefix")]
     UnknownParameter { url: String, name: String },
     #[error("`{url}`: parameter `{name}` given twice")]
     DuplicateParameter { url: String, name: String },
@@ -147,6 +147,11 @@ pub struct S3Url {
     /// of the lock object (without which the lock keeps nobody out) and refuses the store if
     /// not. Off serves such a store anyway, unprotected against a second server.
     pub lock_check: bool,
+    /// `recover-prefix=on|off` (log layout): open a disk whose durable records prove objects
+    /// missing (a lost checkpoint, a lost segment before later ones) anyway, as the prefix of
+    /// its log that is left, deleting what that prefix does not reach. Off (the default)
+    /// refuses such an open, naming the objects, and changes nothing.
+    pub recover_prefix: bool,
 }
 
 /// Default for `retry-timeout-ms`: long enough to ride out a server restart.
@@ -183,6 +188,7 @@ impl S3Url {
             retry_timeout_ms: RETRY_TIMEOUT_DEFAULT_MS,
             break_lock: None,
             lock_check: true,
+            recover_prefix: false,
         };
         let mut seen: Vec<String> = Vec::new();
         for pair in query
@@ -298,6 +304,13 @@ impl S3Url {
                         _ => return Err(bad("expected on or off")),
                     }
                 }
+                "recover-prefix" => {
+                    url.recover_prefix = match value {
+                        "on" => true,
+                        "off" => false,
+                        _ => return Err(bad("expected on or off")),
+                    }
+                }
                 "break-lock" => {
                     if value.is_empty() || !value.bytes().all(|byte| byte.is_ascii_hexdigit()) {
                         return Err(bad(
@@ -359,7 +372,7 @@ mod tests {
         let url = S3Url::parse(
             "s3://vm-disks/db1/?endpoint=http://127.0.0.1:9000&region=eu-west-1&path-style=false\
              &chunk-size=1M&create-size=100G&retry-timeout-ms=500&break-lock=0A1b\
-             &layout=log&segment-size=16M&lock=off&gc=off&gc-threshold=0.25",
+             &layout=log&segment-size=16M&lock=off&gc=off&gc-threshold=0.25&recover-prefix=on",
         )
         .unwrap();
         assert_eq!(url.bucket, "vm-disks");
@@ -376,6 +389,7 @@ mod tests {
         assert_eq!(url.segment_bytes_max, Some(16 << 20));
         assert_eq!(url.gc, Some(false));
         assert_eq!(url.gc_threshold_ppm, Some(250_000));
+        assert!(url.recover_prefix);
         let sealed = S3Url::parse("s3://b/p?key-file=/etc/disk.key&compress=zstd").unwrap();
         assert_eq!(
             sealed.key_file.as_deref(),

@@ -385,7 +385,8 @@ fn objects_of_the_formats_before_checksums_still_read() {
 // FLUSH) is never read again, even when a saved copy is put back under its number on an
 // encrypted disk, where its extents would authenticate: segment numbers are never used
 // twice. Method: three flushed epochs in three segments, crash, save segment 3, delete
-// segment 2, reopen (segment 3 goes; a checkpoint covering 3 is stored); write epoch 4 and
+// segment 2, reopen with recover-prefix=on (segment 3 goes; a checkpoint covering 3 is
+// stored); write epoch 4 and
 // flush: its segment is numbered 4; crash, put segment 3 back, reopen: epoch 1 and epoch 4
 // only, and segment 3 is deleted again.
 #[test]
@@ -424,10 +425,11 @@ fn a_segment_recovery_deleted_is_never_read_when_put_back() {
     assert_eq!(segments.len(), 3, "{segments:?}");
     let saved = raw.get(&segments[2]);
     raw.delete(&segments[1]);
+    // Segment 3 proves segment 2 was stored: a loss, opened only with recover-prefix=on.
     let store = open_log(
         &endpoint,
         "disk",
-        &format!("&key-file={key}&break-lock={id}"),
+        &format!("&key-file={key}&break-lock={id}&recover-prefix=on"),
     )
     .unwrap();
     assert_eq!(raw.keys("disk/log/segments"), segments[..1].to_vec());

@@ -256,11 +256,13 @@ fn trim_and_write_zeroes_only_change_the_index() {
     check(&open(&moto.endpoint(), "").unwrap());
 }
 
-// Goal: the recovery rule. After a crash, the disk reopens as the writes of the segments up
-// to the first missing one; the segments after the gap (never covered by a FLUSH) are
-// deleted before new ones reuse their numbers. Method: three flushed epochs in three
-// segments, abandon the store (no close: no checkpoint), delete segment 2, reopen: epoch 1
-// only, segment 3 gone; write again and reopen once more.
+// Goal: the recovery rule. A segment missing before a later one sealed once it was stored
+// (its durable mark) is a loss, refused naming it, deleting nothing; with recover-prefix=on
+// the disk reopens as the writes of the segments up to the first missing one, and the
+// segments after the gap are deleted before new ones reuse their numbers. Method: three
+// flushed epochs in three segments, abandon the store (no close: no checkpoint), delete
+// segment 2, reopen: refused; again with recover-prefix=on: epoch 1 only, segment 3 gone;
+// write again and reopen once more.
 #[test]
 fn replay_stops_at_a_missing_segment_and_deletes_the_segments_after_it() {
     let name = "replay_stops_at_a_missing_segment_and_deletes_the_segments_after_it";
@@ -282,7 +284,19 @@ fn replay_stops_at_a_missing_segment_and_deletes_the_segments_after_it() {
     let segments = raw.objects("disk/log/segments");
     assert_eq!(segments.len(), 3, "{segments:?}");
     raw.delete(&segments[1].0);
-    let reopened = open(&moto.endpoint(), &format!("&break-lock={id}")).unwrap();
+    let refused = open(&moto.endpoint(), &format!("&break-lock={id}"))
+        .err()
+        .expect("a segment lost before a later one is refused");
+    assert!(
+        matches!(&refused, OpenError::LostObjects { missing, .. } if *missing == [segments[1].0.clone()]),
+        "{refused}"
+    );
+    assert_eq!(raw.objects("disk/log/segments").len(), 2, "nothing deleted");
+    let reopened = open(
+        &moto.endpoint(),
+        &format!("&break-lock={id}&recover-prefix=on"),
+    )
+    .unwrap();
     let image = read_all(&reopened, 4 * 4096);
     assert!(image[..4096].iter().all(|&byte| byte == 1));
     assert!(image[4096..8192].iter().all(|&byte| byte == 1));
@@ -742,8 +756,9 @@ fn a_write_between_the_collector_read_and_its_append_wins_live_and_after_a_crash
 // writing open deletes), no checkpoint at close; writes are refused; a disk whose lock
 // another server holds is refused unless `break-lock=` names it. Method: three flushed
 // epochs in three segments, the store abandoned (its lock left), segment 2 deleted behind
-// its back; read-only opens with and without break-lock; moto's PUT and DELETE counts
-// before and after; then a writing open deletes segment 3.
+// its back; read-only opens with and without break-lock (recover-prefix=on, since segment 3
+// proves segment 2 lost); moto's PUT and DELETE counts before and after; then a writing open
+// deletes segment 3.
 #[test]
 fn a_read_only_log_disk_reads_the_recovered_prefix_and_writes_nothing() {
     let name = "a_read_only_log_disk_reads_the_recovered_prefix_and_writes_nothing";
@@ -773,7 +788,11 @@ fn a_read_only_log_disk_reads_the_recovered_prefix_and_writes_nothing() {
         matches!(refused, OpenError::LockedReadOnly { .. }),
         "{refused}"
     );
-    let reader = LogStore::open_read_only(&url(&endpoint, &format!("&break-lock={id}"))).unwrap();
+    let reader = LogStore::open_read_only(&url(
+        &endpoint,
+        &format!("&break-lock={id}&recover-prefix=on"),
+    ))
+    .unwrap();
     assert!(reader.read_only().is_some());
     let image = read_all(&reader, 4 * 4096);
     assert!(image[..4096].iter().all(|&byte| byte == 0));
@@ -798,7 +817,7 @@ fn a_read_only_log_disk_reads_the_recovered_prefix_and_writes_nothing() {
         2,
         "segment 3 left in place"
     );
-    let writer = open(&endpoint, &format!("&break-lock={id}")).unwrap();
+    let writer = open(&endpoint, &format!("&break-lock={id}&recover-prefix=on")).unwrap();
     assert_eq!(
         raw.objects("disk/log/segments").len(),
         1,
@@ -1154,8 +1173,10 @@ fn a_flipped_byte_in_a_sealed_extent_is_a_read_error_naming_the_segment() {
         let key_name = raw.keys(&format!("{disk}/log/segments"))[0].clone();
         let body = raw.get(&key_name);
         // The frame starts after the 64-byte header; its stored length is in the table
-        // entry (offset 40 of the 56-byte entry at the end).
-        let table = body.len() - 56;
+        // entry (offset 40 of the 56-byte entry at the end, before the 32-byte tag of an
+        // encrypted disk's object).
+        let tag_bytes = if disk == "encrypted" { 32 } else { 0 };
+        let table = body.len() - tag_bytes - 56;
         let stored = u64::from_le_bytes(body[table + 40..table + 48].try_into().unwrap()) as usize;
         let frame = 64..64 + stored;
         let mut damaged = body.clone();

@@ -308,26 +308,35 @@ fn has_failed(state: &State, through: u64) -> bool {
         .any(|(_, sealed)| matches!(sealed.upload, Upload::Failed(_)))
 }
 
+/// A segment's key under the disk's prefix (what its tag names, module `seal`).
+fn segment_name(sequence: u64, epoch: u64) -> String {
+    format!("log/segments/{}", epoch::object_name(sequence, epoch))
+}
+
 fn segment_key(url: &S3Url, sequence: u64, epoch: u64) -> String {
-    url.key(&format!(
-        "log/segments/{}",
-        epoch::object_name(sequence, epoch)
-    ))
+    url.key(&segment_name(sequence, epoch))
+}
+
+/// An epoch object's key under the disk's prefix.
+fn epoch_name(epoch: u64) -> String {
+    format!("log/epochs/{epoch:016x}")
 }
 
 fn epoch_key(url: &S3Url, epoch: u64) -> String {
-    url.key(&format!("log/epochs/{epoch:016x}"))
+    url.key(&epoch_name(epoch))
 }
 
 /// Epoch numbers a writable open tries to claim before it gives up (each failed claim means
 /// another claim landed meanwhile: a crashed server's late one).
 const EPOCH_CLAIMS_MAX: u32 = 8;
 
-fn checkpoint_key(url: &S3Url, (through, epoch): (u64, u64)) -> String {
-    url.key(&format!(
-        "log/checkpoints/{}",
-        epoch::object_name(through, epoch)
-    ))
+/// A checkpoint's key under the disk's prefix.
+fn checkpoint_name((through, epoch): (u64, u64)) -> String {
+    format!("log/checkpoints/{}", epoch::object_name(through, epoch))
+}
+
+fn checkpoint_key(url: &S3Url, name: (u64, u64)) -> String {
+    url.key(&checkpoint_name(name))
 }
 
 /// A log-layout disk. All methods block the calling thread on the store's own runtime; do not
@@ -525,8 +534,9 @@ impl LogStore {
     ) -> Result<LogStore, OpenError> {
         let sealer = Arc::new(sealer);
         let writable = read_only.is_none();
-        let recovered = match runtime.block_on(recover_and_claim(&*store, url, &metadata, writable))
-        {
+        let recovered = match runtime.block_on(recover_and_claim(
+            &*store, url, &metadata, &sealer, writable,
+        )) {
             Ok(recovered) => recovered,
             Err(error) => {
                 // The lock is released on the runtime, so it goes first.
@@ -862,7 +872,14 @@ impl Core {
         if state.open.sequence != sequence {
             return Ok(state);
         }
-        let body = state.open.seal(self.shared.metadata.disk_id);
+        let body = self.shared.sealer.tag_object(
+            &segment_name(sequence, self.shared.epochs.owner(sequence)),
+            state.open.seal(
+                self.shared.metadata.disk_id,
+                state.durable_through,
+                state.checkpoint_through,
+            ),
+        );
         tracing::debug!(
             segment = sequence,
             bytes = body.len(),
@@ -1049,12 +1066,15 @@ impl Core {
         let name = (through, self.shared.epoch);
         let key = checkpoint_key(&self.shared.url, name);
         let epochs = checkpoint::needed_epochs(&self.shared.epochs, through, index);
-        let body = checkpoint::encode(
-            self.shared.metadata.disk_id,
-            through,
-            self.shared.epoch,
-            &epochs,
-            index,
+        let body = self.shared.sealer.tag_object(
+            &checkpoint_name(name),
+            checkpoint::encode(
+                self.shared.metadata.disk_id,
+                through,
+                self.shared.epoch,
+                &epochs,
+                index,
+            ),
         );
         let store = self.shared.store.clone();
         self.runtime.block_on(async {
@@ -1303,6 +1323,7 @@ async fn recover(
     store: &dyn ObjectStore,
     url: &S3Url,
     metadata: &DiskMetadata,
+    sealer: &Sealer,
 ) -> Result<Recovered, OpenError> {
     let mut checkpoints = list_numbered(store, url, "log/checkpoints").await?;
     let newest = checkpoints.pop();
@@ -1310,7 +1331,9 @@ async fn recover(
         Some(name) => {
             let key = checkpoint_key(url, name);
             let body = get_whole(store, url, &key).await?;
-            let checkpoint = checkpoint::decode(&body, metadata.disk_id, metadata.size_bytes)
+            let checkpoint = sealer
+                .check_object(&checkpoint_name(name), &body)
+                .and_then(|body| checkpoint::decode(body, metadata.disk_id, metadata.size_bytes))
                 .map_err(|reason| bad_object(url, &key, reason))?;
             if (checkpoint.through_sequence, checkpoint.epoch) != name {
                 return Err(bad_object(
@@ -1354,7 +1377,9 @@ async fn recover(
     for &number in epoch_objects.range(newer_than + 1..) {
         let key = epoch_key(url, number);
         let body = get_whole(store, url, &key).await?;
-        let (recorded, start) = epoch::decode(&body, metadata.disk_id)
+        let (recorded, start) = sealer
+            .check_object(&epoch_name(number), &body)
+            .and_then(|body| epoch::decode(body, metadata.disk_id))
             .map_err(|reason| bad_object(url, &key, reason))?;
         if recorded != number {
             return Err(bad_object(
@@ -1413,6 +1438,8 @@ async fn recover(
         None => (Index::new(), 0),
     };
     let mut last_sequence = checkpoint_through;
+    // The newest checkpoint mark of the segments replayed, with the segment's key.
+    let mut checkpoint_marked: Option<(u64, String)> = None;
     let mut stored = BTreeMap::new();
     // Segments the checkpoint covers but does not name hold no live byte and no replay needs
     // them: the collector's deletes were cut short (or it had not got to them yet).
@@ -1434,9 +1461,12 @@ async fn recover(
             cleanup.orphans.push(sequence);
             continue;
         }
-        let key = segment_key(url, sequence, epochs.owner(sequence));
+        let owner = epochs.owner(sequence);
+        let key = segment_key(url, sequence, owner);
         let body = get_whole(store, url, &key).await?;
-        let decoded = segment::decode(&body, metadata.disk_id, metadata.size_bytes)
+        let decoded = sealer
+            .check_object(&segment_name(sequence, owner), &body)
+            .and_then(|body| segment::decode(body, metadata.disk_id, metadata.size_bytes))
             .map_err(|reason| bad_object(url, &key, reason))?;
         if decoded.sequence != sequence {
             return Err(bad_object(
@@ -1447,6 +1477,9 @@ async fn recover(
                     decoded.sequence
                 ),
             ));
+        }
+        if let Some(mark) = decoded.marks.checkpoint_through {
+            checkpoint_marked = Some((mark, key.clone()));
         }
         for extent in decoded.extents {
             match (extent.object_offset(), extent.copy_of) {
@@ -1471,6 +1504,19 @@ async fn recover(
         stored.insert(sequence, bytes);
         last_sequence = sequence;
     }
+    if !url.recover_prefix {
+        check_nothing_lost(
+            store,
+            url,
+            metadata,
+            &epochs,
+            checkpoint_through,
+            last_sequence + 1,
+            &cleanup.orphans,
+            checkpoint_marked,
+        )
+        .await?;
+    }
     Ok(Recovered {
         index,
         last_sequence,
@@ -1486,6 +1532,87 @@ async fn recover(
     })
 }
 
+/// Missing segments a [`OpenError::LostObjects`] names at most.
+const MISSING_NAMED_MAX: usize = 16;
+
+/// Refuses an open whose segments prove objects missing (the marks of module `segment`): a
+/// replayed segment or one after the gap `gap` sealed after a checkpoint newer than the
+/// newest found (`checkpoint_through`), or a segment after the gap sealed once the missing
+/// one was stored. A crash leaves neither: a checkpoint is deleted only once a newer one is
+/// stored, and the segments after a crash's gap were sealed before the missing one was
+/// stored. Reads the headers of the segments after the gap (`orphans`), newest first (the
+/// newest carry the highest marks).
+#[allow(clippy::too_many_arguments)]
+async fn check_nothing_lost(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    metadata: &DiskMetadata,
+    epochs: &epoch::Epochs,
+    checkpoint_through: u64,
+    gap: u64,
+    orphans: &[u64],
+    checkpoint_marked: Option<(u64, String)>,
+) -> Result<(), OpenError> {
+    let lost_checkpoint = |mark: u64, key: &str| {
+        OpenError::LostObjects {
+        url: url.to_string(),
+        missing: vec![url.key(&format!("log/checkpoints/{mark:016x}-*"))],
+        evidence: format!(
+            "segment `{key}` was sealed after a checkpoint covering the segments up to {mark} was stored, but the newest checkpoint left covers {}",
+            match checkpoint_through {
+                0 => "none".to_string(),
+                through => format!("those up to {through}"),
+            }
+        ),
+    }
+    };
+    if let Some((mark, key)) = checkpoint_marked.filter(|&(mark, _)| mark > checkpoint_through) {
+        return Err(lost_checkpoint(mark, &key));
+    }
+    let present: BTreeSet<u64> = orphans.iter().copied().collect();
+    for &sequence in orphans.iter().rev() {
+        let key = segment_key(url, sequence, epochs.owner(sequence));
+        let header = store
+            .get_range(&ObjectPath::from(key.as_str()), 0..HEADER_BYTES)
+            .await
+            .map_err(|error| OpenError::Request {
+                url: url.to_string(),
+                operation: format!("reading the header of `{key}`"),
+                message: chain(&error),
+            })?;
+        let (_, recorded, marks) = segment::decode_header(&header, metadata.disk_id)
+            .map_err(|reason| bad_object(url, &key, reason))?;
+        if recorded != sequence {
+            return Err(bad_object(
+                url,
+                &key,
+                format!("holds segment {recorded}, not the {sequence} its name says"),
+            ));
+        }
+        if let Some(mark) = marks
+            .checkpoint_through
+            .filter(|&mark| mark > checkpoint_through)
+        {
+            return Err(lost_checkpoint(mark, &key));
+        }
+        if let Some(durable) = marks.durable_through.filter(|&durable| durable >= gap) {
+            let missing = (gap..=durable)
+                .filter(|sequence| !present.contains(sequence))
+                .take(MISSING_NAMED_MAX)
+                .map(|sequence| segment_key(url, sequence, epochs.owner(sequence)))
+                .collect();
+            return Err(OpenError::LostObjects {
+                url: url.to_string(),
+                missing,
+                evidence: format!(
+                    "segment `{key}` was sealed once every segment up to {durable} was stored, so the log has a gap no crash leaves"
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Recovers the log and, for a writable open, claims the next epoch (module `epoch`) with a
 /// create-only PUT before anything is written (when the claim fails because that epoch
 /// appeared meanwhile, a crashed server's late claim, it recovers again under it); then
@@ -1494,11 +1621,12 @@ async fn recover_and_claim(
     store: &dyn ObjectStore,
     url: &S3Url,
     metadata: &DiskMetadata,
+    sealer: &Sealer,
     writable: bool,
 ) -> Result<Recovered, OpenError> {
     let mut claims = 0;
     loop {
-        let mut recovered = recover(store, url, metadata).await?;
+        let mut recovered = recover(store, url, metadata, sealer).await?;
         if !writable {
             // Read-only: the dead segments, those after a gap and the void ones stay; none
             // is read.
@@ -1517,7 +1645,10 @@ async fn recover_and_claim(
         let claimed = store
             .put_opts(
                 &ObjectPath::from(key.as_str()),
-                PutPayload::from(epoch::encode(metadata.disk_id, epoch, start)),
+                PutPayload::from(sealer.tag_object(
+                    &epoch_name(epoch),
+                    epoch::encode(metadata.disk_id, epoch, start),
+                )),
                 PutOptions {
                     mode: PutMode::Create,
                     ..Default::default()
@@ -1529,7 +1660,7 @@ async fn recover_and_claim(
             Ok(_) => {
                 recovered.epochs.insert(epoch, start);
                 recovered.epoch = epoch;
-                clean_up(store, url, metadata, &mut recovered).await?;
+                clean_up(store, url, metadata, sealer, &mut recovered).await?;
                 return Ok(recovered);
             }
             Err(
@@ -1557,6 +1688,7 @@ async fn clean_up(
     store: &dyn ObjectStore,
     url: &S3Url,
     metadata: &DiskMetadata,
+    sealer: &Sealer,
     recovered: &mut Recovered,
 ) -> Result<(), OpenError> {
     let cleanup = std::mem::take(&mut recovered.cleanup);
@@ -1586,12 +1718,15 @@ async fn clean_up(
         let name = (newest_orphan, recovered.epoch);
         let key = checkpoint_key(url, name);
         let epochs = checkpoint::needed_epochs(&recovered.epochs, newest_orphan, &recovered.index);
-        let body = checkpoint::encode(
-            metadata.disk_id,
-            newest_orphan,
-            recovered.epoch,
-            &epochs,
-            &recovered.index,
+        let body = sealer.tag_object(
+            &checkpoint_name(name),
+            checkpoint::encode(
+                metadata.disk_id,
+                newest_orphan,
+                recovered.epoch,
+                &epochs,
+                &recovered.index,
+            ),
         );
         store
             .put(&ObjectPath::from(key.as_str()), PutPayload::from(body))

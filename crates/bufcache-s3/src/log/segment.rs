@@ -10,7 +10,8 @@
 //!  16  disk id u64                 24 sequence u64
 //!  32  data length u64             40 extent count u64
 //!  48  CRC-32 (IEEE) of the table u32
-//!  52  reserved u32 (0) ×2         60 CRC-32 of bytes 0..60 u32
+//!  52  durable mark u32            56 checkpoint mark u32
+//!  60  CRC-32 of bytes 0..60 u32
 //! data (data length bytes): the data extents' stored bytes, in append order
 //! table (extent count × 56 bytes), in append order, later entries win:
 //!   disk offset u64, length u64 (logical), position in data u64 (u64::MAX: zeroes), CRC-32
@@ -18,6 +19,13 @@
 //!   source segment u64 (kind 3: the segment the garbage collector copied the bytes from;
 //!   else 0), stored length u64, storage flags u32, reserved u32 (0)
 //! ```
+//!
+//! The marks record what the writer knew to be durable when it sealed the segment, as
+//! distances back from its sequence (0: not recorded, as in segments written before them):
+//! the durable mark `sequence - d` says every segment up to `d` was durable, the checkpoint
+//! mark `sequence - k` that a checkpoint covering the segments up to `k` was (each at most
+//! `u32::MAX` back, so a mark may understate, never overstate). An open uses them to tell a
+//! crash from a loss ([`Marks`]).
 //!
 //! Storage flags of a data extent: 4 (version 4): stored as written in checked blocks, each
 //! 4 KiB followed by its CRC-32 (module `blocks`: every ranged read checks the blocks it
@@ -237,6 +245,33 @@ impl SegmentExtent {
     }
 }
 
+/// What the writer of a segment knew to be durable when it sealed it (see the module docs).
+/// A segment after a missing one whose durable mark reaches the missing one proves that
+/// segment was stored (a crash never leaves such a gap: its later segments were sealed before
+/// it was durable); a checkpoint mark past the newest checkpoint found proves a newer one was
+/// stored and is gone.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Marks {
+    /// Every segment up to this one was durable; None when not recorded.
+    pub durable_through: Option<u64>,
+    /// A checkpoint covering the segments up to this one was durable; None when not recorded
+    /// (or no checkpoint was).
+    pub checkpoint_through: Option<u64>,
+}
+
+/// The distance back from `sequence` to `mark` as the header stores it (0: not recorded).
+fn mark_distance(sequence: u64, mark: u64) -> u32 {
+    debug_assert!(mark < sequence, "a mark lies before its segment");
+    u32::try_from(sequence - mark).unwrap_or(u32::MAX)
+}
+
+fn mark_of(sequence: u64, distance: u32) -> Option<u64> {
+    (distance != 0)
+        .then(|| sequence.checked_sub(u64::from(distance)))
+        .flatten()
+        .filter(|&mark| mark > 0)
+}
+
 /// A segment being filled in memory.
 pub struct OpenSegment {
     pub sequence: u64,
@@ -274,6 +309,7 @@ impl OpenSegment {
             + more_data
             + overhead
             + (self.table.len() as u64 + more_extents) * TABLE_ENTRY_BYTES
+            + self.sealer.object_tag_bytes()
     }
 
     /// The most logical bytes one more extent may hold with the object staying within
@@ -374,8 +410,15 @@ impl OpenSegment {
         )
     }
 
-    /// The whole object.
-    pub fn seal(&self, disk_id: u64) -> Bytes {
+    /// The whole object, with the writer's marks (`durable_through`, `checkpoint_through`:
+    /// every segment up to the first, and a checkpoint up to the second, were durable when it
+    /// was sealed).
+    pub fn seal(&self, disk_id: u64, durable_through: u64, checkpoint_through: u64) -> Bytes {
+        assert!(
+            durable_through < self.sequence && checkpoint_through < self.sequence,
+            "segment {} sealed with durable mark {durable_through} and checkpoint mark {checkpoint_through}",
+            self.sequence
+        );
         let mut table = BytesMut::with_capacity(self.table.len() * TABLE_ENTRY_BYTES as usize);
         for extent in &self.table {
             table.put_u64_le(extent.disk_offset);
@@ -402,8 +445,8 @@ impl OpenSegment {
         object.put_u64_le(self.data.len() as u64);
         object.put_u64_le(self.table.len() as u64);
         object.put_u32_le(crc32fast::hash(&table));
-        object.put_u32_le(0);
-        object.put_u32_le(0);
+        object.put_u32_le(mark_distance(self.sequence, durable_through));
+        object.put_u32_le(mark_distance(self.sequence, checkpoint_through));
         let header_checksum = crc32fast::hash(&object[..60]);
         object.put_u32_le(header_checksum);
         object.put_slice(&self.data);
@@ -416,6 +459,7 @@ impl OpenSegment {
 #[derive(Debug)]
 pub struct DecodedSegment {
     pub sequence: u64,
+    pub marks: Marks,
     pub extents: Vec<SegmentExtent>,
 }
 
@@ -427,10 +471,9 @@ fn u32_at(bytes: &[u8], at: usize) -> u32 {
     u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"))
 }
 
-/// Checks and decodes a whole segment object: magic, version, header and table checksums,
-/// the disk id, every extent's checksum and that every extent lies inside the disk. The
-/// error says what is wrong (the caller names the object).
-pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<DecodedSegment, String> {
+/// Checks and decodes a segment's header (its first [`HEADER_BYTES`] bytes at least): magic,
+/// header checksum, version, header length and disk id; returns its sequence and marks.
+pub fn decode_header(object: &[u8], disk_id: u64) -> Result<(u32, u64, Marks), String> {
     if object.len() < HEADER_BYTES as usize {
         return Err(format!(
             "{} bytes, shorter than the {HEADER_BYTES}-byte header (truncated?)",
@@ -444,16 +487,11 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Decod
         return Err("header checksum mismatch (corrupt header)".to_string());
     }
     let version = u32_at(object, 8);
-    let entry_bytes = match version {
-        1 => TABLE_ENTRY_BYTES_VERSION_1,
-        2 => TABLE_ENTRY_BYTES_VERSION_2,
-        FORMAT_VERSION_3 | FORMAT_VERSION => TABLE_ENTRY_BYTES,
-        _ => {
-            return Err(format!(
-                "segment format version {version} is not a supported one (1 to {FORMAT_VERSION})"
-            ))
-        }
-    };
+    if !(1..=FORMAT_VERSION).contains(&version) {
+        return Err(format!(
+            "segment format version {version} is not a supported one (1 to {FORMAT_VERSION})"
+        ));
+    }
     if u64::from(u32_at(object, 12)) != HEADER_BYTES {
         return Err(format!(
             "header length {} is not {HEADER_BYTES}",
@@ -467,6 +505,29 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Decod
         ));
     }
     let sequence = u64_at(object, 24);
+    // Versions before 4 kept these bytes reserved (0: not recorded).
+    let marks = Marks {
+        durable_through: mark_of(sequence, u32_at(object, 52)),
+        checkpoint_through: mark_of(sequence, u32_at(object, 56)),
+    };
+    Ok((version, sequence, marks))
+}
+
+/// Checks and decodes a whole segment object: magic, version, header and table checksums,
+/// the disk id, every extent's checksum and that every extent lies inside the disk. The
+/// error says what is wrong (the caller names the object).
+pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<DecodedSegment, String> {
+    let (version, sequence, marks) = decode_header(object, disk_id)?;
+    let entry_bytes = match version {
+        1 => TABLE_ENTRY_BYTES_VERSION_1,
+        2 => TABLE_ENTRY_BYTES_VERSION_2,
+        FORMAT_VERSION_3 | FORMAT_VERSION => TABLE_ENTRY_BYTES,
+        _ => {
+            return Err(format!(
+                "segment format version {version} is not a supported one (1 to {FORMAT_VERSION})"
+            ))
+        }
+    };
     let data_bytes = u64_at(object, 32);
     let extent_count = u64_at(object, 40);
     let expected = extent_count
@@ -590,7 +651,11 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Decod
             seal_flags,
         });
     }
-    Ok(DecodedSegment { sequence, extents })
+    Ok(DecodedSegment {
+        sequence,
+        marks,
+        extents,
+    })
 }
 
 #[cfg(test)]
@@ -632,13 +697,20 @@ mod tests {
                 read(&segment, second + 10, (1 << 20) + 10, 5),
                 counting[10..15]
             );
-            let object = segment.seal(0xabc);
+            let object = segment.seal(0xabc, 5, 2);
             assert_eq!(
                 object.len() as u64,
                 HEADER_BYTES + segment.data.len() as u64 + 4 * TABLE_ENTRY_BYTES
             );
             let decoded = decode(&object, 0xabc, 1 << 30).unwrap();
             assert_eq!(decoded.sequence, 7);
+            assert_eq!(
+                decoded.marks,
+                Marks {
+                    durable_through: Some(5),
+                    checkpoint_through: Some(2)
+                }
+            );
             assert_eq!(decoded.extents, segment.table);
             assert_eq!(decoded.extents[0].object_offset(), Some(first));
             assert!(decode(&object, 0xabd, 1 << 30)

@@ -1,24 +1,29 @@
 #!/usr/bin/env python3
 """An HTTP proxy in front of an S3 server that loses the answers of chosen requests.
 
-usage: fault_proxy.py LISTEN_PORT TARGET_PORT FAULTS_LOG SUFFIX COUNT [ignore-conditions]
+usage: fault_proxy.py LISTEN_PORT TARGET_PORT FAULTS_LOG SUFFIX COUNT [ignore-conditions | reset:SKIP]
 Every request is forwarded to the server on TARGET_PORT and its answer relayed, except the
 first COUNT PUTs whose path ends with SUFFIX: those are carried out by the server, but the
 client is answered 500 InternalError instead, as when a store applies a write and the answer
 is lost. Each such fault appends a line "PUT PATH STATUS" (the server's real status) to
 FAULTS_LOG. With `ignore-conditions`, the If-None-Match and If-Match headers are dropped
 from every request, so the server behaves as a store that ignores them (s3rver 3.7.1 stores a
-create-only PUT of an existing object again and answers 200). The port is ready when
+create-only PUT of an existing object again and answers 200). With `reset:SKIP`, the first
+SKIP such PUTs pass and the next COUNT are carried out and then answered with a connection
+reset (TCP RST, no answer) instead of a 500. The port is ready when
 LISTEN_PORT accepts connections.
 """
 import http.client
 import http.server
+import socket
+import struct
 import sys
 import threading
 
 listen_port, target_port = int(sys.argv[1]), int(sys.argv[2])
 faults_log, suffix, faults_left = sys.argv[3], sys.argv[4], [int(sys.argv[5])]
 ignore_conditions = len(sys.argv) > 6 and sys.argv[6] == "ignore-conditions"
+reset_skip = [int(sys.argv[6][len("reset:"):])] if len(sys.argv) > 6 and sys.argv[6].startswith("reset:") else None
 lock = threading.Lock()
 
 ERROR_BODY = (
@@ -49,12 +54,19 @@ class Handler(http.server.BaseHTTPRequestHandler):
         fault = False
         if self.command == "PUT" and self.path.split("?")[0].endswith(suffix):
             with lock:
-                if faults_left[0] > 0:
+                if reset_skip is not None and reset_skip[0] > 0:
+                    reset_skip[0] -= 1
+                elif faults_left[0] > 0:
                     faults_left[0] -= 1
                     fault = True
         if fault:
             with open(faults_log, "a") as log:
                 log.write(f"PUT {self.path} {answer.status}\n")
+            if reset_skip is not None:
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.connection.close()
+                self.close_connection = True
+                return
             self.send_response(500)
             self.send_header("Content-Type", "application/xml")
             self.send_header("Content-Length", str(len(ERROR_BODY)))

@@ -363,20 +363,26 @@ pub struct FaultProxy {
 
 impl FaultProxy {
     pub fn start(target_port: u16, suffix: &str, count: usize) -> FaultProxy {
-        FaultProxy::start_with(target_port, suffix, count, false)
+        FaultProxy::start_with(target_port, suffix, count, None)
     }
 
     /// A proxy that drops If-None-Match and If-Match from every request: the server then
     /// behaves as a store that ignores conditional PUTs.
     pub fn ignoring_conditions(target_port: u16) -> FaultProxy {
-        FaultProxy::start_with(target_port, "", 0, true)
+        FaultProxy::start_with(target_port, "", 0, Some("ignore-conditions".to_string()))
+    }
+
+    /// A proxy that lets the first `skip` PUTs to a key ending in `suffix` through, then
+    /// carries out the next `count` and answers each with a connection reset (no answer).
+    pub fn resetting(target_port: u16, suffix: &str, skip: usize, count: usize) -> FaultProxy {
+        FaultProxy::start_with(target_port, suffix, count, Some(format!("reset:{skip}")))
     }
 
     fn start_with(
         target_port: u16,
         suffix: &str,
         count: usize,
-        ignore_conditions: bool,
+        mode: Option<String>,
     ) -> FaultProxy {
         let dir = tempfile::tempdir().unwrap();
         let faults_log = dir.path().join("faults.log");
@@ -387,7 +393,7 @@ impl FaultProxy {
             .args([&port.to_string(), &target_port.to_string()])
             .arg(&faults_log)
             .args([suffix, &count.to_string()])
-            .args(ignore_conditions.then_some("ignore-conditions"))
+            .args(mode)
             .stdout(Stdio::null())
             .spawn()
             .expect("starting the fault proxy");

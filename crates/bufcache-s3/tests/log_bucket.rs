@@ -1,0 +1,163 @@
+//! The threat model of docs/security.md, "The bucket", line by line: what someone who may
+//! write to the bucket but has no key can and cannot do to an encrypted log-layout disk.
+//! Against moto on loopback; the attacker works through the bucket directly.
+
+#[path = "support/raw.rs"]
+mod raw;
+mod support;
+
+use bufcache_s3::{LogStore, OpenError, S3Url};
+use raw::Raw;
+use support::{have_moto, Moto};
+
+/// A key file of 64 hex digits in `directory`.
+fn key_file(directory: &std::path::Path) -> String {
+    let path = directory.join("disk.key");
+    let hex: String = (0..32u8)
+        .map(|n| format!("{:02x}", n.wrapping_mul(29).wrapping_add(7)))
+        .collect();
+    std::fs::write(&path, format!("{hex}\n")).unwrap();
+    path.display().to_string()
+}
+
+fn open(endpoint: &str, disk: &str, parameters: &str) -> Result<LogStore, OpenError> {
+    LogStore::open_locked(
+        &S3Url::parse(&format!(
+            "s3://bucket/{disk}?endpoint={endpoint}{parameters}"
+        ))
+        .unwrap(),
+    )
+}
+
+/// `object` (a segment or checkpoint of another disk) made to claim disk `disk_id` (and, for
+/// a segment, sequence `sequence`), its CRCs fixed as anyone can.
+fn forge_segment(mut object: Vec<u8>, disk_id: u64, sequence: u64) -> Vec<u8> {
+    object[16..24].copy_from_slice(&disk_id.to_le_bytes());
+    object[24..32].copy_from_slice(&sequence.to_le_bytes());
+    let crc = crc32fast::hash(&object[..60]);
+    object[60..64].copy_from_slice(&crc.to_le_bytes());
+    object
+}
+
+fn forge_checkpoint(mut object: Vec<u8>, disk_id: u64) -> Vec<u8> {
+    object[16..24].copy_from_slice(&disk_id.to_le_bytes());
+    let end = object.len() - 4;
+    let crc = crc32fast::hash(&object[..end]);
+    object[end..].copy_from_slice(&crc.to_le_bytes());
+    object
+}
+
+/// The error text of an open refused for `key`, which must name it and its failed tag.
+fn refused_naming(result: Result<LogStore, OpenError>, key: &str) {
+    let text = result.err().expect("refused").to_string();
+    assert!(text.contains(key) && text.contains("tag"), "{text}");
+}
+
+// Goal: each line of the threat model. Without the key, someone who may write to the bucket
+// cannot make an encrypted disk serve data of their choosing: a forged segment holding an
+// extent in checked blocks (plaintext), one holding a zeroed range, a genuine segment put
+// under another name, and a forged checkpoint are each refused at open naming the object; a
+// genuine segment with a random tag appended too. They can deny service and delete (refused
+// opens, covered in log_refusals.rs), and roll the disk back to an older state they saved
+// whole. Method: an encrypted disk holding A, closed (one segment, one checkpoint); forged
+// objects made from an unencrypted disk's (its first segment holds plaintext in checked
+// blocks, its second only a zeroed range; disk id, sequence and CRCs rewritten), put as
+// the next segment of the current epoch, then removed; finally an older saved copy of every
+// log object put back after B was written: A reads back.
+#[test]
+fn without_the_key_the_bucket_can_deny_and_roll_back_but_not_forge() {
+    let name = "without_the_key_the_bucket_can_deny_and_roll_back_but_not_forge";
+    if !have_moto(name) {
+        return;
+    }
+    let moto = Moto::start();
+    moto.create_bucket("bucket");
+    let raw = Raw::new(&moto);
+    let endpoint = moto.endpoint();
+    let directory = tempfile::tempdir().unwrap();
+    let key = format!("&key-file={}&gc=off", key_file(directory.path()));
+    let store = open(
+        &endpoint,
+        "disk",
+        &format!("&create-size=1M&layout=log{key}"),
+    )
+    .unwrap();
+    let disk_id = store.metadata().disk_id;
+    let a = [0xa5u8; 4096];
+    store.write(&a, 0).unwrap();
+    drop(store);
+    let genuine = raw.keys("disk/log/segments");
+    assert_eq!(
+        genuine,
+        ["disk/log/segments/0000000000000001-0000000000000001"]
+    );
+    // The attacker's material: an unencrypted disk's segments and checkpoint.
+    let plain = open(&endpoint, "plain", "&create-size=1M&layout=log&gc=off").unwrap();
+    plain
+        .write(b"EVIL-PLAINTEXT!!".repeat(256).as_slice(), 0)
+        .unwrap();
+    drop(plain);
+    let mut plain = open(&endpoint, "plain", "&gc=off").unwrap();
+    plain.write_zeroes(8192, 4096).unwrap();
+    plain.flush().unwrap();
+    // Abandoned: the segment holding only a zeroed range stays (a close would delete it).
+    plain.stop_gc();
+    std::mem::forget(plain);
+    let plain_segments = raw.keys("plain/log/segments");
+    assert_eq!(plain_segments.len(), 2, "{plain_segments:?}");
+    let next = "disk/log/segments/0000000000000002-0000000000000001";
+    for (what, object) in [
+        ("checked-block extent", raw.get(&plain_segments[0])),
+        ("zeroed range", raw.get(&plain_segments[1])),
+    ] {
+        raw.put(next, forge_segment(object.clone(), disk_id, 2));
+        refused_naming(open(&endpoint, "disk", &key), next);
+        // A random tag appended does not pass either.
+        let mut tagged = forge_segment(object, disk_id, 2);
+        tagged.extend_from_slice(&[0x5a; 32]);
+        raw.put(next, tagged);
+        refused_naming(open(&endpoint, "disk", &key), next);
+        raw.delete(next);
+        eprintln!("{what}: refused");
+    }
+    // A genuine segment under another name.
+    raw.put(next, raw.get(&genuine[0]));
+    refused_naming(open(&endpoint, "disk", &key), next);
+    raw.delete(next);
+    // A forged checkpoint, newer than the genuine one.
+    let forged = "disk/log/checkpoints/0000000000000001-0000000000000002";
+    let plain_checkpoint = raw.keys("plain/log/checkpoints")[0].clone();
+    raw.put(
+        forged,
+        forge_checkpoint(raw.get(&plain_checkpoint), disk_id),
+    );
+    refused_naming(open(&endpoint, "disk", &key), forged);
+    raw.delete(forged);
+    // Nothing forged is left and the disk reads A; saved whole now, it can be rolled back.
+    let saved: Vec<(String, Vec<u8>)> = raw
+        .keys("disk/log")
+        .into_iter()
+        .map(|key| {
+            let body = raw.get(&key);
+            (key, body)
+        })
+        .collect();
+    let store = open(&endpoint, "disk", &key).unwrap();
+    let mut back = vec![0u8; 4096];
+    store.read(&mut back, 0).unwrap();
+    assert_eq!(back, a);
+    store.write(&[0xb6; 4096], 0).unwrap();
+    drop(store);
+    for key in raw.keys("disk/log") {
+        raw.delete(&key);
+    }
+    for (key, body) in saved {
+        raw.put(&key, body);
+    }
+    let store = open(&endpoint, "disk", &key).unwrap();
+    store.read(&mut back, 0).unwrap();
+    assert_eq!(
+        back, a,
+        "rolled back to the saved state: the tags cannot tell"
+    );
+}
