@@ -292,6 +292,91 @@ impl<R: Device + 'static> LocalTier<R, FileDevice> {
     }
 }
 
+/// The backend identity recorded in the superblock of the local cache at `path`, reading
+/// nothing else and writing nothing; None when there is no cache there yet (no file, or a
+/// device whose first 4 KiB are not a superblock, as a zeroed block device).
+pub fn recorded_identity(path: &Path) -> Result<Option<String>, TierError> {
+    let local_name = path.display().to_string();
+    let mut first = vec![0u8; SUPERBLOCK_BYTES as usize];
+    let read = std::fs::File::open(path).and_then(|file| {
+        use std::os::unix::fs::FileExt;
+        let mut filled = 0;
+        while filled < first.len() {
+            match file.read_at(&mut first[filled..], filled as u64)? {
+                0 => break,
+                count => filled += count,
+            }
+        }
+        Ok(filled)
+    });
+    match read {
+        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(TierError::Open {
+            local: local_name,
+            source,
+        }),
+        Ok(filled) if filled < first.len() => Ok(None),
+        Ok(_) => match Superblock::decode(&first) {
+            Ok(superblock) => Ok(Some(superblock.identity)),
+            Err(SuperblockProblem::NoMagic) => Ok(None),
+            Err(SuperblockProblem::Checksum) => {
+                Err(TierError::SuperblockCorrupt { local: local_name })
+            }
+            Err(SuperblockProblem::Version(found)) => Err(TierError::Version {
+                local: local_name,
+                found,
+                expected: FORMAT_VERSION,
+            }),
+        },
+    }
+}
+
+/// Rewrites the backend identity in the superblock of the local cache at `path` from `from`
+/// to `to`, changing nothing else: the migration of a cache whose superblock names its
+/// backend the way older servers did (a URL) to the identity the backend records itself.
+/// The caller holds the cache's lock and has established that both name the same backend.
+pub fn migrate_identity(path: &Path, from: &str, to: &str) -> Result<(), TierError> {
+    use std::os::unix::fs::FileExt;
+    check_identity(to)?;
+    let local_name = path.display().to_string();
+    let io_error = |what| {
+        let local_name = local_name.clone();
+        move |source| TierError::Io {
+            local: local_name,
+            what,
+            source,
+        }
+    };
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|source| TierError::Open {
+            local: local_name.clone(),
+            source,
+        })?;
+    let mut first = vec![0u8; SUPERBLOCK_BYTES as usize];
+    file.read_exact_at(&mut first, 0)
+        .map_err(io_error("reading the superblock"))?;
+    let mut superblock = match Superblock::decode(&first) {
+        Ok(superblock) => superblock,
+        Err(_) => return Err(TierError::SuperblockCorrupt { local: local_name }),
+    };
+    if superblock.identity != from {
+        return Err(TierError::OtherBackend {
+            local: local_name,
+            found: superblock.identity,
+            expected: from.to_string(),
+        });
+    }
+    superblock.identity = to.to_string();
+    let encoded = superblock.encode();
+    assert_eq!(encoded.len() as u64, SUPERBLOCK_BYTES);
+    file.write_all_at(&encoded, 0)
+        .and_then(|()| file.sync_all())
+        .map_err(io_error("writing the superblock"))
+}
+
 /// Creates the cache file with all of its blocks allocated, so a full file system shows up
 /// now, as an error naming the file, and never later as a failed log append. A file left
 /// behind by a failure is removed.
