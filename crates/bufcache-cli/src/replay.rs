@@ -244,7 +244,9 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
             other => anyhow::Error::new(other).context("pass --format"),
         })?,
     };
-    let options: TraceOptions = args.trace_options.parse().context("--trace-options")?;
+    let options: TraceOptions = captured_trace_options(&args, format)
+        .parse()
+        .context("--trace-options")?;
     let parameters = args.parameters.parameters()?;
     let changed = args.parameters.changed();
     if !changed.is_empty() {
@@ -317,6 +319,23 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
 
 /// Miss ratio against cache size, one curve per policy. Sizes are in a binary unit fitted to
 /// the largest (blocks times the block size), or in objects with --no-split.
+/// The reader options: the user's, or, when none are given for a CSV file that `serve --trace`
+/// wrote, the ones that read it (said on standard error).
+fn captured_trace_options(args: &ReplayArgs, format: TraceFormat) -> String {
+    if args.trace_options.is_empty()
+        && format == TraceFormat::Csv
+        && crate::trace_capture::is_capture(&args.trace)
+    {
+        eprintln!(
+            "bufcache: {} is a `serve --trace` capture: reading it with --trace-options \"{}\"",
+            args.trace.display(),
+            crate::trace_capture::REPLAY_OPTIONS
+        );
+        return crate::trace_capture::REPLAY_OPTIONS.to_string();
+    }
+    args.trace_options.clone()
+}
+
 fn miss_ratio_plot(rows: &[Row], args: &ReplayArgs, block_size: u64) -> crate::plot::CurvePlot {
     let bytes_max = rows
         .iter()

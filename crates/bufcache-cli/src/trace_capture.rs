@@ -52,6 +52,17 @@ impl TraceOperation {
 pub const REPLAY_OPTIONS: &str =
     "time-col=1,obj-id-col=6,obj-size-col=5,op-col=3,has-header=true,lbn-size=1";
 
+/// The first line of every captured file.
+const HEADER: &str = "time_us,export,op,offset_bytes,length_bytes,obj_id\n";
+
+/// Whether `path` starts with a capture's header (so [`REPLAY_OPTIONS`] reads it).
+pub fn is_capture(path: &Path) -> bool {
+    let mut start = [0u8; HEADER.len()];
+    File::open(path)
+        .and_then(|mut file| std::io::Read::read_exact(&mut file, &mut start))
+        .is_ok_and(|()| start == HEADER.as_bytes())
+}
+
 struct Output {
     writer: Option<BufWriter<File>>,
     bytes_written: u64,
@@ -71,7 +82,7 @@ impl TraceRecorder {
         let file = File::create(path)
             .with_context(|| format!("--trace {}: cannot create", path.display()))?;
         let mut writer = BufWriter::with_capacity(1 << 16, file);
-        let header = "time_us,export,op,offset_bytes,length_bytes,obj_id\n";
+        let header = HEADER;
         writer
             .write_all(header.as_bytes())
             .with_context(|| format!("--trace {}", path.display()))?;

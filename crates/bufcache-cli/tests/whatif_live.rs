@@ -239,6 +239,21 @@ fn trace_capture_records_every_request_for_replay_and_stops_at_its_limit() {
     assert_eq!(rows[0]["requests"], 70, "{rows}");
     // 20 distinct blocks written (10 × 8 KiB), reads cover blocks 0..22: 2 cold read misses.
     assert_eq!(rows[0]["misses"], 22, "{rows}");
+    // A capture needs neither --format nor --trace-options: replay recognises its header.
+    let bare = run_ok(
+        std::process::Command::new(bufcache_bin()).args([
+            "replay",
+            trace.to_str().unwrap(),
+            "--policy",
+            "lru",
+            "--cache-size",
+            "1MiB",
+            "--json",
+        ]),
+        Duration::from_secs(30),
+    );
+    let bare_rows: serde_json::Value = serde_json::from_slice(&bare.stdout).unwrap();
+    assert_eq!(bare_rows, rows, "{}", String::from_utf8_lossy(&bare.stderr));
 
     let limited = dir.path().join("limited.csv");
     let mut server = Server::start(

@@ -416,6 +416,13 @@ pub struct ChunkStore {
 /// (a count cap of 10 ended retries after 2 to 26 s whatever the timeout said).
 const RETRIES_UNBOUNDED: usize = usize::MAX;
 
+/// The most retries `retry_timeout` can hold: every retry first waits at least the initial
+/// backoff (100 ms), so a count cap of this size never ends retries before the timeout does,
+/// and error messages (which print the cap) show a number a person can read.
+fn retries_within(retry_timeout: Duration) -> usize {
+    usize::try_from(retry_timeout.as_millis() / 100 + 1).unwrap_or(usize::MAX)
+}
+
 fn client_builder(url: &S3Url, retry_timeout: Duration, max_retries: usize) -> AmazonS3Builder {
     let mut builder = AmazonS3Builder::from_env()
         .with_bucket_name(&url.bucket)
@@ -426,7 +433,7 @@ fn client_builder(url: &S3Url, retry_timeout: Duration, max_retries: usize) -> A
                 max_backoff: Duration::from_secs(5),
                 base: 2.0,
             },
-            max_retries,
+            max_retries: max_retries.min(retries_within(retry_timeout)),
             retry_timeout,
         })
         .with_client_options(
