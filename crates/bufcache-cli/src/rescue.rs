@@ -6,30 +6,38 @@
 //! flushes) before accepting clients, or discards it when told `--rescue discard`.
 //!
 //! A rescue file belongs to the backends it was saved from. By default each export has its own
-//! file, named after its backend's identity and export name ([`default_path`]); a server holds
+//! file, named after its backend's name and export name ([`default_path`]); a server holds
 //! an exclusive lock ([`RescueLock`]) on every rescue file it may write for as long as it runs,
 //! so a second server on the same backend refuses to start rather than share (or rename over)
-//! the first one's file. The header records each backend's identity, size and block size, and
-//! replay into any other backend is refused naming both.
+//! the first one's file. The header records each backend's identity, name, size, block size
+//! and state; replay into any other backend is refused naming both, and replay into a disk
+//! that moved on since the file was saved (another server opened it and may have written
+//! newer data) is refused unless asked for with `--rescue force`.
 //!
 //! Format (all integers little-endian):
 //!
 //! ```text
 //! file    = magic header record*
-//! magic   = "BUFCACHE-RESCUE2" (16 bytes)
+//! magic   = "BUFCACHE-RESCUE3" (16 bytes)
 //! header  = count:u32 backend*count crc:u32
-//! backend = name_len:u32 name:[u8; name_len] identity_len:u32 identity:[u8; identity_len]
-//!           size:u64 block_size:u32
+//! backend = text(export) text(identity) text(name) size:u64 block_size:u32
+//!           has_state:u8 state:u64
+//! text    = length:u32 bytes:[u8; length]
 //! record  = name_len:u32 name:[u8; name_len] offset:u64 data_len:u32 data:[u8; data_len] crc:u32
 //! ```
 //!
-//! `name` is the export name (UTF-8, empty for the default export), `identity` names the
-//! backend (`file:/absolute/path`, an `nbd://` URI, an `s3://` URL), `offset` is the byte
-//! offset in the export, and each `crc` is the CRC-32 (IEEE) of every byte of the header or
-//! record before it. Files of the first format (`BUFCACHE-RESCUE1`, no header) are still read:
-//! they carry no identity, so they are replayed only when named with `--rescue-file`. The file
-//! is written beside its final path, fsynced, renamed into place and its directory fsynced, so
-//! a crash while writing it leaves the previous state, never a torn file.
+//! `export` is the export name (UTF-8, empty for the default export); `identity` names the
+//! backend itself (`s3-disk:<id>`, the id the disk's metadata object records;
+//! `file:/absolute/path`; an `nbd://` URI without secrets or options), `name` is how it was
+//! reached (`s3://BUCKET/PREFIX`, the same as the identity for the others) and names the
+//! default file; `state` (when `has_state` is 1) is the disk's generation the saving server
+//! held, which any later writable open raises. `offset` is the byte offset in the export, and
+//! each `crc` is the CRC-32 (IEEE) of every byte of the header or record before it. Files of
+//! the second format (`BUFCACHE-RESCUE2`: no name, no state) are still read, their identity
+//! being the URL as older servers wrote it; files of the first format (`BUFCACHE-RESCUE1`, no
+//! header) carry no identity, so they are replayed only when named with `--rescue-file`. The
+//! file is written beside its final path, fsynced, renamed into place and its directory
+//! fsynced, so a crash while writing it leaves the previous state, never a torn file.
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
@@ -39,7 +47,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 
-const MAGIC: &[u8; 16] = b"BUFCACHE-RESCUE2";
+const MAGIC: &[u8; 16] = b"BUFCACHE-RESCUE3";
+/// The second format: backends without a name or state.
+const MAGIC_STATELESS: &[u8; 16] = b"BUFCACHE-RESCUE2";
 const MAGIC_UNIDENTIFIED: &[u8; 16] = b"BUFCACHE-RESCUE1";
 /// Most backends one rescue file describes (a server's exports); a larger count in a header
 /// is damage, not a configuration.
@@ -63,11 +73,18 @@ pub struct Record {
 pub struct Backend {
     /// The export name (empty for the default export).
     pub export: String,
-    /// What the backend is, independent of how it was spelled: `file:/absolute/path`, an NBD
-    /// URI, an S3 URL without credentials.
+    /// What the backend is, independent of how it was spelled: `s3-disk:<id>`,
+    /// `file:/absolute/path`, an NBD URI without secrets or options. (A file of the second
+    /// format holds the URL older servers used instead.)
     pub identity: String,
+    /// How the backend was reached, for the default file name and for messages
+    /// (`s3://BUCKET/PREFIX`; the identity for the others); empty in a second-format file.
+    pub name: String,
     pub size_bytes: u64,
     pub block_size_bytes: u32,
+    /// The disk's generation the saving server held (S3 disks); None for backends that keep
+    /// none, and in a second-format file.
+    pub state: Option<u64>,
 }
 
 /// A rescue file's contents.
@@ -81,16 +98,23 @@ pub struct Contents {
 /// What `--rescue` says to do with a rescue file found at start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum RescueAction {
-    /// Write its data to the backends and flush before accepting clients (the default).
+    /// Write its data to the backends and flush before accepting clients (the default);
+    /// refused when the disk moved on since the file was saved.
     Replay,
+    /// Replay it even when the disk moved on since it was saved (another server opened it,
+    /// so its data may be older than what is there now), or when the file does not say.
+    Force,
     /// Delete it without writing its data anywhere.
     Discard,
 }
 
 /// The default rescue file of an export, in the working directory: `bufcache-NAME-HASH.rescue`
 /// where NAME is readable (the export name, or the backend's last path component) and HASH is a
-/// 64-bit FNV-1a hash of the export name and backend identity, so two backends never share one.
-pub fn default_path(export: &str, identity: &str) -> PathBuf {
+/// 64-bit FNV-1a hash of the export name and the backend's name (`s3://BUCKET/PREFIX`,
+/// `file:/absolute/path`, an NBD URI), so two backends never share one and no URL parameter
+/// changes it.
+pub fn default_path(export: &str, backend_name: &str) -> PathBuf {
+    let identity = backend_name;
     let readable = if export.is_empty() {
         identity
             .trim_end_matches('/')
@@ -143,8 +167,11 @@ pub fn write(path: &Path, backends: &[Backend], records: &[Record]) -> anyhow::R
     for backend in backends {
         put_text(&mut bytes, &backend.export);
         put_text(&mut bytes, &backend.identity);
+        put_text(&mut bytes, &backend.name);
         bytes.extend_from_slice(&backend.size_bytes.to_le_bytes());
         bytes.extend_from_slice(&backend.block_size_bytes.to_le_bytes());
+        bytes.push(u8::from(backend.state.is_some()));
+        bytes.extend_from_slice(&backend.state.unwrap_or(0).to_le_bytes());
     }
     let crc = crc32fast::hash(&bytes[MAGIC.len()..]);
     bytes.extend_from_slice(&crc.to_le_bytes());
@@ -223,9 +250,10 @@ impl<'a> Reader<'a> {
 
 fn parse(bytes: &[u8]) -> anyhow::Result<Contents> {
     let magic = bytes.get(..MAGIC.len());
-    let identified = match magic {
-        Some(magic) if magic == MAGIC => true,
-        Some(magic) if magic == MAGIC_UNIDENTIFIED => false,
+    let (identified, stateful) = match magic {
+        Some(magic) if magic == MAGIC => (true, true),
+        Some(magic) if magic == MAGIC_STATELESS => (true, false),
+        Some(magic) if magic == MAGIC_UNIDENTIFIED => (false, false),
         _ => bail!("not a bufcache rescue file (bad magic)"),
     };
     let mut reader = Reader {
@@ -239,11 +267,33 @@ fn parse(bytes: &[u8]) -> anyhow::Result<Contents> {
         }
         let mut backends = Vec::with_capacity(count);
         for _ in 0..count {
+            let export = reader.text("the header")?;
+            let identity = reader.text("the header")?;
+            let name = if stateful {
+                reader.text("the header")?
+            } else {
+                String::new()
+            };
+            let size_bytes = reader.u64("the header")?;
+            let block_size_bytes = reader.u32("the header")?;
+            let state = if stateful {
+                let has_state = reader.take(1, "the header")?[0];
+                let state = reader.u64("the header")?;
+                match has_state {
+                    0 => None,
+                    1 => Some(state),
+                    other => bail!("the header: a state flag of {other} (damaged file)"),
+                }
+            } else {
+                None
+            };
             backends.push(Backend {
-                export: reader.text("the header")?,
-                identity: reader.text("the header")?,
-                size_bytes: reader.u64("the header")?,
-                block_size_bytes: reader.u32("the header")?,
+                export,
+                identity,
+                name,
+                size_bytes,
+                block_size_bytes,
+                state,
             });
         }
         let body_end = reader.position;
@@ -387,14 +437,18 @@ mod tests {
             Backend {
                 export: String::new(),
                 identity: "file:/srv/disk.img".into(),
+                name: "file:/srv/disk.img".into(),
                 size_bytes: 1 << 30,
                 block_size_bytes: 4096,
+                state: None,
             },
             Backend {
                 export: "b".into(),
-                identity: "nbd://host:10809/vol".into(),
+                identity: "s3-disk:00000000000000ab".into(),
+                name: "s3://bucket/vol".into(),
                 size_bytes: 1 << 41,
                 block_size_bytes: 65536,
+                state: Some(7),
             },
         ]
     }
@@ -437,6 +491,28 @@ mod tests {
         }
         assert!(parse(&bytes[..bytes.len() - 1]).is_err());
         assert!(parse(b"something else").is_err());
+    }
+
+    #[test]
+    fn a_second_format_file_is_read_without_a_name_or_state() {
+        // Goal: rescue files saved before disks recorded a state are still readable (and so
+        // never silently lost), marked as carrying no state. Method: a hand-made
+        // second-format file with one backend and one record.
+        let mut bytes = MAGIC_STATELESS.to_vec();
+        bytes.extend_from_slice(&1u32.to_le_bytes());
+        put_text(&mut bytes, "");
+        put_text(&mut bytes, "s3://bucket/disk?create-size=1G");
+        bytes.extend_from_slice(&(1u64 << 30).to_le_bytes());
+        bytes.extend_from_slice(&4096u32.to_le_bytes());
+        let crc = crc32fast::hash(&bytes[MAGIC.len()..]);
+        bytes.extend_from_slice(&crc.to_le_bytes());
+        let contents = parse(&bytes).unwrap();
+        let backends = contents.backends.unwrap();
+        assert_eq!(backends.len(), 1);
+        assert_eq!(backends[0].identity, "s3://bucket/disk?create-size=1G");
+        assert_eq!(backends[0].state, None);
+        assert!(backends[0].name.is_empty());
+        assert!(contents.records.is_empty());
     }
 
     #[test]

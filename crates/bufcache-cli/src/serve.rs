@@ -201,6 +201,12 @@ pub struct ServeArgs {
     /// remote once the backend holds them too, flushed (the behaviour without a local cache).
     #[arg(long, value_name = "WHERE", value_enum)]
     flush_to: Option<FlushToArg>,
+    /// Seconds a write waits, once the --local-cache log is full of data not yet on the
+    /// backend, while write-back makes no progress at all; then it fails (a FLUSH answers
+    /// EIO) and the data stays dirty. Progress restarts the wait, so a slow backend that
+    /// moves is waited for. Default 10.
+    #[arg(long, value_name = "SECONDS")]
+    local_cache_stall_max: Option<f64>,
     /// Serve Prometheus metrics (/metrics) and JSON statistics (/stats) on HOST:PORT.
     #[arg(long, value_name = "HOST:PORT")]
     metrics: Option<String>,
@@ -230,19 +236,40 @@ fn open_local_tier(
     args: &ServeArgs,
     path: &Path,
     remote: Arc<dyn Device>,
-    identity: &str,
+    identity: &BackendIdentity,
 ) -> anyhow::Result<(Arc<ServeTier>, BackendLock)> {
     let config = bufcache_tier::LocalTierConfig {
         flush_to: match args.flush_to {
             Some(FlushToArg::Remote) => bufcache_tier::FlushTo::Remote,
             Some(FlushToArg::Local) | None => bufcache_tier::FlushTo::Local,
         },
+        remote_stall_max: args.local_cache_stall_max.map_or(
+            bufcache_tier::LocalTierConfig::default().remote_stall_max,
+            Duration::from_secs_f64,
+        ),
         ..bufcache_tier::LocalTierConfig::default()
     };
     let existed = path.exists();
     let early_lock = existed.then(|| BackendLock::acquire(path)).transpose()?;
-    let tier =
-        bufcache_tier::LocalTier::open_path(path, args.local_cache_size, remote, identity, config)?;
+    // A cache made by an older server names its backend by the URL; once checked to be this
+    // disk (check_before_writing), it is given the disk's own identity.
+    if let Some(recorded) = bufcache_tier::recorded_identity(path)? {
+        if recorded != identity.identity && same_backend(&recorded, identity) {
+            bufcache_tier::migrate_identity(path, &recorded, &identity.identity)?;
+            say!(
+                "local cache {}: its backend `{recorded}` is now named by the disk's identity `{}`",
+                path.display(),
+                identity.identity
+            );
+        }
+    }
+    let tier = bufcache_tier::LocalTier::open_path(
+        path,
+        args.local_cache_size,
+        remote,
+        &identity.identity,
+        config,
+    )?;
     let lock = match early_lock {
         Some(lock) => lock,
         None => BackendLock::acquire(path)?,
@@ -280,15 +307,34 @@ struct OpenedBackend {
     device: Arc<dyn Device>,
     /// The upstream connection when the backend is an NBD server (for its metrics).
     upstream: Option<Arc<ReconnectingClient>>,
-    /// What the backend is, for its rescue file; None for memory, which does not outlive the
-    /// process (so there is nothing to rescue into).
-    identity: Option<String>,
+    /// What the backend is, for its rescue file and local cache; None for memory, which does
+    /// not outlive the process (so there is nothing to rescue into).
+    identity: Option<BackendIdentity>,
+    /// The S3 device, whose log layout may hold acknowledged data only in memory (saved to
+    /// the rescue file at a shutdown that cannot reach the store).
+    s3: Option<Arc<bufcache_s3::S3Device>>,
     /// Exclusive use of a backing file or block device, held until the process ends.
     _lock: Option<BackendLock>,
 }
 
-/// A URL without the query parameters that may carry secrets, as a backend identity: the
-/// identity is written into rescue files in the clear.
+/// Which disk a backend is, and how far it has moved on.
+#[derive(Clone, Debug)]
+struct BackendIdentity {
+    /// The disk itself: `s3-disk:<id>` (the id its metadata object records),
+    /// `file:/absolute/path`, an NBD URI without its query (but `socket=`).
+    identity: String,
+    /// How it was reached, without any parameter that only says how to open it:
+    /// `s3://BUCKET/PREFIX`; the identity for the others. Names the default rescue file.
+    name: String,
+    /// The disk's generation this server holds (S3 disks: raised by every writable open);
+    /// None for backends that keep none.
+    state: Option<u64>,
+}
+
+/// The identity of a backend named by an NBD URI: the URI without its query, but for
+/// `socket=` (where a unix-socket server listens). The other parameters carry secrets (an
+/// identity is written into rescue files in the clear) or say only how the server is reached
+/// (TLS files and names), and none of them changes which disk it is.
 fn identity_of_url(url: &str) -> String {
     let Some((base, query)) = url.split_once('?') else {
         return url.to_string();
@@ -296,14 +342,10 @@ fn identity_of_url(url: &str) -> String {
     let kept: Vec<&str> = query
         .split('&')
         .filter(|pair| {
-            let key = pair
-                .split('=')
+            pair.split('=')
                 .next()
                 .unwrap_or_default()
-                .to_ascii_lowercase();
-            !["secret", "key", "token", "password", "psk", "credential"]
-                .iter()
-                .any(|word| key.contains(word))
+                .eq_ignore_ascii_case("socket")
         })
         .collect();
     if kept.is_empty() {
@@ -313,9 +355,176 @@ fn identity_of_url(url: &str) -> String {
     }
 }
 
+/// The name of the S3 disk a URL reaches: `s3://BUCKET/PREFIX`, every parameter left out.
+fn s3_disk_name(url: &bufcache_s3::S3Url) -> String {
+    format!("s3://{}/{}", url.bucket, url.prefix)
+}
+
+/// The disk name in an S3 identity as older servers recorded it (the URL with its
+/// parameters but secrets): `s3://BUCKET/PREFIX`.
+fn legacy_s3_name(identity: &str) -> Option<String> {
+    let rest = identity.strip_prefix("s3://")?;
+    let location = rest.split('?').next().unwrap_or_default();
+    let (bucket, prefix) = location.split_once('/').unwrap_or((location, ""));
+    Some(format!("s3://{bucket}/{}", prefix.trim_matches('/')))
+}
+
+/// True when `recorded` (from a rescue file or a local cache, maybe written by an older
+/// server that named backends by their URL) names the backend `ours`.
+fn same_backend(recorded: &str, ours: &BackendIdentity) -> bool {
+    if recorded == ours.identity {
+        return true;
+    }
+    if ours.identity.starts_with("s3-disk:") || ours.identity == ours.name {
+        if let Some(name) = legacy_s3_name(recorded) {
+            return name == ours.name;
+        }
+    }
+    !recorded.starts_with("s3") && identity_of_url(recorded) == ours.identity
+}
+
+/// Checks, before anything is written to the backend (no lock broken, no epoch, no
+/// checkpoint), that what this server will attach belongs to the backend `ours` of export
+/// `export`: its rescue file (same disk, and the disk not moved on since the file was saved,
+/// unless `--rescue force`), rescue files older servers saved under other names, and the local
+/// cache. A refusal says what is held and the command that recovers it.
+fn check_before_writing(
+    args: &ServeArgs,
+    export: &str,
+    ours: &BackendIdentity,
+    size_bytes: Option<u64>,
+) -> anyhow::Result<()> {
+    let refuse = |message: String| Err(anyhow::Error::new(crate::BadInput(message)));
+    let path = args
+        .rescue_file
+        .clone()
+        .unwrap_or_else(|| rescue::default_path(export, &ours.name));
+    if args.rescue != RescueAction::Discard && path.exists() {
+        let contents = rescue::read(&path)?;
+        let bytes: u64 = contents
+            .records
+            .iter()
+            .filter(|record| record.export == export)
+            .map(|record| record.data.len() as u64)
+            .sum();
+        let age = rescue_age(&path);
+        for saved in contents.backends.iter().flatten() {
+            if saved.export != export {
+                continue;
+            }
+            if !same_backend(&saved.identity, ours) {
+                return refuse(format!(
+                    "rescue file {} holds {bytes} bytes of unwritten data (saved {age}) of disk {} (export {export:?}), and this server's backend is {} ({}): refusing to replay it into another backend; nothing was changed. Start a server on {} to replay it, or give this one another --rescue-file",
+                    path.display(),
+                    saved.identity,
+                    ours.identity,
+                    ours.name,
+                    if saved.name.is_empty() { &saved.identity } else { &saved.name },
+                ));
+            }
+            if let Some(size_bytes) = size_bytes.filter(|size| *size != saved.size_bytes) {
+                return refuse(format!(
+                    "rescue file {} holds {bytes} bytes of unwritten data (saved {age}) of {} when it was {} bytes; it is {size_bytes} bytes now: refusing to replay into a resized disk; nothing was changed",
+                    path.display(),
+                    ours.name,
+                    saved.size_bytes
+                ));
+            }
+            let Some(now) = ours.state else {
+                continue;
+            };
+            if saved.state == Some(now) || args.rescue == RescueAction::Force {
+                continue;
+            }
+            let why = match saved.state {
+                Some(then) => format!(
+                    "the disk moved on since it was saved (generation {then} then, {now} now: another server opened it for writing and may have written newer data)"
+                ),
+                None => "it was saved by an older bufcache that did not record the disk's state, so whether the disk moved on since cannot be told".to_string(),
+            };
+            return refuse(format!(
+                "rescue file {} holds {bytes} bytes of unwritten data (saved {age}) of {} (export {export:?}), and {why}: refusing to replay it over possibly newer data; nothing was changed and the file is kept. If its data is the newest, replay it anyway by adding --rescue force",
+                path.display(),
+                ours.name,
+            ));
+        }
+    }
+    if args.rescue_file.is_none() {
+        for other in other_rescue_files(&path) {
+            let Ok(contents) = rescue::read(&other) else {
+                continue;
+            };
+            let ours_there = contents
+                .backends
+                .iter()
+                .flatten()
+                .any(|saved| saved.export == export && same_backend(&saved.identity, ours));
+            if ours_there {
+                let bytes: u64 = contents
+                    .records
+                    .iter()
+                    .map(|record| record.data.len() as u64)
+                    .sum();
+                return refuse(format!(
+                    "rescue file {} holds {bytes} bytes of unwritten data (saved {}) of this server's disk {} (export {export:?}), saved under another name by an older bufcache: nothing was changed; replay it with --rescue-file {} (and --rescue force if the file does not record the disk's state)",
+                    other.display(),
+                    rescue_age(&other),
+                    ours.name,
+                    other.display()
+                ));
+            }
+        }
+    }
+    if let Some(local) = &args.local_cache {
+        if let Some(recorded) = bufcache_tier::recorded_identity(local)? {
+            if !same_backend(&recorded, ours) {
+                return refuse(format!(
+                    "local cache {} belongs to backend `{recorded}`, not `{}` ({}): refusing to attach it; nothing was replayed or written. It may hold flushed writes not yet on `{recorded}`: start `bufcache serve` on that backend with --local-cache {} to write them back, and give this backend another --local-cache path",
+                    local.display(),
+                    ours.identity,
+                    ours.name,
+                    local.display()
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// How long ago the file at `path` was written, for messages.
+fn rescue_age(path: &Path) -> String {
+    std::fs::metadata(path)
+        .and_then(|metadata| metadata.modified())
+        .ok()
+        .and_then(|modified| modified.elapsed().ok())
+        .map_or("at an unknown time".to_string(), |age| {
+            format!("{} s ago", age.as_secs())
+        })
+}
+
+/// The `bufcache-*.rescue` files in the working directory other than `ours`.
+fn other_rescue_files(ours: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(".") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .map(|entry| entry.file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with("bufcache-") && name.ends_with(".rescue"))
+        .map(PathBuf::from)
+        .filter(|path| path != ours)
+        .collect()
+}
+
 /// Opens the device a backend string names (and, for nbd://, the upstream connection too, for
-/// its metrics).
-fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Result<OpenedBackend> {
+/// its metrics). `export` and the flags say what [`check_before_writing`] checks, which runs
+/// before anything is written to the backend.
+fn open_backend(
+    spec: &str,
+    args: &ServeArgs,
+    is_default: bool,
+    export: &str,
+) -> anyhow::Result<OpenedBackend> {
     if let Some(size) = spec.strip_prefix("memory:") {
         let size = parse_size(size).with_context(|| format!("backend `{spec}`"))?;
         if size == 0 {
@@ -325,6 +534,7 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
             device: Arc::new(MemoryDevice::new(size)),
             upstream: None,
             identity: None,
+            s3: None,
             _lock: None,
         });
     }
@@ -342,31 +552,72 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
             ReconnectingClient::connect(spec, policy)
                 .with_context(|| format!("backend `{spec}`"))?,
         );
+        let identity = identity_of_url(spec);
+        let identity = BackendIdentity {
+            name: identity.clone(),
+            identity,
+            state: None,
+        };
+        check_before_writing(args, export, &identity, Some(client.len()))?;
         return Ok(OpenedBackend {
             device: Arc::clone(&client) as Arc<dyn Device>,
             upstream: Some(client),
-            identity: Some(identity_of_url(spec)),
+            identity: Some(identity),
+            s3: None,
             _lock: None,
         });
     }
     if spec.starts_with("s3://") {
         let mut url = bufcache_s3::S3Url::parse(spec).map_err(bufcache_s3::OpenError::from)?;
         url.create_size_bytes = url.create_size_bytes.or(args.create_size);
+        let name = s3_disk_name(&url);
+        // Read before anything is written: the disk's id and generation decide whether its
+        // rescue file and local cache may be attached, and a refusal must leave the store as
+        // it was (no broken lock, no epoch, no checkpoint, no new generation).
+        let seen = bufcache_s3::probe(&url)?;
+        let proposed_id = bufcache_s3::new_disk_id();
+        let expected = BackendIdentity {
+            identity: match seen.and_then(|seen| seen.disk_id) {
+                Some(id) => bufcache_s3::disk_identity(id),
+                None if seen.is_some() && args.read_only => name.clone(),
+                // A disk without an id gets this one when opened for writing; a new disk
+                // gets its own, and nothing saved can belong to a disk not made yet.
+                None if seen.is_some() => bufcache_s3::disk_identity(proposed_id),
+                None => String::new(),
+            },
+            name: name.clone(),
+            state: seen.map(|seen| seen.generation),
+        };
+        check_before_writing(args, export, &expected, seen.map(|seen| seen.size_bytes))?;
         // --read-only writes nothing, not even the disk lock; credentials that may not write
         // (the store answers the lock's PUT 403) make a read-only export too, as a file this
         // process may only read does.
         let device = if args.read_only {
             bufcache_s3::S3Device::open_read_only(&url)?
         } else {
-            bufcache_s3::S3Device::open_locked(&url)?
+            bufcache_s3::S3Device::open_locked_after_probe(&url, seen.as_ref(), proposed_id)?
         };
         if let Some(bufcache_s3::ReadOnly::WritesRefused(answer)) = device.read_only() {
             say!("{url}: the store refuses writes ({answer}): serving it read-only, without taking the disk lock");
         }
+        let state = device.state();
+        let identity = match state.disk_id {
+            Some(id) => bufcache_s3::disk_identity(id),
+            None => {
+                say!("{name}: the disk records no id yet (it was made by an older bufcache and is opened read-only, so none is written): its rescue file and local cache are named by {name}");
+                name.clone()
+            }
+        };
+        let device = Arc::new(device);
         return Ok(OpenedBackend {
-            device: Arc::new(device),
+            device: Arc::clone(&device) as Arc<dyn Device>,
             upstream: None,
-            identity: Some(identity_of_url(spec)),
+            identity: Some(BackendIdentity {
+                identity,
+                name,
+                state: Some(state.generation),
+            }),
+            s3: Some(device),
             _lock: None,
         });
     }
@@ -416,10 +667,18 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
     let lock = BackendLock::acquire(path)?;
     let absolute = std::fs::canonicalize(path)
         .with_context(|| format!("backend `{spec}`: resolving its absolute path"))?;
+    let identity = format!("file:{}", absolute.display());
+    let identity = BackendIdentity {
+        name: identity.clone(),
+        identity,
+        state: None,
+    };
+    check_before_writing(args, export, &identity, Some(device.len()))?;
     Ok(OpenedBackend {
         device: Arc::new(device),
         upstream: None,
-        identity: Some(format!("file:{}", absolute.display())),
+        identity: Some(identity),
+        s3: None,
         _lock: Some(lock),
     })
 }
@@ -512,6 +771,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             args.shutdown_timeout
         );
     }
+    if let Some(seconds) = args.local_cache_stall_max {
+        if !(seconds > 0.0 && seconds <= 86_400.0) {
+            bail!("--local-cache-stall-max {seconds} is invalid: must be above 0 and at most 86400 seconds");
+        }
+    }
     for (flag, value) in [
         ("--reconnect-delay-initial", args.reconnect_delay_initial),
         ("--reconnect-delay-max", args.reconnect_delay_max),
@@ -598,8 +862,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         if args.direct {
             bail!("--direct opens backing files with O_DIRECT, and no backend is a file");
         }
-        if args.create_size.is_some() {
-            bail!("--create-size creates a backing file, and no backend is a file");
+        if args.create_size.is_some()
+            && !specs
+                .iter()
+                .any(|(_, backend, _)| backend.starts_with("s3://"))
+        {
+            bail!("--create-size creates a backing file or S3 disk, and no backend is either");
         }
         if args.file_io_threads > 0 {
             bail!("--file-io-threads gives backing files worker threads, and no backend is a file");
@@ -617,6 +885,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         if args.flush_to == Some(FlushToArg::Local) {
             bail!("--flush-to local needs a --local-cache to flush to");
         }
+        if args.local_cache_stall_max.is_some() {
+            bail!("--local-cache-stall-max bounds waits of a --local-cache, and no --local-cache is given");
+        }
     } else if specs.len() != 1 {
         bail!("--local-cache belongs to one backend, and {} exports are given: serve one export per local cache", specs.len());
     }
@@ -624,13 +895,21 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut tiers: Vec<Arc<ServeTier>> = Vec::new();
     let mut backend_locks = Vec::new();
     let mut counters: Vec<Arc<CountingDevice<Arc<dyn Device>>>> = Vec::new();
+    let mut s3_devices: Vec<(String, Arc<bufcache_s3::S3Device>)> = Vec::new();
     for (name, backend, is_default) in specs {
         let OpenedBackend {
             device,
             upstream,
             identity,
+            s3,
             _lock: lock,
-        } = open_backend(&backend, &args, is_default)?;
+        } = open_backend(&backend, &args, is_default, &name)?;
+        // With a local cache the cache keeps what the log layout has not uploaded (its epoch
+        // is written back only once the backend flushed it): only without one is it saved
+        // from the device at shutdown.
+        if args.local_cache.is_none() {
+            s3_devices.extend(s3.map(|device| (name.clone(), device)));
+        }
         backend_locks.extend(lock);
         let counting = Arc::new(CountingDevice::new(device));
         let mut tier = None;
@@ -677,9 +956,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         if let Some(identity) = identity {
             rescuable.push(rescue::Backend {
                 export: name.clone(),
-                identity,
+                identity: identity.identity,
+                name: identity.name,
                 size_bytes: object.len(),
                 block_size_bytes: object.block_size(),
+                state: identity.state,
             });
         }
         objects.push((name.clone(), object.reopen()));
@@ -909,7 +1190,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
         Some(Err(error)) => {
             say!("writing back dirty data at shutdown failed: {error}");
-            rescue_and_exit(rescue_targets, &objects, &counters)
+            rescue_and_exit(rescue_targets, &objects, &s3_devices, &counters)
         }
         None => {
             match last_error.lock().ok().and_then(|last| last.clone()) {
@@ -918,7 +1199,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                     "writing back dirty data at shutdown did not finish (backend not answering)"
                 ),
             }
-            rescue_and_exit(rescue_targets, &objects, &counters)
+            rescue_and_exit(rescue_targets, &objects, &s3_devices, &counters)
         }
     }
 }
@@ -962,7 +1243,7 @@ fn rescue_targets(
         );
     }
     for backend in rescuable {
-        let path = rescue::default_path(&backend.export, &backend.identity);
+        let path = rescue::default_path(&backend.export, &backend.name);
         let lock = rescue::RescueLock::acquire(&path, &describe(std::slice::from_ref(&backend)))?;
         targets.push(RescueTarget {
             path,
@@ -1012,6 +1293,7 @@ fn warn_of_other_rescue_files(targets: &[RescueTarget]) {
 fn rescue_and_exit(
     targets: Vec<RescueTarget>,
     objects: &[(String, ObjectHandle)],
+    s3_devices: &[(String, Arc<bufcache_s3::S3Device>)],
     counters: &[Arc<CountingDevice<Arc<dyn Device>>>],
 ) -> ! {
     crate::daemon::cleanup();
@@ -1021,9 +1303,30 @@ fn rescue_and_exit(
     let mut lost_bytes = 0u64;
     let mut failures = Vec::new();
     let mut saved_paths = Vec::new();
+    let mut undurable_unknown = false;
     for target in &targets {
         let mut records = Vec::new();
         for backend in &target.backends {
+            // First what the device acknowledged but holds only in memory (older than any
+            // dirty block of the cache, so replayed first).
+            if let Some((name, device)) =
+                s3_devices.iter().find(|(name, _)| *name == backend.export)
+            {
+                match undurable_extents(device) {
+                    Some((extents, unreadable)) => {
+                        unreadable_bytes += unreadable;
+                        records.extend(extents.into_iter().map(|(offset, data)| rescue::Record {
+                            export: name.clone(),
+                            offset,
+                            data,
+                        }));
+                    }
+                    None => {
+                        say!("export {name:?}: the object store's layout did not answer in time: the writes it held only in memory are not saved");
+                        undurable_unknown = true;
+                    }
+                }
+            }
             let Some((name, object)) = objects.iter().find(|(name, _)| *name == backend.export)
             else {
                 continue;
@@ -1082,7 +1385,7 @@ fn rescue_and_exit(
         say!("no dirty data left, but the backend did not confirm a flush: data written last may not be durable");
         crate::log::exit(1);
     }
-    if unreadable_bytes > 0 {
+    if unreadable_bytes > 0 || undurable_unknown {
         say!(
             "saved {saved_bytes} bytes of dirty data to rescue file {}; LOST {unreadable_bytes} bytes held by requests that did not finish",
             saved_paths.join(", ")
@@ -1094,6 +1397,24 @@ fn rescue_and_exit(
         saved_paths.join(", ")
     );
     crate::log::exit(EXIT_RESCUED);
+}
+
+/// Extents (offset, bytes) a device holds only in memory, and the bytes it could not read.
+type Undurable = (Vec<(u64, Vec<u8>)>, u64);
+
+/// What `device` holds only in memory (see [`bufcache_s3::S3Device::undurable_extents`]),
+/// asked on a thread of its own so a layout stuck on the store cannot stop the shutdown: None
+/// when it did not answer within 5 s.
+fn undurable_extents(device: &Arc<bufcache_s3::S3Device>) -> Option<Undurable> {
+    let (sender, receiver) = mpsc::channel();
+    let device = Arc::clone(device);
+    std::thread::Builder::new()
+        .name("bufcache-rescue".into())
+        .spawn(move || {
+            let _ = sender.send(device.undurable_extents());
+        })
+        .ok()?;
+    receiver.recv_timeout(Duration::from_secs(5)).ok()
 }
 
 /// Replays (or discards) a rescue file left by an earlier shutdown, before serving. A file
@@ -1119,47 +1440,46 @@ fn handle_rescue_file(
         );
         return Ok(());
     }
+    // Each backend's disk and state were checked before it was opened (check_before_writing);
+    // this catches an export the file names that this server does not have.
     for saved in contents.backends.iter().flatten() {
         let Some(ours) = target
             .backends
             .iter()
             .find(|ours| ours.export == saved.export)
         else {
-            bail!(
-                "rescue file {} holds data of export {:?} on {}, which this server does not                  serve: start with that export, or pass --rescue discard to drop it",
+            return Err(anyhow::Error::new(crate::BadInput(format!(
+                "rescue file {} holds data of export {:?} on {}, which this server does not serve: nothing was replayed and the file is kept; start with that export to replay it",
                 path.display(),
                 saved.export,
                 saved.identity
-            );
+            ))));
         };
-        if ours.identity != saved.identity {
-            bail!(
-                "rescue file {} was saved from {} (export {:?}), and this server's export {:?}                  is {}: refusing to replay it into another backend; start with the backend it                  was saved from, or pass --rescue discard to drop it",
+        let identity = BackendIdentity {
+            identity: ours.identity.clone(),
+            name: ours.name.clone(),
+            state: ours.state,
+        };
+        if !same_backend(&saved.identity, &identity) || ours.size_bytes != saved.size_bytes {
+            return Err(anyhow::Error::new(crate::BadInput(format!(
+                "rescue file {} was saved from {} (export {:?}, {} bytes), and this server's export {:?} is {} ({} bytes): refusing to replay it into another backend; nothing was replayed and the file is kept",
                 path.display(),
                 saved.identity,
                 saved.export,
-                ours.export,
-                ours.identity
-            );
-        }
-        if ours.size_bytes != saved.size_bytes {
-            bail!(
-                "rescue file {} was saved from {} when it was {} bytes; it is {} bytes now:                  refusing to replay into a resized backend (pass --rescue discard to drop it)",
-                path.display(),
-                saved.identity,
                 saved.size_bytes,
+                ours.export,
+                ours.identity,
                 ours.size_bytes
-            );
+            ))));
         }
     }
     for record in &records {
         let Some((_, object)) = objects.iter().find(|(name, _)| *name == record.export) else {
-            bail!(
-                "rescue file {} holds data for export {:?}, which this server does not have; \
-                 start with that export, or pass --rescue discard to drop it",
+            return Err(anyhow::Error::new(crate::BadInput(format!(
+                "rescue file {} holds data for export {:?}, which this server does not have: nothing was replayed and the file is kept; start with that export to replay it",
                 path.display(),
                 record.export
-            );
+            ))));
         };
         object
             .write_at(record.offset, &record.data, false)

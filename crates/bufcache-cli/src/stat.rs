@@ -275,9 +275,7 @@ pub fn run(args: StatArgs) -> anyhow::Result<()> {
         if args.json {
             println!("{first}");
         } else {
-            let empty = serde_json::json!({});
-            print_header();
-            print_line(&line_between(&empty, &first, 1.0), false);
+            print_totals(&first);
             for line in command_lines(&first) {
                 println!("{line}");
             }
@@ -300,6 +298,40 @@ pub fn run(args: StatArgs) -> anyhow::Result<()> {
         printed += 1;
     }
     Ok(())
+}
+
+/// `--once`: the totals since start under headers that say so (no per-second rates).
+fn print_totals(stats: &Value) {
+    let (transfers, read_bytes, written_bytes) = backend_totals(stats);
+    let lookups = number(stats, &["cache", "hits"]) + number(stats, &["cache", "misses"]);
+    let issued = number(stats, &["cache", "readahead_issued_blocks"]);
+    let percent_of = |part: f64, whole: f64| {
+        if whole > 0.0 {
+            100.0 * part / whole
+        } else {
+            0.0
+        }
+    };
+    println!(
+        "{:>12} {:>10} {:>10} {:>8} {:>6} {:>10} {:>10} {:>7} {:>6}",
+        "transfers", "read", "written", "avg KiB", "hit%", "dirty", "wired", "ra-eff%", "conns"
+    );
+    println!(
+        "{:>12} {:>10} {:>10} {:>8.1} {:>6.1} {:>10} {:>10} {:>7.1} {:>6}",
+        transfers,
+        bufcache::format_size(read_bytes as u64),
+        bufcache::format_size(written_bytes as u64),
+        if transfers > 0.0 {
+            (read_bytes + written_bytes) / transfers / 1024.0
+        } else {
+            0.0
+        },
+        percent_of(number(stats, &["cache", "hits"]), lookups),
+        bufcache::format_size(number(stats, &["cache", "dirty_bytes"]) as u64),
+        bufcache::format_size(number(stats, &["cache", "pinned_bytes"]) as u64),
+        percent_of(number(stats, &["cache", "readahead_used_blocks"]), issued),
+        exports_sum(stats, "/nbd/connections_open"),
+    );
 }
 
 fn print_header() {

@@ -93,6 +93,11 @@ fn connections_requests_bytes_and_latency_histograms_per_command_are_exact() {
     );
     let stat = String::from_utf8_lossy(&stat.stdout).into_owned();
     assert!(stat.contains("nbd connections open 2"), "{stat}");
+    let header = stat.lines().next().unwrap_or_default();
+    assert!(
+        header.contains("transfers") && header.contains("written") && !header.contains("/s"),
+        "--once prints totals under totals' headers, not rates: {header}"
+    );
     let write_line = stat
         .lines()
         .find(|line| line.starts_with("nbd write"))

@@ -197,3 +197,47 @@ fn under_tls_require_the_start_up_hint_is_an_nbds_uri_that_connects() {
         "{text}"
     );
 }
+
+#[test]
+fn a_local_cache_stall_bound_out_of_range_or_without_a_local_cache_is_refused_by_name() {
+    // Goal: --local-cache-stall-max is checked before anything opens: zero, negative or over a
+    // day, and given without a --local-cache, each is one line naming the flag. Method: run
+    // the real binary with each bad value.
+    let _timer = Timer::new(
+        "a_local_cache_stall_bound_out_of_range_or_without_a_local_cache_is_refused_by_name",
+    );
+    let dir = temp_dir();
+    let cache = dir.path().join("disk.cache");
+    let cache = cache.to_str().unwrap();
+    for value in ["0", "-1", "100000"] {
+        let error = one_line_failure(
+            dir.path(),
+            &[
+                "serve",
+                "--backend",
+                "disk.img",
+                "--local-cache",
+                cache,
+                &format!("--local-cache-stall-max={value}"),
+            ],
+        );
+        assert!(
+            error.contains("--local-cache-stall-max") && error.contains("invalid"),
+            "{value}: {error}"
+        );
+    }
+    let error = one_line_failure(
+        dir.path(),
+        &[
+            "serve",
+            "--backend",
+            "memory:1M",
+            "--local-cache-stall-max",
+            "5",
+        ],
+    );
+    assert!(
+        error.contains("--local-cache-stall-max") && error.contains("no --local-cache"),
+        "{error}"
+    );
+}

@@ -10,7 +10,7 @@ use bytes::{Bytes, BytesMut};
 use crate::error::OpenError;
 use crate::layout::Layout;
 use crate::log::LogStore;
-use crate::store::ChunkStore;
+use crate::store::{advance_generation, new_disk_id, ChunkStore, DiskState};
 use crate::url::S3Url;
 
 /// A batch's reads in flight at once are at most the store's request bound divided by this
@@ -20,37 +20,78 @@ pub const READ_SHARE_DIVISOR: usize = 4;
 /// A bufcache device stored in an object store.
 pub struct S3Device {
     store: Layout,
+    /// The disk's identity and generation: as this open left them (raised by a writable
+    /// open), or as read (a read-only one).
+    state: DiskState,
 }
 
 impl S3Device {
     /// A device over a chunk-layout disk.
     pub fn new(store: ChunkStore) -> Self {
+        let store = Layout::Chunk(store);
         S3Device {
-            store: Layout::Chunk(store),
+            state: store.state(),
+            store,
         }
     }
 
     /// A device over a log-layout disk.
     pub fn new_log(store: LogStore) -> Self {
+        let store = Layout::Log(store);
         S3Device {
-            store: Layout::Log(store),
+            state: store.state(),
+            store,
         }
     }
 
     /// Opens the disk `url` names in the layout its metadata records (creating it with the
-    /// URL's `layout=` when asked to) and takes its lock.
+    /// URL's `layout=` when asked to), takes its lock and raises its generation.
     pub fn open_locked(url: &S3Url) -> Result<Self, OpenError> {
-        Ok(S3Device {
-            store: Layout::open_locked(url)?,
-        })
+        Self::open_locked_after_probe(url, None, new_disk_id())
+    }
+
+    /// [`S3Device::open_locked`] for a caller that checked what depends on the disk's state
+    /// against `seen` (from [`crate::probe`]; None: no disk existed, or nothing to hold to)
+    /// before anything was written: once the lock is held, the generation is raised only if
+    /// it is still the one seen, and a disk without an id gets `proposed_id`.
+    pub fn open_locked_after_probe(
+        url: &S3Url,
+        seen: Option<&DiskState>,
+        proposed_id: u64,
+    ) -> Result<Self, OpenError> {
+        let store = Layout::open_locked(url)?;
+        let state = match store.read_only() {
+            Some(_) => store.state(),
+            None => advance_generation(url, seen.map(|seen| seen.generation), proposed_id)?,
+        };
+        Ok(S3Device { store, state })
     }
 
     /// Opens an existing disk read-only, writing nothing at all (see
     /// [`ChunkStore::open_read_only`]).
     pub fn open_read_only(url: &S3Url) -> Result<Self, OpenError> {
+        let store = Layout::open_read_only(url)?;
         Ok(S3Device {
-            store: Layout::open_read_only(url)?,
+            state: store.state(),
+            store,
         })
+    }
+
+    /// The disk's identity and generation (see [`DiskState`]).
+    pub fn state(&self) -> DiskState {
+        self.state
+    }
+
+    /// Every range written to this device whose data is not durable in the store yet, with
+    /// that data (log layout: extents in the open segment or in sealed segments not uploaded;
+    /// the chunk layout acknowledges a write only once stored, so it has none): what a
+    /// shutdown that cannot reach the store saves elsewhere; and the bytes that could not be
+    /// read back.
+    pub fn undurable_extents(&self) -> (Vec<(u64, Vec<u8>)>, u64) {
+        match &self.store {
+            Layout::Chunk(_) => (Vec::new(), 0),
+            Layout::Log(store) => store.undurable_extents(),
+        }
     }
 
     /// Why the disk refuses writes (asked for, or credentials that may not write); None when

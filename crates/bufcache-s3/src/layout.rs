@@ -5,7 +5,7 @@ use bytes::Bytes;
 
 use crate::error::{OpenError, StoreError};
 use crate::log::{LogConfig, LogStore};
-use crate::store::{connect, connect_with, ChunkStore, Create, ReadOnly};
+use crate::store::{connect, connect_with, ChunkStore, Create, DiskState, ReadOnly};
 use crate::url::{LayoutKind, S3Url};
 
 /// A disk of either layout (one per device: the size difference does not matter).
@@ -91,6 +91,14 @@ impl Layout {
         match self {
             Layout::Chunk(_) => Ok(()),
             Layout::Log(store) => store.flush(),
+        }
+    }
+
+    /// The disk's identity and generation as its metadata object recorded them at open.
+    pub fn state(&self) -> DiskState {
+        match self {
+            Layout::Chunk(store) => DiskState::of(&store.metadata()),
+            Layout::Log(store) => DiskState::of(&store.metadata()),
         }
     }
 

@@ -76,9 +76,16 @@ pub struct DiskMetadata {
     pub chunk_checksums: bool,
     pub format_version: u64,
     pub layout: LayoutKind,
-    /// Random identity of a log-layout disk, written in each of its segments and checkpoints
-    /// so objects of another disk are never replayed as its own; 0 for a chunk-layout disk.
+    /// Random identity of the disk (`disk_id`, 16 hex digits, in the metadata object): a
+    /// log-layout disk writes it in each of its segments and checkpoints so objects of another
+    /// disk are never replayed as its own; rescue files and local tiers name their disk by it
+    /// ([`disk_identity`]). 0 for a chunk-layout disk created before chunk disks had one (it
+    /// gets one at its next writable open, [`advance_generation`]).
     pub disk_id: u64,
+    /// `generation` in the metadata object: raised by every writable open
+    /// ([`advance_generation`]), so a rescue file records which state of the disk it was
+    /// taken against and is never replayed over writes of a later open. 0 when absent.
+    pub generation: u64,
     /// Compression and encryption of a log-layout disk's extents (docs/s3.md, "Encryption
     /// and compression"); none for a chunk-layout disk.
     pub seal: SealParameters,
@@ -140,6 +147,136 @@ pub(crate) fn random_id() -> u64 {
         .map_or(0, |elapsed| elapsed.as_nanos());
     hasher.write_u128(nanoseconds);
     hasher.finish()
+}
+
+/// The identity rescue files and local tiers give the disk of id `disk_id`:
+/// `s3-disk:<16 hex digits>`. It names the disk, not the URL that reached it, so no URL
+/// parameter (`break-lock=`, `create-size=`, an endpoint alias ...) changes it.
+pub fn disk_identity(disk_id: u64) -> String {
+    format!("s3-disk:{disk_id:016x}")
+}
+
+/// What a server must know of a disk before it changes anything in the store: which disk it
+/// is and how far it has moved on ([`probe`], [`advance_generation`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DiskState {
+    /// The disk's id; None for a chunk disk created before chunk disks had one.
+    pub disk_id: Option<u64>,
+    /// How many writable opens the disk has had (the metadata object's `generation`).
+    pub generation: u64,
+    pub size_bytes: u64,
+    pub layout: LayoutKind,
+}
+
+impl DiskState {
+    pub(crate) fn of(metadata: &DiskMetadata) -> DiskState {
+        DiskState {
+            disk_id: (metadata.disk_id != 0).then_some(metadata.disk_id),
+            generation: metadata.generation,
+            size_bytes: metadata.size_bytes,
+            layout: metadata.layout,
+        }
+    }
+}
+
+/// A runtime and client for one short exchange with the disk's store (probe, generation).
+fn short_client(
+    url: &S3Url,
+    retries: usize,
+) -> Result<(tokio::runtime::Runtime, AmazonS3), OpenError> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|source| OpenError::Runtime {
+            url: url.to_string(),
+            source,
+        })?;
+    let retry_timeout = Duration::from_millis(url.retry_timeout_ms);
+    let client = client_builder(url, retry_timeout.min(Duration::from_secs(5)), retries)
+        .build()
+        .map_err(|error| OpenError::Client {
+            url: url.to_string(),
+            message: chain(&error),
+        })?;
+    Ok((runtime, client))
+}
+
+/// Reads the disk's metadata object and nothing else, writing nothing: the disk's identity and
+/// generation, checked against the URL's parameters; None when no disk exists there yet.
+pub fn probe(url: &S3Url) -> Result<Option<DiskState>, OpenError> {
+    let (runtime, client) = short_client(url, 2)?;
+    match runtime.block_on(ChunkStore::open_metadata(&client, url, Create::Never)) {
+        Ok(metadata) => Ok(Some(DiskState::of(&metadata))),
+        Err(OpenError::NoDiskReadOnly { .. }) => Ok(None),
+        Err(error) => Err(error),
+    }
+}
+
+/// Raises the disk's generation by one in its metadata object (giving a chunk disk that has
+/// no id `proposed_id`), keeping every other field as stored. Called by a writable open once
+/// it holds the disk lock, so no other server writes the object meanwhile. `seen` is the
+/// generation [`probe`] read before the lock was taken (None: no disk existed then): when it
+/// moved since, another server opened the disk in between and the open is refused, since the
+/// checks made against what the probe read no longer hold.
+pub fn advance_generation(
+    url: &S3Url,
+    seen: Option<u64>,
+    proposed_id: u64,
+) -> Result<DiskState, OpenError> {
+    assert_ne!(proposed_id, 0, "0 means no disk id");
+    let key = url.key(METADATA_NAME);
+    let request_error = |operation: String, error: object_store::Error| OpenError::Request {
+        url: url.to_string(),
+        operation,
+        message: chain(&error),
+    };
+    let bad = |reason: String| OpenError::BadMetadata {
+        url: url.to_string(),
+        key: key.clone(),
+        reason,
+    };
+    let (runtime, client) = short_client(url, RETRIES_UNBOUNDED)?;
+    let location = ObjectPath::from(key.as_str());
+    let body = runtime
+        .block_on(async {
+            let result = client.get(&location).await?;
+            result.bytes().await
+        })
+        .map_err(|error| request_error(format!("reading `{key}`"), error))?;
+    let stored = parse_metadata(&body).map_err(bad)?;
+    if let Some(seen) = seen.filter(|seen| *seen != stored.generation) {
+        return Err(OpenError::Config {
+            url: url.to_string(),
+            reason: format!(
+                "the disk's generation moved from {seen} to {} while this server started (another server opened it meanwhile): nothing was changed; start again",
+                stored.generation
+            ),
+        });
+    }
+    let mut value: serde_json::Value =
+        serde_json::from_slice(&body).map_err(|error| bad(format!("not JSON: {error}")))?;
+    let generation = stored.generation + 1;
+    value["generation"] = json!(generation);
+    let disk_id = if stored.disk_id == 0 {
+        value["disk_id"] = json!(format!("{proposed_id:016x}"));
+        proposed_id
+    } else {
+        stored.disk_id
+    };
+    runtime
+        .block_on(client.put(&location, PutPayload::from(value.to_string().into_bytes())))
+        .map_err(|error| request_error(format!("writing `{key}`"), error))?;
+    Ok(DiskState {
+        disk_id: Some(disk_id),
+        generation,
+        size_bytes: stored.size_bytes,
+        layout: stored.layout,
+    })
+}
+
+/// A random id for a disk that has none yet (never 0, which means none).
+pub fn new_disk_id() -> u64 {
+    random_id().max(1)
 }
 
 /// Why a store opened for serving refuses writes.
@@ -533,18 +670,22 @@ impl ChunkStore {
                                 chunk_size,
                             });
                         }
+                        let disk_id = random_id();
                         let metadata = DiskMetadata {
                             size_bytes: size,
                             chunk_size_bytes: chunk_size,
                             chunk_checksums: true,
                             format_version: FORMAT_VERSION_CHUNK_CHECKED,
                             layout,
-                            disk_id: 0,
+                            disk_id,
+                            generation: 0,
                             seal: SealParameters::default(),
                         };
                         let body = json!({
                             "format": "bufcache-s3",
                             "format_version": FORMAT_VERSION_CHUNK_CHECKED,
+                            "disk_id": format!("{disk_id:016x}"),
+                            "generation": 0,
                             "size_bytes": size,
                             "chunk_size_bytes": chunk_size,
                             "chunk_checksums": CHUNK_CHECKSUMS_NAME,
@@ -575,6 +716,7 @@ impl ChunkStore {
                             format_version: FORMAT_VERSION_LOG,
                             layout,
                             disk_id,
+                            generation: 0,
                             seal,
                         };
                         let mut body = json!({
@@ -582,6 +724,7 @@ impl ChunkStore {
                             "format_version": FORMAT_VERSION_LOG,
                             "layout": "log",
                             "disk_id": format!("{disk_id:016x}"),
+                            "generation": 0,
                             "size_bytes": size,
                         });
                         seal.write_json(&mut body);
@@ -975,6 +1118,22 @@ fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, String> {
     };
     let format_version = field("format_version")?;
     let size_bytes = field("size_bytes")?;
+    let generation = match &value["generation"] {
+        serde_json::Value::Null => 0,
+        other => other
+            .as_u64()
+            .ok_or("field `generation` is not a whole number")?,
+    };
+    let disk_id = match &value["disk_id"] {
+        serde_json::Value::Null => None,
+        other => Some(
+            other
+                .as_str()
+                .filter(|text| text.len() == 16)
+                .and_then(|text| u64::from_str_radix(text, 16).ok())
+                .ok_or("field `disk_id` is not 16 hex digits")?,
+        ),
+    };
     match format_version {
         FORMAT_VERSION | FORMAT_VERSION_CHUNK_CHECKED => {
             let chunk_checksums = format_version == FORMAT_VERSION_CHUNK_CHECKED;
@@ -989,7 +1148,8 @@ fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, String> {
                 chunk_size_bytes: field("chunk_size_bytes")?,
                 chunk_checksums,
                 layout: LayoutKind::Chunk,
-                disk_id: 0,
+                disk_id: disk_id.unwrap_or(0),
+                generation,
                 seal: SealParameters::default(),
             };
             if !metadata.chunk_size_bytes.is_power_of_two()
@@ -1005,10 +1165,7 @@ fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, String> {
             if value["layout"] != "log" {
                 return Err("field `layout` is not \"log\"".to_string());
             }
-            let disk_id = value["disk_id"]
-                .as_str()
-                .and_then(|text| u64::from_str_radix(text, 16).ok())
-                .ok_or("field `disk_id` is missing or not hex digits")?;
+            let disk_id = disk_id.ok_or("field `disk_id` is missing or not hex digits")?;
             if size_bytes == 0 {
                 return Err("field `size_bytes` is 0".to_string());
             }
@@ -1019,6 +1176,7 @@ fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, String> {
                 chunk_checksums: false,
                 layout: LayoutKind::Log,
                 disk_id,
+                generation,
                 seal: SealParameters::read_json(&value)?,
             })
         }
@@ -1094,6 +1252,7 @@ mod tests {
                 format_version: 1,
                 layout: LayoutKind::Chunk,
                 disk_id: 0,
+                generation: 0,
                 seal: SealParameters::default(),
             }
         );

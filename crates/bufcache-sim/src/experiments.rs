@@ -192,12 +192,13 @@ impl CustomRun {
         let d = &report.device;
         let c = &report.cache;
         out.push_str(&format!(
-            "\ndevice: {} reads ({:.1} KiB avg), {} writes ({:.1} KiB avg), busy {:.3} s of {:.3} s\n",
+            "\ndevice: {} reads ({:.1} KiB avg), {} writes ({:.1} KiB avg), busy {:.3} s of the {:.3} s until its last request completed (the processes finished at {:.3} s)\n",
             d.reads,
             if d.reads > 0 { d.read_bytes as f64 / d.reads as f64 / 1024.0 } else { 0.0 },
             d.writes,
             if d.writes > 0 { d.write_bytes as f64 / d.writes as f64 / 1024.0 } else { 0.0 },
             d.busy_ns as f64 / 1e9,
+            (d.last_done_ns as f64 / 1e9).max(report.elapsed_s),
             report.elapsed_s
         ));
         if d.queue_entered > 0 {

@@ -62,6 +62,12 @@ pub struct LocalTierConfig {
     pub zero_record_bytes_max: u64,
     /// Who runs write-back. Default [`WritebackDriver::Thread`].
     pub writeback_driver: WritebackDriver,
+    /// How long a write that found the log full of dirty data (so it must wait for the
+    /// remote) waits while write-back makes no progress at all — no remote write, zeroing,
+    /// discard or flush completing — before it fails with the remote's last error (EIO to an
+    /// NBD client; the engine keeps the data dirty). Progress restarts the wait, so a slow
+    /// remote that moves is waited for. Only with [`WritebackDriver::Thread`]. Default 10 s.
+    pub remote_stall_max: Duration,
 }
 
 impl Default for LocalTierConfig {
@@ -77,6 +83,7 @@ impl Default for LocalTierConfig {
             writeback_retry_delay_max: Duration::from_secs(5),
             zero_record_bytes_max: 64 << 20,
             writeback_driver: WritebackDriver::Thread,
+            remote_stall_max: Duration::from_secs(10),
         }
     }
 }
@@ -107,6 +114,9 @@ pub enum LocalTierConfigError {
         /// The largest accepted.
         max: u64,
     },
+    /// `remote_stall_max` is zero.
+    #[error("local tier remote_stall_max {0:?} is invalid: must be above zero")]
+    RemoteStallMax(Duration),
     /// The retry delays are zero or the initial one exceeds the largest.
     #[error("local tier write-back retry delays are invalid: initial {initial:?} must be above zero and at most the maximum {max:?}")]
     RetryDelay {
@@ -160,6 +170,9 @@ impl LocalTierConfig {
                 initial: self.writeback_retry_delay_initial,
                 max: self.writeback_retry_delay_max,
             });
+        }
+        if self.remote_stall_max.is_zero() {
+            return Err(LocalTierConfigError::RemoteStallMax(self.remote_stall_max));
         }
         Ok(())
     }

@@ -67,7 +67,7 @@ pub enum TierError {
         expected: u32,
     },
     /// The cache belongs to another backend.
-    #[error("local cache {local} belongs to backend `{found}`, not `{expected}`: refusing to attach it (nothing was replayed); give another path, or delete it if `{found}` no longer matters")]
+    #[error("local cache {local} belongs to backend `{found}`, not `{expected}`: refusing to attach it (nothing was replayed or written); it may hold flushed writes not yet on `{found}`: start `bufcache serve` on that backend with --local-cache {local} to write them back, and give this backend another --local-cache path")]
     OtherBackend {
         /// The local cache.
         local: String,
@@ -109,7 +109,7 @@ pub enum TierError {
         actual: u64,
     },
     /// The size asked for differs from the size the cache was created with.
-    #[error("local cache {local} is {actual} bytes, not the {asked} bytes asked for (--local-cache-size): a local cache is not resized; give its size, or delete it to make a new one")]
+    #[error("local cache {local} is {actual} bytes, not the {asked} bytes asked for (--local-cache-size): a local cache is not resized; give its size, or leave --local-cache-size out")]
     SizeMismatch {
         /// The local cache.
         local: String,

@@ -16,4 +16,4 @@ pub mod tier;
 
 pub use config::{FlushTo, LocalTierConfig, LocalTierConfigError, WritebackDriver};
 pub use error::TierError;
-pub use tier::{LocalTier, TierStats, WritebackStep};
+pub use tier::{migrate_identity, recorded_identity, LocalTier, TierStats, WritebackStep};

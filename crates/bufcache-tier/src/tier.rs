@@ -30,6 +30,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use bufcache_device::{
     all_data, check_range, read_each_now, write_batch_and_wait, write_each_now, BatchWrite,
@@ -180,6 +181,9 @@ struct State {
 #[derive(Default)]
 struct Counters {
     fallbacks: AtomicU64,
+    /// Remote requests (writes, zeroings, discards, flushes) write-back completed: a waiter
+    /// that sees it unchanged for `remote_stall_max` knows the remote is stuck.
+    remote_progress: AtomicU64,
     read_blocks_local: AtomicU64,
     read_blocks_remote: AtomicU64,
     read_cache_insert_failures: AtomicU64,
@@ -286,6 +290,91 @@ impl<R: Device + 'static> LocalTier<R, FileDevice> {
         }
         Self::open_checked(local, local_name, remote, identity, config, size_bytes)
     }
+}
+
+/// The backend identity recorded in the superblock of the local cache at `path`, reading
+/// nothing else and writing nothing; None when there is no cache there yet (no file, or a
+/// device whose first 4 KiB are not a superblock, as a zeroed block device).
+pub fn recorded_identity(path: &Path) -> Result<Option<String>, TierError> {
+    let local_name = path.display().to_string();
+    let mut first = vec![0u8; SUPERBLOCK_BYTES as usize];
+    let read = std::fs::File::open(path).and_then(|file| {
+        use std::os::unix::fs::FileExt;
+        let mut filled = 0;
+        while filled < first.len() {
+            match file.read_at(&mut first[filled..], filled as u64)? {
+                0 => break,
+                count => filled += count,
+            }
+        }
+        Ok(filled)
+    });
+    match read {
+        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(TierError::Open {
+            local: local_name,
+            source,
+        }),
+        Ok(filled) if filled < first.len() => Ok(None),
+        Ok(_) => match Superblock::decode(&first) {
+            Ok(superblock) => Ok(Some(superblock.identity)),
+            Err(SuperblockProblem::NoMagic) => Ok(None),
+            Err(SuperblockProblem::Checksum) => {
+                Err(TierError::SuperblockCorrupt { local: local_name })
+            }
+            Err(SuperblockProblem::Version(found)) => Err(TierError::Version {
+                local: local_name,
+                found,
+                expected: FORMAT_VERSION,
+            }),
+        },
+    }
+}
+
+/// Rewrites the backend identity in the superblock of the local cache at `path` from `from`
+/// to `to`, changing nothing else: the migration of a cache whose superblock names its
+/// backend the way older servers did (a URL) to the identity the backend records itself.
+/// The caller holds the cache's lock and has established that both name the same backend.
+pub fn migrate_identity(path: &Path, from: &str, to: &str) -> Result<(), TierError> {
+    use std::os::unix::fs::FileExt;
+    check_identity(to)?;
+    let local_name = path.display().to_string();
+    let io_error = |what| {
+        let local_name = local_name.clone();
+        move |source| TierError::Io {
+            local: local_name,
+            what,
+            source,
+        }
+    };
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|source| TierError::Open {
+            local: local_name.clone(),
+            source,
+        })?;
+    let mut first = vec![0u8; SUPERBLOCK_BYTES as usize];
+    file.read_exact_at(&mut first, 0)
+        .map_err(io_error("reading the superblock"))?;
+    let mut superblock = match Superblock::decode(&first) {
+        Ok(superblock) => superblock,
+        Err(_) => return Err(TierError::SuperblockCorrupt { local: local_name }),
+    };
+    if superblock.identity != from {
+        return Err(TierError::OtherBackend {
+            local: local_name,
+            found: superblock.identity,
+            expected: from.to_string(),
+        });
+    }
+    superblock.identity = to.to_string();
+    let encoded = superblock.encode();
+    assert_eq!(encoded.len() as u64, SUPERBLOCK_BYTES);
+    file.write_all_at(&encoded, 0)
+        .and_then(|()| file.sync_all())
+        .map_err(io_error("writing the superblock"))
 }
 
 /// Creates the cache file with all of its blocks allocated, so a full file system shows up
@@ -1094,7 +1183,7 @@ impl<R: Device, L: Device> Shared<R, L> {
              write is larger than a record): falling back to remote durability for it"
         );
         let target = self.close_epoch();
-        self.wait_for_remote(target)?;
+        self.wait_for_remote_bounded(target, Some(self.config.remote_stall_max))?;
         let total_bytes = record_total_bytes(payload.len() as u64);
         // Zeroings too long for a record (one index entry per block) always go through.
         let loggable =
@@ -1194,8 +1283,16 @@ impl<R: Device, L: Device> Shared<R, L> {
     /// write-back has failed `writeback_attempts_max` times in a row, the last of them while
     /// this call waited (so a remote that is back gets its retry first).
     fn wait_for_remote(&self, target: u64) -> io::Result<()> {
+        self.wait_for_remote_bounded(target, None)
+    }
+
+    /// [`Shared::wait_for_remote`], giving up once write-back has made no progress for
+    /// `stall_max` (see [`LocalTierConfig::remote_stall_max`]).
+    fn wait_for_remote_bounded(&self, target: u64, stall_max: Option<Duration>) -> io::Result<()> {
         let mut state = self.state.lock();
         let failures_before = state.writeback_failures_total;
+        let mut progress_seen = self.counters.remote_progress.load(Ordering::Acquire);
+        let mut progress_at = Instant::now();
         loop {
             if state
                 .dirty_epochs
@@ -1217,9 +1314,21 @@ impl<R: Device, L: Device> Shared<R, L> {
             if state.stopping {
                 return Err(io::Error::other("the local tier is stopping"));
             }
-            match self.config.writeback_driver {
-                WritebackDriver::Thread => self.changed.wait(&mut state),
-                WritebackDriver::Caller => {
+            match (self.config.writeback_driver, stall_max) {
+                (WritebackDriver::Thread, None) => self.changed.wait(&mut state),
+                (WritebackDriver::Thread, Some(stall_max)) => {
+                    let progress = self.counters.remote_progress.load(Ordering::Acquire);
+                    if progress != progress_seen {
+                        progress_seen = progress;
+                        progress_at = Instant::now();
+                    }
+                    let stalled = progress_at.elapsed();
+                    if stalled >= stall_max {
+                        return Err(self.stalled_error(&state, target, stall_max));
+                    }
+                    self.changed.wait_for(&mut state, stall_max - stalled);
+                }
+                (WritebackDriver::Caller, _) => {
                     // Nobody else writes back: this caller does, one epoch per step, until
                     // its target is on the remote or the failures above stop it.
                     drop(state);
@@ -1694,8 +1803,30 @@ impl<R: Device, L: Device> Shared<R, L> {
             for outcome in write_batch_and_wait(&self.remote, &writes) {
                 outcome?;
             }
+            self.counters
+                .remote_progress
+                .fetch_add(1, Ordering::Release);
         }
-        self.remote.flush()
+        self.remote.flush()?;
+        self.counters
+            .remote_progress
+            .fetch_add(1, Ordering::Release);
+        Ok(())
+    }
+
+    /// The error of a write that waited `stall_max` for a remote that made no progress.
+    fn stalled_error(&self, state: &State, target: u64, stall_max: Duration) -> io::Error {
+        io::Error::other(format!(
+            "local cache {} is full of data not yet on the remote {}, and write-back made no \
+             progress for {stall_max:?} (epochs up to {target} wait; last write-back error: {}); \
+             this write is refused, nothing written before it is lost",
+            self.local_name,
+            self.remote.describe(),
+            state
+                .writeback_error
+                .as_deref()
+                .unwrap_or("none yet, a request is still running")
+        ))
     }
 }
 

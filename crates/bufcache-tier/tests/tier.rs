@@ -990,3 +990,135 @@ fn a_file_cache_keeps_flushed_writes_across_a_reopen() {
     tier.drain().unwrap();
     assert_eq!(remote.durable_image()[8192..16384], [5u8; 8192]);
 }
+
+/// A remote whose writes and flushes wait while its gate is closed: a store that hangs.
+struct GatedRemote {
+    inner: CrashDevice,
+    closed: std::sync::Mutex<bool>,
+    opened: std::sync::Condvar,
+}
+
+impl GatedRemote {
+    fn wait_open(&self) {
+        let mut closed = self.closed.lock().unwrap();
+        while *closed {
+            closed = self.opened.wait(closed).unwrap();
+        }
+    }
+
+    fn open_gate(&self) {
+        *self.closed.lock().unwrap() = false;
+        self.opened.notify_all();
+    }
+}
+
+impl Device for GatedRemote {
+    fn read_vectored_at(&self, buffers: &mut [IoSliceMut<'_>], offset: u64) -> std::io::Result<()> {
+        self.inner.read_vectored_at(buffers, offset)
+    }
+    fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> std::io::Result<()> {
+        self.wait_open();
+        self.inner.write_vectored_at(buffers, offset)
+    }
+    fn submit_reads(&self, reads: Vec<bufcache_device::ReadRequest>) {
+        bufcache_device::read_each_now(self, reads)
+    }
+    fn submit_writes(&self, writes: Vec<bufcache_device::WriteRequest>) {
+        bufcache_device::write_each_now(self, writes)
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        self.wait_open();
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, length: u64) -> std::io::Result<()> {
+        self.wait_open();
+        self.inner.discard(offset, length)
+    }
+    fn write_zeroes(&self, offset: u64, length: u64) -> std::io::Result<()> {
+        self.wait_open();
+        self.inner.write_zeroes(offset, length)
+    }
+    fn extents(&self, offset: u64, length: u64) -> std::io::Result<Vec<bufcache_device::Extent>> {
+        self.inner.extents(offset, length)
+    }
+    fn capabilities(&self) -> bufcache_device::Capabilities {
+        self.inner.capabilities()
+    }
+    fn describe(&self) -> String {
+        "gated".into()
+    }
+}
+
+#[test]
+fn a_full_log_over_a_hung_remote_fails_the_write_within_the_stall_bound() {
+    // Goal: once the log is full of data not yet on the remote and the remote hangs, a write
+    // that must wait for the remote fails after `remote_stall_max` without progress, instead
+    // of waiting for the remote's own timeouts (a FLUSH over it then answers EIO in seconds),
+    // and nothing acknowledged before it is lost. Method: a remote whose writes block; fill
+    // the log; the write that falls back must return an error naming the stall (a thread and
+    // a generous receive timeout catch a hang); open the remote, drain, check every
+    // acknowledged block on the remote.
+    let local = Arc::new(CrashDevice::new(LOCAL_BYTES_MIN, 11));
+    let remote = Arc::new(GatedRemote {
+        inner: CrashDevice::new(1024 * BLOCK, 12),
+        closed: std::sync::Mutex::new(false),
+        opened: std::sync::Condvar::new(),
+    });
+    let tier = Arc::new(
+        LocalTier::create(
+            Arc::clone(&local),
+            "crash-local".into(),
+            Arc::clone(&remote),
+            IDENTITY,
+            LocalTierConfig {
+                remote_stall_max: Duration::from_millis(300),
+                ..config(FlushTo::Local)
+            },
+        )
+        .unwrap(),
+    );
+    // Dropped before the tier, whose write-back thread would otherwise wait on the gate.
+    struct OpenOnDrop(Arc<GatedRemote>);
+    impl Drop for OpenOnDrop {
+        fn drop(&mut self) {
+            self.0.open_gate();
+        }
+    }
+    let _open_on_drop = OpenOnDrop(Arc::clone(&remote));
+    // Creating the tier flushes the remote; it hangs from here on.
+    *remote.closed.lock().unwrap() = true;
+    let (sender, receiver) = std::sync::mpsc::channel();
+    let writer = Arc::clone(&tier);
+    std::thread::spawn(move || {
+        let mut acknowledged = 0u64;
+        for block in 0..1024u64 {
+            let data = vec![(block % 251) as u8 + 1; BLOCK as usize];
+            match write(&*writer, block * BLOCK, &data) {
+                Ok(()) => acknowledged += 1,
+                Err(error) => {
+                    let _ = sender.send((acknowledged, error.to_string()));
+                    return;
+                }
+            }
+        }
+        let _ = sender.send((acknowledged, String::new()));
+    });
+    let (acknowledged, error) = receiver
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the write over a hung remote returned");
+    assert!(
+        error.contains("no progress") && error.contains("gated"),
+        "after {acknowledged} blocks: {error:?}"
+    );
+    assert!(acknowledged > 0 && tier.stats().fallbacks > 0);
+    remote.open_gate();
+    tier.drain().unwrap();
+    let image = remote.inner.durable_image();
+    for block in 0..acknowledged {
+        let at = (block * BLOCK) as usize;
+        assert!(
+            image[at..at + BLOCK as usize] == vec![(block % 251) as u8 + 1; BLOCK as usize],
+            "acknowledged block {block} is on the remote"
+        );
+    }
+}

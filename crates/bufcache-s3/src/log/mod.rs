@@ -710,6 +710,43 @@ impl LogStore {
         self.core.write_zeroes(offset, length)
     }
 
+    /// Every disk range whose newest data is only in memory (the open segment, or a sealed
+    /// segment not yet uploaded), with its bytes, in pieces of at most 1 MiB: what a shutdown
+    /// that cannot reach the store must save elsewhere. Zeroings not yet durable are not
+    /// included (the index keeps no trace of them). The second value counts the bytes that
+    /// could not be read back.
+    pub fn undurable_extents(&self) -> (Vec<(u64, Vec<u8>)>, u64) {
+        const PIECE_BYTES_MAX: u64 = 1 << 20;
+        let ranges: Vec<(u64, u64)> = {
+            let state = self.core.shared.lock();
+            state
+                .index
+                .iter()
+                .filter(|(_, mapping)| {
+                    mapping.segment == state.open.sequence
+                        || state.sealed.contains_key(&mapping.segment)
+                })
+                .map(|(offset, mapping)| (offset, mapping.length))
+                .collect()
+        };
+        let mut extents = Vec::new();
+        let mut unreadable_bytes = 0;
+        for (offset, length) in ranges {
+            let mut position = offset;
+            while position < offset + length {
+                let piece = PIECE_BYTES_MAX.min(offset + length - position);
+                let mut data = vec![0u8; piece as usize];
+                // In memory: served without a request, so it works with the store gone.
+                match self.core.read(&mut data, position) {
+                    Ok(()) => extents.push((position, data)),
+                    Err(_) => unreadable_bytes += piece,
+                }
+                position += piece;
+            }
+        }
+        (extents, unreadable_bytes)
+    }
+
     /// Makes every write and zeroing that returned before this call durable: seals the open
     /// segment, waits until every segment up to it is durable (uploading failed ones again,
     /// once each) and writes a checkpoint when one is due.
