@@ -56,14 +56,15 @@ fn refused_naming(result: Result<LogStore, OpenError>, key: &str) {
 // Goal: each line of the threat model. Without the key, someone who may write to the bucket
 // cannot make an encrypted disk serve data of their choosing: a forged segment holding an
 // extent in checked blocks (plaintext), one holding a zeroed range, a genuine segment put
-// under another name, and a forged checkpoint are each refused at open naming the object; a
-// genuine segment with a random tag appended too. They can deny service and delete (refused
-// opens, covered in log_refusals.rs), and roll the disk back to an older state they saved
-// whole. Method: an encrypted disk holding A, closed (one segment, one checkpoint); forged
-// objects made from an unencrypted disk's (its first segment holds plaintext in checked
-// blocks, its second only a zeroed range; disk id, sequence and CRCs rewritten), put as
-// the next segment of the current epoch, then removed; finally an older saved copy of every
-// log object put back after B was written: A reads back.
+// under another name, a forged epoch object and a forged checkpoint are each refused at open
+// naming the object; a forged segment with a random tag appended too. They can deny service
+// and delete (refused opens, covered in log_refusals.rs), and roll the disk back to an older
+// state they saved whole. Method: an encrypted disk holding A, closed (one segment, one
+// checkpoint); forged objects made from an unencrypted disk's (its first segment holds
+// plaintext in checked blocks, its second only a zeroed range; disk id, sequence and CRCs
+// rewritten), put as the next segment of the current epoch (or the next epoch object, or a
+// newer checkpoint), then removed; finally an older saved copy of every log object put back
+// after B was written: A reads back.
 #[test]
 fn without_the_key_the_bucket_can_deny_and_roll_back_but_not_forge() {
     let name = "without_the_key_the_bucket_can_deny_and_roll_back_but_not_forge";
@@ -124,6 +125,16 @@ fn without_the_key_the_bucket_can_deny_and_roll_back_but_not_forge() {
     raw.put(next, raw.get(&genuine[0]));
     refused_naming(open(&endpoint, "disk", &key), next);
     raw.delete(next);
+    // A forged epoch object, newer than the checkpoint's writer (so an open reads it): its
+    // disk id and CRC rewritten like a checkpoint's, the CRC being the last 4 bytes.
+    let forged_epoch = "disk/log/epochs/0000000000000005";
+    let plain_epoch = raw.keys("plain/log/epochs")[0].clone();
+    raw.put(
+        forged_epoch,
+        forge_checkpoint(raw.get(&plain_epoch), disk_id),
+    );
+    refused_naming(open(&endpoint, "disk", &key), forged_epoch);
+    raw.delete(forged_epoch);
     // A forged checkpoint, newer than the genuine one.
     let forged = "disk/log/checkpoints/0000000000000001-0000000000000002";
     let plain_checkpoint = raw.keys("plain/log/checkpoints")[0].clone();

@@ -20,6 +20,11 @@
 //!   of the appended writes that includes every FLUSH-acknowledged one; a checkpoint covering
 //!   them is stored first, so their numbers are never used again (a saved copy put back
 //!   later is never read);
+//! - what no crash leaves is a loss, refused ([`OpenError::LostObjects`], nothing deleted)
+//!   unless the URL says `recover-prefix=on`: each segment header records how far the log
+//!   and its checkpoints were durable when it was sealed (module `segment`, `Marks`), so a
+//!   segment after a gap sealed once the missing one was stored, or one sealed after a
+//!   checkpoint newer than the newest found, proves objects missing ([`check_nothing_lost`]);
 //! - a segment or checkpoint that exists but fails its checksums or names another disk is
 //!   damage, not a crash (an object PUT is atomic): opening stops with an error naming it,
 //!   serving and changing nothing;

@@ -1,16 +1,17 @@
 #!/usr/bin/env python3
 """An HTTP proxy in front of an S3 server that loses the answers of chosen requests.
 
-usage: fault_proxy.py LISTEN_PORT TARGET_PORT FAULTS_LOG SUFFIX COUNT [ignore-conditions | reset:SKIP]
+usage: fault_proxy.py LISTEN_PORT TARGET_PORT FAULTS_LOG SUFFIX COUNT [ignore-conditions | reset:SKIP | reset-deletes-too:SKIP]
 Every request is forwarded to the server on TARGET_PORT and its answer relayed, except the
 first COUNT PUTs whose path ends with SUFFIX: those are carried out by the server, but the
 client is answered 500 InternalError instead, as when a store applies a write and the answer
 is lost. Each such fault appends a line "PUT PATH STATUS" (the server's real status) to
 FAULTS_LOG. With `ignore-conditions`, the If-None-Match and If-Match headers are dropped
 from every request, so the server behaves as a store that ignores them (s3rver 3.7.1 stores a
-create-only PUT of an existing object again and answers 200). With `reset:SKIP`, the first
-SKIP such PUTs pass and the next COUNT are carried out and then answered with a connection
-reset (TCP RST, no answer) instead of a 500. The port is ready when
+create-only PUT of an existing object again and answers 200). With `reset:SKIP`, the first SKIP
+such PUTs pass and the next COUNT are carried out and then answered with a connection reset
+(TCP RST, no answer) instead of a 500; `reset-deletes-too:SKIP` counts and resets DELETEs of
+such keys as well. The port is ready when
 LISTEN_PORT accepts connections.
 """
 import http.client
@@ -23,7 +24,9 @@ import threading
 listen_port, target_port = int(sys.argv[1]), int(sys.argv[2])
 faults_log, suffix, faults_left = sys.argv[3], sys.argv[4], [int(sys.argv[5])]
 ignore_conditions = len(sys.argv) > 6 and sys.argv[6] == "ignore-conditions"
-reset_skip = [int(sys.argv[6][len("reset:"):])] if len(sys.argv) > 6 and sys.argv[6].startswith("reset:") else None
+mode = sys.argv[6] if len(sys.argv) > 6 else ""
+reset_skip = [int(mode.split(":")[1])] if mode.startswith(("reset:", "reset-deletes-too:")) else None
+faulted_methods = ("PUT", "DELETE") if mode.startswith("reset-deletes-too:") else ("PUT",)
 lock = threading.Lock()
 
 ERROR_BODY = (
@@ -52,7 +55,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         answer_body = answer.read()
         connection.close()
         fault = False
-        if self.command == "PUT" and self.path.split("?")[0].endswith(suffix):
+        if self.command in faulted_methods and self.path.split("?")[0].endswith(suffix):
             with lock:
                 if reset_skip is not None and reset_skip[0] > 0:
                     reset_skip[0] -= 1
@@ -61,7 +64,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                     fault = True
         if fault:
             with open(faults_log, "a") as log:
-                log.write(f"PUT {self.path} {answer.status}\n")
+                log.write(f"{self.command} {self.path} {answer.status}\n")
             if reset_skip is not None:
                 self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 self.connection.close()

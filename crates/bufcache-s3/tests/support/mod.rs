@@ -372,10 +372,22 @@ impl FaultProxy {
         FaultProxy::start_with(target_port, "", 0, Some("ignore-conditions".to_string()))
     }
 
-    /// A proxy that lets the first `skip` PUTs to a key ending in `suffix` through, then
-    /// carries out the next `count` and answers each with a connection reset (no answer).
-    pub fn resetting(target_port: u16, suffix: &str, skip: usize, count: usize) -> FaultProxy {
-        FaultProxy::start_with(target_port, suffix, count, Some(format!("reset:{skip}")))
+    /// A proxy that lets the first `skip` PUTs of a key ending in `suffix` through, then
+    /// carries out the next `count` and answers each with a connection reset (no answer);
+    /// with `deletes_too`, DELETEs of such keys count and are reset as well.
+    pub fn resetting(
+        target_port: u16,
+        suffix: &str,
+        skip: usize,
+        count: usize,
+        deletes_too: bool,
+    ) -> FaultProxy {
+        let mode = if deletes_too {
+            "reset-deletes-too"
+        } else {
+            "reset"
+        };
+        FaultProxy::start_with(target_port, suffix, count, Some(format!("{mode}:{skip}")))
     }
 
     fn start_with(
