@@ -407,7 +407,11 @@ fn check_before_writing(
                     "rescue file {} holds {bytes} bytes of unwritten data (saved {age}) of disk {} (export {export:?}), and this server's backend is {} ({}): refusing to replay it into another backend; nothing was changed. Start a server on {} to replay it, or give this one another --rescue-file",
                     path.display(),
                     saved.identity,
-                    ours.identity,
+                    if ours.identity.is_empty() {
+                        "a disk not made yet"
+                    } else {
+                        &ours.identity
+                    },
                     ours.name,
                     if saved.name.is_empty() { &saved.identity } else { &saved.name },
                 ));

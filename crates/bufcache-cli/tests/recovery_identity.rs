@@ -24,8 +24,8 @@ use s3_support::{have_moto, Moto, Proxy};
 const MIB: usize = 1 << 20;
 /// Exit status of `bufcache serve` when dirty data went to the rescue file.
 const EXIT_RESCUED: i32 = 3;
-/// Rounds of each reproduction (the target is 20; each round is a few servers).
-const ROUNDS: u64 = 3;
+/// Rounds of each reproduction (the target: 20).
+const ROUNDS: u64 = 20;
 
 /// (key, ETag, size) of every object in bucket `bucket`, read with an unsigned ListObjectsV2
 /// (moto does not check signatures), sorted by key.
@@ -373,4 +373,88 @@ fn the_log_layout_saves_unuploaded_segments_to_the_rescue_file_at_shutdown() {
         plain.stop_clean();
     }
     assert_eq!(lost_writes, 0, "acknowledged writes lost");
+}
+
+/// Deletes every object of every bucket (moto's reset API, unsigned) and makes bucket
+/// `bucket` again, empty: the disks in it are gone.
+fn empty_the_store(moto: &Moto, bucket: &str) {
+    let mut stream = TcpStream::connect(("127.0.0.1", moto.port)).unwrap();
+    write!(
+        stream,
+        "POST /moto-api/reset HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        moto.port
+    )
+    .unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    assert!(answer.contains(" 200 "), "resetting moto: {answer}");
+    moto.create_bucket(bucket);
+}
+
+// Goal: a disk deleted and made again at the same URL is another disk: the local cache of the
+// old one is refused before anything is written (the new disk is not even created), and a
+// fresh cache then serves the new disk's zeroes, not the old data. Method: a chunk-layout
+// disk served with a local cache, data written and flushed, clean stop; the bucket deleted
+// (moto reset) and made again, empty; the start with the same URL, create size and cache is
+// refused (exit 2) with the bucket still empty and the cache file unchanged; a start with
+// another cache path reads zeroes where the old data was.
+#[test]
+fn a_disk_made_again_at_the_same_url_does_not_get_the_old_local_cache() {
+    let name = "a_disk_made_again_at_the_same_url_does_not_get_the_old_local_cache";
+    if !have_moto(name) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    let moto = Moto::start();
+    moto.create_bucket("disks");
+    let dir = temp_dir();
+    let url = format!(
+        "s3://disks/again?endpoint={}&layout=chunk&chunk-size=1M",
+        moto.endpoint()
+    );
+    let args = [
+        "--backend",
+        &url,
+        "--create-size",
+        "16M",
+        "--local-cache",
+        "tier.img",
+        "--local-cache-size",
+        "64M",
+    ];
+    let mut first = Server::start(dir.path(), "first", &args);
+    let data = random_bytes(MIB, 400);
+    let client = NbdClient::connect(&first.uri()).unwrap();
+    client.write(0, &data).unwrap();
+    client.flush().unwrap();
+    drop(client);
+    first.stop_clean();
+    empty_the_store(&moto, "disks");
+    assert!(listing(&moto, "disks").is_empty());
+    let cache_before = std::fs::read(dir.path().join("tier.img")).unwrap();
+    let refusal = refused_changing_nothing(&moto, dir.path(), &args);
+    assert!(
+        refusal.contains("tier.img") && !refusal.to_lowercase().contains("delete"),
+        "{refusal}"
+    );
+    assert!(
+        std::fs::read(dir.path().join("tier.img")).unwrap() == cache_before,
+        "the refused start changed the local cache"
+    );
+    let mut fresh = Server::start(
+        dir.path(),
+        "fresh",
+        &[
+            "--backend",
+            &url,
+            "--create-size",
+            "16M",
+            "--local-cache",
+            "tier2.img",
+            "--local-cache-size",
+            "64M",
+        ],
+    );
+    assert_same_bytes(&vec![0u8; MIB], &read_at(&fresh, 0, MIB), "the new disk");
+    fresh.stop_clean();
 }
