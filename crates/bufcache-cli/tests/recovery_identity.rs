@@ -458,3 +458,177 @@ fn a_disk_made_again_at_the_same_url_does_not_get_the_old_local_cache() {
     assert_same_bytes(&vec![0u8; MIB], &read_at(&fresh, 0, MIB), "the new disk");
     fresh.stop_clean();
 }
+
+/// A rescue file of the second format (`BUFCACHE-RESCUE2`), as older servers wrote it: one
+/// backend named by `identity` (its URL), one record of `data` at `offset`.
+fn second_format_rescue_file(
+    path: &Path,
+    identity: &str,
+    size_bytes: u64,
+    offset: u64,
+    data: &[u8],
+) {
+    let text = |bytes: &mut Vec<u8>, text: &str| {
+        bytes.extend_from_slice(&(text.len() as u32).to_le_bytes());
+        bytes.extend_from_slice(text.as_bytes());
+    };
+    let mut bytes = b"BUFCACHE-RESCUE2".to_vec();
+    bytes.extend_from_slice(&1u32.to_le_bytes());
+    text(&mut bytes, "");
+    text(&mut bytes, identity);
+    bytes.extend_from_slice(&size_bytes.to_le_bytes());
+    bytes.extend_from_slice(&4096u32.to_le_bytes());
+    let crc = crc32(&bytes[16..]);
+    bytes.extend_from_slice(&crc.to_le_bytes());
+    let start = bytes.len();
+    text(&mut bytes, "");
+    bytes.extend_from_slice(&offset.to_le_bytes());
+    bytes.extend_from_slice(&(data.len() as u32).to_le_bytes());
+    bytes.extend_from_slice(data);
+    let crc = crc32(&bytes[start..]);
+    bytes.extend_from_slice(&crc.to_le_bytes());
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// CRC-32 (IEEE), bit by bit: the rescue file's checksum.
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &byte in bytes {
+        crc ^= u32::from(byte);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                (crc >> 1) ^ 0xedb8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+// Goal: a rescue file and a local cache made by an older bufcache, which named an S3 disk by
+// its URL (parameters included), are never lost: the rescue file under its older name refuses
+// the start naming the command that replays it, that command without `--rescue force` is
+// refused too (the file records no generation), with it the data is replayed; the local cache
+// is matched by bucket and prefix and its superblock given the disk's id. Every refused start
+// leaves the bucket and the files as they were. Method: a disk made by a server; a local
+// cache made through the tier crate with the URL as its identity; a second-format rescue file
+// written by hand under a name made from the query string; then the starts above, reading the
+// rescued bytes back, and a last start with the cache alone.
+#[test]
+fn older_rescue_files_and_local_caches_named_by_url_are_migrated_not_lost() {
+    let name = "older_rescue_files_and_local_caches_named_by_url_are_migrated_not_lost";
+    if !have_moto(name) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    let moto = Moto::start();
+    moto.create_bucket("disks");
+    let dir = temp_dir();
+    let url = format!(
+        "s3://disks/old?endpoint={}&layout=chunk&chunk-size=1M",
+        moto.endpoint()
+    );
+    let size_bytes = 16 << 20;
+    let mut maker = Server::start(
+        dir.path(),
+        "maker",
+        &["--backend", &url, "--create-size", "16M"],
+    );
+    maker.stop_clean();
+    let older_identity = format!("{url}&create-size=16M&retry-timeout-ms=1000");
+    let tier_path = dir.path().join("tier.img");
+    let tier = bufcache_tier::LocalTier::open_path(
+        &tier_path,
+        Some(64 << 20),
+        bufcache::MemoryDevice::new(size_bytes),
+        &older_identity,
+        bufcache_tier::LocalTierConfig::default(),
+    )
+    .unwrap();
+    drop(tier);
+    let older_name = "bufcache-old_create-size_16M_retry-timeout-ms_-00112233445566ff.rescue";
+    let rescued = random_bytes(64 << 10, 500);
+    second_format_rescue_file(
+        &dir.path().join(older_name),
+        &older_identity,
+        size_bytes,
+        8192,
+        &rescued,
+    );
+    let files_before = (
+        std::fs::read(&tier_path).unwrap(),
+        std::fs::read(dir.path().join(older_name)).unwrap(),
+    );
+    let files_now = || {
+        (
+            std::fs::read(&tier_path).unwrap(),
+            std::fs::read(dir.path().join(older_name)).unwrap(),
+        )
+    };
+    let refusal = refused_changing_nothing(
+        &moto,
+        dir.path(),
+        &["--backend", &url, "--local-cache", "tier.img"],
+    );
+    assert!(
+        refusal.contains(&format!("--rescue-file {older_name}")),
+        "{refusal}"
+    );
+    assert!(
+        files_now() == files_before,
+        "a refused start changed a file"
+    );
+    let refusal = refused_changing_nothing(
+        &moto,
+        dir.path(),
+        &[
+            "--backend",
+            &url,
+            "--local-cache",
+            "tier.img",
+            "--rescue-file",
+            older_name,
+        ],
+    );
+    assert!(refusal.contains("--rescue force"), "{refusal}");
+    assert!(
+        files_now() == files_before,
+        "a refused start changed a file"
+    );
+    let mut replayed = Server::start(
+        dir.path(),
+        "replayed",
+        &[
+            "--backend",
+            &url,
+            "--local-cache",
+            "tier.img",
+            "--rescue-file",
+            older_name,
+            "--rescue",
+            "force",
+        ],
+    );
+    assert_same_bytes(
+        &rescued,
+        &read_at(&replayed, 8192, rescued.len()),
+        "replayed",
+    );
+    assert!(
+        replayed
+            .log_text()
+            .contains("now named by the disk's identity"),
+        "{}",
+        replayed.log_text()
+    );
+    assert!(!dir.path().join(older_name).exists());
+    replayed.stop_clean();
+    let mut again = Server::start(
+        dir.path(),
+        "again",
+        &["--backend", &url, "--local-cache", "tier.img"],
+    );
+    assert_same_bytes(&rescued, &read_at(&again, 8192, rescued.len()), "again");
+    again.stop_clean();
+}
