@@ -1586,3 +1586,65 @@ fn install_signal_handlers(
         .context("starting the signal thread")?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_parameter_that_only_says_how_to_reach_a_disk_changes_its_identity_or_rescue_file() {
+        // Goal: break-lock=, create-size=, retry-timeout-ms=, lock=, gc*, segment-size= and
+        // the endpoint never change which disk a rescue file or local cache belongs to, nor
+        // the rescue file's name, while another prefix or another disk id does. Method: two
+        // spellings of one S3 disk and of one NBD export, compared through the functions that
+        // name them; older URL identities matched by bucket and prefix.
+        let plain = bufcache_s3::S3Url::parse("s3://disks/vm/1?endpoint=http://a:9000").unwrap();
+        let spelled = bufcache_s3::S3Url::parse(
+            "s3://disks/vm/1/?endpoint=http://b:9000&break-lock=0a&create-size=1G\
+             &retry-timeout-ms=5&lock=off&gc=off&gc-threshold=0.3&segment-size=16M",
+        )
+        .unwrap();
+        assert_eq!(s3_disk_name(&plain), "s3://disks/vm/1");
+        assert_eq!(s3_disk_name(&plain), s3_disk_name(&spelled));
+        assert_eq!(
+            rescue::default_path("", &s3_disk_name(&plain)),
+            rescue::default_path("", &s3_disk_name(&spelled))
+        );
+        let path = rescue::default_path("", &s3_disk_name(&spelled));
+        assert!(
+            !path.to_string_lossy().contains("create-size"),
+            "{}",
+            path.display()
+        );
+        let ours = BackendIdentity {
+            identity: bufcache_s3::disk_identity(1),
+            name: s3_disk_name(&plain),
+            state: Some(3),
+        };
+        assert!(same_backend("s3-disk:0000000000000001", &ours));
+        assert!(!same_backend("s3-disk:0000000000000002", &ours));
+        assert!(same_backend(
+            "s3://disks/vm/1?endpoint=http://a:9000&create-size=1G&break-lock=0a",
+            &ours
+        ));
+        assert!(!same_backend(
+            "s3://disks/vm/2?endpoint=http://a:9000",
+            &ours
+        ));
+        assert_eq!(
+            identity_of_url("nbd+unix:///vol?socket=/run/a.sock&tls-certificates=/etc/x"),
+            "nbd+unix:///vol?socket=/run/a.sock"
+        );
+        assert_eq!(
+            identity_of_url("nbd://host:10809/vol?psk=secret"),
+            "nbd://host:10809/vol"
+        );
+        let nbd = BackendIdentity {
+            identity: identity_of_url("nbd://host:10809/vol"),
+            name: identity_of_url("nbd://host:10809/vol"),
+            state: None,
+        };
+        assert!(same_backend("nbd://host:10809/vol?tls=on", &nbd));
+        assert!(!same_backend("nbd://host:10809/other", &nbd));
+    }
+}
