@@ -473,8 +473,9 @@ fn check_before_writing(
         if let Some(recorded) = bufcache_tier::recorded_identity(local)? {
             if !same_backend(&recorded, ours) {
                 return refuse(format!(
-                    "local cache {} belongs to backend `{recorded}`, not `{}` ({}): refusing to attach it; nothing was replayed or written. It may hold flushed writes not yet on `{recorded}`: start `bufcache serve` on that backend with --local-cache {} to write them back, and give this backend another --local-cache path",
+                    "local cache {} (last written {}) belongs to backend `{recorded}`, not `{}` ({}): refusing to attach it; nothing was replayed or written. It may hold flushed writes not yet on `{recorded}`: start `bufcache serve` on that backend with --local-cache {} to write them back, and give this backend another --local-cache path",
                     local.display(),
+                    rescue_age(local),
                     ours.identity,
                     ours.name,
                     local.display()
@@ -485,7 +486,7 @@ fn check_before_writing(
     Ok(())
 }
 
-/// How long ago the file at `path` was written, for messages.
+/// How long ago the file at `path` was last written, for messages.
 fn rescue_age(path: &Path) -> String {
     std::fs::metadata(path)
         .and_then(|metadata| metadata.modified())
