@@ -27,14 +27,13 @@ const EXIT_RESCUED: i32 = 3;
 /// Rounds of each reproduction (the issue's target: 20).
 const ROUNDS: u64 = 20;
 
-/// (key, ETag, size) of every object in bucket `bucket`, read with an unsigned ListObjectsV2
-/// (moto does not check signatures), sorted by key.
-fn listing(moto: &Moto, bucket: &str) -> Vec<(String, String, u64)> {
-    let mut stream = TcpStream::connect(("127.0.0.1", moto.port)).unwrap();
+/// (key, ETag, size) of every object in bucket `bucket` of the store on `port`, read with an
+/// unsigned ListObjectsV2 (moto does not check signatures), sorted by key.
+fn listing(port: u16, bucket: &str) -> Vec<(String, String, u64)> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
     write!(
         stream,
-        "GET /{bucket}?list-type=2&max-keys=1000 HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nConnection: close\r\n\r\n",
-        moto.port
+        "GET /{bucket}?list-type=2&max-keys=1000 HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n",
     )
     .unwrap();
     let mut answer = String::new();
@@ -85,11 +84,11 @@ fn serve_refused(dir: &Path, args: &[&str]) -> String {
 
 /// Asserts that a start with `args` is refused and leaves the bucket as it was; returns the
 /// refusal.
-fn refused_changing_nothing(moto: &Moto, dir: &Path, args: &[&str]) -> String {
-    let before = listing(moto, "disks");
+fn refused_changing_nothing(port: u16, dir: &Path, args: &[&str]) -> String {
+    let before = listing(port, "disks");
     let refusal = serve_refused(dir, args);
     assert_eq!(
-        listing(moto, "disks"),
+        listing(port, "disks"),
         before,
         "a refused start changed the bucket: {refusal}"
     );
@@ -188,10 +187,21 @@ fn a_rescue_file_is_replayed_after_break_lock_and_never_over_newer_data() {
     let _timer = Timer::new(name);
     let moto = Moto::start();
     moto.create_bucket("disks");
-    let proxy = Proxy::start(moto.port);
+    let (lost_writes, stale_replays) = break_lock_restart_rounds(moto.port, ROUNDS);
+    assert_eq!(
+        (lost_writes, stale_replays),
+        (0, 0),
+        "acknowledged writes lost, stale replays"
+    );
+}
+
+/// Rounds of reproduction 1 on the store at `port` (bucket `disks`): (acknowledged writes
+/// lost, stale replays).
+fn break_lock_restart_rounds(port: u16, rounds: u64) -> (u32, u32) {
+    let proxy = Proxy::start(port);
     let mut lost_writes = 0;
     let mut stale_replays = 0;
-    for round in 0..ROUNDS {
+    for round in 0..rounds {
         let dir = temp_dir();
         let url = format!(
             "s3://disks/r{round}?endpoint={}&layout=chunk&chunk-size=1M&retry-timeout-ms=1000",
@@ -201,7 +211,7 @@ fn a_rescue_file_is_replayed_after_break_lock_and_never_over_newer_data() {
         let rescued = random_bytes(64 << 10, round);
         let rescue =
             rescue_with_the_store_cut(dir.path(), &proxy, &url, &[], &flushed, &rescued, 0);
-        let refusal = refused_changing_nothing(&moto, dir.path(), &["--backend", &url]);
+        let refusal = refused_changing_nothing(port, dir.path(), &["--backend", &url]);
         let lock_id = lock_id_in(&refusal);
         let url_break = format!("{url}&break-lock={lock_id}");
         if round % 2 == 0 {
@@ -224,7 +234,7 @@ fn a_rescue_file_is_replayed_after_break_lock_and_never_over_newer_data() {
             drop(client);
             other.stop_clean();
             let saved = std::fs::read(&rescue).unwrap();
-            let refusal = refused_changing_nothing(&moto, dir.path(), &["--backend", &url]);
+            let refusal = refused_changing_nothing(port, dir.path(), &["--backend", &url]);
             assert!(
                 refusal.contains("moved on") && refusal.contains("--rescue force"),
                 "{refusal}"
@@ -260,11 +270,7 @@ fn a_rescue_file_is_replayed_after_break_lock_and_never_over_newer_data() {
             forced.stop_clean();
         }
     }
-    assert_eq!(
-        (lost_writes, stale_replays),
-        (0, 0),
-        "acknowledged writes lost, stale replays"
-    );
+    (lost_writes, stale_replays)
 }
 
 // Goal: reproduction 2 of issue 45 — a local cache holding flushed writes not yet on S3
@@ -308,7 +314,7 @@ fn a_local_cache_reattaches_after_kill_9_through_the_break_lock_restart() {
         proxy.set_down(false);
         let mut restart = vec!["--backend", &url];
         restart.extend_from_slice(&tier);
-        let refusal = refused_changing_nothing(&moto, dir.path(), &restart);
+        let refusal = refused_changing_nothing(moto.port, dir.path(), &restart);
         assert!(
             std::fs::read(dir.path().join("tier.img")).unwrap() == cache_before,
             "the refused start changed the local cache"
@@ -358,7 +364,7 @@ fn the_log_layout_saves_unuploaded_segments_to_the_rescue_file_at_shutdown() {
         let rescued = random_bytes(MIB, 300 + round);
         let rescue =
             rescue_with_the_store_cut(dir.path(), &proxy, &url, &[], &flushed, &rescued, 4096);
-        let refusal = refused_changing_nothing(&moto, dir.path(), &["--backend", &url]);
+        let refusal = refused_changing_nothing(moto.port, dir.path(), &["--backend", &url]);
         let url_break = format!("{url}&break-lock={}", lock_id_in(&refusal));
         let mut server = Server::start(dir.path(), "restart", &["--backend", &url_break]);
         if read_at(&server, 4096, rescued.len()) != rescued {
@@ -430,9 +436,9 @@ fn a_disk_made_again_at_the_same_url_does_not_get_the_old_local_cache() {
     drop(client);
     first.stop_clean();
     empty_the_store(&moto, "disks");
-    assert!(listing(&moto, "disks").is_empty());
+    assert!(listing(moto.port, "disks").is_empty());
     let cache_before = std::fs::read(dir.path().join("tier.img")).unwrap();
-    let refusal = refused_changing_nothing(&moto, dir.path(), &args);
+    let refusal = refused_changing_nothing(moto.port, dir.path(), &args);
     assert!(
         refusal.contains("tier.img") && !refusal.to_lowercase().contains("delete"),
         "{refusal}"
@@ -567,7 +573,7 @@ fn older_rescue_files_and_local_caches_named_by_url_are_migrated_not_lost() {
         )
     };
     let refusal = refused_changing_nothing(
-        &moto,
+        moto.port,
         dir.path(),
         &["--backend", &url, "--local-cache", "tier.img"],
     );
@@ -580,7 +586,7 @@ fn older_rescue_files_and_local_caches_named_by_url_are_migrated_not_lost() {
         "a refused start changed a file"
     );
     let refusal = refused_changing_nothing(
-        &moto,
+        moto.port,
         dir.path(),
         &[
             "--backend",
