@@ -417,7 +417,11 @@ fn check_before_writing(
                     "rescue file {} holds {bytes} bytes of unwritten data (saved {age}) of disk {} (export {export:?}), and this server's backend is {} ({}): refusing to replay it into another backend; nothing was changed. Start a server on {} to replay it, or give this one another --rescue-file",
                     path.display(),
                     saved.identity,
-                    ours.identity,
+                    if ours.identity.is_empty() {
+                        "a disk not made yet"
+                    } else {
+                        &ours.identity
+                    },
                     ours.name,
                     if saved.name.is_empty() { &saved.identity } else { &saved.name },
                 ));
@@ -479,8 +483,9 @@ fn check_before_writing(
         if let Some(recorded) = bufcache_tier::recorded_identity(local)? {
             if !same_backend(&recorded, ours) {
                 return refuse(format!(
-                    "local cache {} belongs to backend `{recorded}`, not `{}` ({}): refusing to attach it; nothing was replayed or written. It may hold flushed writes not yet on `{recorded}`: start `bufcache serve` on that backend with --local-cache {} to write them back, and give this backend another --local-cache path",
+                    "local cache {} (last written {}) belongs to backend `{recorded}`, not `{}` ({}): refusing to attach it; nothing was replayed or written. It may hold flushed writes not yet on `{recorded}`: start `bufcache serve` on that backend with --local-cache {} to write them back, and give this backend another --local-cache path",
                     local.display(),
+                    rescue_age(local),
                     ours.identity,
                     ours.name,
                     local.display()
@@ -491,7 +496,7 @@ fn check_before_writing(
     Ok(())
 }
 
-/// How long ago the file at `path` was written, for messages.
+/// How long ago the file at `path` was last written, for messages.
 fn rescue_age(path: &Path) -> String {
     std::fs::metadata(path)
         .and_then(|metadata| metadata.modified())
@@ -1599,4 +1604,66 @@ fn install_signal_handlers(
         })
         .context("starting the signal thread")?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_parameter_that_only_says_how_to_reach_a_disk_changes_its_identity_or_rescue_file() {
+        // Goal: break-lock=, create-size=, retry-timeout-ms=, lock=, gc*, segment-size= and
+        // the endpoint never change which disk a rescue file or local cache belongs to, nor
+        // the rescue file's name, while another prefix or another disk id does. Method: two
+        // spellings of one S3 disk and of one NBD export, compared through the functions that
+        // name them; older URL identities matched by bucket and prefix.
+        let plain = bufcache_s3::S3Url::parse("s3://disks/vm/1?endpoint=http://a:9000").unwrap();
+        let spelled = bufcache_s3::S3Url::parse(
+            "s3://disks/vm/1/?endpoint=http://b:9000&break-lock=0a&create-size=1G\
+             &retry-timeout-ms=5&lock=off&gc=off&gc-threshold=0.3&segment-size=16M",
+        )
+        .unwrap();
+        assert_eq!(s3_disk_name(&plain), "s3://disks/vm/1");
+        assert_eq!(s3_disk_name(&plain), s3_disk_name(&spelled));
+        assert_eq!(
+            rescue::default_path("", &s3_disk_name(&plain)),
+            rescue::default_path("", &s3_disk_name(&spelled))
+        );
+        let path = rescue::default_path("", &s3_disk_name(&spelled));
+        assert!(
+            !path.to_string_lossy().contains("create-size"),
+            "{}",
+            path.display()
+        );
+        let ours = BackendIdentity {
+            identity: bufcache_s3::disk_identity(1),
+            name: s3_disk_name(&plain),
+            state: Some(3),
+        };
+        assert!(same_backend("s3-disk:0000000000000001", &ours));
+        assert!(!same_backend("s3-disk:0000000000000002", &ours));
+        assert!(same_backend(
+            "s3://disks/vm/1?endpoint=http://a:9000&create-size=1G&break-lock=0a",
+            &ours
+        ));
+        assert!(!same_backend(
+            "s3://disks/vm/2?endpoint=http://a:9000",
+            &ours
+        ));
+        assert_eq!(
+            identity_of_url("nbd+unix:///vol?socket=/run/a.sock&tls-certificates=/etc/x"),
+            "nbd+unix:///vol?socket=/run/a.sock"
+        );
+        assert_eq!(
+            identity_of_url("nbd://host:10809/vol?psk=secret"),
+            "nbd://host:10809/vol"
+        );
+        let nbd = BackendIdentity {
+            identity: identity_of_url("nbd://host:10809/vol"),
+            name: identity_of_url("nbd://host:10809/vol"),
+            state: None,
+        };
+        assert!(same_backend("nbd://host:10809/vol?tls=on", &nbd));
+        assert!(!same_backend("nbd://host:10809/other", &nbd));
+    }
 }

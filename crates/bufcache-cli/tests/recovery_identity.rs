@@ -24,17 +24,16 @@ use s3_support::{have_moto, Moto, Proxy};
 const MIB: usize = 1 << 20;
 /// Exit status of `bufcache serve` when dirty data went to the rescue file.
 const EXIT_RESCUED: i32 = 3;
-/// Rounds of each reproduction (the issue's target is 20; each round is a few servers).
-const ROUNDS: u64 = 3;
+/// Rounds of each reproduction (the issue's target: 20).
+const ROUNDS: u64 = 20;
 
-/// (key, ETag, size) of every object in bucket `bucket`, read with an unsigned ListObjectsV2
-/// (moto does not check signatures), sorted by key.
-fn listing(moto: &Moto, bucket: &str) -> Vec<(String, String, u64)> {
-    let mut stream = TcpStream::connect(("127.0.0.1", moto.port)).unwrap();
+/// (key, ETag, size) of every object in bucket `bucket` of the store on `port`, read with an
+/// unsigned ListObjectsV2 (moto does not check signatures), sorted by key.
+fn listing(port: u16, bucket: &str) -> Vec<(String, String, u64)> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
     write!(
         stream,
-        "GET /{bucket}?list-type=2&max-keys=1000 HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nConnection: close\r\n\r\n",
-        moto.port
+        "GET /{bucket}?list-type=2&max-keys=1000 HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n",
     )
     .unwrap();
     let mut answer = String::new();
@@ -85,11 +84,11 @@ fn serve_refused(dir: &Path, args: &[&str]) -> String {
 
 /// Asserts that a start with `args` is refused and leaves the bucket as it was; returns the
 /// refusal.
-fn refused_changing_nothing(moto: &Moto, dir: &Path, args: &[&str]) -> String {
-    let before = listing(moto, "disks");
+fn refused_changing_nothing(port: u16, dir: &Path, args: &[&str]) -> String {
+    let before = listing(port, "disks");
     let refusal = serve_refused(dir, args);
     assert_eq!(
-        listing(moto, "disks"),
+        listing(port, "disks"),
         before,
         "a refused start changed the bucket: {refusal}"
     );
@@ -188,10 +187,21 @@ fn a_rescue_file_is_replayed_after_break_lock_and_never_over_newer_data() {
     let _timer = Timer::new(name);
     let moto = Moto::start();
     moto.create_bucket("disks");
-    let proxy = Proxy::start(moto.port);
+    let (lost_writes, stale_replays) = break_lock_restart_rounds(moto.port, ROUNDS);
+    assert_eq!(
+        (lost_writes, stale_replays),
+        (0, 0),
+        "acknowledged writes lost, stale replays"
+    );
+}
+
+/// Rounds of reproduction 1 on the store at `port` (bucket `disks`): (acknowledged writes
+/// lost, stale replays).
+fn break_lock_restart_rounds(port: u16, rounds: u64) -> (u32, u32) {
+    let proxy = Proxy::start(port);
     let mut lost_writes = 0;
     let mut stale_replays = 0;
-    for round in 0..ROUNDS {
+    for round in 0..rounds {
         let dir = temp_dir();
         let url = format!(
             "s3://disks/r{round}?endpoint={}&layout=chunk&chunk-size=1M&retry-timeout-ms=1000",
@@ -201,7 +211,7 @@ fn a_rescue_file_is_replayed_after_break_lock_and_never_over_newer_data() {
         let rescued = random_bytes(64 << 10, round);
         let rescue =
             rescue_with_the_store_cut(dir.path(), &proxy, &url, &[], &flushed, &rescued, 0);
-        let refusal = refused_changing_nothing(&moto, dir.path(), &["--backend", &url]);
+        let refusal = refused_changing_nothing(port, dir.path(), &["--backend", &url]);
         let lock_id = lock_id_in(&refusal);
         let url_break = format!("{url}&break-lock={lock_id}");
         if round % 2 == 0 {
@@ -224,7 +234,7 @@ fn a_rescue_file_is_replayed_after_break_lock_and_never_over_newer_data() {
             drop(client);
             other.stop_clean();
             let saved = std::fs::read(&rescue).unwrap();
-            let refusal = refused_changing_nothing(&moto, dir.path(), &["--backend", &url]);
+            let refusal = refused_changing_nothing(port, dir.path(), &["--backend", &url]);
             assert!(
                 refusal.contains("moved on") && refusal.contains("--rescue force"),
                 "{refusal}"
@@ -260,11 +270,7 @@ fn a_rescue_file_is_replayed_after_break_lock_and_never_over_newer_data() {
             forced.stop_clean();
         }
     }
-    assert_eq!(
-        (lost_writes, stale_replays),
-        (0, 0),
-        "acknowledged writes lost, stale replays"
-    );
+    (lost_writes, stale_replays)
 }
 
 // Goal: reproduction 2 of issue 45 — a local cache holding flushed writes not yet on S3
@@ -308,7 +314,7 @@ fn a_local_cache_reattaches_after_kill_9_through_the_break_lock_restart() {
         proxy.set_down(false);
         let mut restart = vec!["--backend", &url];
         restart.extend_from_slice(&tier);
-        let refusal = refused_changing_nothing(&moto, dir.path(), &restart);
+        let refusal = refused_changing_nothing(moto.port, dir.path(), &restart);
         assert!(
             std::fs::read(dir.path().join("tier.img")).unwrap() == cache_before,
             "the refused start changed the local cache"
@@ -358,7 +364,7 @@ fn the_log_layout_saves_unuploaded_segments_to_the_rescue_file_at_shutdown() {
         let rescued = random_bytes(MIB, 300 + round);
         let rescue =
             rescue_with_the_store_cut(dir.path(), &proxy, &url, &[], &flushed, &rescued, 4096);
-        let refusal = refused_changing_nothing(&moto, dir.path(), &["--backend", &url]);
+        let refusal = refused_changing_nothing(moto.port, dir.path(), &["--backend", &url]);
         let url_break = format!("{url}&break-lock={}", lock_id_in(&refusal));
         let mut server = Server::start(dir.path(), "restart", &["--backend", &url_break]);
         if read_at(&server, 4096, rescued.len()) != rescued {
@@ -373,4 +379,262 @@ fn the_log_layout_saves_unuploaded_segments_to_the_rescue_file_at_shutdown() {
         plain.stop_clean();
     }
     assert_eq!(lost_writes, 0, "acknowledged writes lost");
+}
+
+/// Deletes every object of every bucket (moto's reset API, unsigned) and makes bucket
+/// `bucket` again, empty: the disks in it are gone.
+fn empty_the_store(moto: &Moto, bucket: &str) {
+    let mut stream = TcpStream::connect(("127.0.0.1", moto.port)).unwrap();
+    write!(
+        stream,
+        "POST /moto-api/reset HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        moto.port
+    )
+    .unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    assert!(answer.contains(" 200 "), "resetting moto: {answer}");
+    moto.create_bucket(bucket);
+}
+
+// Goal: a disk deleted and made again at the same URL is another disk: the local cache of the
+// old one is refused before anything is written (the new disk is not even created), and a
+// fresh cache then serves the new disk's zeroes, not the old data. Method: a chunk-layout
+// disk served with a local cache, data written and flushed, clean stop; the bucket deleted
+// (moto reset) and made again, empty; the start with the same URL, create size and cache is
+// refused (exit 2) with the bucket still empty and the cache file unchanged; a start with
+// another cache path reads zeroes where the old data was.
+#[test]
+fn a_disk_made_again_at_the_same_url_does_not_get_the_old_local_cache() {
+    let name = "a_disk_made_again_at_the_same_url_does_not_get_the_old_local_cache";
+    if !have_moto(name) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    let moto = Moto::start();
+    moto.create_bucket("disks");
+    let dir = temp_dir();
+    let url = format!(
+        "s3://disks/again?endpoint={}&layout=chunk&chunk-size=1M",
+        moto.endpoint()
+    );
+    let args = [
+        "--backend",
+        &url,
+        "--create-size",
+        "16M",
+        "--local-cache",
+        "tier.img",
+        "--local-cache-size",
+        "64M",
+    ];
+    let mut first = Server::start(dir.path(), "first", &args);
+    let data = random_bytes(MIB, 400);
+    let client = NbdClient::connect(&first.uri()).unwrap();
+    client.write(0, &data).unwrap();
+    client.flush().unwrap();
+    drop(client);
+    first.stop_clean();
+    empty_the_store(&moto, "disks");
+    assert!(listing(moto.port, "disks").is_empty());
+    let cache_before = std::fs::read(dir.path().join("tier.img")).unwrap();
+    let refusal = refused_changing_nothing(moto.port, dir.path(), &args);
+    assert!(
+        refusal.contains("tier.img") && !refusal.to_lowercase().contains("delete"),
+        "{refusal}"
+    );
+    assert!(
+        std::fs::read(dir.path().join("tier.img")).unwrap() == cache_before,
+        "the refused start changed the local cache"
+    );
+    let mut fresh = Server::start(
+        dir.path(),
+        "fresh",
+        &[
+            "--backend",
+            &url,
+            "--create-size",
+            "16M",
+            "--local-cache",
+            "tier2.img",
+            "--local-cache-size",
+            "64M",
+        ],
+    );
+    assert_same_bytes(&vec![0u8; MIB], &read_at(&fresh, 0, MIB), "the new disk");
+    fresh.stop_clean();
+}
+
+/// A rescue file of the second format (`BUFCACHE-RESCUE2`), as older servers wrote it: one
+/// backend named by `identity` (its URL), one record of `data` at `offset`.
+fn second_format_rescue_file(
+    path: &Path,
+    identity: &str,
+    size_bytes: u64,
+    offset: u64,
+    data: &[u8],
+) {
+    let text = |bytes: &mut Vec<u8>, text: &str| {
+        bytes.extend_from_slice(&(text.len() as u32).to_le_bytes());
+        bytes.extend_from_slice(text.as_bytes());
+    };
+    let mut bytes = b"BUFCACHE-RESCUE2".to_vec();
+    bytes.extend_from_slice(&1u32.to_le_bytes());
+    text(&mut bytes, "");
+    text(&mut bytes, identity);
+    bytes.extend_from_slice(&size_bytes.to_le_bytes());
+    bytes.extend_from_slice(&4096u32.to_le_bytes());
+    let crc = crc32(&bytes[16..]);
+    bytes.extend_from_slice(&crc.to_le_bytes());
+    let start = bytes.len();
+    text(&mut bytes, "");
+    bytes.extend_from_slice(&offset.to_le_bytes());
+    bytes.extend_from_slice(&(data.len() as u32).to_le_bytes());
+    bytes.extend_from_slice(data);
+    let crc = crc32(&bytes[start..]);
+    bytes.extend_from_slice(&crc.to_le_bytes());
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// CRC-32 (IEEE), bit by bit: the rescue file's checksum.
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &byte in bytes {
+        crc ^= u32::from(byte);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                (crc >> 1) ^ 0xedb8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+// Goal: a rescue file and a local cache made by an older bufcache, which named an S3 disk by
+// its URL (parameters included), are never lost: the rescue file under its older name refuses
+// the start naming the command that replays it, that command without `--rescue force` is
+// refused too (the file records no generation), with it the data is replayed; the local cache
+// is matched by bucket and prefix and its superblock given the disk's id. Every refused start
+// leaves the bucket and the files as they were. Method: a disk made by a server; a local
+// cache made through the tier crate with the URL as its identity; a second-format rescue file
+// written by hand under a name made from the query string; then the starts above, reading the
+// rescued bytes back, and a last start with the cache alone.
+#[test]
+fn older_rescue_files_and_local_caches_named_by_url_are_migrated_not_lost() {
+    let name = "older_rescue_files_and_local_caches_named_by_url_are_migrated_not_lost";
+    if !have_moto(name) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    let moto = Moto::start();
+    moto.create_bucket("disks");
+    let dir = temp_dir();
+    let url = format!(
+        "s3://disks/old?endpoint={}&layout=chunk&chunk-size=1M",
+        moto.endpoint()
+    );
+    let size_bytes = 16 << 20;
+    let mut maker = Server::start(
+        dir.path(),
+        "maker",
+        &["--backend", &url, "--create-size", "16M"],
+    );
+    maker.stop_clean();
+    let older_identity = format!("{url}&create-size=16M&retry-timeout-ms=1000");
+    let tier_path = dir.path().join("tier.img");
+    let tier = bufcache_tier::LocalTier::open_path(
+        &tier_path,
+        Some(64 << 20),
+        bufcache::MemoryDevice::new(size_bytes),
+        &older_identity,
+        bufcache_tier::LocalTierConfig::default(),
+    )
+    .unwrap();
+    drop(tier);
+    let older_name = "bufcache-old_create-size_16M_retry-timeout-ms_-00112233445566ff.rescue";
+    let rescued = random_bytes(64 << 10, 500);
+    second_format_rescue_file(
+        &dir.path().join(older_name),
+        &older_identity,
+        size_bytes,
+        8192,
+        &rescued,
+    );
+    let files_before = (
+        std::fs::read(&tier_path).unwrap(),
+        std::fs::read(dir.path().join(older_name)).unwrap(),
+    );
+    let files_now = || {
+        (
+            std::fs::read(&tier_path).unwrap(),
+            std::fs::read(dir.path().join(older_name)).unwrap(),
+        )
+    };
+    let refusal = refused_changing_nothing(
+        moto.port,
+        dir.path(),
+        &["--backend", &url, "--local-cache", "tier.img"],
+    );
+    assert!(
+        refusal.contains(&format!("--rescue-file {older_name}")),
+        "{refusal}"
+    );
+    assert!(
+        files_now() == files_before,
+        "a refused start changed a file"
+    );
+    let refusal = refused_changing_nothing(
+        moto.port,
+        dir.path(),
+        &[
+            "--backend",
+            &url,
+            "--local-cache",
+            "tier.img",
+            "--rescue-file",
+            older_name,
+        ],
+    );
+    assert!(refusal.contains("--rescue force"), "{refusal}");
+    assert!(
+        files_now() == files_before,
+        "a refused start changed a file"
+    );
+    let mut replayed = Server::start(
+        dir.path(),
+        "replayed",
+        &[
+            "--backend",
+            &url,
+            "--local-cache",
+            "tier.img",
+            "--rescue-file",
+            older_name,
+            "--rescue",
+            "force",
+        ],
+    );
+    assert_same_bytes(
+        &rescued,
+        &read_at(&replayed, 8192, rescued.len()),
+        "replayed",
+    );
+    assert!(
+        replayed
+            .log_text()
+            .contains("now named by the disk's identity"),
+        "{}",
+        replayed.log_text()
+    );
+    assert!(!dir.path().join(older_name).exists());
+    replayed.stop_clean();
+    let mut again = Server::start(
+        dir.path(),
+        "again",
+        &["--backend", &url, "--local-cache", "tier.img"],
+    );
+    assert_same_bytes(&rescued, &read_at(&again, 8192, rescued.len()), "again");
+    again.stop_clean();
 }
