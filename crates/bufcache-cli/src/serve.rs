@@ -280,6 +280,8 @@ struct OpenedBackend {
     device: Arc<dyn Device>,
     /// The upstream connection when the backend is an NBD server (for its metrics).
     upstream: Option<Arc<ReconnectingClient>>,
+    /// The object-store disk when the backend is s3:// (for its metrics).
+    store: Option<Arc<bufcache_s3::S3Device>>,
     /// What the backend is, for its rescue file; None for memory, which does not outlive the
     /// process (so there is nothing to rescue into).
     identity: Option<String>,
@@ -324,6 +326,7 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
         return Ok(OpenedBackend {
             device: Arc::new(MemoryDevice::new(size)),
             upstream: None,
+            store: None,
             identity: None,
             _lock: None,
         });
@@ -345,6 +348,7 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
         return Ok(OpenedBackend {
             device: Arc::clone(&client) as Arc<dyn Device>,
             upstream: Some(client),
+            store: None,
             identity: Some(identity_of_url(spec)),
             _lock: None,
         });
@@ -363,9 +367,11 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
         if let Some(bufcache_s3::ReadOnly::WritesRefused(answer)) = device.read_only() {
             say!("{url}: the store refuses writes ({answer}): serving it read-only, without taking the disk lock");
         }
+        let device = Arc::new(device);
         return Ok(OpenedBackend {
-            device: Arc::new(device),
+            device: Arc::clone(&device) as Arc<dyn Device>,
             upstream: None,
+            store: Some(device),
             identity: Some(identity_of_url(spec)),
             _lock: None,
         });
@@ -419,6 +425,7 @@ fn open_backend(spec: &str, args: &ServeArgs, is_default: bool) -> anyhow::Resul
     Ok(OpenedBackend {
         device: Arc::new(device),
         upstream: None,
+        store: None,
         identity: Some(format!("file:{}", absolute.display())),
         _lock: Some(lock),
     })
@@ -628,6 +635,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         let OpenedBackend {
             device,
             upstream,
+            store,
             identity,
             _lock: lock,
         } = open_backend(&backend, &args, is_default)?;
@@ -657,6 +665,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             queue,
             upstream,
             tier,
+            store,
         });
         let mut object_config = ObjectConfig::new(
             if name.is_empty() {

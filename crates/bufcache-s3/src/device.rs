@@ -2,14 +2,16 @@
 //! [`Device`] trait.
 
 use std::io::{self, IoSlice, IoSliceMut};
+use std::sync::Arc;
 
-use bufcache::device::all_data;
+use bufcache::device::check_range;
 use bufcache::{Capabilities, Device, Extent};
 use bytes::{Bytes, BytesMut};
 
 use crate::error::OpenError;
 use crate::layout::Layout;
 use crate::log::LogStore;
+use crate::meters::{StoreMeters, StoreStats};
 use crate::store::ChunkStore;
 use crate::url::S3Url;
 
@@ -20,6 +22,9 @@ pub const READ_SHARE_DIVISOR: usize = 4;
 /// A bufcache device stored in an object store.
 pub struct S3Device {
     store: Layout,
+    /// Every request of the disk's connection (counted only for a device opened here, not
+    /// for one built over a store opened elsewhere).
+    meters: Arc<StoreMeters>,
 }
 
 impl S3Device {
@@ -27,6 +32,7 @@ impl S3Device {
     pub fn new(store: ChunkStore) -> Self {
         S3Device {
             store: Layout::Chunk(store),
+            meters: StoreMeters::new(),
         }
     }
 
@@ -34,23 +40,37 @@ impl S3Device {
     pub fn new_log(store: LogStore) -> Self {
         S3Device {
             store: Layout::Log(store),
+            meters: StoreMeters::new(),
         }
     }
 
     /// Opens the disk `url` names in the layout its metadata records (creating it with the
     /// URL's `layout=` when asked to) and takes its lock.
     pub fn open_locked(url: &S3Url) -> Result<Self, OpenError> {
+        let meters = StoreMeters::new();
         Ok(S3Device {
-            store: Layout::open_locked(url)?,
+            store: Layout::open_locked(url, Arc::clone(&meters))?,
+            meters,
         })
     }
 
     /// Opens an existing disk read-only, writing nothing at all (see
     /// [`ChunkStore::open_read_only`]).
     pub fn open_read_only(url: &S3Url) -> Result<Self, OpenError> {
+        let meters = StoreMeters::new();
         Ok(S3Device {
-            store: Layout::open_read_only(url)?,
+            store: Layout::open_read_only(url, Arc::clone(&meters))?,
+            meters,
         })
+    }
+
+    /// What the disk asked of its store so far (requests, bytes, retries, durations) and,
+    /// for the log layout, what its objects hold.
+    pub fn store_stats(&self) -> StoreStats {
+        StoreStats {
+            log: self.store.log_stats(),
+            ..self.meters.stats()
+        }
     }
 
     /// Why the disk refuses writes (asked for, or credentials that may not write); None when
@@ -173,9 +193,20 @@ impl Device for S3Device {
         Ok(self.store.write_zeroes(offset, length)?)
     }
 
-    /// Everything is data to the engine; a missing chunk or unmapped range reads as zeroes.
+    /// Holes are what reads as zeroes without a request: ranges the log layout's index does
+    /// not map, chunks the chunk layout does not store (known while it holds the disk lock;
+    /// without it, everything is data). Answered from memory, never from the store.
     fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {
-        all_data(self.store.size_bytes(), offset, length)
+        check_range(self.store.size_bytes(), offset, length)?;
+        Ok(self
+            .store
+            .data_runs(offset, length)
+            .into_iter()
+            .map(|(length, data)| Extent {
+                length,
+                hole: !data,
+            })
+            .collect())
     }
 
     /// Discard and write-zeroes delete or rewrite chunks (chunk layout) or change only the

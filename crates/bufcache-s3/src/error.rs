@@ -85,6 +85,8 @@ pub enum OpenError {
     },
     #[error("{url}: the store does not honour create-only PUTs (`If-None-Match: *`): a second create of lock object `{key}` succeeded instead of failing with 412, so it cannot keep a second server off this disk; use a store that honours it (AWS S3, MinIO, Ceph RGW, moto), or add lock=off to the URL to serve without that protection")]
     StoreCannotLock { url: String, key: String },
+    #[error("{url}: no credentials found (looked for {looked}); set them there, or add credentials=instance to the URL to ask the instance-metadata service")]
+    NoCredentials { url: String, looked: String },
     #[error("{url}: configuration: {reason}")]
     Config { url: String, reason: String },
     #[error(

@@ -88,7 +88,7 @@ pub enum UrlError {
     Scheme(String),
     #[error("`{0}`: missing bucket name; expected s3://BUCKET/PREFIX")]
     MissingBucket(String),
-    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, layout, chunk-size, segment-size, gc, gc-threshold, key-file, compress, create-size, retry-timeout-ms, break-lock, lock")]
+    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, layout, chunk-size, segment-size, gc, gc-threshold, key-file, compress, create-size, retry-timeout-ms, break-lock, lock, credentials")]
     UnknownParameter { url: String, name: String },
     #[error("`{url}`: parameter `{name}` given twice")]
     DuplicateParameter { url: String, name: String },
@@ -147,6 +147,11 @@ pub struct S3Url {
     /// of the lock object (without which the lock keeps nobody out) and refuses the store if
     /// not. Off serves such a store anyway, unprotected against a second server.
     pub lock_check: bool,
+    /// `credentials=instance`: with no key in the environment or the credentials file, ask
+    /// the instance-metadata service even though `endpoint=` names a store other than AWS.
+    /// Without it, such a disk with no credentials is refused naming where they were looked
+    /// for (no request leaves for the metadata address).
+    pub credentials_instance: bool,
 }
 
 /// Default for `retry-timeout-ms`: long enough to ride out a server restart.
@@ -183,6 +188,7 @@ impl S3Url {
             retry_timeout_ms: RETRY_TIMEOUT_DEFAULT_MS,
             break_lock: None,
             lock_check: true,
+            credentials_instance: false,
         };
         let mut seen: Vec<String> = Vec::new();
         for pair in query
@@ -296,6 +302,12 @@ impl S3Url {
                         "on" => true,
                         "off" => false,
                         _ => return Err(bad("expected on or off")),
+                    }
+                }
+                "credentials" => {
+                    url.credentials_instance = match value {
+                        "instance" => true,
+                        _ => return Err(bad("expected instance (the instance-metadata service)")),
                     }
                 }
                 "break-lock" => {
