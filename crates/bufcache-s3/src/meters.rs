@@ -75,7 +75,7 @@ pub struct LogStoreStats {
     pub garbage_bytes: u64,
     /// Durable segment objects.
     pub segments: u64,
-    /// Collector rounds that rewrote or deleted something.
+    /// Collector rounds, whether or not they found anything to rewrite or delete.
     pub gc_passes: u64,
     /// Live bytes the collector copied to new segments.
     pub gc_bytes_moved: u64,
@@ -216,4 +216,45 @@ impl HttpService for CountingService {
 
 fn http_content_length() -> &'static str {
     "content-length"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(method: &str, uri: &str) -> HttpRequest {
+        let mut request = HttpRequest::new(Vec::<u8>::new().into());
+        *request.method_mut() = method.parse().unwrap();
+        *request.uri_mut() = uri.parse().unwrap();
+        request
+    }
+
+    // Goal: each request lands under its method's label, a bucket listing under LIST, and its
+    // duration in the first bucket whose bound holds it (the last one past every bound).
+    // Method: label requests of each kind, record three durations and read the snapshot.
+    #[test]
+    fn requests_are_labelled_by_method_and_durations_bucketed_by_bound() {
+        let label = |method: &str, uri: &str| STORE_METHODS[method_index(&request(method, uri))];
+        assert_eq!(label("GET", "http://h/b/disk/chunks/0"), "GET");
+        assert_eq!(label("GET", "http://h/b?list-type=2&prefix=disk"), "LIST");
+        assert_eq!(label("PUT", "http://h/b/disk/bufcache-lock.json"), "PUT");
+        assert_eq!(label("DELETE", "http://h/b/k"), "DELETE");
+        assert_eq!(label("HEAD", "http://h/b/k"), "HEAD");
+        let meters = StoreMeters::new();
+        meters.record(0, 0, 0.0005, 10);
+        meters.record(0, 1, 0.003, 0);
+        meters.record(1, 2, 60.0, 0);
+        let stats = meters.stats();
+        assert_eq!(stats.requests[0], [1, 1, 0, 0]);
+        assert_eq!(stats.requests[1], [0, 0, 1, 0]);
+        assert_eq!(stats.duration_buckets[0][0], 1, "0.5 ms: ≤ 1 ms");
+        assert_eq!(stats.duration_buckets[0][2], 1, "3 ms: ≤ 5 ms");
+        assert_eq!(
+            stats.duration_buckets[1][BUCKET_COUNT - 1],
+            1,
+            "60 s: past 10 s"
+        );
+        assert_eq!(stats.bytes_received, 10);
+        assert!((stats.duration_seconds_sum[1] - 60.0).abs() < 1e-6);
+    }
 }
