@@ -137,3 +137,55 @@ fn no_credentials_is_one_line_naming_where_and_never_asks_the_metadata_address()
         "credentials=instance did not ask the metadata address: {asked}"
     );
 }
+
+// Goal: a wrong endpoint, a missing bucket and refused credentials are each refused at start
+// with exit status 2 and a line naming that cause and what to check, not one guess for all
+// three. Method: moto on loopback: an endpoint where nothing listens, a bucket never created,
+// and moto's IAM checks turned on (after which the tests' key is unknown to it).
+#[test]
+fn a_wrong_endpoint_a_missing_bucket_and_refused_credentials_each_name_their_cause() {
+    let name = "a_wrong_endpoint_a_missing_bucket_and_refused_credentials_each_name_their_cause";
+    if !have_moto(name) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    let dir = temp_dir();
+    let moto = Moto::start();
+    moto.create_bucket("disks");
+    let refused = |url: &str| {
+        let output = run_timeout(
+            Command::new(bufcache_bin())
+                .args(["serve", "--backend", url, "--listen"])
+                .arg(format!("unix:{}", dir.path().join("never.sock").display())),
+            Duration::from_secs(60),
+        );
+        let text = output_text(&output);
+        assert_eq!(output.status.code(), Some(2), "{url}: {text}");
+        text
+    };
+    let nobody = format!("http://127.0.0.1:{}", free_tcp_port());
+    for (url, cause) in [
+        (
+            format!("s3://disks/vm1?endpoint={nobody}&create-size=8M&retry-timeout-ms=200"),
+            "the endpoint did not answer (check endpoint=",
+        ),
+        (
+            format!(
+                "s3://no-such-bucket/vm1?endpoint={}&create-size=8M",
+                moto.endpoint()
+            ),
+            "the bucket does not exist",
+        ),
+    ] {
+        let text = refused(&url);
+        assert!(text.contains(cause), "{url}: expected `{cause}` in: {text}");
+    }
+    let _reader = moto.read_only_user();
+    let url = format!("s3://disks/vm1?endpoint={}&create-size=8M", moto.endpoint());
+    let text = refused(&url);
+    assert!(
+        text.contains("the store refused the credentials (check AWS_ACCESS_KEY_ID"),
+        "{url}: {text}"
+    );
+    moto.stop_checking_iam();
+}
