@@ -6,7 +6,7 @@
 
 mod seaweedfs;
 #[allow(unused_imports)]
-pub use seaweedfs::{have_seaweedfs, SeaweedFs};
+pub use seaweedfs::{have_seaweedfs, SeaweedFs, SeaweedFsCluster, CLUSTER_VOLUME_SERVERS};
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
