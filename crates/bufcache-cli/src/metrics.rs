@@ -38,6 +38,8 @@ pub struct ExportMeters {
     pub requests: Arc<RequestMeters>,
     /// The local tier (--local-cache) between the cache and the backend, if any.
     pub tier: Option<Arc<ServeTier>>,
+    /// The object-store disk, for an s3:// backend (its store requests and objects).
+    pub store: Option<Arc<bufcache_s3::S3Device>>,
 }
 
 /// Everything a scrape reports.
@@ -87,8 +89,13 @@ impl Meters {
                         "writeback_error": stats.writeback_error,
                     })
                 });
+                let store = export
+                    .store
+                    .as_ref()
+                    .map(|store| store_json(&store.store_stats()));
                 json!({
                     "name": export.name,
+                    "store": store,
                     "local_tier": tier,
                     "nbd": requests_json(&export.requests),
                     "upstream": upstream,
@@ -191,6 +198,9 @@ impl Meters {
             if let Some(tier) = &export.tier {
                 tier_prometheus(&mut text, &label, &tier.stats());
             }
+            if let Some(store) = &export.store {
+                store_prometheus(&mut text, &label, &store.store_stats());
+            }
             let queue: IoQueueStats = export
                 .queue
                 .as_ref()
@@ -220,6 +230,165 @@ impl Meters {
         }
         text
     }
+}
+
+/// The object store's metrics of one export (names as issue 48 gives them).
+fn store_prometheus(text: &mut String, label: &str, stats: &bufcache_s3::StoreStats) {
+    use bufcache_s3::{STORE_DURATION_BUCKETS_SECONDS, STORE_METHODS, STORE_OUTCOMES};
+    for (method, outcomes) in STORE_METHODS.iter().zip(&stats.requests) {
+        for (outcome, &count) in STORE_OUTCOMES.iter().zip(outcomes) {
+            counter(
+                text,
+                "bufcache_store_requests_total",
+                &format!("{label},method=\"{method}\",outcome=\"{outcome}\""),
+                count,
+                "Requests to the object store by method (LIST: a bucket listing) and outcome \
+                 (ok, client_error: 4xx, server_error: 5xx, transport_error: no answer), each \
+                 retry included.",
+            );
+        }
+    }
+    for (direction, bytes) in [
+        ("sent", stats.bytes_sent),
+        ("received", stats.bytes_received),
+    ] {
+        counter(
+            text,
+            "bufcache_store_bytes_total",
+            &format!("{label},direction=\"{direction}\""),
+            bytes,
+            "Request bodies sent to and response bodies received from the object store.",
+        );
+    }
+    counter(
+        text,
+        "bufcache_store_retries_total",
+        label,
+        stats.retries,
+        "Store requests that failed in a way the client retries (5xx, 429, no answer) until \
+         retry-timeout-ms has passed.",
+    );
+    sample(
+        text,
+        "bufcache_store_requests_in_flight",
+        label,
+        stats.in_flight as f64,
+        "Store requests sent and not yet answered.",
+        "gauge",
+    );
+    let name = "bufcache_store_request_duration_seconds";
+    if !text.contains(&format!("# TYPE {name} ")) {
+        let _ = writeln!(
+            text,
+            "# HELP {name} Time from a store request's start to its answer's headers, by method.\n# TYPE {name} histogram"
+        );
+    }
+    for (index, method) in STORE_METHODS.iter().enumerate() {
+        let labels = format!("{label},method=\"{method}\"");
+        let mut cumulative = 0;
+        for (bucket, count) in stats.duration_buckets[index].iter().enumerate() {
+            cumulative += count;
+            let limit = STORE_DURATION_BUCKETS_SECONDS
+                .get(bucket)
+                .map_or_else(|| "+Inf".to_string(), |limit| limit.to_string());
+            let _ = writeln!(
+                text,
+                "{name}_bucket{{{labels},le=\"{limit}\"}} {cumulative}"
+            );
+        }
+        let _ = writeln!(
+            text,
+            "{name}_sum{{{labels}}} {}",
+            stats.duration_seconds_sum[index]
+        );
+        let _ = writeln!(text, "{name}_count{{{labels}}} {cumulative}");
+    }
+    if let Some(log) = &stats.log {
+        for (name, value, help, kind) in [
+            (
+                "bufcache_store_live_bytes",
+                log.live_bytes,
+                "Log layout: bytes of the disk mapped to stored data.",
+                "gauge",
+            ),
+            (
+                "bufcache_store_garbage_bytes",
+                log.garbage_bytes,
+                "Log layout: object bytes of the durable segments beyond the live bytes \
+                 (overwritten or trimmed data, checksums, headers, padding).",
+                "gauge",
+            ),
+            (
+                "bufcache_store_segments",
+                log.segments,
+                "Log layout: durable segment objects.",
+                "gauge",
+            ),
+            (
+                "bufcache_store_gc_passes_total",
+                log.gc_passes,
+                "Log layout: garbage-collection rounds.",
+                "counter",
+            ),
+            (
+                "bufcache_store_gc_bytes_moved_total",
+                log.gc_bytes_moved,
+                "Log layout: live bytes the collector copied to new segments.",
+                "counter",
+            ),
+        ] {
+            sample(text, name, label, value as f64, help, kind);
+        }
+    }
+}
+
+/// The object store's figures of one export, for `/stats`.
+fn store_json(stats: &bufcache_s3::StoreStats) -> Value {
+    use bufcache_s3::{STORE_DURATION_BUCKETS_SECONDS, STORE_METHODS, STORE_OUTCOMES};
+    let requests: serde_json::Map<String, Value> = STORE_METHODS
+        .iter()
+        .zip(&stats.requests)
+        .map(|(method, outcomes)| {
+            let by_outcome: serde_json::Map<String, Value> = STORE_OUTCOMES
+                .iter()
+                .zip(outcomes)
+                .map(|(outcome, &count)| (outcome.to_string(), json!(count)))
+                .collect();
+            (method.to_string(), Value::Object(by_outcome))
+        })
+        .collect();
+    let durations: serde_json::Map<String, Value> = STORE_METHODS
+        .iter()
+        .enumerate()
+        .map(|(index, method)| {
+            (
+                method.to_string(),
+                json!({
+                    "buckets": stats.duration_buckets[index],
+                    "seconds_sum": stats.duration_seconds_sum[index],
+                }),
+            )
+        })
+        .collect();
+    let log = stats.log.map(|log| {
+        json!({
+            "live_bytes": log.live_bytes,
+            "garbage_bytes": log.garbage_bytes,
+            "segments": log.segments,
+            "gc_passes": log.gc_passes,
+            "gc_bytes_moved": log.gc_bytes_moved,
+        })
+    });
+    json!({
+        "requests": requests,
+        "bytes_sent": stats.bytes_sent,
+        "bytes_received": stats.bytes_received,
+        "retries": stats.retries,
+        "in_flight": stats.in_flight,
+        "duration_bucket_limits_seconds": STORE_DURATION_BUCKETS_SECONDS,
+        "durations": durations,
+        "log": log,
+    })
 }
 
 /// The local tier's metrics of one export.

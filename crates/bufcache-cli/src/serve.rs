@@ -313,6 +313,8 @@ struct OpenedBackend {
     /// The S3 device, whose log layout may hold acknowledged data only in memory (saved to
     /// the rescue file at a shutdown that cannot reach the store).
     s3: Option<Arc<bufcache_s3::S3Device>>,
+    /// The object-store disk when the backend is s3:// (for its metrics).
+    store: Option<Arc<bufcache_s3::S3Device>>,
     /// Exclusive use of a backing file or block device, held until the process ends.
     _lock: Option<BackendLock>,
 }
@@ -538,6 +540,7 @@ fn open_backend(
         return Ok(OpenedBackend {
             device: Arc::new(MemoryDevice::new(size)),
             upstream: None,
+            store: None,
             identity: None,
             s3: None,
             _lock: None,
@@ -569,6 +572,7 @@ fn open_backend(
             upstream: Some(client),
             identity: Some(identity),
             s3: None,
+            store: None,
             _lock: None,
         });
     }
@@ -622,7 +626,8 @@ fn open_backend(
                 name,
                 state: Some(state.generation),
             }),
-            s3: Some(device),
+            s3: Some(Arc::clone(&device)),
+            store: Some(device),
             _lock: None,
         });
     }
@@ -684,6 +689,7 @@ fn open_backend(
         upstream: None,
         identity: Some(identity),
         s3: None,
+        store: None,
         _lock: Some(lock),
     })
 }
@@ -905,6 +911,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         let OpenedBackend {
             device,
             upstream,
+            store,
             identity,
             s3,
             _lock: lock,
@@ -941,6 +948,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             queue,
             upstream,
             tier,
+            store,
         });
         let mut object_config = ObjectConfig::new(
             if name.is_empty() {

@@ -43,6 +43,128 @@ pub struct StatArgs {
     /// per simulated policy) into FILE, SVG or PNG by its extension, and exit.
     #[arg(long, value_name = "FILE.svg|FILE.png", value_parser = crate::plot::parse_plot_path)]
     plot: Option<std::path::PathBuf>,
+    /// With --once: the object store's price, in dollars, of 1,000 PUT, POST or LIST
+    /// requests (default: AWS S3 Standard's list price).
+    #[arg(long, value_name = "DOLLARS", default_value_t = PUT_PRICE_PER_1000_DEFAULT)]
+    put_price_per_1000: f64,
+    /// With --once: the object store's price, in dollars, of 1,000 GET or HEAD requests
+    /// (default: AWS S3 Standard's list price). DELETE is free.
+    #[arg(long, value_name = "DOLLARS", default_value_t = GET_PRICE_PER_1000_DEFAULT)]
+    get_price_per_1000: f64,
+}
+
+/// AWS S3 Standard's list price of 1,000 PUT, COPY, POST or LIST requests, in dollars.
+pub const PUT_PRICE_PER_1000_DEFAULT: f64 = 0.005;
+/// AWS S3 Standard's list price of 1,000 GET, SELECT or other (HEAD) requests, in dollars.
+pub const GET_PRICE_PER_1000_DEFAULT: f64 = 0.0004;
+
+/// Requests of `method` in an export's `store` document, over every outcome but
+/// `transport_error` (a request that got no answer is not billed).
+fn store_requests(store: &Value, method: &str) -> f64 {
+    store
+        .pointer(&format!("/requests/{method}"))
+        .and_then(Value::as_object)
+        .into_iter()
+        .flatten()
+        .filter(|(outcome, _)| *outcome != "transport_error")
+        .filter_map(|(_, count)| count.as_f64())
+        .sum()
+}
+
+/// The dollars an export's store requests cost at the given prices per 1,000.
+fn store_cost(store: &Value, put_price_per_1000: f64, get_price_per_1000: f64) -> f64 {
+    let puts: f64 = ["PUT", "POST", "LIST"]
+        .iter()
+        .map(|method| store_requests(store, method))
+        .sum();
+    let gets: f64 = ["GET", "HEAD"]
+        .iter()
+        .map(|method| store_requests(store, method))
+        .sum();
+    (puts * put_price_per_1000 + gets * get_price_per_1000) / 1000.0
+}
+
+/// The object store's and the local tier's totals of every export that has them, for
+/// `--once`.
+fn store_and_tier_lines(
+    stats: &Value,
+    put_price_per_1000: f64,
+    get_price_per_1000: f64,
+) -> Vec<String> {
+    let mut lines = Vec::new();
+    let exports = stats.get("exports").and_then(Value::as_array);
+    for export in exports.into_iter().flatten() {
+        let name = export.get("name").and_then(Value::as_str).unwrap_or("");
+        let size = |value: &Value, key: &str| {
+            bufcache::format_size(value.get(key).and_then(Value::as_u64).unwrap_or(0))
+        };
+        let count = |value: &Value, key: &str| value.get(key).and_then(Value::as_u64).unwrap_or(0);
+        if let Some(store) = export.get("store").filter(|store| store.is_object()) {
+            let methods: Vec<String> = bufcache_s3::STORE_METHODS
+                .iter()
+                .map(|method| {
+                    let all: f64 = store
+                        .pointer(&format!("/requests/{method}"))
+                        .and_then(Value::as_object)
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|(_, count)| count.as_f64())
+                        .sum();
+                    format!("{method} {all}")
+                })
+                .collect();
+            let outcome = |outcome: &str| -> f64 {
+                bufcache_s3::STORE_METHODS
+                    .iter()
+                    .filter_map(|method| {
+                        store
+                            .pointer(&format!("/requests/{method}/{outcome}"))
+                            .and_then(Value::as_f64)
+                    })
+                    .sum()
+            };
+            lines.push(format!(
+                "store {name:?}: {}; 4xx {} 5xx {} no answer {}; retries {}; in flight {}; sent {} received {}",
+                methods.join(" "),
+                outcome("client_error"),
+                outcome("server_error"),
+                outcome("transport_error"),
+                count(store, "retries"),
+                count(store, "in_flight"),
+                size(store, "bytes_sent"),
+                size(store, "bytes_received"),
+            ));
+            lines.push(format!(
+                "store {name:?}: request cost ${:.6} (${put_price_per_1000} per 1,000 PUT/POST/LIST, ${get_price_per_1000} per 1,000 GET/HEAD)",
+                store_cost(store, put_price_per_1000, get_price_per_1000)
+            ));
+            if let Some(log) = store.get("log").filter(|log| log.is_object()) {
+                lines.push(format!(
+                    "store {name:?} log layout: live {} garbage {} segments {} gc passes {} gc moved {}",
+                    size(log, "live_bytes"),
+                    size(log, "garbage_bytes"),
+                    count(log, "segments"),
+                    count(log, "gc_passes"),
+                    size(log, "gc_bytes_moved"),
+                ));
+            }
+        }
+        if let Some(tier) = export.get("local_tier").filter(|tier| tier.is_object()) {
+            lines.push(format!(
+                "local tier {name:?}: dirty {} log {} of {} epochs pending {} read blocks local {} remote {} write-back epochs {} failures in a row {} fallbacks {}",
+                size(tier, "dirty_bytes"),
+                size(tier, "log_used_bytes"),
+                size(tier, "log_capacity_bytes"),
+                count(tier, "epochs_pending"),
+                count(tier, "read_blocks_local"),
+                count(tier, "read_blocks_remote"),
+                count(tier, "writeback_epochs"),
+                count(tier, "writeback_failures_in_a_row"),
+                count(tier, "fallbacks"),
+            ));
+        }
+    }
+    lines
 }
 
 /// The figures of one line.
@@ -259,6 +381,14 @@ fn print_line(line: &Line, json: bool) {
 }
 
 pub fn run(args: StatArgs) -> anyhow::Result<()> {
+    for (flag, price) in [
+        ("--put-price-per-1000", args.put_price_per_1000),
+        ("--get-price-per-1000", args.get_price_per_1000),
+    ] {
+        if !(price.is_finite() && price >= 0.0) {
+            bail!("{flag} {price}: must be a price in dollars, 0 or more");
+        }
+    }
     if !(args.interval > 0.0 && args.interval <= 3600.0) {
         bail!(
             "--interval {}: must be above 0 and at most 3600 seconds",
@@ -277,6 +407,11 @@ pub fn run(args: StatArgs) -> anyhow::Result<()> {
         } else {
             print_totals(&first);
             for line in command_lines(&first) {
+                println!("{line}");
+            }
+            for line in
+                store_and_tier_lines(&first, args.put_price_per_1000, args.get_price_per_1000)
+            {
                 println!("{line}");
             }
             for line in crate::whatif::stat_lines(&first) {
@@ -363,6 +498,42 @@ mod tests {
             "exports": [{"device": {"reads": {"requests": requests, "bytes": bytes},
                                     "writes": {"requests": requests, "bytes": bytes}}}]
         })
+    }
+
+    // Goal: the store's request cost is the list price of what was billed: PUT, POST and
+    // LIST at the PUT price, GET and HEAD at the GET price, DELETE free, requests without an
+    // answer not billed. Method: a store document with known counts, default and given prices.
+    #[test]
+    fn store_cost_prices_each_method_at_its_list_price() {
+        let store = json!({"requests": {
+            "GET": {"ok": 9000, "client_error": 1000, "server_error": 0, "transport_error": 500},
+            "HEAD": {"ok": 0, "client_error": 0, "server_error": 0, "transport_error": 0},
+            "PUT": {"ok": 1500, "client_error": 0, "server_error": 500, "transport_error": 7},
+            "LIST": {"ok": 0, "client_error": 0, "server_error": 0, "transport_error": 0},
+            "POST": {"ok": 0, "client_error": 0, "server_error": 0, "transport_error": 0},
+            "DELETE": {"ok": 4000, "client_error": 0, "server_error": 0, "transport_error": 0},
+        }});
+        let cost = store_cost(
+            &store,
+            PUT_PRICE_PER_1000_DEFAULT,
+            GET_PRICE_PER_1000_DEFAULT,
+        );
+        assert!(
+            (cost - (2.0 * 0.005 + 10.0 * 0.0004)).abs() < 1e-12,
+            "{cost}"
+        );
+        assert!((store_cost(&store, 1.0, 0.0) - 2.0).abs() < 1e-12);
+        let lines = store_and_tier_lines(
+            &json!({"exports": [{"name": "", "store": store}]}),
+            1.0,
+            0.0,
+        );
+        assert!(
+            lines
+                .iter()
+                .any(|line| line.contains("request cost $2.000000")),
+            "{lines:?}"
+        );
     }
 
     #[test]

@@ -14,7 +14,7 @@ use std::time::Duration;
 use bufcache_nbd::NbdClient;
 use bufcache_s3::{ChunkStore, S3Url};
 use common::*;
-use s3_support::{have_moto, Moto, Proxy};
+use s3_support::{have_moto, have_seaweedfs, Moto, Proxy, S3Server, SeaweedFs};
 
 const MIB: u64 = 1 << 20;
 
@@ -33,15 +33,32 @@ fn random_data_round_trips_through_qemu_img_and_nbdcopy_and_survives_restart() {
         return;
     }
     let _timer = Timer::new(name);
+    random_data_round_trips(&Moto::start());
+}
+
+#[test]
+fn random_data_round_trips_through_qemu_img_and_nbdcopy_and_survives_restart_on_seaweedfs() {
+    // Goal and method: those of
+    // `random_data_round_trips_through_qemu_img_and_nbdcopy_and_survives_restart`, on SeaweedFS.
+    let name =
+        "random_data_round_trips_through_qemu_img_and_nbdcopy_and_survives_restart_on_seaweedfs";
+    if !have_seaweedfs(name) || !have_tools(name, &["qemu-img", "nbdcopy"]) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    random_data_round_trips(&SeaweedFs::start());
+}
+
+/// The body of the qemu-img/nbdcopy round-trip tests, on `store`.
+fn random_data_round_trips(store: &dyn S3Server) {
     let dir = temp_dir();
-    let moto = Moto::start();
-    moto.create_bucket("disks");
+    store.create_bucket("disks");
     let input = dir.path().join("input.raw");
     let mut data = random_bytes(24 * MIB as usize, 11);
     data.resize(64 * MIB as usize, 0);
     write_file(&input, &data);
     let url = disk_url(
-        &moto.endpoint(),
+        &store.endpoint(),
         "&create-size=64M&chunk-size=1M&layout=chunk",
     );
     let mut server = Server::start(
@@ -62,7 +79,7 @@ fn random_data_round_trips_through_qemu_img_and_nbdcopy_and_survives_restart() {
     );
     assert_same_file(&input, &output);
     server.stop_clean();
-    let url = disk_url(&moto.endpoint(), "");
+    let url = disk_url(&store.endpoint(), "");
     let mut server = Server::start(dir.path(), "s3-again", &["--backend", &url]);
     let again = dir.path().join("again.raw");
     run_ok(
@@ -211,18 +228,36 @@ fn second_server_on_one_s3_disk_is_refused_naming_the_holder_until_released_or_b
         return;
     }
     let _timer = Timer::new(name);
+    second_server_is_refused_until_released_or_broken(&Moto::start());
+}
+
+#[test]
+fn second_server_on_one_s3_disk_is_refused_naming_the_holder_until_released_or_broken_on_seaweedfs()
+{
+    // Goal and method: those of
+    // `second_server_on_one_s3_disk_is_refused_naming_the_holder_until_released_or_broken`,
+    // on SeaweedFS.
+    let name = "second_server_on_one_s3_disk_is_refused_naming_the_holder_until_released_or_broken_on_seaweedfs";
+    if !have_seaweedfs(name) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    second_server_is_refused_until_released_or_broken(&SeaweedFs::start());
+}
+
+/// The body of the lock tests, on `store`.
+fn second_server_is_refused_until_released_or_broken(store: &dyn S3Server) {
     let dir = temp_dir();
-    let moto = Moto::start();
-    moto.create_bucket("disks");
+    store.create_bucket("disks");
     let url = disk_url(
-        &moto.endpoint(),
+        &store.endpoint(),
         "&create-size=8M&chunk-size=1M&layout=chunk",
     );
 
     let mut first = Server::start(dir.path(), "first", &["--backend", &url]);
     // The bucket as it is, read without taking the lock.
     let inspector =
-        ChunkStore::open(&S3Url::parse(&disk_url(&moto.endpoint(), "")).unwrap()).unwrap();
+        ChunkStore::open(&S3Url::parse(&disk_url(&store.endpoint(), "")).unwrap()).unwrap();
     let holder_pid = || inspector.lock_holder().unwrap().map(|holder| holder.pid);
     let data = random_bytes(MIB as usize, 21);
     NbdClient::connect(&first.uri())

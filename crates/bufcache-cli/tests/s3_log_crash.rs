@@ -9,7 +9,7 @@
 //! segments seal and upload all the time; the server is killed with SIGKILL after a random
 //! delay, restarted (breaking its stale lock), and the image read back and checked against
 //! what was sent and acknowledged. Repeated for several rounds, each continuing from the
-//! image the previous one recovered.
+//! image the previous one recovered. Run on moto and on SeaweedFS (`_on_seaweedfs`).
 
 mod common;
 #[path = "../../bufcache-s3/tests/support/mod.rs"]
@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use bufcache_nbd::NbdClient;
 use common::*;
-use s3_support::{have_moto, Moto};
+use s3_support::{have_moto, have_seaweedfs, Moto, S3Server, SeaweedFs};
 
 const BLOCK: usize = 4096;
 const BLOCKS: usize = 512;
@@ -101,6 +101,25 @@ fn log_layout_reopens_as_a_prefix_of_flush_epochs_after_kill_9_during_write_back
         return;
     }
     let _timer = Timer::new(name);
+    log_layout_reopens_as_a_prefix_of_flush_epochs(&Moto::start());
+}
+
+#[test]
+fn log_layout_reopens_as_a_prefix_of_flush_epochs_after_kill_9_during_write_back_on_seaweedfs() {
+    // Goal and method: those of
+    // `log_layout_reopens_as_a_prefix_of_flush_epochs_after_kill_9_during_write_back` (the
+    // file's opening comment), on SeaweedFS.
+    let name =
+        "log_layout_reopens_as_a_prefix_of_flush_epochs_after_kill_9_during_write_back_on_seaweedfs";
+    if !have_seaweedfs(name) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    log_layout_reopens_as_a_prefix_of_flush_epochs(&SeaweedFs::start());
+}
+
+/// The body of the kill -9 tests, on `store` (which outlives the bufcache servers).
+fn log_layout_reopens_as_a_prefix_of_flush_epochs(store: &dyn S3Server) {
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -108,9 +127,8 @@ fn log_layout_reopens_as_a_prefix_of_flush_epochs_after_kill_9_during_write_back
     println!("seed {seed}");
     let mut rng = Rng::new(seed);
     let dir = temp_dir();
-    let moto = Moto::start();
-    moto.create_bucket("disks");
-    let endpoint = moto.endpoint();
+    store.create_bucket("disks");
+    let endpoint = store.endpoint();
     // Tag of every block as the disk holds it now (None: never written).
     let mut base: Vec<Option<(u32, u32)>> = vec![None; BLOCKS];
     let rounds = 6u32;

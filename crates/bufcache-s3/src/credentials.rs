@@ -3,6 +3,11 @@
 //! EC2 instance metadata); it does not read the shared credentials file, so this module adds
 //! that: `AWS_SHARED_CREDENTIALS_FILE` or `~/.aws/credentials`, profile `AWS_PROFILE` or
 //! `default`. Values are never logged or put in error messages.
+//!
+//! With none of these (nor web identity or container credentials) the client would ask the
+//! instance-metadata service (169.254.169.254); it does so only when the URL asks for it
+//! (`credentials=instance`) or names no `endpoint=` (AWS itself). Otherwise opening fails
+//! with one line naming where credentials were looked for.
 
 use std::path::PathBuf;
 
@@ -19,13 +24,34 @@ pub fn shared_file_credentials() -> Option<SharedCredentials> {
     if std::env::var_os("AWS_ACCESS_KEY_ID").is_some() {
         return None;
     }
-    let path = match std::env::var_os("AWS_SHARED_CREDENTIALS_FILE") {
-        Some(path) => PathBuf::from(path),
-        None => PathBuf::from(std::env::var_os("HOME")?).join(".aws/credentials"),
-    };
-    let text = std::fs::read_to_string(path).ok()?;
-    let profile = std::env::var("AWS_PROFILE").unwrap_or_else(|_| "default".to_string());
+    let (path, profile) = shared_file_place();
+    let text = std::fs::read_to_string(path?).ok()?;
     parse_profile(&text, &profile)
+}
+
+/// Where the shared credentials file is looked for (None: no `HOME` to find it under) and
+/// the profile read from it.
+pub fn shared_file_place() -> (Option<PathBuf>, String) {
+    let path = match std::env::var_os("AWS_SHARED_CREDENTIALS_FILE") {
+        Some(path) => Some(PathBuf::from(path)),
+        None => std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".aws/credentials")),
+    };
+    let profile = std::env::var("AWS_PROFILE").unwrap_or_else(|_| "default".to_string());
+    (path, profile)
+}
+
+/// Where the credentials were looked for, for the error that found none: the environment
+/// variables, the shared credentials file and its profile.
+pub fn places_looked() -> String {
+    let (path, profile) = shared_file_place();
+    let file = match path {
+        Some(path) => format!("`{}`", path.display()),
+        None => "`~/.aws/credentials` (HOME is not set)".to_string(),
+    };
+    format!(
+        "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment, profile `{profile}` \
+         (AWS_PROFILE) of the credentials file {file} (AWS_SHARED_CREDENTIALS_FILE)"
+    )
 }
 
 /// The entry of `profile` in an INI-style credentials file.

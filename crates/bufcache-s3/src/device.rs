@@ -2,14 +2,16 @@
 //! [`Device`] trait.
 
 use std::io::{self, IoSlice, IoSliceMut};
+use std::sync::Arc;
 
-use bufcache::device::all_data;
+use bufcache::device::check_range;
 use bufcache::{Capabilities, Device, Extent};
 use bytes::{Bytes, BytesMut};
 
 use crate::error::OpenError;
 use crate::layout::Layout;
 use crate::log::LogStore;
+use crate::meters::{StoreMeters, StoreStats};
 use crate::store::{advance_generation, new_disk_id, ChunkStore, DiskState};
 use crate::url::S3Url;
 
@@ -23,6 +25,9 @@ pub struct S3Device {
     /// The disk's identity and generation: as this open left them (raised by a writable
     /// open), or as read (a read-only one).
     state: DiskState,
+    /// Every request of the disk's connection (counted only for a device opened here, not
+    /// for one built over a store opened elsewhere).
+    meters: Arc<StoreMeters>,
 }
 
 impl S3Device {
@@ -32,6 +37,7 @@ impl S3Device {
         S3Device {
             state: store.state(),
             store,
+            meters: StoreMeters::new(),
         }
     }
 
@@ -41,6 +47,7 @@ impl S3Device {
         S3Device {
             state: store.state(),
             store,
+            meters: StoreMeters::new(),
         }
     }
 
@@ -59,21 +66,28 @@ impl S3Device {
         seen: Option<&DiskState>,
         proposed_id: u64,
     ) -> Result<Self, OpenError> {
-        let store = Layout::open_locked(url)?;
+        let meters = StoreMeters::new();
+        let store = Layout::open_locked(url, Arc::clone(&meters))?;
         let state = match store.read_only() {
             Some(_) => store.state(),
             None => advance_generation(url, seen.map(|seen| seen.generation), proposed_id)?,
         };
-        Ok(S3Device { store, state })
+        Ok(S3Device {
+            store,
+            state,
+            meters,
+        })
     }
 
     /// Opens an existing disk read-only, writing nothing at all (see
     /// [`ChunkStore::open_read_only`]).
     pub fn open_read_only(url: &S3Url) -> Result<Self, OpenError> {
-        let store = Layout::open_read_only(url)?;
+        let meters = StoreMeters::new();
+        let store = Layout::open_read_only(url, Arc::clone(&meters))?;
         Ok(S3Device {
             state: store.state(),
             store,
+            meters,
         })
     }
 
@@ -91,6 +105,15 @@ impl S3Device {
         match &self.store {
             Layout::Chunk(_) => (Vec::new(), 0),
             Layout::Log(store) => store.undurable_extents(),
+        }
+    }
+
+    /// What the disk asked of its store so far (requests, bytes, retries, durations) and,
+    /// for the log layout, what its objects hold.
+    pub fn store_stats(&self) -> StoreStats {
+        StoreStats {
+            log: self.store.log_stats(),
+            ..self.meters.stats()
         }
     }
 
@@ -214,9 +237,20 @@ impl Device for S3Device {
         Ok(self.store.write_zeroes(offset, length)?)
     }
 
-    /// Everything is data to the engine; a missing chunk or unmapped range reads as zeroes.
+    /// Holes are what reads as zeroes without a request: ranges the log layout's index does
+    /// not map, chunks the chunk layout does not store (known while it holds the disk lock;
+    /// without it, everything is data). Answered from memory, never from the store.
     fn extents(&self, offset: u64, length: u64) -> io::Result<Vec<Extent>> {
-        all_data(self.store.size_bytes(), offset, length)
+        check_range(self.store.size_bytes(), offset, length)?;
+        Ok(self
+            .store
+            .data_runs(offset, length)
+            .into_iter()
+            .map(|(length, data)| Extent {
+                length,
+                hole: !data,
+            })
+            .collect())
     }
 
     /// Discard and write-zeroes delete or rewrite chunks (chunk layout) or change only the

@@ -13,7 +13,7 @@ pub enum OpenError {
     Client { url: String, message: String },
     #[error("{url}: cannot start the I/O runtime: {source}")]
     Runtime { url: String, source: std::io::Error },
-    #[error("{url}: {operation} failed (endpoint unreachable, bucket missing or credentials refused?): {message}")]
+    #[error("{url}: {operation} failed: {}: {message}", diagnosis(.message))]
     Request {
         url: String,
         operation: String,
@@ -94,6 +94,8 @@ pub enum OpenError {
     },
     #[error("{url}: the store does not honour create-only PUTs (`If-None-Match: *`): a second create of lock object `{key}` succeeded instead of failing with 412, so it cannot keep a second server off this disk; use a store that honours it (AWS S3, MinIO, Ceph RGW, moto), or add lock=off to the URL to serve without that protection")]
     StoreCannotLock { url: String, key: String },
+    #[error("{url}: no credentials found (looked for {looked}); set them there, or add credentials=instance to the URL to ask the instance-metadata service")]
+    NoCredentials { url: String, looked: String },
     #[error("{url}: configuration: {reason}")]
     Config { url: String, reason: String },
     #[error(
@@ -111,6 +113,46 @@ fn keys_named(keys: &[String]) -> String {
         .map(|key| format!("`{key}`"))
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// What a failed request's message says went wrong, in the user's terms, and what to check:
+/// the store's error code when it answered, the transport's failure when it did not.
+pub(crate) fn diagnosis(message: &str) -> &'static str {
+    let says = |words: &[&str]| words.iter().any(|word| message.contains(word));
+    if says(&["NoSuchBucket", "bucket does not exist"]) {
+        "the bucket does not exist (check the bucket name and endpoint=, or create it)"
+    } else if says(&[
+        "AuthorizationHeaderMalformed",
+        "PermanentRedirect",
+        "IllegalLocationConstraintException",
+        "wrong region",
+        "region is wrong",
+    ]) {
+        "wrong region (set region= to the bucket's region)"
+    } else if says(&[
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "AccessDenied",
+        "InvalidToken",
+        "ExpiredToken",
+        "403 Forbidden",
+        "Forbidden",
+    ]) {
+        "the store refused the credentials (check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or the credentials file's profile, and what they may do)"
+    } else if says(&[
+        "Connection refused",
+        "connection refused",
+        "dns error",
+        "tcp connect error",
+        "error trying to connect",
+        "timed out",
+        "Timeout",
+        "error sending request",
+    ]) {
+        "the endpoint did not answer (check endpoint= and that the store is running)"
+    } else {
+        "the store's answer follows"
+    }
 }
 
 fn break_lock_mismatch(asked: &Option<String>) -> String {
@@ -182,5 +224,26 @@ pub(crate) fn request_failed(
         operation,
         key: key.to_string(),
         message: chain(&error),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Goal: each common way to point at the wrong place gets its own plain cause. Method:
+    // the answers AWS S3 and the HTTP client give for each (their codes as documented).
+    #[test]
+    fn a_failed_request_is_diagnosed_from_the_stores_answer() {
+        for (message, cause) in [
+            ("Generic S3 error: Error performing GET … 404 Not Found: <Code>NoSuchBucket</Code>", "bucket does not exist"),
+            ("Client error with status 400 Bad Request: <Code>AuthorizationHeaderMalformed</Code><Message>the region 'us-east-1' is wrong; expecting 'eu-west-1'</Message>", "wrong region"),
+            ("Client error with status 301 Moved Permanently: <Code>PermanentRedirect</Code>", "wrong region"),
+            ("Client error with status 403 Forbidden: <Code>InvalidAccessKeyId</Code>", "refused the credentials"),
+            ("Client error with status 403 Forbidden: <Code>SignatureDoesNotMatch</Code>", "refused the credentials"),
+            ("HTTP error: error sending request: client error (Connect): tcp connect error: Connection refused (os error 111)", "did not answer"),
+        ] {
+            assert!(diagnosis(message).contains(cause), "{message}: {}", diagnosis(message));
+        }
     }
 }

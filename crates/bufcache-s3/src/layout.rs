@@ -5,7 +5,10 @@ use bytes::Bytes;
 
 use crate::error::{OpenError, StoreError};
 use crate::log::{LogConfig, LogStore};
-use crate::store::{connect, connect_with, ChunkStore, Create, DiskState, ReadOnly};
+use std::sync::Arc;
+
+use crate::meters::{LogStoreStats, StoreMeters};
+use crate::store::{connect_counted, ChunkStore, Create, DiskState, ReadOnly};
 use crate::url::{LayoutKind, S3Url};
 
 /// A disk of either layout (one per device: the size difference does not matter).
@@ -17,9 +20,10 @@ pub enum Layout {
 
 impl Layout {
     /// Opens the disk `url` names with the layout its metadata object records (a new disk
-    /// gets the URL's `layout=`, else [`crate::LAYOUT_DEFAULT`]) and takes its lock.
-    pub fn open_locked(url: &S3Url) -> Result<Layout, OpenError> {
-        let connection = connect(url)?;
+    /// gets the URL's `layout=`, else [`crate::LAYOUT_DEFAULT`]) and takes its lock; every
+    /// request is counted in `meters`.
+    pub fn open_locked(url: &S3Url, meters: Arc<StoreMeters>) -> Result<Layout, OpenError> {
+        let connection = connect_counted(url, Create::IfAsked, meters)?;
         match connection.metadata.layout {
             LayoutKind::Chunk => Ok(Layout::Chunk(
                 ChunkStore::from_connection(url, connection)?.take_lock(url)?,
@@ -33,9 +37,9 @@ impl Layout {
     }
 
     /// Opens an existing disk read-only, writing nothing (see [`ChunkStore::open_read_only`]
-    /// and [`LogStore::open_read_only`]).
-    pub fn open_read_only(url: &S3Url) -> Result<Layout, OpenError> {
-        let connection = connect_with(url, Create::Never)?;
+    /// and [`LogStore::open_read_only`]); every request is counted in `meters`.
+    pub fn open_read_only(url: &S3Url, meters: Arc<StoreMeters>) -> Result<Layout, OpenError> {
+        let connection = connect_counted(url, Create::Never, meters)?;
         match connection.metadata.layout {
             LayoutKind::Chunk => Ok(Layout::Chunk(ChunkStore::read_only_from_connection(
                 url, connection,
@@ -100,6 +104,31 @@ impl Layout {
             Layout::Chunk(store) => DiskState::of(&store.metadata()),
             Layout::Log(store) => DiskState::of(&store.metadata()),
         }
+    }
+
+    /// The runs of `[offset, offset + length)` as (length, holds data); see
+    /// [`ChunkStore::stored_runs`] and [`LogStore::mapped_runs`].
+    pub fn data_runs(&self, offset: u64, length: u64) -> Vec<(u64, bool)> {
+        match self {
+            Layout::Chunk(store) => store.stored_runs(offset, length),
+            Layout::Log(store) => store.mapped_runs(offset, length),
+        }
+    }
+
+    /// The log layout's store figures (None for the chunk layout).
+    pub fn log_stats(&self) -> Option<LogStoreStats> {
+        let Layout::Log(store) = self else {
+            return None;
+        };
+        let live_bytes = store.mapped_bytes();
+        let gc = store.gc_totals();
+        Some(LogStoreStats {
+            live_bytes,
+            garbage_bytes: store.stored_segment_bytes().saturating_sub(live_bytes),
+            segments: store.stored_segments(),
+            gc_passes: gc.rounds,
+            gc_bytes_moved: gc.bytes_read,
+        })
     }
 
     pub fn size_bytes(&self) -> u64 {

@@ -15,6 +15,7 @@ mod error;
 mod layout;
 mod lock;
 mod log;
+mod meters;
 mod retry_writes;
 mod seal;
 pub mod sim_check;
@@ -30,6 +31,9 @@ pub use log::{
     GC_BYTES_MAX_DEFAULT, GC_INTERVAL_MS_DEFAULT, GC_REQUESTS_IN_FLIGHT_MAX_DEFAULT,
     GC_STORED_RATIO_MAX_DEFAULT, GC_THRESHOLD_DEFAULT, SEALED_EXTENT_BYTES_MAX,
     SEGMENTS_IN_FLIGHT_MAX_DEFAULT, SEGMENT_BYTES_MAX_DEFAULT,
+};
+pub use meters::{
+    LogStoreStats, StoreStats, STORE_DURATION_BUCKETS_SECONDS, STORE_METHODS, STORE_OUTCOMES,
 };
 pub use store::{
     advance_generation, disk_identity, new_disk_id, probe, ChunkStore, DiskMetadata, DiskState,

@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::stream::{self, StreamExt, TryStreamExt};
-use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::aws::{AmazonS3, AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::path::Path as ObjectPath;
 use object_store::{
     BackoffConfig, ClientOptions, ObjectStore, PutMode, PutOptions, PutPayload, RetryConfig,
@@ -40,6 +40,7 @@ use crate::blocks;
 use crate::credentials::shared_file_credentials;
 use crate::error::{chain, request_failed, OpenError, StoreError};
 use crate::lock::{check_not_held, Acquired, DiskLock};
+use crate::meters::{CountingConnector, StoreMeters};
 use crate::seal::SealParameters;
 use crate::url::{LayoutKind, S3Url, CHUNK_SIZE_DEFAULT_BYTES, LAYOUT_DEFAULT};
 
@@ -107,6 +108,15 @@ pub(crate) fn connect(url: &S3Url) -> Result<Connection, OpenError> {
 
 /// [`connect`], creating a missing disk only when `create` allows it.
 pub(crate) fn connect_with(url: &S3Url, create: Create) -> Result<Connection, OpenError> {
+    connect_counted(url, create, StoreMeters::new())
+}
+
+/// [`connect_with`], every request of the connection counted in `meters`.
+pub(crate) fn connect_counted(
+    url: &S3Url,
+    create: Create,
+    meters: Arc<StoreMeters>,
+) -> Result<Connection, OpenError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("bufcache-s3")
@@ -121,14 +131,24 @@ pub(crate) fn connect_with(url: &S3Url, create: Create) -> Result<Connection, Op
         message: chain(&error),
     };
     let retry_timeout = Duration::from_millis(url.retry_timeout_ms);
-    let store = client_builder(url, retry_timeout, RETRIES_UNBOUNDED)
+    check_credentials(url, &client_builder(url, retry_timeout, RETRIES_UNBOUNDED))?;
+    let counted = |builder: AmazonS3Builder| {
+        builder.with_http_connector(CountingConnector {
+            meters: Arc::clone(&meters),
+        })
+    };
+    let store = counted(client_builder(url, retry_timeout, RETRIES_UNBOUNDED))
         .build()
         .map_err(client_error)?;
     // Opening probes with few retries so an unreachable endpoint or a refused key is
     // reported in seconds rather than after the full retry timeout.
-    let probe = client_builder(url, retry_timeout.min(Duration::from_secs(5)), 2)
-        .build()
-        .map_err(client_error)?;
+    let probe = counted(client_builder(
+        url,
+        retry_timeout.min(Duration::from_secs(5)),
+        2,
+    ))
+    .build()
+    .map_err(client_error)?;
     let metadata = runtime.block_on(ChunkStore::open_metadata(&probe, url, create))?;
     Ok(Connection {
         runtime,
@@ -466,6 +486,27 @@ fn client_builder(url: &S3Url, retry_timeout: Duration, max_retries: usize) -> A
         }
     }
     builder
+}
+
+/// Refuses a disk whose client would ask the instance-metadata service for credentials
+/// (none in the environment, the credentials file, web identity or container settings) when
+/// the URL names a store other than AWS and does not ask for it (`credentials=instance`):
+/// on such a store that request can only fail, after leaving the machine for 169.254.169.254.
+fn check_credentials(url: &S3Url, builder: &AmazonS3Builder) -> Result<(), OpenError> {
+    let configured = |key: AmazonS3ConfigKey| builder.get_config_value(&key).is_some();
+    let keys = configured(AmazonS3ConfigKey::AccessKeyId)
+        || configured(AmazonS3ConfigKey::SecretAccessKey);
+    let web_identity = std::env::var_os("AWS_WEB_IDENTITY_TOKEN_FILE").is_some()
+        && std::env::var_os("AWS_ROLE_ARN").is_some();
+    let container = configured(AmazonS3ConfigKey::ContainerCredentialsRelativeUri)
+        || configured(AmazonS3ConfigKey::ContainerCredentialsFullUri);
+    if keys || web_identity || container || url.credentials_instance || url.endpoint.is_none() {
+        return Ok(());
+    }
+    Err(OpenError::NoCredentials {
+        url: url.to_string(),
+        looked: crate::credentials::places_looked(),
+    })
 }
 
 impl ChunkStore {
@@ -1064,6 +1105,33 @@ impl ChunkStore {
     /// True when chunk `index` is known not to be stored (reads as zeroes without a GET).
     fn known_absent(&self, index: u64) -> bool {
         self.stored.as_ref().is_some_and(|set| !set.contains(index))
+    }
+
+    /// The runs of `[offset, offset + length)` in disk order as (length, stored): a run of
+    /// chunks not stored (never written, or zeroed whole) reads as zeroes. Known only while
+    /// this store holds the disk lock (the chunk set listed at open and kept up to date);
+    /// otherwise one stored run, without a request.
+    pub fn stored_runs(&self, offset: u64, length: u64) -> Vec<(u64, bool)> {
+        let Some(set) = &self.stored else {
+            return vec![(length, true)];
+        };
+        let chunk_size = self.metadata.chunk_size_bytes;
+        let end = offset + length;
+        let mut runs: Vec<(u64, bool)> = Vec::new();
+        let mut position = offset;
+        while position < end {
+            let chunk = position / chunk_size;
+            let piece_end = ((chunk + 1) * chunk_size).min(end);
+            let stored = set.contains(chunk);
+            match runs.last_mut() {
+                Some((run_length, run_stored)) if *run_stored == stored => {
+                    *run_length += piece_end - position
+                }
+                _ => runs.push((piece_end - position, stored)),
+            }
+            position = piece_end;
+        }
+        runs
     }
 
     /// Number of chunk objects stored and their total bytes (one LIST walk).

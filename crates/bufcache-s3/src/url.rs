@@ -88,7 +88,7 @@ pub enum UrlError {
     Scheme(String),
     #[error("`{0}`: missing bucket name; expected s3://BUCKET/PREFIX")]
     MissingBucket(String),
-    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, layout, chunk-size, segment-size, gc, gc-threshold, key-file, compress, create-size, retry-timeout-ms, break-lock, lock, recover-prefix")]
+    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, layout, chunk-size, segment-size, gc, gc-threshold, key-file, compress, create-size, retry-timeout-ms, break-lock, lock, recover-prefix, credentials")]
     UnknownParameter { url: String, name: String },
     #[error("`{url}`: parameter `{name}` given twice")]
     DuplicateParameter { url: String, name: String },
@@ -152,6 +152,11 @@ pub struct S3Url {
     /// its log that is left, deleting what that prefix does not reach. Off (the default)
     /// refuses such an open, naming the objects, and changes nothing.
     pub recover_prefix: bool,
+    /// `credentials=instance`: with no key in the environment or the credentials file, ask
+    /// the instance-metadata service even though `endpoint=` names a store other than AWS.
+    /// Without it, such a disk with no credentials is refused naming where they were looked
+    /// for (no request leaves for the metadata address).
+    pub credentials_instance: bool,
 }
 
 /// Default for `retry-timeout-ms`: long enough to ride out a server restart.
@@ -189,6 +194,7 @@ impl S3Url {
             break_lock: None,
             lock_check: true,
             recover_prefix: false,
+            credentials_instance: false,
         };
         let mut seen: Vec<String> = Vec::new();
         for pair in query
@@ -309,6 +315,12 @@ impl S3Url {
                         "on" => true,
                         "off" => false,
                         _ => return Err(bad("expected on or off")),
+                    }
+                }
+                "credentials" => {
+                    url.credentials_instance = match value {
+                        "instance" => true,
+                        _ => return Err(bad("expected instance (the instance-metadata service)")),
                     }
                 }
                 "break-lock" => {

@@ -7,7 +7,9 @@ use bufcache::Device;
 use bufcache_s3::{ChunkStore, OpenError, ReadOnly, S3Device, S3Url};
 use bytes::Bytes;
 use rand::{Rng, SeedableRng};
-use support::{have_moto, FaultProxy, Moto, Proxy, RefuseProxy};
+use support::{
+    have_moto, have_seaweedfs, FaultProxy, Moto, Proxy, RefuseProxy, S3Server, SeaweedFs,
+};
 
 fn open(endpoint: &str, bucket: &str, parameters: &str) -> Result<ChunkStore, OpenError> {
     ChunkStore::open(
@@ -69,13 +71,26 @@ fn writes_at_any_offset_read_back_and_whole_chunks_are_one_put() {
 // and sum the chunk objects by listing the bucket.
 #[test]
 fn sparse_disk_stores_only_written_chunks_and_zeroes_delete_objects() {
-    if !have_moto("sparse_disk_stores_only_written_chunks_and_zeroes_delete_objects") {
-        return;
+    if have_moto("sparse_disk_stores_only_written_chunks_and_zeroes_delete_objects") {
+        sparse_disk_stores_only_written_chunks(&Moto::start());
     }
-    let moto = Moto::start();
-    moto.create_bucket("bucket");
+}
+
+#[test]
+fn sparse_disk_stores_only_written_chunks_and_zeroes_delete_objects_on_seaweedfs() {
+    // Goal and method: those of
+    // `sparse_disk_stores_only_written_chunks_and_zeroes_delete_objects`, on SeaweedFS.
+    let name = "sparse_disk_stores_only_written_chunks_and_zeroes_delete_objects_on_seaweedfs";
+    if have_seaweedfs(name) {
+        sparse_disk_stores_only_written_chunks(&SeaweedFs::start());
+    }
+}
+
+/// The body of the zero-elision tests, on `store`.
+fn sparse_disk_stores_only_written_chunks(store: &dyn S3Server) {
+    store.create_bucket("bucket");
     let device =
-        S3Device::new(open(&moto.endpoint(), "bucket", "&create-size=1G&chunk-size=1M").unwrap());
+        S3Device::new(open(&store.endpoint(), "bucket", "&create-size=1G&chunk-size=1M").unwrap());
     assert_eq!(device.len(), 1 << 30);
     let data = random(10 << 20, 5);
     device

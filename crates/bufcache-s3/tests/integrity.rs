@@ -14,7 +14,7 @@ use bufcache::Device;
 use bufcache_s3::{LogStore, OpenError, S3Device, S3Url};
 use rand::{Rng, SeedableRng};
 use raw::Raw;
-use support::{have_moto, Moto};
+use support::{have_moto, have_seaweedfs, Moto, S3Server, SeaweedFs};
 
 fn url(endpoint: &str, disk: &str, parameters: &str) -> S3Url {
     S3Url::parse(&format!(
@@ -106,15 +106,27 @@ fn seal_settings(key: &str) -> Vec<(&'static str, String)> {
 #[test]
 fn a_flipped_byte_in_any_stored_segment_is_a_read_error_naming_it_never_wrong_data() {
     let name = "a_flipped_byte_in_any_stored_segment_is_a_read_error_naming_it_never_wrong_data";
-    if !have_moto(name) {
-        return;
+    if have_moto(name) {
+        a_flipped_byte_in_any_stored_segment_is_a_read_error(&Moto::start());
     }
-    let moto = Moto::start();
-    moto.create_bucket("bucket");
-    let raw = Raw::new(&moto);
+}
+
+#[test]
+fn a_flipped_byte_in_any_stored_segment_is_a_read_error_naming_it_never_wrong_data_on_seaweedfs() {
+    // Goal and method: those of `a_flipped_byte_in_any_stored_segment_is_a_read_error_naming_it_never_wrong_data`, on SeaweedFS.
+    let name = "a_flipped_byte_in_any_stored_segment_is_a_read_error_naming_it_never_wrong_data_on_seaweedfs";
+    if have_seaweedfs(name) {
+        a_flipped_byte_in_any_stored_segment_is_a_read_error(&SeaweedFs::start());
+    }
+}
+
+/// The body of the `a_flipped_byte_in_any_stored_segment_is_a_read_error_naming_it_never_wrong_data` tests, on `store`.
+fn a_flipped_byte_in_any_stored_segment_is_a_read_error(store: &dyn S3Server) {
+    store.create_bucket("bucket");
+    let raw = Raw::new(store);
     let keys = tempfile::tempdir().unwrap();
     let key = key_file(keys.path());
-    let endpoint = moto.endpoint();
+    let endpoint = store.endpoint();
     let mut rng = rand::rngs::StdRng::seed_from_u64(35);
     const SIZE: usize = 2 << 20;
     for (disk, parameters) in seal_settings(&key) {
@@ -232,13 +244,26 @@ fn the_collector_refuses_a_damaged_source_instead_of_copying_it() {
 #[test]
 fn a_flipped_byte_in_a_chunk_is_a_read_error_and_stops_its_read_modify_write() {
     let name = "a_flipped_byte_in_a_chunk_is_a_read_error_and_stops_its_read_modify_write";
-    if !have_moto(name) {
-        return;
+    if have_moto(name) {
+        a_flipped_byte_in_a_chunk_is_a_read_error(&Moto::start());
     }
-    let moto = Moto::start();
-    moto.create_bucket("bucket");
-    let raw = Raw::new(&moto);
-    let endpoint = moto.endpoint();
+}
+
+#[test]
+fn a_flipped_byte_in_a_chunk_is_a_read_error_and_stops_its_read_modify_write_on_seaweedfs() {
+    // Goal and method: those of `a_flipped_byte_in_a_chunk_is_a_read_error_and_stops_its_read_modify_write`, on SeaweedFS.
+    let name =
+        "a_flipped_byte_in_a_chunk_is_a_read_error_and_stops_its_read_modify_write_on_seaweedfs";
+    if have_seaweedfs(name) {
+        a_flipped_byte_in_a_chunk_is_a_read_error(&SeaweedFs::start());
+    }
+}
+
+/// The body of the `a_flipped_byte_in_a_chunk_is_a_read_error_and_stops_its_read_modify_write` tests, on `store`.
+fn a_flipped_byte_in_a_chunk_is_a_read_error(store: &dyn S3Server) {
+    store.create_bucket("bucket");
+    let raw = Raw::new(store);
+    let endpoint = store.endpoint();
     let disk = url(
         &endpoint,
         "disk",

@@ -1,6 +1,7 @@
-//! The log layout (`layout=log`) against a real S3 server (moto on loopback): reads after
-//! writes, zeroes and reopening; what a write-back costs in requests and bytes; the recovery
-//! rule (replay stops at a missing segment); damaged objects refused by name.
+//! The log layout (`layout=log`) against a real S3 server (moto on loopback; the `_on_seaweedfs`
+//! tests on SeaweedFS): reads after writes, zeroes and reopening; what a write-back costs in
+//! requests and bytes; the recovery rule (replay stops at a missing segment); damaged objects
+//! refused by name.
 
 #[path = "support/raw.rs"]
 mod raw;
@@ -13,7 +14,7 @@ use bufcache::Device;
 use bufcache_s3::{LayoutKind, LogStore, OpenError, S3Device, S3Url};
 use rand::{Rng, SeedableRng};
 use raw::Raw;
-use support::{have_moto, Moto};
+use support::{have_moto, have_seaweedfs, Moto, S3Server, SeaweedFs};
 
 fn url(endpoint: &str, parameters: &str) -> S3Url {
     S3Url::parse(&format!("s3://bucket/disk?endpoint={endpoint}{parameters}")).unwrap()
@@ -64,17 +65,30 @@ fn crash(mut store: LogStore) -> String {
 #[test]
 fn log_disk_reads_back_writes_and_zeroes_before_and_after_reopen() {
     let name = "log_disk_reads_back_writes_and_zeroes_before_and_after_reopen";
-    if !have_moto(name) {
-        return;
+    if have_moto(name) {
+        log_disk_reads_back_writes_and_zeroes(&Moto::start());
     }
+}
+
+#[test]
+fn log_disk_reads_back_writes_and_zeroes_before_and_after_reopen_on_seaweedfs() {
+    // Goal and method: those of
+    // `log_disk_reads_back_writes_and_zeroes_before_and_after_reopen`, on SeaweedFS.
+    let name = "log_disk_reads_back_writes_and_zeroes_before_and_after_reopen_on_seaweedfs";
+    if have_seaweedfs(name) {
+        log_disk_reads_back_writes_and_zeroes(&SeaweedFs::start());
+    }
+}
+
+/// The body of the read-back tests, on `server`.
+fn log_disk_reads_back_writes_and_zeroes(server: &dyn S3Server) {
     let seed: u64 = rand::random();
     println!("seed {seed}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let moto = Moto::start();
-    moto.create_bucket("bucket");
+    server.create_bucket("bucket");
     const SIZE: usize = 2 << 20;
     let store = open(
-        &moto.endpoint(),
+        &server.endpoint(),
         "&create-size=2M&layout=log&segment-size=64k",
     )
     .unwrap();
@@ -104,17 +118,17 @@ fn log_disk_reads_back_writes_and_zeroes_before_and_after_reopen() {
     store.flush().unwrap();
     assert!(read_all(&store, SIZE) == model, "seed {seed}: after flush");
     drop(store);
-    let reopened = open(&moto.endpoint(), "").unwrap();
+    let reopened = open(&server.endpoint(), "").unwrap();
     assert!(
         read_all(&reopened, SIZE) == model,
         "seed {seed}: after reopen"
     );
     assert!(
-        url(&moto.endpoint(), "&layout=chunk").layout == Some(LayoutKind::Chunk),
+        url(&server.endpoint(), "&layout=chunk").layout == Some(LayoutKind::Chunk),
         "layout parameter parsed"
     );
     drop(reopened);
-    let other = bufcache_s3::ChunkStore::open(&url(&moto.endpoint(), ""))
+    let other = bufcache_s3::ChunkStore::open(&url(&server.endpoint(), ""))
         .err()
         .expect("the chunk store refuses a log disk");
     assert!(other.to_string().contains("layout"), "{other}");
@@ -525,12 +539,22 @@ fn garbage_collection_keeps_a_shadow_model_through_reopen_and_crash() {
     if !have_moto(name) {
         return;
     }
-    garbage_collection_keeps_a_shadow_model("");
+    garbage_collection_keeps_a_shadow_model(&Moto::start(), "");
+}
+
+#[test]
+fn garbage_collection_keeps_a_shadow_model_through_reopen_and_crash_on_seaweedfs() {
+    // Goal and method: those of
+    // `garbage_collection_keeps_a_shadow_model_through_reopen_and_crash`, on SeaweedFS.
+    let name = "garbage_collection_keeps_a_shadow_model_through_reopen_and_crash_on_seaweedfs";
+    if have_seaweedfs(name) {
+        garbage_collection_keeps_a_shadow_model(&SeaweedFs::start(), "");
+    }
 }
 
 /// The body of [`garbage_collection_keeps_a_shadow_model_through_reopen_and_crash`], with
-/// `extra` URL parameters on every open (sealing: `&key-file=…&compress=zstd`).
-fn garbage_collection_keeps_a_shadow_model(extra: &str) {
+/// `extra` URL parameters on every open (sealing: `&key-file=…&compress=zstd`), on `server`.
+fn garbage_collection_keeps_a_shadow_model(server: &dyn S3Server, extra: &str) {
     // GC_SEED=N replays a printed seed.
     let seed: u64 = std::env::var("GC_SEED")
         .ok()
@@ -538,12 +562,11 @@ fn garbage_collection_keeps_a_shadow_model(extra: &str) {
         .unwrap_or_else(rand::random);
     println!("seed {seed}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let moto = Moto::start();
-    moto.create_bucket("bucket");
-    let raw = Raw::new(&moto);
+    server.create_bucket("bucket");
+    let raw = Raw::new(server);
     const SIZE: usize = 1 << 20;
     const SEGMENT: u64 = 64 << 10;
-    let endpoint = moto.endpoint();
+    let endpoint = server.endpoint();
     let mut store = open(
         &endpoint,
         &format!("&create-size=1M&layout=log&segment-size=64k&gc=off{extra}"),
@@ -913,14 +936,27 @@ fn open_disk(endpoint: &str, disk: &str, parameters: &str) -> Result<LogStore, O
 #[test]
 fn every_seal_setting_reads_back_like_a_model_before_and_after_reopen() {
     let name = "every_seal_setting_reads_back_like_a_model_before_and_after_reopen";
-    if !have_moto(name) {
-        return;
+    if have_moto(name) {
+        every_seal_setting_reads_back_like_a_model(&Moto::start());
     }
+}
+
+#[test]
+fn every_seal_setting_reads_back_like_a_model_before_and_after_reopen_on_seaweedfs() {
+    // Goal and method: those of
+    // `every_seal_setting_reads_back_like_a_model_before_and_after_reopen`, on SeaweedFS.
+    let name = "every_seal_setting_reads_back_like_a_model_before_and_after_reopen_on_seaweedfs";
+    if have_seaweedfs(name) {
+        every_seal_setting_reads_back_like_a_model(&SeaweedFs::start());
+    }
+}
+
+/// The body of the seal-setting tests, on `server`.
+fn every_seal_setting_reads_back_like_a_model(server: &dyn S3Server) {
     let seed: u64 = rand::random();
     println!("seed {seed}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let moto = Moto::start();
-    moto.create_bucket("bucket");
+    server.create_bucket("bucket");
     let keys = tempfile::tempdir().unwrap();
     let key = key_file(keys.path(), "key", 1);
     const SIZE: usize = 2 << 20;
@@ -937,7 +973,7 @@ fn every_seal_setting_reads_back_like_a_model_before_and_after_reopen() {
             String::new()
         };
         let store = open_disk(
-            &moto.endpoint(),
+            &server.endpoint(),
             disk,
             &format!("&create-size=2M&layout=log&segment-size=64k{parameters}"),
         )
@@ -992,7 +1028,7 @@ fn every_seal_setting_reads_back_like_a_model_before_and_after_reopen() {
             "seed {seed} {disk}: after flush"
         );
         drop(store);
-        let store = open_disk(&moto.endpoint(), disk, &key_only).unwrap();
+        let store = open_disk(&server.endpoint(), disk, &key_only).unwrap();
         assert!(
             read_all(&store, SIZE) == model,
             "seed {seed} {disk}: after reopen"
@@ -1001,7 +1037,7 @@ fn every_seal_setting_reads_back_like_a_model_before_and_after_reopen() {
         store.flush().unwrap();
         let id = crash(store);
         let store = open_disk(
-            &moto.endpoint(),
+            &server.endpoint(),
             disk,
             &format!("&break-lock={id}{key_only}"),
         )
@@ -1332,5 +1368,8 @@ fn garbage_collection_keeps_a_shadow_model_on_an_encrypted_compressed_disk() {
     }
     let keys = tempfile::tempdir().unwrap();
     let key = key_file(keys.path(), "key", 5);
-    garbage_collection_keeps_a_shadow_model(&format!("&key-file={key}&compress=zstd"));
+    garbage_collection_keeps_a_shadow_model(
+        &Moto::start(),
+        &format!("&key-file={key}&compress=zstd"),
+    );
 }

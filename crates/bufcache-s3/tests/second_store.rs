@@ -1,7 +1,8 @@
-//! Both layouts against a second S3 implementation written by others: the `s3s-fs` crate
-//! (a file-system-backed S3 server), run in-process on a loopback port. moto is the first
-//! (every other test file); a store that answers differently from moto in some corner
-//! (conditional PUTs, ranged GETs, 404 bodies, listing) shows up here.
+//! Both layouts against S3 implementations written by others: the `s3s-fs` crate (a
+//! file-system-backed S3 server, run in-process on a loopback port) and SeaweedFS (a
+//! distributed store: master, volume server, filer and S3 gateway, `weed server` on loopback).
+//! moto is the first (every other test file); a store that answers differently from moto in
+//! some corner (conditional PUTs, ranged GETs, 404 bodies, listing) shows up here.
 
 mod support;
 
@@ -10,6 +11,7 @@ use std::net::SocketAddr;
 use bufcache::Device;
 use bufcache_s3::{S3Device, S3Url};
 use rand::{Rng, SeedableRng};
+use support::{have_seaweedfs, S3Server, SeaweedFs};
 
 /// An s3s-fs server over a temporary directory, serving until the test's process ends.
 struct S3sFs {
@@ -56,19 +58,25 @@ impl S3sFs {
         });
         S3sFs { address, root }
     }
+}
+
+impl S3Server for S3sFs {
+    fn endpoint(&self) -> String {
+        format!("http://{}", self.address)
+    }
 
     /// Creates a bucket: s3s-fs keeps each bucket as a directory of its root.
     fn create_bucket(&self, name: &str) {
         std::fs::create_dir(self.root.path().join(name)).unwrap();
     }
+}
 
-    fn url(&self, bucket: &str, parameters: &str) -> S3Url {
-        S3Url::parse(&format!(
-            "s3://{bucket}/disk?endpoint=http://{}{parameters}",
-            self.address
-        ))
-        .unwrap()
-    }
+fn url(server: &dyn S3Server, bucket: &str, parameters: &str) -> S3Url {
+    S3Url::parse(&format!(
+        "s3://{bucket}/disk?endpoint={}{parameters}",
+        server.endpoint()
+    ))
+    .unwrap()
 }
 
 fn random(length: usize, seed: u64) -> Vec<u8> {
@@ -117,23 +125,36 @@ fn both_layouts_keep_every_byte_on_a_second_s3_implementation() {
     // Method: one s3s-fs server, one bucket per layout, 40 random writes/zeroes of up to
     // 96 KiB on a 1 MiB disk with small chunks/segments, compared with a model; reopen and
     // compare again.
-    let server = S3sFs::start();
+    both_layouts_keep_every_byte(&S3sFs::start());
+}
+
+#[test]
+fn both_layouts_keep_every_byte_on_seaweedfs() {
+    // Goal and method: those of `both_layouts_keep_every_byte_on_a_second_s3_implementation`,
+    // on SeaweedFS.
+    if have_seaweedfs("both_layouts_keep_every_byte_on_seaweedfs") {
+        both_layouts_keep_every_byte(&SeaweedFs::start());
+    }
+}
+
+/// The body of the both-layouts tests, on `server`.
+fn both_layouts_keep_every_byte(server: &dyn S3Server) {
     for (bucket, parameters, seed) in [
         ("chunks", "&layout=chunk&chunk-size=64k", 0x5335_0001_u64),
         ("log", "&layout=log&segment-size=64k", 0x5335_0002_u64),
     ] {
         server.create_bucket(bucket);
-        let url = server.url(bucket, &format!("&create-size=1M{parameters}"));
+        let created = url(server, bucket, &format!("&create-size=1M{parameters}"));
         let mut model = vec![0u8; 1 << 20];
         {
-            let device = S3Device::open_locked(&url).unwrap();
+            let device = S3Device::open_locked(&created).unwrap();
             write_randomly(&device, &mut model, seed);
             assert!(
                 read_all(&device, model.len()) == model,
                 "{bucket}: the disk differs from the model (seed {seed})"
             );
         }
-        let device = S3Device::open_locked(&server.url(bucket, "")).unwrap();
+        let device = S3Device::open_locked(&url(server, bucket, "")).unwrap();
         assert!(
             read_all(&device, model.len()) == model,
             "{bucket}: after reopening, the disk differs from the model (seed {seed})"
@@ -147,15 +168,27 @@ fn a_second_server_is_refused_by_the_lock_on_a_second_s3_implementation() {
     // one) holds on s3s-fs too: while one server has the disk open, another open is refused
     // by name, and once the first closes, the second may open. Method: open, open again and
     // read the error; drop the first; open again.
-    let server = S3sFs::start();
+    a_second_server_is_refused_by_the_lock(&S3sFs::start());
+}
+
+#[test]
+fn a_second_server_is_refused_by_the_lock_on_seaweedfs() {
+    // Goal and method: those of
+    // `a_second_server_is_refused_by_the_lock_on_a_second_s3_implementation`, on SeaweedFS.
+    if have_seaweedfs("a_second_server_is_refused_by_the_lock_on_seaweedfs") {
+        a_second_server_is_refused_by_the_lock(&SeaweedFs::start());
+    }
+}
+
+/// The body of the lock tests, on `server`.
+fn a_second_server_is_refused_by_the_lock(server: &dyn S3Server) {
     server.create_bucket("locked");
-    let url = server.url("locked", "&create-size=1M");
-    let first = S3Device::open_locked(&url).unwrap();
-    let refused = S3Device::open_locked(&server.url("locked", ""))
+    let first = S3Device::open_locked(&url(server, "locked", "&create-size=1M")).unwrap();
+    let refused = S3Device::open_locked(&url(server, "locked", ""))
         .err()
         .expect("a second open of a locked disk must fail");
     let text = refused.to_string();
     assert!(text.contains("in use") || text.contains("lock"), "{text}");
     drop(first);
-    S3Device::open_locked(&server.url("locked", "")).unwrap();
+    S3Device::open_locked(&url(server, "locked", "")).unwrap();
 }

@@ -56,6 +56,8 @@ pub struct GcReport {
     pub segments_deleted: u64,
     /// Object bytes of the deleted segments.
     pub bytes_deleted: u64,
+    /// Collection rounds (`collect_garbage` calls that ended without an error).
+    pub rounds: u64,
 }
 
 impl GcReport {
@@ -64,6 +66,7 @@ impl GcReport {
         self.bytes_read += other.bytes_read;
         self.segments_deleted += other.segments_deleted;
         self.bytes_deleted += other.bytes_deleted;
+        self.rounds += other.rounds;
     }
 }
 
@@ -128,6 +131,7 @@ impl Core {
             self.flush_and_checkpoint(true)?;
             report.add(self.delete_dead_segments_locked()?);
         }
+        report.rounds = 1;
         self.shared.lock().gc_totals.add(report);
         Ok(report)
     }

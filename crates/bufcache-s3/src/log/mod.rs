@@ -647,6 +647,23 @@ impl LogStore {
         self.core.shared.lock().index.mapped_bytes()
     }
 
+    /// The runs of `[offset, offset + length)` in disk order as (length, mapped): a run the
+    /// index does not map (never written, trimmed or zeroed) reads as zeroes without a request.
+    pub fn mapped_runs(&self, offset: u64, length: u64) -> Vec<(u64, bool)> {
+        let pieces = self.core.shared.lock().index.lookup(offset, length);
+        let mut runs: Vec<(u64, bool)> = Vec::new();
+        for piece in pieces {
+            let mapped = piece.stored.is_some();
+            match runs.last_mut() {
+                Some((run_length, run_mapped)) if *run_mapped == mapped => {
+                    *run_length += piece.length
+                }
+                _ => runs.push((piece.length, mapped)),
+            }
+        }
+        runs
+    }
+
     /// Ranges the index maps now. Each stored as written may cost up to one checked block of
     /// padding beyond its bytes (its last block is stored whole), which matters only for
     /// extents that do not end on a 4 KiB boundary.
@@ -663,6 +680,11 @@ impl LogStore {
     /// keep, checkpoints and metadata aside).
     pub fn stored_segment_bytes(&self) -> u64 {
         self.core.shared.lock().stored.values().sum()
+    }
+
+    /// Durable segment objects in the store.
+    pub fn stored_segments(&self) -> u64 {
+        self.core.shared.lock().stored.len() as u64
     }
 
     /// Epoch objects this store deleted so far (at open and after its checkpoints), since a

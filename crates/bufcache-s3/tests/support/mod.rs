@@ -1,7 +1,12 @@
 //! Test support: a moto S3 server on a free loopback port, started per test and killed on
 //! drop, and a TCP proxy in front of it that can be taken down to inject "server stopped"
-//! faults without losing moto's in-memory objects.
+//! faults without losing moto's in-memory objects; a SeaweedFS store ([`SeaweedFs`]) for the
+//! tests that run on both.
 #![allow(dead_code)]
+
+mod seaweedfs;
+#[allow(unused_imports)]
+pub use seaweedfs::{have_seaweedfs, SeaweedFs, SeaweedFsCluster, CLUSTER_VOLUME_SERVERS};
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -19,6 +24,24 @@ pub fn set_test_credentials() {
         std::env::set_var("AWS_SECRET_ACCESS_KEY", "testing");
         std::env::set_var("AWS_REGION", "us-east-1");
     });
+}
+
+/// An S3 server on loopback that a test can run against: moto or SeaweedFS.
+pub trait S3Server {
+    /// `http://127.0.0.1:PORT`, for a disk URL's `endpoint=`.
+    fn endpoint(&self) -> String;
+    /// Creates bucket `name`, ready for the first request.
+    fn create_bucket(&self, name: &str);
+}
+
+impl S3Server for Moto {
+    fn endpoint(&self) -> String {
+        Moto::endpoint(self)
+    }
+
+    fn create_bucket(&self, name: &str) {
+        Moto::create_bucket(self, name)
+    }
 }
 
 /// True when moto's server can be started; otherwise prints why `test` is skipped.

@@ -1,7 +1,7 @@
-//! Direct access to the test bucket (`bucket` on moto), beside the store under test: list,
-//! read, replace and delete objects, to inspect what the store wrote or damage it on purpose.
-//! Included by the S3 tests that need it (`#[path = "support/raw.rs"] mod raw;`), not by
-//! `support/mod.rs`, which the cli's tests include without these dependencies.
+//! Direct access to the test bucket (`bucket` on moto or SeaweedFS), beside the store under
+//! test: list, read, replace and delete objects, to inspect what the store wrote or damage it
+//! on purpose. Included by the S3 tests that need it (`#[path = "support/raw.rs"] mod raw;`),
+//! not by `support/mod.rs`, which the cli's tests include without these dependencies.
 #![allow(dead_code)]
 
 use futures::TryStreamExt;
@@ -9,7 +9,7 @@ use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, PutPayload};
 
-use crate::support::Moto;
+use crate::support::S3Server;
 
 pub struct Raw {
     runtime: tokio::runtime::Runtime,
@@ -17,7 +17,7 @@ pub struct Raw {
 }
 
 impl Raw {
-    pub fn new(moto: &Moto) -> Raw {
+    pub fn new(server: &(impl S3Server + ?Sized)) -> Raw {
         Raw {
             runtime: tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -25,7 +25,7 @@ impl Raw {
                 .unwrap(),
             store: AmazonS3Builder::new()
                 .with_bucket_name("bucket")
-                .with_endpoint(moto.endpoint())
+                .with_endpoint(server.endpoint())
                 .with_allow_http(true)
                 .with_region("us-east-1")
                 .with_access_key_id("testing")
