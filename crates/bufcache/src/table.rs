@@ -46,6 +46,10 @@ use bufcache_device::aligned::{BufferPool, Populate};
 /// bytes fill one cache line; a 1 MiB request of 4 KiB blocks touches 16 chunks.
 pub(crate) const CHUNK_BLOCKS: u64 = 16;
 
+/// Read-ahead not yet used may hold at most 1 / this of the buffers in use when the cache
+/// is full; past it, read-ahead takes no more room (its window shrinks).
+const READAHEAD_UNUSED_SHARE_MAX_DIVISOR: u64 = 4;
+
 /// A chunk slot holding no block.
 const NO_SLOT: Slot = Slot::MAX;
 
@@ -451,6 +455,9 @@ impl Table {
             if self.memory.try_charge(charge, charge - size_bytes) {
                 return true;
             }
+            if for_readahead && self.readahead_unused_over_share() {
+                return false;
+            }
             let evicted = if for_readahead {
                 self.evict_pass(false)
             } else {
@@ -639,12 +646,29 @@ impl Table {
         shard.policy.release(slot);
     }
 
-    /// Evicts one clean, unpinned buffer chosen by a shard's policy. Shards are visited
-    /// round-robin so eviction pressure spreads evenly. Read-ahead nobody has used yet is
-    /// spared while anything else can go: evicting it before its reader arrives would only
-    /// turn one clustered read into many single-block misses.
+    /// True when read-ahead nobody has used yet holds at least `READAHEAD_UNUSED_SHARE_MAX`
+    /// of the buffers in use (read-ahead issued less used less wasted; reads still in flight
+    /// are not counted yet). A full cache then refuses more read-ahead at once: its window
+    /// ends without an eviction walk past unused read-ahead it may not take.
+    fn readahead_unused_over_share(&self) -> bool {
+        let counters = &self.counters;
+        let unused = counters
+            .readahead_issued_blocks
+            .load(Ordering::Relaxed)
+            .saturating_sub(counters.readahead_used_blocks.load(Ordering::Relaxed))
+            .saturating_sub(counters.readahead_wasted_blocks.load(Ordering::Relaxed));
+        unused * READAHEAD_UNUSED_SHARE_MAX_DIVISOR >= self.memory.buffers.load(Ordering::Acquire)
+    }
+
+    /// Evicts one clean, unpinned buffer chosen by a shard's policy, in the policy's order,
+    /// read-ahead nobody has used yet included (counted as wasted). Shards are visited
+    /// round-robin so eviction pressure spreads evenly. One pass: sparing unused read-ahead
+    /// while anything else could go walked over every unused read-ahead buffer at every
+    /// eviction once read-ahead filled the cache; read-ahead is kept from crowding out its
+    /// own readers instead by never evicting unused read-ahead itself
+    /// ([`Table::try_reserve`]).
     pub(crate) fn evict_one(&self) -> bool {
-        self.evict_pass(false) || self.evict_pass(true)
+        self.evict_pass(true)
     }
 
     fn evict_pass(&self, including_unused_readahead: bool) -> bool {
