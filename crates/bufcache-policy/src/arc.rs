@@ -221,8 +221,7 @@ impl Policy for Arc {
     fn access(&mut self, slot: Slot) {
         match self.lists.list_of(slot) {
             Some(NO_REUSE) => {
-                self.lists.unlink(slot);
-                self.lists.push_head(RECENT, slot);
+                self.lists.move_to_head(RECENT, slot);
             }
             Some(_) => self.lists.move_to_head(FREQUENT, slot),
             None => debug_assert!(false, "slot {slot} is not tracked"),
@@ -233,6 +232,18 @@ impl Policy for Arc {
         if self.lists.list_of(slot).is_some() {
             self.lists.unlink(slot);
         }
+    }
+
+    fn hold(&mut self, slot: Slot) {
+        self.lists.hold(slot);
+    }
+
+    fn release(&mut self, slot: Slot) {
+        self.lists.release(slot);
+    }
+
+    fn held(&self) -> usize {
+        self.lists.held()
     }
 
     fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {

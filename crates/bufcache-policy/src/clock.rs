@@ -59,8 +59,7 @@ impl Policy for Clock {
 
     fn access(&mut self, slot: Slot) {
         if self.lists.list_of(slot) == Some(NO_REUSE) {
-            self.lists.unlink(slot);
-            self.lists.push_head(RING, slot);
+            self.lists.move_to_head(RING, slot);
             return;
         }
         debug_assert_eq!(self.lists.list_of(slot), Some(RING));
@@ -72,6 +71,18 @@ impl Policy for Clock {
         if self.lists.list_of(slot).is_some() {
             self.lists.unlink(slot);
         }
+    }
+
+    fn hold(&mut self, slot: Slot) {
+        self.lists.hold(slot);
+    }
+
+    fn release(&mut self, slot: Slot) {
+        self.lists.release(slot);
+    }
+
+    fn held(&self) -> usize {
+        self.lists.held()
     }
 
     fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {

@@ -40,8 +40,7 @@ impl Policy for Fifo {
     fn access(&mut self, slot: Slot) {
         // A re-read no-reuse entry turned out to be reused: give it a normal place.
         if self.lists.list_of(slot) == Some(NO_REUSE) {
-            self.lists.unlink(slot);
-            self.lists.push_head(QUEUE, slot);
+            self.lists.move_to_head(QUEUE, slot);
         }
         debug_assert_eq!(self.lists.list_of(slot), Some(QUEUE));
     }
@@ -50,6 +49,18 @@ impl Policy for Fifo {
         if self.lists.list_of(slot).is_some() {
             self.lists.unlink(slot);
         }
+    }
+
+    fn hold(&mut self, slot: Slot) {
+        self.lists.hold(slot);
+    }
+
+    fn release(&mut self, slot: Slot) {
+        self.lists.release(slot);
+    }
+
+    fn held(&self) -> usize {
+        self.lists.held()
     }
 
     fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {

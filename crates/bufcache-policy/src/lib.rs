@@ -11,7 +11,14 @@
 //!   and never inserted twice while tracked;
 //! - `evict` returns only a slot for which `evictable` returned true, and forgets it;
 //! - `evict` examines a bounded number of candidates (a few times `len()`, at most), so a shard
-//!   full of pinned or dirty buffers costs a bounded scan, not a loop.
+//!   full of pinned or dirty buffers costs a bounded scan, not a loop;
+//! - a *held* slot ([`Policy::hold`], 4.4BSD's `bremfree`) is still tracked but off every
+//!   eviction queue: `evict` never examines it until [`Policy::release`] puts it back, at the
+//!   insertion end of the queue it belongs to, with the history it had (frequency, visited
+//!   bit, which of the policy's lists). Hits and `remove` work on a held slot as on any
+//!   other. The cache holds a buffer while it is pinned, dirty or under I/O, so eviction
+//!   walks only buffers it can take; with nothing held every policy behaves exactly as
+//!   without holds (the libCacheSim parity tests run without any).
 //!
 //! Policies that keep a history of evicted keys (ARC, 2Q, S3-FIFO ghosts) key it by the
 //! `key_hash` given at insert, so history survives slot reuse.
@@ -88,6 +95,17 @@ pub trait Policy: Send {
     /// Stops tracking `slot` because the cache dropped the entry for its own reasons
     /// (invalidation, discard, a failed read), not because the policy chose it.
     fn remove(&mut self, slot: Slot);
+
+    /// Takes a tracked `slot` off the eviction queues until [`Policy::release`]: `evict` will
+    /// not examine it. Holding a held slot changes nothing.
+    fn hold(&mut self, slot: Slot);
+
+    /// Puts a held `slot` back at the insertion end of the queue it belongs to. Releasing a
+    /// slot that is not held changes nothing.
+    fn release(&mut self, slot: Slot);
+
+    /// Number of tracked slots that are held.
+    fn held(&self) -> usize;
 
     /// Chooses a victim. Walks tracked slots in eviction order and asks `evictable` about each;
     /// the first slot it accepts is forgotten and returned. Returns `None` when no examined

@@ -9,9 +9,15 @@
 //! Orientation: the *head* is where new entries go, the *tail* is the oldest entry and the
 //! first eviction candidate. `toward_head` walks from tail to head.
 //!
+//! A tracked slot may be *held* ([`SlotLists::hold`]): taken off its list's chain, so no walk
+//! sees it, but still tracked, with the list it belongs to (its *home*) remembered.
+//! [`SlotLists::release`] puts it back at the head of its home. While held, `list_of` names
+//! the home, `move_to_head` only changes the home, and `unlink` forgets the slot: the policy
+//! code above reads and moves a held slot as if it were on its list.
+//!
 //! Invariants (checked by `debug_check` in tests): each list's `len` equals the number of
-//! slots whose `list` field names it, the links of a list form a chain from head to tail, and
-//! `tracked()` is the sum of the list lengths.
+//! slots on its chain, the links of a list form a chain from head to tail, and `tracked()` is
+//! the sum of the list lengths plus the held slots.
 
 use crate::Slot;
 
@@ -23,6 +29,9 @@ pub(crate) type ListId = u8;
 
 /// `list` value of a slot on no list.
 const DETACHED: ListId = ListId::MAX;
+
+/// Bit of the `list` value of a held slot; the other bits name its home list.
+const HELD: ListId = 0x80;
 
 #[derive(Clone, Copy, Debug)]
 struct Links {
@@ -57,16 +66,18 @@ pub(crate) struct SlotLists<const LIST_COUNT: usize> {
     links: Vec<Links>,
     ends: [Ends; LIST_COUNT],
     tracked: usize,
+    held: usize,
 }
 
 impl<const LIST_COUNT: usize> SlotLists<LIST_COUNT> {
     /// Empty lists with link records preallocated for `capacity` slots.
     pub(crate) fn with_capacity(capacity: usize) -> Self {
-        debug_assert!(LIST_COUNT < DETACHED as usize);
+        debug_assert!(LIST_COUNT < HELD as usize);
         SlotLists {
             links: Vec::with_capacity(capacity),
             ends: [EMPTY; LIST_COUNT],
             tracked: 0,
+            held: 0,
         }
     }
 
@@ -78,12 +89,48 @@ impl<const LIST_COUNT: usize> SlotLists<LIST_COUNT> {
         }
     }
 
-    /// The list `slot` is on, or `None` when it is not tracked (or was never seen).
+    /// The list `slot` is on (for a held slot, its home), or `None` when it is not tracked
+    /// (or was never seen).
     pub(crate) fn list_of(&self, slot: Slot) -> Option<ListId> {
         match self.links.get(slot as usize) {
-            Some(links) if links.list != DETACHED => Some(links.list),
+            Some(links) if links.list != DETACHED => Some(links.list & !HELD),
             _ => None,
         }
+    }
+
+    /// True when `slot` is held off its list.
+    pub(crate) fn is_held(&self, slot: Slot) -> bool {
+        self.links
+            .get(slot as usize)
+            .is_some_and(|links| links.list != DETACHED && links.list & HELD != 0)
+    }
+
+    /// Number of held slots.
+    pub(crate) fn held(&self) -> usize {
+        self.held
+    }
+
+    /// Takes a tracked `slot` off its list's chain, remembering the list; nothing that walks
+    /// a list sees it until [`SlotLists::release`]. Holding a held slot changes nothing.
+    pub(crate) fn hold(&mut self, slot: Slot) {
+        debug_assert!(self.list_of(slot).is_some(), "slot {slot} is not tracked");
+        if self.is_held(slot) {
+            return;
+        }
+        let list = self.unlink(slot);
+        self.links[slot as usize].list = list | HELD;
+        self.tracked += 1;
+        self.held += 1;
+    }
+
+    /// Puts a held `slot` back at the head of its home list. Releasing a slot that is not
+    /// held changes nothing.
+    pub(crate) fn release(&mut self, slot: Slot) {
+        if !self.is_held(slot) {
+            return;
+        }
+        let home = self.unlink(slot);
+        self.push_head(home, slot);
     }
 
     /// Number of slots on `list`.
@@ -126,10 +173,17 @@ impl<const LIST_COUNT: usize> SlotLists<LIST_COUNT> {
         self.tracked += 1;
     }
 
-    /// Takes a tracked `slot` off its list and returns the list it was on.
+    /// Takes a tracked `slot` off its list (or its hold) and returns the list it was on (the
+    /// held slot's home).
     pub(crate) fn unlink(&mut self, slot: Slot) -> ListId {
         let Links { newer, older, list } = self.links[slot as usize];
         debug_assert_ne!(list, DETACHED, "slot {slot} is not tracked");
+        if list & HELD != 0 {
+            self.held -= 1;
+            self.tracked -= 1;
+            self.links[slot as usize] = UNLINKED;
+            return list & !HELD;
+        }
         let ends = &mut self.ends[list as usize];
         match newer {
             NONE => ends.head = older,
@@ -145,8 +199,13 @@ impl<const LIST_COUNT: usize> SlotLists<LIST_COUNT> {
         list
     }
 
-    /// Moves a tracked `slot` to the head of `list` (which may be its own list).
+    /// Moves a tracked `slot` to the head of `list` (which may be its own list). A held slot
+    /// stays held, with `list` as its new home.
     pub(crate) fn move_to_head(&mut self, list: ListId, slot: Slot) {
+        if self.is_held(slot) {
+            self.links[slot as usize].list = list | HELD;
+            return;
+        }
         if self.ends[list as usize].head != slot {
             self.unlink(slot);
             self.push_head(list, slot);
@@ -174,7 +233,13 @@ impl<const LIST_COUNT: usize> SlotLists<LIST_COUNT> {
     /// Panics unless the lists are consistent with their recorded lengths. O(slots).
     #[cfg(test)]
     pub(crate) fn debug_check(&self) {
-        let mut total = 0;
+        let held = self
+            .links
+            .iter()
+            .filter(|links| links.list != DETACHED && links.list & HELD != 0)
+            .count();
+        assert_eq!(held, self.held);
+        let mut total = held;
         for list in 0..LIST_COUNT {
             let mut count = 0;
             let mut previous = NONE;
@@ -226,5 +291,43 @@ mod tests {
         assert_eq!(lists.tracked(), 3);
         assert_eq!(lists.list_of(5), None);
         assert_eq!(lists.list_of(99), None);
+    }
+
+    #[test]
+    fn held_slots_leave_the_walk_and_come_back_at_the_head_of_their_home() {
+        // Goal: a held slot is never walked over, stays tracked, follows moves of its home,
+        // and comes back at its home's head. Method: hold the tail, walk, move, release.
+        let mut lists = SlotLists::<2>::with_capacity(4);
+        for slot in 0..3 {
+            lists.push_head(0, slot);
+        }
+        lists.hold(0);
+        lists.hold(0);
+        lists.debug_check();
+        assert_eq!(lists.tracked(), 3);
+        assert_eq!(lists.held(), 1);
+        assert_eq!(lists.len(0), 2);
+        assert_eq!(lists.list_of(0), Some(0));
+        let mut seen = Vec::new();
+        assert_eq!(
+            lists.take_oldest_accepted(0, &mut |slot| {
+                seen.push(slot);
+                false
+            }),
+            None
+        );
+        assert_eq!(seen, vec![1, 2]);
+        lists.move_to_head(1, 0);
+        assert_eq!(lists.list_of(0), Some(1));
+        assert!(lists.is_held(0));
+        lists.release(0);
+        lists.debug_check();
+        assert!(!lists.is_held(0));
+        assert_eq!(lists.tail(1), Some(0));
+        lists.hold(2);
+        assert_eq!(lists.unlink(2), 0);
+        lists.debug_check();
+        assert_eq!(lists.tracked(), 2);
+        assert_eq!(lists.held(), 0);
     }
 }

@@ -53,6 +53,18 @@ impl Policy for Lru {
         }
     }
 
+    fn hold(&mut self, slot: Slot) {
+        self.lists.hold(slot);
+    }
+
+    fn release(&mut self, slot: Slot) {
+        self.lists.release(slot);
+    }
+
+    fn held(&self) -> usize {
+        self.lists.held()
+    }
+
     fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {
         self.lists
             .take_oldest_accepted(NO_REUSE, evictable)

@@ -105,8 +105,7 @@ impl S3Fifo {
         for _ in 0..self.lists.len(SMALL) {
             let slot = self.lists.tail(SMALL)?;
             if self.frequency[slot as usize] >= self.move_to_main_hits {
-                self.lists.unlink(slot);
-                self.lists.push_head(MAIN, slot);
+                self.lists.move_to_head(MAIN, slot);
                 self.frequency[slot as usize] = 0;
             } else if evictable(slot) {
                 self.lists.unlink(slot);
@@ -160,8 +159,7 @@ impl Policy for S3Fifo {
 
     fn access(&mut self, slot: Slot) {
         if self.lists.list_of(slot) == Some(NO_REUSE) {
-            self.lists.unlink(slot);
-            self.lists.push_head(SMALL, slot);
+            self.lists.move_to_head(SMALL, slot);
             return;
         }
         debug_assert!(
@@ -176,6 +174,18 @@ impl Policy for S3Fifo {
         if self.lists.list_of(slot).is_some() {
             self.lists.unlink(slot);
         }
+    }
+
+    fn hold(&mut self, slot: Slot) {
+        self.lists.hold(slot);
+    }
+
+    fn release(&mut self, slot: Slot) {
+        self.lists.release(slot);
+    }
+
+    fn held(&self) -> usize {
+        self.lists.held()
     }
 
     fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {

@@ -67,8 +67,7 @@ impl Policy for Sieve {
 
     fn access(&mut self, slot: Slot) {
         if self.lists.list_of(slot) == Some(NO_REUSE) {
-            self.lists.unlink(slot);
-            self.lists.push_head(QUEUE, slot);
+            self.lists.move_to_head(QUEUE, slot);
             return;
         }
         debug_assert_eq!(self.lists.list_of(slot), Some(QUEUE));
@@ -86,6 +85,22 @@ impl Policy for Sieve {
                 self.lists.unlink(slot);
             }
         }
+    }
+
+    fn hold(&mut self, slot: Slot) {
+        // The hand never rests on a slot off the queue.
+        if slot == self.hand && !self.lists.is_held(slot) {
+            self.hand = self.lists.toward_head(slot).unwrap_or(NONE);
+        }
+        self.lists.hold(slot);
+    }
+
+    fn release(&mut self, slot: Slot) {
+        self.lists.release(slot);
+    }
+
+    fn held(&self) -> usize {
+        self.lists.held()
     }
 
     fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {

@@ -98,8 +98,7 @@ impl Policy for TwoQ {
         match self.lists.list_of(slot) {
             Some(A_MAIN) => self.lists.move_to_head(A_MAIN, slot),
             Some(NO_REUSE) => {
-                self.lists.unlink(slot);
-                self.lists.push_head(A1_IN, slot);
+                self.lists.move_to_head(A1_IN, slot);
             }
             // A1in hits are correlated references: 2Q ignores them.
             other => debug_assert_eq!(other, Some(A1_IN), "slot {slot} is not tracked"),
@@ -110,6 +109,18 @@ impl Policy for TwoQ {
         if self.lists.list_of(slot).is_some() {
             self.lists.unlink(slot);
         }
+    }
+
+    fn hold(&mut self, slot: Slot) {
+        self.lists.hold(slot);
+    }
+
+    fn release(&mut self, slot: Slot) {
+        self.lists.release(slot);
+    }
+
+    fn held(&self) -> usize {
+        self.lists.held()
     }
 
     fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {

@@ -1,5 +1,5 @@
 // Goal: every policy keeps the `Policy` contract under arbitrary use. Method: random
-// insert/access/remove/evict sequences with random refusals (pinned/dirty buffers), checked
+// insert/access/remove/hold/release/evict sequences with random refusals (pinned/dirty buffers), checked
 // after every step against a shadow set of tracked slots, over many seeds, capacity hints
 // that differ from the real size, and both placements. A failure names the policy and seed.
 
@@ -24,6 +24,8 @@ enum Refusals {
 
 struct Shadow {
     tracked: Vec<bool>,
+    /// Slots held off the eviction queues: `evict` must never ask about them.
+    held: Vec<bool>,
 }
 
 impl Shadow {
@@ -65,6 +67,10 @@ fn check_evict(policy: &mut dyn Policy, shadow: &mut Shadow, rng: &mut Rng, step
             shadow.tracked.get(slot as usize).copied().unwrap_or(false),
             "step {step}: asked about untracked slot {slot}"
         );
+        assert!(
+            !shadow.held[slot as usize],
+            "step {step}: asked about held slot {slot}"
+        );
         !refused(slot, salt, refusals)
     });
     assert!(
@@ -84,8 +90,11 @@ fn check_evict(policy: &mut dyn Policy, shadow: &mut Shadow, rng: &mut Rng, step
             shadow.tracked[slot as usize] = false;
         }
         None => {
-            let acceptable = (0..shadow.tracked.len() as Slot)
-                .find(|&slot| shadow.tracked[slot as usize] && !refused(slot, salt, refusals));
+            let acceptable = (0..shadow.tracked.len() as Slot).find(|&slot| {
+                shadow.tracked[slot as usize]
+                    && !shadow.held[slot as usize]
+                    && !refused(slot, salt, refusals)
+            });
             assert_eq!(
                 acceptable, None,
                 "step {step}: evict gave up ({refusals:?}) though a slot was acceptable"
@@ -103,6 +112,7 @@ fn run_seed(kind: PolicyKind, seed: u64) {
     let mut policy = kind.build(capacity_hint);
     let mut shadow = Shadow {
         tracked: vec![false; slot_count],
+        held: vec![false; slot_count],
     };
     for step in 0..STEPS_PER_SEED {
         match rng.below(100) {
@@ -129,10 +139,28 @@ fn run_seed(kind: PolicyKind, seed: u64) {
                 let slot = rng.below(slot_count as u64) as Slot;
                 policy.remove(slot);
                 shadow.tracked[slot as usize] = false;
+                shadow.held[slot as usize] = false;
+            }
+            78..=83 => {
+                if let Some(slot) = shadow.random_tracked(&mut rng) {
+                    policy.hold(slot);
+                    shadow.held[slot as usize] = true;
+                }
+            }
+            84..=88 => {
+                let slot = rng.below(slot_count as u64) as Slot;
+                policy.release(slot);
+                shadow.held[slot as usize] = false;
             }
             _ => check_evict(policy.as_mut(), &mut shadow, &mut rng, step),
         }
         assert_eq!(policy.len(), shadow.count(), "step {step}: len differs");
+        let held = shadow.held.iter().filter(|&&held| held).count();
+        assert_eq!(policy.held(), held, "step {step}: held count differs");
+    }
+    for slot in 0..slot_count as Slot {
+        policy.release(slot);
+        shadow.held[slot as usize] = false;
     }
     drain(policy.as_mut(), &mut shadow);
 }

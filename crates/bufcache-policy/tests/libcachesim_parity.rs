@@ -121,6 +121,15 @@ impl Policy for Unannounced {
     fn remove(&mut self, slot: Slot) {
         self.0.remove(slot);
     }
+    fn hold(&mut self, slot: Slot) {
+        self.0.hold(slot);
+    }
+    fn release(&mut self, slot: Slot) {
+        self.0.release(slot);
+    }
+    fn held(&self) -> usize {
+        self.0.held()
+    }
     fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {
         self.0.evict(evictable)
     }

@@ -47,6 +47,12 @@ pub(crate) const WRITTEN_BEHIND: u32 = 16;
 /// (at 50 µs and up) outlasted a local file's write: 11% of the FLUSHes of a FLUSH-heavy run
 /// waited so, about 180 µs each.
 pub(crate) const WRITEBACK_WAITED: u32 = 32;
+/// The table holds this buffer off its shard policy's eviction queues (4.4BSD's `bremfree`):
+/// it was pinned, dirty or under write-back when the table last looked, so the evictor does
+/// not walk over it. Set and cleared only under the shard's lock; the unpin that may make the
+/// buffer evictable reads it without the lock and, when set, puts the buffer back
+/// (`Table::unpin`).
+pub(crate) const HELD: u32 = 64;
 
 /// Identity of a cached block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -28,7 +28,7 @@ use parking_lot::RwLock;
 
 use crate::buffer::{BlockKey, Buffer};
 use crate::config::{CacheConfig, ConfigError};
-use crate::environment::{Environment, Spawner, Waiter};
+use crate::environment::{Clock, Environment, Spawner, Waiter};
 use crate::error::CacheError;
 use crate::io::Io;
 use crate::object::{ObjectConfig, ObjectState};
@@ -38,6 +38,21 @@ use crate::writeback::{Awaiting, Writeback};
 
 /// How long one wait for space lasts before the reservation looks again.
 const SPACE_WAIT_STEP: Duration = Duration::from_millis(5);
+
+/// One reservation's wait for space: when it began on the injected clock, and the steps
+/// that ended with no release waking them, counted whole.
+struct SpaceWait {
+    started_ns: u64,
+    unwoken_ns: u64,
+}
+
+impl SpaceWait {
+    /// How long the reservation has waited by `now_ns`: the clock's measure, or the whole
+    /// steps no release woke, whichever is longer.
+    fn waited(&self, now_ns: u64) -> Duration {
+        Duration::from_nanos(now_ns.saturating_sub(self.started_ns).max(self.unwoken_ns))
+    }
+}
 
 /// How hard an allocation may try for space.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -62,6 +77,8 @@ pub(crate) struct Inner {
     space_cursor: AtomicUsize,
     spawner: Arc<dyn Spawner>,
     waiter: Arc<dyn Waiter>,
+    /// Measures waits for space.
+    clock: Arc<dyn Clock>,
 }
 
 /// A concurrent block buffer cache. Cheap to clone; every clone is the same cache.
@@ -106,6 +123,7 @@ impl Cache {
                 space_cursor: AtomicUsize::new(0),
                 spawner: Arc::clone(environment.spawner()),
                 waiter: Arc::clone(environment.waiter()),
+                clock: Arc::clone(environment.clock()),
                 config,
             }),
         })
@@ -292,13 +310,15 @@ impl Inner {
 
     /// Inserts a new invalid buffer for `key` if it is absent and space is free without
     /// waiting (clustering and read-ahead extend runs only this way). Returns it locked
-    /// exclusively and pinned, or None.
+    /// exclusively and pinned, or None. Read-ahead (`for_readahead`) never evicts
+    /// read-ahead not yet used.
     pub(crate) fn insert_absent(
         &self,
         key: BlockKey,
         object: &ObjectState,
         placement: Placement,
         count_miss: bool,
+        for_readahead: bool,
     ) -> Option<Arc<Buffer>> {
         self.table.insert_absent(
             key,
@@ -306,17 +326,21 @@ impl Inner {
             object.block_length_bytes(key.block),
             placement,
             count_miss,
+            for_readahead,
         )
     }
 
     /// [`Cache::insert_absent`] for the blocks `first..end` of `object` in order, stopping at
     /// the first that cannot be inserted; each block's placement and miss counting come from
     /// `placement_of`. Shard locks are taken per chunk (see `Table::insert_absent_run`).
+    /// Blocks from `readahead_from` on are read-ahead, which never evicts read-ahead not yet
+    /// used.
     pub(crate) fn insert_absent_run(
         &self,
         object: &ObjectState,
         first: u64,
         end: u64,
+        readahead_from: u64,
         mut placement_of: impl FnMut(u64) -> (Placement, bool),
     ) -> Vec<Arc<Buffer>> {
         self.table.insert_absent_run(
@@ -324,6 +348,7 @@ impl Inner {
             first,
             end,
             object.block_size_bytes as u64,
+            readahead_from,
             |block| {
                 let (placement, count_miss) = placement_of(block);
                 (object.block_length_bytes(block), placement, count_miss)
@@ -333,34 +358,58 @@ impl Inner {
 
     /// Reserves memory for one buffer of `object`, evicting, writing back and waiting as
     /// `urgency` allows.
+    ///
+    /// Nobody spins: a reservation that finds nothing evictable and nothing to clean sleeps
+    /// on the injected waiter until a release (an unpin, a read or write-back ending) or
+    /// `SPACE_WAIT_STEP`, then looks again. The wait is bounded by `space_wait_max`, measured
+    /// on the injected clock; a look that no release woke counts as a whole step besides, so
+    /// the bound holds under a clock that does not move (deterministic tests) and a wait
+    /// that cannot end (a device that never completes) ends with `NoSpace`, never a hang.
     fn reserve(
         &self,
         size_bytes: u64,
         urgency: Urgency,
         object: &ObjectState,
     ) -> Result<(), CacheError> {
-        let mut waited = Duration::ZERO;
-        loop {
-            if self.table.try_reserve(size_bytes) {
-                return Ok(());
+        let mut wait: Option<SpaceWait> = None;
+        let outcome = loop {
+            if self.table.try_reserve(size_bytes, false) {
+                break Ok(());
             }
             if urgency == Urgency::Quick {
-                return Err(CacheError::NoSpace { waited });
+                break Err(CacheError::NoSpace {
+                    waited: Duration::ZERO,
+                });
             }
-            if self.clean_for_space(Some(object))? {
-                continue;
+            match self.clean_for_space(Some(object)) {
+                Ok(true) => continue,
+                Ok(false) => {}
+                Err(error) => break Err(error),
             }
+            let now_ns = self.clock.now_ns();
+            let wait = wait.get_or_insert_with(|| {
+                self.counters.space_waits.fetch_add(1, Ordering::Relaxed);
+                SpaceWait {
+                    started_ns: now_ns,
+                    unwoken_ns: 0,
+                }
+            });
+            let waited = wait.waited(now_ns);
             if waited >= self.config.space_wait_max {
                 self.counters.space_failures.fetch_add(1, Ordering::Relaxed);
-                return Err(CacheError::NoSpace { waited });
+                break Err(CacheError::NoSpace { waited });
             }
-            if waited.is_zero() {
-                self.counters.space_waits.fetch_add(1, Ordering::Relaxed);
+            let step_ns = SPACE_WAIT_STEP.as_nanos() as u64;
+            if !self.table.wait_for_space(size_bytes, step_ns) {
+                wait.unwoken_ns += step_ns;
             }
-            self.table
-                .wait_for_space(size_bytes, SPACE_WAIT_STEP.as_nanos() as u64);
-            waited += SPACE_WAIT_STEP;
+        };
+        if let Some(wait) = wait {
+            let waited = wait.waited(self.clock.now_ns());
+            self.counters
+                .buffer_wait(u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX));
         }
+        outcome
     }
 
     /// Writes back one cluster of dirty data so its buffers become evictable, visiting

@@ -465,7 +465,7 @@ impl ObjectHandle {
             .max(end);
         let inserted =
             self.inner()
-                .insert_absent(object.key(first), object, planned.placement, true);
+                .insert_absent(object.key(first), object, planned.placement, true, false);
         let run = match inserted {
             Some(buffer) => self.collect_run(buffer, limit, end, planned.placement),
             None => Vec::new(),
@@ -834,7 +834,7 @@ impl ObjectHandle {
         let run_limit = limit
             .min(start + object.write_run_blocks_max(start))
             .min(object.block_count);
-        let rest = inner.insert_absent_run(object, start + 1, run_limit, |block| {
+        let rest = inner.insert_absent_run(object, start + 1, run_limit, request_end, |block| {
             (
                 run_placement(placement, block, request_end),
                 block < request_end,
@@ -929,9 +929,16 @@ impl ObjectHandle {
                 &self.object,
                 Placement::Normal,
                 false,
+                true,
             ) else {
-                block += 1;
-                continue;
+                if inner.table().contains(self.object.key(block)) {
+                    // Another thread inserted it meanwhile: go on after it.
+                    block += 1;
+                    continue;
+                }
+                // No room without evicting read-ahead not yet used: under pressure the
+                // window ends here instead (docs/design.md, "Admission under pressure").
+                break;
             };
             buffer.set(READAHEAD);
             let run = self.collect_run(buffer, end, block, Placement::Normal);
@@ -1304,8 +1311,9 @@ impl ObjectHandle {
             .find(|&next| cached.holds(next) || !whole(next))
             .unwrap_or(group_end);
         let inner = self.inner();
-        let fresh =
-            inner.insert_absent_run(object, block, stretch_end, |_| (Placement::Normal, true));
+        let fresh = inner.insert_absent_run(object, block, stretch_end, u64::MAX, |_| {
+            (Placement::Normal, true)
+        });
         let joined = fresh.len() as u64;
         for buffer in fresh {
             group.push((BufferGuard::new(inner, object, buffer), true));

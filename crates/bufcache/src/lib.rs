@@ -52,4 +52,6 @@ pub use handle::{
     WriteSource, ZeroOptions,
 };
 pub use object::{BlockMap, IdentityMap, MappedRun, ObjectConfig};
-pub use stats::{CacheStats, WritebackCause};
+pub use stats::{
+    CacheStats, WritebackCause, BUFFER_WAIT_BUCKETS_SECONDS, BUFFER_WAIT_BUCKET_COUNT,
+};

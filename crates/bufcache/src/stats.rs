@@ -9,6 +9,15 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use bufcache_device::counting::{DirectionStats, HISTOGRAM_BUCKETS};
 
+/// Upper bounds, in seconds, of the buckets of [`CacheStats::buffer_wait_buckets`]; the
+/// last bucket (one more than these) counts longer waits.
+pub const BUFFER_WAIT_BUCKETS_SECONDS: [f64; 10] = [
+    0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 10.0,
+];
+
+/// Buckets of the buffer-wait histogram, the overflow bucket included.
+pub const BUFFER_WAIT_BUCKET_COUNT: usize = BUFFER_WAIT_BUCKETS_SECONDS.len() + 1;
+
 /// Why dirty data was written back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WritebackCause {
@@ -103,6 +112,10 @@ pub(crate) struct Counters {
     pub space_waits: AtomicU64,
     pub space_failures: AtomicU64,
     pub writeback_inflight_waits: AtomicU64,
+    pub eviction_candidates_examined: AtomicU64,
+    pub buffer_waits: AtomicU64,
+    pub buffer_wait_ns: AtomicU64,
+    pub buffer_wait_buckets: [AtomicU64; BUFFER_WAIT_BUCKET_COUNT],
 }
 
 impl Counters {
@@ -112,6 +125,18 @@ impl Counters {
             .position(|&c| c == cause)
             .unwrap_or(0);
         self.writeback_blocks[index].fetch_add(blocks, Relaxed);
+    }
+
+    /// Counts one finished wait for a buffer that lasted `waited_ns` on the injected clock.
+    pub fn buffer_wait(&self, waited_ns: u64) {
+        let seconds = waited_ns as f64 / 1e9;
+        let bucket = BUFFER_WAIT_BUCKETS_SECONDS
+            .iter()
+            .position(|&limit| seconds <= limit)
+            .unwrap_or(BUFFER_WAIT_BUCKETS_SECONDS.len());
+        self.buffer_waits.fetch_add(1, Relaxed);
+        self.buffer_wait_ns.fetch_add(waited_ns, Relaxed);
+        self.buffer_wait_buckets[bucket].fetch_add(1, Relaxed);
     }
 }
 
@@ -165,6 +190,18 @@ pub struct CacheStats {
     /// Write-back passes that waited for a slot of their device's write-back share
     /// (`CacheConfig::writeback_inflight_max`).
     pub writeback_inflight_waits: u64,
+    /// Candidates the evictor asked about (each policy's `evict` walk). Busy buffers are held
+    /// off the queues, so this stays near `evictions` however many buffers are pinned,
+    /// dirty or in flight.
+    pub eviction_candidates_examined: u64,
+    /// Reservations of a buffer that found none free and evictable and waited for a release
+    /// (a read or write-back ending, an unpin), however the wait ended.
+    pub buffer_waits: u64,
+    /// Time those waits lasted in total, ns, on the injected clock.
+    pub buffer_wait_ns: u64,
+    /// Those waits by duration (not cumulative): bucket `i` counts waits of at most
+    /// [`BUFFER_WAIT_BUCKETS_SECONDS`]`[i]`, the last one the longer ones.
+    pub buffer_wait_buckets: [u64; BUFFER_WAIT_BUCKET_COUNT],
     /// Write-back requests at the devices now.
     pub writeback_inflight_requests: u64,
     /// Bytes of dirty data.
@@ -230,5 +267,10 @@ impl Counters {
         stats.space_waits = self.space_waits.load(Relaxed);
         stats.space_failures = self.space_failures.load(Relaxed);
         stats.writeback_inflight_waits = self.writeback_inflight_waits.load(Relaxed);
+        stats.eviction_candidates_examined = self.eviction_candidates_examined.load(Relaxed);
+        stats.buffer_waits = self.buffer_waits.load(Relaxed);
+        stats.buffer_wait_ns = self.buffer_wait_ns.load(Relaxed);
+        stats.buffer_wait_buckets =
+            std::array::from_fn(|index| self.buffer_wait_buckets[index].load(Relaxed));
     }
 }

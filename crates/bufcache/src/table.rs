@@ -14,10 +14,19 @@
 //! - the *memory account* is two atomics (bytes, buffers) charged before a buffer is created
 //!   and released when it is dropped, so both limits hold at every moment.
 //!
+//! Only evictable buffers are eviction candidates (4.4BSD's free lists): a buffer is *held*
+//! off its policy's queues (flag `HELD`, [`Policy::hold`]) from its insertion, which is
+//! always pinned and locked for its first fill, until an unpin finds it unpinned, clean and
+//! not under write-back; a buffer already on the queues that the evictor finds pinned, dirty
+//! or under write-back is held then, so it is examined once, not at every eviction. The
+//! unpin that ends a hold puts the buffer back at its queue's insertion end. Every change of
+//! DIRTY or WRITEBACK happens while the changer holds a pin, so the last unpin after it is
+//! the one place a held buffer can become evictable.
+//!
 //! Invariants (asserted): a charge never pushes usage past the limit it was checked against;
 //! `pins` grows only under the shard lock, and eviction (which checks `pins == 0` under that
-//! lock) never takes a dirty buffer or one under write-back; a chunk's occupied count equals
-//! its filled slots, and an empty chunk is removed.
+//! lock) never takes a dirty buffer, one under write-back or a held one; a chunk's occupied
+//! count equals its filled slots, and an empty chunk is removed.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -27,7 +36,7 @@ use std::sync::Arc;
 use bufcache_policy::{Placement, Policy, Slot};
 use parking_lot::Mutex;
 
-use crate::buffer::{BlockKey, Buffer, MemoryRelease, DIRTY, READAHEAD, WRITEBACK};
+use crate::buffer::{BlockKey, Buffer, MemoryRelease, DIRTY, HELD, READAHEAD, WRITEBACK};
 use crate::config::CacheConfig;
 use crate::environment::Waiter;
 use crate::stats::{CacheStats, Counters};
@@ -36,6 +45,10 @@ use bufcache_device::aligned::{BufferPool, Populate};
 /// Consecutive blocks of one object that share a map entry and a shard. 16 slots of 4
 /// bytes fill one cache line; a 1 MiB request of 4 KiB blocks touches 16 chunks.
 pub(crate) const CHUNK_BLOCKS: u64 = 16;
+
+/// Read-ahead not yet used may hold at most 1 / this of the buffers in use when the cache
+/// is full; past it, read-ahead takes no more room (its window shrinks).
+const READAHEAD_UNUSED_SHARE_MAX_DIVISOR: u64 = 4;
 
 /// A chunk slot holding no block.
 const NO_SLOT: Slot = Slot::MAX;
@@ -123,8 +136,18 @@ struct Shard {
     entries: Vec<Option<Arc<Buffer>>>,
     free_slots: Vec<Slot>,
     policy: Box<dyn Policy>,
+    /// Slots the evictor found busy during one `evict` call, held after it (kept to reuse
+    /// its allocation).
+    busy: Vec<Slot>,
     hits: u64,
     misses: u64,
+}
+
+/// True when `buffer` cannot be evicted whatever its place: pinned, dirty or under
+/// write-back. Sequentially consistent, paired with the `HELD` flag (see `Table::unpin`).
+fn busy(buffer: &Buffer) -> bool {
+    buffer.pins.load(Ordering::SeqCst) > 0
+        || buffer.flags.load(Ordering::SeqCst) & (DIRTY | WRITEBACK) != 0
 }
 
 impl Shard {
@@ -154,6 +177,51 @@ impl Shard {
         entry.slots[index] = slot;
         entry.occupied += 1;
         self.policy.insert(slot, buffer.key.hash64(), placement);
+        // A new buffer is pinned and locked for its first fill: off the queues until its
+        // last unpin.
+        strict_assert!(
+            buffer.pins.load(Ordering::Acquire) > 0,
+            "attached {:?} unpinned",
+            buffer.key
+        );
+        self.policy.hold(slot);
+        buffer.flags.fetch_or(HELD, Ordering::SeqCst);
+    }
+
+    /// The buffer in `slot` if it is `buffer`.
+    fn holds_buffer(&self, slot: Slot, buffer: &Buffer) -> bool {
+        self.entries
+            .get(slot as usize)
+            .and_then(|entry| entry.as_deref())
+            .is_some_and(|entry| std::ptr::eq(entry, buffer))
+    }
+
+    /// Holds off the queues every slot the last `evict` found busy, unless it stopped being
+    /// busy meanwhile or became that call's `victim` (an unpin between two looks of one
+    /// walk). `HELD` is set before the second look and the unpinner decrements the pins
+    /// before it reads `HELD` (both sequentially consistent), so either this look sees the
+    /// unpin or that unpinner sees `HELD` and puts the buffer back.
+    fn hold_busy(&mut self, victim: Option<Slot>) {
+        let Shard {
+            busy: busy_slots,
+            entries,
+            policy,
+            ..
+        } = self;
+        for slot in busy_slots.drain(..) {
+            if victim == Some(slot) {
+                continue;
+            }
+            let Some(buffer) = entries[slot as usize].as_ref() else {
+                continue;
+            };
+            buffer.flags.fetch_or(HELD, Ordering::SeqCst);
+            if busy(buffer) {
+                policy.hold(slot);
+            } else {
+                buffer.flags.fetch_and(!HELD, Ordering::SeqCst);
+            }
+        }
     }
 
     /// Pins and returns the buffer in `slot`.
@@ -248,16 +316,20 @@ impl MemoryAccount {
 
     /// Takes a ticket, then blocks (through the injected waiter) until a release after it or
     /// `timeout` — unless space appeared between the caller's last try and the ticket.
-    fn wait_for_release(&self, charge_bytes: u64, timeout_ns: u64) {
+    /// True when something woke it or there was room (the caller should look again at once);
+    /// false when the wait ran out with no notification.
+    fn wait_for_release(&self, charge_bytes: u64, timeout_ns: u64) -> bool {
         self.waiters.fetch_add(1, Ordering::AcqRel);
         let ticket = self.waiter.ticket();
         let bytes_max = self.bytes_max.load(Ordering::Acquire);
         let room = self.used_bytes.load(Ordering::Acquire) + charge_bytes <= bytes_max
             && self.buffers.load(Ordering::Acquire) < self.buffers_max.load(Ordering::Acquire);
-        if !room {
+        let woken = room || {
             self.waiter.wait(ticket, timeout_ns);
-        }
+            self.waiter.ticket() != ticket
+        };
         self.waiters.fetch_sub(1, Ordering::AcqRel);
+        woken
     }
 
     fn notify(&self) {
@@ -319,6 +391,7 @@ impl Table {
                     policy: config
                         .policy
                         .build_with(capacity_hint.max(1), &config.policy_parameters),
+                    busy: Vec::new(),
                     hits: 0,
                     misses: 0,
                 })
@@ -373,22 +446,34 @@ impl Table {
 
     /// Reserves memory for one buffer of `size_bytes`, evicting clean buffers as needed.
     /// False when nothing more can be evicted now (the caller may write back or wait).
-    pub(crate) fn try_reserve(&self, size_bytes: u64) -> bool {
+    /// A reservation `for_readahead` never evicts read-ahead nobody has used yet (rule 1 of
+    /// "Admission under pressure" in docs/design.md): it fails instead, and the read-ahead
+    /// window ends there.
+    pub(crate) fn try_reserve(&self, size_bytes: u64, for_readahead: bool) -> bool {
         let charge = self.charge_bytes(size_bytes);
         loop {
             if self.memory.try_charge(charge, charge - size_bytes) {
                 return true;
             }
-            if !self.evict_one() {
+            if for_readahead && self.readahead_unused_over_share() {
+                return false;
+            }
+            let evicted = if for_readahead {
+                self.evict_pass(false)
+            } else {
+                self.evict_one()
+            };
+            if !evicted {
                 return false;
             }
         }
     }
 
     /// Waits (through the injected waiter) until a buffer is released or `timeout_ns`.
-    pub(crate) fn wait_for_space(&self, size_bytes: u64, timeout_ns: u64) {
+    /// False when the wait ran out with nothing released (see `MemoryAccount`).
+    pub(crate) fn wait_for_space(&self, size_bytes: u64, timeout_ns: u64) -> bool {
         self.memory
-            .wait_for_release(self.charge_bytes(size_bytes), timeout_ns);
+            .wait_for_release(self.charge_bytes(size_bytes), timeout_ns)
     }
 
     /// Wakes threads waiting for space (something became evictable or was freed).
@@ -527,6 +612,7 @@ impl Table {
         if mapped {
             shard.policy.remove(slot);
             let removed = shard.detach(slot);
+            removed.flags.fetch_and(!HELD, Ordering::SeqCst);
             drop(shard);
             if removed.clear(READAHEAD) {
                 self.counters
@@ -536,19 +622,53 @@ impl Table {
         }
     }
 
-    /// Releases one pin, waking space waiters when the buffer became evictable.
+    /// Releases one pin. The last one puts a held buffer back on its policy's queues when it
+    /// is clean and not under write-back, and wakes space waiters.
     pub(crate) fn unpin(&self, buffer: &Buffer) {
-        if buffer.pins.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.memory.notify();
+        if buffer.pins.fetch_sub(1, Ordering::SeqCst) != 1 {
+            return;
         }
+        if buffer.flags.load(Ordering::SeqCst) & HELD != 0 {
+            self.release_held(buffer);
+        }
+        self.memory.notify();
     }
 
-    /// Evicts one clean, unpinned buffer chosen by a shard's policy. Shards are visited
-    /// round-robin so eviction pressure spreads evenly. Read-ahead nobody has used yet is
-    /// spared while anything else can go: evicting it before its reader arrives would only
-    /// turn one clustered read into many single-block misses.
+    /// Puts `buffer` back on its shard policy's queues if it is held and evictable now.
+    fn release_held(&self, buffer: &Buffer) {
+        let chunk = ChunkKey::of(buffer.key.object, buffer.key.block);
+        let mut shard = self.shard_of(&chunk).lock();
+        let slot = buffer.slot.load(Ordering::Acquire);
+        if !shard.holds_buffer(slot, buffer) || !buffer.has(HELD) || busy(buffer) {
+            return;
+        }
+        buffer.flags.fetch_and(!HELD, Ordering::SeqCst);
+        shard.policy.release(slot);
+    }
+
+    /// True when read-ahead nobody has used yet holds at least `READAHEAD_UNUSED_SHARE_MAX`
+    /// of the buffers in use (read-ahead issued less used less wasted; reads still in flight
+    /// are not counted yet). A full cache then refuses more read-ahead at once: its window
+    /// ends without an eviction walk past unused read-ahead it may not take.
+    fn readahead_unused_over_share(&self) -> bool {
+        let counters = &self.counters;
+        let unused = counters
+            .readahead_issued_blocks
+            .load(Ordering::Relaxed)
+            .saturating_sub(counters.readahead_used_blocks.load(Ordering::Relaxed))
+            .saturating_sub(counters.readahead_wasted_blocks.load(Ordering::Relaxed));
+        unused * READAHEAD_UNUSED_SHARE_MAX_DIVISOR >= self.memory.buffers.load(Ordering::Acquire)
+    }
+
+    /// Evicts one clean, unpinned buffer chosen by a shard's policy, in the policy's order,
+    /// read-ahead nobody has used yet included (counted as wasted). Shards are visited
+    /// round-robin so eviction pressure spreads evenly. One pass: sparing unused read-ahead
+    /// while anything else could go walked over every unused read-ahead buffer at every
+    /// eviction once read-ahead filled the cache; read-ahead is kept from crowding out its
+    /// own readers instead by never evicting unused read-ahead itself
+    /// ([`Table::try_reserve`]).
     pub(crate) fn evict_one(&self) -> bool {
-        self.evict_pass(false) || self.evict_pass(true)
+        self.evict_pass(true)
     }
 
     fn evict_pass(&self, including_unused_readahead: bool) -> bool {
@@ -561,21 +681,33 @@ impl Table {
         for step in 0..shard_count {
             let mut shard = self.shards[(start + step) % shard_count].lock();
             let Shard {
-                policy, entries, ..
+                policy,
+                entries,
+                busy: busy_slots,
+                ..
             } = &mut *shard;
+            let mut examined = 0u64;
             let victim = policy.evict(&mut |slot| {
-                entries[slot as usize].as_ref().is_some_and(|buffer| {
-                    buffer.pins.load(Ordering::Acquire) == 0
-                        && !buffer.has(DIRTY)
-                        && (including_unused_readahead || !buffer.has(READAHEAD))
-                })
+                examined += 1;
+                let Some(buffer) = entries[slot as usize].as_ref() else {
+                    return false;
+                };
+                if busy(buffer) {
+                    busy_slots.push(slot);
+                    return false;
+                }
+                including_unused_readahead || !buffer.has(READAHEAD)
             });
+            shard.hold_busy(victim);
+            self.counters
+                .eviction_candidates_examined
+                .fetch_add(examined, Ordering::Relaxed);
             if let Some(slot) = victim {
                 let buffer = shard.detach(slot);
                 drop(shard);
                 strict_assert!(
-                    !buffer.has(DIRTY) && !buffer.has(WRITEBACK),
-                    "evicted {:?} while dirty or under write-back",
+                    !buffer.has(DIRTY) && !buffer.has(WRITEBACK) && !buffer.has(HELD),
+                    "evicted {:?} while dirty, under write-back or held",
                     buffer.key
                 );
                 self.counters.evictions.fetch_add(1, Ordering::Relaxed);
@@ -611,6 +743,9 @@ impl Table {
                     shard
                         .policy
                         .insert(slot, buffer.key.hash64(), Placement::NoReuse);
+                    if buffer.has(HELD) {
+                        shard.policy.hold(slot);
+                    }
                 }
                 next = buffers
                     .next_if(|buffer| ChunkKey::of(buffer.key.object, buffer.key.block) == chunk);
@@ -635,7 +770,8 @@ impl Table {
 
     /// Inserts a new invalid buffer for `key` if it is absent and space is free without
     /// waiting (clustering and read-ahead extend runs only this way). Returns it locked
-    /// exclusively and pinned, or None.
+    /// exclusively and pinned, or None. Space `for_readahead` is found without evicting
+    /// unused read-ahead ([`Table::try_reserve`]).
     pub(crate) fn insert_absent(
         &self,
         key: BlockKey,
@@ -643,8 +779,9 @@ impl Table {
         length_bytes: u32,
         placement: Placement,
         count_miss: bool,
+        for_readahead: bool,
     ) -> Option<Arc<Buffer>> {
-        if self.contains(key) || !self.try_reserve(size_bytes) {
+        if self.contains(key) || !self.try_reserve(size_bytes, for_readahead) {
             return None;
         }
         let buffer = self.new_buffer(key, size_bytes, length_bytes);
@@ -665,13 +802,16 @@ impl Table {
     /// waiting. `block_of` gives each block's length, placement and whether it counts as a
     /// miss. Each shard lock is taken twice per chunk (a look, then the attach) instead of
     /// twice per block, and memory is reserved before either, since reserving may evict from
-    /// any shard. Returns the buffers in block order, locked exclusively and pinned.
+    /// any shard. Blocks from `readahead_from` on are read-ahead: their space is found
+    /// without evicting unused read-ahead, so under pressure the run ends short instead.
+    /// Returns the buffers in block order, locked exclusively and pinned.
     pub(crate) fn insert_absent_run(
         &self,
         object: u32,
         first: u64,
         end: u64,
         size_bytes: u64,
+        readahead_from: u64,
         mut block_of: impl FnMut(u64) -> (u32, Placement, bool),
     ) -> Vec<Arc<Buffer>> {
         let mut inserted = Vec::with_capacity(end.saturating_sub(first) as usize);
@@ -689,7 +829,9 @@ impl Table {
                 }
             };
             let mut reserved = 0;
-            while reserved < absent && self.try_reserve(size_bytes) {
+            while reserved < absent
+                && self.try_reserve(size_bytes, block + reserved >= readahead_from)
+            {
                 reserved += 1;
             }
             // Made before the attach, so no allocation happens under the shard lock.
@@ -928,5 +1070,111 @@ impl Drop for RunLookup<'_> {
             }
             self.table.unpin(&buffer);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::environment::NoWait;
+
+    const BLOCK: u64 = 4096;
+
+    fn table(buffers: u64) -> Table {
+        let config = CacheConfig {
+            buffer_size_max_bytes: BLOCK,
+            memory_bytes_max: buffers * BLOCK,
+            buffers_max: buffers,
+            shards: 1,
+            ..CacheConfig::default()
+        };
+        Table::new(&config, Arc::new(NoWait), Arc::new(Counters::default()))
+    }
+
+    /// Inserts `[first, end)` of object 0 as `Table::insert_absent_run` does for a run whose
+    /// read-ahead starts at `readahead_from`.
+    fn insert(table: &Table, first: u64, end: u64, readahead_from: u64) -> Vec<Arc<Buffer>> {
+        table.insert_absent_run(0, first, end, BLOCK, readahead_from, |_| {
+            (BLOCK as u32, Placement::Normal, false)
+        })
+    }
+
+    /// Ends the first fill of `buffers` as a reader would: unlocked, unpinned, and the
+    /// references let go (an evicted buffer's memory returns when its last one goes).
+    fn release(table: &Table, buffers: Vec<Arc<Buffer>>) {
+        for buffer in &buffers {
+            // SAFETY: inserted buffers are locked exclusively by their inserter, this test.
+            unsafe { buffer.unlock_exclusive() };
+            table.unpin(buffer);
+        }
+    }
+
+    #[test]
+    fn readahead_never_evicts_readahead_not_yet_used() {
+        // Goal: rule 1 of "Admission under pressure" (docs/design.md): read-ahead finds room
+        // only by evicting what is not unused read-ahead, so under pressure its window ends
+        // short; a reader's own blocks may still evict unused read-ahead. Method: an 8-buffer
+        // table filled with unused read-ahead; a read-ahead run of 4 blocks gets none and
+        // evicts nothing; then a reader's run of 2 gets both, evicting 2 (counted wasted);
+        // then a read-ahead run of 4 gets only the 2 the reader's blocks leave.
+        let table = table(8);
+        let filled = insert(&table, 0, 8, 0);
+        assert_eq!(filled.len(), 8);
+        for buffer in &filled {
+            buffer.set(READAHEAD);
+        }
+        release(&table, filled);
+        assert!(insert(&table, 100, 104, 100).is_empty(), "window ends");
+        assert_eq!(table.counters.evictions.load(Ordering::Relaxed), 0);
+        let reader = insert(&table, 200, 202, u64::MAX);
+        assert_eq!(reader.len(), 2, "a reader evicts unused read-ahead");
+        assert_eq!(
+            table
+                .counters
+                .readahead_wasted_blocks
+                .load(Ordering::Relaxed),
+            2
+        );
+        release(&table, reader);
+        // The reader's two blocks may go for read-ahead, nothing more: the window shrinks
+        // to 2 of its 4 blocks.
+        let shrunk = insert(&table, 300, 304, 300);
+        assert_eq!(shrunk.len(), 2, "window shrunk to what the cache can spare");
+        assert_eq!(table.counters.evictions.load(Ordering::Relaxed), 4);
+        assert_eq!(
+            table
+                .counters
+                .readahead_wasted_blocks
+                .load(Ordering::Relaxed),
+            2
+        );
+        release(&table, shrunk);
+    }
+
+    #[test]
+    fn busy_buffers_are_held_off_the_queues_and_come_back_on_their_last_unpin() {
+        // Goal: a pinned buffer is not an eviction candidate, and comes back as one when its
+        // last pin goes. Method: a 4-buffer table; 3 buffers stay pinned, 1 is released; an
+        // eviction takes the released one after examining only it; once the pinned ones are
+        // released, 3 more evictions each examine one candidate.
+        let table = table(4);
+        let mut buffers = insert(&table, 0, 4, u64::MAX);
+        assert_eq!(buffers.len(), 4);
+        release(&table, buffers.split_off(3));
+        let examined = || {
+            table
+                .counters
+                .eviction_candidates_examined
+                .load(Ordering::Relaxed)
+        };
+        assert!(table.evict_one());
+        assert_eq!(examined(), 1, "only the released buffer was a candidate");
+        assert!(!table.evict_one(), "the pinned ones are not evictable");
+        assert_eq!(examined(), 1, "and not examined");
+        release(&table, buffers);
+        for _ in 0..3 {
+            assert!(table.evict_one());
+        }
+        assert_eq!(examined(), 4);
     }
 }
