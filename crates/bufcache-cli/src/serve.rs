@@ -482,7 +482,37 @@ fn check_before_writing(
         }
     }
     if let Some(local) = &args.local_cache {
-        if let Some(recorded) = bufcache_tier::recorded_identity(local)? {
+        if let Some(superblock) = bufcache_tier::recorded_superblock(local)? {
+            let recorded = superblock.identity;
+            let local_bytes = std::fs::metadata(local).map_or(0, |metadata| metadata.len());
+            let is_file = std::fs::metadata(local).is_ok_and(|metadata| metadata.is_file());
+            let problem = if let Some(size) =
+                size_bytes.filter(|size| *size != superblock.backend_bytes)
+            {
+                Some(format!(
+                    "was made for a backend of {} bytes, and {} is {size} bytes",
+                    superblock.backend_bytes, ours.name
+                ))
+            } else if let Some(asked) = args
+                .local_cache_size
+                .filter(|asked| *asked != superblock.local_bytes)
+            {
+                Some(format!("is {} bytes, not the {asked} bytes asked for (--local-cache-size; a local cache is not resized: leave the flag out)", superblock.local_bytes))
+            } else if is_file && local_bytes < superblock.local_bytes {
+                Some(format!(
+                    "is truncated: {local_bytes} bytes, its superblock says {}",
+                    superblock.local_bytes
+                ))
+            } else {
+                None
+            };
+            if let Some(problem) = problem.filter(|_| same_backend(&recorded, ours)) {
+                return refuse(format!(
+                    "local cache {} (last written {}) {problem}: refusing to attach it; nothing was replayed or written",
+                    local.display(),
+                    rescue_age(local)
+                ));
+            }
             if !same_backend(&recorded, ours) {
                 return refuse(format!(
                     "local cache {} (last written {}) belongs to backend `{recorded}`, not `{}` ({}): refusing to attach it; nothing was replayed or written. It may hold flushed writes not yet on `{recorded}`: start `bufcache serve` on that backend with --local-cache {} to write them back, and give this backend another --local-cache path",

@@ -279,7 +279,8 @@ fn break_lock_restart_rounds(port: u16, rounds: u64) -> (u32, u32) {
 // Method: per round, a chunk-layout disk behind a proxy that is cut, a local cache with
 // --flush-to local, data written and flushed (durable locally only), kill -9; with the store
 // back, the restart without break-lock is refused (exit 2) with listing, ETags and the cache
-// file unchanged; the restart with break-lock reads every byte, and after a clean stop a fresh
+// file unchanged, and so is one with break-lock and another --local-cache-size (the lock is
+// not broken); the restart with break-lock reads every byte, and after a clean stop a fresh
 // server without the cache reads them from the bucket.
 #[test]
 fn a_local_cache_reattaches_after_kill_9_through_the_break_lock_restart() {
@@ -322,6 +323,10 @@ fn a_local_cache_reattaches_after_kill_9_through_the_break_lock_restart() {
         let url_break = format!("{url}&break-lock={}", lock_id_in(&refusal));
         let mut restart = vec!["--backend", url_break.as_str()];
         restart.extend_from_slice(&tier);
+        let mut resized = restart.clone();
+        resized.extend_from_slice(&["--local-cache-size", "32M"]);
+        let refusal = refused_changing_nothing(moto.port, dir.path(), &resized);
+        assert!(refusal.contains("asked for"), "{refusal}");
         let mut second = Server::start(dir.path(), "second", &restart);
         if read_at(&second, MIB as u64, data.len()) != data {
             lost_writes += 1;

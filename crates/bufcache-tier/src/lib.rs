@@ -16,4 +16,6 @@ pub mod tier;
 
 pub use config::{FlushTo, LocalTierConfig, LocalTierConfigError, WritebackDriver};
 pub use error::TierError;
-pub use tier::{migrate_identity, recorded_identity, LocalTier, TierStats, WritebackStep};
+pub use tier::{
+    migrate_identity, recorded_identity, recorded_superblock, LocalTier, TierStats, WritebackStep,
+};

@@ -292,10 +292,20 @@ impl<R: Device + 'static> LocalTier<R, FileDevice> {
     }
 }
 
-/// The backend identity recorded in the superblock of the local cache at `path`, reading
-/// nothing else and writing nothing; None when there is no cache there yet (no file, or a
-/// device whose first 4 KiB are not a superblock, as a zeroed block device).
+/// The superblock of the local cache at `path`, reading nothing else and writing nothing; None
+/// when there is no cache there yet (no file, or a device whose first 4 KiB are not a
+/// superblock, as a zeroed block device).
+pub fn recorded_superblock(path: &Path) -> Result<Option<Superblock>, TierError> {
+    read_superblock(path)
+}
+
+/// The backend identity recorded in the superblock of the local cache at `path` (see
+/// [`recorded_superblock`]).
 pub fn recorded_identity(path: &Path) -> Result<Option<String>, TierError> {
+    Ok(read_superblock(path)?.map(|superblock| superblock.identity))
+}
+
+fn read_superblock(path: &Path) -> Result<Option<Superblock>, TierError> {
     let local_name = path.display().to_string();
     let mut first = vec![0u8; SUPERBLOCK_BYTES as usize];
     let read = std::fs::File::open(path).and_then(|file| {
@@ -317,7 +327,7 @@ pub fn recorded_identity(path: &Path) -> Result<Option<String>, TierError> {
         }),
         Ok(filled) if filled < first.len() => Ok(None),
         Ok(_) => match Superblock::decode(&first) {
-            Ok(superblock) => Ok(Some(superblock.identity)),
+            Ok(superblock) => Ok(Some(superblock)),
             Err(SuperblockProblem::NoMagic) => Ok(None),
             Err(SuperblockProblem::Checksum) => {
                 Err(TierError::SuperblockCorrupt { local: local_name })
