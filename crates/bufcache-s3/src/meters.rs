@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use object_store::client::{
-    HttpClient, HttpConnector, HttpError, HttpRequest, HttpResponse, HttpService, ReqwestConnector,
+    HttpClient, HttpConnector, HttpError, HttpRequest, HttpResponse, HttpService,
 };
 use object_store::ClientOptions;
 
@@ -137,7 +137,8 @@ fn method_index(request: &HttpRequest) -> usize {
         .unwrap_or(STORE_METHODS.len() - 1)
 }
 
-/// The `object_store` client's HTTP connector with every request counted in `meters`.
+/// The `object_store` client's HTTP connector with every request counted in `meters`, over
+/// the connector that makes broken PUTs and DELETEs retryable (module `retry_writes`).
 #[derive(Debug)]
 pub struct CountingConnector {
     pub meters: Arc<StoreMeters>,
@@ -145,7 +146,7 @@ pub struct CountingConnector {
 
 impl HttpConnector for CountingConnector {
     fn connect(&self, options: &ClientOptions) -> object_store::Result<HttpClient> {
-        let inner = ReqwestConnector::default().connect(options)?;
+        let inner = crate::retry_writes::RetryWritesConnector::default().connect(options)?;
         Ok(HttpClient::new(CountingService {
             inner,
             meters: Arc::clone(&self.meters),
