@@ -101,4 +101,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = forward
 
 
-http.server.ThreadingHTTPServer(("127.0.0.1", listen_port), Handler).serve_forever()
+class Server(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        # A client killed mid-request (kill -9 tests) is expected, not worth a traceback.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
+Server(("127.0.0.1", listen_port), Handler).serve_forever()
