@@ -8,7 +8,8 @@
 //! far, overwrite a shared range and write this round's own blocks, FLUSH, write more without
 //! a FLUSH (so the kill can land mid write-back), kill -9. Segments are small (64 KiB) and
 //! the shared range's old versions become garbage, so the opens and the collector DELETE.
-//! `RESETS_CRASH_ROUNDS` sets the number of rounds (default 30).
+//! `RESETS_CRASH_ROUNDS` sets the number of rounds (default 30), `RESETS_PERCENT` the share
+//! of requests reset (default 2).
 
 mod common;
 #[path = "../../bufcache-s3/tests/support/mod.rs"]
@@ -32,7 +33,6 @@ const ROUND_BLOCKS: usize = 16;
 /// Blocks written after the FLUSH and never flushed (after the checked ones), so the kill
 /// lands while write-back is in progress; their content is not checked.
 const UNFLUSHED_BLOCKS: usize = 32;
-const RESET_PERCENT: f64 = 2.0;
 const START_TIMEOUT: Duration = Duration::from_secs(90);
 /// Attempts to start the server in one round before the test gives up on the disk.
 const START_ATTEMPTS_MAX: usize = 3;
@@ -126,11 +126,15 @@ fn log_layout_starts_every_time_and_keeps_flushed_writes_through_resets_and_kill
         .ok()
         .and_then(|text| text.parse().ok())
         .unwrap_or(30);
-    println!("seed {seed} (RESETS_SEED), {rounds} rounds, {RESET_PERCENT} % resets");
+    let reset_percent: f64 = std::env::var("RESETS_PERCENT")
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .unwrap_or(2.0);
+    println!("seed {seed} (RESETS_SEED), {rounds} rounds, {reset_percent} % resets");
     let dir = temp_dir();
     let moto = Moto::start();
     moto.create_bucket("disks");
-    let proxy = FaultProxy::resetting_percent(moto.port, RESET_PERCENT, seed);
+    let proxy = FaultProxy::resetting_percent(moto.port, reset_percent, seed);
     let endpoint = proxy.endpoint();
     // Blocks checked: the shared ones and every round's own.
     let blocks = SHARED_BLOCKS + rounds * ROUND_BLOCKS;
