@@ -48,7 +48,8 @@ fn lock_id(endpoint: &str, dir: &Path) -> String {
                 &format!("s3://disks/vm1?endpoint={endpoint}"),
                 "--listen",
             ])
-            .arg(format!("unix:{}", dir.join("refused.sock").display())),
+            .arg(format!("unix:{}", dir.join("refused.sock").display()))
+            .current_dir(dir),
         Duration::from_secs(60),
     );
     let text = output_text(&output);
@@ -71,6 +72,7 @@ fn start(dir: &Path, name: &str, url: &str) -> Result<(Child, String), String> {
     let mut child = Command::new(bufcache_bin())
         .args(["serve", "--backend", url, "--cache-size", "1M", "--listen"])
         .arg(format!("unix:{}", socket.display()))
+        .current_dir(dir)
         .stdin(Stdio::null())
         .stdout(log_file.try_clone().unwrap())
         .stderr(log_file)
