@@ -79,7 +79,8 @@ fn lock_id(endpoint: &str, dir: &std::path::Path) -> String {
                 &format!("s3://disks/vm1?endpoint={endpoint}"),
                 "--listen",
             ])
-            .arg(format!("unix:{}", dir.join("refused.sock").display())),
+            .arg(format!("unix:{}", dir.join("refused.sock").display()))
+            .current_dir(dir),
         Duration::from_secs(60),
     );
     let text = output_text(&output);

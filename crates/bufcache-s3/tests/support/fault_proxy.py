@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """An HTTP proxy in front of an S3 server that loses the answers of chosen requests.
 
-usage: fault_proxy.py LISTEN_PORT TARGET_PORT FAULTS_LOG SUFFIX COUNT [ignore-conditions | reset:SKIP | reset-deletes-too:SKIP]
+usage: fault_proxy.py LISTEN_PORT TARGET_PORT FAULTS_LOG SUFFIX COUNT [ignore-conditions | reset:SKIP | reset-deletes-too:SKIP | reset-percent:PERCENT:SEED]
 Every request is forwarded to the server on TARGET_PORT and its answer relayed, except the
 first COUNT PUTs whose path ends with SUFFIX: those are carried out by the server, but the
 client is answered 500 InternalError instead, as when a store applies a write and the answer
@@ -11,11 +11,15 @@ from every request, so the server behaves as a store that ignores them (s3rver 3
 create-only PUT of an existing object again and answers 200). With `reset:SKIP`, the first SKIP
 such PUTs pass and the next COUNT are carried out and then answered with a connection reset
 (TCP RST, no answer) instead of a 500; `reset-deletes-too:SKIP` counts and resets DELETEs of
-such keys as well. The port is ready when
+such keys as well. With `reset-percent:PERCENT:SEED`, every request of any method whose path
+ends with SUFFIX (COUNT is ignored) is carried out and then, with probability PERCENT % drawn
+from a generator seeded with SEED (printed on stdout), answered with a connection reset. The
+port is ready when
 LISTEN_PORT accepts connections.
 """
 import http.client
 import http.server
+import random
 import socket
 import struct
 import sys
@@ -27,6 +31,11 @@ ignore_conditions = len(sys.argv) > 6 and sys.argv[6] == "ignore-conditions"
 mode = sys.argv[6] if len(sys.argv) > 6 else ""
 reset_skip = [int(mode.split(":")[1])] if mode.startswith(("reset:", "reset-deletes-too:")) else None
 faulted_methods = ("PUT", "DELETE") if mode.startswith("reset-deletes-too:") else ("PUT",)
+reset_percent = None
+if mode.startswith("reset-percent:"):
+    _, percent, seed = mode.split(":")
+    reset_percent, reset_random = float(percent), random.Random(int(seed))
+    print(f"fault proxy: resetting {reset_percent} % of requests, seed {seed}", flush=True)
 lock = threading.Lock()
 
 ERROR_BODY = (
@@ -55,7 +64,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
         answer_body = answer.read()
         connection.close()
         fault = False
-        if self.command in faulted_methods and self.path.split("?")[0].endswith(suffix):
+        if reset_percent is not None:
+            if self.path.split("?")[0].endswith(suffix):
+                with lock:
+                    fault = reset_random.random() * 100 < reset_percent
+        elif self.command in faulted_methods and self.path.split("?")[0].endswith(suffix):
             with lock:
                 if reset_skip is not None and reset_skip[0] > 0:
                     reset_skip[0] -= 1
@@ -65,7 +78,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if fault:
             with open(faults_log, "a") as log:
                 log.write(f"{self.command} {self.path} {answer.status}\n")
-            if reset_skip is not None:
+            if reset_skip is not None or reset_percent is not None:
                 self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 self.connection.close()
                 self.close_connection = True
@@ -88,4 +101,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = forward
 
 
-http.server.ThreadingHTTPServer(("127.0.0.1", listen_port), Handler).serve_forever()
+class Server(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        # A client killed mid-request (kill -9 tests) is expected, not worth a traceback.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
+Server(("127.0.0.1", listen_port), Handler).serve_forever()

@@ -413,6 +413,17 @@ impl FaultProxy {
         FaultProxy::start_with(target_port, suffix, count, Some(format!("{mode}:{skip}")))
     }
 
+    /// A proxy that carries out every request, of any method, and answers `percent` % of
+    /// them (drawn from a generator seeded with `seed`) with a connection reset instead.
+    pub fn resetting_percent(target_port: u16, percent: f64, seed: u64) -> FaultProxy {
+        FaultProxy::start_with(
+            target_port,
+            "",
+            0,
+            Some(format!("reset-percent:{percent}:{seed}")),
+        )
+    }
+
     fn start_with(
         target_port: u16,
         suffix: &str,
@@ -422,7 +433,10 @@ impl FaultProxy {
         let dir = tempfile::tempdir().unwrap();
         let faults_log = dir.path().join("faults.log");
         let port = free_port();
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/support/fault_proxy.py");
+        let script = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../bufcache-s3/tests/support/fault_proxy.py"
+        );
         let child = Command::new("python3")
             .arg(script)
             .args([&port.to_string(), &target_port.to_string()])
