@@ -285,23 +285,15 @@ fn store_prometheus(text: &mut String, label: &str, stats: &bufcache_s3::StoreSt
     }
     for (index, method) in STORE_METHODS.iter().enumerate() {
         let labels = format!("{label},method=\"{method}\"");
-        let mut cumulative = 0;
-        for (bucket, count) in stats.duration_buckets[index].iter().enumerate() {
-            cumulative += count;
-            let limit = STORE_DURATION_BUCKETS_SECONDS
-                .get(bucket)
-                .map_or_else(|| "+Inf".to_string(), |limit| limit.to_string());
-            let _ = writeln!(
-                text,
-                "{name}_bucket{{{labels},le=\"{limit}\"}} {cumulative}"
-            );
-        }
-        let _ = writeln!(
+        histogram_lines(
             text,
-            "{name}_sum{{{labels}}} {}",
-            stats.duration_seconds_sum[index]
+            name,
+            &labels,
+            stats.duration_buckets[index].iter().copied(),
+            |bucket| bound_or_infinity(STORE_DURATION_BUCKETS_SECONDS.get(bucket)),
+            stats.duration_seconds_sum[index],
+            None,
         );
-        let _ = writeln!(text, "{name}_count{{{labels}}} {cumulative}");
     }
     if let Some(log) = &stats.log {
         for (name, value, help, kind) in [
@@ -520,24 +512,55 @@ fn requests_prometheus(text: &mut String, export_label: &str, meters: &RequestMe
                 "# HELP {name} Time from an NBD request's dispatch to its completion, by command.\n# TYPE {name} histogram"
             );
         }
-        let mut cumulative = 0;
-        for (index, bucket) in meter.latency_buckets.iter().enumerate() {
-            cumulative += bucket.load(Relaxed);
-            let limit = LATENCY_BUCKETS_SECONDS
-                .get(index)
-                .map_or_else(|| "+Inf".to_string(), |limit| limit.to_string());
-            let _ = writeln!(
-                text,
-                "{name}_bucket{{{labels},le=\"{limit}\"}} {cumulative}"
-            );
-        }
+        histogram_lines(
+            text,
+            name,
+            &labels,
+            meter
+                .latency_buckets
+                .iter()
+                .map(|bucket| bucket.load(Relaxed)),
+            |index| bound_or_infinity(LATENCY_BUCKETS_SECONDS.get(index)),
+            meter.latency_ns_sum.load(Relaxed) as f64 / 1e9,
+            None,
+        );
+    }
+}
+
+/// One histogram's `_bucket`, `_sum` and `_count` lines under `labels` (possibly none): `counts`
+/// holds each bucket's own count (made cumulative here) and `bound` names bucket i's upper
+/// bound; `count` is the sample count, the buckets' total when None.
+fn histogram_lines(
+    text: &mut String,
+    name: &str,
+    labels: &str,
+    counts: impl Iterator<Item = u64>,
+    bound: impl Fn(usize) -> String,
+    sum: f64,
+    count: Option<u64>,
+) {
+    let separator = if labels.is_empty() { "" } else { "," };
+    let mut cumulative = 0u64;
+    for (index, bucket_count) in counts.enumerate() {
+        cumulative += bucket_count;
+        let le = bound(index);
         let _ = writeln!(
             text,
-            "{name}_sum{{{labels}}} {}",
-            meter.latency_ns_sum.load(Relaxed) as f64 / 1e9
+            "{name}_bucket{{{labels}{separator}le=\"{le}\"}} {cumulative}"
         );
-        let _ = writeln!(text, "{name}_count{{{labels}}} {cumulative}");
     }
+    let braced = if labels.is_empty() {
+        String::new()
+    } else {
+        format!("{{{labels}}}")
+    };
+    let _ = writeln!(text, "{name}_sum{braced} {sum}");
+    let _ = writeln!(text, "{name}_count{braced} {}", count.unwrap_or(cumulative));
+}
+
+/// A bucket's `le` label: its bound, or `+Inf` for the last bucket.
+fn bound_or_infinity<T: ToString>(bound: Option<&T>) -> String {
+    bound.map_or_else(|| "+Inf".to_string(), ToString::to_string)
 }
 
 fn escape_label(value: &str) -> String {
@@ -573,19 +596,14 @@ fn buffer_wait_histogram(text: &mut String, stats: &CacheStats) {
         text,
         "# HELP {name} How long reservations waited for a buffer.\n# TYPE {name} histogram"
     );
-    let mut cumulative = 0;
-    for (index, count) in stats.buffer_wait_buckets.iter().enumerate() {
-        cumulative += count;
-        let limit = bufcache::BUFFER_WAIT_BUCKETS_SECONDS
-            .get(index)
-            .map_or_else(|| "+Inf".to_string(), |limit| limit.to_string());
-        let _ = writeln!(text, "{name}_bucket{{le=\"{limit}\"}} {cumulative}");
-    }
-    let _ = writeln!(
+    histogram_lines(
         text,
-        "{name}_sum {}\n{name}_count {}",
+        name,
+        "",
+        stats.buffer_wait_buckets.iter().copied(),
+        |index| bound_or_infinity(bufcache::BUFFER_WAIT_BUCKETS_SECONDS.get(index)),
         stats.buffer_wait_ns as f64 / 1e9,
-        stats.buffer_waits
+        Some(stats.buffer_waits),
     );
 }
 
@@ -848,19 +866,18 @@ fn direction_prometheus(text: &mut String, direction: &str, labels: &str, stats:
             "# HELP {name} Backend {direction} request sizes.\n# TYPE {name} histogram"
         );
     }
-    let mut cumulative = 0u64;
-    for index in 0..HISTOGRAM_BUCKETS {
-        cumulative += stats.histogram[index];
-        let limit = histogram_bucket_limit_bytes(index);
-        let le = if limit == u64::MAX {
-            "+Inf".to_string()
-        } else {
-            limit.to_string()
-        };
-        let _ = writeln!(text, "{name}_bucket{{{labels},le=\"{le}\"}} {cumulative}");
-    }
-    let _ = writeln!(text, "{name}_sum{{{labels}}} {}", stats.bytes);
-    let _ = writeln!(text, "{name}_count{{{labels}}} {}", stats.requests);
+    histogram_lines(
+        text,
+        &name,
+        labels,
+        stats.histogram[..HISTOGRAM_BUCKETS].iter().copied(),
+        |index| {
+            let limit = histogram_bucket_limit_bytes(index);
+            bound_or_infinity((limit != u64::MAX).then_some(&limit))
+        },
+        stats.bytes as f64,
+        Some(stats.requests),
+    );
 }
 
 fn direction_json(stats: &DirectionStats) -> Value {

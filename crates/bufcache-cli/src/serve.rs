@@ -613,7 +613,9 @@ fn open_backend(
         // Read before anything is written: the disk's id and generation decide whether its
         // rescue file and local cache may be attached, and a refusal must leave the store as
         // it was (no broken lock, no epoch, no checkpoint, no new generation).
-        let seen = bufcache_s3::probe(&url)?;
+        // One count of the disk's requests, the probe's included.
+        let meters = bufcache_s3::StoreMeters::new();
+        let seen = bufcache_s3::probe_counted(&url, Some(&meters))?;
         let proposed_id = bufcache_s3::new_disk_id();
         let expected = BackendIdentity {
             identity: match seen.and_then(|seen| seen.disk_id) {
@@ -632,9 +634,14 @@ fn open_backend(
         // (the store answers the lock's PUT 403) make a read-only export too, as a file this
         // process may only read does.
         let device = if args.read_only {
-            bufcache_s3::S3Device::open_read_only(&url)?
+            bufcache_s3::S3Device::open_read_only_counted(&url, meters)?
         } else {
-            bufcache_s3::S3Device::open_locked_after_probe(&url, seen.as_ref(), proposed_id)?
+            bufcache_s3::S3Device::open_locked_after_probe(
+                &url,
+                seen.as_ref(),
+                proposed_id,
+                meters,
+            )?
         };
         if let Some(bufcache_s3::ReadOnly::WritesRefused(answer)) = device.read_only() {
             say!("{url}: the store refuses writes ({answer}): serving it read-only, without taking the disk lock");

@@ -12,7 +12,7 @@ use crate::error::OpenError;
 use crate::layout::Layout;
 use crate::log::LogStore;
 use crate::meters::{StoreMeters, StoreStats};
-use crate::store::{advance_generation, new_disk_id, ChunkStore, DiskState};
+use crate::store::{advance_generation_counted, new_disk_id, ChunkStore, DiskState};
 use crate::url::S3Url;
 
 /// A batch's reads in flight at once are at most the store's request bound divided by this
@@ -54,23 +54,29 @@ impl S3Device {
     /// Opens the disk `url` names in the layout its metadata records (creating it with the
     /// URL's `layout=` when asked to), takes its lock and raises its generation.
     pub fn open_locked(url: &S3Url) -> Result<Self, OpenError> {
-        Self::open_locked_after_probe(url, None, new_disk_id())
+        Self::open_locked_after_probe(url, None, new_disk_id(), StoreMeters::new())
     }
 
     /// [`S3Device::open_locked`] for a caller that checked what depends on the disk's state
     /// against `seen` (from [`crate::probe`]; None: no disk existed, or nothing to hold to)
     /// before anything was written: once the lock is held, the generation is raised only if
     /// it is still the one seen, and a disk without an id gets `proposed_id`.
+    /// Its requests are counted in `meters`, those the probe was counted in.
     pub fn open_locked_after_probe(
         url: &S3Url,
         seen: Option<&DiskState>,
         proposed_id: u64,
+        meters: Arc<StoreMeters>,
     ) -> Result<Self, OpenError> {
-        let meters = StoreMeters::new();
         let store = Layout::open_locked(url, Arc::clone(&meters))?;
         let state = match store.read_only() {
             Some(_) => store.state(),
-            None => advance_generation(url, seen.map(|seen| seen.generation), proposed_id)?,
+            None => advance_generation_counted(
+                url,
+                seen.map(|seen| seen.generation),
+                proposed_id,
+                Some(&meters),
+            )?,
         };
         Ok(S3Device {
             store,
@@ -82,7 +88,14 @@ impl S3Device {
     /// Opens an existing disk read-only, writing nothing at all (see
     /// [`ChunkStore::open_read_only`]).
     pub fn open_read_only(url: &S3Url) -> Result<Self, OpenError> {
-        let meters = StoreMeters::new();
+        Self::open_read_only_counted(url, StoreMeters::new())
+    }
+
+    /// [`S3Device::open_read_only`] counting its requests in `meters` (with a probe's).
+    pub fn open_read_only_counted(
+        url: &S3Url,
+        meters: Arc<StoreMeters>,
+    ) -> Result<Self, OpenError> {
         let store = Layout::open_read_only(url, Arc::clone(&meters))?;
         Ok(S3Device {
             state: store.state(),

@@ -33,10 +33,11 @@ pub use log::{
     SEGMENTS_IN_FLIGHT_MAX_DEFAULT, SEGMENT_BYTES_MAX_DEFAULT,
 };
 pub use meters::{
-    LogStoreStats, StoreStats, STORE_DURATION_BUCKETS_SECONDS, STORE_METHODS, STORE_OUTCOMES,
+    LogStoreStats, StoreMeters, StoreStats, STORE_DURATION_BUCKETS_SECONDS, STORE_METHODS,
+    STORE_OUTCOMES,
 };
 pub use store::{
-    advance_generation, disk_identity, new_disk_id, probe, ChunkStore, DiskMetadata, DiskState,
-    ReadOnly, FORMAT_VERSION, FORMAT_VERSION_CHUNK_CHECKED, FORMAT_VERSION_LOG,
+    advance_generation, disk_identity, new_disk_id, probe, probe_counted, ChunkStore, DiskMetadata,
+    DiskState, ReadOnly, FORMAT_VERSION, FORMAT_VERSION_CHUNK_CHECKED, FORMAT_VERSION_LOG,
 };
 pub use url::{Compression, LayoutKind, S3Url, UrlError, CHUNK_SIZE_DEFAULT_BYTES, LAYOUT_DEFAULT};

@@ -203,6 +203,7 @@ impl DiskState {
 fn short_client(
     url: &S3Url,
     retries: usize,
+    meters: Option<&Arc<StoreMeters>>,
 ) -> Result<(tokio::runtime::Runtime, AmazonS3), OpenError> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -212,19 +213,35 @@ fn short_client(
             source,
         })?;
     let retry_timeout = Duration::from_millis(url.retry_timeout_ms);
-    let client = client_builder(url, retry_timeout.min(Duration::from_secs(5)), retries)
-        .build()
-        .map_err(|error| OpenError::Client {
-            url: url.to_string(),
-            message: chain(&error),
-        })?;
+    let builder = client_builder(url, retry_timeout.min(Duration::from_secs(5)), retries);
+    // Like every connection: no credentials is refused here, before any request could go to
+    // the instance-metadata address.
+    check_credentials(url, &builder)?;
+    let builder = match meters {
+        Some(meters) => builder.with_http_connector(CountingConnector {
+            meters: Arc::clone(meters),
+        }),
+        None => builder,
+    };
+    let client = builder.build().map_err(|error| OpenError::Client {
+        url: url.to_string(),
+        message: chain(&error),
+    })?;
     Ok((runtime, client))
 }
 
 /// Reads the disk's metadata object and nothing else, writing nothing: the disk's identity and
 /// generation, checked against the URL's parameters; None when no disk exists there yet.
 pub fn probe(url: &S3Url) -> Result<Option<DiskState>, OpenError> {
-    let (runtime, client) = short_client(url, 2)?;
+    probe_counted(url, None)
+}
+
+/// [`probe`] with its requests counted in `meters` (those of the disk about to be opened).
+pub fn probe_counted(
+    url: &S3Url,
+    meters: Option<&Arc<StoreMeters>>,
+) -> Result<Option<DiskState>, OpenError> {
+    let (runtime, client) = short_client(url, 2, meters)?;
     match runtime.block_on(ChunkStore::open_metadata(&client, url, Create::Never)) {
         Ok(metadata) => Ok(Some(DiskState::of(&metadata))),
         Err(OpenError::NoDiskReadOnly { .. }) => Ok(None),
@@ -243,6 +260,16 @@ pub fn advance_generation(
     seen: Option<u64>,
     proposed_id: u64,
 ) -> Result<DiskState, OpenError> {
+    advance_generation_counted(url, seen, proposed_id, None)
+}
+
+/// [`advance_generation`] with its requests counted in `meters` (those of the disk it opens).
+pub(crate) fn advance_generation_counted(
+    url: &S3Url,
+    seen: Option<u64>,
+    proposed_id: u64,
+    meters: Option<&Arc<StoreMeters>>,
+) -> Result<DiskState, OpenError> {
     assert_ne!(proposed_id, 0, "0 means no disk id");
     let key = url.key(METADATA_NAME);
     let request_error = |operation: String, error: object_store::Error| OpenError::Request {
@@ -255,7 +282,7 @@ pub fn advance_generation(
         key: key.clone(),
         reason,
     };
-    let (runtime, client) = short_client(url, RETRIES_UNBOUNDED)?;
+    let (runtime, client) = short_client(url, RETRIES_UNBOUNDED, meters)?;
     let location = ObjectPath::from(key.as_str());
     let body = runtime
         .block_on(async {

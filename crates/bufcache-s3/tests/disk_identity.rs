@@ -86,7 +86,13 @@ fn an_older_chunk_disk_gets_an_id_at_its_first_writable_open_and_only_then() {
         older.to_vec(),
         "a stale advance wrote"
     );
-    let device = S3Device::open_locked_after_probe(&disk, Some(&seen), 0xabc).unwrap();
+    let device = S3Device::open_locked_after_probe(
+        &disk,
+        Some(&seen),
+        0xabc,
+        bufcache_s3::StoreMeters::new(),
+    )
+    .unwrap();
     assert_eq!(device.state().disk_id, Some(0xabc));
     assert_eq!(device.state().generation, 1);
     drop(device);
