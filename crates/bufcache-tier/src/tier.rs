@@ -48,7 +48,7 @@ use crate::error::TierError;
 use crate::format::{
     record_total_bytes, Checkpoint, RecordHeader, RecordKind, Superblock, SuperblockProblem,
     CHECKPOINT_BYTES, CHECKPOINT_OFFSETS, FORMAT_VERSION, IDENTITY_BYTES_MAX, LOCAL_BYTES_MIN,
-    LOG_START, RECORD_HEADER_BYTES, SUPERBLOCK_BYTES, SUPERBLOCK_MAGIC,
+    LOG_START, RECORD_ALIGNMENT_BYTES, RECORD_HEADER_BYTES, SUPERBLOCK_BYTES, SUPERBLOCK_MAGIC,
 };
 
 /// What the tier has done, for metrics and tests.
@@ -723,6 +723,20 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
                      record proves it was fsynced; replaying only the records before it, as \
                      --local-cache-replay-prefix asks: the writes from it on are discarded"
                 );
+                // The damaged record's header is erased (made durable by the checkpoint
+                // below), so the log now ends there and later opens need no flag; its space
+                // is the head, reused by the next record anyway.
+                shared
+                    .local
+                    .write_vectored_at(
+                        &[IoSlice::new(&[0u8; RECORD_ALIGNMENT_BYTES as usize])],
+                        damage.offset,
+                    )
+                    .map_err(|source| TierError::Io {
+                        local: local_name.clone(),
+                        what: "erasing a damaged record",
+                        source,
+                    })?;
             }
             Shared::<R, L>::close_replayed_epochs(&mut state);
             // The new session is durable before any record of it is written (Chain).

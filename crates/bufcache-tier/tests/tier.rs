@@ -1226,13 +1226,17 @@ fn a_damaged_record_that_a_later_record_proves_durable_refuses_the_attach() {
             "the refused open wrote the remote"
         );
     }
+    // Nothing but the replay happens before the stop: no record overwrites the damaged one.
     let tier = open_without_writeback(&local, &remote, true).unwrap();
     assert_eq!(read(&tier, 0, BLOCK).unwrap(), vec![0xa1; BLOCK as usize]);
+    tier.stop();
+    // The prefix is now the log, even with nothing written since: a reopen needs no flag,
+    // the writes after the damage are gone, and new writes chain on.
+    let tier = open_without_writeback(&local, &remote, false).unwrap();
     assert_eq!(
         read(&tier, BLOCK, 2 * BLOCK).unwrap(),
         vec![0; 2 * BLOCK as usize]
     );
-    // The prefix is now the log: writes after it chain on, and a reopen needs no flag.
     write(&tier, 3 * BLOCK, &vec![0xd4; BLOCK as usize]).unwrap();
     tier.flush().unwrap();
     tier.stop();
