@@ -207,6 +207,12 @@ pub struct ServeArgs {
     /// moves is waited for. Default 10.
     #[arg(long, value_name = "SECONDS")]
     local_cache_stall_max: Option<f64>,
+    /// Attach a --local-cache whose log holds a damaged record that a later record proves
+    /// had been fsynced (corruption of the local device, not a crash), replaying only the
+    /// records before it: every write from that record on is lost. Without it such a cache
+    /// is refused, naming the record's offset.
+    #[arg(long)]
+    local_cache_replay_prefix: bool,
     /// Serve Prometheus metrics (/metrics) and JSON statistics (/stats) on HOST:PORT.
     #[arg(long, value_name = "HOST:PORT")]
     metrics: Option<String>,
@@ -247,6 +253,7 @@ fn open_local_tier(
             bufcache_tier::LocalTierConfig::default().remote_stall_max,
             Duration::from_secs_f64,
         ),
+        replay_damaged_prefix: args.local_cache_replay_prefix,
         ..bufcache_tier::LocalTierConfig::default()
     };
     let existed = path.exists();
@@ -935,6 +942,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
         if args.local_cache_stall_max.is_some() {
             bail!("--local-cache-stall-max bounds waits of a --local-cache, and no --local-cache is given");
+        }
+        if args.local_cache_replay_prefix {
+            bail!("--local-cache-replay-prefix replays a damaged --local-cache, and no --local-cache is given");
         }
     } else if specs.len() != 1 {
         bail!("--local-cache belongs to one backend, and {} exports are given: serve one export per local cache", specs.len());

@@ -241,3 +241,24 @@ fn a_local_cache_stall_bound_out_of_range_or_without_a_local_cache_is_refused_by
         "{error}"
     );
 }
+
+#[test]
+fn replaying_a_damaged_prefix_without_a_local_cache_is_refused_by_name() {
+    // Goal: --local-cache-replay-prefix without a --local-cache is a mistake named in one
+    // line, not silently ignored. Method: run the real binary with it alone.
+    let _timer = Timer::new("replaying_a_damaged_prefix_without_a_local_cache_is_refused_by_name");
+    let dir = temp_dir();
+    let error = one_line_failure(
+        dir.path(),
+        &[
+            "serve",
+            "--backend",
+            "memory:1M",
+            "--local-cache-replay-prefix",
+        ],
+    );
+    assert!(
+        error.contains("--local-cache-replay-prefix") && error.contains("no --local-cache"),
+        "{error}"
+    );
+}

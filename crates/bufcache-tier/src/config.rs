@@ -68,6 +68,13 @@ pub struct LocalTierConfig {
     /// NBD client; the engine keeps the data dirty). Progress restarts the wait, so a slow
     /// remote that moves is waited for. Only with [`WritebackDriver::Thread`]. Default 10 s.
     pub remote_stall_max: Duration,
+    /// What opening does when the log holds a damaged record (checksum mismatch) that a
+    /// valid later record proves had been fsynced, so the damage is not a crash's torn write
+    /// but corruption of the local device. False (the default): the open is refused with
+    /// [`crate::TierError::DamagedRecord`], naming the record's offset, and nothing is
+    /// replayed or written. True: the records before the damaged one are replayed and the
+    /// rest of the log is discarded (its writes, flushed or not, are lost), with a warning.
+    pub replay_damaged_prefix: bool,
 }
 
 impl Default for LocalTierConfig {
@@ -84,6 +91,7 @@ impl Default for LocalTierConfig {
             zero_record_bytes_max: 64 << 20,
             writeback_driver: WritebackDriver::Thread,
             remote_stall_max: Duration::from_secs(10),
+            replay_damaged_prefix: false,
         }
     }
 }

@@ -155,4 +155,21 @@ pub enum TierError {
         /// The operating system's reason.
         source: io::Error,
     },
+    /// A log record is damaged although a valid record chained after it proves it had been
+    /// made durable: corruption of the local device, not a crash's torn write.
+    #[error("local cache {local}: the log record at offset {offset} (sequence {sequence}) is damaged (checksum mismatch), but {valid_after} valid record(s) chain after it and the one at offset {proof_offset} (sequence {proof_sequence}) was written after it had been fsynced: this is damage to the local device, not a write torn by a crash; refusing to attach (nothing was replayed or written to the remote), since the records from offset {offset} on may hold flushed writes that are not on the remote; to attach anyway, replaying only the records before offset {offset} and losing every write after them, give --local-cache-replay-prefix (LocalTierConfig::replay_damaged_prefix)")]
+    DamagedRecord {
+        /// The local cache.
+        local: String,
+        /// Byte offset of the damaged record in the local cache.
+        offset: u64,
+        /// The sequence number the damaged record claims.
+        sequence: u64,
+        /// Offset of the first valid later record whose durable mark covers it.
+        proof_offset: u64,
+        /// That record's sequence number.
+        proof_sequence: u64,
+        /// Valid records found chained after the damaged one.
+        valid_after: u64,
+    },
 }

@@ -224,6 +224,10 @@ pub struct RecordHeader {
     pub payload_bytes: u32,
     /// CRC of the record before it in the chain.
     pub previous_crc: u32,
+    /// Every record with a lower sequence had been fsynced when this one was written; 0 when
+    /// unknown (records written before the mark existed). Replay uses it to tell damage from
+    /// a crash: a record this mark covers cannot have been torn by one.
+    pub durable_sequence: u64,
 }
 
 impl RecordHeader {
@@ -244,6 +248,7 @@ impl RecordHeader {
         bytes[40..48].copy_from_slice(&self.length_bytes.to_le_bytes());
         bytes[48..52].copy_from_slice(&self.payload_bytes.to_le_bytes());
         bytes[52..56].copy_from_slice(&self.previous_crc.to_le_bytes());
+        bytes[56..60].copy_from_slice(&encode_durable_lag(self.sequence, self.durable_sequence));
         let mut hasher = crc32fast::Hasher::new();
         hasher.update(&bytes[..60]);
         for part in payload {
@@ -268,6 +273,7 @@ impl RecordHeader {
             length_bytes: u64_at(bytes, 40),
             payload_bytes: u32_at(bytes, 48),
             previous_crc: u32_at(bytes, 52),
+            durable_sequence: decode_durable_lag(u64_at(bytes, 8), u32_at(bytes, 56)),
         };
         Some((header, u32_at(bytes, 60)))
     }
@@ -278,6 +284,25 @@ impl RecordHeader {
         hasher.update(&header_bytes[..60]);
         hasher.update(payload);
         hasher.finalize() == crc
+    }
+}
+
+/// The durable mark as bytes 56..60 of a header (zero in caches written before it existed,
+/// so the format version is unchanged): 0 for unknown, else `sequence - durable_sequence + 1`.
+/// A distance too large for 32 bits is written as unknown (claiming nothing is safe).
+fn encode_durable_lag(sequence: u64, durable_sequence: u64) -> [u8; 4] {
+    let lag = match sequence.checked_sub(durable_sequence) {
+        Some(distance) if durable_sequence > 0 => u32::try_from(distance + 1).unwrap_or(0),
+        _ => 0,
+    };
+    lag.to_le_bytes()
+}
+
+fn decode_durable_lag(sequence: u64, lag: u32) -> u64 {
+    if lag == 0 {
+        0
+    } else {
+        (sequence + 1).saturating_sub(u64::from(lag))
     }
 }
 
@@ -341,6 +366,7 @@ mod tests {
             length_bytes: 4,
             payload_bytes: 4,
             previous_crc: 99,
+            durable_sequence: 3,
         };
         let payload = [1u8, 2, 3, 4];
         let (bytes, crc) = header.encode(&[&payload]);

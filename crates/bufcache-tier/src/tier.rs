@@ -7,6 +7,10 @@
 //!   continue it (torn, corrupt, stale from an earlier lap or an earlier session), so what is
 //!   replayed is always a prefix of what was appended, and a record is never served unless
 //!   its CRC matched.
+//! - **Damage is not a tear.** Each record carries the durable mark: every record below that
+//!   sequence had been fsynced when it was written. A crash tears only records after the last
+//!   fsync, so a record whose CRC fails while an intact record chained after it covers it
+//!   with its mark is damage, and the open is refused unless `replay_damaged_prefix`.
 //! - **Tail.** Log space is reused only after the checkpoint naming the new tail is durable,
 //!   so replay never starts at a record that was overwritten.
 //! - **Dirty.** A record that is a write (dirty data, zeroes, discard) whose epoch is above
@@ -44,7 +48,7 @@ use crate::error::TierError;
 use crate::format::{
     record_total_bytes, Checkpoint, RecordHeader, RecordKind, Superblock, SuperblockProblem,
     CHECKPOINT_BYTES, CHECKPOINT_OFFSETS, FORMAT_VERSION, IDENTITY_BYTES_MAX, LOCAL_BYTES_MIN,
-    LOG_START, RECORD_HEADER_BYTES, SUPERBLOCK_BYTES, SUPERBLOCK_MAGIC,
+    LOG_START, RECORD_ALIGNMENT_BYTES, RECORD_HEADER_BYTES, SUPERBLOCK_BYTES, SUPERBLOCK_MAGIC,
 };
 
 /// What the tier has done, for metrics and tests.
@@ -129,6 +133,27 @@ struct RecordMeta {
     crc: u32,
 }
 
+/// A record read from the log during replay.
+struct ReadRecord {
+    position: u64,
+    header: RecordHeader,
+    /// The CRC its header claims (what the next record names, whether or not it matches).
+    crc: u32,
+    space_bytes: u64,
+    /// True when the claimed CRC matches the header and payload.
+    intact: bool,
+}
+
+/// A damaged log record proven durable by a later one (see [`Shared::damage_proof`]).
+#[derive(Clone, Copy, Debug)]
+struct Damage {
+    offset: u64,
+    sequence: u64,
+    proof_offset: u64,
+    proof_sequence: u64,
+    valid_after: u64,
+}
+
 /// Why space could not be reserved.
 enum NoSpace {
     /// Larger than a record may be: write it through.
@@ -155,6 +180,9 @@ struct State {
     open_epoch_has_writes: bool,
     /// Every record of epochs up to this one is durable on the local device (Durable first).
     durable_epoch: u64,
+    /// Every record with a lower sequence is durable on the local device: the mark each new
+    /// record carries, so replay can tell a damaged record from a torn one.
+    durable_sequence: u64,
     remote_epoch: u64,
     /// Epoch -> bytes of its logged writes, for every epoch not yet on the remote.
     dirty_epochs: BTreeMap<u64, u64>,
@@ -647,6 +675,7 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
                 open_epoch: checkpoint.remote_epoch + 1,
                 open_epoch_has_writes: false,
                 durable_epoch: 0,
+                durable_sequence: 0,
                 remote_epoch: checkpoint.remote_epoch,
                 dirty_epochs: BTreeMap::new(),
                 generation: 0,
@@ -669,11 +698,47 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
         };
         {
             let mut state = shared.state.lock();
-            shared.replay(&mut state).map_err(|source| TierError::Io {
+            let damage = shared.replay(&mut state).map_err(|source| TierError::Io {
                 local: local_name.clone(),
                 what: "replaying the log",
                 source,
             })?;
+            if let Some(damage) = damage {
+                if !shared.config.replay_damaged_prefix {
+                    return Err(TierError::DamagedRecord {
+                        local: local_name,
+                        offset: damage.offset,
+                        sequence: damage.sequence,
+                        proof_offset: damage.proof_offset,
+                        proof_sequence: damage.proof_sequence,
+                        valid_after: damage.valid_after,
+                    });
+                }
+                tracing::warn!(
+                    local = %local_name,
+                    offset = damage.offset,
+                    sequence = damage.sequence,
+                    valid_after = damage.valid_after,
+                    "local cache: the log record at this offset is damaged although a later \
+                     record proves it was fsynced; replaying only the records before it, as \
+                     --local-cache-replay-prefix asks: the writes from it on are discarded"
+                );
+                // The damaged record's header is erased (made durable by the checkpoint
+                // below), so the log now ends there and later opens need no flag; its space
+                // is the head, reused by the next record anyway.
+                shared
+                    .local
+                    .write_vectored_at(
+                        &[IoSlice::new(&[0u8; RECORD_ALIGNMENT_BYTES as usize])],
+                        damage.offset,
+                    )
+                    .map_err(|source| TierError::Io {
+                        local: local_name.clone(),
+                        what: "erasing a damaged record",
+                        source,
+                    })?;
+            }
+            Shared::<R, L>::close_replayed_epochs(&mut state);
             // The new session is durable before any record of it is written (Chain).
             shared
                 .write_checkpoint(&mut state)
@@ -820,74 +885,166 @@ impl<R: Device, L: Device> Shared<R, L> {
         )
     }
 
-    /// Walks the chain from the persisted tail (Chain) and rebuilds the index.
-    fn replay(&self, state: &mut State) -> io::Result<()> {
-        let mut position = state.tail_position;
+    /// True when `header`, at `position`, continues a chain whose next record must carry
+    /// `sequence` and name `previous_crc`, with `used_bytes` of the log taken before it.
+    fn chains(
+        &self,
+        header: &RecordHeader,
+        position: u64,
+        sequence: u64,
+        previous_crc: u32,
+        used_bytes: u64,
+    ) -> bool {
+        let space_bytes = match header.kind {
+            RecordKind::Wrap => self.log_end - position,
+            _ => header.total_bytes(),
+        };
+        let payload_expected = if header.kind.has_payload() {
+            header.length_bytes
+        } else {
+            0
+        };
+        header.sequence == sequence
+            && header.previous_crc == previous_crc
+            && u64::from(header.payload_bytes) == payload_expected
+            && position + header.total_bytes() <= self.log_end
+            && used_bytes + space_bytes <= self.capacity_bytes()
+            && (header.kind == RecordKind::Wrap
+                || (header.disk_offset.is_multiple_of(self.block_bytes)
+                    && header.length_bytes.is_multiple_of(self.block_bytes)
+                    && header.length_bytes > 0
+                    && header
+                        .disk_offset
+                        .checked_add(header.length_bytes)
+                        .is_some_and(|end| end <= self.backend_bytes)))
+    }
+
+    /// Reads the record at `position` (the log's start when it is the log's end): its
+    /// header, the CRC it claims, the log bytes it takes, and whether its CRC matches.
+    /// None when no record header is there or it does not continue the chain as `chains`
+    /// checks.
+    fn read_record(
+        &self,
+        position: u64,
+        sequence: u64,
+        previous_crc: u32,
+        used_bytes: u64,
+        payload: &mut Vec<u8>,
+    ) -> io::Result<Option<ReadRecord>> {
+        let position = if position == self.log_end {
+            self.log_start
+        } else {
+            position
+        };
+        if position + RECORD_HEADER_BYTES as u64 > self.log_end {
+            return Ok(None);
+        }
         let mut header_bytes = [0u8; RECORD_HEADER_BYTES];
+        self.local
+            .read_vectored_at(&mut [IoSliceMut::new(&mut header_bytes)], position)?;
+        let Some((header, crc)) = RecordHeader::decode(&header_bytes) else {
+            return Ok(None);
+        };
+        if !self.chains(&header, position, sequence, previous_crc, used_bytes) {
+            return Ok(None);
+        }
+        payload.resize(header.payload_bytes as usize, 0);
+        self.local.read_vectored_at(
+            &mut [IoSliceMut::new(payload)],
+            position + RECORD_HEADER_BYTES as u64,
+        )?;
+        let space_bytes = match header.kind {
+            RecordKind::Wrap => self.log_end - position,
+            _ => header.total_bytes(),
+        };
+        Ok(Some(ReadRecord {
+            position,
+            header,
+            crc,
+            space_bytes,
+            intact: RecordHeader::verify(&header_bytes, payload, crc),
+        }))
+    }
+
+    /// Walks the chain from the persisted tail (Chain) and rebuilds the index. Returns the
+    /// damage that stopped it when a later record proves the record it stopped at had been
+    /// fsynced ([`Shared::damage_proof`]); a torn record with nothing durable after it just
+    /// ends the log.
+    fn replay(&self, state: &mut State) -> io::Result<Option<Damage>> {
+        let mut position = state.tail_position;
         let mut payload = Vec::new();
-        loop {
-            if position == self.log_end {
-                position = self.log_start;
-            }
-            if position + RECORD_HEADER_BYTES as u64 > self.log_end {
-                break;
-            }
-            self.local
-                .read_vectored_at(&mut [IoSliceMut::new(&mut header_bytes)], position)?;
-            let Some((header, crc)) = RecordHeader::decode(&header_bytes) else {
-                break;
-            };
-            let space_bytes = match header.kind {
-                RecordKind::Wrap => self.log_end - position,
-                _ => header.total_bytes(),
-            };
-            let payload_expected = if header.kind.has_payload() {
-                header.length_bytes
-            } else {
-                0
-            };
-            let continues = header.sequence == state.next_sequence
-                && header.previous_crc == state.last_crc
-                && u64::from(header.payload_bytes) == payload_expected
-                && position + header.total_bytes() <= self.log_end
-                && state.used_bytes + space_bytes <= self.capacity_bytes()
-                && (header.kind == RecordKind::Wrap
-                    || (header.disk_offset % self.block_bytes == 0
-                        && header.length_bytes % self.block_bytes == 0
-                        && header.length_bytes > 0
-                        && header
-                            .disk_offset
-                            .checked_add(header.length_bytes)
-                            .is_some_and(|end| end <= self.backend_bytes)));
-            if !continues {
-                break;
-            }
-            payload.resize(header.payload_bytes as usize, 0);
-            self.local.read_vectored_at(
-                &mut [IoSliceMut::new(&mut payload)],
-                position + RECORD_HEADER_BYTES as u64,
-            )?;
-            if !RecordHeader::verify(&header_bytes, &payload, crc) {
-                break;
+        while let Some(record) = self.read_record(
+            position,
+            state.next_sequence,
+            state.last_crc,
+            state.used_bytes,
+            &mut payload,
+        )? {
+            if !record.intact {
+                return self.damage_proof(state, &record, &mut payload);
             }
             let meta = RecordMeta {
-                position,
-                space_bytes,
-                sequence: header.sequence,
-                epoch: header.epoch,
-                kind: header.kind,
-                disk_offset: header.disk_offset,
-                length_bytes: header.length_bytes,
-                crc,
+                position: record.position,
+                space_bytes: record.space_bytes,
+                sequence: record.header.sequence,
+                epoch: record.header.epoch,
+                kind: record.header.kind,
+                disk_offset: record.header.disk_offset,
+                length_bytes: record.header.length_bytes,
+                crc: record.crc,
             };
             self.apply(state, meta);
-            position += space_bytes;
+            position = record.position + record.space_bytes;
             if position == self.log_end {
                 position = self.log_start;
             }
             state.head_position = position;
         }
-        // Writes of epochs that were open at the crash are written back as closed epochs.
+        Ok(None)
+    }
+
+    /// Called with a record whose header continues the chain but whose CRC does not match.
+    /// A crash may tear any record written after the last fsync, and later ones may survive
+    /// it, so the damage is proven (not a crash) only by a later intact record, chained after
+    /// it through the CRCs the headers claim, whose durable mark covers its sequence: that
+    /// record was written after the damaged one had been fsynced.
+    fn damage_proof(
+        &self,
+        state: &State,
+        damaged: &ReadRecord,
+        payload: &mut Vec<u8>,
+    ) -> io::Result<Option<Damage>> {
+        let mut position = damaged.position + damaged.space_bytes;
+        let mut sequence = damaged.header.sequence;
+        let mut previous_crc = damaged.crc;
+        let mut used_bytes = state.used_bytes + damaged.space_bytes;
+        let mut proof = None;
+        let mut valid_after = 0u64;
+        while let Some(record) =
+            self.read_record(position, sequence + 1, previous_crc, used_bytes, payload)?
+        {
+            if record.intact {
+                valid_after += 1;
+                if proof.is_none() && record.header.durable_sequence > damaged.header.sequence {
+                    proof = Some((record.position, record.header.sequence));
+                }
+            }
+            position = record.position + record.space_bytes;
+            sequence = record.header.sequence;
+            previous_crc = record.crc;
+            used_bytes += record.space_bytes;
+        }
+        Ok(proof.map(|(proof_offset, proof_sequence)| Damage {
+            offset: damaged.position,
+            sequence: damaged.header.sequence,
+            proof_offset,
+            proof_sequence,
+            valid_after,
+        }))
+    }
+
+    /// Writes of epochs that were open at the crash are written back as closed epochs.
+    fn close_replayed_epochs(state: &mut State) {
         let epoch_seen = state
             .records
             .iter()
@@ -895,7 +1052,6 @@ impl<R: Device, L: Device> Shared<R, L> {
             .max()
             .unwrap_or(0);
         state.open_epoch = state.open_epoch.max(epoch_seen + 1);
-        Ok(())
     }
 
     /// Adds a record just written (or replayed) to the state and the index.
@@ -972,7 +1128,15 @@ impl<R: Device, L: Device> Shared<R, L> {
         state.checkpoint_generation = checkpoint.generation;
         // The fsync covered every record appended so far, so every closed epoch's.
         state.durable_epoch = state.durable_epoch.max(state.open_epoch - 1);
+        state.durable_sequence = state.durable_sequence.max(state.next_sequence);
         Ok(())
+    }
+
+    /// Records that every record with a sequence below `covered` (read before an fsync that
+    /// then succeeded) is durable.
+    fn mark_durable(&self, covered: u64) {
+        let mut state = self.state.lock();
+        state.durable_sequence = state.durable_sequence.max(covered);
     }
 
     /// Refuses when the local device has failed a checkpoint or an fsync (`local_failure`).
@@ -1104,6 +1268,7 @@ impl<R: Device, L: Device> Shared<R, L> {
             length_bytes,
             payload_bytes: payload_bytes as u32,
             previous_crc: state.last_crc,
+            durable_sequence: state.durable_sequence,
         };
         let (header_bytes, crc) = header.encode(payload);
         let total_bytes = record_total_bytes(payload_bytes);
@@ -1237,10 +1402,12 @@ impl<R: Device, L: Device> Shared<R, L> {
         }
         // The invalidation is durable before the remote changes, so a replay never serves
         // the older local copies over what the remote then holds.
+        let covered = self.state.lock().next_sequence;
         if let Err(error) = self.local.flush() {
             self.state.lock().local_failure = Some(format!("flushing an invalidation: {error}"));
             return Err(self.local_error("flushing an invalidation", error));
         }
+        self.mark_durable(covered);
         let result = match kind {
             RecordKind::Dirty => {
                 let step = self
@@ -1672,12 +1839,14 @@ impl<R: Device, L: Device> Shared<R, L> {
             return Ok(());
         }
         // The epoch is closed, so all its records were appended before this fsync.
+        let covered = self.state.lock().next_sequence;
         if let Err(error) = self.local.flush() {
             self.state.lock().local_failure = Some(format!("flushing the log: {error}"));
             return Err(self.local_error("flushing the log before write-back", error));
         }
         let mut state = self.state.lock();
         state.durable_epoch = state.durable_epoch.max(epoch);
+        state.durable_sequence = state.durable_sequence.max(covered);
         Ok(())
     }
 
@@ -1880,6 +2049,7 @@ impl<R: Device + 'static, L: Device + 'static> Device for LocalTier<R, L> {
         let shared = &self.shared;
         shared.check_local(&shared.state.lock())?;
         let target = shared.close_epoch();
+        let covered = shared.state.lock().next_sequence;
         if let Err(error) = shared.local.flush() {
             shared.state.lock().local_failure = Some(format!("flushing the log: {error}"));
             return Err(shared.local_error("flushing the log", error));
@@ -1887,6 +2057,7 @@ impl<R: Device + 'static, L: Device + 'static> Device for LocalTier<R, L> {
         {
             let mut state = shared.state.lock();
             state.durable_epoch = state.durable_epoch.max(target);
+            state.durable_sequence = state.durable_sequence.max(covered);
         }
         if shared.config.flush_to == FlushTo::Remote {
             shared.wait_for_remote(target)?;

@@ -1122,3 +1122,153 @@ fn a_full_log_over_a_hung_remote_fails_the_write_within_the_stall_bound() {
         );
     }
 }
+
+/// A tier whose write-back never runs (nothing reaches the remote), optionally replaying a
+/// damaged log's prefix.
+fn open_without_writeback(
+    local: &Arc<CrashDevice>,
+    remote: &Arc<CrashDevice>,
+    replay_damaged_prefix: bool,
+) -> Result<Tier, TierError> {
+    LocalTier::open(
+        Arc::clone(local),
+        "crash-local".into(),
+        Arc::clone(remote),
+        IDENTITY,
+        LocalTierConfig {
+            writeback_driver: bufcache_tier::WritebackDriver::Caller,
+            replay_damaged_prefix,
+            ..config(FlushTo::Local)
+        },
+    )
+}
+
+/// Logs one block of `fill` at each of `blocks` (block numbers), flushing after those
+/// marked; returns the local offsets of the records, in order. Nothing goes to the remote.
+fn log_blocks(
+    local: &Arc<CrashDevice>,
+    remote: &Arc<CrashDevice>,
+    blocks: &[(u64, u8, bool)],
+) -> Vec<u64> {
+    drop(open_new(local, remote));
+    let tier = open_without_writeback(local, remote, false).unwrap();
+    let mut offsets = Vec::new();
+    let mut position = bufcache_tier::format::LOG_START;
+    for &(block, fill, flush) in blocks {
+        write(&tier, block * BLOCK, &vec![fill; BLOCK as usize]).unwrap();
+        offsets.push(position);
+        position += bufcache_tier::format::record_total_bytes(BLOCK);
+        if flush {
+            tier.flush().unwrap();
+        }
+    }
+    tier.stop();
+    offsets
+}
+
+/// Flips one byte of the local device (as bit rot or a misdirected write would) and makes
+/// the change durable.
+fn flip_byte(local: &Arc<CrashDevice>, offset: u64) {
+    let mut byte = read(&**local, offset, 1).unwrap();
+    byte[0] ^= 0x20;
+    write(&**local, offset, &byte).unwrap();
+    local.flush().unwrap();
+}
+
+#[test]
+fn a_damaged_record_that_a_later_record_proves_durable_refuses_the_attach() {
+    // Goal: one flipped byte in the payload of a record that had been fsynced (a later
+    // record says so) is damage, not a crash: replay must not stop there silently and
+    // revert the acknowledged writes after it to older copies. The open is refused, naming
+    // the record's offset and the way out, and nothing is replayed or written to the remote;
+    // the explicit flag then attaches the prefix. Method: log three flushed blocks with
+    // write-back off, flip a payload byte of the second record, open without and with
+    // --local-cache-replay-prefix.
+    let local = Arc::new(CrashDevice::new(LOCAL_BYTES_MIN, 21));
+    let remote = Arc::new(CrashDevice::new(BACKEND_BYTES, 22));
+    let offsets = log_blocks(
+        &local,
+        &remote,
+        &[(0, 0xa1, true), (1, 0xb2, true), (2, 0xc3, true)],
+    );
+    flip_byte(&local, offsets[1] + 64 + 100);
+    let local_before = local.durable_image();
+    for _ in 0..2 {
+        let error = match open_without_writeback(&local, &remote, false) {
+            Ok(_) => panic!("a cache with a damaged durable record was attached"),
+            Err(error) => error,
+        };
+        assert!(
+            matches!(error, TierError::DamagedRecord { offset, valid_after: 1, .. } if offset == offsets[1]),
+            "{error:?}"
+        );
+        let message = error.to_string();
+        for needle in [
+            format!("offset {}", offsets[1]),
+            format!("offset {}", offsets[2]),
+            "crash-local".to_string(),
+            "--local-cache-replay-prefix".to_string(),
+        ] {
+            assert!(message.contains(&needle), "{needle:?} not in: {message}");
+        }
+        assert_eq!(
+            local.durable_image(),
+            local_before,
+            "the refused open wrote the local cache"
+        );
+        assert_eq!(
+            local.volatile_image(),
+            local_before,
+            "the refused open wrote the local cache"
+        );
+        assert!(
+            remote.volatile_image().iter().all(|&byte| byte == 0),
+            "the refused open wrote the remote"
+        );
+    }
+    // Nothing but the replay happens before the stop: no record overwrites the damaged one.
+    let tier = open_without_writeback(&local, &remote, true).unwrap();
+    assert_eq!(read(&tier, 0, BLOCK).unwrap(), vec![0xa1; BLOCK as usize]);
+    tier.stop();
+    // The prefix is now the log, even with nothing written since: a reopen needs no flag,
+    // the writes after the damage are gone, and new writes chain on.
+    let tier = open_without_writeback(&local, &remote, false).unwrap();
+    assert_eq!(
+        read(&tier, BLOCK, 2 * BLOCK).unwrap(),
+        vec![0; 2 * BLOCK as usize]
+    );
+    write(&tier, 3 * BLOCK, &vec![0xd4; BLOCK as usize]).unwrap();
+    tier.flush().unwrap();
+    tier.stop();
+    let tier = open_without_writeback(&local, &remote, false).unwrap();
+    assert_eq!(read(&tier, 0, BLOCK).unwrap(), vec![0xa1; BLOCK as usize]);
+    assert_eq!(
+        read(&tier, 3 * BLOCK, BLOCK).unwrap(),
+        vec![0xd4; BLOCK as usize]
+    );
+    tier.stop();
+}
+
+#[test]
+fn a_torn_record_after_the_last_flush_ends_the_log_as_before() {
+    // Goal: a crash may tear a record written after the last fsync while a later one
+    // survives (unflushed writes persist in any order): that is not damage, and the open
+    // replays up to it as before, with no flag. Method: log a flushed block and two
+    // unflushed ones, tear the first unflushed record's payload (the third stays intact),
+    // reopen without the flag.
+    let local = Arc::new(CrashDevice::new(LOCAL_BYTES_MIN, 23));
+    let remote = Arc::new(CrashDevice::new(BACKEND_BYTES, 24));
+    let offsets = log_blocks(
+        &local,
+        &remote,
+        &[(0, 0xa1, true), (1, 0xb2, false), (2, 0xc3, false)],
+    );
+    flip_byte(&local, offsets[1] + 64 + 100);
+    let tier = open_without_writeback(&local, &remote, false).unwrap();
+    assert_eq!(read(&tier, 0, BLOCK).unwrap(), vec![0xa1; BLOCK as usize]);
+    assert_eq!(
+        read(&tier, BLOCK, 2 * BLOCK).unwrap(),
+        vec![0; 2 * BLOCK as usize]
+    );
+    tier.stop();
+}
