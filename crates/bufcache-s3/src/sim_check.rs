@@ -475,6 +475,7 @@ impl Harness {
             .filter(|(key, _)| key.contains("/log/epochs/"))
             .count() as u64;
         self.outcome.epoch_objects_max = self.outcome.epoch_objects_max.max(epoch_objects);
+        self.check_named_segments_exist()?;
         self.verify_reopened()
     }
 
@@ -758,7 +759,31 @@ impl Harness {
                     .map_err(|reason| format!("after a collection round, {reason}"))?;
             }
         }
+        self.check_named_segments_exist()?;
         Ok(true)
+    }
+
+    /// Every durable segment the open server's index names is in the bucket: the collector
+    /// (or an open's cleanup, or a late DELETE) never deleted what a read still needs.
+    fn check_named_segments_exist(&self) -> Result<(), String> {
+        let Some(store) = &self.store else {
+            return Ok(());
+        };
+        // Named first, listed after: an upload that ends in between adds an object.
+        let named = store.durable_named_segment_keys();
+        let present: std::collections::BTreeSet<String> = self
+            .world
+            .objects()
+            .into_iter()
+            .map(|(key, _)| key)
+            .collect();
+        match named.into_iter().find(|key| !present.contains(key))
+        {
+            Some(key) => Err(format!(
+                "segment `{key}` named by the index does not exist (deleted while the index named it)"
+            )),
+            None => Ok(()),
+        }
     }
 
     /// A step got stuck and the server crashed under it: its writes were never acknowledged
@@ -790,6 +815,8 @@ pub fn check_log_seed(seed: u64, trace: bool) -> LogCheckOutcome {
             fail_ppm: rng.gen_range(0..40_000),
             lost_ppm: rng.gen_range(0..20_000),
             hang_ppm: rng.gen_range(0..30_000),
+            reset_ppm: rng.gen_range(0..80_000),
+            applied_then_fail_ppm: rng.gen_range(0..80_000),
         }
     } else {
         FaultRates::default()
@@ -867,7 +894,8 @@ pub fn check_log_seed(seed: u64, trace: bool) -> LogCheckOutcome {
         Ok(())
     })();
     let counts = world.counts();
-    harness.outcome.faults = counts.failed + counts.lost + counts.hung;
+    harness.outcome.faults =
+        counts.failed + counts.lost + counts.hung + counts.reset + counts.applied_then_failed;
     harness.outcome.late_landings = counts.landed_at_crash + counts.landed_late;
     if let Err(message) = result {
         harness.outcome.violation = Some(format!("step {}: {message}", harness.step));

@@ -10,7 +10,13 @@
 //! - `Fail`: not carried out, answered with an error (a 500 after the client's retries);
 //! - `Lost`: carried out, but the answer is lost, so the client sees an error;
 //! - `Hang` (PUT and DELETE only): parked, neither carried out nor answered, until the
-//!   harness crashes the instance ([`SimWorld::crash`]).
+//!   harness crashes the instance ([`SimWorld::crash`]);
+//! - `Reset` (DELETE and checkpoint PUT only, at their own rates, [`FaultRates::reset_ppm`]):
+//!   the connection is reset before the answer; the request was not carried out, and, as
+//!   the seed says, never is or lands later ([`SimWorld::land_due`]) while its sender may
+//!   still be running, or be gone after a failed open (a proxy that forwarded it first);
+//! - `AppliedThenFail` (DELETE and checkpoint PUT only, [`FaultRates::applied_then_fail_ppm`]):
+//!   carried out, answered with an error.
 //!
 //! At a crash the instance is dead: whatever it sends afterwards is refused and never
 //! reaches the bucket (a dead server sends nothing), and each of its parked requests is, as
@@ -43,6 +49,13 @@ pub struct FaultRates {
     pub lost_ppm: u32,
     /// PUTs and DELETEs that hang until the instance crashes.
     pub hang_ppm: u32,
+    /// DELETEs and checkpoint PUTs whose connection is reset before they are carried out
+    /// (some land later), on top of the rates above: rare requests whose failure decides
+    /// what the collector may delete.
+    pub reset_ppm: u32,
+    /// DELETEs and checkpoint PUTs carried out and answered with an error, on top of the
+    /// rates above.
+    pub applied_then_fail_ppm: u32,
 }
 
 /// What becomes of a crashed instance's parked requests, in parts per million (the rest
@@ -63,6 +76,8 @@ enum Fate {
     Fail,
     Lost,
     Hang,
+    Reset,
+    AppliedThenFail,
 }
 
 /// A change to the bucket, kept while its request is parked or waits to land late.
@@ -108,6 +123,10 @@ pub struct WorldCounts {
     pub dropped: u64,
     /// Requests a crashed instance sent after its crash (refused).
     pub refused_dead: u64,
+    /// DELETEs and checkpoint PUTs reset before they were carried out.
+    pub reset: u64,
+    /// DELETEs and checkpoint PUTs carried out and answered with an error.
+    pub applied_then_failed: u64,
 }
 
 struct WorldState {
@@ -252,8 +271,21 @@ impl SimWorld {
             fail_ppm,
             lost_ppm,
             hang_ppm,
+            reset_ppm,
+            applied_then_fail_ppm,
         } = self.faults;
         let mutates = method == "PUT" || method == "DELETE";
+        let targeted =
+            method == "DELETE" || (method == "PUT" && name.contains("/log/checkpoints/"));
+        if targeted {
+            let draw = self.draw(&[instance, method_code ^ 0x7e5e, *count], name);
+            if draw < reset_ppm {
+                return Fate::Reset;
+            }
+            if draw < reset_ppm + applied_then_fail_ppm {
+                return Fate::AppliedThenFail;
+            }
+        }
         if draw < fail_ppm {
             Fate::Fail
         } else if mutates && draw < fail_ppm + lost_ppm {
@@ -320,6 +352,41 @@ impl SimWorld {
                         change.describe(),
                         if outcome.is_ok() { "ok" } else { "refused" }
                     ));
+                    return Err(simulated(format!(
+                        "{method} {name}: connection reset before the answer (simulated)"
+                    )));
+                }
+                Fate::AppliedThenFail => {
+                    state.counts.applied_then_failed += 1;
+                    let outcome = self.carry_out(&change);
+                    state.log.push(format!(
+                        "instance {instance}: {} carried out ({}), answered 500",
+                        change.describe(),
+                        if outcome.is_ok() { "ok" } else { "refused" }
+                    ));
+                    return Err(simulated(format!(
+                        "{method} {name}: 500 Internal Error after it was carried out (simulated)"
+                    )));
+                }
+                Fate::Reset => {
+                    state.counts.reset += 1;
+                    let count = state.counts.reset;
+                    // Half the resets were forwarded first: they land a few steps later.
+                    let draw = self.draw(&[instance, 0x4e5e7, count], &name);
+                    if draw < 500_000 {
+                        let steps = 1 + u64::from(draw) % self.late.later_steps_max.max(1);
+                        let at = state.step + steps;
+                        state.log.push(format!(
+                            "instance {instance}: {} reset, will land at step {at}",
+                            change.describe()
+                        ));
+                        state.late.push((at, change));
+                    } else {
+                        state.log.push(format!(
+                            "instance {instance}: {} reset, never carried out",
+                            change.describe()
+                        ));
+                    }
                     return Err(simulated(format!(
                         "{method} {name}: connection reset before the answer (simulated)"
                     )));

@@ -162,12 +162,15 @@ impl Core {
                     state.doomed.entry(sequence).or_insert(position);
                 }
             }
-            state
+            let deletable: Vec<(u64, u64)> = state
                 .doomed
                 .iter()
                 .filter(|&(_, &position)| position <= state.checkpoint_through)
                 .map(|(&sequence, _)| (sequence, state.stored[&sequence]))
-                .collect()
+                .collect();
+            // Before any is sent (see `State::segment_deletes_sent`).
+            state.segment_deletes_sent += deletable.len() as u64;
+            deletable
         };
         let mut report = GcReport::default();
         if deletable.is_empty() {
@@ -200,7 +203,6 @@ impl Core {
                 Ok(()) => {
                     state.doomed.remove(&sequence);
                     state.stored.remove(&sequence);
-                    state.deleted_segments += 1;
                     report.segments_deleted += 1;
                     report.bytes_deleted += bytes;
                 }

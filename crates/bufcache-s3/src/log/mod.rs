@@ -250,9 +250,12 @@ struct State {
     /// sequence) a durable checkpoint must cover before they go: one taken after their last
     /// live byte went.
     doomed: BTreeMap<u64, u64>,
-    /// Segments deleted so far: a read whose GET found its segment gone looks again when
-    /// this moved (the collector deleted it after the read looked the index up).
-    deleted_segments: u64,
+    /// Segment DELETEs sent so far, counted before each is sent: a read whose GET found its
+    /// segment gone looks the index up again when this moved (the collector deleted it
+    /// after the read looked the index up). Counted before, not after: a DELETE takes
+    /// effect before its answer arrives (or without one, when it is answered with an error
+    /// or reset), and a read's 404 in between is no missing data.
+    segment_deletes_sent: u64,
     /// (through, epoch) of the newest durable checkpoint, deleted once a newer one is.
     checkpoint_name: Option<(u64, u64)>,
     /// Epoch objects older than this open's that were in the store at open and are not
@@ -566,7 +569,7 @@ impl LogStore {
             checkpoint_through: recovered.checkpoint_through,
             stored: recovered.stored,
             doomed: BTreeMap::new(),
-            deleted_segments: 0,
+            segment_deletes_sent: 0,
             checkpoint_name: recovered.checkpoint_name,
             epoch_objects: recovered
                 .epoch_objects
@@ -700,6 +703,27 @@ impl LogStore {
 
     /// Checks the live bytes the index keeps per segment against a recount of its mappings;
     /// the error names the first difference.
+    /// The object keys of the segments the index names that are durable (neither the open
+    /// segment nor a sealed one still uploading): each must exist in the store, or a read of
+    /// it fails (`sim check --layout log` checks it after every step).
+    pub fn durable_named_segment_keys(&self) -> Vec<String> {
+        let state = self.core.shared.lock();
+        let named: BTreeSet<u64> = state
+            .index
+            .live_bytes_by_segment()
+            .keys()
+            .copied()
+            .filter(|sequence| {
+                *sequence != state.open.sequence && !state.sealed.contains_key(sequence)
+            })
+            .collect();
+        drop(state);
+        named
+            .into_iter()
+            .map(|sequence| self.core.shared.segment_key(sequence))
+            .collect()
+    }
+
     pub fn check_live_bytes(&self) -> Result<(), String> {
         let state = self.core.shared.lock();
         let kept = state.index.live_bytes_by_segment();
@@ -1140,6 +1164,13 @@ impl Core {
                 index,
             ),
         );
+        // The planted defect (tests/log_sim_check.rs): the collector may delete what this
+        // checkpoint no longer names before the checkpoint is durable (its PUT may fail).
+        #[cfg(feature = "planted-gc-defect")]
+        {
+            let mut state = self.shared.lock();
+            state.checkpoint_through = state.checkpoint_through.max(through);
+        }
         let store = self.shared.store.clone();
         self.runtime.block_on(async {
             store
@@ -1194,10 +1225,10 @@ impl Core {
     fn read(&self, buffer: &mut [u8], offset: u64) -> Result<(), StoreError> {
         self.check_range(offset, buffer.len() as u64)?;
         loop {
-            let deleted_before = self.shared.lock().deleted_segments;
+            let deletes_before = self.shared.lock().segment_deletes_sent;
             match self.read_once(buffer, offset) {
                 Err(StoreError::MissingSegment { .. })
-                    if self.shared.lock().deleted_segments != deleted_before =>
+                    if self.shared.lock().segment_deletes_sent != deletes_before =>
                 {
                     // The collector deleted a segment this read had looked up (after
                     // copying its live bytes elsewhere): look the index up again.
