@@ -477,7 +477,9 @@ fn decimal_size(bytes: f64) -> String {
     }
 }
 
-fn binary_size(bytes: f64) -> String {
+/// `bytes` in binary units (whole when exact, else one decimal): the size format of the
+/// commands' human output.
+pub(crate) fn binary_size(bytes: f64) -> String {
     if bytes >= 1024.0 && (bytes as u64).is_multiple_of(1024) && bytes.fract() == 0.0 {
         return format_size(bytes as u64);
     }

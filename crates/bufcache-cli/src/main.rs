@@ -1,9 +1,10 @@
-//! The `bufcache` command: serve, dd, replay, sim, stat.
+//! The `bufcache` command: serve, dd, replay, sim, stat, disk.
 
 mod backend_lock;
 mod config_file;
 mod daemon;
 mod dd;
+mod disk;
 mod engine_args;
 mod limit_args;
 mod log;
@@ -51,6 +52,9 @@ enum Command {
     Stat(stat::StatArgs),
     /// Miss-ratio curves of replacement policies over a block I/O trace.
     Replay(replay::ReplayArgs),
+    /// An object-store disk as its owner manages it, without serving it: create, info,
+    /// verify, resize.
+    Disk(disk::DiskArgs),
 }
 
 fn main() {
@@ -85,6 +89,7 @@ fn main() {
         Command::Replay(args) => replay::run(args),
         Command::Stat(args) => stat::run(args),
         Command::Sim(args) => sim::run(args),
+        Command::Disk(args) => disk::run(args),
     };
     if let Err(error) = result {
         report_error(&error);

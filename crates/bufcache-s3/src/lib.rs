@@ -8,6 +8,7 @@
 //! checkpoints). [`S3Device`] is a thin adapter from either to the engine's
 //! [`bufcache::Device`] trait.
 
+pub mod admin;
 mod blocks;
 mod credentials;
 mod device;
@@ -27,10 +28,10 @@ pub use device::S3Device;
 pub use error::{OpenError, StoreError};
 pub use lock::{release_locks, DiskLock, LockHolder, LOCK_NAME};
 pub use log::{
-    GcReport, LogConfig, LogStore, SealParameters, CHECKPOINT_INTERVAL_SEGMENTS_DEFAULT,
-    GC_BYTES_MAX_DEFAULT, GC_INTERVAL_MS_DEFAULT, GC_REQUESTS_IN_FLIGHT_MAX_DEFAULT,
-    GC_STORED_RATIO_MAX_DEFAULT, GC_THRESHOLD_DEFAULT, SEALED_EXTENT_BYTES_MAX,
-    SEGMENTS_IN_FLIGHT_MAX_DEFAULT, SEGMENT_BYTES_MAX_DEFAULT,
+    GcReport, LogConfig, LogStore, LogSummary, SealParameters,
+    CHECKPOINT_INTERVAL_SEGMENTS_DEFAULT, GC_BYTES_MAX_DEFAULT, GC_INTERVAL_MS_DEFAULT,
+    GC_REQUESTS_IN_FLIGHT_MAX_DEFAULT, GC_STORED_RATIO_MAX_DEFAULT, GC_THRESHOLD_DEFAULT,
+    SEALED_EXTENT_BYTES_MAX, SEGMENTS_IN_FLIGHT_MAX_DEFAULT, SEGMENT_BYTES_MAX_DEFAULT,
 };
 pub use meters::{
     LogStoreStats, StoreMeters, StoreStats, STORE_DURATION_BUCKETS_SECONDS, STORE_METHODS,

@@ -61,7 +61,8 @@ pub struct GcReport {
 }
 
 impl GcReport {
-    fn add(&mut self, other: GcReport) {
+    /// Adds `other`'s counts to these.
+    pub fn add(&mut self, other: GcReport) {
         self.segments_rewritten += other.segments_rewritten;
         self.bytes_read += other.bytes_read;
         self.segments_deleted += other.segments_deleted;

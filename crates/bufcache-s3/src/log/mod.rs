@@ -52,6 +52,7 @@ mod checkpoint;
 mod epoch;
 mod gc;
 mod index;
+mod inspect;
 mod segment;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -75,6 +76,8 @@ use crate::seal::Sealer;
 pub use crate::seal::{SealParameters, SEALED_EXTENT_BYTES_MAX};
 pub use gc::GcReport;
 pub use index::{Index, Mapping};
+pub use inspect::LogSummary;
+pub(crate) use inspect::{summarize, verify};
 use segment::{OpenSegment, HEADER_BYTES, TABLE_ENTRY_BYTES};
 
 /// Default `segment_bytes_max`: 8 MiB keeps a sequential write-back at one PUT per 8 MiB
@@ -1386,6 +1389,40 @@ fn check_layout(
         });
     }
     Ok(sealer)
+}
+
+/// The sealer of the log-layout disk `metadata` describes, once the URL's parameters are
+/// checked against it (`bufcache disk` opens no store but needs both).
+pub(crate) fn sealer_for(
+    url: &S3Url,
+    metadata: &DiskMetadata,
+    config: &LogConfig,
+) -> Result<Sealer, OpenError> {
+    check_layout(url, metadata, config)
+}
+
+/// The end of the furthest extent any segment of the disk records (0 for an empty log),
+/// reading every segment: a disk cannot shrink below it, since replay and the collector
+/// check that every extent lies inside the disk.
+pub(crate) async fn written_end(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    metadata: &DiskMetadata,
+    sealer: &Sealer,
+) -> Result<u64, OpenError> {
+    let mut end = 0;
+    for (sequence, owner, _) in list_segments(store, url).await? {
+        let key = segment_key(url, sequence, owner);
+        let body = get_whole(store, url, &key).await?;
+        let decoded = sealer
+            .check_object(&segment_name(sequence, owner), &body)
+            .and_then(|body| segment::decode(body, metadata.disk_id, metadata.size_bytes))
+            .map_err(|reason| bad_object(url, &key, reason))?;
+        for extent in decoded.extents {
+            end = end.max(extent.disk_offset + extent.length);
+        }
+    }
+    Ok(end)
 }
 
 fn bad_object(url: &S3Url, key: &str, reason: String) -> OpenError {

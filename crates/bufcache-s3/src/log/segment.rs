@@ -235,6 +235,11 @@ pub struct SegmentExtent {
 }
 
 impl SegmentExtent {
+    /// Whether the extent is a sealed frame (compressed and/or encrypted, readable only whole).
+    pub fn is_sealed(&self) -> bool {
+        self.seal_flags & FRAME_FLAGS != 0
+    }
+
     /// The index address of the extent's first byte (None for zeroes): see the module docs.
     pub fn object_offset(&self) -> Option<u64> {
         self.data_position.map(|position| match self.seal_flags {

@@ -1,0 +1,513 @@
+//! Managing a disk without serving it (`bufcache disk`): its description and state
+//! ([`info`]), a check of every object it holds ([`verify`]), creating one ([`create`]) and
+//! changing its size ([`resize`]). [`info`] and [`verify`] write nothing at all; [`resize`]
+//! holds the disk lock while it changes anything, so it is refused while a server has the
+//! disk.
+
+use std::time::SystemTime;
+
+use futures::stream::{self, StreamExt, TryStreamExt};
+use object_store::path::Path as ObjectPath;
+use object_store::{ObjectStore, PutPayload};
+
+use crate::error::{chain, OpenError, StoreError};
+use crate::lock::{Acquired, DiskLock, LockHolder, LOCK_NAME};
+use crate::log::{self, GcReport, LogConfig, LogStore, LogSummary, GC_THRESHOLD_DEFAULT};
+use crate::store::{self, connect_with, Create, DiskMetadata, METADATA_NAME};
+use crate::url::{LayoutKind, S3Url};
+
+/// A log-layout disk's size is a whole number of these (the local tier's and most clients'
+/// block).
+const LOG_SIZE_UNIT_BYTES: u64 = 4096;
+
+/// Chunk objects a verification reads at once.
+const VERIFY_CHUNK_REQUESTS_IN_FLIGHT_MAX: usize = 8;
+
+/// One damaged object: its key and what is wrong with it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Damage {
+    pub key: String,
+    pub reason: String,
+}
+
+/// How far a verification got: objects and bytes read of those listed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VerifyProgress {
+    pub objects_done: u64,
+    pub objects_total: u64,
+    pub bytes_done: u64,
+    pub bytes_total: u64,
+}
+
+/// What a verification found: every damaged object, and what was read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VerifyReport {
+    pub damaged: Vec<Damage>,
+    pub read: VerifyProgress,
+}
+
+/// Who holds the disk lock, and since how long (None when the `since` it recorded does not
+/// parse, or lies in the future).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LockState {
+    pub holder: LockHolder,
+    pub age_seconds: Option<u64>,
+}
+
+/// A disk's description and state, as `bufcache disk info` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskInfo {
+    pub metadata: DiskMetadata,
+    /// None: no server holds the disk.
+    pub lock: Option<LockState>,
+    pub layout: LayoutInfo,
+}
+
+/// What the disk's layout holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LayoutInfo {
+    /// Chunk objects stored (the others read as zeroes) and their bytes.
+    Chunk { chunks: u64, chunk_bytes: u64 },
+    /// The log as an open would recover it now; Err: why it does not recover (the message an
+    /// open would stop with).
+    Log(Result<LogSummary, String>),
+}
+
+/// Reads the disk's metadata, lock and objects; writes nothing. A disk another server holds
+/// is read as the store has it now (that server may be ahead of it).
+pub fn info(url: &S3Url) -> Result<DiskInfo, OpenError> {
+    let connection = connect_with(url, Create::Never)?;
+    let store: &dyn ObjectStore = &*connection.store;
+    let metadata = connection.metadata;
+    connection.runtime.block_on(async {
+        let lock = read_lock(store, url).await?;
+        let layout = match metadata.layout {
+            LayoutKind::Chunk => {
+                let (chunks, chunk_bytes) = list_chunks(store, url)
+                    .await?
+                    .iter()
+                    .fold((0, 0), |(count, bytes), &(_, size)| {
+                        (count + 1, bytes + size)
+                    });
+                LayoutInfo::Chunk {
+                    chunks,
+                    chunk_bytes,
+                }
+            }
+            LayoutKind::Log => {
+                let sealer = log::sealer_for(url, &metadata, &LogConfig::from_url(url))?;
+                let summary = log::summarize(store, url, &metadata, &sealer).await;
+                LayoutInfo::Log(summary.map_err(|error| error.to_string()))
+            }
+        };
+        Ok(DiskInfo {
+            metadata,
+            lock,
+            layout,
+        })
+    })
+}
+
+/// Reads every object of the disk and checks it (module docs of `log::inspect` for the log
+/// layout; each chunk's block checksums for the chunk layout), calling `progress` after each
+/// object. Writes nothing. An error only when the disk cannot be listed or opened at all.
+pub fn verify(
+    url: &S3Url,
+    progress: &mut (dyn FnMut(VerifyProgress) + Send),
+) -> Result<VerifyReport, OpenError> {
+    let connection = connect_with(url, Create::Never)?;
+    let store: &dyn ObjectStore = &*connection.store;
+    let metadata = connection.metadata;
+    connection.runtime.block_on(async {
+        let (damaged, read) = match metadata.layout {
+            LayoutKind::Chunk => verify_chunks(store, url, &metadata, progress).await?,
+            LayoutKind::Log => {
+                let sealer = log::sealer_for(url, &metadata, &LogConfig::from_url(url))?;
+                log::verify(store, url, &metadata, &sealer, progress).await?
+            }
+        };
+        Ok(VerifyReport { damaged, read })
+    })
+}
+
+/// Creates a disk of `size_bytes` where `url` names one, with the layout and its parameters
+/// the URL gives (`layout=`, `chunk-size=`, `segment-size=`, `compress=`, `key-file=`).
+/// Refused when a disk, or any object, is there already.
+pub fn create(url: &S3Url, size_bytes: u64) -> Result<DiskMetadata, OpenError> {
+    if store::probe(url)?.is_some() {
+        return Err(OpenError::Config {
+            url: url.to_string(),
+            reason: "a disk exists here already: nothing was changed".to_string(),
+        });
+    }
+    let mut asked = url.clone();
+    asked.create_size_bytes = Some(size_bytes);
+    if asked.layout == Some(LayoutKind::Log) || asked.layout.is_none() {
+        // The URL's log parameters are checked as an open would, before anything is written.
+        LogConfig::from_url(&asked)
+            .validate()
+            .map_err(|reason| OpenError::Config {
+                url: url.to_string(),
+                reason,
+            })?;
+    }
+    Ok(connect_with(&asked, Create::IfAsked)?.metadata)
+}
+
+/// Why an offline collection stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum CollectError {
+    #[error(transparent)]
+    Open(#[from] OpenError),
+    #[error("{url}: {reason}")]
+    NotALog { url: String, reason: String },
+    #[error("{url}: collecting garbage: {source} (what the rounds before it did is kept)")]
+    Store { url: String, source: StoreError },
+}
+
+/// Collection rounds an offline collection runs at most: each rewrites up to
+/// `GC_BYTES_MAX_DEFAULT` of live bytes, so this bounds one run to some 8 GiB rewritten.
+const COLLECT_ROUNDS_MAX: u64 = 1024;
+
+/// Collects a log-layout disk's garbage offline, holding its lock (refused while a server
+/// holds it): rounds rewrite the live extents of every segment whose live fraction is below
+/// `threshold` (default that of `gc-threshold=`, else [`GC_THRESHOLD_DEFAULT`]) until a round
+/// finds nothing to do, then the close's checkpoint lets the dead segments go. `progress`
+/// gets the running totals after each round.
+pub fn collect(
+    url: &S3Url,
+    threshold: Option<f64>,
+    progress: &mut dyn FnMut(GcReport),
+) -> Result<GcReport, CollectError> {
+    let state = store::probe(url)?.ok_or_else(|| CollectError::NotALog {
+        url: url.to_string(),
+        reason: "no disk here: nothing was changed".to_string(),
+    })?;
+    if state.layout != LayoutKind::Log {
+        return Err(CollectError::NotALog {
+            url: url.to_string(),
+            reason: "a chunk-layout disk rewrites chunks in place and has no garbage to collect"
+                .to_string(),
+        });
+    }
+    let threshold = threshold.unwrap_or_else(|| {
+        url.gc_threshold_ppm
+            .map_or(GC_THRESHOLD_DEFAULT, |ppm| f64::from(ppm) / 1e6)
+    });
+    // The rounds run here, not in a background collector.
+    let mut quiet = url.clone();
+    quiet.gc = Some(false);
+    let mut store = LogStore::open_locked(&quiet)?;
+    let failed = |source: StoreError| CollectError::Store {
+        url: url.to_string(),
+        source,
+    };
+    let mut totals = GcReport::default();
+    for _ in 0..COLLECT_ROUNDS_MAX {
+        let round = store.collect_garbage(threshold).map_err(failed)?;
+        totals.add(round);
+        progress(totals);
+        if round.segments_rewritten == 0 && round.segments_deleted == 0 {
+            break;
+        }
+    }
+    store.close().map_err(failed)?;
+    Ok(totals)
+}
+
+/// What [`resize`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Resized {
+    pub size_bytes_before: u64,
+    pub size_bytes_after: u64,
+    /// Chunk objects past the new end that `force` deleted.
+    pub chunks_deleted: u64,
+}
+
+/// Sets the disk's size to `size_bytes`, holding the disk lock (refused while another server
+/// holds it). Growing adds zeroes. Shrinking is refused when the part cut off holds data,
+/// unless `force` (chunk layout: the chunk objects past the end are deleted; the log layout
+/// cannot shrink over data, since its segments record extents there).
+pub fn resize(url: &S3Url, size_bytes: u64, force: bool) -> Result<Resized, OpenError> {
+    let connection = connect_with(url, Create::Never)?;
+    let metadata = connection.metadata;
+    check_new_size(url, &metadata, size_bytes)?;
+    let lock = match connection.runtime.block_on(DiskLock::acquire(
+        connection.runtime.handle().clone(),
+        connection.store.clone(),
+        url,
+    ))? {
+        Acquired::Held(lock) => lock,
+        Acquired::WritesRefused(answer) => {
+            return Err(OpenError::Config {
+                url: url.to_string(),
+                reason: format!(
+                "the store refuses writes with these credentials ({answer}): nothing was changed"
+            ),
+            })
+        }
+    };
+    let store: &dyn ObjectStore = &*connection.store;
+    let outcome = connection.runtime.block_on(async {
+        let chunks_deleted = if size_bytes < metadata.size_bytes {
+            cut_off(store, url, &metadata, size_bytes, force).await?
+        } else {
+            0
+        };
+        write_size(store, url, size_bytes).await?;
+        Ok::<_, OpenError>(Resized {
+            size_bytes_before: metadata.size_bytes,
+            size_bytes_after: size_bytes,
+            chunks_deleted,
+        })
+    });
+    let released = connection.runtime.block_on(lock.release_async());
+    let resized = outcome?;
+    released.map_err(|error| OpenError::Request {
+        url: url.to_string(),
+        operation: "releasing the disk lock after the resize (the resize is done)".to_string(),
+        message: error.to_string(),
+    })?;
+    Ok(resized)
+}
+
+fn check_new_size(url: &S3Url, metadata: &DiskMetadata, size_bytes: u64) -> Result<(), OpenError> {
+    let unit = match metadata.layout {
+        LayoutKind::Chunk => metadata.chunk_size_bytes,
+        LayoutKind::Log => LOG_SIZE_UNIT_BYTES,
+    };
+    if size_bytes == 0 || !size_bytes.is_multiple_of(unit) {
+        return Err(OpenError::Config {
+            url: url.to_string(),
+            reason: format!(
+                "new size {size_bytes} is not a positive multiple of {unit} bytes (the disk's {}): nothing was changed",
+                match metadata.layout {
+                    LayoutKind::Chunk => "chunk size",
+                    LayoutKind::Log => "block size",
+                }
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Before a shrink: refuses when the part past `size_bytes` holds data (or, with `force`, on
+/// the chunk layout deletes its chunks); returns the chunks deleted.
+async fn cut_off(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    metadata: &DiskMetadata,
+    size_bytes: u64,
+    force: bool,
+) -> Result<u64, OpenError> {
+    let refuse = |reason: String| OpenError::Config {
+        url: url.to_string(),
+        reason,
+    };
+    match metadata.layout {
+        LayoutKind::Chunk => {
+            let first_cut = size_bytes / metadata.chunk_size_bytes;
+            let past: Vec<u64> = list_chunks(store, url)
+                .await?
+                .into_iter()
+                .map(|(index, _)| index)
+                .filter(|&index| index >= first_cut)
+                .collect();
+            if past.is_empty() {
+                return Ok(0);
+            }
+            if !force {
+                return Err(refuse(format!(
+                    "{} chunk object(s) hold data past the new end {size_bytes} (first: chunk {}); add --force to delete them: nothing was changed",
+                    past.len(),
+                    past[0]
+                )));
+            }
+            for &index in &past {
+                let key = chunk_key(url, index);
+                store
+                    .delete(&ObjectPath::from(key.as_str()))
+                    .await
+                    .map_err(|error| OpenError::Request {
+                        url: url.to_string(),
+                        operation: format!("deleting `{key}`"),
+                        message: chain(&error),
+                    })?;
+            }
+            Ok(past.len() as u64)
+        }
+        LayoutKind::Log => {
+            let sealer = log::sealer_for(url, metadata, &LogConfig::from_url(url))?;
+            let reach = log::written_end(store, url, metadata, &sealer).await?;
+            if reach > size_bytes {
+                return Err(refuse(format!(
+                    "the log holds extents up to byte {reach}, past the new end {size_bytes} (written there once, even if trimmed since); a log-layout disk cannot be shrunk over them{}: nothing was changed",
+                    if force { " even with --force" } else { "" }
+                )));
+            }
+            Ok(0)
+        }
+    }
+}
+
+/// Rewrites `size_bytes` in the metadata object, keeping every other field as stored.
+async fn write_size(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    size_bytes: u64,
+) -> Result<(), OpenError> {
+    let key = url.key(METADATA_NAME);
+    let location = ObjectPath::from(key.as_str());
+    let request_error = |operation: String, error: object_store::Error| OpenError::Request {
+        url: url.to_string(),
+        operation,
+        message: chain(&error),
+    };
+    let body = store
+        .get(&location)
+        .await
+        .map_err(|error| request_error(format!("reading `{key}`"), error))?
+        .bytes()
+        .await
+        .map_err(|error| request_error(format!("reading `{key}`"), error))?;
+    let mut value: serde_json::Value =
+        serde_json::from_slice(&body).map_err(|error| OpenError::BadMetadata {
+            url: url.to_string(),
+            key: key.clone(),
+            reason: format!("not JSON: {error}"),
+        })?;
+    value["size_bytes"] = serde_json::json!(size_bytes);
+    store
+        .put(&location, PutPayload::from(value.to_string().into_bytes()))
+        .await
+        .map_err(|error| request_error(format!("writing `{key}`"), error))?;
+    Ok(())
+}
+
+fn chunk_key(url: &S3Url, index: u64) -> String {
+    url.key(&format!("chunks/{index:016x}"))
+}
+
+/// (index, object bytes) of every chunk object, ascending.
+async fn list_chunks(store: &dyn ObjectStore, url: &S3Url) -> Result<Vec<(u64, u64)>, OpenError> {
+    let prefix = ObjectPath::from(url.key("chunks").as_str());
+    let objects: Vec<_> = store
+        .list(Some(&prefix))
+        .try_collect()
+        .await
+        .map_err(|error| OpenError::Request {
+            url: url.to_string(),
+            operation: format!("listing `{prefix}`"),
+            message: chain(&error),
+        })?;
+    let mut chunks = Vec::with_capacity(objects.len());
+    for object in objects {
+        let name = object.location.filename().unwrap_or_default();
+        let index = (name.len() == 16)
+            .then(|| u64::from_str_radix(name, 16).ok())
+            .flatten()
+            .ok_or_else(|| OpenError::BadObject {
+                url: url.to_string(),
+                key: object.location.to_string(),
+                reason: "not a chunk object name (16 hex digits)".to_string(),
+            })?;
+        chunks.push((index, object.size));
+    }
+    chunks.sort_unstable();
+    Ok(chunks)
+}
+
+/// Each chunk object read whole: inside the disk, of the size its place allows, and (disks
+/// with chunk checksums) every block's checksum.
+async fn verify_chunks(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    metadata: &DiskMetadata,
+    progress: &mut (dyn FnMut(VerifyProgress) + Send),
+) -> Result<(Vec<Damage>, VerifyProgress), OpenError> {
+    let chunks = list_chunks(store, url).await?;
+    let mut done = VerifyProgress {
+        objects_total: chunks.len() as u64,
+        bytes_total: chunks.iter().map(|&(_, bytes)| bytes).sum(),
+        ..VerifyProgress::default()
+    };
+    let mut damaged = Vec::new();
+    let mut checks = stream::iter(chunks.iter().map(|&(index, _)| async move {
+        let key = chunk_key(url, index);
+        let outcome = match store.get(&ObjectPath::from(key.as_str())).await {
+            Ok(got) => got.bytes().await.map_err(|error| chain(&error)),
+            Err(error) => Err(chain(&error)),
+        };
+        let checked = outcome
+            .and_then(|body| check_chunk(&body, index, metadata).map(|()| body.len() as u64));
+        (key, checked)
+    }))
+    .buffered(VERIFY_CHUNK_REQUESTS_IN_FLIGHT_MAX);
+    while let Some((key, checked)) = checks.next().await {
+        done.objects_done += 1;
+        match checked {
+            Ok(bytes) => done.bytes_done += bytes,
+            Err(reason) => damaged.push(Damage { key, reason }),
+        }
+        progress(done);
+    }
+    Ok((damaged, done))
+}
+
+fn check_chunk(body: &[u8], index: u64, metadata: &DiskMetadata) -> Result<(), String> {
+    let chunk_size = metadata.chunk_size_bytes;
+    if index >= metadata.size_bytes / chunk_size {
+        return Err(format!(
+            "chunk {index} lies past the end of the disk ({} bytes)",
+            metadata.size_bytes
+        ));
+    }
+    if !metadata.chunk_checksums {
+        return if body.len() as u64 == chunk_size {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} bytes, not the chunk size {chunk_size}",
+                body.len()
+            ))
+        };
+    }
+    crate::blocks::decode(
+        body,
+        chunk_size,
+        crate::blocks::Place {
+            object_offset: 0,
+            disk_offset: index * chunk_size,
+        },
+    )
+    .map(drop)
+}
+
+/// The lock object's holder now, with its age.
+async fn read_lock(store: &dyn ObjectStore, url: &S3Url) -> Result<Option<LockState>, OpenError> {
+    let key = url.key(LOCK_NAME);
+    let request_error = |error: object_store::Error| OpenError::Request {
+        url: url.to_string(),
+        operation: format!("reading the lock `{key}`"),
+        message: chain(&error),
+    };
+    let body = match store.get(&ObjectPath::from(key.as_str())).await {
+        Ok(got) => got.bytes().await.map_err(request_error)?,
+        Err(object_store::Error::NotFound { .. }) => return Ok(None),
+        Err(error) => return Err(request_error(error)),
+    };
+    let holder = LockHolder::parse(&body).map_err(|reason| OpenError::BadLock {
+        url: url.to_string(),
+        key: key.clone(),
+        reason,
+    })?;
+    // The one wall-clock reading of this module: how old a lock is, for its reader.
+    let age_seconds = humantime::parse_rfc3339(&holder.since)
+        .ok()
+        .and_then(|since| SystemTime::now().duration_since(since).ok())
+        .map(|age| age.as_secs());
+    Ok(Some(LockState {
+        holder,
+        age_seconds,
+    }))
+}
