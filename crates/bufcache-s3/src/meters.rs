@@ -141,7 +141,14 @@ fn method_index(request: &HttpRequest) -> usize {
 /// the connector that makes broken PUTs and DELETEs retryable (module `retry_writes`).
 #[derive(Debug)]
 pub struct CountingConnector {
-    pub meters: Arc<StoreMeters>,
+    meters: Arc<StoreMeters>,
+}
+
+impl CountingConnector {
+    /// A connector counting every request of the clients it makes in `meters`.
+    pub fn new(meters: Arc<StoreMeters>) -> CountingConnector {
+        CountingConnector { meters }
+    }
 }
 
 impl HttpConnector for CountingConnector {

@@ -133,9 +133,7 @@ pub(crate) fn connect_counted(
     let retry_timeout = Duration::from_millis(url.retry_timeout_ms);
     check_credentials(url, &client_builder(url, retry_timeout, RETRIES_UNBOUNDED))?;
     let counted = |builder: AmazonS3Builder| {
-        builder.with_http_connector(CountingConnector {
-            meters: Arc::clone(&meters),
-        })
+        builder.with_http_connector(CountingConnector::new(Arc::clone(&meters)))
     };
     let store = counted(client_builder(url, retry_timeout, RETRIES_UNBOUNDED))
         .build()
@@ -218,9 +216,7 @@ fn short_client(
     // the instance-metadata address.
     check_credentials(url, &builder)?;
     let builder = match meters {
-        Some(meters) => builder.with_http_connector(CountingConnector {
-            meters: Arc::clone(meters),
-        }),
+        Some(meters) => builder.with_http_connector(CountingConnector::new(Arc::clone(meters))),
         None => builder,
     };
     let client = builder.build().map_err(|error| OpenError::Client {
