@@ -654,6 +654,16 @@ fn open_backend(
             say!("{url}: the store refuses writes ({answer}): serving it read-only, without taking the disk lock");
         }
         let state = device.state();
+        if seen.is_none() {
+            say!(
+                "{name}: created a new disk: layout {}, {} bytes, id {}",
+                state.layout.name(),
+                state.size_bytes,
+                state
+                    .disk_id
+                    .map_or_else(|| "none".to_string(), |id| format!("{id:016x}"))
+            );
+        }
         let identity = match state.disk_id {
             Some(id) => bufcache_s3::disk_identity(id),
             None => {

@@ -88,6 +88,13 @@ fn holes_are_holes(server: &dyn S3Server, data_gets: &dyn Fn() -> usize, layout:
         &["--backend", &url, "--cache-size", "16M"],
     );
     let uri = bufcache.uri();
+    assert!(
+        bufcache.log_text().contains(&format!(
+            "created a new disk: layout {layout}, 1073741824 bytes"
+        )),
+        "{layout}: the creation is logged: {}",
+        bufcache.log_text()
+    );
     assert_eq!(
         nbdinfo_map(&uri),
         vec![(0, GIB, "hole,zero".to_string())],
