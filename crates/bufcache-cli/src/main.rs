@@ -204,7 +204,10 @@ fn append_help(text: &mut String, command: &mut clap::Command, path: &str) {
     }
 }
 
-/// Logs to standard error: warnings by default, more with -v, or as RUST_LOG says.
+/// Logs to standard error: warnings by default, more with -v, or as RUST_LOG says. Every
+/// line has the one format of the command's own lines (`bufcache: ...`), the level after the
+/// name: `bufcache: WARN message key=value`. No timestamp: journald and log collectors add
+/// their own, and a terminal user sees the line as it happens.
 fn init_logging(verbose: u8) {
     let default = match verbose {
         0 => "warn",
@@ -214,15 +217,34 @@ fn init_logging(verbose: u8) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    // Colour only on a terminal, and never when NO_COLOR is set (no-color.org): escape codes
-    // in a log file or journal are noise.
-    use std::io::IsTerminal;
-    let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
     tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_ansi(colour)
+        .with_ansi(false)
+        .event_format(LineFormat)
         .with_writer(log::MakeEventWriter)
         .init();
+}
+
+/// `bufcache: LEVEL message key=value ...`, one line per event.
+struct LineFormat;
+
+impl<S, N> tracing_subscriber::fmt::FormatEvent<S, N> for LineFormat
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    N: for<'a> tracing_subscriber::fmt::FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        context: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
+        mut writer: tracing_subscriber::fmt::format::Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        write!(writer, "bufcache: {} ", event.metadata().level())?;
+        context
+            .field_format()
+            .format_fields(writer.by_ref(), event)?;
+        writeln!(writer)
+    }
 }
 
 /// Caps glibc's malloc arenas at two. Request buffers (up to 32 MiB per NBD request) are
