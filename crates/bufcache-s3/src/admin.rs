@@ -11,7 +11,7 @@ use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, PutPayload};
 
 use crate::error::{chain, OpenError, StoreError};
-use crate::lock::{Acquired, DiskLock, LockHolder, LOCK_NAME};
+use crate::lock::{holder_now, Acquired, DiskLock, LockHolder};
 use crate::log::{self, GcReport, LogConfig, LogStore, LogSummary, GC_THRESHOLD_DEFAULT};
 use crate::store::{self, connect_with, Create, DiskMetadata, METADATA_NAME};
 use crate::url::{LayoutKind, S3Url};
@@ -485,22 +485,9 @@ fn check_chunk(body: &[u8], index: u64, metadata: &DiskMetadata) -> Result<(), S
 
 /// The lock object's holder now, with its age.
 async fn read_lock(store: &dyn ObjectStore, url: &S3Url) -> Result<Option<LockState>, OpenError> {
-    let key = url.key(LOCK_NAME);
-    let request_error = |error: object_store::Error| OpenError::Request {
-        url: url.to_string(),
-        operation: format!("reading the lock `{key}`"),
-        message: chain(&error),
+    let Some(holder) = holder_now(store, url).await? else {
+        return Ok(None);
     };
-    let body = match store.get(&ObjectPath::from(key.as_str())).await {
-        Ok(got) => got.bytes().await.map_err(request_error)?,
-        Err(object_store::Error::NotFound { .. }) => return Ok(None),
-        Err(error) => return Err(request_error(error)),
-    };
-    let holder = LockHolder::parse(&body).map_err(|reason| OpenError::BadLock {
-        url: url.to_string(),
-        key: key.clone(),
-        reason,
-    })?;
     // The one wall-clock reading of this module: how old a lock is, for its reader.
     let age_seconds = humantime::parse_rfc3339(&holder.since)
         .ok()

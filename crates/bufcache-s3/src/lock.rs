@@ -146,11 +146,12 @@ fn refusal_summary(error: &object_store::Error) -> String {
     }
 }
 
-/// Checks, for a server that opens the disk read-only and so takes no lock, that no other
-/// server holds the disk: that server's writes would make the read-only server's cache serve
-/// stale data. Refused unless `url.break_lock` names the holder (the operator says it is
-/// gone); the lock object is left as it is either way.
-pub(crate) async fn check_not_held(store: &AmazonS3, url: &S3Url) -> Result<(), OpenError> {
+/// Who holds the disk's lock now (None: no lock object); a lock object that is not a
+/// bufcache lock is an error naming it.
+pub(crate) async fn holder_now(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+) -> Result<Option<LockHolder>, OpenError> {
     let key = url.key(LOCK_NAME);
     let request_error = |error: object_store::Error| OpenError::Request {
         url: url.to_string(),
@@ -159,14 +160,27 @@ pub(crate) async fn check_not_held(store: &AmazonS3, url: &S3Url) -> Result<(), 
     };
     let body = match store.get(&ObjectPath::from(key.as_str())).await {
         Ok(existing) => existing.bytes().await.map_err(request_error)?,
-        Err(object_store::Error::NotFound { .. }) => return Ok(()),
+        Err(object_store::Error::NotFound { .. }) => return Ok(None),
         Err(error) => return Err(request_error(error)),
     };
-    let holder = LockHolder::parse(&body).map_err(|reason| OpenError::BadLock {
-        url: url.to_string(),
-        key: key.clone(),
-        reason,
-    })?;
+    LockHolder::parse(&body)
+        .map(Some)
+        .map_err(|reason| OpenError::BadLock {
+            url: url.to_string(),
+            key: key.clone(),
+            reason,
+        })
+}
+
+/// Checks, for a server that opens the disk read-only and so takes no lock, that no other
+/// server holds the disk: that server's writes would make the read-only server's cache serve
+/// stale data. Refused unless `url.break_lock` names the holder (the operator says it is
+/// gone); the lock object is left as it is either way.
+pub(crate) async fn check_not_held(store: &AmazonS3, url: &S3Url) -> Result<(), OpenError> {
+    let Some(holder) = holder_now(store, url).await? else {
+        return Ok(());
+    };
+    let key = url.key(LOCK_NAME);
     if url.break_lock.as_deref() == Some(holder.id.as_str()) {
         tracing::warn!(disk = %url, holder = %holder, "serving read-only over a disk another server holds, as break-lock= asked; its lock is left in place");
         return Ok(());

@@ -4,6 +4,8 @@
 //! `admin::create` refuses a disk that exists. Against moto on loopback; objects damaged
 //! through the bucket directly.
 
+#[path = "support/fixtures.rs"]
+mod fixtures;
 #[path = "support/raw.rs"]
 mod raw;
 mod support;
@@ -11,6 +13,7 @@ mod support;
 use bufcache_s3::admin::{self, LayoutInfo, VerifyProgress};
 use bufcache_s3::{ChunkStore, LogStore, OpenError, S3Url};
 use bytes::Bytes;
+use fixtures::{key_file, random};
 use rand::{Rng, SeedableRng};
 use raw::Raw;
 use support::{have_moto, Moto};
@@ -20,22 +23,6 @@ fn url(endpoint: &str, prefix: &str, parameters: &str) -> S3Url {
         "s3://bucket/{prefix}?endpoint={endpoint}{parameters}"
     ))
     .unwrap()
-}
-
-fn random(length: usize, rng: &mut impl Rng) -> Vec<u8> {
-    let mut data = vec![0u8; length];
-    rng.fill(&mut data[..]);
-    data
-}
-
-/// A key file of 64 hex digits in `directory`.
-fn key_file(directory: &std::path::Path) -> String {
-    let path = directory.join("key");
-    let hex: String = (0..32u8)
-        .map(|n| format!("{:02x}", n.wrapping_mul(31).wrapping_add(7)))
-        .collect();
-    std::fs::write(&path, format!("{hex}\n")).unwrap();
-    path.display().to_string()
 }
 
 /// The keys `admin::verify` reports damaged (panics when it cannot verify at all).

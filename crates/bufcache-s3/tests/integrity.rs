@@ -4,6 +4,8 @@
 //! read-modify-write refuse damage instead of copying it; objects of the older formats still
 //! read; a segment recovery deleted is never read again when put back.
 
+#[path = "support/fixtures.rs"]
+mod fixtures;
 #[path = "support/raw.rs"]
 mod raw;
 mod support;
@@ -12,6 +14,7 @@ use std::io::{IoSlice, IoSliceMut};
 
 use bufcache::Device;
 use bufcache_s3::{LogStore, OpenError, S3Device, S3Url};
+use fixtures::{key_file, random};
 use rand::{Rng, SeedableRng};
 use raw::Raw;
 use support::{have_moto, have_seaweedfs, Moto, S3Server, SeaweedFs};
@@ -36,22 +39,6 @@ fn compressible(length: usize, rng: &mut impl Rng) -> Vec<u8> {
         data.extend(std::iter::repeat_n(byte, run));
     }
     data
-}
-
-fn random(length: usize, rng: &mut impl Rng) -> Vec<u8> {
-    let mut data = vec![0u8; length];
-    rng.fill(&mut data[..]);
-    data
-}
-
-/// A key file of 64 hex digits in `directory`.
-fn key_file(directory: &std::path::Path) -> String {
-    let path = directory.join("key");
-    let hex: String = (0..32u8)
-        .map(|n| format!("{:02x}", n.wrapping_mul(29).wrapping_add(5)))
-        .collect();
-    std::fs::write(&path, format!("{hex}\n")).unwrap();
-    path.display().to_string()
 }
 
 fn u64_at(bytes: &[u8], at: usize) -> u64 {

@@ -3,12 +3,15 @@
 //! `recover-prefix=on` opens the disk anyway. Against moto on loopback, the objects removed
 //! through the bucket directly.
 
+#[path = "support/fixtures.rs"]
+mod fixtures;
 #[path = "support/raw.rs"]
 mod raw;
 mod support;
 
 use bufcache_s3::{LogStore, OpenError, S3Url};
-use rand::{Rng, SeedableRng};
+use fixtures::random;
+use rand::SeedableRng;
 use raw::Raw;
 use support::{have_moto, Moto};
 
@@ -18,12 +21,6 @@ fn url(endpoint: &str, parameters: &str) -> S3Url {
 
 fn open(endpoint: &str, parameters: &str) -> Result<LogStore, OpenError> {
     LogStore::open_locked(&url(endpoint, parameters))
-}
-
-fn random(length: usize, rng: &mut impl Rng) -> Vec<u8> {
-    let mut data = vec![0u8; length];
-    rng.fill(&mut data[..]);
-    data
 }
 
 fn read_all(store: &LogStore, size: usize) -> Vec<u8> {
