@@ -30,7 +30,7 @@ use crate::log::say;
 use crate::metrics::{self, ExportMeters, Meters, ServeTier};
 use crate::prefault::{self, PrefaultWhen};
 use crate::request_meters::{MeteredExport, RequestMeters};
-use crate::rescue::{self, RescueAction};
+use crate::rescue::{self, identity_of_url, same_backend, BackendIdentity, Refusal, RescueAction};
 use crate::tls_args::TlsArgs;
 
 /// Exit status when dirty data was saved to the rescue file instead of the backend.
@@ -326,70 +326,9 @@ struct OpenedBackend {
     _lock: Option<BackendLock>,
 }
 
-/// Which disk a backend is, and how far it has moved on.
-#[derive(Clone, Debug)]
-struct BackendIdentity {
-    /// The disk itself: `s3-disk:<id>` (the id its metadata object records),
-    /// `file:/absolute/path`, an NBD URI without its query (but `socket=`).
-    identity: String,
-    /// How it was reached, without any parameter that only says how to open it:
-    /// `s3://BUCKET/PREFIX`; the identity for the others. Names the default rescue file.
-    name: String,
-    /// The disk's generation this server holds (S3 disks: raised by every writable open);
-    /// None for backends that keep none.
-    state: Option<u64>,
-}
-
-/// The identity of a backend named by an NBD URI: the URI without its query, but for
-/// `socket=` (where a unix-socket server listens). The other parameters carry secrets (an
-/// identity is written into rescue files in the clear) or say only how the server is reached
-/// (TLS files and names), and none of them changes which disk it is.
-fn identity_of_url(url: &str) -> String {
-    let Some((base, query)) = url.split_once('?') else {
-        return url.to_string();
-    };
-    let kept: Vec<&str> = query
-        .split('&')
-        .filter(|pair| {
-            pair.split('=')
-                .next()
-                .unwrap_or_default()
-                .eq_ignore_ascii_case("socket")
-        })
-        .collect();
-    if kept.is_empty() {
-        base.to_string()
-    } else {
-        format!("{base}?{}", kept.join("&"))
-    }
-}
-
 /// The name of the S3 disk a URL reaches: `s3://BUCKET/PREFIX`, every parameter left out.
 fn s3_disk_name(url: &bufcache_s3::S3Url) -> String {
     format!("s3://{}/{}", url.bucket, url.prefix)
-}
-
-/// The disk name in an S3 identity as older servers recorded it (the URL with its
-/// parameters but secrets): `s3://BUCKET/PREFIX`.
-fn legacy_s3_name(identity: &str) -> Option<String> {
-    let rest = identity.strip_prefix("s3://")?;
-    let location = rest.split('?').next().unwrap_or_default();
-    let (bucket, prefix) = location.split_once('/').unwrap_or((location, ""));
-    Some(format!("s3://{bucket}/{}", prefix.trim_matches('/')))
-}
-
-/// True when `recorded` (from a rescue file or a local cache, maybe written by an older
-/// server that named backends by their URL) names the backend `ours`.
-fn same_backend(recorded: &str, ours: &BackendIdentity) -> bool {
-    if recorded == ours.identity {
-        return true;
-    }
-    if ours.identity.starts_with("s3-disk:") || ours.identity == ours.name {
-        if let Some(name) = legacy_s3_name(recorded) {
-            return name == ours.name;
-        }
-    }
-    !recorded.starts_with("s3") && identity_of_url(recorded) == ours.identity
 }
 
 /// Checks, before anything is written to the backend (no lock broken, no epoch, no
@@ -421,8 +360,17 @@ fn check_before_writing(
             if saved.export != export {
                 continue;
             }
-            if !same_backend(&saved.identity, ours) {
-                return refuse(format!(
+            let force = args.rescue == RescueAction::Force;
+            let stale = |why: String| {
+                format!(
+                    "rescue file {} holds {bytes} bytes of unwritten data (saved {age}) of {} (export {export:?}), and {why}: refusing to replay it over possibly newer data; nothing was changed and the file is kept. If its data is the newest, replay it anyway by adding --rescue force",
+                    path.display(),
+                    ours.name,
+                )
+            };
+            let message = match rescue::check_saved(saved, ours, size_bytes, force) {
+                Ok(()) => continue,
+                Err(Refusal::OtherDisk) => format!(
                     "rescue file {} holds {bytes} bytes of unwritten data (saved {age}) of disk {} (export {export:?}), and this server's backend is {} ({}): refusing to replay it into another backend; nothing was changed. Start a server on {} to replay it, or give this one another --rescue-file",
                     path.display(),
                     saved.identity,
@@ -433,33 +381,20 @@ fn check_before_writing(
                     },
                     ours.name,
                     if saved.name.is_empty() { &saved.identity } else { &saved.name },
-                ));
-            }
-            if let Some(size_bytes) = size_bytes.filter(|size| *size != saved.size_bytes) {
-                return refuse(format!(
-                    "rescue file {} holds {bytes} bytes of unwritten data (saved {age}) of {} when it was {} bytes; it is {size_bytes} bytes now: refusing to replay into a resized disk; nothing was changed",
+                ),
+                Err(Refusal::Resized { then_bytes, now_bytes }) => format!(
+                    "rescue file {} holds {bytes} bytes of unwritten data (saved {age}) of {} when it was {then_bytes} bytes; it is {now_bytes} bytes now: refusing to replay into a resized disk; nothing was changed",
                     path.display(),
                     ours.name,
-                    saved.size_bytes
-                ));
-            }
-            let Some(now) = ours.state else {
-                continue;
-            };
-            if saved.state == Some(now) || args.rescue == RescueAction::Force {
-                continue;
-            }
-            let why = match saved.state {
-                Some(then) => format!(
-                    "the disk moved on since it was saved (generation {then} then, {now} now: another server opened it for writing and may have written newer data)"
                 ),
-                None => "it was saved by an older bufcache that did not record the disk's state, so whether the disk moved on since cannot be told".to_string(),
+                Err(Refusal::MovedOn { then, now }) => stale(format!(
+                    "the disk moved on since it was saved (generation {then} then, {now} now: another server opened it for writing and may have written newer data)"
+                )),
+                Err(Refusal::StateUnknown { .. }) => stale(
+                    "it was saved by an older bufcache that did not record the disk's state, so whether the disk moved on since cannot be told".to_string(),
+                ),
             };
-            return refuse(format!(
-                "rescue file {} holds {bytes} bytes of unwritten data (saved {age}) of {} (export {export:?}), and {why}: refusing to replay it over possibly newer data; nothing was changed and the file is kept. If its data is the newest, replay it anyway by adding --rescue force",
-                path.display(),
-                ours.name,
-            ));
+            return refuse(message);
         }
     }
     if args.rescue_file.is_none() {
@@ -1530,7 +1465,10 @@ fn handle_rescue_file(
             name: ours.name.clone(),
             state: ours.state,
         };
-        if !same_backend(&saved.identity, &identity) || ours.size_bytes != saved.size_bytes {
+        // The same disk at the same size; its generation was checked before the disk was
+        // opened (which raised it), so it is not checked again here.
+        let force = true;
+        if rescue::check_saved(saved, &identity, Some(ours.size_bytes), force).is_err() {
             return Err(anyhow::Error::new(crate::BadInput(format!(
                 "rescue file {} was saved from {} (export {:?}, {} bytes), and this server's export {:?} is {} ({} bytes): refusing to replay it into another backend; nothing was replayed and the file is kept",
                 path.display(),
@@ -1690,6 +1628,18 @@ mod tests {
         .unwrap();
         assert_eq!(s3_disk_name(&plain), "s3://disks/vm/1");
         assert_eq!(s3_disk_name(&plain), s3_disk_name(&spelled));
+        // The simulator's checker names its disks from URLs with this function: it must
+        // agree with the server's parse.
+        for url in [
+            "s3://disks/vm/1?endpoint=http://a:9000",
+            "s3://disks/vm/1/?break-lock=0a&create-size=1G&retry-timeout-ms=5",
+        ] {
+            let parsed = bufcache_s3::S3Url::parse(url).unwrap();
+            assert_eq!(
+                rescue::s3_name_of_url(url).as_deref(),
+                Some(s3_disk_name(&parsed).as_str())
+            );
+        }
         assert_eq!(
             rescue::default_path("", &s3_disk_name(&plain)),
             rescue::default_path("", &s3_disk_name(&spelled))

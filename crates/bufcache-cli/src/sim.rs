@@ -57,9 +57,11 @@ enum SimCommand {
         output: PathBuf,
     },
     /// Deterministic simulation testing: seeded random workloads (several clients; reads,
-    /// writes, FUA, zeroes, discards, flushes; tiny caches; device faults; crashes) through the
-    /// real engine, checked against a shadow model of the durability contract. Prints the seed
-    /// of every violation and `N seeds, V violations`; exits 1 on a violation.
+    /// writes, FUA, zeroes, discards, flushes; tiny caches; device faults; crashes; shutdowns
+    /// during a store outage saving rescue files, and restarts that must replay them, or refuse
+    /// them once another server opened the disk) through the real engine, checked against a
+    /// shadow model of the durability contract. Prints the seed of every violation and `N
+    /// seeds, V violations`; exits 1 on a violation.
     #[command(after_help = "Examples:\n  \
         bufcache sim check --seeds 1000            # seeds 1 to 1000\n  \
         bufcache sim check --seeds 1 --seed 4711   # replay one seed\n  \
@@ -254,15 +256,7 @@ fn check(seeds: u64, first_seed: u64, trace: bool, local_tier: bool) -> anyhow::
         let mut summary = bufcache_sim::CheckSummary::default();
         for seed in first_seed..first_seed.saturating_add(seeds) {
             let outcome = check_seed_traced(seed, true);
-            summary.seeds += 1;
-            summary.steps += outcome.steps;
-            summary.crashes += outcome.crashes;
-            summary.device_faults += outcome.device_faults;
-            if let Some(message) = outcome.violation {
-                summary
-                    .violations
-                    .push(bufcache_sim::Violation { seed, message });
-            }
+            summary.add(seed, &outcome);
         }
         summary.elapsed = started.elapsed();
         summary
@@ -285,10 +279,15 @@ fn check(seeds: u64, first_seed: u64, trace: bool, local_tier: bool) -> anyhow::
     }
     println!("{}", summary.line());
     eprintln!(
-        "bufcache: {} engine calls, {} crashes, {} device faults; {:.0} seeds/s",
+        "bufcache: {} engine calls, {} crashes, {} device faults, rescue files: {} saved, {} \
+         replayed, {} stale refused; {} starts on another disk refused; {:.0} seeds/s",
         summary.steps,
         summary.crashes,
         summary.device_faults,
+        summary.rescue.saved,
+        summary.rescue.replayed,
+        summary.rescue.refused,
+        summary.wrong_disk_refusals,
         summary.seeds_per_second()
     );
     if summary.violations.is_empty() {

@@ -6,8 +6,13 @@
 //! [`SystemClock`] (the monotonic clock), [`ThreadPool`] (bounded background workers) and
 //! [`BlockingWaiter`] (a condition variable with a timeout). Servers and command-line tools
 //! build caches with [`system_cache`]; the simulator uses its own virtual implementations.
+//! It also holds [`rescue`]: the file a server saves dirty data to when it cannot write it
+//! back, and the rule deciding whether it may be replayed, shared by the server and the
+//! simulator's checker.
 
 #![warn(missing_docs)]
+
+pub mod rescue;
 
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::Arc;

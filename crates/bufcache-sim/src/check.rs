@@ -21,7 +21,11 @@
 //! - **error reporting**: every failed device write is reported by the next flush of every
 //!   handle on its object, unless a write on that handle already returned an error since;
 //! - **at the end**, with faults off, a sync succeeds and the disk holds exactly the latest
-//!   acknowledged data.
+//!   acknowledged data;
+//! - **rescue files** (the [`rescue`] module): a shutdown during an outage saves what it cannot
+//!   write back, and with the store loses no flushed write; a restart with a changed URL
+//!   replays the file; a file saved before another server opened the disk is refused, kept,
+//!   and the refused start leaves the store unchanged.
 //!
 //! Each sector written carries its write's version number and its own sector index, so a
 //! sector read back (through the engine, or from the disk after a crash) names the write it
@@ -41,6 +45,11 @@ use crate::core::SECTOR_BYTES;
 use crate::core::{FaultConfig, SharedRng, SimCore, SimDevice, SimIoQueue, SimSpawner, SimWaiter};
 use crate::disk::DiskSpec;
 use crate::host::HostCosts;
+
+mod rescue;
+
+pub use rescue::RescueCounts;
+use rescue::RescueWorld;
 
 /// Steps of one seed's workload, at least and at most.
 const STEPS_MIN: u64 = 150;
@@ -70,6 +79,10 @@ pub struct SeedOutcome {
     pub queue_mode: Option<QueueMode>,
     /// Batches the simulated io queue took while other requests waited too.
     pub queue_choices: u64,
+    /// Rescue files saved, replayed and refused.
+    pub rescue: RescueCounts,
+    /// Restarts that presented a local cache to another disk, refused (`--local-tier`).
+    pub wrong_disk_refusals: u64,
     /// The first broken promise, if any.
     pub violation: Option<String>,
 }
@@ -85,6 +98,10 @@ pub struct CheckSummary {
     pub crashes: u64,
     /// Device faults injected, over all seeds.
     pub device_faults: u64,
+    /// Rescue files saved, replayed and refused, over all seeds.
+    pub rescue: RescueCounts,
+    /// Restarts that presented a local cache to another disk, refused, over all seeds.
+    pub wrong_disk_refusals: u64,
     /// Every violation, by seed.
     pub violations: Vec<Violation>,
     /// Wall-clock time of the sweep.
@@ -95,6 +112,24 @@ impl CheckSummary {
     /// Seeds checked per second of wall-clock time.
     pub fn seeds_per_second(&self) -> f64 {
         self.seeds as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+
+    /// Counts one seed's outcome in.
+    pub fn add(&mut self, seed: u64, outcome: &SeedOutcome) {
+        self.seeds += 1;
+        self.steps += outcome.steps;
+        self.crashes += outcome.crashes;
+        self.device_faults += outcome.device_faults;
+        self.rescue.saved += outcome.rescue.saved;
+        self.rescue.replayed += outcome.rescue.replayed;
+        self.rescue.refused += outcome.rescue.refused;
+        self.wrong_disk_refusals += outcome.wrong_disk_refusals;
+        if let Some(message) = &outcome.violation {
+            self.violations.push(Violation {
+                seed,
+                message: message.clone(),
+            });
+        }
     }
 
     /// The one-line summary: `N seeds, V violations`.
@@ -113,16 +148,7 @@ pub fn check_seeds(
     let mut summary = CheckSummary::default();
     for seed in first_seed..first_seed.saturating_add(seeds) {
         let outcome = check_seed(seed);
-        summary.seeds += 1;
-        summary.steps += outcome.steps;
-        summary.crashes += outcome.crashes;
-        summary.device_faults += outcome.device_faults;
-        if let Some(message) = &outcome.violation {
-            summary.violations.push(Violation {
-                seed,
-                message: message.clone(),
-            });
-        }
+        summary.add(seed, &outcome);
         on_seed(seed, &outcome);
     }
     summary.elapsed = started.elapsed();
@@ -145,6 +171,7 @@ pub fn check_seed_traced(seed: u64, trace: bool) -> SeedOutcome {
         outcome.device_faults = harness.device_faults();
         outcome.queue_mode = harness.scenario.io_queue.as_ref().map(|queue| queue.mode);
         outcome.queue_choices = harness.core.device_totals().queue_choices;
+        outcome.rescue = harness.rescue.counts;
         result
     }));
     outcome.violation = violation_of(result, "the engine");
@@ -272,6 +299,8 @@ struct Scenario {
     /// The disk's write unit (1: none; else 2 to 8 blocks, as an object-store chunk), so
     /// write-back's whole-unit runs and filling from clean blocks are checked too.
     write_unit_bytes: u64,
+    /// Steps (per thousand) where the store stops answering and the server shuts down.
+    outage_per_mille: u64,
 }
 
 impl Scenario {
@@ -357,6 +386,7 @@ impl Scenario {
             steps: STEPS_MIN + rng.below(STEPS_MAX - STEPS_MIN + 1),
             faults,
             crash_per_mille: rng.below(16),
+            outage_per_mille: rng.below(12),
         }
     }
 
@@ -365,7 +395,7 @@ impl Scenario {
         format!(
             "{} objects of {} KiB blocks, {} clients; cache {} KiB, {} buffers max, cluster {} KiB, \
              read-ahead {} KiB, policy {}, dirty {}%/{}%, write-behind {}, faults r{}/w{}/f{}, \
-             io queue {}, write unit {} B",
+             io queue {}, write unit {} B, outages {}/1000",
             self.regions.len(),
             self.regions[0].block_size / 1024,
             self.clients,
@@ -390,6 +420,7 @@ impl Scenario {
                 ),
             },
             self.write_unit_bytes,
+            self.outage_per_mille,
         )
     }
 }
@@ -421,12 +452,15 @@ struct Harness {
     history: VecDeque<String>,
     /// Print every step to standard error.
     trace: bool,
+    /// The disks' identities and generations, and this machine's rescue files.
+    rescue: RescueWorld,
 }
 
 impl Harness {
     fn new(seed: u64, trace: bool) -> Harness {
         let mut rng = SeededRng::new(seed);
         let scenario = Scenario::draw(&mut rng);
+        let rescue = RescueWorld::new(&mut rng, scenario.regions.len());
         let rng: SharedRng = Arc::new(Mutex::new(rng));
         let clock = Arc::new(VirtualClock::new());
         // With an io queue, a mechanical disk: its requests take milliseconds, so the clients'
@@ -490,6 +524,7 @@ impl Harness {
             crashes: 0,
             history: VecDeque::new(),
             trace,
+            rescue,
             scenario,
         };
         harness.start_engine();
@@ -508,9 +543,10 @@ impl Harness {
         counts.read_errors + counts.write_errors + counts.flush_errors
     }
 
-    /// A fresh engine over the disk (at the start and after each crash), one handle per
-    /// client and object.
+    /// A fresh engine over the disk (at the start, after each crash or shutdown), one handle
+    /// per client and object: a writable open of every disk, which raises its generation.
     fn start_engine(&mut self) {
+        self.rescue.open();
         let environment = Environment::new(
             self.core.clock().clone(),
             self.spawner.clone() as Arc<dyn Spawner>,
@@ -624,6 +660,9 @@ impl Harness {
         self.steps += 1;
         if self.draw(1000) < self.scenario.crash_per_mille {
             return self.crash();
+        }
+        if self.draw(1000) < self.scenario.outage_per_mille {
+            return self.outage();
         }
         let client = self.draw(self.scenario.clients as u64) as usize;
         let object = self.draw(self.scenario.regions.len() as u64) as usize;
@@ -952,6 +991,9 @@ impl Harness {
     /// With faults off: background work finishes, every handle's flush reports what it has
     /// not seen, a sync succeeds, and the disk holds the latest acknowledged data.
     fn finish(&mut self) -> Result<(), String> {
+        if self.rescue.is_stale() {
+            self.outage()?;
+        }
         self.device
             .set_faults(FaultConfig::default(), self.rng.clone());
         self.drain_jobs();

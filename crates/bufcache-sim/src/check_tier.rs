@@ -24,6 +24,14 @@
 //!
 //! Each sector written carries its write's version and its own index (check.rs's pattern),
 //! so a sector on the remote or read back names the write it came from.
+//!
+//! The remote stands for an S3 disk: the tier's superblock records the disk's identity
+//! (`s3-disk:<id>`), and every reopen after a crash is a server restart that checks the
+//! superblock as `serve` does (`bufcache_host::rescue::same_backend`, then the tier's own
+//! check in `LocalTier::open`), with the URL's open-only parameters changed: the tier must
+//! attach. At seeded restarts the tier is first presented to another disk at the same URL
+//! (its prefix deleted and created again: a new id): both checks must refuse it, and the
+//! refused start must leave the local device and the remote byte for byte as they were.
 
 use std::collections::VecDeque;
 use std::io::{IoSlice, IoSliceMut};
@@ -33,10 +41,11 @@ use std::time::Instant;
 
 use bufcache::device::SeededRng;
 use bufcache::Device;
-use bufcache_tier::format::LOCAL_BYTES_MIN;
+use bufcache_host::rescue::{s3_name_of_url, same_backend, BackendIdentity};
+use bufcache_tier::format::{Superblock, LOCAL_BYTES_MIN, SUPERBLOCK_BYTES};
 use bufcache_tier::{FlushTo, LocalTier, LocalTierConfig, WritebackDriver, WritebackStep};
 
-use crate::check::{decode_sector, sector_pattern, CheckSummary, SeedOutcome, Violation};
+use crate::check::{decode_sector, sector_pattern, CheckSummary, SeedOutcome};
 use crate::clock::VirtualClock;
 use crate::core::{FaultConfig, SharedRng, SimCore, SimDevice, SECTOR_BYTES};
 use crate::disk::DiskSpec;
@@ -47,8 +56,9 @@ const STEPS_MIN: u64 = 150;
 const STEPS_MAX: u64 = 400;
 /// Recent steps kept for a violation's report.
 const HISTORY_STEPS: usize = 12;
-/// The backend identity written in the tier's superblock.
-const IDENTITY: &str = "sim:remote";
+/// Mixed into the seed for the restarts' own random choices (URLs, other disks), so they do
+/// not change the workload a seed draws.
+const RESTART_SEED_MIX: u64 = 0x7265_7374_6172_7473;
 /// The local device's name in errors.
 const LOCAL_NAME: &str = "simulated local cache";
 
@@ -65,16 +75,7 @@ pub fn check_tier_seeds(
     let mut summary = CheckSummary::default();
     for seed in first_seed..first_seed.saturating_add(seeds) {
         let outcome = check_tier_seed_traced(seed, false);
-        summary.seeds += 1;
-        summary.steps += outcome.steps;
-        summary.crashes += outcome.crashes;
-        summary.device_faults += outcome.device_faults;
-        if let Some(message) = &outcome.violation {
-            summary.violations.push(Violation {
-                seed,
-                message: message.clone(),
-            });
-        }
+        summary.add(seed, &outcome);
         on_seed(seed, &outcome);
     }
     summary.elapsed = started.elapsed();
@@ -93,6 +94,7 @@ pub fn check_tier_seed_traced(seed: u64, trace: bool) -> SeedOutcome {
             outcome.crashes = harness.crashes;
             let counts = harness.remote.fault_counts();
             outcome.device_faults = counts.read_errors + counts.write_errors + counts.flush_errors;
+            outcome.wrong_disk_refusals = harness.wrong_disk_refusals;
             result
         }))
     };
@@ -302,6 +304,17 @@ struct Harness {
     crashes: u64,
     history: VecDeque<String>,
     trace: bool,
+    /// The restarts' own choices (URLs, other disks), apart from the workload's.
+    restart_rng: SeededRng,
+    /// The identity of the remote's disk, recorded in the tier's superblock.
+    disk_identity: String,
+    /// Restarts that presented the tier to another disk (and were refused).
+    wrong_disk_refusals: u64,
+}
+
+/// An S3 disk's identity, as its metadata object's id names it.
+fn s3_identity(disk_id: u64) -> String {
+    format!("s3-disk:{disk_id:016x}")
 }
 
 impl Harness {
@@ -309,6 +322,8 @@ impl Harness {
         let mut rng = SeededRng::new(seed);
         let scenario = Scenario::draw(&mut rng);
         let rng: SharedRng = Arc::new(Mutex::new(rng));
+        let mut restart_rng = SeededRng::new(seed ^ RESTART_SEED_MIX);
+        let disk_identity = s3_identity(restart_rng.next_u64());
         let host = HostCosts::preset("modern").expect("the modern preset exists");
         let core = Arc::new(SimCore::new(
             DiskSpec::nvme().build(),
@@ -328,7 +343,7 @@ impl Harness {
             local.clone(),
             LOCAL_NAME.to_string(),
             remote.clone(),
-            IDENTITY,
+            &disk_identity,
             scenario.config.clone(),
         )
         .expect("the scenario's tier is valid");
@@ -349,6 +364,9 @@ impl Harness {
             crashes: 0,
             history: VecDeque::new(),
             trace,
+            restart_rng,
+            disk_identity,
+            wrong_disk_refusals: 0,
             scenario,
         }
     }
@@ -662,6 +680,96 @@ impl Harness {
         }
     }
 
+    /// A restart's check of the local cache, as `serve` makes it before anything is written:
+    /// the URL respelled with open-only parameters (`break-lock=`, `retry-timeout-ms=`, ...)
+    /// must still name the disk the superblock records; at seeded restarts the cache is first
+    /// presented to another disk at the same URL, which both `serve`'s check and the tier's
+    /// must refuse without changing either device. Returns the disk's identity to open with.
+    fn restart_identity(&mut self) -> Result<BackendIdentity, String> {
+        let mut url = "s3://sim-bucket/disk".to_string();
+        if self.restart_rng.below(2) == 0 {
+            url.push('/');
+        }
+        let mut separator = '?';
+        for parameter in [
+            "break-lock",
+            "retry-timeout-ms",
+            "create-size",
+            "lock",
+            "gc",
+        ] {
+            if self.restart_rng.below(2) == 0 {
+                let value = self.restart_rng.below(1000);
+                url.push_str(&format!("{separator}{parameter}={value}"));
+                separator = '&';
+            }
+        }
+        let name = s3_name_of_url(&url).expect("an s3:// URL");
+        let mut first = vec![0u8; SUPERBLOCK_BYTES as usize];
+        self.local.peek(&mut first, 0);
+        let recorded = Superblock::decode(&first)
+            .map_err(|problem| {
+                self.violation(format!("the tier's superblock after a crash: {problem:?}"))
+            })?
+            .identity;
+        if self.restart_rng.below(4) == 0 {
+            let other = BackendIdentity {
+                identity: s3_identity(self.restart_rng.next_u64()),
+                name: name.clone(),
+                state: None,
+            };
+            let snapshot = |device: &SimDevice| {
+                let mut bytes = vec![0u8; device.len_bytes() as usize];
+                device.peek(&mut bytes, 0);
+                bytes
+            };
+            let before = (snapshot(&self.local), snapshot(&self.remote));
+            if same_backend(&recorded, &other) {
+                return Err(self.violation(format!(
+                    "a local cache of {recorded} attached to another disk {} at {url}",
+                    other.identity
+                )));
+            }
+            let opened = LocalTier::open(
+                self.local.clone(),
+                LOCAL_NAME.to_string(),
+                self.remote.clone(),
+                &other.identity,
+                self.scenario.config.clone(),
+            );
+            if opened.is_ok() {
+                return Err(self.violation(format!(
+                    "the tier opened for another disk {} (it records {recorded})",
+                    other.identity
+                )));
+            }
+            if (snapshot(&self.local), snapshot(&self.remote)) != before {
+                return Err(self.violation(format!(
+                    "a refused attach to another disk {} changed the local cache or the remote",
+                    other.identity
+                )));
+            }
+            self.wrong_disk_refusals += 1;
+            self.note(format!(
+                "restart on another disk {} at {url}: refused",
+                other.identity
+            ));
+        }
+        let ours = BackendIdentity {
+            identity: self.disk_identity.clone(),
+            name,
+            state: None,
+        };
+        if !same_backend(&recorded, &ours) {
+            return Err(self.violation(format!(
+                "the local cache of {recorded} refused at a restart with {url} (disk {})",
+                ours.identity
+            )));
+        }
+        self.note(format!("restart with {url}"));
+        Ok(ours)
+    }
+
     /// Power fails: both devices keep, lose or tear their unflushed writes; the tier reopens
     /// over them and replays its log; every sector must then read as a flushed write or a
     /// later one, and the remote must be a prefix of what survived.
@@ -684,11 +792,12 @@ impl Harness {
             remote.writes_lost,
             remote.writes_torn
         ));
+        let ours = self.restart_identity()?;
         let tier = LocalTier::open(
             self.local.clone(),
             LOCAL_NAME.to_string(),
             self.remote.clone(),
-            IDENTITY,
+            &ours.identity,
             self.scenario.config.clone(),
         )
         .map_err(|error| self.violation(format!("reopening the tier after a crash: {error}")))?;
@@ -750,7 +859,7 @@ impl Harness {
             self.local.clone(),
             LOCAL_NAME.to_string(),
             self.remote.clone(),
-            IDENTITY,
+            &self.disk_identity,
             self.scenario.config.clone(),
         );
         self.remote

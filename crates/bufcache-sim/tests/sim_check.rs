@@ -12,9 +12,10 @@ const CI_SEEDS: u64 = 1200;
     ignore = "the planted defect breaks the contract"
 )]
 fn seeded_workloads_with_faults_and_crashes_keep_the_durability_contract() {
-    // Goal: no seed finds a lost acknowledged write, a stale read or an unreported write-back
-    // error. Method: a sweep of seeds through the real engine, each with tiny caches, several
-    // clients, seeded device faults and crashes, checked against the shadow model.
+    // Goal: no seed finds a lost acknowledged write, a stale read, an unreported write-back
+    // error, or a rescue file lost, replayed stale or refused fresh. Method: a sweep of seeds
+    // through the real engine, each with tiny caches, several clients, seeded device faults,
+    // crashes and store outages ending in rescue files, checked against the shadow model.
     let summary = check_seeds(1, CI_SEEDS, |_, _| {});
     for violation in &summary.violations {
         eprintln!("seed {}: {}", violation.seed, violation.message);
@@ -29,6 +30,11 @@ fn seeded_workloads_with_faults_and_crashes_keep_the_durability_contract() {
         summary.device_faults > CI_SEEDS,
         "the sweep must exercise device faults: {}",
         summary.device_faults
+    );
+    assert!(
+        summary.rescue.replayed > CI_SEEDS / 10 && summary.rescue.refused > CI_SEEDS / 10,
+        "the sweep must replay fresh rescue files and refuse stale ones: {:?}",
+        summary.rescue
     );
     assert!(summary.violations.is_empty(), "{}", summary.line());
 }

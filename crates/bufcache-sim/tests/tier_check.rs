@@ -4,9 +4,11 @@
 #[test]
 fn local_tier_seeds_lose_no_flushed_write_and_keep_the_remote_an_epoch_prefix() {
     // Goal: the tier's two promises (no acknowledged write lost in a crash; the remote alone
-    // always an epoch prefix) hold over a few hundred seeds. Method: run seeds 1..=300 of
-    // the checker; any violation names its seed (`bufcache sim check --local-tier --seeds 1
-    // --seed SEED --trace` replays it). `TIER_CHECK_SEEDS=N` runs more.
+    // always an epoch prefix) hold over a few hundred seeds, and every restart (its URL
+    // respelled) reattaches the tier while one presenting it to another disk is refused
+    // without a byte changed. Method: run seeds 1..=300 of the checker; any violation names
+    // its seed (`bufcache sim check --local-tier --seeds 1 --seed SEED --trace` replays it).
+    // `TIER_CHECK_SEEDS=N` runs more.
     let seeds = std::env::var("TIER_CHECK_SEEDS")
         .ok()
         .and_then(|text| text.parse().ok())
@@ -20,6 +22,11 @@ fn local_tier_seeds_lose_no_flushed_write_and_keep_the_remote_an_epoch_prefix() 
     assert!(
         summary.device_faults > 0,
         "no seed injected a remote fault: {}",
+        summary.line()
+    );
+    assert!(
+        summary.wrong_disk_refusals > 0,
+        "no restart presented the tier to another disk: {}",
         summary.line()
     );
 }
