@@ -666,13 +666,47 @@ fn open_backend(
     let lock = BackendLock::acquire(path)?;
     let absolute = std::fs::canonicalize(path)
         .with_context(|| format!("backend `{spec}`: resolving its absolute path"))?;
-    let identity = format!("file:{}", absolute.display());
+    let name = format!("file:{}", absolute.display());
+    // The id goes on the file only once the checks against what it had passed, so a refused
+    // start changes nothing; a file system without user extended attributes names the file
+    // by its path.
+    let is_regular = std::fs::metadata(&absolute).is_ok_and(|metadata| metadata.is_file());
+    let recorded_id = if is_regular {
+        rescue::read_file_disk_id(&absolute).with_context(|| {
+            format!(
+                "backend `{spec}`: reading its disk id ({})",
+                rescue::FILE_DISK_ID_ATTRIBUTE
+            )
+        })?
+    } else {
+        None
+    };
+    let proposed_id = recorded_id.unwrap_or_else(bufcache_s3::new_disk_id);
     let identity = BackendIdentity {
-        name: identity.clone(),
-        identity,
+        identity: match recorded_id {
+            Some(id) => rescue::file_disk_identity(id),
+            None if options.read_only || !is_regular => name.clone(),
+            None => rescue::file_disk_identity(proposed_id),
+        },
+        name: name.clone(),
         state: None,
     };
     check_before_writing(args, export, &identity, Some(device.len()))?;
+    let identity = if recorded_id.is_none() && !options.read_only && is_regular {
+        match rescue::write_file_disk_id(&absolute, proposed_id) {
+            Ok(()) => identity,
+            Err(error) => {
+                say!("backend `{spec}`: cannot record a disk id on it ({error}): it is named by its path, so a rescue file or local cache of another image put at this path cannot be told apart");
+                BackendIdentity {
+                    identity: name.clone(),
+                    name,
+                    state: None,
+                }
+            }
+        }
+    } else {
+        identity
+    };
     Ok(OpenedBackend {
         device: Arc::new(device),
         upstream: None,

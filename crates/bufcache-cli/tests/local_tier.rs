@@ -213,6 +213,71 @@ fn a_local_cache_of_another_backend_or_size_is_refused() {
     );
 }
 
+#[test]
+fn a_local_cache_is_refused_for_another_image_put_at_the_same_path() {
+    // Goal: a local cache belongs to the image it was made for, not to the path: another
+    // image put at the same path (as a restore or a copy would) must not be served the old
+    // image's cached blocks nor receive its logged writes (#45 item 7). Method: serve a file
+    // with a local cache, write and flush through qemu-io, stop; move a new image over the
+    // path; a start with the same cache is refused naming both, and neither the new image nor
+    // the cache changes. The same image at its path reattaches.
+    let name = "a_local_cache_is_refused_for_another_image_put_at_the_same_path";
+    if !have_tools(name, &["qemu-io"]) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    let dir = temp_dir();
+    let (backend, _) = make_backend(dir.path(), 5);
+    let cache = dir.path().join("local.cache").display().to_string();
+    let mut server = Server::start(dir.path(), "first", &serve_args(&backend, &cache, "local"));
+    if server.log_text().contains("cannot record a disk id") {
+        println!(
+            "{name}: skipped: the test directory's file system keeps no user extended attributes"
+        );
+        server.stop_clean();
+        return;
+    }
+    qemu_io(
+        &server.uri(),
+        &["write -P 0x5a 0 1M".to_string(), "flush".to_string()],
+    );
+    server.stop_clean();
+    let mut again = Server::start(dir.path(), "again", &serve_args(&backend, &cache, "local"));
+    again.stop_clean();
+
+    let replacement = dir.path().join("replacement.img");
+    let new_image = random_bytes(EXPORT_BYTES, 6);
+    write_file(&replacement, &new_image);
+    std::fs::rename(&replacement, &backend).unwrap();
+    let cache_before = std::fs::read(&cache).unwrap();
+    let output = run_timeout(
+        bufcache(&[
+            "serve",
+            "--backend",
+            &backend,
+            "--local-cache",
+            &cache,
+            "--listen",
+            &format!("unix:{}", dir.path().join("x.sock").display()),
+        ]),
+        TIMEOUT,
+    );
+    let text = output_text(&output);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(
+        text.contains("belongs to backend `file-disk:") && text.contains("disk.img"),
+        "{text}"
+    );
+    assert!(
+        std::fs::read(&backend).unwrap() == new_image,
+        "the new image changed"
+    );
+    assert!(
+        std::fs::read(&cache).unwrap() == cache_before,
+        "the cache changed"
+    );
+}
+
 const CHUNK_BYTES: usize = 256 << 10;
 /// Rounds of the kill -9 test: 48, or LOCAL_TIER_ROUNDS (at most 120, the upstream's room).
 fn rounds() -> usize {

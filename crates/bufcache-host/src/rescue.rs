@@ -172,7 +172,8 @@ fn io_error(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) ->
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BackendIdentity {
     /// The disk itself: `s3-disk:<id>` (the id its metadata object records),
-    /// `file:/absolute/path`, an NBD URI without its query (but `socket=`).
+    /// `file-disk:<id>` (the id the file's extended attribute records; `file:/absolute/path`
+    /// where the file system keeps none), an NBD URI without its query (but `socket=`).
     pub identity: String,
     /// How it was reached, without any parameter that only says how to open it:
     /// `s3://BUCKET/PREFIX`; the identity for the others. Names the default rescue file.
@@ -216,11 +217,86 @@ pub fn s3_name_of_url(url: &str) -> Option<String> {
     Some(format!("s3://{bucket}/{}", prefix.trim_matches('/')))
 }
 
+/// The extended attribute that holds a file backend's disk id (16 hex digits): it goes with
+/// the file's inode, so another image put at the same path (a new file, or one moved or
+/// restored there) does not carry it, and a rescue file or local cache of the old image is
+/// refused.
+pub const FILE_DISK_ID_ATTRIBUTE: &str = "user.bufcache.disk-id";
+
+/// The identity of the file backend whose disk id is `id`: `file-disk:<16 hex digits>`.
+pub fn file_disk_identity(id: u64) -> String {
+    format!("file-disk:{id:016x}")
+}
+
+/// The disk id recorded on the file at `path`; None when it has none, or when its file
+/// system keeps no user extended attributes (a block device node, some network file
+/// systems): such a backend is named by its path.
+pub fn read_file_disk_id(path: &Path) -> std::io::Result<Option<u64>> {
+    let path_text = c_path(path)?;
+    let name = std::ffi::CString::new(FILE_DISK_ID_ATTRIBUTE).expect("no NUL in the name");
+    let mut value = [0u8; 32];
+    // SAFETY: both strings are NUL-terminated and the buffer's length is passed with it.
+    let length = unsafe {
+        libc::getxattr(
+            path_text.as_ptr(),
+            name.as_ptr(),
+            value.as_mut_ptr().cast(),
+            value.len(),
+        )
+    };
+    if length < 0 {
+        let error = std::io::Error::last_os_error();
+        return match error.raw_os_error() {
+            Some(libc::ENODATA | libc::ENOTSUP | libc::EPERM | libc::ERANGE) => Ok(None),
+            _ => Err(error),
+        };
+    }
+    let text = std::str::from_utf8(&value[..length as usize]).unwrap_or_default();
+    Ok((text.len() == 16)
+        .then(|| u64::from_str_radix(text, 16).ok())
+        .flatten()
+        .filter(|id| *id != 0))
+}
+
+/// Records `id` as the disk id of the file at `path` (create-only: an id already there is
+/// kept, and the error says so). Fails with ENOTSUP or EPERM where the file system keeps no
+/// user extended attributes.
+pub fn write_file_disk_id(path: &Path, id: u64) -> std::io::Result<()> {
+    let path_text = c_path(path)?;
+    let name = std::ffi::CString::new(FILE_DISK_ID_ATTRIBUTE).expect("no NUL in the name");
+    let value = format!("{id:016x}");
+    // SAFETY: both strings are NUL-terminated and the value's length is passed with it.
+    let result = unsafe {
+        libc::setxattr(
+            path_text.as_ptr(),
+            name.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            libc::XATTR_CREATE,
+        )
+    };
+    if result < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn c_path(path: &Path) -> std::io::Result<std::ffi::CString> {
+    use std::os::unix::ffi::OsStrExt;
+    std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, "a NUL byte in the path")
+    })
+}
+
 /// True when `recorded` (from a rescue file or a local cache, maybe written by an older
 /// server that named backends by their URL) names the backend `ours`.
 pub fn same_backend(recorded: &str, ours: &BackendIdentity) -> bool {
     if recorded == ours.identity {
         return true;
+    }
+    // Made before files carried a disk id: named by the file's path.
+    if ours.identity.starts_with("file-disk:") {
+        return recorded == ours.name;
     }
     if ours.identity.starts_with("s3-disk:") || ours.identity == ours.name {
         if let Some(name) = s3_name_of_url(recorded) {
@@ -631,6 +707,49 @@ impl RescueLock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    // Goal: a file's disk id goes with its inode: it reads back, is not overwritten, and a new
+    // file moved to the same path has none; records of the file by id match it, records of
+    // the path (older servers) match it, another id does not. Method: xattrs on files of a
+    // temporary directory (skipped where the file system keeps no user attributes).
+    #[test]
+    fn a_file_disk_id_follows_the_inode_and_another_id_is_another_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk.img");
+        std::fs::write(&path, [0u8; 4096]).unwrap();
+        assert_eq!(read_file_disk_id(&path).unwrap(), None);
+        if let Err(error) = write_file_disk_id(&path, 0x1234) {
+            println!("skipped: no user extended attributes here ({error})");
+            return;
+        }
+        assert_eq!(read_file_disk_id(&path).unwrap(), Some(0x1234));
+        assert!(
+            write_file_disk_id(&path, 0x5678).is_err(),
+            "an id is never replaced"
+        );
+        assert_eq!(read_file_disk_id(&path).unwrap(), Some(0x1234));
+        let other = dir.path().join("other.img");
+        std::fs::write(&other, [0u8; 4096]).unwrap();
+        std::fs::rename(&other, &path).unwrap();
+        assert_eq!(
+            read_file_disk_id(&path).unwrap(),
+            None,
+            "a new inode has no id"
+        );
+
+        let ours = BackendIdentity {
+            identity: file_disk_identity(0x1234),
+            name: "file:/srv/disk.img".into(),
+            state: None,
+        };
+        assert!(same_backend("file-disk:0000000000001234", &ours));
+        assert!(!same_backend("file-disk:0000000000005678", &ours));
+        assert!(
+            same_backend("file:/srv/disk.img", &ours),
+            "recorded by an older server"
+        );
+        assert!(!same_backend("file:/srv/other.img", &ours));
+    }
 
     fn backends() -> Vec<Backend> {
         vec![
