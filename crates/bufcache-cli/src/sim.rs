@@ -278,16 +278,22 @@ fn check(seeds: u64, first_seed: u64, trace: bool, local_tier: bool) -> anyhow::
         println!("seed {}: {}", violation.seed, violation.message);
     }
     println!("{}", summary.line());
+    let restarts = if local_tier {
+        format!(
+            "{} starts on another disk refused",
+            summary.wrong_disk_refusals
+        )
+    } else {
+        format!(
+            "rescue files: {} saved, {} replayed, {} stale refused",
+            summary.rescue.saved, summary.rescue.replayed, summary.rescue.refused
+        )
+    };
     eprintln!(
-        "bufcache: {} engine calls, {} crashes, {} device faults, rescue files: {} saved, {} \
-         replayed, {} stale refused; {} starts on another disk refused; {:.0} seeds/s",
+        "bufcache: {} engine calls, {} crashes, {} device faults, {restarts}; {:.0} seeds/s",
         summary.steps,
         summary.crashes,
         summary.device_faults,
-        summary.rescue.saved,
-        summary.rescue.replayed,
-        summary.rescue.refused,
-        summary.wrong_disk_refusals,
         summary.seeds_per_second()
     );
     if summary.violations.is_empty() {

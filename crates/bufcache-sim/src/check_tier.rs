@@ -312,8 +312,9 @@ struct Harness {
     wrong_disk_refusals: u64,
 }
 
-/// An S3 disk's identity, as its metadata object's id names it.
-fn s3_identity(disk_id: u64) -> String {
+/// An S3 disk's identity, as its metadata object's id names it (`bufcache_s3::disk_identity`,
+/// which the simulator does not depend on).
+pub(crate) fn s3_identity(disk_id: u64) -> String {
     format!("s3-disk:{disk_id:016x}")
 }
 

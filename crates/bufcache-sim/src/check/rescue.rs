@@ -40,6 +40,7 @@ use bufcache::device::SeededRng;
 use bufcache_host::rescue::{self, Backend, BackendIdentity, Record};
 
 use super::{decode_sector, Harness, Shadow};
+use crate::check_tier::s3_identity;
 use crate::core::{FaultConfig, SECTOR_BYTES};
 
 /// Parameters of an S3 URL that say only how the disk is reached or opened: a restart may
@@ -134,7 +135,7 @@ impl Harness {
     fn probed_identity(&self, object: usize) -> BackendIdentity {
         let world = &self.rescue;
         BackendIdentity {
-            identity: format!("s3-disk:{:016x}", world.disk_ids[object]),
+            identity: s3_identity(world.disk_ids[object]),
             name: rescue::s3_name_of_url(&world.urls[object])
                 .expect("the simulated disks have s3:// URLs"),
             state: Some(world.generations[object]),
