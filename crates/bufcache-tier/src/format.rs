@@ -10,6 +10,10 @@
 //! Every structure carries a CRC-32 (crc32fast) over its bytes, so a torn or corrupt one is
 //! detected and never trusted. All integers are little-endian. The checkpoint slots alternate
 //! (generation `g` goes to slot `g % 2`), so a torn checkpoint write leaves the previous one.
+//!
+//! The layout is 512-byte granular, but every write to the local device covers whole pages
+//! of [`LOG_PAGE_BYTES`] (the head's partial page rewritten with the bytes it already holds),
+//! so the device can be opened with O_DIRECT whatever its logical sector size.
 
 /// Version of the format this crate writes and reads.
 pub const FORMAT_VERSION: u32 = 1;
@@ -27,6 +31,17 @@ pub const LOG_START: u64 = 8192;
 pub const RECORD_ALIGNMENT_BYTES: u64 = 512;
 /// Bytes of a record header.
 pub const RECORD_HEADER_BYTES: usize = 64;
+/// Every write to the local device starts and ends on a multiple of this (or at the log's
+/// end): the alignment O_DIRECT asks of 512-byte and 4 KiB sector devices alike. Not part of
+/// the format: caches of any page size read the same.
+pub const LOG_PAGE_BYTES: u64 = 4096;
+
+const _: () = assert!(LOG_START.is_multiple_of(LOG_PAGE_BYTES));
+const _: () = assert!(LOG_PAGE_BYTES.is_multiple_of(RECORD_ALIGNMENT_BYTES));
+const _: () = assert!(CHECKPOINT_OFFSETS[0].is_multiple_of(LOG_PAGE_BYTES));
+const _: () = assert!(CHECKPOINT_OFFSETS[1] + CHECKPOINT_BYTES as u64 <= LOG_START);
+const _: () = assert!(CHECKPOINT_OFFSETS[1] == CHECKPOINT_OFFSETS[0] + CHECKPOINT_BYTES as u64);
+const _: () = assert!(SUPERBLOCK_BYTES.is_multiple_of(LOG_PAGE_BYTES));
 /// Longest backend identity a superblock holds.
 pub const IDENTITY_BYTES_MAX: usize = 2048;
 /// Smallest local cache: the fixed regions and a log of 64 records of one 4 KiB block.

@@ -23,6 +23,21 @@
 //! - **Durable first.** No record reaches the remote before it is durable in the log, so the
 //!   remote is never ahead of what replay finds (older clean copies of a block would
 //!   otherwise be served over a newer epoch the remote already holds).
+//! - **Pages.** Every write to the local device starts on a multiple of `LOG_PAGE_BYTES` and
+//!   ends on one or at the log's end, so the device may be opened with O_DIRECT. Records are
+//!   appended at the head, under the state lock, into the log buffer, which covers the log
+//!   from the start of a page up to the head: the head's partial page as the device holds
+//!   it, then records not yet written. Writing the buffer out rewrites that partial page
+//!   with the bytes it already holds (a torn rewrite leaves each sector old or new, both the
+//!   same bytes) and fills the rest of its last page with zeroes, or with the bytes already
+//!   there from the first tail in that page on: the live tail, or the tail of the last
+//!   durable checkpoint, where replay starts after a crash (Tail holds for these bytes too).
+//! - **Written before durable.** The log buffer is written out, under the state lock, before
+//!   every fsync of the local device whose success marks records durable (a flush, a
+//!   checkpoint, write-back's `make_durable`, a write-through's invalidation), before a read
+//!   of the log, when it holds `LOG_BUFFER_BYTES_MAX`, and with every clean, invalidation or
+//!   wrap record; a failed write-out latches `local_failure`, since records it held were
+//!   acknowledged to their writers. So a record is durable only once it is on the device.
 //! - **Write-through.** A write that cannot be logged (the log is full of dirty data and
 //!   stays so, or it is larger than a record may be) waits until every logged write is on
 //!   the remote, holding out other writers, then logs a durable invalidation of its range and
@@ -36,6 +51,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use bufcache_device::aligned::AlignedBytes;
 use bufcache_device::{
     all_data, check_range, read_each_now, write_batch_and_wait, write_each_now, BatchWrite,
     Capabilities, Device, Extent, FileDevice, FileDeviceError, FileDeviceOptions, ReadRequest,
@@ -48,8 +64,13 @@ use crate::error::TierError;
 use crate::format::{
     record_total_bytes, Checkpoint, RecordHeader, RecordKind, Superblock, SuperblockProblem,
     CHECKPOINT_BYTES, CHECKPOINT_OFFSETS, FORMAT_VERSION, IDENTITY_BYTES_MAX, LOCAL_BYTES_MIN,
-    LOG_START, RECORD_ALIGNMENT_BYTES, RECORD_HEADER_BYTES, SUPERBLOCK_BYTES, SUPERBLOCK_MAGIC,
+    LOG_PAGE_BYTES, LOG_START, RECORD_ALIGNMENT_BYTES, RECORD_HEADER_BYTES, SUPERBLOCK_BYTES,
+    SUPERBLOCK_MAGIC,
 };
+
+/// The log buffer is written out once it holds this many bytes (Written before durable), so
+/// small appends reach the local device in writes this large rather than a page each.
+const LOG_BUFFER_BYTES_MAX: usize = 256 << 10;
 
 /// What the tier has done, for metrics and tests.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -172,6 +193,9 @@ struct State {
     tail_position: u64,
     tail_sequence: u64,
     tail_previous_crc: u32,
+    /// The tail of the last checkpoint made durable: replay after a crash may start there
+    /// even when `tail_position` has moved on, so its bytes are live too (Pages).
+    tail_position_persisted: u64,
     head_position: u64,
     next_sequence: u64,
     last_crc: u32,
@@ -204,6 +228,17 @@ struct State {
     /// no longer known (fsyncgate), so every later write and flush is refused until restart.
     local_failure: Option<String>,
     stopping: bool,
+    /// The log buffer (Pages): the log from `log_buffer_start` (a page boundary) up to the
+    /// head, `log_buffer_bytes` long, in page-aligned memory an O_DIRECT device takes as it
+    /// is; `None` until the first append.
+    log_buffer: Option<AlignedBytes>,
+    log_buffer_start: u64,
+    log_buffer_bytes: usize,
+    /// True while the log buffer holds records not yet written to the local device.
+    log_buffer_unwritten: bool,
+    /// Both checkpoint slots as the local device holds them: a checkpoint rewrites the page
+    /// holding both, the other slot with the bytes it already has (Pages).
+    checkpoint_slots: [[u8; CHECKPOINT_BYTES]; 2],
 }
 
 #[derive(Default)]
@@ -294,12 +329,10 @@ impl<R: Device + 'static> LocalTier<R, FileDevice> {
                 local: local_name.clone(),
                 source,
             })?;
-            let local = FileDevice::open(path, &FileDeviceOptions::default())
-                .map_err(|error| open_error(&local_name, error))?;
+            let local = open_local(path, &local_name)?;
             return Self::create(local, local_name, remote, identity, config);
         }
-        let local = FileDevice::open(path, &FileDeviceOptions::default())
-            .map_err(|error| open_error(&local_name, error))?;
+        let local = open_local(path, &local_name)?;
         let is_block_device = std::fs::metadata(path)
             .map(|metadata| std::os::unix::fs::FileTypeExt::is_block_device(&metadata.file_type()))
             .unwrap_or(false);
@@ -439,6 +472,35 @@ fn allocate(path: &Path, size_bytes: u64) -> io::Result<()> {
     result
 }
 
+/// Opens the local cache at `path` with O_DIRECT when every write the tier makes is aligned
+/// on it (its length, and the log's end an existing superblock records, are multiples of
+/// `LOG_PAGE_BYTES`; Pages) and its file system takes O_DIRECT; through the page cache
+/// otherwise. Direct appends go to the device as they are made, at its own speed, instead of
+/// piling up in the page cache for the next fsync to write.
+fn open_local(path: &Path, local_name: &str) -> Result<FileDevice, TierError> {
+    let buffered = FileDevice::open(path, &FileDeviceOptions::default())
+        .map_err(|error| open_error(local_name, error))?;
+    let log_end_aligned = match read_superblock(path) {
+        Ok(Some(superblock)) => superblock.log_end.is_multiple_of(LOG_PAGE_BYTES),
+        // No cache yet, or one the open refuses with the right error.
+        Ok(None) | Err(_) => true,
+    };
+    if !buffered.len().is_multiple_of(LOG_PAGE_BYTES) || !log_end_aligned {
+        return Ok(buffered);
+    }
+    let options = FileDeviceOptions {
+        direct: true,
+        ..FileDeviceOptions::default()
+    };
+    match FileDevice::open(path, &options) {
+        Ok(direct) => Ok(direct),
+        Err(error) => {
+            tracing::info!(local = %local_name, %error, "local cache: O_DIRECT refused, writing through the page cache");
+            Ok(buffered)
+        }
+    }
+}
+
 fn open_error(local: &str, error: FileDeviceError) -> TierError {
     match error {
         FileDeviceError::Open { source, .. }
@@ -493,6 +555,8 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
                 source,
             }
         };
+        let page_bytes = LOG_PAGE_BYTES as usize;
+        let mut page = AlignedBytes::zeroed(page_bytes, page_bytes);
         for generation in 0..2u64 {
             let checkpoint = Checkpoint {
                 generation,
@@ -502,17 +566,17 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
                 tail_previous_crc: 0,
                 remote_epoch: 0,
             };
-            local
-                .write_vectored_at(
-                    &[IoSlice::new(&checkpoint.encode())],
-                    CHECKPOINT_OFFSETS[generation as usize % 2],
-                )
-                .map_err(io_error("writing a checkpoint"))?;
+            let at = (CHECKPOINT_OFFSETS[generation as usize % 2] - CHECKPOINT_OFFSETS[0]) as usize;
+            page[at..at + CHECKPOINT_BYTES].copy_from_slice(&checkpoint.encode());
         }
-        // A stale chain from an earlier use of the device must not continue ours: the first
-        // record's header slot is cleared.
         local
-            .write_vectored_at(&[IoSlice::new(&[0u8; RECORD_HEADER_BYTES])], LOG_START)
+            .write_vectored_at(&[IoSlice::new(&page)], CHECKPOINT_OFFSETS[0])
+            .map_err(io_error("writing a checkpoint"))?;
+        // A stale chain from an earlier use of the device must not continue ours: the first
+        // record's header slot is cleared (a whole page, Pages).
+        let zeroes = AlignedBytes::zeroed(page_bytes, page_bytes);
+        local
+            .write_vectored_at(&[IoSlice::new(&zeroes)], LOG_START)
             .map_err(io_error("clearing the log"))?;
         local.flush().map_err(io_error("flushing"))?;
         // The superblock last: a cache whose creation was cut short has no magic and is
@@ -626,16 +690,16 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
             return Err(TierError::SuperblockCorrupt { local: local_name });
         }
         let mut best: Option<Checkpoint> = None;
-        for offset in CHECKPOINT_OFFSETS {
-            let mut slot = [0u8; CHECKPOINT_BYTES];
+        let mut checkpoint_slots = [[0u8; CHECKPOINT_BYTES]; 2];
+        for (slot, offset) in checkpoint_slots.iter_mut().zip(CHECKPOINT_OFFSETS) {
             local
-                .read_vectored_at(&mut [IoSliceMut::new(&mut slot)], offset)
+                .read_vectored_at(&mut [IoSliceMut::new(slot)], offset)
                 .map_err(|source| TierError::Io {
                     local: local_name.clone(),
                     what: "reading a checkpoint",
                     source,
                 })?;
-            if let Some(checkpoint) = Checkpoint::decode(&slot) {
+            if let Some(checkpoint) = Checkpoint::decode(slot) {
                 if best.is_none_or(|best| checkpoint.generation > best.generation) {
                     best = Some(checkpoint);
                 }
@@ -668,6 +732,7 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
                 tail_position: checkpoint.tail_position,
                 tail_sequence: checkpoint.tail_sequence,
                 tail_previous_crc: checkpoint.tail_previous_crc,
+                tail_position_persisted: checkpoint.tail_position,
                 head_position: checkpoint.tail_position,
                 next_sequence: checkpoint.tail_sequence,
                 last_crc: checkpoint.tail_previous_crc,
@@ -689,6 +754,11 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
                 writeback_epochs: 0,
                 local_failure: None,
                 stopping: false,
+                checkpoint_slots,
+                log_buffer: None,
+                log_buffer_start: checkpoint.tail_position,
+                log_buffer_bytes: 0,
+                log_buffer_unwritten: false,
             }),
             changed: Condvar::new(),
             order: RwLock::new(()),
@@ -703,6 +773,13 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
                 what: "replaying the log",
                 source,
             })?;
+            shared
+                .load_log_buffer(&mut state)
+                .map_err(|source| TierError::Io {
+                    local: local_name.clone(),
+                    what: "reading the log's head",
+                    source,
+                })?;
             if let Some(damage) = damage {
                 if !shared.config.replay_damaged_prefix {
                     return Err(TierError::DamagedRecord {
@@ -726,12 +803,12 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
                 // The damaged record's header is erased (made durable by the checkpoint
                 // below), so the log now ends there and later opens need no flag; its space
                 // is the head, reused by the next record anyway.
+                assert_eq!(
+                    damage.offset, state.head_position,
+                    "replay ends at the damage"
+                );
                 shared
-                    .local
-                    .write_vectored_at(
-                        &[IoSlice::new(&[0u8; RECORD_ALIGNMENT_BYTES as usize])],
-                        damage.offset,
-                    )
+                    .erase_at_head(&mut state)
                     .map_err(|source| TierError::Io {
                         local: local_name.clone(),
                         what: "erasing a damaged record",
@@ -847,6 +924,17 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
 
 impl<R: Device + 'static, L: Device + 'static> Drop for LocalTier<R, L> {
     fn drop(&mut self) {
+        // Records still in the log buffer go to the device (not fsynced: like any write
+        // after the last flush), as they would with a log written through the page cache;
+        // `stop` (a modelled crash) has set `stopping` and writes nothing.
+        {
+            let mut state = self.shared.state.lock();
+            if !state.stopping {
+                if let Err(error) = self.shared.write_log_buffer(&mut state) {
+                    tracing::warn!(local = %self.shared.local_name, %error, "writing the local cache's log buffer on the way out failed");
+                }
+            }
+        }
         self.stop_writeback();
     }
 }
@@ -1106,6 +1194,8 @@ impl<R: Device, L: Device> Shared<R, L> {
 
     /// Writes the next checkpoint (alternating slots) and flushes the local device.
     fn write_checkpoint(&self, state: &mut State) -> io::Result<()> {
+        // The fsync below marks every record appended so far durable (Written before durable).
+        self.write_log_buffer(state)?;
         let checkpoint = Checkpoint {
             generation: state.checkpoint_generation + 1,
             session: state.session,
@@ -1114,22 +1204,38 @@ impl<R: Device, L: Device> Shared<R, L> {
             tail_previous_crc: state.tail_previous_crc,
             remote_epoch: state.remote_epoch,
         };
+        let mut slots = state.checkpoint_slots;
+        slots[(checkpoint.generation % 2) as usize] = checkpoint.encode();
+        let page_bytes = LOG_PAGE_BYTES as usize;
+        let mut page = AlignedBytes::zeroed(page_bytes, page_bytes);
+        for (slot, offset) in slots.iter().zip(CHECKPOINT_OFFSETS) {
+            let at = (offset - CHECKPOINT_OFFSETS[0]) as usize;
+            page[at..at + CHECKPOINT_BYTES].copy_from_slice(slot);
+        }
+        // Both slots in one page write (Pages); the other slot's bytes are unchanged.
         let written = self
             .local
-            .write_vectored_at(
-                &[IoSlice::new(&checkpoint.encode())],
-                CHECKPOINT_OFFSETS[(checkpoint.generation % 2) as usize],
-            )
+            .write_vectored_at(&[IoSlice::new(&page)], CHECKPOINT_OFFSETS[0])
             .and_then(|()| self.local.flush());
         if let Err(error) = written {
             state.local_failure = Some(format!("writing a checkpoint: {error}"));
             return Err(error);
         }
+        state.checkpoint_slots = slots;
+        state.tail_position_persisted = checkpoint.tail_position;
         state.checkpoint_generation = checkpoint.generation;
         // The fsync covered every record appended so far, so every closed epoch's.
         state.durable_epoch = state.durable_epoch.max(state.open_epoch - 1);
         state.durable_sequence = state.durable_sequence.max(state.next_sequence);
         Ok(())
+    }
+
+    /// Writes the log buffer out and returns the sequence below which every record is now on
+    /// the local device: what the fsync the caller makes next covers (Written before durable).
+    fn written_sequence(&self) -> io::Result<u64> {
+        let mut state = self.state.lock();
+        self.write_log_buffer(&mut state)?;
+        Ok(state.next_sequence)
     }
 
     /// Records that every record with a sequence below `covered` (read before an fsync that
@@ -1247,6 +1353,172 @@ impl<R: Device, L: Device> Shared<R, L> {
         }
     }
 
+    /// Starts the log buffer at the head's page, with the bytes the device holds there
+    /// before the head (after replay).
+    fn load_log_buffer(&self, state: &mut State) -> io::Result<()> {
+        let head = state.head_position;
+        let page_start = head / LOG_PAGE_BYTES * LOG_PAGE_BYTES;
+        let bytes = (head - page_start) as usize;
+        let mut buffer = Self::log_buffer_allocate(bytes);
+        if bytes > 0 {
+            self.local
+                .read_vectored_at(&mut [IoSliceMut::new(&mut buffer[..bytes])], page_start)?;
+        }
+        state.log_buffer = Some(buffer);
+        state.log_buffer_start = page_start;
+        state.log_buffer_bytes = bytes;
+        state.log_buffer_unwritten = false;
+        Ok(())
+    }
+
+    /// Page-aligned memory for a log buffer of `bytes`, with room for a page of fill after
+    /// it and for the appends up to the next write-out.
+    fn log_buffer_allocate(bytes: usize) -> AlignedBytes {
+        let page = LOG_PAGE_BYTES as usize;
+        let capacity = (bytes + page).max(LOG_BUFFER_BYTES_MAX + 2 * page);
+        AlignedBytes::zeroed(capacity.next_multiple_of(page), page)
+    }
+
+    /// Appends `parts` at the head `position` into the log buffer and moves the head to
+    /// `new_head` (the first byte after them, or the log's start when they reach the log's
+    /// end, where the buffer is written out: it never spans the wrap). `write_out` asks for
+    /// the buffer to go to the device now; it also goes once it holds
+    /// `LOG_BUFFER_BYTES_MAX`.
+    fn append_bytes(
+        &self,
+        state: &mut State,
+        position: u64,
+        parts: &[&[u8]],
+        new_head: u64,
+        write_out: bool,
+    ) -> io::Result<()> {
+        assert_eq!(
+            position, state.head_position,
+            "the log is appended to at its head"
+        );
+        assert_eq!(
+            state.log_buffer_start + state.log_buffer_bytes as u64,
+            position,
+            "the log buffer ends at the head"
+        );
+        let length: usize = parts.iter().map(|part| part.len()).sum();
+        let end = position + length as u64;
+        assert!(end <= self.log_end, "an append past the log's end");
+        assert!(
+            new_head == end || new_head == self.log_start,
+            "the head moves past the appended bytes, or wraps"
+        );
+        let needed = state.log_buffer_bytes + length + LOG_PAGE_BYTES as usize;
+        if state
+            .log_buffer
+            .as_ref()
+            .is_none_or(|buffer| buffer.len() < needed)
+        {
+            let mut grown = Self::log_buffer_allocate(state.log_buffer_bytes + length);
+            if let Some(old) = &state.log_buffer {
+                grown[..state.log_buffer_bytes].copy_from_slice(&old[..state.log_buffer_bytes]);
+            }
+            state.log_buffer = Some(grown);
+        }
+        let buffer = state.log_buffer.as_mut().expect("a log buffer");
+        let mut at = state.log_buffer_bytes;
+        for part in parts {
+            buffer[at..at + part.len()].copy_from_slice(part);
+            at += part.len();
+        }
+        state.log_buffer_bytes = at;
+        state.log_buffer_unwritten = true;
+        if new_head != end {
+            // A wrap record, or a record that ends the log.
+            self.write_log_buffer(state)?;
+            state.log_buffer_start = self.log_start;
+            state.log_buffer_bytes = 0;
+        } else if write_out || state.log_buffer_bytes >= LOG_BUFFER_BYTES_MAX {
+            self.write_log_buffer(state)?;
+        }
+        state.head_position = new_head;
+        Ok(())
+    }
+
+    /// Writes the log buffer out in whole pages (Pages) when it holds records not yet written,
+    /// then keeps only the head's partial page in it. A failure latches `local_failure`
+    /// (Written before durable).
+    fn write_log_buffer(&self, state: &mut State) -> io::Result<()> {
+        if !state.log_buffer_unwritten {
+            return Ok(());
+        }
+        self.check_local(state)?;
+        let page = LOG_PAGE_BYTES;
+        let start = state.log_buffer_start;
+        let bytes = state.log_buffer_bytes;
+        let end = start + bytes as u64;
+        assert!(start.is_multiple_of(page), "the log buffer starts a page");
+        let write_end = end.next_multiple_of(page).min(self.log_end);
+        let write_bytes = (write_end - start) as usize;
+        // A tail ahead in the last page — the live one, or the persisted one replay would
+        // start at after a crash — keeps its bytes there: they are read and written back as
+        // they are. The rest of the page after the buffer is free and written as zeroes.
+        let live_tail = (state.used_bytes > 0).then_some(state.tail_position);
+        let kept_from = [live_tail, Some(state.tail_position_persisted)]
+            .into_iter()
+            .flatten()
+            .filter(|&tail| tail >= end && tail < write_end)
+            .min();
+        let buffer = state
+            .log_buffer
+            .as_mut()
+            .expect("a log buffer with records");
+        assert!(
+            buffer.len() >= write_bytes,
+            "the log buffer has room for its last page"
+        );
+        let zero_end = kept_from.unwrap_or(write_end);
+        buffer[bytes..(zero_end - start) as usize].fill(0);
+        let mut result = Ok(());
+        if let Some(tail) = kept_from {
+            let from = (tail - start) as usize;
+            result = self
+                .local
+                .read_vectored_at(&mut [IoSliceMut::new(&mut buffer[from..write_bytes])], tail);
+        }
+        let result = result.and_then(|()| {
+            self.local
+                .write_vectored_at(&[IoSlice::new(&buffer[..write_bytes])], start)
+        });
+        if let Err(error) = result {
+            state.local_failure = Some(format!("writing the log: {error}"));
+            return Err(self.local_error("writing the log", error));
+        }
+        let kept_start = end / page * page;
+        let kept = (end - kept_start) as usize;
+        buffer.copy_within((kept_start - start) as usize..bytes, 0);
+        state.log_buffer_start = kept_start;
+        state.log_buffer_bytes = kept;
+        state.log_buffer_unwritten = false;
+        Ok(())
+    }
+
+    /// Zeroes the record slot at the head (a damaged record replay stopped at), through the
+    /// log buffer, and writes it out; the head stays.
+    fn erase_at_head(&self, state: &mut State) -> io::Result<()> {
+        let head = state.head_position;
+        let zeroes = [0u8; RECORD_ALIGNMENT_BYTES as usize];
+        let start = state.log_buffer_start;
+        let saved =
+            state.log_buffer.as_ref().expect("a log buffer")[..state.log_buffer_bytes].to_vec();
+        let mut after = head + zeroes.len() as u64;
+        if after == self.log_end {
+            after = self.log_start;
+        }
+        self.append_bytes(state, head, &[&zeroes], after, true)?;
+        // The head stays: the buffer goes back to the bytes before it.
+        state.log_buffer.as_mut().expect("a log buffer")[..saved.len()].copy_from_slice(&saved);
+        state.log_buffer_start = start;
+        state.log_buffer_bytes = saved.len();
+        state.head_position = head;
+        Ok(())
+    }
+
     /// Writes a record at `position` (reserved) and applies it.
     fn append_at(
         &self,
@@ -1272,19 +1544,27 @@ impl<R: Device, L: Device> Shared<R, L> {
         };
         let (header_bytes, crc) = header.encode(payload);
         let total_bytes = record_total_bytes(payload_bytes);
-        let padding =
-            vec![0u8; (total_bytes - RECORD_HEADER_BYTES as u64 - payload_bytes) as usize];
-        let mut slices = Vec::with_capacity(payload.len() + 2);
-        slices.push(IoSlice::new(&header_bytes));
-        slices.extend(payload.iter().map(|part| IoSlice::new(part)));
-        slices.push(IoSlice::new(&padding));
-        self.local
-            .write_vectored_at(&slices, position)
-            .map_err(|error| self.local_error("appending to the log", error))?;
+        let padding = [0u8; RECORD_ALIGNMENT_BYTES as usize];
+        let padding_bytes = (total_bytes - RECORD_HEADER_BYTES as u64 - payload_bytes) as usize;
+        let mut parts: Vec<&[u8]> = Vec::with_capacity(payload.len() + 2);
+        parts.push(&header_bytes);
+        parts.extend_from_slice(payload);
+        parts.push(&padding[..padding_bytes]);
         let space_bytes = match kind {
             RecordKind::Wrap => self.log_end - position,
             _ => total_bytes,
         };
+        let mut head = position + space_bytes;
+        if head == self.log_end {
+            head = self.log_start;
+        }
+        // Clean records go out at once, so a restart after kill -9 finds the read cache as
+        // warm as it was; an invalidation is fsynced right after; a wrap ends the buffer.
+        let write_out = matches!(
+            kind,
+            RecordKind::Clean | RecordKind::Invalidate | RecordKind::Wrap
+        );
+        self.append_bytes(state, position, &parts, head, write_out)?;
         let meta = RecordMeta {
             position,
             space_bytes,
@@ -1296,11 +1576,6 @@ impl<R: Device, L: Device> Shared<R, L> {
             crc,
         };
         self.apply(state, meta);
-        let mut head = position + space_bytes;
-        if head == self.log_end {
-            head = self.log_start;
-        }
-        state.head_position = head;
         if kind.is_write() {
             state.open_epoch_has_writes = true;
         }
@@ -1314,9 +1589,10 @@ impl<R: Device, L: Device> Shared<R, L> {
         kind: RecordKind,
         disk_offset: u64,
         length_bytes: u64,
-        payload: &[u8],
+        payload: &[&[u8]],
     ) -> io::Result<()> {
-        let total_bytes = record_total_bytes(payload.len() as u64);
+        let payload_bytes: usize = payload.iter().map(|part| part.len()).sum();
+        let total_bytes = record_total_bytes(payload_bytes as u64);
         {
             let _order = self.order.read();
             let mut state = self.state.lock();
@@ -1328,14 +1604,14 @@ impl<R: Device, L: Device> Shared<R, L> {
                         kind,
                         disk_offset,
                         length_bytes,
-                        &[payload],
+                        payload,
                     )
                 }
                 Err(NoSpace::Io(error)) => return Err(error),
                 Err(NoSpace::Dirty | NoSpace::TooLarge) => {}
             }
         }
-        self.write_through(kind, disk_offset, length_bytes, payload)
+        self.write_through(kind, disk_offset, length_bytes, &payload.concat())
     }
 
     /// The fallback: waits until everything logged is on the remote, then logs the write if
@@ -1402,7 +1678,7 @@ impl<R: Device, L: Device> Shared<R, L> {
         }
         // The invalidation is durable before the remote changes, so a replay never serves
         // the older local copies over what the remote then holds.
-        let covered = self.state.lock().next_sequence;
+        let covered = self.written_sequence()?;
         if let Err(error) = self.local.flush() {
             self.state.lock().local_failure = Some(format!("flushing an invalidation: {error}"));
             return Err(self.local_error("flushing an invalidation", error));
@@ -1523,31 +1799,57 @@ impl<R: Device, L: Device> Shared<R, L> {
         }
     }
 
-    /// Writes whole blocks at a block-aligned offset, record by record.
-    fn write_blocks(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+    /// Writes whole blocks at a block-aligned offset, record by record: `parts` (the
+    /// client's buffers, in order) are cut at every `record_bytes_max` and go into the log
+    /// buffer as they are, without being gathered first.
+    fn write_blocks(&self, offset: u64, parts: &[&[u8]]) -> io::Result<()> {
         let step = self.config.record_bytes_max as usize;
-        for (index, chunk) in data.chunks(step).enumerate() {
-            let at = offset + (index * step) as u64;
-            self.log_write(RecordKind::Dirty, at, chunk.len() as u64, chunk)?;
+        let mut record: Vec<&[u8]> = Vec::new();
+        let mut record_bytes = 0usize;
+        let mut at = offset;
+        for part in parts {
+            let mut rest: &[u8] = part;
+            while !rest.is_empty() {
+                let take = rest.len().min(step - record_bytes);
+                record.push(&rest[..take]);
+                record_bytes += take;
+                rest = &rest[take..];
+                if record_bytes == step {
+                    self.log_write(RecordKind::Dirty, at, record_bytes as u64, &record)?;
+                    at += record_bytes as u64;
+                    record.clear();
+                    record_bytes = 0;
+                }
+            }
+        }
+        if record_bytes > 0 {
+            self.log_write(RecordKind::Dirty, at, record_bytes as u64, &record)?;
         }
         Ok(())
     }
 
     fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
-        check_range(self.backend_bytes, offset, data.len() as u64)?;
+        self.write_parts(offset, &[data])
+    }
+
+    /// Writes the concatenation of `parts` at `offset`.
+    fn write_parts(&self, offset: u64, parts: &[&[u8]]) -> io::Result<()> {
+        let length: usize = parts.iter().map(|part| part.len()).sum();
+        check_range(self.backend_bytes, offset, length as u64)?;
         if self.remote_capabilities.read_only {
             return Err(io::Error::new(
                 io::ErrorKind::PermissionDenied,
                 format!("{} is read-only", self.remote.describe()),
             ));
         }
-        if data.is_empty() {
+        if length == 0 {
             return Ok(());
         }
-        let end = offset + data.len() as u64;
+        let end = offset + length as u64;
         if offset.is_multiple_of(self.block_bytes) && end.is_multiple_of(self.block_bytes) {
-            return self.write_blocks(offset, data);
+            return self.write_blocks(offset, parts);
         }
+        let data = parts.concat();
         let _partial = self.partial_writes.lock();
         let start = offset / self.block_bytes * self.block_bytes;
         let stop = end.next_multiple_of(self.block_bytes);
@@ -1556,8 +1858,8 @@ impl<R: Device, L: Device> Shared<R, L> {
         self.read_at(start, &mut whole[..block])?;
         let last = whole.len() - block;
         self.read_at(stop - self.block_bytes, &mut whole[last..])?;
-        whole[(offset - start) as usize..(end - start) as usize].copy_from_slice(data);
-        self.write_blocks(start, &whole)
+        whole[(offset - start) as usize..(end - start) as usize].copy_from_slice(&data);
+        self.write_blocks(start, &[&whole])
     }
 
     /// Zeroes (or discards) a range: partial blocks at the edges by writing zeroes, whole
@@ -1613,7 +1915,9 @@ impl<R: Device, L: Device> Shared<R, L> {
         let generation_before;
         let mut local_blocks = 0u64;
         {
-            let state = self.state.lock();
+            let mut state = self.state.lock();
+            // The log is read below where the index points: the records must be there.
+            self.write_log_buffer(&mut state)?;
             generation_before = state.generation;
             for number in first_block..end_block {
                 let at = ((number - first_block) * block) as usize;
@@ -1839,7 +2143,7 @@ impl<R: Device, L: Device> Shared<R, L> {
             return Ok(());
         }
         // The epoch is closed, so all its records were appended before this fsync.
-        let covered = self.state.lock().next_sequence;
+        let covered = self.written_sequence()?;
         if let Err(error) = self.local.flush() {
             self.state.lock().local_failure = Some(format!("flushing the log: {error}"));
             return Err(self.local_error("flushing the log before write-back", error));
@@ -2027,14 +2331,8 @@ impl<R: Device + 'static, L: Device + 'static> Device for LocalTier<R, L> {
     }
 
     fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
-        if let [single] = buffers {
-            return self.shared.write_at(offset, single);
-        }
-        let data: Vec<u8> = buffers
-            .iter()
-            .flat_map(|buffer| buffer.iter().copied())
-            .collect();
-        self.shared.write_at(offset, &data)
+        let parts: Vec<&[u8]> = buffers.iter().map(|buffer| &**buffer).collect();
+        self.shared.write_parts(offset, &parts)
     }
 
     fn submit_reads(&self, reads: Vec<ReadRequest>) {
@@ -2049,7 +2347,7 @@ impl<R: Device + 'static, L: Device + 'static> Device for LocalTier<R, L> {
         let shared = &self.shared;
         shared.check_local(&shared.state.lock())?;
         let target = shared.close_epoch();
-        let covered = shared.state.lock().next_sequence;
+        let covered = shared.written_sequence()?;
         if let Err(error) = shared.local.flush() {
             shared.state.lock().local_failure = Some(format!("flushing the log: {error}"));
             return Err(shared.local_error("flushing the log", error));
