@@ -1515,7 +1515,56 @@ fn handle_rescue_file(
             ))));
         }
     }
-    for record in &records {
+    if let Err(error) = replay_records(path, cache, objects, &records) {
+        // This start raised the disk's generation when it opened it, and nothing else has
+        // written to the disk since (this server holds it): the file records that generation
+        // now, so the next start replays it instead of refusing it as saved before the disk
+        // moved on.
+        let restamped: Vec<rescue::Backend> = contents
+            .backends
+            .iter()
+            .flatten()
+            .map(|saved| {
+                let ours = target
+                    .backends
+                    .iter()
+                    .find(|ours| ours.export == saved.export)
+                    .expect("every saved backend was matched above");
+                rescue::Backend {
+                    identity: ours.identity.clone(),
+                    state: ours.state.or(saved.state),
+                    ..saved.clone()
+                }
+            })
+            .collect();
+        if contents.backends.is_some() {
+            if let Err(restamp) = rescue::write(path, &restamped, &records) {
+                say!(
+                    "rescue file {}: recording the disk's new generation failed ({restamp}): the next start may need --rescue force to replay it",
+                    path.display()
+                );
+            }
+        }
+        return Err(error);
+    }
+    rescue::remove(path)?;
+    say!(
+        "replayed rescue file {}: {bytes} bytes in {} records written back and flushed",
+        path.display(),
+        records.len()
+    );
+    Ok(())
+}
+
+/// Writes the rescue file's records to their exports and writes them back (the file is kept
+/// when this fails).
+fn replay_records(
+    path: &Path,
+    cache: &Cache,
+    objects: &[(String, ObjectHandle)],
+    records: &[rescue::Record],
+) -> anyhow::Result<()> {
+    for record in records {
         let Some((_, object)) = objects.iter().find(|(name, _)| *name == record.export) else {
             return Err(anyhow::Error::new(crate::BadInput(format!(
                 "rescue file {} holds data for export {:?}, which this server does not have: nothing was replayed and the file is kept; start with that export to replay it",
@@ -1540,12 +1589,6 @@ fn handle_rescue_file(
             path.display()
         )
     })?;
-    rescue::remove(path)?;
-    say!(
-        "replayed rescue file {}: {bytes} bytes in {} records written back and flushed",
-        path.display(),
-        records.len()
-    );
     Ok(())
 }
 

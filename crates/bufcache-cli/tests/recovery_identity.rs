@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use bufcache_nbd::NbdClient;
 use common::*;
-use s3_support::{have_moto, Moto, Proxy};
+use s3_support::{have_moto, FaultProxy, Moto, Proxy};
 
 const MIB: usize = 1 << 20;
 /// Exit status of `bufcache serve` when dirty data went to the rescue file.
@@ -193,6 +193,92 @@ fn a_rescue_file_is_replayed_after_break_lock_and_never_over_newer_data() {
         (0, 0),
         "acknowledged writes lost, stale replays"
     );
+}
+
+// Goal: a start that replays a rescue file but cannot write it back (the store failing
+// every PUT of the block's chunk) keeps the file, and the next start replays it: the failed
+// start raised the disk's generation, and the file records the raised one instead of being
+// refused as saved before the disk moved on. Method: a rescue file made with the store cut
+// (chunk layout); a break-lock start through a proxy answering every PUT of chunk 0 with 500
+// fails; the start after it, on the plain endpoint, reads back the rescued bytes.
+#[test]
+fn a_replay_that_cannot_write_back_keeps_the_rescue_file_replayable() {
+    let name = "a_replay_that_cannot_write_back_keeps_the_rescue_file_replayable";
+    if !have_moto(name) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    let moto = Moto::start();
+    moto.create_bucket("disks");
+    let proxy = Proxy::start(moto.port);
+    let dir = temp_dir();
+    let url = |endpoint: &str| {
+        format!("s3://disks/replay?endpoint={endpoint}&layout=chunk&chunk-size=1M&retry-timeout-ms=1000")
+    };
+    let flushed = vec![0x11; 64 << 10];
+    let rescued = random_bytes(64 << 10, 45);
+    let rescue = rescue_with_the_store_cut(
+        dir.path(),
+        &proxy,
+        &url(&proxy.endpoint()),
+        &[],
+        &flushed,
+        &rescued,
+        0,
+    );
+    let refusal = refused_changing_nothing(
+        moto.port,
+        dir.path(),
+        &["--backend", &url(&proxy.endpoint())],
+    );
+    let lock_id = lock_id_in(&refusal);
+    let failing = FaultProxy::start(moto.port, "chunks/0000000000000000", 100_000);
+    let output = run_timeout(
+        Command::new(bufcache_bin())
+            .args(["serve", "--backend"])
+            .arg(format!("{}&break-lock={lock_id}", url(&failing.endpoint())))
+            .arg("--listen")
+            .arg(format!(
+                "unix:{}",
+                dir.path().join("failing.sock").display()
+            ))
+            .current_dir(dir.path()),
+        Duration::from_secs(120),
+    );
+    let text = output_text(&output);
+    assert!(
+        !output.status.success(),
+        "the replay wrote back through a failing store: {text}"
+    );
+    assert!(text.contains("writing its data back failed"), "{text}");
+    assert!(
+        rescue.exists(),
+        "the rescue file is gone after a failed replay"
+    );
+    drop(failing);
+    let mut backend = url(&moto.endpoint());
+    if let Some(holder) = lock_holder_id(&backend) {
+        backend = format!("{backend}&break-lock={holder}");
+    }
+    let mut server = Server::start(dir.path(), "after", &["--backend", &backend]);
+    assert_same_bytes(
+        &rescued,
+        &read_at(&server, 0, rescued.len()),
+        "after the failed replay",
+    );
+    assert!(!rescue.exists(), "the replayed rescue file is still there");
+    server.stop_clean();
+}
+
+/// The id of the lock held on the disk `url` names, from `bufcache disk info --json`; None
+/// when nothing holds it.
+fn lock_holder_id(url: &str) -> Option<String> {
+    let output = run_ok(
+        Command::new(bufcache_bin()).args(["disk", "info", url, "--json"]),
+        Duration::from_secs(60),
+    );
+    let info: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    info["lock"]["id"].as_str().map(str::to_string)
 }
 
 /// Rounds of reproduction 1 on the store at `port` (bucket `disks`): (acknowledged writes
