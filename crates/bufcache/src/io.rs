@@ -61,10 +61,10 @@ const WRITEBACK_SHARE_DIVISOR: usize = 4;
 const SLOT_POLL_NS: u64 = 50_000;
 const SLOT_POLL_MAX_NS: u64 = 1_000_000;
 
-/// The mutation guard counts device bytes in regions of 1 << this many bytes...
-const MUTATION_REGION_SHIFT: u32 = 20;
+/// The mutation guard counts device bytes in regions of 1 << this many bytes (64 KiB)...
+const MUTATION_REGION_SHIFT: u32 = 16;
 /// ...folded onto this many counters (so a range touches at most this many).
-const MUTATION_BUCKETS: usize = 64;
+const MUTATION_BUCKETS: usize = 256;
 
 /// Requests that change a device's bytes, counted per region of the device when they start
 /// and when they end (see the module notes). Both counts only grow, and a request's end is
