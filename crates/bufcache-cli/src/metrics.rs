@@ -740,6 +740,27 @@ fn cache_prometheus(text: &mut String, stats: &CacheStats) {
     buffer_wait_histogram(text, stats);
     counter(
         text,
+        "bufcache_streamed_reads_total",
+        "",
+        stats.streamed_reads,
+        "Device reads that served a cold read without caching it: no buffer was free without evicting what others use.",
+    );
+    counter(
+        text,
+        "bufcache_streamed_blocks_total",
+        "",
+        stats.streamed_blocks,
+        "Blocks served by streamed reads.",
+    );
+    counter(
+        text,
+        "bufcache_writeback_waits_total",
+        "",
+        stats.writeback_waits,
+        "Writers under pressure that waited for write-back in flight instead of writing back themselves.",
+    );
+    counter(
+        text,
         "bufcache_eviction_candidates_examined_total",
         "",
         stats.eviction_candidates_examined,
@@ -935,6 +956,9 @@ fn cache_json(stats: &CacheStats) -> Value {
         "buffer_wait_seconds": stats.buffer_wait_ns as f64 / 1e9,
         "buffer_wait_buckets": stats.buffer_wait_buckets.to_vec(),
         "buffer_wait_bucket_limits_seconds": bufcache::BUFFER_WAIT_BUCKETS_SECONDS,
+        "streamed_reads": stats.streamed_reads,
+        "streamed_blocks": stats.streamed_blocks,
+        "writeback_waits": stats.writeback_waits,
         "dirty_bytes": stats.dirty_bytes,
         "pinned_bytes": stats.pinned_bytes,
         "memory_used_bytes": stats.memory_used_bytes,

@@ -6,8 +6,9 @@
 //! complaint was an iostat that got this wrong), the interval's hit ratio, dirty and wired
 //! memory, read-ahead efficiency (used over issued), NBD connections open, NBD requests per
 //! second and the interval's 99th-percentile request latency, buffer waits per second and
-//! their mean wait (`bufcache_buffer_waits_total`, `bufcache_buffer_wait_seconds`), and
-//! eviction candidates examined per eviction. `--once` prints the totals so
+//! their mean wait (`bufcache_buffer_waits_total`, `bufcache_buffer_wait_seconds`),
+//! eviction candidates examined per eviction, and cold reads streamed per second (served from
+//! the device without being cached, `bufcache_streamed_reads_total`). `--once` prints the totals so
 //! far, with a line per NBD command (requests, bytes, errors, mean, p50 and p99 latency).
 
 use std::time::Duration;
@@ -194,6 +195,8 @@ struct Line {
     /// Eviction candidates examined per eviction (about 1 when busy buffers are off the
     /// queues; 0 without evictions).
     candidates_per_eviction: f64,
+    /// Device reads per second that served a cold read without caching it (streaming).
+    streamed_reads_per_second: f64,
 }
 
 /// Every export's NBD latency histogram summed per bucket, for the command `command` (or all
@@ -346,6 +349,7 @@ fn line_between(earlier: &Value, later: &Value, seconds: f64) -> Line {
         } else {
             0.0
         },
+        streamed_reads_per_second: delta(&["cache", "streamed_reads"]) / seconds,
         connections_open: exports_sum(later, "/nbd/connections_open") as u64,
         nbd_requests_per_second: nbd_requests / seconds,
         latency_p99_ms: quantile_ms(later, &interval_buckets, 0.99),
@@ -385,12 +389,13 @@ fn print_line(line: &Line, json: bool) {
             "buffer_waits_per_second": line.buffer_waits_per_second,
             "buffer_wait_mean_ms": line.buffer_wait_mean_ms,
             "candidates_per_eviction": line.candidates_per_eviction,
+            "streamed_reads_per_second": line.streamed_reads_per_second,
         });
         println!("{value}");
         return;
     }
     println!(
-        "{:>9.1} {:>8.2} {:>8.2} {:>8.1} {:>6.1} {:>10} {:>10} {:>7.1} {:>6} {:>9.1} {:>8.3} {:>8.1} {:>8.3} {:>7.2}",
+        "{:>9.1} {:>8.2} {:>8.2} {:>8.1} {:>6.1} {:>10} {:>10} {:>7.1} {:>6} {:>9.1} {:>8.3} {:>8.1} {:>8.3} {:>7.2} {:>8.1}",
         line.transfers_per_second,
         line.read_megabytes_per_second,
         line.write_megabytes_per_second,
@@ -404,7 +409,8 @@ fn print_line(line: &Line, json: bool) {
         line.latency_p99_ms,
         line.buffer_waits_per_second,
         line.buffer_wait_mean_ms,
-        line.candidates_per_eviction
+        line.candidates_per_eviction,
+        line.streamed_reads_per_second
     );
 }
 
@@ -499,7 +505,7 @@ fn print_totals(stats: &Value) {
 
 fn print_header() {
     println!(
-        "{:>9} {:>8} {:>8} {:>8} {:>6} {:>10} {:>10} {:>7} {:>6} {:>9} {:>8} {:>8} {:>8} {:>7}",
+        "{:>9} {:>8} {:>8} {:>8} {:>6} {:>10} {:>10} {:>7} {:>6} {:>9} {:>8} {:>8} {:>8} {:>7} {:>8}",
         "tps",
         "rMB/s",
         "wMB/s",
@@ -513,7 +519,8 @@ fn print_header() {
         "p99 ms",
         "bwait/s",
         "bwait ms",
-        "exam/ev"
+        "exam/ev",
+        "strm/s"
     );
 }
 
@@ -589,15 +596,19 @@ mod tests {
 
     #[test]
     fn buffer_waits_and_eviction_work_come_from_the_difference_of_two_snapshots() {
-        // Goal: the wait and eviction columns are per interval. Method: two snapshots 2 s
-        // apart with 4 more waits lasting 0.02 s in all and 10 more evictions examining 15.
+        // Goal: the wait, eviction and streaming columns are per interval. Method: two
+        // snapshots 2 s apart with 4 more waits lasting 0.02 s in all, 10 more evictions
+        // examining 15, and 6 more streamed reads.
         let earlier = json!({"cache": {"buffer_waits": 1, "buffer_wait_seconds": 1.0,
-                                       "evictions": 5, "eviction_candidates_examined": 5}});
+                                       "evictions": 5, "eviction_candidates_examined": 5,
+                                       "streamed_reads": 10}});
         let later = json!({"cache": {"buffer_waits": 5, "buffer_wait_seconds": 1.02,
-                                     "evictions": 15, "eviction_candidates_examined": 20}});
+                                     "evictions": 15, "eviction_candidates_examined": 20,
+                                     "streamed_reads": 16}});
         let line = line_between(&earlier, &later, 2.0);
         assert_eq!(line.buffer_waits_per_second, 2.0);
         assert!((line.buffer_wait_mean_ms - 5.0).abs() < 1e-9, "{line:?}");
         assert_eq!(line.candidates_per_eviction, 1.5);
+        assert_eq!(line.streamed_reads_per_second, 3.0);
     }
 }

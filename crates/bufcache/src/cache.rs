@@ -18,7 +18,7 @@
 //! another object goes on cleaning elsewhere, waits, and at worst gets `NoSpace`; it never
 //! gets another object's I/O error.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -34,7 +34,7 @@ use crate::io::Io;
 use crate::object::{ObjectConfig, ObjectState};
 use crate::stats::{CacheStats, Counters, WritebackCause};
 use crate::table::{Lookup, Table};
-use crate::writeback::{Awaiting, Writeback};
+use crate::writeback::{Awaiting, SpaceCleaning, Writeback};
 
 /// How long one wait for space lasts before the reservation looks again.
 const SPACE_WAIT_STEP: Duration = Duration::from_millis(5);
@@ -308,6 +308,31 @@ impl Inner {
         ))
     }
 
+    /// Finds `key` or inserts a new invalid buffer for it if room is free now, evicting
+    /// clean idle buffers only (never writing back or waiting). None when there is no such
+    /// room: every buffer is pinned, dirty, under I/O or unused read-ahead a reservation
+    /// may not take. A read then streams ([`crate::handle`]'s `read_streaming`).
+    pub(crate) fn lookup_or_try_insert(
+        &self,
+        key: BlockKey,
+        object: &ObjectState,
+        placement: Placement,
+    ) -> Option<Lookup> {
+        if let Some(buffer) = self.table.lookup(key, placement) {
+            return Some(Lookup::Found(buffer));
+        }
+        let size_bytes = object.block_size_bytes as u64;
+        if !self.table.try_reserve(size_bytes, false) {
+            return None;
+        }
+        Some(self.table.insert_reserved(
+            key,
+            size_bytes,
+            object.block_length_bytes(key.block),
+            placement,
+        ))
+    }
+
     /// Inserts a new invalid buffer for `key` if it is absent and space is free without
     /// waiting (clustering and read-ahead extend runs only this way). Returns it locked
     /// exclusively and pinned, or None. Read-ahead (`for_readahead`) never evicts
@@ -372,6 +397,10 @@ impl Inner {
         object: &ObjectState,
     ) -> Result<(), CacheError> {
         let mut wait: Option<SpaceWait> = None;
+        // The object's error latch when this reservation first found no room: a write-back
+        // it sent that fails later is latched there, and returned (see below).
+        let mut latch_seen: Option<AtomicU64> = None;
+        let mut awaited_writeback = false;
         let outcome = loop {
             if self.table.try_reserve(size_bytes, false) {
                 break Ok(());
@@ -381,9 +410,15 @@ impl Inner {
                     waited: Duration::ZERO,
                 });
             }
-            match self.clean_for_space(Some(object)) {
-                Ok(true) => continue,
-                Ok(false) => {}
+            match self.clean_or_await_for_space(object, &mut latch_seen) {
+                Ok(SpaceCleaning::Cleaned) => continue,
+                Ok(SpaceCleaning::InFlight) if !awaited_writeback => {
+                    awaited_writeback = true;
+                    self.counters
+                        .writeback_waits
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(_) => {}
                 Err(error) => break Err(error),
             }
             let now_ns = self.clock.now_ns();
@@ -410,6 +445,38 @@ impl Inner {
                 .buffer_wait(u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX));
         }
         outcome
+    }
+
+    /// Write-back for a reservation of `object` that found nothing to evict, visiting
+    /// objects in turn ([`Writeback::clean_for_space`]: it sends write-back only while the
+    /// device's share has room, and over a device that completes later does not wait for
+    /// it). `Cleaned` when some ended already, `InFlight` when the caller should wait for
+    /// completions. An error is the requester's own: a write it waited for that failed with
+    /// nothing cleaned, or a failure latched on `object` since `latch_seen` was first set
+    /// (a write-back sent without waiting that failed): waiting would not help then.
+    fn clean_or_await_for_space(
+        &self,
+        object: &ObjectState,
+        latch_seen: &mut Option<AtomicU64>,
+    ) -> Result<SpaceCleaning, CacheError> {
+        let latch_seen = latch_seen.get_or_insert_with(|| AtomicU64::new(object.latch_sequence()));
+        if let Some(error) = object.unseen_error(latch_seen) {
+            return Err(error);
+        }
+        let objects = self.objects();
+        let start = self.space_cursor.fetch_add(1, Ordering::Relaxed);
+        let mut outcome = SpaceCleaning::Nothing;
+        for step in 0..objects.len() {
+            let candidate = &objects[(start + step) % objects.len()];
+            match self.writeback.clean_for_space(candidate) {
+                Ok(SpaceCleaning::Cleaned) => return Ok(SpaceCleaning::Cleaned),
+                Ok(SpaceCleaning::InFlight) => outcome = SpaceCleaning::InFlight,
+                Ok(SpaceCleaning::Nothing) => {}
+                Err(error) if candidate.id == object.id => return Err(error),
+                Err(_latched_on_its_object) => {}
+            }
+        }
+        Ok(outcome)
     }
 
     /// Writes back one cluster of dirty data so its buffers become evictable, visiting

@@ -25,6 +25,7 @@ use crate::readahead::ReadaheadPlan;
 use crate::stats::WritebackCause;
 use crate::table::{Lookup, RunLookup};
 use crate::writeback::LockMode;
+use bufcache_device::aligned::AlignedBytes;
 use bufcache_device::{Device, Extent, ReadMemory};
 
 /// How [`ObjectHandle::zero`] may zero a range.
@@ -743,7 +744,20 @@ impl ObjectHandle {
             Some(buffer) => Lookup::Found(buffer),
             None => {
                 request.cached = None;
-                inner.lookup_or_insert(key, &self.object, request.placement, Urgency::Wait)?
+                match inner.lookup_or_try_insert(key, &self.object, request.placement) {
+                    Some(found) => found,
+                    None => {
+                        if let Some(next) = self.read_streaming(block, request)? {
+                            return Ok(next);
+                        }
+                        inner.lookup_or_insert(
+                            key,
+                            &self.object,
+                            request.placement,
+                            Urgency::Wait,
+                        )?
+                    }
+                }
             }
         };
         match found {
@@ -801,6 +815,112 @@ impl ObjectHandle {
                 Ok(served_end)
             }
         }
+    }
+
+    /// Serves the request's blocks from `block` on, while they are absent from the cache
+    /// (at most one cluster, within one contiguous device run), with one device read into
+    /// the caller's memory, caching nothing (rule 4 of "Admission under pressure" in
+    /// docs/design.md): called when `block` found no room without evicting what others use.
+    /// Returns the next block to serve, or None when the read could not stream and the
+    /// caller should wait for space as before: the device bytes were not the newest (a
+    /// write of them in flight, a block cached meanwhile, a discard or zeroing dropping
+    /// dirty blocks) or a block is cached after all.
+    ///
+    /// A read that only makes its blocks resident (no target: [`ObjectHandle::read_with`]'s
+    /// first pass) stops at once instead; its copying pass streams.
+    fn read_streaming(
+        &self,
+        block: u64,
+        request: &mut ReadRequest<'_>,
+    ) -> Result<Option<u64>, CacheError> {
+        let Some(target) = request.target.as_deref_mut() else {
+            return Ok(Some(request.end));
+        };
+        let inner = self.inner();
+        let object = &self.object;
+        let table = inner.table();
+        let run_limit = (block + object.write_run_blocks_max(block))
+            .min(request.end)
+            .min(object.block_count);
+        let stop = table.first_present(object.id, block, run_limit);
+        if stop == block {
+            // Cached meanwhile: the caller's next look finds it.
+            return Ok(Some(block));
+        }
+        let block_size = object.block_size_bytes as u64;
+        let alignment = inner.io().capabilities(object).alignment_bytes.max(1);
+        // The run's bytes in the object and what the target covers of them: whole blocks
+        // in the middle are read straight into the target; a block the target covers only
+        // in part (the first or last), or a middle the device cannot use as it is
+        // (alignment), is read into a bounce buffer and copied.
+        let run_start = block * block_size;
+        let run_end = (stop - 1) * block_size + object.block_length_bytes(stop - 1) as u64;
+        let target_start = request.offset;
+        let target_end = request.offset + target.len() as u64;
+        let whole_start = if run_start >= target_start {
+            run_start
+        } else {
+            run_start + block_size
+        };
+        let whole_end = if run_end <= target_end {
+            run_end
+        } else {
+            (stop - 1) * block_size
+        };
+        let direct = whole_start < whole_end && {
+            let middle = &target[(whole_start - target_start) as usize..];
+            (middle.as_ptr() as usize).is_multiple_of(alignment)
+                && (whole_end - whole_start).is_multiple_of(alignment as u64)
+        };
+        // [run_start, middle_start) and [middle_end, run_end) go through bounce buffers.
+        let (middle_start, middle_end) = if direct {
+            (whole_start, whole_end)
+        } else {
+            (run_end, run_end)
+        };
+        let bounce = |from: u64, to: u64| {
+            (from < to).then(|| AlignedBytes::zeroed((to - from) as usize, alignment))
+        };
+        let mut head = bounce(run_start, middle_start);
+        let mut tail = bounce(middle_end, run_end);
+        let middle: &mut [u8] = if direct {
+            &mut target
+                [(middle_start - target_start) as usize..(middle_end - target_start) as usize]
+        } else {
+            &mut []
+        };
+        let mut slices: smallvec::SmallVec<[IoSliceMut<'_>; 3]> = smallvec::SmallVec::new();
+        if let Some(head) = head.as_deref_mut() {
+            slices.push(IoSliceMut::new(head));
+        }
+        if !middle.is_empty() {
+            slices.push(IoSliceMut::new(middle));
+        }
+        if let Some(tail) = tail.as_deref_mut() {
+            slices.push(IoSliceMut::new(tail));
+        }
+        let device_offset = object.map.map(block).device_offset;
+        let streamed = inner
+            .io()
+            .read_unguarded_if(object, &mut slices, device_offset, || {
+                !object.replace_in_flight() && table.first_present(object.id, block, stop) == stop
+            })?;
+        drop(slices);
+        if !streamed {
+            return Ok(None);
+        }
+        for (from, bytes) in [(run_start, head), (middle_end, tail)] {
+            if let Some(bytes) = bytes {
+                copy_range_out(from, &bytes, target_start, target);
+            }
+        }
+        table.count_misses(object.id, block, stop);
+        let counters = inner.counters();
+        counters.streamed_reads.fetch_add(1, Ordering::Relaxed);
+        counters
+            .streamed_blocks
+            .fetch_add(stop - block, Ordering::Relaxed);
+        Ok(Some(stop))
     }
 
     /// Extends a freshly inserted buffer into a run of absent blocks up to `limit`, one
@@ -1932,6 +2052,17 @@ fn send_held(
     drop(slices);
     drop(held);
     sent
+}
+
+/// Copies the part of `bytes` (object bytes from `from` on) that a read of `target.len()`
+/// bytes at `offset` wants.
+fn copy_range_out(from: u64, bytes: &[u8], offset: u64, target: &mut [u8]) {
+    let start = offset.max(from);
+    let end = (offset + target.len() as u64).min(from + bytes.len() as u64);
+    if start < end {
+        target[(start - offset) as usize..(end - offset) as usize]
+            .copy_from_slice(&bytes[(start - from) as usize..(end - from) as usize]);
+    }
 }
 
 /// Copies the part of `block`'s bytes that a read of `target.len()` bytes at `offset` wants.

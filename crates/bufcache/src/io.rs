@@ -15,6 +15,12 @@
 //!   (in flight together) only when the device serves more than one request at a time; a
 //!   batch never holds more writes than the device's share, so a batch is sent whole.
 //!
+//! - **Mutation guard.** Every request that changes a device's bytes (a write-back write, a
+//!   discard, a zeroing) is counted in that device's [`Mutations`] when it starts and when it
+//!   ends. A streaming read ([`Io::read_unguarded_if`], which caches nothing) is good only if no
+//!   such request touched its bytes while it was at the device: it looks before (nothing in
+//!   flight there) and after (nothing started since).
+//!
 //! Invariants:
 //! - a device's write-back requests in flight never exceed its share, except that one batch
 //!   always proceeds when nothing of that device is in flight (no pass waits forever);
@@ -25,7 +31,7 @@
 
 use std::collections::HashMap;
 use std::io::IoSliceMut;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use bufcache_device::{
@@ -55,7 +61,83 @@ const WRITEBACK_SHARE_DIVISOR: usize = 4;
 const SLOT_POLL_NS: u64 = 50_000;
 const SLOT_POLL_MAX_NS: u64 = 1_000_000;
 
-/// Write-back's share of one device.
+/// The mutation guard counts device bytes in regions of 1 << this many bytes (64 KiB)...
+const MUTATION_REGION_SHIFT: u32 = 16;
+/// ...folded onto this many counters (so a range touches at most this many).
+const MUTATION_BUCKETS: usize = 256;
+
+/// Requests that change a device's bytes, counted per region of the device when they start
+/// and when they end (see the module notes). Both counts only grow, and a request's end is
+/// counted after its start, so a bucket whose two counts are equal has nothing in flight,
+/// and a bucket whose start count has not moved saw nothing start.
+struct Mutations {
+    started: [AtomicU64; MUTATION_BUCKETS],
+    ended: [AtomicU64; MUTATION_BUCKETS],
+}
+
+impl Mutations {
+    fn new() -> Self {
+        Mutations {
+            started: std::array::from_fn(|_| AtomicU64::new(0)),
+            ended: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
+    }
+
+    /// The buckets of the device bytes `[offset, offset + length_bytes)`, each once.
+    fn buckets(offset: u64, length_bytes: u64) -> impl Iterator<Item = usize> {
+        let first = offset >> MUTATION_REGION_SHIFT;
+        let last = (offset + length_bytes.max(1) - 1) >> MUTATION_REGION_SHIFT;
+        let count = (last - first + 1).min(MUTATION_BUCKETS as u64);
+        (first..first + count).map(|region| (region % MUTATION_BUCKETS as u64) as usize)
+    }
+
+    /// Counts the start of a request changing `[offset, offset + length_bytes)`; made before
+    /// the request goes to the device.
+    fn begin(&self, offset: u64, length_bytes: u64) {
+        for bucket in Self::buckets(offset, length_bytes) {
+            self.started[bucket].fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Counts the end of a request [`Mutations::begin`] counted; made after the device
+    /// answered it.
+    fn end(&self, offset: u64, length_bytes: u64) {
+        for bucket in Self::buckets(offset, length_bytes) {
+            let ended = self.ended[bucket].fetch_add(1, Ordering::SeqCst);
+            strict_assert!(
+                ended < self.started[bucket].load(Ordering::SeqCst),
+                "a mutation ends after it started"
+            );
+        }
+    }
+
+    /// The start count of the range's buckets, if nothing changing them is in flight.
+    /// Each bucket's end count is read before its start count: a request in flight then is
+    /// in the start count and not yet in the end count.
+    fn quiet(&self, offset: u64, length_bytes: u64) -> Option<u64> {
+        let mut started_total = 0u64;
+        for bucket in Self::buckets(offset, length_bytes) {
+            let ended = self.ended[bucket].load(Ordering::SeqCst);
+            let started = self.started[bucket].load(Ordering::SeqCst);
+            if started != ended {
+                return None;
+            }
+            started_total = started_total.wrapping_add(started);
+        }
+        Some(started_total)
+    }
+
+    /// True when nothing changing the range started since [`Mutations::quiet`] gave
+    /// `started_total` (start counts only grow, so an equal sum means no bucket moved).
+    fn unchanged_since(&self, offset: u64, length_bytes: u64, started_total: u64) -> bool {
+        Self::buckets(offset, length_bytes)
+            .map(|bucket| self.started[bucket].load(Ordering::SeqCst))
+            .fold(0u64, u64::wrapping_add)
+            == started_total
+    }
+}
+
+/// Write-back's share of one device, and its mutation guard.
 struct DeviceSlots {
     /// Write-back requests at the device now.
     writeback_inflight: AtomicUsize,
@@ -65,6 +147,8 @@ struct DeviceSlots {
     writeback_inflight_max: usize,
     /// Writes one write-back batch carries at most (1: no batches).
     batch_writes_max: usize,
+    /// Requests changing the device's bytes, for streaming reads.
+    mutations: Mutations,
 }
 
 impl DeviceSlots {
@@ -85,6 +169,7 @@ impl DeviceSlots {
             waiting: AtomicUsize::new(0),
             writeback_inflight_max: share,
             batch_writes_max,
+            mutations: Mutations::new(),
         }
     }
 
@@ -237,6 +322,31 @@ impl Io {
         object.device.capabilities().inflight_requests_max > 1
     }
 
+    /// True when the object's device has a free write-back slot now (or nothing of its
+    /// write-back in flight).
+    pub(crate) fn writeback_slot_free(&self, object: &ObjectState) -> bool {
+        let slots = self.slots(object);
+        let inflight = slots.writeback_inflight.load(Ordering::Acquire);
+        inflight == 0 || inflight < slots.writeback_inflight_max
+    }
+
+    /// Sleeps (through the injected waiter) until one of the device's write-back requests
+    /// ends or `timeout_ns` passes, unless a slot is free already. True when a slot is free
+    /// or something woke it (the caller should look again at once).
+    pub(crate) fn wait_for_writeback_end(&self, object: &ObjectState, timeout_ns: u64) -> bool {
+        let slots = self.slots(object);
+        slots.waiting.fetch_add(1, Ordering::AcqRel);
+        // Ticket before the look: a release after the look ends the wait at once.
+        let ticket = self.waiter.ticket();
+        let woken = slots.writeback_inflight.load(Ordering::Acquire) < slots.writeback_inflight_max
+            || {
+                self.waiter.wait(ticket, timeout_ns);
+                self.waiter.ticket() != ticket
+            };
+        slots.waiting.fetch_sub(1, Ordering::AcqRel);
+        woken
+    }
+
     /// Write-back requests at all devices now.
     pub(crate) fn writeback_inflight_requests(&self) -> u64 {
         self.slots
@@ -277,6 +387,39 @@ impl Io {
             .device_reads
             .record(length_bytes, result.is_ok());
         result.map_err(|source| self.error(object, "read", device_offset, length_bytes, source))
+    }
+
+    /// A read of `slices` at `device_offset` for a caller that caches nothing of it (a
+    /// streaming read): made only if `still_current` holds before it, and good (true) only
+    /// if `still_current` holds after it too and no request changing those device bytes was
+    /// in flight before it or started while it was at the device. Otherwise (false) the
+    /// slices hold nothing the caller may use.
+    ///
+    /// Why that suffices: `still_current` says the bytes on the device are the newest (no
+    /// newer copy cached, nothing dropped on the way to the device). A write of those bytes
+    /// that started before the read began had ended (the device holds its result); one
+    /// that started later, or overlapped the read at the device, is seen by the second look,
+    /// since its start is counted before it goes to the device and so before the read ends.
+    pub(crate) fn read_unguarded_if(
+        &self,
+        object: &ObjectState,
+        slices: &mut [IoSliceMut<'_>],
+        device_offset: u64,
+        still_current: impl Fn() -> bool,
+    ) -> Result<bool, CacheError> {
+        let length_bytes: u64 = slices.iter().map(|slice| slice.len() as u64).sum();
+        let slots = self.slots(object);
+        let Some(started_total) = slots.mutations.quiet(device_offset, length_bytes) else {
+            return Ok(false);
+        };
+        if !still_current() {
+            return Ok(false);
+        }
+        self.read(object, slices, device_offset)?;
+        Ok(slots
+            .mutations
+            .unchanged_since(device_offset, length_bytes, started_total)
+            && still_current())
     }
 
     /// Starts `read` on `object`'s device; it is counted when it ends, before its own
@@ -359,7 +502,9 @@ impl Io {
                 let length_bytes = total_length(memory.slices().iter().map(|slice| slice.len()));
                 let slots = Arc::clone(&slots);
                 let (counters, waiter) = (Arc::clone(&self.counters), Arc::clone(&self.waiter));
+                slots.mutations.begin(offset, length_bytes);
                 WriteRequest::new(offset, memory, move |memory: M, result| {
+                    slots.mutations.end(offset, length_bytes);
                     counters.device_writes.record(length_bytes, result.is_ok());
                     release_slots(&slots, 1, waiter.as_ref());
                     done(memory, result);
@@ -414,10 +559,11 @@ impl Io {
         device_offset: u64,
         length: u64,
     ) -> Result<(), CacheError> {
-        object
-            .device
-            .discard(device_offset, length)
-            .map_err(|source| self.error(object, "discard", device_offset, length, source))
+        let slots = self.slots(object);
+        slots.mutations.begin(device_offset, length);
+        let result = object.device.discard(device_offset, length);
+        slots.mutations.end(device_offset, length);
+        result.map_err(|source| self.error(object, "discard", device_offset, length, source))
     }
 
     /// Writes zeroes over `length` bytes at `device_offset`.
@@ -427,10 +573,11 @@ impl Io {
         device_offset: u64,
         length: u64,
     ) -> Result<(), CacheError> {
-        object
-            .device
-            .write_zeroes(device_offset, length)
-            .map_err(|source| self.error(object, "write_zeroes", device_offset, length, source))
+        let slots = self.slots(object);
+        slots.mutations.begin(device_offset, length);
+        let result = object.device.write_zeroes(device_offset, length);
+        slots.mutations.end(device_offset, length);
+        result.map_err(|source| self.error(object, "write_zeroes", device_offset, length, source))
     }
 
     /// The device's allocation map of `length` bytes at `device_offset`.

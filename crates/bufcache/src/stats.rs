@@ -116,6 +116,9 @@ pub(crate) struct Counters {
     pub buffer_waits: AtomicU64,
     pub buffer_wait_ns: AtomicU64,
     pub buffer_wait_buckets: [AtomicU64; BUFFER_WAIT_BUCKET_COUNT],
+    pub streamed_reads: AtomicU64,
+    pub streamed_blocks: AtomicU64,
+    pub writeback_waits: AtomicU64,
 }
 
 impl Counters {
@@ -202,6 +205,14 @@ pub struct CacheStats {
     /// Those waits by duration (not cumulative): bucket `i` counts waits of at most
     /// [`BUFFER_WAIT_BUCKETS_SECONDS`]`[i]`, the last one the longer ones.
     pub buffer_wait_buckets: [u64; BUFFER_WAIT_BUCKET_COUNT],
+    /// Device reads that served a cold read straight into the caller's memory, caching
+    /// nothing, because no buffer was free without evicting what others use (streaming).
+    pub streamed_reads: u64,
+    /// Blocks those reads carried.
+    pub streamed_blocks: u64,
+    /// Reservations under pressure that waited for write-back already in flight to end
+    /// instead of writing back themselves.
+    pub writeback_waits: u64,
     /// Write-back requests at the devices now.
     pub writeback_inflight_requests: u64,
     /// Bytes of dirty data.
@@ -272,5 +283,8 @@ impl Counters {
         stats.buffer_wait_ns = self.buffer_wait_ns.load(Relaxed);
         stats.buffer_wait_buckets =
             std::array::from_fn(|index| self.buffer_wait_buckets[index].load(Relaxed));
+        stats.streamed_reads = self.streamed_reads.load(Relaxed);
+        stats.streamed_blocks = self.streamed_blocks.load(Relaxed);
+        stats.writeback_waits = self.writeback_waits.load(Relaxed);
     }
 }

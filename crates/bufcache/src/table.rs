@@ -1008,6 +1008,37 @@ impl Table {
         end
     }
 
+    /// The first block of `[first, end)` of `object` that is in the table (`end` when none
+    /// is): one probe per chunk of blocks, nothing counted. A hint, like
+    /// [`Table::first_absent`].
+    pub(crate) fn first_present(&self, object: u32, first: u64, end: u64) -> u64 {
+        let mut block = first;
+        while block < end {
+            let chunk = ChunkKey::of(object, block);
+            let stop = end.min(chunk.first_block() + CHUNK_BLOCKS);
+            let shard = self.shard_of(&chunk).lock();
+            if let Some(entry) = shard.chunks.get(&chunk) {
+                if let Some(present) = (block..stop).find(|&block| entry.slot(block).is_some()) {
+                    return present;
+                }
+            }
+            block = stop;
+        }
+        end
+    }
+
+    /// Counts a miss for each block of `[first, end)` of `object`, which a streaming read
+    /// served without caching: one shard lock per chunk.
+    pub(crate) fn count_misses(&self, object: u32, first: u64, end: u64) {
+        let mut block = first;
+        while block < end {
+            let chunk = ChunkKey::of(object, block);
+            let stop = end.min(chunk.first_block() + CHUNK_BLOCKS);
+            self.shard_of(&chunk).lock().misses += stop - block;
+            block = stop;
+        }
+    }
+
     /// Takes back the hit counted for a looked-up block its caller did not use.
     pub(crate) fn uncount_hit(&self, key: BlockKey) {
         let chunk = ChunkKey::of(key.object, key.block);

@@ -55,6 +55,19 @@ pub(crate) const FLUSH_HELPERS_MAX: usize = 7;
 /// is answered, so it is kept to what a fast link moves in a few round trips.
 pub(crate) const WRITEBACK_BATCH_BYTES_MAX: u64 = 8 << 20;
 
+/// What a reservation under memory pressure got from write-back
+/// ([`Writeback::clean_for_space`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum SpaceCleaning {
+    /// Some write-back ended before the call returned: clean buffers can be evicted now.
+    Cleaned,
+    /// Write-back is in flight (started by this call, or filling the device's share): its
+    /// completions wake space waiters, so the caller waits for them.
+    InFlight,
+    /// Nothing could be written back now (no dirty data, or all of it held by others).
+    Nothing,
+}
+
 /// How write-back takes buffer locks.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum LockMode {
@@ -101,6 +114,9 @@ pub(crate) struct Writeback {
     dirty_age_max: Duration,
     dirty_background_percent: u32,
     dirty_limit_percent: u32,
+    /// How long a writer above the dirty limit waits for write-back in flight at most
+    /// (`space_wait_max`).
+    stall_ns_max: u64,
     clock: Arc<dyn Clock>,
     waiter: Arc<dyn Waiter>,
 }
@@ -130,6 +146,7 @@ impl Writeback {
             dirty_age_max: config.dirty_age_max,
             dirty_background_percent: config.dirty_background_percent as u32,
             dirty_limit_percent: config.dirty_limit_percent as u32,
+            stall_ns_max: u64::try_from(config.space_wait_max.as_nanos()).unwrap_or(u64::MAX),
             clock,
             waiter,
         }
@@ -684,12 +701,42 @@ impl Writeback {
     pub(crate) fn throttle_writer(&self, object: &Arc<ObjectState>) -> Result<(), CacheError> {
         let (_, limit) = self.dirty_thresholds();
         let mut throttled = false;
+        // Steps waited for write-back in flight; a step no completion woke counts whole, so
+        // the bound holds on a clock that does not move.
+        let mut waited_ns = 0u64;
+        let mut awaited = false;
+        let started_ns = self.clock.now_ns();
         while self.end.dirty_bytes.load(Ordering::Acquire) > limit {
             if !throttled {
                 self.counters
                     .throttled_writes
                     .fetch_add(1, Ordering::Relaxed);
                 throttled = true;
+            }
+            if !self.io.writeback_slot_free(object) {
+                // Rule 5 of "Admission under pressure": the device's write-back share is
+                // busy, so this writer waits for those writes to end rather than queueing
+                // more of its own; after the stall bound it goes on (its data stays dirty,
+                // in memory, as above the limit before).
+                let stalled_ns = self
+                    .clock
+                    .now_ns()
+                    .saturating_sub(started_ns)
+                    .max(waited_ns);
+                if stalled_ns >= self.stall_ns_max {
+                    break;
+                }
+                if !awaited {
+                    awaited = true;
+                    self.counters
+                        .writeback_waits
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                let step_ns = WRITEBACK_POLL_MAX_NS;
+                if !self.io.wait_for_writeback_end(object, step_ns) {
+                    waited_ns += step_ns;
+                }
+                continue;
             }
             if self.clean_claimed_cluster(object, WritebackCause::Threshold)? == 0 {
                 break;
@@ -710,9 +757,21 @@ impl Writeback {
         object: &Arc<ObjectState>,
         cause: WritebackCause,
     ) -> Result<u64, CacheError> {
+        let mut batch = Batch::new(Awaiting::Outcomes);
+        self.claim_clusters_into(object, &mut batch);
+        self.write_batch(&mut batch, cause);
+        match batch.first_error {
+            Some(error) if batch.written == 0 => Err(error),
+            _ => Ok(batch.written),
+        }
+    }
+
+    /// Claims clusters from the object's write-back cursor into `batch`, up to the device's
+    /// batch size; clusters being written by others or held by users are skipped, a few
+    /// times at most.
+    fn claim_clusters_into(&self, object: &Arc<ObjectState>, batch: &mut Batch) {
         const SKIPS_MAX: usize = 4;
         let writes_max = self.batch_writes_max(object);
-        let mut batch = Batch::new(Awaiting::Outcomes);
         let mut skips = 0;
         while !batch.is_full(writes_max) && skips < SKIPS_MAX {
             let Some(first) = object.claim_dirty_cluster() else {
@@ -725,11 +784,43 @@ impl Writeback {
             }
             batch.add(object, held);
         }
-        self.write_batch(&mut batch, cause);
-        match batch.first_error {
-            Some(error) if batch.written == 0 => Err(error),
-            _ => Ok(batch.written),
+    }
+
+    /// Write-back for a reservation that found no buffer to evict (rule 5 of "Admission
+    /// under pressure" in docs/design.md): writers under pressure wait for write-back
+    /// completions rather than each writing back and waiting for its own writes. While the
+    /// device's write-back share is full, nothing more is sent (`InFlight`: those writes'
+    /// ends wake the caller). Otherwise one batch of the object's dirty clusters is sent;
+    /// over a device that completes requests later (an NBD upstream, an object store) the
+    /// batch is only sent ([`Awaiting::Nothing`]: its end marks the blocks clean or latches
+    /// its error, and wakes space waiters), over one that completes them in the caller's
+    /// thread it is written and its first error returned when nothing was cleaned, as before.
+    pub(crate) fn clean_for_space(
+        &self,
+        object: &Arc<ObjectState>,
+    ) -> Result<SpaceCleaning, CacheError> {
+        if !self.io.writeback_slot_free(object) {
+            return Ok(SpaceCleaning::InFlight);
         }
+        if !self.io.capabilities(object).completes_later {
+            return Ok(
+                match self.clean_claimed_cluster(object, WritebackCause::Eviction)? {
+                    0 => SpaceCleaning::Nothing,
+                    _ => SpaceCleaning::Cleaned,
+                },
+            );
+        }
+        let mut batch = Batch::new(Awaiting::Nothing);
+        self.claim_clusters_into(object, &mut batch);
+        if batch.runs.is_empty() {
+            return Ok(SpaceCleaning::Nothing);
+        }
+        self.write_batch(&mut batch, WritebackCause::Eviction);
+        Ok(if batch.written > 0 {
+            SpaceCleaning::Cleaned
+        } else {
+            SpaceCleaning::InFlight
+        })
     }
 
     /// One round of background write-back: write-behind ranges that never made a batch,

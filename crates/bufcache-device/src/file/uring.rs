@@ -219,6 +219,9 @@ impl Drop for Ring {
     }
 }
 
+/// How long the reaper pauses after a wait for completions failed with none arrived.
+const REAP_RETRY_PAUSE: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// The reaper: waits for completions and ends their requests until told to stop.
 ///
 /// A failed wait is tried again: the kernel still holds the memory of every request in
@@ -231,7 +234,9 @@ fn reap(shared: &Shared) {
             .map(|entry| (entry.user_data(), entry.result()))
             .collect();
         if completions.is_empty() && waited.is_err() {
-            std::thread::yield_now();
+            // Interrupted, or refused for now: sleep briefly before waiting again rather
+            // than yielding in a loop, which spins if the refusal lasts.
+            std::thread::sleep(REAP_RETRY_PAUSE);
         }
         let mut stop = false;
         for (user_data, result) in completions {
