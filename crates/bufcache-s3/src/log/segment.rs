@@ -215,6 +215,42 @@ pub fn extract(
     Ok(())
 }
 
+/// The address `address` of a range becomes when the stored form of its extent moves to
+/// object offset `to` (the range keeps its place within the extent).
+pub fn moved_address(address: u64, to: u64) -> u64 {
+    match locate(address) {
+        Location::Checked { within, .. } => checked_address(to) + within,
+        Location::Sealed {
+            stored_length,
+            within,
+            ..
+        } => sealed_address(to, stored_length) + within,
+        Location::Plain { object_offset } => {
+            unreachable!("address {object_offset}: an open segment stores no plain extents")
+        }
+    }
+}
+
+/// The object offset of the stored form of the extent `address` lies in (for a plain
+/// address, the range's own first byte).
+pub fn extent_object_offset(address: u64) -> u64 {
+    match locate(address) {
+        Location::Plain { object_offset }
+        | Location::Checked { object_offset, .. }
+        | Location::Sealed { object_offset, .. } => object_offset,
+    }
+}
+
+/// A data extent [`OpenSegment::order_by_disk_offset`] moved: its disk range and the object
+/// offsets of its stored form before and after.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Move {
+    pub disk_offset: u64,
+    pub length: u64,
+    pub from: u64,
+    pub to: u64,
+}
+
 /// One extent of a segment: bytes written at `disk_offset`, or a range zeroed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SegmentExtent {
@@ -374,6 +410,46 @@ impl OpenSegment {
         };
         self.table.push(extent);
         extent.object_offset().expect("a data extent")
+    }
+
+    /// Lays the data extents out in disk order (stably: of two at one disk offset, the one
+    /// appended first stays first), so that ranges written out of order (parallel writers, a
+    /// cache's write-back order) but adjacent on the disk lie back to back in the object and
+    /// one ranged GET reads them. The table keeps append order, which replay needs (later
+    /// entries win). Returns every data extent that moved; the index addresses into each
+    /// must move with it ([`moved_address`]) before the segment is read again.
+    pub fn order_by_disk_offset(&mut self) -> Vec<Move> {
+        let mut order: Vec<usize> = (0..self.table.len())
+            .filter(|&entry| self.table[entry].data_position.is_some())
+            .collect();
+        order.sort_by_key(|&entry| self.table[entry].disk_offset);
+        let mut data = BytesMut::with_capacity(self.data.len());
+        let mut moves = Vec::new();
+        for entry in order {
+            let extent = &mut self.table[entry];
+            let from = extent.data_position.expect("a data extent");
+            let to = data.len() as u64;
+            data.extend_from_slice(
+                &self.data[from as usize..(from + extent.stored_length) as usize],
+            );
+            if from != to {
+                moves.push(Move {
+                    disk_offset: extent.disk_offset,
+                    length: extent.length,
+                    from: HEADER_BYTES + from,
+                    to: HEADER_BYTES + to,
+                });
+                extent.data_position = Some(to);
+            }
+        }
+        assert_eq!(
+            data.len(),
+            self.data.len(),
+            "the data extents of segment {} do not tile its data",
+            self.sequence
+        );
+        self.data = data;
+        moves
     }
 
     /// Records that `length` bytes at `disk_offset` were zeroed.
