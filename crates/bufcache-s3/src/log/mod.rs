@@ -103,9 +103,11 @@ pub const GC_BYTES_MAX_DEFAULT: u64 = SEGMENT_BYTES_MAX_DEFAULT;
 /// Default `get_bytes_max`: the most object bytes one ranged GET of a read spans when it
 /// joins pieces adjacent in one segment (the runs of a read-ahead window included), so a
 /// sequential read of data written sequentially costs about one GET per this many bytes
-/// (and one more where a run crosses into the next segment). A quarter of a default
-/// segment keeps a window of several MiB in flight as several GETs at once.
-pub const GET_BYTES_MAX_DEFAULT: u64 = SEGMENT_BYTES_MAX_DEFAULT / 4;
+/// (and one more where a run crosses into the next segment). The stored form of 2 MiB of
+/// data (4 KiB blocks with their checksums), a quarter of a default segment: a window of
+/// several MiB is still several GETs in flight at once.
+pub const GET_BYTES_MAX_DEFAULT: u64 = (2 << 20) / crate::blocks::BLOCK_BYTES
+    * (crate::blocks::BLOCK_BYTES + crate::blocks::CHECKSUM_BYTES);
 /// Default `gc_interval_ms`: the collector's pause between rounds (its pacing).
 pub const GC_INTERVAL_MS_DEFAULT: u64 = 100;
 
