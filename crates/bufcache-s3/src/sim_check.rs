@@ -4,7 +4,7 @@
 //! Each seed opens a [`LogStore`] on a small disk with a small segment size and checkpoint
 //! interval (so segments, checkpoints and garbage collection all happen within a few dozen
 //! steps), compression and encryption as the seed says, and drives seeded writes, zeroes,
-//! reads, flushes and garbage collection rounds (with writes landing in the middle of a round)
+//! reads (batches of runs, as a read-ahead window's, which may share GETs), flushes and garbage collection rounds (with writes landing in the middle of a round)
 //! through it, while the store fails, loses, and hangs requests. Some steps close the store
 //! cleanly and open the disk again (which must then hold every acknowledged write), so a
 //! seed opens its disk about 8 times on average and the servers delete epoch objects their
