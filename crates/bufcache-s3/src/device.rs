@@ -163,6 +163,37 @@ fn gather(buffers: &[IoSlice<'_>]) -> Bytes {
     data.freeze()
 }
 
+/// Reads every slice of every read of `reads` as one log-layout batch (each slice is a
+/// contiguous disk range of its own: its read's offset plus the slices before it); a read's
+/// outcome is its first slice's error, if any.
+fn read_log_batch(
+    store: &LogStore,
+    reads: &mut [bufcache::device::ReadRequest],
+) -> Vec<Result<(), crate::StoreError>> {
+    let offsets: Vec<u64> = reads.iter().map(|read| read.offset()).collect();
+    let mut outcomes: Vec<Result<(), crate::StoreError>> = vec![Ok(()); reads.len()];
+    let mut slices: Vec<Vec<IoSliceMut<'_>>> =
+        reads.iter_mut().map(|read| read.slices_mut()).collect();
+    let mut owners = Vec::new();
+    let mut items: Vec<(&mut [u8], u64)> = Vec::new();
+    for (read, (read_slices, offset)) in slices.iter_mut().zip(offsets).enumerate() {
+        let mut position = offset;
+        for slice in read_slices.iter_mut() {
+            let slice: &mut [u8] = slice;
+            let length = slice.len() as u64;
+            items.push((slice, position));
+            owners.push(read);
+            position += length;
+        }
+    }
+    for (read, outcome) in owners.into_iter().zip(store.read_batch(&mut items)) {
+        if let (Ok(()), Err(error)) = (&outcomes[read], outcome) {
+            outcomes[read] = Err(error);
+        }
+    }
+    outcomes
+}
+
 impl Device for S3Device {
     fn read_vectored_at(&self, buffers: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<()> {
         if let [single] = buffers {
@@ -203,7 +234,18 @@ impl Device for S3Device {
     /// at once, since one read may itself have several GETs in flight (a log-layout range
     /// spread over extents). They are done before this returns (`completes_later` is false),
     /// on short-lived threads that each take the next read.
-    fn submit_reads(&self, reads: Vec<bufcache::device::ReadRequest>) {
+    ///
+    /// Log layout: the whole batch is one [`LogStore::read_batch`], whose GETs are in flight
+    /// together and join runs that lie back to back in a segment (a window over data written
+    /// sequentially costs about a GET per `get_bytes_max`, not one per run).
+    fn submit_reads(&self, mut reads: Vec<bufcache::device::ReadRequest>) {
+        if let Layout::Log(store) = &self.store {
+            let outcomes = read_log_batch(store, &mut reads);
+            for (read, outcome) in reads.into_iter().zip(outcomes) {
+                read.complete(outcome.map_err(io::Error::from));
+            }
+            return;
+        }
         if reads.len() <= 1 {
             return bufcache::device::read_each_now(self, reads);
         }

@@ -4,7 +4,7 @@
 //! Each seed opens a [`LogStore`] on a small disk with a small segment size and checkpoint
 //! interval (so segments, checkpoints and garbage collection all happen within a few dozen
 //! steps), compression and encryption as the seed says, and drives seeded writes, zeroes,
-//! reads, flushes and garbage collection rounds (with writes landing in the middle of a round)
+//! reads (batches of runs, as a read-ahead window's, which may share GETs), flushes and garbage collection rounds (with writes landing in the middle of a round)
 //! through it, while the store fails, loses, and hangs requests. Some steps close the store
 //! cleanly and open the disk again (which must then hold every acknowledged write), so a
 //! seed opens its disk about 8 times on average and the servers delete epoch objects their
@@ -166,7 +166,8 @@ enum Step {
     Open,
     Write(Vec<(u64, Vec<u8>)>),
     Zeroes(u64, u64),
-    Read(u64, usize),
+    /// A batch of reads, each (offset, length).
+    Read(Vec<(u64, usize)>),
     Flush,
     Collect(f64, Vec<(u64, Vec<u8>)>),
     /// A clean close of the store (the harness's only reference).
@@ -178,7 +179,8 @@ enum Answer {
     Opened(Result<LogStore, String>),
     Writes(Vec<Result<(), StoreError>>),
     Done(Result<(), StoreError>),
-    Read(Result<Vec<u8>, StoreError>),
+    /// Each read's bytes or error, in the batch's order.
+    Read(Vec<Result<Vec<u8>, StoreError>>),
     /// A close's outcome and the epoch objects the store deleted.
     Closed(Result<(), StoreError>, u64),
     Collected(
@@ -226,13 +228,21 @@ fn spawn_step(
                         .expect("zeroes have a store")
                         .write_zeroes(offset, length),
                 ),
-                Step::Read(offset, length) => {
-                    let mut buffer = vec![0u8; length];
+                Step::Read(reads) => {
+                    let mut buffers: Vec<Vec<u8>> =
+                        reads.iter().map(|(_, length)| vec![0u8; *length]).collect();
+                    let mut batch: Vec<(&mut [u8], u64)> = buffers
+                        .iter_mut()
+                        .zip(&reads)
+                        .map(|(buffer, (offset, _))| (buffer.as_mut_slice(), *offset))
+                        .collect();
+                    let outcomes = store.expect("a read has a store").read_batch(&mut batch);
                     Answer::Read(
-                        store
-                            .expect("a read has a store")
-                            .read(&mut buffer, offset)
-                            .map(|()| buffer),
+                        outcomes
+                            .into_iter()
+                            .zip(buffers)
+                            .map(|(outcome, buffer)| outcome.map(|()| buffer))
+                            .collect(),
                     )
                 }
                 Step::Flush => Answer::Done(store.expect("a flush has a store").flush()),
@@ -691,21 +701,47 @@ impl Harness {
             };
             self.record(change, &outcome);
         } else if choice < 75 {
+            // A batch of one to three reads: a range cut at block boundaries into runs
+            // (as a read-ahead window's runs, which may share GETs), in a seeded order.
             let blocks = self.random_blocks();
-            let offset = blocks.start * BLOCK_BYTES;
-            let length = ((blocks.end - blocks.start) * BLOCK_BYTES) as usize;
-            let Some(answer) = self.run(Step::Read(offset, length))? else {
+            let mut cuts = vec![blocks.start, blocks.end];
+            for _ in 0..self.rng.gen_range(0..=2) {
+                cuts.push(self.rng.gen_range(blocks.clone()));
+            }
+            cuts.sort_unstable();
+            cuts.dedup();
+            let mut runs: Vec<Range<u64>> = cuts.windows(2).map(|cut| cut[0]..cut[1]).collect();
+            if self.rng.gen_bool(0.5) {
+                runs.reverse();
+            }
+            let reads = runs
+                .iter()
+                .map(|run| {
+                    (
+                        run.start * BLOCK_BYTES,
+                        ((run.end - run.start) * BLOCK_BYTES) as usize,
+                    )
+                })
+                .collect();
+            let Some(answer) = self.run(Step::Read(reads))? else {
                 return self.stuck(Vec::new());
             };
-            let Answer::Read(outcome) = answer else {
+            let Answer::Read(outcomes) = answer else {
                 unreachable!("a read answers Read")
             };
-            match outcome {
-                Ok(data) => {
-                    self.note(|| format!("read blocks {blocks:?}"));
-                    self.check_read(offset, &data)?;
+            assert_eq!(
+                outcomes.len(),
+                runs.len(),
+                "one outcome per read of a batch"
+            );
+            for (run, outcome) in runs.into_iter().zip(outcomes) {
+                match outcome {
+                    Ok(data) => {
+                        self.note(|| format!("read blocks {run:?}"));
+                        self.check_read(run.start * BLOCK_BYTES, &data)?;
+                    }
+                    Err(error) => self.note(|| format!("read blocks {run:?} failed: {error}")),
                 }
-                Err(error) => self.note(|| format!("read blocks {blocks:?} failed: {error}")),
             }
         } else if choice < 90 {
             let covers = self.history.len();
@@ -853,6 +889,7 @@ pub fn check_log_seed(seed: u64, trace: bool) -> LogCheckOutcome {
         gc_requests_in_flight_max: rng.gen_range(1..=2),
         gc_bytes_max: segment_bytes_max * rng.gen_range(1..=4),
         gc_interval_ms: 100,
+        get_bytes_max: [4 << 10, 12 << 10, segment_bytes_max][rng.gen_range(0..3)],
     };
     let lives = rng.gen_range(2..=5);
     let mut harness = Harness {

@@ -38,7 +38,8 @@ impl bufcache::device::ReadMemory for Filled {
 // trip after another (read-ahead over a 20 ms store was held to the background pool's four
 // threads), and each read completes with its own bytes or its own error. Method: for each
 // layout, 64 KiB chunks or a small segment size, 16 runs of 64 KiB written at every third
-// run's place and flushed; through a proxy that holds every request 50 ms and counts
+// run's place, each flushed on its own (in the log layout a segment each: runs back to back
+// in one segment would share a GET); through a proxy that holds every request 50 ms and counts
 // requests in flight, one batch of the 16 reads plus one past the end; at least 6 GETs must
 // have been in flight at once (a batch has a quarter of the store's bound of 32 in reads at
 // once, each one GET or more), the read past the end alone must fail, and every other must
@@ -68,8 +69,8 @@ fn a_read_batch_keeps_its_gets_in_flight_together_and_each_read_its_outcome() {
             device
                 .write_vectored_at(&[std::io::IoSlice::new(data)], *offset)
                 .unwrap();
+            device.flush().unwrap();
         }
-        device.flush().unwrap();
         let outcomes: Outcomes = Arc::default();
         let mut reads: Vec<ReadRequest> = runs
             .iter()

@@ -103,6 +103,14 @@ pub const GC_STORED_RATIO_MAX_DEFAULT: f64 = 1.5;
 pub const GC_REQUESTS_IN_FLIGHT_MAX_DEFAULT: usize = 2;
 /// Default `gc_bytes_max`: the most bytes one collection round reads into memory.
 pub const GC_BYTES_MAX_DEFAULT: u64 = SEGMENT_BYTES_MAX_DEFAULT;
+/// Default `get_bytes_max`: the most object bytes one ranged GET of a read spans when it
+/// joins pieces adjacent in one segment (the runs of a read-ahead window included), so a
+/// sequential read of data written sequentially costs about one GET per this many bytes
+/// (and one more where a run crosses into the next segment). The stored form of 2 MiB of
+/// data (4 KiB blocks with their checksums), a quarter of a default segment: a window of
+/// several MiB is still several GETs in flight at once.
+pub const GET_BYTES_MAX_DEFAULT: u64 = (2 << 20) / crate::blocks::BLOCK_BYTES
+    * (crate::blocks::BLOCK_BYTES + crate::blocks::CHECKSUM_BYTES);
 /// Default `gc_interval_ms`: the collector's pause between rounds (its pacing).
 pub const GC_INTERVAL_MS_DEFAULT: u64 = 100;
 
@@ -127,6 +135,10 @@ pub struct LogConfig {
     pub checkpoint_interval_segments: u64,
     /// Concurrent ranged GETs of one read. Default [`REQUESTS_IN_FLIGHT_MAX_DEFAULT`].
     pub requests_in_flight_max: usize,
+    /// Most object bytes one ranged GET spans when it joins the pieces of a read (or of a
+    /// batch of reads) that lie back to back in one segment; a single piece larger than
+    /// this is still one GET. Default [`GET_BYTES_MAX_DEFAULT`].
+    pub get_bytes_max: u64,
     /// Durable segments whose live fraction (live bytes ÷ object bytes) is below this are
     /// rewritten by the background collector; None: no background collection. Default
     /// [`GC_THRESHOLD_DEFAULT`]; URL parameters `gc-threshold=` and `gc=off`.
@@ -154,6 +166,7 @@ impl Default for LogConfig {
             segments_in_flight_max: SEGMENTS_IN_FLIGHT_MAX_DEFAULT,
             checkpoint_interval_segments: CHECKPOINT_INTERVAL_SEGMENTS_DEFAULT,
             requests_in_flight_max: REQUESTS_IN_FLIGHT_MAX_DEFAULT,
+            get_bytes_max: GET_BYTES_MAX_DEFAULT,
             gc_threshold: Some(GC_THRESHOLD_DEFAULT),
             gc_stored_ratio_max: GC_STORED_RATIO_MAX_DEFAULT,
             gc_requests_in_flight_max: GC_REQUESTS_IN_FLIGHT_MAX_DEFAULT,
@@ -196,6 +209,9 @@ impl LogConfig {
         }
         if self.requests_in_flight_max == 0 {
             return Err("requests_in_flight_max is 0".into());
+        }
+        if self.get_bytes_max == 0 {
+            return Err("get_bytes_max is 0: no GET could join two pieces".into());
         }
         if let Some(threshold) = self.gc_threshold {
             if !(threshold > 0.0 && threshold < 1.0) {
@@ -362,17 +378,92 @@ pub struct LogStore {
     _runtime: tokio::runtime::Runtime,
 }
 
-/// One piece of a coalesced GET: where its fetch range starts in the fetched bytes, that
-/// range's length, the piece's index address and disk offset, and where it goes in the
-/// caller's buffer.
-type Part = (u64, u64, u64, u64, Range<usize>);
+/// A piece of a read that must be fetched from a durable segment.
+struct Fetch {
+    segment: u64,
+    /// The object bytes to fetch ([`segment::fetch_range`]).
+    range: Range<u64>,
+    /// The piece's index address and disk offset.
+    address: u64,
+    disk_offset: u64,
+    /// Which read of the batch it belongs to, and where it goes in that read's buffer.
+    read: usize,
+    target: Range<usize>,
+}
 
-/// A piece to fetch: (segment, object range to fetch, index address, disk offset, buffer
-/// range).
-type Fetch = (u64, Range<u64>, u64, u64, Range<usize>);
+/// One ranged GET: an object range of one segment covering every fetch range of its pieces,
+/// at most `get_bytes_max` long unless it holds a single piece.
+struct Get {
+    segment: u64,
+    range: Range<u64>,
+    pieces: Vec<Fetch>,
+}
 
-/// A coalesced GET's outcome: (segment, fetched bytes, its pieces).
-type Fetched = Result<(u64, Bytes, Vec<Part>), StoreError>;
+/// Joins the pieces to fetch into GETs: pieces back to back (or overlapping, as pieces of one
+/// sealed frame or checked block do) in one segment share a GET while it stays within
+/// `get_bytes_max` bytes.
+fn coalesce(mut fetches: Vec<Fetch>, get_bytes_max: u64) -> Vec<Get> {
+    fetches.sort_by_key(|fetch| (fetch.segment, fetch.range.start));
+    let mut gets: Vec<Get> = Vec::new();
+    for fetch in fetches {
+        if let Some(get) = gets.last_mut() {
+            let end = get.range.end.max(fetch.range.end);
+            if get.segment == fetch.segment
+                && fetch.range.start <= get.range.end
+                && end - get.range.start <= get_bytes_max
+            {
+                get.range.end = end;
+                get.pieces.push(fetch);
+                continue;
+            }
+        }
+        gets.push(Get {
+            segment: fetch.segment,
+            range: fetch.range.clone(),
+            pieces: vec![fetch],
+        });
+    }
+    for get in &gets {
+        debug_assert!(get.pieces.len() == 1 || get.range.end - get.range.start <= get_bytes_max);
+        debug_assert!(get.pieces.iter().all(|piece| piece.segment == get.segment
+            && get.range.start <= piece.range.start
+            && piece.range.end <= get.range.end));
+    }
+    gets
+}
+
+/// Points every mapping into segment `sequence` whose extent `moves` moved at the extent's
+/// new place. Every new address is worked out from the index as it was before the first
+/// change (an extent's new place may be another's old one).
+fn move_addresses(index: &mut Index, sequence: u64, moves: &[segment::Move]) {
+    let mut moved = Vec::new();
+    for extent in moves {
+        for piece in index.lookup(extent.disk_offset, extent.length) {
+            let Some((segment, address)) = piece.stored else {
+                continue;
+            };
+            if segment == sequence && segment::extent_object_offset(address) == extent.from {
+                moved.push((
+                    piece.disk_offset,
+                    Mapping {
+                        length: piece.length,
+                        segment,
+                        object_offset: segment::moved_address(address, extent.to),
+                    },
+                ));
+            }
+        }
+    }
+    let live_before = index.live_bytes(sequence);
+    for (offset, mapping) in moved {
+        index.insert(offset, mapping);
+    }
+    assert_eq!(
+        index.live_bytes(sequence),
+        live_before,
+        "moving segment {sequence}'s extents changed its live bytes"
+    );
+}
 
 /// What recovery found: the index and where the sequence numbers stand.
 struct Recovered {
@@ -809,9 +900,19 @@ impl LogStore {
     }
 
     /// Fills `buffer` from the disk at `offset`: bytes still in memory are copied, the rest
-    /// fetched with ranged GETs, one per run of extents adjacent in one segment object.
+    /// fetched with ranged GETs, one per run of extents adjacent in one segment object (at
+    /// most `get_bytes_max` bytes each).
     pub fn read(&self, buffer: &mut [u8], offset: u64) -> Result<(), StoreError> {
         self.core.read(buffer, offset)
+    }
+
+    /// Fills each `(buffer, offset)` of `reads` as [`LogStore::read`] does, one outcome per
+    /// read, in order: the pieces of every read are fetched together, those back to back in
+    /// one segment (a read-ahead window's runs of data written sequentially) by one ranged
+    /// GET of at most `get_bytes_max` bytes, so a batch costs GETs by the segment ranges it
+    /// spans, not by its reads.
+    pub fn read_batch(&self, reads: &mut [(&mut [u8], u64)]) -> Vec<Result<(), StoreError>> {
+        self.core.read_batch(reads)
     }
 
     /// Runs one garbage collection round now, with `threshold` as the live fraction below
@@ -963,6 +1064,8 @@ impl Core {
         if state.open.sequence != sequence {
             return Ok(state);
         }
+        let moves = state.open.order_by_disk_offset();
+        move_addresses(&mut state.index, sequence, &moves);
         let body = self.shared.sealer.tag_object(
             &segment_name(sequence, self.shared.epochs.owner(sequence)),
             state.open.seal(
@@ -1226,127 +1329,165 @@ impl Core {
     }
 
     fn read(&self, buffer: &mut [u8], offset: u64) -> Result<(), StoreError> {
-        self.check_range(offset, buffer.len() as u64)?;
-        loop {
-            let deletes_before = self.shared.lock().segment_deletes_sent;
-            match self.read_once(buffer, offset) {
-                Err(StoreError::MissingSegment { .. })
-                    if self.shared.lock().segment_deletes_sent != deletes_before =>
-                {
-                    // The collector deleted a segment this read had looked up (after
-                    // copying its live bytes elsewhere): look the index up again.
-                    continue;
-                }
-                outcome => return outcome,
-            }
-        }
+        let mut reads = [(buffer, offset)];
+        let [outcome] = <[_; 1]>::try_from(self.read_batch(&mut reads))
+            .unwrap_or_else(|_| unreachable!("one outcome per read"));
+        outcome
     }
 
-    fn read_once(&self, buffer: &mut [u8], offset: u64) -> Result<(), StoreError> {
+    /// Fills each `(buffer, offset)` of `reads`, one outcome per read, in order.
+    fn read_batch(&self, reads: &mut [(&mut [u8], u64)]) -> Vec<Result<(), StoreError>> {
+        let mut outcomes: Vec<Result<(), StoreError>> = reads
+            .iter()
+            .map(|(buffer, offset)| self.check_range(*offset, buffer.len() as u64))
+            .collect();
+        let mut pending: Vec<usize> = (0..reads.len())
+            .filter(|&read| outcomes[read].is_ok())
+            .collect();
+        while !pending.is_empty() {
+            let deletes_before = self.shared.lock().segment_deletes_sent;
+            let results = self.read_once(reads, &pending);
+            assert_eq!(results.len(), pending.len(), "one outcome per pending read");
+            let deletes_moved = self.shared.lock().segment_deletes_sent != deletes_before;
+            let mut again = Vec::new();
+            for (read, result) in pending.into_iter().zip(results) {
+                match result {
+                    // The collector deleted a segment this read had looked up (after
+                    // copying its live bytes elsewhere): look the index up again.
+                    Err(StoreError::MissingSegment { .. }) if deletes_moved => again.push(read),
+                    outcome => outcomes[read] = outcome,
+                }
+            }
+            pending = again;
+        }
+        outcomes
+    }
+
+    /// Reads `reads[pending[i]]` for each `i` once, with every piece that must be fetched
+    /// from the store joined into as few ranged GETs as `get_bytes_max` allows; the outcomes
+    /// follow `pending`.
+    fn read_once(
+        &self,
+        reads: &mut [(&mut [u8], u64)],
+        pending: &[usize],
+    ) -> Vec<Result<(), StoreError>> {
+        let bad = |segment: u64, reason: String| StoreError::BadData {
+            key: self.shared.segment_key(segment),
+            reason,
+        };
+        let mut outcomes: Vec<Result<(), StoreError>> = vec![Ok(()); pending.len()];
         // Every piece that must be fetched: the piece itself when stored as written, its
         // whole frame when sealed (module `segment`).
         let mut remote: Vec<Fetch> = Vec::new();
         {
             let state = self.shared.lock();
-            for piece in state.index.lookup(offset, buffer.len() as u64) {
-                let start = (piece.disk_offset - offset) as usize;
-                let target = &mut buffer[start..start + piece.length as usize];
-                let bad = |segment: u64, reason: String| StoreError::BadData {
-                    key: self.shared.segment_key(segment),
-                    reason,
-                };
-                match piece.stored {
-                    None => target.fill(0),
-                    Some((segment, address)) if segment == state.open.sequence => state
-                        .open
-                        .read_into(address, piece.disk_offset, target)
-                        .map_err(|reason| bad(segment, reason))?,
-                    Some((segment, address)) => {
-                        let fetch = segment::fetch_range(address, piece.length);
-                        match state.sealed.get(&segment) {
-                            Some(sealed) => segment::extract(
-                                &self.shared.sealer,
-                                segment,
-                                &sealed.body[fetch.start as usize..fetch.end as usize],
-                                address,
-                                piece.disk_offset,
-                                target,
-                            )
-                            .map_err(|reason| bad(segment, reason))?,
-                            // Not in memory, so durable (a segment leaves memory only then).
-                            None => remote.push((
-                                segment,
-                                fetch,
-                                address,
-                                piece.disk_offset,
-                                start..start + piece.length as usize,
-                            )),
+            for (slot, &read) in pending.iter().enumerate() {
+                let (buffer, offset) = &mut reads[read];
+                let offset = *offset;
+                let mut fetches = Vec::new();
+                let mut outcome = Ok(());
+                for piece in state.index.lookup(offset, buffer.len() as u64) {
+                    let start = (piece.disk_offset - offset) as usize;
+                    let target = start..start + piece.length as usize;
+                    let filled = match piece.stored {
+                        None => {
+                            buffer[target].fill(0);
+                            Ok(())
                         }
+                        Some((segment, address)) if segment == state.open.sequence => state
+                            .open
+                            .read_into(address, piece.disk_offset, &mut buffer[target])
+                            .map_err(|reason| bad(segment, reason)),
+                        Some((segment, address)) => {
+                            let range = segment::fetch_range(address, piece.length);
+                            match state.sealed.get(&segment) {
+                                Some(sealed) => segment::extract(
+                                    &self.shared.sealer,
+                                    segment,
+                                    &sealed.body[range.start as usize..range.end as usize],
+                                    address,
+                                    piece.disk_offset,
+                                    &mut buffer[target],
+                                )
+                                .map_err(|reason| bad(segment, reason)),
+                                // Not in memory, so durable (a segment leaves memory only
+                                // then).
+                                None => {
+                                    fetches.push(Fetch {
+                                        segment,
+                                        range,
+                                        address,
+                                        disk_offset: piece.disk_offset,
+                                        read: slot,
+                                        target,
+                                    });
+                                    Ok(())
+                                }
+                            }
+                        }
+                    };
+                    if let Err(error) = filled {
+                        outcome = Err(error);
+                        break;
                     }
+                }
+                // A read that already failed fetches nothing.
+                match outcome {
+                    Ok(()) => remote.append(&mut fetches),
+                    Err(error) => outcomes[slot] = Err(error),
                 }
             }
         }
         if remote.is_empty() {
-            return Ok(());
+            return outcomes;
         }
-        // Coalesce fetch ranges contiguous in one object into one GET (a sequential
-        // write-back stores consecutive disk ranges back to back); pieces of one sealed
-        // extent share its frame.
-        remote.sort_by_key(|(segment, range, ..)| (*segment, range.start));
-        let mut requests: Vec<(u64, Range<u64>, Vec<Part>)> = Vec::new();
-        for (segment, range, address, disk_offset, target) in remote {
-            let length = range.end - range.start;
-            if let Some((last_segment, last_range, parts)) = requests.last_mut() {
-                if *last_segment == segment && range.start <= last_range.end {
-                    parts.push((
-                        range.start - last_range.start,
-                        length,
-                        address,
-                        disk_offset,
-                        target,
-                    ));
-                    last_range.end = last_range.end.max(range.end);
-                    continue;
-                }
-            }
-            requests.push((
-                segment,
-                range,
-                vec![(0, length, address, disk_offset, target)],
-            ));
-        }
-        let fetched: Vec<Fetched> = self.runtime.block_on(
-            stream::iter(requests.into_iter().map(|(segment, range, parts)| {
+        // A sequential write-back stores consecutive disk ranges back to back, so the runs
+        // of a read-ahead window mostly join into one GET per `get_bytes_max` bytes.
+        let gets = coalesce(remote, self.config.get_bytes_max);
+        let fetched: Vec<(Get, Result<Bytes, StoreError>)> = self.runtime.block_on(
+            stream::iter(gets.into_iter().map(|get| {
                 let store = self.shared.store.clone();
-                let key = self.shared.segment_key(segment);
+                let key = self.shared.segment_key(get.segment);
                 async move {
-                    match get_range_in(&*store, &key, range).await? {
-                        Some(data) => Ok((segment, data, parts)),
-                        None => Err(StoreError::MissingSegment { key }),
-                    }
+                    let result = match get_range_in(&*store, &key, get.range.clone()).await {
+                        Ok(Some(data)) => Ok(data),
+                        Ok(None) => Err(StoreError::MissingSegment { key }),
+                        Err(error) => Err(error),
+                    };
+                    (get, result)
                 }
             }))
             .buffer_unordered(self.config.requests_in_flight_max)
             .collect(),
         );
-        for result in fetched {
-            let (segment, data, parts) = result?;
-            for (within, length, address, disk_offset, target) in parts {
-                segment::extract(
+        for (get, result) in fetched {
+            for piece in get.pieces {
+                if outcomes[piece.read].is_err() {
+                    continue;
+                }
+                let data = match &result {
+                    Ok(data) => data,
+                    Err(error) => {
+                        outcomes[piece.read] = Err(error.clone());
+                        continue;
+                    }
+                };
+                let within = (piece.range.start - get.range.start) as usize;
+                let length = (piece.range.end - piece.range.start) as usize;
+                let buffer = &mut reads[pending[piece.read]].0;
+                if let Err(reason) = segment::extract(
                     &self.shared.sealer,
-                    segment,
-                    &data[within as usize..(within + length) as usize],
-                    address,
-                    disk_offset,
-                    &mut buffer[target],
-                )
-                .map_err(|reason| StoreError::BadData {
-                    key: self.shared.segment_key(segment),
-                    reason,
-                })?;
+                    get.segment,
+                    &data[within..within + length],
+                    piece.address,
+                    piece.disk_offset,
+                    &mut buffer[piece.target],
+                ) {
+                    outcomes[piece.read] = Err(bad(get.segment, reason));
+                }
             }
         }
-        Ok(())
+        outcomes
     }
 }
 
