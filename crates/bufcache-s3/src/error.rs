@@ -71,13 +71,13 @@ pub enum OpenError {
     },
     #[error("{url}: another server took or released lock object `{key}` while this one was taking it; start again to see who holds it")]
     LockRaced { url: String, key: String },
-    #[error("{url}: object `{key}` is damaged or not this disk's: {reason}; nothing was served or changed")]
+    #[error("{url}: object `{key}` is damaged or not this disk's: {reason}; nothing was served or changed (`bufcache disk verify` lists every damaged object)")]
     BadObject {
         url: String,
         key: String,
         reason: String,
     },
-    #[error("{url}: the index (checkpoint `{checkpoint}`) names segment `{key}`, which does not exist; nothing was served or changed")]
+    #[error("{url}: the index (checkpoint `{checkpoint}`) names segment `{key}`, which does not exist; nothing was served or changed (`bufcache disk verify` lists every damaged object)")]
     MissingSegment {
         url: String,
         checkpoint: String,
