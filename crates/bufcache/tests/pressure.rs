@@ -480,9 +480,10 @@ fn a_read_during_a_zeroing_never_returns_data_older_than_a_completed_write() {
     // `streamed_reads_never_return_data_older_than_a_completed_write` (versions acknowledged
     // and begun per block; a 12-buffer cache on real threads and time; a device that delays
     // some reads and writes and tears writes in two halves), where a third of the writers'
-    // operations zero whole blocks instead of writing them (a fast zeroing at the device,
-    // which takes 100-400 us, so reads meet it); a block read as zeroes must have a zeroing
-    // in the versions the read allows. Seeds are printed; a failure names its seed. Some
+    // operations zero whole blocks instead of writing them (half a fast zeroing, half a
+    // discard, which this device reads back as zeroes; either takes the device 100-400 us,
+    // so reads meet it); a block read as zeroes must have a zeroing in the versions the
+    // read allows. Seeds are printed; a failure names its seed. Some
     // reads must have returned zeroes, or the property was not exercised.
     const BLOCKS: u64 = 64;
     const SEEDS: u64 = 16;
@@ -558,7 +559,12 @@ fn a_read_during_a_zeroing_never_returns_data_older_than_a_completed_write() {
                             }
                             begun[block as usize].store(version, Ordering::SeqCst);
                         }
-                        if zeroing {
+                        if zeroing && random.gen_bool(0.5) {
+                            // The memory device's discards read back as zeroes.
+                            handle
+                                .discard(first * BLOCK, (end - first) * BLOCK)
+                                .unwrap_or_else(|error| panic!("seed {seed}: discard: {error}"));
+                        } else if zeroing {
                             handle
                                 .write_zeroes(first * BLOCK, (end - first) * BLOCK, fua)
                                 .unwrap_or_else(|error| panic!("seed {seed}: zeroing: {error}"));
