@@ -1746,10 +1746,15 @@ impl ObjectHandle {
         (first, end.max(first))
     }
 
-    /// Drops the blocks `[first, end)` from the cache (dirty ones included: their contents
-    /// are being replaced), applies `operation` to their device ranges, then drops any clean
-    /// copy a concurrent reader fetched from the device meanwhile. Blocks written meanwhile
-    /// stay dirty: those writes are newer than this operation.
+    /// Replaces the blocks `[first, end)` on the device with `operation` (a discard or
+    /// zeroing) and drops them from the cache. Clean blocks are dropped first (they equal the
+    /// device). Dirty ones stay in the table, held exclusively and no longer dirty (so flush
+    /// and write-back pass them by), until the device has answered: a reader that misses on
+    /// one meanwhile would read device bytes older than the write the block held, so it
+    /// waits on the held buffer instead, finds it invalid and looks again once the
+    /// replacement is on the device. Any clean copy a concurrent reader fetched from the
+    /// device meanwhile is dropped at the end. Blocks written meanwhile stay dirty: those
+    /// writes are newer than this operation.
     fn replace_on_device(
         &self,
         first: u64,
@@ -1760,32 +1765,78 @@ impl ObjectHandle {
             return Ok(());
         }
         let object = &self.object;
-        // Until the device answers, a flush waits (the dirty blocks dropped here may hold
-        // writes it must make durable; the replacement covers them once it is on the device).
+        // Until the device answers, a flush waits (the dirty blocks held here may hold writes
+        // it must make durable; the replacement covers them once it is on the device).
         let _in_flight = object.begin_replace();
-        self.invalidate_blocks(first, end, true);
+        // Deadlock freedom: the locks are taken in ascending block order, and while they are
+        // held this thread waits only for further buffer locks in that order and for its own
+        // device operation, never for space; a flush does not lock them (no longer dirty).
+        let held = self.hold_dirty_dropping_clean(first, end);
+        let mut replaced = Ok(());
         let mut block = first;
         while block < end {
             let mapped = object.map.map(block);
             let blocks = mapped.contiguous_blocks.min(end - block);
             let length = (block + blocks) * object.block_size_bytes as u64;
             let length = length.min(object.length_bytes) - block * object.block_size_bytes as u64;
-            operation(self.inner().io(), object, mapped.device_offset, length)?;
+            replaced = operation(self.inner().io(), object, mapped.device_offset, length);
+            if replaced.is_err() {
+                break;
+            }
             block += blocks;
         }
+        for mut guard in held {
+            if replaced.is_ok() {
+                guard.set_no_cache();
+                guard.buffer.clear(VALID);
+            } else {
+                // The replacement may not be on the device: the data stays dirty, as if the
+                // operation had not begun.
+                self.mark_dirty(&guard);
+            }
+        }
+        replaced?;
         self.invalidate_blocks(first, end, false);
         Ok(())
+    }
+
+    /// For a replace of `[first, end)`: drops the clean cached blocks and returns the dirty
+    /// ones held exclusively (ascending), no longer dirty but still valid and in the table.
+    fn hold_dirty_dropping_clean(&self, first: u64, end: u64) -> Vec<BufferGuard> {
+        let inner = self.inner();
+        let mut held = Vec::new();
+        for block in self.cached_candidates(first, end) {
+            let Some(buffer) = inner.table().lookup_quiet(self.object.key(block)) else {
+                continue;
+            };
+            buffer.lock_exclusive();
+            let mut guard = BufferGuard::new(inner, &self.object, buffer);
+            if guard.is_dirty() {
+                self.clear_dirty(&guard);
+                held.push(guard);
+            } else {
+                guard.set_no_cache();
+                guard.buffer.clear(VALID);
+            }
+        }
+        held
+    }
+
+    /// The blocks of `[first, end)` that may be cached, ascending.
+    fn cached_candidates(&self, first: u64, end: u64) -> Vec<u64> {
+        if end - first <= 4096 {
+            (first..end).collect()
+        } else {
+            self.inner()
+                .table()
+                .cached_blocks(self.object.id, first, end)
+        }
     }
 
     /// Removes cached blocks of `[first, end)`; dirty ones too when `including_dirty`.
     pub(crate) fn invalidate_blocks(&self, first: u64, end: u64, including_dirty: bool) {
         let inner = self.inner();
-        let cached: Vec<u64> = if end - first <= 4096 {
-            (first..end).collect()
-        } else {
-            inner.table().cached_blocks(self.object.id, first, end)
-        };
-        for block in cached {
+        for block in self.cached_candidates(first, end) {
             let Some(buffer) = inner.table().lookup_quiet(self.object.key(block)) else {
                 continue;
             };
