@@ -154,8 +154,8 @@ pub(crate) struct ObjectState {
     /// Blocks one device request carries at most (`Capabilities::request_bytes_max`, at least
     /// one block): write-back runs and clustered reads end on it.
     request_blocks_max: u64,
-    /// Discards and zeroings between dropping their range's dirty blocks and the device's
-    /// answer: a flush waits for them (see [`ObjectState::begin_replace`]).
+    /// Discards and zeroings between taking their range's dirty blocks out of write-back and
+    /// the device's answer: a flush waits for them (see [`ObjectState::begin_replace`]).
     replaces_in_flight: AtomicU64,
 }
 
@@ -434,8 +434,9 @@ impl ObjectState {
         queue.jobs_running -= 1;
     }
 
-    /// Marks a discard or zeroing that is about to drop its range's dirty blocks and replace
-    /// them on the device; the returned guard ends it. Those blocks may hold writes completed
+    /// Marks a discard or zeroing that is about to take its range's dirty blocks out of
+    /// write-back (held locked in the table) and replace them on the device; the returned
+    /// guard ends it. Those blocks may hold writes completed
     /// before a FLUSH that then finds nothing of them to write: the FLUSH must not flush the
     /// device before the replacement reached it, or a crash could leave neither the writes
     /// nor the replacement.
@@ -444,8 +445,8 @@ impl ObjectState {
         ReplaceInFlight { object: self }
     }
 
-    /// True while a discard or zeroing has dropped dirty blocks and its device operation has
-    /// not answered.
+    /// True while a discard or zeroing has taken dirty blocks out of write-back and its device
+    /// operation has not answered.
     pub fn replace_in_flight(&self) -> bool {
         self.replaces_in_flight.load(Ordering::Acquire) > 0
     }
