@@ -243,6 +243,19 @@ where
         context
             .field_format()
             .format_fields(writer.by_ref(), event)?;
+        // The fields of the spans the event happened in (a connection's peer), outermost
+        // first.
+        if let Some(scope) = context.event_scope() {
+            for span in scope.from_root() {
+                let extensions = span.extensions();
+                if let Some(fields) = extensions
+                    .get::<tracing_subscriber::fmt::FormattedFields<N>>()
+                    .filter(|fields| !fields.is_empty())
+                {
+                    write!(writer, " {fields}")?;
+                }
+            }
+        }
         writeln!(writer)
     }
 }
