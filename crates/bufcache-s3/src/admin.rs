@@ -13,6 +13,7 @@ use object_store::{ObjectStore, PutPayload};
 use crate::error::{chain, OpenError, StoreError};
 use crate::lock::{holder_now, Acquired, DiskLock, LockHolder};
 use crate::log::{self, GcReport, LogConfig, LogStore, LogSummary, GC_THRESHOLD_DEFAULT};
+pub use crate::log::{Damage, VerifyProgress};
 use crate::store::{self, connect_with, Create, DiskMetadata, METADATA_NAME};
 use crate::url::{LayoutKind, S3Url};
 
@@ -22,22 +23,6 @@ const LOG_SIZE_UNIT_BYTES: u64 = 4096;
 
 /// Chunk objects a verification reads at once.
 const VERIFY_CHUNK_REQUESTS_IN_FLIGHT_MAX: usize = 8;
-
-/// One damaged object: its key and what is wrong with it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Damage {
-    pub key: String,
-    pub reason: String,
-}
-
-/// How far a verification got: objects and bytes read of those listed.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct VerifyProgress {
-    pub objects_done: u64,
-    pub objects_total: u64,
-    pub bytes_done: u64,
-    pub bytes_total: u64,
-}
 
 /// What a verification found: every damaged object, and what was read.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -48,6 +48,12 @@ use crate::host::HostCosts;
 
 mod rescue;
 
+/// An S3 disk's identity, as its metadata object's id names it (`bufcache_s3::disk_identity`,
+/// which the simulator does not depend on).
+pub(crate) fn s3_identity(disk_id: u64) -> String {
+    format!("s3-disk:{disk_id:016x}")
+}
+
 pub use rescue::RescueCounts;
 use rescue::RescueWorld;
 

@@ -45,7 +45,7 @@ use bufcache_host::rescue::{s3_name_of_url, same_backend, BackendIdentity};
 use bufcache_tier::format::{Superblock, LOCAL_BYTES_MIN, SUPERBLOCK_BYTES};
 use bufcache_tier::{FlushTo, LocalTier, LocalTierConfig, WritebackDriver, WritebackStep};
 
-use crate::check::{decode_sector, sector_pattern, CheckSummary, SeedOutcome};
+use crate::check::{decode_sector, s3_identity, sector_pattern, CheckSummary, SeedOutcome};
 use crate::clock::VirtualClock;
 use crate::core::{FaultConfig, SharedRng, SimCore, SimDevice, SECTOR_BYTES};
 use crate::disk::DiskSpec;
@@ -310,12 +310,6 @@ struct Harness {
     disk_identity: String,
     /// Restarts that presented the tier to another disk (and were refused).
     wrong_disk_refusals: u64,
-}
-
-/// An S3 disk's identity, as its metadata object's id names it (`bufcache_s3::disk_identity`,
-/// which the simulator does not depend on).
-pub(crate) fn s3_identity(disk_id: u64) -> String {
-    format!("s3-disk:{disk_id:016x}")
 }
 
 impl Harness {

@@ -311,7 +311,7 @@ impl Inner {
     /// Finds `key` or inserts a new invalid buffer for it if room is free now, evicting
     /// clean idle buffers only (never writing back or waiting). None when there is no such
     /// room: every buffer is pinned, dirty, under I/O or unused read-ahead a reservation
-    /// may not take. A read then streams ([`crate::handle`]'s `read_streaming`).
+    /// may not take. A read then streams (the handle's `read_streaming`).
     pub(crate) fn lookup_or_try_insert(
         &self,
         key: BlockKey,

@@ -10,12 +10,27 @@ use super::{
     checkpoint, checkpoint_key, checkpoint_name, epoch, epoch_key, epoch_name, get_whole,
     list_named, list_numbered, recover, segment, segment_key, segment_name, Recovered,
 };
-use crate::admin::{Damage, VerifyProgress};
 use crate::error::OpenError;
 use crate::seal::Sealer;
 use crate::store::DiskMetadata;
 use crate::url::S3Url;
 use object_store::ObjectStore;
+
+/// One damaged object: its key and what is wrong with it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Damage {
+    pub key: String,
+    pub reason: String,
+}
+
+/// How far a verification got: objects and bytes read of those listed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VerifyProgress {
+    pub objects_done: u64,
+    pub objects_total: u64,
+    pub bytes_done: u64,
+    pub bytes_total: u64,
+}
 
 /// Objects a verification reads at once (each a whole segment, up to `segment-size=`).
 const VERIFY_REQUESTS_IN_FLIGHT_MAX: usize = 4;

@@ -76,8 +76,8 @@ use crate::seal::Sealer;
 pub use crate::seal::{SealParameters, SEALED_EXTENT_BYTES_MAX};
 pub use gc::GcReport;
 pub use index::{Index, Mapping};
-pub use inspect::LogSummary;
 pub(crate) use inspect::{summarize, verify};
+pub use inspect::{Damage, LogSummary, VerifyProgress};
 use segment::{OpenSegment, HEADER_BYTES, TABLE_ENTRY_BYTES};
 
 /// Default `segment_bytes_max`: 8 MiB keeps a sequential write-back at one PUT per 8 MiB

@@ -39,8 +39,8 @@ use std::time::Duration;
 use bufcache::device::SeededRng;
 use bufcache_host::rescue::{self, Backend, BackendIdentity, Record};
 
+use super::s3_identity;
 use super::{decode_sector, Harness, Shadow};
-use crate::check_tier::s3_identity;
 use crate::core::{FaultConfig, SECTOR_BYTES};
 
 /// Parameters of an S3 URL that say only how the disk is reached or opened: a restart may
