@@ -9,6 +9,8 @@
 //! seconds later. Then every block reads back as the newest write an acknowledged FLUSH
 //! covered (or a later write, or, after a failed write, that write), live and after a clean
 //! restart of the server; the server's store metrics show requests retried during the kills.
+//! `NODE_FAILURE_ROUNDS` repeats the kills (default 1 round: each volume server and the
+//! gateway once); the long form, 5 rounds, is 20 kills per layout.
 
 mod common;
 #[path = "../../bufcache-s3/tests/support/mod.rs"]
@@ -89,6 +91,18 @@ fn check_blocks(uri: &str, journal: &Journal, when: &str) {
     client.disconnect();
 }
 
+/// Rounds of kills: `NODE_FAILURE_ROUNDS`, 1 when unset.
+fn node_failure_rounds() -> usize {
+    match std::env::var("NODE_FAILURE_ROUNDS") {
+        Err(_) => 1,
+        Ok(text) => text
+            .parse()
+            .ok()
+            .filter(|&rounds| rounds > 0)
+            .unwrap_or_else(|| panic!("NODE_FAILURE_ROUNDS={text}: not a positive count")),
+    }
+}
+
 /// One layout's run (see the file's opening comment).
 fn node_failures_lose_nothing_flushed(layout: &str) {
     let dir = temp_dir();
@@ -147,21 +161,25 @@ fn node_failures_lose_nothing_flushed(layout: &str) {
     };
     let pause = |seconds: f64| std::thread::sleep(Duration::from_secs_f64(seconds));
     pause(1.0);
-    for index in 0..CLUSTER_VOLUME_SERVERS {
-        cluster.kill9_volume(index);
+    let rounds = node_failure_rounds();
+    for _ in 0..rounds {
+        for index in 0..CLUSTER_VOLUME_SERVERS {
+            cluster.kill9_volume(index);
+            pause(3.0);
+            cluster.start_volume(index);
+            pause(1.5);
+        }
+        cluster.kill9_filer();
         pause(3.0);
-        cluster.start_volume(index);
-        pause(1.5);
+        cluster.start_filer();
+        pause(3.0);
     }
-    cluster.kill9_filer();
-    pause(3.0);
-    cluster.start_filer();
-    pause(3.0);
     stop.store(true, Ordering::SeqCst);
     writer.join().unwrap();
     let journal = journal.lock().unwrap();
     println!(
-        "{layout}: {} writes, {} covered by the last acknowledged FLUSH, errors: {:?}",
+        "{layout}: {} kills, {} writes, {} covered by the last acknowledged FLUSH, errors: {:?}",
+        rounds * (CLUSTER_VOLUME_SERVERS + 1),
         journal.writes.len(),
         journal.flushed,
         journal.errors
