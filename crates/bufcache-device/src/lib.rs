@@ -21,6 +21,7 @@ pub mod io_queue;
 pub mod memory;
 pub mod request;
 pub mod rng;
+pub mod size;
 pub mod sparse;
 pub mod sync;
 

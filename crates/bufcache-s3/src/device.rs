@@ -4,8 +4,8 @@
 use std::io::{self, IoSlice, IoSliceMut};
 use std::sync::Arc;
 
-use bufcache::device::check_range;
-use bufcache::{Capabilities, Device, Extent};
+use bufcache_device::check_range;
+use bufcache_device::{Capabilities, Device, Extent};
 use bytes::{Bytes, BytesMut};
 
 use crate::error::OpenError;
@@ -168,7 +168,7 @@ fn gather(buffers: &[IoSlice<'_>]) -> Bytes {
 /// outcome is its first slice's error, if any.
 fn read_log_batch(
     store: &LogStore,
-    reads: &mut [bufcache::device::ReadRequest],
+    reads: &mut [bufcache_device::ReadRequest],
 ) -> Vec<Result<(), crate::StoreError>> {
     let offsets: Vec<u64> = reads.iter().map(|read| read.offset()).collect();
     let mut outcomes: Vec<Result<(), crate::StoreError>> = vec![Ok(()); reads.len()];
@@ -217,7 +217,7 @@ impl Device for S3Device {
 
     /// Every chunk request of every write goes to the store at once (up to the store's
     /// in-flight bound): a batch of scattered runs costs about one round trip, not one each.
-    fn submit_writes(&self, mut writes: Vec<bufcache::device::WriteRequest>) {
+    fn submit_writes(&self, mut writes: Vec<bufcache_device::WriteRequest>) {
         let gathered = writes
             .iter_mut()
             .map(|write| (gather(&write.slices()), write.offset()))
@@ -238,7 +238,7 @@ impl Device for S3Device {
     /// Log layout: the whole batch is one [`LogStore::read_batch`], whose GETs are in flight
     /// together and join runs that lie back to back in a segment (a window over data written
     /// sequentially costs about a GET per `get_bytes_max`, not one per run).
-    fn submit_reads(&self, mut reads: Vec<bufcache::device::ReadRequest>) {
+    fn submit_reads(&self, mut reads: Vec<bufcache_device::ReadRequest>) {
         if let Layout::Log(store) = &self.store {
             let outcomes = read_log_batch(store, &mut reads);
             for (read, outcome) in reads.into_iter().zip(outcomes) {
@@ -247,7 +247,7 @@ impl Device for S3Device {
             return;
         }
         if reads.len() <= 1 {
-            return bufcache::device::read_each_now(self, reads);
+            return bufcache_device::read_each_now(self, reads);
         }
         let reads_in_flight_max = (self.store.requests_in_flight_max() / READ_SHARE_DIVISOR).max(1);
         let workers = reads.len().min(reads_in_flight_max);

@@ -6,7 +6,7 @@
 //! objects rewritten in place, zero elision, bounded parallel requests over the
 //! `object_store` client) and [`LogStore`] (`layout=log`: immutable segments, an index and its
 //! checkpoints). [`S3Device`] is a thin adapter from either to the engine's
-//! [`bufcache::Device`] trait.
+//! [`bufcache_device::Device`] trait.
 
 pub mod admin;
 mod blocks;

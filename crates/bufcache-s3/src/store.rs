@@ -1314,8 +1314,8 @@ fn check_metadata(url: &S3Url, stored: &DiskMetadata) -> Result<(), OpenError> {
             return Err(OpenError::Mismatch {
                 url: url.to_string(),
                 parameter: "chunk-size",
-                given: bufcache::format_size(given),
-                stored: bufcache::format_size(stored.chunk_size_bytes),
+                given: bufcache_device::size::format_size(given),
+                stored: bufcache_device::size::format_size(stored.chunk_size_bytes),
             });
         }
     }
@@ -1324,8 +1324,8 @@ fn check_metadata(url: &S3Url, stored: &DiskMetadata) -> Result<(), OpenError> {
             return Err(OpenError::Mismatch {
                 url: url.to_string(),
                 parameter: "create-size",
-                given: bufcache::format_size(given),
-                stored: bufcache::format_size(stored.size_bytes),
+                given: bufcache_device::size::format_size(given),
+                stored: bufcache_device::size::format_size(stored.size_bytes),
             });
         }
     }

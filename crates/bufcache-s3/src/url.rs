@@ -239,8 +239,8 @@ impl S3Url {
                     })
                 }
                 "chunk-size" => {
-                    let size =
-                        bufcache::parse_size(value).map_err(|error| bad(&error.to_string()))?;
+                    let size = bufcache_device::size::parse_size(value)
+                        .map_err(|error| bad(&error.to_string()))?;
                     if !size.is_power_of_two()
                         || !(CHUNK_SIZE_MIN_BYTES..=CHUNK_SIZE_MAX_BYTES).contains(&size)
                     {
@@ -253,8 +253,8 @@ impl S3Url {
                         Some(LayoutKind::parse(value).ok_or_else(|| bad("expected chunk or log"))?);
                 }
                 "segment-size" => {
-                    let size =
-                        bufcache::parse_size(value).map_err(|error| bad(&error.to_string()))?;
+                    let size = bufcache_device::size::parse_size(value)
+                        .map_err(|error| bad(&error.to_string()))?;
                     if !(SEGMENT_SIZE_MIN_BYTES..=SEGMENT_SIZE_MAX_BYTES).contains(&size) {
                         return Err(bad("the segment size must be from 64k to 1G"));
                     }
@@ -291,8 +291,8 @@ impl S3Url {
                     );
                 }
                 "create-size" => {
-                    let size =
-                        bufcache::parse_size(value).map_err(|error| bad(&error.to_string()))?;
+                    let size = bufcache_device::size::parse_size(value)
+                        .map_err(|error| bad(&error.to_string()))?;
                     if size == 0 {
                         return Err(bad("the size must be above zero"));
                     }

@@ -3,7 +3,7 @@
 
 mod support;
 
-use bufcache::Device;
+use bufcache_device::Device;
 use bufcache_s3::{ChunkStore, OpenError, ReadOnly, S3Device, S3Url};
 use bytes::Bytes;
 use rand::{Rng, SeedableRng};
@@ -290,23 +290,23 @@ fn a_write_batch_keeps_its_puts_in_flight_together_and_each_write_its_outcome() 
         .map(|(_, data)| [std::io::IoSlice::new(data)])
         .collect();
     let past_end = [std::io::IoSlice::new(&chunks[0].1)];
-    let mut writes: Vec<bufcache::BatchWrite<'_>> = chunks
+    let mut writes: Vec<bufcache_device::BatchWrite<'_>> = chunks
         .iter()
         .zip(&slices)
-        .map(|((offset, _), buffers)| bufcache::BatchWrite {
+        .map(|((offset, _), buffers)| bufcache_device::BatchWrite {
             offset: *offset,
             buffers,
         })
         .collect();
     writes.insert(
         5,
-        bufcache::BatchWrite {
+        bufcache_device::BatchWrite {
             offset: 4 << 20,
             buffers: &past_end,
         },
     );
     proxy.reset_peak();
-    let results = bufcache::device::write_batch_and_wait(&device, &writes);
+    let results = bufcache_device::write_batch_and_wait(&device, &writes);
     assert_eq!(results.len(), writes.len(), "one outcome per write");
     for (index, result) in results.iter().enumerate() {
         assert_eq!(
@@ -592,16 +592,16 @@ fn the_runs_of_one_chunk_in_a_batch_cost_one_get_and_one_put() {
         .iter()
         .map(|(_, data)| [std::io::IoSlice::new(data)])
         .collect();
-    let writes: Vec<bufcache::BatchWrite<'_>> = runs
+    let writes: Vec<bufcache_device::BatchWrite<'_>> = runs
         .iter()
         .zip(&slices)
-        .map(|((offset, _), buffers)| bufcache::BatchWrite {
+        .map(|((offset, _), buffers)| bufcache_device::BatchWrite {
             offset: *offset,
             buffers,
         })
         .collect();
     let (gets_before, puts_before) = (moto.request_count("GET"), moto.request_count("PUT"));
-    let results = bufcache::device::write_batch_and_wait(&device, &writes);
+    let results = bufcache_device::write_batch_and_wait(&device, &writes);
     assert!(results.iter().all(Result::is_ok), "{results:?}");
     assert_eq!(
         moto.request_count("GET") - gets_before,

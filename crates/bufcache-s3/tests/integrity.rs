@@ -12,7 +12,7 @@ mod support;
 
 use std::io::{IoSlice, IoSliceMut};
 
-use bufcache::Device;
+use bufcache_device::Device;
 use bufcache_s3::{LogStore, OpenError, S3Device, S3Url};
 use fixtures::{key_file, random};
 use rand::{Rng, SeedableRng};

@@ -9,8 +9,8 @@ mod support;
 
 use std::io::IoSlice;
 
-use bufcache::device::BatchWrite;
-use bufcache::Device;
+use bufcache_device::BatchWrite;
+use bufcache_device::Device;
 use bufcache_s3::{LayoutKind, LogStore, OpenError, S3Device, S3Url, GET_BYTES_MAX_DEFAULT};
 use rand::{Rng, SeedableRng};
 use raw::Raw;
@@ -169,7 +169,7 @@ fn random_4k_writes_cost_their_bytes_once_in_few_puts() {
         })
         .collect();
     let puts_before = moto.request_count("PUT");
-    for result in bufcache::device::write_batch_and_wait(&device, &writes) {
+    for result in bufcache_device::write_batch_and_wait(&device, &writes) {
         result.unwrap();
     }
     device.flush().unwrap();

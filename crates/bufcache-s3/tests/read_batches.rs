@@ -7,8 +7,8 @@ use std::io::IoSliceMut;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bufcache::device::ReadRequest;
-use bufcache::Device;
+use bufcache_device::Device;
+use bufcache_device::ReadRequest;
 use bufcache_s3::{S3Device, S3Url};
 use rand::{Rng, SeedableRng};
 use support::{have_moto, DelayProxy, Moto};
@@ -28,7 +28,7 @@ type Outcomes = Arc<Mutex<Vec<(u64, Vec<u8>, bool)>>>;
 /// Memory a read fills, handed back to the test with the outcome.
 struct Filled(Vec<u8>);
 
-impl bufcache::device::ReadMemory for Filled {
+impl bufcache_device::ReadMemory for Filled {
     fn slices_mut(&mut self) -> Vec<IoSliceMut<'_>> {
         vec![IoSliceMut::new(&mut self.0)]
     }

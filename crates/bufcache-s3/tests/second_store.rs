@@ -8,7 +8,7 @@ mod support;
 
 use std::net::SocketAddr;
 
-use bufcache::Device;
+use bufcache_device::Device;
 use bufcache_s3::{S3Device, S3Url};
 use rand::{Rng, SeedableRng};
 use support::{have_seaweedfs, S3Server, SeaweedFs};
