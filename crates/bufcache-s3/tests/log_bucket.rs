@@ -1,6 +1,6 @@
 //! The threat model of docs/security.md, "The bucket", line by line: what someone who may
 //! write to the bucket but has no key can and cannot do to an encrypted log-layout disk.
-//! Against moto on loopback; the attacker works through the bucket directly.
+//! Against moto and SeaweedFS on loopback; the attacker works through the bucket directly.
 
 #[path = "support/raw.rs"]
 mod raw;
@@ -8,7 +8,7 @@ mod support;
 
 use bufcache_s3::{LogStore, OpenError, S3Url};
 use raw::Raw;
-use support::{have_moto, Moto};
+use support::{have_moto, have_seaweedfs, Moto, S3Server, SeaweedFs};
 
 /// A key file of 64 hex digits in `directory`.
 fn key_file(directory: &std::path::Path) -> String {
@@ -68,13 +68,23 @@ fn refused_naming(result: Result<LogStore, OpenError>, key: &str) {
 #[test]
 fn without_the_key_the_bucket_can_deny_and_roll_back_but_not_forge() {
     let name = "without_the_key_the_bucket_can_deny_and_roll_back_but_not_forge";
-    if !have_moto(name) {
-        return;
+    if have_moto(name) {
+        the_bucket_cannot_forge(&Moto::start());
     }
-    let moto = Moto::start();
-    moto.create_bucket("bucket");
-    let raw = Raw::new(&moto);
-    let endpoint = moto.endpoint();
+}
+
+#[test]
+fn without_the_key_the_bucket_can_deny_and_roll_back_but_not_forge_on_seaweedfs() {
+    let name = "without_the_key_the_bucket_can_deny_and_roll_back_but_not_forge_on_seaweedfs";
+    if have_seaweedfs(name) {
+        the_bucket_cannot_forge(&SeaweedFs::start());
+    }
+}
+
+fn the_bucket_cannot_forge(server: &dyn S3Server) {
+    server.create_bucket("bucket");
+    let raw = Raw::new(server);
+    let endpoint = server.endpoint();
     let directory = tempfile::tempdir().unwrap();
     let key = format!("&key-file={}&gc=off", key_file(directory.path()));
     let store = open(

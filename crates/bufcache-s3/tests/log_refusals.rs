@@ -1,7 +1,7 @@
 //! What an open of a log-layout disk refuses (issue 46): objects that durable records prove
 //! were stored and are missing stop the open, naming them, and nothing is deleted or served;
-//! `recover-prefix=on` opens the disk anyway. Against moto on loopback, the objects removed
-//! through the bucket directly.
+//! `recover-prefix=on` opens the disk anyway. Against moto and SeaweedFS on loopback, the
+//! objects removed through the bucket directly.
 
 #[path = "support/fixtures.rs"]
 mod fixtures;
@@ -13,7 +13,7 @@ use bufcache_s3::{LogStore, OpenError, S3Url};
 use fixtures::random;
 use rand::SeedableRng;
 use raw::Raw;
-use support::{have_moto, Moto};
+use support::{have_moto, have_seaweedfs, Moto, S3Server, SeaweedFs};
 
 fn url(endpoint: &str, parameters: &str) -> S3Url {
     S3Url::parse(&format!("s3://bucket/disk?endpoint={endpoint}{parameters}")).unwrap()
@@ -55,13 +55,26 @@ fn lost(error: OpenError) -> Vec<String> {
 #[test]
 fn a_deleted_newest_checkpoint_is_refused_and_deletes_nothing() {
     let name = "a_deleted_newest_checkpoint_is_refused_and_deletes_nothing";
-    if !have_moto(name) {
-        return;
+    if have_moto(name) {
+        let moto = Moto::start();
+        a_deleted_checkpoint_is_refused(&moto, Some(&|| moto.request_count("DELETE")));
     }
-    let moto = Moto::start();
-    moto.create_bucket("bucket");
-    let raw = Raw::new(&moto);
-    let endpoint = moto.endpoint();
+}
+
+#[test]
+fn a_deleted_newest_checkpoint_is_refused_and_deletes_nothing_on_seaweedfs() {
+    let name = "a_deleted_newest_checkpoint_is_refused_and_deletes_nothing_on_seaweedfs";
+    if have_seaweedfs(name) {
+        a_deleted_checkpoint_is_refused(&SeaweedFs::start(), None);
+    }
+}
+
+/// The checkpoint test on `server`; `deletes` counts the DELETE requests the store answered,
+/// where it keeps a request log (moto).
+fn a_deleted_checkpoint_is_refused(server: &dyn S3Server, deletes: Option<&dyn Fn() -> usize>) {
+    server.create_bucket("bucket");
+    let raw = Raw::new(server);
+    let endpoint = server.endpoint();
     let mut rng = rand::rngs::StdRng::seed_from_u64(46);
     let store = open(
         &endpoint,
@@ -86,7 +99,7 @@ fn a_deleted_newest_checkpoint_is_refused_and_deletes_nothing() {
     let (checkpoint, _) = checkpoints[0].clone();
     let saved = raw.get(&checkpoint);
     raw.delete(&checkpoint);
-    let deletes_before = moto.request_count("DELETE");
+    let deletes_before = deletes.map(|count| count());
     let missing = lost(open(&endpoint, "").err().expect("refused"));
     assert!(
         missing.len() == 1 && missing[0].starts_with("disk/log/checkpoints/"),
@@ -106,10 +119,17 @@ fn a_deleted_newest_checkpoint_is_refused_and_deletes_nothing() {
         segments,
         "nothing deleted"
     );
+    if let (Some(count), Some(before)) = (deletes, deletes_before) {
+        assert_eq!(
+            count(),
+            before + 1,
+            "no DELETE but the refused writable open's release of its lock"
+        );
+    }
     assert_eq!(
-        moto.request_count("DELETE"),
-        deletes_before + 1,
-        "no DELETE but the refused writable open's release of its lock"
+        raw.objects("disk/log/checkpoints"),
+        vec![],
+        "nothing written"
     );
     // Put back, the checkpoint opens the disk as it was.
     raw.put(&checkpoint, saved);
@@ -133,13 +153,24 @@ fn a_deleted_newest_checkpoint_is_refused_and_deletes_nothing() {
 #[test]
 fn a_deleted_first_segment_after_the_checkpoint_is_refused_and_deletes_nothing() {
     let name = "a_deleted_first_segment_after_the_checkpoint_is_refused_and_deletes_nothing";
-    if !have_moto(name) {
-        return;
+    if have_moto(name) {
+        a_deleted_first_segment_is_refused(&Moto::start());
     }
-    let moto = Moto::start();
-    moto.create_bucket("bucket");
-    let raw = Raw::new(&moto);
-    let endpoint = moto.endpoint();
+}
+
+#[test]
+fn a_deleted_first_segment_after_the_checkpoint_is_refused_and_deletes_nothing_on_seaweedfs() {
+    let name =
+        "a_deleted_first_segment_after_the_checkpoint_is_refused_and_deletes_nothing_on_seaweedfs";
+    if have_seaweedfs(name) {
+        a_deleted_first_segment_is_refused(&SeaweedFs::start());
+    }
+}
+
+fn a_deleted_first_segment_is_refused(server: &dyn S3Server) {
+    server.create_bucket("bucket");
+    let raw = Raw::new(server);
+    let endpoint = server.endpoint();
     let mut rng = rand::rngs::StdRng::seed_from_u64(47);
     let parameters = "&segment-size=64k&gc=off";
     let store = open(
