@@ -1,8 +1,8 @@
 //! Goal: the log layout (`layout=log`) over a store that resets connections (issue 46, item 6):
 //! with 2 % of requests of every method answered by a connection reset, every start of
 //! `bufcache serve` after a `kill -9` succeeds (0 failed starts) and every write a FLUSH
-//! acknowledged reads back after each restart (0 acknowledged writes lost). Method: moto on
-//! loopback behind the fault proxy in `reset-percent` mode (seeded; the seed is printed and
+//! acknowledged reads back after each restart (0 acknowledged writes lost). Method: moto (and,
+//! in a second test, SeaweedFS) on loopback behind the fault proxy in `reset-percent` mode (seeded; the seed is printed and
 //! `RESETS_SEED` replays it); rounds of: start the real server through the proxy (breaking the
 //! killed server's lock), read the whole image and compare it with every write flushed so
 //! far, overwrite a shared range and write this round's own blocks, FLUSH, write more without
@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use bufcache_nbd::NbdClient;
 use common::*;
-use s3_support::{have_moto, FaultProxy, Moto};
+use s3_support::{have_moto, have_seaweedfs, FaultProxy, Moto, S3Server, SeaweedFs};
 
 const BLOCK: usize = 4096;
 /// Blocks every round overwrites (at the start of the disk): their old versions become
@@ -110,10 +110,25 @@ fn range_content(seed: u64, round: usize, blocks: std::ops::Range<usize>) -> Vec
 #[test]
 fn log_layout_starts_every_time_and_keeps_flushed_writes_through_resets_and_kill_9() {
     let name = "log_layout_starts_every_time_and_keeps_flushed_writes_through_resets_and_kill_9";
-    if !have_moto(name) {
-        return;
+    if have_moto(name) {
+        let _timer = Timer::new(name);
+        let moto = Moto::start();
+        resets_and_kills_lose_nothing(&moto, moto.port);
     }
-    let _timer = Timer::new(name);
+}
+
+#[test]
+fn log_layout_starts_every_time_and_keeps_flushed_writes_through_resets_and_kill_9_on_seaweedfs() {
+    let name = "log_layout_starts_every_time_and_keeps_flushed_writes_through_resets_and_kill_9_on_seaweedfs";
+    if have_seaweedfs(name) {
+        let _timer = Timer::new(name);
+        let seaweedfs = SeaweedFs::start();
+        resets_and_kills_lose_nothing(&seaweedfs, seaweedfs.port);
+    }
+}
+
+/// The rounds (see the file's opening comment) against `store`, which listens on `port`.
+fn resets_and_kills_lose_nothing(store: &dyn S3Server, port: u16) {
     let began = Instant::now();
     let seed: u64 = std::env::var("RESETS_SEED")
         .ok()
@@ -134,9 +149,8 @@ fn log_layout_starts_every_time_and_keeps_flushed_writes_through_resets_and_kill
         .unwrap_or(2.0);
     println!("seed {seed} (RESETS_SEED), {rounds} rounds, {reset_percent} % resets");
     let dir = temp_dir();
-    let moto = Moto::start();
-    moto.create_bucket("disks");
-    let proxy = FaultProxy::resetting_percent(moto.port, reset_percent, seed);
+    store.create_bucket("disks");
+    let proxy = FaultProxy::resetting_percent(port, reset_percent, seed);
     let endpoint = proxy.endpoint();
     // Blocks checked: the shared ones and every round's own.
     let blocks = SHARED_BLOCKS + rounds * ROUND_BLOCKS;
@@ -156,7 +170,7 @@ fn log_layout_starts_every_time_and_keeps_flushed_writes_through_resets_and_kill
             } else {
                 format!(
                     "&segment-size=64k&break-lock={}",
-                    lock_id(&moto.endpoint(), dir.path())
+                    lock_id(&store.endpoint(), dir.path())
                 )
             };
             let url = format!("s3://disks/vm1?endpoint={endpoint}{parameters}");
