@@ -213,6 +213,12 @@ pub struct ServeArgs {
     /// is refused, naming the record's offset.
     #[arg(long)]
     local_cache_replay_prefix: bool,
+    /// Clean blocks of the --local-cache (copies of what the backend held) compared with the
+    /// backend's bytes before the cache is attached; any difference refuses the start (the
+    /// backend is another disk reached the same way, or was written around the cache).
+    /// 0 attaches without comparing. Default 32, at most 4096.
+    #[arg(long, value_name = "N")]
+    local_cache_sampled_blocks: Option<usize>,
     /// Serve Prometheus metrics (/metrics) and JSON statistics (/stats) on HOST:PORT.
     #[arg(long, value_name = "HOST:PORT")]
     metrics: Option<String>,
@@ -254,6 +260,9 @@ fn open_local_tier(
             Duration::from_secs_f64,
         ),
         replay_damaged_prefix: args.local_cache_replay_prefix,
+        sampled_blocks_max: args
+            .local_cache_sampled_blocks
+            .unwrap_or(bufcache_tier::LocalTierConfig::default().sampled_blocks_max),
         ..bufcache_tier::LocalTierConfig::default()
     };
     let existed = path.exists();
@@ -276,7 +285,14 @@ fn open_local_tier(
         remote,
         &identity.identity,
         config,
-    )?;
+    )
+    .map_err(|error| match error {
+        // A refusal of what the user named (nothing was written): exit 2, like the others.
+        bufcache_tier::TierError::OtherContent { .. } => {
+            anyhow::Error::new(crate::BadInput(error.to_string()))
+        }
+        error => anyhow::Error::new(error),
+    })?;
     let lock = match early_lock {
         Some(lock) => lock,
         None => BackendLock::acquire(path)?,
@@ -804,6 +820,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             "--shutdown-timeout {} is invalid: must be from 0 to 86400 seconds",
             args.shutdown_timeout
         );
+    }
+    if let Some(blocks) = args.local_cache_sampled_blocks {
+        if blocks > bufcache_tier::config::SAMPLED_BLOCKS_LIMIT {
+            bail!(
+                "--local-cache-sampled-blocks {blocks} is invalid: must be from 0 to {}",
+                bufcache_tier::config::SAMPLED_BLOCKS_LIMIT
+            );
+        }
     }
     if let Some(seconds) = args.local_cache_stall_max {
         if !(seconds > 0.0 && seconds <= 86_400.0) {
