@@ -229,6 +229,7 @@ fn default_value(name: &str) -> Option<String> {
         "local-cache-size" => size(16 << 30),
         "flush-to" => "\"local\"".into(),
         "local-cache-stall-max" => "10".into(),
+        "local-cache-sampled-blocks" => "32".into(),
         "create-size" => size(crate::serve::DEFAULT_BACKING_SIZE_BYTES),
         "metrics" => "\"127.0.0.1:9187\"".into(),
         "connections-max" => crate::limit_args::DEFAULT_CONNECTIONS_MAX.to_string(),

@@ -103,9 +103,7 @@ pub fn exit_with_parent() -> anyhow::Result<()> {
 
 /// Writes this process's id to `path` (replacing it atomically); [`cleanup`] removes it.
 pub fn write_pid_file(path: &Path) -> anyhow::Result<()> {
-    let mut name = path.file_name().unwrap_or_default().to_os_string();
-    name.push(".partial");
-    let temporary = path.with_file_name(name);
+    let temporary = pid_file_partial(path);
     std::fs::write(&temporary, format!("{}\n", std::process::id()))
         .and_then(|()| std::fs::rename(&temporary, path))
         .with_context(|| format!("--pid-file {}: cannot write it", path.display()))?;
@@ -113,6 +111,23 @@ pub fn write_pid_file(path: &Path) -> anyhow::Result<()> {
         *slot = Some(path.to_path_buf());
     }
     Ok(())
+}
+
+/// Checks that the pid file can be written where `path` says (its directory exists and may
+/// be written) by writing and removing its temporary file: done before any disk is opened,
+/// so a start refused for its pid file changes no disk.
+pub fn check_pid_file(path: &Path) -> anyhow::Result<()> {
+    let temporary = pid_file_partial(path);
+    std::fs::write(&temporary, b"")
+        .and_then(|()| std::fs::remove_file(&temporary))
+        .with_context(|| format!("--pid-file {}: cannot write it", path.display()))
+}
+
+/// The file a pid file is written to before it is renamed into place.
+fn pid_file_partial(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".partial");
+    path.with_file_name(name)
 }
 
 /// Removes the pid file, if one was written; called on every way out of `serve`.

@@ -970,10 +970,14 @@ fn cache_json(stats: &CacheStats) -> Value {
     })
 }
 
-/// Serves `/metrics` and `/stats` on `address` from a background thread.
-pub fn start(address: &str, meters: Arc<Meters>) -> anyhow::Result<std::net::SocketAddr> {
-    let listener = TcpListener::bind(address)
-        .with_context(|| format!("--metrics {address}: cannot listen"))?;
+/// Opens the metrics listener on `address`, before the exports are opened, so an address in
+/// use refuses the start before any disk was changed.
+pub fn bind(address: &str) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(address).with_context(|| format!("--metrics {address}: cannot listen"))
+}
+
+/// Serves `/metrics` and `/stats` on `listener` (from [`bind`]) from a background thread.
+pub fn start(listener: TcpListener, meters: Arc<Meters>) -> anyhow::Result<std::net::SocketAddr> {
     let local = listener.local_addr()?;
     std::thread::Builder::new()
         .name("bufcache-metrics".into())

@@ -213,6 +213,12 @@ pub struct ServeArgs {
     /// is refused, naming the record's offset.
     #[arg(long)]
     local_cache_replay_prefix: bool,
+    /// Clean blocks of the --local-cache (copies of what the backend held) compared with the
+    /// backend's bytes before the cache is attached; any difference refuses the start (the
+    /// backend is another disk reached the same way, or was written around the cache).
+    /// 0 attaches without comparing. Default 32, at most 4096.
+    #[arg(long, value_name = "N")]
+    local_cache_sampled_blocks: Option<usize>,
     /// Serve Prometheus metrics (/metrics) and JSON statistics (/stats) on HOST:PORT.
     #[arg(long, value_name = "HOST:PORT")]
     metrics: Option<String>,
@@ -254,6 +260,9 @@ fn open_local_tier(
             Duration::from_secs_f64,
         ),
         replay_damaged_prefix: args.local_cache_replay_prefix,
+        sampled_blocks_max: args
+            .local_cache_sampled_blocks
+            .unwrap_or(bufcache_tier::LocalTierConfig::default().sampled_blocks_max),
         ..bufcache_tier::LocalTierConfig::default()
     };
     let existed = path.exists();
@@ -276,7 +285,14 @@ fn open_local_tier(
         remote,
         &identity.identity,
         config,
-    )?;
+    )
+    .map_err(|error| match error {
+        // A refusal of what the user named (nothing was written): exit 2, like the others.
+        bufcache_tier::TierError::OtherContent { .. } => {
+            anyhow::Error::new(crate::BadInput(error.to_string()))
+        }
+        error => anyhow::Error::new(error),
+    })?;
     let lock = match early_lock {
         Some(lock) => lock,
         None => BackendLock::acquire(path)?,
@@ -495,87 +511,51 @@ fn other_rescue_files(ours: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
-/// Opens the device a backend string names (and, for nbd://, the upstream connection too, for
-/// its metrics). `export` and the flags say what [`check_before_writing`] checks, which runs
-/// before anything is written to the backend.
-fn open_backend(
-    spec: &str,
-    args: &ServeArgs,
-    is_default: bool,
-    export: &str,
-) -> anyhow::Result<OpenedBackend> {
-    if let Some(size) = spec.strip_prefix("memory:") {
-        let size = parse_size(size).with_context(|| format!("backend `{spec}`"))?;
-        if size == 0 {
-            bail!("backend `{spec}`: a memory backend needs a size above zero, like memory:1G");
+/// A backend checked and opened as far as it can be without writing to it.
+enum PreparedBackend {
+    /// Opened: nothing in it changes at open (a file, an NBD upstream, memory).
+    Opened(OpenedBackend),
+    /// Probed and checked; [`PendingS3::open`] takes the lock and raises the generation.
+    S3(PendingS3),
+}
+
+impl PreparedBackend {
+    /// Opens what is left to open: called for every export only once all were prepared and
+    /// every socket opened, so a start refused for one export never changed another's store.
+    fn open(self) -> anyhow::Result<OpenedBackend> {
+        match self {
+            PreparedBackend::Opened(opened) => Ok(opened),
+            PreparedBackend::S3(pending) => pending.open(),
         }
-        return Ok(OpenedBackend {
-            device: Arc::new(MemoryDevice::new(size)),
-            upstream: None,
-            store: None,
-            identity: None,
-            s3: None,
-            _lock: None,
-        });
     }
-    if spec.starts_with("nbd://")
-        || spec.starts_with("nbd+unix://")
-        || spec.starts_with("nbds://")
-        || spec.starts_with("nbds+unix://")
-    {
-        let policy = ReconnectPolicy {
-            delay_initial: Duration::from_secs_f64(args.reconnect_delay_initial),
-            delay_max: Duration::from_secs_f64(args.reconnect_delay_max),
-            give_up_after: Duration::from_secs_f64(args.reconnect_give_up),
-        };
-        let client = Arc::new(
-            ReconnectingClient::connect(spec, policy)
-                .with_context(|| format!("backend `{spec}`"))?,
-        );
-        let identity = identity_of_url(spec);
-        let identity = BackendIdentity {
-            name: identity.clone(),
-            identity,
-            state: None,
-        };
-        check_before_writing(args, export, &identity, Some(client.len()))?;
-        return Ok(OpenedBackend {
-            device: Arc::clone(&client) as Arc<dyn Device>,
-            upstream: Some(client),
-            identity: Some(identity),
-            s3: None,
-            store: None,
-            _lock: None,
-        });
-    }
-    if spec.starts_with("s3://") {
-        let mut url = bufcache_s3::S3Url::parse(spec).map_err(bufcache_s3::OpenError::from)?;
-        url.create_size_bytes = url.create_size_bytes.or(args.create_size);
-        let name = s3_disk_name(&url);
-        // Read before anything is written: the disk's id and generation decide whether its
-        // rescue file and local cache may be attached, and a refusal must leave the store as
-        // it was (no broken lock, no epoch, no checkpoint, no new generation).
-        // One count of the disk's requests, the probe's included.
-        let meters = bufcache_s3::StoreMeters::new();
-        let seen = bufcache_s3::probe_counted(&url, Some(&meters))?;
-        let proposed_id = bufcache_s3::new_disk_id();
-        let expected = BackendIdentity {
-            identity: match seen.and_then(|seen| seen.disk_id) {
-                Some(id) => bufcache_s3::disk_identity(id),
-                None if seen.is_some() && args.read_only => name.clone(),
-                // A disk without an id gets this one when opened for writing; a new disk
-                // gets its own, and nothing saved can belong to a disk not made yet.
-                None if seen.is_some() => bufcache_s3::disk_identity(proposed_id),
-                None => String::new(),
-            },
-            name: name.clone(),
-            state: seen.map(|seen| seen.generation),
-        };
-        check_before_writing(args, export, &expected, seen.map(|seen| seen.size_bytes))?;
+}
+
+/// An S3 disk probed (its id, generation and size read) and checked against its rescue file
+/// and local cache, nothing written to it yet.
+struct PendingS3 {
+    url: bufcache_s3::S3Url,
+    seen: Option<bufcache_s3::DiskState>,
+    proposed_id: u64,
+    meters: Arc<bufcache_s3::StoreMeters>,
+    name: String,
+    read_only: bool,
+}
+
+impl PendingS3 {
+    /// Opens the disk; for writing, this takes its lock and raises its generation.
+    fn open(self) -> anyhow::Result<OpenedBackend> {
+        let PendingS3 {
+            url,
+            seen,
+            proposed_id,
+            meters,
+            name,
+            read_only,
+        } = self;
         // --read-only writes nothing, not even the disk lock; credentials that may not write
         // (the store answers the lock's PUT 403) make a read-only export too, as a file this
         // process may only read does.
-        let device = if args.read_only {
+        let device = if read_only {
             bufcache_s3::S3Device::open_read_only_counted(&url, meters)?
         } else {
             bufcache_s3::S3Device::open_locked_after_probe(
@@ -607,7 +587,7 @@ fn open_backend(
             }
         };
         let device = Arc::new(device);
-        return Ok(OpenedBackend {
+        Ok(OpenedBackend {
             device: Arc::clone(&device) as Arc<dyn Device>,
             upstream: None,
             identity: Some(BackendIdentity {
@@ -618,7 +598,96 @@ fn open_backend(
             s3: Some(Arc::clone(&device)),
             store: Some(device),
             _lock: None,
-        });
+        })
+    }
+}
+
+/// Opens the device a backend string names (and, for nbd://, the upstream connection too, for
+/// its metrics), as far as it can without writing to it: an S3 disk is probed and left
+/// pending ([`PreparedBackend::open`]). `export` and the flags say what
+/// [`check_before_writing`] checks, which runs before anything is written to the backend.
+fn prepare_backend(
+    spec: &str,
+    args: &ServeArgs,
+    is_default: bool,
+    export: &str,
+) -> anyhow::Result<PreparedBackend> {
+    if let Some(size) = spec.strip_prefix("memory:") {
+        let size = parse_size(size).with_context(|| format!("backend `{spec}`"))?;
+        if size == 0 {
+            bail!("backend `{spec}`: a memory backend needs a size above zero, like memory:1G");
+        }
+        return Ok(PreparedBackend::Opened(OpenedBackend {
+            device: Arc::new(MemoryDevice::new(size)),
+            upstream: None,
+            store: None,
+            identity: None,
+            s3: None,
+            _lock: None,
+        }));
+    }
+    if spec.starts_with("nbd://")
+        || spec.starts_with("nbd+unix://")
+        || spec.starts_with("nbds://")
+        || spec.starts_with("nbds+unix://")
+    {
+        let policy = ReconnectPolicy {
+            delay_initial: Duration::from_secs_f64(args.reconnect_delay_initial),
+            delay_max: Duration::from_secs_f64(args.reconnect_delay_max),
+            give_up_after: Duration::from_secs_f64(args.reconnect_give_up),
+        };
+        let client = Arc::new(
+            ReconnectingClient::connect(spec, policy)
+                .with_context(|| format!("backend `{spec}`"))?,
+        );
+        let identity = identity_of_url(spec);
+        let identity = BackendIdentity {
+            name: identity.clone(),
+            identity,
+            state: None,
+        };
+        check_before_writing(args, export, &identity, Some(client.len()))?;
+        return Ok(PreparedBackend::Opened(OpenedBackend {
+            device: Arc::clone(&client) as Arc<dyn Device>,
+            upstream: Some(client),
+            identity: Some(identity),
+            s3: None,
+            store: None,
+            _lock: None,
+        }));
+    }
+    if spec.starts_with("s3://") {
+        let mut url = bufcache_s3::S3Url::parse(spec).map_err(bufcache_s3::OpenError::from)?;
+        url.create_size_bytes = url.create_size_bytes.or(args.create_size);
+        let name = s3_disk_name(&url);
+        // Read before anything is written: the disk's id and generation decide whether its
+        // rescue file and local cache may be attached, and a refusal must leave the store as
+        // it was (no broken lock, no epoch, no checkpoint, no new generation).
+        // One count of the disk's requests, the probe's included.
+        let meters = bufcache_s3::StoreMeters::new();
+        let seen = bufcache_s3::probe_counted(&url, Some(&meters))?;
+        let proposed_id = bufcache_s3::new_disk_id();
+        let expected = BackendIdentity {
+            identity: match seen.and_then(|seen| seen.disk_id) {
+                Some(id) => bufcache_s3::disk_identity(id),
+                None if seen.is_some() && args.read_only => name.clone(),
+                // A disk without an id gets this one when opened for writing; a new disk
+                // gets its own, and nothing saved can belong to a disk not made yet.
+                None if seen.is_some() => bufcache_s3::disk_identity(proposed_id),
+                None => String::new(),
+            },
+            name: name.clone(),
+            state: seen.map(|seen| seen.generation),
+        };
+        check_before_writing(args, export, &expected, seen.map(|seen| seen.size_bytes))?;
+        return Ok(PreparedBackend::S3(PendingS3 {
+            url,
+            seen,
+            proposed_id,
+            meters,
+            name,
+            read_only: args.read_only,
+        }));
     }
     let path = Path::new(spec);
     if !path.exists() {
@@ -707,14 +776,14 @@ fn open_backend(
     } else {
         identity
     };
-    Ok(OpenedBackend {
+    Ok(PreparedBackend::Opened(OpenedBackend {
         device: Arc::new(device),
         upstream: None,
         identity: Some(identity),
         s3: None,
         store: None,
         _lock: Some(lock),
-    })
+    }))
 }
 
 /// True when opening for writing failed only because writing is not allowed.
@@ -804,6 +873,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             "--shutdown-timeout {} is invalid: must be from 0 to 86400 seconds",
             args.shutdown_timeout
         );
+    }
+    if let Some(blocks) = args.local_cache_sampled_blocks {
+        if blocks > bufcache_tier::config::SAMPLED_BLOCKS_LIMIT {
+            bail!(
+                "--local-cache-sampled-blocks {blocks} is invalid: must be from 0 to {}",
+                bufcache_tier::config::SAMPLED_BLOCKS_LIMIT
+            );
+        }
     }
     if let Some(seconds) = args.local_cache_stall_max {
         if !(seconds > 0.0 && seconds <= 86_400.0) {
@@ -933,7 +1010,50 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut backend_locks = Vec::new();
     let mut counters: Vec<Arc<CountingDevice<Arc<dyn Device>>>> = Vec::new();
     let mut s3_devices: Vec<(String, Arc<bufcache_s3::S3Device>)> = Vec::new();
+    // Everything that can refuse the start without writing to a disk is checked, and every
+    // listen address bound (they listen only once the exports are ready, so a client or a
+    // readiness probe that connects is served), before the first disk is written to:
+    // opening an S3 disk for writing
+    // takes its lock and raises its generation, so a start refused after that (another
+    // export that does not open, an address in use) would leave the store changed and the
+    // disk's rescue file stale.
+    for (policy_export, _) in &server_config.export_policies {
+        if !specs.iter().any(|(name, _, _)| name == policy_export) {
+            clap::Error::raw(
+                clap::error::ErrorKind::ValueValidation,
+                format!(
+                    "--export-identity / --export-read-only name {policy_export:?}, which is not an export\n"
+                ),
+            )
+            .exit();
+        }
+    }
+    if let Some(path) = &args.pid_file {
+        crate::daemon::check_pid_file(path)?;
+    }
+    let mut prepared = Vec::with_capacity(specs.len());
     for (name, backend, is_default) in specs {
+        let backend_prepared = prepare_backend(&backend, &args, is_default, &name)?;
+        if let PreparedBackend::Opened(opened) = &backend_prepared {
+            if opened.device.is_empty() {
+                bail!("backend `{backend}` is empty (0 bytes): there is nothing to export");
+            }
+        }
+        prepared.push((name, backend, backend_prepared));
+    }
+    // Signals are handled before the sockets listen: a client can connect (into the
+    // kernel's backlog) as soon as they do, and a supervisor that probes the port and then
+    // sends SIGTERM, or anyone told the server is up (pid file, READY=1, the listening lines),
+    // must get a clean shutdown, not the default action's kill.
+    let shutdown = ShutdownHandle::new();
+    let (events, event_receiver) = mpsc::channel();
+    install_signal_handlers(shutdown.clone(), events.clone())?;
+    let listeners = match inherited {
+        Some(sockets) => bufcache_nbd::Listeners::inherited(sockets)?,
+        None => bufcache_nbd::Listeners::bind(&server_config)?,
+    };
+    let metrics_listener = args.metrics.as_deref().map(metrics::bind).transpose()?;
+    for (name, backend, backend_prepared) in prepared {
         let OpenedBackend {
             device,
             upstream,
@@ -941,7 +1061,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             identity,
             s3,
             _lock: lock,
-        } = open_backend(&backend, &args, is_default, &name)?;
+        } = backend_prepared.open()?;
         // With a local cache the cache keeps what the log layout has not uploaded (its epoch
         // is written back only once the backend flushed it): only without one is it saved
         // from the device at shutdown.
@@ -1054,20 +1174,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .exit(),
         server => server?,
     };
-    // Signals are handled before the sockets listen: a client can connect (into the
-    // kernel's backlog) as soon as they do, and a supervisor that probes the port and then
-    // sends SIGTERM, or anyone told the server is up (pid file, READY=1, the listening lines),
-    // must get a clean shutdown, not the default action's kill.
-    let shutdown = ShutdownHandle::new();
-    let (events, event_receiver) = mpsc::channel();
-    install_signal_handlers(shutdown.clone(), events.clone())?;
-    let server = match inherited {
-        Some(sockets) => server.bind_inherited(sockets)?,
-        None => server.bind()?,
-    };
-    if let Some(address) = &args.metrics {
+    let server = server.with_listeners(listeners)?;
+    if let Some(listener) = metrics_listener {
         let local = metrics::start(
-            address,
+            listener,
             Arc::new(Meters {
                 cache: cache.clone(),
                 exports: meters,

@@ -278,6 +278,125 @@ fn a_local_cache_is_refused_for_another_image_put_at_the_same_path() {
     );
 }
 
+#[test]
+fn a_local_cache_is_refused_for_another_nbdkit_disk_on_the_same_socket() {
+    // Goal: an NBD upstream records no id of its own, so another disk served on the same
+    // socket has the cache's identity (URI and socket) and size; attaching the cache there
+    // would serve its stale blocks and replay its writes into that disk (#45 item 7). The
+    // start compares sampled clean blocks with the upstream and refuses on any difference.
+    // Method: two nbdkit memory disks on their own sockets, the served socket path a symlink
+    // to one of them. Write 4 MiB through a server over disk A, stop it (write-back done);
+    // point the path at disk B (other bytes): the start is refused (exit 2) naming the cache
+    // and the count of differing blocks, no client is served, and neither B nor the cache
+    // changes. Point it back at A: the cache attaches and every byte reads as written.
+    let name = "a_local_cache_is_refused_for_another_nbdkit_disk_on_the_same_socket";
+    if !have_tools(name, &["qemu-io", "nbdkit", "nbdcopy"]) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    let dir = temp_dir();
+    let nbdkit = |socket: &Path| {
+        let guard = ChildGuard::spawn(
+            cmd(
+                "nbdkit",
+                &["-f", "-U", socket.to_str().unwrap(), "memory", "16M"],
+            )
+            .stdout(std::process::Stdio::null()),
+            "nbdkit",
+        );
+        wait_until("nbdkit listens", TIMEOUT, || socket.exists());
+        guard
+    };
+    let socket_a = dir.path().join("a.sock");
+    let socket_b = dir.path().join("b.sock");
+    let _disk_a = nbdkit(&socket_a);
+    let _disk_b = nbdkit(&socket_b);
+    let served = dir.path().join("upstream.sock");
+    let point_at = |target: &Path| {
+        let _ = std::fs::remove_file(&served);
+        std::os::unix::fs::symlink(target, &served).unwrap();
+    };
+    let uri_of = |socket: &Path| format!("nbd+unix:///?socket={}", socket.display());
+    let upstream = uri_of(&served);
+    qemu_io(&uri_of(&socket_b), &["write -P 0x33 0 16M".to_string()]);
+    let image_path = dir.path().join("image.img");
+    let read_disk = |socket: &Path| {
+        let _ = std::fs::remove_file(&image_path);
+        run_ok(
+            cmd(
+                "nbdcopy",
+                &[uri_of(socket).as_str(), image_path.to_str().unwrap()],
+            ),
+            TIMEOUT,
+        );
+        std::fs::read(&image_path).unwrap()
+    };
+
+    point_at(&socket_a);
+    let cache = dir.path().join("local.cache").display().to_string();
+    let args = serve_args(&upstream, &cache, "local");
+    let mut server = Server::start(dir.path(), "disk-a", &args);
+    qemu_io(
+        &server.uri(),
+        &["write -P 0x5a 0 4M".to_string(), "flush".to_string()],
+    );
+    let address = metrics_address(&server.log_text());
+    wait_until("the tier wrote everything back", TIMEOUT, || {
+        tier_value(&scrape(&address), "bufcache_tier_dirty_bytes") == 0.0
+    });
+    server.stop_clean();
+
+    point_at(&socket_b);
+    let disk_b_before = read_disk(&socket_b);
+    let cache_before = std::fs::read(&cache).unwrap();
+    let client_socket = dir.path().join("refused.sock");
+    let output = run_timeout(
+        bufcache(&[
+            "serve",
+            "--backend",
+            &upstream,
+            "--local-cache",
+            &cache,
+            "--listen",
+            &format!("unix:{}", client_socket.display()),
+        ]),
+        TIMEOUT,
+    );
+    let text = output_text(&output);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(
+        text.contains("sampled clean blocks differ from backend")
+            && text.contains(&cache)
+            && text.contains("--local-cache"),
+        "{text}"
+    );
+    // "N of M sampled clean blocks differ": N is the third word back.
+    let differing: u64 = text
+        .find(" sampled clean blocks differ")
+        .and_then(|at| text[..at].rsplit(' ').nth(2))
+        .and_then(|count| count.parse().ok())
+        .unwrap_or_else(|| panic!("no count of differing blocks in: {text}"));
+    assert!(differing > 0, "{text}");
+    println!("{name}: refused: {}", text.trim());
+    assert!(!client_socket.exists(), "no client was served: {text}");
+    assert!(read_disk(&socket_b) == disk_b_before, "disk B changed");
+    assert!(
+        std::fs::read(&cache).unwrap() == cache_before,
+        "the cache changed"
+    );
+
+    point_at(&socket_a);
+    let mut server = Server::start(dir.path(), "disk-a-again", &args);
+    qemu_io(
+        &server.uri(),
+        &[
+            "read -P 0x5a 0 4M".to_string(),
+            "read -P 0 4M 12M".to_string(),
+        ],
+    );
+    server.stop_clean();
+}
+
 const CHUNK_BYTES: usize = 256 << 10;
 /// Rounds of the kill -9 test: 48, or LOCAL_TIER_ROUNDS (at most 120, the upstream's room).
 fn rounds() -> usize {

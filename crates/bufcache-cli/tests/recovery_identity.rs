@@ -729,3 +729,148 @@ fn older_rescue_files_and_local_caches_named_by_url_are_migrated_not_lost() {
     assert_same_bytes(&rescued, &read_at(&again, 8192, rescued.len()), "again");
     again.stop_clean();
 }
+
+/// Runs `bufcache serve ARGS` in `dir` expecting it to fail at start (any status but 0, and
+/// not the rescue's 3), and asserts the bucket's listing (keys, ETags, sizes) and the rescue
+/// file `rescue` are byte for byte as before; returns its output.
+fn failed_start_changing_nothing(port: u16, dir: &Path, rescue: &Path, args: &[&str]) -> String {
+    let listing_before = listing(port, "disks");
+    let rescue_before = std::fs::read(rescue).unwrap();
+    let output = run_timeout(
+        Command::new(bufcache_bin())
+            .arg("serve")
+            .args(args)
+            .arg("--listen")
+            .arg(format!("unix:{}", dir.join("failing.sock").display()))
+            .current_dir(dir),
+        Duration::from_secs(60),
+    );
+    let text = output_text(&output);
+    assert!(
+        !output.status.success() && output.status.code() != Some(EXIT_RESCUED),
+        "{args:?} started: {text}"
+    );
+    assert_eq!(
+        listing(port, "disks"),
+        listing_before,
+        "a failed start changed the bucket: {args:?}: {text}"
+    );
+    assert!(
+        std::fs::read(rescue).unwrap() == rescue_before,
+        "a failed start changed the rescue file: {args:?}: {text}"
+    );
+    text
+}
+
+// Goal: issue 45 item 3 — a start that would open an S3 disk for writing and then fail
+// elsewhere (a later export that does not open, a listen or metrics address already in use, a
+// pid file that cannot be written) changes nothing: no broken lock, no new generation, no
+// epoch or checkpoint in the bucket, and the disk's rescue file is not made stale, so the
+// next correct start replays it. Method: a rescue file of export `a` on a chunk-layout disk
+// over moto, made with the store cut (exit 3); the documented restart (`break-lock=ID`)
+// tried four ways that each fail after the disk would be opened — a second export naming a
+// missing file, a TCP listen port and a metrics port held by this test, a pid file in a
+// missing directory — each leaving the listing, ETags and rescue file byte-identical; then
+// the correct restart replays the rescue file (the rescued bytes read back, the file gone).
+#[test]
+fn a_start_that_fails_after_its_s3_disk_would_open_changes_no_store_and_keeps_the_rescue_replayable(
+) {
+    let name = "a_start_that_fails_after_its_s3_disk_would_open_changes_no_store_and_keeps_the_rescue_replayable";
+    if !have_moto(name) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    let moto = Moto::start();
+    moto.create_bucket("disks");
+    let proxy = Proxy::start(moto.port);
+    let dir = temp_dir();
+    let url = |endpoint: &str| {
+        format!(
+            "s3://disks/order?endpoint={endpoint}&layout=chunk&chunk-size=1M&retry-timeout-ms=1000"
+        )
+    };
+    let flushed = vec![0x11; 64 << 10];
+    let rescued = random_bytes(64 << 10, 46);
+    let first_export = format!("a={}", url(&proxy.endpoint()));
+    let mut server = Server::start(
+        dir.path(),
+        "first",
+        &[
+            "--export",
+            &first_export,
+            "--create-size",
+            "16M",
+            "--shutdown-timeout",
+            "2",
+        ],
+    );
+    let client = NbdClient::connect(&server.uri_of("a")).unwrap();
+    client.write(0, &flushed).unwrap();
+    client.flush().expect("FLUSH with the store up");
+    proxy.set_down(true);
+    client.write(0, &rescued).unwrap();
+    drop(client);
+    let status = server.terminate(Duration::from_secs(60));
+    assert_eq!(status.code(), Some(EXIT_RESCUED), "{}", server.log_text());
+    proxy.set_down(false);
+    let files = rescue_files(dir.path());
+    assert_eq!(files.len(), 1, "{files:?}");
+    let rescue = files[0].clone();
+
+    let refusal = refused_changing_nothing(
+        moto.port,
+        dir.path(),
+        &["--export", &format!("a={}", url(&moto.endpoint()))],
+    );
+    let restart = format!(
+        "a={}&break-lock={}",
+        url(&moto.endpoint()),
+        lock_id_in(&refusal)
+    );
+    let missing = format!("b={}", dir.path().join("missing.img").display());
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let busy_address = busy.local_addr().unwrap().to_string();
+    let busy_listen = format!("tcp:{busy_address}");
+    let pid_file = dir.path().join("no-such-directory").join("serve.pid");
+    let failures: [(&str, Vec<&str>); 4] = [
+        (
+            "a later export",
+            vec!["--export", &restart, "--export", &missing],
+        ),
+        (
+            "a listen address in use",
+            vec!["--export", &restart, "--listen", &busy_listen],
+        ),
+        (
+            "a metrics address in use",
+            vec!["--export", &restart, "--metrics", &busy_address],
+        ),
+        (
+            "a pid file that cannot be written",
+            vec![
+                "--export",
+                &restart,
+                "--pid-file",
+                pid_file.to_str().unwrap(),
+            ],
+        ),
+    ];
+    for (what, args) in &failures {
+        let text = failed_start_changing_nothing(moto.port, dir.path(), &rescue, args);
+        println!("{name}: {what}: {}", text.trim());
+    }
+    drop(busy);
+
+    let mut server = Server::start(dir.path(), "restart", &["--export", &restart]);
+    let client = NbdClient::connect(&server.uri_of("a")).unwrap();
+    let mut back = vec![0u8; rescued.len()];
+    client.read(0, &mut back).unwrap();
+    drop(client);
+    assert_same_bytes(
+        &rescued,
+        &back,
+        "the rescue file replayed after the failed starts",
+    );
+    assert!(!rescue.exists(), "the replayed rescue file is still there");
+    server.stop_clean();
+}

@@ -43,6 +43,6 @@ pub use export::{
 };
 pub use ipnet::IpNet;
 pub use reconnect::{ReconnectPolicy, ReconnectingClient};
-pub use server::{BoundAddress, BoundServer, Server, ServerError, ShutdownHandle};
+pub use server::{BoundAddress, BoundServer, Listeners, Server, ServerError, ShutdownHandle};
 pub use tls::{parse_psk_file, PskEntry, TlsConfig, TlsError, TlsMode};
 pub use uri::{NbdAddress, NbdUri, UriError};

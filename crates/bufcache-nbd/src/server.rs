@@ -144,10 +144,22 @@ impl Server {
 
     /// Opens every listen address.
     pub fn bind(self) -> Result<BoundServer, ServerError> {
-        let mut listeners = Vec::new();
-        for address in &self.config.listen {
-            listeners.extend(bind_address(address)?);
-        }
+        let listeners = Listeners::bind(&self.config)?;
+        self.with_listeners(listeners)
+    }
+
+    /// Serves on listening sockets already open (systemd socket activation passes them as
+    /// file descriptors) instead of the configured listen addresses. Each must be a listening
+    /// TCP or unix stream socket.
+    pub fn bind_inherited(self, sockets: Vec<OwnedFd>) -> Result<BoundServer, ServerError> {
+        let listeners = Listeners::inherited(sockets)?;
+        self.with_listeners(listeners)
+    }
+
+    /// Serves on `listeners`, bound before the exports were opened (see [`Listeners`]):
+    /// they listen from now on.
+    pub fn with_listeners(self, listeners: Listeners) -> Result<BoundServer, ServerError> {
+        let listeners = listeners.listen()?;
         Ok(BoundServer {
             budget: Arc::new(ServerBudget::new(
                 self.config.inflight_bytes_max,
@@ -160,10 +172,61 @@ impl Server {
         })
     }
 
-    /// Serves on listening sockets already open (systemd socket activation passes them as
-    /// file descriptors) instead of the configured listen addresses. Each must be a listening
-    /// TCP or unix stream socket.
-    pub fn bind_inherited(self, sockets: Vec<OwnedFd>) -> Result<BoundServer, ServerError> {
+    /// Binds and serves until `shutdown` is triggered.
+    pub fn run(self, shutdown: ShutdownHandle) -> Result<(), ServerError> {
+        self.bind()?.run(shutdown)
+    }
+}
+
+/// Sockets bound to the listen addresses before the exports exist, not yet listening: a
+/// program whose exports write to their disks when opened (a lock, an epoch) binds first, so
+/// an address in use refuses the start before any disk was changed, while a client (or a
+/// readiness probe) still finds nothing to connect to until [`Server::with_listeners`] makes
+/// them listen.
+pub struct Listeners {
+    bound: Vec<BoundSocket>,
+    /// Sockets passed by a service manager, already listening.
+    inherited: Vec<Listener>,
+}
+
+/// A socket bound to an address, not listening yet.
+struct BoundSocket {
+    socket: socket2::Socket,
+    address: String,
+    /// The unix socket's path, removed if the socket never listens.
+    unix_path: Option<PathBuf>,
+}
+
+impl Drop for BoundSocket {
+    fn drop(&mut self) {
+        if let Some(path) = self.unix_path.take() {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+impl Listeners {
+    /// Binds every listen address of `config`.
+    pub fn bind(config: &ServerConfig) -> Result<Listeners, ServerError> {
+        let mut bound = Vec::new();
+        for address in &config.listen {
+            bound.extend(bind_address(address)?);
+        }
+        if bound.is_empty() {
+            return Err(ServerError::Bind {
+                address: "the listen addresses".into(),
+                source: io::Error::new(io::ErrorKind::InvalidInput, "none were given"),
+            });
+        }
+        Ok(Listeners {
+            bound,
+            inherited: Vec::new(),
+        })
+    }
+
+    /// Takes listening sockets already open (systemd socket activation passes them as file
+    /// descriptors). Each must be a listening TCP or unix stream socket.
+    pub fn inherited(sockets: Vec<OwnedFd>) -> Result<Listeners, ServerError> {
         let mut listeners = Vec::new();
         for socket in sockets {
             let fd = socket.as_raw_fd();
@@ -194,23 +257,38 @@ impl Server {
                 source: io::Error::new(io::ErrorKind::InvalidInput, "none were passed"),
             });
         }
-        Ok(BoundServer {
-            budget: Arc::new(ServerBudget::new(
-                self.config.inflight_bytes_max,
-                self.config.connections_max,
-            )),
-            config: self.config,
-            exports: self.exports,
-            tls: self.tls,
-            listeners,
+        Ok(Listeners {
+            bound: Vec::new(),
+            inherited: listeners,
         })
     }
 
-    /// Binds and serves until `shutdown` is triggered.
-    pub fn run(self, shutdown: ShutdownHandle) -> Result<(), ServerError> {
-        self.bind()?.run(shutdown)
+    /// Makes every bound socket listen.
+    fn listen(self) -> Result<Vec<Listener>, ServerError> {
+        let Listeners { bound, inherited } = self;
+        let mut listeners = inherited;
+        for mut bound in bound {
+            let bind_error = |source| ServerError::Bind {
+                address: bound.address.clone(),
+                source,
+            };
+            bound.socket.listen(LISTEN_BACKLOG).map_err(bind_error)?;
+            bound.socket.set_nonblocking(true).map_err(bind_error)?;
+            let unix_path = bound.unix_path.take();
+            let socket = bound.socket.try_clone().map_err(bind_error)?;
+            drop(bound);
+            listeners.push(match unix_path {
+                Some(path) => Listener::Unix(UnixListener::from(OwnedFd::from(socket)), Some(path)),
+                None => Listener::Tcp(TcpListener::from(socket)),
+            });
+        }
+        assert!(!listeners.is_empty(), "a server listens somewhere");
+        Ok(listeners)
     }
 }
+
+/// Connections a listening socket queues before the server accepts them.
+const LISTEN_BACKLOG: i32 = 1024;
 
 enum Listener {
     Tcp(TcpListener),
@@ -285,7 +363,7 @@ fn socket_domain(fd: i32) -> io::Result<i32> {
 }
 
 /// Opens one listen address (a host name may resolve to several sockets).
-fn bind_address(address: &ListenAddress) -> Result<Vec<Listener>, ServerError> {
+fn bind_address(address: &ListenAddress) -> Result<Vec<BoundSocket>, ServerError> {
     let bind_error = |source| ServerError::Bind {
         address: address.to_string(),
         source,
@@ -299,19 +377,37 @@ fn bind_address(address: &ListenAddress) -> Result<Vec<Listener>, ServerError> {
                     source,
                 })?
                 .collect();
-            let mut listeners = Vec::new();
+            let mut bound = Vec::new();
             for socket_address in resolved {
-                let listener = TcpListener::bind(socket_address).map_err(bind_error)?;
-                listener.set_nonblocking(true).map_err(bind_error)?;
-                listeners.push(Listener::Tcp(listener));
+                let socket = socket2::Socket::new(
+                    socket2::Domain::for_address(socket_address),
+                    socket2::Type::STREAM,
+                    None,
+                )
+                .map_err(bind_error)?;
+                // As std's TcpListener::bind: a port in TIME_WAIT is reused, one another
+                // socket listens on is refused here.
+                socket.set_reuse_address(true).map_err(bind_error)?;
+                socket.bind(&socket_address.into()).map_err(bind_error)?;
+                bound.push(BoundSocket {
+                    socket,
+                    address: address.to_string(),
+                    unix_path: None,
+                });
             }
-            Ok(listeners)
+            Ok(bound)
         }
         ListenAddress::Unix(path) => {
             remove_stale_socket(path);
-            let listener = UnixListener::bind(path).map_err(bind_error)?;
-            listener.set_nonblocking(true).map_err(bind_error)?;
-            Ok(vec![Listener::Unix(listener, Some(path.clone()))])
+            let socket = socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::STREAM, None)
+                .map_err(bind_error)?;
+            let socket_address = socket2::SockAddr::unix(path).map_err(bind_error)?;
+            socket.bind(&socket_address).map_err(bind_error)?;
+            Ok(vec![BoundSocket {
+                socket,
+                address: address.to_string(),
+                unix_path: Some(path.clone()),
+            }])
         }
     }
 }

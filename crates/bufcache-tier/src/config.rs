@@ -75,7 +75,17 @@ pub struct LocalTierConfig {
     /// replayed or written. True: the records before the damaged one are replayed and the
     /// rest of the log is discarded (its writes, flushed or not, are lost), with a warning.
     pub replay_damaged_prefix: bool,
+    /// Clean blocks (read-cache copies, and writes whose epoch is on the remote) compared
+    /// with the remote's bytes at every open, after the log is replayed in memory and before
+    /// anything is written or served: spread evenly over the clean blocks the index holds.
+    /// A clean block equals the remote's copy unless the remote is another disk, or was
+    /// written around this cache since, so any mismatch refuses the open with
+    /// [`crate::TierError::OtherContent`]. 0 turns the check off. Default 32.
+    pub sampled_blocks_max: usize,
 }
+
+/// The most clean blocks an open may compare with the remote (each costs a remote read).
+pub const SAMPLED_BLOCKS_LIMIT: usize = 4096;
 
 impl Default for LocalTierConfig {
     fn default() -> Self {
@@ -92,6 +102,7 @@ impl Default for LocalTierConfig {
             writeback_driver: WritebackDriver::Thread,
             remote_stall_max: Duration::from_secs(10),
             replay_damaged_prefix: false,
+            sampled_blocks_max: 32,
         }
     }
 }
@@ -122,6 +133,11 @@ pub enum LocalTierConfigError {
         /// The largest accepted.
         max: u64,
     },
+    /// `sampled_blocks_max` is above [`SAMPLED_BLOCKS_LIMIT`].
+    #[error(
+        "local tier sampled_blocks_max {0} is invalid: must be from 0 to {SAMPLED_BLOCKS_LIMIT}"
+    )]
+    SampledBlocks(usize),
     /// `remote_stall_max` is zero.
     #[error("local tier remote_stall_max {0:?} is invalid: must be above zero")]
     RemoteStallMax(Duration),
@@ -170,6 +186,9 @@ impl LocalTierConfig {
             if value == 0 || value > max {
                 return Err(LocalTierConfigError::Count { field, value, max });
             }
+        }
+        if self.sampled_blocks_max > SAMPLED_BLOCKS_LIMIT {
+            return Err(LocalTierConfigError::SampledBlocks(self.sampled_blocks_max));
         }
         if self.writeback_retry_delay_initial.is_zero()
             || self.writeback_retry_delay_initial > self.writeback_retry_delay_max

@@ -172,4 +172,33 @@ pub enum TierError {
         /// Valid records found chained after the damaged one.
         valid_after: u64,
     },
+    /// Clean blocks of the cache (copies the remote held when they were logged) differ
+    /// from the remote's bytes now: the remote is another disk reached the same way, or
+    /// this disk was written around the cache since. Nothing was replayed or written.
+    #[error("local cache {local}: {mismatched} of {sampled} sampled clean blocks differ from backend `{identity}` (first at byte {first_offset}): this cache was written through another disk reached the same way, or this disk was written around it since it was last attached; refusing to attach it (nothing was served, replayed or written, locally or to the backend). {}", other_content_advice(local, *dirty_bytes, *epochs))]
+    OtherContent {
+        /// The local cache.
+        local: String,
+        /// The backend's identity.
+        identity: String,
+        /// Clean blocks compared.
+        sampled: u64,
+        /// Of those, the ones whose bytes differ.
+        mismatched: u64,
+        /// Byte offset on the backend of the first block that differs.
+        first_offset: u64,
+        /// Bytes of logged writes not yet on the remote.
+        dirty_bytes: u64,
+        /// Epochs those writes are in.
+        epochs: u64,
+    },
+}
+
+/// What a cache refused for another disk's content holds, and the command that recovers it.
+fn other_content_advice(local: &str, dirty_bytes: u64, epochs: u64) -> String {
+    if dirty_bytes == 0 {
+        format!("It holds no write that is not on the disk it was written through (only clean copies): serve that disk (the same export, reached the same way) with --local-cache {local} to keep using it, and give this backend another --local-cache path")
+    } else {
+        format!("It holds {dirty_bytes} bytes of flushed writes in {epochs} epochs not yet on the disk it was written through: serve that disk (the same export, reached the same way) with --local-cache {local} to write them back, and give this backend another --local-cache path")
+    }
 }

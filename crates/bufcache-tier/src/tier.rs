@@ -780,17 +780,19 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
                     what: "reading the log's head",
                     source,
                 })?;
+            if let Some(damage) = damage.filter(|_| !shared.config.replay_damaged_prefix) {
+                return Err(TierError::DamagedRecord {
+                    local: local_name,
+                    offset: damage.offset,
+                    sequence: damage.sequence,
+                    proof_offset: damage.proof_offset,
+                    proof_sequence: damage.proof_sequence,
+                    valid_after: damage.valid_after,
+                });
+            }
+            // Before anything is written (the erased record, the checkpoint) or served.
+            shared.check_clean_blocks(&state, identity)?;
             if let Some(damage) = damage {
-                if !shared.config.replay_damaged_prefix {
-                    return Err(TierError::DamagedRecord {
-                        local: local_name,
-                        offset: damage.offset,
-                        sequence: damage.sequence,
-                        proof_offset: damage.proof_offset,
-                        proof_sequence: damage.proof_sequence,
-                        valid_after: damage.valid_after,
-                    });
-                }
                 tracing::warn!(
                     local = %local_name,
                     offset = damage.offset,
@@ -1129,6 +1131,98 @@ impl<R: Device, L: Device> Shared<R, L> {
             proof_sequence,
             valid_after,
         }))
+    }
+
+    /// Compares up to `sampled_blocks_max` clean blocks of the replayed index, spread evenly
+    /// over them, with the remote's bytes. A clean block is a copy of what the remote held:
+    /// a read-cache record, or a write whose epoch the checkpoint says is on the remote and
+    /// that no later record of the block supersedes (the index holds only the newest). So a
+    /// mismatch means the remote is another disk, or was written around this cache: serving
+    /// these copies would serve stale blocks and write-back would replay writes into it. A
+    /// remote read that fails leaves its block unchecked (logged), never refuses the open.
+    /// Reads only; the caller has written nothing yet.
+    fn check_clean_blocks(&self, state: &State, identity: &str) -> Result<(), TierError> {
+        let sampled_max = self.config.sampled_blocks_max;
+        if sampled_max == 0 {
+            return Ok(());
+        }
+        let clean_position = |entry: &Entry| -> Option<u64> {
+            let Entry::Data { sequence, position } = *entry else {
+                return None;
+            };
+            let at = state
+                .records
+                .binary_search_by_key(&sequence, |record| record.sequence)
+                .ok()?;
+            let record = &state.records[at];
+            let clean = record.kind == RecordKind::Clean
+                || (record.kind == RecordKind::Dirty && record.epoch <= state.remote_epoch);
+            clean.then_some(position)
+        };
+        let clean_count = state
+            .index
+            .values()
+            .filter(|entry| clean_position(entry).is_some())
+            .count();
+        if clean_count == 0 {
+            return Ok(());
+        }
+        // Every stride-th clean block, so the sample spans the whole disk's cached range.
+        let stride = clean_count.div_ceil(sampled_max);
+        let chosen: Vec<(u64, u64)> = state
+            .index
+            .iter()
+            .filter_map(|(&block, entry)| clean_position(entry).map(|position| (block, position)))
+            .step_by(stride)
+            .collect();
+        assert!(chosen.len() <= sampled_max, "the sample is bounded");
+        assert!(!chosen.is_empty(), "a clean block exists");
+        let block_bytes = self.block_bytes as usize;
+        let mut local_bytes = vec![0u8; block_bytes];
+        let mut remote_bytes = vec![0u8; block_bytes];
+        let mut sampled = 0u64;
+        let mut mismatched = 0u64;
+        let mut first_offset = None;
+        for (block, position) in chosen {
+            let offset = block * self.block_bytes;
+            self.local
+                .read_vectored_at(&mut [IoSliceMut::new(&mut local_bytes)], position)
+                .map_err(|source| TierError::Io {
+                    local: self.local_name.clone(),
+                    what: "reading a clean block to compare with the backend",
+                    source,
+                })?;
+            if let Err(error) = self
+                .remote
+                .read_vectored_at(&mut [IoSliceMut::new(&mut remote_bytes)], offset)
+            {
+                tracing::warn!(
+                    local = %self.local_name,
+                    offset,
+                    %error,
+                    "local cache: the backend did not answer a read of a sampled clean block; left unchecked"
+                );
+                continue;
+            }
+            sampled += 1;
+            if local_bytes != remote_bytes {
+                mismatched += 1;
+                first_offset.get_or_insert(offset);
+            }
+        }
+        assert!(mismatched <= sampled);
+        match first_offset {
+            None => Ok(()),
+            Some(first_offset) => Err(TierError::OtherContent {
+                local: self.local_name.clone(),
+                identity: identity.to_string(),
+                sampled,
+                mismatched,
+                first_offset,
+                dirty_bytes: state.dirty_epochs.values().sum(),
+                epochs: state.dirty_epochs.len() as u64,
+            }),
+        }
     }
 
     /// Writes of epochs that were open at the crash are written back as closed epochs.

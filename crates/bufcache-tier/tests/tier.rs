@@ -1364,3 +1364,78 @@ fn a_direct_cache_file_takes_every_write_in_whole_pages_and_replays_them() {
         );
     }
 }
+
+#[test]
+fn a_cache_over_another_disk_with_the_same_identity_is_refused_by_its_clean_blocks() {
+    // Goal: an NBD upstream records no id of its own, so another disk served at the same
+    // address has the cache's identity and size; attaching the cache there would serve its
+    // stale clean blocks and replay its writes into that disk. The open compares sampled
+    // clean blocks with the remote and refuses on any difference, writing nothing.
+    // Method: a file cache written through remote A and written back; reopened over remote
+    // B (same identity and size, other bytes): refused, naming the cache and the count of
+    // differing blocks, with the cache file and B unchanged; reopened over A: attached, and
+    // every block reads as written.
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("local.cache");
+    let written = Arc::new(MemoryDevice::new(BACKEND_BYTES));
+    let tier = LocalTier::open_path(
+        &path,
+        Some(1 << 20),
+        Arc::clone(&written),
+        IDENTITY,
+        LocalTierConfig::default(),
+    )
+    .unwrap();
+    for block in 0..BACKEND_BYTES / BLOCK {
+        write(&tier, block * BLOCK, &[block as u8 + 1; BLOCK as usize]).unwrap();
+    }
+    tier.flush().unwrap();
+    tier.drain().unwrap();
+    assert_eq!(tier.stats().dirty_bytes, 0, "everything is written back");
+    tier.stop();
+
+    let other = Arc::new(MemoryDevice::new(BACKEND_BYTES));
+    write(&*other, 0, &vec![0xEE; BACKEND_BYTES as usize]).unwrap();
+    let other_before = read(&*other, 0, BACKEND_BYTES).unwrap();
+    let cache_before = std::fs::read(&path).unwrap();
+    let refused = LocalTier::open_path(
+        &path,
+        None,
+        Arc::clone(&other),
+        IDENTITY,
+        LocalTierConfig::default(),
+    );
+    let message = match refused {
+        Ok(_) => panic!("a cache was attached to another disk with the same identity"),
+        Err(error @ TierError::OtherContent { .. }) => error.to_string(),
+        Err(error) => panic!("refused for another reason: {error}"),
+    };
+    assert!(
+        message.contains(&path.display().to_string())
+            && message.contains("32 of 32 sampled clean blocks differ")
+            && message.contains("--local-cache"),
+        "{message}"
+    );
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        cache_before,
+        "cache unchanged"
+    );
+    assert_eq!(read(&*other, 0, BACKEND_BYTES).unwrap(), other_before);
+
+    let tier = LocalTier::open_path(
+        &path,
+        None,
+        Arc::clone(&written),
+        IDENTITY,
+        LocalTierConfig::default(),
+    )
+    .unwrap();
+    for block in 0..BACKEND_BYTES / BLOCK {
+        assert_eq!(
+            read(&tier, block * BLOCK, BLOCK).unwrap(),
+            vec![block as u8 + 1; BLOCK as usize]
+        );
+    }
+    tier.stop();
+}
