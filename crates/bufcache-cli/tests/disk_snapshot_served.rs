@@ -149,6 +149,26 @@ fn a_served_disk_is_snapshotted_through_its_control_socket_at_a_flush_point() {
     let listed: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
     assert_eq!(listed["snapshots"].as_array().unwrap().len(), 2, "{listed}");
 
+    // Bad names and a missing one: exit 2, one line naming the name.
+    for (bad, says) in [("a/b", "`/`"), ("a\u{7}b", "control"), ("", "empty")] {
+        let refused = disk(&["snapshot", &url, bad, "--control", control_arg]);
+        assert_eq!(refused.status.code(), Some(2), "{}", output_text(&refused));
+        assert!(
+            output_text(&refused).contains(says),
+            "{}",
+            output_text(&refused)
+        );
+    }
+    let deleted = disk(&["delete-snapshot", &url, "flushed"]);
+    assert!(deleted.status.success(), "{}", output_text(&deleted));
+    let missing = disk(&["delete-snapshot", &url, "flushed"]);
+    assert_eq!(missing.status.code(), Some(2), "{}", output_text(&missing));
+    assert!(
+        output_text(&missing).contains("no snapshot named `flushed`"),
+        "{}",
+        output_text(&missing)
+    );
+
     let writable = run_timeout(
         Command::new(bufcache_bin()).args([
             "serve",
