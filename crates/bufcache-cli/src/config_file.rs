@@ -232,6 +232,7 @@ fn default_value(name: &str) -> Option<String> {
         "local-cache-sampled-blocks" => "32".into(),
         "create-size" => size(crate::serve::DEFAULT_BACKING_SIZE_BYTES),
         "metrics" => "\"127.0.0.1:9187\"".into(),
+        "control" => "\"/run/bufcache/control.sock\"".into(),
         "connections-max" => crate::limit_args::DEFAULT_CONNECTIONS_MAX.to_string(),
         "handshake-connections-max" => {
             crate::limit_args::DEFAULT_HANDSHAKE_CONNECTIONS_MAX.to_string()

@@ -1,5 +1,6 @@
 //! `bufcache disk`: an object-store disk as its owner manages it, without serving it —
-//! create, info, verify, resize. Exit status: 0 done, 1 damage found (verify) or a failure
+//! create, info, verify, resize, snapshots (of a served disk through its server's control
+//! socket). Exit status: 0 done, 1 damage found (verify) or a failure
 //! of the store, 2 bad input (a URL, a size, a disk that is not there or is in use).
 
 use std::io::IsTerminal;
@@ -72,6 +73,44 @@ enum DiskCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Take snapshot NAME of a log-layout disk: an immutable copy of the disk as it stands
+    /// at a flush point, costing no data copy. A served disk's snapshot is taken by its
+    /// server: give the server's control socket (`bufcache serve --control PATH`).
+    Snapshot {
+        url: String,
+        /// Letters, digits and - _ . : + @, at most 100 bytes.
+        name: String,
+        /// The control socket of the server holding the disk.
+        #[arg(long, value_name = "PATH")]
+        control: Option<std::path::PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// List a log-layout disk's snapshots: what each maps and the bytes only snapshots hold.
+    /// Writes nothing. Serve one read-only with snapshot=NAME in the URL.
+    Snapshots {
+        url: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete snapshot NAME (its object; the segments only it held are freed by the next
+    /// writable open or `disk gc`).
+    DeleteSnapshot {
+        url: String,
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// A snapshot command's error with the exit status convention: bad input (a name, a disk
+/// that refuses it) exits 2, a failure of the store 1.
+fn snapshot_failed(error: bufcache_s3::SnapshotError) -> anyhow::Error {
+    if error.is_bad_input() {
+        BadInput(error.to_string()).into()
+    } else {
+        anyhow::Error::new(error)
+    }
 }
 
 fn size(text: &str) -> Result<u64, String> {
@@ -189,6 +228,95 @@ pub(crate) fn run(args: DiskArgs) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        DiskCommand::Snapshot {
+            url,
+            name,
+            control,
+            json,
+        } => {
+            let url = parse_url(&url)?;
+            let taken = match &control {
+                Some(path) => crate::control::request_snapshot(path, &url, &name)?,
+                None => admin::snapshot(&url, &name).map_err(|error| match error {
+                    bufcache_s3::SnapshotError::Open(bufcache_s3::OpenError::Locked {
+                        ref holder,
+                        ..
+                    }) => BadInput(format!(
+                        "{url}: the disk is served by {holder}: its server takes the snapshot; run `bufcache disk snapshot URL {} --control PATH` with that server's --control socket (nothing was changed)",
+                        name.escape_debug()
+                    ))
+                    .into(),
+                    other => snapshot_failed(other),
+                })?,
+            };
+            if json {
+                print_json(&json!({
+                    "url": url.to_string(),
+                    "name": name,
+                    "through_sequence": taken.through_sequence,
+                    "mapped_bytes": taken.mapped_bytes,
+                    "segments": taken.segments,
+                    "object_bytes": taken.object_bytes,
+                    "by_server": control.is_some(),
+                }));
+            } else {
+                crate::print_quietly(&format!(
+                    "{url}: snapshot `{name}` taken{}: {} mapped in {} segments (log through segment {}), a {}-byte record, no data copied\n",
+                    if control.is_some() { " by the server" } else { "" },
+                    human(taken.mapped_bytes),
+                    taken.segments,
+                    taken.through_sequence,
+                    taken.object_bytes,
+                ));
+            }
+            Ok(())
+        }
+        DiskCommand::Snapshots { url, json } => {
+            let url = parse_url(&url)?;
+            let listed = admin::snapshots(&url).map_err(snapshot_failed)?;
+            if json {
+                print_json(&json!({
+                    "url": url.to_string(),
+                    "snapshots": listed.iter().map(|snapshot| json!({
+                        "name": snapshot.name,
+                        "through_sequence": snapshot.through_sequence,
+                        "mapped_bytes": snapshot.mapped_bytes,
+                        "mapped_extents": snapshot.mapped_extents,
+                        "segments": snapshot.segments,
+                        "segment_bytes": snapshot.segment_bytes,
+                        "held_bytes": snapshot.held_bytes,
+                        "object_bytes": snapshot.object_bytes,
+                    })).collect::<Vec<_>>(),
+                }));
+            } else {
+                let mut text = format!("{url}: {} snapshot(s)\n", listed.len());
+                for snapshot in &listed {
+                    text += &format!(
+                        "{:<24} {} mapped, {} segments ({}), {} held by snapshots alone, through segment {}\n",
+                        snapshot.name,
+                        human(snapshot.mapped_bytes),
+                        snapshot.segments,
+                        human(snapshot.segment_bytes),
+                        human(snapshot.held_bytes),
+                        snapshot.through_sequence
+                    );
+                }
+                crate::print_quietly(&text);
+            }
+            Ok(())
+        }
+        DiskCommand::DeleteSnapshot { url, name, json } => {
+            let url = parse_url(&url)?;
+            admin::delete_snapshot(&url, &name).map_err(snapshot_failed)?;
+            if json {
+                print_json(&json!({ "url": url.to_string(), "deleted": name }));
+            } else {
+                crate::print_quietly(&format!(
+                    "{url}: snapshot `{name}` deleted; the segments only it held go at the next open or `disk gc`\n"
+                ));
+            }
+            Ok(())
+        }
         DiskCommand::Resize {
             url,
             size,
@@ -268,6 +396,10 @@ fn info_json(url: &S3Url, info: &DiskInfo) -> serde_json::Value {
             "sequence_last": log.sequence_last,
             "epoch_objects": log.epoch_objects,
             "epoch_newest": log.epoch_newest,
+            "snapshots": log.snapshots,
+            "snapshot_segments": log.snapshot_segments,
+            "snapshot_only_segments": log.snapshot_only_segments,
+            "snapshot_only_bytes": log.snapshot_only_bytes,
         }),
         LayoutInfo::Log(Err(reason)) => json!({ "error": reason }),
     };
@@ -337,7 +469,7 @@ fn print_info(url: &S3Url, info: &DiskInfo, as_json: bool) {
             human(*chunk_bytes)
         ),
         LayoutInfo::Log(Ok(log)) => format!(
-            "segments     {} ({}), {} live ({}), {} no open needs\nlive data    {} bytes mapped in {} extents ({})\ngarbage      {} bytes in live segments ({})\ncheckpoints  {}, the newest covering segments to {}; log ends at segment {}\nepochs       {} objects, newest {}\n",
+            "segments     {} ({}), {} live ({}), {} no open needs\nlive data    {} bytes mapped in {} extents ({})\ngarbage      {} bytes in live segments ({})\ncheckpoints  {}, the newest covering segments to {}; log ends at segment {}\nepochs       {} objects, newest {}\nsnapshots    {}, naming {} segments; {} segments ({}) held by snapshots alone\n",
             log.segments,
             human(log.segment_bytes),
             log.live_segments,
@@ -353,6 +485,10 @@ fn print_info(url: &S3Url, info: &DiskInfo, as_json: bool) {
             log.sequence_last,
             log.epoch_objects,
             log.epoch_newest,
+            log.snapshots,
+            log.snapshot_segments,
+            log.snapshot_only_segments,
+            human(log.snapshot_only_bytes),
         ),
         LayoutInfo::Log(Err(reason)) => {
             format!("log          does not recover: {reason}\n")

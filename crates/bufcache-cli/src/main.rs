@@ -2,6 +2,7 @@
 
 mod backend_lock;
 mod config_file;
+mod control;
 mod daemon;
 mod dd;
 mod disk;

@@ -222,6 +222,11 @@ pub struct ServeArgs {
     /// Serve Prometheus metrics (/metrics) and JSON statistics (/stats) on HOST:PORT.
     #[arg(long, value_name = "HOST:PORT")]
     metrics: Option<String>,
+    /// Listen for owner commands on this unix socket (mode 0600), such as
+    /// `bufcache disk snapshot URL NAME --control PATH`, which snapshots a served
+    /// log-layout disk at a flush point. Not with --local-cache.
+    #[arg(long, value_name = "PATH")]
+    control: Option<PathBuf>,
     // Boxed: the limit flags would make `ServeArgs` the one huge variant of the commands.
     #[command(flatten)]
     limits: Box<LimitArgs>,
@@ -342,9 +347,18 @@ struct OpenedBackend {
     _lock: Option<BackendLock>,
 }
 
-/// The name of the S3 disk a URL reaches: `s3://BUCKET/PREFIX`, every parameter left out.
+/// The name of the S3 disk a URL reaches: `s3://BUCKET/PREFIX`, every parameter left out
+/// but `snapshot=` (a snapshot is a disk of its own for rescue files and local caches).
 fn s3_disk_name(url: &bufcache_s3::S3Url) -> String {
-    format!("s3://{}/{}", url.bucket, url.prefix)
+    format!("s3://{}/{}{}", url.bucket, url.prefix, snapshot_suffix(url))
+}
+
+/// What sets a snapshot's identity apart from its disk's: `?snapshot=NAME`, or nothing.
+fn snapshot_suffix(url: &bufcache_s3::S3Url) -> String {
+    url.snapshot
+        .as_ref()
+        .map(|name| format!("?snapshot={name}"))
+        .unwrap_or_default()
 }
 
 /// Checks, before anything is written to the backend (no lock broken, no epoch, no
@@ -580,7 +594,7 @@ impl PendingS3 {
             );
         }
         let identity = match state.disk_id {
-            Some(id) => bufcache_s3::disk_identity(id),
+            Some(id) => bufcache_s3::disk_identity(id) + &snapshot_suffix(&url),
             None => {
                 say!("{name}: the disk records no id yet (it was made by an older bufcache and is opened read-only, so none is written): its rescue file and local cache are named by {name}");
                 name.clone()
@@ -669,7 +683,7 @@ fn prepare_backend(
         let proposed_id = bufcache_s3::new_disk_id();
         let expected = BackendIdentity {
             identity: match seen.and_then(|seen| seen.disk_id) {
-                Some(id) => bufcache_s3::disk_identity(id),
+                Some(id) => bufcache_s3::disk_identity(id) + &snapshot_suffix(&url),
                 None if seen.is_some() && args.read_only => name.clone(),
                 // A disk without an id gets this one when opened for writing; a new disk
                 // gets its own, and nothing saved can belong to a disk not made yet.
@@ -1175,6 +1189,26 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         server => server?,
     };
     let server = server.with_listeners(listeners)?;
+    if let Some(path) = &args.control {
+        if args.local_cache.is_some() {
+            bail!("--control takes snapshots of a disk as its store has it, and with --local-cache acknowledged writes may be only in the local cache: serve without one to take snapshots");
+        }
+        let disks = s3_devices
+            .iter()
+            .map(|(_, device)| Arc::clone(device))
+            .collect();
+        let cache = cache.clone();
+        crate::control::start(
+            path,
+            disks,
+            Box::new(move || cache.sync().map_err(|error| error.to_string())),
+        )?;
+        say!(
+            "control socket on {}   (try: bufcache disk snapshot URL NAME --control {})",
+            path.display(),
+            path.display()
+        );
+    }
     if let Some(listener) = metrics_listener {
         let local = metrics::start(
             listener,

@@ -12,7 +12,10 @@ use object_store::{ObjectStore, PutPayload};
 
 use crate::error::{chain, OpenError, StoreError};
 use crate::lock::{holder_now, Acquired, DiskLock, LockHolder};
-use crate::log::{self, GcReport, LogConfig, LogStore, LogSummary, GC_THRESHOLD_DEFAULT};
+use crate::log::{
+    self, check_snapshot_name, GcReport, LogConfig, LogStore, LogSummary, SnapshotError,
+    SnapshotSummary, SnapshotTaken, GC_THRESHOLD_DEFAULT,
+};
 pub use crate::log::{Damage, VerifyProgress};
 use crate::store::{self, connect_with, Create, DiskMetadata, METADATA_NAME};
 use crate::url::{LayoutKind, S3Url};
@@ -482,4 +485,100 @@ async fn read_lock(store: &dyn ObjectStore, url: &S3Url) -> Result<Option<LockSt
         holder,
         age_seconds,
     }))
+}
+
+/// The log-layout disk `url` names, for a snapshot command: refuses no disk, a chunk-layout
+/// one and a snapshot URL.
+fn snapshot_disk(url: &S3Url) -> Result<store::Connection, SnapshotError> {
+    let refused = |reason: &str| SnapshotError::Refused {
+        url: url.to_string(),
+        reason: reason.to_string(),
+    };
+    if url.snapshot.is_some() {
+        return Err(refused(
+            "the URL names a snapshot (snapshot=); name the disk itself",
+        ));
+    }
+    let connection = connect_with(url, Create::Never)?;
+    if connection.metadata.layout != LayoutKind::Log {
+        return Err(refused(
+            "a chunk-layout disk rewrites its chunks in place and has no snapshots (use layout=log)",
+        ));
+    }
+    Ok(connection)
+}
+
+/// Takes snapshot `name` of a disk no server holds: opens it (taking the lock, so a served
+/// disk is refused with [`OpenError::Locked`]: its server takes snapshots through its
+/// control socket), snapshots it ([`LogStore::snapshot`]) and closes it. A name in use, or
+/// a bad one, is refused before anything is written.
+pub fn snapshot(url: &S3Url, name: &str) -> Result<SnapshotTaken, SnapshotError> {
+    check_snapshot_name(name)?;
+    let connection = snapshot_disk(url)?;
+    let exists = connection
+        .runtime
+        .block_on(log::list_snapshots(&*connection.store, url))?;
+    if exists.iter().any(|listed| listed.name == name) {
+        return Err(SnapshotError::Exists {
+            url: url.to_string(),
+            name: name.to_string(),
+        });
+    }
+    drop(connection);
+    // Taken here, not while a collector runs.
+    let mut quiet = url.clone();
+    quiet.gc = Some(false);
+    let mut store = LogStore::open_locked(&quiet)?;
+    if let Some(why) = store.read_only() {
+        return Err(SnapshotError::Refused {
+            url: url.to_string(),
+            reason: format!("the disk opens read-only ({why}), and a snapshot is a write"),
+        });
+    }
+    let taken = store.snapshot(name)?;
+    store.close().map_err(|source| SnapshotError::Store {
+        url: url.to_string(),
+        name: name.to_string(),
+        source,
+    })?;
+    Ok(taken)
+}
+
+/// Every snapshot of the disk, by name; writes nothing.
+pub fn snapshots(url: &S3Url) -> Result<Vec<SnapshotSummary>, SnapshotError> {
+    let connection = snapshot_disk(url)?;
+    let metadata = connection.metadata;
+    let sealer = log::sealer_for(url, &metadata, &LogConfig::from_url(url))?;
+    Ok(connection.runtime.block_on(log::describe_snapshots(
+        &*connection.store,
+        url,
+        &metadata,
+        &sealer,
+    ))?)
+}
+
+/// Deletes snapshot `name`'s object (the segments only it held go at the next writable open
+/// or `disk gc`). Needs no lock: a server holding the disk keeps the pins it has.
+pub fn delete_snapshot(url: &S3Url, name: &str) -> Result<(), SnapshotError> {
+    check_snapshot_name(name)?;
+    let connection = snapshot_disk(url)?;
+    let store: &dyn ObjectStore = &*connection.store;
+    let listed = connection
+        .runtime
+        .block_on(log::list_snapshots(store, url))?;
+    if !listed.iter().any(|listed| listed.name == name) {
+        return Err(SnapshotError::Missing {
+            url: url.to_string(),
+            name: name.to_string(),
+        });
+    }
+    let key = url.key(&log::snapshot_object_name(name));
+    connection
+        .runtime
+        .block_on(store.delete(&ObjectPath::from(key.as_str())))
+        .map_err(|error| SnapshotError::Store {
+            url: url.to_string(),
+            name: name.to_string(),
+            source: crate::error::request_failed("DELETE", &key, error),
+        })
 }

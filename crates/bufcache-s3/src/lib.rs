@@ -28,11 +28,11 @@ pub use device::S3Device;
 pub use error::{OpenError, StoreError};
 pub use lock::{release_locks, DiskLock, LockHolder, LOCK_NAME};
 pub use log::{
-    GcReport, LogConfig, LogStore, LogSummary, SealParameters,
-    CHECKPOINT_INTERVAL_SEGMENTS_DEFAULT, GC_BYTES_MAX_DEFAULT, GC_INTERVAL_MS_DEFAULT,
-    GC_REQUESTS_IN_FLIGHT_MAX_DEFAULT, GC_STORED_RATIO_MAX_DEFAULT, GC_THRESHOLD_DEFAULT,
-    GET_BYTES_MAX_DEFAULT, SEALED_EXTENT_BYTES_MAX, SEGMENTS_IN_FLIGHT_MAX_DEFAULT,
-    SEGMENT_BYTES_MAX_DEFAULT,
+    check_snapshot_name, GcReport, LogConfig, LogStore, LogSummary, SealParameters, SnapshotError,
+    SnapshotSummary, SnapshotTaken, CHECKPOINT_INTERVAL_SEGMENTS_DEFAULT, GC_BYTES_MAX_DEFAULT,
+    GC_INTERVAL_MS_DEFAULT, GC_REQUESTS_IN_FLIGHT_MAX_DEFAULT, GC_STORED_RATIO_MAX_DEFAULT,
+    GC_THRESHOLD_DEFAULT, GET_BYTES_MAX_DEFAULT, SEALED_EXTENT_BYTES_MAX,
+    SEGMENTS_IN_FLIGHT_MAX_DEFAULT, SEGMENT_BYTES_MAX_DEFAULT,
 };
 pub use meters::{
     LogStoreStats, StoreMeters, StoreStats, STORE_DURATION_BUCKETS_SECONDS, STORE_METHODS,
@@ -42,4 +42,7 @@ pub use store::{
     advance_generation, disk_identity, new_disk_id, probe, probe_counted, ChunkStore, DiskMetadata,
     DiskState, ReadOnly, FORMAT_VERSION, FORMAT_VERSION_CHUNK_CHECKED, FORMAT_VERSION_LOG,
 };
-pub use url::{Compression, LayoutKind, S3Url, UrlError, CHUNK_SIZE_DEFAULT_BYTES, LAYOUT_DEFAULT};
+pub use url::{
+    Compression, LayoutKind, S3Url, UrlError, CHUNK_SIZE_DEFAULT_BYTES, LAYOUT_DEFAULT,
+    SNAPSHOT_NAME_BYTES_MAX,
+};

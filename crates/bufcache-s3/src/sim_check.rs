@@ -21,7 +21,13 @@
 //!   segment's room is split across segments, and a disk does not make a multi-block write
 //!   atomic either);
 //! - the collector's bookkeeping of live bytes per segment matches a recount after every
-//!   round (it decides what may be deleted).
+//!   round (it decides what may be deleted);
+//! - a snapshot ([`LogStore::snapshot`], taken at seeded steps) reads, whenever it is checked
+//!   (after every collection round and every reopen), block by block what the disk held when
+//!   it was taken (a shadow copy of the allowed tags then), across later writes, collection,
+//!   crashes and restarts; a snapshot whose request succeeded is also a FLUSH. A snapshot
+//!   whose request failed or hung may exist or not, and may name segments a server opened
+//!   before its late PUT landed never pinned: it is read when it exists but promises nothing.
 //!
 //! Blocks carry a tag (the write that wrote them and the block's number) in their first
 //! eight bytes and bytes derived from it after, so a block read back names its write and
@@ -68,6 +74,9 @@ pub struct LogCheckOutcome {
     pub clean_closes: u64,
     /// Epoch objects the servers deleted (at open and after their checkpoints).
     pub epochs_pruned: u64,
+    /// Snapshots taken (their requests succeeded), and how often one was read back whole.
+    pub snapshots_taken: u64,
+    pub snapshot_checks: u64,
     /// The most epoch objects the bucket held after an open.
     pub epoch_objects_max: u64,
     /// What broke the contract, with the step; None when nothing did.
@@ -170,6 +179,7 @@ enum Step {
     Read(Vec<(u64, usize)>),
     Flush,
     Collect(f64, Vec<(u64, Vec<u8>)>),
+    Snapshot(String),
     /// A clean close of the store (the harness's only reference).
     Close(Arc<LogStore>),
 }
@@ -183,6 +193,7 @@ enum Answer {
     Read(Vec<Result<Vec<u8>, StoreError>>),
     /// A close's outcome and the epoch objects the store deleted.
     Closed(Result<(), StoreError>, u64),
+    Snapshot(Result<crate::SnapshotTaken, crate::SnapshotError>),
     Collected(
         Result<crate::GcReport, StoreError>,
         Vec<Result<(), StoreError>>,
@@ -246,6 +257,9 @@ fn spawn_step(
                     )
                 }
                 Step::Flush => Answer::Done(store.expect("a flush has a store").flush()),
+                Step::Snapshot(name) => {
+                    Answer::Snapshot(store.expect("a snapshot has a store").snapshot(&name))
+                }
                 Step::Collect(threshold, writes) => {
                     let store = store.expect("a round has a store");
                     let mut outcomes = Vec::new();
@@ -320,6 +334,18 @@ fn wait_after_crash(receiver: mpsc::Receiver<Answer>) -> Result<Option<LogStore>
     }
 }
 
+/// Snapshots one seed takes at most (each is read back whole at every check).
+const SNAPSHOTS_MAX: usize = 4;
+
+/// A snapshot as taken: the allowed tags of every block when it was taken.
+struct Shadow {
+    name: String,
+    allowed: Allowed,
+    /// Its request succeeded: it exists and must read as `allowed`. Otherwise it may not
+    /// exist, or be broken (module docs), and is read but promises nothing.
+    certain: bool,
+}
+
 struct Harness {
     seed: u64,
     trace: bool,
@@ -342,6 +368,7 @@ struct Harness {
     next_write: u64,
     step: u64,
     outcome: LogCheckOutcome,
+    snapshots: Vec<Shadow>,
 }
 
 impl Harness {
@@ -486,7 +513,66 @@ impl Harness {
             .count() as u64;
         self.outcome.epoch_objects_max = self.outcome.epoch_objects_max.max(epoch_objects);
         self.check_named_segments_exist()?;
-        self.verify_reopened()
+        self.verify_reopened()?;
+        self.check_snapshots()
+    }
+
+    /// Reads every snapshot back whole, without faults, through a read-only open of
+    /// `snapshot=NAME` (module docs).
+    fn check_snapshots(&mut self) -> Result<(), String> {
+        if self.snapshots.is_empty() || self.store.is_none() {
+            return Ok(());
+        }
+        self.world.set_calm(true);
+        let checked = (0..self.snapshots.len())
+            .map(|at| self.check_snapshot(at))
+            .collect::<Result<Vec<()>, String>>();
+        self.world.set_calm(false);
+        self.flush_world_log();
+        checked.map(|_| ())
+    }
+
+    fn check_snapshot(&mut self, at: usize) -> Result<(), String> {
+        let shadow = &self.snapshots[at];
+        let mut url = self.url.clone();
+        url.snapshot = Some(shadow.name.clone());
+        let broken = |what: String| -> Result<(), String> {
+            if shadow.certain {
+                Err(format!("snapshot `{}` {what}", shadow.name))
+            } else {
+                // A failed request's snapshot (module docs).
+                Ok(())
+            }
+        };
+        let reader =
+            match LogStore::open_read_only_on(&url, self.world.store(self.instance), self.config) {
+                Ok(reader) => reader,
+                Err(error) => return broken(format!("does not open: {error}")),
+            };
+        let mut buffer = vec![0u8; (self.blocks * BLOCK_BYTES) as usize];
+        if let Err(error) = reader.read(&mut buffer, 0) {
+            return broken(format!("does not read back: {error}"));
+        }
+        drop(reader);
+        for (block, bytes) in buffer.chunks(BLOCK_BYTES as usize).enumerate() {
+            let tag = match tag_of(bytes, self.compressible) {
+                Ok(tag) => tag,
+                Err(reason) => return broken(format!("block {block} {reason}")),
+            };
+            if !shadow.allowed[block].contains(&tag) {
+                return broken(format!(
+                    "block {block} reads {} but held {} when it was taken",
+                    describe_tag(tag),
+                    shadow.allowed[block]
+                        .iter()
+                        .map(|&tag| describe_tag(tag))
+                        .collect::<Vec<_>>()
+                        .join(" or ")
+                ));
+            }
+        }
+        self.outcome.snapshot_checks += 1;
+        Ok(())
     }
 
     /// Drops a store the harness is done with, counting what it pruned.
@@ -743,6 +829,37 @@ impl Harness {
                     Err(error) => self.note(|| format!("read blocks {run:?} failed: {error}")),
                 }
             }
+        } else if (86..90).contains(&choice) && self.snapshots.len() < SNAPSHOTS_MAX {
+            let covers = self.history.len();
+            let name = format!("s{}", self.snapshots.len() + 1);
+            let shadow = Shadow {
+                name: name.clone(),
+                allowed: self.now.clone(),
+                certain: false,
+            };
+            let Some(answer) = self.run(Step::Snapshot(name))? else {
+                self.snapshots.push(shadow);
+                return self.stuck(Vec::new());
+            };
+            let Answer::Snapshot(outcome) = answer else {
+                unreachable!("a snapshot answers Snapshot")
+            };
+            match outcome {
+                Ok(taken) => {
+                    self.note(|| format!("snapshot `{}` taken ({taken:?})", shadow.name));
+                    self.outcome.snapshots_taken += 1;
+                    self.snapshots.push(Shadow {
+                        certain: true,
+                        ..shadow
+                    });
+                    // Every segment it names is durable: it is a FLUSH too.
+                    self.flushed = covers;
+                }
+                Err(error) => {
+                    self.note(|| format!("snapshot `{}` failed: {error}", shadow.name));
+                    self.snapshots.push(shadow);
+                }
+            }
         } else if choice < 90 {
             let covers = self.history.len();
             let Some(answer) = self.run(Step::Flush)? else {
@@ -794,6 +911,7 @@ impl Harness {
                     .check_live_bytes()
                     .map_err(|reason| format!("after a collection round, {reason}"))?;
             }
+            self.check_snapshots()?;
         }
         self.check_named_segments_exist()?;
         Ok(true)
@@ -910,6 +1028,7 @@ pub fn check_log_seed(seed: u64, trace: bool) -> LogCheckOutcome {
         next_write: 0,
         step: 0,
         outcome: LogCheckOutcome::default(),
+        snapshots: Vec::new(),
     };
     harness.note(|| {
         format!(
@@ -959,6 +1078,9 @@ pub struct LogCheckSummary {
     pub epochs_pruned: u64,
     /// The most epoch objects one seed's bucket held after an open.
     pub epoch_objects_max: u64,
+    /// Snapshots taken, and whole reads of one checked against its shadow copy.
+    pub snapshots_taken: u64,
+    pub snapshot_checks: u64,
     /// (seed, what broke) of every seed that broke the contract.
     pub violations: Vec<(u64, String)>,
 }
@@ -982,6 +1104,8 @@ pub fn check_log_seeds(
         summary.gc_rounds += outcome.gc_rounds;
         summary.clean_closes += outcome.clean_closes;
         summary.epochs_pruned += outcome.epochs_pruned;
+        summary.snapshots_taken += outcome.snapshots_taken;
+        summary.snapshot_checks += outcome.snapshot_checks;
         summary.epoch_objects_max = summary.epoch_objects_max.max(outcome.epoch_objects_max);
         if let Some(message) = outcome.violation {
             summary.violations.push((seed, message));

@@ -88,7 +88,7 @@ pub enum UrlError {
     Scheme(String),
     #[error("`{0}`: missing bucket name; expected s3://BUCKET/PREFIX")]
     MissingBucket(String),
-    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, layout, chunk-size, segment-size, gc, gc-threshold, key-file, compress, create-size, retry-timeout-ms, break-lock, lock, recover-prefix, credentials")]
+    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, layout, chunk-size, segment-size, gc, gc-threshold, key-file, compress, create-size, retry-timeout-ms, break-lock, lock, recover-prefix, credentials, snapshot")]
     UnknownParameter { url: String, name: String },
     #[error("`{url}`: parameter `{name}` given twice")]
     DuplicateParameter { url: String, name: String },
@@ -157,6 +157,44 @@ pub struct S3Url {
     /// Without it, such a disk with no credentials is refused naming where they were looked
     /// for (no request leaves for the metadata address).
     pub credentials_instance: bool,
+    /// `snapshot=NAME` (log layout): open the disk's snapshot `NAME` instead of the disk,
+    /// read-only (a writable open is refused).
+    pub snapshot: Option<String>,
+}
+
+/// The longest snapshot name, in bytes.
+pub const SNAPSHOT_NAME_BYTES_MAX: usize = 100;
+
+/// What is wrong with a snapshot name, or None: empty, longer than
+/// [`SNAPSHOT_NAME_BYTES_MAX`], holding `/` or a control byte, starting with `.`, or holding
+/// anything but letters, digits and `-_.:+@` (a name is an object key's last part).
+pub fn snapshot_name_problem(name: &str) -> Option<String> {
+    if name.is_empty() {
+        return Some("empty".to_string());
+    }
+    if name.len() > SNAPSHOT_NAME_BYTES_MAX {
+        return Some(format!(
+            "{} bytes, longer than {SNAPSHOT_NAME_BYTES_MAX}",
+            name.len()
+        ));
+    }
+    if name.contains('/') {
+        return Some("holds `/` (a name is one path part)".to_string());
+    }
+    if name.chars().any(char::is_control) {
+        return Some("holds a control byte".to_string());
+    }
+    if name.starts_with('.') {
+        return Some("starts with `.`".to_string());
+    }
+    name.chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || "-_.:+@".contains(*c)))
+        .map(|other| {
+            format!(
+                "holds `{}`; a name is letters, digits and - _ . : + @",
+                other.escape_debug()
+            )
+        })
 }
 
 /// Default for `retry-timeout-ms`: long enough to ride out a server restart.
@@ -195,6 +233,7 @@ impl S3Url {
             lock_check: true,
             recover_prefix: false,
             credentials_instance: false,
+            snapshot: None,
         };
         let mut seen: Vec<String> = Vec::new();
         for pair in query
@@ -322,6 +361,12 @@ impl S3Url {
                         "instance" => true,
                         _ => return Err(bad("expected instance (the instance-metadata service)")),
                     }
+                }
+                "snapshot" => {
+                    if let Some(problem) = snapshot_name_problem(value) {
+                        return Err(bad(&format!("snapshot name {problem}")));
+                    }
+                    url.snapshot = Some(value.to_string());
                 }
                 "break-lock" => {
                     if value.is_empty() || !value.bytes().all(|byte| byte.is_ascii_hexdigit()) {

@@ -88,8 +88,8 @@ fn write_log_disk(url: &S3Url, rng: &mut impl Rng) -> Vec<u8> {
     image
 }
 
-// Goal: `disk verify` finds every flipped byte of a segment, a checkpoint, an epoch object
-// and a chunk, names the object and nothing else, and reports nothing on a healthy disk; on
+// Goal: `disk verify` finds every flipped byte of a segment, a checkpoint, an epoch object,
+// a snapshot record and a chunk, names the object and nothing else, and reports nothing on a healthy disk; on
 // an encrypted and compressed disk too (the tag of each object, the sealed frames). Method:
 // write disks of each kind through the stores, then flip every other byte of the headers and tails
 // and 24 more in each object kind through the bucket, one at a time, verifying after each.
@@ -117,13 +117,19 @@ fn verify_finds_every_flipped_byte_and_nothing_on_a_healthy_disk() {
         );
         write_log_disk(&create, &mut rng);
         let disk = url(&endpoint, prefix, &parameters);
+        admin::snapshot(&disk, "kept").unwrap();
         assert_eq!(
             damaged_keys(&disk),
             Vec::<String>::new(),
             "{prefix}: healthy"
         );
         let mut flipped = 0;
-        for folder in ["log/segments", "log/checkpoints", "log/epochs"] {
+        for folder in [
+            "log/segments",
+            "log/checkpoints",
+            "log/epochs",
+            "log/snapshots",
+        ] {
             let objects = raw.keys(&format!("{prefix}/{folder}/"));
             assert!(!objects.is_empty(), "{prefix}: no object under {folder}");
             flipped += every_flip_is_found(&raw, &disk, &objects[objects.len() / 2]);

@@ -158,6 +158,23 @@ impl Core {
             } else {
                 state.open.sequence
             };
+            // A segment a snapshot names is the snapshot's once the index names none of it:
+            // it leaves `stored` (the disk's data) and is never doomed (module `snapshot`).
+            // The planted defect (tests/log_sim_check.rs): pins are ignored.
+            let pinned_dead: Vec<u64> = state
+                .stored
+                .keys()
+                .copied()
+                .filter(|sequence| {
+                    state.index.live_bytes(*sequence) == 0
+                        && state.pinned.contains(sequence)
+                        && !cfg!(feature = "planted-snapshot-defect")
+                })
+                .collect();
+            for sequence in pinned_dead {
+                let bytes = state.stored.remove(&sequence).expect("listed just now");
+                state.pinned_only.insert(sequence, bytes);
+            }
             for &sequence in state.stored.keys() {
                 if state.index.live_bytes(sequence) == 0 {
                     state.doomed.entry(sequence).or_insert(position);
@@ -229,6 +246,10 @@ impl Core {
             .stored
             .iter()
             .filter(|(sequence, _)| !state.doomed.contains_key(sequence))
+            // Rewriting a pinned segment frees nothing while its snapshot exists.
+            .filter(|(sequence, _)| {
+                !state.pinned.contains(sequence) || cfg!(feature = "planted-snapshot-defect")
+            })
             .filter_map(|(&sequence, &bytes)| {
                 let live = state.index.live_bytes(sequence);
                 let fraction = live as f64 / bytes.max(1) as f64;

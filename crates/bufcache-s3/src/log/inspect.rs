@@ -8,7 +8,7 @@ use futures::stream::{self, StreamExt};
 
 use super::{
     checkpoint, checkpoint_key, checkpoint_name, epoch, epoch_key, epoch_name, get_whole,
-    list_named, list_numbered, recover, segment, segment_key, segment_name, Recovered,
+    list_named, list_numbered, recover, segment, segment_key, segment_name, snapshot, Recovered,
 };
 use crate::error::OpenError;
 use crate::seal::Sealer;
@@ -59,6 +59,13 @@ pub struct LogSummary {
     /// Segments no open needs (dead, void or after a gap), which the next writable open
     /// deletes.
     pub unneeded_segments: u64,
+    /// Snapshot objects, and the segments they name (pinned: no collection deletes them).
+    pub snapshots: u64,
+    pub snapshot_segments: u64,
+    /// Segments only snapshots need (the index names none of their bytes), and their bytes:
+    /// what deleting every snapshot would let the next open or `disk gc` free.
+    pub snapshot_only_segments: u64,
+    pub snapshot_only_bytes: u64,
 }
 
 impl LogSummary {
@@ -98,7 +105,78 @@ fn summary_of(recovered: &Recovered, segments: &[(u64, u64, u64)], checkpoints: 
         live_segments: recovered.stored.len() as u64,
         live_segment_bytes: recovered.stored.values().sum(),
         unneeded_segments: (cleanup.void.len() + cleanup.dead.len() + cleanup.orphans.len()) as u64,
+        snapshots: recovered.snapshots,
+        snapshot_segments: recovered.pinned.len() as u64,
+        snapshot_only_segments: recovered.pinned_only.len() as u64,
+        snapshot_only_bytes: recovered.pinned_only.values().sum(),
     }
+}
+
+/// One snapshot as `bufcache disk snapshots` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SnapshotSummary {
+    pub name: String,
+    /// The last segment of the log it covers.
+    pub through_sequence: u64,
+    /// Disk bytes it maps to stored data, in how many extents.
+    pub mapped_bytes: u64,
+    pub mapped_extents: u64,
+    /// Segments it names, and their object bytes.
+    pub segments: u64,
+    pub segment_bytes: u64,
+    /// Bytes of the segments it names that the disk's index names nothing of (held for
+    /// snapshots alone; shared with other snapshots when they name them too).
+    pub held_bytes: u64,
+    /// The snapshot object's own bytes.
+    pub object_bytes: u64,
+}
+
+/// Every snapshot of the disk, described against the log as an open would recover it.
+pub(crate) async fn describe_snapshots(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    metadata: &DiskMetadata,
+    sealer: &Sealer,
+) -> Result<Vec<SnapshotSummary>, OpenError> {
+    let recovered = recover(store, url, metadata, sealer).await?;
+    let sizes: BTreeMap<(u64, u64), u64> = list_named(store, url, "log/segments")
+        .await?
+        .into_iter()
+        .map(|(sequence, epoch, bytes)| ((sequence, epoch), bytes))
+        .collect();
+    let mut described = Vec::new();
+    for listed in snapshot::list(store, url).await? {
+        let Some(taken) = snapshot::read(store, url, metadata, sealer, &listed.name).await? else {
+            // Deleted since it was listed.
+            continue;
+        };
+        let epochs = taken
+            .epochs
+            .as_ref()
+            .expect("snapshot::decode refuses version 1");
+        let (mut segment_bytes, mut held_bytes) = (0, 0);
+        for &sequence in taken.index.live_bytes_by_segment().keys() {
+            let bytes = sizes
+                .get(&(sequence, epochs.owner(sequence)))
+                .copied()
+                .unwrap_or(0);
+            segment_bytes += bytes;
+            if recovered.index.live_bytes(sequence) == 0 {
+                held_bytes += bytes;
+            }
+        }
+        described.push(SnapshotSummary {
+            name: listed.name,
+            through_sequence: taken.through_sequence,
+            mapped_bytes: taken.index.mapped_bytes(),
+            mapped_extents: taken.index.len() as u64,
+            segments: taken.index.live_bytes_by_segment().len() as u64,
+            segment_bytes,
+            held_bytes,
+            object_bytes: listed.object_bytes,
+        });
+    }
+    Ok(described)
 }
 
 /// The extents of one segment by index address: (address of the first byte, logical length).
@@ -119,8 +197,9 @@ pub(crate) async fn verify(
     let segments = list_named(store, url, "log/segments").await?;
     let checkpoints = list_numbered(store, url, "log/checkpoints").await?;
     let epochs = list_numbered(store, url, "log/epochs").await?;
+    let snapshots = snapshot::list(store, url).await?;
     let mut done = VerifyProgress {
-        objects_total: (segments.len() + checkpoints.len() + epochs.len()) as u64,
+        objects_total: (segments.len() + checkpoints.len() + epochs.len() + snapshots.len()) as u64,
         bytes_total: segments.iter().map(|&(_, _, bytes)| bytes).sum(),
         ..VerifyProgress::default()
     };
@@ -192,6 +271,39 @@ pub(crate) async fn verify(
         done.objects_done += 1;
         progress(done);
     }
+    let listed: BTreeSet<u64> = segments.iter().map(|&(sequence, _, _)| sequence).collect();
+    for snapshot_listed in &snapshots {
+        let key = url.key(&snapshot::snapshot_name(&snapshot_listed.name));
+        let outcome = get_whole(store, url, &key).await.map(|body| {
+            snapshot::decode(&body, url, metadata, sealer, &snapshot_listed.name)
+                .map_err(|error| match error {
+                    OpenError::BadObject { reason, .. } => reason,
+                    other => other.to_string(),
+                })
+                .and_then(|taken| {
+                    // Every segment it names must be there, intact, and hold its extents.
+                    let epochs = taken.epochs.as_ref().expect("decode refuses version 1");
+                    // A damaged one is named on its own already.
+                    match taken.index.iter().find(|(_, mapping)| {
+                        if intact.contains_key(&mapping.segment) {
+                            !inside_intact(&intact, mapping.segment, mapping.object_offset, mapping.length)
+                        } else {
+                            !listed.contains(&mapping.segment)
+                        }
+                    }) {
+                        None => Ok(()),
+                        Some((disk_offset, mapping)) => Err(format!(
+                            "maps {} bytes at disk offset {disk_offset} to segment `{}`, which is missing, damaged or holds no such extent",
+                            mapping.length,
+                            segment_key(url, mapping.segment, epochs.owner(mapping.segment))
+                        )),
+                    }
+                })
+        });
+        record(&mut damaged, key, outcome);
+        done.objects_done += 1;
+        progress(done);
+    }
     if damaged.is_empty() {
         damaged.extend(check_index(store, url, metadata, sealer, &intact).await);
     }
@@ -247,6 +359,23 @@ fn check_segment(
     (body.len() as u64, checked)
 }
 
+/// Whether `length` bytes at index address `address` of segment `sequence` lie inside one
+/// extent of it, the segment being intact.
+fn inside_intact(
+    intact: &BTreeMap<u64, ExtentAddresses>,
+    sequence: u64,
+    address: u64,
+    length: u64,
+) -> bool {
+    intact.get(&sequence).is_some_and(|extents| {
+        let at = extents.partition_point(|&(start, _)| start <= address);
+        at > 0 && {
+            let (start, extent_length) = extents[at - 1];
+            address + length <= start + extent_length
+        }
+    })
+}
+
 /// Recovers the index as an open would and checks that each mapping lies inside an extent of
 /// an intact segment.
 async fn check_index(
@@ -268,13 +397,12 @@ async fn check_index(
     let mut damaged = Vec::new();
     let mut named_badly: BTreeSet<u64> = BTreeSet::new();
     for (disk_offset, mapping) in recovered.index.iter() {
-        let inside = intact.get(&mapping.segment).is_some_and(|extents| {
-            let at = extents.partition_point(|&(address, _)| address <= mapping.object_offset);
-            at > 0 && {
-                let (address, length) = extents[at - 1];
-                mapping.object_offset + mapping.length <= address + length
-            }
-        });
+        let inside = inside_intact(
+            intact,
+            mapping.segment,
+            mapping.object_offset,
+            mapping.length,
+        );
         if !inside && named_badly.insert(mapping.segment) {
             damaged.push(Damage {
                 key: segment_key(url, mapping.segment, recovered.epochs.owner(mapping.segment)),

@@ -54,6 +54,7 @@ mod gc;
 mod index;
 mod inspect;
 mod segment;
+mod snapshot;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
@@ -76,9 +77,13 @@ use crate::seal::Sealer;
 pub use crate::seal::{SealParameters, SEALED_EXTENT_BYTES_MAX};
 pub use gc::GcReport;
 pub use index::{Index, Mapping};
+pub(crate) use inspect::describe_snapshots;
+pub use inspect::SnapshotSummary;
 pub(crate) use inspect::{summarize, verify};
 pub use inspect::{Damage, LogSummary, VerifyProgress};
 use segment::{OpenSegment, HEADER_BYTES, TABLE_ENTRY_BYTES};
+pub use snapshot::{check_name as check_snapshot_name, SnapshotError, Taken as SnapshotTaken};
+pub(crate) use snapshot::{list as list_snapshots, snapshot_name as snapshot_object_name};
 
 /// Default `segment_bytes_max`: 8 MiB keeps a sequential write-back at one PUT per 8 MiB
 /// (WA ≈ 1.00002 from headers and tables) while bounding memory at (1 + in flight) × 8 MiB.
@@ -285,6 +290,12 @@ struct State {
     epochs_pruned: u64,
     /// What the collector did so far.
     gc_totals: GcReport,
+    /// Segments a snapshot names (module `snapshot`): never deleted or rewritten by this
+    /// open, whether or not the index still names them. A pinned segment without live bytes
+    /// leaves `stored` (it is the snapshots' data, not the disk's).
+    pinned: BTreeSet<u64>,
+    /// Object bytes of the pinned segments without live bytes (held by snapshots alone).
+    pinned_only: BTreeMap<u64, u64>,
 }
 
 struct Shared {
@@ -488,6 +499,12 @@ struct Recovered {
     /// What a writable open deletes (and, after a gap, the checkpoint it stores) once it
     /// claimed its epoch.
     cleanup: Cleanup,
+    /// Sequences of the segments some snapshot names (module `snapshot`).
+    pinned: BTreeSet<u64>,
+    /// Object bytes of the pinned segments the log holds no live byte of, by sequence.
+    pinned_only: BTreeMap<u64, u64>,
+    /// Snapshot objects read at open.
+    snapshots: u64,
 }
 
 /// What recovery found to delete: every object but the log itself.
@@ -531,9 +548,13 @@ impl LogStore {
         why: ReadOnly,
     ) -> Result<LogStore, OpenError> {
         let sealer = check_layout(url, &connection.metadata, &config)?;
-        connection
-            .runtime
-            .block_on(check_not_held(&connection.store, url))?;
+        // A snapshot never changes, so it is served while a server holds the disk (whose
+        // collector keeps every segment the snapshot names).
+        if url.snapshot.is_none() {
+            connection
+                .runtime
+                .block_on(check_not_held(&connection.store, url))?;
+        }
         let Connection {
             runtime,
             store,
@@ -557,6 +578,9 @@ impl LogStore {
         config: LogConfig,
     ) -> Result<LogStore, OpenError> {
         let sealer = check_layout(url, &connection.metadata, &config)?;
+        if url.snapshot.is_some() {
+            return Err(snapshot_writable(url));
+        }
         let lock = match connection.runtime.block_on(DiskLock::acquire(
             connection.runtime.handle().clone(),
             connection.store.clone(),
@@ -599,6 +623,26 @@ impl LogStore {
         store: Arc<dyn ObjectStore>,
         config: LogConfig,
     ) -> Result<LogStore, OpenError> {
+        Self::open_on(url, store, config, None)
+    }
+
+    /// [`LogStore::open_read_only`] in `store` (any object store, the simulator's among
+    /// them), without looking at the disk lock: a snapshot (`snapshot=` in the URL), or a
+    /// disk the caller keeps every writer away from.
+    pub fn open_read_only_on(
+        url: &S3Url,
+        store: Arc<dyn ObjectStore>,
+        config: LogConfig,
+    ) -> Result<LogStore, OpenError> {
+        Self::open_on(url, store, config, Some(ReadOnly::Requested))
+    }
+
+    fn open_on(
+        url: &S3Url,
+        store: Arc<dyn ObjectStore>,
+        config: LogConfig,
+        read_only: Option<ReadOnly>,
+    ) -> Result<LogStore, OpenError> {
         // The store's threads log where the thread opening it does.
         let dispatch = tracing::dispatcher::get_default(|dispatch| dispatch.clone());
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -614,13 +658,18 @@ impl LogStore {
                 url: url.to_string(),
                 source,
             })?;
+        let create = if read_only.is_some() {
+            Create::Never
+        } else {
+            Create::IfAsked
+        };
         let metadata = runtime.block_on(crate::store::ChunkStore::open_metadata(
-            &*store,
-            url,
-            Create::IfAsked,
+            &*store, url, create,
         ))?;
         let sealer = check_layout(url, &metadata, &config)?;
-        Self::build(url, runtime, store, metadata, config, sealer, None, None)
+        Self::build(
+            url, runtime, store, metadata, config, sealer, None, read_only,
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -672,6 +721,8 @@ impl LogStore {
                 .collect(),
             epochs_pruned: recovered.epochs_pruned,
             gc_totals: GcReport::default(),
+            pinned: recovered.pinned,
+            pinned_only: recovered.pinned_only,
         };
         let core = Arc::new(Core {
             shared: Arc::new(Shared {
@@ -788,6 +839,24 @@ impl LogStore {
     /// durable checkpoint records what an open needs of them.
     pub fn epochs_pruned(&self) -> u64 {
         self.core.shared.lock().epochs_pruned
+    }
+
+    /// Takes snapshot `name` at a flush point (module `snapshot`): every write that returned
+    /// before this call is in it. Costs a segment PUT when anything was written since the
+    /// last flush, and one PUT of the snapshot object; no data is copied.
+    pub fn snapshot(&self, name: &str) -> Result<SnapshotTaken, SnapshotError> {
+        self.core.take_snapshot(name)
+    }
+
+    /// Segments some snapshot names (kept by this open whatever the index says).
+    pub fn pinned_segments(&self) -> u64 {
+        self.core.shared.lock().pinned.len() as u64
+    }
+
+    /// Object bytes of the segments only snapshots need (the disk's index names none of
+    /// their bytes).
+    pub fn snapshot_only_bytes(&self) -> u64 {
+        self.core.shared.lock().pinned_only.values().sum()
     }
 
     /// What the garbage collector did since the disk was opened.
@@ -1040,8 +1109,20 @@ impl Core {
     /// open now (holding only newer writes) is left open.
     fn seal<'a>(
         &'a self,
+        state: MutexGuard<'a, State>,
+        sequence: u64,
+    ) -> Result<MutexGuard<'a, State>, StoreError> {
+        self.seal_then(state, sequence, &mut |_| {})
+    }
+
+    /// [`Core::seal`], calling `at_seal` with the state right after this call sealed
+    /// `sequence` (the open segment is new and empty), before the lock is let go: the state
+    /// then is a flush point (module `snapshot`). Not called when another caller sealed it.
+    fn seal_then<'a>(
+        &'a self,
         mut state: MutexGuard<'a, State>,
         sequence: u64,
+        at_seal: &mut dyn FnMut(&mut State),
     ) -> Result<MutexGuard<'a, State>, StoreError> {
         let mut retried = BTreeSet::new();
         while state.open.sequence == sequence
@@ -1088,6 +1169,7 @@ impl Core {
             },
         );
         state.open = OpenSegment::new(sequence + 1, self.shared.sealer.clone());
+        at_seal(&mut state);
         drop(state);
         self.start_upload(sequence, body);
         Ok(self.shared.lock())
@@ -1223,24 +1305,32 @@ impl Core {
         // checkpoint) without waiting for the segments to be durable.
         #[cfg(feature = "planted-defect")]
         let wait_through = wait_through.min(state.durable_through);
+        drop(state);
+        self.wait_durable(wait_through)?;
+        if let Some((covered, index)) = snapshot {
+            self.write_checkpoint(covered, &index)?;
+        }
+        Ok(())
+    }
+
+    /// Waits until every segment up to `through` is durable, uploading failed ones again
+    /// (once each); the error is a segment's second failure.
+    fn wait_durable(&self, through: u64) -> Result<(), StoreError> {
+        let mut state = self.shared.lock();
         let mut retried = BTreeSet::new();
-        while state.durable_through < wait_through {
-            state = self.retry_failed(state, wait_through, &mut retried)?;
-            if state.durable_through >= wait_through {
+        while state.durable_through < through {
+            state = self.retry_failed(state, through, &mut retried)?;
+            if state.durable_through >= through {
                 break;
             }
             // As in `seal`: a retried upload that already failed again signalled nobody.
-            if !has_failed(&state, wait_through) {
+            if !has_failed(&state, through) {
                 state = self
                     .shared
                     .uploaded
                     .wait(state)
                     .unwrap_or_else(PoisonError::into_inner);
             }
-        }
-        drop(state);
-        if let Some((covered, index)) = snapshot {
-            self.write_checkpoint(covered, &index)?;
         }
         Ok(())
     }
@@ -1672,7 +1762,21 @@ async fn recover(
         stale_checkpoints: checkpoints,
         ..Cleanup::default()
     };
+    // Every snapshot's segments are kept, whatever the log says of them (module `snapshot`);
+    // a snapshot records the owners of the segments it names, which the newest checkpoint
+    // may no longer know.
+    let snapshot_pins = snapshot::pins(store, url, metadata, sealer).await?;
+    let snapshots = snapshot::list(store, url).await?.len() as u64;
+    let mut pinned = BTreeSet::new();
+    let mut pinned_only = BTreeMap::new();
     for (sequence, epoch, bytes) in list_segments(store, url).await? {
+        if snapshot_pins.contains_key(&(sequence, epoch)) {
+            pinned.insert(sequence);
+            if epoch != epochs.owner(sequence) {
+                pinned_only.insert(sequence, bytes);
+                continue;
+            }
+        }
         // Epoch objects are deleted only once a version 2 checkpoint records what opens need
         // of them; without one, a segment's epoch always has its object (it was claimed
         // before the segment was written). One that does not means the newest checkpoint
@@ -1722,6 +1826,8 @@ async fn recover(
     {
         if index.live_bytes(sequence) > 0 {
             stored.insert(sequence, bytes);
+        } else if pinned.contains(&sequence) && !cfg!(feature = "planted-snapshot-defect") {
+            pinned_only.insert(sequence, bytes);
         } else {
             cleanup.dead.push(sequence);
         }
@@ -1802,6 +1908,46 @@ async fn recover(
         epoch_objects,
         epochs_pruned: 0,
         cleanup,
+        pinned,
+        pinned_only,
+        snapshots,
+    })
+}
+
+/// What a read-only open of snapshot `name` serves: the snapshot's index, read through the
+/// epochs it records; nothing else of the log is read.
+async fn recover_snapshot(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    metadata: &DiskMetadata,
+    sealer: &Sealer,
+    name: &str,
+) -> Result<Recovered, OpenError> {
+    let taken = snapshot::read(store, url, metadata, sealer, name)
+        .await?
+        .ok_or_else(|| OpenError::Config {
+            url: url.to_string(),
+            reason: format!(
+                "no snapshot named `{}` (`bufcache disk snapshots` lists them)",
+                name.escape_debug()
+            ),
+        })?;
+    let epochs = taken.epochs.expect("snapshot::decode refuses version 1");
+    Ok(Recovered {
+        index: taken.index,
+        last_sequence: taken.through_sequence,
+        checkpoint_through: taken.through_sequence,
+        stored: BTreeMap::new(),
+        epochs,
+        epoch: 0,
+        checkpoint_name: None,
+        checkpoint_epoch: None,
+        epoch_objects: BTreeSet::new(),
+        epochs_pruned: 0,
+        cleanup: Cleanup::default(),
+        pinned: BTreeSet::new(),
+        pinned_only: BTreeMap::new(),
+        snapshots: 1,
     })
 }
 
@@ -1886,6 +2032,17 @@ async fn check_nothing_lost(
     Ok(())
 }
 
+/// The refusal of a writable open of a snapshot URL.
+fn snapshot_writable(url: &S3Url) -> OpenError {
+    OpenError::Config {
+        url: url.to_string(),
+        reason: format!(
+            "snapshot=`{}` names a snapshot, which never changes: serve it with --read-only, or make a writable disk from it with `bufcache disk clone`",
+            url.snapshot.as_deref().unwrap_or_default().escape_debug()
+        ),
+    }
+}
+
 /// Recovers the log and, for a writable open, claims the next epoch (module `epoch`) with a
 /// create-only PUT before anything is written (when the claim fails because that epoch
 /// appeared meanwhile, a crashed server's late claim, it recovers again under it); then
@@ -1897,6 +2054,12 @@ async fn recover_and_claim(
     sealer: &Sealer,
     writable: bool,
 ) -> Result<Recovered, OpenError> {
+    if let Some(name) = &url.snapshot {
+        if writable {
+            return Err(snapshot_writable(url));
+        }
+        return recover_snapshot(store, url, metadata, sealer, name).await;
+    }
     let mut claims = 0;
     loop {
         let mut recovered = recover(store, url, metadata, sealer).await?;
@@ -2022,6 +2185,11 @@ async fn clean_up(
     // Segments after a gap were never covered by an acknowledged FLUSH; the checkpoint just
     // stored covers them, so they go before anything new is written.
     for sequence in cleanup.orphans {
+        if recovered.pinned.contains(&sequence) {
+            // A snapshot names it: the checkpoint just stored covers it, so it is never
+            // replayed, and it stays for the snapshot.
+            continue;
+        }
         let key = segment_key(url, sequence, recovered.epochs.owner(sequence));
         tracing::warn!(segment = %key, after = recovered.last_sequence, "deleting a segment written after a missing one (its writes were never flushed)");
         delete(key, "unflushed segment").await?;

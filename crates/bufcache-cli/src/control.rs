@@ -1,0 +1,210 @@
+//! The server's control socket (`bufcache serve --control PATH`): how an owner reaches the
+//! server that holds a disk, for what only the lock holder may do — today, taking a snapshot
+//! (`bufcache disk snapshot URL NAME --control PATH`).
+//!
+//! A unix stream socket, created with mode 0600 (the server's user only: a snapshot is a
+//! write to the disk's bucket). One request per connection, one line of JSON each way:
+//!
+//! ```text
+//! → {"command":"snapshot","disk":"s3://BUCKET/PREFIX","name":"NAME"}
+//! ← {"ok":true,"through_sequence":N,"mapped_bytes":N,"segments":N,"object_bytes":N,"seconds":F}
+//! ← {"ok":false,"bad_input":true|false,"error":"one line"}
+//! ```
+//!
+//! The server writes every dirty buffer back and flushes (the flush point: every write a
+//! client had acknowledged is in the snapshot), then the disk takes the snapshot
+//! ([`bufcache_s3::LogStore::snapshot`]). Requests are served one at a time.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use bufcache_s3::{S3Device, S3Url, SnapshotTaken};
+use serde_json::{json, Value};
+
+use crate::BadInput;
+
+/// The longest request line the server reads (a name is at most 100 bytes; a disk name is
+/// a bucket and a prefix).
+const REQUEST_BYTES_MAX: u64 = 16 << 10;
+
+/// How long a client waits for the server's answer (a snapshot waits for the write-back of
+/// whatever is dirty).
+const REPLY_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Writes back every dirty buffer and flushes the devices below (the engine's sync).
+pub(crate) type Sync = Box<dyn Fn() -> Result<(), String> + Send>;
+
+/// The name a disk is addressed by on the control socket: `s3://BUCKET/PREFIX`.
+fn disk_name(url: &S3Url) -> String {
+    format!("s3://{}/{}", url.bucket, url.prefix)
+}
+
+/// Listens on `path` (a stale socket file no server answers on is replaced) and serves
+/// requests for `disks` on a thread of its own for the life of the process.
+pub(crate) fn start(path: &Path, disks: Vec<Arc<S3Device>>, sync: Sync) -> anyhow::Result<()> {
+    if path.exists() {
+        if UnixStream::connect(path).is_ok() {
+            return Err(BadInput(format!(
+                "--control {}: another server answers on this socket",
+                path.display()
+            ))
+            .into());
+        }
+        std::fs::remove_file(path)
+            .with_context(|| format!("--control {}: removing a stale socket", path.display()))?;
+    }
+    let listener = UnixListener::bind(path)
+        .with_context(|| format!("--control {}: cannot listen", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("--control {}: cannot restrict to this user", path.display()))?;
+    let path = path.to_path_buf();
+    std::thread::Builder::new()
+        .name("bufcache-control".into())
+        .spawn(move || {
+            for stream in listener.incoming() {
+                match stream {
+                    Ok(stream) => {
+                        if let Err(error) = serve_one(stream, &disks, &sync) {
+                            tracing::warn!(control = %path.display(), error = %error, "control request failed");
+                        }
+                    }
+                    Err(error) => {
+                        tracing::warn!(control = %path.display(), error = %error, "control socket accept failed");
+                    }
+                }
+            }
+        })
+        .context("starting the control socket thread")?;
+    Ok(())
+}
+
+fn serve_one(stream: UnixStream, disks: &[Arc<S3Device>], sync: &Sync) -> std::io::Result<()> {
+    let mut line = String::new();
+    BufReader::new(std::io::Read::take(&stream, REQUEST_BYTES_MAX)).read_line(&mut line)?;
+    let reply = match answer(&line, disks, sync) {
+        Ok(reply) => reply,
+        Err((bad_input, error)) => json!({ "ok": false, "bad_input": bad_input, "error": error }),
+    };
+    let mut stream = stream;
+    writeln!(stream, "{reply}")?;
+    stream.flush()
+}
+
+/// The reply to one request line; Err((bad input?, the one-line error)).
+fn answer(line: &str, disks: &[Arc<S3Device>], sync: &Sync) -> Result<Value, (bool, String)> {
+    let request: Value = serde_json::from_str(line.trim())
+        .map_err(|error| (true, format!("not a JSON request line: {error}")))?;
+    let field = |name: &str| {
+        request[name]
+            .as_str()
+            .ok_or_else(|| (true, format!("the request has no string field `{name}`")))
+    };
+    let command = field("command")?;
+    if command != "snapshot" {
+        return Err((
+            true,
+            format!(
+                "unknown command `{}`; known: snapshot",
+                command.escape_debug()
+            ),
+        ));
+    }
+    let disk = field("disk")?;
+    let name = field("name")?;
+    let device = disks
+        .iter()
+        .find(|device| {
+            device
+                .log_store()
+                .is_some_and(|store| disk_name(store.url()) == disk)
+        })
+        .ok_or_else(|| {
+            let served: Vec<String> = disks
+                .iter()
+                .filter_map(|device| device.log_store().map(|store| disk_name(store.url())))
+                .collect();
+            (
+                true,
+                format!(
+                    "this server holds no log-layout disk {disk} (it holds: {})",
+                    if served.is_empty() {
+                        "none".to_string()
+                    } else {
+                        served.join(", ")
+                    }
+                ),
+            )
+        })?;
+    let store = device.log_store().expect("found by its log store");
+    bufcache_s3::check_snapshot_name(name).map_err(|error| (true, error.to_string()))?;
+    let started = Instant::now();
+    sync().map_err(|error| {
+        (
+            false,
+            format!("writing back dirty data before the snapshot: {error}"),
+        )
+    })?;
+    let taken = store
+        .snapshot(name)
+        .map_err(|error| (error.is_bad_input(), error.to_string()))?;
+    tracing::info!(disk = %disk, snapshot = name, seconds = started.elapsed().as_secs_f64(), "snapshot taken through the control socket");
+    Ok(json!({
+        "ok": true,
+        "through_sequence": taken.through_sequence,
+        "mapped_bytes": taken.mapped_bytes,
+        "segments": taken.segments,
+        "object_bytes": taken.object_bytes,
+        "seconds": started.elapsed().as_secs_f64(),
+    }))
+}
+
+/// Asks the server listening on `path` to snapshot disk `url` as `name`.
+pub(crate) fn request_snapshot(
+    path: &PathBuf,
+    url: &S3Url,
+    name: &str,
+) -> anyhow::Result<SnapshotTaken> {
+    bufcache_s3::check_snapshot_name(name).map_err(|error| BadInput(error.to_string()))?;
+    let mut stream = UnixStream::connect(path).map_err(|error| {
+        BadInput(format!(
+            "--control {}: cannot reach the server's control socket ({error}); is the server holding {url} running with --control {}?",
+            path.display(),
+            path.display()
+        ))
+    })?;
+    stream.set_read_timeout(Some(REPLY_TIMEOUT))?;
+    let request = json!({ "command": "snapshot", "disk": disk_name(url), "name": name });
+    writeln!(stream, "{request}")?;
+    stream.flush()?;
+    let mut line = String::new();
+    BufReader::new(&stream)
+        .read_line(&mut line)
+        .with_context(|| format!("--control {}: reading the reply", path.display()))?;
+    let reply: Value = serde_json::from_str(line.trim())
+        .with_context(|| format!("--control {}: a reply that is not JSON", path.display()))?;
+    if reply["ok"] != json!(true) {
+        let error = reply["error"].as_str().unwrap_or("no reason given");
+        let message = format!("the server ({}) refused: {error}", path.display());
+        return Err(if reply["bad_input"] == json!(true) {
+            BadInput(message).into()
+        } else {
+            anyhow::anyhow!(message)
+        });
+    }
+    let number = |field: &str| {
+        reply[field]
+            .as_u64()
+            .ok_or_else(|| anyhow::anyhow!("the server's reply has no `{field}`: {reply}"))
+    };
+    Ok(SnapshotTaken {
+        through_sequence: number("through_sequence")?,
+        mapped_bytes: number("mapped_bytes")?,
+        segments: number("segments")?,
+        object_bytes: number("object_bytes")?,
+    })
+}

@@ -1,0 +1,263 @@
+//! Snapshots of a log-layout disk (issue 50): `admin::snapshot`, `admin::snapshots`,
+//! `admin::delete_snapshot` and a read-only open of `snapshot=NAME`. Against moto on loopback.
+
+#[path = "support/fixtures.rs"]
+mod fixtures;
+#[path = "support/raw.rs"]
+mod raw;
+mod support;
+
+use bufcache_s3::admin::{self, LayoutInfo};
+use bufcache_s3::{ChunkStore, LogStore, LogSummary, OpenError, S3Url, SnapshotError};
+use fixtures::{key_file, random};
+use rand::SeedableRng;
+use raw::Raw;
+use support::{have_moto, Moto};
+
+const DISK_BYTES: usize = 2 << 20;
+const WRITTEN_BYTES: usize = 1 << 20;
+
+fn url(endpoint: &str, prefix: &str, parameters: &str) -> S3Url {
+    S3Url::parse(&format!(
+        "s3://bucket/{prefix}?endpoint={endpoint}{parameters}"
+    ))
+    .unwrap()
+}
+
+fn summary(url: &S3Url) -> LogSummary {
+    match admin::info(url).unwrap().layout {
+        LayoutInfo::Log(Ok(summary)) => summary,
+        other => panic!("not a recovering log disk: {other:?}"),
+    }
+}
+
+/// The whole disk as an open of `url` reads it.
+fn read_all(url: &S3Url) -> Vec<u8> {
+    let store = LogStore::open_read_only(url).unwrap();
+    let mut image = vec![0u8; DISK_BYTES];
+    store.read(&mut image, 0).unwrap();
+    image
+}
+
+/// Writes `image`'s first `WRITTEN_BYTES` in 64 KiB pieces in random order, flushing after
+/// every fourth, and zeroes 128 KiB at 256 KiB (in `image` too).
+fn write_pieces(store: &LogStore, image: &mut [u8], rng: &mut impl rand::Rng) {
+    let mut order: Vec<usize> = (0..WRITTEN_BYTES / (64 << 10)).collect();
+    rand::seq::SliceRandom::shuffle(&mut order[..], rng);
+    for (count, piece) in order.into_iter().enumerate() {
+        let at = piece * (64 << 10);
+        store.write(&image[at..at + (64 << 10)], at as u64).unwrap();
+        if count % 4 == 3 {
+            store.flush().unwrap();
+        }
+    }
+    store.write_zeroes(256 << 10, 128 << 10).unwrap();
+    image[256 << 10..384 << 10].fill(0);
+    store.flush().unwrap();
+}
+
+// Goal: a snapshot reads back exactly as the disk stood when it was taken, whatever is
+// written, trimmed and collected afterwards, on a plain and on an encrypted, compressed disk;
+// `disk info` and `disk snapshots` report the bytes only snapshots hold, and deleting the
+// snapshot lets `disk gc` free them. Method: write 1 MiB, snapshot it offline, overwrite it
+// all and collect garbage online (threshold 0.99) and offline, then open `snapshot=before`
+// read-only and compare with the image kept at the snapshot; delete it and collect again.
+#[test]
+fn a_snapshot_reads_as_taken_across_overwrites_collection_and_reopens() {
+    let name = "a_snapshot_reads_as_taken_across_overwrites_collection_and_reopens";
+    if !have_moto(name) {
+        return;
+    }
+    let moto = Moto::start();
+    moto.create_bucket("bucket");
+    let endpoint = moto.endpoint();
+    let keys = tempfile::tempdir().unwrap();
+    let key = key_file(keys.path());
+    let mut rng = rand::rngs::StdRng::seed_from_u64(52);
+    for (prefix, parameters) in [
+        ("plain", String::new()),
+        ("sealed", format!("&compress=zstd&key-file={key}")),
+    ] {
+        let create = url(
+            &endpoint,
+            prefix,
+            &format!("&create-size=2M&layout=log&segment-size=64k&gc=off{parameters}"),
+        );
+        let disk = url(&endpoint, prefix, &format!("&gc=off{parameters}"));
+        let mut before = vec![0u8; DISK_BYTES];
+        before[..WRITTEN_BYTES].copy_from_slice(&random(WRITTEN_BYTES, &mut rng));
+        let mut store = LogStore::open_locked(&create).unwrap();
+        write_pieces(&store, &mut before, &mut rng);
+        store.close().unwrap();
+        drop(store);
+
+        let taken = admin::snapshot(&disk, "before").unwrap();
+        assert!(taken.segments > 0, "{prefix}: {taken:?}");
+        assert_eq!(
+            taken.mapped_bytes,
+            (WRITTEN_BYTES - (128 << 10)) as u64,
+            "{prefix}"
+        );
+
+        let mut after = vec![0u8; DISK_BYTES];
+        after[..WRITTEN_BYTES].copy_from_slice(&random(WRITTEN_BYTES, &mut rng));
+        let mut store = LogStore::open_locked(&disk).unwrap();
+        write_pieces(&store, &mut after, &mut rng);
+        for _ in 0..4 {
+            store.collect_garbage(0.99).unwrap();
+        }
+        assert!(
+            store.snapshot_only_bytes() > 0,
+            "{prefix}: every segment of the snapshot is overwritten"
+        );
+        store.close().unwrap();
+        drop(store);
+        admin::collect(&disk, Some(0.99), &mut |_| {}).unwrap();
+
+        let snapshot = url(&endpoint, prefix, &format!("&snapshot=before{parameters}"));
+        assert!(
+            read_all(&snapshot) == before,
+            "{prefix}: the snapshot changed"
+        );
+        assert!(read_all(&disk) == after, "{prefix}: the disk");
+        let held = summary(&disk);
+        assert_eq!(held.snapshots, 1, "{prefix}: {held:?}");
+        assert!(held.snapshot_only_bytes > 0, "{prefix}: {held:?}");
+        let listed = admin::snapshots(&disk).unwrap();
+        assert_eq!(listed.len(), 1, "{prefix}: {listed:?}");
+        assert_eq!(listed[0].name, "before");
+        assert_eq!(listed[0].mapped_bytes, taken.mapped_bytes);
+        assert_eq!(
+            listed[0].held_bytes, listed[0].segment_bytes,
+            "{prefix}: all overwritten"
+        );
+        let report = admin::verify(&disk, &mut |_| {}).unwrap();
+        assert!(report.damaged.is_empty(), "{prefix}: {:?}", report.damaged);
+
+        admin::delete_snapshot(&disk, "before").unwrap();
+        admin::collect(&disk, Some(0.99), &mut |_| {}).unwrap();
+        let freed = summary(&disk);
+        assert_eq!(freed.snapshots, 0, "{prefix}: {freed:?}");
+        assert_eq!(freed.snapshot_only_bytes, 0, "{prefix}: {freed:?}");
+        assert!(
+            freed.segment_bytes + held.snapshot_only_bytes <= held.segment_bytes,
+            "{prefix}: the snapshot's segments were freed: {held:?} then {freed:?}"
+        );
+        assert!(
+            read_all(&disk) == after,
+            "{prefix}: the disk after the delete"
+        );
+        match LogStore::open_read_only(&snapshot) {
+            Err(OpenError::Config { reason, .. }) => {
+                assert!(reason.contains("no snapshot named `before`"), "{reason}")
+            }
+            other => panic!("{prefix}: a deleted snapshot opened: {:?}", other.err()),
+        }
+    }
+}
+
+// Goal: each bad snapshot request is refused with one line naming what is wrong, and changes
+// nothing in the store: bad names, a name in use, a missing name, a writable open of a
+// snapshot URL, a snapshot of a disk a server holds, a chunk-layout disk. Method: compare the
+// bucket's listing before and after each refusal.
+#[test]
+fn bad_snapshot_requests_are_refused_and_change_nothing() {
+    let name = "bad_snapshot_requests_are_refused_and_change_nothing";
+    if !have_moto(name) {
+        return;
+    }
+    let moto = Moto::start();
+    moto.create_bucket("bucket");
+    let raw = Raw::new(&moto);
+    let endpoint = moto.endpoint();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(53);
+    let create = url(
+        &endpoint,
+        "disk",
+        "&create-size=2M&layout=log&segment-size=64k",
+    );
+    let mut image = vec![0u8; DISK_BYTES];
+    image[..WRITTEN_BYTES].copy_from_slice(&random(WRITTEN_BYTES, &mut rng));
+    let mut store = LogStore::open_locked(&create).unwrap();
+    write_pieces(&store, &mut image, &mut rng);
+    store.close().unwrap();
+    drop(store);
+    let disk = url(&endpoint, "disk", "");
+    admin::snapshot(&disk, "s").unwrap();
+    let one_line = |error: &dyn std::fmt::Display| {
+        let text = error.to_string();
+        assert!(!text.contains('\n'), "one line: {text:?}");
+        text
+    };
+
+    let before = raw.objects("disk/");
+    for (bad, says) in [
+        ("", "empty"),
+        ("a/b", "`/`"),
+        ("a\u{1}b", "control"),
+        (&"n".repeat(101) as &str, "longer than 100"),
+    ] {
+        match admin::snapshot(&disk, bad) {
+            Err(error @ SnapshotError::BadName { .. }) => {
+                assert!(one_line(&error).contains(says), "{bad:?}: {error}")
+            }
+            other => panic!("{bad:?}: {other:?}"),
+        }
+        assert!(matches!(
+            admin::delete_snapshot(&disk, bad),
+            Err(SnapshotError::BadName { .. })
+        ));
+    }
+    match admin::snapshot(&disk, "s") {
+        Err(error @ SnapshotError::Exists { .. }) => {
+            assert!(one_line(&error).contains("`s` exists"), "{error}")
+        }
+        other => panic!("a second `s`: {other:?}"),
+    }
+    match admin::delete_snapshot(&disk, "nope") {
+        Err(error @ SnapshotError::Missing { .. }) => {
+            assert!(
+                one_line(&error).contains("no snapshot named `nope`"),
+                "{error}"
+            )
+        }
+        other => panic!("deleting `nope`: {other:?}"),
+    }
+    match LogStore::open_locked(&url(&endpoint, "disk", "&snapshot=s")) {
+        Err(error @ OpenError::Config { .. }) => {
+            assert!(one_line(&error).contains("--read-only"), "{error}")
+        }
+        other => panic!("a writable open of a snapshot: {:?}", other.err()),
+    }
+    assert_eq!(raw.objects("disk/"), before, "a refusal changed the store");
+
+    let held = LogStore::open_locked(&disk).unwrap();
+    let before = raw.objects("disk/");
+    match admin::snapshot(&disk, "while-held") {
+        Err(SnapshotError::Open(error @ OpenError::Locked { .. })) => {
+            one_line(&error);
+        }
+        other => panic!("a snapshot of a held disk: {other:?}"),
+    }
+    assert_eq!(
+        raw.objects("disk/"),
+        before,
+        "the refusal changed the store"
+    );
+    // The snapshot is served while the disk is held.
+    let snapshot = url(&endpoint, "disk", "&snapshot=s");
+    assert!(
+        read_all(&snapshot) == image,
+        "the snapshot while the disk is held"
+    );
+    drop(held);
+
+    let chunk = url(&endpoint, "chunked", "&create-size=1M&layout=chunk");
+    drop(ChunkStore::open_locked(&chunk).unwrap());
+    match admin::snapshot(&url(&endpoint, "chunked", ""), "c") {
+        Err(error @ SnapshotError::Refused { .. }) => {
+            assert!(one_line(&error).contains("chunk-layout"), "{error}")
+        }
+        other => panic!("a chunk disk: {other:?}"),
+    }
+}
