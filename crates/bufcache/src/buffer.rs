@@ -136,6 +136,38 @@ impl Buffer {
         Arc::new(buffer)
     }
 
+    /// True when `buffer`, just evicted, can become a new buffer of `size_bytes` in place
+    /// ([`Buffer::recycle_locked`]): nobody else references it and its bytes are that long.
+    pub fn recyclable(buffer: &mut Arc<Buffer>, size_bytes: usize) -> bool {
+        Arc::get_mut(buffer).is_some_and(|buffer| buffer.data.get_mut().len() == size_bytes)
+    }
+
+    /// Makes `buffer`, evicted and [`Buffer::recyclable`], a new invalid buffer for `key` in
+    /// place, as [`Buffer::new_locked`] would make one: locked exclusively, pinned once by
+    /// its creator, no flags. Its header, bytes and memory charge pass to the new block, so
+    /// an eviction made to insert a block frees and allocates nothing.
+    pub fn recycle_locked(
+        mut buffer: Arc<Buffer>,
+        key: BlockKey,
+        length_bytes: u32,
+    ) -> Arc<Buffer> {
+        let recycled =
+            Arc::get_mut(&mut buffer).expect("a recyclable buffer is referenced by nobody else");
+        recycled.key = key;
+        recycled.length_bytes = length_bytes;
+        *recycled.slot.get_mut() = u32::MAX;
+        *recycled.pins.get_mut() = 1;
+        *recycled.flags.get_mut() = 0;
+        // Unique, so nobody holds or waits for the lock: this never blocks.
+        recycled.lock.lock_exclusive();
+        let size_bytes = recycled.data.get_mut().len();
+        if (length_bytes as usize) < size_bytes {
+            // SAFETY: locked exclusively just above, and referenced by nobody else.
+            unsafe { recycled.bytes_mut()[length_bytes as usize..].fill(0) };
+        }
+        buffer
+    }
+
     pub fn has(&self, flag: u32) -> bool {
         self.flags.load(Ordering::Acquire) & flag != 0
     }

@@ -33,7 +33,7 @@ use crate::error::CacheError;
 use crate::io::Io;
 use crate::object::{ObjectConfig, ObjectState};
 use crate::stats::{CacheStats, Counters, WritebackCause};
-use crate::table::{Lookup, Table};
+use crate::table::{Lookup, Reservation, Table};
 use crate::writeback::{Awaiting, SpaceCleaning, Writeback};
 
 /// How long one wait for space lasts before the reservation looks again.
@@ -299,8 +299,9 @@ impl Inner {
             return Ok(Lookup::Found(buffer));
         }
         let size_bytes = object.block_size_bytes as u64;
-        self.reserve(size_bytes, urgency, object)?;
+        let reservation = self.reserve(size_bytes, urgency, object)?;
         Ok(self.table.insert_reserved(
+            reservation,
             key,
             size_bytes,
             object.block_length_bytes(key.block),
@@ -322,10 +323,9 @@ impl Inner {
             return Some(Lookup::Found(buffer));
         }
         let size_bytes = object.block_size_bytes as u64;
-        if !self.table.try_reserve(size_bytes, false) {
-            return None;
-        }
+        let reservation = self.table.try_reserve(size_bytes, false)?;
         Some(self.table.insert_reserved(
+            reservation,
             key,
             size_bytes,
             object.block_length_bytes(key.block),
@@ -395,15 +395,15 @@ impl Inner {
         size_bytes: u64,
         urgency: Urgency,
         object: &ObjectState,
-    ) -> Result<(), CacheError> {
+    ) -> Result<Reservation, CacheError> {
         let mut wait: Option<SpaceWait> = None;
         // The object's error latch when this reservation first found no room: a write-back
         // it sent that fails later is latched there, and returned (see below).
         let mut latch_seen: Option<AtomicU64> = None;
         let mut awaited_writeback = false;
         let outcome = loop {
-            if self.table.try_reserve(size_bytes, false) {
-                break Ok(());
+            if let Some(reservation) = self.table.try_reserve(size_bytes, false) {
+                break Ok(reservation);
             }
             if urgency == Urgency::Quick {
                 break Err(CacheError::NoSpace {

@@ -54,6 +54,9 @@ pub struct BufferGuard {
     inner: Arc<Inner>,
     buffer: Arc<Buffer>,
     discard_on_release: bool,
+    /// The lock was let go and the pin is being released with others ([`release_guards`]):
+    /// the drop does neither again.
+    released: bool,
 }
 
 impl BufferGuard {
@@ -72,6 +75,7 @@ impl BufferGuard {
             inner: Arc::clone(inner),
             buffer,
             discard_on_release: false,
+            released: false,
         }
     }
 
@@ -121,23 +125,70 @@ impl BufferGuard {
     }
 }
 
-impl Drop for BufferGuard {
-    fn drop(&mut self) {
+impl BufferGuard {
+    /// What a drop does before its unpin: a buffer never made valid (or marked no-cache
+    /// and clean) leaves the table, and the lock is let go. Once only.
+    fn unlock_for_release(&mut self) {
+        strict_assert!(
+            !self.released,
+            "guard of {:?} released twice",
+            self.buffer.key
+        );
         let drop_it =
             !self.buffer.has(VALID) || (self.discard_on_release && !self.buffer.has(DIRTY));
         if drop_it {
             self.inner.table().remove(&self.buffer);
         }
-        // SAFETY: the guard holds the lock exclusively until now.
+        // SAFETY: the guard holds the lock exclusively until now, and lets it go once
+        // (`released` is set below, and a released guard's drop does nothing).
         unsafe { self.buffer.unlock_exclusive() };
+        self.released = true;
+    }
+}
+
+impl Drop for BufferGuard {
+    fn drop(&mut self) {
+        if self.released {
+            return;
+        }
+        self.unlock_for_release();
         self.inner.table().unpin(&self.buffer);
     }
+}
+
+/// Lets every guard of `guards` go as dropping them in order would, but unpins them together
+/// ([`Table::unpin_run`]: a shard lock per chunk, not per block, for the buffers their last
+/// unpin puts back on the policy's queues). Leaves `guards` empty.
+fn release_guards(guards: &mut Vec<BufferGuard>) {
+    let Some(inner) = guards.first().map(|guard| Arc::clone(&guard.inner)) else {
+        return;
+    };
+    for guard in guards.iter_mut() {
+        guard.unlock_for_release();
+    }
+    inner
+        .table()
+        .unpin_run(guards.iter().map(|guard| &*guard.buffer));
+    guards.clear();
 }
 
 /// A run of buffers held exclusively, lent to the device as one read's memory: the guards move
 /// with the request and come back with its completion, so the memory lives as long as the
 /// read does.
 struct GuardRun(Vec<BufferGuard>);
+
+impl Drop for GuardRun {
+    fn drop(&mut self) {
+        release_guards(&mut self.0);
+    }
+}
+
+impl GuardRun {
+    /// The guards, leaving the run empty.
+    fn take(mut self) -> Vec<BufferGuard> {
+        std::mem::take(&mut self.0)
+    }
+}
 
 impl ReadMemory for GuardRun {
     fn slices_mut(&mut self) -> Vec<IoSliceMut<'_>> {
@@ -200,6 +251,12 @@ pub struct StartedRead {
     length_bytes: u64,
     first: u64,
     guards: Vec<BufferGuard>,
+}
+
+impl Drop for StartedRead {
+    fn drop(&mut self) {
+        release_guards(&mut self.guards);
+    }
 }
 
 impl StartedRead {
@@ -271,13 +328,45 @@ impl ResidentRun<'_> {
 struct SharedHold<'a> {
     inner: &'a Inner,
     buffer: Arc<Buffer>,
+    /// The shared lock was let go and the pin released with others (`ResidentRun`'s
+    /// drop): the hold's own drop does neither again.
+    released: bool,
+}
+
+impl<'a> SharedHold<'a> {
+    fn new(inner: &'a Inner, buffer: Arc<Buffer>) -> Self {
+        SharedHold {
+            inner,
+            buffer,
+            released: false,
+        }
+    }
 }
 
 impl Drop for SharedHold<'_> {
     fn drop(&mut self) {
-        // SAFETY: the hold owns one shared lock.
+        if self.released {
+            return;
+        }
+        // SAFETY: the hold owns one shared lock, let go once (a released hold's drop does
+        // nothing).
         unsafe { self.buffer.unlock_shared() };
         self.inner.table().unpin(&self.buffer);
+    }
+}
+
+impl Drop for ResidentRun<'_> {
+    /// Lets every hold go as their drops would, the unpins together ([`Table::unpin_run`]).
+    fn drop(&mut self) {
+        for hold in self.buffers.iter_mut() {
+            // SAFETY: the hold owns one shared lock; `released` keeps its drop from
+            // letting it go again.
+            unsafe { hold.buffer.unlock_shared() };
+            hold.released = true;
+        }
+        self.inner
+            .table()
+            .unpin_run(self.buffers.iter().map(|hold| &*hold.buffer));
     }
 }
 
@@ -489,7 +578,7 @@ impl ObjectHandle {
         let handle = self.background_handle();
         let completion = move |run: GuardRun, result: std::io::Result<()>| {
             let started =
-                handle.finish_started_read(run.0, result, device_offset, offset, length_bytes);
+                handle.finish_started_read(run.take(), result, device_offset, offset, length_bytes);
             done(started);
         };
         let read = bufcache_device::ReadRequest::new(device_offset, GuardRun(run), completion);
@@ -554,7 +643,8 @@ impl ObjectHandle {
         for guard in run.iter_mut() {
             guard.mark_valid();
         }
-        run.truncate((end - first) as usize);
+        // The read-ahead blocks after the request's are let go (cached) now.
+        release_guards(&mut run.split_off((end - first) as usize));
         Ok(StartedRead {
             object: Arc::clone(&self.object),
             offset,
@@ -694,7 +784,7 @@ impl ObjectHandle {
                 held.release_uncounted();
                 return None;
             }
-            let hold = SharedHold { inner, buffer };
+            let hold = SharedHold::new(inner, buffer);
             if !hold.buffer.has(VALID) {
                 held.buffers.push(hold);
                 held.release_uncounted();
@@ -768,7 +858,7 @@ impl ObjectHandle {
                     request.waited_for_readahead |= buffer.has(READAHEAD);
                     buffer.lock_shared();
                 }
-                let hold = SharedHold { inner, buffer };
+                let hold = SharedHold::new(inner, buffer);
                 if !hold.buffer.has(VALID) {
                     // The reader that inserted it failed and removed it: look again.
                     return Ok(block);
@@ -795,7 +885,7 @@ impl ObjectHandle {
             Lookup::Inserted(buffer) => {
                 let end = request.end;
                 let run_end = request.miss_limit.max(end);
-                let run = self.read_run(buffer, run_end, end, request.placement)?;
+                let mut run = self.read_run(buffer, run_end, end, request.placement)?;
                 let served_end = (block + run.len() as u64).min(end);
                 if let Some(target) = request.target.as_deref_mut() {
                     for guard in &run[..(served_end - block) as usize] {
@@ -803,7 +893,7 @@ impl ObjectHandle {
                         copy_out(&self.object, block, bytes, request.offset, target);
                     }
                 }
-                drop(run);
+                release_guards(&mut run);
                 if served_end < end {
                     request.cached = Some(inner.table().lookup_run(
                         self.object.id,

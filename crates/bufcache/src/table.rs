@@ -224,6 +224,17 @@ impl Shard {
         }
     }
 
+    /// Puts `buffer` back on the policy's queues if it is this shard's, held and evictable
+    /// now (its last unpin found `HELD`; see `Table::unpin`).
+    fn release_if_held_and_evictable(&mut self, buffer: &Buffer) {
+        let slot = buffer.slot.load(Ordering::Acquire);
+        if !self.holds_buffer(slot, buffer) || !buffer.has(HELD) || busy(buffer) {
+            return;
+        }
+        buffer.flags.fetch_and(!HELD, Ordering::SeqCst);
+        self.policy.release(slot);
+    }
+
     /// Pins and returns the buffer in `slot`.
     fn pin(&self, slot: Slot) -> Arc<Buffer> {
         let buffer = Arc::clone(
@@ -350,6 +361,17 @@ impl MemoryRelease for MemoryAccount {
     }
 }
 
+/// Memory reserved for one new buffer ([`Table::try_reserve`]): either charged to the
+/// account, or the clean buffer an eviction for this reservation just took out of the table,
+/// whose header, bytes and charge the new buffer reuses ([`Buffer::recycle_locked`]).
+/// Consumed by the insert it was made for; a recycled buffer dropped unused releases its
+/// charge as any buffer does.
+#[must_use]
+pub(crate) enum Reservation {
+    Charged,
+    Recycled(Arc<Buffer>),
+}
+
 /// Result of looking a block up for use.
 pub(crate) enum Lookup {
     /// The block was in the table; the buffer is pinned but not locked.
@@ -431,9 +453,18 @@ impl Table {
         size_bytes.next_multiple_of(self.page_size_bytes)
     }
 
-    /// A new invalid buffer for `key`, locked exclusively and pinned; its memory must have
-    /// been reserved with [`Table::try_reserve`] or the cache's waiting reservation.
-    fn new_buffer(&self, key: BlockKey, size_bytes: u64, length_bytes: u32) -> Arc<Buffer> {
+    /// A new invalid buffer for `key`, locked exclusively and pinned, in the memory of
+    /// `reservation` ([`Table::try_reserve`] or the cache's waiting reservation).
+    fn new_buffer(
+        &self,
+        reservation: Reservation,
+        key: BlockKey,
+        size_bytes: u64,
+        length_bytes: u32,
+    ) -> Arc<Buffer> {
+        if let Reservation::Recycled(buffer) = reservation {
+            return Buffer::recycle_locked(buffer, key, length_bytes);
+        }
         Buffer::new_locked(
             key,
             size_bytes as usize,
@@ -445,26 +476,29 @@ impl Table {
     }
 
     /// Reserves memory for one buffer of `size_bytes`, evicting clean buffers as needed.
-    /// False when nothing more can be evicted now (the caller may write back or wait).
+    /// None when nothing more can be evicted now (the caller may write back or wait).
     /// A reservation `for_readahead` never evicts read-ahead nobody has used yet (rule 1 of
     /// "Admission under pressure" in docs/design.md): it fails instead, and the read-ahead
     /// window ends there.
-    pub(crate) fn try_reserve(&self, size_bytes: u64, for_readahead: bool) -> bool {
+    ///
+    /// The buffer an eviction takes out becomes the reservation itself when it is the same
+    /// size and nobody else references it (a full cache replacing one block with another,
+    /// the common case): the new block reuses its header and bytes, so the eviction frees
+    /// nothing and the insert allocates nothing. Which buffer is evicted does not change.
+    /// Under a limit lowered at run time the evicted buffer is freed instead, so usage
+    /// shrinks toward the limit.
+    pub(crate) fn try_reserve(&self, size_bytes: u64, for_readahead: bool) -> Option<Reservation> {
         let charge = self.charge_bytes(size_bytes);
         loop {
             if self.memory.try_charge(charge, charge - size_bytes) {
-                return true;
+                return Some(Reservation::Charged);
             }
             if for_readahead && self.readahead_unused_over_share() {
-                return false;
+                return None;
             }
-            let evicted = if for_readahead {
-                self.evict_pass(false)
-            } else {
-                self.evict_one()
-            };
-            if !evicted {
-                return false;
+            let mut evicted = self.evict_pass(!for_readahead)?;
+            if Buffer::recyclable(&mut evicted, size_bytes as usize) && !self.memory.over_limit() {
+                return Some(Reservation::Recycled(evicted));
             }
         }
     }
@@ -581,12 +615,13 @@ impl Table {
     /// never visible, is dropped, which releases the reservation.
     pub(crate) fn insert_reserved(
         &self,
+        reservation: Reservation,
         key: BlockKey,
         size_bytes: u64,
         length_bytes: u32,
         placement: Placement,
     ) -> Lookup {
-        let buffer = self.new_buffer(key, size_bytes, length_bytes);
+        let buffer = self.new_buffer(reservation, key, size_bytes, length_bytes);
         let chunk = ChunkKey::of(key.object, key.block);
         let mut shard = self.shard_of(&chunk).lock();
         if let Some(slot) = shard.slot_of(&chunk, key) {
@@ -634,16 +669,44 @@ impl Table {
         self.memory.notify();
     }
 
+    /// [`Table::unpin`] for every buffer of `buffers`, in order, taking each shard lock once
+    /// per run of consecutive buffers in the same chunk that their last unpins put back on
+    /// the queues (a read's blocks come in order), and waking space waiters once. Each
+    /// buffer goes back at the same place in its queue as by one unpin after another.
+    pub(crate) fn unpin_run<'b>(&self, buffers: impl IntoIterator<Item = &'b Buffer>) {
+        let mut released_any = false;
+        let mut held: smallvec::SmallVec<[&Buffer; 64]> = smallvec::SmallVec::new();
+        for buffer in buffers {
+            if buffer.pins.fetch_sub(1, Ordering::SeqCst) != 1 {
+                continue;
+            }
+            released_any = true;
+            if buffer.flags.load(Ordering::SeqCst) & HELD != 0 {
+                held.push(buffer);
+            }
+        }
+        let mut held = held.into_iter().peekable();
+        while let Some(first) = held.next() {
+            let chunk = ChunkKey::of(first.key.object, first.key.block);
+            let mut shard = self.shard_of(&chunk).lock();
+            let mut next = Some(first);
+            while let Some(buffer) = next {
+                shard.release_if_held_and_evictable(buffer);
+                next = held
+                    .next_if(|buffer| ChunkKey::of(buffer.key.object, buffer.key.block) == chunk);
+            }
+        }
+        if released_any {
+            self.memory.notify();
+        }
+    }
+
     /// Puts `buffer` back on its shard policy's queues if it is held and evictable now.
     fn release_held(&self, buffer: &Buffer) {
         let chunk = ChunkKey::of(buffer.key.object, buffer.key.block);
-        let mut shard = self.shard_of(&chunk).lock();
-        let slot = buffer.slot.load(Ordering::Acquire);
-        if !shard.holds_buffer(slot, buffer) || !buffer.has(HELD) || busy(buffer) {
-            return;
-        }
-        buffer.flags.fetch_and(!HELD, Ordering::SeqCst);
-        shard.policy.release(slot);
+        self.shard_of(&chunk)
+            .lock()
+            .release_if_held_and_evictable(buffer);
     }
 
     /// True when read-ahead nobody has used yet holds at least `READAHEAD_UNUSED_SHARE_MAX`
@@ -668,10 +731,12 @@ impl Table {
     /// own readers instead by never evicting unused read-ahead itself
     /// ([`Table::try_reserve`]).
     pub(crate) fn evict_one(&self) -> bool {
-        self.evict_pass(true)
+        self.evict_pass(true).is_some()
     }
 
-    fn evict_pass(&self, including_unused_readahead: bool) -> bool {
+    /// Evicts one buffer as [`Table::evict_one`] does (sparing unused read-ahead unless
+    /// `including_unused_readahead`) and returns it, out of the table.
+    fn evict_pass(&self, including_unused_readahead: bool) -> Option<Arc<Buffer>> {
         let shard_count = self.shards.len();
         let start = if shard_count == 1 {
             0
@@ -716,10 +781,10 @@ impl Table {
                         .readahead_wasted_blocks
                         .fetch_add(1, Ordering::Relaxed);
                 }
-                return true;
+                return Some(buffer);
             }
         }
-        false
+        None
     }
 
     /// Moves a block to the eviction end of its shard's policy (a no-reuse stream is done
@@ -781,10 +846,11 @@ impl Table {
         count_miss: bool,
         for_readahead: bool,
     ) -> Option<Arc<Buffer>> {
-        if self.contains(key) || !self.try_reserve(size_bytes, for_readahead) {
+        if self.contains(key) {
             return None;
         }
-        let buffer = self.new_buffer(key, size_bytes, length_bytes);
+        let reservation = self.try_reserve(size_bytes, for_readahead)?;
+        let buffer = self.new_buffer(reservation, key, size_bytes, length_bytes);
         let chunk = ChunkKey::of(key.object, key.block);
         let mut shard = self.shard_of(&chunk).lock();
         if shard.slot_of(&chunk, key).is_some() {
@@ -828,18 +894,22 @@ impl Table {
                         .count() as u64,
                 }
             };
-            let mut reserved = 0;
-            while reserved < absent
-                && self.try_reserve(size_bytes, block + reserved >= readahead_from)
-            {
-                reserved += 1;
+            let mut reservations = Vec::with_capacity(absent as usize);
+            while (reservations.len() as u64) < absent {
+                let for_readahead = block + reservations.len() as u64 >= readahead_from;
+                match self.try_reserve(size_bytes, for_readahead) {
+                    Some(reservation) => reservations.push(reservation),
+                    None => break,
+                }
             }
             // Made before the attach, so no allocation happens under the shard lock.
-            let fresh: Vec<_> = (block..block + reserved)
-                .map(|block| {
+            let fresh: Vec<_> = reservations
+                .into_iter()
+                .zip(block..)
+                .map(|(reservation, block)| {
                     let (length_bytes, placement, count_miss) = block_of(block);
                     let key = BlockKey { object, block };
-                    let buffer = self.new_buffer(key, size_bytes, length_bytes);
+                    let buffer = self.new_buffer(reservation, key, size_bytes, length_bytes);
                     (buffer, placement, count_miss)
                 })
                 .collect();
@@ -1207,5 +1277,144 @@ mod tests {
             assert!(table.evict_one());
         }
         assert_eq!(examined(), 4);
+    }
+
+    #[test]
+    fn an_insert_that_evicts_reuses_the_victim_and_evicts_in_the_policys_order() {
+        // Goal: an eviction made for an insert hands the victim's header and bytes to the new
+        // block (nothing freed, nothing allocated) without changing which buffer is evicted
+        // or what the memory account holds. Method: an 8-buffer table filled and released;
+        // a reader's run of 4 new blocks; the blocks left must be those the same policy,
+        // fed the same inserts, holds and releases, keeps after 4 evictions; each new buffer
+        // must be one of the victims' allocations, under its new key, locked and unflagged
+        // but for HELD; the account still holds 8 buffers of one block each.
+        let table = table(8);
+        let filled = insert(&table, 0, 8, u64::MAX);
+        let addresses: Vec<usize> = filled
+            .iter()
+            .map(|buffer| Arc::as_ptr(buffer) as usize)
+            .collect();
+        release(&table, filled);
+        let config = CacheConfig::default();
+        let mut policy = config.policy.build_with(8, &config.policy_parameters);
+        for slot in 0..8 {
+            policy.insert(
+                slot,
+                BlockKey {
+                    object: 0,
+                    block: slot as u64,
+                }
+                .hash64(),
+                Placement::Normal,
+            );
+            policy.hold(slot);
+        }
+        for slot in 0..8 {
+            policy.release(slot);
+        }
+        let victims: Vec<u64> = (0..4)
+            .map(|_| u64::from(policy.evict(&mut |_| true).expect("a victim")))
+            .collect();
+        let reader = insert(&table, 100, 104, u64::MAX);
+        assert_eq!(reader.len(), 4);
+        for block in 0..8 {
+            assert_eq!(
+                table.contains(BlockKey { object: 0, block }),
+                !victims.contains(&block),
+                "block {block}: victims in the policy's order are {victims:?}"
+            );
+        }
+        for (buffer, block) in reader.iter().zip(100..) {
+            let address = Arc::as_ptr(buffer) as usize;
+            let victim = addresses.iter().position(|&a| a == address);
+            assert!(
+                victim.is_some_and(|index| victims.contains(&(index as u64))),
+                "block {block} got a victim's buffer"
+            );
+            assert_eq!(buffer.key, BlockKey { object: 0, block });
+            assert_eq!(buffer.pins.load(Ordering::Acquire), 1);
+            assert_eq!(buffer.flags.load(Ordering::Acquire), HELD);
+            assert!(!buffer.try_lock_shared(), "locked exclusively for its fill");
+        }
+        assert_eq!(table.memory.used_bytes.load(Ordering::Acquire), 8 * BLOCK);
+        assert_eq!(table.memory.buffers.load(Ordering::Acquire), 8);
+        assert_eq!(table.counters.evictions.load(Ordering::Relaxed), 4);
+        release(&table, reader);
+    }
+
+    #[test]
+    fn an_evicted_buffer_someone_still_references_is_never_reused() {
+        // Goal: only a victim nobody else references becomes a new block's buffer, so no
+        // holder of an old reference ever sees its key or bytes change, and its memory stays
+        // charged until the last reference goes. Method: a 4-buffer table filled, its blocks
+        // written, released, but every reference kept; an insert evicts all four and gets
+        // no room (their memory is still live); the kept buffers keep their keys and bytes;
+        // once they are let go the insert gets its buffer.
+        let table = table(4);
+        let filled = insert(&table, 0, 4, u64::MAX);
+        for buffer in &filled {
+            // SAFETY: locked exclusively by this test since the insert.
+            unsafe { buffer.bytes_mut().fill(buffer.key.block as u8 + 1) };
+        }
+        let kept: Vec<Arc<Buffer>> = filled.iter().map(Arc::clone).collect();
+        release(&table, filled);
+        assert!(insert(&table, 100, 101, u64::MAX).is_empty(), "no room");
+        assert_eq!(table.counters.evictions.load(Ordering::Relaxed), 4);
+        for (buffer, block) in kept.iter().zip(0..) {
+            assert_eq!(buffer.key, BlockKey { object: 0, block });
+            buffer.lock_shared();
+            // SAFETY: locked shared just above.
+            let intact = unsafe { buffer.bytes() }
+                .iter()
+                .all(|&byte| byte == block as u8 + 1);
+            // SAFETY: locked shared just above.
+            unsafe { buffer.unlock_shared() };
+            assert!(intact, "block {block}'s bytes unchanged");
+        }
+        assert_eq!(table.memory.buffers.load(Ordering::Acquire), 4);
+        drop(kept);
+        assert_eq!(table.memory.buffers.load(Ordering::Acquire), 0);
+        let reader = insert(&table, 100, 101, u64::MAX);
+        assert_eq!(reader.len(), 1);
+        release(&table, reader);
+    }
+
+    #[test]
+    fn unpinning_a_run_together_requeues_in_the_same_order_as_one_by_one() {
+        // Goal: `unpin_run` (one shard lock per chunk) puts buffers back on the policy's
+        // queues exactly as unpinning them one after another does. Method: two identical
+        // 8-buffer tables, blocks in two chunks, released in an interleaved order, one table
+        // buffer by buffer and the other with `unpin_run`; evicting everything from each
+        // must take the blocks in the same order.
+        let blocks = [16, 0, 1, 17, 2, 18, 3, 19];
+        let order_of = |together: bool| -> Vec<u64> {
+            let table = table(8);
+            let mut buffers = insert(&table, 0, 4, u64::MAX);
+            buffers.extend(insert(&table, 16, 20, u64::MAX));
+            let ordered: Vec<Arc<Buffer>> = blocks
+                .iter()
+                .map(|&block| {
+                    let index = buffers.iter().position(|buffer| buffer.key.block == block);
+                    Arc::clone(&buffers[index.expect("inserted")])
+                })
+                .collect();
+            drop(buffers);
+            for buffer in &ordered {
+                // SAFETY: locked exclusively by this test since the insert.
+                unsafe { buffer.unlock_exclusive() };
+            }
+            if together {
+                table.unpin_run(ordered.iter().map(|buffer| &**buffer));
+            } else {
+                for buffer in &ordered {
+                    table.unpin(buffer);
+                }
+            }
+            drop(ordered);
+            std::iter::from_fn(|| table.evict_pass(true).map(|buffer| buffer.key.block)).collect()
+        };
+        let one_by_one = order_of(false);
+        assert_eq!(one_by_one.len(), 8);
+        assert_eq!(order_of(true), one_by_one);
     }
 }
