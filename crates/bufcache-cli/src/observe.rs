@@ -240,4 +240,8 @@ impl Export for ObservedExport {
     fn known_zeroes(&self, offset: u64, length: u64) -> Vec<(u64, u64)> {
         self.inner.known_zeroes(offset, length)
     }
+
+    fn may_acknowledge_changes(&self) -> std::io::Result<()> {
+        self.inner.may_acknowledge_changes()
+    }
 }

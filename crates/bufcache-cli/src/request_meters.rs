@@ -263,6 +263,10 @@ impl Export for MeteredExport {
     fn known_zeroes(&self, offset: u64, length: u64) -> Vec<(u64, u64)> {
         self.inner.known_zeroes(offset, length)
     }
+
+    fn may_acknowledge_changes(&self) -> std::io::Result<()> {
+        self.inner.may_acknowledge_changes()
+    }
 }
 
 #[cfg(test)]

@@ -347,6 +347,16 @@ struct OpenedBackend {
     _lock: Option<BackendLock>,
 }
 
+/// Acknowledges changes to an S3 log-layout export only while this server's lease on the
+/// disk holds (docs/s3.md, "Leases and takeover").
+struct LeaseGate(Arc<bufcache_s3::lease::Lease>);
+
+impl bufcache_nbd::AcknowledgeGate for LeaseGate {
+    fn may_acknowledge_changes(&self) -> std::io::Result<()> {
+        self.0.check().map_err(std::io::Error::other)
+    }
+}
+
 /// The name of the S3 disk a URL reaches: `s3://BUCKET/PREFIX`, every parameter left out
 /// but `snapshot=` (a snapshot is a disk of its own for rescue files and local caches).
 fn s3_disk_name(url: &bufcache_s3::S3Url) -> String {
@@ -1076,6 +1086,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             s3,
             _lock: lock,
         } = backend_prepared.open()?;
+        let lease = s3.as_ref().and_then(|device| device.lease());
         // With a local cache the cache keeps what the log layout has not uploaded (its epoch
         // is written back only once the backend flushed it): only without one is it saved
         // from the device at shutdown.
@@ -1137,12 +1148,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             });
         }
         objects.push((name.clone(), object.reopen()));
+        let mut cache_export = CacheExport::new(object);
+        if let Some(lease) = lease {
+            cache_export = cache_export.with_gate(Arc::new(LeaseGate(lease)));
+        }
         let export = MeteredExport::wrap(
-            crate::observe::wrap(
-                &observers,
-                exports.len(),
-                Arc::new(CacheExport::new(object)),
-            ),
+            crate::observe::wrap(&observers, exports.len(), Arc::new(cache_export)),
             requests,
         );
         exports.push((name, export));

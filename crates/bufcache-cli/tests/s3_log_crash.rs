@@ -9,7 +9,9 @@
 //! segments seal and upload all the time; the server is killed with SIGKILL after a random
 //! delay, restarted (breaking its stale lock), and the image read back and checked against
 //! what was sent and acknowledged. Repeated for several rounds, each continuing from the
-//! image the previous one recovered. Run on moto and on SeaweedFS (`_on_seaweedfs`).
+//! image the previous one recovered. Run on moto and on SeaweedFS (`_on_seaweedfs`). The
+//! servers run with `lease=off`, so the restart goes through `break-lock=` at once (a takeover
+//! of a lapsed lease is tested in `s3_takeover.rs`).
 
 mod common;
 #[path = "../../bufcache-s3/tests/support/mod.rs"]
@@ -136,10 +138,10 @@ fn log_layout_reopens_as_a_prefix_of_flush_epochs(store: &dyn S3Server) {
     let mut killed_with_unflushed = 0;
     for round in 0..rounds {
         let parameters = if round == 0 {
-            "&create-size=2M&layout=log&segment-size=64k".to_string()
+            "&create-size=2M&layout=log&segment-size=64k&lease=off".to_string()
         } else {
             format!(
-                "&segment-size=64k&break-lock={}",
+                "&segment-size=64k&lease=off&break-lock={}",
                 lock_id(&endpoint, dir.path())
             )
         };
@@ -197,7 +199,7 @@ fn log_layout_reopens_as_a_prefix_of_flush_epochs(store: &dyn S3Server) {
             &[
                 "--backend",
                 &format!(
-                    "s3://disks/vm1?endpoint={endpoint}&break-lock={}",
+                    "s3://disks/vm1?endpoint={endpoint}&lease=off&break-lock={}",
                     lock_id(&endpoint, dir.path())
                 ),
             ],

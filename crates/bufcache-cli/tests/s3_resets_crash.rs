@@ -9,7 +9,8 @@
 //! a FLUSH (so the kill can land mid write-back), kill -9. Segments are small (64 KiB) and
 //! the shared range's old versions become garbage, so the opens and the collector DELETE.
 //! `RESETS_CRASH_ROUNDS` sets the number of rounds (default 30), `RESETS_PERCENT` the share
-//! of requests reset (default 2).
+//! of requests reset (default 2). The servers run with `lease=off`, so each restart breaks the
+//! killed server's lock at once instead of waiting for its lease to lapse.
 
 mod common;
 #[path = "../../bufcache-s3/tests/support/mod.rs"]
@@ -166,10 +167,10 @@ fn resets_and_kills_lose_nothing(store: &dyn S3Server, port: u16) {
         let mut server = None;
         for attempt in 0..START_ATTEMPTS_MAX {
             let parameters = if round == 0 && attempt == 0 {
-                format!("&create-size={size_bytes}&layout=log&segment-size=64k")
+                format!("&create-size={size_bytes}&layout=log&segment-size=64k&lease=off")
             } else {
                 format!(
-                    "&segment-size=64k&break-lock={}",
+                    "&segment-size=64k&lease=off&break-lock={}",
                     lock_id(&store.endpoint(), dir.path())
                 )
             };

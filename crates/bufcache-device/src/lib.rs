@@ -11,6 +11,7 @@
 #![warn(missing_docs)]
 
 pub mod aligned;
+pub mod clock;
 pub mod counting;
 pub mod crash;
 pub mod device;
@@ -25,6 +26,7 @@ pub mod size;
 pub mod sparse;
 pub mod sync;
 
+pub use clock::Clock;
 pub use counting::{CountingDevice, DeviceStats, DirectionStats};
 pub use crash::{CrashDevice, CrashMode, CrashStats};
 pub use device::{

@@ -14,7 +14,9 @@ use parking_lot::RwLock;
 
 use bufcache::{CacheError, ObjectHandle, Residency, StartedRead, StartedReadDone, ZeroOptions};
 
-use crate::export::{BlockStatusExtent, CacheStateExtent, Export, ReadDone, ReadSink, WriteSource};
+use crate::export::{
+    AcknowledgeGate, BlockStatusExtent, CacheStateExtent, Export, ReadDone, ReadSink, WriteSource,
+};
 
 /// A cache object served as an NBD export.
 pub struct CacheExport {
@@ -22,6 +24,8 @@ pub struct CacheExport {
     /// Ranges zeroed or trimmed (on a device whose discards read as zeroes) and not written
     /// since, shared by every connection's view: a structured READ answers them as holes.
     zeroes: Arc<ZeroTracker>,
+    /// Asked before a change is acknowledged (a lease on the backend's disk).
+    gate: Option<Arc<dyn AcknowledgeGate>>,
 }
 
 impl CacheExport {
@@ -30,7 +34,14 @@ impl CacheExport {
         CacheExport {
             object,
             zeroes: Arc::default(),
+            gate: None,
         }
+    }
+
+    /// Acknowledges WRITE, FLUSH, TRIM and WRITE_ZEROES only while `gate` allows it.
+    pub fn with_gate(mut self, gate: Arc<dyn AcknowledgeGate>) -> Self {
+        self.gate = Some(gate);
+        self
     }
 
     /// Whole blocks of a byte range as a byte range (what a discard drops), maybe empty.
@@ -389,7 +400,15 @@ impl Export for CacheExport {
         Some(Arc::new(CacheExport {
             object: self.object.reopen(),
             zeroes: Arc::clone(&self.zeroes),
+            gate: self.gate.clone(),
         }))
+    }
+
+    fn may_acknowledge_changes(&self) -> io::Result<()> {
+        match &self.gate {
+            Some(gate) => gate.may_acknowledge_changes(),
+            None => Ok(()),
+        }
     }
 
     fn block_status(&self, offset: u64, length: u64) -> io::Result<Vec<BlockStatusExtent>> {

@@ -146,6 +146,19 @@ pub trait Export: Send + Sync {
     /// was zeroed or trimmed and not written since; a memory export: its unallocated pages).
     /// Empty when it knows of none. A structured READ answers these with `OFFSET_HOLE` chunks.
     fn known_zeroes(&self, offset: u64, length: u64) -> Vec<(u64, u64)>;
+    /// Asked after a WRITE, FLUSH, TRIM or WRITE_ZEROES succeeded, just before its success is
+    /// sent: an error is sent instead. A server holding its disk under a lease (the S3 log
+    /// layout) answers an error once the lease lapsed, so that no two servers ever
+    /// acknowledge writes to one disk. An export that wraps another must forward it.
+    fn may_acknowledge_changes(&self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Says whether changes to an export may still be acknowledged (see
+/// [`Export::may_acknowledge_changes`]).
+pub trait AcknowledgeGate: Send + Sync {
+    fn may_acknowledge_changes(&self) -> io::Result<()>;
 }
 
 /// [`Export::cache_state`] for an export that is no cache.

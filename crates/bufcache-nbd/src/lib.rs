@@ -38,8 +38,9 @@ pub use config::{
     PAYLOAD_BYTES_PER_SECOND_MIN,
 };
 pub use export::{
-    never_start_read, no_cache_state, read_via_buffer, write_via_buffer, BlockStatusExtent,
-    CacheStateExtent, Export, MemoryExport, ReadDone, ReadSink, StartedRead, WriteSource,
+    never_start_read, no_cache_state, read_via_buffer, write_via_buffer, AcknowledgeGate,
+    BlockStatusExtent, CacheStateExtent, Export, MemoryExport, ReadDone, ReadSink, StartedRead,
+    WriteSource,
 };
 pub use ipnet::IpNet;
 pub use reconnect::{ReconnectPolicy, ReconnectingClient};

@@ -1250,7 +1250,10 @@ impl Connection {
             self.execute_read(&header);
         } else {
             let payload = &request.payload[..request.payload.len().min(header.length as usize)];
-            match self.run_command(&header, payload, request.contexts) {
+            match self
+                .run_command(&header, payload, request.contexts)
+                .and_then(|reply| self.check_acknowledge(&header).map(|()| reply))
+            {
                 Ok(None) => self.send_ok(&header),
                 Ok(Some(chunk)) => self.send_parts(&[&chunk]),
                 Err(error) => self.send_io_error(&header, &error),
@@ -1300,7 +1303,7 @@ impl Connection {
             );
             match skipped {
                 Ok(count) if count == length - consumed => {
-                    match result {
+                    match result.and_then(|()| self.check_acknowledge(&header)) {
                         Ok(()) => self.send_ok(&header),
                         Err(error) => self.send_io_error(&header, &error),
                     }
@@ -1313,6 +1316,17 @@ impl Connection {
         self.inflight.release(request.cost_bytes);
         self.budget.release(request.cost_bytes);
         outcome
+    }
+
+    /// The export's word on acknowledging a change that succeeded (a WRITE, FLUSH, TRIM or
+    /// WRITE_ZEROES), taken just before its reply is sent.
+    fn check_acknowledge(&self, header: &RequestHeader) -> io::Result<()> {
+        match header.command {
+            CMD_WRITE | CMD_FLUSH | CMD_TRIM | CMD_WRITE_ZEROES => {
+                self.export.may_acknowledge_changes()
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Runs a non-READ command; `Some` carries a ready structured reply (block status).

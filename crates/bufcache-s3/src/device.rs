@@ -144,6 +144,12 @@ impl S3Device {
         }
     }
 
+    /// The lease under which this open may acknowledge writes: a writable log-layout open
+    /// (whose epochs fence a predecessor that lost it); None otherwise.
+    pub fn lease(&self) -> Option<Arc<crate::lease::Lease>> {
+        self.log_store()?.lock()?.lease().cloned()
+    }
+
     /// The log store, when the disk has the log layout.
     pub fn log_store(&self) -> Option<&LogStore> {
         match &self.store {

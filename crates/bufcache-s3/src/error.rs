@@ -50,6 +50,20 @@ pub enum OpenError {
         /// The `break-lock=` id given, when it did not name the current lock.
         asked: Option<String>,
     },
+    #[error("{url}: the disk is in use by {holder}, which renewed its lease on the lock object `{key}` while this server watched; a server takes the disk only once that lease ({lease_ms} ms) lapses unrenewed (stop that server, or run this one with --standby to take over when it does)")]
+    LeaseHeld {
+        url: String,
+        key: String,
+        holder: String,
+        lease_ms: u64,
+    },
+    #[error("{url}: lease={lease_ms}ms is shorter than {round_trips} round trips of the lock's PUT ({round_trip_ms} ms each): the server could not renew it in time; give a longer lease=")]
+    LeaseTooShort {
+        url: String,
+        lease_ms: u64,
+        round_trip_ms: u64,
+        round_trips: u64,
+    },
     #[error("{url}: {}the disk is in use by {holder} (lock object `{key}`); a read-only server would serve data that server has since overwritten: stop it first, or add break-lock={} to the URL to serve the disk read-only anyway (the lock is left in place)", break_lock_mismatch(.asked), .id)]
     LockedReadOnly {
         url: String,
@@ -173,6 +187,11 @@ pub enum StoreError {
     },
     #[error("request of {length} bytes at offset {offset} reaches past the end of the disk ({size} bytes)")]
     OutOfRange { offset: u64, length: u64, size: u64 },
+    #[error("{url}: {error}")]
+    Lease {
+        url: String,
+        error: crate::lease::LeaseError,
+    },
     #[error("{url} is open read-only ({reason}): writes are refused")]
     ReadOnly { url: String, reason: String },
     #[error(

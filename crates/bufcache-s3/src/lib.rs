@@ -14,6 +14,7 @@ mod credentials;
 mod device;
 mod error;
 mod layout;
+pub mod lease;
 mod lock;
 mod log;
 mod meters;

@@ -23,7 +23,10 @@ use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, PutMode, PutOptions, PutPayload, UpdateVersion};
 use serde_json::json;
 
+use bufcache_device::Clock;
+
 use crate::error::{chain, request_failed, OpenError, StoreError};
+use crate::lease::{renewal_interval_ns, LapseWatch, Lease, MonotonicClock, LEASE_ROUND_TRIPS_MIN};
 use crate::url::S3Url;
 
 /// Name of the lock object under the prefix.
@@ -38,6 +41,12 @@ pub struct LockHolder {
     pub pid: u64,
     /// When the holder took the lock (RFC 3339, UTC).
     pub since: String,
+    /// The holder's lease in milliseconds (module `lease`); None for a lock written before
+    /// leases, which only `break-lock=` takes.
+    pub lease_ms: Option<u64>,
+    /// How many times the holder renewed the lease: every renewal writes a different body, so
+    /// the object's ETag changes with each.
+    pub renewal: u64,
 }
 
 impl std::fmt::Display for LockHolder {
@@ -51,7 +60,7 @@ impl std::fmt::Display for LockHolder {
 }
 
 impl LockHolder {
-    fn of_this_process() -> LockHolder {
+    fn of_this_process(lease_ms: Option<u64>) -> LockHolder {
         use std::hash::{BuildHasher, Hasher};
         // RandomState is seeded from the OS's randomness: enough for an id that only has to
         // differ between processes.
@@ -73,6 +82,8 @@ impl LockHolder {
             host,
             pid: u64::from(std::process::id()),
             since: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
+            lease_ms,
+            renewal: 0,
         }
     }
 
@@ -83,6 +94,8 @@ impl LockHolder {
             "host": self.host,
             "pid": self.pid,
             "since": self.since,
+            "lease_ms": self.lease_ms,
+            "renewal": self.renewal,
         })
         .to_string()
         .into_bytes()
@@ -104,21 +117,151 @@ impl LockHolder {
                 .as_u64()
                 .ok_or("field `pid` is missing or not a whole number")?,
             since: text("since")?,
+            lease_ms: value["lease_ms"].as_u64(),
+            renewal: value["renewal"].as_u64().unwrap_or(0),
         })
     }
 }
 
-/// The lock's holder now (None: no lock object, or not a bufcache lock).
-async fn read_holder(
+/// The lock as it is now with its ETag (None: no lock object); a lock object that is not a
+/// bufcache lock is an error naming it.
+async fn read_seen(
     store: &AmazonS3,
     path: &ObjectPath,
-) -> Result<Option<LockHolder>, object_store::Error> {
-    let body = match store.get(path).await {
-        Ok(existing) => existing.bytes().await?,
-        Err(object_store::Error::NotFound { .. }) => return Ok(None),
-        Err(error) => return Err(error),
+    url: &S3Url,
+    key: &str,
+) -> Result<Option<Seen>, OpenError> {
+    let request_error = |error: object_store::Error| OpenError::Request {
+        url: url.to_string(),
+        operation: format!("reading the lock `{key}`"),
+        message: chain(&error),
     };
-    Ok(LockHolder::parse(&body).ok())
+    let existing = match store.get(path).await {
+        Ok(existing) => existing,
+        Err(object_store::Error::NotFound { .. }) => return Ok(None),
+        Err(error) => return Err(request_error(error)),
+    };
+    let e_tag = existing.meta.e_tag.clone();
+    let body = existing.bytes().await.map_err(request_error)?;
+    let holder = LockHolder::parse(&body).map_err(|reason| OpenError::BadLock {
+        url: url.to_string(),
+        key: key.to_string(),
+        reason,
+    })?;
+    Ok(Some(Seen { holder, e_tag }))
+}
+
+/// Renews the lease of `lock` every third of it with a PUT conditional on the ETag of this
+/// process's own last write, until the lock is released or dropped, or someone else took it
+/// (then the lease says so and nothing is acknowledged any more). A renewal that fails or
+/// takes longer than a third of the lease is tried again soon; the lease lapses on its own
+/// when none succeeds (module `lease`).
+async fn renew(lock: Weak<DiskLock>, lease: Arc<Lease>) {
+    let Some(first) = lock.upgrade() else {
+        return;
+    };
+    let (store, key, mut holder) = (first.store.clone(), first.key.clone(), first.holder.clone());
+    drop(first);
+    let path = ObjectPath::from(key.as_str());
+    let interval = std::time::Duration::from_nanos(renewal_interval_ns(lease.lease_ns()));
+    let mut pause = interval;
+    loop {
+        tokio::time::sleep(pause).await;
+        pause = interval / 4;
+        let e_tag = {
+            let Some(lock) = lock.upgrade() else {
+                return;
+            };
+            if *lock.released.lock().unwrap() {
+                return;
+            }
+            let e_tag = lock.e_tag.lock().unwrap().clone();
+            e_tag
+        };
+        let e_tag = match e_tag {
+            Some(e_tag) => e_tag,
+            // The store named no ETag for our last write: learn it from a read.
+            None => match store.get(&path).await {
+                Ok(existing) => {
+                    let seen_tag = existing.meta.e_tag.clone();
+                    match existing.bytes().await.map(|body| LockHolder::parse(&body)) {
+                        Ok(Ok(seen)) if seen.id == holder.id => {
+                            holder.renewal = seen.renewal;
+                            let Some(lock) = lock.upgrade() else {
+                                return;
+                            };
+                            *lock.e_tag.lock().unwrap() = seen_tag;
+                            continue;
+                        }
+                        Ok(seen) => {
+                            let by = seen.map_or_else(
+                                |_| "an unreadable lock".to_string(),
+                                |seen| seen.to_string(),
+                            );
+                            tracing::error!(lock = %key, holder = %by, "the disk lock was taken over by another server");
+                            lease.taken_over(by);
+                            return;
+                        }
+                        Err(error) => {
+                            tracing::warn!(lock = %key, error = %chain(&error), "reading the lock to renew its lease failed");
+                            continue;
+                        }
+                    }
+                }
+                Err(object_store::Error::NotFound { .. }) => {
+                    lease.taken_over("nobody: the lock object was deleted".to_string());
+                    return;
+                }
+                Err(error) => {
+                    tracing::warn!(lock = %key, error = %chain(&error), "reading the lock to renew its lease failed");
+                    continue;
+                }
+            },
+        };
+        holder.renewal += 1;
+        let sent_ns = lease.clock().now_ns();
+        let put = store.put_opts(
+            &path,
+            PutPayload::from(holder.to_json()),
+            PutOptions {
+                mode: PutMode::Update(UpdateVersion {
+                    e_tag: Some(e_tag),
+                    version: None,
+                }),
+                ..Default::default()
+            },
+        );
+        match tokio::time::timeout(interval, put).await {
+            Ok(Ok(result)) => {
+                let Some(lock) = lock.upgrade() else {
+                    return;
+                };
+                *lock.e_tag.lock().unwrap() = result.e_tag;
+                lease.renewed(sent_ns);
+                pause = interval;
+            }
+            // Someone else wrote the lock, or our own earlier renewal landed after its
+            // answer was lost: the next round reads it back and tells which.
+            Ok(Err(object_store::Error::Precondition { .. })) => {
+                let Some(lock) = lock.upgrade() else {
+                    return;
+                };
+                *lock.e_tag.lock().unwrap() = None;
+                pause = std::time::Duration::ZERO;
+            }
+            Ok(Err(object_store::Error::NotFound { .. })) => {
+                tracing::error!(lock = %key, "the disk lock object was deleted by someone else; writes are no longer acknowledged");
+                lease.taken_over("nobody: the lock object was deleted".to_string());
+                return;
+            }
+            Ok(Err(error)) => {
+                tracing::warn!(lock = %key, error = %chain(&error), age_ms = lease.age_ns() / 1_000_000, "renewing the disk lock's lease failed; trying again");
+            }
+            Err(_) => {
+                tracing::warn!(lock = %key, age_ms = lease.age_ns() / 1_000_000, "renewing the disk lock's lease took longer than a third of it; trying again");
+            }
+        }
+    }
 }
 
 /// What came of trying to take the lock.
@@ -195,7 +338,7 @@ pub(crate) async fn check_not_held(store: &AmazonS3, url: &S3Url) -> Result<(), 
 }
 
 /// A lock this process holds; released (deleted) by [`DiskLock::release`], on drop, or by
-/// [`release_locks`].
+/// [`release_locks`]. While held, a task renews its lease (module `lease`).
 pub struct DiskLock {
     runtime: tokio::runtime::Handle,
     store: Arc<AmazonS3>,
@@ -203,6 +346,13 @@ pub struct DiskLock {
     holder: LockHolder,
     /// True once released (or given up), so a release happens at most once.
     released: Mutex<bool>,
+    /// Until when this process may acknowledge writes; None with `lease=off`.
+    lease: Option<Arc<Lease>>,
+    /// The ETag of this process's newest write of the lock object: renewals are conditional
+    /// on it.
+    e_tag: Mutex<Option<String>>,
+    /// How long the PUT that took the lock took: the lease must span several.
+    round_trip_ns: u64,
 }
 
 /// Every lock taken by this process that may still be held, for [`release_locks`].
@@ -219,6 +369,23 @@ pub fn release_locks() {
     }
 }
 
+/// What an open does with a lock another server holds under a lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Takeover {
+    /// Only `break-lock=` takes it (the chunk layout, which has no epochs to fence a paused
+    /// holder's late writes, and `bufcache disk`).
+    BreakLockOnly,
+    /// Watch it for one lease: taken when nobody renewed it, refused
+    /// ([`OpenError::LeaseHeld`]) when its holder did.
+    AfterLapse,
+}
+
+/// The lock object as one read found it.
+struct Seen {
+    holder: LockHolder,
+    e_tag: Option<String>,
+}
+
 impl DiskLock {
     /// Takes the lock of the disk `url` names, or breaks the stale lock `url.break_lock`
     /// names. Refused (nothing written) when another holder has it. A 403 answer to the
@@ -230,7 +397,32 @@ impl DiskLock {
         store: Arc<AmazonS3>,
         url: &S3Url,
     ) -> Result<Acquired, OpenError> {
-        let acquired = Self::take(runtime, store.clone(), url).await?;
+        Self::acquire_with(runtime, store, url, Takeover::BreakLockOnly).await
+    }
+
+    /// [`DiskLock::acquire`], taking a lock whose lease lapsed as `takeover` says.
+    pub(crate) async fn acquire_with(
+        runtime: tokio::runtime::Handle,
+        store: Arc<AmazonS3>,
+        url: &S3Url,
+        takeover: Takeover,
+    ) -> Result<Acquired, OpenError> {
+        let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
+        let acquired = Self::take(runtime, store.clone(), url, clock, takeover).await?;
+        if let (Acquired::Held(lock), Some(lease_ms)) = (&acquired, url.lease_ms) {
+            let lease_ns = lease_ms * 1_000_000;
+            if lock.round_trip_ns.saturating_mul(LEASE_ROUND_TRIPS_MIN) > lease_ns {
+                if let Err(release) = lock.release_async().await {
+                    tracing::warn!(lock = %lock.key, "{release}; the next server must break the lock");
+                }
+                return Err(OpenError::LeaseTooShort {
+                    url: url.to_string(),
+                    lease_ms,
+                    round_trip_ms: lock.round_trip_ns / 1_000_000,
+                    round_trips: LEASE_ROUND_TRIPS_MIN,
+                });
+            }
+        }
         if let (Acquired::Held(lock), true) = (&acquired, url.lock_check) {
             if let Err(error) = lock.check_store_refuses_second_create(url).await {
                 // Released here, awaited: a lock dropped in async code is released in the
@@ -239,6 +431,12 @@ impl DiskLock {
                     tracing::warn!(lock = %lock.key, "{release}; the next server must break the lock");
                 }
                 return Err(error);
+            }
+        }
+        if let Acquired::Held(lock) = &acquired {
+            if let Some(lease) = &lock.lease {
+                lock.runtime
+                    .spawn(renew(Arc::downgrade(lock), Arc::clone(lease)));
             }
         }
         Ok(acquired)
@@ -295,17 +493,45 @@ impl DiskLock {
         runtime: tokio::runtime::Handle,
         store: Arc<AmazonS3>,
         url: &S3Url,
+        clock: Arc<dyn Clock>,
+        takeover: Takeover,
     ) -> Result<Acquired, OpenError> {
         let key = url.key(LOCK_NAME);
         let path = ObjectPath::from(key.as_str());
-        let holder = LockHolder::of_this_process();
+        let holder = LockHolder::of_this_process(url.lease_ms);
         let request_error = |operation: &str, error: object_store::Error| OpenError::Request {
             url: url.to_string(),
             operation: format!("{operation} `{key}`"),
             message: chain(&error),
         };
+        let held = |sent_ns: u64, e_tag: Option<String>| -> Result<Acquired, OpenError> {
+            let round_trip_ns = clock.now_ns().saturating_sub(sent_ns);
+            let lease = url
+                .lease_ms
+                .map(|lease_ms| Arc::new(Lease::new(clock.clone(), lease_ms * 1_000_000, sent_ns)));
+            Ok(DiskLock::held(
+                runtime.clone(),
+                store.clone(),
+                key.clone(),
+                holder.clone(),
+                lease,
+                e_tag,
+                round_trip_ns,
+            ))
+        };
+        // Every lock seen so far and the clock time its ETag was first seen at.
+        let mut watch: Option<LapseWatch> = None;
         // A lock deleted between our failed create and our read is retried a few times.
-        for _ in 0..3 {
+        let mut creates_left = 3;
+        loop {
+            if creates_left == 0 {
+                return Err(OpenError::LockRaced {
+                    url: url.to_string(),
+                    key,
+                });
+            }
+            creates_left -= 1;
+            let sent_ns = clock.now_ns();
             let created = store
                 .put_opts(
                     &path,
@@ -317,7 +543,7 @@ impl DiskLock {
                 )
                 .await;
             match created {
-                Ok(_) => return Ok(DiskLock::held(runtime, store, key, holder)),
+                Ok(result) => return held(sent_ns, result.e_tag),
                 // S3 checks permissions before the condition: a 403 says nothing of whether
                 // the lock exists.
                 Err(error @ object_store::Error::PermissionDenied { .. }) => {
@@ -327,34 +553,59 @@ impl DiskLock {
                 | Err(object_store::Error::Precondition { .. }) => {}
                 Err(error) => return Err(request_error("creating the lock", error)),
             }
-            let existing = match store.get(&path).await {
-                Ok(existing) => existing,
-                Err(object_store::Error::NotFound { .. }) => continue,
-                Err(error) => return Err(request_error("reading the lock", error)),
+            // Watch the lock until it is ours to take, or refused.
+            let (stale, e_tag) = loop {
+                let Some(seen) = read_seen(&store, &path, url, &key).await? else {
+                    break (None, None);
+                };
+                let Seen {
+                    holder: stale,
+                    e_tag,
+                } = seen;
+                if stale.id == holder.id {
+                    tracing::info!(lock = %key, "the lock's create was carried out though its answer was lost");
+                    return held(sent_ns, e_tag);
+                }
+                if url.break_lock.as_deref() == Some(stale.id.as_str()) {
+                    break (Some(stale), e_tag);
+                }
+                let (Some(stale_lease_ms), Some(tag), true) =
+                    (stale.lease_ms, &e_tag, takeover != Takeover::BreakLockOnly)
+                else {
+                    return Err(OpenError::Locked {
+                        url: url.to_string(),
+                        key: key.clone(),
+                        holder: stale.to_string(),
+                        id: stale.id,
+                        asked: url.break_lock.clone(),
+                    });
+                };
+                let lease_ns = stale_lease_ms.saturating_mul(1_000_000);
+                let watch = watch.get_or_insert_with(|| LapseWatch::new(lease_ns));
+                let first_seen_ns = watch.since_ns();
+                if watch.observe(tag, clock.now_ns()) {
+                    tracing::warn!(disk = %url, holder = %stale, lease_ms = stale_lease_ms, "the lock's lease lapsed unrenewed; taking the disk over");
+                    break (Some(stale), e_tag);
+                }
+                if takeover == Takeover::AfterLapse
+                    && first_seen_ns.is_some_and(|first| watch.since_ns() != Some(first))
+                {
+                    return Err(OpenError::LeaseHeld {
+                        url: url.to_string(),
+                        key: key.clone(),
+                        holder: stale.to_string(),
+                        lease_ms: stale_lease_ms,
+                    });
+                }
+                // Polled often enough to see every renewal (one per third of a lease).
+                let poll_ms = (stale_lease_ms / 10).clamp(50, 1_000);
+                tokio::time::sleep(std::time::Duration::from_millis(poll_ms)).await;
             };
-            let e_tag = existing.meta.e_tag.clone();
-            let body = existing
-                .bytes()
-                .await
-                .map_err(|error| request_error("reading the lock", error))?;
-            let stale = LockHolder::parse(&body).map_err(|reason| OpenError::BadLock {
-                url: url.to_string(),
-                key: key.clone(),
-                reason,
-            })?;
-            if stale.id == holder.id {
-                tracing::info!(lock = %key, "the lock's create was carried out though its answer was lost");
-                return Ok(DiskLock::held(runtime, store, key, holder));
-            }
-            if url.break_lock.as_deref() != Some(stale.id.as_str()) {
-                return Err(OpenError::Locked {
-                    url: url.to_string(),
-                    key: key.clone(),
-                    holder: stale.to_string(),
-                    id: stale.id,
-                    asked: url.break_lock.clone(),
-                });
-            }
+            let Some(stale) = stale else {
+                // Deleted (released) meanwhile: create it again.
+                continue;
+            };
+            let sent_ns = clock.now_ns();
             let broken = store
                 .put_opts(
                     &path,
@@ -369,18 +620,20 @@ impl DiskLock {
                 )
                 .await;
             return match broken {
-                Ok(_) => {
-                    tracing::warn!(disk = %url, broken = %stale, "broke the stale disk lock");
-                    Ok(DiskLock::held(runtime, store, key, holder))
+                Ok(result) => {
+                    tracing::warn!(disk = %url, broken = %stale, "took the disk lock over");
+                    held(sent_ns, result.e_tag)
                 }
                 // Our own break carried out with its answer lost (the retry then failed its
-                // condition), or someone else broke or released it first.
+                // condition), or someone else broke, renewed or released it first.
                 Err(object_store::Error::Precondition { .. })
                 | Err(object_store::Error::NotFound { .. }) => {
-                    let now = read_holder(&store, &path).await;
-                    if now.is_ok_and(|now| now.as_ref() == Some(&holder)) {
-                        tracing::warn!(disk = %url, broken = %stale, "broke the stale disk lock (its answer was lost)");
-                        return Ok(DiskLock::held(runtime, store, key, holder));
+                    let now = read_seen(&store, &path, url, &key).await;
+                    if let Ok(Some(now)) = now {
+                        if now.holder == holder {
+                            tracing::warn!(disk = %url, broken = %stale, "took the disk lock over (its answer was lost)");
+                            return held(sent_ns, now.e_tag);
+                        }
                     }
                     Err(OpenError::LockRaced {
                         url: url.to_string(),
@@ -393,10 +646,6 @@ impl DiskLock {
                 Err(error) => Err(request_error("breaking the lock", error)),
             };
         }
-        Err(OpenError::LockRaced {
-            url: url.to_string(),
-            key,
-        })
     }
 
     fn held(
@@ -404,6 +653,9 @@ impl DiskLock {
         store: Arc<AmazonS3>,
         key: String,
         holder: LockHolder,
+        lease: Option<Arc<Lease>>,
+        e_tag: Option<String>,
+        round_trip_ns: u64,
     ) -> Acquired {
         tracing::info!(lock = %key, holder = %holder, "took the disk lock");
         let lock = Arc::new(DiskLock {
@@ -412,11 +664,19 @@ impl DiskLock {
             key,
             holder,
             released: Mutex::new(false),
+            lease,
+            e_tag: Mutex::new(e_tag),
+            round_trip_ns,
         });
         let mut held = HELD.lock().unwrap();
         held.retain(|weak| weak.strong_count() > 0);
         held.push(Arc::downgrade(&lock));
         Acquired::Held(lock)
+    }
+
+    /// Until when this process may acknowledge writes to the disk; None with `lease=off`.
+    pub fn lease(&self) -> Option<&Arc<Lease>> {
+        self.lease.as_ref()
     }
 
     /// Who this process is in the lock object.
@@ -505,10 +765,14 @@ mod tests {
     // serialise this process's holder, parse it back; parse garbage.
     #[test]
     fn lock_record_round_trips_and_garbage_is_refused() {
-        let holder = LockHolder::of_this_process();
+        let mut holder = LockHolder::of_this_process(Some(15_000));
+        holder.renewal = 7;
         assert_eq!(LockHolder::parse(&holder.to_json()).unwrap(), holder);
         assert_eq!(holder.pid, u64::from(std::process::id()));
-        assert_ne!(LockHolder::of_this_process().id, holder.id);
+        assert_ne!(LockHolder::of_this_process(Some(15_000)).id, holder.id);
+        // A lock written before leases has none: only break-lock= takes it.
+        let old = br#"{"format":"bufcache-s3-lock","id":"0a","host":"h","pid":1,"since":"s"}"#;
+        assert_eq!(LockHolder::parse(old).unwrap().lease_ms, None);
         assert!(LockHolder::parse(b"{}").unwrap_err().contains("`id`"));
         assert!(LockHolder::parse(b"nope").unwrap_err().contains("JSON"));
     }

@@ -88,7 +88,7 @@ pub enum UrlError {
     Scheme(String),
     #[error("`{0}`: missing bucket name; expected s3://BUCKET/PREFIX")]
     MissingBucket(String),
-    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, layout, chunk-size, segment-size, gc, gc-threshold, key-file, compress, create-size, retry-timeout-ms, break-lock, lock, recover-prefix, credentials, snapshot")]
+    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, layout, chunk-size, segment-size, gc, gc-threshold, key-file, compress, create-size, retry-timeout-ms, break-lock, lock, recover-prefix, lease, credentials, snapshot")]
     UnknownParameter { url: String, name: String },
     #[error("`{url}`: parameter `{name}` given twice")]
     DuplicateParameter { url: String, name: String },
@@ -160,6 +160,12 @@ pub struct S3Url {
     /// `snapshot=NAME` (log layout): open the disk's snapshot `NAME` instead of the disk,
     /// read-only (a writable open is refused).
     pub snapshot: Option<String>,
+    /// `lease=SECONDS`: how long a writable server may acknowledge writes after its last
+    /// successful renewal of the disk lock, and how long a server that wants the disk waits
+    /// for a lock nobody renews before it takes it (module `lease`), in milliseconds.
+    /// `lease=off` (None): the lock has no lease, is never renewed, and is taken only with
+    /// `break-lock=` (the behaviour before leases).
+    pub lease_ms: Option<u64>,
 }
 
 /// The longest snapshot name, in bytes.
@@ -234,6 +240,7 @@ impl S3Url {
             recover_prefix: false,
             credentials_instance: false,
             snapshot: None,
+            lease_ms: Some(crate::lease::LEASE_DEFAULT_MS),
         };
         let mut seen: Vec<String> = Vec::new();
         for pair in query
@@ -368,6 +375,22 @@ impl S3Url {
                     }
                     url.snapshot = Some(value.to_string());
                 }
+                "lease" if value == "off" => url.lease_ms = None,
+                "lease" => {
+                    let seconds: f64 = value
+                        .parse()
+                        .map_err(|_| bad("expected a number of seconds such as 15, or off"))?;
+                    let (min_ms, max_ms) = (crate::lease::LEASE_MIN_MS, crate::lease::LEASE_MAX_MS);
+                    let lease_ms = seconds * 1000.0;
+                    if !(lease_ms >= min_ms as f64 && lease_ms <= max_ms as f64) {
+                        return Err(bad(&format!(
+                            "the lease must be from {} to {} seconds: renewing a shorter one would take most of it, and a takeover waits a whole lease",
+                            min_ms / 1000,
+                            max_ms / 1000
+                        )));
+                    }
+                    url.lease_ms = Some(lease_ms.round() as u64);
+                }
                 "break-lock" => {
                     if value.is_empty() || !value.bytes().all(|byte| byte.is_ascii_hexdigit()) {
                         return Err(bad(
@@ -429,7 +452,7 @@ mod tests {
         let url = S3Url::parse(
             "s3://vm-disks/db1/?endpoint=http://127.0.0.1:9000&region=eu-west-1&path-style=false\
              &chunk-size=1M&create-size=100G&retry-timeout-ms=500&break-lock=0A1b\
-             &layout=log&segment-size=16M&lock=off&gc=off&gc-threshold=0.25&recover-prefix=on",
+             &layout=log&segment-size=16M&lock=off&gc=off&gc-threshold=0.25&recover-prefix=on&lease=2.5",
         )
         .unwrap();
         assert_eq!(url.bucket, "vm-disks");
@@ -447,6 +470,12 @@ mod tests {
         assert_eq!(url.gc, Some(false));
         assert_eq!(url.gc_threshold_ppm, Some(250_000));
         assert!(url.recover_prefix);
+        assert_eq!(url.lease_ms, Some(2_500));
+        assert_eq!(S3Url::parse("s3://b/p?lease=off").unwrap().lease_ms, None);
+        assert_eq!(
+            S3Url::parse("s3://b/p").unwrap().lease_ms,
+            Some(crate::lease::LEASE_DEFAULT_MS)
+        );
         let sealed = S3Url::parse("s3://b/p?key-file=/etc/disk.key&compress=zstd").unwrap();
         assert_eq!(
             sealed.key_file.as_deref(),
@@ -503,6 +532,9 @@ mod tests {
             ("s3://b/p?segment-size=4k", "segment-size"),
             ("s3://b/p?segment-size=2G", "segment-size"),
             ("s3://b/p?break-lock=", "break-lock"),
+            ("s3://b/p?lease=0.5", "lease"),
+            ("s3://b/p?lease=soon", "lease"),
+            ("s3://b/p?lease=100000", "lease"),
             ("s3://b/p?key-file=", "key-file"),
             ("s3://b/p?compress=lz5", "compress"),
             ("s3://b/p?break-lock=holder", "break-lock"),

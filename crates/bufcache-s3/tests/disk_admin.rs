@@ -411,7 +411,7 @@ fn gc_offline_frees_the_garbage_and_keeps_every_byte() {
     let disk = url(&endpoint, "disk", "");
     let held = admin::collect(&disk, None, &mut |_| {}).unwrap_err();
     assert!(
-        matches!(held, admin::CollectError::Open(OpenError::Locked { .. })),
+        matches!(held, admin::CollectError::Open(OpenError::LeaseHeld { .. })),
         "{held}"
     );
     drop(store);

@@ -8,11 +8,7 @@
 
 use std::sync::Arc;
 
-/// A monotonic clock in nanoseconds from an arbitrary origin.
-pub trait Clock: Send + Sync {
-    /// Nanoseconds since the clock's origin. Never decreases.
-    fn now_ns(&self) -> u64;
-}
+pub use bufcache_device::clock::Clock;
 
 /// A unit of background work: read-ahead or write-behind.
 pub type Job = Box<dyn FnOnce() + Send>;

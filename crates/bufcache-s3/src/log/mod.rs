@@ -66,7 +66,7 @@ use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, PutMode, PutOptions, PutPayload};
 
 use crate::error::{chain, request_failed, OpenError, StoreError};
-use crate::lock::{check_not_held, Acquired, DiskLock};
+use crate::lock::{check_not_held, Acquired, DiskLock, Takeover};
 use crate::store::{
     connect, connect_with, get_range_in, Connection, Create, DiskMetadata, ReadOnly,
     REQUESTS_IN_FLIGHT_MAX_DEFAULT,
@@ -311,6 +311,9 @@ struct Shared {
     state: Mutex<State>,
     /// Signalled whenever an upload ends.
     uploaded: Condvar,
+    /// The lease of the disk lock this open holds (None without the lock): no segment or
+    /// checkpoint is PUT, and nothing acknowledged, once it lapsed (module `lease`).
+    lease: Option<Arc<crate::lease::Lease>>,
 }
 
 impl Shared {
@@ -320,6 +323,16 @@ impl Shared {
 
     fn segment_key(&self, sequence: u64) -> String {
         segment_key(&self.url, sequence, self.epochs.owner(sequence))
+    }
+
+    fn check_lease(&self) -> Result<(), StoreError> {
+        match &self.lease {
+            Some(lease) => lease.check().map_err(|error| StoreError::Lease {
+                url: self.url.to_string(),
+                error,
+            }),
+            None => Ok(()),
+        }
     }
 }
 
@@ -581,10 +594,11 @@ impl LogStore {
         if url.snapshot.is_some() {
             return Err(snapshot_writable(url));
         }
-        let lock = match connection.runtime.block_on(DiskLock::acquire(
+        let lock = match connection.runtime.block_on(DiskLock::acquire_with(
             connection.runtime.handle().clone(),
             connection.store.clone(),
             url,
+            Takeover::AfterLapse,
         ))? {
             Acquired::Held(lock) => lock,
             // Credentials that may read but not write: served read-only, as a chunk disk.
@@ -734,6 +748,7 @@ impl LogStore {
                 epoch: recovered.epoch,
                 state: Mutex::new(state),
                 uploaded: Condvar::new(),
+                lease: lock.as_ref().and_then(|lock| lock.lease().cloned()),
             }),
             config,
             runtime: runtime.handle().clone(),
@@ -908,11 +923,22 @@ impl LogStore {
 
     /// Writes `data` at `offset` (durable at the next successful [`LogStore::flush`]).
     pub fn write(&self, data: &[u8], offset: u64) -> Result<(), StoreError> {
+        self.check_lease()?;
         self.core.write(data, offset)
+    }
+
+    /// Ok while this open may acknowledge writes: its lease on the disk lock holds (module
+    /// `lease`); an open without the lock (read-only, or the caller keeps writers away) has
+    /// nothing to check.
+    pub fn check_lease(&self) -> Result<(), StoreError> {
+        self.core.shared.check_lease()
     }
 
     /// Writes each `(data, offset)` in order, one outcome per write.
     pub fn write_batch(&self, writes: Vec<(Bytes, u64)>) -> Vec<Result<(), StoreError>> {
+        if let Err(error) = self.check_lease() {
+            return writes.iter().map(|_| Err(error.clone())).collect();
+        }
         writes
             .into_iter()
             .map(|(data, offset)| self.core.write(&data, offset))
@@ -921,6 +947,7 @@ impl LogStore {
 
     /// Zeroes `length` bytes at `offset`: an index change and one table entry, no data.
     pub fn write_zeroes(&self, offset: u64, length: u64) -> Result<(), StoreError> {
+        self.check_lease()?;
         self.core.write_zeroes(offset, length)
     }
 
@@ -963,9 +990,12 @@ impl LogStore {
 
     /// Makes every write and zeroing that returned before this call durable: seals the open
     /// segment, waits until every segment up to it is durable (uploading failed ones again,
-    /// once each) and writes a checkpoint when one is due.
+    /// once each) and writes a checkpoint when one is due. Checked against the lease after
+    /// the segments are durable: a FLUSH is acknowledged only while no other server may have
+    /// taken the disk (and so listed the log without them).
     pub fn flush(&self) -> Result<(), StoreError> {
-        self.core.flush_and_checkpoint(false)
+        self.core.flush_and_checkpoint(false)?;
+        self.check_lease()
     }
 
     /// Fills `buffer` from the disk at `offset`: bytes still in memory are copied, the rest
@@ -1042,10 +1072,14 @@ impl Core {
         let body_bytes = body.len() as u64;
         self.runtime.spawn(async move {
             let key = shared.segment_key(sequence);
-            let result = shared
-                .store
-                .put(&ObjectPath::from(key.as_str()), PutPayload::from(body))
-                .await;
+            let result = match shared.check_lease() {
+                Ok(()) => shared
+                    .store
+                    .put(&ObjectPath::from(key.as_str()), PutPayload::from(body))
+                    .await
+                    .map_err(|error| chain(&error)),
+                Err(error) => Err(error.to_string()),
+            };
             let mut state = shared.lock();
             match result {
                 Ok(_) => {
@@ -1057,8 +1091,7 @@ impl Core {
                         state.durable_through += 1;
                     }
                 }
-                Err(error) => {
-                    let message = chain(&error);
+                Err(message) => {
                     tracing::warn!(segment = %key, error = %message, "segment upload failed; kept in memory for the next flush");
                     if let Some(sealed) = state.sealed.get_mut(&sequence) {
                         sealed.upload = Upload::Failed(message);
@@ -1368,6 +1401,7 @@ impl Core {
             state.checkpoint_through = state.checkpoint_through.max(through);
         }
         let store = self.shared.store.clone();
+        self.shared.check_lease()?;
         self.runtime.block_on(async {
             store
                 .put(&ObjectPath::from(key.as_str()), PutPayload::from(body))

@@ -1,0 +1,248 @@
+//! Leases through real `bufcache serve` processes on one moto disk (docs/s3.md, "Leases and
+//! takeover"): a server started on a disk whose writer was killed takes it over once the lease
+//! lapsed, without `break-lock=` and without losing a FLUSH-acknowledged write; a writer frozen
+//! (SIGSTOP) past its lease while another server takes the disk acknowledges nothing after it
+//! resumes.
+
+mod common;
+#[path = "../../bufcache-s3/tests/support/mod.rs"]
+mod s3_support;
+
+use std::time::{Duration, Instant};
+
+use bufcache_nbd::NbdClient;
+use common::*;
+use s3_support::{have_moto, Moto};
+
+const BLOCK: usize = 4096;
+const BLOCKS: u64 = 256;
+/// The lease the servers run with, in seconds.
+const LEASE_SECONDS: u64 = 2;
+const SIGSTOP: i32 = 19;
+const SIGCONT: i32 = 18;
+
+/// A block tagged with the round and write that wrote it, so a read names its origin.
+fn tagged(round: u64, write: u64, block: u64) -> Vec<u8> {
+    let mut content = vec![0u8; BLOCK];
+    for (index, word) in content.chunks_mut(8).enumerate() {
+        let value = (round << 48) ^ (write << 20) ^ (block << 4) ^ index as u64;
+        word.copy_from_slice(&value.to_le_bytes());
+    }
+    content
+}
+
+fn serve_args(url: &str) -> Vec<&str> {
+    vec![
+        "--backend",
+        url,
+        "--cache-size",
+        "4M",
+        // Write-back only at FLUSH: what was not flushed stays in the killed server's cache.
+        "--dirty-age-max",
+        "600",
+    ]
+}
+
+fn read_block(client: &NbdClient, block: u64) -> Vec<u8> {
+    let mut back = vec![0u8; BLOCK];
+    client.read(block * BLOCK as u64, &mut back).unwrap();
+    back
+}
+
+// Goal: after kill -9 of the writer a new server (same URL, no break-lock=) serves writes
+// within lease + 5 s, and no write a FLUSH acknowledged is lost. Method: rounds on one moto
+// disk (lease 2 s): the current server gets tagged writes with a FLUSH every 8, then more
+// writes without a FLUSH, and is killed with SIGKILL; the next server is started at once and
+// timed until it accepts; it must hold the newest flushed write of every block (or a later
+// one of that round). TAKEOVER_ROUNDS sets the rounds (default 3; `TAKEOVER_ROUNDS=50` is the
+// long form).
+#[test]
+fn a_new_server_takes_over_a_killed_writer_within_lease_plus_5s_losing_no_flushed_write() {
+    let name =
+        "a_new_server_takes_over_a_killed_writer_within_lease_plus_5s_losing_no_flushed_write";
+    if !have_moto(name) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    let rounds: u64 = std::env::var("TAKEOVER_ROUNDS")
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .unwrap_or(3);
+    let moto = Moto::start();
+    moto.create_bucket("disks");
+    let dir = temp_dir();
+    let url = format!(
+        "s3://disks/vm?endpoint={}&lease={LEASE_SECONDS}",
+        moto.endpoint()
+    );
+    let create = format!("{url}&create-size=1M&layout=log&segment-size=64k");
+    let mut server = Server::start(dir.path(), "round0", &serve_args(&create));
+    // The newest write of each block a FLUSH acknowledged: (round, write).
+    let mut flushed: Vec<Option<(u64, u64)>> = vec![None; BLOCKS as usize];
+    let mut takeover_seconds_max = 0f64;
+    for round in 0..rounds {
+        let client = NbdClient::connect(&server.uri()).unwrap();
+        // Every flushed write survived the takeover before this round.
+        for block in 0..BLOCKS {
+            let back = read_block(&client, block);
+            match flushed[block as usize] {
+                Some((tag_round, write)) => assert_eq!(
+                    back,
+                    tagged(tag_round, write, block),
+                    "round {round} block {block}: the write a FLUSH acknowledged is lost"
+                ),
+                None => assert!(
+                    back.iter().all(|&byte| byte == 0),
+                    "round {round} block {block}"
+                ),
+            }
+        }
+        let mut pending: Vec<(u64, u64)> = Vec::new();
+        for write in 0..64u64 {
+            let block = (write * 37 + round * 11) % BLOCKS;
+            client
+                .write(block * BLOCK as u64, &tagged(round, write, block))
+                .unwrap();
+            pending.push((block, write));
+            if write % 8 == 7 {
+                client.flush().unwrap();
+                for (block, write) in pending.drain(..) {
+                    flushed[block as usize] = Some((round, write));
+                }
+            }
+        }
+        // Unflushed writes the kill may lose.
+        for write in 64..72u64 {
+            let block = (write * 37 + round * 11) % BLOCKS;
+            client
+                .write(block * BLOCK as u64, &tagged(round, write, block))
+                .unwrap();
+        }
+        server.kill9();
+        let started = Instant::now();
+        server = Server::start(
+            dir.path(),
+            &format!("round{}", round + 1),
+            &serve_args(&url),
+        );
+        let client = NbdClient::connect(&server.uri()).unwrap();
+        client.write(0, &read_block(&client, 0)).unwrap();
+        client.flush().unwrap();
+        let seconds = started.elapsed().as_secs_f64();
+        takeover_seconds_max = takeover_seconds_max.max(seconds);
+        assert!(
+            seconds < (LEASE_SECONDS + 5) as f64,
+            "round {round}: the takeover took {seconds:.1} s"
+        );
+        assert!(
+            server.log_text().contains("lapsed"),
+            "the new server did not say it took a lapsed lease:\n{}",
+            server.log_text()
+        );
+    }
+    println!(
+        "{rounds} rounds, slowest takeover {takeover_seconds_max:.1} s (lease {LEASE_SECONDS} s)"
+    );
+    server.stop_clean();
+}
+
+// Goal: a writer frozen past its lease while another server takes the disk acknowledges no
+// WRITE and no FLUSH after it resumes, neither for requests it received while frozen nor for
+// new ones; the new server keeps every write the old one flushed. Method: writer A on moto
+// (lease 2 s) flushes a tagged block and is stopped with SIGSTOP; server B (same URL) takes
+// the disk; a client thread writes to A while it is frozen; A gets SIGCONT; that write, a new
+// write and a FLUSH to A must all fail; B reads A's flushed block, and a restart after both
+// ends reads B's writes and nothing A was sent after it froze.
+#[test]
+fn a_writer_frozen_past_its_lease_acknowledges_nothing_after_resuming() {
+    let name = "a_writer_frozen_past_its_lease_acknowledges_nothing_after_resuming";
+    if !have_moto(name) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    let moto = Moto::start();
+    moto.create_bucket("disks");
+    let dir = temp_dir();
+    let url = format!(
+        "s3://disks/vm?endpoint={}&lease={LEASE_SECONDS}",
+        moto.endpoint()
+    );
+    let create = format!("{url}&create-size=1M&layout=log");
+    // Each server in a directory of its own, as on machines of their own (a rescue file is
+    // per machine).
+    let home = |name: &str| {
+        let path = dir.path().join(name);
+        std::fs::create_dir_all(&path).unwrap();
+        path
+    };
+    let mut first = Server::start(&home("a"), "first", &serve_args(&create));
+    let to_first = NbdClient::connect(&first.uri()).unwrap();
+    to_first.write(0, &tagged(1, 0, 0)).unwrap();
+    to_first.flush().unwrap();
+
+    send_signal(first.pid(), SIGSTOP);
+    let started = Instant::now();
+    let mut second = Server::start(&home("b"), "second", &serve_args(&url));
+    assert!(started.elapsed() >= Duration::from_secs(LEASE_SECONDS));
+    let to_second = NbdClient::connect(&second.uri()).unwrap();
+    assert_eq!(read_block(&to_second, 0), tagged(1, 0, 0));
+    to_second.write(BLOCK as u64, &tagged(2, 0, 1)).unwrap();
+    to_second.flush().unwrap();
+
+    // A request sent to the frozen writer waits in its socket until it resumes.
+    let frozen_write = {
+        let uri = first.uri();
+        std::thread::spawn(move || {
+            let client = NbdClient::connect(&uri);
+            // The connection itself may only complete after SIGCONT.
+            client.map(|client| {
+                let write = client.write(2 * BLOCK as u64, &tagged(1, 1, 2));
+                let flush = client.flush();
+                (write.is_ok(), flush.is_ok())
+            })
+        })
+    };
+    let frozen_old_connection = std::thread::spawn(move || {
+        let write = to_first.write(BLOCK as u64, &tagged(1, 2, 1));
+        let flush = to_first.flush();
+        (write.is_ok(), flush.is_ok(), to_first)
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    send_signal(first.pid(), SIGCONT);
+    let (write_ok, flush_ok, to_first) = frozen_old_connection.join().unwrap();
+    assert!(
+        !write_ok,
+        "the resumed writer acknowledged a WRITE sent while it was frozen"
+    );
+    assert!(
+        !flush_ok,
+        "the resumed writer acknowledged a FLUSH sent while it was frozen"
+    );
+    if let Ok((write_ok, flush_ok)) = frozen_write.join().unwrap() {
+        assert!(
+            !write_ok && !flush_ok,
+            "a new connection to the resumed writer was acknowledged"
+        );
+    }
+    // And nothing later either.
+    assert!(to_first.write(3 * BLOCK as u64, &tagged(1, 3, 3)).is_err());
+    assert!(to_first.flush().is_err());
+    let log = first.log_text();
+    assert!(
+        log.contains("lease"),
+        "the old writer's log does not name the lease:\n{log}"
+    );
+    first.kill9();
+    second.stop_clean();
+
+    let third = Server::start(&home("c"), "third", &serve_args(&url));
+    let client = NbdClient::connect(&third.uri()).unwrap();
+    assert_eq!(read_block(&client, 0), tagged(1, 0, 0));
+    assert_eq!(read_block(&client, 1), tagged(2, 0, 1));
+    for block in [2, 3] {
+        assert!(
+            read_block(&client, block).iter().all(|&byte| byte == 0),
+            "block {block}: a write the old writer received after its lease lapsed is on the disk"
+        );
+    }
+}
