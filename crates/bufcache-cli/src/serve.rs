@@ -540,7 +540,7 @@ enum PreparedBackend {
     /// Opened: nothing in it changes at open (a file, an NBD upstream, memory).
     Opened(OpenedBackend),
     /// Probed and checked; [`PendingS3::open`] takes the lock and raises the generation.
-    S3(PendingS3),
+    S3(Box<PendingS3>),
 }
 
 impl PreparedBackend {
@@ -704,14 +704,14 @@ fn prepare_backend(
             state: seen.map(|seen| seen.generation),
         };
         check_before_writing(args, export, &expected, seen.map(|seen| seen.size_bytes))?;
-        return Ok(PreparedBackend::S3(PendingS3 {
+        return Ok(PreparedBackend::S3(Box::new(PendingS3 {
             url,
             seen,
             proposed_id,
             meters,
             name,
             read_only: args.read_only,
-        }));
+        })));
     }
     let path = Path::new(spec);
     if !path.exists() {
