@@ -238,10 +238,10 @@ pub(crate) fn run(args: DiskArgs) -> anyhow::Result<()> {
             let taken = match &control {
                 Some(path) => crate::control::request_snapshot(path, &url, &name)?,
                 None => admin::snapshot(&url, &name).map_err(|error| match error {
-                    bufcache_s3::SnapshotError::Open(bufcache_s3::OpenError::Locked {
-                        ref holder,
-                        ..
-                    }) => BadInput(format!(
+                    bufcache_s3::SnapshotError::Open(
+                        bufcache_s3::OpenError::Locked { ref holder, .. }
+                        | bufcache_s3::OpenError::LeaseHeld { ref holder, .. },
+                    ) => BadInput(format!(
                         "{url}: the disk is served by {holder}: its server takes the snapshot; run `bufcache disk snapshot URL {} --control PATH` with that server's --control socket (nothing was changed)",
                         name.escape_debug()
                     ))

@@ -234,7 +234,9 @@ fn bad_snapshot_requests_are_refused_and_change_nothing() {
     let held = LogStore::open_locked(&disk).unwrap();
     let before = raw.objects("disk/");
     match admin::snapshot(&disk, "while-held") {
-        Err(SnapshotError::Open(error @ OpenError::Locked { .. })) => {
+        Err(SnapshotError::Open(
+            error @ (OpenError::Locked { .. } | OpenError::LeaseHeld { .. }),
+        )) => {
             one_line(&error);
         }
         other => panic!("a snapshot of a held disk: {other:?}"),
