@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use bufcache_nbd::NbdClient;
 use common::*;
-use s3_support::{have_moto, FaultProxy, Moto, Proxy};
+use s3_support::{have_moto, have_seaweedfs, FaultProxy, Moto, Proxy, S3Server, SeaweedFs};
 
 const MIB: usize = 1 << 20;
 /// Exit status of `bufcache serve` when dirty data went to the rescue file.
@@ -377,9 +377,19 @@ fn a_local_cache_reattaches_after_kill_9_through_the_break_lock_restart() {
     let _timer = Timer::new(name);
     let moto = Moto::start();
     moto.create_bucket("disks");
-    let proxy = Proxy::start(moto.port);
+    assert_eq!(
+        local_cache_kill_9_rounds(moto.port, ROUNDS),
+        0,
+        "acknowledged writes lost"
+    );
+}
+
+/// Reproduction 2's rounds against the store on `port` (bucket `disks` made): the count of
+/// acknowledged writes lost.
+fn local_cache_kill_9_rounds(port: u16, rounds: u64) -> u32 {
+    let proxy = Proxy::start(port);
     let mut lost_writes = 0;
-    for round in 0..ROUNDS {
+    for round in 0..rounds {
         let dir = temp_dir();
         let url = format!(
             "s3://disks/t{round}?endpoint={}&layout=chunk&chunk-size=1M&retry-timeout-ms=1000",
@@ -401,7 +411,7 @@ fn a_local_cache_reattaches_after_kill_9_through_the_break_lock_restart() {
         proxy.set_down(false);
         let mut restart = vec!["--backend", &url];
         restart.extend_from_slice(&tier);
-        let refusal = refused_changing_nothing(moto.port, dir.path(), &restart);
+        let refusal = refused_changing_nothing(port, dir.path(), &restart);
         assert!(
             std::fs::read(dir.path().join("tier.img")).unwrap() == cache_before,
             "the refused start changed the local cache"
@@ -411,7 +421,7 @@ fn a_local_cache_reattaches_after_kill_9_through_the_break_lock_restart() {
         restart.extend_from_slice(&tier);
         let mut resized = restart.clone();
         resized.extend_from_slice(&["--local-cache-size", "32M"]);
-        let refusal = refused_changing_nothing(moto.port, dir.path(), &resized);
+        let refusal = refused_changing_nothing(port, dir.path(), &resized);
         assert!(refusal.contains("asked for"), "{refusal}");
         let mut second = Server::start(dir.path(), "second", &restart);
         if read_at(&second, MIB as u64, data.len()) != data {
@@ -424,7 +434,7 @@ fn a_local_cache_reattaches_after_kill_9_through_the_break_lock_restart() {
         }
         plain.stop_clean();
     }
-    assert_eq!(lost_writes, 0, "acknowledged writes lost");
+    lost_writes
 }
 
 // Goal: reproduction 3 of issue 45 — the log layout (the default) keeps what it acknowledged
@@ -443,9 +453,19 @@ fn the_log_layout_saves_unuploaded_segments_to_the_rescue_file_at_shutdown() {
     let _timer = Timer::new(name);
     let moto = Moto::start();
     moto.create_bucket("disks");
-    let proxy = Proxy::start(moto.port);
+    assert_eq!(
+        log_layout_shutdown_rounds(moto.port, ROUNDS),
+        0,
+        "acknowledged writes lost"
+    );
+}
+
+/// Reproduction 3's rounds against the store on `port` (bucket `disks` made): the count of
+/// acknowledged writes lost.
+fn log_layout_shutdown_rounds(port: u16, rounds: u64) -> u32 {
+    let proxy = Proxy::start(port);
     let mut lost_writes = 0;
-    for round in 0..ROUNDS {
+    for round in 0..rounds {
         let dir = temp_dir();
         let url = format!(
             "s3://disks/l{round}?endpoint={}&retry-timeout-ms=1000",
@@ -455,7 +475,7 @@ fn the_log_layout_saves_unuploaded_segments_to_the_rescue_file_at_shutdown() {
         let rescued = random_bytes(MIB, 300 + round);
         let rescue =
             rescue_with_the_store_cut(dir.path(), &proxy, &url, &[], &flushed, &rescued, 4096);
-        let refusal = refused_changing_nothing(moto.port, dir.path(), &["--backend", &url]);
+        let refusal = refused_changing_nothing(port, dir.path(), &["--backend", &url]);
         let url_break = format!("{url}&break-lock={}", lock_id_in(&refusal));
         let mut server = Server::start(dir.path(), "restart", &["--backend", &url_break]);
         if read_at(&server, 4096, rescued.len()) != rescued {
@@ -469,7 +489,7 @@ fn the_log_layout_saves_unuploaded_segments_to_the_rescue_file_at_shutdown() {
         }
         plain.stop_clean();
     }
-    assert_eq!(lost_writes, 0, "acknowledged writes lost");
+    lost_writes
 }
 
 /// Deletes every object of every bucket (moto's reset API, unsigned) and makes bucket
@@ -873,4 +893,77 @@ fn a_start_that_fails_after_its_s3_disk_would_open_changes_no_store_and_keeps_th
     );
     assert!(!rescue.exists(), "the replayed rescue file is still there");
     server.stop_clean();
+}
+
+/// Rounds of each reproduction on SeaweedFS: the issue's 20, or SEAWEEDFS_ROUNDS.
+fn seaweedfs_rounds() -> u64 {
+    std::env::var("SEAWEEDFS_ROUNDS")
+        .ok()
+        .and_then(|rounds| rounds.parse().ok())
+        .unwrap_or(ROUNDS)
+}
+
+/// A SeaweedFS store (`weed server -s3`) with bucket `disks`, or None when `weed` is missing.
+fn seaweedfs_with_disks(test: &str) -> Option<SeaweedFs> {
+    if !have_seaweedfs(test) {
+        return None;
+    }
+    let store = SeaweedFs::start();
+    store.create_bucket("disks");
+    Some(store)
+}
+
+// Goal: reproduction 1 of issue 45 on a real distributed store: the break-lock restart
+// replays the rescue file and a rescue file whose disk moved on is refused (kept, the bucket
+// untouched). Method: the rounds of the moto test (`break_lock_restart_rounds`) against
+// SeaweedFS behind the proxy.
+#[test]
+fn a_rescue_file_is_replayed_after_break_lock_and_never_over_newer_data_on_seaweedfs() {
+    let name = "a_rescue_file_is_replayed_after_break_lock_and_never_over_newer_data_on_seaweedfs";
+    let Some(store) = seaweedfs_with_disks(name) else {
+        return;
+    };
+    let _timer = Timer::new(name);
+    assert_eq!(
+        break_lock_restart_rounds(store.port, seaweedfs_rounds()),
+        (0, 0),
+        "acknowledged writes lost, stale replays"
+    );
+}
+
+// Goal: reproduction 2 of issue 45 on SeaweedFS: a local cache holding flushed writes not yet
+// on the store reattaches after kill -9 through the break-lock restart, and the refused
+// starts leave bucket and cache untouched. Method: `local_cache_kill_9_rounds` against
+// SeaweedFS behind the proxy.
+#[test]
+fn a_local_cache_reattaches_after_kill_9_through_the_break_lock_restart_on_seaweedfs() {
+    let name = "a_local_cache_reattaches_after_kill_9_through_the_break_lock_restart_on_seaweedfs";
+    let Some(store) = seaweedfs_with_disks(name) else {
+        return;
+    };
+    let _timer = Timer::new(name);
+    assert_eq!(
+        local_cache_kill_9_rounds(store.port, seaweedfs_rounds()),
+        0,
+        "acknowledged writes lost"
+    );
+}
+
+// Goal: reproduction 3 of issue 45 on SeaweedFS: the log layout saves the data of its
+// unuploaded segments to the rescue file at a shutdown that cannot reach the store, and the
+// break-lock restart replays it. Method: `log_layout_shutdown_rounds` against SeaweedFS behind
+// the proxy.
+#[test]
+fn the_log_layout_saves_unuploaded_segments_to_the_rescue_file_at_shutdown_on_seaweedfs() {
+    let name =
+        "the_log_layout_saves_unuploaded_segments_to_the_rescue_file_at_shutdown_on_seaweedfs";
+    let Some(store) = seaweedfs_with_disks(name) else {
+        return;
+    };
+    let _timer = Timer::new(name);
+    assert_eq!(
+        log_layout_shutdown_rounds(store.port, seaweedfs_rounds()),
+        0,
+        "acknowledged writes lost"
+    );
 }
