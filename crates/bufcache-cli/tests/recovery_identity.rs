@@ -751,11 +751,11 @@ fn older_rescue_files_and_local_caches_named_by_url_are_migrated_not_lost() {
 }
 
 /// Runs `bufcache serve ARGS` in `dir` expecting it to fail at start (any status but 0, and
-/// not the rescue's 3), and asserts the bucket's listing (keys, ETags, sizes) and the rescue
-/// file `rescue` are byte for byte as before; returns its output.
+/// not the rescue's 3), and asserts the bucket's listing (keys, ETags, sizes) and the file
+/// `rescue` (a rescue file or a local cache) are byte for byte as before; returns its output.
 fn failed_start_changing_nothing(port: u16, dir: &Path, rescue: &Path, args: &[&str]) -> String {
     let listing_before = listing(port, "disks");
-    let rescue_before = std::fs::read(rescue).unwrap();
+    let rescue_before = std::fs::read(rescue).ok();
     let output = run_timeout(
         Command::new(bufcache_bin())
             .arg("serve")
@@ -776,8 +776,9 @@ fn failed_start_changing_nothing(port: u16, dir: &Path, rescue: &Path, args: &[&
         "a failed start changed the bucket: {args:?}: {text}"
     );
     assert!(
-        std::fs::read(rescue).unwrap() == rescue_before,
-        "a failed start changed the rescue file: {args:?}: {text}"
+        std::fs::read(rescue).ok() == rescue_before,
+        "a failed start changed {}: {args:?}: {text}",
+        rescue.display()
     );
     text
 }
@@ -965,5 +966,61 @@ fn the_log_layout_saves_unuploaded_segments_to_the_rescue_file_at_shutdown_on_se
         log_layout_shutdown_rounds(store.port, seaweedfs_rounds()),
         0,
         "acknowledged writes lost"
+    );
+}
+
+// Goal: issue 45 item 3 with a local cache over S3 — a local cache whose log holds a damaged
+// record that later records prove was fsynced refuses the start before the S3 disk is opened
+// for writing: no broken lock, no new generation, nothing in the bucket or the cache changed.
+// Method: a chunk-layout disk over moto behind a proxy, a local cache with --flush-to local;
+// with the store cut, three writes each flushed (held only in the cache's log), kill -9; one
+// byte of the first record's payload flipped; the restart with the lock's `break-lock=ID`
+// fails naming the damage, with listing, ETags and the cache byte-identical and the lock held.
+#[test]
+fn a_damaged_local_cache_refuses_the_start_before_its_s3_disk_is_opened_for_writing() {
+    let name = "a_damaged_local_cache_refuses_the_start_before_its_s3_disk_is_opened_for_writing";
+    if !have_moto(name) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    let moto = Moto::start();
+    moto.create_bucket("disks");
+    let proxy = Proxy::start(moto.port);
+    let dir = temp_dir();
+    let url = format!(
+        "s3://disks/damaged?endpoint={}&layout=chunk&chunk-size=1M&retry-timeout-ms=1000",
+        proxy.endpoint()
+    );
+    let tier = ["--local-cache", "tier.img", "--flush-to", "local"];
+    let mut args = vec!["--backend", &url, "--create-size", "16M"];
+    args.extend_from_slice(&tier);
+    args.extend_from_slice(&["--local-cache-size", "64M"]);
+    let mut first = Server::start(dir.path(), "first", &args);
+    proxy.set_down(true);
+    let client = NbdClient::connect(&first.uri()).unwrap();
+    for index in 0..3u64 {
+        client
+            .write(index * MIB as u64, &vec![0x21 + index as u8; 64 << 10])
+            .unwrap();
+        client.flush().expect("FLUSH to the local cache");
+    }
+    drop(client);
+    first.kill9();
+    proxy.set_down(false);
+    // The first record: the log starts at 8 KiB, a record's payload after its 64-byte header.
+    let cache = dir.path().join("tier.img");
+    let mut bytes = std::fs::read(&cache).unwrap();
+    bytes[8192 + 64 + 10] ^= 0xFF;
+    std::fs::write(&cache, &bytes).unwrap();
+    let holder = lock_holder_id(&url).expect("the killed server's lock is held");
+    let url_break = format!("{url}&break-lock={holder}");
+    let mut restart = vec!["--backend", url_break.as_str()];
+    restart.extend_from_slice(&tier);
+    let text = failed_start_changing_nothing(moto.port, dir.path(), &cache, &restart);
+    assert!(text.contains("is damaged"), "{text}");
+    assert_eq!(
+        lock_holder_id(&url),
+        Some(holder),
+        "the refused start broke the lock"
     );
 }

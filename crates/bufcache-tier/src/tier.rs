@@ -353,6 +353,44 @@ impl<R: Device + 'static> LocalTier<R, FileDevice> {
     }
 }
 
+/// Runs the checks of its log an open of the local cache at `path` makes before it writes
+/// anything — the log replayed in memory, a damaged record proven durable (unless
+/// `config.replay_damaged_prefix`) — without a backend and without writing; the identity and
+/// sizes are the caller's to check first ([`recorded_superblock`]). A caller whose backend
+/// changes when opened for writing (an S3 disk's lock and generation) calls it before, so a
+/// cache the open would refuse for its log refuses the start before the backend changed.
+/// The comparison of clean blocks with the backend needs the backend and is left to the
+/// open. Ok when there is no cache at `path` yet.
+pub fn check_log_path(path: &Path, config: LocalTierConfig) -> Result<(), TierError> {
+    let Some(superblock) = read_superblock(path)? else {
+        return Ok(());
+    };
+    let local_name = path.display().to_string();
+    let options = FileDeviceOptions {
+        read_only: true,
+        ..FileDeviceOptions::default()
+    };
+    let local = FileDevice::open(path, &options).map_err(|error| open_error(&local_name, error))?;
+    let config = LocalTierConfig {
+        sampled_blocks_max: 0,
+        writeback_driver: WritebackDriver::Caller,
+        ..config
+    };
+    // Never read: no clean block is sampled, and the check returns before the open's flush.
+    let remote = bufcache_device::MemoryDevice::new(superblock.backend_bytes);
+    let checked = LocalTier::<bufcache_device::MemoryDevice, FileDevice>::open_or_check(
+        local,
+        local_name,
+        remote,
+        &superblock.identity,
+        config,
+        None,
+        true,
+    )?;
+    assert!(checked.is_none(), "a check attaches nothing");
+    Ok(())
+}
+
 /// The superblock of the local cache at `path`, reading nothing else and writing nothing; None
 /// when there is no cache there yet (no file, or a device whose first 4 KiB are not a
 /// superblock, as a zeroed block device).
@@ -608,6 +646,30 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
         config: LocalTierConfig,
         asked_bytes: Option<u64>,
     ) -> Result<Self, TierError> {
+        let opened = Self::open_or_check(
+            local,
+            local_name,
+            remote,
+            identity,
+            config,
+            asked_bytes,
+            false,
+        )?;
+        Ok(opened.expect("an open that is not a check returns the tier"))
+    }
+
+    /// Opens the cache, or with `check_only` runs every check an open makes before it
+    /// writes (superblock, replay in memory, damage, the sampled clean blocks) and returns
+    /// None, having written nothing.
+    fn open_or_check(
+        local: L,
+        local_name: String,
+        remote: R,
+        identity: &str,
+        config: LocalTierConfig,
+        asked_bytes: Option<u64>,
+        check_only: bool,
+    ) -> Result<Option<Self>, TierError> {
         config.validate()?;
         check_identity(identity)?;
         check_backend(&remote, identity, &config)?;
@@ -792,6 +854,9 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
             }
             // Before anything is written (the erased record, the checkpoint) or served.
             shared.check_clean_blocks(&state, identity)?;
+            if check_only {
+                return Ok(None);
+            }
             if let Some(damage) = damage {
                 tracing::warn!(
                     local = %local_name,
@@ -858,7 +923,7 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
                 Some(thread)
             }
         };
-        Ok(LocalTier { shared, writeback })
+        Ok(Some(LocalTier { shared, writeback }))
     }
 
     /// Does one unit of write-back, exactly what the write-back thread does each time it
