@@ -255,21 +255,7 @@ fn open_local_tier(
     remote: Arc<dyn Device>,
     identity: &BackendIdentity,
 ) -> anyhow::Result<(Arc<ServeTier>, BackendLock)> {
-    let config = bufcache_tier::LocalTierConfig {
-        flush_to: match args.flush_to {
-            Some(FlushToArg::Remote) => bufcache_tier::FlushTo::Remote,
-            Some(FlushToArg::Local) | None => bufcache_tier::FlushTo::Local,
-        },
-        remote_stall_max: args.local_cache_stall_max.map_or(
-            bufcache_tier::LocalTierConfig::default().remote_stall_max,
-            Duration::from_secs_f64,
-        ),
-        replay_damaged_prefix: args.local_cache_replay_prefix,
-        sampled_blocks_max: args
-            .local_cache_sampled_blocks
-            .unwrap_or(bufcache_tier::LocalTierConfig::default().sampled_blocks_max),
-        ..bufcache_tier::LocalTierConfig::default()
-    };
+    let config = tier_config(args);
     let existed = path.exists();
     let early_lock = existed.then(|| BackendLock::acquire(path)).transpose()?;
     // A cache made by an older server names its backend by the URL; once checked to be this
@@ -316,6 +302,25 @@ fn open_local_tier(
         stats.epochs_pending
     );
     Ok((Arc::new(tier), lock))
+}
+
+/// The local tier's configuration the flags give.
+fn tier_config(args: &ServeArgs) -> bufcache_tier::LocalTierConfig {
+    bufcache_tier::LocalTierConfig {
+        flush_to: match args.flush_to {
+            Some(FlushToArg::Remote) => bufcache_tier::FlushTo::Remote,
+            Some(FlushToArg::Local) | None => bufcache_tier::FlushTo::Local,
+        },
+        remote_stall_max: args.local_cache_stall_max.map_or(
+            bufcache_tier::LocalTierConfig::default().remote_stall_max,
+            Duration::from_secs_f64,
+        ),
+        replay_damaged_prefix: args.local_cache_replay_prefix,
+        sampled_blocks_max: args
+            .local_cache_sampled_blocks
+            .unwrap_or(bufcache_tier::LocalTierConfig::default().sampled_blocks_max),
+        ..bufcache_tier::LocalTierConfig::default()
+    }
 }
 
 fn config_flush_remote(args: &ServeArgs) -> bool {
@@ -704,6 +709,11 @@ fn prepare_backend(
             state: seen.map(|seen| seen.generation),
         };
         check_before_writing(args, export, &expected, seen.map(|seen| seen.size_bytes))?;
+        // The local cache's log too (a damaged record refuses the attach), while the disk
+        // is as it was; its clean blocks are compared with the disk once it is open.
+        if let Some(local) = args.local_cache.as_deref().filter(|_| !args.read_only) {
+            bufcache_tier::check_log_path(local, tier_config(args))?;
+        }
         return Ok(PreparedBackend::S3(Box::new(PendingS3 {
             url,
             seen,

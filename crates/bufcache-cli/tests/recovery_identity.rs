@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use bufcache_nbd::NbdClient;
 use common::*;
-use s3_support::{have_moto, FaultProxy, Moto, Proxy};
+use s3_support::{have_moto, have_seaweedfs, FaultProxy, Moto, Proxy, S3Server, SeaweedFs};
 
 const MIB: usize = 1 << 20;
 /// Exit status of `bufcache serve` when dirty data went to the rescue file.
@@ -377,9 +377,19 @@ fn a_local_cache_reattaches_after_kill_9_through_the_break_lock_restart() {
     let _timer = Timer::new(name);
     let moto = Moto::start();
     moto.create_bucket("disks");
-    let proxy = Proxy::start(moto.port);
+    assert_eq!(
+        local_cache_kill_9_rounds(moto.port, ROUNDS),
+        0,
+        "acknowledged writes lost"
+    );
+}
+
+/// Reproduction 2's rounds against the store on `port` (bucket `disks` made): the count of
+/// acknowledged writes lost.
+fn local_cache_kill_9_rounds(port: u16, rounds: u64) -> u32 {
+    let proxy = Proxy::start(port);
     let mut lost_writes = 0;
-    for round in 0..ROUNDS {
+    for round in 0..rounds {
         let dir = temp_dir();
         let url = format!(
             "s3://disks/t{round}?endpoint={}&layout=chunk&chunk-size=1M&retry-timeout-ms=1000",
@@ -401,7 +411,7 @@ fn a_local_cache_reattaches_after_kill_9_through_the_break_lock_restart() {
         proxy.set_down(false);
         let mut restart = vec!["--backend", &url];
         restart.extend_from_slice(&tier);
-        let refusal = refused_changing_nothing(moto.port, dir.path(), &restart);
+        let refusal = refused_changing_nothing(port, dir.path(), &restart);
         assert!(
             std::fs::read(dir.path().join("tier.img")).unwrap() == cache_before,
             "the refused start changed the local cache"
@@ -411,7 +421,7 @@ fn a_local_cache_reattaches_after_kill_9_through_the_break_lock_restart() {
         restart.extend_from_slice(&tier);
         let mut resized = restart.clone();
         resized.extend_from_slice(&["--local-cache-size", "32M"]);
-        let refusal = refused_changing_nothing(moto.port, dir.path(), &resized);
+        let refusal = refused_changing_nothing(port, dir.path(), &resized);
         assert!(refusal.contains("asked for"), "{refusal}");
         let mut second = Server::start(dir.path(), "second", &restart);
         if read_at(&second, MIB as u64, data.len()) != data {
@@ -424,7 +434,7 @@ fn a_local_cache_reattaches_after_kill_9_through_the_break_lock_restart() {
         }
         plain.stop_clean();
     }
-    assert_eq!(lost_writes, 0, "acknowledged writes lost");
+    lost_writes
 }
 
 // Goal: reproduction 3 of issue 45 — the log layout (the default) keeps what it acknowledged
@@ -443,9 +453,19 @@ fn the_log_layout_saves_unuploaded_segments_to_the_rescue_file_at_shutdown() {
     let _timer = Timer::new(name);
     let moto = Moto::start();
     moto.create_bucket("disks");
-    let proxy = Proxy::start(moto.port);
+    assert_eq!(
+        log_layout_shutdown_rounds(moto.port, ROUNDS),
+        0,
+        "acknowledged writes lost"
+    );
+}
+
+/// Reproduction 3's rounds against the store on `port` (bucket `disks` made): the count of
+/// acknowledged writes lost.
+fn log_layout_shutdown_rounds(port: u16, rounds: u64) -> u32 {
+    let proxy = Proxy::start(port);
     let mut lost_writes = 0;
-    for round in 0..ROUNDS {
+    for round in 0..rounds {
         let dir = temp_dir();
         let url = format!(
             "s3://disks/l{round}?endpoint={}&retry-timeout-ms=1000",
@@ -455,7 +475,7 @@ fn the_log_layout_saves_unuploaded_segments_to_the_rescue_file_at_shutdown() {
         let rescued = random_bytes(MIB, 300 + round);
         let rescue =
             rescue_with_the_store_cut(dir.path(), &proxy, &url, &[], &flushed, &rescued, 4096);
-        let refusal = refused_changing_nothing(moto.port, dir.path(), &["--backend", &url]);
+        let refusal = refused_changing_nothing(port, dir.path(), &["--backend", &url]);
         let url_break = format!("{url}&break-lock={}", lock_id_in(&refusal));
         let mut server = Server::start(dir.path(), "restart", &["--backend", &url_break]);
         if read_at(&server, 4096, rescued.len()) != rescued {
@@ -469,7 +489,7 @@ fn the_log_layout_saves_unuploaded_segments_to_the_rescue_file_at_shutdown() {
         }
         plain.stop_clean();
     }
-    assert_eq!(lost_writes, 0, "acknowledged writes lost");
+    lost_writes
 }
 
 /// Deletes every object of every bucket (moto's reset API, unsigned) and makes bucket
@@ -731,11 +751,11 @@ fn older_rescue_files_and_local_caches_named_by_url_are_migrated_not_lost() {
 }
 
 /// Runs `bufcache serve ARGS` in `dir` expecting it to fail at start (any status but 0, and
-/// not the rescue's 3), and asserts the bucket's listing (keys, ETags, sizes) and the rescue
-/// file `rescue` are byte for byte as before; returns its output.
+/// not the rescue's 3), and asserts the bucket's listing (keys, ETags, sizes) and the file
+/// `rescue` (a rescue file or a local cache) are byte for byte as before; returns its output.
 fn failed_start_changing_nothing(port: u16, dir: &Path, rescue: &Path, args: &[&str]) -> String {
     let listing_before = listing(port, "disks");
-    let rescue_before = std::fs::read(rescue).unwrap();
+    let rescue_before = std::fs::read(rescue).ok();
     let output = run_timeout(
         Command::new(bufcache_bin())
             .arg("serve")
@@ -756,8 +776,9 @@ fn failed_start_changing_nothing(port: u16, dir: &Path, rescue: &Path, args: &[&
         "a failed start changed the bucket: {args:?}: {text}"
     );
     assert!(
-        std::fs::read(rescue).unwrap() == rescue_before,
-        "a failed start changed the rescue file: {args:?}: {text}"
+        std::fs::read(rescue).ok() == rescue_before,
+        "a failed start changed {}: {args:?}: {text}",
+        rescue.display()
     );
     text
 }
@@ -873,4 +894,133 @@ fn a_start_that_fails_after_its_s3_disk_would_open_changes_no_store_and_keeps_th
     );
     assert!(!rescue.exists(), "the replayed rescue file is still there");
     server.stop_clean();
+}
+
+/// Rounds of each reproduction on SeaweedFS: the issue's 20, or SEAWEEDFS_ROUNDS.
+fn seaweedfs_rounds() -> u64 {
+    std::env::var("SEAWEEDFS_ROUNDS")
+        .ok()
+        .and_then(|rounds| rounds.parse().ok())
+        .unwrap_or(ROUNDS)
+}
+
+/// A SeaweedFS store (`weed server -s3`) with bucket `disks`, or None when `weed` is missing.
+fn seaweedfs_with_disks(test: &str) -> Option<SeaweedFs> {
+    if !have_seaweedfs(test) {
+        return None;
+    }
+    let store = SeaweedFs::start();
+    store.create_bucket("disks");
+    Some(store)
+}
+
+// Goal: reproduction 1 of issue 45 on a real distributed store: the break-lock restart
+// replays the rescue file and a rescue file whose disk moved on is refused (kept, the bucket
+// untouched). Method: the rounds of the moto test (`break_lock_restart_rounds`) against
+// SeaweedFS behind the proxy.
+#[test]
+fn a_rescue_file_is_replayed_after_break_lock_and_never_over_newer_data_on_seaweedfs() {
+    let name = "a_rescue_file_is_replayed_after_break_lock_and_never_over_newer_data_on_seaweedfs";
+    let Some(store) = seaweedfs_with_disks(name) else {
+        return;
+    };
+    let _timer = Timer::new(name);
+    assert_eq!(
+        break_lock_restart_rounds(store.port, seaweedfs_rounds()),
+        (0, 0),
+        "acknowledged writes lost, stale replays"
+    );
+}
+
+// Goal: reproduction 2 of issue 45 on SeaweedFS: a local cache holding flushed writes not yet
+// on the store reattaches after kill -9 through the break-lock restart, and the refused
+// starts leave bucket and cache untouched. Method: `local_cache_kill_9_rounds` against
+// SeaweedFS behind the proxy.
+#[test]
+fn a_local_cache_reattaches_after_kill_9_through_the_break_lock_restart_on_seaweedfs() {
+    let name = "a_local_cache_reattaches_after_kill_9_through_the_break_lock_restart_on_seaweedfs";
+    let Some(store) = seaweedfs_with_disks(name) else {
+        return;
+    };
+    let _timer = Timer::new(name);
+    assert_eq!(
+        local_cache_kill_9_rounds(store.port, seaweedfs_rounds()),
+        0,
+        "acknowledged writes lost"
+    );
+}
+
+// Goal: reproduction 3 of issue 45 on SeaweedFS: the log layout saves the data of its
+// unuploaded segments to the rescue file at a shutdown that cannot reach the store, and the
+// break-lock restart replays it. Method: `log_layout_shutdown_rounds` against SeaweedFS behind
+// the proxy.
+#[test]
+fn the_log_layout_saves_unuploaded_segments_to_the_rescue_file_at_shutdown_on_seaweedfs() {
+    let name =
+        "the_log_layout_saves_unuploaded_segments_to_the_rescue_file_at_shutdown_on_seaweedfs";
+    let Some(store) = seaweedfs_with_disks(name) else {
+        return;
+    };
+    let _timer = Timer::new(name);
+    assert_eq!(
+        log_layout_shutdown_rounds(store.port, seaweedfs_rounds()),
+        0,
+        "acknowledged writes lost"
+    );
+}
+
+// Goal: issue 45 item 3 with a local cache over S3 — a local cache whose log holds a damaged
+// record that later records prove was fsynced refuses the start before the S3 disk is opened
+// for writing: no broken lock, no new generation, nothing in the bucket or the cache changed.
+// Method: a chunk-layout disk over moto behind a proxy, a local cache with --flush-to local;
+// with the store cut, three writes each flushed (held only in the cache's log), kill -9; one
+// byte of the first record's payload flipped; the restart with the lock's `break-lock=ID`
+// fails naming the damage, with listing, ETags and the cache byte-identical and the lock held.
+#[test]
+fn a_damaged_local_cache_refuses_the_start_before_its_s3_disk_is_opened_for_writing() {
+    let name = "a_damaged_local_cache_refuses_the_start_before_its_s3_disk_is_opened_for_writing";
+    if !have_moto(name) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    let moto = Moto::start();
+    moto.create_bucket("disks");
+    let proxy = Proxy::start(moto.port);
+    let dir = temp_dir();
+    let url = format!(
+        "s3://disks/damaged?endpoint={}&layout=chunk&chunk-size=1M&retry-timeout-ms=1000",
+        proxy.endpoint()
+    );
+    let tier = ["--local-cache", "tier.img", "--flush-to", "local"];
+    let mut args = vec!["--backend", &url, "--create-size", "16M"];
+    args.extend_from_slice(&tier);
+    args.extend_from_slice(&["--local-cache-size", "64M"]);
+    let mut first = Server::start(dir.path(), "first", &args);
+    proxy.set_down(true);
+    let client = NbdClient::connect(&first.uri()).unwrap();
+    for index in 0..3u64 {
+        client
+            .write(index * MIB as u64, &vec![0x21 + index as u8; 64 << 10])
+            .unwrap();
+        client.flush().expect("FLUSH to the local cache");
+    }
+    drop(client);
+    first.kill9();
+    proxy.set_down(false);
+    // The first record: the log starts at 8 KiB, a record's payload after its 64-byte header.
+    let cache = dir.path().join("tier.img");
+    let mut bytes = std::fs::read(&cache).unwrap();
+    bytes[8192 + 64 + 10] ^= 0xFF;
+    std::fs::write(&cache, &bytes).unwrap();
+    let holder = lock_holder_id(&url).expect("the killed server's lock is held");
+    let url_break = format!("{url}&break-lock={holder}");
+    let mut restart = vec!["--backend", url_break.as_str()];
+    restart.extend_from_slice(&tier);
+    let text = failed_start_changing_nothing(moto.port, dir.path(), &cache, &restart);
+    assert!(text.contains("is damaged"), "{text}");
+    assert_eq!(
+        lock_holder_id(&url),
+        Some(holder),
+        "the refused start broke the lock"
+    );
 }

@@ -32,6 +32,10 @@
 //! attach. At seeded restarts the tier is first presented to another disk at the same URL
 //! (its prefix deleted and created again: a new id): both checks must refuse it, and the
 //! refused start must leave the local device and the remote byte for byte as they were.
+//! At other seeded restarts it is offered to another disk with its own identity (an NBD
+//! upstream records none, so another disk served at the same address looks the same) that
+//! holds other bytes everywhere: the tier's check, which compares sampled clean blocks with
+//! the disk, must refuse it whenever the cache holds a clean block, changing nothing.
 
 use std::collections::VecDeque;
 use std::io::{IoSlice, IoSliceMut};
@@ -51,6 +55,9 @@ use crate::core::{FaultConfig, SharedRng, SimCore, SimDevice, SECTOR_BYTES};
 use crate::disk::DiskSpec;
 use crate::host::HostCosts;
 
+/// Every byte of the other disk a restart offers the tier to (see
+/// `offer_to_another_disk_with_our_identity`).
+const OTHER_DISK_BYTE: u8 = 0xEE;
 /// Steps of one seed's workload, at least and at most.
 const STEPS_MIN: u64 = 150;
 const STEPS_MAX: u64 = 400;
@@ -750,6 +757,9 @@ impl Harness {
                 other.identity
             ));
         }
+        if self.restart_rng.below(4) == 0 {
+            self.offer_to_another_disk_with_our_identity(&recorded)?;
+        }
         let ours = BackendIdentity {
             identity: self.disk_identity.clone(),
             name,
@@ -763,6 +773,61 @@ impl Harness {
         }
         self.note(format!("restart with {url}"));
         Ok(ours)
+    }
+
+    /// Offers the tier to another disk that has its identity (an NBD upstream records none:
+    /// another disk served at the same address) and holds other bytes everywhere. The
+    /// tier's check must refuse it whenever the cache holds a clean block (sampled against
+    /// the disk, none can match), and must change neither the local device nor that disk.
+    fn offer_to_another_disk_with_our_identity(&mut self, recorded: &str) -> Result<(), String> {
+        let other = Arc::new(SimDevice::new(
+            self.core.clone(),
+            self.scenario.backend_bytes,
+            "another disk at the same address",
+        ));
+        // No sector the workload writes (each names its write) nor a never-written one
+        // (zeroes) reads like this.
+        let fill = vec![OTHER_DISK_BYTE; self.scenario.backend_bytes as usize];
+        other
+            .write_vectored_at(&[IoSlice::new(&fill)], 0)
+            .and_then(|()| other.flush())
+            .map_err(|error| self.violation(format!("filling another disk: {error}")))?;
+        let snapshot = |device: &SimDevice| {
+            let mut bytes = vec![0u8; device.len_bytes() as usize];
+            device.peek(&mut bytes, 0);
+            bytes
+        };
+        let before = (snapshot(&self.local), snapshot(&other));
+        let checked = LocalTier::check(
+            self.local.clone(),
+            LOCAL_NAME.to_string(),
+            other.clone(),
+            recorded,
+            self.scenario.config.clone(),
+        );
+        if (snapshot(&self.local), snapshot(&other)) != before {
+            return Err(self.violation(
+                "offering the tier to another disk with its identity changed the local cache or that disk"
+                    .to_string(),
+            ));
+        }
+        match checked {
+            Err(bufcache_tier::TierError::OtherContent { .. }) => {
+                self.wrong_disk_refusals += 1;
+                self.note("offered to another disk with our identity: refused by its content".to_string());
+                Ok(())
+            }
+            Ok(0) => {
+                self.note("offered to another disk with our identity: no clean block to compare".to_string());
+                Ok(())
+            }
+            Ok(sampled) => Err(self.violation(format!(
+                "the tier's {sampled} sampled clean blocks matched another disk that differs everywhere"
+            ))),
+            Err(error) => Err(self.violation(format!(
+                "offering the tier to another disk with its identity: {error}"
+            ))),
+        }
     }
 
     /// Power fails: both devices keep, lose or tear their unflushed writes; the tier reopens

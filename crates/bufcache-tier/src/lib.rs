@@ -17,5 +17,6 @@ pub mod tier;
 pub use config::{FlushTo, LocalTierConfig, LocalTierConfigError, WritebackDriver};
 pub use error::TierError;
 pub use tier::{
-    migrate_identity, recorded_identity, recorded_superblock, LocalTier, TierStats, WritebackStep,
+    check_log_path, migrate_identity, recorded_identity, recorded_superblock, LocalTier, TierStats,
+    WritebackStep,
 };

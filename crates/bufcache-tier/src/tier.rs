@@ -175,6 +175,14 @@ struct Damage {
     valid_after: u64,
 }
 
+/// What [`LocalTier::open_or_check`] did.
+enum Checked<T> {
+    /// Opened: the tier.
+    Opened(T),
+    /// Checked only, nothing written: the clean blocks compared with the remote.
+    Checked { sampled: u64 },
+}
+
 /// Why space could not be reserved.
 enum NoSpace {
     /// Larger than a record may be: write it through.
@@ -351,6 +359,42 @@ impl<R: Device + 'static> LocalTier<R, FileDevice> {
         }
         Self::open_checked(local, local_name, remote, identity, config, size_bytes)
     }
+}
+
+/// Runs the checks of its log an open of the local cache at `path` makes before it writes
+/// anything — the log replayed in memory, a damaged record proven durable (unless
+/// `config.replay_damaged_prefix`) — without a backend and without writing; the identity and
+/// sizes are the caller's to check first ([`recorded_superblock`]). A caller whose backend
+/// changes when opened for writing (an S3 disk's lock and generation) calls it before, so a
+/// cache the open would refuse for its log refuses the start before the backend changed.
+/// The comparison of clean blocks with the backend needs the backend and is left to the
+/// open. Ok when there is no cache at `path` yet.
+pub fn check_log_path(path: &Path, config: LocalTierConfig) -> Result<(), TierError> {
+    let Some(superblock) = read_superblock(path)? else {
+        return Ok(());
+    };
+    let local_name = path.display().to_string();
+    let options = FileDeviceOptions {
+        read_only: true,
+        ..FileDeviceOptions::default()
+    };
+    let local = FileDevice::open(path, &options).map_err(|error| open_error(&local_name, error))?;
+    let config = LocalTierConfig {
+        sampled_blocks_max: 0,
+        writeback_driver: WritebackDriver::Caller,
+        ..config
+    };
+    // Never read: no clean block is sampled, and the check returns before the open's flush.
+    let remote = bufcache_device::MemoryDevice::new(superblock.backend_bytes);
+    let checked = LocalTier::<bufcache_device::MemoryDevice, FileDevice>::check(
+        local,
+        local_name,
+        remote,
+        &superblock.identity,
+        config,
+    )?;
+    assert_eq!(checked, 0, "nothing is sampled without a backend");
+    Ok(())
 }
 
 /// The superblock of the local cache at `path`, reading nothing else and writing nothing; None
@@ -608,6 +652,50 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
         config: LocalTierConfig,
         asked_bytes: Option<u64>,
     ) -> Result<Self, TierError> {
+        match Self::open_or_check(
+            local,
+            local_name,
+            remote,
+            identity,
+            config,
+            asked_bytes,
+            false,
+        )? {
+            Checked::Opened(tier) => Ok(tier),
+            Checked::Checked { .. } => unreachable!("an open that is not a check opens"),
+        }
+    }
+
+    /// Runs every check an open makes before it writes — the superblock, the log replayed
+    /// in memory, a damaged record, and up to `sampled_blocks_max` clean blocks compared
+    /// with `remote` — and attaches nothing: writes nothing to `local` or `remote`. Returns
+    /// the clean blocks compared (0 when the cache holds none: then the content could not
+    /// tell another disk apart). A caller (the simulator) offers a cache to a disk this way
+    /// without the open's side effects.
+    pub fn check(
+        local: L,
+        local_name: String,
+        remote: R,
+        identity: &str,
+        config: LocalTierConfig,
+    ) -> Result<u64, TierError> {
+        match Self::open_or_check(local, local_name, remote, identity, config, None, true)? {
+            Checked::Checked { sampled } => Ok(sampled),
+            Checked::Opened(_) => unreachable!("a check attaches nothing"),
+        }
+    }
+    /// Opens the cache, or with `check_only` runs every check an open makes before it
+    /// writes (superblock, replay in memory, damage, the sampled clean blocks) and returns
+    /// how many clean blocks were compared, having written nothing.
+    fn open_or_check(
+        local: L,
+        local_name: String,
+        remote: R,
+        identity: &str,
+        config: LocalTierConfig,
+        asked_bytes: Option<u64>,
+        check_only: bool,
+    ) -> Result<Checked<Self>, TierError> {
         config.validate()?;
         check_identity(identity)?;
         check_backend(&remote, identity, &config)?;
@@ -791,7 +879,10 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
                 });
             }
             // Before anything is written (the erased record, the checkpoint) or served.
-            shared.check_clean_blocks(&state, identity)?;
+            let sampled = shared.check_clean_blocks(&state, identity)?;
+            if check_only {
+                return Ok(Checked::Checked { sampled });
+            }
             if let Some(damage) = damage {
                 tracing::warn!(
                     local = %local_name,
@@ -858,7 +949,7 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
                 Some(thread)
             }
         };
-        Ok(LocalTier { shared, writeback })
+        Ok(Checked::Opened(LocalTier { shared, writeback }))
     }
 
     /// Does one unit of write-back, exactly what the write-back thread does each time it
@@ -1140,11 +1231,11 @@ impl<R: Device, L: Device> Shared<R, L> {
     /// mismatch means the remote is another disk, or was written around this cache: serving
     /// these copies would serve stale blocks and write-back would replay writes into it. A
     /// remote read that fails leaves its block unchecked (logged), never refuses the open.
-    /// Reads only; the caller has written nothing yet.
-    fn check_clean_blocks(&self, state: &State, identity: &str) -> Result<(), TierError> {
+    /// Reads only; the caller has written nothing yet. Returns the blocks compared.
+    fn check_clean_blocks(&self, state: &State, identity: &str) -> Result<u64, TierError> {
         let sampled_max = self.config.sampled_blocks_max;
         if sampled_max == 0 {
-            return Ok(());
+            return Ok(0);
         }
         let clean_position = |entry: &Entry| -> Option<u64> {
             let Entry::Data { sequence, position } = *entry else {
@@ -1165,7 +1256,7 @@ impl<R: Device, L: Device> Shared<R, L> {
             .filter(|entry| clean_position(entry).is_some())
             .count();
         if clean_count == 0 {
-            return Ok(());
+            return Ok(0);
         }
         // Every stride-th clean block, so the sample spans the whole disk's cached range.
         let stride = clean_count.div_ceil(sampled_max);
@@ -1212,7 +1303,7 @@ impl<R: Device, L: Device> Shared<R, L> {
         }
         assert!(mismatched <= sampled);
         match first_offset {
-            None => Ok(()),
+            None => Ok(sampled),
             Some(first_offset) => Err(TierError::OtherContent {
                 local: self.local_name.clone(),
                 identity: identity.to_string(),
