@@ -47,6 +47,12 @@ pub enum SnapshotError {
     Missing { url: String, name: String },
     #[error("{url}: {reason}; nothing was changed")]
     Refused { url: String, reason: String },
+    #[error("{url}: snapshot `{shown}` is the base of clone(s) {}: a clone reads the segments it pins; nothing was changed", clones.join(", "), shown = shown(.name))]
+    HasClones {
+        url: String,
+        name: String,
+        clones: Vec<String>,
+    },
     #[error(transparent)]
     Open(#[from] OpenError),
     #[error("{url}: snapshot `{shown}`: {source}", shown = shown(.name))]
