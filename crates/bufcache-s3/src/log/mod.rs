@@ -1799,8 +1799,7 @@ async fn recover(
     // Every snapshot's segments are kept, whatever the log says of them (module `snapshot`);
     // a snapshot records the owners of the segments it names, which the newest checkpoint
     // may no longer know.
-    let snapshot_pins = snapshot::pins(store, url, metadata, sealer).await?;
-    let snapshots = snapshot::list(store, url).await?.len() as u64;
+    let (snapshot_pins, snapshots) = snapshot::pins(store, url, metadata, sealer).await?;
     let mut pinned = BTreeSet::new();
     let mut pinned_only = BTreeMap::new();
     for (sequence, epoch, bytes) in list_segments(store, url).await? {
