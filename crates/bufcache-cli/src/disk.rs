@@ -93,8 +93,19 @@ enum DiskCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Make a writable disk at DST_URL that reads what it has not written from snapshot NAME
+    /// of the disk at SRC_URL (same bucket), copying no data. The snapshot cannot be deleted
+    /// while the clone exists.
+    Clone {
+        src_url: String,
+        dst_url: String,
+        #[arg(long, value_name = "NAME")]
+        snapshot: String,
+        #[arg(long)]
+        json: bool,
+    },
     /// Delete snapshot NAME (its object; the segments only it held are freed by the next
-    /// writable open or `disk gc`).
+    /// writable open or `disk gc`). Refused while a clone depends on it.
     DeleteSnapshot {
         url: String,
         name: String,
@@ -302,6 +313,33 @@ pub(crate) fn run(args: DiskArgs) -> anyhow::Result<()> {
                     );
                 }
                 crate::print_quietly(&text);
+            }
+            Ok(())
+        }
+        DiskCommand::Clone {
+            src_url,
+            dst_url,
+            snapshot,
+            json,
+        } => {
+            let base = parse_url(&src_url)?;
+            let clone = parse_url(&dst_url)?;
+            let made = admin::clone(&base, &clone, &snapshot).map_err(snapshot_failed)?;
+            if json {
+                print_json(&json!({
+                    "url": clone.to_string(),
+                    "base": base.to_string(),
+                    "snapshot": snapshot,
+                    "disk_id": format!("{:016x}", made.disk_id),
+                    "size_bytes": made.size_bytes,
+                    "mapped_bytes": made.mapped_bytes,
+                }));
+            } else {
+                crate::print_quietly(&format!(
+                    "{clone}: a clone of snapshot `{snapshot}` of {base}, {} bytes, {} read from the snapshot, no data copied\n",
+                    made.size_bytes,
+                    human(made.mapped_bytes)
+                ));
             }
             Ok(())
         }

@@ -159,6 +159,17 @@ fn a_served_disk_is_snapshotted_through_its_control_socket_at_a_flush_point() {
             output_text(&refused)
         );
     }
+    // A clone of a snapshot holds it: its delete is refused naming the clone.
+    let clone_url = format!("s3://disks/vm-clone?endpoint={}", moto.endpoint());
+    let cloned = disk(&["clone", &url, &clone_url, "--snapshot", "unflushed"]);
+    assert!(cloned.status.success(), "{}", output_text(&cloned));
+    let held = disk(&["delete-snapshot", &url, "unflushed"]);
+    assert_eq!(held.status.code(), Some(2), "{}", output_text(&held));
+    assert!(
+        output_text(&held).contains("s3://disks/vm-clone"),
+        "{}",
+        output_text(&held)
+    );
     let deleted = disk(&["delete-snapshot", &url, "flushed"]);
     assert!(deleted.status.success(), "{}", output_text(&deleted));
     let missing = disk(&["delete-snapshot", &url, "flushed"]);

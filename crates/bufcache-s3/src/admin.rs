@@ -6,6 +6,7 @@
 
 use std::time::SystemTime;
 
+use bytes::Bytes;
 use futures::stream::{self, StreamExt, TryStreamExt};
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, PutPayload};
@@ -572,6 +573,14 @@ pub fn delete_snapshot(url: &S3Url, name: &str) -> Result<(), SnapshotError> {
             name: name.to_string(),
         });
     }
+    let clones = connection.runtime.block_on(clones_of(store, url, name))?;
+    if !clones.is_empty() {
+        return Err(SnapshotError::HasClones {
+            url: url.to_string(),
+            name: name.to_string(),
+            clones,
+        });
+    }
     let key = url.key(&log::snapshot_object_name(name));
     connection
         .runtime
@@ -581,4 +590,174 @@ pub fn delete_snapshot(url: &S3Url, name: &str) -> Result<(), SnapshotError> {
             name: name.to_string(),
             source: crate::error::request_failed("DELETE", &key, error),
         })
+}
+
+/// The clones of snapshot `name` of the base disk `url`, as `s3://BUCKET/PREFIX`, from the
+/// clone records under the base (module `log::clone`).
+async fn clones_of(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    name: &str,
+) -> Result<Vec<String>, OpenError> {
+    let prefix = ObjectPath::from(url.key(&format!("log/clones/{name}")).as_str());
+    let objects: Vec<_> = store
+        .list(Some(&prefix))
+        .try_collect()
+        .await
+        .map_err(|error| OpenError::Request {
+            url: url.to_string(),
+            operation: format!("listing `{prefix}`"),
+            message: chain(&error),
+        })?;
+    Ok(objects
+        .iter()
+        .map(|object| {
+            let hex = object.location.filename().unwrap_or_default();
+            let prefix: Option<Vec<u8>> = (0..hex.len() / 2)
+                .map(|at| u8::from_str_radix(hex.get(at * 2..at * 2 + 2)?, 16).ok())
+                .collect();
+            match prefix.and_then(|bytes| String::from_utf8(bytes).ok()) {
+                Some(prefix) => format!("s3://{}/{prefix}", url.bucket),
+                None => format!("(record `{}`)", object.location),
+            }
+        })
+        .collect())
+}
+
+/// What [`clone`] made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cloned {
+    pub disk_id: u64,
+    pub size_bytes: u64,
+    /// Disk bytes the clone reads from its base snapshot.
+    pub mapped_bytes: u64,
+}
+
+/// Makes a writable log-layout disk at `clone_url` that reads what it has not written from
+/// snapshot `name` of the disk at `base_url` (module `log::clone`), copying no data: a clone
+/// record under the base (so the snapshot cannot be deleted while the clone needs it), the
+/// clone's metadata object (the base's size and compression; an encrypted base needs the
+/// clone URL's `key-file=` to be the base's key) and its base record. Refused: a bad or
+/// missing name, a clone in another bucket or endpoint or inside the base's prefix, an
+/// existing disk or any object at the clone's prefix.
+pub fn clone(base_url: &S3Url, clone_url: &S3Url, name: &str) -> Result<Cloned, SnapshotError> {
+    check_snapshot_name(name)?;
+    let refused = |reason: String| SnapshotError::Refused {
+        url: clone_url.to_string(),
+        reason,
+    };
+    if clone_url.bucket != base_url.bucket || clone_url.endpoint != base_url.endpoint {
+        return Err(refused(format!(
+            "a clone lives in its base's bucket (s3://{}/ at the same endpoint)",
+            base_url.bucket
+        )));
+    }
+    let nested = |outer: &str, inner: &str| {
+        outer.is_empty() || inner == outer || inner.starts_with(&format!("{outer}/"))
+    };
+    if nested(&base_url.prefix, &clone_url.prefix) || nested(&clone_url.prefix, &base_url.prefix) {
+        return Err(refused(format!(
+            "the clone's prefix `{}` and the base's `{}` overlap",
+            clone_url.prefix, base_url.prefix
+        )));
+    }
+    if clone_url.snapshot.is_some() {
+        return Err(refused(
+            "the clone's URL names a snapshot (snapshot=)".to_string(),
+        ));
+    }
+    let connection = snapshot_disk(base_url)?;
+    let base_metadata = connection.metadata;
+    let base_sealer = log::sealer_for(base_url, &base_metadata, &LogConfig::from_url(base_url))?;
+    let store: &dyn ObjectStore = &*connection.store;
+    let taken = connection
+        .runtime
+        .block_on(log::read_snapshot(
+            store,
+            base_url,
+            &base_metadata,
+            &base_sealer,
+            name,
+        ))?
+        .ok_or_else(|| SnapshotError::Missing {
+            url: base_url.to_string(),
+            name: name.to_string(),
+        })?;
+    let base_record = base_url.key(log::CLONE_BASE_NAME);
+    match connection
+        .runtime
+        .block_on(store.head(&ObjectPath::from(base_record.as_str())))
+    {
+        Err(object_store::Error::NotFound { .. }) => {}
+        Ok(_) => {
+            return Err(refused(format!(
+                "{base_url} is itself a clone (`{base_record}`), and a clone of a clone is not supported"
+            )))
+        }
+        Err(error) => {
+            return Err(SnapshotError::Open(OpenError::Request {
+                url: base_url.to_string(),
+                operation: format!("looking for `{base_record}`"),
+                message: chain(&error),
+            }))
+        }
+    }
+    if base_metadata.seal.key_check.is_some() && clone_url.key_file.is_none() {
+        return Err(refused(
+            "the base is encrypted: give the clone's URL key-file= with the base's key".to_string(),
+        ));
+    }
+    if store::probe(clone_url)?.is_some() {
+        return Err(refused(
+            "a disk exists at the clone's prefix already".to_string(),
+        ));
+    }
+    // The record first: a crash after it leaves a record naming no clone (the snapshot
+    // stays until it is removed), never a clone whose snapshot may be deleted.
+    let record_key = log::clone_record_key(base_url, name, &clone_url.prefix);
+    let put = |key: String, body: Bytes| {
+        let store = connection.store.clone();
+        let url = clone_url.to_string();
+        connection.runtime.block_on(async move {
+            store
+                .put(&ObjectPath::from(key.as_str()), PutPayload::from(body))
+                .await
+                .map(|_| ())
+                .map_err(|error| SnapshotError::Store {
+                    url,
+                    name: name.to_string(),
+                    source: crate::error::request_failed("PUT", &key, error),
+                })
+        })
+    };
+    put(
+        record_key,
+        Bytes::from(format!("s3://{}/{}", clone_url.bucket, clone_url.prefix)),
+    )?;
+    let mut asked = clone_url.clone();
+    asked.create_size_bytes = Some(base_metadata.size_bytes);
+    asked.layout = Some(LayoutKind::Log);
+    asked.compression = Some(base_metadata.seal.compression);
+    let clone_metadata = connect_with(&asked, Create::IfAsked)?.metadata;
+    let clone_sealer =
+        log::sealer_for(clone_url, &clone_metadata, &LogConfig::from_url(clone_url))?;
+    let record = log::CloneRecord {
+        clone_disk_id: clone_metadata.disk_id,
+        base_disk_id: base_metadata.disk_id,
+        snapshot: name.to_string(),
+        base_prefix: base_url.prefix.clone(),
+    };
+    put(
+        clone_url.key(log::CLONE_BASE_NAME),
+        clone_sealer.tag_object(log::CLONE_BASE_NAME, log::encode_clone_record(&record)),
+    )?;
+    debug_assert_eq!(
+        log::clone_base_url(clone_url, &base_url.prefix).prefix,
+        base_url.prefix
+    );
+    Ok(Cloned {
+        disk_id: clone_metadata.disk_id,
+        size_bytes: clone_metadata.size_bytes,
+        mapped_bytes: taken.index.mapped_bytes(),
+    })
 }

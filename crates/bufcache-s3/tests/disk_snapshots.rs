@@ -263,3 +263,143 @@ fn bad_snapshot_requests_are_refused_and_change_nothing() {
         other => panic!("a chunk disk: {other:?}"),
     }
 }
+
+/// GETs moto logged so far.
+fn gets(moto: &Moto) -> usize {
+    moto.request_count("GET")
+}
+
+// Goal: a clone reads its base snapshot exactly where it has not written, across the base's
+// later overwrites and collection and the clone's own reopens, on a plain and an encrypted,
+// compressed base; a cold read of its unmodified data costs the GETs the same read of the
+// snapshot costs; the snapshot cannot be deleted while the clone exists (refused naming the
+// clone). Method: write 1 MiB to a base, snapshot it, clone it, write 256 KiB into the clone
+// and flush; overwrite the whole base and collect its garbage online and offline; reopen the
+// clone and compare with the snapshot's image overlaid with the clone's writes; count moto's
+// GETs for a read of the clone's unmodified first 256 KiB against the same read of the
+// snapshot served with `snapshot=`.
+#[test]
+fn a_clone_reads_its_base_snapshot_where_it_has_not_written() {
+    let name = "a_clone_reads_its_base_snapshot_where_it_has_not_written";
+    if !have_moto(name) {
+        return;
+    }
+    let moto = Moto::start();
+    moto.create_bucket("bucket");
+    let endpoint = moto.endpoint();
+    let keys = tempfile::tempdir().unwrap();
+    let key = key_file(keys.path());
+    let mut rng = rand::rngs::StdRng::seed_from_u64(54);
+    for (prefix, parameters) in [
+        ("plain", String::new()),
+        ("sealed", format!("&compress=lz4&key-file={key}")),
+    ] {
+        let base_prefix = format!("{prefix}-base");
+        let clone_prefix = format!("{prefix}-clone");
+        let create = url(
+            &endpoint,
+            &base_prefix,
+            &format!("&create-size=2M&layout=log&segment-size=64k&gc=off{parameters}"),
+        );
+        let base = url(&endpoint, &base_prefix, &format!("&gc=off{parameters}"));
+        let clone = url(&endpoint, &clone_prefix, &format!("&gc=off{parameters}"));
+        let mut image = vec![0u8; DISK_BYTES];
+        image[..WRITTEN_BYTES].copy_from_slice(&random(WRITTEN_BYTES, &mut rng));
+        let mut store = LogStore::open_locked(&create).unwrap();
+        write_pieces(&store, &mut image, &mut rng);
+        store.close().unwrap();
+        drop(store);
+        admin::snapshot(&base, "golden").unwrap();
+        let requests = |moto: &Moto| -> usize {
+            ["GET", "PUT", "POST", "DELETE", "HEAD"]
+                .iter()
+                .map(|method| moto.request_count(method))
+                .sum()
+        };
+        let before = requests(&moto);
+        let made = admin::clone(&base, &clone, "golden").unwrap();
+        let clone_requests = requests(&moto) - before;
+        println!("{prefix}: clone creation: {clone_requests} store requests");
+        assert!(clone_requests <= 10, "{prefix}: {clone_requests} requests");
+        assert_eq!(made.size_bytes, DISK_BYTES as u64, "{prefix}");
+        assert_eq!(made.mapped_bytes, (WRITTEN_BYTES - (128 << 10)) as u64);
+        assert!(
+            matches!(
+                admin::clone(&base, &clone, "golden"),
+                Err(SnapshotError::Refused { .. })
+            ),
+            "{prefix}: a clone onto an existing disk"
+        );
+        assert!(read_all(&clone) == image, "{prefix}: a fresh clone");
+        admin::snapshot(&clone, "of-clone").unwrap();
+        match admin::clone(
+            &clone,
+            &url(&endpoint, &format!("{prefix}-second"), &parameters),
+            "of-clone",
+        ) {
+            Err(error @ SnapshotError::Refused { .. }) => {
+                assert!(error.to_string().contains("clone of a clone"), "{error}")
+            }
+            other => panic!("{prefix}: a clone of a clone: {other:?}"),
+        }
+        admin::delete_snapshot(&clone, "of-clone").unwrap();
+
+        // The clone writes; the base is overwritten and collected.
+        let mut expected = image.clone();
+        let mut store = LogStore::open_locked(&clone).unwrap();
+        let written = random(256 << 10, &mut rng);
+        store.write(&written, 512 << 10).unwrap();
+        expected[512 << 10..768 << 10].copy_from_slice(&written);
+        store.flush().unwrap();
+        store.write_zeroes(900 << 10, 64 << 10).unwrap();
+        expected[900 << 10..964 << 10].fill(0);
+        store.close().unwrap();
+        drop(store);
+        let mut after = vec![0u8; DISK_BYTES];
+        after[..WRITTEN_BYTES].copy_from_slice(&random(WRITTEN_BYTES, &mut rng));
+        let mut store = LogStore::open_locked(&base).unwrap();
+        write_pieces(&store, &mut after, &mut rng);
+        for _ in 0..3 {
+            store.collect_garbage(0.99).unwrap();
+        }
+        store.close().unwrap();
+        drop(store);
+        admin::collect(&base, Some(0.99), &mut |_| {}).unwrap();
+        admin::collect(&clone, Some(0.99), &mut |_| {}).unwrap();
+        assert!(
+            read_all(&clone) == expected,
+            "{prefix}: the clone after the base moved on"
+        );
+        assert!(read_all(&base) == after, "{prefix}: the base");
+        let report = admin::verify(&clone, &mut |_| {}).unwrap();
+        assert!(report.damaged.is_empty(), "{prefix}: {:?}", report.damaged);
+
+        // A cold read of unmodified data: the GETs of the same read of the snapshot.
+        let snapshot = url(
+            &endpoint,
+            &base_prefix,
+            &format!("&snapshot=golden{parameters}"),
+        );
+        let mut counted = Vec::new();
+        for disk in [&snapshot, &clone] {
+            let store = LogStore::open_read_only(disk).unwrap();
+            let mut buffer = vec![0u8; 256 << 10];
+            let before = gets(&moto);
+            store.read(&mut buffer, 0).unwrap();
+            counted.push(gets(&moto) - before);
+            assert!(buffer[..] == image[..256 << 10], "{prefix}");
+        }
+        println!("{prefix}: cold read of 256 KiB unmodified: {} GETs from the snapshot, {} from the clone", counted[0], counted[1]);
+        assert_eq!(counted[0], counted[1], "{prefix}");
+
+        match admin::delete_snapshot(&base, "golden") {
+            Err(error @ SnapshotError::HasClones { .. }) => assert!(
+                error
+                    .to_string()
+                    .contains(&format!("s3://bucket/{clone_prefix}")),
+                "{error}"
+            ),
+            other => panic!("{prefix}: deleting a cloned snapshot: {other:?}"),
+        }
+    }
+}

@@ -272,6 +272,17 @@ pub(crate) async fn verify(
         progress(done);
     }
     let listed: BTreeSet<u64> = segments.iter().map(|&(sequence, _, _)| sequence).collect();
+    // A clone's base segments are the base disk's, verified with it.
+    let base_through = match super::clone::read_base(store, url, metadata, sealer).await {
+        Ok(base) => base.map_or(0, |(base, _)| base.through),
+        Err(error) => {
+            damaged.push(Damage {
+                key: url.key(super::clone::BASE_NAME),
+                reason: error.to_string(),
+            });
+            0
+        }
+    };
     for snapshot_listed in &snapshots {
         let key = url.key(&snapshot::snapshot_name(&snapshot_listed.name));
         let outcome = get_whole(store, url, &key).await.map(|body| {
@@ -285,7 +296,9 @@ pub(crate) async fn verify(
                     let epochs = taken.epochs.as_ref().expect("decode refuses version 1");
                     // A damaged one is named on its own already.
                     match taken.index.iter().find(|(_, mapping)| {
-                        if intact.contains_key(&mapping.segment) {
+                        if mapping.segment <= base_through {
+                            false
+                        } else if intact.contains_key(&mapping.segment) {
                             !inside_intact(&intact, mapping.segment, mapping.object_offset, mapping.length)
                         } else {
                             !listed.contains(&mapping.segment)
@@ -396,7 +409,12 @@ async fn check_index(
     };
     let mut damaged = Vec::new();
     let mut named_badly: BTreeSet<u64> = BTreeSet::new();
+    let base_through = recovered.base.as_ref().map_or(0, |base| base.through);
     for (disk_offset, mapping) in recovered.index.iter() {
+        if mapping.segment <= base_through {
+            // The base disk's, verified with it.
+            continue;
+        }
         let inside = inside_intact(
             intact,
             mapping.segment,

@@ -40,6 +40,11 @@
 //! most `segment_bytes_max`; a write that needs room waits for an upload to finish. The
 //! garbage collector holds at most `gc_bytes_max` bytes it read besides.
 //!
+//! Snapshots (module `snapshot`): `log/snapshots/NAME`, the index at a flush point in the
+//! checkpoint format; the segments it names are pinned (never rewritten or deleted while it
+//! exists). Clones (module `clone`): a disk whose `log/base` names another disk's snapshot,
+//! whose segments it reads for the sequences at or below the snapshot's, its own log after.
+//!
 //! Garbage collection (module `gc`): the index keeps the live bytes of every segment; a
 //! background thread rewrites durable segments whose live fraction is below `gc_threshold`
 //! (their live extents are read with ranged GETs and appended as copies, which apply only
@@ -49,6 +54,7 @@
 //! during deletes leaves them).
 
 mod checkpoint;
+mod clone;
 mod epoch;
 mod gc;
 mod index;
@@ -75,6 +81,10 @@ use crate::url::{LayoutKind, S3Url};
 
 use crate::seal::Sealer;
 pub use crate::seal::{SealParameters, SEALED_EXTENT_BYTES_MAX};
+pub(crate) use clone::{
+    base_url as clone_base_url, encode as encode_clone_record, record_key as clone_record_key,
+    Record as CloneRecord, BASE_NAME as CLONE_BASE_NAME,
+};
 pub use gc::GcReport;
 pub use index::{Index, Mapping};
 pub(crate) use inspect::describe_snapshots;
@@ -82,6 +92,7 @@ pub use inspect::SnapshotSummary;
 pub(crate) use inspect::{summarize, verify};
 pub use inspect::{Damage, LogSummary, VerifyProgress};
 use segment::{OpenSegment, HEADER_BYTES, TABLE_ENTRY_BYTES};
+pub(crate) use snapshot::read as read_snapshot;
 pub use snapshot::{check_name as check_snapshot_name, SnapshotError, Taken as SnapshotTaken};
 pub(crate) use snapshot::{list as list_snapshots, snapshot_name as snapshot_object_name};
 
@@ -308,6 +319,9 @@ struct Shared {
     epochs: epoch::Epochs,
     /// This open's epoch (0 for a read-only open, which writes nothing).
     epoch: u64,
+    /// A clone's base (module `clone`): the segments at or below its `through` are the
+    /// base disk's, read with its key under its prefix, never deleted or rewritten here.
+    base: Option<clone::Base>,
     state: Mutex<State>,
     /// Signalled whenever an upload ends.
     uploaded: Condvar,
@@ -322,7 +336,21 @@ impl Shared {
     }
 
     fn segment_key(&self, sequence: u64) -> String {
-        segment_key(&self.url, sequence, self.epochs.owner(sequence))
+        match self.base_of(sequence) {
+            Some(base) => segment_key(&base.url, sequence, base.epochs.owner(sequence)),
+            None => segment_key(&self.url, sequence, self.epochs.owner(sequence)),
+        }
+    }
+
+    /// The clone's base when segment `sequence` is the base's.
+    fn base_of(&self, sequence: u64) -> Option<&clone::Base> {
+        self.base.as_ref().filter(|base| sequence <= base.through)
+    }
+
+    /// The sealer that unseals segment `sequence`'s extents (the base's for a base segment).
+    fn sealer_of(&self, sequence: u64) -> &Sealer {
+        self.base_of(sequence)
+            .map_or(&self.sealer, |base| &base.sealer)
     }
 
     fn check_lease(&self) -> Result<(), StoreError> {
@@ -518,6 +546,8 @@ struct Recovered {
     pinned_only: BTreeMap<u64, u64>,
     /// Snapshot objects read at open.
     snapshots: u64,
+    /// A clone's base (module `clone`).
+    base: Option<clone::Base>,
 }
 
 /// What recovery found to delete: every object but the log itself.
@@ -746,6 +776,7 @@ impl LogStore {
                 sealer,
                 epochs: recovered_epochs,
                 epoch: recovered.epoch,
+                base: recovered.base,
                 state: Mutex::new(state),
                 uploaded: Condvar::new(),
                 lease: lock.as_ref().and_then(|lock| lock.lease().cloned()),
@@ -1526,7 +1557,7 @@ impl Core {
                             let range = segment::fetch_range(address, piece.length);
                             match state.sealed.get(&segment) {
                                 Some(sealed) => segment::extract(
-                                    &self.shared.sealer,
+                                    self.shared.sealer_of(segment),
                                     segment,
                                     &sealed.body[range.start as usize..range.end as usize],
                                     address,
@@ -1600,7 +1631,7 @@ impl Core {
                 let length = (piece.range.end - piece.range.start) as usize;
                 let buffer = &mut reads[pending[piece.read]].0;
                 if let Err(reason) = segment::extract(
-                    &self.shared.sealer,
+                    self.shared.sealer_of(get.segment),
                     get.segment,
                     &data[within..within + length],
                     piece.address,
@@ -1722,6 +1753,9 @@ async fn recover(
     metadata: &DiskMetadata,
     sealer: &Sealer,
 ) -> Result<Recovered, OpenError> {
+    // A clone starts from its base snapshot's index; its own log starts after it.
+    let base = clone::read_base(store, url, metadata, sealer).await?;
+    let base_through = base.as_ref().map_or(0, |(base, _)| base.through);
     let mut checkpoints = list_numbered(store, url, "log/checkpoints").await?;
     let newest = checkpoints.pop();
     let checkpoint = match newest {
@@ -1799,8 +1833,7 @@ async fn recover(
     // Every snapshot's segments are kept, whatever the log says of them (module `snapshot`);
     // a snapshot records the owners of the segments it names, which the newest checkpoint
     // may no longer know.
-    let snapshot_pins = snapshot::pins(store, url, metadata, sealer).await?;
-    let snapshots = snapshot::list(store, url).await?.len() as u64;
+    let (snapshot_pins, snapshots) = snapshot::pins(store, url, metadata, sealer).await?;
     let mut pinned = BTreeSet::new();
     let mut pinned_only = BTreeMap::new();
     for (sequence, epoch, bytes) in list_segments(store, url).await? {
@@ -1833,11 +1866,9 @@ async fn recover(
     let (mut index, checkpoint_through) = match checkpoint {
         Some((key, checkpoint)) => {
             let present: BTreeSet<u64> = segments.iter().map(|&(sequence, _)| sequence).collect();
-            if let Some((_, missing)) = checkpoint
-                .index
-                .iter()
-                .find(|(_, mapping)| !present.contains(&mapping.segment))
-            {
+            if let Some((_, missing)) = checkpoint.index.iter().find(|(_, mapping)| {
+                mapping.segment > base_through && !present.contains(&mapping.segment)
+            }) {
                 return Err(OpenError::MissingSegment {
                     url: url.to_string(),
                     checkpoint: key,
@@ -1846,7 +1877,10 @@ async fn recover(
             }
             (checkpoint.index, checkpoint.through_sequence)
         }
-        None => (Index::new(), 0),
+        None => match &base {
+            Some((base, index)) => (index.clone(), base.through),
+            None => (Index::new(), 0),
+        },
     };
     let mut last_sequence = checkpoint_through;
     // The newest checkpoint mark of the segments replayed, with the segment's key.
@@ -1945,6 +1979,7 @@ async fn recover(
         pinned,
         pinned_only,
         snapshots,
+        base: base.map(|(base, _)| base),
     })
 }
 
@@ -1967,6 +2002,10 @@ async fn recover_snapshot(
             ),
         })?;
     let epochs = taken.epochs.expect("snapshot::decode refuses version 1");
+    // A clone's snapshot names its base's segments too.
+    let base = clone::read_base(store, url, metadata, sealer)
+        .await?
+        .map(|(base, _)| base);
     Ok(Recovered {
         index: taken.index,
         last_sequence: taken.through_sequence,
@@ -1982,6 +2021,7 @@ async fn recover_snapshot(
         pinned: BTreeSet::new(),
         pinned_only: BTreeMap::new(),
         snapshots: 1,
+        base,
     })
 }
 

@@ -47,6 +47,12 @@ pub enum SnapshotError {
     Missing { url: String, name: String },
     #[error("{url}: {reason}; nothing was changed")]
     Refused { url: String, reason: String },
+    #[error("{url}: snapshot `{shown}` is the base of clone(s) {}: a clone reads the segments it pins; nothing was changed", clones.join(", "), shown = shown(.name))]
+    HasClones {
+        url: String,
+        name: String,
+        clones: Vec<String>,
+    },
     #[error(transparent)]
     Open(#[from] OpenError),
     #[error("{url}: snapshot `{shown}`: {source}", shown = shown(.name))]
@@ -167,16 +173,19 @@ pub(super) fn decode(
     Ok(snapshot)
 }
 
-/// The segments every snapshot names, as (sequence, owning epoch) with their object keys:
-/// what no delete may touch. Reads every snapshot object (a GET each).
+/// The segments every snapshot names, as (sequence, owning epoch) with the snapshots naming
+/// each: what no delete may touch; and how many snapshots there are. One LIST, and a GET of
+/// every snapshot object.
 pub(super) async fn pins(
     store: &dyn ObjectStore,
     url: &S3Url,
     metadata: &DiskMetadata,
     sealer: &Sealer,
-) -> Result<BTreeMap<(u64, u64), Vec<String>>, OpenError> {
+) -> Result<(BTreeMap<(u64, u64), Vec<String>>, u64), OpenError> {
     let mut pinned: BTreeMap<(u64, u64), Vec<String>> = BTreeMap::new();
-    for listed in list(store, url).await? {
+    let snapshots = list(store, url).await?;
+    let count = snapshots.len() as u64;
+    for listed in snapshots {
         let key = url.key(&snapshot_name(&listed.name));
         let body = get_whole(store, url, &key).await?;
         let snapshot = decode(&body, url, metadata, sealer, &listed.name)?;
@@ -188,7 +197,7 @@ pub(super) async fn pins(
                 .push(listed.name.clone());
         }
     }
-    Ok(pinned)
+    Ok((pinned, count))
 }
 
 /// What taking a snapshot did.

@@ -1,0 +1,232 @@
+//! Clones of a snapshot: a writable log-layout disk whose reads of what it has not written
+//! fall through to the segments a snapshot of another disk (its base, in the same bucket)
+//! names. No data is copied.
+//!
+//! - The clone holds `PREFIX/log/base` (format below): the base's prefix and disk id and the
+//!   snapshot's name. An open reads it, the base's metadata and the snapshot (three GETs),
+//!   and starts from the snapshot's index; the clone's own log starts after the snapshot's
+//!   `through`, so a sequence at or below it is the base's segment (read with the base's key
+//!   and under the base's prefix, with the owners the snapshot records), one above it the
+//!   clone's own.
+//! - The clone never deletes or rewrites a base segment: they are not among its stored
+//!   segments, which its collector and cleanup alone consider. The base keeps them because
+//!   the snapshot pins them (module `snapshot`), and the snapshot stays because the base
+//!   holds a clone record `PREFIX/log/clones/<NAME>/<hex of the clone's prefix>` (its body
+//!   the clone's `s3://BUCKET/PREFIX`), which `disk delete-snapshot` refuses over, naming it.
+//!
+//! Format of `log/base` (integers little-endian), tagged as every object of an encrypted
+//! clone is:
+//!
+//! ```text
+//!  0  magic "BCLOGBAS"   8 format version u32 (1)   12 reserved u32 (0)
+//! 16  clone's disk id u64    24 base's disk id u64
+//! 32  snapshot name length u16, name bytes; base prefix length u16, prefix bytes
+//! end CRC-32 (IEEE) of every byte before it u32
+//! ```
+
+use std::sync::Arc;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use object_store::path::Path as ObjectPath;
+use object_store::ObjectStore;
+
+use super::{check_layout, epoch, snapshot, Index, LogConfig};
+use crate::error::{chain, OpenError};
+use crate::seal::Sealer;
+use crate::store::{ChunkStore, Create, DiskMetadata};
+use crate::url::S3Url;
+
+const MAGIC: &[u8; 8] = b"BCLOGBAS";
+const FORMAT_VERSION: u32 = 1;
+
+/// The name of a clone's base record under its prefix.
+pub(crate) const BASE_NAME: &str = "log/base";
+
+/// A clone's base: the segments at or below `through` are the base disk's.
+pub(super) struct Base {
+    /// The base disk (its prefix; the clone's endpoint and parameters).
+    pub url: S3Url,
+    /// The owners of the base's segments, as the snapshot records them.
+    pub epochs: epoch::Epochs,
+    /// The last segment of the base's log the snapshot covers.
+    pub through: u64,
+    /// Unseals the base's extents (its disk id and key).
+    pub sealer: Arc<Sealer>,
+}
+
+/// What a clone's base record says.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Record {
+    pub clone_disk_id: u64,
+    pub base_disk_id: u64,
+    pub snapshot: String,
+    pub base_prefix: String,
+}
+
+pub(crate) fn encode(record: &Record) -> Bytes {
+    let mut object = BytesMut::new();
+    object.put_slice(MAGIC);
+    object.put_u32_le(FORMAT_VERSION);
+    object.put_u32_le(0);
+    object.put_u64_le(record.clone_disk_id);
+    object.put_u64_le(record.base_disk_id);
+    for text in [&record.snapshot, &record.base_prefix] {
+        let length = u16::try_from(text.len()).expect("names and prefixes are short");
+        object.put_u16_le(length);
+        object.put_slice(text.as_bytes());
+    }
+    let checksum = crc32fast::hash(&object);
+    object.put_u32_le(checksum);
+    object.freeze()
+}
+
+pub(crate) fn decode(object: &[u8], clone_disk_id: u64) -> Result<Record, String> {
+    if object.len() < 40 || &object[..8] != MAGIC {
+        return Err("not a bufcache clone base record (magic `BCLOGBAS`)".to_string());
+    }
+    let (body, stored) = object.split_at(object.len() - 4);
+    if crc32fast::hash(body) != u32::from_le_bytes(stored.try_into().expect("4 bytes")) {
+        return Err("checksum mismatch (corrupt or truncated)".to_string());
+    }
+    let version = u32::from_le_bytes(body[8..12].try_into().expect("4 bytes"));
+    if version != FORMAT_VERSION {
+        return Err(format!(
+            "clone base record format version {version} is not a supported one ({FORMAT_VERSION})"
+        ));
+    }
+    let u64_at = |at: usize| u64::from_le_bytes(body[at..at + 8].try_into().expect("8 bytes"));
+    let (stored_clone, base_disk_id) = (u64_at(16), u64_at(24));
+    if stored_clone != clone_disk_id {
+        return Err(format!(
+            "belongs to disk {stored_clone:016x}, not this disk {clone_disk_id:016x}"
+        ));
+    }
+    let mut at = 32;
+    let mut texts = Vec::new();
+    for _ in 0..2 {
+        let length = body
+            .get(at..at + 2)
+            .map(|bytes| u16::from_le_bytes(bytes.try_into().expect("2 bytes")) as usize)
+            .ok_or("truncated")?;
+        let text = body.get(at + 2..at + 2 + length).ok_or("truncated")?;
+        texts.push(String::from_utf8(text.to_vec()).map_err(|_| "a name that is not UTF-8")?);
+        at += 2 + length;
+    }
+    if at != body.len() {
+        return Err(format!("{} bytes after the prefix", body.len() - at));
+    }
+    let base_prefix = texts.pop().expect("two texts");
+    let snapshot = texts.pop().expect("two texts");
+    Ok(Record {
+        clone_disk_id,
+        base_disk_id,
+        snapshot,
+        base_prefix,
+    })
+}
+
+/// The base disk's URL: the clone's with the base's prefix (same bucket, endpoint, key file).
+pub(crate) fn base_url(url: &S3Url, base_prefix: &str) -> S3Url {
+    let mut base = url.clone();
+    base.prefix = base_prefix.to_string();
+    base.snapshot = None;
+    base.create_size_bytes = None;
+    base.compression = None;
+    base
+}
+
+/// The key of the clone record of the clone at `clone_prefix` under the base's snapshot.
+pub(crate) fn record_key(base: &S3Url, snapshot: &str, clone_prefix: &str) -> String {
+    let hex: String = clone_prefix
+        .bytes()
+        .map(|byte| format!("{byte:02x}"))
+        .collect();
+    base.key(&format!("log/clones/{snapshot}/{hex}"))
+}
+
+/// Reads a clone's base (None for a disk that is no clone): its record, the base's metadata
+/// and the snapshot, whose index the clone starts from.
+pub(super) async fn read_base(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    metadata: &DiskMetadata,
+    sealer: &Sealer,
+) -> Result<Option<(Base, Index)>, OpenError> {
+    let key = url.key(BASE_NAME);
+    let body = match store.get(&ObjectPath::from(key.as_str())).await {
+        Ok(result) => result.bytes().await,
+        Err(object_store::Error::NotFound { .. }) => return Ok(None),
+        Err(error) => Err(error),
+    }
+    .map_err(|error| OpenError::Request {
+        url: url.to_string(),
+        operation: format!("reading the clone base record `{key}`"),
+        message: chain(&error),
+    })?;
+    let record = sealer
+        .check_object(BASE_NAME, &body)
+        .and_then(|body| decode(body, metadata.disk_id))
+        .map_err(|reason| super::bad_object(url, &key, reason))?;
+    let mut base = base_url(url, &record.base_prefix);
+    let base_metadata = ChunkStore::open_metadata(store, &base, Create::Never).await?;
+    if base_metadata.seal.key_check.is_none() {
+        // An unencrypted base under an encrypted clone: the clone's key is not the base's.
+        base.key_file = None;
+    }
+    if base_metadata.disk_id != record.base_disk_id {
+        return Err(super::bad_object(
+            url,
+            &key,
+            format!(
+                "names base disk {:016x} at `{}`, which holds disk {:016x} now",
+                record.base_disk_id, record.base_prefix, base_metadata.disk_id
+            ),
+        ));
+    }
+    let base_sealer = check_layout(&base, &base_metadata, &LogConfig::default())?;
+    let taken = snapshot::read(store, &base, &base_metadata, &base_sealer, &record.snapshot)
+        .await?
+        .ok_or_else(|| OpenError::LostObjects {
+            url: url.to_string(),
+            missing: vec![base.key(&snapshot::snapshot_name(&record.snapshot))],
+            evidence: format!(
+                "this disk is a clone of snapshot `{}` of {base} (record `{key}`)",
+                record.snapshot
+            ),
+        })?;
+    let epochs = taken.epochs.expect("snapshot::decode refuses version 1");
+    Ok(Some((
+        Base {
+            url: base,
+            epochs,
+            through: taken.through_sequence,
+            sealer: Arc::new(base_sealer),
+        },
+        taken.index,
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Goal: a base record round-trips, and damage or another disk's record is an error.
+    // Method: encode one, decode it, flip every byte.
+    #[test]
+    fn clone_base_records_round_trip_and_every_flipped_byte_is_detected() {
+        let record = Record {
+            clone_disk_id: 7,
+            base_disk_id: 9,
+            snapshot: "before-upgrade".to_string(),
+            base_prefix: "disks/vm1".to_string(),
+        };
+        let object = encode(&record);
+        assert_eq!(decode(&object, 7).unwrap(), record);
+        assert!(decode(&object, 8).unwrap_err().contains("disk"));
+        for byte in 0..object.len() {
+            let mut damaged = object.to_vec();
+            damaged[byte] ^= 1;
+            assert!(decode(&damaged, 7).is_err(), "byte {byte}");
+        }
+    }
+}
