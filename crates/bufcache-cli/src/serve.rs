@@ -953,6 +953,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             _lock: lock,
         } = open_backend(&backend, &args, is_default, &name)?;
         let lease = s3.as_ref().and_then(|device| device.lease());
+        let replica = s3.as_ref().and_then(|device| device.replica().cloned());
         // With a local cache the cache keeps what the log layout has not uploaded (its epoch
         // is written back only once the backend flushed it): only without one is it saved
         // from the device at shutdown.
@@ -1014,6 +1015,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             });
         }
         objects.push((name.clone(), object.reopen()));
+        if let Some(replica) = replica {
+            // A refresh that maps a range anew makes the cache read it again.
+            let handle = object.reopen();
+            replica.set_on_change(Arc::new(move |offset, length| {
+                handle.forget_clean(offset, length)
+            }));
+        }
         let mut cache_export = CacheExport::new(object);
         if let Some(lease) = lease {
             cache_export = cache_export.with_gate(Arc::new(LeaseGate(lease)));

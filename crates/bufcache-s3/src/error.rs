@@ -64,7 +64,7 @@ pub enum OpenError {
         round_trip_ms: u64,
         round_trips: u64,
     },
-    #[error("{url}: {}the disk is in use by {holder} (lock object `{key}`); a read-only server would serve data that server has since overwritten: stop it first, or add break-lock={} to the URL to serve the disk read-only anyway (the lock is left in place)", break_lock_mismatch(.asked), .id)]
+    #[error("{url}: {}the disk is in use by {holder} (lock object `{key}`); a read-only server would serve data that server has since overwritten: stop it first, add follow=SECONDS to the URL to serve a log-layout disk as a read replica that follows that server, or add break-lock={} to serve the disk read-only anyway (the lock is left in place)", break_lock_mismatch(.asked), .id)]
     LockedReadOnly {
         url: String,
         key: String,

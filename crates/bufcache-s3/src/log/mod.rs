@@ -544,9 +544,12 @@ impl LogStore {
         why: ReadOnly,
     ) -> Result<LogStore, OpenError> {
         let sealer = check_layout(url, &connection.metadata, &config)?;
-        connection
-            .runtime
-            .block_on(check_not_held(&connection.store, url))?;
+        // A replica follows the server holding the lock; any other read-only open refuses it.
+        if !matches!(why, ReadOnly::Replica) {
+            connection
+                .runtime
+                .block_on(check_not_held(&connection.store, url))?;
+        }
         let Connection {
             runtime,
             store,
@@ -850,6 +853,25 @@ impl LogStore {
             kept.get(segment),
             counted.get(segment)
         ))
+    }
+
+    /// Every mapping of the index as (disk offset, length, segment, object address): two opens
+    /// map a range alike exactly when they read the same bytes there (a replica's refresh
+    /// compares them).
+    pub(crate) fn index_entries(&self) -> Vec<(u64, u64, u64, u64)> {
+        let state = self.core.shared.lock();
+        state
+            .index
+            .iter()
+            .map(|(offset, mapping)| {
+                (
+                    offset,
+                    mapping.length,
+                    mapping.segment,
+                    mapping.object_offset,
+                )
+            })
+            .collect()
     }
 
     /// Writes `data` at `offset` (durable at the next successful [`LogStore::flush`]).
