@@ -57,6 +57,12 @@ pub enum OpenError {
         holder: String,
         lease_ms: u64,
     },
+    #[error("{url}: the disk already has a standby: {holder} (it renews `{key}`); one standby per disk, so stop that one first")]
+    StandbyExists {
+        url: String,
+        key: String,
+        holder: String,
+    },
     #[error("{url}: lease={lease_ms}ms is shorter than {round_trips} round trips of the lock's PUT ({round_trip_ms} ms each): the server could not renew it in time; give a longer lease=")]
     LeaseTooShort {
         url: String,

@@ -36,8 +36,24 @@ impl Layout {
                     .to_string(),
             });
         }
+        if url.standby && url.lease_ms.is_none() {
+            return Err(OpenError::Config {
+                url: url.to_string(),
+                reason: "a standby takes the disk when the writer's lease lapses, and lease=off has none".to_string(),
+            });
+        }
+        let chunk_refused = || {
+            OpenError::Config {
+            url: url.to_string(),
+            reason: "a standby needs the log layout: a chunk-layout disk has no epochs to fence a paused writer's late writes, so only break-lock= takes it over".to_string(),
+        }
+        };
+        if url.standby && url.layout == Some(LayoutKind::Chunk) {
+            return Err(chunk_refused());
+        }
         let connection = connect_counted(url, Create::IfAsked, meters)?;
         match connection.metadata.layout {
+            LayoutKind::Chunk if url.standby => Err(chunk_refused()),
             LayoutKind::Chunk => Ok(Layout::Chunk(
                 ChunkStore::from_connection(url, connection)?.take_lock(url)?,
             )),

@@ -167,6 +167,10 @@ pub struct S3Url {
     /// takes the lock and refreshes its view of the log this often (module `replica`), in
     /// milliseconds; None: a read-only open that another server's lock refuses.
     pub follow_ms: Option<u64>,
+    /// Set by `serve --standby`, not by the URL: a writable open that finds the disk held
+    /// waits (registered as the disk's one standby) until the holder's lease lapses, then
+    /// takes it over (docs/s3.md, "Standby").
+    pub standby: bool,
 }
 
 /// Default for `retry-timeout-ms`: long enough to ride out a server restart.
@@ -207,6 +211,7 @@ impl S3Url {
             credentials_instance: false,
             lease_ms: Some(crate::lease::LEASE_DEFAULT_MS),
             follow_ms: None,
+            standby: false,
         };
         let mut seen: Vec<String> = Vec::new();
         for pair in query

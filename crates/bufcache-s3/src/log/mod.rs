@@ -573,12 +573,33 @@ impl LogStore {
         config: LogConfig,
     ) -> Result<LogStore, OpenError> {
         let sealer = check_layout(url, &connection.metadata, &config)?;
-        let lock = match connection.runtime.block_on(DiskLock::acquire_with(
+        // A standby first registers as the disk's one standby, then waits for the lock.
+        let standby = if url.standby {
+            Some(connection.runtime.block_on(crate::lock::register_standby(
+                connection.runtime.handle().clone(),
+                connection.store.clone(),
+                url,
+            ))?)
+        } else {
+            None
+        };
+        let takeover = if url.standby {
+            Takeover::WaitForLapse
+        } else {
+            Takeover::AfterLapse
+        };
+        let acquired = connection.runtime.block_on(DiskLock::acquire_with(
             connection.runtime.handle().clone(),
             connection.store.clone(),
             url,
-            Takeover::AfterLapse,
-        ))? {
+            takeover,
+        ));
+        if let Some(standby) = standby {
+            if let Err(error) = connection.runtime.block_on(standby.release_async()) {
+                tracing::warn!(disk = %url, "{error}; the next standby waits for its lease to lapse");
+            }
+        }
+        let lock = match acquired? {
             Acquired::Held(lock) => lock,
             // Credentials that may read but not write: served read-only, as a chunk disk.
             Acquired::WritesRefused(answer) => {
