@@ -200,6 +200,7 @@ impl Meters {
             }
             if let Some(store) = &export.store {
                 store_prometheus(&mut text, &label, &store.store_stats());
+                store_role_prometheus(&mut text, &label, store);
             }
             let queue: IoQueueStats = export
                 .queue
@@ -331,6 +332,43 @@ fn store_prometheus(text: &mut String, label: &str, stats: &bufcache_s3::StoreSt
         ] {
             sample(text, name, label, value as f64, help, kind);
         }
+    }
+}
+
+/// What this server is to an object-store disk (writer, standby, replica), how old its lease
+/// is, and how far a replica is behind (docs/s3.md, "Leases and takeover", "Read replicas").
+fn store_role_prometheus(text: &mut String, label: &str, store: &bufcache_s3::S3Device) {
+    if let Some(role) = store.role() {
+        for known in ["writer", "standby", "replica"] {
+            sample(
+                text,
+                "bufcache_store_role",
+                &format!("{label},role=\"{known}\""),
+                if known == role { 1.0 } else { 0.0 },
+                "What this server is to the disk: 1 for its role (writer: holds the lock under a lease; standby: follows and takes over when the lease lapses; replica: follows, never writes).",
+                "gauge",
+            );
+        }
+    }
+    if let Some(lease) = store.lease() {
+        sample(
+            text,
+            "bufcache_store_lease_age_seconds",
+            label,
+            lease.age_ns() as f64 / 1e9,
+            "Seconds since the send time of the newest successful renewal of the disk lock's lease.",
+            "gauge",
+        );
+    }
+    if let Some(replica) = store.replica() {
+        sample(
+            text,
+            "bufcache_store_replica_lag_seconds",
+            label,
+            replica.lag_seconds(),
+            "Seconds since the newest successful refresh of the read replica started: it serves every write the writer made durable before then.",
+            "gauge",
+        );
     }
 }
 

@@ -124,6 +124,11 @@ pub struct ServeArgs {
     /// Refuse writes.
     #[arg(short = 'r', long)]
     read_only: bool,
+    /// Stand by for an S3 log-layout disk another server writes: wait (as the disk's one
+    /// standby) until that server's lease lapses, then take the disk over with a new epoch and
+    /// serve it (docs/s3.md, "Standby").
+    #[arg(long)]
+    standby: bool,
     /// Open backing files with O_DIRECT (bypassing the host page cache).
     #[arg(long)]
     direct: bool,
@@ -688,6 +693,13 @@ fn prepare_backend(
     if spec.starts_with("s3://") {
         let mut url = bufcache_s3::S3Url::parse(spec).map_err(bufcache_s3::OpenError::from)?;
         url.create_size_bytes = url.create_size_bytes.or(args.create_size);
+        url.standby = args.standby;
+        if args.standby {
+            say!(
+                "{}: standing by; this server takes the disk over when its writer's lease lapses",
+                s3_disk_name(&url)
+            );
+        }
         let name = s3_disk_name(&url);
         // Read before anything is written: the disk's id and generation decide whether its
         // rescue file and local cache may be attached, and a refusal must leave the store as
@@ -894,6 +906,12 @@ enum Event {
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    if args.standby && args.read_only {
+        return Err(crate::UsageError(
+            "--standby waits to take the disk over and write it, and -r never writes: for a server that follows the writer read-only, use -r with follow=SECONDS in the URL".into(),
+        )
+        .into());
+    }
     if args.fork {
         return Err(crate::UsageError(
             "--fork: bufcache serve always stays in the foreground; start it from a service \
@@ -985,6 +1003,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut meters = Vec::new();
     let mut objects: Vec<(String, ObjectHandle)> = Vec::new();
     let specs = export_specs(&args)?;
+    if args.standby {
+        if let Some((_, backend, _)) = specs
+            .iter()
+            .find(|(_, backend, _)| !backend.starts_with("s3://"))
+        {
+            return Err(crate::UsageError(format!("--standby takes over an S3 log-layout disk when its writer's lease lapses, and backend `{backend}` is not an s3:// disk")).into());
+        }
+    }
     let is_file = |spec: &str| {
         ![
             "memory:",
@@ -1097,6 +1123,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             _lock: lock,
         } = backend_prepared.open()?;
         let lease = s3.as_ref().and_then(|device| device.lease());
+        let replica = s3.as_ref().and_then(|device| device.replica().cloned());
         // With a local cache the cache keeps what the log layout has not uploaded (its epoch
         // is written back only once the backend flushed it): only without one is it saved
         // from the device at shutdown.
@@ -1158,6 +1185,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             });
         }
         objects.push((name.clone(), object.reopen()));
+        if let Some(replica) = replica {
+            // A refresh that maps a range anew makes the cache read it again.
+            let handle = object.reopen();
+            replica.set_on_change(Arc::new(move |offset, length| {
+                handle.forget_clean(offset, length)
+            }));
+        }
         let mut cache_export = CacheExport::new(object);
         if let Some(lease) = lease {
             cache_export = cache_export.with_gate(Arc::new(LeaseGate(lease)));

@@ -43,6 +43,14 @@ fn serve_args(url: &str) -> Vec<&str> {
     ]
 }
 
+/// A directory of its own for one server, as on a machine of its own (a rescue file is per
+/// machine).
+fn home(dir: &std::path::Path, name: &str) -> std::path::PathBuf {
+    let path = dir.join(name);
+    std::fs::create_dir_all(&path).unwrap();
+    path
+}
+
 fn read_block(client: &NbdClient, block: u64) -> Vec<u8> {
     let mut back = vec![0u8; BLOCK];
     client.read(block * BLOCK as u64, &mut back).unwrap();
@@ -53,17 +61,35 @@ fn read_block(client: &NbdClient, block: u64) -> Vec<u8> {
 // within lease + 5 s, and no write a FLUSH acknowledged is lost. Method: rounds on one moto
 // disk (lease 2 s): the current server gets tagged writes with a FLUSH every 8, then more
 // writes without a FLUSH, and is killed with SIGKILL; the next server is started at once and
-// timed until it accepts; it must hold the newest flushed write of every block (or a later
-// one of that round). TAKEOVER_ROUNDS sets the rounds (default 3; `TAKEOVER_ROUNDS=50` is the
-// long form).
+// timed until it accepts and a WRITE and a FLUSH succeed; it must hold the newest flushed
+// write of every block. TAKEOVER_ROUNDS sets the rounds (default 3; `TAKEOVER_ROUNDS=50` is
+// the long form).
 #[test]
 fn a_new_server_takes_over_a_killed_writer_within_lease_plus_5s_losing_no_flushed_write() {
     let name =
         "a_new_server_takes_over_a_killed_writer_within_lease_plus_5s_losing_no_flushed_write";
-    if !have_moto(name) {
-        return;
+    if have_moto(name) {
+        let _timer = Timer::new(name);
+        killed_writer_rounds(false);
     }
-    let _timer = Timer::new(name);
+}
+
+// Goal: a standby (`serve --standby`, started while the writer runs) takes the disk over after
+// kill -9 of the writer within lease + 5 s, losing no FLUSH-acknowledged write. Method: the
+// rounds of the test above, the next server started with --standby before the kill (each new
+// writer gets a new standby).
+#[test]
+fn a_standby_takes_over_a_killed_writer_within_lease_plus_5s_losing_no_flushed_write() {
+    let name = "a_standby_takes_over_a_killed_writer_within_lease_plus_5s_losing_no_flushed_write";
+    if have_moto(name) {
+        let _timer = Timer::new(name);
+        killed_writer_rounds(true);
+    }
+}
+
+/// Rounds of write, FLUSH, kill -9 and takeover, by a server started after the kill or by a
+/// standby started before it.
+fn killed_writer_rounds(standby: bool) {
     let rounds: u64 = std::env::var("TAKEOVER_ROUNDS")
         .ok()
         .and_then(|text| text.parse().ok())
@@ -76,7 +102,7 @@ fn a_new_server_takes_over_a_killed_writer_within_lease_plus_5s_losing_no_flushe
         moto.endpoint()
     );
     let create = format!("{url}&create-size=1M&layout=log&segment-size=64k");
-    let mut server = Server::start(dir.path(), "round0", &serve_args(&create));
+    let mut server = Server::start(&home(dir.path(), "round0"), "server", &serve_args(&create));
     // The newest write of each block a FLUSH acknowledged: (round, write).
     let mut flushed: Vec<Option<(u64, u64)>> = vec![None; BLOCKS as usize];
     let mut takeover_seconds_max = 0f64;
@@ -118,13 +144,26 @@ fn a_new_server_takes_over_a_killed_writer_within_lease_plus_5s_losing_no_flushe
                 .write(block * BLOCK as u64, &tagged(round, write, block))
                 .unwrap();
         }
-        server.kill9();
-        let started = Instant::now();
-        server = Server::start(
-            dir.path(),
-            &format!("round{}", round + 1),
-            &serve_args(&url),
-        );
+        let next_dir = home(dir.path(), &format!("round{}", round + 1));
+        let next_url = url.clone();
+        let start_next = move || {
+            let mut args = serve_args(&next_url);
+            if standby {
+                args.push("--standby");
+            }
+            Server::start(&next_dir, "server", &args)
+        };
+        let (started, next) = if standby {
+            let next = std::thread::spawn(start_next);
+            // Registered and watching before the writer dies.
+            std::thread::sleep(Duration::from_secs(1));
+            server.kill9();
+            (Instant::now(), next.join().unwrap())
+        } else {
+            server.kill9();
+            (Instant::now(), start_next())
+        };
+        server = next;
         let client = NbdClient::connect(&server.uri()).unwrap();
         client.write(0, &read_block(&client, 0)).unwrap();
         client.flush().unwrap();
@@ -160,29 +199,35 @@ fn a_writer_frozen_past_its_lease_acknowledges_nothing_after_resuming() {
         return;
     }
     let _timer = Timer::new(name);
+    // FROZEN_ROUNDS repeats it on fresh disks (default 1; `FROZEN_ROUNDS=20` is the long form).
+    let rounds: u64 = std::env::var("FROZEN_ROUNDS")
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .unwrap_or(1);
     let moto = Moto::start();
     moto.create_bucket("disks");
+    for round in 0..rounds {
+        frozen_writer_round(&moto, round);
+    }
+    println!("{rounds} rounds: the resumed writer acknowledged nothing");
+}
+
+/// One round of the frozen-writer test on disk `vm{round}`.
+fn frozen_writer_round(moto: &Moto, round: u64) {
     let dir = temp_dir();
     let url = format!(
-        "s3://disks/vm?endpoint={}&lease={LEASE_SECONDS}",
+        "s3://disks/vm{round}?endpoint={}&lease={LEASE_SECONDS}",
         moto.endpoint()
     );
     let create = format!("{url}&create-size=1M&layout=log");
-    // Each server in a directory of its own, as on machines of their own (a rescue file is
-    // per machine).
-    let home = |name: &str| {
-        let path = dir.path().join(name);
-        std::fs::create_dir_all(&path).unwrap();
-        path
-    };
-    let mut first = Server::start(&home("a"), "first", &serve_args(&create));
+    let mut first = Server::start(&home(dir.path(), "a"), "first", &serve_args(&create));
     let to_first = NbdClient::connect(&first.uri()).unwrap();
     to_first.write(0, &tagged(1, 0, 0)).unwrap();
     to_first.flush().unwrap();
 
     send_signal(first.pid(), SIGSTOP);
     let started = Instant::now();
-    let mut second = Server::start(&home("b"), "second", &serve_args(&url));
+    let mut second = Server::start(&home(dir.path(), "b"), "second", &serve_args(&url));
     assert!(started.elapsed() >= Duration::from_secs(LEASE_SECONDS));
     let to_second = NbdClient::connect(&second.uri()).unwrap();
     assert_eq!(read_block(&to_second, 0), tagged(1, 0, 0));
@@ -235,7 +280,7 @@ fn a_writer_frozen_past_its_lease_acknowledges_nothing_after_resuming() {
     first.kill9();
     second.stop_clean();
 
-    let third = Server::start(&home("c"), "third", &serve_args(&url));
+    let third = Server::start(&home(dir.path(), "c"), "third", &serve_args(&url));
     let client = NbdClient::connect(&third.uri()).unwrap();
     assert_eq!(read_block(&client, 0), tagged(1, 0, 0));
     assert_eq!(read_block(&client, 1), tagged(2, 0, 1));
@@ -245,4 +290,80 @@ fn a_writer_frozen_past_its_lease_acknowledges_nothing_after_resuming() {
             "block {block}: a write the old writer received after its lease lapsed is on the disk"
         );
     }
+}
+
+// Goal: a standby that cannot be honoured is refused with a reason, changing nothing. Method:
+// a second --standby while one waits; --standby on a chunk-layout disk; --standby with -r;
+// --standby on a file backend; --standby with lease=off. Each must exit 2 naming the problem.
+#[test]
+fn standby_requests_that_cannot_be_honoured_are_refused_with_a_reason() {
+    let name = "standby_requests_that_cannot_be_honoured_are_refused_with_a_reason";
+    if !have_moto(name) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    let moto = Moto::start();
+    moto.create_bucket("disks");
+    let dir = temp_dir();
+    let refused = |args: &[&str]| {
+        let output = run_timeout(
+            std::process::Command::new(bufcache_bin())
+                .arg("serve")
+                .args(args)
+                .arg("--listen")
+                .arg(format!(
+                    "unix:{}",
+                    dir.path().join("refused.sock").display()
+                ))
+                .current_dir(dir.path()),
+            Duration::from_secs(60),
+        );
+        assert_eq!(output.status.code(), Some(2), "{}", output_text(&output));
+        output_text(&output)
+    };
+    let url = format!(
+        "s3://disks/vm?endpoint={}&lease={LEASE_SECONDS}",
+        moto.endpoint()
+    );
+    let writer = Server::start(
+        &home(dir.path(), "w"),
+        "writer",
+        &serve_args(&format!("{url}&create-size=1M&layout=log")),
+    );
+    let mut first_standby = ChildGuard::spawn(
+        std::process::Command::new(bufcache_bin())
+            .args(["serve", "--standby", "--backend", &url, "--listen"])
+            .arg(format!(
+                "unix:{}",
+                dir.path().join("standby.sock").display()
+            ))
+            .current_dir(home(dir.path(), "s")),
+        "standby",
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    let text = refused(&["--standby", "--backend", &url]);
+    assert!(text.contains("already has a standby"), "{text}");
+    assert!(first_standby.running(), "the first standby gave up");
+    drop(first_standby);
+    drop(writer);
+
+    let chunk = format!(
+        "s3://disks/chunk?endpoint={}&layout=chunk&create-size=1M",
+        moto.endpoint()
+    );
+    let text = refused(&["--standby", "--backend", &chunk]);
+    assert!(text.contains("log layout"), "{text}");
+    let text = refused(&["--standby", "-r", "--backend", &url]);
+    assert!(text.contains("follow="), "{text}");
+    let file = dir.path().join("disk.img");
+    let text = refused(&[
+        "--standby",
+        "--backend",
+        file.to_str().unwrap(),
+        "--create-size",
+        "1M",
+    ]);
+    assert!(text.contains("not an s3:// disk"), "{text}");
+    let text = refused(&["--standby", "--backend", &format!("{url}&lease=off")]);
+    assert!(text.contains("lease=off"), "{text}");
 }

@@ -116,7 +116,7 @@ impl S3Device {
     /// read back.
     pub fn undurable_extents(&self) -> (Vec<(u64, Vec<u8>)>, u64) {
         match &self.store {
-            Layout::Chunk(_) => (Vec::new(), 0),
+            Layout::Chunk(_) | Layout::Replica(_) => (Vec::new(), 0),
             Layout::Log(store) => store.undurable_extents(),
         }
     }
@@ -140,7 +140,7 @@ impl S3Device {
     pub fn store(&self) -> Option<&ChunkStore> {
         match &self.store {
             Layout::Chunk(store) => Some(store),
-            Layout::Log(_) => None,
+            Layout::Log(_) | Layout::Replica(_) => None,
         }
     }
 
@@ -154,7 +154,25 @@ impl S3Device {
     pub fn log_store(&self) -> Option<&LogStore> {
         match &self.store {
             Layout::Log(store) => Some(store),
-            Layout::Chunk(_) => None,
+            Layout::Chunk(_) | Layout::Replica(_) => None,
+        }
+    }
+
+    /// The read replica, when this open follows a log another server writes (`follow=`).
+    pub fn replica(&self) -> Option<&Arc<crate::replica::Replica>> {
+        match &self.store {
+            Layout::Replica(replica) => Some(replica),
+            Layout::Chunk(_) | Layout::Log(_) => None,
+        }
+    }
+
+    /// What this open is to its disk: `writer` (holds the lock), `replica` (follows the
+    /// writer, `follow=`), or None (read-only, following nothing).
+    pub fn role(&self) -> Option<&'static str> {
+        match &self.store {
+            Layout::Replica(_) => Some("replica"),
+            _ if self.read_only().is_none() => Some("writer"),
+            _ => None,
         }
     }
 }

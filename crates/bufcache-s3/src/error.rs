@@ -57,6 +57,12 @@ pub enum OpenError {
         holder: String,
         lease_ms: u64,
     },
+    #[error("{url}: the disk already has a standby: {holder} (it renews `{key}`); one standby per disk, so stop that one first")]
+    StandbyExists {
+        url: String,
+        key: String,
+        holder: String,
+    },
     #[error("{url}: lease={lease_ms}ms is shorter than {round_trips} round trips of the lock's PUT ({round_trip_ms} ms each): the server could not renew it in time; give a longer lease=")]
     LeaseTooShort {
         url: String,
@@ -64,7 +70,7 @@ pub enum OpenError {
         round_trip_ms: u64,
         round_trips: u64,
     },
-    #[error("{url}: {}the disk is in use by {holder} (lock object `{key}`); a read-only server would serve data that server has since overwritten: stop it first, or add break-lock={} to the URL to serve the disk read-only anyway (the lock is left in place)", break_lock_mismatch(.asked), .id)]
+    #[error("{url}: {}the disk is in use by {holder} (lock object `{key}`); a read-only server would serve data that server has since overwritten: stop it first, add follow=SECONDS to the URL to serve a log-layout disk as a read replica that follows that server, or add break-lock={} to serve the disk read-only anyway (the lock is left in place)", break_lock_mismatch(.asked), .id)]
     LockedReadOnly {
         url: String,
         key: String,

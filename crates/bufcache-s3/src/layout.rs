@@ -8,6 +8,7 @@ use crate::log::{LogConfig, LogStore};
 use std::sync::Arc;
 
 use crate::meters::{LogStoreStats, StoreMeters};
+use crate::replica::Replica;
 use crate::store::{connect_counted, ChunkStore, Create, DiskState, ReadOnly};
 use crate::url::{LayoutKind, S3Url};
 
@@ -16,15 +17,43 @@ use crate::url::{LayoutKind, S3Url};
 pub enum Layout {
     Chunk(ChunkStore),
     Log(LogStore),
+    /// A read replica of a log-layout disk (`follow=`).
+    Replica(Arc<Replica>),
 }
+
+/// Why a replica refuses writes.
+static REPLICA: ReadOnly = ReadOnly::Replica;
 
 impl Layout {
     /// Opens the disk `url` names with the layout its metadata object records (a new disk
     /// gets the URL's `layout=`, else [`crate::LAYOUT_DEFAULT`]) and takes its lock; every
     /// request is counted in `meters`.
     pub fn open_locked(url: &S3Url, meters: Arc<StoreMeters>) -> Result<Layout, OpenError> {
+        if url.follow_ms.is_some() {
+            return Err(OpenError::Config {
+                url: url.to_string(),
+                reason: "follow= makes a read replica, which never writes: serve it read-only (-r)"
+                    .to_string(),
+            });
+        }
+        if url.standby && url.lease_ms.is_none() {
+            return Err(OpenError::Config {
+                url: url.to_string(),
+                reason: "a standby takes the disk when the writer's lease lapses, and lease=off has none".to_string(),
+            });
+        }
+        let chunk_refused = || {
+            OpenError::Config {
+            url: url.to_string(),
+            reason: "a standby needs the log layout: a chunk-layout disk has no epochs to fence a paused writer's late writes, so only break-lock= takes it over".to_string(),
+        }
+        };
+        if url.standby && url.layout == Some(LayoutKind::Chunk) {
+            return Err(chunk_refused());
+        }
         let connection = connect_counted(url, Create::IfAsked, meters)?;
         match connection.metadata.layout {
+            LayoutKind::Chunk if url.standby => Err(chunk_refused()),
             LayoutKind::Chunk => Ok(Layout::Chunk(
                 ChunkStore::from_connection(url, connection)?.take_lock(url)?,
             )),
@@ -39,6 +68,9 @@ impl Layout {
     /// Opens an existing disk read-only, writing nothing (see [`ChunkStore::open_read_only`]
     /// and [`LogStore::open_read_only`]); every request is counted in `meters`.
     pub fn open_read_only(url: &S3Url, meters: Arc<StoreMeters>) -> Result<Layout, OpenError> {
+        if url.follow_ms.is_some() {
+            return Ok(Layout::Replica(Replica::open(url, meters)?));
+        }
         let connection = connect_counted(url, Create::Never, meters)?;
         match connection.metadata.layout {
             LayoutKind::Chunk => Ok(Layout::Chunk(ChunkStore::read_only_from_connection(
@@ -58,6 +90,7 @@ impl Layout {
         match self {
             Layout::Chunk(store) => store.read_only(),
             Layout::Log(store) => store.read_only(),
+            Layout::Replica(_) => Some(&REPLICA),
         }
     }
 
@@ -65,6 +98,7 @@ impl Layout {
         match self {
             Layout::Chunk(store) => store.read(buffer, offset),
             Layout::Log(store) => store.read(buffer, offset),
+            Layout::Replica(replica) => replica.read(buffer, offset),
         }
     }
 
@@ -72,6 +106,7 @@ impl Layout {
         match self {
             Layout::Chunk(store) => store.write(data, offset),
             Layout::Log(store) => store.write(&data, offset),
+            Layout::Replica(replica) => Err(replica_refuses(replica)),
         }
     }
 
@@ -79,6 +114,10 @@ impl Layout {
         match self {
             Layout::Chunk(store) => store.write_batch(writes),
             Layout::Log(store) => store.write_batch(writes),
+            Layout::Replica(replica) => writes
+                .iter()
+                .map(|_| Err(replica_refuses(replica)))
+                .collect(),
         }
     }
 
@@ -86,6 +125,7 @@ impl Layout {
         match self {
             Layout::Chunk(store) => store.write_zeroes(offset, length),
             Layout::Log(store) => store.write_zeroes(offset, length),
+            Layout::Replica(replica) => Err(replica_refuses(replica)),
         }
     }
 
@@ -93,7 +133,7 @@ impl Layout {
     /// for; the log layout seals and uploads its open segment.
     pub fn flush(&self) -> Result<(), StoreError> {
         match self {
-            Layout::Chunk(_) => Ok(()),
+            Layout::Chunk(_) | Layout::Replica(_) => Ok(()),
             Layout::Log(store) => store.flush(),
         }
     }
@@ -103,6 +143,7 @@ impl Layout {
         match self {
             Layout::Chunk(store) => DiskState::of(&store.metadata()),
             Layout::Log(store) => DiskState::of(&store.metadata()),
+            Layout::Replica(replica) => DiskState::of(&replica.current().metadata()),
         }
     }
 
@@ -112,13 +153,20 @@ impl Layout {
         match self {
             Layout::Chunk(store) => store.stored_runs(offset, length),
             Layout::Log(store) => store.mapped_runs(offset, length),
+            Layout::Replica(replica) => replica.current().mapped_runs(offset, length),
         }
     }
 
     /// The log layout's store figures (None for the chunk layout).
     pub fn log_stats(&self) -> Option<LogStoreStats> {
-        let Layout::Log(store) = self else {
-            return None;
+        let view;
+        let store = match self {
+            Layout::Log(store) => store,
+            Layout::Replica(replica) => {
+                view = replica.current();
+                &*view
+            }
+            Layout::Chunk(_) => return None,
         };
         let live_bytes = store.mapped_bytes();
         let gc = store.gc_totals();
@@ -135,6 +183,7 @@ impl Layout {
         match self {
             Layout::Chunk(store) => store.metadata().size_bytes,
             Layout::Log(store) => store.metadata().size_bytes,
+            Layout::Replica(replica) => replica.current().metadata().size_bytes,
         }
     }
 
@@ -143,7 +192,7 @@ impl Layout {
     pub fn write_unit_bytes(&self) -> u64 {
         match self {
             Layout::Chunk(store) => store.metadata().chunk_size_bytes,
-            Layout::Log(_) => 1,
+            Layout::Log(_) | Layout::Replica(_) => 1,
         }
     }
 
@@ -151,6 +200,7 @@ impl Layout {
         match self {
             Layout::Chunk(store) => store.requests_in_flight_max(),
             Layout::Log(store) => store.config().requests_in_flight_max,
+            Layout::Replica(replica) => replica.current().config().requests_in_flight_max,
         }
     }
 
@@ -158,6 +208,14 @@ impl Layout {
         match self {
             Layout::Chunk(store) => store.url(),
             Layout::Log(store) => store.url(),
+            Layout::Replica(replica) => replica.url(),
         }
+    }
+}
+
+fn replica_refuses(replica: &Replica) -> StoreError {
+    StoreError::ReadOnly {
+        url: replica.url().to_string(),
+        reason: REPLICA.to_string(),
     }
 }

@@ -18,6 +18,7 @@ pub mod lease;
 mod lock;
 mod log;
 mod meters;
+pub mod replica;
 mod retry_writes;
 mod seal;
 pub mod sim_check;

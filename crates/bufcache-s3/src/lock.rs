@@ -31,6 +31,9 @@ use crate::url::S3Url;
 
 /// Name of the lock object under the prefix.
 pub const LOCK_NAME: &str = "bufcache-lock.json";
+/// Name of the object a standby holds, under a lease like the lock's, while it waits for the
+/// disk: a second standby finds it renewed and is refused.
+pub const STANDBY_NAME: &str = "bufcache-standby.json";
 
 /// Who holds a lock, as stored in the lock object.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -120,6 +123,32 @@ impl LockHolder {
             lease_ms: value["lease_ms"].as_u64(),
             renewal: value["renewal"].as_u64().unwrap_or(0),
         })
+    }
+}
+
+/// Registers this process as the disk's one standby: takes the standby object under a lease
+/// (renewed like the lock's); refused ([`OpenError::StandbyExists`]) while another standby
+/// renews it.
+pub(crate) async fn register_standby(
+    runtime: tokio::runtime::Handle,
+    store: Arc<AmazonS3>,
+    url: &S3Url,
+) -> Result<Arc<DiskLock>, OpenError> {
+    match DiskLock::acquire_named(runtime, store, url, STANDBY_NAME, Takeover::AfterLapse).await {
+        Ok(Acquired::Held(standby)) => Ok(standby),
+        Ok(Acquired::WritesRefused(answer)) => Err(OpenError::Config {
+            url: url.to_string(),
+            reason: format!(
+                "a standby must be able to write, and the store refuses writes ({answer})"
+            ),
+        }),
+        Err(OpenError::LeaseHeld { holder, key, .. })
+        | Err(OpenError::Locked { holder, key, .. }) => Err(OpenError::StandbyExists {
+            url: url.to_string(),
+            key,
+            holder,
+        }),
+        Err(error) => Err(error),
     }
 }
 
@@ -378,6 +407,8 @@ pub(crate) enum Takeover {
     /// Watch it for one lease: taken when nobody renewed it, refused
     /// ([`OpenError::LeaseHeld`]) when its holder did.
     AfterLapse,
+    /// Watch it until its lease lapses, however long that takes (a standby).
+    WaitForLapse,
 }
 
 /// The lock object as one read found it.
@@ -407,8 +438,20 @@ impl DiskLock {
         url: &S3Url,
         takeover: Takeover,
     ) -> Result<Acquired, OpenError> {
+        Self::acquire_named(runtime, store, url, LOCK_NAME, takeover).await
+    }
+
+    /// [`DiskLock::acquire_with`] of the object `name` under the prefix (the lock, or the
+    /// standby's object).
+    pub(crate) async fn acquire_named(
+        runtime: tokio::runtime::Handle,
+        store: Arc<AmazonS3>,
+        url: &S3Url,
+        name: &str,
+        takeover: Takeover,
+    ) -> Result<Acquired, OpenError> {
         let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
-        let acquired = Self::take(runtime, store.clone(), url, clock, takeover).await?;
+        let acquired = Self::take(runtime, store.clone(), url, name, clock, takeover).await?;
         if let (Acquired::Held(lock), Some(lease_ms)) = (&acquired, url.lease_ms) {
             let lease_ns = lease_ms * 1_000_000;
             if lock.round_trip_ns.saturating_mul(LEASE_ROUND_TRIPS_MIN) > lease_ns {
@@ -493,10 +536,11 @@ impl DiskLock {
         runtime: tokio::runtime::Handle,
         store: Arc<AmazonS3>,
         url: &S3Url,
+        name: &str,
         clock: Arc<dyn Clock>,
         takeover: Takeover,
     ) -> Result<Acquired, OpenError> {
-        let key = url.key(LOCK_NAME);
+        let key = url.key(name);
         let path = ObjectPath::from(key.as_str());
         let holder = LockHolder::of_this_process(url.lease_ms);
         let request_error = |operation: &str, error: object_store::Error| OpenError::Request {
@@ -581,7 +625,12 @@ impl DiskLock {
                     });
                 };
                 let lease_ns = stale_lease_ms.saturating_mul(1_000_000);
-                let watch = watch.get_or_insert_with(|| LapseWatch::new(lease_ns));
+                let watch = watch.get_or_insert_with(|| {
+                    if takeover == Takeover::WaitForLapse {
+                        tracing::info!(disk = %url, holder = %stale, lease_ms = stale_lease_ms, "standing by: the disk is taken over when its holder's lease lapses");
+                    }
+                    LapseWatch::new(lease_ns)
+                });
                 let first_seen_ns = watch.since_ns();
                 if watch.observe(tag, clock.now_ns()) {
                     tracing::warn!(disk = %url, holder = %stale, lease_ms = stale_lease_ms, "the lock's lease lapsed unrenewed; taking the disk over");

@@ -331,12 +331,19 @@ pub enum ReadOnly {
     /// The store answered the lock's create-only PUT 403 Forbidden, so these credentials (or
     /// the bucket's policy) may not write; the store's answer, on one line. No lock is held.
     WritesRefused(String),
+    /// A read replica (`follow=`): it follows the log another server writes, never taking
+    /// the lock (module `replica`).
+    Replica,
 }
 
 impl std::fmt::Display for ReadOnly {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             ReadOnly::Requested => write!(formatter, "opened read-only as asked"),
+            ReadOnly::Replica => write!(
+                formatter,
+                "a read replica, following the server that writes the disk"
+            ),
             ReadOnly::WritesRefused(answer) => {
                 write!(formatter, "the store refuses writes: {answer}")
             }

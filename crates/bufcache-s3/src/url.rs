@@ -88,7 +88,7 @@ pub enum UrlError {
     Scheme(String),
     #[error("`{0}`: missing bucket name; expected s3://BUCKET/PREFIX")]
     MissingBucket(String),
-    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, layout, chunk-size, segment-size, gc, gc-threshold, key-file, compress, create-size, retry-timeout-ms, break-lock, lock, recover-prefix, lease, credentials, snapshot")]
+    #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, layout, chunk-size, segment-size, gc, gc-threshold, key-file, compress, create-size, retry-timeout-ms, break-lock, lock, lease, follow, recover-prefix, credentials, snapshot")]
     UnknownParameter { url: String, name: String },
     #[error("`{url}`: parameter `{name}` given twice")]
     DuplicateParameter { url: String, name: String },
@@ -166,6 +166,14 @@ pub struct S3Url {
     /// `lease=off` (None): the lock has no lease, is never renewed, and is taken only with
     /// `break-lock=` (the behaviour before leases).
     pub lease_ms: Option<u64>,
+    /// `follow=SECONDS` (log layout, read-only): serve the disk as a read replica that never
+    /// takes the lock and refreshes its view of the log this often (module `replica`), in
+    /// milliseconds; None: a read-only open that another server's lock refuses.
+    pub follow_ms: Option<u64>,
+    /// Set by `serve --standby`, not by the URL: a writable open that finds the disk held
+    /// waits (registered as the disk's one standby) until the holder's lease lapses, then
+    /// takes it over (docs/s3.md, "Standby").
+    pub standby: bool,
 }
 
 /// The longest snapshot name, in bytes.
@@ -241,6 +249,8 @@ impl S3Url {
             credentials_instance: false,
             snapshot: None,
             lease_ms: Some(crate::lease::LEASE_DEFAULT_MS),
+            follow_ms: None,
+            standby: false,
         };
         let mut seen: Vec<String> = Vec::new();
         for pair in query
@@ -375,6 +385,17 @@ impl S3Url {
                     }
                     url.snapshot = Some(value.to_string());
                 }
+                "follow" => {
+                    let seconds: f64 = value
+                        .parse()
+                        .map_err(|_| bad("expected a number of seconds such as 5"))?;
+                    if !(0.1..=3600.0).contains(&seconds) {
+                        return Err(bad(
+                            "a replica refreshes from every 0.1 to every 3600 seconds",
+                        ));
+                    }
+                    url.follow_ms = Some((seconds * 1000.0).round() as u64);
+                }
                 "lease" if value == "off" => url.lease_ms = None,
                 "lease" => {
                     let seconds: f64 = value
@@ -452,7 +473,7 @@ mod tests {
         let url = S3Url::parse(
             "s3://vm-disks/db1/?endpoint=http://127.0.0.1:9000&region=eu-west-1&path-style=false\
              &chunk-size=1M&create-size=100G&retry-timeout-ms=500&break-lock=0A1b\
-             &layout=log&segment-size=16M&lock=off&gc=off&gc-threshold=0.25&recover-prefix=on&lease=2.5",
+             &layout=log&segment-size=16M&lock=off&gc=off&gc-threshold=0.25&recover-prefix=on&lease=2.5&follow=2",
         )
         .unwrap();
         assert_eq!(url.bucket, "vm-disks");
@@ -471,6 +492,7 @@ mod tests {
         assert_eq!(url.gc_threshold_ppm, Some(250_000));
         assert!(url.recover_prefix);
         assert_eq!(url.lease_ms, Some(2_500));
+        assert_eq!(url.follow_ms, Some(2_000));
         assert_eq!(S3Url::parse("s3://b/p?lease=off").unwrap().lease_ms, None);
         assert_eq!(
             S3Url::parse("s3://b/p").unwrap().lease_ms,
@@ -533,6 +555,8 @@ mod tests {
             ("s3://b/p?segment-size=2G", "segment-size"),
             ("s3://b/p?break-lock=", "break-lock"),
             ("s3://b/p?lease=0.5", "lease"),
+            ("s3://b/p?follow=0", "follow"),
+            ("s3://b/p?follow=often", "follow"),
             ("s3://b/p?lease=soon", "lease"),
             ("s3://b/p?lease=100000", "lease"),
             ("s3://b/p?key-file=", "key-file"),

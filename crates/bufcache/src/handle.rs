@@ -1721,6 +1721,23 @@ impl ObjectHandle {
         unseen.map_or(Ok(()), Err)
     }
 
+    /// Drops the clean cached blocks overlapping `[offset, offset + length_bytes)` (clipped to
+    /// the object), so the next read of them asks the device again: for a device whose data
+    /// changed under the cache (a read replica that refreshed). Dirty blocks are kept. A read
+    /// of such a block in flight holds its buffer, so it finishes first and is dropped too.
+    pub fn forget_clean(&self, offset: u64, length_bytes: u64) {
+        let block_size = self.object.block_size_bytes as u64;
+        assert!(block_size > 0);
+        let first = offset / block_size;
+        let end = offset
+            .saturating_add(length_bytes)
+            .div_ceil(block_size)
+            .min(self.object.block_count);
+        if first < end {
+            self.invalidate_blocks(first, end, false);
+        }
+    }
+
     /// Drops cached blocks wholly inside the range and tells the device the range is unused.
     /// Blocks partly inside keep their data (a discard is advisory).
     pub fn discard(&self, offset: u64, length_bytes: u64) -> Result<(), CacheError> {

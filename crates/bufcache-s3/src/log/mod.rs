@@ -592,8 +592,9 @@ impl LogStore {
     ) -> Result<LogStore, OpenError> {
         let sealer = check_layout(url, &connection.metadata, &config)?;
         // A snapshot never changes, so it is served while a server holds the disk (whose
-        // collector keeps every segment the snapshot names).
-        if url.snapshot.is_none() {
+        // collector keeps every segment the snapshot names); a replica follows the server
+        // holding the lock; any other read-only open refuses it.
+        if url.snapshot.is_none() && !matches!(why, ReadOnly::Replica) {
             connection
                 .runtime
                 .block_on(check_not_held(&connection.store, url))?;
@@ -624,12 +625,33 @@ impl LogStore {
         if url.snapshot.is_some() {
             return Err(snapshot_writable(url));
         }
-        let lock = match connection.runtime.block_on(DiskLock::acquire_with(
+        // A standby first registers as the disk's one standby, then waits for the lock.
+        let standby = if url.standby {
+            Some(connection.runtime.block_on(crate::lock::register_standby(
+                connection.runtime.handle().clone(),
+                connection.store.clone(),
+                url,
+            ))?)
+        } else {
+            None
+        };
+        let takeover = if url.standby {
+            Takeover::WaitForLapse
+        } else {
+            Takeover::AfterLapse
+        };
+        let acquired = connection.runtime.block_on(DiskLock::acquire_with(
             connection.runtime.handle().clone(),
             connection.store.clone(),
             url,
-            Takeover::AfterLapse,
-        ))? {
+            takeover,
+        ));
+        if let Some(standby) = standby {
+            if let Err(error) = connection.runtime.block_on(standby.release_async()) {
+                tracing::warn!(disk = %url, "{error}; the next standby waits for its lease to lapse");
+            }
+        }
+        let lock = match acquired? {
             Acquired::Held(lock) => lock,
             // Credentials that may read but not write: served read-only, as a chunk disk.
             Acquired::WritesRefused(answer) => {
@@ -950,6 +972,25 @@ impl LogStore {
             kept.get(segment),
             counted.get(segment)
         ))
+    }
+
+    /// Every mapping of the index as (disk offset, length, segment, object address): two opens
+    /// map a range alike exactly when they read the same bytes there (a replica's refresh
+    /// compares them).
+    pub(crate) fn index_entries(&self) -> Vec<(u64, u64, u64, u64)> {
+        let state = self.core.shared.lock();
+        state
+            .index
+            .iter()
+            .map(|(offset, mapping)| {
+                (
+                    offset,
+                    mapping.length,
+                    mapping.segment,
+                    mapping.object_offset,
+                )
+            })
+            .collect()
     }
 
     /// Writes `data` at `offset` (durable at the next successful [`LogStore::flush`]).
