@@ -44,9 +44,15 @@ fn disk_name(url: &S3Url) -> String {
     format!("s3://{}/{}", url.bucket, url.prefix)
 }
 
-/// Listens on `path` (a stale socket file no server answers on is replaced) and serves
-/// requests for `disks` on a thread of its own for the life of the process.
-pub(crate) fn start(path: &Path, disks: Vec<Arc<S3Device>>, sync: Sync) -> anyhow::Result<()> {
+/// The control socket, bound but not yet answering: bound at start before any disk is
+/// opened for writing, so that a path in use refuses the start with every store unchanged.
+pub(crate) struct Bound {
+    listener: UnixListener,
+    path: PathBuf,
+}
+
+/// Binds `path` (a stale socket file no server answers on is replaced), mode 0600.
+pub(crate) fn bind(path: &Path) -> anyhow::Result<Bound> {
     if path.exists() {
         if UnixStream::connect(path).is_ok() {
             return Err(BadInput(format!(
@@ -62,7 +68,16 @@ pub(crate) fn start(path: &Path, disks: Vec<Arc<S3Device>>, sync: Sync) -> anyho
         .with_context(|| format!("--control {}: cannot listen", path.display()))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("--control {}: cannot restrict to this user", path.display()))?;
-    let path = path.to_path_buf();
+    Ok(Bound {
+        listener,
+        path: path.to_path_buf(),
+    })
+}
+
+/// Serves requests for `disks` on the bound socket, on a thread of its own for the life of
+/// the process.
+pub(crate) fn start(bound: Bound, disks: Vec<Arc<S3Device>>, sync: Sync) -> anyhow::Result<()> {
+    let Bound { listener, path } = bound;
     std::thread::Builder::new()
         .name("bufcache-control".into())
         .spawn(move || {

@@ -1113,6 +1113,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         None => bufcache_nbd::Listeners::bind(&server_config)?,
     };
     let metrics_listener = args.metrics.as_deref().map(metrics::bind).transpose()?;
+    if args.control.is_some() && args.local_cache.is_some() {
+        bail!("--control takes snapshots of a disk as its store has it, and with --local-cache acknowledged writes may be only in the local cache: serve without one to take snapshots");
+    }
+    let control = args
+        .control
+        .as_deref()
+        .map(crate::control::bind)
+        .transpose()?;
     for (name, backend, backend_prepared) in prepared {
         let OpenedBackend {
             device,
@@ -1244,25 +1252,19 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         server => server?,
     };
     let server = server.with_listeners(listeners)?;
-    if let Some(path) = &args.control {
-        if args.local_cache.is_some() {
-            bail!("--control takes snapshots of a disk as its store has it, and with --local-cache acknowledged writes may be only in the local cache: serve without one to take snapshots");
-        }
+    if let Some(bound) = control {
         let disks = s3_devices
             .iter()
             .map(|(_, device)| Arc::clone(device))
             .collect();
         let cache = cache.clone();
         crate::control::start(
-            path,
+            bound,
             disks,
             Box::new(move || cache.sync().map_err(|error| error.to_string())),
         )?;
-        say!(
-            "control socket on {}   (try: bufcache disk snapshot URL NAME --control {})",
-            path.display(),
-            path.display()
-        );
+        let path = args.control.as_deref().unwrap_or(Path::new("")).display();
+        say!("control socket on {path}   (try: bufcache disk snapshot URL NAME --control {path})");
     }
     if let Some(listener) = metrics_listener {
         let local = metrics::start(
