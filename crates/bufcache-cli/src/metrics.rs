@@ -89,10 +89,15 @@ impl Meters {
                         "writeback_error": stats.writeback_error,
                     })
                 });
-                let store = export
-                    .store
-                    .as_ref()
-                    .map(|store| store_json(&store.store_stats()));
+                let store = export.store.as_ref().map(|store| {
+                    let mut figures = store_json(&store.store_stats());
+                    figures["role"] = json!(store.role());
+                    figures["lease_age_seconds"] =
+                        json!(store.lease().map(|lease| lease.age_ns() as f64 / 1e9));
+                    figures["replica_lag_seconds"] =
+                        json!(store.replica().map(|replica| replica.lag_seconds()));
+                    figures
+                });
                 json!({
                     "name": export.name,
                     "store": store,

@@ -141,6 +141,25 @@ fn store_and_tier_lines(
                 "store {name:?}: request cost ${:.6} (${put_price_per_1000} per 1,000 PUT/POST/LIST, ${get_price_per_1000} per 1,000 GET/HEAD)",
                 store_cost(store, put_price_per_1000, get_price_per_1000)
             ));
+            if let Some(role) = store.get("role").and_then(Value::as_str) {
+                let seconds = |key: &str| {
+                    store
+                        .get(key)
+                        .and_then(Value::as_f64)
+                        .map(|value| {
+                            format!(
+                                ", {} {value:.1} s",
+                                key.trim_end_matches("_seconds").replace('_', " ")
+                            )
+                        })
+                        .unwrap_or_default()
+                };
+                lines.push(format!(
+                    "store {name:?}: role {role}{}{}",
+                    seconds("lease_age_seconds"),
+                    seconds("replica_lag_seconds")
+                ));
+            }
             if let Some(log) = store.get("log").filter(|log| log.is_object()) {
                 lines.push(format!(
                     "store {name:?} log layout: live {} garbage {} segments {} gc passes {} gc moved {}",

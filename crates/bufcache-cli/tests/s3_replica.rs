@@ -180,6 +180,31 @@ fn a_replica_reads_what_the_writer_flushed_within_follow_and_never_what_it_did_n
         (0.0..(FOLLOW_SECONDS + SLACK_SECONDS) as f64).contains(&lag),
         "{lag}"
     );
+    // `/stats` (what `bufcache stat` shows) says the same.
+    let stats = |log: &str| {
+        use std::io::{Read, Write};
+        let mut stream = std::net::TcpStream::connect(metrics_address(log)).unwrap();
+        stream
+            .write_all(b"GET /stats HTTP/1.0\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut text = String::new();
+        stream.read_to_string(&mut text).unwrap();
+        text
+    };
+    let replica_stats = stats(&replica.log_text());
+    assert!(
+        replica_stats.contains("\"role\":\"replica\""),
+        "{replica_stats}"
+    );
+    let writer_stats = stats(&writer.log_text());
+    assert!(
+        writer_stats.contains("\"role\":\"writer\""),
+        "{writer_stats}"
+    );
+    assert!(
+        writer_stats.contains("\"lease_age_seconds\":"),
+        "{writer_stats}"
+    );
     drop(to_replica);
     drop(replica);
     // The writer still holds the lock alone: a clean stop releases it and the disk reopens

@@ -43,8 +43,9 @@ fn store_requests_bytes_and_log_figures_on_metrics_match_the_store() {
     let moto = Moto::start();
     moto.create_bucket("disks");
     let puts_before = moto.request_count("PUT");
+    // A lease renewed every 200 s: no renewal PUT lands between the scrape and moto's count.
     let url = format!(
-        "s3://disks/vm1?endpoint={}&create-size=64M&layout=log&segment-size=1M&gc=off",
+        "s3://disks/vm1?endpoint={}&create-size=64M&layout=log&segment-size=1M&gc=off&lease=600",
         moto.endpoint()
     );
     let mut server = Server::start(

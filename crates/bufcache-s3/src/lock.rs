@@ -452,7 +452,10 @@ impl DiskLock {
     ) -> Result<Acquired, OpenError> {
         let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
         let acquired = Self::take(runtime, store.clone(), url, name, clock, takeover).await?;
-        if let (Acquired::Held(lock), Some(lease_ms)) = (&acquired, url.lease_ms) {
+        if let (Acquired::Held(lock), Some(lease_ms)) = (
+            &acquired,
+            url.lease_ms.filter(|_| takeover != Takeover::BreakLockOnly),
+        ) {
             let lease_ns = lease_ms * 1_000_000;
             if lock.round_trip_ns.saturating_mul(LEASE_ROUND_TRIPS_MIN) > lease_ns {
                 if let Err(release) = lock.release_async().await {
@@ -542,7 +545,10 @@ impl DiskLock {
     ) -> Result<Acquired, OpenError> {
         let key = url.key(name);
         let path = ObjectPath::from(key.as_str());
-        let holder = LockHolder::of_this_process(url.lease_ms);
+        // A lock only break-lock= takes (the chunk layout, `bufcache disk`) has no use for a
+        // lease: it is written without one and never renewed, as before leases.
+        let lease_ms = url.lease_ms.filter(|_| takeover != Takeover::BreakLockOnly);
+        let holder = LockHolder::of_this_process(lease_ms);
         let request_error = |operation: &str, error: object_store::Error| OpenError::Request {
             url: url.to_string(),
             operation: format!("{operation} `{key}`"),
@@ -550,8 +556,7 @@ impl DiskLock {
         };
         let held = |sent_ns: u64, e_tag: Option<String>| -> Result<Acquired, OpenError> {
             let round_trip_ns = clock.now_ns().saturating_sub(sent_ns);
-            let lease = url
-                .lease_ms
+            let lease = lease_ms
                 .map(|lease_ms| Arc::new(Lease::new(clock.clone(), lease_ms * 1_000_000, sent_ns)));
             Ok(DiskLock::held(
                 runtime.clone(),
