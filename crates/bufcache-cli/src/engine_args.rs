@@ -182,13 +182,8 @@ impl EngineArgs {
 pub type SharedQueue = Arc<IoQueue<Arc<dyn Device>>>;
 
 impl EngineArgs {
-    /// Puts the io queue these flags describe between the cache and `device`; returns the
-    /// device the cache should use and the queue (for its statistics), if there is one.
-    pub fn queue_device(
-        &self,
-        device: Arc<dyn Device>,
-        config: &CacheConfig,
-    ) -> anyhow::Result<(Arc<dyn Device>, Option<SharedQueue>)> {
+    /// The io queue these flags describe, checked; None when they ask for no queue.
+    pub fn queue_config(&self, config: &CacheConfig) -> anyhow::Result<Option<IoQueueConfig>> {
         let mut queue = IoQueueConfig {
             transfer_size_max_bytes: config.transfer_size_max_bytes,
             ..IoQueueConfig::default()
@@ -204,8 +199,22 @@ impl EngineArgs {
         }
         queue.merge = !self.no_io_merge;
         if queue.mode == QueueMode::None {
-            return Ok((device, None));
+            return Ok(None);
         }
+        queue.validate().context("invalid io queue configuration")?;
+        Ok(Some(queue))
+    }
+
+    /// Puts the io queue these flags describe between the cache and `device`; returns the
+    /// device the cache should use and the queue (for its statistics), if there is one.
+    pub fn queue_device(
+        &self,
+        device: Arc<dyn Device>,
+        config: &CacheConfig,
+    ) -> anyhow::Result<(Arc<dyn Device>, Option<SharedQueue>)> {
+        let Some(queue) = self.queue_config(config)? else {
+            return Ok((device, None));
+        };
         let queue =
             Arc::new(IoQueue::new(device, queue).context("invalid io queue configuration")?);
         Ok((Arc::clone(&queue) as Arc<dyn Device>, Some(queue)))

@@ -953,6 +953,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     let config = args.engine.config()?;
     let block_size = args.engine.block_size_bytes(&config)?;
+    // Checked here, before any disk is opened for writing; each export's queue is made later.
+    args.engine.queue_config(&config)?;
     let mut server_config = ServerConfig::default();
     let mut listen = args.listen.clone();
     if args.port.is_some() || args.bind.is_some() {

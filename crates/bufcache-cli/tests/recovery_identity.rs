@@ -785,13 +785,15 @@ fn failed_start_changing_nothing(port: u16, dir: &Path, rescue: &Path, args: &[&
 
 // Goal: issue 45 item 3 — a start that would open an S3 disk for writing and then fail
 // elsewhere (a later export that does not open, a listen or metrics address already in use, a
-// pid file that cannot be written) changes nothing: no broken lock, no new generation, no
+// pid file that cannot be written, an io queue out of range, a control socket another server
+// answers on) changes nothing: no broken lock, no new generation, no
 // epoch or checkpoint in the bucket, and the disk's rescue file is not made stale, so the
 // next correct start replays it. Method: a rescue file of export `a` on a chunk-layout disk
 // over moto, made with the store cut (exit 3); the documented restart (`break-lock=ID`)
-// tried four ways that each fail after the disk would be opened — a second export naming a
+// tried six ways that each fail after the disk would be opened — a second export naming a
 // missing file, a TCP listen port and a metrics port held by this test, a pid file in a
-// missing directory — each leaving the listing, ETags and rescue file byte-identical; then
+// missing directory, `--io-queue-depth 0`, a `--control` socket this test answers on — each
+// leaving the listing, ETags and rescue file byte-identical; then
 // the correct restart replays the rescue file (the rescued bytes read back, the file gone).
 #[test]
 fn a_start_that_fails_after_its_s3_disk_would_open_changes_no_store_and_keeps_the_rescue_replayable(
@@ -853,7 +855,9 @@ fn a_start_that_fails_after_its_s3_disk_would_open_changes_no_store_and_keeps_th
     let busy_address = busy.local_addr().unwrap().to_string();
     let busy_listen = format!("tcp:{busy_address}");
     let pid_file = dir.path().join("no-such-directory").join("serve.pid");
-    let failures: [(&str, Vec<&str>); 4] = [
+    let control = dir.path().join("control.sock");
+    let _answering = std::os::unix::net::UnixListener::bind(&control).unwrap();
+    let failures: [(&str, Vec<&str>); 6] = [
         (
             "a later export",
             vec!["--export", &restart, "--export", &missing],
@@ -874,6 +878,21 @@ fn a_start_that_fails_after_its_s3_disk_would_open_changes_no_store_and_keeps_th
                 "--pid-file",
                 pid_file.to_str().unwrap(),
             ],
+        ),
+        (
+            "an io queue out of range",
+            vec![
+                "--export",
+                &restart,
+                "--io-queue",
+                "elevator",
+                "--io-queue-depth",
+                "0",
+            ],
+        ),
+        (
+            "a control socket another server answers on",
+            vec!["--export", &restart, "--control", control.to_str().unwrap()],
         ),
     ];
     for (what, args) in &failures {
