@@ -661,7 +661,8 @@ impl ObjectHandle {
         let block_size = object.block_size_bytes as u64;
         let first = offset / block_size;
         let end = (offset + length_bytes).div_ceil(block_size);
-        let mut plan = object.plan_read(first, end);
+        let spare_blocks = self.readahead_spare_blocks();
+        let mut plan = object.plan_read(first, end, spare_blocks);
         // Windows end on a write unit, so an object-store chunk is fetched whole, once.
         if plan.extend_to_block > end {
             plan.extend_to_block = object.round_up_to_write_unit(plan.extend_to_block);
@@ -740,11 +741,19 @@ impl ObjectHandle {
         Ok(request.waited_for_readahead)
     }
 
+    /// Blocks of this object's size that unused read-ahead may hold in the cache now.
+    fn readahead_spare_blocks(&self) -> u64 {
+        self.inner()
+            .table()
+            .readahead_spare_blocks(self.object.block_size_bytes as u64)
+    }
+
     /// After a read: the latency signal and the read-ahead the plan asked for.
     fn finish_read(&self, planned: &PlannedRead, waited_for_readahead: bool) {
         let (end, plan) = (planned.end, &planned.plan);
         if waited_for_readahead {
-            self.object.note_readahead_wait(end);
+            self.object
+                .note_readahead_wait(end, self.readahead_spare_blocks());
         }
         if plan.extend_to_block > end {
             // The part of the synchronous window the request's own miss runs did not cover.

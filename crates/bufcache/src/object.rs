@@ -239,6 +239,8 @@ impl ObjectState {
                 latency_max_blocks: readahead_window(cache.readahead_latency_size_max_bytes),
                 streams_max: cache.streams_per_object_max,
                 object_blocks: block_count,
+                // Set at each read from the cache's limits then (they change at run time).
+                spare_blocks: u64::MAX,
             },
             cluster_blocks,
             write_unit_bytes,
@@ -460,15 +462,23 @@ impl ObjectState {
     }
 
     /// Feeds a read of blocks `[first, end)` to the object's stream table and returns what to
-    /// read ahead.
-    pub fn plan_read(&self, first: u64, end: u64) -> ReadaheadPlan {
-        self.streams.lock().on_read(first, end, self.limits)
+    /// read ahead; the streams' windows share `spare_blocks` of unused read-ahead.
+    pub fn plan_read(&self, first: u64, end: u64, spare_blocks: u64) -> ReadaheadPlan {
+        let limits = WindowLimits {
+            spare_blocks,
+            ..self.limits
+        };
+        self.streams.lock().on_read(first, end, limits)
     }
 
     /// Records that the reader of the stream now at `next_block` waited for read-ahead in
-    /// flight: that stream's windows may grow larger.
-    pub fn note_readahead_wait(&self, next_block: u64) {
-        self.streams.lock().reader_waited(next_block, self.limits);
+    /// flight: that stream's windows may grow larger, within its share of `spare_blocks`.
+    pub fn note_readahead_wait(&self, next_block: u64, spare_blocks: u64) {
+        let limits = WindowLimits {
+            spare_blocks,
+            ..self.limits
+        };
+        self.streams.lock().reader_waited(next_block, limits);
     }
 
     pub fn latch_sequence(&self) -> u64 {

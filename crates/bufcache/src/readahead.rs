@@ -18,6 +18,12 @@
 //! `readahead_latency_size_max_bytes`; windows are read as cluster-sized requests in
 //! parallel, so a larger window means more requests in flight — enough, after a few waits, to
 //! cover bandwidth × latency. A stream on a fast device never waits and keeps the base limit.
+//!
+//! That growth stops at the stream's share of the read-ahead the cache can spare
+//! (`WindowLimits::spare_blocks`, split evenly among the object's active streams): windows
+//! the cache cannot hold beside the readers' own requests are cut short when they are issued
+//! (rule 3 of "Admission under pressure"), and the stream's reader then misses on the blocks
+//! the window claimed but never read (rule 6 there).
 
 /// What the reader of one request should read beyond the blocks it asked for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -58,7 +64,15 @@ pub(crate) struct WindowLimits {
     pub latency_max_blocks: u64,
     pub streams_max: usize,
     pub object_blocks: u64,
+    /// Blocks of read-ahead not yet used the cache can hold now (a share of its buffers);
+    /// the latency growth of the active streams' windows together stays within it.
+    pub spare_blocks: u64,
 }
+
+/// A stream used within this many reads of the object counts as active when the spare
+/// read-ahead is shared out: nbdcopy's connections leave a stream behind each time they
+/// move to a new region, and those must not keep a share.
+const STREAM_ACTIVE_READS_MAX: u64 = 64;
 
 impl StreamTable {
     pub fn new() -> Self {
@@ -79,13 +93,18 @@ impl StreamTable {
             return none;
         }
         let tick = self.tick;
-        let Some(stream) = self.streams.iter_mut().find(|s| s.next_block == first) else {
+        let Some(index) = self.streams.iter().position(|s| s.next_block == first) else {
             self.start_stream(end, limits.streams_max);
             return none;
         };
-        stream.next_block = end;
-        stream.last_use = tick;
-        let max_blocks = stream.max_blocks.max(limits.max_blocks);
+        self.streams[index].next_block = end;
+        self.streams[index].last_use = tick;
+        let latency_max_blocks = self.latency_max_blocks(limits);
+        let stream = &mut self.streams[index];
+        let max_blocks = stream
+            .max_blocks
+            .min(latency_max_blocks)
+            .max(limits.max_blocks);
         let clamp = |block: u64| block.min(limits.object_blocks);
         if stream.window_blocks == 0 || first >= stream.ahead_end_block {
             // A new sequential stream, or a reader that outran its read-ahead: read a window
@@ -128,6 +147,7 @@ impl StreamTable {
     /// The reader of the stream now at `next_block` waited for read-ahead in flight: double
     /// the stream's window limit, up to `latency_max_blocks`, once its windows are full size.
     pub fn reader_waited(&mut self, next_block: u64, limits: WindowLimits) {
+        let latency_max_blocks = self.latency_max_blocks(limits);
         let Some(stream) = self.streams.iter_mut().find(|s| s.next_block == next_block) else {
             return;
         };
@@ -136,8 +156,24 @@ impl StreamTable {
         // reader that outruns a full-size window shows latency the window does not cover.
         if stream.window_blocks >= current_max {
             let doubled = (current_max * 2).max(1);
-            stream.max_blocks = doubled.min(limits.latency_max_blocks.max(limits.max_blocks));
+            stream.max_blocks = doubled.min(latency_max_blocks);
         }
+    }
+
+    /// The largest window latency may grow a stream's to now: `latency_max_blocks`, but no
+    /// more than the stream's even share of `spare_blocks` among the active streams, and
+    /// never below the base limit.
+    fn latency_max_blocks(&self, limits: WindowLimits) -> u64 {
+        let active = self
+            .streams
+            .iter()
+            .filter(|s| s.window_blocks > 0 && self.tick - s.last_use < STREAM_ACTIVE_READS_MAX)
+            .count()
+            .max(1) as u64;
+        limits
+            .latency_max_blocks
+            .min(limits.spare_blocks / active)
+            .max(limits.max_blocks)
     }
 
     fn start_stream(&mut self, end: u64, streams_max: usize) {
@@ -177,6 +213,7 @@ mod tests {
         latency_max_blocks: 4096,
         streams_max: 8,
         object_blocks: 1 << 30,
+        spare_blocks: u64::MAX,
     };
 
     #[test]
@@ -240,6 +277,47 @@ mod tests {
         }
         assert_eq!(largest[0], LIMITS.latency_max_blocks, "the waiting stream");
         assert_eq!(largest[1], LIMITS.max_blocks, "the stream that never waits");
+    }
+
+    /// Goal: latency growth never gives the active streams together more window than the
+    /// cache can spare, a lone stream still grows up to all of it, and a stream that stopped
+    /// reading keeps no share. Method: four interleaved streams whose readers wait after
+    /// every window, on a spare of 2048 blocks (latency limit 4096, base limit 256): each
+    /// stream's windows stop at 512, a quarter; then three stop reading, and the last one's
+    /// windows grow to 2048 and no further.
+    #[test]
+    fn latency_growth_keeps_the_streams_windows_within_the_spare_read_ahead() {
+        let limits = WindowLimits {
+            spare_blocks: 2048,
+            ..LIMITS
+        };
+        let mut table = StreamTable::new();
+        let starts = [0u64, 1 << 20, 2 << 20, 3 << 20];
+        let mut largest = [0u64; 4];
+        for step in 0..20_000u64 {
+            for (index, start) in starts.iter().enumerate() {
+                let block = start + step;
+                if let Some((begin, end)) = table.on_read(block, block + 1, limits).background {
+                    largest[index] = largest[index].max(end - begin);
+                    table.reader_waited(block + 1, limits);
+                }
+            }
+        }
+        assert_eq!(
+            largest, [512; 4],
+            "four active streams share the spare evenly"
+        );
+        let mut alone = 0u64;
+        for block in 20_000..60_000u64 {
+            if let Some((begin, end)) = table.on_read(block, block + 1, limits).background {
+                alone = alone.max(end - begin);
+                table.reader_waited(block + 1, limits);
+            }
+        }
+        assert_eq!(
+            alone, limits.spare_blocks,
+            "the one stream left takes the whole spare"
+        );
     }
 
     #[test]

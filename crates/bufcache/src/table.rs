@@ -709,6 +709,17 @@ impl Table {
             .release_if_held_and_evictable(buffer);
     }
 
+    /// Blocks of `block_size_bytes` that read-ahead nobody has used yet may hold at most
+    /// ([`Table::readahead_unused_over_share`]'s bound, taken from the limits rather than
+    /// from the buffers in use, so it is known before the cache fills): what the streams'
+    /// windows may claim together.
+    pub(crate) fn readahead_spare_blocks(&self, block_size_bytes: u64) -> u64 {
+        let by_memory = self.memory.bytes_max.load(Ordering::Acquire)
+            / self.charge_bytes(block_size_bytes).max(1);
+        let by_count = self.memory.buffers_max.load(Ordering::Acquire);
+        by_memory.min(by_count) / READAHEAD_UNUSED_SHARE_MAX_DIVISOR
+    }
+
     /// True when read-ahead nobody has used yet holds at least `READAHEAD_UNUSED_SHARE_MAX`
     /// of the buffers in use (read-ahead issued less used less wasted; reads still in flight
     /// are not counted yet). A full cache then refuses more read-ahead at once: its window
