@@ -8,6 +8,7 @@ mod common;
 #[path = "../../bufcache-s3/tests/support/mod.rs"]
 mod s3_support;
 
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use bufcache_nbd::NbdClient;
@@ -366,4 +367,102 @@ fn standby_requests_that_cannot_be_honoured_are_refused_with_a_reason() {
     assert!(text.contains("not an s3:// disk"), "{text}");
     let text = refused(&["--standby", "--backend", &format!("{url}&lease=off")]);
     assert!(text.contains("lease=off"), "{text}");
+}
+
+// Goal: issue 51 item 4 — a client that reconnects and retries its unacknowledged requests
+// rides through a takeover: qemu's NBD driver with `reconnect-delay`, pointed at a name that
+// moves to the new writer (as a floating address or a DNS name would), loses nothing a FLUSH
+// acknowledged and keeps writing after the writer it started with died. Method: writer W and
+// a standby S (lease 2 s) on one moto disk, each on a unix socket of its own; the client
+// reaches them through a symlink P, pointing at W. One qemu-io process over P
+// (`reconnect-delay=30`) writes pattern 0x11, FLUSHes, then sleeps; meanwhile W is killed with
+// SIGKILL, S takes the disk over and P is repointed at S (an atomic rename); qemu-io then
+// writes 0x22 elsewhere, FLUSHes and reads both patterns back (`read -P` verifies them). A
+// client of S afterwards reads both as well.
+#[test]
+fn a_reconnecting_client_rides_through_a_takeover_losing_no_flushed_write() {
+    let name = "a_reconnecting_client_rides_through_a_takeover_losing_no_flushed_write";
+    if !have_moto(name) || !have_tools(name, &["qemu-io"]) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    let moto = Moto::start();
+    moto.create_bucket("disks");
+    let dir = temp_dir();
+    let url = format!(
+        "s3://disks/ride?endpoint={}&lease={LEASE_SECONDS}",
+        moto.endpoint()
+    );
+    let create = format!("{url}&create-size=1M&layout=log&segment-size=64k");
+    let mut writer = Server::start(&home(dir.path(), "writer"), "writer", &serve_args(&create));
+    let standby = {
+        let (standby_dir, url) = (home(dir.path(), "standby"), url.clone());
+        std::thread::spawn(move || {
+            let mut args = serve_args(&url);
+            args.push("--standby");
+            Server::start(&standby_dir, "standby", &args)
+        })
+    };
+    let moving = dir.path().join("disk.sock");
+    std::os::unix::fs::symlink(writer.socket(), &moving).unwrap();
+    // The sleep leaves time for the kill, the takeover (a lease and a poll) and the repoint.
+    let mut client = Command::new(tool("qemu-io"));
+    client.args([
+        "--image-opts",
+        &format!(
+            "driver=nbd,server.type=unix,server.path={},reconnect-delay=30",
+            moving.display()
+        ),
+        "-c",
+        "write -P 0x11 0 64k",
+        "-c",
+        "flush",
+        "-c",
+        "sleep 8000",
+        "-c",
+        "write -P 0x22 64k 64k",
+        "-c",
+        "flush",
+        "-c",
+        "read -P 0x11 0 64k",
+        "-c",
+        "read -P 0x22 64k 64k",
+    ]);
+    client.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let client = client.spawn().unwrap();
+    // The first write and FLUSH are done well before the kill.
+    std::thread::sleep(Duration::from_secs(2));
+    writer.kill9();
+    let killed = Instant::now();
+    let mut standby = standby.join().unwrap();
+    let repointed = dir.path().join("disk.sock.new");
+    std::os::unix::fs::symlink(standby.socket(), &repointed).unwrap();
+    std::fs::rename(&repointed, &moving).unwrap();
+    println!(
+        "{name}: the standby served {:.1} s after the kill",
+        killed.elapsed().as_secs_f64()
+    );
+    let output = client.wait_with_output().unwrap();
+    let text = output_text(&output);
+    println!("{name}: qemu-io said:\n{text}");
+    assert!(output.status.success(), "qemu-io failed:\n{text}");
+    assert!(
+        !text.contains("fail")
+            && !text.contains("error")
+            && text.matches("read 65536/65536").count() == 2,
+        "qemu-io did not ride through the takeover:\n{text}"
+    );
+    let reader = NbdClient::connect(&standby.uri()).unwrap();
+    let mut back = vec![0u8; 128 << 10];
+    reader.read(0, &mut back).unwrap();
+    assert!(
+        back[..64 << 10].iter().all(|&byte| byte == 0x11),
+        "the first FLUSH's write"
+    );
+    assert!(
+        back[64 << 10..].iter().all(|&byte| byte == 0x22),
+        "the write after the takeover"
+    );
+    drop(reader);
+    standby.stop_clean();
 }
