@@ -7,7 +7,7 @@
 use std::time::SystemTime;
 
 use bytes::Bytes;
-use futures::stream::{self, StreamExt, TryStreamExt};
+use futures::stream::{self, StreamExt};
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, PutPayload};
 
@@ -379,16 +379,7 @@ fn chunk_key(url: &S3Url, index: u64) -> String {
 
 /// (index, object bytes) of every chunk object, ascending.
 async fn list_chunks(store: &dyn ObjectStore, url: &S3Url) -> Result<Vec<(u64, u64)>, OpenError> {
-    let prefix = ObjectPath::from(url.key("chunks").as_str());
-    let objects: Vec<_> = store
-        .list(Some(&prefix))
-        .try_collect()
-        .await
-        .map_err(|error| OpenError::Request {
-            url: url.to_string(),
-            operation: format!("listing `{prefix}`"),
-            message: chain(&error),
-        })?;
+    let objects = crate::store::list_folder(store, url, "chunks").await?;
     let mut chunks = Vec::with_capacity(objects.len());
     for object in objects {
         let name = object.location.filename().unwrap_or_default();
@@ -599,16 +590,7 @@ async fn clones_of(
     url: &S3Url,
     name: &str,
 ) -> Result<Vec<String>, OpenError> {
-    let prefix = ObjectPath::from(url.key(&format!("log/clones/{name}")).as_str());
-    let objects: Vec<_> = store
-        .list(Some(&prefix))
-        .try_collect()
-        .await
-        .map_err(|error| OpenError::Request {
-            url: url.to_string(),
-            operation: format!("listing `{prefix}`"),
-            message: chain(&error),
-        })?;
+    let objects = crate::store::list_folder(store, url, &format!("log/clones/{name}")).await?;
     Ok(objects
         .iter()
         .map(|object| {

@@ -1339,6 +1339,45 @@ fn check_metadata(url: &S3Url, stored: &DiskMetadata) -> Result<(), OpenError> {
     Ok(())
 }
 
+/// Every object under `folder` of the disk at `url` (one LIST, paged by the client), in the
+/// store's order; a failed LIST is an error naming the prefix.
+pub(crate) async fn list_folder(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    folder: &str,
+) -> Result<Vec<object_store::ObjectMeta>, OpenError> {
+    let prefix = ObjectPath::from(url.key(folder).as_str());
+    store
+        .list(Some(&prefix))
+        .try_collect()
+        .await
+        .map_err(|error| OpenError::Request {
+            url: url.to_string(),
+            operation: format!("listing `{prefix}`"),
+            message: chain(&error),
+        })
+}
+
+/// The whole object `key`, or None when the store has none; `what` names it in an error
+/// ("snapshot `KEY`").
+pub(crate) async fn get_optional(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    key: &str,
+    what: &str,
+) -> Result<Option<Bytes>, OpenError> {
+    let body = match store.get(&ObjectPath::from(key)).await {
+        Ok(result) => result.bytes().await,
+        Err(object_store::Error::NotFound { .. }) => return Ok(None),
+        Err(error) => Err(error),
+    };
+    body.map(Some).map_err(|error| OpenError::Request {
+        url: url.to_string(),
+        operation: format!("reading {what}"),
+        message: chain(&error),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

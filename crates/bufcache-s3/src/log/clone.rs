@@ -27,11 +27,10 @@
 use std::sync::Arc;
 
 use bytes::{BufMut, Bytes, BytesMut};
-use object_store::path::Path as ObjectPath;
 use object_store::ObjectStore;
 
 use super::{check_layout, epoch, snapshot, Index, LogConfig};
-use crate::error::{chain, OpenError};
+use crate::error::OpenError;
 use crate::seal::Sealer;
 use crate::store::{ChunkStore, Create, DiskMetadata};
 use crate::url::S3Url;
@@ -153,16 +152,10 @@ pub(super) async fn read_base(
     sealer: &Sealer,
 ) -> Result<Option<(Base, Index)>, OpenError> {
     let key = url.key(BASE_NAME);
-    let body = match store.get(&ObjectPath::from(key.as_str())).await {
-        Ok(result) => result.bytes().await,
-        Err(object_store::Error::NotFound { .. }) => return Ok(None),
-        Err(error) => Err(error),
-    }
-    .map_err(|error| OpenError::Request {
-        url: url.to_string(),
-        operation: format!("reading the clone base record `{key}`"),
-        message: chain(&error),
-    })?;
+    let what = format!("the clone base record `{key}`");
+    let Some(body) = crate::store::get_optional(store, url, &key, &what).await? else {
+        return Ok(None);
+    };
     let record = sealer
         .check_object(BASE_NAME, &body)
         .and_then(|body| decode(body, metadata.disk_id))

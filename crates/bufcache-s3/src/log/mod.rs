@@ -67,7 +67,7 @@ use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use bytes::Bytes;
-use futures::stream::{self, StreamExt, TryStreamExt};
+use futures::stream::{self, StreamExt};
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, PutMode, PutOptions, PutPayload};
 
@@ -2374,16 +2374,7 @@ async fn list_named(
     url: &S3Url,
     folder: &str,
 ) -> Result<Vec<(u64, u64, u64)>, OpenError> {
-    let prefix = ObjectPath::from(url.key(folder).as_str());
-    let objects: Vec<_> = store
-        .list(Some(&prefix))
-        .try_collect()
-        .await
-        .map_err(|error| OpenError::Request {
-            url: url.to_string(),
-            operation: format!("listing `{prefix}`"),
-            message: chain(&error),
-        })?;
+    let objects = crate::store::list_folder(store, url, folder).await?;
     let mut named = Vec::with_capacity(objects.len());
     for object in objects {
         let name = object.location.filename().unwrap_or_default();
@@ -2391,7 +2382,7 @@ async fn list_named(
             return Err(bad_object(
                 url,
                 object.location.as_ref(),
-                format!("not a bufcache object name under `{prefix}` (16 hex digits, then optionally `-` and 16 more)"),
+                format!("not a bufcache object name under `{}` (16 hex digits, then optionally `-` and 16 more)", url.key(folder)),
             ));
         };
         named.push((number, epoch, object.size));

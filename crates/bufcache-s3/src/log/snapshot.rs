@@ -21,13 +21,12 @@
 use std::collections::BTreeMap;
 
 use bytes::Bytes;
-use futures::TryStreamExt;
 use object_store::path::Path as ObjectPath;
 use object_store::ObjectStore;
 
 use super::checkpoint::{self, Checkpoint};
 use super::{get_whole, Core, Index};
-use crate::error::{chain, OpenError, StoreError};
+use crate::error::{OpenError, StoreError};
 use crate::seal::Sealer;
 use crate::store::DiskMetadata;
 use crate::url::{snapshot_name_problem, S3Url};
@@ -101,21 +100,13 @@ pub struct Listed {
 
 /// Every snapshot object of the disk, by name.
 pub(crate) async fn list(store: &dyn ObjectStore, url: &S3Url) -> Result<Vec<Listed>, OpenError> {
-    let prefix = ObjectPath::from(url.key("log/snapshots").as_str());
-    let objects: Vec<_> = store
-        .list(Some(&prefix))
-        .try_collect()
-        .await
-        .map_err(|error| OpenError::Request {
-            url: url.to_string(),
-            operation: format!("listing `{prefix}`"),
-            message: chain(&error),
-        })?;
+    let objects = crate::store::list_folder(store, url, "log/snapshots").await?;
+    let prefix = url.key("log/snapshots");
     let mut listed: Vec<Listed> = objects
         .into_iter()
         .filter_map(|object| {
             // Only the objects directly under the folder (a clone record lies deeper).
-            let name = object.location.as_ref().strip_prefix(prefix.as_ref())?;
+            let name = object.location.as_ref().strip_prefix(prefix.as_str())?;
             let name = name.strip_prefix('/')?;
             (!name.contains('/')).then(|| Listed {
                 name: name.to_string(),
@@ -136,16 +127,10 @@ pub(crate) async fn read(
     name: &str,
 ) -> Result<Option<Checkpoint>, OpenError> {
     let key = url.key(&snapshot_name(name));
-    let body = match store.get(&ObjectPath::from(key.as_str())).await {
-        Ok(result) => result.bytes().await,
-        Err(object_store::Error::NotFound { .. }) => return Ok(None),
-        Err(error) => Err(error),
-    }
-    .map_err(|error| OpenError::Request {
-        url: url.to_string(),
-        operation: format!("reading snapshot `{key}`"),
-        message: chain(&error),
-    })?;
+    let what = format!("snapshot `{key}`");
+    let Some(body) = crate::store::get_optional(store, url, &key, &what).await? else {
+        return Ok(None);
+    };
     decode(&body, url, metadata, sealer, name).map(Some)
 }
 
