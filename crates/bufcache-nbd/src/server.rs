@@ -193,14 +193,25 @@ pub struct Listeners {
 struct BoundSocket {
     socket: socket2::Socket,
     address: String,
-    /// The unix socket's path, removed if the socket never listens.
-    unix_path: Option<PathBuf>,
+    /// A unix socket's paths: where it is bound now, and where it appears once it listens.
+    unix_path: Option<UnixPaths>,
+}
+
+/// A unix socket is bound under a hidden name beside its path and renamed to the path only
+/// once it listens: clients (and scripts) that wait for the path to exist and then connect
+/// never find a socket that refuses them, while a path that cannot be bound still refuses the
+/// start before any disk is opened.
+struct UnixPaths {
+    /// Where the socket is bound (the path itself when no hidden name could be bound).
+    bound: PathBuf,
+    /// The path the listen address names.
+    path: PathBuf,
 }
 
 impl Drop for BoundSocket {
     fn drop(&mut self) {
-        if let Some(path) = self.unix_path.take() {
-            let _ = std::fs::remove_file(path);
+        if let Some(paths) = self.unix_path.take() {
+            let _ = std::fs::remove_file(paths.bound);
         }
     }
 }
@@ -274,7 +285,13 @@ impl Listeners {
             };
             bound.socket.listen(LISTEN_BACKLOG).map_err(bind_error)?;
             bound.socket.set_nonblocking(true).map_err(bind_error)?;
-            let unix_path = bound.unix_path.take();
+            if let Some(paths) = &bound.unix_path {
+                if paths.bound != paths.path {
+                    remove_stale_socket(&paths.path);
+                    std::fs::rename(&paths.bound, &paths.path).map_err(bind_error)?;
+                }
+            }
+            let unix_path = bound.unix_path.take().map(|paths| paths.path);
             let socket = bound.socket.try_clone().map_err(bind_error)?;
             drop(bound);
             listeners.push(match unix_path {
@@ -399,17 +416,39 @@ fn bind_address(address: &ListenAddress) -> Result<Vec<BoundSocket>, ServerError
         }
         ListenAddress::Unix(path) => {
             remove_stale_socket(path);
-            let socket = socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::STREAM, None)
-                .map_err(bind_error)?;
-            let socket_address = socket2::SockAddr::unix(path).map_err(bind_error)?;
-            socket.bind(&socket_address).map_err(bind_error)?;
+            if std::fs::symlink_metadata(path).is_ok() {
+                // A live server's socket, or a file that is not a socket: bind would refuse it.
+                return Err(bind_error(io::Error::from(io::ErrorKind::AddrInUse)));
+            }
+            let bind_at = |at: &Path| -> io::Result<socket2::Socket> {
+                let socket =
+                    socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::STREAM, None)?;
+                socket.bind(&socket2::SockAddr::unix(at)?)?;
+                Ok(socket)
+            };
+            let hidden = hidden_name(path);
+            let (socket, bound) = match hidden.as_deref().map(|hidden| (bind_at(hidden), hidden)) {
+                Some((Ok(socket), hidden)) => (socket, hidden.to_path_buf()),
+                // Too long for a socket address, or a directory that refuses the name: bound
+                // at the path itself, as before.
+                _ => (bind_at(path).map_err(bind_error)?, path.clone()),
+            };
             Ok(vec![BoundSocket {
                 socket,
                 address: address.to_string(),
-                unix_path: Some(path.clone()),
+                unix_path: Some(UnixPaths {
+                    bound,
+                    path: path.clone(),
+                }),
             }])
         }
     }
+}
+
+/// `.NAME.PID.binding` beside `path`, where its socket is bound until it listens.
+fn hidden_name(path: &Path) -> Option<PathBuf> {
+    let name = path.file_name()?.to_str()?;
+    Some(path.with_file_name(format!(".{name}.{}.binding", std::process::id())))
 }
 
 /// Removes a socket file left behind by a server that died, but never a live server's socket
@@ -906,5 +945,41 @@ impl Connections {
         for handle in self.threads.lock().drain(..) {
             let _ = handle.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Goal: a unix socket's path appears only once the socket listens (a script that waits
+    /// for the path and then connects is never refused), while a path a live server holds
+    /// still refuses the bind at once. Method: bind a path in a fresh directory and check it is
+    /// absent while the hidden name holds the socket; listen and connect through the path;
+    /// then bind the same path again while the first listens.
+    #[test]
+    fn a_unix_socket_path_appears_only_once_it_listens() {
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("nbd.sock");
+        let address = ListenAddress::Unix(path.clone());
+        let listeners = Listeners {
+            bound: bind_address(&address).unwrap(),
+            inherited: Vec::new(),
+        };
+        assert!(
+            std::fs::symlink_metadata(&path).is_err(),
+            "the path exists before the socket listens"
+        );
+        let hidden = hidden_name(&path).unwrap();
+        assert!(hidden.exists(), "the socket is bound under its hidden name");
+        let listening = listeners.listen().unwrap();
+        assert!(!hidden.exists(), "the hidden name is left behind");
+        UnixStream::connect(&path).expect("the path connects once it appears");
+        let again = bind_address(&address)
+            .err()
+            .expect("a live server's path is refused");
+        assert!(again.to_string().contains("nbd.sock"), "{again}");
+        drop(listening);
+        assert!(!path.exists(), "the path is removed with its listener");
     }
 }
