@@ -17,8 +17,9 @@ use bufcache::{
     format_size, parse_size, Cache, CacheError, CountingDevice, Device, FileDevice,
     FileDeviceOptions, MemoryDevice, ObjectConfig, ObjectHandle,
 };
+use bufcache_export::CacheExport;
 use bufcache_nbd::{
-    CacheExport, Export, ListenAddress, ReconnectPolicy, ReconnectingClient, Server, ServerConfig,
+    Export, ListenAddress, ReconnectPolicy, ReconnectingClient, Server, ServerConfig,
     ShutdownHandle,
 };
 use clap::Args;

@@ -24,6 +24,7 @@ pub mod request;
 pub mod rng;
 pub mod size;
 pub mod sparse;
+mod strict;
 pub mod sync;
 
 pub use clock::Clock;

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use bufcache::device::{
+use bufcache_device::{
     check_range, Capabilities, Device, Extent, FlushGroup, ReadRequest, SleepingMutex, WriteRequest,
 };
 use parking_lot::{Condvar, Mutex};

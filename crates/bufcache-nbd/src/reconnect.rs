@@ -17,8 +17,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bufcache::device::write_batch_and_wait;
-use bufcache::{BatchWrite, Capabilities, Device, Extent, ReadRequest, WriteRequest};
+use bufcache_device::write_batch_and_wait;
+use bufcache_device::{BatchWrite, Capabilities, Device, Extent, ReadRequest, WriteRequest};
 use parking_lot::Mutex;
 
 use crate::client::{ClientError, NbdClient};

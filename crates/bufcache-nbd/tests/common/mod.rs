@@ -326,6 +326,6 @@ pub fn cached_server(device: Arc<dyn bufcache::Device>) -> (TestServer, bufcache
     let object = cache
         .open_object(bufcache::ObjectConfig::new("disk", device))
         .expect("open object");
-    let export: Arc<dyn Export> = Arc::new(bufcache_nbd::CacheExport::new(object.reopen()));
+    let export: Arc<dyn Export> = Arc::new(bufcache_export::CacheExport::new(object.reopen()));
     (start_server(vec![("", export)]), object)
 }
