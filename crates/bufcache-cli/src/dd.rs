@@ -15,8 +15,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use bufcache::{
-    format_size, parse_size, Cache, CacheStats, CountingDevice, Device, DeviceStats,
-    DirectionStats, FileDevice, FileDeviceOptions, ObjectConfig, ObjectHandle,
+    device::size::format_size_rounded, parse_size, Cache, CacheStats, CountingDevice, Device,
+    DeviceStats, DirectionStats, FileDevice, FileDeviceOptions, ObjectConfig, ObjectHandle,
 };
 use clap::Args;
 
@@ -429,7 +429,7 @@ fn print_report(report: &Report) {
     eprintln!(
         "{bytes} bytes ({}, {}) copied, {seconds:.4} s, {}/s",
         decimal_size(*bytes as f64),
-        binary_size(*bytes as f64),
+        format_size_rounded(*bytes),
         decimal_size(rate)
     );
     print_direction("device reads ", &report.reads);
@@ -454,7 +454,7 @@ fn print_direction(label: &str, stats: &DirectionStats) {
         stats.requests,
         stats.bytes,
         if stats.requests > 0 {
-            binary_size(average)
+            format_size_rounded(average.round() as u64)
         } else {
             "-".into()
         },
@@ -470,27 +470,12 @@ fn decimal_size(bytes: f64) -> String {
         value /= 1000.0;
         unit += 1;
     }
+    // Spelled as format_size_rounded spells binary sizes: no space before the unit.
     if unit == 0 {
-        format!("{value:.0} {}", UNITS[unit])
+        format!("{value:.0}{}", UNITS[unit])
     } else {
-        format!("{value:.1} {}", UNITS[unit])
+        format!("{value:.1}{}", UNITS[unit])
     }
-}
-
-/// `bytes` in binary units (whole when exact, else one decimal): the size format of the
-/// commands' human output.
-pub(crate) fn binary_size(bytes: f64) -> String {
-    if bytes >= 1024.0 && (bytes as u64).is_multiple_of(1024) && bytes.fract() == 0.0 {
-        return format_size(bytes as u64);
-    }
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = bytes;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    format!("{value:.1} {}", UNITS[unit])
 }
 
 /// The embedded default: write 86 MiB of zeroes with bs=1M, read it back in a fresh cache

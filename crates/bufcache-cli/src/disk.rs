@@ -566,5 +566,5 @@ fn print_verify(url: &S3Url, report: &VerifyReport, as_json: bool) {
 }
 
 fn human(bytes: u64) -> String {
-    crate::dd::binary_size(bytes as f64)
+    bufcache::device::size::format_size_rounded(bytes)
 }

@@ -17,8 +17,9 @@ use bufcache::{
     format_size, parse_size, Cache, CacheError, CountingDevice, Device, FileDevice,
     FileDeviceOptions, MemoryDevice, ObjectConfig, ObjectHandle,
 };
+use bufcache_export::CacheExport;
 use bufcache_nbd::{
-    CacheExport, Export, ListenAddress, ReconnectPolicy, ReconnectingClient, Server, ServerConfig,
+    Export, ListenAddress, ReconnectPolicy, ReconnectingClient, Server, ServerConfig,
     ShutdownHandle,
 };
 use clap::Args;
@@ -303,7 +304,7 @@ fn open_local_tier(
         } else {
             "local"
         },
-        format_size(stats.dirty_bytes),
+        bufcache::device::size::format_size_rounded(stats.dirty_bytes),
         stats.epochs_pending
     );
     Ok((Arc::new(tier), lock))
@@ -1418,7 +1419,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                     say!(
                         "{}: {} in {} flush epochs is in the local cache, not yet on the backend: the next start writes it back",
                         tier.describe(),
-                        format_size(stats.dirty_bytes),
+                        bufcache::device::size::format_size_rounded(stats.dirty_bytes),
                         stats.epochs_pending
                     );
                 }

@@ -99,7 +99,9 @@ fn store_and_tier_lines(
     for export in exports.into_iter().flatten() {
         let name = export.get("name").and_then(Value::as_str).unwrap_or("");
         let size = |value: &Value, key: &str| {
-            bufcache::format_size(value.get(key).and_then(Value::as_u64).unwrap_or(0))
+            bufcache::device::size::format_size_rounded(
+                value.get(key).and_then(Value::as_u64).unwrap_or(0),
+            )
         };
         let count = |value: &Value, key: &str| value.get(key).and_then(Value::as_u64).unwrap_or(0);
         if let Some(store) = export.get("store").filter(|store| store.is_object()) {
@@ -297,7 +299,7 @@ fn command_lines(stats: &Value) -> Vec<String> {
         let buckets = latency_buckets(stats, Some(command));
         lines.push(format!(
             "nbd {command:<12} {requests:>10} requests {:>10} {:>6} errors   mean {:.3} ms  p50 <= {} ms  p99 <= {} ms",
-            bufcache::format_size(
+            bufcache::device::size::format_size_rounded(
                 exports_sum(stats, &format!("/nbd/commands/{command}/bytes")) as u64
             ),
             exports_sum(stats, &format!("/nbd/commands/{command}/errors")),
@@ -420,8 +422,8 @@ fn print_line(line: &Line, json: bool) {
         line.write_megabytes_per_second,
         line.average_transfer_kib,
         line.hit_ratio * 100.0,
-        bufcache::format_size(line.dirty_bytes),
-        bufcache::format_size(line.pinned_bytes),
+        bufcache::device::size::format_size_rounded(line.dirty_bytes),
+        bufcache::device::size::format_size_rounded(line.pinned_bytes),
         line.readahead_efficiency * 100.0,
         line.connections_open,
         line.nbd_requests_per_second,
@@ -507,16 +509,18 @@ fn print_totals(stats: &Value) {
     println!(
         "{:>12} {:>10} {:>10} {:>8.1} {:>6.1} {:>10} {:>10} {:>7.1} {:>6}",
         transfers,
-        bufcache::format_size(read_bytes as u64),
-        bufcache::format_size(written_bytes as u64),
+        bufcache::device::size::format_size_rounded(read_bytes as u64),
+        bufcache::device::size::format_size_rounded(written_bytes as u64),
         if transfers > 0.0 {
             (read_bytes + written_bytes) / transfers / 1024.0
         } else {
             0.0
         },
         percent_of(number(stats, &["cache", "hits"]), lookups),
-        bufcache::format_size(number(stats, &["cache", "dirty_bytes"]) as u64),
-        bufcache::format_size(number(stats, &["cache", "pinned_bytes"]) as u64),
+        bufcache::device::size::format_size_rounded(number(stats, &["cache", "dirty_bytes"]) as u64),
+        bufcache::device::size::format_size_rounded(
+            number(stats, &["cache", "pinned_bytes"]) as u64
+        ),
         percent_of(number(stats, &["cache", "readahead_used_blocks"]), issued),
         exports_sum(stats, "/nbd/connections_open"),
     );

@@ -296,13 +296,13 @@ fn a_local_cache_is_refused_for_another_nbdkit_disk_on_the_same_socket() {
     let _timer = Timer::new(name);
     let dir = temp_dir();
     let nbdkit = |socket: &Path| {
-        let guard = ChildGuard::spawn(
-            cmd(
+        let guard = QuietChild::spawn(
+            &mut cmd(
                 "nbdkit",
                 &["-f", "-U", socket.to_str().unwrap(), "memory", "16M"],
-            )
-            .stdout(std::process::Stdio::null()),
+            ),
             "nbdkit",
+            &socket.with_extension("log"),
         );
         wait_until("nbdkit listens", TIMEOUT, || socket.exists());
         guard
@@ -470,8 +470,9 @@ fn kill_9_rounds_over_a_slow_upstream_keep_every_flush_and_a_prefix_upstream() {
     let _timer = Timer::new(name);
     let dir = temp_dir();
     let upstream_socket = dir.path().join("upstream.sock");
-    let _nbdkit = ChildGuard::spawn(
-        cmd(
+    // A kill -9 leaves nbdkit replying to a closed socket: its stderr goes to a file.
+    let _nbdkit = QuietChild::spawn(
+        &mut cmd(
             "nbdkit",
             &[
                 "-f",
@@ -482,9 +483,9 @@ fn kill_9_rounds_over_a_slow_upstream_keep_every_flush_and_a_prefix_upstream() {
                 "32M",
                 "delay-write=20ms",
             ],
-        )
-        .stdout(std::process::Stdio::null()),
+        ),
         "nbdkit",
+        &dir.path().join("nbdkit.log"),
     );
     wait_until("nbdkit listens", TIMEOUT, || upstream_socket.exists());
     let upstream = format!("nbd+unix:///?socket={}", upstream_socket.display());
@@ -581,8 +582,9 @@ fn flush_to_remote_puts_every_flushed_write_on_the_upstream_before_it_returns() 
     let _timer = Timer::new(name);
     let dir = temp_dir();
     let upstream_socket = dir.path().join("upstream.sock");
-    let _nbdkit = ChildGuard::spawn(
-        cmd(
+    // A kill -9 leaves nbdkit replying to a closed socket: its stderr goes to a file.
+    let _nbdkit = QuietChild::spawn(
+        &mut cmd(
             "nbdkit",
             &[
                 "-f",
@@ -593,9 +595,9 @@ fn flush_to_remote_puts_every_flushed_write_on_the_upstream_before_it_returns() 
                 "16M",
                 "delay-write=10ms",
             ],
-        )
-        .stdout(std::process::Stdio::null()),
+        ),
         "nbdkit",
+        &dir.path().join("nbdkit.log"),
     );
     wait_until("nbdkit listens", TIMEOUT, || upstream_socket.exists());
     let upstream = format!("nbd+unix:///?socket={}", upstream_socket.display());

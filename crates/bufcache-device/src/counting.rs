@@ -259,7 +259,6 @@ impl<D: Device> Device for CountingDevice<D> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::BatchWrite;
     use crate::memory::MemoryDevice;
 
     #[test]
@@ -295,24 +294,11 @@ mod tests {
         // Goal: what a batch carries is counted write by write, as separate writes would be.
         // Method: a batch of a 64 KiB and a 4 KiB write counts two requests and their bytes.
         let device = CountingDevice::new(MemoryDevice::new(1 << 20));
-        let large = vec![1u8; 65536];
-        let small = vec![2u8; 4096];
-        let large_slices = [IoSlice::new(&large)];
-        let small_slices = [IoSlice::new(&small)];
-        let results = crate::device::write_batch_and_wait(
+        let results = crate::device::write_and_wait(
             &device,
-            &[
-                BatchWrite {
-                    offset: 0,
-                    buffers: &large_slices,
-                },
-                BatchWrite {
-                    offset: 1 << 19,
-                    buffers: &small_slices,
-                },
-            ],
+            vec![(0, vec![1u8; 65536]), (1 << 19, vec![2u8; 4096])],
         );
-        assert!(results.iter().all(Result::is_ok));
+        assert!(results.iter().all(|(_, result)| result.is_ok()));
         let writes = device.stats().writes;
         assert_eq!(writes.requests, 2);
         assert_eq!(writes.bytes, 65536 + 4096);

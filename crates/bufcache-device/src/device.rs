@@ -31,23 +31,6 @@ pub struct Extent {
     pub hole: bool,
 }
 
-/// One write of a borrowed batch ([`write_batch_and_wait`]): `buffers`, in order, at
-/// `offset`.
-#[derive(Clone, Copy, Debug)]
-pub struct BatchWrite<'a> {
-    /// The device byte offset of the first byte.
-    pub offset: u64,
-    /// The data, gathered in order.
-    pub buffers: &'a [IoSlice<'a>],
-}
-
-impl BatchWrite<'_> {
-    /// Total bytes the write carries.
-    pub fn length_bytes(&self) -> u64 {
-        total_length(self.buffers.iter().map(|buffer| buffer.len()))
-    }
-}
-
 /// What a device can do, returned once as one value so that a wrapper forwards all of it or
 /// none of it: a wrapper that forgets a capability does not compile instead of silently
 /// reporting a default.
@@ -205,32 +188,34 @@ pub fn read_each_now(device: &(impl Device + ?Sized), reads: Vec<ReadRequest>) {
 /// [`Device::write_vectored_at`], and completes it: the [`Device::submit_writes`] of devices
 /// for which writes in flight together gain nothing (a local file, memory, a modelled disk).
 pub fn write_each_now(device: &(impl Device + ?Sized), writes: Vec<WriteRequest>) {
-    for mut write in writes {
+    for write in writes {
         let offset = write.offset();
         let result = device.write_vectored_at(&write.slices(), offset);
         write.complete(result);
     }
 }
 
-/// Submits the borrowed `writes` as one batch ([`Device::submit_writes`]) and waits until
-/// every one has completed; one outcome per write, in order. For callers whose memory is
-/// borrowed (an io queue dispatching its submitters' requests, tests).
-pub fn write_batch_and_wait(
+/// Writes each `(offset, memory)` of `writes` as one batch of [`WriteRequest`]s
+/// ([`Device::submit_writes`]) and waits until every one has completed; each memory comes
+/// back with its outcome, in order. For callers that need every outcome before they go on
+/// (a tier writing an epoch back, a reconnecting client retrying what a lost connection
+/// dropped, an io queue dispatching its blocked submitters' writes, tests).
+pub fn write_and_wait<T: WriteMemory>(
     device: &(impl Device + ?Sized),
-    writes: &[BatchWrite<'_>],
-) -> Vec<io::Result<()>> {
+    writes: Vec<(u64, T)>,
+) -> Vec<(T, io::Result<()>)> {
+    let count = writes.len();
     let outcomes = Arc::new(Outcomes {
-        results: Mutex::new((0, (0..writes.len()).map(|_| None).collect())),
+        results: Mutex::new((0, (0..count).map(|_| None).collect())),
         done: Condvar::new(),
     });
     let requests = writes
-        .iter()
+        .into_iter()
         .enumerate()
-        .map(|(index, write)| {
-            let memory = BorrowedWrite::new(write.buffers);
+        .map(|(index, (offset, memory))| {
             let outcomes = Arc::clone(&outcomes);
-            WriteRequest::new(write.offset, memory, move |_memory, result| {
-                outcomes.record(index, result)
+            WriteRequest::new(offset, memory, move |memory, result| {
+                outcomes.record(index, memory, result)
             })
         })
         .collect();
@@ -238,69 +223,38 @@ pub fn write_batch_and_wait(
     outcomes.wait_all()
 }
 
-/// The outcomes of a borrowed batch, filled in by completions on any thread.
-struct Outcomes {
+/// One write's memory, handed back with its outcome.
+type Outcome<T> = (T, io::Result<()>);
+
+/// The outcomes of a batch [`write_and_wait`] submitted, filled in by completions on any
+/// thread.
+struct Outcomes<T> {
     /// (completed so far, one slot per write).
-    results: Mutex<(usize, Vec<Option<io::Result<()>>>)>,
+    results: Mutex<(usize, Vec<Option<Outcome<T>>>)>,
     done: Condvar,
 }
 
-impl Outcomes {
-    fn record(&self, index: usize, result: io::Result<()>) {
+impl<T> Outcomes<T> {
+    fn record(&self, index: usize, memory: T, result: io::Result<()>) {
         let mut results = self.results.lock();
         let slot = &mut results.1[index];
         assert!(slot.is_none(), "a write completes once");
-        *slot = Some(result);
+        *slot = Some((memory, result));
         results.0 += 1;
+        assert!(results.0 <= results.1.len(), "more completions than writes");
         if results.0 == results.1.len() {
             self.done.notify_all();
         }
     }
 
-    fn wait_all(&self) -> Vec<io::Result<()>> {
+    fn wait_all(&self) -> Vec<Outcome<T>> {
         let mut results = self.results.lock();
         while results.0 < results.1.len() {
             self.done.wait(&mut results);
         }
         std::mem::take(&mut results.1)
             .into_iter()
-            .map(|result| result.expect("every write completed"))
-            .collect()
-    }
-}
-
-/// A borrowed write's memory, as raw (start, length) segments.
-///
-/// Sound only inside [`write_batch_and_wait`]: that function does not return (so the borrow
-/// it was given does not end) until every request made over this memory has completed or
-/// been dropped, and a request hands its memory to its completion, so no device can reach
-/// the memory afterwards.
-struct BorrowedWrite {
-    segments: Vec<(*const u8, usize)>,
-}
-
-// SAFETY: the memory is only read, and only while its lender waits (see the type's docs).
-unsafe impl Send for BorrowedWrite {}
-
-impl BorrowedWrite {
-    fn new(buffers: &[IoSlice<'_>]) -> Self {
-        BorrowedWrite {
-            segments: buffers
-                .iter()
-                .map(|buffer| (buffer.as_ptr(), buffer.len()))
-                .collect(),
-        }
-    }
-}
-
-impl WriteMemory for BorrowedWrite {
-    fn slices(&self) -> Vec<IoSlice<'_>> {
-        self.segments
-            .iter()
-            // SAFETY: the lender's borrow is alive while any request over it is (see above).
-            .map(|&(start, length)| {
-                IoSlice::new(unsafe { std::slice::from_raw_parts(start, length) })
-            })
+            .map(|outcome| outcome.expect("every write completed"))
             .collect()
     }
 }

@@ -359,7 +359,7 @@ impl<D: Device> Device for FaultDevice<D> {
     /// its in-flight writes.
     fn submit_writes(&self, writes: Vec<WriteRequest>) {
         let mut healthy = Vec::with_capacity(writes.len());
-        for mut write in writes {
+        for write in writes {
             let (offset, length) = (write.offset(), write.length_bytes());
             match self.admit(FaultKind::Write, Some(offset..offset + length)) {
                 (number, Some(cause)) => {
@@ -451,7 +451,6 @@ impl<D: Device> Device for FaultDevice<D> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::BatchWrite;
     use crate::memory::MemoryDevice;
 
     fn write(device: &dyn Device, offset: u64, data: &[u8]) -> io::Result<()> {
@@ -630,21 +629,14 @@ mod tests {
         let device = FaultDevice::new(MemoryDevice::new(1 << 20), 1);
         device.fail_requests(FaultKind::Write, [1]);
         device.fail_range(FaultKind::Write, 3 * 4096, 1);
-        let data: Vec<Vec<u8>> = (0..4u8).map(|index| vec![index + 1; 4096]).collect();
-        let slices: Vec<[IoSlice<'_>; 1]> =
-            data.iter().map(|bytes| [IoSlice::new(bytes)]).collect();
-        let writes: Vec<BatchWrite<'_>> = slices
-            .iter()
-            .enumerate()
-            .map(|(index, buffers)| BatchWrite {
-                offset: index as u64 * 4096,
-                buffers,
-            })
+        let writes: Vec<(u64, Vec<u8>)> = (0..4u8)
+            .map(|index| (u64::from(index) * 4096, vec![index + 1; 4096]))
             .collect();
-        let results = crate::device::write_batch_and_wait(&device, &writes);
-        let failed: Vec<bool> = results.iter().map(Result::is_err).collect();
+        let results = crate::device::write_and_wait(&device, writes);
+        let failed: Vec<bool> = results.iter().map(|(_, result)| result.is_err()).collect();
         assert_eq!(failed, [false, true, false, true]);
         assert!(results[1]
+            .1
             .as_ref()
             .unwrap_err()
             .to_string()

@@ -32,10 +32,9 @@ use std::sync::Arc;
 use parking_lot::{Condvar, Mutex};
 
 use crate::device::{
-    read_each_now, total_length, write_batch_and_wait, write_each_now, BatchWrite, Capabilities,
-    Device, Extent,
+    read_each_now, total_length, write_and_wait, write_each_now, Capabilities, Device, Extent,
 };
-use crate::request::{ReadRequest, WriteRequest};
+use crate::request::{ReadRequest, WriteMemory, WriteRequest};
 
 /// How the queue orders requests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -164,6 +163,24 @@ struct RawSlice {
 
 // SAFETY: see the type's comment; the submitter's borrow outlives every use.
 unsafe impl Send for RawSlice {}
+
+/// The slices of a taken batch's writes as the memory of one request to the inner device.
+/// [`write_and_wait`] returns only once that request has completed (a request hands its
+/// memory to its completion), and the submitters stay blocked until after that, so the
+/// slices are never reached once their borrow may have ended.
+struct RawWrite(Vec<RawSlice>);
+
+impl WriteMemory for RawWrite {
+    fn slices(&self) -> Vec<IoSlice<'_>> {
+        self.0
+            .iter()
+            // SAFETY: see the type's comment; write slices are only read.
+            .map(|slice| {
+                IoSlice::new(unsafe { std::slice::from_raw_parts(slice.pointer, slice.length) })
+            })
+            .collect()
+    }
+}
 
 struct Completion {
     result: Mutex<Option<io::Result<()>>>,
@@ -477,7 +494,7 @@ impl<D: Device> IoQueue<D> {
     /// Queues every write of a batch, then dispatches while any of them is unfinished: as
     /// many batches as the depth allows at a time (other threads' requests included), their
     /// writes handed to the inner device together so they are in flight at once.
-    fn submit_batch(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
+    fn submit_batch(&self, writes: &mut [WriteRequest]) -> Vec<io::Result<()>> {
         self.entered.fetch_add(writes.len() as u64, Relaxed);
         let completions: Vec<Arc<Completion>> = writes
             .iter()
@@ -492,9 +509,10 @@ impl<D: Device> IoQueue<D> {
         let mut state = self.state.lock();
         loop {
             while queued < writes.len() && state.order.len() < self.config.queued_max {
-                let write = &writes[queued];
+                let write = &mut writes[queued];
+                let (offset, length_bytes) = (write.offset(), write.length_bytes());
                 let slices = write
-                    .buffers
+                    .slices()
                     .iter()
                     .map(|buffer| RawSlice {
                         pointer: buffer.as_ptr() as *mut u8,
@@ -503,8 +521,8 @@ impl<D: Device> IoQueue<D> {
                     .collect();
                 state.order.push(
                     Direction::Write,
-                    write.offset,
-                    write.length_bytes(),
+                    offset,
+                    length_bytes,
                     Pending {
                         slices,
                         completion: Arc::clone(&completions[queued]),
@@ -550,34 +568,20 @@ impl<D: Device> IoQueue<D> {
     /// Executes several taken batches: their writes as one batch of the inner device, their
     /// reads one after another. One result per batch, in order.
     fn execute_many(&self, batches: &[Vec<Queued<Pending>>]) -> Vec<io::Result<()>> {
-        let write_positions: Vec<usize> = (0..batches.len())
-            .filter(|&position| batches[position][0].direction == Direction::Write)
-            .collect();
-        // SAFETY: every submitter is blocked until its completion is set, after this; write
-        // slices are only read.
-        let slice_lists: Vec<Vec<IoSlice<'_>>> = write_positions
+        let writes: Vec<(u64, RawWrite)> = batches
             .iter()
-            .map(|&position| {
-                batches[position]
+            .filter(|batch| batch[0].direction == Direction::Write)
+            .map(|batch| {
+                let slices = batch
                     .iter()
-                    .flat_map(|member| member.payload.slices.iter())
-                    .map(|slice| {
-                        IoSlice::new(unsafe {
-                            std::slice::from_raw_parts(slice.pointer, slice.length)
-                        })
-                    })
-                    .collect()
+                    .flat_map(|member| member.payload.slices.iter().copied())
+                    .collect();
+                (batch[0].offset, RawWrite(slices))
             })
             .collect();
-        let batch_writes: Vec<BatchWrite<'_>> = write_positions
-            .iter()
-            .zip(&slice_lists)
-            .map(|(&position, slices)| BatchWrite {
-                offset: batches[position][0].offset,
-                buffers: slices,
-            })
-            .collect();
-        let mut write_results = write_batch_and_wait(&self.inner, &batch_writes).into_iter();
+        let mut write_results = write_and_wait(&self.inner, writes)
+            .into_iter()
+            .map(|(_, result)| result);
         batches
             .iter()
             .map(|batch| match batch[0].direction {
@@ -669,20 +673,7 @@ impl<D: Device> Device for IoQueue<D> {
         if writes.len() == 1 {
             return write_each_now(self, writes);
         }
-        let results = {
-            let slice_lists: Vec<(u64, Vec<IoSlice<'_>>)> = writes
-                .iter_mut()
-                .map(|write| (write.offset(), write.slices()))
-                .collect();
-            let batch: Vec<BatchWrite<'_>> = slice_lists
-                .iter()
-                .map(|(offset, buffers)| BatchWrite {
-                    offset: *offset,
-                    buffers,
-                })
-                .collect();
-            self.submit_batch(&batch)
-        };
+        let results = self.submit_batch(&mut writes);
         for (write, result) in writes.into_iter().zip(results) {
             write.complete(result);
         }
@@ -998,15 +989,10 @@ mod tests {
         let writer = {
             let queue = Arc::clone(&queue);
             std::thread::spawn(move || {
-                let data = vec![5u8; 4096];
-                let slices = [IoSlice::new(&data)];
-                let writes: Vec<BatchWrite<'_>> = (0..8u64)
-                    .map(|index| BatchWrite {
-                        offset: index * (64 << 10),
-                        buffers: &slices,
-                    })
+                let writes: Vec<(u64, Vec<u8>)> = (0..8u64)
+                    .map(|index| (index * (64 << 10), vec![5u8; 4096]))
                     .collect();
-                write_batch_and_wait(queue.as_ref(), &writes)
+                write_and_wait(queue.as_ref(), writes)
             })
         };
         first_write_started.recv().unwrap();
@@ -1021,7 +1007,11 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
         }
         open_gate.send(()).unwrap();
-        assert!(writer.join().unwrap().iter().all(Result::is_ok));
+        assert!(writer
+            .join()
+            .unwrap()
+            .iter()
+            .all(|(_, result)| result.is_ok()));
         reader.join().unwrap().unwrap();
         let order = queue.inner().order.lock().clone();
         assert_eq!(order.len(), 9);
@@ -1053,9 +1043,14 @@ mod tests {
             self.inner.read_vectored_at(buffers, offset)
         }
         fn write_vectored_at(&self, buffers: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
-            write_batch_and_wait(self, &[BatchWrite { offset, buffers }])
+            let data: Vec<u8> = buffers
+                .iter()
+                .flat_map(|buffer| buffer.iter().copied())
+                .collect();
+            write_and_wait(self, vec![(offset, data)])
                 .pop()
                 .expect("one outcome")
+                .1
         }
         fn submit_writes(&self, writes: Vec<WriteRequest>) {
             self.batches.lock().push(
@@ -1064,7 +1059,7 @@ mod tests {
                     .map(|write| (write.offset(), write.length_bytes()))
                     .collect(),
             );
-            for mut write in writes {
+            for write in writes {
                 let offset = write.offset();
                 let result = if offset == self.failing_offset {
                     Err(io::Error::other("bad sector"))
@@ -1113,17 +1108,14 @@ mod tests {
             IoQueueConfig::default(),
         )
         .unwrap();
-        let data: Vec<Vec<u8>> = (0..5u8).map(|index| vec![index + 1; 4096]).collect();
         let offsets = [32u64 << 10, 4 << 10, 64 << 10, 0, 36 << 10];
-        let slices: Vec<[IoSlice<'_>; 1]> =
-            data.iter().map(|bytes| [IoSlice::new(bytes)]).collect();
-        let writes: Vec<BatchWrite<'_>> = offsets
+        let writes: Vec<(u64, Vec<u8>)> = offsets
             .iter()
-            .zip(&slices)
-            .map(|(&offset, buffers)| BatchWrite { offset, buffers })
+            .zip(1u8..)
+            .map(|(&offset, pattern)| (offset, vec![pattern; 4096]))
             .collect();
-        let results = write_batch_and_wait(&queue, &writes);
-        let failed: Vec<bool> = results.iter().map(Result::is_err).collect();
+        let results = write_and_wait(&queue, writes);
+        let failed: Vec<bool> = results.iter().map(|(_, result)| result.is_err()).collect();
         assert_eq!(failed, [false, false, true, false, false]);
         let batches = queue.inner().batches.lock().clone();
         assert_eq!(
@@ -1161,20 +1153,12 @@ mod tests {
             },
         )
         .unwrap();
-        let data: Vec<Vec<u8>> = (0..40u8).map(|index| vec![index + 1; 512]).collect();
-        let slices: Vec<[IoSlice<'_>; 1]> =
-            data.iter().map(|bytes| [IoSlice::new(bytes)]).collect();
-        let writes: Vec<BatchWrite<'_>> = slices
-            .iter()
-            .enumerate()
-            .map(|(index, buffers)| BatchWrite {
-                offset: index as u64 * 8192,
-                buffers,
-            })
+        let writes: Vec<(u64, Vec<u8>)> = (0..40u8)
+            .map(|index| (u64::from(index) * 8192, vec![index + 1; 512]))
             .collect();
-        assert!(write_batch_and_wait(&queue, &writes)
+        assert!(write_and_wait(&queue, writes)
             .iter()
-            .all(Result::is_ok));
+            .all(|(_, result)| result.is_ok()));
         let batches = queue.inner().batches.lock().clone();
         assert!(
             batches.iter().all(|batch| batch.len() <= 2),

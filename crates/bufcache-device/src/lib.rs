@@ -24,14 +24,15 @@ pub mod request;
 pub mod rng;
 pub mod size;
 pub mod sparse;
+mod strict;
 pub mod sync;
 
 pub use clock::Clock;
 pub use counting::{CountingDevice, DeviceStats, DirectionStats};
 pub use crash::{CrashDevice, CrashMode, CrashStats};
 pub use device::{
-    all_data, check_range, read_each_now, total_length, write_batch_and_wait, write_each_now,
-    write_zeroes_by_writing, BatchWrite, Capabilities, Device, Extent,
+    all_data, check_range, read_each_now, total_length, write_and_wait, write_each_now,
+    write_zeroes_by_writing, Capabilities, Device, Extent,
 };
 pub use fault::{FaultDevice, FaultKind, FaultStats};
 pub use file::{FileDevice, FileDeviceError, FileDeviceOptions};

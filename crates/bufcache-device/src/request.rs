@@ -70,6 +70,7 @@ impl WriteMemory for Vec<Vec<u8>> {
 /// when it ends.
 trait State<M: ?Sized>: Send {
     fn memory(&mut self) -> &mut M;
+    fn memory_shared(&self) -> &M;
     fn complete(self: Box<Self>, result: io::Result<()>);
 }
 
@@ -109,6 +110,11 @@ where
             .as_mut()
             .expect("memory is held until completion")
     }
+    fn memory_shared(&self) -> &(dyn ReadMemory + 'static) {
+        self.memory
+            .as_ref()
+            .expect("memory is held until completion")
+    }
     fn complete(mut self: Box<Self>, result: io::Result<()>) {
         self.finish(result);
     }
@@ -122,6 +128,11 @@ where
     fn memory(&mut self) -> &mut (dyn WriteMemory + 'static) {
         self.memory
             .as_mut()
+            .expect("memory is held until completion")
+    }
+    fn memory_shared(&self) -> &(dyn WriteMemory + 'static) {
+        self.memory
+            .as_ref()
             .expect("memory is held until completion")
     }
     fn complete(mut self: Box<Self>, result: io::Result<()>) {
@@ -144,6 +155,12 @@ impl<M: ?Sized> State<M> for Hooked<M> {
             .as_mut()
             .expect("the inner request is held until completion")
             .memory()
+    }
+    fn memory_shared(&self) -> &M {
+        self.inner
+            .as_ref()
+            .expect("the inner request is held until completion")
+            .memory_shared()
     }
     fn complete(mut self: Box<Self>, result: io::Result<()>) {
         let hook = self.hook.take().expect("a request completes once");
@@ -262,8 +279,17 @@ impl WriteRequest {
     }
 
     /// The bytes to write, as slices in order.
-    pub fn slices(&mut self) -> Vec<IoSlice<'_>> {
-        self.state.memory().slices()
+    pub fn slices(&self) -> Vec<IoSlice<'_>> {
+        self.state.memory_shared().slices()
+    }
+}
+
+/// A write request is the memory of another: a wrapper device that must see a write's
+/// outcome before the write completes (to send it again on a new connection) makes a request
+/// over it, and gets it back, unfinished, in that request's completion.
+impl WriteMemory for WriteRequest {
+    fn slices(&self) -> Vec<IoSlice<'_>> {
+        self.state.memory_shared().slices()
     }
 }
 

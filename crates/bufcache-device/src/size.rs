@@ -84,6 +84,29 @@ pub fn format_size(bytes: u64) -> String {
     format!("{bytes}B")
 }
 
+/// Formats a measured amount of bytes for people: [`format_size`]'s exact spelling when the
+/// largest unit it reaches divides it (`512MiB`), else one decimal in that unit (`73.8MiB`,
+/// never `77411736B` or `524292KiB`), so every size a command prints reads the same way,
+/// round or not. Below 1 KiB the bytes are whole (`1000B`).
+pub fn format_size_rounded(bytes: u64) -> String {
+    const UNITS: [(&str, u32); 5] = [
+        ("PiB", 50),
+        ("TiB", 40),
+        ("GiB", 30),
+        ("MiB", 20),
+        ("KiB", 10),
+    ];
+    for (name, shift) in UNITS {
+        if bytes >= 1 << shift {
+            if bytes.is_multiple_of(1 << shift) {
+                return format!("{}{name}", bytes >> shift);
+            }
+            return format!("{:.1}{name}", bytes as f64 / (1u64 << shift) as f64);
+        }
+    }
+    format!("{bytes}B")
+}
+
 /// A size that could not be parsed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid size `{text}`: {reason}")]
@@ -122,5 +145,20 @@ mod tests {
         assert!(parse_size(".").is_err());
         assert_eq!(format_size(65536), "64KiB");
         assert_eq!(format_size(1000), "1000B");
+    }
+
+    /// Goal: measured amounts print in the largest unit they reach, whole when exact and with
+    /// one decimal otherwise, spelled as `format_size` spells them. Method: round and uneven
+    /// amounts (the spellings a user met: `77411736B`, `524292KiB`) against their text.
+    #[test]
+    fn rounded_sizes_use_the_largest_unit_with_one_decimal() {
+        assert_eq!(format_size_rounded(77_411_736), "73.8MiB");
+        assert_eq!(format_size_rounded(524_292 << 10), "512.0MiB");
+        assert_eq!(format_size_rounded(512 << 20), "512MiB");
+        assert_eq!(format_size_rounded(3 << 29), "1.5GiB");
+        assert_eq!(format_size_rounded(65536), format_size(65536));
+        assert_eq!(format_size_rounded(1000), "1000B");
+        assert_eq!(format_size_rounded(0), "0B");
+        assert_eq!(format_size_rounded(u64::MAX), "16384.0PiB");
     }
 }

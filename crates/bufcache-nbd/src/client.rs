@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use bufcache::device::{
+use bufcache_device::{
     check_range, Capabilities, Device, Extent, FlushGroup, ReadRequest, SleepingMutex, WriteRequest,
 };
 use parking_lot::{Condvar, Mutex};
@@ -911,7 +911,7 @@ impl NbdClient {
     /// Sends the WRITEs for `write` (one per piece the server takes) and returns; the reply
     /// thread completes it once every piece has ended, with the first error, if any. The
     /// bytes have left when this returns; the request is held until its replies come.
-    fn submit_write(&self, mut write: WriteRequest) {
+    fn submit_write(&self, write: WriteRequest) {
         let (offset, length_bytes) = (write.offset(), write.length_bytes());
         if let Err(error) = self.check_writable(offset, length_bytes) {
             return write.complete(Err(error));

@@ -7,13 +7,27 @@
 //! internally synchronised. `flush` is the durability barrier: the server does not answer an
 //! `NBD_CMD_FLUSH` until it returns, and answers a FUA write only after `write` returned.
 
-use std::io;
+use std::io::{self, IoSlice, IoSliceMut};
 use std::sync::Arc;
 
 use parking_lot::RwLock;
 
 /// Fills the slices of a write with its data, in order (see [`Export::write_from`]).
-pub use bufcache::{ReadSink, StartedRead, WriteSource};
+pub type WriteSource<'a> = dyn FnMut(&mut [IoSliceMut<'_>]) -> io::Result<()> + 'a;
+
+/// Receives the bytes of a read ([`Export::read_with`]): slices covering them, in order.
+pub type ReadSink<'a> = dyn FnMut(&[IoSlice<'_>]) -> io::Result<()> + 'a;
+
+/// The bytes of a read [`Export::start_read`] finished, held by the export (a cache's own
+/// buffers, which writers of those blocks wait for) until this is dropped: the server sends
+/// them and then lets go.
+pub trait HeldRead: Send {
+    /// The bytes read, in order.
+    fn slices(&self) -> Vec<IoSlice<'_>>;
+}
+
+/// A read's bytes as [`Export::start_read`] hands them over.
+pub type StartedRead = Box<dyn HeldRead>;
 
 /// What [`Export::start_read`] runs when its read ends: the bytes, or the error.
 pub type ReadDone = Box<dyn FnOnce(io::Result<StartedRead>) + Send>;
@@ -274,7 +288,7 @@ impl MemoryExport {
     }
 
     fn check_range(&self, offset: u64, length: u64) -> io::Result<()> {
-        bufcache::device::check_range(self.size_bytes, offset, length)
+        bufcache_device::check_range(self.size_bytes, offset, length)
     }
 }
 

@@ -7,14 +7,16 @@
 //!   `base:allocation` and `x-bufcache:state` block status, and many requests in flight per
 //!   connection, answered out of order by worker threads (docs/protocol.md);
 //! - the **client** ([`NbdClient`]) connects to an upstream NBD server and implements
-//!   [`bufcache::Device`], so the cache engine can sit in front of another NBD server.
+//!   [`bufcache_device::Device`], so the cache engine can sit in front of another NBD server.
+//!
+//! The crate knows the device layer only, not the cache engine: the engine is served as an
+//! export by `bufcache-export`, where the two meet.
 //!
 //! The crate owns protocol correctness and robustness (validation, errno mapping, bounded
 //! memory per connection); it owns no data: durability is the export's `flush`, and the
 //! server never answers a FLUSH before that returns.
 
 mod buffers;
-pub mod cache_export;
 pub mod client;
 pub mod client_handshake;
 pub mod config;
@@ -29,7 +31,6 @@ pub mod tls;
 mod transmission;
 pub mod uri;
 
-pub use cache_export::CacheExport;
 pub use client::{ClientError, NbdClient};
 pub use client_handshake::{ExportInfo, HandshakeFailure};
 pub use config::{
@@ -39,8 +40,8 @@ pub use config::{
 };
 pub use export::{
     never_start_read, no_cache_state, read_via_buffer, write_via_buffer, AcknowledgeGate,
-    BlockStatusExtent, CacheStateExtent, Export, MemoryExport, ReadDone, ReadSink, StartedRead,
-    WriteSource,
+    BlockStatusExtent, CacheStateExtent, Export, HeldRead, MemoryExport, ReadDone, ReadSink,
+    StartedRead, WriteSource,
 };
 pub use ipnet::IpNet;
 pub use reconnect::{ReconnectPolicy, ReconnectingClient};

@@ -17,8 +17,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bufcache::device::write_batch_and_wait;
-use bufcache::{BatchWrite, Capabilities, Device, Extent, ReadRequest, WriteRequest};
+use bufcache_device::write_and_wait;
+use bufcache_device::{Capabilities, Device, Extent, ReadRequest, WriteRequest};
 use parking_lot::Mutex;
 
 use crate::client::{ClientError, NbdClient};
@@ -68,44 +68,73 @@ pub struct ReconnectingClient {
 }
 
 impl ReconnectingClient {
-    /// Writes a borrowed batch on the current connection, retrying writes the connection
-    /// lost once on a new one; one outcome per write.
-    fn write_batch(&self, writes: &[BatchWrite<'_>]) -> Vec<io::Result<()>> {
+    /// Writes a batch on the current connection, retrying once on a new one the writes that
+    /// connection lost; each write comes back with its outcome, unfinished, for the caller to
+    /// complete once every attempt is over (so no write is acknowledged before the
+    /// connection it went to is known to need a FLUSH).
+    fn write_batch(&self, writes: Vec<WriteRequest>) -> Vec<(WriteRequest, io::Result<()>)> {
         let client = match self.client() {
             Ok(client) => client,
-            Err(error) => return writes.iter().map(|_| Err(copy_error(&error))).collect(),
+            Err(error) => {
+                return writes
+                    .into_iter()
+                    .map(|write| (write, Err(copy_error(&error))))
+                    .collect();
+            }
         };
-        let mut results = write_batch_and_wait(&*client, writes);
+        let mut outcomes = self.write_on(&client, writes);
+        let lost: Vec<usize> = (0..outcomes.len())
+            .filter(|&position| outcomes[position].1.as_ref().is_err_and(is_disconnect))
+            .collect();
+        let Some(&first) = lost.first() else {
+            return outcomes;
+        };
+        if let Err(error) = &outcomes[first].1 {
+            self.lost(&client, error);
+        }
+        let Ok(client) = self.client() else {
+            return outcomes;
+        };
+        // Taken out in reverse so the positions of the ones not yet taken stay put.
+        let mut retry: Vec<(usize, WriteRequest)> = lost
+            .iter()
+            .rev()
+            .map(|&position| (position, outcomes.remove(position).0))
+            .collect();
+        retry.reverse();
+        let (positions, writes): (Vec<usize>, Vec<WriteRequest>) = retry.into_iter().unzip();
+        let retried = self.write_on(&client, writes);
+        for (_, result) in &retried {
+            if let Err(error) = result {
+                if is_disconnect(error) {
+                    self.lost(&client, error);
+                }
+            }
+        }
+        for (position, outcome) in positions.into_iter().zip(retried) {
+            outcomes.insert(position, outcome);
+        }
+        outcomes
+    }
+
+    /// Writes a batch on `client` and waits for every write, each carried as the memory of a
+    /// request of its own so it comes back unfinished with its outcome.
+    fn write_on(
+        &self,
+        client: &NbdClient,
+        writes: Vec<WriteRequest>,
+    ) -> Vec<(WriteRequest, io::Result<()>)> {
+        let carried = writes
+            .into_iter()
+            .map(|write| (write.offset(), write))
+            .collect();
+        let outcomes = write_and_wait(client, carried);
         // Writes this connection acknowledged need a FLUSH on it: say so before a loss is
         // recorded, so that the loss marks them as possibly not durable.
-        if results.iter().any(Result::is_ok) {
+        if outcomes.iter().any(|(_, result)| result.is_ok()) {
             self.wrote();
         }
-        let lost: Vec<usize> = (0..results.len())
-            .filter(|&position| results[position].as_ref().is_err_and(is_disconnect))
-            .collect();
-        if let Some(&first) = lost.first() {
-            if let Err(error) = &results[first] {
-                self.lost(&client, error);
-            }
-            if let Ok(client) = self.client() {
-                let retry: Vec<BatchWrite<'_>> =
-                    lost.iter().map(|&position| writes[position]).collect();
-                let retried = write_batch_and_wait(&*client, &retry);
-                if retried.iter().any(Result::is_ok) {
-                    self.wrote();
-                }
-                for (&position, result) in lost.iter().zip(retried) {
-                    if let Err(error) = &result {
-                        if is_disconnect(error) {
-                            self.lost(&client, error);
-                        }
-                    }
-                    results[position] = result;
-                }
-            }
-        }
-        results
+        outcomes
     }
 
     /// Connects for the first time; failing here is an error (there is no size to serve yet).
@@ -298,22 +327,8 @@ impl Device for ReconnectingClient {
     /// returns: writes that failed because that connection was lost are retried once,
     /// together, on a new one (as [`Self::run`] does for a single request); writes that
     /// succeeded are not sent again.
-    fn submit_writes(&self, mut writes: Vec<WriteRequest>) {
-        let results = {
-            let slice_lists: Vec<(u64, Vec<IoSlice<'_>>)> = writes
-                .iter_mut()
-                .map(|write| (write.offset(), write.slices()))
-                .collect();
-            let batch: Vec<BatchWrite<'_>> = slice_lists
-                .iter()
-                .map(|(offset, buffers)| BatchWrite {
-                    offset: *offset,
-                    buffers,
-                })
-                .collect();
-            self.write_batch(&batch)
-        };
-        for (write, result) in writes.into_iter().zip(results) {
+    fn submit_writes(&self, writes: Vec<WriteRequest>) {
+        for (write, result) in self.write_batch(writes) {
             write.complete(result);
         }
     }

@@ -59,7 +59,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use bufcache::device::{DeadlineMutex, DeadlineMutexGuard};
+use bufcache_device::{DeadlineMutex, DeadlineMutexGuard};
 use parking_lot::{Condvar, Mutex};
 
 use crate::buffers::BufferRecycler;
@@ -392,7 +392,7 @@ impl ReadingRole {
     /// Passes the role on to one waiting thread, if any.
     fn give_back(&self, reader: Reader) {
         let mut idle = self.idle.lock();
-        bufcache::strict_assert!(idle.reader.is_none(), "two threads held the reading role");
+        bufcache_device::strict_assert!(idle.reader.is_none(), "two threads held the reading role");
         idle.reader = Some(reader);
         drop(idle);
         self.given_back.notify_one();
@@ -2065,7 +2065,7 @@ impl InflightBudget {
 
     fn release(&self, cost_bytes: u64) {
         let mut state = self.state.lock();
-        bufcache::strict_assert!(state.bytes >= cost_bytes, "released more than charged");
+        bufcache_device::strict_assert!(state.bytes >= cost_bytes, "released more than charged");
         state.bytes -= cost_bytes;
         if state.bytes == 0 {
             state.active = std::time::Instant::now();
@@ -2254,7 +2254,7 @@ impl ServerBudget {
 
     pub(crate) fn release(&self, cost_bytes: u64) {
         let mut state = self.state.lock();
-        bufcache::strict_assert!(
+        bufcache_device::strict_assert!(
             state.reserved_bytes >= cost_bytes,
             "released more than reserved"
         );

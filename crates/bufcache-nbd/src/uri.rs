@@ -229,23 +229,23 @@ fn parse_unix(text: &str, rest: &str) -> Result<NbdUri, UriError> {
     })
 }
 
-/// Decodes `%XX` escapes; the result must be UTF-8.
+/// Decodes `%XX` escapes; the result must be UTF-8. A `%` not followed by two hex digits is
+/// refused (the decoder itself would keep it as it is).
 fn percent_decode(uri: &str, encoded: &str) -> Result<String, UriError> {
     let error = || UriError::PercentEncoding(uri.to_string());
-    let bytes = encoded.as_bytes();
-    let mut decoded = Vec::with_capacity(bytes.len());
-    let mut index = 0;
-    while index < bytes.len() {
-        if bytes[index] == b'%' {
-            let hex = encoded.get(index + 1..index + 3).ok_or_else(error)?;
-            decoded.push(u8::from_str_radix(hex, 16).map_err(|_| error())?);
-            index += 3;
-        } else {
-            decoded.push(bytes[index]);
-            index += 1;
-        }
+    let escapes_whole = encoded.split('%').skip(1).all(|after| {
+        after
+            .as_bytes()
+            .get(..2)
+            .is_some_and(|hex| hex.iter().all(u8::is_ascii_hexdigit))
+    });
+    if !escapes_whole {
+        return Err(error());
     }
-    String::from_utf8(decoded).map_err(|_| error())
+    percent_encoding::percent_decode_str(encoded)
+        .decode_utf8()
+        .map(|decoded| decoded.into_owned())
+        .map_err(|_| error())
 }
 
 #[cfg(test)]
@@ -322,10 +322,12 @@ mod tests {
             parse("nbd+unix:///e?sock=/s"),
             Err(UriError::Query { .. })
         ));
-        assert!(matches!(
-            parse("nbd://h/%zz"),
-            Err(UriError::PercentEncoding(_))
-        ));
+        for malformed in ["nbd://h/%zz", "nbd://h/a%2", "nbd://h/%", "nbd://h/%ff%fe"] {
+            assert!(
+                matches!(parse(malformed), Err(UriError::PercentEncoding(_))),
+                "{malformed}"
+            );
+        }
         let message = parse("nbd+unix:///e").unwrap_err().to_string();
         assert!(message.contains("socket=PATH"), "{message}");
     }

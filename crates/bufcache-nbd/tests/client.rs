@@ -534,17 +534,15 @@ fn a_write_batch_is_in_flight_upstream_at_once_and_answers_each_write() {
     };
     let client = NbdClient::connect(&nbdkit.uri()).unwrap();
     let data: Vec<Vec<u8>> = (0..17u64).map(|seed| pattern_bytes(4096, seed)).collect();
-    let slices: Vec<[IoSlice<'_>; 1]> = data.iter().map(|bytes| [IoSlice::new(bytes)]).collect();
     let offsets: Vec<u64> = (0..16u64)
         .map(|index| index * 65536)
         .chain([16 << 20])
         .collect();
-    let writes: Vec<bufcache::BatchWrite<'_>> = offsets
-        .iter()
-        .zip(&slices)
-        .map(|(&offset, buffers)| bufcache::BatchWrite { offset, buffers })
+    let writes: Vec<(u64, Vec<u8>)> = offsets.iter().copied().zip(data.clone()).collect();
+    let results: Vec<std::io::Result<()>> = bufcache_device::write_and_wait(&client, writes)
+        .into_iter()
+        .map(|(_, result)| result)
         .collect();
-    let results = bufcache::device::write_batch_and_wait(&client, &writes);
     assert_eq!(results.len(), 17);
     assert!(results[..16].iter().all(Result::is_ok), "{results:?}");
     let past_end = results[16].as_ref().unwrap_err();

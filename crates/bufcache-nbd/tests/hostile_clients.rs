@@ -14,8 +14,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bufcache_export::CacheExport;
 use bufcache_nbd::protocol::*;
-use bufcache_nbd::{CacheExport, Export, NbdClient, ServerConfig};
+use bufcache_nbd::{Export, NbdClient, ServerConfig};
 use common::*;
 
 /// The stall timeout the attack tests use: short, so attackers are closed within the test.

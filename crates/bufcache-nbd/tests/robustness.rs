@@ -734,7 +734,7 @@ fn a_client_that_stops_reading_never_holds_cached_blocks_from_writers() {
         .expect("open object");
     let before = pattern_bytes(4 << 20, 1);
     object.write_at(0, &before, false).expect("fill the cache");
-    let export: Arc<dyn Export> = Arc::new(bufcache_nbd::CacheExport::new(object));
+    let export: Arc<dyn Export> = Arc::new(bufcache_export::CacheExport::new(object));
     let server = start_server_with(
         vec![("disk", export)],
         ServerConfig {
@@ -889,7 +889,7 @@ fn a_client_that_stops_reading_does_not_hold_up_other_clients_reads_that_miss() 
     let object = cache
         .open_object(bufcache::ObjectConfig::new("disk", device))
         .expect("open object");
-    let export: Arc<dyn Export> = Arc::new(bufcache_nbd::CacheExport::new(object));
+    let export: Arc<dyn Export> = Arc::new(bufcache_export::CacheExport::new(object));
     let server = start_server_with(
         vec![("disk", export)],
         ServerConfig {

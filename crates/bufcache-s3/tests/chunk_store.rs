@@ -285,30 +285,13 @@ fn a_write_batch_keeps_its_puts_in_flight_together_and_each_write_its_outcome() 
     let chunks: Vec<(u64, Vec<u8>)> = (0..16u64)
         .map(|index| (index * 3 * (64 << 10), random(64 << 10, 100 + index)))
         .collect();
-    let slices: Vec<[std::io::IoSlice<'_>; 1]> = chunks
-        .iter()
-        .map(|(_, data)| [std::io::IoSlice::new(data)])
-        .collect();
-    let past_end = [std::io::IoSlice::new(&chunks[0].1)];
-    let mut writes: Vec<bufcache_device::BatchWrite<'_>> = chunks
-        .iter()
-        .zip(&slices)
-        .map(|((offset, _), buffers)| bufcache_device::BatchWrite {
-            offset: *offset,
-            buffers,
-        })
-        .collect();
-    writes.insert(
-        5,
-        bufcache_device::BatchWrite {
-            offset: 4 << 20,
-            buffers: &past_end,
-        },
-    );
+    let mut writes = chunks.clone();
+    writes.insert(5, (4 << 20, chunks[0].1.clone()));
+    let count = writes.len();
     proxy.reset_peak();
-    let results = bufcache_device::write_batch_and_wait(&device, &writes);
-    assert_eq!(results.len(), writes.len(), "one outcome per write");
-    for (index, result) in results.iter().enumerate() {
+    let results = bufcache_device::write_and_wait(&device, writes);
+    assert_eq!(results.len(), count, "one outcome per write");
+    for (index, (_, result)) in results.iter().enumerate() {
         assert_eq!(
             result.is_err(),
             index == 5,
@@ -588,21 +571,13 @@ fn the_runs_of_one_chunk_in_a_batch_cost_one_get_and_one_put() {
     for (offset, data) in &runs {
         model[*offset as usize..*offset as usize + data.len()].copy_from_slice(data);
     }
-    let slices: Vec<[std::io::IoSlice<'_>; 1]> = runs
-        .iter()
-        .map(|(_, data)| [std::io::IoSlice::new(data)])
-        .collect();
-    let writes: Vec<bufcache_device::BatchWrite<'_>> = runs
-        .iter()
-        .zip(&slices)
-        .map(|((offset, _), buffers)| bufcache_device::BatchWrite {
-            offset: *offset,
-            buffers,
-        })
-        .collect();
     let (gets_before, puts_before) = (moto.request_count("GET"), moto.request_count("PUT"));
-    let results = bufcache_device::write_batch_and_wait(&device, &writes);
-    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    let results = bufcache_device::write_and_wait(&device, runs.clone());
+    assert!(
+        results.iter().all(|(_, result)| result.is_ok()),
+        "{:?}",
+        results.iter().map(|(_, result)| result).collect::<Vec<_>>()
+    );
     assert_eq!(
         moto.request_count("GET") - gets_before,
         1,

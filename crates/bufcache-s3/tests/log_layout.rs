@@ -9,7 +9,6 @@ mod support;
 
 use std::io::IoSlice;
 
-use bufcache_device::BatchWrite;
 use bufcache_device::Device;
 use bufcache_s3::{LayoutKind, LogStore, OpenError, S3Device, S3Url, GET_BYTES_MAX_DEFAULT};
 use rand::{Rng, SeedableRng};
@@ -156,20 +155,13 @@ fn random_4k_writes_cost_their_bytes_once_in_few_puts() {
     assert_eq!(device.capabilities().write_unit_bytes, 1);
     let blocks: Vec<u64> = (0..1024).map(|_| rng.gen_range(0..(1u64 << 18))).collect();
     let data = random(4096 * 1024, &mut rng);
-    let slices: Vec<[IoSlice<'_>; 1]> = data
-        .chunks(4096)
-        .map(|block| [IoSlice::new(block)])
-        .collect();
-    let writes: Vec<BatchWrite<'_>> = blocks
+    let writes: Vec<(u64, Vec<u8>)> = blocks
         .iter()
-        .zip(&slices)
-        .map(|(&block, buffers)| BatchWrite {
-            offset: block * 4096,
-            buffers,
-        })
+        .zip(data.chunks(4096))
+        .map(|(&block, bytes)| (block * 4096, bytes.to_vec()))
         .collect();
     let puts_before = moto.request_count("PUT");
-    for result in bufcache_device::write_batch_and_wait(&device, &writes) {
+    for (_, result) in bufcache_device::write_and_wait(&device, writes) {
         result.unwrap();
     }
     device.flush().unwrap();

@@ -53,9 +53,8 @@ use std::time::{Duration, Instant};
 
 use bufcache_device::aligned::AlignedBytes;
 use bufcache_device::{
-    all_data, check_range, read_each_now, write_batch_and_wait, write_each_now, BatchWrite,
-    Capabilities, Device, Extent, FileDevice, FileDeviceError, FileDeviceOptions, ReadRequest,
-    WriteRequest,
+    all_data, check_range, read_each_now, write_and_wait, write_each_now, Capabilities, Device,
+    Extent, FileDevice, FileDeviceError, FileDeviceOptions, ReadRequest, WriteRequest,
 };
 use parking_lot::{Condvar, Mutex, RwLock};
 
@@ -2456,19 +2455,12 @@ impl<R: Device, L: Device> Shared<R, L> {
                 }
                 buffers.push(buffer);
             }
-            let slices: Vec<[IoSlice<'_>; 1]> = buffers
+            let writes: Vec<(u64, Vec<u8>)> = batch
                 .iter()
-                .map(|buffer| [IoSlice::new(buffer)])
+                .zip(buffers)
+                .map(|((offset, _), buffer)| (*offset, buffer))
                 .collect();
-            let writes: Vec<BatchWrite<'_>> = batch
-                .iter()
-                .zip(&slices)
-                .map(|((offset, _), slice)| BatchWrite {
-                    offset: *offset,
-                    buffers: slice,
-                })
-                .collect();
-            for outcome in write_batch_and_wait(&self.remote, &writes) {
+            for (_, outcome) in write_and_wait(&self.remote, writes) {
                 outcome?;
             }
             self.counters

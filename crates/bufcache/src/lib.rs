@@ -38,10 +38,10 @@ pub use config::{format_size, parse_size, CacheConfig, ConfigError};
 pub use bufcache_device as device;
 pub use bufcache_device::aligned::Populate;
 pub use bufcache_device::{
-    BatchWrite, Capabilities, CountingDevice, CrashDevice, CrashMode, CrashStats, Device,
-    DeviceStats, DirectionStats, Extent, FaultDevice, FaultKind, FaultStats, FileDevice,
-    FileDeviceError, FileDeviceOptions, IoQueue, IoQueueConfig, IoQueueConfigError, IoQueueStats,
-    MemoryDevice, QueueMode, ReadMemory, ReadRequest, WriteMemory, WriteRequest,
+    Capabilities, CountingDevice, CrashDevice, CrashMode, CrashStats, Device, DeviceStats,
+    DirectionStats, Extent, FaultDevice, FaultKind, FaultStats, FileDevice, FileDeviceError,
+    FileDeviceOptions, IoQueue, IoQueueConfig, IoQueueConfigError, IoQueueStats, MemoryDevice,
+    QueueMode, ReadMemory, ReadRequest, WriteMemory, WriteRequest,
 };
 pub use environment::{
     Clock, Environment, FrozenClock, InlineSpawner, Job, NoSpawner, NoWait, Spawner, Waiter,

@@ -6,12 +6,11 @@
 //! is never evicted.
 
 /// Asserts like `assert!` when strict assertions are enabled; compiles to nothing otherwise
-/// (the condition is still type-checked).
+/// (the condition is still type-checked). The device crate's macro, so every layer asserts
+/// alike; `cfg!` expands in the crate using it, whose `strict-asserts` feature counts.
 #[macro_export]
 macro_rules! strict_assert {
     ($($argument:tt)*) => {
-        if cfg!(any(debug_assertions, feature = "strict-asserts")) {
-            assert!($($argument)*);
-        }
+        $crate::device::strict_assert!($($argument)*)
     };
 }

@@ -44,7 +44,7 @@ impl<D: Device> Device for InFlight<D> {
     /// Every write of a batch in flight at once, as a pipelined device does them.
     fn submit_writes(&self, writes: Vec<bufcache::device::WriteRequest>) {
         std::thread::scope(|scope| {
-            for mut write in writes {
+            for write in writes {
                 scope.spawn(move || {
                     let offset = write.offset();
                     let result = self.write_vectored_at(&write.slices(), offset);

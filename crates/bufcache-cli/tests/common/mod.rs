@@ -433,6 +433,45 @@ impl Drop for ChildGuard {
     }
 }
 
+/// A helper process whose standard error goes to a file, shown only when the test fails.
+/// Tools such as nbdkit report on stderr what a test does on purpose (a server killed with
+/// writes in flight makes nbdkit print "write reply: ... Broken pipe"), which is noise in the
+/// output of a passing test and a clue in a failing one.
+pub struct QuietChild {
+    pub guard: ChildGuard,
+    log: PathBuf,
+}
+
+impl QuietChild {
+    /// Spawns `command` (stdout discarded) with its stderr written to `log`.
+    pub fn spawn(command: &mut Command, name: &str, log: &Path) -> QuietChild {
+        let file = std::fs::File::create(log)
+            .unwrap_or_else(|error| panic!("creating {}: {error}", log.display()));
+        command.stdout(Stdio::null()).stderr(file);
+        QuietChild {
+            guard: ChildGuard::spawn(command, name),
+            log: log.to_path_buf(),
+        }
+    }
+}
+
+impl Drop for QuietChild {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.guard.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if std::thread::panicking() {
+            let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+            eprintln!(
+                "--- {} stderr ({}):\n{text}",
+                self.guard.name,
+                self.log.display()
+            );
+        }
+    }
+}
+
 /// Polls `condition` every 20 ms until it holds; panics with `what` after `timeout`.
 pub fn wait_until(what: &str, timeout: Duration, mut condition: impl FnMut() -> bool) {
     let deadline = Instant::now() + timeout;

@@ -166,11 +166,13 @@ pub fn run(command: &mut Command) -> Output {
     }
 }
 
-/// An nbdkit process serving on a unix socket; killed on drop.
+/// An nbdkit process serving on a unix socket; killed on drop. Its stderr goes to a file,
+/// shown only when the test fails: the conformance probes send what nbdkit rightly refuses
+/// and logs, and clients that hang up mid-reply make it print "Broken pipe".
 pub struct Nbdkit {
     child: Child,
     pub socket_path: PathBuf,
-    _directory: tempfile::TempDir,
+    directory: tempfile::TempDir,
 }
 
 impl Nbdkit {
@@ -181,6 +183,7 @@ impl Nbdkit {
         let directory = tempfile::tempdir().expect("temp dir");
         let socket_path = directory.path().join("nbdkit.sock");
         let pid_path = directory.path().join("nbdkit.pid");
+        let log = std::fs::File::create(directory.path().join("nbdkit.log")).expect("nbdkit log");
         let child = Command::new(nbdkit)
             .arg("--foreground")
             .arg("--pidfile")
@@ -191,7 +194,7 @@ impl Nbdkit {
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(log)
             .spawn()
             .expect("start nbdkit");
         // nbdkit writes its pid file once it accepts connections.
@@ -199,7 +202,7 @@ impl Nbdkit {
         Some(Nbdkit {
             child,
             socket_path,
-            _directory: directory,
+            directory,
         })
     }
 
@@ -229,6 +232,11 @@ impl Drop for Nbdkit {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if std::thread::panicking() {
+            let log = self.directory.path().join("nbdkit.log");
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            eprintln!("--- nbdkit stderr:\n{text}");
+        }
     }
 }
 
@@ -318,6 +326,6 @@ pub fn cached_server(device: Arc<dyn bufcache::Device>) -> (TestServer, bufcache
     let object = cache
         .open_object(bufcache::ObjectConfig::new("disk", device))
         .expect("open object");
-    let export: Arc<dyn Export> = Arc::new(bufcache_nbd::CacheExport::new(object.reopen()));
+    let export: Arc<dyn Export> = Arc::new(bufcache_export::CacheExport::new(object.reopen()));
     (start_server(vec![("", export)]), object)
 }

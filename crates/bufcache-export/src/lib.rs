@@ -1,4 +1,6 @@
-//! The NBD side of the cache: [`CacheExport`] serves one cache object as an NBD export.
+//! Where the engine meets the server: [`CacheExport`] serves one cache object as an NBD
+//! export. Neither side knows the other: the NBD crate serves any [`Export`], and the engine
+//! knows nothing of NBD; this crate is the one place that knows both.
 //!
 //! It only translates: each NBD command becomes one call on the object handle, and every
 //! decision (how to zero, whether a request will wait for I/O) is the engine's. Each
@@ -10,13 +12,22 @@ use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 
-use bufcache::{CacheError, ObjectHandle, Residency, StartedRead, StartedReadDone, ZeroOptions};
-
-use crate::export::{
-    AcknowledgeGate, BlockStatusExtent, CacheStateExtent, Export, ReadDone, ReadSink, WriteSource,
+use bufcache::{CacheError, ObjectHandle, Residency, StartedReadDone, ZeroOptions};
+use bufcache_nbd::export::{
+    AcknowledgeGate, BlockStatusExtent, CacheStateExtent, Export, HeldRead, ReadDone, ReadSink,
+    StartedRead, WriteSource,
 };
+
+/// The cache's buffers holding a started read, as the server takes them.
+struct CachedRead(bufcache::StartedRead);
+
+impl HeldRead for CachedRead {
+    fn slices(&self) -> Vec<io::IoSlice<'_>> {
+        self.0.slices()
+    }
+}
 
 /// A cache object served as an NBD export.
 pub struct CacheExport {
@@ -380,16 +391,30 @@ impl Export for CacheExport {
     }
 
     fn start_read(&self, offset: u64, length: u32, done: ReadDone) -> Result<(), ReadDone> {
-        let engine_done: StartedReadDone =
-            Box::new(move |outcome| done(outcome.map_err(io::Error::from)));
-        // The engine hands back its own callback when it declines; the export's is inside.
-        self.object
+        // The server's callback waits in a slot the engine's callback empties: a read the
+        // engine declines hands its callback back unrun, and the server's comes back out.
+        let slot = Arc::new(Mutex::new(Some(done)));
+        let engine_slot = Arc::clone(&slot);
+        let engine_done: StartedReadDone = Box::new(move |outcome| {
+            if let Some(done) = engine_slot.lock().take() {
+                done(
+                    outcome
+                        .map(|read| Box::new(CachedRead(read)) as StartedRead)
+                        .map_err(io::Error::from),
+                );
+            }
+        });
+        match self
+            .object
             .start_read(offset, u64::from(length), engine_done)
-            .map_err(|engine_done| -> ReadDone {
-                Box::new(move |outcome: io::Result<StartedRead>| {
-                    engine_done(outcome.map_err(|source| CacheError::DataSink { source }))
-                })
-            })
+        {
+            Ok(()) => Ok(()),
+            Err(declined) => {
+                drop(declined);
+                let done = slot.lock().take();
+                Err(done.expect("a declined read's callback is handed back unrun"))
+            }
+        }
     }
 
     fn write_is_quick(&self, offset: u64, length: u64, fua: bool) -> bool {
