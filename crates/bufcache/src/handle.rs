@@ -1588,21 +1588,33 @@ impl ObjectHandle {
         source: &mut WriteSource<'_>,
     ) -> Result<(u64, u64), CacheError> {
         const WRITE_GROUP_BLOCKS_MAX: u64 = 256;
+        /// Blocks of a write group looked up at once: one chunk of the table.
+        const WRITE_LOOKUP_BLOCKS: u64 = 16;
         let group_end = end.min(block + WRITE_GROUP_BLOCKS_MAX);
         let mut group: Vec<(BufferGuard, bool)> = Vec::with_capacity((group_end - block) as usize);
         let (within, length) = range.piece(&self.object, block);
         let whole = length == self.object.block_length_bytes(block) as usize;
         // The first block may wait for space, so nothing else is pinned yet.
         group.push(self.acquire_for_write(block, whole)?);
-        // One look at the table for the rest: a chunk's blocks share a probe and a shard lock.
-        let mut cached = self.inner().table().lookup_run(
-            self.object.id,
-            block + 1,
-            group_end,
-            Some(Placement::Normal),
-        );
+        // The rest are looked up a window at a time (a chunk's blocks share a probe and a
+        // shard lock): under pressure a group often ends after a block or two, and a look
+        // over all of it at every group made a large write quadratic in its blocks.
+        let lookup_window = |from: u64| {
+            let window_end = group_end.min(from + WRITE_LOOKUP_BLOCKS);
+            let lookup = self.inner().table().lookup_run(
+                self.object.id,
+                from,
+                window_end,
+                Some(Placement::Normal),
+            );
+            (lookup, window_end)
+        };
+        let (mut cached, mut window_end) = lookup_window(block + 1);
         let mut next = block + 1;
         while next < group_end {
+            if next >= window_end {
+                (cached, window_end) = lookup_window(next);
+            }
             let joined = match cached.take(next) {
                 Some(buffer) => self.try_acquire_cached_for_write(buffer, &mut group),
                 None => self.insert_for_write(next, group_end, range, &cached, &mut group),

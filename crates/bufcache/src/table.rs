@@ -658,21 +658,29 @@ impl Table {
     }
 
     /// Releases one pin. The last one puts a held buffer back on its policy's queues when it
-    /// is clean and not under write-back, and wakes space waiters.
+    /// is clean and not under write-back, and then wakes space waiters. A dirty buffer's last
+    /// unpin wakes nobody: it frees no space (its write-back's end will, and wakes them
+    /// then), and under a parallel upload every write's unpin woke every waiting writer only
+    /// to find nothing evictable (a stampede of context switches). A waiter that could write
+    /// it back itself looks again within its wait step.
     pub(crate) fn unpin(&self, buffer: &Buffer) {
         if buffer.pins.fetch_sub(1, Ordering::SeqCst) != 1 {
             return;
         }
-        if buffer.flags.load(Ordering::SeqCst) & HELD != 0 {
+        let flags = buffer.flags.load(Ordering::SeqCst);
+        if flags & HELD != 0 {
             self.release_held(buffer);
         }
-        self.memory.notify();
+        if flags & DIRTY == 0 {
+            self.memory.notify();
+        }
     }
 
     /// [`Table::unpin`] for every buffer of `buffers`, in order, taking each shard lock once
     /// per run of consecutive buffers in the same chunk that their last unpins put back on
-    /// the queues (a read's blocks come in order), and waking space waiters once. Each
-    /// buffer goes back at the same place in its queue as by one unpin after another.
+    /// the queues (a read's blocks come in order), and waking space waiters once (when a
+    /// clean buffer was among them: see [`Table::unpin`]). Each buffer goes back at the same
+    /// place in its queue as by one unpin after another.
     pub(crate) fn unpin_run<'b>(&self, buffers: impl IntoIterator<Item = &'b Buffer>) {
         let mut released_any = false;
         let mut held: smallvec::SmallVec<[&Buffer; 64]> = smallvec::SmallVec::new();
@@ -680,8 +688,9 @@ impl Table {
             if buffer.pins.fetch_sub(1, Ordering::SeqCst) != 1 {
                 continue;
             }
-            released_any = true;
-            if buffer.flags.load(Ordering::SeqCst) & HELD != 0 {
+            let flags = buffer.flags.load(Ordering::SeqCst);
+            released_any |= flags & DIRTY == 0;
+            if flags & HELD != 0 {
                 held.push(buffer);
             }
         }
