@@ -688,6 +688,13 @@ fn cache_prometheus(text: &mut String, stats: &CacheStats) {
     );
     counter(
         text,
+        "bufcache_reads_attached_total",
+        "",
+        stats.reads_attached,
+        "Started reads of blocks another read was filling, answered by that fill's completion (no thread waited).",
+    );
+    counter(
+        text,
         "bufcache_write_batches_total",
         "",
         stats.write_batches,
@@ -981,6 +988,7 @@ fn cache_json(stats: &CacheStats) -> Value {
         "read_clusters": stats.read_clusters,
         "read_cluster_buffers": stats.read_cluster_buffers,
         "reads_started": stats.reads_started,
+        "reads_attached": stats.reads_attached,
         "write_batches": stats.write_batches,
         "write_batch_writes": stats.write_batch_writes,
         "writeback_inflight_waits": stats.writeback_inflight_waits,

@@ -224,9 +224,13 @@ impl Export for MeteredExport {
         let started = Instant::now();
         // The wrapper is handed back unchanged in spirit when the read does not start: the
         // caller then serves it with `read_with`, which counts it, and the wrapper (never
-        // called) counts nothing.
+        // called) counts nothing. A started read that ends in an error (the device failed,
+        // or a read waiting for another's fill was given back) is served again the same way,
+        // where it is counted (and its error reported), so it counts nothing here either.
         let wrapped: bufcache_nbd::ReadDone = Box::new(move |result| {
-            meters.commands[READ].record(u64::from(length), started, result.is_err());
+            if result.is_ok() {
+                meters.commands[READ].record(u64::from(length), started, false);
+            }
             done(result)
         });
         self.inner.start_read(offset, length, wrapped)

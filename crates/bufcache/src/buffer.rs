@@ -53,6 +53,9 @@ pub(crate) const WRITEBACK_WAITED: u32 = 32;
 /// buffer evictable reads it without the lock and, when set, puts the buffer back
 /// (`Table::unpin`).
 pub(crate) const HELD: u32 = 64;
+/// A started read waits for this buffer's exclusive lock to be let go (module `attached`);
+/// whoever lets it go runs the reads attached to it. Cleared by that releaser.
+pub(crate) const ATTACHED: u32 = 128;
 
 /// Identity of a cached block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -230,6 +233,22 @@ impl Buffer {
     pub unsafe fn unlock_exclusive(&self) {
         // SAFETY: the caller holds the lock exclusively (this function's contract).
         unsafe { self.lock.unlock_exclusive() };
+    }
+
+    /// True while someone holds the lock exclusively (a hint, except to `attached`, which
+    /// pairs it with a fence).
+    pub fn is_locked_exclusive(&self) -> bool {
+        self.lock.is_locked_exclusive()
+    }
+
+    /// After its exclusive lock was let go: true when reads were attached to the buffer
+    /// meanwhile (the flag is cleared), which the releaser must now run
+    /// ([`crate::attached::AttachedReads::wake`]).
+    pub fn released_with_reads_attached(&self) -> bool {
+        // Pairs with the fence in `AttachedReads::attach`: either the attacher sees the lock
+        // let go, or this sees its flag.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        self.flags.load(Ordering::Relaxed) & ATTACHED != 0 && self.take(ATTACHED) != 0
     }
 
     /// # Safety

@@ -27,6 +27,7 @@ use bufcache_policy::Placement;
 use parking_lot::RwLock;
 
 use crate::buffer::{BlockKey, Buffer};
+use crate::attached::AttachedReads;
 use crate::config::{CacheConfig, ConfigError};
 use crate::environment::{Clock, Environment, Spawner, Waiter};
 use crate::error::CacheError;
@@ -79,6 +80,8 @@ pub(crate) struct Inner {
     waiter: Arc<dyn Waiter>,
     /// Measures waits for space.
     clock: Arc<dyn Clock>,
+    /// Started reads waiting for buffers being filled.
+    attached: AttachedReads,
 }
 
 /// A concurrent block buffer cache. Cheap to clone; every clone is the same cache.
@@ -124,6 +127,7 @@ impl Cache {
                 spawner: Arc::clone(environment.spawner()),
                 waiter: Arc::clone(environment.waiter()),
                 clock: Arc::clone(environment.clock()),
+                attached: AttachedReads::default(),
                 config,
             }),
         })
@@ -246,6 +250,10 @@ impl Cache {
 impl Inner {
     pub(crate) fn config(&self) -> &CacheConfig {
         &self.config
+    }
+
+    pub(crate) fn attached(&self) -> &AttachedReads {
+        &self.attached
     }
 
     pub(crate) fn table(&self) -> &Table {

@@ -94,6 +94,11 @@ pub enum CacheError {
         /// What is wrong.
         reason: String,
     },
+    /// A read [`crate::ObjectHandle::start_read`] attached to blocks being filled found a
+    /// block evicted or taken by a writer when it looked again; nothing failed, and the
+    /// caller serves the read the usual way.
+    #[error("a started read was given back to be served the usual way")]
+    ReadGivenBack,
 }
 
 impl CacheError {
@@ -107,6 +112,7 @@ impl CacheError {
             CacheError::OutOfRange { .. } => io::ErrorKind::InvalidInput,
             CacheError::ReadOnly { .. } => io::ErrorKind::PermissionDenied,
             CacheError::ZeroingWouldWrite { .. } => io::ErrorKind::Unsupported,
+            CacheError::ReadGivenBack => io::ErrorKind::WouldBlock,
             CacheError::DataSource { source } | CacheError::DataSink { source } => source.kind(),
         }
     }

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use bufcache_policy::Placement;
 
-use crate::buffer::{Buffer, DIRTY, READAHEAD, VALID, WRITTEN_BEHIND};
+use crate::buffer::{BlockKey, Buffer, DIRTY, READAHEAD, VALID, WRITTEN_BEHIND};
 use crate::cache::{Cache, Inner, Urgency};
 use crate::error::CacheError;
 use crate::io::Io;
@@ -127,8 +127,11 @@ impl BufferGuard {
 
 impl BufferGuard {
     /// What a drop does before its unpin: a buffer never made valid (or marked no-cache
-    /// and clean) leaves the table, and the lock is let go. Once only.
-    fn unlock_for_release(&mut self) {
+    /// and clean) leaves the table, and the lock is let go. Once only. True when reads were
+    /// attached to the buffer while it was held: the caller runs them (`AttachedReads::wake`)
+    /// once it holds nothing else.
+    #[must_use]
+    fn unlock_for_release(&mut self) -> bool {
         strict_assert!(
             !self.released,
             "guard of {:?} released twice",
@@ -143,6 +146,7 @@ impl BufferGuard {
         // (`released` is set below, and a released guard's drop does nothing).
         unsafe { self.buffer.unlock_exclusive() };
         self.released = true;
+        self.buffer.released_with_reads_attached()
     }
 }
 
@@ -151,8 +155,11 @@ impl Drop for BufferGuard {
         if self.released {
             return;
         }
-        self.unlock_for_release();
+        let attached = self.unlock_for_release();
         self.inner.table().unpin(&self.buffer);
+        if attached {
+            self.inner.attached().wake(self.buffer.key);
+        }
     }
 }
 
@@ -163,13 +170,19 @@ fn release_guards(guards: &mut Vec<BufferGuard>) {
     let Some(inner) = guards.first().map(|guard| Arc::clone(&guard.inner)) else {
         return;
     };
+    let mut attached: smallvec::SmallVec<[BlockKey; 4]> = smallvec::SmallVec::new();
     for guard in guards.iter_mut() {
-        guard.unlock_for_release();
+        if guard.unlock_for_release() {
+            attached.push(guard.buffer.key);
+        }
     }
     inner
         .table()
         .unpin_run(guards.iter().map(|guard| &*guard.buffer));
     guards.clear();
+    for key in attached {
+        inner.attached().wake(key);
+    }
 }
 
 /// A run of buffers held exclusively, lent to the device as one read's memory: the guards move
@@ -244,36 +257,144 @@ pub type ReadSink<'a> = dyn FnMut(&[IoSlice<'_>]) -> std::io::Result<()> + 'a;
 pub type StartedReadDone = Box<dyn FnOnce(Result<StartedRead, CacheError>) + Send>;
 
 /// The bytes of a read [`ObjectHandle::start_read`] finished: the cache's own buffers, held
-/// exclusively (writers and other readers of these blocks wait) until this is dropped.
+/// (writers and, for a read's own fill, other readers of these blocks wait) until this is
+/// dropped.
 pub struct StartedRead {
     object: Arc<ObjectState>,
     offset: u64,
     length_bytes: u64,
     first: u64,
-    guards: Vec<BufferGuard>,
+    held: StartedHold,
+}
+
+/// How a [`StartedRead`] holds its blocks.
+enum StartedHold {
+    /// Filled by the read's own device request, held exclusively.
+    Filled(Vec<BufferGuard>),
+    /// Filled by another read it waited for (module `attached`), held shared.
+    Shared(SharedRun),
 }
 
 impl Drop for StartedRead {
     fn drop(&mut self) {
-        release_guards(&mut self.guards);
+        if let StartedHold::Filled(guards) = &mut self.held {
+            release_guards(guards);
+        }
     }
 }
 
 impl StartedRead {
     /// The bytes read, in order.
     pub fn slices(&self) -> Vec<IoSlice<'_>> {
+        let blocks: Vec<&[u8]> = match &self.held {
+            StartedHold::Filled(guards) => guards.iter().map(BufferGuard::data).collect(),
+            StartedHold::Shared(run) => run.blocks().collect(),
+        };
         let block_size = self.object.block_size_bytes as u64;
         let end_offset = self.offset + self.length_bytes;
-        self.guards
-            .iter()
+        blocks
+            .into_iter()
             .enumerate()
-            .map(|(index, guard)| {
+            .map(|(index, bytes)| {
                 let block_start = (self.first + index as u64) * block_size;
                 let start = self.offset.max(block_start) - block_start;
                 let end = end_offset.min(block_start + block_size) - block_start;
-                IoSlice::new(&guard.data()[start as usize..end as usize])
+                IoSlice::new(&bytes[start as usize..end as usize])
             })
             .collect()
+    }
+}
+
+/// Buffers held shared and pinned, owning their hold (no borrow of a handle): what a started
+/// read that waited for another's fill lends its caller.
+struct SharedRun {
+    inner: Arc<Inner>,
+    buffers: Vec<Arc<Buffer>>,
+}
+
+impl SharedRun {
+    /// Each buffer's bytes, in order.
+    fn blocks(&self) -> impl Iterator<Item = &[u8]> {
+        // SAFETY: every buffer is held shared for as long as `self`.
+        self.buffers.iter().map(|buffer| unsafe { buffer.bytes() })
+    }
+}
+
+impl Drop for SharedRun {
+    fn drop(&mut self) {
+        for buffer in &self.buffers {
+            // SAFETY: the run owns one shared lock of each buffer, let go once, here.
+            unsafe { buffer.unlock_shared() };
+        }
+        self.inner
+            .table()
+            .unpin_run(self.buffers.iter().map(|buffer| &**buffer));
+    }
+}
+
+/// What holding a read's blocks found ([`ObjectHandle::hold_blocks`]).
+enum Holding<'a> {
+    /// Every block, valid and held shared.
+    Held(ResidentRun<'a>),
+    /// This block is held exclusively by someone (being read in, or written); nothing held.
+    Busy(Arc<Buffer>),
+    /// A block is not cached; nothing held.
+    Absent,
+}
+
+/// A started read waiting for blocks another read is filling (module `attached`).
+struct AttachedRead {
+    handle: ObjectHandle,
+    offset: u64,
+    length_bytes: u64,
+    first: u64,
+    end: u64,
+    placement: Placement,
+    /// How many more times it may wait for a buffer before it gives itself back.
+    attaches_left: u32,
+    done: StartedReadDone,
+}
+
+/// Times one started read may wait for a buffer being filled before it gives itself back:
+/// each wait ends with a fill, so a read waits at most once per run of read-ahead it spans
+/// (a few), unless its blocks keep being evicted and read again.
+const ATTACHES_PER_READ_MAX: u32 = 16;
+
+impl AttachedRead {
+    /// Answers the read if every block is in, else attaches it to the buffer still being
+    /// filled (or, out of attaches or with a block gone, gives it back to its caller through
+    /// `done`). True when it waits for read-ahead.
+    fn serve_or_attach(mut self) -> bool {
+        let handle = &self.handle;
+        let busy = match handle.hold_blocks(self.first, self.end, self.placement, true) {
+            Holding::Held(held) => {
+                let started = StartedRead {
+                    object: Arc::clone(&handle.object),
+                    offset: self.offset,
+                    length_bytes: self.length_bytes,
+                    first: self.first,
+                    held: StartedHold::Shared(held.into_shared()),
+                };
+                (self.done)(Ok(started));
+                return false;
+            }
+            Holding::Busy(buffer) if self.attaches_left > 0 => buffer,
+            Holding::Busy(_) | Holding::Absent => {
+                (self.done)(Err(CacheError::ReadGivenBack));
+                return false;
+            }
+        };
+        self.attaches_left -= 1;
+        let readahead = busy.has(READAHEAD);
+        let inner = Arc::clone(self.handle.inner());
+        let waiting: crate::attached::AttachedRead = Box::new(move || {
+            self.serve_or_attach();
+        });
+        if let Err(waiting) = inner.attached().attach(&busy, waiting) {
+            // Let go meanwhile, or no room to wait: look again now (with one attach fewer).
+            waiting();
+        }
+        readahead
     }
 }
 
@@ -288,7 +409,7 @@ struct PlannedRead {
 
 /// Every block of a read, held shared and pinned, in order from `first`.
 struct ResidentRun<'a> {
-    inner: &'a Inner,
+    inner: &'a Arc<Inner>,
     first: u64,
     /// The lookup counted its blocks as hits (undone if the run is given up).
     counted: bool,
@@ -312,6 +433,23 @@ impl ResidentRun<'_> {
                 IoSlice::new(&bytes[start as usize..end as usize])
             })
             .collect()
+    }
+
+    /// The same holds, owned: nothing is let go.
+    fn into_shared(mut self) -> SharedRun {
+        let buffers = self
+            .buffers
+            .drain(..)
+            .map(|mut hold| {
+                // The lock and pin pass to the shared run.
+                hold.released = true;
+                Arc::clone(&hold.buffer)
+            })
+            .collect();
+        SharedRun {
+            inner: Arc::clone(self.inner),
+            buffers,
+        }
     }
 
     /// Lets everything go without counting the hits: the read is served another way.
@@ -518,10 +656,18 @@ impl ObjectHandle {
     ///
     /// So a server thread that reads requests need not wait for a miss, nor hand its
     /// reading to another thread first; nothing here waits (no space is waited for, and
-    /// read-ahead the background cannot take now is skipped). Any other read (a block
-    /// cached or being filled, longer than a cluster, a device whose reads finish in the
-    /// caller's thread, no room without waiting) is not started: `done` comes back as `Err`
-    /// and the caller reads as usual.
+    /// read-ahead the background cannot take now is skipped).
+    ///
+    /// A read whose blocks are all cached but some still being read in (read-ahead in
+    /// flight, another request's miss) waits for them without a thread: it is attached to
+    /// the buffer being filled, and whoever ends that fill (the device's completion thread)
+    /// looks again and runs `done` once every block is in. Should a block be evicted or
+    /// taken by a writer meanwhile, `done` gets [`CacheError::ReadGivenBack`] and the caller
+    /// serves the read the usual way.
+    ///
+    /// Any other read (partly cached, longer than a cluster, a device whose reads finish in
+    /// the caller's thread, no room without waiting) is not started: `done` comes back as
+    /// `Err` and the caller reads as usual.
     ///
     /// [`Capabilities::completes_later`]: bufcache_device::Capabilities
     pub fn start_read(
@@ -542,9 +688,16 @@ impl ObjectHandle {
             offset / block_size,
             (offset + length_bytes).div_ceil(block_size),
         );
-        if end - first > object.write_run_blocks_max(first)
-            || !self.inner().table().run_absent(object.id, first, end)
-        {
+        let table = self.inner().table();
+        if !table.run_absent(object.id, first, end) {
+            if table.first_absent(object.id, first, end) < end {
+                // Partly cached: the caller reads the rest as usual.
+                return Err(done);
+            }
+            self.start_attached_read(offset, length_bytes, done);
+            return Ok(());
+        }
+        if end - first > object.write_run_blocks_max(first) {
             return Err(done);
         }
         let planned = self.plan(offset, length_bytes);
@@ -585,6 +738,34 @@ impl ObjectHandle {
         self.inner().io().start_read(object, read);
         self.start_planned_readahead_in_background(&planned);
         Ok(())
+    }
+
+    /// [`ObjectHandle::start_read`] of a read whose blocks are all cached, some still being
+    /// filled: answered now if they are all in already, else attached to the first block
+    /// still being filled. Read-ahead goes on as for any read.
+    fn start_attached_read(&self, offset: u64, length_bytes: u64, done: StartedReadDone) {
+        let planned = self.plan(offset, length_bytes);
+        let read = AttachedRead {
+            handle: self.background_handle(),
+            offset,
+            length_bytes,
+            first: planned.first,
+            end: planned.end,
+            placement: planned.placement,
+            attaches_left: ATTACHES_PER_READ_MAX,
+            done,
+        };
+        if read.serve_or_attach() {
+            // It caught up with read-ahead still in flight: the window did not cover the
+            // device's latency (as for a reader that waits, `finish_read`).
+            self.object
+                .note_readahead_wait(planned.end, self.readahead_spare_blocks());
+        }
+        self.inner()
+            .counters()
+            .reads_attached
+            .fetch_add(1, Ordering::Relaxed);
+        self.start_planned_readahead_in_background(&planned);
     }
 
     /// The read-ahead [`ObjectHandle::finish_read`] starts, but only what the background
@@ -650,7 +831,7 @@ impl ObjectHandle {
             offset,
             length_bytes,
             first,
-            guards: run,
+            held: StartedHold::Filled(run),
         })
     }
 
@@ -769,35 +950,43 @@ impl ObjectHandle {
     /// `count` false the blocks were counted already (by the pass that made them resident)
     /// and this lookup counts no hits.
     fn hold_resident(&self, planned: &PlannedRead, count: bool) -> Option<ResidentRun<'_>> {
+        match self.hold_blocks(planned.first, planned.end, planned.placement, count) {
+            Holding::Held(held) => Some(held),
+            Holding::Busy(_) | Holding::Absent => None,
+        }
+    }
+
+    /// Holds every block of `[first, end)` shared, if all are cached, valid and not held
+    /// exclusively right now, counting hits with `count` (false: counted already);
+    /// otherwise holds nothing, counts nothing, and says why.
+    fn hold_blocks(&self, first: u64, end: u64, placement: Placement, count: bool) -> Holding<'_> {
         let inner = self.inner();
         let table = inner.table();
-        let mut cached = table.lookup_run(
-            self.object.id,
-            planned.first,
-            planned.end,
-            count.then_some(planned.placement),
-        );
+        let mut cached = table.lookup_run(self.object.id, first, end, count.then_some(placement));
         let mut held = ResidentRun {
             inner,
-            first: planned.first,
+            first,
             counted: count,
-            buffers: Vec::with_capacity((planned.end - planned.first) as usize),
+            buffers: Vec::with_capacity((end - first) as usize),
         };
-        for block in planned.first..planned.end {
+        for block in first..end {
             let Some(buffer) = cached.take(block) else {
                 held.release_uncounted();
-                return None;
+                return Holding::Absent;
             };
             if !buffer.try_lock_shared() {
+                let busy = Arc::clone(&buffer);
                 cached.give_back(buffer);
                 held.release_uncounted();
-                return None;
+                return Holding::Busy(busy);
             }
             let hold = SharedHold::new(inner, buffer);
             if !hold.buffer.has(VALID) {
+                // Its filler failed and removed it (an invalid buffer is only ever seen
+                // held exclusively).
                 held.buffers.push(hold);
                 held.release_uncounted();
-                return None;
+                return Holding::Absent;
             }
             held.buffers.push(hold);
         }
@@ -812,7 +1001,7 @@ impl ObjectHandle {
                 used_readahead += 1;
                 &*hold.buffer
             });
-        if planned.placement == Placement::NoReuse {
+        if placement == Placement::NoReuse {
             table.demote_run(newly_used);
         } else {
             newly_used.for_each(drop);
@@ -823,7 +1012,7 @@ impl ObjectHandle {
                 .readahead_used_blocks
                 .fetch_add(used_readahead, Ordering::Relaxed);
         }
-        Some(held)
+        Holding::Held(held)
     }
 
     /// Serves `block` (and, on a miss, the run of missing blocks after it) and returns the
@@ -1242,10 +1431,11 @@ impl ObjectHandle {
         }
     }
 
-    /// True when the byte range is in the cache now, so reading it will not wait for the
-    /// device (a hint: it may change at once). Every block is checked, one table probe per
-    /// chunk of 16 blocks, for ranges of up to 64 chunks; longer ranges are sampled by whole
-    /// chunks (see `Table::run_present`).
+    /// True when the byte range is in the cache now, filled, so reading it will not wait
+    /// for the device (a hint: it may change at once); a block still being read in does not
+    /// count. Every block is checked, one table probe per chunk of 16 blocks, for ranges of
+    /// up to 64 chunks; longer ranges are sampled by whole chunks (see
+    /// `Table::run_present`).
     pub fn is_resident(&self, offset: u64, length_bytes: u64) -> bool {
         if self.object.check_range(offset, length_bytes).is_err() || length_bytes == 0 {
             return false;
@@ -1253,16 +1443,22 @@ impl ObjectHandle {
         let block_size = self.object.block_size_bytes as u64;
         let first = offset / block_size;
         let end = (offset + length_bytes).div_ceil(block_size);
-        self.blocks_resident(first, end)
+        self.blocks_present(first, end, true)
     }
 
-    /// Whether blocks `[first, end)` are cached (see `is_resident`).
+    /// Whether blocks `[first, end)` are cached or being read in (see `is_resident`): no
+    /// read-ahead is needed for them.
     fn blocks_resident(&self, first: u64, end: u64) -> bool {
+        self.blocks_present(first, end, false)
+    }
+
+    /// Whether blocks `[first, end)` are cached, and with `filled` also valid.
+    fn blocks_present(&self, first: u64, end: u64, filled: bool) -> bool {
         /// 64 chunks of 16 blocks: a 4 MiB range of 4 KiB blocks is checked exactly.
         const CHECKED_CHUNKS_MAX: u64 = 64;
         self.inner()
             .table()
-            .run_present(self.object.id, first, end, CHECKED_CHUNKS_MAX)
+            .run_present(self.object.id, first, end, CHECKED_CHUNKS_MAX, filled)
     }
 
     /// True when a write of the byte range will complete without waiting for the device: no
@@ -1392,21 +1588,33 @@ impl ObjectHandle {
         source: &mut WriteSource<'_>,
     ) -> Result<(u64, u64), CacheError> {
         const WRITE_GROUP_BLOCKS_MAX: u64 = 256;
+        /// Blocks of a write group looked up at once: one chunk of the table.
+        const WRITE_LOOKUP_BLOCKS: u64 = 16;
         let group_end = end.min(block + WRITE_GROUP_BLOCKS_MAX);
         let mut group: Vec<(BufferGuard, bool)> = Vec::with_capacity((group_end - block) as usize);
         let (within, length) = range.piece(&self.object, block);
         let whole = length == self.object.block_length_bytes(block) as usize;
         // The first block may wait for space, so nothing else is pinned yet.
         group.push(self.acquire_for_write(block, whole)?);
-        // One look at the table for the rest: a chunk's blocks share a probe and a shard lock.
-        let mut cached = self.inner().table().lookup_run(
-            self.object.id,
-            block + 1,
-            group_end,
-            Some(Placement::Normal),
-        );
+        // The rest are looked up a window at a time (a chunk's blocks share a probe and a
+        // shard lock): under pressure a group often ends after a block or two, and a look
+        // over all of it at every group made a large write quadratic in its blocks.
+        let lookup_window = |from: u64| {
+            let window_end = group_end.min(from + WRITE_LOOKUP_BLOCKS);
+            let lookup = self.inner().table().lookup_run(
+                self.object.id,
+                from,
+                window_end,
+                Some(Placement::Normal),
+            );
+            (lookup, window_end)
+        };
+        let (mut cached, mut window_end) = lookup_window(block + 1);
         let mut next = block + 1;
         while next < group_end {
+            if next >= window_end {
+                (cached, window_end) = lookup_window(next);
+            }
             let joined = match cached.take(next) {
                 Some(buffer) => self.try_acquire_cached_for_write(buffer, &mut group),
                 None => self.insert_for_write(next, group_end, range, &cached, &mut group),

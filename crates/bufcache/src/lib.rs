@@ -13,6 +13,7 @@
 
 #[macro_use]
 mod strict;
+mod attached;
 mod bsd;
 mod buffer;
 mod cache;

@@ -104,6 +104,7 @@ pub(crate) struct Counters {
     pub write_batches: AtomicU64,
     pub write_batch_writes: AtomicU64,
     pub reads_started: AtomicU64,
+    pub reads_attached: AtomicU64,
     pub readahead_issued_blocks: AtomicU64,
     pub readahead_used_blocks: AtomicU64,
     pub readahead_wasted_blocks: AtomicU64,
@@ -176,6 +177,9 @@ pub struct CacheStats {
     /// Reads of missing blocks started on a device that ends them on a thread of its own,
     /// so no thread waited for them ([`crate::ObjectHandle::start_read`]).
     pub reads_started: u64,
+    /// Started reads whose blocks another read was filling: they waited for that fill with
+    /// no thread of their own ([`crate::ObjectHandle::start_read`]).
+    pub reads_attached: u64,
     /// Blocks read ahead of a reader.
     pub readahead_issued_blocks: u64,
     /// Read-ahead blocks a reader then used.
@@ -269,6 +273,7 @@ impl Counters {
         stats.write_batches = self.write_batches.load(Relaxed);
         stats.write_batch_writes = self.write_batch_writes.load(Relaxed);
         stats.reads_started = self.reads_started.load(Relaxed);
+        stats.reads_attached = self.reads_attached.load(Relaxed);
         stats.readahead_issued_blocks = self.readahead_issued_blocks.load(Relaxed);
         stats.readahead_used_blocks = self.readahead_used_blocks.load(Relaxed);
         stats.readahead_wasted_blocks = self.readahead_wasted_blocks.load(Relaxed);

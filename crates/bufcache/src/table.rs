@@ -36,7 +36,7 @@ use std::sync::Arc;
 use bufcache_policy::{Placement, Policy, Slot};
 use parking_lot::Mutex;
 
-use crate::buffer::{BlockKey, Buffer, MemoryRelease, DIRTY, HELD, READAHEAD, WRITEBACK};
+use crate::buffer::{BlockKey, Buffer, MemoryRelease, DIRTY, HELD, READAHEAD, VALID, WRITEBACK};
 use crate::config::CacheConfig;
 use crate::environment::Waiter;
 use crate::stats::{CacheStats, Counters};
@@ -658,21 +658,29 @@ impl Table {
     }
 
     /// Releases one pin. The last one puts a held buffer back on its policy's queues when it
-    /// is clean and not under write-back, and wakes space waiters.
+    /// is clean and not under write-back, and then wakes space waiters. A dirty buffer's last
+    /// unpin wakes nobody: it frees no space (its write-back's end will, and wakes them
+    /// then), and under a parallel upload every write's unpin woke every waiting writer only
+    /// to find nothing evictable (a stampede of context switches). A waiter that could write
+    /// it back itself looks again within its wait step.
     pub(crate) fn unpin(&self, buffer: &Buffer) {
         if buffer.pins.fetch_sub(1, Ordering::SeqCst) != 1 {
             return;
         }
-        if buffer.flags.load(Ordering::SeqCst) & HELD != 0 {
+        let flags = buffer.flags.load(Ordering::SeqCst);
+        if flags & HELD != 0 {
             self.release_held(buffer);
         }
-        self.memory.notify();
+        if flags & DIRTY == 0 {
+            self.memory.notify();
+        }
     }
 
     /// [`Table::unpin`] for every buffer of `buffers`, in order, taking each shard lock once
     /// per run of consecutive buffers in the same chunk that their last unpins put back on
-    /// the queues (a read's blocks come in order), and waking space waiters once. Each
-    /// buffer goes back at the same place in its queue as by one unpin after another.
+    /// the queues (a read's blocks come in order), and waking space waiters once (when a
+    /// clean buffer was among them: see [`Table::unpin`]). Each buffer goes back at the same
+    /// place in its queue as by one unpin after another.
     pub(crate) fn unpin_run<'b>(&self, buffers: impl IntoIterator<Item = &'b Buffer>) {
         let mut released_any = false;
         let mut held: smallvec::SmallVec<[&Buffer; 64]> = smallvec::SmallVec::new();
@@ -680,8 +688,9 @@ impl Table {
             if buffer.pins.fetch_sub(1, Ordering::SeqCst) != 1 {
                 continue;
             }
-            released_any = true;
-            if buffer.flags.load(Ordering::SeqCst) & HELD != 0 {
+            let flags = buffer.flags.load(Ordering::SeqCst);
+            released_any |= flags & DIRTY == 0;
+            if flags & HELD != 0 {
                 held.push(buffer);
             }
         }
@@ -1021,13 +1030,15 @@ impl Table {
     /// no more than `chunks_checked_max` chunks (evenly spaced, and always the last): one
     /// probe per chunk, no pins, no statistics. Past that many chunks it is a sample — runs
     /// are cached and evicted mostly whole (read-ahead, clustering), so a sampled run is
-    /// almost always wholly present.
+    /// almost always wholly present. With `filled`, a block still being read into (not yet
+    /// valid) does not count as present.
     pub(crate) fn run_present(
         &self,
         object: u32,
         first: u64,
         end: u64,
         chunks_checked_max: u64,
+        filled: bool,
     ) -> bool {
         if first >= end {
             return true;
@@ -1040,10 +1051,15 @@ impl Table {
             let from = first.max(chunk.first_block());
             let to = end.min(chunk.first_block() + CHUNK_BLOCKS);
             let shard = self.shard_of(&chunk).lock();
-            shard
-                .chunks
-                .get(&chunk)
-                .is_some_and(|entry| (from..to).all(|block| entry.slot(block).is_some()))
+            let present = |slot: Slot| {
+                !filled
+                    || shard.entries[slot as usize]
+                        .as_ref()
+                        .is_some_and(|buffer| buffer.has(VALID))
+            };
+            shard.chunks.get(&chunk).is_some_and(|entry| {
+                (from..to).all(|block| entry.slot(block).is_some_and(present))
+            })
         };
         (first_chunk..=last_chunk)
             .step_by(step as usize)

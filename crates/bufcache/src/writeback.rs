@@ -238,8 +238,22 @@ impl Writeback {
         let Some(&last) = candidates.last() else {
             return held;
         };
-        let mut cached = self.table.lookup_run(object.id, first, last + 1, None);
+        // Looked up a chunk of the table at a time: a claim often fails at its first block
+        // (a cluster another writer is writing back already), and pinning the whole cluster
+        // for that cost a throttled upload a tenth of its time.
+        const CLAIM_LOOKUP_BLOCKS: u64 = 16;
+        let lookup_window = |from: u64| {
+            let window_end = (last + 1).min(from + CLAIM_LOOKUP_BLOCKS);
+            (
+                self.table.lookup_run(object.id, from, window_end, None),
+                window_end,
+            )
+        };
+        let (mut cached, mut window_end) = lookup_window(first);
         for block in candidates {
+            if block >= window_end {
+                (cached, window_end) = lookup_window(block);
+            }
             let Some(buffer) = cached.take(block) else {
                 break;
             };

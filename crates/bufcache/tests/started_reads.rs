@@ -310,3 +310,125 @@ fn a_started_read_continues_a_sequential_stream_with_read_ahead_in_the_same_requ
     );
     assert!(cache.stats().readahead_issued_blocks > 0);
 }
+
+/// Starts a read that may be attached to blocks being filled; None when it was handed back.
+fn try_start(handle: &ObjectHandle, offset: u64, length: u64) -> Option<mpsc::Receiver<Outcome>> {
+    let (sender, receiver) = mpsc::channel();
+    let done = Box::new(move |outcome: Result<StartedRead, CacheError>| {
+        let bytes = outcome.map(|data| data.slices().iter().flat_map(|s| s.to_vec()).collect());
+        sender.send((bytes, std::thread::current().id())).unwrap();
+    });
+    handle.start_read(offset, length, done).ok().map(|()| receiver)
+}
+
+#[test]
+fn a_started_read_of_blocks_being_read_waits_for_that_read_with_no_thread_of_its_own() {
+    // Goal: a started read whose blocks another started read is filling is not handed back
+    // (which would cost a thread asleep on a buffer lock): it is attached to the fill, and
+    // the device's completion thread answers it too, from the one device read, counting its
+    // blocks as hits. Method: hold the first read at the device's gate, start a second read
+    // inside it, check it has not ended, open the gate.
+    let (cache, device, handle, contents) = setup(0);
+    let (open_gate, gate) = mpsc::channel();
+    *device.gate.lock().unwrap() = Some(gate);
+    let first = start(&handle, 8 * BLOCK, 8 * BLOCK);
+    let before = cache.stats();
+    let second = try_start(&handle, 9 * BLOCK + 10, 3 * BLOCK)
+        .expect("a read of blocks being filled is started, not handed back");
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(second.try_recv().is_err(), "it waits for the fill");
+    assert!(
+        !handle.is_resident(9 * BLOCK, BLOCK),
+        "a block being filled is not resident for a quick read"
+    );
+    open_gate.send(()).unwrap();
+    let (bytes, _) = first.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert!(bytes.unwrap() == contents[8 * BLOCK as usize..16 * BLOCK as usize]);
+    let (bytes, thread) = second.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_ne!(thread, std::thread::current().id());
+    let expected = &contents[(9 * BLOCK + 10) as usize..(12 * BLOCK + 10) as usize];
+    assert!(bytes.unwrap() == expected);
+    let stats = cache.stats();
+    assert_eq!(device.reads.load(Ordering::SeqCst), 1, "one device read");
+    assert_eq!(stats.reads_attached - before.reads_attached, 1);
+    assert_eq!(stats.hits - before.hits, 4, "blocks 9..=12 hit once each");
+    assert_eq!(stats.misses, before.misses);
+}
+
+#[test]
+fn an_attached_read_whose_fill_failed_is_given_back_and_its_caller_reads_it_again() {
+    // Goal: when the fill a read waits for fails, its blocks leave the cache and the waiting
+    // read is given back (`ReadGivenBack`, never the other read's error and never a hang);
+    // its caller then reads it the usual way. Method: a gated, failing first read; a second
+    // read attached to it; the gate opened.
+    let (_cache, device, handle, contents) = setup(0);
+    let (open_gate, gate) = mpsc::channel();
+    *device.gate.lock().unwrap() = Some(gate);
+    device.failing.store(true, Ordering::SeqCst);
+    let first = start(&handle, 0, 4 * BLOCK);
+    let second = try_start(&handle, BLOCK, BLOCK).expect("attached");
+    open_gate.send(()).unwrap();
+    let (outcome, _) = first.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert!(outcome.is_err());
+    let (outcome, _) = second.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert!(
+        matches!(outcome, Err(CacheError::ReadGivenBack)),
+        "{outcome:?}"
+    );
+    device.failing.store(false, Ordering::SeqCst);
+    let mut block = vec![0u8; BLOCK as usize];
+    handle.read_at(BLOCK, &mut block).unwrap();
+    assert!(block == contents[BLOCK as usize..2 * BLOCK as usize]);
+}
+
+#[test]
+fn reads_attached_while_their_fill_ends_are_each_answered_once_with_the_right_bytes() {
+    // Goal: the attach and the end of the fill race (the fill's thread lets the buffer go
+    // while a read attaches to it); every read is answered exactly once, with the device's
+    // bytes or given back, never lost or answered twice. Method: 300 rounds, each a started
+    // read of 4 fresh blocks ending on the device's thread after about 5 ms, and four more
+    // started reads of parts of them from this thread and three others meanwhile; a read
+    // handed back or given back is read with `read_at`.
+    let (_cache, _device, handle, contents) = setup(0);
+    let handle = Arc::new(handle);
+    for round in 0..300u64 {
+        let base = (round * 4) % (DEVICE_BYTES / BLOCK - 4);
+        handle.forget_clean(base * BLOCK, 4 * BLOCK);
+        let Some(first) = try_start(&handle, base * BLOCK, 4 * BLOCK) else {
+            continue;
+        };
+        let readers: Vec<_> = (0..4u64)
+            .map(|index| {
+                let handle = Arc::clone(&handle);
+                let contents = contents.clone();
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_micros(1000 * index + round % 7 * 300));
+                    let offset = (base + index % 4) * BLOCK;
+                    let expected = &contents[offset as usize..(offset + BLOCK) as usize];
+                    let bytes = match try_start(&handle, offset, BLOCK) {
+                        Some(receiver) => {
+                            let (outcome, _) = receiver
+                                .recv_timeout(Duration::from_secs(10))
+                                .expect("an attached read is answered");
+                            assert!(receiver.try_recv().is_err(), "answered once");
+                            outcome.ok()
+                        }
+                        None => None,
+                    };
+                    let bytes = bytes.unwrap_or_else(|| {
+                        let mut block = vec![0u8; BLOCK as usize];
+                        handle.read_at(offset, &mut block).unwrap();
+                        block
+                    });
+                    assert!(bytes == expected, "round {round} reader {index}");
+                })
+            })
+            .collect();
+        let (bytes, _) = first.recv_timeout(Duration::from_secs(10)).unwrap();
+        let expected = &contents[(base * BLOCK) as usize..((base + 4) * BLOCK) as usize];
+        assert!(bytes.unwrap() == expected);
+        for reader in readers {
+            reader.join().unwrap();
+        }
+    }
+}
