@@ -59,7 +59,11 @@ impl AttachedReads {
             }
             let ticket = waiting.next_ticket;
             waiting.next_ticket += 1;
-            waiting.by_block.entry(key).or_default().push((ticket, read));
+            waiting
+                .by_block
+                .entry(key)
+                .or_default()
+                .push((ticket, read));
             waiting.count += 1;
             buffer.set(ATTACHED);
             ticket
@@ -103,11 +107,5 @@ impl AttachedReads {
         for (_, read) in reads {
             read();
         }
-    }
-
-    /// Reads waiting now.
-    #[cfg(test)]
-    pub(crate) fn count(&self) -> usize {
-        self.waiting.lock().count
     }
 }

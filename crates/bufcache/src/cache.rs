@@ -26,8 +26,8 @@ use bufcache_device::aligned::Populate;
 use bufcache_policy::Placement;
 use parking_lot::RwLock;
 
-use crate::buffer::{BlockKey, Buffer};
 use crate::attached::AttachedReads;
+use crate::buffer::{BlockKey, Buffer};
 use crate::config::{CacheConfig, ConfigError};
 use crate::environment::{Clock, Environment, Spawner, Waiter};
 use crate::error::CacheError;

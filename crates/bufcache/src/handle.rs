@@ -768,8 +768,9 @@ impl ObjectHandle {
         self.start_planned_readahead_in_background(&planned);
     }
 
-    /// The read-ahead [`ObjectHandle::finish_read`] starts, but only what the background
-    /// takes now: a started read's caller must not do it inline.
+    /// The read-ahead [`ObjectHandle::finish_read`] starts, handed to the background; what
+    /// it refuses is started here, which over a device that completes later (the only kind a
+    /// read is started on) waits for nothing.
     fn start_planned_readahead_in_background(&self, planned: &PlannedRead) {
         let (end, plan) = (planned.end, &planned.plan);
         let windows = [
@@ -782,8 +783,13 @@ impl ObjectHandle {
             }
             let handle = self.background_handle();
             let job = Box::new(move || handle.fill_readahead(start, window_end));
-            // Refused (the background queue is full): skipped, read-ahead is best effort.
-            let _ = self.inner().spawner().spawn(job);
+            // Refused (the background queue is full): filled here after all, which waits for
+            // nothing over a device that completes later (`fill_readahead` only starts its
+            // reads). Skipping it cost a parallel copy through a small cache a third more
+            // demand misses, each a device request of its own.
+            if let Err(job) = self.inner().spawner().spawn(job) {
+                job();
+            }
         }
     }
 
@@ -1353,7 +1359,12 @@ impl ObjectHandle {
             block += run.len() as u64;
             runs.push(run);
         }
-        if runs.len() > 1 && inner.io().serves_requests_in_parallel(&self.object) {
+        // Over a device that completes requests later (an NBD upstream) the runs are only
+        // started, however few: the caller may be a server thread reading requests.
+        let io = inner.io();
+        if (runs.len() > 1 && io.serves_requests_in_parallel(&self.object))
+            || io.capabilities(&self.object).completes_later
+        {
             return self.read_runs_together(runs);
         }
         // Every run after the first is read by its own background job, so a window larger
@@ -1431,11 +1442,13 @@ impl ObjectHandle {
         }
     }
 
-    /// True when the byte range is in the cache now, filled, so reading it will not wait
-    /// for the device (a hint: it may change at once); a block still being read in does not
-    /// count. Every block is checked, one table probe per chunk of 16 blocks, for ranges of
-    /// up to 64 chunks; longer ranges are sampled by whole chunks (see
-    /// `Table::run_present`).
+    /// True when the byte range is in the cache now, so reading it will not wait for the
+    /// device (a hint: it may change at once). A block still being read in counts: a server
+    /// serves such a read on the thread that reads requests, which then waits for the fill
+    /// before it takes the client's next request (see rule 7 of "Admission under pressure"
+    /// in docs/design.md for why that is kept). Every block is checked, one table probe per
+    /// chunk of 16 blocks, for ranges of up to 64 chunks; longer ranges are sampled by whole
+    /// chunks (see `Table::run_present`).
     pub fn is_resident(&self, offset: u64, length_bytes: u64) -> bool {
         if self.object.check_range(offset, length_bytes).is_err() || length_bytes == 0 {
             return false;
@@ -1443,22 +1456,16 @@ impl ObjectHandle {
         let block_size = self.object.block_size_bytes as u64;
         let first = offset / block_size;
         let end = (offset + length_bytes).div_ceil(block_size);
-        self.blocks_present(first, end, true)
+        self.blocks_resident(first, end)
     }
 
-    /// Whether blocks `[first, end)` are cached or being read in (see `is_resident`): no
-    /// read-ahead is needed for them.
+    /// Whether blocks `[first, end)` are cached or being read in (see `is_resident`).
     fn blocks_resident(&self, first: u64, end: u64) -> bool {
-        self.blocks_present(first, end, false)
-    }
-
-    /// Whether blocks `[first, end)` are cached, and with `filled` also valid.
-    fn blocks_present(&self, first: u64, end: u64, filled: bool) -> bool {
         /// 64 chunks of 16 blocks: a 4 MiB range of 4 KiB blocks is checked exactly.
         const CHECKED_CHUNKS_MAX: u64 = 64;
         self.inner()
             .table()
-            .run_present(self.object.id, first, end, CHECKED_CHUNKS_MAX, filled)
+            .run_present(self.object.id, first, end, CHECKED_CHUNKS_MAX)
     }
 
     /// True when a write of the byte range will complete without waiting for the device: no

@@ -36,7 +36,7 @@ use std::sync::Arc;
 use bufcache_policy::{Placement, Policy, Slot};
 use parking_lot::Mutex;
 
-use crate::buffer::{BlockKey, Buffer, MemoryRelease, DIRTY, HELD, READAHEAD, VALID, WRITEBACK};
+use crate::buffer::{BlockKey, Buffer, MemoryRelease, DIRTY, HELD, READAHEAD, WRITEBACK};
 use crate::config::CacheConfig;
 use crate::environment::Waiter;
 use crate::stats::{CacheStats, Counters};
@@ -1030,15 +1030,13 @@ impl Table {
     /// no more than `chunks_checked_max` chunks (evenly spaced, and always the last): one
     /// probe per chunk, no pins, no statistics. Past that many chunks it is a sample — runs
     /// are cached and evicted mostly whole (read-ahead, clustering), so a sampled run is
-    /// almost always wholly present. With `filled`, a block still being read into (not yet
-    /// valid) does not count as present.
+    /// almost always wholly present.
     pub(crate) fn run_present(
         &self,
         object: u32,
         first: u64,
         end: u64,
         chunks_checked_max: u64,
-        filled: bool,
     ) -> bool {
         if first >= end {
             return true;
@@ -1051,15 +1049,10 @@ impl Table {
             let from = first.max(chunk.first_block());
             let to = end.min(chunk.first_block() + CHUNK_BLOCKS);
             let shard = self.shard_of(&chunk).lock();
-            let present = |slot: Slot| {
-                !filled
-                    || shard.entries[slot as usize]
-                        .as_ref()
-                        .is_some_and(|buffer| buffer.has(VALID))
-            };
-            shard.chunks.get(&chunk).is_some_and(|entry| {
-                (from..to).all(|block| entry.slot(block).is_some_and(present))
-            })
+            shard
+                .chunks
+                .get(&chunk)
+                .is_some_and(|entry| (from..to).all(|block| entry.slot(block).is_some()))
         };
         (first_chunk..=last_chunk)
             .step_by(step as usize)
