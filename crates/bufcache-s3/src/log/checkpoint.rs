@@ -28,6 +28,8 @@
 //! count, at 40 the mappings, no epochs (an open reads every epoch object), named
 //! `<through_sequence>` alone.
 
+use std::collections::BTreeSet;
+
 use bytes::{BufMut, Bytes, BytesMut};
 
 use super::epoch::Epochs;
@@ -50,6 +52,80 @@ pub struct Checkpoint {
     /// epoch object is needed).
     pub epochs: Option<Epochs>,
     pub index: Index,
+}
+
+/// A checkpoint the disk keeps besides the newest, with what an open falling back to it
+/// needs: every segment it names and every segment after `through` (module docs of `log`,
+/// "Two checkpoints"). Kept ones are held oldest first; the oldest needs every segment a
+/// newer one needs (a segment a checkpoint does not name had no live byte when it was
+/// taken, and live bytes never come back to a segment).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Kept {
+    /// (through, epoch) of its object; None for the empty log a disk starts as, which has
+    /// no object.
+    pub name: Option<(u64, u64)>,
+    pub through: u64,
+    pub named: BTreeSet<u64>,
+    /// Its writer's epoch when it records the epochs an open needs (version 2): the epoch
+    /// objects older than that one are not needed to open from it. None: every one is.
+    pub epoch: Option<u64>,
+}
+
+impl Kept {
+    /// The log before its first checkpoint: replaying it needs every segment and epoch.
+    pub fn start() -> Kept {
+        Kept {
+            name: None,
+            through: 0,
+            named: BTreeSet::new(),
+            epoch: None,
+        }
+    }
+
+    /// A checkpoint object whose content is not known (damaged, or not read): it holds
+    /// every segment and epoch object until it is deleted.
+    pub fn unknown(name: (u64, u64)) -> Kept {
+        Kept {
+            name: Some(name),
+            ..Kept::start()
+        }
+    }
+
+    /// What checkpoint `name`, whose content is `checkpoint`, keeps.
+    pub fn of(name: (u64, u64), checkpoint: &Checkpoint) -> Kept {
+        Kept {
+            name: Some(name),
+            through: checkpoint.through_sequence,
+            named: checkpoint
+                .index
+                .live_bytes_by_segment()
+                .keys()
+                .copied()
+                .collect(),
+            epoch: checkpoint.epochs.is_some().then_some(checkpoint.epoch),
+        }
+    }
+
+    /// Whether replaying from this checkpoint reads segment `sequence`.
+    pub fn needs(&self, sequence: u64) -> bool {
+        sequence > self.through || self.named.contains(&sequence)
+    }
+}
+
+/// Whether some kept checkpoint needs segment `sequence`: no collection and no open's
+/// cleanup deletes it. The planted defect (tests/log_sim_check.rs) answers no.
+pub fn kept_need(kept: &[Kept], sequence: u64) -> bool {
+    !cfg!(feature = "planted-previous-defect") && kept.iter().any(|kept| kept.needs(sequence))
+}
+
+/// The oldest epoch whose object an open from the newest checkpoint (writer epoch
+/// `newest`, None when it needs every one) or a kept one may read: the older epoch objects
+/// may go. None when every one must stay.
+pub fn epochs_needed_from(kept: &[Kept], newest: Option<u64>) -> Option<u64> {
+    kept.iter()
+        .map(|kept| kept.epoch)
+        .chain([newest])
+        .try_fold(u64::MAX, |low, epoch| epoch.map(|epoch| low.min(epoch)))
 }
 
 /// The epochs a checkpoint of `index` covering the segments up to `through` records: those

@@ -38,7 +38,7 @@ use object_store::ObjectStore;
 
 use std::time::Duration;
 
-use super::{segment, Core, Mapping};
+use super::{checkpoint, segment, Core, Mapping};
 use crate::error::{chain, StoreError};
 use crate::store::get_range_in;
 
@@ -112,7 +112,8 @@ impl Core {
         }
         // A checkpoint lets the doomed segments go: after a rewrite, or once the ones
         // waiting for it hold a segment's worth of bytes (a checkpoint costs a PUT of the
-        // whole index, not worth it for less).
+        // whole index, not worth it for less). Those the kept checkpoint needs wait for it
+        // too: the next checkpoint retires it.
         let waiting_bytes: u64 = {
             let state = self.shared.lock();
             state
@@ -120,10 +121,11 @@ impl Core {
                 .iter()
                 .filter(|&(sequence, _)| {
                     state.index.live_bytes(*sequence) == 0
-                        && state
+                        && (state
                             .doomed
                             .get(sequence)
                             .is_none_or(|&position| position > state.checkpoint_through)
+                            || checkpoint::kept_need(&state.checkpoints_kept, *sequence))
                 })
                 .map(|(_, &bytes)| bytes)
                 .sum()
@@ -180,10 +182,13 @@ impl Core {
                     state.doomed.entry(sequence).or_insert(position);
                 }
             }
+            // Nor one a kept checkpoint needs: an open falls back to it when the newest is
+            // lost (module `checkpoint`, `Kept`).
             let deletable: Vec<(u64, u64)> = state
                 .doomed
                 .iter()
                 .filter(|&(_, &position)| position <= state.checkpoint_through)
+                .filter(|&(&sequence, _)| !checkpoint::kept_need(&state.checkpoints_kept, sequence))
                 .map(|(&sequence, _)| (sequence, state.stored[&sequence]))
                 .collect();
             // Before any is sent (see `State::segment_deletes_sent`).
