@@ -113,9 +113,14 @@ impl Kept {
 }
 
 /// Whether some kept checkpoint needs segment `sequence`: no collection and no open's
-/// cleanup deletes it. The planted defect (tests/log_sim_check.rs) answers no.
+/// cleanup deletes it. The planted defects (tests/log_sim_check.rs) answer no: this one's,
+/// and the collector's that trusts a checkpoint before it is durable, since a kept
+/// predecessor also keeps every segment the newest durable checkpoint names.
 pub fn kept_need(kept: &[Kept], sequence: u64) -> bool {
-    !cfg!(feature = "planted-previous-defect") && kept.iter().any(|kept| kept.needs(sequence))
+    !cfg!(any(
+        feature = "planted-previous-defect",
+        feature = "planted-gc-defect"
+    )) && kept.iter().any(|kept| kept.needs(sequence))
 }
 
 /// The oldest epoch whose object an open from the newest checkpoint (writer epoch

@@ -24,7 +24,14 @@
 //!   unless the URL says `recover-prefix=on`: each segment header records how far the log
 //!   and its checkpoints were durable when it was sealed (module `segment`, `Marks`), so a
 //!   segment after a gap sealed once the missing one was stored, or one sealed after a
-//!   checkpoint newer than the newest found, proves objects missing ([`check_nothing_lost`]);
+//!   checkpoint newer than the newest found whose `through` the replay does not reach,
+//!   proves objects missing ([`check_nothing_lost`]);
+//! - two checkpoints: the writer keeps the newest checkpoint's predecessor and everything an
+//!   open from it reads (the segments it names, every segment after its `through`, the
+//!   epoch objects newer than its writer; module `checkpoint`, `Kept`), and retires the one
+//!   before it, object first, once a newer checkpoint is durable. So a lost or damaged
+//!   newest checkpoint costs nothing: the open reads the one left and replays past the lost
+//!   one's `through`, logging that it fell back;
 //! - a segment or checkpoint that exists but fails its checksums or names another disk is
 //!   damage, not a crash (an object PUT is atomic): opening stops with an error naming it,
 //!   serving and changing nothing;
@@ -1129,6 +1136,7 @@ impl LogStore {
             return Ok(());
         }
         self.core.flush_and_checkpoint(true)?;
+        self.core.release_kept()?;
         self.core.delete_dead_segments()
     }
 }
@@ -1880,8 +1888,8 @@ async fn recover(
     let base_through = base.as_ref().map_or(0, |(base, _)| base.through);
     let mut checkpoints = list_numbered(store, url, "log/checkpoints").await?;
     // The newest checkpoint, or when it is damaged its predecessor (module docs, "Two
-    // checkpoints"): the open then stands only if the replay reaches past the damaged
-    // one's `through` (checked below).
+    // checkpoints"; the log's start when it has none): the open then stands only if the
+    // replay reaches past the damaged one's `through` (checked below).
     let mut damaged: Option<((u64, u64), String, String)> = None;
     let mut checkpoint = None;
     while let Some(name) = checkpoints.pop() {
@@ -1890,9 +1898,9 @@ async fn recover(
                 checkpoint = Some((name, read));
                 break;
             }
-            Err(OpenError::BadObject { key, reason, .. })
-                if damaged.is_none() && !checkpoints.is_empty() =>
-            {
+            // With no predecessor the replay starts at the log's start, which the first
+            // checkpoint's writer kept whole.
+            Err(OpenError::BadObject { key, reason, .. }) if damaged.is_none() => {
                 damaged = Some((name, key, reason));
             }
             Err(error) => {
