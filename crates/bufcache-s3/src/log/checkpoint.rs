@@ -311,6 +311,62 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Check
 mod tests {
     use super::*;
 
+    // Goal: a kept checkpoint holds exactly what an open falling back to it reads (the
+    // segments it names and every one after its `through`), the log's start and an unknown
+    // checkpoint hold everything, and epoch objects go only below every kept writer's epoch
+    // (none while one needs them all). Method: kept records of a checkpoint naming segments
+    // 2 and 5 through 6, of the log's start and of an unknown object; ask about segments
+    // 1 to 9 and about the pruning bound of several combinations.
+    #[cfg(not(any(feature = "planted-previous-defect", feature = "planted-gc-defect")))]
+    #[test]
+    fn kept_checkpoints_hold_what_a_fallback_reads_and_bound_epoch_pruning() {
+        let mut index = Index::new();
+        for (offset, segment) in [(0u64, 2u64), (8192, 5)] {
+            index.insert(
+                offset,
+                Mapping {
+                    length: 4096,
+                    segment,
+                    object_offset: 64,
+                },
+            );
+        }
+        let mut epochs = Epochs::default();
+        epochs.insert(3, 1);
+        let checkpoint = Checkpoint {
+            through_sequence: 6,
+            epoch: 3,
+            epochs: Some(epochs),
+            index,
+        };
+        let kept = Kept::of((6, 3), &checkpoint);
+        let needed: Vec<u64> = (1..=9).filter(|&sequence| kept.needs(sequence)).collect();
+        assert_eq!(needed, [2, 5, 7, 8, 9]);
+        for sequence in 1..=9 {
+            assert!(Kept::start().needs(sequence));
+            assert!(Kept::unknown((6, 3)).needs(sequence));
+            assert_eq!(
+                kept_need(std::slice::from_ref(&kept), sequence),
+                needed.contains(&sequence)
+            );
+        }
+        assert!(!kept_need(&[], 1), "nothing kept keeps nothing");
+        assert_eq!(
+            epochs_needed_from(std::slice::from_ref(&kept), Some(7)),
+            Some(3)
+        );
+        assert_eq!(
+            epochs_needed_from(std::slice::from_ref(&kept), Some(2)),
+            Some(2)
+        );
+        assert_eq!(
+            epochs_needed_from(&[kept.clone(), Kept::start()], Some(7)),
+            None
+        );
+        assert_eq!(epochs_needed_from(&[kept], None), None);
+        assert_eq!(epochs_needed_from(&[], Some(4)), Some(4));
+    }
+
     // Goal: a checkpoint (version 2 and the version 1 disks hold) round-trips and damage is
     // an error, never a different index. Method: encode an index of three mappings, decode
     // it, flip each byte and expect an error.
