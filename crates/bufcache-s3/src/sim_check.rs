@@ -27,7 +27,12 @@
 //!   it was taken (a shadow copy of the allowed tags then), across later writes, collection,
 //!   crashes and restarts; a snapshot whose request succeeded is also a FLUSH. A snapshot
 //!   whose request failed or hung may exist or not, and may name segments a server opened
-//!   before its late PUT landed never pinned: it is read when it exists but promises nothing.
+//!   before its late PUT landed never pinned: it is read when it exists but promises nothing;
+//! - after some clean closes (seeded) the newest checkpoint is lost, deleted or with a byte
+//!   flipped, and the disk must open all the same with every acknowledged write: the open
+//!   falls back to the previous checkpoint, which the servers keep with every segment it
+//!   needs. (Not when the newest may be the checkpoint an open stored past a crash's gap,
+//!   whose loss is refused by design: its predecessor's replay stops at the gap.)
 //!
 //! Blocks carry a tag (the write that wrote them and the block's number) in their first
 //! eight bytes and bytes derived from it after, so a block read back names its write and
@@ -79,6 +84,8 @@ pub struct LogCheckOutcome {
     pub snapshot_checks: u64,
     /// The most epoch objects the bucket held after an open.
     pub epoch_objects_max: u64,
+    /// Newest checkpoints lost (deleted or damaged) after a clean close.
+    pub checkpoints_lost: u64,
     /// What broke the contract, with the step; None when nothing did.
     pub violation: Option<String>,
 }
@@ -601,6 +608,9 @@ impl Harness {
                 self.note(|| "closed".to_string());
                 self.outcome.clean_closes += 1;
                 self.flushed = self.history.len();
+                if self.rng.gen_bool(0.5) {
+                    self.lose_newest_checkpoint();
+                }
                 self.crash_and_reopen()?;
                 Ok(true)
             }
@@ -610,6 +620,40 @@ impl Harness {
                 Ok(false)
             }
         }
+    }
+
+    /// Deletes the newest checkpoint, or flips one of its bytes (module docs), unless it may be
+    /// an open's checkpoint past a gap: one that covers no segment of its own epoch (a
+    /// checkpoint a server writes at a FLUSH or close covers the segment it sealed, which
+    /// the kept predecessor keeps).
+    fn lose_newest_checkpoint(&mut self) {
+        let objects = self.world.objects();
+        let parse = |key: &str, folder: &str| {
+            let name = key.split_once(folder)?.1;
+            let (number, epoch) = name.split_once('-')?;
+            Some((
+                u64::from_str_radix(number, 16).ok()?,
+                u64::from_str_radix(epoch, 16).ok()?,
+            ))
+        };
+        let Some((key, (through, epoch))) = objects
+            .iter()
+            .filter_map(|(key, _)| Some((key, parse(key, "/log/checkpoints/")?)))
+            .max_by_key(|&(_, name)| name)
+        else {
+            return;
+        };
+        let covers_own = objects.iter().any(|(key, _)| {
+            parse(key, "/log/segments/")
+                .is_some_and(|(sequence, owner)| owner == epoch && sequence <= through)
+        });
+        if !covers_own {
+            return;
+        }
+        let flip_at = self.rng.gen_bool(0.5).then(|| self.rng.gen_range(0..4096));
+        self.note(|| format!("losing the newest checkpoint `{key}` (flip at {flip_at:?})"));
+        self.world.lose(key, flip_at);
+        self.outcome.checkpoints_lost += 1;
     }
 
     /// Reads the whole disk without faults and finds the prefix of history it equals.
@@ -1078,6 +1122,8 @@ pub struct LogCheckSummary {
     pub epochs_pruned: u64,
     /// The most epoch objects one seed's bucket held after an open.
     pub epoch_objects_max: u64,
+    /// Newest checkpoints lost after a clean close, over all seeds.
+    pub checkpoints_lost: u64,
     /// Snapshots taken, and whole reads of one checked against its shadow copy.
     pub snapshots_taken: u64,
     pub snapshot_checks: u64,
@@ -1104,6 +1150,7 @@ pub fn check_log_seeds(
         summary.gc_rounds += outcome.gc_rounds;
         summary.clean_closes += outcome.clean_closes;
         summary.epochs_pruned += outcome.epochs_pruned;
+        summary.checkpoints_lost += outcome.checkpoints_lost;
         summary.snapshots_taken += outcome.snapshots_taken;
         summary.snapshot_checks += outcome.snapshot_checks;
         summary.epoch_objects_max = summary.epoch_objects_max.max(outcome.epoch_objects_max);

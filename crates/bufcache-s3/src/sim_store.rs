@@ -495,6 +495,38 @@ impl SimWorld {
         }
     }
 
+    /// Removes object `key` from the bucket, as a store that loses it (or a person) would;
+    /// with `flip_at`, flips the bits of that byte of it instead (when it has that many).
+    pub fn lose(&self, key: &str, flip_at: Option<usize>) {
+        let path = object_store::path::Path::from(key);
+        futures::executor::block_on(async {
+            match flip_at {
+                None => self
+                    .bucket
+                    .delete(&path)
+                    .await
+                    .expect("deleting from memory"),
+                Some(at) => {
+                    let mut body = self
+                        .bucket
+                        .get(&path)
+                        .await
+                        .expect("the object exists")
+                        .bytes()
+                        .await
+                        .expect("reading from memory")
+                        .to_vec();
+                    let at = at % body.len();
+                    body[at] ^= 0xff;
+                    self.bucket
+                        .put(&path, body.into())
+                        .await
+                        .expect("writing to memory");
+                }
+            }
+        });
+    }
+
     /// Object names and sizes in the bucket now (for traces and diagnostics).
     pub fn objects(&self) -> Vec<(String, u64)> {
         futures::executor::block_on(async {

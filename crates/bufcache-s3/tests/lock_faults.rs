@@ -66,11 +66,11 @@ fn a_lock_probe_reset_until_the_timeout_is_an_error_and_releases_the_lock() {
 }
 
 // Goal: an open whose cleanup DELETEs have their connections reset is retried through, not
-// failed (a DELETE is safe to repeat; the lock's PUTs are covered above). Method: 20 flushes
-// over one range with 64 KiB segments (a checkpoint at the 16th), the store abandoned; an
-// open through a fault proxy that carries out and then resets the first 5 DELETEs of the
-// dead segments: it opens, reads the last write, and the segments the checkpoint covers are
-// gone.
+// failed (a DELETE is safe to repeat; the lock's PUTs are covered above). Method: 40 flushes
+// over one range with 64 KiB segments (checkpoints at the 16th and the 32nd), the store
+// abandoned; an open through a fault proxy that carries out and then resets the first 5
+// DELETEs of the dead segments: it opens, reads the last write, and the segments no kept
+// checkpoint needs are gone.
 #[test]
 fn an_open_whose_cleanup_deletes_are_reset_is_retried_through() {
     let name = "an_open_whose_cleanup_deletes_are_reset_is_retried_through";
@@ -85,7 +85,7 @@ fn an_open_whose_cleanup_deletes_are_reset_is_retried_through() {
     ))
     .unwrap();
     let mut last = Vec::new();
-    for round in 0..20u8 {
+    for round in 0..40u8 {
         last = vec![round; 48 << 10];
         store.write(&last, 0).unwrap();
         store.flush().unwrap();
@@ -113,7 +113,7 @@ fn an_open_whose_cleanup_deletes_are_reset_is_retried_through() {
     let segments = raw.keys("disk/log/segments");
     assert_eq!(
         segments.len(),
-        5,
-        "16 (the checkpoint names it) to 20 stay: {segments:?}"
+        25,
+        "16 (the kept checkpoint names it) to 40 stay: {segments:?}"
     );
 }

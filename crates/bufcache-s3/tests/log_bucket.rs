@@ -145,15 +145,32 @@ fn the_bucket_cannot_forge(server: &dyn S3Server) {
     );
     refused_naming(open(&endpoint, "disk", &key), forged_epoch);
     raw.delete(forged_epoch);
-    // A forged checkpoint, newer than the genuine one.
+    // A forged checkpoint, newer than the genuine one: it fails its tag, so the open falls
+    // back to the genuine one (whose replay reaches past the forged one's `through`), serves
+    // A and none of the forgery, and a writable open deletes it.
     let forged = "disk/log/checkpoints/0000000000000001-0000000000000002";
     let plain_checkpoint = raw.keys("plain/log/checkpoints")[0].clone();
     raw.put(
         forged,
         forge_checkpoint(raw.get(&plain_checkpoint), disk_id),
     );
-    refused_naming(open(&endpoint, "disk", &key), forged);
-    raw.delete(forged);
+    let store = open(&endpoint, "disk", &key).unwrap();
+    let mut back = vec![0u8; 4096];
+    store.read(&mut back, 0).unwrap();
+    assert_eq!(back, a, "the genuine checkpoint's data");
+    drop(store);
+    assert!(!raw
+        .keys("disk/log/checkpoints")
+        .contains(&forged.to_string()));
+    // A forged checkpoint the replay cannot reach past (it claims a `through` beyond the
+    // log) is refused naming it.
+    let beyond = "disk/log/checkpoints/0000000000000009-0000000000000009";
+    raw.put(
+        beyond,
+        forge_checkpoint(raw.get(&plain_checkpoint), disk_id),
+    );
+    refused_naming(open(&endpoint, "disk", &key), beyond);
+    raw.delete(beyond);
     // Nothing forged is left and the disk reads A; saved whole now, it can be rolled back.
     let saved: Vec<(String, Vec<u8>)> = raw
         .keys("disk/log")
@@ -164,7 +181,6 @@ fn the_bucket_cannot_forge(server: &dyn S3Server) {
         })
         .collect();
     let store = open(&endpoint, "disk", &key).unwrap();
-    let mut back = vec![0u8; 4096];
     store.read(&mut back, 0).unwrap();
     assert_eq!(back, a);
     store.write(&[0xb6; 4096], 0).unwrap();

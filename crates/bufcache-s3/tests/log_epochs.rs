@@ -101,6 +101,9 @@ fn epoch_objects_stay_bounded_over_many_reopens_and_every_epochs_data_reads_back
     let mut expected = vec![0u8; DISK_BYTES];
     let mut lock_id: Option<String> = None;
     let mut crashes_since_close = 0;
+    // Crashes between the two closes before the last one: their epoch objects stay while
+    // the checkpoint of the earlier close is the kept predecessor.
+    let mut crashes_kept = 0;
     let mut pruned = 0;
     let mut gets_after_close = Vec::new();
     for cycle in 0..12u8 {
@@ -118,9 +121,11 @@ fn epoch_objects_stay_bounded_over_many_reopens_and_every_epochs_data_reads_back
             // before: no epoch object at all (the checkpoint records them).
             gets_after_close.push(moto.request_count("GET") - gets_before);
         }
+        // The kept predecessor's writer's, the newest checkpoint's writer's, this open's,
+        // and one per crash since the predecessor.
         let epochs = raw.keys("disk/log/epochs");
         assert!(
-            epochs.len() <= 2 + crashes_since_close,
+            epochs.len() <= 3 + crashes_since_close + crashes_kept,
             "cycle {cycle}, {crashes_since_close} crashes since the last close: {epochs:?}"
         );
         assert!(read_all(&store) == expected, "cycle {cycle}: data");
@@ -137,11 +142,20 @@ fn epoch_objects_stay_bounded_over_many_reopens_and_every_epochs_data_reads_back
             store.close().unwrap();
             pruned += store.epochs_pruned();
             drop(store);
-            crashes_since_close = 0;
+            // The newest checkpoint's writer's epoch object, its predecessor's, and those of
+            // the servers that crashed between them (an open from the predecessor reads them).
             let epochs = raw.keys("disk/log/epochs");
-            assert_eq!(epochs.len(), 1, "cycle {cycle}: after a close: {epochs:?}");
+            assert!(
+                epochs.len() <= 2 + crashes_since_close,
+                "cycle {cycle}: after a close: {epochs:?}"
+            );
+            crashes_kept = crashes_since_close;
+            crashes_since_close = 0;
             let checkpoints = raw.keys("disk/log/checkpoints");
-            assert_eq!(checkpoints.len(), 1, "cycle {cycle}: {checkpoints:?}");
+            assert!(
+                (1..=2).contains(&checkpoints.len()),
+                "cycle {cycle}: {checkpoints:?}"
+            );
         }
     }
     assert!(pruned >= 8, "{pruned} epoch objects deleted over 12 opens");
@@ -156,7 +170,7 @@ fn epoch_objects_stay_bounded_over_many_reopens_and_every_epochs_data_reads_back
         "GETs of each open after a clean close: {gets_after_close:?}"
     );
     // The last checkpoint records the epochs of all the opens whose blocks are live.
-    let checkpoint = raw.get(&raw.keys("disk/log/checkpoints")[0]);
+    let checkpoint = raw.get(raw.keys("disk/log/checkpoints").last().unwrap());
     let (_, recorded, _) = checkpoint_as_v1(&checkpoint);
     assert!(recorded.len() >= 11, "{recorded:?}");
     // The last cycle crashed: its lock is broken.
@@ -170,8 +184,9 @@ fn epoch_objects_stay_bounded_over_many_reopens_and_every_epochs_data_reads_back
 // upgrades it: a version 2 checkpoint named `<through>-<epoch>`, the version 1 one and the
 // older epoch objects deleted. Method: write A in epoch 1 (crash) and B in epoch 2 (close),
 // then rewrite the bucket as such a disk: the checkpoint re-encoded as version 1 under the
-// plain name, the epoch objects put back; open, check, write C, close; check the bucket
-// and read A, B, C back after another open.
+// plain name, the epoch objects put back; open, check, write C, close (the version 1
+// checkpoint is kept as the predecessor); write D, close; check the bucket and read A to D
+// back after another open.
 #[test]
 fn a_version_1_checkpoint_disk_opens_and_its_first_checkpoint_upgrades_it() {
     let name = "a_version_1_checkpoint_disk_opens_and_its_first_checkpoint_upgrades_it";
@@ -213,7 +228,10 @@ fn a_version_1_checkpoint_disk_opens_and_its_first_checkpoint_upgrades_it() {
     expected[..4096].fill(1);
     expected[4096..8192].fill(2);
     assert!(read_all(&store) == expected, "the version 1 disk's data");
-    assert_eq!(raw.keys("disk/log/checkpoints"), [v1_key]);
+    assert_eq!(
+        raw.keys("disk/log/checkpoints"),
+        std::slice::from_ref(&v1_key)
+    );
     assert_eq!(
         raw.keys("disk/log/epochs").len(),
         3,
@@ -223,28 +241,48 @@ fn a_version_1_checkpoint_disk_opens_and_its_first_checkpoint_upgrades_it() {
     expected[8192..12288].fill(3);
     store.close().unwrap();
     drop(store);
+    // The version 1 checkpoint stays as the kept predecessor, with every epoch object (an
+    // open falling back to it reads them all).
     let checkpoints = raw.keys("disk/log/checkpoints");
-    assert_eq!(checkpoints.len(), 1, "{checkpoints:?}");
+    assert_eq!(checkpoints.len(), 2, "{checkpoints:?}");
+    assert_eq!(checkpoints[0], v1_key);
     assert!(
-        checkpoints[0].ends_with("-0000000000000003"),
+        checkpoints[1].ends_with("-0000000000000003"),
         "{checkpoints:?}"
     );
-    let upgraded = raw.get(&checkpoints[0]);
+    let upgraded = raw.get(&checkpoints[1]);
     assert_eq!(u32::from_le_bytes(upgraded[8..12].try_into().unwrap()), 2);
+    assert_eq!(raw.keys("disk/log/epochs").len(), 3);
+    // The next checkpoint retires it and the epoch objects older than both kept writers.
+    let mut store = open(&moto.endpoint(), "").unwrap();
+    store.write(&[4; 4096], 12288).unwrap();
+    expected[12288..16384].fill(4);
+    store.close().unwrap();
+    drop(store);
+    let checkpoints = raw.keys("disk/log/checkpoints");
+    assert!(
+        checkpoints.len() == 2 && !checkpoints.contains(&v1_key),
+        "{checkpoints:?}"
+    );
     assert_eq!(
         raw.keys("disk/log/epochs"),
-        ["disk/log/epochs/0000000000000003".to_string()]
+        [
+            "disk/log/epochs/0000000000000003".to_string(),
+            "disk/log/epochs/0000000000000004".to_string()
+        ]
     );
     let store = open(&moto.endpoint(), "").unwrap();
     assert!(read_all(&store) == expected, "after the upgrade");
 }
 
 // Goal: a crash after a checkpoint is stored and before the epoch objects it made unneeded
-// are deleted leaves a disk that opens with all its data, and that open deletes them.
+// are deleted leaves a disk that opens with all its data, and that open's first checkpoint
+// deletes them (the open keeps them while the log's start is the kept checkpoint).
 // Method: two opens write and crash (two epoch objects, no checkpoint); a third open, through
 // a proxy refusing every DELETE, writes and closes: its checkpoint lands, its deletes fail,
 // as if it crashed right after the PUT. A fourth open (directly) reads everything back,
-// reports the two deletes, and leaves only the third and fourth epochs' objects.
+// writes and closes, reports the two deletes, and leaves only the third and fourth epochs'
+// objects.
 #[test]
 fn an_open_after_a_crash_between_a_checkpoint_and_its_epoch_deletes_recovers_and_deletes_them() {
     let name =
@@ -296,9 +334,15 @@ fn an_open_after_a_crash_between_a_checkpoint_and_its_epoch_deletes_recovers_and
         "the deletes never happened"
     );
 
-    let store = open(&moto.endpoint(), &format!("&break-lock={id}")).unwrap();
+    let mut store = open(&moto.endpoint(), &format!("&break-lock={id}")).unwrap();
     assert!(read_all(&store) == expected, "after the crash");
+    // The checkpoint that landed is the disk's only one: its predecessor is the log's start,
+    // an open from which reads every epoch object, so they stay until a newer checkpoint.
+    assert_eq!(store.epochs_pruned(), 0);
+    store.write(&[4; 4096], 4 * 4096).unwrap();
+    store.close().unwrap();
     assert_eq!(store.epochs_pruned(), 2);
+    drop(store);
     assert_eq!(
         raw.keys("disk/log/epochs"),
         [

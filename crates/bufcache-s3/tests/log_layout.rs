@@ -328,7 +328,8 @@ fn replay_stops_at_a_missing_segment_and_deletes_the_segments_after_it() {
 }
 
 // Goal: damage is an error naming the object, never data: a flipped byte in a segment, a
-// truncated checkpoint, a segment of another disk, a checkpoint naming a missing segment, and
+// truncated checkpoint whose replay from the log's start cannot reach past it (with the
+// segment, the open falls back and reads the data), a segment of another disk, a checkpoint naming a missing segment, and
 // a deleted checkpoint that was the only record of a segment's epoch each stop the open with
 // the object's name (and delete nothing). Method: damage objects through the bucket
 // directly, one case per disk.
@@ -363,8 +364,20 @@ fn damaged_segments_and_checkpoints_are_refused_naming_the_object() {
     let (checkpoint, _) = raw.objects("disk/log/checkpoints")[0].clone();
     let whole = raw.get(&checkpoint);
     raw.put(&checkpoint, whole[..whole.len() - 3].to_vec());
+    // The open falls back to the log's start, which reaches past the truncated checkpoint
+    // (the disk's only one: nothing was deleted); without the segment it covers, it is
+    // refused naming the checkpoint.
+    let reader = LogStore::open_read_only(&url(&moto.endpoint(), "")).unwrap();
+    assert!(
+        read_all(&reader, 4096 * 3)[4096..] == [7; 8192],
+        "the fallback reads the data"
+    );
+    drop(reader);
+    let saved = raw.get(&key);
+    raw.delete(&key);
     let text = open(&moto.endpoint(), "").err().unwrap().to_string();
     assert!(text.contains(&checkpoint), "{text}");
+    raw.put(&key, saved);
     raw.put(&checkpoint, whole);
     // The checkpoint names a segment that is gone.
     let saved = raw.get(&key);
@@ -396,9 +409,11 @@ fn damaged_segments_and_checkpoints_are_refused_naming_the_object() {
         "{text}"
     );
     raw.delete(next);
-    // The checkpoint deleted: it was the only record of epoch 1 (whose object the
-    // checkpoint let go), so segment 1 is refused, not taken for void and deleted.
+    // The checkpoint deleted, and epoch 1's object (kept while the disk's only checkpoint
+    // has the log's start as its predecessor; deleted once a later checkpoint lets it go):
+    // with no record of epoch 1 left, segment 1 is refused, not taken for void and deleted.
     raw.delete(&checkpoint);
+    raw.delete("disk/log/epochs/0000000000000001");
     let text = open(&moto.endpoint(), "").err().unwrap().to_string();
     assert!(
         text.contains(&key) && text.contains("no epoch object"),
@@ -714,7 +729,8 @@ fn a_write_between_the_collector_read_and_its_append_wins_live_and_after_a_crash
         .into_iter()
         .map(|(key, _)| key)
         .collect();
-    assert_eq!(checkpoints_after.len(), 1, "{checkpoints_after:?}");
+    // The copy's checkpoint and the one after it, which retired the one naming the source.
+    assert_eq!(checkpoints_after.len(), 2, "{checkpoints_after:?}");
     let mut id = crash(store);
 
     // Each crash point: (what to put back from before the round, keep the new checkpoint).
@@ -853,7 +869,8 @@ fn a_read_only_log_disk_reads_the_recovered_prefix_and_writes_nothing() {
 // retries cut to 1 s; segment 1 holds A, segment 2 overwrites two thirds of it; a round at
 // 0.5 fails naming the checkpoint and segment 1 is still in the bucket; the store is
 // abandoned and the disk reopened directly: A and B read back, and segment 1 (covered by the
-// checkpoint that did land, and not named by it) is deleted at that open.
+// checkpoint that did land, and not named by it) is kept while the log's start is the kept
+// checkpoint, and deleted by that store's clean close.
 #[test]
 fn a_source_segment_stays_until_the_checkpoint_covering_its_copy_is_stored() {
     let name = "a_source_segment_stays_until_the_checkpoint_covering_its_copy_is_stored";
@@ -897,10 +914,17 @@ fn a_source_segment_stays_until_the_checkpoint_covering_its_copy_is_stored() {
     assert!(read_all(&reopened, 48 << 10) == expected, "after the crash");
     reopened.check_live_bytes().unwrap();
     assert!(
+        raw.objects("disk/log/segments")
+            .iter()
+            .any(|(key, _)| key == source),
+        "the checkpoint that landed is the disk's only one: the log's start is kept with it"
+    );
+    drop(reopened);
+    assert!(
         !raw.objects("disk/log/segments")
             .iter()
             .any(|(key, _)| key == source),
-        "opening deletes the source the stored checkpoint no longer needs"
+        "a clean close writes one more checkpoint and deletes the source"
     );
 }
 

@@ -46,102 +46,176 @@ fn lost(error: OpenError) -> Vec<String> {
     }
 }
 
-// Goal: deleting the newest checkpoint of a disk whose early segments were collected never
-// empties it: a writable and a read-only open are refused naming a checkpoint, no segment is
-// deleted, and with the checkpoint put back the disk reads as before; only recover-prefix=on
-// opens it without. Method: 20 flushes of 64 KiB over one range with 64 KiB segments (a
-// checkpoint at the 16th flush; the clean close writes the final one and deletes the 19
-// dead segments), delete the only checkpoint, open three ways and count segments.
+/// How the newest checkpoint is lost.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Loss {
+    /// Its object deleted.
+    Deleted,
+    /// One byte of its object flipped.
+    Damaged,
+    /// It and its predecessor deleted.
+    BothDeleted,
+}
+
+fn url_at(endpoint: &str, disk: &str, parameters: &str) -> S3Url {
+    S3Url::parse(&format!(
+        "s3://bucket/{disk}?endpoint={endpoint}{parameters}"
+    ))
+    .unwrap()
+}
+
+/// Writes a disk `disk` whose collector ran and whose early segments are gone: 60 flushes of
+/// 48 KiB at 8 places of 1 MiB with 64 KiB segments (a checkpoint every 16) and a
+/// collection round every 10 flushes, then a clean close. Returns the disk's image.
+fn collected_disk(endpoint: &str, disk: &str, rng: &mut rand::rngs::StdRng) -> Vec<u8> {
+    let store = LogStore::open_locked(&url_at(
+        endpoint,
+        disk,
+        "&create-size=1M&layout=log&segment-size=64k&gc=off",
+    ))
+    .unwrap();
+    let mut expected = vec![0u8; 1 << 20];
+    for flush in 0..60usize {
+        let data = random(48 << 10, rng);
+        let offset = (flush * 7 % 8) << 17;
+        store.write(&data, offset as u64).unwrap();
+        expected[offset..offset + data.len()].copy_from_slice(&data);
+        store.flush().unwrap();
+        if flush % 10 == 9 {
+            store.collect_garbage(0.9).unwrap();
+        }
+    }
+    assert!(
+        store.gc_totals().segments_deleted > 0,
+        "{:?}",
+        store.gc_totals()
+    );
+    drop(store);
+    expected
+}
+
+// Goal: losing the newest checkpoint of a disk whose collector ran (deleted, or damaged)
+// loses no flushed write and deletes nothing: the open falls back to the previous
+// checkpoint, kept with every segment it needs, and replays the segments after it; losing
+// both newest is refused naming a checkpoint, deleting nothing. Method: three disks as
+// `collected_disk` writes them; delete or flip a byte of the newest checkpoint of two and
+// delete both of the third; open read-only and writable, compare every byte, count the
+// segments and (on moto) the DELETE requests; close and open once more.
 #[test]
-fn a_deleted_newest_checkpoint_is_refused_and_deletes_nothing() {
-    let name = "a_deleted_newest_checkpoint_is_refused_and_deletes_nothing";
+fn a_lost_newest_checkpoint_falls_back_to_the_previous_one_and_loses_nothing() {
+    let name = "a_lost_newest_checkpoint_falls_back_to_the_previous_one_and_loses_nothing";
     if have_moto(name) {
         let moto = Moto::start();
-        a_deleted_checkpoint_is_refused(&moto, Some(&|| moto.request_count("DELETE")));
+        a_lost_checkpoint_falls_back(&moto, Some(&|| moto.request_count("DELETE")));
     }
 }
 
 #[test]
-fn a_deleted_newest_checkpoint_is_refused_and_deletes_nothing_on_seaweedfs() {
-    let name = "a_deleted_newest_checkpoint_is_refused_and_deletes_nothing_on_seaweedfs";
+fn a_lost_newest_checkpoint_falls_back_to_the_previous_one_and_loses_nothing_on_seaweedfs() {
+    let name =
+        "a_lost_newest_checkpoint_falls_back_to_the_previous_one_and_loses_nothing_on_seaweedfs";
     if have_seaweedfs(name) {
-        a_deleted_checkpoint_is_refused(&SeaweedFs::start(), None);
+        a_lost_checkpoint_falls_back(&SeaweedFs::start(), None);
     }
 }
 
-/// The checkpoint test on `server`; `deletes` counts the DELETE requests the store answered,
+/// The fallback test on `server`; `deletes` counts the DELETE requests the store answered,
 /// where it keeps a request log (moto).
-fn a_deleted_checkpoint_is_refused(server: &dyn S3Server, deletes: Option<&dyn Fn() -> usize>) {
+fn a_lost_checkpoint_falls_back(server: &dyn S3Server, deletes: Option<&dyn Fn() -> usize>) {
     server.create_bucket("bucket");
     let raw = Raw::new(server);
     let endpoint = server.endpoint();
     let mut rng = rand::rngs::StdRng::seed_from_u64(46);
-    let store = open(
-        &endpoint,
-        "&create-size=1M&layout=log&segment-size=64k&gc=off",
-    )
-    .unwrap();
-    let mut last = Vec::new();
-    for _ in 0..20 {
-        last = random(48 << 10, &mut rng);
-        store.write(&last, 0).unwrap();
-        store.flush().unwrap();
-    }
-    drop(store);
-    let segments = raw.objects("disk/log/segments");
-    assert_eq!(
-        segments.len(),
-        1,
-        "the dead segments were collected: {segments:?}"
-    );
-    let checkpoints = raw.objects("disk/log/checkpoints");
-    assert_eq!(checkpoints.len(), 1, "{checkpoints:?}");
-    let (checkpoint, _) = checkpoints[0].clone();
-    let saved = raw.get(&checkpoint);
-    raw.delete(&checkpoint);
-    let deletes_before = deletes.map(|count| count());
-    let missing = lost(open(&endpoint, "").err().expect("refused"));
-    assert!(
-        missing.len() == 1 && missing[0].starts_with("disk/log/checkpoints/"),
-        "{missing:?}"
-    );
-    let missing = lost(
-        LogStore::open_read_only(&url(&endpoint, ""))
-            .err()
-            .expect("refused read-only too"),
-    );
-    assert!(
-        missing[0].starts_with("disk/log/checkpoints/"),
-        "{missing:?}"
-    );
-    assert_eq!(
-        raw.objects("disk/log/segments"),
-        segments,
-        "nothing deleted"
-    );
-    if let (Some(count), Some(before)) = (deletes, deletes_before) {
+    for (at, loss) in [Loss::Deleted, Loss::Damaged, Loss::BothDeleted]
+        .into_iter()
+        .enumerate()
+    {
+        let disk = format!("disk{at}");
+        let expected = collected_disk(&endpoint, &disk, &mut rng);
+        let segments = raw.objects(&format!("{disk}/log/segments"));
+        let checkpoints = raw.keys(&format!("{disk}/log/checkpoints"));
         assert_eq!(
-            count(),
-            before + 1,
-            "no DELETE but the refused writable open's release of its lock"
+            checkpoints.len(),
+            2,
+            "the newest and its predecessor: {checkpoints:?}"
         );
+        let newest = checkpoints[1].clone();
+        match loss {
+            Loss::Deleted => raw.delete(&newest),
+            Loss::Damaged => {
+                let mut body = raw.get(&newest);
+                let middle = body.len() / 2;
+                body[middle] ^= 0x10;
+                raw.put(&newest, body);
+            }
+            Loss::BothDeleted => {
+                raw.delete(&checkpoints[0]);
+                raw.delete(&newest);
+            }
+        }
+        let deletes_before = deletes.map(|count| count());
+        if loss == Loss::BothDeleted {
+            let missing = lost(
+                LogStore::open_locked(&url_at(&endpoint, &disk, ""))
+                    .err()
+                    .expect("refused"),
+            );
+            assert!(
+                missing
+                    .iter()
+                    .all(|key| key.starts_with(&format!("{disk}/log/checkpoints/"))),
+                "{missing:?}"
+            );
+            let missing = lost(
+                LogStore::open_read_only(&url_at(&endpoint, &disk, ""))
+                    .err()
+                    .expect("refused read-only too"),
+            );
+            assert!(!missing.is_empty());
+            assert_eq!(
+                raw.objects(&format!("{disk}/log/segments")),
+                segments,
+                "nothing deleted"
+            );
+            if let (Some(count), Some(before)) = (deletes, deletes_before) {
+                assert_eq!(
+                    count(),
+                    before + 1,
+                    "no DELETE but the refused open's lock release"
+                );
+            }
+            continue;
+        }
+        let reader = LogStore::open_read_only(&url_at(&endpoint, &disk, "")).unwrap();
+        assert!(
+            read_all(&reader, 1 << 20) == expected,
+            "{loss:?}: read-only, every flushed write"
+        );
+        drop(reader);
+        let store = LogStore::open_locked(&url_at(&endpoint, &disk, "")).unwrap();
+        assert!(
+            read_all(&store, 1 << 20) == expected,
+            "{loss:?}: every flushed write"
+        );
+        assert_eq!(
+            raw.objects(&format!("{disk}/log/segments")),
+            segments,
+            "{loss:?}: no segment deleted"
+        );
+        if let (Some(count), Some(before)) = (deletes, deletes_before) {
+            // The damaged checkpoint is deleted (it is stale); no segment is.
+            let stale = usize::from(loss == Loss::Damaged);
+            assert_eq!(count(), before + stale, "{loss:?}: no other DELETE");
+        }
+        // Closed, the disk has a new newest checkpoint and opens as it was.
+        drop(store);
+        let store = LogStore::open_locked(&url_at(&endpoint, &disk, "")).unwrap();
+        assert!(
+            read_all(&store, 1 << 20) == expected,
+            "{loss:?}: after a close"
+        );
+        drop(store);
     }
-    assert_eq!(
-        raw.objects("disk/log/checkpoints"),
-        vec![],
-        "nothing written"
-    );
-    // Put back, the checkpoint opens the disk as it was.
-    raw.put(&checkpoint, saved);
-    let reopened = open(&endpoint, "").unwrap();
-    assert!(read_all(&reopened, 48 << 10) == last);
-    drop(reopened);
-    // The operator's way: the prefix that is left (nothing, without a checkpoint).
-    for (key, _) in raw.objects("disk/log/checkpoints") {
-        raw.delete(&key);
-    }
-    let recovered = open(&endpoint, "&recover-prefix=on").unwrap();
-    assert_eq!(recovered.mapped_bytes(), 0);
 }
 
 // Goal: a missing first segment after the newest checkpoint, with later segments sealed once

@@ -28,6 +28,8 @@
 //! count, at 40 the mappings, no epochs (an open reads every epoch object), named
 //! `<through_sequence>` alone.
 
+use std::collections::BTreeSet;
+
 use bytes::{BufMut, Bytes, BytesMut};
 
 use super::epoch::Epochs;
@@ -50,6 +52,85 @@ pub struct Checkpoint {
     /// epoch object is needed).
     pub epochs: Option<Epochs>,
     pub index: Index,
+}
+
+/// A checkpoint the disk keeps besides the newest, with what an open falling back to it
+/// needs: every segment it names and every segment after `through` (module docs of `log`,
+/// "Two checkpoints"). Kept ones are held oldest first; the oldest needs every segment a
+/// newer one needs (a segment a checkpoint does not name had no live byte when it was
+/// taken, and live bytes never come back to a segment).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Kept {
+    /// (through, epoch) of its object; None for the empty log a disk starts as, which has
+    /// no object.
+    pub name: Option<(u64, u64)>,
+    pub through: u64,
+    pub named: BTreeSet<u64>,
+    /// Its writer's epoch when it records the epochs an open needs (version 2): the epoch
+    /// objects older than that one are not needed to open from it. None: every one is.
+    pub epoch: Option<u64>,
+}
+
+impl Kept {
+    /// The log before its first checkpoint: replaying it needs every segment and epoch.
+    pub fn start() -> Kept {
+        Kept {
+            name: None,
+            through: 0,
+            named: BTreeSet::new(),
+            epoch: None,
+        }
+    }
+
+    /// A checkpoint object whose content is not known (damaged, or not read): it holds
+    /// every segment and epoch object until it is deleted.
+    pub fn unknown(name: (u64, u64)) -> Kept {
+        Kept {
+            name: Some(name),
+            ..Kept::start()
+        }
+    }
+
+    /// What checkpoint `name`, whose content is `checkpoint`, keeps.
+    pub fn of(name: (u64, u64), checkpoint: &Checkpoint) -> Kept {
+        Kept {
+            name: Some(name),
+            through: checkpoint.through_sequence,
+            named: checkpoint
+                .index
+                .live_bytes_by_segment()
+                .keys()
+                .copied()
+                .collect(),
+            epoch: checkpoint.epochs.is_some().then_some(checkpoint.epoch),
+        }
+    }
+
+    /// Whether replaying from this checkpoint reads segment `sequence`.
+    pub fn needs(&self, sequence: u64) -> bool {
+        sequence > self.through || self.named.contains(&sequence)
+    }
+}
+
+/// Whether some kept checkpoint needs segment `sequence`: no collection and no open's
+/// cleanup deletes it. The planted defects (tests/log_sim_check.rs) answer no: this one's,
+/// and the collector's that trusts a checkpoint before it is durable, since a kept
+/// predecessor also keeps every segment the newest durable checkpoint names.
+pub fn kept_need(kept: &[Kept], sequence: u64) -> bool {
+    !cfg!(any(
+        feature = "planted-previous-defect",
+        feature = "planted-gc-defect"
+    )) && kept.iter().any(|kept| kept.needs(sequence))
+}
+
+/// The oldest epoch whose object an open from the newest checkpoint (writer epoch
+/// `newest`, None when it needs every one) or a kept one may read: the older epoch objects
+/// may go. None when every one must stay.
+pub fn epochs_needed_from(kept: &[Kept], newest: Option<u64>) -> Option<u64> {
+    kept.iter()
+        .map(|kept| kept.epoch)
+        .chain([newest])
+        .try_fold(u64::MAX, |low, epoch| epoch.map(|epoch| low.min(epoch)))
 }
 
 /// The epochs a checkpoint of `index` covering the segments up to `through` records: those
@@ -229,6 +310,62 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Check
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    // Goal: a kept checkpoint holds exactly what an open falling back to it reads (the
+    // segments it names and every one after its `through`), the log's start and an unknown
+    // checkpoint hold everything, and epoch objects go only below every kept writer's epoch
+    // (none while one needs them all). Method: kept records of a checkpoint naming segments
+    // 2 and 5 through 6, of the log's start and of an unknown object; ask about segments
+    // 1 to 9 and about the pruning bound of several combinations.
+    #[cfg(not(any(feature = "planted-previous-defect", feature = "planted-gc-defect")))]
+    #[test]
+    fn kept_checkpoints_hold_what_a_fallback_reads_and_bound_epoch_pruning() {
+        let mut index = Index::new();
+        for (offset, segment) in [(0u64, 2u64), (8192, 5)] {
+            index.insert(
+                offset,
+                Mapping {
+                    length: 4096,
+                    segment,
+                    object_offset: 64,
+                },
+            );
+        }
+        let mut epochs = Epochs::default();
+        epochs.insert(3, 1);
+        let checkpoint = Checkpoint {
+            through_sequence: 6,
+            epoch: 3,
+            epochs: Some(epochs),
+            index,
+        };
+        let kept = Kept::of((6, 3), &checkpoint);
+        let needed: Vec<u64> = (1..=9).filter(|&sequence| kept.needs(sequence)).collect();
+        assert_eq!(needed, [2, 5, 7, 8, 9]);
+        for sequence in 1..=9 {
+            assert!(Kept::start().needs(sequence));
+            assert!(Kept::unknown((6, 3)).needs(sequence));
+            assert_eq!(
+                kept_need(std::slice::from_ref(&kept), sequence),
+                needed.contains(&sequence)
+            );
+        }
+        assert!(!kept_need(&[], 1), "nothing kept keeps nothing");
+        assert_eq!(
+            epochs_needed_from(std::slice::from_ref(&kept), Some(7)),
+            Some(3)
+        );
+        assert_eq!(
+            epochs_needed_from(std::slice::from_ref(&kept), Some(2)),
+            Some(2)
+        );
+        assert_eq!(
+            epochs_needed_from(&[kept.clone(), Kept::start()], Some(7)),
+            None
+        );
+        assert_eq!(epochs_needed_from(&[kept], None), None);
+        assert_eq!(epochs_needed_from(&[], Some(4)), Some(4));
+    }
 
     // Goal: a checkpoint (version 2 and the version 1 disks hold) round-trips and damage is
     // an error, never a different index. Method: encode an index of three mappings, decode

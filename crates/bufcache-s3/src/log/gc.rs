@@ -5,7 +5,8 @@
 //! 1. marks every durable segment without live bytes as doomed, with the log position a
 //!    checkpoint must cover first (the open segment, or the last sealed one when the open
 //!    one is empty: the last live byte went at or before it), and deletes the doomed
-//!    segments the newest durable checkpoint covers that far;
+//!    segments the newest durable checkpoint covers that far and no kept checkpoint needs
+//!    (module `checkpoint`, `Kept`: the newest's predecessor, which an open falls back to);
 //! 2. picks durable segments whose live fraction (live bytes ÷ object bytes) is below the
 //!    threshold, and beyond them, while the stored segment bytes exceed
 //!    `gc_stored_ratio_max` × the live bytes by more than a segment, the least live ones of
@@ -17,7 +18,9 @@
 //!    that landed after the read wins, both now and when the log is replayed after a crash.
 //!    It waits while half the upload slots are taken, so client flushes keep their share;
 //! 5. flushes and writes a checkpoint, after which the sources (now without live bytes) are
-//!    doomed and, once that checkpoint is durable, deleted.
+//!    doomed; then one more checkpoint (over an empty segment when nothing else was
+//!    written), which retires the kept checkpoint that names them; once both are durable
+//!    the sources are deleted.
 //!
 //! Why a crash at any step is safe: recovery reads the newest checkpoint and replays the
 //! segments after it. A source is deleted only once a durable checkpoint, taken after its
@@ -38,7 +41,7 @@ use object_store::ObjectStore;
 
 use std::time::Duration;
 
-use super::{segment, Core, Mapping};
+use super::{checkpoint, segment, Core, Mapping};
 use crate::error::{chain, StoreError};
 use crate::store::get_range_in;
 
@@ -112,7 +115,8 @@ impl Core {
         }
         // A checkpoint lets the doomed segments go: after a rewrite, or once the ones
         // waiting for it hold a segment's worth of bytes (a checkpoint costs a PUT of the
-        // whole index, not worth it for less).
+        // whole index, not worth it for less). Those the kept checkpoint needs wait for it
+        // too: the next checkpoint retires it.
         let waiting_bytes: u64 = {
             let state = self.shared.lock();
             state
@@ -120,21 +124,64 @@ impl Core {
                 .iter()
                 .filter(|&(sequence, _)| {
                     state.index.live_bytes(*sequence) == 0
-                        && state
+                        && (state
                             .doomed
                             .get(sequence)
                             .is_none_or(|&position| position > state.checkpoint_through)
+                            || checkpoint::kept_need(&state.checkpoints_kept, *sequence))
                 })
                 .map(|(_, &bytes)| bytes)
                 .sum()
         };
-        if report.segments_rewritten > 0 || waiting_bytes >= self.config.segment_bytes_max {
+        // After a rewrite, the checkpoint covering the copies and one more: the kept
+        // checkpoint (which names the sources) then retires and the sources go this round.
+        if report.segments_rewritten > 0 {
             self.flush_and_checkpoint(true)?;
+            self.checkpoint_forward()?;
+            report.add(self.delete_dead_segments_locked()?);
+        } else if waiting_bytes >= self.config.segment_bytes_max {
+            self.checkpoint_forward()?;
             report.add(self.delete_dead_segments_locked()?);
         }
         report.rounds = 1;
         self.shared.lock().gc_totals.add(report);
         Ok(report)
+    }
+
+    /// At a clean close, after its checkpoint: when a segment without live bytes that holds
+    /// extents waits for the kept checkpoint alone, one more checkpoint
+    /// ([`Core::checkpoint_forward`]) retires it, so a clean close (and `disk gc`, which
+    /// ends with one) leaves no such garbage. (The empty segment a forward checkpoint covers
+    /// waits for the next checkpoint; it does not call for one.)
+    pub(super) fn release_kept(&self) -> Result<(), StoreError> {
+        let empty_bytes = segment::HEADER_BYTES + self.shared.sealer.object_tag_bytes();
+        let waiting = {
+            let state = self.shared.lock();
+            state.stored.iter().any(|(&sequence, &bytes)| {
+                bytes > empty_bytes
+                    && state.index.live_bytes(sequence) == 0
+                    && checkpoint::kept_need(&state.checkpoints_kept, sequence)
+            })
+        };
+        if waiting {
+            self.checkpoint_forward()?;
+        }
+        Ok(())
+    }
+
+    /// Writes a checkpoint even when nothing was sealed since the newest one, sealing an
+    /// empty segment (a header and no extent) for it to cover: the kept checkpoint then
+    /// retires, and the segments only it needed can go. On a disk nobody writes to, this is
+    /// what frees the sources of the last rewrite (an empty segment's PUT and a checkpoint).
+    fn checkpoint_forward(&self) -> Result<(), StoreError> {
+        let state = self.shared.lock();
+        if state.open.is_empty() && state.open.sequence - 1 <= state.checkpoint_through {
+            let sequence = state.open.sequence;
+            drop(self.seal(state, sequence)?);
+        } else {
+            drop(state);
+        }
+        self.flush_and_checkpoint(true)
     }
 
     /// Dooms the segments without live bytes and deletes those a durable checkpoint allows
@@ -180,10 +227,13 @@ impl Core {
                     state.doomed.entry(sequence).or_insert(position);
                 }
             }
+            // Nor one a kept checkpoint needs: an open falls back to it when the newest is
+            // lost (module `checkpoint`, `Kept`).
             let deletable: Vec<(u64, u64)> = state
                 .doomed
                 .iter()
                 .filter(|&(_, &position)| position <= state.checkpoint_through)
+                .filter(|&(&sequence, _)| !checkpoint::kept_need(&state.checkpoints_kept, sequence))
                 .map(|(&sequence, _)| (sequence, state.stored[&sequence]))
                 .collect();
             // Before any is sent (see `State::segment_deletes_sent`).

@@ -24,7 +24,14 @@
 //!   unless the URL says `recover-prefix=on`: each segment header records how far the log
 //!   and its checkpoints were durable when it was sealed (module `segment`, `Marks`), so a
 //!   segment after a gap sealed once the missing one was stored, or one sealed after a
-//!   checkpoint newer than the newest found, proves objects missing ([`check_nothing_lost`]);
+//!   checkpoint newer than the newest found whose `through` the replay does not reach,
+//!   proves objects missing ([`check_nothing_lost`]);
+//! - two checkpoints: the writer keeps the newest checkpoint's predecessor and everything an
+//!   open from it reads (the segments it names, every segment after its `through`, the
+//!   epoch objects newer than its writer; module `checkpoint`, `Kept`), and retires the one
+//!   before it, object first, once a newer checkpoint is durable. So a lost or damaged
+//!   newest checkpoint costs nothing: the open reads the one left and replays past the lost
+//!   one's `through`, logging that it fell back;
 //! - a segment or checkpoint that exists but fails its checksums or names another disk is
 //!   damage, not a crash (an object PUT is atomic): opening stops with an error naming it,
 //!   serving and changing nothing;
@@ -291,8 +298,14 @@ struct State {
     /// effect before its answer arrives (or without one, when it is answered with an error
     /// or reset), and a read's 404 in between is no missing data.
     segment_deletes_sent: u64,
-    /// (through, epoch) of the newest durable checkpoint, deleted once a newer one is.
-    checkpoint_name: Option<(u64, u64)>,
+    /// The newest durable checkpoint, with what it keeps once a newer one is durable (None
+    /// when the disk has none).
+    checkpoint_newest: Option<checkpoint::Kept>,
+    /// The checkpoints kept besides the newest, oldest first (module docs, "Two
+    /// checkpoints"): no segment one of them needs is deleted, and once a checkpoint newer
+    /// than the newest is durable every kept one but the newest's predecessor goes, its
+    /// object deleted before what it alone needs.
+    checkpoints_kept: Vec<checkpoint::Kept>,
     /// Epoch objects older than this open's that were in the store at open and are not
     /// deleted yet: this open's first durable checkpoint records what an open needs of
     /// them, and they go after it (module `checkpoint`).
@@ -528,11 +541,10 @@ struct Recovered {
     epochs: epoch::Epochs,
     /// The epoch this open claimed (0 for a read-only open).
     epoch: u64,
-    /// (through, epoch) of the newest checkpoint; None when there is none.
-    checkpoint_name: Option<(u64, u64)>,
-    /// The newest checkpoint's writer epoch when it is a version 2 one (which lets the
-    /// epoch objects older than it go); None for version 1 or no checkpoint.
-    checkpoint_epoch: Option<u64>,
+    /// The checkpoint the log was recovered from; None when there is none.
+    checkpoint_newest: Option<checkpoint::Kept>,
+    /// The checkpoints kept besides it, oldest first (`State::checkpoints_kept`).
+    checkpoints_kept: Vec<checkpoint::Kept>,
     /// Epoch objects listed at open.
     epoch_objects: BTreeSet<u64>,
     /// Epoch objects deleted at open.
@@ -555,11 +567,13 @@ struct Recovered {
 struct Cleanup {
     /// (sequence, epoch) of segments of an epoch that does not own their sequence.
     void: Vec<(u64, u64)>,
-    /// Segments the checkpoint covers and does not name.
-    dead: Vec<u64>,
+    /// (sequence, object bytes) of the segments the checkpoint covers and does not name
+    /// (deleted unless a kept checkpoint needs them).
+    dead: Vec<(u64, u64)>,
     /// Segments after a gap in the log.
     orphans: Vec<u64>,
-    /// (through, epoch) of the checkpoints other than the newest.
+    /// (through, epoch) of the checkpoints other than the one recovered from and its
+    /// predecessor (the kept one), deleted before any segment.
     stale_checkpoints: Vec<(u64, u64)>,
 }
 
@@ -779,7 +793,8 @@ impl LogStore {
             stored: recovered.stored,
             doomed: BTreeMap::new(),
             segment_deletes_sent: 0,
-            checkpoint_name: recovered.checkpoint_name,
+            checkpoint_newest: recovered.checkpoint_newest,
+            checkpoints_kept: recovered.checkpoints_kept,
             epoch_objects: recovered
                 .epoch_objects
                 .range(..recovered.epoch)
@@ -1121,6 +1136,7 @@ impl LogStore {
             return Ok(());
         }
         self.core.flush_and_checkpoint(true)?;
+        self.core.release_kept()?;
         self.core.delete_dead_segments()
     }
 }
@@ -1440,9 +1456,9 @@ impl Core {
         Ok(())
     }
 
-    /// PUTs the checkpoint of `index` covering the segments up to `through`, then deletes
-    /// the older checkpoint and the epoch objects older than this open's (which nothing needs
-    /// once this one is durable: it records the epochs an open needs, module `checkpoint`).
+    /// PUTs the checkpoint of `index` covering the segments up to `through`; then the
+    /// previous newest is kept and the ones kept before it go ([`Core::retire_checkpoints`]),
+    /// with the epoch objects no open from a remaining checkpoint reads (module `checkpoint`).
     fn write_checkpoint(&self, through: u64, index: &Index) -> Result<(), StoreError> {
         let _writer = self
             .checkpoint_writer
@@ -1480,30 +1496,76 @@ impl Core {
                 .await
                 .map_err(|error| request_failed("PUT", &key, error))
         })?;
-        let older = {
+        {
             let mut state = self.shared.lock();
             state.checkpoint_through = state.checkpoint_through.max(through);
-            state.checkpoint_name.replace(name)
-        };
-        if let Some(older) = older.filter(|&older| older != name) {
-            let old_key = checkpoint_key(&self.shared.url, older);
-            let deleted = self
-                .runtime
-                .block_on(async { store.delete(&ObjectPath::from(old_key.as_str())).await });
-            if let Err(error) = deleted {
-                // Harmless: the newest checkpoint wins at open, which deletes the others.
-                tracing::warn!(checkpoint = %old_key, error = %chain(&error), "could not delete an old checkpoint");
+            let newest = checkpoint::Kept {
+                name: Some(name),
+                through,
+                named: index.live_bytes_by_segment().keys().copied().collect(),
+                epoch: Some(self.shared.epoch),
+            };
+            if let Some(previous) = state.checkpoint_newest.replace(newest) {
+                assert!(
+                    previous.through < through,
+                    "checkpoint {through} is not newer than {}",
+                    previous.through
+                );
+                state.checkpoints_kept.push(previous);
             }
         }
+        self.retire_checkpoints();
         self.prune_epochs();
         Ok(())
     }
 
-    /// Deletes the epoch objects older than this open's that were in the store at open (call
-    /// only once a checkpoint of this open is durable). A failed delete is left for a later
-    /// checkpoint or open.
+    /// Deletes the kept checkpoints but the newest one (the newest checkpoint's
+    /// predecessor), oldest first, each object before what it alone needs is released; a
+    /// failed delete stops there and keeps its segments for a later checkpoint.
+    fn retire_checkpoints(&self) {
+        loop {
+            let oldest = {
+                let state = self.shared.lock();
+                if state.checkpoints_kept.len() <= 1 {
+                    return;
+                }
+                state.checkpoints_kept[0].name
+            };
+            if let Some(name) = oldest {
+                let key = checkpoint_key(&self.shared.url, name);
+                let store = self.shared.store.clone();
+                let deleted = self
+                    .runtime
+                    .block_on(async { store.delete(&ObjectPath::from(key.as_str())).await });
+                if let Err(error) = deleted {
+                    tracing::warn!(checkpoint = %key, error = %chain(&error), "could not delete an old checkpoint; the segments it needs stay until a later checkpoint deletes it");
+                    return;
+                }
+            }
+            let mut state = self.shared.lock();
+            let retired = state.checkpoints_kept.remove(0);
+            assert!(
+                state.checkpoints_kept[0].through >= retired.through,
+                "kept checkpoints are held oldest first"
+            );
+        }
+    }
+
+    /// Deletes the epoch objects older than this open's that were in the store at open and
+    /// that no open from the newest or a kept checkpoint reads (call only once a checkpoint
+    /// of this open is durable). A failed delete is left for a later checkpoint or open.
     fn prune_epochs(&self) {
-        let older: Vec<u64> = self.shared.lock().epoch_objects.iter().copied().collect();
+        let older: Vec<u64> = {
+            let state = self.shared.lock();
+            let newest = state
+                .checkpoint_newest
+                .as_ref()
+                .and_then(|newest| newest.epoch);
+            match checkpoint::epochs_needed_from(&state.checkpoints_kept, newest) {
+                Some(low) => state.epoch_objects.range(..low).copied().collect(),
+                None => Vec::new(),
+            }
+        };
         for number in older {
             let key = epoch_key(&self.shared.url, number);
             let store = self.shared.store.clone();
@@ -1762,6 +1824,33 @@ pub(crate) async fn written_end(
     Ok(end)
 }
 
+/// Reads and checks checkpoint `name`; the error names its key.
+async fn read_checkpoint(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    metadata: &DiskMetadata,
+    sealer: &Sealer,
+    name: (u64, u64),
+) -> Result<checkpoint::Checkpoint, OpenError> {
+    let key = checkpoint_key(url, name);
+    let body = get_whole(store, url, &key).await?;
+    let checkpoint = sealer
+        .check_object(&checkpoint_name(name), &body)
+        .and_then(|body| checkpoint::decode(body, metadata.disk_id, metadata.size_bytes))
+        .map_err(|reason| bad_object(url, &key, reason))?;
+    if (checkpoint.through_sequence, checkpoint.epoch) != name {
+        return Err(bad_object(
+            url,
+            &key,
+            format!(
+                "covers segments to {} written by epoch {}, not the {} and {} its name says",
+                checkpoint.through_sequence, checkpoint.epoch, name.0, name.1
+            ),
+        ));
+    }
+    Ok(checkpoint)
+}
+
 fn bad_object(url: &S3Url, key: &str, reason: String) -> OpenError {
     OpenError::BadObject {
         url: url.to_string(),
@@ -1798,29 +1887,48 @@ async fn recover(
     let base = clone::read_base(store, url, metadata, sealer).await?;
     let base_through = base.as_ref().map_or(0, |(base, _)| base.through);
     let mut checkpoints = list_numbered(store, url, "log/checkpoints").await?;
-    let newest = checkpoints.pop();
-    let checkpoint = match newest {
-        Some(name) => {
-            let key = checkpoint_key(url, name);
-            let body = get_whole(store, url, &key).await?;
-            let checkpoint = sealer
-                .check_object(&checkpoint_name(name), &body)
-                .and_then(|body| checkpoint::decode(body, metadata.disk_id, metadata.size_bytes))
-                .map_err(|reason| bad_object(url, &key, reason))?;
-            if (checkpoint.through_sequence, checkpoint.epoch) != name {
-                return Err(bad_object(
-                    url,
-                    &key,
-                    format!(
-                        "covers segments to {} written by epoch {}, not the {} and {} its name says",
-                        checkpoint.through_sequence, checkpoint.epoch, name.0, name.1
-                    ),
-                ));
+    // The newest checkpoint, or when it is damaged its predecessor (module docs, "Two
+    // checkpoints"; the log's start when it has none): the open then stands only if the
+    // replay reaches past the damaged one's `through` (checked below).
+    let mut damaged: Option<((u64, u64), String, String)> = None;
+    let mut checkpoint = None;
+    while let Some(name) = checkpoints.pop() {
+        match read_checkpoint(store, url, metadata, sealer, name).await {
+            Ok(read) => {
+                checkpoint = Some((name, read));
+                break;
             }
-            Some((key, checkpoint))
+            // With no predecessor the replay starts at the log's start, which the first
+            // checkpoint's writer kept whole.
+            Err(OpenError::BadObject { key, reason, .. }) if damaged.is_none() => {
+                damaged = Some((name, key, reason));
+            }
+            Err(error) => {
+                return Err(match damaged {
+                    Some((_, key, reason)) => bad_object(
+                        url,
+                        &key,
+                        format!("{reason}; the previous checkpoint is unusable too: {error}"),
+                    ),
+                    None => error,
+                })
+            }
         }
-        None => None,
+    }
+    // What the open keeps besides: the predecessor of the checkpoint it reads (its object
+    // unread when damaged, so it keeps everything), or the log's start when there is none.
+    let kept = match checkpoints.pop() {
+        Some(name) => match read_checkpoint(store, url, metadata, sealer, name).await {
+            Ok(read) => checkpoint::Kept::of(name, &read),
+            Err(OpenError::BadObject { .. }) => checkpoint::Kept::unknown(name),
+            Err(error) => return Err(error),
+        },
+        None => checkpoint::Kept::start(),
     };
+    let checkpoint_newest = checkpoint
+        .as_ref()
+        .map(|(name, read)| checkpoint::Kept::of(*name, read));
+    let checkpoint = checkpoint.map(|(name, read)| (checkpoint_key(url, name), read));
     let checkpoint_epoch = checkpoint
         .as_ref()
         .and_then(|(_, checkpoint)| checkpoint.epochs.is_some().then_some(checkpoint.epoch));
@@ -1868,7 +1976,10 @@ async fn recover(
     // segments are dead or void, deleted either way.)
     let mut segments = Vec::new();
     let mut cleanup = Cleanup {
-        stale_checkpoints: checkpoints,
+        stale_checkpoints: checkpoints
+            .into_iter()
+            .chain(damaged.as_ref().map(|&(name, _, _)| name))
+            .collect(),
         ..Cleanup::default()
     };
     // Every snapshot's segments are kept, whatever the log says of them (module `snapshot`);
@@ -1938,7 +2049,7 @@ async fn recover(
         } else if pinned.contains(&sequence) && !cfg!(feature = "planted-snapshot-defect") {
             pinned_only.insert(sequence, bytes);
         } else {
-            cleanup.dead.push(sequence);
+            cleanup.dead.push((sequence, bytes));
         }
     }
     for &(sequence, bytes) in segments
@@ -1992,7 +2103,23 @@ async fn recover(
         stored.insert(sequence, bytes);
         last_sequence = sequence;
     }
-    if !url.recover_prefix {
+    // A damaged checkpoint was stored once every segment it covers was: the replay from
+    // its predecessor must reach past it, or the open is refused naming it.
+    if let Some(((through, _), key, reason)) = &damaged {
+        if last_sequence < *through {
+            return Err(bad_object(
+                url,
+                key,
+                format!(
+                    "{reason}; the previous checkpoint's replay stops at segment {}, which is missing",
+                    last_sequence + 1
+                ),
+            ));
+        }
+    }
+    let lost_mark = if url.recover_prefix {
+        None
+    } else {
         check_nothing_lost(
             store,
             url,
@@ -2003,7 +2130,20 @@ async fn recover(
             &cleanup.orphans,
             checkpoint_marked,
         )
-        .await?;
+        .await?
+    };
+    let from = match &checkpoint_newest {
+        Some(newest) => format!(
+            "the previous checkpoint `{}`",
+            checkpoint_key(url, newest.name.expect("a checkpoint read has a name"))
+        ),
+        None => "the start of the log".to_string(),
+    };
+    let replayed = last_sequence - checkpoint_through;
+    if let Some((_, key, reason)) = &damaged {
+        tracing::warn!(disk = %url, "the newest checkpoint `{key}` is unusable ({reason}); opened from {from} and replayed the {replayed} segments after it, which reach past it");
+    } else if let Some((mark, key)) = lost_mark {
+        tracing::warn!(disk = %url, "a checkpoint covering the segments up to {mark} is missing (segment `{key}` was sealed after it was stored); opened from {from} and replayed the {replayed} segments after it, which reach past it");
     }
     Ok(Recovered {
         index,
@@ -2012,8 +2152,8 @@ async fn recover(
         stored,
         epochs,
         epoch: 0,
-        checkpoint_name: newest,
-        checkpoint_epoch,
+        checkpoint_newest,
+        checkpoints_kept: vec![kept],
         epoch_objects,
         epochs_pruned: 0,
         cleanup,
@@ -2054,8 +2194,8 @@ async fn recover_snapshot(
         stored: BTreeMap::new(),
         epochs,
         epoch: 0,
-        checkpoint_name: None,
-        checkpoint_epoch: None,
+        checkpoint_newest: None,
+        checkpoints_kept: Vec::new(),
         epoch_objects: BTreeSet::new(),
         epochs_pruned: 0,
         cleanup: Cleanup::default(),
@@ -2070,12 +2210,16 @@ async fn recover_snapshot(
 const MISSING_NAMED_MAX: usize = 16;
 
 /// Refuses an open whose segments prove objects missing (the marks of module `segment`): a
-/// replayed segment or one after the gap `gap` sealed after a checkpoint newer than the
-/// newest found (`checkpoint_through`), or a segment after the gap sealed once the missing
-/// one was stored. A crash leaves neither: a checkpoint is deleted only once a newer one is
-/// stored, and the segments after a crash's gap were sealed before the missing one was
-/// stored. Reads the headers of the segments after the gap (`orphans`), newest first (the
-/// newest carry the highest marks).
+/// segment sealed after a checkpoint newer than the newest found (`checkpoint_through`)
+/// that covers the gap `gap` (so segments before the gap were durable and are gone), or a
+/// segment after the gap sealed once the missing one was stored. A crash leaves neither:
+/// the segments after a crash's gap were sealed before the missing one was stored.
+///
+/// A newer checkpoint that is missing but covers only segments before the gap is no loss:
+/// the replay from the one found (its predecessor, kept with every segment it needs, module
+/// docs "Two checkpoints") passed it; its (mark, segment key) is the answer, for the open to
+/// say it fell back. Reads the headers of the segments after the gap (`orphans`), newest
+/// first (the newest carry the highest marks).
 #[allow(clippy::too_many_arguments)]
 async fn check_nothing_lost(
     store: &dyn ObjectStore,
@@ -2086,13 +2230,13 @@ async fn check_nothing_lost(
     gap: u64,
     orphans: &[u64],
     checkpoint_marked: Option<(u64, String)>,
-) -> Result<(), OpenError> {
+) -> Result<Option<(u64, String)>, OpenError> {
     let lost_checkpoint = |mark: u64, key: &str| {
         OpenError::LostObjects {
         url: url.to_string(),
         missing: vec![url.key(&format!("log/checkpoints/{mark:016x}-*"))],
         evidence: format!(
-            "segment `{key}` was sealed after a checkpoint covering the segments up to {mark} was stored, but the newest checkpoint left covers {}",
+            "segment `{key}` was sealed after a checkpoint covering the segments up to {mark} was stored, but the newest checkpoint left covers {}, and the replay from it stops at segment {gap}, which is missing",
             match checkpoint_through {
                 0 => "none".to_string(),
                 through => format!("those up to {through}"),
@@ -2100,9 +2244,10 @@ async fn check_nothing_lost(
         ),
     }
     };
-    if let Some((mark, key)) = checkpoint_marked.filter(|&(mark, _)| mark > checkpoint_through) {
-        return Err(lost_checkpoint(mark, &key));
-    }
+    // A replayed segment was sealed after its mark's checkpoint, which covers only segments
+    // before it: before the gap.
+    let mut passed = checkpoint_marked.filter(|&(mark, _)| mark > checkpoint_through);
+    debug_assert!(passed.as_ref().is_none_or(|&(mark, _)| mark < gap));
     let present: BTreeSet<u64> = orphans.iter().copied().collect();
     for &sequence in orphans.iter().rev() {
         let key = segment_key(url, sequence, epochs.owner(sequence));
@@ -2127,7 +2272,12 @@ async fn check_nothing_lost(
             .checkpoint_through
             .filter(|&mark| mark > checkpoint_through)
         {
-            return Err(lost_checkpoint(mark, &key));
+            if mark >= gap {
+                return Err(lost_checkpoint(mark, &key));
+            }
+            if passed.as_ref().is_none_or(|&(passed, _)| passed < mark) {
+                passed = Some((mark, key.clone()));
+            }
         }
         if let Some(durable) = marks.durable_through.filter(|&durable| durable >= gap) {
             let missing = (gap..=durable)
@@ -2144,7 +2294,7 @@ async fn check_nothing_lost(
             });
         }
     }
-    Ok(())
+    Ok(passed)
 }
 
 /// The refusal of a writable open of a snapshot URL.
@@ -2232,9 +2382,10 @@ async fn recover_and_claim(
 }
 
 /// A writable open's cleanup, after it claimed its epoch: past a gap, stores a checkpoint
-/// covering the segments after it; deletes the void, dead and orphaned segments, the
-/// checkpoints but the newest, and the epoch objects older than the newest checkpoint's
-/// writer (when it is a version 2 one, which records what an open needs of them).
+/// covering the segments after it; deletes the void and orphaned segments, the checkpoints
+/// but the newest and its predecessor (first: a stale one that stays keeps everything),
+/// the dead segments no kept checkpoint needs, and the epoch objects no open from a
+/// remaining checkpoint reads.
 async fn clean_up(
     store: &dyn ObjectStore,
     url: &S3Url,
@@ -2258,7 +2409,7 @@ async fn clean_up(
         tracing::info!(segment = %key, owner = recovered.epochs.owner(sequence), "deleting a segment of an epoch that does not own its sequence (a crashed server's)");
         delete(key, "void segment").await?;
     }
-    let mut stale_checkpoints = cleanup.stale_checkpoints;
+    let stale_checkpoints = cleanup.stale_checkpoints;
     if let Some(&newest_orphan) = cleanup.orphans.last() {
         // Segment numbers are never used twice: a saved copy of a segment deleted here, put
         // back under its number after a new segment took it, would be replayed as that new
@@ -2287,14 +2438,43 @@ async fn clean_up(
                 operation: format!("storing checkpoint `{key}` past the unflushed segments"),
                 message: chain(&error),
             })?;
-        stale_checkpoints.extend(recovered.checkpoint_name.replace(name));
-        recovered.checkpoint_epoch = Some(recovered.epoch);
+        // The checkpoint recovered from is kept (its replay stops at the gap, as this
+        // open's did, so an open falling back to it refuses rather than loses anything).
+        let newest = checkpoint::Kept {
+            name: Some(name),
+            through: newest_orphan,
+            named: recovered
+                .index
+                .live_bytes_by_segment()
+                .keys()
+                .copied()
+                .collect(),
+            epoch: Some(recovered.epoch),
+        };
+        recovered
+            .checkpoints_kept
+            .extend(recovered.checkpoint_newest.replace(newest));
         recovered.checkpoint_through = newest_orphan;
         recovered.last_sequence = newest_orphan;
     }
-    for sequence in cleanup.dead {
+    for name in stale_checkpoints {
+        let key = checkpoint_key(url, name);
+        if let Err(error) = store.delete(&ObjectPath::from(key.as_str())).await {
+            // It stays, and keeps every segment until a later checkpoint deletes it.
+            tracing::warn!(checkpoint = %key, error = %chain(&error), "could not delete an old checkpoint");
+            recovered
+                .checkpoints_kept
+                .insert(0, checkpoint::Kept::unknown(name));
+        }
+    }
+    for (sequence, bytes) in cleanup.dead {
+        if checkpoint::kept_need(&recovered.checkpoints_kept, sequence) {
+            // The collector deletes it once no kept checkpoint needs it.
+            recovered.stored.insert(sequence, bytes);
+            continue;
+        }
         let key = segment_key(url, sequence, recovered.epochs.owner(sequence));
-        tracing::info!(segment = %key, checkpoint_through = recovered.checkpoint_through, "deleting a segment the checkpoint covers and no longer needs");
+        tracing::info!(segment = %key, checkpoint_through = recovered.checkpoint_through, "deleting a segment no kept checkpoint needs");
         delete(key, "unneeded segment").await?;
     }
     // Segments after a gap were never covered by an acknowledged FLUSH; the checkpoint just
@@ -2309,21 +2489,20 @@ async fn clean_up(
         tracing::warn!(segment = %key, after = recovered.last_sequence, "deleting a segment written after a missing one (its writes were never flushed)");
         delete(key, "unflushed segment").await?;
     }
-    for name in stale_checkpoints {
-        // Harmless when it fails: the newest checkpoint wins at open.
-        let key = checkpoint_key(url, name);
-        if let Err(error) = store.delete(&ObjectPath::from(key.as_str())).await {
-            tracing::warn!(checkpoint = %key, error = %chain(&error), "could not delete an old checkpoint");
-        }
-    }
-    // The newest checkpoint is durable (it was read, or just stored): the epoch objects older
-    // than its writer's are needed by no open.
+    // The newest checkpoint is durable (it was read, or just stored), and so are the kept
+    // ones: the epoch objects older than all their writers' are needed by no open.
     // The planted defect (tests/log_sim_check.rs): every epoch object older than this open's
     // goes now, before a checkpoint recording the epochs this open needs is durable.
     let prune_below = if cfg!(feature = "planted-prune-defect") {
         Some(recovered.epoch)
     } else {
-        recovered.checkpoint_epoch
+        checkpoint::epochs_needed_from(
+            &recovered.checkpoints_kept,
+            recovered
+                .checkpoint_newest
+                .as_ref()
+                .and_then(|newest| newest.epoch),
+        )
     };
     if let Some(checkpoint_epoch) = prune_below {
         let older: Vec<u64> = recovered
