@@ -6,7 +6,6 @@
 
 use std::time::SystemTime;
 
-use bytes::Bytes;
 use futures::stream::{self, StreamExt};
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, PutPayload};
@@ -617,11 +616,14 @@ pub struct Cloned {
 
 /// Makes a writable log-layout disk at `clone_url` that reads what it has not written from
 /// snapshot `name` of the disk at `base_url` (module `log::clone`), copying no data: a clone
-/// record under the base (so the snapshot cannot be deleted while the clone needs it), the
-/// clone's metadata object (the base's size and compression; an encrypted base needs the
-/// clone URL's `key-file=` to be the base's key) and its base record. Refused: a bad or
-/// missing name, a clone in another bucket or endpoint or inside the base's prefix, an
-/// existing disk or any object at the clone's prefix.
+/// record under the base (so the snapshot cannot be deleted while the clone needs it), then
+/// the clone's metadata object carrying its base (the base's size and compression; an
+/// encrypted base needs the clone URL's `key-file=` to be the base's key), both create-only.
+/// Four requests: the base's metadata and the snapshot (GETs), the two PUTs; one HEAD more
+/// when the snapshot names segments of no epoch (written before epochs, or by a clone made
+/// before the metadata carried the base: a clone of such a clone is refused). Refused: a bad
+/// or missing name, a clone in another bucket or endpoint or inside the base's prefix, a base
+/// that is a clone, an existing disk at the clone's prefix.
 pub fn clone(base_url: &S3Url, clone_url: &S3Url, name: &str) -> Result<Cloned, SnapshotError> {
     check_snapshot_name(name)?;
     let refused = |reason: String| SnapshotError::Refused {
@@ -650,6 +652,19 @@ pub fn clone(base_url: &S3Url, clone_url: &S3Url, name: &str) -> Result<Cloned, 
     }
     let connection = snapshot_disk(base_url)?;
     let base_metadata = connection.metadata;
+    let clone_of_clone = || {
+        refused(format!(
+            "{base_url} is itself a clone, and a clone of a clone is not supported"
+        ))
+    };
+    if base_metadata.format_version == store::FORMAT_VERSION_LOG_CLONE {
+        return Err(clone_of_clone());
+    }
+    if base_metadata.seal.key_check.is_some() && clone_url.key_file.is_none() {
+        return Err(refused(
+            "the base is encrypted: give the clone's URL key-file= with the base's key".to_string(),
+        ));
+    }
     let base_sealer = log::sealer_for(base_url, &base_metadata, &LogConfig::from_url(base_url))?;
     let store: &dyn ObjectStore = &*connection.store;
     let taken = connection
@@ -665,78 +680,85 @@ pub fn clone(base_url: &S3Url, clone_url: &S3Url, name: &str) -> Result<Cloned, 
             url: base_url.to_string(),
             name: name.to_string(),
         })?;
-    let base_record = base_url.key(log::CLONE_BASE_NAME);
-    match connection
+    // A segment of no epoch was written before epochs, or is the base's own base's (a clone
+    // made before the metadata carried the base names those so): only then can the base be
+    // such a clone, which its `log/base` tells.
+    let epochs = taken
+        .epochs
+        .as_ref()
+        .expect("snapshots record their epochs");
+    let names_epochless = taken
+        .index
+        .live_bytes_by_segment()
+        .keys()
+        .any(|&sequence| epochs.owner(sequence) == 0);
+    if names_epochless {
+        let base_record = base_url.key(log::CLONE_BASE_NAME);
+        match connection
+            .runtime
+            .block_on(store.head(&ObjectPath::from(base_record.as_str())))
+        {
+            Err(object_store::Error::NotFound { .. }) => {}
+            Ok(_) => return Err(clone_of_clone()),
+            Err(error) => {
+                return Err(SnapshotError::Open(OpenError::Request {
+                    url: base_url.to_string(),
+                    operation: format!("looking for `{base_record}`"),
+                    message: chain(&error),
+                }))
+            }
+        }
+    }
+    let mut asked = clone_url.clone();
+    asked.compression = Some(base_metadata.seal.compression);
+    let (clone_metadata, body, _) = log::new_clone_metadata(
+        &asked,
+        base_metadata.size_bytes,
+        base_metadata.disk_id,
+        name,
+        &base_url.prefix,
+    )?;
+    let failed =
+        |key: &str, operation: &'static str, error: object_store::Error| SnapshotError::Store {
+            url: clone_url.to_string(),
+            name: name.to_string(),
+            source: crate::error::request_failed(operation, key, error),
+        };
+    // The record first: a crash after it leaves a record naming no clone (the snapshot
+    // stays until it is removed), never a clone whose snapshot may be deleted. Create-only,
+    // so a record that is there already (a clone at that prefix, or a creation that crashed)
+    // is known not to be this call's, and stays.
+    let record_key = log::clone_record_key(base_url, name, &clone_url.prefix);
+    let record_location = ObjectPath::from(record_key.as_str());
+    let recorded = connection.runtime.block_on(store.put_opts(
+        &record_location,
+        PutPayload::from(format!("s3://{}/{}", clone_url.bucket, clone_url.prefix)),
+        object_store::PutOptions {
+            mode: object_store::PutMode::Create,
+            ..Default::default()
+        },
+    ));
+    let record_is_ours = match recorded {
+        Ok(_) => true,
+        Err(
+            object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. },
+        ) => false,
+        Err(error) => return Err(failed(&record_key, "PUT", error)),
+    };
+    let created = connection
         .runtime
-        .block_on(store.head(&ObjectPath::from(base_record.as_str())))
-    {
-        Err(object_store::Error::NotFound { .. }) => {}
-        Ok(_) => {
-            return Err(refused(format!(
-                "{base_url} is itself a clone (`{base_record}`), and a clone of a clone is not supported"
-            )))
+        .block_on(store::create_metadata(store, clone_url, &body))?;
+    if !created {
+        if record_is_ours {
+            connection
+                .runtime
+                .block_on(store.delete(&record_location))
+                .map_err(|error| failed(&record_key, "DELETE", error))?;
         }
-        Err(error) => {
-            return Err(SnapshotError::Open(OpenError::Request {
-                url: base_url.to_string(),
-                operation: format!("looking for `{base_record}`"),
-                message: chain(&error),
-            }))
-        }
-    }
-    if base_metadata.seal.key_check.is_some() && clone_url.key_file.is_none() {
-        return Err(refused(
-            "the base is encrypted: give the clone's URL key-file= with the base's key".to_string(),
-        ));
-    }
-    if store::probe(clone_url)?.is_some() {
         return Err(refused(
             "a disk exists at the clone's prefix already".to_string(),
         ));
     }
-    // The record first: a crash after it leaves a record naming no clone (the snapshot
-    // stays until it is removed), never a clone whose snapshot may be deleted.
-    let record_key = log::clone_record_key(base_url, name, &clone_url.prefix);
-    let put = |key: String, body: Bytes| {
-        let store = connection.store.clone();
-        let url = clone_url.to_string();
-        connection.runtime.block_on(async move {
-            store
-                .put(&ObjectPath::from(key.as_str()), PutPayload::from(body))
-                .await
-                .map(|_| ())
-                .map_err(|error| SnapshotError::Store {
-                    url,
-                    name: name.to_string(),
-                    source: crate::error::request_failed("PUT", &key, error),
-                })
-        })
-    };
-    put(
-        record_key,
-        Bytes::from(format!("s3://{}/{}", clone_url.bucket, clone_url.prefix)),
-    )?;
-    let mut asked = clone_url.clone();
-    asked.create_size_bytes = Some(base_metadata.size_bytes);
-    asked.layout = Some(LayoutKind::Log);
-    asked.compression = Some(base_metadata.seal.compression);
-    let clone_metadata = connect_with(&asked, Create::IfAsked)?.metadata;
-    let clone_sealer =
-        log::sealer_for(clone_url, &clone_metadata, &LogConfig::from_url(clone_url))?;
-    let record = log::CloneRecord {
-        clone_disk_id: clone_metadata.disk_id,
-        base_disk_id: base_metadata.disk_id,
-        snapshot: name.to_string(),
-        base_prefix: base_url.prefix.clone(),
-    };
-    put(
-        clone_url.key(log::CLONE_BASE_NAME),
-        clone_sealer.tag_object(log::CLONE_BASE_NAME, log::encode_clone_record(&record)),
-    )?;
-    debug_assert_eq!(
-        log::clone_base_url(clone_url, &base_url.prefix).prefix,
-        base_url.prefix
-    );
     Ok(Cloned {
         disk_id: clone_metadata.disk_id,
         size_bytes: clone_metadata.size_bytes,

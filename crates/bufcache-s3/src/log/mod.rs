@@ -42,7 +42,7 @@
 //!
 //! Snapshots (module `snapshot`): `log/snapshots/NAME`, the index at a flush point in the
 //! checkpoint format; the segments it names are pinned (never rewritten or deleted while it
-//! exists). Clones (module `clone`): a disk whose `log/base` names another disk's snapshot,
+//! exists). Clones (module `clone`): a disk whose metadata names another disk's snapshot,
 //! whose segments it reads for the sequences at or below the snapshot's, its own log after.
 //!
 //! Garbage collection (module `gc`): the index keeps the live bytes of every segment; a
@@ -82,8 +82,8 @@ use crate::url::{LayoutKind, S3Url};
 use crate::seal::Sealer;
 pub use crate::seal::{SealParameters, SEALED_EXTENT_BYTES_MAX};
 pub(crate) use clone::{
-    base_url as clone_base_url, encode as encode_clone_record, record_key as clone_record_key,
-    Record as CloneRecord, BASE_NAME as CLONE_BASE_NAME,
+    new_metadata as new_clone_metadata, record_key as clone_record_key,
+    BASE_NAME as CLONE_BASE_NAME,
 };
 pub use gc::GcReport;
 pub use index::{Index, Mapping};
