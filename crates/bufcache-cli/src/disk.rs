@@ -5,7 +5,6 @@
 
 use std::io::IsTerminal;
 
-use anyhow::Context;
 use bufcache::config::parse_size;
 use bufcache_s3::admin::{self, DiskInfo, LayoutInfo, VerifyProgress, VerifyReport};
 use bufcache_s3::{LayoutKind, S3Url};
@@ -60,8 +59,10 @@ enum DiskCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Change a disk's size while no server holds it. Growing adds zeroes; shrinking over
-    /// data is refused (chunk layout: --force deletes the chunks past the end).
+    /// Change a disk's size. Growing adds zeroes; shrinking over data is refused (chunk
+    /// layout: --force deletes the chunks past the end). A served log-layout disk grows
+    /// through its server: give the server's control socket (`bufcache serve --control
+    /// PATH`); clients see the new size when they connect again.
     Resize {
         url: String,
         /// The new size (bytes, or with a K, M, G, T suffix).
@@ -70,6 +71,9 @@ enum DiskCommand {
         /// Shrink a chunk-layout disk even though chunks past the new end hold data (deleted).
         #[arg(long)]
         force: bool,
+        /// The control socket of the server holding the disk (growing only).
+        #[arg(long, value_name = "PATH")]
+        control: Option<std::path::PathBuf>,
         #[arg(long)]
         json: bool,
     },
@@ -359,17 +363,43 @@ pub(crate) fn run(args: DiskArgs) -> anyhow::Result<()> {
             url,
             size,
             force,
+            control,
             json,
         } => {
             let url = parse_url(&url)?;
-            let resized = admin::resize(&url, size, force)
-                .with_context(|| format!("resizing {url} to {size} bytes"))?;
+            let resized = match &control {
+                Some(_) if force => {
+                    return Err(BadInput(format!(
+                        "{url}: --force shrinks over data, and a served disk only grows: stop the server to shrink it (nothing was changed)"
+                    ))
+                    .into())
+                }
+                Some(path) => {
+                    let (before, after) = crate::control::request_resize(path, &url, size)?;
+                    admin::Resized {
+                        size_bytes_before: before,
+                        size_bytes_after: after,
+                        chunks_deleted: 0,
+                    }
+                }
+                None => admin::resize(&url, size, force).map_err(|error| match error {
+                    bufcache_s3::OpenError::Locked {
+                        ref holder, ref id, ..
+                    } => BadInput(format!(
+                        "{url}: the disk is in use by {holder}: a served log-layout disk grows through its server, `bufcache disk resize URL {size} --control PATH` with that server's control socket; if that server is no longer running, add break-lock={id} to the URL (nothing was changed)"
+                    ))
+                    .into(),
+                    error => anyhow::Error::new(error)
+                        .context(format!("resizing {url} to {size} bytes")),
+                })?,
+            };
             if json {
                 print_json(&json!({
                     "url": url.to_string(),
                     "size_bytes_before": resized.size_bytes_before,
                     "size_bytes_after": resized.size_bytes_after,
                     "chunks_deleted": resized.chunks_deleted,
+                    "by_server": control.is_some(),
                 }));
             } else {
                 crate::print_quietly(&format!(

@@ -259,7 +259,11 @@ pub fn resize(url: &S3Url, size_bytes: u64, force: bool) -> Result<Resized, Open
     Ok(resized)
 }
 
-fn check_new_size(url: &S3Url, metadata: &DiskMetadata, size_bytes: u64) -> Result<(), OpenError> {
+pub(crate) fn check_new_size(
+    url: &S3Url,
+    metadata: &DiskMetadata,
+    size_bytes: u64,
+) -> Result<(), OpenError> {
     let unit = match metadata.layout {
         LayoutKind::Chunk => metadata.chunk_size_bytes,
         LayoutKind::Log => LOG_SIZE_UNIT_BYTES,
@@ -339,7 +343,7 @@ async fn cut_off(
 }
 
 /// Rewrites `size_bytes` in the metadata object, keeping every other field as stored.
-async fn write_size(
+pub(crate) async fn write_size(
     store: &dyn ObjectStore,
     url: &S3Url,
     size_bytes: u64,

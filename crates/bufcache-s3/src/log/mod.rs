@@ -59,6 +59,7 @@ mod epoch;
 mod gc;
 mod index;
 mod inspect;
+mod resize;
 mod segment;
 mod snapshot;
 
@@ -313,6 +314,9 @@ struct Shared {
     store: Arc<dyn ObjectStore>,
     url: S3Url,
     metadata: DiskMetadata,
+    /// The disk's size now: `metadata.size_bytes` at open, raised by a grow while served
+    /// (module `resize`) once the metadata object records the new one.
+    size_bytes: std::sync::atomic::AtomicU64,
     /// Seals and unseals extents (compression, encryption) as the disk's metadata says.
     sealer: Arc<Sealer>,
     /// Which epoch owns each segment sequence (module `epoch`), this open's included.
@@ -795,6 +799,7 @@ impl LogStore {
                 store,
                 url: url.clone(),
                 metadata,
+                size_bytes: std::sync::atomic::AtomicU64::new(metadata.size_bytes),
                 sealer,
                 epochs: recovered_epochs,
                 epoch: recovered.epoch,
@@ -835,7 +840,10 @@ impl LogStore {
 
     /// The disk's shape.
     pub fn metadata(&self) -> DiskMetadata {
-        self.core.shared.metadata
+        DiskMetadata {
+            size_bytes: self.core.size_bytes(),
+            ..self.core.shared.metadata
+        }
     }
 
     /// The URL the store was opened with.
@@ -1127,7 +1135,7 @@ impl LogStore {
 
 impl Core {
     fn check_range(&self, offset: u64, length: u64) -> Result<(), StoreError> {
-        let size = self.shared.metadata.size_bytes;
+        let size = self.size_bytes();
         match offset.checked_add(length) {
             Some(end) if end <= size => Ok(()),
             _ => Err(StoreError::OutOfRange {
