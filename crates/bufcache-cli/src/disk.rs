@@ -1,7 +1,8 @@
 //! `bufcache disk`: an object-store disk as its owner manages it, without serving it —
-//! create, info, verify, resize, snapshots (of a served disk through its server's control
-//! socket). Exit status: 0 done, 1 damage found (verify) or a failure
-//! of the store, 2 bad input (a URL, a size, a disk that is not there or is in use).
+//! create, info, verify, resize, delete, snapshots and clones (a served disk is snapshotted
+//! and grown through its server's control socket). Exit status: 0 done, 1 damage found
+//! (verify) or a failure of the store, 2 bad input (a URL, a size, a disk that is not there
+//! or is in use).
 
 use std::io::IsTerminal;
 
@@ -105,6 +106,14 @@ enum DiskCommand {
         dst_url: String,
         #[arg(long, value_name = "NAME")]
         snapshot: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete a disk: every object under its prefix (a clone: its record under the base
+    /// too, which lets the base's snapshot go). Refused while a server holds it or while
+    /// clones of its snapshots exist.
+    Delete {
+        url: String,
         #[arg(long)]
         json: bool,
     },
@@ -343,6 +352,40 @@ pub(crate) fn run(args: DiskArgs) -> anyhow::Result<()> {
                     "{clone}: a clone of snapshot `{snapshot}` of {base}, {} bytes, {} read from the snapshot, no data copied\n",
                     made.size_bytes,
                     human(made.mapped_bytes)
+                ));
+            }
+            Ok(())
+        }
+        DiskCommand::Delete { url, json } => {
+            let url = parse_url(&url)?;
+            let deleted = admin::delete(&url).map_err(|error| -> anyhow::Error {
+                if error.is_bad_input() {
+                    BadInput(error.to_string()).into()
+                } else {
+                    anyhow::Error::new(error)
+                }
+            })?;
+            if json {
+                print_json(&json!({
+                    "url": url.to_string(),
+                    "objects_deleted": deleted.objects,
+                    "bytes_deleted": deleted.bytes,
+                    "base": deleted.base.as_ref().map(|(base, snapshot)| json!({
+                        "url": base,
+                        "snapshot": snapshot,
+                    })),
+                }));
+            } else {
+                crate::print_quietly(&format!(
+                    "{url}: deleted, {} objects, {}{}\n",
+                    deleted.objects,
+                    human(deleted.bytes),
+                    match &deleted.base {
+                        Some((base, snapshot)) => format!(
+                            "; its record under {base} is gone, so snapshot `{snapshot}` can be deleted when no other clone needs it"
+                        ),
+                        None => String::new(),
+                    }
                 ));
             }
             Ok(())

@@ -170,6 +170,33 @@ fn a_served_disk_is_snapshotted_through_its_control_socket_at_a_flush_point() {
         "{}",
         output_text(&held)
     );
+    // The served base with a clone: its delete is refused (a server holds it, and a clone
+    // reads its snapshot); the clone's delete frees the snapshot.
+    let base_held = disk(&["delete", &url]);
+    assert_eq!(
+        base_held.status.code(),
+        Some(2),
+        "{}",
+        output_text(&base_held)
+    );
+    assert!(
+        output_text(&base_held).contains("s3://disks/vm-clone"),
+        "{}",
+        output_text(&base_held)
+    );
+    let clone_deleted = disk(&["delete", &clone_url, "--json"]);
+    assert!(
+        clone_deleted.status.success(),
+        "{}",
+        output_text(&clone_deleted)
+    );
+    let clone_deleted: serde_json::Value = serde_json::from_slice(&clone_deleted.stdout).unwrap();
+    assert_eq!(
+        clone_deleted["base"]["snapshot"], "unflushed",
+        "{clone_deleted}"
+    );
+    let again = disk(&["delete", &clone_url]);
+    assert_eq!(again.status.code(), Some(2), "{}", output_text(&again));
     let deleted = disk(&["delete-snapshot", &url, "flushed"]);
     assert!(deleted.status.success(), "{}", output_text(&deleted));
     let missing = disk(&["delete-snapshot", &url, "flushed"]);

@@ -6,7 +6,7 @@
 
 use std::time::SystemTime;
 
-use futures::stream::{self, StreamExt};
+use futures::stream::{self, StreamExt, TryStreamExt};
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, PutPayload};
 
@@ -768,4 +768,188 @@ pub fn clone(base_url: &S3Url, clone_url: &S3Url, name: &str) -> Result<Cloned, 
         size_bytes: clone_metadata.size_bytes,
         mapped_bytes: taken.index.mapped_bytes(),
     })
+}
+
+/// Why [`delete`] stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum DeleteError {
+    #[error("{url}: {reason}; nothing was changed")]
+    Refused { url: String, reason: String },
+    #[error(transparent)]
+    Open(#[from] OpenError),
+    #[error("{url}: deleting the disk: {source} (its metadata goes last: run `bufcache disk delete` again to finish)")]
+    Store { url: String, source: StoreError },
+}
+
+impl DeleteError {
+    /// Whether the error is the caller's (a disk in use, with clones, not there) rather
+    /// than the store's: `bufcache disk` exits 2 for these.
+    pub fn is_bad_input(&self) -> bool {
+        match self {
+            DeleteError::Refused { .. } => true,
+            DeleteError::Open(error) => !matches!(
+                error,
+                OpenError::Request { .. } | OpenError::Client { .. } | OpenError::Runtime { .. }
+            ),
+            DeleteError::Store { .. } => false,
+        }
+    }
+}
+
+/// What [`delete`] removed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Deleted {
+    /// Objects deleted under the disk's prefix (its metadata included, the lock not).
+    pub objects: u64,
+    pub bytes: u64,
+    /// For a clone: the base's clone record deleted with it (`s3://BUCKET/PREFIX` of the
+    /// base, and the snapshot), which lets that snapshot be deleted again.
+    pub base: Option<(String, String)>,
+}
+
+/// Deletes the disk at `url`, every object under its prefix, holding its lock (refused while
+/// a server holds it). Refused, nothing changed, while clones of its snapshots exist (named;
+/// delete them first). A clone's record under its base goes too, after its own objects and
+/// before its metadata: the metadata goes last, so a delete cut short leaves a disk that
+/// another `disk delete` finishes, never a record or a clone half there.
+pub fn delete(url: &S3Url) -> Result<Deleted, DeleteError> {
+    let refused = |reason: String| DeleteError::Refused {
+        url: url.to_string(),
+        reason,
+    };
+    if url.snapshot.is_some() {
+        return Err(refused(
+            "the URL names a snapshot (snapshot=): `bufcache disk delete-snapshot` deletes one"
+                .to_string(),
+        ));
+    }
+    let connection = connect_with(url, Create::Never)?;
+    let metadata = connection.metadata;
+    let store: &dyn ObjectStore = &*connection.store;
+    if metadata.layout == LayoutKind::Log {
+        let snapshots = connection
+            .runtime
+            .block_on(log::list_snapshots(store, url))?;
+        let mut clones = Vec::new();
+        for listed in &snapshots {
+            clones.extend(
+                connection
+                    .runtime
+                    .block_on(clones_of(store, url, &listed.name))?,
+            );
+        }
+        // A record under no snapshot (its snapshot deleted by hand) names a clone too.
+        let recorded =
+            connection
+                .runtime
+                .block_on(crate::store::list_folder(store, url, "log/clones"))?;
+        if !recorded.is_empty() && clones.is_empty() {
+            clones.push(format!("(records under `{}`)", url.key("log/clones")));
+        }
+        if !clones.is_empty() {
+            return Err(refused(format!(
+                "clone(s) {} read segments of this disk's snapshots: delete them first",
+                clones.join(", ")
+            )));
+        }
+    }
+    let lock = match connection.runtime.block_on(DiskLock::acquire(
+        connection.runtime.handle().clone(),
+        connection.store.clone(),
+        url,
+    ))? {
+        Acquired::Held(lock) => lock,
+        Acquired::WritesRefused(answer) => {
+            return Err(refused(format!(
+                "the store refuses writes with these credentials ({answer})"
+            )))
+        }
+    };
+    let failed = |key: &str, error: object_store::Error| DeleteError::Store {
+        url: url.to_string(),
+        source: crate::error::request_failed("DELETE", key, error),
+    };
+    let outcome = connection.runtime.block_on(async {
+        let base = if metadata.layout == LayoutKind::Log {
+            clone_base_of(store, url, &metadata).await?
+        } else {
+            None
+        };
+        let prefix = ObjectPath::from(url.prefix.as_str());
+        let objects: Vec<object_store::ObjectMeta> = store
+            .list((!url.prefix.is_empty()).then_some(&prefix))
+            .try_collect()
+            .await
+            .map_err(|error| {
+                DeleteError::Open(OpenError::Request {
+                    url: url.to_string(),
+                    operation: format!("listing `{}`", url.prefix),
+                    message: chain(&error),
+                })
+            })?;
+        let metadata_key = url.key(METADATA_NAME);
+        let lock_key = url.key(crate::lock::LOCK_NAME);
+        let mut deleted = Deleted {
+            objects: 0,
+            bytes: 0,
+            base: None,
+        };
+        for object in &objects {
+            let key = object.location.as_ref();
+            if key == metadata_key || key == lock_key {
+                continue;
+            }
+            store
+                .delete(&object.location)
+                .await
+                .map_err(|error| failed(key, error))?;
+            deleted.objects += 1;
+            deleted.bytes += object.size;
+        }
+        if let Some((base_url, snapshot)) = base {
+            let key = log::clone_record_key(&base_url, &snapshot, &url.prefix);
+            match store.delete(&ObjectPath::from(key.as_str())).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(error) => return Err(failed(&key, error)),
+            }
+            deleted.base = Some((
+                format!("s3://{}/{}", base_url.bucket, base_url.prefix),
+                snapshot,
+            ));
+        }
+        store
+            .delete(&ObjectPath::from(metadata_key.as_str()))
+            .await
+            .map_err(|error| failed(&metadata_key, error))?;
+        deleted.objects += 1;
+        deleted.bytes += objects
+            .iter()
+            .find(|object| object.location.as_ref() == metadata_key)
+            .map_or(0, |object| object.size);
+        Ok(deleted)
+    });
+    let released = connection.runtime.block_on(lock.release_async());
+    let deleted = outcome?;
+    released.map_err(|source| DeleteError::Store {
+        url: url.to_string(),
+        source,
+    })?;
+    Ok(deleted)
+}
+
+/// A clone's base (its URL and the snapshot) from its metadata or, for a clone made before
+/// the metadata carried it, its `log/base` record; None for a disk that is no clone.
+async fn clone_base_of(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    metadata: &DiskMetadata,
+) -> Result<Option<(S3Url, String)>, OpenError> {
+    let sealer = log::sealer_for(url, metadata, &LogConfig::from_url(url))?;
+    Ok(log::read_clone_record(store, url, metadata, &sealer)
+        .await?
+        .map(|(_, record)| {
+            let mut base = url.clone();
+            base.prefix = record.base_prefix;
+            (base, record.snapshot)
+        }))
 }

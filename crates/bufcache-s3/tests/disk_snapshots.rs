@@ -499,3 +499,86 @@ fn a_clone_made_before_the_metadata_carried_its_base_is_still_read() {
         "nothing written for the refused clone"
     );
 }
+
+// Goal: `disk delete` removes a disk whole; a clone's delete takes its record under the base
+// with it (so the snapshot can be deleted again) and leaves the base as it was; deleting a
+// base whose snapshot a clone reads, or a disk a server holds, is refused naming why, with
+// nothing changed. Method: a base with two snapshots and a clone of one; try to delete the
+// base, then delete the clone while another server holds it (refused) and once released;
+// check no object is left under the clone, the base still reads as before, the snapshot
+// deletes; then delete the base and check its prefix is empty and a second delete says there
+// is no disk.
+#[test]
+fn deleting_a_clone_frees_its_snapshot_and_a_base_with_clones_is_refused() {
+    let name = "deleting_a_clone_frees_its_snapshot_and_a_base_with_clones_is_refused";
+    if !have_moto(name) {
+        return;
+    }
+    let moto = Moto::start();
+    moto.create_bucket("bucket");
+    let endpoint = moto.endpoint();
+    let raw = Raw::new(&moto);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(56);
+    let create = url(
+        &endpoint,
+        "base",
+        "&create-size=2M&layout=log&segment-size=64k&gc=off",
+    );
+    let base = url(&endpoint, "base", "&gc=off");
+    let clone = url(&endpoint, "clone", "&gc=off");
+    let mut image = vec![0u8; DISK_BYTES];
+    image[..WRITTEN_BYTES].copy_from_slice(&random(WRITTEN_BYTES, &mut rng));
+    let mut store = LogStore::open_locked(&create).unwrap();
+    write_pieces(&store, &mut image, &mut rng);
+    store.close().unwrap();
+    drop(store);
+    admin::snapshot(&base, "golden").unwrap();
+    admin::snapshot(&base, "spare").unwrap();
+    admin::clone(&base, &clone, "golden").unwrap();
+    let mut store = LogStore::open_locked(&clone).unwrap();
+    store.write(&random(64 << 10, &mut rng), 0).unwrap();
+    store.close().unwrap();
+    drop(store);
+    let base_objects = raw.keys("base/");
+
+    match admin::delete(&base) {
+        Err(error @ admin::DeleteError::Refused { .. }) => {
+            assert!(error.to_string().contains("s3://bucket/clone"), "{error}");
+            assert!(error.is_bad_input());
+        }
+        other => panic!("deleting a base with a clone: {other:?}"),
+    }
+    assert_eq!(raw.keys("base/"), base_objects, "the base unchanged");
+    let mut held = LogStore::open_locked(&clone).unwrap();
+    match admin::delete(&clone) {
+        Err(error @ admin::DeleteError::Open(OpenError::Locked { .. })) => {
+            assert!(error.is_bad_input(), "{error}")
+        }
+        other => panic!("deleting a held clone: {other:?}"),
+    }
+    held.close().unwrap();
+    drop(held);
+    assert!(!raw.keys("clone/").is_empty());
+
+    let deleted = admin::delete(&clone).unwrap();
+    assert!(deleted.objects >= 4, "{deleted:?}");
+    assert_eq!(
+        deleted.base,
+        Some(("s3://bucket/base".to_string(), "golden".to_string()))
+    );
+    assert!(raw.keys("clone/").is_empty(), "{:?}", raw.keys("clone/"));
+    assert!(
+        raw.keys("base/log/clones").is_empty(),
+        "the clone record is gone"
+    );
+    assert!(matches!(
+        admin::delete(&clone),
+        Err(admin::DeleteError::Open(OpenError::NoDiskReadOnly { .. }))
+    ));
+    assert!(read_all(&base) == image, "the base reads as before");
+    admin::delete_snapshot(&base, "golden").unwrap();
+
+    let deleted = admin::delete(&base).unwrap();
+    assert_eq!(deleted.base, None);
+    assert!(raw.keys("base/").is_empty(), "{:?}", raw.keys("base/"));
+}

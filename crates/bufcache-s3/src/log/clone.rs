@@ -215,6 +215,20 @@ pub(super) async fn read_base(
     metadata: &DiskMetadata,
     sealer: &Sealer,
 ) -> Result<Option<(Base, Index)>, OpenError> {
+    let Some((key, record)) = read_record(store, url, metadata, sealer).await? else {
+        return Ok(None);
+    };
+    read_base_of(store, url, key, record).await
+}
+
+/// What names a clone's base (None for a disk that is no clone), and the key it was read
+/// from: the metadata of a version 4 clone, else `log/base` (one GET either way).
+pub(crate) async fn read_record(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    metadata: &DiskMetadata,
+    sealer: &Sealer,
+) -> Result<Option<(String, Record)>, OpenError> {
     let (key, record) = if metadata.format_version == FORMAT_VERSION_LOG_CLONE {
         let key = url.key(METADATA_NAME);
         let value = crate::store::read_metadata_json(store, url).await?;
@@ -238,6 +252,15 @@ pub(super) async fn read_base(
             .map_err(|reason| super::bad_object(url, &key, reason))?;
         (key, record)
     };
+    Ok(Some((key, record)))
+}
+
+async fn read_base_of(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    key: String,
+    record: Record,
+) -> Result<Option<(Base, Index)>, OpenError> {
     let mut base = base_url(url, &record.base_prefix);
     let base_metadata = ChunkStore::open_metadata(store, &base, Create::Never).await?;
     if base_metadata.seal.key_check.is_none() {

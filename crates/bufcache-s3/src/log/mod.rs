@@ -83,8 +83,8 @@ use crate::url::{LayoutKind, S3Url};
 use crate::seal::Sealer;
 pub use crate::seal::{SealParameters, SEALED_EXTENT_BYTES_MAX};
 pub(crate) use clone::{
-    new_metadata as new_clone_metadata, record_key as clone_record_key,
-    BASE_NAME as CLONE_BASE_NAME,
+    new_metadata as new_clone_metadata, read_record as read_clone_record,
+    record_key as clone_record_key, BASE_NAME as CLONE_BASE_NAME,
 };
 pub use gc::GcReport;
 pub use index::{Index, Mapping};
