@@ -713,56 +713,13 @@ pub fn clone(base_url: &S3Url, clone_url: &S3Url, name: &str) -> Result<Cloned, 
             }
         }
     }
-    let mut asked = clone_url.clone();
-    asked.compression = Some(base_metadata.seal.compression);
-    let (clone_metadata, body, _) = log::new_clone_metadata(
-        &asked,
-        base_metadata.size_bytes,
-        base_metadata.disk_id,
+    let clone_metadata = connection.runtime.block_on(create_clone_objects(
+        store,
+        base_url,
+        &base_metadata,
+        clone_url,
         name,
-        &base_url.prefix,
-    )?;
-    let failed =
-        |key: &str, operation: &'static str, error: object_store::Error| SnapshotError::Store {
-            url: clone_url.to_string(),
-            name: name.to_string(),
-            source: crate::error::request_failed(operation, key, error),
-        };
-    // The record first: a crash after it leaves a record naming no clone (the snapshot
-    // stays until it is removed), never a clone whose snapshot may be deleted. Create-only,
-    // so a record that is there already (a clone at that prefix, or a creation that crashed)
-    // is known not to be this call's, and stays.
-    let record_key = log::clone_record_key(base_url, name, &clone_url.prefix);
-    let record_location = ObjectPath::from(record_key.as_str());
-    let recorded = connection.runtime.block_on(store.put_opts(
-        &record_location,
-        PutPayload::from(format!("s3://{}/{}", clone_url.bucket, clone_url.prefix)),
-        object_store::PutOptions {
-            mode: object_store::PutMode::Create,
-            ..Default::default()
-        },
-    ));
-    let record_is_ours = match recorded {
-        Ok(_) => true,
-        Err(
-            object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. },
-        ) => false,
-        Err(error) => return Err(failed(&record_key, "PUT", error)),
-    };
-    let created = connection
-        .runtime
-        .block_on(store::create_metadata(store, clone_url, &body))?;
-    if !created {
-        if record_is_ours {
-            connection
-                .runtime
-                .block_on(store.delete(&record_location))
-                .map_err(|error| failed(&record_key, "DELETE", error))?;
-        }
-        return Err(refused(
-            "a disk exists at the clone's prefix already".to_string(),
-        ));
-    }
+    ))?;
     Ok(Cloned {
         disk_id: clone_metadata.disk_id,
         size_bytes: clone_metadata.size_bytes,
@@ -952,4 +909,72 @@ async fn clone_base_of(
             base.prefix = record.base_prefix;
             (base, record.snapshot)
         }))
+}
+
+/// Writes a new clone of snapshot `name` of the disk at `base_url` (its metadata read
+/// already, the snapshot checked) at `clone_url`: the clone record under the base, then the
+/// clone's metadata carrying its base, both create-only; a disk already at the clone's
+/// prefix is refused and the record, when this call made it, deleted again (module docs of
+/// `log::clone`). Two PUTs.
+pub(crate) async fn create_clone_objects(
+    store: &dyn ObjectStore,
+    base_url: &S3Url,
+    base_metadata: &DiskMetadata,
+    clone_url: &S3Url,
+    name: &str,
+) -> Result<DiskMetadata, SnapshotError> {
+    let refused = |reason: String| SnapshotError::Refused {
+        url: clone_url.to_string(),
+        reason,
+    };
+    let mut asked = clone_url.clone();
+    asked.compression = Some(base_metadata.seal.compression);
+    let (clone_metadata, body, _) = log::new_clone_metadata(
+        &asked,
+        base_metadata.size_bytes,
+        base_metadata.disk_id,
+        name,
+        &base_url.prefix,
+    )?;
+    let failed =
+        |key: &str, operation: &'static str, error: object_store::Error| SnapshotError::Store {
+            url: clone_url.to_string(),
+            name: name.to_string(),
+            source: crate::error::request_failed(operation, key, error),
+        };
+    // The record first: a crash after it leaves a record naming no clone (the snapshot
+    // stays until it is removed), never a clone whose snapshot may be deleted. Create-only,
+    // so a record that is there already (a clone at that prefix, or a creation that crashed)
+    // is known not to be this call's, and stays.
+    let record_key = log::clone_record_key(base_url, name, &clone_url.prefix);
+    let record_location = ObjectPath::from(record_key.as_str());
+    let recorded = store
+        .put_opts(
+            &record_location,
+            PutPayload::from(format!("s3://{}/{}", clone_url.bucket, clone_url.prefix)),
+            object_store::PutOptions {
+                mode: object_store::PutMode::Create,
+                ..Default::default()
+            },
+        )
+        .await;
+    let record_is_ours = match recorded {
+        Ok(_) => true,
+        Err(
+            object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. },
+        ) => false,
+        Err(error) => return Err(failed(&record_key, "PUT", error)),
+    };
+    if !store::create_metadata(store, clone_url, &body).await? {
+        if record_is_ours {
+            store
+                .delete(&record_location)
+                .await
+                .map_err(|error| failed(&record_key, "DELETE", error))?;
+        }
+        return Err(refused(
+            "a disk exists at the clone's prefix already".to_string(),
+        ));
+    }
+    Ok(clone_metadata)
 }
