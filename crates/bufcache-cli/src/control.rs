@@ -1,6 +1,7 @@
 //! The server's control socket (`bufcache serve --control PATH`): how an owner reaches the
-//! server that holds a disk, for what only the lock holder may do — today, taking a snapshot
-//! (`bufcache disk snapshot URL NAME --control PATH`).
+//! server that holds a disk, for what only the lock holder may do: taking a snapshot
+//! (`bufcache disk snapshot URL NAME --control PATH`) and growing the disk (`bufcache disk
+//! resize URL SIZE --control PATH`).
 //!
 //! A unix stream socket, created with mode 0600 (the server's user only: a snapshot is a
 //! write to the disk's bucket). One request per connection, one line of JSON each way:
@@ -8,12 +9,18 @@
 //! ```text
 //! → {"command":"snapshot","disk":"s3://BUCKET/PREFIX","name":"NAME"}
 //! ← {"ok":true,"through_sequence":N,"mapped_bytes":N,"segments":N,"object_bytes":N,"seconds":F}
+//! → {"command":"resize","disk":"s3://BUCKET/PREFIX","size_bytes":N}
+//! ← {"ok":true,"size_bytes_before":N,"size_bytes_after":N,"seconds":F}
 //! ← {"ok":false,"bad_input":true|false,"error":"one line"}
 //! ```
 //!
-//! The server writes every dirty buffer back and flushes (the flush point: every write a
-//! client had acknowledged is in the snapshot), then the disk takes the snapshot
-//! ([`bufcache_s3::LogStore::snapshot`]). Requests are served one at a time.
+//! A snapshot: the server writes every dirty buffer back and flushes (the flush point: every
+//! write a client had acknowledged is in the snapshot), then the disk takes the snapshot
+//! ([`bufcache_s3::LogStore::snapshot`]). A resize only grows: the disk first
+//! ([`bufcache_s3::LogStore::grow`], which records the size in the metadata object), then the
+//! cache's object, so a client that connects afterwards is told the new size (one connected
+//! before keeps the size it was told; NBD has no message for a change). Requests are served
+//! one at a time.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::PermissionsExt;
@@ -23,6 +30,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use bufcache::ObjectHandle;
 use bufcache_s3::{S3Device, S3Url, SnapshotTaken};
 use serde_json::{json, Value};
 
@@ -38,6 +46,13 @@ const REPLY_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// Writes back every dirty buffer and flushes the devices below (the engine's sync).
 pub(crate) type Sync = Box<dyn Fn() -> Result<(), String> + Send>;
+
+/// A disk the server holds: its device, and the cache's object over it (what its export
+/// serves).
+pub(crate) struct Held {
+    pub device: Arc<S3Device>,
+    pub object: ObjectHandle,
+}
 
 /// The name a disk is addressed by on the control socket: `s3://BUCKET/PREFIX`.
 fn disk_name(url: &S3Url) -> String {
@@ -76,7 +91,7 @@ pub(crate) fn bind(path: &Path) -> anyhow::Result<Bound> {
 
 /// Serves requests for `disks` on the bound socket, on a thread of its own for the life of
 /// the process.
-pub(crate) fn start(bound: Bound, disks: Vec<Arc<S3Device>>, sync: Sync) -> anyhow::Result<()> {
+pub(crate) fn start(bound: Bound, disks: Vec<Held>, sync: Sync) -> anyhow::Result<()> {
     let Bound { listener, path } = bound;
     std::thread::Builder::new()
         .name("bufcache-control".into())
@@ -98,7 +113,7 @@ pub(crate) fn start(bound: Bound, disks: Vec<Arc<S3Device>>, sync: Sync) -> anyh
     Ok(())
 }
 
-fn serve_one(stream: UnixStream, disks: &[Arc<S3Device>], sync: &Sync) -> std::io::Result<()> {
+fn serve_one(stream: UnixStream, disks: &[Held], sync: &Sync) -> std::io::Result<()> {
     let mut line = String::new();
     BufReader::new(std::io::Read::take(&stream, REQUEST_BYTES_MAX)).read_line(&mut line)?;
     let reply = match answer(&line, disks, sync) {
@@ -111,7 +126,7 @@ fn serve_one(stream: UnixStream, disks: &[Arc<S3Device>], sync: &Sync) -> std::i
 }
 
 /// The reply to one request line; Err((bad input?, the one-line error)).
-fn answer(line: &str, disks: &[Arc<S3Device>], sync: &Sync) -> Result<Value, (bool, String)> {
+fn answer(line: &str, disks: &[Held], sync: &Sync) -> Result<Value, (bool, String)> {
     let request: Value = serde_json::from_str(line.trim())
         .map_err(|error| (true, format!("not a JSON request line: {error}")))?;
     let field = |name: &str| {
@@ -120,28 +135,27 @@ fn answer(line: &str, disks: &[Arc<S3Device>], sync: &Sync) -> Result<Value, (bo
             .ok_or_else(|| (true, format!("the request has no string field `{name}`")))
     };
     let command = field("command")?;
-    if command != "snapshot" {
+    if command != "snapshot" && command != "resize" {
         return Err((
             true,
             format!(
-                "unknown command `{}`; known: snapshot",
+                "unknown command `{}`; known: snapshot, resize",
                 command.escape_debug()
             ),
         ));
     }
     let disk = field("disk")?;
-    let name = field("name")?;
-    let device = disks
+    let held = disks
         .iter()
-        .find(|device| {
-            device
+        .find(|held| {
+            held.device
                 .log_store()
                 .is_some_and(|store| disk_name(store.url()) == disk)
         })
         .ok_or_else(|| {
             let served: Vec<String> = disks
                 .iter()
-                .filter_map(|device| device.log_store().map(|store| disk_name(store.url())))
+                .filter_map(|held| held.device.log_store().map(|store| disk_name(store.url())))
                 .collect();
             (
                 true,
@@ -155,7 +169,17 @@ fn answer(line: &str, disks: &[Arc<S3Device>], sync: &Sync) -> Result<Value, (bo
                 ),
             )
         })?;
-    let store = device.log_store().expect("found by its log store");
+    if command == "resize" {
+        let size_bytes = request["size_bytes"].as_u64().ok_or_else(|| {
+            (
+                true,
+                "the request has no whole-number field `size_bytes`".to_string(),
+            )
+        })?;
+        return resize(held, disk, size_bytes);
+    }
+    let name = field("name")?;
+    let store = held.device.log_store().expect("found by its log store");
     bufcache_s3::check_snapshot_name(name).map_err(|error| (true, error.to_string()))?;
     let started = Instant::now();
     sync().map_err(|error| {
@@ -178,13 +202,45 @@ fn answer(line: &str, disks: &[Arc<S3Device>], sync: &Sync) -> Result<Value, (bo
     }))
 }
 
-/// Asks the server listening on `path` to snapshot disk `url` as `name`.
-pub(crate) fn request_snapshot(
-    path: &PathBuf,
-    url: &S3Url,
-    name: &str,
-) -> anyhow::Result<SnapshotTaken> {
-    bufcache_s3::check_snapshot_name(name).map_err(|error| BadInput(error.to_string()))?;
+/// Grows the held disk, then its object (checked first, so that a size the object refuses
+/// changes nothing).
+fn resize(held: &Held, disk: &str, size_bytes: u64) -> Result<Value, (bool, String)> {
+    let store = held.device.log_store().expect("found by its log store");
+    let started = Instant::now();
+    let before = store.metadata().size_bytes;
+    let block_size = u64::from(held.object.block_size());
+    if !size_bytes.is_multiple_of(block_size) || !held.object.len().is_multiple_of(block_size) {
+        return Err((
+            true,
+            format!(
+                "{disk}: new size {size_bytes} is not a whole number of the export's {block_size}-byte blocks: nothing was changed"
+            ),
+        ));
+    }
+    store.grow(size_bytes).map_err(|error| {
+        (
+            !matches!(error, bufcache_s3::OpenError::Request { .. }),
+            error.to_string(),
+        )
+    })?;
+    held.object.grow(size_bytes).map_err(|error| {
+        (
+            false,
+            format!("{disk}: the disk grew to {size_bytes} bytes, but the export did not: {error}"),
+        )
+    })?;
+    tracing::info!(disk = %disk, size_bytes_before = before, size_bytes, "resized through the control socket");
+    Ok(json!({
+        "ok": true,
+        "size_bytes_before": before,
+        "size_bytes_after": size_bytes,
+        "seconds": started.elapsed().as_secs_f64(),
+    }))
+}
+
+/// Sends one request line to the server listening on `path` and returns its reply (an
+/// error, bad input when the server says so, for a refusal).
+fn request(path: &PathBuf, url: &S3Url, request: Value) -> anyhow::Result<Value> {
     let mut stream = UnixStream::connect(path).map_err(|error| {
         BadInput(format!(
             "--control {}: cannot reach the server's control socket ({error}); is the server holding {url} running with --control {}?",
@@ -193,7 +249,6 @@ pub(crate) fn request_snapshot(
         ))
     })?;
     stream.set_read_timeout(Some(REPLY_TIMEOUT))?;
-    let request = json!({ "command": "snapshot", "disk": disk_name(url), "name": name });
     writeln!(stream, "{request}")?;
     stream.flush()?;
     let mut line = String::new();
@@ -211,6 +266,21 @@ pub(crate) fn request_snapshot(
             anyhow::anyhow!(message)
         });
     }
+    Ok(reply)
+}
+
+/// Asks the server listening on `path` to snapshot disk `url` as `name`.
+pub(crate) fn request_snapshot(
+    path: &PathBuf,
+    url: &S3Url,
+    name: &str,
+) -> anyhow::Result<SnapshotTaken> {
+    bufcache_s3::check_snapshot_name(name).map_err(|error| BadInput(error.to_string()))?;
+    let reply = request(
+        path,
+        url,
+        json!({ "command": "snapshot", "disk": disk_name(url), "name": name }),
+    )?;
     let number = |field: &str| {
         reply[field]
             .as_u64()
@@ -222,4 +292,23 @@ pub(crate) fn request_snapshot(
         segments: number("segments")?,
         object_bytes: number("object_bytes")?,
     })
+}
+
+/// Asks the server listening on `path` to grow disk `url` to `size_bytes`: (before, after).
+pub(crate) fn request_resize(
+    path: &PathBuf,
+    url: &S3Url,
+    size_bytes: u64,
+) -> anyhow::Result<(u64, u64)> {
+    let reply = request(
+        path,
+        url,
+        json!({ "command": "resize", "disk": disk_name(url), "size_bytes": size_bytes }),
+    )?;
+    let number = |field: &str| {
+        reply[field]
+            .as_u64()
+            .ok_or_else(|| anyhow::anyhow!("the server's reply has no `{field}`: {reply}"))
+    };
+    Ok((number("size_bytes_before")?, number("size_bytes_after")?))
 }

@@ -1,11 +1,11 @@
 //! `bufcache disk`: an object-store disk as its owner manages it, without serving it —
-//! create, info, verify, resize, snapshots (of a served disk through its server's control
-//! socket). Exit status: 0 done, 1 damage found (verify) or a failure
-//! of the store, 2 bad input (a URL, a size, a disk that is not there or is in use).
+//! create, info, verify, resize, delete, snapshots and clones (a served disk is snapshotted
+//! and grown through its server's control socket). Exit status: 0 done, 1 damage found
+//! (verify) or a failure of the store, 2 bad input (a URL, a size, a disk that is not there
+//! or is in use).
 
 use std::io::IsTerminal;
 
-use anyhow::Context;
 use bufcache::config::parse_size;
 use bufcache_s3::admin::{self, DiskInfo, LayoutInfo, VerifyProgress, VerifyReport};
 use bufcache_s3::{LayoutKind, S3Url};
@@ -60,8 +60,10 @@ enum DiskCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Change a disk's size while no server holds it. Growing adds zeroes; shrinking over
-    /// data is refused (chunk layout: --force deletes the chunks past the end).
+    /// Change a disk's size. Growing adds zeroes; shrinking over data is refused (chunk
+    /// layout: --force deletes the chunks past the end). A served log-layout disk grows
+    /// through its server: give the server's control socket (`bufcache serve --control
+    /// PATH`); clients see the new size when they connect again.
     Resize {
         url: String,
         /// The new size (bytes, or with a K, M, G, T suffix).
@@ -70,6 +72,9 @@ enum DiskCommand {
         /// Shrink a chunk-layout disk even though chunks past the new end hold data (deleted).
         #[arg(long)]
         force: bool,
+        /// The control socket of the server holding the disk (growing only).
+        #[arg(long, value_name = "PATH")]
+        control: Option<std::path::PathBuf>,
         #[arg(long)]
         json: bool,
     },
@@ -101,6 +106,14 @@ enum DiskCommand {
         dst_url: String,
         #[arg(long, value_name = "NAME")]
         snapshot: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete a disk: every object under its prefix (a clone: its record under the base
+    /// too, which lets the base's snapshot go). Refused while a server holds it or while
+    /// clones of its snapshots exist.
+    Delete {
+        url: String,
         #[arg(long)]
         json: bool,
     },
@@ -343,6 +356,40 @@ pub(crate) fn run(args: DiskArgs) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        DiskCommand::Delete { url, json } => {
+            let url = parse_url(&url)?;
+            let deleted = admin::delete(&url).map_err(|error| -> anyhow::Error {
+                if error.is_bad_input() {
+                    BadInput(error.to_string()).into()
+                } else {
+                    anyhow::Error::new(error)
+                }
+            })?;
+            if json {
+                print_json(&json!({
+                    "url": url.to_string(),
+                    "objects_deleted": deleted.objects,
+                    "bytes_deleted": deleted.bytes,
+                    "base": deleted.base.as_ref().map(|(base, snapshot)| json!({
+                        "url": base,
+                        "snapshot": snapshot,
+                    })),
+                }));
+            } else {
+                crate::print_quietly(&format!(
+                    "{url}: deleted, {} objects, {}{}\n",
+                    deleted.objects,
+                    human(deleted.bytes),
+                    match &deleted.base {
+                        Some((base, snapshot)) => format!(
+                            "; its record under {base} is gone, so snapshot `{snapshot}` can be deleted when no other clone needs it"
+                        ),
+                        None => String::new(),
+                    }
+                ));
+            }
+            Ok(())
+        }
         DiskCommand::DeleteSnapshot { url, name, json } => {
             let url = parse_url(&url)?;
             admin::delete_snapshot(&url, &name).map_err(snapshot_failed)?;
@@ -359,17 +406,43 @@ pub(crate) fn run(args: DiskArgs) -> anyhow::Result<()> {
             url,
             size,
             force,
+            control,
             json,
         } => {
             let url = parse_url(&url)?;
-            let resized = admin::resize(&url, size, force)
-                .with_context(|| format!("resizing {url} to {size} bytes"))?;
+            let resized = match &control {
+                Some(_) if force => {
+                    return Err(BadInput(format!(
+                        "{url}: --force shrinks over data, and a served disk only grows: stop the server to shrink it (nothing was changed)"
+                    ))
+                    .into())
+                }
+                Some(path) => {
+                    let (before, after) = crate::control::request_resize(path, &url, size)?;
+                    admin::Resized {
+                        size_bytes_before: before,
+                        size_bytes_after: after,
+                        chunks_deleted: 0,
+                    }
+                }
+                None => admin::resize(&url, size, force).map_err(|error| match error {
+                    bufcache_s3::OpenError::Locked {
+                        ref holder, ref id, ..
+                    } => BadInput(format!(
+                        "{url}: the disk is in use by {holder}: a served log-layout disk grows through its server, `bufcache disk resize URL {size} --control PATH` with that server's control socket; if that server is no longer running, add break-lock={id} to the URL (nothing was changed)"
+                    ))
+                    .into(),
+                    error => anyhow::Error::new(error)
+                        .context(format!("resizing {url} to {size} bytes")),
+                })?,
+            };
             if json {
                 print_json(&json!({
                     "url": url.to_string(),
                     "size_bytes_before": resized.size_bytes_before,
                     "size_bytes_after": resized.size_bytes_after,
                     "chunks_deleted": resized.chunks_deleted,
+                    "by_server": control.is_some(),
                 }));
             } else {
                 crate::print_quietly(&format!(

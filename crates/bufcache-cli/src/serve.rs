@@ -1258,7 +1258,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(bound) = control {
         let disks = s3_devices
             .iter()
-            .map(|(_, device)| Arc::clone(device))
+            .filter_map(|(name, device)| {
+                let (_, object) = objects.iter().find(|(export, _)| export == name)?;
+                Some(crate::control::Held {
+                    device: Arc::clone(device),
+                    object: object.reopen(),
+                })
+            })
             .collect();
         let cache = cache.clone();
         crate::control::start(
@@ -1267,7 +1273,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             Box::new(move || cache.sync().map_err(|error| error.to_string())),
         )?;
         let path = args.control.as_deref().unwrap_or(Path::new("")).display();
-        say!("control socket on {path}   (try: bufcache disk snapshot URL NAME --control {path})");
+        say!("control socket on {path}   (try: bufcache disk snapshot URL NAME --control {path}, or disk resize URL SIZE --control {path})");
     }
     if let Some(listener) = metrics_listener {
         let local = metrics::start(
@@ -1587,7 +1593,20 @@ fn rescue_and_exit(
             continue;
         }
         let bytes: u64 = records.iter().map(|record| record.data.len() as u64).sum();
-        match rescue::write(&target.path, &target.backends, &records) {
+        // Sizes as they are now: a disk grown while served (the control socket) is that
+        // size when it opens again.
+        let backends: Vec<rescue::Backend> = target
+            .backends
+            .iter()
+            .map(|backend| rescue::Backend {
+                size_bytes: objects
+                    .iter()
+                    .find(|(name, _)| *name == backend.export)
+                    .map_or(backend.size_bytes, |(_, object)| object.len()),
+                ..backend.clone()
+            })
+            .collect();
+        match rescue::write(&target.path, &backends, &records) {
             Ok(()) => {
                 saved_bytes += bytes;
                 saved_records += records.len();

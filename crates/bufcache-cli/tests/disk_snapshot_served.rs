@@ -170,6 +170,33 @@ fn a_served_disk_is_snapshotted_through_its_control_socket_at_a_flush_point() {
         "{}",
         output_text(&held)
     );
+    // The served base with a clone: its delete is refused (a server holds it, and a clone
+    // reads its snapshot); the clone's delete frees the snapshot.
+    let base_held = disk(&["delete", &url]);
+    assert_eq!(
+        base_held.status.code(),
+        Some(2),
+        "{}",
+        output_text(&base_held)
+    );
+    assert!(
+        output_text(&base_held).contains("s3://disks/vm-clone"),
+        "{}",
+        output_text(&base_held)
+    );
+    let clone_deleted = disk(&["delete", &clone_url, "--json"]);
+    assert!(
+        clone_deleted.status.success(),
+        "{}",
+        output_text(&clone_deleted)
+    );
+    let clone_deleted: serde_json::Value = serde_json::from_slice(&clone_deleted.stdout).unwrap();
+    assert_eq!(
+        clone_deleted["base"]["snapshot"], "unflushed",
+        "{clone_deleted}"
+    );
+    let again = disk(&["delete", &clone_url]);
+    assert_eq!(again.status.code(), Some(2), "{}", output_text(&again));
     let deleted = disk(&["delete-snapshot", &url, "flushed"]);
     assert!(deleted.status.success(), "{}", output_text(&deleted));
     let missing = disk(&["delete-snapshot", &url, "flushed"]);
@@ -201,4 +228,134 @@ fn a_served_disk_is_snapshotted_through_its_control_socket_at_a_flush_point() {
         "{}",
         output_text(&writable)
     );
+}
+
+/// The size nbdinfo is told on a new connection.
+fn nbdinfo_size(uri: &str) -> u64 {
+    let output = run_ok(Command::new("nbdinfo").args(["--size", uri]), TIMEOUT);
+    String::from_utf8(output.stdout)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Asserts a `disk` command exited 2 with one line saying `says`, and returns that line.
+fn refused_saying(output: &std::process::Output, says: &str) -> String {
+    let text = output_text(output);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    let line = String::from_utf8_lossy(&output.stderr).trim().to_string();
+    assert!(line.contains(says), "wanted `{says}`: {text}");
+    assert!(!line.contains('\n'), "one line: {line:?}");
+    line
+}
+
+// Goal: a served log-layout disk grows through its server's control socket: a client that
+// connects afterwards is told the new size (nbdinfo) and reads and writes past the old end,
+// the client connected before keeps working, and the store records the size (a restart
+// serves it); each bad input is one line, exit 2, and changes nothing: a shrink, a size not
+// a whole number of 4 KiB, --force with --control, a disk the server does not hold, and an
+// offline resize of the served disk. Method: serve a 64 MiB disk with --control, write its
+// last MiB, `disk resize URL 96M --control`, nbdinfo on a new connection, write and read
+// across the old end on a new connection and the old one's range on the old one, try each
+// bad input and check the size nbdinfo and `disk info` see is unchanged, restart and compare.
+// qemu-img info on a new connection too, when it is installed.
+#[test]
+fn a_served_disk_grows_through_its_control_socket_and_new_connections_see_it() {
+    let name = "a_served_disk_grows_through_its_control_socket_and_new_connections_see_it";
+    if !have_moto(name) || !have_tools(name, &["nbdinfo"]) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    let moto = Moto::start();
+    moto.create_bucket("disks");
+    let dir = temp_dir();
+    let url = format!(
+        "s3://disks/vm?endpoint={}&layout=log&segment-size=1M",
+        moto.endpoint()
+    );
+    let created = disk(&["create", &url, "--size", "64M"]);
+    assert!(created.status.success(), "{}", output_text(&created));
+    let control = dir.path().join("control.sock");
+    let control_arg = control.to_str().unwrap();
+    let serve_args = [
+        "--backend",
+        &url,
+        "--cache-size",
+        "32M",
+        "--control",
+        control_arg,
+    ];
+    let mut server = Server::start(dir.path(), "vm", &serve_args);
+    wait_until("the control socket", TIMEOUT, || control.exists());
+    assert_eq!(nbdinfo_size(&server.uri()), 64 << 20);
+    let before = NbdClient::connect(&server.uri()).unwrap();
+    let tail = random_bytes(1 << 20, 61);
+    before.write(63 << 20, &tail).unwrap();
+
+    let grown = disk(&["resize", &url, "96M", "--control", control_arg, "--json"]);
+    assert!(grown.status.success(), "{}", output_text(&grown));
+    let grown: serde_json::Value = serde_json::from_slice(&grown.stdout).unwrap();
+    assert_eq!(
+        (&grown["size_bytes_before"], &grown["size_bytes_after"]),
+        (&serde_json::json!(64 << 20), &serde_json::json!(96 << 20)),
+        "{grown}"
+    );
+    assert_eq!(nbdinfo_size(&server.uri()), 96 << 20, "a new connection");
+    if Command::new("qemu-img").arg("--version").output().is_ok() {
+        let info = run_ok(
+            Command::new("qemu-img").args(["info", "--output=json", &server.uri()]),
+            TIMEOUT,
+        );
+        let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+        assert_eq!(
+            info["virtual-size"],
+            96 << 20,
+            "qemu-img on a new connection"
+        );
+    }
+    let after = NbdClient::connect(&server.uri()).unwrap();
+    let across = random_bytes(4 << 20, 62);
+    after.write(62 << 20, &across).unwrap();
+    after.flush().unwrap();
+    let mut expected = vec![0u8; 96 << 20];
+    expected[63 << 20..64 << 20].copy_from_slice(&tail);
+    expected[62 << 20..66 << 20].copy_from_slice(&across);
+    assert!(read(&server.uri(), 60 << 20, 36 << 20) == expected[60 << 20..]);
+    let mut old_range = vec![0u8; 1 << 20];
+    before.read(63 << 20, &mut old_range).unwrap();
+    assert!(
+        old_range == expected[63 << 20..64 << 20],
+        "the connection made before"
+    );
+
+    // Bad input: one line, exit 2, nothing changed.
+    refused_saying(
+        &disk(&["resize", &url, "80M", "--control", control_arg]),
+        "only grows",
+    );
+    refused_saying(
+        &disk(&["resize", &url, "100664296", "--control", control_arg]),
+        "4096",
+    );
+    refused_saying(
+        &disk(&["resize", &url, "128M", "--force", "--control", control_arg]),
+        "only grows",
+    );
+    let other = format!("s3://disks/other?endpoint={}", moto.endpoint());
+    refused_saying(
+        &disk(&["resize", &other, "128M", "--control", control_arg]),
+        "holds no log-layout disk",
+    );
+    refused_saying(&disk(&["resize", &url, "128M"]), "--control");
+    assert_eq!(nbdinfo_size(&server.uri()), 96 << 20);
+    let info = disk(&["info", &url, "--json"]);
+    let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+    assert_eq!(info["size_bytes"], 96 << 20, "{info}");
+
+    drop((before, after));
+    server.stop_clean();
+    let server = Server::start(dir.path(), "vm-again", &serve_args);
+    assert_eq!(nbdinfo_size(&server.uri()), 96 << 20, "after a restart");
+    assert!(read(&server.uri(), 60 << 20, 36 << 20) == expected[60 << 20..]);
 }

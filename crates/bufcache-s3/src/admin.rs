@@ -6,8 +6,7 @@
 
 use std::time::SystemTime;
 
-use bytes::Bytes;
-use futures::stream::{self, StreamExt};
+use futures::stream::{self, StreamExt, TryStreamExt};
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, PutPayload};
 
@@ -260,7 +259,11 @@ pub fn resize(url: &S3Url, size_bytes: u64, force: bool) -> Result<Resized, Open
     Ok(resized)
 }
 
-fn check_new_size(url: &S3Url, metadata: &DiskMetadata, size_bytes: u64) -> Result<(), OpenError> {
+pub(crate) fn check_new_size(
+    url: &S3Url,
+    metadata: &DiskMetadata,
+    size_bytes: u64,
+) -> Result<(), OpenError> {
     let unit = match metadata.layout {
         LayoutKind::Chunk => metadata.chunk_size_bytes,
         LayoutKind::Log => LOG_SIZE_UNIT_BYTES,
@@ -340,7 +343,7 @@ async fn cut_off(
 }
 
 /// Rewrites `size_bytes` in the metadata object, keeping every other field as stored.
-async fn write_size(
+pub(crate) async fn write_size(
     store: &dyn ObjectStore,
     url: &S3Url,
     size_bytes: u64,
@@ -617,11 +620,14 @@ pub struct Cloned {
 
 /// Makes a writable log-layout disk at `clone_url` that reads what it has not written from
 /// snapshot `name` of the disk at `base_url` (module `log::clone`), copying no data: a clone
-/// record under the base (so the snapshot cannot be deleted while the clone needs it), the
-/// clone's metadata object (the base's size and compression; an encrypted base needs the
-/// clone URL's `key-file=` to be the base's key) and its base record. Refused: a bad or
-/// missing name, a clone in another bucket or endpoint or inside the base's prefix, an
-/// existing disk or any object at the clone's prefix.
+/// record under the base (so the snapshot cannot be deleted while the clone needs it), then
+/// the clone's metadata object carrying its base (the base's size and compression; an
+/// encrypted base needs the clone URL's `key-file=` to be the base's key), both create-only.
+/// Four requests: the base's metadata and the snapshot (GETs), the two PUTs; one HEAD more
+/// when the snapshot names segments of no epoch (written before epochs, or by a clone made
+/// before the metadata carried the base: a clone of such a clone is refused). Refused: a bad
+/// or missing name, a clone in another bucket or endpoint or inside the base's prefix, a base
+/// that is a clone, an existing disk at the clone's prefix.
 pub fn clone(base_url: &S3Url, clone_url: &S3Url, name: &str) -> Result<Cloned, SnapshotError> {
     check_snapshot_name(name)?;
     let refused = |reason: String| SnapshotError::Refused {
@@ -650,6 +656,19 @@ pub fn clone(base_url: &S3Url, clone_url: &S3Url, name: &str) -> Result<Cloned, 
     }
     let connection = snapshot_disk(base_url)?;
     let base_metadata = connection.metadata;
+    let clone_of_clone = || {
+        refused(format!(
+            "{base_url} is itself a clone, and a clone of a clone is not supported"
+        ))
+    };
+    if base_metadata.format_version == store::FORMAT_VERSION_LOG_CLONE {
+        return Err(clone_of_clone());
+    }
+    if base_metadata.seal.key_check.is_some() && clone_url.key_file.is_none() {
+        return Err(refused(
+            "the base is encrypted: give the clone's URL key-file= with the base's key".to_string(),
+        ));
+    }
     let base_sealer = log::sealer_for(base_url, &base_metadata, &LogConfig::from_url(base_url))?;
     let store: &dyn ObjectStore = &*connection.store;
     let taken = connection
@@ -665,81 +684,297 @@ pub fn clone(base_url: &S3Url, clone_url: &S3Url, name: &str) -> Result<Cloned, 
             url: base_url.to_string(),
             name: name.to_string(),
         })?;
-    let base_record = base_url.key(log::CLONE_BASE_NAME);
-    match connection
-        .runtime
-        .block_on(store.head(&ObjectPath::from(base_record.as_str())))
-    {
-        Err(object_store::Error::NotFound { .. }) => {}
-        Ok(_) => {
-            return Err(refused(format!(
-                "{base_url} is itself a clone (`{base_record}`), and a clone of a clone is not supported"
-            )))
+    // A segment of no epoch was written before epochs, or is the base's own base's (a clone
+    // made before the metadata carried the base names those so): only then can the base be
+    // such a clone, which its `log/base` tells.
+    let epochs = taken
+        .epochs
+        .as_ref()
+        .expect("snapshots record their epochs");
+    let names_epochless = taken
+        .index
+        .live_bytes_by_segment()
+        .keys()
+        .any(|&sequence| epochs.owner(sequence) == 0);
+    if names_epochless {
+        let base_record = base_url.key(log::CLONE_BASE_NAME);
+        match connection
+            .runtime
+            .block_on(store.head(&ObjectPath::from(base_record.as_str())))
+        {
+            Err(object_store::Error::NotFound { .. }) => {}
+            Ok(_) => return Err(clone_of_clone()),
+            Err(error) => {
+                return Err(SnapshotError::Open(OpenError::Request {
+                    url: base_url.to_string(),
+                    operation: format!("looking for `{base_record}`"),
+                    message: chain(&error),
+                }))
+            }
         }
-        Err(error) => {
-            return Err(SnapshotError::Open(OpenError::Request {
-                url: base_url.to_string(),
-                operation: format!("looking for `{base_record}`"),
-                message: chain(&error),
-            }))
-        }
     }
-    if base_metadata.seal.key_check.is_some() && clone_url.key_file.is_none() {
-        return Err(refused(
-            "the base is encrypted: give the clone's URL key-file= with the base's key".to_string(),
-        ));
-    }
-    if store::probe(clone_url)?.is_some() {
-        return Err(refused(
-            "a disk exists at the clone's prefix already".to_string(),
-        ));
-    }
-    // The record first: a crash after it leaves a record naming no clone (the snapshot
-    // stays until it is removed), never a clone whose snapshot may be deleted.
-    let record_key = log::clone_record_key(base_url, name, &clone_url.prefix);
-    let put = |key: String, body: Bytes| {
-        let store = connection.store.clone();
-        let url = clone_url.to_string();
-        connection.runtime.block_on(async move {
-            store
-                .put(&ObjectPath::from(key.as_str()), PutPayload::from(body))
-                .await
-                .map(|_| ())
-                .map_err(|error| SnapshotError::Store {
-                    url,
-                    name: name.to_string(),
-                    source: crate::error::request_failed("PUT", &key, error),
-                })
-        })
-    };
-    put(
-        record_key,
-        Bytes::from(format!("s3://{}/{}", clone_url.bucket, clone_url.prefix)),
-    )?;
-    let mut asked = clone_url.clone();
-    asked.create_size_bytes = Some(base_metadata.size_bytes);
-    asked.layout = Some(LayoutKind::Log);
-    asked.compression = Some(base_metadata.seal.compression);
-    let clone_metadata = connect_with(&asked, Create::IfAsked)?.metadata;
-    let clone_sealer =
-        log::sealer_for(clone_url, &clone_metadata, &LogConfig::from_url(clone_url))?;
-    let record = log::CloneRecord {
-        clone_disk_id: clone_metadata.disk_id,
-        base_disk_id: base_metadata.disk_id,
-        snapshot: name.to_string(),
-        base_prefix: base_url.prefix.clone(),
-    };
-    put(
-        clone_url.key(log::CLONE_BASE_NAME),
-        clone_sealer.tag_object(log::CLONE_BASE_NAME, log::encode_clone_record(&record)),
-    )?;
-    debug_assert_eq!(
-        log::clone_base_url(clone_url, &base_url.prefix).prefix,
-        base_url.prefix
-    );
+    let clone_metadata = connection.runtime.block_on(create_clone_objects(
+        store,
+        base_url,
+        &base_metadata,
+        clone_url,
+        name,
+    ))?;
     Ok(Cloned {
         disk_id: clone_metadata.disk_id,
         size_bytes: clone_metadata.size_bytes,
         mapped_bytes: taken.index.mapped_bytes(),
     })
+}
+
+/// Why [`delete`] stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum DeleteError {
+    #[error("{url}: {reason}; nothing was changed")]
+    Refused { url: String, reason: String },
+    #[error(transparent)]
+    Open(#[from] OpenError),
+    #[error("{url}: deleting the disk: {source} (its metadata goes last: run `bufcache disk delete` again to finish)")]
+    Store { url: String, source: StoreError },
+}
+
+impl DeleteError {
+    /// Whether the error is the caller's (a disk in use, with clones, not there) rather
+    /// than the store's: `bufcache disk` exits 2 for these.
+    pub fn is_bad_input(&self) -> bool {
+        match self {
+            DeleteError::Refused { .. } => true,
+            DeleteError::Open(error) => !matches!(
+                error,
+                OpenError::Request { .. } | OpenError::Client { .. } | OpenError::Runtime { .. }
+            ),
+            DeleteError::Store { .. } => false,
+        }
+    }
+}
+
+/// What [`delete`] removed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Deleted {
+    /// Objects deleted under the disk's prefix (its metadata included, the lock not).
+    pub objects: u64,
+    pub bytes: u64,
+    /// For a clone: the base's clone record deleted with it (`s3://BUCKET/PREFIX` of the
+    /// base, and the snapshot), which lets that snapshot be deleted again.
+    pub base: Option<(String, String)>,
+}
+
+/// Deletes the disk at `url`, every object under its prefix, holding its lock (refused while
+/// a server holds it). Refused, nothing changed, while clones of its snapshots exist (named;
+/// delete them first). A clone's record under its base goes too, after its own objects and
+/// before its metadata: the metadata goes last, so a delete cut short leaves a disk that
+/// another `disk delete` finishes, never a record or a clone half there.
+pub fn delete(url: &S3Url) -> Result<Deleted, DeleteError> {
+    let refused = |reason: String| DeleteError::Refused {
+        url: url.to_string(),
+        reason,
+    };
+    if url.snapshot.is_some() {
+        return Err(refused(
+            "the URL names a snapshot (snapshot=): `bufcache disk delete-snapshot` deletes one"
+                .to_string(),
+        ));
+    }
+    let connection = connect_with(url, Create::Never)?;
+    let metadata = connection.metadata;
+    let store: &dyn ObjectStore = &*connection.store;
+    if metadata.layout == LayoutKind::Log {
+        let snapshots = connection
+            .runtime
+            .block_on(log::list_snapshots(store, url))?;
+        let mut clones = Vec::new();
+        for listed in &snapshots {
+            clones.extend(
+                connection
+                    .runtime
+                    .block_on(clones_of(store, url, &listed.name))?,
+            );
+        }
+        // A record under no snapshot (its snapshot deleted by hand) names a clone too.
+        let recorded =
+            connection
+                .runtime
+                .block_on(crate::store::list_folder(store, url, "log/clones"))?;
+        if !recorded.is_empty() && clones.is_empty() {
+            clones.push(format!("(records under `{}`)", url.key("log/clones")));
+        }
+        if !clones.is_empty() {
+            return Err(refused(format!(
+                "clone(s) {} read segments of this disk's snapshots: delete them first",
+                clones.join(", ")
+            )));
+        }
+    }
+    let lock = match connection.runtime.block_on(DiskLock::acquire(
+        connection.runtime.handle().clone(),
+        connection.store.clone(),
+        url,
+    ))? {
+        Acquired::Held(lock) => lock,
+        Acquired::WritesRefused(answer) => {
+            return Err(refused(format!(
+                "the store refuses writes with these credentials ({answer})"
+            )))
+        }
+    };
+    let failed = |key: &str, error: object_store::Error| DeleteError::Store {
+        url: url.to_string(),
+        source: crate::error::request_failed("DELETE", key, error),
+    };
+    let outcome = connection.runtime.block_on(async {
+        let base = if metadata.layout == LayoutKind::Log {
+            clone_base_of(store, url, &metadata).await?
+        } else {
+            None
+        };
+        let prefix = ObjectPath::from(url.prefix.as_str());
+        let objects: Vec<object_store::ObjectMeta> = store
+            .list((!url.prefix.is_empty()).then_some(&prefix))
+            .try_collect()
+            .await
+            .map_err(|error| {
+                DeleteError::Open(OpenError::Request {
+                    url: url.to_string(),
+                    operation: format!("listing `{}`", url.prefix),
+                    message: chain(&error),
+                })
+            })?;
+        let metadata_key = url.key(METADATA_NAME);
+        let lock_key = url.key(crate::lock::LOCK_NAME);
+        let mut deleted = Deleted {
+            objects: 0,
+            bytes: 0,
+            base: None,
+        };
+        for object in &objects {
+            let key = object.location.as_ref();
+            if key == metadata_key || key == lock_key {
+                continue;
+            }
+            store
+                .delete(&object.location)
+                .await
+                .map_err(|error| failed(key, error))?;
+            deleted.objects += 1;
+            deleted.bytes += object.size;
+        }
+        if let Some((base_url, snapshot)) = base {
+            let key = log::clone_record_key(&base_url, &snapshot, &url.prefix);
+            match store.delete(&ObjectPath::from(key.as_str())).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(error) => return Err(failed(&key, error)),
+            }
+            deleted.base = Some((
+                format!("s3://{}/{}", base_url.bucket, base_url.prefix),
+                snapshot,
+            ));
+        }
+        store
+            .delete(&ObjectPath::from(metadata_key.as_str()))
+            .await
+            .map_err(|error| failed(&metadata_key, error))?;
+        deleted.objects += 1;
+        deleted.bytes += objects
+            .iter()
+            .find(|object| object.location.as_ref() == metadata_key)
+            .map_or(0, |object| object.size);
+        Ok(deleted)
+    });
+    let released = connection.runtime.block_on(lock.release_async());
+    let deleted = outcome?;
+    released.map_err(|source| DeleteError::Store {
+        url: url.to_string(),
+        source,
+    })?;
+    Ok(deleted)
+}
+
+/// A clone's base (its URL and the snapshot) from its metadata or, for a clone made before
+/// the metadata carried it, its `log/base` record; None for a disk that is no clone.
+async fn clone_base_of(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    metadata: &DiskMetadata,
+) -> Result<Option<(S3Url, String)>, OpenError> {
+    let sealer = log::sealer_for(url, metadata, &LogConfig::from_url(url))?;
+    Ok(log::read_clone_record(store, url, metadata, &sealer)
+        .await?
+        .map(|(_, record)| {
+            let mut base = url.clone();
+            base.prefix = record.base_prefix;
+            (base, record.snapshot)
+        }))
+}
+
+/// Writes a new clone of snapshot `name` of the disk at `base_url` (its metadata read
+/// already, the snapshot checked) at `clone_url`: the clone record under the base, then the
+/// clone's metadata carrying its base, both create-only; a disk already at the clone's
+/// prefix is refused and the record, when this call made it, deleted again (module docs of
+/// `log::clone`). Two PUTs.
+pub(crate) async fn create_clone_objects(
+    store: &dyn ObjectStore,
+    base_url: &S3Url,
+    base_metadata: &DiskMetadata,
+    clone_url: &S3Url,
+    name: &str,
+) -> Result<DiskMetadata, SnapshotError> {
+    let refused = |reason: String| SnapshotError::Refused {
+        url: clone_url.to_string(),
+        reason,
+    };
+    let mut asked = clone_url.clone();
+    asked.compression = Some(base_metadata.seal.compression);
+    let (clone_metadata, body, _) = log::new_clone_metadata(
+        &asked,
+        base_metadata.size_bytes,
+        base_metadata.disk_id,
+        name,
+        &base_url.prefix,
+    )?;
+    let failed =
+        |key: &str, operation: &'static str, error: object_store::Error| SnapshotError::Store {
+            url: clone_url.to_string(),
+            name: name.to_string(),
+            source: crate::error::request_failed(operation, key, error),
+        };
+    // The record first: a crash after it leaves a record naming no clone (the snapshot
+    // stays until it is removed), never a clone whose snapshot may be deleted. Create-only,
+    // so a record that is there already (a clone at that prefix, or a creation that crashed)
+    // is known not to be this call's, and stays.
+    let record_key = log::clone_record_key(base_url, name, &clone_url.prefix);
+    let record_location = ObjectPath::from(record_key.as_str());
+    let recorded = store
+        .put_opts(
+            &record_location,
+            PutPayload::from(format!("s3://{}/{}", clone_url.bucket, clone_url.prefix)),
+            object_store::PutOptions {
+                mode: object_store::PutMode::Create,
+                ..Default::default()
+            },
+        )
+        .await;
+    let record_is_ours = match recorded {
+        Ok(_) => true,
+        Err(
+            object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. },
+        ) => false,
+        Err(error) => return Err(failed(&record_key, "PUT", error)),
+    };
+    if !store::create_metadata(store, clone_url, &body).await? {
+        if record_is_ours {
+            store
+                .delete(&record_location)
+                .await
+                .map_err(|error| failed(&record_key, "DELETE", error))?;
+        }
+        return Err(refused(
+            "a disk exists at the clone's prefix already".to_string(),
+        ));
+    }
+    Ok(clone_metadata)
 }

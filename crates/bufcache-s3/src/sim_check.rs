@@ -1127,6 +1127,8 @@ pub struct LogCheckSummary {
     /// Snapshots taken, and whole reads of one checked against its shadow copy.
     pub snapshots_taken: u64,
     pub snapshot_checks: u64,
+    /// Whole reads of a clone, its snapshot and its base checked (module `sim_clones`).
+    pub clone_checks: u64,
     /// (seed, what broke) of every seed that broke the contract.
     pub violations: Vec<(u64, String)>,
 }
@@ -1156,6 +1158,11 @@ pub fn check_log_seeds(
         summary.epoch_objects_max = summary.epoch_objects_max.max(outcome.epoch_objects_max);
         if let Some(message) = outcome.violation {
             summary.violations.push((seed, message));
+        }
+        let clone = crate::sim_clones::check_clone_seed(seed);
+        summary.clone_checks += clone.checks;
+        if let Some(message) = clone.violation {
+            summary.violations.push((seed, format!("clone: {message}")));
         }
     }
     summary

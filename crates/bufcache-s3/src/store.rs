@@ -57,6 +57,11 @@ const CHUNK_CHECKSUMS_NAME: &str = "crc32-4k";
 /// Version of the metadata object of a log-layout disk: a version chunk-only servers refuse,
 /// so none of them mistakes a log disk for an empty chunk disk.
 pub const FORMAT_VERSION_LOG: u64 = 2;
+/// Version of the metadata object of a log-layout disk that is a clone: it carries its base
+/// (`"base":{"prefix","disk_id","snapshot"}`, module `log::clone`), a version servers that
+/// know only version 2 refuse, so none of them opens a clone as a disk of its own (its log
+/// starts past the base's, and such a server would delete it as orphans).
+pub const FORMAT_VERSION_LOG_CLONE: u64 = 4;
 /// Name of the metadata object under the prefix.
 pub const METADATA_NAME: &str = "bufcache-disk.json";
 /// Default bound on concurrent requests of one read or write call.
@@ -770,44 +775,7 @@ impl ChunkStore {
                         });
                         (metadata, body)
                     }
-                    LayoutKind::Log => {
-                        if url.chunk_size_bytes.is_some() {
-                            return Err(OpenError::Mismatch {
-                                url: url.to_string(),
-                                parameter: "chunk-size",
-                                given: "a chunk size".to_string(),
-                                stored: "none: a new disk gets `layout=log` (segments, not chunks) unless `layout=chunk` is given".to_string(),
-                            });
-                        }
-                        let disk_id = random_id();
-                        let seal =
-                            SealParameters::for_new_disk(url, disk_id).map_err(|reason| {
-                                OpenError::Config {
-                                    url: url.to_string(),
-                                    reason,
-                                }
-                            })?;
-                        let metadata = DiskMetadata {
-                            size_bytes: size,
-                            chunk_size_bytes: 0,
-                            chunk_checksums: false,
-                            format_version: FORMAT_VERSION_LOG,
-                            layout,
-                            disk_id,
-                            generation: 0,
-                            seal,
-                        };
-                        let mut body = json!({
-                            "format": "bufcache-s3",
-                            "format_version": FORMAT_VERSION_LOG,
-                            "layout": "log",
-                            "disk_id": format!("{disk_id:016x}"),
-                            "generation": 0,
-                            "size_bytes": size,
-                        });
-                        seal.write_json(&mut body);
-                        (metadata, body)
-                    }
+                    LayoutKind::Log => new_log_metadata(url, size)?,
                 };
                 let body = body.to_string();
                 // Create-only: when two servers create the same disk at once, one loses here
@@ -1210,6 +1178,97 @@ pub(crate) async fn get_range_in(
     }
 }
 
+/// The metadata of a new log-layout disk of `size_bytes` with the URL's seal parameters, and
+/// its object's JSON (created with a create-only PUT by the caller).
+pub(crate) fn new_log_metadata(
+    url: &S3Url,
+    size_bytes: u64,
+) -> Result<(DiskMetadata, serde_json::Value), OpenError> {
+    if url.chunk_size_bytes.is_some() {
+        return Err(OpenError::Mismatch {
+            url: url.to_string(),
+            parameter: "chunk-size",
+            given: "a chunk size".to_string(),
+            stored: "none: a new disk gets `layout=log` (segments, not chunks) unless `layout=chunk` is given".to_string(),
+        });
+    }
+    let disk_id = random_id();
+    let seal = SealParameters::for_new_disk(url, disk_id).map_err(|reason| OpenError::Config {
+        url: url.to_string(),
+        reason,
+    })?;
+    let metadata = DiskMetadata {
+        size_bytes,
+        chunk_size_bytes: 0,
+        chunk_checksums: false,
+        format_version: FORMAT_VERSION_LOG,
+        layout: LayoutKind::Log,
+        disk_id,
+        generation: 0,
+        seal,
+    };
+    let mut body = json!({
+        "format": "bufcache-s3",
+        "format_version": FORMAT_VERSION_LOG,
+        "layout": "log",
+        "disk_id": format!("{disk_id:016x}"),
+        "generation": 0,
+        "size_bytes": size_bytes,
+    });
+    seal.write_json(&mut body);
+    Ok((metadata, body))
+}
+
+/// Stores a new disk's metadata object create-only (`If-None-Match: *`): Ok(false) when an
+/// object is there already, which is left as it was.
+pub(crate) async fn create_metadata(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    body: &serde_json::Value,
+) -> Result<bool, OpenError> {
+    let key = url.key(METADATA_NAME);
+    match store
+        .put_opts(
+            &ObjectPath::from(key.as_str()),
+            PutPayload::from(body.to_string().into_bytes()),
+            PutOptions {
+                mode: PutMode::Create,
+                ..Default::default()
+            },
+        )
+        .await
+    {
+        Ok(_) => Ok(true),
+        Err(
+            object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. },
+        ) => Ok(false),
+        Err(error) => Err(OpenError::Request {
+            url: url.to_string(),
+            operation: format!("creating `{key}`"),
+            message: chain(&error),
+        }),
+    }
+}
+
+/// The metadata object's JSON, as stored (for the fields [`DiskMetadata`] does not hold).
+pub(crate) async fn read_metadata_json(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+) -> Result<serde_json::Value, OpenError> {
+    let key = url.key(METADATA_NAME);
+    let body = get_optional(store, url, &key, &format!("`{key}`"))
+        .await?
+        .ok_or_else(|| OpenError::NoDisk {
+            url: url.to_string(),
+            key: key.clone(),
+        })?;
+    serde_json::from_slice(&body).map_err(|error| OpenError::BadMetadata {
+        url: url.to_string(),
+        key,
+        reason: format!("not JSON: {error}"),
+    })
+}
+
 fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, String> {
     let value: serde_json::Value =
         serde_json::from_slice(body).map_err(|error| format!("not JSON: {error}"))?;
@@ -1266,7 +1325,12 @@ fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, String> {
             }
             Ok(metadata)
         }
-        FORMAT_VERSION_LOG => {
+        FORMAT_VERSION_LOG | FORMAT_VERSION_LOG_CLONE => {
+            if format_version == FORMAT_VERSION_LOG_CLONE && !value["base"].is_object() {
+                return Err(format!(
+                    "format version {FORMAT_VERSION_LOG_CLONE} (a clone) without the object `base`"
+                ));
+            }
             if value["layout"] != "log" {
                 return Err("field `layout` is not \"log\"".to_string());
             }
@@ -1286,7 +1350,7 @@ fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, String> {
             })
         }
         other => Err(format!(
-            "format version {other} is not one of the supported {FORMAT_VERSION} and {FORMAT_VERSION_CHUNK_CHECKED} (chunk layout) and {FORMAT_VERSION_LOG} (log layout)"
+            "format version {other} is not one of the supported {FORMAT_VERSION} and {FORMAT_VERSION_CHUNK_CHECKED} (chunk layout) and {FORMAT_VERSION_LOG} and {FORMAT_VERSION_LOG_CLONE} (log layout, a clone)"
         )),
     }
 }
@@ -1400,10 +1464,10 @@ mod tests {
                 seal: SealParameters::default(),
             }
         );
-        let version = br#"{"format":"bufcache-s3","format_version":4,"size_bytes":8388608,"chunk_size_bytes":4194304}"#;
+        let version = br#"{"format":"bufcache-s3","format_version":5,"size_bytes":8388608,"chunk_size_bytes":4194304}"#;
         assert!(parse_metadata(version)
             .unwrap_err()
-            .contains("format version 4"));
+            .contains("format version 5"));
         let checked = br#"{"format":"bufcache-s3","format_version":3,"size_bytes":8388608,"chunk_size_bytes":4194304,"chunk_checksums":"crc32-4k"}"#;
         assert!(parse_metadata(checked).unwrap().chunk_checksums);
         let unknown_checksums = br#"{"format":"bufcache-s3","format_version":3,"size_bytes":8388608,"chunk_size_bytes":4194304,"chunk_checksums":"sha256"}"#;

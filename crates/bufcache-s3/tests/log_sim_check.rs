@@ -48,6 +48,9 @@ fn log_layout_reopens_as_a_flushed_prefix_over_a_faulty_store_on_100_seeds() {
         summary.snapshot_checks > summary.snapshots_taken,
         "{summary:?}"
     );
+    // Every seed's clone is read back against its shadow (module `sim_clones`) more than
+    // once.
+    assert!(summary.clone_checks > 2 * summary.seeds, "{summary:?}");
 }
 
 #[cfg(feature = "planted-defect")]
@@ -121,8 +124,9 @@ fn log_sim_check_finds_the_planted_delete_before_checkpoint_durable_defect() {
 fn log_sim_check_finds_the_planted_snapshot_pins_ignored_defect() {
     // Goal: prove the snapshot check detects garbage collection deleting a segment a
     // snapshot needs (the defective build's collector and open-time cleanup ignore the
-    // pins). Method: run seeds against the defective build; at least one must report a
-    // snapshot that no longer reads back as it was taken.
+    // pins), and so does the clone check. Method: run seeds against the defective build; at
+    // least one must report a snapshot that no longer reads back as it was taken, and one a
+    // clone that no longer reads its base snapshot.
     let summary = check_log_seeds(1, 100, false, |_, _| {});
     for (seed, message) in summary.violations.iter().take(3) {
         eprintln!("seed {seed}: {message}");
@@ -133,6 +137,14 @@ fn log_sim_check_finds_the_planted_snapshot_pins_ignored_defect() {
             .iter()
             .any(|(_, message)| message.contains("snapshot `")),
         "the planted defect went unnoticed: {summary:?}"
+    );
+    // A clone of a snapshot whose segments were deleted no longer reads its base.
+    assert!(
+        summary
+            .violations
+            .iter()
+            .any(|(_, message)| message.starts_with("clone: ")),
+        "the clone check missed the planted defect: {summary:?}"
     );
 }
 

@@ -99,7 +99,7 @@ impl ObjectHandle {
     /// with V_SAVE). Fails, keeping the dirty data, if write-back fails.
     pub fn invalidate(&self) -> Result<(), CacheError> {
         self.inner().writeback().fsync_object(self.object())?;
-        self.invalidate_blocks(0, self.object().block_count, false);
+        self.invalidate_blocks(0, self.object().block_count(), false);
         Ok(())
     }
 
@@ -150,14 +150,14 @@ impl ObjectHandle {
     }
 
     fn check_block(&self, block: u64) -> Result<(), CacheError> {
-        if block < self.object().block_count {
+        if block < self.object().block_count() {
             Ok(())
         } else {
             Err(CacheError::OutOfRange {
                 object: self.object().name.clone(),
                 offset: block * self.object().block_size_bytes as u64,
                 length_bytes: self.object().block_size_bytes as u64,
-                object_length_bytes: self.object().length_bytes,
+                object_length_bytes: self.object().length_bytes(),
             })
         }
     }

@@ -544,12 +544,20 @@ impl ObjectHandle {
 
     /// The object's length in bytes.
     pub fn len(&self) -> u64 {
-        self.object.length_bytes
+        self.object.length_bytes()
+    }
+
+    /// Grows the object to `length_bytes` once its device holds that many (an export's
+    /// clients see the new length from their next connection). Refused, nothing changed: a
+    /// shrink, a length now or asked that is not a whole number of blocks, an object with a
+    /// block map of its own, a device shorter than asked.
+    pub fn grow(&self, length_bytes: u64) -> Result<(), CacheError> {
+        self.object.grow(length_bytes)
     }
 
     /// True for a zero-length object.
     pub fn is_empty(&self) -> bool {
-        self.object.length_bytes == 0
+        self.object.length_bytes() == 0
     }
 
     /// The block size in bytes.
@@ -1135,7 +1143,7 @@ impl ObjectHandle {
         let table = inner.table();
         let run_limit = (block + object.write_run_blocks_max(block))
             .min(request.end)
-            .min(object.block_count);
+            .min(object.block_count());
         let stop = table.first_present(object.id, block, run_limit);
         if stop == block {
             // Cached meanwhile: the caller's next look finds it.
@@ -1247,7 +1255,7 @@ impl ObjectHandle {
         // device has one (an object-store chunk read with one GET, not in pieces).
         let run_limit = limit
             .min(start + object.write_run_blocks_max(start))
-            .min(object.block_count);
+            .min(object.block_count());
         let rest = inner.insert_absent_run(object, start + 1, run_limit, request_end, |block| {
             (
                 run_placement(placement, block, request_end),
@@ -1485,7 +1493,7 @@ impl ObjectHandle {
         let end_offset = offset + length_bytes;
         let partial_head = !offset.is_multiple_of(block_size);
         let partial_tail =
-            !end_offset.is_multiple_of(block_size) && end_offset != object.length_bytes;
+            !end_offset.is_multiple_of(block_size) && end_offset != object.length_bytes();
         let resident = |block: u64| inner.table().contains(object.key(block));
         (!partial_head || resident(offset / block_size))
             && (!partial_tail || resident(end_offset / block_size))
@@ -1839,7 +1847,7 @@ impl ObjectHandle {
         let cluster = object.cluster_blocks;
         let mut cluster_start = first / cluster * cluster;
         while cluster_start < end {
-            let cluster_end = (cluster_start + cluster).min(object.block_count);
+            let cluster_end = (cluster_start + cluster).min(object.block_count());
             let completed = cluster_end <= end && cluster_end > first;
             if completed
                 && object.dirty.lock().count(cluster_start..cluster_end)
@@ -1956,7 +1964,7 @@ impl ObjectHandle {
         let end = offset
             .saturating_add(length_bytes)
             .div_ceil(block_size)
-            .min(self.object.block_count);
+            .min(self.object.block_count());
         if first < end {
             self.invalidate_blocks(first, end, false);
         }
@@ -2024,7 +2032,7 @@ impl ObjectHandle {
             self.write_zero_bytes(offset, length_bytes)?;
         } else {
             let head_end = first * block_size;
-            let tail_start = (end * block_size).min(self.object.length_bytes);
+            let tail_start = (end * block_size).min(self.object.length_bytes());
             self.write_zero_bytes(offset, head_end - offset)?;
             self.write_zero_bytes(
                 tail_start,
@@ -2069,8 +2077,8 @@ impl ObjectHandle {
         let block_size = self.object.block_size_bytes as u64;
         let first = offset.div_ceil(block_size);
         let range_end = offset + length_bytes;
-        let end = if range_end == self.object.length_bytes {
-            self.object.block_count
+        let end = if range_end == self.object.length_bytes() {
+            self.object.block_count()
         } else {
             range_end / block_size
         };
@@ -2109,7 +2117,7 @@ impl ObjectHandle {
             let mapped = object.map.map(block);
             let blocks = mapped.contiguous_blocks.min(end - block);
             let length = (block + blocks) * object.block_size_bytes as u64;
-            let length = length.min(object.length_bytes) - block * object.block_size_bytes as u64;
+            let length = length.min(object.length_bytes()) - block * object.block_size_bytes as u64;
             replaced = operation(self.inner().io(), object, mapped.device_offset, length);
             if replaced.is_err() {
                 break;

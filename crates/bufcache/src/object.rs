@@ -133,8 +133,14 @@ pub(crate) struct ObjectState {
     pub id: u32,
     pub name: String,
     pub block_size_bytes: u32,
-    pub length_bytes: u64,
-    pub block_count: u64,
+    /// The object's length: it only grows ([`ObjectState::grow`]), and only while it is a
+    /// whole number of blocks, so no cached block ever changes its length.
+    length_bytes: AtomicU64,
+    /// `length_bytes` in blocks, rounded up; grows with it.
+    block_count: AtomicU64,
+    /// Whether `map` is the object's own identity map (no `ObjectConfig::block_map`): only
+    /// then can the object grow.
+    identity_mapped: bool,
     pub read_only: bool,
     pub device: Arc<dyn Device>,
     pub map: Arc<dyn BlockMap>,
@@ -190,10 +196,13 @@ impl ObjectState {
             )));
         }
         let block_count = length_bytes.div_ceil(block_size);
+        let identity_mapped = config.block_map.is_none();
+        // The object's own identity map spans every block it could grow to: runs are cut at
+        // the object's end by their callers, never by the map.
         let map = config
             .block_map
             .clone()
-            .unwrap_or_else(|| Arc::new(IdentityMap::new(0, block_size, block_count)));
+            .unwrap_or_else(|| Arc::new(IdentityMap::new(0, block_size, u64::MAX / block_size)));
         let readahead_blocks = |bytes: u64| bytes.div_ceil(block_size);
         let capabilities = config.device.capabilities();
         let request_blocks_max = (capabilities.request_bytes_max / block_size).max(1);
@@ -219,8 +228,9 @@ impl ObjectState {
         Ok(ObjectState {
             id,
             block_size_bytes: config.block_size_bytes,
-            length_bytes,
-            block_count,
+            length_bytes: AtomicU64::new(length_bytes),
+            block_count: AtomicU64::new(block_count),
+            identity_mapped,
             // A device that refuses writes makes the object read-only: a write the cache
             // acknowledged could never be written back.
             read_only: config.read_only || config.device.capabilities().read_only,
@@ -250,10 +260,62 @@ impl ObjectState {
         })
     }
 
+    /// The object's length in bytes now.
+    pub fn length_bytes(&self) -> u64 {
+        self.length_bytes.load(Ordering::Acquire)
+    }
+
+    /// The object's blocks now (the last may be short).
+    pub fn block_count(&self) -> u64 {
+        self.block_count.load(Ordering::Acquire)
+    }
+
+    /// Grows the object to `length_bytes` over a device that has grown to hold it. Refused
+    /// (nothing changed) when it would shrink, when the length now or the new one is not a
+    /// whole number of blocks (a cached short last block would keep its length), when the
+    /// object has a block map of its own, or when the device is shorter. Callers serialize
+    /// their grows; readers see the new length from their next call on.
+    pub fn grow(&self, length_bytes: u64) -> Result<(), CacheError> {
+        let invalid = |reason: String| CacheError::InvalidObject {
+            object: self.name.clone(),
+            reason,
+        };
+        let block_size = self.block_size_bytes as u64;
+        let now = self.length_bytes();
+        if length_bytes < now {
+            return Err(invalid(format!(
+                "an object only grows: {length_bytes} bytes is less than its {now}"
+            )));
+        }
+        if !now.is_multiple_of(block_size) || !length_bytes.is_multiple_of(block_size) {
+            return Err(invalid(format!(
+                "an object grows from and to whole blocks of {block_size} bytes (it has {now}, asked {length_bytes})"
+            )));
+        }
+        if !self.identity_mapped {
+            return Err(invalid(
+                "an object with a block map of its own cannot grow".to_string(),
+            ));
+        }
+        let device_length = self.device.len();
+        if device_length < length_bytes {
+            return Err(invalid(format!(
+                "the device {} holds {device_length} bytes, fewer than {length_bytes}",
+                self.device.describe()
+            )));
+        }
+        // The block count first: a reader that sees the new length finds its blocks counted.
+        self.block_count
+            .store(length_bytes / block_size, Ordering::Release);
+        self.length_bytes.store(length_bytes, Ordering::Release);
+        assert_eq!(self.block_count() * block_size, self.length_bytes());
+        Ok(())
+    }
+
     /// Bytes of `block` that exist (the last block may be short).
     pub fn block_length_bytes(&self, block: u64) -> u32 {
         let start = block * self.block_size_bytes as u64;
-        (self.length_bytes - start).min(self.block_size_bytes as u64) as u32
+        (self.length_bytes() - start).min(self.block_size_bytes as u64) as u32
     }
 
     pub fn key(&self, block: u64) -> BlockKey {
@@ -289,27 +351,27 @@ impl ObjectState {
     /// there is no unit), at most the object's end: where a read-ahead window should end so
     /// that a unit is fetched whole.
     pub fn round_up_to_write_unit(&self, block: u64) -> u64 {
-        if self.write_unit_bytes == 0 || block >= self.block_count {
-            return block.min(self.block_count);
+        if self.write_unit_bytes == 0 || block >= self.block_count() {
+            return block.min(self.block_count());
         }
         let into_unit = self.map.map(block).device_offset % self.write_unit_bytes;
         if into_unit == 0 {
             return block;
         }
         let to_boundary = (self.write_unit_bytes - into_unit) / self.block_size_bytes as u64;
-        (block + to_boundary).min(self.block_count)
+        (block + to_boundary).min(self.block_count())
     }
 
     /// The blocks `[start, end)` of the write unit holding `block`, when the device has a
     /// write unit and that unit can be written as one run (contiguous on the device, within
     /// one cluster and one request; cut at the object's end). None otherwise.
     pub fn write_unit_of(&self, block: u64) -> Option<(u64, u64)> {
-        if self.write_unit_bytes == 0 || block >= self.block_count {
+        if self.write_unit_bytes == 0 || block >= self.block_count() {
             return None;
         }
         let start = self.write_unit_start(block);
         let unit_blocks = self.write_unit_bytes / self.block_size_bytes as u64;
-        let end = (start + unit_blocks).min(self.block_count);
+        let end = (start + unit_blocks).min(self.block_count());
         (self.write_run_blocks_max(start) >= end - start).then_some((start, end))
     }
 
@@ -466,6 +528,7 @@ impl ObjectState {
     pub fn plan_read(&self, first: u64, end: u64, spare_blocks: u64) -> ReadaheadPlan {
         let limits = WindowLimits {
             spare_blocks,
+            object_blocks: self.block_count(),
             ..self.limits
         };
         self.streams.lock().on_read(first, end, limits)
@@ -476,6 +539,7 @@ impl ObjectState {
     pub fn note_readahead_wait(&self, next_block: u64, spare_blocks: u64) {
         let limits = WindowLimits {
             spare_blocks,
+            object_blocks: self.block_count(),
             ..self.limits
         };
         self.streams.lock().reader_waited(next_block, limits);
@@ -507,12 +571,12 @@ impl ObjectState {
 
     pub fn check_range(&self, offset: u64, length_bytes: u64) -> Result<(), CacheError> {
         match offset.checked_add(length_bytes) {
-            Some(end) if end <= self.length_bytes => Ok(()),
+            Some(end) if end <= self.length_bytes() => Ok(()),
             _ => Err(CacheError::OutOfRange {
                 object: self.name.clone(),
                 offset,
                 length_bytes,
-                object_length_bytes: self.length_bytes,
+                object_length_bytes: self.length_bytes(),
             }),
         }
     }

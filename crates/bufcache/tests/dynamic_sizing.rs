@@ -144,3 +144,72 @@ fn prefaulted_memory_stays_within_the_limit_and_is_given_back_when_it_shrinks() 
     object.read_at(0, &mut back).unwrap();
     assert!(back == data);
 }
+
+// Goal: an object grows in place over a device that holds more (a disk grown while served):
+// the blocks before the old end keep their cached and dirty bytes, the new blocks read as the
+// device has them and take writes that reach the device in clusters, and a shrink, a length
+// that is not whole blocks, or one past the device is refused with nothing changed.
+// Method: open 1 MiB of a 4 MiB memory device, dirty its last block, grow to 3 MiB, write
+// and read across the old end, sync and compare the device; try each refusal and check the
+// length.
+#[test]
+fn an_object_grows_over_its_device_keeping_every_byte() {
+    let config = CacheConfig {
+        memory_bytes_max: 8 << 20,
+        buffers_max: 2048,
+        ..CacheConfig::default()
+    };
+    let cache = bufcache_host::system_cache(config).unwrap();
+    let device = Arc::new(CountingDevice::new(MemoryDevice::new(4 << 20)));
+    let mut object_config = ObjectConfig::new("growing", Arc::clone(&device) as Arc<dyn Device>);
+    object_config.length_bytes = Some(1 << 20);
+    let object = cache.open_object(object_config).unwrap();
+    assert_eq!(object.len(), 1 << 20);
+    let last = vec![0xa5u8; 4096];
+    object.write_at((1 << 20) - 4096, &last, false).unwrap();
+    assert!(
+        object.write_at(1 << 20, &last, false).is_err(),
+        "past the end"
+    );
+
+    for (length, says) in [
+        ((1 << 20) - 4096, "only grows"),
+        ((2 << 20) + 512, "whole blocks"),
+        (8 << 20, "fewer than"),
+    ] {
+        let error = object.grow(length).unwrap_err().to_string();
+        assert!(error.contains(says), "{length}: {error}");
+        assert_eq!(object.len(), 1 << 20, "{length}: nothing changed");
+    }
+    object.grow(3 << 20).unwrap();
+    assert_eq!(object.len(), 3 << 20);
+    let across: Vec<u8> = (0..(1 << 20)).map(|at: usize| (at / 4096) as u8).collect();
+    let writes_before = device.stats().writes.requests;
+    object
+        .write_at((1 << 20) + (512 << 10), &across, false)
+        .unwrap();
+    let mut read = vec![0u8; 2 << 20];
+    object.read_at(1 << 20, &mut read).unwrap();
+    let mut expected = vec![0u8; 2 << 20];
+    expected[512 << 10..(512 << 10) + (1 << 20)].copy_from_slice(&across);
+    assert!(read == expected, "the grown part reads as written");
+    let mut tail = vec![0u8; 4096];
+    object.read_at((1 << 20) - 4096, &mut tail).unwrap();
+    assert_eq!(
+        tail, last,
+        "the block before the old end keeps its dirty bytes"
+    );
+    cache.sync().unwrap();
+    let mut stored = vec![0u8; 3 << 20];
+    device.inner().read_into(0, &mut stored).unwrap();
+    assert_eq!(stored[(1 << 20) - 4096..1 << 20], last[..]);
+    assert!(
+        stored[1 << 20..] == expected[..],
+        "the device holds the grown part"
+    );
+    let writes = device.stats().writes.requests - writes_before;
+    assert!(
+        writes < 256 / 4,
+        "1 MiB past the old end written in clusters, not block by block: {writes} writes"
+    );
+}

@@ -2,12 +2,15 @@
 //! fall through to the segments a snapshot of another disk (its base, in the same bucket)
 //! names. No data is copied.
 //!
-//! - The clone holds `PREFIX/log/base` (format below): the base's prefix and disk id and the
-//!   snapshot's name. An open reads it, the base's metadata and the snapshot (three GETs),
-//!   and starts from the snapshot's index; the clone's own log starts after the snapshot's
-//!   `through`, so a sequence at or below it is the base's segment (read with the base's key
-//!   and under the base's prefix, with the owners the snapshot records), one above it the
-//!   clone's own.
+//! - The clone's metadata object (format version 4, `FORMAT_VERSION_LOG_CLONE`) carries its
+//!   base: `"base":{"prefix":P,"disk_id":"16 hex digits","snapshot":NAME}`, so creating a
+//!   clone writes two objects (the clone record below, then the metadata, both create-only).
+//!   Clones made before that carry it in `PREFIX/log/base` (format below) beside a version 2
+//!   metadata object, and are still read so. An open reads the base's reference, the base's
+//!   metadata and the snapshot, and starts from the snapshot's index; the clone's own log
+//!   starts after the snapshot's `through`, so a sequence at or below it is the base's
+//!   segment (read with the base's key and under the base's prefix, with the owners the
+//!   snapshot records), one above it the clone's own.
 //! - The clone never deletes or rewrites a base segment: they are not among its stored
 //!   segments, which its collector and cleanup alone consider. The base keeps them because
 //!   the snapshot pins them (module `snapshot`), and the snapshot stays because the base
@@ -26,19 +29,21 @@
 
 use std::sync::Arc;
 
+#[cfg(test)]
 use bytes::{BufMut, Bytes, BytesMut};
 use object_store::ObjectStore;
 
 use super::{check_layout, epoch, snapshot, Index, LogConfig};
 use crate::error::OpenError;
 use crate::seal::Sealer;
-use crate::store::{ChunkStore, Create, DiskMetadata};
-use crate::url::S3Url;
+use crate::store::{ChunkStore, Create, DiskMetadata, FORMAT_VERSION_LOG_CLONE, METADATA_NAME};
+use crate::url::{snapshot_name_problem, S3Url};
 
 const MAGIC: &[u8; 8] = b"BCLOGBAS";
 const FORMAT_VERSION: u32 = 1;
 
-/// The name of a clone's base record under its prefix.
+/// The name of a clone's base record under its prefix (clones made before the metadata
+/// carried the base).
 pub(crate) const BASE_NAME: &str = "log/base";
 
 /// A clone's base: the segments at or below `through` are the base disk's.
@@ -62,7 +67,10 @@ pub(crate) struct Record {
     pub base_prefix: String,
 }
 
-pub(crate) fn encode(record: &Record) -> Bytes {
+/// Encodes a base record (written by clones made before the metadata carried the base;
+/// kept to test that they are still read).
+#[cfg(test)]
+fn encode(record: &Record) -> Bytes {
     let mut object = BytesMut::new();
     object.put_slice(MAGIC);
     object.put_u32_le(FORMAT_VERSION);
@@ -79,7 +87,7 @@ pub(crate) fn encode(record: &Record) -> Bytes {
     object.freeze()
 }
 
-pub(crate) fn decode(object: &[u8], clone_disk_id: u64) -> Result<Record, String> {
+fn decode(object: &[u8], clone_disk_id: u64) -> Result<Record, String> {
     if object.len() < 40 || &object[..8] != MAGIC {
         return Err("not a bufcache clone base record (magic `BCLOGBAS`)".to_string());
     }
@@ -124,8 +132,64 @@ pub(crate) fn decode(object: &[u8], clone_disk_id: u64) -> Result<Record, String
     })
 }
 
+/// A new clone's metadata and its object's JSON: a log-layout disk of `size_bytes` with the
+/// URL's compression and key, carrying its base (format version 4); and its record.
+pub(crate) fn new_metadata(
+    url: &S3Url,
+    size_bytes: u64,
+    base_disk_id: u64,
+    snapshot: &str,
+    base_prefix: &str,
+) -> Result<(DiskMetadata, serde_json::Value, Record), OpenError> {
+    let (mut metadata, mut body) = crate::store::new_log_metadata(url, size_bytes)?;
+    metadata.format_version = FORMAT_VERSION_LOG_CLONE;
+    body["format_version"] = FORMAT_VERSION_LOG_CLONE.into();
+    let record = Record {
+        clone_disk_id: metadata.disk_id,
+        base_disk_id,
+        snapshot: snapshot.to_string(),
+        base_prefix: base_prefix.to_string(),
+    };
+    body["base"] = serde_json::json!({
+        "prefix": record.base_prefix,
+        "disk_id": format!("{base_disk_id:016x}"),
+        "snapshot": record.snapshot,
+    });
+    Ok((metadata, body, record))
+}
+
+/// The base a version 4 clone's metadata object carries.
+pub(crate) fn record_from_metadata(
+    value: &serde_json::Value,
+    clone_disk_id: u64,
+) -> Result<Record, String> {
+    let base = &value["base"];
+    let text = |name: &str| {
+        base[name]
+            .as_str()
+            .map(str::to_string)
+            .ok_or_else(|| format!("field `base.{name}` is missing or not a string"))
+    };
+    let base_prefix = text("prefix")?;
+    let snapshot = text("snapshot")?;
+    if let Some(problem) = snapshot_name_problem(&snapshot) {
+        return Err(format!("field `base.snapshot`: {problem}"));
+    }
+    let base_disk_id = text("disk_id")?;
+    let base_disk_id = (base_disk_id.len() == 16)
+        .then(|| u64::from_str_radix(&base_disk_id, 16).ok())
+        .flatten()
+        .ok_or("field `base.disk_id` is not 16 hex digits")?;
+    Ok(Record {
+        clone_disk_id,
+        base_disk_id,
+        snapshot,
+        base_prefix,
+    })
+}
+
 /// The base disk's URL: the clone's with the base's prefix (same bucket, endpoint, key file).
-pub(crate) fn base_url(url: &S3Url, base_prefix: &str) -> S3Url {
+fn base_url(url: &S3Url, base_prefix: &str) -> S3Url {
     let mut base = url.clone();
     base.prefix = base_prefix.to_string();
     base.snapshot = None;
@@ -151,15 +215,52 @@ pub(super) async fn read_base(
     metadata: &DiskMetadata,
     sealer: &Sealer,
 ) -> Result<Option<(Base, Index)>, OpenError> {
-    let key = url.key(BASE_NAME);
-    let what = format!("the clone base record `{key}`");
-    let Some(body) = crate::store::get_optional(store, url, &key, &what).await? else {
+    let Some((key, record)) = read_record(store, url, metadata, sealer).await? else {
         return Ok(None);
     };
-    let record = sealer
-        .check_object(BASE_NAME, &body)
-        .and_then(|body| decode(body, metadata.disk_id))
-        .map_err(|reason| super::bad_object(url, &key, reason))?;
+    read_base_of(store, url, key, record).await
+}
+
+/// What names a clone's base (None for a disk that is no clone), and the key it was read
+/// from: the metadata of a version 4 clone, else `log/base` (one GET either way).
+pub(crate) async fn read_record(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    metadata: &DiskMetadata,
+    sealer: &Sealer,
+) -> Result<Option<(String, Record)>, OpenError> {
+    let (key, record) = if metadata.format_version == FORMAT_VERSION_LOG_CLONE {
+        let key = url.key(METADATA_NAME);
+        let value = crate::store::read_metadata_json(store, url).await?;
+        let record = record_from_metadata(&value, metadata.disk_id).map_err(|reason| {
+            OpenError::BadMetadata {
+                url: url.to_string(),
+                key: key.clone(),
+                reason,
+            }
+        })?;
+        (key, record)
+    } else {
+        let key = url.key(BASE_NAME);
+        let what = format!("the clone base record `{key}`");
+        let Some(body) = crate::store::get_optional(store, url, &key, &what).await? else {
+            return Ok(None);
+        };
+        let record = sealer
+            .check_object(BASE_NAME, &body)
+            .and_then(|body| decode(body, metadata.disk_id))
+            .map_err(|reason| super::bad_object(url, &key, reason))?;
+        (key, record)
+    };
+    Ok(Some((key, record)))
+}
+
+async fn read_base_of(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    key: String,
+    record: Record,
+) -> Result<Option<(Base, Index)>, OpenError> {
     let mut base = base_url(url, &record.base_prefix);
     let base_metadata = ChunkStore::open_metadata(store, &base, Create::Never).await?;
     if base_metadata.seal.key_check.is_none() {
@@ -173,6 +274,16 @@ pub(super) async fn read_base(
             format!(
                 "names base disk {:016x} at `{}`, which holds disk {:016x} now",
                 record.base_disk_id, record.base_prefix, base_metadata.disk_id
+            ),
+        ));
+    }
+    if base_metadata.format_version == FORMAT_VERSION_LOG_CLONE {
+        return Err(super::bad_object(
+            url,
+            &key,
+            format!(
+                "names `{}` as its base, which is a clone itself (a clone of a clone is not supported)",
+                record.base_prefix
             ),
         ));
     }
@@ -202,6 +313,40 @@ pub(super) async fn read_base(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    // Goal: the base a clone's metadata carries round-trips, and a bad field is an error
+    // naming it. Method: build a clone's metadata, read the base back, break each field.
+    #[test]
+    fn the_base_in_a_clone_metadata_round_trips_and_bad_fields_are_named() {
+        let url = S3Url::parse("s3://bucket/clone?endpoint=http://127.0.0.1:1").unwrap();
+        let (metadata, body, record) =
+            new_metadata(&url, 1 << 20, 0xab, "golden", "disks/base").unwrap();
+        assert_eq!(metadata.format_version, FORMAT_VERSION_LOG_CLONE);
+        assert_eq!(body["format_version"], FORMAT_VERSION_LOG_CLONE);
+        assert_eq!(
+            record_from_metadata(&body, metadata.disk_id).unwrap(),
+            record
+        );
+        assert_eq!(
+            (
+                record.base_disk_id,
+                record.snapshot.as_str(),
+                record.base_prefix.as_str()
+            ),
+            (0xab, "golden", "disks/base")
+        );
+        for (field, value, says) in [
+            ("prefix", serde_json::json!(7), "base.prefix"),
+            ("snapshot", serde_json::json!("a/b"), "base.snapshot"),
+            ("disk_id", serde_json::json!("xyz"), "base.disk_id"),
+            ("disk_id", serde_json::Value::Null, "base.disk_id"),
+        ] {
+            let mut broken = body.clone();
+            broken["base"][field] = value;
+            let error = record_from_metadata(&broken, metadata.disk_id).unwrap_err();
+            assert!(error.contains(says), "{field}: {error}");
+        }
+    }
 
     // Goal: a base record round-trips, and damage or another disk's record is an error.
     // Method: encode one, decode it, flip every byte.

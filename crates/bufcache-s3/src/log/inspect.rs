@@ -277,7 +277,13 @@ pub(crate) async fn verify(
         Ok(base) => base.map_or(0, |(base, _)| base.through),
         Err(error) => {
             damaged.push(Damage {
-                key: url.key(super::clone::BASE_NAME),
+                key: url.key(
+                    if metadata.format_version == crate::store::FORMAT_VERSION_LOG_CLONE {
+                        crate::store::METADATA_NAME
+                    } else {
+                        super::clone::BASE_NAME
+                    },
+                ),
                 reason: error.to_string(),
             });
             0

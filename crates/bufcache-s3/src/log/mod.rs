@@ -49,7 +49,7 @@
 //!
 //! Snapshots (module `snapshot`): `log/snapshots/NAME`, the index at a flush point in the
 //! checkpoint format; the segments it names are pinned (never rewritten or deleted while it
-//! exists). Clones (module `clone`): a disk whose `log/base` names another disk's snapshot,
+//! exists). Clones (module `clone`): a disk whose metadata names another disk's snapshot,
 //! whose segments it reads for the sequences at or below the snapshot's, its own log after.
 //!
 //! Garbage collection (module `gc`): the index keeps the live bytes of every segment; a
@@ -66,6 +66,7 @@ mod epoch;
 mod gc;
 mod index;
 mod inspect;
+mod resize;
 mod segment;
 mod snapshot;
 
@@ -89,8 +90,8 @@ use crate::url::{LayoutKind, S3Url};
 use crate::seal::Sealer;
 pub use crate::seal::{SealParameters, SEALED_EXTENT_BYTES_MAX};
 pub(crate) use clone::{
-    base_url as clone_base_url, encode as encode_clone_record, record_key as clone_record_key,
-    Record as CloneRecord, BASE_NAME as CLONE_BASE_NAME,
+    new_metadata as new_clone_metadata, read_record as read_clone_record,
+    record_key as clone_record_key, BASE_NAME as CLONE_BASE_NAME,
 };
 pub use gc::GcReport;
 pub use index::{Index, Mapping};
@@ -326,6 +327,9 @@ struct Shared {
     store: Arc<dyn ObjectStore>,
     url: S3Url,
     metadata: DiskMetadata,
+    /// The disk's size now: `metadata.size_bytes` at open, raised by a grow while served
+    /// (module `resize`) once the metadata object records the new one.
+    size_bytes: std::sync::atomic::AtomicU64,
     /// Seals and unseals extents (compression, encryption) as the disk's metadata says.
     sealer: Arc<Sealer>,
     /// Which epoch owns each segment sequence (module `epoch`), this open's included.
@@ -810,6 +814,7 @@ impl LogStore {
                 store,
                 url: url.clone(),
                 metadata,
+                size_bytes: std::sync::atomic::AtomicU64::new(metadata.size_bytes),
                 sealer,
                 epochs: recovered_epochs,
                 epoch: recovered.epoch,
@@ -850,7 +855,10 @@ impl LogStore {
 
     /// The disk's shape.
     pub fn metadata(&self) -> DiskMetadata {
-        self.core.shared.metadata
+        DiskMetadata {
+            size_bytes: self.core.size_bytes(),
+            ..self.core.shared.metadata
+        }
     }
 
     /// The URL the store was opened with.
@@ -1143,7 +1151,7 @@ impl LogStore {
 
 impl Core {
     fn check_range(&self, offset: u64, length: u64) -> Result<(), StoreError> {
-        let size = self.shared.metadata.size_bytes;
+        let size = self.size_bytes();
         match offset.checked_add(length) {
             Some(end) if end <= size => Ok(()),
             _ => Err(StoreError::OutOfRange {
