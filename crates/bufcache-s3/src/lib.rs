@@ -22,6 +22,7 @@ pub mod replica;
 mod retry_writes;
 mod seal;
 pub mod sim_check;
+pub mod sim_servers;
 pub mod sim_store;
 mod store;
 mod url;
