@@ -16,8 +16,9 @@
 //! (SIGSTOP: its clock runs on, it does nothing, and a step it was in stays where it was,
 //! its hung requests landing only when it resumes, past its lease), crashes one (its process
 //! restarts later as a standby), and sends the client's writes, zeroes, reads, FLUSHes and
-//! collection rounds to a server that believes it holds the disk (a deposed or frozen writer
-//! among them, as a client that has not yet reconnected would).
+//! collection rounds to a server that believes it holds the disk (a deposed writer among
+//! them, and a resumed one before its overdue renewal, as a client that has not yet
+//! reconnected would).
 //!
 //! The check:
 //! - **One writer at a time.** A server's tenure starts at the instant its lock PUT (create
