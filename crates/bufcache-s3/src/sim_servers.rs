@@ -108,9 +108,18 @@ struct SkewedClock {
     rate_error_ppm: i64,
 }
 
+thread_local! {
+    /// The global virtual time this thread last read through a server's clock: after a
+    /// write or FLUSH returns, the time of its last lease check (the last clock read of
+    /// `LogStore::write`, `write_zeroes` and `flush`), when it decided to acknowledge.
+    static TIME_LAST_READ_NS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 impl Clock for SkewedClock {
     fn now_ns(&self) -> u64 {
-        let time = i128::from(self.time_ns.load(Ordering::Acquire));
+        let global = self.time_ns.load(Ordering::Acquire);
+        TIME_LAST_READ_NS.with(|last| last.set(global));
+        let time = i128::from(global);
         let skewed = time + time * i128::from(self.rate_error_ppm) / 1_000_000;
         self.offset_ns + u64::try_from(skewed).expect("a rate error below 100 %")
     }
@@ -130,9 +139,9 @@ enum Answer {
     Collected(Result<crate::GcReport, StoreError>, Vec<Outcome>),
 }
 
-/// A client request's outcome and the virtual time it returned at: the time the step
-/// started, unless the step's server was frozen before this request returned (time only
-/// moves while a step's server is frozen).
+/// A client request's outcome and the virtual time of its last lease check: the time the
+/// step started, unless the step's server was frozen before that check (time only moves
+/// while a step's server is frozen).
 type Outcome = (Result<(), StoreError>, u64);
 
 /// What one attempt at the lock found.
@@ -575,14 +584,15 @@ impl Harness {
         self.tenures.len().checked_sub(1)
     }
 
-    /// The instant a request of a step started at `started` returned, given the virtual
-    /// time it returned at: the step's own instant, or now (its server was frozen and has
-    /// just resumed).
-    fn when(&mut self, started: Instant, returned_ns: u64) -> Instant {
-        if returned_ns == started.0 {
+    /// The instant a request of a step started at `started` was acknowledged, given the
+    /// virtual time of its last lease check: the step's own instant, or, when the check came
+    /// after its server was frozen and time moved, the end of that time's events (no order
+    /// within it is known, so every event at that time counts as before it).
+    fn when(&mut self, started: Instant, checked_ns: u64) -> Instant {
+        if checked_ns == started.0 {
             started
         } else {
-            self.instant()
+            (checked_ns, u64::MAX)
         }
     }
 
@@ -1117,8 +1127,13 @@ impl Harness {
             .is_some_and(|newest| Arc::ptr_eq(&newest, &store));
         let started = self.instant();
         let time_ns = self.time_ns.clone();
+        // A request is acknowledged at its last lease check: the thread may be preempted
+        // between that check and returning, and the harness may freeze the server (and move
+        // time) meanwhile, as a SIGSTOP between the check and the reply would.
         let returned = move |outcome: Result<(), StoreError>| -> Outcome {
-            (outcome, time_ns.load(Ordering::Acquire))
+            let checked_ns = TIME_LAST_READ_NS.with(|last| last.get());
+            debug_assert!(checked_ns <= time_ns.load(Ordering::Acquire));
+            (outcome, checked_ns)
         };
         if choice < 50 {
             let count = if self.rng.gen_bool(0.2) { 3 } else { 1 };
