@@ -23,6 +23,27 @@ enum CheckLayout {
     Log,
 }
 
+/// How many servers `sim check --layout log` puts on one disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ServerCount {
+    /// `N` servers on every seed (1, 2 or 3).
+    Exactly(u32),
+    /// `2-3`: each seed picks two or three.
+    TwoOrThree,
+}
+
+fn parse_server_count(text: &str) -> Result<ServerCount, String> {
+    match text {
+        "1" => Ok(ServerCount::Exactly(1)),
+        "2" => Ok(ServerCount::Exactly(2)),
+        "3" => Ok(ServerCount::Exactly(3)),
+        "2-3" => Ok(ServerCount::TwoOrThree),
+        _ => Err(format!(
+            "`{text}`: give 1, 2, 3 or 2-3 (servers on one disk)"
+        )),
+    }
+}
+
 /// Arguments of `bufcache sim`.
 #[derive(Args, Debug)]
 pub struct SimArgs {
@@ -67,7 +88,8 @@ enum SimCommand {
         bufcache sim check --seeds 1 --seed 4711   # replay one seed\n  \
         bufcache sim check --seeds 1 --seed 4711 --trace   # every step of it\n  \
         bufcache sim check --local-tier --seeds 10000      # the local tier: log + remote\n  \
-        bufcache sim check --layout log --seeds 2000       # the S3 log layout's crash consistency")]
+        bufcache sim check --layout log --seeds 2000       # the S3 log layout's crash consistency\n  \
+        bufcache sim check --layout log --servers 2-3 --seeds 2000   # failover under the lease")]
     Check {
         /// How many seeds to run.
         #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
@@ -89,6 +111,13 @@ enum SimCommand {
         /// loses and hangs requests and lands a crashed server's requests late; docs/s3.md).
         #[arg(long, value_enum, default_value_t = CheckLayout::Engine)]
         layout: CheckLayout,
+        /// With `--layout log`: servers on one disk, `1` (crash consistency of one server),
+        /// `2`, `3` or `2-3` (each seed picks): standbys take the disk over under the lease
+        /// through partitions, frozen processes, clock skew within the bound and crashes;
+        /// asserts that no two servers' acknowledged intervals overlap and that every
+        /// FLUSH-acknowledged write survives every takeover (docs/s3.md).
+        #[arg(long, default_value = "1", value_parser = parse_server_count)]
+        servers: ServerCount,
     },
     /// Run one workload on one disk with the engine's knobs.
     #[command(after_help = "Examples:\n  \
@@ -194,13 +223,22 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             trace,
             local_tier,
             layout,
+            servers,
         } => match layout {
             CheckLayout::Log if local_tier => Err(crate::UsageError(
                 "sim check: --local-tier and --layout log are two different checks; give one"
                     .into(),
             )
             .into()),
-            CheckLayout::Log => check_log(seeds, seed, trace),
+            CheckLayout::Engine if servers != ServerCount::Exactly(1) => Err(crate::UsageError(
+                "sim check: --servers applies to --layout log only".into(),
+            )
+            .into()),
+            CheckLayout::Log => match servers {
+                ServerCount::Exactly(1) => check_log(seeds, seed, trace),
+                ServerCount::Exactly(count) => check_servers(seeds, seed, Some(count), trace),
+                ServerCount::TwoOrThree => check_servers(seeds, seed, None, trace),
+            },
             CheckLayout::Engine => check(seeds, seed, trace, local_tier),
         },
         SimCommand::Run {
@@ -356,6 +394,76 @@ fn check_log(seeds: u64, first_seed: u64, trace: bool) -> anyhow::Result<()> {
             "{} of {} seeds broke the log layout's crash consistency (replay one with `bufcache sim check --layout log --seeds 1 --seed SEED --trace`)",
             summary.violations.len(),
             summary.seeds
+        ))
+    }
+}
+
+/// `sim check --layout log --servers N`: runs the seeds, prints each violation with its seed
+/// and the summary line.
+fn check_servers(
+    seeds: u64,
+    first_seed: u64,
+    servers: Option<u32>,
+    trace: bool,
+) -> anyhow::Result<()> {
+    let progress = spinner(format!(
+        "checking servers taking over one log-layout disk on {seeds} seeds"
+    ));
+    if trace {
+        progress.finish_and_clear();
+    }
+    let started = std::time::Instant::now();
+    let summary = bufcache_s3::sim_servers::check_servers_seeds(
+        first_seed,
+        seeds,
+        servers,
+        trace,
+        |seed, outcome| {
+            if outcome.violation.is_some() {
+                progress.suspend(|| {
+                    eprintln!(
+                        "bufcache: seed {seed} violates the contract of servers sharing a disk"
+                    )
+                });
+            }
+        },
+    );
+    progress.finish_and_clear();
+    for (seed, message) in &summary.violations {
+        println!("seed {seed}: {message}");
+    }
+    println!(
+        "{} seeds ({} with two servers, {} with three), {} violations",
+        summary.seeds,
+        summary.seeds_two,
+        summary.seeds_three,
+        summary.violations.len()
+    );
+    let elapsed = started.elapsed().as_secs_f64().max(1e-9);
+    eprintln!(
+        "bufcache: {} client steps, {} acknowledged writes and FLUSHes, {} refused by the lease, {} takeovers, {} opens checked against the flushed history, {} pauses ({} in the middle of a step), {} partitions, {} crashes, {} store faults, {} late landings, clock-rate errors up to {} ppm; {:.1} seeds/s",
+        summary.steps,
+        summary.acknowledged,
+        summary.refused_by_lease,
+        summary.takeovers,
+        summary.opens_checked,
+        summary.pauses,
+        summary.pauses_in_step,
+        summary.partitions,
+        summary.crashes,
+        summary.faults,
+        summary.late_landings,
+        summary.clock_rate_error_ppm_max,
+        summary.seeds as f64 / elapsed
+    );
+    if summary.violations.is_empty() {
+        Ok(())
+    } else {
+        Err(anyhow::anyhow!(
+            "{} of {} seeds broke the contract of servers sharing a disk (replay one with `bufcache sim check --layout log --servers {} --seeds 1 --seed SEED --trace`)",
+            summary.violations.len(),
+            summary.seeds,
+            servers.map_or("2-3".to_string(), |count| count.to_string())
         ))
     }
 }

@@ -2,18 +2,20 @@
 //! takeover"): a server started on a disk whose writer was killed takes it over once the lease
 //! lapsed, without `break-lock=` and without losing a FLUSH-acknowledged write; a writer frozen
 //! (SIGSTOP) past its lease while another server takes the disk acknowledges nothing after it
-//! resumes.
+//! resumes; a writer cut off from the store stops acknowledging before a standby takes over.
 
 mod common;
 #[path = "../../bufcache-s3/tests/support/mod.rs"]
 mod s3_support;
 
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bufcache_nbd::NbdClient;
 use common::*;
-use s3_support::{have_moto, Moto};
+use s3_support::{have_moto, Moto, Proxy};
 
 const BLOCK: usize = 4096;
 const BLOCKS: u64 = 256;
@@ -465,4 +467,270 @@ fn a_reconnecting_client_rides_through_a_takeover_losing_no_flushed_write() {
     );
     drop(reader);
     standby.stop_clean();
+}
+
+/// An Authorization header naming the tests' access key: moto refuses an anonymous GET of an
+/// object but does not check signatures.
+const TEST_AUTHORIZATION: &str = "AWS4-HMAC-SHA256 Credential=testing/20260101/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=00";
+
+/// The id in the lock object `key` of bucket `bucket`, read straight from moto (a GET with
+/// an unchecked signature); None when there is no lock or moto did not answer.
+fn lock_holder_id(moto: &Moto, bucket: &str, key: &str) -> Option<String> {
+    lock_holder_id_at(moto.port, bucket, key)
+}
+
+fn lock_holder_id_at(port: u16, bucket: &str, key: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    write!(
+        stream,
+        "GET /{bucket}/{key} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: {TEST_AUTHORIZATION}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).ok()?;
+    if !(answer.starts_with("HTTP/1.1 200") || answer.starts_with("HTTP/1.0 200")) {
+        return None;
+    }
+    // The body is the lock's JSON record: `"id": "…"`, with or without a space.
+    let after_key = &answer[answer.find("\"id\"")? + "\"id\"".len()..];
+    let value = &after_key[after_key.find('"')? + 1..];
+    Some(value[..value.find('"')?].to_string())
+}
+
+// Goal: a writer whose connection to the store is cut stops acknowledging before a standby
+// takes the disk over, and the standby holds every write a FLUSH acknowledged. Method: writer
+// A reaches moto through a TCP proxy (lease 2 s, retry-timeout 1 s), standby B reaches moto
+// directly; a client writes tagged blocks to A throughout, a FLUSH after every eighth write; a
+// watcher reads the lock object from moto every 20 ms and keeps the send time of the last read
+// that still named A (B's lock PUT landed after it). The proxy goes down. Once B serves, the
+// client's last acknowledgement from A must have arrived before that send time, and B must
+// read every block as A's last acknowledged FLUSH left it (or as a later write sent to A);
+// when the proxy comes back A still acknowledges nothing. `CUT_ROUNDS=N` repeats it on fresh
+// disks (default 1).
+#[test]
+fn a_writer_cut_off_from_the_store_stops_acknowledging_before_a_standby_takes_over() {
+    let name = "a_writer_cut_off_from_the_store_stops_acknowledging_before_a_standby_takes_over";
+    if !have_moto(name) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    let rounds: u64 = std::env::var("CUT_ROUNDS")
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .unwrap_or(1);
+    let moto = Moto::start();
+    moto.create_bucket("disks");
+    let mut gap_seconds_min = f64::MAX;
+    for round in 0..rounds {
+        gap_seconds_min = gap_seconds_min.min(cut_writer_round(&moto, round));
+    }
+    println!(
+        "{rounds} rounds: the cut-off writer's last acknowledgement came at least {gap_seconds_min:.2} s before the standby's takeover could land; no flushed write lost"
+    );
+}
+
+/// One round of the cut-off-writer test on disk `cut{round}`; returns how long before the
+/// watcher's last read naming the writer its last acknowledgement arrived, in seconds.
+fn cut_writer_round(moto: &Moto, round: u64) -> f64 {
+    let dir = temp_dir();
+    let proxy = Proxy::start(moto.port);
+    let disk = format!("cut{round}");
+    let direct = format!(
+        "s3://disks/{disk}?endpoint={}&lease={LEASE_SECONDS}&retry-timeout-ms=1000",
+        moto.endpoint()
+    );
+    let through_proxy = format!(
+        "s3://disks/{disk}?endpoint={}&lease={LEASE_SECONDS}&retry-timeout-ms=1000&create-size=1M&layout=log&segment-size=64k",
+        proxy.endpoint()
+    );
+    let mut writer = Server::start(
+        &home(dir.path(), "writer"),
+        "writer",
+        &serve_args(&through_proxy),
+    );
+    let lock_key = format!("{disk}/bufcache-lock.json");
+    let writer_id = lock_holder_id(moto, "disks", &lock_key)
+        .unwrap_or_else(|| panic!("no lock `{lock_key}` to read: {}", writer.log_text()));
+    let standby = {
+        let (standby_dir, url) = (home(dir.path(), "standby"), direct.clone());
+        std::thread::spawn(move || {
+            let mut args = serve_args(&url);
+            args.push("--standby");
+            Server::start(&standby_dir, "standby", &args)
+        })
+    };
+    // The watcher: the send time of the last read of the lock that named the writer.
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher = {
+        let (stop, moto_port, lock_key, writer_id) =
+            (stop.clone(), moto.port, lock_key.clone(), writer_id.clone());
+        std::thread::spawn(move || {
+            let moto = MotoPort(moto_port);
+            let mut last_naming_writer = Instant::now();
+            while !stop.load(Ordering::SeqCst) {
+                let sent = Instant::now();
+                if moto.holder(&lock_key).as_deref() == Some(writer_id.as_str()) {
+                    last_naming_writer = sent;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            last_naming_writer
+        })
+    };
+    // The client: tagged writes to the writer, a FLUSH after every eighth; per block the
+    // tags the disk may hold (the last flushed one, and every write sent since).
+    let allowed: Allowed = Arc::new(Mutex::new(vec![
+        vec![vec![0u8; BLOCK]];
+        2 * CUT_BLOCKS as usize
+    ]));
+    // One client FLUSHes after every eighth write; another only writes, so the writer's cache
+    // would acknowledge its writes without the store until the lease stops it.
+    let clients = [(8, 0u64), (0, 1u64 << 30)].map(|(flush_every, first_write)| {
+        let (stop, allowed, uri) = (stop.clone(), allowed.clone(), writer.uri());
+        std::thread::spawn(move || {
+            cut_client(&uri, round, flush_every, first_write, &stop, &allowed)
+        })
+    });
+    // Writes and FLUSHes reach the store for a while, then the writer is cut off from it.
+    std::thread::sleep(Duration::from_millis(1500));
+    proxy.set_down(true);
+    let cut = Instant::now();
+    let mut standby = standby.join().unwrap();
+    let serving = cut.elapsed();
+    // The client goes on sending to the writer for a while after the takeover.
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::SeqCst);
+    let [flushing, writing] = clients.map(|client| client.join().unwrap());
+    let last_acknowledged = flushing.last_acknowledged.max(writing.last_acknowledged);
+    let acknowledged = flushing.acknowledged + writing.acknowledged;
+    let refused = flushing.refused + writing.refused;
+    let connection = flushing.connection;
+    let last_naming_writer = watcher.join().unwrap();
+    assert!(
+        acknowledged > 16 && refused > 0,
+        "round {round}: {acknowledged} acknowledged, {refused} refused: the load did not span the cut"
+    );
+    assert!(
+        last_acknowledged < last_naming_writer,
+        "round {round}: the writer acknowledged {:.3} s after the cut, after the lock last named it ({:.3} s after the cut)",
+        (last_acknowledged - cut).as_secs_f64(),
+        (last_naming_writer.saturating_duration_since(cut)).as_secs_f64()
+    );
+    assert!(
+        serving < Duration::from_secs(LEASE_SECONDS + 5),
+        "round {round}: the standby served {serving:?} after the cut"
+    );
+    // Every block as the last acknowledged FLUSH left it, or a later write.
+    let reader = NbdClient::connect(&standby.uri()).unwrap();
+    let allowed = allowed.lock().unwrap();
+    for block in 0..2 * CUT_BLOCKS {
+        let back = read_block(&reader, block);
+        assert!(
+            allowed[block as usize].contains(&back),
+            "round {round} block {block}: not what the writer's last acknowledged FLUSH left"
+        );
+    }
+    // The standby serves writes; the old writer, reaching the store again, learns of the
+    // takeover and still acknowledges nothing.
+    reader.write(0, &tagged(round, 1 << 20, 0)).unwrap();
+    reader.flush().unwrap();
+    proxy.set_down(false);
+    std::thread::sleep(Duration::from_secs(LEASE_SECONDS));
+    assert!(connection
+        .write(BLOCK as u64, &tagged(round, 1 << 21, 1))
+        .is_err());
+    assert!(connection.flush().is_err());
+    let gap = (last_naming_writer - last_acknowledged).as_secs_f64();
+    println!(
+        "round {round}: {acknowledged} acknowledged, {refused} refused; last acknowledgement {:.2} s after the cut, the standby served {:.2} s after it",
+        (last_acknowledged.saturating_duration_since(cut)).as_secs_f64(),
+        serving.as_secs_f64()
+    );
+    drop(reader);
+    writer.kill9();
+    standby.stop_clean();
+    gap
+}
+
+/// Blocks each client of the cut-off-writer test writes to (one range per client).
+const CUT_BLOCKS: u64 = 64;
+
+/// Per block, the contents the disk may hold: the last flushed write, and every write sent
+/// since.
+type Allowed = Arc<Mutex<Vec<Vec<Vec<u8>>>>>;
+
+/// What one client of the cut-off writer saw.
+struct CutClient {
+    last_acknowledged: Instant,
+    acknowledged: u64,
+    refused: u64,
+    connection: NbdClient,
+}
+
+/// Writes tagged blocks to `uri` until `stop` (write numbers from `first_write`, blocks in
+/// the range of its own), a FLUSH after every `flush_every`-th write (0: never).
+fn cut_client(
+    uri: &str,
+    round: u64,
+    flush_every: u64,
+    first_write: u64,
+    stop: &AtomicBool,
+    allowed: &Allowed,
+) -> CutClient {
+    let connection = NbdClient::connect(uri).unwrap();
+    let first_block = if flush_every == 0 { CUT_BLOCKS } else { 0 };
+    let mut last_acknowledged = Instant::now();
+    let (mut acknowledged, mut refused) = (0u64, 0u64);
+    // Writes acknowledged since the last acknowledged FLUSH: (block, contents).
+    let mut unflushed: Vec<(u64, Vec<u8>)> = Vec::new();
+    let mut write = first_write;
+    while !stop.load(Ordering::SeqCst) {
+        let block = first_block + (write * 37) % CUT_BLOCKS;
+        let data = tagged(round, write, block);
+        allowed.lock().unwrap()[block as usize].push(data.clone());
+        match connection.write(block * BLOCK as u64, &data) {
+            Ok(()) => {
+                last_acknowledged = Instant::now();
+                acknowledged += 1;
+                unflushed.push((block, data));
+            }
+            Err(_) => {
+                refused += 1;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        write += 1;
+        if flush_every == 0 || !write.is_multiple_of(flush_every) {
+            continue;
+        }
+        if connection.flush().is_ok() {
+            last_acknowledged = Instant::now();
+            acknowledged += 1;
+            // Every block a flushed write touched now holds that write or a later one.
+            let mut allowed = allowed.lock().unwrap();
+            for (block, data) in unflushed.drain(..) {
+                let contents = &mut allowed[block as usize];
+                let at = contents.iter().position(|sent| *sent == data).unwrap();
+                contents.drain(..at);
+            }
+        } else {
+            refused += 1;
+        }
+    }
+    CutClient {
+        last_acknowledged,
+        acknowledged,
+        refused,
+        connection,
+    }
+}
+
+/// Moto's port, for a thread that reads the lock (moto itself stays with the test).
+struct MotoPort(u16);
+
+impl MotoPort {
+    fn holder(&self, key: &str) -> Option<String> {
+        lock_holder_id_at(self.0, "disks", key)
+    }
 }

@@ -23,6 +23,7 @@ mod retry_writes;
 mod seal;
 pub mod sim_check;
 pub mod sim_clones;
+pub mod sim_servers;
 pub mod sim_store;
 mod store;
 mod url;

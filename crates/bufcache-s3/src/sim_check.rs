@@ -54,7 +54,7 @@ use crate::sim_store::{mix, FaultRates, LateRates, SimWorld};
 use crate::{LogConfig, LogStore, S3Url, StoreError};
 
 /// Bytes of one block of the model (the log layout never splits a 4 KiB block of a write).
-const BLOCK_BYTES: u64 = 4096;
+pub(crate) const BLOCK_BYTES: u64 = 4096;
 /// How long a step may run while a request of its instance hangs before the harness deems
 /// it stuck on that request and crashes the server.
 const STUCK_AFTER: Duration = Duration::from_millis(40);
@@ -91,7 +91,7 @@ pub struct LogCheckOutcome {
 }
 
 /// A key file for the seeds that encrypt (one per process, removed at exit).
-fn key_file() -> &'static std::path::Path {
+pub(crate) fn key_file() -> &'static std::path::Path {
     static KEY: OnceLock<tempfile::NamedTempFile> = OnceLock::new();
     KEY.get_or_init(|| {
         let file = tempfile::NamedTempFile::new().expect("creating a temporary key file");
@@ -102,7 +102,7 @@ fn key_file() -> &'static std::path::Path {
 }
 
 /// Fills one block with the bytes of `tag` (0 is a block of zeroes).
-fn fill_block(tag: u64, compressible: bool, block: &mut [u8]) {
+pub(crate) fn fill_block(tag: u64, compressible: bool, block: &mut [u8]) {
     if tag == 0 {
         block.fill(0);
         return;
@@ -120,7 +120,7 @@ fn fill_block(tag: u64, compressible: bool, block: &mut [u8]) {
 }
 
 /// The tag a block read back carries, or why it carries none.
-fn tag_of(block: &[u8], compressible: bool) -> Result<u64, String> {
+pub(crate) fn tag_of(block: &[u8], compressible: bool) -> Result<u64, String> {
     let tag = u64::from_le_bytes(block[..8].try_into().expect("8 bytes"));
     let mut expected = vec![0u8; block.len()];
     fill_block(tag, compressible, &mut expected);
@@ -138,7 +138,7 @@ fn tag_of(block: &[u8], compressible: bool) -> Result<u64, String> {
     }
 }
 
-fn describe_tag(tag: u64) -> String {
+pub(crate) fn describe_tag(tag: u64) -> String {
     if tag == 0 {
         "zeroes".to_string()
     } else {
@@ -148,23 +148,23 @@ fn describe_tag(tag: u64) -> String {
 
 /// One step of the workload, as acknowledged (or not).
 #[derive(Clone, Debug)]
-struct Change {
-    blocks: Range<u64>,
+pub(crate) struct Change {
+    pub(crate) blocks: Range<u64>,
     /// Write number (tags are `write << 24 | block`); None: zeroes.
-    write: Option<u64>,
-    acknowledged: bool,
+    pub(crate) write: Option<u64>,
+    pub(crate) acknowledged: bool,
 }
 
 impl Change {
-    fn tag(&self, block: u64) -> u64 {
+    pub(crate) fn tag(&self, block: u64) -> u64 {
         self.write.map_or(0, |write| write << 24 | block)
     }
 }
 
 /// Allowed tags of each block: one, or more after a failed write.
-type Allowed = Vec<Vec<u64>>;
+pub(crate) type Allowed = Vec<Vec<u64>>;
 
-fn apply(allowed: &mut Allowed, change: &Change) {
+pub(crate) fn apply(allowed: &mut Allowed, change: &Change) {
     for block in change.blocks.clone() {
         let tag = change.tag(block);
         let set = &mut allowed[block as usize];
@@ -339,6 +339,50 @@ fn wait_after_crash(receiver: mpsc::Receiver<Answer>) -> Result<Option<LogStore>
             "a step of a crashed server has not returned after {NEVER_RETURNS:?}"
         )),
     }
+}
+
+/// The length of the shortest prefix of `history` (changes since the open whose disk read
+/// back as `base`) that the disk `image` (tags, block by block) may equal: at least the
+/// `flushed` first changes, the change after the prefix possibly torn at block boundaries.
+/// None when no prefix fits.
+pub(crate) fn find_prefix(
+    base: &[u64],
+    history: &[Change],
+    flushed: usize,
+    image: &[u64],
+) -> Option<usize> {
+    assert_eq!(base.len(), image.len(), "an image of the whole disk");
+    assert!(flushed <= history.len(), "a FLUSH covers changes made");
+    let mut state: Allowed = base.iter().map(|&tag| vec![tag]).collect();
+    let mismatched = |state: &Allowed, block: usize| !state[block].contains(&image[block]);
+    let mut mismatches: usize = (0..image.len()).filter(|&b| mismatched(&state, b)).count();
+    for length in 0..=history.len() {
+        if length > 0 {
+            let change = &history[length - 1];
+            let before: Vec<bool> = change
+                .blocks
+                .clone()
+                .map(|b| mismatched(&state, b as usize))
+                .collect();
+            apply(&mut state, change);
+            for (b, was) in change.blocks.clone().zip(before) {
+                let is = mismatched(&state, b as usize);
+                mismatches = mismatches + usize::from(is) - usize::from(was);
+            }
+        }
+        // The next change may be torn at the crash (a write longer than a segment's room
+        // is split across segments): its blocks may hold its data instead.
+        let torn = history.get(length).map_or(0, |next| {
+            next.blocks
+                .clone()
+                .filter(|&b| mismatched(&state, b as usize) && image[b as usize] == next.tag(b))
+                .count()
+        });
+        if length >= flushed && mismatches == torn {
+            return Some(length);
+        }
+    }
+    None
 }
 
 /// Snapshots one seed takes at most (each is read back whole at every check).
@@ -662,37 +706,7 @@ impl Harness {
         let image = self.read_all();
         self.world.set_calm(false);
         let image = image?;
-        let mut state: Allowed = self.base.iter().map(|&tag| vec![tag]).collect();
-        let mismatched = |state: &Allowed, block: usize| !state[block].contains(&image[block]);
-        let mut mismatches: usize = (0..image.len()).filter(|&b| mismatched(&state, b)).count();
-        let mut found = None;
-        for length in 0..=self.history.len() {
-            if length > 0 {
-                let change = &self.history[length - 1];
-                let before: Vec<bool> = change
-                    .blocks
-                    .clone()
-                    .map(|b| mismatched(&state, b as usize))
-                    .collect();
-                apply(&mut state, change);
-                for (b, was) in change.blocks.clone().zip(before) {
-                    let is = mismatched(&state, b as usize);
-                    mismatches = mismatches + usize::from(is) - usize::from(was);
-                }
-            }
-            // The next change may be torn at the crash (a write longer than a segment's room
-            // is split across segments): its blocks may hold its data instead.
-            let torn = self.history.get(length).map_or(0, |next| {
-                next.blocks
-                    .clone()
-                    .filter(|&b| mismatched(&state, b as usize) && image[b as usize] == next.tag(b))
-                    .count()
-            });
-            if length >= self.flushed && mismatches == torn {
-                found = Some(length);
-                break;
-            }
-        }
+        let found = find_prefix(&self.base, &self.history, self.flushed, &image);
         match found {
             Some(length) => {
                 self.note(|| {

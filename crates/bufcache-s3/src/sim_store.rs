@@ -102,10 +102,14 @@ impl Change {
     }
 }
 
+/// The answer a parked request gets: the store's own when it is carried out as its sender
+/// resumes ([`SimWorld::resume`]), an error at a crash.
+type ParkedAnswer = Result<Option<PutResult>, String>;
+
 struct Parked {
     instance: u64,
     change: Change,
-    answer: oneshot::Sender<()>,
+    answer: oneshot::Sender<ParkedAnswer>,
 }
 
 /// Counts of what the world did, for the check's summary.
@@ -132,6 +136,9 @@ pub struct WorldCounts {
 struct WorldState {
     /// Instances that crashed: their requests are refused.
     dead: std::collections::BTreeSet<u64>,
+    /// Instances cut off from the store (a network partition): their requests fail at once
+    /// without reaching it.
+    partitioned: std::collections::BTreeSet<u64>,
     /// Requests sent so far, by (instance, method, name), for the fate's input.
     sent: HashMap<(u64, &'static str, String), u64>,
     parked: Vec<Parked>,
@@ -198,6 +205,7 @@ impl SimWorld {
             bucket: InMemory::new(),
             state: Mutex::new(WorldState {
                 dead: Default::default(),
+                partitioned: Default::default(),
                 sent: HashMap::new(),
                 parked: Vec::new(),
                 late: Vec::new(),
@@ -299,6 +307,11 @@ impl SimWorld {
 
     /// Carries a change out on the bucket (a conditional PUT's condition decided now).
     fn carry_out(&self, change: &Change) -> object_store::Result<()> {
+        self.carry_out_answered(change).map(drop)
+    }
+
+    /// [`SimWorld::carry_out`], with the store's answer (a PUT's ETag).
+    fn carry_out_answered(&self, change: &Change) -> object_store::Result<Option<PutResult>> {
         futures::executor::block_on(async {
             match change {
                 Change::Put {
@@ -309,10 +322,82 @@ impl SimWorld {
                     .bucket
                     .put_opts(path, PutPayload::from(body.clone()), options.clone())
                     .await
-                    .map(drop),
-                Change::Delete { path } => self.bucket.delete(path).await,
+                    .map(Some),
+                Change::Delete { path } => self.bucket.delete(path).await.map(|()| None),
             }
         })
+    }
+
+    /// Cuts `instance` off from the store (true) or heals the cut: while cut, its requests
+    /// fail at once and never reach the bucket.
+    pub fn set_partitioned(&self, instance: u64, partitioned: bool) {
+        let mut state = self.lock();
+        if partitioned {
+            state.partitioned.insert(instance);
+        } else {
+            state.partitioned.remove(&instance);
+        }
+        state.log.push(format!(
+            "instance {instance}: {}",
+            if partitioned {
+                "cut off from the store"
+            } else {
+                "reaches the store again"
+            }
+        ));
+    }
+
+    /// Refuses a request of a cut-off instance (counted as failed).
+    fn check_reachable(
+        state: &mut WorldState,
+        instance: u64,
+        method: &str,
+        name: &str,
+    ) -> object_store::Result<()> {
+        if state.partitioned.contains(&instance) {
+            state.counts.failed += 1;
+            return Err(simulated(format!(
+                "{method} {name}: the store is unreachable (simulated partition of instance {instance})"
+            )));
+        }
+        Ok(())
+    }
+
+    /// A paused process resumes (module `sim_servers`): each of `instance`'s parked requests
+    /// is carried out now, late, its condition decided now, and answered with the store's
+    /// answer. Returns how many there were.
+    pub fn resume(&self, instance: u64) -> usize {
+        let mut state = self.lock();
+        let (theirs, others): (Vec<Parked>, Vec<Parked>) = std::mem::take(&mut state.parked)
+            .into_iter()
+            .partition(|parked| parked.instance == instance);
+        state.parked = others;
+        let count = theirs.len();
+        for parked in theirs {
+            let outcome = self.carry_out_answered(&parked.change);
+            state.counts.landed_late += 1;
+            state.log.push(format!(
+                "instance {instance} resumes: its {} lands ({})",
+                parked.change.describe(),
+                match &outcome {
+                    Ok(_) => "ok".to_string(),
+                    Err(error) => format!("refused: {error}"),
+                }
+            ));
+            let _ = parked
+                .answer
+                .send(outcome.map_err(|error| error.to_string()));
+        }
+        count
+    }
+
+    /// Requests of `instance` parked now.
+    pub fn parked_of(&self, instance: u64) -> usize {
+        self.lock()
+            .parked
+            .iter()
+            .filter(|parked| parked.instance == instance)
+            .count()
     }
 
     /// A PUT or DELETE of `instance`, after its fate.
@@ -333,6 +418,7 @@ impl SimWorld {
                     "{method} {name}: the server crashed (instance {instance})"
                 )));
             }
+            Self::check_reachable(&mut state, instance, method, &name)?;
             match self.fate(&mut state, instance, method, &name) {
                 Fate::Fail => {
                     state.counts.failed += 1;
@@ -391,15 +477,7 @@ impl SimWorld {
                         "{method} {name}: connection reset before the answer (simulated)"
                     )));
                 }
-                Fate::Apply => {
-                    let outcome = self.carry_out(&change);
-                    return outcome.map(|()| {
-                        matches!(change, Change::Put { .. }).then(|| PutResult {
-                            e_tag: None,
-                            version: None,
-                        })
-                    });
-                }
+                Fate::Apply => return self.carry_out_answered(&change),
                 Fate::Hang => {
                     state.counts.hung += 1;
                     state
@@ -415,11 +493,15 @@ impl SimWorld {
                 }
             }
         };
-        // Answered only at the crash (or dropped with the world): an error either way.
-        let _ = receiver.await;
-        Err(simulated(format!(
-            "{method} {name}: no answer, the server crashed (instance {instance})"
-        )))
+        // Answered at a crash (or dropped with the world) with an error, or with the store's
+        // answer when its sender resumes after a pause.
+        match receiver.await {
+            Ok(Ok(result)) => Ok(result),
+            Ok(Err(message)) => Err(simulated(format!("{method} {name}: {message}"))),
+            Err(_) => Err(simulated(format!(
+                "{method} {name}: no answer, the server crashed (instance {instance})"
+            ))),
+        }
     }
 
     /// Crashes `instance`: refuses whatever it sends from now on and decides the fate of
@@ -467,7 +549,9 @@ impl SimWorld {
                 ));
             }
             // The dead client gets its error (its thread may be waiting for it).
-            let _ = parked.answer.send(());
+            let _ = parked.answer.send(Err(format!(
+                "no answer, the server crashed (instance {instance})"
+            )));
         }
         count
     }
@@ -568,6 +652,7 @@ impl SimStore {
                 self.instance
             )));
         }
+        SimWorld::check_reachable(&mut state, self.instance, method, name)?;
         match self.world.fate(&mut state, self.instance, method, name) {
             Fate::Fail => {
                 state.counts.failed += 1;
