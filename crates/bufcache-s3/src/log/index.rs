@@ -9,6 +9,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use bufcache_device::strict_assert;
+
 /// Where one mapped range's bytes are: `length` bytes at `object_offset` of segment `segment`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Mapping {
@@ -76,6 +78,10 @@ impl Index {
     }
 
     fn add_live(&mut self, segment: u64, bytes: u64) {
+        strict_assert!(
+            bytes > 0,
+            "no empty mapping is counted live (segment {segment})"
+        );
         if bytes > 0 {
             *self.live.entry(segment).or_insert(0) += bytes;
         }
@@ -102,7 +108,31 @@ impl Index {
         self.remove(offset, mapping.length);
         if mapping.length > 0 {
             self.add_live(mapping.segment, mapping.length);
-            self.mappings.insert(offset, mapping);
+            let replaced = self.mappings.insert(offset, mapping);
+            strict_assert!(
+                replaced.is_none(),
+                "a mapping at {offset} survived the removal of its range"
+            );
+            self.assert_no_overlap_around(offset, offset + mapping.length);
+        }
+    }
+
+    /// Mappings never overlap: the one before `[start, end)` ends by `start`, the one after
+    /// starts at `end` or later. Checked where a change was made (a whole recount is the
+    /// simulator's, `recount_live_bytes`).
+    fn assert_no_overlap_around(&self, start: u64, end: u64) {
+        if let Some((&before, mapping)) = self.mappings.range(..start).next_back() {
+            strict_assert!(
+                before + mapping.length <= start,
+                "mapping at {before} (+{}) overlaps {start}",
+                mapping.length
+            );
+        }
+        if let Some((&after, _)) = self.mappings.range(start..).find(|&(&at, _)| at != start) {
+            strict_assert!(
+                after >= end,
+                "mapping at {after} starts inside [{start}, {end})"
+            );
         }
     }
 
@@ -125,6 +155,11 @@ impl Index {
                 applied += piece.length;
             }
         }
+        strict_assert!(
+            applied <= mapping.length,
+            "a copy of {} bytes applied {applied}",
+            mapping.length
+        );
         applied
     }
 
@@ -179,6 +214,11 @@ impl Index {
                 );
             }
         }
+        strict_assert!(
+            self.mappings.range(offset..end).next().is_none(),
+            "a mapping starts inside the removed [{offset}, {end})"
+        );
+        self.assert_no_overlap_around(offset, end);
     }
 
     /// The pieces covering `[offset, offset + length)` in order, holes included.

@@ -70,6 +70,7 @@ mod resize;
 mod segment;
 mod snapshot;
 
+use bufcache_device::strict_assert;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -1211,6 +1212,13 @@ impl Core {
             let mut state = shared.lock();
             match result {
                 Ok(_) => {
+                    // One upload of a segment runs at a time (a retry only after a failure),
+                    // so a segment becomes durable once.
+                    strict_assert!(
+                        sequence > state.durable_through && !state.durable_ahead.contains(&sequence),
+                        "segment {sequence} uploaded twice (durable through {})",
+                        state.durable_through
+                    );
                     state.sealed.remove(&sequence);
                     state.stored.insert(sequence, body_bytes);
                     state.durable_ahead.insert(sequence);
@@ -1218,6 +1226,10 @@ impl Core {
                     while state.durable_ahead.remove(&(state.durable_through + 1)) {
                         state.durable_through += 1;
                     }
+                    strict_assert!(
+                        state.durable_ahead.iter().all(|&ahead| ahead > state.durable_through + 1),
+                        "a segment right after the durable prefix was left out of it"
+                    );
                 }
                 Err(message) => {
                     tracing::warn!(segment = %key, error = %message, "segment upload failed; kept in memory for the next flush");
@@ -1322,12 +1334,16 @@ impl Core {
             extents = state.open.table.len(),
             "sealed a segment"
         );
-        state.sealed.insert(
+        let resealed = state.sealed.insert(
             sequence,
             Sealed {
                 body: body.clone(),
                 upload: Upload::Running,
             },
+        );
+        strict_assert!(
+            resealed.is_none() && sequence > state.durable_through,
+            "segment {sequence} sealed twice"
         );
         state.open = OpenSegment::new(sequence + 1, self.shared.sealer.clone());
         at_seal(&mut state);
