@@ -695,8 +695,9 @@ fn sim_run_refuses_io_queue_flags_it_cannot_apply_and_bad_input_with_exit_2() {
 #[test]
 fn sim_check_prints_its_summary_and_names_bad_flags() {
     // Goal: `sim check` runs seeds through the engine and says so in its one-line summary,
-    // and a bad seed count or seed is refused naming the flag. Method: run three seeds, then
-    // a non-numeric seed and a zero seed count; each bad one must exit 2.
+    // and a bad seed count, seed or server count is refused naming what was wrong. Method:
+    // run three seeds, then a non-numeric seed, a zero seed count, four servers and servers
+    // without the log layout; each bad one must exit 2.
     let result = bufcache(&["sim", "check", "--seeds", "3", "--seed", "11"]);
     assert!(result.status.success(), "{}", text(&result));
     assert!(
@@ -707,6 +708,14 @@ fn sim_check_prints_its_summary_and_names_bad_flags() {
     for (arguments, named) in [
         (&["sim", "check", "--seed", "abc"][..], "--seed"),
         (&["sim", "check", "--seeds", "0"][..], "--seeds"),
+        (
+            &["sim", "check", "--layout", "log", "--servers", "4"][..],
+            "give 1, 2, 3 or 2-3",
+        ),
+        (
+            &["sim", "check", "--servers", "2"][..],
+            "--servers applies to --layout log only",
+        ),
     ] {
         let result = bufcache(arguments);
         assert_eq!(result.status.code(), Some(2), "{}", text(&result));

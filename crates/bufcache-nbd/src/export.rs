@@ -63,7 +63,9 @@ pub fn never_start_read(done: ReadDone) -> Result<(), ReadDone> {
 
 /// Something the server can export: a fixed-size array of bytes.
 pub trait Export: Send + Sync {
-    /// Size in bytes; constant while connections are open.
+    /// Size in bytes. Each connection is told the size once, at its handshake, and keeps it;
+    /// an export that grows (a served disk resized) shows the new size to new connections
+    /// only, so the size may grow but never shrink while connections are open.
     fn size(&self) -> u64;
     /// True when every write, trim and zero must be refused with EPERM.
     fn read_only(&self) -> bool;
