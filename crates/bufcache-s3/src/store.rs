@@ -1442,6 +1442,68 @@ pub(crate) async fn get_optional(
     })
 }
 
+/// A log-layout disk's size is a whole number of these (the local tier's and most clients'
+/// block).
+const LOG_SIZE_UNIT_BYTES: u64 = 4096;
+
+pub(crate) fn check_new_size(
+    url: &S3Url,
+    metadata: &DiskMetadata,
+    size_bytes: u64,
+) -> Result<(), OpenError> {
+    let unit = match metadata.layout {
+        LayoutKind::Chunk => metadata.chunk_size_bytes,
+        LayoutKind::Log => LOG_SIZE_UNIT_BYTES,
+    };
+    if size_bytes == 0 || !size_bytes.is_multiple_of(unit) {
+        return Err(OpenError::Config {
+            url: url.to_string(),
+            reason: format!(
+                "new size {size_bytes} is not a positive multiple of {unit} bytes (the disk's {}): nothing was changed",
+                match metadata.layout {
+                    LayoutKind::Chunk => "chunk size",
+                    LayoutKind::Log => "block size",
+                }
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Rewrites `size_bytes` in the metadata object, keeping every other field as stored.
+pub(crate) async fn write_size(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    size_bytes: u64,
+) -> Result<(), OpenError> {
+    let key = url.key(METADATA_NAME);
+    let location = ObjectPath::from(key.as_str());
+    let request_error = |operation: String, error: object_store::Error| OpenError::Request {
+        url: url.to_string(),
+        operation,
+        message: chain(&error),
+    };
+    let body = store
+        .get(&location)
+        .await
+        .map_err(|error| request_error(format!("reading `{key}`"), error))?
+        .bytes()
+        .await
+        .map_err(|error| request_error(format!("reading `{key}`"), error))?;
+    let mut value: serde_json::Value =
+        serde_json::from_slice(&body).map_err(|error| OpenError::BadMetadata {
+            url: url.to_string(),
+            key: key.clone(),
+            reason: format!("not JSON: {error}"),
+        })?;
+    value["size_bytes"] = serde_json::json!(size_bytes);
+    store
+        .put(&location, PutPayload::from(value.to_string().into_bytes()))
+        .await
+        .map_err(|error| request_error(format!("writing `{key}`"), error))?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -53,8 +53,8 @@ pub(crate) const WRITEBACK_WAITED: u32 = 32;
 /// buffer evictable reads it without the lock and, when set, puts the buffer back
 /// (`Table::unpin`).
 pub(crate) const HELD: u32 = 64;
-/// A started read waits for this buffer's exclusive lock to be let go (module `attached`);
-/// whoever lets it go runs the reads attached to it. Cleared by that releaser.
+/// A started read waits for this buffer's exclusive lock to be let go (the attached-reads
+/// registry); whoever lets it go runs the reads attached to it. Cleared by that releaser.
 pub(crate) const ATTACHED: u32 = 128;
 
 /// Identity of a cached block.
@@ -235,15 +235,15 @@ impl Buffer {
         unsafe { self.lock.unlock_exclusive() };
     }
 
-    /// True while someone holds the lock exclusively (a hint, except to `attached`, which
-    /// pairs it with a fence).
+    /// True while someone holds the lock exclusively (a hint, except to the attached-reads
+    /// registry, which pairs it with a fence).
     pub fn is_locked_exclusive(&self) -> bool {
         self.lock.is_locked_exclusive()
     }
 
     /// After its exclusive lock was let go: true when reads were attached to the buffer
     /// meanwhile (the flag is cleared), which the releaser must now run
-    /// ([`crate::attached::AttachedReads::wake`]).
+    /// (`AttachedReads::wake`, in the module that keeps attached reads).
     pub fn released_with_reads_attached(&self) -> bool {
         // Pairs with the fence in `AttachedReads::attach`: either the attacher sees the lock
         // let go, or this sees its flag.

@@ -44,7 +44,7 @@ impl LogStore {
                 "a served disk only grows ({size_bytes} bytes is less than its {now}: its clients were told {now} when they connected); stop the server and run `bufcache disk resize` to shrink it"
             )));
         }
-        crate::admin::check_new_size(&shared.url, &shared.metadata, size_bytes)?;
+        crate::store::check_new_size(&shared.url, &shared.metadata, size_bytes)?;
         if size_bytes == now {
             return Ok(());
         }
@@ -56,7 +56,7 @@ impl LogStore {
         let url = shared.url.clone();
         self.core
             .runtime
-            .block_on(async move { crate::admin::write_size(&*store, &url, size_bytes).await })?;
+            .block_on(async move { crate::store::write_size(&*store, &url, size_bytes).await })?;
         let before = shared.size_bytes.swap(size_bytes, Ordering::AcqRel);
         assert_eq!(before, now, "grows are serialized");
         tracing::info!(disk = %shared.url, size_bytes_before = now, size_bytes, "grew the disk while serving it");
