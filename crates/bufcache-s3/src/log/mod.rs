@@ -1160,6 +1160,19 @@ impl LogStore {
         self.core.collect_garbage(threshold, between)
     }
 
+    /// Runs `check` between collection rounds: no segment is deleted and no count of the
+    /// stored ones changes meanwhile (tests compare a bucket listing with the counts while a
+    /// background collector runs).
+    #[doc(hidden)]
+    pub fn between_collector_rounds<T>(&self, check: impl FnOnce() -> T) -> T {
+        let _round = self
+            .core
+            .collector
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        check()
+    }
+
     /// Stops the background collector after its current round, if it runs (a test stops it
     /// before abandoning the store as a crashed server would leave it).
     pub fn stop_gc(&mut self) {
