@@ -7,6 +7,7 @@ mod daemon;
 mod dd;
 mod disk;
 mod engine_args;
+mod exposition;
 mod limit_args;
 mod log;
 mod metrics;

@@ -1,11 +1,13 @@
 //! Metrics: the engine's statistics snapshot and each export's device counters, served over a
-//! minimal HTTP/1.0 endpoint as Prometheus text (`/metrics`) and JSON (`/stats`).
+//! minimal HTTP/1.0 endpoint as Prometheus text (`/metrics`, written by `prometheus-client`
+//! through module `exposition`) and JSON (`/stats`).
 //!
 //! Names are prefixed `bufcache_`, carry their unit (`_bytes`, `_total`), and device metrics
 //! are labelled by export. Nothing is computed at request time beyond reading counters, so a
-//! scrape costs a snapshot and some formatting; one scrape is served at a time.
+//! scrape costs a snapshot and some formatting; one scrape is served at a time, each bounded
+//! by a 5 s read timeout (the endpoint is the operator's, not a client's: one thread, no
+//! connection can make it hold more).
 
-use std::fmt::Write as _;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
@@ -19,6 +21,7 @@ use bufcache::{
 };
 use serde_json::{json, Value};
 
+use crate::exposition::{with_label, Exposition, Labels, Level};
 use crate::request_meters::{RequestMeters, COMMANDS, LATENCY_BUCKETS_SECONDS};
 
 /// The local tier type serve builds: over the counted backend, on a file or block device.
@@ -131,19 +134,19 @@ impl Meters {
     /// The `/metrics` document.
     pub fn prometheus(&self) -> String {
         let stats = self.cache.stats();
-        let mut text = String::new();
+        let mut text = Exposition::default();
         cache_prometheus(&mut text, &stats);
         counter(
             &mut text,
             "bufcache_log_lines_dropped_total",
-            "",
+            &Labels::new(),
             crate::log::lines_dropped_total(),
             "Log lines dropped: the log queue was full or standard error failed (closed pipe, full disk).",
         );
         counter(
             &mut text,
             "bufcache_log_events_suppressed_total",
-            "",
+            &Labels::new(),
             crate::log::events_suppressed_total(),
             "Repeated warnings and errors held back by the rate limit.",
         );
@@ -157,7 +160,7 @@ impl Meters {
             whatif.prometheus(&mut text);
         }
         for export in &self.exports {
-            let label = format!("export=\"{}\"", escape_label(&export.name));
+            let label = crate::exposition::label("export", &export.name);
             requests_prometheus(&mut text, &label, &export.requests);
             let device = export.device.stats();
             direction_prometheus(&mut text, "read", &label, &device.reads);
@@ -188,9 +191,8 @@ impl Meters {
                     &mut text,
                     "bufcache_upstream_connected",
                     &label,
-                    if upstream.is_connected() { 1.0 } else { 0.0 },
+                    u64::from(upstream.is_connected()),
                     "1 while the upstream NBD connection is up, 0 while reconnecting.",
-                    "gauge",
                 );
                 counter(
                     &mut text,
@@ -234,19 +236,19 @@ impl Meters {
                 "Requests merged into another.",
             );
         }
-        text
+        text.render()
     }
 }
 
 /// The object store's metrics of one export (names as issue 48 gives them).
-fn store_prometheus(text: &mut String, label: &str, stats: &bufcache_s3::StoreStats) {
+fn store_prometheus(text: &mut Exposition, label: &Labels, stats: &bufcache_s3::StoreStats) {
     use bufcache_s3::{STORE_DURATION_BUCKETS_SECONDS, STORE_METHODS, STORE_OUTCOMES};
     for (method, outcomes) in STORE_METHODS.iter().zip(&stats.requests) {
         for (outcome, &count) in STORE_OUTCOMES.iter().zip(outcomes) {
             counter(
                 text,
                 "bufcache_store_requests_total",
-                &format!("{label},method=\"{method}\",outcome=\"{outcome}\""),
+                &with_label(&with_label(label, "method", method), "outcome", outcome),
                 count,
                 "Requests to the object store by method (LIST: a bucket listing) and outcome \
                  (ok, client_error: 4xx, server_error: 5xx, transport_error: no answer), each \
@@ -261,7 +263,7 @@ fn store_prometheus(text: &mut String, label: &str, stats: &bufcache_s3::StoreSt
         counter(
             text,
             "bufcache_store_bytes_total",
-            &format!("{label},direction=\"{direction}\""),
+            &with_label(label, "direction", direction),
             bytes,
             "Request bodies sent to and response bodies received from the object store.",
         );
@@ -278,27 +280,20 @@ fn store_prometheus(text: &mut String, label: &str, stats: &bufcache_s3::StoreSt
         text,
         "bufcache_store_requests_in_flight",
         label,
-        stats.in_flight as f64,
+        stats.in_flight,
         "Store requests sent and not yet answered.",
-        "gauge",
     );
-    let name = "bufcache_store_request_duration_seconds";
-    if !text.contains(&format!("# TYPE {name} ")) {
-        let _ = writeln!(
-            text,
-            "# HELP {name} Time from a store request's start to its answer's headers, by method.\n# TYPE {name} histogram"
-        );
-    }
     for (index, method) in STORE_METHODS.iter().enumerate() {
-        let labels = format!("{label},method=\"{method}\"");
-        histogram_lines(
-            text,
-            name,
-            &labels,
-            stats.duration_buckets[index].iter().copied(),
-            |bucket| bound_or_infinity(STORE_DURATION_BUCKETS_SECONDS.get(bucket)),
+        let counts = &stats.duration_buckets[index];
+        text.histogram(
+            "bufcache_store_request_duration_seconds",
+            with_label(label, "method", method),
+            buckets(counts.iter().copied(), |bucket| {
+                STORE_DURATION_BUCKETS_SECONDS.get(bucket).copied()
+            }),
             stats.duration_seconds_sum[index],
-            None,
+            counts.iter().sum(),
+            "Time from a store request's start to its answer's headers, by method.",
         );
     }
     if let Some(log) = &stats.log {
@@ -335,23 +330,25 @@ fn store_prometheus(text: &mut String, label: &str, stats: &bufcache_s3::StoreSt
                 "counter",
             ),
         ] {
-            sample(text, name, label, value as f64, help, kind);
+            match kind {
+                "counter" => counter(text, name, label, value, help),
+                _ => text.gauge(name, label.clone(), value, help),
+            }
         }
     }
 }
 
 /// What this server is to an object-store disk (writer, standby, replica), how old its lease
 /// is, and how far a replica is behind (docs/s3.md, "Leases and takeover", "Read replicas").
-fn store_role_prometheus(text: &mut String, label: &str, store: &bufcache_s3::S3Device) {
+fn store_role_prometheus(text: &mut Exposition, label: &Labels, store: &bufcache_s3::S3Device) {
     if let Some(role) = store.role() {
         for known in ["writer", "standby", "replica"] {
             sample(
                 text,
                 "bufcache_store_role",
-                &format!("{label},role=\"{known}\""),
-                if known == role { 1.0 } else { 0.0 },
+                &with_label(label, "role", known),
+                u64::from(known == role),
                 "What this server is to the disk: 1 for its role (writer: holds the lock under a lease; standby: follows and takes over when the lease lapses; replica: follows, never writes).",
-                "gauge",
             );
         }
     }
@@ -362,7 +359,6 @@ fn store_role_prometheus(text: &mut String, label: &str, store: &bufcache_s3::S3
             label,
             lease.age_ns() as f64 / 1e9,
             "Seconds since the send time of the newest successful renewal of the disk lock's lease.",
-            "gauge",
         );
     }
     if let Some(replica) = store.replica() {
@@ -372,7 +368,6 @@ fn store_role_prometheus(text: &mut String, label: &str, store: &bufcache_s3::S3
             label,
             replica.lag_seconds(),
             "Seconds since the newest successful refresh of the read replica started: it serves every write the writer made durable before then.",
-            "gauge",
         );
     }
 }
@@ -427,7 +422,7 @@ fn store_json(stats: &bufcache_s3::StoreStats) -> Value {
 }
 
 /// The local tier's metrics of one export.
-fn tier_prometheus(text: &mut String, label: &str, stats: &bufcache_tier::TierStats) {
+fn tier_prometheus(text: &mut Exposition, label: &Labels, stats: &bufcache_tier::TierStats) {
     for (name, value, help) in [
         (
             "bufcache_tier_dirty_bytes",
@@ -445,7 +440,7 @@ fn tier_prometheus(text: &mut String, label: &str, stats: &bufcache_tier::TierSt
             "Bytes of the local cache's log in use.",
         ),
     ] {
-        sample(text, name, label, value as f64, help, "gauge");
+        sample(text, name, label, value, help);
     }
     for (name, value, help) in [
         (
@@ -507,15 +502,14 @@ fn requests_json(meters: &RequestMeters) -> Value {
 }
 
 /// Connections and per-command counters and latency histograms of one export.
-fn requests_prometheus(text: &mut String, export_label: &str, meters: &RequestMeters) {
+fn requests_prometheus(text: &mut Exposition, export_label: &Labels, meters: &RequestMeters) {
     use std::sync::atomic::Ordering::Relaxed;
     sample(
         text,
         "bufcache_nbd_connections_open",
         export_label,
-        meters.connections_open.load(Relaxed) as f64,
+        meters.connections_open.load(Relaxed),
         "NBD connections in transmission now.",
-        "gauge",
     );
     counter(
         text,
@@ -525,7 +519,7 @@ fn requests_prometheus(text: &mut String, export_label: &str, meters: &RequestMe
         "NBD connections that entered transmission.",
     );
     for (name, meter) in COMMANDS.iter().zip(&meters.commands) {
-        let labels = format!("{export_label},command=\"{name}\"");
+        let labels = with_label(export_label, "command", name);
         counter(
             text,
             "bufcache_nbd_requests_total",
@@ -548,216 +542,171 @@ fn requests_prometheus(text: &mut String, export_label: &str, meters: &RequestMe
             meter.errors.load(Relaxed),
             "NBD requests answered with an error, by command.",
         );
-        let name = "bufcache_nbd_request_duration_seconds";
-        if !text.contains(&format!("# TYPE {name} ")) {
-            let _ = writeln!(
-                text,
-                "# HELP {name} Time from an NBD request's dispatch to its completion, by command.\n# TYPE {name} histogram"
-            );
-        }
-        histogram_lines(
-            text,
-            name,
-            &labels,
-            meter
-                .latency_buckets
-                .iter()
-                .map(|bucket| bucket.load(Relaxed)),
-            |index| bound_or_infinity(LATENCY_BUCKETS_SECONDS.get(index)),
+        let counts: Vec<u64> = meter
+            .latency_buckets
+            .iter()
+            .map(|bucket| bucket.load(Relaxed))
+            .collect();
+        let count = counts.iter().sum();
+        text.histogram(
+            "bufcache_nbd_request_duration_seconds",
+            labels,
+            buckets(counts.into_iter(), |index| {
+                LATENCY_BUCKETS_SECONDS.get(index).copied()
+            }),
             meter.latency_ns_sum.load(Relaxed) as f64 / 1e9,
-            None,
+            count,
+            "Time from an NBD request's dispatch to its completion, by command.",
         );
     }
 }
 
-/// One histogram's `_bucket`, `_sum` and `_count` lines under `labels` (possibly none): `counts`
-/// holds each bucket's own count (made cumulative here) and `bound` names bucket i's upper
-/// bound; `count` is the sample count, the buckets' total when None.
-fn histogram_lines(
-    text: &mut String,
-    name: &str,
-    labels: &str,
+/// Each bucket's upper bound (the last one's `f64::INFINITY`) beside its own count.
+fn buckets(
     counts: impl Iterator<Item = u64>,
-    bound: impl Fn(usize) -> String,
-    sum: f64,
-    count: Option<u64>,
-) {
-    let separator = if labels.is_empty() { "" } else { "," };
-    let mut cumulative = 0u64;
-    for (index, bucket_count) in counts.enumerate() {
-        cumulative += bucket_count;
-        let le = bound(index);
-        let _ = writeln!(
-            text,
-            "{name}_bucket{{{labels}{separator}le=\"{le}\"}} {cumulative}"
-        );
-    }
-    let braced = if labels.is_empty() {
-        String::new()
-    } else {
-        format!("{{{labels}}}")
-    };
-    let _ = writeln!(text, "{name}_sum{braced} {sum}");
-    let _ = writeln!(text, "{name}_count{braced} {}", count.unwrap_or(cumulative));
+    bound: impl Fn(usize) -> Option<f64>,
+) -> Vec<(f64, u64)> {
+    counts
+        .enumerate()
+        .map(|(index, count)| (bound(index).unwrap_or(f64::INFINITY), count))
+        .collect()
 }
 
-/// A bucket's `le` label: its bound, or `+Inf` for the last bucket.
-fn bound_or_infinity<T: ToString>(bound: Option<&T>) -> String {
-    bound.map_or_else(|| "+Inf".to_string(), ToString::to_string)
+fn counter(text: &mut Exposition, name: &str, labels: &Labels, value: u64, help: &str) {
+    text.counter(name, labels.clone(), value, help);
 }
 
-fn escape_label(value: &str) -> String {
-    value
-        .replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
+fn gauge(text: &mut Exposition, name: &str, value: u64, help: &str) {
+    text.gauge(name, Labels::new(), value, help);
 }
 
-fn counter(text: &mut String, name: &str, labels: &str, value: u64, help: &str) {
-    sample(text, name, labels, value as f64, help, "counter");
+/// A gauge sample under `labels`.
+fn sample(text: &mut Exposition, name: &str, labels: &Labels, value: impl Into<Level>, help: &str) {
+    text.gauge(name, labels.clone(), value, help);
 }
 
-fn gauge(text: &mut String, name: &str, value: u64, help: &str) {
-    sample(text, name, "", value as f64, help, "gauge");
-}
-
-fn sample(text: &mut String, name: &str, labels: &str, value: f64, help: &str, kind: &str) {
-    if !text.contains(&format!("# TYPE {name} ")) {
-        let _ = writeln!(text, "# HELP {name} {help}\n# TYPE {name} {kind}");
-    }
-    if labels.is_empty() {
-        let _ = writeln!(text, "{name} {value}");
-    } else {
-        let _ = writeln!(text, "{name}{{{labels}}} {value}");
-    }
-}
-
-/// `bufcache_buffer_wait_seconds`: the engine's (non-cumulative) buckets made cumulative.
-fn buffer_wait_histogram(text: &mut String, stats: &CacheStats) {
-    let name = "bufcache_buffer_wait_seconds";
-    let _ = writeln!(
-        text,
-        "# HELP {name} How long reservations waited for a buffer.\n# TYPE {name} histogram"
-    );
-    histogram_lines(
-        text,
-        name,
-        "",
-        stats.buffer_wait_buckets.iter().copied(),
-        |index| bound_or_infinity(bufcache::BUFFER_WAIT_BUCKETS_SECONDS.get(index)),
+/// `bufcache_buffer_wait_seconds`, from the engine's (non-cumulative) buckets.
+fn buffer_wait_histogram(text: &mut Exposition, stats: &CacheStats) {
+    text.histogram(
+        "bufcache_buffer_wait_seconds",
+        Labels::new(),
+        buckets(stats.buffer_wait_buckets.iter().copied(), |index| {
+            bufcache::BUFFER_WAIT_BUCKETS_SECONDS.get(index).copied()
+        }),
         stats.buffer_wait_ns as f64 / 1e9,
-        Some(stats.buffer_waits),
+        stats.buffer_waits,
+        "How long reservations waited for a buffer.",
     );
 }
 
-fn cache_prometheus(text: &mut String, stats: &CacheStats) {
+fn cache_prometheus(text: &mut Exposition, stats: &CacheStats) {
     counter(
         text,
         "bufcache_cache_hits_total",
-        "",
+        &Labels::new(),
         stats.hits,
         "Block lookups served from the cache.",
     );
     counter(
         text,
         "bufcache_cache_misses_total",
-        "",
+        &Labels::new(),
         stats.misses,
         "Block lookups that needed the device.",
     );
     counter(
         text,
         "bufcache_evictions_total",
-        "",
+        &Labels::new(),
         stats.evictions,
         "Clean buffers evicted to make room.",
     );
     counter(
         text,
         "bufcache_read_clusters_total",
-        "",
+        &Labels::new(),
         stats.read_clusters,
         "Clustered device reads.",
     );
     counter(
         text,
         "bufcache_reads_started_total",
-        "",
+        &Labels::new(),
         stats.reads_started,
         "Reads of missing blocks started on an upstream that ends them on its own thread (no thread waited).",
     );
     counter(
         text,
         "bufcache_reads_attached_total",
-        "",
+        &Labels::new(),
         stats.reads_attached,
         "Started reads of blocks another read was filling, answered by that fill's completion (no thread waited).",
     );
     counter(
         text,
         "bufcache_write_batches_total",
-        "",
+        &Labels::new(),
         stats.write_batches,
         "Batches of write-back writes handed to a slow device together.",
     );
     counter(
         text,
         "bufcache_write_batch_writes_total",
-        "",
+        &Labels::new(),
         stats.write_batch_writes,
         "Writes carried by those batches.",
     );
     counter(
         text,
         "bufcache_writeback_inflight_waits_total",
-        "",
+        &Labels::new(),
         stats.writeback_inflight_waits,
         "Write-back passes that waited for a slot of their backend's write-back share (--writeback-inflight-max).",
     );
     counter(
         text,
         "bufcache_read_cluster_buffers_total",
-        "",
+        &Labels::new(),
         stats.read_cluster_buffers,
         "Buffers filled by clustered reads.",
     );
     counter(
         text,
         "bufcache_write_clusters_total",
-        "",
+        &Labels::new(),
         stats.write_clusters,
         "Clustered device writes.",
     );
     counter(
         text,
         "bufcache_write_cluster_buffers_total",
-        "",
+        &Labels::new(),
         stats.write_cluster_buffers,
         "Buffers drained by clustered writes.",
     );
     counter(
         text,
         "bufcache_readahead_issued_blocks_total",
-        "",
+        &Labels::new(),
         stats.readahead_issued_blocks,
         "Blocks read ahead.",
     );
     counter(
         text,
         "bufcache_readahead_used_blocks_total",
-        "",
+        &Labels::new(),
         stats.readahead_used_blocks,
         "Read-ahead blocks a reader used.",
     );
     counter(
         text,
         "bufcache_readahead_wasted_blocks_total",
-        "",
+        &Labels::new(),
         stats.readahead_wasted_blocks,
         "Read-ahead blocks dropped unused.",
     );
     for cause in WritebackCause::ALL {
-        let labels = format!("cause=\"{}\"", cause.name());
+        let labels = crate::exposition::label("cause", cause.name());
         counter(
             text,
             "bufcache_writeback_blocks_total",
@@ -769,21 +718,21 @@ fn cache_prometheus(text: &mut String, stats: &CacheStats) {
     counter(
         text,
         "bufcache_throttled_writes_total",
-        "",
+        &Labels::new(),
         stats.throttled_writes,
         "Writes that wrote back dirty data themselves.",
     );
     counter(
         text,
         "bufcache_space_waits_total",
-        "",
+        &Labels::new(),
         stats.space_waits,
         "Allocations that waited for space.",
     );
     counter(
         text,
         "bufcache_buffer_waits_total",
-        "",
+        &Labels::new(),
         stats.buffer_waits,
         "Reservations that found no evictable buffer and waited for a release.",
     );
@@ -791,63 +740,63 @@ fn cache_prometheus(text: &mut String, stats: &CacheStats) {
     counter(
         text,
         "bufcache_streamed_reads_total",
-        "",
+        &Labels::new(),
         stats.streamed_reads,
         "Device reads that served a cold read without caching it: no buffer was free without evicting what others use.",
     );
     counter(
         text,
         "bufcache_streamed_blocks_total",
-        "",
+        &Labels::new(),
         stats.streamed_blocks,
         "Blocks served by streamed reads.",
     );
     counter(
         text,
         "bufcache_writeback_waits_total",
-        "",
+        &Labels::new(),
         stats.writeback_waits,
         "Writers under pressure that waited for write-back in flight instead of writing back themselves.",
     );
     counter(
         text,
         "bufcache_eviction_candidates_examined_total",
-        "",
+        &Labels::new(),
         stats.eviction_candidates_examined,
         "Buffers the evictor asked about; busy ones are held off the queues, not walked.",
     );
     counter(
         text,
         "bufcache_space_failures_total",
-        "",
+        &Labels::new(),
         stats.space_failures,
         "Allocations that gave up waiting for space.",
     );
     counter(
         text,
         "bufcache_engine_device_flushes_total",
-        "",
+        &Labels::new(),
         stats.device_flushes,
         "Device flushes issued by the engine.",
     );
     counter(
         text,
         "bufcache_engine_device_flush_errors_total",
-        "",
+        &Labels::new(),
         stats.device_flush_errors,
         "Device flushes that failed.",
     );
     counter(
         text,
         "bufcache_engine_device_read_errors_total",
-        "",
+        &Labels::new(),
         stats.device_reads.errors,
         "Device reads that failed.",
     );
     counter(
         text,
         "bufcache_engine_device_write_errors_total",
-        "",
+        &Labels::new(),
         stats.device_writes.errors,
         "Device writes that failed.",
     );
@@ -907,7 +856,12 @@ fn cache_prometheus(text: &mut String, stats: &CacheStats) {
     );
 }
 
-fn direction_prometheus(text: &mut String, direction: &str, labels: &str, stats: &DirectionStats) {
+fn direction_prometheus(
+    text: &mut Exposition,
+    direction: &str,
+    labels: &Labels,
+    stats: &DirectionStats,
+) {
     let help = format!("Backend {direction} requests.");
     counter(
         text,
@@ -930,24 +884,19 @@ fn direction_prometheus(text: &mut String, direction: &str, labels: &str, stats:
         stats.errors,
         &format!("Backend {direction} failures."),
     );
-    let name = format!("bufcache_device_{direction}_request_size_bytes");
-    if !text.contains(&format!("# TYPE {name} ")) {
-        let _ = writeln!(
-            text,
-            "# HELP {name} Backend {direction} request sizes.\n# TYPE {name} histogram"
-        );
-    }
-    histogram_lines(
-        text,
-        &name,
-        labels,
-        stats.histogram[..HISTOGRAM_BUCKETS].iter().copied(),
-        |index| {
-            let limit = histogram_bucket_limit_bytes(index);
-            bound_or_infinity((limit != u64::MAX).then_some(&limit))
-        },
+    text.histogram(
+        &format!("bufcache_device_{direction}_request_size_bytes"),
+        labels.clone(),
+        buckets(
+            stats.histogram[..HISTOGRAM_BUCKETS].iter().copied(),
+            |index| {
+                let limit = histogram_bucket_limit_bytes(index);
+                (limit != u64::MAX).then_some(limit as f64)
+            },
+        ),
         stats.bytes as f64,
-        Some(stats.requests),
+        stats.requests,
+        &format!("Backend {direction} request sizes."),
     );
 }
 
@@ -1119,8 +1068,9 @@ mod tests {
         };
         stats.buffer_wait_buckets[0] = 2;
         stats.buffer_wait_buckets[bufcache::BUFFER_WAIT_BUCKET_COUNT - 1] = 1;
-        let mut text = String::new();
+        let mut text = Exposition::default();
         cache_prometheus(&mut text, &stats);
+        let text = text.render();
         let lines: Vec<&str> = text.lines().collect();
         for expected in [
             "bufcache_buffer_waits_total 3",
@@ -1129,7 +1079,7 @@ mod tests {
             "bufcache_buffer_wait_seconds_bucket{le=\"0.0001\"} 2",
             "bufcache_buffer_wait_seconds_bucket{le=\"10\"} 2",
             "bufcache_buffer_wait_seconds_bucket{le=\"+Inf\"} 3",
-            "bufcache_buffer_wait_seconds_sum 12",
+            "bufcache_buffer_wait_seconds_sum 12.0",
             "bufcache_buffer_wait_seconds_count 3",
         ] {
             assert!(

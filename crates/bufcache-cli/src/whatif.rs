@@ -129,21 +129,24 @@ impl WhatIfFeed {
         })
     }
 
-    /// The `/metrics` lines: gauge `bufcache_whatif_hit_ratio{policy,cache_size_bytes}`.
-    pub fn prometheus(&self, text: &mut String) {
+    /// The `/metrics` samples: gauge `bufcache_whatif_hit_ratio{policy,cache_size_bytes}`.
+    pub fn prometheus(&self, text: &mut crate::exposition::Exposition) {
         let (_, estimates) = self.snapshot();
-        text.push_str(
-            "# HELP bufcache_whatif_hit_ratio Hit ratio a cache of this size and policy would \
-             have had, estimated by miniature simulation.\n\
-             # TYPE bufcache_whatif_hit_ratio gauge\n",
-        );
         for estimate in estimates {
-            text.push_str(&format!(
-                "bufcache_whatif_hit_ratio{{policy=\"{}\",cache_size_bytes=\"{}\"}} {}\n",
-                estimate.policy.name(),
-                estimate.cache_size_bytes,
-                estimate.hit_ratio
-            ));
+            let labels = vec![
+                ("policy".to_string(), estimate.policy.name().to_string()),
+                (
+                    "cache_size_bytes".to_string(),
+                    estimate.cache_size_bytes.to_string(),
+                ),
+            ];
+            text.gauge(
+                "bufcache_whatif_hit_ratio",
+                labels,
+                estimate.hit_ratio,
+                "Hit ratio a cache of this size and policy would have had, estimated by \
+                 miniature simulation.",
+            );
         }
     }
 }
@@ -342,8 +345,9 @@ mod tests {
             .find(|line| line.contains("at 2× memory (2MiB)"))
             .unwrap_or_else(|| panic!("{lines:?}"));
         assert!(two.contains("→ 0.95"), "the loop fits at 2×: {two}");
-        let mut text = String::new();
-        feed.prometheus(&mut text);
+        let mut exposition = crate::exposition::Exposition::default();
+        feed.prometheus(&mut exposition);
+        let text = exposition.render();
         assert!(
             text.contains("bufcache_whatif_hit_ratio{policy=\"lru\",cache_size_bytes=\"2097152\"}"),
             "{text}"

@@ -6,7 +6,9 @@
 //! over moto an S3 log-layout disk with a local cache), make one write, read and flush on each,
 //! scrape both endpoints and reduce them to names (values and label values dropped), then
 //! compare with the snapshot files under tests/data/. A deliberate change rewrites them with
-//! BUFCACHE_UPDATE_SNAPSHOTS=1 and shows in the diff.
+//! BUFCACHE_UPDATE_SNAPSHOTS=1 and shows in the diff. The exposition must also be well formed
+//! with two exports: each family declared once, its samples right after its declaration
+//! (the text format's rule; a family two exports feed is one family).
 
 mod common;
 #[path = "../../bufcache-s3/tests/support/mod.rs"]
@@ -142,12 +144,41 @@ fn exercise(server: &Server, exports: &[&str]) {
     }
 }
 
+/// Panics unless every family is declared once (`# HELP`, then `# TYPE`) and each sample
+/// follows its own family's declaration with no other family in between.
+fn assert_families_grouped(text: &str) {
+    let mut declared = BTreeSet::new();
+    let mut current: Option<(String, String)> = None;
+    for line in text.lines().filter(|line| !line.trim().is_empty()) {
+        if let Some(declaration) = line.strip_prefix("# TYPE ") {
+            let (family, kind) = declaration.split_once(' ').expect("# TYPE name kind");
+            assert!(
+                declared.insert(family.to_string()),
+                "{family} declared twice:\n{text}"
+            );
+            current = Some((family.to_string(), kind.to_string()));
+        } else if !line.starts_with('#') {
+            let (family, kind) = current.as_ref().expect("a sample before any # TYPE");
+            let name = line.split(['{', ' ']).next().unwrap();
+            let belongs = match kind.as_str() {
+                "histogram" => ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .any(|suffix| name.strip_suffix(suffix) == Some(family.as_str())),
+                _ => name == family,
+            };
+            assert!(
+                belongs,
+                "sample `{line}` is not under its family (under {family}):\n{text}"
+            );
+        }
+    }
+}
+
 fn check_server(server: &Server, snapshot: &str) {
     let address = metrics_address(&server.log_text());
-    check_snapshot(
-        &format!("{snapshot}.metrics.txt"),
-        &metric_names(&get(&address, "/metrics")),
-    );
+    let text = get(&address, "/metrics");
+    assert_families_grouped(&text);
+    check_snapshot(&format!("{snapshot}.metrics.txt"), &metric_names(&text));
     let stats: serde_json::Value = serde_json::from_str(&get(&address, "/stats")).unwrap();
     let mut paths = BTreeSet::new();
     key_paths(&stats, "", &mut paths);
