@@ -43,14 +43,14 @@ pub fn config_cache(data: &[u8]) {
     let defaults = CacheConfig::default();
     let config = CacheConfig {
         page_size_bytes: input.size(defaults.page_size_bytes),
-        buffer_size_max_bytes: input.size(defaults.buffer_size_max_bytes),
-        transfer_size_max_bytes: input.size(defaults.transfer_size_max_bytes),
-        cluster_size_max_bytes: input.size(defaults.cluster_size_max_bytes),
+        buffer_bytes_max: input.size(defaults.buffer_bytes_max),
+        transfer_bytes_max: input.size(defaults.transfer_bytes_max),
+        cluster_bytes_max: input.size(defaults.cluster_bytes_max),
         memory_bytes_max: input.size(defaults.memory_bytes_max),
         buffers_max: input.size(defaults.buffers_max),
-        readahead_size_max_bytes: input.size(defaults.readahead_size_max_bytes),
+        readahead_bytes_max: input.size(defaults.readahead_bytes_max),
         readahead_size_initial_bytes: input.size(defaults.readahead_size_initial_bytes),
-        readahead_latency_size_max_bytes: input.size(defaults.readahead_latency_size_max_bytes),
+        readahead_latency_bytes_max: input.size(defaults.readahead_latency_bytes_max),
         streams_per_object_max: input.size(defaults.streams_per_object_max as u64) as usize,
         noreuse_sequential: input.bool(),
         policy: PolicyKind::ALL[usize::from(input.u8()) % PolicyKind::ALL.len()],
@@ -81,7 +81,7 @@ pub fn config_cache(data: &[u8]) {
         return;
     }
     // What validate promises: at least one largest buffer fits in memory.
-    assert!(config.charge_bytes(config.buffer_size_max_bytes) <= config.memory_bytes_max);
+    assert!(config.charge_bytes(config.buffer_bytes_max) <= config.memory_bytes_max);
     // Build the engine only when its tables are small: the policies preallocate for
     // min(buffers_max, memory / page) entries per shard.
     let shard_count = config.shards.next_power_of_two() as u64;

@@ -108,24 +108,23 @@ impl EngineArgs {
             config.buffers_max = value;
         }
         if let Some(value) = self.buffer_size_max {
-            config.buffer_size_max_bytes = value;
+            config.buffer_bytes_max = value;
         }
         if let Some(value) = self.transfer_size_max {
-            config.transfer_size_max_bytes = value;
+            config.transfer_bytes_max = value;
             if self.cluster_size_max.is_none() {
-                config.cluster_size_max_bytes = value;
+                config.cluster_bytes_max = value;
             }
         }
         if let Some(value) = self.cluster_size_max {
-            config.cluster_size_max_bytes = value;
+            config.cluster_bytes_max = value;
         }
         if let Some(value) = self.readahead_size_max {
-            config.readahead_size_max_bytes = value;
-            config.readahead_latency_size_max_bytes =
-                config.readahead_latency_size_max_bytes.max(value);
+            config.readahead_bytes_max = value;
+            config.readahead_latency_bytes_max = config.readahead_latency_bytes_max.max(value);
         }
         if let Some(value) = self.readahead_latency_size_max {
-            config.readahead_latency_size_max_bytes = value;
+            config.readahead_latency_bytes_max = value;
         }
         if let Some(value) = self.policy {
             config.policy = value;
@@ -167,11 +166,11 @@ impl EngineArgs {
         };
         if block_size == 0
             || !block_size.is_multiple_of(512)
-            || block_size > config.buffer_size_max_bytes
+            || block_size > config.buffer_bytes_max
         {
             anyhow::bail!(
                 "--block-size {block_size}{given} is invalid: must be a multiple of 512 up to --buffer-size-max ({})",
-                config.buffer_size_max_bytes
+                config.buffer_bytes_max
             );
         }
         Ok(block_size as u32)
@@ -185,7 +184,7 @@ impl EngineArgs {
     /// The io queue these flags describe, checked; None when they ask for no queue.
     pub fn queue_config(&self, config: &CacheConfig) -> anyhow::Result<Option<IoQueueConfig>> {
         let mut queue = IoQueueConfig {
-            transfer_size_max_bytes: config.transfer_size_max_bytes,
+            transfer_bytes_max: config.transfer_bytes_max,
             ..IoQueueConfig::default()
         };
         if let Some(mode) = self.io_queue {

@@ -520,7 +520,7 @@ fn sim_io_queue(
     }
     Ok(Some(SimIoQueue {
         depth_max,
-        ..SimIoQueue::new(mode, !engine.no_io_merge, config.transfer_size_max_bytes)
+        ..SimIoQueue::new(mode, !engine.no_io_merge, config.transfer_bytes_max)
     }))
 }
 

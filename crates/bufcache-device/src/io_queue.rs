@@ -1,7 +1,7 @@
 //! The io queue (seed 004's disksort and driver-level transaction clustering) as a wrapper
 //! device: requests from every thread pass through one bounded queue that orders them
 //! (`fifo`, or a one-way `elevator` sweep by offset) and merges adjacent same-direction
-//! requests into one vectored request of at most `transfer_size_max_bytes`.
+//! requests into one vectored request of at most `transfer_bytes_max`.
 //!
 //! There is no dispatcher thread. A submitting thread enqueues its request and, while fewer
 //! than `depth_max` requests are at the device, becomes the dispatcher for the best pending
@@ -74,7 +74,7 @@ pub struct IoQueueConfig {
     /// Requests waiting in the queue before submitters block. Default 256; at least 1.
     pub queued_max: usize,
     /// Largest merged request in bytes (MAXPHYS). Default 1 MiB.
-    pub transfer_size_max_bytes: u64,
+    pub transfer_bytes_max: u64,
     /// Read batches the queue takes ahead of waiting writes before it takes a write again:
     /// a read has a caller waiting for it, a write-back write does not, so reads go first,
     /// but a stream of reads never holds writes back for longer than this many batches.
@@ -89,7 +89,7 @@ impl Default for IoQueueConfig {
             merge: true,
             depth_max: 32,
             queued_max: 256,
-            transfer_size_max_bytes: 1 << 20,
+            transfer_bytes_max: 1 << 20,
             read_batches_ahead_max: 8,
         }
     }
@@ -211,7 +211,7 @@ pub struct Queued<T> {
 /// request, `elevator` the lowest offset at or after the head position (the end of the last
 /// batch), wrapping to the lowest (C-LOOK); with merging, every waiting request of the same
 /// direction that continues the batch forwards or backwards joins it, up to
-/// `transfer_size_max_bytes`.
+/// `transfer_bytes_max`.
 ///
 /// With reads preferred ([`QueueOrder::prefer_reads`]), the next batch is the next *read* in
 /// that order while reads and writes both wait, until `read_batches_ahead_max` read batches
@@ -223,7 +223,7 @@ pub struct Queued<T> {
 pub struct QueueOrder<T> {
     mode: QueueMode,
     merge: bool,
-    transfer_size_max_bytes: u64,
+    transfer_bytes_max: u64,
     /// Waiting requests by (offset, arrival number), or (arrival, arrival) in FIFO mode.
     pending: BTreeMap<(u64, u64), Queued<T>>,
     arrivals: u64,
@@ -239,11 +239,11 @@ pub struct QueueOrder<T> {
 
 impl<T> QueueOrder<T> {
     /// An empty queue ordering by `mode` (`None` orders like `Fifo`).
-    pub fn new(mode: QueueMode, merge: bool, transfer_size_max_bytes: u64) -> Self {
+    pub fn new(mode: QueueMode, merge: bool, transfer_bytes_max: u64) -> Self {
         QueueOrder {
             mode,
             merge,
-            transfer_size_max_bytes,
+            transfer_bytes_max,
             pending: BTreeMap::new(),
             arrivals: 0,
             head_position: 0,
@@ -381,7 +381,7 @@ impl<T> QueueOrder<T> {
         start: &mut u64,
         end: &mut u64,
     ) {
-        let limit = self.transfer_size_max_bytes;
+        let limit = self.transfer_bytes_max;
         loop {
             let adjacent = self.pending.iter().find(|(_, candidate)| {
                 candidate.direction == direction
@@ -423,7 +423,7 @@ impl<D: Device> IoQueue<D> {
         Ok(IoQueue {
             inner,
             state: Mutex::new(QueueState {
-                order: QueueOrder::new(config.mode, config.merge, config.transfer_size_max_bytes)
+                order: QueueOrder::new(config.mode, config.merge, config.transfer_bytes_max)
                     .prefer_reads(config.read_batches_ahead_max),
                 in_flight: 0,
             }),

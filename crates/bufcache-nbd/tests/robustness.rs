@@ -882,7 +882,7 @@ fn a_client_that_stops_reading_does_not_hold_up_other_clients_reads_that_miss() 
         Arc::new(NbdClient::connect(&upstream.tcp_uri("mem")).expect("upstream client"));
     let cache = bufcache_host::system_cache(bufcache::CacheConfig {
         memory_bytes_max: 64 << 20,
-        readahead_size_max_bytes: 0,
+        readahead_bytes_max: 0,
         ..bufcache::CacheConfig::default()
     })
     .expect("valid config");

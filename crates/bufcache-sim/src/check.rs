@@ -319,16 +319,16 @@ impl Scenario {
         let limit = background + rng.below(90 - background as u64 + 1) as u8;
         let policies = PolicyKind::ALL;
         let config = CacheConfig {
-            buffer_size_max_bytes: block,
-            transfer_size_max_bytes: (block * 8).max(4096),
-            cluster_size_max_bytes: block * cluster_blocks,
+            buffer_bytes_max: block,
+            transfer_bytes_max: (block * 8).max(4096),
+            cluster_bytes_max: block * cluster_blocks,
             memory_bytes_max: block * memory_blocks,
             buffers_max: if rng.below(4) == 0 {
                 2 + rng.below(memory_blocks)
             } else {
                 1 << 20
             },
-            readahead_size_max_bytes: if rng.below(3) == 0 {
+            readahead_bytes_max: if rng.below(3) == 0 {
                 0
             } else {
                 block * (1 + rng.below(8))
@@ -374,7 +374,7 @@ impl Scenario {
         let io_queue = (mode != QueueMode::None).then(|| IoQueueConfig {
             mode,
             merge: rng.below(4) != 0,
-            transfer_size_max_bytes: config.transfer_size_max_bytes,
+            transfer_bytes_max: config.transfer_bytes_max,
             depth_max: 1 + rng.below(4) as usize,
             ..IoQueueConfig::default()
         });
@@ -407,8 +407,8 @@ impl Scenario {
             self.clients,
             c.memory_bytes_max / 1024,
             c.buffers_max,
-            c.cluster_size_max_bytes / 1024,
-            c.readahead_size_max_bytes / 1024,
+            c.cluster_bytes_max / 1024,
+            c.readahead_bytes_max / 1024,
             c.policy.name(),
             c.dirty_background_percent,
             c.dirty_limit_percent,
@@ -482,7 +482,7 @@ impl Harness {
         // above it never holds more than one (one simulated thread calls at a time).
         core.set_io_queue(scenario.io_queue.as_ref().map(|queue| SimIoQueue {
             depth_max: queue.depth_max,
-            ..SimIoQueue::new(queue.mode, queue.merge, queue.transfer_size_max_bytes)
+            ..SimIoQueue::new(queue.mode, queue.merge, queue.transfer_bytes_max)
         }));
         let length: u64 = scenario.regions.iter().map(|r| r.length).sum();
         let mut device = SimDevice::new(core.clone(), length, "simulated disk");
@@ -882,7 +882,7 @@ impl Harness {
     /// Changes the memory limit at run time (seed 003's dynamic buffer area): shrinking
     /// evicts clean buffers and writes dirty ones back, which must lose nothing.
     fn resize(&mut self) {
-        let block = self.scenario.config.buffer_size_max_bytes;
+        let block = self.scenario.config.buffer_bytes_max;
         let memory = block * (2 + self.draw(15));
         let buffers = 2 + self.draw(32);
         self.enter(self.syncer_account);

@@ -103,7 +103,7 @@ pub struct DeviceTotals {
 /// while fewer than `depth_max` batches are at the disk the next batch is taken by the
 /// discipline (`Fifo`: oldest first; `Elevator`: a one-way sweep by offset from the end of the
 /// last batch), merging waiting adjacent same-direction requests up to
-/// `transfer_size_max_bytes` unless `merge` is off. The modelled drives do no command
+/// `transfer_bytes_max` unless `merge` is off. The modelled drives do no command
 /// queueing of their own, so a batch handed to a mechanical disk is committed to its FIFO
 /// order: `depth_max` 1 leaves every choice to the queue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,18 +113,18 @@ pub struct SimIoQueue {
     /// Merge adjacent waiting requests (`--no-io-merge` turns it off).
     pub merge: bool,
     /// Largest merged request, bytes.
-    pub transfer_size_max_bytes: u64,
+    pub transfer_bytes_max: u64,
     /// Batches at the disk at once (`--io-queue-depth`), at least 1.
     pub depth_max: usize,
 }
 
 impl SimIoQueue {
-    /// A queue of `mode` merging up to `transfer_size_max_bytes`, one batch at the disk.
-    pub fn new(mode: QueueMode, merge: bool, transfer_size_max_bytes: u64) -> Self {
+    /// A queue of `mode` merging up to `transfer_bytes_max`, one batch at the disk.
+    pub fn new(mode: QueueMode, merge: bool, transfer_bytes_max: u64) -> Self {
         SimIoQueue {
             mode,
             merge,
-            transfer_size_max_bytes,
+            transfer_bytes_max,
             depth_max: 1,
         }
     }
@@ -416,7 +416,7 @@ impl SimCore {
         let mut state = self.lock();
         self.has_io_queue.store(queue.is_some(), Ordering::Release);
         state.queue = queue.map(|config| QueueState {
-            order: QueueOrder::new(config.mode, config.merge, config.transfer_size_max_bytes),
+            order: QueueOrder::new(config.mode, config.merge, config.transfer_bytes_max),
             config: SimIoQueue {
                 depth_max: config.depth_max.max(1),
                 ..config

@@ -213,9 +213,9 @@ impl CustomRun {
         if let Some(m) = &report.memory {
             out.push_str(&format!(
                 "memory: pressure peak {:.1} MiB, buffer area {:.1}–{:.1} MiB ({} resizes), paged in {:.1} MiB in {} reads, out {:.1} MiB in {} writes\n",
-                m.pressure_max_bytes as f64 / 1048576.0,
+                m.pressure_bytes_max as f64 / 1048576.0,
                 m.area_min_bytes as f64 / 1048576.0,
-                m.area_max_bytes as f64 / 1048576.0,
+                m.area_bytes_max as f64 / 1048576.0,
                 m.resizes,
                 m.page_in_bytes as f64 / 1048576.0,
                 m.page_ins,
@@ -367,10 +367,10 @@ fn maxbsize(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
             };
             config.cache = sim_cache_config(CacheConfig {
                 page_size_bytes: 8192,
-                buffer_size_max_bytes: max,
-                cluster_size_max_bytes: max,
-                transfer_size_max_bytes: 64 << 10,
-                readahead_size_max_bytes: max,
+                buffer_bytes_max: max,
+                cluster_bytes_max: max,
+                transfer_bytes_max: 64 << 10,
+                readahead_bytes_max: max,
                 readahead_size_initial_bytes: 8192,
                 memory_bytes_max: options.size(8 << 20, 64 << 10),
                 ..CacheConfig::default()
@@ -888,12 +888,12 @@ fn newfs(options: &ExperimentOptions) -> Result<ExperimentResult, SimError> {
             });
             config.update_period = Some(Duration::from_secs(30));
             config.cache = sim_cache_config(CacheConfig {
-                cluster_size_max_bytes: cluster,
-                transfer_size_max_bytes: MAXPHYS_BYTES,
-                buffer_size_max_bytes: bs,
-                readahead_size_max_bytes: window,
+                cluster_bytes_max: cluster,
+                transfer_bytes_max: MAXPHYS_BYTES,
+                buffer_bytes_max: bs,
+                readahead_bytes_max: window,
                 readahead_size_initial_bytes: window.min(16 << 10),
-                readahead_latency_size_max_bytes: (16u64 << 20).max(window),
+                readahead_latency_bytes_max: (16u64 << 20).max(window),
                 memory_bytes_max: options.size(16 << 20, 1 << 20),
                 ..CacheConfig::default()
             });
@@ -1434,8 +1434,8 @@ fn clustering(options: &ExperimentOptions) -> Result<ExperimentResult, SimError>
                 rotdelay_ms: 0.0,
             };
             config.cache = sim_cache_config(CacheConfig {
-                cluster_size_max_bytes: cluster,
-                readahead_size_max_bytes: cluster,
+                cluster_bytes_max: cluster,
+                readahead_bytes_max: cluster,
                 readahead_size_initial_bytes: 4096,
                 memory_bytes_max: options.size(if is_rz25 { 8 << 20 } else { 64 << 20 }, bs),
                 ..CacheConfig::default()
@@ -1644,7 +1644,7 @@ fn driver_clustering(options: &ExperimentOptions) -> Result<ExperimentResult, Si
                 config.io_queue = Some(SimIoQueue::new(
                     mode,
                     merge,
-                    config.cache.transfer_size_max_bytes,
+                    config.cache.transfer_bytes_max,
                 ));
                 config.io_daemons = SERVE_BACKGROUND_WORKERS;
                 // NetBSD 1.6's FFS without soft updates (the seed's "w/o softdeps"): 8K/1K,
@@ -1851,7 +1851,7 @@ fn dynamic_buffers(options: &ExperimentOptions) -> Result<ExperimentResult, SimE
             config.io_queue = Some(SimIoQueue::new(
                 QueueMode::Elevator,
                 false,
-                config.cache.transfer_size_max_bytes,
+                config.cache.transfer_bytes_max,
             ));
             config.io_daemons = SERVE_BACKGROUND_WORKERS;
             let report = run_custom_with(&config, &spec)?.report;
@@ -1871,12 +1871,12 @@ fn dynamic_buffers(options: &ExperimentOptions) -> Result<ExperimentResult, SimE
                     (true, false) => "dynamic, no dontneed (what-if)",
                 }),
                 num(memory.area_min_bytes as f64 / mib as f64, 0),
-                num(memory.area_max_bytes as f64 / mib as f64, 0),
+                num(memory.area_bytes_max as f64 / mib as f64, 0),
                 num(report.elapsed_s, 3),
                 num(sys, 3),
                 num(report.cache.hit_ratio, 3),
                 num(report.device.reads as f64, 0),
-                num(memory.pressure_max_bytes as f64 / mib as f64, 1),
+                num(memory.pressure_bytes_max as f64 / mib as f64, 1),
                 num(memory.pressure_byte_seconds / mib as f64, 1),
                 num(memory.resizes as f64, 0),
                 num(memory.page_in_bytes as f64 / mib as f64, 1),
@@ -1893,7 +1893,7 @@ fn dynamic_buffers(options: &ExperimentOptions) -> Result<ExperimentResult, SimE
                 continue;
             }
             rows.push((report.elapsed_s, sys, memory.page_outs as f64));
-            let point = (jobs as f64, memory.pressure_max_bytes as f64 / mib as f64);
+            let point = (jobs as f64, memory.pressure_bytes_max as f64 / mib as f64);
             if dynamic {
                 dynamic_points.push(point);
             } else {

@@ -87,7 +87,7 @@ pub struct ReplayOptions {
     /// default 16, a device queue depth). The disk models serve them in issue order.
     pub streams: u32,
     /// Block (buffer) size of the replayed object, bytes: a power of two from 512 to the
-    /// engine's `buffer_size_max_bytes`. Requests are rounded out to whole blocks.
+    /// engine's `buffer_bytes_max`. Requests are rounded out to whole blocks.
     pub block_size: u64,
     /// Replay only the first this many requests of the trace (counting skipped ones).
     pub max_requests: Option<u64>,
@@ -501,10 +501,10 @@ pub fn replay_trace_with(
 ) -> Result<ReplayReport, SimError> {
     options.validate()?;
     let block = options.block_size;
-    if block > config.cache.buffer_size_max_bytes {
+    if block > config.cache.buffer_bytes_max {
         return Err(SimError::Invalid(format!(
             "block_size = {} is invalid: above the engine's buffer_size_max ({})",
-            block, config.cache.buffer_size_max_bytes
+            block, config.cache.buffer_bytes_max
         )));
     }
     let limit = options.max_requests.unwrap_or(u64::MAX);

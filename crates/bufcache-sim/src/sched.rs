@@ -300,13 +300,13 @@ pub const PAGE_OUTS_IN_FLIGHT_MAX: usize = 4;
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct MemoryReport {
     /// Largest pressure seen (demand plus buffer pages beyond RAM), bytes.
-    pub pressure_max_bytes: u64,
+    pub pressure_bytes_max: u64,
     /// Pressure integrated over time, byte-seconds (mean pressure × run time).
     pub pressure_byte_seconds: f64,
     /// Smallest and largest memory limit the buffer area had.
     pub area_min_bytes: u64,
     /// Largest memory limit the buffer area had.
-    pub area_max_bytes: u64,
+    pub area_bytes_max: u64,
     /// Times the pager changed the limit.
     pub resizes: u64,
     /// Bytes paged in from swap (with a paging model).
@@ -342,14 +342,14 @@ struct Pager {
     process_deficit_bytes: u64,
     /// When the pager last looked, and the longest time between two of its looks.
     look_last_ns: u64,
-    look_gap_max_ns: u64,
+    look_gap_ns_max: u64,
 }
 
 /// How the pager kept up over a run (for tests and diagnosis).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct PagerActivity {
     /// The longest time between two looks of the pager, ns.
-    pub look_gap_max_ns: u64,
+    pub look_gap_ns_max: u64,
     /// The most page-out writes in flight at once.
     pub page_outs_in_flight_peak: usize,
     /// The bound on page-out writes in flight.
@@ -1416,10 +1416,10 @@ impl Simulation {
             scan_next_ns: 0,
             process_deficit_bytes: 0,
             look_last_ns: 0,
-            look_gap_max_ns: 0,
+            look_gap_ns_max: 0,
             report: MemoryReport {
                 area_min_bytes: config.cache.memory_bytes_max,
-                area_max_bytes: config.cache.memory_bytes_max,
+                area_bytes_max: config.cache.memory_bytes_max,
                 ..MemoryReport::default()
             },
             model,
@@ -1783,8 +1783,8 @@ impl Simulation {
             pager.last_pressure_bytes as f64 * seconds(time - pager.last_ns);
         pager.last_ns = time;
         pager.last_pressure_bytes = pressure;
-        pager.report.pressure_max_bytes = pager.report.pressure_max_bytes.max(pressure);
-        pager.look_gap_max_ns = pager.look_gap_max_ns.max(time - pager.look_last_ns);
+        pager.report.pressure_bytes_max = pager.report.pressure_bytes_max.max(pressure);
+        pager.look_gap_ns_max = pager.look_gap_ns_max.max(time - pager.look_last_ns);
         pager.look_last_ns = time;
         let period = (model.period.as_nanos() as u64).max(1);
         // Without the page cache: under pressure the page daemon reclaims unwired buffer
@@ -1817,7 +1817,7 @@ impl Simulation {
             pager.area_bytes = area;
             pager.report.resizes += 1;
             pager.report.area_min_bytes = pager.report.area_min_bytes.min(area);
-            pager.report.area_max_bytes = pager.report.area_max_bytes.max(area);
+            pager.report.area_bytes_max = pager.report.area_bytes_max.max(area);
             let buffers_max = pager.buffers_max;
             self.world.core.enter(account, time);
             entered = true;
@@ -1976,7 +1976,7 @@ impl Simulation {
         let pager = self.pager.as_ref()?;
         let paging = self.world.paging.as_ref();
         Some(PagerActivity {
-            look_gap_max_ns: pager.look_gap_max_ns,
+            look_gap_ns_max: pager.look_gap_ns_max,
             page_outs_in_flight_peak: paging.map_or(0, |p| p.page_outs_in_flight_peak),
             page_outs_in_flight_max: paging.map_or(0, |p| p.model.page_outs_in_flight_max),
             page_outs_async: paging.map_or(0, |p| p.page_outs - p.page_outs_waited),

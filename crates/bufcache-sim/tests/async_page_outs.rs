@@ -68,7 +68,7 @@ fn the_pager_keeps_looking_every_period_while_its_page_outs_are_in_flight() {
             "every slot was busy at once"
         );
         assert!(
-            activity.look_gap_max_ns <= Duration::from_millis(100).as_nanos() as u64,
+            activity.look_gap_ns_max <= Duration::from_millis(100).as_nanos() as u64,
             "page_cache {page_cache}: the pager looked again within its period: {activity:?}"
         );
     }

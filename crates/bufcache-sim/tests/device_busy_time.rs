@@ -16,7 +16,7 @@ fn busy_time_fits_in_the_time_until_the_last_request_completed() {
         (
             "dd:write,bs=1M,count=86",
             bufcache::CacheConfig {
-                cluster_size_max_bytes: 16 << 10,
+                cluster_bytes_max: 16 << 10,
                 ..Default::default()
             },
         ),

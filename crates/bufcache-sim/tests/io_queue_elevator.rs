@@ -35,7 +35,7 @@ fn scattered_reads(mode: QueueMode, seed: u64) -> (Vec<Dispatch>, u64) {
     let mut config = SimConfig::new(disk.clone(), bufcache_sim::host_for(&disk));
     config.seed = seed;
     config.cache.memory_bytes_max = 256 << 10;
-    config.cache.readahead_size_max_bytes = 0;
+    config.cache.readahead_bytes_max = 0;
     config.io_queue = Some(SimIoQueue::new(mode, false, 1 << 20));
     let mut sim = Simulation::new(&config).unwrap();
     let file = sim.create_file("data", 256 << 20).unwrap();

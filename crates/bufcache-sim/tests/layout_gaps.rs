@@ -60,7 +60,7 @@ fn write_requests(maxcontig: u32, rotdelay_ms: f64) -> (u64, u64) {
     let mut config = SimConfig::new(DiskSpec::hdd7200(), HostCosts::modern());
     config.layout = layout(maxcontig, rotdelay_ms);
     config.cache = sim_cache_config(bufcache::CacheConfig {
-        cluster_size_max_bytes: 256 << 10,
+        cluster_bytes_max: 256 << 10,
         ..Default::default()
     });
     let mut sim = Simulation::new(&config).unwrap();

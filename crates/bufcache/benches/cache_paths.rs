@@ -74,13 +74,13 @@ fn cache_with(memory_bytes_max: u64) -> (Cache, ObjectHandle) {
 
 fn cache_over(
     memory_bytes_max: u64,
-    readahead_size_max_bytes: u64,
+    readahead_bytes_max: u64,
     device: Arc<dyn Device>,
 ) -> (Cache, ObjectHandle) {
     let config = CacheConfig {
         memory_bytes_max,
         buffers_max: memory_bytes_max / 4096,
-        readahead_size_max_bytes,
+        readahead_bytes_max,
         ..CacheConfig::default()
     };
     let environment = Environment::new(

@@ -181,9 +181,7 @@ impl Cache {
     /// set, and later allocations keep freeing space until they fit).
     pub fn set_limits(&self, memory_bytes_max: u64, buffers_max: u64) -> Result<(), CacheError> {
         let inner = &self.inner;
-        let page_rounded = inner
-            .config
-            .charge_bytes(inner.config.buffer_size_max_bytes);
+        let page_rounded = inner.config.charge_bytes(inner.config.buffer_bytes_max);
         if memory_bytes_max < page_rounded || buffers_max == 0 {
             return Err(CacheError::Config(ConfigError::OutOfRange {
                 field: "memory_bytes_max",

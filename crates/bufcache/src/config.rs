@@ -1,7 +1,7 @@
 //! `CacheConfig`: every knob of the engine, its documented default, and its validation.
 //!
-//! The vocabulary follows the BSD names the seeds use: `buffer_size_max_bytes` is MAXBSIZE,
-//! `transfer_size_max_bytes` is MAXPHYS, `cluster_size_max_bytes` is the cluster limit
+//! The vocabulary follows the BSD names the seeds use: `buffer_bytes_max` is MAXBSIZE,
+//! `transfer_bytes_max` is MAXPHYS, `cluster_bytes_max` is the cluster limit
 //! (maxcontig × block size), `buffers_max` is NBUF and `memory_bytes_max` is BUFPAGES × page
 //! size. `validate` checks each value's range and the relations between them and names the
 //! field and the allowed range in its error.
@@ -49,27 +49,27 @@ pub struct CacheConfig {
     pub page_size_bytes: u64,
     /// Largest buffer (MAXBSIZE): no object may use a larger block. Default 64 KiB; a multiple
     /// of 512 from 512 B to 16 MiB.
-    pub buffer_size_max_bytes: u64,
+    pub buffer_bytes_max: u64,
     /// Largest single device request (MAXPHYS). Default 1 MiB; 4 KiB to 256 MiB.
-    pub transfer_size_max_bytes: u64,
+    pub transfer_bytes_max: u64,
     /// Largest clustered read or write (maxcontig × block size). Default 1 MiB (= the default
     /// transfer size); 16 KiB reproduces the 1995 kernel of seed 000. At most
-    /// `transfer_size_max_bytes`; at least one block.
-    pub cluster_size_max_bytes: u64,
+    /// `transfer_bytes_max`; at least one block.
+    pub cluster_bytes_max: u64,
     /// Memory for buffer data (BUFPAGES × page size). Default 256 MiB; at least one buffer.
     pub memory_bytes_max: u64,
     /// Buffer headers (NBUF). Default 65,536; at least 1.
     pub buffers_max: u64,
     /// Read-ahead window limit per stream. Default 1 MiB; 0 turns read-ahead off.
-    pub readahead_size_max_bytes: u64,
+    pub readahead_bytes_max: u64,
     /// Read-ahead window limit for a stream whose reader had to wait for read-ahead still in
     /// flight — the sign of a device with a per-request latency the window does not cover.
-    /// Each such wait doubles that stream's limit, from `readahead_size_max_bytes` up to this,
+    /// Each such wait doubles that stream's limit, from `readahead_bytes_max` up to this,
     /// so enough cluster-sized requests are in flight to cover bandwidth × latency. Default
-    /// 16 MiB; at least `readahead_size_max_bytes`, at most 1 GiB.
-    pub readahead_latency_size_max_bytes: u64,
+    /// 16 MiB; at least `readahead_bytes_max`, at most 1 GiB.
+    pub readahead_latency_bytes_max: u64,
     /// Read-ahead window of a newly detected sequential stream. Default 16 KiB; grows ×4 per
-    /// window up to `readahead_size_max_bytes`.
+    /// window up to `readahead_bytes_max`.
     pub readahead_size_initial_bytes: u64,
     /// Sequential streams remembered per object. Default 8 (nbdcopy uses 4 connections).
     pub streams_per_object_max: usize,
@@ -118,14 +118,14 @@ impl Default for CacheConfig {
     fn default() -> Self {
         CacheConfig {
             page_size_bytes: 4096,
-            buffer_size_max_bytes: 64 << 10,
-            transfer_size_max_bytes: 1 << 20,
-            cluster_size_max_bytes: 1 << 20,
+            buffer_bytes_max: 64 << 10,
+            transfer_bytes_max: 1 << 20,
+            cluster_bytes_max: 1 << 20,
             memory_bytes_max: 256 << 20,
             buffers_max: 65_536,
-            readahead_size_max_bytes: 1 << 20,
+            readahead_bytes_max: 1 << 20,
             readahead_size_initial_bytes: 16 << 10,
-            readahead_latency_size_max_bytes: 16 << 20,
+            readahead_latency_bytes_max: 16 << 20,
             streams_per_object_max: 8,
             noreuse_sequential: true,
             policy: PolicyKind::S3Fifo,
@@ -191,54 +191,46 @@ impl CacheConfig {
                 "must be a power of two from 512B to 64KiB",
             ));
         }
-        check_size(
-            "buffer_size_max",
-            self.buffer_size_max_bytes,
-            512,
-            16 << 20,
-            512,
-        )?;
+        check_size("buffer_size_max", self.buffer_bytes_max, 512, 16 << 20, 512)?;
         check_size(
             "transfer_size_max",
-            self.transfer_size_max_bytes,
+            self.transfer_bytes_max,
             4096,
             256 << 20,
             512,
         )?;
         check_size(
             "cluster_size_max",
-            self.cluster_size_max_bytes,
+            self.cluster_bytes_max,
             512,
             256 << 20,
             512,
         )?;
-        if self.cluster_size_max_bytes > self.transfer_size_max_bytes {
+        if self.cluster_bytes_max > self.transfer_bytes_max {
             return Err(self.conflict(
                 "cluster_size_max",
-                self.cluster_size_max_bytes,
+                self.cluster_bytes_max,
                 "transfer_size_max",
-                self.transfer_size_max_bytes,
+                self.transfer_bytes_max,
                 "a cluster is one device request, so it cannot exceed the largest request",
             ));
         }
-        if self.buffer_size_max_bytes > self.transfer_size_max_bytes {
+        if self.buffer_bytes_max > self.transfer_bytes_max {
             return Err(self.conflict(
                 "buffer_size_max",
-                self.buffer_size_max_bytes,
+                self.buffer_bytes_max,
                 "transfer_size_max",
-                self.transfer_size_max_bytes,
+                self.transfer_bytes_max,
                 "one buffer must fit in one device request",
             ));
         }
-        let page_rounded_buffer = self
-            .buffer_size_max_bytes
-            .next_multiple_of(self.page_size_bytes);
+        let page_rounded_buffer = self.buffer_bytes_max.next_multiple_of(self.page_size_bytes);
         if self.memory_bytes_max < page_rounded_buffer {
             return Err(self.conflict(
                 "memory_bytes_max",
                 self.memory_bytes_max,
                 "buffer_size_max",
-                self.buffer_size_max_bytes,
+                self.buffer_bytes_max,
                 "the cache must hold at least one buffer of the largest size",
             ));
         }
@@ -249,22 +241,22 @@ impl CacheConfig {
                 "must be from 1 to 2^31",
             ));
         }
-        if self.readahead_size_max_bytes > 1 << 30 {
+        if self.readahead_bytes_max > 1 << 30 {
             return Err(out_of_range(
                 "readahead_size_max",
-                format_size(self.readahead_size_max_bytes),
+                format_size(self.readahead_bytes_max),
                 "must be at most 1GiB (0 turns read-ahead off)",
             ));
         }
-        if self.readahead_latency_size_max_bytes < self.readahead_size_max_bytes
-            || self.readahead_latency_size_max_bytes > 1 << 30
+        if self.readahead_latency_bytes_max < self.readahead_bytes_max
+            || self.readahead_latency_bytes_max > 1 << 30
         {
             return Err(out_of_range(
                 "readahead_latency_size_max",
-                format_size(self.readahead_latency_size_max_bytes),
+                format_size(self.readahead_latency_bytes_max),
                 &format!(
                     "must be from readahead_size_max ({}) to 1GiB",
-                    format_size(self.readahead_size_max_bytes)
+                    format_size(self.readahead_bytes_max)
                 ),
             ));
         }
@@ -369,7 +361,7 @@ mod tests {
     fn defaults_are_valid_and_relations_are_checked() {
         CacheConfig::default().validate().unwrap();
         let config = CacheConfig {
-            cluster_size_max_bytes: 2 << 20,
+            cluster_bytes_max: 2 << 20,
             ..CacheConfig::default()
         };
         let error = config.validate().unwrap_err().to_string();
@@ -378,7 +370,7 @@ mod tests {
             "{error}"
         );
         let config = CacheConfig {
-            buffer_size_max_bytes: 1000,
+            buffer_bytes_max: 1000,
             ..CacheConfig::default()
         };
         assert!(config

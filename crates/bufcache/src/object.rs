@@ -73,8 +73,8 @@ pub struct ObjectConfig {
     pub name: String,
     /// Where the bytes live.
     pub device: Arc<dyn Device>,
-    /// Block (buffer) size. Default 4 KiB. A multiple of 512 up to `buffer_size_max_bytes`
-    /// and `cluster_size_max_bytes`.
+    /// Block (buffer) size. Default 4 KiB. A multiple of 512 up to `buffer_bytes_max`
+    /// and `cluster_bytes_max`.
     pub block_size_bytes: u32,
     /// Object length. Default (None): the device's length (with the identity map).
     pub length_bytes: Option<u64>,
@@ -172,19 +172,17 @@ impl ObjectState {
             reason,
         };
         let block_size = config.block_size_bytes as u64;
-        if block_size == 0
-            || !block_size.is_multiple_of(512)
-            || block_size > cache.buffer_size_max_bytes
+        if block_size == 0 || !block_size.is_multiple_of(512) || block_size > cache.buffer_bytes_max
         {
             return Err(invalid(format!(
                 "block size {block_size} must be a multiple of 512 up to buffer_size_max ({})",
-                cache.buffer_size_max_bytes
+                cache.buffer_bytes_max
             )));
         }
-        if block_size > cache.cluster_size_max_bytes {
+        if block_size > cache.cluster_bytes_max {
             return Err(invalid(format!(
                 "block size {block_size} exceeds cluster_size_max ({}): a cluster holds at least one block",
-                cache.cluster_size_max_bytes
+                cache.cluster_bytes_max
             )));
         }
         let device_length = config.device.len();
@@ -215,11 +213,11 @@ impl ObjectState {
             };
         // A write cluster covers at least one whole write unit, or every unit would be
         // written in pieces (an object-store chunk read, merged and uploaded once per piece).
-        let cluster_blocks = (cache.cluster_size_max_bytes / block_size)
+        let cluster_blocks = (cache.cluster_bytes_max / block_size)
             .max(write_unit_bytes / block_size)
             .max(1);
         let readahead_window = |bytes: u64| {
-            if cache.readahead_size_max_bytes == 0 {
+            if cache.readahead_bytes_max == 0 {
                 0
             } else {
                 bytes.max(write_unit_bytes) / block_size
@@ -245,8 +243,8 @@ impl ObjectState {
                 initial_blocks: readahead_blocks(cache.readahead_size_initial_bytes),
                 // A window covers at least one write unit when read-ahead is on, so a
                 // sequential reader of an object store fetches whole chunks.
-                max_blocks: readahead_window(cache.readahead_size_max_bytes),
-                latency_max_blocks: readahead_window(cache.readahead_latency_size_max_bytes),
+                max_blocks: readahead_window(cache.readahead_bytes_max),
+                latency_blocks_max: readahead_window(cache.readahead_latency_bytes_max),
                 streams_max: cache.streams_per_object_max,
                 object_blocks: block_count,
                 // Set at each read from the cache's limits then (they change at run time).

@@ -9,13 +9,13 @@
 //! A stream's second sequential read opens a window of `readahead_size_initial_bytes` read in
 //! the same device request as the miss (synchronous read-ahead). The first block of each
 //! window is its trigger: when a reader reaches it, the next window — four times larger, up to
-//! `readahead_size_max_bytes` — is issued asynchronously, so it is in flight before the reader
+//! `readahead_bytes_max` — is issued asynchronously, so it is in flight before the reader
 //! gets there (Linux's PG_readahead marker, FreeBSD's B_RAM).
 //!
 //! Over a device with a per-request latency (an upstream server, object storage) a window of
-//! `readahead_size_max_bytes` can leave the reader waiting for read-ahead still in flight.
+//! `readahead_bytes_max` can leave the reader waiting for read-ahead still in flight.
 //! Each such wait doubles that stream's own window limit, up to
-//! `readahead_latency_size_max_bytes`; windows are read as cluster-sized requests in
+//! `readahead_latency_bytes_max`; windows are read as cluster-sized requests in
 //! parallel, so a larger window means more requests in flight — enough, after a few waits, to
 //! cover bandwidth × latency. A stream on a fast device never waits and keeps the base limit.
 //!
@@ -61,7 +61,7 @@ pub(crate) struct WindowLimits {
     pub initial_blocks: u64,
     pub max_blocks: u64,
     /// The most a stream's limit grows to when its reader waits for read-ahead.
-    pub latency_max_blocks: u64,
+    pub latency_blocks_max: u64,
     pub streams_max: usize,
     pub object_blocks: u64,
     /// Blocks of read-ahead not yet used the cache can hold now (a share of its buffers);
@@ -99,11 +99,11 @@ impl StreamTable {
         };
         self.streams[index].next_block = end;
         self.streams[index].last_use = tick;
-        let latency_max_blocks = self.latency_max_blocks(limits);
+        let latency_blocks_max = self.latency_blocks_max(limits);
         let stream = &mut self.streams[index];
         let max_blocks = stream
             .max_blocks
-            .min(latency_max_blocks)
+            .min(latency_blocks_max)
             .max(limits.max_blocks);
         let clamp = |block: u64| block.min(limits.object_blocks);
         if stream.window_blocks == 0 || first >= stream.ahead_end_block {
@@ -145,9 +145,9 @@ impl StreamTable {
     }
 
     /// The reader of the stream now at `next_block` waited for read-ahead in flight: double
-    /// the stream's window limit, up to `latency_max_blocks`, once its windows are full size.
+    /// the stream's window limit, up to `latency_blocks_max`, once its windows are full size.
     pub fn reader_waited(&mut self, next_block: u64, limits: WindowLimits) {
-        let latency_max_blocks = self.latency_max_blocks(limits);
+        let latency_blocks_max = self.latency_blocks_max(limits);
         let Some(stream) = self.streams.iter_mut().find(|s| s.next_block == next_block) else {
             return;
         };
@@ -156,14 +156,14 @@ impl StreamTable {
         // reader that outruns a full-size window shows latency the window does not cover.
         if stream.window_blocks >= current_max {
             let doubled = (current_max * 2).max(1);
-            stream.max_blocks = doubled.min(latency_max_blocks);
+            stream.max_blocks = doubled.min(latency_blocks_max);
         }
     }
 
-    /// The largest window latency may grow a stream's to now: `latency_max_blocks`, but no
+    /// The largest window latency may grow a stream's to now: `latency_blocks_max`, but no
     /// more than the stream's even share of `spare_blocks` among the active streams, and
     /// never below the base limit.
-    fn latency_max_blocks(&self, limits: WindowLimits) -> u64 {
+    fn latency_blocks_max(&self, limits: WindowLimits) -> u64 {
         let active = self
             .streams
             .iter()
@@ -171,7 +171,7 @@ impl StreamTable {
             .count()
             .max(1) as u64;
         limits
-            .latency_max_blocks
+            .latency_blocks_max
             .min(limits.spare_blocks / active)
             .max(limits.max_blocks)
     }
@@ -210,7 +210,7 @@ mod tests {
     const LIMITS: WindowLimits = WindowLimits {
         initial_blocks: 4,
         max_blocks: 256,
-        latency_max_blocks: 4096,
+        latency_blocks_max: 4096,
         streams_max: 8,
         object_blocks: 1 << 30,
         spare_blocks: u64::MAX,
@@ -275,7 +275,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(largest[0], LIMITS.latency_max_blocks, "the waiting stream");
+        assert_eq!(largest[0], LIMITS.latency_blocks_max, "the waiting stream");
         assert_eq!(largest[1], LIMITS.max_blocks, "the stream that never waits");
     }
 

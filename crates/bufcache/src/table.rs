@@ -1203,7 +1203,7 @@ mod tests {
 
     fn table(buffers: u64) -> Table {
         let config = CacheConfig {
-            buffer_size_max_bytes: BLOCK,
+            buffer_bytes_max: BLOCK,
             memory_bytes_max: buffers * BLOCK,
             buffers_max: buffers,
             shards: 1,

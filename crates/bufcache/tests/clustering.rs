@@ -62,11 +62,11 @@ fn sequential_writes_are_clustered_up_to_cluster_size_max() {
         let label = format!("cluster {cluster} memory {memory}");
         let device = counted(16 * MIB);
         let config = CacheConfig {
-            cluster_size_max_bytes: cluster,
+            cluster_bytes_max: cluster,
             memory_bytes_max: memory,
             ..CacheConfig::default()
         };
-        let transfer_max = config.transfer_size_max_bytes;
+        let transfer_max = config.transfer_bytes_max;
         let cache = inline_cache(config);
         let handle = open(&cache, device.clone());
         let mut block = vec![0u8; 4096];
@@ -402,7 +402,7 @@ fn write_back_runs_cover_whole_write_units() {
     });
     let cache = inline_cache(CacheConfig {
         memory_bytes_max: MIB,
-        cluster_size_max_bytes: 32 << 10,
+        cluster_bytes_max: 32 << 10,
         ..CacheConfig::default()
     });
     let handle = open(&cache, device.clone() as Arc<dyn Device>);

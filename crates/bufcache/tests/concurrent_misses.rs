@@ -31,7 +31,7 @@ fn setup() -> (Cache, ObjectHandle, Arc<CountingDevice<Slow>>, Slow) {
     let counting = Arc::new(CountingDevice::new(fault.clone()));
     let cache = bufcache_host::system_cache(CacheConfig {
         memory_bytes_max: 1 << 20,
-        readahead_size_max_bytes: 0,
+        readahead_bytes_max: 0,
         ..CacheConfig::default()
     })
     .unwrap();

@@ -109,11 +109,11 @@ fn run_seed(seed: u64) {
     let device = Arc::new(CrashDevice::new(length, seed));
     let config = CacheConfig {
         page_size_bytes: 4096,
-        buffer_size_max_bytes: block_bytes,
+        buffer_bytes_max: block_bytes,
         memory_bytes_max: 8 * 4096,
         buffers_max: 8,
-        cluster_size_max_bytes: if clustered { 64 << 10 } else { block_bytes },
-        readahead_size_max_bytes: if clustered { 64 << 10 } else { 0 },
+        cluster_bytes_max: if clustered { 64 << 10 } else { block_bytes },
+        readahead_bytes_max: if clustered { 64 << 10 } else { 0 },
         readahead_size_initial_bytes: block_bytes * 2,
         policy,
         space_wait_max: Duration::from_millis(200),
@@ -262,7 +262,7 @@ fn run_seed(seed: u64) {
     // After power returns, a fresh cache serves exactly the durable image.
     device.restart();
     let cache = bufcache_host::system_cache(CacheConfig {
-        buffer_size_max_bytes: block_bytes,
+        buffer_bytes_max: block_bytes,
         memory_bytes_max: 16 * 4096,
         ..CacheConfig::default()
     })

@@ -22,7 +22,7 @@ fn setup(
     let config = CacheConfig {
         memory_bytes_max,
         buffers_max: memory_bytes_max / 4096,
-        readahead_size_max_bytes: 0,
+        readahead_bytes_max: 0,
         dirty_limit_percent: 90,
         dirty_background_percent: 90,
         write_behind: false,

@@ -17,11 +17,11 @@ use rand::{Rng, SeedableRng};
 
 fn tiny_cache() -> Cache {
     bufcache_host::system_cache(CacheConfig {
-        buffer_size_max_bytes: 4096,
+        buffer_bytes_max: 4096,
         memory_bytes_max: 32 << 10,
         buffers_max: 8,
-        readahead_size_max_bytes: 0,
-        cluster_size_max_bytes: 4096,
+        readahead_bytes_max: 0,
+        cluster_bytes_max: 4096,
         policy: PolicyKind::Lru,
         shards: 2,
         space_wait_max: Duration::from_secs(2),

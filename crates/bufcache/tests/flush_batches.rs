@@ -150,7 +150,7 @@ fn cache_over_gated_writes(
     let cache = Cache::with_environment(
         CacheConfig {
             memory_bytes_max: 8 << 20,
-            readahead_size_max_bytes: 0,
+            readahead_bytes_max: 0,
             ..CacheConfig::default()
         },
         Environment::new(clock, Arc::new(InlineSpawner), waiter),
@@ -191,7 +191,7 @@ fn open_fresh() -> (
     let device = Arc::new(BatchLog::new(slow_device()));
     let cache = bufcache_host::system_cache(CacheConfig {
         memory_bytes_max: 8 << 20,
-        readahead_size_max_bytes: 0,
+        readahead_bytes_max: 0,
         ..CacheConfig::default()
     })
     .unwrap();
@@ -504,7 +504,7 @@ fn a_flush_waits_for_a_discard_that_dropped_dirty_blocks_it_covers() {
     let device = Arc::new(gated);
     let cache = bufcache_host::system_cache(CacheConfig {
         memory_bytes_max: 8 << 20,
-        readahead_size_max_bytes: 0,
+        readahead_bytes_max: 0,
         ..CacheConfig::default()
     })
     .unwrap();

@@ -114,7 +114,7 @@ fn a_flush_over_a_slow_device_keeps_several_writes_in_flight_and_loses_nothing()
     });
     let cache = bufcache_host::system_cache(CacheConfig {
         memory_bytes_max: 8 << 20,
-        readahead_size_max_bytes: 0,
+        readahead_bytes_max: 0,
         ..CacheConfig::default()
     })
     .unwrap();
@@ -169,7 +169,7 @@ fn flush_helpers_write_each_whole_cluster_with_one_request() {
     let device = Arc::new(bufcache::CountingDevice::new(slow));
     let cache = bufcache_host::system_cache(CacheConfig {
         memory_bytes_max: 32 << 20,
-        readahead_size_max_bytes: 0,
+        readahead_bytes_max: 0,
         write_behind: false,
         ..CacheConfig::default()
     })

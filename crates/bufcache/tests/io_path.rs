@@ -177,7 +177,7 @@ fn writeback_keeps_to_its_share_and_a_read_miss_passes_it() {
     });
     let cache = bufcache_host::system_cache(CacheConfig {
         memory_bytes_max: 8 << 20,
-        readahead_size_max_bytes: 0,
+        readahead_bytes_max: 0,
         ..CacheConfig::default()
     })
     .unwrap();
@@ -324,7 +324,7 @@ fn the_tick_sends_aged_writes_without_waiting_and_a_flush_waits_for_them() {
     });
     let cache = bufcache_host::system_cache(CacheConfig {
         memory_bytes_max: 8 << 20,
-        readahead_size_max_bytes: 0,
+        readahead_bytes_max: 0,
         dirty_age_max: Duration::ZERO,
         ..CacheConfig::default()
     })
@@ -398,7 +398,7 @@ fn cleaning_above_the_dirty_thresholds_sends_batches_of_the_writeback_share() {
     });
     let cache = bufcache_host::system_cache(CacheConfig {
         memory_bytes_max: 8 << 20,
-        readahead_size_max_bytes: 0,
+        readahead_bytes_max: 0,
         dirty_background_percent: 10,
         dirty_limit_percent: 20,
         ..CacheConfig::default()
@@ -515,8 +515,8 @@ fn a_readahead_window_reaches_a_parallel_device_as_one_batch_and_a_failed_run_is
     });
     let cache = bufcache_host::system_cache(CacheConfig {
         memory_bytes_max: 32 << 20,
-        cluster_size_max_bytes: 64 << 10,
-        readahead_size_max_bytes: 1 << 20,
+        cluster_bytes_max: 64 << 10,
+        readahead_bytes_max: 1 << 20,
         readahead_size_initial_bytes: 1 << 20,
         ..CacheConfig::default()
     })

@@ -46,7 +46,7 @@ struct Variant {
 fn base_config(page: u64, block: u64, memory: u64, buffers: u64) -> CacheConfig {
     CacheConfig {
         page_size_bytes: page,
-        buffer_size_max_bytes: block,
+        buffer_bytes_max: block,
         memory_bytes_max: memory,
         buffers_max: buffers,
         space_wait_max: Duration::from_secs(2),
@@ -61,8 +61,8 @@ fn variants() -> Vec<Variant> {
         ..base_config(4096, 4096, 64 << 10, 16)
     };
     let unclustered = CacheConfig {
-        readahead_size_max_bytes: 0,
-        cluster_size_max_bytes: 4096,
+        readahead_bytes_max: 0,
+        cluster_bytes_max: 4096,
         ..clustered.clone()
     };
     let queued = clustered.clone();
@@ -97,8 +97,8 @@ fn variants() -> Vec<Variant> {
             name: "1k-buffers-bound-unclustered",
             block_bytes: 1024,
             config: CacheConfig {
-                readahead_size_max_bytes: 0,
-                cluster_size_max_bytes: 1024,
+                readahead_bytes_max: 0,
+                cluster_bytes_max: 1024,
                 ..base_config(1024, 1024, 16 << 10, 6)
             },
             rotate_policies: true,

@@ -22,7 +22,7 @@ use rand::{Rng, SeedableRng};
 
 fn config(memory: u64, buffers: u64, policy: PolicyKind) -> CacheConfig {
     CacheConfig {
-        buffer_size_max_bytes: 4096,
+        buffer_bytes_max: 4096,
         memory_bytes_max: memory,
         buffers_max: buffers,
         policy,

@@ -25,11 +25,11 @@ const BLOCK: u64 = 4096;
 
 fn config(buffers: u64, policy: PolicyKind, space_wait_max: Duration) -> CacheConfig {
     CacheConfig {
-        buffer_size_max_bytes: BLOCK,
-        cluster_size_max_bytes: BLOCK,
+        buffer_bytes_max: BLOCK,
+        cluster_bytes_max: BLOCK,
         memory_bytes_max: buffers * BLOCK,
         buffers_max: buffers,
-        readahead_size_max_bytes: 0,
+        readahead_bytes_max: 0,
         write_behind: false,
         dirty_background_percent: 89,
         dirty_limit_percent: 90,
@@ -275,7 +275,7 @@ fn a_cold_read_that_finds_every_buffer_busy_is_streamed_not_cached() {
     // for 100, 102 and 103 and the dirty bytes of 101, with no buffer wait, two streamed
     // device reads (around the cached block) and nothing new cached.
     let mut config = config(8, PolicyKind::S3Fifo, Duration::from_millis(50));
-    config.cluster_size_max_bytes = 16 * BLOCK;
+    config.cluster_bytes_max = 16 * BLOCK;
     let cache = Cache::with_environment(config, Environment::inline(Arc::new(FrozenClock)))
         .expect("valid config");
     let device = Arc::new(MemoryDevice::new(64 << 20));

@@ -23,10 +23,10 @@ const BLOCK: u64 = 4096;
 
 fn cache(memory_bytes_max: u64, buffers_max: u64) -> Cache {
     bufcache_host::system_cache(CacheConfig {
-        buffer_size_max_bytes: BLOCK,
+        buffer_bytes_max: BLOCK,
         memory_bytes_max,
         buffers_max,
-        readahead_size_max_bytes: 0,
+        readahead_bytes_max: 0,
         policy: PolicyKind::Lru,
         shards: 4,
         space_wait_max: Duration::from_secs(5),
@@ -279,7 +279,7 @@ fn a_stream_through_a_full_cache_is_lent_without_reading_a_block_twice() {
     let cache = Cache::with_environment(
         CacheConfig {
             memory_bytes_max: 64 * BLOCK,
-            readahead_size_max_bytes: 64 << 10,
+            readahead_bytes_max: 64 << 10,
             ..CacheConfig::default()
         },
         Environment::new(

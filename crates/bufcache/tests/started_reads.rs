@@ -125,7 +125,7 @@ fn pattern(length: usize, seed: u64) -> Vec<u8> {
 }
 
 /// A cache (no read-ahead unless asked) over a device holding `pattern(DEVICE_BYTES, 1)`.
-fn setup(readahead_size_max_bytes: u64) -> (Cache, Arc<LaterDevice>, ObjectHandle, Vec<u8>) {
+fn setup(readahead_bytes_max: u64) -> (Cache, Arc<LaterDevice>, ObjectHandle, Vec<u8>) {
     let contents = pattern(DEVICE_BYTES as usize, 1);
     let memory = MemoryDevice::new(DEVICE_BYTES);
     memory
@@ -134,7 +134,7 @@ fn setup(readahead_size_max_bytes: u64) -> (Cache, Arc<LaterDevice>, ObjectHandl
     let device = Arc::new(LaterDevice::new(memory));
     let cache = bufcache_host::system_cache(CacheConfig {
         memory_bytes_max: 16 << 20,
-        readahead_size_max_bytes,
+        readahead_bytes_max,
         ..CacheConfig::default()
     })
     .unwrap();

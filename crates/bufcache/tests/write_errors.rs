@@ -22,11 +22,11 @@ type Faulty = Arc<FaultDevice<MemoryDevice>>;
 fn setup(memory: u64, space_wait: Duration) -> (Cache, ObjectHandle, Faulty) {
     let fault = Arc::new(FaultDevice::new(MemoryDevice::new(1 << 20), 1));
     let cache = bufcache_host::system_cache(CacheConfig {
-        buffer_size_max_bytes: 4096,
+        buffer_bytes_max: 4096,
         memory_bytes_max: memory,
         buffers_max: memory / 4096,
         space_wait_max: space_wait,
-        readahead_size_max_bytes: 0,
+        readahead_bytes_max: 0,
         ..CacheConfig::default()
     })
     .unwrap();
@@ -278,11 +278,11 @@ fn memory_full_of_unwritable_dirty_data_fails_writers_never_drops_data() {
 fn a_failing_object_never_fails_another_objects_allocation() {
     let fault = Arc::new(FaultDevice::new(MemoryDevice::new(1 << 20), 1));
     let cache = bufcache_host::system_cache(CacheConfig {
-        buffer_size_max_bytes: 4096,
+        buffer_bytes_max: 4096,
         memory_bytes_max: 32 << 10,
         buffers_max: 8,
         space_wait_max: Duration::from_millis(100),
-        readahead_size_max_bytes: 0,
+        readahead_bytes_max: 0,
         // As much of the cache dirty as the engine allows, and kept dirty.
         dirty_background_percent: 89,
         dirty_limit_percent: 90,

@@ -21,7 +21,7 @@ fn setup() -> (Cache, ObjectHandle, Arc<MemoryDevice>) {
     let device = Arc::new(MemoryDevice::new(4 << 20));
     let cache = bufcache_host::system_cache(CacheConfig {
         memory_bytes_max: 2 << 20,
-        readahead_size_max_bytes: 0,
+        readahead_bytes_max: 0,
         ..CacheConfig::default()
     })
     .unwrap();

@@ -319,7 +319,7 @@ impl Drop for QemuNbd {
 pub fn cached_server(device: Arc<dyn bufcache::Device>) -> (TestServer, bufcache::ObjectHandle) {
     let cache = bufcache_host::system_cache(bufcache::CacheConfig {
         memory_bytes_max: 64 << 20,
-        readahead_size_max_bytes: 0,
+        readahead_bytes_max: 0,
         ..bufcache::CacheConfig::default()
     })
     .expect("valid config");
