@@ -56,7 +56,7 @@ fn main() {
             "speed" => options.speed = value.parse().expect("speed"),
             "streams" => options.streams = value.parse().expect("streams"),
             "block" => options.block_size = parse_size(value).expect("block size"),
-            "max" => options.max_requests = Some(value.parse().expect("max")),
+            "max" => options.requests_max = Some(value.parse().expect("max")),
             "noreuse" => noreuse = value != "off",
             "json" => json = true,
             "table" => table = true,

@@ -90,7 +90,7 @@ pub struct ReplayOptions {
     /// engine's `buffer_bytes_max`. Requests are rounded out to whole blocks.
     pub block_size: u64,
     /// Replay only the first this many requests of the trace (counting skipped ones).
-    pub max_requests: Option<u64>,
+    pub requests_max: Option<u64>,
     /// Seed of the simulation's random choices.
     pub seed: u64,
 }
@@ -102,7 +102,7 @@ impl Default for ReplayOptions {
             speed: 1.0,
             streams: 16,
             block_size: 4096,
-            max_requests: None,
+            requests_max: None,
             seed: 1,
         }
     }
@@ -507,7 +507,7 @@ pub fn replay_trace_with(
             block, config.cache.buffer_bytes_max
         )));
     }
-    let limit = options.max_requests.unwrap_or(u64::MAX);
+    let limit = options.requests_max.unwrap_or(u64::MAX);
     let trace: Vec<TraceRequest> = requests
         .into_iter()
         .take(limit.min(usize::MAX as u64) as usize)

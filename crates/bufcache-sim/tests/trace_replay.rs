@@ -40,7 +40,7 @@ fn closed(max: Option<u64>) -> ReplayOptions {
     ReplayOptions {
         mode: ReplayMode::Closed,
         streams: 8,
-        max_requests: max,
+        requests_max: max,
         ..ReplayOptions::default()
     }
 }
@@ -81,7 +81,7 @@ fn sane(report: &ReplayReport) {
 fn replay_is_deterministic() {
     let Some(trace) = trace() else { return };
     let options = ReplayOptions {
-        max_requests: Some(10_000),
+        requests_max: Some(10_000),
         ..ReplayOptions::default()
     };
     let first = run(
@@ -287,9 +287,9 @@ fn requests_are_rounded_to_blocks_and_others_skipped() {
         "{}",
         report.elapsed_s
     );
-    // max_requests counts skipped requests too.
+    // requests_max counts skipped requests too.
     let capped = ReplayOptions {
-        max_requests: Some(3),
+        requests_max: Some(3),
         ..ReplayOptions::default()
     };
     let report = replay_trace(trace, &disk, CacheConfig::default(), &capped).unwrap();

@@ -243,7 +243,7 @@ impl ObjectState {
                 initial_blocks: readahead_blocks(cache.readahead_size_initial_bytes),
                 // A window covers at least one write unit when read-ahead is on, so a
                 // sequential reader of an object store fetches whole chunks.
-                max_blocks: readahead_window(cache.readahead_bytes_max),
+                blocks_max: readahead_window(cache.readahead_bytes_max),
                 latency_blocks_max: readahead_window(cache.readahead_latency_bytes_max),
                 streams_max: cache.streams_per_object_max,
                 object_blocks: block_count,

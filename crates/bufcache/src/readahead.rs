@@ -45,7 +45,7 @@ struct Stream {
     trigger_block: u64,
     ahead_end_block: u64,
     /// This stream's window limit: the base limit, doubled per wait for read-ahead.
-    max_blocks: u64,
+    blocks_max: u64,
     last_use: u64,
 }
 
@@ -59,7 +59,7 @@ pub(crate) struct StreamTable {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct WindowLimits {
     pub initial_blocks: u64,
-    pub max_blocks: u64,
+    pub blocks_max: u64,
     /// The most a stream's limit grows to when its reader waits for read-ahead.
     pub latency_blocks_max: u64,
     pub streams_max: usize,
@@ -89,7 +89,7 @@ impl StreamTable {
             extend_to_block: end,
             ..Default::default()
         };
-        if limits.max_blocks == 0 {
+        if limits.blocks_max == 0 {
             return none;
         }
         let tick = self.tick;
@@ -101,10 +101,10 @@ impl StreamTable {
         self.streams[index].last_use = tick;
         let latency_blocks_max = self.latency_blocks_max(limits);
         let stream = &mut self.streams[index];
-        let max_blocks = stream
-            .max_blocks
+        let blocks_max = stream
+            .blocks_max
             .min(latency_blocks_max)
-            .max(limits.max_blocks);
+            .max(limits.blocks_max);
         let clamp = |block: u64| block.min(limits.object_blocks);
         if stream.window_blocks == 0 || first >= stream.ahead_end_block {
             // A new sequential stream, or a reader that outran its read-ahead: read a window
@@ -112,33 +112,33 @@ impl StreamTable {
             stream.window_blocks = if stream.window_blocks == 0 {
                 // Large requests start with a window at least twice their size, so the window
                 // is never smaller than what the reader asks for at once.
-                limits.initial_blocks.max(2 * (end - first)).min(max_blocks)
+                limits.initial_blocks.max(2 * (end - first)).min(blocks_max)
             } else {
-                grow(stream.window_blocks, max_blocks)
+                grow(stream.window_blocks, blocks_max)
             };
             stream.ahead_end_block = clamp(end + stream.window_blocks);
             stream.trigger_block = end;
             return ReadaheadPlan {
                 extend_to_block: stream.ahead_end_block,
                 background: None,
-                no_reuse: stream.window_blocks >= limits.max_blocks,
+                no_reuse: stream.window_blocks >= limits.blocks_max,
                 window_end_block: stream.ahead_end_block,
             };
         }
         let mut plan = ReadaheadPlan {
             extend_to_block: end,
             background: None,
-            no_reuse: stream.window_blocks >= limits.max_blocks,
+            no_reuse: stream.window_blocks >= limits.blocks_max,
             window_end_block: stream.ahead_end_block,
         };
         if end > stream.trigger_block && stream.ahead_end_block < limits.object_blocks {
-            stream.window_blocks = grow(stream.window_blocks, max_blocks);
+            stream.window_blocks = grow(stream.window_blocks, blocks_max);
             let start = stream.ahead_end_block;
             let window_end = clamp(start + stream.window_blocks);
             stream.trigger_block = start;
             stream.ahead_end_block = window_end;
             plan.background = Some((start, window_end));
-            plan.no_reuse = stream.window_blocks >= limits.max_blocks;
+            plan.no_reuse = stream.window_blocks >= limits.blocks_max;
             plan.window_end_block = window_end;
         }
         plan
@@ -151,12 +151,12 @@ impl StreamTable {
         let Some(stream) = self.streams.iter_mut().find(|s| s.next_block == next_block) else {
             return;
         };
-        let current_max = stream.max_blocks.max(limits.max_blocks);
+        let current_max = stream.blocks_max.max(limits.blocks_max);
         // While windows still ramp up (×4 each), catching up with them is expected; only a
         // reader that outruns a full-size window shows latency the window does not cover.
         if stream.window_blocks >= current_max {
             let doubled = (current_max * 2).max(1);
-            stream.max_blocks = doubled.min(latency_blocks_max);
+            stream.blocks_max = doubled.min(latency_blocks_max);
         }
     }
 
@@ -173,7 +173,7 @@ impl StreamTable {
         limits
             .latency_blocks_max
             .min(limits.spare_blocks / active)
-            .max(limits.max_blocks)
+            .max(limits.blocks_max)
     }
 
     fn start_stream(&mut self, end: u64, streams_max: usize) {
@@ -182,7 +182,7 @@ impl StreamTable {
             window_blocks: 0,
             trigger_block: 0,
             ahead_end_block: 0,
-            max_blocks: 0,
+            blocks_max: 0,
             last_use: self.tick,
         };
         if self.streams.len() < streams_max {
@@ -199,8 +199,8 @@ impl StreamTable {
     }
 }
 
-fn grow(window_blocks: u64, max_blocks: u64) -> u64 {
-    (window_blocks * 4).min(max_blocks).max(1)
+fn grow(window_blocks: u64, blocks_max: u64) -> u64 {
+    (window_blocks * 4).min(blocks_max).max(1)
 }
 
 #[cfg(test)]
@@ -209,7 +209,7 @@ mod tests {
 
     const LIMITS: WindowLimits = WindowLimits {
         initial_blocks: 4,
-        max_blocks: 256,
+        blocks_max: 256,
         latency_blocks_max: 4096,
         streams_max: 8,
         object_blocks: 1 << 30,
@@ -276,7 +276,7 @@ mod tests {
             }
         }
         assert_eq!(largest[0], LIMITS.latency_blocks_max, "the waiting stream");
-        assert_eq!(largest[1], LIMITS.max_blocks, "the stream that never waits");
+        assert_eq!(largest[1], LIMITS.blocks_max, "the stream that never waits");
     }
 
     /// Goal: latency growth never gives the active streams together more window than the
