@@ -49,7 +49,8 @@ pub use bufcache_device::{
     QueueMode, ReadMemory, ReadRequest, WriteMemory, WriteRequest,
 };
 pub use environment::{
-    Clock, Environment, FrozenClock, InlineSpawner, Job, NoSpawner, NoWait, Spawner, Waiter,
+    Clock, Environment, FrozenClock, InlineSpawner, Job, NoSpawner, NoWait, Spawner, WaitCause,
+    Waiter, Wake,
 };
 pub use error::CacheError;
 pub use guard::BufferGuard;
