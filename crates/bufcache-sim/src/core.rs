@@ -27,7 +27,7 @@ use spin::mutex::{SpinMutex, SpinMutexGuard};
 use bufcache::device::io_queue::Direction;
 use bufcache::device::{QueueOrder, SeededRng, SparseStore};
 use bufcache::environment::Job;
-use bufcache::{Device, QueueMode, Spawner, WaitCause, Waiter, Wake};
+use bufcache::{Device, QueueMode, Spawner, Waiter};
 use serde::Serialize;
 
 use crate::clock::VirtualClock;
@@ -1593,15 +1593,9 @@ impl Device for SimDevice {
 /// moves the running entity's timeline on (time passes, no CPU is used). The engine's waits
 /// are bounded (it counts every wait as its full timeout), so a space wait ends after
 /// `space_wait_max` of virtual time, deterministically, instead of sleeping in real time.
-///
-/// The same contract as the host's waiter, per cause and deterministically: each
-/// [`WaitCause`] has its own notification count, so a ticket goes stale only by a
-/// notification of its own cause; a wait with a stale ticket returns at once whether the
-/// notification woke one, some or all (only the running entity can be between its ticket and
-/// its wait, so it is the one woken).
 pub struct SimWaiter {
     core: Arc<SimCore>,
-    notifications: [AtomicU64; WaitCause::ALL.len()],
+    notifications: AtomicU64,
     waits: AtomicU64,
     waited_ns: AtomicU64,
 }
@@ -1611,7 +1605,7 @@ impl SimWaiter {
     pub fn new(core: Arc<SimCore>) -> Self {
         SimWaiter {
             core,
-            notifications: std::array::from_fn(|_| AtomicU64::new(0)),
+            notifications: AtomicU64::new(0),
             waits: AtomicU64::new(0),
             waited_ns: AtomicU64::new(0),
         }
@@ -1629,12 +1623,12 @@ impl SimWaiter {
 }
 
 impl Waiter for SimWaiter {
-    fn ticket(&self, cause: WaitCause) -> u64 {
-        self.notifications[cause.index()].load(Ordering::Acquire)
+    fn ticket(&self) -> u64 {
+        self.notifications.load(Ordering::Acquire)
     }
 
-    fn wait(&self, cause: WaitCause, ticket: u64, timeout_ns: u64) {
-        if self.notifications[cause.index()].load(Ordering::Acquire) != ticket || timeout_ns == 0 {
+    fn wait(&self, ticket: u64, timeout_ns: u64) {
+        if self.notifications.load(Ordering::Acquire) != ticket || timeout_ns == 0 {
             return;
         }
         self.waits.fetch_add(1, Ordering::Relaxed);
@@ -1642,8 +1636,8 @@ impl Waiter for SimWaiter {
         self.core.delay(timeout_ns, false);
     }
 
-    fn notify(&self, cause: WaitCause, _wake: Wake) {
-        self.notifications[cause.index()].fetch_add(1, Ordering::AcqRel);
+    fn notify_all(&self) {
+        self.notifications.fetch_add(1, Ordering::AcqRel);
     }
 }
 

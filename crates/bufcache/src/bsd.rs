@@ -6,7 +6,6 @@
 use std::sync::Arc;
 
 use crate::buffer::DIRTY;
-use crate::environment::WaitCause;
 use crate::error::CacheError;
 use crate::guard::BufferGuard;
 use crate::handle::ObjectHandle;
@@ -130,8 +129,7 @@ impl ObjectHandle {
             let mut waited = std::time::Duration::ZERO;
             let mut locked = buffer.try_lock_shared();
             while !locked && waited < lock_wait {
-                let ticket = waiter.ticket(WaitCause::Poll);
-                waiter.wait(WaitCause::Poll, ticket, VISIT_LOCK_STEP.as_nanos() as u64);
+                waiter.wait(waiter.ticket(), VISIT_LOCK_STEP.as_nanos() as u64);
                 waited += VISIT_LOCK_STEP;
                 locked = buffer.try_lock_shared();
             }

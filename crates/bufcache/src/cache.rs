@@ -34,7 +34,7 @@ use crate::error::CacheError;
 use crate::io::Io;
 use crate::object::{ObjectConfig, ObjectState};
 use crate::stats::{CacheStats, Counters, WritebackCause};
-use crate::table::{Lookup, Reservation, SpaceWaitEnd, Table};
+use crate::table::{Lookup, Reservation, Table};
 use crate::writeback::{Awaiting, SpaceCleaning, Writeback};
 
 /// How long one wait for space lasts before the reservation looks again.
@@ -409,20 +409,9 @@ impl Inner {
         // it sent that fails later is latched there, and returned (see below).
         let mut latch_seen: Option<AtomicU64> = None;
         let mut awaited_writeback = false;
-        // Whether the last wait ended with a notification, and whether this reservation has
-        // passed a wake on already (once at most, so two waiters that cannot use what freed
-        // up never wake each other in turn).
-        let mut woken = false;
-        let mut passed_on = false;
         let outcome = loop {
             if let Some(reservation) = self.table.try_reserve(size_bytes, false) {
                 break Ok(reservation);
-            }
-            if woken && !passed_on && self.table.some_memory_free() {
-                // Woken for memory too little for this buffer: a waiter for a smaller one
-                // may use it.
-                self.table.pass_space_wake_on();
-                passed_on = true;
             }
             if urgency == Urgency::Quick {
                 break Err(CacheError::NoSpace {
@@ -454,19 +443,10 @@ impl Inner {
                 break Err(CacheError::NoSpace { waited });
             }
             let step_ns = SPACE_WAIT_STEP.as_nanos() as u64;
-            woken = match self.table.wait_for_space(size_bytes, step_ns) {
-                SpaceWaitEnd::Reserved(reservation) => break Ok(reservation),
-                SpaceWaitEnd::Woken => true,
-                SpaceWaitEnd::TimedOut => {
-                    wait.unwoken_ns += step_ns;
-                    false
-                }
-            };
+            if !self.table.wait_for_space(size_bytes, step_ns) {
+                wait.unwoken_ns += step_ns;
+            }
         };
-        if woken && outcome.is_err() {
-            // Woken (one of one) but leaving without the space: the next waiter gets the wake.
-            self.table.pass_space_wake_on();
-        }
         if let Some(wait) = wait {
             let waited = wait.waited(self.clock.now_ns());
             self.counters

@@ -39,7 +39,7 @@ use bufcache_device::{
 };
 use parking_lot::Mutex;
 
-use crate::environment::{WaitCause, Waiter, Wake};
+use crate::environment::Waiter;
 use crate::error::CacheError;
 use crate::object::ObjectState;
 use crate::stats::Counters;
@@ -228,7 +228,7 @@ impl Outcomes {
         // either it sees this write done, or this sees it waiting and wakes it.
         if self.remaining.fetch_sub(1, Ordering::SeqCst) == 1 && self.waiting.load(Ordering::SeqCst)
         {
-            self.waiter.notify(WaitCause::WritesDone, Wake::All);
+            self.waiter.notify_all();
         }
     }
 
@@ -238,12 +238,12 @@ impl Outcomes {
         // A device that completes in the caller's thread is done already: no ticket taken.
         while self.remaining.load(Ordering::SeqCst) != 0 {
             // Ticket before the look: the last completion after the look ends the wait.
-            let ticket = self.waiter.ticket(WaitCause::WritesDone);
+            let ticket = self.waiter.ticket();
             self.waiting.store(true, Ordering::SeqCst);
             if self.remaining.load(Ordering::SeqCst) == 0 {
                 break;
             }
-            self.waiter.wait(WaitCause::WritesDone, ticket, sleep_ns);
+            self.waiter.wait(ticket, sleep_ns);
             sleep_ns = (sleep_ns * 2).min(SLOT_POLL_MAX_NS);
         }
         std::mem::take(&mut *self.results.lock())
@@ -337,12 +337,11 @@ impl Io {
         let slots = self.slots(object);
         slots.waiting.fetch_add(1, Ordering::AcqRel);
         // Ticket before the look: a release after the look ends the wait at once.
-        let ticket = self.waiter.ticket(WaitCause::WritebackSlot);
+        let ticket = self.waiter.ticket();
         let woken = slots.writeback_inflight.load(Ordering::Acquire) < slots.writeback_inflight_max
             || {
-                self.waiter
-                    .wait(WaitCause::WritebackSlot, ticket, timeout_ns);
-                self.waiter.ticket(WaitCause::WritebackSlot) != ticket
+                self.waiter.wait(ticket, timeout_ns);
+                self.waiter.ticket() != ticket
             };
         slots.waiting.fetch_sub(1, Ordering::AcqRel);
         woken
@@ -527,11 +526,11 @@ impl Io {
         let mut sleep_ns = SLOT_POLL_NS;
         loop {
             // Ticket before the look: a release after the look ends the wait at once.
-            let ticket = self.waiter.ticket(WaitCause::WritebackSlot);
+            let ticket = self.waiter.ticket();
             if slots.try_take(count) {
                 break;
             }
-            self.waiter.wait(WaitCause::WritebackSlot, ticket, sleep_ns);
+            self.waiter.wait(ticket, sleep_ns);
             sleep_ns = (sleep_ns * 2).min(SLOT_POLL_MAX_NS);
         }
         slots.waiting.fetch_sub(1, Ordering::AcqRel);
@@ -600,9 +599,7 @@ fn release_slots(slots: &DeviceSlots, count: usize, waiter: &dyn Waiter) {
     let before = slots.writeback_inflight.fetch_sub(count, Ordering::AcqRel);
     strict_assert!(before >= count, "only slots taken are given back");
     if slots.waiting.load(Ordering::Acquire) > 0 {
-        // Every waiter: a slot taker may need more than one, and a throttled writer only
-        // looks again (it may find its dirty data under the limit by now).
-        waiter.notify(WaitCause::WritebackSlot, Wake::All);
+        waiter.notify_all();
     }
 }
 

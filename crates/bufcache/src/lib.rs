@@ -49,8 +49,7 @@ pub use bufcache_device::{
     QueueMode, ReadMemory, ReadRequest, WriteMemory, WriteRequest,
 };
 pub use environment::{
-    Clock, Environment, FrozenClock, InlineSpawner, Job, NoSpawner, NoWait, Spawner, WaitCause,
-    Waiter, Wake,
+    Clock, Environment, FrozenClock, InlineSpawner, Job, NoSpawner, NoWait, Spawner, Waiter,
 };
 pub use error::CacheError;
 pub use guard::BufferGuard;

@@ -38,7 +38,7 @@ use parking_lot::Mutex;
 
 use crate::buffer::{BlockKey, Buffer, MemoryRelease, DIRTY, HELD, READAHEAD, WRITEBACK};
 use crate::config::CacheConfig;
-use crate::environment::{WaitCause, Waiter, Wake};
+use crate::environment::Waiter;
 use crate::stats::{CacheStats, Counters};
 use bufcache_device::aligned::{BufferPool, Populate};
 
@@ -325,20 +325,28 @@ impl MemoryAccount {
             || self.buffers.load(Ordering::Acquire) > self.buffers_max.load(Ordering::Acquire)
     }
 
-    /// Wakes space waiters, if any: one per buffer freed or made evictable (`wake`), since
-    /// one buffer serves one reservation.
-    fn notify(&self, wake: Wake) {
-        // SeqCst pairs with `Table::wait_for_space`: either that look sees what was released
-        // or made evictable before this load, or this load sees the waiter counted.
-        if self.waiters.load(Ordering::SeqCst) > 0 {
-            self.waiter.notify(WaitCause::Space, wake);
-        }
+    /// Takes a ticket, then blocks (through the injected waiter) until a release after it or
+    /// `timeout` — unless space appeared between the caller's last try and the ticket.
+    /// True when something woke it or there was room (the caller should look again at once);
+    /// false when the wait ran out with no notification.
+    fn wait_for_release(&self, charge_bytes: u64, timeout_ns: u64) -> bool {
+        self.waiters.fetch_add(1, Ordering::AcqRel);
+        let ticket = self.waiter.ticket();
+        let bytes_max = self.bytes_max.load(Ordering::Acquire);
+        let room = self.used_bytes.load(Ordering::Acquire) + charge_bytes <= bytes_max
+            && self.buffers.load(Ordering::Acquire) < self.buffers_max.load(Ordering::Acquire);
+        let woken = room || {
+            self.waiter.wait(ticket, timeout_ns);
+            self.waiter.ticket() != ticket
+        };
+        self.waiters.fetch_sub(1, Ordering::AcqRel);
+        woken
     }
 
-    /// True when some memory is free now, though perhaps less than a reservation needs.
-    fn some_free(&self) -> bool {
-        self.used_bytes.load(Ordering::Acquire) < self.bytes_max.load(Ordering::Acquire)
-            && self.buffers.load(Ordering::Acquire) < self.buffers_max.load(Ordering::Acquire)
+    fn notify(&self) {
+        if self.waiters.load(Ordering::Acquire) > 0 {
+            self.waiter.notify_all();
+        }
     }
 }
 
@@ -349,7 +357,7 @@ impl MemoryRelease for MemoryAccount {
             self.wasted_bytes.fetch_sub(waste_bytes, Ordering::Relaxed);
         }
         self.buffers.fetch_sub(1, Ordering::AcqRel);
-        self.notify(Wake::One);
+        self.notify();
     }
 }
 
@@ -362,16 +370,6 @@ impl MemoryRelease for MemoryAccount {
 pub(crate) enum Reservation {
     Charged,
     Recycled(Arc<Buffer>),
-}
-
-/// How a wait for space ended ([`Table::wait_for_space`]).
-pub(crate) enum SpaceWaitEnd {
-    /// The look before sleeping found room: reserved, no sleep.
-    Reserved(Reservation),
-    /// A release notified space waiters (perhaps another's wake): look again at once.
-    Woken,
-    /// The timeout passed with no notification.
-    TimedOut,
 }
 
 /// Result of looking a block up for use.
@@ -505,46 +503,16 @@ impl Table {
         }
     }
 
-    /// Waits (through the injected waiter) until a buffer is released or made evictable,
-    /// or `timeout_ns`. The waiter is counted and its ticket taken before one more look
-    /// (`try_reserve`), so no release is lost between the caller's last look and the sleep:
-    /// a release either comes before the look, which sees its buffer, or sees the waiter
-    /// counted and notifies after the ticket.
-    pub(crate) fn wait_for_space(&self, size_bytes: u64, timeout_ns: u64) -> SpaceWaitEnd {
-        let memory = &self.memory;
-        memory.waiters.fetch_add(1, Ordering::SeqCst);
-        let ticket = memory.waiter.ticket(WaitCause::Space);
-        let end = match self.try_reserve(size_bytes, false) {
-            Some(reservation) => SpaceWaitEnd::Reserved(reservation),
-            None => {
-                memory.waiter.wait(WaitCause::Space, ticket, timeout_ns);
-                if memory.waiter.ticket(WaitCause::Space) != ticket {
-                    SpaceWaitEnd::Woken
-                } else {
-                    SpaceWaitEnd::TimedOut
-                }
-            }
-        };
-        memory.waiters.fetch_sub(1, Ordering::SeqCst);
-        end
+    /// Waits (through the injected waiter) until a buffer is released or `timeout_ns`.
+    /// False when the wait ran out with nothing released (see `MemoryAccount`).
+    pub(crate) fn wait_for_space(&self, size_bytes: u64, timeout_ns: u64) -> bool {
+        self.memory
+            .wait_for_release(self.charge_bytes(size_bytes), timeout_ns)
     }
 
-    /// Wakes threads waiting for space: `buffers` became evictable or were freed, one
-    /// waiter each.
-    pub(crate) fn notify_space(&self, buffers: usize) {
-        self.memory.notify(Wake::Count(buffers));
-    }
-
-    /// Passes a space wake on to the next waiter: called by a reservation that was woken but
-    /// leaves without the space (it gives up), or finds free memory it cannot use (too little
-    /// for its buffer, enough for a smaller one), so no waiter that could use it sleeps on.
-    pub(crate) fn pass_space_wake_on(&self) {
-        self.memory.notify(Wake::One);
-    }
-
-    /// True when some memory is free now, though perhaps less than one buffer needs.
-    pub(crate) fn some_memory_free(&self) -> bool {
-        self.memory.some_free()
+    /// Wakes threads waiting for space (something became evictable or was freed).
+    pub(crate) fn notify_space(&self) {
+        self.memory.notify();
     }
 
     /// The memory limit in bytes now.
@@ -704,24 +672,24 @@ impl Table {
             self.release_held(buffer);
         }
         if flags & DIRTY == 0 {
-            self.memory.notify(Wake::One);
+            self.memory.notify();
         }
     }
 
     /// [`Table::unpin`] for every buffer of `buffers`, in order, taking each shard lock once
     /// per run of consecutive buffers in the same chunk that their last unpins put back on
-    /// the queues (a read's blocks come in order), and waking one space waiter per clean
-    /// buffer among them, in one notification (see [`Table::unpin`]). Each buffer goes back at the same
+    /// the queues (a read's blocks come in order), and waking space waiters once (when a
+    /// clean buffer was among them: see [`Table::unpin`]). Each buffer goes back at the same
     /// place in its queue as by one unpin after another.
     pub(crate) fn unpin_run<'b>(&self, buffers: impl IntoIterator<Item = &'b Buffer>) {
-        let mut released = 0usize;
+        let mut released_any = false;
         let mut held: smallvec::SmallVec<[&Buffer; 64]> = smallvec::SmallVec::new();
         for buffer in buffers {
             if buffer.pins.fetch_sub(1, Ordering::SeqCst) != 1 {
                 continue;
             }
             let flags = buffer.flags.load(Ordering::SeqCst);
-            released += usize::from(flags & DIRTY == 0);
+            released_any |= flags & DIRTY == 0;
             if flags & HELD != 0 {
                 held.push(buffer);
             }
@@ -737,8 +705,8 @@ impl Table {
                     .next_if(|buffer| ChunkKey::of(buffer.key.object, buffer.key.block) == chunk);
             }
         }
-        if released > 0 {
-            self.memory.notify(Wake::Count(released));
+        if released_any {
+            self.memory.notify();
         }
     }
 

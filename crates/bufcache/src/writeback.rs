@@ -27,7 +27,7 @@ use bufcache_device::WriteMemory;
 use crate::buffer::{Buffer, DIRTY, VALID, WRITEBACK, WRITEBACK_WAITED, WRITTEN_BEHIND};
 use crate::config::CacheConfig;
 use crate::dirty;
-use crate::environment::{Clock, WaitCause, Waiter, Wake};
+use crate::environment::{Clock, Waiter};
 use crate::error::CacheError;
 use crate::io::{Io, WriteBackDone};
 use crate::object::ObjectState;
@@ -351,7 +351,7 @@ impl Writeback {
                 // SAFETY: locked shared just above.
                 unsafe { buffer.unlock_shared() };
                 if waited {
-                    self.waiter.notify(WaitCause::WritebackEnd, Wake::All);
+                    self.waiter.notify_all();
                 }
                 return false;
             }
@@ -374,12 +374,12 @@ impl Writeback {
             // Ticket, then mark, then look: both the mark and the end of a write-back change
             // the one flags word, so either the ender sees the mark (and its notification
             // comes after this ticket) or this look sees the write-back ended.
-            let ticket = self.waiter.ticket(WaitCause::WritebackEnd);
+            let ticket = self.waiter.ticket();
             buffer.set(WRITEBACK_WAITED);
             if !buffer.has(WRITEBACK) {
                 return;
             }
-            self.waiter.wait(WaitCause::WritebackEnd, ticket, sleep_ns);
+            self.waiter.wait(ticket, sleep_ns);
             sleep_ns = (sleep_ns * 2).min(WRITEBACK_POLL_MAX_NS);
         }
     }
@@ -698,8 +698,8 @@ impl Writeback {
     fn wait_for_replaces(&self, object: &ObjectState) {
         let mut sleep_ns = WRITEBACK_POLL_NS;
         while object.replace_in_flight() {
-            let ticket = self.waiter.ticket(WaitCause::Poll);
-            self.waiter.wait(WaitCause::Poll, ticket, sleep_ns);
+            let ticket = self.waiter.ticket();
+            self.waiter.wait(ticket, sleep_ns);
             sleep_ns = (sleep_ns * 2).min(WRITEBACK_POLL_MAX_NS);
         }
     }
@@ -924,8 +924,8 @@ impl RunEnd {
                 buffer.set(WRITTEN_BEHIND);
             }
         }
-        // Clean buffers can be evicted: wake allocations waiting for space, one per buffer.
-        self.table.notify_space(buffers.len());
+        // Clean buffers can be evicted: wake allocations waiting for space.
+        self.table.notify_space();
         if buffers.len() > 1 {
             self.counters.write_clusters.fetch_add(1, Ordering::Relaxed);
             self.counters
@@ -946,7 +946,7 @@ impl RunEnd {
             self.table.unpin(buffer);
         }
         if waited {
-            self.waiter.notify(WaitCause::WritebackEnd, Wake::All);
+            self.waiter.notify_all();
         }
     }
 }

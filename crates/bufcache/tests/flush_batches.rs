@@ -22,8 +22,7 @@ use std::time::Duration;
 use bufcache::device::write_each_now;
 use bufcache::{
     Cache, CacheConfig, Capabilities, Clock, CountingDevice, Device, Environment, Extent,
-    FaultDevice, FaultKind, InlineSpawner, MemoryDevice, ObjectConfig, ObjectHandle, WaitCause,
-    Waiter, Wake,
+    FaultDevice, FaultKind, InlineSpawner, MemoryDevice, ObjectConfig, ObjectHandle, Waiter,
 };
 use bufcache_host::BlockingWaiter;
 
@@ -350,21 +349,20 @@ struct ObservedWaiter {
 const STRETCHED_WAIT: Duration = Duration::from_secs(30);
 
 impl Waiter for ObservedWaiter {
-    fn ticket(&self, cause: WaitCause) -> u64 {
-        self.inner.ticket(cause)
+    fn ticket(&self) -> u64 {
+        self.inner.ticket()
     }
 
-    fn wait(&self, cause: WaitCause, ticket: u64, _timeout_ns: u64) {
+    fn wait(&self, ticket: u64, _timeout_ns: u64) {
         self.waits.fetch_add(1, Ordering::SeqCst);
-        self.inner
-            .wait(cause, ticket, STRETCHED_WAIT.as_nanos() as u64);
-        if self.inner.ticket(cause) == ticket {
+        self.inner.wait(ticket, STRETCHED_WAIT.as_nanos() as u64);
+        if self.inner.ticket() == ticket {
             self.timed_out.fetch_add(1, Ordering::SeqCst);
         }
     }
 
-    fn notify(&self, cause: WaitCause, wake: Wake) {
-        self.inner.notify(cause, wake);
+    fn notify_all(&self) {
+        self.inner.notify_all();
     }
 }
 
