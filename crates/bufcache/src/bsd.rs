@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use crate::buffer::DIRTY;
 use crate::error::CacheError;
-use crate::handle::{BufferGuard, ObjectHandle};
+use crate::guard::BufferGuard;
+use crate::handle::ObjectHandle;
 use crate::stats::WritebackCause;
 
 /// How long `visit_dirty_blocks` waits between tries for a block held exclusively.
@@ -17,7 +18,7 @@ impl ObjectHandle {
     /// getblk: the buffer for `block`, held exclusively; invalid when it was not cached.
     pub fn getblk(&self, block: u64) -> Result<BufferGuard, CacheError> {
         self.check_block(block)?;
-        let mut guard = self.hold_exclusive(block)?;
+        let mut guard = self.writer().hold_exclusive(block)?;
         if !guard.is_valid() {
             // A new buffer's bytes may be an earlier buffer's; the caller sees them (BSD's
             // getblk hands out an invalid buffer to be filled), so they start as zeroes.
@@ -33,14 +34,15 @@ impl ObjectHandle {
             return Ok(guard);
         }
         let mut run = vec![guard];
-        self.device_read(&mut run, self.object().map.map(block).device_offset)?;
+        self.reader()
+            .device_read(&mut run, self.object().map.map(block).device_offset)?;
         Ok(run.pop().expect("one guard"))
     }
 
     /// bwrite: writes the buffer to the device now (no device flush) and releases it.
     pub fn bwrite(&self, guard: BufferGuard) -> Result<(), CacheError> {
         self.object().check_writable()?;
-        self.mark_dirty(&guard);
+        self.writer().mark_dirty(&guard);
         let result = self.inner().writeback().write_held(
             self.object(),
             std::slice::from_ref(guard.buffer()),
@@ -53,11 +55,11 @@ impl ObjectHandle {
     /// bdwrite: marks the buffer dirty (delayed write) and releases it.
     pub fn bdwrite(&self, guard: BufferGuard) -> Result<(), CacheError> {
         self.object().check_writable()?;
-        self.mark_dirty(&guard);
+        self.writer().mark_dirty(&guard);
         let block = guard.block();
         drop(guard);
         if self.inner().config().write_behind {
-            self.write_behind(block, block + 1);
+            self.writer().write_behind(block, block + 1);
         }
         Ok(())
     }
@@ -66,7 +68,7 @@ impl ObjectHandle {
     /// stays locked until the write finishes. Errors are latched for the next flush.
     pub fn bawrite(&self, guard: BufferGuard) -> Result<(), CacheError> {
         self.object().check_writable()?;
-        self.mark_dirty(&guard);
+        self.writer().mark_dirty(&guard);
         let inner = Arc::clone(self.inner());
         let object = Arc::clone(self.object());
         let job = Box::new(move || {
@@ -99,7 +101,8 @@ impl ObjectHandle {
     /// with V_SAVE). Fails, keeping the dirty data, if write-back fails.
     pub fn invalidate(&self) -> Result<(), CacheError> {
         self.inner().writeback().fsync_object(self.object())?;
-        self.invalidate_blocks(0, self.object().block_count(), false);
+        self.writer()
+            .invalidate_blocks(0, self.object().block_count(), false);
         Ok(())
     }
 

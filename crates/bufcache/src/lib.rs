@@ -21,12 +21,16 @@ pub mod config;
 mod dirty;
 pub mod environment;
 mod error;
+mod guard;
 mod handle;
 mod io;
 mod object;
+mod read;
 mod readahead;
+mod residency;
 pub mod stats;
 mod table;
+mod write;
 mod writeback;
 
 pub use bufcache_policy::{Placement, PolicyKind, PolicyParameters};
@@ -48,11 +52,12 @@ pub use environment::{
     Clock, Environment, FrozenClock, InlineSpawner, Job, NoSpawner, NoWait, Spawner, Waiter,
 };
 pub use error::CacheError;
-pub use handle::{
-    BufferGuard, ObjectHandle, ReadSink, Residency, ResidencyRun, StartedRead, StartedReadDone,
-    WriteSource, ZeroOptions,
-};
+pub use guard::BufferGuard;
+pub use handle::ObjectHandle;
 pub use object::{BlockMap, IdentityMap, MappedRun, ObjectConfig};
+pub use read::{ReadSink, StartedRead, StartedReadDone};
+pub use residency::{Residency, ResidencyRun};
 pub use stats::{
     CacheStats, WritebackCause, BUFFER_WAIT_BUCKETS_SECONDS, BUFFER_WAIT_BUCKET_COUNT,
 };
+pub use write::{WriteSource, ZeroOptions};

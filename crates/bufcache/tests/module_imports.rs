@@ -108,6 +108,10 @@ fn engine_module_imports_form_a_dag() {
         "writeback",
         "object",
         "handle",
+        "read",
+        "write",
+        "residency",
+        "guard",
         "bsd",
         "dirty",
         "io",
@@ -123,12 +127,22 @@ fn engine_module_imports_form_a_dag() {
         "import cycles among engine modules: {found:?} (graph: {graph:?})"
     );
     // The layering the design describes: the table knows no objects or write-back, object
-    // state knows no cache, write-back knows no handles.
+    // state knows no cache, write-back knows no handles, the handle is a façade over the
+    // read and write paths.
     for (module, forbidden) in [
         ("table", &["object", "writeback", "cache", "handle"][..]),
         ("object", &["cache", "table", "writeback", "handle"][..]),
         ("writeback", &["cache", "handle", "bsd"][..]),
-        ("cache", &["handle", "bsd"][..]),
+        ("cache", &["handle", "bsd", "read", "write", "guard"][..]),
+        // The byte-range paths sit below the handle, a façade over them: the read path
+        // knows no write path, and a held buffer knows neither.
+        ("read", &["handle", "bsd", "write", "residency"][..]),
+        ("write", &["handle", "bsd", "residency"][..]),
+        ("residency", &["handle", "bsd", "read", "write"][..]),
+        (
+            "guard",
+            &["handle", "bsd", "read", "write", "residency"][..],
+        ),
         // The io path knows devices and objects, never the cache's state or its callers.
         (
             "io",
