@@ -18,6 +18,7 @@ mod request_meters;
 mod rescue;
 mod serve;
 mod sim;
+mod standby;
 mod stat;
 mod tls_args;
 mod trace_capture;

@@ -150,6 +150,17 @@ impl Replica {
         self.stopped.store(true, Ordering::Release);
     }
 
+    /// Stops following and waits for a refresh in progress to end: the view is final when
+    /// this returns (a standby compares it with the log it recovered when taking over).
+    pub(crate) fn stop_and_wait(&self) {
+        self.stop();
+        drop(
+            self.refreshing
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+    }
+
     pub fn url(&self) -> &S3Url {
         &self.url
     }
@@ -193,7 +204,7 @@ fn follow(replica: Weak<Replica>) {
 
 /// The disk ranges mapped differently in `new` than in `old` (added, removed or moved), as
 /// (offset, length), possibly overlapping.
-fn changed_ranges(old: &[(u64, u64, u64, u64)], new: &[(u64, u64, u64, u64)]) -> Vec<(u64, u64)> {
+pub(crate) fn changed_ranges(old: &[(u64, u64, u64, u64)], new: &[(u64, u64, u64, u64)]) -> Vec<(u64, u64)> {
     let old_set: HashSet<_> = old.iter().copied().collect();
     let new_set: HashSet<_> = new.iter().copied().collect();
     let mut changed: Vec<(u64, u64)> = old
