@@ -27,6 +27,9 @@ pub const STANDBY_FOLLOW_MS_MAX: u64 = 5_000;
 /// The shortest default refresh period of a standby's view, in milliseconds.
 pub const STANDBY_FOLLOW_MS_MIN: u64 = 1_000;
 
+/// How many times a standby opens its first view when an object it listed went missing.
+const FOLLOW_OPEN_ATTEMPTS: u32 = 5;
+
 /// How often a standby refreshes its view without `follow=` in its URL: half the lease,
 /// within [`STANDBY_FOLLOW_MS_MIN`] and [`STANDBY_FOLLOW_MS_MAX`].
 pub fn follow_ms_default(lease_ms: u64) -> u64 {
@@ -53,7 +56,20 @@ impl Standby {
         let mut follow_url = url.clone();
         follow_url.standby = false;
         follow_url.follow_ms = Some(url.follow_ms.unwrap_or_else(|| follow_ms_default(lease_ms)));
-        let follower = S3Device::open_read_only_counted(&follow_url, meters)?;
+        // The writer's collector and checkpoints delete segments: one listed by this open may
+        // be gone by the time it is read, and a fresh listing no longer names it.
+        let mut attempts_left = FOLLOW_OPEN_ATTEMPTS;
+        let follower = loop {
+            attempts_left -= 1;
+            match S3Device::open_read_only_counted(&follow_url, Arc::clone(&meters)) {
+                Ok(follower) => break follower,
+                Err(error @ OpenError::Config { .. }) => return Err(error),
+                Err(error) if attempts_left == 0 => return Err(error),
+                Err(error) => {
+                    tracing::info!(disk = %url, "opening the standby's view again: {error}");
+                }
+            }
+        };
         Ok(Standby {
             follower,
             writer: OnceLock::new(),
@@ -138,13 +154,14 @@ impl Standby {
     pub fn take_over(&self, writer: S3Device) -> Vec<(u64, u64)> {
         let writer = self.writer.get_or_init(|| Arc::new(writer));
         let replica = self.replica();
-        replica.stop_and_wait();
+        let mut changed = replica.stop_and_wait();
         let followed = replica.current().index_entries();
         let recovered = writer
             .log_store()
             .map(|store| store.index_entries())
             .unwrap_or_default();
-        changed_ranges(&followed, &recovered)
+        changed.extend(changed_ranges(&followed, &recovered));
+        changed
     }
 }
 
