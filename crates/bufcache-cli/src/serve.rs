@@ -1036,7 +1036,10 @@ enum Event {
     CaptiveExited(i32),
     /// A warm standby's writable open of export `index` returned: it took the disk over (or
     /// failed).
-    TakenOver(usize, Box<Result<bufcache_s3::S3Device, bufcache_s3::OpenError>>),
+    TakenOver(
+        usize,
+        Box<Result<bufcache_s3::S3Device, bufcache_s3::OpenError>>,
+    ),
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -1264,8 +1267,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .map(crate::control::bind)
         .transpose()?;
     // Warm standbys: (export, its warming, its cache object, index in `rescuable`).
-    let mut standbys: Vec<(String, Arc<crate::standby::WarmStandby>, ObjectHandle, usize)> =
-        Vec::new();
+    let mut standbys: Vec<(
+        String,
+        Arc<crate::standby::WarmStandby>,
+        ObjectHandle,
+        usize,
+    )> = Vec::new();
     for (index, (name, backend, backend_prepared)) in prepared.into_iter().enumerate() {
         let OpenedBackend {
             device,
@@ -1363,8 +1370,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             cache_export = cache_export.with_gate(Arc::new(LeaseGate(lease)));
         }
         if let Some((_, warm, _, _)) = standbys.last().filter(|(export, ..)| *export == name) {
-            cache_export =
-                cache_export.with_gate(Arc::new(StandbyGate(Arc::clone(&warm.standby))));
+            cache_export = cache_export.with_gate(Arc::new(StandbyGate(Arc::clone(&warm.standby))));
         }
         let export = MeteredExport::wrap(
             crate::observe::wrap(&observers, exports.len(), Arc::new(cache_export)),
@@ -1384,9 +1390,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             match event_receiver.recv() {
                 Ok(Event::TakenOver(index, opened)) => {
                     let writer = (*opened)?;
-                    let Some((name, warm, object, rescue_index)) = standbys
-                        .iter()
-                        .find(|(name, ..)| exports.get(index).is_some_and(|(export, _)| export == name))
+                    let Some((name, warm, object, rescue_index)) =
+                        standbys.iter().find(|(name, ..)| {
+                            exports.get(index).is_some_and(|(export, _)| export == name)
+                        })
                     else {
                         continue;
                     };

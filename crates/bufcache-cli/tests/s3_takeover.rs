@@ -771,7 +771,10 @@ fn gets(metrics: &str) -> f64 {
 }
 
 fn warm_bytes(metrics: &str) -> f64 {
-    sample(metrics, "bufcache_store_standby_warm_bytes_total{export=\"\"}")
+    sample(
+        metrics,
+        "bufcache_store_standby_warm_bytes_total{export=\"\"}",
+    )
 }
 
 /// A writer and a `--standby` (reading at most `warm_bytes_max` into its cache per follow
@@ -821,7 +824,10 @@ fn warm_standby_run(moto: &Moto, disk: &str, warm_bytes_max: &str) -> WarmRun {
             && (!warm || warm_bytes(&metrics) >= working_set_bytes)
     });
     assert_eq!(
-        sample(&metrics, "bufcache_store_role{export=\"\",role=\"standby\"}"),
+        sample(
+            &metrics,
+            "bufcache_store_role{export=\"\",role=\"standby\"}"
+        ),
         1.0
     );
     assert_eq!(
@@ -830,13 +836,20 @@ fn warm_standby_run(moto: &Moto, disk: &str, warm_bytes_max: &str) -> WarmRun {
     );
     let lag = sample(&metrics, "bufcache_store_replica_lag_seconds{export=\"\"}");
     assert!(lag < 10.0, "lag {lag}");
-    wait_until("the standby sees the writer's lease", Duration::from_secs(10), || {
-        let metrics = metrics_of(&standby_log).unwrap_or_default();
-        metrics.contains("bufcache_store_lease_age_seconds")
-    });
+    wait_until(
+        "the standby sees the writer's lease",
+        Duration::from_secs(10),
+        || {
+            let metrics = metrics_of(&standby_log).unwrap_or_default();
+            metrics.contains("bufcache_store_lease_age_seconds")
+        },
+    );
     let metrics = metrics_of(&standby_log).unwrap();
     let age = sample(&metrics, "bufcache_store_lease_age_seconds{export=\"\"}");
-    assert!(age < LEASE_SECONDS as f64, "the writer renews, yet the standby sees a lease {age} s old");
+    assert!(
+        age < LEASE_SECONDS as f64,
+        "the writer renews, yet the standby sees a lease {age} s old"
+    );
     let warmed_first = warm_bytes(&metrics);
 
     // Blocks the writer changes while the standby follows: a refresh drops and re-reads them.
@@ -848,11 +861,14 @@ fn warm_standby_run(moto: &Moto, disk: &str, warm_bytes_max: &str) -> WarmRun {
     to_writer.flush().unwrap();
     if warm {
         let changed_bytes = (CHANGED_WHILE_FOLLOWING.count() * BLOCK) as f64;
-        wait_until("the standby re-reads the changed blocks", Duration::from_secs(10), || {
-            metrics_of(&standby_log).is_some_and(|metrics| {
-                warm_bytes(&metrics) >= warmed_first + changed_bytes
-            })
-        });
+        wait_until(
+            "the standby re-reads the changed blocks",
+            Duration::from_secs(10),
+            || {
+                metrics_of(&standby_log)
+                    .is_some_and(|metrics| warm_bytes(&metrics) >= warmed_first + changed_bytes)
+            },
+        );
     }
     // Blocks changed and flushed just before the kill, and writes no FLUSH covered.
     for block in CHANGED_BEFORE_KILL {
@@ -961,8 +977,14 @@ fn a_standby_keeps_its_cache_warm_and_serves_it_after_taking_over() {
         "{} hits reading {unchanged_blocks} blocks the standby held",
         warm.unchanged_hits
     );
-    assert_eq!(warm.unchanged_misses, 0.0, "reading blocks the standby held missed");
-    assert_eq!(warm.unchanged_gets, 0.0, "reading blocks the standby held sent GETs");
+    assert_eq!(
+        warm.unchanged_misses, 0.0,
+        "reading blocks the standby held missed"
+    );
+    assert_eq!(
+        warm.unchanged_gets, 0.0,
+        "reading blocks the standby held sent GETs"
+    );
     let cold = warm_standby_run(&moto, "cold", "0");
     assert!(
         cold.unchanged_misses > 0.0 && cold.unchanged_gets > 0.0,
@@ -981,4 +1003,70 @@ fn a_standby_keeps_its_cache_warm_and_serves_it_after_taking_over() {
         cold.unchanged_hits,
         cold.unchanged_misses,
     );
+}
+
+// Goal: a standby waiting for the disk ends at SIGTERM at once, exit 0, without touching the
+// disk, and the writer goes on serving. Method: a writer on moto, a `--standby` started beside
+// it and sent SIGTERM once its /metrics shows role standby; it must exit 0 within 5 s, and the
+// writer must still take a write and a FLUSH.
+#[test]
+fn a_waiting_standby_ends_at_a_signal_leaving_the_writer_serving() {
+    let name = "a_waiting_standby_ends_at_a_signal_leaving_the_writer_serving";
+    if !have_moto(name) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    let moto = Moto::start();
+    moto.create_bucket("disks");
+    let dir = temp_dir();
+    let url = format!(
+        "s3://disks/vm?endpoint={}&lease={LEASE_SECONDS}",
+        moto.endpoint()
+    );
+    let create = format!("{url}&create-size=1M&layout=log");
+    let mut writer = Server::start(&home(dir.path(), "writer"), "server", &serve_args(&create));
+    let standby_home = home(dir.path(), "standby");
+    let log = standby_home.join("standby.log");
+    let log_file = std::fs::File::create(&log).unwrap();
+    let mut standby = std::process::Command::new(bufcache_bin())
+        .arg("serve")
+        .args(serve_args(&url))
+        .args(["--standby", "--metrics", "127.0.0.1:0", "--listen"])
+        .arg(format!(
+            "unix:{}",
+            standby_home.join("standby.sock").display()
+        ))
+        .current_dir(&standby_home)
+        .stdout(log_file.try_clone().unwrap())
+        .stderr(log_file)
+        .spawn()
+        .unwrap();
+    wait_until(
+        "the standby's role on /metrics",
+        Duration::from_secs(20),
+        || {
+            metrics_of(&log).is_some_and(|metrics| {
+                metrics.contains("bufcache_store_role{export=\"\",role=\"standby\"} 1")
+            })
+        },
+    );
+    send_signal(standby.id(), 15);
+    let status = wait_timeout(&mut standby, Duration::from_secs(5)).unwrap_or_else(|| {
+        let _ = standby.kill();
+        panic!(
+            "the standby did not end within 5 s of SIGTERM:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        )
+    });
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "{}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    let client = NbdClient::connect(&writer.uri()).unwrap();
+    client.write(0, &tagged(1, 0, 0)).unwrap();
+    client.flush().unwrap();
+    drop(client);
+    writer.stop_clean();
 }

@@ -196,7 +196,10 @@ impl LeaseSeen {
 
     /// Seconds since the newest renewal seen; None before the lock was first read.
     pub fn age_seconds(&self) -> Option<f64> {
-        let since = self.since_ns_plus_one.load(Ordering::Acquire).checked_sub(1)?;
+        let since = self
+            .since_ns_plus_one
+            .load(Ordering::Acquire)
+            .checked_sub(1)?;
         Some(self.clock.now_ns().saturating_sub(since) as f64 / 1e9)
     }
 }

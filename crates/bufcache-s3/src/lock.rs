@@ -654,7 +654,10 @@ impl DiskLock {
                 });
                 let first_seen_ns = watch.since_ns();
                 let lapsed = watch.observe(tag, clock.now_ns());
-                if let Some(watching) = watching.as_ref().filter(|_| watch.since_ns() != first_seen_ns) {
+                if let Some(watching) = watching
+                    .as_ref()
+                    .filter(|_| watch.since_ns() != first_seen_ns)
+                {
                     watching.renewal_seen();
                 }
                 if lapsed {

@@ -118,7 +118,8 @@ impl Replica {
     pub fn refresh(&self) -> Result<usize, OpenError> {
         let changed = self.swap_view()?;
         let _telling = self.telling.lock().unwrap_or_else(PoisonError::into_inner);
-        let untold = std::mem::take(&mut *self.untold.lock().unwrap_or_else(PoisonError::into_inner));
+        let untold =
+            std::mem::take(&mut *self.untold.lock().unwrap_or_else(PoisonError::into_inner));
         let on_change = self
             .on_change
             .lock()
@@ -234,7 +235,10 @@ fn follow(replica: Weak<Replica>) {
 
 /// The disk ranges mapped differently in `new` than in `old` (added, removed or moved), as
 /// (offset, length), possibly overlapping.
-pub(crate) fn changed_ranges(old: &[(u64, u64, u64, u64)], new: &[(u64, u64, u64, u64)]) -> Vec<(u64, u64)> {
+pub(crate) fn changed_ranges(
+    old: &[(u64, u64, u64, u64)],
+    new: &[(u64, u64, u64, u64)],
+) -> Vec<(u64, u64)> {
     let old_set: HashSet<_> = old.iter().copied().collect();
     let new_set: HashSet<_> = new.iter().copied().collect();
     let mut changed: Vec<(u64, u64)> = old

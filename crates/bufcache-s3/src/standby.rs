@@ -50,8 +50,9 @@ impl Standby {
     pub fn follow(url: &S3Url, meters: Arc<StoreMeters>) -> Result<Standby, OpenError> {
         let lease_ms = url.lease_ms.ok_or_else(|| OpenError::Config {
             url: url.to_string(),
-            reason: "a standby takes the disk when the writer's lease lapses, and lease=off has none"
-                .to_string(),
+            reason:
+                "a standby takes the disk when the writer's lease lapses, and lease=off has none"
+                    .to_string(),
         })?;
         let mut follow_url = url.clone();
         follow_url.standby = false;
@@ -132,7 +133,11 @@ impl Standby {
     pub fn newest_written(&self, bytes_max: u64) -> Vec<(u64, u64)> {
         let mut entries = self.replica().current().index_entries();
         entries.sort_by_key(|&(offset, _, segment, object_offset)| {
-            (std::cmp::Reverse(segment), std::cmp::Reverse(object_offset), offset)
+            (
+                std::cmp::Reverse(segment),
+                std::cmp::Reverse(object_offset),
+                offset,
+            )
         });
         let mut left = bytes_max;
         let mut ranges = Vec::new();
