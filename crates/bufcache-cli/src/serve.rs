@@ -371,6 +371,42 @@ struct OpenedBackend {
 /// --standby-warm-bytes-max.
 const STANDBY_WARM_BYTES_MAX_DEFAULT: u64 = 64 << 20;
 
+/// Faults the cache's memory in as --prefault says: the part before serving now, and returns
+/// the thread that does the rest while serving, if any.
+fn start_prefault(
+    args: &ServeArgs,
+    cache: &Cache,
+    objects: &[(String, ObjectHandle)],
+) -> Option<prefault::Background> {
+    let exports_bytes: u64 = objects.iter().map(|(_, object)| object.len()).sum();
+    let prefault_when = if args.no_prefault {
+        PrefaultWhen::Off
+    } else {
+        args.prefault
+    };
+    let prefault_bytes_max = match prefault_when {
+        PrefaultWhen::Off => 0,
+        _ => prefault::bytes_to_prefault(exports_bytes.min(cache.config().memory_bytes_max)),
+    };
+    match prefault_when {
+        PrefaultWhen::Startup => {
+            prefault::before_serving(cache, prefault_bytes_max);
+            None
+        }
+        PrefaultWhen::Auto => {
+            prefault::before_serving(
+                cache,
+                prefault_bytes_max.min(prefault::BEFORE_SERVING_BYTES_MAX),
+            );
+            (prefault_bytes_max > prefault::BEFORE_SERVING_BYTES_MAX)
+                .then(|| prefault::Background::start(cache.clone(), prefault_bytes_max))
+                .flatten()
+        }
+        PrefaultWhen::Background => prefault::Background::start(cache.clone(), prefault_bytes_max),
+        PrefaultWhen::Off => None,
+    }
+}
+
 /// Serves /metrics and /stats over `meters` on `listener`.
 fn start_metrics(
     listener: std::net::TcpListener,
@@ -1379,6 +1415,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         exports.push((name, export));
     }
     let mut meters = Some(meters);
+    // A standby faults its cache's memory in while it waits, not after it took the disk.
+    let mut background_prefault = None;
+    if !standbys.is_empty() {
+        background_prefault = start_prefault(&args, &cache, &objects);
+    }
     if !standbys.is_empty() {
         // A standby shows /metrics while it waits (its role, the writer's lease as it sees
         // it, its lag, its warming); it listens for clients only once it writes.
@@ -1426,33 +1467,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     for target in &rescue_targets {
         handle_rescue_file(&args, target, &cache, &objects)?;
     }
-    let exports_bytes: u64 = objects.iter().map(|(_, object)| object.len()).sum();
-    let prefault_when = if args.no_prefault {
-        PrefaultWhen::Off
-    } else {
-        args.prefault
-    };
-    let prefault_bytes_max = match prefault_when {
-        PrefaultWhen::Off => 0,
-        _ => prefault::bytes_to_prefault(exports_bytes.min(cache.config().memory_bytes_max)),
-    };
-    let background_prefault = match prefault_when {
-        PrefaultWhen::Startup => {
-            prefault::before_serving(&cache, prefault_bytes_max);
-            None
-        }
-        PrefaultWhen::Auto => {
-            prefault::before_serving(
-                &cache,
-                prefault_bytes_max.min(prefault::BEFORE_SERVING_BYTES_MAX),
-            );
-            (prefault_bytes_max > prefault::BEFORE_SERVING_BYTES_MAX)
-                .then(|| prefault::Background::start(cache.clone(), prefault_bytes_max))
-                .flatten()
-        }
-        PrefaultWhen::Background => prefault::Background::start(cache.clone(), prefault_bytes_max),
-        PrefaultWhen::Off => None,
-    };
+    if standbys.is_empty() {
+        background_prefault = start_prefault(&args, &cache, &objects);
+    }
     let server = match Server::new(server_config, exports) {
         Err(bufcache_nbd::ServerError::PolicyForUnknownExport(name)) => clap::Error::raw(
             clap::error::ErrorKind::ValueValidation,
