@@ -19,6 +19,7 @@ mod request_meters;
 mod rescue;
 mod serve;
 mod sim;
+mod standby;
 mod stat;
 mod tls_args;
 mod trace_capture;

@@ -43,6 +43,43 @@ pub struct ExportMeters {
     pub tier: Option<Arc<ServeTier>>,
     /// The object-store disk, for an s3:// backend (its store requests and objects).
     pub store: Option<Arc<bufcache_s3::S3Device>>,
+    /// The warm standby, for an s3:// backend served with --standby: its view (a replica
+    /// until it takes the disk over, the writer's open after) stands for `store`.
+    pub standby: Option<Arc<crate::standby::WarmStandby>>,
+}
+
+/// What an export is to its object-store disk, for `/metrics` and `/stats`.
+struct StoreRole<'a> {
+    device: &'a bufcache_s3::S3Device,
+    role: Option<&'static str>,
+    lease_age_seconds: Option<f64>,
+    replica_lag_seconds: Option<f64>,
+    /// Bytes a standby read into its cache to keep it warm.
+    warm_bytes: Option<u64>,
+}
+
+impl ExportMeters {
+    fn store_role(&self) -> Option<StoreRole<'_>> {
+        if let Some(warm) = &self.standby {
+            let standby = &warm.standby;
+            let following = standby.writer().is_none();
+            return Some(StoreRole {
+                device: standby.current(),
+                role: Some(standby.role()),
+                lease_age_seconds: standby.lease_age_seconds(),
+                replica_lag_seconds: following.then(|| standby.replica().lag_seconds()),
+                warm_bytes: Some(warm.warm_bytes()),
+            });
+        }
+        let store = self.store.as_deref()?;
+        Some(StoreRole {
+            device: store,
+            role: store.role(),
+            lease_age_seconds: store.lease().map(|lease| lease.age_ns() as f64 / 1e9),
+            replica_lag_seconds: store.replica().map(|replica| replica.lag_seconds()),
+            warm_bytes: None,
+        })
+    }
 }
 
 /// Everything a scrape reports.
@@ -92,13 +129,14 @@ impl Meters {
                         "writeback_error": stats.writeback_error,
                     })
                 });
-                let store = export.store.as_ref().map(|store| {
-                    let mut figures = store_json(&store.store_stats());
-                    figures["role"] = json!(store.role());
-                    figures["lease_age_seconds"] =
-                        json!(store.lease().map(|lease| lease.age_ns() as f64 / 1e9));
-                    figures["replica_lag_seconds"] =
-                        json!(store.replica().map(|replica| replica.lag_seconds()));
+                let store = export.store_role().map(|store| {
+                    let mut figures = store_json(&store.device.store_stats());
+                    figures["role"] = json!(store.role);
+                    figures["lease_age_seconds"] = json!(store.lease_age_seconds);
+                    figures["replica_lag_seconds"] = json!(store.replica_lag_seconds);
+                    if let Some(bytes) = store.warm_bytes {
+                        figures["standby_warm_bytes"] = json!(bytes);
+                    }
                     figures
                 });
                 json!({
@@ -205,9 +243,9 @@ impl Meters {
             if let Some(tier) = &export.tier {
                 tier_prometheus(&mut text, &label, &tier.stats());
             }
-            if let Some(store) = &export.store {
-                store_prometheus(&mut text, &label, &store.store_stats());
-                store_role_prometheus(&mut text, &label, store);
+            if let Some(store) = export.store_role() {
+                store_prometheus(&mut text, &label, &store.device.store_stats());
+                store_role_prometheus(&mut text, &label, &store);
             }
             let queue: IoQueueStats = export
                 .queue
@@ -340,8 +378,8 @@ fn store_prometheus(text: &mut Exposition, label: &Labels, stats: &bufcache_s3::
 
 /// What this server is to an object-store disk (writer, standby, replica), how old its lease
 /// is, and how far a replica is behind (docs/s3.md, "Leases and takeover", "Read replicas").
-fn store_role_prometheus(text: &mut Exposition, label: &Labels, store: &bufcache_s3::S3Device) {
-    if let Some(role) = store.role() {
+fn store_role_prometheus(text: &mut Exposition, label: &Labels, store: &StoreRole<'_>) {
+    if let Some(role) = store.role {
         for known in ["writer", "standby", "replica"] {
             sample(
                 text,
@@ -352,22 +390,31 @@ fn store_role_prometheus(text: &mut Exposition, label: &Labels, store: &bufcache
             );
         }
     }
-    if let Some(lease) = store.lease() {
+    if let Some(age) = store.lease_age_seconds {
         sample(
             text,
             "bufcache_store_lease_age_seconds",
             label,
-            lease.age_ns() as f64 / 1e9,
-            "Seconds since the send time of the newest successful renewal of the disk lock's lease.",
+            age,
+            "Seconds since the newest renewal of the disk lock's lease: the send time of this writer's own newest successful renewal, or, on a standby, since it last saw the writer's lock change.",
         );
     }
-    if let Some(replica) = store.replica() {
+    if let Some(lag) = store.replica_lag_seconds {
         sample(
             text,
             "bufcache_store_replica_lag_seconds",
             label,
-            replica.lag_seconds(),
-            "Seconds since the newest successful refresh of the read replica started: it serves every write the writer made durable before then.",
+            lag,
+            "Seconds since the newest successful refresh of the read replica (or standby) started: it serves every write the writer made durable before then.",
+        );
+    }
+    if let Some(bytes) = store.warm_bytes {
+        counter(
+            text,
+            "bufcache_store_standby_warm_bytes_total",
+            label,
+            bytes,
+            "Bytes a standby read into its cache while following the writer, to serve them warm once it takes over.",
         );
     }
 }

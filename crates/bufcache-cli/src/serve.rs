@@ -130,6 +130,12 @@ pub struct ServeArgs {
     /// serve it (docs/s3.md, "Standby").
     #[arg(long)]
     standby: bool,
+    /// With --standby: the most bytes the standby reads into its cache per follow round while
+    /// it waits (first what the writer wrote most recently, then what each refresh of its view
+    /// finds changed), so it serves them from memory once it takes over. 0 keeps the cache
+    /// only as clients fill it after the takeover.
+    #[arg(long, value_name = "SIZE", value_parser = |text: &str| parse_size(text).map_err(|e| e.to_string()))]
+    standby_warm_bytes_max: Option<u64>,
     /// Open backing files with O_DIRECT (bypassing the host page cache).
     #[arg(long)]
     direct: bool,
@@ -356,6 +362,86 @@ struct OpenedBackend {
     store: Option<Arc<bufcache_s3::S3Device>>,
     /// Exclusive use of a backing file or block device, held until the process ends.
     _lock: Option<BackendLock>,
+    /// A warm standby's device (the replica view until it takes the disk over); its writable
+    /// open waits on a thread of its own and is sent as [`Event::TakenOver`].
+    standby: Option<Arc<bufcache_s3::standby::Standby>>,
+}
+
+/// What a --standby server reads into its cache per follow round without
+/// --standby-warm-bytes-max.
+const STANDBY_WARM_BYTES_MAX_DEFAULT: u64 = 64 << 20;
+
+/// Faults the cache's memory in as --prefault says: the part before serving now, and returns
+/// the thread that does the rest while serving, if any.
+fn start_prefault(
+    args: &ServeArgs,
+    cache: &Cache,
+    objects: &[(String, ObjectHandle)],
+) -> Option<prefault::Background> {
+    let exports_bytes: u64 = objects.iter().map(|(_, object)| object.len()).sum();
+    let prefault_when = if args.no_prefault {
+        PrefaultWhen::Off
+    } else {
+        args.prefault
+    };
+    let prefault_bytes_max = match prefault_when {
+        PrefaultWhen::Off => 0,
+        _ => prefault::bytes_to_prefault(exports_bytes.min(cache.config().memory_bytes_max)),
+    };
+    match prefault_when {
+        PrefaultWhen::Startup => {
+            prefault::before_serving(cache, prefault_bytes_max);
+            None
+        }
+        PrefaultWhen::Auto => {
+            prefault::before_serving(
+                cache,
+                prefault_bytes_max.min(prefault::BEFORE_SERVING_BYTES_MAX),
+            );
+            (prefault_bytes_max > prefault::BEFORE_SERVING_BYTES_MAX)
+                .then(|| prefault::Background::start(cache.clone(), prefault_bytes_max))
+                .flatten()
+        }
+        PrefaultWhen::Background => prefault::Background::start(cache.clone(), prefault_bytes_max),
+        PrefaultWhen::Off => None,
+    }
+}
+
+/// Serves /metrics and /stats over `meters` on `listener`.
+fn start_metrics(
+    listener: std::net::TcpListener,
+    cache: &Cache,
+    meters: Vec<ExportMeters>,
+    observers: &crate::observe::Observers,
+) -> anyhow::Result<()> {
+    let local = metrics::start(
+        listener,
+        Arc::new(Meters {
+            cache: cache.clone(),
+            exports: meters,
+            whatif: observers.whatif.clone(),
+        }),
+    )?;
+    say!("metrics on http://{local}/metrics and /stats   (try: bufcache stat {local})");
+    Ok(())
+}
+
+/// Acknowledges changes to a warm standby's export only once it took the disk over, and then
+/// while its lease holds (a standby serves no client before; this is the second line).
+struct StandbyGate(Arc<bufcache_s3::standby::Standby>);
+
+impl bufcache_nbd::AcknowledgeGate for StandbyGate {
+    fn may_acknowledge_changes(&self) -> std::io::Result<()> {
+        match self.0.writer() {
+            None => Err(std::io::Error::other(
+                "this server is the disk's standby: it writes only once it takes the disk over",
+            )),
+            Some(writer) => match writer.lease() {
+                Some(lease) => lease.check().map_err(std::io::Error::other),
+                None => Ok(()),
+            },
+        }
+    }
 }
 
 /// Acknowledges changes to an S3 log-layout export only while this server's lease on the
@@ -557,10 +643,12 @@ enum PreparedBackend {
 impl PreparedBackend {
     /// Opens what is left to open: called for every export only once all were prepared and
     /// every socket opened, so a start refused for one export never changed another's store.
-    fn open(self) -> anyhow::Result<OpenedBackend> {
+    /// A warm standby's writable open tells `events` when it took the disk (as export
+    /// `index`).
+    fn open(self, events: &mpsc::Sender<Event>, index: usize) -> anyhow::Result<OpenedBackend> {
         match self {
             PreparedBackend::Opened(opened) => Ok(opened),
-            PreparedBackend::S3(pending) => pending.open(),
+            PreparedBackend::S3(pending) => pending.open(events, index),
         }
     }
 }
@@ -574,11 +662,20 @@ struct PendingS3 {
     meters: Arc<bufcache_s3::StoreMeters>,
     name: String,
     read_only: bool,
+    /// `--standby` that follows the disk and keeps a cache warm while it waits (a log-layout
+    /// disk that exists, with a lease, served without --local-cache); false for a standby
+    /// that waits cold (the local cache is its warm copy) or is refused by the open.
+    warm_standby: bool,
 }
 
 impl PendingS3 {
-    /// Opens the disk; for writing, this takes its lock and raises its generation.
-    fn open(self) -> anyhow::Result<OpenedBackend> {
+    /// Opens the disk; for writing, this takes its lock and raises its generation. A warm
+    /// standby opens its replica view here and waits for the lock on a thread of its own,
+    /// which sends [`Event::TakenOver`] to `events`.
+    fn open(self, events: &mpsc::Sender<Event>, index: usize) -> anyhow::Result<OpenedBackend> {
+        if self.warm_standby {
+            return self.open_warm_standby(events, index);
+        }
         let PendingS3 {
             url,
             seen,
@@ -586,6 +683,7 @@ impl PendingS3 {
             meters,
             name,
             read_only,
+            warm_standby: _,
         } = self;
         // --read-only writes nothing, not even the disk lock; credentials that may not write
         // (the store answers the lock's PUT 403) make a read-only export too, as a file this
@@ -633,6 +731,63 @@ impl PendingS3 {
             s3: Some(Arc::clone(&device)),
             store: Some(device),
             _lock: None,
+            standby: None,
+        })
+    }
+
+    /// A warm standby: follows the disk read-only (writing nothing) and starts the writable
+    /// open, which registers as the disk's standby and waits for the writer's lease to lapse.
+    fn open_warm_standby(
+        self,
+        events: &mpsc::Sender<Event>,
+        index: usize,
+    ) -> anyhow::Result<OpenedBackend> {
+        let PendingS3 {
+            url,
+            seen,
+            proposed_id,
+            meters,
+            name,
+            ..
+        } = self;
+        let standby = Arc::new(bufcache_s3::standby::Standby::follow(
+            &url,
+            Arc::clone(&meters),
+        )?);
+        let state = standby.current().state();
+        let identity = match state.disk_id {
+            Some(id) => bufcache_s3::disk_identity(id),
+            None => name.clone(),
+        };
+        let writer_url = bufcache_s3::standby::Standby::writer_url(&url);
+        let watching = standby.lease_seen();
+        let events = events.clone();
+        std::thread::Builder::new()
+            .name("bufcache-standby".into())
+            .spawn(move || {
+                let opened = bufcache_s3::S3Device::open_locked_watching(
+                    &writer_url,
+                    seen.as_ref(),
+                    proposed_id,
+                    meters,
+                    Some(watching),
+                );
+                let _ = events.send(Event::TakenOver(index, Box::new(opened)));
+            })
+            .context("starting the standby's thread")?;
+        Ok(OpenedBackend {
+            device: Arc::clone(&standby) as Arc<dyn Device>,
+            upstream: None,
+            // The generation is the one the takeover raises it to, recorded then.
+            identity: Some(BackendIdentity {
+                identity,
+                name,
+                state: Some(state.generation),
+            }),
+            s3: None,
+            store: None,
+            _lock: None,
+            standby: Some(standby),
         })
     }
 }
@@ -659,6 +814,7 @@ fn prepare_backend(
             identity: None,
             s3: None,
             _lock: None,
+            standby: None,
         }));
     }
     if spec.starts_with("nbd://")
@@ -689,6 +845,7 @@ fn prepare_backend(
             s3: None,
             store: None,
             _lock: None,
+            standby: None,
         }));
     }
     if spec.starts_with("s3://") {
@@ -727,6 +884,13 @@ fn prepare_backend(
         if let Some(local) = args.local_cache.as_deref().filter(|_| !args.read_only) {
             bufcache_tier::check_log_path(local, tier_config(args))?;
         }
+        // Anything else a standby is asked (a chunk layout, lease=off, a snapshot, a disk not
+        // made yet) goes to the writable open, which refuses it or waits cold as before.
+        let warm_standby = args.standby
+            && args.local_cache.is_none()
+            && url.snapshot.is_none()
+            && url.lease_ms.is_some()
+            && seen.is_some_and(|seen| seen.layout == bufcache_s3::LayoutKind::Log);
         return Ok(PreparedBackend::S3(Box::new(PendingS3 {
             url,
             seen,
@@ -734,6 +898,7 @@ fn prepare_backend(
             meters,
             name,
             read_only: args.read_only,
+            warm_standby,
         })));
     }
     let path = Path::new(spec);
@@ -830,6 +995,7 @@ fn prepare_backend(
         s3: None,
         store: None,
         _lock: Some(lock),
+        standby: None,
     }))
 }
 
@@ -904,6 +1070,12 @@ enum Event {
     Synced(Result<(), CacheError>),
     /// The --run command exited with this status (shell convention: 128+N for signal N).
     CaptiveExited(i32),
+    /// A warm standby's writable open of export `index` returned: it took the disk over (or
+    /// failed).
+    TakenOver(
+        usize,
+        Box<Result<bufcache_s3::S3Device, bufcache_s3::OpenError>>,
+    ),
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -1006,6 +1178,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut meters = Vec::new();
     let mut objects: Vec<(String, ObjectHandle)> = Vec::new();
     let specs = export_specs(&args)?;
+    if args.standby_warm_bytes_max.is_some() && !args.standby {
+        return Err(crate::UsageError(
+            "--standby-warm-bytes-max bounds what a --standby server reads into its cache while it waits, and --standby is not given".into(),
+        )
+        .into());
+    }
     if args.standby {
         if let Some((_, backend, _)) = specs
             .iter()
@@ -1115,7 +1293,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         Some(sockets) => bufcache_nbd::Listeners::inherited(sockets)?,
         None => bufcache_nbd::Listeners::bind(&server_config)?,
     };
-    let metrics_listener = args.metrics.as_deref().map(metrics::bind).transpose()?;
+    let mut metrics_listener = args.metrics.as_deref().map(metrics::bind).transpose()?;
     if args.control.is_some() && args.local_cache.is_some() {
         bail!("--control takes snapshots of a disk as its store has it, and with --local-cache acknowledged writes may be only in the local cache: serve without one to take snapshots");
     }
@@ -1124,7 +1302,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .as_deref()
         .map(crate::control::bind)
         .transpose()?;
-    for (name, backend, backend_prepared) in prepared {
+    // Warm standbys: (export, its warming, its cache object, index in `rescuable`).
+    let mut standbys: Vec<(
+        String,
+        Arc<crate::standby::WarmStandby>,
+        ObjectHandle,
+        usize,
+    )> = Vec::new();
+    for (index, (name, backend, backend_prepared)) in prepared.into_iter().enumerate() {
         let OpenedBackend {
             device,
             upstream,
@@ -1132,7 +1317,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             identity,
             s3,
             _lock: lock,
-        } = backend_prepared.open()?;
+            standby,
+        } = backend_prepared.open(&events, index)?;
         let lease = s3.as_ref().and_then(|device| device.lease());
         let replica = s3.as_ref().and_then(|device| device.replica().cloned());
         // With a local cache the cache keeps what the log layout has not uploaded (its epoch
@@ -1160,6 +1346,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         let (device, queue) = args.engine.queue_device(above_backend, cache.config())?;
         counters.push(Arc::clone(&counting));
         let requests = Arc::new(RequestMeters::default());
+        let meters_index = meters.len();
         meters.push(ExportMeters {
             name: name.clone(),
             requests: Arc::clone(&requests),
@@ -1168,6 +1355,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             upstream,
             tier,
             store,
+            standby: None,
         });
         let mut object_config = ObjectConfig::new(
             if name.is_empty() {
@@ -1185,6 +1373,16 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
         tracing::info!(export = %name, backend = %backend, size = %format_size(object.len()), "export ready");
         say!("export {:?} = {} ({} bytes)", name, backend, object.len());
+        if let Some(standby) = standby {
+            let warm = crate::standby::WarmStandby::start(
+                Arc::clone(&standby),
+                object.reopen(),
+                args.standby_warm_bytes_max
+                    .unwrap_or(STANDBY_WARM_BYTES_MAX_DEFAULT),
+            )?;
+            meters[meters_index].standby = Some(Arc::clone(&warm));
+            standbys.push((name.clone(), warm, object.reopen(), rescuable.len()));
+        }
         if let Some(identity) = identity {
             rescuable.push(rescue::Backend {
                 export: name.clone(),
@@ -1207,43 +1405,71 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         if let Some(lease) = lease {
             cache_export = cache_export.with_gate(Arc::new(LeaseGate(lease)));
         }
+        if let Some((_, warm, _, _)) = standbys.last().filter(|(export, ..)| *export == name) {
+            cache_export = cache_export.with_gate(Arc::new(StandbyGate(Arc::clone(&warm.standby))));
+        }
         let export = MeteredExport::wrap(
             crate::observe::wrap(&observers, exports.len(), Arc::new(cache_export)),
             requests,
         );
         exports.push((name, export));
     }
+    let mut meters = Some(meters);
+    // A standby faults its cache's memory in while it waits, not after it took the disk.
+    let mut background_prefault = None;
+    if !standbys.is_empty() {
+        background_prefault = start_prefault(&args, &cache, &objects);
+    }
+    if !standbys.is_empty() {
+        // A standby shows /metrics while it waits (its role, the writer's lease as it sees
+        // it, its lag, its warming); it listens for clients only once it writes.
+        if let (Some(listener), Some(meters)) = (metrics_listener.take(), meters.take()) {
+            start_metrics(listener, &cache, meters, &observers)?;
+        }
+        let mut waiting = standbys.len();
+        while waiting > 0 {
+            match event_receiver.recv() {
+                Ok(Event::TakenOver(index, opened)) => {
+                    let writer = (*opened)?;
+                    let Some((name, warm, object, rescue_index)) =
+                        standbys.iter().find(|(name, ..)| {
+                            exports.get(index).is_some_and(|(export, _)| export == name)
+                        })
+                    else {
+                        continue;
+                    };
+                    let state = writer.state();
+                    let cached_before = cache.stats().memory_used_bytes;
+                    let dropped = warm.take_over(writer, object);
+                    if let Some(writer) = warm.standby.writer() {
+                        s3_devices.push((name.clone(), Arc::clone(writer)));
+                    }
+                    if let Some(backend) = rescuable.get_mut(*rescue_index) {
+                        backend.state = Some(state.generation);
+                    }
+                    say!(
+                        "export {name:?}: took the disk over with its cache warm ({} cached; {dropped} ranges the writer changed since the last refresh dropped, {} read ahead while standing by)",
+                        format_size(cached_before),
+                        format_size(warm.warm_bytes())
+                    );
+                    waiting -= 1;
+                }
+                Ok(Event::Signal(signal)) => {
+                    say!("signal {signal} while standing by: exiting; nothing was written to the disk (its standby registration lapses with its lease)");
+                    return Ok(());
+                }
+                Ok(_) => {}
+                Err(_) => bail!("the standby's threads ended without taking the disk over"),
+            }
+        }
+    }
     let mut rescue_targets = rescue_targets(&args, rescuable)?;
     for target in &rescue_targets {
         handle_rescue_file(&args, target, &cache, &objects)?;
     }
-    let exports_bytes: u64 = objects.iter().map(|(_, object)| object.len()).sum();
-    let prefault_when = if args.no_prefault {
-        PrefaultWhen::Off
-    } else {
-        args.prefault
-    };
-    let prefault_bytes_max = match prefault_when {
-        PrefaultWhen::Off => 0,
-        _ => prefault::bytes_to_prefault(exports_bytes.min(cache.config().memory_bytes_max)),
-    };
-    let background_prefault = match prefault_when {
-        PrefaultWhen::Startup => {
-            prefault::before_serving(&cache, prefault_bytes_max);
-            None
-        }
-        PrefaultWhen::Auto => {
-            prefault::before_serving(
-                &cache,
-                prefault_bytes_max.min(prefault::BEFORE_SERVING_BYTES_MAX),
-            );
-            (prefault_bytes_max > prefault::BEFORE_SERVING_BYTES_MAX)
-                .then(|| prefault::Background::start(cache.clone(), prefault_bytes_max))
-                .flatten()
-        }
-        PrefaultWhen::Background => prefault::Background::start(cache.clone(), prefault_bytes_max),
-        PrefaultWhen::Off => None,
-    };
+    if standbys.is_empty() {
+        background_prefault = start_prefault(&args, &cache, &objects);
+    }
     let server = match Server::new(server_config, exports) {
         Err(bufcache_nbd::ServerError::PolicyForUnknownExport(name)) => clap::Error::raw(
             clap::error::ErrorKind::ValueValidation,
@@ -1275,16 +1501,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         let path = args.control.as_deref().unwrap_or(Path::new("")).display();
         say!("control socket on {path}   (try: bufcache disk snapshot URL NAME --control {path}, or disk resize URL SIZE --control {path})");
     }
-    if let Some(listener) = metrics_listener {
-        let local = metrics::start(
-            listener,
-            Arc::new(Meters {
-                cache: cache.clone(),
-                exports: meters,
-                whatif: observers.whatif.clone(),
-            }),
-        )?;
-        say!("metrics on http://{local}/metrics and /stats   (try: bufcache stat {local})");
+    if let (Some(listener), Some(meters)) = (metrics_listener, meters) {
+        start_metrics(listener, &cache, meters, &observers)?;
     }
     if args.exit_with_parent {
         crate::daemon::exit_with_parent()?;
@@ -1404,6 +1622,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                     say!("--run command exited with status {code}: finishing in-flight requests and writing back (up to {timeout:?})");
                 }
             }
+            // Every standby took its disk over before serving started.
+            Some(Event::TakenOver(..)) => {}
             None => break None,
         }
     };

@@ -68,7 +68,19 @@ impl S3Device {
         proposed_id: u64,
         meters: Arc<StoreMeters>,
     ) -> Result<Self, OpenError> {
-        let store = Layout::open_locked(url, Arc::clone(&meters))?;
+        Self::open_locked_watching(url, seen, proposed_id, meters, None)
+    }
+
+    /// [`S3Device::open_locked_after_probe`] for a standby (`url.standby`), telling
+    /// `watching` of each renewal of the writer's lease it sees while it waits.
+    pub fn open_locked_watching(
+        url: &S3Url,
+        seen: Option<&DiskState>,
+        proposed_id: u64,
+        meters: Arc<StoreMeters>,
+        watching: Option<Arc<crate::lease::LeaseSeen>>,
+    ) -> Result<Self, OpenError> {
+        let store = Layout::open_locked_watching(url, Arc::clone(&meters), watching)?;
         let state = match store.read_only() {
             Some(_) => store.state(),
             None => advance_generation_counted(

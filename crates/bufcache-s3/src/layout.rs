@@ -28,7 +28,13 @@ impl Layout {
     /// Opens the disk `url` names with the layout its metadata object records (a new disk
     /// gets the URL's `layout=`, else [`crate::LAYOUT_DEFAULT`]) and takes its lock; every
     /// request is counted in `meters`.
-    pub fn open_locked(url: &S3Url, meters: Arc<StoreMeters>) -> Result<Layout, OpenError> {
+    /// A standby's open (`url.standby`) tells `watching` of each renewal of the holder's lease
+    /// it sees while it waits for it to lapse.
+    pub fn open_locked_watching(
+        url: &S3Url,
+        meters: Arc<StoreMeters>,
+        watching: Option<Arc<crate::lease::LeaseSeen>>,
+    ) -> Result<Layout, OpenError> {
         if url.follow_ms.is_some() {
             return Err(OpenError::Config {
                 url: url.to_string(),
@@ -61,6 +67,7 @@ impl Layout {
                 url,
                 connection,
                 LogConfig::from_url(url),
+                watching,
             )?)),
         }
     }

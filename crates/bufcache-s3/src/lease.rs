@@ -171,6 +171,45 @@ impl LapseWatch {
     }
 }
 
+/// The writer's lease as a standby sees it: when the standby last saw the lock object change
+/// (each renewal writes a new body, so a new ETag). Its age is how long the writer has gone
+/// unrenewed as far as this standby knows; the standby takes the disk once it reaches a lease.
+pub struct LeaseSeen {
+    clock: MonotonicClock,
+    /// Clock time at which the lock's current ETag was first seen, plus one; 0: not seen yet.
+    since_ns_plus_one: AtomicU64,
+}
+
+impl LeaseSeen {
+    pub fn new() -> LeaseSeen {
+        LeaseSeen {
+            clock: MonotonicClock::new(),
+            since_ns_plus_one: AtomicU64::new(0),
+        }
+    }
+
+    /// A read of the lock found an ETag not seen before: the writer renewed.
+    pub fn renewal_seen(&self) {
+        self.since_ns_plus_one
+            .store(self.clock.now_ns().saturating_add(1), Ordering::Release);
+    }
+
+    /// Seconds since the newest renewal seen; None before the lock was first read.
+    pub fn age_seconds(&self) -> Option<f64> {
+        let since = self
+            .since_ns_plus_one
+            .load(Ordering::Acquire)
+            .checked_sub(1)?;
+        Some(self.clock.now_ns().saturating_sub(since) as f64 / 1e9)
+    }
+}
+
+impl Default for LeaseSeen {
+    fn default() -> Self {
+        LeaseSeen::new()
+    }
+}
+
 /// A monotonic clock for the lease outside the simulator.
 pub struct MonotonicClock {
     origin: std::time::Instant,

@@ -25,6 +25,7 @@ pub mod sim_check;
 pub mod sim_clones;
 pub mod sim_servers;
 pub mod sim_store;
+pub mod standby;
 mod store;
 mod url;
 

@@ -26,7 +26,9 @@ use serde_json::json;
 use bufcache_device::Clock;
 
 use crate::error::{chain, request_failed, OpenError, StoreError};
-use crate::lease::{renewal_interval_ns, LapseWatch, Lease, MonotonicClock, LEASE_ROUND_TRIPS_MIN};
+use crate::lease::{
+    renewal_interval_ns, LapseWatch, Lease, LeaseSeen, MonotonicClock, LEASE_ROUND_TRIPS_MIN,
+};
 use crate::url::S3Url;
 
 /// Name of the lock object under the prefix.
@@ -134,7 +136,16 @@ pub(crate) async fn register_standby(
     store: Arc<AmazonS3>,
     url: &S3Url,
 ) -> Result<Arc<DiskLock>, OpenError> {
-    match DiskLock::acquire_named(runtime, store, url, STANDBY_NAME, Takeover::AfterLapse).await {
+    match DiskLock::acquire_named(
+        runtime,
+        store,
+        url,
+        STANDBY_NAME,
+        Takeover::AfterLapse,
+        None,
+    )
+    .await
+    {
         Ok(Acquired::Held(standby)) => Ok(standby),
         Ok(Acquired::WritesRefused(answer)) => Err(OpenError::Config {
             url: url.to_string(),
@@ -428,17 +439,19 @@ impl DiskLock {
         store: Arc<AmazonS3>,
         url: &S3Url,
     ) -> Result<Acquired, OpenError> {
-        Self::acquire_with(runtime, store, url, Takeover::BreakLockOnly).await
+        Self::acquire_with(runtime, store, url, Takeover::BreakLockOnly, None).await
     }
 
-    /// [`DiskLock::acquire`], taking a lock whose lease lapsed as `takeover` says.
+    /// [`DiskLock::acquire`], taking a lock whose lease lapsed as `takeover` says; each
+    /// renewal of the holder's lease seen while watching is told to `watching`.
     pub(crate) async fn acquire_with(
         runtime: tokio::runtime::Handle,
         store: Arc<AmazonS3>,
         url: &S3Url,
         takeover: Takeover,
+        watching: Option<Arc<LeaseSeen>>,
     ) -> Result<Acquired, OpenError> {
-        Self::acquire_named(runtime, store, url, LOCK_NAME, takeover).await
+        Self::acquire_named(runtime, store, url, LOCK_NAME, takeover, watching).await
     }
 
     /// [`DiskLock::acquire_with`] of the object `name` under the prefix (the lock, or the
@@ -449,9 +462,11 @@ impl DiskLock {
         url: &S3Url,
         name: &str,
         takeover: Takeover,
+        watching: Option<Arc<LeaseSeen>>,
     ) -> Result<Acquired, OpenError> {
         let clock: Arc<dyn Clock> = Arc::new(MonotonicClock::new());
-        let acquired = Self::take(runtime, store.clone(), url, name, clock, takeover).await?;
+        let acquired =
+            Self::take(runtime, store.clone(), url, name, clock, takeover, watching).await?;
         if let (Acquired::Held(lock), Some(lease_ms)) = (
             &acquired,
             url.lease_ms.filter(|_| takeover != Takeover::BreakLockOnly),
@@ -542,6 +557,7 @@ impl DiskLock {
         name: &str,
         clock: Arc<dyn Clock>,
         takeover: Takeover,
+        watching: Option<Arc<LeaseSeen>>,
     ) -> Result<Acquired, OpenError> {
         let key = url.key(name);
         let path = ObjectPath::from(key.as_str());
@@ -637,7 +653,14 @@ impl DiskLock {
                     LapseWatch::new(lease_ns)
                 });
                 let first_seen_ns = watch.since_ns();
-                if watch.observe(tag, clock.now_ns()) {
+                let lapsed = watch.observe(tag, clock.now_ns());
+                if let Some(watching) = watching
+                    .as_ref()
+                    .filter(|_| watch.since_ns() != first_seen_ns)
+                {
+                    watching.renewal_seen();
+                }
+                if lapsed {
                     tracing::warn!(disk = %url, holder = %stale, lease_ms = stale_lease_ms, "the lock's lease lapsed unrenewed; taking the disk over");
                     break (Some(stale), e_tag);
                 }

@@ -36,8 +36,16 @@ pub struct Replica {
     clock: MonotonicClock,
     /// Clock time at which the newest successful refresh started reading the store.
     refreshed_ns: AtomicU64,
-    /// Refreshes one at a time.
+    /// Refreshes one at a time (held while the view is opened and swapped, not while the
+    /// changes are told).
     refreshing: Mutex<()>,
+    /// Ranges swapped views map differently that `on_change` was not told yet. A read that
+    /// finds a segment gone swaps a view in without telling (the callback drops cached blocks,
+    /// and waits for a read in flight on one: that read itself), so the next refresh tells
+    /// them. Held only to add or take ranges.
+    untold: Mutex<Vec<(u64, u64)>>,
+    /// Held while `on_change` is told (so a stop can wait for it to end).
+    telling: Mutex<()>,
     on_change: Mutex<Option<OnChange>>,
     stopped: AtomicBool,
 }
@@ -61,6 +69,8 @@ impl Replica {
             clock,
             refreshed_ns: AtomicU64::new(started_ns),
             refreshing: Mutex::new(()),
+            untold: Mutex::new(Vec::new()),
+            telling: Mutex::new(()),
             on_change: Mutex::new(None),
             stopped: AtomicBool::new(false),
         });
@@ -103,8 +113,32 @@ impl Replica {
 
     /// Opens the log again and swaps the new view in; returns how many disk ranges now read
     /// differently (each told to the `on_change` callback after the swap, so a read after the
-    /// callback reads the new view).
+    /// callback reads the new view; ranges an earlier [`Replica::swap_view`] left untold are
+    /// told too).
     pub fn refresh(&self) -> Result<usize, OpenError> {
+        let changed = self.swap_view()?;
+        let _telling = self.telling.lock().unwrap_or_else(PoisonError::into_inner);
+        let untold =
+            std::mem::take(&mut *self.untold.lock().unwrap_or_else(PoisonError::into_inner));
+        let on_change = self
+            .on_change
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        if let Some(on_change) = on_change {
+            for (offset, length) in untold {
+                on_change(offset, length);
+            }
+        }
+        if changed > 0 {
+            tracing::debug!(disk = %self.url, ranges = changed, "the replica's refresh found new data");
+        }
+        Ok(changed)
+    }
+
+    /// Opens the log again and swaps the new view in, adding the ranges it maps differently
+    /// to those not told yet; returns how many they are.
+    fn swap_view(&self) -> Result<usize, OpenError> {
         let _one = self
             .refreshing
             .lock()
@@ -115,20 +149,12 @@ impl Replica {
         let changed = changed_ranges(&old.index_entries(), &view.index_entries());
         *self.current.write().unwrap_or_else(PoisonError::into_inner) = view;
         self.refreshed_ns.fetch_max(started_ns, Ordering::AcqRel);
-        let on_change = self
-            .on_change
+        let count = changed.len();
+        self.untold
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .clone();
-        if let Some(on_change) = on_change {
-            for &(offset, length) in &changed {
-                on_change(offset, length);
-            }
-        }
-        if !changed.is_empty() {
-            tracing::debug!(disk = %self.url, ranges = changed.len(), "the replica's refresh found new data");
-        }
-        Ok(changed.len())
+            .extend(changed);
+        Ok(count)
     }
 
     /// Reads from the current view; a segment the writer's collector deleted since the view
@@ -136,7 +162,9 @@ impl Replica {
     pub fn read(&self, buffer: &mut [u8], offset: u64) -> Result<(), StoreError> {
         match self.current().read(buffer, offset) {
             Err(StoreError::MissingSegment { key }) => {
-                if let Err(error) = self.refresh() {
+                // Not told here: this read holds its block's buffer, which telling a cache
+                // would wait for.
+                if let Err(error) = self.swap_view() {
                     tracing::warn!(disk = %self.url, "refreshing the replica after segment `{key}` went missing: {error}");
                 }
                 self.current().read(buffer, offset)
@@ -148,6 +176,20 @@ impl Replica {
     /// Stops following (the view stays).
     pub fn stop(&self) {
         self.stopped.store(true, Ordering::Release);
+    }
+
+    /// Stops following, waits for a refresh in progress to end (the view is final when this
+    /// returns: a standby compares it with the log it recovered when taking over), and returns
+    /// the ranges swapped views changed that `on_change` was not told.
+    pub(crate) fn stop_and_wait(&self) -> Vec<(u64, u64)> {
+        self.stop();
+        drop(
+            self.refreshing
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        drop(self.telling.lock().unwrap_or_else(PoisonError::into_inner));
+        std::mem::take(&mut *self.untold.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
     pub fn url(&self) -> &S3Url {
@@ -193,7 +235,10 @@ fn follow(replica: Weak<Replica>) {
 
 /// The disk ranges mapped differently in `new` than in `old` (added, removed or moved), as
 /// (offset, length), possibly overlapping.
-fn changed_ranges(old: &[(u64, u64, u64, u64)], new: &[(u64, u64, u64, u64)]) -> Vec<(u64, u64)> {
+pub(crate) fn changed_ranges(
+    old: &[(u64, u64, u64, u64)],
+    new: &[(u64, u64, u64, u64)],
+) -> Vec<(u64, u64)> {
     let old_set: HashSet<_> = old.iter().copied().collect();
     let new_set: HashSet<_> = new.iter().copied().collect();
     let mut changed: Vec<(u64, u64)> = old

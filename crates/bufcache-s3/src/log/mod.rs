@@ -592,7 +592,7 @@ impl LogStore {
     /// Opens (or creates, with `create-size=` and `layout=log`) the log-layout disk `url`
     /// names, takes its lock and recovers its index.
     pub fn open_locked(url: &S3Url) -> Result<LogStore, OpenError> {
-        Self::from_connection(url, connect(url)?, LogConfig::from_url(url))
+        Self::from_connection(url, connect(url)?, LogConfig::from_url(url), None)
     }
 
     /// Opens an existing log-layout disk read-only, writing nothing at all: no lock (a disk
@@ -642,10 +642,12 @@ impl LogStore {
         )
     }
 
+    /// A standby's open tells `watching` of each renewal of the writer's lease it sees.
     pub(crate) fn from_connection(
         url: &S3Url,
         connection: Connection,
         config: LogConfig,
+        watching: Option<Arc<crate::lease::LeaseSeen>>,
     ) -> Result<LogStore, OpenError> {
         let sealer = check_layout(url, &connection.metadata, &config)?;
         if url.snapshot.is_some() {
@@ -671,6 +673,7 @@ impl LogStore {
             connection.store.clone(),
             url,
             takeover,
+            watching,
         ));
         if let Some(standby) = standby {
             if let Err(error) = connection.runtime.block_on(standby.release_async()) {
