@@ -905,7 +905,7 @@ pub(crate) async fn create_clone_objects(
         ) => false,
         Err(error) => return Err(failed(&record_key, "PUT", error)),
     };
-    if !store::create_metadata(store, clone_url, &body).await? {
+    if !store::create_metadata(store, &asked, &clone_metadata, &body).await? {
         if record_is_ours {
             store
                 .delete(&record_location)

@@ -34,6 +34,12 @@ pub enum OpenError {
         key: String,
         reason: String,
     },
+    #[error("{url}: metadata object `{key}` {reason}; nothing was served or changed (put back the genuine metadata object, or open with the key that wrote it)")]
+    ForgedMetadata {
+        url: String,
+        key: String,
+        reason: String,
+    },
     #[error("{url}: parameter `{parameter}={given}` does not match the existing disk, which has {parameter} {stored}")]
     Mismatch {
         url: String,

@@ -47,7 +47,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 use crate::error::OpenError;
-use crate::url::{Compression, S3Url};
+use crate::url::{Compression, S3Url, METADATA_NAME};
 
 /// Most logical bytes of one sealed extent: a read of any byte of it fetches and unseals it
 /// whole, so this bounds the read amplification of small reads (16 × for 4 KiB) while keeping
@@ -66,6 +66,10 @@ pub const FRAME_OVERHEAD_BYTES_MAX: u64 = (1 + NONCE_BYTES + TAG_BYTES + CRC_BYT
 const KEY_CHECK_BYTES: usize = NONCE_BYTES + TAG_BYTES;
 const KEY_BYTES: usize = 32;
 const KEY_CHECK_CONTEXT: &[u8] = b"bufcache-s3 key check v1";
+/// The key check's context on a disk whose metadata object carries a tag: another context, so
+/// nobody without the key can pass such a disk's metadata off as one written before
+/// metadata tags existed (whose untagged metadata is accepted, [`Sealer::check_metadata`]).
+const KEY_CHECK_CONTEXT_METADATA_TAGGED: &[u8] = b"bufcache-s3 key check v2, metadata tagged";
 const EXTENT_CONTEXT: &[u8] = b"bufcache-s3 extent v1";
 const OBJECT_KEY_CONTEXT: &[u8] = b"bufcache-s3 object tag key v1";
 /// Bytes of the tag ending every object of an encrypted disk.
@@ -74,6 +78,13 @@ pub const OBJECT_TAG_BYTES: usize = 32;
 const ENCRYPTION_TAGGED: &str = "xchacha20-poly1305+hmac-sha256";
 /// The `encryption` of disks encrypted before objects carried tags (refused).
 const ENCRYPTION_UNTAGGED: &str = "xchacha20-poly1305";
+/// The `encryption` a metadata object records when it carries a tag itself (field
+/// [`METADATA_TAG_FIELD`]): versions before it refuse the disk rather than rewrite its
+/// metadata untagged.
+const ENCRYPTION_METADATA_TAGGED: &str = "xchacha20-poly1305+hmac-sha256+metadata-tag";
+/// The metadata object's field holding its tag (an encrypted disk only): HMAC-SHA256 with the
+/// objects' tag key over the metadata object's name and its canonical JSON without this field.
+pub const METADATA_TAG_FIELD: &str = "metadata_tag";
 
 /// What a disk's metadata object records about sealing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,6 +96,10 @@ pub struct SealParameters {
     /// Whether every object of the (encrypted) disk ends with a tag: false only for disks
     /// encrypted before tags existed.
     pub objects_tagged: bool,
+    /// Whether the (encrypted) disk's metadata object carries a tag and its key check the
+    /// context saying so: false only for disks whose metadata was last written before
+    /// metadata tags existed.
+    pub metadata_tagged: bool,
 }
 
 impl Default for SealParameters {
@@ -93,6 +108,7 @@ impl Default for SealParameters {
             compression: Compression::Off,
             key_check: None,
             objects_tagged: false,
+            metadata_tagged: false,
         }
     }
 }
@@ -117,10 +133,112 @@ fn unhex(text: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-fn key_check_data(disk_id: u64) -> Vec<u8> {
-    let mut data = KEY_CHECK_CONTEXT.to_vec();
+fn key_check_data(disk_id: u64, metadata_tagged: bool) -> Vec<u8> {
+    let mut data = if metadata_tagged {
+        KEY_CHECK_CONTEXT_METADATA_TAGGED
+    } else {
+        KEY_CHECK_CONTEXT
+    }
+    .to_vec();
     data.extend_from_slice(&disk_id.to_le_bytes());
     data
+}
+
+/// A new key check value for `disk_id` under `cipher` (the context of a disk whose metadata
+/// carries a tag).
+fn new_key_check(cipher: &XChaCha20Poly1305, disk_id: u64) -> [u8; KEY_CHECK_BYTES] {
+    let nonce: [u8; NONCE_BYTES] = random_bytes();
+    let tag = cipher
+        .encrypt(
+            &XNonce::from(nonce),
+            Payload {
+                msg: &[],
+                aad: &key_check_data(disk_id, true),
+            },
+        )
+        .expect("sealing an empty message cannot fail");
+    let mut check = [0u8; KEY_CHECK_BYTES];
+    check[..NONCE_BYTES].copy_from_slice(&nonce);
+    check[NONCE_BYTES..].copy_from_slice(&tag);
+    check
+}
+
+/// Whether `check` passes under `cipher` for `disk_id` with the context `metadata_tagged`
+/// names.
+fn key_check_passes(
+    cipher: &XChaCha20Poly1305,
+    check: &[u8; KEY_CHECK_BYTES],
+    disk_id: u64,
+    metadata_tagged: bool,
+) -> bool {
+    let (nonce, tag) = check.split_at(NONCE_BYTES);
+    let nonce = XNonce::try_from(nonce).expect("24 bytes");
+    cipher
+        .decrypt(
+            &nonce,
+            Payload {
+                msg: tag,
+                aad: &key_check_data(disk_id, metadata_tagged),
+            },
+        )
+        .is_ok()
+}
+
+/// `value`'s canonical JSON text without its tag field: object members sorted by name, no
+/// whitespace, so the tag does not depend on how a JSON library orders or spaces them.
+fn canonical_metadata(value: &serde_json::Value) -> String {
+    fn write(value: &serde_json::Value, top: bool, text: &mut String) {
+        match value {
+            serde_json::Value::Object(members) => {
+                let mut names: Vec<&String> = members
+                    .keys()
+                    .filter(|name| !(top && name.as_str() == METADATA_TAG_FIELD))
+                    .collect();
+                names.sort();
+                text.push('{');
+                for (index, name) in names.into_iter().enumerate() {
+                    if index > 0 {
+                        text.push(',');
+                    }
+                    text.push_str(&serde_json::Value::from(name.as_str()).to_string());
+                    text.push(':');
+                    write(&members[name], false, text);
+                }
+                text.push('}');
+            }
+            serde_json::Value::Array(items) => {
+                text.push('[');
+                for (index, item) in items.iter().enumerate() {
+                    if index > 0 {
+                        text.push(',');
+                    }
+                    write(item, false, text);
+                }
+                text.push(']');
+            }
+            scalar => text.push_str(&scalar.to_string()),
+        }
+    }
+    let mut text = String::new();
+    write(value, true, &mut text);
+    text
+}
+
+/// What [`Sealer::check_metadata`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MetadataTag {
+    /// The disk is not encrypted: its metadata carries no tag, and anyone who may write to
+    /// the bucket may change it (as any of its objects).
+    Unencrypted,
+    /// The disk is encrypted but was opened without a key file: nothing could be checked
+    /// (and every open that reads or writes data refuses, [`Sealer::open`]).
+    Unchecked,
+    /// The tag proves the metadata was written with the disk's key.
+    Passes,
+    /// An encrypted disk whose metadata was last written before metadata tags existed (its
+    /// key check made in the old context, which nobody without the key can make for a disk
+    /// written since): accepted as found; the next writable open tags it.
+    UntaggedBeforeTags,
 }
 
 impl SealParameters {
@@ -129,27 +247,12 @@ impl SealParameters {
     pub fn for_new_disk(url: &S3Url, disk_id: u64) -> Result<SealParameters, String> {
         let key_check = match &url.key_file {
             None => None,
-            Some(path) => {
-                let cipher = cipher_of(&read_key_file(path)?);
-                let nonce: [u8; NONCE_BYTES] = random_bytes();
-                let tag = cipher
-                    .encrypt(
-                        &XNonce::from(nonce),
-                        Payload {
-                            msg: &[],
-                            aad: &key_check_data(disk_id),
-                        },
-                    )
-                    .expect("sealing an empty message cannot fail");
-                let mut check = [0u8; KEY_CHECK_BYTES];
-                check[..NONCE_BYTES].copy_from_slice(&nonce);
-                check[NONCE_BYTES..].copy_from_slice(&tag);
-                Some(check)
-            }
+            Some(path) => Some(new_key_check(&cipher_of(&read_key_file(path)?), disk_id)),
         };
         Ok(SealParameters {
             compression: url.compression.unwrap_or(Compression::Off),
             objects_tagged: key_check.is_some(),
+            metadata_tagged: key_check.is_some(),
             key_check,
         })
     }
@@ -161,10 +264,10 @@ impl SealParameters {
             object["compress"] = self.compression.name().into();
         }
         if let Some(check) = &self.key_check {
-            object["encryption"] = if self.objects_tagged {
-                ENCRYPTION_TAGGED
-            } else {
-                ENCRYPTION_UNTAGGED
+            object["encryption"] = match (self.objects_tagged, self.metadata_tagged) {
+                (_, true) => ENCRYPTION_METADATA_TAGGED,
+                (true, false) => ENCRYPTION_TAGGED,
+                (false, false) => ENCRYPTION_UNTAGGED,
             }
             .into();
             object["key_check"] = hex(check).into();
@@ -181,13 +284,15 @@ impl SealParameters {
                 .ok_or("field `compress` is not \"zstd\", \"lz4\" or \"off\"")?,
         };
         let mut objects_tagged = false;
+        let mut metadata_tagged = false;
         let key_check = match (&object["encryption"], &object["key_check"]) {
             (serde_json::Value::Null, serde_json::Value::Null) => None,
             (encryption, check) => {
-                objects_tagged = encryption == ENCRYPTION_TAGGED;
+                metadata_tagged = encryption == ENCRYPTION_METADATA_TAGGED;
+                objects_tagged = metadata_tagged || encryption == ENCRYPTION_TAGGED;
                 if !objects_tagged && encryption != ENCRYPTION_UNTAGGED {
                     return Err(format!(
-                        "field `encryption` is not \"{ENCRYPTION_TAGGED}\" (the only supported one)"
+                        "field `encryption` is not \"{ENCRYPTION_METADATA_TAGGED}\" (the supported one) or \"{ENCRYPTION_TAGGED}\" (written before metadata tags)"
                     ));
                 }
                 let bytes = check
@@ -205,6 +310,7 @@ impl SealParameters {
             compression,
             key_check,
             objects_tagged,
+            metadata_tagged,
         })
     }
 }
@@ -249,6 +355,9 @@ pub struct Sealer {
     cipher: Option<XChaCha20Poly1305>,
     /// The key of the tag ending every object (an encrypted disk only).
     object_key: Option<[u8; 32]>,
+    /// Whether the metadata object the sealer was opened with carries a tag (an encrypted
+    /// disk only; [`SealParameters::metadata_tagged`]).
+    metadata_tagged: bool,
 }
 
 impl Sealer {
@@ -260,6 +369,7 @@ impl Sealer {
             compression: Compression::Off,
             cipher: None,
             object_key: None,
+            metadata_tagged: false,
         }
     }
 
@@ -271,6 +381,7 @@ impl Sealer {
             compression,
             cipher: key.as_ref().map(cipher_of),
             object_key: key.as_ref().map(|key| object_key_of(key, disk_id)),
+            metadata_tagged: key.is_some(),
         }
     }
 
@@ -279,10 +390,7 @@ impl Sealer {
     /// without `key-file=`, a key file for a disk created unencrypted, and a key that fails
     /// the recorded check; refuses a disk encrypted before objects carried tags.
     pub fn open(url: &S3Url, disk_id: u64, recorded: SealParameters) -> Result<Sealer, OpenError> {
-        let config = |reason: String| OpenError::Config {
-            url: url.to_string(),
-            reason,
-        };
+        let sealer = Sealer::open_keyed(url, disk_id, recorded)?;
         if let Some(given) = url.compression {
             if given != recorded.compression {
                 return Err(OpenError::Mismatch {
@@ -293,6 +401,20 @@ impl Sealer {
                 });
             }
         }
+        Ok(sealer)
+    }
+
+    /// [`Sealer::open`] without comparing the URL's `compress=` with the recorded one: what
+    /// checks the metadata's tag before any recorded value is trusted.
+    pub fn open_keyed(
+        url: &S3Url,
+        disk_id: u64,
+        recorded: SealParameters,
+    ) -> Result<Sealer, OpenError> {
+        let config = |reason: String| OpenError::Config {
+            url: url.to_string(),
+            reason,
+        };
         if recorded.key_check.is_some() && !recorded.objects_tagged {
             return Err(config(format!(
                 "the disk was encrypted by an earlier bufcache, whose objects carry no tag (metadata `encryption` \"{ENCRYPTION_UNTAGGED}\"): someone who may write to the bucket could plant data in it unnoticed, so this version refuses it; read it with the version that wrote it and copy the data to a new disk"
@@ -314,22 +436,27 @@ impl Sealer {
             (Some(path), Some(check)) => {
                 let key = read_key_file(path).map_err(config)?;
                 let cipher = cipher_of(&key);
-                let (nonce, tag) = check.split_at(NONCE_BYTES);
-                let nonce = XNonce::try_from(nonce).expect("24 bytes");
-                cipher
-                    .decrypt(
-                        &nonce,
-                        Payload {
-                            msg: tag,
-                            aad: &key_check_data(disk_id),
-                        },
-                    )
-                    .map_err(|_| {
-                        config(format!(
-                            "wrong key: the key in key file `{}` fails the key check the disk's metadata object records (not this disk's key)",
-                            path.display()
-                        ))
-                    })?;
+                if !key_check_passes(&cipher, check, disk_id, recorded.metadata_tagged) {
+                    if key_check_passes(&cipher, check, disk_id, !recorded.metadata_tagged) {
+                        // The key is right, but the key check was made for the other kind of
+                        // metadata: someone changed `encryption`, most likely to pass tagged
+                        // metadata off as metadata written before tags existed.
+                        return Err(OpenError::ForgedMetadata {
+                            url: url.to_string(),
+                            key: url.key(METADATA_NAME),
+                            reason: if recorded.metadata_tagged {
+                                "fails its key check's kind: its `encryption` says it carries a tag, but its key check was made for metadata written before tags (changed by someone without the key)"
+                            } else {
+                                "fails its key check's kind: its `encryption` says it was written before metadata tags, but its key check was made for metadata that carries a tag (changed by someone without the key, who removed the tag)"
+                            }
+                            .to_string(),
+                        });
+                    }
+                    return Err(config(format!(
+                        "wrong key: the key in key file `{}` fails the key check the disk's metadata object records (not this disk's key)",
+                        path.display()
+                    )));
+                }
                 (Some(cipher), Some(object_key_of(&key, disk_id)))
             }
         };
@@ -338,7 +465,53 @@ impl Sealer {
             compression: recorded.compression,
             cipher,
             object_key,
+            metadata_tagged: recorded.metadata_tagged,
         })
+    }
+
+    /// Whether the metadata object `value` (the one this sealer was opened with) was written
+    /// with the disk's key: its tag must pass on a disk whose metadata carries tags; on one
+    /// whose metadata predates them no tag is expected (an attacker cannot make a disk look
+    /// like that: its key check's context says so). The error says what is wrong (the caller
+    /// names the object).
+    pub fn check_metadata(&self, value: &serde_json::Value) -> Result<MetadataTag, String> {
+        let Some(key) = &self.object_key else {
+            return Ok(MetadataTag::Unencrypted);
+        };
+        let stored = &value[METADATA_TAG_FIELD];
+        if stored.is_null() && !self.metadata_tagged {
+            return Ok(MetadataTag::UntaggedBeforeTags);
+        }
+        let Some(tag) = stored.as_str().and_then(unhex) else {
+            return Err(format!(
+                "carries no tag (field `{METADATA_TAG_FIELD}`), which the metadata of this encrypted disk always does: changed by someone without the key"
+            ));
+        };
+        Self::object_mac(key, METADATA_NAME, canonical_metadata(value).as_bytes())
+            .verify_slice(&tag)
+            .map_err(|_| {
+                "fails its tag: not written with the disk's key (changed by someone without the key, or damaged)".to_string()
+            })?;
+        Ok(MetadataTag::Passes)
+    }
+
+    /// Tags the metadata object `value` (nothing for an unencrypted disk), first making its
+    /// key check and `encryption` those of a disk whose metadata carries tags when it
+    /// predates them. Returns whether it did the latter.
+    pub fn tag_metadata(&self, value: &mut serde_json::Value) -> bool {
+        let (Some(key), Some(cipher)) = (&self.object_key, &self.cipher) else {
+            return false;
+        };
+        let upgraded = value["encryption"] != ENCRYPTION_METADATA_TAGGED;
+        if upgraded {
+            value["encryption"] = ENCRYPTION_METADATA_TAGGED.into();
+            value["key_check"] = hex(&new_key_check(cipher, self.disk_id)).into();
+        }
+        let tag = Self::object_mac(key, METADATA_NAME, canonical_metadata(value).as_bytes())
+            .finalize()
+            .into_bytes();
+        value[METADATA_TAG_FIELD] = hex(&tag).into();
+        upgraded
     }
 
     /// Bytes the tag adds to every object (0 when the disk is not encrypted).

@@ -41,7 +41,7 @@ use crate::credentials::shared_file_credentials;
 use crate::error::{chain, request_failed, OpenError, StoreError};
 use crate::lock::{check_not_held, Acquired, DiskLock};
 use crate::meters::{CountingConnector, StoreMeters};
-use crate::seal::SealParameters;
+use crate::seal::{MetadataTag, SealParameters, Sealer};
 use crate::url::{LayoutKind, S3Url, CHUNK_SIZE_DEFAULT_BYTES, LAYOUT_DEFAULT};
 
 /// Version of the chunk layout without checksums, as older servers wrote it (still read and
@@ -62,8 +62,7 @@ pub const FORMAT_VERSION_LOG: u64 = 2;
 /// know only version 2 refuse, so none of them opens a clone as a disk of its own (its log
 /// starts past the base's, and such a server would delete it as orphans).
 pub const FORMAT_VERSION_LOG_CLONE: u64 = 4;
-/// Name of the metadata object under the prefix.
-pub const METADATA_NAME: &str = "bufcache-disk.json";
+pub use crate::url::METADATA_NAME;
 /// Default bound on concurrent requests of one read or write call.
 pub const REQUESTS_IN_FLIGHT_MAX_DEFAULT: usize = 32;
 /// Per-chunk locks are striped over this many mutexes.
@@ -278,11 +277,6 @@ pub(crate) fn advance_generation_counted(
         operation,
         message: chain(&error),
     };
-    let bad = |reason: String| OpenError::BadMetadata {
-        url: url.to_string(),
-        key: key.clone(),
-        reason,
-    };
     let (runtime, client) = short_client(url, RETRIES_UNBOUNDED, meters)?;
     let location = ObjectPath::from(key.as_str());
     let body = runtime
@@ -291,7 +285,11 @@ pub(crate) fn advance_generation_counted(
             result.bytes().await
         })
         .map_err(|error| request_error(format!("reading `{key}`"), error))?;
-    let stored = parse_metadata(&body).map_err(bad)?;
+    let LoadedMetadata {
+        metadata: stored,
+        mut value,
+        ..
+    } = authenticate_metadata(url, &body)?;
     if let Some(seen) = seen.filter(|seen| *seen != stored.generation) {
         return Err(OpenError::Config {
             url: url.to_string(),
@@ -301,8 +299,6 @@ pub(crate) fn advance_generation_counted(
             ),
         });
     }
-    let mut value: serde_json::Value =
-        serde_json::from_slice(&body).map_err(|error| bad(format!("not JSON: {error}")))?;
     let generation = stored.generation + 1;
     value["generation"] = json!(generation);
     let disk_id = if stored.disk_id == 0 {
@@ -311,6 +307,7 @@ pub(crate) fn advance_generation_counted(
     } else {
         stored.disk_id
     };
+    seal_metadata(url, &stored, &mut value)?;
     runtime
         .block_on(client.put(&location, PutPayload::from(value.to_string().into_bytes())))
         .map_err(|error| request_error(format!("writing `{key}`"), error))?;
@@ -702,13 +699,17 @@ impl ChunkStore {
                     .bytes()
                     .await
                     .map_err(|error| request_error(format!("reading `{key}`"), error))?;
-                let stored = parse_metadata(&body).map_err(|reason| OpenError::BadMetadata {
-                    url: url.to_string(),
-                    key: key.clone(),
-                    reason,
-                })?;
-                check_metadata(url, &stored)?;
-                Ok(stored)
+                let loaded = authenticate_metadata(url, &body)?;
+                if loaded.tag == MetadataTag::UntaggedBeforeTags {
+                    tracing::warn!(
+                        disk = %url,
+                        size_bytes = loaded.metadata.size_bytes,
+                        compress = loaded.metadata.seal.compression.name(),
+                        "the metadata object `{key}` of this encrypted disk carries no tag (written before metadata tags existed): accepted as found, with the size and compression shown; the next writable open tags it"
+                    );
+                }
+                check_metadata(url, &loaded.metadata)?;
+                Ok(loaded.metadata)
             }
             Err(object_store::Error::NotFound { .. }) if create == Create::Never => {
                 Err(OpenError::NoDiskReadOnly {
@@ -777,6 +778,8 @@ impl ChunkStore {
                     }
                     LayoutKind::Log => new_log_metadata(url, size)?,
                 };
+                let mut body = body;
+                seal_metadata(url, &metadata, &mut body)?;
                 let body = body.to_string();
                 // Create-only: when two servers create the same disk at once, one loses here
                 // instead of overwriting the other's description.
@@ -1224,9 +1227,12 @@ pub(crate) fn new_log_metadata(
 pub(crate) async fn create_metadata(
     store: &dyn ObjectStore,
     url: &S3Url,
+    metadata: &DiskMetadata,
     body: &serde_json::Value,
 ) -> Result<bool, OpenError> {
     let key = url.key(METADATA_NAME);
+    let mut body = body.clone();
+    seal_metadata(url, metadata, &mut body)?;
     match store
         .put_opts(
             &ObjectPath::from(key.as_str()),
@@ -1250,7 +1256,8 @@ pub(crate) async fn create_metadata(
     }
 }
 
-/// The metadata object's JSON, as stored (for the fields [`DiskMetadata`] does not hold).
+/// The metadata object's JSON, as stored (for the fields [`DiskMetadata`] does not hold),
+/// authenticated as [`authenticate_metadata`] does.
 pub(crate) async fn read_metadata_json(
     store: &dyn ObjectStore,
     url: &S3Url,
@@ -1262,16 +1269,85 @@ pub(crate) async fn read_metadata_json(
             url: url.to_string(),
             key: key.clone(),
         })?;
-    serde_json::from_slice(&body).map_err(|error| OpenError::BadMetadata {
+    Ok(authenticate_metadata(url, &body)?.value)
+}
+
+/// A metadata object as read: its JSON, what it records, and what its tag proved.
+pub(crate) struct LoadedMetadata {
+    pub value: serde_json::Value,
+    pub metadata: DiskMetadata,
+    pub tag: MetadataTag,
+}
+
+/// Parses the metadata object `body` and, for an encrypted disk opened with a key file,
+/// proves the key (its key check) and checks the object's tag before anything it records is
+/// used: a metadata object changed by someone without the key (its size, compression, a
+/// clone's base, its key check's kind) is refused naming it. Without a key file nothing can
+/// be checked ([`MetadataTag::Unchecked`]): every open that reads data refuses then
+/// ([`Sealer::open`]), so only what `bufcache disk info` shows is unproven.
+pub(crate) fn authenticate_metadata(url: &S3Url, body: &[u8]) -> Result<LoadedMetadata, OpenError> {
+    let key = url.key(METADATA_NAME);
+    let bad = |reason: String| OpenError::BadMetadata {
         url: url.to_string(),
-        key,
-        reason: format!("not JSON: {error}"),
+        key: key.clone(),
+        reason,
+    };
+    let value: serde_json::Value =
+        serde_json::from_slice(body).map_err(|error| bad(format!("not JSON: {error}")))?;
+    let metadata = parse_metadata_value(&value).map_err(bad)?;
+    let tag = if metadata.seal.key_check.is_none() {
+        MetadataTag::Unencrypted
+    } else if url.key_file.is_none() {
+        MetadataTag::Unchecked
+    } else {
+        Sealer::open_keyed(url, metadata.disk_id, metadata.seal)?
+            .check_metadata(&value)
+            .map_err(|reason| OpenError::ForgedMetadata {
+                url: url.to_string(),
+                key: key.clone(),
+                reason,
+            })?
+    };
+    Ok(LoadedMetadata {
+        value,
+        metadata,
+        tag,
     })
 }
 
+/// Tags the metadata object `value` of the disk `metadata` describes before it is stored
+/// (nothing for an unencrypted disk): every writer of the metadata object calls this. An
+/// encrypted disk needs the URL's key file (proven by its key check); one whose metadata
+/// predated tags gets the kind of key check that says it carries one, which is logged.
+pub(crate) fn seal_metadata(
+    url: &S3Url,
+    metadata: &DiskMetadata,
+    value: &mut serde_json::Value,
+) -> Result<(), OpenError> {
+    if metadata.seal.key_check.is_none() {
+        return Ok(());
+    }
+    let sealer = Sealer::open_keyed(url, metadata.disk_id, metadata.seal)?;
+    if sealer.tag_metadata(value) {
+        tracing::warn!(
+            disk = %url,
+            size_bytes = metadata.size_bytes,
+            compress = metadata.seal.compression.name(),
+            "the metadata object `{}` of this encrypted disk carried no tag (written before metadata tags existed): tagged now as found, with the size and compression shown; from now on a change made without the key is refused",
+            url.key(METADATA_NAME)
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
 fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, String> {
     let value: serde_json::Value =
         serde_json::from_slice(body).map_err(|error| format!("not JSON: {error}"))?;
+    parse_metadata_value(&value)
+}
+
+fn parse_metadata_value(value: &serde_json::Value) -> Result<DiskMetadata, String> {
     if value["format"] != "bufcache-s3" {
         return Err("field `format` is not \"bufcache-s3\"".to_string());
     }
@@ -1346,7 +1422,7 @@ fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, String> {
                 layout: LayoutKind::Log,
                 disk_id,
                 generation,
-                seal: SealParameters::read_json(&value)?,
+                seal: SealParameters::read_json(value)?,
             })
         }
         other => Err(format!(
@@ -1476,6 +1552,30 @@ pub(crate) async fn write_size(
     url: &S3Url,
     size_bytes: u64,
 ) -> Result<(), OpenError> {
+    rewrite_metadata(store, url, |value, metadata| {
+        value["size_bytes"] = serde_json::json!(size_bytes);
+        metadata.size_bytes = size_bytes;
+    })
+    .await
+}
+
+/// Rewrites the metadata object with its tag, keeping every field as stored: what the first
+/// writable open of an encrypted disk whose metadata predates tags does (its key check
+/// proved the key; see [`seal_metadata`]).
+pub(crate) async fn tag_untagged_metadata(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+) -> Result<(), OpenError> {
+    rewrite_metadata(store, url, |_, _| {}).await
+}
+
+/// Reads and authenticates the metadata object, applies `change` to its JSON (and to what
+/// it records), tags it and stores it. Called under the disk lock, so nobody else writes it.
+async fn rewrite_metadata(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    change: impl FnOnce(&mut serde_json::Value, &mut DiskMetadata),
+) -> Result<(), OpenError> {
     let key = url.key(METADATA_NAME);
     let location = ObjectPath::from(key.as_str());
     let request_error = |operation: String, error: object_store::Error| OpenError::Request {
@@ -1490,13 +1590,13 @@ pub(crate) async fn write_size(
         .bytes()
         .await
         .map_err(|error| request_error(format!("reading `{key}`"), error))?;
-    let mut value: serde_json::Value =
-        serde_json::from_slice(&body).map_err(|error| OpenError::BadMetadata {
-            url: url.to_string(),
-            key: key.clone(),
-            reason: format!("not JSON: {error}"),
-        })?;
-    value["size_bytes"] = serde_json::json!(size_bytes);
+    let LoadedMetadata {
+        mut value,
+        mut metadata,
+        ..
+    } = authenticate_metadata(url, &body)?;
+    change(&mut value, &mut metadata);
+    seal_metadata(url, &metadata, &mut value)?;
     store
         .put(&location, PutPayload::from(value.to_string().into_bytes()))
         .await

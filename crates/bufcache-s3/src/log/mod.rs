@@ -692,8 +692,14 @@ impl LogStore {
         let Connection {
             runtime,
             store,
-            metadata,
+            mut metadata,
         } = connection;
+        if metadata.seal.key_check.is_some() && !metadata.seal.metadata_tagged {
+            // Encrypted, its metadata written before metadata tags: tagged now, under the
+            // lock, as found (the key check proved the key; logged).
+            runtime.block_on(crate::store::tag_untagged_metadata(&*store, url))?;
+            metadata.seal.metadata_tagged = true;
+        }
         Self::build(
             url,
             runtime,
