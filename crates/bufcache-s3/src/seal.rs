@@ -33,6 +33,13 @@
 //! ([`Sealer::open`]); those with the tag record "xchacha20-poly1305+hmac-sha256", which the
 //! versions before it refuse in turn.
 //!
+//! The metadata object (JSON) carries its tag in a field, [`METADATA_TAG_FIELD`], over its
+//! canonical JSON without that field ([`Sealer::tag_metadata`], [`Sealer::check_metadata`]),
+//! and records "xchacha20-poly1305+hmac-sha256+metadata-tag". Its key check is then made
+//! under another context, so nobody without the key can strip the tag and pass the object
+//! off as metadata written before metadata tags, which is accepted untagged (and tagged by
+//! the next writable open).
+//!
 //! Extents are sealed in pieces of at most [`SEALED_EXTENT_BYTES_MAX`] logical bytes, since a
 //! sealed extent can only be read whole: a 4 KiB read of one fetches at most that much.
 //! Without encryption an extent compression does not shrink is stored as written (plain),
@@ -46,7 +53,7 @@ use chacha20poly1305::{Key, KeyInit, XChaCha20Poly1305, XNonce};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-use crate::error::OpenError;
+use crate::error::{DecodeError, OpenError};
 use crate::url::{Compression, S3Url, METADATA_NAME};
 
 /// Most logical bytes of one sealed extent: a read of any byte of it fetches and unseals it
@@ -244,7 +251,7 @@ pub enum MetadataTag {
 impl SealParameters {
     /// The parameters a new disk gets from `url`: its `compress=` (default off) and, with
     /// `key-file=`, a key check value for `disk_id`. The error names the key file.
-    pub fn for_new_disk(url: &S3Url, disk_id: u64) -> Result<SealParameters, String> {
+    pub fn for_new_disk(url: &S3Url, disk_id: u64) -> Result<SealParameters, KeyFileError> {
         let key_check = match &url.key_file {
             None => None,
             Some(path) => Some(new_key_check(&cipher_of(&read_key_file(path)?), disk_id)),
@@ -275,13 +282,16 @@ impl SealParameters {
     }
 
     /// The parameters a metadata object's JSON records; the error names the field.
-    pub fn read_json(object: &serde_json::Value) -> Result<SealParameters, String> {
+    pub fn read_json(object: &serde_json::Value) -> Result<SealParameters, DecodeError> {
         let compression = match &object["compress"] {
             serde_json::Value::Null => Compression::Off,
             value => value
                 .as_str()
                 .and_then(Compression::parse)
-                .ok_or("field `compress` is not \"zstd\", \"lz4\" or \"off\"")?,
+                .ok_or(DecodeError::BadField {
+                    field: "compress".to_string(),
+                    problem: "is not \"zstd\", \"lz4\" or \"off\"".to_string(),
+                })?,
         };
         let mut objects_tagged = false;
         let mut metadata_tagged = false;
@@ -291,18 +301,19 @@ impl SealParameters {
                 metadata_tagged = encryption == ENCRYPTION_METADATA_TAGGED;
                 objects_tagged = metadata_tagged || encryption == ENCRYPTION_TAGGED;
                 if !objects_tagged && encryption != ENCRYPTION_UNTAGGED {
-                    return Err(format!(
-                        "field `encryption` is not \"{ENCRYPTION_METADATA_TAGGED}\" (the supported one) or \"{ENCRYPTION_TAGGED}\" (written before metadata tags)"
-                    ));
+                    return Err(DecodeError::BadField {
+                        field: "encryption".to_string(),
+                        problem: format!("is not \"{ENCRYPTION_METADATA_TAGGED}\" (the supported one) or \"{ENCRYPTION_TAGGED}\" (written before metadata tags)"),
+                    });
                 }
                 let bytes = check
                     .as_str()
                     .and_then(unhex)
                     .filter(|bytes| bytes.len() == KEY_CHECK_BYTES)
-                    .ok_or(format!(
-                        "field `key_check` is not {} hex digits",
-                        KEY_CHECK_BYTES * 2
-                    ))?;
+                    .ok_or(DecodeError::BadField {
+                        field: "key_check".to_string(),
+                        problem: format!("is not {} hex digits", KEY_CHECK_BYTES * 2),
+                    })?;
                 Some(bytes.try_into().expect("length checked"))
             }
         };
@@ -315,23 +326,35 @@ impl SealParameters {
     }
 }
 
+/// Why a key file could not be used; the message names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum KeyFileError {
+    #[error("cannot read key file `{path}`: {source}")]
+    Unreadable {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("key file `{path}` holds {bytes} bytes, neither a {KEY_BYTES}-byte key nor {hex_digits} hex digits", hex_digits = KEY_BYTES * 2)]
+    WrongLength { path: String, bytes: usize },
+}
+
 /// Reads a 32-byte key from `path`: 32 raw bytes, or 64 hex digits (surrounding whitespace
 /// ignored). The error names the file and what is wrong with it.
-pub fn read_key_file(path: &Path) -> Result<[u8; KEY_BYTES], String> {
-    let bytes = std::fs::read(path)
-        .map_err(|error| format!("cannot read key file `{}`: {error}", path.display()))?;
+pub fn read_key_file(path: &Path) -> Result<[u8; KEY_BYTES], KeyFileError> {
+    let bytes = std::fs::read(path).map_err(|source| KeyFileError::Unreadable {
+        path: path.display().to_string(),
+        source,
+    })?;
     if bytes.len() == KEY_BYTES {
         return Ok(bytes.try_into().expect("length checked"));
     }
     let text = String::from_utf8_lossy(&bytes);
     match unhex(text.trim()) {
         Some(key) if key.len() == KEY_BYTES => Ok(key.try_into().expect("length checked")),
-        _ => Err(format!(
-            "key file `{}` holds {} bytes, neither a {KEY_BYTES}-byte key nor {} hex digits",
-            path.display(),
-            bytes.len(),
-            KEY_BYTES * 2
-        )),
+        _ => Err(KeyFileError::WrongLength {
+            path: path.display().to_string(),
+            bytes: bytes.len(),
+        }),
     }
 }
 
@@ -434,7 +457,7 @@ impl Sealer {
                 )))
             }
             (Some(path), Some(check)) => {
-                let key = read_key_file(path).map_err(config)?;
+                let key = read_key_file(path).map_err(|error| config(error.to_string()))?;
                 let cipher = cipher_of(&key);
                 if !key_check_passes(&cipher, check, disk_id, recorded.metadata_tagged) {
                     if key_check_passes(&cipher, check, disk_id, !recorded.metadata_tagged) {
@@ -444,12 +467,12 @@ impl Sealer {
                         return Err(OpenError::ForgedMetadata {
                             url: url.to_string(),
                             key: url.key(METADATA_NAME),
-                            reason: if recorded.metadata_tagged {
+                            reason: DecodeError::Inconsistent(if recorded.metadata_tagged {
                                 "fails its key check's kind: its `encryption` says it carries a tag, but its key check was made for metadata written before tags (changed by someone without the key)"
                             } else {
                                 "fails its key check's kind: its `encryption` says it was written before metadata tags, but its key check was made for metadata that carries a tag (changed by someone without the key, who removed the tag)"
                             }
-                            .to_string(),
+                            .to_string()),
                         });
                     }
                     return Err(config(format!(
@@ -474,7 +497,7 @@ impl Sealer {
     /// whose metadata predates them no tag is expected (an attacker cannot make a disk look
     /// like that: its key check's context says so). The error says what is wrong (the caller
     /// names the object).
-    pub fn check_metadata(&self, value: &serde_json::Value) -> Result<MetadataTag, String> {
+    pub fn check_metadata(&self, value: &serde_json::Value) -> Result<MetadataTag, DecodeError> {
         let Some(key) = &self.object_key else {
             return Ok(MetadataTag::Unencrypted);
         };
@@ -483,15 +506,14 @@ impl Sealer {
             return Ok(MetadataTag::UntaggedBeforeTags);
         }
         let Some(tag) = stored.as_str().and_then(unhex) else {
-            return Err(format!(
-                "carries no tag (field `{METADATA_TAG_FIELD}`), which the metadata of this encrypted disk always does: changed by someone without the key"
-            ));
+            return Err(DecodeError::BadField {
+                field: METADATA_TAG_FIELD.to_string(),
+                problem: "is missing or not hex digits: the metadata of this encrypted disk always carries its tag (changed by someone without the key)".to_string(),
+            });
         };
         Self::object_mac(key, METADATA_NAME, canonical_metadata(value).as_bytes())
             .verify_slice(&tag)
-            .map_err(|_| {
-                "fails its tag: not written with the disk's key (changed by someone without the key, or damaged)".to_string()
-            })?;
+            .map_err(|_| DecodeError::BadTag)?;
         Ok(MetadataTag::Passes)
     }
 
@@ -548,22 +570,22 @@ impl Sealer {
     /// `object` without its tag once the tag proves it was made with the disk's key under
     /// `name` (unchanged when the disk is not encrypted). The error says what is wrong (the
     /// caller names the object).
-    pub fn check_object<'a>(&self, name: &str, object: &'a [u8]) -> Result<&'a [u8], String> {
+    pub fn check_object<'a>(&self, name: &str, object: &'a [u8]) -> Result<&'a [u8], DecodeError> {
         let Some(key) = &self.object_key else {
             return Ok(object);
         };
         let Some(body_bytes) = object.len().checked_sub(OBJECT_TAG_BYTES) else {
-            return Err(format!(
-                "{} bytes, too short for the {OBJECT_TAG_BYTES}-byte tag every object of an encrypted disk ends with",
-                object.len()
-            ));
+            return Err(DecodeError::Truncated {
+                found: object.len() as u64,
+                needed: format!(
+                    "too short for the {OBJECT_TAG_BYTES}-byte tag every object of an encrypted disk ends with"
+                ),
+            });
         };
         let (body, tag) = object.split_at(body_bytes);
         Self::object_mac(key, name, body)
             .verify_slice(tag)
-            .map_err(|_| {
-                "fails its tag: not made with the disk's key under this name (forged, renamed from another object, or damaged)".to_string()
-            })?;
+            .map_err(|_| DecodeError::BadTag)?;
         Ok(body)
     }
 
@@ -649,26 +671,44 @@ impl Sealer {
 
     /// The logical bytes of a frame [`Sealer::seal`] made for `disk_offset` in segment
     /// `sequence`. The error says what is wrong (the caller names the object).
-    pub fn unseal(&self, frame: &[u8], sequence: u64, disk_offset: u64) -> Result<Vec<u8>, String> {
+    pub fn unseal(
+        &self,
+        frame: &[u8],
+        sequence: u64,
+        disk_offset: u64,
+    ) -> Result<Vec<u8>, DecodeError> {
         let what = || format!("sealed extent at disk offset {disk_offset}");
         if frame.len() < 1 + CRC_BYTES {
-            return Err(format!("{}: {} bytes, too short", what(), frame.len()));
+            return Err(DecodeError::Inconsistent(format!(
+                "{}: {} bytes, too short",
+                what(),
+                frame.len()
+            )));
         }
         let (content, checksum) = frame.split_at(frame.len() - CRC_BYTES);
         if crc32fast::hash(content) != u32::from_le_bytes(checksum.try_into().expect("4 bytes")) {
-            return Err(format!("{} fails its checksum (corrupt data)", what()));
+            return Err(DecodeError::Inconsistent(format!(
+                "{} fails its checksum (corrupt data)",
+                what()
+            )));
         }
         let flags = content[0];
         let body = &content[1..];
         if flags & !(FLAG_COMPRESSED | FLAG_ENCRYPTED) != 0 {
-            return Err(format!("{} has unknown flags {flags:#x}", what()));
+            return Err(DecodeError::Inconsistent(format!(
+                "{} has unknown flags {flags:#x}",
+                what()
+            )));
         }
         let decrypted;
         let plain = match (flags & FLAG_ENCRYPTED != 0, &self.cipher) {
             (false, None) => body,
             (true, Some(cipher)) => {
                 if body.len() < NONCE_BYTES + TAG_BYTES {
-                    return Err(format!("{}: too short for a nonce and a tag", what()));
+                    return Err(DecodeError::Inconsistent(format!(
+                        "{}: too short for a nonce and a tag",
+                        what()
+                    )));
                 }
                 let (nonce, sealed) = body.split_at(NONCE_BYTES);
                 decrypted = cipher
@@ -680,19 +720,24 @@ impl Sealer {
                         },
                     )
                     .map_err(|_| {
-                        format!(
+                        DecodeError::Inconsistent(format!(
                             "{} fails authentication (tampered, or moved from another place, segment or disk)",
                             what()
-                        )
+                        ))
                     })?;
                 &decrypted[..]
             }
-            (true, None) => return Err(format!("{} is encrypted but the disk is not", what())),
+            (true, None) => {
+                return Err(DecodeError::Inconsistent(format!(
+                    "{} is encrypted but the disk is not",
+                    what()
+                )))
+            }
             (false, Some(_)) => {
-                return Err(format!(
+                return Err(DecodeError::Inconsistent(format!(
                     "{} is not encrypted but the disk is (planted?)",
                     what()
-                ))
+                )))
             }
         };
         if flags & FLAG_COMPRESSED == 0 {
@@ -702,18 +747,25 @@ impl Sealer {
         // bounded by the most a sealed extent holds whatever the frame claims.
         match self.compression {
             Compression::Zstd => zstd::bulk::decompress(plain, SEALED_EXTENT_BYTES_MAX as usize)
-                .map_err(|error| format!("{} does not decompress: {error}", what())),
+                .map_err(|error| {
+                    DecodeError::Inconsistent(format!("{} does not decompress: {error}", what()))
+                }),
             Compression::Lz4 => {
                 let mut logical = vec![0u8; SEALED_EXTENT_BYTES_MAX as usize];
-                let length = lz4_flex::block::decompress_into(plain, &mut logical)
-                    .map_err(|error| format!("{} does not decompress: {error}", what()))?;
+                let length =
+                    lz4_flex::block::decompress_into(plain, &mut logical).map_err(|error| {
+                        DecodeError::Inconsistent(format!(
+                            "{} does not decompress: {error}",
+                            what()
+                        ))
+                    })?;
                 logical.truncate(length);
                 Ok(logical)
             }
-            Compression::Off => Err(format!(
+            Compression::Off => Err(DecodeError::Inconsistent(format!(
                 "{} is compressed but the disk's metadata records no compression",
                 what()
-            )),
+            ))),
         }
     }
 }
@@ -753,6 +805,7 @@ mod tests {
                     assert!(sealer
                         .unseal(&frame, 6, 4096)
                         .unwrap_err()
+                        .to_string()
                         .contains("authentication"));
                     assert!(sealer.unseal(&frame, 5, 0).is_err());
                     let other_disk = Sealer::with(2, Compression::Zstd, Some(key));

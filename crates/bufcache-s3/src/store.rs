@@ -38,7 +38,7 @@ use serde_json::json;
 
 use crate::blocks;
 use crate::credentials::shared_file_credentials;
-use crate::error::{chain, request_failed, OpenError, StoreError};
+use crate::error::{chain, request_failed, DecodeError, OpenError, StoreError};
 use crate::lock::{check_not_held, Acquired, DiskLock};
 use crate::meters::{CountingConnector, StoreMeters};
 use crate::seal::{MetadataTag, SealParameters, Sealer};
@@ -1196,9 +1196,9 @@ pub(crate) fn new_log_metadata(
         });
     }
     let disk_id = random_id();
-    let seal = SealParameters::for_new_disk(url, disk_id).map_err(|reason| OpenError::Config {
+    let seal = SealParameters::for_new_disk(url, disk_id).map_err(|error| OpenError::Config {
         url: url.to_string(),
-        reason,
+        reason: error.to_string(),
     })?;
     let metadata = DiskMetadata {
         size_bytes,
@@ -1287,13 +1287,13 @@ pub(crate) struct LoadedMetadata {
 /// ([`Sealer::open`]), so only what `bufcache disk info` shows is unproven.
 pub(crate) fn authenticate_metadata(url: &S3Url, body: &[u8]) -> Result<LoadedMetadata, OpenError> {
     let key = url.key(METADATA_NAME);
-    let bad = |reason: String| OpenError::BadMetadata {
+    let bad = |reason: DecodeError| OpenError::BadMetadata {
         url: url.to_string(),
         key: key.clone(),
         reason,
     };
-    let value: serde_json::Value =
-        serde_json::from_slice(body).map_err(|error| bad(format!("not JSON: {error}")))?;
+    let value: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|error| bad(DecodeError::NotJson(error.to_string())))?;
     let metadata = parse_metadata_value(&value).map_err(bad)?;
     let tag = if metadata.seal.key_check.is_none() {
         MetadataTag::Unencrypted
@@ -1341,28 +1341,30 @@ pub(crate) fn seal_metadata(
 }
 
 #[cfg(test)]
-fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, String> {
+fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, DecodeError> {
     let value: serde_json::Value =
-        serde_json::from_slice(body).map_err(|error| format!("not JSON: {error}"))?;
+        serde_json::from_slice(body).map_err(|error| DecodeError::NotJson(error.to_string()))?;
     parse_metadata_value(&value)
 }
 
-fn parse_metadata_value(value: &serde_json::Value) -> Result<DiskMetadata, String> {
+fn parse_metadata_value(value: &serde_json::Value) -> Result<DiskMetadata, DecodeError> {
     if value["format"] != "bufcache-s3" {
-        return Err("field `format` is not \"bufcache-s3\"".to_string());
+        return Err(DecodeError::Inconsistent(
+            "field `format` is not \"bufcache-s3\"".to_string(),
+        ));
     }
     let field = |name: &str| {
-        value[name]
-            .as_u64()
-            .ok_or_else(|| format!("field `{name}` is missing or not a whole number"))
+        value[name].as_u64().ok_or_else(|| {
+            DecodeError::Inconsistent(format!("field `{name}` is missing or not a whole number"))
+        })
     };
     let format_version = field("format_version")?;
     let size_bytes = field("size_bytes")?;
     let generation = match &value["generation"] {
         serde_json::Value::Null => 0,
-        other => other
-            .as_u64()
-            .ok_or("field `generation` is not a whole number")?,
+        other => other.as_u64().ok_or(DecodeError::Inconsistent(
+            "field `generation` is not a whole number".to_string(),
+        ))?,
     };
     let disk_id = match &value["disk_id"] {
         serde_json::Value::Null => None,
@@ -1371,16 +1373,18 @@ fn parse_metadata_value(value: &serde_json::Value) -> Result<DiskMetadata, Strin
                 .as_str()
                 .filter(|text| text.len() == 16)
                 .and_then(|text| u64::from_str_radix(text, 16).ok())
-                .ok_or("field `disk_id` is not 16 hex digits")?,
+                .ok_or(DecodeError::Inconsistent(
+                    "field `disk_id` is not 16 hex digits".to_string(),
+                ))?,
         ),
     };
     match format_version {
         FORMAT_VERSION | FORMAT_VERSION_CHUNK_CHECKED => {
             let chunk_checksums = format_version == FORMAT_VERSION_CHUNK_CHECKED;
             if chunk_checksums && value["chunk_checksums"] != CHUNK_CHECKSUMS_NAME {
-                return Err(format!(
+                return Err(DecodeError::Inconsistent(format!(
                     "field `chunk_checksums` is not \"{CHUNK_CHECKSUMS_NAME}\" (the only supported one for format version {FORMAT_VERSION_CHUNK_CHECKED})"
-                ));
+                )));
             }
             let metadata = DiskMetadata {
                 format_version,
@@ -1397,22 +1401,22 @@ fn parse_metadata_value(value: &serde_json::Value) -> Result<DiskMetadata, Strin
                     .size_bytes
                     .is_multiple_of(metadata.chunk_size_bytes)
             {
-                return Err("chunk size is not a power of two dividing the size".to_string());
+                return Err(DecodeError::Inconsistent("chunk size is not a power of two dividing the size".to_string()));
             }
             Ok(metadata)
         }
         FORMAT_VERSION_LOG | FORMAT_VERSION_LOG_CLONE => {
             if format_version == FORMAT_VERSION_LOG_CLONE && !value["base"].is_object() {
-                return Err(format!(
+                return Err(DecodeError::Inconsistent(format!(
                     "format version {FORMAT_VERSION_LOG_CLONE} (a clone) without the object `base`"
-                ));
+                )));
             }
             if value["layout"] != "log" {
-                return Err("field `layout` is not \"log\"".to_string());
+                return Err(DecodeError::Inconsistent("field `layout` is not \"log\"".to_string()));
             }
-            let disk_id = disk_id.ok_or("field `disk_id` is missing or not hex digits")?;
+            let disk_id = disk_id.ok_or(DecodeError::Inconsistent("field `disk_id` is missing or not hex digits".to_string()))?;
             if size_bytes == 0 {
-                return Err("field `size_bytes` is 0".to_string());
+                return Err(DecodeError::Inconsistent("field `size_bytes` is 0".to_string()));
             }
             Ok(DiskMetadata {
                 format_version,
@@ -1425,9 +1429,9 @@ fn parse_metadata_value(value: &serde_json::Value) -> Result<DiskMetadata, Strin
                 seal: SealParameters::read_json(value)?,
             })
         }
-        other => Err(format!(
+        other => Err(DecodeError::Inconsistent(format!(
             "format version {other} is not one of the supported {FORMAT_VERSION} and {FORMAT_VERSION_CHUNK_CHECKED} (chunk layout) and {FORMAT_VERSION_LOG} and {FORMAT_VERSION_LOG_CLONE} (log layout, a clone)"
-        )),
+        ))),
     }
 }
 
@@ -1629,22 +1633,33 @@ mod tests {
         let version = br#"{"format":"bufcache-s3","format_version":5,"size_bytes":8388608,"chunk_size_bytes":4194304}"#;
         assert!(parse_metadata(version)
             .unwrap_err()
+            .to_string()
             .contains("format version 5"));
         let checked = br#"{"format":"bufcache-s3","format_version":3,"size_bytes":8388608,"chunk_size_bytes":4194304,"chunk_checksums":"crc32-4k"}"#;
         assert!(parse_metadata(checked).unwrap().chunk_checksums);
         let unknown_checksums = br#"{"format":"bufcache-s3","format_version":3,"size_bytes":8388608,"chunk_size_bytes":4194304,"chunk_checksums":"sha256"}"#;
         assert!(parse_metadata(unknown_checksums)
             .unwrap_err()
+            .to_string()
             .contains("chunk_checksums"));
         let log = br#"{"format":"bufcache-s3","format_version":2,"layout":"log","disk_id":"00000000000000ab","size_bytes":8388608}"#;
         let parsed = parse_metadata(log).unwrap();
         assert_eq!((parsed.layout, parsed.disk_id), (LayoutKind::Log, 0xab));
         let no_id =
             br#"{"format":"bufcache-s3","format_version":2,"layout":"log","size_bytes":8388608}"#;
-        assert!(parse_metadata(no_id).unwrap_err().contains("disk_id"));
+        assert!(parse_metadata(no_id)
+            .unwrap_err()
+            .to_string()
+            .contains("disk_id"));
         let odd = br#"{"format":"bufcache-s3","format_version":1,"size_bytes":100,"chunk_size_bytes":4194304}"#;
         assert!(parse_metadata(odd).is_err());
-        assert!(parse_metadata(b"{}").unwrap_err().contains("format"));
-        assert!(parse_metadata(b"garbage").unwrap_err().contains("JSON"));
+        assert!(parse_metadata(b"{}")
+            .unwrap_err()
+            .to_string()
+            .contains("format"));
+        assert!(parse_metadata(b"garbage")
+            .unwrap_err()
+            .to_string()
+            .contains("JSON"));
     }
 }

@@ -201,7 +201,9 @@ fn verify_reports_a_missing_segment_and_changes_nothing() {
     );
     assert_eq!(raw.objects("disk/"), before, "verify changed the store");
     match admin::info(&disk).unwrap().layout {
-        LayoutInfo::Log(Err(reason)) => assert!(reason.contains("segment"), "{reason}"),
+        LayoutInfo::Log(Err(reason)) => {
+            assert!(reason.to_string().contains("segment"), "{reason}")
+        }
         other => panic!("info of a disk missing a segment: {other:?}"),
     }
 }
