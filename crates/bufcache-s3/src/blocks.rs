@@ -176,13 +176,16 @@ mod tests {
             let error = decode(&damaged, data.len() as u64, PLACE).unwrap_err();
             let block = index as u64 / STORED_BLOCK_BYTES;
             assert!(
-                error.contains(&format!("disk offset {}", (1 << 20) + block * 4096)),
+                error
+                    .to_string()
+                    .contains(&format!("disk offset {}", (1 << 20) + block * 4096)),
                 "byte {index}: {error}"
             );
         }
         assert!(
             decode(&stored[..stored.len() - 1], data.len() as u64, PLACE)
                 .unwrap_err()
+                .to_string()
                 .contains("truncated")
         );
         assert_eq!(logical_bytes_within(4100 * 3 + 4099), 3 * 4096);

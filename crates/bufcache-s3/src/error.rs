@@ -263,7 +263,11 @@ pub enum StoreError {
     )]
     MissingSegment { key: String },
     #[error("object `{key}` is damaged or not this disk's: {reason}; nothing was served from it")]
-    BadData { key: String, reason: DecodeError },
+    BadData {
+        key: String,
+        /// Boxed so the error stays small enough to return by value.
+        reason: Box<DecodeError>,
+    },
     #[error("object `{key}` holds {found} bytes where {expected} were asked for")]
     ShortObject {
         key: String,

@@ -893,7 +893,7 @@ impl ChunkStore {
                     )
                     .map_err(|reason| StoreError::BadData {
                         key: key.clone(),
-                        reason,
+                        reason: Box::new(reason),
                     })?;
                     Ok((piece.buffer, Some(Bytes::from(data))))
                 }
@@ -1060,7 +1060,7 @@ impl ChunkStore {
                 )
                 .map_err(|reason| StoreError::BadData {
                     key: key.clone(),
-                    reason,
+                    reason: Box::new(reason),
                 })?,
                 Some(old) => old.to_vec(),
                 None => vec![0u8; chunk_size as usize],

@@ -266,16 +266,22 @@ fn info_reports_live_and_garbage_bytes_and_the_lock_holder() {
         .unwrap();
     drop(store);
     let info = admin::info(&url(&endpoint, "chunked", "")).unwrap();
+    let LayoutInfo::Chunk {
+        chunks,
+        chunk_bytes,
+    } = info.layout
+    else {
+        panic!("a chunk disk: {:?}", info.layout);
+    };
     assert_eq!(
-        info.layout,
-        LayoutInfo::Chunk {
-            chunks: 3,
-            chunk_bytes: raw
-                .objects("chunked/chunks/")
+        (chunks, chunk_bytes),
+        (
+            3,
+            raw.objects("chunked/chunks/")
                 .iter()
                 .map(|(_, size)| size)
-                .sum(),
-        }
+                .sum()
+        )
     );
 }
 

@@ -201,6 +201,9 @@ fn the_bucket_cannot_forge(server: &dyn S3Server) {
     the_small_objects_cannot_be_forged(server, &raw, &key, &plain_checkpoint);
 }
 
+/// A change made to a metadata object's JSON by someone without the key.
+type Forgery = fn(&mut serde_json::Value);
+
 /// Every object under `prefixes` but the lock, with its bytes: what a refused open must leave
 /// as it was.
 fn objects_of(raw: &Raw, prefixes: &[&str]) -> Vec<(String, Vec<u8>)> {
@@ -258,7 +261,7 @@ fn the_small_objects_cannot_be_forged(
     let genuine = raw.get(metadata_key);
     let value: serde_json::Value = serde_json::from_slice(&genuine).unwrap();
     assert!(value["metadata_tag"].is_string(), "{value}");
-    let forgeries: [(&str, fn(&mut serde_json::Value)); 6] = [
+    let forgeries: [(&str, Forgery); 6] = [
         ("size up", |value| value["size_bytes"] = (2u64 << 20).into()),
         ("size down", |value| {
             value["size_bytes"] = (512u64 << 10).into()
@@ -321,7 +324,7 @@ fn the_small_objects_cannot_be_forged(
     let clone_key = "meta-clone/bufcache-disk.json";
     let genuine_clone = raw.get(clone_key);
     let clone_value: serde_json::Value = serde_json::from_slice(&genuine_clone).unwrap();
-    let forgeries: [(&str, fn(&mut serde_json::Value)); 2] = [
+    let forgeries: [(&str, Forgery); 2] = [
         ("snapshot", |value| {
             value["base"]["snapshot"] = "other".into()
         }),

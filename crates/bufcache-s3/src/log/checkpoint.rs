@@ -412,7 +412,10 @@ mod tests {
                 index: index.clone(),
             }
         );
-        assert!(decode(&object, 6, 1 << 30).unwrap_err().contains("disk"));
+        assert!(decode(&object, 6, 1 << 30)
+            .unwrap_err()
+            .to_string()
+            .contains("disk"));
         for byte in 0..object.len() {
             let mut damaged = object.to_vec();
             damaged[byte] ^= 1;

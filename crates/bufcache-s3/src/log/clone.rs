@@ -360,7 +360,7 @@ mod tests {
             let mut broken = body.clone();
             broken["base"][field] = value;
             let error = record_from_metadata(&broken, metadata.disk_id).unwrap_err();
-            assert!(error.contains(says), "{field}: {error}");
+            assert!(error.to_string().contains(says), "{field}: {error}");
         }
     }
 
@@ -376,7 +376,7 @@ mod tests {
         };
         let object = encode(&record);
         assert_eq!(decode(&object, 7).unwrap(), record);
-        assert!(decode(&object, 8).unwrap_err().contains("disk"));
+        assert!(decode(&object, 8).unwrap_err().to_string().contains("disk"));
         for byte in 0..object.len() {
             let mut damaged = object.to_vec();
             damaged[byte] ^= 1;

@@ -183,7 +183,7 @@ mod tests {
     fn epoch_objects_round_trip_and_the_newest_started_epoch_owns_a_sequence() {
         let object = encode(9, 3, 17);
         assert_eq!(decode(&object, 9), Ok((3, 17)));
-        assert!(decode(&object, 8).unwrap_err().contains("disk"));
+        assert!(decode(&object, 8).unwrap_err().to_string().contains("disk"));
         for byte in 0..object.len() {
             let mut damaged = object.to_vec();
             damaged[byte] ^= 1;

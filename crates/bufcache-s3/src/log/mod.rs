@@ -1738,7 +1738,7 @@ impl Core {
     ) -> Vec<Result<(), StoreError>> {
         let bad = |segment: u64, reason: DecodeError| StoreError::BadData {
             key: self.shared.segment_key(segment),
-            reason,
+            reason: Box::new(reason),
         };
         let mut outcomes: Vec<Result<(), StoreError>> = vec![Ok(()); pending.len()];
         // Every piece that must be fetched: the piece itself when stored as written, its

@@ -895,9 +895,11 @@ mod tests {
             assert_eq!(decoded.extents[0].object_offset(), Some(first));
             assert!(decode(&object, 0xabd, 1 << 30)
                 .unwrap_err()
+                .to_string()
                 .contains("disk"));
             assert!(decode(&object, 0xabc, 4096)
                 .unwrap_err()
+                .to_string()
                 .contains("past the end"));
             for index in 0..object.len() {
                 let mut damaged = object.to_vec();
@@ -906,6 +908,7 @@ mod tests {
             }
             assert!(decode(&object[..object.len() - 1], 0xabc, 1 << 30)
                 .unwrap_err()
+                .to_string()
                 .contains("truncated"));
         }
     }
