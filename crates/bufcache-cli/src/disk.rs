@@ -512,7 +512,7 @@ fn info_json(url: &S3Url, info: &DiskInfo) -> serde_json::Value {
             "snapshot_only_segments": log.snapshot_only_segments,
             "snapshot_only_bytes": log.snapshot_only_bytes,
         }),
-        LayoutInfo::Log(Err(reason)) => json!({ "error": reason }),
+        LayoutInfo::Log(Err(reason)) => json!({ "error": reason.to_string() }),
     };
     json!({
         "url": url.to_string(),

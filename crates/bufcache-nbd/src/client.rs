@@ -1143,6 +1143,23 @@ const REPLY_READ_BUFFER_BYTES: usize = 16 << 10;
 /// The socket as replies are read from it: buffered (see `REPLY_READ_BUFFER_BYTES`).
 type ReplyStream = io::BufReader<Stream>;
 
+/// Why the reply reader stopped: the connection is dead then, and every request still
+/// waiting on it fails with this as its reason.
+#[derive(Clone, Debug, thiserror::Error)]
+enum ReplyError {
+    #[error("the server closed the connection")]
+    Closed,
+    #[error("the server closed the connection mid-reply")]
+    ClosedMidReply,
+    #[error("the server sent nothing for the reply timeout ({timeout_ms} ms) with {waiting} request(s) waiting for replies")]
+    Silent { timeout_ms: u64, waiting: usize },
+    #[error("reading a reply failed: {0}")]
+    Read(Arc<io::Error>),
+    /// The server broke the protocol: what it sent.
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+}
+
 /// Reads replies until the connection ends, then fails whatever is still pending.
 fn reader_loop(stream: Stream, shared: &Shared) {
     let mut stream = io::BufReader::with_capacity(REPLY_READ_BUFFER_BYTES, stream);
@@ -1151,11 +1168,11 @@ fn reader_loop(stream: Stream, shared: &Shared) {
             break reason;
         }
     };
-    shared.die(reason);
+    shared.die(reason.to_string());
 }
 
 /// Reads one simple reply or structured chunk and applies it to its slot.
-fn read_one_reply(stream: &mut ReplyStream, shared: &Shared) -> Result<(), String> {
+fn read_one_reply(stream: &mut ReplyStream, shared: &Shared) -> Result<(), ReplyError> {
     let mut magic = [0u8; 4];
     let mut received = 0;
     // The socket's receive timeout is the reply timeout. Running out of it between replies is
@@ -1166,7 +1183,7 @@ fn read_one_reply(stream: &mut ReplyStream, shared: &Shared) -> Result<(), Strin
     let mut quiet_with_requests_waiting = false;
     while received < magic.len() {
         match stream.read(&mut magic[received..]) {
-            Ok(0) => return Err("the server closed the connection".to_string()),
+            Ok(0) => return Err(ReplyError::Closed),
             Ok(count) => received += count,
             Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
             Err(error)
@@ -1178,13 +1195,14 @@ fn read_one_reply(stream: &mut ReplyStream, shared: &Shared) -> Result<(), Strin
                 let waiting = shared.pending.lock().slots.len();
                 if received > 0 || (waiting > 0 && quiet_with_requests_waiting) {
                     let timeout_ms = shared.reply_timeout_ms.load(Ordering::Relaxed);
-                    return Err(format!(
-                        "the server sent nothing for the reply timeout ({timeout_ms} ms) with {waiting} request(s) waiting for replies"
-                    ));
+                    return Err(ReplyError::Silent {
+                        timeout_ms,
+                        waiting,
+                    });
                 }
                 quiet_with_requests_waiting = waiting > 0;
             }
-            Err(error) => return Err(format!("reading a reply failed: {error}")),
+            Err(error) => return Err(io_reason(error)),
         }
     }
     let extended = shared.info.extended_headers;
@@ -1192,27 +1210,27 @@ fn read_one_reply(stream: &mut ReplyStream, shared: &Shared) -> Result<(), Strin
         SIMPLE_REPLY_MAGIC if !extended => read_simple_reply(stream, shared),
         STRUCTURED_REPLY_MAGIC if !extended => read_structured_chunk(stream, shared),
         EXTENDED_REPLY_MAGIC if extended => read_extended_chunk(stream, shared),
-        other => Err(format!(
-            "protocol violation: reply magic {other:#x} (extended headers: {extended})"
-        )),
+        other => Err(ReplyError::Protocol(format!(
+            "reply magic {other:#x} (extended headers: {extended})"
+        ))),
     }
 }
 
-fn io_reason(error: io::Error) -> String {
-    format!("reading a reply failed: {error}")
+fn io_reason(error: io::Error) -> ReplyError {
+    ReplyError::Read(Arc::new(error))
 }
 
-fn take_slot(shared: &Shared, handle: u64, remove: bool) -> Result<Arc<Slot>, String> {
+fn take_slot(shared: &Shared, handle: u64, remove: bool) -> Result<Arc<Slot>, ReplyError> {
     let mut table = shared.pending.lock();
     let slot = if remove {
         table.slots.remove(&handle)
     } else {
         table.slots.get(&handle).cloned()
     };
-    slot.ok_or_else(|| format!("protocol violation: reply for unknown handle {handle}"))
+    slot.ok_or_else(|| ReplyError::Protocol(format!("reply for unknown handle {handle}")))
 }
 
-fn read_simple_reply(stream: &mut ReplyStream, shared: &Shared) -> Result<(), String> {
+fn read_simple_reply(stream: &mut ReplyStream, shared: &Shared) -> Result<(), ReplyError> {
     let mut rest = [0u8; SIMPLE_REPLY_HEADER_BYTES - 4];
     stream.read_exact(&mut rest).map_err(io_reason)?;
     let error = be_u32(&rest[0..4]);
@@ -1234,12 +1252,12 @@ fn fill_simple_reply(
     slot: &Slot,
     state: &mut SlotState,
     error: u32,
-) -> Result<(), String> {
+) -> Result<(), ReplyError> {
     if error != 0 {
         state.completion.error = Some((Errno::from_code(error), String::new()));
     } else if let Expect::Read { length_bytes, .. } = slot.expect {
         if shared.info.structured_replies {
-            return Err("protocol violation: simple reply to a READ".into());
+            return Err(ReplyError::Protocol("simple reply to a READ".to_string()));
         }
         read_into_target(stream, state, 0..length_bytes as usize)?;
     }
@@ -1252,15 +1270,15 @@ fn fill_simple_reply(
 fn fail_or_finish(
     slot: &Slot,
     state: &mut SlotState,
-    result: &Result<(), String>,
+    result: &Result<(), ReplyError>,
 ) -> Option<Deferred> {
     if let Err(reason) = result {
-        state.completion.connection_lost = Some(reason.clone());
+        state.completion.connection_lost = Some(reason.to_string());
     }
     slot.finish(state)
 }
 
-fn read_structured_chunk(stream: &mut ReplyStream, shared: &Shared) -> Result<(), String> {
+fn read_structured_chunk(stream: &mut ReplyStream, shared: &Shared) -> Result<(), ReplyError> {
     let mut rest = [0u8; STRUCTURED_REPLY_HEADER_BYTES - 4];
     stream.read_exact(&mut rest).map_err(io_reason)?;
     let flags = be_u16(&rest[0..2]);
@@ -1272,7 +1290,7 @@ fn read_structured_chunk(stream: &mut ReplyStream, shared: &Shared) -> Result<()
 
 /// An extended reply chunk: a structured chunk with the request's offset and a 64-bit length,
 /// which must still fit a READ's data or [`CHUNK_BYTES_MAX`].
-fn read_extended_chunk(stream: &mut ReplyStream, shared: &Shared) -> Result<(), String> {
+fn read_extended_chunk(stream: &mut ReplyStream, shared: &Shared) -> Result<(), ReplyError> {
     let mut rest = [0u8; EXTENDED_REPLY_HEADER_BYTES - 4];
     stream.read_exact(&mut rest).map_err(io_reason)?;
     let flags = be_u16(&rest[0..2]);
@@ -1289,7 +1307,7 @@ fn read_extended_chunk(stream: &mut ReplyStream, shared: &Shared) -> Result<(), 
                     .saturating_add(8)
                     .max(CHUNK_BYTES_MAX)
         })
-        .ok_or_else(|| format!("protocol violation: extended chunk of {length} bytes"))?;
+        .ok_or_else(|| ReplyError::Protocol(format!("extended chunk of {length} bytes")))?;
     read_chunk_payload(stream, shared, flags, chunk_type, handle, length)
 }
 
@@ -1301,7 +1319,7 @@ fn read_chunk_payload(
     chunk_type: u16,
     handle: u64,
     length: u32,
-) -> Result<(), String> {
+) -> Result<(), ReplyError> {
     let done = flags & REPLY_FLAG_DONE != 0;
     let slot = take_slot(shared, handle, done)?;
     let mut state = slot.state.lock();
@@ -1323,17 +1341,17 @@ fn read_chunk_payload(
 impl SlotState {
     /// Records that a chunk delivered `range` of a READ; refuses one that overlaps an earlier
     /// chunk (the spec forbids it).
-    fn cover(&mut self, range: &std::ops::Range<usize>) -> Result<(), String> {
+    fn cover(&mut self, range: &std::ops::Range<usize>) -> Result<(), ReplyError> {
         let at = self.covered.partition_point(|done| done.end <= range.start);
         if self
             .covered
             .get(at)
             .is_some_and(|next| next.start < range.end)
         {
-            return Err(format!(
-                "protocol violation: READ reply chunks overlap at bytes {}..{} of the request",
+            return Err(ReplyError::Protocol(format!(
+                "READ reply chunks overlap at bytes {}..{} of the request",
                 range.start, range.end
-            ));
+            )));
         }
         self.covered.insert(at, range.clone());
         self.covered_bytes += range.len() as u64;
@@ -1341,13 +1359,13 @@ impl SlotState {
     }
 }
 
-fn check_read_coverage(slot: &Slot, state: &SlotState) -> Result<(), String> {
+fn check_read_coverage(slot: &Slot, state: &SlotState) -> Result<(), ReplyError> {
     match slot.expect {
         Expect::Read { length_bytes, .. } if state.covered_bytes != u64::from(length_bytes) => {
-            Err(format!(
-                "protocol violation: READ reply covered {} of {length_bytes} bytes",
+            Err(ReplyError::Protocol(format!(
+                "READ reply covered {} of {length_bytes} bytes",
                 state.covered_bytes
-            ))
+            )))
         }
         _ => Ok(()),
     }
@@ -1362,7 +1380,7 @@ fn apply_chunk(
     state: &mut SlotState,
     chunk_type: u16,
     length: u32,
-) -> Result<(), String> {
+) -> Result<(), ReplyError> {
     match (chunk_type, slot.expect) {
         (REPLY_TYPE_NONE, _) if length == 0 => Ok(()),
         (
@@ -1411,9 +1429,9 @@ fn apply_chunk(
         (REPLY_TYPE_BLOCK_STATUS_EXT, Expect::BlockStatus) if length >= 24 && length % 16 == 8 => {
             let payload = read_payload(stream, length)?;
             if be_u32(&payload[4..8]) as usize != (payload.len() - 8) / 16 {
-                return Err(
-                    "protocol violation: BLOCK_STATUS_EXT count disagrees with its length".into(),
-                );
+                return Err(ReplyError::Protocol(
+                    "BLOCK_STATUS_EXT count disagrees with its length".to_string(),
+                ));
             }
             // base:allocation has 32 bits of status; the upper half is zero.
             state.completion.extents = payload[8..]
@@ -1430,13 +1448,15 @@ fn apply_chunk(
             let message = reader
                 .take(message_length)
                 .map(|bytes| String::from_utf8_lossy(bytes).into_owned())
-                .ok_or("protocol violation: error message longer than its chunk")?;
+                .ok_or(ReplyError::Protocol(
+                    "error message longer than its chunk".to_string(),
+                ))?;
             state.completion.error.get_or_insert((errno, message));
             Ok(())
         }
-        (chunk_type, _) => Err(format!(
-            "protocol violation: unexpected structured chunk type {chunk_type} of {length} bytes"
-        )),
+        (chunk_type, _) => Err(ReplyError::Protocol(format!(
+            "unexpected structured chunk type {chunk_type} of {length} bytes"
+        ))),
     }
 }
 
@@ -1447,21 +1467,21 @@ fn read_into_target(
     stream: &mut ReplyStream,
     state: &mut SlotState,
     range: std::ops::Range<usize>,
-) -> Result<(), String> {
+) -> Result<(), ReplyError> {
     let length = range.len() as u64;
     match state.target.as_mut().filter(|_| !state.done) {
         Some(target) => read_exact_vectored(stream, &mut target.slices(range)).map_err(io_reason),
         None => match io::copy(&mut stream.by_ref().take(length), &mut io::sink()) {
             Ok(copied) if copied == length => Ok(()),
-            Ok(_) => Err("the server closed the connection mid-reply".into()),
+            Ok(_) => Err(ReplyError::ClosedMidReply),
             Err(error) => Err(io_reason(error)),
         },
     }
 }
 
-fn read_payload(stream: &mut ReplyStream, length: u32) -> Result<Vec<u8>, String> {
+fn read_payload(stream: &mut ReplyStream, length: u32) -> Result<Vec<u8>, ReplyError> {
     if length > CHUNK_BYTES_MAX {
-        return Err(format!("protocol violation: chunk of {length} bytes"));
+        return Err(ReplyError::Protocol(format!("chunk of {length} bytes")));
     }
     let mut payload = vec![0u8; length as usize];
     stream.read_exact(&mut payload).map_err(io_reason)?;
@@ -1474,17 +1494,17 @@ fn chunk_range(
     request_length: u32,
     chunk_offset: u64,
     chunk_length: u32,
-) -> Result<std::ops::Range<usize>, String> {
+) -> Result<std::ops::Range<usize>, ReplyError> {
     let start = chunk_offset.checked_sub(request_offset);
     let end = start.and_then(|start| start.checked_add(u64::from(chunk_length)));
     match (start, end) {
         (Some(start), Some(end)) if end <= u64::from(request_length) => {
             Ok(start as usize..end as usize)
         }
-        _ => Err(format!(
-            "protocol violation: chunk of {chunk_length} bytes at {chunk_offset} lies outside \
+        _ => Err(ReplyError::Protocol(format!(
+            "chunk of {chunk_length} bytes at {chunk_offset} lies outside \
              the request ({request_length} bytes at {request_offset})"
-        )),
+        ))),
     }
 }
 
@@ -1648,7 +1668,7 @@ mod tests {
 
     #[test]
     fn chunk_range_refuses_chunks_outside_the_request() {
-        assert_eq!(chunk_range(100, 50, 110, 10), Ok(10..20));
+        assert_eq!(chunk_range(100, 50, 110, 10).unwrap(), 10..20);
         assert!(chunk_range(100, 50, 90, 10).is_err());
         assert!(chunk_range(100, 50, 140, 20).is_err());
     }

@@ -79,16 +79,28 @@ pub struct AccessRules {
 impl AccessRules {
     /// `Err(reason)` when `address` may not connect. IPv4 peers reaching an IPv6 socket
     /// (`::ffff:a.b.c.d`) are judged by their IPv4 address, so IPv4 rules hold for them.
-    pub fn check(&self, address: IpAddr) -> Result<(), String> {
+    pub fn check(&self, address: IpAddr) -> Result<(), AccessRefused> {
         let address = address.to_canonical();
         if let Some(network) = self.deny.iter().find(|network| network.contains(&address)) {
-            return Err(format!("address is inside --deny {network}"));
+            return Err(AccessRefused::Denied(*network));
         }
         if !self.allow.is_empty() && !self.allow.iter().any(|network| network.contains(&address)) {
-            return Err("address is outside every --allow network".to_string());
+            return Err(AccessRefused::NotAllowed);
         }
         Ok(())
     }
+}
+
+/// Why a peer may not connect ([`AccessRules::check`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AccessRefused {
+    #[error("address is inside --deny {0}")]
+    Denied(IpNet),
+    #[error("address is outside every --allow network")]
+    NotAllowed,
+    /// The rules could not be checked: fail closed.
+    #[error("the peer's address is unknown")]
+    UnknownAddress,
 }
 
 /// One place the server listens on.
@@ -380,10 +392,12 @@ mod tests {
         assert!(rules
             .check(address("10.9.1.1"))
             .unwrap_err()
+            .to_string()
             .contains("10.9.0.0/16"));
         assert!(rules
             .check(address("192.168.1.1"))
             .unwrap_err()
+            .to_string()
             .contains("--allow"));
         assert_eq!(AccessRules::default().check(address("192.168.1.1")), Ok(()));
         assert_eq!(network("10.1.2.3/8").to_string(), "10.0.0.0/8");

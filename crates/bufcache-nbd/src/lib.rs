@@ -34,8 +34,8 @@ pub mod uri;
 pub use client::{ClientError, NbdClient};
 pub use client_handshake::{ExportInfo, HandshakeFailure};
 pub use config::{
-    parse_network, AccessRules, ConfigError, ExportPolicy, ListenAddress, ListenAddressError,
-    NetworkError, ServerConfig, DEFAULT_IDLE_TIMEOUT, DEFAULT_STALL_TIMEOUT,
+    parse_network, AccessRefused, AccessRules, ConfigError, ExportPolicy, ListenAddress,
+    ListenAddressError, NetworkError, ServerConfig, DEFAULT_IDLE_TIMEOUT, DEFAULT_STALL_TIMEOUT,
     PAYLOAD_BYTES_PER_SECOND_MIN,
 };
 pub use export::{

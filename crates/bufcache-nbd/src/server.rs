@@ -558,7 +558,7 @@ impl BoundServer {
                 Some(address) => access.check(address),
                 // Fail closed: rules that cannot be checked are not skipped.
                 None if access.allow.is_empty() && access.deny.is_empty() => Ok(()),
-                None => Err("the peer's address is unknown".to_string()),
+                None => Err(crate::config::AccessRefused::UnknownAddress),
             };
             if let Err(reason) = verdict {
                 // Closed before a byte of negotiation: the peer learns nothing.

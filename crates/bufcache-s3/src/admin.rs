@@ -10,7 +10,7 @@ use futures::stream::{self, StreamExt, TryStreamExt};
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, PutPayload};
 
-use crate::error::{chain, OpenError, StoreError};
+use crate::error::{chain, DecodeError, OpenError, StoreError};
 use crate::lock::{holder_now, Acquired, DiskLock, LockHolder};
 use crate::log::{
     self, check_snapshot_name, GcReport, LogConfig, LogStore, LogSummary, SnapshotError,
@@ -41,7 +41,7 @@ pub struct LockState {
 }
 
 /// A disk's description and state, as `bufcache disk info` shows it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct DiskInfo {
     pub metadata: DiskMetadata,
     /// None: no server holds the disk.
@@ -50,13 +50,13 @@ pub struct DiskInfo {
 }
 
 /// What the disk's layout holds.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum LayoutInfo {
     /// Chunk objects stored (the others read as zeroes) and their bytes.
     Chunk { chunks: u64, chunk_bytes: u64 },
-    /// The log as an open would recover it now; Err: why it does not recover (the message an
+    /// The log as an open would recover it now; Err: why it does not recover (the error an
     /// open would stop with).
-    Log(Result<LogSummary, String>),
+    Log(Result<LogSummary, Box<OpenError>>),
 }
 
 /// Reads the disk's metadata, lock and objects; writes nothing. A disk another server holds
@@ -83,7 +83,7 @@ pub fn info(url: &S3Url) -> Result<DiskInfo, OpenError> {
             LayoutKind::Log => {
                 let sealer = log::sealer_for(url, &metadata, &LogConfig::from_url(url))?;
                 let summary = log::summarize(store, url, &metadata, &sealer).await;
-                LayoutInfo::Log(summary.map_err(|error| error.to_string()))
+                LayoutInfo::Log(summary.map_err(Box::new))
             }
         };
         Ok(DiskInfo {
@@ -132,9 +132,9 @@ pub fn create(url: &S3Url, size_bytes: u64) -> Result<DiskMetadata, OpenError> {
         // The URL's log parameters are checked as an open would, before anything is written.
         LogConfig::from_url(&asked)
             .validate()
-            .map_err(|reason| OpenError::Config {
+            .map_err(|error| OpenError::Config {
                 url: url.to_string(),
-                reason,
+                reason: error.to_string(),
             })?;
     }
     Ok(connect_with(&asked, Create::IfAsked)?.metadata)
@@ -332,7 +332,9 @@ async fn list_chunks(store: &dyn ObjectStore, url: &S3Url) -> Result<Vec<(u64, u
             .ok_or_else(|| OpenError::BadObject {
                 url: url.to_string(),
                 key: object.location.to_string(),
-                reason: "not a chunk object name (16 hex digits)".to_string(),
+                reason: DecodeError::Inconsistent(
+                    "not a chunk object name (16 hex digits)".to_string(),
+                ),
             })?;
         chunks.push((index, object.size));
     }
@@ -361,8 +363,11 @@ async fn verify_chunks(
             Ok(got) => got.bytes().await.map_err(|error| chain(&error)),
             Err(error) => Err(chain(&error)),
         };
-        let checked = outcome
-            .and_then(|body| check_chunk(&body, index, metadata).map(|()| body.len() as u64));
+        let checked = outcome.and_then(|body| {
+            check_chunk(&body, index, metadata)
+                .map(|()| body.len() as u64)
+                .map_err(|error| error.to_string())
+        });
         (key, checked)
     }))
     .buffered(VERIFY_CHUNK_REQUESTS_IN_FLIGHT_MAX);
@@ -377,22 +382,22 @@ async fn verify_chunks(
     Ok((damaged, done))
 }
 
-fn check_chunk(body: &[u8], index: u64, metadata: &DiskMetadata) -> Result<(), String> {
+fn check_chunk(body: &[u8], index: u64, metadata: &DiskMetadata) -> Result<(), DecodeError> {
     let chunk_size = metadata.chunk_size_bytes;
     if index >= metadata.size_bytes / chunk_size {
-        return Err(format!(
+        return Err(DecodeError::Inconsistent(format!(
             "chunk {index} lies past the end of the disk ({} bytes)",
             metadata.size_bytes
-        ));
+        )));
     }
     if !metadata.chunk_checksums {
         return if body.len() as u64 == chunk_size {
             Ok(())
         } else {
-            Err(format!(
+            Err(DecodeError::Inconsistent(format!(
                 "{} bytes, not the chunk size {chunk_size}",
                 body.len()
-            ))
+            )))
         };
     }
     crate::blocks::decode(
@@ -905,7 +910,7 @@ pub(crate) async fn create_clone_objects(
         ) => false,
         Err(error) => return Err(failed(&record_key, "PUT", error)),
     };
-    if !store::create_metadata(store, clone_url, &body).await? {
+    if !store::create_metadata(store, &asked, &clone_metadata, &body).await? {
         if record_is_ours {
             store
                 .delete(&record_location)

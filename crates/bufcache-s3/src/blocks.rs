@@ -16,6 +16,7 @@
 //! 4 KiB read of an 8 MiB segment or a 1 MiB chunk), and a checksum of the whole object
 //! could only be checked by fetching all of it.
 
+use crate::error::DecodeError;
 use std::ops::Range;
 
 use bytes::{Bytes, BytesMut};
@@ -85,16 +86,18 @@ pub fn decode_range(
     logical: Range<u64>,
     place: Place,
     target: &mut [u8],
-) -> Result<(), String> {
+) -> Result<(), DecodeError> {
     let stored = stored_range(logical.clone());
     if fetched.len() as u64 != stored.end - stored.start {
-        return Err(format!(
-            "{} bytes where the blocks of logical bytes {}..{} take {} (truncated?)",
-            fetched.len(),
-            logical.start,
-            logical.end,
-            stored.end - stored.start
-        ));
+        return Err(DecodeError::Truncated {
+            found: fetched.len() as u64,
+            needed: format!(
+                "where the blocks of logical bytes {}..{} take {} (truncated?)",
+                logical.start,
+                logical.end,
+                stored.end - stored.start
+            ),
+        });
     }
     debug_assert_eq!(target.len() as u64, logical.end - logical.start);
     let first_block = logical.start / BLOCK_BYTES;
@@ -106,11 +109,10 @@ pub fn decode_range(
         let stored_sum = u32::from_le_bytes(stored_sum.try_into().expect("4 bytes"));
         let block_index = first_block + number as u64;
         if checksum(bytes) != stored_sum {
-            return Err(format!(
-                "the 4 KiB block at object offset {} (disk offset {}) fails its checksum (corrupt data)",
-                place.object_offset + block_index * STORED_BLOCK_BYTES,
-                place.disk_offset + block_index * BLOCK_BYTES,
-            ));
+            return Err(DecodeError::BadBlock {
+                object_offset: place.object_offset + block_index * STORED_BLOCK_BYTES,
+                disk_offset: place.disk_offset + block_index * BLOCK_BYTES,
+            });
         }
         // The part of this block the caller asked for.
         let block_start = block_index * BLOCK_BYTES;
@@ -126,7 +128,7 @@ pub fn decode_range(
 }
 
 /// The logical bytes `0..length` of a whole stored form, checked (see [`decode_range`]).
-pub fn decode(stored: &[u8], length: u64, place: Place) -> Result<Vec<u8>, String> {
+pub fn decode(stored: &[u8], length: u64, place: Place) -> Result<Vec<u8>, DecodeError> {
     let mut data = vec![0u8; length as usize];
     decode_range(stored, 0..length, place, &mut data)?;
     Ok(data)
@@ -174,13 +176,16 @@ mod tests {
             let error = decode(&damaged, data.len() as u64, PLACE).unwrap_err();
             let block = index as u64 / STORED_BLOCK_BYTES;
             assert!(
-                error.contains(&format!("disk offset {}", (1 << 20) + block * 4096)),
+                error
+                    .to_string()
+                    .contains(&format!("disk offset {}", (1 << 20) + block * 4096)),
                 "byte {index}: {error}"
             );
         }
         assert!(
             decode(&stored[..stored.len() - 1], data.len() as u64, PLACE)
                 .unwrap_err()
+                .to_string()
                 .contains("truncated")
         );
         assert_eq!(logical_bytes_within(4100 * 3 + 4099), 3 * 4096);

@@ -4,6 +4,58 @@
 
 use crate::url::UrlError;
 
+/// What is wrong with an object read from the store (a segment, checkpoint, epoch, snapshot,
+/// clone record, chunk, lock or metadata object): the decoders' error. It never names the
+/// object; [`OpenError::BadObject`], [`OpenError::BadMetadata`], [`OpenError::BadLock`] and
+/// [`StoreError::BadData`] wrap it with the object's key.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// Fewer bytes than the format needs; `needed` says for what.
+    #[error("{found} bytes, {needed}")]
+    Truncated { found: u64, needed: String },
+    /// The object does not start with the format's magic.
+    #[error("no {what} magic `{magic}` (not a bufcache {what})")]
+    BadMagic {
+        what: &'static str,
+        magic: &'static str,
+    },
+    /// A CRC-32 does not match what it covers.
+    #[error("{part} checksum mismatch ({meaning})")]
+    BadCrc {
+        part: &'static str,
+        meaning: &'static str,
+    },
+    /// A 4 KiB block in checked form fails its CRC-32.
+    #[error("the 4 KiB block at object offset {object_offset} (disk offset {disk_offset}) fails its checksum (corrupt data)")]
+    BadBlock {
+        object_offset: u64,
+        disk_offset: u64,
+    },
+    /// The object's tag (an encrypted disk's HMAC-SHA256) does not pass.
+    #[error("fails its tag: not made with the disk's key under this name (forged, renamed from another object, or damaged)")]
+    BadTag,
+    /// A format version this version does not read.
+    #[error("{what} format version {found} is not a supported one ({supported})")]
+    UnknownVersion {
+        what: &'static str,
+        found: u64,
+        supported: String,
+    },
+    /// The object names another disk.
+    #[error("belongs to disk {found:016x}, not this disk {expected:016x}")]
+    OtherDisk { found: u64, expected: u64 },
+    /// A JSON object's field is missing or not what the format allows.
+    #[error("field `{field}` {problem}")]
+    BadField { field: String, problem: String },
+    /// Not JSON at all (metadata, lock).
+    #[error("not JSON: {0}")]
+    NotJson(String),
+    /// A value that contradicts the format or another value of the object (an extent past
+    /// the disk's end, a count that does not add up, ...): what and why.
+    #[error("{0}")]
+    Inconsistent(String),
+}
+
 /// Why a disk could not be opened; nothing was written when this is returned.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
@@ -32,7 +84,13 @@ pub enum OpenError {
     BadMetadata {
         url: String,
         key: String,
-        reason: String,
+        reason: DecodeError,
+    },
+    #[error("{url}: metadata object `{key}` {reason}; nothing was served or changed (put back the genuine metadata object, or open with the key that wrote it)")]
+    ForgedMetadata {
+        url: String,
+        key: String,
+        reason: DecodeError,
     },
     #[error("{url}: parameter `{parameter}={given}` does not match the existing disk, which has {parameter} {stored}")]
     Mismatch {
@@ -87,7 +145,7 @@ pub enum OpenError {
     BadLock {
         url: String,
         key: String,
-        reason: String,
+        reason: DecodeError,
     },
     #[error("{url}: another server took or released lock object `{key}` while this one was taking it; start again to see who holds it")]
     LockRaced { url: String, key: String },
@@ -95,7 +153,7 @@ pub enum OpenError {
     BadObject {
         url: String,
         key: String,
-        reason: String,
+        reason: DecodeError,
     },
     #[error("{url}: the index (checkpoint `{checkpoint}`) names segment `{key}`, which does not exist; nothing was served or changed (`bufcache disk verify` lists every damaged object)")]
     MissingSegment {
@@ -205,7 +263,11 @@ pub enum StoreError {
     )]
     MissingSegment { key: String },
     #[error("object `{key}` is damaged or not this disk's: {reason}; nothing was served from it")]
-    BadData { key: String, reason: String },
+    BadData {
+        key: String,
+        /// Boxed so the error stays small enough to return by value.
+        reason: Box<DecodeError>,
+    },
     #[error("object `{key}` holds {found} bytes where {expected} were asked for")]
     ShortObject {
         key: String,

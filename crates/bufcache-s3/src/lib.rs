@@ -30,14 +30,15 @@ mod store;
 mod url;
 
 pub use device::S3Device;
-pub use error::{OpenError, StoreError};
+pub use error::{DecodeError, OpenError, StoreError};
 pub use lock::{release_locks, DiskLock, LockHolder, LOCK_NAME};
 pub use log::{
-    check_snapshot_name, GcReport, LogConfig, LogStore, LogSummary, SealParameters, SnapshotError,
-    SnapshotSummary, SnapshotTaken, CHECKPOINT_INTERVAL_SEGMENTS_DEFAULT, GC_BYTES_MAX_DEFAULT,
-    GC_INTERVAL_MS_DEFAULT, GC_REQUESTS_IN_FLIGHT_MAX_DEFAULT, GC_STORED_RATIO_MAX_DEFAULT,
-    GC_THRESHOLD_DEFAULT, GET_BYTES_MAX_DEFAULT, SEALED_EXTENT_BYTES_MAX,
-    SEGMENTS_IN_FLIGHT_MAX_DEFAULT, SEGMENT_BYTES_MAX_DEFAULT,
+    check_snapshot_name, GcReport, LiveBytesMismatch, LogConfig, LogConfigError, LogStore,
+    LogSummary, SealParameters, SnapshotError, SnapshotSummary, SnapshotTaken,
+    CHECKPOINT_INTERVAL_SEGMENTS_DEFAULT, GC_BYTES_MAX_DEFAULT, GC_INTERVAL_MS_DEFAULT,
+    GC_REQUESTS_IN_FLIGHT_MAX_DEFAULT, GC_STORED_RATIO_MAX_DEFAULT, GC_THRESHOLD_DEFAULT,
+    GET_BYTES_MAX_DEFAULT, SEALED_EXTENT_BYTES_MAX, SEGMENTS_IN_FLIGHT_MAX_DEFAULT,
+    SEGMENT_BYTES_MAX_DEFAULT,
 };
 pub use meters::{
     LogStoreStats, StoreMeters, StoreStats, STORE_DURATION_BUCKETS_SECONDS, STORE_METHODS,

@@ -25,7 +25,7 @@ use serde_json::json;
 
 use bufcache_device::Clock;
 
-use crate::error::{chain, request_failed, OpenError, StoreError};
+use crate::error::{chain, request_failed, DecodeError, OpenError, StoreError};
 use crate::lease::{
     renewal_interval_ns, LapseWatch, Lease, LeaseSeen, MonotonicClock, LEASE_ROUND_TRIPS_MIN,
 };
@@ -106,21 +106,25 @@ impl LockHolder {
         .into_bytes()
     }
 
-    pub(crate) fn parse(body: &[u8]) -> Result<LockHolder, String> {
-        let value: serde_json::Value =
-            serde_json::from_slice(body).map_err(|error| format!("not JSON: {error}"))?;
+    pub(crate) fn parse(body: &[u8]) -> Result<LockHolder, DecodeError> {
+        let value: serde_json::Value = serde_json::from_slice(body)
+            .map_err(|error| DecodeError::NotJson(error.to_string()))?;
         let text = |name: &str| {
             value[name]
                 .as_str()
                 .map(str::to_string)
-                .ok_or_else(|| format!("field `{name}` is missing or not a string"))
+                .ok_or_else(|| DecodeError::BadField {
+                    field: name.to_string(),
+                    problem: "is missing or not a string".to_string(),
+                })
         };
         Ok(LockHolder {
             id: text("id")?,
             host: text("host")?,
-            pid: value["pid"]
-                .as_u64()
-                .ok_or("field `pid` is missing or not a whole number")?,
+            pid: value["pid"].as_u64().ok_or_else(|| DecodeError::BadField {
+                field: "pid".to_string(),
+                problem: "is missing or not a whole number".to_string(),
+            })?,
             since: text("since")?,
             lease_ms: value["lease_ms"].as_u64(),
             renewal: value["renewal"].as_u64().unwrap_or(0),
@@ -850,7 +854,13 @@ mod tests {
         // A lock written before leases has none: only break-lock= takes it.
         let old = br#"{"format":"bufcache-s3-lock","id":"0a","host":"h","pid":1,"since":"s"}"#;
         assert_eq!(LockHolder::parse(old).unwrap().lease_ms, None);
-        assert!(LockHolder::parse(b"{}").unwrap_err().contains("`id`"));
-        assert!(LockHolder::parse(b"nope").unwrap_err().contains("JSON"));
+        assert!(LockHolder::parse(b"{}")
+            .unwrap_err()
+            .to_string()
+            .contains("`id`"));
+        assert!(LockHolder::parse(b"nope")
+            .unwrap_err()
+            .to_string()
+            .contains("JSON"));
     }
 }

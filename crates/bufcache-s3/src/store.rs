@@ -38,10 +38,10 @@ use serde_json::json;
 
 use crate::blocks;
 use crate::credentials::shared_file_credentials;
-use crate::error::{chain, request_failed, OpenError, StoreError};
+use crate::error::{chain, request_failed, DecodeError, OpenError, StoreError};
 use crate::lock::{check_not_held, Acquired, DiskLock};
 use crate::meters::{CountingConnector, StoreMeters};
-use crate::seal::SealParameters;
+use crate::seal::{MetadataTag, SealParameters, Sealer};
 use crate::url::{LayoutKind, S3Url, CHUNK_SIZE_DEFAULT_BYTES, LAYOUT_DEFAULT};
 
 /// Version of the chunk layout without checksums, as older servers wrote it (still read and
@@ -62,8 +62,7 @@ pub const FORMAT_VERSION_LOG: u64 = 2;
 /// know only version 2 refuse, so none of them opens a clone as a disk of its own (its log
 /// starts past the base's, and such a server would delete it as orphans).
 pub const FORMAT_VERSION_LOG_CLONE: u64 = 4;
-/// Name of the metadata object under the prefix.
-pub const METADATA_NAME: &str = "bufcache-disk.json";
+pub use crate::url::METADATA_NAME;
 /// Default bound on concurrent requests of one read or write call.
 pub const REQUESTS_IN_FLIGHT_MAX_DEFAULT: usize = 32;
 /// Per-chunk locks are striped over this many mutexes.
@@ -278,11 +277,6 @@ pub(crate) fn advance_generation_counted(
         operation,
         message: chain(&error),
     };
-    let bad = |reason: String| OpenError::BadMetadata {
-        url: url.to_string(),
-        key: key.clone(),
-        reason,
-    };
     let (runtime, client) = short_client(url, RETRIES_UNBOUNDED, meters)?;
     let location = ObjectPath::from(key.as_str());
     let body = runtime
@@ -291,7 +285,11 @@ pub(crate) fn advance_generation_counted(
             result.bytes().await
         })
         .map_err(|error| request_error(format!("reading `{key}`"), error))?;
-    let stored = parse_metadata(&body).map_err(bad)?;
+    let LoadedMetadata {
+        metadata: stored,
+        mut value,
+        ..
+    } = authenticate_metadata(url, &body)?;
     if let Some(seen) = seen.filter(|seen| *seen != stored.generation) {
         return Err(OpenError::Config {
             url: url.to_string(),
@@ -301,8 +299,6 @@ pub(crate) fn advance_generation_counted(
             ),
         });
     }
-    let mut value: serde_json::Value =
-        serde_json::from_slice(&body).map_err(|error| bad(format!("not JSON: {error}")))?;
     let generation = stored.generation + 1;
     value["generation"] = json!(generation);
     let disk_id = if stored.disk_id == 0 {
@@ -311,6 +307,7 @@ pub(crate) fn advance_generation_counted(
     } else {
         stored.disk_id
     };
+    seal_metadata(url, &stored, &mut value)?;
     runtime
         .block_on(client.put(&location, PutPayload::from(value.to_string().into_bytes())))
         .map_err(|error| request_error(format!("writing `{key}`"), error))?;
@@ -702,13 +699,17 @@ impl ChunkStore {
                     .bytes()
                     .await
                     .map_err(|error| request_error(format!("reading `{key}`"), error))?;
-                let stored = parse_metadata(&body).map_err(|reason| OpenError::BadMetadata {
-                    url: url.to_string(),
-                    key: key.clone(),
-                    reason,
-                })?;
-                check_metadata(url, &stored)?;
-                Ok(stored)
+                let loaded = authenticate_metadata(url, &body)?;
+                if loaded.tag == MetadataTag::UntaggedBeforeTags {
+                    tracing::warn!(
+                        disk = %url,
+                        size_bytes = loaded.metadata.size_bytes,
+                        compress = loaded.metadata.seal.compression.name(),
+                        "the metadata object `{key}` of this encrypted disk carries no tag (written before metadata tags existed): accepted as found, with the size and compression shown; the next writable open tags it"
+                    );
+                }
+                check_metadata(url, &loaded.metadata)?;
+                Ok(loaded.metadata)
             }
             Err(object_store::Error::NotFound { .. }) if create == Create::Never => {
                 Err(OpenError::NoDiskReadOnly {
@@ -777,6 +778,8 @@ impl ChunkStore {
                     }
                     LayoutKind::Log => new_log_metadata(url, size)?,
                 };
+                let mut body = body;
+                seal_metadata(url, &metadata, &mut body)?;
                 let body = body.to_string();
                 // Create-only: when two servers create the same disk at once, one loses here
                 // instead of overwriting the other's description.
@@ -890,7 +893,7 @@ impl ChunkStore {
                     )
                     .map_err(|reason| StoreError::BadData {
                         key: key.clone(),
-                        reason,
+                        reason: Box::new(reason),
                     })?;
                     Ok((piece.buffer, Some(Bytes::from(data))))
                 }
@@ -1057,7 +1060,7 @@ impl ChunkStore {
                 )
                 .map_err(|reason| StoreError::BadData {
                     key: key.clone(),
-                    reason,
+                    reason: Box::new(reason),
                 })?,
                 Some(old) => old.to_vec(),
                 None => vec![0u8; chunk_size as usize],
@@ -1193,9 +1196,9 @@ pub(crate) fn new_log_metadata(
         });
     }
     let disk_id = random_id();
-    let seal = SealParameters::for_new_disk(url, disk_id).map_err(|reason| OpenError::Config {
+    let seal = SealParameters::for_new_disk(url, disk_id).map_err(|error| OpenError::Config {
         url: url.to_string(),
-        reason,
+        reason: error.to_string(),
     })?;
     let metadata = DiskMetadata {
         size_bytes,
@@ -1224,9 +1227,12 @@ pub(crate) fn new_log_metadata(
 pub(crate) async fn create_metadata(
     store: &dyn ObjectStore,
     url: &S3Url,
+    metadata: &DiskMetadata,
     body: &serde_json::Value,
 ) -> Result<bool, OpenError> {
     let key = url.key(METADATA_NAME);
+    let mut body = body.clone();
+    seal_metadata(url, metadata, &mut body)?;
     match store
         .put_opts(
             &ObjectPath::from(key.as_str()),
@@ -1250,7 +1256,8 @@ pub(crate) async fn create_metadata(
     }
 }
 
-/// The metadata object's JSON, as stored (for the fields [`DiskMetadata`] does not hold).
+/// The metadata object's JSON, as stored (for the fields [`DiskMetadata`] does not hold),
+/// authenticated as [`authenticate_metadata`] does.
 pub(crate) async fn read_metadata_json(
     store: &dyn ObjectStore,
     url: &S3Url,
@@ -1262,31 +1269,102 @@ pub(crate) async fn read_metadata_json(
             url: url.to_string(),
             key: key.clone(),
         })?;
-    serde_json::from_slice(&body).map_err(|error| OpenError::BadMetadata {
+    Ok(authenticate_metadata(url, &body)?.value)
+}
+
+/// A metadata object as read: its JSON, what it records, and what its tag proved.
+pub(crate) struct LoadedMetadata {
+    pub value: serde_json::Value,
+    pub metadata: DiskMetadata,
+    pub tag: MetadataTag,
+}
+
+/// Parses the metadata object `body` and, for an encrypted disk opened with a key file,
+/// proves the key (its key check) and checks the object's tag before anything it records is
+/// used: a metadata object changed by someone without the key (its size, compression, a
+/// clone's base, its key check's kind) is refused naming it. Without a key file nothing can
+/// be checked ([`MetadataTag::Unchecked`]): every open that reads data refuses then
+/// ([`Sealer::open`]), so only what `bufcache disk info` shows is unproven.
+pub(crate) fn authenticate_metadata(url: &S3Url, body: &[u8]) -> Result<LoadedMetadata, OpenError> {
+    let key = url.key(METADATA_NAME);
+    let bad = |reason: DecodeError| OpenError::BadMetadata {
         url: url.to_string(),
-        key,
-        reason: format!("not JSON: {error}"),
+        key: key.clone(),
+        reason,
+    };
+    let value: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|error| bad(DecodeError::NotJson(error.to_string())))?;
+    let metadata = parse_metadata_value(&value).map_err(bad)?;
+    let tag = if metadata.seal.key_check.is_none() {
+        MetadataTag::Unencrypted
+    } else if url.key_file.is_none() {
+        MetadataTag::Unchecked
+    } else {
+        Sealer::open_keyed(url, metadata.disk_id, metadata.seal)?
+            .check_metadata(&value)
+            .map_err(|reason| OpenError::ForgedMetadata {
+                url: url.to_string(),
+                key: key.clone(),
+                reason,
+            })?
+    };
+    Ok(LoadedMetadata {
+        value,
+        metadata,
+        tag,
     })
 }
 
-fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, String> {
+/// Tags the metadata object `value` of the disk `metadata` describes before it is stored
+/// (nothing for an unencrypted disk): every writer of the metadata object calls this. An
+/// encrypted disk needs the URL's key file (proven by its key check); one whose metadata
+/// predated tags gets the kind of key check that says it carries one, which is logged.
+pub(crate) fn seal_metadata(
+    url: &S3Url,
+    metadata: &DiskMetadata,
+    value: &mut serde_json::Value,
+) -> Result<(), OpenError> {
+    if metadata.seal.key_check.is_none() {
+        return Ok(());
+    }
+    let sealer = Sealer::open_keyed(url, metadata.disk_id, metadata.seal)?;
+    if sealer.tag_metadata(value) {
+        tracing::warn!(
+            disk = %url,
+            size_bytes = metadata.size_bytes,
+            compress = metadata.seal.compression.name(),
+            "the metadata object `{}` of this encrypted disk carried no tag (written before metadata tags existed): tagged now as found, with the size and compression shown; from now on a change made without the key is refused",
+            url.key(METADATA_NAME)
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, DecodeError> {
     let value: serde_json::Value =
-        serde_json::from_slice(body).map_err(|error| format!("not JSON: {error}"))?;
+        serde_json::from_slice(body).map_err(|error| DecodeError::NotJson(error.to_string()))?;
+    parse_metadata_value(&value)
+}
+
+fn parse_metadata_value(value: &serde_json::Value) -> Result<DiskMetadata, DecodeError> {
     if value["format"] != "bufcache-s3" {
-        return Err("field `format` is not \"bufcache-s3\"".to_string());
+        return Err(DecodeError::Inconsistent(
+            "field `format` is not \"bufcache-s3\"".to_string(),
+        ));
     }
     let field = |name: &str| {
-        value[name]
-            .as_u64()
-            .ok_or_else(|| format!("field `{name}` is missing or not a whole number"))
+        value[name].as_u64().ok_or_else(|| {
+            DecodeError::Inconsistent(format!("field `{name}` is missing or not a whole number"))
+        })
     };
     let format_version = field("format_version")?;
     let size_bytes = field("size_bytes")?;
     let generation = match &value["generation"] {
         serde_json::Value::Null => 0,
-        other => other
-            .as_u64()
-            .ok_or("field `generation` is not a whole number")?,
+        other => other.as_u64().ok_or(DecodeError::Inconsistent(
+            "field `generation` is not a whole number".to_string(),
+        ))?,
     };
     let disk_id = match &value["disk_id"] {
         serde_json::Value::Null => None,
@@ -1295,16 +1373,18 @@ fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, String> {
                 .as_str()
                 .filter(|text| text.len() == 16)
                 .and_then(|text| u64::from_str_radix(text, 16).ok())
-                .ok_or("field `disk_id` is not 16 hex digits")?,
+                .ok_or(DecodeError::Inconsistent(
+                    "field `disk_id` is not 16 hex digits".to_string(),
+                ))?,
         ),
     };
     match format_version {
         FORMAT_VERSION | FORMAT_VERSION_CHUNK_CHECKED => {
             let chunk_checksums = format_version == FORMAT_VERSION_CHUNK_CHECKED;
             if chunk_checksums && value["chunk_checksums"] != CHUNK_CHECKSUMS_NAME {
-                return Err(format!(
+                return Err(DecodeError::Inconsistent(format!(
                     "field `chunk_checksums` is not \"{CHUNK_CHECKSUMS_NAME}\" (the only supported one for format version {FORMAT_VERSION_CHUNK_CHECKED})"
-                ));
+                )));
             }
             let metadata = DiskMetadata {
                 format_version,
@@ -1321,22 +1401,22 @@ fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, String> {
                     .size_bytes
                     .is_multiple_of(metadata.chunk_size_bytes)
             {
-                return Err("chunk size is not a power of two dividing the size".to_string());
+                return Err(DecodeError::Inconsistent("chunk size is not a power of two dividing the size".to_string()));
             }
             Ok(metadata)
         }
         FORMAT_VERSION_LOG | FORMAT_VERSION_LOG_CLONE => {
             if format_version == FORMAT_VERSION_LOG_CLONE && !value["base"].is_object() {
-                return Err(format!(
+                return Err(DecodeError::Inconsistent(format!(
                     "format version {FORMAT_VERSION_LOG_CLONE} (a clone) without the object `base`"
-                ));
+                )));
             }
             if value["layout"] != "log" {
-                return Err("field `layout` is not \"log\"".to_string());
+                return Err(DecodeError::Inconsistent("field `layout` is not \"log\"".to_string()));
             }
-            let disk_id = disk_id.ok_or("field `disk_id` is missing or not hex digits")?;
+            let disk_id = disk_id.ok_or(DecodeError::Inconsistent("field `disk_id` is missing or not hex digits".to_string()))?;
             if size_bytes == 0 {
-                return Err("field `size_bytes` is 0".to_string());
+                return Err(DecodeError::Inconsistent("field `size_bytes` is 0".to_string()));
             }
             Ok(DiskMetadata {
                 format_version,
@@ -1346,12 +1426,12 @@ fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, String> {
                 layout: LayoutKind::Log,
                 disk_id,
                 generation,
-                seal: SealParameters::read_json(&value)?,
+                seal: SealParameters::read_json(value)?,
             })
         }
-        other => Err(format!(
+        other => Err(DecodeError::Inconsistent(format!(
             "format version {other} is not one of the supported {FORMAT_VERSION} and {FORMAT_VERSION_CHUNK_CHECKED} (chunk layout) and {FORMAT_VERSION_LOG} and {FORMAT_VERSION_LOG_CLONE} (log layout, a clone)"
-        )),
+        ))),
     }
 }
 
@@ -1476,6 +1556,30 @@ pub(crate) async fn write_size(
     url: &S3Url,
     size_bytes: u64,
 ) -> Result<(), OpenError> {
+    rewrite_metadata(store, url, |value, metadata| {
+        value["size_bytes"] = serde_json::json!(size_bytes);
+        metadata.size_bytes = size_bytes;
+    })
+    .await
+}
+
+/// Rewrites the metadata object with its tag, keeping every field as stored: what the first
+/// writable open of an encrypted disk whose metadata predates tags does (its key check
+/// proved the key; see [`seal_metadata`]).
+pub(crate) async fn tag_untagged_metadata(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+) -> Result<(), OpenError> {
+    rewrite_metadata(store, url, |_, _| {}).await
+}
+
+/// Reads and authenticates the metadata object, applies `change` to its JSON (and to what
+/// it records), tags it and stores it. Called under the disk lock, so nobody else writes it.
+async fn rewrite_metadata(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    change: impl FnOnce(&mut serde_json::Value, &mut DiskMetadata),
+) -> Result<(), OpenError> {
     let key = url.key(METADATA_NAME);
     let location = ObjectPath::from(key.as_str());
     let request_error = |operation: String, error: object_store::Error| OpenError::Request {
@@ -1490,13 +1594,13 @@ pub(crate) async fn write_size(
         .bytes()
         .await
         .map_err(|error| request_error(format!("reading `{key}`"), error))?;
-    let mut value: serde_json::Value =
-        serde_json::from_slice(&body).map_err(|error| OpenError::BadMetadata {
-            url: url.to_string(),
-            key: key.clone(),
-            reason: format!("not JSON: {error}"),
-        })?;
-    value["size_bytes"] = serde_json::json!(size_bytes);
+    let LoadedMetadata {
+        mut value,
+        mut metadata,
+        ..
+    } = authenticate_metadata(url, &body)?;
+    change(&mut value, &mut metadata);
+    seal_metadata(url, &metadata, &mut value)?;
     store
         .put(&location, PutPayload::from(value.to_string().into_bytes()))
         .await
@@ -1529,22 +1633,33 @@ mod tests {
         let version = br#"{"format":"bufcache-s3","format_version":5,"size_bytes":8388608,"chunk_size_bytes":4194304}"#;
         assert!(parse_metadata(version)
             .unwrap_err()
+            .to_string()
             .contains("format version 5"));
         let checked = br#"{"format":"bufcache-s3","format_version":3,"size_bytes":8388608,"chunk_size_bytes":4194304,"chunk_checksums":"crc32-4k"}"#;
         assert!(parse_metadata(checked).unwrap().chunk_checksums);
         let unknown_checksums = br#"{"format":"bufcache-s3","format_version":3,"size_bytes":8388608,"chunk_size_bytes":4194304,"chunk_checksums":"sha256"}"#;
         assert!(parse_metadata(unknown_checksums)
             .unwrap_err()
+            .to_string()
             .contains("chunk_checksums"));
         let log = br#"{"format":"bufcache-s3","format_version":2,"layout":"log","disk_id":"00000000000000ab","size_bytes":8388608}"#;
         let parsed = parse_metadata(log).unwrap();
         assert_eq!((parsed.layout, parsed.disk_id), (LayoutKind::Log, 0xab));
         let no_id =
             br#"{"format":"bufcache-s3","format_version":2,"layout":"log","size_bytes":8388608}"#;
-        assert!(parse_metadata(no_id).unwrap_err().contains("disk_id"));
+        assert!(parse_metadata(no_id)
+            .unwrap_err()
+            .to_string()
+            .contains("disk_id"));
         let odd = br#"{"format":"bufcache-s3","format_version":1,"size_bytes":100,"chunk_size_bytes":4194304}"#;
         assert!(parse_metadata(odd).is_err());
-        assert!(parse_metadata(b"{}").unwrap_err().contains("format"));
-        assert!(parse_metadata(b"garbage").unwrap_err().contains("JSON"));
+        assert!(parse_metadata(b"{}")
+            .unwrap_err()
+            .to_string()
+            .contains("format"));
+        assert!(parse_metadata(b"garbage")
+            .unwrap_err()
+            .to_string()
+            .contains("JSON"));
     }
 }

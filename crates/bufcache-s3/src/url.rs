@@ -3,6 +3,8 @@
 use std::fmt;
 
 /// Chunk size used when the URL names none (chosen by measurement: docs/s3.md).
+/// Name of the metadata object under the prefix.
+pub const METADATA_NAME: &str = "bufcache-disk.json";
 pub const CHUNK_SIZE_DEFAULT_BYTES: u64 = 1 << 20;
 /// Smallest accepted chunk size: below it the per-request cost dominates every workload.
 pub const CHUNK_SIZE_MIN_BYTES: u64 = 4 << 10;

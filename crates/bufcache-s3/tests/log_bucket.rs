@@ -197,4 +197,266 @@ fn the_bucket_cannot_forge(server: &dyn S3Server) {
         back, a,
         "rolled back to the saved state: the tags cannot tell"
     );
+    drop(store);
+    the_small_objects_cannot_be_forged(server, &raw, &key, &plain_checkpoint);
+}
+
+/// A change made to a metadata object's JSON by someone without the key.
+type Forgery = fn(&mut serde_json::Value);
+
+/// Every object under `prefixes` but the lock, with its bytes: what a refused open must leave
+/// as it was.
+fn objects_of(raw: &Raw, prefixes: &[&str]) -> Vec<(String, Vec<u8>)> {
+    prefixes
+        .iter()
+        .flat_map(|prefix| raw.keys(prefix))
+        .filter(|key| !key.ends_with("bufcache-lock.json"))
+        .map(|key| {
+            let body = raw.get(&key);
+            (key, body)
+        })
+        .collect()
+}
+
+/// The metadata object, snapshots and a clone's base: an encrypted disk `meta` with snapshot
+/// `golden` and its clone `meta-clone`; each forgery below is refused naming the object, with
+/// nothing changed in the bucket, and the genuine object put back opens again.
+fn the_small_objects_cannot_be_forged(
+    server: &dyn S3Server,
+    raw: &Raw,
+    key: &str,
+    plain_checkpoint: &str,
+) {
+    let endpoint = server.endpoint();
+    let url = |disk: &str, parameters: &str| {
+        S3Url::parse(&format!(
+            "s3://bucket/{disk}?endpoint={endpoint}{key}{parameters}"
+        ))
+        .unwrap()
+    };
+    let a = [0x3cu8; 4096];
+    let store = open(
+        &endpoint,
+        "meta",
+        &format!("{key}&create-size=1M&layout=log"),
+    )
+    .unwrap();
+    store.write(&a, 0).unwrap();
+    store.snapshot("golden").unwrap();
+    let disk_id = store.metadata().disk_id;
+    drop(store);
+    bufcache_s3::admin::clone(&url("meta", ""), &url("meta-clone", ""), "golden").unwrap();
+    let reads_a = |disk: &str| {
+        let store = open(&endpoint, disk, key).unwrap();
+        let mut back = vec![0u8; 4096];
+        store.read(&mut back, 0).unwrap();
+        assert_eq!(back, a, "{disk}");
+    };
+    reads_a("meta");
+    reads_a("meta-clone");
+    let prefixes = ["meta", "meta-clone"];
+    // The metadata object: each change is refused by a writable and a read-only open, and by
+    // `disk resize`, naming the object.
+    let metadata_key = "meta/bufcache-disk.json";
+    let genuine = raw.get(metadata_key);
+    let value: serde_json::Value = serde_json::from_slice(&genuine).unwrap();
+    assert!(value["metadata_tag"].is_string(), "{value}");
+    let forgeries: [(&str, Forgery); 6] = [
+        ("size up", |value| value["size_bytes"] = (2u64 << 20).into()),
+        ("size down", |value| {
+            value["size_bytes"] = (512u64 << 10).into()
+        }),
+        ("compression", |value| value["compress"] = "zstd".into()),
+        ("generation", |value| value["generation"] = 77.into()),
+        ("tag removed", |value| {
+            value.as_object_mut().unwrap().remove("metadata_tag");
+        }),
+        ("passed off as written before metadata tags", |value| {
+            value.as_object_mut().unwrap().remove("metadata_tag");
+            value["encryption"] = "xchacha20-poly1305+hmac-sha256".into();
+        }),
+    ];
+    for (what, forge) in forgeries {
+        let mut forged = value.clone();
+        forge(&mut forged);
+        raw.put(metadata_key, forged.to_string().into_bytes());
+        let before = objects_of(raw, &prefixes);
+        for result in [
+            open(&endpoint, "meta", key),
+            LogStore::open_read_only(&url("meta", "")),
+        ] {
+            let text = result.err().expect(what).to_string();
+            assert!(text.contains(metadata_key), "{what}: {text}");
+        }
+        let text = bufcache_s3::admin::resize(&url("meta", ""), 4 << 20, false)
+            .unwrap_err()
+            .to_string();
+        assert!(text.contains(metadata_key), "{what}: {text}");
+        assert!(
+            objects_of(raw, &prefixes) == before,
+            "{what}: a refused open changed the bucket"
+        );
+        eprintln!("metadata, {what}: refused");
+    }
+    raw.put(metadata_key, genuine.clone());
+    reads_a("meta");
+    // Snapshots: a genuine one under another name, and one forged from an unencrypted
+    // disk's checkpoint, are refused naming them.
+    let evil = "meta/log/snapshots/evil";
+    for (what, object) in [
+        ("renamed", raw.get("meta/log/snapshots/golden")),
+        (
+            "forged",
+            forge_checkpoint(raw.get(plain_checkpoint), disk_id),
+        ),
+    ] {
+        raw.put(evil, object);
+        let before = objects_of(raw, &prefixes);
+        refused_naming(open(&endpoint, "meta", key), evil);
+        assert!(
+            objects_of(raw, &prefixes) == before,
+            "snapshot {what}: a refused open changed the bucket"
+        );
+        raw.delete(evil);
+        eprintln!("snapshot {what}: refused");
+    }
+    // A clone's base, carried in its metadata: another snapshot, another base disk id.
+    let clone_key = "meta-clone/bufcache-disk.json";
+    let genuine_clone = raw.get(clone_key);
+    let clone_value: serde_json::Value = serde_json::from_slice(&genuine_clone).unwrap();
+    let forgeries: [(&str, Forgery); 2] = [
+        ("snapshot", |value| {
+            value["base"]["snapshot"] = "other".into()
+        }),
+        ("base prefix", |value| {
+            value["base"]["prefix"] = "disk".into()
+        }),
+    ];
+    for (what, forge) in forgeries {
+        let mut forged = clone_value.clone();
+        forge(&mut forged);
+        raw.put(clone_key, forged.to_string().into_bytes());
+        let before = objects_of(raw, &prefixes);
+        refused_naming(open(&endpoint, "meta-clone", key), clone_key);
+        assert!(
+            objects_of(raw, &prefixes) == before,
+            "clone base {what}: a refused open changed the bucket"
+        );
+        eprintln!("clone base, {what}: refused");
+    }
+    raw.put(clone_key, genuine_clone);
+    reads_a("meta-clone");
+}
+
+/// The key check an encrypted disk's metadata recorded before metadata tags existed: the
+/// nonce and tag of an empty message sealed with `key`, its associated data the first key
+/// check context and the disk id (seal.rs).
+fn key_check_before_tags(key: &[u8; 32], disk_id: u64) -> String {
+    use chacha20poly1305::aead::{Aead, Payload};
+    use chacha20poly1305::{KeyInit, XChaCha20Poly1305, XNonce};
+    let nonce = [9u8; 24];
+    let mut aad = b"bufcache-s3 key check v1".to_vec();
+    aad.extend_from_slice(&disk_id.to_le_bytes());
+    let tag = XChaCha20Poly1305::new(key.into())
+        .encrypt(
+            &XNonce::from(nonce),
+            Payload {
+                msg: &[],
+                aad: &aad,
+            },
+        )
+        .unwrap();
+    nonce
+        .iter()
+        .chain(tag.iter())
+        .map(|byte| format!("{byte:02x}"))
+        .collect()
+}
+
+// Goal: an encrypted disk whose metadata object was written before metadata tags existed
+// still opens (no disk is made unopenable by the upgrade), but never silently: a read-only
+// open accepts it with a warning and changes nothing, the first writable open tags it (its
+// key check proves the key) and from then on a change made without the key is refused, and
+// removing the tag again (passing it off as old) is refused too. Method: an encrypted disk
+// holding A, its metadata object rewritten as the previous version wrote it (no tag, the
+// previous `encryption`, a key check in the previous context); open read-only, then
+// writable, then forge its size and strip its tag.
+#[test]
+fn metadata_written_before_tags_opens_and_the_first_writable_open_tags_it() {
+    let name = "metadata_written_before_tags_opens_and_the_first_writable_open_tags_it";
+    if !have_moto(name) {
+        return;
+    }
+    let moto = Moto::start();
+    moto.create_bucket("bucket");
+    let raw = Raw::new(&moto);
+    let endpoint = moto.endpoint();
+    let directory = tempfile::tempdir().unwrap();
+    let key_path = key_file(directory.path());
+    let key_bytes: [u8; 32] = std::array::from_fn(|n| (n as u8).wrapping_mul(29).wrapping_add(7));
+    let key = format!("&key-file={key_path}");
+    let store = open(
+        &endpoint,
+        "disk",
+        &format!("{key}&create-size=1M&layout=log"),
+    )
+    .unwrap();
+    let a = [0x71u8; 4096];
+    store.write(&a, 8192).unwrap();
+    let disk_id = store.metadata().disk_id;
+    drop(store);
+    let metadata_key = "disk/bufcache-disk.json";
+    let mut old: serde_json::Value = serde_json::from_slice(&raw.get(metadata_key)).unwrap();
+    let object = old.as_object_mut().unwrap();
+    object.remove("metadata_tag");
+    object.insert(
+        "encryption".to_string(),
+        "xchacha20-poly1305+hmac-sha256".into(),
+    );
+    object.insert(
+        "key_check".to_string(),
+        key_check_before_tags(&key_bytes, disk_id).into(),
+    );
+    let old = old.to_string().into_bytes();
+    raw.put(metadata_key, old.clone());
+    let reads_a = |store: &LogStore| {
+        let mut back = vec![0u8; 4096];
+        store.read(&mut back, 8192).unwrap();
+        assert_eq!(back, a);
+    };
+    let url = S3Url::parse(&format!("s3://bucket/disk?endpoint={endpoint}{key}")).unwrap();
+    let store = LogStore::open_read_only(&url).unwrap();
+    reads_a(&store);
+    drop(store);
+    assert_eq!(
+        raw.get(metadata_key),
+        old,
+        "a read-only open writes nothing"
+    );
+    let store = open(&endpoint, "disk", &key).unwrap();
+    reads_a(&store);
+    drop(store);
+    let tagged: serde_json::Value = serde_json::from_slice(&raw.get(metadata_key)).unwrap();
+    assert!(tagged["metadata_tag"].is_string(), "{tagged}");
+    assert_ne!(tagged["encryption"], "xchacha20-poly1305+hmac-sha256");
+    let store = open(&endpoint, "disk", &key).unwrap();
+    reads_a(&store);
+    drop(store);
+    let mut forged = tagged.clone();
+    forged["size_bytes"] = (2u64 << 20).into();
+    raw.put(metadata_key, forged.to_string().into_bytes());
+    let text = open(&endpoint, "disk", &key).err().unwrap().to_string();
+    assert!(
+        text.contains(metadata_key) && text.contains("tag"),
+        "{text}"
+    );
+    let mut stripped = tagged.clone();
+    stripped.as_object_mut().unwrap().remove("metadata_tag");
+    stripped["encryption"] = "xchacha20-poly1305+hmac-sha256".into();
+    raw.put(metadata_key, stripped.to_string().into_bytes());
+    let text = open(&endpoint, "disk", &key).err().unwrap().to_string();
+    assert!(
+        text.contains(metadata_key) && text.contains("key check"),
+        "{text}"
+    );
 }

@@ -34,6 +34,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 
 use super::epoch::Epochs;
 use super::index::{Index, Mapping};
+use crate::error::DecodeError;
 
 const MAGIC: &[u8; 8] = b"BCLOGCKP";
 const FORMAT_VERSION: u32 = 2;
@@ -210,26 +211,37 @@ fn u64_at(bytes: &[u8], at: usize) -> u64 {
 }
 
 /// Checks and decodes a checkpoint object (version 2 or 1); the error says what is wrong.
-pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Checkpoint, String> {
+pub fn decode(
+    object: &[u8],
+    disk_id: u64,
+    disk_size_bytes: u64,
+) -> Result<Checkpoint, DecodeError> {
     if object.len() < HEADER_BYTES_V1 + 4 {
-        return Err(format!(
-            "{} bytes, shorter than a checkpoint header (truncated?)",
-            object.len()
-        ));
+        return Err(DecodeError::Truncated {
+            found: object.len() as u64,
+            needed: "shorter than a checkpoint header (truncated?)".to_string(),
+        });
     }
     if &object[..8] != MAGIC {
-        return Err("no checkpoint magic `BCLOGCKP` (not a bufcache checkpoint)".to_string());
+        return Err(DecodeError::BadMagic {
+            what: "checkpoint",
+            magic: "BCLOGCKP",
+        });
     }
     let (body, stored) = object.split_at(object.len() - 4);
     if crc32fast::hash(body) != u32::from_le_bytes(stored.try_into().expect("4 bytes")) {
-        return Err("checksum mismatch (corrupt or truncated)".to_string());
+        return Err(DecodeError::BadCrc {
+            part: "object",
+            meaning: "corrupt or truncated",
+        });
     }
     let version = u32::from_le_bytes(object[8..12].try_into().expect("4 bytes"));
     let stored_disk = u64_at(object, 16);
     if stored_disk != disk_id {
-        return Err(format!(
-            "belongs to disk {stored_disk:016x}, not this disk {disk_id:016x}"
-        ));
+        return Err(DecodeError::OtherDisk {
+            found: stored_disk,
+            expected: disk_id,
+        });
     }
     let through_sequence = u64_at(object, 24);
     let (epoch, epochs, mappings) = match version {
@@ -239,10 +251,10 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Check
             let epoch_count = u64_at(object, 40);
             let room = ((body.len() - HEADER_BYTES) / EPOCH_BYTES) as u64;
             if epoch_count > room {
-                return Err(format!(
+                return Err(DecodeError::Inconsistent(format!(
                     "{epoch_count} epochs do not fit in {} bytes",
                     body.len()
-                ));
+                )));
             }
             let mappings_at = HEADER_BYTES + epoch_count as usize * EPOCH_BYTES;
             let mut epochs = Epochs::default();
@@ -250,29 +262,32 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Check
             for entry in body[HEADER_BYTES..mappings_at].chunks_exact(EPOCH_BYTES) {
                 let (number, start) = (u64_at(entry, 0), u64_at(entry, 8));
                 if previous.is_some_and(|previous| previous >= number) || start == 0 {
-                    return Err(format!(
+                    return Err(DecodeError::Inconsistent(format!(
                         "epoch {number} (start {start}) is out of order or starts at 0"
-                    ));
+                    )));
                 }
                 previous = Some(number);
                 epochs.insert(number, start);
             }
             if epoch == 0 || previous != Some(epoch) {
-                return Err(format!(
+                return Err(DecodeError::Inconsistent(format!(
                     "the writer's epoch {epoch} is not the newest of the {epoch_count} it records"
-                ));
+                )));
             }
             (epoch, Some(epochs), (u64_at(object, 48), mappings_at))
         }
         _ => {
-            return Err(format!(
+            return Err(DecodeError::Inconsistent(format!(
                 "checkpoint format version {version} is not a supported one (1 or {FORMAT_VERSION})"
-            ))
+            )))
         }
     };
     let (count, mappings_at) = mappings;
     if count.checked_mul(ENTRY_BYTES as u64) != Some((body.len() - mappings_at) as u64) {
-        return Err(format!("{count} mappings do not fill {} bytes", body.len()));
+        return Err(DecodeError::Inconsistent(format!(
+            "{count} mappings do not fill {} bytes",
+            body.len()
+        )));
     }
     let mut index = Index::new();
     let mut previous_end = 0;
@@ -285,16 +300,16 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Check
         };
         let end = offset.checked_add(mapping.length);
         if offset < previous_end || end.is_none_or(|end| end > disk_size_bytes) {
-            return Err(format!(
+            return Err(DecodeError::Inconsistent(format!(
                 "mapping of {} bytes at {offset} overlaps another or leaves the disk",
                 mapping.length
-            ));
+            )));
         }
         if mapping.segment > through_sequence {
-            return Err(format!(
+            return Err(DecodeError::Inconsistent(format!(
                 "mapping at {offset} names segment {} after the checkpoint's {through_sequence}",
                 mapping.segment
-            ));
+            )));
         }
         previous_end = end.expect("checked above");
         index.insert(offset, mapping);
@@ -397,7 +412,10 @@ mod tests {
                 index: index.clone(),
             }
         );
-        assert!(decode(&object, 6, 1 << 30).unwrap_err().contains("disk"));
+        assert!(decode(&object, 6, 1 << 30)
+            .unwrap_err()
+            .to_string()
+            .contains("disk"));
         for byte in 0..object.len() {
             let mut damaged = object.to_vec();
             damaged[byte] ^= 1;

@@ -34,7 +34,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use object_store::ObjectStore;
 
 use super::{check_layout, epoch, snapshot, Index, LogConfig};
-use crate::error::OpenError;
+use crate::error::{DecodeError, OpenError};
 use crate::seal::Sealer;
 use crate::store::{ChunkStore, Create, DiskMetadata, FORMAT_VERSION_LOG_CLONE, METADATA_NAME};
 use crate::url::{snapshot_name_problem, S3Url};
@@ -87,26 +87,31 @@ fn encode(record: &Record) -> Bytes {
     object.freeze()
 }
 
-fn decode(object: &[u8], clone_disk_id: u64) -> Result<Record, String> {
+fn decode(object: &[u8], clone_disk_id: u64) -> Result<Record, DecodeError> {
     if object.len() < 40 || &object[..8] != MAGIC {
-        return Err("not a bufcache clone base record (magic `BCLOGBAS`)".to_string());
+        return Err(DecodeError::Inconsistent(
+            "not a bufcache clone base record (magic `BCLOGBAS`)".to_string(),
+        ));
     }
     let (body, stored) = object.split_at(object.len() - 4);
     if crc32fast::hash(body) != u32::from_le_bytes(stored.try_into().expect("4 bytes")) {
-        return Err("checksum mismatch (corrupt or truncated)".to_string());
+        return Err(DecodeError::BadCrc {
+            part: "object",
+            meaning: "corrupt or truncated",
+        });
     }
     let version = u32::from_le_bytes(body[8..12].try_into().expect("4 bytes"));
     if version != FORMAT_VERSION {
-        return Err(format!(
+        return Err(DecodeError::Inconsistent(format!(
             "clone base record format version {version} is not a supported one ({FORMAT_VERSION})"
-        ));
+        )));
     }
     let u64_at = |at: usize| u64::from_le_bytes(body[at..at + 8].try_into().expect("8 bytes"));
     let (stored_clone, base_disk_id) = (u64_at(16), u64_at(24));
     if stored_clone != clone_disk_id {
-        return Err(format!(
+        return Err(DecodeError::Inconsistent(format!(
             "belongs to disk {stored_clone:016x}, not this disk {clone_disk_id:016x}"
-        ));
+        )));
     }
     let mut at = 32;
     let mut texts = Vec::new();
@@ -114,13 +119,21 @@ fn decode(object: &[u8], clone_disk_id: u64) -> Result<Record, String> {
         let length = body
             .get(at..at + 2)
             .map(|bytes| u16::from_le_bytes(bytes.try_into().expect("2 bytes")) as usize)
-            .ok_or("truncated")?;
-        let text = body.get(at + 2..at + 2 + length).ok_or("truncated")?;
-        texts.push(String::from_utf8(text.to_vec()).map_err(|_| "a name that is not UTF-8")?);
+            .ok_or(DecodeError::Inconsistent("truncated".to_string()))?;
+        let text = body
+            .get(at + 2..at + 2 + length)
+            .ok_or(DecodeError::Inconsistent("truncated".to_string()))?;
+        texts.push(
+            String::from_utf8(text.to_vec())
+                .map_err(|_| DecodeError::Inconsistent("a name that is not UTF-8".to_string()))?,
+        );
         at += 2 + length;
     }
     if at != body.len() {
-        return Err(format!("{} bytes after the prefix", body.len() - at));
+        return Err(DecodeError::Inconsistent(format!(
+            "{} bytes after the prefix",
+            body.len() - at
+        )));
     }
     let base_prefix = texts.pop().expect("two texts");
     let snapshot = texts.pop().expect("two texts");
@@ -162,24 +175,27 @@ pub(crate) fn new_metadata(
 pub(crate) fn record_from_metadata(
     value: &serde_json::Value,
     clone_disk_id: u64,
-) -> Result<Record, String> {
+) -> Result<Record, DecodeError> {
     let base = &value["base"];
     let text = |name: &str| {
-        base[name]
-            .as_str()
-            .map(str::to_string)
-            .ok_or_else(|| format!("field `base.{name}` is missing or not a string"))
+        base[name].as_str().map(str::to_string).ok_or_else(|| {
+            DecodeError::Inconsistent(format!("field `base.{name}` is missing or not a string"))
+        })
     };
     let base_prefix = text("prefix")?;
     let snapshot = text("snapshot")?;
     if let Some(problem) = snapshot_name_problem(&snapshot) {
-        return Err(format!("field `base.snapshot`: {problem}"));
+        return Err(DecodeError::Inconsistent(format!(
+            "field `base.snapshot`: {problem}"
+        )));
     }
     let base_disk_id = text("disk_id")?;
     let base_disk_id = (base_disk_id.len() == 16)
         .then(|| u64::from_str_radix(&base_disk_id, 16).ok())
         .flatten()
-        .ok_or("field `base.disk_id` is not 16 hex digits")?;
+        .ok_or(DecodeError::Inconsistent(
+            "field `base.disk_id` is not 16 hex digits".to_string(),
+        ))?;
     Ok(Record {
         clone_disk_id,
         base_disk_id,
@@ -271,20 +287,20 @@ async fn read_base_of(
         return Err(super::bad_object(
             url,
             &key,
-            format!(
+            DecodeError::Inconsistent(format!(
                 "names base disk {:016x} at `{}`, which holds disk {:016x} now",
                 record.base_disk_id, record.base_prefix, base_metadata.disk_id
-            ),
+            )),
         ));
     }
     if base_metadata.format_version == FORMAT_VERSION_LOG_CLONE {
         return Err(super::bad_object(
             url,
             &key,
-            format!(
+            DecodeError::Inconsistent(format!(
                 "names `{}` as its base, which is a clone itself (a clone of a clone is not supported)",
                 record.base_prefix
-            ),
+            )),
         ));
     }
     let base_sealer = check_layout(&base, &base_metadata, &LogConfig::default())?;
@@ -344,7 +360,7 @@ mod tests {
             let mut broken = body.clone();
             broken["base"][field] = value;
             let error = record_from_metadata(&broken, metadata.disk_id).unwrap_err();
-            assert!(error.contains(says), "{field}: {error}");
+            assert!(error.to_string().contains(says), "{field}: {error}");
         }
     }
 
@@ -360,7 +376,7 @@ mod tests {
         };
         let object = encode(&record);
         assert_eq!(decode(&object, 7).unwrap(), record);
-        assert!(decode(&object, 8).unwrap_err().contains("disk"));
+        assert!(decode(&object, 8).unwrap_err().to_string().contains("disk"));
         for byte in 0..object.len() {
             let mut damaged = object.to_vec();
             damaged[byte] ^= 1;

@@ -36,6 +36,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::error::DecodeError;
 use bytes::{BufMut, Bytes, BytesMut};
 
 const MAGIC: &[u8; 8] = b"BCLOGEPO";
@@ -60,31 +61,38 @@ fn u64_at(bytes: &[u8], at: usize) -> u64 {
 }
 
 /// Checks and decodes an epoch object: (epoch, start sequence); the error says what is wrong.
-pub fn decode(object: &[u8], disk_id: u64) -> Result<(u64, u64), String> {
+pub fn decode(object: &[u8], disk_id: u64) -> Result<(u64, u64), DecodeError> {
     if object.len() != OBJECT_BYTES {
-        return Err(format!(
-            "{} bytes, not the {OBJECT_BYTES} of an epoch object (truncated?)",
-            object.len()
-        ));
+        return Err(DecodeError::Truncated {
+            found: object.len() as u64,
+            needed: format!("not the {OBJECT_BYTES} of an epoch object (truncated?)"),
+        });
     }
     if &object[..8] != MAGIC {
-        return Err("no epoch magic `BCLOGEPO` (not a bufcache epoch object)".to_string());
+        return Err(DecodeError::BadMagic {
+            what: "epoch object",
+            magic: "BCLOGEPO",
+        });
     }
     let (body, stored) = object.split_at(OBJECT_BYTES - 4);
     if crc32fast::hash(body) != u32::from_le_bytes(stored.try_into().expect("4 bytes")) {
-        return Err("checksum mismatch (corrupt)".to_string());
+        return Err(DecodeError::BadCrc {
+            part: "object",
+            meaning: "corrupt",
+        });
     }
     let version = u32::from_le_bytes(object[8..12].try_into().expect("4 bytes"));
     if version != FORMAT_VERSION {
-        return Err(format!(
+        return Err(DecodeError::Inconsistent(format!(
             "epoch format version {version} is not the supported {FORMAT_VERSION}"
-        ));
+        )));
     }
     let stored_disk = u64_at(object, 16);
     if stored_disk != disk_id {
-        return Err(format!(
-            "belongs to disk {stored_disk:016x}, not this disk {disk_id:016x}"
-        ));
+        return Err(DecodeError::OtherDisk {
+            found: stored_disk,
+            expected: disk_id,
+        });
     }
     Ok((u64_at(object, 24), u64_at(object, 32)))
 }
@@ -175,7 +183,7 @@ mod tests {
     fn epoch_objects_round_trip_and_the_newest_started_epoch_owns_a_sequence() {
         let object = encode(9, 3, 17);
         assert_eq!(decode(&object, 9), Ok((3, 17)));
-        assert!(decode(&object, 8).unwrap_err().contains("disk"));
+        assert!(decode(&object, 8).unwrap_err().to_string().contains("disk"));
         for byte in 0..object.len() {
             let mut damaged = object.to_vec();
             damaged[byte] ^= 1;

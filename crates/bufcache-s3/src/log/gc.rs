@@ -404,7 +404,7 @@ impl Core {
                                     .map_err(|reason| {
                                         StoreError::BadData {
                                             key: key.clone(),
-                                            reason,
+                                            reason: Box::new(reason),
                                         }
                                     })?;
                                     Bytes::from(bytes)

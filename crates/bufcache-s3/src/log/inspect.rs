@@ -10,7 +10,7 @@ use super::{
     checkpoint, checkpoint_key, checkpoint_name, epoch, epoch_key, epoch_name, get_whole,
     list_named, list_numbered, recover, segment, segment_key, segment_name, snapshot, Recovered,
 };
-use crate::error::OpenError;
+use crate::error::{DecodeError, OpenError};
 use crate::seal::Sealer;
 use crate::store::DiskMetadata;
 use crate::url::S3Url;
@@ -224,7 +224,10 @@ pub(crate) async fn verify(
             }
             Ok((bytes, Err(reason))) => {
                 done.bytes_done += bytes;
-                damaged.push(Damage { key, reason });
+                damaged.push(Damage {
+                    key,
+                    reason: reason.to_string(),
+                });
             }
             Err(error) => damaged.push(Damage {
                 key,
@@ -244,10 +247,10 @@ pub(crate) async fn verify(
                     if (decoded.through_sequence, decoded.epoch) == name {
                         Ok(())
                     } else {
-                        Err(format!(
+                        Err(DecodeError::Inconsistent(format!(
                             "covers segments to {} written by epoch {}, not what its name says",
                             decoded.through_sequence, decoded.epoch
-                        ))
+                        )))
                     }
                 })
         });
@@ -263,7 +266,9 @@ pub(crate) async fn verify(
                 .and_then(|body| epoch::decode(body, metadata.disk_id))
                 .and_then(|(recorded, _)| {
                     (recorded == number).then_some(()).ok_or_else(|| {
-                        format!("records epoch {recorded}, not the {number} its name says")
+                        DecodeError::Inconsistent(format!(
+                            "records epoch {recorded}, not the {number} its name says"
+                        ))
                     })
                 })
         });
@@ -295,7 +300,7 @@ pub(crate) async fn verify(
             snapshot::decode(&body, url, metadata, sealer, &snapshot_listed.name)
                 .map_err(|error| match error {
                     OpenError::BadObject { reason, .. } => reason,
-                    other => other.to_string(),
+                    other => DecodeError::Inconsistent(other.to_string()),
                 })
                 .and_then(|taken| {
                     // Every segment it names must be there, intact, and hold its extents.
@@ -311,11 +316,11 @@ pub(crate) async fn verify(
                         }
                     }) {
                         None => Ok(()),
-                        Some((disk_offset, mapping)) => Err(format!(
+                        Some((disk_offset, mapping)) => Err(DecodeError::Inconsistent(format!(
                             "maps {} bytes at disk offset {disk_offset} to segment `{}`, which is missing, damaged or holds no such extent",
                             mapping.length,
                             segment_key(url, mapping.segment, epochs.owner(mapping.segment))
-                        )),
+                        ))),
                     }
                 })
         });
@@ -329,10 +334,17 @@ pub(crate) async fn verify(
     Ok((damaged, done))
 }
 
-fn record(damaged: &mut Vec<Damage>, key: String, outcome: Result<Result<(), String>, OpenError>) {
+fn record(
+    damaged: &mut Vec<Damage>,
+    key: String,
+    outcome: Result<Result<(), DecodeError>, OpenError>,
+) {
     match outcome {
         Ok(Ok(())) => {}
-        Ok(Err(reason)) => damaged.push(Damage { key, reason }),
+        Ok(Err(reason)) => damaged.push(Damage {
+            key,
+            reason: reason.to_string(),
+        }),
         Err(error) => damaged.push(Damage {
             key,
             reason: error.to_string(),
@@ -347,16 +359,16 @@ fn check_segment(
     owner: u64,
     metadata: &DiskMetadata,
     sealer: &Sealer,
-) -> (u64, Result<ExtentAddresses, String>) {
+) -> (u64, Result<ExtentAddresses, DecodeError>) {
     let checked = sealer
         .check_object(&segment_name(sequence, owner), body)
         .and_then(|object| {
             let decoded = segment::decode(object, metadata.disk_id, metadata.size_bytes)?;
             if decoded.sequence != sequence {
-                return Err(format!(
+                return Err(DecodeError::Inconsistent(format!(
                     "holds segment {}, not the {sequence} its name says",
                     decoded.sequence
-                ));
+                )));
             }
             let mut addresses = Vec::with_capacity(decoded.extents.len());
             for extent in &decoded.extents {

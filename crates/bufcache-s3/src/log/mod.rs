@@ -80,7 +80,7 @@ use futures::stream::{self, StreamExt};
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, PutMode, PutOptions, PutPayload};
 
-use crate::error::{chain, request_failed, OpenError, StoreError};
+use crate::error::{chain, request_failed, DecodeError, OpenError, StoreError};
 use crate::lock::{check_not_held, Acquired, DiskLock, Takeover};
 use crate::store::{
     connect, connect_with, get_range_in, Connection, Create, DiskMetadata, ReadOnly,
@@ -218,50 +218,95 @@ impl LogConfig {
     }
 
     /// Refuses a configuration the store cannot work with, naming the field.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), LogConfigError> {
         let smallest = HEADER_BYTES + 4 * TABLE_ENTRY_BYTES + 4096;
         if self.segment_bytes_max < smallest {
-            return Err(format!(
-                "segment_bytes_max {} is below {smallest} (a header, a 4 KiB extent and its table entries)",
-                self.segment_bytes_max
-            ));
+            return Err(LogConfigError::Invalid {
+                field: "segment_bytes_max",
+                problem: format!(
+                    "{} is below {smallest} (a header, a 4 KiB extent and its table entries)",
+                    self.segment_bytes_max
+                ),
+            });
         }
         if self.segments_in_flight_max == 0 {
-            return Err("segments_in_flight_max is 0: no segment could ever be uploaded".into());
+            return Err(LogConfigError::Invalid {
+                field: "segments_in_flight_max",
+                problem: "is 0: no segment could ever be uploaded".to_string(),
+            });
         }
         if self.checkpoint_interval_segments == 0 {
-            return Err("checkpoint_interval_segments is 0".into());
+            return Err(LogConfigError::Invalid {
+                field: "checkpoint_interval_segments",
+                problem: "is 0".to_string(),
+            });
         }
         if self.requests_in_flight_max == 0 {
-            return Err("requests_in_flight_max is 0".into());
+            return Err(LogConfigError::Invalid {
+                field: "requests_in_flight_max",
+                problem: "is 0".to_string(),
+            });
         }
         if self.get_bytes_max == 0 {
-            return Err("get_bytes_max is 0: no GET could join two pieces".into());
+            return Err(LogConfigError::Invalid {
+                field: "get_bytes_max",
+                problem: "is 0: no GET could join two pieces".to_string(),
+            });
         }
         if let Some(threshold) = self.gc_threshold {
             if !(threshold > 0.0 && threshold < 1.0) {
-                return Err(format!(
-                    "gc_threshold {threshold} is not a fraction above 0 and below 1"
-                ));
+                return Err(LogConfigError::Invalid {
+                    field: "gc_threshold",
+                    problem: format!("{threshold} is not a fraction above 0 and below 1"),
+                });
             }
         }
         if self.gc_stored_ratio_max.is_nan() || self.gc_stored_ratio_max < 1.0 {
-            return Err(format!(
-                "gc_stored_ratio_max {} is below 1: the live bytes alone would exceed it",
-                self.gc_stored_ratio_max
-            ));
+            return Err(LogConfigError::Invalid {
+                field: "gc_stored_ratio_max",
+                problem: format!(
+                    "{} is below 1: the live bytes alone would exceed it",
+                    self.gc_stored_ratio_max
+                ),
+            });
         }
         if self.gc_requests_in_flight_max == 0 {
-            return Err("gc_requests_in_flight_max is 0: the collector could read nothing".into());
+            return Err(LogConfigError::Invalid {
+                field: "gc_requests_in_flight_max",
+                problem: "is 0: the collector could read nothing".to_string(),
+            });
         }
         if self.gc_bytes_max < self.segment_bytes_max {
-            return Err(format!(
-                "gc_bytes_max {} is below segment_bytes_max {}: a segment could not be collected",
-                self.gc_bytes_max, self.segment_bytes_max
-            ));
+            return Err(LogConfigError::Invalid {
+                field: "gc_bytes_max",
+                problem: format!(
+                    "{} is below segment_bytes_max {}: a segment could not be collected",
+                    self.gc_bytes_max, self.segment_bytes_max
+                ),
+            });
         }
         Ok(())
     }
+}
+
+/// A [`LogConfig`] the store cannot work with: the field and what is wrong with it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LogConfigError {
+    #[error("{field} {problem}")]
+    Invalid {
+        field: &'static str,
+        problem: String,
+    },
+}
+
+/// A segment whose live-byte count, as the index keeps it, differs from a recount of the
+/// mappings ([`LogStore::check_live_bytes`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("segment {segment}: {kept:?} live bytes kept, {counted:?} counted")]
+pub struct LiveBytesMismatch {
+    pub segment: u64,
+    pub kept: Option<u64>,
+    pub counted: Option<u64>,
 }
 
 /// Where a sealed segment's upload stands.
@@ -695,8 +740,14 @@ impl LogStore {
         let Connection {
             runtime,
             store,
-            metadata,
+            mut metadata,
         } = connection;
+        if metadata.seal.key_check.is_some() && !metadata.seal.metadata_tagged {
+            // Encrypted, its metadata written before metadata tags: tagged now, under the
+            // lock, as found (the key check proved the key; logged).
+            runtime.block_on(crate::store::tag_untagged_metadata(&*store, url))?;
+            metadata.seal.metadata_tagged = true;
+        }
         Self::build(
             url,
             runtime,
@@ -1006,7 +1057,7 @@ impl LogStore {
             .collect()
     }
 
-    pub fn check_live_bytes(&self) -> Result<(), String> {
+    pub fn check_live_bytes(&self) -> Result<(), LiveBytesMismatch> {
         let state = self.core.shared.lock();
         let kept = state.index.live_bytes_by_segment();
         let counted = state.index.recount_live_bytes();
@@ -1018,11 +1069,11 @@ impl LogStore {
             .chain(counted.keys())
             .find(|segment| kept.get(segment) != counted.get(segment))
             .expect("the maps differ");
-        Err(format!(
-            "segment {segment}: {:?} live bytes kept, {:?} counted",
-            kept.get(segment),
-            counted.get(segment)
-        ))
+        Err(LiveBytesMismatch {
+            segment: *segment,
+            kept: kept.get(segment).copied(),
+            counted: counted.get(segment).copied(),
+        })
     }
 
     /// Every mapping of the index as (disk offset, length, segment, object address): two opens
@@ -1701,9 +1752,9 @@ impl Core {
         reads: &mut [(&mut [u8], u64)],
         pending: &[usize],
     ) -> Vec<Result<(), StoreError>> {
-        let bad = |segment: u64, reason: String| StoreError::BadData {
+        let bad = |segment: u64, reason: DecodeError| StoreError::BadData {
             key: self.shared.segment_key(segment),
-            reason,
+            reason: Box::new(reason),
         };
         let mut outcomes: Vec<Result<(), StoreError>> = vec![Ok(()); pending.len()];
         // Every piece that must be fetched: the piece itself when stored as written, its
@@ -1836,9 +1887,9 @@ fn check_layout(
     metadata: &DiskMetadata,
     config: &LogConfig,
 ) -> Result<Sealer, OpenError> {
-    config.validate().map_err(|reason| OpenError::Config {
+    config.validate().map_err(|error| OpenError::Config {
         url: url.to_string(),
-        reason,
+        reason: error.to_string(),
     })?;
     if metadata.layout != LayoutKind::Log {
         return Err(OpenError::Mismatch {
@@ -1914,16 +1965,16 @@ async fn read_checkpoint(
         return Err(bad_object(
             url,
             &key,
-            format!(
+            DecodeError::Inconsistent(format!(
                 "covers segments to {} written by epoch {}, not the {} and {} its name says",
                 checkpoint.through_sequence, checkpoint.epoch, name.0, name.1
-            ),
+            )),
         ));
     }
     Ok(checkpoint)
 }
 
-fn bad_object(url: &S3Url, key: &str, reason: String) -> OpenError {
+fn bad_object(url: &S3Url, key: &str, reason: DecodeError) -> OpenError {
     OpenError::BadObject {
         url: url.to_string(),
         key: key.to_string(),
@@ -1962,7 +2013,7 @@ async fn recover(
     // The newest checkpoint, or when it is damaged its predecessor (module docs, "Two
     // checkpoints"; the log's start when it has none): the open then stands only if the
     // replay reaches past the damaged one's `through` (checked below).
-    let mut damaged: Option<((u64, u64), String, String)> = None;
+    let mut damaged: Option<((u64, u64), String, DecodeError)> = None;
     let mut checkpoint = None;
     while let Some(name) = checkpoints.pop() {
         match read_checkpoint(store, url, metadata, sealer, name).await {
@@ -1980,7 +2031,9 @@ async fn recover(
                     Some((_, key, reason)) => bad_object(
                         url,
                         &key,
-                        format!("{reason}; the previous checkpoint is unusable too: {error}"),
+                        DecodeError::Inconsistent(format!(
+                            "{reason}; the previous checkpoint is unusable too: {error}"
+                        )),
                     ),
                     None => error,
                 })
@@ -2014,7 +2067,9 @@ async fn recover(
                 Err(bad_object(
                     url,
                     &epoch_key(url, number),
-                    "not a bufcache epoch object name (16 hex digits)".to_string(),
+                    DecodeError::Inconsistent(
+                        "not a bufcache epoch object name (16 hex digits)".to_string(),
+                    ),
                 ))
             }
         })
@@ -2037,7 +2092,9 @@ async fn recover(
             return Err(bad_object(
                 url,
                 &key,
-                format!("records epoch {recorded}, not the {number} its name says"),
+                DecodeError::Inconsistent(format!(
+                    "records epoch {recorded}, not the {number} its name says"
+                )),
             ));
         }
         epochs.insert(number, start);
@@ -2076,9 +2133,9 @@ async fn recover(
             return Err(bad_object(
                 url,
                 &segment_key(url, sequence, epoch),
-                format!(
+                DecodeError::Inconsistent(format!(
                     "names epoch {epoch}, which has no epoch object and no version 2 checkpoint records (the newest checkpoint is missing?)"
-                ),
+                )),
             ));
         }
         if epoch == epochs.owner(sequence) {
@@ -2143,10 +2200,10 @@ async fn recover(
             return Err(bad_object(
                 url,
                 &key,
-                format!(
+                DecodeError::Inconsistent(format!(
                     "holds segment {}, not the {sequence} its name says",
                     decoded.sequence
-                ),
+                )),
             ));
         }
         if let Some(mark) = decoded.marks.checkpoint_through {
@@ -2182,10 +2239,10 @@ async fn recover(
             return Err(bad_object(
                 url,
                 key,
-                format!(
+                DecodeError::Inconsistent(format!(
                     "{reason}; the previous checkpoint's replay stops at segment {}, which is missing",
                     last_sequence + 1
-                ),
+                )),
             ));
         }
     }
@@ -2337,7 +2394,9 @@ async fn check_nothing_lost(
             return Err(bad_object(
                 url,
                 &key,
-                format!("holds segment {recorded}, not the {sequence} its name says"),
+                DecodeError::Inconsistent(format!(
+                    "holds segment {recorded}, not the {sequence} its name says"
+                )),
             ));
         }
         if let Some(mark) = marks
@@ -2633,7 +2692,7 @@ async fn list_named(
             return Err(bad_object(
                 url,
                 object.location.as_ref(),
-                format!("not a bufcache object name under `{}` (16 hex digits, then optionally `-` and 16 more)", url.key(folder)),
+                DecodeError::Inconsistent(format!("not a bufcache object name under `{}` (16 hex digits, then optionally `-` and 16 more)", url.key(folder))),
             ));
         };
         named.push((number, epoch, object.size));

@@ -63,6 +63,7 @@ use std::sync::Arc;
 use bytes::{BufMut, Bytes, BytesMut};
 
 use crate::blocks::{self, Place};
+use crate::error::DecodeError;
 use crate::seal::{Sealer, FRAME_OVERHEAD_BYTES_MAX, SEALED_EXTENT_BYTES_MAX};
 
 const MAGIC: &[u8; 8] = b"BCLOGSEG";
@@ -184,7 +185,7 @@ pub fn extract(
     address: u64,
     disk_offset: u64,
     target: &mut [u8],
-) -> Result<(), String> {
+) -> Result<(), DecodeError> {
     match locate(address) {
         Location::Plain { .. } => target.copy_from_slice(&fetched[..target.len()]),
         Location::Checked {
@@ -203,11 +204,11 @@ pub fn extract(
             let logical = sealer.unseal(fetched, sequence, disk_offset - within)?;
             let range = within as usize..within as usize + target.len();
             let bytes = logical.get(range).ok_or_else(|| {
-                format!(
+                DecodeError::Inconsistent(format!(
                     "sealed extent at disk offset {} holds {} bytes, fewer than the index maps",
                     disk_offset - within,
                     logical.len()
-                )
+                ))
             })?;
             target.copy_from_slice(bytes);
         }
@@ -477,7 +478,7 @@ impl OpenSegment {
         address: u64,
         disk_offset: u64,
         target: &mut [u8],
-    ) -> Result<(), String> {
+    ) -> Result<(), DecodeError> {
         let range = fetch_range(address, target.len() as u64);
         let fetched =
             &self.data[(range.start - HEADER_BYTES) as usize..(range.end - HEADER_BYTES) as usize];
@@ -554,36 +555,45 @@ fn u32_at(bytes: &[u8], at: usize) -> u32 {
 
 /// Checks and decodes a segment's header (its first [`HEADER_BYTES`] bytes at least): magic,
 /// header checksum, version, header length and disk id; returns its sequence and marks.
-pub fn decode_header(object: &[u8], disk_id: u64) -> Result<(u32, u64, Marks), String> {
+pub fn decode_header(object: &[u8], disk_id: u64) -> Result<(u32, u64, Marks), DecodeError> {
     if object.len() < HEADER_BYTES as usize {
-        return Err(format!(
-            "{} bytes, shorter than the {HEADER_BYTES}-byte header (truncated?)",
-            object.len()
-        ));
+        return Err(DecodeError::Truncated {
+            found: object.len() as u64,
+            needed: format!("shorter than the {HEADER_BYTES}-byte header (truncated?)"),
+        });
     }
     if &object[..8] != MAGIC {
-        return Err("no segment magic `BCLOGSEG` (not a bufcache log segment)".to_string());
+        return Err(DecodeError::BadMagic {
+            what: "log segment",
+            magic: "BCLOGSEG",
+        });
     }
     if crc32fast::hash(&object[..60]) != u32_at(object, 60) {
-        return Err("header checksum mismatch (corrupt header)".to_string());
+        return Err(DecodeError::BadCrc {
+            part: "header",
+            meaning: "corrupt header",
+        });
     }
     let version = u32_at(object, 8);
     if !(1..=FORMAT_VERSION).contains(&version) {
-        return Err(format!(
-            "segment format version {version} is not a supported one (1 to {FORMAT_VERSION})"
-        ));
+        return Err(DecodeError::UnknownVersion {
+            what: "segment",
+            found: version.into(),
+            supported: format!("1 to {FORMAT_VERSION}"),
+        });
     }
     if u64::from(u32_at(object, 12)) != HEADER_BYTES {
-        return Err(format!(
+        return Err(DecodeError::Inconsistent(format!(
             "header length {} is not {HEADER_BYTES}",
             u32_at(object, 12)
-        ));
+        )));
     }
     let stored_disk = u64_at(object, 16);
     if stored_disk != disk_id {
-        return Err(format!(
-            "belongs to disk {stored_disk:016x}, not this disk {disk_id:016x}"
-        ));
+        return Err(DecodeError::OtherDisk {
+            found: stored_disk,
+            expected: disk_id,
+        });
     }
     let sequence = u64_at(object, 24);
     // Versions before 4 kept these bytes reserved (0: not recorded).
@@ -597,16 +607,22 @@ pub fn decode_header(object: &[u8], disk_id: u64) -> Result<(u32, u64, Marks), S
 /// Checks and decodes a whole segment object: magic, version, header and table checksums,
 /// the disk id, every extent's checksum and that every extent lies inside the disk. The
 /// error says what is wrong (the caller names the object).
-pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<DecodedSegment, String> {
+pub fn decode(
+    object: &[u8],
+    disk_id: u64,
+    disk_size_bytes: u64,
+) -> Result<DecodedSegment, DecodeError> {
     let (version, sequence, marks) = decode_header(object, disk_id)?;
     let entry_bytes = match version {
         1 => TABLE_ENTRY_BYTES_VERSION_1,
         2 => TABLE_ENTRY_BYTES_VERSION_2,
         FORMAT_VERSION_3 | FORMAT_VERSION => TABLE_ENTRY_BYTES,
         _ => {
-            return Err(format!(
-                "segment format version {version} is not a supported one (1 to {FORMAT_VERSION})"
-            ))
+            return Err(DecodeError::UnknownVersion {
+                what: "segment",
+                found: version.into(),
+                supported: format!("1 to {FORMAT_VERSION}"),
+            })
         }
     };
     let data_bytes = u64_at(object, 32);
@@ -616,15 +632,18 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Decod
         .and_then(|table| table.checked_add(data_bytes))
         .and_then(|body| body.checked_add(HEADER_BYTES));
     if expected != Some(object.len() as u64) {
-        return Err(format!(
-            "{} bytes where the header promises {HEADER_BYTES} + {data_bytes} data + {extent_count} extents (truncated?)",
-            object.len()
-        ));
+        return Err(DecodeError::Truncated {
+            found: object.len() as u64,
+            needed: format!("where the header promises {HEADER_BYTES} + {data_bytes} data + {extent_count} extents (truncated?)"),
+        });
     }
     let data = &object[HEADER_BYTES as usize..(HEADER_BYTES + data_bytes) as usize];
     let table = &object[(HEADER_BYTES + data_bytes) as usize..];
     if crc32fast::hash(table) != u32_at(object, 48) {
-        return Err("extent table checksum mismatch (corrupt table)".to_string());
+        return Err(DecodeError::BadCrc {
+            part: "extent table",
+            meaning: "corrupt table",
+        });
     }
     let mut extents = Vec::with_capacity(extent_count as usize);
     for (number, entry) in table.chunks_exact(entry_bytes as usize).enumerate() {
@@ -637,9 +656,9 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Decod
             .checked_add(length)
             .is_none_or(|end| end > disk_size_bytes)
         {
-            return Err(format!(
+            return Err(DecodeError::Inconsistent(format!(
                 "extent {number} ({length} bytes at {disk_offset}) reaches past the end of the disk ({disk_size_bytes} bytes)"
-            ));
+            )));
         }
         let source = (entry_bytes >= TABLE_ENTRY_BYTES_VERSION_2).then(|| u64_at(entry, 32));
         let (stored_length, seal_flags) = if entry_bytes == TABLE_ENTRY_BYTES {
@@ -655,45 +674,45 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Decod
         if seal_flags & !flags_known != 0
             || (seal_flags & FLAG_BLOCKS != 0 && seal_flags != FLAG_BLOCKS)
         {
-            return Err(format!(
+            return Err(DecodeError::Inconsistent(format!(
                 "extent {number} has unknown storage flags {seal_flags:#x}"
-            ));
+            )));
         }
         if version >= FORMAT_VERSION && kind != KIND_ZEROES && seal_flags == 0 {
-            return Err(format!(
+            return Err(DecodeError::Inconsistent(format!(
                 "extent {number} is stored as written without block checksums, which a version {FORMAT_VERSION} segment never does"
-            ));
+            )));
         }
         if seal_flags == FLAG_BLOCKS
             && (stored_length != blocks::stored_bytes(length)
                 || length >= CHECKED_EXTENT_BYTES_MAX
                 || HEADER_BYTES + data_bytes > SEALED_SEGMENT_BYTES_MAX)
         {
-            return Err(format!(
+            return Err(DecodeError::Inconsistent(format!(
                 "extent {number} in checked blocks ({length} bytes, {stored_length} stored) does not add up, or lies past {SEALED_SEGMENT_BYTES_MAX} bytes"
-            ));
+            )));
         }
         if seal_flags & FRAME_FLAGS != 0
             && (length > SEALED_EXTENT_BYTES_MAX
                 || stored_length > SEALED_EXTENT_BYTES_MAX + FRAME_OVERHEAD_BYTES_MAX
                 || HEADER_BYTES + data_bytes > SEALED_SEGMENT_BYTES_MAX)
         {
-            return Err(format!(
+            return Err(DecodeError::Inconsistent(format!(
                 "sealed extent {number} ({length} bytes, {stored_length} stored) is larger than a sealed extent can be, or lies past {SEALED_SEGMENT_BYTES_MAX} bytes"
-            ));
+            )));
         }
         let copy_of = match (kind, source) {
             (KIND_COPY, Some(source)) if source > 0 && source < sequence => Some(source),
             (KIND_COPY, _) => {
-                return Err(format!(
+                return Err(DecodeError::Inconsistent(format!(
                     "extent {number} is a copy of segment {source:?}, not of an earlier segment"
-                ))
+                )))
             }
             (_, Some(0) | None) => None,
             (_, Some(other)) => {
-                return Err(format!(
+                return Err(DecodeError::Inconsistent(format!(
                     "extent {number} names source segment {other} but is no copy"
-                ))
+                )))
             }
         };
         let data_position = match kind {
@@ -702,21 +721,29 @@ pub fn decode(object: &[u8], disk_id: u64, disk_size_bytes: u64) -> Result<Decod
                     .checked_add(stored_length)
                     .filter(|&end| end <= data_bytes)
                     .map(|end| &data[position as usize..end as usize])
-                    .ok_or_else(|| format!("extent {number} lies outside the data area"))?;
+                    .ok_or_else(|| {
+                        DecodeError::Inconsistent(format!(
+                            "extent {number} lies outside the data area"
+                        ))
+                    })?;
                 if crc32fast::hash(bytes) != checksum {
-                    return Err(format!(
+                    return Err(DecodeError::Inconsistent(format!(
                         "extent {number} ({length} bytes at disk offset {disk_offset}) fails its checksum (corrupt data)"
-                    ));
+                    )));
                 }
                 Some(position)
             }
             KIND_ZEROES if seal_flags == 0 => None,
             KIND_ZEROES => {
-                return Err(format!(
+                return Err(DecodeError::Inconsistent(format!(
                     "extent {number} is a zeroed range but has seal flags {seal_flags:#x}"
-                ))
+                )))
             }
-            other => return Err(format!("extent {number} has unknown kind {other}")),
+            other => {
+                return Err(DecodeError::Inconsistent(format!(
+                    "extent {number} has unknown kind {other}"
+                )))
+            }
         };
         extents.push(SegmentExtent {
             disk_offset,
@@ -868,9 +895,11 @@ mod tests {
             assert_eq!(decoded.extents[0].object_offset(), Some(first));
             assert!(decode(&object, 0xabd, 1 << 30)
                 .unwrap_err()
+                .to_string()
                 .contains("disk"));
             assert!(decode(&object, 0xabc, 4096)
                 .unwrap_err()
+                .to_string()
                 .contains("past the end"));
             for index in 0..object.len() {
                 let mut damaged = object.to_vec();
@@ -879,6 +908,7 @@ mod tests {
             }
             assert!(decode(&object[..object.len() - 1], 0xabc, 1 << 30)
                 .unwrap_err()
+                .to_string()
                 .contains("truncated"));
         }
     }

@@ -26,7 +26,7 @@ use object_store::ObjectStore;
 
 use super::checkpoint::{self, Checkpoint};
 use super::{get_whole, Core, Index};
-use crate::error::{OpenError, StoreError};
+use crate::error::{DecodeError, OpenError, StoreError};
 use crate::seal::Sealer;
 use crate::store::DiskMetadata;
 use crate::url::{snapshot_name_problem, S3Url};
@@ -151,8 +151,10 @@ pub(super) fn decode(
         return Err(super::bad_object(
             url,
             &key,
-            "a version 1 checkpoint, which no snapshot is written as (it records no epochs)"
-                .to_string(),
+            DecodeError::Inconsistent(
+                "a version 1 checkpoint, which no snapshot is written as (it records no epochs)"
+                    .to_string(),
+            ),
         ));
     }
     Ok(snapshot)
