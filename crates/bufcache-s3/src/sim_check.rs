@@ -585,8 +585,19 @@ impl Harness {
                     self.note(|| format!("open failed: {error}"));
                     if attempts > REOPEN_ATTEMPTS_MAX {
                         self.world.set_calm(false);
+                        let log = self.own_folder("log/");
+                        let stored: Vec<String> = self
+                            .world
+                            .objects()
+                            .into_iter()
+                            .filter(|(key, _)| {
+                                key.starts_with(&log) && !key.contains("/log/epochs/")
+                            })
+                            .map(|(key, _)| key[log.len()..].to_string())
+                            .collect();
                         return Err(format!(
-                            "the disk cannot be opened again, even without faults: {error}"
+                            "the disk cannot be opened again, even without faults: {error} (its log holds {})",
+                            stored.join(", ")
                         ));
                     }
                 }

@@ -21,13 +21,12 @@ use std::sync::Arc;
 
 use object_store::ObjectStore;
 
-use crate::store::{ChunkStore, Create};
 use crate::S3Url;
 
 /// Makes the clone at `clone_url` of snapshot `name` of the disk at `base_url` through
-/// `store` (one instance's connection, under its faults), as `bufcache disk clone` does
-/// once it has read the snapshot (the harness knows it exists): a GET of the base's
-/// metadata, the record's and the clone metadata's create-only PUTs.
+/// `store` (one instance's connection, under its faults), as `bufcache disk clone` does:
+/// the record's create-only PUT, GETs of the base's metadata and of the snapshot, the clone
+/// metadata's create-only PUT.
 pub(crate) fn create_clone(
     store: Arc<dyn ObjectStore>,
     base_url: &S3Url,
@@ -39,10 +38,7 @@ pub(crate) fn create_clone(
         .build()
         .map_err(|error| format!("a runtime: {error}"))?;
     runtime.block_on(async {
-        let base_metadata = ChunkStore::open_metadata(&*store, base_url, Create::Never)
-            .await
-            .map_err(|error| error.to_string())?;
-        crate::admin::create_clone_objects(&*store, base_url, &base_metadata, clone_url, name)
+        crate::admin::create_clone_objects(&*store, &*store, base_url, clone_url, name)
             .await
             .map(drop)
             .map_err(|error| error.to_string())

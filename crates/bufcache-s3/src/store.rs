@@ -116,12 +116,40 @@ pub(crate) fn connect_with(url: &S3Url, create: Create) -> Result<Connection, Op
     connect_counted(url, create, StoreMeters::new())
 }
 
+/// A runtime and a client for the bucket `url` names, with no request made yet.
+pub(crate) struct Client {
+    pub runtime: tokio::runtime::Runtime,
+    pub store: Arc<AmazonS3>,
+}
+
+/// [`connect_with`] without reading the metadata: for a caller whose first request must be
+/// another (a clone's record goes before its base's metadata is read, module `log::clone`).
+pub(crate) fn connect_client(url: &S3Url) -> Result<Client, OpenError> {
+    let (runtime, store, _) = clients(url, StoreMeters::new())?;
+    Ok(Client { runtime, store })
+}
+
 /// [`connect_with`], every request of the connection counted in `meters`.
 pub(crate) fn connect_counted(
     url: &S3Url,
     create: Create,
     meters: Arc<StoreMeters>,
 ) -> Result<Connection, OpenError> {
+    let (runtime, store, probe) = clients(url, meters)?;
+    let metadata = runtime.block_on(ChunkStore::open_metadata(&probe, url, create))?;
+    Ok(Connection {
+        runtime,
+        store,
+        metadata,
+    })
+}
+
+/// The runtime, the client and the probe (the client with few retries, for the first
+/// request) of a connection to `url`.
+fn clients(
+    url: &S3Url,
+    meters: Arc<StoreMeters>,
+) -> Result<(tokio::runtime::Runtime, Arc<AmazonS3>, AmazonS3), OpenError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("bufcache-s3")
@@ -152,12 +180,7 @@ pub(crate) fn connect_counted(
     ))
     .build()
     .map_err(client_error)?;
-    let metadata = runtime.block_on(ChunkStore::open_metadata(&probe, url, create))?;
-    Ok(Connection {
-        runtime,
-        store: Arc::new(store),
-        metadata,
-    })
+    Ok((runtime, Arc::new(store), probe))
 }
 
 /// A random 64-bit id (OS-seeded hasher, the clock and the process id mixed in).
@@ -702,13 +725,7 @@ impl ChunkStore {
                     .bytes()
                     .await
                     .map_err(|error| request_error(format!("reading `{key}`"), error))?;
-                let stored = parse_metadata(&body).map_err(|reason| OpenError::BadMetadata {
-                    url: url.to_string(),
-                    key: key.clone(),
-                    reason,
-                })?;
-                check_metadata(url, &stored)?;
-                Ok(stored)
+                parse_checked(url, &key, &body)
             }
             Err(object_store::Error::NotFound { .. }) if create == Create::Never => {
                 Err(OpenError::NoDiskReadOnly {
@@ -1269,6 +1286,58 @@ pub(crate) async fn read_metadata_json(
     })
 }
 
+/// A stored metadata object's body, parsed and checked against the URL.
+fn parse_checked(url: &S3Url, key: &str, body: &[u8]) -> Result<DiskMetadata, OpenError> {
+    let stored = parse_metadata(body).map_err(|reason| OpenError::BadMetadata {
+        url: url.to_string(),
+        key: key.to_string(),
+        reason,
+    })?;
+    check_metadata(url, &stored)?;
+    Ok(stored)
+}
+
+/// The field of the metadata object that marks a disk a `disk delete` is deleting (set
+/// before it looks for clone records the last time, module `admin`): a clone of it is
+/// refused. Servers ignore it.
+const DELETING_FIELD: &str = "deleting";
+
+/// Reads the metadata of the disk `url` names (an existing one) and whether it is marked as
+/// being deleted ([`DELETING_FIELD`]): one GET.
+pub(crate) async fn read_metadata_marked(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+) -> Result<(DiskMetadata, bool), OpenError> {
+    let key = url.key(METADATA_NAME);
+    let body = get_optional(store, url, &key, &format!("`{key}`"))
+        .await?
+        .ok_or_else(|| OpenError::NoDiskReadOnly {
+            url: url.to_string(),
+            key: key.clone(),
+        })?;
+    let metadata = parse_checked(url, &key, &body)?;
+    let value: serde_json::Value =
+        serde_json::from_slice(&body).expect("parse_metadata parsed it as JSON");
+    Ok((metadata, value[DELETING_FIELD] == serde_json::Value::Bool(true)))
+}
+
+/// Marks the disk as being deleted, or takes the mark off ([`DELETING_FIELD`]), keeping
+/// every other field as stored: a GET and a PUT.
+pub(crate) async fn write_deleting(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    deleting: bool,
+) -> Result<(), OpenError> {
+    rewrite_metadata(store, url, |value| {
+        if deleting {
+            value[DELETING_FIELD] = serde_json::Value::Bool(true);
+        } else if let Some(fields) = value.as_object_mut() {
+            fields.remove(DELETING_FIELD);
+        }
+    })
+    .await
+}
+
 fn parse_metadata(body: &[u8]) -> Result<DiskMetadata, String> {
     let value: serde_json::Value =
         serde_json::from_slice(body).map_err(|error| format!("not JSON: {error}"))?;
@@ -1476,6 +1545,19 @@ pub(crate) async fn write_size(
     url: &S3Url,
     size_bytes: u64,
 ) -> Result<(), OpenError> {
+    rewrite_metadata(store, url, |value| {
+        value["size_bytes"] = serde_json::json!(size_bytes)
+    })
+    .await
+}
+
+/// Rewrites the metadata object with `edit` applied to its JSON, keeping every other field
+/// as stored: a GET and a PUT (the caller holds the disk's lock, or is its server).
+async fn rewrite_metadata(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    edit: impl FnOnce(&mut serde_json::Value),
+) -> Result<(), OpenError> {
     let key = url.key(METADATA_NAME);
     let location = ObjectPath::from(key.as_str());
     let request_error = |operation: String, error: object_store::Error| OpenError::Request {
@@ -1496,7 +1578,7 @@ pub(crate) async fn write_size(
             key: key.clone(),
             reason: format!("not JSON: {error}"),
         })?;
-    value["size_bytes"] = serde_json::json!(size_bytes);
+    edit(&mut value);
     store
         .put(&location, PutPayload::from(value.to_string().into_bytes()))
         .await
