@@ -725,9 +725,14 @@ pub fn delete_calling(
     };
     between(DeleteMoment::Locked);
     if metadata.layout == LayoutKind::Log {
-        let fenced = connection.runtime.block_on(async {
-            store::write_deleting(store, url, true).await?;
+        let marked = connection
+            .runtime
+            .block_on(store::write_deleting(store, url, true));
+        if marked.is_ok() {
             between(DeleteMoment::Marked);
+        }
+        let fenced = connection.runtime.block_on(async {
+            marked?;
             let recorded = crate::store::list_folder(store, url, "log/clones").await?;
             if recorded.is_empty() {
                 return Ok(None);
