@@ -602,9 +602,9 @@ pub fn clone(base_url: &S3Url, clone_url: &S3Url, name: &str) -> Result<Cloned, 
     }
     let client = store::connect_client(base_url)?;
     let store: &dyn ObjectStore = &*client.store;
-    client
-        .runtime
-        .block_on(create_clone_objects(store, store, base_url, clone_url, name))
+    client.runtime.block_on(create_clone_objects(
+        store, store, base_url, clone_url, name,
+    ))
 }
 
 /// Why [`delete`] stopped.

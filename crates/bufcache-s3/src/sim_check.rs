@@ -28,6 +28,10 @@
 //!   crashes and restarts; a snapshot whose request succeeded is also a FLUSH. A snapshot
 //!   whose request failed or hung may exist or not, and may name segments a server opened
 //!   before its late PUT landed never pinned: it is read when it exists but promises nothing;
+//! - a clone of the first snapshot whose request succeeded, driven by a harness of its own
+//!   under the same faults and crashes, interleaved with the disk's steps, keeps the same
+//!   contract over its own writes, starts from its snapshot's content, and is read whole
+//!   after every collection round and reopen of the disk (module [`crate::sim_clones`]);
 //! - after some clean closes (seeded) the newest checkpoint is lost, deleted or with a byte
 //!   flipped, and the disk must open all the same with every acknowledged write: the open
 //!   falls back to the previous checkpoint, which the servers keep with every segment it
@@ -276,9 +280,9 @@ fn spawn_step(
                 Step::Snapshot(name) => {
                     Answer::Snapshot(store.expect("a snapshot has a store").snapshot(&name))
                 }
-                Step::Clone(base_url, name) => Answer::Cloned(
-                    crate::sim_clones::create_clone(backend, &base_url, &url, &name),
-                ),
+                Step::Clone(base_url, name) => Answer::Cloned(crate::sim_clones::create_clone(
+                    backend, &base_url, &url, &name,
+                )),
                 Step::Collect(threshold, writes) => {
                     let store = store.expect("a round has a store");
                     let mut outcomes = Vec::new();
@@ -738,7 +742,8 @@ impl Harness {
     /// crashes) is abandoned with its prefix, whatever of it landed; the last attempt runs
     /// without faults, so nearly every seed that takes a snapshot gets a clone.
     fn make_clone(&mut self) -> Result<(), String> {
-        if self.clone.is_some() || self.clone_attempts >= CLONE_ATTEMPTS_MAX || self.store.is_none() {
+        if self.clone.is_some() || self.clone_attempts >= CLONE_ATTEMPTS_MAX || self.store.is_none()
+        {
             return Ok(());
         }
         let Some(at) = self.snapshots.iter().position(|shadow| shadow.certain) else {
@@ -787,7 +792,12 @@ impl Harness {
             first_image: Some(self.snapshots[at].allowed.clone()),
         };
         clone.instance += 1;
-        clone.note(|| format!("making the clone of snapshot `{name}` as instance {}", clone.instance));
+        clone.note(|| {
+            format!(
+                "making the clone of snapshot `{name}` as instance {}",
+                clone.instance
+            )
+        });
         self.world.set_calm(calm);
         let answer = clone.run(Step::Clone(self.url.clone(), name));
         self.world.set_calm(false);
@@ -806,7 +816,9 @@ impl Harness {
         }
         self.world.crash(clone.instance);
         self.outcome.clones_made += 1;
-        clone.crash_and_reopen().map_err(|message| format!("clone: {message}"))?;
+        clone
+            .crash_and_reopen()
+            .map_err(|message| format!("clone: {message}"))?;
         self.step = clone.step;
         self.clone = Some(Box::new(clone));
         Ok(())
@@ -879,7 +891,7 @@ impl Harness {
         let covers_own = objects.iter().any(|(key, _)| {
             key.starts_with(&segments)
                 && parse(key, "/log/segments/")
-                .is_some_and(|(sequence, owner)| owner == epoch && sequence <= through)
+                    .is_some_and(|(sequence, owner)| owner == epoch && sequence <= through)
         });
         if !covers_own {
             return;
@@ -978,9 +990,7 @@ impl Harness {
             let mut buffer = vec![0u8; (count * BLOCK_BYTES) as usize];
             store
                 .read(&mut buffer, block * BLOCK_BYTES)
-                .map_err(|error| {
-                    format!("reading {what} at block {block} (no faults): {error}")
-                })?;
+                .map_err(|error| format!("reading {what} at block {block} (no faults): {error}"))?;
             for (index, data) in buffer.chunks(BLOCK_BYTES as usize).enumerate() {
                 tags.push(tag_of(data, self.compressible).map_err(|reason| {
                     format!("reading {what}, block {} {reason}", block + index as u64)
@@ -1319,8 +1329,7 @@ pub fn check_log_seed(seed: u64, trace: bool) -> LogCheckOutcome {
             let steps = harness.rng.gen_range(5..120);
             for _ in 0..steps {
                 if harness.clone.is_some() && turns.gen_bool(0.5) {
-                    clone_step(&mut harness)
-                        .map_err(|message| format!("clone: {message}"))?;
+                    clone_step(&mut harness).map_err(|message| format!("clone: {message}"))?;
                     continue;
                 }
                 if !harness.one_step()? {

@@ -1318,7 +1318,10 @@ pub(crate) async fn read_metadata_marked(
     let metadata = parse_checked(url, &key, &body)?;
     let value: serde_json::Value =
         serde_json::from_slice(&body).expect("parse_metadata parsed it as JSON");
-    Ok((metadata, value[DELETING_FIELD] == serde_json::Value::Bool(true)))
+    Ok((
+        metadata,
+        value[DELETING_FIELD] == serde_json::Value::Bool(true),
+    ))
 }
 
 /// Marks the disk as being deleted, or takes the mark off ([`DELETING_FIELD`]), keeping

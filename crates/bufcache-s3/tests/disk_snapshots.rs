@@ -648,8 +648,7 @@ fn a_clone_made_while_its_base_is_deleted_is_fenced_off() {
     base_now.retain(|key| !key.starts_with("base/log/clones/"));
     assert_eq!(base_now, base_objects, "the base keeps every object");
     assert_eq!(raw.keys("base/log/clones/").len(), 1, "the clone's record");
-    let metadata_after: serde_json::Value =
-        serde_json::from_slice(&raw.get(metadata_key)).unwrap();
+    let metadata_after: serde_json::Value = serde_json::from_slice(&raw.get(metadata_key)).unwrap();
     assert_eq!(metadata_after, metadata_before, "the mark is taken off");
     assert!(read_all(&clone) == image, "the clone reads the snapshot");
     assert!(read_all(&base) == image, "the base reads as before");

@@ -53,7 +53,10 @@ fn log_layout_reopens_as_a_flushed_prefix_over_a_faulty_store_on_100_seeds() {
     // Most seeds clone a snapshot and drive the clone through the same faults and crashes
     // (module `sim_clones`), reading it back whole many times.
     assert!(summary.clones_made >= summary.seeds / 2, "{summary:?}");
-    assert!(summary.clone_steps >= 10 * summary.clones_made, "{summary:?}");
+    assert!(
+        summary.clone_steps >= 10 * summary.clones_made,
+        "{summary:?}"
+    );
     assert!(
         summary.clone_checks > 2 * summary.clones_made,
         "{summary:?}"
