@@ -198,7 +198,7 @@ enum Step {
     Collect(f64, Vec<(u64, Vec<u8>)>),
     Snapshot(String),
     /// Makes a clone (at the step's URL) of the disk at this URL's snapshot with this name.
-    Clone(S3Url, String),
+    Clone(Box<S3Url>, String),
     /// A clean close of the store (the harness's only reference).
     Close(Arc<LogStore>),
 }
@@ -799,7 +799,7 @@ impl Harness {
             )
         });
         self.world.set_calm(calm);
-        let answer = clone.run(Step::Clone(self.url.clone(), name));
+        let answer = clone.run(Step::Clone(Box::new(self.url.clone()), name));
         self.world.set_calm(false);
         match answer? {
             Some(Answer::Cloned(Ok(()))) => {}

@@ -2015,10 +2015,10 @@ async fn recover(
     } else {
         checkpoint_epoch.unwrap_or(0)
     };
-    let mut epochs = match checkpoint.as_ref().and_then(|(_, c)| c.epochs.clone()) {
-        Some(epochs) => epochs,
-        None => epoch::Epochs::default(),
-    };
+    let mut epochs: epoch::Epochs = checkpoint
+        .as_ref()
+        .and_then(|(_, c)| c.epochs.clone())
+        .unwrap_or_default();
     for &number in epoch_objects.range(newer_than + 1..) {
         let key = epoch_key(url, number);
         let body = get_whole(store, url, &key).await?;
