@@ -24,7 +24,7 @@
 
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -393,7 +393,9 @@ type PieceRead = Result<(Range<usize>, Option<Bytes>), StoreError>;
 
 /// A set of chunk indexes (one bit each), shared by concurrent requests.
 struct ChunkSet {
-    words: Vec<std::sync::atomic::AtomicU64>,
+    /// One bit per chunk; more words are added when the disk grows while held
+    /// ([`ChunkStore::grow`]).
+    words: std::sync::RwLock<Vec<std::sync::atomic::AtomicU64>>,
 }
 
 impl ChunkSet {
@@ -404,9 +406,11 @@ impl ChunkSet {
         chunk_count: u64,
     ) -> Result<ChunkSet, object_store::Error> {
         let set = ChunkSet {
-            words: (0..chunk_count.div_ceil(64))
-                .map(|_| std::sync::atomic::AtomicU64::new(0))
-                .collect(),
+            words: std::sync::RwLock::new(
+                (0..chunk_count.div_ceil(64))
+                    .map(|_| std::sync::atomic::AtomicU64::new(0))
+                    .collect(),
+            ),
         };
         let prefix = ObjectPath::from(url.key("chunks").as_str());
         let mut objects = store.list(Some(&prefix));
@@ -425,18 +429,31 @@ impl ChunkSet {
         Ok(set)
     }
 
+    fn words(&self) -> std::sync::RwLockReadGuard<'_, Vec<std::sync::atomic::AtomicU64>> {
+        self.words.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Makes room for `chunk_count` chunks; the new ones are not stored (holes).
+    fn grow(&self, chunk_count: u64) {
+        let mut words = self.words.write().unwrap_or_else(PoisonError::into_inner);
+        let wanted = chunk_count.div_ceil(64) as usize;
+        while words.len() < wanted {
+            words.push(std::sync::atomic::AtomicU64::new(0));
+        }
+    }
+
     fn contains(&self, index: u64) -> bool {
-        let word = self.words[(index / 64) as usize].load(std::sync::atomic::Ordering::Acquire);
+        let word = self.words()[(index / 64) as usize].load(std::sync::atomic::Ordering::Acquire);
         word & (1 << (index % 64)) != 0
     }
 
     fn insert(&self, index: u64) {
-        self.words[(index / 64) as usize]
+        self.words()[(index / 64) as usize]
             .fetch_or(1 << (index % 64), std::sync::atomic::Ordering::AcqRel);
     }
 
     fn remove(&self, index: u64) {
-        self.words[(index / 64) as usize]
+        self.words()[(index / 64) as usize]
             .fetch_and(!(1 << (index % 64)), std::sync::atomic::Ordering::AcqRel);
     }
 }
@@ -482,7 +499,9 @@ pub struct ChunkStore {
     runtime: tokio::runtime::Runtime,
     store: Arc<AmazonS3>,
     url: S3Url,
+    /// The metadata as opened; its size is `size_bytes`'s, which grows while served.
     metadata: DiskMetadata,
+    size_bytes: std::sync::atomic::AtomicU64,
     chunk_locks: Arc<Vec<tokio::sync::Mutex<()>>>,
     requests_in_flight_max: usize,
     /// Set when the store refuses writes; every write then fails with
@@ -600,6 +619,7 @@ impl ChunkStore {
             store,
             url: url.clone(),
             metadata,
+            size_bytes: std::sync::atomic::AtomicU64::new(metadata.size_bytes),
             chunk_locks: Arc::new(
                 (0..CHUNK_LOCK_STRIPES)
                     .map(|_| tokio::sync::Mutex::new(()))
@@ -815,9 +835,55 @@ impl ChunkStore {
         }
     }
 
-    /// The disk's shape.
+    /// The disk's shape (its size as it is now).
     pub fn metadata(&self) -> DiskMetadata {
-        self.metadata
+        DiskMetadata {
+            size_bytes: self.size_bytes(),
+            ..self.metadata
+        }
+    }
+
+    fn size_bytes(&self) -> u64 {
+        self.size_bytes.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Grows the disk while this store holds it (a server asked through its control socket):
+    /// rewrites the size in the metadata object (a GET and a PUT), then serves the new size.
+    /// The chunks past the old end are holes (a shrink leaves none there). Refused, nothing
+    /// changed: a smaller size (clients were told the larger one), a size that is not a
+    /// multiple of the chunk size, a store that does not hold the disk's lock.
+    pub fn grow(&self, size_bytes: u64) -> Result<(), OpenError> {
+        static GROWING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _serialized = GROWING.lock().unwrap_or_else(PoisonError::into_inner);
+        let refused = |reason: String| OpenError::Config {
+            url: self.url.to_string(),
+            reason: format!("{reason}: nothing was changed"),
+        };
+        let now = self.size_bytes();
+        if size_bytes < now {
+            return Err(refused(format!(
+                "a served disk only grows ({size_bytes} bytes is less than its {now}: its clients were told {now} when they connected); stop the server and run `bufcache disk resize` to shrink it"
+            )));
+        }
+        check_new_size(&self.url, &self.metadata, size_bytes)?;
+        if size_bytes == now {
+            return Ok(());
+        }
+        if self.lock.is_none() || self.read_only.is_some() {
+            return Err(refused(
+                "the disk cannot be grown here: this server does not hold it for writing"
+                    .to_string(),
+            ));
+        }
+        self.runtime
+            .block_on(write_size(&*self.store, &self.url, size_bytes))?;
+        if let Some(stored) = &self.stored {
+            stored.grow(size_bytes / self.metadata.chunk_size_bytes);
+        }
+        self.size_bytes
+            .store(size_bytes, std::sync::atomic::Ordering::Release);
+        tracing::info!(disk = %self.url, size_bytes_before = now, size_bytes, "grew the disk while serving it");
+        Ok(())
     }
 
     /// The URL the store was opened with.
@@ -842,11 +908,11 @@ impl ChunkStore {
 
     fn check_range(&self, offset: u64, length: u64) -> Result<(), StoreError> {
         match offset.checked_add(length) {
-            Some(end) if end <= self.metadata.size_bytes => Ok(()),
+            Some(end) if end <= self.size_bytes() => Ok(()),
             _ => Err(StoreError::OutOfRange {
                 offset,
                 length,
-                size: self.metadata.size_bytes,
+                size: self.size_bytes(),
             }),
         }
     }
