@@ -145,6 +145,22 @@ fn answer(line: &str, disks: &[Held], sync: &Sync) -> Result<Value, (bool, Strin
         ));
     }
     let disk = field("disk")?;
+    if command == "resize" {
+        // A chunk-layout disk grows in its store alone (no log, no snapshot).
+        if let Some(held) = disks.iter().find(|held| {
+            held.device
+                .store()
+                .is_some_and(|store| disk_name(store.url()) == disk)
+        }) {
+            let size_bytes = request["size_bytes"].as_u64().ok_or_else(|| {
+                (
+                    true,
+                    "the request has no whole-number field `size_bytes`".to_string(),
+                )
+            })?;
+            return resize(held, disk, size_bytes);
+        }
+    }
     let held = disks
         .iter()
         .find(|held| {
@@ -202,12 +218,15 @@ fn answer(line: &str, disks: &[Held], sync: &Sync) -> Result<Value, (bool, Strin
     }))
 }
 
-/// Grows the held disk, then its object (checked first, so that a size the object refuses
-/// changes nothing).
+/// Grows the held disk (either layout), then its object (checked first, so that a size the
+/// object refuses changes nothing).
 fn resize(held: &Held, disk: &str, size_bytes: u64) -> Result<Value, (bool, String)> {
-    let store = held.device.log_store().expect("found by its log store");
     let started = Instant::now();
-    let before = store.metadata().size_bytes;
+    let before = match (held.device.log_store(), held.device.store()) {
+        (Some(store), _) => store.metadata().size_bytes,
+        (None, Some(store)) => store.metadata().size_bytes,
+        (None, None) => unreachable!("found by its log or chunk store"),
+    };
     let block_size = u64::from(held.object.block_size());
     if !size_bytes.is_multiple_of(block_size) || !held.object.len().is_multiple_of(block_size) {
         return Err((
@@ -217,7 +236,12 @@ fn resize(held: &Held, disk: &str, size_bytes: u64) -> Result<Value, (bool, Stri
             ),
         ));
     }
-    store.grow(size_bytes).map_err(|error| {
+    let grown = match (held.device.log_store(), held.device.store()) {
+        (Some(store), _) => store.grow(size_bytes),
+        (None, Some(store)) => store.grow(size_bytes),
+        (None, None) => unreachable!("found by its log or chunk store"),
+    };
+    grown.map_err(|error| {
         (
             !matches!(error, bufcache_s3::OpenError::Request { .. }),
             error.to_string(),

@@ -61,7 +61,7 @@ enum DiskCommand {
         json: bool,
     },
     /// Change a disk's size. Growing adds zeroes; shrinking over data is refused (chunk
-    /// layout: --force deletes the chunks past the end). A served log-layout disk grows
+    /// layout: --force deletes the chunks past the end). A served disk grows
     /// through its server: give the server's control socket (`bufcache serve --control
     /// PATH`); clients see the new size when they connect again.
     Resize {
@@ -429,7 +429,7 @@ pub(crate) fn run(args: DiskArgs) -> anyhow::Result<()> {
                     bufcache_s3::OpenError::Locked {
                         ref holder, ref id, ..
                     } => BadInput(format!(
-                        "{url}: the disk is in use by {holder}: a served log-layout disk grows through its server, `bufcache disk resize URL {size} --control PATH` with that server's control socket; if that server is no longer running, add break-lock={id} to the URL (nothing was changed)"
+                        "{url}: the disk is in use by {holder}: a served disk grows through its server, `bufcache disk resize URL {size} --control PATH` with that server's control socket; if that server is no longer running, add break-lock={id} to the URL (nothing was changed)"
                     ))
                     .into(),
                     error => anyhow::Error::new(error)

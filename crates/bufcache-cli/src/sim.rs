@@ -373,7 +373,7 @@ fn check_log(seeds: u64, first_seed: u64, trace: bool) -> anyhow::Result<()> {
     );
     let elapsed = started.elapsed().as_secs_f64().max(1e-9);
     eprintln!(
-        "bufcache: {} steps, {} crashes, {} clean closes, {} store faults, {} late landings of crashed servers' requests, {} collection rounds, {} epoch objects pruned (at most {} in a bucket after an open), {} snapshots taken and {} read back whole against their shadow copies, {} reads of a clone, its snapshot and its base checked; {:.0} seeds/s",
+        "bufcache: {} steps, {} crashes, {} clean closes, {} store faults, {} late landings of crashed servers' requests, {} collection rounds, {} epoch objects pruned (at most {} in a bucket after an open), {} snapshots taken and {} read back whole against their shadow copies, {} clones made and driven {} steps, {} whole reads of a clone checked; {:.1} seeds/s",
         summary.steps,
         summary.crashes,
         summary.clean_closes,
@@ -384,6 +384,8 @@ fn check_log(seeds: u64, first_seed: u64, trace: bool) -> anyhow::Result<()> {
         summary.epoch_objects_max,
         summary.snapshots_taken,
         summary.snapshot_checks,
+        summary.clones_made,
+        summary.clone_steps,
         summary.clone_checks,
         summary.seeds as f64 / elapsed
     );

@@ -359,3 +359,89 @@ fn a_served_disk_grows_through_its_control_socket_and_new_connections_see_it() {
     assert_eq!(nbdinfo_size(&server.uri()), 96 << 20, "after a restart");
     assert!(read(&server.uri(), 60 << 20, 36 << 20) == expected[60 << 20..]);
 }
+
+// Goal: a served chunk-layout disk grows through its server's control socket as a log-layout
+// one does: new connections are told the new size, writes across the old end read back,
+// the chunks past the old end read as zeroes, a connection made before keeps reading its
+// range, bad sizes are refused with one line and nothing changed, and a restart serves the
+// new size with the data. Method: serve a 64 MiB chunk disk (1 MiB chunks) with --control,
+// write its last MiB, grow it to 96 MiB with `disk resize --control`, check nbdinfo, write
+// 4 MiB across the old end, compare the last 36 MiB with the expected image; try a shrink
+// and a size that is no whole number of chunks; restart and compare again.
+#[test]
+fn a_served_chunk_layout_disk_grows_through_its_control_socket() {
+    let name = "a_served_chunk_layout_disk_grows_through_its_control_socket";
+    if !have_moto(name) || !have_tools(name, &["nbdinfo"]) {
+        return;
+    }
+    let _timer = Timer::new(name);
+    let moto = Moto::start();
+    moto.create_bucket("disks");
+    let dir = temp_dir();
+    let url = format!(
+        "s3://disks/chunky?endpoint={}&layout=chunk&chunk-size=1M",
+        moto.endpoint()
+    );
+    let created = disk(&["create", &url, "--size", "64M"]);
+    assert!(created.status.success(), "{}", output_text(&created));
+    let control = dir.path().join("control.sock");
+    let control_arg = control.to_str().unwrap();
+    let serve_args = [
+        "--backend",
+        &url,
+        "--cache-size",
+        "32M",
+        "--control",
+        control_arg,
+    ];
+    let mut server = Server::start(dir.path(), "chunky", &serve_args);
+    wait_until("the control socket", TIMEOUT, || control.exists());
+    assert_eq!(nbdinfo_size(&server.uri()), 64 << 20);
+    let before = NbdClient::connect(&server.uri()).unwrap();
+    let tail = random_bytes(1 << 20, 63);
+    before.write(63 << 20, &tail).unwrap();
+
+    let grown = disk(&["resize", &url, "96M", "--control", control_arg, "--json"]);
+    assert!(grown.status.success(), "{}", output_text(&grown));
+    let grown: serde_json::Value = serde_json::from_slice(&grown.stdout).unwrap();
+    assert_eq!(
+        (&grown["size_bytes_before"], &grown["size_bytes_after"]),
+        (&serde_json::json!(64 << 20), &serde_json::json!(96 << 20)),
+        "{grown}"
+    );
+    assert_eq!(nbdinfo_size(&server.uri()), 96 << 20, "a new connection");
+    let after = NbdClient::connect(&server.uri()).unwrap();
+    let across = random_bytes(4 << 20, 64);
+    after.write(62 << 20, &across).unwrap();
+    after.flush().unwrap();
+    let mut expected = vec![0u8; 96 << 20];
+    expected[63 << 20..64 << 20].copy_from_slice(&tail);
+    expected[62 << 20..66 << 20].copy_from_slice(&across);
+    assert!(read(&server.uri(), 60 << 20, 36 << 20) == expected[60 << 20..]);
+    let mut old_range = vec![0u8; 1 << 20];
+    before.read(63 << 20, &mut old_range).unwrap();
+    assert!(
+        old_range == expected[63 << 20..64 << 20],
+        "the connection made before"
+    );
+
+    // Bad input: one line, exit 2, nothing changed.
+    refused_saying(
+        &disk(&["resize", &url, "80M", "--control", control_arg]),
+        "only grows",
+    );
+    refused_saying(
+        &disk(&["resize", &url, "100667392", "--control", control_arg]),
+        "chunk size",
+    );
+    assert_eq!(nbdinfo_size(&server.uri()), 96 << 20);
+    let info = disk(&["info", &url, "--json"]);
+    let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+    assert_eq!(info["size_bytes"], 96 << 20, "{info}");
+
+    drop((before, after));
+    server.stop_clean();
+    let server = Server::start(dir.path(), "chunky-again", &serve_args);
+    assert_eq!(nbdinfo_size(&server.uri()), 96 << 20, "after a restart");
+    assert!(read(&server.uri(), 60 << 20, 36 << 20) == expected[60 << 20..]);
+}

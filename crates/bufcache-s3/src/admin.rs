@@ -568,11 +568,11 @@ pub struct Cloned {
 /// record under the base (so the snapshot cannot be deleted while the clone needs it), then
 /// the clone's metadata object carrying its base (the base's size and compression; an
 /// encrypted base needs the clone URL's `key-file=` to be the base's key), both create-only.
-/// Four requests: the base's metadata and the snapshot (GETs), the two PUTs; one HEAD more
-/// when the snapshot names segments of no epoch (written before epochs, or by a clone made
-/// before the metadata carried the base: a clone of such a clone is refused). Refused: a bad
-/// or missing name, a clone in another bucket or endpoint or inside the base's prefix, a base
-/// that is a clone, an existing disk at the clone's prefix.
+/// Four requests ([`create_clone_objects`]); one HEAD more when the snapshot names segments
+/// of no epoch (written before epochs, or by a clone made before the metadata carried the
+/// base: a clone of such a clone is refused). Refused: a bad or missing name, a clone in
+/// another bucket or endpoint or inside the base's prefix, a base that is a clone or that a
+/// `disk delete` is deleting, an existing disk at the clone's prefix.
 pub fn clone(base_url: &S3Url, clone_url: &S3Url, name: &str) -> Result<Cloned, SnapshotError> {
     check_snapshot_name(name)?;
     let refused = |reason: String| SnapshotError::Refused {
@@ -599,77 +599,17 @@ pub fn clone(base_url: &S3Url, clone_url: &S3Url, name: &str) -> Result<Cloned, 
             "the clone's URL names a snapshot (snapshot=)".to_string(),
         ));
     }
-    let connection = snapshot_disk(base_url)?;
-    let base_metadata = connection.metadata;
-    let clone_of_clone = || {
-        refused(format!(
-            "{base_url} is itself a clone, and a clone of a clone is not supported"
-        ))
-    };
-    if base_metadata.format_version == store::FORMAT_VERSION_LOG_CLONE {
-        return Err(clone_of_clone());
-    }
-    if base_metadata.seal.key_check.is_some() && clone_url.key_file.is_none() {
-        return Err(refused(
-            "the base is encrypted: give the clone's URL key-file= with the base's key".to_string(),
-        ));
-    }
-    let base_sealer = log::sealer_for(base_url, &base_metadata, &LogConfig::from_url(base_url))?;
-    let store: &dyn ObjectStore = &*connection.store;
-    let taken = connection
-        .runtime
-        .block_on(log::read_snapshot(
-            store,
-            base_url,
-            &base_metadata,
-            &base_sealer,
-            name,
-        ))?
-        .ok_or_else(|| SnapshotError::Missing {
+    if base_url.snapshot.is_some() {
+        return Err(SnapshotError::Refused {
             url: base_url.to_string(),
-            name: name.to_string(),
-        })?;
-    // A segment of no epoch was written before epochs, or is the base's own base's (a clone
-    // made before the metadata carried the base names those so): only then can the base be
-    // such a clone, which its `log/base` tells.
-    let epochs = taken
-        .epochs
-        .as_ref()
-        .expect("snapshots record their epochs");
-    let names_epochless = taken
-        .index
-        .live_bytes_by_segment()
-        .keys()
-        .any(|&sequence| epochs.owner(sequence) == 0);
-    if names_epochless {
-        let base_record = base_url.key(log::CLONE_BASE_NAME);
-        match connection
-            .runtime
-            .block_on(store.head(&ObjectPath::from(base_record.as_str())))
-        {
-            Err(object_store::Error::NotFound { .. }) => {}
-            Ok(_) => return Err(clone_of_clone()),
-            Err(error) => {
-                return Err(SnapshotError::Open(OpenError::Request {
-                    url: base_url.to_string(),
-                    operation: format!("looking for `{base_record}`"),
-                    message: chain(&error),
-                }))
-            }
-        }
+            reason: "the URL names a snapshot (snapshot=); name the disk itself".to_string(),
+        });
     }
-    let clone_metadata = connection.runtime.block_on(create_clone_objects(
-        store,
-        base_url,
-        &base_metadata,
-        clone_url,
-        name,
-    ))?;
-    Ok(Cloned {
-        disk_id: clone_metadata.disk_id,
-        size_bytes: clone_metadata.size_bytes,
-        mapped_bytes: taken.index.mapped_bytes(),
-    })
+    let client = store::connect_client(base_url)?;
+    let store: &dyn ObjectStore = &*client.store;
+    client.runtime.block_on(create_clone_objects(
+        store, store, base_url, clone_url, name,
+    ))
 }
 
 /// Why [`delete`] stopped.
@@ -714,7 +654,31 @@ pub struct Deleted {
 /// delete them first). A clone's record under its base goes too, after its own objects and
 /// before its metadata: the metadata goes last, so a delete cut short leaves a disk that
 /// another `disk delete` finishes, never a record or a clone half there.
+///
+/// A clone made while the delete runs is fenced off: once it holds the lock, the delete of a
+/// log-layout disk marks the metadata as being deleted, then lists the clone records again
+/// (a record found: the mark is taken off and the delete refused, nothing else changed).
+/// A clone's creation stores its record before it reads the base's metadata
+/// ([`create_clone_objects`]), so either that list finds the record or the creation finds
+/// the mark and is refused: no clone is left reading segments this delete removes.
 pub fn delete(url: &S3Url) -> Result<Deleted, DeleteError> {
+    delete_calling(url, &mut |_| {})
+}
+
+/// The moments of a [`delete`] at which [`delete_calling`] calls its caller.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeleteMoment {
+    /// The clone records were listed (none) and the lock taken; nothing is changed yet.
+    Locked,
+    /// The metadata is marked as being deleted; the records are listed next.
+    Marked,
+}
+
+/// [`delete`], calling `between` at each [`DeleteMoment`] (a test makes a clone there).
+pub fn delete_calling(
+    url: &S3Url,
+    between: &mut dyn FnMut(DeleteMoment),
+) -> Result<Deleted, DeleteError> {
     let refused = |reason: String| DeleteError::Refused {
         url: url.to_string(),
         reason,
@@ -749,10 +713,7 @@ pub fn delete(url: &S3Url) -> Result<Deleted, DeleteError> {
             clones.push(format!("(records under `{}`)", url.key("log/clones")));
         }
         if !clones.is_empty() {
-            return Err(refused(format!(
-                "clone(s) {} read segments of this disk's snapshots: delete them first",
-                clones.join(", ")
-            )));
+            return Err(refused(has_clones(&clones)));
         }
     }
     let lock = match connection.runtime.block_on(DiskLock::acquire(
@@ -767,6 +728,51 @@ pub fn delete(url: &S3Url) -> Result<Deleted, DeleteError> {
             )))
         }
     };
+    between(DeleteMoment::Locked);
+    if metadata.layout == LayoutKind::Log {
+        let marked = connection
+            .runtime
+            .block_on(store::write_deleting(store, url, true));
+        if marked.is_ok() {
+            between(DeleteMoment::Marked);
+        }
+        let fenced = connection.runtime.block_on(async {
+            marked?;
+            let recorded = crate::store::list_folder(store, url, "log/clones").await?;
+            if recorded.is_empty() {
+                return Ok(None);
+            }
+            store::write_deleting(store, url, false).await?;
+            let mut clones = Vec::new();
+            for listed in log::list_snapshots(store, url).await? {
+                clones.extend(clones_of(store, url, &listed.name).await?);
+            }
+            if clones.is_empty() {
+                clones.push(format!("(records under `{}`)", url.key("log/clones")));
+            }
+            Ok::<_, OpenError>(Some(clones))
+        });
+        let clones = match fenced {
+            Ok(clones) => clones,
+            Err(error) => {
+                let _ = connection.runtime.block_on(lock.release_async());
+                return Err(error.into());
+            }
+        };
+        if let Some(clones) = clones {
+            connection
+                .runtime
+                .block_on(lock.release_async())
+                .map_err(|source| DeleteError::Store {
+                    url: url.to_string(),
+                    source,
+                })?;
+            return Err(refused(format!(
+                "{} (made while this delete ran)",
+                has_clones(&clones)
+            )));
+        }
+    }
     let failed = |key: &str, error: object_store::Error| DeleteError::Store {
         url: url.to_string(),
         source: crate::error::request_failed("DELETE", key, error),
@@ -839,6 +845,14 @@ pub fn delete(url: &S3Url) -> Result<Deleted, DeleteError> {
     Ok(deleted)
 }
 
+/// Why a disk whose snapshots have `clones` is not deleted.
+fn has_clones(clones: &[String]) -> String {
+    format!(
+        "clone(s) {} read segments of this disk's snapshots: delete them first",
+        clones.join(", ")
+    )
+}
+
 /// A clone's base (its URL and the snapshot) from its metadata or, for a clone made before
 /// the metadata carried it, its `log/base` record; None for a disk that is no clone.
 async fn clone_base_of(
@@ -856,44 +870,38 @@ async fn clone_base_of(
         }))
 }
 
-/// Writes a new clone of snapshot `name` of the disk at `base_url` (its metadata read
-/// already, the snapshot checked) at `clone_url`: the clone record under the base, then the
-/// clone's metadata carrying its base, both create-only; a disk already at the clone's
-/// prefix is refused and the record, when this call made it, deleted again (module docs of
-/// `log::clone`). Two PUTs.
+/// Makes a clone of snapshot `name` of the disk at `base_url` at `clone_url` ([`clone`]
+/// checked the URLs): `base_store` reaches the base's bucket, `clone_store` the clone's. In
+/// this order, four requests:
+/// 1. the clone record under the base, create-only (a record that is there already, a
+///    clone at that prefix or a creation that crashed, is known not to be this call's, and
+///    stays);
+/// 2. the base's metadata (GET): refused when `disk delete` marked it as being deleted;
+/// 3. the snapshot (GET);
+/// 4. the clone's metadata carrying its base, create-only (a disk there is refused).
+///
+/// The record goes first, so a crash after it leaves a record naming no clone (the snapshot
+/// stays until it is removed), never a clone whose snapshot may be deleted; and before the
+/// base's metadata is read, which fences a concurrent `disk delete` of the base: the delete
+/// marks the metadata before it looks for records the last time, so either it finds this
+/// record, or this call finds the mark ([`delete`]). Refused after the record: it is
+/// deleted again when this call made it.
 pub(crate) async fn create_clone_objects(
-    store: &dyn ObjectStore,
+    base_store: &dyn ObjectStore,
+    clone_store: &dyn ObjectStore,
     base_url: &S3Url,
-    base_metadata: &DiskMetadata,
     clone_url: &S3Url,
     name: &str,
-) -> Result<DiskMetadata, SnapshotError> {
-    let refused = |reason: String| SnapshotError::Refused {
-        url: clone_url.to_string(),
-        reason,
-    };
-    let mut asked = clone_url.clone();
-    asked.compression = Some(base_metadata.seal.compression);
-    let (clone_metadata, body, _) = log::new_clone_metadata(
-        &asked,
-        base_metadata.size_bytes,
-        base_metadata.disk_id,
-        name,
-        &base_url.prefix,
-    )?;
+) -> Result<Cloned, SnapshotError> {
     let failed =
         |key: &str, operation: &'static str, error: object_store::Error| SnapshotError::Store {
             url: clone_url.to_string(),
             name: name.to_string(),
             source: crate::error::request_failed(operation, key, error),
         };
-    // The record first: a crash after it leaves a record naming no clone (the snapshot
-    // stays until it is removed), never a clone whose snapshot may be deleted. Create-only,
-    // so a record that is there already (a clone at that prefix, or a creation that crashed)
-    // is known not to be this call's, and stays.
     let record_key = log::clone_record_key(base_url, name, &clone_url.prefix);
     let record_location = ObjectPath::from(record_key.as_str());
-    let recorded = store
+    let recorded = base_store
         .put_opts(
             &record_location,
             PutPayload::from(format!("s3://{}/{}", clone_url.bucket, clone_url.prefix)),
@@ -910,16 +918,107 @@ pub(crate) async fn create_clone_objects(
         ) => false,
         Err(error) => return Err(failed(&record_key, "PUT", error)),
     };
-    if !store::create_metadata(store, &asked, &clone_metadata, &body).await? {
-        if record_is_ours {
-            store
-                .delete(&record_location)
-                .await
-                .map_err(|error| failed(&record_key, "DELETE", error))?;
+    let made = clone_behind_record(base_store, clone_store, base_url, clone_url, name).await;
+    if made.is_err() && record_is_ours {
+        base_store
+            .delete(&record_location)
+            .await
+            .map_err(|error| failed(&record_key, "DELETE", error))?;
+    }
+    made
+}
+
+/// [`create_clone_objects`] once the record is stored: checks the base and its snapshot and
+/// writes the clone's metadata.
+async fn clone_behind_record(
+    base_store: &dyn ObjectStore,
+    clone_store: &dyn ObjectStore,
+    base_url: &S3Url,
+    clone_url: &S3Url,
+    name: &str,
+) -> Result<Cloned, SnapshotError> {
+    let refused = |reason: String| SnapshotError::Refused {
+        url: clone_url.to_string(),
+        reason,
+    };
+    let (base_metadata, deleting) = store::read_metadata_marked(base_store, base_url).await?;
+    if deleting {
+        return Err(refused(format!(
+            "{base_url} is being deleted (a `bufcache disk delete` of it is running, or was cut short: run it again to finish)"
+        )));
+    }
+    if base_metadata.layout != LayoutKind::Log {
+        return Err(SnapshotError::Refused {
+            url: base_url.to_string(),
+            reason: "a chunk-layout disk rewrites its chunks in place and has no snapshots (use layout=log)".to_string(),
+        });
+    }
+    let clone_of_clone = || {
+        refused(format!(
+            "{base_url} is itself a clone, and a clone of a clone is not supported"
+        ))
+    };
+    if base_metadata.format_version == store::FORMAT_VERSION_LOG_CLONE {
+        return Err(clone_of_clone());
+    }
+    if base_metadata.seal.key_check.is_some() && clone_url.key_file.is_none() {
+        return Err(refused(
+            "the base is encrypted: give the clone's URL key-file= with the base's key".to_string(),
+        ));
+    }
+    let base_sealer = log::sealer_for(base_url, &base_metadata, &LogConfig::from_url(base_url))?;
+    let taken = log::read_snapshot(base_store, base_url, &base_metadata, &base_sealer, name)
+        .await?
+        .ok_or_else(|| SnapshotError::Missing {
+            url: base_url.to_string(),
+            name: name.to_string(),
+        })?;
+    // A segment of no epoch was written before epochs, or is the base's own base's (a clone
+    // made before the metadata carried the base names those so): only then can the base be
+    // such a clone, which its `log/base` tells.
+    let epochs = taken
+        .epochs
+        .as_ref()
+        .expect("snapshots record their epochs");
+    let names_epochless = taken
+        .index
+        .live_bytes_by_segment()
+        .keys()
+        .any(|&sequence| epochs.owner(sequence) == 0);
+    if names_epochless {
+        let base_record = base_url.key(log::CLONE_BASE_NAME);
+        match base_store
+            .head(&ObjectPath::from(base_record.as_str()))
+            .await
+        {
+            Err(object_store::Error::NotFound { .. }) => {}
+            Ok(_) => return Err(clone_of_clone()),
+            Err(error) => {
+                return Err(SnapshotError::Open(OpenError::Request {
+                    url: base_url.to_string(),
+                    operation: format!("looking for `{base_record}`"),
+                    message: chain(&error),
+                }))
+            }
         }
+    }
+    let mut asked = clone_url.clone();
+    asked.compression = Some(base_metadata.seal.compression);
+    let (clone_metadata, body, _) = log::new_clone_metadata(
+        &asked,
+        base_metadata.size_bytes,
+        base_metadata.disk_id,
+        name,
+        &base_url.prefix,
+    )?;
+    if !store::create_metadata(clone_store, &asked, &clone_metadata, &body).await? {
         return Err(refused(
             "a disk exists at the clone's prefix already".to_string(),
         ));
     }
-    Ok(clone_metadata)
+    Ok(Cloned {
+        disk_id: clone_metadata.disk_id,
+        size_bytes: clone_metadata.size_bytes,
+        mapped_bytes: taken.index.mapped_bytes(),
+    })
 }

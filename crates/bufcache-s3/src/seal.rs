@@ -92,6 +92,11 @@ const ENCRYPTION_METADATA_TAGGED: &str = "xchacha20-poly1305+hmac-sha256+metadat
 /// The metadata object's field holding its tag (an encrypted disk only): HMAC-SHA256 with the
 /// objects' tag key over the metadata object's name and its canonical JSON without this field.
 pub const METADATA_TAG_FIELD: &str = "metadata_tag";
+/// The metadata object's fields its tag does not cover: the tag itself, and the mark a
+/// `disk delete` sets while it runs (`store::DELETING_FIELD`), which refuses new clones and
+/// nothing else, so that a delete needs no key (someone without it can refuse clones anyway,
+/// by deleting the base).
+const UNTAGGED_METADATA_FIELDS: [&str; 2] = [METADATA_TAG_FIELD, "deleting"];
 
 /// What a disk's metadata object records about sealing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -199,7 +204,7 @@ fn canonical_metadata(value: &serde_json::Value) -> String {
             serde_json::Value::Object(members) => {
                 let mut names: Vec<&String> = members
                     .keys()
-                    .filter(|name| !(top && name.as_str() == METADATA_TAG_FIELD))
+                    .filter(|name| !(top && UNTAGGED_METADATA_FIELDS.contains(&name.as_str())))
                     .collect();
                 names.sort();
                 text.push('{');

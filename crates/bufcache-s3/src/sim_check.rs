@@ -28,6 +28,10 @@
 //!   crashes and restarts; a snapshot whose request succeeded is also a FLUSH. A snapshot
 //!   whose request failed or hung may exist or not, and may name segments a server opened
 //!   before its late PUT landed never pinned: it is read when it exists but promises nothing;
+//! - a clone of the first snapshot whose request succeeded, driven by a harness of its own
+//!   under the same faults and crashes, interleaved with the disk's steps, keeps the same
+//!   contract over its own writes, starts from its snapshot's content, and is read whole
+//!   after every collection round and reopen of the disk (module [`crate::sim_clones`]);
 //! - after some clean closes (seeded) the newest checkpoint is lost, deleted or with a byte
 //!   flipped, and the disk must open all the same with every acknowledged write: the open
 //!   falls back to the previous checkpoint, which the servers keep with every segment it
@@ -86,6 +90,12 @@ pub struct LogCheckOutcome {
     pub epoch_objects_max: u64,
     /// Newest checkpoints lost (deleted or damaged) after a clean close.
     pub checkpoints_lost: u64,
+    /// Clones made (module `sim_clones`), the steps their harness took (counted in `steps`
+    /// too), and whole reads of a clone checked (at its opens and after its base's
+    /// collection rounds and reopens).
+    pub clones_made: u64,
+    pub clone_steps: u64,
+    pub clone_checks: u64,
     /// What broke the contract, with the step; None when nothing did.
     pub violation: Option<String>,
 }
@@ -187,6 +197,8 @@ enum Step {
     Flush,
     Collect(f64, Vec<(u64, Vec<u8>)>),
     Snapshot(String),
+    /// Makes a clone (at the step's URL) of the disk at this URL's snapshot with this name.
+    Clone(Box<S3Url>, String),
     /// A clean close of the store (the harness's only reference).
     Close(Arc<LogStore>),
 }
@@ -201,6 +213,7 @@ enum Answer {
     /// A close's outcome and the epoch objects the store deleted.
     Closed(Result<(), StoreError>, u64),
     Snapshot(Result<crate::SnapshotTaken, crate::SnapshotError>),
+    Cloned(Result<(), String>),
     Collected(
         Result<crate::GcReport, StoreError>,
         Vec<Result<(), StoreError>>,
@@ -267,6 +280,9 @@ fn spawn_step(
                 Step::Snapshot(name) => {
                     Answer::Snapshot(store.expect("a snapshot has a store").snapshot(&name))
                 }
+                Step::Clone(base_url, name) => Answer::Cloned(crate::sim_clones::create_clone(
+                    backend, &base_url, &url, &name,
+                )),
                 Step::Collect(threshold, writes) => {
                     let store = store.expect("a round has a store");
                     let mut outcomes = Vec::new();
@@ -307,7 +323,11 @@ enum Waited {
     Stuck,
 }
 
-fn wait(receiver: &mpsc::Receiver<Answer>, world: &SimWorld) -> Result<Waited, String> {
+fn wait(
+    receiver: &mpsc::Receiver<Answer>,
+    world: &SimWorld,
+    instance: u64,
+) -> Result<Waited, String> {
     let mut waited = Duration::ZERO;
     loop {
         match receiver.recv_timeout(STUCK_AFTER) {
@@ -317,7 +337,8 @@ fn wait(receiver: &mpsc::Receiver<Answer>, world: &SimWorld) -> Result<Waited, S
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 waited += STUCK_AFTER;
-                if world.parked() > 0 {
+                // Only this instance's: the other disk's server may have a request hanging.
+                if world.parked_of(instance) > 0 {
                     return Ok(Waited::Stuck);
                 }
                 if waited >= NEVER_RETURNS {
@@ -387,6 +408,14 @@ pub(crate) fn find_prefix(
 
 /// Snapshots one seed takes at most (each is read back whole at every check).
 const SNAPSHOTS_MAX: usize = 4;
+/// Clones a disk tries to make (of its first snapshot whose request succeeded); the last
+/// attempt runs without faults.
+const CLONE_ATTEMPTS_MAX: u32 = 3;
+/// The clone's server instances are numbered from this times its attempt, apart from the
+/// base's.
+const CLONE_INSTANCES: u64 = 1 << 32;
+/// The clone's writes are numbered from this, so a block names which disk wrote it.
+const CLONE_WRITES: u64 = 1 << 30;
 
 /// A snapshot as taken: the allowed tags of every block when it was taken.
 struct Shadow {
@@ -400,6 +429,8 @@ struct Shadow {
 struct Harness {
     seed: u64,
     trace: bool,
+    /// Which disk of the seed this harness drives (`disk`, or `clone`), for traces.
+    label: &'static str,
     rng: StdRng,
     world: Arc<SimWorld>,
     url: S3Url,
@@ -420,12 +451,26 @@ struct Harness {
     step: u64,
     outcome: LogCheckOutcome,
     snapshots: Vec<Shadow>,
+    /// The clone of one of this disk's snapshots, driven by a harness of its own (module
+    /// `sim_clones`); None before it is made, and in the clone's harness.
+    clone: Option<Box<Harness>>,
+    /// Clones this disk tried to make (a creation that failed or hung is abandoned).
+    clone_attempts: u32,
+    /// A new clone's harness before its first open: what each block must read then (its
+    /// snapshot's content).
+    first_image: Option<Allowed>,
 }
 
 impl Harness {
     fn note(&self, text: impl FnOnce() -> String) {
         if self.trace {
-            eprintln!("seed {} step {}: {}", self.seed, self.step, text());
+            eprintln!(
+                "seed {} step {} {}: {}",
+                self.seed,
+                self.step,
+                self.label,
+                text()
+            );
         }
     }
 
@@ -498,7 +543,7 @@ impl Harness {
             step,
             self.trace,
         );
-        match wait(&receiver, &self.world)? {
+        match wait(&receiver, &self.world, self.instance)? {
             Waited::Answer(answer) => {
                 self.flush_world_log();
                 Ok(Some(answer))
@@ -544,8 +589,19 @@ impl Harness {
                     self.note(|| format!("open failed: {error}"));
                     if attempts > REOPEN_ATTEMPTS_MAX {
                         self.world.set_calm(false);
+                        let log = self.own_folder("log/");
+                        let stored: Vec<String> = self
+                            .world
+                            .objects()
+                            .into_iter()
+                            .filter(|(key, _)| {
+                                key.starts_with(&log) && !key.contains("/log/epochs/")
+                            })
+                            .map(|(key, _)| key[log.len()..].to_string())
+                            .collect();
                         return Err(format!(
-                            "the disk cannot be opened again, even without faults: {error}"
+                            "the disk cannot be opened again, even without faults: {error} (its log holds {})",
+                            stored.join(", ")
                         ));
                     }
                 }
@@ -560,7 +616,7 @@ impl Harness {
             .world
             .objects()
             .iter()
-            .filter(|(key, _)| key.contains("/log/epochs/"))
+            .filter(|(key, _)| key.starts_with(&self.own_folder("log/epochs/")))
             .count() as u64;
         self.outcome.epoch_objects_max = self.outcome.epoch_objects_max.max(epoch_objects);
         self.check_named_segments_exist()?;
@@ -570,17 +626,30 @@ impl Harness {
 
     /// Reads every snapshot back whole, without faults, through a read-only open of
     /// `snapshot=NAME` (module docs).
+    /// The open clone is read whole too (module `sim_clones`); what either check finds is
+    /// reported.
     fn check_snapshots(&mut self) -> Result<(), String> {
-        if self.snapshots.is_empty() || self.store.is_none() {
-            return Ok(());
+        let cloned = match self.clone.as_mut() {
+            Some(clone) => clone
+                .check_whole()
+                .map_err(|message| format!("clone: {message}")),
+            None => Ok(()),
+        };
+        let checked = if self.snapshots.is_empty() || self.store.is_none() {
+            Ok(())
+        } else {
+            self.world.set_calm(true);
+            let checked = (0..self.snapshots.len())
+                .map(|at| self.check_snapshot(at))
+                .collect::<Result<Vec<()>, String>>();
+            self.world.set_calm(false);
+            self.flush_world_log();
+            checked.map(|_| ())
+        };
+        match (cloned, checked) {
+            (Err(clone), Err(snapshot)) => Err(format!("{clone}; and {snapshot}")),
+            (cloned, checked) => cloned.and(checked),
         }
-        self.world.set_calm(true);
-        let checked = (0..self.snapshots.len())
-            .map(|at| self.check_snapshot(at))
-            .collect::<Result<Vec<()>, String>>();
-        self.world.set_calm(false);
-        self.flush_world_log();
-        checked.map(|_| ())
     }
 
     fn check_snapshot(&mut self, at: usize) -> Result<(), String> {
@@ -605,11 +674,13 @@ impl Harness {
             return broken(format!("does not read back: {error}"));
         }
         drop(reader);
+        let mut tags = Vec::with_capacity(self.blocks as usize);
         for (block, bytes) in buffer.chunks(BLOCK_BYTES as usize).enumerate() {
             let tag = match tag_of(bytes, self.compressible) {
                 Ok(tag) => tag,
                 Err(reason) => return broken(format!("block {block} {reason}")),
             };
+            tags.push(tag);
             if !shadow.allowed[block].contains(&tag) {
                 return broken(format!(
                     "block {block} reads {} but held {} when it was taken",
@@ -622,7 +693,134 @@ impl Harness {
                 ));
             }
         }
+        // A snapshot never changes: once read back, a block a failed write left uncertain
+        // must read the same from then on (and so must the clones made of it).
+        if shadow.certain {
+            self.snapshots[at].allowed = tags.into_iter().map(|tag| vec![tag]).collect();
+        }
         self.outcome.snapshot_checks += 1;
+        Ok(())
+    }
+
+    /// The folder `name` of this harness's disk, as the bucket's keys spell it.
+    fn own_folder(&self, name: &str) -> String {
+        self.url.key(name)
+    }
+
+    /// Reads the open clone whole, without faults, and checks every block against its latest
+    /// acknowledged data, and that every segment it names (its base's too) exists: run when
+    /// its base may have deleted segments (module `sim_clones`).
+    fn check_whole(&mut self) -> Result<(), String> {
+        if self.store.is_none() {
+            return Ok(());
+        }
+        self.check_named_segments_exist()?;
+        self.world.set_calm(true);
+        let image = self.read_all("the open disk");
+        self.world.set_calm(false);
+        let image = image?;
+        for (block, tag) in image.iter().enumerate() {
+            let allowed = &self.now[block];
+            if !allowed.contains(tag) {
+                return Err(format!(
+                    "read whole after its base's collection or reopen, block {block} reads {} but the latest acknowledged data is {}",
+                    describe_tag(*tag),
+                    allowed
+                        .iter()
+                        .map(|&tag| describe_tag(tag))
+                        .collect::<Vec<_>>()
+                        .join(" or ")
+                ));
+            }
+        }
+        self.outcome.clone_checks += 1;
+        Ok(())
+    }
+
+    /// Makes the clone of this disk's first certain snapshot, when there is one and no clone
+    /// yet, and opens it (module `sim_clones`). A creation that fails or hangs (its server
+    /// crashes) is abandoned with its prefix, whatever of it landed; the last attempt runs
+    /// without faults, so nearly every seed that takes a snapshot gets a clone.
+    fn make_clone(&mut self) -> Result<(), String> {
+        if self.clone.is_some() || self.clone_attempts >= CLONE_ATTEMPTS_MAX || self.store.is_none()
+        {
+            return Ok(());
+        }
+        let Some(at) = self.snapshots.iter().position(|shadow| shadow.certain) else {
+            return Ok(());
+        };
+        // Read back first, so its content is fixed before the clone's is compared with it.
+        self.world.set_calm(true);
+        let checked = self.check_snapshot(at);
+        self.world.set_calm(false);
+        checked?;
+        self.clone_attempts += 1;
+        let calm = self.clone_attempts == CLONE_ATTEMPTS_MAX;
+        let name = self.snapshots[at].name.clone();
+        let mut text = format!(
+            "s3://sim/clone{}-{}?layout=log",
+            self.seed, self.clone_attempts
+        );
+        if let Some(key) = &self.url.key_file {
+            text.push_str(&format!("&key-file={}", key.display()));
+        }
+        let url = S3Url::parse(&text).expect("the harness's clone URL parses");
+        let mut clone = Harness {
+            seed: self.seed,
+            trace: self.trace,
+            label: "clone",
+            rng: StdRng::seed_from_u64(mix(self.seed ^ 0xc10e) ^ u64::from(self.clone_attempts)),
+            world: self.world.clone(),
+            url,
+            config: self.config,
+            compressible: self.compressible,
+            blocks: self.blocks,
+            // Its servers' instances apart from the base's.
+            instance: CLONE_INSTANCES * u64::from(self.clone_attempts),
+            store: None,
+            base: Vec::new(),
+            history: Vec::new(),
+            flushed: 0,
+            now: Vec::new(),
+            // Its writes' tags apart from the base's.
+            next_write: CLONE_WRITES,
+            step: self.step,
+            outcome: LogCheckOutcome::default(),
+            snapshots: Vec::new(),
+            clone: None,
+            clone_attempts: CLONE_ATTEMPTS_MAX,
+            first_image: Some(self.snapshots[at].allowed.clone()),
+        };
+        clone.instance += 1;
+        clone.note(|| {
+            format!(
+                "making the clone of snapshot `{name}` as instance {}",
+                clone.instance
+            )
+        });
+        self.world.set_calm(calm);
+        let answer = clone.run(Step::Clone(Box::new(self.url.clone()), name));
+        self.world.set_calm(false);
+        match answer? {
+            Some(Answer::Cloned(Ok(()))) => {}
+            Some(Answer::Cloned(Err(error))) => {
+                clone.note(|| format!("the clone's creation failed: {error}; abandoned"));
+                self.world.crash(clone.instance);
+                return Ok(());
+            }
+            Some(_) => unreachable!("a clone's creation answers Cloned"),
+            None => {
+                clone.note(|| "the clone's creation hung; abandoned".to_string());
+                return Ok(());
+            }
+        }
+        self.world.crash(clone.instance);
+        self.outcome.clones_made += 1;
+        clone
+            .crash_and_reopen()
+            .map_err(|message| format!("clone: {message}"))?;
+        self.step = clone.step;
+        self.clone = Some(Box::new(clone));
         Ok(())
     }
 
@@ -680,16 +878,20 @@ impl Harness {
                 u64::from_str_radix(epoch, 16).ok()?,
             ))
         };
+        let checkpoints = self.own_folder("log/checkpoints/");
+        let segments = self.own_folder("log/segments/");
         let Some((key, (through, epoch))) = objects
             .iter()
+            .filter(|(key, _)| key.starts_with(&checkpoints))
             .filter_map(|(key, _)| Some((key, parse(key, "/log/checkpoints/")?)))
             .max_by_key(|&(_, name)| name)
         else {
             return;
         };
         let covers_own = objects.iter().any(|(key, _)| {
-            parse(key, "/log/segments/")
-                .is_some_and(|(sequence, owner)| owner == epoch && sequence <= through)
+            key.starts_with(&segments)
+                && parse(key, "/log/segments/")
+                    .is_some_and(|(sequence, owner)| owner == epoch && sequence <= through)
         });
         if !covers_own {
             return;
@@ -703,12 +905,34 @@ impl Harness {
     /// Reads the whole disk without faults and finds the prefix of history it equals.
     fn verify_reopened(&mut self) -> Result<(), String> {
         self.world.set_calm(true);
-        let image = self.read_all();
+        let image = self.read_all("the reopened disk");
         self.world.set_calm(false);
         let image = image?;
+        if let Some(expected) = self.first_image.take() {
+            // A new clone: its snapshot's content, block by block.
+            if let Some(block) = (0..image.len()).find(|&b| !expected[b].contains(&image[b])) {
+                return Err(format!(
+                    "at its first open, block {block} reads {} but its snapshot holds {}",
+                    describe_tag(image[block]),
+                    expected[block]
+                        .iter()
+                        .map(|&tag| describe_tag(tag))
+                        .collect::<Vec<_>>()
+                        .join(" or ")
+                ));
+            }
+            self.note(|| "opened: the clone reads its snapshot".to_string());
+            self.outcome.clone_checks += 1;
+            self.base = image;
+            self.now = self.base.iter().map(|&tag| vec![tag]).collect();
+            return Ok(());
+        }
         let found = find_prefix(&self.base, &self.history, self.flushed, &image);
         match found {
             Some(length) => {
+                if self.label == "clone" {
+                    self.outcome.clone_checks += 1;
+                }
                 self.note(|| {
                     format!(
                         "reopened: the disk is the first {length} of {} changes since the last open ({} flushed)",
@@ -756,7 +980,7 @@ impl Harness {
         )
     }
 
-    fn read_all(&mut self) -> Result<Vec<u64>, String> {
+    fn read_all(&mut self, what: &str) -> Result<Vec<u64>, String> {
         let store = self.store.clone().expect("reopened");
         let mut tags = Vec::with_capacity(self.blocks as usize);
         let chunk_blocks = 16u64;
@@ -766,12 +990,10 @@ impl Harness {
             let mut buffer = vec![0u8; (count * BLOCK_BYTES) as usize];
             store
                 .read(&mut buffer, block * BLOCK_BYTES)
-                .map_err(|error| {
-                    format!("reading the reopened disk at block {block} (no faults): {error}")
-                })?;
+                .map_err(|error| format!("reading {what} at block {block} (no faults): {error}"))?;
             for (index, data) in buffer.chunks(BLOCK_BYTES as usize).enumerate() {
                 tags.push(tag_of(data, self.compressible).map_err(|reason| {
-                    format!("after reopening, block {} {reason}", block + index as u64)
+                    format!("reading {what}, block {} {reason}", block + index as u64)
                 })?);
             }
             block += count;
@@ -1071,6 +1293,7 @@ pub fn check_log_seed(seed: u64, trace: bool) -> LogCheckOutcome {
     let mut harness = Harness {
         seed,
         trace,
+        label: "disk",
         compressible: rng.gen_bool(0.5),
         rng,
         world: world.clone(),
@@ -1087,7 +1310,13 @@ pub fn check_log_seed(seed: u64, trace: bool) -> LogCheckOutcome {
         step: 0,
         outcome: LogCheckOutcome::default(),
         snapshots: Vec::new(),
+        clone: None,
+        clone_attempts: 0,
+        first_image: None,
     };
+    // Whether the clone or the base takes the next step (module `sim_clones`), apart from
+    // the base's own draws.
+    let mut turns = StdRng::seed_from_u64(mix(seed ^ 0x7e57_c10e));
     harness.note(|| {
         format!(
             "{} blocks, {config:?}, compress {compress}, encrypt {encrypt}, faults {faults:?}, late {late:?}, {lives} lives",
@@ -1099,20 +1328,56 @@ pub fn check_log_seed(seed: u64, trace: bool) -> LogCheckOutcome {
         for _ in 0..lives {
             let steps = harness.rng.gen_range(5..120);
             for _ in 0..steps {
+                if harness.clone.is_some() && turns.gen_bool(0.5) {
+                    clone_step(&mut harness).map_err(|message| format!("clone: {message}"))?;
+                    continue;
+                }
                 if !harness.one_step()? {
                     break;
                 }
+                harness.make_clone()?;
             }
             harness.crash_and_reopen()?;
+            // The clone's server crashes with the base's half the time.
+            if let Some(clone) = harness.clone.as_mut() {
+                if turns.gen_bool(0.5) {
+                    clone.step = harness.step;
+                    clone
+                        .crash_and_reopen()
+                        .map_err(|message| format!("clone: {message}"))?;
+                }
+            }
         }
         Ok(())
     })();
+    if let Some(mut clone) = harness.clone.take() {
+        world.crash(clone.instance);
+        if let Some(store) = clone.store.take() {
+            clone.retire(store);
+        }
+        let theirs = &clone.outcome;
+        let ours = &mut harness.outcome;
+        ours.clone_steps += theirs.steps;
+        ours.steps += theirs.steps;
+        ours.crashes += theirs.crashes;
+        ours.gc_rounds += theirs.gc_rounds;
+        ours.clean_closes += theirs.clean_closes;
+        ours.epochs_pruned += theirs.epochs_pruned;
+        ours.snapshots_taken += theirs.snapshots_taken;
+        ours.snapshot_checks += theirs.snapshot_checks;
+        ours.checkpoints_lost += theirs.checkpoints_lost;
+        ours.clone_checks += theirs.clone_checks;
+        ours.epoch_objects_max = ours.epoch_objects_max.max(theirs.epoch_objects_max);
+    }
     let counts = world.counts();
     harness.outcome.faults =
         counts.failed + counts.lost + counts.hung + counts.reset + counts.applied_then_failed;
     harness.outcome.late_landings = counts.landed_at_crash + counts.landed_late;
     if let Err(message) = result {
-        harness.outcome.violation = Some(format!("step {}: {message}", harness.step));
+        harness.outcome.violation = Some(match message.strip_prefix("clone: ") {
+            Some(rest) => format!("clone: step {}: {rest}", harness.step),
+            None => format!("step {}: {message}", harness.step),
+        });
     }
     // The last server is abandoned as a crash would leave it.
     world.crash(harness.instance);
@@ -1120,6 +1385,19 @@ pub fn check_log_seed(seed: u64, trace: bool) -> LogCheckOutcome {
         harness.retire(store);
     }
     harness.outcome
+}
+
+/// One step of the base's clone (its step counter shared with the base's, which lands the
+/// late requests), and its crash and reopen when the step crashed it.
+fn clone_step(harness: &mut Harness) -> Result<(), String> {
+    let clone = harness.clone.as_mut().expect("a clone");
+    clone.step = harness.step;
+    let alive = clone.one_step()?;
+    if !alive {
+        clone.crash_and_reopen()?;
+    }
+    harness.step = clone.step;
+    Ok(())
 }
 
 /// What checking a range of seeds found.
@@ -1141,7 +1419,10 @@ pub struct LogCheckSummary {
     /// Snapshots taken, and whole reads of one checked against its shadow copy.
     pub snapshots_taken: u64,
     pub snapshot_checks: u64,
-    /// Whole reads of a clone, its snapshot and its base checked (module `sim_clones`).
+    /// Clones made, steps their harnesses took (counted in `steps` too) and whole reads of
+    /// a clone checked (module `sim_clones`).
+    pub clones_made: u64,
+    pub clone_steps: u64,
     pub clone_checks: u64,
     /// (seed, what broke) of every seed that broke the contract.
     pub violations: Vec<(u64, String)>,
@@ -1170,13 +1451,11 @@ pub fn check_log_seeds(
         summary.snapshots_taken += outcome.snapshots_taken;
         summary.snapshot_checks += outcome.snapshot_checks;
         summary.epoch_objects_max = summary.epoch_objects_max.max(outcome.epoch_objects_max);
+        summary.clones_made += outcome.clones_made;
+        summary.clone_steps += outcome.clone_steps;
+        summary.clone_checks += outcome.clone_checks;
         if let Some(message) = outcome.violation {
             summary.violations.push((seed, message));
-        }
-        let clone = crate::sim_clones::check_clone_seed(seed);
-        summary.clone_checks += clone.checks;
-        if let Some(message) = clone.violation {
-            summary.violations.push((seed, format!("clone: {message}")));
         }
     }
     summary

@@ -24,7 +24,7 @@
 
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -115,12 +115,40 @@ pub(crate) fn connect_with(url: &S3Url, create: Create) -> Result<Connection, Op
     connect_counted(url, create, StoreMeters::new())
 }
 
+/// A runtime and a client for the bucket `url` names, with no request made yet.
+pub(crate) struct Client {
+    pub runtime: tokio::runtime::Runtime,
+    pub store: Arc<AmazonS3>,
+}
+
+/// [`connect_with`] without reading the metadata: for a caller whose first request must be
+/// another (a clone's record goes before its base's metadata is read, module `log::clone`).
+pub(crate) fn connect_client(url: &S3Url) -> Result<Client, OpenError> {
+    let (runtime, store, _) = clients(url, StoreMeters::new())?;
+    Ok(Client { runtime, store })
+}
+
 /// [`connect_with`], every request of the connection counted in `meters`.
 pub(crate) fn connect_counted(
     url: &S3Url,
     create: Create,
     meters: Arc<StoreMeters>,
 ) -> Result<Connection, OpenError> {
+    let (runtime, store, probe) = clients(url, meters)?;
+    let metadata = runtime.block_on(ChunkStore::open_metadata(&probe, url, create))?;
+    Ok(Connection {
+        runtime,
+        store,
+        metadata,
+    })
+}
+
+/// The runtime, the client and the probe (the client with few retries, for the first
+/// request) of a connection to `url`.
+fn clients(
+    url: &S3Url,
+    meters: Arc<StoreMeters>,
+) -> Result<(tokio::runtime::Runtime, Arc<AmazonS3>, AmazonS3), OpenError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("bufcache-s3")
@@ -151,12 +179,7 @@ pub(crate) fn connect_counted(
     ))
     .build()
     .map_err(client_error)?;
-    let metadata = runtime.block_on(ChunkStore::open_metadata(&probe, url, create))?;
-    Ok(Connection {
-        runtime,
-        store: Arc::new(store),
-        metadata,
-    })
+    Ok((runtime, Arc::new(store), probe))
 }
 
 /// A random 64-bit id (OS-seeded hasher, the clock and the process id mixed in).
@@ -367,7 +390,9 @@ type PieceRead = Result<(Range<usize>, Option<Bytes>), StoreError>;
 
 /// A set of chunk indexes (one bit each), shared by concurrent requests.
 struct ChunkSet {
-    words: Vec<std::sync::atomic::AtomicU64>,
+    /// One bit per chunk; more words are added when the disk grows while held
+    /// ([`ChunkStore::grow`]).
+    words: std::sync::RwLock<Vec<std::sync::atomic::AtomicU64>>,
 }
 
 impl ChunkSet {
@@ -378,9 +403,11 @@ impl ChunkSet {
         chunk_count: u64,
     ) -> Result<ChunkSet, object_store::Error> {
         let set = ChunkSet {
-            words: (0..chunk_count.div_ceil(64))
-                .map(|_| std::sync::atomic::AtomicU64::new(0))
-                .collect(),
+            words: std::sync::RwLock::new(
+                (0..chunk_count.div_ceil(64))
+                    .map(|_| std::sync::atomic::AtomicU64::new(0))
+                    .collect(),
+            ),
         };
         let prefix = ObjectPath::from(url.key("chunks").as_str());
         let mut objects = store.list(Some(&prefix));
@@ -399,18 +426,31 @@ impl ChunkSet {
         Ok(set)
     }
 
+    fn words(&self) -> std::sync::RwLockReadGuard<'_, Vec<std::sync::atomic::AtomicU64>> {
+        self.words.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Makes room for `chunk_count` chunks; the new ones are not stored (holes).
+    fn grow(&self, chunk_count: u64) {
+        let mut words = self.words.write().unwrap_or_else(PoisonError::into_inner);
+        let wanted = chunk_count.div_ceil(64) as usize;
+        while words.len() < wanted {
+            words.push(std::sync::atomic::AtomicU64::new(0));
+        }
+    }
+
     fn contains(&self, index: u64) -> bool {
-        let word = self.words[(index / 64) as usize].load(std::sync::atomic::Ordering::Acquire);
+        let word = self.words()[(index / 64) as usize].load(std::sync::atomic::Ordering::Acquire);
         word & (1 << (index % 64)) != 0
     }
 
     fn insert(&self, index: u64) {
-        self.words[(index / 64) as usize]
+        self.words()[(index / 64) as usize]
             .fetch_or(1 << (index % 64), std::sync::atomic::Ordering::AcqRel);
     }
 
     fn remove(&self, index: u64) {
-        self.words[(index / 64) as usize]
+        self.words()[(index / 64) as usize]
             .fetch_and(!(1 << (index % 64)), std::sync::atomic::Ordering::AcqRel);
     }
 }
@@ -456,7 +496,9 @@ pub struct ChunkStore {
     runtime: tokio::runtime::Runtime,
     store: Arc<AmazonS3>,
     url: S3Url,
+    /// The metadata as opened; its size is `size_bytes`'s, which grows while served.
     metadata: DiskMetadata,
+    size_bytes: std::sync::atomic::AtomicU64,
     chunk_locks: Arc<Vec<tokio::sync::Mutex<()>>>,
     requests_in_flight_max: usize,
     /// Set when the store refuses writes; every write then fails with
@@ -574,6 +616,7 @@ impl ChunkStore {
             store,
             url: url.clone(),
             metadata,
+            size_bytes: std::sync::atomic::AtomicU64::new(metadata.size_bytes),
             chunk_locks: Arc::new(
                 (0..CHUNK_LOCK_STRIPES)
                     .map(|_| tokio::sync::Mutex::new(()))
@@ -699,17 +742,7 @@ impl ChunkStore {
                     .bytes()
                     .await
                     .map_err(|error| request_error(format!("reading `{key}`"), error))?;
-                let loaded = authenticate_metadata(url, &body)?;
-                if loaded.tag == MetadataTag::UntaggedBeforeTags {
-                    tracing::warn!(
-                        disk = %url,
-                        size_bytes = loaded.metadata.size_bytes,
-                        compress = loaded.metadata.seal.compression.name(),
-                        "the metadata object `{key}` of this encrypted disk carries no tag (written before metadata tags existed): accepted as found, with the size and compression shown; the next writable open tags it"
-                    );
-                }
-                check_metadata(url, &loaded.metadata)?;
-                Ok(loaded.metadata)
+                parse_checked(url, &key, &body)
             }
             Err(object_store::Error::NotFound { .. }) if create == Create::Never => {
                 Err(OpenError::NoDiskReadOnly {
@@ -801,9 +834,55 @@ impl ChunkStore {
         }
     }
 
-    /// The disk's shape.
+    /// The disk's shape (its size as it is now).
     pub fn metadata(&self) -> DiskMetadata {
-        self.metadata
+        DiskMetadata {
+            size_bytes: self.size_bytes(),
+            ..self.metadata
+        }
+    }
+
+    fn size_bytes(&self) -> u64 {
+        self.size_bytes.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Grows the disk while this store holds it (a server asked through its control socket):
+    /// rewrites the size in the metadata object (a GET and a PUT), then serves the new size.
+    /// The chunks past the old end are holes (a shrink leaves none there). Refused, nothing
+    /// changed: a smaller size (clients were told the larger one), a size that is not a
+    /// multiple of the chunk size, a store that does not hold the disk's lock.
+    pub fn grow(&self, size_bytes: u64) -> Result<(), OpenError> {
+        static GROWING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _serialized = GROWING.lock().unwrap_or_else(PoisonError::into_inner);
+        let refused = |reason: String| OpenError::Config {
+            url: self.url.to_string(),
+            reason: format!("{reason}: nothing was changed"),
+        };
+        let now = self.size_bytes();
+        if size_bytes < now {
+            return Err(refused(format!(
+                "a served disk only grows ({size_bytes} bytes is less than its {now}: its clients were told {now} when they connected); stop the server and run `bufcache disk resize` to shrink it"
+            )));
+        }
+        check_new_size(&self.url, &self.metadata, size_bytes)?;
+        if size_bytes == now {
+            return Ok(());
+        }
+        if self.lock.is_none() || self.read_only.is_some() {
+            return Err(refused(
+                "the disk cannot be grown here: this server does not hold it for writing"
+                    .to_string(),
+            ));
+        }
+        self.runtime
+            .block_on(write_size(&*self.store, &self.url, size_bytes))?;
+        if let Some(stored) = &self.stored {
+            stored.grow(size_bytes / self.metadata.chunk_size_bytes);
+        }
+        self.size_bytes
+            .store(size_bytes, std::sync::atomic::Ordering::Release);
+        tracing::info!(disk = %self.url, size_bytes_before = now, size_bytes, "grew the disk while serving it");
+        Ok(())
     }
 
     /// The URL the store was opened with.
@@ -828,11 +907,11 @@ impl ChunkStore {
 
     fn check_range(&self, offset: u64, length: u64) -> Result<(), StoreError> {
         match offset.checked_add(length) {
-            Some(end) if end <= self.metadata.size_bytes => Ok(()),
+            Some(end) if end <= self.size_bytes() => Ok(()),
             _ => Err(StoreError::OutOfRange {
                 offset,
                 length,
-                size: self.metadata.size_bytes,
+                size: self.size_bytes(),
             }),
         }
     }
@@ -1337,6 +1416,84 @@ pub(crate) fn seal_metadata(
             url.key(METADATA_NAME)
         );
     }
+    Ok(())
+}
+
+/// A stored metadata object's body, parsed and checked against the URL.
+fn parse_checked(url: &S3Url, key: &str, body: &[u8]) -> Result<DiskMetadata, OpenError> {
+    let loaded = authenticate_metadata(url, body)?;
+    if loaded.tag == MetadataTag::UntaggedBeforeTags {
+        tracing::warn!(
+            disk = %url,
+            size_bytes = loaded.metadata.size_bytes,
+            compress = loaded.metadata.seal.compression.name(),
+            "the metadata object `{key}` of this encrypted disk carries no tag (written before metadata tags existed): accepted as found, with the size and compression shown; the next writable open tags it"
+        );
+    }
+    check_metadata(url, &loaded.metadata)?;
+    Ok(loaded.metadata)
+}
+
+/// The field of the metadata object that marks a disk a `disk delete` is deleting (set
+/// before it looks for clone records the last time, module `admin`): a clone of it is
+/// refused. Servers ignore it.
+const DELETING_FIELD: &str = "deleting";
+
+/// Reads the metadata of the disk `url` names (an existing one) and whether it is marked as
+/// being deleted ([`DELETING_FIELD`]): one GET.
+pub(crate) async fn read_metadata_marked(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+) -> Result<(DiskMetadata, bool), OpenError> {
+    let key = url.key(METADATA_NAME);
+    let body = get_optional(store, url, &key, &format!("`{key}`"))
+        .await?
+        .ok_or_else(|| OpenError::NoDiskReadOnly {
+            url: url.to_string(),
+            key: key.clone(),
+        })?;
+    let metadata = parse_checked(url, &key, &body)?;
+    let value: serde_json::Value =
+        serde_json::from_slice(&body).expect("parse_metadata parsed it as JSON");
+    Ok((
+        metadata,
+        value[DELETING_FIELD] == serde_json::Value::Bool(true),
+    ))
+}
+
+/// Marks the disk as being deleted, or takes the mark off ([`DELETING_FIELD`]), keeping
+/// every other field as stored: a GET and a PUT. The metadata's tag does not cover the mark
+/// (`seal::UNTAGGED_METADATA_FIELDS`), so it is written without the key and leaves the tag
+/// valid.
+pub(crate) async fn write_deleting(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    deleting: bool,
+) -> Result<(), OpenError> {
+    let key = url.key(METADATA_NAME);
+    let location = ObjectPath::from(key.as_str());
+    let request_error = |operation: String, error: object_store::Error| OpenError::Request {
+        url: url.to_string(),
+        operation,
+        message: chain(&error),
+    };
+    let body = store
+        .get(&location)
+        .await
+        .map_err(|error| request_error(format!("reading `{key}`"), error))?
+        .bytes()
+        .await
+        .map_err(|error| request_error(format!("reading `{key}`"), error))?;
+    let LoadedMetadata { mut value, .. } = authenticate_metadata(url, &body)?;
+    if deleting {
+        value[DELETING_FIELD] = serde_json::Value::Bool(true);
+    } else if let Some(fields) = value.as_object_mut() {
+        fields.remove(DELETING_FIELD);
+    }
+    store
+        .put(&location, PutPayload::from(value.to_string().into_bytes()))
+        .await
+        .map_err(|error| request_error(format!("writing `{key}`"), error))?;
     Ok(())
 }
 

@@ -582,3 +582,100 @@ fn deleting_a_clone_frees_its_snapshot_and_a_base_with_clones_is_refused() {
     assert_eq!(deleted.base, None);
     assert!(raw.keys("base/").is_empty(), "{:?}", raw.keys("base/"));
 }
+
+// Goal: a `disk delete` of a base and a `disk clone` of its snapshot running at the same time
+// never leave a clone whose base segments are deleted: either the delete finds the clone's
+// record and is refused (the base, its snapshot and the clone intact), or the clone finds the
+// delete's mark and is refused (nothing of it left). Method: a base with a snapshot; delete
+// it with `delete_calling`, making a clone from the hook once the delete has listed the
+// records (none) and taken the lock: the delete is refused naming the clone, the base keeps
+// every object and no mark, the clone reads the snapshot; delete that clone, then delete the
+// base again, trying a clone from the hook once the delete has marked the metadata: the
+// clone is refused as being deleted with no object left, and the delete ends with both
+// prefixes empty.
+#[test]
+fn a_clone_made_while_its_base_is_deleted_is_fenced_off() {
+    let name = "a_clone_made_while_its_base_is_deleted_is_fenced_off";
+    if !have_moto(name) {
+        return;
+    }
+    let moto = Moto::start();
+    moto.create_bucket("bucket");
+    let endpoint = moto.endpoint();
+    let raw = Raw::new(&moto);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(57);
+    let create = url(
+        &endpoint,
+        "base",
+        "&create-size=2M&layout=log&segment-size=64k&gc=off",
+    );
+    let base = url(&endpoint, "base", "&gc=off");
+    let clone = url(&endpoint, "clone", "&gc=off");
+    let mut image = vec![0u8; DISK_BYTES];
+    image[..WRITTEN_BYTES].copy_from_slice(&random(WRITTEN_BYTES, &mut rng));
+    let mut store = LogStore::open_locked(&create).unwrap();
+    write_pieces(&store, &mut image, &mut rng);
+    store.close().unwrap();
+    drop(store);
+    admin::snapshot(&base, "golden").unwrap();
+    let base_objects = raw.keys("base/");
+    let metadata_key = "base/bufcache-disk.json";
+    let metadata_before: serde_json::Value =
+        serde_json::from_slice(&raw.get(metadata_key)).unwrap();
+
+    // The clone lands between the delete's first look for records and its fence.
+    let mut moments = Vec::new();
+    let refused = admin::delete_calling(&base, &mut |moment| {
+        moments.push(moment);
+        if moment == admin::DeleteMoment::Locked {
+            admin::clone(&base, &clone, "golden").unwrap();
+        }
+    });
+    match refused {
+        Err(error @ admin::DeleteError::Refused { .. }) => {
+            let error = error.to_string();
+            assert!(error.contains("s3://bucket/clone"), "{error}");
+            assert!(error.contains("made while this delete ran"), "{error}");
+            assert!(!error.contains('\n'), "{error}");
+        }
+        other => panic!("a delete racing a clone: {other:?}"),
+    }
+    assert_eq!(
+        moments,
+        [admin::DeleteMoment::Locked, admin::DeleteMoment::Marked]
+    );
+    let mut base_now = raw.keys("base/");
+    base_now.retain(|key| !key.starts_with("base/log/clones/"));
+    assert_eq!(base_now, base_objects, "the base keeps every object");
+    assert_eq!(raw.keys("base/log/clones/").len(), 1, "the clone's record");
+    let metadata_after: serde_json::Value = serde_json::from_slice(&raw.get(metadata_key)).unwrap();
+    assert_eq!(metadata_after, metadata_before, "the mark is taken off");
+    assert!(read_all(&clone) == image, "the clone reads the snapshot");
+    assert!(read_all(&base) == image, "the base reads as before");
+
+    // The clone is tried once the delete has marked the base: refused, nothing left of it.
+    admin::delete(&clone).unwrap();
+    let late = url(&endpoint, "late-clone", "&gc=off");
+    let mut outcome = None;
+    let deleted = admin::delete_calling(&base, &mut |moment| {
+        if moment == admin::DeleteMoment::Marked {
+            outcome = Some(admin::clone(&base, &late, "golden"));
+        }
+    })
+    .unwrap();
+    match outcome {
+        Some(Err(error @ SnapshotError::Refused { .. })) => {
+            let error = error.to_string();
+            assert!(error.contains("is being deleted"), "{error}");
+            assert!(!error.contains('\n'), "{error}");
+        }
+        other => panic!("a clone of a base being deleted: {other:?}"),
+    }
+    assert!(deleted.objects >= base_objects.len() as u64, "{deleted:?}");
+    assert!(raw.keys("base/").is_empty(), "{:?}", raw.keys("base/"));
+    assert!(
+        raw.keys("late-clone/").is_empty(),
+        "{:?}",
+        raw.keys("late-clone/")
+    );
+}

@@ -17,7 +17,8 @@
 //!
 //! Epoch objects do not accumulate: a version 2 checkpoint records the epochs owning the
 //! segments it names and those after it (module `checkpoint`), so an open reads only the
-//! epoch objects newer than the checkpoint's writer, and once a checkpoint of epoch `W` is
+//! epoch objects newer than the checkpoint's writer (every one while that checkpoint is the
+//! disk's first: its fallback, the log's start, needs the owners of every segment), and once a checkpoint of epoch `W` is
 //! durable the epoch objects older than `W` are deleted. Every later checkpoint sorts after
 //! it (a newer epoch, a `through` never smaller), so no open reads them again; a claim is
 //! always newer than the newest checkpoint's writer, so a deleted number is never claimed

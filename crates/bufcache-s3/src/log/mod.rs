@@ -2076,11 +2076,20 @@ async fn recover(
         .collect::<Result<_, _>>()?;
     // A version 2 checkpoint records the epochs an open needs up to its writer's; only the
     // newer ones are read (module `checkpoint`). Older epoch objects are not needed: at
-    // most not deleted yet, or a crashed server's late claim of a deleted number.
-    let (mut epochs, newer_than) = match checkpoint.as_ref().and_then(|(_, c)| c.epochs.clone()) {
-        Some(epochs) => (epochs, checkpoint_epoch.unwrap_or(0)),
-        None => (epoch::Epochs::default(), 0),
+    // most not deleted yet, or a crashed server's late claim of a deleted number. Except
+    // when the checkpoint is the disk's first: its fallback, the log's start, replays
+    // segments of epochs it no longer records (their data all overwritten), whose owners
+    // only their objects tell (none is deleted while the start is kept), so every one is
+    // read; without them those segments would read as void and be deleted.
+    let newer_than = if kept.name.is_none() {
+        0
+    } else {
+        checkpoint_epoch.unwrap_or(0)
     };
+    let mut epochs: epoch::Epochs = checkpoint
+        .as_ref()
+        .and_then(|(_, c)| c.epochs.clone())
+        .unwrap_or_default();
     for &number in epoch_objects.range(newer_than + 1..) {
         let key = epoch_key(url, number);
         let body = get_whole(store, url, &key).await?;
