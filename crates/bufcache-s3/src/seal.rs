@@ -94,8 +94,8 @@ const ENCRYPTION_METADATA_TAGGED: &str = "xchacha20-poly1305+hmac-sha256+metadat
 pub const METADATA_TAG_FIELD: &str = "metadata_tag";
 /// The metadata object's fields its tag does not cover: the tag itself, and the mark a
 /// `disk delete` sets while it runs (`store::DELETING_FIELD`), which refuses new clones and
-/// nothing else, so that a delete needs no key (someone without it can refuse clones anyway,
-/// by deleting the base).
+/// nothing else (someone without the key can refuse clones anyway, by deleting the base):
+/// setting and taking it off leaves the tag as it was.
 const UNTAGGED_METADATA_FIELDS: [&str; 2] = [METADATA_TAG_FIELD, "deleting"];
 
 /// What a disk's metadata object records about sealing.

@@ -1463,8 +1463,7 @@ pub(crate) async fn read_metadata_marked(
 
 /// Marks the disk as being deleted, or takes the mark off ([`DELETING_FIELD`]), keeping
 /// every other field as stored: a GET and a PUT. The metadata's tag does not cover the mark
-/// (`seal::UNTAGGED_METADATA_FIELDS`), so it is written without the key and leaves the tag
-/// valid.
+/// (`seal::UNTAGGED_METADATA_FIELDS`): the tag stays as it was.
 pub(crate) async fn write_deleting(
     store: &dyn ObjectStore,
     url: &S3Url,
