@@ -52,6 +52,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use bufcache_device::aligned::AlignedBytes;
+use bufcache_device::strict_assert;
 use bufcache_device::{
     all_data, check_range, read_each_now, write_and_wait, write_each_now, Capabilities, Device,
     Extent, FileDevice, FileDeviceError, FileDeviceOptions, ReadRequest, WriteRequest,
@@ -1370,8 +1371,34 @@ impl<R: Device, L: Device> Shared<R, L> {
         if meta.kind.is_write() && meta.epoch > state.remote_epoch {
             *state.dirty_epochs.entry(meta.epoch).or_default() += meta.length_bytes;
         }
+        // The log holds records in sequence order, each inside the log area, and never more
+        // bytes than the area has.
+        strict_assert!(
+            state
+                .records
+                .back()
+                .is_none_or(|last| last.sequence < meta.sequence),
+            "record {} appended after record {:?}",
+            meta.sequence,
+            state.records.back().map(|last| last.sequence)
+        );
+        strict_assert!(
+            meta.position >= self.log_start && meta.position + meta.space_bytes <= self.log_end,
+            "record {} at {} ({} bytes) outside the log [{}, {})",
+            meta.sequence,
+            meta.position,
+            meta.space_bytes,
+            self.log_start,
+            self.log_end
+        );
         state.records.push_back(meta);
         state.used_bytes += meta.space_bytes;
+        strict_assert!(
+            state.used_bytes <= self.capacity_bytes(),
+            "{} bytes of records in a log of {}",
+            state.used_bytes,
+            self.capacity_bytes()
+        );
         state.next_sequence = meta.sequence + 1;
         state.last_crc = meta.crc;
     }
@@ -1380,6 +1407,21 @@ impl<R: Device, L: Device> Shared<R, L> {
     fn write_checkpoint(&self, state: &mut State) -> io::Result<()> {
         // The fsync below marks every record appended so far durable (Written before durable).
         self.write_log_buffer(state)?;
+        strict_assert!(
+            state.tail_position >= self.log_start && state.tail_position <= self.log_end,
+            "checkpointing tail {} outside the log [{}, {})",
+            state.tail_position,
+            self.log_start,
+            self.log_end
+        );
+        strict_assert!(
+            state
+                .records
+                .front()
+                .is_none_or(|first| first.sequence == state.tail_sequence),
+            "the checkpoint's tail sequence {} is not the first record's",
+            state.tail_sequence
+        );
         let checkpoint = Checkpoint {
             generation: state.checkpoint_generation + 1,
             session: state.session,
@@ -1426,6 +1468,12 @@ impl<R: Device, L: Device> Shared<R, L> {
     /// then succeeded) is durable.
     fn mark_durable(&self, covered: u64) {
         let mut state = self.state.lock();
+        // Only records appended can be durable.
+        strict_assert!(
+            covered <= state.next_sequence,
+            "records below {covered} marked durable; {} appended",
+            state.next_sequence
+        );
         state.durable_sequence = state.durable_sequence.max(covered);
     }
 
@@ -1450,6 +1498,16 @@ impl<R: Device, L: Device> Shared<R, L> {
     /// before reusing its space (Tail).
     fn drop_tail(&self, state: &mut State) {
         let record = state.records.pop_front().expect("a record to drop");
+        // A write the remote does not hold yet is never dropped (Tail): its log record is
+        // the only copy.
+        strict_assert!(
+            Self::droppable(state, &record),
+            "dropping record {} of epoch {} while the remote holds epochs up to {}",
+            record.sequence,
+            record.epoch,
+            state.remote_epoch
+        );
+        strict_assert!(state.used_bytes >= record.space_bytes);
         state.used_bytes -= record.space_bytes;
         state.tail_sequence = record.sequence + 1;
         state.tail_previous_crc = record.crc;
@@ -1508,7 +1566,10 @@ impl<R: Device, L: Device> Shared<R, L> {
                 Fit::No
             };
             match fit {
-                Fit::Here => return Ok(state.head_position),
+                Fit::Here => {
+                    strict_assert!(state.head_position + total_bytes <= self.log_end);
+                    return Ok(state.head_position);
+                }
                 Fit::AfterWrap => {
                     let position = state.head_position;
                     self.append_at(state, position, RecordKind::Wrap, 0, 0, &[])
@@ -1913,6 +1974,9 @@ impl<R: Device, L: Device> Shared<R, L> {
             state.open_epoch_has_writes = false;
             self.changed.notify_all();
         }
+        // A closed epoch is never one the remote or the local device already covers wrongly:
+        // the remote holds only closed epochs.
+        strict_assert!(state.remote_epoch < state.open_epoch);
         state.open_epoch - 1
     }
 
@@ -2250,6 +2314,13 @@ impl<R: Device, L: Device> Shared<R, L> {
                         // there is durable now.
                         state.remote_unflushed = false;
                         state.dirty_epochs.remove(&epoch);
+                        // Epochs reach the remote in order: none at or below it stays dirty.
+                        #[cfg(not(feature = "planted-defect"))]
+                        strict_assert!(
+                            state.dirty_epochs.keys().all(|&dirty| dirty > epoch),
+                            "epoch {epoch} on the remote before dirty epochs {:?}",
+                            state.dirty_epochs.keys().collect::<Vec<_>>()
+                        );
                         state.writeback_epochs += 1;
                         state.writeback_failures_in_a_row = 0;
                         state.writeback_error = None;
