@@ -233,6 +233,7 @@ fn default_value(name: &str) -> Option<String> {
         "create-size" => size(crate::serve::DEFAULT_BACKING_SIZE_BYTES),
         "metrics" => "\"127.0.0.1:9187\"".into(),
         "control" => "\"/run/bufcache/control.sock\"".into(),
+        "standby-warm-bytes-max" => size(crate::serve::STANDBY_WARM_BYTES_MAX_DEFAULT),
         "connections-max" => crate::limit_args::DEFAULT_CONNECTIONS_MAX.to_string(),
         "handshake-connections-max" => {
             crate::limit_args::DEFAULT_HANDSHAKE_CONNECTIONS_MAX.to_string()

@@ -369,7 +369,7 @@ struct OpenedBackend {
 
 /// What a --standby server reads into its cache per follow round without
 /// --standby-warm-bytes-max.
-const STANDBY_WARM_BYTES_MAX_DEFAULT: u64 = 64 << 20;
+pub(crate) const STANDBY_WARM_BYTES_MAX_DEFAULT: u64 = 64 << 20;
 
 /// Faults the cache's memory in as --prefault says: the part before serving now, and returns
 /// the thread that does the rest while serving, if any.
