@@ -1463,37 +1463,20 @@ pub(crate) async fn read_metadata_marked(
 
 /// Marks the disk as being deleted, or takes the mark off ([`DELETING_FIELD`]), keeping
 /// every other field as stored: a GET and a PUT. The metadata's tag does not cover the mark
-/// (`seal::UNTAGGED_METADATA_FIELDS`): the tag stays as it was.
+/// (`seal::UNTAGGED_METADATA_FIELDS`), so the tag is the same before and after.
 pub(crate) async fn write_deleting(
     store: &dyn ObjectStore,
     url: &S3Url,
     deleting: bool,
 ) -> Result<(), OpenError> {
-    let key = url.key(METADATA_NAME);
-    let location = ObjectPath::from(key.as_str());
-    let request_error = |operation: String, error: object_store::Error| OpenError::Request {
-        url: url.to_string(),
-        operation,
-        message: chain(&error),
-    };
-    let body = store
-        .get(&location)
-        .await
-        .map_err(|error| request_error(format!("reading `{key}`"), error))?
-        .bytes()
-        .await
-        .map_err(|error| request_error(format!("reading `{key}`"), error))?;
-    let LoadedMetadata { mut value, .. } = authenticate_metadata(url, &body)?;
-    if deleting {
-        value[DELETING_FIELD] = serde_json::Value::Bool(true);
-    } else if let Some(fields) = value.as_object_mut() {
-        fields.remove(DELETING_FIELD);
-    }
-    store
-        .put(&location, PutPayload::from(value.to_string().into_bytes()))
-        .await
-        .map_err(|error| request_error(format!("writing `{key}`"), error))?;
-    Ok(())
+    rewrite_metadata(store, url, |value, _| {
+        if deleting {
+            value[DELETING_FIELD] = serde_json::Value::Bool(true);
+        } else if let Some(fields) = value.as_object_mut() {
+            fields.remove(DELETING_FIELD);
+        }
+    })
+    .await
 }
 
 #[cfg(test)]
