@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use bufcache_nbd::{BlockStatusExtent, Export};
+use bufcache_nbd::{Export, ExportLayer};
 
 use crate::trace_capture::{TraceOperation, TraceRecorder};
 use crate::whatif::WhatIfFeed;
@@ -106,21 +106,18 @@ impl ObservedExport {
     }
 }
 
-impl Export for ObservedExport {
-    fn size(&self) -> u64 {
-        self.inner.size()
+// Only what observing adds: every other method forwards to the inner export.
+impl ExportLayer for ObservedExport {
+    fn inner(&self) -> &Arc<dyn Export> {
+        &self.inner
     }
 
-    fn read_only(&self) -> bool {
-        self.inner.read_only()
-    }
-
-    fn description(&self) -> String {
-        self.inner.description()
-    }
-
-    fn preferred_block_size(&self) -> u32 {
-        self.inner.preferred_block_size()
+    fn over(&self, inner: Arc<dyn Export>) -> Arc<dyn Export> {
+        Arc::new(ObservedExport {
+            inner,
+            observers: self.observers.clone(),
+            export: self.export,
+        })
     }
 
     fn read(&self, offset: u64, buffer: &mut [u8]) -> std::io::Result<()> {
@@ -166,25 +163,9 @@ impl Export for ObservedExport {
             .write_zeroes(offset, length, may_trim, fast_only, fua)
     }
 
-    fn can_fast_zero(&self) -> bool {
-        self.inner.can_fast_zero()
-    }
-
     fn cache(&self, offset: u64, length: u64) -> std::io::Result<()> {
         self.observe(TraceOperation::Cache, offset, length);
         self.inner.cache(offset, length)
-    }
-
-    fn cache_request_bytes_max(&self) -> u64 {
-        self.inner.cache_request_bytes_max()
-    }
-
-    fn read_is_quick(&self, offset: u64, length: u64) -> bool {
-        self.inner.read_is_quick(offset, length)
-    }
-
-    fn write_is_quick(&self, offset: u64, length: u64, fua: bool) -> bool {
-        self.inner.write_is_quick(offset, length, fua)
     }
 
     /// Observed only when it starts: a read not started is served (and observed) by
@@ -209,39 +190,5 @@ impl Export for ObservedExport {
     ) -> std::io::Result<()> {
         self.observe(TraceOperation::Write, offset, length);
         self.inner.write_from(offset, length, fua, source)
-    }
-
-    fn open_connection(&self) -> Option<Arc<dyn Export>> {
-        self.inner.open_connection().map(|inner| {
-            Arc::new(ObservedExport {
-                inner,
-                observers: self.observers.clone(),
-                export: self.export,
-            }) as Arc<dyn Export>
-        })
-    }
-
-    fn block_status(&self, offset: u64, length: u64) -> std::io::Result<Vec<BlockStatusExtent>> {
-        self.inner.block_status(offset, length)
-    }
-
-    fn has_cache_state(&self) -> bool {
-        self.inner.has_cache_state()
-    }
-
-    fn cache_state(
-        &self,
-        offset: u64,
-        length: u64,
-    ) -> std::io::Result<Vec<bufcache_nbd::CacheStateExtent>> {
-        self.inner.cache_state(offset, length)
-    }
-
-    fn known_zeroes(&self, offset: u64, length: u64) -> Vec<(u64, u64)> {
-        self.inner.known_zeroes(offset, length)
-    }
-
-    fn may_acknowledge_changes(&self) -> std::io::Result<()> {
-        self.inner.may_acknowledge_changes()
     }
 }

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
 
-use bufcache_nbd::{BlockStatusExtent, CacheStateExtent, Export};
+use bufcache_nbd::{BlockStatusExtent, Export, ExportLayer};
 
 /// The NBD commands counted, in the order they are reported.
 pub const COMMANDS: [&str; 7] = [
@@ -120,21 +120,21 @@ impl MeteredExport {
     }
 }
 
-impl Export for MeteredExport {
-    fn size(&self) -> u64 {
-        self.inner.size()
+// Only what metering adds: every other method forwards to the inner export.
+impl ExportLayer for MeteredExport {
+    fn inner(&self) -> &Arc<dyn Export> {
+        &self.inner
     }
 
-    fn read_only(&self) -> bool {
-        self.inner.read_only()
-    }
-
-    fn description(&self) -> String {
-        self.inner.description()
-    }
-
-    fn preferred_block_size(&self) -> u32 {
-        self.inner.preferred_block_size()
+    /// A connection's view: counted open until it is dropped.
+    fn over(&self, inner: Arc<dyn Export>) -> Arc<dyn Export> {
+        self.meters.connections_open.fetch_add(1, Relaxed);
+        self.meters.connections_total.fetch_add(1, Relaxed);
+        Arc::new(MeteredExport {
+            inner,
+            meters: Arc::clone(&self.meters),
+            _connection: Some(ConnectionGuard(Arc::clone(&self.meters))),
+        })
     }
 
     fn read(&self, offset: u64, buffer: &mut [u8]) -> std::io::Result<()> {
@@ -192,24 +192,8 @@ impl Export for MeteredExport {
         })
     }
 
-    fn can_fast_zero(&self) -> bool {
-        self.inner.can_fast_zero()
-    }
-
     fn cache(&self, offset: u64, length: u64) -> std::io::Result<()> {
         self.timed(CACHE, length, || self.inner.cache(offset, length))
-    }
-
-    fn cache_request_bytes_max(&self) -> u64 {
-        self.inner.cache_request_bytes_max()
-    }
-
-    fn read_is_quick(&self, offset: u64, length: u64) -> bool {
-        self.inner.read_is_quick(offset, length)
-    }
-
-    fn write_is_quick(&self, offset: u64, length: u64, fua: bool) -> bool {
-        self.inner.write_is_quick(offset, length, fua)
     }
 
     /// Counted when it completes: `done` is wrapped to record the outcome and the time since
@@ -236,18 +220,14 @@ impl Export for MeteredExport {
         self.inner.start_read(offset, length, wrapped)
     }
 
+    /// Always a view of its own (the inner export's, or the inner export shared), so that
+    /// every connection is counted.
     fn open_connection(&self) -> Option<Arc<dyn Export>> {
         let inner = self
             .inner
             .open_connection()
             .unwrap_or_else(|| Arc::clone(&self.inner));
-        self.meters.connections_open.fetch_add(1, Relaxed);
-        self.meters.connections_total.fetch_add(1, Relaxed);
-        Some(Arc::new(MeteredExport {
-            inner,
-            meters: Arc::clone(&self.meters),
-            _connection: Some(ConnectionGuard(Arc::clone(&self.meters))),
-        }))
+        Some(self.over(inner))
     }
 
     fn block_status(&self, offset: u64, length: u64) -> std::io::Result<Vec<BlockStatusExtent>> {
@@ -255,27 +235,189 @@ impl Export for MeteredExport {
             self.inner.block_status(offset, length)
         })
     }
-
-    fn has_cache_state(&self) -> bool {
-        self.inner.has_cache_state()
-    }
-
-    fn cache_state(&self, offset: u64, length: u64) -> std::io::Result<Vec<CacheStateExtent>> {
-        self.inner.cache_state(offset, length)
-    }
-
-    fn known_zeroes(&self, offset: u64, length: u64) -> Vec<(u64, u64)> {
-        self.inner.known_zeroes(offset, length)
-    }
-
-    fn may_acknowledge_changes(&self) -> std::io::Result<()> {
-        self.inner.may_acknowledge_changes()
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A read-only memory export whose every capability answers other than `Export`'s
+    /// defaults, so that a layer which lost one would be seen answering the default.
+    struct Distinctive {
+        inner: Arc<dyn Export>,
+        connection: bool,
+    }
+
+    struct Held;
+
+    impl bufcache_nbd::HeldRead for Held {
+        fn slices(&self) -> Vec<std::io::IoSlice<'_>> {
+            Vec::new()
+        }
+    }
+
+    impl ExportLayer for Distinctive {
+        fn inner(&self) -> &Arc<dyn Export> {
+            &self.inner
+        }
+        fn over(&self, inner: Arc<dyn Export>) -> Arc<dyn Export> {
+            Arc::new(Distinctive {
+                inner,
+                connection: self.connection,
+            })
+        }
+        fn description(&self) -> String {
+            format!("distinctive, connection {}", self.connection)
+        }
+        fn preferred_block_size(&self) -> u32 {
+            512
+        }
+        fn cache_request_bytes_max(&self) -> u64 {
+            12_345
+        }
+        fn read_is_quick(&self, _offset: u64, _length: u64) -> bool {
+            false
+        }
+        fn write_is_quick(&self, _offset: u64, _length: u64, _fua: bool) -> bool {
+            false
+        }
+        fn start_read(
+            &self,
+            _offset: u64,
+            _length: u32,
+            done: bufcache_nbd::ReadDone,
+        ) -> Result<(), bufcache_nbd::ReadDone> {
+            done(Ok(Box::new(Held)));
+            Ok(())
+        }
+        fn open_connection(&self) -> Option<Arc<dyn Export>> {
+            Some(Arc::new(Distinctive {
+                inner: Arc::clone(&self.inner),
+                connection: true,
+            }))
+        }
+        fn has_cache_state(&self) -> bool {
+            true
+        }
+        fn cache_state(
+            &self,
+            _offset: u64,
+            length: u64,
+        ) -> std::io::Result<Vec<bufcache_nbd::CacheStateExtent>> {
+            Ok(vec![bufcache_nbd::CacheStateExtent {
+                length,
+                resident: true,
+                dirty: true,
+            }])
+        }
+        fn may_acknowledge_changes(&self) -> std::io::Result<()> {
+            Err(std::io::Error::other("the lease lapsed"))
+        }
+    }
+
+    /// What `export` advertises and answers: every method of `Export` that does not change
+    /// the data.
+    fn advertised(export: &dyn Export) -> String {
+        let length = 2 * bufcache_nbd::export::MEMORY_PAGE_BYTES;
+        let mut buffer = vec![0u8; length as usize];
+        let mut sent = Vec::new();
+        let read_with = export.read_with(0, &mut buffer, &mut |slices| {
+            sent.extend(slices.iter().map(|slice| slice.len()));
+            Ok(())
+        });
+        let started = export.start_read(0, 4096, Box::new(|_| {})).is_ok();
+        let connection = export.open_connection().map(|view| view.description());
+        format!(
+            "size {} read_only {} description {:?} preferred_block_size {} read {:?} \
+             read_with {:?} {sent:?} can_fast_zero {} cache {:?} cache_request_bytes_max {} \
+             read_is_quick {} start_read {started} write_is_quick {} connection {connection:?} \
+             block_status {:?} has_cache_state {} cache_state {:?} known_zeroes {:?} \
+             may_acknowledge_changes {:?}",
+            export.size(),
+            export.read_only(),
+            export.description(),
+            export.preferred_block_size(),
+            export
+                .read(4096, &mut [0u8; 4])
+                .map_err(|error| error.to_string()),
+            read_with.map_err(|error| error.to_string()),
+            export.can_fast_zero(),
+            export.cache(0, length).map_err(|error| error.to_string()),
+            export.cache_request_bytes_max(),
+            export.read_is_quick(0, length),
+            export.write_is_quick(0, length, false),
+            export
+                .block_status(0, length)
+                .map_err(|error| error.to_string()),
+            export.has_cache_state(),
+            export
+                .cache_state(0, length)
+                .map_err(|error| error.to_string()),
+            export.known_zeroes(0, length),
+            export
+                .may_acknowledge_changes()
+                .map_err(|error| error.to_string()),
+        )
+    }
+
+    #[test]
+    fn the_metering_and_observing_layers_keep_every_capability_of_the_export_they_wrap() {
+        // Goal: the two layers serve wraps every export in (request meters, and the trace /
+        // what-if observers) add counting and observing and drop nothing: every flag and
+        // answer the inner export advertises (size, read-only, fast zero, cache state, the
+        // lease gate, per-connection views, ...) is the layered export's too. Method: both
+        // layers, alone and stacked as serve stacks them, over an export whose every answer
+        // differs from `Export`'s defaults, compared method by method; the meters count the
+        // reads made.
+        let memory = bufcache_nbd::MemoryExport::new(4 * bufcache_nbd::export::MEMORY_PAGE_BYTES);
+        memory.write(4096, &[7; 10], false).unwrap();
+        let inner: Arc<dyn Export> = Arc::new(Distinctive {
+            inner: Arc::new(memory.with_read_only(true)),
+            connection: false,
+        });
+        let expected = advertised(inner.as_ref());
+        assert!(expected.contains("read_only true"), "{expected}");
+        assert!(expected.contains("can_fast_zero true"), "{expected}");
+        assert!(expected.contains("has_cache_state true"), "{expected}");
+        assert!(
+            expected.contains("connection Some(\"distinctive, connection true\")"),
+            "{expected}"
+        );
+        let directory = tempfile::tempdir().unwrap();
+        let observers = crate::observe::Observers {
+            whatif: None,
+            trace: Some(Arc::new(
+                crate::trace_capture::TraceRecorder::create(
+                    &directory.path().join("trace.csv"),
+                    1 << 20,
+                )
+                .unwrap(),
+            )),
+        };
+        let meters = Arc::new(RequestMeters::default());
+        let metered = MeteredExport::wrap(Arc::clone(&inner), Arc::clone(&meters));
+        let observed = crate::observe::wrap(&observers, 0, Arc::clone(&inner));
+        let stacked = MeteredExport::wrap(
+            crate::observe::wrap(&observers, 0, Arc::clone(&inner)),
+            Arc::new(RequestMeters::default()),
+        );
+        assert!(!Arc::ptr_eq(&observed, &inner), "observing is on");
+        for (name, layered) in [
+            ("metered", &metered),
+            ("observed", &observed),
+            ("stacked", &stacked),
+        ] {
+            assert_eq!(advertised(layered.as_ref()), expected, "{name}");
+            let view = layered.open_connection().expect("a view per connection");
+            assert_eq!(
+                view.description(),
+                "distinctive, connection true",
+                "{name}: a connection's view wraps the inner export's view"
+            );
+        }
+        assert_eq!(meters.commands[READ].requests.load(Relaxed), 3);
+        assert_eq!(meters.connections_total.load(Relaxed), 2);
+    }
 
     #[test]
     fn requests_bytes_latency_and_connections_are_counted_per_command() {

@@ -61,7 +61,8 @@ pub fn never_start_read(done: ReadDone) -> Result<(), ReadDone> {
     Err(done)
 }
 
-/// Something the server can export: a fixed-size array of bytes.
+/// Something the server can export: a fixed-size array of bytes. An export that wraps
+/// another implements [`ExportLayer`] instead, which forwards whatever it does not add.
 pub trait Export: Send + Sync {
     /// Size in bytes. Each connection is told the size once, at its handshake, and keeps it;
     /// an export that grows (a served disk resized) shows the new size to new connections
@@ -165,9 +166,224 @@ pub trait Export: Send + Sync {
     /// Asked after a WRITE, FLUSH, TRIM or WRITE_ZEROES succeeded, just before its success is
     /// sent: an error is sent instead. A server holding its disk under a lease (the S3 log
     /// layout) answers an error once the lease lapsed, so that no two servers ever
-    /// acknowledge writes to one disk. An export that wraps another must forward it.
+    /// acknowledge writes to one disk. An export that wraps another forwards it (see
+    /// [`ExportLayer`]).
     fn may_acknowledge_changes(&self) -> io::Result<()> {
         Ok(())
+    }
+}
+
+/// An export that adds something to another (counting, observing, gating) and otherwise is
+/// that other export: every method forwards to [`ExportLayer::inner`] unless the layer
+/// overrides it, and every [`ExportLayer`] is an [`Export`]. This is the one way to wrap an
+/// export: a layer names only what it adds, so adding a method to [`Export`] means adding
+/// it here with a forwarding default (and to the impl below, which clippy's
+/// `missing_trait_methods` keeps complete) and no layer is edited; and no layer can drop a
+/// capability of what it wraps by forgetting a method, since no default here answers
+/// "unsupported".
+pub trait ExportLayer: Send + Sync + 'static {
+    /// The export this layer wraps.
+    fn inner(&self) -> &Arc<dyn Export>;
+    /// This layer over `inner`, a connection's view of [`ExportLayer::inner`] (see
+    /// [`Export::open_connection`]): required, so that each layer says how it carries its
+    /// own state (counters, observers) into a connection's view.
+    fn over(&self, inner: Arc<dyn Export>) -> Arc<dyn Export>;
+
+    /// [`Export::size`].
+    fn size(&self) -> u64 {
+        self.inner().size()
+    }
+    /// [`Export::read_only`].
+    fn read_only(&self) -> bool {
+        self.inner().read_only()
+    }
+    /// [`Export::description`].
+    fn description(&self) -> String {
+        self.inner().description()
+    }
+    /// [`Export::preferred_block_size`].
+    fn preferred_block_size(&self) -> u32 {
+        self.inner().preferred_block_size()
+    }
+    /// [`Export::read`].
+    fn read(&self, offset: u64, buffer: &mut [u8]) -> io::Result<()> {
+        self.inner().read(offset, buffer)
+    }
+    /// [`Export::read_with`].
+    fn read_with(&self, offset: u64, buffer: &mut [u8], send: &mut ReadSink<'_>) -> io::Result<()> {
+        self.inner().read_with(offset, buffer, send)
+    }
+    /// [`Export::write`].
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
+        self.inner().write(offset, data, fua)
+    }
+    /// [`Export::write_from`].
+    fn write_from(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        source: &mut WriteSource<'_>,
+    ) -> io::Result<()> {
+        self.inner().write_from(offset, length, fua, source)
+    }
+    /// [`Export::flush`].
+    fn flush(&self) -> io::Result<()> {
+        self.inner().flush()
+    }
+    /// [`Export::trim`].
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> io::Result<()> {
+        self.inner().trim(offset, length, fua)
+    }
+    /// [`Export::write_zeroes`].
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        length: u64,
+        may_trim: bool,
+        fast_only: bool,
+        fua: bool,
+    ) -> io::Result<()> {
+        self.inner()
+            .write_zeroes(offset, length, may_trim, fast_only, fua)
+    }
+    /// [`Export::can_fast_zero`].
+    fn can_fast_zero(&self) -> bool {
+        self.inner().can_fast_zero()
+    }
+    /// [`Export::cache`].
+    fn cache(&self, offset: u64, length: u64) -> io::Result<()> {
+        self.inner().cache(offset, length)
+    }
+    /// [`Export::cache_request_bytes_max`].
+    fn cache_request_bytes_max(&self) -> u64 {
+        self.inner().cache_request_bytes_max()
+    }
+    /// [`Export::read_is_quick`].
+    fn read_is_quick(&self, offset: u64, length: u64) -> bool {
+        self.inner().read_is_quick(offset, length)
+    }
+    /// [`Export::start_read`].
+    fn start_read(&self, offset: u64, length: u32, done: ReadDone) -> Result<(), ReadDone> {
+        self.inner().start_read(offset, length, done)
+    }
+    /// [`Export::write_is_quick`].
+    fn write_is_quick(&self, offset: u64, length: u64, fua: bool) -> bool {
+        self.inner().write_is_quick(offset, length, fua)
+    }
+    /// [`Export::open_connection`]: the inner export's view of the connection with this
+    /// layer over it ([`ExportLayer::over`]), or `None` (shared) when the inner export
+    /// shares itself.
+    fn open_connection(&self) -> Option<Arc<dyn Export>> {
+        self.inner().open_connection().map(|inner| self.over(inner))
+    }
+    /// [`Export::block_status`].
+    fn block_status(&self, offset: u64, length: u64) -> io::Result<Vec<BlockStatusExtent>> {
+        self.inner().block_status(offset, length)
+    }
+    /// [`Export::has_cache_state`].
+    fn has_cache_state(&self) -> bool {
+        self.inner().has_cache_state()
+    }
+    /// [`Export::cache_state`].
+    fn cache_state(&self, offset: u64, length: u64) -> io::Result<Vec<CacheStateExtent>> {
+        self.inner().cache_state(offset, length)
+    }
+    /// [`Export::known_zeroes`].
+    fn known_zeroes(&self, offset: u64, length: u64) -> Vec<(u64, u64)> {
+        self.inner().known_zeroes(offset, length)
+    }
+    /// [`Export::may_acknowledge_changes`].
+    fn may_acknowledge_changes(&self) -> io::Result<()> {
+        self.inner().may_acknowledge_changes()
+    }
+}
+
+// Every method spelled out, the defaulted ones too: a method of `Export` left to its default
+// here would answer the default instead of the inner export (clippy refuses that).
+#[deny(clippy::missing_trait_methods)]
+impl<L: ExportLayer> Export for L {
+    fn size(&self) -> u64 {
+        ExportLayer::size(self)
+    }
+    fn read_only(&self) -> bool {
+        ExportLayer::read_only(self)
+    }
+    fn description(&self) -> String {
+        ExportLayer::description(self)
+    }
+    fn preferred_block_size(&self) -> u32 {
+        ExportLayer::preferred_block_size(self)
+    }
+    fn read(&self, offset: u64, buffer: &mut [u8]) -> io::Result<()> {
+        ExportLayer::read(self, offset, buffer)
+    }
+    fn read_with(&self, offset: u64, buffer: &mut [u8], send: &mut ReadSink<'_>) -> io::Result<()> {
+        ExportLayer::read_with(self, offset, buffer, send)
+    }
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
+        ExportLayer::write(self, offset, data, fua)
+    }
+    fn write_from(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        source: &mut WriteSource<'_>,
+    ) -> io::Result<()> {
+        ExportLayer::write_from(self, offset, length, fua, source)
+    }
+    fn flush(&self) -> io::Result<()> {
+        ExportLayer::flush(self)
+    }
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> io::Result<()> {
+        ExportLayer::trim(self, offset, length, fua)
+    }
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        length: u64,
+        may_trim: bool,
+        fast_only: bool,
+        fua: bool,
+    ) -> io::Result<()> {
+        ExportLayer::write_zeroes(self, offset, length, may_trim, fast_only, fua)
+    }
+    fn can_fast_zero(&self) -> bool {
+        ExportLayer::can_fast_zero(self)
+    }
+    fn cache(&self, offset: u64, length: u64) -> io::Result<()> {
+        ExportLayer::cache(self, offset, length)
+    }
+    fn cache_request_bytes_max(&self) -> u64 {
+        ExportLayer::cache_request_bytes_max(self)
+    }
+    fn read_is_quick(&self, offset: u64, length: u64) -> bool {
+        ExportLayer::read_is_quick(self, offset, length)
+    }
+    fn start_read(&self, offset: u64, length: u32, done: ReadDone) -> Result<(), ReadDone> {
+        ExportLayer::start_read(self, offset, length, done)
+    }
+    fn write_is_quick(&self, offset: u64, length: u64, fua: bool) -> bool {
+        ExportLayer::write_is_quick(self, offset, length, fua)
+    }
+    fn open_connection(&self) -> Option<Arc<dyn Export>> {
+        ExportLayer::open_connection(self)
+    }
+    fn block_status(&self, offset: u64, length: u64) -> io::Result<Vec<BlockStatusExtent>> {
+        ExportLayer::block_status(self, offset, length)
+    }
+    fn has_cache_state(&self) -> bool {
+        ExportLayer::has_cache_state(self)
+    }
+    fn cache_state(&self, offset: u64, length: u64) -> io::Result<Vec<CacheStateExtent>> {
+        ExportLayer::cache_state(self, offset, length)
+    }
+    fn known_zeroes(&self, offset: u64, length: u64) -> Vec<(u64, u64)> {
+        ExportLayer::known_zeroes(self, offset, length)
+    }
+    fn may_acknowledge_changes(&self) -> io::Result<()> {
+        ExportLayer::may_acknowledge_changes(self)
     }
 }
 
@@ -438,6 +654,167 @@ impl Export for MemoryExport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A read-only memory export whose every capability answers other than `Export`'s
+    /// defaults, so that a layer which lost one would be seen answering the default.
+    struct Distinctive {
+        inner: Arc<dyn Export>,
+        connection: bool,
+    }
+
+    struct Held;
+
+    impl HeldRead for Held {
+        fn slices(&self) -> Vec<IoSlice<'_>> {
+            Vec::new()
+        }
+    }
+
+    impl Distinctive {
+        fn shared() -> Arc<dyn Export> {
+            let memory = MemoryExport::new(4 * MEMORY_PAGE_BYTES);
+            memory.write(MEMORY_PAGE_BYTES, &[7; 10], false).unwrap();
+            Arc::new(Distinctive {
+                inner: Arc::new(memory.with_read_only(true)),
+                connection: false,
+            })
+        }
+    }
+
+    impl ExportLayer for Distinctive {
+        fn inner(&self) -> &Arc<dyn Export> {
+            &self.inner
+        }
+        fn over(&self, inner: Arc<dyn Export>) -> Arc<dyn Export> {
+            Arc::new(Distinctive {
+                inner,
+                connection: self.connection,
+            })
+        }
+        fn description(&self) -> String {
+            format!("distinctive, connection {}", self.connection)
+        }
+        fn preferred_block_size(&self) -> u32 {
+            512
+        }
+        fn cache_request_bytes_max(&self) -> u64 {
+            12_345
+        }
+        fn read_is_quick(&self, _offset: u64, _length: u64) -> bool {
+            false
+        }
+        fn write_is_quick(&self, _offset: u64, _length: u64, _fua: bool) -> bool {
+            false
+        }
+        fn start_read(&self, _offset: u64, _length: u32, done: ReadDone) -> Result<(), ReadDone> {
+            done(Ok(Box::new(Held)));
+            Ok(())
+        }
+        fn open_connection(&self) -> Option<Arc<dyn Export>> {
+            Some(Arc::new(Distinctive {
+                inner: Arc::clone(&self.inner),
+                connection: true,
+            }))
+        }
+        fn has_cache_state(&self) -> bool {
+            true
+        }
+        fn cache_state(&self, _offset: u64, length: u64) -> io::Result<Vec<CacheStateExtent>> {
+            Ok(vec![CacheStateExtent {
+                length,
+                resident: true,
+                dirty: true,
+            }])
+        }
+        fn may_acknowledge_changes(&self) -> io::Result<()> {
+            Err(io::Error::other("the lease lapsed"))
+        }
+    }
+
+    /// A layer that adds nothing.
+    struct Transparent(Arc<dyn Export>);
+
+    impl ExportLayer for Transparent {
+        fn inner(&self) -> &Arc<dyn Export> {
+            &self.0
+        }
+        fn over(&self, inner: Arc<dyn Export>) -> Arc<dyn Export> {
+            Arc::new(Transparent(inner))
+        }
+    }
+
+    /// What `export` advertises and answers, for comparing an export with a layer over it:
+    /// every method of `Export` that does not change the data.
+    fn advertised(export: &dyn Export) -> String {
+        let length = 2 * MEMORY_PAGE_BYTES;
+        let mut buffer = vec![0u8; length as usize];
+        let mut sent = Vec::new();
+        let read_with = export.read_with(0, &mut buffer, &mut |slices| {
+            sent.extend(slices.iter().map(|slice| slice.len()));
+            Ok(())
+        });
+        let started = export.start_read(0, 4096, Box::new(|_| {})).is_ok();
+        let connection = export.open_connection().map(|view| view.description());
+        format!(
+            "size {} read_only {} description {:?} preferred_block_size {} read {:?} \
+             read_with {:?} {sent:?} can_fast_zero {} cache {:?} cache_request_bytes_max {} \
+             read_is_quick {} start_read {started} write_is_quick {} connection {connection:?} \
+             block_status {:?} has_cache_state {} cache_state {:?} known_zeroes {:?} \
+             may_acknowledge_changes {:?}",
+            export.size(),
+            export.read_only(),
+            export.description(),
+            export.preferred_block_size(),
+            export
+                .read(MEMORY_PAGE_BYTES, &mut [0u8; 4])
+                .map_err(|error| error.to_string()),
+            read_with.map_err(|error| error.to_string()),
+            export.can_fast_zero(),
+            export.cache(0, length).map_err(|error| error.to_string()),
+            export.cache_request_bytes_max(),
+            export.read_is_quick(0, length),
+            export.write_is_quick(0, length, false),
+            export
+                .block_status(0, length)
+                .map_err(|error| error.to_string()),
+            export.has_cache_state(),
+            export
+                .cache_state(0, length)
+                .map_err(|error| error.to_string()),
+            export.known_zeroes(0, length),
+            export
+                .may_acknowledge_changes()
+                .map_err(|error| error.to_string()),
+        )
+    }
+
+    #[test]
+    fn a_layer_that_adds_nothing_answers_every_method_as_the_export_it_wraps() {
+        // Goal: an `ExportLayer` that overrides nothing keeps every capability and answer of
+        // what it wraps (the defaults forward; none answers "unsupported"), on the shared
+        // export and on a connection's view; writes reach the inner export. Method: a layer
+        // over an export whose every answer differs from `Export`'s defaults, compared
+        // method by method.
+        let inner = Distinctive::shared();
+        let layer: Arc<dyn Export> = Arc::new(Transparent(Arc::clone(&inner)));
+        let expected = advertised(inner.as_ref());
+        assert!(expected.contains("connection Some(\"distinctive, connection true\")"));
+        assert!(expected.contains("may_acknowledge_changes Err(\"the lease lapsed\")"));
+        assert_eq!(advertised(layer.as_ref()), expected);
+        let view = layer.open_connection().expect("the inner export has views");
+        assert_eq!(
+            view.description(),
+            "distinctive, connection true",
+            "a connection's view is the inner's view"
+        );
+        let writable: Arc<dyn Export> =
+            Arc::new(Transparent(Arc::new(MemoryExport::new(MEMORY_PAGE_BYTES))));
+        writable.write(10, &[1, 2, 3], false).unwrap();
+        writable.write_zeroes(11, 1, false, false, false).unwrap();
+        let mut back = [0u8; 3];
+        writable.read(10, &mut back).unwrap();
+        assert_eq!(back, [1, 0, 3]);
+    }
 
     #[test]
     fn memory_export_reads_back_writes_across_pages() {

@@ -40,8 +40,8 @@ pub use config::{
 };
 pub use export::{
     never_start_read, no_cache_state, read_via_buffer, write_via_buffer, AcknowledgeGate,
-    BlockStatusExtent, CacheStateExtent, Export, HeldRead, MemoryExport, ReadDone, ReadSink,
-    StartedRead, WriteSource,
+    BlockStatusExtent, CacheStateExtent, Export, ExportLayer, HeldRead, MemoryExport, ReadDone,
+    ReadSink, StartedRead, WriteSource,
 };
 pub use ipnet::IpNet;
 pub use reconnect::{ReconnectPolicy, ReconnectingClient};
