@@ -45,7 +45,7 @@ const REQUEST_BYTES_MAX: u64 = 16 << 10;
 const REPLY_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// Writes back every dirty buffer and flushes the devices below (the engine's sync).
-pub(crate) type Sync = Box<dyn Fn() -> Result<(), String> + Send>;
+pub(crate) type Sync = Box<dyn Fn() -> Result<(), bufcache::CacheError> + Send>;
 
 /// A disk the server holds: its device, and the cache's object over it (what its export
 /// serves).

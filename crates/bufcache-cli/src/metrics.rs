@@ -28,6 +28,7 @@ use crate::request_meters::{RequestMeters, COMMANDS, LATENCY_BUCKETS_SECONDS};
 pub type ServeTier = bufcache_tier::LocalTier<std::sync::Arc<dyn bufcache::Device>>;
 
 /// The counters of one export's device stack.
+#[derive(Clone)]
 pub struct ExportMeters {
     /// Export name ("" for the default export).
     pub name: String,
