@@ -113,36 +113,97 @@ pub(crate) fn start(bound: Bound, disks: Vec<Held>, sync: Sync) -> anyhow::Resul
     Ok(())
 }
 
+/// Why the server refused a control request: the reply's `error`, and whether the request
+/// itself was wrong (`bad_input`: nothing was changed) or the server failed doing it.
+#[derive(Debug, thiserror::Error)]
+enum ControlError {
+    #[error("not a JSON request line: {0}")]
+    NotJson(#[source] serde_json::Error),
+    #[error("the request has no string field `{0}`")]
+    NoStringField(&'static str),
+    #[error("the request has no whole-number field `size_bytes`")]
+    NoSize,
+    #[error("unknown command `{}`; known: snapshot, resize", .0.escape_debug())]
+    UnknownCommand(String),
+    #[error("this server holds no log-layout disk {disk} (it holds: {})", held_names(.held))]
+    NotHeld { disk: String, held: Vec<String> },
+    #[error(transparent)]
+    Snapshot(Box<bufcache_s3::SnapshotError>),
+    #[error("writing back dirty data before the snapshot: {0}")]
+    WriteBack(#[source] Box<bufcache::CacheError>),
+    #[error("{disk}: new size {size_bytes} is not a whole number of the export's {block_size}-byte blocks: nothing was changed")]
+    NotWholeBlocks {
+        disk: String,
+        size_bytes: u64,
+        block_size: u64,
+    },
+    #[error(transparent)]
+    Grow(Box<bufcache_s3::OpenError>),
+    #[error("{disk}: the disk grew to {size_bytes} bytes, but the export did not: {error}")]
+    ExportNotGrown {
+        disk: String,
+        size_bytes: u64,
+        #[source]
+        error: Box<bufcache::CacheError>,
+    },
+}
+
+/// The disks a server holds, for a refusal naming them.
+fn held_names(held: &[String]) -> String {
+    if held.is_empty() {
+        "none".to_string()
+    } else {
+        held.join(", ")
+    }
+}
+
+impl ControlError {
+    /// True when the request was wrong, not the server (the reply's `bad_input`).
+    fn is_bad_input(&self) -> bool {
+        match self {
+            ControlError::NotJson(_)
+            | ControlError::NoStringField(_)
+            | ControlError::NoSize
+            | ControlError::UnknownCommand(_)
+            | ControlError::NotHeld { .. }
+            | ControlError::NotWholeBlocks { .. } => true,
+            ControlError::Snapshot(error) => error.is_bad_input(),
+            // A store that could not be reached is the server's failure; any other refusal
+            // of the new size (smaller, too large) is the request's.
+            ControlError::Grow(error) => !matches!(**error, bufcache_s3::OpenError::Request { .. }),
+            ControlError::WriteBack(_) | ControlError::ExportNotGrown { .. } => false,
+        }
+    }
+}
+
 fn serve_one(stream: UnixStream, disks: &[Held], sync: &Sync) -> std::io::Result<()> {
     let mut line = String::new();
     BufReader::new(std::io::Read::take(&stream, REQUEST_BYTES_MAX)).read_line(&mut line)?;
     let reply = match answer(&line, disks, sync) {
         Ok(reply) => reply,
-        Err((bad_input, error)) => json!({ "ok": false, "bad_input": bad_input, "error": error }),
+        Err(error) => json!({
+            "ok": false,
+            "bad_input": error.is_bad_input(),
+            "error": error.to_string(),
+        }),
     };
     let mut stream = stream;
     writeln!(stream, "{reply}")?;
     stream.flush()
 }
 
-/// The reply to one request line; Err((bad input?, the one-line error)).
-fn answer(line: &str, disks: &[Held], sync: &Sync) -> Result<Value, (bool, String)> {
-    let request: Value = serde_json::from_str(line.trim())
-        .map_err(|error| (true, format!("not a JSON request line: {error}")))?;
-    let field = |name: &str| {
+/// The reply to one request line.
+fn answer(line: &str, disks: &[Held], sync: &Sync) -> Result<Value, ControlError> {
+    let request: Value = serde_json::from_str(line.trim()).map_err(ControlError::NotJson)?;
+    let field = |name: &'static str| {
         request[name]
             .as_str()
-            .ok_or_else(|| (true, format!("the request has no string field `{name}`")))
+            .ok_or(ControlError::NoStringField(name))
     };
+    let size_bytes = || request["size_bytes"].as_u64().ok_or(ControlError::NoSize);
     let command = field("command")?;
     if command != "snapshot" && command != "resize" {
-        return Err((
-            true,
-            format!(
-                "unknown command `{}`; known: snapshot, resize",
-                command.escape_debug()
-            ),
-        ));
+        return Err(ControlError::UnknownCommand(command.to_string()));
     }
     let disk = field("disk")?;
     if command == "resize" {
@@ -152,13 +213,7 @@ fn answer(line: &str, disks: &[Held], sync: &Sync) -> Result<Value, (bool, Strin
                 .store()
                 .is_some_and(|store| disk_name(store.url()) == disk)
         }) {
-            let size_bytes = request["size_bytes"].as_u64().ok_or_else(|| {
-                (
-                    true,
-                    "the request has no whole-number field `size_bytes`".to_string(),
-                )
-            })?;
-            return resize(held, disk, size_bytes);
+            return resize(held, disk, size_bytes()?);
         }
     }
     let held = disks
@@ -168,45 +223,23 @@ fn answer(line: &str, disks: &[Held], sync: &Sync) -> Result<Value, (bool, Strin
                 .log_store()
                 .is_some_and(|store| disk_name(store.url()) == disk)
         })
-        .ok_or_else(|| {
-            let served: Vec<String> = disks
+        .ok_or_else(|| ControlError::NotHeld {
+            disk: disk.to_string(),
+            held: disks
                 .iter()
                 .filter_map(|held| held.device.log_store().map(|store| disk_name(store.url())))
-                .collect();
-            (
-                true,
-                format!(
-                    "this server holds no log-layout disk {disk} (it holds: {})",
-                    if served.is_empty() {
-                        "none".to_string()
-                    } else {
-                        served.join(", ")
-                    }
-                ),
-            )
+                .collect(),
         })?;
     if command == "resize" {
-        let size_bytes = request["size_bytes"].as_u64().ok_or_else(|| {
-            (
-                true,
-                "the request has no whole-number field `size_bytes`".to_string(),
-            )
-        })?;
-        return resize(held, disk, size_bytes);
+        return resize(held, disk, size_bytes()?);
     }
     let name = field("name")?;
     let store = held.device.log_store().expect("found by its log store");
-    bufcache_s3::check_snapshot_name(name).map_err(|error| (true, error.to_string()))?;
+    let snapshot_error = |error| ControlError::Snapshot(Box::new(error));
+    bufcache_s3::check_snapshot_name(name).map_err(snapshot_error)?;
     let started = Instant::now();
-    sync().map_err(|error| {
-        (
-            false,
-            format!("writing back dirty data before the snapshot: {error}"),
-        )
-    })?;
-    let taken = store
-        .snapshot(name)
-        .map_err(|error| (error.is_bad_input(), error.to_string()))?;
+    sync().map_err(|error| ControlError::WriteBack(Box::new(error)))?;
+    let taken = store.snapshot(name).map_err(snapshot_error)?;
     tracing::info!(disk = %disk, snapshot = name, seconds = started.elapsed().as_secs_f64(), "snapshot taken through the control socket");
     Ok(json!({
         "ok": true,
@@ -220,7 +253,7 @@ fn answer(line: &str, disks: &[Held], sync: &Sync) -> Result<Value, (bool, Strin
 
 /// Grows the held disk (either layout), then its object (checked first, so that a size the
 /// object refuses changes nothing).
-fn resize(held: &Held, disk: &str, size_bytes: u64) -> Result<Value, (bool, String)> {
+fn resize(held: &Held, disk: &str, size_bytes: u64) -> Result<Value, ControlError> {
     let started = Instant::now();
     let before = match (held.device.log_store(), held.device.store()) {
         (Some(store), _) => store.metadata().size_bytes,
@@ -229,30 +262,25 @@ fn resize(held: &Held, disk: &str, size_bytes: u64) -> Result<Value, (bool, Stri
     };
     let block_size = u64::from(held.object.block_size());
     if !size_bytes.is_multiple_of(block_size) || !held.object.len().is_multiple_of(block_size) {
-        return Err((
-            true,
-            format!(
-                "{disk}: new size {size_bytes} is not a whole number of the export's {block_size}-byte blocks: nothing was changed"
-            ),
-        ));
+        return Err(ControlError::NotWholeBlocks {
+            disk: disk.to_string(),
+            size_bytes,
+            block_size,
+        });
     }
-    let grown = match (held.device.log_store(), held.device.store()) {
+    match (held.device.log_store(), held.device.store()) {
         (Some(store), _) => store.grow(size_bytes),
         (None, Some(store)) => store.grow(size_bytes),
         (None, None) => unreachable!("found by its log or chunk store"),
-    };
-    grown.map_err(|error| {
-        (
-            !matches!(error, bufcache_s3::OpenError::Request { .. }),
-            error.to_string(),
-        )
-    })?;
-    held.object.grow(size_bytes).map_err(|error| {
-        (
-            false,
-            format!("{disk}: the disk grew to {size_bytes} bytes, but the export did not: {error}"),
-        )
-    })?;
+    }
+    .map_err(|error| ControlError::Grow(Box::new(error)))?;
+    held.object
+        .grow(size_bytes)
+        .map_err(|error| ControlError::ExportNotGrown {
+            disk: disk.to_string(),
+            size_bytes,
+            error: Box::new(error),
+        })?;
     tracing::info!(disk = %disk, size_bytes_before = before, size_bytes, "resized through the control socket");
     Ok(json!({
         "ok": true,
@@ -335,4 +363,54 @@ pub(crate) fn request_resize(
             .ok_or_else(|| anyhow::anyhow!("the server's reply has no `{field}`: {reply}"))
     };
     Ok((number("size_bytes_before")?, number("size_bytes_after")?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refused_requests_keep_their_words_and_say_whether_the_request_was_at_fault() {
+        // Goal: a refused control request answers the one-line error clients have always
+        // been given, and `bad_input` true for a request that is wrong (the client exits 2).
+        // Method: request lines a server holding no disk refuses, answered directly.
+        let sync: Sync = Box::new(|| Ok(()));
+        for (line, expected) in [
+            ("{}", "the request has no string field `command`"),
+            (
+                r#"{"command":"drop\n","disk":"s3://b/p"}"#,
+                "unknown command `drop\\n`; known: snapshot, resize",
+            ),
+            (
+                r#"{"command":"snapshot"}"#,
+                "the request has no string field `disk`",
+            ),
+            (
+                r#"{"command":"snapshot","disk":"s3://b/p","name":"a"}"#,
+                "this server holds no log-layout disk s3://b/p (it holds: none)",
+            ),
+            (
+                r#"{"command":"resize","disk":"s3://b/p","size_bytes":1}"#,
+                "this server holds no log-layout disk s3://b/p (it holds: none)",
+            ),
+        ] {
+            let error = answer(line, &[], &sync).expect_err(line);
+            assert_eq!(error.to_string(), expected, "{line}");
+            assert!(error.is_bad_input(), "{line}");
+        }
+        let error = answer("snapshot please", &[], &sync).expect_err("not JSON");
+        assert!(error
+            .to_string()
+            .starts_with("not a JSON request line: expected"));
+        assert!(error.is_bad_input());
+        let failed = ControlError::WriteBack(Box::new(bufcache::CacheError::NoSpace {
+            waited: Duration::from_secs(1),
+        }));
+        assert!(!failed.is_bad_input());
+        assert_eq!(
+            failed.to_string(),
+            "writing back dirty data before the snapshot: no buffer space: every buffer is \
+             pinned or dirty and could not be written back (waited 1s)"
+        );
+    }
 }

@@ -647,112 +647,11 @@ fn buffer_wait_histogram(text: &mut Exposition, stats: &CacheStats) {
     );
 }
 
+/// The cache's own samples (every export's together), in the order they have always had.
 fn cache_prometheus(text: &mut Exposition, stats: &CacheStats) {
-    counter(
-        text,
-        "bufcache_cache_hits_total",
-        &Labels::new(),
-        stats.hits,
-        "Block lookups served from the cache.",
-    );
-    counter(
-        text,
-        "bufcache_cache_misses_total",
-        &Labels::new(),
-        stats.misses,
-        "Block lookups that needed the device.",
-    );
-    counter(
-        text,
-        "bufcache_evictions_total",
-        &Labels::new(),
-        stats.evictions,
-        "Clean buffers evicted to make room.",
-    );
-    counter(
-        text,
-        "bufcache_read_clusters_total",
-        &Labels::new(),
-        stats.read_clusters,
-        "Clustered device reads.",
-    );
-    counter(
-        text,
-        "bufcache_reads_started_total",
-        &Labels::new(),
-        stats.reads_started,
-        "Reads of missing blocks started on an upstream that ends them on its own thread (no thread waited).",
-    );
-    counter(
-        text,
-        "bufcache_reads_attached_total",
-        &Labels::new(),
-        stats.reads_attached,
-        "Started reads of blocks another read was filling, answered by that fill's completion (no thread waited).",
-    );
-    counter(
-        text,
-        "bufcache_write_batches_total",
-        &Labels::new(),
-        stats.write_batches,
-        "Batches of write-back writes handed to a slow device together.",
-    );
-    counter(
-        text,
-        "bufcache_write_batch_writes_total",
-        &Labels::new(),
-        stats.write_batch_writes,
-        "Writes carried by those batches.",
-    );
-    counter(
-        text,
-        "bufcache_writeback_inflight_waits_total",
-        &Labels::new(),
-        stats.writeback_inflight_waits,
-        "Write-back passes that waited for a slot of their backend's write-back share (--writeback-inflight-max).",
-    );
-    counter(
-        text,
-        "bufcache_read_cluster_buffers_total",
-        &Labels::new(),
-        stats.read_cluster_buffers,
-        "Buffers filled by clustered reads.",
-    );
-    counter(
-        text,
-        "bufcache_write_clusters_total",
-        &Labels::new(),
-        stats.write_clusters,
-        "Clustered device writes.",
-    );
-    counter(
-        text,
-        "bufcache_write_cluster_buffers_total",
-        &Labels::new(),
-        stats.write_cluster_buffers,
-        "Buffers drained by clustered writes.",
-    );
-    counter(
-        text,
-        "bufcache_readahead_issued_blocks_total",
-        &Labels::new(),
-        stats.readahead_issued_blocks,
-        "Blocks read ahead.",
-    );
-    counter(
-        text,
-        "bufcache_readahead_used_blocks_total",
-        &Labels::new(),
-        stats.readahead_used_blocks,
-        "Read-ahead blocks a reader used.",
-    );
-    counter(
-        text,
-        "bufcache_readahead_wasted_blocks_total",
-        &Labels::new(),
-        stats.readahead_wasted_blocks,
-        "Read-ahead blocks dropped unused.",
-    );
+    for (name, value, help) in cache_lookup_counters(stats) {
+        counter(text, name, &Labels::new(), value, help);
+    }
     for cause in WritebackCause::ALL {
         let labels = crate::exposition::label("cause", cause.name());
         counter(
@@ -763,147 +662,197 @@ fn cache_prometheus(text: &mut Exposition, stats: &CacheStats) {
             "Blocks written back, by cause.",
         );
     }
-    counter(
-        text,
-        "bufcache_throttled_writes_total",
-        &Labels::new(),
-        stats.throttled_writes,
-        "Writes that wrote back dirty data themselves.",
-    );
-    counter(
-        text,
-        "bufcache_space_waits_total",
-        &Labels::new(),
-        stats.space_waits,
-        "Allocations that waited for space.",
-    );
-    counter(
-        text,
-        "bufcache_buffer_waits_total",
-        &Labels::new(),
-        stats.buffer_waits,
-        "Reservations that found no evictable buffer and waited for a release.",
-    );
+    for (name, value, help) in cache_wait_counters(stats) {
+        counter(text, name, &Labels::new(), value, help);
+    }
     buffer_wait_histogram(text, stats);
-    counter(
-        text,
-        "bufcache_streamed_reads_total",
-        &Labels::new(),
-        stats.streamed_reads,
-        "Device reads that served a cold read without caching it: no buffer was free without evicting what others use.",
-    );
-    counter(
-        text,
-        "bufcache_streamed_blocks_total",
-        &Labels::new(),
-        stats.streamed_blocks,
-        "Blocks served by streamed reads.",
-    );
-    counter(
-        text,
-        "bufcache_writeback_waits_total",
-        &Labels::new(),
-        stats.writeback_waits,
-        "Writers under pressure that waited for write-back in flight instead of writing back themselves.",
-    );
-    counter(
-        text,
-        "bufcache_eviction_candidates_examined_total",
-        &Labels::new(),
-        stats.eviction_candidates_examined,
-        "Buffers the evictor asked about; busy ones are held off the queues, not walked.",
-    );
-    counter(
-        text,
-        "bufcache_space_failures_total",
-        &Labels::new(),
-        stats.space_failures,
-        "Allocations that gave up waiting for space.",
-    );
-    counter(
-        text,
-        "bufcache_engine_device_flushes_total",
-        &Labels::new(),
-        stats.device_flushes,
-        "Device flushes issued by the engine.",
-    );
-    counter(
-        text,
-        "bufcache_engine_device_flush_errors_total",
-        &Labels::new(),
-        stats.device_flush_errors,
-        "Device flushes that failed.",
-    );
-    counter(
-        text,
-        "bufcache_engine_device_read_errors_total",
-        &Labels::new(),
-        stats.device_reads.errors,
-        "Device reads that failed.",
-    );
-    counter(
-        text,
-        "bufcache_engine_device_write_errors_total",
-        &Labels::new(),
-        stats.device_writes.errors,
-        "Device writes that failed.",
-    );
-    gauge(
-        text,
-        "bufcache_dirty_bytes",
-        stats.dirty_bytes,
-        "Bytes of dirty data.",
-    );
-    gauge(
-        text,
-        "bufcache_writeback_inflight_requests",
-        stats.writeback_inflight_requests,
-        "Write-back requests at the backends now.",
-    );
-    gauge(
-        text,
-        "bufcache_pinned_bytes",
-        stats.pinned_bytes,
-        "Bytes of buffers held (wired).",
-    );
-    gauge(
-        text,
-        "bufcache_memory_used_bytes",
-        stats.memory_used_bytes,
-        "Memory charged to buffers.",
-    );
-    gauge(
-        text,
-        "bufcache_memory_wasted_bytes",
-        stats.memory_wasted_bytes,
-        "Charged memory beyond buffer sizes.",
-    );
-    gauge(
-        text,
-        "bufcache_memory_prefaulted_bytes",
-        stats.memory_prefaulted_bytes,
-        "Memory faulted in ahead of need (--prefault), not yet used by buffers.",
-    );
-    gauge(
-        text,
-        "bufcache_memory_limit_bytes",
-        stats.memory_bytes_max,
-        "Memory limit.",
-    );
-    gauge(
-        text,
-        "bufcache_buffers",
-        stats.buffers_in_use,
-        "Live buffers.",
-    );
-    gauge(
-        text,
-        "bufcache_buffers_limit",
-        stats.buffers_max,
-        "Buffer limit (NBUF).",
-    );
+    for (name, value, help) in cache_device_counters(stats) {
+        counter(text, name, &Labels::new(), value, help);
+    }
+    for (name, value, help) in cache_gauges(stats) {
+        gauge(text, name, value, help);
+    }
 }
 
+/// The cache's lookups, evictions, clustered and started reads, write batches and read-ahead.
+fn cache_lookup_counters(stats: &CacheStats) -> [(&'static str, u64, &'static str); 15] {
+    [
+        ("bufcache_cache_hits_total", stats.hits, "Block lookups served from the cache."),
+        ("bufcache_cache_misses_total", stats.misses, "Block lookups that needed the device."),
+        ("bufcache_evictions_total", stats.evictions, "Clean buffers evicted to make room."),
+        ("bufcache_read_clusters_total", stats.read_clusters, "Clustered device reads."),
+        (
+            "bufcache_reads_started_total",
+            stats.reads_started,
+            "Reads of missing blocks started on an upstream that ends them on its own thread (no thread waited).",
+        ),
+        (
+            "bufcache_reads_attached_total",
+            stats.reads_attached,
+            "Started reads of blocks another read was filling, answered by that fill's completion (no thread waited).",
+        ),
+        (
+            "bufcache_write_batches_total",
+            stats.write_batches,
+            "Batches of write-back writes handed to a slow device together.",
+        ),
+        (
+            "bufcache_write_batch_writes_total",
+            stats.write_batch_writes,
+            "Writes carried by those batches.",
+        ),
+        (
+            "bufcache_writeback_inflight_waits_total",
+            stats.writeback_inflight_waits,
+            "Write-back passes that waited for a slot of their backend's write-back share (--writeback-inflight-max).",
+        ),
+        (
+            "bufcache_read_cluster_buffers_total",
+            stats.read_cluster_buffers,
+            "Buffers filled by clustered reads.",
+        ),
+        ("bufcache_write_clusters_total", stats.write_clusters, "Clustered device writes."),
+        (
+            "bufcache_write_cluster_buffers_total",
+            stats.write_cluster_buffers,
+            "Buffers drained by clustered writes.",
+        ),
+        (
+            "bufcache_readahead_issued_blocks_total",
+            stats.readahead_issued_blocks,
+            "Blocks read ahead.",
+        ),
+        (
+            "bufcache_readahead_used_blocks_total",
+            stats.readahead_used_blocks,
+            "Read-ahead blocks a reader used.",
+        ),
+        (
+            "bufcache_readahead_wasted_blocks_total",
+            stats.readahead_wasted_blocks,
+            "Read-ahead blocks dropped unused.",
+        ),
+    ]
+}
+
+/// Writers and reservations that had to wait for write-back, space or a buffer.
+fn cache_wait_counters(stats: &CacheStats) -> [(&'static str, u64, &'static str); 3] {
+    [
+        (
+            "bufcache_throttled_writes_total",
+            stats.throttled_writes,
+            "Writes that wrote back dirty data themselves.",
+        ),
+        (
+            "bufcache_space_waits_total",
+            stats.space_waits,
+            "Allocations that waited for space.",
+        ),
+        (
+            "bufcache_buffer_waits_total",
+            stats.buffer_waits,
+            "Reservations that found no evictable buffer and waited for a release.",
+        ),
+    ]
+}
+
+/// Streamed reads, waits for write-back, the evictor's walk, and the engine's device errors.
+fn cache_device_counters(stats: &CacheStats) -> [(&'static str, u64, &'static str); 9] {
+    [
+        (
+            "bufcache_streamed_reads_total",
+            stats.streamed_reads,
+            "Device reads that served a cold read without caching it: no buffer was free without evicting what others use.",
+        ),
+        (
+            "bufcache_streamed_blocks_total",
+            stats.streamed_blocks,
+            "Blocks served by streamed reads.",
+        ),
+        (
+            "bufcache_writeback_waits_total",
+            stats.writeback_waits,
+            "Writers under pressure that waited for write-back in flight instead of writing back themselves.",
+        ),
+        (
+            "bufcache_eviction_candidates_examined_total",
+            stats.eviction_candidates_examined,
+            "Buffers the evictor asked about; busy ones are held off the queues, not walked.",
+        ),
+        (
+            "bufcache_space_failures_total",
+            stats.space_failures,
+            "Allocations that gave up waiting for space.",
+        ),
+        (
+            "bufcache_engine_device_flushes_total",
+            stats.device_flushes,
+            "Device flushes issued by the engine.",
+        ),
+        (
+            "bufcache_engine_device_flush_errors_total",
+            stats.device_flush_errors,
+            "Device flushes that failed.",
+        ),
+        (
+            "bufcache_engine_device_read_errors_total",
+            stats.device_reads.errors,
+            "Device reads that failed.",
+        ),
+        (
+            "bufcache_engine_device_write_errors_total",
+            stats.device_writes.errors,
+            "Device writes that failed.",
+        ),
+    ]
+}
+
+/// The cache's levels now: dirty data, write-back in flight, memory and buffers.
+fn cache_gauges(stats: &CacheStats) -> [(&'static str, u64, &'static str); 9] {
+    [
+        (
+            "bufcache_dirty_bytes",
+            stats.dirty_bytes,
+            "Bytes of dirty data.",
+        ),
+        (
+            "bufcache_writeback_inflight_requests",
+            stats.writeback_inflight_requests,
+            "Write-back requests at the backends now.",
+        ),
+        (
+            "bufcache_pinned_bytes",
+            stats.pinned_bytes,
+            "Bytes of buffers held (wired).",
+        ),
+        (
+            "bufcache_memory_used_bytes",
+            stats.memory_used_bytes,
+            "Memory charged to buffers.",
+        ),
+        (
+            "bufcache_memory_wasted_bytes",
+            stats.memory_wasted_bytes,
+            "Charged memory beyond buffer sizes.",
+        ),
+        (
+            "bufcache_memory_prefaulted_bytes",
+            stats.memory_prefaulted_bytes,
+            "Memory faulted in ahead of need (--prefault), not yet used by buffers.",
+        ),
+        (
+            "bufcache_memory_limit_bytes",
+            stats.memory_bytes_max,
+            "Memory limit.",
+        ),
+        ("bufcache_buffers", stats.buffers_in_use, "Live buffers."),
+        (
+            "bufcache_buffers_limit",
+            stats.buffers_max,
+            "Buffer limit (NBUF).",
+        ),
+    ]
+}
 fn direction_prometheus(
     text: &mut Exposition,
     direction: &str,
