@@ -332,9 +332,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .as_deref()
         .map(crate::metrics::bind)
         .transpose()?;
-    if args.control.is_some() && args.local_cache.is_some() {
-        anyhow::bail!("--control takes snapshots of a disk as its store has it, and with --local-cache acknowledged writes may be only in the local cache: serve without one to take snapshots");
-    }
     let control = args
         .control
         .as_deref()

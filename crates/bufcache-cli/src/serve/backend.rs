@@ -143,129 +143,168 @@ fn check_before_writing(
     ours: &BackendIdentity,
     size_bytes: Option<u64>,
 ) -> anyhow::Result<()> {
-    let refuse = |message: String| Err(anyhow::Error::new(crate::BadInput(message)));
     let path = args
         .rescue_file
         .clone()
         .unwrap_or_else(|| rescue::default_path(export, &ours.name));
     if args.rescue != RescueAction::Discard && path.exists() {
-        let contents = rescue::read(&path)?;
-        let bytes: u64 = contents
-            .records
-            .iter()
-            .filter(|record| record.export == export)
-            .map(|record| record.data.len() as u64)
-            .sum();
-        let age = rescue_age(&path);
-        for saved in contents.backends.iter().flatten() {
-            if saved.export != export {
-                continue;
-            }
-            let force = args.rescue == RescueAction::Force;
-            let stale = |why: String| {
-                format!(
-                    "rescue file {} holds {bytes} bytes of unwritten data (saved {age}) of {} (export {export:?}), and {why}: refusing to replay it over possibly newer data; nothing was changed and the file is kept. If its data is the newest, replay it anyway by adding --rescue force",
-                    path.display(),
-                    ours.name,
-                )
-            };
-            let message = match rescue::check_saved(saved, ours, size_bytes, force) {
-                Ok(()) => continue,
-                Err(Refusal::OtherDisk) => format!(
-                    "rescue file {} holds {bytes} bytes of unwritten data (saved {age}) of disk {} (export {export:?}), and this server's backend is {} ({}): refusing to replay it into another backend; nothing was changed. Start a server on {} to replay it, or give this one another --rescue-file",
-                    path.display(),
-                    saved.identity,
-                    if ours.identity.is_empty() {
-                        "a disk not made yet"
-                    } else {
-                        &ours.identity
-                    },
-                    ours.name,
-                    if saved.name.is_empty() { &saved.identity } else { &saved.name },
-                ),
-                Err(Refusal::Resized { then_bytes, now_bytes }) => format!(
-                    "rescue file {} holds {bytes} bytes of unwritten data (saved {age}) of {} when it was {then_bytes} bytes; it is {now_bytes} bytes now: refusing to replay into a resized disk; nothing was changed",
-                    path.display(),
-                    ours.name,
-                ),
-                Err(Refusal::MovedOn { then, now }) => stale(format!(
-                    "the disk moved on since it was saved (generation {then} then, {now} now: another server opened it for writing and may have written newer data)"
-                )),
-                Err(Refusal::StateUnknown { .. }) => stale(
-                    "it was saved by an older bufcache that did not record the disk's state, so whether the disk moved on since cannot be told".to_string(),
-                ),
-            };
-            return refuse(message);
-        }
+        check_rescue_file(args, &path, export, ours, size_bytes)?;
     }
     if args.rescue_file.is_none() {
-        for other in other_rescue_files(&path) {
-            let Ok(contents) = rescue::read(&other) else {
-                continue;
-            };
-            let ours_there = contents
-                .backends
-                .iter()
-                .flatten()
-                .any(|saved| saved.export == export && same_backend(&saved.identity, ours));
-            if ours_there {
-                let bytes: u64 = contents
-                    .records
-                    .iter()
-                    .map(|record| record.data.len() as u64)
-                    .sum();
-                return refuse(format!(
-                    "rescue file {} holds {bytes} bytes of unwritten data (saved {}) of this server's disk {} (export {export:?}), saved under another name by an older bufcache: nothing was changed; replay it with --rescue-file {} (and --rescue force if the file does not record the disk's state)",
-                    other.display(),
-                    rescue_age(&other),
-                    ours.name,
-                    other.display()
-                ));
-            }
-        }
+        check_rescue_files_named_otherwise(&path, export, ours)?;
     }
     if let Some(local) = &args.local_cache {
-        if let Some(superblock) = bufcache_tier::recorded_superblock(local)? {
-            let recorded = superblock.identity;
-            let local_bytes = std::fs::metadata(local).map_or(0, |metadata| metadata.len());
-            let is_file = std::fs::metadata(local).is_ok_and(|metadata| metadata.is_file());
-            let problem = if let Some(size) =
-                size_bytes.filter(|size| *size != superblock.backend_bytes)
-            {
-                Some(format!(
-                    "was made for a backend of {} bytes, and {} is {size} bytes",
-                    superblock.backend_bytes, ours.name
-                ))
-            } else if let Some(asked) = args
-                .local_cache_size
-                .filter(|asked| *asked != superblock.local_bytes)
-            {
-                Some(format!("is {} bytes, not the {asked} bytes asked for (--local-cache-size; a local cache is not resized: leave the flag out)", superblock.local_bytes))
-            } else if is_file && local_bytes < superblock.local_bytes {
-                Some(format!(
-                    "is truncated: {local_bytes} bytes, its superblock says {}",
-                    superblock.local_bytes
-                ))
-            } else {
-                None
-            };
-            if let Some(problem) = problem.filter(|_| same_backend(&recorded, ours)) {
-                return refuse(format!(
-                    "local cache {} (last written {}) {problem}: refusing to attach it; nothing was replayed or written",
-                    local.display(),
-                    rescue_age(local)
-                ));
-            }
-            if !same_backend(&recorded, ours) {
-                return refuse(format!(
-                    "local cache {} (last written {}) belongs to backend `{recorded}`, not `{}` ({}): refusing to attach it; nothing was replayed or written. It may hold flushed writes not yet on `{recorded}`: start `bufcache serve` on that backend with --local-cache {} to write them back, and give this backend another --local-cache path",
-                    local.display(),
-                    rescue_age(local),
-                    ours.identity,
-                    ours.name,
-                    local.display()
-                ));
-            }
+        check_local_cache(args, local, ours, size_bytes)?;
+    }
+    Ok(())
+}
+
+/// A refusal of what the user named: exit 2, like the others.
+fn refuse(message: String) -> anyhow::Result<()> {
+    Err(anyhow::Error::new(crate::BadInput(message)))
+}
+
+/// The rescue file at `path` holds nothing of export `export` that may not be replayed into
+/// `ours` (another disk, another size, a disk that moved on since, unless `--rescue force`).
+fn check_rescue_file(
+    args: &ServeArgs,
+    path: &Path,
+    export: &str,
+    ours: &BackendIdentity,
+    size_bytes: Option<u64>,
+) -> anyhow::Result<()> {
+    let contents = rescue::read(path)?;
+    let bytes: u64 = contents
+        .records
+        .iter()
+        .filter(|record| record.export == export)
+        .map(|record| record.data.len() as u64)
+        .sum();
+    let age = rescue_age(path);
+    for saved in contents.backends.iter().flatten() {
+        if saved.export != export {
+            continue;
+        }
+        let force = args.rescue == RescueAction::Force;
+        let stale = |why: String| {
+            format!(
+                "rescue file {} holds {bytes} bytes of unwritten data (saved {age}) of {} (export {export:?}), and {why}: refusing to replay it over possibly newer data; nothing was changed and the file is kept. If its data is the newest, replay it anyway by adding --rescue force",
+                path.display(),
+                ours.name,
+            )
+        };
+        let message = match rescue::check_saved(saved, ours, size_bytes, force) {
+            Ok(()) => continue,
+            Err(Refusal::OtherDisk) => format!(
+                "rescue file {} holds {bytes} bytes of unwritten data (saved {age}) of disk {} (export {export:?}), and this server's backend is {} ({}): refusing to replay it into another backend; nothing was changed. Start a server on {} to replay it, or give this one another --rescue-file",
+                path.display(),
+                saved.identity,
+                if ours.identity.is_empty() {
+                    "a disk not made yet"
+                } else {
+                    &ours.identity
+                },
+                ours.name,
+                if saved.name.is_empty() { &saved.identity } else { &saved.name },
+            ),
+            Err(Refusal::Resized { then_bytes, now_bytes }) => format!(
+                "rescue file {} holds {bytes} bytes of unwritten data (saved {age}) of {} when it was {then_bytes} bytes; it is {now_bytes} bytes now: refusing to replay into a resized disk; nothing was changed",
+                path.display(),
+                ours.name,
+            ),
+            Err(Refusal::MovedOn { then, now }) => stale(format!(
+                "the disk moved on since it was saved (generation {then} then, {now} now: another server opened it for writing and may have written newer data)"
+            )),
+            Err(Refusal::StateUnknown { .. }) => stale(
+                "it was saved by an older bufcache that did not record the disk's state, so whether the disk moved on since cannot be told".to_string(),
+            ),
+        };
+        return refuse(message);
+    }
+    Ok(())
+}
+
+/// No rescue file an older server saved under another name holds data of `ours`.
+fn check_rescue_files_named_otherwise(
+    path: &Path,
+    export: &str,
+    ours: &BackendIdentity,
+) -> anyhow::Result<()> {
+    for other in other_rescue_files(path) {
+        let Ok(contents) = rescue::read(&other) else {
+            continue;
+        };
+        let ours_there = contents
+            .backends
+            .iter()
+            .flatten()
+            .any(|saved| saved.export == export && same_backend(&saved.identity, ours));
+        if ours_there {
+            let bytes: u64 = contents
+                .records
+                .iter()
+                .map(|record| record.data.len() as u64)
+                .sum();
+            return refuse(format!(
+                "rescue file {} holds {bytes} bytes of unwritten data (saved {}) of this server's disk {} (export {export:?}), saved under another name by an older bufcache: nothing was changed; replay it with --rescue-file {} (and --rescue force if the file does not record the disk's state)",
+                other.display(),
+                rescue_age(&other),
+                ours.name,
+                other.display()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The --local-cache, if it was made already, belongs to `ours` and fits it (its size, the
+/// backend's size, not truncated).
+fn check_local_cache(
+    args: &ServeArgs,
+    local: &Path,
+    ours: &BackendIdentity,
+    size_bytes: Option<u64>,
+) -> anyhow::Result<()> {
+    if let Some(superblock) = bufcache_tier::recorded_superblock(local)? {
+        let recorded = superblock.identity;
+        let local_bytes = std::fs::metadata(local).map_or(0, |metadata| metadata.len());
+        let is_file = std::fs::metadata(local).is_ok_and(|metadata| metadata.is_file());
+        let problem = if let Some(size) =
+            size_bytes.filter(|size| *size != superblock.backend_bytes)
+        {
+            Some(format!(
+                "was made for a backend of {} bytes, and {} is {size} bytes",
+                superblock.backend_bytes, ours.name
+            ))
+        } else if let Some(asked) = args
+            .local_cache_size
+            .filter(|asked| *asked != superblock.local_bytes)
+        {
+            Some(format!("is {} bytes, not the {asked} bytes asked for (--local-cache-size; a local cache is not resized: leave the flag out)", superblock.local_bytes))
+        } else if is_file && local_bytes < superblock.local_bytes {
+            Some(format!(
+                "is truncated: {local_bytes} bytes, its superblock says {}",
+                superblock.local_bytes
+            ))
+        } else {
+            None
+        };
+        if let Some(problem) = problem.filter(|_| same_backend(&recorded, ours)) {
+            return refuse(format!(
+                "local cache {} (last written {}) {problem}: refusing to attach it; nothing was replayed or written",
+                local.display(),
+                rescue_age(local)
+            ));
+        }
+        if !same_backend(&recorded, ours) {
+            return refuse(format!(
+                "local cache {} (last written {}) belongs to backend `{recorded}`, not `{}` ({}): refusing to attach it; nothing was replayed or written. It may hold flushed writes not yet on `{recorded}`: start `bufcache serve` on that backend with --local-cache {} to write them back, and give this backend another --local-cache path",
+                local.display(),
+                rescue_age(local),
+                ours.identity,
+                ours.name,
+                local.display()
+            ));
         }
     }
     Ok(())

@@ -265,8 +265,8 @@ fn check_file_flags_without_files(args: &ServeArgs, specs: &[ExportSpec]) -> any
     Ok(())
 }
 
-/// Refuses the --local-cache flags without a --local-cache, and a local cache shared by
-/// several exports.
+/// Refuses the --local-cache flags without a --local-cache, a local cache shared by several
+/// exports, and one with --control.
 fn check_local_cache_flags(args: &ServeArgs, specs: &[ExportSpec]) -> anyhow::Result<()> {
     if args.local_cache.is_none() {
         if args.local_cache_size.is_some() {
@@ -283,6 +283,8 @@ fn check_local_cache_flags(args: &ServeArgs, specs: &[ExportSpec]) -> anyhow::Re
         }
     } else if specs.len() != 1 {
         bail!("--local-cache belongs to one backend, and {} exports are given: serve one export per local cache", specs.len());
+    } else if args.control.is_some() {
+        bail!("--control takes snapshots of a disk as its store has it, and with --local-cache acknowledged writes may be only in the local cache: serve without one to take snapshots");
     }
     Ok(())
 }
@@ -345,6 +347,12 @@ mod tests {
             (
                 &["--local-cache-size", "1G"],
                 "--local-cache-size sizes the --local-cache file, and no --local-cache is given",
+            ),
+            (
+                &["--local-cache", "l", "--control", "c.sock"],
+                "--control takes snapshots of a disk as its store has it, and with \
+                 --local-cache acknowledged writes may be only in the local cache: serve \
+                 without one to take snapshots",
             ),
             (
                 &["--flush-to", "local"],
