@@ -44,6 +44,12 @@ use crate::table::Table;
 const WRITEBACK_POLL_NS: u64 = 50_000;
 const WRITEBACK_POLL_MAX_NS: u64 = 400_000;
 
+/// How long a throttled writer that found the device's write-back share busy sleeps before
+/// looking again. Every slot given back wakes it (`Io::wait_for_writeback_end`), so the step
+/// only bounds a wait whose notification went astray, and it counts whole towards the stall
+/// bound when nothing woke it.
+const THROTTLE_STEP_NS: u64 = 20_000_000;
+
 /// Helper jobs a flush over a device that serves several requests at once starts at most
 /// (besides its own thread); each writes a share of the dirty runs in batches, so several
 /// batches are in flight (the device's write-back share bounds the total). A local file is
@@ -746,7 +752,7 @@ impl Writeback {
                         .writeback_waits
                         .fetch_add(1, Ordering::Relaxed);
                 }
-                let step_ns = WRITEBACK_POLL_MAX_NS;
+                let step_ns = THROTTLE_STEP_NS;
                 if !self.io.wait_for_writeback_end(object, step_ns) {
                     waited_ns += step_ns;
                 }
