@@ -211,9 +211,12 @@ impl ObjectHandle {
         self.reader().prefetch(offset, length_bytes)
     }
 
-    /// True when a write of the byte range will complete without waiting for the device: no
-    /// FUA, the dirty data stays under the throttling limit, and a block the write covers
-    /// only in part is cached (so it need not be read first). A hint, like `is_resident`.
+    /// True when the caller should do a write of the byte range in the thread that received
+    /// it, its data copied straight into the cache: no FUA, a block the write covers only in
+    /// part is cached (so it need not be read first), and either the dirty data stays under
+    /// the throttling limit (the write waits for no device) or enough writers wait above it
+    /// already (`THROTTLED_WRITERS_MAX`: this one is to pace whoever sent it, see
+    /// docs/design.md, rule 8 of "Admission under pressure"). A hint, like `is_resident`.
     pub fn write_is_quick(&self, offset: u64, length_bytes: u64, fua: bool) -> bool {
         self.writer().write_is_quick(offset, length_bytes, fua)
     }

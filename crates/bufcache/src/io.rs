@@ -55,11 +55,14 @@ pub(crate) const WRITEBACK_BATCH_WRITES_MAX: usize = 32;
 /// docs/design.md, "The io path").
 const WRITEBACK_SHARE_DIVISOR: usize = 4;
 
-/// How long a pass waiting for a write-back slot first sleeps before looking again (a slot's
-/// release wakes it sooner); each further look waits twice as long, up to
-/// `SLOT_POLL_MAX_NS`.
-const SLOT_POLL_NS: u64 = 50_000;
-const SLOT_POLL_MAX_NS: u64 = 1_000_000;
+/// How long a pass waiting for a write-back slot (or for its batch's writes) first sleeps
+/// before looking again; each further look waits twice as long, up to `SLOT_POLL_MAX_NS`.
+/// Every slot given back and every batch's last completion notifies such a waiter (the
+/// `waiting` counts), so these looks only bound a wait whose notification went astray. They
+/// are kept long: under memory pressure dozens of writer threads wait here at once, and a
+/// short look made each of them wake thousands of times per second for nothing.
+const SLOT_POLL_NS: u64 = 1_000_000;
+const SLOT_POLL_MAX_NS: u64 = 20_000_000;
 
 /// The mutation guard counts device bytes in regions of 1 << this many bytes (64 KiB)...
 const MUTATION_REGION_SHIFT: u32 = 16;

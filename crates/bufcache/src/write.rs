@@ -107,7 +107,9 @@ impl<'h> Writer<'h> {
         }
         let inner = self.inner();
         let (_, limit) = inner.writeback().dirty_thresholds();
-        if inner.writeback().dirty_bytes() + length_bytes > limit {
+        if inner.writeback().dirty_bytes() + length_bytes > limit
+            && !inner.writeback().writers_throttled_enough()
+        {
             return false;
         }
         let block_size = object.block_size_bytes as u64;

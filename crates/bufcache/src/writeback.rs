@@ -44,6 +44,21 @@ use crate::table::Table;
 const WRITEBACK_POLL_NS: u64 = 50_000;
 const WRITEBACK_POLL_MAX_NS: u64 = 400_000;
 
+/// Writers waiting above the dirty limit at once before a further write above it is called
+/// quick (`write_is_quick`), so that a server serves it in the thread that read it and its
+/// connection reads nothing more until it is written. Beyond a few, another thread waiting
+/// beside them keeps the device no busier (they share its write-back slots); it only adds a
+/// sleeper to wake and a payload held outside the cache, while holding the connection passes
+/// the wait back to the client that outruns the device. Not fewer: a connection that also
+/// reads would wait behind every write above the limit.
+pub(crate) const THROTTLED_WRITERS_MAX: usize = 4;
+
+/// How long a throttled writer that found the device's write-back share busy sleeps before
+/// looking again. Every slot given back wakes it (`Io::wait_for_writeback_end`), so the step
+/// only bounds a wait whose notification went astray, and it counts whole towards the stall
+/// bound when nothing woke it.
+const THROTTLE_STEP_NS: u64 = 20_000_000;
+
 /// Helper jobs a flush over a device that serves several requests at once starts at most
 /// (besides its own thread); each writes a share of the dirty runs in batches, so several
 /// batches are in flight (the device's write-back share bounds the total). A local file is
@@ -119,6 +134,8 @@ pub(crate) struct Writeback {
     stall_ns_max: u64,
     clock: Arc<dyn Clock>,
     waiter: Arc<dyn Waiter>,
+    /// Writers inside [`Writeback::throttle_writer`] now, above the dirty limit.
+    throttled_writers: AtomicUsize,
 }
 
 impl Writeback {
@@ -149,7 +166,15 @@ impl Writeback {
             stall_ns_max: u64::try_from(config.space_wait_max.as_nanos()).unwrap_or(u64::MAX),
             clock,
             waiter,
+            throttled_writers: AtomicUsize::new(0),
         }
+    }
+
+    /// True when [`THROTTLED_WRITERS_MAX`] writers already wait above the dirty limit: a
+    /// further write above it is then served in the thread that read it (rule 8 of
+    /// "Admission under pressure", docs/design.md).
+    pub(crate) fn writers_throttled_enough(&self) -> bool {
+        self.throttled_writers.load(Ordering::Acquire) >= THROTTLED_WRITERS_MAX
     }
 
     /// How many helper jobs a flush of `object` should start: [`FLUSH_HELPERS_MAX`] when its
@@ -720,6 +745,7 @@ impl Writeback {
         let mut waited_ns = 0u64;
         let mut awaited = false;
         let started_ns = self.clock.now_ns();
+        let _counted = ThrottledWriter::new(&self.throttled_writers);
         while self.end.dirty_bytes.load(Ordering::Acquire) > limit {
             if !throttled {
                 self.counters
@@ -746,7 +772,7 @@ impl Writeback {
                         .writeback_waits
                         .fetch_add(1, Ordering::Relaxed);
                 }
-                let step_ns = WRITEBACK_POLL_MAX_NS;
+                let step_ns = THROTTLE_STEP_NS;
                 if !self.io.wait_for_writeback_end(object, step_ns) {
                     waited_ns += step_ns;
                 }
@@ -1067,4 +1093,22 @@ fn end_writeback(buffer: &Buffer) -> bool {
     let ended = buffer.take(WRITEBACK | WRITEBACK_WAITED);
     strict_assert!(ended & WRITEBACK != 0, "only a write-back in flight ends");
     ended & WRITEBACK_WAITED != 0
+}
+
+/// Counts a writer in `throttle_writer` for as long as it is there (also when it returns
+/// early with an error).
+struct ThrottledWriter<'a>(&'a AtomicUsize);
+
+impl<'a> ThrottledWriter<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::AcqRel);
+        ThrottledWriter(count)
+    }
+}
+
+impl Drop for ThrottledWriter<'_> {
+    fn drop(&mut self) {
+        let before = self.0.fetch_sub(1, Ordering::AcqRel);
+        strict_assert!(before > 0, "a throttled writer leaves once");
+    }
 }

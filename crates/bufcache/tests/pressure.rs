@@ -831,3 +831,88 @@ fn many_clients_on_a_few_buffers_lose_no_wakeup_and_never_deadlock() {
         assert_eq!(stats.space_failures, 0, "seed {seed}");
     }
 }
+
+#[test]
+fn writes_above_the_dirty_limit_are_paced_in_their_own_thread_once_enough_writers_wait() {
+    // Goal: rule 8 of "Admission under pressure" (docs/design.md): a write that would go
+    // above the dirty limit is not quick (a server hands it to a worker thread) while few
+    // writers wait for write-back, and is quick (a server does it in the thread that read
+    // it, pacing that connection) once enough writers already wait above the limit; when
+    // they are done it is not quick again, and every block written reaches the device.
+    // Method: a 16-buffer cache with a dirty limit of a quarter, one write-back slot and a
+    // device whose writes take 100 ms; a write of the whole cache's size is above the limit
+    // by itself. Asked with no writer waiting, then while eight threads write 12 distinct
+    // blocks each (all of them throttled most of the time), then after they end.
+    let mut config = config(16, PolicyKind::Lru, Duration::from_secs(30));
+    config.dirty_background_percent = 20;
+    config.dirty_limit_percent = 25;
+    config.writeback_inflight_max = 1;
+    let cache = bufcache_host::system_cache(config).expect("valid config");
+    let device = Arc::new(FaultDevice::new(MemoryDevice::new(64 << 20), 1));
+    device.set_latency(
+        FaultKind::Write,
+        Duration::from_millis(100),
+        Duration::ZERO,
+        0.0,
+    );
+    let handle = cache
+        .open_object(ObjectConfig::new(
+            "paced",
+            Arc::clone(&device) as Arc<dyn Device>,
+        ))
+        .expect("open object");
+    let above_the_limit = 16 * BLOCK;
+    assert!(
+        !handle.write_is_quick(0, above_the_limit, false),
+        "no writer waits: a write above the limit goes to a worker"
+    );
+    let writers: Vec<_> = (0..8u64)
+        .map(|writer| {
+            let handle = handle.reopen();
+            std::thread::spawn(move || {
+                for index in 0..12u64 {
+                    let block = 100 + writer * 1000 + index * 2;
+                    handle
+                        .write_at(block * BLOCK, &stamped_block(block, 1), false)
+                        .expect("write under pressure");
+                }
+            })
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut paced = false;
+    while !paced && Instant::now() < deadline {
+        paced = handle.write_is_quick(0, above_the_limit, false);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    for writer in writers {
+        writer.join().expect("writer thread");
+    }
+    assert!(
+        paced,
+        "with eight writers throttled, a write above the limit is paced in place"
+    );
+    assert!(
+        !handle.write_is_quick(0, above_the_limit, false),
+        "the writers are gone: a write above the limit goes to a worker again"
+    );
+    assert!(
+        !handle.write_is_quick(0, BLOCK, true),
+        "a FUA write is never quick"
+    );
+    handle.flush().expect("flush");
+    let mut data = vec![0u8; BLOCK as usize];
+    for writer in 0..8u64 {
+        for index in 0..12u64 {
+            let block = 100 + writer * 1000 + index * 2;
+            device
+                .read_vectored_at(&mut [IoSliceMut::new(&mut data)], block * BLOCK)
+                .expect("device read");
+            assert_eq!(
+                data,
+                stamped_block(block, 1),
+                "block {block} reached the device"
+            );
+        }
+    }
+}
