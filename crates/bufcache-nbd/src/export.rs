@@ -137,10 +137,12 @@ pub trait Export: Send + Sync {
     /// reported (and an upstream reconnects). [`never_start_read`] implements it for an
     /// export that always reads in the caller's thread. Required, like `read_is_quick`.
     fn start_read(&self, offset: u64, length: u32, done: ReadDone) -> Result<(), ReadDone>;
-    /// True when a WRITE of this range will finish without waiting for slow I/O (for a
-    /// cache: no FUA, room for the data without write-back, and any partly written block
-    /// already resident). Quick writes also have their payload read by
-    /// [`Export::write_from`] straight from the socket.
+    /// True when the thread that read this WRITE should serve it, its payload read by
+    /// [`Export::write_from`] straight from the socket: it will finish without waiting for
+    /// slow I/O (for a cache: no FUA, the dirty data under its limit, any partly written
+    /// block already resident), or its wait is meant to pace this connection (a cache whose
+    /// writers already wait for write-back: the client that outruns the device then waits
+    /// too, its further requests left in the socket).
     fn write_is_quick(&self, offset: u64, length: u64, fua: bool) -> bool;
     /// A per-connection view of this export, called once when a connection enters
     /// transmission; `None` (the default) shares this export with every connection. A cache
