@@ -341,6 +341,12 @@ impl NbdUri {
                 let user = user.map_or(String::new(), |user| {
                     format!("{}@", utf8_percent_encode(user, USER_ESCAPED))
                 });
+                // A host name is escaped like a user name (it is decoded when read); an IPv6
+                // literal is written as it is, in its brackets.
+                let host = match host.starts_with('[') {
+                    true => host.to_string(),
+                    false => utf8_percent_encode(host, USER_ESCAPED).to_string(),
+                };
                 format!("nbd{secure}://{user}{host}:{port}/{export}")
             }
             NbdAddress::Unix(socket) => {
