@@ -171,6 +171,17 @@ pub fn nbd_addresses(data: &[u8]) {
         Ok(uri) => {
             assert_eq!(uri.text, text, "the URI keeps the text it was given");
             let _ = format!("{uri} {:?}", uri.address);
+            // What was read, written again, reads back the same.
+            let written = NbdUri::new(
+                uri.address.clone(),
+                uri.export_name.clone(),
+                uri.tls.clone(),
+            );
+            assert_eq!(
+                written.to_string().parse::<NbdUri>().as_ref(),
+                Ok(&written),
+                "{text:?} read and written as {written}"
+            );
         }
         Err(error) => {
             let _ = error.to_string();

@@ -63,8 +63,9 @@ fn fractional_sizes_are_exact_or_refused_by_name() {
 
 #[test]
 fn backend_errors_name_the_backend_once_and_point_the_right_way() {
-    // A missing directory prints the OS error once; an unknown URL scheme is an error, not a
-    // file name; a file the user cannot write suggests -r.
+    // A missing directory prints the OS error once; an unknown URL scheme or a bad s3:// or
+    // nbd:// URL is an error naming the bad part, not a file name; a file the user cannot
+    // write suggests -r.
     let _timer = Timer::new("backend_errors_name_the_backend_once_and_point_the_right_way");
     let dir = temp_dir();
     let missing = one_line_failure(
@@ -86,6 +87,10 @@ fn backend_errors_name_the_backend_once_and_point_the_right_way() {
     for (backend, says) in [
         ("http://example.com/disk", "no `http` backend"),
         ("nbd:/host", "nbd://"),
+        // Bad URLs the `url` crate reads: a port on a bucket, port 0, a password.
+        ("s3://disks:9000/vm", "endpoint=http://HOST:PORT"),
+        ("nbd://host:0/export", "invalid port \"0\""),
+        ("nbds://alice:pw@host/?tls-psk-file=k", "take no password"),
     ] {
         let error = one_line_failure(dir.path(), &["serve", "--backend", backend]);
         assert!(

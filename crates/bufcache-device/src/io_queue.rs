@@ -48,16 +48,24 @@ pub enum QueueMode {
     Elevator,
 }
 
+/// A queue mode name that is none of `none`, `fifo` and `elevator`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown io queue mode `{name}`; expected none, fifo or elevator")]
+pub struct QueueModeError {
+    /// The name given.
+    pub name: String,
+}
+
 impl FromStr for QueueMode {
-    type Err = String;
-    fn from_str(text: &str) -> Result<Self, String> {
+    type Err = QueueModeError;
+    fn from_str(text: &str) -> Result<Self, QueueModeError> {
         match text {
             "none" => Ok(QueueMode::None),
             "fifo" => Ok(QueueMode::Fifo),
             "elevator" => Ok(QueueMode::Elevator),
-            other => Err(format!(
-                "unknown io queue mode `{other}`; expected none, fifo or elevator"
-            )),
+            other => Err(QueueModeError {
+                name: other.to_string(),
+            }),
         }
     }
 }
@@ -730,6 +738,26 @@ mod tests {
     use crate::counting::CountingDevice;
     use crate::memory::MemoryDevice;
     use std::time::Duration;
+
+    // Goal: every queue mode parses from its name, and any other name is refused with a typed
+    // error naming it and the names accepted. Method: parse each name and one misspelling.
+    #[test]
+    fn queue_modes_parse_from_their_names_and_others_are_named_in_the_error() {
+        let modes = [
+            ("none", QueueMode::None),
+            ("fifo", QueueMode::Fifo),
+            ("elevator", QueueMode::Elevator),
+        ];
+        for (name, mode) in modes {
+            assert_eq!(name.parse::<QueueMode>(), Ok(mode));
+        }
+        let error = "elevater".parse::<QueueMode>().unwrap_err();
+        assert_eq!(error.name, "elevater");
+        assert_eq!(
+            error.to_string(),
+            "unknown io queue mode `elevater`; expected none, fifo or elevator"
+        );
+    }
 
     /// A device that is slow, so requests pile up in the queue and can merge.
     struct Slow(CountingDevice<MemoryDevice>);

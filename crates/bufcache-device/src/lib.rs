@@ -38,8 +38,8 @@ pub use fault::{FaultDevice, FaultKind, FaultStats};
 pub use file::{FileDevice, FileDeviceError, FileDeviceOptions};
 pub use flush_group::{FlushGroup, FlushGroupStats};
 pub use io_queue::{
-    Direction, IoQueue, IoQueueConfig, IoQueueConfigError, IoQueueStats, QueueMode, QueueOrder,
-    Queued,
+    Direction, IoQueue, IoQueueConfig, IoQueueConfigError, IoQueueStats, QueueMode, QueueModeError,
+    QueueOrder, Queued,
 };
 pub use memory::MemoryDevice;
 pub use request::{ReadMemory, ReadRequest, Request, WriteMemory, WriteRequest};

@@ -47,4 +47,4 @@ pub use ipnet::IpNet;
 pub use reconnect::{ReconnectPolicy, ReconnectingClient};
 pub use server::{BoundAddress, BoundServer, Listeners, Server, ServerError, ShutdownHandle};
 pub use tls::{parse_psk_file, PskEntry, TlsConfig, TlsError, TlsMode};
-pub use uri::{NbdAddress, NbdUri, UriError};
+pub use uri::{ClientTls, NbdAddress, NbdUri, UriError};

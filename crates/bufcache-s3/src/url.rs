@@ -90,6 +90,12 @@ pub enum UrlError {
     Scheme(String),
     #[error("`{0}`: missing bucket name; expected s3://BUCKET/PREFIX")]
     MissingBucket(String),
+    #[error("`{url}`: bucket `{bucket}`: {reason}; expected s3://BUCKET/PREFIX")]
+    Bucket {
+        url: String,
+        bucket: String,
+        reason: String,
+    },
     #[error("`{url}`: unknown parameter `{name}`; known: endpoint, region, path-style, layout, chunk-size, segment-size, gc, gc-threshold, key-file, compress, create-size, retry-timeout-ms, break-lock, lock, lease, follow, recover-prefix, credentials, snapshot")]
     UnknownParameter { url: String, name: String },
     #[error("`{url}`: parameter `{name}` given twice")]
@@ -218,21 +224,66 @@ pub const RETRY_TIMEOUT_DEFAULT_MS: u64 = 30_000;
 
 impl S3Url {
     /// Parses `s3://BUCKET/PREFIX?key=value&...`.
+    ///
+    /// The parts are taken literally, as the AWS CLI reads `s3://` URLs: `%` and `+` are
+    /// themselves, `#` is text, and `.` or `..` segments of the prefix are part of it. `url`
+    /// reads the bucket (refusing a user, password, port or a character no host name has)
+    /// and each `endpoint=`; the prefix and the query are split here because `url` would
+    /// percent-encode the prefix, resolve its dot segments and form-decode `+` in values.
     pub fn parse(text: &str) -> Result<Self, UrlError> {
         let rest = text
             .strip_prefix("s3://")
             .ok_or_else(|| UrlError::Scheme(text.to_string()))?;
+        // RFC 3986's generic split (section 3): the bucket ends at the first `/` or `?`,
+        // the prefix at the first `?`.
         let (location, query) = match rest.split_once('?') {
             Some((location, query)) => (location, Some(query)),
             None => (rest, None),
         };
         let (bucket, prefix) = location.split_once('/').unwrap_or((location, ""));
-        if bucket.is_empty() {
-            return Err(UrlError::MissingBucket(text.to_string()));
+        check_bucket(text, bucket)?;
+        let mut url = S3Url::with_defaults(bucket, prefix.trim_matches('/'));
+        let mut seen: Vec<&str> = Vec::new();
+        let pairs = query.into_iter().flat_map(|query| query.split('&'));
+        for pair in pairs.filter(|pair| !pair.is_empty()) {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            if seen.contains(&name) {
+                return Err(UrlError::DuplicateParameter {
+                    url: text.to_string(),
+                    name: name.to_string(),
+                });
+            }
+            seen.push(name);
+            let refused = match url.set_store_parameter(name, value) {
+                Err(Refusal::Unknown) => url.set_layout_parameter(name, value),
+                other => other,
+            };
+            match refused {
+                Ok(()) => {}
+                Err(Refusal::Unknown) => {
+                    return Err(UrlError::UnknownParameter {
+                        url: text.to_string(),
+                        name: name.to_string(),
+                    })
+                }
+                Err(Refusal::Bad(reason)) => {
+                    return Err(UrlError::BadValue {
+                        url: text.to_string(),
+                        name: name.to_string(),
+                        value: value.to_string(),
+                        reason,
+                    })
+                }
+            }
         }
-        let mut url = S3Url {
+        Ok(url)
+    }
+
+    /// The disk `bucket`/`prefix` with every parameter at its default.
+    fn with_defaults(bucket: &str, prefix: &str) -> S3Url {
+        S3Url {
             bucket: bucket.to_string(),
-            prefix: prefix.trim_matches('/').to_string(),
+            prefix: prefix.to_string(),
             endpoint: None,
             region: None,
             path_style: None,
@@ -253,184 +304,202 @@ impl S3Url {
             lease_ms: Some(crate::lease::LEASE_DEFAULT_MS),
             follow_ms: None,
             standby: false,
-        };
-        let mut seen: Vec<String> = Vec::new();
-        for pair in query
-            .unwrap_or("")
-            .split('&')
-            .filter(|pair| !pair.is_empty())
-        {
-            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-            if seen.iter().any(|known| known == name) {
-                return Err(UrlError::DuplicateParameter {
-                    url: text.to_string(),
-                    name: name.to_string(),
-                });
-            }
-            seen.push(name.to_string());
-            let bad = |reason: &str| UrlError::BadValue {
-                url: text.to_string(),
-                name: name.to_string(),
-                value: value.to_string(),
-                reason: reason.to_string(),
-            };
-            match name {
-                "endpoint" => {
-                    if !(value.starts_with("http://") || value.starts_with("https://"))
-                        || value.len() <= "https://".len()
-                    {
-                        return Err(bad("expected http://HOST:PORT or https://HOST[:PORT]"));
-                    }
-                    url.endpoint = Some(value.trim_end_matches('/').to_string());
-                }
-                "region" => {
-                    if value.is_empty() {
-                        return Err(bad("empty region"));
-                    }
-                    url.region = Some(value.to_string());
-                }
-                "path-style" => {
-                    url.path_style = Some(match value {
-                        "true" => true,
-                        "false" => false,
-                        _ => return Err(bad("expected true or false")),
-                    })
-                }
-                "chunk-size" => {
-                    let size = bufcache_device::size::parse_size(value)
-                        .map_err(|error| bad(&error.to_string()))?;
-                    if !size.is_power_of_two()
-                        || !(CHUNK_SIZE_MIN_BYTES..=CHUNK_SIZE_MAX_BYTES).contains(&size)
-                    {
-                        return Err(bad("the chunk size must be a power of two from 4k to 64M"));
-                    }
-                    url.chunk_size_bytes = Some(size);
-                }
-                "layout" => {
-                    url.layout =
-                        Some(LayoutKind::parse(value).ok_or_else(|| bad("expected chunk or log"))?);
-                }
-                "segment-size" => {
-                    let size = bufcache_device::size::parse_size(value)
-                        .map_err(|error| bad(&error.to_string()))?;
-                    if !(SEGMENT_SIZE_MIN_BYTES..=SEGMENT_SIZE_MAX_BYTES).contains(&size) {
-                        return Err(bad("the segment size must be from 64k to 1G"));
-                    }
-                    url.segment_bytes_max = Some(size);
-                }
-                "gc" => {
-                    url.gc = Some(match value {
-                        "on" => true,
-                        "off" => false,
-                        _ => return Err(bad("expected on or off")),
-                    })
-                }
-                "gc-threshold" => {
-                    let fraction: f64 = value
-                        .parse()
-                        .map_err(|_| bad("expected a fraction such as 0.5"))?;
-                    if !(fraction > 0.0 && fraction < 1.0) {
-                        return Err(bad(
-                            "the live fraction below which a segment is rewritten must be above 0 and below 1",
-                        ));
-                    }
-                    url.gc_threshold_ppm = Some((fraction * 1e6).round() as u32);
-                }
-                "key-file" => {
-                    if value.is_empty() {
-                        return Err(bad("expected the path of a file holding a 32-byte key"));
-                    }
-                    url.key_file = Some(std::path::PathBuf::from(value));
-                }
-                "compress" => {
-                    url.compression = Some(
-                        Compression::parse(value)
-                            .ok_or_else(|| bad("expected zstd, lz4 or off"))?,
-                    );
-                }
-                "create-size" => {
-                    let size = bufcache_device::size::parse_size(value)
-                        .map_err(|error| bad(&error.to_string()))?;
-                    if size == 0 {
-                        return Err(bad("the size must be above zero"));
-                    }
-                    url.create_size_bytes = Some(size);
-                }
-                "retry-timeout-ms" => {
-                    url.retry_timeout_ms = value
-                        .parse()
-                        .map_err(|_| bad("expected a whole number of milliseconds"))?;
-                }
-                "lock" => {
-                    url.lock_check = match value {
-                        "on" => true,
-                        "off" => false,
-                        _ => return Err(bad("expected on or off")),
-                    }
-                }
-                "recover-prefix" => {
-                    url.recover_prefix = match value {
-                        "on" => true,
-                        "off" => false,
-                        _ => return Err(bad("expected on or off")),
-                    }
-                }
-                "credentials" => {
-                    url.credentials_instance = match value {
-                        "instance" => true,
-                        _ => return Err(bad("expected instance (the instance-metadata service)")),
-                    }
-                }
-                "snapshot" => {
-                    if let Some(problem) = snapshot_name_problem(value) {
-                        return Err(bad(&format!("snapshot name {problem}")));
-                    }
-                    url.snapshot = Some(value.to_string());
-                }
-                "follow" => {
-                    let seconds: f64 = value
-                        .parse()
-                        .map_err(|_| bad("expected a number of seconds such as 5"))?;
-                    if !(0.1..=3600.0).contains(&seconds) {
-                        return Err(bad(
-                            "a replica refreshes from every 0.1 to every 3600 seconds",
-                        ));
-                    }
-                    url.follow_ms = Some((seconds * 1000.0).round() as u64);
-                }
-                "lease" if value == "off" => url.lease_ms = None,
-                "lease" => {
-                    let seconds: f64 = value
-                        .parse()
-                        .map_err(|_| bad("expected a number of seconds such as 15, or off"))?;
-                    let (min_ms, max_ms) = (crate::lease::LEASE_MIN_MS, crate::lease::LEASE_MAX_MS);
-                    let lease_ms = seconds * 1000.0;
-                    if !(lease_ms >= min_ms as f64 && lease_ms <= max_ms as f64) {
-                        return Err(bad(&format!(
-                            "the lease must be from {} to {} seconds: renewing a shorter one would take most of it, and a takeover waits a whole lease",
-                            min_ms / 1000,
-                            max_ms / 1000
-                        )));
-                    }
-                    url.lease_ms = Some(lease_ms.round() as u64);
-                }
-                "break-lock" => {
-                    if value.is_empty() || !value.bytes().all(|byte| byte.is_ascii_hexdigit()) {
-                        return Err(bad(
-                            "expected the lock id (hex digits) that the refusal to start named",
-                        ));
-                    }
-                    url.break_lock = Some(value.to_ascii_lowercase());
-                }
-                _ => {
-                    return Err(UrlError::UnknownParameter {
-                        url: text.to_string(),
-                        name: name.to_string(),
-                    })
-                }
-            }
         }
-        Ok(url)
+    }
+
+    /// Sets a parameter of the store and of the disk lock: endpoint, region, path-style,
+    /// credentials, retry-timeout-ms, lock, break-lock, lease, follow.
+    fn set_store_parameter(&mut self, name: &str, value: &str) -> Result<(), Refusal> {
+        match name {
+            "endpoint" => self.endpoint = Some(parse_endpoint(value)?),
+            "region" if value.is_empty() => return Err(Refusal::bad("empty region")),
+            "region" => self.region = Some(value.to_string()),
+            "path-style" => {
+                self.path_style = Some(match value {
+                    "true" => true,
+                    "false" => false,
+                    _ => return Err(Refusal::bad("expected true or false")),
+                })
+            }
+            "credentials" if value == "instance" => self.credentials_instance = true,
+            "credentials" => {
+                return Err(Refusal::bad(
+                    "expected instance (the instance-metadata service)",
+                ))
+            }
+            "retry-timeout-ms" => {
+                self.retry_timeout_ms = value
+                    .parse()
+                    .map_err(|_| Refusal::bad("expected a whole number of milliseconds"))?;
+            }
+            "lock" => self.lock_check = on_off(value)?,
+            "break-lock" => {
+                if value.is_empty() || !value.bytes().all(|byte| byte.is_ascii_hexdigit()) {
+                    return Err(Refusal::bad(
+                        "expected the lock id (hex digits) that the refusal to start named",
+                    ));
+                }
+                self.break_lock = Some(value.to_ascii_lowercase());
+            }
+            "lease" if value == "off" => self.lease_ms = None,
+            "lease" => self.lease_ms = Some(parse_lease_ms(value)?),
+            "follow" => {
+                let seconds: f64 = value
+                    .parse()
+                    .map_err(|_| Refusal::bad("expected a number of seconds such as 5"))?;
+                if !(0.1..=3600.0).contains(&seconds) {
+                    return Err(Refusal::bad(
+                        "a replica refreshes from every 0.1 to every 3600 seconds",
+                    ));
+                }
+                self.follow_ms = Some((seconds * 1000.0).round() as u64);
+            }
+            _ => return Err(Refusal::Unknown),
+        }
+        Ok(())
+    }
+
+    /// Sets a parameter of the disk's layout and contents: layout, chunk-size, segment-size,
+    /// gc, gc-threshold, key-file, compress, create-size, recover-prefix, snapshot.
+    fn set_layout_parameter(&mut self, name: &str, value: &str) -> Result<(), Refusal> {
+        match name {
+            "layout" => {
+                let layout = LayoutKind::parse(value);
+                self.layout = Some(layout.ok_or_else(|| Refusal::bad("expected chunk or log"))?);
+            }
+            "chunk-size" => {
+                let size = parse_size(value)?;
+                if !size.is_power_of_two()
+                    || !(CHUNK_SIZE_MIN_BYTES..=CHUNK_SIZE_MAX_BYTES).contains(&size)
+                {
+                    return Err(Refusal::bad(
+                        "the chunk size must be a power of two from 4k to 64M",
+                    ));
+                }
+                self.chunk_size_bytes = Some(size);
+            }
+            "segment-size" => {
+                let size = parse_size(value)?;
+                if !(SEGMENT_SIZE_MIN_BYTES..=SEGMENT_SIZE_MAX_BYTES).contains(&size) {
+                    return Err(Refusal::bad("the segment size must be from 64k to 1G"));
+                }
+                self.segment_bytes_max = Some(size);
+            }
+            "gc" => self.gc = Some(on_off(value)?),
+            "gc-threshold" => {
+                let fraction: f64 = value
+                    .parse()
+                    .map_err(|_| Refusal::bad("expected a fraction such as 0.5"))?;
+                if !(fraction > 0.0 && fraction < 1.0) {
+                    return Err(Refusal::bad(
+                        "the live fraction below which a segment is rewritten must be above 0 and below 1",
+                    ));
+                }
+                self.gc_threshold_ppm = Some((fraction * 1e6).round() as u32);
+            }
+            "key-file" if value.is_empty() => {
+                return Err(Refusal::bad(
+                    "expected the path of a file holding a 32-byte key",
+                ))
+            }
+            "key-file" => self.key_file = Some(std::path::PathBuf::from(value)),
+            "compress" => {
+                let compression = Compression::parse(value);
+                self.compression =
+                    Some(compression.ok_or_else(|| Refusal::bad("expected zstd, lz4 or off"))?);
+            }
+            "create-size" => {
+                let size = parse_size(value)?;
+                if size == 0 {
+                    return Err(Refusal::bad("the size must be above zero"));
+                }
+                self.create_size_bytes = Some(size);
+            }
+            "recover-prefix" => self.recover_prefix = on_off(value)?,
+            "snapshot" => {
+                if let Some(problem) = snapshot_name_problem(value) {
+                    return Err(Refusal::Bad(format!("snapshot name {problem}")));
+                }
+                self.snapshot = Some(value.to_string());
+            }
+            _ => return Err(Refusal::Unknown),
+        }
+        Ok(())
+    }
+
+    /// The URL that parses back to this disk and its parameters: each parameter that differs
+    /// from its default, written as [`S3Url::parse`] reads it (`standby` is no parameter).
+    /// Unlike `Display`, it shows every parameter, the key file's path among them.
+    pub fn to_url(&self) -> String {
+        let mut parameters: Vec<(&str, String)> = Vec::new();
+        let mut add = |name, value: Option<String>| {
+            if let Some(value) = value {
+                parameters.push((name, value));
+            }
+        };
+        add("endpoint", self.endpoint.clone());
+        add("region", self.region.clone());
+        add("path-style", self.path_style.map(|on| on.to_string()));
+        add(
+            "layout",
+            self.layout.map(|layout| layout.name().to_string()),
+        );
+        add(
+            "chunk-size",
+            self.chunk_size_bytes.map(|bytes| bytes.to_string()),
+        );
+        add(
+            "segment-size",
+            self.segment_bytes_max.map(|bytes| bytes.to_string()),
+        );
+        add(
+            "gc",
+            self.gc.map(|on| if on { "on" } else { "off" }.to_string()),
+        );
+        let threshold = self.gc_threshold_ppm;
+        add("gc-threshold", threshold.map(|ppm| format!("0.{ppm:06}")));
+        let key_file = self.key_file.as_ref();
+        add(
+            "key-file",
+            key_file.map(|path| path.to_string_lossy().into_owned()),
+        );
+        add(
+            "compress",
+            self.compression.map(|kind| kind.name().to_string()),
+        );
+        add(
+            "create-size",
+            self.create_size_bytes.map(|bytes| bytes.to_string()),
+        );
+        let retry_ms = self.retry_timeout_ms;
+        add(
+            "retry-timeout-ms",
+            (retry_ms != RETRY_TIMEOUT_DEFAULT_MS).then(|| retry_ms.to_string()),
+        );
+        add("break-lock", self.break_lock.clone());
+        add("lock", (!self.lock_check).then(|| "off".to_string()));
+        add(
+            "recover-prefix",
+            self.recover_prefix.then(|| "on".to_string()),
+        );
+        add(
+            "credentials",
+            self.credentials_instance.then(|| "instance".to_string()),
+        );
+        add("snapshot", self.snapshot.clone());
+        let lease = match self.lease_ms {
+            None => Some("off".to_string()),
+            Some(crate::lease::LEASE_DEFAULT_MS) => None,
+            Some(ms) => Some(seconds_text(ms)),
+        };
+        add("lease", lease);
+        add("follow", self.follow_ms.map(seconds_text));
+        let mut text = format!("s3://{}/{}", self.bucket, self.prefix);
+        for (index, (name, value)) in parameters.iter().enumerate() {
+            let separator = if index == 0 { '?' } else { '&' };
+            text.push_str(&format!("{separator}{name}={value}"));
+        }
+        text
     }
 
     /// The key of an object of this disk, under the prefix.
@@ -446,6 +515,105 @@ impl S3Url {
     pub fn path_style_effective(&self) -> bool {
         self.path_style.unwrap_or(self.endpoint.is_some())
     }
+}
+
+/// Why one parameter was refused, before the URL and the parameter are attached.
+enum Refusal {
+    /// No parameter has this name.
+    Unknown,
+    /// The value is not one the parameter takes, and why.
+    Bad(String),
+}
+
+impl Refusal {
+    fn bad(reason: &str) -> Refusal {
+        Refusal::Bad(reason.to_string())
+    }
+}
+
+/// Refuses a bucket that is empty or that `url` does not read back as the same host: one
+/// holding a user, password or port, or a character no host name has (a space, `<`, `#`, a
+/// tab, which `url` would drop...).
+fn check_bucket(text: &str, bucket: &str) -> Result<(), UrlError> {
+    if bucket.is_empty() {
+        return Err(UrlError::MissingBucket(text.to_string()));
+    }
+    // A user or password is never echoed: it may be a secret key.
+    let (shown, bucket_after_user) = match bucket.rsplit_once('@') {
+        Some((_, host)) => (text.replacen(bucket, &format!("…@{host}"), 1), host),
+        None => (text.to_string(), bucket),
+    };
+    let bad = |reason: &str| UrlError::Bucket {
+        url: shown.clone(),
+        bucket: bucket_after_user.to_string(),
+        reason: reason.to_string(),
+    };
+    if bucket_after_user.len() < bucket.len() {
+        return Err(bad(
+            "credentials do not go in the URL; they come from the environment or the credentials file",
+        ));
+    }
+    let parsed =
+        url::Url::parse(&format!("s3://{bucket}")).map_err(|error| bad(&error.to_string()))?;
+    if parsed.port().is_some() || bucket.ends_with(':') {
+        return Err(bad(
+            "a bucket has no port; give the store's address as endpoint=http://HOST:PORT",
+        ));
+    }
+    if parsed.host_str() != Some(bucket) || parsed.path() != "" {
+        return Err(bad("a bucket name is letters, digits, `.` and `-`"));
+    }
+    Ok(())
+}
+
+/// Reads `endpoint=`: an http or https URL with a host (kept as typed, without trailing `/`).
+fn parse_endpoint(value: &str) -> Result<String, Refusal> {
+    let expected = "expected http://HOST:PORT or https://HOST[:PORT]";
+    let parsed =
+        url::Url::parse(value).map_err(|error| Refusal::Bad(format!("{error}; {expected}")))?;
+    if !matches!(parsed.scheme(), "http" | "https")
+        || !value.starts_with(parsed.scheme())
+        || parsed.host_str().is_none_or(str::is_empty)
+    {
+        return Err(Refusal::bad(expected));
+    }
+    Ok(value.trim_end_matches('/').to_string())
+}
+
+/// Reads `on` or `off`.
+fn on_off(value: &str) -> Result<bool, Refusal> {
+    match value {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(Refusal::bad("expected on or off")),
+    }
+}
+
+/// Reads a size such as `64M` (bufcache's size syntax).
+fn parse_size(value: &str) -> Result<u64, Refusal> {
+    bufcache_device::size::parse_size(value).map_err(|error| Refusal::Bad(error.to_string()))
+}
+
+/// Reads `lease=SECONDS` into milliseconds, within the lease module's bounds.
+fn parse_lease_ms(value: &str) -> Result<u64, Refusal> {
+    let seconds: f64 = value
+        .parse()
+        .map_err(|_| Refusal::bad("expected a number of seconds such as 15, or off"))?;
+    let (min_ms, max_ms) = (crate::lease::LEASE_MIN_MS, crate::lease::LEASE_MAX_MS);
+    let lease_ms = seconds * 1000.0;
+    if !(lease_ms >= min_ms as f64 && lease_ms <= max_ms as f64) {
+        return Err(Refusal::Bad(format!(
+            "the lease must be from {} to {} seconds: renewing a shorter one would take most of it, and a takeover waits a whole lease",
+            min_ms / 1000,
+            max_ms / 1000
+        )));
+    }
+    Ok(lease_ms.round() as u64)
+}
+
+/// Milliseconds as the seconds `lease=` and `follow=` take (`2.5`).
+fn seconds_text(ms: u64) -> String {
+    format!("{}.{:03}", ms / 1000, ms % 1000)
 }
 
 /// The disk's name for messages: bucket, prefix and endpoint, never credentials.

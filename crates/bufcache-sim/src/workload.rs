@@ -441,14 +441,19 @@ impl FromStr for WorkloadSpec {
 
     fn from_str(text: &str) -> Result<Self, Self::Err> {
         let (kind, pairs) = split_spec(text)?;
-        let unknown = |key: &str, value: &str, keys: &str| {
-            Err(SpecError::new(
-                key,
-                value,
-                &format!("a key of {kind}: {keys}"),
-            ))
-        };
-        let mut spec = match kind.as_str() {
+        let mut spec = WorkloadSpec::defaults(&kind)?;
+        for (key, value) in &pairs {
+            spec.set(&kind, key, value)?;
+        }
+        spec.check()?;
+        Ok(spec)
+    }
+}
+
+impl WorkloadSpec {
+    /// The workload `kind` with every key at its default.
+    fn defaults(kind: &str) -> Result<WorkloadSpec, SpecError> {
+        let spec = match kind {
             "dd" => WorkloadSpec::Dd {
                 write: false,
                 bs: 1 << 20,
@@ -494,113 +499,127 @@ impl FromStr for WorkloadSpec {
             _ => {
                 return Err(SpecError::new(
                     "workload",
-                    &kind,
+                    kind,
                     "one of dd, sweep, mixed, treecopy, build",
                 ))
             }
         };
-        for (key, value) in &pairs {
-            let (key, value) = (key.as_str(), value.as_str());
-            match &mut spec {
-                WorkloadSpec::Dd {
-                    write,
-                    bs,
-                    count,
-                    fsync,
-                } => match key {
-                    "write" => *write = true,
-                    "read" => *write = false,
-                    "fsync" => *fsync = true,
-                    "bs" => *bs = size_value(key, value)?,
-                    "count" => *count = count_value(key, value)?,
-                    _ => return unknown(key, value, "read, write, bs, count, fsync"),
-                },
-                WorkloadSpec::Sweep {
-                    file,
-                    sizes,
-                    bs,
-                    passes,
-                } => match key {
-                    "file" => *file = size_value(key, value)?,
-                    "sizes" => {
-                        *sizes = value
-                            .split('/')
-                            .map(|s| size_value(key, s))
-                            .collect::<Result<_, _>>()?
+        Ok(spec)
+    }
+
+    /// Sets `key` of a workload of `kind` (named in the error for a key it does not have).
+    fn set(&mut self, kind: &str, key: &str, value: &str) -> Result<(), SpecError> {
+        let unknown = |key: &str, value: &str, keys: &str| {
+            Err(SpecError::new(
+                key,
+                value,
+                &format!("a key of {kind}: {keys}"),
+            ))
+        };
+        match self {
+            WorkloadSpec::Dd {
+                write,
+                bs,
+                count,
+                fsync,
+            } => match key {
+                "write" => *write = true,
+                "read" => *write = false,
+                "fsync" => *fsync = true,
+                "bs" => *bs = size_value(key, value)?,
+                "count" => *count = count_value(key, value)?,
+                _ => return unknown(key, value, "read, write, bs, count, fsync"),
+            },
+            WorkloadSpec::Sweep {
+                file,
+                sizes,
+                bs,
+                passes,
+            } => match key {
+                "file" => *file = size_value(key, value)?,
+                "sizes" => {
+                    *sizes = value
+                        .split('/')
+                        .map(|s| size_value(key, s))
+                        .collect::<Result<_, _>>()?
+                }
+                "bs" => *bs = size_value(key, value)?,
+                "passes" => *passes = count_value(key, value)?.min(1000) as u32,
+                _ => return unknown(key, value, "file, sizes (a/b/c), bs, passes"),
+            },
+            WorkloadSpec::Mixed {
+                scan,
+                ws,
+                reads,
+                think_us,
+                bs,
+            } => match key {
+                "scan" => *scan = size_value(key, value)?,
+                "ws" => *ws = size_value(key, value)?,
+                "reads" => *reads = count_value(key, value)?,
+                "think_us" => {
+                    *think_us = value
+                        .parse()
+                        .map_err(|_| SpecError::new(key, value, "a whole number of µs"))?
+                }
+                "bs" => *bs = size_value(key, value)?,
+                _ => return unknown(key, value, "scan, ws, reads, think_us, bs"),
+            },
+            WorkloadSpec::TreeCopy {
+                files,
+                min,
+                max,
+                remote,
+                dir_files,
+            } => match key {
+                "files" => *files = count_value(key, value)?,
+                "min" => *min = size_value(key, value)?,
+                "max" => *max = size_value(key, value)?,
+                "dir_files" => *dir_files = count_value(key, value)?,
+                "remote" => {
+                    *remote = match value {
+                        "on" | "1" | "true" => true,
+                        "off" | "0" | "false" => false,
+                        _ => return Err(SpecError::new(key, value, "on or off")),
                     }
-                    "bs" => *bs = size_value(key, value)?,
-                    "passes" => *passes = count_value(key, value)?.min(1000) as u32,
-                    _ => return unknown(key, value, "file, sizes (a/b/c), bs, passes"),
-                },
-                WorkloadSpec::Mixed {
-                    scan,
-                    ws,
-                    reads,
-                    think_us,
-                    bs,
-                } => match key {
-                    "scan" => *scan = size_value(key, value)?,
-                    "ws" => *ws = size_value(key, value)?,
-                    "reads" => *reads = count_value(key, value)?,
-                    "think_us" => {
-                        *think_us = value
-                            .parse()
-                            .map_err(|_| SpecError::new(key, value, "a whole number of µs"))?
-                    }
-                    "bs" => *bs = size_value(key, value)?,
-                    _ => return unknown(key, value, "scan, ws, reads, think_us, bs"),
-                },
-                WorkloadSpec::TreeCopy {
-                    files,
-                    min,
-                    max,
-                    remote,
-                    dir_files,
-                } => match key {
-                    "files" => *files = count_value(key, value)?,
-                    "min" => *min = size_value(key, value)?,
-                    "max" => *max = size_value(key, value)?,
-                    "dir_files" => *dir_files = count_value(key, value)?,
-                    "remote" => {
-                        *remote = match value {
-                            "on" | "1" | "true" => true,
-                            "off" | "0" | "false" => false,
-                            _ => return Err(SpecError::new(key, value, "on or off")),
-                        }
-                    }
-                    _ => return unknown(key, value, "files, min, max, remote, dir_files"),
-                },
-                WorkloadSpec::Build {
-                    jobs,
-                    sources,
-                    headers,
-                    includes,
-                    cpu_ms,
-                    header_max,
-                    builds,
-                } => match key {
-                    "jobs" => *jobs = count_value(key, value)?.min(1024) as u32,
-                    "builds" => *builds = count_value(key, value)?.min(64) as u32,
-                    "sources" => *sources = count_value(key, value)?,
-                    "headers" => *headers = count_value(key, value)?,
-                    "includes" => *includes = count_value(key, value)?.min(10_000) as u32,
-                    "cpu_ms" => {
-                        *cpu_ms = value
-                            .parse()
-                            .map_err(|_| SpecError::new(key, value, "a whole number of ms"))?
-                    }
-                    "header_max" => *header_max = size_value(key, value)?.max(1 << 10),
-                    _ => {
-                        return unknown(
-                            key,
-                            value,
-                            "jobs, sources, headers, includes, cpu_ms, header_max, builds",
-                        )
-                    }
-                },
-            }
+                }
+                _ => return unknown(key, value, "files, min, max, remote, dir_files"),
+            },
+            WorkloadSpec::Build {
+                jobs,
+                sources,
+                headers,
+                includes,
+                cpu_ms,
+                header_max,
+                builds,
+            } => match key {
+                "jobs" => *jobs = count_value(key, value)?.min(1024) as u32,
+                "builds" => *builds = count_value(key, value)?.min(64) as u32,
+                "sources" => *sources = count_value(key, value)?,
+                "headers" => *headers = count_value(key, value)?,
+                "includes" => *includes = count_value(key, value)?.min(10_000) as u32,
+                "cpu_ms" => {
+                    *cpu_ms = value
+                        .parse()
+                        .map_err(|_| SpecError::new(key, value, "a whole number of ms"))?
+                }
+                "header_max" => *header_max = size_value(key, value)?.max(1 << 10),
+                _ => {
+                    return unknown(
+                        key,
+                        value,
+                        "jobs, sources, headers, includes, cpu_ms, header_max, builds",
+                    )
+                }
+            },
         }
-        match &spec {
+        Ok(())
+    }
+
+    /// Refuses keys that contradict each other (a sweep size above the file, min above max).
+    fn check(&self) -> Result<(), SpecError> {
+        match self {
             WorkloadSpec::Sweep { file, sizes, .. } => {
                 if let Some(&too_big) = sizes.iter().find(|&&s| s > *file) {
                     return Err(SpecError::new(
@@ -619,7 +638,7 @@ impl FromStr for WorkloadSpec {
             }
             _ => {}
         }
-        Ok(spec)
+        Ok(())
     }
 }
 

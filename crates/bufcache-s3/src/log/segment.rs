@@ -645,8 +645,52 @@ pub fn decode(
             meaning: "corrupt table",
         });
     }
-    let mut extents = Vec::with_capacity(extent_count as usize);
-    for (number, entry) in table.chunks_exact(entry_bytes as usize).enumerate() {
+    let table_context = TableContext {
+        version,
+        entry_bytes,
+        sequence,
+        data,
+        data_bytes,
+        disk_size_bytes,
+    };
+    let extents = table
+        .chunks_exact(entry_bytes as usize)
+        .enumerate()
+        .map(|(number, entry)| table_context.decode_entry(number, entry))
+        .collect::<Result<Vec<_>, _>>()?;
+    debug_assert_eq!(extents.len() as u64, extent_count);
+    Ok(DecodedSegment {
+        sequence,
+        marks,
+        extents,
+    })
+}
+
+/// What checking one extent-table entry needs of its segment.
+#[derive(Clone, Copy)]
+struct TableContext<'a> {
+    version: u32,
+    entry_bytes: u64,
+    sequence: u64,
+    /// The segment's data area.
+    data: &'a [u8],
+    data_bytes: u64,
+    disk_size_bytes: u64,
+}
+
+impl TableContext<'_> {
+    /// Checks and decodes extent-table entry `number`: inside the disk, known storage flags
+    /// that fit its kind and sizes, a copy naming an earlier segment, data inside the data
+    /// area with a matching checksum.
+    fn decode_entry(&self, number: usize, entry: &[u8]) -> Result<SegmentExtent, DecodeError> {
+        let TableContext {
+            version,
+            entry_bytes,
+            sequence,
+            data,
+            data_bytes,
+            disk_size_bytes,
+        } = *self;
         let disk_offset = u64_at(entry, 0);
         let length = u64_at(entry, 8);
         let position = u64_at(entry, 16);
@@ -745,7 +789,7 @@ pub fn decode(
                 )))
             }
         };
-        extents.push(SegmentExtent {
+        Ok(SegmentExtent {
             disk_offset,
             length,
             data_position,
@@ -757,13 +801,8 @@ pub fn decode(
                 0
             },
             seal_flags,
-        });
+        })
     }
-    Ok(DecodedSegment {
-        sequence,
-        marks,
-        extents,
-    })
 }
 
 #[cfg(test)]
