@@ -4,6 +4,7 @@
 //! holds the disk lock while it changes anything, so it is refused while a server has the
 //! disk.
 
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use futures::stream::{self, StreamExt, TryStreamExt};
@@ -12,6 +13,7 @@ use object_store::{ObjectStore, PutPayload};
 
 use crate::error::{chain, DecodeError, OpenError, StoreError};
 use crate::lock::{holder_now, Acquired, DiskLock, LockHolder};
+use crate::meters::StoreMeters;
 use crate::log::{
     self, check_snapshot_name, GcReport, LogConfig, LogStore, LogSummary, SnapshotError,
     SnapshotSummary, SnapshotTaken, GC_THRESHOLD_DEFAULT,
@@ -82,7 +84,7 @@ pub fn info(url: &S3Url) -> Result<DiskInfo, OpenError> {
             }
             LayoutKind::Log => {
                 let sealer = log::sealer_for(url, &metadata, &LogConfig::from_url(url))?;
-                let summary = log::summarize(store, url, &metadata, &sealer).await;
+                let summary = log::summarize(store, &connection.buckets, url, &metadata, &sealer).await;
                 LayoutInfo::Log(summary.map_err(Box::new))
             }
         };
@@ -109,7 +111,7 @@ pub fn verify(
             LayoutKind::Chunk => verify_chunks(store, url, &metadata, progress).await?,
             LayoutKind::Log => {
                 let sealer = log::sealer_for(url, &metadata, &LogConfig::from_url(url))?;
-                log::verify(store, url, &metadata, &sealer, progress).await?
+                log::verify(store, &connection.buckets, url, &metadata, &sealer, progress).await?
             }
         };
         Ok(VerifyReport { damaged, read })
@@ -491,6 +493,7 @@ pub fn snapshots(url: &S3Url) -> Result<Vec<SnapshotSummary>, SnapshotError> {
     let sealer = log::sealer_for(url, &metadata, &LogConfig::from_url(url))?;
     Ok(connection.runtime.block_on(log::describe_snapshots(
         &*connection.store,
+        &connection.buckets,
         url,
         &metadata,
         &sealer,
@@ -531,8 +534,8 @@ pub fn delete_snapshot(url: &S3Url, name: &str) -> Result<(), SnapshotError> {
         })
 }
 
-/// The clones of snapshot `name` of the base disk `url`, as `s3://BUCKET/PREFIX`, from the
-/// clone records under the base (module `log::clone`).
+/// The clones of snapshot `name` of the base disk `url`, as `s3://BUCKET/PREFIX` (in the
+/// base's bucket or another), from the clone records under the base (module `log::clone`).
 async fn clones_of(
     store: &dyn ObjectStore,
     url: &S3Url,
@@ -542,14 +545,9 @@ async fn clones_of(
     Ok(objects
         .iter()
         .map(|object| {
-            let hex = object.location.filename().unwrap_or_default();
-            let prefix: Option<Vec<u8>> = (0..hex.len() / 2)
-                .map(|at| u8::from_str_radix(hex.get(at * 2..at * 2 + 2)?, 16).ok())
-                .collect();
-            match prefix.and_then(|bytes| String::from_utf8(bytes).ok()) {
-                Some(prefix) => format!("s3://{}/{prefix}", url.bucket),
-                None => format!("(record `{}`)", object.location),
-            }
+            let record = object.location.filename().unwrap_or_default();
+            log::clone_recorded(url, record)
+                .unwrap_or_else(|| format!("(record `{}`)", object.location))
         })
         .collect())
 }
@@ -568,27 +566,50 @@ pub struct Cloned {
 /// record under the base (so the snapshot cannot be deleted while the clone needs it), then
 /// the clone's metadata object carrying its base (the base's size and compression; an
 /// encrypted base needs the clone URL's `key-file=` to be the base's key), both create-only.
-/// Four requests ([`create_clone_objects`]); one HEAD more when the snapshot names segments
-/// of no epoch (written before epochs, or by a clone made before the metadata carried the
-/// base: a clone of such a clone is refused). Refused: a bad or missing name, a clone in
-/// another bucket or endpoint or inside the base's prefix, a base that is a clone or that a
-/// `disk delete` is deleting, an existing disk at the clone's prefix.
+/// The clone may be in the base's bucket or another bucket of the same store: it reaches its
+/// base with its own URL's endpoint, region, addressing and credentials, so the two URLs must
+/// agree on those. Four requests ([`create_clone_objects`]); one HEAD more when the snapshot
+/// names segments of no epoch (written before epochs, or by a clone made before the metadata
+/// carried the base: a clone of such a clone is refused). Refused: a bad or missing name, a
+/// clone at another endpoint or region, or inside the base's prefix, a base that is a clone
+/// or that a `disk delete` is deleting, an existing disk at the clone's prefix, a clone's
+/// bucket that does not exist.
 pub fn clone(base_url: &S3Url, clone_url: &S3Url, name: &str) -> Result<Cloned, SnapshotError> {
     check_snapshot_name(name)?;
     let refused = |reason: String| SnapshotError::Refused {
         url: clone_url.to_string(),
         reason,
     };
-    if clone_url.bucket != base_url.bucket || clone_url.endpoint != base_url.endpoint {
-        return Err(refused(format!(
-            "a clone lives in its base's bucket (s3://{}/ at the same endpoint)",
-            base_url.bucket
-        )));
+    let shown = |value: &Option<String>, unset: &str| {
+        value
+            .as_deref()
+            .map_or_else(|| unset.to_string(), |value| format!("`{value}`"))
+    };
+    for (parameter, base, clone, unset) in [
+        ("endpoint=", &base_url.endpoint, &clone_url.endpoint, "AWS"),
+        ("region=", &base_url.region, &clone_url.region, "none"),
+    ] {
+        if base != clone {
+            return Err(refused(format!(
+                "the base's {parameter} is {} and the clone's {}: a clone reads its base through its own URL's store settings (it records the base's bucket and prefix, not how to reach them), so both must name the same store",
+                shown(base, unset),
+                shown(clone, unset)
+            )));
+        }
+    }
+    if base_url.path_style_effective() != clone_url.path_style_effective() {
+        return Err(refused(
+            "the base's and the clone's path-style= differ: a clone reads its base through its own URL's store settings, so both must name the same store the same way".to_string(),
+        ));
     }
     let nested = |outer: &str, inner: &str| {
         outer.is_empty() || inner == outer || inner.starts_with(&format!("{outer}/"))
     };
-    if nested(&base_url.prefix, &clone_url.prefix) || nested(&clone_url.prefix, &base_url.prefix) {
+    let same_bucket = clone_url.bucket == base_url.bucket;
+    if same_bucket
+        && (nested(&base_url.prefix, &clone_url.prefix)
+            || nested(&clone_url.prefix, &base_url.prefix))
+    {
         return Err(refused(format!(
             "the clone's prefix `{}` and the base's `{}` overlap",
             clone_url.prefix, base_url.prefix
@@ -606,9 +627,17 @@ pub fn clone(base_url: &S3Url, clone_url: &S3Url, name: &str) -> Result<Cloned, 
         });
     }
     let client = store::connect_client(base_url)?;
-    let store: &dyn ObjectStore = &*client.store;
+    let clone_store: Arc<dyn ObjectStore> = if same_bucket {
+        client.store.clone()
+    } else {
+        store::bucket_client(clone_url, StoreMeters::new())?
+    };
     client.runtime.block_on(create_clone_objects(
-        store, store, base_url, clone_url, name,
+        &*client.store,
+        &*clone_store,
+        base_url,
+        clone_url,
+        name,
     ))
 }
 
@@ -815,8 +844,15 @@ pub fn delete_calling(
             deleted.bytes += object.size;
         }
         if let Some((base_url, snapshot)) = base {
-            let key = log::clone_record_key(&base_url, &snapshot, &url.prefix);
-            match store.delete(&ObjectPath::from(key.as_str())).await {
+            let key = log::clone_record_key(&base_url, &snapshot, url);
+            // The record is in the base's bucket, which may be another.
+            let base_store = if base_url.bucket == url.bucket {
+                None
+            } else {
+                Some(connection.buckets.store(&base_url.bucket)?)
+            };
+            let record_store: &dyn ObjectStore = base_store.as_deref().unwrap_or(store);
+            match record_store.delete(&ObjectPath::from(key.as_str())).await {
                 Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
                 Err(error) => return Err(failed(&key, error)),
             }
@@ -863,11 +899,7 @@ async fn clone_base_of(
     let sealer = log::sealer_for(url, metadata, &LogConfig::from_url(url))?;
     Ok(log::read_clone_record(store, url, metadata, &sealer)
         .await?
-        .map(|(_, record)| {
-            let mut base = url.clone();
-            base.prefix = record.base_prefix;
-            (base, record.snapshot)
-        }))
+        .map(|(_, record)| (log::clone_base_url(url, &record), record.snapshot)))
 }
 
 /// Makes a clone of snapshot `name` of the disk at `base_url` at `clone_url` ([`clone`]
@@ -899,7 +931,7 @@ pub(crate) async fn create_clone_objects(
             name: name.to_string(),
             source: crate::error::request_failed(operation, key, error),
         };
-    let record_key = log::clone_record_key(base_url, name, &clone_url.prefix);
+    let record_key = log::clone_record_key(base_url, name, clone_url);
     let record_location = ObjectPath::from(record_key.as_str());
     let recorded = base_store
         .put_opts(
@@ -1010,8 +1042,19 @@ async fn clone_behind_record(
         base_metadata.disk_id,
         name,
         &base_url.prefix,
+        Some(&base_url.bucket),
     )?;
-    if !store::create_metadata(clone_store, &asked, &clone_metadata, &body).await? {
+    let created = match store::create_metadata(clone_store, &asked, &clone_metadata, &body).await
+    {
+        Err(OpenError::Request { message, .. }) if crate::error::says_no_bucket(&message) => {
+            return Err(refused(format!(
+                "bucket `{}` does not exist at this endpoint (create it first)",
+                clone_url.bucket
+            )))
+        }
+        created => created?,
+    };
+    if !created {
         return Err(refused(
             "a disk exists at the clone's prefix already".to_string(),
         ));

@@ -83,7 +83,7 @@ use object_store::{ObjectStore, PutMode, PutOptions, PutPayload};
 use crate::error::{chain, request_failed, DecodeError, OpenError, StoreError};
 use crate::lock::{check_not_held, Acquired, DiskLock, Takeover};
 use crate::store::{
-    connect, connect_with, get_range_in, Connection, Create, DiskMetadata, ReadOnly,
+    connect, connect_with, get_range_in, Buckets, Connection, Create, DiskMetadata, ReadOnly,
     REQUESTS_IN_FLIGHT_MAX_DEFAULT,
 };
 use crate::url::{LayoutKind, S3Url};
@@ -91,8 +91,9 @@ use crate::url::{LayoutKind, S3Url};
 use crate::seal::Sealer;
 pub use crate::seal::{SealParameters, SEALED_EXTENT_BYTES_MAX};
 pub(crate) use clone::{
-    new_metadata as new_clone_metadata, read_record as read_clone_record,
-    record_key as clone_record_key, BASE_NAME as CLONE_BASE_NAME,
+    base_url as clone_base_url, new_metadata as new_clone_metadata,
+    read_record as read_clone_record, record_key as clone_record_key,
+    recorded_clone as clone_recorded, BASE_NAME as CLONE_BASE_NAME,
 };
 pub use gc::GcReport;
 pub use index::{Index, Mapping};
@@ -410,6 +411,14 @@ impl Shared {
         self.base.as_ref().filter(|base| sequence <= base.through)
     }
 
+    /// The client that reads segment `sequence` (the base bucket's for a base segment in
+    /// another bucket).
+    fn store_of(&self, sequence: u64) -> &Arc<dyn ObjectStore> {
+        self.base_of(sequence)
+            .and_then(|base| base.store.as_ref())
+            .unwrap_or(&self.store)
+    }
+
     /// The sealer that unseals segment `sequence`'s extents (the base's for a base segment).
     fn sealer_of(&self, sequence: u64) -> &Sealer {
         self.base_of(sequence)
@@ -673,11 +682,13 @@ impl LogStore {
             runtime,
             store,
             metadata,
+            buckets,
         } = connection;
         Self::build(
             url,
             runtime,
             store,
+            buckets,
             metadata,
             config,
             sealer,
@@ -741,6 +752,7 @@ impl LogStore {
             runtime,
             store,
             mut metadata,
+            buckets,
         } = connection;
         if metadata.seal.key_check.is_some() && !metadata.seal.metadata_tagged {
             // Encrypted, its metadata written before metadata tags: tagged now, under the
@@ -752,6 +764,7 @@ impl LogStore {
             url,
             runtime,
             store,
+            buckets,
             metadata,
             config,
             sealer,
@@ -827,8 +840,19 @@ impl LogStore {
             &*store, url, create,
         ))?;
         let sealer = check_layout(url, &metadata, &config)?;
+        // The caller's store reaches one bucket: a clone whose base is in another is
+        // refused naming it (`Buckets::None`).
         Self::build(
-            url, runtime, store, metadata, config, sealer, None, read_only, lease,
+            url,
+            runtime,
+            store,
+            Buckets::None,
+            metadata,
+            config,
+            sealer,
+            None,
+            read_only,
+            lease,
         )
     }
 
@@ -837,6 +861,7 @@ impl LogStore {
         url: &S3Url,
         runtime: tokio::runtime::Runtime,
         store: Arc<dyn ObjectStore>,
+        buckets: Buckets,
         metadata: DiskMetadata,
         config: LogConfig,
         sealer: Sealer,
@@ -849,7 +874,7 @@ impl LogStore {
         let lease = lease.or_else(|| lock.as_ref().and_then(|lock| lock.lease().cloned()));
         let writable = read_only.is_none();
         let recovered = match runtime.block_on(recover_and_claim(
-            &*store, url, &metadata, &sealer, writable,
+            &*store, &buckets, url, &metadata, &sealer, writable,
         )) {
             Ok(recovered) => recovered,
             Err(error) => {
@@ -1827,7 +1852,7 @@ impl Core {
         let gets = coalesce(remote, self.config.get_bytes_max);
         let fetched: Vec<(Get, Result<Bytes, StoreError>)> = self.runtime.block_on(
             stream::iter(gets.into_iter().map(|get| {
-                let store = self.shared.store.clone();
+                let store = self.shared.store_of(get.segment).clone();
                 let key = self.shared.segment_key(get.segment);
                 async move {
                     let result = match get_range_in(&*store, &key, get.range.clone()).await {
@@ -2002,12 +2027,13 @@ async fn get_whole(store: &dyn ObjectStore, url: &S3Url, key: &str) -> Result<By
 /// and carries the cleanup out, [`recover_and_claim`]).
 async fn recover(
     store: &dyn ObjectStore,
+    buckets: &Buckets,
     url: &S3Url,
     metadata: &DiskMetadata,
     sealer: &Sealer,
 ) -> Result<Recovered, OpenError> {
     // A clone starts from its base snapshot's index; its own log starts after it.
-    let base = clone::read_base(store, url, metadata, sealer).await?;
+    let base = clone::read_base(store, buckets, url, metadata, sealer).await?;
     let base_through = base.as_ref().map_or(0, |(base, _)| base.through);
     let mut checkpoints = list_numbered(store, url, "log/checkpoints").await?;
     // The newest checkpoint, or when it is damaged its predecessor (module docs, "Two
@@ -2306,6 +2332,7 @@ async fn recover(
 /// epochs it records; nothing else of the log is read.
 async fn recover_snapshot(
     store: &dyn ObjectStore,
+    buckets: &Buckets,
     url: &S3Url,
     metadata: &DiskMetadata,
     sealer: &Sealer,
@@ -2322,7 +2349,7 @@ async fn recover_snapshot(
         })?;
     let epochs = taken.epochs.expect("snapshot::decode refuses version 1");
     // A clone's snapshot names its base's segments too.
-    let base = clone::read_base(store, url, metadata, sealer)
+    let base = clone::read_base(store, buckets, url, metadata, sealer)
         .await?
         .map(|(base, _)| base);
     Ok(Recovered {
@@ -2454,6 +2481,7 @@ fn snapshot_writable(url: &S3Url) -> OpenError {
 /// carries recovery's cleanup out ([`clean_up`]).
 async fn recover_and_claim(
     store: &dyn ObjectStore,
+    buckets: &Buckets,
     url: &S3Url,
     metadata: &DiskMetadata,
     sealer: &Sealer,
@@ -2463,11 +2491,11 @@ async fn recover_and_claim(
         if writable {
             return Err(snapshot_writable(url));
         }
-        return recover_snapshot(store, url, metadata, sealer, name).await;
+        return recover_snapshot(store, buckets, url, metadata, sealer, name).await;
     }
     let mut claims = 0;
     loop {
-        let mut recovered = recover(store, url, metadata, sealer).await?;
+        let mut recovered = recover(store, buckets, url, metadata, sealer).await?;
         if !writable {
             // Read-only: the dead segments, those after a gap and the void ones stay; none
             // is read.
