@@ -1046,7 +1046,12 @@ async fn clone_behind_record(
     )?;
     let created = match store::create_metadata(clone_store, &asked, &clone_metadata, &body).await
     {
-        Err(OpenError::Request { message, .. }) if crate::error::says_no_bucket(&message) => {
+        // Stores answer a PUT into a missing bucket differently (moto: NoSuchBucket,
+        // SeaweedFS: AccessDenied); a LIST says which it was (a request more, on failure only).
+        Err(OpenError::Request { message, .. })
+            if crate::error::says_no_bucket(&message)
+                || bucket_missing(clone_store, clone_url).await =>
+        {
             return Err(refused(format!(
                 "bucket `{}` does not exist at this endpoint (create it first)",
                 clone_url.bucket
@@ -1064,4 +1069,17 @@ async fn clone_behind_record(
         size_bytes: clone_metadata.size_bytes,
         mapped_bytes: taken.index.mapped_bytes(),
     })
+}
+
+/// Whether the bucket `url` names does not exist, as a LIST of its prefix answers (false when
+/// the LIST works or fails otherwise).
+async fn bucket_missing(store: &dyn ObjectStore, url: &S3Url) -> bool {
+    let prefix = ObjectPath::from(url.prefix.as_str());
+    match store
+        .list_with_delimiter((!url.prefix.is_empty()).then_some(&prefix))
+        .await
+    {
+        Ok(_) => false,
+        Err(error) => crate::error::says_no_bucket(&chain(&error)),
+    }
 }
