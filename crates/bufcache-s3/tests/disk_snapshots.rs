@@ -592,7 +592,7 @@ fn deleting_a_clone_frees_its_snapshot_and_a_base_with_clones_is_refused() {
 // every object and no mark, the clone reads the snapshot; delete that clone, then delete the
 // base again, trying a clone from the hook once the delete has marked the metadata: the
 // clone is refused as being deleted with no object left, and the delete ends with both
-// prefixes empty.
+// prefixes empty. The same with the clones in another bucket.
 #[test]
 fn a_clone_made_while_its_base_is_deleted_is_fenced_off() {
     let name = "a_clone_made_while_its_base_is_deleted_is_fenced_off";
@@ -601,19 +601,23 @@ fn a_clone_made_while_its_base_is_deleted_is_fenced_off() {
     }
     let keys = tempfile::tempdir().unwrap();
     let key = key_file(keys.path());
-    fenced_off("");
-    // An encrypted base: the delete's mark, set and taken off, leaves its tagged metadata
-    // opening as before (the tag does not cover the mark).
-    fenced_off(&format!("&key-file={key}"));
+    for clone_bucket in ["bucket", "clones"] {
+        fenced_off("", clone_bucket);
+        // An encrypted base: the delete's mark, set and taken off, leaves its tagged
+        // metadata opening as before (the tag does not cover the mark).
+        fenced_off(&format!("&key-file={key}"), clone_bucket);
+    }
 }
 
 /// The body of [`a_clone_made_while_its_base_is_deleted_is_fenced_off`], every URL with
-/// `keyed` parameters.
-fn fenced_off(keyed: &str) {
+/// `keyed` parameters, the clones in `clone_bucket`.
+fn fenced_off(keyed: &str, clone_bucket: &str) {
     let moto = Moto::start();
     moto.create_bucket("bucket");
+    moto.create_bucket(clone_bucket);
     let endpoint = moto.endpoint();
     let raw = Raw::new(&moto);
+    let clone_raw = Raw::in_bucket(&moto, clone_bucket);
     let mut rng = rand::rngs::StdRng::seed_from_u64(57);
     let create = url(
         &endpoint,
@@ -621,7 +625,7 @@ fn fenced_off(keyed: &str) {
         &format!("&create-size=2M&layout=log&segment-size=64k&gc=off{keyed}"),
     );
     let base = url(&endpoint, "base", &format!("&gc=off{keyed}"));
-    let clone = url(&endpoint, "clone", &format!("&gc=off{keyed}"));
+    let clone = url_in(&endpoint, clone_bucket, "clone", &format!("&gc=off{keyed}"));
     let mut image = vec![0u8; DISK_BYTES];
     image[..WRITTEN_BYTES].copy_from_slice(&random(WRITTEN_BYTES, &mut rng));
     let mut store = LogStore::open_locked(&create).unwrap();
@@ -645,7 +649,7 @@ fn fenced_off(keyed: &str) {
     match refused {
         Err(error @ admin::DeleteError::Refused { .. }) => {
             let error = error.to_string();
-            assert!(error.contains("s3://bucket/clone"), "{error}");
+            assert!(error.contains(&format!("s3://{clone_bucket}/clone")), "{error}");
             assert!(error.contains("made while this delete ran"), "{error}");
             assert!(!error.contains('\n'), "{error}");
         }
@@ -666,7 +670,7 @@ fn fenced_off(keyed: &str) {
 
     // The clone is tried once the delete has marked the base: refused, nothing left of it.
     admin::delete(&clone).unwrap();
-    let late = url(&endpoint, "late-clone", &format!("&gc=off{keyed}"));
+    let late = url_in(&endpoint, clone_bucket, "late-clone", &format!("&gc=off{keyed}"));
     let mut outcome = None;
     let deleted = admin::delete_calling(&base, &mut |moment| {
         if moment == admin::DeleteMoment::Marked {
@@ -685,10 +689,11 @@ fn fenced_off(keyed: &str) {
     assert!(deleted.objects >= base_objects.len() as u64, "{deleted:?}");
     assert!(raw.keys("base/").is_empty(), "{:?}", raw.keys("base/"));
     assert!(
-        raw.keys("late-clone/").is_empty(),
+        clone_raw.keys("late-clone/").is_empty(),
         "{:?}",
-        raw.keys("late-clone/")
+        clone_raw.keys("late-clone/")
     );
+    assert!(clone_raw.keys("clone/").is_empty());
 }
 
 /// An error's text, checked to be one line.
