@@ -99,8 +99,9 @@ enum DiskCommand {
         json: bool,
     },
     /// Make a writable disk at DST_URL that reads what it has not written from snapshot NAME
-    /// of the disk at SRC_URL (same bucket), copying no data. The snapshot cannot be deleted
-    /// while the clone exists.
+    /// of the disk at SRC_URL (in the same bucket or another bucket of the same store: same
+    /// endpoint= and region=), copying no data. The snapshot cannot be deleted while the
+    /// clone exists.
     Clone {
         src_url: String,
         dst_url: String,
