@@ -13,12 +13,12 @@ use object_store::{ObjectStore, PutPayload};
 
 use crate::error::{chain, DecodeError, OpenError, StoreError};
 use crate::lock::{holder_now, Acquired, DiskLock, LockHolder};
-use crate::meters::StoreMeters;
 use crate::log::{
     self, check_snapshot_name, GcReport, LogConfig, LogStore, LogSummary, SnapshotError,
     SnapshotSummary, SnapshotTaken, GC_THRESHOLD_DEFAULT,
 };
 pub use crate::log::{Damage, VerifyProgress};
+use crate::meters::StoreMeters;
 use crate::store::{
     self, check_new_size, connect_with, write_size, Create, DiskMetadata, METADATA_NAME,
 };
@@ -84,7 +84,8 @@ pub fn info(url: &S3Url) -> Result<DiskInfo, OpenError> {
             }
             LayoutKind::Log => {
                 let sealer = log::sealer_for(url, &metadata, &LogConfig::from_url(url))?;
-                let summary = log::summarize(store, &connection.buckets, url, &metadata, &sealer).await;
+                let summary =
+                    log::summarize(store, &connection.buckets, url, &metadata, &sealer).await;
                 LayoutInfo::Log(summary.map_err(Box::new))
             }
         };
@@ -111,7 +112,15 @@ pub fn verify(
             LayoutKind::Chunk => verify_chunks(store, url, &metadata, progress).await?,
             LayoutKind::Log => {
                 let sealer = log::sealer_for(url, &metadata, &LogConfig::from_url(url))?;
-                log::verify(store, &connection.buckets, url, &metadata, &sealer, progress).await?
+                log::verify(
+                    store,
+                    &connection.buckets,
+                    url,
+                    &metadata,
+                    &sealer,
+                    progress,
+                )
+                .await?
             }
         };
         Ok(VerifyReport { damaged, read })
@@ -1044,8 +1053,7 @@ async fn clone_behind_record(
         &base_url.prefix,
         Some(&base_url.bucket),
     )?;
-    let created = match store::create_metadata(clone_store, &asked, &clone_metadata, &body).await
-    {
+    let created = match store::create_metadata(clone_store, &asked, &clone_metadata, &body).await {
         // Stores answer a PUT into a missing bucket differently (moto: NoSuchBucket,
         // SeaweedFS: AccessDenied); a LIST says which it was (a request more, on failure only).
         Err(OpenError::Request { message, .. })

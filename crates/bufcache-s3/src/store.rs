@@ -133,7 +133,9 @@ impl Buckets {
             }
             Buckets::None => Err(OpenError::Config {
                 url: format!("s3://{bucket}/"),
-                reason: "this open was given a store for its own bucket only, and cannot reach another".to_string(),
+                reason:
+                    "this open was given a store for its own bucket only, and cannot reach another"
+                        .to_string(),
             }),
         }
     }

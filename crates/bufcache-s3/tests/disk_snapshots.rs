@@ -649,7 +649,10 @@ fn fenced_off(keyed: &str, clone_bucket: &str) {
     match refused {
         Err(error @ admin::DeleteError::Refused { .. }) => {
             let error = error.to_string();
-            assert!(error.contains(&format!("s3://{clone_bucket}/clone")), "{error}");
+            assert!(
+                error.contains(&format!("s3://{clone_bucket}/clone")),
+                "{error}"
+            );
             assert!(error.contains("made while this delete ran"), "{error}");
             assert!(!error.contains('\n'), "{error}");
         }
@@ -670,7 +673,12 @@ fn fenced_off(keyed: &str, clone_bucket: &str) {
 
     // The clone is tried once the delete has marked the base: refused, nothing left of it.
     admin::delete(&clone).unwrap();
-    let late = url_in(&endpoint, clone_bucket, "late-clone", &format!("&gc=off{keyed}"));
+    let late = url_in(
+        &endpoint,
+        clone_bucket,
+        "late-clone",
+        &format!("&gc=off{keyed}"),
+    );
     let mut outcome = None;
     let deleted = admin::delete_calling(&base, &mut |moment| {
         if moment == admin::DeleteMoment::Marked {

@@ -258,7 +258,7 @@ fn unhex(hex: &str) -> Option<String> {
     let bytes: Option<Vec<u8>> = (0..hex.len() / 2)
         .map(|at| u8::from_str_radix(hex.get(at * 2..at * 2 + 2)?, 16).ok())
         .collect();
-    String::from_utf8(bytes.filter(|_| hex.len() % 2 == 0)?).ok()
+    String::from_utf8(bytes.filter(|_| hex.len().is_multiple_of(2))?).ok()
 }
 
 /// The key of the clone record of the clone at `clone` under the base's snapshot: its last
@@ -372,16 +372,22 @@ async fn read_base_of(
         ));
     }
     let base_sealer = check_layout(&base, &base_metadata, &LogConfig::default())?;
-    let taken = snapshot::read(reading, &base, &base_metadata, &base_sealer, &record.snapshot)
-        .await?
-        .ok_or_else(|| OpenError::LostObjects {
-            url: url.to_string(),
-            missing: vec![base.key(&snapshot::snapshot_name(&record.snapshot))],
-            evidence: format!(
-                "this disk is a clone of snapshot `{}` of {base} (record `{key}`)",
-                record.snapshot
-            ),
-        })?;
+    let taken = snapshot::read(
+        reading,
+        &base,
+        &base_metadata,
+        &base_sealer,
+        &record.snapshot,
+    )
+    .await?
+    .ok_or_else(|| OpenError::LostObjects {
+        url: url.to_string(),
+        missing: vec![base.key(&snapshot::snapshot_name(&record.snapshot))],
+        evidence: format!(
+            "this disk is a clone of snapshot `{}` of {base} (record `{key}`)",
+            record.snapshot
+        ),
+    })?;
     let epochs = taken.epochs.expect("snapshot::decode refuses version 1");
     Ok(Some((
         Base {
@@ -420,15 +426,8 @@ mod tests {
             ),
             (0xab, "golden", "disks/base")
         );
-        let (other, other_body, other_record) = new_metadata(
-            &url,
-            1 << 20,
-            0xab,
-            "golden",
-            "disks/base",
-            Some("bases"),
-        )
-        .unwrap();
+        let (other, other_body, other_record) =
+            new_metadata(&url, 1 << 20, 0xab, "golden", "disks/base", Some("bases")).unwrap();
         assert_eq!(other_body["base"]["bucket"], "bases");
         assert_eq!(other_record.base_bucket.as_deref(), Some("bases"));
         assert_eq!(
@@ -438,15 +437,8 @@ mod tests {
         assert_eq!(base_url(&url, &other_record).bucket, "bases");
         assert_eq!(base_url(&url, &record).bucket, "bucket");
         // The clone's own bucket named as the base's is recorded as no bucket.
-        let (_, same_body, same_record) = new_metadata(
-            &url,
-            1 << 20,
-            0xab,
-            "golden",
-            "disks/base",
-            Some("bucket"),
-        )
-        .unwrap();
+        let (_, same_body, same_record) =
+            new_metadata(&url, 1 << 20, 0xab, "golden", "disks/base", Some("bucket")).unwrap();
         assert!(same_body["base"]["bucket"].is_null());
         assert_eq!(same_record.base_bucket, None);
         for (field, value, says) in [
