@@ -729,27 +729,10 @@ pub fn delete_calling(
     }
     let connection = connect_with(url, Create::Never)?;
     let metadata = connection.metadata;
-    let store: &dyn ObjectStore = &*connection.store;
     if metadata.layout == LayoutKind::Log {
-        let snapshots = connection
+        let clones = connection
             .runtime
-            .block_on(log::list_snapshots(store, url))?;
-        let mut clones = Vec::new();
-        for listed in &snapshots {
-            clones.extend(
-                connection
-                    .runtime
-                    .block_on(clones_of(store, url, &listed.name))?,
-            );
-        }
-        // A record under no snapshot (its snapshot deleted by hand) names a clone too.
-        let recorded =
-            connection
-                .runtime
-                .block_on(crate::store::list_folder(store, url, "log/clones"))?;
-        if !recorded.is_empty() && clones.is_empty() {
-            clones.push(format!("(records under `{}`)", url.key("log/clones")));
-        }
+            .block_on(clones_recorded(&*connection.store, url))?;
         if !clones.is_empty() {
             return Err(refused(has_clones(&clones)));
         }
@@ -768,125 +751,173 @@ pub fn delete_calling(
     };
     between(DeleteMoment::Locked);
     if metadata.layout == LayoutKind::Log {
-        let marked = connection
-            .runtime
-            .block_on(store::write_deleting(store, url, true));
-        if marked.is_ok() {
-            between(DeleteMoment::Marked);
-        }
-        let fenced = connection.runtime.block_on(async {
-            marked?;
-            let recorded = crate::store::list_folder(store, url, "log/clones").await?;
-            if recorded.is_empty() {
-                return Ok(None);
-            }
-            store::write_deleting(store, url, false).await?;
-            let mut clones = Vec::new();
-            for listed in log::list_snapshots(store, url).await? {
-                clones.extend(clones_of(store, url, &listed.name).await?);
-            }
-            if clones.is_empty() {
-                clones.push(format!("(records under `{}`)", url.key("log/clones")));
-            }
-            Ok::<_, OpenError>(Some(clones))
-        });
-        let clones = match fenced {
-            Ok(clones) => clones,
-            Err(error) => {
-                let _ = connection.runtime.block_on(lock.release_async());
-                return Err(error.into());
-            }
-        };
-        if let Some(clones) = clones {
-            connection
-                .runtime
-                .block_on(lock.release_async())
-                .map_err(|source| DeleteError::Store {
-                    url: url.to_string(),
-                    source,
-                })?;
-            return Err(refused(format!(
-                "{} (made while this delete ran)",
-                has_clones(&clones)
-            )));
-        }
+        fence_off_clones(&connection, url, &lock, between)?;
     }
-    let failed = |key: &str, error: object_store::Error| DeleteError::Store {
-        url: url.to_string(),
-        source: crate::error::request_failed("DELETE", key, error),
-    };
-    let outcome = connection.runtime.block_on(async {
-        let base = if metadata.layout == LayoutKind::Log {
-            clone_base_of(store, url, &metadata).await?
-        } else {
-            None
-        };
-        let prefix = ObjectPath::from(url.prefix.as_str());
-        let objects: Vec<object_store::ObjectMeta> = store
-            .list((!url.prefix.is_empty()).then_some(&prefix))
-            .try_collect()
-            .await
-            .map_err(|error| {
-                DeleteError::Open(OpenError::Request {
-                    url: url.to_string(),
-                    operation: format!("listing `{}`", url.prefix),
-                    message: chain(&error),
-                })
-            })?;
-        let metadata_key = url.key(METADATA_NAME);
-        let lock_key = url.key(crate::lock::LOCK_NAME);
-        let mut deleted = Deleted {
-            objects: 0,
-            bytes: 0,
-            base: None,
-        };
-        for object in &objects {
-            let key = object.location.as_ref();
-            if key == metadata_key || key == lock_key {
-                continue;
-            }
-            store
-                .delete(&object.location)
-                .await
-                .map_err(|error| failed(key, error))?;
-            deleted.objects += 1;
-            deleted.bytes += object.size;
-        }
-        if let Some((base_url, snapshot)) = base {
-            let key = log::clone_record_key(&base_url, &snapshot, url);
-            // The record is in the base's bucket, which may be another.
-            let base_store = if base_url.bucket == url.bucket {
-                None
-            } else {
-                Some(connection.buckets.store(&base_url.bucket)?)
-            };
-            let record_store: &dyn ObjectStore = base_store.as_deref().unwrap_or(store);
-            match record_store.delete(&ObjectPath::from(key.as_str())).await {
-                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
-                Err(error) => return Err(failed(&key, error)),
-            }
-            deleted.base = Some((
-                format!("s3://{}/{}", base_url.bucket, base_url.prefix),
-                snapshot,
-            ));
-        }
-        store
-            .delete(&ObjectPath::from(metadata_key.as_str()))
-            .await
-            .map_err(|error| failed(&metadata_key, error))?;
-        deleted.objects += 1;
-        deleted.bytes += objects
-            .iter()
-            .find(|object| object.location.as_ref() == metadata_key)
-            .map_or(0, |object| object.size);
-        Ok(deleted)
-    });
+    let outcome = connection
+        .runtime
+        .block_on(delete_objects(&connection, url, &metadata));
     let released = connection.runtime.block_on(lock.release_async());
     let deleted = outcome?;
     released.map_err(|source| DeleteError::Store {
         url: url.to_string(),
         source,
     })?;
+    Ok(deleted)
+}
+
+/// The clones the records under the base `url` name (empty: none): by snapshot, and a
+/// record under no snapshot (its snapshot deleted by hand) named by its folder.
+async fn clones_recorded(store: &dyn ObjectStore, url: &S3Url) -> Result<Vec<String>, OpenError> {
+    let clones = clones_of_every_snapshot(store, url).await?;
+    let recorded = crate::store::list_folder(store, url, "log/clones").await?;
+    if !recorded.is_empty() && clones.is_empty() {
+        return Ok(vec![records_folder(url)]);
+    }
+    Ok(clones)
+}
+
+/// The clones of every snapshot of the base `url` ([`clones_of`]).
+async fn clones_of_every_snapshot(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+) -> Result<Vec<String>, OpenError> {
+    let mut clones = Vec::new();
+    for listed in log::list_snapshots(store, url).await? {
+        clones.extend(clones_of(store, url, &listed.name).await?);
+    }
+    Ok(clones)
+}
+
+/// Names the clone records of the base `url` when none names its clone.
+fn records_folder(url: &S3Url) -> String {
+    format!("(records under `{}`)", url.key("log/clones"))
+}
+
+/// The fence of [`delete`] against a clone made meanwhile, holding `lock`: marks the metadata
+/// as being deleted and lists the clone records again. A record found: the mark is taken off,
+/// the lock released, and the delete refused naming the clones; a failure releases the lock.
+fn fence_off_clones(
+    connection: &store::Connection,
+    url: &S3Url,
+    lock: &DiskLock,
+    between: &mut dyn FnMut(DeleteMoment),
+) -> Result<(), DeleteError> {
+    let store: &dyn ObjectStore = &*connection.store;
+    let marked = connection
+        .runtime
+        .block_on(store::write_deleting(store, url, true));
+    if marked.is_ok() {
+        between(DeleteMoment::Marked);
+    }
+    let fenced = connection.runtime.block_on(async {
+        marked?;
+        let recorded = crate::store::list_folder(store, url, "log/clones").await?;
+        if recorded.is_empty() {
+            return Ok(None);
+        }
+        store::write_deleting(store, url, false).await?;
+        let mut clones = clones_of_every_snapshot(store, url).await?;
+        if clones.is_empty() {
+            clones.push(records_folder(url));
+        }
+        Ok::<_, OpenError>(Some(clones))
+    });
+    let clones = match fenced {
+        Ok(None) => return Ok(()),
+        Ok(Some(clones)) => clones,
+        Err(error) => {
+            let _ = connection.runtime.block_on(lock.release_async());
+            return Err(error.into());
+        }
+    };
+    connection
+        .runtime
+        .block_on(lock.release_async())
+        .map_err(|source| DeleteError::Store {
+            url: url.to_string(),
+            source,
+        })?;
+    Err(DeleteError::Refused {
+        url: url.to_string(),
+        reason: format!("{} (made while this delete ran)", has_clones(&clones)),
+    })
+}
+
+/// Deletes every object under the disk's prefix but the metadata and the lock, then a
+/// clone's record under its base (in the base's bucket, which may be another), then the
+/// metadata, last, so a delete cut short leaves a disk another delete finishes.
+async fn delete_objects(
+    connection: &store::Connection,
+    url: &S3Url,
+    metadata: &DiskMetadata,
+) -> Result<Deleted, DeleteError> {
+    let store: &dyn ObjectStore = &*connection.store;
+    let failed = |key: &str, error: object_store::Error| DeleteError::Store {
+        url: url.to_string(),
+        source: crate::error::request_failed("DELETE", key, error),
+    };
+    let base = if metadata.layout == LayoutKind::Log {
+        clone_base_of(store, url, metadata).await?
+    } else {
+        None
+    };
+    let prefix = ObjectPath::from(url.prefix.as_str());
+    let objects: Vec<object_store::ObjectMeta> = store
+        .list((!url.prefix.is_empty()).then_some(&prefix))
+        .try_collect()
+        .await
+        .map_err(|error| {
+            DeleteError::Open(OpenError::Request {
+                url: url.to_string(),
+                operation: format!("listing `{}`", url.prefix),
+                message: chain(&error),
+            })
+        })?;
+    let metadata_key = url.key(METADATA_NAME);
+    let lock_key = url.key(crate::lock::LOCK_NAME);
+    let mut deleted = Deleted {
+        objects: 0,
+        bytes: 0,
+        base: None,
+    };
+    for object in &objects {
+        let key = object.location.as_ref();
+        if key == metadata_key || key == lock_key {
+            continue;
+        }
+        store
+            .delete(&object.location)
+            .await
+            .map_err(|error| failed(key, error))?;
+        deleted.objects += 1;
+        deleted.bytes += object.size;
+    }
+    if let Some((base_url, snapshot)) = base {
+        let key = log::clone_record_key(&base_url, &snapshot, url);
+        let base_store = if base_url.bucket == url.bucket {
+            None
+        } else {
+            Some(connection.buckets.store(&base_url.bucket)?)
+        };
+        let record_store: &dyn ObjectStore = base_store.as_deref().unwrap_or(store);
+        match record_store.delete(&ObjectPath::from(key.as_str())).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+            Err(error) => return Err(failed(&key, error)),
+        }
+        deleted.base = Some((
+            format!("s3://{}/{}", base_url.bucket, base_url.prefix),
+            snapshot,
+        ));
+    }
+    store
+        .delete(&ObjectPath::from(metadata_key.as_str()))
+        .await
+        .map_err(|error| failed(&metadata_key, error))?;
+    deleted.objects += 1;
+    deleted.bytes += objects
+        .iter()
+        .find(|object| object.location.as_ref() == metadata_key)
+        .map_or(0, |object| object.size);
     Ok(deleted)
 }
 
