@@ -99,8 +99,9 @@ enum DiskCommand {
         json: bool,
     },
     /// Make a writable disk at DST_URL that reads what it has not written from snapshot NAME
-    /// of the disk at SRC_URL (same bucket), copying no data. The snapshot cannot be deleted
-    /// while the clone exists.
+    /// of the disk at SRC_URL (in the same bucket or another bucket of the same store: same
+    /// endpoint= and region=), copying no data. The snapshot cannot be deleted while the
+    /// clone exists.
     Clone {
         src_url: String,
         dst_url: String,
@@ -160,308 +161,349 @@ fn parse_url(text: &str) -> anyhow::Result<S3Url> {
 
 pub(crate) fn run(args: DiskArgs) -> anyhow::Result<()> {
     match args.command {
-        DiskCommand::Create { url, size, json } => {
-            let url = parse_url(&url)?;
-            let metadata = admin::create(&url, size)?;
-            let info = admin::info(&url)?;
-            debug_assert_eq!(info.metadata.disk_id, metadata.disk_id);
-            print_info(&url, &info, json);
-            Ok(())
-        }
-        DiskCommand::Info { url, json } => {
-            let url = parse_url(&url)?;
-            let info = admin::info(&url)?;
-            print_info(&url, &info, json);
-            Ok(())
-        }
-        DiskCommand::Verify { url, json } => {
-            let url = parse_url(&url)?;
-            let show_progress = !json && std::io::stderr().is_terminal();
-            let mut progress = |done: VerifyProgress| {
-                if show_progress {
-                    eprint!(
-                        "\rverify: {}/{} objects, {}/{} bytes",
-                        done.objects_done, done.objects_total, done.bytes_done, done.bytes_total
-                    );
-                }
-            };
-            let report = admin::verify(&url, &mut progress)?;
-            if show_progress {
-                eprintln!();
-            }
-            print_verify(&url, &report, json);
-            if report.damaged.is_empty() {
-                Ok(())
-            } else {
-                crate::log::flush(crate::log::EXIT_FLUSH_WAIT);
-                std::process::exit(1);
-            }
-        }
+        DiskCommand::Create { url, size, json } => create(url, size, json),
+        DiskCommand::Info { url, json } => info(url, json),
+        DiskCommand::Verify { url, json } => verify(url, json),
         DiskCommand::Gc {
             url,
             threshold,
             json,
-        } => {
-            let url = parse_url(&url)?;
-            let show_progress = !json && std::io::stderr().is_terminal();
-            let totals = admin::collect(&url, threshold, &mut |totals| {
-                if show_progress {
-                    eprint!(
-                        "\rgc: round {}: {} segments rewritten ({} bytes read), {} deleted ({} bytes)",
-                        totals.rounds,
-                        totals.segments_rewritten,
-                        totals.bytes_read,
-                        totals.segments_deleted,
-                        totals.bytes_deleted
-                    );
-                }
-            })
-            .map_err(|error| match error {
-                admin::CollectError::Open(open) => anyhow::Error::new(open),
-                admin::CollectError::NotALog { .. } => BadInput(error.to_string()).into(),
-                admin::CollectError::Store { .. } => anyhow::Error::new(error),
-            })?;
-            if show_progress {
-                eprintln!();
-            }
-            let info = admin::info(&url)?;
-            let garbage = match &info.layout {
-                LayoutInfo::Log(Ok(log)) => log.garbage_bytes(),
-                _ => 0,
-            };
-            if json {
-                print_json(&json!({
-                    "url": url.to_string(),
-                    "rounds": totals.rounds,
-                    "segments_rewritten": totals.segments_rewritten,
-                    "bytes_read": totals.bytes_read,
-                    "segments_deleted": totals.segments_deleted,
-                    "bytes_deleted": totals.bytes_deleted,
-                    "garbage_bytes_left": garbage,
-                }));
-            } else {
-                crate::print_quietly(&format!(
-                    "{url}: {} segments rewritten ({} read), {} deleted ({} freed) in {} rounds; {} of garbage left\n",
-                    totals.segments_rewritten,
-                    human(totals.bytes_read),
-                    totals.segments_deleted,
-                    human(totals.bytes_deleted),
-                    totals.rounds,
-                    human(garbage)
-                ));
-            }
-            Ok(())
-        }
+        } => collect(url, threshold, json),
         DiskCommand::Snapshot {
             url,
             name,
             control,
             json,
-        } => {
-            let url = parse_url(&url)?;
-            let taken = match &control {
-                Some(path) => crate::control::request_snapshot(path, &url, &name)?,
-                None => admin::snapshot(&url, &name).map_err(|error| match error {
-                    bufcache_s3::SnapshotError::Open(
-                        bufcache_s3::OpenError::Locked { ref holder, .. }
-                        | bufcache_s3::OpenError::LeaseHeld { ref holder, .. },
-                    ) => BadInput(format!(
-                        "{url}: the disk is served by {holder}: its server takes the snapshot; run `bufcache disk snapshot URL {} --control PATH` with that server's --control socket (nothing was changed)",
-                        name.escape_debug()
-                    ))
-                    .into(),
-                    other => snapshot_failed(other),
-                })?,
-            };
-            if json {
-                print_json(&json!({
-                    "url": url.to_string(),
-                    "name": name,
-                    "through_sequence": taken.through_sequence,
-                    "mapped_bytes": taken.mapped_bytes,
-                    "segments": taken.segments,
-                    "object_bytes": taken.object_bytes,
-                    "by_server": control.is_some(),
-                }));
-            } else {
-                crate::print_quietly(&format!(
-                    "{url}: snapshot `{name}` taken{}: {} mapped in {} segments (log through segment {}), a {}-byte record, no data copied\n",
-                    if control.is_some() { " by the server" } else { "" },
-                    human(taken.mapped_bytes),
-                    taken.segments,
-                    taken.through_sequence,
-                    taken.object_bytes,
-                ));
-            }
-            Ok(())
-        }
-        DiskCommand::Snapshots { url, json } => {
-            let url = parse_url(&url)?;
-            let listed = admin::snapshots(&url).map_err(snapshot_failed)?;
-            if json {
-                print_json(&json!({
-                    "url": url.to_string(),
-                    "snapshots": listed.iter().map(|snapshot| json!({
-                        "name": snapshot.name,
-                        "through_sequence": snapshot.through_sequence,
-                        "mapped_bytes": snapshot.mapped_bytes,
-                        "mapped_extents": snapshot.mapped_extents,
-                        "segments": snapshot.segments,
-                        "segment_bytes": snapshot.segment_bytes,
-                        "held_bytes": snapshot.held_bytes,
-                        "object_bytes": snapshot.object_bytes,
-                    })).collect::<Vec<_>>(),
-                }));
-            } else {
-                let mut text = format!("{url}: {} snapshot(s)\n", listed.len());
-                for snapshot in &listed {
-                    text += &format!(
-                        "{:<24} {} mapped, {} segments ({}), {} held by snapshots alone, through segment {}\n",
-                        snapshot.name,
-                        human(snapshot.mapped_bytes),
-                        snapshot.segments,
-                        human(snapshot.segment_bytes),
-                        human(snapshot.held_bytes),
-                        snapshot.through_sequence
-                    );
-                }
-                crate::print_quietly(&text);
-            }
-            Ok(())
-        }
+        } => snapshot(url, name, control, json),
+        DiskCommand::Snapshots { url, json } => snapshots(url, json),
         DiskCommand::Clone {
             src_url,
             dst_url,
             snapshot,
             json,
-        } => {
-            let base = parse_url(&src_url)?;
-            let clone = parse_url(&dst_url)?;
-            let made = admin::clone(&base, &clone, &snapshot).map_err(snapshot_failed)?;
-            if json {
-                print_json(&json!({
-                    "url": clone.to_string(),
-                    "base": base.to_string(),
-                    "snapshot": snapshot,
-                    "disk_id": format!("{:016x}", made.disk_id),
-                    "size_bytes": made.size_bytes,
-                    "mapped_bytes": made.mapped_bytes,
-                }));
-            } else {
-                crate::print_quietly(&format!(
-                    "{clone}: a clone of snapshot `{snapshot}` of {base}, {} bytes, {} read from the snapshot, no data copied\n",
-                    made.size_bytes,
-                    human(made.mapped_bytes)
-                ));
-            }
-            Ok(())
-        }
-        DiskCommand::Delete { url, json } => {
-            let url = parse_url(&url)?;
-            let deleted = admin::delete(&url).map_err(|error| -> anyhow::Error {
-                if error.is_bad_input() {
-                    BadInput(error.to_string()).into()
-                } else {
-                    anyhow::Error::new(error)
-                }
-            })?;
-            if json {
-                print_json(&json!({
-                    "url": url.to_string(),
-                    "objects_deleted": deleted.objects,
-                    "bytes_deleted": deleted.bytes,
-                    "base": deleted.base.as_ref().map(|(base, snapshot)| json!({
-                        "url": base,
-                        "snapshot": snapshot,
-                    })),
-                }));
-            } else {
-                crate::print_quietly(&format!(
-                    "{url}: deleted, {} objects, {}{}\n",
-                    deleted.objects,
-                    human(deleted.bytes),
-                    match &deleted.base {
-                        Some((base, snapshot)) => format!(
-                            "; its record under {base} is gone, so snapshot `{snapshot}` can be deleted when no other clone needs it"
-                        ),
-                        None => String::new(),
-                    }
-                ));
-            }
-            Ok(())
-        }
-        DiskCommand::DeleteSnapshot { url, name, json } => {
-            let url = parse_url(&url)?;
-            admin::delete_snapshot(&url, &name).map_err(snapshot_failed)?;
-            if json {
-                print_json(&json!({ "url": url.to_string(), "deleted": name }));
-            } else {
-                crate::print_quietly(&format!(
-                    "{url}: snapshot `{name}` deleted; the segments only it held go at the next open or `disk gc`\n"
-                ));
-            }
-            Ok(())
-        }
+        } => clone(src_url, dst_url, snapshot, json),
+        DiskCommand::Delete { url, json } => delete(url, json),
+        DiskCommand::DeleteSnapshot { url, name, json } => delete_snapshot(url, name, json),
         DiskCommand::Resize {
             url,
             size,
             force,
             control,
             json,
-        } => {
-            let url = parse_url(&url)?;
-            let resized = match &control {
-                Some(_) if force => {
-                    return Err(BadInput(format!(
-                        "{url}: --force shrinks over data, and a served disk only grows: stop the server to shrink it (nothing was changed)"
-                    ))
-                    .into())
-                }
-                Some(path) => {
-                    let (before, after) = crate::control::request_resize(path, &url, size)?;
-                    admin::Resized {
-                        size_bytes_before: before,
-                        size_bytes_after: after,
-                        chunks_deleted: 0,
-                    }
-                }
-                None => admin::resize(&url, size, force).map_err(|error| match error {
-                    bufcache_s3::OpenError::Locked {
-                        ref holder, ref id, ..
-                    } => BadInput(format!(
-                        "{url}: the disk is in use by {holder}: a served disk grows through its server, `bufcache disk resize URL {size} --control PATH` with that server's control socket; if that server is no longer running, add break-lock={id} to the URL (nothing was changed)"
-                    ))
-                    .into(),
-                    error => anyhow::Error::new(error)
-                        .context(format!("resizing {url} to {size} bytes")),
-                })?,
-            };
-            if json {
-                print_json(&json!({
-                    "url": url.to_string(),
-                    "size_bytes_before": resized.size_bytes_before,
-                    "size_bytes_after": resized.size_bytes_after,
-                    "chunks_deleted": resized.chunks_deleted,
-                    "by_server": control.is_some(),
-                }));
-            } else {
-                crate::print_quietly(&format!(
-                    "{url}: resized from {} to {} bytes{}\n",
-                    resized.size_bytes_before,
-                    resized.size_bytes_after,
-                    if resized.chunks_deleted > 0 {
-                        format!(
-                            " ({} chunk objects past the end deleted)",
-                            resized.chunks_deleted
-                        )
-                    } else {
-                        String::new()
-                    }
-                ));
-            }
-            Ok(())
-        }
+        } => resize(url, size, force, control, json),
     }
+}
+
+/// `bufcache disk create`.
+fn create(url: String, size: u64, json: bool) -> anyhow::Result<()> {
+    let url = parse_url(&url)?;
+    let metadata = admin::create(&url, size)?;
+    let info = admin::info(&url)?;
+    debug_assert_eq!(info.metadata.disk_id, metadata.disk_id);
+    print_info(&url, &info, json);
+    Ok(())
+}
+
+/// `bufcache disk info`.
+fn info(url: String, json: bool) -> anyhow::Result<()> {
+    let url = parse_url(&url)?;
+    let info = admin::info(&url)?;
+    print_info(&url, &info, json);
+    Ok(())
+}
+
+/// `bufcache disk verify`.
+fn verify(url: String, json: bool) -> anyhow::Result<()> {
+    let url = parse_url(&url)?;
+    let show_progress = !json && std::io::stderr().is_terminal();
+    let mut progress = |done: VerifyProgress| {
+        if show_progress {
+            eprint!(
+                "\rverify: {}/{} objects, {}/{} bytes",
+                done.objects_done, done.objects_total, done.bytes_done, done.bytes_total
+            );
+        }
+    };
+    let report = admin::verify(&url, &mut progress)?;
+    if show_progress {
+        eprintln!();
+    }
+    print_verify(&url, &report, json);
+    if report.damaged.is_empty() {
+        Ok(())
+    } else {
+        crate::log::flush(crate::log::EXIT_FLUSH_WAIT);
+        std::process::exit(1);
+    }
+}
+
+/// `bufcache disk gc`.
+fn collect(url: String, threshold: Option<f64>, json: bool) -> anyhow::Result<()> {
+    let url = parse_url(&url)?;
+    let show_progress = !json && std::io::stderr().is_terminal();
+    let totals = admin::collect(&url, threshold, &mut |totals| {
+        if show_progress {
+            eprint!(
+                "\rgc: round {}: {} segments rewritten ({} bytes read), {} deleted ({} bytes)",
+                totals.rounds,
+                totals.segments_rewritten,
+                totals.bytes_read,
+                totals.segments_deleted,
+                totals.bytes_deleted
+            );
+        }
+    })
+    .map_err(|error| match error {
+        admin::CollectError::Open(open) => anyhow::Error::new(open),
+        admin::CollectError::NotALog { .. } => BadInput(error.to_string()).into(),
+        admin::CollectError::Store { .. } => anyhow::Error::new(error),
+    })?;
+    if show_progress {
+        eprintln!();
+    }
+    let info = admin::info(&url)?;
+    let garbage = match &info.layout {
+        LayoutInfo::Log(Ok(log)) => log.garbage_bytes(),
+        _ => 0,
+    };
+    if json {
+        print_json(&json!({
+            "url": url.to_string(),
+            "rounds": totals.rounds,
+            "segments_rewritten": totals.segments_rewritten,
+            "bytes_read": totals.bytes_read,
+            "segments_deleted": totals.segments_deleted,
+            "bytes_deleted": totals.bytes_deleted,
+            "garbage_bytes_left": garbage,
+        }));
+    } else {
+        crate::print_quietly(&format!(
+            "{url}: {} segments rewritten ({} read), {} deleted ({} freed) in {} rounds; {} of garbage left\n",
+            totals.segments_rewritten,
+            human(totals.bytes_read),
+            totals.segments_deleted,
+            human(totals.bytes_deleted),
+            totals.rounds,
+            human(garbage)
+        ));
+    }
+    Ok(())
+}
+
+/// `bufcache disk snapshot`.
+fn snapshot(
+    url: String,
+    name: String,
+    control: Option<std::path::PathBuf>,
+    json: bool,
+) -> anyhow::Result<()> {
+    let url = parse_url(&url)?;
+    let taken = match &control {
+        Some(path) => crate::control::request_snapshot(path, &url, &name)?,
+        None => admin::snapshot(&url, &name).map_err(|error| match error {
+            bufcache_s3::SnapshotError::Open(
+                bufcache_s3::OpenError::Locked { ref holder, .. }
+                | bufcache_s3::OpenError::LeaseHeld { ref holder, .. },
+            ) => BadInput(format!(
+                "{url}: the disk is served by {holder}: its server takes the snapshot; run `bufcache disk snapshot URL {} --control PATH` with that server's --control socket (nothing was changed)",
+                name.escape_debug()
+            ))
+            .into(),
+            other => snapshot_failed(other),
+        })?,
+    };
+    if json {
+        print_json(&json!({
+            "url": url.to_string(),
+            "name": name,
+            "through_sequence": taken.through_sequence,
+            "mapped_bytes": taken.mapped_bytes,
+            "segments": taken.segments,
+            "object_bytes": taken.object_bytes,
+            "by_server": control.is_some(),
+        }));
+    } else {
+        crate::print_quietly(&format!(
+            "{url}: snapshot `{name}` taken{}: {} mapped in {} segments (log through segment {}), a {}-byte record, no data copied\n",
+            if control.is_some() { " by the server" } else { "" },
+            human(taken.mapped_bytes),
+            taken.segments,
+            taken.through_sequence,
+            taken.object_bytes,
+        ));
+    }
+    Ok(())
+}
+
+/// `bufcache disk snapshots`.
+fn snapshots(url: String, json: bool) -> anyhow::Result<()> {
+    let url = parse_url(&url)?;
+    let listed = admin::snapshots(&url).map_err(snapshot_failed)?;
+    if json {
+        print_json(&json!({
+            "url": url.to_string(),
+            "snapshots": listed.iter().map(|snapshot| json!({
+                "name": snapshot.name,
+                "through_sequence": snapshot.through_sequence,
+                "mapped_bytes": snapshot.mapped_bytes,
+                "mapped_extents": snapshot.mapped_extents,
+                "segments": snapshot.segments,
+                "segment_bytes": snapshot.segment_bytes,
+                "held_bytes": snapshot.held_bytes,
+                "object_bytes": snapshot.object_bytes,
+            })).collect::<Vec<_>>(),
+        }));
+    } else {
+        let mut text = format!("{url}: {} snapshot(s)\n", listed.len());
+        for snapshot in &listed {
+            text += &format!(
+                "{:<24} {} mapped, {} segments ({}), {} held by snapshots alone, through segment {}\n",
+                snapshot.name,
+                human(snapshot.mapped_bytes),
+                snapshot.segments,
+                human(snapshot.segment_bytes),
+                human(snapshot.held_bytes),
+                snapshot.through_sequence
+            );
+        }
+        crate::print_quietly(&text);
+    }
+    Ok(())
+}
+
+/// `bufcache disk clone`.
+fn clone(src_url: String, dst_url: String, snapshot: String, json: bool) -> anyhow::Result<()> {
+    let base = parse_url(&src_url)?;
+    let clone = parse_url(&dst_url)?;
+    let made = admin::clone(&base, &clone, &snapshot).map_err(snapshot_failed)?;
+    if json {
+        print_json(&json!({
+            "url": clone.to_string(),
+            "base": base.to_string(),
+            "snapshot": snapshot,
+            "disk_id": format!("{:016x}", made.disk_id),
+            "size_bytes": made.size_bytes,
+            "mapped_bytes": made.mapped_bytes,
+        }));
+    } else {
+        crate::print_quietly(&format!(
+            "{clone}: a clone of snapshot `{snapshot}` of {base}, {} bytes, {} read from the snapshot, no data copied\n",
+            made.size_bytes,
+            human(made.mapped_bytes)
+        ));
+    }
+    Ok(())
+}
+
+/// `bufcache disk delete`.
+fn delete(url: String, json: bool) -> anyhow::Result<()> {
+    let url = parse_url(&url)?;
+    let deleted = admin::delete(&url).map_err(|error| -> anyhow::Error {
+        if error.is_bad_input() {
+            BadInput(error.to_string()).into()
+        } else {
+            anyhow::Error::new(error)
+        }
+    })?;
+    if json {
+        print_json(&json!({
+            "url": url.to_string(),
+            "objects_deleted": deleted.objects,
+            "bytes_deleted": deleted.bytes,
+            "base": deleted.base.as_ref().map(|(base, snapshot)| json!({
+                "url": base,
+                "snapshot": snapshot,
+            })),
+        }));
+    } else {
+        crate::print_quietly(&format!(
+            "{url}: deleted, {} objects, {}{}\n",
+            deleted.objects,
+            human(deleted.bytes),
+            match &deleted.base {
+                Some((base, snapshot)) => format!(
+                    "; its record under {base} is gone, so snapshot `{snapshot}` can be deleted when no other clone needs it"
+                ),
+                None => String::new(),
+            }
+        ));
+    }
+    Ok(())
+}
+
+/// `bufcache disk delete-snapshot`.
+fn delete_snapshot(url: String, name: String, json: bool) -> anyhow::Result<()> {
+    let url = parse_url(&url)?;
+    admin::delete_snapshot(&url, &name).map_err(snapshot_failed)?;
+    if json {
+        print_json(&json!({ "url": url.to_string(), "deleted": name }));
+    } else {
+        crate::print_quietly(&format!(
+            "{url}: snapshot `{name}` deleted; the segments only it held go at the next open or `disk gc`\n"
+        ));
+    }
+    Ok(())
+}
+
+/// `bufcache disk resize`.
+fn resize(
+    url: String,
+    size: u64,
+    force: bool,
+    control: Option<std::path::PathBuf>,
+    json: bool,
+) -> anyhow::Result<()> {
+    let url = parse_url(&url)?;
+    let resized = match &control {
+        Some(_) if force => {
+            return Err(BadInput(format!(
+                "{url}: --force shrinks over data, and a served disk only grows: stop the server to shrink it (nothing was changed)"
+            ))
+            .into())
+        }
+        Some(path) => {
+            let (before, after) = crate::control::request_resize(path, &url, size)?;
+            admin::Resized {
+                size_bytes_before: before,
+                size_bytes_after: after,
+                chunks_deleted: 0,
+            }
+        }
+        None => admin::resize(&url, size, force).map_err(|error| match error {
+            bufcache_s3::OpenError::Locked {
+                ref holder, ref id, ..
+            } => BadInput(format!(
+                "{url}: the disk is in use by {holder}: a served disk grows through its server, `bufcache disk resize URL {size} --control PATH` with that server's control socket; if that server is no longer running, add break-lock={id} to the URL (nothing was changed)"
+            ))
+            .into(),
+            error => anyhow::Error::new(error)
+                .context(format!("resizing {url} to {size} bytes")),
+        })?,
+    };
+    if json {
+        print_json(&json!({
+            "url": url.to_string(),
+            "size_bytes_before": resized.size_bytes_before,
+            "size_bytes_after": resized.size_bytes_after,
+            "chunks_deleted": resized.chunks_deleted,
+            "by_server": control.is_some(),
+        }));
+    } else {
+        crate::print_quietly(&format!(
+            "{url}: resized from {} to {} bytes{}\n",
+            resized.size_bytes_before,
+            resized.size_bytes_after,
+            if resized.chunks_deleted > 0 {
+                format!(
+                    " ({} chunk objects past the end deleted)",
+                    resized.chunks_deleted
+                )
+            } else {
+                String::new()
+            }
+        ));
+    }
+    Ok(())
 }
 
 fn print_json(value: &serde_json::Value) {

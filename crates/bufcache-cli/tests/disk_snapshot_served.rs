@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use bufcache_nbd::NbdClient;
 use common::*;
-use s3_support::{have_moto, Moto};
+use s3_support::{have_moto, have_seaweedfs, Moto, S3Server, SeaweedFs};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -444,4 +444,161 @@ fn a_served_chunk_layout_disk_grows_through_its_control_socket() {
     let server = Server::start(dir.path(), "chunky-again", &serve_args);
     assert_eq!(nbdinfo_size(&server.uri()), 96 << 20, "after a restart");
     assert!(read(&server.uri(), 60 << 20, 36 << 20) == expected[60 << 20..]);
+}
+
+/// Fails unless `output` is a refusal (exit 2) on one line saying `says`.
+fn refused_in_one_line(output: &std::process::Output, says: &str) {
+    let text = output_text(output);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(text.contains(says), "{text}");
+    assert_eq!(text.trim().lines().count(), 1, "{text}");
+}
+
+// Goal: a clone in another bucket of the same store, made with `bufcache disk clone` and
+// served over NBD, reads its base's snapshot where it has not written and its own writes
+// elsewhere, across a restart, while the base reads as before; its creation costs at most 4
+// store requests (moto); `disk delete-snapshot` of its snapshot is refused naming the clone's
+// bucket and prefix until `disk delete` of the clone, after which it succeeds; a clone into a
+// bucket that does not exist, or onto a disk, is refused in one line with nothing changed.
+// Method: on moto and on SeaweedFS, a base in bucket `bases` written over NBD, snapshotted
+// offline, cloned into bucket `clones`; the clone served, read, written, flushed, restarted
+// and read whole over NBD; the base served and read; then the deletes.
+#[test]
+fn a_clone_in_another_bucket_is_served_over_nbd_and_holds_its_snapshot() {
+    let name = "a_clone_in_another_bucket_is_served_over_nbd_and_holds_its_snapshot";
+    if have_moto(name) {
+        let moto = Moto::start();
+        clone_in_another_bucket_served(&moto, Some(&moto));
+    }
+    if have_seaweedfs(name) {
+        clone_in_another_bucket_served(&SeaweedFs::start(), None);
+    }
+}
+
+/// The body of [`a_clone_in_another_bucket_is_served_over_nbd_and_holds_its_snapshot`] on
+/// `server`; requests counted when `counted` is moto.
+fn clone_in_another_bucket_served(server: &dyn S3Server, counted: Option<&Moto>) {
+    const DISK_BYTES: usize = 16 << 20;
+    const WRITTEN_BYTES: usize = 8 << 20;
+    let _timer = Timer::new("clone_in_another_bucket_served");
+    server.create_bucket("bases");
+    server.create_bucket("clones");
+    let dir = temp_dir();
+    let endpoint = server.endpoint();
+    let base_url = format!("s3://bases/vm?endpoint={endpoint}&layout=log&segment-size=1M");
+    let clone_url = format!("s3://clones/vm?endpoint={endpoint}");
+    let created = disk(&["create", &base_url, "--size", "16M"]);
+    assert!(created.status.success(), "{}", output_text(&created));
+    let mut image = vec![0u8; DISK_BYTES];
+    image[..WRITTEN_BYTES].copy_from_slice(&random_bytes(WRITTEN_BYTES, 61));
+    {
+        let mut base = Server::start(
+            dir.path(),
+            "base",
+            &["--backend", &base_url, "--cache-size", "16M"],
+        );
+        let client = NbdClient::connect(&base.uri()).unwrap();
+        client.write(0, &image[..WRITTEN_BYTES]).unwrap();
+        client.flush().unwrap();
+        drop(client);
+        base.stop_clean();
+    }
+    let taken = disk(&["snapshot", &base_url, "golden"]);
+    assert!(taken.status.success(), "{}", output_text(&taken));
+
+    // Bad input: one line, exit 2, nothing left behind.
+    let missing = disk(&[
+        "clone",
+        &base_url,
+        &format!("s3://missing-bucket/vm?endpoint={endpoint}"),
+        "--snapshot",
+        "golden",
+    ]);
+    refused_in_one_line(&missing, "bucket `missing-bucket` does not exist");
+    let occupied_url = format!("s3://clones/occupied?endpoint={endpoint}&layout=log");
+    let occupied = disk(&["create", &occupied_url, "--size", "1M"]);
+    assert!(occupied.status.success(), "{}", output_text(&occupied));
+    let onto_disk = disk(&["clone", &base_url, &occupied_url, "--snapshot", "golden"]);
+    refused_in_one_line(&onto_disk, "a disk exists");
+    // The refused clones left no record holding the snapshot: it deletes (and is taken
+    // again).
+    let unheld = disk(&["delete-snapshot", &base_url, "golden"]);
+    assert!(unheld.status.success(), "{}", output_text(&unheld));
+    let taken = disk(&["snapshot", &base_url, "golden"]);
+    assert!(taken.status.success(), "{}", output_text(&taken));
+
+    let before = counted.map(requests);
+    let cloned = disk(&[
+        "clone",
+        &base_url,
+        &clone_url,
+        "--snapshot",
+        "golden",
+        "--json",
+    ]);
+    assert!(cloned.status.success(), "{}", output_text(&cloned));
+    if let (Some(moto), Some(before)) = (counted, before) {
+        let clone_requests = requests(moto) - before;
+        println!("disk clone into another bucket: {clone_requests} store requests");
+        assert!(clone_requests <= 4, "{clone_requests} requests");
+    }
+    let cloned: serde_json::Value = serde_json::from_slice(&cloned.stdout).unwrap();
+    assert_eq!(cloned["mapped_bytes"], WRITTEN_BYTES, "{cloned}");
+
+    let mut expected = image.clone();
+    {
+        let mut served = Server::start(
+            dir.path(),
+            "clone",
+            &["--backend", &clone_url, "--cache-size", "16M"],
+        );
+        assert!(
+            read(&served.uri(), 0, DISK_BYTES) == image,
+            "the fresh clone reads its base's snapshot"
+        );
+        let client = NbdClient::connect(&served.uri()).unwrap();
+        let written = random_bytes(2 << 20, 62);
+        client.write(3 << 20, &written).unwrap();
+        expected[3 << 20..5 << 20].copy_from_slice(&written);
+        let past = random_bytes(1 << 20, 63);
+        client.write(12 << 20, &past).unwrap();
+        expected[12 << 20..13 << 20].copy_from_slice(&past);
+        client.flush().unwrap();
+        drop(client);
+        served.stop_clean();
+    }
+    {
+        let mut served = Server::start(
+            dir.path(),
+            "clone-again",
+            &["--backend", &clone_url, "--cache-size", "16M"],
+        );
+        assert!(
+            read(&served.uri(), 0, DISK_BYTES) == expected,
+            "the restarted clone: its writes over its base's snapshot"
+        );
+        served.stop_clean();
+    }
+    {
+        let mut served = Server::start(
+            dir.path(),
+            "base-again",
+            &["--backend", &base_url, "--read-only", "--cache-size", "16M"],
+        );
+        assert!(
+            read(&served.uri(), 0, DISK_BYTES) == image,
+            "the base unchanged"
+        );
+        served.stop_clean();
+    }
+
+    let held = disk(&["delete-snapshot", &base_url, "golden"]);
+    refused_in_one_line(&held, "s3://clones/vm");
+    let deleted = disk(&["delete", &clone_url, "--json"]);
+    assert!(deleted.status.success(), "{}", output_text(&deleted));
+    let deleted: serde_json::Value = serde_json::from_slice(&deleted.stdout).unwrap();
+    assert_eq!(deleted["base"]["url"], "s3://bases/vm", "{deleted}");
+    assert_eq!(deleted["base"]["snapshot"], "golden", "{deleted}");
+    let freed = disk(&["delete-snapshot", &base_url, "golden"]);
+    assert!(freed.status.success(), "{}", output_text(&freed));
 }

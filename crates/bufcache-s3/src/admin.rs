@@ -4,6 +4,7 @@
 //! holds the disk lock while it changes anything, so it is refused while a server has the
 //! disk.
 
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use futures::stream::{self, StreamExt, TryStreamExt};
@@ -17,6 +18,7 @@ use crate::log::{
     SnapshotSummary, SnapshotTaken, GC_THRESHOLD_DEFAULT,
 };
 pub use crate::log::{Damage, VerifyProgress};
+use crate::meters::StoreMeters;
 use crate::store::{
     self, check_new_size, connect_with, write_size, Create, DiskMetadata, METADATA_NAME,
 };
@@ -82,7 +84,8 @@ pub fn info(url: &S3Url) -> Result<DiskInfo, OpenError> {
             }
             LayoutKind::Log => {
                 let sealer = log::sealer_for(url, &metadata, &LogConfig::from_url(url))?;
-                let summary = log::summarize(store, url, &metadata, &sealer).await;
+                let summary =
+                    log::summarize(store, &connection.buckets, url, &metadata, &sealer).await;
                 LayoutInfo::Log(summary.map_err(Box::new))
             }
         };
@@ -109,7 +112,15 @@ pub fn verify(
             LayoutKind::Chunk => verify_chunks(store, url, &metadata, progress).await?,
             LayoutKind::Log => {
                 let sealer = log::sealer_for(url, &metadata, &LogConfig::from_url(url))?;
-                log::verify(store, url, &metadata, &sealer, progress).await?
+                log::verify(
+                    store,
+                    &connection.buckets,
+                    url,
+                    &metadata,
+                    &sealer,
+                    progress,
+                )
+                .await?
             }
         };
         Ok(VerifyReport { damaged, read })
@@ -491,6 +502,7 @@ pub fn snapshots(url: &S3Url) -> Result<Vec<SnapshotSummary>, SnapshotError> {
     let sealer = log::sealer_for(url, &metadata, &LogConfig::from_url(url))?;
     Ok(connection.runtime.block_on(log::describe_snapshots(
         &*connection.store,
+        &connection.buckets,
         url,
         &metadata,
         &sealer,
@@ -531,8 +543,8 @@ pub fn delete_snapshot(url: &S3Url, name: &str) -> Result<(), SnapshotError> {
         })
 }
 
-/// The clones of snapshot `name` of the base disk `url`, as `s3://BUCKET/PREFIX`, from the
-/// clone records under the base (module `log::clone`).
+/// The clones of snapshot `name` of the base disk `url`, as `s3://BUCKET/PREFIX` (in the
+/// base's bucket or another), from the clone records under the base (module `log::clone`).
 async fn clones_of(
     store: &dyn ObjectStore,
     url: &S3Url,
@@ -542,14 +554,9 @@ async fn clones_of(
     Ok(objects
         .iter()
         .map(|object| {
-            let hex = object.location.filename().unwrap_or_default();
-            let prefix: Option<Vec<u8>> = (0..hex.len() / 2)
-                .map(|at| u8::from_str_radix(hex.get(at * 2..at * 2 + 2)?, 16).ok())
-                .collect();
-            match prefix.and_then(|bytes| String::from_utf8(bytes).ok()) {
-                Some(prefix) => format!("s3://{}/{prefix}", url.bucket),
-                None => format!("(record `{}`)", object.location),
-            }
+            let record = object.location.filename().unwrap_or_default();
+            log::clone_recorded(url, record)
+                .unwrap_or_else(|| format!("(record `{}`)", object.location))
         })
         .collect())
 }
@@ -568,27 +575,50 @@ pub struct Cloned {
 /// record under the base (so the snapshot cannot be deleted while the clone needs it), then
 /// the clone's metadata object carrying its base (the base's size and compression; an
 /// encrypted base needs the clone URL's `key-file=` to be the base's key), both create-only.
-/// Four requests ([`create_clone_objects`]); one HEAD more when the snapshot names segments
-/// of no epoch (written before epochs, or by a clone made before the metadata carried the
-/// base: a clone of such a clone is refused). Refused: a bad or missing name, a clone in
-/// another bucket or endpoint or inside the base's prefix, a base that is a clone or that a
-/// `disk delete` is deleting, an existing disk at the clone's prefix.
+/// The clone may be in the base's bucket or another bucket of the same store: it reaches its
+/// base with its own URL's endpoint, region, addressing and credentials, so the two URLs must
+/// agree on those. Four requests ([`create_clone_objects`]); one HEAD more when the snapshot
+/// names segments of no epoch (written before epochs, or by a clone made before the metadata
+/// carried the base: a clone of such a clone is refused). Refused: a bad or missing name, a
+/// clone at another endpoint or region, or inside the base's prefix, a base that is a clone
+/// or that a `disk delete` is deleting, an existing disk at the clone's prefix, a clone's
+/// bucket that does not exist.
 pub fn clone(base_url: &S3Url, clone_url: &S3Url, name: &str) -> Result<Cloned, SnapshotError> {
     check_snapshot_name(name)?;
     let refused = |reason: String| SnapshotError::Refused {
         url: clone_url.to_string(),
         reason,
     };
-    if clone_url.bucket != base_url.bucket || clone_url.endpoint != base_url.endpoint {
-        return Err(refused(format!(
-            "a clone lives in its base's bucket (s3://{}/ at the same endpoint)",
-            base_url.bucket
-        )));
+    let shown = |value: &Option<String>, unset: &str| {
+        value
+            .as_deref()
+            .map_or_else(|| unset.to_string(), |value| format!("`{value}`"))
+    };
+    for (parameter, base, clone, unset) in [
+        ("endpoint=", &base_url.endpoint, &clone_url.endpoint, "AWS"),
+        ("region=", &base_url.region, &clone_url.region, "none"),
+    ] {
+        if base != clone {
+            return Err(refused(format!(
+                "the base's {parameter} is {} and the clone's {}: a clone reads its base through its own URL's store settings (it records the base's bucket and prefix, not how to reach them), so both must name the same store",
+                shown(base, unset),
+                shown(clone, unset)
+            )));
+        }
+    }
+    if base_url.path_style_effective() != clone_url.path_style_effective() {
+        return Err(refused(
+            "the base's and the clone's path-style= differ: a clone reads its base through its own URL's store settings, so both must name the same store the same way".to_string(),
+        ));
     }
     let nested = |outer: &str, inner: &str| {
         outer.is_empty() || inner == outer || inner.starts_with(&format!("{outer}/"))
     };
-    if nested(&base_url.prefix, &clone_url.prefix) || nested(&clone_url.prefix, &base_url.prefix) {
+    let same_bucket = clone_url.bucket == base_url.bucket;
+    if same_bucket
+        && (nested(&base_url.prefix, &clone_url.prefix)
+            || nested(&clone_url.prefix, &base_url.prefix))
+    {
         return Err(refused(format!(
             "the clone's prefix `{}` and the base's `{}` overlap",
             clone_url.prefix, base_url.prefix
@@ -606,9 +636,17 @@ pub fn clone(base_url: &S3Url, clone_url: &S3Url, name: &str) -> Result<Cloned, 
         });
     }
     let client = store::connect_client(base_url)?;
-    let store: &dyn ObjectStore = &*client.store;
+    let clone_store: Arc<dyn ObjectStore> = if same_bucket {
+        client.store.clone()
+    } else {
+        store::bucket_client(clone_url, StoreMeters::new())?
+    };
     client.runtime.block_on(create_clone_objects(
-        store, store, base_url, clone_url, name,
+        &*client.store,
+        &*clone_store,
+        base_url,
+        clone_url,
+        name,
     ))
 }
 
@@ -691,27 +729,10 @@ pub fn delete_calling(
     }
     let connection = connect_with(url, Create::Never)?;
     let metadata = connection.metadata;
-    let store: &dyn ObjectStore = &*connection.store;
     if metadata.layout == LayoutKind::Log {
-        let snapshots = connection
+        let clones = connection
             .runtime
-            .block_on(log::list_snapshots(store, url))?;
-        let mut clones = Vec::new();
-        for listed in &snapshots {
-            clones.extend(
-                connection
-                    .runtime
-                    .block_on(clones_of(store, url, &listed.name))?,
-            );
-        }
-        // A record under no snapshot (its snapshot deleted by hand) names a clone too.
-        let recorded =
-            connection
-                .runtime
-                .block_on(crate::store::list_folder(store, url, "log/clones"))?;
-        if !recorded.is_empty() && clones.is_empty() {
-            clones.push(format!("(records under `{}`)", url.key("log/clones")));
-        }
+            .block_on(clones_recorded(&*connection.store, url))?;
         if !clones.is_empty() {
             return Err(refused(has_clones(&clones)));
         }
@@ -730,118 +751,173 @@ pub fn delete_calling(
     };
     between(DeleteMoment::Locked);
     if metadata.layout == LayoutKind::Log {
-        let marked = connection
-            .runtime
-            .block_on(store::write_deleting(store, url, true));
-        if marked.is_ok() {
-            between(DeleteMoment::Marked);
-        }
-        let fenced = connection.runtime.block_on(async {
-            marked?;
-            let recorded = crate::store::list_folder(store, url, "log/clones").await?;
-            if recorded.is_empty() {
-                return Ok(None);
-            }
-            store::write_deleting(store, url, false).await?;
-            let mut clones = Vec::new();
-            for listed in log::list_snapshots(store, url).await? {
-                clones.extend(clones_of(store, url, &listed.name).await?);
-            }
-            if clones.is_empty() {
-                clones.push(format!("(records under `{}`)", url.key("log/clones")));
-            }
-            Ok::<_, OpenError>(Some(clones))
-        });
-        let clones = match fenced {
-            Ok(clones) => clones,
-            Err(error) => {
-                let _ = connection.runtime.block_on(lock.release_async());
-                return Err(error.into());
-            }
-        };
-        if let Some(clones) = clones {
-            connection
-                .runtime
-                .block_on(lock.release_async())
-                .map_err(|source| DeleteError::Store {
-                    url: url.to_string(),
-                    source,
-                })?;
-            return Err(refused(format!(
-                "{} (made while this delete ran)",
-                has_clones(&clones)
-            )));
-        }
+        fence_off_clones(&connection, url, &lock, between)?;
     }
-    let failed = |key: &str, error: object_store::Error| DeleteError::Store {
-        url: url.to_string(),
-        source: crate::error::request_failed("DELETE", key, error),
-    };
-    let outcome = connection.runtime.block_on(async {
-        let base = if metadata.layout == LayoutKind::Log {
-            clone_base_of(store, url, &metadata).await?
-        } else {
-            None
-        };
-        let prefix = ObjectPath::from(url.prefix.as_str());
-        let objects: Vec<object_store::ObjectMeta> = store
-            .list((!url.prefix.is_empty()).then_some(&prefix))
-            .try_collect()
-            .await
-            .map_err(|error| {
-                DeleteError::Open(OpenError::Request {
-                    url: url.to_string(),
-                    operation: format!("listing `{}`", url.prefix),
-                    message: chain(&error),
-                })
-            })?;
-        let metadata_key = url.key(METADATA_NAME);
-        let lock_key = url.key(crate::lock::LOCK_NAME);
-        let mut deleted = Deleted {
-            objects: 0,
-            bytes: 0,
-            base: None,
-        };
-        for object in &objects {
-            let key = object.location.as_ref();
-            if key == metadata_key || key == lock_key {
-                continue;
-            }
-            store
-                .delete(&object.location)
-                .await
-                .map_err(|error| failed(key, error))?;
-            deleted.objects += 1;
-            deleted.bytes += object.size;
-        }
-        if let Some((base_url, snapshot)) = base {
-            let key = log::clone_record_key(&base_url, &snapshot, &url.prefix);
-            match store.delete(&ObjectPath::from(key.as_str())).await {
-                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
-                Err(error) => return Err(failed(&key, error)),
-            }
-            deleted.base = Some((
-                format!("s3://{}/{}", base_url.bucket, base_url.prefix),
-                snapshot,
-            ));
-        }
-        store
-            .delete(&ObjectPath::from(metadata_key.as_str()))
-            .await
-            .map_err(|error| failed(&metadata_key, error))?;
-        deleted.objects += 1;
-        deleted.bytes += objects
-            .iter()
-            .find(|object| object.location.as_ref() == metadata_key)
-            .map_or(0, |object| object.size);
-        Ok(deleted)
-    });
+    let outcome = connection
+        .runtime
+        .block_on(delete_objects(&connection, url, &metadata));
     let released = connection.runtime.block_on(lock.release_async());
     let deleted = outcome?;
     released.map_err(|source| DeleteError::Store {
         url: url.to_string(),
         source,
     })?;
+    Ok(deleted)
+}
+
+/// The clones the records under the base `url` name (empty: none): by snapshot, and a
+/// record under no snapshot (its snapshot deleted by hand) named by its folder.
+async fn clones_recorded(store: &dyn ObjectStore, url: &S3Url) -> Result<Vec<String>, OpenError> {
+    let clones = clones_of_every_snapshot(store, url).await?;
+    let recorded = crate::store::list_folder(store, url, "log/clones").await?;
+    if !recorded.is_empty() && clones.is_empty() {
+        return Ok(vec![records_folder(url)]);
+    }
+    Ok(clones)
+}
+
+/// The clones of every snapshot of the base `url` ([`clones_of`]).
+async fn clones_of_every_snapshot(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+) -> Result<Vec<String>, OpenError> {
+    let mut clones = Vec::new();
+    for listed in log::list_snapshots(store, url).await? {
+        clones.extend(clones_of(store, url, &listed.name).await?);
+    }
+    Ok(clones)
+}
+
+/// Names the clone records of the base `url` when none names its clone.
+fn records_folder(url: &S3Url) -> String {
+    format!("(records under `{}`)", url.key("log/clones"))
+}
+
+/// The fence of [`delete`] against a clone made meanwhile, holding `lock`: marks the metadata
+/// as being deleted and lists the clone records again. A record found: the mark is taken off,
+/// the lock released, and the delete refused naming the clones; a failure releases the lock.
+fn fence_off_clones(
+    connection: &store::Connection,
+    url: &S3Url,
+    lock: &DiskLock,
+    between: &mut dyn FnMut(DeleteMoment),
+) -> Result<(), DeleteError> {
+    let store: &dyn ObjectStore = &*connection.store;
+    let marked = connection
+        .runtime
+        .block_on(store::write_deleting(store, url, true));
+    if marked.is_ok() {
+        between(DeleteMoment::Marked);
+    }
+    let fenced = connection.runtime.block_on(async {
+        marked?;
+        let recorded = crate::store::list_folder(store, url, "log/clones").await?;
+        if recorded.is_empty() {
+            return Ok(None);
+        }
+        store::write_deleting(store, url, false).await?;
+        let mut clones = clones_of_every_snapshot(store, url).await?;
+        if clones.is_empty() {
+            clones.push(records_folder(url));
+        }
+        Ok::<_, OpenError>(Some(clones))
+    });
+    let clones = match fenced {
+        Ok(None) => return Ok(()),
+        Ok(Some(clones)) => clones,
+        Err(error) => {
+            let _ = connection.runtime.block_on(lock.release_async());
+            return Err(error.into());
+        }
+    };
+    connection
+        .runtime
+        .block_on(lock.release_async())
+        .map_err(|source| DeleteError::Store {
+            url: url.to_string(),
+            source,
+        })?;
+    Err(DeleteError::Refused {
+        url: url.to_string(),
+        reason: format!("{} (made while this delete ran)", has_clones(&clones)),
+    })
+}
+
+/// Deletes every object under the disk's prefix but the metadata and the lock, then a
+/// clone's record under its base (in the base's bucket, which may be another), then the
+/// metadata, last, so a delete cut short leaves a disk another delete finishes.
+async fn delete_objects(
+    connection: &store::Connection,
+    url: &S3Url,
+    metadata: &DiskMetadata,
+) -> Result<Deleted, DeleteError> {
+    let store: &dyn ObjectStore = &*connection.store;
+    let failed = |key: &str, error: object_store::Error| DeleteError::Store {
+        url: url.to_string(),
+        source: crate::error::request_failed("DELETE", key, error),
+    };
+    let base = if metadata.layout == LayoutKind::Log {
+        clone_base_of(store, url, metadata).await?
+    } else {
+        None
+    };
+    let prefix = ObjectPath::from(url.prefix.as_str());
+    let objects: Vec<object_store::ObjectMeta> = store
+        .list((!url.prefix.is_empty()).then_some(&prefix))
+        .try_collect()
+        .await
+        .map_err(|error| {
+            DeleteError::Open(OpenError::Request {
+                url: url.to_string(),
+                operation: format!("listing `{}`", url.prefix),
+                message: chain(&error),
+            })
+        })?;
+    let metadata_key = url.key(METADATA_NAME);
+    let lock_key = url.key(crate::lock::LOCK_NAME);
+    let mut deleted = Deleted {
+        objects: 0,
+        bytes: 0,
+        base: None,
+    };
+    for object in &objects {
+        let key = object.location.as_ref();
+        if key == metadata_key || key == lock_key {
+            continue;
+        }
+        store
+            .delete(&object.location)
+            .await
+            .map_err(|error| failed(key, error))?;
+        deleted.objects += 1;
+        deleted.bytes += object.size;
+    }
+    if let Some((base_url, snapshot)) = base {
+        let key = log::clone_record_key(&base_url, &snapshot, url);
+        let base_store = if base_url.bucket == url.bucket {
+            None
+        } else {
+            Some(connection.buckets.store(&base_url.bucket)?)
+        };
+        let record_store: &dyn ObjectStore = base_store.as_deref().unwrap_or(store);
+        match record_store.delete(&ObjectPath::from(key.as_str())).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+            Err(error) => return Err(failed(&key, error)),
+        }
+        deleted.base = Some((
+            format!("s3://{}/{}", base_url.bucket, base_url.prefix),
+            snapshot,
+        ));
+    }
+    store
+        .delete(&ObjectPath::from(metadata_key.as_str()))
+        .await
+        .map_err(|error| failed(&metadata_key, error))?;
+    deleted.objects += 1;
+    deleted.bytes += objects
+        .iter()
+        .find(|object| object.location.as_ref() == metadata_key)
+        .map_or(0, |object| object.size);
     Ok(deleted)
 }
 
@@ -863,11 +939,7 @@ async fn clone_base_of(
     let sealer = log::sealer_for(url, metadata, &LogConfig::from_url(url))?;
     Ok(log::read_clone_record(store, url, metadata, &sealer)
         .await?
-        .map(|(_, record)| {
-            let mut base = url.clone();
-            base.prefix = record.base_prefix;
-            (base, record.snapshot)
-        }))
+        .map(|(_, record)| (log::clone_base_url(url, &record), record.snapshot)))
 }
 
 /// Makes a clone of snapshot `name` of the disk at `base_url` at `clone_url` ([`clone`]
@@ -899,7 +971,7 @@ pub(crate) async fn create_clone_objects(
             name: name.to_string(),
             source: crate::error::request_failed(operation, key, error),
         };
-    let record_key = log::clone_record_key(base_url, name, &clone_url.prefix);
+    let record_key = log::clone_record_key(base_url, name, clone_url);
     let record_location = ObjectPath::from(record_key.as_str());
     let recorded = base_store
         .put_opts(
@@ -1010,8 +1082,23 @@ async fn clone_behind_record(
         base_metadata.disk_id,
         name,
         &base_url.prefix,
+        Some(&base_url.bucket),
     )?;
-    if !store::create_metadata(clone_store, &asked, &clone_metadata, &body).await? {
+    let created = match store::create_metadata(clone_store, &asked, &clone_metadata, &body).await {
+        // Stores answer a PUT into a missing bucket differently (moto: NoSuchBucket,
+        // SeaweedFS: AccessDenied); a LIST says which it was (a request more, on failure only).
+        Err(OpenError::Request { message, .. })
+            if crate::error::says_no_bucket(&message)
+                || bucket_missing(clone_store, clone_url).await =>
+        {
+            return Err(refused(format!(
+                "bucket `{}` does not exist at this endpoint (create it first)",
+                clone_url.bucket
+            )))
+        }
+        created => created?,
+    };
+    if !created {
         return Err(refused(
             "a disk exists at the clone's prefix already".to_string(),
         ));
@@ -1021,4 +1108,17 @@ async fn clone_behind_record(
         size_bytes: clone_metadata.size_bytes,
         mapped_bytes: taken.index.mapped_bytes(),
     })
+}
+
+/// Whether the bucket `url` names does not exist, as a LIST of its prefix answers (false when
+/// the LIST works or fails otherwise).
+async fn bucket_missing(store: &dyn ObjectStore, url: &S3Url) -> bool {
+    let prefix = ObjectPath::from(url.prefix.as_str());
+    match store
+        .list_with_delimiter((!url.prefix.is_empty()).then_some(&prefix))
+        .await
+    {
+        Ok(_) => false,
+        Err(error) => crate::error::says_no_bucket(&chain(&error)),
+    }
 }

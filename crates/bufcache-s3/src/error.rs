@@ -193,11 +193,18 @@ fn keys_named(keys: &[String]) -> String {
         .join(", ")
 }
 
+/// Whether a failed request's message says its bucket does not exist.
+pub(crate) fn says_no_bucket(message: &str) -> bool {
+    ["NoSuchBucket", "bucket does not exist"]
+        .iter()
+        .any(|word| message.contains(word))
+}
+
 /// What a failed request's message says went wrong, in the user's terms, and what to check:
 /// the store's error code when it answered, the transport's failure when it did not.
 pub(crate) fn diagnosis(message: &str) -> &'static str {
     let says = |words: &[&str]| words.iter().any(|word| message.contains(word));
-    if says(&["NoSuchBucket", "bucket does not exist"]) {
+    if says_no_bucket(message) {
         "the bucket does not exist (check the bucket name and endpoint=, or create it)"
     } else if says(&[
         "AuthorizationHeaderMalformed",

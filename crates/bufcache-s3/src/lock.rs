@@ -553,7 +553,9 @@ impl DiskLock {
         }
     }
 
-    /// Takes the lock (see [`DiskLock::acquire`]) without checking the store.
+    /// Takes the lock (see [`DiskLock::acquire`]) without checking the store: creates it,
+    /// or watches the one there until it is ours to take over ([`Taking::watch`]) and takes
+    /// it over ([`Taking::take_over`]).
     async fn take(
         runtime: tokio::runtime::Handle,
         store: Arc<AmazonS3>,
@@ -564,29 +566,20 @@ impl DiskLock {
         watching: Option<Arc<LeaseSeen>>,
     ) -> Result<Acquired, OpenError> {
         let key = url.key(name);
-        let path = ObjectPath::from(key.as_str());
         // A lock only break-lock= takes (the chunk layout, `bufcache disk`) has no use for a
         // lease: it is written without one and never renewed, as before leases.
         let lease_ms = url.lease_ms.filter(|_| takeover != Takeover::BreakLockOnly);
-        let holder = LockHolder::of_this_process(lease_ms);
-        let request_error = |operation: &str, error: object_store::Error| OpenError::Request {
-            url: url.to_string(),
-            operation: format!("{operation} `{key}`"),
-            message: chain(&error),
-        };
-        let held = |sent_ns: u64, e_tag: Option<String>| -> Result<Acquired, OpenError> {
-            let round_trip_ns = clock.now_ns().saturating_sub(sent_ns);
-            let lease = lease_ms
-                .map(|lease_ms| Arc::new(Lease::new(clock.clone(), lease_ms * 1_000_000, sent_ns)));
-            Ok(DiskLock::held(
-                runtime.clone(),
-                store.clone(),
-                key.clone(),
-                holder.clone(),
-                lease,
-                e_tag,
-                round_trip_ns,
-            ))
+        let taking = Taking {
+            runtime,
+            store,
+            url,
+            path: ObjectPath::from(key.as_str()),
+            key,
+            holder: LockHolder::of_this_process(lease_ms),
+            lease_ms,
+            clock,
+            takeover,
+            watching,
         };
         // Every lock seen so far and the clock time its ETag was first seen at.
         let mut watch: Option<LapseWatch> = None;
@@ -596,136 +589,20 @@ impl DiskLock {
             if creates_left == 0 {
                 return Err(OpenError::LockRaced {
                     url: url.to_string(),
-                    key,
+                    key: taking.key,
                 });
             }
             creates_left -= 1;
-            let sent_ns = clock.now_ns();
-            let created = store
-                .put_opts(
-                    &path,
-                    PutPayload::from(holder.to_json()),
-                    PutOptions {
-                        mode: PutMode::Create,
-                        ..Default::default()
-                    },
-                )
-                .await;
-            match created {
-                Ok(result) => return held(sent_ns, result.e_tag),
-                // S3 checks permissions before the condition: a 403 says nothing of whether
-                // the lock exists.
-                Err(error @ object_store::Error::PermissionDenied { .. }) => {
-                    return Ok(Acquired::WritesRefused(refusal_summary(&error)))
-                }
-                Err(object_store::Error::AlreadyExists { .. })
-                | Err(object_store::Error::Precondition { .. }) => {}
-                Err(error) => return Err(request_error("creating the lock", error)),
+            let sent_ns = taking.clock.now_ns();
+            if let Some(acquired) = taking.create(sent_ns).await? {
+                return Ok(acquired);
             }
-            // Watch the lock until it is ours to take, or refused.
-            let (stale, e_tag) = loop {
-                let Some(seen) = read_seen(&store, &path, url, &key).await? else {
-                    break (None, None);
-                };
-                let Seen {
-                    holder: stale,
-                    e_tag,
-                } = seen;
-                if stale.id == holder.id {
-                    tracing::info!(lock = %key, "the lock's create was carried out though its answer was lost");
-                    return held(sent_ns, e_tag);
-                }
-                if url.break_lock.as_deref() == Some(stale.id.as_str()) {
-                    break (Some(stale), e_tag);
-                }
-                let (Some(stale_lease_ms), Some(tag), true) =
-                    (stale.lease_ms, &e_tag, takeover != Takeover::BreakLockOnly)
-                else {
-                    return Err(OpenError::Locked {
-                        url: url.to_string(),
-                        key: key.clone(),
-                        holder: stale.to_string(),
-                        id: stale.id,
-                        asked: url.break_lock.clone(),
-                    });
-                };
-                let lease_ns = stale_lease_ms.saturating_mul(1_000_000);
-                let watch = watch.get_or_insert_with(|| {
-                    if takeover == Takeover::WaitForLapse {
-                        tracing::info!(disk = %url, holder = %stale, lease_ms = stale_lease_ms, "standing by: the disk is taken over when its holder's lease lapses");
-                    }
-                    LapseWatch::new(lease_ns)
-                });
-                let first_seen_ns = watch.since_ns();
-                let lapsed = watch.observe(tag, clock.now_ns());
-                if let Some(watching) = watching
-                    .as_ref()
-                    .filter(|_| watch.since_ns() != first_seen_ns)
-                {
-                    watching.renewal_seen();
-                }
-                if lapsed {
-                    tracing::warn!(disk = %url, holder = %stale, lease_ms = stale_lease_ms, "the lock's lease lapsed unrenewed; taking the disk over");
-                    break (Some(stale), e_tag);
-                }
-                if takeover == Takeover::AfterLapse
-                    && first_seen_ns.is_some_and(|first| watch.since_ns() != Some(first))
-                {
-                    return Err(OpenError::LeaseHeld {
-                        url: url.to_string(),
-                        key: key.clone(),
-                        holder: stale.to_string(),
-                        lease_ms: stale_lease_ms,
-                    });
-                }
-                // Polled often enough to see every renewal (one per third of a lease).
-                let poll_ms = (stale_lease_ms / 10).clamp(50, 1_000);
-                tokio::time::sleep(std::time::Duration::from_millis(poll_ms)).await;
-            };
-            let Some(stale) = stale else {
+            match taking.watch(&mut watch).await? {
+                Watched::Ours(e_tag) => return taking.held(sent_ns, e_tag),
                 // Deleted (released) meanwhile: create it again.
-                continue;
-            };
-            let sent_ns = clock.now_ns();
-            let broken = store
-                .put_opts(
-                    &path,
-                    PutPayload::from(holder.to_json()),
-                    PutOptions {
-                        mode: PutMode::Update(UpdateVersion {
-                            e_tag,
-                            version: None,
-                        }),
-                        ..Default::default()
-                    },
-                )
-                .await;
-            return match broken {
-                Ok(result) => {
-                    tracing::warn!(disk = %url, broken = %stale, "took the disk lock over");
-                    held(sent_ns, result.e_tag)
-                }
-                // Our own break carried out with its answer lost (the retry then failed its
-                // condition), or someone else broke, renewed or released it first.
-                Err(object_store::Error::Precondition { .. })
-                | Err(object_store::Error::NotFound { .. }) => {
-                    let now = read_seen(&store, &path, url, &key).await;
-                    if let Ok(Some(now)) = now {
-                        if now.holder == holder {
-                            tracing::warn!(disk = %url, broken = %stale, "took the disk lock over (its answer was lost)");
-                            return held(sent_ns, now.e_tag);
-                        }
-                    }
-                    Err(OpenError::LockRaced {
-                        url: url.to_string(),
-                        key: key.clone(),
-                    })
-                }
-                Err(error @ object_store::Error::PermissionDenied { .. }) => {
-                    Ok(Acquired::WritesRefused(refusal_summary(&error)))
-                }
-                Err(error) => Err(request_error("breaking the lock", error)),
-            };
+                Watched::Gone => continue,
+                Watched::Stale(stale, e_tag) => return taking.take_over(stale, e_tag).await,
+            }
         }
     }
 
@@ -826,6 +703,210 @@ async fn delete_if_ours(store: &AmazonS3, key: &str, id: &str) -> Result<(), Sto
         _ => {
             tracing::warn!(lock = %key, "the disk lock was broken by another server; leaving it");
             Ok(())
+        }
+    }
+}
+
+/// One [`DiskLock::take`]: what each of its steps needs.
+struct Taking<'a> {
+    runtime: tokio::runtime::Handle,
+    store: Arc<AmazonS3>,
+    url: &'a S3Url,
+    key: String,
+    path: ObjectPath,
+    /// This process as the lock names it.
+    holder: LockHolder,
+    lease_ms: Option<u64>,
+    clock: Arc<dyn Clock>,
+    takeover: Takeover,
+    watching: Option<Arc<LeaseSeen>>,
+}
+
+/// What watching a lock someone else held came to ([`Taking::watch`]).
+enum Watched {
+    /// Ours: our create was carried out though its answer was lost (its ETag).
+    Ours(Option<String>),
+    /// Deleted (released) meanwhile.
+    Gone,
+    /// Ours to take over, at this ETag: named by break-lock=, or its lease lapsed.
+    Stale(LockHolder, Option<String>),
+}
+
+impl Taking<'_> {
+    fn request_error(&self, operation: &str, error: object_store::Error) -> OpenError {
+        OpenError::Request {
+            url: self.url.to_string(),
+            operation: format!("{operation} `{}`", self.key),
+            message: chain(&error),
+        }
+    }
+
+    /// The lock as held from a request sent at `sent_ns` that stored it with `e_tag`.
+    fn held(&self, sent_ns: u64, e_tag: Option<String>) -> Result<Acquired, OpenError> {
+        let round_trip_ns = self.clock.now_ns().saturating_sub(sent_ns);
+        let lease = self.lease_ms.map(|lease_ms| {
+            Arc::new(Lease::new(
+                self.clock.clone(),
+                lease_ms * 1_000_000,
+                sent_ns,
+            ))
+        });
+        Ok(DiskLock::held(
+            self.runtime.clone(),
+            self.store.clone(),
+            self.key.clone(),
+            self.holder.clone(),
+            lease,
+            e_tag,
+            round_trip_ns,
+        ))
+    }
+
+    /// Creates the lock (create-only PUT sent at `sent_ns`): the lock held, or the store's
+    /// refusal to write; None when a lock is there already.
+    async fn create(&self, sent_ns: u64) -> Result<Option<Acquired>, OpenError> {
+        let created = self
+            .store
+            .put_opts(
+                &self.path,
+                PutPayload::from(self.holder.to_json()),
+                PutOptions {
+                    mode: PutMode::Create,
+                    ..Default::default()
+                },
+            )
+            .await;
+        match created {
+            Ok(result) => self.held(sent_ns, result.e_tag).map(Some),
+            // S3 checks permissions before the condition: a 403 says nothing of whether
+            // the lock exists.
+            Err(error @ object_store::Error::PermissionDenied { .. }) => {
+                Ok(Some(Acquired::WritesRefused(refusal_summary(&error))))
+            }
+            Err(object_store::Error::AlreadyExists { .. })
+            | Err(object_store::Error::Precondition { .. }) => Ok(None),
+            Err(error) => Err(self.request_error("creating the lock", error)),
+        }
+    }
+
+    /// Watches the lock until it is ours to take, or refused: a lock of another holder
+    /// without a lease (or with `Takeover::BreakLockOnly`) is refused unless break-lock=
+    /// names it; one with a lease is taken once it lapses unrenewed, waited for
+    /// (`Takeover::WaitForLapse`) or refused when seen renewed (`Takeover::AfterLapse`).
+    /// `watch` keeps the ETags seen across calls.
+    async fn watch(&self, watch: &mut Option<LapseWatch>) -> Result<Watched, OpenError> {
+        let (url, key) = (self.url, &self.key);
+        loop {
+            let Some(seen) = read_seen(&self.store, &self.path, url, key).await? else {
+                return Ok(Watched::Gone);
+            };
+            let Seen {
+                holder: stale,
+                e_tag,
+            } = seen;
+            if stale.id == self.holder.id {
+                tracing::info!(lock = %key, "the lock's create was carried out though its answer was lost");
+                return Ok(Watched::Ours(e_tag));
+            }
+            if url.break_lock.as_deref() == Some(stale.id.as_str()) {
+                return Ok(Watched::Stale(stale, e_tag));
+            }
+            let (Some(stale_lease_ms), Some(tag), true) = (
+                stale.lease_ms,
+                &e_tag,
+                self.takeover != Takeover::BreakLockOnly,
+            ) else {
+                return Err(OpenError::Locked {
+                    url: url.to_string(),
+                    key: key.clone(),
+                    holder: stale.to_string(),
+                    id: stale.id,
+                    asked: url.break_lock.clone(),
+                });
+            };
+            let lease_ns = stale_lease_ms.saturating_mul(1_000_000);
+            let watch = watch.get_or_insert_with(|| {
+                if self.takeover == Takeover::WaitForLapse {
+                    tracing::info!(disk = %url, holder = %stale, lease_ms = stale_lease_ms, "standing by: the disk is taken over when its holder's lease lapses");
+                }
+                LapseWatch::new(lease_ns)
+            });
+            let first_seen_ns = watch.since_ns();
+            let lapsed = watch.observe(tag, self.clock.now_ns());
+            if let Some(watching) = self
+                .watching
+                .as_ref()
+                .filter(|_| watch.since_ns() != first_seen_ns)
+            {
+                watching.renewal_seen();
+            }
+            if lapsed {
+                tracing::warn!(disk = %url, holder = %stale, lease_ms = stale_lease_ms, "the lock's lease lapsed unrenewed; taking the disk over");
+                return Ok(Watched::Stale(stale, e_tag));
+            }
+            if self.takeover == Takeover::AfterLapse
+                && first_seen_ns.is_some_and(|first| watch.since_ns() != Some(first))
+            {
+                return Err(OpenError::LeaseHeld {
+                    url: url.to_string(),
+                    key: key.clone(),
+                    holder: stale.to_string(),
+                    lease_ms: stale_lease_ms,
+                });
+            }
+            // Polled often enough to see every renewal (one per third of a lease).
+            let poll_ms = (stale_lease_ms / 10).clamp(50, 1_000);
+            tokio::time::sleep(std::time::Duration::from_millis(poll_ms)).await;
+        }
+    }
+
+    /// Takes over the lock `stale` holds, conditional on the ETag `e_tag` it was seen at.
+    async fn take_over(
+        &self,
+        stale: LockHolder,
+        e_tag: Option<String>,
+    ) -> Result<Acquired, OpenError> {
+        let url = self.url;
+        let sent_ns = self.clock.now_ns();
+        let broken = self
+            .store
+            .put_opts(
+                &self.path,
+                PutPayload::from(self.holder.to_json()),
+                PutOptions {
+                    mode: PutMode::Update(UpdateVersion {
+                        e_tag,
+                        version: None,
+                    }),
+                    ..Default::default()
+                },
+            )
+            .await;
+        match broken {
+            Ok(result) => {
+                tracing::warn!(disk = %url, broken = %stale, "took the disk lock over");
+                self.held(sent_ns, result.e_tag)
+            }
+            // Our own break carried out with its answer lost (the retry then failed its
+            // condition), or someone else broke, renewed or released it first.
+            Err(object_store::Error::Precondition { .. })
+            | Err(object_store::Error::NotFound { .. }) => {
+                let now = read_seen(&self.store, &self.path, url, &self.key).await;
+                if let Ok(Some(now)) = now {
+                    if now.holder == self.holder {
+                        tracing::warn!(disk = %url, broken = %stale, "took the disk lock over (its answer was lost)");
+                        return self.held(sent_ns, now.e_tag);
+                    }
+                }
+                Err(OpenError::LockRaced {
+                    url: url.to_string(),
+                    key: self.key.clone(),
+                })
+            }
+            Err(error @ object_store::Error::PermissionDenied { .. }) => {
+                Ok(Acquired::WritesRefused(refusal_summary(&error)))
+            }
+            Err(error) => Err(self.request_error("breaking the lock", error)),
         }
     }
 }

@@ -102,6 +102,61 @@ pub(crate) struct Connection {
     pub runtime: tokio::runtime::Runtime,
     pub store: Arc<AmazonS3>,
     pub metadata: DiskMetadata,
+    /// Reaches the other buckets the disk needs (a clone's base in another bucket).
+    pub buckets: Buckets,
+}
+
+/// How an open reaches a bucket other than its disk's: a clone's base may live in another
+/// bucket of the same store (module `log::clone`).
+#[derive(Clone)]
+pub(crate) enum Buckets {
+    /// Through a client made as the disk's is: the disk URL's endpoint, region, addressing,
+    /// credentials and retry timeout, its requests counted in the same meters.
+    Connect {
+        url: Box<S3Url>,
+        meters: Arc<StoreMeters>,
+    },
+    /// Not at all: an open on a store its caller made (the simulator's, which holds one
+    /// bucket).
+    None,
+}
+
+impl Buckets {
+    /// A client for `bucket`.
+    pub(crate) fn store(&self, bucket: &str) -> Result<Arc<dyn ObjectStore>, OpenError> {
+        match self {
+            Buckets::Connect { url, meters } => {
+                let mut other = (**url).clone();
+                other.bucket = bucket.to_string();
+                let store: Arc<dyn ObjectStore> = bucket_client(&other, Arc::clone(meters))?;
+                Ok(store)
+            }
+            Buckets::None => Err(OpenError::Config {
+                url: format!("s3://{bucket}/"),
+                reason:
+                    "this open was given a store for its own bucket only, and cannot reach another"
+                        .to_string(),
+            }),
+        }
+    }
+}
+
+/// A client for the bucket `url` names (no runtime of its own: it runs on the caller's),
+/// with the same settings and meters a connection's client has.
+pub(crate) fn bucket_client(
+    url: &S3Url,
+    meters: Arc<StoreMeters>,
+) -> Result<Arc<AmazonS3>, OpenError> {
+    let retry_timeout = Duration::from_millis(url.retry_timeout_ms);
+    check_credentials(url, &client_builder(url, retry_timeout, RETRIES_UNBOUNDED))?;
+    let store = client_builder(url, retry_timeout, RETRIES_UNBOUNDED)
+        .with_http_connector(CountingConnector::new(meters))
+        .build()
+        .map_err(|error| OpenError::Client {
+            url: url.to_string(),
+            message: chain(&error),
+        })?;
+    Ok(Arc::new(store))
 }
 
 /// Connects to the disk `url` names and reads (or creates, when the URL asks) its metadata
@@ -134,12 +189,16 @@ pub(crate) fn connect_counted(
     create: Create,
     meters: Arc<StoreMeters>,
 ) -> Result<Connection, OpenError> {
-    let (runtime, store, probe) = clients(url, meters)?;
+    let (runtime, store, probe) = clients(url, Arc::clone(&meters))?;
     let metadata = runtime.block_on(ChunkStore::open_metadata(&probe, url, create))?;
     Ok(Connection {
         runtime,
         store,
         metadata,
+        buckets: Buckets::Connect {
+            url: Box::new(url.clone()),
+            meters,
+        },
     })
 }
 
@@ -163,23 +222,14 @@ fn clients(
         message: chain(&error),
     };
     let retry_timeout = Duration::from_millis(url.retry_timeout_ms);
-    check_credentials(url, &client_builder(url, retry_timeout, RETRIES_UNBOUNDED))?;
-    let counted = |builder: AmazonS3Builder| {
-        builder.with_http_connector(CountingConnector::new(Arc::clone(&meters)))
-    };
-    let store = counted(client_builder(url, retry_timeout, RETRIES_UNBOUNDED))
-        .build()
-        .map_err(client_error)?;
+    let store = bucket_client(url, Arc::clone(&meters))?;
     // Opening probes with few retries so an unreachable endpoint or a refused key is
     // reported in seconds rather than after the full retry timeout.
-    let probe = counted(client_builder(
-        url,
-        retry_timeout.min(Duration::from_secs(5)),
-        2,
-    ))
-    .build()
-    .map_err(client_error)?;
-    Ok((runtime, Arc::new(store), probe))
+    let probe = client_builder(url, retry_timeout.min(Duration::from_secs(5)), 2)
+        .with_http_connector(CountingConnector::new(meters))
+        .build()
+        .map_err(client_error)?;
+    Ok((runtime, store, probe))
 }
 
 /// A random 64-bit id (OS-seeded hasher, the clock and the process id mixed in).
@@ -600,6 +650,7 @@ impl ChunkStore {
             runtime,
             store,
             metadata,
+            ..
         } = connection;
         if metadata.layout != LayoutKind::Chunk {
             return Err(OpenError::Mismatch {

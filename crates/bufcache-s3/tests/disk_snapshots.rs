@@ -12,7 +12,7 @@ use bufcache_s3::{ChunkStore, LogStore, LogSummary, OpenError, S3Url, SnapshotEr
 use fixtures::{key_file, random};
 use rand::SeedableRng;
 use raw::Raw;
-use support::{have_moto, Moto};
+use support::{have_moto, have_seaweedfs, Moto, S3Server, SeaweedFs};
 
 const DISK_BYTES: usize = 2 << 20;
 const WRITTEN_BYTES: usize = 1 << 20;
@@ -592,7 +592,7 @@ fn deleting_a_clone_frees_its_snapshot_and_a_base_with_clones_is_refused() {
 // every object and no mark, the clone reads the snapshot; delete that clone, then delete the
 // base again, trying a clone from the hook once the delete has marked the metadata: the
 // clone is refused as being deleted with no object left, and the delete ends with both
-// prefixes empty.
+// prefixes empty. The same with the clones in another bucket.
 #[test]
 fn a_clone_made_while_its_base_is_deleted_is_fenced_off() {
     let name = "a_clone_made_while_its_base_is_deleted_is_fenced_off";
@@ -601,19 +601,23 @@ fn a_clone_made_while_its_base_is_deleted_is_fenced_off() {
     }
     let keys = tempfile::tempdir().unwrap();
     let key = key_file(keys.path());
-    fenced_off("");
-    // An encrypted base: the delete's mark, set and taken off, leaves its tagged metadata
-    // opening as before (the tag does not cover the mark).
-    fenced_off(&format!("&key-file={key}"));
+    for clone_bucket in ["bucket", "clones"] {
+        fenced_off("", clone_bucket);
+        // An encrypted base: the delete's mark, set and taken off, leaves its tagged
+        // metadata opening as before (the tag does not cover the mark).
+        fenced_off(&format!("&key-file={key}"), clone_bucket);
+    }
 }
 
 /// The body of [`a_clone_made_while_its_base_is_deleted_is_fenced_off`], every URL with
-/// `keyed` parameters.
-fn fenced_off(keyed: &str) {
+/// `keyed` parameters, the clones in `clone_bucket`.
+fn fenced_off(keyed: &str, clone_bucket: &str) {
     let moto = Moto::start();
     moto.create_bucket("bucket");
+    moto.create_bucket(clone_bucket);
     let endpoint = moto.endpoint();
     let raw = Raw::new(&moto);
+    let clone_raw = Raw::in_bucket(&moto, clone_bucket);
     let mut rng = rand::rngs::StdRng::seed_from_u64(57);
     let create = url(
         &endpoint,
@@ -621,7 +625,7 @@ fn fenced_off(keyed: &str) {
         &format!("&create-size=2M&layout=log&segment-size=64k&gc=off{keyed}"),
     );
     let base = url(&endpoint, "base", &format!("&gc=off{keyed}"));
-    let clone = url(&endpoint, "clone", &format!("&gc=off{keyed}"));
+    let clone = url_in(&endpoint, clone_bucket, "clone", &format!("&gc=off{keyed}"));
     let mut image = vec![0u8; DISK_BYTES];
     image[..WRITTEN_BYTES].copy_from_slice(&random(WRITTEN_BYTES, &mut rng));
     let mut store = LogStore::open_locked(&create).unwrap();
@@ -645,7 +649,10 @@ fn fenced_off(keyed: &str) {
     match refused {
         Err(error @ admin::DeleteError::Refused { .. }) => {
             let error = error.to_string();
-            assert!(error.contains("s3://bucket/clone"), "{error}");
+            assert!(
+                error.contains(&format!("s3://{clone_bucket}/clone")),
+                "{error}"
+            );
             assert!(error.contains("made while this delete ran"), "{error}");
             assert!(!error.contains('\n'), "{error}");
         }
@@ -666,7 +673,12 @@ fn fenced_off(keyed: &str) {
 
     // The clone is tried once the delete has marked the base: refused, nothing left of it.
     admin::delete(&clone).unwrap();
-    let late = url(&endpoint, "late-clone", &format!("&gc=off{keyed}"));
+    let late = url_in(
+        &endpoint,
+        clone_bucket,
+        "late-clone",
+        &format!("&gc=off{keyed}"),
+    );
     let mut outcome = None;
     let deleted = admin::delete_calling(&base, &mut |moment| {
         if moment == admin::DeleteMoment::Marked {
@@ -685,8 +697,255 @@ fn fenced_off(keyed: &str) {
     assert!(deleted.objects >= base_objects.len() as u64, "{deleted:?}");
     assert!(raw.keys("base/").is_empty(), "{:?}", raw.keys("base/"));
     assert!(
-        raw.keys("late-clone/").is_empty(),
+        clone_raw.keys("late-clone/").is_empty(),
         "{:?}",
-        raw.keys("late-clone/")
+        clone_raw.keys("late-clone/")
     );
+    assert!(clone_raw.keys("clone/").is_empty());
+}
+
+/// An error's text, checked to be one line.
+fn one_line(error: &dyn std::fmt::Display) -> String {
+    let text = error.to_string();
+    assert!(!text.contains('\n'), "one line: {text:?}");
+    text
+}
+
+/// A disk URL in bucket `bucket`.
+fn url_in(endpoint: &str, bucket: &str, prefix: &str, parameters: &str) -> S3Url {
+    S3Url::parse(&format!(
+        "s3://{bucket}/{prefix}?endpoint={endpoint}{parameters}"
+    ))
+    .unwrap()
+}
+
+/// Every request moto logged so far.
+fn requests(moto: &Moto) -> usize {
+    ["GET", "PUT", "POST", "DELETE", "HEAD"]
+        .iter()
+        .map(|method| moto.request_count(method))
+        .sum()
+}
+
+// Goal: a clone in another bucket of the same store reads its base's snapshot where it has
+// not written and its own writes elsewhere, the base unchanged, on a plain and on an
+// lz4-compressed encrypted base; on moto its creation costs at most 4 requests and a cold read
+// of its unmodified data the GETs of the same read of the snapshot; the snapshot's delete is
+// refused naming the clone's bucket and prefix; the encrypted clone's metadata with its base
+// bucket changed is refused; deleting the clone removes its record from the base's bucket,
+// after which the snapshot deletes. Bad input changes nothing: a clone bucket that does not
+// exist, a disk at the clone's prefix, another endpoint. Method: on moto and SeaweedFS, a
+// base in `bases` and clones in `clones`; requests counted in moto's log.
+#[test]
+fn a_clone_in_another_bucket_reads_its_base_and_frees_it_when_deleted() {
+    let name = "a_clone_in_another_bucket_reads_its_base_and_frees_it_when_deleted";
+    if have_moto(name) {
+        let moto = Moto::start();
+        clone_in_another_bucket(&moto, Some(&moto));
+    }
+    if have_seaweedfs(name) {
+        clone_in_another_bucket(&SeaweedFs::start(), None);
+    }
+}
+
+/// The body of [`a_clone_in_another_bucket_reads_its_base_and_frees_it_when_deleted`] on
+/// `server`; requests are counted when `counted` is moto.
+fn clone_in_another_bucket(server: &dyn S3Server, counted: Option<&Moto>) {
+    server.create_bucket("bases");
+    server.create_bucket("clones");
+    let endpoint = server.endpoint();
+    let bases = Raw::in_bucket(server, "bases");
+    let clones = Raw::in_bucket(server, "clones");
+    let keys = tempfile::tempdir().unwrap();
+    let key = key_file(keys.path());
+    let mut rng = rand::rngs::StdRng::seed_from_u64(58);
+    for (prefix, parameters) in [
+        ("plain", String::new()),
+        ("sealed", format!("&compress=lz4&key-file={key}")),
+    ] {
+        let create = url_in(
+            &endpoint,
+            "bases",
+            prefix,
+            &format!("&create-size=2M&layout=log&segment-size=64k&gc=off{parameters}"),
+        );
+        let base = url_in(&endpoint, "bases", prefix, &format!("&gc=off{parameters}"));
+        // The clone at the same prefix as its base, in its own bucket: they do not overlap.
+        let clone = url_in(&endpoint, "clones", prefix, &format!("&gc=off{parameters}"));
+        let mut image = vec![0u8; DISK_BYTES];
+        image[..WRITTEN_BYTES].copy_from_slice(&random(WRITTEN_BYTES, &mut rng));
+        let mut store = LogStore::open_locked(&create).unwrap();
+        write_pieces(&store, &mut image, &mut rng);
+        store.close().unwrap();
+        drop(store);
+        admin::snapshot(&base, "golden").unwrap();
+        let base_objects = bases.objects(&format!("{prefix}/"));
+
+        // Bad input first: each refused in one line, nothing left in either bucket.
+        let missing_bucket = url_in(&endpoint, "no-such-bucket", prefix, &parameters);
+        match admin::clone(&base, &missing_bucket, "golden") {
+            Err(error @ SnapshotError::Refused { .. }) => {
+                assert!(one_line(&error).contains("no-such-bucket"), "{error}");
+                assert!(one_line(&error).contains("does not exist"), "{error}");
+                assert!(error.is_bad_input());
+            }
+            other => panic!("{prefix}: a clone into a missing bucket: {other:?}"),
+        }
+        let occupied = url_in(
+            &endpoint,
+            "clones",
+            &format!("{prefix}-occupied"),
+            &format!("&create-size=1M&layout=log{parameters}"),
+        );
+        drop(LogStore::open_locked(&occupied).unwrap());
+        let occupied_objects = clones.objects(&format!("{prefix}-occupied/"));
+        match admin::clone(&base, &occupied, "golden") {
+            Err(error @ SnapshotError::Refused { .. }) => {
+                assert!(one_line(&error).contains("a disk exists"), "{error}")
+            }
+            other => panic!("{prefix}: a clone onto a disk: {other:?}"),
+        }
+        assert_eq!(
+            clones.objects(&format!("{prefix}-occupied/")),
+            occupied_objects
+        );
+        let elsewhere = url_in(
+            "http://127.0.0.1:1",
+            "clones",
+            &format!("{prefix}-elsewhere"),
+            &parameters,
+        );
+        match admin::clone(&base, &elsewhere, "golden") {
+            Err(error @ SnapshotError::Refused { .. }) => {
+                assert!(one_line(&error).contains("endpoint="), "{error}")
+            }
+            other => panic!("{prefix}: a clone at another endpoint: {other:?}"),
+        }
+        assert_eq!(
+            bases.objects(&format!("{prefix}/")),
+            base_objects,
+            "{prefix}: the refused clones left the base as it was"
+        );
+
+        let before = counted.map(requests);
+        let made = admin::clone(&base, &clone, "golden").unwrap();
+        if let (Some(moto), Some(before)) = (counted, before) {
+            let clone_requests = requests(moto) - before;
+            println!("{prefix}: clone into another bucket: {clone_requests} store requests");
+            assert!(clone_requests <= 4, "{prefix}: {clone_requests} requests");
+        }
+        assert_eq!(made.size_bytes, DISK_BYTES as u64);
+        let metadata: serde_json::Value =
+            serde_json::from_slice(&clones.get(&format!("{prefix}/bufcache-disk.json"))).unwrap();
+        assert_eq!(metadata["base"]["bucket"], "bases", "{metadata}");
+        assert_eq!(metadata["base"]["prefix"], prefix, "{metadata}");
+        assert!(read_all(&clone) == image, "{prefix}: a fresh clone");
+
+        // The clone writes; its base is overwritten and collected; neither sees the other.
+        let mut expected = image.clone();
+        let mut store = LogStore::open_locked(&clone).unwrap();
+        let written = random(256 << 10, &mut rng);
+        store.write(&written, 512 << 10).unwrap();
+        expected[512 << 10..768 << 10].copy_from_slice(&written);
+        store.flush().unwrap();
+        store.write_zeroes(900 << 10, 64 << 10).unwrap();
+        expected[900 << 10..964 << 10].fill(0);
+        store.close().unwrap();
+        drop(store);
+        assert!(read_all(&base) == image, "{prefix}: the base unchanged");
+        let mut after = vec![0u8; DISK_BYTES];
+        after[..WRITTEN_BYTES].copy_from_slice(&random(WRITTEN_BYTES, &mut rng));
+        let mut store = LogStore::open_locked(&base).unwrap();
+        write_pieces(&store, &mut after, &mut rng);
+        store.collect_garbage(0.99).unwrap();
+        store.close().unwrap();
+        drop(store);
+        admin::collect(&base, Some(0.99), &mut |_| {}).unwrap();
+        admin::collect(&clone, Some(0.99), &mut |_| {}).unwrap();
+        assert!(read_all(&clone) == expected, "{prefix}: the clone");
+        assert!(read_all(&base) == after, "{prefix}: the base");
+        let report = admin::verify(&clone, &mut |_| {}).unwrap();
+        assert!(report.damaged.is_empty(), "{prefix}: {:?}", report.damaged);
+        assert!(
+            matches!(summary(&clone).mapped_bytes, bytes if bytes > 0),
+            "{prefix}: info of the clone"
+        );
+
+        if let Some(moto) = counted {
+            let snapshot = url_in(
+                &endpoint,
+                "bases",
+                prefix,
+                &format!("&snapshot=golden{parameters}"),
+            );
+            let mut gets = Vec::new();
+            for disk in [&snapshot, &clone] {
+                let store = LogStore::open_read_only(disk).unwrap();
+                let mut buffer = vec![0u8; 256 << 10];
+                let before = moto.request_count("GET");
+                store.read(&mut buffer, 0).unwrap();
+                gets.push(moto.request_count("GET") - before);
+                assert!(buffer[..] == image[..256 << 10], "{prefix}");
+            }
+            println!(
+                "{prefix}: cold read of 256 KiB unmodified: {} GETs from the snapshot, {} from the clone in another bucket",
+                gets[0], gets[1]
+            );
+            assert_eq!(gets[0], gets[1], "{prefix}");
+        }
+
+        if !parameters.is_empty() {
+            // The base's bucket is under the metadata's tag: changed, the open is refused.
+            let metadata_key = format!("{prefix}/bufcache-disk.json");
+            let stored = clones.get(&metadata_key);
+            let mut forged: serde_json::Value = serde_json::from_slice(&stored).unwrap();
+            forged["base"]["bucket"] = "clones".into();
+            clones.put(&metadata_key, forged.to_string().into_bytes());
+            match LogStore::open_read_only(&clone) {
+                Err(error @ OpenError::ForgedMetadata { .. }) => {
+                    assert!(error.to_string().contains(&metadata_key), "{error}")
+                }
+                other => panic!("{prefix}: a forged base bucket: {:?}", other.err()),
+            }
+            clones.put(&metadata_key, stored);
+        }
+
+        match admin::delete_snapshot(&base, "golden") {
+            Err(error @ SnapshotError::HasClones { .. }) => {
+                assert!(
+                    one_line(&error).contains(&format!("s3://clones/{prefix}")),
+                    "{error}"
+                );
+            }
+            other => panic!("{prefix}: deleting a snapshot cloned elsewhere: {other:?}"),
+        }
+        match admin::delete(&base) {
+            Err(error @ admin::DeleteError::Refused { .. }) => {
+                assert!(
+                    error.to_string().contains(&format!("s3://clones/{prefix}")),
+                    "{error}"
+                )
+            }
+            other => panic!("{prefix}: deleting a base cloned elsewhere: {other:?}"),
+        }
+        assert_eq!(
+            bases.keys(&format!("{prefix}/log/clones/")).len(),
+            1,
+            "{prefix}: one record"
+        );
+        let deleted = admin::delete(&clone).unwrap();
+        assert_eq!(
+            deleted.base,
+            Some((format!("s3://bases/{prefix}"), "golden".to_string()))
+        );
+        assert!(clones.keys(&format!("{prefix}/")).is_empty());
+        assert!(
+            bases.keys(&format!("{prefix}/log/clones/")).is_empty(),
+            "{prefix}: the record in the base's bucket is gone"
+        );
+        admin::delete_snapshot(&base, "golden").unwrap();
+        assert!(read_all(&base) == after, "{prefix}: the base after all");
+        admin::delete(&base).unwrap();
+        assert!(bases.keys(&format!("{prefix}/")).is_empty());
+    }
 }

@@ -1,10 +1,13 @@
 //! Clones of a snapshot: a writable log-layout disk whose reads of what it has not written
-//! fall through to the segments a snapshot of another disk (its base, in the same bucket)
-//! names. No data is copied.
+//! fall through to the segments a snapshot of another disk (its base, in the same bucket or
+//! another bucket of the same store) names. No data is copied.
 //!
 //! - The clone's metadata object (format version 4, `FORMAT_VERSION_LOG_CLONE`) carries its
-//!   base: `"base":{"prefix":P,"disk_id":"16 hex digits","snapshot":NAME}`, so creating a
-//!   clone writes two objects (the clone record below, then the metadata, both create-only).
+//!   base: `"base":{"prefix":P,"disk_id":"16 hex digits","snapshot":NAME}`, with
+//!   `"bucket":B` when the base is in another bucket (reached with the clone URL's endpoint,
+//!   region and credentials: a clone records where its base is, not how to reach the store),
+//!   so creating a clone writes two objects (the clone record below, then the metadata, both
+//!   create-only).
 //!   Clones made before that carry it in `PREFIX/log/base` (format below) beside a version 2
 //!   metadata object, and are still read so. An open reads the base's reference, the base's
 //!   metadata and the snapshot, and starts from the snapshot's index; the clone's own log
@@ -14,8 +17,9 @@
 //! - The clone never deletes or rewrites a base segment: they are not among its stored
 //!   segments, which its collector and cleanup alone consider. The base keeps them because
 //!   the snapshot pins them (module `snapshot`), and the snapshot stays because the base
-//!   holds a clone record `PREFIX/log/clones/<NAME>/<hex of the clone's prefix>` (its body
-//!   the clone's `s3://BUCKET/PREFIX`), which `disk delete-snapshot` refuses over, naming it.
+//!   holds a clone record `PREFIX/log/clones/<NAME>/<hex of the clone's prefix>` (a clone in
+//!   another bucket: `<hex of its bucket>-<hex of its prefix>`; its body the clone's
+//!   `s3://BUCKET/PREFIX`), which `disk delete-snapshot` refuses over, naming it.
 //!
 //! Format of `log/base` (integers little-endian), tagged as every object of an encrypted
 //! clone is:
@@ -36,7 +40,9 @@ use object_store::ObjectStore;
 use super::{check_layout, epoch, snapshot, Index, LogConfig};
 use crate::error::{DecodeError, OpenError};
 use crate::seal::Sealer;
-use crate::store::{ChunkStore, Create, DiskMetadata, FORMAT_VERSION_LOG_CLONE, METADATA_NAME};
+use crate::store::{
+    Buckets, ChunkStore, Create, DiskMetadata, FORMAT_VERSION_LOG_CLONE, METADATA_NAME,
+};
 use crate::url::{snapshot_name_problem, S3Url};
 
 const MAGIC: &[u8; 8] = b"BCLOGBAS";
@@ -48,8 +54,10 @@ pub(crate) const BASE_NAME: &str = "log/base";
 
 /// A clone's base: the segments at or below `through` are the base disk's.
 pub(super) struct Base {
-    /// The base disk (its prefix; the clone's endpoint and parameters).
+    /// The base disk (its bucket and prefix; the clone's endpoint and parameters).
     pub url: S3Url,
+    /// The client for the base's bucket when it is not the clone's (None: the clone's own).
+    pub store: Option<Arc<dyn ObjectStore>>,
     /// The owners of the base's segments, as the snapshot records them.
     pub epochs: epoch::Epochs,
     /// The last segment of the base's log the snapshot covers.
@@ -65,6 +73,8 @@ pub(crate) struct Record {
     pub base_disk_id: u64,
     pub snapshot: String,
     pub base_prefix: String,
+    /// The base's bucket when it is not the clone's.
+    pub base_bucket: Option<String>,
 }
 
 /// Encodes a base record (written by clones made before the metadata carried the base;
@@ -142,17 +152,20 @@ fn decode(object: &[u8], clone_disk_id: u64) -> Result<Record, DecodeError> {
         base_disk_id,
         snapshot,
         base_prefix,
+        base_bucket: None,
     })
 }
 
 /// A new clone's metadata and its object's JSON: a log-layout disk of `size_bytes` with the
-/// URL's compression and key, carrying its base (format version 4); and its record.
+/// URL's compression and key, carrying its base (format version 4; `base_bucket` only when
+/// it is not the clone's); and its record.
 pub(crate) fn new_metadata(
     url: &S3Url,
     size_bytes: u64,
     base_disk_id: u64,
     snapshot: &str,
     base_prefix: &str,
+    base_bucket: Option<&str>,
 ) -> Result<(DiskMetadata, serde_json::Value, Record), OpenError> {
     let (mut metadata, mut body) = crate::store::new_log_metadata(url, size_bytes)?;
     metadata.format_version = FORMAT_VERSION_LOG_CLONE;
@@ -162,12 +175,18 @@ pub(crate) fn new_metadata(
         base_disk_id,
         snapshot: snapshot.to_string(),
         base_prefix: base_prefix.to_string(),
+        base_bucket: base_bucket
+            .filter(|bucket| *bucket != url.bucket)
+            .map(str::to_string),
     };
     body["base"] = serde_json::json!({
         "prefix": record.base_prefix,
         "disk_id": format!("{base_disk_id:016x}"),
         "snapshot": record.snapshot,
     });
+    if let Some(bucket) = &record.base_bucket {
+        body["base"]["bucket"] = bucket.as_str().into();
+    }
     Ok((metadata, body, record))
 }
 
@@ -196,37 +215,80 @@ pub(crate) fn record_from_metadata(
         .ok_or(DecodeError::Inconsistent(
             "field `base.disk_id` is not 16 hex digits".to_string(),
         ))?;
+    // Absent: the base is in the clone's bucket.
+    let base_bucket = if base["bucket"].is_null() {
+        None
+    } else {
+        let bucket = text("bucket")?;
+        if bucket.is_empty() {
+            return Err(DecodeError::Inconsistent(
+                "field `base.bucket` is empty".to_string(),
+            ));
+        }
+        Some(bucket)
+    };
     Ok(Record {
         clone_disk_id,
         base_disk_id,
         snapshot,
         base_prefix,
+        base_bucket,
     })
 }
 
-/// The base disk's URL: the clone's with the base's prefix (same bucket, endpoint, key file).
-fn base_url(url: &S3Url, base_prefix: &str) -> S3Url {
+/// The base disk's URL: the clone's with the base's bucket and prefix (same endpoint, key
+/// file).
+pub(crate) fn base_url(url: &S3Url, record: &Record) -> S3Url {
     let mut base = url.clone();
-    base.prefix = base_prefix.to_string();
+    if let Some(bucket) = &record.base_bucket {
+        base.bucket = bucket.clone();
+    }
+    base.prefix = record.base_prefix.clone();
     base.snapshot = None;
     base.create_size_bytes = None;
     base.compression = None;
     base
 }
 
-/// The key of the clone record of the clone at `clone_prefix` under the base's snapshot.
-pub(crate) fn record_key(base: &S3Url, snapshot: &str, clone_prefix: &str) -> String {
-    let hex: String = clone_prefix
-        .bytes()
-        .map(|byte| format!("{byte:02x}"))
+fn hex(text: &str) -> String {
+    text.bytes().map(|byte| format!("{byte:02x}")).collect()
+}
+
+fn unhex(hex: &str) -> Option<String> {
+    let bytes: Option<Vec<u8>> = (0..hex.len() / 2)
+        .map(|at| u8::from_str_radix(hex.get(at * 2..at * 2 + 2)?, 16).ok())
         .collect();
-    base.key(&format!("log/clones/{snapshot}/{hex}"))
+    String::from_utf8(bytes.filter(|_| hex.len().is_multiple_of(2))?).ok()
+}
+
+/// The key of the clone record of the clone at `clone` under the base's snapshot: its last
+/// part the hex of the clone's prefix, or for a clone in another bucket the hex of its
+/// bucket, `-` and the hex of its prefix (hex holds no `-`, so the two never meet).
+pub(crate) fn record_key(base: &S3Url, snapshot: &str, clone: &S3Url) -> String {
+    let name = if clone.bucket == base.bucket {
+        hex(&clone.prefix)
+    } else {
+        format!("{}-{}", hex(&clone.bucket), hex(&clone.prefix))
+    };
+    base.key(&format!("log/clones/{snapshot}/{name}"))
+}
+
+/// The clone a record's key names, as `s3://BUCKET/PREFIX` ([`record_key`]); None for a
+/// name that is not a record's.
+pub(crate) fn recorded_clone(base: &S3Url, record_name: &str) -> Option<String> {
+    let (bucket, prefix) = match record_name.split_once('-') {
+        Some((bucket, prefix)) => (unhex(bucket).filter(|bucket| !bucket.is_empty())?, prefix),
+        None => (base.bucket.clone(), record_name),
+    };
+    Some(format!("s3://{bucket}/{}", unhex(prefix)?))
 }
 
 /// Reads a clone's base (None for a disk that is no clone): its record, the base's metadata
-/// and the snapshot, whose index the clone starts from.
+/// and the snapshot, whose index the clone starts from; a base in another bucket through a
+/// client `buckets` makes.
 pub(super) async fn read_base(
     store: &dyn ObjectStore,
+    buckets: &Buckets,
     url: &S3Url,
     metadata: &DiskMetadata,
     sealer: &Sealer,
@@ -234,7 +296,11 @@ pub(super) async fn read_base(
     let Some((key, record)) = read_record(store, url, metadata, sealer).await? else {
         return Ok(None);
     };
-    read_base_of(store, url, key, record).await
+    let base_store = match &record.base_bucket {
+        Some(bucket) if *bucket != url.bucket => Some(buckets.store(bucket)?),
+        _ => None,
+    };
+    read_base_of(store, base_store, url, key, record).await
 }
 
 /// What names a clone's base (None for a disk that is no clone), and the key it was read
@@ -273,12 +339,14 @@ pub(crate) async fn read_record(
 
 async fn read_base_of(
     store: &dyn ObjectStore,
+    base_store: Option<Arc<dyn ObjectStore>>,
     url: &S3Url,
     key: String,
     record: Record,
 ) -> Result<Option<(Base, Index)>, OpenError> {
-    let mut base = base_url(url, &record.base_prefix);
-    let base_metadata = ChunkStore::open_metadata(store, &base, Create::Never).await?;
+    let mut base = base_url(url, &record);
+    let reading: &dyn ObjectStore = base_store.as_deref().unwrap_or(store);
+    let base_metadata = ChunkStore::open_metadata(reading, &base, Create::Never).await?;
     if base_metadata.seal.key_check.is_none() {
         // An unencrypted base under an encrypted clone: the clone's key is not the base's.
         base.key_file = None;
@@ -304,20 +372,27 @@ async fn read_base_of(
         ));
     }
     let base_sealer = check_layout(&base, &base_metadata, &LogConfig::default())?;
-    let taken = snapshot::read(store, &base, &base_metadata, &base_sealer, &record.snapshot)
-        .await?
-        .ok_or_else(|| OpenError::LostObjects {
-            url: url.to_string(),
-            missing: vec![base.key(&snapshot::snapshot_name(&record.snapshot))],
-            evidence: format!(
-                "this disk is a clone of snapshot `{}` of {base} (record `{key}`)",
-                record.snapshot
-            ),
-        })?;
+    let taken = snapshot::read(
+        reading,
+        &base,
+        &base_metadata,
+        &base_sealer,
+        &record.snapshot,
+    )
+    .await?
+    .ok_or_else(|| OpenError::LostObjects {
+        url: url.to_string(),
+        missing: vec![base.key(&snapshot::snapshot_name(&record.snapshot))],
+        evidence: format!(
+            "this disk is a clone of snapshot `{}` of {base} (record `{key}`)",
+            record.snapshot
+        ),
+    })?;
     let epochs = taken.epochs.expect("snapshot::decode refuses version 1");
     Ok(Some((
         Base {
             url: base,
+            store: base_store,
             epochs,
             through: taken.through_sequence,
             sealer: Arc::new(base_sealer),
@@ -336,7 +411,7 @@ mod tests {
     fn the_base_in_a_clone_metadata_round_trips_and_bad_fields_are_named() {
         let url = S3Url::parse("s3://bucket/clone?endpoint=http://127.0.0.1:1").unwrap();
         let (metadata, body, record) =
-            new_metadata(&url, 1 << 20, 0xab, "golden", "disks/base").unwrap();
+            new_metadata(&url, 1 << 20, 0xab, "golden", "disks/base", None).unwrap();
         assert_eq!(metadata.format_version, FORMAT_VERSION_LOG_CLONE);
         assert_eq!(body["format_version"], FORMAT_VERSION_LOG_CLONE);
         assert_eq!(
@@ -351,7 +426,24 @@ mod tests {
             ),
             (0xab, "golden", "disks/base")
         );
+        let (other, other_body, other_record) =
+            new_metadata(&url, 1 << 20, 0xab, "golden", "disks/base", Some("bases")).unwrap();
+        assert_eq!(other_body["base"]["bucket"], "bases");
+        assert_eq!(other_record.base_bucket.as_deref(), Some("bases"));
+        assert_eq!(
+            record_from_metadata(&other_body, other.disk_id).unwrap(),
+            other_record
+        );
+        assert_eq!(base_url(&url, &other_record).bucket, "bases");
+        assert_eq!(base_url(&url, &record).bucket, "bucket");
+        // The clone's own bucket named as the base's is recorded as no bucket.
+        let (_, same_body, same_record) =
+            new_metadata(&url, 1 << 20, 0xab, "golden", "disks/base", Some("bucket")).unwrap();
+        assert!(same_body["base"]["bucket"].is_null());
+        assert_eq!(same_record.base_bucket, None);
         for (field, value, says) in [
+            ("bucket", serde_json::json!(""), "base.bucket"),
+            ("bucket", serde_json::json!(3), "base.bucket"),
             ("prefix", serde_json::json!(7), "base.prefix"),
             ("snapshot", serde_json::json!("a/b"), "base.snapshot"),
             ("disk_id", serde_json::json!("xyz"), "base.disk_id"),
@@ -364,6 +456,32 @@ mod tests {
         }
     }
 
+    // Goal: a clone record's key names the clone it was made for, in the base's bucket or
+    // another, and nothing else reads as one. Method: make keys for clones in both, read
+    // the clone back from each key's last part; try names that are no record's.
+    #[test]
+    fn clone_record_keys_name_their_clone_in_any_bucket() {
+        let base = S3Url::parse("s3://bases/disks/vm?endpoint=http://127.0.0.1:1").unwrap();
+        for clone in [
+            "s3://bases/clones/a?endpoint=http://127.0.0.1:1",
+            "s3://other/clones/a?endpoint=http://127.0.0.1:1",
+            "s3://other-bucket.x/?endpoint=http://127.0.0.1:1",
+        ] {
+            let clone = S3Url::parse(clone).unwrap();
+            let key = record_key(&base, "golden", &clone);
+            assert!(key.starts_with("disks/vm/log/clones/golden/"), "{key}");
+            let name = key.rsplit('/').next().unwrap();
+            assert_eq!(
+                recorded_clone(&base, name),
+                Some(format!("s3://{}/{}", clone.bucket, clone.prefix)),
+                "{key}"
+            );
+        }
+        for name in ["zz", "abc", "-6162", "6162-zz"] {
+            assert_eq!(recorded_clone(&base, name), None, "{name}");
+        }
+    }
+
     // Goal: a base record round-trips, and damage or another disk's record is an error.
     // Method: encode one, decode it, flip every byte.
     #[test]
@@ -373,6 +491,7 @@ mod tests {
             base_disk_id: 9,
             snapshot: "before-upgrade".to_string(),
             base_prefix: "disks/vm1".to_string(),
+            base_bucket: None,
         };
         let object = encode(&record);
         assert_eq!(decode(&object, 7).unwrap(), record);

@@ -12,7 +12,7 @@ use super::{
 };
 use crate::error::{DecodeError, OpenError};
 use crate::seal::Sealer;
-use crate::store::DiskMetadata;
+use crate::store::{Buckets, DiskMetadata};
 use crate::url::S3Url;
 use object_store::ObjectStore;
 
@@ -80,11 +80,12 @@ impl LogSummary {
 /// The summary of the disk as [`recover`] finds it (changing nothing).
 pub(crate) async fn summarize(
     store: &dyn ObjectStore,
+    buckets: &Buckets,
     url: &S3Url,
     metadata: &DiskMetadata,
     sealer: &Sealer,
 ) -> Result<LogSummary, OpenError> {
-    let recovered = recover(store, url, metadata, sealer).await?;
+    let recovered = recover(store, buckets, url, metadata, sealer).await?;
     let segments = list_named(store, url, "log/segments").await?;
     let checkpoints = list_numbered(store, url, "log/checkpoints").await?;
     Ok(summary_of(&recovered, &segments, checkpoints.len() as u64))
@@ -134,11 +135,12 @@ pub struct SnapshotSummary {
 /// Every snapshot of the disk, described against the log as an open would recover it.
 pub(crate) async fn describe_snapshots(
     store: &dyn ObjectStore,
+    buckets: &Buckets,
     url: &S3Url,
     metadata: &DiskMetadata,
     sealer: &Sealer,
 ) -> Result<Vec<SnapshotSummary>, OpenError> {
-    let recovered = recover(store, url, metadata, sealer).await?;
+    let recovered = recover(store, buckets, url, metadata, sealer).await?;
     let sizes: BTreeMap<(u64, u64), u64> = list_named(store, url, "log/segments")
         .await?
         .into_iter()
@@ -189,6 +191,7 @@ type ExtentAddresses = Vec<(u64, u64)>;
 /// when the store cannot be listed or read at all.
 pub(crate) async fn verify(
     store: &dyn ObjectStore,
+    buckets: &Buckets,
     url: &S3Url,
     metadata: &DiskMetadata,
     sealer: &Sealer,
@@ -278,7 +281,7 @@ pub(crate) async fn verify(
     }
     let listed: BTreeSet<u64> = segments.iter().map(|&(sequence, _, _)| sequence).collect();
     // A clone's base segments are the base disk's, verified with it.
-    let base_through = match super::clone::read_base(store, url, metadata, sealer).await {
+    let base_through = match super::clone::read_base(store, buckets, url, metadata, sealer).await {
         Ok(base) => base.map_or(0, |(base, _)| base.through),
         Err(error) => {
             damaged.push(Damage {
@@ -329,7 +332,7 @@ pub(crate) async fn verify(
         progress(done);
     }
     if damaged.is_empty() {
-        damaged.extend(check_index(store, url, metadata, sealer, &intact).await);
+        damaged.extend(check_index(store, buckets, url, metadata, sealer, &intact).await);
     }
     Ok((damaged, done))
 }
@@ -411,12 +414,13 @@ fn inside_intact(
 /// an intact segment.
 async fn check_index(
     store: &dyn ObjectStore,
+    buckets: &Buckets,
     url: &S3Url,
     metadata: &DiskMetadata,
     sealer: &Sealer,
     intact: &BTreeMap<u64, ExtentAddresses>,
 ) -> Vec<Damage> {
-    let recovered = match recover(store, url, metadata, sealer).await {
+    let recovered = match recover(store, buckets, url, metadata, sealer).await {
         Ok(recovered) => recovered,
         Err(error) => {
             return vec![Damage {

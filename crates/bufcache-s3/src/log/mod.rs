@@ -83,7 +83,7 @@ use object_store::{ObjectStore, PutMode, PutOptions, PutPayload};
 use crate::error::{chain, request_failed, DecodeError, OpenError, StoreError};
 use crate::lock::{check_not_held, Acquired, DiskLock, Takeover};
 use crate::store::{
-    connect, connect_with, get_range_in, Connection, Create, DiskMetadata, ReadOnly,
+    connect, connect_with, get_range_in, Buckets, Connection, Create, DiskMetadata, ReadOnly,
     REQUESTS_IN_FLIGHT_MAX_DEFAULT,
 };
 use crate::url::{LayoutKind, S3Url};
@@ -91,8 +91,9 @@ use crate::url::{LayoutKind, S3Url};
 use crate::seal::Sealer;
 pub use crate::seal::{SealParameters, SEALED_EXTENT_BYTES_MAX};
 pub(crate) use clone::{
-    new_metadata as new_clone_metadata, read_record as read_clone_record,
-    record_key as clone_record_key, BASE_NAME as CLONE_BASE_NAME,
+    base_url as clone_base_url, new_metadata as new_clone_metadata,
+    read_record as read_clone_record, record_key as clone_record_key,
+    recorded_clone as clone_recorded, BASE_NAME as CLONE_BASE_NAME,
 };
 pub use gc::GcReport;
 pub use index::{Index, Mapping};
@@ -410,6 +411,14 @@ impl Shared {
         self.base.as_ref().filter(|base| sequence <= base.through)
     }
 
+    /// The client that reads segment `sequence` (the base bucket's for a base segment in
+    /// another bucket).
+    fn store_of(&self, sequence: u64) -> &Arc<dyn ObjectStore> {
+        self.base_of(sequence)
+            .and_then(|base| base.store.as_ref())
+            .unwrap_or(&self.store)
+    }
+
     /// The sealer that unseals segment `sequence`'s extents (the base's for a base segment).
     fn sealer_of(&self, sequence: u64) -> &Sealer {
         self.base_of(sequence)
@@ -673,11 +682,13 @@ impl LogStore {
             runtime,
             store,
             metadata,
+            buckets,
         } = connection;
         Self::build(
             url,
             runtime,
             store,
+            buckets,
             metadata,
             config,
             sealer,
@@ -741,6 +752,7 @@ impl LogStore {
             runtime,
             store,
             mut metadata,
+            buckets,
         } = connection;
         if metadata.seal.key_check.is_some() && !metadata.seal.metadata_tagged {
             // Encrypted, its metadata written before metadata tags: tagged now, under the
@@ -752,6 +764,7 @@ impl LogStore {
             url,
             runtime,
             store,
+            buckets,
             metadata,
             config,
             sealer,
@@ -827,8 +840,19 @@ impl LogStore {
             &*store, url, create,
         ))?;
         let sealer = check_layout(url, &metadata, &config)?;
+        // The caller's store reaches one bucket: a clone whose base is in another is
+        // refused naming it (`Buckets::None`).
         Self::build(
-            url, runtime, store, metadata, config, sealer, None, read_only, lease,
+            url,
+            runtime,
+            store,
+            Buckets::None,
+            metadata,
+            config,
+            sealer,
+            None,
+            read_only,
+            lease,
         )
     }
 
@@ -837,6 +861,7 @@ impl LogStore {
         url: &S3Url,
         runtime: tokio::runtime::Runtime,
         store: Arc<dyn ObjectStore>,
+        buckets: Buckets,
         metadata: DiskMetadata,
         config: LogConfig,
         sealer: Sealer,
@@ -849,7 +874,7 @@ impl LogStore {
         let lease = lease.or_else(|| lock.as_ref().and_then(|lock| lock.lease().cloned()));
         let writable = read_only.is_none();
         let recovered = match runtime.block_on(recover_and_claim(
-            &*store, url, &metadata, &sealer, writable,
+            &*store, &buckets, url, &metadata, &sealer, writable,
         )) {
             Ok(recovered) => recovered,
             Err(error) => {
@@ -1827,7 +1852,7 @@ impl Core {
         let gets = coalesce(remote, self.config.get_bytes_max);
         let fetched: Vec<(Get, Result<Bytes, StoreError>)> = self.runtime.block_on(
             stream::iter(gets.into_iter().map(|get| {
-                let store = self.shared.store.clone();
+                let store = self.shared.store_of(get.segment).clone();
                 let key = self.shared.segment_key(get.segment);
                 async move {
                     let result = match get_range_in(&*store, &key, get.range.clone()).await {
@@ -2002,54 +2027,17 @@ async fn get_whole(store: &dyn ObjectStore, url: &S3Url, key: &str) -> Result<By
 /// and carries the cleanup out, [`recover_and_claim`]).
 async fn recover(
     store: &dyn ObjectStore,
+    buckets: &Buckets,
     url: &S3Url,
     metadata: &DiskMetadata,
     sealer: &Sealer,
 ) -> Result<Recovered, OpenError> {
     // A clone starts from its base snapshot's index; its own log starts after it.
-    let base = clone::read_base(store, url, metadata, sealer).await?;
-    let base_through = base.as_ref().map_or(0, |(base, _)| base.through);
+    let base = clone::read_base(store, buckets, url, metadata, sealer).await?;
     let mut checkpoints = list_numbered(store, url, "log/checkpoints").await?;
-    // The newest checkpoint, or when it is damaged its predecessor (module docs, "Two
-    // checkpoints"; the log's start when it has none): the open then stands only if the
-    // replay reaches past the damaged one's `through` (checked below).
-    let mut damaged: Option<((u64, u64), String, DecodeError)> = None;
-    let mut checkpoint = None;
-    while let Some(name) = checkpoints.pop() {
-        match read_checkpoint(store, url, metadata, sealer, name).await {
-            Ok(read) => {
-                checkpoint = Some((name, read));
-                break;
-            }
-            // With no predecessor the replay starts at the log's start, which the first
-            // checkpoint's writer kept whole.
-            Err(OpenError::BadObject { key, reason, .. }) if damaged.is_none() => {
-                damaged = Some((name, key, reason));
-            }
-            Err(error) => {
-                return Err(match damaged {
-                    Some((_, key, reason)) => bad_object(
-                        url,
-                        &key,
-                        DecodeError::Inconsistent(format!(
-                            "{reason}; the previous checkpoint is unusable too: {error}"
-                        )),
-                    ),
-                    None => error,
-                })
-            }
-        }
-    }
-    // What the open keeps besides: the predecessor of the checkpoint it reads (its object
-    // unread when damaged, so it keeps everything), or the log's start when there is none.
-    let kept = match checkpoints.pop() {
-        Some(name) => match read_checkpoint(store, url, metadata, sealer, name).await {
-            Ok(read) => checkpoint::Kept::of(name, &read),
-            Err(OpenError::BadObject { .. }) => checkpoint::Kept::unknown(name),
-            Err(error) => return Err(error),
-        },
-        None => checkpoint::Kept::start(),
-    };
+    let (checkpoint, damaged) =
+        read_newest_checkpoint(store, url, metadata, sealer, &mut checkpoints).await?;
+    let kept = read_kept(store, url, metadata, sealer, checkpoints.pop()).await?;
     let checkpoint_newest = checkpoint
         .as_ref()
         .map(|(name, read)| checkpoint::Kept::of(*name, read));
@@ -2057,23 +2045,7 @@ async fn recover(
     let checkpoint_epoch = checkpoint
         .as_ref()
         .and_then(|(_, checkpoint)| checkpoint.epochs.is_some().then_some(checkpoint.epoch));
-    let epoch_objects: BTreeSet<u64> = list_numbered(store, url, "log/epochs")
-        .await?
-        .into_iter()
-        .map(|(number, epoch)| {
-            if epoch == 0 {
-                Ok(number)
-            } else {
-                Err(bad_object(
-                    url,
-                    &epoch_key(url, number),
-                    DecodeError::Inconsistent(
-                        "not a bufcache epoch object name (16 hex digits)".to_string(),
-                    ),
-                ))
-            }
-        })
-        .collect::<Result<_, _>>()?;
+    let epoch_objects = list_epoch_objects(store, url).await?;
     // A version 2 checkpoint records the epochs an open needs up to its writer's; only the
     // newer ones are read (module `checkpoint`). Older epoch objects are not needed: at
     // most not deleted yet, or a crashed server's late claim of a deleted number. Except
@@ -2090,29 +2062,16 @@ async fn recover(
         .as_ref()
         .and_then(|(_, c)| c.epochs.clone())
         .unwrap_or_default();
-    for &number in epoch_objects.range(newer_than + 1..) {
-        let key = epoch_key(url, number);
-        let body = get_whole(store, url, &key).await?;
-        let (recorded, start) = sealer
-            .check_object(&epoch_name(number), &body)
-            .and_then(|body| epoch::decode(body, metadata.disk_id))
-            .map_err(|reason| bad_object(url, &key, reason))?;
-        if recorded != number {
-            return Err(bad_object(
-                url,
-                &key,
-                DecodeError::Inconsistent(format!(
-                    "records epoch {recorded}, not the {number} its name says"
-                )),
-            ));
-        }
-        epochs.insert(number, start);
-    }
-    // Only the owner's object of each sequence is part of the log (module `epoch`); the
-    // others are void: a crashed server's late PUTs, or the segments after a gap it wrote.
-    // (Below the oldest segment the checkpoint names, the owners may be unknown: such
-    // segments are dead or void, deleted either way.)
-    let mut segments = Vec::new();
+    read_epochs_newer(
+        store,
+        url,
+        metadata,
+        sealer,
+        &epoch_objects,
+        newer_than,
+        &mut epochs,
+    )
+    .await?;
     let mut cleanup = Cleanup {
         stale_checkpoints: checkpoints
             .into_iter()
@@ -2124,54 +2083,22 @@ async fn recover(
     // a snapshot records the owners of the segments it names, which the newest checkpoint
     // may no longer know.
     let (snapshot_pins, snapshots) = snapshot::pins(store, url, metadata, sealer).await?;
-    let mut pinned = BTreeSet::new();
-    let mut pinned_only = BTreeMap::new();
-    for (sequence, epoch, bytes) in list_segments(store, url).await? {
-        if snapshot_pins.contains_key(&(sequence, epoch)) {
-            pinned.insert(sequence);
-            if epoch != epochs.owner(sequence) {
-                pinned_only.insert(sequence, bytes);
-                continue;
-            }
-        }
-        // Epoch objects are deleted only once a version 2 checkpoint records what opens need
-        // of them; without one, a segment's epoch always has its object (it was claimed
-        // before the segment was written). One that does not means the newest checkpoint
-        // is gone: refused rather than its segments taken for void and deleted.
-        if checkpoint_epoch.is_none() && epoch != 0 && !epoch_objects.contains(&epoch) {
-            return Err(bad_object(
-                url,
-                &segment_key(url, sequence, epoch),
-                DecodeError::Inconsistent(format!(
-                    "names epoch {epoch}, which has no epoch object and no version 2 checkpoint records (the newest checkpoint is missing?)"
-                )),
-            ));
-        }
-        if epoch == epochs.owner(sequence) {
-            segments.push((sequence, bytes));
-        } else {
-            cleanup.void.push((sequence, epoch));
-        }
-    }
-    let (mut index, checkpoint_through) = match checkpoint {
-        Some((key, checkpoint)) => {
-            let present: BTreeSet<u64> = segments.iter().map(|&(sequence, _)| sequence).collect();
-            if let Some((_, missing)) = checkpoint.index.iter().find(|(_, mapping)| {
-                mapping.segment > base_through && !present.contains(&mapping.segment)
-            }) {
-                return Err(OpenError::MissingSegment {
-                    url: url.to_string(),
-                    checkpoint: key,
-                    key: segment_key(url, missing.segment, epochs.owner(missing.segment)),
-                });
-            }
-            (checkpoint.index, checkpoint.through_sequence)
-        }
-        None => match &base {
-            Some((base, index)) => (index.clone(), base.through),
-            None => (Index::new(), 0),
-        },
-    };
+    let Sorted {
+        owned: segments,
+        pinned,
+        mut pinned_only,
+    } = sort_segments(
+        store,
+        url,
+        &snapshot_pins,
+        &epochs,
+        &epoch_objects,
+        checkpoint_epoch,
+        &mut cleanup.void,
+    )
+    .await?;
+    let (mut index, checkpoint_through) =
+        replay_start(url, checkpoint, base.as_ref(), &segments, &epochs)?;
     let mut last_sequence = checkpoint_through;
     // The newest checkpoint mark of the segments replayed, with the segment's key.
     let mut checkpoint_marked: Option<(u64, String)> = None;
@@ -2199,62 +2126,15 @@ async fn recover(
             continue;
         }
         let owner = epochs.owner(sequence);
-        let key = segment_key(url, sequence, owner);
-        let body = get_whole(store, url, &key).await?;
-        let decoded = sealer
-            .check_object(&segment_name(sequence, owner), &body)
-            .and_then(|body| segment::decode(body, metadata.disk_id, metadata.size_bytes))
-            .map_err(|reason| bad_object(url, &key, reason))?;
-        if decoded.sequence != sequence {
-            return Err(bad_object(
-                url,
-                &key,
-                DecodeError::Inconsistent(format!(
-                    "holds segment {}, not the {sequence} its name says",
-                    decoded.sequence
-                )),
-            ));
-        }
-        if let Some(mark) = decoded.marks.checkpoint_through {
-            checkpoint_marked = Some((mark, key.clone()));
-        }
-        for extent in decoded.extents {
-            match (extent.object_offset(), extent.copy_of) {
-                (Some(object_offset), copy_of) => {
-                    let mapping = Mapping {
-                        length: extent.length,
-                        segment: sequence,
-                        object_offset,
-                    };
-                    match copy_of {
-                        None => index.insert(extent.disk_offset, mapping),
-                        // As when it was appended: only where the range still maps to the
-                        // source (a newer write or trim before it in the log wins).
-                        Some(source) => {
-                            index.insert_copy(extent.disk_offset, mapping, source);
-                        }
-                    }
-                }
-                (None, _) => index.remove(extent.disk_offset, extent.length),
-            }
+        if let Some(marked) =
+            replay_segment(store, url, metadata, sealer, sequence, owner, &mut index).await?
+        {
+            checkpoint_marked = Some(marked);
         }
         stored.insert(sequence, bytes);
         last_sequence = sequence;
     }
-    // A damaged checkpoint was stored once every segment it covers was: the replay from
-    // its predecessor must reach past it, or the open is refused naming it.
-    if let Some(((through, _), key, reason)) = &damaged {
-        if last_sequence < *through {
-            return Err(bad_object(
-                url,
-                key,
-                DecodeError::Inconsistent(format!(
-                    "{reason}; the previous checkpoint's replay stops at segment {}, which is missing",
-                    last_sequence + 1
-                )),
-            ));
-        }
-    }
+    check_replay_passed_damaged(url, damaged.as_ref(), last_sequence)?;
     let lost_mark = if url.recover_prefix {
         None
     } else {
@@ -2270,19 +2150,13 @@ async fn recover(
         )
         .await?
     };
-    let from = match &checkpoint_newest {
-        Some(newest) => format!(
-            "the previous checkpoint `{}`",
-            checkpoint_key(url, newest.name.expect("a checkpoint read has a name"))
-        ),
-        None => "the start of the log".to_string(),
-    };
-    let replayed = last_sequence - checkpoint_through;
-    if let Some((_, key, reason)) = &damaged {
-        tracing::warn!(disk = %url, "the newest checkpoint `{key}` is unusable ({reason}); opened from {from} and replayed the {replayed} segments after it, which reach past it");
-    } else if let Some((mark, key)) = lost_mark {
-        tracing::warn!(disk = %url, "a checkpoint covering the segments up to {mark} is missing (segment `{key}` was sealed after it was stored); opened from {from} and replayed the {replayed} segments after it, which reach past it");
-    }
+    warn_of_fallback(
+        url,
+        checkpoint_newest.as_ref(),
+        damaged.as_ref(),
+        lost_mark,
+        last_sequence - checkpoint_through,
+    );
     Ok(Recovered {
         index,
         last_sequence,
@@ -2302,10 +2176,325 @@ async fn recover(
     })
 }
 
+/// A newest checkpoint that does not read: its name (through, epoch), its key and why.
+type DamagedCheckpoint = ((u64, u64), String, DecodeError);
+
+/// The newest checkpoint, popped from `checkpoints` (oldest first), or when it is damaged
+/// its predecessor (module docs, "Two checkpoints"; none: the log's start), with the damaged
+/// one: the open then stands only if the replay reaches past the damaged one's `through`
+/// ([`check_replay_passed_damaged`]). Two unusable ones are an error naming both.
+async fn read_newest_checkpoint(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    metadata: &DiskMetadata,
+    sealer: &Sealer,
+    checkpoints: &mut Vec<(u64, u64)>,
+) -> Result<
+    (
+        Option<((u64, u64), checkpoint::Checkpoint)>,
+        Option<DamagedCheckpoint>,
+    ),
+    OpenError,
+> {
+    let mut damaged: Option<DamagedCheckpoint> = None;
+    while let Some(name) = checkpoints.pop() {
+        match read_checkpoint(store, url, metadata, sealer, name).await {
+            Ok(read) => return Ok((Some((name, read)), damaged)),
+            // With no predecessor the replay starts at the log's start, which the first
+            // checkpoint's writer kept whole.
+            Err(OpenError::BadObject { key, reason, .. }) if damaged.is_none() => {
+                damaged = Some((name, key, reason));
+            }
+            Err(error) => {
+                return Err(match damaged {
+                    Some((_, key, reason)) => bad_object(
+                        url,
+                        &key,
+                        DecodeError::Inconsistent(format!(
+                            "{reason}; the previous checkpoint is unusable too: {error}"
+                        )),
+                    ),
+                    None => error,
+                })
+            }
+        }
+    }
+    Ok((None, damaged))
+}
+
+/// What the open keeps besides the checkpoint it reads: its `predecessor` (its object
+/// unread when damaged, so it keeps everything), or the log's start when there is none.
+async fn read_kept(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    metadata: &DiskMetadata,
+    sealer: &Sealer,
+    predecessor: Option<(u64, u64)>,
+) -> Result<checkpoint::Kept, OpenError> {
+    Ok(match predecessor {
+        Some(name) => match read_checkpoint(store, url, metadata, sealer, name).await {
+            Ok(read) => checkpoint::Kept::of(name, &read),
+            Err(OpenError::BadObject { .. }) => checkpoint::Kept::unknown(name),
+            Err(error) => return Err(error),
+        },
+        None => checkpoint::Kept::start(),
+    })
+}
+
+/// The numbers of the disk's epoch objects; a name that is not one's is an error naming it.
+async fn list_epoch_objects(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+) -> Result<BTreeSet<u64>, OpenError> {
+    list_numbered(store, url, "log/epochs")
+        .await?
+        .into_iter()
+        .map(|(number, epoch)| {
+            if epoch == 0 {
+                Ok(number)
+            } else {
+                Err(bad_object(
+                    url,
+                    &epoch_key(url, number),
+                    DecodeError::Inconsistent(
+                        "not a bufcache epoch object name (16 hex digits)".to_string(),
+                    ),
+                ))
+            }
+        })
+        .collect()
+}
+
+/// Reads the epoch objects numbered above `newer_than` into `epochs`, each checked (its tag,
+/// disk id, and the number it records against its name).
+async fn read_epochs_newer(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    metadata: &DiskMetadata,
+    sealer: &Sealer,
+    epoch_objects: &BTreeSet<u64>,
+    newer_than: u64,
+    epochs: &mut epoch::Epochs,
+) -> Result<(), OpenError> {
+    for &number in epoch_objects.range(newer_than + 1..) {
+        let key = epoch_key(url, number);
+        let body = get_whole(store, url, &key).await?;
+        let (recorded, start) = sealer
+            .check_object(&epoch_name(number), &body)
+            .and_then(|body| epoch::decode(body, metadata.disk_id))
+            .map_err(|reason| bad_object(url, &key, reason))?;
+        if recorded != number {
+            return Err(bad_object(
+                url,
+                &key,
+                DecodeError::Inconsistent(format!(
+                    "records epoch {recorded}, not the {number} its name says"
+                )),
+            ));
+        }
+        epochs.insert(number, start);
+    }
+    Ok(())
+}
+
+/// The stored segments as [`sort_segments`] sorts them.
+struct Sorted {
+    /// (sequence, object bytes) of the segments of their sequence's owner: the log.
+    owned: Vec<(u64, u64)>,
+    /// Sequences some snapshot names.
+    pinned: BTreeSet<u64>,
+    /// Object bytes of the pinned segments the log does not own, by sequence.
+    pinned_only: BTreeMap<u64, u64>,
+}
+
+/// Lists the stored segments and sorts them: only the owner's object of each sequence is
+/// part of the log (module `epoch`); the others are void (pushed onto `void`): a crashed
+/// server's late PUTs, or the segments after a gap it wrote. (Below the oldest segment the
+/// checkpoint names, the owners may be unknown: such segments are dead or void, deleted
+/// either way.) A segment a snapshot names (`snapshot_pins`) is kept whatever its owner.
+/// A segment of an epoch with no object while no version 2 checkpoint was read
+/// (`checkpoint_epoch` None) is an error naming it.
+async fn sort_segments(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    snapshot_pins: &BTreeMap<(u64, u64), Vec<String>>,
+    epochs: &epoch::Epochs,
+    epoch_objects: &BTreeSet<u64>,
+    checkpoint_epoch: Option<u64>,
+    void: &mut Vec<(u64, u64)>,
+) -> Result<Sorted, OpenError> {
+    let mut sorted = Sorted {
+        owned: Vec::new(),
+        pinned: BTreeSet::new(),
+        pinned_only: BTreeMap::new(),
+    };
+    for (sequence, epoch, bytes) in list_segments(store, url).await? {
+        if snapshot_pins.contains_key(&(sequence, epoch)) {
+            sorted.pinned.insert(sequence);
+            if epoch != epochs.owner(sequence) {
+                sorted.pinned_only.insert(sequence, bytes);
+                continue;
+            }
+        }
+        // Epoch objects are deleted only once a version 2 checkpoint records what opens need
+        // of them; without one, a segment's epoch always has its object (it was claimed
+        // before the segment was written). One that does not means the newest checkpoint
+        // is gone: refused rather than its segments taken for void and deleted.
+        if checkpoint_epoch.is_none() && epoch != 0 && !epoch_objects.contains(&epoch) {
+            return Err(bad_object(
+                url,
+                &segment_key(url, sequence, epoch),
+                DecodeError::Inconsistent(format!(
+                    "names epoch {epoch}, which has no epoch object and no version 2 checkpoint records (the newest checkpoint is missing?)"
+                )),
+            ));
+        }
+        if epoch == epochs.owner(sequence) {
+            sorted.owned.push((sequence, bytes));
+        } else {
+            void.push((sequence, epoch));
+        }
+    }
+    Ok(sorted)
+}
+
+/// The index the replay starts from and the segment it covers the log through: the
+/// checkpoint's (refused when it names a segment of this disk's own, above a clone's base,
+/// that is not among `segments`), else a clone's base snapshot's, else an empty one.
+fn replay_start(
+    url: &S3Url,
+    checkpoint: Option<(String, checkpoint::Checkpoint)>,
+    base: Option<&(clone::Base, Index)>,
+    segments: &[(u64, u64)],
+    epochs: &epoch::Epochs,
+) -> Result<(Index, u64), OpenError> {
+    let base_through = base.map_or(0, |(base, _)| base.through);
+    Ok(match checkpoint {
+        Some((key, checkpoint)) => {
+            let present: BTreeSet<u64> = segments.iter().map(|&(sequence, _)| sequence).collect();
+            if let Some((_, missing)) = checkpoint.index.iter().find(|(_, mapping)| {
+                mapping.segment > base_through && !present.contains(&mapping.segment)
+            }) {
+                return Err(OpenError::MissingSegment {
+                    url: url.to_string(),
+                    checkpoint: key,
+                    key: segment_key(url, missing.segment, epochs.owner(missing.segment)),
+                });
+            }
+            (checkpoint.index, checkpoint.through_sequence)
+        }
+        None => match base {
+            Some((base, index)) => (index.clone(), base.through),
+            None => (Index::new(), 0),
+        },
+    })
+}
+
+/// Replays segment `sequence` (of epoch `owner`) onto `index`: reads it, checks its tag,
+/// checksums and the sequence it records, and applies its extents in order. Returns the
+/// checkpoint mark it carries, with its key.
+async fn replay_segment(
+    store: &dyn ObjectStore,
+    url: &S3Url,
+    metadata: &DiskMetadata,
+    sealer: &Sealer,
+    sequence: u64,
+    owner: u64,
+    index: &mut Index,
+) -> Result<Option<(u64, String)>, OpenError> {
+    let key = segment_key(url, sequence, owner);
+    let body = get_whole(store, url, &key).await?;
+    let decoded = sealer
+        .check_object(&segment_name(sequence, owner), &body)
+        .and_then(|body| segment::decode(body, metadata.disk_id, metadata.size_bytes))
+        .map_err(|reason| bad_object(url, &key, reason))?;
+    if decoded.sequence != sequence {
+        return Err(bad_object(
+            url,
+            &key,
+            DecodeError::Inconsistent(format!(
+                "holds segment {}, not the {sequence} its name says",
+                decoded.sequence
+            )),
+        ));
+    }
+    let marked = decoded
+        .marks
+        .checkpoint_through
+        .map(|mark| (mark, key.clone()));
+    for extent in decoded.extents {
+        match (extent.object_offset(), extent.copy_of) {
+            (Some(object_offset), copy_of) => {
+                let mapping = Mapping {
+                    length: extent.length,
+                    segment: sequence,
+                    object_offset,
+                };
+                match copy_of {
+                    None => index.insert(extent.disk_offset, mapping),
+                    // As when it was appended: only where the range still maps to the
+                    // source (a newer write or trim before it in the log wins).
+                    Some(source) => {
+                        index.insert_copy(extent.disk_offset, mapping, source);
+                    }
+                }
+            }
+            (None, _) => index.remove(extent.disk_offset, extent.length),
+        }
+    }
+    Ok(marked)
+}
+
+/// A damaged checkpoint was stored once every segment it covers was: the replay from its
+/// predecessor must reach past it (to `last_sequence`), or the open is refused naming it.
+fn check_replay_passed_damaged(
+    url: &S3Url,
+    damaged: Option<&DamagedCheckpoint>,
+    last_sequence: u64,
+) -> Result<(), OpenError> {
+    if let Some(((through, _), key, reason)) = damaged {
+        if last_sequence < *through {
+            return Err(bad_object(
+                url,
+                key,
+                DecodeError::Inconsistent(format!(
+                    "{reason}; the previous checkpoint's replay stops at segment {}, which is missing",
+                    last_sequence + 1
+                )),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Logs an open that fell back past its newest checkpoint (`damaged`) or past a missing one
+/// (`lost_mark`, [`check_nothing_lost`]) and replayed `replayed` segments.
+fn warn_of_fallback(
+    url: &S3Url,
+    checkpoint_newest: Option<&checkpoint::Kept>,
+    damaged: Option<&DamagedCheckpoint>,
+    lost_mark: Option<(u64, String)>,
+    replayed: u64,
+) {
+    let from = match checkpoint_newest {
+        Some(newest) => format!(
+            "the previous checkpoint `{}`",
+            checkpoint_key(url, newest.name.expect("a checkpoint read has a name"))
+        ),
+        None => "the start of the log".to_string(),
+    };
+    if let Some((_, key, reason)) = damaged {
+        tracing::warn!(disk = %url, "the newest checkpoint `{key}` is unusable ({reason}); opened from {from} and replayed the {replayed} segments after it, which reach past it");
+    } else if let Some((mark, key)) = lost_mark {
+        tracing::warn!(disk = %url, "a checkpoint covering the segments up to {mark} is missing (segment `{key}` was sealed after it was stored); opened from {from} and replayed the {replayed} segments after it, which reach past it");
+    }
+}
+
 /// What a read-only open of snapshot `name` serves: the snapshot's index, read through the
 /// epochs it records; nothing else of the log is read.
 async fn recover_snapshot(
     store: &dyn ObjectStore,
+    buckets: &Buckets,
     url: &S3Url,
     metadata: &DiskMetadata,
     sealer: &Sealer,
@@ -2322,7 +2511,7 @@ async fn recover_snapshot(
         })?;
     let epochs = taken.epochs.expect("snapshot::decode refuses version 1");
     // A clone's snapshot names its base's segments too.
-    let base = clone::read_base(store, url, metadata, sealer)
+    let base = clone::read_base(store, buckets, url, metadata, sealer)
         .await?
         .map(|(base, _)| base);
     Ok(Recovered {
@@ -2454,6 +2643,7 @@ fn snapshot_writable(url: &S3Url) -> OpenError {
 /// carries recovery's cleanup out ([`clean_up`]).
 async fn recover_and_claim(
     store: &dyn ObjectStore,
+    buckets: &Buckets,
     url: &S3Url,
     metadata: &DiskMetadata,
     sealer: &Sealer,
@@ -2463,11 +2653,11 @@ async fn recover_and_claim(
         if writable {
             return Err(snapshot_writable(url));
         }
-        return recover_snapshot(store, url, metadata, sealer, name).await;
+        return recover_snapshot(store, buckets, url, metadata, sealer, name).await;
     }
     let mut claims = 0;
     loop {
-        let mut recovered = recover(store, url, metadata, sealer).await?;
+        let mut recovered = recover(store, buckets, url, metadata, sealer).await?;
         if !writable {
             // Read-only: the dead segments, those after a gap and the void ones stay; none
             // is read.

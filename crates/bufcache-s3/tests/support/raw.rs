@@ -18,13 +18,18 @@ pub struct Raw {
 
 impl Raw {
     pub fn new(server: &(impl S3Server + ?Sized)) -> Raw {
+        Raw::in_bucket(server, "bucket")
+    }
+
+    /// Direct access to bucket `bucket` of `server`.
+    pub fn in_bucket(server: &(impl S3Server + ?Sized), bucket: &str) -> Raw {
         Raw {
             runtime: tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .unwrap(),
             store: AmazonS3Builder::new()
-                .with_bucket_name("bucket")
+                .with_bucket_name(bucket)
                 .with_endpoint(server.endpoint())
                 .with_allow_http(true)
                 .with_region("us-east-1")
