@@ -113,8 +113,21 @@ impl Raw {
     /// Connects to a unix socket and reads the greeting; panics when the server is not a
     /// newstyle NBD server.
     pub fn connect(socket: &Path) -> Raw {
-        let stream = UnixStream::connect(socket)
-            .unwrap_or_else(|error| panic!("connect {}: {error}", socket.display()));
+        // A server's socket file exists from its bind, a moment before it listens: under
+        // load a connect can land in between and be refused, so that is tried again.
+        let started = std::time::Instant::now();
+        let stream = loop {
+            match UnixStream::connect(socket) {
+                Ok(stream) => break stream,
+                Err(error)
+                    if error.kind() == std::io::ErrorKind::ConnectionRefused
+                        && started.elapsed() < Duration::from_secs(10) =>
+                {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(error) => panic!("connect {}: {error}", socket.display()),
+            }
+        };
         stream
             .set_read_timeout(Some(Duration::from_secs(10)))
             .unwrap();
