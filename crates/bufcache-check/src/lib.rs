@@ -87,7 +87,7 @@ pub struct Step {
 
 impl Step {
     /// Workload step `number`.
-    pub fn step(number: u64) -> Step {
+    pub fn workload(number: u64) -> Step {
         Step {
             unit: "step",
             number,
@@ -204,7 +204,7 @@ pub fn catching_panics(
             Some(Violation {
                 property: NO_PANIC,
                 detail: format!("{what} panicked: {text}"),
-                step: Step::step(0),
+                step: Step::workload(0),
                 seed,
                 scenario: String::new(),
                 recent: Vec::new(),
@@ -320,9 +320,15 @@ mod tests {
         // and prints its step, property and steps.
         let mut notes = Notes::new(3, false);
         for step in 1..=5 {
-            notes.note(Step::step(step), format!("write {step}"));
+            notes.note(Step::workload(step), format!("write {step}"));
         }
-        let violation = Violation::new("durability", "lost".to_string(), Step::step(5), 9, &notes);
+        let violation = Violation::new(
+            "durability",
+            "lost".to_string(),
+            Step::workload(5),
+            9,
+            &notes,
+        );
         assert_eq!(violation.recent, ["write 3", "write 4", "write 5"]);
         let text = violation.to_string();
         assert!(

@@ -584,7 +584,7 @@ impl Harness {
     /// A broken `property` (module [`property`]) at this step, with the steps before it;
     /// a clone's harness names the clone.
     fn violation(&self, property: &'static str, detail: String) -> Violation {
-        let step = bufcache_check::Step::step(self.step);
+        let step = bufcache_check::Step::workload(self.step);
         let violation = Violation::new(property, detail, step, self.seed, &self.notes);
         if self.label == "clone" {
             violation.of("clone")

@@ -405,7 +405,7 @@ impl Harness {
     }
 
     fn note(&mut self, step: String) {
-        self.notes.note(Step::step(self.steps), step);
+        self.notes.note(Step::workload(self.steps), step);
     }
 
     /// A broken `property` (module [`property`]) at this step, with the scenario and the
@@ -414,7 +414,7 @@ impl Harness {
         Violation::new(
             property,
             what,
-            Step::step(self.steps),
+            Step::workload(self.steps),
             self.seed,
             &self.notes,
         )
