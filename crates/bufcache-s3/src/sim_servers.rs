@@ -1524,7 +1524,10 @@ impl Harness {
         };
         let time_ns = Arc::new(AtomicU64::new(0));
         let servers = draw_servers(&mut rng, count, &time_ns);
-        let ticks = rng.gen_range(150..300);
+        // Drawn as an i32, as every seed so far drew it: the width decides how much of the
+        // stream the draw takes, and so every later draw of the seed.
+        let ticks: i32 = rng.gen_range(150..300);
+        let ticks = u64::try_from(ticks).expect("a positive number of ticks");
         let mut harness = Harness {
             seed,
             notes: Notes::new(RECENT_STEPS, trace),
