@@ -7,8 +7,8 @@ use anyhow::Context;
 use bufcache::QueueMode;
 use bufcache_sim::experiments::run_custom_with;
 use bufcache_sim::{
-    check_seeds, host_for, run_experiment, sim_cache_config, DiskSpec, ExperimentOptions,
-    SimConfig, SimIoQueue, WorkloadSpec, EXPERIMENTS, SERVE_BACKGROUND_WORKERS,
+    host_for, run_experiment, sim_cache_config, DiskSpec, ExperimentOptions, SimConfig, SimIoQueue,
+    WorkloadSpec, EXPERIMENTS, SERVE_BACKGROUND_WORKERS,
 };
 use clap::{Args, Subcommand};
 
@@ -288,61 +288,56 @@ fn check(seeds: u64, first_seed: u64, trace: bool, local_tier: bool) -> anyhow::
         bufcache_sim::check::check_seed_traced
     };
     let progress = spinner(format!("checking {seeds} seeds"));
-    let summary = if trace {
+    if trace {
         progress.finish_and_clear();
-        let started = std::time::Instant::now();
-        let mut summary = bufcache_sim::CheckSummary::default();
-        for seed in first_seed..first_seed.saturating_add(seeds) {
-            let outcome = check_seed_traced(seed, true);
-            summary.add(seed, &outcome);
-        }
-        summary.elapsed = started.elapsed();
-        summary
-    } else {
-        let on_seed = |seed: u64, outcome: &bufcache_sim::SeedOutcome| {
-            if outcome.violation.is_some() {
+    }
+    let summary: bufcache_sim::CheckSummary = bufcache_check::check_seeds(
+        first_seed,
+        seeds,
+        |seed| check_seed_traced(seed, trace),
+        |seed, outcome: &bufcache_sim::SeedOutcome| {
+            if outcome.violation.is_some() && !trace {
                 progress.suspend(|| eprintln!("bufcache: seed {seed} violates the contract"));
             }
-        };
-        let summary = if local_tier {
-            bufcache_sim::check_tier_seeds(first_seed, seeds, on_seed)
-        } else {
-            check_seeds(first_seed, seeds, on_seed)
-        };
-        progress.finish_and_clear();
-        summary
-    };
-    for violation in &summary.violations {
-        println!("seed {}: {}", violation.seed, violation.message);
-    }
+        },
+    );
+    progress.finish_and_clear();
+    print_violations(&summary.violations);
     println!("{}", summary.line());
+    let totals = &summary.totals;
     let restarts = if local_tier {
         format!(
             "{} starts on another disk refused",
-            summary.wrong_disk_refusals
+            totals.wrong_disk_refusals
         )
     } else {
         format!(
             "rescue files: {} saved, {} replayed, {} stale refused",
-            summary.rescue.saved, summary.rescue.replayed, summary.rescue.refused
+            totals.rescue.saved, totals.rescue.replayed, totals.rescue.refused
         )
     };
     eprintln!(
         "bufcache: {} engine calls, {} crashes, {} device faults, {restarts}; {:.0} seeds/s",
-        summary.steps,
-        summary.crashes,
-        summary.device_faults,
+        totals.steps,
+        totals.crashes,
+        totals.device_faults,
         summary.seeds_per_second()
     );
-    if summary.violations.is_empty() {
-        Ok(())
+    let command = if local_tier {
+        "bufcache sim check --local-tier"
     } else {
-        Err(anyhow::anyhow!(
-            "{} of {} seeds broke the durability contract (replay one with `bufcache sim check{} --seeds 1 --seed SEED --trace`)",
-            summary.violations.len(),
-            summary.seeds,
-            if local_tier { " --local-tier" } else { "" }
-        ))
+        "bufcache sim check"
+    };
+    match summary.failure("the durability contract", command) {
+        None => Ok(()),
+        Some(failure) => Err(anyhow::anyhow!(failure)),
+    }
+}
+
+/// Prints each violation, after its seed.
+fn print_violations(violations: &[bufcache_check::Violation]) {
+    for violation in violations {
+        println!("seed {}: {violation}", violation.seed);
     }
 }
 
@@ -353,7 +348,6 @@ fn check_log(seeds: u64, first_seed: u64, trace: bool) -> anyhow::Result<()> {
     if trace {
         progress.finish_and_clear();
     }
-    let started = std::time::Instant::now();
     let summary =
         bufcache_s3::sim_check::check_log_seeds(first_seed, seeds, trace, |seed, outcome| {
             if outcome.violation.is_some() {
@@ -363,40 +357,32 @@ fn check_log(seeds: u64, first_seed: u64, trace: bool) -> anyhow::Result<()> {
             }
         });
     progress.finish_and_clear();
-    for (seed, message) in &summary.violations {
-        println!("seed {seed}: {message}");
-    }
-    println!(
-        "{} seeds, {} violations",
-        summary.seeds,
-        summary.violations.len()
-    );
-    let elapsed = started.elapsed().as_secs_f64().max(1e-9);
+    print_violations(&summary.violations);
+    println!("{}", summary.line());
+    let totals = &summary.totals;
     eprintln!(
         "bufcache: {} steps, {} crashes, {} clean closes, {} store faults, {} late landings of crashed servers' requests, {} collection rounds, {} epoch objects pruned (at most {} in a bucket after an open), {} snapshots taken and {} read back whole against their shadow copies, {} clones made and driven {} steps, {} whole reads of a clone checked; {:.1} seeds/s",
-        summary.steps,
-        summary.crashes,
-        summary.clean_closes,
-        summary.faults,
-        summary.late_landings,
-        summary.gc_rounds,
-        summary.epochs_pruned,
-        summary.epoch_objects_max,
-        summary.snapshots_taken,
-        summary.snapshot_checks,
-        summary.clones_made,
-        summary.clone_steps,
-        summary.clone_checks,
-        summary.seeds as f64 / elapsed
+        totals.steps,
+        totals.crashes,
+        totals.clean_closes,
+        totals.faults,
+        totals.late_landings,
+        totals.gc_rounds,
+        totals.epochs_pruned,
+        totals.epoch_objects_max,
+        totals.snapshots_taken,
+        totals.snapshot_checks,
+        totals.clones_made,
+        totals.clone_steps,
+        totals.clone_checks,
+        summary.seeds_per_second()
     );
-    if summary.violations.is_empty() {
-        Ok(())
-    } else {
-        Err(anyhow::anyhow!(
-            "{} of {} seeds broke the log layout's crash consistency (replay one with `bufcache sim check --layout log --seeds 1 --seed SEED --trace`)",
-            summary.violations.len(),
-            summary.seeds
-        ))
+    match summary.failure(
+        "the log layout's crash consistency",
+        "bufcache sim check --layout log",
+    ) {
+        None => Ok(()),
+        Some(failure) => Err(anyhow::anyhow!(failure)),
     }
 }
 
@@ -414,7 +400,6 @@ fn check_servers(
     if trace {
         progress.finish_and_clear();
     }
-    let started = std::time::Instant::now();
     let summary = bufcache_s3::sim_servers::check_servers_seeds(
         first_seed,
         seeds,
@@ -431,42 +416,38 @@ fn check_servers(
         },
     );
     progress.finish_and_clear();
-    for (seed, message) in &summary.violations {
-        println!("seed {seed}: {message}");
-    }
+    print_violations(&summary.violations);
+    let totals = &summary.totals;
     println!(
         "{} seeds ({} with two servers, {} with three), {} violations",
         summary.seeds,
-        summary.seeds_two,
-        summary.seeds_three,
+        totals.seeds_two,
+        totals.seeds_three,
         summary.violations.len()
     );
-    let elapsed = started.elapsed().as_secs_f64().max(1e-9);
     eprintln!(
         "bufcache: {} client steps, {} acknowledged writes and FLUSHes, {} refused by the lease, {} takeovers, {} opens checked against the flushed history, {} pauses ({} in the middle of a step), {} partitions, {} crashes, {} store faults, {} late landings, clock-rate errors up to {} ppm; {:.1} seeds/s",
-        summary.steps,
-        summary.acknowledged,
-        summary.refused_by_lease,
-        summary.takeovers,
-        summary.opens_checked,
-        summary.pauses,
-        summary.pauses_in_step,
-        summary.partitions,
-        summary.crashes,
-        summary.faults,
-        summary.late_landings,
-        summary.clock_rate_error_ppm_max,
-        summary.seeds as f64 / elapsed
+        totals.steps,
+        totals.acknowledged,
+        totals.refused_by_lease,
+        totals.takeovers,
+        totals.opens_checked,
+        totals.pauses,
+        totals.pauses_in_step,
+        totals.partitions,
+        totals.crashes,
+        totals.faults,
+        totals.late_landings,
+        totals.clock_rate_error_ppm_max,
+        summary.seeds_per_second()
     );
-    if summary.violations.is_empty() {
-        Ok(())
-    } else {
-        Err(anyhow::anyhow!(
-            "{} of {} seeds broke the contract of servers sharing a disk (replay one with `bufcache sim check --layout log --servers {} --seeds 1 --seed SEED --trace`)",
-            summary.violations.len(),
-            summary.seeds,
-            servers.map_or("2-3".to_string(), |count| count.to_string())
-        ))
+    let command = format!(
+        "bufcache sim check --layout log --servers {}",
+        servers.map_or("2-3".to_string(), |count| count.to_string())
+    );
+    match summary.failure("the contract of servers sharing a disk", &command) {
+        None => Ok(()),
+        Some(failure) => Err(anyhow::anyhow!(failure)),
     }
 }
 

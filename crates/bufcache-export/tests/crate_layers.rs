@@ -55,3 +55,24 @@ fn backends_and_the_protocol_crate_do_not_depend_on_the_engine() {
         "the reading missed bufcache-export's own dependencies: {ours:?}"
     );
 }
+
+#[test]
+fn the_seeded_check_harness_depends_on_no_crate_of_ours() {
+    // Goal: the harness the seeded checkers share (bufcache-check) stays a leaf, so the
+    // object store's checker (bufcache-s3, below the engine) and the engine's simulator
+    // (bufcache-sim) both use it without drawing in each other or the engine. Method: read
+    // its manifest's [dependencies] table; check that both checkers' crates list it.
+    let names = normal_dependencies("bufcache-check");
+    assert!(
+        !names.iter().any(|name| name.starts_with("bufcache")),
+        "bufcache-check depends on {names:?}"
+    );
+    for checker in ["bufcache-s3", "bufcache-sim"] {
+        assert!(
+            normal_dependencies(checker)
+                .iter()
+                .any(|name| name == "bufcache-check"),
+            "{checker} does not use the shared harness"
+        );
+    }
+}

@@ -51,11 +51,12 @@ use std::sync::mpsc;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use bufcache_check::{Notes, Violation, RECENT_STEPS};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::sim_store::{mix, FaultRates, LateRates, SimWorld};
-use crate::{LogConfig, LogStore, S3Url, StoreError};
+use crate::{LogConfig, LogStore, OpenError, S3Url, StoreError};
 
 /// Bytes of one block of the model (the log layout never splits a 4 KiB block of a write).
 pub(crate) const BLOCK_BYTES: u64 = 4096;
@@ -68,9 +69,29 @@ const NEVER_RETURNS: Duration = Duration::from_secs(10);
 /// Attempts at opening the disk after a crash before faults are turned off for one more.
 const REOPEN_ATTEMPTS_MAX: u32 = 20;
 
-/// What checking one seed found.
-#[derive(Clone, Debug, Default)]
-pub struct LogCheckOutcome {
+/// The properties `sim check --layout log` checks (module docs), as its violations name
+/// them.
+pub mod property {
+    /// A read returns the latest acknowledged data (or a failed write's, block by block).
+    pub const READS: &str = "reads";
+    /// After a crash the disk opens again and equals a prefix of the writes since the
+    /// previous open that includes every flushed one.
+    pub const CRASH_CONSISTENCY: &str = "crash consistency";
+    /// The collector's live bytes per segment match a recount.
+    pub const LIVE_BYTES: &str = "collector bookkeeping";
+    /// Every segment the index names exists.
+    pub const SEGMENTS_EXIST: &str = "named segments exist";
+    /// A snapshot reads what the disk held when it was taken.
+    pub const SNAPSHOTS: &str = "snapshots";
+    /// A clone starts from its snapshot and keeps the disk's contract over its own writes.
+    pub const CLONES: &str = "clones";
+    /// Every step returns (or hangs on a request the harness knows of).
+    pub const PROGRESS: &str = "progress";
+}
+
+/// What checking one seed counted.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LogCheckCounts {
     /// Steps (writes, zeroes, reads, flushes, collection rounds) taken.
     pub steps: u64,
     pub crashes: u64,
@@ -96,8 +117,47 @@ pub struct LogCheckOutcome {
     pub clones_made: u64,
     pub clone_steps: u64,
     pub clone_checks: u64,
+}
+
+impl LogCheckCounts {
+    /// Adds `other`'s counts to these (the most epoch objects: the larger).
+    fn add(&mut self, other: &LogCheckCounts) {
+        self.steps += other.steps;
+        self.crashes += other.crashes;
+        self.faults += other.faults;
+        self.late_landings += other.late_landings;
+        self.gc_rounds += other.gc_rounds;
+        self.clean_closes += other.clean_closes;
+        self.epochs_pruned += other.epochs_pruned;
+        self.snapshots_taken += other.snapshots_taken;
+        self.snapshot_checks += other.snapshot_checks;
+        self.epoch_objects_max = self.epoch_objects_max.max(other.epoch_objects_max);
+        self.checkpoints_lost += other.checkpoints_lost;
+        self.clones_made += other.clones_made;
+        self.clone_steps += other.clone_steps;
+        self.clone_checks += other.clone_checks;
+    }
+}
+
+/// What checking one seed found.
+#[derive(Clone, Debug, Default)]
+pub struct LogCheckOutcome {
+    /// What it counted.
+    pub counts: LogCheckCounts,
     /// What broke the contract, with the step; None when nothing did.
-    pub violation: Option<String>,
+    pub violation: Option<Violation>,
+}
+
+impl bufcache_check::SeedOutcome for LogCheckOutcome {
+    fn violation(&self) -> Option<&Violation> {
+        self.violation.as_ref()
+    }
+}
+
+impl bufcache_check::Totals<LogCheckOutcome> for LogCheckCounts {
+    fn add(&mut self, outcome: &LogCheckOutcome) {
+        LogCheckCounts::add(self, &outcome.counts);
+    }
 }
 
 /// A key file for the seeds that encrypt (one per process, removed at exit).
@@ -129,23 +189,48 @@ pub(crate) fn fill_block(tag: u64, compressible: bool, block: &mut [u8]) {
     }
 }
 
+/// A block read back that carries no write's bytes (torn, corrupt, misplaced).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct NoTag {
+    /// The tag its first 8 bytes name.
+    tag: u64,
+    /// The first byte that differs from that tag's bytes.
+    differs_at: usize,
+}
+
+impl std::fmt::Display for NoTag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "holds bytes of no write (first 8 bytes say tag {:#x}; differs at byte {})",
+            self.tag, self.differs_at
+        )
+    }
+}
+
 /// The tag a block read back carries, or why it carries none.
-pub(crate) fn tag_of(block: &[u8], compressible: bool) -> Result<u64, String> {
+pub(crate) fn tag_of(block: &[u8], compressible: bool) -> Result<u64, NoTag> {
     let tag = u64::from_le_bytes(block[..8].try_into().expect("8 bytes"));
     let mut expected = vec![0u8; block.len()];
     fill_block(tag, compressible, &mut expected);
     if expected == block {
         Ok(tag)
     } else {
-        let first = block
+        let differs_at = block
             .iter()
             .zip(&expected)
             .position(|(a, b)| a != b)
             .unwrap_or(0);
-        Err(format!(
-            "holds bytes of no write (first 8 bytes say tag {tag:#x}; differs at byte {first})"
-        ))
+        Err(NoTag { tag, differs_at })
     }
+}
+
+/// Tags a block may hold, described: `write 3 (block 7) or zeroes`.
+pub(crate) fn describe_tags(tags: &[u64]) -> String {
+    tags.iter()
+        .map(|&tag| describe_tag(tag))
+        .collect::<Vec<_>>()
+        .join(" or ")
 }
 
 pub(crate) fn describe_tag(tag: u64) -> String {
@@ -205,7 +290,7 @@ enum Step {
 
 /// What a step's thread answers.
 enum Answer {
-    Opened(Result<LogStore, String>),
+    Opened(Result<LogStore, OpenError>),
     Writes(Vec<Result<(), StoreError>>),
     Done(Result<(), StoreError>),
     /// Each read's bytes or error, in the batch's order.
@@ -213,7 +298,7 @@ enum Answer {
     /// A close's outcome and the epoch objects the store deleted.
     Closed(Result<(), StoreError>, u64),
     Snapshot(Result<crate::SnapshotTaken, crate::SnapshotError>),
-    Cloned(Result<(), String>),
+    Cloned(Result<(), crate::sim_clones::CloneError>),
     Collected(
         Result<crate::GcReport, StoreError>,
         Vec<Result<(), StoreError>>,
@@ -241,10 +326,7 @@ fn spawn_step(
                 tracing::subscriber::set_default(tracing::subscriber::NoSubscriber::default())
             });
             let answer = match step {
-                Step::Open => Answer::Opened(
-                    LogStore::open_unlocked_on(&url, backend, config)
-                        .map_err(|error| error.to_string()),
-                ),
+                Step::Open => Answer::Opened(LogStore::open_unlocked_on(&url, backend, config)),
                 Step::Write(writes) => {
                     let store = store.expect("a write has a store");
                     Answer::Writes(
@@ -323,18 +405,43 @@ enum Waited {
     Stuck,
 }
 
+/// A step that did not come back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stall {
+    /// Its thread panicked.
+    Panicked,
+    /// No answer after [`NEVER_RETURNS`], and no request of its instance hangs.
+    NeverReturned,
+    /// A step of a crashed server (its requests fail at once) did not return.
+    NeverReturnedAfterCrash,
+}
+
+impl std::fmt::Display for Stall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Stall::Panicked => write!(f, "the step's thread panicked"),
+            Stall::NeverReturned => write!(
+                f,
+                "a step has not returned after {NEVER_RETURNS:?} and no request hangs (deadlock?)"
+            ),
+            Stall::NeverReturnedAfterCrash => write!(
+                f,
+                "a step of a crashed server has not returned after {NEVER_RETURNS:?}"
+            ),
+        }
+    }
+}
+
 fn wait(
     receiver: &mpsc::Receiver<Answer>,
     world: &SimWorld,
     instance: u64,
-) -> Result<Waited, String> {
+) -> Result<Waited, Stall> {
     let mut waited = Duration::ZERO;
     loop {
         match receiver.recv_timeout(STUCK_AFTER) {
             Ok(answer) => return Ok(Waited::Answer(answer)),
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                return Err("the step's thread panicked".to_string())
-            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => return Err(Stall::Panicked),
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 waited += STUCK_AFTER;
                 // Only this instance's: the other disk's server may have a request hanging.
@@ -342,9 +449,7 @@ fn wait(
                     return Ok(Waited::Stuck);
                 }
                 if waited >= NEVER_RETURNS {
-                    return Err(format!(
-                        "a step has not returned after {NEVER_RETURNS:?} and no request hangs (deadlock?)"
-                    ));
+                    return Err(Stall::NeverReturned);
                 }
             }
         }
@@ -352,13 +457,11 @@ fn wait(
 }
 
 /// Waits for a step of a crashed server (its requests now fail at once).
-fn wait_after_crash(receiver: mpsc::Receiver<Answer>) -> Result<Option<LogStore>, String> {
+fn wait_after_crash(receiver: mpsc::Receiver<Answer>) -> Result<Option<LogStore>, Stall> {
     match receiver.recv_timeout(NEVER_RETURNS) {
         Ok(Answer::Opened(Ok(store))) => Ok(Some(store)),
         Ok(_) => Ok(None),
-        Err(_) => Err(format!(
-            "a step of a crashed server has not returned after {NEVER_RETURNS:?}"
-        )),
+        Err(_) => Err(Stall::NeverReturnedAfterCrash),
     }
 }
 
@@ -428,7 +531,8 @@ struct Shadow {
 
 struct Harness {
     seed: u64,
-    trace: bool,
+    /// Every step, the last ones kept for a violation's report (printed when tracing).
+    notes: Notes,
     /// Which disk of the seed this harness drives (`disk`, or `clone`), for traces.
     label: &'static str,
     rng: StdRng,
@@ -449,7 +553,7 @@ struct Harness {
     now: Allowed,
     next_write: u64,
     step: u64,
-    outcome: LogCheckOutcome,
+    counts: LogCheckCounts,
     snapshots: Vec<Shadow>,
     /// The clone of one of this disk's snapshots, driven by a harness of its own (module
     /// `sim_clones`); None before it is made, and in the clone's harness.
@@ -462,24 +566,30 @@ struct Harness {
 }
 
 impl Harness {
-    fn note(&self, text: impl FnOnce() -> String) {
-        if self.trace {
-            eprintln!(
-                "seed {} step {} {}: {}",
-                self.seed,
-                self.step,
-                self.label,
-                text()
+    fn note(&mut self, text: String) {
+        let at = format_args!("seed {} step {} {}", self.seed, self.step, self.label);
+        self.notes.note(at, text);
+    }
+
+    /// Traces what the store did (the world's log), without keeping it.
+    fn flush_world_log(&self) {
+        for line in self.world.take_log() {
+            self.notes.trace(
+                format_args!("seed {} step {}", self.seed, self.step),
+                format_args!("  store: {line}"),
             );
         }
     }
 
-    fn flush_world_log(&self) {
-        let lines = self.world.take_log();
-        if self.trace {
-            for line in lines {
-                eprintln!("seed {} step {}:   store: {line}", self.seed, self.step);
-            }
+    /// A broken `property` (module [`property`]) at this step, with the steps before it;
+    /// a clone's harness names the clone.
+    fn violation(&self, property: &'static str, detail: String) -> Violation {
+        let step = bufcache_check::Step::workload(self.step);
+        let violation = Violation::new(property, detail, step, self.seed, &self.notes);
+        if self.label == "clone" {
+            violation.of("clone")
+        } else {
+            violation
         }
     }
 
@@ -515,7 +625,7 @@ impl Harness {
 
     fn record(&mut self, mut change: Change, outcome: &Result<(), StoreError>) {
         change.acknowledged = outcome.is_ok();
-        self.note(|| {
+        self.note({
             format!(
                 "{} blocks {:?}: {}",
                 change
@@ -533,7 +643,7 @@ impl Harness {
     }
 
     /// Runs a step; None when it got stuck on a hung request (the server then crashed).
-    fn run(&mut self, step: Step) -> Result<Option<Answer>, String> {
+    fn run(&mut self, step: Step) -> Result<Option<Answer>, Violation> {
         let receiver = spawn_step(
             self.store.clone(),
             &self.world,
@@ -541,17 +651,21 @@ impl Harness {
             &self.url,
             self.config,
             step,
-            self.trace,
+            self.notes.tracing(),
         );
-        match wait(&receiver, &self.world, self.instance)? {
+        let waited = wait(&receiver, &self.world, self.instance)
+            .map_err(|stall| self.violation(property::PROGRESS, stall.to_string()))?;
+        match waited {
             Waited::Answer(answer) => {
                 self.flush_world_log();
                 Ok(Some(answer))
             }
             Waited::Stuck => {
-                self.note(|| "stuck on a hung request: the server crashes".to_string());
+                self.note("stuck on a hung request: the server crashes".to_string());
                 self.world.crash(self.instance);
-                if let Some(store) = wait_after_crash(receiver)? {
+                let store = wait_after_crash(receiver)
+                    .map_err(|stall| self.violation(property::PROGRESS, stall.to_string()))?;
+                if let Some(store) = store {
                     // An open that completed as it crashed: abandoned all the same.
                     drop(store);
                 }
@@ -562,10 +676,10 @@ impl Harness {
     }
 
     /// Crashes the server (if one is open) and opens the disk again; checks what it finds.
-    fn crash_and_reopen(&mut self) -> Result<(), String> {
+    fn crash_and_reopen(&mut self) -> Result<(), Violation> {
         if let Some(store) = self.store.take() {
-            self.outcome.crashes += 1;
-            self.note(|| format!("crash of instance {}", self.instance));
+            self.counts.crashes += 1;
+            self.note(format!("crash of instance {}", self.instance));
             self.world.crash(self.instance);
             // The dead server's close fails at once (its requests are refused): nothing of
             // it reaches the store.
@@ -579,14 +693,14 @@ impl Harness {
             if attempts > REOPEN_ATTEMPTS_MAX {
                 self.world.set_calm(true);
             }
-            self.note(|| format!("opening as instance {}", self.instance));
+            self.note(format!("opening as instance {}", self.instance));
             match self.run(Step::Open)? {
                 Some(Answer::Opened(Ok(store))) => {
                     self.store = Some(Arc::new(store));
                     break;
                 }
                 Some(Answer::Opened(Err(error))) => {
-                    self.note(|| format!("open failed: {error}"));
+                    self.note(format!("open failed: {error}"));
                     if attempts > REOPEN_ATTEMPTS_MAX {
                         self.world.set_calm(false);
                         let log = self.own_folder("log/");
@@ -599,15 +713,18 @@ impl Harness {
                             })
                             .map(|(key, _)| key[log.len()..].to_string())
                             .collect();
-                        return Err(format!(
-                            "the disk cannot be opened again, even without faults: {error} (its log holds {})",
-                            stored.join(", ")
+                        return Err(self.violation(
+                            property::CRASH_CONSISTENCY,
+                            format!(
+                                "the disk cannot be opened again, even without faults: {error} (its log holds {})",
+                                stored.join(", ")
+                            ),
                         ));
                     }
                 }
                 Some(_) => unreachable!("an open answers Opened"),
                 None => {
-                    self.outcome.crashes += 1;
+                    self.counts.crashes += 1;
                 }
             }
         }
@@ -618,7 +735,7 @@ impl Harness {
             .iter()
             .filter(|(key, _)| key.starts_with(&self.own_folder("log/epochs/")))
             .count() as u64;
-        self.outcome.epoch_objects_max = self.outcome.epoch_objects_max.max(epoch_objects);
+        self.counts.epoch_objects_max = self.counts.epoch_objects_max.max(epoch_objects);
         self.check_named_segments_exist()?;
         self.verify_reopened()?;
         self.check_snapshots()
@@ -628,11 +745,9 @@ impl Harness {
     /// `snapshot=NAME` (module docs).
     /// The open clone is read whole too (module `sim_clones`); what either check finds is
     /// reported.
-    fn check_snapshots(&mut self) -> Result<(), String> {
+    fn check_snapshots(&mut self) -> Result<(), Violation> {
         let cloned = match self.clone.as_mut() {
-            Some(clone) => clone
-                .check_whole()
-                .map_err(|message| format!("clone: {message}")),
+            Some(clone) => clone.check_whole(),
             None => Ok(()),
         };
         let checked = if self.snapshots.is_empty() || self.store.is_none() {
@@ -641,24 +756,30 @@ impl Harness {
             self.world.set_calm(true);
             let checked = (0..self.snapshots.len())
                 .map(|at| self.check_snapshot(at))
-                .collect::<Result<Vec<()>, String>>();
+                .collect::<Result<Vec<()>, Violation>>();
             self.world.set_calm(false);
             self.flush_world_log();
             checked.map(|_| ())
         };
         match (cloned, checked) {
-            (Err(clone), Err(snapshot)) => Err(format!("{clone}; and {snapshot}")),
+            (Err(mut clone), Err(snapshot)) => {
+                clone.detail = format!("{}; and {}", clone.detail, snapshot.detail);
+                Err(clone)
+            }
             (cloned, checked) => cloned.and(checked),
         }
     }
 
-    fn check_snapshot(&mut self, at: usize) -> Result<(), String> {
+    fn check_snapshot(&mut self, at: usize) -> Result<(), Violation> {
         let shadow = &self.snapshots[at];
         let mut url = self.url.clone();
         url.snapshot = Some(shadow.name.clone());
-        let broken = |what: String| -> Result<(), String> {
+        let broken = |what: String| -> Result<(), Violation> {
             if shadow.certain {
-                Err(format!("snapshot `{}` {what}", shadow.name))
+                Err(self.violation(
+                    property::SNAPSHOTS,
+                    format!("snapshot `{}` {what}", shadow.name),
+                ))
             } else {
                 // A failed request's snapshot (module docs).
                 Ok(())
@@ -685,11 +806,7 @@ impl Harness {
                 return broken(format!(
                     "block {block} reads {} but held {} when it was taken",
                     describe_tag(tag),
-                    shadow.allowed[block]
-                        .iter()
-                        .map(|&tag| describe_tag(tag))
-                        .collect::<Vec<_>>()
-                        .join(" or ")
+                    describe_tags(&shadow.allowed[block])
                 ));
             }
         }
@@ -698,7 +815,7 @@ impl Harness {
         if shadow.certain {
             self.snapshots[at].allowed = tags.into_iter().map(|tag| vec![tag]).collect();
         }
-        self.outcome.snapshot_checks += 1;
+        self.counts.snapshot_checks += 1;
         Ok(())
     }
 
@@ -710,7 +827,7 @@ impl Harness {
     /// Reads the open clone whole, without faults, and checks every block against its latest
     /// acknowledged data, and that every segment it names (its base's too) exists: run when
     /// its base may have deleted segments (module `sim_clones`).
-    fn check_whole(&mut self) -> Result<(), String> {
+    fn check_whole(&mut self) -> Result<(), Violation> {
         if self.store.is_none() {
             return Ok(());
         }
@@ -722,18 +839,17 @@ impl Harness {
         for (block, tag) in image.iter().enumerate() {
             let allowed = &self.now[block];
             if !allowed.contains(tag) {
-                return Err(format!(
-                    "read whole after its base's collection or reopen, block {block} reads {} but the latest acknowledged data is {}",
-                    describe_tag(*tag),
-                    allowed
-                        .iter()
-                        .map(|&tag| describe_tag(tag))
-                        .collect::<Vec<_>>()
-                        .join(" or ")
+                return Err(self.violation(
+                    property::CLONES,
+                    format!(
+                        "read whole after its base's collection or reopen, block {block} reads {} but the latest acknowledged data is {}",
+                        describe_tag(*tag),
+                        describe_tags(allowed)
+                    ),
                 ));
             }
         }
-        self.outcome.clone_checks += 1;
+        self.counts.clone_checks += 1;
         Ok(())
     }
 
@@ -741,7 +857,7 @@ impl Harness {
     /// yet, and opens it (module `sim_clones`). A creation that fails or hangs (its server
     /// crashes) is abandoned with its prefix, whatever of it landed; the last attempt runs
     /// without faults, so nearly every seed that takes a snapshot gets a clone.
-    fn make_clone(&mut self) -> Result<(), String> {
+    fn make_clone(&mut self) -> Result<(), Violation> {
         if self.clone.is_some() || self.clone_attempts >= CLONE_ATTEMPTS_MAX || self.store.is_none()
         {
             return Ok(());
@@ -767,7 +883,7 @@ impl Harness {
         let url = S3Url::parse(&text).expect("the harness's clone URL parses");
         let mut clone = Harness {
             seed: self.seed,
-            trace: self.trace,
+            notes: Notes::new(RECENT_STEPS, self.notes.tracing()),
             label: "clone",
             rng: StdRng::seed_from_u64(mix(self.seed ^ 0xc10e) ^ u64::from(self.clone_attempts)),
             world: self.world.clone(),
@@ -785,14 +901,14 @@ impl Harness {
             // Its writes' tags apart from the base's.
             next_write: CLONE_WRITES,
             step: self.step,
-            outcome: LogCheckOutcome::default(),
+            counts: LogCheckCounts::default(),
             snapshots: Vec::new(),
             clone: None,
             clone_attempts: CLONE_ATTEMPTS_MAX,
             first_image: Some(self.snapshots[at].allowed.clone()),
         };
         clone.instance += 1;
-        clone.note(|| {
+        clone.note({
             format!(
                 "making the clone of snapshot `{name}` as instance {}",
                 clone.instance
@@ -804,21 +920,19 @@ impl Harness {
         match answer? {
             Some(Answer::Cloned(Ok(()))) => {}
             Some(Answer::Cloned(Err(error))) => {
-                clone.note(|| format!("the clone's creation failed: {error}; abandoned"));
+                clone.note(format!("the clone's creation failed: {error}; abandoned"));
                 self.world.crash(clone.instance);
                 return Ok(());
             }
             Some(_) => unreachable!("a clone's creation answers Cloned"),
             None => {
-                clone.note(|| "the clone's creation hung; abandoned".to_string());
+                clone.note("the clone's creation hung; abandoned".to_string());
                 return Ok(());
             }
         }
         self.world.crash(clone.instance);
-        self.outcome.clones_made += 1;
-        clone
-            .crash_and_reopen()
-            .map_err(|message| format!("clone: {message}"))?;
+        self.counts.clones_made += 1;
+        clone.crash_and_reopen()?;
         self.step = clone.step;
         self.clone = Some(Box::new(clone));
         Ok(())
@@ -826,29 +940,29 @@ impl Harness {
 
     /// Drops a store the harness is done with, counting what it pruned.
     fn retire(&mut self, store: Arc<LogStore>) {
-        self.outcome.epochs_pruned += store.epochs_pruned();
+        self.counts.epochs_pruned += store.epochs_pruned();
         drop(store);
     }
 
     /// Closes the store cleanly and opens the disk again, which must then hold every
     /// acknowledged write; a close that fails or hangs is a crash.
-    fn close_and_reopen(&mut self) -> Result<bool, String> {
+    fn close_and_reopen(&mut self) -> Result<bool, Violation> {
         let store = self.store.take().expect("a close has a store");
-        self.note(|| format!("clean close of instance {}", self.instance));
+        self.note(format!("clean close of instance {}", self.instance));
         let Some(answer) = self.run(Step::Close(store))? else {
             return self.stuck(Vec::new());
         };
         let Answer::Closed(outcome, pruned) = answer else {
             unreachable!("a close answers Closed")
         };
-        self.outcome.epochs_pruned += pruned;
+        self.counts.epochs_pruned += pruned;
         // The server's process ends: whatever it still sent is refused.
         self.world.crash(self.instance);
         self.flush_world_log();
         match outcome {
             Ok(()) => {
-                self.note(|| "closed".to_string());
-                self.outcome.clean_closes += 1;
+                self.note("closed".to_string());
+                self.counts.clean_closes += 1;
                 self.flushed = self.history.len();
                 if self.rng.gen_bool(0.5) {
                     self.lose_newest_checkpoint();
@@ -857,8 +971,8 @@ impl Harness {
                 Ok(true)
             }
             Err(error) => {
-                self.note(|| format!("close failed: {error}; a crash"));
-                self.outcome.crashes += 1;
+                self.note(format!("close failed: {error}; a crash"));
+                self.counts.crashes += 1;
                 Ok(false)
             }
         }
@@ -897,13 +1011,15 @@ impl Harness {
             return;
         }
         let flip_at = self.rng.gen_bool(0.5).then(|| self.rng.gen_range(0..4096));
-        self.note(|| format!("losing the newest checkpoint `{key}` (flip at {flip_at:?})"));
+        self.note(format!(
+            "losing the newest checkpoint `{key}` (flip at {flip_at:?})"
+        ));
         self.world.lose(key, flip_at);
-        self.outcome.checkpoints_lost += 1;
+        self.counts.checkpoints_lost += 1;
     }
 
     /// Reads the whole disk without faults and finds the prefix of history it equals.
-    fn verify_reopened(&mut self) -> Result<(), String> {
+    fn verify_reopened(&mut self) -> Result<(), Violation> {
         self.world.set_calm(true);
         let image = self.read_all("the reopened disk");
         self.world.set_calm(false);
@@ -911,18 +1027,17 @@ impl Harness {
         if let Some(expected) = self.first_image.take() {
             // A new clone: its snapshot's content, block by block.
             if let Some(block) = (0..image.len()).find(|&b| !expected[b].contains(&image[b])) {
-                return Err(format!(
-                    "at its first open, block {block} reads {} but its snapshot holds {}",
-                    describe_tag(image[block]),
-                    expected[block]
-                        .iter()
-                        .map(|&tag| describe_tag(tag))
-                        .collect::<Vec<_>>()
-                        .join(" or ")
+                return Err(self.violation(
+                    property::CLONES,
+                    format!(
+                        "at its first open, block {block} reads {} but its snapshot holds {}",
+                        describe_tag(image[block]),
+                        describe_tags(&expected[block])
+                    ),
                 ));
             }
-            self.note(|| "opened: the clone reads its snapshot".to_string());
-            self.outcome.clone_checks += 1;
+            self.note("opened: the clone reads its snapshot".to_string());
+            self.counts.clone_checks += 1;
             self.base = image;
             self.now = self.base.iter().map(|&tag| vec![tag]).collect();
             return Ok(());
@@ -931,9 +1046,9 @@ impl Harness {
         match found {
             Some(length) => {
                 if self.label == "clone" {
-                    self.outcome.clone_checks += 1;
+                    self.counts.clone_checks += 1;
                 }
-                self.note(|| {
+                self.note({
                     format!(
                         "reopened: the disk is the first {length} of {} changes since the last open ({} flushed)",
                         self.history.len(),
@@ -946,7 +1061,9 @@ impl Harness {
                 self.flushed = 0;
                 Ok(())
             }
-            None => Err(self.explain_no_prefix(&image)),
+            None => {
+                Err(self.violation(property::CRASH_CONSISTENCY, self.explain_no_prefix(&image)))
+            }
         }
     }
 
@@ -964,11 +1081,7 @@ impl Harness {
                 "block {block} reads {} but the {} flushed changes leave {}",
                 describe_tag(image[block]),
                 self.flushed,
-                state[block]
-                    .iter()
-                    .map(|&tag| describe_tag(tag))
-                    .collect::<Vec<_>>()
-                    .join(" or ")
+                describe_tags(&state[block])
             );
         }
         format!(
@@ -980,7 +1093,7 @@ impl Harness {
         )
     }
 
-    fn read_all(&mut self, what: &str) -> Result<Vec<u64>, String> {
+    fn read_all(&mut self, what: &str) -> Result<Vec<u64>, Violation> {
         let store = self.store.clone().expect("reopened");
         let mut tags = Vec::with_capacity(self.blocks as usize);
         let chunk_blocks = 16u64;
@@ -990,10 +1103,18 @@ impl Harness {
             let mut buffer = vec![0u8; (count * BLOCK_BYTES) as usize];
             store
                 .read(&mut buffer, block * BLOCK_BYTES)
-                .map_err(|error| format!("reading {what} at block {block} (no faults): {error}"))?;
+                .map_err(|error| {
+                    self.violation(
+                        property::READS,
+                        format!("reading {what} at block {block} (no faults): {error}"),
+                    )
+                })?;
             for (index, data) in buffer.chunks(BLOCK_BYTES as usize).enumerate() {
                 tags.push(tag_of(data, self.compressible).map_err(|reason| {
-                    format!("reading {what}, block {} {reason}", block + index as u64)
+                    self.violation(
+                        property::READS,
+                        format!("reading {what}, block {} {reason}", block + index as u64),
+                    )
                 })?);
             }
             block += count;
@@ -1001,21 +1122,21 @@ impl Harness {
         Ok(tags)
     }
 
-    fn check_read(&self, offset: u64, data: &[u8]) -> Result<(), String> {
+    fn check_read(&self, offset: u64, data: &[u8]) -> Result<(), Violation> {
         for (index, bytes) in data.chunks(BLOCK_BYTES as usize).enumerate() {
             let block = offset / BLOCK_BYTES + index as u64;
-            let tag = tag_of(bytes, self.compressible)
-                .map_err(|reason| format!("a read of block {block} {reason}"))?;
+            let tag = tag_of(bytes, self.compressible).map_err(|reason| {
+                self.violation(property::READS, format!("a read of block {block} {reason}"))
+            })?;
             let allowed = &self.now[block as usize];
             if !allowed.contains(&tag) {
-                return Err(format!(
-                    "a read of block {block} returned {} but the latest acknowledged data is {}",
-                    describe_tag(tag),
-                    allowed
-                        .iter()
-                        .map(|&tag| describe_tag(tag))
-                        .collect::<Vec<_>>()
-                        .join(" or ")
+                return Err(self.violation(
+                    property::READS,
+                    format!(
+                        "a read of block {block} returned {} but the latest acknowledged data is {}",
+                        describe_tag(tag),
+                        describe_tags(allowed)
+                    ),
                 ));
             }
         }
@@ -1023,183 +1144,225 @@ impl Harness {
     }
 
     /// One step of the workload; false when the server crashed.
-    fn one_step(&mut self) -> Result<bool, String> {
+    fn one_step(&mut self) -> Result<bool, Violation> {
         self.step += 1;
-        self.outcome.steps += 1;
+        self.counts.steps += 1;
         self.world.land_due(self.step);
         self.flush_world_log();
         let choice = self.rng.gen_range(0..100);
-        if choice < 50 {
-            let count = if self.rng.gen_bool(0.2) { 3 } else { 1 };
-            let mut writes = Vec::new();
-            let mut changes = Vec::new();
-            for _ in 0..count {
-                let blocks = self.random_blocks();
-                let (offset, data, change) = self.data_for(blocks);
-                writes.push((offset, data));
-                changes.push(change);
-            }
-            let Some(answer) = self.run(Step::Write(writes))? else {
-                return self.stuck(changes);
-            };
-            let Answer::Writes(outcomes) = answer else {
-                unreachable!("writes answer Writes")
-            };
-            for (change, outcome) in changes.into_iter().zip(outcomes) {
-                self.record(change, &outcome);
-            }
+        let alive = if choice < 50 {
+            self.write_step()?
         } else if choice < 60 {
-            let blocks = self.random_blocks();
-            let change = Change {
-                blocks: blocks.clone(),
-                write: None,
-                acknowledged: false,
-            };
-            let step = Step::Zeroes(
-                blocks.start * BLOCK_BYTES,
-                (blocks.end - blocks.start) * BLOCK_BYTES,
-            );
-            let Some(answer) = self.run(step)? else {
-                return self.stuck(vec![change]);
-            };
-            let Answer::Done(outcome) = answer else {
-                unreachable!("zeroes answer Done")
-            };
-            self.record(change, &outcome);
+            self.zeroes_step()?
         } else if choice < 75 {
-            // A batch of one to three reads: a range cut at block boundaries into runs
-            // (as a read-ahead window's runs, which may share GETs), in a seeded order.
-            let blocks = self.random_blocks();
-            let mut cuts = vec![blocks.start, blocks.end];
-            for _ in 0..self.rng.gen_range(0..=2) {
-                cuts.push(self.rng.gen_range(blocks.clone()));
-            }
-            cuts.sort_unstable();
-            cuts.dedup();
-            let mut runs: Vec<Range<u64>> = cuts.windows(2).map(|cut| cut[0]..cut[1]).collect();
-            if self.rng.gen_bool(0.5) {
-                runs.reverse();
-            }
-            let reads = runs
-                .iter()
-                .map(|run| {
-                    (
-                        run.start * BLOCK_BYTES,
-                        ((run.end - run.start) * BLOCK_BYTES) as usize,
-                    )
-                })
-                .collect();
-            let Some(answer) = self.run(Step::Read(reads))? else {
-                return self.stuck(Vec::new());
-            };
-            let Answer::Read(outcomes) = answer else {
-                unreachable!("a read answers Read")
-            };
-            assert_eq!(
-                outcomes.len(),
-                runs.len(),
-                "one outcome per read of a batch"
-            );
-            for (run, outcome) in runs.into_iter().zip(outcomes) {
-                match outcome {
-                    Ok(data) => {
-                        self.note(|| format!("read blocks {run:?}"));
-                        self.check_read(run.start * BLOCK_BYTES, &data)?;
-                    }
-                    Err(error) => self.note(|| format!("read blocks {run:?} failed: {error}")),
-                }
-            }
+            self.read_step()?
         } else if (86..90).contains(&choice) && self.snapshots.len() < SNAPSHOTS_MAX {
-            let covers = self.history.len();
-            let name = format!("s{}", self.snapshots.len() + 1);
-            let shadow = Shadow {
-                name: name.clone(),
-                allowed: self.now.clone(),
-                certain: false,
-            };
-            let Some(answer) = self.run(Step::Snapshot(name))? else {
-                self.snapshots.push(shadow);
-                return self.stuck(Vec::new());
-            };
-            let Answer::Snapshot(outcome) = answer else {
-                unreachable!("a snapshot answers Snapshot")
-            };
-            match outcome {
-                Ok(taken) => {
-                    self.note(|| format!("snapshot `{}` taken ({taken:?})", shadow.name));
-                    self.outcome.snapshots_taken += 1;
-                    self.snapshots.push(Shadow {
-                        certain: true,
-                        ..shadow
-                    });
-                    // Every segment it names is durable: it is a FLUSH too.
-                    self.flushed = covers;
-                }
-                Err(error) => {
-                    self.note(|| format!("snapshot `{}` failed: {error}", shadow.name));
-                    self.snapshots.push(shadow);
-                }
-            }
+            self.snapshot_step()?
         } else if choice < 90 {
-            let covers = self.history.len();
-            let Some(answer) = self.run(Step::Flush)? else {
-                return self.stuck(Vec::new());
-            };
-            let Answer::Done(outcome) = answer else {
-                unreachable!("a flush answers Done")
-            };
-            match outcome {
-                Ok(()) => {
-                    self.note(|| format!("flush acknowledged ({covers} changes)"));
-                    self.flushed = covers;
-                }
-                Err(error) => self.note(|| format!("flush failed: {error}")),
-            }
+            self.flush_step()?
         } else if choice >= 97 {
             return self.close_and_reopen();
         } else {
-            let threshold = self.rng.gen_range(0.2..0.9);
-            let mut writes = Vec::new();
-            let mut changes = Vec::new();
-            for _ in 0..self.rng.gen_range(0..3) {
-                let blocks = self.random_blocks();
-                let (offset, data, change) = self.data_for(blocks);
-                writes.push((offset, data));
-                changes.push(change);
-            }
-            self.outcome.gc_rounds += 1;
-            let Some(answer) = self.run(Step::Collect(threshold, writes))? else {
-                return self.stuck(changes);
-            };
-            let Answer::Collected(report, outcomes) = answer else {
-                unreachable!("a round answers Collected")
-            };
-            // A round that failed before its reads wrote nothing in between.
-            let mut outcomes = outcomes.into_iter();
-            for change in changes {
-                match outcomes.next() {
-                    Some(outcome) => self.record(change, &outcome),
-                    None => self.note(|| "a write of the round was never made".to_string()),
-                }
-            }
-            match report {
-                Ok(report) => self.note(|| format!("collection round: {report:?}")),
-                Err(error) => self.note(|| format!("collection round failed: {error}")),
-            }
-            if let Some(store) = &self.store {
-                store
-                    .check_live_bytes()
-                    .map_err(|reason| format!("after a collection round, {reason}"))?;
-            }
-            self.check_snapshots()?;
+            self.collect_step()?
+        };
+        if !alive {
+            return Ok(false);
         }
         self.check_named_segments_exist()?;
         Ok(true)
     }
 
+    /// Writes one to three ranges. False when the server crashed under it.
+    fn write_step(&mut self) -> Result<bool, Violation> {
+        let count = if self.rng.gen_bool(0.2) { 3 } else { 1 };
+        let mut writes = Vec::new();
+        let mut changes = Vec::new();
+        for _ in 0..count {
+            let blocks = self.random_blocks();
+            let (offset, data, change) = self.data_for(blocks);
+            writes.push((offset, data));
+            changes.push(change);
+        }
+        let Some(answer) = self.run(Step::Write(writes))? else {
+            return self.stuck(changes);
+        };
+        let Answer::Writes(outcomes) = answer else {
+            unreachable!("writes answer Writes")
+        };
+        for (change, outcome) in changes.into_iter().zip(outcomes) {
+            self.record(change, &outcome);
+        }
+        Ok(true)
+    }
+
+    /// Zeroes a range. False when the server crashed under it.
+    fn zeroes_step(&mut self) -> Result<bool, Violation> {
+        let blocks = self.random_blocks();
+        let change = Change {
+            blocks: blocks.clone(),
+            write: None,
+            acknowledged: false,
+        };
+        let step = Step::Zeroes(
+            blocks.start * BLOCK_BYTES,
+            (blocks.end - blocks.start) * BLOCK_BYTES,
+        );
+        let Some(answer) = self.run(step)? else {
+            return self.stuck(vec![change]);
+        };
+        let Answer::Done(outcome) = answer else {
+            unreachable!("zeroes answer Done")
+        };
+        self.record(change, &outcome);
+        Ok(true)
+    }
+
+    /// Reads a batch of runs and checks them. False when the server crashed under it.
+    fn read_step(&mut self) -> Result<bool, Violation> {
+        // A batch of one to three reads: a range cut at block boundaries into runs
+        // (as a read-ahead window's runs, which may share GETs), in a seeded order.
+        let blocks = self.random_blocks();
+        let mut cuts = vec![blocks.start, blocks.end];
+        for _ in 0..self.rng.gen_range(0..=2) {
+            cuts.push(self.rng.gen_range(blocks.clone()));
+        }
+        cuts.sort_unstable();
+        cuts.dedup();
+        let mut runs: Vec<Range<u64>> = cuts.windows(2).map(|cut| cut[0]..cut[1]).collect();
+        if self.rng.gen_bool(0.5) {
+            runs.reverse();
+        }
+        let reads = runs
+            .iter()
+            .map(|run| {
+                (
+                    run.start * BLOCK_BYTES,
+                    ((run.end - run.start) * BLOCK_BYTES) as usize,
+                )
+            })
+            .collect();
+        let Some(answer) = self.run(Step::Read(reads))? else {
+            return self.stuck(Vec::new());
+        };
+        let Answer::Read(outcomes) = answer else {
+            unreachable!("a read answers Read")
+        };
+        assert_eq!(
+            outcomes.len(),
+            runs.len(),
+            "one outcome per read of a batch"
+        );
+        for (run, outcome) in runs.into_iter().zip(outcomes) {
+            match outcome {
+                Ok(data) => {
+                    self.note(format!("read blocks {run:?}"));
+                    self.check_read(run.start * BLOCK_BYTES, &data)?;
+                }
+                Err(error) => self.note(format!("read blocks {run:?} failed: {error}")),
+            }
+        }
+        Ok(true)
+    }
+
+    /// Takes a snapshot. False when the server crashed under it.
+    fn snapshot_step(&mut self) -> Result<bool, Violation> {
+        let covers = self.history.len();
+        let name = format!("s{}", self.snapshots.len() + 1);
+        let shadow = Shadow {
+            name: name.clone(),
+            allowed: self.now.clone(),
+            certain: false,
+        };
+        let Some(answer) = self.run(Step::Snapshot(name))? else {
+            self.snapshots.push(shadow);
+            return self.stuck(Vec::new());
+        };
+        let Answer::Snapshot(outcome) = answer else {
+            unreachable!("a snapshot answers Snapshot")
+        };
+        match outcome {
+            Ok(taken) => {
+                self.note(format!("snapshot `{}` taken ({taken:?})", shadow.name));
+                self.counts.snapshots_taken += 1;
+                self.snapshots.push(Shadow {
+                    certain: true,
+                    ..shadow
+                });
+                // Every segment it names is durable: it is a FLUSH too.
+                self.flushed = covers;
+            }
+            Err(error) => {
+                self.note(format!("snapshot `{}` failed: {error}", shadow.name));
+                self.snapshots.push(shadow);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Flushes. False when the server crashed under it.
+    fn flush_step(&mut self) -> Result<bool, Violation> {
+        let covers = self.history.len();
+        let Some(answer) = self.run(Step::Flush)? else {
+            return self.stuck(Vec::new());
+        };
+        let Answer::Done(outcome) = answer else {
+            unreachable!("a flush answers Done")
+        };
+        match outcome {
+            Ok(()) => {
+                self.note(format!("flush acknowledged ({covers} changes)"));
+                self.flushed = covers;
+            }
+            Err(error) => self.note(format!("flush failed: {error}")),
+        }
+        Ok(true)
+    }
+
+    /// Runs a collection round with writes landing in the middle of it, then checks the collector's bookkeeping and the snapshots. False when the server crashed under it.
+    fn collect_step(&mut self) -> Result<bool, Violation> {
+        let threshold = self.rng.gen_range(0.2..0.9);
+        let mut writes = Vec::new();
+        let mut changes = Vec::new();
+        for _ in 0..self.rng.gen_range(0..3) {
+            let blocks = self.random_blocks();
+            let (offset, data, change) = self.data_for(blocks);
+            writes.push((offset, data));
+            changes.push(change);
+        }
+        self.counts.gc_rounds += 1;
+        let Some(answer) = self.run(Step::Collect(threshold, writes))? else {
+            return self.stuck(changes);
+        };
+        let Answer::Collected(report, outcomes) = answer else {
+            unreachable!("a round answers Collected")
+        };
+        // A round that failed before its reads wrote nothing in between.
+        let mut outcomes = outcomes.into_iter();
+        for change in changes {
+            match outcomes.next() {
+                Some(outcome) => self.record(change, &outcome),
+                None => self.note("a write of the round was never made".to_string()),
+            }
+        }
+        match report {
+            Ok(report) => self.note(format!("collection round: {report:?}")),
+            Err(error) => self.note(format!("collection round failed: {error}")),
+        }
+        if let Some(store) = &self.store {
+            store.check_live_bytes().map_err(|reason| {
+                self.violation(
+                    property::LIVE_BYTES,
+                    format!("after a collection round, {reason}"),
+                )
+            })?;
+        }
+        self.check_snapshots()?;
+        Ok(true)
+    }
+
     /// Every durable segment the open server's index names is in the bucket: the collector
     /// (or an open's cleanup, or a late DELETE) never deleted what a read still needs.
-    fn check_named_segments_exist(&self) -> Result<(), String> {
+    fn check_named_segments_exist(&self) -> Result<(), Violation> {
         let Some(store) = &self.store else {
             return Ok(());
         };
@@ -1213,8 +1376,11 @@ impl Harness {
             .collect();
         match named.into_iter().find(|key| !present.contains(key))
         {
-            Some(key) => Err(format!(
-                "segment `{key}` named by the index does not exist (deleted while the index named it)"
+            Some(key) => Err(self.violation(
+                property::SEGMENTS_EXIST,
+                format!(
+                    "segment `{key}` named by the index does not exist (deleted while the index named it)"
+                ),
             )),
             None => Ok(()),
         }
@@ -1222,12 +1388,12 @@ impl Harness {
 
     /// A step got stuck and the server crashed under it: its writes were never acknowledged
     /// (each may have reached the log or not).
-    fn stuck(&mut self, changes: Vec<Change>) -> Result<bool, String> {
+    fn stuck(&mut self, changes: Vec<Change>) -> Result<bool, Violation> {
         for change in changes {
             apply(&mut self.now, &change);
             self.history.push(change);
         }
-        self.outcome.crashes += 1;
+        self.counts.crashes += 1;
         // The crashed store is dropped by the reopen (its requests are refused already).
         if let Some(store) = self.store.take() {
             self.retire(store);
@@ -1292,7 +1458,7 @@ pub fn check_log_seed(seed: u64, trace: bool) -> LogCheckOutcome {
     let lives = rng.gen_range(2..=5);
     let mut harness = Harness {
         seed,
-        trace,
+        notes: Notes::new(RECENT_STEPS, trace),
         label: "disk",
         compressible: rng.gen_bool(0.5),
         rng,
@@ -1308,7 +1474,7 @@ pub fn check_log_seed(seed: u64, trace: bool) -> LogCheckOutcome {
         now: vec![vec![0]; blocks as usize],
         next_write: 0,
         step: 0,
-        outcome: LogCheckOutcome::default(),
+        counts: LogCheckCounts::default(),
         snapshots: Vec::new(),
         clone: None,
         clone_attempts: 0,
@@ -1317,19 +1483,19 @@ pub fn check_log_seed(seed: u64, trace: bool) -> LogCheckOutcome {
     // Whether the clone or the base takes the next step (module `sim_clones`), apart from
     // the base's own draws.
     let mut turns = StdRng::seed_from_u64(mix(seed ^ 0x7e57_c10e));
-    harness.note(|| {
+    harness.note({
         format!(
             "{} blocks, {config:?}, compress {compress}, encrypt {encrypt}, faults {faults:?}, late {late:?}, {lives} lives",
             harness.blocks
         )
     });
-    let result = (|| -> Result<(), String> {
+    let result = (|| -> Result<(), Violation> {
         harness.crash_and_reopen()?;
         for _ in 0..lives {
             let steps = harness.rng.gen_range(5..120);
             for _ in 0..steps {
                 if harness.clone.is_some() && turns.gen_bool(0.5) {
-                    clone_step(&mut harness).map_err(|message| format!("clone: {message}"))?;
+                    clone_step(&mut harness)?;
                     continue;
                 }
                 if !harness.one_step()? {
@@ -1342,9 +1508,7 @@ pub fn check_log_seed(seed: u64, trace: bool) -> LogCheckOutcome {
             if let Some(clone) = harness.clone.as_mut() {
                 if turns.gen_bool(0.5) {
                     clone.step = harness.step;
-                    clone
-                        .crash_and_reopen()
-                        .map_err(|message| format!("clone: {message}"))?;
+                    clone.crash_and_reopen()?;
                 }
             }
         }
@@ -1355,41 +1519,29 @@ pub fn check_log_seed(seed: u64, trace: bool) -> LogCheckOutcome {
         if let Some(store) = clone.store.take() {
             clone.retire(store);
         }
-        let theirs = &clone.outcome;
-        let ours = &mut harness.outcome;
-        ours.clone_steps += theirs.steps;
-        ours.steps += theirs.steps;
-        ours.crashes += theirs.crashes;
-        ours.gc_rounds += theirs.gc_rounds;
-        ours.clean_closes += theirs.clean_closes;
-        ours.epochs_pruned += theirs.epochs_pruned;
-        ours.snapshots_taken += theirs.snapshots_taken;
-        ours.snapshot_checks += theirs.snapshot_checks;
-        ours.checkpoints_lost += theirs.checkpoints_lost;
-        ours.clone_checks += theirs.clone_checks;
-        ours.epoch_objects_max = ours.epoch_objects_max.max(theirs.epoch_objects_max);
+        // The clone's harness counts no store faults, landings or clones of its own: those
+        // are the world's and the base's.
+        harness.counts.add(&clone.counts);
+        harness.counts.clone_steps += clone.counts.steps;
     }
     let counts = world.counts();
-    harness.outcome.faults =
+    harness.counts.faults =
         counts.failed + counts.lost + counts.hung + counts.reset + counts.applied_then_failed;
-    harness.outcome.late_landings = counts.landed_at_crash + counts.landed_late;
-    if let Err(message) = result {
-        harness.outcome.violation = Some(match message.strip_prefix("clone: ") {
-            Some(rest) => format!("clone: step {}: {rest}", harness.step),
-            None => format!("step {}: {message}", harness.step),
-        });
-    }
+    harness.counts.late_landings = counts.landed_at_crash + counts.landed_late;
     // The last server is abandoned as a crash would leave it.
     world.crash(harness.instance);
     if let Some(store) = harness.store.take() {
         harness.retire(store);
     }
-    harness.outcome
+    LogCheckOutcome {
+        counts: harness.counts,
+        violation: result.err(),
+    }
 }
 
 /// One step of the base's clone (its step counter shared with the base's, which lands the
 /// late requests), and its crash and reopen when the step crashed it.
-fn clone_step(harness: &mut Harness) -> Result<(), String> {
+fn clone_step(harness: &mut Harness) -> Result<(), Violation> {
     let clone = harness.clone.as_mut().expect("a clone");
     clone.step = harness.step;
     let alive = clone.one_step()?;
@@ -1401,62 +1553,14 @@ fn clone_step(harness: &mut Harness) -> Result<(), String> {
 }
 
 /// What checking a range of seeds found.
-#[derive(Clone, Debug, Default)]
-pub struct LogCheckSummary {
-    pub seeds: u64,
-    pub steps: u64,
-    pub crashes: u64,
-    pub faults: u64,
-    pub late_landings: u64,
-    pub gc_rounds: u64,
-    pub clean_closes: u64,
-    /// Epoch objects deleted, over all seeds.
-    pub epochs_pruned: u64,
-    /// The most epoch objects one seed's bucket held after an open.
-    pub epoch_objects_max: u64,
-    /// Newest checkpoints lost after a clean close, over all seeds.
-    pub checkpoints_lost: u64,
-    /// Snapshots taken, and whole reads of one checked against its shadow copy.
-    pub snapshots_taken: u64,
-    pub snapshot_checks: u64,
-    /// Clones made, steps their harnesses took (counted in `steps` too) and whole reads of
-    /// a clone checked (module `sim_clones`).
-    pub clones_made: u64,
-    pub clone_steps: u64,
-    pub clone_checks: u64,
-    /// (seed, what broke) of every seed that broke the contract.
-    pub violations: Vec<(u64, String)>,
-}
+pub type LogCheckSummary = bufcache_check::Sweep<LogCheckCounts>;
 
 /// Checks seeds `first..first + count`, calling `each` after every seed.
 pub fn check_log_seeds(
     first: u64,
     count: u64,
     trace: bool,
-    mut each: impl FnMut(u64, &LogCheckOutcome),
+    each: impl FnMut(u64, &LogCheckOutcome),
 ) -> LogCheckSummary {
-    let mut summary = LogCheckSummary::default();
-    for seed in first..first.saturating_add(count) {
-        let outcome = check_log_seed(seed, trace);
-        each(seed, &outcome);
-        summary.seeds += 1;
-        summary.steps += outcome.steps;
-        summary.crashes += outcome.crashes;
-        summary.faults += outcome.faults;
-        summary.late_landings += outcome.late_landings;
-        summary.gc_rounds += outcome.gc_rounds;
-        summary.clean_closes += outcome.clean_closes;
-        summary.epochs_pruned += outcome.epochs_pruned;
-        summary.checkpoints_lost += outcome.checkpoints_lost;
-        summary.snapshots_taken += outcome.snapshots_taken;
-        summary.snapshot_checks += outcome.snapshot_checks;
-        summary.epoch_objects_max = summary.epoch_objects_max.max(outcome.epoch_objects_max);
-        summary.clones_made += outcome.clones_made;
-        summary.clone_steps += outcome.clone_steps;
-        summary.clone_checks += outcome.clone_checks;
-        if let Some(message) = outcome.violation {
-            summary.violations.push((seed, message));
-        }
-    }
-    summary
+    bufcache_check::check_seeds(first, count, |seed| check_log_seed(seed, trace), each)
 }

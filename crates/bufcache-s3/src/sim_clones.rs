@@ -23,6 +23,15 @@ use object_store::ObjectStore;
 
 use crate::S3Url;
 
+/// Why making a clone failed (a request of the faulty store, or no runtime to run it on).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CloneError {
+    #[error("a runtime: {0}")]
+    Runtime(#[from] std::io::Error),
+    #[error(transparent)]
+    Snapshot(#[from] crate::SnapshotError),
+}
+
 /// Makes the clone at `clone_url` of snapshot `name` of the disk at `base_url` through
 /// `store` (one instance's connection, under its faults), as `bufcache disk clone` does:
 /// the record's create-only PUT, GETs of the base's metadata and of the snapshot, the clone
@@ -32,15 +41,12 @@ pub(crate) fn create_clone(
     base_url: &S3Url,
     clone_url: &S3Url,
     name: &str,
-) -> Result<(), String> {
+) -> Result<(), CloneError> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
-        .build()
-        .map_err(|error| format!("a runtime: {error}"))?;
+        .build()?;
     runtime.block_on(async {
-        crate::admin::create_clone_objects(&*store, &*store, base_url, clone_url, name)
-            .await
-            .map(drop)
-            .map_err(|error| error.to_string())
+        crate::admin::create_clone_objects(&*store, &*store, base_url, clone_url, name).await?;
+        Ok(())
     })
 }

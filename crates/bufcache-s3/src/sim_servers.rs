@@ -43,6 +43,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bufcache_check::{Notes, Violation, RECENT_STEPS};
 use bytes::Bytes;
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, PutMode, PutOptions, UpdateVersion};
@@ -53,7 +54,8 @@ use bufcache_device::Clock;
 
 use crate::lease::{renewal_interval_ns, LapseWatch, Lease, CLOCK_RATE_ERROR_MAX};
 use crate::sim_check::{
-    apply, describe_tag, fill_block, find_prefix, key_file, tag_of, Allowed, Change, BLOCK_BYTES,
+    apply, describe_tag, describe_tags, fill_block, find_prefix, key_file, tag_of, Allowed, Change,
+    BLOCK_BYTES,
 };
 use crate::sim_store::{FaultRates, LateRates, SimWorld};
 use crate::{LogConfig, LogStore, S3Url, StoreError};
@@ -68,6 +70,22 @@ const STUCK_AFTER: Duration = Duration::from_millis(40);
 const NEVER_RETURNS: Duration = Duration::from_secs(10);
 /// The most servers on one disk.
 pub const SERVERS_MAX: u32 = 3;
+
+/// The properties `sim check --layout log --servers` checks (module docs), as its
+/// violations name them.
+pub mod property {
+    /// One writer at a time: no server acknowledges after another took the disk.
+    pub const ONE_WRITER: &str = "one writer at a time";
+    /// Nothing flushed is lost: a new writer's disk is a prefix of the writes that includes
+    /// every flushed one.
+    pub const NOTHING_FLUSHED_LOST: &str = "nothing flushed is lost";
+    /// Reads of the newest writer return the latest acknowledged data.
+    pub const READS: &str = "reads";
+    /// Every segment the newest writer's index names exists.
+    pub const SEGMENTS_EXIST: &str = "named segments exist";
+    /// Every step returns (or hangs on a request the harness knows of), and the disk opens.
+    pub const PROGRESS: &str = "progress";
+}
 
 /// What checking one seed found.
 #[derive(Clone, Debug, Default)]
@@ -97,7 +115,13 @@ pub struct ServersCheckOutcome {
     /// The largest clock-rate error a server ran with, in parts per million.
     pub clock_rate_error_ppm_max: u64,
     /// What broke the contract, with the tick; None when nothing did.
-    pub violation: Option<String>,
+    pub violation: Option<Violation>,
+}
+
+impl bufcache_check::SeedOutcome for ServersCheckOutcome {
+    fn violation(&self) -> Option<&Violation> {
+        self.violation.as_ref()
+    }
 }
 
 /// A server's clock: the global virtual time at its own rate and offset.
@@ -132,7 +156,7 @@ type Instant = (u64, u64);
 enum Answer {
     Acquire(Acquired, LapseWatch),
     Renew(Renewal),
-    Opened(Result<LogStore, String>),
+    Opened(Result<LogStore, crate::OpenError>),
     Writes(Vec<Outcome>),
     Done(Outcome),
     Read(Result<Vec<u8>, StoreError>),
@@ -201,21 +225,29 @@ fn put_mode(e_tag: Option<String>) -> PutOptions {
     }
 }
 
+/// Why the lock could not be read.
+#[derive(Debug, thiserror::Error)]
+enum LockReadError {
+    #[error(transparent)]
+    Store(#[from] object_store::Error),
+    #[error("an unreadable lock")]
+    Unreadable,
+}
+
 /// Reads the lock: (holder instance, renewal, ETag), None when there is none.
 async fn read_lock(
     store: &dyn ObjectStore,
     path: &ObjectPath,
-) -> Result<Option<(u64, u64, Option<String>)>, String> {
+) -> Result<Option<(u64, u64, Option<String>)>, LockReadError> {
     match store.get(path).await {
         Ok(found) => {
             let e_tag = found.meta.e_tag.clone();
-            let body = found.bytes().await.map_err(|error| error.to_string())?;
-            let (instance, renewal) =
-                parse_lock_body(&body).ok_or_else(|| "an unreadable lock".to_string())?;
+            let body = found.bytes().await?;
+            let (instance, renewal) = parse_lock_body(&body).ok_or(LockReadError::Unreadable)?;
             Ok(Some((instance, renewal, e_tag)))
         }
         Err(object_store::Error::NotFound { .. }) => Ok(None),
-        Err(error) => Err(error.to_string()),
+        Err(error) => Err(error.into()),
     }
 }
 
@@ -316,7 +348,7 @@ async fn renew(
             }
             Ok(Some((holder, _, _))) => Renewal::TakenOver(format!("instance {holder}")),
             Ok(None) => Renewal::TakenOver("nobody: the lock was deleted".to_string()),
-            Err(error) => Renewal::Failed(error),
+            Err(error) => Renewal::Failed(error.to_string()),
         };
     };
     let sent_ns = clock.now_ns();
@@ -398,7 +430,8 @@ struct Tenure {
 
 struct Harness {
     seed: u64,
-    trace: bool,
+    /// Every step, the last ones kept for a violation's report (printed when tracing).
+    notes: Notes,
     rng: StdRng,
     world: Arc<SimWorld>,
     url: S3Url,
@@ -448,27 +481,44 @@ enum Waited {
     Stuck(mpsc::Receiver<Answer>),
 }
 
+/// A step that did not come back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stall {
+    /// Its thread panicked.
+    Panicked,
+    /// No answer after [`NEVER_RETURNS`], and no request of this instance hangs.
+    NeverReturned { instance: u64 },
+}
+
+impl std::fmt::Display for Stall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Stall::Panicked => write!(f, "a step's thread panicked"),
+            Stall::NeverReturned { instance } => write!(
+                f,
+                "a step of instance {instance} has not returned after {NEVER_RETURNS:?} and none of its requests hangs (deadlock?)"
+            ),
+        }
+    }
+}
+
 fn wait(
     receiver: mpsc::Receiver<Answer>,
     world: &SimWorld,
     instance: u64,
-) -> Result<Waited, String> {
+) -> Result<Waited, Stall> {
     let mut waited = Duration::ZERO;
     loop {
         match receiver.recv_timeout(STUCK_AFTER) {
             Ok(answer) => return Ok(Waited::Answer(answer)),
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                return Err("a step's thread panicked".to_string())
-            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => return Err(Stall::Panicked),
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 waited += STUCK_AFTER;
                 if world.parked_of(instance) > 0 {
                     return Ok(Waited::Stuck(receiver));
                 }
                 if waited >= NEVER_RETURNS {
-                    return Err(format!(
-                        "a step of instance {instance} has not returned after {NEVER_RETURNS:?} and none of its requests hangs (deadlock?)"
-                    ));
+                    return Err(Stall::NeverReturned { instance });
                 }
             }
         }
@@ -480,25 +530,35 @@ fn lease_refused(result: &Result<(), StoreError>) -> bool {
 }
 
 impl Harness {
-    fn note(&self, text: impl FnOnce() -> String) {
-        if self.trace {
-            eprintln!(
-                "seed {} tick {} t={}ms: {}",
-                self.seed,
-                self.tick,
-                self.time_ns.load(Ordering::Acquire) / 1_000_000,
-                text()
+    fn note(&mut self, text: String) {
+        let at = format_args!(
+            "seed {} tick {} t={}ms",
+            self.seed,
+            self.tick,
+            self.time_ns.load(Ordering::Acquire) / 1_000_000
+        );
+        self.notes.note(at, text);
+    }
+
+    /// Traces what the store did (the world's log), without keeping it.
+    fn flush_world_log(&self) {
+        for line in self.world.take_log() {
+            self.notes.trace(
+                format_args!("seed {} tick {}", self.seed, self.tick),
+                format_args!("  store: {line}"),
             );
         }
     }
 
-    fn flush_world_log(&self) {
-        let lines = self.world.take_log();
-        if self.trace {
-            for line in lines {
-                eprintln!("seed {} tick {}:   store: {line}", self.seed, self.tick);
-            }
-        }
+    /// A broken `property` (module [`property`]) at this tick, with the steps before it.
+    fn violation(&self, property: &'static str, detail: String) -> Violation {
+        let tick = bufcache_check::Step::tick(self.tick);
+        Violation::new(property, detail, tick, self.seed, &self.notes)
+    }
+
+    /// A step that did not come back, as a violation.
+    fn stalled(&self, stall: Stall) -> Violation {
+        self.violation(property::PROGRESS, stall.to_string())
     }
 
     fn instant(&mut self) -> Instant {
@@ -517,7 +577,7 @@ impl Harness {
         at: usize,
         kind: PendingKind,
         step: impl FnOnce() -> Answer + Send + 'static,
-    ) -> Result<Option<Answer>, String> {
+    ) -> Result<Option<Answer>, Violation> {
         self.run_boxed(at, kind, Box::new(step))
     }
 
@@ -526,17 +586,17 @@ impl Harness {
         at: usize,
         kind: PendingKind,
         step: Box<dyn FnOnce() -> Answer + Send>,
-    ) -> Result<Option<Answer>, String> {
-        let receiver = spawn_step(self.trace, step);
+    ) -> Result<Option<Answer>, Violation> {
+        let receiver = spawn_step(self.notes.tracing(), step);
         let instance = self.servers[at].instance;
-        let waited = wait(receiver, &self.world, instance)?;
+        let waited = wait(receiver, &self.world, instance).map_err(|stall| self.stalled(stall))?;
         self.flush_world_log();
         match waited {
             Waited::Answer(answer) => Ok(Some(answer)),
             Waited::Stuck(receiver) => {
                 if self.rng.gen_bool(self.pause_when_stuck) {
                     let until = self.time() + self.rng.gen_range(LEASE_NS / 4..=3 * LEASE_NS);
-                    self.note(|| {
+                    self.note({
                         format!(
                             "server {at} stuck on a hung request: frozen until t={}ms",
                             until / 1_000_000
@@ -548,7 +608,7 @@ impl Harness {
                     server.paused_until = Some(until);
                     server.pending = Some(Pending { receiver, kind });
                 } else {
-                    self.note(|| format!("server {at} stuck on a hung request: it crashes"));
+                    self.note(format!("server {at} stuck on a hung request: it crashes"));
                     self.crash(at);
                     // Its requests now fail at once: the step ends.
                     let _ = receiver.recv_timeout(NEVER_RETURNS);
@@ -598,12 +658,12 @@ impl Harness {
 
     /// Server `at` acknowledged a write or FLUSH at instant `now`: no other tenure may have
     /// started between its own and then.
-    fn acknowledged(&mut self, at: usize, what: &str, now: Instant) -> Result<(), String> {
+    fn acknowledged(&mut self, at: usize, what: &str, now: Instant) -> Result<(), Violation> {
         self.outcome.acknowledged += 1;
         let instance = self.servers[at].instance;
         if let Role::Writer(writer) = &self.servers[at].role {
             let (age, check) = (writer.lease.age_ns(), writer.lease.check());
-            self.note(|| {
+            self.note({
                 format!(
                     "server {at} acknowledges {what}: lease age {}ms, {check:?}",
                     age / 1_000_000
@@ -615,17 +675,23 @@ impl Harness {
             .iter()
             .position(|tenure| tenure.instance == instance)
         else {
-            return Err(format!(
-                "server {at} (instance {instance}) acknowledged {what} without ever holding the disk"
+            return Err(self.violation(
+                property::ONE_WRITER,
+                format!(
+                    "server {at} (instance {instance}) acknowledged {what} without ever holding the disk"
+                ),
             ));
         };
         if let Some(next) = self.tenures.get(own + 1).filter(|next| next.taken <= now) {
-            return Err(format!(
-                "server {at} (instance {instance}) acknowledged {what} at t={}ms, after server {} (instance {}) took the disk at t={}ms: two servers' acknowledged intervals overlap",
-                now.0 / 1_000_000,
-                next.server,
-                next.instance,
-                next.taken.0 / 1_000_000
+            return Err(self.violation(
+                property::ONE_WRITER,
+                format!(
+                    "server {at} (instance {instance}) acknowledged {what} at t={}ms, after server {} (instance {}) took the disk at t={}ms: two servers' acknowledged intervals overlap",
+                    now.0 / 1_000_000,
+                    next.server,
+                    next.instance,
+                    next.taken.0 / 1_000_000
+                ),
             ));
         }
         let last = &mut self.tenures[own].last_acknowledged;
@@ -678,7 +744,7 @@ impl Harness {
         positions: &[usize],
         started: Instant,
         outcomes: Vec<Outcome>,
-    ) -> Result<(), String> {
+    ) -> Result<(), Violation> {
         for (&position, (outcome, returned_ns)) in positions.iter().zip(outcomes) {
             match &outcome {
                 Ok(()) => {
@@ -697,7 +763,7 @@ impl Harness {
                     if lease_refused(&outcome) {
                         self.outcome.refused_by_lease += 1;
                     }
-                    self.note(|| format!("server {at}: change {position} failed: {error}"));
+                    self.note(format!("server {at}: change {position} failed: {error}"));
                 }
             }
         }
@@ -716,12 +782,14 @@ impl Harness {
         covers: usize,
         started: Instant,
         (outcome, returned_ns): Outcome,
-    ) -> Result<(), String> {
+    ) -> Result<(), Violation> {
         match outcome {
             Ok(()) => {
                 let when = self.when(started, returned_ns);
                 self.acknowledged(at, "a FLUSH", when)?;
-                self.note(|| format!("server {at}: FLUSH acknowledged ({covers} changes)"));
+                self.note(format!(
+                    "server {at}: FLUSH acknowledged ({covers} changes)"
+                ));
                 // Positions count from the seed's first change; a FLUSH that covers only
                 // changes from before the newest open adds nothing to check.
                 let covered = covers.saturating_sub(self.history_start);
@@ -731,7 +799,7 @@ impl Harness {
                 if matches!(error, StoreError::Lease { .. }) {
                     self.outcome.refused_by_lease += 1;
                 }
-                self.note(|| format!("server {at}: FLUSH failed: {error}"));
+                self.note(format!("server {at}: FLUSH failed: {error}"));
             }
         }
         Ok(())
@@ -743,7 +811,7 @@ impl Harness {
         at: usize,
         kind: PendingKind,
         answer: Answer,
-    ) -> Result<(), String> {
+    ) -> Result<(), Violation> {
         match (kind, answer) {
             (PendingKind::Writes(positions, started), Answer::Writes(outcomes)) => {
                 self.settle_writes(at, &positions, started, outcomes)
@@ -762,7 +830,7 @@ impl Harness {
     }
 
     /// A lock or open step's answer arriving now (possibly after a pause).
-    fn settle_other(&mut self, at: usize, answer: Answer) -> Result<(), String> {
+    fn settle_other(&mut self, at: usize, answer: Answer) -> Result<(), Violation> {
         match answer {
             Answer::Acquire(acquired, watch) => self.settle_acquire(at, acquired, watch),
             Answer::Renew(renewed) => {
@@ -779,7 +847,7 @@ impl Harness {
         at: usize,
         acquired: Acquired,
         watch: LapseWatch,
-    ) -> Result<(), String> {
+    ) -> Result<(), Violation> {
         let now = self.instant();
         let Role::Standby {
             watch: slot,
@@ -802,7 +870,7 @@ impl Harness {
                 if unanswered && uncertain.is_none() {
                     *uncertain = Some(now);
                 }
-                self.note(|| format!("server {at} stands by: {why}"));
+                self.note(format!("server {at} stands by: {why}"));
                 return Ok(());
             }
         };
@@ -819,7 +887,9 @@ impl Harness {
             last_acknowledged: None,
         });
         let tenure = self.tenures.len() - 1;
-        self.note(|| format!("server {at} (instance {instance}) takes the disk (tenure {tenure})"));
+        self.note(format!(
+            "server {at} (instance {instance}) takes the disk (tenure {tenure})"
+        ));
         let renew_at_ns = sent_ns + renewal_interval_ns(LEASE_NS);
         self.servers[at].role = Role::Writer(Writer {
             lease,
@@ -865,16 +935,20 @@ impl Harness {
             }
         }
         if !text.is_empty() {
-            self.note(|| text);
+            self.note(text);
         }
     }
 
     /// A writer's open answered now: a new writer's disk must hold what was flushed.
-    fn settle_open(&mut self, at: usize, opened: Result<LogStore, String>) -> Result<(), String> {
+    fn settle_open(
+        &mut self,
+        at: usize,
+        opened: Result<LogStore, crate::OpenError>,
+    ) -> Result<(), Violation> {
         let store = match opened {
             Ok(store) => Arc::new(store),
             Err(error) => {
-                self.note(|| format!("server {at}: open failed: {error}"));
+                self.note(format!("server {at}: open failed: {error}"));
                 return Ok(());
             }
         };
@@ -884,16 +958,16 @@ impl Harness {
         };
         if Some(writer.tenure) != newest || writer.lease.check().is_err() {
             // Opened too late to serve: a deposed writer's open writes nothing more.
-            self.note(|| format!("server {at}: opened after its lease ended; unused"));
+            self.note(format!("server {at}: opened after its lease ended; unused"));
             return Ok(());
         }
         writer.store = Some(store.clone());
-        self.note(|| format!("server {at} opened the disk"));
+        self.note(format!("server {at} opened the disk"));
         self.verify_open(&store)
     }
 
     /// Reads the whole disk without faults and finds the prefix of history it equals.
-    fn verify_open(&mut self, store: &LogStore) -> Result<(), String> {
+    fn verify_open(&mut self, store: &LogStore) -> Result<(), Violation> {
         self.world.set_calm(true);
         let image = self.read_all(store);
         self.world.set_calm(false);
@@ -901,7 +975,7 @@ impl Harness {
         self.outcome.opens_checked += 1;
         match find_prefix(&self.base, &self.history, self.flushed, &image) {
             Some(length) => {
-                self.note(|| {
+                self.note({
                     format!(
                         "the disk is the first {length} of {} changes since the last open ({} flushed)",
                         self.history.len(),
@@ -921,54 +995,60 @@ impl Harness {
                     apply(&mut state, change);
                 }
                 let block = (0..image.len()).find(|&b| !state[b].contains(&image[b]));
-                Err(format!(
-                    "the disk a new writer opened is no prefix of the {} changes acknowledged since the last open that includes the {} a FLUSH acknowledged{}",
-                    self.history.len(),
-                    self.flushed,
-                    block.map_or(String::new(), |block| format!(
-                        ": block {block} reads {} but the flushed changes leave {}",
-                        describe_tag(image[block]),
-                        state[block]
-                            .iter()
-                            .map(|&tag| describe_tag(tag))
-                            .collect::<Vec<_>>()
-                            .join(" or ")
-                    ))
+                Err(self.violation(
+                    property::NOTHING_FLUSHED_LOST,
+                    format!(
+                        "the disk a new writer opened is no prefix of the {} changes acknowledged since the last open that includes the {} a FLUSH acknowledged{}",
+                        self.history.len(),
+                        self.flushed,
+                        block.map_or(String::new(), |block| format!(
+                            ": block {block} reads {} but the flushed changes leave {}",
+                            describe_tag(image[block]),
+                            describe_tags(&state[block])
+                        ))
+                    ),
                 ))
             }
         }
     }
 
-    fn read_all(&self, store: &LogStore) -> Result<Vec<u64>, String> {
+    fn read_all(&self, store: &LogStore) -> Result<Vec<u64>, Violation> {
         let mut buffer = vec![0u8; (self.blocks * BLOCK_BYTES) as usize];
-        store
-            .read(&mut buffer, 0)
-            .map_err(|error| format!("reading the opened disk (no faults): {error}"))?;
+        store.read(&mut buffer, 0).map_err(|error| {
+            self.violation(
+                property::READS,
+                format!("reading the opened disk (no faults): {error}"),
+            )
+        })?;
         buffer
             .chunks(BLOCK_BYTES as usize)
             .enumerate()
             .map(|(block, bytes)| {
-                tag_of(bytes, self.compressible)
-                    .map_err(|reason| format!("after an open, block {block} {reason}"))
+                tag_of(bytes, self.compressible).map_err(|reason| {
+                    self.violation(
+                        property::NOTHING_FLUSHED_LOST,
+                        format!("after an open, block {block} {reason}"),
+                    )
+                })
             })
             .collect()
     }
 
-    fn check_read(&self, offset: u64, data: &[u8]) -> Result<(), String> {
+    fn check_read(&self, offset: u64, data: &[u8]) -> Result<(), Violation> {
         for (index, bytes) in data.chunks(BLOCK_BYTES as usize).enumerate() {
             let block = offset / BLOCK_BYTES + index as u64;
-            let tag = tag_of(bytes, self.compressible)
-                .map_err(|reason| format!("a read of block {block} {reason}"))?;
+            let tag = tag_of(bytes, self.compressible).map_err(|reason| {
+                self.violation(property::READS, format!("a read of block {block} {reason}"))
+            })?;
             let allowed = &self.now[block as usize];
             if !allowed.contains(&tag) {
-                return Err(format!(
-                    "a read of block {block} from the newest writer returned {} but the latest acknowledged data is {}",
-                    describe_tag(tag),
-                    allowed
-                        .iter()
-                        .map(|&tag| describe_tag(tag))
-                        .collect::<Vec<_>>()
-                        .join(" or ")
+                return Err(self.violation(
+                    property::READS,
+                    format!(
+                        "a read of block {block} from the newest writer returned {} but the latest acknowledged data is {}",
+                        describe_tag(tag),
+                        describe_tags(allowed)
+                    ),
                 ));
             }
         }
@@ -976,7 +1056,7 @@ impl Harness {
     }
 
     /// Every durable segment the newest writer's index names exists.
-    fn check_named_segments_exist(&self) -> Result<(), String> {
+    fn check_named_segments_exist(&self) -> Result<(), Violation> {
         let Some(store) = self.newest_store() else {
             return Ok(());
         };
@@ -988,8 +1068,11 @@ impl Harness {
             .map(|(key, _)| key)
             .collect();
         match named.into_iter().find(|key| !present.contains(key)) {
-            Some(key) => Err(format!(
-                "segment `{key}` named by the newest writer's index does not exist (deleted while it named it)"
+            Some(key) => Err(self.violation(
+                property::SEGMENTS_EXIST,
+                format!(
+                    "segment `{key}` named by the newest writer's index does not exist (deleted while it named it)"
+                ),
             )),
             None => Ok(()),
         }
@@ -1005,7 +1088,7 @@ impl Harness {
     }
 
     /// Server `at`'s own business this tick: restart, heal, resume, the lock.
-    fn server_tick(&mut self, at: usize) -> Result<(), String> {
+    fn server_tick(&mut self, at: usize) -> Result<(), Violation> {
         let time = self.time();
         if let Role::Down(until) = self.servers[at].role {
             if time < until {
@@ -1013,7 +1096,9 @@ impl Harness {
             }
             self.next_instance += 1;
             let instance = self.next_instance;
-            self.note(|| format!("server {at} restarts as a standby (instance {instance})"));
+            self.note(format!(
+                "server {at} restarts as a standby (instance {instance})"
+            ));
             let server = &mut self.servers[at];
             if server.partitioned_until.take().is_some() {
                 self.world.set_partitioned(server.instance, false);
@@ -1037,9 +1122,11 @@ impl Harness {
             self.servers[at].paused_until = None;
             let instance = self.servers[at].instance;
             let landed = self.world.resume(instance);
-            self.note(|| format!("server {at} resumes ({landed} requests land now)"));
+            self.note(format!("server {at} resumes ({landed} requests land now)"));
             if let Some(Pending { receiver, kind }) = self.servers[at].pending.take() {
-                match wait(receiver, &self.world, instance)? {
+                let waited =
+                    wait(receiver, &self.world, instance).map_err(|stall| self.stalled(stall))?;
+                match waited {
                     Waited::Answer(answer) => self.settle_pending(at, kind, answer)?,
                     Waited::Stuck(receiver) => {
                         // Stuck again on a new hung request: frozen once more.
@@ -1074,7 +1161,7 @@ impl Harness {
                 if let Err(crate::lease::LeaseError::TakenOver { .. }) = writer.lease.check() {
                     // A deposed server's process ends (and restarts as a standby).
                     if self.rng.gen_bool(0.3) {
-                        self.note(|| format!("server {at} exits: its disk was taken over"));
+                        self.note(format!("server {at} exits: its disk was taken over"));
                         self.stop(at, time);
                     }
                     return Ok(());
@@ -1086,10 +1173,7 @@ impl Harness {
                     let lease = writer.lease.clone();
                     let (url, config) = (self.url.clone(), self.config);
                     Box::new(move || {
-                        Answer::Opened(
-                            LogStore::open_leased_on(&url, store, config, lease)
-                                .map_err(|error| error.to_string()),
-                        )
+                        Answer::Opened(LogStore::open_leased_on(&url, store, config, lease))
                     })
                 } else if clock.now_ns() < writer.renew_at_ns {
                     return Ok(());
@@ -1110,7 +1194,7 @@ impl Harness {
     }
 
     /// A client request to server `at` (a writer; a deposed one's must all be refused).
-    fn client_step(&mut self, at: usize) -> Result<(), String> {
+    fn client_step(&mut self, at: usize) -> Result<(), Violation> {
         let Role::Writer(writer) = &self.servers[at].role else {
             return Ok(());
         };
@@ -1246,7 +1330,7 @@ impl Harness {
             let Answer::Collected(report, outcomes) = answer else {
                 unreachable!("a round answers Collected")
             };
-            self.note(|| format!("server {at}: collection round: {report:?}"));
+            self.note(format!("server {at}: collection round: {report:?}"));
             // A round that failed before its reads wrote nothing in between.
             let made = outcomes.len();
             self.settle_writes(at, &positions[..made], started, outcomes)
@@ -1254,24 +1338,30 @@ impl Harness {
     }
 
     /// One fault the harness injects, or a client step.
-    fn event(&mut self) -> Result<(), String> {
+    fn event(&mut self) -> Result<(), Violation> {
         let choice = self.rng.gen_range(0..100);
         let at = self.rng.gen_range(0..self.servers.len());
         let live = !matches!(self.servers[at].role, Role::Down(_))
             && self.servers[at].paused_until.is_none();
         if choice < 3 && live {
             let until = self.time() + self.rng.gen_range(LEASE_NS / 4..=3 * LEASE_NS);
-            self.note(|| format!("server {at} frozen until t={}ms", until / 1_000_000));
+            self.note(format!(
+                "server {at} frozen until t={}ms",
+                until / 1_000_000
+            ));
             self.outcome.pauses += 1;
             self.servers[at].paused_until = Some(until);
         } else if choice < 6 && live && self.servers[at].partitioned_until.is_none() {
             let until = self.time() + self.rng.gen_range(LEASE_NS / 4..=3 * LEASE_NS);
-            self.note(|| format!("server {at} cut off until t={}ms", until / 1_000_000));
+            self.note(format!(
+                "server {at} cut off until t={}ms",
+                until / 1_000_000
+            ));
             self.outcome.partitions += 1;
             self.servers[at].partitioned_until = Some(until);
             self.world.set_partitioned(self.servers[at].instance, true);
         } else if choice < 8 && live {
-            self.note(|| format!("server {at} crashes"));
+            self.note(format!("server {at} crashes"));
             self.crash(at);
         } else {
             // Clients talk to whichever server believes it holds the disk: usually the
@@ -1291,7 +1381,7 @@ impl Harness {
 
     /// Every process stops; a last server opens the disk (no lease: nobody else is left)
     /// and must find what was flushed.
-    fn finish(&mut self) -> Result<(), String> {
+    fn finish(&mut self) -> Result<(), Violation> {
         for at in 0..self.servers.len() {
             if !matches!(self.servers[at].role, Role::Down(_)) {
                 self.stop(at, u64::MAX);
@@ -1307,8 +1397,10 @@ impl Harness {
             self.config,
         );
         self.world.set_calm(false);
-        let store = opened.map_err(|error| format!("the last open fails: {error}"))?;
-        self.note(|| "the last server opens the disk".to_string());
+        let store = opened.map_err(|error| {
+            self.violation(property::PROGRESS, format!("the last open fails: {error}"))
+        })?;
+        self.note("the last server opens the disk".to_string());
         let checked = self.verify_open(&store);
         self.world.crash(self.next_instance);
         checked
@@ -1320,61 +1412,32 @@ impl Harness {
 pub fn check_servers_seed(seed: u64, servers: Option<u32>, trace: bool) -> ServersCheckOutcome {
     let _quiet = (!trace)
         .then(|| tracing::subscriber::set_default(tracing::subscriber::NoSubscriber::default()));
-    // Another stream than the single-server check's for the same seed.
-    let mut rng = StdRng::seed_from_u64(crate::sim_store::mix(seed ^ 0x5e7e_5e7e));
-    let count = servers.unwrap_or_else(|| rng.gen_range(2..=SERVERS_MAX));
-    assert!((2..=SERVERS_MAX).contains(&count), "2 or 3 servers");
-    let faulty = rng.gen_range(0..3) != 0;
-    let faults = if faulty {
-        FaultRates {
-            fail_ppm: rng.gen_range(0..30_000),
-            lost_ppm: rng.gen_range(0..15_000),
-            hang_ppm: rng.gen_range(0..20_000),
-            reset_ppm: rng.gen_range(0..40_000),
-            applied_then_fail_ppm: rng.gen_range(0..40_000),
+    let (mut harness, ticks) = Harness::draw(seed, servers, trace);
+    let result = harness.run_ticks(ticks);
+    let world = harness.world.clone();
+    let counts = world.counts();
+    harness.outcome.faults =
+        counts.failed + counts.lost + counts.hung + counts.reset + counts.applied_then_failed;
+    harness.outcome.late_landings = counts.landed_at_crash + counts.landed_late;
+    harness.outcome.violation = result.err();
+    for at in 0..harness.servers.len() {
+        let instance = harness.servers[at].instance;
+        world.crash(instance);
+        if let Some(pending) = harness.servers[at].pending.take() {
+            let _ = pending.receiver.recv_timeout(NEVER_RETURNS);
         }
-    } else {
-        FaultRates::default()
-    };
-    let late = LateRates {
-        at_crash_ppm: 300_000,
-        later_ppm: 500_000,
-        later_steps_max: rng.gen_range(1..40),
-    };
-    let world = SimWorld::new(seed, faults, late);
-    let blocks: u64 = rng.gen_range(16..=64);
-    let compress = rng.gen_bool(0.5);
-    let encrypt = rng.gen_bool(0.3);
-    let mut text = format!(
-        "s3://sim/servers{seed}?create-size={}&layout=log",
-        blocks * BLOCK_BYTES
-    );
-    if compress {
-        text.push_str("&compress=zstd");
     }
-    if encrypt {
-        text.push_str(&format!("&key-file={}", key_file().display()));
-    }
-    let url = S3Url::parse(&text).expect("the harness's URL parses");
-    let lock_path = ObjectPath::from(url.key(crate::LOCK_NAME).as_str());
-    let segment_bytes_max = [8u64 << 10, 16 << 10, 32 << 10][rng.gen_range(0..3)];
-    let config = LogConfig {
-        segment_bytes_max,
-        segments_in_flight_max: rng.gen_range(1..=4),
-        checkpoint_interval_segments: rng.gen_range(1..=4),
-        requests_in_flight_max: rng.gen_range(1..=4),
-        gc_threshold: None,
-        gc_stored_ratio_max: 1.5,
-        gc_requests_in_flight_max: rng.gen_range(1..=2),
-        gc_bytes_max: segment_bytes_max * rng.gen_range(1..=4),
-        gc_interval_ms: 100,
-        get_bytes_max: [4 << 10, 12 << 10, segment_bytes_max][rng.gen_range(0..3)],
-    };
+    harness.servers.clear();
+    harness.outcome
+}
+
+/// The servers of a seed, `count` of them, on clocks over the global virtual time
+/// `time_ns` with seeded rate errors and offsets.
+fn draw_servers(rng: &mut StdRng, count: u32, time_ns: &Arc<AtomicU64>) -> Vec<Server> {
     // Rate errors within the bound; a quarter of the seeds put its extremes on the servers.
     let bound_ppm = (CLOCK_RATE_ERROR_MAX * 1_000_000.0) as i64;
     let extremes = rng.gen_bool(0.25);
-    let time_ns = Arc::new(AtomicU64::new(0));
-    let servers: Vec<Server> = (0..count as usize)
+    (0..count as usize)
         .map(|number| {
             let rate_error_ppm = if extremes {
                 if rng.gen_bool(0.5) {
@@ -1402,102 +1465,154 @@ pub fn check_servers_seed(seed: u64, servers: Option<u32>, trace: bool) -> Serve
                 partitioned_until: None,
             }
         })
-        .collect();
-    let ticks = rng.gen_range(150..300);
-    let mut harness = Harness {
-        seed,
-        trace,
-        compressible: rng.gen_bool(0.5),
-        pause_when_stuck: rng.gen_range(0.3..0.9),
-        rng,
-        world: world.clone(),
-        url,
-        lock_path,
-        config,
-        blocks,
-        time_ns,
-        order: 0,
-        tick: 0,
-        next_instance: u64::from(count),
-        servers,
-        tenures: Vec::new(),
-        base: vec![0; blocks as usize],
-        history: Vec::new(),
-        history_start: 0,
-        flushed: 0,
-        now: vec![vec![0]; blocks as usize],
-        next_write: 0,
-        outcome: ServersCheckOutcome {
-            servers: count,
-            clock_rate_error_ppm_max: 0,
-            ..Default::default()
-        },
-    };
-    harness.outcome.clock_rate_error_ppm_max = harness
-        .servers
-        .iter()
-        .map(|server| server.clock.rate_error_ppm.unsigned_abs())
-        .max()
-        .unwrap_or(0);
-    harness.note(|| {
-        format!(
-            "{count} servers (clock rate errors {:?} ppm), {} blocks, {config:?}, compress {compress}, encrypt {encrypt}, faults {faults:?}, {ticks} ticks",
-            harness
-                .servers
-                .iter()
-                .map(|server| server.clock.rate_error_ppm)
-                .collect::<Vec<_>>(),
-            harness.blocks
-        )
-    });
-    let result = (|| -> Result<(), String> {
-        // The disk exists before its servers start (as `bufcache disk create` leaves it).
-        harness.world.set_calm(true);
-        let created = LogStore::open_unlocked_on(&harness.url, harness.world.store(0), config)
-            .map_err(|error| error.to_string())
-            .and_then(|mut store| store.close().map_err(|error| error.to_string()));
-        harness.world.set_calm(false);
-        harness.world.crash(0);
-        created.map_err(|error| format!("creating the disk: {error}"))?;
-        for _ in 0..ticks {
-            harness.tick += 1;
-            harness.outcome.ticks += 1;
-            let step = harness.rng.gen_range(LEASE_NS / 50..=LEASE_NS / 8);
-            harness.time_ns.fetch_add(step, Ordering::AcqRel);
-            harness.world.land_due(harness.tick);
-            harness.flush_world_log();
-            for at in 0..harness.servers.len() {
-                debug_assert_eq!(harness.servers[at].number, at);
-                harness.server_tick(at)?;
-            }
-            for _ in 0..harness.rng.gen_range(1..=3) {
-                harness.event()?;
-            }
-        }
-        harness.finish()
-    })();
-    let counts = world.counts();
-    harness.outcome.faults =
-        counts.failed + counts.lost + counts.hung + counts.reset + counts.applied_then_failed;
-    harness.outcome.late_landings = counts.landed_at_crash + counts.landed_late;
-    if let Err(message) = result {
-        harness.outcome.violation = Some(format!("tick {}: {message}", harness.tick));
-    }
-    for at in 0..harness.servers.len() {
-        let instance = harness.servers[at].instance;
-        world.crash(instance);
-        if let Some(pending) = harness.servers[at].pending.take() {
-            let _ = pending.receiver.recv_timeout(NEVER_RETURNS);
-        }
-    }
-    harness.servers.clear();
-    harness.outcome
+        .collect()
 }
 
-/// What checking a range of seeds found.
-#[derive(Clone, Debug, Default)]
-pub struct ServersCheckSummary {
-    pub seeds: u64,
+impl Harness {
+    /// The harness of seed `seed` with `servers` servers (None: the seed picks), and the
+    /// ticks it runs.
+    fn draw(seed: u64, servers: Option<u32>, trace: bool) -> (Harness, u64) {
+        // Another stream than the single-server check's for the same seed.
+        let mut rng = StdRng::seed_from_u64(crate::sim_store::mix(seed ^ 0x5e7e_5e7e));
+        let count = servers.unwrap_or_else(|| rng.gen_range(2..=SERVERS_MAX));
+        assert!((2..=SERVERS_MAX).contains(&count), "2 or 3 servers");
+        let faulty = rng.gen_range(0..3) != 0;
+        let faults = if faulty {
+            FaultRates {
+                fail_ppm: rng.gen_range(0..30_000),
+                lost_ppm: rng.gen_range(0..15_000),
+                hang_ppm: rng.gen_range(0..20_000),
+                reset_ppm: rng.gen_range(0..40_000),
+                applied_then_fail_ppm: rng.gen_range(0..40_000),
+            }
+        } else {
+            FaultRates::default()
+        };
+        let late = LateRates {
+            at_crash_ppm: 300_000,
+            later_ppm: 500_000,
+            later_steps_max: rng.gen_range(1..40),
+        };
+        let world = SimWorld::new(seed, faults, late);
+        let blocks: u64 = rng.gen_range(16..=64);
+        let compress = rng.gen_bool(0.5);
+        let encrypt = rng.gen_bool(0.3);
+        let mut text = format!(
+            "s3://sim/servers{seed}?create-size={}&layout=log",
+            blocks * BLOCK_BYTES
+        );
+        if compress {
+            text.push_str("&compress=zstd");
+        }
+        if encrypt {
+            text.push_str(&format!("&key-file={}", key_file().display()));
+        }
+        let url = S3Url::parse(&text).expect("the harness's URL parses");
+        let lock_path = ObjectPath::from(url.key(crate::LOCK_NAME).as_str());
+        let segment_bytes_max = [8u64 << 10, 16 << 10, 32 << 10][rng.gen_range(0..3)];
+        let config = LogConfig {
+            segment_bytes_max,
+            segments_in_flight_max: rng.gen_range(1..=4),
+            checkpoint_interval_segments: rng.gen_range(1..=4),
+            requests_in_flight_max: rng.gen_range(1..=4),
+            gc_threshold: None,
+            gc_stored_ratio_max: 1.5,
+            gc_requests_in_flight_max: rng.gen_range(1..=2),
+            gc_bytes_max: segment_bytes_max * rng.gen_range(1..=4),
+            gc_interval_ms: 100,
+            get_bytes_max: [4 << 10, 12 << 10, segment_bytes_max][rng.gen_range(0..3)],
+        };
+        let time_ns = Arc::new(AtomicU64::new(0));
+        let servers = draw_servers(&mut rng, count, &time_ns);
+        // Drawn as an i32, as every seed so far drew it: the width decides how much of the
+        // stream the draw takes, and so every later draw of the seed.
+        let ticks: i32 = rng.gen_range(150..300);
+        let ticks = u64::try_from(ticks).expect("a positive number of ticks");
+        let mut harness = Harness {
+            seed,
+            notes: Notes::new(RECENT_STEPS, trace),
+            compressible: rng.gen_bool(0.5),
+            pause_when_stuck: rng.gen_range(0.3..0.9),
+            rng,
+            world: world.clone(),
+            url,
+            lock_path,
+            config,
+            blocks,
+            time_ns,
+            order: 0,
+            tick: 0,
+            next_instance: u64::from(count),
+            servers,
+            tenures: Vec::new(),
+            base: vec![0; blocks as usize],
+            history: Vec::new(),
+            history_start: 0,
+            flushed: 0,
+            now: vec![vec![0]; blocks as usize],
+            next_write: 0,
+            outcome: ServersCheckOutcome {
+                servers: count,
+                clock_rate_error_ppm_max: 0,
+                ..Default::default()
+            },
+        };
+        harness.outcome.clock_rate_error_ppm_max = harness
+            .servers
+            .iter()
+            .map(|server| server.clock.rate_error_ppm.unsigned_abs())
+            .max()
+            .unwrap_or(0);
+        harness.note({
+            format!(
+                "{count} servers (clock rate errors {:?} ppm), {} blocks, {config:?}, compress {compress}, encrypt {encrypt}, faults {faults:?}, {ticks} ticks",
+                harness
+                    .servers
+                    .iter()
+                    .map(|server| server.clock.rate_error_ppm)
+                    .collect::<Vec<_>>(),
+                harness.blocks
+            )
+        });
+        (harness, ticks)
+    }
+
+    /// Creates the disk, runs `ticks` ticks of the servers and their clients, and the last
+    /// open.
+    fn run_ticks(&mut self, ticks: u64) -> Result<(), Violation> {
+        // The disk exists before its servers start (as `bufcache disk create` leaves it).
+        self.world.set_calm(true);
+        let failed = match LogStore::open_unlocked_on(&self.url, self.world.store(0), self.config) {
+            Ok(mut store) => store.close().err().map(|error| error.to_string()),
+            Err(error) => Some(error.to_string()),
+        };
+        self.world.set_calm(false);
+        self.world.crash(0);
+        if let Some(error) = failed {
+            return Err(self.violation(property::PROGRESS, format!("creating the disk: {error}")));
+        }
+        for _ in 0..ticks {
+            self.tick += 1;
+            self.outcome.ticks += 1;
+            let step = self.rng.gen_range(LEASE_NS / 50..=LEASE_NS / 8);
+            self.time_ns.fetch_add(step, Ordering::AcqRel);
+            self.world.land_due(self.tick);
+            self.flush_world_log();
+            for at in 0..self.servers.len() {
+                debug_assert_eq!(self.servers[at].number, at);
+                self.server_tick(at)?;
+            }
+            for _ in 0..self.rng.gen_range(1..=3) {
+                self.event()?;
+            }
+        }
+        self.finish()
+    }
+}
+
+/// The totals of a sweep of seeds.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServersCheckTotals {
     /// Seeds run with two servers and with three.
     pub seeds_two: u64,
     pub seeds_three: u64,
@@ -1513,9 +1628,33 @@ pub struct ServersCheckSummary {
     pub faults: u64,
     pub late_landings: u64,
     pub clock_rate_error_ppm_max: u64,
-    /// (seed, what broke) of every seed that broke the contract.
-    pub violations: Vec<(u64, String)>,
 }
+
+impl bufcache_check::Totals<ServersCheckOutcome> for ServersCheckTotals {
+    fn add(&mut self, outcome: &ServersCheckOutcome) {
+        match outcome.servers {
+            2 => self.seeds_two += 1,
+            _ => self.seeds_three += 1,
+        }
+        self.steps += outcome.steps;
+        self.takeovers += outcome.takeovers;
+        self.opens_checked += outcome.opens_checked;
+        self.pauses += outcome.pauses;
+        self.pauses_in_step += outcome.pauses_in_step;
+        self.partitions += outcome.partitions;
+        self.crashes += outcome.crashes;
+        self.refused_by_lease += outcome.refused_by_lease;
+        self.acknowledged += outcome.acknowledged;
+        self.faults += outcome.faults;
+        self.late_landings += outcome.late_landings;
+        self.clock_rate_error_ppm_max = self
+            .clock_rate_error_ppm_max
+            .max(outcome.clock_rate_error_ppm_max);
+    }
+}
+
+/// What checking a range of seeds found.
+pub type ServersCheckSummary = bufcache_check::Sweep<ServersCheckTotals>;
 
 /// Checks seeds `first..first + count` with `servers` servers each (None: each seed picks
 /// two or three), calling `each` after every seed.
@@ -1524,34 +1663,12 @@ pub fn check_servers_seeds(
     count: u64,
     servers: Option<u32>,
     trace: bool,
-    mut each: impl FnMut(u64, &ServersCheckOutcome),
+    each: impl FnMut(u64, &ServersCheckOutcome),
 ) -> ServersCheckSummary {
-    let mut summary = ServersCheckSummary::default();
-    for seed in first..first.saturating_add(count) {
-        let outcome = check_servers_seed(seed, servers, trace);
-        each(seed, &outcome);
-        summary.seeds += 1;
-        match outcome.servers {
-            2 => summary.seeds_two += 1,
-            _ => summary.seeds_three += 1,
-        }
-        summary.steps += outcome.steps;
-        summary.takeovers += outcome.takeovers;
-        summary.opens_checked += outcome.opens_checked;
-        summary.pauses += outcome.pauses;
-        summary.pauses_in_step += outcome.pauses_in_step;
-        summary.partitions += outcome.partitions;
-        summary.crashes += outcome.crashes;
-        summary.refused_by_lease += outcome.refused_by_lease;
-        summary.acknowledged += outcome.acknowledged;
-        summary.faults += outcome.faults;
-        summary.late_landings += outcome.late_landings;
-        summary.clock_rate_error_ppm_max = summary
-            .clock_rate_error_ppm_max
-            .max(outcome.clock_rate_error_ppm_max);
-        if let Some(message) = outcome.violation {
-            summary.violations.push((seed, message));
-        }
-    }
-    summary
+    bufcache_check::check_seeds(
+        first,
+        count,
+        |seed| check_servers_seed(seed, servers, trace),
+        each,
+    )
 }

@@ -104,7 +104,18 @@ impl Change {
 
 /// The answer a parked request gets: the store's own when it is carried out as its sender
 /// resumes ([`SimWorld::resume`]), an error at a crash.
-type ParkedAnswer = Result<Option<PutResult>, String>;
+type ParkedAnswer = Result<Option<PutResult>, ParkedFailure>;
+
+/// Why a parked request failed.
+#[derive(Debug, thiserror::Error)]
+enum ParkedFailure {
+    /// Carried out as its sender resumed, and refused by the store.
+    #[error("{0}")]
+    Refused(object_store::Error),
+    /// Its sender crashed first.
+    #[error("no answer, the server crashed (instance {instance})")]
+    Crashed { instance: u64 },
+}
 
 struct Parked {
     instance: u64,
@@ -384,9 +395,7 @@ impl SimWorld {
                     Err(error) => format!("refused: {error}"),
                 }
             ));
-            let _ = parked
-                .answer
-                .send(outcome.map_err(|error| error.to_string()));
+            let _ = parked.answer.send(outcome.map_err(ParkedFailure::Refused));
         }
         count
     }
@@ -497,7 +506,7 @@ impl SimWorld {
         // answer when its sender resumes after a pause.
         match receiver.await {
             Ok(Ok(result)) => Ok(result),
-            Ok(Err(message)) => Err(simulated(format!("{method} {name}: {message}"))),
+            Ok(Err(failure)) => Err(simulated(format!("{method} {name}: {failure}"))),
             Err(_) => Err(simulated(format!(
                 "{method} {name}: no answer, the server crashed (instance {instance})"
             ))),
@@ -549,9 +558,7 @@ impl SimWorld {
                 ));
             }
             // The dead client gets its error (its thread may be waiting for it).
-            let _ = parked.answer.send(Err(format!(
-                "no answer, the server crashed (instance {instance})"
-            )));
+            let _ = parked.answer.send(Err(ParkedFailure::Crashed { instance }));
         }
         count
     }

@@ -25,8 +25,8 @@ fn log_layout_reopens_as_a_flushed_prefix_over_a_faulty_store_on_100_seeds() {
     // Method: run seeds 1 to 100 of the check (printed with each violation; replay one with
     // `bufcache sim check --layout log --seeds 1 --seed SEED --trace`).
     let summary = check_log_seeds(1, 100, false, |_, _| {});
-    for (seed, message) in &summary.violations {
-        eprintln!("seed {seed}: {message}");
+    for violation in &summary.violations {
+        eprintln!("seed {}: {violation}", violation.seed);
     }
     assert!(
         summary.violations.is_empty(),
@@ -35,30 +35,33 @@ fn log_layout_reopens_as_a_flushed_prefix_over_a_faulty_store_on_100_seeds() {
         summary.seeds
     );
     // The seeds exercise what they claim to: crashes, faults, late landings, collection.
-    assert!(summary.crashes >= 200, "{summary:?}");
-    assert!(summary.faults > 0, "{summary:?}");
-    assert!(summary.late_landings > 0, "{summary:?}");
-    assert!(summary.gc_rounds > 0, "{summary:?}");
+    assert!(summary.totals.crashes >= 200, "{summary:?}");
+    assert!(summary.totals.faults > 0, "{summary:?}");
+    assert!(summary.totals.late_landings > 0, "{summary:?}");
+    assert!(summary.totals.gc_rounds > 0, "{summary:?}");
     // Disks are opened many times and epoch objects pruned.
-    assert!(summary.clean_closes > 0, "{summary:?}");
-    assert!(summary.epochs_pruned > 0, "{summary:?}");
+    assert!(summary.totals.clean_closes > 0, "{summary:?}");
+    assert!(summary.totals.epochs_pruned > 0, "{summary:?}");
     // Newest checkpoints are lost after clean closes, and every such disk opened whole.
-    assert!(summary.checkpoints_lost > 0, "{summary:?}");
+    assert!(summary.totals.checkpoints_lost > 0, "{summary:?}");
     // Snapshots are taken and read back against their shadow copies.
-    assert!(summary.snapshots_taken > 0, "{summary:?}");
+    assert!(summary.totals.snapshots_taken > 0, "{summary:?}");
     assert!(
-        summary.snapshot_checks > summary.snapshots_taken,
+        summary.totals.snapshot_checks > summary.totals.snapshots_taken,
         "{summary:?}"
     );
     // Most seeds clone a snapshot and drive the clone through the same faults and crashes
     // (module `sim_clones`), reading it back whole many times.
-    assert!(summary.clones_made >= summary.seeds / 2, "{summary:?}");
     assert!(
-        summary.clone_steps >= 10 * summary.clones_made,
+        summary.totals.clones_made >= summary.seeds / 2,
         "{summary:?}"
     );
     assert!(
-        summary.clone_checks > 2 * summary.clones_made,
+        summary.totals.clone_steps >= 10 * summary.totals.clones_made,
+        "{summary:?}"
+    );
+    assert!(
+        summary.totals.clone_checks > 2 * summary.totals.clones_made,
         "{summary:?}"
     );
 }
@@ -73,14 +76,18 @@ fn log_sim_check_finds_the_planted_flush_before_durable_defect() {
     // a disk that cannot be opened because its newest checkpoint names a segment that never
     // became durable.
     let summary = check_log_seeds(1, 50, false, |_, _| {});
-    for (seed, message) in summary.violations.iter().take(3) {
-        eprintln!("seed {seed}: {message}");
+    for violation in summary.violations.iter().take(3) {
+        eprintln!("seed {}: {violation}", violation.seed);
     }
     assert!(
-        summary.violations.iter().any(|(_, message)| {
-            message.contains("FLUSH acknowledged")
-                || (message.contains("names segment") && message.contains("does not exist"))
-        }),
+        summary
+            .violations
+            .iter()
+            .map(ToString::to_string)
+            .any(|message| {
+                message.contains("FLUSH acknowledged")
+                    || (message.contains("names segment") && message.contains("does not exist"))
+            }),
         "the planted defect went unnoticed: {summary:?}"
     );
 }
@@ -94,8 +101,8 @@ fn log_sim_check_finds_the_planted_prune_before_durable_defect() {
     // seeds against the defective build; at least one must report a reopened disk that is
     // no prefix including the flushed writes.
     let summary = check_log_seeds(1, SEEDS, false, |_, _| {});
-    for (seed, message) in summary.violations.iter().take(3) {
-        eprintln!("seed {seed}: {message}");
+    for violation in summary.violations.iter().take(3) {
+        eprintln!("seed {}: {violation}", violation.seed);
     }
     assert!(
         !summary.violations.is_empty(),
@@ -117,14 +124,15 @@ fn log_sim_check_finds_the_planted_delete_before_checkpoint_durable_defect() {
     // rates; at least one must report a segment named by an index (the running one, or the
     // checkpoint a reopen reads) that does not exist.
     let summary = check_log_seeds(1, 100, false, |_, _| {});
-    for (seed, message) in summary.violations.iter().take(3) {
-        eprintln!("seed {seed}: {message}");
+    for violation in summary.violations.iter().take(3) {
+        eprintln!("seed {}: {violation}", violation.seed);
     }
     assert!(
         summary
             .violations
             .iter()
-            .any(|(_, message)| message.contains("does not exist")),
+            .map(ToString::to_string)
+            .any(|message| message.contains("does not exist")),
         "the planted defect went unnoticed: {summary:?}"
     );
 }
@@ -139,14 +147,15 @@ fn log_sim_check_finds_the_planted_snapshot_pins_ignored_defect() {
     // snapshot that no longer reads back as it was taken, and one a clone that no longer
     // reads its base snapshot.
     let summary = check_log_seeds(1, 100, false, |_, _| {});
-    for (seed, message) in summary.violations.iter().take(3) {
-        eprintln!("seed {seed}: {message}");
+    for violation in summary.violations.iter().take(3) {
+        eprintln!("seed {}: {violation}", violation.seed);
     }
     assert!(
         summary
             .violations
             .iter()
-            .any(|(_, message)| message.contains("snapshot `")),
+            .map(ToString::to_string)
+            .any(|message| message.contains("snapshot `")),
         "the planted defect went unnoticed: {summary:?}"
     );
     // A clone of a snapshot whose segments were deleted no longer reads its base.
@@ -154,7 +163,8 @@ fn log_sim_check_finds_the_planted_snapshot_pins_ignored_defect() {
         summary
             .violations
             .iter()
-            .any(|(_, message)| message.contains("clone: ")),
+            .map(ToString::to_string)
+            .any(|message| message.contains("clone: ")),
         "the clone check missed the planted defect: {summary:?}"
     );
 }
@@ -169,13 +179,17 @@ fn log_sim_check_finds_the_planted_previous_checkpoint_unkept_defect() {
     // disk that cannot be opened again after its newest checkpoint was lost, or that opens
     // without every acknowledged write.
     let summary = check_log_seeds(1, 100, false, |_, _| {});
-    for (seed, message) in summary.violations.iter().take(3) {
-        eprintln!("seed {seed}: {message}");
+    for violation in summary.violations.iter().take(3) {
+        eprintln!("seed {}: {violation}", violation.seed);
     }
     assert!(
-        summary.violations.iter().any(|(_, message)| {
-            message.contains("cannot be opened again") || message.contains("no prefix")
-        }),
+        summary
+            .violations
+            .iter()
+            .map(ToString::to_string)
+            .any(|message| {
+                message.contains("cannot be opened again") || message.contains("no prefix")
+            }),
         "the planted defect went unnoticed: {summary:?}"
     );
 }

@@ -15,8 +15,8 @@ fn servers_on_one_log_disk_never_acknowledge_at_once_nor_lose_a_flush_on_60_seed
     // by the seed (replay one with `bufcache sim check --layout log --servers 2-3 --seeds 1
     // --seed SEED --trace`).
     let summary = check_servers_seeds(1, 60, None, false, |_, _| {});
-    for (seed, message) in &summary.violations {
-        eprintln!("seed {seed}: {message}");
+    for violation in &summary.violations {
+        eprintln!("seed {}: {violation}", violation.seed);
     }
     assert!(
         summary.violations.is_empty(),
@@ -28,15 +28,18 @@ fn servers_on_one_log_disk_never_acknowledge_at_once_nor_lose_a_flush_on_60_seed
     // new writer's open, frozen writers whose requests land late, partitions, and writers
     // the lease stopped.
     assert!(
-        summary.seeds_two > 0 && summary.seeds_three > 0,
+        summary.totals.seeds_two > 0 && summary.totals.seeds_three > 0,
         "{summary:?}"
     );
-    assert!(summary.takeovers >= 60, "{summary:?}");
-    assert!(summary.opens_checked > summary.takeovers, "{summary:?}");
-    assert!(summary.pauses_in_step > 0, "{summary:?}");
-    assert!(summary.partitions > 0, "{summary:?}");
-    assert!(summary.refused_by_lease > 0, "{summary:?}");
-    assert!(summary.late_landings > 0, "{summary:?}");
+    assert!(summary.totals.takeovers >= 60, "{summary:?}");
+    assert!(
+        summary.totals.opens_checked > summary.totals.takeovers,
+        "{summary:?}"
+    );
+    assert!(summary.totals.pauses_in_step > 0, "{summary:?}");
+    assert!(summary.totals.partitions > 0, "{summary:?}");
+    assert!(summary.totals.refused_by_lease > 0, "{summary:?}");
+    assert!(summary.totals.late_landings > 0, "{summary:?}");
 }
 
 #[cfg(feature = "planted-lease-defect")]
@@ -46,14 +49,15 @@ fn servers_check_finds_the_planted_writer_acknowledging_past_its_lease() {
     // out (until it learns of the takeover). Method: run seeds against the defective build;
     // at least one must report overlapping acknowledged intervals.
     let summary = check_servers_seeds(1, 60, None, false, |_, _| {});
-    for (seed, message) in summary.violations.iter().take(3) {
-        eprintln!("seed {seed}: {message}");
+    for violation in summary.violations.iter().take(3) {
+        eprintln!("seed {}: {violation}", violation.seed);
     }
     assert!(
         summary
             .violations
             .iter()
-            .any(|(_, message)| message.contains("acknowledged intervals overlap")),
+            .map(ToString::to_string)
+            .any(|message| message.contains("acknowledged intervals overlap")),
         "the planted defect went unnoticed: {summary:?}"
     );
 }

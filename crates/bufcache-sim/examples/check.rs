@@ -12,14 +12,14 @@ fn main() {
     }
     let summary = bufcache_sim::check_seeds(first, seeds, |_, _| {});
     for violation in &summary.violations {
-        println!("seed {}: {}", violation.seed, violation.message);
+        println!("seed {}: {violation}", violation.seed);
     }
     println!(
         "{} ({} steps, {} crashes, {} device faults, {:.1} seeds/s)",
         summary.line(),
-        summary.steps,
-        summary.crashes,
-        summary.device_faults,
+        summary.totals.steps,
+        summary.totals.crashes,
+        summary.totals.device_faults,
         summary.seeds_per_second()
     );
 }

@@ -31,14 +31,14 @@
 //! sector read back (through the engine, or from the disk after a crash) names the write it
 //! came from, and data landing at the wrong place is caught too.
 
-use std::collections::VecDeque;
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::fmt;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bufcache::device::SeededRng;
 use bufcache::{Cache, CacheConfig, Device, Environment, IdentityMap, ObjectConfig, ObjectHandle};
 use bufcache::{IoQueue, IoQueueConfig, PolicyKind, QueueMode, Spawner, Waiter};
+use bufcache_check::{catching_panics, Notes, Step, Sweep, Totals, Violation, RECENT_STEPS};
 
 use crate::clock::VirtualClock;
 use crate::core::SECTOR_BYTES;
@@ -60,16 +60,19 @@ use rescue::RescueWorld;
 /// Steps of one seed's workload, at least and at most.
 const STEPS_MIN: u64 = 150;
 const STEPS_MAX: u64 = 400;
-/// Recent steps kept for a violation's report.
-const HISTORY_STEPS: usize = 12;
 
-/// A broken promise found by a seed.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Violation {
-    /// The seed that finds it: `bufcache sim check --seeds 1 --seed SEED` replays it.
-    pub seed: u64,
-    /// What was broken, where, and the steps before it.
-    pub message: String,
+/// The properties `sim check` checks (module docs), as its violations name them.
+pub mod property {
+    /// A read returns the latest acknowledged data (or a failed write's attempt).
+    pub const READS: &str = "reads";
+    /// After a crash every sector holds what the last covering flush promised, or newer.
+    pub const DURABILITY: &str = "durability";
+    /// Every failed device write is reported by the next flush of every handle.
+    pub const ERROR_REPORTING: &str = "error reporting";
+    /// With faults off at the end, a sync succeeds and the disk holds the latest data.
+    pub const AT_THE_END: &str = "at the end";
+    /// Rescue files save, replay and refuse as the rescue rule says.
+    pub const RESCUE_FILES: &str = "rescue files";
 }
 
 /// What one seed did.
@@ -90,14 +93,18 @@ pub struct SeedOutcome {
     /// Restarts that presented a local cache to another disk, refused (`--local-tier`).
     pub wrong_disk_refusals: u64,
     /// The first broken promise, if any.
-    pub violation: Option<String>,
+    pub violation: Option<Violation>,
 }
 
-/// The result of a sweep of seeds.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct CheckSummary {
-    /// Seeds run.
-    pub seeds: u64,
+impl bufcache_check::SeedOutcome for SeedOutcome {
+    fn violation(&self) -> Option<&Violation> {
+        self.violation.as_ref()
+    }
+}
+
+/// The totals of a sweep of seeds (`sim check` and `sim check --local-tier`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CheckTotals {
     /// Engine calls made, over all seeds.
     pub steps: u64,
     /// Crashes simulated, over all seeds.
@@ -108,21 +115,10 @@ pub struct CheckSummary {
     pub rescue: RescueCounts,
     /// Restarts that presented a local cache to another disk, refused, over all seeds.
     pub wrong_disk_refusals: u64,
-    /// Every violation, by seed.
-    pub violations: Vec<Violation>,
-    /// Wall-clock time of the sweep.
-    pub elapsed: Duration,
 }
 
-impl CheckSummary {
-    /// Seeds checked per second of wall-clock time.
-    pub fn seeds_per_second(&self) -> f64 {
-        self.seeds as f64 / self.elapsed.as_secs_f64().max(1e-9)
-    }
-
-    /// Counts one seed's outcome in.
-    pub fn add(&mut self, seed: u64, outcome: &SeedOutcome) {
-        self.seeds += 1;
+impl Totals<SeedOutcome> for CheckTotals {
+    fn add(&mut self, outcome: &SeedOutcome) {
         self.steps += outcome.steps;
         self.crashes += outcome.crashes;
         self.device_faults += outcome.device_faults;
@@ -130,35 +126,19 @@ impl CheckSummary {
         self.rescue.replayed += outcome.rescue.replayed;
         self.rescue.refused += outcome.rescue.refused;
         self.wrong_disk_refusals += outcome.wrong_disk_refusals;
-        if let Some(message) = &outcome.violation {
-            self.violations.push(Violation {
-                seed,
-                message: message.clone(),
-            });
-        }
-    }
-
-    /// The one-line summary: `N seeds, V violations`.
-    pub fn line(&self) -> String {
-        format!("{} seeds, {} violations", self.seeds, self.violations.len())
     }
 }
+
+/// The result of a sweep of seeds.
+pub type CheckSummary = Sweep<CheckTotals>;
 
 /// Runs seeds `first_seed .. first_seed + seeds`, calling `on_seed` after each.
 pub fn check_seeds(
     first_seed: u64,
     seeds: u64,
-    mut on_seed: impl FnMut(u64, &SeedOutcome),
+    on_seed: impl FnMut(u64, &SeedOutcome),
 ) -> CheckSummary {
-    let started = Instant::now();
-    let mut summary = CheckSummary::default();
-    for seed in first_seed..first_seed.saturating_add(seeds) {
-        let outcome = check_seed(seed);
-        summary.add(seed, &outcome);
-        on_seed(seed, &outcome);
-    }
-    summary.elapsed = started.elapsed();
-    summary
+    bufcache_check::check_seeds(first_seed, seeds, check_seed, on_seed)
 }
 
 /// Runs one seed. An engine panic is a violation too (its message is kept).
@@ -169,7 +149,7 @@ pub fn check_seed(seed: u64) -> SeedOutcome {
 /// Runs one seed, printing every step to standard error when `trace` is set.
 pub fn check_seed_traced(seed: u64, trace: bool) -> SeedOutcome {
     let mut outcome = SeedOutcome::default();
-    let result = catch_unwind(AssertUnwindSafe(|| {
+    outcome.violation = catching_panics(seed, "the engine", || {
         let mut harness = Harness::new(seed, trace);
         let result = harness.run();
         outcome.steps = harness.steps;
@@ -179,29 +159,8 @@ pub fn check_seed_traced(seed: u64, trace: bool) -> SeedOutcome {
         outcome.queue_choices = harness.core.device_totals().queue_choices;
         outcome.rescue = harness.rescue.counts;
         result
-    }));
-    outcome.violation = violation_of(result, "the engine");
+    });
     outcome
-}
-
-/// The violation a checked run found: its own message, or a panic of `what` (a broken
-/// invariant assertion) with the panic's text; None when the run kept every promise.
-pub(crate) fn violation_of(
-    result: std::thread::Result<Result<(), String>>,
-    what: &str,
-) -> Option<String> {
-    match result {
-        Ok(Ok(())) => None,
-        Ok(Err(message)) => Some(message),
-        Err(panic) => {
-            let text = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "a panic without a message".to_string());
-            Some(format!("{what} panicked: {text}"))
-        }
-    }
 }
 
 /// One object: a disjoint range of the disk.
@@ -275,8 +234,27 @@ pub(crate) fn sector_pattern(version: u64, sector: u64, target: &mut [u8]) {
     }
 }
 
-/// Which version a sector's bytes are, or a description of what is wrong with them.
-pub(crate) fn decode_sector(bytes: &[u8], sector: u64) -> Result<u64, String> {
+/// A sector's bytes that are no write's pattern (torn, misplaced or corrupt).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Garbage {
+    /// The version its first word names.
+    version: u64,
+    /// The sector its second word names.
+    claimed_sector: u64,
+}
+
+impl fmt::Display for Garbage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "garbage (first words: version {}, sector {})",
+            self.version, self.claimed_sector
+        )
+    }
+}
+
+/// Which version a sector's bytes are, or what they hold instead.
+pub(crate) fn decode_sector(bytes: &[u8], sector: u64) -> Result<u64, Garbage> {
     if bytes.iter().all(|&b| b == 0) {
         return Ok(0);
     }
@@ -286,10 +264,11 @@ pub(crate) fn decode_sector(bytes: &[u8], sector: u64) -> Result<u64, String> {
     if version != 0 && expected == bytes {
         return Ok(version);
     }
-    let claimed = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes"));
-    Err(format!(
-        "garbage (first words: version {version}, sector {claimed})"
-    ))
+    let claimed_sector = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes"));
+    Err(Garbage {
+        version,
+        claimed_sector,
+    })
 }
 
 /// The seeded shape of one run.
@@ -433,6 +412,7 @@ impl Scenario {
 
 /// The engine and its simulated world for one seed.
 struct Harness {
+    seed: u64,
     rng: SharedRng,
     scenario: Scenario,
     core: Arc<SimCore>,
@@ -455,9 +435,8 @@ struct Harness {
     next_version: u64,
     steps: u64,
     crashes: u64,
-    history: VecDeque<String>,
-    /// Print every step to standard error.
-    trace: bool,
+    /// Every step, the last ones kept for a violation's report (printed when tracing).
+    notes: Notes,
     /// The disks' identities and generations, and this machine's rescue files.
     rescue: RescueWorld,
 }
@@ -511,6 +490,7 @@ impl Harness {
         let syncer_account = core.add_account("syncer");
         let sectors = (length / SECTOR_BYTES) as usize;
         let mut harness = Harness {
+            seed,
             rng,
             core,
             device,
@@ -528,8 +508,7 @@ impl Harness {
             next_version: 1,
             steps: 0,
             crashes: 0,
-            history: VecDeque::new(),
-            trace,
+            notes: Notes::new(RECENT_STEPS, trace),
             rescue,
             scenario,
         };
@@ -584,22 +563,20 @@ impl Harness {
     }
 
     fn note(&mut self, step: String) {
-        if self.trace {
-            eprintln!("step {}: {step}", self.steps);
-        }
-        if self.history.len() == HISTORY_STEPS {
-            self.history.pop_front();
-        }
-        self.history.push_back(step);
+        self.notes.note(Step::workload(self.steps), step);
     }
 
-    fn violation(&self, what: String) -> String {
-        let steps: Vec<&str> = self.history.iter().map(String::as_str).collect();
-        format!(
-            "{what}\n  scenario: {}\n  last steps: {}",
-            self.scenario.describe(),
-            steps.join("; ")
+    /// A broken `property` (module [`property`]) at this step, with the scenario and the
+    /// steps before it.
+    fn violation(&self, property: &'static str, what: String) -> Violation {
+        Violation::new(
+            property,
+            what,
+            Step::workload(self.steps),
+            self.seed,
+            &self.notes,
         )
+        .in_scenario(self.scenario.describe())
     }
 
     /// A random sector-aligned range inside object `object`: (offset in the object, length).
@@ -624,7 +601,7 @@ impl Harness {
         (self.scenario.regions[object].base + offset) / SECTOR_BYTES
     }
 
-    fn run(&mut self) -> Result<(), String> {
+    fn run(&mut self) -> Result<(), Violation> {
         for _ in 0..self.scenario.steps {
             self.step()?;
         }
@@ -649,9 +626,10 @@ impl Harness {
     /// Counts failed device writes against every handle of their object.
     fn collect_failed_writes(&mut self) {
         for (offset, length) in self.device.take_failed_writes() {
-            if self.trace {
-                eprintln!("  failed device write [{offset}, +{length})");
-            }
+            self.notes.trace(
+                "  failed device write",
+                format_args!("[{offset}, +{length})"),
+            );
             for (object, region) in self.scenario.regions.iter().enumerate() {
                 if offset < region.base + region.length && region.base < offset + length {
                     for row in &mut self.unreported {
@@ -662,7 +640,7 @@ impl Harness {
         }
     }
 
-    fn step(&mut self) -> Result<(), String> {
+    fn step(&mut self) -> Result<(), Violation> {
         self.steps += 1;
         if self.draw(1000) < self.scenario.crash_per_mille {
             return self.crash();
@@ -708,7 +686,7 @@ impl Harness {
         }
     }
 
-    fn read(&mut self, client: usize, object: usize) -> Result<(), String> {
+    fn read(&mut self, client: usize, object: usize) -> Result<(), Violation> {
         let (offset, length) = self.draw_range(object, 6);
         self.enter(self.client_accounts[client]);
         let mut data = vec![0u8; length as usize];
@@ -729,17 +707,21 @@ impl Harness {
             match decode_sector(bytes, sector) {
                 Ok(version) if shadow.readable(version) => {}
                 Ok(version) => {
-                    return Err(self.violation(format!(
+                    return Err(self.violation(
+                        property::READS,
+                        format!(
                         "stale read: sector {sector} (object{object} offset {}) read as version \
                          {version}, expected one of {:?}",
                         offset + index as u64 * SECTOR_BYTES,
                         shadow.expected_read()
-                    )))
+                    ),
+                    ))
                 }
                 Err(garbage) => {
-                    return Err(
-                        self.violation(format!("corrupt read: sector {sector} holds {garbage}"))
-                    )
+                    return Err(self.violation(
+                        property::READS,
+                        format!("corrupt read: sector {sector} holds {garbage}"),
+                    ))
                 }
             }
         }
@@ -762,7 +744,7 @@ impl Harness {
         }
     }
 
-    fn write(&mut self, client: usize, object: usize, fua: bool) -> Result<(), String> {
+    fn write(&mut self, client: usize, object: usize, fua: bool) -> Result<(), Violation> {
         let (offset, length) = self.draw_range(object, 4);
         let version = self.next_version;
         self.next_version += 1;
@@ -790,7 +772,7 @@ impl Harness {
         Ok(())
     }
 
-    fn zeroes(&mut self, client: usize, object: usize, fua: bool) -> Result<(), String> {
+    fn zeroes(&mut self, client: usize, object: usize, fua: bool) -> Result<(), Violation> {
         let (offset, length) = self.draw_range(object, 8);
         self.enter(self.client_accounts[client]);
         let result = self.handles[client][object].write_zeroes(offset, length, fua);
@@ -813,7 +795,7 @@ impl Harness {
         Ok(())
     }
 
-    fn discard(&mut self, client: usize, object: usize) -> Result<(), String> {
+    fn discard(&mut self, client: usize, object: usize) -> Result<(), Violation> {
         let (offset, length) = self.draw_range(object, 8);
         self.enter(self.client_accounts[client]);
         let result = self.handles[client][object].discard(offset, length);
@@ -835,7 +817,7 @@ impl Harness {
         (region.base / SECTOR_BYTES, region.length / SECTOR_BYTES)
     }
 
-    fn flush(&mut self, client: usize, object: usize) -> Result<(), String> {
+    fn flush(&mut self, client: usize, object: usize) -> Result<(), Violation> {
         self.enter(self.client_accounts[client]);
         let result = self.handles[client][object].flush();
         self.leave();
@@ -847,11 +829,14 @@ impl Harness {
         match result {
             Ok(()) => {
                 if self.unreported[client][object] > 0 {
-                    return Err(self.violation(format!(
+                    return Err(self.violation(
+                        property::ERROR_REPORTING,
+                        format!(
                         "unreported write-back error: {} failed device write(s) on object{object} \
                          since client{client} last saw an error, yet its flush succeeded",
                         self.unreported[client][object]
-                    )));
+                    ),
+                    ));
                 }
                 let (first, sectors) = self.region_sectors(object);
                 self.make_durable(first, sectors);
@@ -861,7 +846,7 @@ impl Harness {
         Ok(())
     }
 
-    fn sync(&mut self) -> Result<(), String> {
+    fn sync(&mut self) -> Result<(), Violation> {
         self.enter(self.client_accounts[0]);
         let result = self.cache.as_ref().expect("running").sync();
         self.leave();
@@ -934,7 +919,7 @@ impl Harness {
 
     /// Power fails: the disk keeps, loses or tears its unflushed writes, the engine and its
     /// background work vanish; then the disk must hold, sector by sector, what was promised.
-    fn crash(&mut self) -> Result<(), String> {
+    fn crash(&mut self) -> Result<(), Violation> {
         self.crashes += 1;
         self.note("crash".to_string());
         let outcome = self.device.crash(&self.rng);
@@ -962,12 +947,13 @@ impl Harness {
         Ok(())
     }
 
-    /// Checks every sector on the disk against the shadow with `allowed`.
+    /// Checks every sector on the disk against the shadow with `allowed` (`when`: "after a
+    /// crash" or "at the end").
     fn verify_disk(
         &self,
         allowed: impl Fn(&Shadow, u64) -> bool,
         when: &str,
-    ) -> Result<(), String> {
+    ) -> Result<(), Violation> {
         let mut bytes = vec![0u8; SECTOR_BYTES as usize];
         for (sector, shadow) in self.shadow.iter().enumerate() {
             self.device.peek(&mut bytes, sector as u64 * SECTOR_BYTES);
@@ -979,15 +965,19 @@ impl Harness {
                     } else {
                         shadow.expected_after_crash()
                     };
-                    return Err(self.violation(format!(
+                    return Err(self.violation(
+                        property_of(when),
+                        format!(
                         "lost write {when}: sector {sector} holds version {version}, expected one \
                          of {expected:?}"
-                    )));
+                    ),
+                    ));
                 }
                 Err(garbage) => {
-                    return Err(self.violation(format!(
-                        "corrupt sector {when}: sector {sector} holds {garbage}"
-                    )))
+                    return Err(self.violation(
+                        property_of(when),
+                        format!("corrupt sector {when}: sector {sector} holds {garbage}"),
+                    ))
                 }
             }
         }
@@ -996,7 +986,7 @@ impl Harness {
 
     /// With faults off: background work finishes, every handle's flush reports what it has
     /// not seen, a sync succeeds, and the disk holds the latest acknowledged data.
-    fn finish(&mut self) -> Result<(), String> {
+    fn finish(&mut self) -> Result<(), Violation> {
         if self.rescue.is_stale() {
             self.outage()?;
         }
@@ -1012,9 +1002,21 @@ impl Harness {
         let result = self.cache.as_ref().expect("running").sync();
         self.leave();
         if let Err(error) = result {
-            return Err(self.violation(format!("final sync failed with faults off: {error}")));
+            return Err(self.violation(
+                property::AT_THE_END,
+                format!("final sync failed with faults off: {error}"),
+            ));
         }
         self.verify_disk(|shadow, version| shadow.readable(version), "at the end")
+    }
+}
+
+/// The property a disk check `when` (`after a crash`, `at the end`) checks.
+fn property_of(when: &str) -> &'static str {
+    if when == "at the end" {
+        property::AT_THE_END
+    } else {
+        property::DURABILITY
     }
 }
 

@@ -37,14 +37,12 @@
 //! holds other bytes everywhere: the tier's check, which compares sampled clean blocks with
 //! the disk, must refuse it whenever the cache holds a clean block, changing nothing.
 
-use std::collections::VecDeque;
 use std::io::{IoSlice, IoSliceMut};
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use bufcache::device::SeededRng;
 use bufcache::Device;
+use bufcache_check::{catching_panics, Notes, Step, Violation, RECENT_STEPS};
 use bufcache_host::rescue::{s3_name_of_url, same_backend, BackendIdentity};
 use bufcache_tier::format::{Superblock, LOCAL_BYTES_MIN, SUPERBLOCK_BYTES};
 use bufcache_tier::{FlushTo, LocalTier, LocalTierConfig, WritebackDriver, WritebackStep};
@@ -61,8 +59,6 @@ const OTHER_DISK_BYTE: u8 = 0xEE;
 /// Steps of one seed's workload, at least and at most.
 const STEPS_MIN: u64 = 150;
 const STEPS_MAX: u64 = 400;
-/// Recent steps kept for a violation's report.
-const HISTORY_STEPS: usize = 12;
 /// Mixed into the seed for the restarts' own random choices (URLs, other disks), so they do
 /// not change the workload a seed draws.
 const RESTART_SEED_MIX: u64 = 0x7265_7374_6172_7473;
@@ -71,22 +67,34 @@ const LOCAL_NAME: &str = "simulated local cache";
 
 type Tier = LocalTier<Arc<SimDevice>, Arc<SimDevice>>;
 
+/// The properties `sim check --local-tier` checks (module docs), as its violations name them.
+pub mod property {
+    /// A read returns the latest acknowledged data (or a failed write's attempt).
+    pub const READS: &str = "reads";
+    /// No acknowledged loss: after a crash every sector holds what the last covering FLUSH
+    /// promised, or newer.
+    pub const DURABILITY: &str = "durability";
+    /// The remote alone is an epoch prefix of what the tier acknowledged.
+    pub const REMOTE_PREFIX: &str = "remote prefix";
+    /// A restart attaches the tier to its own disk only, changing nothing when it refuses.
+    pub const IDENTITY: &str = "disk identity";
+    /// With faults off at the end, a drain leaves the remote holding the latest data.
+    pub const AT_THE_END: &str = "at the end";
+}
+
 /// Runs seeds `first_seed .. first_seed + seeds` of the local-tier check, calling `on_seed`
 /// after each.
 pub fn check_tier_seeds(
     first_seed: u64,
     seeds: u64,
-    mut on_seed: impl FnMut(u64, &SeedOutcome),
+    on_seed: impl FnMut(u64, &SeedOutcome),
 ) -> CheckSummary {
-    let started = Instant::now();
-    let mut summary = CheckSummary::default();
-    for seed in first_seed..first_seed.saturating_add(seeds) {
-        let outcome = check_tier_seed_traced(seed, false);
-        summary.add(seed, &outcome);
-        on_seed(seed, &outcome);
-    }
-    summary.elapsed = started.elapsed();
-    summary
+    bufcache_check::check_seeds(
+        first_seed,
+        seeds,
+        |seed| check_tier_seed_traced(seed, false),
+        on_seed,
+    )
 }
 
 /// Runs one seed of the local-tier check, printing every step to standard error when `trace`
@@ -94,7 +102,7 @@ pub fn check_tier_seeds(
 pub fn check_tier_seed_traced(seed: u64, trace: bool) -> SeedOutcome {
     let mut outcome = SeedOutcome::default();
     let mut run = || {
-        catch_unwind(AssertUnwindSafe(|| {
+        catching_panics(seed, "the local tier", || {
             let mut harness = Harness::new(seed, trace);
             let result = harness.run();
             outcome.steps = harness.steps;
@@ -103,16 +111,16 @@ pub fn check_tier_seed_traced(seed: u64, trace: bool) -> SeedOutcome {
             outcome.device_faults = counts.read_errors + counts.write_errors + counts.flush_errors;
             outcome.wrong_disk_refusals = harness.wrong_disk_refusals;
             result
-        }))
+        })
     };
     // The tier warns of every fallback and failed write-back, which the faults make common:
     // only a traced run shows them.
-    let result = if trace {
+    let violation = if trace {
         run()
     } else {
         tracing::subscriber::with_default(tracing::subscriber::NoSubscriber::default(), run)
     };
-    outcome.violation = crate::check::violation_of(result, "the local tier");
+    outcome.violation = violation;
     outcome
 }
 
@@ -309,8 +317,9 @@ struct Harness {
     next_version: u64,
     steps: u64,
     crashes: u64,
-    history: VecDeque<String>,
-    trace: bool,
+    /// Every step, the last ones kept for a violation's report (printed when tracing).
+    notes: Notes,
+    seed: u64,
     /// The restarts' own choices (URLs, other disks), apart from the workload's.
     restart_rng: SeededRng,
     /// The identity of the remote's disk, recorded in the tier's superblock.
@@ -364,8 +373,8 @@ impl Harness {
             next_version: 1,
             steps: 0,
             crashes: 0,
-            history: VecDeque::new(),
-            trace,
+            notes: Notes::new(RECENT_STEPS, trace),
+            seed,
             restart_rng,
             disk_identity,
             wrong_disk_refusals: 0,
@@ -396,22 +405,20 @@ impl Harness {
     }
 
     fn note(&mut self, step: String) {
-        if self.trace {
-            eprintln!("step {}: {step}", self.steps);
-        }
-        if self.history.len() == HISTORY_STEPS {
-            self.history.pop_front();
-        }
-        self.history.push_back(step);
+        self.notes.note(Step::workload(self.steps), step);
     }
 
-    fn violation(&self, what: String) -> String {
-        let steps: Vec<&str> = self.history.iter().map(String::as_str).collect();
-        format!(
-            "{what}\n  scenario: {}\n  last steps: {}",
-            self.scenario.describe(),
-            steps.join("; ")
+    /// A broken `property` (module [`property`]) at this step, with the scenario and the
+    /// steps before it.
+    fn violation(&self, property: &'static str, what: String) -> Violation {
+        Violation::new(
+            property,
+            what,
+            Step::workload(self.steps),
+            self.seed,
+            &self.notes,
         )
+        .in_scenario(self.scenario.describe())
     }
 
     /// A random sector-aligned range: mostly whole blocks, sometimes any sectors (the tier's
@@ -430,7 +437,7 @@ impl Harness {
         (start * SECTOR_BYTES, count * SECTOR_BYTES)
     }
 
-    fn run(&mut self) -> Result<(), String> {
+    fn run(&mut self) -> Result<(), Violation> {
         for _ in 0..self.scenario.steps {
             self.step()?;
             self.check_remote("after the step")?;
@@ -438,7 +445,7 @@ impl Harness {
         self.finish()
     }
 
-    fn step(&mut self) -> Result<(), String> {
+    fn step(&mut self) -> Result<(), Violation> {
         self.steps += 1;
         let accident = self.draw(1000);
         if accident < self.scenario.crash_per_mille {
@@ -537,7 +544,7 @@ impl Harness {
         ));
     }
 
-    fn read(&mut self) -> Result<(), String> {
+    fn read(&mut self) -> Result<(), Violation> {
         let (offset, length) = self.draw_range(8);
         let mut data = vec![0u8; length as usize];
         let result = self
@@ -555,7 +562,7 @@ impl Harness {
 
     /// Every sector of `data` (read at `offset`) is the latest acknowledged version or one
     /// attempted after it.
-    fn check_read(&self, offset: u64, data: &[u8], what: &str) -> Result<(), String> {
+    fn check_read(&self, offset: u64, data: &[u8], what: &str) -> Result<(), Violation> {
         let first = offset / SECTOR_BYTES;
         for (index, bytes) in data.chunks(SECTOR_BYTES as usize).enumerate() {
             let sector = first + index as u64;
@@ -563,16 +570,20 @@ impl Harness {
             match decode_sector(bytes, sector) {
                 Ok(version) if shadow.readable(version) => {}
                 Ok(version) => {
-                    return Err(self.violation(format!(
+                    return Err(self.violation(
+                        property::READS,
+                        format!(
                         "stale {what}: sector {sector} read as version {version}, expected one \
                          of {:?}",
                         shadow.for_read()
-                    )))
+                    ),
+                    ))
                 }
                 Err(garbage) => {
-                    return Err(
-                        self.violation(format!("corrupt {what}: sector {sector} holds {garbage}"))
-                    )
+                    return Err(self.violation(
+                        property::READS,
+                        format!("corrupt {what}: sector {sector} holds {garbage}"),
+                    ))
                 }
             }
         }
@@ -610,7 +621,7 @@ impl Harness {
 
     /// The remote alone is the image after epochs `1..=E` and part of `E + 1`, for some `E`
     /// no lower than what an acknowledged `--flush-to remote` FLUSH requires.
-    fn check_remote(&mut self, when: &str) -> Result<(), String> {
+    fn check_remote(&mut self, when: &str) -> Result<(), Violation> {
         let mut versions = Vec::with_capacity(self.shadow.len());
         let mut bytes = vec![0u8; SECTOR_BYTES as usize];
         for sector in 0..self.shadow.len() as u64 {
@@ -618,9 +629,10 @@ impl Harness {
             match decode_sector(&bytes, sector) {
                 Ok(version) => versions.push(version),
                 Err(garbage) => {
-                    return Err(self.violation(format!(
-                        "corrupt remote {when}: sector {sector} holds {garbage}"
-                    )))
+                    return Err(self.violation(
+                        property::REMOTE_PREFIX,
+                        format!("corrupt remote {when}: sector {sector} holds {garbage}"),
+                    ))
                 }
             }
         }
@@ -661,7 +673,7 @@ impl Harness {
                         })
                         .unwrap_or_default()
                 };
-                if self.trace {
+                if self.notes.tracing() {
                     for done in low..=self.epoch {
                         eprintln!("  E = {done}: {}", blame(done));
                     }
@@ -672,12 +684,15 @@ impl Harness {
                         );
                     }
                 }
-                Err(self.violation(format!(
-                    "remote not an epoch prefix {when}: no E from {low} to {} fits; {}; {}",
-                    self.epoch,
-                    blame(low),
-                    blame(self.epoch)
-                )))
+                Err(self.violation(
+                    property::REMOTE_PREFIX,
+                    format!(
+                        "remote not an epoch prefix {when}: no E from {low} to {} fits; {}; {}",
+                        self.epoch,
+                        blame(low),
+                        blame(self.epoch)
+                    ),
+                ))
             }
         }
     }
@@ -687,7 +702,7 @@ impl Harness {
     /// must still name the disk the superblock records; at seeded restarts the cache is first
     /// presented to another disk at the same URL, which both `serve`'s check and the tier's
     /// must refuse without changing either device. Returns the disk's identity to open with.
-    fn restart_identity(&mut self) -> Result<BackendIdentity, String> {
+    fn restart_identity(&mut self) -> Result<BackendIdentity, Violation> {
         let mut url = "s3://sim-bucket/disk".to_string();
         if self.restart_rng.below(2) == 0 {
             url.push('/');
@@ -711,7 +726,10 @@ impl Harness {
         self.local.peek(&mut first, 0);
         let recorded = Superblock::decode(&first)
             .map_err(|problem| {
-                self.violation(format!("the tier's superblock after a crash: {problem:?}"))
+                self.violation(
+                    property::IDENTITY,
+                    format!("the tier's superblock after a crash: {problem:?}"),
+                )
             })?
             .identity;
         if self.restart_rng.below(4) == 0 {
@@ -727,10 +745,13 @@ impl Harness {
             };
             let before = (snapshot(&self.local), snapshot(&self.remote));
             if same_backend(&recorded, &other) {
-                return Err(self.violation(format!(
-                    "a local cache of {recorded} attached to another disk {} at {url}",
-                    other.identity
-                )));
+                return Err(self.violation(
+                    property::IDENTITY,
+                    format!(
+                        "a local cache of {recorded} attached to another disk {} at {url}",
+                        other.identity
+                    ),
+                ));
             }
             let opened = LocalTier::open(
                 self.local.clone(),
@@ -740,16 +761,22 @@ impl Harness {
                 self.scenario.config.clone(),
             );
             if opened.is_ok() {
-                return Err(self.violation(format!(
-                    "the tier opened for another disk {} (it records {recorded})",
-                    other.identity
-                )));
+                return Err(self.violation(
+                    property::IDENTITY,
+                    format!(
+                        "the tier opened for another disk {} (it records {recorded})",
+                        other.identity
+                    ),
+                ));
             }
             if (snapshot(&self.local), snapshot(&self.remote)) != before {
-                return Err(self.violation(format!(
-                    "a refused attach to another disk {} changed the local cache or the remote",
-                    other.identity
-                )));
+                return Err(self.violation(
+                    property::IDENTITY,
+                    format!(
+                        "a refused attach to another disk {} changed the local cache or the remote",
+                        other.identity
+                    ),
+                ));
             }
             self.wrong_disk_refusals += 1;
             self.note(format!(
@@ -766,10 +793,13 @@ impl Harness {
             state: None,
         };
         if !same_backend(&recorded, &ours) {
-            return Err(self.violation(format!(
-                "the local cache of {recorded} refused at a restart with {url} (disk {})",
-                ours.identity
-            )));
+            return Err(self.violation(
+                property::IDENTITY,
+                format!(
+                    "the local cache of {recorded} refused at a restart with {url} (disk {})",
+                    ours.identity
+                ),
+            ));
         }
         self.note(format!("restart with {url}"));
         Ok(ours)
@@ -779,7 +809,7 @@ impl Harness {
     /// another disk served at the same address) and holds other bytes everywhere. The
     /// tier's check must refuse it whenever the cache holds a clean block (sampled against
     /// the disk, none can match), and must change neither the local device nor that disk.
-    fn offer_to_another_disk_with_our_identity(&mut self, recorded: &str) -> Result<(), String> {
+    fn offer_to_another_disk_with_our_identity(&mut self, recorded: &str) -> Result<(), Violation> {
         let other = Arc::new(SimDevice::new(
             self.core.clone(),
             self.scenario.backend_bytes,
@@ -791,7 +821,9 @@ impl Harness {
         other
             .write_vectored_at(&[IoSlice::new(&fill)], 0)
             .and_then(|()| other.flush())
-            .map_err(|error| self.violation(format!("filling another disk: {error}")))?;
+            .map_err(|error| {
+                self.violation(property::IDENTITY, format!("filling another disk: {error}"))
+            })?;
         let snapshot = |device: &SimDevice| {
             let mut bytes = vec![0u8; device.len_bytes() as usize];
             device.peek(&mut bytes, 0);
@@ -807,7 +839,9 @@ impl Harness {
         );
         if (snapshot(&self.local), snapshot(&other)) != before {
             return Err(self.violation(
-                "offering the tier to another disk with its identity changed the local cache or that disk"
+                property::IDENTITY,
+                "offering the tier to another disk with its identity changed the local cache or \
+                 that disk"
                     .to_string(),
             ));
         }
@@ -821,10 +855,10 @@ impl Harness {
                 self.note("offered to another disk with our identity: no clean block to compare".to_string());
                 Ok(())
             }
-            Ok(sampled) => Err(self.violation(format!(
+            Ok(sampled) => Err(self.violation(property::IDENTITY, format!(
                 "the tier's {sampled} sampled clean blocks matched another disk that differs everywhere"
             ))),
-            Err(error) => Err(self.violation(format!(
+            Err(error) => Err(self.violation(property::IDENTITY, format!(
                 "offering the tier to another disk with its identity: {error}"
             ))),
         }
@@ -833,7 +867,7 @@ impl Harness {
     /// Power fails: both devices keep, lose or tear their unflushed writes; the tier reopens
     /// over them and replays its log; every sector must then read as a flushed write or a
     /// later one, and the remote must be a prefix of what survived.
-    fn crash(&mut self) -> Result<(), String> {
+    fn crash(&mut self) -> Result<(), Violation> {
         self.crashes += 1;
         self.note("crash".to_string());
         let local = self.local.crash(&self.rng);
@@ -860,7 +894,12 @@ impl Harness {
             &ours.identity,
             self.scenario.config.clone(),
         )
-        .map_err(|error| self.violation(format!("reopening the tier after a crash: {error}")))?;
+        .map_err(|error| {
+            self.violation(
+                property::DURABILITY,
+                format!("reopening the tier after a crash: {error}"),
+            )
+        })?;
         self.tier = Some(tier);
         // Everything is read back with the remote's faults off: a read error here would hide
         // what the tier serves.
@@ -873,25 +912,30 @@ impl Harness {
         self.remote
             .set_faults(self.scenario.faults.clone(), self.rng.clone());
         read.map_err(|error| {
-            self.violation(format!(
-                "reading the tier after a crash failed with faults off: {error}"
-            ))
+            self.violation(
+                property::DURABILITY,
+                format!("reading the tier after a crash failed with faults off: {error}"),
+            )
         })?;
         for (sector, bytes) in image.chunks(SECTOR_BYTES as usize).enumerate() {
             let shadow = &self.shadow[sector];
             match decode_sector(bytes, sector as u64) {
                 Ok(version) if shadow.survives(version) => {}
                 Ok(version) => {
-                    return Err(self.violation(format!(
+                    return Err(self.violation(
+                        property::DURABILITY,
+                        format!(
                         "lost write after a crash: sector {sector} reads as version {version}, \
                          expected one of {:?}",
                         shadow.after_crash()
-                    )))
+                    ),
+                    ))
                 }
                 Err(garbage) => {
-                    return Err(self.violation(format!(
-                        "corrupt sector after a crash: sector {sector} holds {garbage}"
-                    )))
+                    return Err(self.violation(
+                        property::DURABILITY,
+                        format!("corrupt sector after a crash: sector {sector} holds {garbage}"),
+                    ))
                 }
             }
         }
@@ -905,7 +949,7 @@ impl Harness {
 
     /// The machine crashes and the local device is gone: the remote alone must be an epoch
     /// prefix. The tier then starts over with a new, empty local device.
-    fn lose_local(&mut self) -> Result<(), String> {
+    fn lose_local(&mut self) -> Result<(), Violation> {
         self.crashes += 1;
         self.note("crash losing the local device".to_string());
         self.remote.crash(&self.rng);
@@ -925,7 +969,10 @@ impl Harness {
         self.remote
             .set_faults(self.scenario.faults.clone(), self.rng.clone());
         let tier = tier.map_err(|error| {
-            self.violation(format!("creating a tier on a new local device: {error}"))
+            self.violation(
+                property::DURABILITY,
+                format!("creating a tier on a new local device: {error}"),
+            )
         })?;
         self.tier = Some(tier);
         // The remote is all there is now.
@@ -944,13 +991,16 @@ impl Harness {
 
     /// With faults off: a drain puts every logged write on the remote, which must then hold
     /// the latest acknowledged image, and the tier must read it back.
-    fn finish(&mut self) -> Result<(), String> {
+    fn finish(&mut self) -> Result<(), Violation> {
         self.remote
             .set_faults(FaultConfig::default(), self.rng.clone());
         let result = self.tier().drain();
         self.note(format!("drain -> {}", outcome(&result)));
         if let Err(error) = result {
-            return Err(self.violation(format!("drain failed with faults off: {error}")));
+            return Err(self.violation(
+                property::AT_THE_END,
+                format!("drain failed with faults off: {error}"),
+            ));
         }
         let mut bytes = vec![0u8; SECTOR_BYTES as usize];
         for (sector, shadow) in self.shadow.iter().enumerate() {
@@ -958,16 +1008,20 @@ impl Harness {
             match decode_sector(&bytes, sector as u64) {
                 Ok(version) if shadow.readable(version) => {}
                 Ok(version) => {
-                    return Err(self.violation(format!(
+                    return Err(self.violation(
+                        property::AT_THE_END,
+                        format!(
                         "remote behind after a drain: sector {sector} holds version {version}, \
                          expected one of {:?}",
                         shadow.for_read()
-                    )))
+                    ),
+                    ))
                 }
                 Err(garbage) => {
-                    return Err(self.violation(format!(
-                        "corrupt remote after a drain: sector {sector} holds {garbage}"
-                    )))
+                    return Err(self.violation(
+                        property::AT_THE_END,
+                        format!("corrupt remote after a drain: sector {sector} holds {garbage}"),
+                    ))
                 }
             }
         }
@@ -975,7 +1029,10 @@ impl Harness {
         self.tier()
             .read_vectored_at(&mut [IoSliceMut::new(&mut image)], 0)
             .map_err(|error| {
-                self.violation(format!("final read failed with faults off: {error}"))
+                self.violation(
+                    property::AT_THE_END,
+                    format!("final read failed with faults off: {error}"),
+                )
             })?;
         self.check_read(0, &image, "final read")
     }

@@ -38,7 +38,8 @@ pub mod sched;
 pub mod vm;
 pub mod workload;
 
-pub use check::{check_seed, check_seeds, CheckSummary, SeedOutcome, Violation};
+pub use bufcache_check::Violation;
+pub use check::{check_seed, check_seeds, CheckSummary, CheckTotals, SeedOutcome};
 pub use check_tier::{check_tier_seed_traced, check_tier_seeds};
 pub use clock::{SimRng, VirtualClock};
 pub use core::{

@@ -492,30 +492,21 @@ pub fn replay_trace(
     replay_trace_with(requests, &sim_config, options)
 }
 
-/// [`replay_trace`] with every part of the simulation given (host, syncer period; the
-/// layout and seed are set from `options`).
-pub fn replay_trace_with(
-    requests: impl IntoIterator<Item = TraceRequest>,
+/// A request the replay makes: a read or write of data (not a flush or other operation).
+fn is_data(r: &&TraceRequest) -> bool {
+    r.operation != Operation::Other && r.length_bytes > 0
+}
+
+/// The range of addresses the trace's data requests cover, in whole blocks: (base, length);
+/// it must fit the disk.
+fn address_range(
+    trace: &[TraceRequest],
+    block: u64,
     config: &SimConfig,
-    options: &ReplayOptions,
-) -> Result<ReplayReport, SimError> {
-    options.validate()?;
-    let block = options.block_size;
-    if block > config.cache.buffer_bytes_max {
-        return Err(SimError::Invalid(format!(
-            "block_size = {} is invalid: above the engine's buffer_size_max ({})",
-            block, config.cache.buffer_bytes_max
-        )));
-    }
-    let limit = options.requests_max.unwrap_or(u64::MAX);
-    let trace: Vec<TraceRequest> = requests
-        .into_iter()
-        .take(limit.min(usize::MAX as u64) as usize)
-        .collect();
-    let data = |r: &&TraceRequest| r.operation != Operation::Other && r.length_bytes > 0;
+) -> Result<(u64, u64), SimError> {
     let mut start = u64::MAX;
     let mut end = 0u64;
-    for r in trace.iter().filter(data) {
+    for r in trace.iter().filter(is_data) {
         let last = r.offset_bytes.checked_add(r.length_bytes).ok_or_else(|| {
             SimError::Invalid(format!(
                 "a request at offset {} of {} bytes ends beyond 2^64",
@@ -543,31 +534,86 @@ pub fn replay_trace_with(
             format_size(capacity)
         )));
     }
+    Ok((base, length))
+}
 
-    // Arrival times: relative to the first request, scaled, never before the previous one.
-    let first_us = trace.iter().find(data).map_or(0, |r| r.time_us);
-    let mut last_us = first_us;
-    let mut prepared = Vec::new();
-    let (mut reads, mut writes, mut read_bytes, mut write_bytes) = (0u64, 0u64, 0u64, 0u64);
-    for r in trace.iter().filter(data) {
-        last_us = last_us.max(r.time_us);
+/// The trace's data requests as the replay makes them, and their counts.
+struct PreparedTrace {
+    requests: Vec<Prepared>,
+    reads: u64,
+    writes: u64,
+    read_bytes: u64,
+    write_bytes: u64,
+    /// Trace times of the first data request and the last.
+    first_us: u64,
+    last_us: u64,
+}
+
+/// The data requests of `trace` in whole blocks from `base`, arriving at their trace times
+/// relative to the first, divided by `speed`, never before the previous one.
+fn prepare(trace: &[TraceRequest], base: u64, block: u64, speed: f64) -> PreparedTrace {
+    let first_us = trace.iter().find(is_data).map_or(0, |r| r.time_us);
+    let mut prepared = PreparedTrace {
+        requests: Vec::new(),
+        reads: 0,
+        writes: 0,
+        read_bytes: 0,
+        write_bytes: 0,
+        first_us,
+        last_us: first_us,
+    };
+    for r in trace.iter().filter(is_data) {
+        prepared.last_us = prepared.last_us.max(r.time_us);
         let write = r.operation == Operation::Write;
         if write {
-            writes += 1;
-            write_bytes += r.length_bytes;
+            prepared.writes += 1;
+            prepared.write_bytes += r.length_bytes;
         } else {
-            reads += 1;
-            read_bytes += r.length_bytes;
+            prepared.reads += 1;
+            prepared.read_bytes += r.length_bytes;
         }
         let first = (r.offset_bytes - base) / block * block;
         let last = (r.offset_bytes + r.length_bytes - base).div_ceil(block) * block;
-        prepared.push(Prepared {
-            arrival_ns: ((last_us - first_us) as f64 * 1000.0 / options.speed) as u64,
+        prepared.requests.push(Prepared {
+            arrival_ns: ((prepared.last_us - first_us) as f64 * 1000.0 / speed) as u64,
             write,
             offset: first,
             length: last - first,
         });
     }
+    prepared
+}
+
+/// [`replay_trace`] with every part of the simulation given (host, syncer period; the
+/// layout and seed are set from `options`).
+pub fn replay_trace_with(
+    requests: impl IntoIterator<Item = TraceRequest>,
+    config: &SimConfig,
+    options: &ReplayOptions,
+) -> Result<ReplayReport, SimError> {
+    options.validate()?;
+    let block = options.block_size;
+    if block > config.cache.buffer_bytes_max {
+        return Err(SimError::Invalid(format!(
+            "block_size = {} is invalid: above the engine's buffer_size_max ({})",
+            block, config.cache.buffer_bytes_max
+        )));
+    }
+    let limit = options.requests_max.unwrap_or(u64::MAX);
+    let trace: Vec<TraceRequest> = requests
+        .into_iter()
+        .take(limit.min(usize::MAX as u64) as usize)
+        .collect();
+    let (base, length) = address_range(&trace, block, config)?;
+    let PreparedTrace {
+        requests: prepared,
+        reads,
+        writes,
+        read_bytes,
+        write_bytes,
+        first_us,
+        last_us,
+    } = prepare(&trace, base, block, options.speed);
     let skipped = trace.len() as u64 - prepared.len() as u64;
     let count = prepared.len();
 

@@ -1299,6 +1299,99 @@ struct Entity {
     blocked: Option<Step>,
 }
 
+/// The swap area's size a configuration asks for (0 without paging), checked against the
+/// disk's `capacity`.
+fn swap_bytes_checked(
+    config: &SimConfig,
+    paging: Option<&PagingModel>,
+    capacity: u64,
+) -> Result<u64, SimError> {
+    let Some(paging) = paging else {
+        return Ok(0);
+    };
+    if paging.page_outs_in_flight_max == 0 {
+        return Err(SimError::Invalid(
+            "memory paging: page_outs_in_flight_max must be at least 1".to_string(),
+        ));
+    }
+    if paging.cluster_bytes == 0 || paging.swap_bytes < paging.cluster_bytes {
+        return Err(SimError::Invalid(format!(
+            "memory paging: cluster_bytes ({}) must be at least 1 and at most \
+             swap_bytes ({})",
+            paging.cluster_bytes, paging.swap_bytes
+        )));
+    }
+    if paging.swap_bytes.saturating_add(FLAT_LAYOUT_START_BYTES) >= capacity / 2 {
+        return Err(SimError::Invalid(format!(
+            "memory paging: swap_bytes ({}) must be under half of the disk \
+             {} ({capacity} bytes)",
+            paging.swap_bytes, config.disk.name
+        )));
+    }
+    Ok(paging.swap_bytes)
+}
+
+impl Pager {
+    /// The pager of a configuration with a memory model, on an account of its own.
+    fn new(config: &SimConfig, core: &SimCore, model: MemoryModel) -> Pager {
+        Pager {
+            account: core.add_account("pager"),
+            next_ns: 0,
+            blocked: None,
+            area_bytes: config.cache.memory_bytes_max,
+            buffers_max: config.cache.buffers_max,
+            last_ns: 0,
+            last_pressure_bytes: 0,
+            scan_next_ns: 0,
+            process_deficit_bytes: 0,
+            look_last_ns: 0,
+            look_gap_ns_max: 0,
+            report: MemoryReport {
+                area_min_bytes: config.cache.memory_bytes_max,
+                area_bytes_max: config.cache.memory_bytes_max,
+                ..MemoryReport::default()
+            },
+            model,
+        }
+    }
+}
+
+impl Paging {
+    /// The paging state of a configuration with a paging model: swap at `swap_offset`,
+    /// page-outs through `slots`.
+    fn new(
+        config: &SimConfig,
+        model: PagingModel,
+        swap_offset: u64,
+        slots: Vec<PageOutSlot>,
+        pager_account: usize,
+    ) -> Paging {
+        Paging {
+            swap_offset,
+            process_bytes: config.memory.as_ref().map(|m| m.process_bytes).unwrap_or(0),
+            nonresident_fraction: 0.0,
+            deficit_bytes: 0,
+            page_out_pending_bytes: 0,
+            page_out_cursor: 0,
+            rng: SimRng::new(config.seed ^ 0x5A4B_0000_0000_0001),
+            page_in_bytes: 0,
+            page_ins: 0,
+            page_out_bytes: 0,
+            page_outs: 0,
+            slots,
+            page_outs_in_flight_peak: 0,
+            owed_bytes_max: config
+                .memory
+                .as_ref()
+                .map_or(0, |m| free_min_bytes(m.ram_bytes)),
+            page_outs_waited: 0,
+            pager_account,
+            io_queue: config.io_queue.is_some(),
+            model,
+        }
+    }
+}
+
 /// A simulation: a disk, a host, a cache running the real engine, files and processes.
 pub struct Simulation {
     world: World,
@@ -1340,31 +1433,7 @@ impl Simulation {
             Environment::new(clock.clone(), spawner.clone(), waiter),
         )?;
         let paging_model = config.memory.as_ref().and_then(|m| m.paging.clone());
-        let swap_bytes = match &paging_model {
-            Some(paging) => {
-                if paging.page_outs_in_flight_max == 0 {
-                    return Err(SimError::Invalid(
-                        "memory paging: page_outs_in_flight_max must be at least 1".to_string(),
-                    ));
-                }
-                if paging.cluster_bytes == 0 || paging.swap_bytes < paging.cluster_bytes {
-                    return Err(SimError::Invalid(format!(
-                        "memory paging: cluster_bytes ({}) must be at least 1 and at most \
-                         swap_bytes ({})",
-                        paging.cluster_bytes, paging.swap_bytes
-                    )));
-                }
-                if paging.swap_bytes.saturating_add(FLAT_LAYOUT_START_BYTES) >= capacity / 2 {
-                    return Err(SimError::Invalid(format!(
-                        "memory paging: swap_bytes ({}) must be under half of the disk \
-                         {} ({capacity} bytes)",
-                        paging.swap_bytes, config.disk.name
-                    )));
-                }
-                paging.swap_bytes
-            }
-            None => 0,
-        };
+        let swap_bytes = swap_bytes_checked(config, paging_model.as_ref(), capacity)?;
         // Swap before the flat layout's files (as 4.4BSD's `b` before /usr); with the FFS
         // model, which spans the disk it is given, at the disk's end.
         let swap_offset = if config.fs.is_some() {
@@ -1405,25 +1474,10 @@ impl Simulation {
                     .collect()
             })
             .unwrap_or_default();
-        let pager = config.memory.clone().map(|model| Pager {
-            account: core.add_account("pager"),
-            next_ns: 0,
-            blocked: None,
-            area_bytes: config.cache.memory_bytes_max,
-            buffers_max: config.cache.buffers_max,
-            last_ns: 0,
-            last_pressure_bytes: 0,
-            scan_next_ns: 0,
-            process_deficit_bytes: 0,
-            look_last_ns: 0,
-            look_gap_ns_max: 0,
-            report: MemoryReport {
-                area_min_bytes: config.cache.memory_bytes_max,
-                area_bytes_max: config.cache.memory_bytes_max,
-                ..MemoryReport::default()
-            },
-            model,
-        });
+        let pager = config
+            .memory
+            .clone()
+            .map(|model| Pager::new(config, &core, model));
         let vm = config
             .memory
             .as_ref()
@@ -1461,28 +1515,9 @@ impl Simulation {
                 page_bytes: config.cache.page_size_bytes.max(1),
                 calls_to_sample: 64,
                 ffs: None,
-                paging: paging_model.map(|model| Paging {
-                    swap_offset,
-                    process_bytes: config.memory.as_ref().map(|m| m.process_bytes).unwrap_or(0),
-                    nonresident_fraction: 0.0,
-                    deficit_bytes: 0,
-                    page_out_pending_bytes: 0,
-                    page_out_cursor: 0,
-                    rng: SimRng::new(config.seed ^ 0x5A4B_0000_0000_0001),
-                    page_in_bytes: 0,
-                    page_ins: 0,
-                    page_out_bytes: 0,
-                    page_outs: 0,
-                    slots: page_out_slots,
-                    page_outs_in_flight_peak: 0,
-                    owed_bytes_max: config
-                        .memory
-                        .as_ref()
-                        .map_or(0, |m| free_min_bytes(m.ram_bytes)),
-                    page_outs_waited: 0,
-                    pager_account: pager.as_ref().map_or(0, |pager| pager.account),
-                    io_queue: config.io_queue.is_some(),
-                    model,
+                paging: paging_model.map(|model| {
+                    let pager_account = pager.as_ref().map_or(0, |pager| pager.account);
+                    Paging::new(config, model, swap_offset, page_out_slots, pager_account)
                 }),
             },
             spawner,

@@ -10,13 +10,13 @@ fn sim_check_finds_the_planted_clean_before_write_defect() {
     // lost write or a stale read, naming its seed.
     let summary = bufcache_sim::check_seeds(1, 50, |_, _| {});
     for violation in summary.violations.iter().take(3) {
-        eprintln!("seed {}: {}", violation.seed, violation.message);
+        eprintln!("seed {}: {}", violation.seed, violation);
     }
     assert!(
         summary
             .violations
             .iter()
-            .any(|v| v.message.starts_with("lost write") || v.message.starts_with("stale read")),
+            .any(|v| v.detail.starts_with("lost write") || v.detail.starts_with("stale read")),
         "the planted defect went unnoticed: {}",
         summary.line()
     );

@@ -12,14 +12,14 @@ fn sim_check_finds_the_planted_stale_rescue_replay_defect() {
     // stale rescue file replayed (or the flushed writes it overwrote), naming its seed.
     let summary = bufcache_sim::check_seeds(1, 100, |_, _| {});
     for violation in summary.violations.iter().take(3) {
-        eprintln!("seed {}: {}", violation.seed, violation.message);
+        eprintln!("seed {}: {}", violation.seed, violation);
     }
     assert!(
         summary
             .violations
             .iter()
-            .any(|v| v.message.starts_with("stale rescue file replayed")
-                || v.message.starts_with("lost write: a stale rescue file")),
+            .any(|v| v.detail.starts_with("stale rescue file replayed")
+                || v.detail.starts_with("lost write: a stale rescue file")),
         "the planted rescue defect went unnoticed: {}",
         summary.line()
     );
@@ -33,7 +33,7 @@ fn planted_rescue_defect_is_absent_from_normal_builds() {
     let summary = bufcache_sim::check_seeds(1, 100, |_, _| {});
     assert!(summary.violations.is_empty(), "{}", summary.line());
     assert!(
-        summary.rescue.refused > 0,
+        summary.totals.rescue.refused > 0,
         "no stale file was presented: {summary:?}"
     );
 }

@@ -11,13 +11,13 @@ fn sim_check_local_tier_finds_the_planted_newest_epoch_first_defect() {
     // report a remote that is not an epoch prefix, naming its seed.
     let summary = bufcache_sim::check_tier_seeds(1, 10, |_, _| {});
     for violation in summary.violations.iter().take(3) {
-        eprintln!("seed {}: {}", violation.seed, violation.message);
+        eprintln!("seed {}: {}", violation.seed, violation);
     }
     assert!(
         summary
             .violations
             .iter()
-            .any(|v| v.message.starts_with("remote not an epoch prefix")),
+            .any(|v| v.detail.starts_with("remote not an epoch prefix")),
         "the planted tier defect went unnoticed: {}",
         summary.line()
     );

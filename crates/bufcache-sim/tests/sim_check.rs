@@ -18,23 +18,24 @@ fn seeded_workloads_with_faults_and_crashes_keep_the_durability_contract() {
     // crashes and store outages ending in rescue files, checked against the shadow model.
     let summary = check_seeds(1, CI_SEEDS, |_, _| {});
     for violation in &summary.violations {
-        eprintln!("seed {}: {}", violation.seed, violation.message);
+        eprintln!("seed {}: {}", violation.seed, violation);
     }
     assert_eq!(summary.seeds, CI_SEEDS);
     assert!(
-        summary.crashes > CI_SEEDS / 2,
+        summary.totals.crashes > CI_SEEDS / 2,
         "the sweep must exercise crashes: {}",
-        summary.crashes
+        summary.totals.crashes
     );
     assert!(
-        summary.device_faults > CI_SEEDS,
+        summary.totals.device_faults > CI_SEEDS,
         "the sweep must exercise device faults: {}",
-        summary.device_faults
+        summary.totals.device_faults
     );
     assert!(
-        summary.rescue.replayed > CI_SEEDS / 10 && summary.rescue.refused > CI_SEEDS / 10,
+        summary.totals.rescue.replayed > CI_SEEDS / 10
+            && summary.totals.rescue.refused > CI_SEEDS / 10,
         "the sweep must replay fresh rescue files and refuse stale ones: {:?}",
-        summary.rescue
+        summary.totals.rescue
     );
     assert!(summary.violations.is_empty(), "{}", summary.line());
 }

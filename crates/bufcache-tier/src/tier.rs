@@ -260,6 +260,49 @@ struct Counters {
     read_cache_insert_failures: AtomicU64,
 }
 
+impl State {
+    /// The state of a session opening after `checkpoint` (read from `checkpoint_slots`),
+    /// before the log's replay.
+    fn after_open(checkpoint: &Checkpoint, checkpoint_slots: [[u8; CHECKPOINT_BYTES]; 2]) -> State {
+        State {
+            session: checkpoint.session + 1,
+            checkpoint_generation: checkpoint.generation,
+            records: VecDeque::new(),
+            used_bytes: 0,
+            tail_position: checkpoint.tail_position,
+            tail_sequence: checkpoint.tail_sequence,
+            tail_previous_crc: checkpoint.tail_previous_crc,
+            tail_position_persisted: checkpoint.tail_position,
+            head_position: checkpoint.tail_position,
+            next_sequence: checkpoint.tail_sequence,
+            last_crc: checkpoint.tail_previous_crc,
+            index: BTreeMap::new(),
+            open_epoch: checkpoint.remote_epoch + 1,
+            open_epoch_has_writes: false,
+            durable_epoch: 0,
+            durable_sequence: 0,
+            remote_epoch: checkpoint.remote_epoch,
+            dirty_epochs: BTreeMap::new(),
+            generation: 0,
+            // A server killed after a failed write-through may have left bytes in the
+            // remote's volatile cache: until this run has flushed the remote (just
+            // below, or by write-back), nothing read there is cached.
+            remote_unflushed: true,
+            writeback_failures_in_a_row: 0,
+            writeback_failures_total: 0,
+            writeback_error: None,
+            writeback_epochs: 0,
+            local_failure: None,
+            stopping: false,
+            checkpoint_slots,
+            log_buffer: None,
+            log_buffer_start: checkpoint.tail_position,
+            log_buffer_bytes: 0,
+            log_buffer_unwritten: false,
+        }
+    }
+}
+
 struct Shared<R, L> {
     remote: R,
     local: L,
@@ -699,108 +742,10 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
         config.validate()?;
         check_identity(identity)?;
         check_backend(&remote, identity, &config)?;
-        let local_bytes = local.len();
-        let mut first = vec![0u8; local_bytes.min(SUPERBLOCK_BYTES) as usize];
-        local
-            .read_vectored_at(&mut [IoSliceMut::new(&mut first)], 0)
-            .map_err(|source| TierError::Io {
-                local: local_name.clone(),
-                what: "reading the superblock",
-                source,
-            })?;
-        if local_bytes < SUPERBLOCK_BYTES {
-            return Err(if first.len() >= 8 && first[..8] == SUPERBLOCK_MAGIC {
-                TierError::Truncated {
-                    local: local_name,
-                    expected: SUPERBLOCK_BYTES,
-                    actual: local_bytes,
-                }
-            } else {
-                TierError::NotACache { local: local_name }
-            });
-        }
-        let superblock = match Superblock::decode(&first) {
-            Ok(superblock) => superblock,
-            Err(SuperblockProblem::NoMagic) => {
-                return Err(TierError::NotACache { local: local_name })
-            }
-            Err(SuperblockProblem::Checksum) => {
-                return Err(TierError::SuperblockCorrupt { local: local_name })
-            }
-            Err(SuperblockProblem::Version(found)) => {
-                return Err(TierError::Version {
-                    local: local_name,
-                    found,
-                    expected: FORMAT_VERSION,
-                })
-            }
-        };
-        if local_bytes < superblock.local_bytes {
-            return Err(TierError::Truncated {
-                local: local_name,
-                expected: superblock.local_bytes,
-                actual: local_bytes,
-            });
-        }
-        if let Some(asked) = asked_bytes.filter(|&asked| asked != superblock.local_bytes) {
-            return Err(TierError::SizeMismatch {
-                local: local_name,
-                actual: superblock.local_bytes,
-                asked,
-            });
-        }
-        if superblock.identity != identity {
-            return Err(TierError::OtherBackend {
-                local: local_name,
-                found: superblock.identity,
-                expected: identity.to_string(),
-            });
-        }
-        if superblock.backend_bytes != remote.len() {
-            return Err(TierError::BackendSize {
-                local: local_name,
-                identity: identity.to_string(),
-                found: superblock.backend_bytes,
-                expected: remote.len(),
-            });
-        }
-        if superblock.block_bytes != config.block_bytes {
-            return Err(TierError::BlockSize {
-                local: local_name,
-                found: superblock.block_bytes,
-                expected: config.block_bytes,
-            });
-        }
-        if superblock.log_start != LOG_START
-            || superblock.log_end > superblock.local_bytes
-            || superblock.log_end < superblock.log_start + LOCAL_BYTES_MIN - LOG_START
-        {
-            return Err(TierError::SuperblockCorrupt { local: local_name });
-        }
-        let mut best: Option<Checkpoint> = None;
-        let mut checkpoint_slots = [[0u8; CHECKPOINT_BYTES]; 2];
-        for (slot, offset) in checkpoint_slots.iter_mut().zip(CHECKPOINT_OFFSETS) {
-            local
-                .read_vectored_at(&mut [IoSliceMut::new(slot)], offset)
-                .map_err(|source| TierError::Io {
-                    local: local_name.clone(),
-                    what: "reading a checkpoint",
-                    source,
-                })?;
-            if let Some(checkpoint) = Checkpoint::decode(slot) {
-                if best.is_none_or(|best| checkpoint.generation > best.generation) {
-                    best = Some(checkpoint);
-                }
-            }
-        }
-        let checkpoint = best
-            .filter(|checkpoint| {
-                (superblock.log_start..superblock.log_end).contains(&checkpoint.tail_position)
-                    && checkpoint.tail_position % 512 == 0
-            })
-            .ok_or_else(|| TierError::NoCheckpoint {
-                local: local_name.clone(),
-            })?;
+        let superblock =
+            Self::read_superblock(&local, &local_name, &remote, identity, &config, asked_bytes)?;
+        let (checkpoint, checkpoint_slots) =
+            Self::read_checkpoint(&local, &local_name, &superblock)?;
         let remote_capabilities = remote.capabilities();
         let shared = Shared {
             block_bytes: u64::from(config.block_bytes),
@@ -812,42 +757,7 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
             local,
             local_name: local_name.clone(),
             config,
-            state: Mutex::new(State {
-                session: checkpoint.session + 1,
-                checkpoint_generation: checkpoint.generation,
-                records: VecDeque::new(),
-                used_bytes: 0,
-                tail_position: checkpoint.tail_position,
-                tail_sequence: checkpoint.tail_sequence,
-                tail_previous_crc: checkpoint.tail_previous_crc,
-                tail_position_persisted: checkpoint.tail_position,
-                head_position: checkpoint.tail_position,
-                next_sequence: checkpoint.tail_sequence,
-                last_crc: checkpoint.tail_previous_crc,
-                index: BTreeMap::new(),
-                open_epoch: checkpoint.remote_epoch + 1,
-                open_epoch_has_writes: false,
-                durable_epoch: 0,
-                durable_sequence: 0,
-                remote_epoch: checkpoint.remote_epoch,
-                dirty_epochs: BTreeMap::new(),
-                generation: 0,
-                // A server killed after a failed write-through may have left bytes in the
-                // remote's volatile cache: until this run has flushed the remote (just
-                // below, or by write-back), nothing read there is cached.
-                remote_unflushed: true,
-                writeback_failures_in_a_row: 0,
-                writeback_failures_total: 0,
-                writeback_error: None,
-                writeback_epochs: 0,
-                local_failure: None,
-                stopping: false,
-                checkpoint_slots,
-                log_buffer: None,
-                log_buffer_start: checkpoint.tail_position,
-                log_buffer_bytes: 0,
-                log_buffer_unwritten: false,
-            }),
+            state: Mutex::new(State::after_open(&checkpoint, checkpoint_slots)),
             changed: Condvar::new(),
             order: RwLock::new(()),
             partial_writes: Mutex::new(()),
@@ -883,56 +793,7 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
             if check_only {
                 return Ok(Checked::Checked { sampled });
             }
-            if let Some(damage) = damage {
-                tracing::warn!(
-                    local = %local_name,
-                    offset = damage.offset,
-                    sequence = damage.sequence,
-                    valid_after = damage.valid_after,
-                    "local cache: the log record at this offset is damaged although a later \
-                     record proves it was fsynced; replaying only the records before it, as \
-                     --local-cache-replay-prefix asks: the writes from it on are discarded"
-                );
-                // The damaged record's header is erased (made durable by the checkpoint
-                // below), so the log now ends there and later opens need no flag; its space
-                // is the head, reused by the next record anyway.
-                assert_eq!(
-                    damage.offset, state.head_position,
-                    "replay ends at the damage"
-                );
-                shared
-                    .erase_at_head(&mut state)
-                    .map_err(|source| TierError::Io {
-                        local: local_name.clone(),
-                        what: "erasing a damaged record",
-                        source,
-                    })?;
-            }
-            Shared::<R, L>::close_replayed_epochs(&mut state);
-            // The new session is durable before any record of it is written (Chain).
-            shared
-                .write_checkpoint(&mut state)
-                .map_err(|source| TierError::Io {
-                    local: local_name.clone(),
-                    what: "writing a checkpoint",
-                    source,
-                })?;
-            match shared.remote.flush() {
-                Ok(()) => state.remote_unflushed = false,
-                Err(error) => tracing::warn!(
-                    local = %local_name,
-                    %error,
-                    "flushing the backend at start failed: reads are not cached until a flush succeeds"
-                ),
-            }
-            if !state.dirty_epochs.is_empty() {
-                tracing::info!(
-                    local = %local_name,
-                    dirty_bytes = state.dirty_epochs.values().sum::<u64>(),
-                    epochs = state.dirty_epochs.len(),
-                    "local cache replayed: resuming write-back"
-                );
-            }
+            shared.start_session(&mut state, damage)?;
         }
         let shared = Arc::new(shared);
         let writeback = match shared.config.writeback_driver {
@@ -950,6 +811,139 @@ impl<R: Device + 'static, L: Device + 'static> LocalTier<R, L> {
             }
         };
         Ok(Checked::Opened(LocalTier { shared, writeback }))
+    }
+
+    /// Reads and checks the superblock of `local`: a cache of ours, whole, of the size
+    /// asked (if any), made for the disk `identity` of `remote`'s size with this block size.
+    fn read_superblock(
+        local: &L,
+        local_name: &str,
+        remote: &R,
+        identity: &str,
+        config: &LocalTierConfig,
+        asked_bytes: Option<u64>,
+    ) -> Result<Superblock, TierError> {
+        let local_bytes = local.len();
+        let mut first = vec![0u8; local_bytes.min(SUPERBLOCK_BYTES) as usize];
+        local
+            .read_vectored_at(&mut [IoSliceMut::new(&mut first)], 0)
+            .map_err(|source| TierError::Io {
+                local: local_name.to_string(),
+                what: "reading the superblock",
+                source,
+            })?;
+        if local_bytes < SUPERBLOCK_BYTES {
+            return Err(if first.len() >= 8 && first[..8] == SUPERBLOCK_MAGIC {
+                TierError::Truncated {
+                    local: local_name.to_string(),
+                    expected: SUPERBLOCK_BYTES,
+                    actual: local_bytes,
+                }
+            } else {
+                TierError::NotACache {
+                    local: local_name.to_string(),
+                }
+            });
+        }
+        let superblock = match Superblock::decode(&first) {
+            Ok(superblock) => superblock,
+            Err(SuperblockProblem::NoMagic) => {
+                return Err(TierError::NotACache {
+                    local: local_name.to_string(),
+                })
+            }
+            Err(SuperblockProblem::Checksum) => {
+                return Err(TierError::SuperblockCorrupt {
+                    local: local_name.to_string(),
+                })
+            }
+            Err(SuperblockProblem::Version(found)) => {
+                return Err(TierError::Version {
+                    local: local_name.to_string(),
+                    found,
+                    expected: FORMAT_VERSION,
+                })
+            }
+        };
+        if local_bytes < superblock.local_bytes {
+            return Err(TierError::Truncated {
+                local: local_name.to_string(),
+                expected: superblock.local_bytes,
+                actual: local_bytes,
+            });
+        }
+        if let Some(asked) = asked_bytes.filter(|&asked| asked != superblock.local_bytes) {
+            return Err(TierError::SizeMismatch {
+                local: local_name.to_string(),
+                actual: superblock.local_bytes,
+                asked,
+            });
+        }
+        if superblock.identity != identity {
+            return Err(TierError::OtherBackend {
+                local: local_name.to_string(),
+                found: superblock.identity,
+                expected: identity.to_string(),
+            });
+        }
+        if superblock.backend_bytes != remote.len() {
+            return Err(TierError::BackendSize {
+                local: local_name.to_string(),
+                identity: identity.to_string(),
+                found: superblock.backend_bytes,
+                expected: remote.len(),
+            });
+        }
+        if superblock.block_bytes != config.block_bytes {
+            return Err(TierError::BlockSize {
+                local: local_name.to_string(),
+                found: superblock.block_bytes,
+                expected: config.block_bytes,
+            });
+        }
+        if superblock.log_start != LOG_START
+            || superblock.log_end > superblock.local_bytes
+            || superblock.log_end < superblock.log_start + LOCAL_BYTES_MIN - LOG_START
+        {
+            return Err(TierError::SuperblockCorrupt {
+                local: local_name.to_string(),
+            });
+        }
+        Ok(superblock)
+    }
+
+    /// Reads both checkpoint slots of `local` and picks the newest valid one whose tail lies
+    /// in the log; returns it with the slots as read.
+    fn read_checkpoint(
+        local: &L,
+        local_name: &str,
+        superblock: &Superblock,
+    ) -> Result<(Checkpoint, [[u8; CHECKPOINT_BYTES]; 2]), TierError> {
+        let mut best: Option<Checkpoint> = None;
+        let mut checkpoint_slots = [[0u8; CHECKPOINT_BYTES]; 2];
+        for (slot, offset) in checkpoint_slots.iter_mut().zip(CHECKPOINT_OFFSETS) {
+            local
+                .read_vectored_at(&mut [IoSliceMut::new(slot)], offset)
+                .map_err(|source| TierError::Io {
+                    local: local_name.to_string(),
+                    what: "reading a checkpoint",
+                    source,
+                })?;
+            if let Some(checkpoint) = Checkpoint::decode(slot) {
+                if best.is_none_or(|best| checkpoint.generation > best.generation) {
+                    best = Some(checkpoint);
+                }
+            }
+        }
+        let checkpoint = best
+            .filter(|checkpoint| {
+                (superblock.log_start..superblock.log_end).contains(&checkpoint.tail_position)
+                    && checkpoint.tail_position % 512 == 0
+            })
+            .ok_or_else(|| TierError::NoCheckpoint {
+                local: local_name.to_string(),
+            })?;
+        Ok((checkpoint, checkpoint_slots))
     }
 
     /// Does one unit of write-back, exactly what the write-back thread does each time it
@@ -1145,6 +1139,60 @@ impl<R: Device, L: Device> Shared<R, L> {
             space_bytes,
             intact: RecordHeader::verify(&header_bytes, payload, crc),
         }))
+    }
+
+    /// Starts this session once the log is replayed and checked: erases a damaged record the
+    /// replay stopped at (`damage`, when replaying its prefix was asked), closes the
+    /// replayed epochs, makes the new session durable, flushes the remote.
+    fn start_session(&self, state: &mut State, damage: Option<Damage>) -> Result<(), TierError> {
+        if let Some(damage) = damage {
+            tracing::warn!(
+                local = %self.local_name,
+                offset = damage.offset,
+                sequence = damage.sequence,
+                valid_after = damage.valid_after,
+                "local cache: the log record at this offset is damaged although a later \
+                 record proves it was fsynced; replaying only the records before it, as \
+                 --local-cache-replay-prefix asks: the writes from it on are discarded"
+            );
+            // The damaged record's header is erased (made durable by the checkpoint
+            // below), so the log now ends there and later opens need no flag; its space
+            // is the head, reused by the next record anyway.
+            assert_eq!(
+                damage.offset, state.head_position,
+                "replay ends at the damage"
+            );
+            self.erase_at_head(state).map_err(|source| TierError::Io {
+                local: self.local_name.clone(),
+                what: "erasing a damaged record",
+                source,
+            })?;
+        }
+        Self::close_replayed_epochs(state);
+        // The new session is durable before any record of it is written (Chain).
+        self.write_checkpoint(state)
+            .map_err(|source| TierError::Io {
+                local: self.local_name.clone(),
+                what: "writing a checkpoint",
+                source,
+            })?;
+        match self.remote.flush() {
+            Ok(()) => state.remote_unflushed = false,
+            Err(error) => tracing::warn!(
+                local = %self.local_name,
+                %error,
+                "flushing the backend at start failed: reads are not cached until a flush succeeds"
+            ),
+        }
+        if !state.dirty_epochs.is_empty() {
+            tracing::info!(
+                local = %self.local_name,
+                dirty_bytes = state.dirty_epochs.values().sum::<u64>(),
+                epochs = state.dirty_epochs.len(),
+                "local cache replayed: resuming write-back"
+            );
+        }
+        Ok(())
     }
 
     /// Walks the chain from the persisted tail (Chain) and rebuilds the index. Returns the

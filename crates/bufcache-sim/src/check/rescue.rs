@@ -40,8 +40,9 @@ use bufcache::device::SeededRng;
 use bufcache_host::rescue::{self, Backend, BackendIdentity, Record};
 
 use super::s3_identity;
-use super::{decode_sector, Harness, Shadow};
+use super::{decode_sector, property, Harness, Shadow};
 use crate::core::{FaultConfig, SECTOR_BYTES};
+use bufcache_check::Violation;
 
 /// Parameters of an S3 URL that say only how the disk is reached or opened: a restart may
 /// add, drop or change any of them, and the disk, its rescue file's name and the check must
@@ -161,15 +162,16 @@ impl Harness {
     }
 
     /// Every sector's version on the store (the checker reads it directly).
-    fn store_versions(&self) -> Result<Vec<u64>, String> {
+    fn store_versions(&self) -> Result<Vec<u64>, Violation> {
         let mut bytes = vec![0u8; SECTOR_BYTES as usize];
         (0..self.shadow.len() as u64)
             .map(|sector| {
                 self.device.peek(&mut bytes, sector * SECTOR_BYTES);
                 decode_sector(&bytes, sector).map_err(|garbage| {
-                    self.violation(format!(
-                        "corrupt sector on the store: {sector} holds {garbage}"
-                    ))
+                    self.violation(
+                        property::RESCUE_FILES,
+                        format!("corrupt sector on the store: {sector} holds {garbage}"),
+                    )
                 })
             })
             .collect()
@@ -185,7 +187,7 @@ impl Harness {
     /// A seeded step: the store becomes unreachable and the server shuts down (saving what
     /// it could not write back), or, while another server runs on the disks, that server
     /// stops and a start here presents the old files.
-    pub(super) fn outage(&mut self) -> Result<(), String> {
+    pub(super) fn outage(&mut self) -> Result<(), Violation> {
         if self.rescue.stale {
             return self.present_stale_files();
         }
@@ -265,21 +267,25 @@ impl Harness {
                     let sector = first + index as u64;
                     expected[sector as usize] =
                         decode_sector(bytes, sector).map_err(|garbage| {
-                            self.violation(format!(
-                                "corrupt rescue record: sector {sector} holds {garbage}"
-                            ))
+                            self.violation(
+                                property::RESCUE_FILES,
+                                format!("corrupt rescue record: sector {sector} holds {garbage}"),
+                            )
                         })?;
                 }
             }
         }
         for (sector, shadow) in self.shadow.iter().enumerate() {
             if !shadow.survives(expected[sector]) {
-                return Err(self.violation(format!(
+                return Err(self.violation(
+                    property::RESCUE_FILES,
+                    format!(
                     "lost write at a shutdown during an outage: sector {sector} holds version {} \
                      on the store and in the rescue files, expected one of {:?}",
                     expected[sector],
                     shadow.expected_after_crash()
-                )));
+                ),
+                ));
             }
         }
         if self.rescue.files.is_empty() || self.draw(2) == 0 {
@@ -308,7 +314,7 @@ impl Harness {
     /// The other server stops cleanly (the store answers again: its last sync must succeed,
     /// so every write it acknowledged is flushed); a start here finds the old files and must
     /// refuse them, changing nothing; the operator then discards them and starts again.
-    fn present_stale_files(&mut self) -> Result<(), String> {
+    fn present_stale_files(&mut self) -> Result<(), Violation> {
         self.note("the other server stops".to_string());
         self.device
             .set_faults(FaultConfig::default(), self.rng.clone());
@@ -318,9 +324,10 @@ impl Harness {
         self.leave();
         self.collect_failed_writes();
         if let Err(error) = synced {
-            return Err(self.violation(format!(
-                "the other server's last sync failed with faults off: {error}"
-            )));
+            return Err(self.violation(
+                property::RESCUE_FILES,
+                format!("the other server's last sync failed with faults off: {error}"),
+            ));
         }
         for object in 0..self.scenario.regions.len() {
             let (first, sectors) = self.region_sectors(object);
@@ -349,7 +356,7 @@ impl Harness {
     /// export's rescue file with [`rescue::check_saved`]; refused, nothing is written and the
     /// files are kept; accepted, open the disks (raising their generations), replay, sync
     /// and delete the files. `respell` changes the URLs' open-only parameters first.
-    fn start_here(&mut self, respell: bool) -> Result<(), String> {
+    fn start_here(&mut self, respell: bool) -> Result<(), Violation> {
         if respell {
             for object in 0..self.scenario.regions.len() {
                 self.rescue.urls[object] = self.respell_url(object);
@@ -367,10 +374,10 @@ impl Harness {
                 continue;
             };
             let contents = rescue::decode(bytes).map_err(|damage| {
-                self.violation(format!(
-                    "rescue file {} unreadable: {damage}",
-                    path.display()
-                ))
+                self.violation(
+                    property::RESCUE_FILES,
+                    format!("rescue file {} unreadable: {damage}", path.display()),
+                )
             })?;
             let size_bytes = self.scenario.regions[object].length;
             for saved in contents.backends.iter().flatten() {
@@ -391,24 +398,36 @@ impl Harness {
                 path.display()
             ));
             if !self.rescue.stale {
-                return Err(self.violation(format!(
-                    "fresh rescue file refused: {} ({why:?}) at a start with {urls}",
-                    path.display()
-                )));
+                return Err(self.violation(
+                    property::RESCUE_FILES,
+                    format!(
+                        "fresh rescue file refused: {} ({why:?}) at a start with {urls}",
+                        path.display()
+                    ),
+                ));
             }
             if self.store_snapshot() != before {
-                return Err(self.violation("a refused start changed the store".to_string()));
+                return Err(self.violation(
+                    property::RESCUE_FILES,
+                    "a refused start changed the store".to_string(),
+                ));
             }
             if self.rescue.files != files_before {
-                return Err(self.violation("a refused start changed its rescue files".to_string()));
+                return Err(self.violation(
+                    property::RESCUE_FILES,
+                    "a refused start changed its rescue files".to_string(),
+                ));
             }
             return Ok(());
         }
         if found.is_empty() && !self.rescue.files.is_empty() {
-            return Err(self.violation(format!(
-                "rescue files not found at a start with {urls}: {:?}",
-                self.rescue.files.keys().collect::<Vec<_>>()
-            )));
+            return Err(self.violation(
+                property::RESCUE_FILES,
+                format!(
+                    "rescue files not found at a start with {urls}: {:?}",
+                    self.rescue.files.keys().collect::<Vec<_>>()
+                ),
+            ));
         }
         self.start_engine();
         let replayed = !found.is_empty();
@@ -421,11 +440,14 @@ impl Harness {
                 let result = self.handles[0][object].write_at(record.offset, &record.data, false);
                 self.leave();
                 if let Err(error) = result {
-                    return Err(self.violation(format!(
-                        "replaying {} failed: offset {}: {error}",
-                        path.display(),
-                        record.offset
-                    )));
+                    return Err(self.violation(
+                        property::RESCUE_FILES,
+                        format!(
+                            "replaying {} failed: offset {}: {error}",
+                            path.display(),
+                            record.offset
+                        ),
+                    ));
                 }
             }
             self.rescue.files.remove(&path);
@@ -443,9 +465,10 @@ impl Harness {
             .set_faults(self.scenario.faults.clone(), self.rng.clone());
         if replayed {
             if let Err(error) = synced {
-                return Err(
-                    self.violation(format!("the replay's sync failed with faults off: {error}"))
-                );
+                return Err(self.violation(
+                    property::RESCUE_FILES,
+                    format!("the replay's sync failed with faults off: {error}"),
+                ));
             }
             self.rescue.counts.replayed += 1;
         }
@@ -457,34 +480,50 @@ impl Harness {
                 ""
             }
         ));
+        self.verify_start(&urls, replayed)
+    }
+
+    /// After a start with `urls` (which `replayed` rescue files or not): a stale file's
+    /// replay is a violation (and so is what it overwrote), a fresh file's records must be
+    /// on the store; the shadow then starts over from the store.
+    fn verify_start(&mut self, urls: &str, replayed: bool) -> Result<(), Violation> {
         let on_store = self.store_versions()?;
         if self.rescue.stale {
             // What the other server flushed must still be there.
             for (sector, shadow) in self.shadow.iter().enumerate() {
                 if !shadow.survives(on_store[sector]) {
-                    return Err(self.violation(format!(
+                    return Err(self.violation(
+                        property::RESCUE_FILES,
+                        format!(
                         "lost write: a stale rescue file was replayed over data flushed since: \
                          sector {sector} holds version {}, expected one of {:?}",
                         on_store[sector],
                         shadow.expected_after_crash()
-                    )));
+                    ),
+                    ));
                 }
             }
-            return Err(self.violation(format!(
+            return Err(self.violation(
+                property::RESCUE_FILES,
+                format!(
                 "stale rescue file replayed: the disks' generations moved on since it was saved \
                  ({:?} now), yet a start with {urls} replayed it",
                 self.rescue.generations
-            )));
+            ),
+            ));
         }
         if replayed {
             if let Some(sector) =
                 (0..on_store.len()).find(|&s| on_store[s] != self.rescue.expected[s])
             {
-                return Err(self.violation(format!(
-                    "rescued write not replayed after a restart with {urls}: sector {sector} \
+                return Err(self.violation(
+                    property::RESCUE_FILES,
+                    format!(
+                        "rescued write not replayed after a restart with {urls}: sector {sector} \
                      holds version {}, the store and the rescue files held {}",
-                    on_store[sector], self.rescue.expected[sector]
-                )));
+                        on_store[sector], self.rescue.expected[sector]
+                    ),
+                ));
             }
         }
         self.reset_shadow(&on_store);
