@@ -4,14 +4,15 @@
 //!
 //! Names are prefixed `bufcache_`, carry their unit (`_bytes`, `_total`), and device metrics
 //! are labelled by export. Nothing is computed at request time beyond reading counters, so a
-//! scrape costs a snapshot and some formatting; one scrape is served at a time, each bounded
-//! by a 5 s read timeout (the endpoint is the operator's, not a client's: one thread, no
-//! connection can make it hold more).
+//! scrape costs a snapshot and some formatting. Requests are parsed with `httparse`; one
+//! connection is served at a time, its request head bounded to 8 KiB and to 5 s from accept
+//! (the endpoint is the operator's, not a client's: one thread, no connection can make it hold
+//! more).
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use bufcache::device::counting::{histogram_bucket_limit_bytes, HISTOGRAM_BUCKETS};
@@ -973,14 +974,51 @@ pub fn bind(address: &str) -> anyhow::Result<TcpListener> {
     TcpListener::bind(address).with_context(|| format!("--metrics {address}: cannot listen"))
 }
 
+/// The longest request head (request line and headers) the endpoint reads; a longer one is
+/// refused with 431, so a client cannot grow the endpoint's memory.
+const HEAD_BYTES_MAX: usize = 8 * 1024;
+/// The most headers a request head may carry (httparse parses into a fixed array).
+const HEADERS_MAX: usize = 64;
+/// The time from accept in which the whole request head must arrive: each read waits only for
+/// what is left of it, so a client trickling bytes cannot hold the single metrics thread longer.
+const HEAD_DEADLINE: Duration = Duration::from_secs(5);
+/// How long writing an answer may block on a client that does not read.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+/// The most bytes read and discarded after refusing a request, so the refusal reaches the
+/// client instead of being lost to the reset that closing over unread bytes sends.
+const DRAIN_BYTES_MAX: usize = 64 * 1024;
+
+/// A page the endpoint serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Page {
+    /// `/metrics`: Prometheus text.
+    Metrics,
+    /// `/stats`: JSON.
+    Stats,
+}
+
 /// Serves `/metrics` and `/stats` on `listener` (from [`bind`]) from a background thread.
 pub fn start(listener: TcpListener, meters: Arc<Meters>) -> anyhow::Result<std::net::SocketAddr> {
+    serve(listener, move |page| match page {
+        Page::Metrics => meters.prometheus(),
+        Page::Stats => meters.json().to_string(),
+    })
+}
+
+/// Answers the connections of `listener` one at a time on one thread, each page's body made by
+/// `render`. One connection at a time is the design: the endpoint is the operator's, and with
+/// the head's size and deadline bounded, no client can make it hold more than one thread for
+/// more than [`HEAD_DEADLINE`] plus one write.
+fn serve(
+    listener: TcpListener,
+    render: impl Fn(Page) -> String + Send + 'static,
+) -> anyhow::Result<std::net::SocketAddr> {
     let local = listener.local_addr()?;
     std::thread::Builder::new()
         .name("bufcache-metrics".into())
         .spawn(move || {
             for stream in listener.incoming().flatten() {
-                if let Err(error) = answer(stream, &meters) {
+                if let Err(error) = answer(stream, &render) {
                     tracing::debug!(%error, "metrics request failed");
                 }
             }
@@ -989,33 +1027,142 @@ pub fn start(listener: TcpListener, meters: Arc<Meters>) -> anyhow::Result<std::
     Ok(local)
 }
 
-fn answer(stream: TcpStream, meters: &Meters) -> std::io::Result<()> {
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let mut reader = BufReader::new(stream.try_clone()?);
-    let mut request_line = String::new();
-    reader.read_line(&mut request_line)?;
-    // Skip the headers; nothing in them changes the answer.
-    let mut header = String::new();
-    while reader.read_line(&mut header)? > 2 {
-        header.clear();
+/// A request head as read: the method and the path without its query, or the status line of
+/// the refusal.
+enum Head {
+    Request { method: String, path: String },
+    Refused(&'static str),
+}
+
+/// What is left of the head's deadline, or a timeout error once it has passed.
+fn time_left(accepted: Instant) -> std::io::Result<Duration> {
+    HEAD_DEADLINE
+        .checked_sub(accepted.elapsed())
+        .filter(|left| !left.is_zero())
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the request head did not arrive in time",
+            )
+        })
+}
+
+/// Reads the request head into a buffer of [`HEAD_BYTES_MAX`] bytes and parses it, reading
+/// more while it is incomplete, until [`HEAD_DEADLINE`] after `accepted`.
+fn read_head(stream: &mut TcpStream, accepted: Instant) -> std::io::Result<Head> {
+    let mut buffer = vec![0_u8; HEAD_BYTES_MAX];
+    let mut filled = 0;
+    loop {
+        if filled == buffer.len() {
+            return Ok(Head::Refused("431 Request Header Fields Too Large"));
+        }
+        stream.set_read_timeout(Some(time_left(accepted)?))?;
+        let read = stream.read(&mut buffer[filled..])?;
+        if read == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "the client closed before the end of the request head",
+            ));
+        }
+        filled += read;
+        let mut headers = [httparse::EMPTY_HEADER; HEADERS_MAX];
+        let mut request = httparse::Request::new(&mut headers);
+        match request.parse(&buffer[..filled]) {
+            Ok(httparse::Status::Complete(_)) => {
+                let (Some(method), Some(target)) = (request.method, request.path) else {
+                    return Ok(Head::Refused("400 Bad Request"));
+                };
+                let path = target.split('?').next().unwrap_or(target);
+                return Ok(Head::Request {
+                    method: method.to_string(),
+                    path: path.to_string(),
+                });
+            }
+            Ok(httparse::Status::Partial) => continue,
+            Err(httparse::Error::TooManyHeaders) => {
+                return Ok(Head::Refused("431 Request Header Fields Too Large"))
+            }
+            Err(_) => return Ok(Head::Refused("400 Bad Request")),
+        }
     }
-    let path = request_line.split_whitespace().nth(1).unwrap_or("/");
-    let (status, content_type, body) = match path {
-        "/metrics" => ("200 OK", "text/plain; version=0.0.4", meters.prometheus()),
-        "/stats" => ("200 OK", "application/json", meters.json().to_string()),
+}
+
+fn answer(mut stream: TcpStream, render: &impl Fn(Page) -> String) -> std::io::Result<()> {
+    let accepted = Instant::now();
+    stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
+    let (method, path) = match read_head(&mut stream, accepted)? {
+        Head::Request { method, path } => (method, path),
+        Head::Refused(status) => {
+            let body = format!("{status}\n");
+            respond(&mut stream, status, "text/plain", "", &body, true)?;
+            return drain(stream, accepted);
+        }
+    };
+    let with_body = match method.as_str() {
+        "GET" => true,
+        "HEAD" => false,
+        _ => {
+            respond(
+                &mut stream,
+                "405 Method Not Allowed",
+                "text/plain",
+                "Allow: GET, HEAD\r\n",
+                "try GET /metrics or GET /stats\n",
+                true,
+            )?;
+            return drain(stream, accepted);
+        }
+    };
+    let (status, content_type, body) = match path.as_str() {
+        "/metrics" => ("200 OK", "text/plain; version=0.0.4", render(Page::Metrics)),
+        "/stats" => ("200 OK", "application/json", render(Page::Stats)),
         _ => (
             "404 Not Found",
             "text/plain",
             "try /metrics or /stats\n".to_string(),
         ),
     };
-    let mut stream = stream;
-    write!(
-        stream,
-        "HTTP/1.0 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+    respond(&mut stream, status, content_type, "", &body, with_body)
+}
+
+/// Writes an HTTP/1.0 answer; `body`'s length is announced even when it is left out (HEAD).
+fn respond(
+    stream: &mut TcpStream,
+    status: &str,
+    content_type: &str,
+    extra_headers: &str,
+    body: &str,
+    with_body: bool,
+) -> std::io::Result<()> {
+    let mut message = format!(
+        "HTTP/1.0 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n{extra_headers}Connection: close\r\n\r\n",
         body.len()
-    )?;
+    );
+    if with_body {
+        message.push_str(body);
+    }
+    stream.write_all(message.as_bytes())?;
     stream.flush()
+}
+
+/// After a refusal: ends the writing side and reads what the client still sends (at most
+/// [`DRAIN_BYTES_MAX`] bytes, within the head's deadline) before closing, since closing over
+/// unread bytes resets the connection and the client could lose the refusal.
+fn drain(mut stream: TcpStream, accepted: Instant) -> std::io::Result<()> {
+    stream.shutdown(std::net::Shutdown::Write)?;
+    let mut scratch = [0_u8; 4096];
+    let mut drained = 0;
+    while drained < DRAIN_BYTES_MAX {
+        let Ok(left) = time_left(accepted) else {
+            break;
+        };
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(&mut scratch) {
+            Ok(0) | Err(_) => break,
+            Ok(read) => drained += read,
+        }
+    }
+    Ok(())
 }
 
 /// Fetches `/stats` from a running server at `address` (HOST:PORT).
@@ -1027,7 +1174,7 @@ pub fn fetch_stats(address: &str) -> anyhow::Result<Value> {
     // what arrived is kept even when the read ends in an error, to recognise it.
     let sent = write!(stream, "GET /stats HTTP/1.0\r\nHost: {address}\r\n\r\n");
     let mut bytes = Vec::new();
-    let received = std::io::Read::read_to_end(&mut stream, &mut bytes);
+    let received = stream.read_to_end(&mut bytes);
     if bytes.starts_with(b"NBDMAGIC") {
         anyhow::bail!(
             "{address} is an NBD port, not the metrics endpoint: start `bufcache serve --metrics HOST:PORT` and point stat at that address"
@@ -1035,22 +1182,219 @@ pub fn fetch_stats(address: &str) -> anyhow::Result<Value> {
     }
     sent.with_context(|| format!("sending the request to {address}"))?;
     received.with_context(|| format!("reading the answer from {address}"))?;
-    let response = String::from_utf8_lossy(&bytes);
-    let (head, body) = response
-        .split_once("\r\n\r\n")
-        .context("malformed HTTP response from the metrics endpoint")?;
-    if !head.starts_with("HTTP/1.0 200") && !head.starts_with("HTTP/1.1 200") {
+    let mut headers = [httparse::EMPTY_HEADER; HEADERS_MAX];
+    let mut response = httparse::Response::new(&mut headers);
+    let head_bytes = match response.parse(&bytes) {
+        Ok(httparse::Status::Complete(head_bytes)) => head_bytes,
+        _ => anyhow::bail!("malformed HTTP response from the metrics endpoint"),
+    };
+    if response.code != Some(200) {
+        let status_line = bytes.split(|&byte| byte == b'\n').next().unwrap_or(b"");
         anyhow::bail!(
             "{address}/stats answered: {}",
-            head.lines().next().unwrap_or("")
+            String::from_utf8_lossy(status_line).trim_end()
         );
     }
-    serde_json::from_str(body).context("the metrics endpoint sent invalid JSON")
+    let mut body = &bytes[head_bytes..];
+    let length = response
+        .headers
+        .iter()
+        .find(|header| header.name.eq_ignore_ascii_case("Content-Length"));
+    if let Some(length) = length {
+        let length: usize = std::str::from_utf8(length.value)
+            .ok()
+            .and_then(|value| value.trim().parse().ok())
+            .context("malformed HTTP response from the metrics endpoint")?;
+        anyhow::ensure!(
+            body.len() >= length,
+            "the metrics endpoint's answer ended after {} of its {length} bytes",
+            body.len()
+        );
+        body = &body[..length];
+    }
+    serde_json::from_slice(body).context("the metrics endpoint sent invalid JSON")
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const METRICS_BODY: &str = "bufcache_test_total 1\n";
+    const STATS_BODY: &str = "{\"exports\":[],\"test\":1}";
+
+    /// The endpoint on 127.0.0.1 port 0, its pages rendered from fixed bodies.
+    fn endpoint() -> std::net::SocketAddr {
+        let listener = bind("127.0.0.1:0").unwrap();
+        serve(listener, |page| match page {
+            Page::Metrics => METRICS_BODY.to_string(),
+            Page::Stats => STATS_BODY.to_string(),
+        })
+        .unwrap()
+    }
+
+    /// Sends `request` and reads the whole answer (the server closes after answering).
+    fn exchange(address: std::net::SocketAddr, request: &[u8]) -> String {
+        let mut stream = TcpStream::connect(address).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        stream.write_all(request).unwrap();
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).unwrap();
+        String::from_utf8(answer).unwrap()
+    }
+
+    #[test]
+    fn a_slow_client_cannot_hold_the_endpoint_past_the_head_deadline() {
+        // Goal: a client trickling its head one byte a second is cut off at the head's deadline,
+        // so the single metrics thread answers the next scrape soon after.
+        // Method: a thread sends "GET /metrics HTTP/1.0\r\n" then one header byte a second,
+        // never finishing; a second client connected just after asks for /metrics and must be
+        // answered within the deadline plus 1 s (plus slack for a loaded machine).
+        let address = endpoint();
+        let mut slow = TcpStream::connect(address).unwrap();
+        let started = Instant::now();
+        slow.write_all(b"GET /metrics HTTP/1.0\r\n").unwrap();
+        let trickle = std::thread::spawn(move || {
+            for _ in 0..12 {
+                std::thread::sleep(Duration::from_secs(1));
+                if slow.write_all(b"X").is_err() {
+                    break;
+                }
+            }
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        let answer = exchange(address, b"GET /metrics HTTP/1.0\r\n\r\n");
+        let waited = started.elapsed();
+        assert!(answer.starts_with("HTTP/1.0 200 OK\r\n"), "{answer}");
+        assert!(answer.ends_with(METRICS_BODY), "{answer}");
+        assert!(
+            waited >= HEAD_DEADLINE - Duration::from_millis(500),
+            "the slow client was served first, so the scrape waited ({waited:?})"
+        );
+        assert!(
+            waited <= HEAD_DEADLINE + Duration::from_secs(2),
+            "the scrape waited {waited:?}, past the {HEAD_DEADLINE:?} head deadline"
+        );
+        trickle.join().unwrap();
+    }
+
+    #[test]
+    fn an_oversized_head_is_refused_and_the_next_scrape_is_answered() {
+        // Goal: a head longer than HEAD_BYTES_MAX is refused with 431 without growing memory,
+        // and the endpoint goes on serving.
+        // Method: a request line followed by one 16 KiB header (no end of head); the answer's
+        // status is 431; then a normal scrape of /stats gets the JSON.
+        let address = endpoint();
+        let mut request = b"GET /metrics HTTP/1.0\r\nX-Filler: ".to_vec();
+        request.extend(std::iter::repeat_n(b'a', 16 * 1024));
+        let answer = exchange(address, &request);
+        assert!(
+            answer.starts_with("HTTP/1.0 431 Request Header Fields Too Large\r\n"),
+            "{answer}"
+        );
+        let answer = exchange(address, b"GET /stats HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert!(answer.starts_with("HTTP/1.0 200 OK\r\n"), "{answer}");
+        assert!(
+            answer.contains("Content-Type: application/json\r\n"),
+            "{answer}"
+        );
+        assert!(answer.ends_with(STATS_BODY), "{answer}");
+    }
+
+    #[test]
+    fn a_method_other_than_get_or_head_is_answered_405_with_allow() {
+        // Goal: POST is refused as a method, naming the allowed ones.
+        // Method: POST /metrics with a small body; the answer is 405 with `Allow: GET, HEAD`.
+        let address = endpoint();
+        let answer = exchange(
+            address,
+            b"POST /metrics HTTP/1.0\r\nContent-Length: 2\r\n\r\nhi",
+        );
+        assert!(
+            answer.starts_with("HTTP/1.0 405 Method Not Allowed\r\n"),
+            "{answer}"
+        );
+        assert!(answer.contains("\r\nAllow: GET, HEAD\r\n"), "{answer}");
+    }
+
+    #[test]
+    fn head_answers_the_headers_of_get_without_the_body() {
+        // Goal: HEAD gets GET's status and headers (Content-Length included) and no body.
+        // Method: HEAD /metrics; the answer ends right after the blank line and announces the
+        // length of the body GET would send.
+        let address = endpoint();
+        let answer = exchange(address, b"HEAD /metrics HTTP/1.0\r\n\r\n");
+        assert!(answer.starts_with("HTTP/1.0 200 OK\r\n"), "{answer}");
+        assert!(
+            answer.contains("Content-Type: text/plain; version=0.0.4\r\n"),
+            "{answer}"
+        );
+        assert!(
+            answer.contains(&format!("Content-Length: {}\r\n", METRICS_BODY.len())),
+            "{answer}"
+        );
+        assert!(answer.ends_with("Connection: close\r\n\r\n"), "{answer}");
+    }
+
+    #[test]
+    fn a_query_string_is_ignored_and_an_unknown_path_is_404() {
+        // Goal: `/metrics?x=1` is `/metrics` (curl users add queries); other paths keep the
+        // 404 body of before.
+        // Method: GET /metrics?x=1 is 200 with the metrics body; GET /other is 404 with
+        // "try /metrics or /stats".
+        let address = endpoint();
+        let answer = exchange(address, b"GET /metrics?x=1 HTTP/1.0\r\n\r\n");
+        assert!(answer.starts_with("HTTP/1.0 200 OK\r\n"), "{answer}");
+        assert!(answer.ends_with(METRICS_BODY), "{answer}");
+        let answer = exchange(address, b"GET /other HTTP/1.0\r\n\r\n");
+        assert!(answer.starts_with("HTTP/1.0 404 Not Found\r\n"), "{answer}");
+        assert!(
+            answer.ends_with("\r\n\r\ntry /metrics or /stats\n"),
+            "{answer}"
+        );
+    }
+
+    #[test]
+    fn a_malformed_request_line_is_answered_400() {
+        // Goal: a line that is not an HTTP request line is refused as malformed.
+        // Method: "hello there\r\n\r\n" gets 400 and the endpoint then answers /metrics.
+        let address = endpoint();
+        let answer = exchange(address, b"hello there\r\n\r\n");
+        assert!(
+            answer.starts_with("HTTP/1.0 400 Bad Request\r\n"),
+            "{answer}"
+        );
+        let answer = exchange(address, b"GET /metrics HTTP/1.0\r\n\r\n");
+        assert!(answer.starts_with("HTTP/1.0 200 OK\r\n"), "{answer}");
+    }
+
+    #[test]
+    fn fetch_stats_reads_the_json_of_the_endpoint_and_names_a_refusal_status() {
+        // Goal: `bufcache stat`'s client parses the endpoint's answer by its head and
+        // Content-Length, and names the status line when it is not 200.
+        // Method: fetch_stats against the endpoint returns the /stats document; against a
+        // one-shot listener answering 404 the error names "404 Not Found".
+        let address = endpoint();
+        let stats = fetch_stats(&address.to_string()).unwrap();
+        assert_eq!(stats["test"], 1);
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let other = listener.local_addr().unwrap();
+        let refuser = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut request = [0_u8; 1024];
+            let _ = stream.read(&mut request).unwrap();
+            stream
+                .write_all(b"HTTP/1.0 404 Not Found\r\nContent-Length: 4\r\n\r\nnope")
+                .unwrap();
+        });
+        let error = fetch_stats(&other.to_string()).unwrap_err().to_string();
+        assert_eq!(
+            error,
+            format!("{other}/stats answered: HTTP/1.0 404 Not Found")
+        );
+        refuser.join().unwrap();
+    }
 
     #[test]
     fn buffer_waits_and_eviction_work_are_exposed_as_prometheus_counters_and_a_histogram() {
