@@ -982,7 +982,7 @@ const HEADERS_MAX: usize = 64;
 /// The time from accept in which the whole request head must arrive: each read waits only for
 /// what is left of it, so a client trickling bytes cannot hold the single metrics thread longer.
 const HEAD_DEADLINE: Duration = Duration::from_secs(5);
-/// How long writing an answer may block on a client that does not read.
+/// How long writing an answer may take in all, on a client that reads slowly or not at all.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The most bytes read and discarded after refusing a request, so the refusal reaches the
 /// client instead of being lost to the reset that closing over unread bytes sends.
@@ -1008,7 +1008,7 @@ pub fn start(listener: TcpListener, meters: Arc<Meters>) -> anyhow::Result<std::
 /// Answers the connections of `listener` one at a time on one thread, each page's body made by
 /// `render`. One connection at a time is the design: the endpoint is the operator's, and with
 /// the head's size and deadline bounded, no client can make it hold more than one thread for
-/// more than [`HEAD_DEADLINE`] plus one write.
+/// more than [`HEAD_DEADLINE`] plus [`WRITE_TIMEOUT`].
 fn serve(
     listener: TcpListener,
     render: impl Fn(Page) -> String + Send + 'static,
@@ -1089,7 +1089,6 @@ fn read_head(stream: &mut TcpStream, accepted: Instant) -> std::io::Result<Head>
 
 fn answer(mut stream: TcpStream, render: &impl Fn(Page) -> String) -> std::io::Result<()> {
     let accepted = Instant::now();
-    stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
     let (method, path) = match read_head(&mut stream, accepted)? {
         Head::Request { method, path } => (method, path),
         Head::Refused(status) => {
@@ -1141,8 +1140,29 @@ fn respond(
     if with_body {
         message.push_str(body);
     }
-    stream.write_all(message.as_bytes())?;
-    stream.flush()
+    // Each write waits only for what is left of the answer's deadline, so a client reading a
+    // byte now and then cannot stretch it.
+    let started = Instant::now();
+    let mut unsent = message.as_bytes();
+    while !unsent.is_empty() {
+        let left = WRITE_TIMEOUT
+            .checked_sub(started.elapsed())
+            .filter(|left| !left.is_zero())
+            .ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the client did not read the answer in time",
+                )
+            })?;
+        stream.set_write_timeout(Some(left))?;
+        match stream.write(unsent) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(written) => unsent = &unsent[written..],
+            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(())
 }
 
 /// After a refusal: ends the writing side and reads what the client still sends (at most
@@ -1277,6 +1297,37 @@ mod tests {
             "the scrape waited {waited:?}, past the {HEAD_DEADLINE:?} head deadline"
         );
         trickle.join().unwrap();
+    }
+
+    #[test]
+    fn a_client_that_does_not_read_cannot_hold_the_endpoint_past_the_write_deadline() {
+        // Goal: an answer the client never reads is abandoned at WRITE_TIMEOUT in all, so the
+        // next scrape is answered soon after.
+        // Method: /metrics renders 32 MiB (more than loopback's socket buffers hold); a client
+        // asks for it and never reads; a second client asks for /stats and must be answered
+        // within WRITE_TIMEOUT plus 2 s.
+        let listener = bind("127.0.0.1:0").unwrap();
+        let address = serve(listener, |page| match page {
+            Page::Metrics => "x".repeat(32 << 20),
+            Page::Stats => STATS_BODY.to_string(),
+        })
+        .unwrap();
+        let mut stuck = TcpStream::connect(address).unwrap();
+        let started = Instant::now();
+        stuck.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        let answer = exchange(address, b"GET /stats HTTP/1.0\r\n\r\n");
+        let waited = started.elapsed();
+        assert!(answer.ends_with(STATS_BODY), "{answer}");
+        assert!(
+            waited >= WRITE_TIMEOUT - Duration::from_millis(500),
+            "the stuck answer was not being written first ({waited:?})"
+        );
+        assert!(
+            waited <= WRITE_TIMEOUT + Duration::from_secs(2),
+            "the scrape waited {waited:?}, past the {WRITE_TIMEOUT:?} write deadline"
+        );
+        drop(stuck);
     }
 
     #[test]
