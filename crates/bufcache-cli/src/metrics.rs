@@ -1192,7 +1192,10 @@ pub fn fetch_stats(address: &str) -> anyhow::Result<Value> {
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
     // An NBD server speaks first ("NBDMAGIC") and then drops the connection on our request, so
     // what arrived is kept even when the read ends in an error, to recognise it.
-    let sent = write!(stream, "GET /stats HTTP/1.0\r\nHost: {address}\r\n\r\n");
+    // One write: a server that reads the request once and answers gets all of it, and
+    // closing with none of it unread sends no reset that could cut its answer short.
+    let request = format!("GET /stats HTTP/1.0\r\nHost: {address}\r\n\r\n");
+    let sent = stream.write_all(request.as_bytes());
     let mut bytes = Vec::new();
     let received = stream.read_to_end(&mut bytes);
     if bytes.starts_with(b"NBDMAGIC") {
@@ -1433,8 +1436,15 @@ mod tests {
         let other = listener.local_addr().unwrap();
         let refuser = std::thread::spawn(move || {
             let (mut stream, _) = listener.accept().unwrap();
-            let mut request = [0_u8; 1024];
-            let _ = stream.read(&mut request).unwrap();
+            // The whole head is read before answering: closing with request bytes unread
+            // would reset the connection and could cut the answer short.
+            let mut request = Vec::new();
+            let mut piece = [0_u8; 1024];
+            while !request.windows(4).any(|window| window == b"\r\n\r\n") {
+                let read = stream.read(&mut piece).unwrap();
+                assert!(read > 0, "the client sent its whole request head");
+                request.extend_from_slice(&piece[..read]);
+            }
             stream
                 .write_all(b"HTTP/1.0 404 Not Found\r\nContent-Length: 4\r\n\r\nnope")
                 .unwrap();
