@@ -6,7 +6,7 @@
 use std::hint::black_box;
 use std::time::Duration;
 
-use bufcache_policy::{Placement, Policy, PolicyKind, Slot};
+use bufcache_policy::{Placement, Policy, PolicyKind, Slot, Verdict};
 use criterion::{criterion_group, criterion_main, Criterion};
 
 const ENTRIES: u32 = 4_096;
@@ -18,7 +18,7 @@ fn full_policy(kind: PolicyKind) -> Box<dyn Policy> {
         policy.insert(slot, u64::from(slot), Placement::Normal);
     }
     for key in u64::from(ENTRIES)..2 * u64::from(ENTRIES) {
-        let victim = policy.evict(&mut |_| true).expect("a victim");
+        let victim = policy.evict(&mut |_| Verdict::Evict).expect("a victim");
         policy.insert(victim, key, Placement::Normal);
     }
     policy
@@ -54,7 +54,7 @@ fn insert_evict(criterion: &mut Criterion) {
         let mut next_key = 1u64 << 32;
         group.bench_function(kind.name(), |bencher| {
             bencher.iter(|| {
-                let victim = policy.evict(&mut |_| true).expect("a victim");
+                let victim = policy.evict(&mut |_| Verdict::Evict).expect("a victim");
                 policy.insert(victim, black_box(next_key), Placement::Normal);
                 next_key += 1;
             })

@@ -32,8 +32,8 @@
 //! never enter `B1`/`B2`.
 
 use crate::ghost::Ghost;
-use crate::list::{ListId, SlotLists};
-use crate::{grow_to_slot, Placement, Policy, Slot};
+use crate::list::{ListId, SlotLists, Verdicts};
+use crate::{grow_to_slot, Placement, Policy, Slot, Verdict};
 
 const NO_REUSE: ListId = 0;
 const RECENT: ListId = 1;
@@ -103,12 +103,8 @@ impl Arc {
         }
     }
 
-    fn evict_from(
-        &mut self,
-        list: ListId,
-        evictable: &mut dyn FnMut(Slot) -> bool,
-    ) -> Option<Slot> {
-        let slot = self.lists.take_oldest_accepted(list, evictable)?;
+    fn evict_from(&mut self, list: ListId, verdicts: &mut Verdicts<'_>) -> Option<Slot> {
+        let slot = self.lists.take_oldest_accepted(list, verdicts)?;
         let key_hash = self.key_hashes[slot as usize];
         match list {
             RECENT => self.recent_ghost.push(key_hash),
@@ -123,7 +119,7 @@ impl Arc {
     fn replace(
         &mut self,
         incoming_in_frequent_ghost: bool,
-        evictable: &mut dyn FnMut(Slot) -> bool,
+        verdicts: &mut Verdicts<'_>,
     ) -> Option<Slot> {
         let recent = self.lists.len(RECENT);
         let recent_len = recent as f64;
@@ -134,31 +130,27 @@ impl Arc {
         } else {
             (FREQUENT, RECENT)
         };
-        self.evict_from(first, evictable)
-            .or_else(|| self.evict_from(second, evictable))
+        self.evict_from(first, verdicts)
+            .or_else(|| self.evict_from(second, verdicts))
     }
 
     /// Eviction for an announced miss, as libCacheSim's `ARC_evict`.
-    fn evict_announced(
-        &mut self,
-        kind: MissKind,
-        evictable: &mut dyn FnMut(Slot) -> bool,
-    ) -> Option<Slot> {
+    fn evict_announced(&mut self, kind: MissKind, verdicts: &mut Verdicts<'_>) -> Option<Slot> {
         match kind {
-            MissKind::RecentGhost => self.replace(false, evictable),
-            MissKind::FrequentGhost => self.replace(true, evictable),
+            MissKind::RecentGhost => self.replace(false, verdicts),
+            MissKind::FrequentGhost => self.replace(true, verdicts),
             MissKind::New => {
                 let recent = self.lists.len(RECENT);
                 if recent + self.recent_ghost.len() >= self.capacity {
                     if self.recent_ghost.len() > 0 {
                         self.recent_ghost.pop_oldest();
-                        return self.replace(false, evictable);
+                        return self.replace(false, verdicts);
                     }
                     // T1 alone fills the cache: its LRU entry leaves without a ghost.
-                    if let Some(slot) = self.lists.take_oldest_accepted(RECENT, evictable) {
+                    if let Some(slot) = self.lists.take_oldest_accepted(RECENT, verdicts) {
                         return Some(slot);
                     }
-                    return self.replace(false, evictable);
+                    return self.replace(false, verdicts);
                 }
                 let listed = self.lists.len(RECENT)
                     + self.lists.len(FREQUENT)
@@ -167,7 +159,7 @@ impl Arc {
                 if listed >= 2 * self.capacity {
                     self.frequent_ghost.pop_oldest();
                 }
-                self.replace(false, evictable)
+                self.replace(false, verdicts)
             }
         }
     }
@@ -246,16 +238,20 @@ impl Policy for Arc {
         self.lists.held()
     }
 
-    fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {
-        if let Some(slot) = self.lists.take_oldest_accepted(NO_REUSE, evictable) {
+    fn evict(&mut self, verdict: &mut dyn FnMut(Slot) -> Verdict) -> Option<Slot> {
+        let verdicts = &mut Verdicts::new(verdict);
+        if let Some(slot) = self.lists.take_oldest_accepted(NO_REUSE, verdicts) {
             return Some(slot);
+        }
+        if verdicts.stopped() {
+            return None;
         }
         self.capacity = self.lists.tracked().max(1);
         self.recent_target = self.recent_target.min(self.capacity as f64);
         let victim = match self.announced {
-            Some((_, kind)) => self.evict_announced(kind, evictable),
+            Some((_, kind)) => self.evict_announced(kind, verdicts),
             None => {
-                let victim = self.replace(false, evictable);
+                let victim = self.replace(false, verdicts);
                 // The shard may have shrunk since the last eviction: re-apply the bounds.
                 self.trim_ghosts();
                 victim
@@ -283,7 +279,7 @@ mod tests {
         }
         arc.access(2);
         arc.access(3);
-        assert_eq!(arc.evict(&mut |_| true), Some(0));
+        assert_eq!(arc.evict(&mut |_| Verdict::Evict), Some(0));
         assert_eq!(arc.recent_ghost.len(), 1);
         arc.insert(0, 10, Placement::Normal);
         assert_eq!(arc.recent_target(), 1.0);
@@ -301,7 +297,7 @@ mod tests {
             arc.insert(slot, key, Placement::Normal);
         }
         arc.announce_miss(12);
-        assert_eq!(arc.evict(&mut |_| true), Some(0));
+        assert_eq!(arc.evict(&mut |_| Verdict::Evict), Some(0));
         assert_eq!(arc.recent_ghost.len(), 0);
         arc.insert(0, 12, Placement::Normal);
         assert_eq!(arc.classify_miss(10), MissKind::New);
@@ -322,7 +318,7 @@ mod tests {
         arc.recent_ghost.push(99);
         arc.announce_miss(99);
         assert_eq!(arc.recent_target(), 1.0);
-        assert_eq!(arc.evict(&mut |_| true), Some(0));
+        assert_eq!(arc.evict(&mut |_| Verdict::Evict), Some(0));
         arc.insert(0, 99, Placement::Normal);
         assert_eq!(arc.lists.list_of(0), Some(FREQUENT));
         arc.lists.debug_check();
@@ -334,7 +330,7 @@ mod tests {
         for key in 0..1000u64 {
             let slot = (key % 8) as Slot;
             if key >= 8 {
-                let victim = arc.evict(&mut |_| true).expect("victim");
+                let victim = arc.evict(&mut |_| Verdict::Evict).expect("victim");
                 assert_eq!(victim, slot);
             }
             arc.insert(slot, key, Placement::Normal);

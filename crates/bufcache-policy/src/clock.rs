@@ -9,10 +9,10 @@
 //! like a referenced one, so it stays tracked and comes round again.
 //!
 //! Bound: one eviction examines at most `2^n × len + 1` ring entries, because after `2^n - 1`
-//! full turns every counter is zero and the next turn asks `evictable` about every entry.
+//! full turns every counter is zero and the next turn asks the evictor about every entry.
 
-use crate::list::{ListId, SlotLists};
-use crate::{grow_to_slot, Placement, Policy, Slot};
+use crate::list::{ListId, SlotLists, Verdicts};
+use crate::{grow_to_slot, Placement, Policy, Slot, Verdict};
 
 const NO_REUSE: ListId = 0;
 const RING: ListId = 1;
@@ -85,9 +85,13 @@ impl Policy for Clock {
         self.lists.held()
     }
 
-    fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {
-        if let Some(slot) = self.lists.take_oldest_accepted(NO_REUSE, evictable) {
+    fn evict(&mut self, verdict: &mut dyn FnMut(Slot) -> Verdict) -> Option<Slot> {
+        let verdicts = &mut Verdicts::new(verdict);
+        if let Some(slot) = self.lists.take_oldest_accepted(NO_REUSE, verdicts) {
             return Some(slot);
+        }
+        if verdicts.stopped() {
+            return None;
         }
         let turns = usize::from(self.counter_max) + 1;
         let examinations_max = turns * self.lists.len(RING) + 1;
@@ -96,9 +100,12 @@ impl Policy for Clock {
             let counter = &mut self.referenced[hand as usize];
             let referenced = *counter > 0;
             *counter = counter.saturating_sub(1);
-            if !referenced && evictable(hand) {
+            if !referenced && verdicts.takes(hand) {
                 self.lists.unlink(hand);
                 return Some(hand);
+            }
+            if verdicts.stopped() {
+                return None;
             }
             self.lists.move_to_head(RING, hand);
         }
@@ -122,9 +129,9 @@ mod tests {
         }
         clock.access(0);
         clock.access(1);
-        assert_eq!(clock.evict(&mut |_| true), Some(2));
+        assert_eq!(clock.evict(&mut |_| Verdict::Evict), Some(2));
         // 0 and 1 lost their bits on the way past the hand; 0 is now the oldest.
-        assert_eq!(clock.evict(&mut |_| true), Some(0));
+        assert_eq!(clock.evict(&mut |_| Verdict::Evict), Some(0));
         clock.lists.debug_check();
     }
 
@@ -139,7 +146,7 @@ mod tests {
         assert_eq!(
             clock.evict(&mut |_| {
                 asked += 1;
-                false
+                Verdict::Skip
             }),
             None
         );
@@ -158,10 +165,10 @@ mod tests {
         // 0's counter saturates at 3: the hand passes it three times (1 is re-inserted each
         // time as a fresh entry) before it is taken.
         for _ in 0..3 {
-            assert_eq!(clock.evict(&mut |_| true), Some(1));
+            assert_eq!(clock.evict(&mut |_| Verdict::Evict), Some(1));
             clock.insert(1, 1, Placement::Normal);
         }
-        assert_eq!(clock.evict(&mut |_| true), Some(0));
+        assert_eq!(clock.evict(&mut |_| Verdict::Evict), Some(0));
         clock.lists.debug_check();
     }
 }

@@ -5,8 +5,8 @@
 //! is drained first. A refused candidate keeps its place, so a pinned buffer is the next
 //! victim once it is released.
 
-use crate::list::{ListId, SlotLists};
-use crate::{Placement, Policy, Slot};
+use crate::list::{ListId, SlotLists, Verdicts};
+use crate::{Placement, Policy, Slot, Verdict};
 
 const NO_REUSE: ListId = 0;
 const QUEUE: ListId = 1;
@@ -63,10 +63,11 @@ impl Policy for Fifo {
         self.lists.held()
     }
 
-    fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {
+    fn evict(&mut self, verdict: &mut dyn FnMut(Slot) -> Verdict) -> Option<Slot> {
+        let verdicts = &mut Verdicts::new(verdict);
         self.lists
-            .take_oldest_accepted(NO_REUSE, evictable)
-            .or_else(|| self.lists.take_oldest_accepted(QUEUE, evictable))
+            .take_oldest_accepted(NO_REUSE, verdicts)
+            .or_else(|| self.lists.take_oldest_accepted(QUEUE, verdicts))
     }
 
     fn len(&self) -> usize {
@@ -85,8 +86,8 @@ mod tests {
             fifo.insert(slot, u64::from(slot), Placement::Normal);
         }
         fifo.access(0);
-        assert_eq!(fifo.evict(&mut |slot| slot != 0), Some(1));
-        assert_eq!(fifo.evict(&mut |_| true), Some(0));
+        assert_eq!(fifo.evict(&mut |slot| (slot != 0).into()), Some(1));
+        assert_eq!(fifo.evict(&mut |_| Verdict::Evict), Some(0));
         fifo.lists.debug_check();
     }
 }

@@ -9,7 +9,9 @@
 //! Invariants every policy keeps:
 //! - a slot is *tracked* from `insert` until it is returned by `evict` or passed to `remove`,
 //!   and never inserted twice while tracked;
-//! - `evict` returns only a slot for which `evictable` returned true, and forgets it;
+//! - `evict` returns only a slot for which the evictor said [`Verdict::Evict`], and forgets it;
+//!   after a [`Verdict::Stop`] it asks about no other slot and returns `None`, leaving that
+//!   candidate where it was;
 //! - `evict` examines a bounded number of candidates (a few times `len()`, at most), so a shard
 //!   full of pinned or dirty buffers costs a bounded scan, not a loop;
 //! - a *held* slot ([`Policy::hold`], 4.4BSD's `bremfree`) is still tracked but off every
@@ -61,6 +63,31 @@ use std::str::FromStr;
 /// shard's entry count high-water mark, so a policy may index vectors by slot.
 pub type Slot = u32;
 
+/// What an evictor says of one eviction candidate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Take it: `evict` forgets it and returns it.
+    Evict,
+    /// Leave it (busy, say); the policy goes on to its next candidate.
+    Skip,
+    /// Leave it, and take nothing from this policy now: `evict` asks about no other slot and
+    /// returns `None`, with this candidate where it was. A cache's read-ahead, which must not
+    /// evict read-ahead nobody has used, says this of the first such candidate instead of
+    /// walking past every one of them.
+    Stop,
+}
+
+impl From<bool> for Verdict {
+    /// `true` is [`Verdict::Evict`], `false` [`Verdict::Skip`].
+    fn from(evict: bool) -> Self {
+        if evict {
+            Verdict::Evict
+        } else {
+            Verdict::Skip
+        }
+    }
+}
+
 /// Where a newly inserted entry is placed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Placement {
@@ -107,10 +134,10 @@ pub trait Policy: Send {
     /// Number of tracked slots that are held.
     fn held(&self) -> usize;
 
-    /// Chooses a victim. Walks tracked slots in eviction order and asks `evictable` about each;
-    /// the first slot it accepts is forgotten and returned. Returns `None` when no examined
-    /// candidate was accepted.
-    fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot>;
+    /// Chooses a victim. Walks tracked slots in eviction order and asks `verdict` about each;
+    /// the first slot it says [`Verdict::Evict`] of is forgotten and returned. Returns `None`
+    /// when no examined candidate was taken, and at once after a [`Verdict::Stop`].
+    fn evict(&mut self, verdict: &mut dyn FnMut(Slot) -> Verdict) -> Option<Slot>;
 
     /// Number of tracked slots.
     fn len(&self) -> usize;

@@ -19,7 +19,44 @@
 //! slots on its chain, the links of a list form a chain from head to tail, and `tracked()` is
 //! the sum of the list lengths plus the held slots.
 
-use crate::Slot;
+use crate::{Slot, Verdict};
+
+/// An evictor's verdicts during one `evict`, remembering a [`Verdict::Stop`]: once the
+/// evictor has stopped, every later candidate is refused without asking it.
+pub(crate) struct Verdicts<'a> {
+    verdict: &'a mut dyn FnMut(Slot) -> Verdict,
+    stopped: bool,
+}
+
+impl<'a> Verdicts<'a> {
+    pub(crate) fn new(verdict: &'a mut dyn FnMut(Slot) -> Verdict) -> Self {
+        Verdicts {
+            verdict,
+            stopped: false,
+        }
+    }
+
+    /// True when the evictor takes `slot`; false when it leaves it, or has stopped.
+    pub(crate) fn takes(&mut self, slot: Slot) -> bool {
+        if self.stopped {
+            return false;
+        }
+        match (self.verdict)(slot) {
+            Verdict::Evict => true,
+            Verdict::Skip => false,
+            Verdict::Stop => {
+                self.stopped = true;
+                false
+            }
+        }
+    }
+
+    /// True once the evictor said [`Verdict::Stop`]: the policy moves nothing more and
+    /// returns `None`.
+    pub(crate) fn stopped(&self) -> bool {
+        self.stopped
+    }
+}
 
 /// No slot: the end of a chain.
 pub(crate) const NONE: Slot = Slot::MAX;
@@ -213,17 +250,21 @@ impl<const LIST_COUNT: usize> SlotLists<LIST_COUNT> {
     }
 
     /// Walks `list` from its tail toward its head and removes and returns the first slot that
-    /// `evictable` accepts. Refused slots stay where they are. Examines each slot once.
+    /// `verdicts` takes. Refused slots stay where they are. Examines each slot once, and none
+    /// once the evictor has stopped.
     pub(crate) fn take_oldest_accepted(
         &mut self,
         list: ListId,
-        evictable: &mut dyn FnMut(Slot) -> bool,
+        verdicts: &mut Verdicts<'_>,
     ) -> Option<Slot> {
         let mut candidate = self.tail(list);
         while let Some(slot) = candidate {
-            if evictable(slot) {
+            if verdicts.takes(slot) {
                 self.unlink(slot);
                 return Some(slot);
+            }
+            if verdicts.stopped() {
+                return None;
             }
             candidate = self.toward_head(slot);
         }
@@ -281,7 +322,7 @@ mod tests {
         assert_eq!(lists.toward_head(0), Some(1));
         assert_eq!(lists.tail(1), Some(4));
         assert_eq!(
-            lists.take_oldest_accepted(0, &mut |slot| slot != 0),
+            lists.take_oldest_accepted(0, &mut Verdicts::new(&mut |slot| (slot != 0).into())),
             Some(1)
         );
         assert_eq!(lists.unlink(5), 1);
@@ -310,10 +351,13 @@ mod tests {
         assert_eq!(lists.list_of(0), Some(0));
         let mut seen = Vec::new();
         assert_eq!(
-            lists.take_oldest_accepted(0, &mut |slot| {
-                seen.push(slot);
-                false
-            }),
+            lists.take_oldest_accepted(
+                0,
+                &mut Verdicts::new(&mut |slot| {
+                    seen.push(slot);
+                    Verdict::Skip
+                })
+            ),
             None
         );
         assert_eq!(seen, vec![1, 2]);

@@ -7,8 +7,8 @@
 //! than the newest being dropped before it is read. A hit on a no-reuse entry moves it to the
 //! LRU head like any hit. Refused candidates keep their place.
 
-use crate::list::{ListId, SlotLists};
-use crate::{Placement, Policy, Slot};
+use crate::list::{ListId, SlotLists, Verdicts};
+use crate::{Placement, Policy, Slot, Verdict};
 
 const NO_REUSE: ListId = 0;
 const RECENCY: ListId = 1;
@@ -65,10 +65,11 @@ impl Policy for Lru {
         self.lists.held()
     }
 
-    fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {
+    fn evict(&mut self, verdict: &mut dyn FnMut(Slot) -> Verdict) -> Option<Slot> {
+        let verdicts = &mut Verdicts::new(verdict);
         self.lists
-            .take_oldest_accepted(NO_REUSE, evictable)
-            .or_else(|| self.lists.take_oldest_accepted(RECENCY, evictable))
+            .take_oldest_accepted(NO_REUSE, verdicts)
+            .or_else(|| self.lists.take_oldest_accepted(RECENCY, verdicts))
     }
 
     fn len(&self) -> usize {
@@ -87,11 +88,11 @@ mod tests {
             lru.insert(slot, slot as u64, Placement::Normal);
         }
         lru.access(0);
-        assert_eq!(lru.evict(&mut |_| true), Some(1));
-        assert_eq!(lru.evict(&mut |slot| slot != 2), Some(3));
-        assert_eq!(lru.evict(&mut |_| true), Some(2));
-        assert_eq!(lru.evict(&mut |_| true), Some(0));
-        assert_eq!(lru.evict(&mut |_| true), None);
+        assert_eq!(lru.evict(&mut |_| Verdict::Evict), Some(1));
+        assert_eq!(lru.evict(&mut |slot| (slot != 2).into()), Some(3));
+        assert_eq!(lru.evict(&mut |_| Verdict::Evict), Some(2));
+        assert_eq!(lru.evict(&mut |_| Verdict::Evict), Some(0));
+        assert_eq!(lru.evict(&mut |_| Verdict::Evict), None);
         assert!(lru.is_empty());
     }
 
@@ -101,10 +102,10 @@ mod tests {
         lru.insert(0, 0, Placement::Normal);
         lru.insert(1, 1, Placement::NoReuse);
         lru.insert(2, 2, Placement::Normal);
-        assert_eq!(lru.evict(&mut |_| true), Some(1));
+        assert_eq!(lru.evict(&mut |_| Verdict::Evict), Some(1));
         lru.remove(0);
         assert_eq!(lru.len(), 1);
-        assert_eq!(lru.evict(&mut |_| true), Some(2));
+        assert_eq!(lru.evict(&mut |_| Verdict::Evict), Some(2));
     }
 
     #[test]
@@ -113,8 +114,8 @@ mod tests {
         lru.insert(0, 0, Placement::Normal);
         lru.insert(1, 1, Placement::NoReuse);
         lru.insert(2, 2, Placement::NoReuse);
-        assert_eq!(lru.evict(&mut |_| true), Some(1));
-        assert_eq!(lru.evict(&mut |_| true), Some(2));
+        assert_eq!(lru.evict(&mut |_| Verdict::Evict), Some(1));
+        assert_eq!(lru.evict(&mut |_| Verdict::Evict), Some(2));
         lru.lists.debug_check();
     }
 }

@@ -19,9 +19,9 @@
 //! capacity is re-estimated at every eviction from the number of tracked entries.
 
 use crate::ghost::Ghost;
-use crate::list::{ListId, SlotLists};
+use crate::list::{ListId, SlotLists, Verdicts};
 use crate::parameters::{ghost_share, share};
-use crate::{grow_to_slot, Placement, Policy, PolicyParameters, Slot};
+use crate::{grow_to_slot, Placement, Policy, PolicyParameters, Slot, Verdict};
 
 const NO_REUSE: ListId = 0;
 const SMALL: ListId = 1;
@@ -101,19 +101,22 @@ impl S3Fifo {
     }
 
     /// One bounded pass over `S`: promotes hit entries, evicts the first cold accepted one.
-    fn evict_small(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {
+    fn evict_small(&mut self, verdicts: &mut Verdicts<'_>) -> Option<Slot> {
         for _ in 0..self.lists.len(SMALL) {
+            if verdicts.stopped() {
+                return None;
+            }
             let slot = self.lists.tail(SMALL)?;
             if self.frequency[slot as usize] >= self.move_to_main_hits {
                 self.lists.move_to_head(MAIN, slot);
                 self.frequency[slot as usize] = 0;
-            } else if evictable(slot) {
+            } else if verdicts.takes(slot) {
                 self.lists.unlink(slot);
                 self.ghost.push(self.key_hashes[slot as usize]);
                 // One hash of slack for the key about to be inserted (see `insert`).
                 self.ghost.trim_to(self.ghost_target() + 1);
                 return Some(slot);
-            } else {
+            } else if !verdicts.stopped() {
                 self.lists.move_to_head(SMALL, slot);
             }
         }
@@ -121,15 +124,22 @@ impl S3Fifo {
     }
 
     /// One bounded pass over `M`: a 2-bit CLOCK that evicts the first accepted cold entry.
-    fn evict_main(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {
+    fn evict_main(&mut self, verdicts: &mut Verdicts<'_>) -> Option<Slot> {
         let examinations_max = (usize::from(FREQUENCY_MAX) + 1) * self.lists.len(MAIN) + 1;
         for _ in 0..examinations_max {
+            if verdicts.stopped() {
+                return None;
+            }
             let slot = self.lists.tail(MAIN)?;
             let frequency = &mut self.frequency[slot as usize];
-            if *frequency == 0 && evictable(slot) {
+            if *frequency == 0 && verdicts.takes(slot) {
                 self.lists.unlink(slot);
                 return Some(slot);
             }
+            if verdicts.stopped() {
+                return None;
+            }
+            let frequency = &mut self.frequency[slot as usize];
             *frequency = frequency.saturating_sub(1);
             self.lists.move_to_head(MAIN, slot);
         }
@@ -188,21 +198,25 @@ impl Policy for S3Fifo {
         self.lists.held()
     }
 
-    fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {
-        if let Some(slot) = self.lists.take_oldest_accepted(NO_REUSE, evictable) {
+    fn evict(&mut self, verdict: &mut dyn FnMut(Slot) -> Verdict) -> Option<Slot> {
+        let verdicts = &mut Verdicts::new(verdict);
+        if let Some(slot) = self.lists.take_oldest_accepted(NO_REUSE, verdicts) {
             return Some(slot);
+        }
+        if verdicts.stopped() {
+            return None;
         }
         self.has_evicted = true;
         self.capacity = self.lists.tracked().max(1);
         let main_first = self.lists.len(MAIN) > self.main_target() || self.lists.len(SMALL) == 0;
         if main_first {
             // A failed small pass may have promoted acceptable entries: look at M again.
-            self.evict_main(evictable)
-                .or_else(|| self.evict_small(evictable))
-                .or_else(|| self.evict_main(evictable))
+            self.evict_main(verdicts)
+                .or_else(|| self.evict_small(verdicts))
+                .or_else(|| self.evict_main(verdicts))
         } else {
-            self.evict_small(evictable)
-                .or_else(|| self.evict_main(evictable))
+            self.evict_small(verdicts)
+                .or_else(|| self.evict_main(verdicts))
         }
     }
 
@@ -215,6 +229,28 @@ impl Policy for S3Fifo {
 mod tests {
     use super::*;
 
+    /// Goal: an evictor that stops at a candidate leaves the queues as they were, so the
+    /// candidate is still the first one offered next time (a refusal moves it to the head
+    /// of `S` instead). Method: ten cold entries in `S`; an eviction stopped at the first
+    /// candidate, then one that takes anything.
+    #[test]
+    fn a_stopped_eviction_leaves_its_candidate_first_in_line() {
+        let mut s3fifo = S3Fifo::with_capacity(10);
+        s3fifo.has_evicted = true;
+        for slot in 0..10 {
+            s3fifo.insert(slot, 100 + u64::from(slot), Placement::Normal);
+        }
+        let mut asked = Vec::new();
+        let stopped = s3fifo.evict(&mut |slot| {
+            asked.push(slot);
+            Verdict::Stop
+        });
+        assert_eq!((stopped, asked), (None, vec![0]));
+        assert_eq!(s3fifo.evict(&mut |_| Verdict::Evict), Some(0));
+        assert_eq!(s3fifo.evict(&mut |slot| (slot != 1).into()), Some(2));
+        s3fifo.lists.debug_check();
+    }
+
     #[test]
     fn one_hit_wonders_leave_through_small_and_are_remembered() {
         let mut s3fifo = S3Fifo::with_capacity(10);
@@ -225,7 +261,7 @@ mod tests {
         s3fifo.access(3);
         s3fifo.access(3);
         // S holds all ten (> its share of 1): 0 is cold and leaves; its key is remembered.
-        assert_eq!(s3fifo.evict(&mut |_| true), Some(0));
+        assert_eq!(s3fifo.evict(&mut |_| Verdict::Evict), Some(0));
         assert!(s3fifo.ghost.contains(100));
         s3fifo.insert(0, 100, Placement::Normal);
         assert_eq!(s3fifo.lists.list_of(0), Some(MAIN));

@@ -11,8 +11,8 @@
 //! hand's slot advances the hand first. Bound: at most `2 × len + 1` examinations per
 //! eviction, since one full turn clears every bit.
 
-use crate::list::{ListId, SlotLists, NONE};
-use crate::{grow_to_slot, Placement, Policy, Slot};
+use crate::list::{ListId, SlotLists, Verdicts, NONE};
+use crate::{grow_to_slot, Placement, Policy, Slot, Verdict};
 
 const NO_REUSE: ListId = 0;
 const QUEUE: ListId = 1;
@@ -103,9 +103,13 @@ impl Policy for Sieve {
         self.lists.held()
     }
 
-    fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {
-        if let Some(slot) = self.lists.take_oldest_accepted(NO_REUSE, evictable) {
+    fn evict(&mut self, verdict: &mut dyn FnMut(Slot) -> Verdict) -> Option<Slot> {
+        let verdicts = &mut Verdicts::new(verdict);
+        if let Some(slot) = self.lists.take_oldest_accepted(NO_REUSE, verdicts) {
             return Some(slot);
+        }
+        if verdicts.stopped() {
+            return None;
         }
         debug_assert!(self.hand == NONE || self.lists.list_of(self.hand) == Some(QUEUE));
         let examinations_max = 2 * self.lists.len(QUEUE) + 1;
@@ -113,10 +117,15 @@ impl Policy for Sieve {
         for _ in 0..examinations_max {
             let slot = cursor?;
             let visited = std::mem::replace(&mut self.visited[slot as usize], false);
-            if !visited && evictable(slot) {
+            if !visited && verdicts.takes(slot) {
                 self.hand = self.lists.toward_head(slot).unwrap_or(NONE);
                 self.lists.unlink(slot);
                 return Some(slot);
+            }
+            if verdicts.stopped() {
+                // The hand stays on the candidate the evictor stopped at.
+                self.hand = slot;
+                return None;
             }
             cursor = self.after(slot);
         }
@@ -142,12 +151,12 @@ mod tests {
         sieve.access(0);
         sieve.access(2);
         // Hand passes 0 (clearing it), evicts 1, rests on 2.
-        assert_eq!(sieve.evict(&mut |_| true), Some(1));
+        assert_eq!(sieve.evict(&mut |_| Verdict::Evict), Some(1));
         sieve.insert(4, 4, Placement::Normal);
         // 2 is visited: cleared and passed; 3 is evicted, not the old 0 behind the hand.
-        assert_eq!(sieve.evict(&mut |_| true), Some(3));
-        assert_eq!(sieve.evict(&mut |_| true), Some(4));
-        assert_eq!(sieve.evict(&mut |_| true), Some(0));
+        assert_eq!(sieve.evict(&mut |_| Verdict::Evict), Some(3));
+        assert_eq!(sieve.evict(&mut |_| Verdict::Evict), Some(4));
+        assert_eq!(sieve.evict(&mut |_| Verdict::Evict), Some(0));
         sieve.lists.debug_check();
     }
 
@@ -157,9 +166,9 @@ mod tests {
         for slot in 0..3 {
             sieve.insert(slot, u64::from(slot), Placement::Normal);
         }
-        assert_eq!(sieve.evict(&mut |_| true), Some(0));
+        assert_eq!(sieve.evict(&mut |_| Verdict::Evict), Some(0));
         sieve.remove(1);
-        assert_eq!(sieve.evict(&mut |_| true), Some(2));
+        assert_eq!(sieve.evict(&mut |_| Verdict::Evict), Some(2));
         assert!(sieve.is_empty());
     }
 }

@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 
 use crate::ghost::BuildMixHasher;
-use crate::{Placement, Policy, PolicyKind, PolicyParameters, Slot};
+use crate::{Placement, Policy, PolicyKind, PolicyParameters, Slot, Verdict};
 
 /// Hash of a key as the simulator hands it to the policy. Different keys get different
 /// hashes (the function is a bijection), so ghost lists never confuse two keys.
@@ -138,7 +138,7 @@ impl Simulator {
     /// Evicts until `size_units` more fit; false if the policy found no victim.
     fn make_room(&mut self, size_units: u64) -> bool {
         while self.used_units + size_units > self.capacity_units {
-            let Some(victim) = self.policy.evict(&mut |_| true) else {
+            let Some(victim) = self.policy.evict(&mut |_| Verdict::Evict) else {
                 debug_assert!(false, "policy found no victim with nothing refused");
                 return false;
             };

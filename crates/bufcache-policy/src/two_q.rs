@@ -16,9 +16,9 @@
 //! makes eviction fail while an acceptable entry exists.
 
 use crate::ghost::Ghost;
-use crate::list::{ListId, SlotLists};
+use crate::list::{ListId, SlotLists, Verdicts};
 use crate::parameters::{ghost_share, share};
-use crate::{grow_to_slot, Placement, Policy, Slot};
+use crate::{grow_to_slot, Placement, Policy, Slot, Verdict};
 
 const NO_REUSE: ListId = 0;
 const A1_IN: ListId = 1;
@@ -68,8 +68,8 @@ impl TwoQ {
         ghost_share(self.capacity, self.a1_out_ratio)
     }
 
-    fn evict_from_a1_in(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {
-        let slot = self.lists.take_oldest_accepted(A1_IN, evictable)?;
+    fn evict_from_a1_in(&mut self, verdicts: &mut Verdicts<'_>) -> Option<Slot> {
+        let slot = self.lists.take_oldest_accepted(A1_IN, verdicts)?;
         self.a1_out.push(self.key_hashes[slot as usize]);
         // One hash of slack: the insert that follows this eviction looks its key up first and
         // trims after, as libCacheSim (which looks up before evicting) effectively does.
@@ -123,18 +123,22 @@ impl Policy for TwoQ {
         self.lists.held()
     }
 
-    fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {
-        if let Some(slot) = self.lists.take_oldest_accepted(NO_REUSE, evictable) {
+    fn evict(&mut self, verdict: &mut dyn FnMut(Slot) -> Verdict) -> Option<Slot> {
+        let verdicts = &mut Verdicts::new(verdict);
+        if let Some(slot) = self.lists.take_oldest_accepted(NO_REUSE, verdicts) {
             return Some(slot);
+        }
+        if verdicts.stopped() {
+            return None;
         }
         self.capacity = self.lists.tracked().max(1);
         if self.lists.len(A1_IN) > self.a1_in_target() {
-            self.evict_from_a1_in(evictable)
-                .or_else(|| self.lists.take_oldest_accepted(A_MAIN, evictable))
+            self.evict_from_a1_in(verdicts)
+                .or_else(|| self.lists.take_oldest_accepted(A_MAIN, verdicts))
         } else {
             self.lists
-                .take_oldest_accepted(A_MAIN, evictable)
-                .or_else(|| self.evict_from_a1_in(evictable))
+                .take_oldest_accepted(A_MAIN, verdicts)
+                .or_else(|| self.evict_from_a1_in(verdicts))
         }
     }
 
@@ -154,7 +158,7 @@ mod tests {
             two_q.insert(slot, 100 + u64::from(slot), Placement::Normal);
         }
         // A1in holds 4 > Kin = 1: its tail (key 100) goes to A1out.
-        assert_eq!(two_q.evict(&mut |_| true), Some(0));
+        assert_eq!(two_q.evict(&mut |_| Verdict::Evict), Some(0));
         assert!(two_q.a1_out.contains(100));
         two_q.insert(0, 100, Placement::Normal);
         assert_eq!(two_q.lists.list_of(0), Some(A_MAIN));
@@ -166,7 +170,7 @@ mod tests {
     fn no_reuse_evictions_leave_no_history() {
         let mut two_q = TwoQ::with_capacity(4);
         two_q.insert(0, 7, Placement::NoReuse);
-        assert_eq!(two_q.evict(&mut |_| true), Some(0));
+        assert_eq!(two_q.evict(&mut |_| Verdict::Evict), Some(0));
         assert_eq!(two_q.a1_out.len(), 0);
     }
 }

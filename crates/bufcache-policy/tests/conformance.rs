@@ -1,5 +1,6 @@
 // Goal: every policy keeps the `Policy` contract under arbitrary use. Method: random
-// insert/access/remove/hold/release/evict sequences with random refusals (pinned/dirty buffers), checked
+// insert/access/remove/hold/release/evict sequences with random refusals (pinned/dirty buffers)
+// and stops (read-ahead that must not be evicted), checked
 // after every step against a shadow set of tracked slots, over many seeds, capacity hints
 // that differ from the real size, and both placements. A failure names the policy and seed.
 
@@ -7,7 +8,7 @@ mod common;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use bufcache_policy::{Placement, Policy, PolicyKind, Slot};
+use bufcache_policy::{Placement, Policy, PolicyKind, Slot, Verdict};
 use common::Rng;
 
 const SEEDS: u64 = 300;
@@ -20,6 +21,8 @@ enum Refusals {
     /// Each slot refused with this percentage, fixed for the call.
     Some(u64),
     All,
+    /// The first this many candidates refused, the next one answered `Verdict::Stop`.
+    StopAfter(usize),
 }
 
 struct Shadow {
@@ -44,7 +47,7 @@ impl Shadow {
 fn refused(slot: Slot, salt: u64, refusals: Refusals) -> bool {
     match refusals {
         Refusals::None => false,
-        Refusals::All => true,
+        Refusals::All | Refusals::StopAfter(_) => true,
         Refusals::Some(percent) => {
             let mut rng = Rng::new(salt ^ (u64::from(slot) << 32));
             rng.percent(percent)
@@ -53,15 +56,21 @@ fn refused(slot: Slot, salt: u64, refusals: Refusals) -> bool {
 }
 
 fn check_evict(policy: &mut dyn Policy, shadow: &mut Shadow, rng: &mut Rng, step: usize) {
-    let refusals = match rng.below(4) {
+    let refusals = match rng.below(5) {
         0 => Refusals::None,
         1 => Refusals::All,
+        2 => Refusals::StopAfter(rng.below(4) as usize),
         _ => Refusals::Some(rng.below(100)),
     };
     let salt = rng.next_u64();
     let length_before = policy.len();
     let mut asked = 0usize;
+    let mut stopped_at = None;
     let victim = policy.evict(&mut |slot| {
+        assert_eq!(
+            stopped_at, None,
+            "step {step}: asked about {slot} after a stop"
+        );
         asked += 1;
         assert!(
             shadow.tracked.get(slot as usize).copied().unwrap_or(false),
@@ -71,8 +80,24 @@ fn check_evict(policy: &mut dyn Policy, shadow: &mut Shadow, rng: &mut Rng, step
             !shadow.held[slot as usize],
             "step {step}: asked about held slot {slot}"
         );
-        !refused(slot, salt, refusals)
+        if let Refusals::StopAfter(skips) = refusals {
+            if asked > skips {
+                stopped_at = Some(slot);
+                return Verdict::Stop;
+            }
+        }
+        Verdict::from(!refused(slot, salt, refusals))
     });
+    if let Some(slot) = stopped_at {
+        assert_eq!(victim, None, "step {step}: evicted after a stop");
+        assert_eq!(
+            policy.len(),
+            length_before,
+            "step {step}: a stop forgot a slot"
+        );
+        assert!(shadow.tracked[slot as usize]);
+        return;
+    }
     assert!(
         asked <= 10 * length_before + 10,
         "step {step}: {asked} examinations for {length_before} entries"
@@ -167,7 +192,7 @@ fn run_seed(kind: PolicyKind, seed: u64) {
 
 /// Evicting with nothing refused returns every tracked slot exactly once, then `None`.
 fn drain(policy: &mut dyn Policy, shadow: &mut Shadow) {
-    while let Some(slot) = policy.evict(&mut |_| true) {
+    while let Some(slot) = policy.evict(&mut |_| Verdict::Evict) {
         assert!(
             shadow.tracked[slot as usize],
             "drain returned untracked {slot}"
@@ -215,7 +240,7 @@ fn every_policy_survives_a_real_size_far_from_the_hint() {
                     None => {
                         let slot = match keys.iter().position(|&cached| cached == u64::MAX) {
                             Some(free) => free as Slot,
-                            None => policy.evict(&mut |_| true).expect("a victim"),
+                            None => policy.evict(&mut |_| Verdict::Evict).expect("a victim"),
                         };
                         keys[slot as usize] = key;
                         policy.insert(slot, key, Placement::Normal);

@@ -8,7 +8,7 @@
 mod common;
 
 use bufcache_policy::simulate::Simulator;
-use bufcache_policy::{Arc, Placement, Policy, PolicyKind, PolicyParameters, Slot};
+use bufcache_policy::{Arc, Placement, Policy, PolicyKind, PolicyParameters, Slot, Verdict};
 use common::{loop_trace, miss_ratio, scan_with_working_set, zipf_trace};
 
 const CAPACITY_OBJECTS: usize = 1_000;
@@ -130,8 +130,8 @@ impl Policy for Unannounced {
     fn held(&self) -> usize {
         self.0.held()
     }
-    fn evict(&mut self, evictable: &mut dyn FnMut(Slot) -> bool) -> Option<Slot> {
-        self.0.evict(evictable)
+    fn evict(&mut self, verdict: &mut dyn FnMut(Slot) -> Verdict) -> Option<Slot> {
+        self.0.evict(verdict)
     }
     fn len(&self) -> usize {
         self.0.len()

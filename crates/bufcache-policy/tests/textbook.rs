@@ -3,7 +3,7 @@
 // cached; each test names the behaviour it pins down.
 
 use bufcache_policy::simulate::Simulator;
-use bufcache_policy::{Arc, Placement, Policy, PolicyKind, Slot};
+use bufcache_policy::{Arc, Placement, Policy, PolicyKind, Slot, Verdict};
 
 /// Requests `keys` in order; returns the hit pattern.
 fn hits(kind: PolicyKind, capacity_objects: usize, keys: &[u64]) -> Vec<bool> {
@@ -78,7 +78,10 @@ impl<P: Policy> TinyCache<P> {
         }
         let slot = match self.keys.iter().position(Option::is_none) {
             Some(free) => free as Slot,
-            None => self.policy.evict(&mut |_| true).expect("a victim"),
+            None => self
+                .policy
+                .evict(&mut |_| Verdict::Evict)
+                .expect("a victim"),
         };
         self.keys[slot as usize] = Some(key);
         self.policy.insert(slot, key, Placement::Normal);

@@ -33,7 +33,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use bufcache_policy::{Placement, Policy, Slot};
+use bufcache_policy::{Placement, Policy, Slot, Verdict};
 use parking_lot::Mutex;
 
 use crate::buffer::{BlockKey, Buffer, MemoryRelease, DIRTY, HELD, READAHEAD, WRITEBACK};
@@ -775,13 +775,21 @@ impl Table {
             let victim = policy.evict(&mut |slot| {
                 examined += 1;
                 let Some(buffer) = entries[slot as usize].as_ref() else {
-                    return false;
+                    return Verdict::Skip;
                 };
                 if busy(buffer) {
                     busy_slots.push(slot);
-                    return false;
+                    return Verdict::Skip;
                 }
-                including_unused_readahead || !buffer.has(READAHEAD)
+                if including_unused_readahead || !buffer.has(READAHEAD) {
+                    Verdict::Evict
+                } else {
+                    // The shard's next victim is read-ahead nobody has used: this shard has
+                    // nothing to spare for more read-ahead. Walking past every such buffer
+                    // to find one that may go cost a buffer header read each, most of an
+                    // eviction's work under a parallel copy.
+                    Verdict::Stop
+                }
             });
             shard.hold_busy(victim);
             self.counters
@@ -1232,13 +1240,21 @@ mod tests {
 
     #[test]
     fn readahead_never_evicts_readahead_not_yet_used() {
-        // Goal: rule 1 of "Admission under pressure" (docs/design.md): read-ahead finds room
-        // only by evicting what is not unused read-ahead, so under pressure its window ends
-        // short; a reader's own blocks may still evict unused read-ahead. Method: an 8-buffer
-        // table filled with unused read-ahead; a read-ahead run of 4 blocks gets none and
-        // evicts nothing; then a reader's run of 2 gets both, evicting 2 (counted wasted);
-        // then a read-ahead run of 4 gets only the 2 the reader's blocks leave.
+        // Goal: rule 3 of "Admission under pressure" (docs/design.md): read-ahead finds room
+        // only in what its policy would evict before unused read-ahead, so under pressure its
+        // window ends short, after one look; a reader's own blocks may still evict unused
+        // read-ahead. Method: an 8-buffer table filled with unused read-ahead; a read-ahead
+        // run of 4 blocks gets none, evicts nothing and examines one candidate; then a
+        // reader's run of 2 gets both, evicting 2 (counted wasted); once the reader has used
+        // them (a stream's used blocks go to the eviction end), a read-ahead run of 4 gets
+        // only those 2.
         let table = table(8);
+        let examined = || {
+            table
+                .counters
+                .eviction_candidates_examined
+                .load(Ordering::Relaxed)
+        };
         let filled = insert(&table, 0, 8, 0);
         assert_eq!(filled.len(), 8);
         for buffer in &filled {
@@ -1247,6 +1263,7 @@ mod tests {
         release(&table, filled);
         assert!(insert(&table, 100, 104, 100).is_empty(), "window ends");
         assert_eq!(table.counters.evictions.load(Ordering::Relaxed), 0);
+        assert_eq!(examined(), 1, "the first unused read-ahead ends the look");
         let reader = insert(&table, 200, 202, u64::MAX);
         assert_eq!(reader.len(), 2, "a reader evicts unused read-ahead");
         assert_eq!(
@@ -1256,11 +1273,14 @@ mod tests {
                 .load(Ordering::Relaxed),
             2
         );
+        table.demote_run(reader.iter().map(|buffer| &**buffer));
         release(&table, reader);
-        // The reader's two blocks may go for read-ahead, nothing more: the window shrinks
-        // to 2 of its 4 blocks.
+        // The reader's two used blocks may go for read-ahead, nothing more: the window
+        // shrinks to 2 of its 4 blocks.
+        let examined_before = examined();
         let shrunk = insert(&table, 300, 304, 300);
         assert_eq!(shrunk.len(), 2, "window shrunk to what the cache can spare");
+        assert_eq!(examined() - examined_before, 3, "two taken, one stop");
         assert_eq!(table.counters.evictions.load(Ordering::Relaxed), 4);
         assert_eq!(
             table
@@ -1333,7 +1353,7 @@ mod tests {
             policy.release(slot);
         }
         let victims: Vec<u64> = (0..4)
-            .map(|_| u64::from(policy.evict(&mut |_| true).expect("a victim")))
+            .map(|_| u64::from(policy.evict(&mut |_| Verdict::Evict).expect("a victim")))
             .collect();
         let reader = insert(&table, 100, 104, u64::MAX);
         assert_eq!(reader.len(), 4);
