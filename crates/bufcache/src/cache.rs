@@ -305,7 +305,7 @@ impl Inner {
             return Ok(Lookup::Found(buffer));
         }
         let size_bytes = object.block_size_bytes as u64;
-        let reservation = self.reserve(size_bytes, urgency, object)?;
+        let reservation = self.reserve(size_bytes, urgency, object, key)?;
         Ok(self.table.insert_reserved(
             reservation,
             key,
@@ -329,7 +329,7 @@ impl Inner {
             return Some(Lookup::Found(buffer));
         }
         let size_bytes = object.block_size_bytes as u64;
-        let reservation = self.table.try_reserve(size_bytes, false)?;
+        let reservation = self.table.try_reserve(size_bytes, false, key)?;
         Some(self.table.insert_reserved(
             reservation,
             key,
@@ -387,8 +387,8 @@ impl Inner {
         )
     }
 
-    /// Reserves memory for one buffer of `object`, evicting, writing back and waiting as
-    /// `urgency` allows.
+    /// Reserves memory for one buffer of `object` that will hold `key`, evicting, writing
+    /// back and waiting as `urgency` allows.
     ///
     /// Nobody spins: a reservation that finds nothing evictable and nothing to clean sleeps
     /// on the injected waiter until a release (an unpin, a read or write-back ending) or
@@ -401,6 +401,7 @@ impl Inner {
         size_bytes: u64,
         urgency: Urgency,
         object: &ObjectState,
+        key: BlockKey,
     ) -> Result<Reservation, CacheError> {
         let mut wait: Option<SpaceWait> = None;
         // The object's error latch when this reservation first found no room: a write-back
@@ -408,7 +409,7 @@ impl Inner {
         let mut latch_seen: Option<AtomicU64> = None;
         let mut awaited_writeback = false;
         let outcome = loop {
-            if let Some(reservation) = self.table.try_reserve(size_bytes, false) {
+            if let Some(reservation) = self.table.try_reserve(size_bytes, false, key) {
                 break Ok(reservation);
             }
             if urgency == Urgency::Quick {

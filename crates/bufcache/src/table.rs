@@ -440,12 +440,15 @@ impl Table {
 
     /// The shard holding `chunk` (and so every block of it).
     fn shard_of(&self, chunk: &ChunkKey) -> &Mutex<Shard> {
-        let index = if self.shards.len() == 1 {
+        &self.shards[self.shard_index(chunk)]
+    }
+
+    fn shard_index(&self, chunk: &ChunkKey) -> usize {
+        if self.shards.len() == 1 {
             0
         } else {
             (chunk.hash >> self.shard_shift) as usize
-        };
-        &self.shards[index]
+        }
     }
 
     /// Memory charged for a buffer of `size_bytes` (whole pages).
@@ -475,7 +478,8 @@ impl Table {
         )
     }
 
-    /// Reserves memory for one buffer of `size_bytes`, evicting clean buffers as needed.
+    /// Reserves memory for one buffer of `size_bytes` that will hold `key`, evicting clean
+    /// buffers as needed, from `key`'s shard first.
     /// None when nothing more can be evicted now (the caller may write back or wait).
     /// A reservation `for_readahead` never evicts read-ahead nobody has used yet (rule 1 of
     /// "Admission under pressure" in docs/design.md): it fails instead, and the read-ahead
@@ -487,7 +491,12 @@ impl Table {
     /// nothing and the insert allocates nothing. Which buffer is evicted does not change.
     /// Under a limit lowered at run time the evicted buffer is freed instead, so usage
     /// shrinks toward the limit.
-    pub(crate) fn try_reserve(&self, size_bytes: u64, for_readahead: bool) -> Option<Reservation> {
+    pub(crate) fn try_reserve(
+        &self,
+        size_bytes: u64,
+        for_readahead: bool,
+        key: BlockKey,
+    ) -> Option<Reservation> {
         let charge = self.charge_bytes(size_bytes);
         loop {
             if self.memory.try_charge(charge, charge - size_bytes) {
@@ -496,7 +505,8 @@ impl Table {
             if for_readahead && self.readahead_unused_over_share() {
                 return None;
             }
-            let mut evicted = self.evict_pass(!for_readahead)?;
+            let shard = self.shard_index(&ChunkKey::of(key.object, key.block));
+            let mut evicted = self.evict_pass(!for_readahead, Some(shard))?;
             if Buffer::recyclable(&mut evicted, size_bytes as usize) && !self.memory.over_limit() {
                 return Some(Reservation::Recycled(evicted));
             }
@@ -744,22 +754,35 @@ impl Table {
     }
 
     /// Evicts one clean, unpinned buffer chosen by a shard's policy, in the policy's order,
-    /// read-ahead nobody has used yet included (counted as wasted). Shards are visited
-    /// round-robin so eviction pressure spreads evenly. One pass: sparing unused read-ahead
+    /// read-ahead nobody has used yet included (counted as wasted). With no block to make
+    /// room for, shards are visited round-robin so eviction pressure spreads evenly. One
+    /// pass: sparing unused read-ahead
     /// while anything else could go walked over every unused read-ahead buffer at every
     /// eviction once read-ahead filled the cache; read-ahead is kept from crowding out its
     /// own readers instead by never evicting unused read-ahead itself
     /// ([`Table::try_reserve`]).
     pub(crate) fn evict_one(&self) -> bool {
-        self.evict_pass(true).is_some()
+        self.evict_pass(true, None).is_some()
     }
 
     /// Evicts one buffer as [`Table::evict_one`] does (sparing unused read-ahead unless
-    /// `including_unused_readahead`) and returns it, out of the table.
-    fn evict_pass(&self, including_unused_readahead: bool) -> Option<Arc<Buffer>> {
+    /// `including_unused_readahead`) and returns it, out of the table. The look starts at
+    /// `first_shard`, the shard of the block the room is for, when there is one: each insert
+    /// then replaces a block of its own shard, so every shard keeps its share of the cache
+    /// and its policy's order holds across the cache. Visited round-robin instead, a shard
+    /// that happened to hold fewer blocks was drained as fast as the others, down to the
+    /// blocks a request had just read and not yet sent, while other shards kept older ones
+    /// (the request then read them again).
+    fn evict_pass(
+        &self,
+        including_unused_readahead: bool,
+        first_shard: Option<usize>,
+    ) -> Option<Arc<Buffer>> {
         let shard_count = self.shards.len();
         let start = if shard_count == 1 {
             0
+        } else if let Some(first_shard) = first_shard {
+            first_shard
         } else {
             self.evict_cursor.fetch_add(1, Ordering::Relaxed)
         };
@@ -877,7 +900,7 @@ impl Table {
         if self.contains(key) {
             return None;
         }
-        let reservation = self.try_reserve(size_bytes, for_readahead)?;
+        let reservation = self.try_reserve(size_bytes, for_readahead, key)?;
         let buffer = self.new_buffer(reservation, key, size_bytes, length_bytes);
         let chunk = ChunkKey::of(key.object, key.block);
         let mut shard = self.shard_of(&chunk).lock();
@@ -925,7 +948,7 @@ impl Table {
             let mut reservations = Vec::with_capacity(absent as usize);
             while (reservations.len() as u64) < absent {
                 let for_readahead = block + reservations.len() as u64 >= readahead_from;
-                match self.try_reserve(size_bytes, for_readahead) {
+                match self.try_reserve(size_bytes, for_readahead, BlockKey { object, block }) {
                     Some(reservation) => reservations.push(reservation),
                     None => break,
                 }
@@ -1239,6 +1262,63 @@ mod tests {
     }
 
     #[test]
+    fn an_insert_evicts_in_its_own_shard_so_a_small_shard_keeps_its_newest_blocks() {
+        // Goal: room for a block is made in that block's shard first, so a shard holding
+        // fewer blocks than the others is not drained down to the blocks just read into it
+        // while other shards keep older ones. Method: a 16-buffer table of two shards, 12
+        // old blocks in shard 0 and 4 in shard 1; 4 new blocks go to shard 1, then 8 to
+        // shard 0. Every new block of shard 1 is still cached, and shard 0's 8 inserts took
+        // 8 of its own old blocks. Round-robin eviction took shard 1's new blocks.
+        let config = CacheConfig {
+            buffer_bytes_max: BLOCK,
+            memory_bytes_max: 16 * BLOCK,
+            buffers_max: 16,
+            shards: 2,
+            ..CacheConfig::default()
+        };
+        let table = Table::new(&config, Arc::new(NoWait), Arc::new(Counters::default()));
+        let chunks_of_shard = |shard: usize| -> Vec<u64> {
+            (0..)
+                .map(|chunk| chunk * CHUNK_BLOCKS)
+                .filter(|&block| table.shard_index(&ChunkKey::of(0, block)) == shard)
+                .take(2)
+                .collect()
+        };
+        let (shard0, shard1) = (chunks_of_shard(0), chunks_of_shard(1));
+        let old0 = insert(&table, shard0[0], shard0[0] + 12, u64::MAX);
+        let old1 = insert(&table, shard1[0], shard1[0] + 4, u64::MAX);
+        assert_eq!((old0.len(), old1.len()), (12, 4));
+        release(&table, old0);
+        release(&table, old1);
+        let new1 = insert(&table, shard1[1], shard1[1] + 4, u64::MAX);
+        assert_eq!(new1.len(), 4);
+        release(&table, new1);
+        let new0 = insert(&table, shard0[1], shard0[1] + 8, u64::MAX);
+        assert_eq!(new0.len(), 8);
+        release(&table, new0);
+        let cached = |first: u64, end: u64| {
+            (first..end)
+                .filter(|&block| table.contains(BlockKey { object: 0, block }))
+                .count()
+        };
+        assert_eq!(
+            cached(shard1[1], shard1[1] + 4),
+            4,
+            "shard 1's new blocks stay"
+        );
+        assert_eq!(
+            cached(shard1[0], shard1[0] + 4),
+            0,
+            "shard 1's old blocks made room"
+        );
+        assert_eq!(
+            cached(shard0[0], shard0[0] + 12),
+            4,
+            "shard 0 replaced its own"
+        );
+    }
+
+    #[test]
     fn readahead_never_evicts_readahead_not_yet_used() {
         // Goal: rule 3 of "Admission under pressure" (docs/design.md): read-ahead finds room
         // only in what its policy would evict before unused read-ahead, so under pressure its
@@ -1451,7 +1531,8 @@ mod tests {
                 }
             }
             drop(ordered);
-            std::iter::from_fn(|| table.evict_pass(true).map(|buffer| buffer.key.block)).collect()
+            std::iter::from_fn(|| table.evict_pass(true, None).map(|buffer| buffer.key.block))
+                .collect()
         };
         let one_by_one = order_of(false);
         assert_eq!(one_by_one.len(), 8);
