@@ -9,6 +9,7 @@
 //!
 //! Pushing a hash that is already present refreshes it (it becomes the newest).
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
@@ -94,40 +95,30 @@ impl Ghost {
         self.next_stamp += 1;
         self.stamps.insert(hash, stamp);
         self.order.push_back((hash, stamp));
-        self.drop_stale_front();
+        // Stale entries at the front are dropped by the next `pop_oldest`, or by a
+        // compaction: one hash probe per push, not two.
         if self.order.len() > 2 * self.stamps.len() + 64 {
             self.compact();
         }
     }
 
-    /// Forgets the oldest hash; false when empty.
+    /// Forgets the oldest hash; false when empty. Each ring entry costs one hash probe: a
+    /// live one is looked up and removed in the same probe, a stale one is only looked up.
     pub(crate) fn pop_oldest(&mut self) -> bool {
-        self.drop_stale_front();
-        match self.order.pop_front() {
-            Some((hash, _)) => {
-                self.stamps.remove(&hash);
-                true
+        while let Some((hash, stamp)) = self.order.pop_front() {
+            if let Entry::Occupied(entry) = self.stamps.entry(hash) {
+                if *entry.get() == stamp {
+                    entry.remove();
+                    return true;
+                }
             }
-            None => false,
         }
+        false
     }
 
     /// Forgets the oldest hashes until at most `target` remain.
     pub(crate) fn trim_to(&mut self, target: usize) {
         while self.len() > target && self.pop_oldest() {}
-    }
-
-    fn is_live(&self, (hash, stamp): (u64, u64)) -> bool {
-        self.stamps.get(&hash) == Some(&stamp)
-    }
-
-    fn drop_stale_front(&mut self) {
-        while let Some(&front) = self.order.front() {
-            if self.is_live(front) {
-                break;
-            }
-            self.order.pop_front();
-        }
     }
 
     /// Drops every stale ring entry. Runs only when stale entries outnumber live ones, so
