@@ -332,16 +332,36 @@ pub(crate) fn misread(
     None
 }
 
-/// Store fault rates for a faulty seed: each drawn below its `maxima` (in field order, so
-/// that a seed keeps drawing the same stream).
-pub(crate) fn draw_faults(rng: &mut StdRng, maxima: FaultRates) -> FaultRates {
-    FaultRates {
-        fail_ppm: rng.gen_range(0..maxima.fail_ppm),
-        lost_ppm: rng.gen_range(0..maxima.lost_ppm),
-        hang_ppm: rng.gen_range(0..maxima.hang_ppm),
-        reset_ppm: rng.gen_range(0..maxima.reset_ppm),
-        applied_then_fail_ppm: rng.gen_range(0..maxima.applied_then_fail_ppm),
-    }
+/// A seed's simulated store ([`SimWorld`]) and the rates it drew (for the scenario's
+/// description): one seed in `fault_free_one_in` has no faults, the others each fault rate
+/// drawn below `fault_maxima`; a crashed instance's parked requests land at the crash (30 %)
+/// or later (50 %), within a number of steps drawn from `later_steps`. The draws are in a
+/// fixed order and width, so that a seed keeps drawing the same stream.
+pub(crate) fn draw_world(
+    rng: &mut StdRng,
+    seed: u64,
+    fault_free_one_in: i32,
+    fault_maxima: FaultRates,
+    later_steps: Range<u64>,
+) -> (Arc<SimWorld>, FaultRates, LateRates) {
+    let faulty = rng.gen_range(0..fault_free_one_in) != 0;
+    let faults = if faulty {
+        FaultRates {
+            fail_ppm: rng.gen_range(0..fault_maxima.fail_ppm),
+            lost_ppm: rng.gen_range(0..fault_maxima.lost_ppm),
+            hang_ppm: rng.gen_range(0..fault_maxima.hang_ppm),
+            reset_ppm: rng.gen_range(0..fault_maxima.reset_ppm),
+            applied_then_fail_ppm: rng.gen_range(0..fault_maxima.applied_then_fail_ppm),
+        }
+    } else {
+        FaultRates::default()
+    };
+    let late = LateRates {
+        at_crash_ppm: 300_000,
+        later_ppm: 500_000,
+        later_steps_max: rng.gen_range(later_steps),
+    };
+    (SimWorld::new(seed, faults, late), faults, late)
 }
 
 /// A seed's log-layout disk in the simulated store: its size, and whether it compresses and
@@ -1501,25 +1521,14 @@ pub fn check_log_seed(seed: u64, trace: bool) -> LogCheckOutcome {
     let _quiet = (!trace)
         .then(|| tracing::subscriber::set_default(tracing::subscriber::NoSubscriber::default()));
     let mut rng = StdRng::seed_from_u64(seed);
-    let faulty = rng.gen_range(0..4) != 0;
-    let faults = if faulty {
-        let maxima = FaultRates {
-            fail_ppm: 40_000,
-            lost_ppm: 20_000,
-            hang_ppm: 30_000,
-            reset_ppm: 80_000,
-            applied_then_fail_ppm: 80_000,
-        };
-        draw_faults(&mut rng, maxima)
-    } else {
-        FaultRates::default()
+    let fault_maxima = FaultRates {
+        fail_ppm: 40_000,
+        lost_ppm: 20_000,
+        hang_ppm: 30_000,
+        reset_ppm: 80_000,
+        applied_then_fail_ppm: 80_000,
     };
-    let late = LateRates {
-        at_crash_ppm: 300_000,
-        later_ppm: 500_000,
-        later_steps_max: rng.gen_range(1..60),
-    };
-    let world = SimWorld::new(seed, faults, late);
+    let (world, faults, late) = draw_world(&mut rng, seed, 4, fault_maxima, 1..60);
     let DrawnDisk {
         blocks,
         compress,

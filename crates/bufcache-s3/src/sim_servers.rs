@@ -54,10 +54,10 @@ use bufcache_device::Clock;
 
 use crate::lease::{renewal_interval_ns, LapseWatch, Lease, CLOCK_RATE_ERROR_MAX};
 use crate::sim_check::{
-    apply, describe_tag, describe_tags, draw_config, draw_disk, draw_faults, find_prefix, misread,
+    apply, describe_tag, describe_tags, draw_config, draw_disk, draw_world, find_prefix, misread,
     tag_of, writes_of, Allowed, Change, DrawnDisk, BLOCK_BYTES,
 };
-use crate::sim_store::{FaultRates, LateRates, SimWorld};
+use crate::sim_store::{FaultRates, SimWorld};
 use crate::{LogConfig, LogStore, S3Url, StoreError};
 
 /// The lease every server holds the disk under, in virtual nanoseconds.
@@ -1439,25 +1439,14 @@ impl Harness {
         let mut rng = StdRng::seed_from_u64(crate::sim_store::mix(seed ^ 0x5e7e_5e7e));
         let count = servers.unwrap_or_else(|| rng.gen_range(2..=SERVERS_MAX));
         assert!((2..=SERVERS_MAX).contains(&count), "2 or 3 servers");
-        let faulty = rng.gen_range(0..3) != 0;
-        let faults = if faulty {
-            let maxima = FaultRates {
-                fail_ppm: 30_000,
-                lost_ppm: 15_000,
-                hang_ppm: 20_000,
-                reset_ppm: 40_000,
-                applied_then_fail_ppm: 40_000,
-            };
-            draw_faults(&mut rng, maxima)
-        } else {
-            FaultRates::default()
+        let fault_maxima = FaultRates {
+            fail_ppm: 30_000,
+            lost_ppm: 15_000,
+            hang_ppm: 20_000,
+            reset_ppm: 40_000,
+            applied_then_fail_ppm: 40_000,
         };
-        let late = LateRates {
-            at_crash_ppm: 300_000,
-            later_ppm: 500_000,
-            later_steps_max: rng.gen_range(1..40),
-        };
-        let world = SimWorld::new(seed, faults, late);
+        let (world, faults, _) = draw_world(&mut rng, seed, 3, fault_maxima, 1..40);
         let DrawnDisk {
             blocks,
             compress,
