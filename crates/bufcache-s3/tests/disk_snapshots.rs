@@ -17,9 +17,15 @@ use support::{have_moto, have_seaweedfs, Moto, S3Server, SeaweedFs};
 const DISK_BYTES: usize = 2 << 20;
 const WRITTEN_BYTES: usize = 1 << 20;
 
+/// A disk URL in the bucket `bucket`.
 fn url(endpoint: &str, prefix: &str, parameters: &str) -> S3Url {
+    url_in(endpoint, "bucket", prefix, parameters)
+}
+
+/// A disk URL in bucket `bucket`.
+fn url_in(endpoint: &str, bucket: &str, prefix: &str, parameters: &str) -> S3Url {
     S3Url::parse(&format!(
-        "s3://bucket/{prefix}?endpoint={endpoint}{parameters}"
+        "s3://{bucket}/{prefix}?endpoint={endpoint}{parameters}"
     ))
     .unwrap()
 }
@@ -72,6 +78,30 @@ fn write_random_image(store: &LogStore, rng: &mut impl rand::Rng) -> Vec<u8> {
     image
 }
 
+/// Creates a 2 MiB log-layout disk (64 KiB segments, no collection) at `prefix` in `bucket`,
+/// with `parameters` (`&NAME=VALUE...`) too, writes a random image to it
+/// ([`write_random_image`]) and closes it; returns its URL (no collection, `parameters`) and
+/// the image.
+fn created_disk(
+    endpoint: &str,
+    bucket: &str,
+    prefix: &str,
+    parameters: &str,
+    rng: &mut impl rand::Rng,
+) -> (S3Url, Vec<u8>) {
+    let create = url_in(
+        endpoint,
+        bucket,
+        prefix,
+        &format!("&create-size=2M&layout=log&segment-size=64k&gc=off{parameters}"),
+    );
+    let image = create_written(&create, rng);
+    (
+        url_in(endpoint, bucket, prefix, &format!("&gc=off{parameters}")),
+        image,
+    )
+}
+
 /// Creates the disk `create` names, writes a random image to it ([`write_random_image`]) and
 /// closes it; returns the image.
 fn create_written(create: &S3Url, rng: &mut impl rand::Rng) -> Vec<u8> {
@@ -101,13 +131,7 @@ fn a_snapshot_reads_as_taken_across_overwrites_collection_and_reopens() {
         ("plain", String::new()),
         ("sealed", format!("&compress=zstd&key-file={key}")),
     ] {
-        let create = url(
-            &endpoint,
-            prefix,
-            &format!("&create-size=2M&layout=log&segment-size=64k&gc=off{parameters}"),
-        );
-        let disk = url(&endpoint, prefix, &format!("&gc=off{parameters}"));
-        let before = create_written(&create, &mut rng);
+        let (disk, before) = created_disk(&endpoint, "bucket", prefix, &parameters, &mut rng);
 
         let taken = admin::snapshot(&disk, "before").unwrap();
         assert!(taken.segments > 0, "{prefix}: {taken:?}");
@@ -301,14 +325,8 @@ fn a_clone_reads_its_base_snapshot_where_it_has_not_written() {
     ] {
         let base_prefix = format!("{prefix}-base");
         let clone_prefix = format!("{prefix}-clone");
-        let create = url(
-            &endpoint,
-            &base_prefix,
-            &format!("&create-size=2M&layout=log&segment-size=64k&gc=off{parameters}"),
-        );
-        let base = url(&endpoint, &base_prefix, &format!("&gc=off{parameters}"));
+        let (base, image) = created_disk(&endpoint, "bucket", &base_prefix, &parameters, &mut rng);
         let clone = url(&endpoint, &clone_prefix, &format!("&gc=off{parameters}"));
-        let image = create_written(&create, &mut rng);
         admin::snapshot(&base, "golden").unwrap();
         let requests = |moto: &Moto| -> usize {
             ["GET", "PUT", "POST", "DELETE", "HEAD"]
@@ -432,14 +450,8 @@ fn a_clone_made_before_the_metadata_carried_its_base_is_still_read() {
     };
     let raw = Raw::new(&moto);
     let mut rng = rand::rngs::StdRng::seed_from_u64(55);
-    let create = url(
-        &endpoint,
-        "base",
-        "&create-size=2M&layout=log&segment-size=64k&gc=off",
-    );
-    let base = url(&endpoint, "base", "&gc=off");
+    let (base, image) = created_disk(&endpoint, "bucket", "base", "", &mut rng);
     let clone = url(&endpoint, "old-clone", "&gc=off");
-    let image = create_written(&create, &mut rng);
     admin::snapshot(&base, "golden").unwrap();
     admin::clone(&base, &clone, "golden").unwrap();
 
@@ -506,14 +518,8 @@ fn deleting_a_clone_frees_its_snapshot_and_a_base_with_clones_is_refused() {
     };
     let raw = Raw::new(&moto);
     let mut rng = rand::rngs::StdRng::seed_from_u64(56);
-    let create = url(
-        &endpoint,
-        "base",
-        "&create-size=2M&layout=log&segment-size=64k&gc=off",
-    );
-    let base = url(&endpoint, "base", "&gc=off");
+    let (base, image) = created_disk(&endpoint, "bucket", "base", "", &mut rng);
     let clone = url(&endpoint, "clone", "&gc=off");
-    let image = create_written(&create, &mut rng);
     admin::snapshot(&base, "golden").unwrap();
     admin::snapshot(&base, "spare").unwrap();
     admin::clone(&base, &clone, "golden").unwrap();
@@ -601,14 +607,8 @@ fn fenced_off(keyed: &str, clone_bucket: &str) {
     let raw = Raw::new(&moto);
     let clone_raw = Raw::in_bucket(&moto, clone_bucket);
     let mut rng = rand::rngs::StdRng::seed_from_u64(57);
-    let create = url(
-        &endpoint,
-        "base",
-        &format!("&create-size=2M&layout=log&segment-size=64k&gc=off{keyed}"),
-    );
-    let base = url(&endpoint, "base", &format!("&gc=off{keyed}"));
+    let (base, image) = created_disk(&endpoint, "bucket", "base", keyed, &mut rng);
     let clone = url_in(&endpoint, clone_bucket, "clone", &format!("&gc=off{keyed}"));
-    let image = create_written(&create, &mut rng);
     admin::snapshot(&base, "golden").unwrap();
     let base_objects = raw.keys("base/");
     let metadata_key = "base/bufcache-disk.json";
@@ -688,14 +688,6 @@ fn one_line(error: &dyn std::fmt::Display) -> String {
     text
 }
 
-/// A disk URL in bucket `bucket`.
-fn url_in(endpoint: &str, bucket: &str, prefix: &str, parameters: &str) -> S3Url {
-    S3Url::parse(&format!(
-        "s3://{bucket}/{prefix}?endpoint={endpoint}{parameters}"
-    ))
-    .unwrap()
-}
-
 /// Every request moto logged so far.
 fn requests(moto: &Moto) -> usize {
     ["GET", "PUT", "POST", "DELETE", "HEAD"]
@@ -740,16 +732,9 @@ fn clone_in_another_bucket(server: &dyn S3Server, counted: Option<&Moto>) {
         ("plain", String::new()),
         ("sealed", format!("&compress=lz4&key-file={key}")),
     ] {
-        let create = url_in(
-            &endpoint,
-            "bases",
-            prefix,
-            &format!("&create-size=2M&layout=log&segment-size=64k&gc=off{parameters}"),
-        );
-        let base = url_in(&endpoint, "bases", prefix, &format!("&gc=off{parameters}"));
+        let (base, image) = created_disk(&endpoint, "bases", prefix, &parameters, &mut rng);
         // The clone at the same prefix as its base, in its own bucket: they do not overlap.
         let clone = url_in(&endpoint, "clones", prefix, &format!("&gc=off{parameters}"));
-        let image = create_written(&create, &mut rng);
         admin::snapshot(&base, "golden").unwrap();
         let base_objects = bases.objects(&format!("{prefix}/"));
 
