@@ -277,7 +277,7 @@ struct Race {
 
 /// The [`Race`] of `seed`: its device delays 30 % of reads and of writes by up to 300 us,
 /// and as `latencies` (kind, least, most, probability) adds.
-fn race(seed: u64, blocks: u64, latencies: &[(FaultKind, Duration, Duration, f64)]) -> Race {
+fn start_race(seed: u64, blocks: u64, latencies: &[(FaultKind, Duration, Duration, f64)]) -> Race {
     let mut config = config(12, PolicyKind::S3Fifo, Duration::from_secs(10));
     config.dirty_background_percent = 50;
     config.dirty_limit_percent = 75;
@@ -325,10 +325,36 @@ fn assert_stamped(seed: u64, block: u64, word: u64, allowed: &RangeInclusive<u64
     );
 }
 
-/// One reader's turn in a [`Race`]: reads a random 512-byte-aligned range of up to 12 KiB,
-/// checks that no block of it is torn, and hands `check` each block's word with the versions
+/// Starts the three readers of the [`Race`] of `seed`, each with a seeded stream of its own,
+/// each making `operations` reads of a random 512-byte-aligned range of up to 12 KiB. A read
+/// checks that no block of it is torn and hands `check` each block's word with the versions
 /// the read may return: from the last write acknowledged before it began to the last begun
 /// before it ended.
+fn spawn_readers(
+    race: &Race,
+    seed: u64,
+    operations: u64,
+    check: impl Fn(u64, u64, RangeInclusive<u64>) + Clone + Send + 'static,
+) -> Vec<std::thread::JoinHandle<()>> {
+    (0..3u64)
+        .map(|reader| {
+            let (handle, acknowledged, begun, check) = (
+                race.handle.reopen(),
+                Arc::clone(&race.acknowledged),
+                Arc::clone(&race.begun),
+                check.clone(),
+            );
+            std::thread::spawn(move || {
+                let mut random = rand::rngs::StdRng::seed_from_u64(seed * 16 + 8 + reader);
+                for _ in 0..operations {
+                    read_racing(&handle, &mut random, seed, &acknowledged, &begun, &check);
+                }
+            })
+        })
+        .collect()
+}
+
+/// One read of [`spawn_readers`].
 fn read_racing(
     handle: &ObjectHandle,
     random: &mut rand::rngs::StdRng,
@@ -439,18 +465,13 @@ fn streamed_reads_never_return_data_older_than_a_completed_write() {
     let mut streamed_total = 0;
     for seed in 0..SEEDS {
         eprintln!("streamed_reads_never_return_data_older_than_a_completed_write: seed {seed}");
-        let Race {
-            cache,
-            handle,
-            acknowledged,
-            begun,
-        } = race(seed, BLOCKS, &[]);
+        let race = start_race(seed, BLOCKS, &[]);
         let writers: Vec<_> = (0..2u64)
             .map(|writer| {
                 let (handle, acknowledged, begun) = (
-                    handle.reopen(),
-                    Arc::clone(&acknowledged),
-                    Arc::clone(&begun),
+                    race.handle.reopen(),
+                    Arc::clone(&race.acknowledged),
+                    Arc::clone(&race.begun),
                 );
                 std::thread::spawn(move || {
                     let mut random = rand::rngs::StdRng::seed_from_u64(seed * 16 + writer);
@@ -479,31 +500,15 @@ fn streamed_reads_never_return_data_older_than_a_completed_write() {
                 })
             })
             .collect();
-        let readers: Vec<_> = (0..3u64)
-            .map(|reader| {
-                let (handle, acknowledged, begun) = (
-                    handle.reopen(),
-                    Arc::clone(&acknowledged),
-                    Arc::clone(&begun),
-                );
-                std::thread::spawn(move || {
-                    let mut random = rand::rngs::StdRng::seed_from_u64(seed * 16 + 8 + reader);
-                    let (acknowledged, begun) = (&acknowledged[..], &begun[..]);
-                    let checked = |block: u64, word: u64, allowed: RangeInclusive<u64>| {
-                        assert_stamped(seed, block, word, &allowed)
-                    };
-                    for _ in 0..OPERATIONS {
-                        read_racing(&handle, &mut random, seed, acknowledged, begun, &checked);
-                    }
-                })
-            })
-            .collect();
+        let readers = spawn_readers(&race, seed, OPERATIONS, move |block, word, allowed| {
+            assert_stamped(seed, block, word, &allowed)
+        });
         for thread in writers.into_iter().chain(readers) {
             thread
                 .join()
                 .unwrap_or_else(|_| panic!("seed {seed}: a thread failed"));
         }
-        streamed_total += cache.stats().streamed_reads;
+        streamed_total += race.cache.stats().streamed_reads;
     }
     eprintln!("streamed reads over all seeds: {streamed_total}");
     assert!(
@@ -541,12 +546,7 @@ fn a_read_during_a_zeroing_never_returns_data_older_than_a_completed_write() {
             Duration::from_micros(300),
             0.5,
         );
-        let Race {
-            cache: _cache,
-            handle,
-            acknowledged,
-            begun,
-        } = race(seed, BLOCKS, &[discard_latency]);
+        let race = start_race(seed, BLOCKS, &[discard_latency]);
         // The versions of each block that were zeroings, recorded before they begin.
         let zeroings: Arc<Vec<Mutex<Vec<u64>>>> =
             Arc::new((0..BLOCKS).map(|_| Mutex::new(Vec::new())).collect());
@@ -554,9 +554,9 @@ fn a_read_during_a_zeroing_never_returns_data_older_than_a_completed_write() {
         let writers: Vec<_> = (0..2u64)
             .map(|writer| {
                 let (handle, acknowledged, begun, zeroings) = (
-                    handle.reopen(),
-                    Arc::clone(&acknowledged),
-                    Arc::clone(&begun),
+                    race.handle.reopen(),
+                    Arc::clone(&race.acknowledged),
+                    Arc::clone(&race.begun),
                     Arc::clone(&zeroings),
                 );
                 std::thread::spawn(move || {
@@ -602,40 +602,23 @@ fn a_read_during_a_zeroing_never_returns_data_older_than_a_completed_write() {
                 })
             })
             .collect();
-        let readers: Vec<_> = (0..3u64)
-            .map(|reader| {
-                let (handle, acknowledged, begun, zeroings, zero_reads) = (
-                    handle.reopen(),
-                    Arc::clone(&acknowledged),
-                    Arc::clone(&begun),
-                    Arc::clone(&zeroings),
-                    Arc::clone(&zero_reads),
+        let (zeroings_read, zero_reads_counted) = (Arc::clone(&zeroings), Arc::clone(&zero_reads));
+        let readers = spawn_readers(&race, seed, OPERATIONS, move |block, word, allowed| {
+            if word == 0 {
+                zero_reads_counted.fetch_add(1, Ordering::Relaxed);
+                let zeroed = zeroings_read[block as usize]
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .any(|version| allowed.contains(version));
+                assert!(
+                    zeroed,
+                    "seed {seed}: block {block} read as zeroes, no zeroing in {allowed:?}"
                 );
-                std::thread::spawn(move || {
-                    let mut random = rand::rngs::StdRng::seed_from_u64(seed * 16 + 8 + reader);
-                    let (acknowledged, begun) = (&acknowledged[..], &begun[..]);
-                    let checked = |block: u64, word: u64, allowed: RangeInclusive<u64>| {
-                        if word == 0 {
-                            zero_reads.fetch_add(1, Ordering::Relaxed);
-                            let zeroed = zeroings[block as usize]
-                                .lock()
-                                .unwrap()
-                                .iter()
-                                .any(|version| allowed.contains(version));
-                            assert!(
-                                zeroed,
-                                "seed {seed}: block {block} read as zeroes, no zeroing in {allowed:?}"
-                            );
-                            return;
-                        }
-                        assert_stamped(seed, block, word, &allowed);
-                    };
-                    for _ in 0..OPERATIONS {
-                        read_racing(&handle, &mut random, seed, acknowledged, begun, &checked);
-                    }
-                })
-            })
-            .collect();
+                return;
+            }
+            assert_stamped(seed, block, word, &allowed);
+        });
         for thread in writers.into_iter().chain(readers) {
             thread
                 .join()
