@@ -11,10 +11,17 @@
 //! - [`check_seeds`] and [`Sweep`]: the loop over a range of seeds, a checker's totals, every
 //!   violation, and the command line that replays one seed.
 //!
-//! The crate depends on nothing, so the object store's checker (which must not depend on
-//! the engine) and the engine's share it.
+//! - with the `proptest` feature, [`seeded_proptest`]: a property test run from a seed that
+//!   a failure names, replayable from an environment variable (the URL and URI round trips).
+//!
+//! The crate depends on nothing (without the `proptest` feature, which only tests enable), so
+//! the object store's checker (which must not depend on the engine) and the engine's share
+//! it.
 
 #![deny(missing_docs)]
+
+#[cfg(feature = "proptest")]
+pub mod seeded_proptest;
 
 use std::collections::VecDeque;
 use std::fmt;

@@ -240,125 +240,7 @@ impl ExportLayer for MeteredExport {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A read-only memory export whose every capability answers other than `Export`'s
-    /// defaults, so that a layer which lost one would be seen answering the default.
-    struct Distinctive {
-        inner: Arc<dyn Export>,
-        connection: bool,
-    }
-
-    struct Held;
-
-    impl bufcache_nbd::HeldRead for Held {
-        fn slices(&self) -> Vec<std::io::IoSlice<'_>> {
-            Vec::new()
-        }
-    }
-
-    impl ExportLayer for Distinctive {
-        fn inner(&self) -> &Arc<dyn Export> {
-            &self.inner
-        }
-        fn over(&self, inner: Arc<dyn Export>) -> Arc<dyn Export> {
-            Arc::new(Distinctive {
-                inner,
-                connection: self.connection,
-            })
-        }
-        fn description(&self) -> String {
-            format!("distinctive, connection {}", self.connection)
-        }
-        fn preferred_block_size(&self) -> u32 {
-            512
-        }
-        fn cache_request_bytes_max(&self) -> u64 {
-            12_345
-        }
-        fn read_is_quick(&self, _offset: u64, _length: u64) -> bool {
-            false
-        }
-        fn write_is_quick(&self, _offset: u64, _length: u64, _fua: bool) -> bool {
-            false
-        }
-        fn start_read(
-            &self,
-            _offset: u64,
-            _length: u32,
-            done: bufcache_nbd::ReadDone,
-        ) -> Result<(), bufcache_nbd::ReadDone> {
-            done(Ok(Box::new(Held)));
-            Ok(())
-        }
-        fn open_connection(&self) -> Option<Arc<dyn Export>> {
-            Some(Arc::new(Distinctive {
-                inner: Arc::clone(&self.inner),
-                connection: true,
-            }))
-        }
-        fn has_cache_state(&self) -> bool {
-            true
-        }
-        fn cache_state(
-            &self,
-            _offset: u64,
-            length: u64,
-        ) -> std::io::Result<Vec<bufcache_nbd::CacheStateExtent>> {
-            Ok(vec![bufcache_nbd::CacheStateExtent {
-                length,
-                resident: true,
-                dirty: true,
-            }])
-        }
-        fn may_acknowledge_changes(&self) -> std::io::Result<()> {
-            Err(std::io::Error::other("the lease lapsed"))
-        }
-    }
-
-    /// What `export` advertises and answers: every method of `Export` that does not change
-    /// the data.
-    fn advertised(export: &dyn Export) -> String {
-        let length = 2 * bufcache_nbd::export::MEMORY_PAGE_BYTES;
-        let mut buffer = vec![0u8; length as usize];
-        let mut sent = Vec::new();
-        let read_with = export.read_with(0, &mut buffer, &mut |slices| {
-            sent.extend(slices.iter().map(|slice| slice.len()));
-            Ok(())
-        });
-        let started = export.start_read(0, 4096, Box::new(|_| {})).is_ok();
-        let connection = export.open_connection().map(|view| view.description());
-        format!(
-            "size {} read_only {} description {:?} preferred_block_size {} read {:?} \
-             read_with {:?} {sent:?} can_fast_zero {} cache {:?} cache_request_bytes_max {} \
-             read_is_quick {} start_read {started} write_is_quick {} connection {connection:?} \
-             block_status {:?} has_cache_state {} cache_state {:?} known_zeroes {:?} \
-             may_acknowledge_changes {:?}",
-            export.size(),
-            export.read_only(),
-            export.description(),
-            export.preferred_block_size(),
-            export
-                .read(4096, &mut [0u8; 4])
-                .map_err(|error| error.to_string()),
-            read_with.map_err(|error| error.to_string()),
-            export.can_fast_zero(),
-            export.cache(0, length).map_err(|error| error.to_string()),
-            export.cache_request_bytes_max(),
-            export.read_is_quick(0, length),
-            export.write_is_quick(0, length, false),
-            export
-                .block_status(0, length)
-                .map_err(|error| error.to_string()),
-            export.has_cache_state(),
-            export
-                .cache_state(0, length)
-                .map_err(|error| error.to_string()),
-            export.known_zeroes(0, length),
-            export
-                .may_acknowledge_changes()
-                .map_err(|error| error.to_string()),
-        )
-    }
+    use bufcache_nbd::layer_testing::{advertised, Distinctive};
 
     #[test]
     fn the_metering_and_observing_layers_keep_every_capability_of_the_export_they_wrap() {
@@ -369,12 +251,7 @@ mod tests {
         // layers, alone and stacked as serve stacks them, over an export whose every answer
         // differs from `Export`'s defaults, compared method by method; the meters count the
         // reads made.
-        let memory = bufcache_nbd::MemoryExport::new(4 * bufcache_nbd::export::MEMORY_PAGE_BYTES);
-        memory.write(4096, &[7; 10], false).unwrap();
-        let inner: Arc<dyn Export> = Arc::new(Distinctive {
-            inner: Arc::new(memory.with_read_only(true)),
-            connection: false,
-        });
+        let inner = Distinctive::shared();
         let expected = advertised(inner.as_ref());
         assert!(expected.contains("read_only true"), "{expected}");
         assert!(expected.contains("can_fast_zero true"), "{expected}");

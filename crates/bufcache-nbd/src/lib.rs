@@ -22,6 +22,8 @@ pub mod client_handshake;
 pub mod config;
 pub mod export;
 mod handshake;
+#[cfg(any(test, feature = "test-support"))]
+pub mod layer_testing;
 pub mod protocol;
 pub mod reconnect;
 pub mod server;

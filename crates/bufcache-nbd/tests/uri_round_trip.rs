@@ -9,9 +9,10 @@
 use std::net::Ipv6Addr;
 use std::path::PathBuf;
 
+use bufcache_check::seeded_proptest::run_seeded;
 use bufcache_nbd::{ClientTls, NbdAddress, NbdUri, UriError};
 use proptest::prelude::*;
-use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
+use proptest::test_runner::TestCaseError;
 
 fn parse(text: &str) -> Result<NbdUri, UriError> {
     text.parse()
@@ -21,31 +22,6 @@ fn tcp(host: &str, port: u16) -> NbdAddress {
     NbdAddress::Tcp {
         host: host.to_string(),
         port,
-    }
-}
-
-/// Runs `test` on `cases` values of `strategy` from a seed taken from `URI_SEED` or drawn at
-/// random, and names the seed when a case fails.
-fn run_seeded<S: Strategy>(
-    name: &str,
-    strategy: S,
-    test: impl Fn(S::Value) -> Result<(), TestCaseError>,
-) {
-    let seed: u64 = std::env::var("URI_SEED")
-        .ok()
-        .and_then(|text| text.parse().ok())
-        .unwrap_or_else(rand::random);
-    let mut seed_bytes = [0u8; 32];
-    seed_bytes[..8].copy_from_slice(&seed.to_le_bytes());
-    let config = Config {
-        cases: 1024,
-        failure_persistence: None,
-        ..Config::default()
-    };
-    let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &seed_bytes);
-    let mut runner = TestRunner::new_with_rng(config, rng);
-    if let Err(error) = runner.run(&strategy, test) {
-        panic!("{name}: {error}; replay with URI_SEED={seed}");
     }
 }
 
@@ -112,13 +88,18 @@ fn address_strategy() -> impl Strategy<Value = NbdAddress> {
 #[test]
 fn every_written_uri_parses_back_to_the_same_address_export_and_tls() {
     let strategy = (address_strategy(), text_strategy(), tls_strategy());
-    run_seeded("nbd uri round trip", strategy, |(address, export, tls)| {
-        let written = NbdUri::new(address, export, tls);
-        let parsed = parse(&written.to_string())
-            .map_err(|error| TestCaseError::fail(format!("{written}: {error}")))?;
-        prop_assert_eq!(parsed, written);
-        Ok(())
-    });
+    run_seeded(
+        "nbd uri round trip",
+        "URI_SEED",
+        strategy,
+        |(address, export, tls)| {
+            let written = NbdUri::new(address, export, tls);
+            let parsed = parse(&written.to_string())
+                .map_err(|error| TestCaseError::fail(format!("{written}: {error}")))?;
+            prop_assert_eq!(parsed, written);
+            Ok(())
+        },
+    );
 }
 
 #[test]

@@ -272,6 +272,156 @@ pub(crate) fn apply(allowed: &mut Allowed, change: &Change) {
     }
 }
 
+/// The writes of `ranges`, each a new write number taken from `next_write` and its blocks
+/// filled with that number's tags: `(offset, data)` for the store, and the [`Change`] each
+/// makes once acknowledged.
+pub(crate) fn writes_of(
+    ranges: Vec<Range<u64>>,
+    next_write: &mut u64,
+    compressible: bool,
+) -> (Vec<(u64, Vec<u8>)>, Vec<Change>) {
+    let mut writes = Vec::with_capacity(ranges.len());
+    let mut changes = Vec::with_capacity(ranges.len());
+    for blocks in ranges {
+        *next_write += 1;
+        let write = *next_write;
+        let mut data = vec![0u8; ((blocks.end - blocks.start) * BLOCK_BYTES) as usize];
+        for (index, block) in blocks.clone().enumerate() {
+            let at = index * BLOCK_BYTES as usize;
+            fill_block(
+                write << 24 | block,
+                compressible,
+                &mut data[at..at + BLOCK_BYTES as usize],
+            );
+        }
+        writes.push((blocks.start * BLOCK_BYTES, data));
+        changes.push(Change {
+            blocks,
+            write: Some(write),
+            acknowledged: false,
+        });
+    }
+    (writes, changes)
+}
+
+/// Why `data`, read at `offset`, is not what `now` allows of its blocks (`None`: it is):
+/// the detail of a [`property::READS`] violation. `reader` names who read, after the block
+/// (empty, or ` from the newest writer`).
+pub(crate) fn misread(
+    now: &Allowed,
+    offset: u64,
+    data: &[u8],
+    compressible: bool,
+    reader: &str,
+) -> Option<String> {
+    for (index, bytes) in data.chunks(BLOCK_BYTES as usize).enumerate() {
+        let block = offset / BLOCK_BYTES + index as u64;
+        let tag = match tag_of(bytes, compressible) {
+            Ok(tag) => tag,
+            Err(reason) => return Some(format!("a read of block {block} {reason}")),
+        };
+        let allowed = &now[block as usize];
+        if !allowed.contains(&tag) {
+            return Some(format!(
+                "a read of block {block}{reader} returned {} but the latest acknowledged data is {}",
+                describe_tag(tag),
+                describe_tags(allowed)
+            ));
+        }
+    }
+    None
+}
+
+/// A seed's simulated store ([`SimWorld`]) and the rates it drew (for the scenario's
+/// description): one seed in `fault_free_one_in` has no faults, the others each fault rate
+/// drawn below `fault_maxima`; a crashed instance's parked requests land at the crash (30 %)
+/// or later (50 %), within a number of steps drawn from `later_steps`. The draws are in a
+/// fixed order and width, so that a seed keeps drawing the same stream.
+pub(crate) fn draw_world(
+    rng: &mut StdRng,
+    seed: u64,
+    fault_free_one_in: i32,
+    fault_maxima: FaultRates,
+    later_steps: Range<u64>,
+) -> (Arc<SimWorld>, FaultRates, LateRates) {
+    let faulty = rng.gen_range(0..fault_free_one_in) != 0;
+    let faults = if faulty {
+        FaultRates {
+            fail_ppm: rng.gen_range(0..fault_maxima.fail_ppm),
+            lost_ppm: rng.gen_range(0..fault_maxima.lost_ppm),
+            hang_ppm: rng.gen_range(0..fault_maxima.hang_ppm),
+            reset_ppm: rng.gen_range(0..fault_maxima.reset_ppm),
+            applied_then_fail_ppm: rng.gen_range(0..fault_maxima.applied_then_fail_ppm),
+        }
+    } else {
+        FaultRates::default()
+    };
+    let late = LateRates {
+        at_crash_ppm: 300_000,
+        later_ppm: 500_000,
+        later_steps_max: rng.gen_range(later_steps),
+    };
+    (SimWorld::new(seed, faults, late), faults, late)
+}
+
+/// A seed's log-layout disk in the simulated store: its size, and whether it compresses and
+/// encrypts.
+pub(crate) struct DrawnDisk {
+    pub(crate) blocks: u64,
+    pub(crate) compress: bool,
+    pub(crate) encrypt: bool,
+    pub(crate) url: S3Url,
+}
+
+/// Draws the disk `s3://sim/{name}`: `blocks` blocks, compressed one seed in two, encrypted
+/// with [`key_file`] at `encrypt_probability`.
+pub(crate) fn draw_disk(
+    rng: &mut StdRng,
+    name: &str,
+    blocks: std::ops::RangeInclusive<u64>,
+    encrypt_probability: f64,
+) -> DrawnDisk {
+    let blocks = rng.gen_range(blocks);
+    let compress = rng.gen_bool(0.5);
+    let encrypt = rng.gen_bool(encrypt_probability);
+    let mut text = format!(
+        "s3://sim/{name}?create-size={}&layout=log",
+        blocks * BLOCK_BYTES
+    );
+    if compress {
+        text.push_str("&compress=zstd");
+    }
+    if encrypt {
+        text.push_str(&format!("&key-file={}", key_file().display()));
+    }
+    let url = S3Url::parse(&text).expect("the harness's URL parses");
+    DrawnDisk {
+        blocks,
+        compress,
+        encrypt,
+        url,
+    }
+}
+
+/// Draws a seed's [`LogConfig`], its segment size one of `segment_bytes_choices`.
+/// Collection rounds run as steps of the workload (seeded), not on the background
+/// thread's clock.
+pub(crate) fn draw_config(rng: &mut StdRng, segment_bytes_choices: &[u64]) -> LogConfig {
+    let segment_bytes_max = segment_bytes_choices[rng.gen_range(0..segment_bytes_choices.len())];
+    LogConfig {
+        segment_bytes_max,
+        segments_in_flight_max: rng.gen_range(1..=4),
+        checkpoint_interval_segments: rng.gen_range(1..=4),
+        requests_in_flight_max: rng.gen_range(1..=4),
+        gc_threshold: None,
+        gc_stored_ratio_max: 1.5,
+        gc_requests_in_flight_max: rng.gen_range(1..=2),
+        gc_bytes_max: segment_bytes_max * rng.gen_range(1..=4),
+        gc_interval_ms: 100,
+        get_bytes_max: [4 << 10, 12 << 10, segment_bytes_max][rng.gen_range(0..3)],
+    }
+}
+
 /// What a step asks of the store (run on the step thread).
 enum Step {
     Open,
@@ -593,24 +743,10 @@ impl Harness {
         }
     }
 
-    fn data_for(&mut self, blocks: Range<u64>) -> (u64, Vec<u8>, Change) {
-        self.next_write += 1;
-        let write = self.next_write;
-        let mut data = vec![0u8; ((blocks.end - blocks.start) * BLOCK_BYTES) as usize];
-        for (index, block) in blocks.clone().enumerate() {
-            let at = index * BLOCK_BYTES as usize;
-            fill_block(
-                write << 24 | block,
-                self.compressible,
-                &mut data[at..at + BLOCK_BYTES as usize],
-            );
-        }
-        let change = Change {
-            blocks: blocks.clone(),
-            write: Some(write),
-            acknowledged: false,
-        };
-        (blocks.start * BLOCK_BYTES, data, change)
+    /// `count` writes of random ranges (see [`writes_of`]).
+    fn random_writes(&mut self, count: usize) -> (Vec<(u64, Vec<u8>)>, Vec<Change>) {
+        let ranges = (0..count).map(|_| self.random_blocks()).collect();
+        writes_of(ranges, &mut self.next_write, self.compressible)
     }
 
     fn random_blocks(&mut self) -> Range<u64> {
@@ -1123,24 +1259,10 @@ impl Harness {
     }
 
     fn check_read(&self, offset: u64, data: &[u8]) -> Result<(), Violation> {
-        for (index, bytes) in data.chunks(BLOCK_BYTES as usize).enumerate() {
-            let block = offset / BLOCK_BYTES + index as u64;
-            let tag = tag_of(bytes, self.compressible).map_err(|reason| {
-                self.violation(property::READS, format!("a read of block {block} {reason}"))
-            })?;
-            let allowed = &self.now[block as usize];
-            if !allowed.contains(&tag) {
-                return Err(self.violation(
-                    property::READS,
-                    format!(
-                        "a read of block {block} returned {} but the latest acknowledged data is {}",
-                        describe_tag(tag),
-                        describe_tags(allowed)
-                    ),
-                ));
-            }
+        match misread(&self.now, offset, data, self.compressible, "") {
+            Some(detail) => Err(self.violation(property::READS, detail)),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// One step of the workload; false when the server crashed.
@@ -1175,14 +1297,7 @@ impl Harness {
     /// Writes one to three ranges. False when the server crashed under it.
     fn write_step(&mut self) -> Result<bool, Violation> {
         let count = if self.rng.gen_bool(0.2) { 3 } else { 1 };
-        let mut writes = Vec::new();
-        let mut changes = Vec::new();
-        for _ in 0..count {
-            let blocks = self.random_blocks();
-            let (offset, data, change) = self.data_for(blocks);
-            writes.push((offset, data));
-            changes.push(change);
-        }
+        let (writes, changes) = self.random_writes(count);
         let Some(answer) = self.run(Step::Write(writes))? else {
             return self.stuck(changes);
         };
@@ -1321,14 +1436,11 @@ impl Harness {
     /// Runs a collection round with writes landing in the middle of it, then checks the collector's bookkeeping and the snapshots. False when the server crashed under it.
     fn collect_step(&mut self) -> Result<bool, Violation> {
         let threshold = self.rng.gen_range(0.2..0.9);
-        let mut writes = Vec::new();
-        let mut changes = Vec::new();
-        for _ in 0..self.rng.gen_range(0..3) {
-            let blocks = self.random_blocks();
-            let (offset, data, change) = self.data_for(blocks);
-            writes.push((offset, data));
-            changes.push(change);
-        }
+        // Drawn as an i32, as every seed so far drew it: the width decides how much of the
+        // stream the draw takes, and so every later draw of the seed.
+        let count: i32 = self.rng.gen_range(0..3);
+        let count = usize::try_from(count).expect("0 to 2 writes");
+        let (writes, changes) = self.random_writes(count);
         self.counts.gc_rounds += 1;
         let Some(answer) = self.run(Step::Collect(threshold, writes))? else {
             return self.stuck(changes);
@@ -1409,52 +1521,21 @@ pub fn check_log_seed(seed: u64, trace: bool) -> LogCheckOutcome {
     let _quiet = (!trace)
         .then(|| tracing::subscriber::set_default(tracing::subscriber::NoSubscriber::default()));
     let mut rng = StdRng::seed_from_u64(seed);
-    let faulty = rng.gen_range(0..4) != 0;
-    let faults = if faulty {
-        FaultRates {
-            fail_ppm: rng.gen_range(0..40_000),
-            lost_ppm: rng.gen_range(0..20_000),
-            hang_ppm: rng.gen_range(0..30_000),
-            reset_ppm: rng.gen_range(0..80_000),
-            applied_then_fail_ppm: rng.gen_range(0..80_000),
-        }
-    } else {
-        FaultRates::default()
+    let fault_maxima = FaultRates {
+        fail_ppm: 40_000,
+        lost_ppm: 20_000,
+        hang_ppm: 30_000,
+        reset_ppm: 80_000,
+        applied_then_fail_ppm: 80_000,
     };
-    let late = LateRates {
-        at_crash_ppm: 300_000,
-        later_ppm: 500_000,
-        later_steps_max: rng.gen_range(1..60),
-    };
-    let world = SimWorld::new(seed, faults, late);
-    let blocks: u64 = rng.gen_range(16..=128);
-    let compress = rng.gen_bool(0.5);
-    let encrypt = rng.gen_bool(0.5);
-    let mut text = format!(
-        "s3://sim/disk{seed}?create-size={}&layout=log",
-        blocks * BLOCK_BYTES
-    );
-    if compress {
-        text.push_str("&compress=zstd");
-    }
-    if encrypt {
-        text.push_str(&format!("&key-file={}", key_file().display()));
-    }
-    let url = S3Url::parse(&text).expect("the harness's URL parses");
-    let segment_bytes_max = [8u64 << 10, 16 << 10, 32 << 10, 64 << 10][rng.gen_range(0..4)];
-    let config = LogConfig {
-        segment_bytes_max,
-        segments_in_flight_max: rng.gen_range(1..=4),
-        checkpoint_interval_segments: rng.gen_range(1..=4),
-        requests_in_flight_max: rng.gen_range(1..=4),
-        // Rounds run as steps of the workload (seeded), not on the background thread's clock.
-        gc_threshold: None,
-        gc_stored_ratio_max: 1.5,
-        gc_requests_in_flight_max: rng.gen_range(1..=2),
-        gc_bytes_max: segment_bytes_max * rng.gen_range(1..=4),
-        gc_interval_ms: 100,
-        get_bytes_max: [4 << 10, 12 << 10, segment_bytes_max][rng.gen_range(0..3)],
-    };
+    let (world, faults, late) = draw_world(&mut rng, seed, 4, fault_maxima, 1..60);
+    let DrawnDisk {
+        blocks,
+        compress,
+        encrypt,
+        url,
+    } = draw_disk(&mut rng, &format!("disk{seed}"), 16..=128, 0.5);
+    let config = draw_config(&mut rng, &[8 << 10, 16 << 10, 32 << 10, 64 << 10]);
     let lives = rng.gen_range(2..=5);
     let mut harness = Harness {
         seed,

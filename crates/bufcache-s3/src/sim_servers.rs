@@ -54,10 +54,10 @@ use bufcache_device::Clock;
 
 use crate::lease::{renewal_interval_ns, LapseWatch, Lease, CLOCK_RATE_ERROR_MAX};
 use crate::sim_check::{
-    apply, describe_tag, describe_tags, fill_block, find_prefix, key_file, tag_of, Allowed, Change,
-    BLOCK_BYTES,
+    apply, describe_tag, describe_tags, draw_config, draw_disk, draw_world, find_prefix, misread,
+    tag_of, writes_of, Allowed, Change, DrawnDisk, BLOCK_BYTES,
 };
-use crate::sim_store::{FaultRates, LateRates, SimWorld};
+use crate::sim_store::{FaultRates, SimWorld};
 use crate::{LogConfig, LogStore, S3Url, StoreError};
 
 /// The lease every server holds the disk under, in virtual nanoseconds.
@@ -699,24 +699,10 @@ impl Harness {
         Ok(())
     }
 
-    fn data_for(&mut self, blocks: std::ops::Range<u64>) -> (u64, Vec<u8>, Change) {
-        self.next_write += 1;
-        let write = self.next_write;
-        let mut data = vec![0u8; ((blocks.end - blocks.start) * BLOCK_BYTES) as usize];
-        for (index, block) in blocks.clone().enumerate() {
-            let at = index * BLOCK_BYTES as usize;
-            fill_block(
-                write << 24 | block,
-                self.compressible,
-                &mut data[at..at + BLOCK_BYTES as usize],
-            );
-        }
-        let change = Change {
-            blocks: blocks.clone(),
-            write: Some(write),
-            acknowledged: false,
-        };
-        (blocks.start * BLOCK_BYTES, data, change)
+    /// `count` writes of random ranges (see [`writes_of`]).
+    fn random_writes(&mut self, count: usize) -> (Vec<(u64, Vec<u8>)>, Vec<Change>) {
+        let ranges = (0..count).map(|_| self.random_blocks()).collect();
+        writes_of(ranges, &mut self.next_write, self.compressible)
     }
 
     fn random_blocks(&mut self) -> std::ops::Range<u64> {
@@ -1035,24 +1021,11 @@ impl Harness {
     }
 
     fn check_read(&self, offset: u64, data: &[u8]) -> Result<(), Violation> {
-        for (index, bytes) in data.chunks(BLOCK_BYTES as usize).enumerate() {
-            let block = offset / BLOCK_BYTES + index as u64;
-            let tag = tag_of(bytes, self.compressible).map_err(|reason| {
-                self.violation(property::READS, format!("a read of block {block} {reason}"))
-            })?;
-            let allowed = &self.now[block as usize];
-            if !allowed.contains(&tag) {
-                return Err(self.violation(
-                    property::READS,
-                    format!(
-                        "a read of block {block} from the newest writer returned {} but the latest acknowledged data is {}",
-                        describe_tag(tag),
-                        describe_tags(allowed)
-                    ),
-                ));
-            }
+        let reader = " from the newest writer";
+        match misread(&self.now, offset, data, self.compressible, reader) {
+            Some(detail) => Err(self.violation(property::READS, detail)),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Every durable segment the newest writer's index names exists.
@@ -1221,14 +1194,7 @@ impl Harness {
         };
         if choice < 50 {
             let count = if self.rng.gen_bool(0.2) { 3 } else { 1 };
-            let mut writes = Vec::new();
-            let mut changes = Vec::new();
-            for _ in 0..count {
-                let blocks = self.random_blocks();
-                let (offset, data, change) = self.data_for(blocks);
-                writes.push((offset, data));
-                changes.push(change);
-            }
+            let (writes, changes) = self.random_writes(count);
             let positions = self.push_unacknowledged(changes);
             let kind = PendingKind::Writes(positions.clone(), started);
             let Some(answer) = self.run(at, kind, move || {
@@ -1303,14 +1269,11 @@ impl Harness {
             self.settle_flush(at, covers, started, outcome)
         } else {
             let threshold = self.rng.gen_range(0.2..0.9);
-            let mut writes = Vec::new();
-            let mut changes = Vec::new();
-            for _ in 0..self.rng.gen_range(0..3) {
-                let blocks = self.random_blocks();
-                let (offset, data, change) = self.data_for(blocks);
-                writes.push((offset, data));
-                changes.push(change);
-            }
+            // Drawn as an i32, as every seed so far drew it: the width decides how much of the
+            // stream the draw takes, and so every later draw of the seed.
+            let count: i32 = self.rng.gen_range(0..3);
+            let count = usize::try_from(count).expect("0 to 2 writes");
+            let (writes, changes) = self.random_writes(count);
             let positions = self.push_unacknowledged(changes);
             let kind = PendingKind::Writes(positions.clone(), started);
             let Some(answer) = self.run(at, kind, move || {
@@ -1476,52 +1439,22 @@ impl Harness {
         let mut rng = StdRng::seed_from_u64(crate::sim_store::mix(seed ^ 0x5e7e_5e7e));
         let count = servers.unwrap_or_else(|| rng.gen_range(2..=SERVERS_MAX));
         assert!((2..=SERVERS_MAX).contains(&count), "2 or 3 servers");
-        let faulty = rng.gen_range(0..3) != 0;
-        let faults = if faulty {
-            FaultRates {
-                fail_ppm: rng.gen_range(0..30_000),
-                lost_ppm: rng.gen_range(0..15_000),
-                hang_ppm: rng.gen_range(0..20_000),
-                reset_ppm: rng.gen_range(0..40_000),
-                applied_then_fail_ppm: rng.gen_range(0..40_000),
-            }
-        } else {
-            FaultRates::default()
+        let fault_maxima = FaultRates {
+            fail_ppm: 30_000,
+            lost_ppm: 15_000,
+            hang_ppm: 20_000,
+            reset_ppm: 40_000,
+            applied_then_fail_ppm: 40_000,
         };
-        let late = LateRates {
-            at_crash_ppm: 300_000,
-            later_ppm: 500_000,
-            later_steps_max: rng.gen_range(1..40),
-        };
-        let world = SimWorld::new(seed, faults, late);
-        let blocks: u64 = rng.gen_range(16..=64);
-        let compress = rng.gen_bool(0.5);
-        let encrypt = rng.gen_bool(0.3);
-        let mut text = format!(
-            "s3://sim/servers{seed}?create-size={}&layout=log",
-            blocks * BLOCK_BYTES
-        );
-        if compress {
-            text.push_str("&compress=zstd");
-        }
-        if encrypt {
-            text.push_str(&format!("&key-file={}", key_file().display()));
-        }
-        let url = S3Url::parse(&text).expect("the harness's URL parses");
+        let (world, faults, _) = draw_world(&mut rng, seed, 3, fault_maxima, 1..40);
+        let DrawnDisk {
+            blocks,
+            compress,
+            encrypt,
+            url,
+        } = draw_disk(&mut rng, &format!("servers{seed}"), 16..=64, 0.3);
         let lock_path = ObjectPath::from(url.key(crate::LOCK_NAME).as_str());
-        let segment_bytes_max = [8u64 << 10, 16 << 10, 32 << 10][rng.gen_range(0..3)];
-        let config = LogConfig {
-            segment_bytes_max,
-            segments_in_flight_max: rng.gen_range(1..=4),
-            checkpoint_interval_segments: rng.gen_range(1..=4),
-            requests_in_flight_max: rng.gen_range(1..=4),
-            gc_threshold: None,
-            gc_stored_ratio_max: 1.5,
-            gc_requests_in_flight_max: rng.gen_range(1..=2),
-            gc_bytes_max: segment_bytes_max * rng.gen_range(1..=4),
-            gc_interval_ms: 100,
-            get_bytes_max: [4 << 10, 12 << 10, segment_bytes_max][rng.gen_range(0..3)],
-        };
+        let config = draw_config(&mut rng, &[8 << 10, 16 << 10, 32 << 10]);
         let time_ns = Arc::new(AtomicU64::new(0));
         let servers = draw_servers(&mut rng, count, &time_ns);
         // Drawn as an i32, as every seed so far drew it: the width decides how much of the

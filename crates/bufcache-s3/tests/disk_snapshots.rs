@@ -17,11 +17,29 @@ use support::{have_moto, have_seaweedfs, Moto, S3Server, SeaweedFs};
 const DISK_BYTES: usize = 2 << 20;
 const WRITTEN_BYTES: usize = 1 << 20;
 
+/// A disk URL in the bucket `bucket`.
 fn url(endpoint: &str, prefix: &str, parameters: &str) -> S3Url {
+    url_in(endpoint, "bucket", prefix, parameters)
+}
+
+/// A disk URL in bucket `bucket`.
+fn url_in(endpoint: &str, bucket: &str, prefix: &str, parameters: &str) -> S3Url {
     S3Url::parse(&format!(
-        "s3://bucket/{prefix}?endpoint={endpoint}{parameters}"
+        "s3://{bucket}/{prefix}?endpoint={endpoint}{parameters}"
     ))
     .unwrap()
+}
+
+/// Moto with the bucket `bucket`, and its endpoint; None (the test named `test` then skips)
+/// where moto is not installed.
+fn moto_with_bucket(test: &str) -> Option<(Moto, String)> {
+    if !have_moto(test) {
+        return None;
+    }
+    let moto = Moto::start();
+    moto.create_bucket("bucket");
+    let endpoint = moto.endpoint();
+    Some((moto, endpoint))
 }
 
 fn summary(url: &S3Url) -> LogSummary {
@@ -39,9 +57,12 @@ fn read_all(url: &S3Url) -> Vec<u8> {
     image
 }
 
-/// Writes `image`'s first `WRITTEN_BYTES` in 64 KiB pieces in random order, flushing after
-/// every fourth, and zeroes 128 KiB at 256 KiB (in `image` too).
-fn write_pieces(store: &LogStore, image: &mut [u8], rng: &mut impl rand::Rng) {
+/// Writes a random image to `store` and returns it: its first `WRITTEN_BYTES` random, in
+/// 64 KiB pieces in random order, flushing after every fourth, then 128 KiB at 256 KiB
+/// zeroed; the rest of the disk untouched (zeroes).
+fn write_random_image(store: &LogStore, rng: &mut impl rand::Rng) -> Vec<u8> {
+    let mut image = vec![0u8; DISK_BYTES];
+    image[..WRITTEN_BYTES].copy_from_slice(&random(WRITTEN_BYTES, rng));
     let mut order: Vec<usize> = (0..WRITTEN_BYTES / (64 << 10)).collect();
     rand::seq::SliceRandom::shuffle(&mut order[..], rng);
     for (count, piece) in order.into_iter().enumerate() {
@@ -54,6 +75,40 @@ fn write_pieces(store: &LogStore, image: &mut [u8], rng: &mut impl rand::Rng) {
     store.write_zeroes(256 << 10, 128 << 10).unwrap();
     image[256 << 10..384 << 10].fill(0);
     store.flush().unwrap();
+    image
+}
+
+/// Creates a 2 MiB log-layout disk (64 KiB segments, no collection) at `prefix` in `bucket`,
+/// with `parameters` (`&NAME=VALUE...`) too, writes a random image to it
+/// ([`write_random_image`]) and closes it; returns its URL (no collection, `parameters`) and
+/// the image.
+fn created_disk(
+    endpoint: &str,
+    bucket: &str,
+    prefix: &str,
+    parameters: &str,
+    rng: &mut impl rand::Rng,
+) -> (S3Url, Vec<u8>) {
+    let create = url_in(
+        endpoint,
+        bucket,
+        prefix,
+        &format!("&create-size=2M&layout=log&segment-size=64k&gc=off{parameters}"),
+    );
+    let image = create_written(&create, rng);
+    (
+        url_in(endpoint, bucket, prefix, &format!("&gc=off{parameters}")),
+        image,
+    )
+}
+
+/// Creates the disk `create` names, writes a random image to it ([`write_random_image`]) and
+/// closes it; returns the image.
+fn create_written(create: &S3Url, rng: &mut impl rand::Rng) -> Vec<u8> {
+    let mut store = LogStore::open_locked(create).unwrap();
+    let image = write_random_image(&store, rng);
+    store.close().unwrap();
+    image
 }
 
 // Goal: a snapshot reads back exactly as the disk stood when it was taken, whatever is
@@ -65,12 +120,10 @@ fn write_pieces(store: &LogStore, image: &mut [u8], rng: &mut impl rand::Rng) {
 #[test]
 fn a_snapshot_reads_as_taken_across_overwrites_collection_and_reopens() {
     let name = "a_snapshot_reads_as_taken_across_overwrites_collection_and_reopens";
-    if !have_moto(name) {
+    // The server runs until `_moto` drops, at the end of the test.
+    let Some((_moto, endpoint)) = moto_with_bucket(name) else {
         return;
-    }
-    let moto = Moto::start();
-    moto.create_bucket("bucket");
-    let endpoint = moto.endpoint();
+    };
     let keys = tempfile::tempdir().unwrap();
     let key = key_file(keys.path());
     let mut rng = rand::rngs::StdRng::seed_from_u64(52);
@@ -78,18 +131,7 @@ fn a_snapshot_reads_as_taken_across_overwrites_collection_and_reopens() {
         ("plain", String::new()),
         ("sealed", format!("&compress=zstd&key-file={key}")),
     ] {
-        let create = url(
-            &endpoint,
-            prefix,
-            &format!("&create-size=2M&layout=log&segment-size=64k&gc=off{parameters}"),
-        );
-        let disk = url(&endpoint, prefix, &format!("&gc=off{parameters}"));
-        let mut before = vec![0u8; DISK_BYTES];
-        before[..WRITTEN_BYTES].copy_from_slice(&random(WRITTEN_BYTES, &mut rng));
-        let mut store = LogStore::open_locked(&create).unwrap();
-        write_pieces(&store, &mut before, &mut rng);
-        store.close().unwrap();
-        drop(store);
+        let (disk, before) = created_disk(&endpoint, "bucket", prefix, &parameters, &mut rng);
 
         let taken = admin::snapshot(&disk, "before").unwrap();
         assert!(taken.segments > 0, "{prefix}: {taken:?}");
@@ -99,10 +141,8 @@ fn a_snapshot_reads_as_taken_across_overwrites_collection_and_reopens() {
             "{prefix}"
         );
 
-        let mut after = vec![0u8; DISK_BYTES];
-        after[..WRITTEN_BYTES].copy_from_slice(&random(WRITTEN_BYTES, &mut rng));
         let mut store = LogStore::open_locked(&disk).unwrap();
-        write_pieces(&store, &mut after, &mut rng);
+        let after = write_random_image(&store, &mut rng);
         for _ in 0..4 {
             store.collect_garbage(0.99).unwrap();
         }
@@ -163,25 +203,17 @@ fn a_snapshot_reads_as_taken_across_overwrites_collection_and_reopens() {
 #[test]
 fn bad_snapshot_requests_are_refused_and_change_nothing() {
     let name = "bad_snapshot_requests_are_refused_and_change_nothing";
-    if !have_moto(name) {
+    let Some((moto, endpoint)) = moto_with_bucket(name) else {
         return;
-    }
-    let moto = Moto::start();
-    moto.create_bucket("bucket");
+    };
     let raw = Raw::new(&moto);
-    let endpoint = moto.endpoint();
     let mut rng = rand::rngs::StdRng::seed_from_u64(53);
     let create = url(
         &endpoint,
         "disk",
         "&create-size=2M&layout=log&segment-size=64k",
     );
-    let mut image = vec![0u8; DISK_BYTES];
-    image[..WRITTEN_BYTES].copy_from_slice(&random(WRITTEN_BYTES, &mut rng));
-    let mut store = LogStore::open_locked(&create).unwrap();
-    write_pieces(&store, &mut image, &mut rng);
-    store.close().unwrap();
-    drop(store);
+    let image = create_written(&create, &mut rng);
     let disk = url(&endpoint, "disk", "");
     admin::snapshot(&disk, "s").unwrap();
     let one_line = |error: &dyn std::fmt::Display| {
@@ -281,12 +313,9 @@ fn gets(moto: &Moto) -> usize {
 #[test]
 fn a_clone_reads_its_base_snapshot_where_it_has_not_written() {
     let name = "a_clone_reads_its_base_snapshot_where_it_has_not_written";
-    if !have_moto(name) {
+    let Some((moto, endpoint)) = moto_with_bucket(name) else {
         return;
-    }
-    let moto = Moto::start();
-    moto.create_bucket("bucket");
-    let endpoint = moto.endpoint();
+    };
     let keys = tempfile::tempdir().unwrap();
     let key = key_file(keys.path());
     let mut rng = rand::rngs::StdRng::seed_from_u64(54);
@@ -296,19 +325,8 @@ fn a_clone_reads_its_base_snapshot_where_it_has_not_written() {
     ] {
         let base_prefix = format!("{prefix}-base");
         let clone_prefix = format!("{prefix}-clone");
-        let create = url(
-            &endpoint,
-            &base_prefix,
-            &format!("&create-size=2M&layout=log&segment-size=64k&gc=off{parameters}"),
-        );
-        let base = url(&endpoint, &base_prefix, &format!("&gc=off{parameters}"));
+        let (base, image) = created_disk(&endpoint, "bucket", &base_prefix, &parameters, &mut rng);
         let clone = url(&endpoint, &clone_prefix, &format!("&gc=off{parameters}"));
-        let mut image = vec![0u8; DISK_BYTES];
-        image[..WRITTEN_BYTES].copy_from_slice(&random(WRITTEN_BYTES, &mut rng));
-        let mut store = LogStore::open_locked(&create).unwrap();
-        write_pieces(&store, &mut image, &mut rng);
-        store.close().unwrap();
-        drop(store);
         admin::snapshot(&base, "golden").unwrap();
         let requests = |moto: &Moto| -> usize {
             ["GET", "PUT", "POST", "DELETE", "HEAD"]
@@ -369,10 +387,8 @@ fn a_clone_reads_its_base_snapshot_where_it_has_not_written() {
         expected[900 << 10..964 << 10].fill(0);
         store.close().unwrap();
         drop(store);
-        let mut after = vec![0u8; DISK_BYTES];
-        after[..WRITTEN_BYTES].copy_from_slice(&random(WRITTEN_BYTES, &mut rng));
         let mut store = LogStore::open_locked(&base).unwrap();
-        write_pieces(&store, &mut after, &mut rng);
+        let after = write_random_image(&store, &mut rng);
         for _ in 0..3 {
             store.collect_garbage(0.99).unwrap();
         }
@@ -429,27 +445,13 @@ fn a_clone_reads_its_base_snapshot_where_it_has_not_written() {
 #[test]
 fn a_clone_made_before_the_metadata_carried_its_base_is_still_read() {
     let name = "a_clone_made_before_the_metadata_carried_its_base_is_still_read";
-    if !have_moto(name) {
+    let Some((moto, endpoint)) = moto_with_bucket(name) else {
         return;
-    }
-    let moto = Moto::start();
-    moto.create_bucket("bucket");
-    let endpoint = moto.endpoint();
+    };
     let raw = Raw::new(&moto);
     let mut rng = rand::rngs::StdRng::seed_from_u64(55);
-    let create = url(
-        &endpoint,
-        "base",
-        "&create-size=2M&layout=log&segment-size=64k&gc=off",
-    );
-    let base = url(&endpoint, "base", "&gc=off");
+    let (base, image) = created_disk(&endpoint, "bucket", "base", "", &mut rng);
     let clone = url(&endpoint, "old-clone", "&gc=off");
-    let mut image = vec![0u8; DISK_BYTES];
-    image[..WRITTEN_BYTES].copy_from_slice(&random(WRITTEN_BYTES, &mut rng));
-    let mut store = LogStore::open_locked(&create).unwrap();
-    write_pieces(&store, &mut image, &mut rng);
-    store.close().unwrap();
-    drop(store);
     admin::snapshot(&base, "golden").unwrap();
     admin::clone(&base, &clone, "golden").unwrap();
 
@@ -511,27 +513,13 @@ fn a_clone_made_before_the_metadata_carried_its_base_is_still_read() {
 #[test]
 fn deleting_a_clone_frees_its_snapshot_and_a_base_with_clones_is_refused() {
     let name = "deleting_a_clone_frees_its_snapshot_and_a_base_with_clones_is_refused";
-    if !have_moto(name) {
+    let Some((moto, endpoint)) = moto_with_bucket(name) else {
         return;
-    }
-    let moto = Moto::start();
-    moto.create_bucket("bucket");
-    let endpoint = moto.endpoint();
+    };
     let raw = Raw::new(&moto);
     let mut rng = rand::rngs::StdRng::seed_from_u64(56);
-    let create = url(
-        &endpoint,
-        "base",
-        "&create-size=2M&layout=log&segment-size=64k&gc=off",
-    );
-    let base = url(&endpoint, "base", "&gc=off");
+    let (base, image) = created_disk(&endpoint, "bucket", "base", "", &mut rng);
     let clone = url(&endpoint, "clone", "&gc=off");
-    let mut image = vec![0u8; DISK_BYTES];
-    image[..WRITTEN_BYTES].copy_from_slice(&random(WRITTEN_BYTES, &mut rng));
-    let mut store = LogStore::open_locked(&create).unwrap();
-    write_pieces(&store, &mut image, &mut rng);
-    store.close().unwrap();
-    drop(store);
     admin::snapshot(&base, "golden").unwrap();
     admin::snapshot(&base, "spare").unwrap();
     admin::clone(&base, &clone, "golden").unwrap();
@@ -619,19 +607,8 @@ fn fenced_off(keyed: &str, clone_bucket: &str) {
     let raw = Raw::new(&moto);
     let clone_raw = Raw::in_bucket(&moto, clone_bucket);
     let mut rng = rand::rngs::StdRng::seed_from_u64(57);
-    let create = url(
-        &endpoint,
-        "base",
-        &format!("&create-size=2M&layout=log&segment-size=64k&gc=off{keyed}"),
-    );
-    let base = url(&endpoint, "base", &format!("&gc=off{keyed}"));
+    let (base, image) = created_disk(&endpoint, "bucket", "base", keyed, &mut rng);
     let clone = url_in(&endpoint, clone_bucket, "clone", &format!("&gc=off{keyed}"));
-    let mut image = vec![0u8; DISK_BYTES];
-    image[..WRITTEN_BYTES].copy_from_slice(&random(WRITTEN_BYTES, &mut rng));
-    let mut store = LogStore::open_locked(&create).unwrap();
-    write_pieces(&store, &mut image, &mut rng);
-    store.close().unwrap();
-    drop(store);
     admin::snapshot(&base, "golden").unwrap();
     let base_objects = raw.keys("base/");
     let metadata_key = "base/bufcache-disk.json";
@@ -711,14 +688,6 @@ fn one_line(error: &dyn std::fmt::Display) -> String {
     text
 }
 
-/// A disk URL in bucket `bucket`.
-fn url_in(endpoint: &str, bucket: &str, prefix: &str, parameters: &str) -> S3Url {
-    S3Url::parse(&format!(
-        "s3://{bucket}/{prefix}?endpoint={endpoint}{parameters}"
-    ))
-    .unwrap()
-}
-
 /// Every request moto logged so far.
 fn requests(moto: &Moto) -> usize {
     ["GET", "PUT", "POST", "DELETE", "HEAD"]
@@ -763,21 +732,9 @@ fn clone_in_another_bucket(server: &dyn S3Server, counted: Option<&Moto>) {
         ("plain", String::new()),
         ("sealed", format!("&compress=lz4&key-file={key}")),
     ] {
-        let create = url_in(
-            &endpoint,
-            "bases",
-            prefix,
-            &format!("&create-size=2M&layout=log&segment-size=64k&gc=off{parameters}"),
-        );
-        let base = url_in(&endpoint, "bases", prefix, &format!("&gc=off{parameters}"));
+        let (base, image) = created_disk(&endpoint, "bases", prefix, &parameters, &mut rng);
         // The clone at the same prefix as its base, in its own bucket: they do not overlap.
         let clone = url_in(&endpoint, "clones", prefix, &format!("&gc=off{parameters}"));
-        let mut image = vec![0u8; DISK_BYTES];
-        image[..WRITTEN_BYTES].copy_from_slice(&random(WRITTEN_BYTES, &mut rng));
-        let mut store = LogStore::open_locked(&create).unwrap();
-        write_pieces(&store, &mut image, &mut rng);
-        store.close().unwrap();
-        drop(store);
         admin::snapshot(&base, "golden").unwrap();
         let base_objects = bases.objects(&format!("{prefix}/"));
 
@@ -853,10 +810,8 @@ fn clone_in_another_bucket(server: &dyn S3Server, counted: Option<&Moto>) {
         store.close().unwrap();
         drop(store);
         assert!(read_all(&base) == image, "{prefix}: the base unchanged");
-        let mut after = vec![0u8; DISK_BYTES];
-        after[..WRITTEN_BYTES].copy_from_slice(&random(WRITTEN_BYTES, &mut rng));
         let mut store = LogStore::open_locked(&base).unwrap();
-        write_pieces(&store, &mut after, &mut rng);
+        let after = write_random_image(&store, &mut rng);
         store.collect_garbage(0.99).unwrap();
         store.close().unwrap();
         drop(store);

@@ -5,34 +5,10 @@
 // and parameters as URLs (`S3Url::to_url`) and parses them back (the seed is printed on
 // failure; `URL_SEED=N` replays it); tables pin each normalisation edge and each refusal.
 
+use bufcache_check::seeded_proptest::run_seeded;
 use bufcache_s3::{Compression, LayoutKind, S3Url, UrlError};
 use proptest::prelude::*;
-use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
-
-/// Runs `test` on `cases` values of `strategy` from a seed taken from `URL_SEED` or drawn at
-/// random, and names the seed when a case fails.
-fn run_seeded<S: Strategy>(
-    name: &str,
-    strategy: S,
-    test: impl Fn(S::Value) -> Result<(), TestCaseError>,
-) {
-    let seed: u64 = std::env::var("URL_SEED")
-        .ok()
-        .and_then(|text| text.parse().ok())
-        .unwrap_or_else(rand::random);
-    let mut seed_bytes = [0u8; 32];
-    seed_bytes[..8].copy_from_slice(&seed.to_le_bytes());
-    let config = Config {
-        cases: 1024,
-        failure_persistence: None,
-        ..Config::default()
-    };
-    let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &seed_bytes);
-    let mut runner = TestRunner::new_with_rng(config, rng);
-    if let Err(error) = runner.run(&strategy, test) {
-        panic!("{name}: {error}; replay with URL_SEED={seed}");
-    }
-}
+use proptest::test_runner::TestCaseError;
 
 /// A prefix: segments of text URLs treat specially (`%`, `#`, `+`, spaces, dots, non-ASCII),
 /// without the `/` it is trimmed of or the `?` that ends it.
@@ -132,7 +108,7 @@ fn url_strategy() -> impl Strategy<Value = S3Url> {
 
 #[test]
 fn every_written_url_parses_back_to_the_same_disk_and_parameters() {
-    run_seeded("s3 url round trip", url_strategy(), |written| {
+    run_seeded("s3 url round trip", "URL_SEED", url_strategy(), |written| {
         let text = written.to_url();
         let parsed =
             S3Url::parse(&text).map_err(|error| TestCaseError::fail(format!("{text}: {error}")))?;

@@ -11,6 +11,7 @@
 
 use std::collections::HashSet;
 use std::io::{self, IoSlice, IoSliceMut};
+use std::ops::RangeInclusive;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -263,6 +264,133 @@ fn stamped_block(block: u64, version: u64) -> Vec<u8> {
         .collect()
 }
 
+/// What the two streamed-read race tests share: a 12-buffer cache (dirty limits 50 % and
+/// 75 %) with one object over a device of `blocks` blocks that tears writes
+/// ([`TearingWrites`]), every block stamped at version 0; and per block, the shadow
+/// versions of the last write acknowledged and the last begun (0: the stamp).
+struct Race {
+    cache: Cache,
+    handle: ObjectHandle,
+    acknowledged: Arc<Vec<AtomicU64>>,
+    begun: Arc<Vec<AtomicU64>>,
+}
+
+/// The [`Race`] of `seed`: its device delays 30 % of reads and of writes by up to 300 us,
+/// and as `latencies` (kind, least, most, probability) adds.
+fn start_race(seed: u64, blocks: u64, latencies: &[(FaultKind, Duration, Duration, f64)]) -> Race {
+    let mut config = config(12, PolicyKind::S3Fifo, Duration::from_secs(10));
+    config.dirty_background_percent = 50;
+    config.dirty_limit_percent = 75;
+    let cache = bufcache_host::system_cache(config).expect("valid config");
+    let tearing = TearingWrites {
+        inner: MemoryDevice::new(blocks * BLOCK),
+    };
+    let device = Arc::new(FaultDevice::new(tearing, seed));
+    for block in 0..blocks {
+        device
+            .write_vectored_at(&[IoSlice::new(&stamped_block(block, 0))], block * BLOCK)
+            .expect("device write");
+    }
+    let most = Duration::from_micros(300);
+    let delayed = [
+        (FaultKind::Read, Duration::ZERO, most, 0.3),
+        (FaultKind::Write, Duration::ZERO, most, 0.3),
+    ];
+    for &(kind, least, most, probability) in delayed.iter().chain(latencies) {
+        device.set_latency(kind, least, most, probability);
+    }
+    let handle = cache
+        .open_object(ObjectConfig::new("race", device as Arc<dyn Device>))
+        .expect("open object");
+    let versions = || Arc::new((0..blocks).map(|_| AtomicU64::new(0)).collect());
+    Race {
+        cache,
+        handle,
+        acknowledged: versions(),
+        begun: versions(),
+    }
+}
+
+/// Asserts that `word`, read from `block`, is that block's stamp at a version in `allowed`.
+fn assert_stamped(seed: u64, block: u64, word: u64, allowed: &RangeInclusive<u64>) {
+    assert_eq!(
+        (word & !STAMPED) >> 40,
+        block,
+        "seed {seed}: block {block} holds no stamp of its own ({word:#x})"
+    );
+    let version = word & ((1 << 40) - 1);
+    assert!(
+        allowed.contains(&version),
+        "seed {seed}: block {block} read version {version}, allowed {allowed:?}"
+    );
+}
+
+/// Starts the three readers of the [`Race`] of `seed`, each with a seeded stream of its own,
+/// each making `operations` reads of a random 512-byte-aligned range of up to 12 KiB. A read
+/// checks that no block of it is torn and hands `check` each block's word with the versions
+/// the read may return: from the last write acknowledged before it began to the last begun
+/// before it ended.
+fn spawn_readers(
+    race: &Race,
+    seed: u64,
+    operations: u64,
+    check: impl Fn(u64, u64, RangeInclusive<u64>) + Clone + Send + 'static,
+) -> Vec<std::thread::JoinHandle<()>> {
+    (0..3u64)
+        .map(|reader| {
+            let (handle, acknowledged, begun, check) = (
+                race.handle.reopen(),
+                Arc::clone(&race.acknowledged),
+                Arc::clone(&race.begun),
+                check.clone(),
+            );
+            std::thread::spawn(move || {
+                let mut random = rand::rngs::StdRng::seed_from_u64(seed * 16 + 8 + reader);
+                for _ in 0..operations {
+                    read_racing(&handle, &mut random, seed, &acknowledged, &begun, &check);
+                }
+            })
+        })
+        .collect()
+}
+
+/// One read of [`spawn_readers`].
+fn read_racing(
+    handle: &ObjectHandle,
+    random: &mut rand::rngs::StdRng,
+    seed: u64,
+    acknowledged: &[AtomicU64],
+    begun: &[AtomicU64],
+    mut check: impl FnMut(u64, u64, RangeInclusive<u64>),
+) {
+    let blocks = acknowledged.len() as u64;
+    let offset = random.gen_range(0..blocks * 8) * 512;
+    let length_bytes = (random.gen_range(1..=24u64) * 512).min(blocks * BLOCK - offset);
+    let (first, end) = (offset / BLOCK, (offset + length_bytes).div_ceil(BLOCK));
+    let oldest: Vec<u64> = (first..end)
+        .map(|block| acknowledged[block as usize].load(Ordering::SeqCst))
+        .collect();
+    let mut data = vec![0u8; length_bytes as usize];
+    handle
+        .read_at(offset, &mut data)
+        .unwrap_or_else(|error| panic!("seed {seed}: read: {error}"));
+    let newest: Vec<u64> = (first..end)
+        .map(|block| begun[block as usize].load(Ordering::SeqCst))
+        .collect();
+    for block in first..end {
+        let from = offset.max(block * BLOCK);
+        let to = (offset + length_bytes).min((block + 1) * BLOCK);
+        let words: HashSet<u64> = data[(from - offset) as usize..(to - offset) as usize]
+            .chunks_exact(8)
+            .map(|word| u64::from_le_bytes(word.try_into().unwrap()))
+            .collect();
+        assert_eq!(words.len(), 1, "seed {seed}: block {block} torn");
+        let word = *words.iter().next().unwrap();
+        let index = (block - first) as usize;
+        check(block, word, oldest[index]..=newest[index]);
+    }
+}
+
 #[test]
 fn a_cold_read_that_finds_every_buffer_busy_is_streamed_not_cached() {
     // Goal: rule 4 of "Admission under pressure" (docs/design.md): a cold read that finds no
@@ -337,46 +465,13 @@ fn streamed_reads_never_return_data_older_than_a_completed_write() {
     let mut streamed_total = 0;
     for seed in 0..SEEDS {
         eprintln!("streamed_reads_never_return_data_older_than_a_completed_write: seed {seed}");
-        let mut config = config(12, PolicyKind::S3Fifo, Duration::from_secs(10));
-        config.dirty_background_percent = 50;
-        config.dirty_limit_percent = 75;
-        let cache = bufcache_host::system_cache(config).expect("valid config");
-        let tearing = TearingWrites {
-            inner: MemoryDevice::new(BLOCKS * BLOCK),
-        };
-        let device = Arc::new(FaultDevice::new(tearing, seed));
-        for block in 0..BLOCKS {
-            device
-                .write_vectored_at(&[IoSlice::new(&stamped_block(block, 0))], block * BLOCK)
-                .expect("device write");
-        }
-        device.set_latency(
-            FaultKind::Read,
-            Duration::ZERO,
-            Duration::from_micros(300),
-            0.3,
-        );
-        device.set_latency(
-            FaultKind::Write,
-            Duration::ZERO,
-            Duration::from_micros(300),
-            0.3,
-        );
-        let handle = cache
-            .open_object(ObjectConfig::new(
-                "race",
-                Arc::clone(&device) as Arc<dyn Device>,
-            ))
-            .expect("open object");
-        let acknowledged: Arc<Vec<AtomicU64>> =
-            Arc::new((0..BLOCKS).map(|_| AtomicU64::new(0)).collect());
-        let begun: Arc<Vec<AtomicU64>> = Arc::new((0..BLOCKS).map(|_| AtomicU64::new(0)).collect());
+        let race = start_race(seed, BLOCKS, &[]);
         let writers: Vec<_> = (0..2u64)
             .map(|writer| {
                 let (handle, acknowledged, begun) = (
-                    handle.reopen(),
-                    Arc::clone(&acknowledged),
-                    Arc::clone(&begun),
+                    race.handle.reopen(),
+                    Arc::clone(&race.acknowledged),
+                    Arc::clone(&race.begun),
                 );
                 std::thread::spawn(move || {
                     let mut random = rand::rngs::StdRng::seed_from_u64(seed * 16 + writer);
@@ -405,63 +500,15 @@ fn streamed_reads_never_return_data_older_than_a_completed_write() {
                 })
             })
             .collect();
-        let readers: Vec<_> = (0..3u64)
-            .map(|reader| {
-                let (handle, acknowledged, begun) = (
-                    handle.reopen(),
-                    Arc::clone(&acknowledged),
-                    Arc::clone(&begun),
-                );
-                std::thread::spawn(move || {
-                    let mut random = rand::rngs::StdRng::seed_from_u64(seed * 16 + 8 + reader);
-                    for _ in 0..OPERATIONS {
-                        let offset = random.gen_range(0..BLOCKS * 8) * 512;
-                        let length_bytes = (random.gen_range(1..=24u64) * 512)
-                            .min(BLOCKS * BLOCK - offset);
-                        let (first, end) = (offset / BLOCK, (offset + length_bytes).div_ceil(BLOCK));
-                        let oldest: Vec<u64> = (first..end)
-                            .map(|block| acknowledged[block as usize].load(Ordering::SeqCst))
-                            .collect();
-                        let mut data = vec![0u8; length_bytes as usize];
-                        handle
-                            .read_at(offset, &mut data)
-                            .unwrap_or_else(|error| panic!("seed {seed}: read: {error}"));
-                        let newest: Vec<u64> = (first..end)
-                            .map(|block| begun[block as usize].load(Ordering::SeqCst))
-                            .collect();
-                        for block in first..end {
-                            let from = offset.max(block * BLOCK);
-                            let to = (offset + length_bytes).min((block + 1) * BLOCK);
-                            let words: HashSet<u64> = data
-                                [(from - offset) as usize..(to - offset) as usize]
-                                .chunks_exact(8)
-                                .map(|word| u64::from_le_bytes(word.try_into().unwrap()))
-                                .collect();
-                            assert_eq!(words.len(), 1, "seed {seed}: block {block} torn");
-                            let word = *words.iter().next().unwrap();
-                            let (oldest, newest) =
-                                (oldest[(block - first) as usize], newest[(block - first) as usize]);
-                            assert_eq!(
-                                (word & !STAMPED) >> 40,
-                                block,
-                                "seed {seed}: block {block} holds another block or zeroes"
-                            );
-                            let version = word & ((1 << 40) - 1);
-                            assert!(
-                                oldest <= version && version <= newest,
-                                "seed {seed}: block {block} read version {version}, allowed {oldest}..={newest}"
-                            );
-                        }
-                    }
-                })
-            })
-            .collect();
+        let readers = spawn_readers(&race, seed, OPERATIONS, move |block, word, allowed| {
+            assert_stamped(seed, block, word, &allowed)
+        });
         for thread in writers.into_iter().chain(readers) {
             thread
                 .join()
                 .unwrap_or_else(|_| panic!("seed {seed}: a thread failed"));
         }
-        streamed_total += cache.stats().streamed_reads;
+        streamed_total += race.cache.stats().streamed_reads;
     }
     eprintln!("streamed reads over all seeds: {streamed_total}");
     assert!(
@@ -493,46 +540,13 @@ fn a_read_during_a_zeroing_never_returns_data_older_than_a_completed_write() {
         eprintln!(
             "a_read_during_a_zeroing_never_returns_data_older_than_a_completed_write: seed {seed}"
         );
-        let mut config = config(12, PolicyKind::S3Fifo, Duration::from_secs(10));
-        config.dirty_background_percent = 50;
-        config.dirty_limit_percent = 75;
-        let cache = bufcache_host::system_cache(config).expect("valid config");
-        let tearing = TearingWrites {
-            inner: MemoryDevice::new(BLOCKS * BLOCK),
-        };
-        let device = Arc::new(FaultDevice::new(tearing, seed));
-        for block in 0..BLOCKS {
-            device
-                .write_vectored_at(&[IoSlice::new(&stamped_block(block, 0))], block * BLOCK)
-                .expect("device write");
-        }
-        device.set_latency(
-            FaultKind::Read,
-            Duration::ZERO,
-            Duration::from_micros(300),
-            0.3,
-        );
-        device.set_latency(
-            FaultKind::Write,
-            Duration::ZERO,
-            Duration::from_micros(300),
-            0.3,
-        );
-        device.set_latency(
+        let discard_latency = (
             FaultKind::Discard,
             Duration::from_micros(100),
             Duration::from_micros(300),
             0.5,
         );
-        let handle = cache
-            .open_object(ObjectConfig::new(
-                "race",
-                Arc::clone(&device) as Arc<dyn Device>,
-            ))
-            .expect("open object");
-        let acknowledged: Arc<Vec<AtomicU64>> =
-            Arc::new((0..BLOCKS).map(|_| AtomicU64::new(0)).collect());
-        let begun: Arc<Vec<AtomicU64>> = Arc::new((0..BLOCKS).map(|_| AtomicU64::new(0)).collect());
+        let race = start_race(seed, BLOCKS, &[discard_latency]);
         // The versions of each block that were zeroings, recorded before they begin.
         let zeroings: Arc<Vec<Mutex<Vec<u64>>>> =
             Arc::new((0..BLOCKS).map(|_| Mutex::new(Vec::new())).collect());
@@ -540,9 +554,9 @@ fn a_read_during_a_zeroing_never_returns_data_older_than_a_completed_write() {
         let writers: Vec<_> = (0..2u64)
             .map(|writer| {
                 let (handle, acknowledged, begun, zeroings) = (
-                    handle.reopen(),
-                    Arc::clone(&acknowledged),
-                    Arc::clone(&begun),
+                    race.handle.reopen(),
+                    Arc::clone(&race.acknowledged),
+                    Arc::clone(&race.begun),
                     Arc::clone(&zeroings),
                 );
                 std::thread::spawn(move || {
@@ -588,73 +602,23 @@ fn a_read_during_a_zeroing_never_returns_data_older_than_a_completed_write() {
                 })
             })
             .collect();
-        let readers: Vec<_> = (0..3u64)
-            .map(|reader| {
-                let (handle, acknowledged, begun, zeroings, zero_reads) = (
-                    handle.reopen(),
-                    Arc::clone(&acknowledged),
-                    Arc::clone(&begun),
-                    Arc::clone(&zeroings),
-                    Arc::clone(&zero_reads),
+        let (zeroings_read, zero_reads_counted) = (Arc::clone(&zeroings), Arc::clone(&zero_reads));
+        let readers = spawn_readers(&race, seed, OPERATIONS, move |block, word, allowed| {
+            if word == 0 {
+                zero_reads_counted.fetch_add(1, Ordering::Relaxed);
+                let zeroed = zeroings_read[block as usize]
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .any(|version| allowed.contains(version));
+                assert!(
+                    zeroed,
+                    "seed {seed}: block {block} read as zeroes, no zeroing in {allowed:?}"
                 );
-                std::thread::spawn(move || {
-                    let mut random = rand::rngs::StdRng::seed_from_u64(seed * 16 + 8 + reader);
-                    for _ in 0..OPERATIONS {
-                        let offset = random.gen_range(0..BLOCKS * 8) * 512;
-                        let length_bytes = (random.gen_range(1..=24u64) * 512)
-                            .min(BLOCKS * BLOCK - offset);
-                        let (first, end) = (offset / BLOCK, (offset + length_bytes).div_ceil(BLOCK));
-                        let oldest: Vec<u64> = (first..end)
-                            .map(|block| acknowledged[block as usize].load(Ordering::SeqCst))
-                            .collect();
-                        let mut data = vec![0u8; length_bytes as usize];
-                        handle
-                            .read_at(offset, &mut data)
-                            .unwrap_or_else(|error| panic!("seed {seed}: read: {error}"));
-                        let newest: Vec<u64> = (first..end)
-                            .map(|block| begun[block as usize].load(Ordering::SeqCst))
-                            .collect();
-                        for block in first..end {
-                            let from = offset.max(block * BLOCK);
-                            let to = (offset + length_bytes).min((block + 1) * BLOCK);
-                            let words: HashSet<u64> = data
-                                [(from - offset) as usize..(to - offset) as usize]
-                                .chunks_exact(8)
-                                .map(|word| u64::from_le_bytes(word.try_into().unwrap()))
-                                .collect();
-                            assert_eq!(words.len(), 1, "seed {seed}: block {block} torn");
-                            let word = *words.iter().next().unwrap();
-                            let (oldest, newest) =
-                                (oldest[(block - first) as usize], newest[(block - first) as usize]);
-                            let allowed = oldest..=newest;
-                            if word == 0 {
-                                zero_reads.fetch_add(1, Ordering::Relaxed);
-                                let zeroed = zeroings[block as usize]
-                                    .lock()
-                                    .unwrap()
-                                    .iter()
-                                    .any(|version| allowed.contains(version));
-                                assert!(
-                                    zeroed,
-                                    "seed {seed}: block {block} read as zeroes, no zeroing in {oldest}..={newest}"
-                                );
-                                continue;
-                            }
-                            assert_eq!(
-                                (word & !STAMPED) >> 40,
-                                block,
-                                "seed {seed}: block {block} holds another block"
-                            );
-                            let version = word & ((1 << 40) - 1);
-                            assert!(
-                                allowed.contains(&version),
-                                "seed {seed}: block {block} read version {version}, allowed {oldest}..={newest}"
-                            );
-                        }
-                    }
-                })
-            })
-            .collect();
+                return;
+            }
+            assert_stamped(seed, block, word, &allowed);
+        });
         for thread in writers.into_iter().chain(readers) {
             thread
                 .join()
