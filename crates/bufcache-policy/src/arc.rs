@@ -248,6 +248,11 @@ impl Policy for Arc {
         }
         self.capacity = self.lists.tracked().max(1);
         self.recent_target = self.recent_target.min(self.capacity as f64);
+        // Entries removed since the last eviction (a discard, a failed read) shrank the
+        // cache, or let inserts grow T1 without an eviction: the ghosts may exceed the
+        // bounds by more than the one ghost an eviction gives up. Without removals this
+        // trims nothing (the libCacheSim parity tests).
+        self.trim_ghosts();
         let victim = match self.announced {
             Some((_, kind)) => self.evict_announced(kind, verdicts),
             None => {
@@ -270,6 +275,64 @@ impl Policy for Arc {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Goal: removals (the cache dropping entries for its own reasons) never break the
+    /// bounds every eviction leaves, `|T1| + |B1| <= c` and `|T1| + |T2| + |B1| + |B2| <=
+    /// 2c` for the capacity `c` it sees, with or without announced misses. Method: 40 keys
+    /// over 8 slots, 20,000 seeded steps of requests (a miss announces itself on every other
+    /// step, evicts when full and inserts) and removals of cached keys; both bounds checked
+    /// after every eviction.
+    #[test]
+    fn removals_never_break_the_ghost_bounds() {
+        let mut arc = Arc::with_capacity(8);
+        let mut slot_of_key: Vec<Option<Slot>> = vec![None; 40];
+        let mut key_of_slot: Vec<Option<usize>> = vec![None; 8];
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        for step in 0..20_000u64 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let key = (state % 40) as usize;
+            match slot_of_key[key] {
+                Some(slot) if state.is_multiple_of(5) => {
+                    arc.remove(slot);
+                    slot_of_key[key] = None;
+                    key_of_slot[slot as usize] = None;
+                }
+                Some(slot) => arc.access(slot),
+                None => {
+                    if step % 2 == 0 {
+                        arc.announce_miss(key as u64);
+                    }
+                    let slot = match key_of_slot.iter().position(Option::is_none) {
+                        Some(free) => free as Slot,
+                        None => {
+                            let victim = arc.evict(&mut |_| Verdict::Evict).expect("a victim");
+                            let (recent, frequent) =
+                                (arc.lists.len(RECENT), arc.lists.len(FREQUENT));
+                            let ghosts = (arc.recent_ghost.len(), arc.frequent_ghost.len());
+                            assert!(
+                                recent + ghosts.0 <= arc.capacity,
+                                "step {step}: |T1| {recent} + |B1| {} > c {}",
+                                ghosts.0,
+                                arc.capacity
+                            );
+                            assert!(
+                                recent + frequent + ghosts.0 + ghosts.1 <= 2 * arc.capacity,
+                                "step {step}: lists and ghosts over 2c"
+                            );
+                            let evicted = key_of_slot[victim as usize].take().expect("mapped");
+                            slot_of_key[evicted] = None;
+                            victim
+                        }
+                    };
+                    arc.insert(slot, key as u64, Placement::Normal);
+                    slot_of_key[key] = Some(slot);
+                    key_of_slot[slot as usize] = Some(key);
+                }
+            }
+        }
+    }
 
     #[test]
     fn ghost_hit_in_b1_grows_p_and_lands_in_t2() {
