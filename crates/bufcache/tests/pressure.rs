@@ -880,3 +880,103 @@ fn writes_above_the_dirty_limit_are_paced_in_their_own_thread_once_enough_writer
         }
     }
 }
+
+#[test]
+fn a_writer_paced_on_one_object_never_holds_up_reads_of_another() {
+    // Goal: two exports of one cache share its dirty limit and its throttled-writer count
+    // (rule 8), but pacing is for writers only: while one object's writers wait above the
+    // limit for a slow device, another object's readers, hits and cold misses alike, are
+    // served at once, with their own bytes. Method: a 64-buffer cache with a dirty limit of
+    // a quarter and one write-back slot; object "slow" over a device whose writes take
+    // 50 ms, eight threads writing 12 blocks each to it (seconds of write-back backlog);
+    // once enough of them wait that a write above the limit is paced (`write_is_quick`),
+    // a reader of object "fast" (a memory device filled beforehand) reads 48 distinct
+    // blocks twice and checks every byte. It must be done while the writers still wait
+    // (the backlog is far longer than the reads); then the writers' blocks are flushed and
+    // checked on the device.
+    let mut config = config(64, PolicyKind::S3Fifo, Duration::from_secs(30));
+    config.dirty_background_percent = 20;
+    config.dirty_limit_percent = 25;
+    config.writeback_inflight_max = 1;
+    let cache = bufcache_host::system_cache(config).expect("valid config");
+    let slow_device = Arc::new(FaultDevice::new(MemoryDevice::new(64 << 20), 1));
+    slow_device.set_latency(
+        FaultKind::Write,
+        Duration::from_millis(50),
+        Duration::ZERO,
+        0.0,
+    );
+    let slow = cache
+        .open_object(ObjectConfig::new(
+            "slow",
+            Arc::clone(&slow_device) as Arc<dyn Device>,
+        ))
+        .expect("open the slow object");
+    let fast_device = MemoryDevice::new(1 << 20);
+    const FAST_BLOCKS: u64 = 48;
+    for block in 0..FAST_BLOCKS {
+        fast_device
+            .write_vectored_at(&[IoSlice::new(&stamped_block(block, 7))], block * BLOCK)
+            .expect("fill the fast device");
+    }
+    let fast = cache
+        .open_object(ObjectConfig::new(
+            "fast",
+            Arc::new(fast_device) as Arc<dyn Device>,
+        ))
+        .expect("open the fast object");
+    let writers: Vec<_> = (0..8u64)
+        .map(|writer| {
+            let handle = slow.reopen();
+            std::thread::spawn(move || {
+                for index in 0..12u64 {
+                    let block = 100 + writer * 1000 + index * 2;
+                    handle
+                        .write_at(block * BLOCK, &stamped_block(block, 1), false)
+                        .expect("write under pressure");
+                }
+            })
+        })
+        .collect();
+    let above_the_limit = 64 * BLOCK;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !slow.write_is_quick(0, above_the_limit, false) {
+        assert!(
+            Instant::now() < deadline,
+            "the writers of the slow object never waited above the dirty limit"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut data = vec![0u8; BLOCK as usize];
+    for pass in 0..2 {
+        for block in 0..FAST_BLOCKS {
+            fast.read_at(block * BLOCK, &mut data)
+                .expect("read of the fast object");
+            assert!(
+                data == stamped_block(block, 7),
+                "pass {pass}: block {block} of the fast object read other bytes"
+            );
+        }
+    }
+    assert!(
+        slow.write_is_quick(0, above_the_limit, false),
+        "the slow object's writers stopped waiting before the fast object's reads were done: \
+         the reads waited behind their write-back"
+    );
+    for writer in writers {
+        writer.join().expect("writer thread");
+    }
+    slow.flush().expect("flush");
+    for writer in 0..8u64 {
+        for index in 0..12u64 {
+            let block = 100 + writer * 1000 + index * 2;
+            slow_device
+                .read_vectored_at(&mut [IoSliceMut::new(&mut data)], block * BLOCK)
+                .expect("device read");
+            assert!(
+                data == stamped_block(block, 1),
+                "block {block} of the slow object reached the device"
+            );
+        }
+    }
+}
