@@ -796,6 +796,95 @@ fn many_clients_on_a_few_buffers_lose_no_wakeup_and_never_deadlock() {
     }
 }
 
+/// A cache of `buffers` with a dirty limit of a quarter and one write-back slot, and an
+/// object "paced" on it over a device whose writes take `write_latency`: a few writers keep
+/// it above the dirty limit for as long as they write.
+fn paced_object(
+    buffers: u64,
+    policy: PolicyKind,
+    write_latency: Duration,
+) -> (Cache, Arc<FaultDevice<MemoryDevice>>, ObjectHandle) {
+    let mut config = config(buffers, policy, Duration::from_secs(30));
+    config.dirty_background_percent = 20;
+    config.dirty_limit_percent = 25;
+    config.writeback_inflight_max = 1;
+    let cache = bufcache_host::system_cache(config).expect("valid config");
+    let device = Arc::new(FaultDevice::new(MemoryDevice::new(64 << 20), 1));
+    device.set_latency(FaultKind::Write, write_latency, Duration::ZERO, 0.0);
+    let handle = cache
+        .open_object(ObjectConfig::new(
+            "paced",
+            Arc::clone(&device) as Arc<dyn Device>,
+        ))
+        .expect("open object");
+    (cache, device, handle)
+}
+
+const PACED_WRITERS: u64 = 8;
+const PACED_WRITES_PER_WRITER: u64 = 12;
+
+/// The distinct blocks the paced writers write, writer by writer.
+fn paced_blocks() -> impl Iterator<Item = u64> {
+    (0..PACED_WRITERS).flat_map(|writer| {
+        (0..PACED_WRITES_PER_WRITER).map(move |index| 100 + writer * 1000 + index * 2)
+    })
+}
+
+/// Eight threads, each writing its share of [`paced_blocks`] (version 1) through its own
+/// handle on `handle`'s object.
+fn spawn_paced_writers(handle: &ObjectHandle) -> Vec<std::thread::JoinHandle<()>> {
+    let blocks: Vec<u64> = paced_blocks().collect();
+    blocks
+        .chunks(PACED_WRITES_PER_WRITER as usize)
+        .map(|share| {
+            let handle = handle.reopen();
+            let share = share.to_vec();
+            std::thread::spawn(move || {
+                for block in share {
+                    handle
+                        .write_at(block * BLOCK, &stamped_block(block, 1), false)
+                        .expect("write under pressure");
+                }
+            })
+        })
+        .collect()
+}
+
+/// Joins the paced writers, flushes, and checks every block they wrote on `device`.
+fn assert_paced_writes_reach_the_device(
+    writers: Vec<std::thread::JoinHandle<()>>,
+    handle: &ObjectHandle,
+    device: &FaultDevice<MemoryDevice>,
+) {
+    for writer in writers {
+        writer.join().expect("writer thread");
+    }
+    handle.flush().expect("flush");
+    let mut data = vec![0u8; BLOCK as usize];
+    for block in paced_blocks() {
+        device
+            .read_vectored_at(&mut [IoSliceMut::new(&mut data)], block * BLOCK)
+            .expect("device read");
+        assert!(
+            data == stamped_block(block, 1),
+            "block {block} did not reach the device"
+        );
+    }
+}
+
+/// Waits until `handle` says a write of `length_bytes` above the dirty limit would be paced
+/// (enough writers wait above it), or panics after a minute.
+fn wait_until_paced(handle: &ObjectHandle, length_bytes: u64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !handle.write_is_quick(0, length_bytes, false) {
+        assert!(
+            Instant::now() < deadline,
+            "the writers never waited above the dirty limit"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 #[test]
 fn writes_above_the_dirty_limit_are_paced_in_their_own_thread_once_enough_writers_wait() {
     // Goal: rule 8 of "Admission under pressure" (docs/design.md): a write that would go
@@ -807,55 +896,17 @@ fn writes_above_the_dirty_limit_are_paced_in_their_own_thread_once_enough_writer
     // device whose writes take 100 ms; a write of the whole cache's size is above the limit
     // by itself. Asked with no writer waiting, then while eight threads write 12 distinct
     // blocks each (all of them throttled most of the time), then after they end.
-    let mut config = config(16, PolicyKind::Lru, Duration::from_secs(30));
-    config.dirty_background_percent = 20;
-    config.dirty_limit_percent = 25;
-    config.writeback_inflight_max = 1;
-    let cache = bufcache_host::system_cache(config).expect("valid config");
-    let device = Arc::new(FaultDevice::new(MemoryDevice::new(64 << 20), 1));
-    device.set_latency(
-        FaultKind::Write,
-        Duration::from_millis(100),
-        Duration::ZERO,
-        0.0,
-    );
-    let handle = cache
-        .open_object(ObjectConfig::new(
-            "paced",
-            Arc::clone(&device) as Arc<dyn Device>,
-        ))
-        .expect("open object");
+    let (_cache, device, handle) = paced_object(16, PolicyKind::Lru, Duration::from_millis(100));
     let above_the_limit = 16 * BLOCK;
     assert!(
         !handle.write_is_quick(0, above_the_limit, false),
         "no writer waits: a write above the limit goes to a worker"
     );
-    let writers: Vec<_> = (0..8u64)
-        .map(|writer| {
-            let handle = handle.reopen();
-            std::thread::spawn(move || {
-                for index in 0..12u64 {
-                    let block = 100 + writer * 1000 + index * 2;
-                    handle
-                        .write_at(block * BLOCK, &stamped_block(block, 1), false)
-                        .expect("write under pressure");
-                }
-            })
-        })
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut paced = false;
-    while !paced && Instant::now() < deadline {
-        paced = handle.write_is_quick(0, above_the_limit, false);
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let writers = spawn_paced_writers(&handle);
+    wait_until_paced(&handle, above_the_limit);
     for writer in writers {
         writer.join().expect("writer thread");
     }
-    assert!(
-        paced,
-        "with eight writers throttled, a write above the limit is paced in place"
-    );
     assert!(
         !handle.write_is_quick(0, above_the_limit, false),
         "the writers are gone: a write above the limit goes to a worker again"
@@ -864,21 +915,7 @@ fn writes_above_the_dirty_limit_are_paced_in_their_own_thread_once_enough_writer
         !handle.write_is_quick(0, BLOCK, true),
         "a FUA write is never quick"
     );
-    handle.flush().expect("flush");
-    let mut data = vec![0u8; BLOCK as usize];
-    for writer in 0..8u64 {
-        for index in 0..12u64 {
-            let block = 100 + writer * 1000 + index * 2;
-            device
-                .read_vectored_at(&mut [IoSliceMut::new(&mut data)], block * BLOCK)
-                .expect("device read");
-            assert_eq!(
-                data,
-                stamped_block(block, 1),
-                "block {block} reached the device"
-            );
-        }
-    }
+    assert_paced_writes_reach_the_device(Vec::new(), &handle, &device);
 }
 
 #[test]
@@ -887,31 +924,15 @@ fn a_writer_paced_on_one_object_never_holds_up_reads_of_another() {
     // (rule 8), but pacing is for writers only: while one object's writers wait above the
     // limit for a slow device, another object's readers, hits and cold misses alike, are
     // served at once, with their own bytes. Method: a 64-buffer cache with a dirty limit of
-    // a quarter and one write-back slot; object "slow" over a device whose writes take
+    // a quarter and one write-back slot; object "paced" over a device whose writes take
     // 50 ms, eight threads writing 12 blocks each to it (seconds of write-back backlog);
     // once enough of them wait that a write above the limit is paced (`write_is_quick`),
     // a reader of object "fast" (a memory device filled beforehand) reads 48 distinct
     // blocks twice and checks every byte. It must be done while the writers still wait
     // (the backlog is far longer than the reads); then the writers' blocks are flushed and
-    // checked on the device.
-    let mut config = config(64, PolicyKind::S3Fifo, Duration::from_secs(30));
-    config.dirty_background_percent = 20;
-    config.dirty_limit_percent = 25;
-    config.writeback_inflight_max = 1;
-    let cache = bufcache_host::system_cache(config).expect("valid config");
-    let slow_device = Arc::new(FaultDevice::new(MemoryDevice::new(64 << 20), 1));
-    slow_device.set_latency(
-        FaultKind::Write,
-        Duration::from_millis(50),
-        Duration::ZERO,
-        0.0,
-    );
-    let slow = cache
-        .open_object(ObjectConfig::new(
-            "slow",
-            Arc::clone(&slow_device) as Arc<dyn Device>,
-        ))
-        .expect("open the slow object");
+    // checked on the device. With reads made to wait while writers are paced, it fails.
+    let (cache, slow_device, slow) =
+        paced_object(64, PolicyKind::S3Fifo, Duration::from_millis(50));
     let fast_device = MemoryDevice::new(1 << 20);
     const FAST_BLOCKS: u64 = 48;
     for block in 0..FAST_BLOCKS {
@@ -925,28 +946,9 @@ fn a_writer_paced_on_one_object_never_holds_up_reads_of_another() {
             Arc::new(fast_device) as Arc<dyn Device>,
         ))
         .expect("open the fast object");
-    let writers: Vec<_> = (0..8u64)
-        .map(|writer| {
-            let handle = slow.reopen();
-            std::thread::spawn(move || {
-                for index in 0..12u64 {
-                    let block = 100 + writer * 1000 + index * 2;
-                    handle
-                        .write_at(block * BLOCK, &stamped_block(block, 1), false)
-                        .expect("write under pressure");
-                }
-            })
-        })
-        .collect();
+    let writers = spawn_paced_writers(&slow);
     let above_the_limit = 64 * BLOCK;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !slow.write_is_quick(0, above_the_limit, false) {
-        assert!(
-            Instant::now() < deadline,
-            "the writers of the slow object never waited above the dirty limit"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    wait_until_paced(&slow, above_the_limit);
     let mut data = vec![0u8; BLOCK as usize];
     for pass in 0..2 {
         for block in 0..FAST_BLOCKS {
@@ -963,20 +965,5 @@ fn a_writer_paced_on_one_object_never_holds_up_reads_of_another() {
         "the slow object's writers stopped waiting before the fast object's reads were done: \
          the reads waited behind their write-back"
     );
-    for writer in writers {
-        writer.join().expect("writer thread");
-    }
-    slow.flush().expect("flush");
-    for writer in 0..8u64 {
-        for index in 0..12u64 {
-            let block = 100 + writer * 1000 + index * 2;
-            slow_device
-                .read_vectored_at(&mut [IoSliceMut::new(&mut data)], block * BLOCK)
-                .expect("device read");
-            assert!(
-                data == stamped_block(block, 1),
-                "block {block} of the slow object reached the device"
-            );
-        }
-    }
+    assert_paced_writes_reach_the_device(writers, &slow, &slow_device);
 }
