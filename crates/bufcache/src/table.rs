@@ -1278,16 +1278,11 @@ mod tests {
     const BLOCK: u64 = 4096;
 
     fn table(buffers: u64) -> Table {
-        sharded_table(buffers, 1)
-    }
-
-    /// A table of `buffers` blocks of `BLOCK` bytes over `shards` shards.
-    fn sharded_table(buffers: u64, shards: usize) -> Table {
         let config = CacheConfig {
             buffer_bytes_max: BLOCK,
             memory_bytes_max: buffers * BLOCK,
             buffers_max: buffers,
-            shards,
+            shards: 1,
             ..CacheConfig::default()
         };
         Table::new(&config, Arc::new(NoWait), Arc::new(Counters::default()))
@@ -1319,7 +1314,14 @@ mod tests {
         // old blocks in shard 0 and 4 in shard 1; 4 new blocks go to shard 1, then 8 to
         // shard 0. Every new block of shard 1 is still cached, and shard 0's 8 inserts took
         // 8 of its own old blocks. Round-robin eviction took shard 1's new blocks.
-        let table = sharded_table(16, 2);
+        let config = CacheConfig {
+            buffer_bytes_max: BLOCK,
+            memory_bytes_max: 16 * BLOCK,
+            buffers_max: 16,
+            shards: 2,
+            ..CacheConfig::default()
+        };
+        let table = Table::new(&config, Arc::new(NoWait), Arc::new(Counters::default()));
         let chunks_of_shard = |shard: usize| -> Vec<u64> {
             (0..)
                 .map(|chunk| chunk * CHUNK_BLOCKS)
@@ -1426,7 +1428,14 @@ mod tests {
         // them), hit by a normal reader (back to the working set) or by the stream, and
         // evicted, against the count of no-reuse blocks worked out by hand; then the refusal
         // of more read-ahead follows the share.
-        let table = sharded_table(64, 4);
+        let config = CacheConfig {
+            buffer_bytes_max: BLOCK,
+            memory_bytes_max: 64 * BLOCK,
+            buffers_max: 64,
+            shards: 4,
+            ..CacheConfig::default()
+        };
+        let table = Table::new(&config, Arc::new(NoWait), Arc::new(Counters::default()));
         let share = |buffers: u64, no_reuse: u64| no_reuse + (buffers - no_reuse) / 4;
         let blocks = insert(&table, 0, 64, u64::MAX);
         assert_eq!(blocks.len(), 64);
