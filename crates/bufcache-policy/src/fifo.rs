@@ -63,10 +63,6 @@ impl Policy for Fifo {
         self.lists.held()
     }
 
-    fn no_reuse_len(&self) -> usize {
-        self.lists.len(NO_REUSE)
-    }
-
     fn evict(&mut self, verdict: &mut dyn FnMut(Slot) -> Verdict) -> Option<Slot> {
         let verdicts = &mut Verdicts::new(verdict);
         self.lists

@@ -139,11 +139,6 @@ pub trait Policy: Send {
     /// when no examined candidate was taken, and at once after a [`Verdict::Stop`].
     fn evict(&mut self, verdict: &mut dyn FnMut(Slot) -> Verdict) -> Option<Slot>;
 
-    /// Number of [`Placement::NoReuse`] entries on the eviction queues (tracked, not held):
-    /// what `evict` gives up before any other entry. A cache lets read-ahead take their room
-    /// before it counts against the working set.
-    fn no_reuse_len(&self) -> usize;
-
     /// Number of tracked slots.
     fn len(&self) -> usize;
 

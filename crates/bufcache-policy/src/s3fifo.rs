@@ -198,10 +198,6 @@ impl Policy for S3Fifo {
         self.lists.held()
     }
 
-    fn no_reuse_len(&self) -> usize {
-        self.lists.len(NO_REUSE)
-    }
-
     fn evict(&mut self, verdict: &mut dyn FnMut(Slot) -> Verdict) -> Option<Slot> {
         let verdicts = &mut Verdicts::new(verdict);
         if let Some(slot) = self.lists.take_oldest_accepted(NO_REUSE, verdicts) {

@@ -1,7 +1,7 @@
 // Goal: every policy keeps the `Policy` contract under arbitrary use. Method: random
 // insert/access/remove/hold/release/evict sequences with random refusals (pinned/dirty buffers)
-// and stops (read-ahead that must not be evicted), checked after every step (the no-reuse
-// count too) against a shadow set of tracked slots, over many seeds, capacity hints
+// and stops (read-ahead that must not be evicted), checked
+// after every step against a shadow set of tracked slots, over many seeds, capacity hints
 // that differ from the real size, and both placements. A failure names the policy and seed.
 
 mod common;
@@ -29,8 +29,6 @@ struct Shadow {
     tracked: Vec<bool>,
     /// Slots held off the eviction queues: `evict` must never ask about them.
     held: Vec<bool>,
-    /// Slots inserted `NoReuse` and not hit since: on the no-reuse queue unless held.
-    no_reuse: Vec<bool>,
 }
 
 impl Shadow {
@@ -43,18 +41,6 @@ impl Shadow {
             .filter(|&slot| self.tracked[slot as usize])
             .collect();
         (!tracked.is_empty()).then(|| tracked[rng.below(tracked.len() as u64) as usize])
-    }
-
-    /// Slots on the no-reuse queue: tracked, inserted `NoReuse`, not hit since, not held.
-    fn queued_no_reuse(&self, slot: Slot) -> bool {
-        let slot = slot as usize;
-        self.tracked[slot] && self.no_reuse[slot] && !self.held[slot]
-    }
-
-    fn no_reuse_count(&self) -> usize {
-        (0..self.tracked.len() as Slot)
-            .filter(|&slot| self.queued_no_reuse(slot))
-            .count()
     }
 }
 
@@ -152,7 +138,6 @@ fn run_seed(kind: PolicyKind, seed: u64) {
     let mut shadow = Shadow {
         tracked: vec![false; slot_count],
         held: vec![false; slot_count],
-        no_reuse: vec![false; slot_count],
     };
     for step in 0..STEPS_PER_SEED {
         match rng.below(100) {
@@ -168,13 +153,11 @@ fn run_seed(kind: PolicyKind, seed: u64) {
                     };
                     policy.insert(slot, rng.below(key_space), placement);
                     shadow.tracked[slot as usize] = true;
-                    shadow.no_reuse[slot as usize] = placement == Placement::NoReuse;
                 }
             }
             40..=69 => {
                 if let Some(slot) = shadow.random_tracked(&mut rng) {
                     policy.access(slot);
-                    shadow.no_reuse[slot as usize] = false;
                 }
             }
             70..=77 => {
@@ -196,11 +179,6 @@ fn run_seed(kind: PolicyKind, seed: u64) {
             }
             _ => check_evict(policy.as_mut(), &mut shadow, &mut rng, step),
         }
-        assert_eq!(
-            policy.no_reuse_len(),
-            shadow.no_reuse_count(),
-            "step {step}: no_reuse_len differs"
-        );
         assert_eq!(policy.len(), shadow.count(), "step {step}: len differs");
         let held = shadow.held.iter().filter(|&&held| held).count();
         assert_eq!(policy.held(), held, "step {step}: held count differs");

@@ -133,9 +133,6 @@ impl Policy for Unannounced {
     fn evict(&mut self, verdict: &mut dyn FnMut(Slot) -> Verdict) -> Option<Slot> {
         self.0.evict(verdict)
     }
-    fn no_reuse_len(&self) -> usize {
-        self.0.no_reuse_len()
-    }
     fn len(&self) -> usize {
         self.0.len()
     }

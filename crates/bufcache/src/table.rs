@@ -47,8 +47,7 @@ use bufcache_device::aligned::{BufferPool, Populate};
 pub(crate) const CHUNK_BLOCKS: u64 = 16;
 
 /// Read-ahead not yet used may hold at most 1 / this of the buffers in use when the cache
-/// is full, besides the room of the blocks on the no-reuse queues (which go first anyway);
-/// past it, read-ahead takes no more room (its window shrinks).
+/// is full; past it, read-ahead takes no more room (its window shrinks).
 const READAHEAD_UNUSED_SHARE_MAX_DIVISOR: u64 = 4;
 
 /// A chunk slot holding no block.
@@ -142,8 +141,6 @@ struct Shard {
     busy: Vec<Slot>,
     hits: u64,
     misses: u64,
-    /// The policy's no-reuse count as last added to `Table::no_reuse_blocks`.
-    no_reuse_counted: u64,
 }
 
 /// True when `buffer` cannot be evicted whatever its place: pinned, dirty or under
@@ -393,11 +390,6 @@ pub(crate) struct Table {
     pool: Arc<BufferPool>,
     page_size_bytes: u64,
     evict_cursor: AtomicUsize,
-    /// Blocks on the shards' no-reuse queues (used blocks of long streams, evicted before
-    /// anything else): the sum of the shards' `no_reuse_counted`, brought up to date under
-    /// a shard's lock after each change of its policy's queues. Read-ahead may take their
-    /// room without eating into the working set ([`Table::readahead_spare_blocks`]).
-    no_reuse_blocks: AtomicU64,
     counters: Arc<Counters>,
 }
 
@@ -424,7 +416,6 @@ impl Table {
                     busy: Vec::new(),
                     hits: 0,
                     misses: 0,
-                    no_reuse_counted: 0,
                 })
             })
             .collect();
@@ -443,7 +434,6 @@ impl Table {
             pool: BufferPool::with_huge_pages(config.page_size_bytes as usize, config.huge_pages),
             page_size_bytes: config.page_size_bytes,
             evict_cursor: AtomicUsize::new(0),
-            no_reuse_blocks: AtomicU64::new(0),
             counters,
         }
     }
@@ -625,7 +615,6 @@ impl Table {
         let slot = shard.slot_of(&chunk, key)?;
         if placement == Placement::Normal {
             shard.policy.access(slot);
-            self.count_no_reuse(&mut shard);
         }
         shard.hits += 1;
         Some(shard.pin(slot))
@@ -647,7 +636,6 @@ impl Table {
         let mut shard = self.shard_of(&chunk).lock();
         if let Some(slot) = shard.slot_of(&chunk, key) {
             shard.policy.access(slot);
-            self.count_no_reuse(&mut shard);
             shard.hits += 1;
             return Lookup::Found(shard.pin(slot));
         }
@@ -668,7 +656,6 @@ impl Table {
             .is_some_and(|entry| Arc::ptr_eq(entry, buffer));
         if mapped {
             shard.policy.remove(slot);
-            self.count_no_reuse(&mut shard);
             let removed = shard.detach(slot);
             removed.flags.fetch_and(!HELD, Ordering::SeqCst);
             drop(shard);
@@ -727,7 +714,6 @@ impl Table {
                 next = held
                     .next_if(|buffer| ChunkKey::of(buffer.key.object, buffer.key.block) == chunk);
             }
-            self.count_no_reuse(&mut shard);
         }
         if released_any {
             self.memory.notify();
@@ -737,24 +723,9 @@ impl Table {
     /// Puts `buffer` back on its shard policy's queues if it is held and evictable now.
     fn release_held(&self, buffer: &Buffer) {
         let chunk = ChunkKey::of(buffer.key.object, buffer.key.block);
-        let mut shard = self.shard_of(&chunk).lock();
-        shard.release_if_held_and_evictable(buffer);
-        self.count_no_reuse(&mut shard);
-    }
-
-    /// Brings `no_reuse_blocks` up to date with `shard`'s policy (its lock held). Each
-    /// shard's share is added before it is taken back, so the sum never underflows.
-    fn count_no_reuse(&self, shard: &mut Shard) {
-        let queued = shard.policy.no_reuse_len() as u64;
-        let counted = shard.no_reuse_counted;
-        if queued > counted {
-            self.no_reuse_blocks
-                .fetch_add(queued - counted, Ordering::Relaxed);
-        } else if queued < counted {
-            self.no_reuse_blocks
-                .fetch_sub(counted - queued, Ordering::Relaxed);
-        }
-        shard.no_reuse_counted = queued;
+        self.shard_of(&chunk)
+            .lock()
+            .release_if_held_and_evictable(buffer);
     }
 
     /// Blocks of `block_size_bytes` that read-ahead nobody has used yet may hold at most
@@ -765,13 +736,13 @@ impl Table {
         let by_memory = self.memory.bytes_max.load(Ordering::Acquire)
             / self.charge_bytes(block_size_bytes).max(1);
         let by_count = self.memory.buffers_max.load(Ordering::Acquire);
-        self.readahead_share(by_memory.min(by_count))
+        by_memory.min(by_count) / READAHEAD_UNUSED_SHARE_MAX_DIVISOR
     }
 
-    /// True when read-ahead nobody has used yet holds its share of the buffers in use
-    /// (read-ahead issued less used less wasted; reads still in flight are not counted yet).
-    /// A full cache then refuses more read-ahead at once: its window ends without an
-    /// eviction walk past unused read-ahead it may not take.
+    /// True when read-ahead nobody has used yet holds at least `READAHEAD_UNUSED_SHARE_MAX`
+    /// of the buffers in use (read-ahead issued less used less wasted; reads still in flight
+    /// are not counted yet). A full cache then refuses more read-ahead at once: its window
+    /// ends without an eviction walk past unused read-ahead it may not take.
     fn readahead_unused_over_share(&self) -> bool {
         let counters = &self.counters;
         let unused = counters
@@ -779,18 +750,7 @@ impl Table {
             .load(Ordering::Relaxed)
             .saturating_sub(counters.readahead_used_blocks.load(Ordering::Relaxed))
             .saturating_sub(counters.readahead_wasted_blocks.load(Ordering::Relaxed));
-        unused >= self.readahead_share(self.memory.buffers.load(Ordering::Acquire))
-    }
-
-    /// The share of `buffers` that read-ahead nobody has used yet may hold (rule 3 of
-    /// "Admission under pressure"): the room of the blocks on the no-reuse queues, which
-    /// every policy evicts before anything else, and a quarter of the rest. A parallel copy
-    /// through a small cache, which holds nothing but its streams, may then keep most of
-    /// the cache in flight, while a working set beside a scan still gives read-ahead no more
-    /// than a quarter of its room.
-    fn readahead_share(&self, buffers: u64) -> u64 {
-        let no_reuse = self.no_reuse_blocks.load(Ordering::Relaxed).min(buffers);
-        no_reuse + (buffers - no_reuse) / READAHEAD_UNUSED_SHARE_MAX_DIVISOR
+        unused * READAHEAD_UNUSED_SHARE_MAX_DIVISOR >= self.memory.buffers.load(Ordering::Acquire)
     }
 
     /// Evicts one clean, unpinned buffer chosen by a shard's policy, in the policy's order,
@@ -855,7 +815,6 @@ impl Table {
                 }
             });
             shard.hold_busy(victim);
-            self.count_no_reuse(&mut shard);
             self.counters
                 .eviction_candidates_examined
                 .fetch_add(examined, Ordering::Relaxed);
@@ -907,7 +866,6 @@ impl Table {
                 next = buffers
                     .next_if(|buffer| ChunkKey::of(buffer.key.object, buffer.key.block) == chunk);
             }
-            self.count_no_reuse(&mut shard);
         }
     }
 
@@ -1088,9 +1046,6 @@ impl Table {
                     }
                     shard.pin(slot)
                 }));
-            }
-            if use_placement == Some(Placement::Normal) {
-                self.count_no_reuse(&mut shard);
             }
             block = stop;
         }
@@ -1415,81 +1370,6 @@ mod tests {
             2
         );
         release(&table, shrunk);
-    }
-
-    #[test]
-    fn readahead_may_take_the_room_of_used_no_reuse_blocks_but_a_quarter_of_the_rest() {
-        // Goal: rule 3's share (docs/design.md, "Admission under pressure"): unused read-ahead
-        // may hold the room of the blocks on the no-reuse queues (a long stream's used
-        // blocks, evicted first anyway) and a quarter of the rest, so a parallel copy
-        // through a small cache keeps more of it in flight while a working set still yields
-        // read-ahead only a quarter. Method: a 64-buffer table of four shards filled with
-        // four chunks of 16 blocks; the share is checked as blocks are demoted (a stream used
-        // them), hit by a normal reader (back to the working set) or by the stream, and
-        // evicted, against the count of no-reuse blocks worked out by hand; then the refusal
-        // of more read-ahead follows the share.
-        let config = CacheConfig {
-            buffer_bytes_max: BLOCK,
-            memory_bytes_max: 64 * BLOCK,
-            buffers_max: 64,
-            shards: 4,
-            ..CacheConfig::default()
-        };
-        let table = Table::new(&config, Arc::new(NoWait), Arc::new(Counters::default()));
-        let share = |buffers: u64, no_reuse: u64| no_reuse + (buffers - no_reuse) / 4;
-        let blocks = insert(&table, 0, 64, u64::MAX);
-        assert_eq!(blocks.len(), 64);
-        release(&table, blocks.clone());
-        assert_eq!(
-            table.readahead_spare_blocks(BLOCK),
-            share(64, 0),
-            "a working set"
-        );
-        // A stream used the first 10 blocks of each chunk.
-        let used = (0..64u64).filter(|block| block % CHUNK_BLOCKS < 10);
-        table.demote_run(used.map(|block| &*blocks[block as usize]));
-        assert_eq!(table.no_reuse_blocks.load(Ordering::Relaxed), 40);
-        assert_eq!(table.readahead_spare_blocks(BLOCK), share(64, 40));
-        // A normal reader hits two of them: they are its working set again.
-        for block in [3, 17] {
-            let hit = table
-                .lookup(BlockKey { object: 0, block }, Placement::Normal)
-                .expect("cached");
-            table.unpin(&hit);
-        }
-        assert_eq!(table.readahead_spare_blocks(BLOCK), share(64, 38));
-        // The stream's own hits (no-reuse placement) leave them where they are.
-        let hit = table
-            .lookup(
-                BlockKey {
-                    object: 0,
-                    block: 5,
-                },
-                Placement::NoReuse,
-            )
-            .expect("cached");
-        table.unpin(&hit);
-        assert_eq!(table.readahead_spare_blocks(BLOCK), share(64, 38));
-        // Evictions take no-reuse blocks first (every shard has at least 9), and the share
-        // shrinks with them.
-        for _ in 0..8 {
-            assert!(table.evict_one());
-        }
-        assert_eq!(table.no_reuse_blocks.load(Ordering::Relaxed), 30);
-        drop(blocks);
-        // Unused read-ahead is refused more room once it holds the share of the buffers in
-        // use: 56 now, 30 of them no-reuse, so 30 + 26 / 4 = 36, not a quarter (14).
-        let issue = |blocks: u64| {
-            table
-                .counters
-                .readahead_issued_blocks
-                .fetch_add(blocks, Ordering::Relaxed)
-        };
-        assert_eq!(share(56, 30), 36);
-        issue(35);
-        assert!(!table.readahead_unused_over_share(), "35 < 36");
-        issue(1);
-        assert!(table.readahead_unused_over_share(), "36 >= 36");
     }
 
     #[test]
